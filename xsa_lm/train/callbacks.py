@@ -1,0 +1,44 @@
+"""Callbacks: throughput and tokens seen, and the validation history kept for summary.json."""
+
+import time
+
+import lightning as L
+
+
+class Throughput(L.Callback):
+    """Logs tokens seen and tokens/s, measured between optimizer steps over a sliding window."""
+
+    def __init__(self, tokens_per_step: int, window: int = 10) -> None:
+        self.tokens_per_step, self.window = tokens_per_step, window
+        self._marks: list[tuple[int, float]] = []
+        self.tokens_per_s = 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if self._marks and self._marks[-1][0] == step:
+            return  # still accumulating gradients for this step
+        self._marks = (self._marks + [(step, time.perf_counter())])[-(self.window + 1) :]
+        if len(self._marks) > 1:
+            (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
+            self.tokens_per_s = (s1 - s0) * self.tokens_per_step / (t1 - t0)
+            pl_module.log("train/tokens_per_s", self.tokens_per_s, on_step=True, prog_bar=True)
+        pl_module.log("train/tokens_seen", float(step * self.tokens_per_step), on_step=True)
+
+
+class ValHistory(L.Callback):
+    """Remembers (step, tokens, val loss) after each validation (not the sanity check)."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.history: list[dict] = []
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if trainer.sanity_checking or loss is None:
+            return
+        step = trainer.global_step
+        entry = {"step": step, "tokens": step * self.tokens_per_step, "val_loss": float(loss)}
+        if self.history and self.history[-1]["step"] == step:
+            self.history[-1] = entry
+        else:
+            self.history.append(entry)

@@ -1,0 +1,72 @@
+"""The LightningModule: loss, optimizer groups, LR schedule and what gets logged."""
+
+import math
+from collections.abc import Callable
+
+import lightning as L
+import torch
+
+from xsa_lm.model import GPT, GPTConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (linear weights, embeddings); never norms or biases."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LMModule(L.LightningModule):
+    def __init__(
+        self,
+        model_config: GPTConfig,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler],
+        total_steps: int,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model_config = model_config
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.total_steps = total_steps
+        self.model = GPT(model_config)
+        if compile:
+            self.model = torch.compile(self.model)
+        self.tokens_per_micro_batch = 0
+        self.diverged_at: int | None = None
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        x, y = batch
+        _, loss = self.model(x, y)
+        if not torch.isfinite(loss):
+            # Stop at once: a NaN/inf loss poisons the weights and wastes the rest of the run.
+            self.diverged_at = self.global_step
+            self.trainer.should_stop = True
+            return None
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("val/loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, batch_size=x.size(0))
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.trainer.callback_metrics.get("val/loss")
+        if loss is not None:
+            self.log("val/ppl", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # Clip ourselves so the pre-clip norm can be logged (max_norm=inf only measures it).
+        max_norm = gradient_clip_val if gradient_clip_val else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.log("train/grad_norm", grad_norm, on_step=True)
+
+    def configure_optimizers(self):
+        groups = param_groups(self.model, self.optimizer_factory.keywords.get("weight_decay", 0.0))
+        kwargs = {}
+        if "fused" not in self.optimizer_factory.keywords and self.device.type == "cuda":
+            kwargs["fused"] = True
+        optimizer = self.optimizer_factory(groups, **kwargs)
+        scheduler = self.scheduler_factory(optimizer, total_steps=self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

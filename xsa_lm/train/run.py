@@ -1,0 +1,281 @@
+"""One training run: config -> data, model, trainer -> fit -> summary.json.
+
+Everything of a run lands in its directory (`hydra.run.dir`): config.yaml, run_info.json, metrics.csv,
+checkpoints/, wandb/ and summary.json.
+"""
+
+import json
+import math
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xsa_lm.data.datamodule import TokenDataModule
+from xsa_lm.data.prepare import PreparedData, prepare
+from xsa_lm.errors import UserError
+from xsa_lm.model import GPTConfig
+from xsa_lm.train.callbacks import Throughput, ValHistory
+from xsa_lm.train.module import LMModule
+from xsa_lm.train.runinfo import run_info
+from xsa_lm.train.tracking import wandb_logger
+
+VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
+
+
+def build(node: DictConfig, **kwargs):
+    """hydra.utils.instantiate, but a UserError raised by the target surfaces as itself."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def world_size(trainer_cfg: DictConfig) -> int:
+    devices = trainer_cfg.get("devices", 1)
+    if devices in ("auto", -1, "-1"):
+        devices = torch.cuda.device_count() or 1
+    elif isinstance(devices, str):  # "0,1" or "2"
+        devices = len(devices.split(",")) if "," in devices else int(devices)
+    elif not isinstance(devices, int):
+        devices = len(devices)
+    return devices * int(trainer_cfg.get("num_nodes", 1))
+
+
+def check_config(cfg: DictConfig) -> dict:
+    """Validate what the user can get wrong; returns derived batch quantities."""
+    lr = cfg.optim.lr
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise UserError(f"optim.lr must be a positive number, got {lr}")
+    if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
+        raise UserError(f"trainer.max_steps must be a positive number of optimizer steps, got {cfg.trainer.max_steps}")
+    if cfg.data.block_size > cfg.model.block_size:
+        raise UserError(
+            f"data.block_size={cfg.data.block_size} is above model.block_size={cfg.model.block_size}: "
+            "lower data.block_size or raise model.block_size"
+        )
+    if cfg.micro_batch_size <= 0 or cfg.global_batch_tokens <= 0:
+        raise UserError("micro_batch_size and global_batch_tokens must be positive")
+    devices = world_size(cfg.trainer)
+    tokens_per_micro_step = cfg.micro_batch_size * devices * cfg.data.block_size
+    if cfg.global_batch_tokens % tokens_per_micro_step:
+        raise UserError(
+            f"global_batch_tokens={cfg.global_batch_tokens} is not divisible by micro_batch_size x devices x "
+            f"data.block_size = {cfg.micro_batch_size} x {devices} x {cfg.data.block_size} = {tokens_per_micro_step}: "
+            "choose a multiple"
+        )
+    if cfg.val_every_steps <= 0:
+        raise UserError(f"val_every_steps must be positive, got {cfg.val_every_steps}")
+    return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
+
+
+def prepare_data(cfg: DictConfig) -> PreparedData:
+    source = build(cfg.data.source)
+    tokenizer_factory = build(cfg.tokenizer)
+    key = {"tokenizer": OmegaConf.to_container(cfg.tokenizer, resolve=True)}
+    return prepare(source, tokenizer_factory, cfg.data.cache_dir, key)
+
+
+def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields.pop("name", None)
+    padded = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if fields.get("vocab_size") is None:
+        fields["vocab_size"] = padded
+    elif fields["vocab_size"] < vocab_size:
+        raise UserError(f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    return GPTConfig(**fields, attention=cfg.attention.name, xsa_eps=cfg.attention.eps)
+
+
+def resolve_precision(precision: str) -> str:
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def find_resume_checkpoint(resume: str | None, run_dir: Path) -> str | None:
+    if resume is None:
+        if (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
+            raise UserError(
+                f"hydra.run.dir={run_dir} already holds a run: pass resume=auto to continue it, "
+                "or choose a new hydra.run.dir"
+            )
+        return None
+    if resume == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if last.exists():
+            return str(last)
+        print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
+        return None
+    if not Path(resume).is_file():
+        raise UserError(f"resume: checkpoint not found: {resume}")
+    return resume
+
+
+def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resuming: bool) -> list:
+    loggers = []
+    if not cfg.logger:
+        return loggers
+    if cfg.logger.get("csv"):
+        loggers.append(build(cfg.logger.csv, save_dir=str(run_dir)))
+    if cfg.logger.get("wandb"):
+        id_file = run_dir / "wandb_run_id.txt"
+        run_id = id_file.read_text().strip() if resuming and id_file.exists() else None
+        # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
+        make_wandb = build(cfg.logger.wandb, _partial_=True)
+        wb = make_wandb(
+            save_dir=str(run_dir),
+            name=run_name,
+            run_config=OmegaConf.to_container(cfg, resolve=True),
+            tags=[cfg.attention.name, cfg.model.name, *(cfg.logger.wandb.tags or [])],
+            run_id=run_id,
+        )
+        id_file.write_text(wb.experiment.id)
+        loggers.append(wb)
+    return loggers
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    t_start = time.time()
+    plan = check_config(cfg)
+    data = prepare_data(cfg)
+    mcfg = model_config(cfg, data.meta["vocab_size"])
+    ckpt_path = find_resume_checkpoint(cfg.resume, run_dir)
+
+    # Only now, with the inputs checked, write into the run directory.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run_dir / ("config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml")
+    OmegaConf.save(cfg, config_file, resolve=True)
+    (run_dir / "run_info.json").write_text(json.dumps({**run_info(), "data_dir": str(data.dir)}, indent=2))
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    tokens_per_step = cfg.global_batch_tokens
+    module = LMModule(
+        mcfg,
+        optimizer=build(cfg.optim),
+        scheduler=build(cfg.scheduler),
+        total_steps=cfg.trainer.max_steps,
+        compile=cfg.compile,
+    )
+    n_params = sum(p.numel() for p in module.parameters()) - mcfg.vocab_size * mcfg.d_model
+    n_total = sum(p.numel() for p in module.parameters())
+    datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
+                                 cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
+    run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
+    print(
+        f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
+        f"{n_params / 1e6:.2f}M non-embedding parameters ({n_total / 1e6:.2f}M total) | "
+        f"data {cfg.data.source._target_.rsplit('.', 1)[-1]}: {data.meta['train_tokens']:,} train / "
+        f"{data.meta['val_tokens']:,} val tokens, vocab {data.meta['vocab_size']} (model {mcfg.vocab_size}) | "
+        f"{tokens_per_step:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
+        f"{plan['accumulate']} accumulation x {plan['devices']} device(s) | run dir {run_dir}"
+    )
+
+    history = ValHistory(tokens_per_step)
+    throughput = Throughput(tokens_per_step)
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor="val/loss",
+                                 mode="min", save_top_k=1, save_last=True)  # fmt: skip
+    callbacks = [checkpoint, history, throughput]
+    if cfg.progress_bar:
+        callbacks.append(RichProgressBar(leave=True))
+    trainer: L.Trainer = build(
+        cfg.trainer,
+        precision=resolve_precision(cfg.trainer.precision),
+        default_root_dir=str(run_dir),
+        logger=make_loggers(cfg, run_dir, run_name, resuming=ckpt_path is not None) or False,
+        callbacks=callbacks,
+        accumulate_grad_batches=plan["accumulate"],
+        val_check_interval=cfg.val_every_steps * plan["accumulate"],
+        check_val_every_n_epoch=None,
+        enable_progress_bar=bool(cfg.progress_bar),
+    )
+
+    status, error = "completed", None
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        if module.diverged_at is not None:
+            status = "diverged"
+        elif not history.history or history.history[-1]["step"] != trainer.global_step:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start, checkpoint)
+        traceback.print_exc()
+        raise
+    finally:
+        if any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
+            import wandb
+
+            wandb.finish()
+    return write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
+                         checkpoint, diverged_at=module.diverged_at)  # fmt: skip
+
+
+def write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
+                  checkpoint, diverged_at=None) -> dict:  # fmt: skip
+    final = history.history[-1]["val_loss"] if history.history and status == "completed" else None
+    summary = {
+        "status": status,
+        "error": error,
+        "attention": cfg.attention.name,
+        "model": cfg.model.name,
+        "lr": cfg.optim.lr,
+        "seed": cfg.seed,
+        "final_val_loss": final,
+        "final_val_ppl": math.exp(final) if final is not None else None,
+        "best_val_loss": min((h["val_loss"] for h in history.history), default=None),
+        "steps": trainer.global_step,
+        "tokens_seen": trainer.global_step * cfg.global_batch_tokens,
+        "tokens_per_s": throughput.tokens_per_s,
+        "wall_time_s": round(time.time() - t_start, 2),
+        "non_embedding_params": n_params,
+        "diverged_at_step": diverged_at,
+        "val_history": history.history,
+        "run_dir": str(run_dir),
+        "checkpoints": {"last": str(run_dir / "checkpoints" / "last.ckpt"), "best": checkpoint.best_model_path or None},
+        "model_config": asdict(mcfg),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    loss = f"{s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f})" if s["final_val_loss"] is not None else "n/a"
+    print(
+        f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | "
+        f"{s['steps']} steps, {s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | "
+        f"{s['wall_time_s']:.1f} s wall\n  summary: {s['run_dir']}/summary.json"
+        + (f"\n  diverged at step {s['diverged_at_step']}" if s["diverged_at_step"] is not None else "")
+    )
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = train(cfg, run_dir)
+    except UserError as e:
+        print(f"xsa-lm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
+        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
+        sys.exit(2)
+    print_summary(summary)

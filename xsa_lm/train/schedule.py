@@ -1,0 +1,26 @@
+"""Learning-rate schedule: linear warmup, then cosine decay to min_lr_ratio x peak."""
+
+import math
+from functools import partial
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step `step` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step >= total_steps:
+        return min_lr_ratio
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_cosine_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float
+) -> LambdaLR:
+    return LambdaLR(
+        optimizer,
+        partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio),
+    )
