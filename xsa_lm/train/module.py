@@ -44,6 +44,7 @@ class LMModule(L.LightningModule):
             self.trainer.should_stop = True
             return None
         self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

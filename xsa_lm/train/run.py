@@ -172,7 +172,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         mcfg,
         optimizer=build(cfg.optim),
         scheduler=build(cfg.scheduler),
-        total_steps=cfg.trainer.max_steps,
+        total_steps=cfg.scheduler.get("total_steps") or cfg.trainer.max_steps,
         compile=cfg.compile,
     )
     n_params = sum(p.numel() for p in module.parameters()) - mcfg.vocab_size * mcfg.d_model

@@ -1,0 +1,102 @@
+"""XSA math and the SA path against a straightforward reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection
+from xsa_lm.model.attention import apply_rope, rope_tables
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(a, b, dim=-1)
+
+
+def test_exclusive_projection_equals_the_formula():
+    torch.manual_seed(0)
+    y, v = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    expected = torch.empty_like(y)
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in y.shape[:3])).tolist():
+        yi, vi = y[tuple(idx)], v[tuple(idx)]
+        expected[tuple(idx)] = yi - (yi @ vi) * vi / (vi @ vi)
+    z = exclusive_projection(y, v, eps=0.0)
+    assert z.dtype == y.dtype
+    torch.testing.assert_close(z, expected, rtol=0, atol=1e-6)  # fp32 inside: float32 rounding
+
+
+def test_output_is_orthogonal_to_own_value_per_head():
+    torch.manual_seed(1)
+    y, v = torch.randn(4, 6, 32, 16), torch.randn(4, 6, 32, 16)
+    z = exclusive_projection(y, v)
+    assert cosine(z, v).abs().max() < 1e-5
+    assert not torch.allclose(z, y)  # it did remove something
+
+
+def test_zero_value_vector_is_guarded():
+    y, v = torch.randn(1, 1, 3, 4), torch.zeros(1, 1, 3, 4)
+    z = exclusive_projection(y, v)
+    assert torch.isfinite(z).all()
+    torch.testing.assert_close(z, y)
+
+
+def test_bf16_inputs_stay_bf16_and_orthogonal():
+    torch.manual_seed(2)
+    y, v = torch.randn(2, 2, 16, 64).bfloat16(), torch.randn(2, 2, 16, 64).bfloat16()
+    z = exclusive_projection(y, v)
+    assert z.dtype == torch.bfloat16
+    assert cosine(z.float(), v.float()).abs().max() < 2e-2  # bf16 rounding of z only
+
+
+def reference_attention(attn: CausalSelfAttention, x: torch.Tensor, exclusive: bool) -> tuple[torch.Tensor, ...]:
+    """Loop-free but explicit causal multi-head attention with RoPE, the softmax written out."""
+    B, T, _ = x.shape
+    H, D = attn.n_head, attn.head_dim
+    q, k, v = attn.qkv(x).split(H * D, dim=-1)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+    cos, sin = rope_tables(T, D)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)
+    scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+    y = scores.softmax(-1) @ v
+    if exclusive:
+        y = y - (y * v).sum(-1, keepdim=True) * v / (v * v).sum(-1, keepdim=True)
+    out = attn.proj(y.transpose(1, 2).reshape(B, T, H * D))
+    return out, y, v
+
+
+@pytest.mark.parametrize("attention", ["sa", "xsa"])
+def test_attention_matches_reference(attention: str):
+    torch.manual_seed(3)
+    config = GPTConfig(d_model=48, n_head=3, head_dim=24, block_size=16, attention=attention)  # inner 72 != d_model
+    attn = CausalSelfAttention(config).double()
+    x = torch.randn(2, 16, 48, dtype=torch.float64)
+    cos, sin = (t.double() for t in rope_tables(16, 24))
+    expected, _, _ = reference_attention(attn, x, exclusive=attention == "xsa")
+    torch.testing.assert_close(attn(x, cos, sin), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_xsa_first_position_output_is_zero_in_every_head():
+    """Causality gives a_00 = 1, so y_0 = v_0 and z_0 = 0 exactly (before the output projection)."""
+    torch.manual_seed(4)
+    config = GPTConfig(d_model=32, n_head=4, head_dim=8, block_size=8, attention="xsa")
+    attn = CausalSelfAttention(config).double()
+    _, y, v = reference_attention(attn, torch.randn(3, 8, 32, dtype=torch.float64), exclusive=False)
+    z = exclusive_projection(y, v, eps=0.0)
+    assert z[:, :, 0].abs().max() < 1e-6
+    assert z[:, :, 1:].abs().max() > 1e-3
+    # and the module itself: its output at position 0 is the output projection of zero (no bias)
+    x = torch.randn(3, 8, 32, dtype=torch.float64)
+    cos, sin = (t.double() for t in rope_tables(8, 8))
+    assert attn(x, cos, sin)[:, 0].abs().max() < 1e-6
+
+
+def test_rope_keeps_norms_and_is_relative():
+    torch.manual_seed(5)
+    cos, sin = rope_tables(32, 16)
+    q, k = torch.randn(1, 1, 1, 16).expand(1, 1, 32, 16), torch.randn(1, 1, 1, 16).expand(1, 1, 32, 16)
+    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    dots = (rq[0, 0, 3:] * rk[0, 0, :-3]).sum(-1)  # same offset (3) at every position -> same dot product
+    torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,67 @@
+"""LR schedule values and optimizer parameter groups."""
+
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.train.module import LMModule, param_groups
+from xsa_lm.train.schedule import warmup_cosine, warmup_cosine_scheduler
+
+
+def test_warmup_is_linear_then_cosine_reaches_min_ratio():
+    f = partial(warmup_cosine, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert f(0) == pytest.approx(0.1)
+    assert f(4) == pytest.approx(0.5)
+    assert f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+    assert f(110) == pytest.approx(0.1)
+    assert f(500) == pytest.approx(0.1)
+    values = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=6e-4)
+    sched = warmup_cosine_scheduler(opt, total_steps=20, warmup_steps=4, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(21):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(1.5e-4)
+    assert lrs[3] == pytest.approx(6e-4)
+    assert lrs[20] == pytest.approx(6e-5)
+    assert lrs[12] == pytest.approx(6e-5 + 5.4e-4 * 0.5 * (1 + math.cos(math.pi * 8 / 16)))
+
+
+def test_weight_decay_only_on_matrices():
+    model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=8, bias=True))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert any("ln_" in names[id(p)] for p in no_decay["params"])
+    assert any(names[id(p)].endswith("bias") for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))  # tied weight once
+
+
+def test_module_builds_adamw_with_config_values():
+    module = LMModule(
+        GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8),
+        optimizer=partial(torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+        scheduler=partial(warmup_cosine_scheduler, warmup_steps=2, min_lr_ratio=0.1),
+        total_steps=10,
+    )
+    conf = module.configure_optimizers()
+    opt = conf["optimizer"]
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert conf["lr_scheduler"]["interval"] == "step"
+    assert not opt.defaults.get("fused")  # fused only on CUDA

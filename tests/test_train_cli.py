@@ -1,0 +1,88 @@
+"""End-to-end: `xsa-lm train` on the bundled corpus, for both attention types, through the real CLI."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """train/loss per step from metrics.csv (a resumed run's later rows win)."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+@pytest.mark.parametrize("attention", ["sa", "xsa"])
+def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    out = run_cli(["train", *FAST, f"attention={attention}", "seed=1", f"hydra.run.dir={run_dir}"],
+                  data_cache, tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["attention"] == attention
+    assert summary["lr"] == 3e-3 and summary["seed"] == 1 and summary["steps"] == 40
+    assert summary["tokens_seen"] == 40 * 1024
+    assert summary["final_val_loss"] == summary["val_history"][-1]["val_loss"]
+    assert [h["step"] for h in summary["val_history"]] == [20, 40]
+    assert summary["final_val_loss"] < summary["val_history"][0]["val_loss"] < 6.2  # log(512) = 6.24
+    losses = train_losses(run_dir)
+    assert len(losses) == 40
+    first, last = [losses[s] for s in sorted(losses)[:5]], [losses[s] for s in sorted(losses)[-5:]]
+    assert sum(last) / 5 < sum(first) / 5 - 0.5
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s",
+                "val/loss", "val/ppl"):  # fmt: skip
+        assert key in header
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["versions"]["torch"] and info["versions"]["lightning"] and info["hardware"]["cpu_count"]
+    assert "commit" in info["git"]
+    config = (run_dir / "config.yaml").read_text()
+    assert f"name: {attention}" in config and "lr: 0.003" in config
+    assert (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "checkpoints" / "best.ckpt").exists()
+    assert "non-embedding parameters" in out.stdout and "final val loss" in out.stdout
+
+
+def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
+    """Stop at step 20 of a 40-step schedule, resume with one override: same losses as one straight run."""
+    common = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli([*common, f"hydra.run.dir={straight}"], data_cache, tmp_path).returncode == 0
+    first = run_cli([*common, "trainer.max_steps=20", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == 20
+    again = run_cli([*common, "resume=auto", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == 40
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == sorted(a) == list(range(40))
+    assert [b[s] for s in range(20, 40)] == [a[s] for s in range(20, 40)]  # bit-identical on CPU, fp32
+
+
+def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
+    out = run_cli(["train", "attention=xsa", "model=gpt2_124m", "--cfg", "job"], data_cache, tmp_path)
+    assert out.returncode == 0 and "name: xsa" in out.stdout and "n_layer: 12" in out.stdout
+    help_ = run_cli(["train", "--help"], data_cache, tmp_path)
+    assert help_.returncode == 0 and "attention: sa, xsa" in help_.stdout
+    top = run_cli(["--help"], data_cache, tmp_path)
+    assert top.returncode == 0 and "train" in top.stdout
+    # `python -m xsa_lm.train` is the same entry point as `xsa-lm train`
+    args = ["attention=xsa", "--cfg", "job"]
+    module = subprocess.run([sys.executable, "-m", "xsa_lm.train", *args],
+                            cwd=tmp_path, env=cli_env(data_cache), capture_output=True, text=True)  # fmt: skip
+    assert module.returncode == 0 and module.stdout == run_cli(["train", *args], data_cache, tmp_path).stdout
+
+
+def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):
+    sweep = tmp_path / "multi"
+    out = run_cli(["train", "--multirun", *FAST, "trainer.max_steps=10", "val_every_steps=10",
+                   "attention=sa,xsa", f"hydra.sweep.dir={sweep}"], data_cache, tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    summaries = sorted(json.loads(p.read_text())["attention"] for p in sweep.glob("*/summary.json"))
+    assert summaries == ["sa", "xsa"]

@@ -1,0 +1,72 @@
+"""Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``); wandb 0.31 ships no Python reader for it.
+
+The file is a LevelDB log (https://github.com/google/leveldb/blob/main/doc/log_format.md) behind a W&B header:
+
+- A 7-byte header: ``b":W&B"``, a uint16 magic (0xBEE1) and a uint8 version (0).
+- 32 KiB blocks at file offsets 0, 32768, ... (the header fills the first 7 bytes of block 0). A block holds
+  chunks: crc32 (uint32 LE), length (uint16 LE), type (uint8), then ``length`` bytes. The crc is zlib's crc32
+  of the type byte and then the data. No chunk crosses a block end; fewer than 7 bytes left there are zero padding.
+- Type 1 (full) is a whole record; types 2, 3, 4 (first, middle, last) are the pieces of one that spans blocks.
+- Each record is a ``wandb.proto.wandb_internal_pb2.Record``. A ``history`` record is one logged row; its keys
+  sit in ``nested_key`` (``key`` is empty). The config given to ``wandb.init`` is in the ``run`` record's
+  ``config``; later ``run.config.update`` calls add ``config`` records. Values are JSON text, config values
+  plain (not wrapped as ``{"value": x}`` like config.yaml), with W&B's own ``_wandb`` entry beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+from wandb.proto.wandb_internal_pb2 import ConfigItem, HistoryItem, Record
+
+BLOCK_LEN = 32768
+CHUNK_HEADER = struct.Struct("<IHB")  # crc32, length, type
+FULL, FIRST, LAST = 1, 2, 4
+
+
+def read_records(path: str | Path) -> list[Record]:
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a W&B run file")
+    records: list[Record] = []
+    payload, pos = b"", 7
+    while pos + CHUNK_HEADER.size <= len(data):
+        if BLOCK_LEN - pos % BLOCK_LEN < CHUNK_HEADER.size:  # zero padding at the end of a block
+            pos += BLOCK_LEN - pos % BLOCK_LEN
+            continue
+        crc, length, kind = CHUNK_HEADER.unpack_from(data, pos)
+        chunk = data[pos + CHUNK_HEADER.size : pos + CHUNK_HEADER.size + length]
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
+            raise ValueError(f"{path}: bad chunk checksum at byte {pos}")
+        pos += CHUNK_HEADER.size + length
+        payload = chunk if kind in (FULL, FIRST) else payload + chunk
+        if kind in (FULL, LAST):
+            records.append(Record.FromString(payload))
+    return records
+
+
+def _key(item: HistoryItem | ConfigItem) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def history(path: str | Path) -> list[dict[str, Any]]:
+    """Each logged row as {key: value}, in order (W&B adds _step, _runtime and _timestamp)."""
+    return [
+        {_key(i): json.loads(i.value_json) for i in r.history.item} for r in read_records(path) if r.HasField("history")
+    ]
+
+
+def config(path: str | Path) -> dict[str, Any]:
+    """The run config: the one given at init with later updates and removals applied, without ``_wandb``."""
+    cfg: dict[str, Any] = {}
+    for r in read_records(path):
+        updates = r.run.config.update if r.HasField("run") else r.config.update
+        cfg.update({_key(i): json.loads(i.value_json) for i in updates})
+        for i in r.config.remove:
+            cfg.pop(_key(i), None)
+    cfg.pop("_wandb", None)
+    return cfg
