@@ -4,12 +4,13 @@
    for the tiny preset, and the XSA/SA step-time ratio (target <= 1.03).
 2. Lightning vs plain: the same SA model, data, AdamW + warmup-cosine schedule and grad clipping at 1.0,
    trained by a minimal loop and by lightning.Trainer fitting LMModule (target: throughput ratio >= 0.95).
-   Lightning's start-up is excluded: a callback stamps each batch start and only steps after warm-up count.
+   Lightning's start-up is excluded: a callback stamps every batch and only steps after warm-up count.
 
-Both comparisons run in ONE process and are INTERLEAVED: the two contenders alternate in rounds (with the
-order flipped every round) on the same random token batches, so CPU frequency drift, other tenants and
-thermal noise hit both equally. Step times are start-to-start, medians per round; ratios are medians of
-the per-round ratios, which are robust to the occasional stalled step on a shared machine.
+Both comparisons run in ONE process and are INTERLEAVED: the two contenders alternate in rounds (the order
+flips every round) on the same random token batches, so CPU frequency drift and other tenants of a shared
+machine hit both equally. Step times are start-to-start; ratios are medians of per-round median ratios,
+which shrug off the occasional stalled step. Loads above the thread count still inflate the noise: the
+JSON records the load average so a noisy run can be spotted and repeated.
 
     python scripts/bench_train.py --out bench_train.json     # ~2 min on 2 CPU cores
     python scripts/bench_train.py --quick                    # smoke test, ~20 s
@@ -36,7 +37,9 @@ from xsa_lm.train.schedule import warmup_cosine_scheduler
 TARGETS = {"xsa_over_sa_step_time": 1.03, "lightning_over_plain_throughput": 0.95}
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # configs/optim/adamw.yaml
 SCHED = {"warmup_steps": 100, "min_lr_ratio": 0.1}  # configs/scheduler/warmup_cosine.yaml
+DIMS = ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size")
 Batch = tuple[torch.Tensor, torch.Tensor]
+Run = Callable[[], list[float]]  # one timed run: returns step times in seconds
 
 
 def make_batches(n: int, micro_batch: int, block: int, vocab: int, seed: int) -> list[Batch]:
@@ -45,38 +48,30 @@ def make_batches(n: int, micro_batch: int, block: int, vocab: int, seed: int) ->
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def step_times(stamps: list[float], warmup: int, steps: int) -> list[float]:
-    """Start-to-start durations of the `steps` steps after `warmup` (needs warmup + steps + 1 stamps)."""
-    s = stamps[warmup : warmup + steps + 1]
-    return [b - a for a, b in zip(s, s[1:], strict=False)]
-
-
 class PlainTrainer:
-    """Model + AdamW (LMModule's param groups); optionally warmup-cosine LR and grad clipping at 1.0."""
+    """Model + AdamW with LMModule's param groups; with total_steps, also warmup-cosine LR and clipping at 1."""
 
     def __init__(self, config: GPTConfig, seed: int, total_steps: int | None = None) -> None:
         torch.manual_seed(seed)
         self.model = GPT(config)
         self.opt = torch.optim.AdamW(param_groups(self.model, ADAMW["weight_decay"]), **ADAMW)
         self.sched = warmup_cosine_scheduler(self.opt, total_steps=total_steps, **SCHED) if total_steps else None
-
-    def step(self, batch: Batch) -> float:
-        _, loss = self.model(*batch)
-        loss.backward()
-        if self.sched is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        if self.sched is not None:
-            self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
+        self.losses: list[float] = []
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
-        """n steps over batches[0], batches[1], ...; returns n + 1 time stamps (each start, then the end)."""
+        """n training steps cycling over batches; returns n + 1 time stamps (each step's start, then the end)."""
         stamps = []
         for i in range(n):
             stamps.append(time.perf_counter())
-            self.step(batches[i % len(batches)])
+            _, loss = self.model(*batches[i % len(batches)])
+            loss.backward()
+            if self.sched is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            if self.sched is not None:
+                self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.losses.append(loss.item())
         return stamps + [time.perf_counter()]
 
 
@@ -92,19 +87,23 @@ class CycledBatches(Dataset):
 
 
 class StepTimer(L.Callback):
+    """Stamps each batch; start-to-start also covers what Lightning does after on_train_batch_end (LR step)."""
+
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.losses: list[float] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ends.append(time.perf_counter())
+        self.losses.append(outputs["loss"].item())
 
 
-def lightning_stamps(config: GPTConfig, batches: list[Batch], n: int, seed: int) -> list[float]:
-    """A fresh Trainer.fit of LMModule for n steps; returns each step's start time stamp."""
+def fit_lightning(config: GPTConfig, batches: list[Batch], n: int, seed: int) -> StepTimer:
+    """A fresh Trainer.fit of LMModule for n steps on the given batches."""
     torch.manual_seed(seed)
     opt, sched = partial(torch.optim.AdamW, **ADAMW), partial(warmup_cosine_scheduler, **SCHED)
     module = LMModule(config, optimizer=opt, scheduler=sched, total_steps=n)
@@ -115,38 +114,28 @@ def lightning_stamps(config: GPTConfig, batches: list[Batch], n: int, seed: int)
         limit_val_batches=0, callbacks=[timer],
     )  # fmt: skip
     trainer.fit(module, DataLoader(CycledBatches(batches, n), batch_size=None, shuffle=False, num_workers=0))
-    return timer.starts
+    return timer
 
 
-def interleave(runs: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[list[float]]]:
-    """Call each run once per round, flipping the order every round; collect their step times."""
-    times: dict[str, list[list[float]]] = {name: [] for name in runs}
+def compare(runs: dict[str, Run], rounds: int, tokens: int) -> dict[str, float | list[float]]:
+    """Alternate the two runs for `rounds` rounds (flipping the order); medians, tokens/s and b/a time ratios."""
+    a, b = runs
+    times: dict[str, list[list[float]]] = {a: [], b: []}
     for r in range(rounds):
-        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+        for name in (a, b) if r % 2 == 0 else (b, a):
             times[name].append(runs[name]())
-    return times
-
-
-def summarize(times: dict[str, list[list[float]]], tokens: int, a: str, b: str) -> dict[str, float]:
-    """Median step time and tokens/s of a and b (all timed steps pooled), and b/a step-time ratios."""
-    med = {k: statistics.median(t for r in v for t in r) for k, v in times.items()}
-    per_round = [statistics.median(rb) / statistics.median(ra) for ra, rb in zip(times[a], times[b], strict=True)]
-    return {
-        f"{a}_step_ms": 1e3 * med[a], f"{b}_step_ms": 1e3 * med[b],
-        f"{a}_tokens_per_s": tokens / med[a], f"{b}_tokens_per_s": tokens / med[b],
-        "ratio_pooled": med[b] / med[a], "ratio_per_round": statistics.median(per_round),
-        "ratio_rounds": per_round,
-    }  # fmt: skip
+    med = {k: statistics.median(t for steps in v for t in steps) for k, v in times.items()}
+    per_round = [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(times[a], times[b], strict=True)]
+    out: dict[str, float | list[float]] = {f"{k}_step_ms": 1e3 * m for k, m in med.items()}
+    out |= {f"{k}_tokens_per_s": tokens / m for k, m in med.items()}
+    return out | {"ratio": statistics.median(per_round), "ratio_pooled": med[b] / med[a], "ratio_rounds": per_round}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--block-size", "--context", type=int, default=128, help="context length (tokens per row)")
+    for dim, default in zip(DIMS, (4, 128, 4, 32, 4096, 128), strict=True):
+        flags = [f"--{dim.replace('_', '-')}"] + (["--context"] if dim == "block_size" else [])
+        p.add_argument(*flags, type=int, default=default, help=f"GPTConfig.{dim} (default {default})")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=25, help="timed steps per contender per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed run")
@@ -159,49 +148,59 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 3, 1
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
+        warnings.filterwarnings("ignore", f".*{message}.*")
     torch.set_num_threads(args.threads)
-    dims = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size")}
-    config = {att: GPTConfig(**dims, attention=att) for att in ("sa", "xsa")}
+    dims = {k: getattr(args, k) for k in DIMS}
+    sa, xsa = GPTConfig(**dims, attention="sa"), GPTConfig(**dims, attention="xsa")
     batches = make_batches(8, args.micro_batch, args.block_size, args.vocab_size, args.seed)
-    tokens, n = args.micro_batch * args.block_size, args.warmup + args.steps
-    t_start = time.perf_counter()
+    tokens, w, n = args.micro_batch * args.block_size, args.warmup, args.warmup + args.steps
+    timed = lambda stamps: [t1 - t0 for t0, t1 in zip(stamps[w:n], stamps[w + 1 : n + 1], strict=True)]
+    t_start, load_before = time.perf_counter(), os.getloadavg()[0]
 
-    # 1. SA vs XSA: two persistent models from the same seed, same batches, alternating every round.
-    models = {att: PlainTrainer(config[att], args.seed) for att in ("sa", "xsa")}
-    attn_runs = {att: partial(lambda m: step_times(m.run(batches, n), args.warmup, args.steps), m) for att, m in models.items()}  # fmt: skip
-    attn = summarize(interleave(attn_runs, args.rounds), tokens, "sa", "xsa")
+    # 1. SA vs XSA: two persistent models from the same seed, on the same batches; warm-up before each round.
+    models = {"sa": PlainTrainer(sa, args.seed), "xsa": PlainTrainer(xsa, args.seed)}
+    attn = compare({k: partial(lambda m: timed(m.run(batches, n)), m) for k, m in models.items()}, args.rounds, tokens)
 
-    # 2. Plain loop vs Lightning: fresh model from the same seed each round, n + 1 steps, timed after warm-up.
-    loop_runs = {
-        "plain": lambda: step_times(PlainTrainer(config["sa"], args.seed, n + 1).run(batches, n + 1), args.warmup, args.steps),
-        "lightning": lambda: step_times(lightning_stamps(config["sa"], batches, n + 1, args.seed), args.warmup, args.steps),
-    }  # fmt: skip
-    loop = summarize(interleave(loop_runs, args.rounds), tokens, "plain", "lightning")
+    # 2. Plain loop vs Lightning: a fresh SA model from the same seed each round; n + 1 steps, n + 1 stamps used.
+    plains: list[PlainTrainer] = []
+    fits: list[StepTimer] = []
+
+    def plain_run() -> list[float]:
+        plains.append(PlainTrainer(sa, args.seed, total_steps=n + 1))
+        return timed(plains[-1].run(batches, n + 1))
+
+    def fit_run() -> list[float]:
+        fits.append(fit_lightning(sa, batches, n + 1, args.seed))
+        return timed(fits[-1].starts)
+
+    loop = compare({"plain": plain_run, "lightning": fit_run}, args.rounds, tokens)
     runtime = time.perf_counter() - t_start
 
-    xsa_ratio, lit_ratio = attn["ratio_per_round"], 1.0 / loop["ratio_per_round"]  # step time -> throughput
+    xsa_ratio, lit_ratio = attn.pop("ratio"), 1.0 / loop.pop("ratio")  # step-time ratio -> throughput ratio
+    between = statistics.median(f.starts[i + 1] - f.ends[i] for f in fits for i in range(w, n))
     result = {
-        "device": f"cpu ({torch.__version__}, lightning {L.__version__})",
+        "device": f"cpu (torch {torch.__version__}, lightning {L.__version__})",
         "torch_threads": torch.get_num_threads(), **dims, "micro_batch": args.micro_batch,
         "steps_per_round": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds,
-        "sa_step_ms": attn["sa_step_ms"], "xsa_step_ms": attn["xsa_step_ms"],
-        "sa_tokens_per_s": attn["sa_tokens_per_s"], "xsa_tokens_per_s": attn["xsa_tokens_per_s"],
+        **{k: v for k, v in attn.items() if not k.startswith("ratio")},
         "xsa_over_sa_step_time": xsa_ratio, "xsa_over_sa_step_time_pooled": attn["ratio_pooled"],
         "xsa_over_sa_step_time_rounds": attn["ratio_rounds"],
-        "plain_step_ms": loop["plain_step_ms"], "lightning_step_ms": loop["lightning_step_ms"],
-        "plain_tokens_per_s": loop["plain_tokens_per_s"], "lightning_tokens_per_s": loop["lightning_tokens_per_s"],
-        "lightning_over_plain_throughput": lit_ratio, "lightning_over_plain_throughput_pooled": 1 / loop["ratio_pooled"],
-        "lightning_over_plain_throughput_rounds": [1 / r for r in loop["ratio_rounds"]],
+        **{k: v for k, v in loop.items() if not k.startswith("ratio")},
+        "lightning_over_plain_throughput": lit_ratio,
+        "lightning_over_plain_throughput_pooled": 1.0 / loop["ratio_pooled"],
+        "lightning_over_plain_throughput_rounds": [1.0 / r for r in loop["ratio_rounds"]],
+        "lightning_between_batches_ms": 1e3 * between,  # batch_end -> next batch_start: LR step, loop, data
+        "same_first_loss": all(f.losses[0] == pl.losses[0] for f, pl in zip(fits, plains, strict=True)),
         "targets": TARGETS,
         "targets_met": {
             "xsa_over_sa_step_time": xsa_ratio <= TARGETS["xsa_over_sa_step_time"],
             "lightning_over_plain_throughput": lit_ratio >= TARGETS["lightning_over_plain_throughput"],
         },
         "runtime_s": runtime,
+        "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after; above torch_threads = noisy run
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -209,18 +208,20 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"bench_train: {args.rounds} rounds x {args.steps} steps, {result['torch_threads']} threads")
-    for col in ("run", "step ms (median)", "tokens/s", "ratio (per-round median / pooled)", "target"):
+    table = Table(title=f"bench_train: {args.rounds} rounds x {args.steps} steps, {args.threads} threads")
+    for col in ("run", "step ms", "tokens/s", "ratio", "pooled", "target"):
         table.add_column(col, justify="left" if col == "run" else "right")
-    ok = lambda key: "[green]met[/]" if result["targets_met"][key] else "[red]missed[/]"
-    table.add_row("SA", f"{attn['sa_step_ms']:.1f}", f"{attn['sa_tokens_per_s']:,.0f}", "", "")
-    table.add_row("XSA", f"{attn['xsa_step_ms']:.1f}", f"{attn['xsa_tokens_per_s']:,.0f}",
-                  f"XSA/SA time {xsa_ratio:.3f} / {attn['ratio_pooled']:.3f}", f"<= 1.03 {ok('xsa_over_sa_step_time')}")  # fmt: skip
-    table.add_row("plain loop (SA)", f"{loop['plain_step_ms']:.1f}", f"{loop['plain_tokens_per_s']:,.0f}", "", "")
-    table.add_row("Lightning (SA)", f"{loop['lightning_step_ms']:.1f}", f"{loop['lightning_tokens_per_s']:,.0f}",
-                  f"L/plain tput {lit_ratio:.3f} / {1 / loop['ratio_pooled']:.3f}", f">= 0.95 {ok('lightning_over_plain_throughput')}")  # fmt: skip
+    met = lambda key: "[green]met[/]" if result["targets_met"][key] else "[red]missed[/]"
+    for label, key in (("SA", "sa"), ("XSA", "xsa"), ("plain (SA)", "plain"), ("Lightning (SA)", "lightning")):
+        table.add_row(label, f"{result[key + '_step_ms']:.1f}", f"{result[key + '_tokens_per_s']:,.0f}")
+        if key == "xsa":
+            ratios = f"{xsa_ratio:.3f}", f"{attn['ratio_pooled']:.3f}"
+            table.add_row("XSA/SA time", "", "", *ratios, f"<=1.03 {met('xsa_over_sa_step_time')}")
+    ratios = f"{lit_ratio:.3f}", f"{result['lightning_over_plain_throughput_pooled']:.3f}"
+    table.add_row("Lightning/plain tput", "", "", *ratios, f">=0.95 {met('lightning_over_plain_throughput')}")
     Console().print(table)
-    print(f"runtime {runtime:.0f} s; wrote {args.out}")
+    load = result["load_avg_1min"]
+    print(f"runtime {runtime:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}; wrote {args.out}")
 
 
 if __name__ == "__main__":

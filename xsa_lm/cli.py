@@ -1,15 +1,54 @@
 """`xsa-lm <command> [hydra overrides]`: one entry point for every job."""
 
 import importlib
+import os
 import sys
 
-COMMANDS = {
-    "train": ("xsa_lm.train.run", "train one SA or XSA model (configs/train.yaml)"),
+COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
+    "train": ("xsa_lm.train.run", "train", "train one SA or XSA model (configs/train.yaml)"),
 }
+HYDRA_FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",
+                             "--multirun", "-m")  # fmt: skip
 
 USAGE = "usage: xsa-lm <command> [hydra overrides | --help | --cfg job | --multirun]\n\ncommands:\n" + "\n".join(
-    f"  {name:<10}{help_}" for name, (_, help_) in COMMANDS.items()
+    f"  {name:<10}{help_}" for name, (_, _, help_) in COMMANDS.items()
 )
+
+
+def check_overrides(config_name: str, args: list[str]) -> None:
+    """Compose the config once before Hydra runs, so that an unknown option or a typo'd key ends in one
+    actionable line and exit code 2 instead of Hydra's multi-line report (HYDRA_FULL_ERROR=1 keeps Hydra's)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a in HYDRA_FLAGS_WITHOUT_CHECK for a in args):
+        return
+    overrides, skip_next = [], False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg.startswith("-"):
+            skip_next = arg in ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir", "-cd")
+        else:
+            overrides.append(arg)
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+            compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"xsa-lm: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def one_line(error: BaseException) -> str:
+    """Hydra's message without the search-path listing, on one line."""
+    noise = ("provider=", "Config search path", "full_key:", "object_type=", "reference_type=")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = error.__cause__
+    if cause is not None and str(cause).splitlines()[0].strip() not in lines:
+        lines.append(str(cause).splitlines()[0].strip())
+    kept = [line for line in lines if not line.startswith(noise)]
+    return " ".join(kept).replace(" Available options in", "; available options in").replace(":\t", ": ")
 
 
 def main() -> None:
@@ -20,7 +59,9 @@ def main() -> None:
     if command not in COMMANDS:
         print(f"xsa-lm: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         sys.exit(2)
-    module = importlib.import_module(COMMANDS[command][0])
+    module_name, config_name, _ = COMMANDS[command]
+    check_overrides(config_name, sys.argv[2:])
+    module = importlib.import_module(module_name)
     # Hydra reads its overrides from sys.argv[1:]; keep the command in argv[0] for messages and relaunches.
     sys.argv = [f"{sys.argv[0]} {command}", *sys.argv[2:]]
     module.main()

@@ -1,0 +1,70 @@
+"""Mistakes a user can make end in one actionable line naming the field, a non-zero exit, and no damage."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def assert_clean_error(out, *expected: str) -> str:
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr + out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("xsa-lm"), out.stderr[-2000:]
+    for text in expected:
+        assert text in last, last
+    return last
+
+
+CASES = {
+    "unknown option": (["attention=foo"], ["attention/foo", "sa", "xsa"]),
+    "typo'd key": (["optim.lrr=0.1"], ["optim.lrr"]),
+    "lr <= 0": (["optim.lr=0"], ["optim.lr"]),
+    "negative lr": (["optim.lr=-1e-3"], ["optim.lr"]),
+    "indivisible global batch": (["global_batch_tokens=1000"], ["global_batch_tokens", "micro_batch_size"]),
+    "context above the model's": (["data.block_size=128"], ["data.block_size=128", "model.block_size=64"]),
+    "missing data path": (["data=text", "data.source.files=/no/such/dir/*.txt"], ["data.source.files"]),
+    "missing data key": (["data=text"], ["data.source.files"]),
+    "missing tokenizer file": (["tokenizer=file", "tokenizer.path=/no/such/tokenizer.json"], ["tokenizer.path"]),
+    "resume from a missing checkpoint": (["resume=/no/such.ckpt"], ["resume"]),
+}
+
+
+@pytest.mark.parametrize("overrides, expected", CASES.values(), ids=CASES.keys())
+def test_bad_input(overrides: list[str], expected: list[str], data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    switches_tokenizer = any(o.startswith("tokenizer=") for o in overrides)
+    fast = [a for a in FAST if not (switches_tokenizer and a.startswith("tokenizer."))]
+    out = run_cli(["train", *fast, *overrides, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert_clean_error(out, *expected)
+    assert out.returncode == 2
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()
+
+
+def test_empty_corpus(data_cache: Path, tmp_path: Path):
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("")
+    out = run_cli(["train", *FAST, "data=text", f"data.source.files={tmp_path}/*.txt",
+                   f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)  # fmt: skip
+    assert_clean_error(out, "data.source", "no text")
+
+
+def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "final_val_loss": 1.0}))
+    (run_dir / "config.yaml").write_text("original: true\n")
+    out = run_cli(["train", *FAST, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert_clean_error(out, "hydra.run.dir", "resume=auto")
+    assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == 1.0
+    assert (run_dir / "config.yaml").read_text() == "original: true\n"
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_unknown_command(data_cache: Path, tmp_path: Path):
+    out = run_cli(["trian"], data_cache, tmp_path)
+    assert out.returncode == 2 and "unknown command 'trian'" in out.stderr
