@@ -96,14 +96,14 @@ def test_sampling_order_is_a_function_of_seed_and_position():
     a = stream_batches(ShuffledBatches(windows, 4, seed=1), 60)  # > 2 epochs
     b = stream_batches(ShuffledBatches(windows, 4, seed=1), 60)
     c = stream_batches(ShuffledBatches(windows, 4, seed=2), 60)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
     # every window once per epoch
     firsts = torch.cat(a)[:99, 0].tolist()
     assert sorted(firsts) == [10 * i for i in range(99)]
     # resuming at batch 25 continues exactly
     resumed = stream_batches(ShuffledBatches(windows, 4, seed=1, start_batch=25), 10)
-    assert all(torch.equal(x, y) for x, y in zip(resumed, a[25:35]))
+    assert all(torch.equal(x, y) for x, y in zip(resumed, a[25:35], strict=True))
 
 
 def test_ranks_get_disjoint_interleaved_batches():
@@ -111,8 +111,8 @@ def test_ranks_get_disjoint_interleaved_batches():
     single = stream_batches(ShuffledBatches(windows, 4, seed=0), 8)
     rank0 = stream_batches(ShuffledBatches(windows, 4, seed=0, rank=0, world_size=2), 4)
     rank1 = stream_batches(ShuffledBatches(windows, 4, seed=0, rank=1, world_size=2), 4)
-    assert all(torch.equal(x, y) for x, y in zip(rank0, single[0::2]))
-    assert all(torch.equal(x, y) for x, y in zip(rank1, single[1::2]))
+    assert all(torch.equal(x, y) for x, y in zip(rank0, single[0::2], strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(rank1, single[1::2], strict=True))
 
 
 def test_workers_do_not_change_the_order():
@@ -121,7 +121,7 @@ def test_workers_do_not_change_the_order():
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
     it = iter(loader)
     with_workers = [next(it)[0] for _ in range(6)]
-    assert all(torch.equal(x, y) for x, y in zip(with_workers, stream_batches(stream, 6)))
+    assert all(torch.equal(x, y) for x, y in zip(with_workers, stream_batches(stream, 6), strict=True))
 
 
 def test_gpt2_tokenizer_offline_fails_fast_with_the_alternative(monkeypatch, tmp_path: Path):

@@ -19,9 +19,7 @@ def preset(name: str, **overrides) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
-@pytest.mark.parametrize(
-    "name, expected_billions", [("paper_0.7b", 0.68), ("paper_1.4b", 1.41), ("paper_2.7b", 2.68)]
-)
+@pytest.mark.parametrize("name, expected_billions", [("paper_0.7b", 0.68), ("paper_1.4b", 1.41), ("paper_2.7b", 2.68)])
 def test_paper_presets_match_table_1(name: str, expected_billions: float):
     config = preset(name)
     with torch.device("meta"):  # no memory is allocated for billions of parameters

@@ -21,7 +21,7 @@ def test_warmup_is_linear_then_cosine_reaches_min_ratio():
     assert f(110) == pytest.approx(0.1)
     assert f(500) == pytest.approx(0.1)
     values = [f(s) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
 
 
 def test_scheduler_drives_the_optimizer_lr():

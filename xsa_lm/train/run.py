@@ -28,7 +28,6 @@ from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Throughput, ValHistory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
-from xsa_lm.train.tracking import wandb_logger
 
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
 
@@ -159,7 +158,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     # Only now, with the inputs checked, write into the run directory.
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_file = run_dir / ("config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml")
+    config_file = run_dir / (
+        "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml"
+    )
     OmegaConf.save(cfg, config_file, resolve=True)
     (run_dir / "run_info.json").write_text(json.dumps({**run_info(), "data_dir": str(data.dir)}, indent=2))
 

