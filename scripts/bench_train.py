@@ -137,16 +137,18 @@ def main() -> None:
         flags = [f"--{dim.replace('_', '-')}"] + (["--context"] if dim == "block_size" else [])
         p.add_argument(*flags, type=int, default=default, help=f"GPTConfig.{dim} (default {default})")
     p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=25, help="timed steps per contender per round")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed run")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per comparison")
+    p.add_argument("--rounds", type=int, default=30, help="SA/XSA: interleaved rounds (short, so noise is shared)")
+    p.add_argument("--steps", type=int, default=5, help="SA/XSA: timed steps per attention type per round")
+    p.add_argument("--loop-rounds", type=int, default=5, help="plain/Lightning: interleaved rounds (fresh fits)")
+    p.add_argument("--loop-steps", type=int, default=20, help="plain/Lightning: timed steps per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (per model, per fit)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke test: 2 rounds x 3 steps, 1 warm-up step")
+    p.add_argument("--quick", action="store_true", help="smoke test: a few steps of each, ~20 s")
     p.add_argument("--out", default="bench_train.json", help="JSON results file")
     args = p.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup = 2, 3, 1
+        args.rounds, args.steps, args.loop_rounds, args.loop_steps, args.warmup = 4, 2, 2, 3, 1
 
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -156,27 +158,31 @@ def main() -> None:
     dims = {k: getattr(args, k) for k in DIMS}
     sa, xsa = GPTConfig(**dims, attention="sa"), GPTConfig(**dims, attention="xsa")
     batches = make_batches(8, args.micro_batch, args.block_size, args.vocab_size, args.seed)
-    tokens, w, n = args.micro_batch * args.block_size, args.warmup, args.warmup + args.steps
-    timed = lambda stamps: [t1 - t0 for t0, t1 in zip(stamps[w:n], stamps[w + 1 : n + 1], strict=True)]
+    tokens, w, n = args.micro_batch * args.block_size, args.warmup, args.warmup + args.loop_steps
+    diffs = lambda stamps: [t1 - t0 for t0, t1 in zip(stamps, stamps[1:], strict=False)]
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
 
-    # 1. SA vs XSA: two persistent models from the same seed, on the same batches; warm-up before each round.
+    # 1. SA vs XSA: two persistent models from the same seed, warmed up once, then many short rounds.
     models = {"sa": PlainTrainer(sa, args.seed), "xsa": PlainTrainer(xsa, args.seed)}
-    attn = compare({k: partial(lambda m: timed(m.run(batches, n)), m) for k, m in models.items()}, args.rounds, tokens)
+    for m in models.values():
+        m.run(batches, w)
+    runs = {k: partial(lambda m: diffs(m.run(batches, args.steps)), m) for k, m in models.items()}
+    attn = compare(runs, args.rounds, tokens)
 
-    # 2. Plain loop vs Lightning: a fresh SA model from the same seed each round; n + 1 steps, n + 1 stamps used.
+    # 2. Plain loop vs Lightning: a fresh SA model from the same seed each round; steps w..n-1 are timed
+    # start-to-start (n + 1 stamps: Lightning runs one extra step whose start closes the last timed one).
     plains: list[PlainTrainer] = []
     fits: list[StepTimer] = []
 
     def plain_run() -> list[float]:
         plains.append(PlainTrainer(sa, args.seed, total_steps=n + 1))
-        return timed(plains[-1].run(batches, n + 1))
+        return diffs(plains[-1].run(batches, n)[w:])
 
     def fit_run() -> list[float]:
         fits.append(fit_lightning(sa, batches, n + 1, args.seed))
-        return timed(fits[-1].starts)
+        return diffs(fits[-1].starts[w:])
 
-    loop = compare({"plain": plain_run, "lightning": fit_run}, args.rounds, tokens)
+    loop = compare({"plain": plain_run, "lightning": fit_run}, args.loop_rounds, tokens)
     runtime = time.perf_counter() - t_start
 
     xsa_ratio, lit_ratio = attn.pop("ratio"), 1.0 / loop.pop("ratio")  # step-time ratio -> throughput ratio
@@ -184,7 +190,8 @@ def main() -> None:
     result = {
         "device": f"cpu (torch {torch.__version__}, lightning {L.__version__})",
         "torch_threads": torch.get_num_threads(), **dims, "micro_batch": args.micro_batch,
-        "steps_per_round": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds,
+        "rounds": args.rounds, "steps_per_round": args.steps, "loop_rounds": args.loop_rounds,
+        "loop_steps_per_round": args.loop_steps, "warmup_steps": args.warmup,
         **{k: v for k, v in attn.items() if not k.startswith("ratio")},
         "xsa_over_sa_step_time": xsa_ratio, "xsa_over_sa_step_time_pooled": attn["ratio_pooled"],
         "xsa_over_sa_step_time_rounds": attn["ratio_rounds"],
@@ -208,7 +215,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"bench_train: {args.rounds} rounds x {args.steps} steps, {args.threads} threads")
+    title = f"SA/XSA {args.rounds}x{args.steps} steps, plain/Lightning {args.loop_rounds}x{args.loop_steps} steps"
+    table = Table(title=f"bench_train: {title}, {args.threads} threads")
     for col in ("run", "step ms", "tokens/s", "ratio", "pooled", "target"):
         table.add_column(col, justify="left" if col == "run" else "right")
     met = lambda key: "[green]met[/]" if result["targets_met"][key] else "[red]missed[/]"

@@ -86,3 +86,18 @@ def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):
     assert out.returncode == 0, out.stderr[-2000:]
     summaries = sorted(json.loads(p.read_text())["attention"] for p in sweep.glob("*/summary.json"))
     assert summaries == ["sa", "xsa"]
+
+
+def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
+    """`xsa-lm train trainer.devices=2` relaunches the command for rank 1 (gloo); one W&B run, one summary."""
+    run_dir = tmp_path / "ddp"
+    args = [*FAST, "logger=wandb", "trainer.max_steps=10", "val_every_steps=5", "trainer.devices=2",
+            "trainer.strategy=ddp", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    out = run_cli(["train", *args], data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 10
+    assert summary["tokens_seen"] == 10 * 1024  # global batch fixed: 8 sequences x 64 tokens x 2 ranks
+    assert "x 1 accumulation x 2 device(s)" in out.stdout
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    assert not list(run_dir.glob("config.resume-*.yaml"))

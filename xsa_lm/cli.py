@@ -62,8 +62,10 @@ def main() -> None:
     module_name, config_name, _ = COMMANDS[command]
     check_overrides(config_name, sys.argv[2:])
     module = importlib.import_module(module_name)
-    # Hydra reads its overrides from sys.argv[1:]; keep the command in argv[0] for messages and relaunches.
-    sys.argv = [f"{sys.argv[0]} {command}", *sys.argv[2:]]
+    # Hydra reads its overrides from sys.argv[1:]. Lightning's DDP launcher re-runs sys.argv for the other
+    # ranks, so the job gets the full command line back once Hydra has parsed it.
+    module.relaunch_argv = list(sys.argv)
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
     module.main()
 
 

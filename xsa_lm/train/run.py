@@ -18,6 +18,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,6 +30,7 @@ from xsa_lm.train.callbacks import Throughput, ValHistory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
 
+relaunch_argv: list[str] | None = None  # set by `xsa-lm train`: the command line that DDP ranks re-run
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
 
 
@@ -109,7 +111,8 @@ def resolve_precision(precision: str) -> str:
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path) -> str | None:
     if resume is None:
-        if (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
+        holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
+        if holds_a_run and rank_zero_only.rank == 0:  # DDP ranks > 0 start after rank 0 has written
             raise UserError(
                 f"hydra.run.dir={run_dir} already holds a run: pass resume=auto to continue it, "
                 "or choose a new hydra.run.dir"
@@ -132,7 +135,7 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resuming: bool) 
         return loggers
     if cfg.logger.get("csv"):
         loggers.append(build(cfg.logger.csv, save_dir=str(run_dir)))
-    if cfg.logger.get("wandb"):
+    if cfg.logger.get("wandb") and rank_zero_only.rank == 0:  # one W&B run, from global rank 0
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resuming and id_file.exists() else None
         # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
@@ -156,13 +159,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     mcfg = model_config(cfg, data.meta["vocab_size"])
     ckpt_path = find_resume_checkpoint(cfg.resume, run_dir)
 
-    # Only now, with the inputs checked, write into the run directory.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_file = run_dir / (
-        "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml"
-    )
-    OmegaConf.save(cfg, config_file, resolve=True)
-    (run_dir / "run_info.json").write_text(json.dumps({**run_info(), "data_dir": str(data.dir)}, indent=2))
+    # Only now, with the inputs checked, write into the run directory (once: DDP ranks > 0 write nothing).
+    is_rank_zero = rank_zero_only.rank == 0
+    if is_rank_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_name = "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml"
+        OmegaConf.save(cfg, run_dir / config_name, resolve=True)
+        (run_dir / "run_info.json").write_text(json.dumps({**run_info(), "data_dir": str(data.dir)}, indent=2))
+    if relaunch_argv:
+        sys.argv = relaunch_argv
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
@@ -181,7 +186,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
                                  cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
-    print(
+    rank_zero_only(print)(
         f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
         f"{n_params / 1e6:.2f}M non-embedding parameters ({n_total / 1e6:.2f}M total) | "
         f"data {cfg.data.source._target_.rsplit('.', 1)[-1]}: {data.meta['train_tokens']:,} train / "
@@ -218,7 +223,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
         status, error = "failed", f"{type(e).__name__}: {e}"
-        write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start, checkpoint)
+        if is_rank_zero:
+            write_summary(
+                cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start, checkpoint
+            )
         traceback.print_exc()
         raise
     finally:
@@ -226,6 +234,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             import wandb
 
             wandb.finish()
+    if not is_rank_zero:
+        return {}
     return write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
                          checkpoint, diverged_at=module.diverged_at)  # fmt: skip
 
@@ -279,4 +289,5 @@ def main(cfg: DictConfig) -> None:
     except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
         print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
         sys.exit(2)
-    print_summary(summary)
+    if summary:
+        print_summary(summary)
