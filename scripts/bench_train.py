@@ -28,6 +28,8 @@ from functools import partial
 
 import lightning as L
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch.utils.data import DataLoader, Dataset
 
 from xsa_lm.model import GPT, GPTConfig
@@ -211,9 +213,6 @@ def main() -> None:
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-
-    from rich.console import Console
-    from rich.table import Table
 
     title = f"SA/XSA {args.rounds}x{args.steps} steps, plain/Lightning {args.loop_rounds}x{args.loop_steps} steps"
     table = Table(title=f"bench_train: {title}, {args.threads} threads")

@@ -1,0 +1,89 @@
+"""Token windows for training: a deterministic, resumable shuffled stream, and a fixed validation set."""
+
+from collections.abc import Iterator
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from xsa_lm.data.prepare import PreparedData
+
+
+class PackedWindows(Dataset):
+    """Non-overlapping windows of block_size + 1 tokens over a flat token array: (input, target) pairs."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
+        self.n = (len(tokens) - 1) // block_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.block_size
+        window = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class ShuffledBatches(IterableDataset):
+    """An endless stream of micro-batches whose content is a pure function of (seed, batch index).
+
+    Sample g of the global stream is window perm_e[g mod n] with e = g // n and perm_e a seeded permutation
+    of the windows. Rank r of W takes global micro-batches r, r + W, ...; data-loader worker w of K takes
+    every K-th of the rank's batches, so the order does not depend on the number of workers. Starting at
+    `start_batch` resumes exactly where an interrupted run stopped.
+    """
+
+    def __init__(self, windows: PackedWindows, batch_size: int, seed: int,
+                 start_batch: int = 0, rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+        self.windows, self.batch_size, self.seed = windows, batch_size, seed
+        self.start_batch, self.rank, self.world_size = start_batch, rank, world_size
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def window_index(self, g: int) -> int:
+        epoch, i = divmod(g, len(self.windows))
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed + epoch))}
+        return int(self._perms[epoch][i])
+
+    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch b of this rank's stream."""
+        global_batch = b * self.world_size + self.rank
+        first = global_batch * self.batch_size
+        xs, ys = zip(*(self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)))
+        return torch.stack(xs), torch.stack(ys)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        b = self.start_batch + worker
+        while True:
+            yield self.batch(b)
+            b += n_workers
+
+
+class TokenDataModule(L.LightningDataModule):
+    def __init__(self, data: PreparedData, block_size: int, micro_batch_size: int, seed: int,
+                 val_windows: int | None = None, num_workers: int = 0) -> None:  # fmt: skip
+        super().__init__()
+        self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
+        self.seed, self.val_windows, self.num_workers = seed, val_windows, num_workers
+        self.train_windows = PackedWindows(data.tokens("train"), block_size)
+        self.val_set = PackedWindows(data.tokens("val"), block_size)
+        if val_windows is not None:
+            self.val_set.n = min(self.val_set.n, val_windows)  # the first windows: fixed across runs
+
+    def train_dataloader(self) -> DataLoader:
+        start_batch, rank, world = 0, 0, 1
+        if self.trainer is not None:
+            # Resume at the exact micro-batch: global_step is restored from the checkpoint before this runs.
+            start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
+            rank, world = self.trainer.global_rank, self.trainer.world_size
+        stream = ShuffledBatches(self.train_windows, self.micro_batch_size, self.seed, start_batch, rank, world)
+        return DataLoader(stream, batch_size=None, num_workers=self.num_workers,
+                          pin_memory=torch.cuda.is_available(), persistent_workers=False)  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.micro_batch_size, shuffle=False,
+                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available())  # fmt: skip
