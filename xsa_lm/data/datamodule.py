@@ -43,15 +43,17 @@ class ShuffledBatches(IterableDataset):
 
     def window_index(self, g: int) -> int:
         epoch, i = divmod(g, len(self.windows))
-        if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed + epoch))}
+        if epoch not in self._perms:  # keep one epoch's permutation: memory stays O(windows)
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms = {epoch: torch.randperm(len(self.windows), generator=generator)}
         return int(self._perms[epoch][i])
 
     def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch b of this rank's stream."""
         global_batch = b * self.world_size + self.rank
         first = global_batch * self.batch_size
-        xs, ys = zip(*(self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)))
+        pairs = [self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)]
+        xs, ys = zip(*pairs, strict=True)
         return torch.stack(xs), torch.stack(ys)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
