@@ -1,0 +1,24 @@
+"""The training benchmark runs end to end and writes the keys the README and notes rely on (no timing asserts)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_train_quick_writes_the_report(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_train.py"), "--quick", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for key in ("sa_tokens_per_s", "xsa_tokens_per_s", "plain_tokens_per_s", "lightning_tokens_per_s"):
+        assert report[key] > 0, key
+    assert report["xsa_over_sa_step_time"] > 0 and report["lightning_over_plain_throughput"] > 0
+    assert report["device"].startswith("cpu")
+    assert "xsa" in proc.stdout.lower()
