@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 from tokenizers import Tokenizer
 
-from xsa_lm.data.tokenizer import EOT, save_tokenizer
+from xsa_lm.data.tokenizer import EOT
 from xsa_lm.errors import UserError
 
 ENCODE_BATCH_DOCS = 64  # encode_batch parallelises across documents; one huge string would be slow
@@ -63,7 +62,7 @@ def prepare(
         for split, (n_docs, n_tokens) in counts.items():
             if n_tokens <= n_docs:  # only EOT separators: every document was empty
                 raise UserError(f"data.source: the {split} split has no text ({n_docs} documents, all empty)")
-        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+        tokenizer.save(str(tmp / "tokenizer.json"))
         meta = {
             "identity": identity,
             "vocab_size": tokenizer.get_vocab_size(),
@@ -110,8 +109,3 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
 def _load(out: Path) -> PreparedData:
     meta = json.loads((out / "meta.json").read_text())
     return PreparedData(dir=out, tokenizer=Tokenizer.from_file(str(out / "tokenizer.json")), meta=meta)
-
-
-def config_key(*configs: DictConfig) -> dict:
-    """The parts of the config that determine the prepared tokens (for the cache key)."""
-    return {"configs": [OmegaConf.to_container(c, resolve=True) for c in configs]}

@@ -3,7 +3,6 @@
 import os
 import socket
 from collections.abc import Iterable
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -74,7 +73,3 @@ def _reachable(host: str, port: int, timeout_s: float) -> bool:
         return True
     except OSError:
         return False
-
-
-def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
-    tokenizer.save(str(path))

@@ -8,7 +8,6 @@ import json
 import math
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -181,8 +180,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         total_steps=cfg.scheduler.get("total_steps") or cfg.trainer.max_steps,
         compile=cfg.compile,
     )
-    n_params = sum(p.numel() for p in module.parameters()) - mcfg.vocab_size * mcfg.d_model
     n_total = sum(p.numel() for p in module.parameters())
+    n_params = n_total - mcfg.vocab_size * mcfg.d_model  # the tied token embedding
     datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
                                  cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
@@ -214,7 +213,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         enable_progress_bar=bool(cfg.progress_bar),
     )
 
-    status, error = "completed", None
+    def summarize(status: str, error: str | None = None) -> dict:
+        return write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
+                             checkpoint, diverged_at=module.diverged_at)  # fmt: skip
+
+    status = "completed"
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         if module.diverged_at is not None:
@@ -222,22 +225,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         elif not history.history or history.history[-1]["step"] != trainer.global_step:
             trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
-        status, error = "failed", f"{type(e).__name__}: {e}"
         if is_rank_zero:
-            write_summary(
-                cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start, checkpoint
-            )
-        traceback.print_exc()
+            summarize("failed", f"{type(e).__name__}: {e}")
         raise
     finally:
         if any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
             import wandb
 
             wandb.finish()
-    if not is_rank_zero:
-        return {}
-    return write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
-                         checkpoint, diverged_at=module.diverged_at)  # fmt: skip
+    return summarize(status) if is_rank_zero else {}
 
 
 def write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
