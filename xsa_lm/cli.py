@@ -6,6 +6,7 @@ import sys
 
 COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "train": ("xsa_lm.train.run", "train", "train one SA or XSA model (configs/train.yaml)"),
+    "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
 }
 HYDRA_FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",
                              "--multirun", "-m")  # fmt: skip

@@ -42,3 +42,10 @@ class ValHistory(L.Callback):
             self.history[-1] = entry
         else:
             self.history.append(entry)
+
+    # Kept in checkpoints, so that a resumed run's summary.json still holds the whole curve.
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict["history"])

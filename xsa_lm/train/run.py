@@ -226,14 +226,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
         if is_rank_zero:
-            summarize("failed", f"{type(e).__name__}: {e}")
+            finish_wandb(trainer, summarize("failed", f"{type(e).__name__}: {e}"))
         raise
-    finally:
-        if any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
-            import wandb
+    summary = summarize(status) if is_rank_zero else {}
+    finish_wandb(trainer, summary)
+    return summary
 
-            wandb.finish()
-    return summarize(status) if is_rank_zero else {}
+
+def finish_wandb(trainer: L.Trainer, summary: dict) -> None:
+    """Put the run's outcome into the W&B run summary (what a sweep's dashboard compares), then close it."""
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            keys = ("status", "final_val_loss", "final_val_ppl", "best_val_loss", "tokens_per_s", "diverged_at_step")
+            logger.experiment.summary.update({key: summary[key] for key in keys if key in summary})
+            logger.experiment.finish()
 
 
 def write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,

@@ -29,23 +29,25 @@ def resolve_mode(mode: str) -> str:
     return "online" if has_wandb_key() else "offline"
 
 
-def wandb_logger(
+def wandb_init(
     save_dir: str,
     name: str,
     run_config: dict,
     project: str = "xsa-lm",
     entity: str | None = None,
     group: str | None = None,
+    job_type: str | None = None,
     tags: list[str] | None = None,
     mode: str = "auto",
     init_timeout_s: float = 30.0,
     run_id: str | None = None,
-) -> WandbLogger:
+):
+    """wandb.init that never blocks or kills the caller: online init failures fall back to offline."""
     import wandb
 
     mode = resolve_mode(mode)
-    init = dict(project=project, entity=entity, group=group, tags=list(tags or []), name=name, config=run_config,
-                dir=save_dir, id=run_id, resume="allow" if run_id else None)  # fmt: skip
+    init = dict(project=project, entity=entity, group=group, job_type=job_type, tags=list(tags or []), name=name,
+                config=run_config, dir=save_dir, id=run_id, resume="allow" if run_id else None)  # fmt: skip
     try:
         run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True), **init)
     except wandb.errors.Error as e:
@@ -57,7 +59,12 @@ def wandb_logger(
         run = wandb.init(mode=mode, settings=wandb.Settings(quiet=True), **init)
     if mode == "offline":
         print(f"W&B: offline run in {Path(run.dir).parent}; upload it later with `wandb sync {Path(run.dir).parent}`")
-    return WandbLogger(experiment=run, save_dir=save_dir)
+    return run
+
+
+def wandb_logger(save_dir: str, name: str, run_config: dict, **kwargs) -> WandbLogger:
+    """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments)."""
+    return WandbLogger(experiment=wandb_init(save_dir, name, run_config, **kwargs), save_dir=save_dir)
 
 
 class _AppendingWriter(ExperimentWriter):

@@ -1,0 +1,249 @@
+"""The sweep's outputs: results.json (machine-readable), report.md (tables a paper can use), lr_sweep.png and
+curves.png, and a W&B report run in the sweep's group."""
+
+import json
+import math
+from pathlib import Path
+
+from xsa_lm.sweep.protocol import Comparison, Selection, mean_std, paired_ci
+
+
+def _loss(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None and math.isfinite(value) else "-"
+
+
+def comparison_of(trials: list[dict]) -> Comparison:
+    """Seeds where both SA and XSA finished at the shared LR (a diverged or failed side drops the pair)."""
+    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
+    comparison = Comparison(seeds=[], sa=[], xsa=[])
+    for seed in sorted({seed for _, seed in by_key}):
+        sa, xsa = by_key.get(("sa", seed)), by_key.get(("xsa", seed))
+        if sa and xsa and sa["status"] == xsa["status"] == "completed":
+            comparison.seeds.append(seed)
+            comparison.sa.append(sa["final_val_loss"])
+            comparison.xsa.append(xsa["final_val_loss"])
+    return comparison
+
+
+def comparison_stats(comparison: Comparison) -> dict:
+    stats = {"seeds": comparison.seeds, "sa": comparison.sa, "xsa": comparison.xsa, "diff": comparison.diffs}
+    for name, values in (("sa", comparison.sa), ("xsa", comparison.xsa), ("diff", comparison.diffs)):
+        stats[f"{name}_mean"], stats[f"{name}_std"] = mean_std(values)
+    stats["diff_ci95"] = paired_ci(comparison.diffs)
+    stats["xsa_better_in"] = sum(d < 0 for d in comparison.diffs)
+    return stats
+
+
+def verdict(stats: dict) -> str:
+    n, ci = len(stats["seeds"]), stats["diff_ci95"]
+    if n == 0:
+        return "No seed has both an SA and an XSA result: nothing to compare."
+    head = f"XSA - SA = {stats['diff_mean']:+.4f} on average over {n} seed(s); XSA is lower in {stats['xsa_better_in']}"
+    head += "."
+    if ci is None:
+        return head + " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
+    lo, hi = ci
+    if hi < 0:
+        meaning = "the interval excludes 0: XSA's lower loss is significant at the 5% level"
+    elif lo > 0:
+        meaning = "the interval excludes 0: XSA's higher loss is significant at the 5% level"
+    else:
+        meaning = "the interval includes 0: the difference is not significant at the 5% level"
+    return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof): {meaning}."
+
+
+def render_markdown(results: dict) -> str:
+    search, compare = results["search"], results["comparison"]
+    lines = [
+        "# SA vs XSA: LR search on SA, comparison at the shared LR",
+        "",
+        f"- sweep directory: `{results['sweep_dir']}` (W&B group `{results['sweep_id']}`)",
+        f"- training overrides: `{' '.join(results['train_overrides']) or '(defaults)'}`",
+        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; seeds {results['seeds']} "
+        f"(the search uses seed {results['seeds'][0]})",
+    ]
+    if results["warnings"]:
+        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
+    attentions = ["sa", "xsa"] if results["xsa_tuning"] else ["sa"]
+    lines += ["", f"## 1. LR search (seed {results['seeds'][0]}, final validation loss)", ""]
+    lines.append("| LR | " + " | ".join(f"{a.upper()} val loss | {a.upper()} status" for a in attentions) + " |")
+    lines.append("|---:|" + "---:|---|" * len(attentions))
+    for lr in results["grid"]:
+        cells = []
+        for attention in attentions:
+            trial = search.get(attention, {}).get(f"{lr:g}", {})
+            cells += [_loss(trial.get("final_val_loss")), trial.get("status", "missing")]
+        mark = " **(selected)**" if lr == results["selected_lr"] else ""
+        lines.append(f"| {lr:g}{mark} | " + " | ".join(cells) + " |")
+
+    lines += ["", "## 2. SA vs XSA at the shared LR", ""]
+    if results["selected_lr"] is None:
+        lines.append("Not run: the search selected no LR (see the warnings).")
+    else:
+        lines += [f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA.", ""]
+        lines += ["| seed | SA val loss | XSA val loss | XSA - SA |", "|---:|---:|---:|---:|"]
+        for trial_pair in results["compare_table"]:
+            lines.append(f"| {trial_pair['seed']} | {trial_pair['sa']} | {trial_pair['xsa']} | {trial_pair['diff']} |")
+        if compare["seeds"]:
+
+            def ms(name: str) -> str:
+                mean, std = compare[f"{name}_mean"], compare[f"{name}_std"]
+                return f"{mean:+.4f}" if name == "diff" and std is None else (
+                    f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
+                )  # fmt: skip
+
+            lines.append(f"| mean ± std | {ms('sa')} | {ms('xsa')} | {ms('diff')} |")
+        lines += ["", verdict(compare)]
+
+    tuning = results["xsa_tuning"]
+    if tuning:
+        lines += ["", "## 3. XSA at its own best LR (sweep.tune_xsa)", ""]
+        if tuning["selected_lr"] is None:
+            lines.append("No usable XSA search run.")
+        else:
+            lines.append(
+                f"XSA's own best LR is {tuning['selected_lr']:g} (val loss {_loss(tuning['loss_at_own_lr'])}, seed "
+                f"{results['seeds'][0]}); at the SA-tuned LR {results['selected_lr'] or float('nan'):g} XSA reaches "
+                f"{_loss(tuning['loss_at_shared_lr'])}. "
+                + ("Sharing the SA-tuned LR costs XSA nothing here."
+                   if tuning["selected_lr"] == results["selected_lr"] else
+                   "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here.")
+            )  # fmt: skip
+    lines += ["", "![LR sweep](lr_sweep.png)", "", "![Validation curves](curves.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_lr_sweep(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+        points = results["search"].get(attention)
+        if not points:
+            continue
+        ok = [(t["lr"], t["final_val_loss"]) for t in points.values() if t.get("status") == "completed"]
+        if ok:
+            ax.plot(*zip(*sorted(ok), strict=True), "o-", color=color, label=attention.upper())
+        bad = [t["lr"] for t in points.values() if t.get("status") != "completed"]
+        if bad:
+            top = max((loss for _, loss in ok), default=1.0)
+            label = f"{attention.upper()} diverged/failed"
+            ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
+    if results["selected_lr"] is not None:
+        ax.axvline(results["selected_lr"], color="gray", linestyle="--", label=f"selected {results['selected_lr']:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"LR search (seed {results['seeds'][0]})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(trials: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    styles = ["-", "--", ":", "-."]
+    for trial in trials:
+        if trial["phase"] != "compare" or not trial.get("val_history"):
+            continue
+        history = trial["val_history"]
+        color = "tab:blue" if trial["attention"] == "sa" else "tab:orange"
+        label = f"{trial['attention'].upper()} seed {trial['seed']}"
+        ax.plot([h["tokens"] for h in history], [h["val_loss"] for h in history], styles[trial["seed"] % 4],
+                color=color, marker="o", markersize=3, label=label)  # fmt: skip
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss")
+    ax.set_title("SA vs XSA at the shared LR")
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list[int], train_overrides: list[str],
+                  trials: list[dict], selection: Selection, xsa_selection: Selection | None) -> dict:  # fmt: skip
+    """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`."""
+    search: dict[str, dict[str, dict]] = {}
+    for trial in trials:
+        if trial["phase"] == "search":
+            search.setdefault(trial["attention"], {})[f"{trial['lr']:g}"] = trial
+    compare = comparison_stats(comparison_of(trials))
+    compare_table = []
+    for seed in seeds:
+        pair = {t["attention"]: t for t in trials if t["phase"] == "compare" and t["seed"] == seed}
+        if not pair:
+            continue
+        cell = {a: _loss(t["final_val_loss"]) if t["status"] == "completed" else t["status"] for a, t in pair.items()}
+        both = all(t["status"] == "completed" for t in pair.values()) and len(pair) == 2
+        diff = f"{pair['xsa']['final_val_loss'] - pair['sa']['final_val_loss']:+.4f}" if both else "-"
+        compare_table.append({"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": diff})
+    tuning = None
+    if xsa_selection is not None:
+        shared = search.get("xsa", {}).get(f"{selection.lr:g}", {}) if selection.lr is not None else {}
+        tuning = {
+            "selected_lr": xsa_selection.lr,
+            "loss_at_own_lr": xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None,
+            "loss_at_shared_lr": shared.get("final_val_loss") if shared.get("status") == "completed" else None,
+        }
+    warnings = list(selection.warnings)
+    warnings += [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
+    return {
+        "sweep_dir": str(sweep_dir),
+        "sweep_id": sweep_id,
+        "train_overrides": train_overrides,
+        "grid": grid,
+        "seeds": seeds,
+        "selected_lr": selection.lr,
+        "warnings": warnings,
+        "search": search,
+        "comparison": compare,
+        "compare_table": compare_table,
+        "xsa_tuning": tuning,
+        "trials": trials,
+    }
+
+
+def write_report(results: dict, sweep_dir: Path) -> str:
+    """results.json, report.md and the two plots in the sweep directory; returns the markdown."""
+    (sweep_dir / "results.json").write_text(json.dumps(results, indent=2))
+    plot_lr_sweep(results, sweep_dir / "lr_sweep.png")
+    plot_curves(results["trials"], sweep_dir / "curves.png")
+    markdown = render_markdown(results)
+    (sweep_dir / "report.md").write_text(markdown)
+    return markdown
+
+
+def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
+    """A `report` run in the sweep's W&B group: the trials table, the comparison and both plots."""
+    import wandb
+
+    from xsa_lm.train.tracking import wandb_init
+
+    config = {k: results[k] for k in ("grid", "seeds", "train_overrides", "selected_lr")}
+    run = wandb_init(save_dir=str(sweep_dir), name=f"{results['sweep_id']}-report", run_config=config,
+                     group=results["sweep_id"], job_type="report", **wandb_cfg)  # fmt: skip
+    columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
+    table = wandb.Table(columns=columns, data=[[t.get(c) for c in columns] for t in results["trials"]])
+    compare = results["comparison"]
+    run.log({
+        "report/trials": table,
+        "report/lr_sweep": wandb.Image(str(sweep_dir / "lr_sweep.png")),
+        "report/curves": wandb.Image(str(sweep_dir / "curves.png")),
+    })  # fmt: skip
+    run.summary.update({
+        "selected_lr": results["selected_lr"],
+        "sa_mean": compare["sa_mean"], "xsa_mean": compare["xsa_mean"], "diff_mean": compare["diff_mean"],
+        "diff_ci95_low": compare["diff_ci95"][0] if compare["diff_ci95"] else None,
+        "diff_ci95_high": compare["diff_ci95"][1] if compare["diff_ci95"] else None,
+    })  # fmt: skip
+    run.finish()

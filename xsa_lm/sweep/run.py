@@ -1,0 +1,177 @@
+"""`xsa-lm sweep`: the paper's protocol in one command.
+
+1. search:  one SA run per LR of the grid (seed = sweep.seeds[0]; with sweep.tune_xsa, XSA too)
+2. select:  the LR with the lowest final val loss among SA runs (diverged runs never win)
+3. compare: SA and XSA at that LR for every seed (the search's SA run at that LR and seed is reused)
+4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
+
+Every trial is an `xsa-lm train` process with the sweep's training overrides; its record in the sweep directory
+makes the same command resumable (see trials.py).
+"""
+
+import fcntl
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xsa_lm.errors import UserError
+from xsa_lm.sweep.protocol import Selection, Trial, compare_trials, lr_grid, search_trials, select_lr
+from xsa_lm.sweep.report import build_results, log_to_wandb, write_report
+from xsa_lm.sweep.trials import Launcher, TrialStore
+
+relaunch_argv: list[str] | None = None  # set by the CLI; unused: trials are launched as their own processes
+SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
+    "attention": "the sweep trains both SA and XSA",
+    "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
+    "seed": "set the seeds with sweep.seeds=[...]",
+    "resume": "running the same sweep command again resumes it",
+    "progress_bar": "trials write their output to the sweep's logs/ folder",
+}
+
+
+def train_overrides(task_overrides: list[str]) -> list[str]:
+    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep)."""
+    kept = []
+    for override in task_overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "sweep" or key.startswith("sweep."):
+            continue
+        if key in SET_BY_SWEEP or key == "attention.name":
+            why = SET_BY_SWEEP.get(key, SET_BY_SWEEP["attention"])
+            raise UserError(f"{override}: {key} is set by the sweep for each trial; {why}")
+        kept.append(override)
+    return kept
+
+
+def acquire_lock(sweep_dir: Path):
+    """One sweep process per directory: a second one would start the same trials twice."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(sweep_dir / "sweep.lock", "w")  # held open (and locked) while the sweep runs
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"another xsa-lm sweep is running in {sweep_dir}: wait for it, or choose another "
+                        "hydra.run.dir") from None  # fmt: skip
+    return lock
+
+
+def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
+    """sweep.json: the sweep's identity. A rerun must train what the first run trained (the LR grid and the
+    seeds may change: new trials are added, finished ones reused)."""
+    state_file = sweep_dir / "sweep.json"
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        if sorted(state["train_overrides"]) != sorted(overrides):
+            raise UserError(
+                f"{sweep_dir} holds a sweep with the training overrides {state['train_overrides']}, not {overrides}: "
+                "rerun it with the same overrides to resume it, or choose a new hydra.run.dir"
+            )
+        return state
+    wandb_cfg = cfg.logger.get("wandb") if cfg.logger else None
+    state = {"sweep_id": (wandb_cfg.group if wandb_cfg else None) or sweep_dir.name, "train_overrides": overrides,
+             "created": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}  # fmt: skip
+    state_file.write_text(json.dumps(state, indent=2))
+    return state
+
+
+def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
+    records = []
+    for trial in trials:
+        record = store.load(trial) or {"id": trial.id, "attention": trial.attention, "lr": trial.lr,
+                                       "seed": trial.seed, "status": "missing"}  # fmt: skip
+        records.append({**record, "phase": phase, "reused": record.get("phase", phase) != phase})
+    return records
+
+
+def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
+    results = {}
+    for trial in trials:
+        record = store.load(trial) or {}
+        results[trial.lr] = (record.get("status"), record.get("final_val_loss"))
+    # Statuses already hold the sweep's divergence bound (trials.outcome): no second bound here.
+    return select_lr(results, math.inf)
+
+
+def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
+    from xsa_lm.train.run import check_config  # validate once, not in every trial
+
+    grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range)
+    seeds = [int(s) for s in cfg.sweep.seeds or []]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"sweep.seeds must be a non-empty list of distinct integers, got {cfg.sweep.seeds}")
+    check_config(cfg)
+    lock = acquire_lock(sweep_dir)
+    state = open_sweep(sweep_dir, overrides, cfg)
+    config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
+    OmegaConf.save(cfg, sweep_dir / config_name, resolve=True)
+
+    store = TrialStore(sweep_dir)
+    wandb_cfg = cfg.logger.get("wandb") if cfg.logger else None
+    launcher = Launcher(store, overrides, cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [],
+                        wandb_group=state["sweep_id"] if wandb_cfg else None,
+                        diverge_above=cfg.sweep.diverge_above)  # fmt: skip
+
+    def stop(signum, frame):
+        launcher.stop()
+        print(f"\nxsa-lm sweep: interrupted ({signal.Signals(signum).name}); run the same command to resume",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    n_search = len(grid) * (2 if cfg.sweep.tune_xsa else 1)
+    print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | LR grid {[f'{lr:g}' for lr in grid]}, "
+          f"seeds {seeds} | {n_search} search + up to {2 * len(seeds)} compare trials")  # fmt: skip
+    sa_search = search_trials(grid, seeds[0], ["sa"])
+    xsa_search = search_trials(grid, seeds[0], ["xsa"]) if cfg.sweep.tune_xsa else []
+    print("phase 1: LR search")
+    launcher.run(sa_search + xsa_search, "search", "lr-search")
+    selection = selection_of(store, sa_search)
+    compare = compare_trials(selection.lr, seeds) if selection.lr is not None else []
+    if compare:
+        print(f"phase 2: selected LR {selection.lr:g}\nphase 3: SA vs XSA at LR {selection.lr:g}")
+        launcher.run(compare, "compare", "compare")
+
+    trials = phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare")
+    xsa_selection = selection_of(store, xsa_search) if xsa_search else None
+    results = build_results(sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection)
+    markdown = write_report(results, sweep_dir)
+    if wandb_cfg and cfg.sweep.wandb_report:
+        wandb_kwargs = {k: v for k, v in OmegaConf.to_container(wandb_cfg, resolve=True).items()
+                        if k in ("project", "entity", "mode", "init_timeout_s")}  # fmt: skip
+        log_to_wandb(results, sweep_dir, wandb_kwargs)
+    lock.close()
+    return results, markdown
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
+def main(cfg: DictConfig) -> None:
+    sweep_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        overrides = train_overrides(list(HydraConfig.get().overrides.task))
+        results, markdown = run_sweep(cfg, sweep_dir, overrides)
+    except UserError as e:
+        print(f"xsa-lm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OmegaConfBaseException as e:
+        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
+        sys.exit(2)
+    print("\n" + markdown)
+    print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
+    unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]
+    if unfinished:
+        print(f"xsa-lm sweep: {len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): "
+              "run the same command again to retry them", file=sys.stderr)  # fmt: skip
+        sys.exit(1)
+    if results["selected_lr"] is None:
+        print("xsa-lm sweep: no usable LR in the grid (see the report's warnings)", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,223 @@
+"""Trials as child processes, and one record per trial in the sweep directory.
+
+Layout of a sweep directory:
+  trials/<id>.json   the record of a trial: its command, status, metrics and run directory (written atomically)
+  runs/<id>/         the trial's run directory (config.yaml, metrics.csv, checkpoints/, summary.json, wandb/)
+  logs/<id>.log      the trial's terminal output, appended across attempts
+
+A record whose status is `completed` or `diverged` is final: a rerun of the sweep reuses it. Anything else (failed,
+or `running` left behind by a killed sweep) is tried again: from the run's last checkpoint when there is one,
+else from scratch, with the previous attempt's directory kept under runs/<id>.attempt<N>.
+"""
+
+import ctypes
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from xsa_lm.errors import UserError
+from xsa_lm.sweep.protocol import Trial
+
+FINAL = ("completed", "diverged")
+SUMMARY_METRICS = ("final_val_loss", "final_val_ppl", "best_val_loss", "steps", "tokens_seen", "tokens_per_s",
+                   "wall_time_s", "diverged_at_step", "val_history", "checkpoints")  # fmt: skip
+
+
+class TrialStore:
+    def __init__(self, sweep_dir: Path) -> None:
+        self.sweep_dir = sweep_dir
+        self.records, self.runs, self.logs = sweep_dir / "trials", sweep_dir / "runs", sweep_dir / "logs"
+
+    def run_dir(self, trial: Trial) -> Path:
+        return self.runs / trial.id
+
+    def log_file(self, trial: Trial) -> Path:
+        return self.logs / f"{trial.id}.log"
+
+    def load(self, trial: Trial) -> dict | None:
+        path = self.records / f"{trial.id}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def save(self, trial: Trial, record: dict) -> None:
+        self.records.mkdir(parents=True, exist_ok=True)
+        path = self.records / f"{trial.id}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path)  # a kill mid-write leaves the old record, never half a record
+
+    def is_final(self, trial: Trial) -> bool:
+        record = self.load(trial)
+        return record is not None and record["status"] in FINAL
+
+
+def diverge_bound(diverge_above: float | None, vocab_size: int) -> float:
+    """A final val loss above ln(V) is worse than guessing uniformly over the vocabulary: the run diverged."""
+    return float(diverge_above) if diverge_above is not None else math.log(vocab_size)
+
+
+def outcome(returncode: int, summary: dict | None, log_tail: str, diverge_above: float | None) -> dict:
+    """The status, error and metrics of a finished trial process, from its exit code and summary.json."""
+    if summary is None:
+        if returncode < 0:
+            error = f"killed by signal {signal.Signals(-returncode).name} (out of memory?)"
+        else:
+            error = log_tail or f"exited with code {returncode} before writing summary.json"
+        return {"status": "failed", "error": error}
+    result = {"status": summary["status"], "error": summary.get("error")}
+    result.update({key: summary.get(key) for key in SUMMARY_METRICS})
+    if returncode != 0 and summary["status"] != "failed":
+        result.update(status="failed", error=log_tail or f"exited with code {returncode}")
+    loss = summary.get("final_val_loss")
+    bound = diverge_bound(diverge_above, summary["model_config"]["vocab_size"])
+    if result["status"] == "completed" and (loss is None or not math.isfinite(loss) or loss > bound):
+        result.update(status="diverged", error=f"final val loss {loss} is above the divergence bound {bound:.3f}")
+    elif result["status"] == "diverged":
+        result["error"] = f"NaN/inf training loss at step {summary.get('diverged_at_step')}"
+    return result
+
+
+def last_error_line(log: Path) -> str:
+    """The line a failed run printed last that says what went wrong (`xsa-lm: error: ...`, an exception)."""
+    if not log.exists():
+        return ""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()[-200:] if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("xsa-lm:") or "Error" in line.split(":")[0]:
+            return line
+    return lines[-1] if lines else ""
+
+
+def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs."""
+    if max_parallel < 1:
+        raise UserError(f"sweep.max_parallel must be at least 1, got {max_parallel}")
+    if not visible or max_parallel == 1:
+        return [None] * max_parallel
+    if len(visible) < max_parallel:
+        raise UserError(
+            f"sweep.max_parallel={max_parallel} trials at once but {len(visible)} visible GPU(s): lower max_parallel"
+        )
+    per_slot = len(visible) // max_parallel
+    return [",".join(visible[i * per_slot : (i + 1) * per_slot]) for i in range(max_parallel)]
+
+
+def visible_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the sweep dies, even by SIGKILL (Linux), so that no orphan
+    trial keeps writing into a run directory that a rerun of the sweep is about to use."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the sweep's signal handlers still stop children
+        pass
+
+
+class Launcher:
+    """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
+
+    def __init__(
+        self,
+        store: TrialStore,
+        train_overrides: Sequence[str],
+        max_parallel: int = 1,
+        launch_prefix: Sequence[str] = (),
+        wandb_group: str | None = None,
+        diverge_above: float | None = None,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.store, self.train_overrides = store, list(train_overrides)
+        self.slots = device_slots(max_parallel, visible_gpus() if max_parallel > 1 else [])
+        self.launch_prefix, self.wandb_group, self.diverge_above = list(launch_prefix), wandb_group, diverge_above
+        self.echo = echo
+        self.running: dict[subprocess.Popen, tuple[Trial, int, float]] = {}
+
+    def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
+        cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides,
+               f"attention={trial.attention}", f"optim.lr={trial.lr!r}", f"seed={trial.seed}",
+               f"hydra.run.dir={self.store.run_dir(trial)}", "progress_bar=false"]  # fmt: skip
+        if self.wandb_group is not None:
+            cmd += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
+        if resume:
+            cmd.append("resume=auto")
+        return cmd
+
+    def run(self, trials: Sequence[Trial], phase: str, job_type: str) -> None:
+        """Run every trial that has no final record yet; returns when all have finished."""
+        todo = [t for t in dict.fromkeys(trials) if not self.store.is_final(t)]
+        for trial in dict.fromkeys(trials):
+            if trial not in todo:
+                self.echo(f"  {phase}: {trial.id} already {self.store.load(trial)['status']} (reused)")
+        free = list(range(len(self.slots)))
+        while todo or self.running:
+            while todo and free:
+                self._start(todo.pop(0), free.pop(0), phase, job_type)
+            time.sleep(0.2)
+            for proc in [p for p in self.running if p.poll() is not None]:
+                trial, slot, started = self.running.pop(proc)
+                free.append(slot)
+                self._finish(trial, proc.returncode, started, phase)
+
+    def _start(self, trial: Trial, slot: int, phase: str, job_type: str) -> None:
+        run_dir, log = self.store.run_dir(trial), self.store.log_file(trial)
+        previous = self.store.load(trial) or {}
+        attempt = previous.get("attempt", 0) + 1
+        resume = (run_dir / "checkpoints" / "last.ckpt").exists()
+        if run_dir.exists() and not resume:  # an attempt that left no checkpoint: keep it aside, start afresh
+            run_dir.rename(run_dir.with_name(f"{trial.id}.attempt{attempt - 1}"))
+        cmd = self.command(trial, job_type, resume)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.slots[slot] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.slots[slot]
+        with open(log, "a") as out:
+            out.write(f"\n=== attempt {attempt} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent)  # fmt: skip
+        started = time.time()
+        self.running[proc] = (trial, slot, started)
+        self.store.save(trial, {
+            "id": trial.id, "phase": phase, "attention": trial.attention, "lr": trial.lr, "seed": trial.seed,
+            "status": "running", "attempt": attempt, "resumed_from_checkpoint": resume, "pid": proc.pid,
+            "started": started, "command": cmd, "run_dir": str(run_dir), "log": str(log),
+            "config": str(run_dir / "config.yaml"),
+        })  # fmt: skip
+        how = " (resuming from its last checkpoint)" if resume else ""
+        self.echo(f"  {phase}: {trial.id} started{how}; log {log}")
+
+    def _finish(self, trial: Trial, returncode: int, started: float, phase: str) -> None:
+        summary_file = self.store.run_dir(trial) / "summary.json"
+        fresh = summary_file.exists() and summary_file.stat().st_mtime >= started - 1
+        summary = json.loads(summary_file.read_text()) if fresh else None
+        result = outcome(returncode, summary, last_error_line(self.store.log_file(trial)), self.diverge_above)
+        record = {**self.store.load(trial), **result, "returncode": returncode, "finished": time.time()}
+        self.store.save(trial, record)
+        loss = result.get("final_val_loss")
+        finished = loss is not None and result["status"] == "completed"
+        detail = f"final val loss {loss:.4f}" if finished else result["error"]
+        self.echo(f"  {phase}: {trial.id} {result['status']} in {time.time() - started:.0f} s: {detail}")
+
+    def stop(self) -> None:
+        """Terminate the trials in flight (the sweep was interrupted); their records say `interrupted`."""
+        for proc in self.running:
+            proc.terminate()
+        for proc, (trial, _, _) in list(self.running.items()):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            self.store.save(trial, {**self.store.load(trial), "status": "interrupted", "finished": time.time()})
+        self.running.clear()
