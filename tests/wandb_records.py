@@ -70,3 +70,17 @@ def config(path: str | Path) -> dict[str, Any]:
             cfg.pop(_key(i), None)
     cfg.pop("_wandb", None)
     return cfg
+
+
+def run_record(path: str | Path) -> Any:
+    """The ``run`` record written at init: display_name, run_group, job_type, tags."""
+    return next(r.run for r in read_records(path) if r.HasField("run"))
+
+
+def summary(path: str | Path) -> dict[str, Any]:
+    """The run summary: the last value of every ``run.summary.update`` key (and of logged keys)."""
+    out: dict[str, Any] = {}
+    for r in read_records(path):
+        if r.HasField("summary"):
+            out.update({_key(i): json.loads(i.value_json) for i in r.summary.update})
+    return out

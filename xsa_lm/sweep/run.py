@@ -107,6 +107,8 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     seeds = [int(s) for s in cfg.sweep.seeds or []]
     if not seeds or len(set(seeds)) != len(seeds):
         raise UserError(f"sweep.seeds must be a non-empty list of distinct integers, got {cfg.sweep.seeds}")
+    if cfg.sweep.max_parallel < 1:
+        raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
     check_config(cfg)
     lock = acquire_lock(sweep_dir)
     state = open_sweep(sweep_dir, overrides, cfg)

@@ -139,7 +139,9 @@ class Launcher:
         echo: Callable[[str], None] = print,
     ) -> None:
         self.store, self.train_overrides = store, list(train_overrides)
-        self.slots = device_slots(max_parallel, visible_gpus() if max_parallel > 1 else [])
+        # With a launch prefix (srun, ...) the scheduler places each trial: no GPU slicing from here.
+        slice_gpus = max_parallel > 1 and not launch_prefix
+        self.slots = device_slots(max_parallel, visible_gpus() if slice_gpus else [])
         self.launch_prefix, self.wandb_group, self.diverge_above = list(launch_prefix), wandb_group, diverge_above
         self.echo = echo
         self.running: dict[subprocess.Popen, tuple[Trial, int, float]] = {}
