@@ -18,6 +18,8 @@ def test_every_config_group_in_the_readme_exists():
     table = README.split("### Config groups")[1].split("\n\n")[1]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) >= 7
+    groups = {row.split("|")[1].strip(" `") for row in rows}
+    assert groups == {d.name for d in configs.iterdir() if d.is_dir() and not d.name.startswith("_")}
     for row in rows:
         group, options = row.split("|")[1:3]
         for option in re.findall(r"`([^`]+)`", options):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, cli_env, run_cli
-from tests.wandb_records import run_record, summary
+from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import Trial, compare_trials, lr_grid, paired_ci, select_lr, t_quantile_975
 from xsa_lm.sweep.report import build_results, render_markdown
@@ -165,6 +165,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]",
             "sweep.seeds=[0,1]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']",
+            "sweep.max_parallel=2",
             f"hydra.run.dir={sweep_dir}"]  # fmt: skip
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -185,6 +186,9 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert len(list((sweep_dir / "runs").iterdir())) == 6  # 4 search + 2 new compare runs, none twice
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
     assert record["command"][:2] == ["env", "XSA_LM_VIA_PREFIX=1"]  # sweep.launch_prefix wraps every trial
+    spans = sorted((t["started"], t["finished"]) for t in results["trials"] if t["phase"] == "search")
+    overlaps = [b_start < a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False)]
+    assert any(overlaps), "sweep.max_parallel=2 ran the search trials one after another"
     compare = results["comparison"]
     assert compare["seeds"] == [0, 1] and compare["diff_ci95"] is not None
     assert compare["diff_mean"] == pytest.approx(sum(compare["xsa"]) / 2 - sum(compare["sa"]) / 2)
@@ -205,9 +209,13 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     search_run = _trial_wandb_file(sweep_dir / "runs" / "sa_lr0.003_s0")
     assert run_record(search_run).job_type == "lr-search"
     assert summary(search_run)["final_val_loss"] == pytest.approx(by_key[("search", "sa", 3e-3, 0)]["final_val_loss"])
+    run_config = config(search_run)
+    assert (run_config["attention"]["name"], run_config["optim"]["lr"], run_config["seed"]) == ("sa", 3e-3, 0)
     report_run = next(sweep_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert (run_record(report_run).run_group, run_record(report_run).job_type) == ("sweep", "report")
     assert summary(report_run)["selected_lr"] == 3e-3
+    logged = {key for row in history(report_run) for key in row}
+    assert {"report/trials", "report/lr_sweep", "report/curves"} <= logged
 
     # The same command again: every trial is reused, nothing retrained, the results are the same.
     again = run_cli(args, data_cache, tmp_path, timeout=300)
@@ -257,6 +265,27 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     assert {t["status"] for t in results["trials"]} == {"completed"}
     assert {(t["phase"], t["attention"]) for t in results["trials"]} == {("search", "sa"), ("compare", "sa"),
                                                                          ("compare", "xsa")}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_trial_in_flight_and_records_it(tmp_path: Path, data_cache: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *SWEEP_FAST, "trainer.max_steps=200", "sweep.lrs=[1e-3]",
+           "sweep.seeds=[0]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    record_file = sweep_dir / "trials" / "sa_lr0.001_s0.json"
+    deadline = time.time() + 120
+    while not (sweep_dir / "runs" / "sa_lr0.001_s0" / "metrics.csv").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    pid = json.loads(record_file.read_text())["pid"]
+    proc.send_signal(signal.SIGTERM)  # what SLURM and `kill` send
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "interrupted (SIGTERM); run the same command to resume" in stderr
+    assert json.loads(record_file.read_text())["status"] == "interrupted"
+    _wait_until_gone(pid)
 
 
 def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
