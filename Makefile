@@ -42,6 +42,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py --out bench_train.json
+	$(BIN)/python scripts/bench_data.py --out bench_data.json
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

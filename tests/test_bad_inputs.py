@@ -27,8 +27,11 @@ CASES = {
     "negative lr": (["optim.lr=-1e-3"], ["optim.lr"]),
     "indivisible global batch": (["global_batch_tokens=1000"], ["global_batch_tokens", "micro_batch_size"]),
     "context above the model's": (["data.block_size=128"], ["data.block_size=128", "model.block_size=64"]),
-    "missing data path": (["data=text", "data.source.files=/no/such/dir/*.txt"], ["data.source.files"]),
-    "missing data key": (["data=text"], ["data.source.files"]),
+    "missing data path": (["data=local", "data.files=/no/such/dir/*.txt"], ["data.files"]),
+    "missing data key": (["data=local"], ["data.files"]),
+    "data=prepared without data.dir": (["data=prepared"], ["data.dir"]),
+    "data.dir that holds no shards": (["data=prepared", "data.dir=/no/such/dir"], ["data.dir", "xsa-lm prepare"]),
+    "hub dataset offline": (["data=fineweb"], ["data=local data.files="]),
     "missing tokenizer file": (["tokenizer=file", "tokenizer.path=/no/such/tokenizer.json"], ["tokenizer.path"]),
     "resume from a missing checkpoint": (["resume=/no/such.ckpt"], ["resume"]),
 }
@@ -46,11 +49,10 @@ def test_bad_input(overrides: list[str], expected: list[str], data_cache: Path, 
 
 
 def test_empty_corpus(data_cache: Path, tmp_path: Path):
-    for name in ("a.txt", "b.txt", "c.txt"):
-        (tmp_path / name).write_text("")
-    out = run_cli(["train", *FAST, "data=text", f"data.source.files={tmp_path}/*.txt",
+    (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
+    out = run_cli(["train", *FAST, "data=local", f"data.files={tmp_path}/*.jsonl", "data.val_fraction=0.5",
                    f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)  # fmt: skip
-    assert_clean_error(out, "data.source", "no text")
+    assert_clean_error(out, "data:", "no text")
 
 
 def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path):

@@ -1,26 +1,52 @@
-"""Corpora, tokenizer, token packing and the deterministic, resumable sampling order."""
+"""Corpora, tokenizers, sharded preparation (formats, split, resume) and the deterministic, resumable loading order."""
 
+import json
 import time
 from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches
-from xsa_lm.data.prepare import prepare
-from xsa_lm.data.sources import ShakespeareCorpus, TextFilesCorpus
+from xsa_lm.data.prepare import is_val_document, load_prepared, prepare
+from xsa_lm.data.sources import HFDataset, LocalFiles, ShakespeareCorpus
 from xsa_lm.data.tokenizer import EOT, load_gpt2, load_tokenizer_file, train_bpe
 from xsa_lm.errors import UserError
 
 DOCS = ["the quick brown fox jumps over the lazy dog. " * 20, "to be or not to be, that is the question. " * 20]
+BPE = partial(train_bpe, vocab_size=300)
 
 
-def write_docs(folder: Path, texts: list[str]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, text in enumerate(texts):
-        (folder / f"doc{i}.txt").write_text(text)
+def many_docs(n: int) -> list[str]:
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    return [" ".join(words[(i * 7 + j) % 10] for j in range(5 + i % 13)) + f" doc {i}." for i in range(n)]
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def decode_documents(data, split: str) -> list[str]:
+    tokens = np.concatenate([np.asarray(s) for s in data.shards(split)]) if data.shards(split) else np.array([])
+    eot = data.meta["eot_id"]
+    ends = np.flatnonzero(tokens == eot)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [data.tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]
+
+
+def prepare_local(tmp_path: Path, files: str, out: str = "out", **kwargs):
+    source = LocalFiles(files)
+    identity = {"source": source.identity(), "tokenizer": "bpe300"}
+    return prepare(source, BPE, tmp_path / out, identity, **{"val_fraction": 0.2, **kwargs})
+
+
+# --- tokenizers ----------------------------------------------------------------------------------------------
 
 
 def test_bpe_roundtrip_and_eot_special(tmp_path: Path):
@@ -33,95 +59,6 @@ def test_bpe_roundtrip_and_eot_special(tmp_path: Path):
     tok.save(str(tmp_path / "tokenizer.json"))
     again = load_tokenizer_file(str(tmp_path / "tokenizer.json"))
     assert again.encode(text).ids == tok.encode(text).ids
-
-
-def test_shakespeare_validation_is_whole_plays():
-    corpus = ShakespeareCorpus(val_plays=["macbeth", "the-tempest"])
-    val, train = list(corpus.documents("val")), list(corpus.documents("train"))
-    assert len(val) == 2 and len(train) == 36
-    assert any("MACBETH" in doc for doc in val) and not any("MACBETH" in doc for doc in train)
-    assert not any("**" in doc or "_Enter" in doc for doc in val)  # markdown stripped
-    with pytest.raises(UserError, match="val_plays"):
-        ShakespeareCorpus(val_plays=["no-such-play"])
-
-
-def test_prepare_packs_documents_with_eot_and_caches(tmp_path: Path):
-    write_docs(tmp_path / "corpus", DOCS * 3)
-    source = TextFilesCorpus(files=str(tmp_path / "corpus" / "*.txt"), val_fraction=0.34)
-    assert len(source.val_files) == 2 and len(source.train_files) == 4
-    data = prepare(source, partial(train_bpe, vocab_size=300), str(tmp_path / "cache"), {"tok": "bpe300"})
-    train = np.asarray(data.tokens("train"))
-    eot = data.meta["eot_id"]
-    assert data.dtype == np.uint16 and data.meta["train_documents"] == 4
-    assert (train == eot).sum() == 4 and train[-1] == eot
-    first_doc = train[: np.argmax(train == eot)].tolist()
-    assert data.tokenizer.decode(first_doc) == (tmp_path / "corpus" / source.train_files[0]).read_text()
-    assert data.meta["train_tokens"] == len(train)
-    # A second call reuses the prepared directory instead of rebuilding it.
-    stamp = (data.dir / "train.bin").stat().st_mtime_ns
-    again = prepare(source, partial(train_bpe, vocab_size=300), str(tmp_path / "cache"), {"tok": "bpe300"})
-    assert again.dir == data.dir and (again.dir / "train.bin").stat().st_mtime_ns == stamp
-    other = prepare(source, partial(train_bpe, vocab_size=280), str(tmp_path / "cache"), {"tok": "bpe280"})
-    assert other.dir != data.dir
-
-
-def test_empty_corpus_is_a_user_error(tmp_path: Path):
-    write_docs(tmp_path / "corpus", ["", "", ""])
-    source = TextFilesCorpus(files=str(tmp_path / "corpus" / "*.txt"), val_fraction=0.34)
-    with pytest.raises(UserError, match="no text"):
-        prepare(source, partial(train_bpe, vocab_size=300), str(tmp_path / "cache"), {})
-    assert not any(p.name.startswith("text-") for p in (tmp_path / "cache").iterdir())  # nothing half-written
-
-
-def test_missing_files_are_a_user_error(tmp_path: Path):
-    with pytest.raises(UserError, match="data.source.files"):
-        TextFilesCorpus(files=str(tmp_path / "nope" / "*.txt"))
-
-
-def test_windows_are_shifted_by_one():
-    windows = PackedWindows(np.arange(100, dtype=np.uint16), block_size=8)
-    assert len(windows) == 12
-    x, y = windows[2]
-    assert x.tolist() == list(range(16, 24)) and y.tolist() == list(range(17, 25))
-    assert x.dtype == torch.int64
-
-
-def stream_batches(stream: ShuffledBatches, n: int) -> list[torch.Tensor]:
-    it = iter(stream)
-    return [next(it)[0] for _ in range(n)]
-
-
-def test_sampling_order_is_a_function_of_seed_and_position():
-    windows = PackedWindows(np.arange(1000, dtype=np.uint16), block_size=10)  # 99 windows
-    a = stream_batches(ShuffledBatches(windows, 4, seed=1), 60)  # > 2 epochs
-    b = stream_batches(ShuffledBatches(windows, 4, seed=1), 60)
-    c = stream_batches(ShuffledBatches(windows, 4, seed=2), 60)
-    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
-    # every window once per epoch
-    firsts = torch.cat(a)[:99, 0].tolist()
-    assert sorted(firsts) == [10 * i for i in range(99)]
-    # resuming at batch 25 continues exactly
-    resumed = stream_batches(ShuffledBatches(windows, 4, seed=1, start_batch=25), 10)
-    assert all(torch.equal(x, y) for x, y in zip(resumed, a[25:35], strict=True))
-
-
-def test_ranks_get_disjoint_interleaved_batches():
-    windows = PackedWindows(np.arange(1000, dtype=np.uint16), block_size=10)
-    single = stream_batches(ShuffledBatches(windows, 4, seed=0), 8)
-    rank0 = stream_batches(ShuffledBatches(windows, 4, seed=0, rank=0, world_size=2), 4)
-    rank1 = stream_batches(ShuffledBatches(windows, 4, seed=0, rank=1, world_size=2), 4)
-    assert all(torch.equal(x, y) for x, y in zip(rank0, single[0::2], strict=True))
-    assert all(torch.equal(x, y) for x, y in zip(rank1, single[1::2], strict=True))
-
-
-def test_workers_do_not_change_the_order():
-    windows = PackedWindows(np.arange(2000, dtype=np.uint16), block_size=10)
-    stream = ShuffledBatches(windows, 4, seed=3)
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
-    it = iter(loader)
-    with_workers = [next(it)[0] for _ in range(6)]
-    assert all(torch.equal(x, y) for x, y in zip(with_workers, stream_batches(stream, 6), strict=True))
 
 
 def test_gpt2_tokenizer_offline_fails_fast_with_the_alternative(monkeypatch, tmp_path: Path):
@@ -138,3 +75,225 @@ def test_gpt2_tokenizer_from_a_local_file(tmp_path: Path):
     assert load_gpt2(path=str(tmp_path / "tokenizer.json")).token_to_id(EOT) is not None
     with pytest.raises(UserError, match="not found"):
         load_gpt2(path=str(tmp_path / "missing.json"))
+
+
+# --- sources -------------------------------------------------------------------------------------------------
+
+
+def test_shakespeare_validation_is_whole_plays():
+    corpus = ShakespeareCorpus(val_plays=["macbeth", "the-tempest"])
+    docs = dict(corpus.documents())
+    assert len(docs) == 38 and [k for k in docs if corpus.is_val(k)] == ["macbeth", "the-tempest"]
+    assert "MACBETH" in docs["macbeth"] and "**" not in docs["macbeth"]  # markdown stripped
+    with pytest.raises(UserError, match="val_plays"):
+        ShakespeareCorpus(val_plays=["no-such-play"])
+
+
+def test_every_local_format_reads_the_same_documents(tmp_path: Path):
+    texts = many_docs(6)
+    (tmp_path / "txt").mkdir()
+    for i, t in enumerate(texts):
+        (tmp_path / "txt" / f"{i}.txt").write_text(t)
+    write_jsonl(tmp_path / "a.jsonl", texts, field="body")
+    (tmp_path / "b.json").write_text(json.dumps([{"body": t} for t in texts]))
+    pq.write_table(pa.table({"body": texts, "n": list(range(6))}), tmp_path / "c.parquet")
+    assert [t for _, t in LocalFiles(str(tmp_path / "txt" / "*.txt")).documents()] == texts
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        source = LocalFiles(str(tmp_path / name), text_field="body")
+        assert [t for _, t in source.documents()] == texts, name
+        assert source.count_documents() in (6, None)
+    both = LocalFiles([str(tmp_path / "a.jsonl"), str(tmp_path / "c.*")], text_field="body")  # a list of globs
+    keys = [k for k, _ in both.documents()]
+    assert len(keys) == 12 and len(set(keys)) == 12  # document keys are unique across files
+
+
+def test_hf_dataset_source_reads_local_files_through_datasets(tmp_path: Path):
+    texts = many_docs(5)
+    write_jsonl(tmp_path / "corpus.jsonl", texts)
+    source = HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"), streaming=True)
+    assert [t for _, t in source.documents()] == texts
+    assert [t for _, t in HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"),
+                                    max_documents=2).documents()] == texts[:2]  # fmt: skip
+
+
+def test_hub_dataset_offline_fails_fast_naming_local_files(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(UserError, match="data=local data.files="):
+        HFDataset(path="HuggingFaceFW/fineweb", subset="sample-10BT")
+    assert time.monotonic() - start < 5
+
+
+# --- preparation ---------------------------------------------------------------------------------------------
+
+
+def test_shards_read_back_equal_direct_tokenization(tmp_path: Path):
+    texts = many_docs(50)
+    write_jsonl(tmp_path / "corpus.jsonl", texts)
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), shard_documents=7)
+    assert len(data.meta["shards"]) == 8 and data.dtype == np.uint16
+    keys = [f"{tmp_path / 'corpus.jsonl'}:{n}" for n in range(1, 51)]
+    expected_val = [t for k, t in zip(keys, texts, strict=True) if is_val_document(k, 0.2, 0)]
+    expected_train = [t for k, t in zip(keys, texts, strict=True) if not is_val_document(k, 0.2, 0)]
+    assert decode_documents(data, "train") == expected_train and decode_documents(data, "val") == expected_val
+    # token for token: the shards hold exactly tokenizer.encode(document) + [EOT] for each document, in order
+    eot = data.meta["eot_id"]
+    direct = [t for text in expected_train for t in [*data.tokenizer.encode(text).ids, eot]]
+    assert np.concatenate([np.asarray(s) for s in data.shards("train")]).tolist() == direct
+    assert data.meta["train_tokens"] == len(direct) and data.meta["val_documents"] == len(expected_val)
+    meta = json.loads((data.dir / "meta.json").read_text())
+    assert meta["tokenizer"]["sha256"] and meta["identity"]["split_seed"] == 0
+    assert sum(s["train_documents"] + s["val_documents"] for s in meta["shards"]) == 50
+
+
+def test_split_is_disjoint_and_stable_under_re_preparation(tmp_path: Path):
+    texts = many_docs(200)
+    write_jsonl(tmp_path / "corpus.jsonl", texts)
+    a = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), "a", shard_documents=13)
+    b = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), "b", shard_documents=50, workers=2)
+    val_a, train_a = decode_documents(a, "val"), decode_documents(a, "train")
+    assert set(val_a).isdisjoint(train_a) and len(val_a) + len(train_a) == 200
+    assert 20 < len(val_a) < 60  # ~20% of 200
+    assert decode_documents(b, "val") == val_a and decode_documents(b, "train") == train_a  # shards/workers: same
+    c = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), "c", shard_documents=13, split_seed=1)
+    assert decode_documents(c, "val") != val_a  # the seed chooses the split
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StopAfter:
+    """A source whose second pass (the first trains the tokenizer) dies after n documents, like a killed
+    preparation."""
+
+    def __init__(self, source: LocalFiles, n: int) -> None:
+        self.source, self.n, self.name, self.passes = source, n, source.name, 0
+
+    def documents(self):
+        self.passes += 1
+        for i, doc in enumerate(self.source.documents()):
+            if i == self.n and self.passes == 2:
+                raise Interrupted
+            yield doc
+
+    def identity(self) -> dict:
+        return self.source.identity()
+
+
+def test_interrupted_preparation_resumes_and_yields_identical_shards(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(100))
+    source = LocalFiles(str(tmp_path / "corpus.jsonl"))
+    identity = {"source": source.identity(), "tokenizer": "bpe300"}
+    whole = prepare(source, BPE, tmp_path / "whole", identity, val_fraction=0.2, shard_documents=10)
+    with pytest.raises(Interrupted):
+        prepare(StopAfter(source, 45), BPE, tmp_path / "resumed", identity, val_fraction=0.2, shard_documents=10)
+    out = tmp_path / "resumed"
+    assert not (out / "meta.json").exists() and len(list(out.glob("shard-*.json"))) == 4
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*-00000[0-3].*")}
+    with pytest.raises(UserError, match="no finished preparation"):
+        load_prepared(out)
+    resumed = prepare(source, BPE, out, identity, val_fraction=0.2, shard_documents=10)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*-00000[0-3].*")} == stamps  # never rewritten
+    for split in ("train", "val"):
+        for x, y in zip(whole.shards(split), resumed.shards(split), strict=True):
+            assert np.array_equal(x, y)
+    assert [s for s in resumed.meta["shards"]] == whole.meta["shards"]
+
+
+def test_prepared_directory_is_reused_and_protected(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    stamp = (data.dir / "train-000000.bin").stat().st_mtime_ns
+    again = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    assert (again.dir / "train-000000.bin").stat().st_mtime_ns == stamp
+    with pytest.raises(UserError, match="prepared from other inputs"):
+        prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), split_seed=3)
+    assert (data.dir / "meta.json").exists() and (data.dir / "train-000000.bin").stat().st_mtime_ns == stamp
+
+
+def test_truncated_shard_is_detected(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    shard = data.dir / "train-000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-6])
+    with pytest.raises(UserError, match="truncated"):
+        load_prepared(data.dir)
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"a.txt": b""}, "is empty"),
+        ({"a.txt": "caf\xe9".encode("latin-1")}, "not UTF-8"),
+        ({"a.jsonl": b'{"body": "x"}\n'}, "no field 'text'"),
+        ({"a.jsonl": b'{"text": "x"\n'}, "not valid JSON"),
+        ({"a.csv": b"text\nx\n"}, "unsupported file type"),
+    ],
+)
+def test_bad_local_files_are_one_line_errors(tmp_path: Path, files: dict, message: str):
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        source = LocalFiles(str(tmp_path / "a.*"))
+        list(source.documents())
+
+
+def test_empty_corpus_is_a_user_error(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", ["", "", "", ""])
+    with pytest.raises(UserError, match="no text"):
+        prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), val_fraction=0.5)
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+
+def test_windows_are_shifted_by_one_and_never_cross_shards():
+    windows = PackedWindows([np.arange(100, dtype=np.uint16)], block_size=8)
+    assert len(windows) == 12
+    x, y = windows[2]
+    assert x.tolist() == list(range(16, 24)) and y.tolist() == list(range(17, 25))
+    assert x.dtype == torch.int64
+    two = PackedWindows([np.arange(20, dtype=np.uint16), np.arange(100, 120, dtype=np.uint16)], block_size=8)
+    assert len(two) == 4 and two[2][0].tolist() == list(range(100, 108))
+
+
+def stream_batches(stream: ShuffledBatches, n: int) -> list[torch.Tensor]:
+    it = iter(stream)
+    return [next(it)[0] for _ in range(n)]
+
+
+def test_sampling_order_is_a_function_of_seed_and_position():
+    windows = PackedWindows([np.arange(1000, dtype=np.uint16)], block_size=10)  # 99 windows
+    a = stream_batches(ShuffledBatches(windows, 4, seed=1), 60)  # > 2 epochs
+    b = stream_batches(ShuffledBatches(windows, 4, seed=1), 60)
+    c = stream_batches(ShuffledBatches(windows, 4, seed=2), 60)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+    # every window once per epoch
+    firsts = torch.cat(a)[:99, 0].tolist()
+    assert sorted(firsts) == [10 * i for i in range(99)]
+    # resuming at batch 25 continues exactly
+    resumed = stream_batches(ShuffledBatches(windows, 4, seed=1, start_batch=25), 10)
+    assert all(torch.equal(x, y) for x, y in zip(resumed, a[25:35], strict=True))
+
+
+def test_ranks_get_distinct_interleaved_batches():
+    windows = PackedWindows([np.arange(1000, dtype=np.uint16)], block_size=10)
+    single = stream_batches(ShuffledBatches(windows, 4, seed=0), 8)
+    rank0 = stream_batches(ShuffledBatches(windows, 4, seed=0, rank=0, world_size=2), 4)
+    rank1 = stream_batches(ShuffledBatches(windows, 4, seed=0, rank=1, world_size=2), 4)
+    assert all(torch.equal(x, y) for x, y in zip(rank0, single[0::2], strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(rank1, single[1::2], strict=True))
+    starts0 = {int(w[0]) for b in rank0 for w in b}
+    starts1 = {int(w[0]) for b in rank1 for w in b}
+    assert starts0.isdisjoint(starts1) and len(starts0) == len(starts1) == 16  # distinct windows per rank
+
+
+def test_workers_do_not_change_the_order():
+    windows = PackedWindows([np.arange(2000, dtype=np.uint16)], block_size=10)
+    stream = ShuffledBatches(windows, 4, seed=3)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
+    it = iter(loader)
+    with_workers = [next(it)[0] for _ in range(6)]
+    assert all(torch.equal(x, y) for x, y in zip(with_workers, stream_batches(stream, 6), strict=True))

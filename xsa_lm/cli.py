@@ -6,6 +6,7 @@ import sys
 
 COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "train": ("xsa_lm.train.run", "train", "train one SA or XSA model (configs/train.yaml)"),
+    "prepare": ("xsa_lm.data.run", "prepare", "tokenize a corpus into shards (configs/prepare.yaml)"),
     "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
 }
 HYDRA_FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",
@@ -31,14 +32,29 @@ def check_overrides(config_name: str, args: list[str]) -> None:
             overrides.append(arg)
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-            compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         print(f"xsa-lm: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
+    missing = missing_values(OmegaConf.to_container(cfg, resolve=False))  # `???`: what the options need
+    if missing:
+        print(f"xsa-lm: error: missing required value(s): {', '.join(missing)}; set them on the command line, "
+              f"e.g. {missing[0]}=...", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+
+
+def missing_values(node: object, prefix: str = "") -> list[str]:
+    """Keys whose value is still `???` (e.g. data.files for data=local), without resolving interpolations."""
+    if isinstance(node, dict):
+        return [key for k, v in node.items() for key in missing_values(v, f"{prefix}{k}.")]
+    if isinstance(node, list):
+        return [key for i, v in enumerate(node) for key in missing_values(v, f"{prefix}{i}.")]
+    return [prefix[:-1]] if node == "???" else []
 
 
 def one_line(error: BaseException) -> str:

@@ -1,6 +1,7 @@
 """Token windows for training: a deterministic, resumable shuffled stream, and a fixed validation set."""
 
-from collections.abc import Iterator
+import bisect
+from collections.abc import Iterator, Sequence
 
 import lightning as L
 import numpy as np
@@ -8,21 +9,28 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from xsa_lm.data.prepare import PreparedData
+from xsa_lm.errors import UserError
 
 
 class PackedWindows(Dataset):
-    """Non-overlapping windows of block_size + 1 tokens over a flat token array: (input, target) pairs."""
+    """Windows of block_size + 1 tokens over memory-mapped shards, as (input, target) pairs. Consecutive windows
+    share one token (the last target is the next input's first token); no window crosses a shard boundary."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
-        self.tokens, self.block_size = tokens, block_size
-        self.n = (len(tokens) - 1) // block_size
+    def __init__(self, shards: Sequence[np.ndarray], block_size: int) -> None:
+        self.shards, self.block_size = list(shards), block_size
+        counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
+        self.starts = np.cumsum([0, *counts]).tolist()  # window index where each shard begins
+        self.n = self.starts[-1]
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.block_size
-        window = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        shard = bisect.bisect_right(self.starts, i) - 1
+        start = (i - self.starts[shard]) * self.block_size
+        window = torch.from_numpy(self.shards[shard][start : start + self.block_size + 1].astype(np.int64))
         return window[:-1], window[1:]
 
 
@@ -71,17 +79,37 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
         self.seed, self.val_windows, self.num_workers = seed, val_windows, num_workers
-        self.train_windows = PackedWindows(data.tokens("train"), block_size)
-        self.val_set = PackedWindows(data.tokens("val"), block_size)
+        self.train_windows = PackedWindows(data.shards("train"), block_size)
+        self.val_set = PackedWindows(data.shards("val"), block_size)
         if val_windows is not None:
             self.val_set.n = min(self.val_set.n, val_windows)  # the first windows: fixed across runs
+        if self.train_windows.n < 1 or self.val_set.n < 1:
+            raise UserError(
+                f"data: too few tokens for one window of {block_size + 1} tokens ({self.train_windows.n} train, "
+                f"{self.val_set.n} val windows): lower data.block_size or use a larger corpus"
+            )
+        self.resume_from: dict | None = None  # the sampler position from a checkpoint
+
+    def state_dict(self) -> dict:
+        """The sampler position, saved in every checkpoint: how many micro-batches this stream has served."""
+        if self.trainer is None:
+            return {}
+        served = self.trainer.global_step * self.trainer.accumulate_grad_batches
+        return {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "micro_batches": served,
+                "world_size": self.trainer.world_size, "block_size": self.block_size}  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.resume_from = state_dict or None
 
     def train_dataloader(self) -> DataLoader:
         start_batch, rank, world = 0, 0, 1
         if self.trainer is not None:
-            # Resume at the exact micro-batch: global_step is restored from the checkpoint before this runs.
-            start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
             rank, world = self.trainer.global_rank, self.trainer.world_size
+            # Resume at the exact micro-batch. The checkpoint's sampler position is authoritative; a checkpoint
+            # from before it was saved falls back on the restored step count.
+            start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
+            if self.resume_from:
+                start_batch = self.resume_from["micro_batches"]
         stream = ShuffledBatches(self.train_windows, self.micro_batch_size, self.seed, start_batch, rank, world)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=False)  # fmt: skip

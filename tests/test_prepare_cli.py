@@ -1,0 +1,118 @@
+"""`xsa-lm prepare` -> shards -> `xsa-lm train data=prepared`, through the CLI as a user runs it."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import FAST, cli_env, run_cli
+from tests.test_bad_inputs import assert_clean_error
+from tests.test_data import many_docs, write_jsonl
+
+pytestmark = pytest.mark.slow
+TRAIN = [o for o in FAST if not o.startswith("tokenizer.")]  # data=prepared: the shards' own tokenizer
+
+
+def prepare_args(corpus: str, out: Path, *extra: str) -> list[str]:
+    return ["prepare", "data=local", f"data.files={corpus}", "tokenizer=bpe", "tokenizer.vocab_size=300",
+            f"data.dir={out}", "data.val_fraction=0.05", "progress_bar=false", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    root = tmp_path_factory.mktemp("prepared")
+    write_jsonl(root / "corpus" / "part-0.jsonl", many_docs(3000))
+    write_jsonl(root / "corpus" / "part-1.jsonl", many_docs(3000)[::-1])
+    out = root / "shards"
+    proc = run_cli(prepare_args(str(root / "corpus" / "*.jsonl"), out, "data.shard_documents=1000"), data_cache, root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"train on it: xsa-lm train data=prepared data.dir={out}" in proc.stdout
+    return out
+
+
+def test_prepare_writes_shards_and_metadata(prepared: Path):
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert len(meta["shards"]) == 6 and meta["dtype"] == "uint16" and meta["vocab_size"] <= 300
+    assert meta["train_documents"] + meta["val_documents"] == 6000 and meta["val_documents"] > 100
+    assert meta["tokenizer"]["config"]["vocab_size"] == 300 and len(meta["tokenizer"]["sha256"]) == 64
+    assert meta["identity"]["source"]["text_field"] == "text"
+    sizes = [(prepared / f"train-{s['index']:06d}.bin").stat().st_size for s in meta["shards"]]
+    assert sizes == [2 * s["train_tokens"] for s in meta["shards"]]
+
+
+def test_train_on_prepared_shards_needs_no_source(prepared: Path, data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={prepared}", "trainer.max_steps=20",
+                    f"hydra.run.dir={run_dir}"], data_cache, tmp_path, HF_DATASETS_OFFLINE="1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_val_loss"] < np.log(300)
+    assert json.loads((run_dir / "run_info.json").read_text())["data_dir"] == str(prepared)
+    # The same tokenizer named explicitly is fine.
+    same = ["tokenizer.vocab_size=300", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run2'}"]
+    again = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={prepared}", *same], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["tokenizer.vocab_size=512"], ["was prepared with the tokenizer", "drop the tokenizer override"]),
+        (["model.vocab_size=128"], ["model.vocab_size=128", "smaller than the tokenizer"]),
+    ],
+)
+def test_mismatched_tokenizer_or_vocab_is_refused(prepared: Path, data_cache: Path, tmp_path: Path,
+                                                  overrides: list[str], expected: list[str]):  # fmt: skip
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={prepared}", *overrides, f"hydra.run.dir={run_dir}"],
+                   data_cache, tmp_path)  # fmt: skip
+    assert_clean_error(proc, *expected)
+    assert proc.returncode == 2 and not (run_dir / "config.yaml").exists()
+
+
+def test_truncated_shard_stops_training_with_one_line(prepared: Path, data_cache: Path, tmp_path: Path):
+    copy = tmp_path / "shards"
+    copy.mkdir()
+    for path in prepared.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    (copy / "train-000002.bin").write_bytes((copy / "train-000002.bin").read_bytes()[:100])
+    proc = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={copy}", f"hydra.run.dir={tmp_path / 'run'}"],
+                   data_cache, tmp_path)  # fmt: skip
+    assert_clean_error(proc, "train-000002.bin", "truncated")
+
+
+def test_bad_corpus_files_fail_before_anything_is_written(data_cache: Path, tmp_path: Path):
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    proc = run_cli(prepare_args(str(tmp_path / "bad.txt"), tmp_path / "out"), data_cache, tmp_path)
+    assert_clean_error(proc, "bad.txt", "not UTF-8")
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(100_000))
+    args = prepare_args(str(tmp_path / "corpus.jsonl"), tmp_path / "killed", "data.shard_documents=500",
+                        "tokenizer.vocab_size=260")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", *args], cwd=tmp_path, env=cli_env(data_cache),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 120
+    while not (tmp_path / "killed" / "shard-000003.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "preparation ended before it could be killed"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "killed" / "meta.json").exists()
+    first = tmp_path / "killed" / "train-000000.bin"
+    stamp = first.stat().st_mtime_ns
+    resumed = run_cli(args, data_cache, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert first.stat().st_mtime_ns == stamp  # finished shards are never rewritten
+    whole_args = [a if not a.startswith("data.dir=") else f"data.dir={tmp_path / 'whole'}" for a in args]
+    assert run_cli(whole_args, data_cache, tmp_path).returncode == 0
+    names = sorted(p.name for p in (tmp_path / "whole").glob("*-*.bin"))
+    assert names == sorted(p.name for p in (tmp_path / "killed").glob("*-*.bin")) and len(names) == 400
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes(), name

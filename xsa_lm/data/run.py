@@ -1,0 +1,66 @@
+"""`xsa-lm prepare`: a corpus and a tokenizer -> token shards in data.dir, for `xsa-lm train data=prepared`.
+
+`prepare_data` is also what `xsa-lm train` calls: with a source it prepares (or reuses) shards in the data cache,
+with data=prepared it opens the shards in data.dir and touches no network.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xsa_lm.data.prepare import PreparedData, cache_path, load_prepared, prepare
+from xsa_lm.errors import UserError, build
+
+
+def prepare_data(data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_tokenizer: bool = False,
+                 progress: bool = False) -> PreparedData:  # fmt: skip
+    tokenizer_key = OmegaConf.to_container(tokenizer_cfg, resolve=True)
+    if data_cfg.get("source") is None:  # data=prepared
+        if not data_cfg.get("dir"):
+            raise UserError("data=prepared needs data.dir=<the directory `xsa-lm prepare` wrote>")
+        data = load_prepared(Path(data_cfg.dir).expanduser())
+        recorded = data.meta["tokenizer"]["config"]
+        if explicit_tokenizer and recorded != tokenizer_key:
+            raise UserError(
+                f"data.dir={data_cfg.dir} was prepared with the tokenizer {recorded}, not the requested "
+                f"{tokenizer_key}: drop the tokenizer override (the shards' own tokenizer is used) or prepare again"
+            )
+        return data
+    source = build(data_cfg.source)
+    build_tokenizer = build(tokenizer_cfg)
+    settings = {"val_fraction": data_cfg.val_fraction, "split_seed": data_cfg.split_seed,
+                "shard_documents": data_cfg.shard_documents}  # fmt: skip
+    identity = {"source": source.identity(), "tokenizer": tokenizer_key, **settings}
+    out = Path(data_cfg.dir).expanduser() if data_cfg.dir else cache_path(data_cfg.cache_dir, source.name, identity)
+    return prepare(source, build_tokenizer, out, identity, **settings, workers=data_cfg.prepare_workers,
+                   tokenizer_documents=data_cfg.tokenizer_documents, progress=progress)  # fmt: skip
+
+
+def describe(data: PreparedData) -> str:
+    m = data.meta
+    return (f"{data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
+            f"{m['val_documents']:,} val documents / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), "
+            f"{m['dtype']}, vocab {m['vocab_size']}")  # fmt: skip
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")
+def main(cfg: DictConfig) -> None:
+    t0 = time.perf_counter()
+    try:
+        if cfg.data.get("source") is None:
+            raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
+        data = prepare_data(cfg.data, cfg.tokenizer, progress=cfg.progress_bar)
+    except UserError as e:
+        print(f"xsa-lm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OmegaConfBaseException as e:  # e.g. data.files=??? left unset
+        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
+        sys.exit(2)
+    seconds = time.perf_counter() - t0
+    tokens = data.meta["train_tokens"] + data.meta["val_tokens"]
+    print(f"prepared {describe(data)} | {seconds:.1f} s this run ({tokens / max(seconds, 1e-9):,.0f} tokens/s "
+          f"if all were new)\ntrain on it: xsa-lm train data=prepared data.dir={data.dir}")  # fmt: skip
