@@ -212,8 +212,13 @@ def _encode_shard(out: str, tokenizer_path: str, eot: int, dtype: str, index: in
     encodings = _WORKER_TOKENIZERS[tokenizer_path].encode_batch(texts, add_special_tokens=False)
     shard: dict = {"index": index}
     for split in ("train", "val"):
-        ids = [enc.ids + [eot] for enc, is_val in zip(encodings, val, strict=True) if is_val == (split == "val")]
-        tokens = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(map(len, ids)))
+        ids = [enc.ids for enc, is_val in zip(encodings, val, strict=True) if is_val == (split == "val")]
+        tokens = np.empty(sum(len(doc) + 1 for doc in ids), dtype=dtype)
+        end = 0
+        for doc in ids:  # slice assignment converts each list in C; EOT after every document
+            tokens[end : end + len(doc)] = doc
+            tokens[end + len(doc)] = eot
+            end += len(doc) + 1
         path = Path(out) / f"{split}-{index:06d}.bin"
         tmp = path.with_suffix(".bin.tmp")
         tokens.tofile(tmp)
