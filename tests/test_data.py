@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches
+from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches, TokenDataModule
 from xsa_lm.data.prepare import is_val_document, load_prepared, prepare
 from xsa_lm.data.sources import HFDataset, LocalFiles, ShakespeareCorpus
 from xsa_lm.data.tokenizer import EOT, load_gpt2, load_tokenizer_file, train_bpe
@@ -239,6 +239,29 @@ def test_bad_local_files_are_one_line_errors(tmp_path: Path, files: dict, messag
         list(source.documents())
 
 
+def test_vocabularies_above_65536_get_uint32_shards(tmp_path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {EOT: 70_000, "[UNK]": 70_001}
+    big = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    big.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    texts = [" ".join(f"w{(i * 997 + j) % 70_000}" for j in range(50)) for i in range(40)]
+    write_jsonl(tmp_path / "corpus.jsonl", texts)
+    source = LocalFiles(str(tmp_path / "corpus.jsonl"))
+    data = prepare(source, lambda train_texts: big, tmp_path / "out", {"tokenizer": "big"}, val_fraction=0.2)
+    assert data.dtype == np.uint32 and data.meta["dtype"] == "uint32"
+    assert decode_documents(data, "train") + decode_documents(data, "val") != []
+    tokens = np.concatenate([np.asarray(s) for s in data.shards("train")])
+    assert tokens.max() >= 2**16 and (data.dir / "train-000000.bin").stat().st_size == 4 * len(tokens)
+
+
+def test_progress_bar_shows_documents_and_tokens_per_second(tmp_path: Path, capsys):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(60))
+    prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), shard_documents=20, progress=True)
+    out = capsys.readouterr().out
+    assert "60/60" in out and "tokens/s" in out  # documents done / total (the total gives the ETA)
+
+
 def test_empty_corpus_is_a_user_error(tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", ["", "", "", ""])
     with pytest.raises(UserError, match="no text"):
@@ -288,6 +311,16 @@ def test_ranks_get_distinct_interleaved_batches():
     starts0 = {int(w[0]) for b in rank0 for w in b}
     starts1 = {int(w[0]) for b in rank1 for w in b}
     assert starts0.isdisjoint(starts1) and len(starts0) == len(starts1) == 16  # distinct windows per rank
+
+
+def test_validation_windows_are_the_same_for_every_run(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(400))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), val_fraction=0.3)
+    a = TokenDataModule(data, block_size=16, micro_batch_size=4, seed=0, val_windows=10)
+    b = TokenDataModule(data, block_size=16, micro_batch_size=8, seed=7, val_windows=10)  # other seed and batch
+    assert len(a.val_set) == 10
+    assert all(torch.equal(a.val_set[i][0], b.val_set[i][0]) for i in range(10))
+    assert torch.equal(torch.cat([x for x, _ in a.val_dataloader()]), torch.cat([x for x, _ in b.val_dataloader()]))
 
 
 def test_workers_do_not_change_the_order():

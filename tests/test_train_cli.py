@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import FAST, cli_env, run_cli
 
@@ -57,6 +58,9 @@ def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
     first = run_cli([*common, "trainer.max_steps=20", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 20
+    checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    sampler = checkpoint["TokenDataModule"]  # the sampler position travels in the checkpoint
+    assert sampler["micro_batches"] == 20 and sampler["seed"] == 0
     again = run_cli([*common, "resume=auto", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 40
