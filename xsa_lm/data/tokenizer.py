@@ -58,7 +58,7 @@ def load_gpt2(
     except LocalEntryNotFoundError:
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if offline or not _reachable("huggingface.co", 443, timeout_s):
+    if offline or not reachable("huggingface.co", 443, timeout_s):
         raise UserError(
             "tokenizer=gpt2 needs the Hugging Face hub, which is unreachable"
             + (" (HF_HUB_OFFLINE is set)" if offline else "")
@@ -67,7 +67,8 @@ def load_gpt2(
     return Tokenizer.from_file(hf_hub_download(repo_id, "tokenizer.json"))
 
 
-def _reachable(host: str, port: int, timeout_s: float) -> bool:
+def reachable(host: str, port: int, timeout_s: float) -> bool:
+    """A TCP connect with a short timeout: offline fails in seconds, not after the hub client's retries."""
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
         return True
