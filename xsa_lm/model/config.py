@@ -13,6 +13,10 @@ class GPTConfig:
     block_size: int = 128  # longest context the model supports (RoPE tables are built for it)
     attention: str = "sa"  # "sa": softmax attention; "xsa": exclusive self attention
     xsa_eps: float = 1e-6  # guards ||v||^2 when normalising v in XSA (fp32)
+    xsa_layers: tuple[int, ...] | None = None  # layers that use XSA; None: all (paper). Ignored for "sa"
+    xsa_gate: bool = False  # subtract tanh(alpha) x the projection, alpha per head, zero-init (starts as SA)
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head (paper)
+    n_sinks: int = 0  # learned attention-sink tokens prepended inside the model (paper's Figure 6: 0, 1, 4)
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
     bias: bool = False  # biases in Linear and LayerNorm layers (paper: none)
     dropout: float = 0.0  # pretraining on ~1 epoch of data needs none
@@ -27,3 +31,16 @@ class GPTConfig:
         for name in ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        if self.n_sinks < 0:
+            raise ValueError(f"n_sinks must be >= 0, got {self.n_sinks}")
+        if self.xsa_layers is not None:
+            self.xsa_layers = tuple(sorted(set(self.xsa_layers)))
+            if any(not 0 <= i < self.n_layer for i in self.xsa_layers):
+                raise ValueError(f"xsa_layers must be in [0, {self.n_layer}), got {list(self.xsa_layers)}")
+
+    def uses_xsa(self, layer: int) -> bool:
+        return self.attention == "xsa" and (self.xsa_layers is None or layer in self.xsa_layers)

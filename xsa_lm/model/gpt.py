@@ -26,10 +26,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_mlp = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -43,13 +43,15 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        # Learned attention sinks: extra positions before the tokens, visible to every token, never predicted.
+        self.sinks = nn.Parameter(torch.zeros(config.n_sinks, config.d_model)) if config.n_sinks else None
         self.ln_emb = nn.LayerNorm(config.d_model, bias=config.bias)  # the paper's extra LayerNorm
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
-        cos, sin = rope_tables(config.block_size, config.head_dim, config.rope_base)
+        cos, sin = rope_tables(config.n_sinks + config.block_size, config.head_dim, config.rope_base)
         # Not persistent: rebuilt from the config, so checkpoints stay small and context-agnostic.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -70,6 +72,8 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, mean=0.0, std=std)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the tied token embedding is excluded when non_embedding is True."""
@@ -83,11 +87,15 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.drop(self.ln_emb(self.wte(idx)))
+        S = self.config.n_sinks
+        cos, sin = self.rope_cos[: S + T], self.rope_sin[: S + T]
+        x = self.wte(idx)
+        if self.sinks is not None:
+            x = torch.cat([self.sinks.to(x.dtype).expand(x.size(0), -1, -1), x], dim=1)
+        x = self.drop(self.ln_emb(x))
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x[:, S:]))  # sink positions are never predicted
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)

@@ -2,6 +2,7 @@
 
 import math
 from collections.abc import Callable
+from dataclasses import asdict
 
 import lightning as L
 import torch
@@ -34,6 +35,10 @@ class LMModule(L.LightningModule):
             self.model = torch.compile(self.model)
         self.tokens_per_micro_batch = 0
         self.diverged_at: int | None = None
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
+        checkpoint["model_config"] = asdict(self.model_config)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         x, y = batch

@@ -84,7 +84,31 @@ def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
         fields["vocab_size"] = padded
     elif fields["vocab_size"] < vocab_size:
         raise UserError(f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {vocab_size}")
-    return GPTConfig(**fields, attention=cfg.attention.name, xsa_eps=cfg.attention.eps)
+    try:
+        return GPTConfig(**fields, attention=cfg.attention.name, xsa_eps=cfg.attention.eps,
+                         xsa_layers=xsa_layers(cfg.attention.get("layers", "all"), fields["n_layer"]),
+                         xsa_gate=gate_enabled(cfg.attention.get("gate", "none")))  # fmt: skip
+    except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...) are the user's to fix
+        raise UserError(f"model: {e}") from None
+
+
+def xsa_layers(layers, n_layer: int) -> tuple[int, ...] | None:
+    """attention.layers: `all` (None: every layer), N (the last N layers) or a list of 0-based layer indices."""
+    if layers in ("all", None):
+        return None
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        if not 0 <= layers <= n_layer:
+            raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= n_layer={n_layer}")
+        return tuple(range(n_layer - layers, n_layer))
+    if OmegaConf.is_list(layers) or isinstance(layers, list | tuple):
+        return tuple(int(i) for i in layers)
+    raise UserError(f"attention.layers must be all, a number of last layers, or a list of layers; got {layers!r}")
+
+
+def gate_enabled(gate: str) -> bool:
+    if gate not in ("none", "tanh"):
+        raise UserError(f"attention.gate must be none or tanh, got {gate!r}")
+    return gate == "tanh"
 
 
 def resolve_precision(precision: str) -> str:
