@@ -1,8 +1,9 @@
-"""Callbacks: throughput and tokens seen, and the validation history kept for summary.json."""
+"""Callbacks: throughput and tokens seen, the validation history kept for summary.json, and periodic diagnostics."""
 
 import time
 
 import lightning as L
+import torch
 
 
 class Throughput(L.Callback):
@@ -49,3 +50,32 @@ class ValHistory(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict["history"])
+
+
+class Diagnostics(L.Callback):
+    """Every `every_n_steps` optimizer steps: the paper's Figure 1 diagnostics per layer on the first `sequences`
+    validation windows, logged as diag/<metric>/layer_<l> series (W&B and metrics.csv) and as a W&B table."""
+
+    def __init__(self, every_n_steps: int, sequences: int = 8, chunk: int = 256) -> None:
+        self.every_n_steps, self.sequences, self.chunk = every_n_steps, sequences, chunk
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
+            return
+        self._last_step = step  # once per optimizer step, not per accumulated micro-batch
+        from xsa_lm.analysis.diagnostics import METRICS, diagnose
+
+        val = trainer.datamodule.val_set
+        windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
+        model = getattr(pl_module.model, "_orig_mod", pl_module.model)  # the eager model under torch.compile
+        rows = diagnose(model, windows.split(trainer.datamodule.micro_batch_size), self.chunk)
+        for row in rows:
+            for metric in METRICS:
+                if row[metric] is not None:
+                    pl_module.log(f"diag/{metric}/layer_{row['layer']}", row[metric], rank_zero_only=True)
+        columns = ["step", "layer", "attention", *METRICS]
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_table"):  # W&B
+                logger.log_table(key="diag/table", columns=columns, data=[[step, *row.values()] for row in rows])

@@ -24,7 +24,7 @@ from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build
 from xsa_lm.model import GPTConfig
-from xsa_lm.train.callbacks import Throughput, ValHistory
+from xsa_lm.train.callbacks import Diagnostics, Throughput, ValHistory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
 
@@ -208,6 +208,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor="val/loss",
                                  mode="min", save_top_k=1, save_last=True)  # fmt: skip
     callbacks = [checkpoint, history, throughput]
+    if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
+        callbacks.append(Diagnostics(cfg.diagnostics.every_n_steps, cfg.diagnostics.sequences, cfg.diagnostics.chunk))
     if cfg.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     trainer: L.Trainer = build(

@@ -1,0 +1,107 @@
+"""The paper's Figure 1 diagnostics ("attention similarity bias"), per layer, for SA and XSA models alike.
+
+Per layer, averaged over heads and sequences (each (sequence, head) pair weighs the same):
+  cos_v_v       mean cos(v_i, v_j) over token pairs i < j
+  a_ii          mean attention of a token on itself, over positions after the first token
+  cos_y_v       mean cos(y_i, v_i), y the attention output before the XSA step
+  cos_z_v       mean cos(z_i, v_i) after the XSA step (XSA layers only: ~0 by construction, gated XSA: not)
+  norm_removed  mean 1 - ||z_i|| / ||y_i||: the share of y's norm the XSA step removes (XSA layers only)
+Attention sinks are keys like any other, but never positions i of these statistics.
+
+Nothing T x T is kept: cos_v_v uses ||sum_i v_i/||v_i||||^2 and a_ii needs only q_i . k_i and the softmax
+normaliser, computed over chunks of queries, so it runs at the paper's 2048-16384 contexts.
+"""
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from xsa_lm.model import GPT
+
+METRICS = ("cos_v_v", "a_ii", "cos_y_v", "cos_z_v", "norm_removed")
+
+
+def mean_pairwise_cosine(v: torch.Tensor) -> torch.Tensor:
+    """Mean cos(v_i, v_j) over i < j for v of shape (..., T, D), in O(T): sum_{i<j} = (||S||^2 - sum ||u_i||^2) / 2."""
+    u = F.normalize(v.float(), dim=-1)
+    T = u.size(-2)
+    s = u.sum(dim=-2)
+    pair_sum = (s.pow(2).sum(-1) - u.pow(2).sum((-1, -2))) / 2
+    return pair_sum / (T * (T - 1) / 2)
+
+
+def self_attention_weights(q: torch.Tensor, k: torch.Tensor, first: int, chunk: int = 256) -> torch.Tensor:
+    """a_ii = softmax_j(q_i . k_j / sqrt(D))_{j=i} under the causal mask, for query positions i >= first.
+    q, k: (B, H, L, D). Returns (B, H, L - first). Memory per step: one (chunk x L) block of scores per head."""
+    q, k = q.float(), k.float()
+    scale = 1.0 / math.sqrt(q.size(-1))
+    L = q.size(-2)
+    out = []
+    for start in range(first, L, chunk):
+        stop = min(start + chunk, L)
+        scores = q[..., start:stop, :] @ k[..., :stop, :].transpose(-1, -2) * scale  # (B, H, C, stop)
+        rows = torch.arange(start, stop, device=q.device).unsqueeze(-1)
+        scores = scores.masked_fill(torch.arange(stop, device=q.device) > rows, float("-inf"))
+        diagonal = (q[..., start:stop, :] * k[..., start:stop, :]).sum(-1) * scale
+        out.append(torch.exp(diagonal - torch.logsumexp(scores, dim=-1)))
+    return torch.cat(out, dim=-1)
+
+
+def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of cos(a_i, b_i), for (..., T, D) tensors; shape (...)."""
+    return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12).mean(-1)
+
+
+def layer_statistics(q, k, v, y, z, n_sinks: int = 0, chunk: int = 256) -> dict[str, torch.Tensor]:
+    """Every metric of one layer as (B, H) tensors. k and v may have fewer (grouped) heads than q and y."""
+    groups = q.size(1) // k.size(1)
+    if groups > 1:  # diagnostics only: copying is fine here (training broadcasts instead)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    tokens = slice(n_sinks, None)
+    stats = {
+        "cos_v_v": mean_pairwise_cosine(v[..., tokens, :]),
+        "a_ii": self_attention_weights(q, k, first=n_sinks + 1, chunk=chunk).mean(-1),
+        "cos_y_v": mean_cosine(y[..., tokens, :], v[..., tokens, :]),
+    }
+    if z is not None:
+        stats["cos_z_v"] = mean_cosine(z[..., tokens, :], v[..., tokens, :])
+        y_norm = y[..., tokens, :].float().norm(dim=-1)
+        stats["norm_removed"] = (1 - z[..., tokens, :].float().norm(dim=-1) / y_norm.clamp_min(1e-12)).mean(-1)
+    return stats
+
+
+@torch.no_grad()
+def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> list[dict]:
+    """Run the model on batches of token ids (B, T) and return one row per layer with every metric
+    (cos_z_v and norm_removed are None for SA layers)."""
+    sums = [dict.fromkeys(METRICS, 0.0) for _ in model.blocks]
+    counts = [dict.fromkeys(METRICS, 0) for _ in model.blocks]
+
+    def observer_for(layer: int):
+        def observe(q, k, v, y, z) -> None:
+            for name, value in layer_statistics(q, k, v, y, z, model.config.n_sinks, chunk).items():
+                sums[layer][name] += value.sum().item()
+                counts[layer][name] += value.numel()
+
+        return observe
+
+    was_training = model.training
+    model.eval()
+    try:
+        for layer, block in enumerate(model.blocks):
+            block.attn.observer = observer_for(layer)
+        for batch in batches:
+            model(batch)
+    finally:
+        for block in model.blocks:
+            block.attn.observer = None
+        model.train(was_training)
+    rows = []
+    for layer, block in enumerate(model.blocks):
+        row = {"layer": layer, "attention": "xsa" if block.attn.exclusive else "sa"}
+        for name in METRICS:
+            row[name] = sums[layer][name] / counts[layer][name] if counts[layer][name] else None
+        rows.append(row)
+    return rows
