@@ -6,6 +6,7 @@ Per layer, averaged over heads and sequences (each (sequence, head) pair weighs 
   cos_y_v       mean cos(y_i, v_i), y the attention output before the XSA step
   cos_z_v       mean cos(z_i, v_i) after the XSA step (XSA layers only: ~0 by construction, gated XSA: not)
   norm_removed  mean 1 - ||z_i|| / ||y_i||: the share of y's norm the XSA step removes (XSA layers only)
+  (cos_z_v and norm_removed skip the first token: it sees only itself, y_1 = v_1, and z_1 = eps-sized noise)
 Attention sinks are keys like any other, but never positions i of these statistics.
 
 Nothing T x T is kept: cos_v_v uses ||sum_i v_i/||v_i||||^2 and a_ii needs only q_i . k_i and the softmax
@@ -66,9 +67,12 @@ def layer_statistics(q, k, v, y, z, n_sinks: int = 0, chunk: int = 256) -> dict[
         "cos_y_v": mean_cosine(y[..., tokens, :], v[..., tokens, :]),
     }
     if z is not None:
-        stats["cos_z_v"] = mean_cosine(z[..., tokens, :], v[..., tokens, :])
-        y_norm = y[..., tokens, :].float().norm(dim=-1)
-        stats["norm_removed"] = (1 - z[..., tokens, :].float().norm(dim=-1) / y_norm.clamp_min(1e-12)).mean(-1)
+        # From the second token on: the first one attends only to itself (y = v), so its z is ~0 and its direction
+        # (eps x v) meaningless.
+        after_first = slice(n_sinks + 1, None)
+        stats["cos_z_v"] = mean_cosine(z[..., after_first, :], v[..., after_first, :])
+        y_norm = y[..., after_first, :].float().norm(dim=-1)
+        stats["norm_removed"] = (1 - z[..., after_first, :].float().norm(dim=-1) / y_norm.clamp_min(1e-12)).mean(-1)
     return stats
 
 

@@ -99,7 +99,8 @@ def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> N
             ax.plot(depth, [r[metric] for r in mine], marker="o", markersize=3, label=label)
         if reference:
             depth = [r["layer"] / max(len(reference) - 1, 1) for r in reference]
-            ax.plot(depth, [r[metric] for r in reference], "k--", marker="s", markersize=3, label="paper (SA, 0.7B+)")
+            paper = [r[metric] for r in reference]
+            ax.plot(depth, paper, "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
         ax.set_title(title)
         ax.set_xlabel("relative depth" if relative else "layer")
     axes[0].legend(fontsize=8)

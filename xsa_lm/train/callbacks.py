@@ -71,11 +71,11 @@ class Diagnostics(L.Callback):
         windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
         model = getattr(pl_module.model, "_orig_mod", pl_module.model)  # the eager model under torch.compile
         rows = diagnose(model, windows.split(trainer.datamodule.micro_batch_size), self.chunk)
-        for row in rows:
-            for metric in METRICS:
-                if row[metric] is not None:
-                    pl_module.log(f"diag/{metric}/layer_{row['layer']}", row[metric], rank_zero_only=True)
+        # Straight to the loggers, once (self.log would repeat the value on every later step's row).
+        metrics = {f"diag/{metric}/layer_{row['layer']}": row[metric]
+                   for row in rows for metric in METRICS if row[metric] is not None}  # fmt: skip
         columns = ["step", "layer", "attention", *METRICS]
         for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
             if hasattr(logger, "log_table"):  # W&B
                 logger.log_table(key="diag/table", columns=columns, data=[[step, *row.values()] for row in rows])
