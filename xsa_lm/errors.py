@@ -1,5 +1,9 @@
 """Errors a user can cause. The CLI prints them as one line and exits non-zero."""
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """A mistake in the configuration or the inputs, with a message that says how to fix it."""
@@ -19,3 +23,19 @@ def build(node, **kwargs):
         if cause is not None:
             raise cause from None
         raise
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Around a command's work: a UserError or a config error (e.g. a `???` value left unset) becomes one line on
+    stderr and exit code 2, instead of a traceback."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except UserError as e:
+        print(f"xsa-lm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OmegaConfBaseException as e:
+        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
+        sys.exit(2)

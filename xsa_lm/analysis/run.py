@@ -8,19 +8,17 @@ first `sequences` validation windows of its own run's data (the same windows for
 import csv
 import json
 import pickle
-import sys
 from pathlib import Path
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.run import prepare_data
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.model import GPT, GPTConfig
 
 PANELS = (("cos_v_v", "mean cos(v_i, v_j)"), ("a_ii", "mean a_ii"), ("cos_y_v", "mean cos(y_i, v_i)"))
@@ -120,17 +118,11 @@ def table(rows: list[dict]) -> str:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="analyze")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with exit_on_user_error():
         if not cfg.ckpts:
             raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
         rows = analyze(list(cfg.ckpts), list(cfg.labels) if cfg.labels else None, cfg.sequences, cfg.chunk,
                        cfg.batch_size)  # fmt: skip
-    except UserError as e:
-        print(f"xsa-lm: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OmegaConfBaseException as e:
-        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
-        sys.exit(2)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")

@@ -4,16 +4,14 @@
 with data=prepared it opens the shards in data.dir and touches no network.
 """
 
-import sys
 import time
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from xsa_lm.data.prepare import PreparedData, cache_path, load_prepared, prepare
-from xsa_lm.errors import UserError, build
+from xsa_lm.errors import UserError, build, exit_on_user_error
 
 
 def prepare_data(data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_tokenizer: bool = False,
@@ -50,16 +48,10 @@ def describe(data: PreparedData) -> str:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")
 def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
-    try:
+    with exit_on_user_error():
         if cfg.data.get("source") is None:
             raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
         data = prepare_data(cfg.data, cfg.tokenizer, progress=cfg.progress_bar)
-    except UserError as e:
-        print(f"xsa-lm: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OmegaConfBaseException as e:  # e.g. data.files=??? left unset
-        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
-        sys.exit(2)
     seconds = time.perf_counter() - t0
     tokens = data.meta["train_tokens"] + data.meta["val_tokens"]
     print(f"prepared {describe(data)} | {seconds:.1f} s this run ({tokens / max(seconds, 1e-9):,.0f} tokens/s "

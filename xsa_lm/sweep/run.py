@@ -20,9 +20,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.sweep.protocol import Selection, Trial, compare_trials, lr_grid, search_trials, select_lr
 from xsa_lm.sweep.report import build_results, log_to_wandb, write_report
 from xsa_lm.sweep.trials import Launcher, TrialStore
@@ -158,15 +157,9 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
 def main(cfg: DictConfig) -> None:
     sweep_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with exit_on_user_error():
         overrides = train_overrides(list(HydraConfig.get().overrides.task))
         results, markdown = run_sweep(cfg, sweep_dir, overrides)
-    except UserError as e:
-        print(f"xsa-lm: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OmegaConfBaseException as e:
-        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
-        sys.exit(2)
     print("\n" + markdown)
     print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
     unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]

@@ -18,11 +18,10 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
-from xsa_lm.errors import UserError, build
+from xsa_lm.errors import UserError, build, exit_on_user_error
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Diagnostics, Throughput, ValHistory
 from xsa_lm.train.module import LMModule
@@ -294,13 +293,7 @@ def print_summary(s: dict) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with exit_on_user_error():
         summary = train(cfg, run_dir)
-    except UserError as e:
-        print(f"xsa-lm: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
-        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
-        sys.exit(2)
     if summary:
         print_summary(summary)
