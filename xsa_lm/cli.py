@@ -8,6 +8,8 @@ COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "train": ("xsa_lm.train.run", "train", "train one SA or XSA model (configs/train.yaml)"),
     "prepare": ("xsa_lm.data.run", "prepare", "tokenize a corpus into shards (configs/prepare.yaml)"),
     "analyze": ("xsa_lm.analysis.run", "analyze", "Figure 1 diagnostics per layer (configs/analyze.yaml)"),
+    "eval": ("xsa_lm.eval.run", "eval", "zero-shot tasks through lm-evaluation-harness (configs/eval.yaml)"),
+    "generate": ("xsa_lm.eval.sample", "generate", "text from a checkpoint, with a KV cache (configs/generate.yaml)"),
     "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
 }
 HYDRA_FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",

@@ -6,8 +6,6 @@ first `sequences` validation windows of its own run's data (the same windows for
 """
 
 import csv
-import json
-import pickle
 from pathlib import Path
 
 import hydra
@@ -16,32 +14,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
+from xsa_lm.checkpoints import load_model
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, exit_on_user_error
-from xsa_lm.model import GPT, GPTConfig
 
 PANELS = (("cos_v_v", "mean cos(v_i, v_j)"), ("a_ii", "mean a_ii"), ("cos_y_v", "mean cos(y_i, v_i)"))
-
-
-def load_model(path: Path) -> GPT:
-    """A GPT from a Lightning checkpoint of `xsa-lm train` (weights only: no code is unpickled)."""
-    if not path.is_file():
-        raise UserError(f"ckpts: checkpoint not found: {path}")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:  # truncated or foreign
-        raise UserError(f"ckpts: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
-    fields = checkpoint.get("model_config")
-    summary = path.parent.parent / "summary.json"
-    if fields is None and summary.exists():  # checkpoints written before the config was stored in them
-        fields = json.loads(summary.read_text())["model_config"]
-    if fields is None or "state_dict" not in checkpoint:
-        raise UserError(f"ckpts: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
-    model = GPT(GPTConfig(**{k: tuple(v) if k == "xsa_layers" and v is not None else v for k, v in fields.items()}))
-    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
-    model.load_state_dict(state)  # compiled runs store _orig_mod.<name>: the eager model takes them back
-    return model
 
 
 def validation_windows(path: Path, n: int) -> torch.Tensor:

@@ -44,6 +44,22 @@ def exclusive_projection(
     return torch.addcmul(y32, coef, v32, value=-1.0).to(y.dtype)
 
 
+class KVCache:
+    """One layer's keys and values of the tokens seen so far, for generation: each step adds the new tokens'."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.size(2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
@@ -58,16 +74,26 @@ class CausalSelfAttention(nn.Module):
         # Diagnostics set an observer: it sees q, k, v, y (before XSA) and z of this layer, then they are dropped.
         self.observer: Callable[..., None] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values, past = k, v, 0
+        if cache is not None:  # generation: attend to every earlier token too
+            past = len(cache)
+            keys, values = cache.update(k, v)
+        # Causal: query t (at position past + t) sees keys 0 .. past + t.
+        mask = None if past == 0 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=H_kv != H)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=dropout, enable_gqa=H_kv != H)  # fmt: skip
         y_attn = y
         if self.exclusive:
             # Each query head projects on its KV group's v: y as (B, H_kv, G, T, D) against v as (B, H_kv, 1, T, D).
+            # Only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA.
             scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1, 1)
             y = exclusive_projection(y.view(B, H_kv, H // H_kv, T, D), v.unsqueeze(2), self.xsa_eps, scale)
             y = y.view(B, H, T, D)

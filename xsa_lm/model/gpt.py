@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from xsa_lm.model.attention import CausalSelfAttention, rope_tables
+from xsa_lm.model.attention import CausalSelfAttention, KVCache, rope_tables
 from xsa_lm.model.config import GPTConfig
 
 
@@ -33,8 +33,10 @@ class Block(nn.Module):
         self.ln_mlp = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_attn(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x), cos, sin, cache)
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -81,20 +83,22 @@ class GPT(nn.Module):
         return n - self.wte.weight.numel() if non_embedding else n
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, T, vocab); with targets, (logits, mean cross-entropy). Targets of -1 are ignored."""
+        """Logits (B, T, vocab); with targets, (logits, mean cross-entropy). Targets of -1 are ignored.
+        With `caches` (one KVCache per block, see generate.py) idx holds only the tokens after those cached."""
+        past = len(caches[0]) if caches else 0
+        S = self.config.n_sinks if past == 0 else 0  # the sinks enter with the first tokens only
         T = idx.size(1)
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        S = self.config.n_sinks
-        cos, sin = self.rope_cos[: S + T], self.rope_sin[: S + T]
+        if past + S + T > self.config.n_sinks + self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size {self.config.block_size}")
+        cos, sin = self.rope_cos[past : past + S + T], self.rope_sin[past : past + S + T]
         x = self.wte(idx)
-        if self.sinks is not None:
+        if S:
             x = torch.cat([self.sinks.to(x.dtype).expand(x.size(0), -1, -1), x], dim=1)
         x = self.drop(self.ln_emb(x))
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, caches[i] if caches else None)
         logits = self.lm_head(self.ln_f(x[:, S:]))  # sink positions are never predicted
         if targets is None:
             return logits

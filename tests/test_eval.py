@@ -1,0 +1,138 @@
+"""The lm-evaluation-harness adapter, `xsa-lm eval` on a local task, and `xsa-lm generate`."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+
+from tests.conftest import FAST, run_cli
+from tests.wandb_records import summary
+from xsa_lm.data.tokenizer import EOT, train_bpe
+from xsa_lm.eval.harness import HarnessLM
+from xsa_lm.model import GPT, GPTConfig
+
+TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
+QUESTIONS = [
+    ("The cat sat on the", ["mat", "sky", "moon"], 0),
+    ("A dog ran in the", ["river", "park", "cloud"], 1),
+    ("the cat ran", ["too", "never", "fast"], 0),
+    ("on the", ["mat", "cat", "dog"], 0),
+]
+
+
+@pytest.fixture(scope="module")
+def lm() -> HarnessLM:
+    torch.manual_seed(0)
+    tokenizer = train_bpe(TEXTS, vocab_size=300)
+    model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=320, block_size=32, attention="xsa"))
+    return HarnessLM(model, tokenizer, batch_size=3)
+
+
+def request(kind: str, *args) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def direct_logprob(lm: HarnessLM, ids: list[int], n_scored: int) -> float:
+    logits = lm.model(torch.tensor([ids[:-1]]))
+    logprobs = F.log_softmax(logits.float(), -1)[0, -n_scored:]
+    return logprobs.gather(-1, torch.tensor(ids[-n_scored:]).unsqueeze(-1)).sum().item()
+
+
+def test_loglikelihood_equals_a_direct_computation(lm: HarnessLM):
+    pairs = [("the cat sat on the", " mat"), ("a dog ran in the ", "park"), ("", "the cat")]
+    got = lm.loglikelihood([request("loglikelihood", *p) for p in pairs])
+    for (context, continuation), (logprob, greedy) in zip(pairs, got, strict=True):
+        context_ids, continuation_ids = lm.encode_pair(context, continuation)
+        expected = direct_logprob(lm, context_ids + continuation_ids, len(continuation_ids))
+        assert logprob == pytest.approx(expected, abs=1e-4) and isinstance(greedy, bool)
+    assert lm.encode_pair("", "x")[0] == [lm.tokenizer.token_to_id(EOT)]  # an empty context conditions on EOT
+    one_by_one = HarnessLM(lm.model, lm.tokenizer, batch_size=1)
+    single = one_by_one.loglikelihood([request("loglikelihood", *p) for p in pairs])
+    assert [s for s, _ in single] == pytest.approx([s for s, _ in got], abs=1e-4)  # batching and padding change nothing
+
+
+def test_rolling_loglikelihood_covers_every_token_once(lm: HarnessLM):
+    short = "the cat sat"
+    ids = lm.encode(short)
+    expected = direct_logprob(lm, [lm.eot, *ids], len(ids))
+    assert lm.loglikelihood_rolling([request("loglikelihood_rolling", short)])[0] == pytest.approx(expected, abs=1e-4)
+    long = TEXTS[1][:400]  # longer than the context: several windows
+    assert len(lm.encode(long)) > lm.max_length
+    total = lm.loglikelihood_rolling([request("loglikelihood_rolling", long)])[0]
+    assert math.isfinite(total) and total < 0
+
+
+def test_generation_stops_at_until(lm: HarnessLM):
+    out = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
+    assert len(out) == 1 and "." not in out[0]
+    again = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
+    assert again == out  # greedy
+
+
+# --- through the CLI ---------------------------------------------------------------------------------------------
+
+
+def write_local_task(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    items = folder / "items.jsonl"
+    items.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    task = folder / "toy_mc.yaml"
+    task.write_text(f"""task: xsa_toy_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""")
+    return task
+
+
+@pytest.mark.slow
+def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
+    ckpts = {}
+    for attention in ("sa", "xsa"):
+        run_dir = tmp_path / attention
+        logger = [] if attention == "sa" else ["logger=csv"]  # the SA run has a W&B run to log the scores into
+        fast = [o for o in FAST if o != "logger=csv"]
+        proc = run_cli(["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10",
+                        f"hydra.run.dir={run_dir}"], data_cache, tmp_path)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ckpts[attention] = run_dir / "checkpoints" / "last.ckpt"
+    task = write_local_task(tmp_path / "tasks")
+    out = tmp_path / "eval"
+    proc = run_cli(["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task}]", f"hydra.run.dir={out}"],
+                   data_cache, tmp_path, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((out / "eval.json").read_text())
+    assert result["tasks"] == ["xsa_toy_mc"] and [r["attention"] for r in result["rows"]] == ["sa", "xsa"]
+    for row in result["rows"]:
+        score = row["scores"]["xsa_toy_mc"]
+        assert score["metric"] == "acc_norm" and 0 <= score["value"] <= 1 and row["average"] == score["value"]
+    diff = result["rows"][1]["average"] - result["rows"][0]["average"]
+    assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
+    table = (out / "eval.md").read_text()
+    assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm)" in table and "| XSA - SA |" in proc.stdout
+    sa_runs = sorted((tmp_path / "sa").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(sa_runs) == 2  # training, then the eval scores in the same run id
+    assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])
+
+    # A hub task without network: fails fast and names the task.
+    missing = run_cli(["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"],
+                      data_cache, tmp_path, timeout=300)  # fmt: skip
+    assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+    # Generation: greedy is deterministic through the CLI too.
+    args = ["generate", f"ckpt={ckpts['xsa']}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0"]
+    first, second = run_cli(args, data_cache, tmp_path), run_cli(args, data_cache, tmp_path)
+    assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1

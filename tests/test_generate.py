@@ -1,0 +1,56 @@
+"""Generation with a KV cache equals generation without one, for SA and XSA (and GQA, sinks, gates)."""
+
+import pytest
+import torch
+
+from xsa_lm.model import GPT, GPTConfig, KVCache, generate
+
+TINY = dict(n_layer=2, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=24)
+VARIANTS = {
+    "sa": dict(attention="sa"),
+    "xsa": dict(attention="xsa"),
+    "xsa-gqa-sinks": dict(attention="xsa", n_kv_head=2, n_sinks=2),
+    "xsa-gated-last-layer": dict(attention="xsa", xsa_gate=True, xsa_layers=(1,)),
+}
+
+
+def model_for(variant: str) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, **VARIANTS[variant]))
+    for p in model.parameters():  # sharper distributions than at init: greedy choices are not near-ties
+        p.data.mul_(3.0) if p.dim() >= 2 else None
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_forward_equals_the_full_forward(variant: str):
+    model = model_for(variant).eval()
+    idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    full = model(idx)
+    caches = [KVCache() for _ in model.blocks]
+    pieces = [model(idx[:, :12], caches=caches)] + [model(idx[:, t : t + 1], caches=caches) for t in range(12, 20)]
+    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_generation_equals_uncached(variant: str):
+    model = model_for(variant)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    # 30 new tokens: past block_size (24), so the sliding window is exercised too
+    cached = generate(model, prompt, max_new_tokens=30, use_cache=True)
+    uncached = generate(model, prompt, max_new_tokens=30, use_cache=False)
+    assert torch.equal(cached, uncached) and cached.shape == (2, 35)
+    sampled = [generate(model, prompt, 10, temperature=0.8, top_k=5, use_cache=c,
+                        generator=torch.Generator().manual_seed(3)) for c in (True, False)]  # fmt: skip
+    assert torch.equal(*sampled)
+
+
+def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
+    model = model_for("xsa")
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(generate(model, prompt, 12), generate(model, prompt, 12))
+    draw = lambda seed: generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(draw(5), draw(5)) and not torch.equal(draw(5), draw(6))
+    top1 = generate(model, prompt, 12, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(top1, generate(model, prompt, 12))  # top_k=1 is greedy
+    assert model.training  # generation leaves the mode as it found it

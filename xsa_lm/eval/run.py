@@ -1,0 +1,157 @@
+"""`xsa-lm eval ckpts=[A,B,...] tasks=paper hydra.run.dir=DIR`: zero-shot tasks through lm-evaluation-harness.
+
+Writes DIR/eval.json and DIR/eval.md (a table like the paper's Table 2: one row per checkpoint, the average, and
+XSA - SA when both are given), prints the table, and logs it to W&B in each checkpoint's own run.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from xsa_lm.checkpoints import load_model, load_tokenizer, run_dir_of
+from xsa_lm.data.tokenizer import reachable
+from xsa_lm.errors import UserError, exit_on_user_error
+
+# The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
+PAPER_TASKS = {"arc_easy": "acc_norm", "boolq": "acc", "hellaswag": "acc_norm", "lambada_openai": "acc",
+               "openbookqa": "acc_norm", "piqa": "acc_norm", "social_iqa": "acc", "winogrande": "acc"}  # fmt: skip
+
+
+def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
+    """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
+    entries = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks)
+    names, folders = [], []
+    for entry in entries:
+        path = Path(str(entry)).expanduser()
+        if path.suffix in (".yaml", ".yml"):
+            if not path.is_file():
+                raise UserError(f"tasks: task file not found: {path}")
+            config = yaml.safe_load(path.read_text()) or {}
+            if "task" not in config:
+                raise UserError(f"tasks: {path} has no `task:` name")
+            names.append(config["task"])
+            folders.append(str(path.resolve().parent))
+        else:
+            names.append(str(entry))
+    return names, sorted(set(folders))
+
+
+def load_tasks(names: list[str], folders: list[str]):
+    """The harness's tasks with their data, one by one, so that a missing dataset names its task. Without network
+    the hub is not tried (its retries take minutes): only locally cached or local-file datasets load."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    if not reachable("huggingface.co", 443, 5.0):
+        os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    manager = TaskManager(include_path=folders or None)
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"tasks: unknown task(s) {unknown}: use lm-eval task names, `paper`, or task YAML files")
+    for name in names:
+        try:
+            get_task_dict([name], manager)
+        except (ConnectionError, OSError, ValueError) as e:  # datasets' offline / not-found errors
+            raise UserError(
+                f"tasks: {name}: its dataset is not available ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
+                "offline, give its data as local files in a task YAML (dataset_path: json, data_files)"
+            ) from None
+    return manager
+
+
+def headline(task: str, metrics: dict) -> tuple[str, float]:
+    """The metric the paper reports for a task (acc or acc_norm); for other tasks acc_norm, acc, or the first."""
+    for name in ([PAPER_TASKS[task]] if task in PAPER_TASKS else []) + ["acc_norm", "acc"]:
+        if f"{name},none" in metrics:
+            return name, metrics[f"{name},none"]
+    name, value = next((k, v) for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k)
+    return name.split(",")[0], value
+
+
+def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dict:
+    import lm_eval
+    import torch
+
+    from xsa_lm.eval.harness import HarnessLM
+
+    names, folders = resolve_tasks(tasks)
+    manager = load_tasks(names, folders)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for ckpt in ckpts:
+        path = Path(ckpt).expanduser()
+        model = load_model(path)
+        lm = HarnessLM(model, load_tokenizer(path), batch_size=batch_size, device=device)
+        out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0,
+                                      log_samples=False)  # fmt: skip
+        scores = {task: dict(zip(("metric", "value"), headline(task, out["results"][task]), strict=True))
+                  for task in names}  # fmt: skip
+        average = sum(s["value"] for s in scores.values()) / len(scores)
+        rows.append({"checkpoint": str(path), "attention": model.config.attention, "run": run_dir_of(path).name,
+                     "scores": scores, "average": average})  # fmt: skip
+    result = {"tasks": names, "limit": limit, "rows": rows}
+    sa = [r for r in rows if r["attention"] == "sa"]
+    xsa = [r for r in rows if r["attention"] == "xsa"]
+    if sa and xsa:  # the first of each, as in the paper's table
+        result["xsa_minus_sa"] = {t: xsa[0]["scores"][t]["value"] - sa[0]["scores"][t]["value"] for t in names}
+        result["xsa_minus_sa"]["average"] = xsa[0]["average"] - sa[0]["average"]
+    return result
+
+
+def render(result: dict) -> str:
+    tasks = result["tasks"]
+    metric = {t: result["rows"][0]["scores"][t]["metric"] for t in tasks} if result["rows"] else {}
+    head = "| checkpoint | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " | average |"
+    lines = [head, "|---|" + "---:|" * (len(tasks) + 1)]
+    for row in result["rows"]:
+        cells = " | ".join(f"{100 * row['scores'][t]['value']:.2f}" for t in tasks)
+        lines.append(f"| {row['attention'].upper()} {row['run']} | {cells} | {100 * row['average']:.2f} |")
+    if "xsa_minus_sa" in result:
+        diff = result["xsa_minus_sa"]
+        lines.append(
+            "| XSA - SA | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
+        )
+    if result["limit"]:
+        lines.append(f"\n(limit={result['limit']} examples per task: a smoke test, not a measurement)")
+    return "\n".join(lines)
+
+
+def log_to_wandb(result: dict, wandb_mode: str) -> None:
+    """Each checkpoint's scores into its own W&B run (the id in wandb_run_id.txt), or a new `eval` run."""
+    from xsa_lm.train.tracking import wandb_init
+
+    for row in result["rows"]:
+        run_dir = run_dir_of(Path(row["checkpoint"]))
+        id_file = run_dir / "wandb_run_id.txt"
+        config = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").exists() else None
+        wandb_cfg = config.logger.get("wandb") if config is not None and config.get("logger") else None
+        run = wandb_init(save_dir=str(run_dir), name=f"eval-{row['run']}", run_config={"eval_tasks": result["tasks"]},
+                         project=wandb_cfg.project if wandb_cfg else "xsa-lm",
+                         group=wandb_cfg.group if wandb_cfg else None, job_type="eval", mode=wandb_mode,
+                         run_id=id_file.read_text().strip() if id_file.exists() else None)  # fmt: skip
+        run.summary.update(
+            {f"eval/{t}": s["value"] for t, s in row["scores"].items()} | {"eval/average": row["average"]}
+        )
+        run.finish()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    with exit_on_user_error():
+        if not cfg.ckpts:
+            raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
+        tasks = OmegaConf.to_container(cfg.tasks) if OmegaConf.is_list(cfg.tasks) else cfg.tasks
+        result = evaluate(list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)
+    out.mkdir(parents=True, exist_ok=True)
+    table = render(result)
+    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    (out / "eval.md").write_text(table + "\n")
+    if cfg.wandb:
+        log_to_wandb(result, cfg.wandb_mode)
+    print(table)
+    print(f"\nwrote {out / 'eval.json'} and {out / 'eval.md'}")

@@ -1,0 +1,47 @@
+"""Sampling from a GPT, with a KV cache: each new token costs one position of attention, not the whole context."""
+
+import torch
+
+from xsa_lm.model.attention import KVCache
+from xsa_lm.model.gpt import GPT
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """idx (B, T) followed by max_new_tokens sampled tokens. temperature 0 is greedy (deterministic); otherwise
+    softmax(logits / temperature) over the top_k tokens, drawn with `generator`. Once the context exceeds
+    block_size the model sees the last block_size tokens, cached or not (the cache is rebuilt from that window)."""
+    was_training = model.training
+    model.eval()
+    block = model.config.block_size
+    tokens, caches, fed = idx, None, 0  # fed: tokens of `tokens` already in the caches
+    try:
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits = model(tokens[:, -block:])
+            else:
+                if caches is None or tokens.size(1) > block:  # start, or the window slid: rebuild from it
+                    caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
+                logits = model(tokens[:, fed:], caches=caches)
+                fed = tokens.size(1)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(logits.softmax(-1), num_samples=1, generator=generator)
+            tokens = torch.cat([tokens, next_token], dim=1)
+    finally:
+        model.train(was_training)
+    return tokens
