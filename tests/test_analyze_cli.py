@@ -22,7 +22,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> d
     for attention in ("sa", "xsa"):
         logger = [] if attention == "xsa" else ["logger=csv"]  # the XSA run also logs to W&B (offline)
         fast = [o for o in FAST if o != "logger=csv"]
-        args = [*fast, *logger, f"attention={attention}", "trainer.max_steps=20", "diagnostics.every_n_steps=10"]
+        args = [*fast, *logger, f"attention={attention}", "trainer.max_steps=20", "diagnostics.every_n_steps=10",
+                "samples.every_n_steps=10", "samples.max_new_tokens=8", "samples.prompt=KING:"]  # fmt: skip
         proc = run_cli(["train", *args, f"hydra.run.dir={root / attention}"], data_cache, root)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[attention] = root / attention
@@ -40,6 +41,10 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     wandb_file = next(checkpoints["xsa"].glob("wandb/offline-run-*/run-*.wandb"))
     logged = {key for row in history(wandb_file) for key in row}
     assert any(key.startswith("diag/table") for key in logged) and "diag/a_ii/layer_0" in logged
+    # text samples during training: in samples.txt and as a W&B table
+    samples = (checkpoints["xsa"] / "samples.txt").read_text()
+    assert samples.count("=== step ") == 2 and samples.count("KING:") == 2
+    assert any(key.startswith("samples") for key in logged)
 
 
 def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, cli_env, run_cli
+from tests.test_eval import write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import Trial, compare_trials, lr_grid, paired_ci, select_lr, t_quantile_975
@@ -233,8 +234,9 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
+    task = write_local_task(tmp_path / "tasks")  # the compare runs are also evaluated on a local harness task
     args = ["sweep", *SWEEP_FAST, "trainer.max_steps=60", "val_every_steps=10", "sweep.lrs=[1e-3,3e-3]",
-            "sweep.seeds=[0]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+            "sweep.seeds=[0]", f"sweep.eval_tasks=[{task}]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
     cmd = [sys.executable, "-m", "xsa_lm.cli", *args]
     out = open(tmp_path / "sweep.out", "w")  # closed after the kill
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=out, stderr=subprocess.STDOUT)
@@ -266,6 +268,8 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     assert {t["status"] for t in results["trials"]} == {"completed"}
     assert {(t["phase"], t["attention"]) for t in results["trials"]} == {("search", "sa"), ("compare", "sa"),
                                                                          ("compare", "xsa")}  # fmt: skip
+    assert [row["attention"] for row in results["eval"]["rows"]] == ["sa", "xsa"]
+    assert "## 4. Downstream evaluation" in (sweep_dir / "report.md").read_text() and "| XSA - SA |" in again.stdout
 
 
 @pytest.mark.slow

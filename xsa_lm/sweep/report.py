@@ -109,6 +109,10 @@ def render_markdown(results: dict) -> str:
                    if tuning["selected_lr"] == results["selected_lr"] else
                    "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here.")
             )  # fmt: skip
+    if results.get("eval"):
+        from xsa_lm.eval.run import render
+
+        lines += ["", "## 4. Downstream evaluation (lm-evaluation-harness, zero-shot)", "", render(results["eval"])]
     lines += ["", "![LR sweep](lr_sweep.png)", "", "![Validation curves](curves.png)", ""]
     return "\n".join(lines)
 

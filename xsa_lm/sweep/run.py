@@ -13,6 +13,7 @@ import fcntl
 import json
 import math
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,30 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     return select_lr(results, math.inf)
 
 
+def evaluate_compare(store: TrialStore, trials: list[Trial], tasks, limit, sweep_dir: Path) -> tuple[dict | None, str]:
+    """`xsa-lm eval` on the final checkpoints of the compare runs (its own process, like a trial); the result is
+    reused when the same checkpoints were evaluated before."""
+    ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in trials if store.is_final(t)
+             and (store.load(t) or {}).get("status") == "completed"]  # fmt: skip
+    out = sweep_dir / "eval"
+    if (out / "eval.json").exists():
+        previous = json.loads((out / "eval.json").read_text())
+        if sorted(r["checkpoint"] for r in previous["rows"]) == sorted(ckpts):
+            return previous, ""
+    tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list | tuple) else str(tasks)
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}",
+           f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])  # fmt: skip
+    print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({tasks})")
+    store.logs.mkdir(parents=True, exist_ok=True)
+    with open(store.logs / "eval.log", "a") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        from xsa_lm.sweep.trials import last_error_line
+
+        return None, f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
+    return json.loads((out / "eval.json").read_text()), ""
+
+
 def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
     from xsa_lm.train.run import check_config  # validate once, not in every trial
 
@@ -142,9 +167,20 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         print(f"phase 2: selected LR {selection.lr:g}\nphase 3: SA vs XSA at LR {selection.lr:g}")
         launcher.run(compare, "compare", "compare")
 
+    evaluation, eval_warning = None, ""
+    if cfg.sweep.get("eval_tasks") and compare:
+        tasks = (
+            OmegaConf.to_container(cfg.sweep.eval_tasks)
+            if OmegaConf.is_list(cfg.sweep.eval_tasks)
+            else cfg.sweep.eval_tasks
+        )
+        evaluation, eval_warning = evaluate_compare(store, compare, tasks, cfg.sweep.get("eval_limit"), sweep_dir)
     trials = phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare")
     xsa_selection = selection_of(store, xsa_search) if xsa_search else None
     results = build_results(sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection)
+    results["eval"] = evaluation
+    if eval_warning:
+        results["warnings"].append(eval_warning)
     markdown = write_report(results, sweep_dir)
     if wandb_cfg and cfg.sweep.wandb_report:
         wandb_kwargs = {k: v for k, v in OmegaConf.to_container(wandb_cfg, resolve=True).items()

@@ -79,3 +79,36 @@ class Diagnostics(L.Callback):
             logger.log_metrics(metrics, step=step)
             if hasattr(logger, "log_table"):  # W&B
                 logger.log_table(key="diag/table", columns=columns, data=[[step, *row.values()] for row in rows])
+
+
+class Samples(L.Callback):
+    """Every `every_n_steps` optimizer steps: text sampled from the model, appended to <run dir>/samples.txt and
+    logged to W&B as a table (step, text), to see what the model has learned beyond its loss."""
+
+    def __init__(self, every_n_steps: int, run_dir: str, prompt: str = "", max_new_tokens: int = 64,
+                 temperature: float = 0.8, top_k: int | None = 50) -> None:  # fmt: skip
+        self.every_n_steps, self.path, self.prompt = every_n_steps, f"{run_dir}/samples.txt", prompt
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self._last_step, self._rows = -1, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
+            return
+        self._last_step = step
+        from xsa_lm.data.tokenizer import EOT
+        from xsa_lm.model import generate
+
+        tokenizer = trainer.datamodule.data.tokenizer
+        ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [tokenizer.token_to_id(EOT)]
+        model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+        generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
+        tokens = generate(model, torch.tensor([ids], device=pl_module.device), self.max_new_tokens,
+                          temperature=self.temperature, top_k=self.top_k, generator=generator)  # fmt: skip
+        text = self.prompt + tokenizer.decode(tokens[0, len(ids) :].tolist())
+        with open(self.path, "a") as f:
+            f.write(f"=== step {step}\n{text}\n")
+        self._rows.append([step, text])
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_text"):  # W&B: the whole table so far
+                logger.log_text(key="samples", columns=["step", "text"], data=self._rows)

@@ -23,7 +23,7 @@ from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
 from xsa_lm.model import GPTConfig
-from xsa_lm.train.callbacks import Diagnostics, Throughput, ValHistory
+from xsa_lm.train.callbacks import Diagnostics, Samples, Throughput, ValHistory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
 
@@ -209,6 +209,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     callbacks = [checkpoint, history, throughput]
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
         callbacks.append(Diagnostics(cfg.diagnostics.every_n_steps, cfg.diagnostics.sequences, cfg.diagnostics.chunk))
+    if cfg.get("samples") and cfg.samples.every_n_steps:
+        s = cfg.samples
+        callbacks.append(Samples(s.every_n_steps, str(run_dir), s.prompt, s.max_new_tokens, s.temperature, s.top_k))
     if cfg.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     trainer: L.Trainer = build(
