@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, REPO, run_cli
 from tests.wandb_records import summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.eval.harness import HarnessLM
@@ -110,15 +112,22 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         ckpts[attention] = run_dir / "checkpoints" / "last.ckpt"
     task = write_local_task(tmp_path / "tasks")
+    script = REPO / "scripts" / "make_shakespeare_cloze.py"  # a second local task, from the held-out plays
+    made = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "tasks"), "--items", "20"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    cloze = tmp_path / "tasks" / "shakespeare_cloze.yaml"
     out = tmp_path / "eval"
-    proc = run_cli(["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task}]", f"hydra.run.dir={out}"],
-                   data_cache, tmp_path, timeout=600)  # fmt: skip
+    proc = run_cli(["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]",
+                    f"hydra.run.dir={out}"], data_cache, tmp_path, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
-    assert result["tasks"] == ["xsa_toy_mc"] and [r["attention"] for r in result["rows"]] == ["sa", "xsa"]
+    assert result["tasks"] == ["xsa_toy_mc", "shakespeare_cloze"]
+    assert [r["attention"] for r in result["rows"]] == ["sa", "xsa"]
     for row in result["rows"]:
         score = row["scores"]["xsa_toy_mc"]
-        assert score["metric"] == "acc_norm" and 0 <= score["value"] <= 1 and row["average"] == score["value"]
+        assert score["metric"] == "acc_norm" and 0 <= score["value"] <= 1
+        assert row["average"] == pytest.approx((score["value"] + row["scores"]["shakespeare_cloze"]["value"]) / 2)
     diff = result["rows"][1]["average"] - result["rows"][0]["average"]
     assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
     table = (out / "eval.md").read_text()
