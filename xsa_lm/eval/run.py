@@ -46,8 +46,6 @@ def load_tasks(names: list[str], folders: list[str]):
     the hub is not tried (its retries take minutes): only locally cached or local-file datasets load."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    if not reachable("huggingface.co", 443, 5.0):
-        os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     manager = TaskManager(include_path=folders or None)
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
@@ -73,6 +71,10 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
 
 
 def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dict:
+    # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
+    # hub client retry for minutes.
+    if not reachable("huggingface.co", 443, 5.0):
+        os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
     import torch
 
