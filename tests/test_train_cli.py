@@ -60,7 +60,7 @@ def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 20
     checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     sampler = checkpoint["TokenDataModule"]  # the sampler position travels in the checkpoint
-    assert sampler["micro_batches"] == 40 and sampler["seed"] == 0  # 20 steps x 2 accumulated micro-batches
+    assert sampler["global_micro_batches"] == 40 and sampler["seed"] == 0  # 20 steps x 2 accumulated micro-batches
     again = run_cli([*common, "resume=auto", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 40

@@ -91,11 +91,12 @@ class TokenDataModule(L.LightningDataModule):
         self.resume_from: dict | None = None  # the sampler position from a checkpoint
 
     def state_dict(self) -> dict:
-        """The sampler position, saved in every checkpoint: how many micro-batches this stream has served."""
+        """The sampler position, saved in every checkpoint: how many micro-batches the whole stream (every rank)
+        has served. A run resumed on another number of devices continues at the same global position."""
         if self.trainer is None:
             return {}
-        served = self.trainer.global_step * self.trainer.accumulate_grad_batches
-        return {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "micro_batches": served,
+        served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
+        return {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "global_micro_batches": served,
                 "world_size": self.trainer.world_size, "block_size": self.block_size}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -108,8 +109,8 @@ class TokenDataModule(L.LightningDataModule):
             # Resume at the exact micro-batch. The checkpoint's sampler position is authoritative; a checkpoint
             # from before it was saved falls back on the restored step count.
             start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
-            if self.resume_from:
-                start_batch = self.resume_from["micro_batches"]
+            if self.resume_from:  # rank r reads global micro-batches r, r + W, ...: its own count is global / W
+                start_batch = self.resume_from["global_micro_batches"] // world
         stream = ShuffledBatches(self.train_windows, self.micro_batch_size, self.seed, start_batch, rank, world)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=False)  # fmt: skip

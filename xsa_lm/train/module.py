@@ -25,6 +25,9 @@ class LMModule(L.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler],
         total_steps: int,
         compile: bool = False,
+        skip_nonfinite_batches: int = 0,
+        spike_factor: float | None = 3.0,
+        nan_at_step: int | None = None,
     ) -> None:
         super().__init__()
         self.model_config = model_config
@@ -35,6 +38,9 @@ class LMModule(L.LightningModule):
             self.model = torch.compile(self.model)
         self.tokens_per_micro_batch = 0
         self.diverged_at: int | None = None
+        self.skip_budget, self.spike_factor, self.nan_at_step = skip_nonfinite_batches, spike_factor, nan_at_step
+        self.events: list[dict] = []  # skipped batches and loss / grad-norm spikes, kept in summary.json
+        self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
@@ -43,11 +49,18 @@ class LMModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         x, y = batch
         _, loss = self.model(x, y)
+        if self.nan_at_step is not None and self.global_step == self.nan_at_step:  # faults.inject_nan_at_step
+            loss = loss * float("nan")  # one bad micro-batch
+            self.nan_at_step = None
         if not torch.isfinite(loss):
+            if len([e for e in self.events if e["event"] == "skipped_batch"]) < self.skip_budget:
+                self.record_event("skipped_batch", float(loss))  # this micro-batch adds no gradient
+                return None
             # Stop at once: a NaN/inf loss poisons the weights and wastes the rest of the run.
             self.diverged_at = self.global_step
             self.trainer.should_stop = True
             return None
+        self.watch_for_spike("loss_spike", loss)
         self.log("train/loss", loss, on_step=True, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True)
         return loss
@@ -66,7 +79,23 @@ class LMModule(L.LightningModule):
         # Clip ourselves so the pre-clip norm can be logged (max_norm=inf only measures it).
         max_norm = gradient_clip_val if gradient_clip_val else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.watch_for_spike("grad_norm_spike", grad_norm)
         self.log("train/grad_norm", grad_norm, on_step=True)
+
+    def record_event(self, event: str, value: float) -> None:
+        self.events.append({"event": event, "step": self.global_step, "value": value})
+        self.log(f"events/{event}", float(len([e for e in self.events if e["event"] == event])), on_step=True)
+
+    def watch_for_spike(self, event: str, value: torch.Tensor) -> None:
+        """At logging steps only (reading the value syncs with the device): a value above spike_factor x its
+        running average is recorded as an event."""
+        if self.spike_factor is None or self.global_step % max(self.trainer.log_every_n_steps, 1):
+            return
+        current = float(value)
+        typical = self._typical.get(event)
+        if typical is not None and self.global_step > 0 and current > self.spike_factor * typical:
+            self.record_event(event, current)
+        self._typical[event] = current if typical is None else 0.9 * typical + 0.1 * current
 
     def configure_optimizers(self):
         groups = param_groups(self.model, self.optimizer_factory.keywords.get("weight_decay", 0.0))

@@ -24,6 +24,7 @@ from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Diagnostics, Samples, Throughput, ValHistory
+from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
 
@@ -126,25 +127,29 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path) -> str | None:
             )
         return None
     if resume == "auto":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        if last.exists():
-            return str(last)
-        print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
+        newest, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
+        for path in skipped:
+            print(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
+        if newest is not None:
+            return str(newest)
+        print(f"resume=auto: no usable checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
         return None
     if not Path(resume).is_file():
         raise UserError(f"resume: checkpoint not found: {resume}")
+    if checkpoint_step(Path(resume)) is None:
+        raise UserError(f"resume: {resume} is truncated or not a checkpoint")
     return resume
 
 
-def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resuming: bool) -> list:
+def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
     loggers = []
     if not cfg.logger:
         return loggers
     if cfg.logger.get("csv"):
-        loggers.append(build(cfg.logger.csv, save_dir=str(run_dir)))
+        loggers.append(build(cfg.logger.csv, save_dir=str(run_dir), resume_step=resume_step))
     if cfg.logger.get("wandb") and rank_zero_only.rank == 0:  # one W&B run, from global rank 0
         id_file = run_dir / "wandb_run_id.txt"
-        run_id = id_file.read_text().strip() if resuming and id_file.exists() else None
+        run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
         # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
         make_wandb = build(cfg.logger.wandb, _partial_=True)
         wb = make_wandb(
@@ -169,7 +174,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     # Only now, with the inputs checked, write into the run directory (once: DDP ranks > 0 write nothing).
     is_rank_zero = rank_zero_only.rank == 0
     if is_rank_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ".write-test").touch()
+            (run_dir / ".write-test").unlink()
+        except OSError as e:
+            raise UserError(f"hydra.run.dir={run_dir} is not writable ({e.strerror or e}): choose another") from None
         config_name = "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml"
         OmegaConf.save(cfg, run_dir / config_name, resolve=True)
         (run_dir / "run_info.json").write_text(json.dumps({**run_info(), "data_dir": str(data.dir)}, indent=2))
@@ -187,6 +197,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         scheduler=build(cfg.scheduler),
         total_steps=cfg.scheduler.get("total_steps") or cfg.trainer.max_steps,
         compile=cfg.compile,
+        skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
+        spike_factor=cfg.faults.spike_factor,
+        nan_at_step=cfg.faults.inject_nan_at_step,
     )
     n_total = sum(p.numel() for p in module.parameters())
     n_params = n_total - mcfg.vocab_size * mcfg.d_model  # the tied token embedding
@@ -204,9 +217,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     history = ValHistory(tokens_per_step)
     throughput = Throughput(tokens_per_step)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor="val/loss",
+    ckpt_dir = run_dir / "checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss",
                                  mode="min", save_top_k=1, save_last=True)  # fmt: skip
-    callbacks = [checkpoint, history, throughput]
+    # The last K step checkpoints too: if last.ckpt is ever damaged, resume=auto falls back on the newest of these.
+    periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:06d}", monitor="train/tokens_seen", mode="max",
+                               save_top_k=cfg.checkpoint.keep_last, every_n_train_steps=cfg.val_every_steps,
+                               auto_insert_metric_name=False)  # fmt: skip
+    preemption = Preemption(ckpt_dir / "last.ckpt")
+    callbacks = [checkpoint, periodic, history, throughput, preemption]
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
         callbacks.append(Diagnostics(cfg.diagnostics.every_n_steps, cfg.diagnostics.sequences, cfg.diagnostics.chunk))
     if cfg.get("samples") and cfg.samples.every_n_steps:
@@ -218,12 +237,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
         default_root_dir=str(run_dir),
-        logger=make_loggers(cfg, run_dir, run_name, resuming=ckpt_path is not None) or False,
+        logger=make_loggers(cfg, run_dir, run_name, checkpoint_step(Path(ckpt_path)) if ckpt_path else None) or False,
         callbacks=callbacks,
         accumulate_grad_batches=plan["accumulate"],
         val_check_interval=cfg.val_every_steps * plan["accumulate"],
         check_val_every_n_epoch=None,
         enable_progress_bar=bool(cfg.progress_bar),
+        plugins=[AtomicCheckpointIO()],
     )
 
     def summarize(status: str, error: str | None = None) -> dict:
@@ -235,6 +255,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         if module.diverged_at is not None:
             status = "diverged"
+        elif preemption.preempted_at is not None:
+            status = "preempted"
         elif not history.history or history.history[-1]["step"] != trainer.global_step:
             trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
@@ -274,6 +296,7 @@ def write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history,
         "wall_time_s": round(time.time() - t_start, 2),
         "non_embedding_params": n_params,
         "diverged_at_step": diverged_at,
+        "events": getattr(trainer.lightning_module, "events", []) if trainer.lightning_module else [],
         "val_history": history.history,
         "run_dir": str(run_dir),
         "checkpoints": {"last": str(run_dir / "checkpoints" / "last.ckpt"), "best": checkpoint.best_model_path or None},
@@ -289,7 +312,12 @@ def print_summary(s: dict) -> None:
         f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | "
         f"{s['steps']} steps, {s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | "
         f"{s['wall_time_s']:.1f} s wall\n  summary: {s['run_dir']}/summary.json"
-        + (f"\n  diverged at step {s['diverged_at_step']}" if s["diverged_at_step"] is not None else "")
+        + (
+            f"\n  diverged at step {s['diverged_at_step']}; last good checkpoint: {s['checkpoints']['last']}"
+            if s["diverged_at_step"] is not None
+            else ""
+        )
+        + ("\n  preempted: resume with resume=auto" if s["status"] == "preempted" else "")
     )
 
 

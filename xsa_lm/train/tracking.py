@@ -8,6 +8,7 @@ from pathlib import Path
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
 
 
 def has_wandb_key() -> bool:
@@ -77,10 +78,24 @@ class _AppendingWriter(ExperimentWriter):
 
 
 class RunCSVLogger(CSVLogger):
-    """metrics.csv at the top of the run directory, kept across resumes."""
+    """metrics.csv at the top of the run directory, kept across resumes. Resuming from the checkpoint of step S
+    drops the rows of steps >= S first: a run killed after its last checkpoint logged steps that are trained again,
+    and the file must hold each step once."""
 
-    def __init__(self, save_dir: str) -> None:
+    def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
+        path = Path(save_dir) / "metrics.csv"
+        if resume_step is not None and path.exists() and rank_zero_only.rank == 0:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                header, rows = reader.fieldnames or [], list(reader)
+            kept = [r for r in rows if not r.get("step") or int(float(r["step"])) < resume_step]
+            tmp = path.with_suffix(".csv.tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=header)
+                writer.writeheader()
+                writer.writerows(kept)
+            os.replace(tmp, path)
 
     @property
     @rank_zero_experiment

@@ -1,0 +1,128 @@
+"""Runs that survive faults: kill -9 and resume, a corrupt checkpoint, SIGTERM, NaN, DDP <-> single process."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, cli_env, run_cli
+from tests.test_train_cli import train_losses
+from xsa_lm.train.checkpointing import checkpoint_step
+
+pytestmark = pytest.mark.slow
+COMMON = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40", "trainer.max_steps=40"]
+
+
+def start(args: list[str], data_cache: Path, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", *args], cwd=cwd, env=cli_env(data_cache),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, f"the run ended before {path.name} appeared"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[int, float]:
+    root = tmp_path_factory.mktemp("straight")
+    proc = run_cli([*COMMON, f"hydra.run.dir={root / 'run'}"], data_cache, root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return train_losses(root / "run")
+
+
+def test_kill_9_mid_run_then_resume_gives_identical_losses(straight, data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = start([*COMMON, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    wait_for(run_dir / "checkpoints" / "step-000020.ckpt", proc)
+    time.sleep(0.5)  # a few steps past the checkpoint: they are trained again after the resume
+    proc.kill()
+    proc.communicate()
+    assert not (run_dir / "summary.json").exists() or json.loads((run_dir / "summary.json").read_text())["steps"] < 40
+    again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    resumed = train_losses(run_dir)
+    assert resumed == straight  # every step once, bit-identical on CPU in fp32
+    with open(run_dir / "metrics.csv") as f:  # no step twice, although the killed run logged some of them
+        steps = [line.split(",")[0] for line in f][1:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed" and len(steps) > 0
+
+
+def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    first = run_cli([*COMMON, "trainer.max_steps=20", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a write cut short by a crash (not ours)
+    assert checkpoint_step(last) is None and checkpoint_step(run_dir / "checkpoints" / "step-000020.ckpt") == 20
+    again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "last.ckpt is truncated or corrupt; skipped" in again.stdout
+    assert train_losses(run_dir) == straight
+    names = {p.name for p in (run_dir / "checkpoints").glob("step-*.ckpt")}
+    assert {"step-000030.ckpt", "step-000040.ckpt"} <= names and "step-000010.ckpt" not in names  # keep_last=2
+
+
+def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = start([*COMMON, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and 10 <= summary["steps"] < 40
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == summary["steps"]
+    assert "SIGTERM received" in stdout and "resume=auto" in stdout
+    again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert train_losses(run_dir) == straight
+
+
+def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, tmp_path: Path):
+    diverged = run_cli([*COMMON, "faults.inject_nan_at_step=15", f"hydra.run.dir={tmp_path / 'a'}"], data_cache,
+                       tmp_path)  # fmt: skip
+    assert diverged.returncode == 0, diverged.stderr[-2000:]
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 15 and summary["steps"] == 15
+    assert "last good checkpoint" in diverged.stdout
+    last = torch.load(summary["checkpoints"]["last"], map_location="cpu", weights_only=True)
+    # The NaN batch stopped the run before its backward pass: the weights in the last checkpoint are clean.
+    assert last["global_step"] == 15 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    skipped = run_cli([*COMMON, "faults.inject_nan_at_step=15", "faults.skip_nonfinite_batches=1",
+                       f"hydra.run.dir={tmp_path / 'b'}"], data_cache, tmp_path)  # fmt: skip
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 40
+    assert [e["step"] for e in summary["events"] if e["event"] == "skipped_batch"] == [15]
+
+
+def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(data_cache: Path, tmp_path: Path):
+    """Global batch 1024 tokens: one process accumulates 2 micro-batches, DDP runs 1 on each of 2 ranks."""
+    args = [*COMMON, "trainer.max_steps=20"]
+    single = run_cli([*args, f"hydra.run.dir={tmp_path / 'single'}"], data_cache, tmp_path)
+    ddp = run_cli([*args, "trainer.devices=2", "trainer.strategy=ddp", f"hydra.run.dir={tmp_path / 'ddp'}"],
+                  data_cache, tmp_path)  # fmt: skip
+    assert single.returncode == 0 and ddp.returncode == 0, ddp.stderr[-2000:]
+    history = {name: json.loads((tmp_path / name / "summary.json").read_text())["val_history"]
+               for name in ("single", "ddp")}  # fmt: skip
+    assert [h["step"] for h in history["ddp"]] == [10, 20]
+    for a, b in zip(history["single"], history["ddp"], strict=True):  # float summation order differs: close
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=2e-4)
+    # The DDP checkpoint continues in one process, on the same global data position.
+    longer = [*COMMON, "trainer.max_steps=30"]
+    resumed = run_cli([*longer, "resume=auto", f"hydra.run.dir={tmp_path / 'ddp'}"], data_cache, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    reference = run_cli([*longer, f"hydra.run.dir={tmp_path / 'ref'}"], data_cache, tmp_path)
+    assert reference.returncode == 0
+    a = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    b = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert a["steps"] == 30 and a["final_val_loss"] == pytest.approx(b["final_val_loss"], abs=5e-4)
