@@ -34,6 +34,11 @@ CASES = {
     "hub dataset offline": (["data=fineweb"], ["data=local data.files="]),
     "missing tokenizer file": (["tokenizer=file", "tokenizer.path=/no/such/tokenizer.json"], ["tokenizer.path"]),
     "resume from a missing checkpoint": (["resume=/no/such.ckpt"], ["resume"]),
+    "resume from a file that is no checkpoint": (["resume=/etc/passwd"], ["resume", "not a checkpoint"]),
+    "unknown W&B mode": (["logger=wandb", "logger.wandb.mode=sometimes"], ["logger.wandb.mode"]),
+    "KV heads that do not divide the heads": (["model.n_kv_head=3"], ["n_kv_head=3"]),
+    "XSA on more layers than the model has": (["attention=xsa", "attention.layers=5"], ["attention.layers=5"]),
+    "unknown XSA gate": (["attention=xsa", "attention.gate=sigmoid"], ["attention.gate"]),
 }
 
 
@@ -65,6 +70,12 @@ def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path):
     assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == 1.0
     assert (run_dir / "config.yaml").read_text() == "original: true\n"
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_run_directory_that_cannot_be_created(data_cache: Path, tmp_path: Path):
+    out = run_cli(["train", *FAST, "hydra.run.dir=/proc/xsa-lm-run"], data_cache, tmp_path)  # /proc: no new folders
+    assert_clean_error(out, "hydra.run.dir=/proc/xsa-lm-run", "cannot be created")
+    assert out.returncode == 2
 
 
 def test_unknown_command(data_cache: Path, tmp_path: Path):

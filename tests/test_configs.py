@@ -61,3 +61,16 @@ def test_demo_experiment_is_a_cpu_recipe():
     cfg = compose_train(["experiment=demo"])
     assert cfg.trainer.accelerator == "cpu" and cfg.model.name == "tiny"
     assert check_config(cfg)["accumulate"] == 1
+
+
+def test_fsdp_wraps_each_transformer_block():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from xsa_lm.model.gpt import Block
+
+    strategy = hydra.utils.instantiate(compose_train(["trainer=fsdp"]).trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy)
+    assert Block in strategy.kwargs["auto_wrap_policy"]._module_classes
+    assert compose_train(["trainer=ddp"]).trainer.strategy == "ddp"
+    slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
+    assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4

@@ -126,3 +126,47 @@ def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(data_cache:
     a = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     b = json.loads((tmp_path / "ref" / "summary.json").read_text())
     assert a["steps"] == 30 and a["final_val_loss"] == pytest.approx(b["final_val_loss"], abs=5e-4)
+
+
+def test_checkpoints_move_between_compiled_and_eager_models():
+    from xsa_lm.model import GPTConfig
+    from xsa_lm.train.module import LMModule
+
+    config = GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8)
+    make = lambda compile: LMModule(config, optimizer=None, scheduler=None, total_steps=1, compile=compile)  # noqa: E731
+    eager, compiled = make(False), make(True)  # torch.compile wraps lazily: nothing is compiled here
+    assert all(k.startswith("model._orig_mod.") for k in compiled.state_dict())
+    for source, target in ((compiled, eager), (eager, compiled)):
+        checkpoint = {"state_dict": {k: v.clone() for k, v in source.state_dict().items()}}
+        target.on_load_checkpoint(checkpoint)
+        target.load_state_dict(checkpoint["state_dict"])  # strict: every key maps
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path, monkeypatch):
+    from xsa_lm.train.checkpointing import AtomicCheckpointIO, CheckpointWriteError
+
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointWriteError, match="No space left on device.*previous checkpoints are intact"):
+        io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
+    assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+    assert checkpoint_step(path) == 1
+
+
+def test_no_secret_lands_in_the_run_directory(data_cache: Path, tmp_path: Path):
+    secret = "0123456789abcdef0123456789abcdef01234567"
+    run_dir = tmp_path / "run"
+    fast = [o for o in FAST if o != "logger=csv"]
+    proc = run_cli(["train", *fast, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], data_cache, tmp_path,
+                   WANDB_API_KEY=secret, HF_TOKEN=secret)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == [] and secret not in proc.stdout + proc.stderr

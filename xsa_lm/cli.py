@@ -3,6 +3,7 @@
 import importlib
 import os
 import sys
+from pathlib import Path
 
 COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "train": ("xsa_lm.train.run", "train", "train one SA or XSA model (configs/train.yaml)"),
@@ -40,14 +41,22 @@ def check_overrides(config_name: str, args: list[str]) -> None:
 
     try:
         with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+            run_dir = Path(cfg.hydra.run.dir)  # resolved here: ${now:...} needs Hydra's resolvers
     except (HydraException, OmegaConfBaseException) as e:
         print(f"xsa-lm: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
-    missing = missing_values(OmegaConf.to_container(cfg, resolve=False))  # `???`: what the options need
+    job = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    missing = missing_values(job)  # `???` values the chosen options need, e.g. data.files
     if missing:
         print(f"xsa-lm: error: missing required value(s): {', '.join(missing)}; set them on the command line, "
               f"e.g. {missing[0]}=...", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    try:  # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"xsa-lm: error: hydra.run.dir={run_dir} cannot be created ({e.strerror or e}): choose another",
+              file=sys.stderr)  # fmt: skip
         sys.exit(2)
 
 

@@ -42,6 +42,15 @@ class LMModule(L.LightningModule):
         self.events: list[dict] = []  # skipped batches and loss / grad-norm spikes, kept in summary.json
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Checkpoints move between compiled and eager runs: torch.compile stores weights under model._orig_mod."""
+        compiled = hasattr(self.model, "_orig_mod")
+        state = {}
+        for key, value in checkpoint["state_dict"].items():
+            key = key.replace("model._orig_mod.", "model.", 1)
+            state[key.replace("model.", "model._orig_mod.", 1) if compiled else key] = value
+        checkpoint["state_dict"] = state
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
         checkpoint["model_config"] = asdict(self.model_config)

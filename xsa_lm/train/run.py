@@ -27,6 +27,7 @@ from xsa_lm.train.callbacks import Diagnostics, Samples, Throughput, ValHistory
 from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
+from xsa_lm.train.tracking import resolve_mode
 
 relaunch_argv: list[str] | None = None  # set by `xsa-lm train`: the command line that DDP ranks re-run
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
@@ -65,6 +66,8 @@ def check_config(cfg: DictConfig) -> dict:
             f"data.block_size = {cfg.micro_batch_size} x {devices} x {cfg.data.block_size} = {tokens_per_micro_step}: "
             "choose a multiple"
         )
+    if cfg.logger and cfg.logger.get("wandb"):
+        resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
     if cfg.val_every_steps <= 0:
         raise UserError(f"val_every_steps must be positive, got {cfg.val_every_steps}")
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}

@@ -22,6 +22,10 @@ def has_wandb_key() -> bool:
 
 def resolve_mode(mode: str) -> str:
     """'auto' -> WANDB_MODE if set, else online with an API key, else offline."""
+    if mode not in ("auto", "online", "offline", "disabled"):
+        from xsa_lm.errors import UserError
+
+        raise UserError(f"logger.wandb.mode must be auto, online, offline or disabled, got {mode!r}")
     if mode != "auto":
         return mode
     env = os.environ.get("WANDB_MODE")
