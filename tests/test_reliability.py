@@ -41,9 +41,8 @@ def straight(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict
 def test_kill_9_mid_run_then_resume_gives_identical_losses(straight, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     proc = start([*COMMON, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    wait_for(run_dir / "checkpoints" / "step-000020.ckpt", proc)
-    time.sleep(0.5)  # a few steps past the checkpoint: they are trained again after the resume
-    proc.kill()
+    wait_for(run_dir / "checkpoints" / "step-000020.ckpt", proc)  # polled every 20 ms; 20 steps remain (~1 s)
+    proc.kill()  # the steps it trained past the checkpoint are trained again after the resume
     proc.communicate()
     assert not (run_dir / "summary.json").exists() or json.loads((run_dir / "summary.json").read_text())["steps"] < 40
     again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
@@ -97,12 +96,19 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     last = torch.load(summary["checkpoints"]["last"], map_location="cpu", weights_only=True)
     # The NaN batch stopped the run before its backward pass: the weights in the last checkpoint are clean.
     assert last["global_step"] == 15 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    # spike_factor 0.5: every logged loss above half its running average counts as a spike, so events must appear
     skipped = run_cli([*COMMON, "faults.inject_nan_at_step=15", "faults.skip_nonfinite_batches=1",
-                       f"hydra.run.dir={tmp_path / 'b'}"], data_cache, tmp_path)  # fmt: skip
+                       "faults.spike_factor=0.5", f"hydra.run.dir={tmp_path / 'b'}"], data_cache, tmp_path)  # fmt: skip
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 40
     assert [e["step"] for e in summary["events"] if e["event"] == "skipped_batch"] == [15]
+    spikes = [e for e in summary["events"] if e["event"] == "loss_spike"]
+    assert spikes and all(e["value"] > 0 for e in spikes)
+    with open(tmp_path / "b" / "metrics.csv") as f:
+        assert "events/loss_spike" in f.readline()  # also a metric series (W&B and metrics.csv)
+    quiet = json.loads((tmp_path / "a" / "summary.json").read_text())["events"]
+    assert not [e for e in quiet if e["event"] == "loss_spike"]  # the default factor 3: a smooth run has none
 
 
 def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(data_cache: Path, tmp_path: Path):
