@@ -37,11 +37,27 @@ from xsa_lm.train.module import LMModule, param_groups
 from xsa_lm.train.schedule import warmup_cosine_scheduler
 
 TARGETS = {"xsa_over_sa_step_time": 1.03, "lightning_over_plain_throughput": 0.95}
+# Dense bf16 peak FLOP/s by GPU name (datasheets, SXM parts); for MFU on GPUs. On CPU the peak is measured.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12, "A10G": 70e12}
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # configs/optim/adamw.yaml
 SCHED = {"warmup_steps": 100, "min_lr_ratio": 0.1}  # configs/scheduler/warmup_cosine.yaml
 DIMS = ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size")
 Batch = tuple[torch.Tensor, torch.Tensor]
 Run = Callable[[], list[float]]  # one timed run: returns step times in seconds
+
+
+def measured_matmul_peak(n: int = 1024, repeats: int = 20) -> float:
+    """This CPU's fp32 matmul FLOP/s (best of `repeats` n x n x n products): the denominator of MFU on CPU."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def make_batches(n: int, micro_batch: int, block: int, vocab: int, seed: int) -> list[Batch]:
@@ -188,6 +204,8 @@ def main() -> None:
     runtime = time.perf_counter() - t_start
 
     xsa_ratio, lit_ratio = attn.pop("ratio"), 1.0 / loop.pop("ratio")  # step-time ratio -> throughput ratio
+    peak = measured_matmul_peak()
+    flops_per_token = models["sa"].model.flops_per_token(args.block_size)  # the same formula for SA and XSA
     between = statistics.median(f.starts[i + 1] - f.ends[i] for f in fits for i in range(w, n))
     result = {
         "device": f"cpu (torch {torch.__version__}, lightning {L.__version__})",
@@ -202,6 +220,10 @@ def main() -> None:
         "lightning_over_plain_throughput_pooled": 1.0 / loop["ratio_pooled"],
         "lightning_over_plain_throughput_rounds": [1.0 / r for r in loop["ratio_rounds"]],
         "lightning_between_batches_ms": 1e3 * between,  # batch_end -> next batch_start: LR step, loop, data
+        "tokens_per_s": attn["sa_tokens_per_s"], "flops_per_token": flops_per_token,
+        "peak_flops": peak, "peak_flops_source": "measured: best fp32 1024^3 matmul on this CPU",
+        "mfu": attn["sa_tokens_per_s"] * flops_per_token / peak,
+        "mfu_xsa": attn["xsa_tokens_per_s"] * flops_per_token / peak,
         "same_first_loss": all(f.losses[0] == pl.losses[0] for f, pl in zip(fits, plains, strict=True)),
         "targets": TARGETS,
         "targets_met": {
@@ -228,6 +250,8 @@ def main() -> None:
     table.add_row("Lightning/plain tput", "", "", *ratios, f">=0.95 {met('lightning_over_plain_throughput')}")
     Console().print(table)
     load = result["load_avg_1min"]
+    print(f"MFU (SA) {100 * result['mfu']:.1f}% = {result['tokens_per_s']:,.0f} tokens/s x "
+          f"{flops_per_token / 1e6:.2f} MFLOP/token / {peak / 1e9:.1f} GFLOP/s measured matmul peak")  # fmt: skip
     print(f"runtime {runtime:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}; wrote {args.out}")
 
 

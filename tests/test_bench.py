@@ -26,6 +26,7 @@ def test_bench_train_quick_writes_the_report(tmp_path: Path):
     assert report["xsa_over_sa_step_time"] > 0 and report["lightning_over_plain_throughput"] > 0
     assert report["device"].startswith("cpu")
     assert "xsa" in stdout.lower()
+    assert 0 < report["mfu"] < 1 and report["tokens_per_s"] == report["sa_tokens_per_s"] and "MFU" in stdout
 
 
 @pytest.mark.slow

@@ -91,3 +91,21 @@ def test_invalid_config_is_rejected():
         GPTConfig(attention="foo")
     with pytest.raises(ValueError, match="head_dim"):
         GPTConfig(head_dim=33)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(attention="sa"), dict(attention="xsa"), dict(attention="xsa", n_kv_head=2, n_sinks=2)],
+    ids=["sa", "xsa", "xsa-gqa-sinks"],
+)
+def test_flops_per_token_match_torch_flop_counter(changes: dict):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4, head_dim=16, vocab_size=256, block_size=32, **changes))
+    x = torch.randint(0, 256, (3, 32))
+    # The math backend: its matmuls are counted (the fused CPU kernel is not known to the counter).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        _, loss = model(x, x)
+        loss.backward()
+    assert counter.get_total_flops() == pytest.approx(model.flops_per_token(32) * x.numel(), rel=1e-9)

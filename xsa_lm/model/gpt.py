@@ -82,6 +82,18 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
 
+    def flops_per_token(self, context: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward): 6 x the parameters used in matmuls (the tied
+        embedding counts once, as the output layer) plus the attention scores and sums, 12 x n_layer x context x
+        n_head x head_dim (causality not subtracted, as torch.utils.flop_counter counts attention). Sink positions
+        run through every block but are never predicted: their cost is spread over the tokens."""
+        c = self.config
+        T = c.block_size if context is None else context
+        L = c.n_sinks + T  # positions per sequence inside the blocks
+        block_params = sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+        head_params = self.lm_head.weight.numel()
+        return 6 * (block_params * L / T + head_params) + 12 * c.n_layer * c.n_head * c.head_dim * L * L / T
+
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

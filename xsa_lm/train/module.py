@@ -63,7 +63,7 @@ class LMModule(L.LightningModule):
             self.nan_at_step = None
         if not torch.isfinite(loss):
             if len([e for e in self.events if e["event"] == "skipped_batch"]) < self.skip_budget:
-                self.record_event("skipped_batch", float(loss))  # this micro-batch adds no gradient
+                self.record_event("skipped_batch", float(loss.detach()))  # this micro-batch adds no gradient
                 return None
             # Stop at once: a NaN/inf loss poisons the weights and wastes the rest of the run.
             self.diverged_at = self.global_step
@@ -100,7 +100,7 @@ class LMModule(L.LightningModule):
         running average is recorded as an event."""
         if self.spike_factor is None or self.global_step % max(self.trainer.log_every_n_steps, 1):
             return
-        current = float(value)
+        current = float(value.detach())
         typical = self._typical.get(event)
         if typical is not None and self.global_step > 0 and current > self.spike_factor * typical:
             self.record_event(event, current)
