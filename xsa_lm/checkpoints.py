@@ -33,7 +33,7 @@ def load_model(path: Path) -> GPT:
         fields = json.loads(summary.read_text())["model_config"]
     if fields is None or "state_dict" not in checkpoint:
         raise UserError(f"ckpts: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
-    model = GPT(GPTConfig(**{k: tuple(v) if k == "xsa_layers" and v is not None else v for k, v in fields.items()}))
+    model = GPT(GPTConfig(**fields))  # GPTConfig turns a stored xsa_layers list back into a tuple
     state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
     model.load_state_dict(state)  # compiled runs store _orig_mod.<name>: the eager model takes them back
     return model

@@ -59,6 +59,10 @@ class PreparedData:
         return arrays
 
 
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
 def is_val_document(key: str, val_fraction: float, split_seed: int) -> bool:
     """A document's split from its key alone: stable under re-preparation, order and worker count."""
     digest = hashlib.sha256(f"{split_seed}:{key}".encode()).digest()
@@ -158,9 +162,7 @@ def _split_documents(source, val_fraction: float, split_seed: int) -> Iterator[t
 
 
 def _write_shards(source, out, tokenizer, val_fraction, split_seed, shard_documents, workers, progress) -> list:
-    vocab = tokenizer.get_vocab_size()
-    dtype = "uint16" if vocab <= 2**16 else "uint32"
-    job = (str(out), str(out / "tokenizer.json"), tokenizer.token_to_id(EOT), dtype)
+    job = (str(out), str(out / "tokenizer.json"), tokenizer.token_to_id(EOT), token_dtype(tokenizer.get_vocab_size()))
     chunks = _batched(_split_documents(source, val_fraction, split_seed), shard_documents)
     shards: list[dict] = []
     bar = _Progress(progress, getattr(source, "count_documents", lambda: None)())
@@ -241,7 +243,7 @@ def _meta(identity: dict, tokenizer: Tokenizer, out: Path, shards: list[dict]) -
         },  # fmt: skip
         "vocab_size": tokenizer.get_vocab_size(),
         "eot_id": tokenizer.token_to_id(EOT),
-        "dtype": "uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32",
+        "dtype": token_dtype(tokenizer.get_vocab_size()),
         **totals,
         "shards": shards,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -52,19 +52,33 @@ class ValHistory(L.Callback):
         self.history = list(state_dict["history"])
 
 
-class Diagnostics(L.Callback):
+class EveryNSteps(L.Callback):
+    """A callback whose work runs on global rank 0 once every `every_n_steps` optimizer steps (not once per
+    accumulated micro-batch)."""
+
+    def __init__(self, every_n_steps: int) -> None:
+        self.every_n_steps, self._last_step = every_n_steps, -1
+
+    def due(self, trainer: L.Trainer) -> bool:
+        step = trainer.global_step
+        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
+            return False
+        self._last_step = step
+        return True
+
+
+class Diagnostics(EveryNSteps):
     """Every `every_n_steps` optimizer steps: the paper's Figure 1 diagnostics per layer on the first `sequences`
     validation windows, logged as diag/<metric>/layer_<l> series (W&B and metrics.csv) and as a W&B table."""
 
     def __init__(self, every_n_steps: int, sequences: int = 8, chunk: int = 256) -> None:
-        self.every_n_steps, self.sequences, self.chunk = every_n_steps, sequences, chunk
-        self._last_step = -1
+        super().__init__(every_n_steps)
+        self.sequences, self.chunk = sequences, chunk
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
+        if not self.due(trainer):
             return
-        self._last_step = step  # once per optimizer step, not per accumulated micro-batch
+        step = trainer.global_step
         from xsa_lm.analysis.diagnostics import METRICS, diagnose
 
         val = trainer.datamodule.val_set
@@ -81,21 +95,21 @@ class Diagnostics(L.Callback):
                 logger.log_table(key="diag/table", columns=columns, data=[[step, *row.values()] for row in rows])
 
 
-class Samples(L.Callback):
+class Samples(EveryNSteps):
     """Every `every_n_steps` optimizer steps: text sampled from the model, appended to <run dir>/samples.txt and
     logged to W&B as a table (step, text), to see what the model has learned beyond its loss."""
 
     def __init__(self, every_n_steps: int, run_dir: str, prompt: str = "", max_new_tokens: int = 64,
                  temperature: float = 0.8, top_k: int | None = 50) -> None:  # fmt: skip
-        self.every_n_steps, self.path, self.prompt = every_n_steps, f"{run_dir}/samples.txt", prompt
+        super().__init__(every_n_steps)
+        self.path, self.prompt = f"{run_dir}/samples.txt", prompt
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
-        self._last_step, self._rows = -1, []
+        self._rows: list[list] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
+        if not self.due(trainer):
             return
-        self._last_step = step
+        step = trainer.global_step
         from xsa_lm.data.tokenizer import EOT
         from xsa_lm.model import generate
 

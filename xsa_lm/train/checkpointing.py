@@ -49,19 +49,19 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
-def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, list[Path]]:
-    """The complete checkpoint with the highest step (last.ckpt wins ties) and the corrupt ones skipped."""
+def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list[Path]]:
+    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped."""
     candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt"))]
-    best, best_step, skipped = None, -1, []
+    best, best_step, skipped = None, None, []
     for path in candidates:
         if not path.is_file():
             continue
         step = checkpoint_step(path)
         if step is None:
             skipped.append(path)
-        elif step > best_step:
+        elif best_step is None or step > best_step:
             best, best_step = path, step
-    return best, skipped
+    return best, best_step, skipped
 
 
 class Preemption(L.Callback):

@@ -120,7 +120,8 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def find_resume_checkpoint(resume: str | None, run_dir: Path) -> str | None:
+def find_resume_checkpoint(resume: str | None, run_dir: Path) -> tuple[str | None, int | None]:
+    """The checkpoint to resume from and its step (validating a file reads it whole: done once here)."""
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
         if holds_a_run and rank_zero_only.rank == 0:  # DDP ranks > 0 start after rank 0 has written
@@ -128,20 +129,21 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path) -> str | None:
                 f"hydra.run.dir={run_dir} already holds a run: pass resume=auto to continue it, "
                 "or choose a new hydra.run.dir"
             )
-        return None
+        return None, None
     if resume == "auto":
-        newest, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
+        newest, step, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
         for path in skipped:
             print(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
         if newest is not None:
-            return str(newest)
+            return str(newest), step
         print(f"resume=auto: no usable checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
-        return None
+        return None, None
     if not Path(resume).is_file():
         raise UserError(f"resume: checkpoint not found: {resume}")
-    if checkpoint_step(Path(resume)) is None:
+    step = checkpoint_step(Path(resume))
+    if step is None:
         raise UserError(f"resume: {resume} is truncated or not a checkpoint")
-    return resume
+    return resume, step
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
@@ -172,7 +174,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     plan = check_config(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
-    ckpt_path = find_resume_checkpoint(cfg.resume, run_dir)
+    ckpt_path, resume_step = find_resume_checkpoint(cfg.resume, run_dir)
 
     # Only now, with the inputs checked, write into the run directory (once: DDP ranks > 0 write nothing).
     is_rank_zero = rank_zero_only.rank == 0
@@ -240,7 +242,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
         default_root_dir=str(run_dir),
-        logger=make_loggers(cfg, run_dir, run_name, checkpoint_step(Path(ckpt_path)) if ckpt_path else None) or False,
+        logger=make_loggers(cfg, run_dir, run_name, resume_step) or False,
         callbacks=callbacks,
         accumulate_grad_batches=plan["accumulate"],
         val_check_interval=cfg.val_every_steps * plan["accumulate"],
