@@ -44,6 +44,7 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(straight, data_cache:
     wait_for(run_dir / "checkpoints" / "step-000020.ckpt", proc)  # polled every 20 ms; 20 steps remain (~1 s)
     proc.kill()  # the steps it trained past the checkpoint are trained again after the resume
     proc.communicate()
+    assert 19 in train_losses(run_dir)  # the rows up to a checkpoint are on disk before the checkpoint is
     assert not (run_dir / "summary.json").exists() or json.loads((run_dir / "summary.json").read_text())["steps"] < 40
     again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]

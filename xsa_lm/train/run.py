@@ -226,9 +226,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss",
                                  mode="min", save_top_k=1, save_last=True)  # fmt: skip
     # The last K step checkpoints too: if last.ckpt is ever damaged, resume=auto falls back on the newest of these.
+    # Written after each validation like last.ckpt, not in on_train_batch_end: by then the step's metrics.csv row
+    # is on disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
     periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:06d}", monitor="train/tokens_seen", mode="max",
-                               save_top_k=cfg.checkpoint.keep_last, every_n_train_steps=cfg.val_every_steps,
-                               auto_insert_metric_name=False)  # fmt: skip
+                               save_top_k=cfg.checkpoint.keep_last, auto_insert_metric_name=False)  # fmt: skip
     preemption = Preemption(ckpt_dir / "last.ckpt")
     callbacks = [checkpoint, periodic, history, throughput, preemption]
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
