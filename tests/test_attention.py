@@ -100,3 +100,54 @@ def test_rope_keeps_norms_and_is_relative():
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
     dots = (rq[0, 0, 3:] * rk[0, 0, :-3]).sum(-1)  # same offset (3) at every position -> same dot product
     torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-4)
+
+
+def reference_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
+    """The paper's formula, left to autograd, in fp64."""
+    y, v = y.double(), v.double()
+    coef = (y * v).sum(-1, keepdim=True) / ((v * v).sum(-1, keepdim=True) + eps)
+    return y - (coef if scale is None else coef * scale.double()) * v
+
+
+def gqa_inputs(dtype: torch.dtype, seed: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y as (B, H_kv, G, T, D) against a broadcast v (B, H_kv, 1, T, D), and a per-head gate, as the model passes."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(2, 2, 3, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(2, 2, 1, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    scale = torch.tanh(torch.randn(2, 3, 1, 1, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    return y, v, scale
+
+
+def test_hand_written_backward_passes_gradcheck():
+    y, v, scale = gqa_inputs(torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b, s: exclusive_projection(a, b, 1e-6, s), (y, v, scale))
+    assert torch.autograd.gradcheck(lambda a, b: exclusive_projection(a, b, 1e-6), (y, v))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_forward_and_backward_equal_the_formula(dtype: torch.dtype, tol: float, gated: bool):
+    y, v, scale = gqa_inputs(dtype)
+    scale = scale if gated else None
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    z = exclusive_projection(y, v, 1e-6, scale)
+    assert z.dtype == dtype
+    z.backward(grad.to(dtype))
+    inputs = [t.detach().double().requires_grad_() for t in (y, v, *([scale] if gated else []))]
+    expected = reference_projection(inputs[0], inputs[1], 1e-6, inputs[2] if gated else None)
+    expected.backward(grad)
+    # bf16: the inputs are rounded alike, then z and the gradients are rounded once more on the way out
+    torch.testing.assert_close(z.double(), expected, rtol=tol, atol=tol)
+    for ours, ref in zip((y, v, *([scale] if gated else [])), inputs, strict=True):
+        assert ours.grad.dtype == dtype and ours.grad.shape == ours.shape
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=tol, atol=tol * ref.grad.abs().max().item())
+
+
+def test_only_the_inputs_are_saved_for_backward():
+    """No fp32 copies, no per-token coefficients: the backward recomputes them from y and v as they came in."""
+    y, v, scale = gqa_inputs(torch.bfloat16)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        exclusive_projection(y, v, 1e-6, scale)
+    assert {t.data_ptr() for t in saved} == {y.data_ptr(), v.data_ptr(), scale.data_ptr()}
+    assert all(t.dtype == torch.bfloat16 for t in saved)

@@ -24,6 +24,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class ExclusiveProjection(torch.autograd.Function):
+    """z = y - scale * (y . v) / (||v||^2 + eps) * v over the last dim, with a hand-written backward.
+
+    It saves only y and v as they came in (bf16 stays bf16) plus the gate: autograd of the plain formula would keep
+    fp32 copies of y and v and per-token coefficients, an extra 2x y in bf16. The fp32 arithmetic is redone in the
+    backward, which costs two dot products and no extra memory traffic worth measuring. torch.compile traces
+    through it (no graph break) and fuses forward and backward into one kernel each.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
+        y32, v32 = _compute_dtype(y, v)
+        coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
+        ctx.save_for_backward(y, v, scale)
+        ctx.eps = eps
+        return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, v, scale = ctx.saved_tensors
+        y32, v32, g32 = _compute_dtype(y, v, grad)
+        norm = torch.linalg.vecdot(v32, v32).unsqueeze(-1) + ctx.eps  # n = ||v||^2 + eps
+        coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) / norm  # c = (y . v) / n
+        g_dot_v = torch.linalg.vecdot(g32, v32).unsqueeze(-1)
+        k = g_dot_v / norm if scale is None else g_dot_v / norm * scale  # s (g . v) / n
+        c = coef if scale is None else coef * scale
+        grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
+        # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
+        grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
+        grad_scale = None
+        if scale is not None and ctx.needs_input_grad[3]:
+            grad_scale = (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype)
+        return grad_y.to(y.dtype), _reduce_to(grad_v, v), None, grad_scale
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """At least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward."""
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    return [t.to(dtype) for t in tensors]
+
+
+def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum the gradient over dims where `like` was broadcast (GQA: one v per group of query heads)."""
+    return grad.sum_to_size(like.shape).to(like.dtype)
+
+
 def exclusive_projection(
     y: torch.Tensor, v: torch.Tensor, eps: float = 1e-6, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -35,13 +81,7 @@ def exclusive_projection(
     value vector leaves y_i unchanged instead of producing NaN. `scale` (broadcastable to (..., 1, 1))
     multiplies the subtracted part: the gated variant passes tanh(alpha) per head.
     """
-    y32, v32 = y.float(), v.float()
-    # (y . v) / (||v||^2 + eps) * v in two reductions and one fused multiply-subtract: fewer elementwise
-    # kernels (and a shorter backward) than normalising v first; measured ~2x cheaper on CPU.
-    coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
-    if scale is not None:
-        coef = coef * scale
-    return torch.addcmul(y32, coef, v32, value=-1.0).to(y.dtype)
+    return ExclusiveProjection.apply(y, v, eps, scale)
 
 
 class KVCache:
