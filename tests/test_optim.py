@@ -64,4 +64,29 @@ def test_module_builds_adamw_with_config_values():
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert conf["lr_scheduler"]["interval"] == "step"
-    assert not opt.defaults.get("fused")  # fused only on CUDA
+    assert opt.defaults["fused"]  # one kernel for all parameters, on CPU as on CUDA
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nonfinite_gradient_never_reaches_the_weights(fused: bool):
+    module = LMModule(
+        GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8),
+        optimizer=partial(torch.optim.AdamW, lr=1e-2, fused=fused),
+        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
+        total_steps=10,
+    )
+    opt = module.configure_optimizers()["optimizer"]
+    idx = torch.randint(0, 64, (2, 8))
+    for poisoned in (False, True, False):
+        before = [p.detach().clone() for p in module.parameters()]
+        _, loss = module.model(idx, idx)
+        (loss * float("nan") if poisoned else loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        module.skip_update_if_nonfinite(opt, grad_norm)
+        opt.step()
+        opt.zero_grad()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+        assert unchanged == poisoned
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    # fused: a device flag per step, read later (no sync); unfused: the bad step was read at once
+    assert len(module._nonfinite) == (3 if fused else 1)

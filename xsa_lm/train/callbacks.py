@@ -4,6 +4,9 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
+
+from xsa_lm.train.module import logging_step
 
 
 class Throughput(L.Callback):
@@ -22,8 +25,26 @@ class Throughput(L.Callback):
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
             self.tokens_per_s = (s1 - s0) * self.tokens_per_step / (t1 - t0)
-            pl_module.log("train/tokens_per_s", self.tokens_per_s, on_step=True, prog_bar=True)
-        pl_module.log("train/tokens_seen", float(step * self.tokens_per_step), on_step=True)
+        if logging_step(trainer):  # logging a float copies it to the device, which waits for it: only when kept
+            pl_module.log("train/tokens_per_s", self.tokens_per_s, on_step=True)
+            pl_module.log("train/tokens_seen", float(step * self.tokens_per_step), on_step=True)
+
+
+class ProgressBar(RichProgressBar):
+    """Rich's bar with the training loss and tokens/s, read (a host-device sync) only at logging steps; the values
+    Lightning itself shows (prog_bar=True, read back after every batch) are only validation ones."""
+
+    KEYS = ("train/loss", "train/tokens_per_s")
+
+    def __init__(self) -> None:
+        super().__init__(leave=True)
+        self._shown: dict = {}
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        if not trainer.training or logging_step(trainer):
+            logged = trainer.callback_metrics
+            self._shown = {k: float(logged[k]) for k in self.KEYS if k in logged}
+        return {**self._shown, **super().get_metrics(trainer, pl_module)}
 
 
 class ValHistory(L.Callback):

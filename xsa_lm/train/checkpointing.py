@@ -89,6 +89,8 @@ class Preemption(L.Callback):
         self._seen_step = trainer.global_step
         stop = self.received is not None
         if trainer.world_size > 1:  # every rank stops at the same step, or none does
+            if trainer.global_step % max(trainer.log_every_n_steps, 1):
+                return  # agreeing is a collective that waits for the device: at logging steps only
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop and self.preempted_at is None:
             self.preempted_at = trainer.global_step

@@ -15,7 +15,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,7 +23,7 @@ from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
 from xsa_lm.model import GPTConfig
-from xsa_lm.train.callbacks import Diagnostics, Samples, Throughput, ValHistory
+from xsa_lm.train.callbacks import Diagnostics, ProgressBar, Samples, Throughput, ValHistory
 from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
@@ -228,7 +228,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     # The last K step checkpoints too: if last.ckpt is ever damaged, resume=auto falls back on the newest of these.
     # Written after each validation like last.ckpt, not in on_train_batch_end: by then the step's metrics.csv row
     # is on disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
-    periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:06d}", monitor="train/tokens_seen", mode="max",
+    periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:06d}", monitor="step", mode="max",
                                save_top_k=cfg.checkpoint.keep_last, auto_insert_metric_name=False)  # fmt: skip
     preemption = Preemption(ckpt_dir / "last.ckpt")
     callbacks = [checkpoint, periodic, history, throughput, preemption]
@@ -238,7 +238,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         s = cfg.samples
         callbacks.append(Samples(s.every_n_steps, str(run_dir), s.prompt, s.max_new_tokens, s.temperature, s.top_k))
     if cfg.progress_bar:
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(ProgressBar())
     trainer: L.Trainer = build(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
