@@ -41,7 +41,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
-	$(BIN)/python scripts/bench_train.py --out bench_train.json
+	$(BIN)/xsa-lm bench out=bench.json overwrite=true
 	$(BIN)/python scripts/bench_data.py --out bench_data.json
 
 clean:

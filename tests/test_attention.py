@@ -143,11 +143,13 @@ def test_forward_and_backward_equal_the_formula(dtype: torch.dtype, tol: float, 
         torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=tol, atol=tol * ref.grad.abs().max().item())
 
 
-def test_only_the_inputs_are_saved_for_backward():
-    """No fp32 copies, no per-token coefficients: the backward recomputes them from y and v as they came in."""
+def test_only_the_inputs_and_two_numbers_per_token_are_saved_for_backward():
+    """No fp32 copies of y or v: the backward works from them as they came in, plus (y . v) / n and 1 / n."""
     y, v, scale = gqa_inputs(torch.bfloat16)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         exclusive_projection(y, v, 1e-6, scale)
-    assert {t.data_ptr() for t in saved} == {y.data_ptr(), v.data_ptr(), scale.data_ptr()}
-    assert all(t.dtype == torch.bfloat16 for t in saved)
+    inputs = {y.data_ptr(), v.data_ptr(), scale.data_ptr()}
+    assert inputs <= {t.data_ptr() for t in saved} and all(t.dtype == torch.bfloat16 for t in saved[:3])
+    extra = [t for t in saved if t.data_ptr() not in inputs]
+    assert sum(t.numel() for t in extra) <= 2 * y.numel() // y.shape[-1]  # per token and head: coef and 1 / n

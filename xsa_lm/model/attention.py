@@ -27,28 +27,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class ExclusiveProjection(torch.autograd.Function):
     """z = y - scale * (y . v) / (||v||^2 + eps) * v over the last dim, with a hand-written backward.
 
-    It saves only y and v as they came in (bf16 stays bf16) plus the gate: autograd of the plain formula would keep
-    fp32 copies of y and v and per-token coefficients, an extra 2x y in bf16. The fp32 arithmetic is redone in the
-    backward, which costs two dot products and no extra memory traffic worth measuring. torch.compile traces
-    through it (no graph break) and fuses forward and backward into one kernel each.
+    It saves y and v as they came in (bf16 stays bf16; SDPA keeps both for its own backward anyway), the gate, and
+    two numbers per token and head, (y . v) / n and 1 / n with n = ||v||^2 + eps: 2 / head_dim of y's size. Autograd
+    of the plain formula would keep fp32 copies of y and v (in bf16, 2x y more) and redo more passes over memory.
+    torch.compile traces through it (no graph break) and fuses forward and backward into one kernel each.
     """
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
         y32, v32 = _compute_dtype(y, v)
-        coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
-        ctx.save_for_backward(y, v, scale)
-        ctx.eps = eps
+        inv_norm = 1.0 / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
+        coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) * inv_norm
+        ctx.save_for_backward(y, v, scale, coef, inv_norm)
         return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        y, v, scale = ctx.saved_tensors
+        y, v, scale, coef, inv_norm = ctx.saved_tensors
         y32, v32, g32 = _compute_dtype(y, v, grad)
-        norm = torch.linalg.vecdot(v32, v32).unsqueeze(-1) + ctx.eps  # n = ||v||^2 + eps
-        coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) / norm  # c = (y . v) / n
         g_dot_v = torch.linalg.vecdot(g32, v32).unsqueeze(-1)
-        k = g_dot_v / norm if scale is None else g_dot_v / norm * scale  # s (g . v) / n
+        k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
         c = coef if scale is None else coef * scale
         grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
         # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
@@ -131,13 +129,18 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=dropout, enable_gqa=H_kv != H)  # fmt: skip
         y_attn = y
+        # (B, T, H, D) order from here: SDPA's kernels return y laid out that way in memory, so the output projection
+        # reads it (and an XSA result computed in that order) without a copy.
+        y = y.transpose(1, 2)
+        z = None
         if self.exclusive:
-            # Each query head projects on its KV group's v: y as (B, H_kv, G, T, D) against v as (B, H_kv, 1, T, D).
+            # Each query head projects on its KV group's v: y as (B, T, H_kv, G, D) against v as (B, T, H_kv, 1, D).
             # Only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA.
-            scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1, 1)
-            y = exclusive_projection(y.view(B, H_kv, H // H_kv, T, D), v.unsqueeze(2), self.xsa_eps, scale)
-            y = y.view(B, H, T, D)
+            scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
+            y = exclusive_projection(y.view(B, T, H_kv, H // H_kv, D), v.transpose(1, 2).unsqueeze(3), self.xsa_eps,
+                                     scale).reshape(B, T, H, D)  # fmt: skip
+            z = y.transpose(1, 2)
         if self.observer is not None:
-            self.observer(q=q, k=k, v=v, y=y_attn, z=y if self.exclusive else None)
-        y = y.transpose(1, 2).reshape(B, T, H * D)
+            self.observer(q=q, k=k, v=v, y=y_attn, z=z)
+        y = y.reshape(B, T, H * D)
         return self.proj(y)

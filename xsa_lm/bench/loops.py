@@ -1,0 +1,182 @@
+"""The contenders: a minimal hand-written training loop and Lightning fitting LMModule, on the same model, batches,
+optimizer and schedule; step timing and peak memory; interleaved comparisons."""
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from xsa_lm.bench.hardware import synchronize
+from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.train.module import LMModule, param_groups
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Run = Callable[[], list[float]]  # one timed run: returns step times in seconds
+
+
+def make_batches(n: int, micro_batch: int, context: int, vocab: int, seed: int, pin: bool) -> list[Batch]:
+    """Random tokens: the step time of a language model does not depend on what the tokens say."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab, (micro_batch, context + 1), generator=g) for _ in range(n)]
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if pin else batches
+
+
+class Setup:
+    """What both loops share: device, precision, compile, and the optimizer and schedule factories."""
+
+    def __init__(self, device: torch.device, precision: str, compile: bool, optimizer, scheduler) -> None:
+        self.device, self.precision, self.compile = device, precision, compile
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision.startswith("bf16"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+class PlainTrainer:
+    """The loop a researcher writes by hand (nanoGPT's): autocast, fused AdamW with LMModule's parameter groups,
+    clipping at 1, the LR schedule, non-blocking copies of pinned batches, and no read-back of the loss."""
+
+    def __init__(self, config: GPTConfig, setup: Setup, seed: int, total_steps: int) -> None:
+        torch.manual_seed(seed)
+        self.setup = setup
+        self.model = GPT(config).to(setup.device)
+        self.step_fn = torch.compile(self.model) if setup.compile else self.model
+        keywords = setup.optimizer.keywords
+        fused = {} if "fused" in keywords else {"fused": True}  # as LMModule.configure_optimizers
+        self.opt = setup.optimizer(param_groups(self.model, keywords.get("weight_decay", 0.0)), **fused)
+        self.sched = setup.scheduler(self.opt, total_steps=total_steps)
+        self.losses: list[torch.Tensor] = []
+
+    def step(self, batch: Batch) -> None:
+        x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
+        with self.setup.autocast():
+            _, loss = self.step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.losses.append(loss.detach())
+
+    def run(self, batches: list[Batch], n: int) -> list[float]:
+        """n steps cycling over batches; n + 1 device-synchronised time stamps (each step's start, then the end)."""
+        stamps = []
+        for i in range(n):
+            synchronize(self.setup.device)
+            stamps.append(time.perf_counter())
+            self.step(batches[i % len(batches)])
+        synchronize(self.setup.device)
+        return stamps + [time.perf_counter()]
+
+
+class CycledBatches(Dataset):
+    def __init__(self, batches: list[Batch], length: int) -> None:
+        self.batches, self.length = batches, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.batches[i % len(self.batches)]
+
+
+class StepTimer(L.Callback):
+    """Device-synchronised stamp at each batch start; start-to-start covers all Lightning does between batches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.starts: list[float] = []
+        self.first_loss: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        synchronize(self.device)
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.first_loss is None:
+            self.first_loss = outputs["loss"].detach()
+
+
+def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], n: int, seed: int) -> StepTimer:
+    """A fresh Trainer.fit of LMModule for n steps, as `xsa-lm train` configures it, without logging or checkpoints."""
+    torch.manual_seed(seed)
+    module = LMModule(config, optimizer=setup.optimizer, scheduler=setup.scheduler, total_steps=n,
+                      compile=setup.compile, spike_factor=None)  # fmt: skip
+    timer = StepTimer(setup.device)
+    trainer = L.Trainer(
+        max_steps=n, accelerator=setup.device.type, devices=1, precision=setup.precision, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+    )  # fmt: skip
+    loader = DataLoader(CycledBatches(batches, n), batch_size=None, shuffle=False, num_workers=0)
+    trainer.fit(module, loader)
+    return timer
+
+
+def step_times(stamps: list[float]) -> list[float]:
+    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:], strict=False)]
+
+
+def compare(runs: dict[str, Run], rounds: int, tokens: int) -> dict:
+    """Alternate two runs for `rounds` rounds, flipping the order each round, so drift and noisy neighbours hit
+    both alike. Median step times, tokens/s, and the second's time over the first's: the median of per-round ratios
+    (robust to a stalled round) and the pooled one."""
+    a, b = runs
+    times: dict[str, list[list[float]]] = {a: [], b: []}
+    for r in range(rounds):
+        for name in (a, b) if r % 2 == 0 else (b, a):
+            times[name].append(runs[name]())
+    med = {k: statistics.median(t for steps in v for t in steps) for k, v in times.items()}
+    per_round = [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(times[a], times[b], strict=True)]
+    out: dict = {f"{k}_step_ms": 1e3 * m for k, m in med.items()}
+    out |= {f"{k}_tokens_per_s": tokens / m for k, m in med.items()}
+    return out | {"ratio": statistics.median(per_round), "ratio_pooled": med[b] / med[a], "ratio_rounds": per_round}
+
+
+def peak_memory(config: GPTConfig, setup: Setup, batches: list[Batch], seed: int) -> tuple[int, str]:
+    """Peak memory of one training step of a fresh model (after two steps, so the optimizer state exists).
+    CUDA: the allocator's high-water mark. CPU has no such counter: parameters, gradients and optimizer state
+    plus every tensor saved for the backward (each storage once), which is where SA and XSA can differ."""
+    trainer = PlainTrainer(config, setup, seed, total_steps=10)
+    trainer.run(batches, 2)
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(setup.device)
+        trainer.run(batches, 1)
+        return torch.cuda.max_memory_allocated(setup.device), "torch.cuda.max_memory_allocated over a training step"
+    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    static = sum(p.numel() * p.element_size() * 2 for p in trainer.model.parameters())  # weights + gradients
+    static += sum(t.numel() * t.element_size() for s in trainer.opt.state.values() for t in s.values())
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), setup.autocast():
+        x, y = batches[0]
+        trainer.step_fn(x, y)
+    return static + sum(saved.values()), "estimate: weights, gradients, AdamW state and tensors saved for backward"
+
+
+def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> float:
+    """torch.utils.flop_counter's count for one forward and backward, per token: checks the model's formula."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(config).to(setup.device)
+    x, y = (t.to(setup.device) for t in batch)
+    # The counter knows SDPA's math, flash (CUDA) and efficient kernels, not the CPU flash kernel: math on CPU.
+    math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else contextlib.nullcontext()
+    with FlopCounterMode(display=False) as counter, setup.autocast(), math_on_cpu:
+        _, loss = model(x, y)
+        loss.backward()
+    return counter.get_total_flops() / x.numel()
