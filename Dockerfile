@@ -4,11 +4,14 @@
 # The base image brings CUDA, cuDNN and a CUDA build of torch inside the range pyproject.toml accepts.
 FROM pytorch/pytorch:2.8.0-cuda12.9-cudnn9-runtime
 
+# Inductor's compiled kernels go to the mounted outputs volume: the next container starts with a warm cache.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    XSA_LM_DATA_DIR=/work/data
+    XSA_LM_DATA_DIR=/work/data \
+    TORCHINDUCTOR_CACHE_DIR=/work/outputs/.inductor-cache
 
-RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
+# gcc: Triton builds a small C launcher for compile=true (the runtime image has no compiler).
+RUN apt-get update && apt-get install -y --no-install-recommends git gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -28,7 +28,7 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
     report = json.loads(out.read_text())
     for key in ("xsa_over_sa_step_time", "xsa_over_sa_peak_memory", "lightning_over_plain_throughput"):
         assert report[key] > 0, key
-    assert report["device"].startswith("cpu") and report["tokens_per_s"] == report["sa_tokens_per_s"] > 0
+    assert report["device"].startswith("cpu") and report["tokens_per_s"] == report["lightning_tokens_per_s"] > 0
     assert 0 < report["mfu"] < 1 and "measured" in report["peak_flops_source"]
     # the model's formula and torch's flop counter agree (SDPA counted through its math kernel on CPU)
     assert report["flops_per_token"] == report["flops_per_token_flop_counter"]

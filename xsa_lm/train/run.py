@@ -25,6 +25,7 @@ from xsa_lm.errors import UserError, build, exit_on_user_error
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Diagnostics, ProgressBar, Samples, Throughput, ValHistory
 from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
+from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.runinfo import run_info
 from xsa_lm.train.tracking import resolve_mode
@@ -192,6 +193,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         sys.argv = relaunch_argv
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.get("reuse_host_memory", True):
+        reuse_freed_host_memory()
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
