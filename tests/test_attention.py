@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection
-from xsa_lm.model.attention import apply_rope, rope_tables
+from xsa_lm.model.attention import ExclusiveOutputProjection, apply_rope, rope_tables
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -153,3 +153,67 @@ def test_only_the_inputs_and_two_numbers_per_token_are_saved_for_backward():
     assert inputs <= {t.data_ptr() for t in saved} and all(t.dtype == torch.bfloat16 for t in saved[:3])
     extra = [t for t in saved if t.data_ptr() not in inputs]
     assert sum(t.numel() for t in extra) <= 2 * y.numel() // y.shape[-1]  # per token and head: coef and 1 / n
+
+
+def output_projection_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    y, v, scale = gqa_inputs(dtype)
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randn(5, 2 * 3 * 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    bias = torch.randn(5, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    # (B, T, H_kv, G, D) as the attention module passes them: move T in front of the heads
+    y, v = (t.detach().permute(0, 3, 1, 2, 4).contiguous().requires_grad_() for t in (y, v))
+    return y, v, scale.detach().view(2, 3, 1).requires_grad_(), weight, bias
+
+
+def test_fused_output_projection_passes_gradcheck():
+    y, v, scale, weight, bias = output_projection_inputs(torch.float64)
+    fused = lambda y, v, s, w, b: ExclusiveOutputProjection.apply(y, v, 1e-6, s, w, b)
+    assert torch.autograd.gradcheck(fused, (y, v, scale, weight, bias))
+    assert torch.autograd.gradcheck(lambda y, v, w: ExclusiveOutputProjection.apply(y, v, 1e-6, None, w, None),
+                                    (y, v, weight))  # fmt: skip
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_output_projection_equals_projecting_z(autocast: bool):
+    """Forward and every gradient equal W_o(exclusive_projection(y, v)) left to autograd, also under bf16 autocast."""
+    results = []
+    for fused in (True, False):
+        y, v, scale, weight, bias = output_projection_inputs(torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y_in, v_in = (y.bfloat16(), v.bfloat16()) if autocast else (y, v)  # SDPA's outputs are bf16 under autocast
+            if fused:
+                out = ExclusiveOutputProjection.apply(y_in, v_in, 1e-6, scale, weight, bias)
+            else:
+                out = F.linear(exclusive_projection(y_in, v_in, 1e-6, scale).flatten(-3), weight, bias)
+        out.backward(torch.ones_like(out))
+        results.append([out, *(t.grad for t in (y, v, scale, weight, bias))])
+    tol = 2e-2 if autocast else 1e-5
+    for ours, ref in zip(*results, strict=True):
+        assert ours.dtype == ref.dtype
+        torch.testing.assert_close(ours, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def saved_bytes(attn: CausalSelfAttention, x: torch.Tensor) -> int:
+    """Bytes of the activations a layer keeps for its backward (each storage once, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in attn.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    cos, sin = rope_tables(x.size(1), attn.head_dim)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        attn(x, cos, sin)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_an_xsa_layer_keeps_only_two_numbers_per_token_and_head_more_than_sa(n_kv_head: int):
+    x = torch.randn(2, 16, 64)
+    sizes = {}
+    for attention in ("sa", "xsa"):
+        config = GPTConfig(d_model=64, n_head=4, head_dim=16, block_size=16, attention=attention, n_kv_head=n_kv_head)
+        sizes[attention] = saved_bytes(CausalSelfAttention(config), x)
+    assert 0 < sizes["xsa"] - sizes["sa"] <= 2 * 2 * 16 * 4 * 4  # coef and 1 / n: B x T x heads fp32 numbers each

@@ -24,6 +24,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def _xsa_forward(
+    y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """z = y - scale * c v with c = (y . v) / n and n = ||v||^2 + eps; also returns c and 1 / n for the backward."""
+    y32, v32 = _compute_dtype(y, v)
+    inv_norm = 1.0 / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
+    coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) * inv_norm
+    z = torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
+    return z, coef, inv_norm
+
+
+def _xsa_backward(
+    grad: torch.Tensor, y: torch.Tensor, v: torch.Tensor, scale: torch.Tensor | None, coef: torch.Tensor,
+    inv_norm: torch.Tensor, scale_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Gradients of z with respect to y, v and the gate, given dL/dz."""
+    y32, v32, g32 = _compute_dtype(y, v, grad)
+    g_dot_v = torch.linalg.vecdot(g32, v32).unsqueeze(-1)
+    k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
+    c = coef if scale is None else coef * scale
+    grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
+    # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
+    grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
+    grad_scale = (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale_needs_grad else None
+    return grad_y.to(y.dtype), _reduce_to(grad_v, v), grad_scale
+
+
 class ExclusiveProjection(torch.autograd.Function):
     """z = y - scale * (y . v) / (||v||^2 + eps) * v over the last dim, with a hand-written backward.
 
@@ -35,26 +62,50 @@ class ExclusiveProjection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
-        y32, v32 = _compute_dtype(y, v)
-        inv_norm = 1.0 / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
-        coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) * inv_norm
+        z, coef, inv_norm = _xsa_forward(y, v, eps, scale)
         ctx.save_for_backward(y, v, scale, coef, inv_norm)
-        return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
+        return z
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         y, v, scale, coef, inv_norm = ctx.saved_tensors
-        y32, v32, g32 = _compute_dtype(y, v, grad)
-        g_dot_v = torch.linalg.vecdot(g32, v32).unsqueeze(-1)
-        k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
-        c = coef if scale is None else coef * scale
-        grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
-        # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
-        grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
-        grad_scale = None
-        if scale is not None and ctx.needs_input_grad[3]:
-            grad_scale = (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype)
-        return grad_y.to(y.dtype), _reduce_to(grad_v, v), None, grad_scale
+        grad_y, grad_v, grad_scale = _xsa_backward(grad, y, v, scale, coef, inv_norm, ctx.needs_input_grad[3])
+        return grad_y, grad_v, None, grad_scale
+
+
+class ExclusiveOutputProjection(torch.autograd.Function):
+    """W_o applied to XSA's z without keeping z: out = flatten(z) W^T + b, z = exclusive_projection(y, v).
+
+    W_o's weight gradient needs its input. For SA that is SDPA's output y, which SDPA keeps anyway; for XSA it would
+    be z, one more activation of y's size per layer. So z is recomputed in the backward from y, v and the saved
+    coefficients (one elementwise pass, no matmul), and XSA costs no activation memory beyond 2 numbers per token and
+    head. y is (..., H_kv, G, D) and v (..., H_kv, 1, D), as for exclusive_projection; the last three dims are
+    flattened into W_o's input. Matmuls run in the dtype of the output (the autocast dtype, as F.linear does).
+    """
+
+    @staticmethod
+    def forward(ctx, y, v, eps: float, scale, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        z, coef, inv_norm = _xsa_forward(y, v, eps, scale)
+        out = F.linear(z.flatten(-3), weight, bias)
+        ctx.save_for_backward(y, v, scale, coef, inv_norm, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        y, v, scale, coef, inv_norm, weight = ctx.saved_tensors
+        _, _, _, need_scale, need_weight, need_bias = ctx.needs_input_grad
+        grad_weight = grad_bias = None
+        if need_weight:
+            y32, v32 = _compute_dtype(y, v)
+            z = torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
+            z = z.flatten(-3).reshape(-1, weight.shape[1]).to(grad_out.dtype)
+            grad_weight = (grad_out.reshape(-1, weight.shape[0]).T @ z).to(weight.dtype)
+        if ctx.has_bias and need_bias:
+            grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)
+        grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
+        grad_y, grad_v, grad_scale = _xsa_backward(grad_z, y, v, scale, coef, inv_norm, need_scale)
+        return grad_y, grad_v, None, grad_scale, grad_weight, grad_bias
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -80,6 +131,13 @@ def exclusive_projection(
     multiplies the subtracted part: the gated variant passes tanh(alpha) per head.
     """
     return ExclusiveProjection.apply(y, v, eps, scale)
+
+
+def exclusive_output_projection(
+    y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None, proj: nn.Linear
+) -> torch.Tensor:
+    """proj(exclusive_projection(y, v).flatten(-3)), keeping no z for the backward (ExclusiveOutputProjection)."""
+    return ExclusiveOutputProjection.apply(y, v, eps, scale, proj.weight, proj.bias)
 
 
 class KVCache:
@@ -128,19 +186,18 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=dropout, enable_gqa=H_kv != H)  # fmt: skip
-        y_attn = y
         # (B, T, H, D) order from here: SDPA's kernels return y laid out that way in memory, so the output projection
-        # reads it (and an XSA result computed in that order) without a copy.
-        y = y.transpose(1, 2)
-        z = None
-        if self.exclusive:
+        # reads it (and XSA's result, computed in that order) without a copy.
+        y_t = y.transpose(1, 2)
+        if not self.exclusive:
+            out = self.proj(y_t.reshape(B, T, H * D))
+        else:
             # Each query head projects on its KV group's v: y as (B, T, H_kv, G, D) against v as (B, T, H_kv, 1, D).
             # Only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA.
+            y_t, v_t = y_t.view(B, T, H_kv, H // H_kv, D), v.transpose(1, 2).unsqueeze(3)
             scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
-            y = exclusive_projection(y.view(B, T, H_kv, H // H_kv, D), v.transpose(1, 2).unsqueeze(3), self.xsa_eps,
-                                     scale).reshape(B, T, H, D)  # fmt: skip
-            z = y.transpose(1, 2)
-        if self.observer is not None:
-            self.observer(q=q, k=k, v=v, y=y_attn, z=z)
-        y = y.reshape(B, T, H * D)
-        return self.proj(y)
+            out = exclusive_output_projection(y_t, v_t, self.xsa_eps, scale, self.proj)  # z is not kept
+        if self.observer is not None:  # diagnostics: z once more, to look at
+            z = exclusive_projection(y_t, v_t, self.xsa_eps, scale) if self.exclusive else None
+            self.observer(q=q, k=k, v=v, y=y, z=None if z is None else z.reshape(B, T, H, D).transpose(1, 2))
+        return out
