@@ -31,8 +31,12 @@ def _xsa_forward(
     y32, v32 = _compute_dtype(y, v)
     inv_norm = 1.0 / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
     coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) * inv_norm
-    z = torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
-    return z, coef, inv_norm
+    return _subtract(y32, v32, coef, scale).to(y.dtype), coef, inv_norm
+
+
+def _subtract(y32: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """z = y - scale * coef * v (in the compute dtype)."""
+    return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0)
 
 
 def _xsa_backward(
@@ -97,12 +101,11 @@ class ExclusiveOutputProjection(torch.autograd.Function):
         _, _, _, need_scale, need_weight, need_bias = ctx.needs_input_grad
         grad_weight = grad_bias = None
         if need_weight:
-            y32, v32 = _compute_dtype(y, v)
-            z = torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
+            z = _subtract(*_compute_dtype(y, v), coef, scale).to(y.dtype)  # rounded as the forward's z was
             z = z.flatten(-3).reshape(-1, weight.shape[1]).to(grad_out.dtype)
             grad_weight = (grad_out.reshape(-1, weight.shape[0]).T @ z).to(weight.dtype)
         if ctx.has_bias and need_bias:
-            grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)
+            grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)  # bias shares W's dtype
         grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
         grad_y, grad_v, grad_scale = _xsa_backward(grad_z, y, v, scale, coef, inv_norm, need_scale)
         return grad_y, grad_v, None, grad_scale, grad_weight, grad_bias
