@@ -15,6 +15,13 @@ from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 
 
+def checkpoint_list(ckpts) -> list[str]:
+    """The `ckpts=[...]` of analyze and eval, refused in one line when empty."""
+    if not ckpts:
+        raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
+    return list(ckpts)
+
+
 def run_dir_of(path: Path) -> Path:
     return path.parent.parent
 

@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
-from xsa_lm.checkpoints import load_model
+from xsa_lm.checkpoints import checkpoint_list, load_model
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, exit_on_user_error
@@ -97,9 +97,7 @@ def table(rows: list[dict]) -> str:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
-        if not cfg.ckpts:
-            raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
-        rows = analyze(list(cfg.ckpts), list(cfg.labels) if cfg.labels else None, cfg.sequences, cfg.chunk,
+        rows = analyze(checkpoint_list(cfg.ckpts), list(cfg.labels) if cfg.labels else None, cfg.sequences, cfg.chunk,
                        cfg.batch_size)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "diagnostics.csv")

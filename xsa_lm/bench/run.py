@@ -65,8 +65,8 @@ def bench(cfg: DictConfig) -> dict:
     host_memory_reuse = bool(cfg.reuse_host_memory) and reuse_freed_host_memory()
     n = {k: cfg[k] for k in ("rounds", "steps", "loop_rounds", "loop_steps", "warmup")} | (SMOKE if cfg.smoke else {})
     device = resolve_device(cfg.device)
-    precision = cfg.precision if cfg.precision != "auto" or device.type == "cuda" else "32-true"
-    precision = resolve_precision(precision)
+    # auto: bf16 on a GPU that has it; on CPU fp32, even where torch would offer bf16
+    precision = "32-true" if cfg.precision == "auto" and device.type == "cpu" else resolve_precision(cfg.precision)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     xsa = model_config(cfg, cfg.vocab_size)
@@ -130,7 +130,7 @@ def bench(cfg: DictConfig) -> dict:
                         "lightning_over_plain_throughput": lit_ratio >= TARGETS["lightning_over_plain_throughput"]},
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
-        "config": OmegaConf.to_container(cfg, resolve=True), **{"run_info": run_info()},
+        "config": OmegaConf.to_container(cfg, resolve=True), "run_info": run_info(),
     }  # fmt: skip
     return result
 

@@ -13,7 +13,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.checkpoints import load_model, load_tokenizer, run_dir_of
+from xsa_lm.checkpoints import checkpoint_list, load_model, load_tokenizer, run_dir_of
 from xsa_lm.data.tokenizer import reachable
 from xsa_lm.errors import UserError, exit_on_user_error
 
@@ -145,10 +145,8 @@ def log_to_wandb(result: dict, wandb_mode: str) -> None:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
-        if not cfg.ckpts:
-            raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
         tasks = OmegaConf.to_container(cfg.tasks) if OmegaConf.is_list(cfg.tasks) else cfg.tasks
-        result = evaluate(list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)
+        result = evaluate(checkpoint_list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
