@@ -53,6 +53,8 @@ def check_overrides(config_name: str, args: list[str]) -> None:
         print(f"xsa-lm: error: missing required value(s): {', '.join(missing)}; set them on the command line, "
               f"e.g. {missing[0]}=...", file=sys.stderr)  # fmt: skip
         sys.exit(2)
+    if any(a in ("--cfg", "-c") for a in args):  # prints the config: no run, no run directory
+        return
     try:  # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

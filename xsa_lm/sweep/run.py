@@ -9,7 +9,6 @@ Every trial is an `xsa-lm train` process with the sweep's training overrides; it
 makes the same command resumable (see trials.py).
 """
 
-import fcntl
 import json
 import math
 import signal
@@ -23,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.locking import exclusive
 from xsa_lm.sweep.protocol import Selection, Trial, compare_trials, lr_grid, search_trials, select_lr
 from xsa_lm.sweep.report import build_results, log_to_wandb, write_report
 from xsa_lm.sweep.trials import Launcher, TrialStore
@@ -49,18 +49,6 @@ def train_overrides(task_overrides: list[str]) -> list[str]:
             raise UserError(f"{override}: {key} is set by the sweep for each trial; {why}")
         kept.append(override)
     return kept
-
-
-def acquire_lock(sweep_dir: Path):
-    """One sweep process per directory: a second one would start the same trials twice."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(sweep_dir / "sweep.lock", "w")  # held open (and locked) while the sweep runs
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UserError(f"another xsa-lm sweep is running in {sweep_dir}: wait for it, or choose another "
-                        "hydra.run.dir") from None  # fmt: skip
-    return lock
 
 
 def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
@@ -134,7 +122,6 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     if cfg.sweep.max_parallel < 1:
         raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
     check_config(cfg)
-    lock = acquire_lock(sweep_dir)
     state = open_sweep(sweep_dir, overrides, cfg)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
     OmegaConf.save(cfg, sweep_dir / config_name, resolve=True)
@@ -186,7 +173,6 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         wandb_kwargs = {k: v for k, v in OmegaConf.to_container(wandb_cfg, resolve=True).items()
                         if k in ("project", "entity", "mode", "init_timeout_s")}  # fmt: skip
         log_to_wandb(results, sweep_dir, wandb_kwargs)
-    lock.close()
     return results, markdown
 
 
@@ -195,7 +181,8 @@ def main(cfg: DictConfig) -> None:
     sweep_dir = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
         overrides = train_overrides(list(HydraConfig.get().overrides.task))
-        results, markdown = run_sweep(cfg, sweep_dir, overrides)
+        with exclusive(sweep_dir, "sweep.lock", "xsa-lm sweep"):
+            results, markdown = run_sweep(cfg, sweep_dir, overrides)
     print("\n" + markdown)
     print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
     unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]

@@ -4,7 +4,14 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import RichProgressBar
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from xsa_lm.train.module import logging_step
 
@@ -30,21 +37,40 @@ class Throughput(L.Callback):
             pl_module.log("train/tokens_seen", float(step * self.tokens_per_step), on_step=True)
 
 
-class ProgressBar(RichProgressBar):
-    """Rich's bar with the training loss and tokens/s, read (a host-device sync) only at logging steps; the values
-    Lightning itself shows (prog_bar=True, read back after every batch) are only validation ones."""
+class ProgressBar(L.Callback):
+    """`step 176/1000`, the training loss, tokens/s and the time left, in optimizer steps (Lightning's bar counts
+    micro-batches). Values are read (a host-device sync) only at logging steps."""
 
-    KEYS = ("train/loss", "train/tokens_per_s")
+    KEYS = {"train/loss": "loss {:.4f}", "train/tokens_per_s": "{:,.0f} tokens/s"}
 
     def __init__(self) -> None:
-        super().__init__(leave=True)
-        self._shown: dict = {}
+        self.progress: Progress | None = None
+        self._info = ""
 
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
-        if not trainer.training or logging_step(trainer):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                   TextColumn("eta"), TimeRemainingColumn(), TimeElapsedColumn()]  # fmt: skip
+        self.progress = Progress(*columns)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=trainer.max_steps, completed=trainer.global_step, info="")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if self.progress is None:
+            return
+        if logging_step(trainer):
             logged = trainer.callback_metrics
-            self._shown = {k: float(logged[k]) for k in self.KEYS if k in logged}
-        return {**self._shown, **super().get_metrics(trainer, pl_module)}
+            self._info = " | ".join(fmt.format(float(logged[k])) for k, fmt in self.KEYS.items() if k in logged)
+        self.progress.update(self.task, completed=trainer.global_step, info=self._info)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
 
 
 class ValHistory(L.Callback):

@@ -5,11 +5,14 @@
   corrupt one with a warning.
 - SIGTERM / SIGUSR1 (SLURM preemption, `kill`) finish the current optimizer step, write last.ckpt, and end the run
   with status `preempted` and exit code 0, so the job can be requeued with resume=auto.
+- Ctrl-C (SIGINT) does the same with status `interrupted` and exit code 130; a second Ctrl-C aborts at once.
 """
 
+import logging
 import os
 import pickle
 import signal
+import sys
 import zipfile
 from pathlib import Path
 
@@ -65,9 +68,9 @@ def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list
 
 
 class Preemption(L.Callback):
-    """SIGTERM / SIGUSR1: stop at the next optimizer step with a checkpoint, instead of dying mid-step."""
+    """SIGTERM / SIGUSR1 / SIGINT: stop at the next optimizer step with a checkpoint, instead of dying mid-step."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, last_checkpoint: Path) -> None:
         self.last_checkpoint, self.received = last_checkpoint, None
@@ -75,6 +78,13 @@ class Preemption(L.Callback):
         self._seen_step = -1
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":  # a second Ctrl-C: the user will not wait
+            print("\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(130)
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)",
+                  file=sys.stderr, flush=True)  # fmt: skip
         self.received = signal.Signals(signum).name
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -101,5 +111,7 @@ class Preemption(L.Callback):
         if self.preempted_at is not None:
             trainer.save_checkpoint(self.last_checkpoint)
             if trainer.is_global_zero:
-                print(f"{self.received or 'signal'} received: checkpoint at step {trainer.global_step} written to "
-                      f"{self.last_checkpoint}; resume with resume=auto")  # fmt: skip
+                logging.getLogger("xsa_lm.train").info(
+                    f"{self.received or 'signal'} received: checkpoint at step {trainer.global_step} written to "
+                    f"{self.last_checkpoint}; resume with resume=auto"
+                )

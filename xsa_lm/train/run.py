@@ -5,33 +5,43 @@ checkpoints/, wandb/ and summary.json.
 """
 
 import json
+import logging
 import math
+import os
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.checkpoints import model_config_mismatch
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
+from xsa_lm.locking import exclusive
 from xsa_lm.model import GPTConfig
+from xsa_lm.train import memory
 from xsa_lm.train.callbacks import Diagnostics, ProgressBar, Samples, Throughput, ValHistory
 from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
+from xsa_lm.train.checks import check_values
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
+from xsa_lm.train.resume import continuation_config
 from xsa_lm.train.runinfo import run_info
 from xsa_lm.train.tracking import resolve_mode
 
 relaunch_argv: list[str] | None = None  # set by `xsa-lm train`: the command line that DDP ranks re-run
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
+log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
 
 def world_size(trainer_cfg: DictConfig) -> int:
@@ -47,18 +57,12 @@ def world_size(trainer_cfg: DictConfig) -> int:
 
 def check_config(cfg: DictConfig) -> dict:
     """Validate what the user can get wrong; returns derived batch quantities."""
-    lr = cfg.optim.lr
-    if not isinstance(lr, (int, float)) or lr <= 0:
-        raise UserError(f"optim.lr must be a positive number, got {lr}")
-    if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
-        raise UserError(f"trainer.max_steps must be a positive number of optimizer steps, got {cfg.trainer.max_steps}")
+    check_values(cfg)
     if cfg.data.block_size > cfg.model.block_size:
         raise UserError(
             f"data.block_size={cfg.data.block_size} is above model.block_size={cfg.model.block_size}: "
             "lower data.block_size or raise model.block_size"
         )
-    if cfg.micro_batch_size <= 0 or cfg.global_batch_tokens <= 0:
-        raise UserError("micro_batch_size and global_batch_tokens must be positive")
     devices = world_size(cfg.trainer)
     tokens_per_micro_step = cfg.micro_batch_size * devices * cfg.data.block_size
     if cfg.global_batch_tokens % tokens_per_micro_step:
@@ -69,9 +73,26 @@ def check_config(cfg: DictConfig) -> dict:
         )
     if cfg.logger and cfg.logger.get("wandb"):
         resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
-    if cfg.val_every_steps <= 0:
-        raise UserError(f"val_every_steps must be positive, got {cfg.val_every_steps}")
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
+
+
+def check_memory(cfg: DictConfig, devices: int) -> None:
+    """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
+    has free, before the model is built; check_memory=false lets it try anyway."""
+    if not cfg.get("check_memory", True):
+        return
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    vocab = fields.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
+    need = memory.estimate(fields, math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE, cfg.micro_batch_size,
+                           cfg.data.block_size, resolve_precision(cfg.trainer.precision))  # fmt: skip
+    have, where = memory.available_bytes(cfg.trainer.accelerator)
+    processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
+    if need.total * processes > have:
+        per = f" per process x {processes}" if processes > 1 else ""
+        raise UserError(
+            f"this run needs about {memory.describe(need)}{per}, but {have / memory.GIB:.1f} GiB is {where}: lower "
+            "micro_batch_size or the model size, or pass check_memory=false to try anyway"
+        )
 
 
 def tokenizer_on_command_line() -> bool:
@@ -121,8 +142,9 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def find_resume_checkpoint(resume: str | None, run_dir: Path) -> tuple[str | None, int | None]:
-    """The checkpoint to resume from and its step (validating a file reads it whole: done once here)."""
+def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -> tuple[str | None, int | None]:
+    """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
+    of another model is refused, naming each differing field."""
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
         if holds_a_run and rank_zero_only.rank == 0:  # DDP ranks > 0 start after rank 0 has written
@@ -134,25 +156,34 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path) -> tuple[str | Non
     if resume == "auto":
         newest, step, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
         for path in skipped:
-            print(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
-        if newest is not None:
-            return str(newest), step
-        print(f"resume=auto: no usable checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
-        return None, None
-    if not Path(resume).is_file():
-        raise UserError(f"resume: checkpoint not found: {resume}")
-    step = checkpoint_step(Path(resume))
-    if step is None:
-        raise UserError(f"resume: {resume} is truncated or not a checkpoint")
-    return resume, step
+            log.warning(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
+        if newest is None:
+            log.info(f"resume=auto: no usable checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
+            return None, None
+        path = newest
+    else:
+        path = Path(resume)
+        if not path.is_file():
+            raise UserError(f"resume: checkpoint not found: {resume}")
+        step = checkpoint_step(path)
+        if step is None:
+            raise UserError(f"resume: {resume} is truncated or not a checkpoint")
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("model_config")
+    differences = model_config_mismatch(saved, asdict(mcfg)) if saved is not None else []
+    if differences:
+        raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
+    return str(path), step
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
+    """metrics.csv and W&B. A resume from the checkpoint of step S keeps metrics.csv's rows before S and continues
+    the run's W&B run; a resume=auto that found no checkpoint starts over: no old row is kept, a new W&B run."""
     loggers = []
     if not cfg.logger:
         return loggers
     if cfg.logger.get("csv"):
-        loggers.append(build(cfg.logger.csv, save_dir=str(run_dir), resume_step=resume_step))
+        keep_before = resume_step if resume_step is not None else (0 if cfg.resume is not None else None)
+        loggers.append(build(cfg.logger.csv, save_dir=str(run_dir), resume_step=keep_before))
     if cfg.logger.get("wandb") and rank_zero_only.rank == 0:  # one W&B run, from global rank 0
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
@@ -170,25 +201,46 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
     return loggers
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    t_start = time.time()
+def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> dict:
+    """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing)."""
     plan = check_config(cfg)
+    if cfg.scheduler.get("total_steps") is None:  # saved resolved: a resume that extends max_steps keeps the schedule
+        cfg.scheduler.total_steps = cfg.trainer.max_steps
+    check_memory(cfg, plan["devices"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
-    ckpt_path, resume_step = find_resume_checkpoint(cfg.resume, run_dir)
+    if rank_zero_only.rank != 0:
+        return fit(cfg, run_dir, plan, data, mcfg, *find_resume_checkpoint(cfg.resume, run_dir, mcfg))
+    with exclusive(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
+        ckpt_path, resume_step = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
+        write_run_files(cfg, run_dir, data.dir, ckpt_path, resume_step, resume_notes or [])
+        return fit(cfg, run_dir, plan, data, mcfg, ckpt_path, resume_step)
 
-    # Only now, with the inputs checked, write into the run directory (once: DDP ranks > 0 write nothing).
+
+def write_run_files(cfg: DictConfig, run_dir: Path, data_dir: Path, ckpt_path: str | None, resume_step: int | None,
+                    resume_notes: list[str]) -> None:  # fmt: skip
+    """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
+    first start, resumes.jsonl each resume."""
+    tmp = run_dir / "config.yaml.tmp"
+    OmegaConf.save(cfg, tmp, resolve=True)
+    os.replace(tmp, run_dir / "config.yaml")
+    info = {**run_info(), "data_dir": str(data_dir)}
+    if not (run_dir / "run_info.json").exists():
+        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    if ckpt_path is not None:
+        record = {"time": time.time(), "from_step": resume_step, "checkpoint": ckpt_path, "changes": resume_notes,
+                  "run_info": info}  # fmt: skip
+        with open(run_dir / "resumes.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        what = f"{cfg.attention.name}, {cfg.model.name}, lr {cfg.optim.lr:g}, seed {cfg.seed}"
+        log.info(f"resume: continuing the run in {run_dir} ({what}) from step {resume_step} ({ckpt_path}) with its "
+                 f"saved config.yaml" + "".join(f"; {note}" for note in resume_notes))  # fmt: skip
+
+
+def fit(cfg: DictConfig, run_dir: Path, plan: dict, data, mcfg: GPTConfig, ckpt_path: str | None,
+        resume_step: int | None) -> dict:  # fmt: skip
+    t_start = time.time()
     is_rank_zero = rank_zero_only.rank == 0
-    if is_rank_zero:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / ".write-test").touch()
-            (run_dir / ".write-test").unlink()
-        except OSError as e:
-            raise UserError(f"hydra.run.dir={run_dir} is not writable ({e.strerror or e}): choose another") from None
-        config_name = "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(t_start)}.yaml"
-        OmegaConf.save(cfg, run_dir / config_name, resolve=True)
-        (run_dir / "run_info.json").write_text(json.dumps({**run_info(), "data_dir": str(data.dir)}, indent=2))
     if relaunch_argv:
         sys.argv = relaunch_argv
 
@@ -203,7 +255,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         mcfg,
         optimizer=build(cfg.optim),
         scheduler=build(cfg.scheduler),
-        total_steps=cfg.scheduler.get("total_steps") or cfg.trainer.max_steps,
+        total_steps=cfg.scheduler.total_steps,
         compile=cfg.compile,
         skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
         spike_factor=cfg.faults.spike_factor,
@@ -214,7 +266,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
                                  cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
-    rank_zero_only(print)(
+    rank_zero_only(log.info)(
         f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
         f"{n_params / 1e6:.2f}M non-embedding parameters ({n_total / 1e6:.2f}M total) | "
         f"data {data.dir.name}: {data.meta['train_tokens']:,} train / "
@@ -251,7 +303,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         accumulate_grad_batches=plan["accumulate"],
         val_check_interval=cfg.val_every_steps * plan["accumulate"],
         check_val_every_n_epoch=None,
-        enable_progress_bar=bool(cfg.progress_bar),
+        enable_progress_bar=False,  # ours (ProgressBar) counts optimizer steps, Lightning's counts micro-batches
         plugins=[AtomicCheckpointIO()],
     )
 
@@ -261,16 +313,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     status = "completed"
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)  # our own files
         if module.diverged_at is not None:
             status = "diverged"
         elif preemption.preempted_at is not None:
-            status = "preempted"
+            status = "interrupted" if preemption.received == "SIGINT" else "preempted"
         elif not history.history or history.history[-1]["step"] != trainer.global_step:
             trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
         if is_rank_zero:
-            finish_wandb(trainer, summarize("failed", f"{type(e).__name__}: {e}"))
+            first_line = (str(e).strip().splitlines() or [""])[0][:500]
+            finish_wandb(trainer, summarize("failed", f"{type(e).__name__}: {first_line}"))
         raise
     summary = summarize(status) if is_rank_zero else {}
     finish_wandb(trainer, summary)
@@ -317,23 +370,50 @@ def write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history,
 
 def print_summary(s: dict) -> None:
     loss = f"{s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f})" if s["final_val_loss"] is not None else "n/a"
-    print(
-        f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | "
-        f"{s['steps']} steps, {s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | "
-        f"{s['wall_time_s']:.1f} s wall\n  summary: {s['run_dir']}/summary.json"
-        + (
-            f"\n  diverged at step {s['diverged_at_step']}; last good checkpoint: {s['checkpoints']['last']}"
-            if s["diverged_at_step"] is not None
-            else ""
-        )
-        + ("\n  preempted: resume with resume=auto" if s["status"] == "preempted" else "")
-    )
+    lines = [
+        f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | {s['steps']} steps, "
+        f"{s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | {s['wall_time_s']:.1f} s wall",
+        f"  summary: {s['run_dir']}/summary.json",
+    ]
+    if s["diverged_at_step"] is not None:
+        lines.append(f"  diverged at step {s['diverged_at_step']}; last good checkpoint: {s['checkpoints']['last']}")
+    if s["status"] in ("preempted", "interrupted"):
+        lines.append(f"  {s['status']}: continue with `xsa-lm train hydra.run.dir={s['run_dir']} resume=auto`")
+    log.info("\n".join(lines))
+
+
+def quiet_third_party() -> None:
+    """Messages that tell a user of this command nothing: an advertisement, a deprecation inside Lightning, and a
+    warning about the checkpoint folder that every resume would print."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
+    advert = logging.Filter()
+    advert.filter = lambda record: "litlogger" not in str(record.msg)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(advert)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        summary = train(cfg, run_dir)
+    was_empty = not any(run_dir.iterdir())
+    quiet_third_party()
+    try:
+        with exit_on_user_error():
+            notes = []
+            if cfg.resume is not None:
+                defaults = compose(config_name="train")
+                overrides = list(HydraConfig.get().overrides.task)
+                cfg, notes = continuation_config(cfg, defaults, overrides, run_dir)
+            summary = train(cfg, run_dir, notes)
+    except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
+        print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
+        sys.exit(130)
+    except SystemExit as e:  # a refused run leaves no folder behind that it created
+        if e.code and was_empty and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
     if summary:
         print_summary(summary)
+        if summary["status"] == "interrupted":
+            sys.exit(130)

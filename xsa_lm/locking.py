@@ -1,0 +1,50 @@
+"""One writer per directory: an exclusive flock held for the whole job.
+
+The kernel drops a flock when its process dies (even by kill -9), so a lock left by a killed job is never stale: the
+next job takes it over at once. The file holds the holder's pid, only to name it in the refusal, and is removed when
+the job ends.
+"""
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from xsa_lm.errors import UserError
+
+
+@contextmanager
+def exclusive(directory: Path, lock_name: str, what: str) -> Iterator[None]:
+    """Hold `directory/lock_name` while the block runs, or raise a UserError naming the holder's pid."""
+    path = directory / lock_name
+    while True:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            lock = open(path, "a+")
+        except OSError as e:
+            raise UserError(f"{directory} is not writable ({e.strerror or e}): choose another hydra.run.dir") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise UserError(
+                f"{directory} is in use by another {what} (pid {holder}): wait for it to finish, or choose another "
+                "hydra.run.dir"
+            ) from None
+        # The holder we waited on may have removed the file between our open and our flock: then we hold a lock
+        # on a file nobody else will open. Lock the file that is at the path now instead.
+        if path.exists() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+            break
+        lock.close()
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: a newcomer then creates and locks a new file
+        lock.close()

@@ -1,0 +1,125 @@
+"""Types and ranges of every value a user can set for `xsa-lm train`, checked before anything is built or written.
+
+Hydra types a command-line value by its look (`1.5` is a float, `-1` an int), so `trainer.max_steps=1.5` or `seed=-1`
+compose fine and would fail deep inside torch or Lightning, or worse, run. Each rule names the key and what it takes.
+"""
+
+import math
+
+from omegaconf import DictConfig
+
+from xsa_lm.errors import UserError
+
+SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
+
+
+def _int(minimum: int, maximum: int | None = None, nullable: bool = False):
+    def check(value) -> str | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer{' or null' if nullable else ''}"
+        if value < minimum or (maximum is not None and value > maximum):
+            return f"must be >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        return None
+
+    return check
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False, nullable=False):
+    def check(value) -> str | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return f"must be a finite number{' or null' if nullable else ''}"
+        below = value <= low if low_open else value < low
+        above = value >= high if high_open else value > high
+        if below or above:
+            if high == math.inf:
+                return f"must be {'>' if low_open else '>='} {low:g}"
+            left, right = "(" if low_open else "[", ")" if high_open else "]"
+            return f"must be in {left}{low:g}, {high:g}{right}"
+        return None
+
+    return check
+
+
+def _bool(value) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _betas(value) -> str | None:
+    if len(value) != 2 or any(isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b < 1 for b in value):
+        return "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
+    return None
+
+
+RULES = {
+    "seed": _int(0, SEED_MAX),
+    "global_batch_tokens": _int(1),
+    "micro_batch_size": _int(1),
+    "val_every_steps": _int(1),
+    "compile": _bool,
+    "reuse_host_memory": _bool,
+    "progress_bar": _bool,
+    "check_memory": _bool,
+    "checkpoint.keep_last": _int(0),
+    "faults.skip_nonfinite_batches": _int(0),
+    "faults.spike_factor": _number(0, low_open=True, nullable=True),
+    "faults.inject_nan_at_step": _int(0, nullable=True),
+    "diagnostics.every_n_steps": _int(1, nullable=True),
+    "diagnostics.sequences": _int(1),
+    "diagnostics.chunk": _int(1),
+    "samples.every_n_steps": _int(1, nullable=True),
+    "samples.max_new_tokens": _int(1),
+    "samples.temperature": _number(0),
+    "samples.top_k": _int(1, nullable=True),
+    "model.n_layer": _int(1),
+    "model.d_model": _int(1),
+    "model.n_head": _int(1),
+    "model.head_dim": _int(1),
+    "model.block_size": _int(1),
+    "model.vocab_size": _int(1, nullable=True),
+    "model.mlp_ratio": _number(0, low_open=True),
+    "model.dropout": _number(0, 1, high_open=True),
+    "model.rope_base": _number(0, low_open=True),
+    "model.init_std": _number(0, low_open=True),
+    "model.n_kv_head": _int(1, nullable=True),
+    "model.n_sinks": _int(0),
+    "attention.eps": _number(0, low_open=True),
+    "data.block_size": _int(1),
+    "optim.lr": _number(0, low_open=True),
+    "optim.eps": _number(0, low_open=True),
+    "optim.weight_decay": _number(0),
+    "optim.betas": _betas,
+    "scheduler.warmup_steps": _int(0),
+    "scheduler.min_lr_ratio": _number(0, 1),
+    "scheduler.total_steps": _int(1, nullable=True),
+    "trainer.max_steps": _int(1),
+    "trainer.log_every_n_steps": _int(1),
+    "trainer.num_nodes": _int(1),
+    "trainer.gradient_clip_val": _number(0, nullable=True),
+}
+
+
+def lookup(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        if node is None or part not in node:
+            return KeyError
+        node = node[part]
+    return node
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Every key of RULES that the config has, in one line naming each bad value."""
+    bad = []
+    for key, rule in RULES.items():
+        value = lookup(cfg, key)
+        if value is KeyError:
+            continue
+        problem = rule(value)
+        if problem:
+            bad.append(f"{key}={value} {problem}")
+    if bad:
+        raise UserError("; ".join(bad))

@@ -1,0 +1,109 @@
+"""A resume continues the run as it was: its saved config.yaml, not the defaults, decides what is trained.
+
+The command line of a resume may change only what cannot change the model being trained (how long, how often it is
+validated and logged, on how many devices); any other difference is refused, naming each key as `key: saved -> given`.
+The LR schedule keeps its saved length: extending trainer.max_steps continues at the final LR, exactly as a run
+planned with that many steps and the same scheduler.total_steps would; passing scheduler.total_steps recomputes the
+cosine for the new length.
+"""
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from xsa_lm.errors import UserError
+
+# Keys a resume may change: how long, how often, where and how fast; never what the model sees or how it learns.
+# micro_batch_size and devices change only the split of the same global batch (the accumulation follows).
+FREE_ON_RESUME = (
+    "resume",
+    "trainer.max_steps",
+    "scheduler.total_steps",
+    "val_every_steps",
+    "trainer.log_every_n_steps",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.accelerator",
+    "trainer.strategy",
+    "trainer.enable_model_summary",
+    "micro_batch_size",
+    "data.num_workers",
+    "compile",
+    "reuse_host_memory",
+    "progress_bar",
+    "check_memory",
+    "run_name",
+    "checkpoint.",
+    "faults.",
+    "diagnostics.",
+    "samples.",
+    "logger.",
+)
+
+
+def flatten(node: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def is_free(key: str) -> bool:
+    return any(key == free or (free.endswith(".") and key.startswith(free)) for free in FREE_ON_RESUME)
+
+
+def continuation_config(
+    given: DictConfig, defaults: DictConfig, overrides: list[str], run_dir: Path
+) -> tuple[DictConfig, list[str]]:
+    """The config a resume into `run_dir` trains with: the saved config.yaml, with the command line's changes
+    (the keys `overrides` name, and any other key where `given` differs from the untouched `defaults`, as an
+    `experiment=` sets) applied where they are free, else refused. A run directory without
+    config.yaml starts a new run from the checkpoint (`resume=PATH` into a new directory): the given config as it
+    is. Returns the config and the lines that say what changed, the LR schedule's last."""
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.exists():
+        return given, []
+    saved = OmegaConf.load(saved_file)
+    if saved.scheduler.get("total_steps") is None:  # written before the schedule length was resolved into it
+        saved.scheduler.total_steps = saved.trainer.max_steps
+    saved_flat = flatten(OmegaConf.to_container(saved, resolve=True))
+    given_flat = flatten(OmegaConf.to_container(given, resolve=True))
+    default_flat = flatten(OmegaConf.to_container(defaults, resolve=True))
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides]  # `attention=sa` names attention.*
+    on_command_line = {
+        k: v
+        for k, v in given_flat.items()
+        if k not in default_flat or default_flat[k] != v or any(k == n or k.startswith(f"{n}.") for n in named)
+    }
+    changes = {k: (saved_flat.get(k, "<unset>"), v) for k, v in on_command_line.items() if saved_flat.get(k) != v}
+    changes.pop("resume", None)
+    refused = [f"{k}: {old} -> {new}" for k, (old, new) in changes.items() if not is_free(k)]
+    if refused:
+        raise UserError(
+            f"resume: the run in {run_dir} was trained with another config ({'; '.join(refused)}); a resume continues "
+            "the saved config.yaml: drop these overrides, or start a new run in another hydra.run.dir"
+        )
+    merged = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    for key, (_, new) in changes.items():
+        OmegaConf.update(merged, key, new, force_add=True)
+    merged.resume = given.resume
+    notes = [f"{k}: {old} -> {new}" for k, (old, new) in changes.items()]
+    return merged, [*notes, schedule_note(saved.scheduler.total_steps, merged)]
+
+
+def schedule_note(saved_total_steps: int, config: DictConfig) -> str:
+    """How the LR schedule continues, for the resume's first line."""
+    total = config.scheduler.total_steps
+    if total != saved_total_steps:
+        return f"LR schedule recomputed for scheduler.total_steps={total} (was {saved_total_steps})"
+    if config.trainer.max_steps > total:
+        final = config.optim.lr * config.scheduler.min_lr_ratio
+        return (
+            f"LR schedule keeps its saved length (scheduler.total_steps={total}): steps {total}-"
+            f"{config.trainer.max_steps} run at the final LR {final:g} (pass scheduler.total_steps to recompute it)"
+        )
+    return f"LR schedule as saved (scheduler.total_steps={total})"
