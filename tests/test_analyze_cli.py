@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, REPO, run_cli
+from tests.test_checkpoint_errors import assert_nothing_written, assert_refused
 from tests.wandb_records import history
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,8 @@ def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cac
     assert all(r["cos_z_v"] == "" for r in sa) and all(abs(float(r["cos_z_v"])) < 1e-3 for r in xsa)
     assert all(0 < float(r["a_ii"]) <= 1 for r in rows)
     assert (out / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
-    assert "cos_y_v" in proc.stdout and "xsa:xsa" in proc.stdout
+    assert [r["label"] for r in rows] == ["sa", "sa", "xsa", "xsa"]  # the run names, which say the attention once
+    assert "cos_y_v" in proc.stdout and "\nxsa " in proc.stdout
     # the paper's own Figure 1 overlaid on ours
     fig = tmp_path / "fig1.png"
     script = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_paper_fig1.py"), str(out / "diagnostics.csv"),
@@ -69,6 +71,26 @@ def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cac
     assert script.returncode == 0, script.stderr and fig.read_bytes()[:4] == b"\x89PNG"
     missing = run_cli(["analyze", "ckpts=[/no/such.ckpt]", f"hydra.run.dir={tmp_path / 'x'}"], data_cache, tmp_path)
     assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
+
+
+REFUSED = {
+    "the run's config.yaml": (["ckpts=[{run}/config.yaml]"], ["ckpts: ", "config.yaml", "not a checkpoint"]),
+    "the run directory": (["ckpts=[{run}]"], ["ckpts: ", "is a directory", "checkpoints/last.ckpt"]),
+    "sequences=0": (["ckpts=[{ckpt}]", "sequences=0"], ["sequences must be an integer >= 1, got 0"]),
+    "chunk=0": (["ckpts=[{ckpt}]", "chunk=0"], ["chunk must be an integer >= 1, got 0"]),
+    "batch_size=-1": (["ckpts=[{ckpt}]", "batch_size=-1"], ["batch_size must be an integer >= 1, got -1"]),
+    "labels of another count": (["ckpts=[{ckpt}]", "labels=[a,b]"], ["labels: 2 labels for 1 checkpoints"]),
+}
+
+
+@pytest.mark.parametrize("args, expected", REFUSED.values(), ids=REFUSED.keys())
+def test_analyze_refuses_in_one_line(args: list[str], expected: list[str], checkpoints: dict[str, Path],
+                                     data_cache: Path, tmp_path: Path):  # fmt: skip
+    run = checkpoints["xsa"]
+    args = [a.format(run=run, ckpt=run / "checkpoints" / "last.ckpt") for a in args]
+    out = tmp_path / "analysis"
+    assert_refused(run_cli(["analyze", *args, f"hydra.run.dir={out}"], data_cache, tmp_path), *expected)
+    assert_nothing_written(out)
 
 
 @pytest.mark.parametrize("toy", TOYS)

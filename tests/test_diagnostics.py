@@ -11,6 +11,7 @@ from xsa_lm.analysis.diagnostics import (
     mean_pairwise_cosine,
     self_attention_weights,
 )
+from xsa_lm.analysis.run import PANELS, default_labels, figure
 from xsa_lm.model import GPT, GPTConfig
 
 
@@ -78,3 +79,60 @@ def test_diagnose_a_model_layer_by_layer():
     for row in rows:
         assert -1 <= row["cos_v_v"] <= 1 and 0 < row["a_ii"] <= 1 and -1 <= row["cos_y_v"] <= 1
     assert all(b.attn.observer is None for b in model.blocks) and model.training  # left as found
+
+
+# --- diagnostics.png ----------------------------------------------------------------------------------------------
+
+
+def figure_rows() -> list[dict]:
+    """An SA checkpoint and one with XSA on its last two layers, as `xsa-lm analyze` measures them."""
+    torch.manual_seed(0)
+    rows = []
+    for label, config in (("sa", dict(attention="sa")), ("xsa-late", dict(attention="xsa", xsa_layers=(1, 2)))):
+        model = GPT(GPTConfig(n_layer=3, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=16, **config))
+        rows += [{"label": label, **row} for row in diagnose(model, [torch.randint(0, 64, (2, 16))], chunk=8)]
+    return rows
+
+
+def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels():
+    import matplotlib.pyplot as plt
+
+    fig = figure(figure_rows())
+    try:
+        panels = [ax for ax in fig.axes if ax.get_title()]
+        assert [ax.get_title() for ax in panels] == [title for _, title, _ in PANELS]
+        assert [m for m, _, _ in PANELS] == ["cos_v_v", "a_ii", "cos_y_v", "cos_z_v", "norm_removed"]
+        for ax in panels:
+            assert ax.get_xlabel() == "layer" and ax.get_ylabel()
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks == [0, 1, 2]  # whole layers, no 0.5
+        lines = {ax.get_title(): {line.get_label(): list(line.get_xdata()) for line in ax.lines} for ax in panels}
+        assert lines["value similarity"] == {"sa": [0, 1, 2], "xsa-late": [0, 1, 2]}
+        for _, title, _ in PANELS[3:]:  # z exists only in XSA layers: no SA line, XSA layers 1 and 2 only
+            assert lines[title] == {"xsa-late": [1, 2]}
+        (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        assert [t.get_text() for t in legend.get_texts()] == ["sa", "xsa-late"]  # each checkpoint once, its label
+    finally:
+        plt.close(fig)
+
+
+def test_diagnostics_figure_of_sa_checkpoints_only_says_there_is_no_z():
+    import matplotlib.pyplot as plt
+
+    fig = figure([r for r in figure_rows() if r["label"] == "sa"])
+    try:
+        empty = [ax for ax in fig.axes if ax.get_title() and not ax.lines]
+        assert len(empty) == 2 and all("no XSA layers" in ax.texts[0].get_text() for ax in empty)
+    finally:
+        plt.close(fig)
+
+
+def test_default_labels_are_run_names_saying_the_attention_once(tmp_path):
+    def ckpt(run: str, name: str = "last") -> object:
+        return tmp_path / run / "checkpoints" / f"{name}.ckpt"
+
+    assert default_labels([ckpt("sa"), ckpt("xsa_lr3e-3")], ["sa", "xsa"]) == ["sa", "xsa_lr3e-3"]
+    assert default_labels([ckpt("2025-01-02_10-00-00")], ["xsa"]) == ["2025-01-02_10-00-00 (xsa)"]
+    assert default_labels([ckpt("xsa", "step-000020"), ckpt("xsa")], ["xsa", "xsa"]) == ["xsa step-000020", "xsa last"]
+    runs = [tmp_path / d / "xsa" / "checkpoints" / "last.ckpt" for d in ("a", "b")]  # same name in two folders
+    assert default_labels(runs, ["xsa", "xsa"]) == ["xsa last #0", "xsa last #1"]

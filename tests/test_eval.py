@@ -12,9 +12,12 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
 from tests.conftest import FAST, REPO, run_cli
+from tests.test_checkpoint_errors import assert_nothing_written, assert_refused, write_checkpoint
 from tests.wandb_records import summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
+from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
+from xsa_lm.eval.run import check_options, resolve_tasks
 from xsa_lm.model import GPT, GPTConfig
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
@@ -73,6 +76,22 @@ def test_generation_stops_at_until(lm: HarnessLM):
     assert len(out) == 1 and "." not in out[0]
     again = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
     assert again == out  # greedy
+
+
+@pytest.mark.parametrize("tasks", [[], "", None, [""]])
+def test_no_task_is_refused(tasks):
+    with pytest.raises(UserError, match=r"^tasks: give at least one task, e.g. tasks=paper$"):
+        resolve_tasks(tasks)
+    assert len(resolve_tasks("paper")[0]) == 8
+
+
+@pytest.mark.parametrize("limit, batch_size, key", [(0, 16, "limit"), (-5, 16, "limit"), ("abc", 16, "limit"),
+                                                    (None, 0, "batch_size"), (None, 2.5, "batch_size")])  # fmt: skip
+def test_eval_options_are_checked(limit, batch_size, key: str):
+    with pytest.raises(UserError, match=f"^{key} must be"):
+        check_options(limit, batch_size)
+    for fine in ((None, 16), (10, 1), (0.5, 1)):  # 0.5: a fraction of each task, the harness's own meaning
+        check_options(*fine)
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------
@@ -145,3 +164,20 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     args = ["generate", f"ckpt={ckpts['xsa']}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0"]
     first, second = run_cli(args, data_cache, tmp_path), run_cli(args, data_cache, tmp_path)
     assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
+
+
+REFUSED = {
+    "tasks=[]": "tasks: give at least one task, e.g. tasks=paper",
+    "limit=0": "limit must be a number > 0",
+    "batch_size=0": "batch_size must be an integer >= 1, got 0",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option, expected", REFUSED.items(), ids=REFUSED.keys())
+def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, tmp_path: Path):
+    ckpt = write_checkpoint(tmp_path / "run")
+    out = tmp_path / "eval"
+    proc = run_cli(["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path)
+    assert_refused(proc, expected)
+    assert_nothing_written(out)

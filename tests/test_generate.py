@@ -1,8 +1,14 @@
 """Generation with a KV cache equals generation without one, for SA and XSA (and GQA, sinks, gates)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from tests.conftest import run_cli
+from tests.test_checkpoint_errors import assert_refused, write_checkpoint
+from xsa_lm.errors import UserError
+from xsa_lm.eval.sample import check_sampling
 from xsa_lm.model import GPT, GPTConfig, KVCache, generate
 
 TINY = dict(n_layer=2, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=24)
@@ -54,3 +60,41 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
     top1 = generate(model, prompt, 12, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(7))
     assert torch.equal(top1, generate(model, prompt, 12))  # top_k=1 is greedy
     assert model.training  # generation leaves the mode as it found it
+
+
+def test_generate_refuses_an_empty_top_k_and_a_negative_temperature():
+    model, idx = model_for("xsa"), torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        generate(model, idx, 3, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        generate(model, idx, 3, temperature=-0.5)
+    assert generate(model, idx, 3, temperature=1.0, top_k=1).shape == (1, 4)  # top-1 sampling is greedy
+
+
+# (option, its bad value, the message): max_new_tokens, temperature, top_k, num_samples, seed as in generate.yaml
+SAMPLING = {
+    "top_k=0": ("top_k", 0, "top_k must be an integer >= 1, or null for the whole vocabulary, got 0"),
+    "top_k=-1": ("top_k", -1, "top_k must be an integer >= 1, or null for the whole vocabulary, got -1"),
+    "temperature=-1": ("temperature", -1, "temperature must be a number >= 0 (0: greedy), got -1"),
+    "max_new_tokens=0": ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
+    "num_samples=0": ("num_samples", 0, "num_samples must be an integer >= 1, got 0"),
+    "seed=abc": ("seed", "abc", "seed must be an integer, got 'abc'"),
+}
+GOOD = dict(max_new_tokens=10, temperature=0.8, top_k=50, num_samples=1, seed=0)
+
+
+@pytest.mark.parametrize("key, value, message", SAMPLING.values(), ids=SAMPLING.keys())
+def test_sampling_options_are_checked(key: str, value, message: str):
+    with pytest.raises(UserError) as e:
+        check_sampling(**{**GOOD, key: value})
+    assert str(e.value) == message
+    check_sampling(**{**GOOD, "top_k": None, "temperature": 0})  # null top_k, greedy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["top_k=0", "temperature=-1", "max_new_tokens=0", "num_samples=0"])
+def test_generate_refuses_sampling_options_in_one_line(option: str, data_cache: Path, tmp_path: Path):
+    ckpt = write_checkpoint(tmp_path / "run")
+    proc = run_cli(["generate", f"ckpt={ckpt}", option], data_cache, tmp_path)
+    assert_refused(proc, SAMPLING[option][2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # writes nothing

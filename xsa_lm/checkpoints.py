@@ -6,6 +6,8 @@ the run's config.yaml, run_info.json and summary.json.
 
 import json
 import pickle
+import zipfile
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -15,34 +17,113 @@ from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 
 
+def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
+    """Refuse, in one line naming the path, anything that cannot be a checkpoint: a missing path, a directory, an
+    empty file, or a file that is no torch.save archive (a config.yaml, a text file, a truncated download)."""
+    if path.is_dir():
+        inside = path / "checkpoints" / "last.ckpt"
+        example = inside if inside.is_file() else "runs/sa/checkpoints/last.ckpt"
+        raise UserError(f"{key}: {path} is a directory, not a checkpoint: give a .ckpt file, e.g. {example}")
+    if not path.is_file():
+        raise UserError(f"{key}: checkpoint not found: {path}")
+    if path.stat().st_size == 0:
+        raise UserError(f"{key}: {path} is empty, not a checkpoint")
+    # torch.save writes zip archives; torch.load on anything else falls back to the legacy pickle reader, which
+    # fails with arbitrary errors (IndexError on a YAML file, KeyError on text).
+    if not zipfile.is_zipfile(path):
+        raise UserError(
+            f"{key}: {path} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated): "
+            "give a .ckpt file from <run dir>/checkpoints/"
+        )
+
+
 def checkpoint_list(ckpts) -> list[str]:
-    """The `ckpts=[...]` of analyze and eval, refused in one line when empty."""
+    """The `ckpts=[...]` of analyze and eval, refused in one line when empty or when one of them cannot be a
+    checkpoint (checked up front, before any slow work)."""
     if not ckpts:
         raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
-    return list(ckpts)
+    for ckpt in ckpts:
+        check_checkpoint_file(Path(str(ckpt)).expanduser())
+    return [str(ckpt) for ckpt in ckpts]
 
 
 def run_dir_of(path: Path) -> Path:
     return path.parent.parent
 
 
-def load_model(path: Path) -> GPT:
-    """A GPT from a Lightning checkpoint of `xsa-lm train` (weights only: no code is unpickled)."""
-    if not path.is_file():
-        raise UserError(f"ckpts: checkpoint not found: {path}")
+def _comparable(config: dict) -> dict:
+    """Defaults filled in and values normalised the way GPTConfig does (n_kv_head None -> n_head, xsa_layers as a
+    sorted tuple, a JSON list included), so that equal models compare equal. Keys GPTConfig does not know (a config
+    of another version) are kept as they are."""
+    known = {f.name: f.default for f in fields(GPTConfig)}
+    ours = {k: v for k, v in config.items() if k in known}
+    try:
+        normalised = asdict(GPTConfig(**ours))
+    except (TypeError, ValueError):  # invalid values: compare them as stored
+        normalised = known | ours
+    return normalised | {k: v for k, v in config.items() if k not in known}
+
+
+_ABSENT = object()  # a key only one side has (a config from another version)
+
+
+def _shown(value: object) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
+    """The GPTConfig fields in which a checkpoint's stored `model_config` differs from the expected model, each as
+    `key: saved -> expected` (e.g. ["d_model: 128 -> 64", "attention: sa -> xsa"]); empty when they describe the
+    same model. Every field counts, not only those that change weight shapes: a resumed run must stay the model it
+    started as."""
+    saved, expected = _comparable(saved), _comparable(expected)
+    keys = list(dict.fromkeys([*expected, *saved]))
+    return [
+        f"{key}: {_shown(saved.get(key, _ABSENT))} -> {_shown(expected.get(key, _ABSENT))}"
+        for key in keys
+        if saved.get(key, _ABSENT) != expected.get(key, _ABSENT)
+    ]
+
+
+def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
+    """checkpoint["state_dict"] (a Lightning checkpoint of `xsa-lm train`) into `model`. Weights of another
+    architecture are refused in one line that names the differing GPTConfig fields, e.g. "resume: checkpoint
+    runs/x/checkpoints/last.ckpt is of another model: d_model: 128 -> 64" (`source` starts the message)."""
+    # Lightning prefixes the module's attribute (`model.`); compiled runs store `_orig_mod.<name>`.
+    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # missing, unexpected or differently shaped tensors
+        saved = checkpoint.get("model_config")
+        differences = model_config_mismatch(saved, asdict(model.config)) if isinstance(saved, dict) else []
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # a heading, then one line per key
+        detail = ", ".join(differences) or lines[min(1, len(lines) - 1)][:200]
+        raise UserError(f"{source} is of another model: {detail}") from None
+
+
+def load_model(path: Path, key: str = "ckpts") -> GPT:
+    """A GPT from a Lightning checkpoint of `xsa-lm train` (weights only: no code is unpickled). `key` is the
+    command's option that named the file, for the error messages."""
+    check_checkpoint_file(path, key)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:  # truncated or foreign
-        raise UserError(f"ckpts: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
-    fields = checkpoint.get("model_config")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
+        raise UserError(f"{key}: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save
+        raise UserError(f"{key}: {path} holds a {type(checkpoint).__name__}, not a checkpoint of `xsa-lm train`")
+    stored = checkpoint.get("model_config")
     summary = run_dir_of(path) / "summary.json"
-    if fields is None and summary.exists():  # checkpoints written before the config was stored in them
-        fields = json.loads(summary.read_text())["model_config"]
-    if fields is None or "state_dict" not in checkpoint:
-        raise UserError(f"ckpts: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
-    model = GPT(GPTConfig(**fields))  # GPTConfig turns a stored xsa_layers list back into a tuple
-    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
-    model.load_state_dict(state)  # compiled runs store _orig_mod.<name>: the eager model takes them back
+    if stored is None and summary.exists():  # checkpoints written before the config was stored in them
+        stored = json.loads(summary.read_text()).get("model_config")
+    if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
+    try:
+        model = GPT(GPTConfig(**stored))  # GPTConfig turns a stored xsa_layers list back into a tuple
+    except (TypeError, ValueError) as e:  # a field this version does not know, or an invalid value
+        raise UserError(f"{key}: {path} stores a model config this version cannot build ({e})") from None
+    load_weights(model, checkpoint, f"{key}: checkpoint {path}")
     return model
 
 

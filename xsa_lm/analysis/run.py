@@ -1,12 +1,16 @@
 """`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints.
 
-Writes DIR/diagnostics.csv (one row per checkpoint and layer), DIR/diagnostics.png (three panels like the paper's
-Figure 1, one line per checkpoint, so SA and XSA overlay) and prints the table. Each checkpoint is measured on the
-first `sequences` validation windows of its own run's data (the same windows for runs on the same data).
+Writes DIR/diagnostics.csv (one row per checkpoint and layer), DIR/diagnostics.png (the three panels of the paper's
+Figure 1 and two of the XSA step, cos(z, v) and the norm it removes; one line per checkpoint, so SA and XSA overlay)
+and prints the table. Each checkpoint is measured on the first `sequences` validation windows of its own run's data
+(the same windows for runs on the same data).
 """
 
 import csv
+import re
+from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
@@ -14,12 +18,26 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
-from xsa_lm.checkpoints import checkpoint_list, load_model
+from xsa_lm.checkpoints import checkpoint_list, load_model, run_dir_of
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, exit_on_user_error
 
-PANELS = (("cos_v_v", "mean cos(v_i, v_j)"), ("a_ii", "mean a_ii"), ("cos_y_v", "mean cos(y_i, v_i)"))
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# (metric, panel title, y label): the paper's Figure 1, then the two statistics of the XSA step itself.
+PANELS = (
+    ("cos_v_v", "value similarity", "mean cos(v_i, v_j), i < j"),
+    ("a_ii", "attention on itself", "mean a_ii"),
+    ("cos_y_v", "output vs own value", "mean cos(y_i, v_i)"),
+    ("cos_z_v", "after the XSA step (XSA layers)", "mean cos(z_i, v_i)"),
+    ("norm_removed", "norm removed by XSA (XSA layers)", "mean 1 - ||z_i|| / ||y_i||"),
+)
+
+# The narrowest y range of a panel, so that noise is not magnified into a trend: cos(z, v) is ~1e-7 by construction
+# in XSA and should read as 0; a_ii is legitimately small (~1 / context), so the others only guard against rounding.
+MIN_SPAN = {"cos_z_v": 0.1}
 
 
 def validation_windows(path: Path, n: int) -> torch.Tensor:
@@ -33,19 +51,40 @@ def validation_windows(path: Path, n: int) -> torch.Tensor:
     return torch.stack([windows[i][0] for i in range(min(n, len(windows)))])
 
 
+def check_counts(**counts: object) -> None:
+    """sequences, chunk, batch_size: whole numbers of at least one, refused in one line each."""
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{key} must be an integer >= 1, got {value!r}")
+
+
+def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
+    """The run directory's name, with the attention type when the name does not already say it; the checkpoint's
+    file name too when two checkpoints would otherwise share a label (they would share a line in the plot)."""
+    labels = []
+    for path, attention in zip(paths, attentions, strict=True):
+        run = run_dir_of(path).name
+        labels.append(run if attention in re.split(r"[^a-z0-9]+", run.lower()) else f"{run} ({attention})")
+    counts = Counter(labels)
+    labels = [f"{label} {path.stem}" if counts[label] > 1 else label for label, path in zip(labels, paths, strict=True)]
+    counts = Counter(labels)
+    return [f"{label} #{i}" if counts[label] > 1 else label for i, label in enumerate(labels)]
+
+
 def analyze(ckpts: list[str], labels: list[str] | None, sequences: int, chunk: int, batch: int) -> list[dict]:
+    check_counts(sequences=sequences, chunk=chunk, batch_size=batch)
     if labels is not None and len(labels) != len(ckpts):
         raise UserError(f"labels: {len(labels)} labels for {len(ckpts)} checkpoints")
-    rows = []
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for i, ckpt in enumerate(ckpts):
-        path = Path(ckpt).expanduser()
+    paths = [Path(ckpt).expanduser() for ckpt in ckpts]
+    measured = []
+    for path in paths:
         model = load_model(path).to(device)
         windows = validation_windows(path, sequences).to(device)
-        label = labels[i] if labels else f"{model.config.attention}:{path.parent.parent.name}"
-        for row in diagnose(model, windows.split(batch), chunk):
-            rows.append({"checkpoint": str(path), "label": label, **row})
-    return rows
+        measured.append((model.config.attention, diagnose(model, windows.split(batch), chunk)))
+    labels = [str(label) for label in labels] if labels else default_labels(paths, [a for a, _ in measured])
+    return [{"checkpoint": str(path), "label": label, **row}
+            for path, label, (_, layers) in zip(paths, labels, measured, strict=True) for row in layers]  # fmt: skip
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -57,30 +96,73 @@ def write_csv(rows: list[dict], path: Path) -> None:
             writer.writerow({k: ("" if row[k] is None else row[k]) for k in columns})
 
 
-def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
-    """Three panels like the paper's Figure 1: per-layer curves, one line per checkpoint. `reference` rows
-    (the paper's own values) are drawn against relative depth when the layer counts differ."""
+def number(value) -> float | None:
+    """A metric as a float; None for layers without it (SA layers have no z), also when read back from the CSV."""
+    return None if value is None or value == "" else float(value)
+
+
+def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
+    """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
+    colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
+    own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
+    the axis. Returns the matplotlib Figure (closed by the caller)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, grid = plt.subplots(2, 3, figsize=(14, 7.5))
+    axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
     labels = list(dict.fromkeys(row["label"] for row in rows))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     relative = reference is not None
-    for ax, (metric, title) in zip(axes, PANELS, strict=True):
+    for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=True):
         for label in labels:
             mine = [r for r in rows if r["label"] == label]
-            depth = [r["layer"] / max(len(mine) - 1, 1) if relative else r["layer"] for r in mine]
-            ax.plot(depth, [r[metric] for r in mine], marker="o", markersize=3, label=label)
-        if reference:
-            depth = [r["layer"] / max(len(reference) - 1, 1) for r in reference]
-            paper = [r[metric] for r in reference]
-            ax.plot(depth, paper, "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
+            n_layers = max(r["layer"] for r in mine) + 1
+            points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], number(r.get(metric)))
+                      for r in mine]  # fmt: skip
+            points = [(x, y) for x, y in points if y is not None]  # an SA checkpoint has none in the XSA panels
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=colors[label], label=label)
+        paper = [(r["layer"] / max(len(reference) - 1, 1), r[metric]) for r in reference or [] if metric in r]
+        if paper:
+            ax.plot(*zip(*paper, strict=True), "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
         ax.set_title(title)
-        ax.set_xlabel("relative depth" if relative else "layer")
-    axes[0].legend(fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("relative depth (layer / last layer)" if relative else "layer")
+        if not ax.lines:  # SA checkpoints only: no z to measure
+            ax.text(0.5, 0.5, "no XSA layers among these checkpoints", ha="center", va="center",
+                    transform=ax.transAxes, color="0.4")  # fmt: skip
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        low, high = ax.get_ylim()
+        span = MIN_SPAN.get(metric, 1e-3)
+        if high - low < span:
+            ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
+        last = 1 if relative else max(r["layer"] for r in rows)
+        margin = 0.05 * last or 0.5
+        ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
+        if not relative:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
+        ax.grid(alpha=0.3)
+    handles = {}  # one entry per line label, across panels (the paper's line is not in every one)
+    for ax in axes:
+        for line in ax.lines:
+            handles.setdefault(line.get_label(), line)
+    legend_ax.axis("off")
+    legend_ax.legend(list(handles.values()), list(handles.keys()), loc="center", title="checkpoint")
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
+    """figure(rows, reference) written to `path` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, reference)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

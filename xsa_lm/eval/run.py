@@ -24,7 +24,9 @@ PAPER_TASKS = {"arc_easy": "acc_norm", "boolq": "acc", "hellaswag": "acc_norm", 
 
 def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
-    entries = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks)
+    entries = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
+    if not [entry for entry in entries if entry not in (None, "")]:  # tasks=[], tasks=, tasks=null
+        raise UserError("tasks: give at least one task, e.g. tasks=paper")
     names, folders = [], []
     for entry in entries:
         path = Path(str(entry)).expanduser()
@@ -70,7 +72,17 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
     return name.split(",")[0], value
 
 
+def check_options(limit, batch_size) -> None:
+    # The harness reads a limit below 1 as a fraction of each task; 0 would silently mean "every example".
+    if limit is not None and (not isinstance(limit, int | float) or isinstance(limit, bool) or not limit > 0):
+        raise UserError(f"limit must be a number > 0 (N examples per task), or null for every example, got {limit!r}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+
+
 def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dict:
+    check_options(limit, batch_size)
+    names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
     # hub client retry for minutes.
     if not reachable("huggingface.co", 443, 5.0):
@@ -80,7 +92,6 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
 
     from xsa_lm.eval.harness import HarnessLM
 
-    names, folders = resolve_tasks(tasks)
     manager = load_tasks(names, folders)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []

@@ -12,12 +12,29 @@ from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.model import generate
 
 
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sampling(max_new_tokens, temperature, top_k, num_samples, seed) -> None:
+    """The sampling options, one line per mistake, before the checkpoint is read."""
+    for key, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
+        if not is_int(value) or value < 1:
+            raise UserError(f"{key} must be an integer >= 1, got {value!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
+        raise UserError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise UserError(f"top_k must be an integer >= 1, or null for the whole vocabulary, got {top_k!r}")
+    if not is_int(seed):
+        raise UserError(f"seed must be an integer, got {seed!r}")
+
+
 def sample(ckpt: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, num_samples: int,
            seed: int) -> list[str]:  # fmt: skip
-    if max_new_tokens < 1 or num_samples < 1 or temperature < 0:
-        raise UserError("max_new_tokens and num_samples must be >= 1 and temperature >= 0")
-    path = Path(ckpt).expanduser()
-    model, tokenizer = load_model(path), load_tokenizer(path)
+    check_sampling(max_new_tokens, temperature, top_k, num_samples, seed)
+    path = Path(str(ckpt)).expanduser()
+    model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path)
+    prompt = "" if prompt is None else str(prompt)  # prompt=null, or a number Hydra parsed as one
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [tokenizer.token_to_id(EOT)]
     idx = torch.tensor([ids] * num_samples, device=device)

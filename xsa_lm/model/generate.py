@@ -19,6 +19,10 @@ def generate(
     """idx (B, T) followed by max_new_tokens sampled tokens. temperature 0 is greedy (deterministic); otherwise
     softmax(logits / temperature) over the top_k tokens, drawn with `generator`. Once the context exceeds
     block_size the model sees the last block_size tokens, cached or not (the cache is rebuilt from that window)."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:  # top-0 would keep no token at all
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     was_training = model.training
     model.eval()
     block = model.config.block_size

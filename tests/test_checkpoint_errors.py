@@ -1,0 +1,182 @@
+"""Anything that is not a checkpoint of `xsa-lm train`, or one of another model, is refused in one line naming it."""
+
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+from xsa_lm.checkpoints import check_checkpoint_file, load_model, load_weights, model_config_mismatch
+from xsa_lm.errors import UserError
+from xsa_lm.model import GPT, GPTConfig
+
+TINY = dict(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16)
+
+
+def assert_refused(proc, *expected: str) -> str:
+    """One line on stderr, `xsa-lm: error: ...` with the expected texts, exit code 2, no traceback."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: "), proc.stderr[-2000:]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def assert_nothing_written(folder: Path) -> None:
+    assert not folder.exists() or not any(folder.iterdir()), sorted(folder.iterdir())
+
+
+def lightning_checkpoint(config: GPTConfig) -> dict:
+    """What `xsa-lm train` saves, as far as load_model reads it: Lightning's prefixed state_dict and the config."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    return {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "model_config": asdict(config),
+            "global_step": 0}  # fmt: skip
+
+
+def write_checkpoint(run_dir: Path, config: GPTConfig | None = None) -> Path:
+    """A checkpoint of the tiny model in <run_dir>/checkpoints/last.ckpt (no training; no tokenizer beside it)."""
+    path = run_dir / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save(lightning_checkpoint(config or GPTConfig(**TINY)), path)
+    return path
+
+
+def not_checkpoints(folder: Path) -> dict[str, Path]:
+    """One of each kind of path a user may pass by mistake, created in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text("model:\n  n_layer: 2\nattention:\n  type: xsa\n")
+    (folder / "notes.txt").write_text("hello, these are my notes\n")
+    (folder / "empty.ckpt").write_bytes(b"")
+    (folder / "a_run").mkdir(exist_ok=True)
+    names = {"yaml": "config.yaml", "text": "notes.txt", "empty": "empty.ckpt", "directory": "a_run"}
+    return {kind: folder / name for kind, name in names.items()}
+
+
+# --- the file checks -----------------------------------------------------------------------------------------------
+
+
+def test_paths_that_are_no_checkpoint_are_refused_naming_them(tmp_path: Path):
+    expected = {"yaml": "not a checkpoint of `xsa-lm train`", "text": "not a checkpoint of `xsa-lm train`",
+                "empty": "is empty", "directory": "is a directory"}  # fmt: skip
+    for kind, path in not_checkpoints(tmp_path).items():
+        for check in (check_checkpoint_file, load_model):
+            with pytest.raises(UserError, match="^ckpts: ") as e:
+                check(path)
+            assert str(path) in str(e.value) and expected[kind] in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="checkpoint not found"):
+        load_model(tmp_path / "missing.ckpt", key="ckpt")
+
+
+def test_a_run_directory_points_at_its_last_checkpoint(tmp_path: Path):
+    ckpt = write_checkpoint(tmp_path / "run")
+    with pytest.raises(UserError, match=f"is a directory, not a checkpoint: give a .ckpt file, e.g. {ckpt}"):
+        load_model(tmp_path / "run", key="ckpt")
+
+
+def test_truncated_and_foreign_torch_files(tmp_path: Path):
+    whole = write_checkpoint(tmp_path / "run")
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(UserError, match="truncated"):
+        load_model(truncated)
+    tensor = tmp_path / "tensor.pt"
+    torch.save(torch.zeros(3), tensor)
+    with pytest.raises(UserError, match="holds a Tensor, not a checkpoint"):
+        load_model(tensor)
+    other_zip = tmp_path / "archive.ckpt"
+    with zipfile.ZipFile(other_zip, "w") as archive:
+        archive.writestr("hello.txt", "not torch")
+    with pytest.raises(UserError, match="not a readable checkpoint"):
+        load_model(other_zip)
+    no_config = tmp_path / "no_config.ckpt"
+    torch.save({"state_dict": {}}, no_config)
+    with pytest.raises(UserError, match="has no model config or weights"):
+        load_model(no_config)
+
+
+def test_a_checkpoint_loads_back_as_the_model_it_was(tmp_path: Path):
+    config = GPTConfig(**TINY, attention="xsa", xsa_layers=(1,))
+    model = load_model(write_checkpoint(tmp_path / "run", config))
+    assert model.config == config
+    expected = GPT(config)
+    expected.load_state_dict(
+        {k.removeprefix("model."): v for k, v in lightning_checkpoint(config)["state_dict"].items()}
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values(), strict=True)
+    )
+
+
+# --- another model ---------------------------------------------------------------------------------------------------
+
+
+def test_model_config_mismatch_lists_every_differing_field():
+    saved = asdict(GPTConfig(**TINY))
+    assert model_config_mismatch(saved, saved) == []
+    smaller = asdict(GPTConfig(**{**TINY, "n_layer": 1, "d_model": 16}))
+    assert model_config_mismatch(saved, smaller) == ["n_layer: 2 -> 1", "d_model: 32 -> 16"]
+    # Fields that leave the weights' shapes alone count too: resuming must not turn SA into XSA.
+    xsa = asdict(GPTConfig(**TINY, attention="xsa", xsa_layers=(0,)))
+    assert model_config_mismatch(saved, xsa) == ["attention: sa -> xsa", "xsa_layers: None -> [0]"]
+
+
+def test_model_config_mismatch_normalises_like_gptconfig():
+    saved = {**TINY, "xsa_layers": [1, 0], "n_kv_head": None}  # as read back from JSON, with defaults left out
+    expected = asdict(GPTConfig(**TINY, xsa_layers=(0, 1)))
+    assert model_config_mismatch(saved, expected) == []
+    newer = {**asdict(GPTConfig(**TINY)), "some_future_field": 3}
+    assert model_config_mismatch(newer, asdict(GPTConfig(**TINY))) == ["some_future_field: 3 -> (absent)"]
+
+
+def test_load_weights_refuses_another_model_naming_the_fields():
+    checkpoint = lightning_checkpoint(GPTConfig(**TINY))
+    other = GPT(GPTConfig(**{**TINY, "n_layer": 1, "d_model": 16}))
+    with pytest.raises(UserError) as e:
+        load_weights(other, checkpoint, "resume: checkpoint runs/x/checkpoints/last.ckpt")
+    assert str(e.value) == (
+        "resume: checkpoint runs/x/checkpoints/last.ckpt is of another model: n_layer: 2 -> 1, d_model: 32 -> 16"
+    )
+    # Without a stored config, the first tensor that does not fit is named instead.
+    del checkpoint["model_config"]
+    with pytest.raises(UserError, match="is of another model: .*(size mismatch|Unexpected key)"):
+        load_weights(other, checkpoint, "ckpts: checkpoint x.ckpt")
+
+
+def test_load_weights_takes_compiled_names():
+    config = GPTConfig(**TINY)
+    checkpoint = lightning_checkpoint(config)
+    checkpoint["state_dict"] = {
+        k.replace("model.", "model._orig_mod.", 1): v for k, v in checkpoint["state_dict"].items()
+    }
+    model = GPT(config)
+    load_weights(model, checkpoint, "ckpts: checkpoint x.ckpt")
+    assert torch.equal(model.state_dict()["lm_head.weight"], checkpoint["state_dict"]["model._orig_mod.lm_head.weight"])
+
+
+# --- through the CLI -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["yaml", "text", "empty", "directory"])
+def test_analyze_refuses_what_is_no_checkpoint(kind: str, data_cache: Path, tmp_path: Path):
+    path = not_checkpoints(tmp_path / "inputs")[kind]
+    out = tmp_path / "out"
+    proc = run_cli(["analyze", f"ckpts=[{path}]", f"hydra.run.dir={out}"], data_cache, tmp_path)
+    assert_refused(proc, "ckpts: ", str(path))
+    assert_nothing_written(out)
+
+
+@pytest.mark.slow
+def test_eval_and_generate_refuse_what_is_no_checkpoint(data_cache: Path, tmp_path: Path):
+    paths = not_checkpoints(tmp_path / "inputs")
+    out = tmp_path / "out"
+    proc = run_cli(["eval", f"ckpts=[{paths['yaml']}]", f"hydra.run.dir={out}"], data_cache, tmp_path)
+    assert_refused(proc, "ckpts: ", str(paths["yaml"]), "not a checkpoint")
+    assert_nothing_written(out)
+    proc = run_cli(["generate", f"ckpt={paths['text']}"], data_cache, tmp_path / "inputs")
+    assert_refused(proc, "ckpt: ", str(paths["text"]), "not a checkpoint")
