@@ -10,9 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches, TokenDataModule
-from xsa_lm.data.prepare import is_val_document, load_prepared, prepare
+from xsa_lm.data.prepare import choose_split, is_val_document, load_prepared, prepare, tail_start
+from xsa_lm.data.run import prepare_data
 from xsa_lm.data.sources import HFDataset, LocalFiles, ShakespeareCorpus
 from xsa_lm.data.tokenizer import EOT, load_gpt2, load_tokenizer_file, train_bpe
 from xsa_lm.errors import UserError
@@ -38,6 +40,34 @@ def decode_documents(data, split: str) -> list[str]:
     ends = np.flatnonzero(tokens == eot)
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [data.tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]
+
+
+def shakespeare_text(n_chars: int) -> str:
+    """Deterministic plain text: the bundled plays' first n_chars or a little less (whole lines)."""
+    text = ""
+    for _, play in ShakespeareCorpus(val_plays=[]).documents():
+        text += play
+        if len(text) >= n_chars:
+            break
+    return text[: text.rindex("\n", 0, n_chars) + 1]
+
+
+class KeyedDocuments:
+    """A source with chosen document keys (LocalFiles keys hold the temporary path: their split varies)."""
+
+    name = "keyed"
+
+    def __init__(self, documents: dict[str, str]) -> None:
+        self.docs = documents
+
+    def documents(self):
+        yield from self.docs.items()
+
+    def count_documents(self, stop_at: int | None = None) -> int:
+        return len(self.docs)
+
+    def identity(self) -> dict:
+        return {"name": self.name, "keys": sorted(self.docs)}
 
 
 def prepare_local(tmp_path: Path, files: str, out: str = "out", **kwargs):
@@ -268,6 +298,89 @@ def test_empty_corpus_is_a_user_error(tmp_path: Path):
         prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), val_fraction=0.5)
 
 
+def test_auto_split_takes_the_document_split_only_with_enough_documents(tmp_path: Path):
+    (tmp_path / "input.txt").write_text(shakespeare_text(5000))
+    one_file = LocalFiles(str(tmp_path / "input.txt"))
+    split, fraction, note = choose_split(one_file)
+    assert (split, fraction) == ("tail", 0.1)
+    assert note == (
+        "data: 1 document is too few for a document-level split (10 validation documents at 0.05% need 20,000); "
+        "holding out the last 10% of each document for validation (data.val_split=tail)"
+    )
+    assert choose_split(one_file, val_fraction=0.05)[:2] == ("tail", 0.05)  # an explicit fraction is kept
+    assert choose_split(one_file, "document") == ("document", 0.0005, None)  # an explicit split is obeyed
+    many = LocalFiles(str(write_jsonl(tmp_path / "many.jsonl", many_docs(200))))
+    assert choose_split(many, val_fraction=0.05) == ("document", 0.05, None)  # 200 x 0.05 = 10 expected
+    assert choose_split(many, val_fraction=0.04)[0] == "tail"
+    assert choose_split(many)[0] == "tail"  # 200 x 0.0005: no validation document to expect
+    assert choose_split(ShakespeareCorpus(val_plays=["macbeth"])) == ("document", 0.0005, None)  # its own split
+    assert many.count_documents(stop_at=30) == 30 and many.count_documents() == 200  # counting stops early
+
+
+@pytest.mark.parametrize("val_fraction", [0.9, 0, -0.1, 1])
+def test_val_fraction_must_be_at_most_one_half(val_fraction: float):
+    with pytest.raises(UserError, match=r"data.val_fraction=.* must be in \(0, 0.5\]"):
+        choose_split(KeyedDocuments({"a": "text"}), val_fraction=val_fraction)
+
+
+def test_unknown_split_mode_is_refused():
+    with pytest.raises(UserError, match="data.val_split must be one of auto, document, tail, got 'random'"):
+        choose_split(KeyedDocuments({"a": "text"}), "random")
+
+
+def test_tail_split_holds_out_the_end_of_every_document(tmp_path: Path):
+    texts = [shakespeare_text(20_000), shakespeare_text(8000).replace("\n", " ")]  # with and without lines
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    data = prepare_local(tmp_path, str(tmp_path / "*.txt"), split="tail", val_fraction=0.1)
+    heads, tails = decode_documents(data, "train"), decode_documents(data, "val")
+    assert [h + t for h, t in zip(heads, tails, strict=True)] == texts  # nothing lost, nothing in both
+    assert heads[0].endswith("\n") and 0.09 < len(tails[0]) / len(texts[0]) <= 0.1  # from the next line start
+    assert len(tails[1]) == round(0.1 * len(texts[1]))  # no line: the last 10% of the characters
+    n_val = sum(len(data.tokenizer.encode(t).ids) for t in tails)
+    assert n_val + 2 == data.meta["val_tokens"]  # each document's tail tokens and an EOT
+    assert 0.08 < data.meta["val_tokens"] / (data.meta["train_tokens"] + data.meta["val_tokens"]) < 0.12
+    assert data.meta["split"] == "tail" and data.meta["identity"]["split"] == "tail"
+    assert tail_start("abc", 0.1) == 3 and tail_start("", 0.1) == 0  # too short to hold out anything
+    other = prepare_local(tmp_path, str(tmp_path / "*.txt"), "b", split="tail", val_fraction=0.1,
+                          shard_documents=1, workers=2)  # fmt: skip
+    assert decode_documents(other, "train") == heads and decode_documents(other, "val") == tails
+
+
+def test_a_config_saved_before_val_split_keeps_the_document_split(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(100))
+    source = {"_target_": "xsa_lm.data.sources.LocalFiles", "files": str(tmp_path / "corpus.jsonl")}
+    data_cfg = {"dir": None, "cache_dir": str(tmp_path / "cache"), "val_fraction": 0.09, "split_seed": 0,
+                "shard_documents": 1000, "prepare_workers": 1, "tokenizer_documents": 1000, "val_windows": None,
+                "source": source}  # fmt: skip
+    tokenizer_cfg = OmegaConf.create({"_target_": "xsa_lm.data.tokenizer.train_bpe", "_partial_": True,
+                                      "vocab_size": 300})  # fmt: skip
+    assert prepare_data(OmegaConf.create(data_cfg), tokenizer_cfg).meta["split"] == "document"  # 100 x 0.09 < 10
+    data = prepare_data(OmegaConf.create({**data_cfg, "val_split": "auto"}), tokenizer_cfg)
+    assert data.meta["split"] == "tail"
+
+
+def test_a_rerun_with_another_split_is_not_reused(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), split="tail")
+    with pytest.raises(UserError, match="prepared from other inputs"):
+        prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), split="document")
+
+
+def test_document_split_failures_say_which_split_is_empty(tmp_path: Path):
+    keys = [f"doc{i}" for i in range(20)]
+    val_key = next(k for k in keys if is_val_document(k, 0.5, 0))
+    train_key = next(k for k in keys if not is_val_document(k, 0.5, 0))
+    text = shakespeare_text(3000)
+    one = partial(prepare, build_tokenizer=BPE, identity={}, val_fraction=0.5)
+    with pytest.raises(UserError, match=r"every document with text fell into the validation split \(1 documents"):
+        one(KeyedDocuments({val_key: text}), out=tmp_path / "a")
+    with pytest.raises(UserError, match="no document fell into the validation split .* data.val_split=tail"):
+        one(KeyedDocuments({train_key: text}), out=tmp_path / "b")
+    with pytest.raises(UserError, match="the corpus has no text"):
+        one(KeyedDocuments({val_key: "", train_key: ""}), out=tmp_path / "c", split="tail")
+
+
 # --- loading -------------------------------------------------------------------------------------------------
 
 
@@ -321,6 +434,19 @@ def test_validation_windows_are_the_same_for_every_run(tmp_path: Path):
     assert len(a.val_set) == 10
     assert all(torch.equal(a.val_set[i][0], b.val_set[i][0]) for i in range(10))
     assert torch.equal(torch.cat([x for x, _ in a.val_dataloader()]), torch.cat([x for x, _ in b.val_dataloader()]))
+
+
+def test_too_few_windows_for_a_batch_or_validation_are_one_line(tmp_path: Path):
+    (tmp_path / "input.txt").write_text(shakespeare_text(5000))
+    data = prepare_local(tmp_path, str(tmp_path / "input.txt"), split="tail", val_fraction=0.1)
+    n_train = (data.meta["train_tokens"] - 1) // 16
+    TokenDataModule(data, block_size=16, micro_batch_size=n_train, seed=0)
+    with pytest.raises(UserError, match=f"training split has {n_train} windows of 17 tokens .*micro_batch_size="):
+        TokenDataModule(data, block_size=16, micro_batch_size=n_train + 1, seed=0)
+    with pytest.raises(UserError, match="validation split has no window of 1025 tokens"):
+        TokenDataModule(data, block_size=1024, micro_batch_size=1, seed=0)
+    with pytest.raises(UserError, match="data.val_windows must be >= 1"):
+        TokenDataModule(data, block_size=16, micro_batch_size=1, seed=0, val_windows=0)
 
 
 def test_workers_do_not_change_the_order():

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import FAST, cli_env, run_cli
 from tests.test_bad_inputs import assert_clean_error
-from tests.test_data import many_docs, write_jsonl
+from tests.test_data import many_docs, shakespeare_text, write_jsonl
 
 pytestmark = pytest.mark.slow
 TRAIN = [o for o in FAST if not o.startswith("tokenizer.")]  # data=prepared: the shards' own tokenizer
@@ -40,6 +40,7 @@ def test_prepare_writes_shards_and_metadata(prepared: Path):
     assert meta["train_documents"] + meta["val_documents"] == 6000 and meta["val_documents"] > 100
     assert meta["tokenizer"]["config"]["vocab_size"] == 300 and len(meta["tokenizer"]["sha256"]) == 64
     assert meta["identity"]["source"]["text_field"] == "text"
+    assert meta["split"] == "document" and "split" not in meta["identity"]  # 6000 x 0.05: whole documents
     sizes = [(prepared / f"train-{s['index']:06d}.bin").stat().st_size for s in meta["shards"]]
     assert sizes == [2 * s["train_tokens"] for s in meta["shards"]]
 
@@ -116,3 +117,44 @@ def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_pa
     assert names == sorted(p.name for p in (tmp_path / "killed").glob("*-*.bin")) and len(names) == 400
     for name in names:
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def input_txt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A nanoGPT-style input.txt: one ~100 KB document."""
+    path = tmp_path_factory.mktemp("one_file") / "input.txt"
+    path.write_text(shakespeare_text(100_000))
+    return path
+
+
+def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *FAST, "data=local", f"data.files={input_txt}", "trainer.max_steps=6", "val_every_steps=3",
+                    f"hydra.run.dir={run_dir}"], data_cache, tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data: 1 document is too few for a document-level split" in proc.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    data_dir = Path(json.loads((run_dir / "run_info.json").read_text())["data_dir"])
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["split"] == "tail" and meta["identity"]["val_fraction"] == 0.1
+    assert meta["train_documents"] == meta["val_documents"] == 1
+    assert 0.09 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.11
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.val_fraction=0.9", "xsa-lm: error: data.val_fraction=0.9 must be in (0, 0.5]: it is the share held "
+                                  "out for validation (nanoGPT's 90/10 split is data.val_fraction=0.1)"),
+        ("data.val_windows=0", "xsa-lm: error: data.val_windows must be >= 1 (or null: every validation window), "
+                               "got 0"),
+    ],
+)  # fmt: skip
+def test_bad_split_settings_stop_before_the_run_starts(input_txt: Path, data_cache: Path, tmp_path: Path,
+                                                        override: str, message: str):  # fmt: skip
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *FAST, "data=local", f"data.files={input_txt}", override, f"hydra.run.dir={run_dir}"],
+                   data_cache, tmp_path)  # fmt: skip
+    assert assert_clean_error(proc, message) == message and proc.stderr.strip() == message
+    assert proc.returncode == 2
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from xsa_lm.data.prepare import PreparedData
+from xsa_lm.data.run import check_val_windows
 from xsa_lm.errors import UserError
 
 
@@ -79,14 +80,22 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
         self.seed, self.val_windows, self.num_workers = seed, val_windows, num_workers
+        check_val_windows(val_windows)
         self.train_windows = PackedWindows(data.shards("train"), block_size)
         self.val_set = PackedWindows(data.shards("val"), block_size)
         if val_windows is not None:
             self.val_set.n = min(self.val_set.n, val_windows)  # the first windows: fixed across runs
-        if self.train_windows.n < 1 or self.val_set.n < 1:
+        window, meta = block_size + 1, data.meta
+        if self.train_windows.n < micro_batch_size:  # else a micro-batch would repeat windows
             raise UserError(
-                f"data: too few tokens for one window of {block_size + 1} tokens ({self.train_windows.n} train, "
-                f"{self.val_set.n} val windows): lower data.block_size or use a larger corpus"
+                f"data: the training split has {self.train_windows.n} windows of {window} tokens "
+                f"({meta['train_tokens']:,} tokens), fewer than micro_batch_size={micro_batch_size}: lower "
+                "micro_batch_size or data.block_size, or use a larger corpus"
+            )
+        if self.val_set.n < 1:
+            raise UserError(
+                f"data: the validation split has no window of {window} tokens ({meta['val_tokens']:,} tokens): raise "
+                "data.val_fraction or lower data.block_size"
             )
         self.resume_from: dict | None = None  # the sampler position from a checkpoint
 

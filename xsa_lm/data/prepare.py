@@ -4,21 +4,27 @@ A prepared directory holds:
   prepare.json            what is being prepared (source, tokenizer, split): a rerun must match it
   tokenizer.json          the tokenizer (trained BPE, GPT-2's, or a given file)
   train-000000.bin ...    flat token arrays (uint16 when the vocabulary fits, else uint32), EOT after each document
-  val-000000.bin ...      the validation documents of the same chunk of the corpus
+  val-000000.bin ...      the validation documents (or document tails) of the same chunk of the corpus
   shard-000000.json ...   written last per shard: its document and token counts (a shard without it is redone)
   meta.json               written last: every shard's counts, totals, tokenizer identity and hash
 The corpus is read as a stream and cut into chunks of `shard_documents` documents; a chunk is one shard. Chunks are
 tokenized in parallel worker processes, at most two per worker in flight, so memory stays bounded.
+
+Two validation splits: `document` holds out whole documents (a seeded hash of each key below val_fraction), `tail`
+holds out the end of every document (its last val_fraction of text), for a corpus of a few documents such as one
+.txt file. `auto` (choose_split) takes the document split when it can expect MIN_VAL_DOCUMENTS validation documents.
 """
 
 import fcntl
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
@@ -59,6 +65,12 @@ class PreparedData:
         return arrays
 
 
+SPLITS = ("auto", "document", "tail")
+DOCUMENT_VAL_FRACTION = 0.0005  # the paper's 0.05% of the documents
+TAIL_VAL_FRACTION = 0.1  # nanoGPT's 90/10 cut of input.txt
+MIN_VAL_DOCUMENTS = 10  # the document split's expected validation documents: fewer would be a noisy, or empty, set
+
+
 def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
@@ -67,6 +79,63 @@ def is_val_document(key: str, val_fraction: float, split_seed: int) -> bool:
     """A document's split from its key alone: stable under re-preparation, order and worker count."""
     digest = hashlib.sha256(f"{split_seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def tail_start(text: str, val_fraction: float) -> int:
+    """Where a document's held-out tail begins: its last val_fraction of characters, moved on to the next line start
+    when one is near (200 characters), so that no word is cut in two."""
+    cut = len(text) - round(len(text) * val_fraction)
+    newline = text.find("\n", cut, cut + 200)
+    return newline + 1 if newline >= 0 else cut
+
+
+def check_val_fraction(val_fraction: float) -> None:
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not 0 < val_fraction <= 0.5:
+        raise UserError(
+            f"data.val_fraction={val_fraction} must be in (0, 0.5]: it is the share held out for validation "
+            "(nanoGPT's 90/10 split is data.val_fraction=0.1)"
+        )
+
+
+def choose_split(source, split: str = "auto", val_fraction: float | None = None) -> tuple[str, float, str | None]:
+    """The split (document or tail) and its fraction for `source`, and a line for the user when `auto` chose the
+    tail split. auto: the document split when documents x val_fraction >= MIN_VAL_DOCUMENTS (20,000 documents at
+    the default 0.0005), else the tail split. An unset val_fraction is DOCUMENT_VAL_FRACTION of the documents, or
+    TAIL_VAL_FRACTION of each document's text."""
+    if split not in SPLITS:
+        raise UserError(f"data.val_split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if val_fraction is not None:
+        check_val_fraction(val_fraction)
+    chosen, note = split, None
+    if split == "auto":
+        document_fraction = val_fraction or DOCUMENT_VAL_FRACTION
+        needed = math.ceil(MIN_VAL_DOCUMENTS / document_fraction)
+        count = _count_documents(source, stop_at=needed)
+        chosen = "tail" if count is not None and count < needed else "document"
+        if chosen == "tail":
+            documents = "1 document is" if count == 1 else f"{count:,} documents are"
+            held_out = val_fraction or TAIL_VAL_FRACTION
+            note = (f"data: {documents} too few for a document-level split ({MIN_VAL_DOCUMENTS} validation documents "
+                    f"at {100 * document_fraction:g}% need {needed:,}); holding out the last {100 * held_out:g}% of "
+                    "each document for validation (data.val_split=tail)")  # fmt: skip
+    if val_fraction is None:
+        val_fraction = TAIL_VAL_FRACTION if chosen == "tail" else DOCUMENT_VAL_FRACTION
+    return chosen, val_fraction, note
+
+
+def _count_documents(source, stop_at: int) -> int | None:
+    """The source's documents, counted up to stop_at (cheap for a large corpus). None for a source with its own
+    split (Shakespeare's plays) or one that cannot count them (a hub dataset: large): both keep the document split."""
+    if hasattr(source, "is_val") or not hasattr(source, "count_documents"):
+        return None
+    return source.count_documents(stop_at=stop_at)
+
+
+def split_settings(split: str, val_fraction: float, split_seed: int, shard_documents: int) -> dict:
+    """The settings that decide the shards besides the source and the tokenizer (prepare.json and the cache
+    name). The document split is implicit: directories prepared before there was a tail split are reused."""
+    settings = {"val_fraction": val_fraction, "split_seed": split_seed, "shard_documents": shard_documents}
+    return settings if split == "document" else {**settings, "split": split}
 
 
 def cache_path(cache_dir: str, source_name: str, identity: dict) -> Path:
@@ -79,37 +148,56 @@ def prepare(
     build_tokenizer: Callable[..., Tokenizer],
     out: Path,
     identity: dict,
-    val_fraction: float = 0.0005,
+    val_fraction: float = DOCUMENT_VAL_FRACTION,
+    split: str = "document",
     split_seed: int = 0,
     shard_documents: int = 10_000,
     workers: int = 1,
     tokenizer_documents: int = 100_000,
     progress: bool = False,
 ) -> PreparedData:
-    """Tokenize `source` into shards in `out`, resuming an interrupted preparation, or load a finished one."""
-    if not 0 <= val_fraction < 1:
-        raise UserError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    """Tokenize `source` into shards in `out`, resuming an interrupted preparation, or load a finished one.
+    `split` is document or tail (choose_split resolves auto)."""
+    check_val_fraction(val_fraction)
+    if split not in ("document", "tail"):
+        raise UserError(f"data.val_split must be document or tail here, got {split!r}")
     if shard_documents < 1 or workers < 1:
         raise UserError("data.shard_documents and data.prepare_workers must be at least 1")
-    identity = {**identity, "val_fraction": val_fraction, "split_seed": split_seed, "shard_documents": shard_documents}
+    identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
+    pieces = partial(_split_documents, source, split, val_fraction, split_seed)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".prepare.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process (a parallel sweep trial) waits, then reuses the result
         _check_identity(out, identity)
         if (out / "meta.json").exists():
             return load_prepared(out)
-        tokenizer = _tokenizer(source, build_tokenizer, out, val_fraction, split_seed, tokenizer_documents)
-        shards = _write_shards(source, out, tokenizer, val_fraction, split_seed, shard_documents, workers, progress)
-        meta = _meta(identity, tokenizer, out, shards)
-        if meta["train_tokens"] <= meta["train_documents"]:
-            raise UserError(f"data: the training split has no text ({meta['train_documents']} documents, all empty)")
-        if meta["val_documents"] == 0:
-            raise UserError(
-                f"data: no document fell into the validation split ({meta['train_documents']} documents, "
-                f"data.val_fraction={val_fraction}): raise data.val_fraction (and use a new data.dir)"
-            )
+        tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
+        shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, source)
+        meta = _meta(identity, tokenizer, out, shards, split)
+        _check_split(meta, split, val_fraction)
         _atomic_write(out / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)
+
+
+def _check_split(meta: dict, split: str, val_fraction: float) -> None:
+    """Both splits need text (the token counts include one EOT per document or piece)."""
+    n = meta["train_documents"] + meta["val_documents"]
+    if meta["train_tokens"] <= meta["train_documents"]:
+        if meta["val_tokens"] <= meta["val_documents"]:
+            raise UserError("data: the corpus has no text (every document is empty)")
+        raise UserError(
+            f"data: every document with text fell into the validation split ({n} documents, "
+            f"data.val_fraction={val_fraction}): lower data.val_fraction, or hold out the end of each document "
+            "with data.val_split=tail"
+        )
+    if meta["val_documents"] == 0 and split == "document":
+        raise UserError(
+            f"data: no document fell into the validation split ({n} documents, data.val_fraction={val_fraction}): "
+            "raise data.val_fraction, or hold out the end of each document with data.val_split=tail"
+        )
+    if meta["val_documents"] == 0:
+        raise UserError(f"data: the documents are too short to hold out {100 * val_fraction:g}% of each: raise "
+                        "data.val_fraction")  # fmt: skip
 
 
 def load_prepared(out: Path) -> PreparedData:
@@ -140,11 +228,11 @@ def _check_identity(out: Path, identity: dict) -> None:
         )
 
 
-def _tokenizer(source, build_tokenizer, out: Path, val_fraction: float, split_seed: int, n_docs: int) -> Tokenizer:
+def _tokenizer(pieces: Callable[[], Iterator[tuple]], build_tokenizer, out: Path, n_docs: int) -> Tokenizer:
     path = out / "tokenizer.json"
     if path.exists():  # an interrupted preparation: its shards were written with this tokenizer
         return Tokenizer.from_file(str(path))
-    train_texts = (text for is_val, text in _split_documents(source, val_fraction, split_seed) if not is_val)
+    train_texts = (train for train, _ in pieces() if train is not None)  # never the validation text
     tokenizer = build_tokenizer(train_texts=islice(train_texts, n_docs))
     if tokenizer.token_to_id(EOT) is None:
         raise UserError(f"tokenizer: it has no {EOT} token to separate documents")
@@ -154,33 +242,38 @@ def _tokenizer(source, build_tokenizer, out: Path, val_fraction: float, split_se
     return tokenizer
 
 
-def _split_documents(source, val_fraction: float, split_seed: int) -> Iterator[tuple[bool, str]]:
-    """(is_val, text) for every document, in the source's order. A source may define its own split (is_val)."""
+def _split_documents(source, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
+    """(train text, val text) for every document, in the source's order; None where a document has no part in
+    a split. A source may define its own document split (is_val)."""
+    if split == "tail":
+        for _, text in source.documents():
+            cut = tail_start(text, val_fraction)
+            yield text[:cut] or None, text[cut:] or None
+        return
     is_val = getattr(source, "is_val", None) or (lambda key: is_val_document(key, val_fraction, split_seed))
     for key, text in source.documents():
-        yield is_val(key), text
+        yield (None, text) if is_val(key) else (text, None)
 
 
-def _write_shards(source, out, tokenizer, val_fraction, split_seed, shard_documents, workers, progress) -> list:
+def _write_shards(pieces: Iterator[tuple], out, tokenizer, shard_documents, workers, progress, source) -> list:
     job = (str(out), str(out / "tokenizer.json"), tokenizer.token_to_id(EOT), token_dtype(tokenizer.get_vocab_size()))
-    chunks = _batched(_split_documents(source, val_fraction, split_seed), shard_documents)
     shards: list[dict] = []
     bar = _Progress(progress, getattr(source, "count_documents", lambda: None)())
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
-    pending: set[Future] = set()
+    pending: dict[Future, int] = {}  # a chunk being tokenized -> its number of documents
     try:
-        for index, chunk in enumerate(chunks):
+        for index, chunk in enumerate(_batched(pieces, shard_documents)):
             done_file = out / f"shard-{index:06d}.json"
             if done_file.exists():  # finished by an earlier run: never rewritten
                 shards.append(json.loads(done_file.read_text()))
                 bar.update(len(chunk), shards[-1]["train_tokens"] + shards[-1]["val_tokens"])
                 continue
-            args = (*job, index, [is_val for is_val, _ in chunk], [text for _, text in chunk])
+            args = (*job, index, [train for train, _ in chunk], [val for _, val in chunk])
             if pool is None:
                 shards.append(_encode_shard(*args))
                 bar.update(len(chunk), shards[-1]["train_tokens"] + shards[-1]["val_tokens"])
                 continue
-            pending.add(pool.submit(_encode_shard, *args))
+            pending[pool.submit(_encode_shard, *args)] = len(chunk)
             while len(pending) >= 2 * workers:  # bounded: at most two chunks per worker held in memory
                 shards += _collect(pending, bar)
         while pending:
@@ -194,27 +287,29 @@ def _write_shards(source, out, tokenizer, val_fraction, split_seed, shard_docume
     return sorted(shards, key=lambda s: s["index"])
 
 
-def _collect(pending: set[Future], bar: "_Progress") -> list[dict]:
+def _collect(pending: dict[Future, int], bar: "_Progress") -> list[dict]:
     done, _ = wait(pending, return_when=FIRST_COMPLETED)
-    pending -= done
-    results = [future.result() for future in done]
-    for shard in results:
-        bar.update(shard["train_documents"] + shard["val_documents"], shard["train_tokens"] + shard["val_tokens"])
+    results = []
+    for future in done:
+        documents, shard = pending.pop(future), future.result()
+        bar.update(documents, shard["train_tokens"] + shard["val_tokens"])
+        results.append(shard)
     return results
 
 
 _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _encode_shard(out: str, tokenizer_path: str, eot: int, dtype: str, index: int, val: list[bool],
-                  texts: list[str]) -> dict:  # fmt: skip
+def _encode_shard(out: str, tokenizer_path: str, eot: int, dtype: str, index: int, train: list[str | None],
+                  val: list[str | None]) -> dict:  # fmt: skip
     """Tokenize one chunk into its train and val shard files (runs in a worker process)."""
     if tokenizer_path not in _WORKER_TOKENIZERS:
         _WORKER_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
-    encodings = _WORKER_TOKENIZERS[tokenizer_path].encode_batch(texts, add_special_tokens=False)
+    tokenizer = _WORKER_TOKENIZERS[tokenizer_path]
     shard: dict = {"index": index}
-    for split in ("train", "val"):
-        ids = [enc.ids for enc, is_val in zip(encodings, val, strict=True) if is_val == (split == "val")]
+    for split, texts in (("train", train), ("val", val)):
+        encodings = tokenizer.encode_batch([text for text in texts if text is not None], add_special_tokens=False)
+        ids = [enc.ids for enc in encodings]
         tokens = np.empty(sum(len(doc) + 1 for doc in ids), dtype=dtype)
         end = 0
         for doc in ids:  # slice assignment converts each list in C; EOT after every document
@@ -230,7 +325,7 @@ def _encode_shard(out: str, tokenizer_path: str, eot: int, dtype: str, index: in
     return shard
 
 
-def _meta(identity: dict, tokenizer: Tokenizer, out: Path, shards: list[dict]) -> dict:
+def _meta(identity: dict, tokenizer: Tokenizer, out: Path, shards: list[dict], split: str) -> dict:
     tokenizer_bytes = (out / "tokenizer.json").read_bytes()
     totals = {f"{s}_{n}": sum(shard[f"{s}_{n}"] for shard in shards) for s in ("train", "val")
               for n in ("documents", "tokens")}  # fmt: skip
@@ -244,6 +339,7 @@ def _meta(identity: dict, tokenizer: Tokenizer, out: Path, shards: list[dict]) -
         "vocab_size": tokenizer.get_vocab_size(),
         "eot_id": tokenizer.token_to_id(EOT),
         "dtype": token_dtype(tokenizer.get_vocab_size()),
+        "split": split,  # document: whole documents held out; tail: the end of each document
         **totals,
         "shards": shards,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),

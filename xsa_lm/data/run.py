@@ -4,19 +4,21 @@
 with data=prepared it opens the shards in data.dir and touches no network.
 """
 
+import os
 import time
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.data.prepare import PreparedData, cache_path, load_prepared, prepare
+from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_prepared, prepare, split_settings
 from xsa_lm.errors import UserError, build, exit_on_user_error
 
 
 def prepare_data(data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_tokenizer: bool = False,
                  progress: bool = False) -> PreparedData:  # fmt: skip
     tokenizer_key = OmegaConf.to_container(tokenizer_cfg, resolve=True)
+    check_val_windows(data_cfg.get("val_windows"))
     if data_cfg.get("source") is None:  # data=prepared
         if not data_cfg.get("dir"):
             raise UserError("data=prepared needs data.dir=<the directory `xsa-lm prepare` wrote>")
@@ -30,18 +32,30 @@ def prepare_data(data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_token
         return data
     source = build(data_cfg.source)
     build_tokenizer = build(tokenizer_cfg)
-    settings = {"val_fraction": data_cfg.val_fraction, "split_seed": data_cfg.split_seed,
-                "shard_documents": data_cfg.shard_documents}  # fmt: skip
+    # A run's config saved before val_split existed keeps the document split it was trained with.
+    split, val_fraction, note = choose_split(source, data_cfg.get("val_split", "document"), data_cfg.val_fraction)
+    if note and all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK")):  # once, not per DDP rank
+        print(note)
+    settings = split_settings(split, val_fraction, data_cfg.split_seed, data_cfg.shard_documents)
     identity = {"source": source.identity(), "tokenizer": tokenizer_key, **settings}
     out = Path(data_cfg.dir).expanduser() if data_cfg.dir else cache_path(data_cfg.cache_dir, source.name, identity)
-    return prepare(source, build_tokenizer, out, identity, **settings, workers=data_cfg.prepare_workers,
-                   tokenizer_documents=data_cfg.tokenizer_documents, progress=progress)  # fmt: skip
+    return prepare(source, build_tokenizer, out, identity, val_fraction=val_fraction, split=split,
+                   split_seed=data_cfg.split_seed, shard_documents=data_cfg.shard_documents,
+                   workers=data_cfg.prepare_workers, tokenizer_documents=data_cfg.tokenizer_documents,
+                   progress=progress)  # fmt: skip
+
+
+def check_val_windows(val_windows: int | None) -> None:
+    """Before anything is prepared or written: 0 windows would be a run without validation."""
+    if val_windows is not None and (type(val_windows) is not int or val_windows < 1):
+        raise UserError(f"data.val_windows must be >= 1 (or null: every validation window), got {val_windows}")
 
 
 def describe(data: PreparedData) -> str:
     m = data.meta
+    val = "val document tails" if m.get("split") == "tail" else "val documents"
     return (f"{data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
-            f"{m['val_documents']:,} val documents / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), "
+            f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), "
             f"{m['dtype']}, vocab {m['vocab_size']}")  # fmt: skip
 
 

@@ -84,10 +84,13 @@ class LocalFiles:
             else:
                 yield from self._parquet_documents(path)
 
-    def count_documents(self) -> int | None:
-        """For the progress bar's ETA: cheap to count for files (a JSON array would need parsing: None)."""
+    def count_documents(self, stop_at: int | None = None) -> int:
+        """The number of documents (the progress bar's total), or any number >= stop_at once that many are found:
+        whether there are enough for a document-level split is known quickly for a large corpus."""
         n = 0
         for path in self.files:
+            if stop_at is not None and n >= stop_at:
+                break
             if path.endswith(TEXT_SUFFIXES):
                 n += 1
             elif path.endswith(PARQUET_SUFFIXES):
@@ -96,10 +99,14 @@ class LocalFiles:
                 n += pq.ParquetFile(path).metadata.num_rows
             else:
                 with open(path, "rb") as f:
-                    if f.read(64).lstrip().startswith(b"["):
-                        return None
+                    if f.read(64).lstrip().startswith(b"["):  # one JSON array: read whole, as documents() does
+                        n += sum(1 for _ in self._json_documents(path))
+                        continue
                     f.seek(0)
-                    n += sum(1 for line in f if line.strip())
+                    for line in f:
+                        n += bool(line.strip())
+                        if stop_at is not None and n >= stop_at:
+                            break
         return n
 
     def _json_documents(self, path: str) -> Iterator[tuple[str, str]]:
@@ -182,7 +189,8 @@ class HFDataset:
             # FineWeb and many corpora carry a unique id: a key that survives reordering; else the row number.
             yield f"{self.split}:{row.get('id', n)}", row[self.text_field] or ""
 
-    def count_documents(self) -> int | None:
+    def count_documents(self, stop_at: int | None = None) -> int | None:
+        """At most max_documents; None (unknown, and a hub dataset is large) without it."""
         return self.max_documents
 
     def identity(self) -> dict:
