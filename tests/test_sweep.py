@@ -74,6 +74,12 @@ def test_best_lr_on_the_edge_of_the_grid_warns(best: float, side: str) -> None:
     assert len(selection.warnings) == 1 and side in selection.warnings[0] and "extend the grid" in selection.warnings[0]
 
 
+def test_a_grid_of_one_lr_warns_that_nothing_was_searched() -> None:
+    selection = select_lr({3e-4: ("completed", 3.0)}, diverge_above=10.0)
+    assert selection.lr == 3e-4
+    assert len(selection.warnings) == 1 and "holds one LR (0.0003)" in selection.warnings[0]
+
+
 def test_failed_search_runs_are_named_for_a_retry() -> None:
     results = {1e-4: ("completed", 3.3), 3e-4: ("failed", None), 1e-3: ("completed", 3.1), 3e-3: ("completed", 3.2)}
     selection = select_lr(results, diverge_above=10.0)

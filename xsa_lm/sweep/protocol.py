@@ -88,7 +88,12 @@ def select_lr(results: dict[float, tuple[str | None, float | None]], diverge_abo
         return selection
     selection.lr = min(usable)[1]
     grid = sorted(results)
-    if len(grid) > 1 and selection.lr in (grid[0], grid[-1]):
+    if len(grid) == 1:
+        selection.warnings.append(
+            f"the grid holds one LR ({selection.lr:g}): nothing was searched, so it is not known to be the best; "
+            "give sweep.lrs values below and above it and run the same command again"
+        )
+    elif selection.lr in (grid[0], grid[-1]):
         side, extend = ("lowest", "below") if selection.lr == grid[0] else ("highest", "above")
         selection.warnings.append(
             f"the best LR {selection.lr:g} is the {side} LR of the grid: the optimum may lie {extend} it; "

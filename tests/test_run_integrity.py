@@ -1,0 +1,190 @@
+"""A run cannot silently go wrong: a resume continues the run as saved, one run per directory, Ctrl-C checkpoints."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import FAST, cli_env, run_cli
+from tests.test_bad_inputs import assert_clean_error
+from tests.test_reliability import wait_for
+from tests.test_train_cli import train_losses
+from xsa_lm.errors import UserError
+from xsa_lm.locking import exclusive
+from xsa_lm.train.checks import check_values
+from xsa_lm.train.resume import continuation_config
+
+XSA = ["train", *FAST, "attention=xsa", "val_every_steps=10"]
+
+
+def start(args: list[str], data_cache: Path, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", *args], cwd=cwd, env=cli_env(data_cache),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def xsa_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    """An XSA run of 20 steps (of a 20-step schedule) that the tests below resume or try to change."""
+    root = tmp_path_factory.mktemp("xsa")
+    out = run_cli([*XSA, "trainer.max_steps=20", f"hydra.run.dir={root / 'run'}"], data_cache, root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return root / "run"
+
+
+@pytest.mark.slow
+def test_the_readme_resume_line_continues_xsa_exactly(xsa_run: Path, data_cache: Path, tmp_path: Path):
+    """`xsa-lm train hydra.run.dir=runs/xsa resume=auto trainer.max_steps=N`, nothing else on the command line:
+    the saved config decides (XSA, its LR, batch, vocabulary), and the schedule keeps its saved length."""
+    run_dir = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(xsa_run), str(run_dir)], check=True)
+    out = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=40"], data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("resume: continuing") and "(xsa, tiny, lr 0.003, seed 0) from step 20" in first
+    assert "trainer.max_steps: 20 -> 40" in first and "keeps its saved length (scheduler.total_steps=20)" in first
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["attention"] == "xsa" and summary["lr"] == 3e-3 and summary["steps"] == 40
+    assert summary["tokens_seen"] == 40 * 1024 and "COMPLETED: xsa" in out.stdout
+    # The uninterrupted run of the same plan: 40 steps on a 20-step schedule.
+    straight = run_cli([*XSA, "trainer.max_steps=40", "scheduler.total_steps=20", f"hydra.run.dir={tmp_path / 's'}"],
+                       data_cache, tmp_path)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert train_losses(run_dir) == train_losses(tmp_path / "s")  # bit-identical on CPU, fp32
+    config = OmegaConf.load(run_dir / "config.yaml")
+    assert config.attention.name == "xsa" and config.trainer.max_steps == 40 and config.scheduler.total_steps == 20
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["from_step"] == 20 and "trainer.max_steps: 20 -> 40" in record["changes"]
+    assert len(list((run_dir / "wandb").glob("*"))) == 0  # the saved logger (csv) is kept, not the default W&B
+    assert "resume: continuing" in (run_dir / "train.log").read_text()
+
+
+CHANGES = {
+    "attention": (["attention=sa"], "attention.name: xsa -> sa"),
+    "model": (["model.n_layer=3"], "model.n_layer: 2 -> 3"),
+    "lr": (["optim.lr=1e-2"], "optim.lr: 0.003 -> 0.01"),
+    "batch": (["global_batch_tokens=2048"], "global_batch_tokens: 1024 -> 2048"),
+    "seed": (["seed=1"], "seed: 0 -> 1"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, expected", CHANGES.values(), ids=CHANGES.keys())
+def test_a_resume_that_changes_what_is_trained_is_refused(overrides, expected, xsa_run, data_cache, tmp_path):
+    before = snapshot(xsa_run)
+    out = run_cli(["train", f"hydra.run.dir={xsa_run}", "resume=auto", *overrides], data_cache, tmp_path)
+    assert_clean_error(out, "resume:", expected, "drop these overrides")
+    assert snapshot(xsa_run) == before  # byte-identical
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(xsa_run: Path, data_cache: Path, tmp_path: Path):
+    new_dir = tmp_path / "new"
+    checkpoint = xsa_run / "checkpoints" / "last.ckpt"
+    out = run_cli([*XSA, "model.d_model=96", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"], data_cache, tmp_path)
+    assert_clean_error(out, "resume:", "another model", "d_model: 64 -> 96")
+    assert not new_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_busy_directory_is_refused(data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    args = [*XSA, "trainer.max_steps=5000", f"hydra.run.dir={run_dir}"]  # long enough to outlive both refusals
+    first = start(args, data_cache, tmp_path)
+    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", first)
+    for second_args in (args, [*args, "resume=auto"]):
+        second = run_cli(second_args, data_cache, tmp_path)
+        assert_clean_error(second, f"{run_dir} is in use by another xsa-lm train run (pid {first.pid})")
+    assert first.poll() is None, "the first run ended before the second one was tried"
+    first.send_signal(signal.SIGTERM)  # end it early, cleanly; its files must be its own
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["attention"] == "xsa"
+    assert sorted(train_losses(run_dir)) == list(range(summary["steps"]))
+    assert not list((run_dir / "checkpoints").glob("*-v1.ckpt")) and not (run_dir / ".xsa-lm.lock").exists()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path: Path):
+    (tmp_path / ".xsa-lm.lock").write_text("999999\n")  # written by a process that died: no flock is held
+    with exclusive(tmp_path, ".xsa-lm.lock", "xsa-lm train run"):
+        assert (tmp_path / ".xsa-lm.lock").read_text() == f"{os.getpid()}\n"
+        holder = subprocess.run([sys.executable, "-c", "from pathlib import Path; from xsa_lm.locking import "
+                                 f"exclusive; exclusive(Path({str(tmp_path)!r}), '.xsa-lm.lock', 'run').__enter__()"],
+                                capture_output=True, text=True)  # fmt: skip
+        assert holder.returncode != 0 and f"in use by another run (pid {os.getpid()})" in holder.stderr
+    assert not (tmp_path / ".xsa-lm.lock").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_exits_130_and_resumes_exactly(data_cache: Path, tmp_path: Path):
+    args = [*XSA, "trainer.max_steps=40"]
+    straight = run_cli([*args, f"hydra.run.dir={tmp_path / 'straight'}"], data_cache, tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    proc = start([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 10 <= summary["steps"] < 40
+    assert f"xsa-lm train hydra.run.dir={run_dir} resume=auto" in stdout and "Traceback" not in stderr
+    again = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto"], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert train_losses(run_dir) == train_losses(tmp_path / "straight")
+
+
+def test_a_second_ctrl_c_aborts_at_once(monkeypatch):
+    from xsa_lm.train.checkpointing import Preemption
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    preemption = Preemption(Path("last.ckpt"))
+    preemption._handle(signal.SIGINT, None)
+    assert preemption.received == "SIGINT" and exits == []  # the first one asks for a clean stop
+    preemption._handle(signal.SIGINT, None)
+    assert exits == [130]
+
+
+def test_every_bad_value_is_named_in_one_line():
+    cfg = OmegaConf.create({"seed": -1, "trainer": {"max_steps": 1.5, "log_every_n_steps": 1},
+                            "attention": {"eps": -1e-6}, "optim": {"lr": 1e-3, "betas": [0.9, 1.2]},
+                            "samples": {"top_k": 0}})  # fmt: skip
+    with pytest.raises(UserError) as error:
+        check_values(cfg)
+    message = str(error.value)
+    assert "\n" not in message
+    for part in ("seed=-1 must be >= 0", "trainer.max_steps=1.5 must be an integer", "attention.eps=-1e-06 must be > 0",
+                 "optim.betas=[0.9, 1.2] must be two numbers in [0, 1)", "samples.top_k=0 must be >= 1"):  # fmt: skip
+        assert part in message, message
+    check_values(OmegaConf.create({"seed": 0, "trainer": {"max_steps": 10}, "samples": {"top_k": None}}))
+
+
+def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Path):
+    saved = OmegaConf.create({"seed": 0, "resume": None, "attention": {"name": "xsa"}, "optim": {"lr": 1e-2},
+                              "trainer": {"max_steps": 100}, "scheduler": {"total_steps": None, "min_lr_ratio": 0.1},
+                              "val_every_steps": 10})  # fmt: skip
+    OmegaConf.save(saved, tmp_path / "config.yaml")
+    defaults = OmegaConf.merge(saved, {"attention": {"name": "sa"}, "optim": {"lr": 1e-3}})
+    given = OmegaConf.merge(defaults, {"resume": "auto", "trainer": {"max_steps": 200}, "val_every_steps": 20})
+    config, notes = continuation_config(given, defaults, ["resume=auto", "trainer.max_steps=200"], tmp_path)
+    assert config.attention.name == "xsa" and config.optim.lr == 1e-2 and config.resume == "auto"
+    assert config.trainer.max_steps == 200 and config.val_every_steps == 20 and config.scheduler.total_steps == 100
+    assert notes[:2] == ["trainer.max_steps: 100 -> 200", "val_every_steps: 10 -> 20"]
+    assert "steps 100-200 run at the final LR 0.001" in notes[-1]
+    # naming a group on the command line counts even when its value is the default
+    with pytest.raises(UserError, match="attention.name: xsa -> sa"):
+        continuation_config(defaults, defaults, ["attention=sa"], tmp_path)
+    # no saved config (resume=PATH into a new directory): the given config as it is
+    assert continuation_config(given, defaults, [], tmp_path / "new") == (given, [])
