@@ -39,6 +39,12 @@ CASES = {
     "KV heads that do not divide the heads": (["model.n_kv_head=3"], ["n_kv_head=3"]),
     "XSA on more layers than the model has": (["attention=xsa", "attention.layers=5"], ["attention.layers=5"]),
     "unknown XSA gate": (["attention=xsa", "attention.gate=sigmoid"], ["attention.gate"]),
+    "negative seed": (["seed=-1"], ["seed=-1 must be >= 0"]),
+    "fractional step count": (["trainer.max_steps=1.5"], ["trainer.max_steps=1.5 must be an integer"]),
+    "negative XSA eps": (["attention=xsa", "attention.eps=-1e-6"], ["attention.eps=-1e-06 must be > 0"]),
+    "several bad values at once": (["seed=-1", "val_every_steps=0"], ["seed=-1", "val_every_steps=0"]),
+    "no validation window": (["data.val_windows=0"], ["data.val_windows must be >= 1"]),
+    "a model far larger than the machine": (["model.n_layer=100000"], ["needs about", "GiB", "check_memory=false"]),
 }
 
 
@@ -50,7 +56,15 @@ def test_bad_input(overrides: list[str], expected: list[str], data_cache: Path, 
     out = run_cli(["train", *fast, *overrides, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert_clean_error(out, *expected)
     assert out.returncode == 2
-    assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()
+    assert not run_dir.exists()  # a refused run writes nothing, not even an empty folder
+
+
+def test_micro_batch_larger_than_the_corpus(data_cache: Path, tmp_path: Path):
+    (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
+    out = run_cli(["train", *FAST, "data=local", f"data.files={tmp_path}/small.txt", "micro_batch_size=64",
+                   "global_batch_tokens=4096", f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)  # fmt: skip
+    assert_clean_error(out, "fewer than micro_batch_size=64")
+    assert not (tmp_path / "run").exists()
 
 
 def test_empty_corpus(data_cache: Path, tmp_path: Path):

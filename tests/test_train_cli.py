@@ -48,6 +48,18 @@ def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: P
     assert f"name: {attention}" in config and "lr: 0.003" in config
     assert (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "checkpoints" / "best.ckpt").exists()
     assert "non-embedding parameters" in out.stdout and "final val loss" in out.stdout
+    log = (run_dir / "train.log").read_text()  # the run's own lines, with times
+    assert "xsa-lm train |" in log and f"COMPLETED: {attention}" in log
+    assert "litlogger" not in out.stderr and "LeafSpec" not in out.stderr  # noise with nothing for the user
+
+
+def test_progress_counts_optimizer_steps(data_cache: Path, tmp_path: Path):
+    """2 micro-batches per step: Lightning's own bar would read 20/10."""
+    args = [a for a in FAST if a != "progress_bar=false"]
+    out = run_cli(["train", *args, "trainer.max_steps=10", "val_every_steps=10", f"hydra.run.dir={tmp_path / 'run'}"],
+                  data_cache, tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step 10/10" in out.stdout and "tokens/s" in out.stdout and "Epoch" not in out.stdout + out.stderr
 
 
 def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
@@ -81,6 +93,7 @@ def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
     module = subprocess.run([sys.executable, "-m", "xsa_lm.train", *args],
                             cwd=tmp_path, env=cli_env(data_cache), capture_output=True, text=True)  # fmt: skip
     assert module.returncode == 0 and module.stdout == run_cli(["train", *args], data_cache, tmp_path).stdout
+    assert not (tmp_path / "outputs").exists()  # printing the config or the help writes no run folder
 
 
 def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):

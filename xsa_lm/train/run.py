@@ -209,18 +209,21 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     check_memory(cfg, plan["devices"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
+    datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
+                                 cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
     if rank_zero_only.rank != 0:
-        return fit(cfg, run_dir, plan, data, mcfg, *find_resume_checkpoint(cfg.resume, run_dir, mcfg))
+        return fit(cfg, run_dir, plan, datamodule, mcfg, *find_resume_checkpoint(cfg.resume, run_dir, mcfg))
     with exclusive(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         ckpt_path, resume_step = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
         write_run_files(cfg, run_dir, data.dir, ckpt_path, resume_step, resume_notes or [])
-        return fit(cfg, run_dir, plan, data, mcfg, ckpt_path, resume_step)
+        return fit(cfg, run_dir, plan, datamodule, mcfg, ckpt_path, resume_step)
 
 
 def write_run_files(cfg: DictConfig, run_dir: Path, data_dir: Path, ckpt_path: str | None, resume_step: int | None,
                     resume_notes: list[str]) -> None:  # fmt: skip
     """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
     first start, resumes.jsonl each resume."""
+    continuing = (run_dir / "config.yaml").exists()
     tmp = run_dir / "config.yaml.tmp"
     OmegaConf.save(cfg, tmp, resolve=True)
     os.replace(tmp, run_dir / "config.yaml")
@@ -233,12 +236,16 @@ def write_run_files(cfg: DictConfig, run_dir: Path, data_dir: Path, ckpt_path: s
         with open(run_dir / "resumes.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         what = f"{cfg.attention.name}, {cfg.model.name}, lr {cfg.optim.lr:g}, seed {cfg.seed}"
-        log.info(f"resume: continuing the run in {run_dir} ({what}) from step {resume_step} ({ckpt_path}) with its "
-                 f"saved config.yaml" + "".join(f"; {note}" for note in resume_notes))  # fmt: skip
+        if continuing:
+            log.info(f"resume: continuing the run in {run_dir} ({what}) from step {resume_step} ({ckpt_path}) with "
+                     f"its saved config.yaml" + "".join(f"; {note}" for note in resume_notes))  # fmt: skip
+        else:
+            log.info(f"resume: a new run in {run_dir} ({what}) starts from {ckpt_path} (step {resume_step}): its "
+                     "weights, optimizer state, LR schedule position and data position")  # fmt: skip
 
 
-def fit(cfg: DictConfig, run_dir: Path, plan: dict, data, mcfg: GPTConfig, ckpt_path: str | None,
-        resume_step: int | None) -> dict:  # fmt: skip
+def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule, mcfg: GPTConfig,
+        ckpt_path: str | None, resume_step: int | None) -> dict:  # fmt: skip
     t_start = time.time()
     is_rank_zero = rank_zero_only.rank == 0
     if relaunch_argv:
@@ -263,14 +270,13 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, data, mcfg: GPTConfig, ckpt_
     )
     n_total = sum(p.numel() for p in module.parameters())
     n_params = n_total - mcfg.vocab_size * mcfg.d_model  # the tied token embedding
-    datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
-                                 cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
     rank_zero_only(log.info)(
         f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
         f"{n_params / 1e6:.2f}M non-embedding parameters ({n_total / 1e6:.2f}M total) | "
-        f"data {data.dir.name}: {data.meta['train_tokens']:,} train / "
-        f"{data.meta['val_tokens']:,} val tokens, vocab {data.meta['vocab_size']} (model {mcfg.vocab_size}) | "
+        f"data {datamodule.data.dir.name}: {datamodule.data.meta['train_tokens']:,} train / "
+        f"{datamodule.data.meta['val_tokens']:,} val tokens, vocab {datamodule.data.meta['vocab_size']} "
+        f"(model {mcfg.vocab_size}) | "
         f"{tokens_per_step:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
         f"{plan['accumulate']} accumulation x {plan['devices']} device(s) | run dir {run_dir}"
     )
