@@ -55,6 +55,15 @@ def check_overrides(config_name: str, args: list[str]) -> None:
         sys.exit(2)
     if any(a in ("--cfg", "-c") for a in args):  # prints the config: no run, no run directory
         return
+    if config_name in ("train", "sweep"):  # values of the wrong type or range: before torch and Lightning load (5 s)
+        from xsa_lm.errors import UserError
+        from xsa_lm.train.checks import check_values
+
+        try:
+            check_values(cfg)
+        except UserError as e:
+            print(f"xsa-lm: error: {e}", file=sys.stderr)
+            sys.exit(2)
     try:  # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
