@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import FAST, cli_env, run_cli
@@ -188,3 +189,32 @@ def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Pat
         continuation_config(defaults, defaults, ["attention=sa"], tmp_path)
     # no saved config (resume=PATH into a new directory): the given config as it is
     assert continuation_config(given, defaults, [], tmp_path / "new") == (given, [])
+
+
+@pytest.mark.slow
+def test_a_last_step_off_the_validation_grid_still_reaches_best_ckpt(data_cache: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    out = run_cli([*XSA, "trainer.max_steps=25", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [h["step"] for h in summary["val_history"]] == [10, 20, 25]
+    best_step = min(summary["val_history"], key=lambda h: h["val_loss"])["step"]
+    assert torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=False)["global_step"] == best_step
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 25
+    command = json.loads((run_dir / "run_info.json").read_text())["command"]
+    assert command[1] == "train"  # the whole command line, runnable as it is
+    assert "GPU available" not in out.stderr and "Trainer.fit` stopped" not in out.stderr
+    # A resume with nothing left to train leaves the finished run as it is.
+    before = snapshot(run_dir)
+    again = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto"], data_cache, tmp_path)
+    assert again.returncode == 0 and "nothing to train" in again.stdout
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
+def test_the_default_run_directory_is_made_once(data_cache: Path, tmp_path: Path):
+    """The default hydra.run.dir holds the time: the CLI's check must not leave a folder of its own time behind."""
+    out = run_cli(["train", *FAST, "trainer.max_steps=2", "val_every_steps=2"], data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    folders = list((tmp_path / "outputs" / "train").iterdir())
+    assert len(folders) == 1 and (folders[0] / "summary.json").exists()

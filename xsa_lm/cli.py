@@ -64,12 +64,17 @@ def check_overrides(config_name: str, args: list[str]) -> None:
         except UserError as e:
             print(f"xsa-lm: error: {e}", file=sys.stderr)
             sys.exit(2)
-    try:  # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line
+    # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line. The
+    # folders made for the test are removed again: a default run dir holds the time, which Hydra reads anew.
+    missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         print(f"xsa-lm: error: hydra.run.dir={run_dir} cannot be created ({e.strerror or e}): choose another",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
+    for folder in missing:  # deepest first
+        folder.rmdir()
 
 
 def missing_values(node: object, prefix: str = "") -> list[str]:

@@ -3,6 +3,7 @@
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -35,7 +36,19 @@ def exit_on_user_error() -> Iterator[None]:
         yield
     except UserError as e:
         print(f"xsa-lm: error: {e}", file=sys.stderr)
+        remove_empty_run_dir()
         sys.exit(2)
     except OmegaConfBaseException as e:
         print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
+        remove_empty_run_dir()
         sys.exit(2)
+
+
+def remove_empty_run_dir() -> None:
+    """A refused command leaves no folder behind: Hydra made the run directory before the job started."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()

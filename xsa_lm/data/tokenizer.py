@@ -25,6 +25,9 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(train_texts, trainer=trainer)
+    if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
+        print(f"tokenizer: the corpus supports {tokenizer.get_vocab_size()} BPE tokens, fewer than "
+              f"tokenizer.vocab_size={vocab_size}; the model uses {tokenizer.get_vocab_size()}")  # fmt: skip
     return tokenizer
 
 

@@ -28,13 +28,24 @@ class CheckpointWriteError(UserError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save straight into <path>.tmp beside the target, fsync, rename. Lightning's own save first serialises
+    the whole checkpoint into memory and then goes through a temporary file elsewhere: for a large model that is a
+    second copy in RAM and, across filesystems, a second copy on disk."""
+
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        tmp = f"{path}.tmp"
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
+        path = Path(path)
+        tmp = path.with_name(f"{path.name}.tmp")
         try:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
             os.replace(tmp, path)
         except OSError as e:  # disk full, quota, permissions: the previous checkpoint is still whole
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise CheckpointWriteError(
                 f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoints are intact: "
                 "free space (or fix permissions) and continue with resume=auto"

@@ -136,6 +136,12 @@ def gate_enabled(gate: str) -> bool:
     return gate == "tanh"
 
 
+def device_name(accelerator: str) -> str:
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
 def resolve_precision(precision: str) -> str:
     if precision != "auto":
         return precision
@@ -203,6 +209,8 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
 
 def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> dict:
     """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing)."""
+    if relaunch_argv:  # the whole command line (`xsa-lm train ...`): recorded in run_info.json, re-run by DDP ranks
+        sys.argv = relaunch_argv
     plan = check_config(cfg)
     if cfg.scheduler.get("total_steps") is None:  # saved resolved: a resume that extends max_steps keeps the schedule
         cfg.scheduler.total_steps = cfg.trainer.max_steps
@@ -215,8 +223,18 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         return fit(cfg, run_dir, plan, datamodule, mcfg, *find_resume_checkpoint(cfg.resume, run_dir, mcfg))
     with exclusive(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         ckpt_path, resume_step = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
+        if resume_step is not None and resume_step >= cfg.trainer.max_steps and completed(run_dir):
+            print(f"resume: the run in {run_dir} completed step {resume_step} of trainer.max_steps="
+                  f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
+                  "are left as they are")  # fmt: skip
+            return {}
         write_run_files(cfg, run_dir, data.dir, ckpt_path, resume_step, resume_notes or [])
         return fit(cfg, run_dir, plan, datamodule, mcfg, ckpt_path, resume_step)
+
+
+def completed(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
 
 
 def write_run_files(cfg: DictConfig, run_dir: Path, data_dir: Path, ckpt_path: str | None, resume_step: int | None,
@@ -248,8 +266,6 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         ckpt_path: str | None, resume_step: int | None) -> dict:  # fmt: skip
     t_start = time.time()
     is_rank_zero = rank_zero_only.rank == 0
-    if relaunch_argv:
-        sys.argv = relaunch_argv
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("reuse_host_memory", True):
@@ -278,7 +294,8 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         f"{datamodule.data.meta['val_tokens']:,} val tokens, vocab {datamodule.data.meta['vocab_size']} "
         f"(model {mcfg.vocab_size}) | "
         f"{tokens_per_step:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
-        f"{plan['accumulate']} accumulation x {plan['devices']} device(s) | run dir {run_dir}"
+        f"{plan['accumulate']} accumulation x {plan['devices']} device(s) ({device_name(cfg.trainer.accelerator)}), "
+        f"{cfg.trainer.max_steps} steps | run dir {run_dir}"
     )
 
     history = ValHistory(tokens_per_step)
@@ -325,7 +342,7 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         elif preemption.preempted_at is not None:
             status = "interrupted" if preemption.received == "SIGINT" else "preempted"
         elif not history.history or history.history[-1]["step"] != trainer.global_step:
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+            validate_last_step(trainer, module, datamodule, checkpoint)
     except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
         if is_rank_zero:
             first_line = (str(e).strip().splitlines() or [""])[0][:500]
@@ -334,6 +351,20 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
     summary = summarize(status) if is_rank_zero else {}
     finish_wandb(trainer, summary)
     return summary
+
+
+def validate_last_step(trainer: L.Trainer, module: LMModule, datamodule, checkpoint: ModelCheckpoint) -> None:
+    """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
+    callbacks: when its loss is the best, best.ckpt must still hold it (and last.ckpt its validation history)."""
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    if not trainer.is_global_zero:
+        return
+    loss = trainer.callback_metrics["val/loss"]
+    trainer.save_checkpoint(checkpoint.last_model_path or Path(checkpoint.dirpath) / "last.ckpt")
+    if checkpoint.best_model_score is None or loss < checkpoint.best_model_score:
+        best = Path(checkpoint.dirpath) / "best.ckpt"
+        trainer.save_checkpoint(best)
+        checkpoint.best_model_path, checkpoint.best_model_score = str(best), loss
 
 
 def finish_wandb(trainer: L.Trainer, summary: dict) -> None:
@@ -388,21 +419,32 @@ def print_summary(s: dict) -> None:
     log.info("\n".join(lines))
 
 
+LIGHTNING_NOISE = (
+    "litlogger",  # an advertisement
+    "GPU available:",  # the header line says where the run trains
+    "TPU available:",
+    "HPU available:",
+    "`Trainer.fit` stopped",  # the result line follows
+    "`weights_only` was not set",  # said at every checkpoint
+    "Restoring states from the checkpoint",  # the resume line says it
+    "Restored all states from the checkpoint",
+)
+
+
 def quiet_third_party() -> None:
-    """Messages that tell a user of this command nothing: an advertisement, a deprecation inside Lightning, and a
-    warning about the checkpoint folder that every resume would print."""
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
-    advert = logging.Filter()
-    advert.filter = lambda record: "litlogger" not in str(record.msg)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(advert)
+    noise = logging.Filter()
+    noise.filter = lambda record: not any(text in str(record.msg) for text in LIGHTNING_NOISE)
+    for logger in (logging.getLogger("lightning.pytorch"), logging.getLogger()):
+        for handler in logger.handlers:
+            handler.addFilter(noise)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    was_empty = not any(run_dir.iterdir())
     quiet_third_party()
     try:
         with exit_on_user_error():
@@ -415,10 +457,6 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
         print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
         sys.exit(130)
-    except SystemExit as e:  # a refused run leaves no folder behind that it created
-        if e.code and was_empty and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-        raise
     if summary:
         print_summary(summary)
         if summary["status"] == "interrupted":

@@ -47,21 +47,24 @@ def wandb_init(
     init_timeout_s: float = 30.0,
     run_id: str | None = None,
 ):
-    """wandb.init that never blocks or kills the caller: online init failures fall back to offline."""
+    """wandb.init that never blocks or kills the caller: online init failures fall back to offline. W&B's own info
+    lines are off (the one line below says where the run is); its warnings stay."""
     import wandb
 
     mode = resolve_mode(mode)
     init = dict(project=project, entity=entity, group=group, job_type=job_type, tags=list(tags or []), name=name,
                 config=run_config, dir=save_dir, id=run_id, resume="allow" if run_id else None)  # fmt: skip
     try:
-        run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True), **init)
+        run = wandb.init(
+            mode=mode, settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True, show_info=False), **init
+        )
     except wandb.errors.Error as e:
         if mode != "online":
             raise
         # A key but no network (or a bad key): keep training and keep the data; upload it later.
         print(f"W&B: online init failed ({type(e).__name__}: {e}); logging offline instead")
         mode = "offline"
-        run = wandb.init(mode=mode, settings=wandb.Settings(quiet=True), **init)
+        run = wandb.init(mode=mode, settings=wandb.Settings(quiet=True, show_info=False), **init)
     if mode == "offline":
         print(f"W&B: offline run in {Path(run.dir).parent}; upload it later with `wandb sync {Path(run.dir).parent}`")
     return run
