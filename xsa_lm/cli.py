@@ -12,6 +12,11 @@ COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "eval": ("xsa_lm.eval.run", "eval", "zero-shot tasks through lm-evaluation-harness (configs/eval.yaml)"),
     "generate": ("xsa_lm.eval.sample", "generate", "text from a checkpoint, with a KV cache (configs/generate.yaml)"),
     "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
+    "plan": (
+        "xsa_lm.train.plan",
+        "plan",
+        "memory per device for DDP and FSDP, largest micro-batch (configs/plan.yaml)",
+    ),
     "bench": ("xsa_lm.bench.run", "bench", "SA vs XSA time and memory, Lightning vs plain, MFU (configs/bench.yaml)"),
 }
 HYDRA_FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",

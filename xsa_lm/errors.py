@@ -50,5 +50,5 @@ def remove_empty_run_dir() -> None:
 
     if HydraConfig.initialized():
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        if run_dir.is_dir() and not any(run_dir.iterdir()):
+        if run_dir.is_dir() and run_dir.resolve() != Path.cwd().resolve() and not any(run_dir.iterdir()):
             run_dir.rmdir()

@@ -84,7 +84,8 @@ def check_memory(cfg: DictConfig, devices: int) -> None:
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     vocab = fields.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
     need = memory.estimate(fields, math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE, cfg.micro_batch_size,
-                           cfg.data.block_size, resolve_precision(cfg.trainer.precision))  # fmt: skip
+                           cfg.data.block_size, resolve_precision(cfg.trainer.precision),
+                           strategy=memory.strategy_kind(cfg.trainer.strategy), world_size=devices)  # fmt: skip
     have, where = memory.available_bytes(cfg.trainer.accelerator)
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:

@@ -1,0 +1,103 @@
+"""`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, and the largest micro-batch that fits.
+
+The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.train import memory
+from xsa_lm.train.checks import check_values
+from xsa_lm.train.run import VOCAB_MULTIPLE, resolve_precision, world_size
+
+
+def make_plan(cfg: DictConfig) -> dict:
+    check_values(cfg)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    vocab = model.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257
+    vocab = math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    devices = world_size(cfg.trainer)
+    if cfg.device_memory_gb is not None:
+        if not isinstance(cfg.device_memory_gb, int | float) or cfg.device_memory_gb <= 0:
+            raise UserError(f"device_memory_gb must be a positive number of GiB, got {cfg.device_memory_gb}")
+        available, where = int(cfg.device_memory_gb * memory.GIB), f"device_memory_gb={cfg.device_memory_gb:g}"
+    else:
+        available, where = memory.available_bytes(cfg.trainer.accelerator)
+    shape = dict(model=model, vocab_size=vocab, block_size=cfg.data.block_size,
+                 precision=resolve_precision(cfg.trainer.precision), world_size=devices,
+                 activation_checkpointing=bool(cfg.activation_checkpointing))  # fmt: skip
+    strategies = {}
+    for strategy in ("ddp", "fsdp"):
+        need = memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, **shape)
+        largest = memory.largest_micro_batch(available, strategy=strategy, **shape)
+        dividing = next((m for m in range(largest, 0, -1)
+                         if accumulation(cfg.global_batch_tokens, m, devices, cfg.data.block_size)), 0)  # fmt: skip
+        strategies[strategy] = {"per_device_bytes": need.as_dict(), "fits": need.total <= available,
+                                "max_micro_batch_size": largest, "max_dividing_micro_batch_size": dividing,
+                                "accumulation_at_max_dividing": accumulation(cfg.global_batch_tokens, dividing,
+                                                                             devices, cfg.data.block_size)}  # fmt: skip
+    chosen = memory.strategy_kind(cfg.trainer.strategy)
+    return {
+        "model": cfg.model.name,
+        "strategy": chosen,
+        "devices": devices,
+        "precision": shape["precision"],
+        "activation_checkpointing": shape["activation_checkpointing"],
+        "micro_batch_size": cfg.micro_batch_size,
+        "block_size": cfg.data.block_size,
+        "parameters": memory.parameter_count(model, vocab),
+        "available_bytes": available,
+        "available_from": where,
+        "global_batch_tokens": cfg.global_batch_tokens,
+        "accumulation": accumulation(cfg.global_batch_tokens, cfg.micro_batch_size, devices, cfg.data.block_size),
+        "per_device_bytes": strategies[chosen]["per_device_bytes"],
+        "max_micro_batch_size": strategies[chosen]["max_micro_batch_size"],
+        "strategies": strategies,
+    }
+
+
+def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> float | None:
+    """Micro-batches per optimizer step on each device (None when not a whole number)."""
+    per_micro_step = micro_batch_size * devices * block_size
+    if per_micro_step == 0 or global_batch_tokens % per_micro_step:
+        return None
+    return global_batch_tokens // per_micro_step
+
+
+def table(plan: dict) -> str:
+    gib = lambda b: f"{b / memory.GIB:.2f}"  # noqa: E731
+    lines = [
+        f"xsa-lm plan | {plan['model']}: {plan['parameters'] / 1e9:.3f}B parameters | {plan['devices']} device(s), "
+        f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens, activation "
+        f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'} | memory per device "
+        f"{gib(plan['available_bytes'])} GiB ({plan['available_from']})",
+        "",
+        "| strategy | weights | gradients | AdamW state | activations | backward peak | total (GiB) | fits | "
+        "largest micro-batch | largest dividing the global batch (accumulation) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, s in plan["strategies"].items():
+        b = s["per_device_bytes"]
+        mark = " (trainer)" if name == plan["strategy"] else ""
+        fits = "yes" if s["fits"] else "no"
+        lines.append(f"| {name}{mark} | {gib(b['params'])} | {gib(b['grads'])} | {gib(b['optimizer'])} | "
+                     f"{gib(b['activations'])} | {gib(b['transient'])} | {gib(b['total'])} | {fits} | "
+                     f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} "
+                     f"({s['accumulation_at_max_dividing']}) |")  # fmt: skip
+    lines.append(f"\nglobal_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) "
+                 "per step per device at this micro-batch (None: not a whole number)")  # fmt: skip
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        plan = make_plan(cfg)
+        if cfg.out:
+            Path(cfg.out).write_text(json.dumps(plan, indent=2))
+    print(table(plan))
