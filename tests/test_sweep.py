@@ -15,7 +15,19 @@ from tests.conftest import FAST, cli_env, run_cli
 from tests.test_eval import write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
-from xsa_lm.sweep.protocol import Trial, compare_trials, lr_grid, paired_ci, select_lr, t_quantile_975
+from xsa_lm.sweep.protocol import (
+    Trial,
+    check_seeds,
+    compare_trials,
+    lr_grid,
+    min_detectable_difference,
+    paired_ci,
+    paired_test,
+    search_trials,
+    select_lr,
+    t_quantile,
+    t_quantile_975,
+)
 from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.run import train_overrides
 from xsa_lm.sweep.trials import device_slots, outcome
@@ -87,25 +99,166 @@ def test_failed_search_runs_are_named_for_a_retry() -> None:
     assert "0.0003" in selection.warnings[0] and "retry" in selection.warnings[0]
 
 
-def test_compare_trials_reuse_the_search_run_at_the_selected_lr() -> None:
-    trials = compare_trials(3e-4, [0, 1])
-    assert Trial("sa", 3e-4, 0) in trials  # the same trial (same id) as the search's run at that LR and seed
-    assert Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
-    assert sorted((t.attention, t.seed) for t in trials) == [("sa", 0), ("sa", 1), ("xsa", 0), ("xsa", 1)]
+def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
+    # The search's SA run at the selected LR won partly on its noise (the winner's curse): by default the compare
+    # seeds must not contain the search seed, so no compare trial is a search trial.
+    grid = [1e-4, 3e-4, 1e-3]
+    search = search_trials(grid, 0, ["sa", "xsa"])
+    for lr in grid:
+        assert not set(compare_trials(lr, check_seeds([1, 2], search_seed=0))) & set(search)
+    with pytest.raises(UserError, match=r"search seed .* \(e\.g\. sweep\.seeds=\[1,2\]\) .*reuse_search_run=true"):
+        check_seeds([0, 1], search_seed=0)
+    assert check_seeds([3], search_seed=7) == [3]
+    # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
+    trials = compare_trials(3e-4, check_seeds([0, 1], search_seed=0, reuse_search_run=True))
+    assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
+    for bad in ([], [1, 1]):
+        with pytest.raises(UserError, match="distinct integers"):
+            check_seeds(bad, search_seed=0)
+    with pytest.raises(UserError, match="sweep.search_seed must be an integer"):
+        check_seeds([1], search_seed=None)
+
+
+def _compare(seed: int, sa: float | str, xsa: float | str, lr: float = 3e-4) -> list[dict]:
+    """Compare-phase records of one seed: a float is a completed run's final val loss, a str its status."""
+    return [{"phase": "compare", "attention": attention, "lr": lr, "seed": seed, "reused": False,
+             "status": "completed" if isinstance(value, float) else value,
+             "final_val_loss": value if isinstance(value, float) else None}
+            for attention, value in (("sa", sa), ("xsa", xsa))]  # fmt: skip
+
+
+def _search(lrs_losses: dict[float, float], seed: int = 0) -> list[dict]:
+    return [{"phase": "search", "attention": "sa", "lr": lr, "seed": seed, "status": "completed",
+             "final_val_loss": loss} for lr, loss in lrs_losses.items()]  # fmt: skip
+
+
+def test_report_says_the_compare_seeds_are_disjoint_from_the_search(tmp_path: Path) -> None:
+    search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
+    trials = _search(search) + _compare(1, 3.01, 2.98) + _compare(2, 3.05, 3.00)
+    selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
+    results = build_results(tmp_path, "s", sorted(search), [1, 2], [], trials, selection, None, search_seed=0)
+    assert results["search_seed"] == 0 and results["reuse_search_run"] is False and results["warnings"] == []
+    markdown = render_markdown(results)
+    assert "search seed 0, compare seeds [1, 2]" in markdown and "## 1. LR search (seed 0" in markdown
+    assert "The compare runs use seeds disjoint from the search's (seed 0), so no compare run was selected for its " \
+           "luck." in markdown  # fmt: skip
+    assert "biased" not in markdown
+
+
+def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path: Path) -> None:
+    search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
+    trials = _search(search) + _compare(0, 3.0, 3.02) + _compare(1, 3.05, 3.00)
+    trials[-4]["reused"] = True  # the SA run at seed 0 is the search's winner
+    selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
+    results = build_results(tmp_path, "s", sorted(search), [0, 1], [], trials, selection, None, search_seed=0)
+    assert results["reuse_search_run"] is True
+    assert len(results["warnings"]) == 1 and "biased against XSA" in results["warnings"][0]
+    markdown = render_markdown(results)
+    assert markdown.index("## Warnings") < markdown.index("biased against XSA") < markdown.index("XSA - SA =")
+    assert "is the search's winning run (sweep.reuse_search_run=true)" in markdown
+
+
+def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Path) -> None:
+    trials = _search({3e-4: 3.0}) + _compare(1, 3.0, 2.9) + _compare(2, 3.1, 3.05)
+    trials += _compare(3, 3.2, "diverged") + _compare(4, "failed", 3.0) + _compare(5, "missing", "missing")
+    selection = select_lr({3e-4: ("completed", 3.0)}, diverge_above=10.0)
+    results = build_results(tmp_path, "s", [3e-4], [1, 2, 3, 4, 5], [], trials, selection, None, search_seed=0)
+    compare = results["comparison"]
+    assert compare["seeds"] == [1, 2] and compare["xsa_better_in"] == 2  # the dropped seeds count nowhere
+    assert [d["seed"] for d in compare["dropped_seeds"]] == [3, 4, 5]
+    warnings = results["warnings"]
+    assert "holds one LR (0.0003)" in warnings[0]  # the one-point grid (select_lr)
+    dropped = warnings[1:]
+    assert len(dropped) == 3 and all("is left out of the mean, the confidence interval" in w for w in dropped)
+    assert "seed 3" in dropped[0] and "XSA diverged" in dropped[0] and "a result in itself" in dropped[0]
+    assert "seed 4" in dropped[1] and "SA failed" in dropped[1] and "retry" in dropped[1]
+    assert "seed 5" in dropped[2] and "SA did not run and XSA did not run" in dropped[2]
+    markdown = render_markdown(results)
+    verdict = markdown.index("XSA - SA = ")
+    assert markdown.index("## Warnings") < markdown.index("holds one LR") < markdown.index("seed 3 is left out")
+    assert markdown.index("seed 5 is left out") < verdict
+    assert "over 2 seed(s) (3 seed(s) left out: see the warnings); XSA is lower in 2." in markdown
+
+
+def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
+    from tests.test_configs import compose_train
+
+    def grid(*overrides: str) -> list[float]:
+        cfg = compose_train(list(overrides), config_name="sweep")
+        grids = cfg.sweep.lr_grids
+        return lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
+
+    for preset, table_1_lr in (("paper_0.7b", 5e-4), ("paper_1.4b", 4e-4), ("paper_2.7b", 3e-4)):
+        for chosen in (grid(f"experiment={preset}"), grid(f"model={preset}")):
+            assert len(chosen) == 5 and chosen[2] == table_1_lr  # the paper's LR in the middle of the grid
+            assert chosen[0] == pytest.approx(table_1_lr / 2, rel=0.01) and chosen[-1] == table_1_lr * 2
+    assert grid("model=gpt2_124m") == [1e-4, 2e-4, 4e-4, 6e-4]  # any other model: the LR-robustness grid
+    assert grid("experiment=paper_0.7b", "sweep.lrs=[1e-4,2e-4]") == [1e-4, 2e-4]  # an explicit grid wins
+    assert grid("experiment=demo", "sweep=demo") == [3e-3, 1e-2, 3e-2]
+    for overrides in (["sweep=demo"], [], ["experiment=paper_lr_robustness_toy"]):  # the shipped seeds are valid
+        sweep = compose_train(overrides, config_name="sweep").sweep
+        assert sweep.search_seed not in check_seeds(sweep.seeds, sweep.search_seed, sweep.reuse_search_run)
 
 
 # --- statistics ----------------------------------------------------------------------------------------------
 
 
-def test_paired_confidence_interval_uses_student_t() -> None:
-    lo, hi = paired_ci([1.0, 2.0, 3.0])  # mean 2, std 1, t(0.975, 2 dof) = 4.303
-    half = 4.303 / math.sqrt(3)
-    assert (lo, hi) == pytest.approx((2 - half, 2 + half))
-    assert paired_ci([0.5]) is None
-    assert t_quantile_975(1) == 12.706
+# The t-table the sweep used before scipy: two-sided 95% quantiles for 1..30 dof (3 decimals), then a Cornish-Fisher
+# expansion around the normal quantile.
+OLD_T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+             2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+             2.042]  # fmt: skip
+
+
+def _old_t_975(dof: int) -> float:
+    if dof <= len(OLD_T_975):
+        return OLD_T_975[dof - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+
+
+def test_scipy_t_quantiles_equal_the_previous_t_table() -> None:
+    for dof in range(1, 31):  # the table has 3 decimals: scipy's value rounds to each entry (|diff| < 5e-4)
+        assert round(t_quantile_975(dof), 3) == OLD_T_975[dof - 1], dof
+    for dof in range(31, 301):  # the expansion beyond 30 dof: within 1e-4
+        assert t_quantile_975(dof) == pytest.approx(_old_t_975(dof), abs=1e-4), dof
     assert t_quantile_975(31) == pytest.approx(2.03951, abs=1e-4)  # exact values from tables of Student's t
     assert t_quantile_975(40) == pytest.approx(2.02108, abs=1e-4)
     assert t_quantile_975(120) == pytest.approx(1.97993, abs=1e-4)
+
+
+def test_paired_t_test_by_hand() -> None:
+    diffs = [1.0, 2.0, 3.0]  # mean 2, sd 1, t = 2 / (1 / sqrt 3) = 3.4641 on 2 dof
+    lo, hi = paired_ci(diffs)
+    half = _old_t_975(2) / math.sqrt(3)  # the previous table's computation
+    assert (lo, hi) == pytest.approx((2 - half, 2 + half), abs=1e-3)
+    test = paired_test(diffs)
+    assert test.ci95 == (lo, hi) and test.t == pytest.approx(2 * math.sqrt(3)) and test.sd == pytest.approx(1.0)
+    # Student's t with 2 dof has the CDF 1/2 + t / (2 sqrt(2 + t^2)): two-sided p = 1 - t / sqrt(2 + t^2).
+    assert test.p_value == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(2 + 12), abs=1e-9)  # 0.07418
+    assert paired_ci([0.5]) is None and paired_test([0.5]).p_value is None and paired_test([0.5]).mde is None
+    flat = paired_test([0.1, 0.1])  # no spread: no p-value from a zero standard error
+    assert flat.ci95 == (0.1, 0.1) and flat.p_value is None
+
+
+def test_minimum_detectable_difference_by_hand() -> None:
+    # (t_{0.975, n-1} + t_{0.80, n-1}) * sd / sqrt(n), with the quantiles from printed tables of Student's t.
+    assert min_detectable_difference(0.04, 6) == pytest.approx((2.5706 + 0.9195) * 0.04 / math.sqrt(6), abs=1e-5)
+    assert min_detectable_difference(0.04, 6) == pytest.approx(0.0570, abs=1e-4)  # issue 14: "6 seeds, ~0.06"
+    assert min_detectable_difference(0.04, 2) == pytest.approx((12.7062 + 1.3764) * 0.04 / math.sqrt(2), abs=1e-5)
+    assert min_detectable_difference(0.04, 2) == pytest.approx(0.3983, abs=1e-4)  # "2 seeds, ~0.4"
+    assert min_detectable_difference(0.04, 1) is None and min_detectable_difference(None, 5) is None
+    assert paired_test([0.0, 0.1, -0.05, 0.02]).mde == pytest.approx(
+        min_detectable_difference(paired_test([0.0, 0.1, -0.05, 0.02]).sd, 4)
+    )
+    # The closed form against the exact power of the two-sided test (noncentral t): about 80% from 6 pairs on.
+    import scipy.stats
+
+    for n in (6, 10, 30):
+        mde, dof = min_detectable_difference(1.0, n), n - 1
+        crit, shift = t_quantile(0.975, dof), mde * math.sqrt(n)
+        power = scipy.stats.nct.sf(crit, dof, shift) + scipy.stats.nct.cdf(-crit, dof, shift)
+        assert power == pytest.approx(0.8, abs=0.006), (n, power)
 
 
 # --- trial outcomes ------------------------------------------------------------------------------------------
@@ -171,7 +324,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]",
-            "sweep.seeds=[0,1]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']",
+            "sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']",
             "sweep.max_parallel=2",
             f"hydra.run.dir={sweep_dir}"]  # fmt: skip
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
@@ -183,35 +336,38 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert by_key[("search", "sa", 1e3, 0)]["status"] == "diverged"  # lr 1000: NaN or a loss above ln(V)
     assert by_key[("search", "xsa", 1e3, 0)]["status"] == "diverged"
     for attention in ("sa", "xsa"):
-        for seed in (0, 1):
+        for seed in (1, 2):
             trial = by_key[("compare", attention, 3e-3, seed)]
             assert trial["status"] == "completed" and trial["final_val_loss"] < math.log(512)
-            assert {"phase", "attention", "lr", "seed", "status", "final_val_loss"} <= set(trial)
-    # The compare phase reuses the search's runs at seed 0 (SA, and XSA because tune_xsa searched it too).
-    assert by_key[("compare", "sa", 3e-3, 0)]["reused"] and by_key[("compare", "xsa", 3e-3, 0)]["reused"]
-    assert not by_key[("compare", "sa", 3e-3, 1)]["reused"]
-    assert len(list((sweep_dir / "runs").iterdir())) == 6  # 4 search + 2 new compare runs, none twice
+            assert {"phase", "attention", "lr", "seed", "status", "final_val_loss", "run_dir"} <= set(trial)
+            assert not trial["reused"]  # seeds disjoint from the search's: no compare run is a search run
+    assert results["search_seed"] == 0 and results["seeds"] == [1, 2] and not results["reuse_search_run"]
+    assert len(list((sweep_dir / "runs").iterdir())) == 8  # 4 search + 4 compare runs, none twice
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
     assert record["command"][:2] == ["env", "XSA_LM_VIA_PREFIX=1"]  # sweep.launch_prefix wraps every trial
     spans = sorted((t["started"], t["finished"]) for t in results["trials"] if t["phase"] == "search")
     overlaps = [b_start < a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False)]
     assert any(overlaps), "sweep.max_parallel=2 ran the search trials one after another"
     compare = results["comparison"]
-    assert compare["seeds"] == [0, 1] and compare["diff_ci95"] is not None
+    assert compare["seeds"] == [1, 2] and compare["diff_ci95"] is not None and compare["diff_p_value"] is not None
+    assert compare["min_detectable_diff"] == pytest.approx(
+        (t_quantile(0.975, 1) + t_quantile(0.8, 1)) * compare["diff_std"] / math.sqrt(2)
+    )
     assert compare["diff_mean"] == pytest.approx(sum(compare["xsa"]) / 2 - sum(compare["sa"]) / 2)
     assert any("lowest LR of the grid" in w for w in results["warnings"])
     assert results["xsa_tuning"]["selected_lr"] == 3e-3
 
     report = (sweep_dir / "report.md").read_text()
-    for text in ("## 1. LR search", "| 1000 |", "diverged", "## 2. SA vs XSA", "mean ± std", "95% CI",
-                 "## 3. XSA at its own best LR", "extend the grid"):  # fmt: skip
+    for text in ("## 1. LR search", "| 1000 |", "diverged", "## 2. SA vs XSA", "mean ± std", "95% CI", ", p = ",
+                 "## 3. XSA at its own best LR", "extend the grid", "seeds disjoint from the search's (seed 0)",
+                 "this study could detect differences larger than"):  # fmt: skip
         assert text in report, text
     assert "## 2. SA vs XSA" in proc.stdout  # the report is printed at the end
     for plot in ("lr_sweep.png", "curves.png"):
         assert (sweep_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # W&B: every trial in the sweep's group with its phase as job_type, final metrics in the run summary.
-    record = run_record(_trial_wandb_file(sweep_dir / "runs" / "sa_lr0.003_s1"))
+    record = run_record(_trial_wandb_file(sweep_dir / "runs" / "sa_lr0.003_s2"))
     assert (record.run_group, record.job_type) == ("sweep", "compare")
     search_run = _trial_wandb_file(sweep_dir / "runs" / "sa_lr0.003_s0")
     assert run_record(search_run).job_type == "lr-search"
@@ -221,6 +377,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     report_run = next(sweep_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert (run_record(report_run).run_group, run_record(report_run).job_type) == ("sweep", "report")
     assert summary(report_run)["selected_lr"] == 3e-3
+    assert summary(report_run)["min_detectable_diff"] == pytest.approx(compare["min_detectable_diff"])
     logged = {key for row in history(report_run) for key in row}
     for name in ("report/trials", "report/lr_sweep", "report/curves"):  # media rows: report/lr_sweep/height, ...
         assert any(key.startswith(name) for key in logged), (name, sorted(logged))
@@ -242,7 +399,7 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     sweep_dir = tmp_path / "sweep"
     task = write_local_task(tmp_path / "tasks")  # the compare runs are also evaluated on a local harness task
     args = ["sweep", *SWEEP_FAST, "trainer.max_steps=60", "val_every_steps=10", "sweep.lrs=[1e-3,3e-3]",
-            "sweep.seeds=[0]", f"sweep.eval_tasks=[{task}]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+            "sweep.seeds=[1]", f"sweep.eval_tasks=[{task}]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
     cmd = [sys.executable, "-m", "xsa_lm.cli", *args]
     out = open(tmp_path / "sweep.out", "w")  # closed after the kill
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=out, stderr=subprocess.STDOUT)
@@ -282,7 +439,7 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
 def test_sigterm_stops_the_trial_in_flight_and_records_it(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *SWEEP_FAST, "trainer.max_steps=200", "sweep.lrs=[1e-3]",
-           "sweep.seeds=[0]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+           "sweep.seeds=[1]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     record_file = sweep_dir / "trials" / "sa_lr0.001_s0.json"
@@ -319,6 +476,7 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
         ("optim.lr=1e-3", "optim.lr is set by the sweep"),
         ("sweep.lrs=[]", "needs an LR grid"),
         ("sweep.seeds=[0,0]", "distinct integers"),
+        ("sweep.seeds=[0,1]", "contains the search seed (sweep.search_seed=0)"),
         ("sweep.max_parallel=0", "max_parallel must be at least 1"),
     ],
 )

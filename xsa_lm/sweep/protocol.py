@@ -6,18 +6,18 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import scipy.stats
+
 from xsa_lm.errors import UserError
 
-# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal limit, corrected).
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
-         2.042]  # fmt: skip
+ALPHA, POWER = 0.05, 0.8  # the comparison's significance level (two-sided) and the power of its detectable difference
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One training run of the sweep. A trial is identified by (attention, lr, seed) alone, so the SA run of the
-    search at the selected LR is the same trial as the SA run of the comparison for that seed."""
+    """One training run of the sweep, identified by (attention, lr, seed) alone: a rerun of the sweep, or another
+    phase asking for the same run, reuses it. The search runs with sweep.search_seed and the comparison with
+    sweep.seeds, which exclude it by default (check_seeds), so no compare run is a search run chosen for its luck."""
 
     attention: str
     lr: float
@@ -35,8 +35,14 @@ class Selection:
     warnings: list[str] = field(default_factory=list)
 
 
-def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None) -> list[float]:
-    """The sorted, de-duplicated LR grid: an explicit list, or {min, max, num} log-spaced."""
+def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence[float] | None = None) -> list[float]:
+    """The sorted, de-duplicated LR grid: an explicit list, {min, max, num} log-spaced, or else the grid of the
+    model preset (sweep.lr_grids)."""
+    if lrs is not None and len(lrs) == 0:
+        raise UserError(
+            "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
+            "model preset (sweep.lr_grids)"
+        )
     if lrs:
         grid = [float(lr) for lr in lrs]
     elif lr_range:
@@ -45,11 +51,35 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None) -> list[float]:
             raise UserError(f"sweep.lr_range needs 0 < min < max and num >= 2, got {dict(lr_range)}")
         grid = [lo * (hi / lo) ** (i / (num - 1)) for i in range(num)]
         grid = [float(f"{lr:.4g}") for lr in grid]  # readable trial names: 1e-4, 3.162e-4, ...
+    elif preset:
+        grid = [float(lr) for lr in preset]
     else:
         raise UserError("the sweep needs an LR grid: set sweep.lrs=[...] or sweep.lr_range={min:..,max:..,num:..}")
     if any(not math.isfinite(lr) or lr <= 0 for lr in grid):
         raise UserError(f"every LR of the grid must be a positive number, got {grid}")
     return sorted(set(grid))
+
+
+def check_seeds(seeds: Sequence[int] | None, search_seed: object, reuse_search_run: bool = False) -> list[int]:
+    """The compare seeds. They must not contain the search seed: the search's SA run at the selected LR won the
+    search partly on its noise (the winner's curse), while XSA's run at that seed was not selected, so reusing it
+    biases the paired difference against XSA. sweep.reuse_search_run=true allows it (the report then warns)."""
+    if not isinstance(search_seed, int) or isinstance(search_seed, bool):
+        raise UserError(f"sweep.search_seed must be an integer, got {search_seed!r}")
+    seeds = [int(s) for s in seeds or []]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"sweep.seeds must be a non-empty list of distinct integers, got {seeds}")
+    if search_seed in seeds and not reuse_search_run:
+        fresh = max(max(seeds), search_seed) + 1  # the same number of seeds, the search seed swapped for a new one
+        listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
+        instead = listed([s for s in seeds if s != search_seed] + [fresh])
+        raise UserError(
+            f"sweep.seeds={listed(seeds)} contains the search seed (sweep.search_seed={search_seed}): the compare "
+            "phase would reuse the search's winning SA run, selected partly for its luck, which biases the comparison "
+            f"against XSA; use seeds without it (e.g. sweep.seeds={instead}) or set sweep.reuse_search_run=true to "
+            "accept the bias"
+        )
+    return seeds
 
 
 def search_trials(grid: Sequence[float], seed: int, attentions: Sequence[str]) -> list[Trial]:
@@ -114,22 +144,59 @@ class Comparison:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """The mean and the sample standard deviation (n - 1); no std below two values."""
     if not values:
         return None, None
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
+def t_quantile(q: float, dof: int) -> float:
+    """The q-quantile of Student's t with dof degrees of freedom (scipy.stats)."""
+    return float(scipy.stats.t.ppf(q, dof))
+
+
 def t_quantile_975(dof: int) -> float:
-    if dof <= len(T_975):
-        return T_975[dof - 1]
-    z = 1.959964  # Cornish-Fisher expansion around the normal quantile: within 1e-4 of the exact value above 30 dof
-    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+    return t_quantile(1 - ALPHA / 2, dof)
+
+
+def min_detectable_difference(sd: float | None, n: int, alpha: float = ALPHA, power: float = POWER) -> float | None:
+    """The smallest true mean paired difference that a two-sided paired t-test at level alpha over n pairs detects
+    with the given power, for a paired standard deviation sd. The usual closed form,
+        MDE = (t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / sqrt(n),
+    which stands a shifted central t in for the noncentral t and ignores the opposite rejection tail. It is slightly
+    optimistic for very few pairs: the exact noncentral-t value is 5% larger at n = 3, 2% at n = 4, under 1% from
+    n = 6 (at n = 2 the formula's difference is detected with about 73% power, not 80%). None below two pairs."""
+    if sd is None or n < 2:
+        return None
+    return (t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
+
+
+@dataclass
+class PairedTest:
+    n: int
+    mean: float | None
+    sd: float | None  # the standard deviation of the paired differences
+    ci95: tuple[float, float] | None
+    t: float | None
+    p_value: float | None
+    mde: float | None  # min_detectable_difference at ALPHA and POWER
+
+
+def paired_test(diffs: Sequence[float]) -> PairedTest:
+    """Student's paired t-test of the mean difference against 0 (scipy.stats.ttest_1samp on the differences, the
+    same as ttest_rel on the two arms): 95% CI, t, two-sided p-value and the minimum detectable difference."""
+    mean, sd = mean_std(diffs)
+    if len(diffs) < 2:
+        return PairedTest(len(diffs), mean, sd, None, None, None, None)
+    if sd == 0:  # identical differences: no noise estimate, scipy returns inf or nan
+        return PairedTest(len(diffs), mean, sd, (mean, mean), None, None, 0.0)
+    result = scipy.stats.ttest_1samp(list(diffs), 0.0)
+    ci = result.confidence_interval(1 - ALPHA)
+    return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=(float(ci.low), float(ci.high)),
+                      t=float(result.statistic), p_value=float(result.pvalue),
+                      mde=min_detectable_difference(sd, len(diffs)))  # fmt: skip
 
 
 def paired_ci(diffs: Sequence[float]) -> tuple[float, float] | None:
     """95% confidence interval of the mean paired difference (Student's t); None below two pairs."""
-    if len(diffs) < 2:
-        return None
-    mean, std = mean_std(diffs)
-    half = t_quantile_975(len(diffs) - 1) * std / math.sqrt(len(diffs))
-    return mean - half, mean + half
+    return paired_test(diffs).ci95

@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from xsa_lm.sweep.protocol import Comparison, Selection, mean_std, paired_ci
+from xsa_lm.sweep.protocol import ALPHA, POWER, Comparison, Selection, mean_std, paired_test
 
 
 def _loss(value: float | None) -> str:
@@ -13,7 +13,8 @@ def _loss(value: float | None) -> str:
 
 
 def comparison_of(trials: list[dict]) -> Comparison:
-    """Seeds where both SA and XSA finished at the shared LR (a diverged or failed side drops the pair)."""
+    """Seeds where both SA and XSA finished at the shared LR (a diverged or failed side drops the pair, and
+    dropped_seeds says so)."""
     by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
     comparison = Comparison(seeds=[], sa=[], xsa=[])
     for seed in sorted({seed for _, seed in by_key}):
@@ -25,21 +26,50 @@ def comparison_of(trials: list[dict]) -> Comparison:
     return comparison
 
 
-def comparison_stats(comparison: Comparison) -> dict:
+def dropped_seeds(trials: list[dict]) -> list[dict]:
+    """The compare seeds left out of the statistics, each with what happened to which side."""
+    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
+    dropped = []
+    for seed in sorted({seed for _, seed in by_key}):
+        sides = {a: by_key.get((a, seed), {}).get("status", "missing") for a in ("sa", "xsa")}
+        if any(status != "completed" for status in sides.values()):
+            dropped.append({"seed": seed, **sides})
+    return dropped
+
+
+def dropped_warning(drop: dict) -> str:
+    what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
+    sides = [f"{a.upper()} {what.get(drop[a], 'did not finish')}" for a in ("sa", "xsa") if drop[a] != "completed"]
+    warning = (f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
+               f"is lower: {' and '.join(sides)}")  # fmt: skip
+    if "diverged" in (drop["sa"], drop["xsa"]):
+        warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
+    if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
+        warning += "; run the same sweep command again to retry it"
+    return warning
+
+
+def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) -> dict:
     stats = {"seeds": comparison.seeds, "sa": comparison.sa, "xsa": comparison.xsa, "diff": comparison.diffs}
     for name, values in (("sa", comparison.sa), ("xsa", comparison.xsa), ("diff", comparison.diffs)):
         stats[f"{name}_mean"], stats[f"{name}_std"] = mean_std(values)
-    stats["diff_ci95"] = paired_ci(comparison.diffs)
+    test = paired_test(comparison.diffs)
+    stats["diff_ci95"] = test.ci95
     stats["xsa_better_in"] = sum(d < 0 for d in comparison.diffs)
+    stats.update({"diff_t": test.t, "diff_p_value": test.p_value, "dof": test.n - 1 if test.n > 1 else None,
+                  "min_detectable_diff": test.mde, "power": POWER, "alpha": ALPHA,
+                  "dropped_seeds": dropped or []})  # fmt: skip
     return stats
 
 
 def verdict(stats: dict) -> str:
     n, ci = len(stats["seeds"]), stats["diff_ci95"]
+    dropped = len(stats.get("dropped_seeds") or [])
+    left_out = f" ({dropped} seed(s) left out: see the warnings)" if dropped else ""
     if n == 0:
-        return "No seed has both an SA and an XSA result: nothing to compare."
-    head = f"XSA - SA = {stats['diff_mean']:+.4f} on average over {n} seed(s); XSA is lower in {stats['xsa_better_in']}"
-    head += "."
+        return f"No seed has both an SA and an XSA result: nothing to compare{left_out}."
+    head = f"XSA - SA = {stats['diff_mean']:+.4f} on average over {n} seed(s){left_out}; XSA is lower in "
+    head += f"{stats['xsa_better_in']}."
     if ci is None:
         return head + " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
     lo, hi = ci
@@ -49,7 +79,37 @@ def verdict(stats: dict) -> str:
         meaning = "the interval excludes 0: XSA's higher loss is significant at the 5% level"
     else:
         meaning = "the interval includes 0: the difference is not significant at the 5% level"
-    return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof): {meaning}."
+    p = stats.get("diff_p_value")
+    p_text = f", p = {p:.3g}" if p is not None else ""
+    return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}."
+
+
+def noise_line(stats: dict) -> str:
+    """The seed-to-seed noise of each arm and of the paired difference, and what the study could have detected."""
+    n = len(stats["seeds"])
+    if n < 2:
+        return ""
+    line = (f"Noise: the per-run standard deviation over seeds is {stats['sa_std']:.4f} for SA and "
+            f"{stats['xsa_std']:.4f} for XSA, {stats['diff_std']:.4f} for the paired difference. With {n} seeds "
+            f"this study could detect differences larger than {stats['min_detectable_diff']:.4f} "
+            f"({stats.get('power', POWER):.0%} power, two-sided {stats.get('alpha', ALPHA):.0%} level"
+            f"{'; the closed form is optimistic below 4 seeds' if n < 4 else ''}): a smaller true difference may well "
+            "come out not significant.")  # fmt: skip
+    return line
+
+
+def search_seed(results: dict) -> int:
+    return results.get("search_seed", results["seeds"][0])  # results.json before search_seed: the first seed
+
+
+def design_line(results: dict) -> str:
+    """One line on whether a compare run can be the search's winner (the winner's curse)."""
+    seed = search_seed(results)
+    if results.get("reuse_search_run"):
+        return (f"The SA run at seed {seed} is the search's winning run (sweep.reuse_search_run=true), selected partly "
+                "for its luck while XSA's was not: the comparison is biased against XSA.")  # fmt: skip
+    return (f"The compare runs use seeds disjoint from the search's (seed {seed}), so no compare run was selected "
+            "for its luck.")  # fmt: skip
 
 
 def render_markdown(results: dict) -> str:
@@ -59,13 +119,13 @@ def render_markdown(results: dict) -> str:
         "",
         f"- sweep directory: `{results['sweep_dir']}` (W&B group `{results['sweep_id']}`)",
         f"- training overrides: `{' '.join(results['train_overrides']) or '(defaults)'}`",
-        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; seeds {results['seeds']} "
-        f"(the search uses seed {results['seeds'][0]})",
+        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; search seed {search_seed(results)}, "
+        f"compare seeds {results['seeds']}",
     ]
     if results["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
     attentions = ["sa", "xsa"] if results["xsa_tuning"] else ["sa"]
-    lines += ["", f"## 1. LR search (seed {results['seeds'][0]}, final validation loss)", ""]
+    lines += ["", f"## 1. LR search (seed {search_seed(results)}, final validation loss)", ""]
     lines.append("| LR | " + " | ".join(f"{a.upper()} val loss | {a.upper()} status" for a in attentions) + " |")
     lines.append("|---:|" + "---:|---|" * len(attentions))
     for lr in results["grid"]:
@@ -80,7 +140,10 @@ def render_markdown(results: dict) -> str:
     if results["selected_lr"] is None:
         lines.append("Not run: the search selected no LR (see the warnings).")
     else:
-        lines += [f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA.", ""]
+        lines += [
+            f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA. " + design_line(results),
+            "",
+        ]
         lines += ["| seed | SA val loss | XSA val loss | XSA - SA |", "|---:|---:|---:|---:|"]
         for trial_pair in results["compare_table"]:
             lines.append(f"| {trial_pair['seed']} | {trial_pair['sa']} | {trial_pair['xsa']} | {trial_pair['diff']} |")
@@ -94,6 +157,8 @@ def render_markdown(results: dict) -> str:
 
             lines.append(f"| mean ± std | {ms('sa')} | {ms('xsa')} | {ms('diff')} |")
         lines += ["", verdict(compare)]
+        if noise_line(compare):
+            lines += ["", noise_line(compare)]
 
     tuning = results["xsa_tuning"]
     if tuning:
@@ -103,7 +168,7 @@ def render_markdown(results: dict) -> str:
         else:
             lines.append(
                 f"XSA's own best LR is {tuning['selected_lr']:g} (val loss {_loss(tuning['loss_at_own_lr'])}, seed "
-                f"{results['seeds'][0]}); at the SA-tuned LR {results['selected_lr'] or float('nan'):g} XSA reaches "
+                f"{search_seed(results)}); at the SA-tuned LR {results['selected_lr'] or float('nan'):g} XSA reaches "
                 f"{_loss(tuning['loss_at_shared_lr'])}. "
                 + ("Sharing the SA-tuned LR costs XSA nothing here."
                    if tuning["selected_lr"] == results["selected_lr"] else
@@ -141,7 +206,7 @@ def plot_lr_sweep(results: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final validation loss")
-    ax.set_title(f"LR search (seed {results['seeds'][0]})")
+    ax.set_title(f"LR search (seed {search_seed(results)})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -175,13 +240,16 @@ def plot_curves(trials: list[dict], path: Path) -> None:
 
 
 def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list[int], train_overrides: list[str],
-                  trials: list[dict], selection: Selection, xsa_selection: Selection | None) -> dict:  # fmt: skip
-    """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`."""
+                  trials: list[dict], selection: Selection, xsa_selection: Selection | None,
+                  search_seed: int = 0) -> dict:  # fmt: skip
+    """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`;
+    `seeds` are the compare seeds, `search_seed` the search's."""
     search: dict[str, dict[str, dict]] = {}
     for trial in trials:
         if trial["phase"] == "search":
             search.setdefault(trial["attention"], {})[f"{trial['lr']:g}"] = trial
-    compare = comparison_stats(comparison_of(trials))
+    dropped = dropped_seeds(trials)
+    compare = comparison_stats(comparison_of(trials), dropped)
     compare_table = []
     for seed in seeds:
         pair = {t["attention"]: t for t in trials if t["phase"] == "compare" and t["seed"] == seed}
@@ -201,12 +269,22 @@ def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list
         }
     warnings = list(selection.warnings)
     warnings += [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
+    reused = selection.lr is not None and search_seed in seeds  # allowed only with sweep.reuse_search_run=true
+    if reused:
+        warnings.append(
+            f"the comparison at seed {search_seed} reuses the search's winning SA run (sweep.reuse_search_run=true): "
+            "it won the search partly on its noise and XSA's run was not selected, so the comparison is biased "
+            f"against XSA; for an unbiased one use compare seeds without {search_seed} (sweep.seeds)"
+        )
+    warnings += [dropped_warning(drop) for drop in dropped]
     return {
         "sweep_dir": str(sweep_dir),
         "sweep_id": sweep_id,
         "train_overrides": train_overrides,
         "grid": grid,
         "seeds": seeds,
+        "search_seed": search_seed,
+        "reuse_search_run": reused,
         "selected_lr": selection.lr,
         "warnings": warnings,
         "search": search,
@@ -233,7 +311,7 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
 
     from xsa_lm.train.tracking import wandb_init
 
-    config = {k: results[k] for k in ("grid", "seeds", "train_overrides", "selected_lr")}
+    config = {k: results.get(k) for k in ("grid", "seeds", "search_seed", "train_overrides", "selected_lr")}
     run = wandb_init(save_dir=str(sweep_dir), name=f"{results['sweep_id']}-report", run_config=config,
                      group=results["sweep_id"], job_type="report", **wandb_cfg)  # fmt: skip
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
@@ -249,5 +327,7 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
         "sa_mean": compare["sa_mean"], "xsa_mean": compare["xsa_mean"], "diff_mean": compare["diff_mean"],
         "diff_ci95_low": compare["diff_ci95"][0] if compare["diff_ci95"] else None,
         "diff_ci95_high": compare["diff_ci95"][1] if compare["diff_ci95"] else None,
+        "diff_p_value": compare.get("diff_p_value"), "min_detectable_diff": compare.get("min_detectable_diff"),
+        "sa_std": compare["sa_std"], "xsa_std": compare["xsa_std"], "reuse_search_run": results.get("reuse_search_run"),
     })  # fmt: skip
     run.finish()

@@ -1,8 +1,9 @@
 """`xsa-lm sweep`: the paper's protocol in one command.
 
-1. search:  one SA run per LR of the grid (seed = sweep.seeds[0]; with sweep.tune_xsa, XSA too)
+1. search:  one SA run per LR of the grid, seed sweep.search_seed (with sweep.tune_xsa, XSA too)
 2. select:  the LR with the lowest final val loss among SA runs (diverged runs never win)
-3. compare: SA and XSA at that LR for every seed (the search's SA run at that LR and seed is reused)
+3. compare: SA and XSA at that LR for every seed of sweep.seeds, which excludes the search seed: a compare run is
+            never the search's winner, chosen partly for its noise (unless sweep.reuse_search_run=true)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
 
 Every trial is an `xsa-lm train` process with the sweep's training overrides; its record in the sweep directory
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.locking import exclusive
-from xsa_lm.sweep.protocol import Selection, Trial, compare_trials, lr_grid, search_trials, select_lr
+from xsa_lm.sweep.protocol import Selection, Trial, check_seeds, compare_trials, lr_grid, search_trials, select_lr
 from xsa_lm.sweep.report import build_results, log_to_wandb, write_report
 from xsa_lm.sweep.trials import Launcher, TrialStore
 
@@ -31,7 +32,7 @@ relaunch_argv: list[str] | None = None  # set by the CLI; unused: trials are lau
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
     "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
-    "seed": "set the seeds with sweep.seeds=[...]",
+    "seed": "set the seeds with sweep.search_seed and sweep.seeds=[...]",
     "resume": "running the same sweep command again resumes it",
     "progress_bar": "trials write their output to the sweep's logs/ folder",
 }
@@ -115,10 +116,10 @@ def evaluate_compare(store: TrialStore, trials: list[Trial], tasks, limit, sweep
 def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
     from xsa_lm.train.run import check_config  # validate once, not in every trial
 
-    grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range)
-    seeds = [int(s) for s in cfg.sweep.seeds or []]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise UserError(f"sweep.seeds must be a non-empty list of distinct integers, got {cfg.sweep.seeds}")
+    grids = cfg.sweep.get("lr_grids") or {}
+    grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
+    search_seed = cfg.sweep.get("search_seed", 0)
+    seeds = check_seeds(cfg.sweep.seeds, search_seed, bool(cfg.sweep.get("reuse_search_run", False)))
     if cfg.sweep.max_parallel < 1:
         raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
     check_config(cfg)
@@ -143,9 +144,10 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
 
     n_search = len(grid) * (2 if cfg.sweep.tune_xsa else 1)
     print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | LR grid {[f'{lr:g}' for lr in grid]}, "
-          f"seeds {seeds} | {n_search} search + up to {2 * len(seeds)} compare trials")  # fmt: skip
-    sa_search = search_trials(grid, seeds[0], ["sa"])
-    xsa_search = search_trials(grid, seeds[0], ["xsa"]) if cfg.sweep.tune_xsa else []
+          f"search seed {search_seed}, compare seeds {seeds} | {n_search} search + up to {2 * len(seeds)} compare "
+          "trials")  # fmt: skip
+    sa_search = search_trials(grid, search_seed, ["sa"])
+    xsa_search = search_trials(grid, search_seed, ["xsa"]) if cfg.sweep.tune_xsa else []
     print("phase 1: LR search")
     launcher.run(sa_search + xsa_search, "search", "lr-search")
     selection = selection_of(store, sa_search)
@@ -164,7 +166,9 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         evaluation, eval_warning = evaluate_compare(store, compare, tasks, cfg.sweep.get("eval_limit"), sweep_dir)
     trials = phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare")
     xsa_selection = selection_of(store, xsa_search) if xsa_search else None
-    results = build_results(sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection)
+    results = build_results(
+        sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection, search_seed=search_seed
+    )
     results["eval"] = evaluation
     if eval_warning:
         results["warnings"].append(eval_warning)
