@@ -163,9 +163,10 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
     if resume == "auto":
         newest, step, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
         for path in skipped:
-            log.warning(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
+            rank_zero_only(log.warning)(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
         if newest is None:
-            log.info(f"resume=auto: no usable checkpoint in {run_dir / 'checkpoints'}, starting from scratch")
+            held = "holds no run yet" if not (run_dir / "config.yaml").exists() else "has no usable checkpoint"
+            rank_zero_only(log.info)(f"resume=auto: {run_dir} {held}: starting a new run from scratch")
             return None, None
         path = newest
     else:

@@ -47,8 +47,8 @@ def wandb_init(
     init_timeout_s: float = 30.0,
     run_id: str | None = None,
 ):
-    """wandb.init that never blocks or kills the caller: online init failures fall back to offline. W&B's own info
-    lines are off (the one line below says where the run is); its warnings stay."""
+    """wandb.init that never blocks or kills the caller: online init failures fall back to offline. Offline, W&B's
+    own lines are off (the one line below says where the run is and how to upload it); online, they show its URL."""
     import wandb
 
     mode = resolve_mode(mode)
@@ -56,7 +56,9 @@ def wandb_init(
                 config=run_config, dir=save_dir, id=run_id, resume="allow" if run_id else None)  # fmt: skip
     try:
         run = wandb.init(
-            mode=mode, settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True, show_info=False), **init
+            mode=mode,
+            settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True, silent=mode == "offline"),
+            **init,
         )
     except wandb.errors.Error as e:
         if mode != "online":
@@ -64,7 +66,7 @@ def wandb_init(
         # A key but no network (or a bad key): keep training and keep the data; upload it later.
         print(f"W&B: online init failed ({type(e).__name__}: {e}); logging offline instead")
         mode = "offline"
-        run = wandb.init(mode=mode, settings=wandb.Settings(quiet=True, show_info=False), **init)
+        run = wandb.init(mode=mode, settings=wandb.Settings(quiet=True, silent=True), **init)
     if mode == "offline":
         print(f"W&B: offline run in {Path(run.dir).parent}; upload it later with `wandb sync {Path(run.dir).parent}`")
     return run
