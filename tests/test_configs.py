@@ -63,14 +63,11 @@ def test_demo_experiment_is_a_cpu_recipe():
     assert check_config(cfg)["accumulate"] == 1
 
 
-def test_fsdp_wraps_each_transformer_block():
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from xsa_lm.model.gpt import Block
+def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = hydra.utils.instantiate(compose_train(["trainer=fsdp"]).trainer.strategy)
-    assert isinstance(strategy, FSDPStrategy)
-    assert Block in strategy.kwargs["auto_wrap_policy"]._module_classes
+    assert isinstance(strategy, ModelParallelStrategy) and not strategy._save_distributed_checkpoint
     assert compose_train(["trainer=ddp"]).trainer.strategy == "ddp"
     slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
     assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4

@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from xsa_lm.model import GPT, GPTConfig
 
@@ -48,6 +49,23 @@ class LMModule(L.LightningModule):
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
         self._nonfinite: list[tuple[int, torch.Tensor]] = []  # (step, device flag) not yet read by the host
 
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy (trainer=fsdp): FSDP2, one unit per transformer block and the root (the tied
+        embedding and the head), over the data-parallel mesh. Each rank then holds 1/N of the weights, gradients
+        and AdamW state; a block's weights are gathered for its forward and backward only."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        policy = MixedPrecisionPolicy()  # fp32 on CPU; bf16 compute with fp32 gradient reduction on GPU
+        if self.trainer.precision.startswith("bf16"):
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = getattr(self.model, "_orig_mod", self.model)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Checkpoints move between compiled and eager runs: torch.compile stores weights under model._orig_mod."""
         compiled = hasattr(self.model, "_orig_mod")
@@ -89,6 +107,8 @@ class LMModule(L.LightningModule):
         # Clip ourselves so the pre-clip norm can be logged (max_norm=inf only measures it).
         max_norm = gradient_clip_val if gradient_clip_val else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):  # sharded (FSDP2): the norm over every shard, the same on every rank
+            grad_norm = grad_norm.full_tensor()
         self.skip_update_if_nonfinite(optimizer, grad_norm)
         self.watch_for_spike("grad_norm_spike", grad_norm)
         self.log("train/grad_norm", grad_norm, on_step=True)

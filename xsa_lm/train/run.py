@@ -71,6 +71,11 @@ def check_config(cfg: DictConfig) -> dict:
             f"data.block_size = {cfg.micro_batch_size} x {devices} x {cfg.data.block_size} = {tokens_per_micro_step}: "
             "choose a multiple"
         )
+    sharded = memory.strategy_kind(cfg.trainer.strategy) == "fsdp"
+    for group in ("diagnostics", "samples"):  # they run a forward on rank 0 alone: under sharding it would hang
+        if sharded and cfg.get(group) and cfg[group].every_n_steps:
+            raise UserError(f"{group}.every_n_steps: not available under trainer=fsdp; run `xsa-lm analyze` or "
+                            "`xsa-lm generate` on its checkpoints instead")  # fmt: skip
     if cfg.logger and cfg.logger.get("wandb"):
         resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
@@ -319,8 +324,12 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         callbacks.append(Samples(s.every_n_steps, str(run_dir), s.prompt, s.max_new_tokens, s.temperature, s.top_k))
     if cfg.progress_bar:
         callbacks.append(ProgressBar())
+    strategy = cfg.trainer.strategy
+    if memory.strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
+        strategy = {**strategy, "data_parallel_size": plan["devices"]}  # Lightning's auto means one per node
     trainer: L.Trainer = build(
         cfg.trainer,
+        strategy=strategy,
         precision=resolve_precision(cfg.trainer.precision),
         default_root_dir=str(run_dir),
         logger=make_loggers(cfg, run_dir, run_name, resume_step) or False,
