@@ -47,3 +47,17 @@ def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
                   data_cache, tmp_path)  # fmt: skip
     assert out.returncode == 2 and "samples.every_n_steps: not available under trainer=fsdp" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_nan_stops_every_rank_with_a_clean_checkpoint(data_cache: Path, tmp_path: Path):
+    """The non-finite flag comes from the global norm, so both ranks skip the update and stop at the same step."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    out = run_cli(["train", *ARGS, *FSDP, "faults.inject_nan_at_step=7", f"hydra.run.dir={run_dir}"], data_cache,
+                  tmp_path, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 7 and summary["steps"] == 8
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 8 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
