@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import FAST, cli_env, run_cli
+from tests.conftest import FAST, run_cli
 from tests.test_bad_inputs import assert_clean_error
-from tests.test_reliability import wait_for
+from tests.test_reliability import start, wait_for
 from tests.test_train_cli import train_losses
 from xsa_lm.errors import UserError
 from xsa_lm.locking import exclusive
@@ -22,11 +22,6 @@ from xsa_lm.train.checks import check_values
 from xsa_lm.train.resume import continuation_config
 
 XSA = ["train", *FAST, "attention=xsa", "val_every_steps=10"]
-
-
-def start(args: list[str], data_cache: Path, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", *args], cwd=cwd, env=cli_env(data_cache),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def snapshot(run_dir: Path) -> dict[str, str]:
