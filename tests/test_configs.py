@@ -71,3 +71,50 @@ def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
     assert compose_train(["trainer=ddp"]).trainer.strategy == "ddp"
     slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
     assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4
+
+
+# The paper's Table 1 and training protocol (shared/reference/paper.md): layers, width, heads, head dim, peak LR.
+TABLE_1 = {"0.7b": (24, 1536, 6, 256, 5e-4), "1.4b": (24, 2048, 24, 128, 4e-4), "2.7b": (32, 2560, 24, 128, 3e-4)}
+PAPER_PROTOCOL = {"block_size": 2048, "global_batch_tokens": 256 * 2048, "warmup_steps": 2000, "max_steps": 200_000}
+
+
+@pytest.mark.parametrize("size", sorted(TABLE_1))
+def test_paper_presets_hold_the_papers_numbers(size: str):
+    cfg = compose_train([f"experiment=paper_{size}"])
+    n_layer, d_model, n_head, head_dim, lr = TABLE_1[size]
+    model = cfg.model
+    assert (model.n_layer, model.d_model, model.n_head, model.head_dim, cfg.optim.lr) == (n_layer, d_model, n_head,
+                                                                                           head_dim, lr)  # fmt: skip
+    assert model.block_size == PAPER_PROTOCOL["block_size"]
+    assert cfg.global_batch_tokens == PAPER_PROTOCOL["global_batch_tokens"]
+    assert cfg.scheduler.warmup_steps == PAPER_PROTOCOL["warmup_steps"]
+    assert cfg.trainer.max_steps == PAPER_PROTOCOL["max_steps"]
+
+
+@pytest.mark.parametrize("size", sorted(TABLE_1))
+def test_toy_twins_keep_the_presets_attention_width_ratio(size: str):
+    # XSA acts on the attention width n_head x head_dim, which the paper sets apart from d_model: a toy keeps it.
+    def ratio(model) -> float:
+        return model.n_head * model.head_dim / model.d_model
+
+    preset = compose_train([f"experiment=paper_{size}"]).model
+    toy = compose_train([f"experiment=paper_{size}_toy"]).model
+    assert ratio(toy) == pytest.approx(ratio(preset))
+
+
+LABELLED = ["model/paper_0.7b.yaml", "model/paper_1.4b.yaml", "model/paper_2.7b.yaml", "experiment/paper_0.7b.yaml",
+            "experiment/paper_1.4b.yaml", "experiment/paper_2.7b.yaml", "optim/adamw.yaml",
+            "scheduler/warmup_cosine.yaml"]  # fmt: skip
+NOT_HYPERPARAMETERS = {"_target_", "_partial_", "name", "total_steps", "defaults", "- override"}
+
+
+@pytest.mark.parametrize("path", LABELLED)
+def test_every_paper_preset_value_says_whether_the_paper_states_it(path: str):
+    # Values the paper does not state are our choices: each value line says "paper:" or "ours" in its comment.
+    for line in (CONFIGS / path).read_text().splitlines():
+        key, _, rest = line.strip().partition(":")
+        value = rest.split("#", 1)[0].strip()
+        if line.startswith("#") or not value or key in NOT_HYPERPARAMETERS or key.startswith("- "):
+            continue
+        comment = rest.partition("#")[2]
+        assert "paper:" in comment or "ours" in comment, f"{path}: {line}"
