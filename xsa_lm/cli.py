@@ -12,6 +12,7 @@ COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "eval": ("xsa_lm.eval.run", "eval", "zero-shot tasks through lm-evaluation-harness (configs/eval.yaml)"),
     "generate": ("xsa_lm.eval.sample", "generate", "text from a checkpoint, with a KV cache (configs/generate.yaml)"),
     "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
+    "scale": ("xsa_lm.scale.run", "scale", "the sweep at several sizes, XSA's compute multiplier (configs/scale.yaml)"),
     "plan": (
         "xsa_lm.train.plan",
         "plan",
@@ -60,7 +61,7 @@ def check_overrides(config_name: str, args: list[str]) -> None:
         sys.exit(2)
     if any(a in ("--cfg", "-c") for a in args):  # prints the config: no run, no run directory
         return
-    if config_name in ("train", "sweep"):  # values of the wrong type or range: before torch and Lightning load (5 s)
+    if config_name in ("train", "sweep", "scale"):  # wrong types or ranges: before torch and Lightning load (5 s)
         from xsa_lm.errors import UserError
         from xsa_lm.train.checks import check_values
 
