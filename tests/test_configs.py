@@ -8,6 +8,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from xsa_lm.train import memory
 from xsa_lm.train.run import check_config, model_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -67,7 +68,8 @@ def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = hydra.utils.instantiate(compose_train(["trainer=fsdp"]).trainer.strategy)
-    assert isinstance(strategy, ModelParallelStrategy) and not strategy._save_distributed_checkpoint
+    assert isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint  # sharded
+    assert memory.strategy_kind(compose_train(["trainer=fsdp"]).trainer.strategy) == "fsdp"
     assert compose_train(["trainer=ddp"]).trainer.strategy == "ddp"
     slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
     assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4

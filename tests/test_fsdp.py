@@ -1,45 +1,118 @@
-"""FSDP2 (trainer=fsdp) on CPU with 2 gloo processes: the same training as one process, one checkpoint file."""
+"""FSDP2 (trainer=fsdp) on CPU with 2 gloo processes: the same training as one process, sharded checkpoints that
+survive kill -9 and resume on another number of processes, and that analyze / eval read."""
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, cli_env, run_cli
+from tests.test_eval import write_local_task
+from tests.test_reliability import wait_for
+from tests.test_train_cli import train_losses
 from xsa_lm.checkpoints import load_model
+from xsa_lm.train.checkpointing import newest_valid_checkpoint
 
 pytestmark = pytest.mark.slow
-ARGS = [a for a in FAST if a != "trainer=cpu"] + ["attention=xsa", "trainer.max_steps=10", "val_every_steps=5"]
+STEPS = ["trainer.max_steps=20", "scheduler.total_steps=20", "val_every_steps=5", "checkpoint.keep_last=4"]
+ARGS = [a for a in FAST if a != "trainer=cpu"] + ["attention=xsa", *STEPS]
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 
 
-def grad_norms(run_dir: Path) -> dict[int, float]:
+def metric(run_dir: Path, name: str) -> dict[int, float]:
     with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): float(r["train/grad_norm"]) for r in csv.DictReader(f) if r.get("train/grad_norm")}
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 
 
-def test_fsdp2_trains_as_one_process_and_its_checkpoint_resumes_alone(data_cache: Path, tmp_path: Path):
-    """Global batch 1024 tokens: one process accumulates 2 micro-batches, FSDP2 runs 1 on each of 2 ranks. The
-    clipped norm is the global one (every shard), so it equals the single process's at every step."""
-    single = run_cli(["train", *ARGS, "trainer=cpu", f"hydra.run.dir={tmp_path / 'single'}"], data_cache, tmp_path)
-    sharded = run_cli(["train", *ARGS, *FSDP, f"hydra.run.dir={tmp_path / 'fsdp'}"], data_cache, tmp_path)
+def assert_close(a: dict[int, float], b: dict[int, float], steps) -> None:
+    assert sorted(a) == sorted(b) == list(steps)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    """20 steps in one process and under FSDP2 on 2 processes (sharded checkpoints, the default)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    single = run_cli(["train", *ARGS, "trainer=cpu", f"hydra.run.dir={root / 'single'}"], data_cache, root)
+    sharded = run_cli(["train", *ARGS, *FSDP, f"hydra.run.dir={root / 'fsdp'}"], data_cache, root)
     assert single.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
     assert "x 1 accumulation x 2 device(s)" in sharded.stdout
-    a, b = grad_norms(tmp_path / "single"), grad_norms(tmp_path / "fsdp")
-    assert sorted(a) == sorted(b) == list(range(10))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5)
-    history = {name: json.loads((tmp_path / name / "summary.json").read_text())["val_history"]
+    return root
+
+
+def test_fsdp2_trains_as_one_process(runs: Path):
+    """Global batch 1024 tokens: one process accumulates 2 micro-batches, FSDP2 runs 1 on each of 2 ranks. The
+    clipped norm is the global one (every shard), so it equals the single process's at every step."""
+    assert_close(metric(runs / "single", "train/grad_norm"), metric(runs / "fsdp", "train/grad_norm"), range(20))
+    history = {name: json.loads((runs / name / "summary.json").read_text())["val_history"]
                for name in ("single", "fsdp")}  # fmt: skip
     for x, y in zip(history["single"], history["fsdp"], strict=True):
         assert x["step"] == y["step"] and y["val_loss"] == pytest.approx(x["val_loss"], rel=1e-5)
-    # One consolidated file: it loads as a plain model and continues in one process.
-    assert load_model(tmp_path / "fsdp" / "checkpoints" / "last.ckpt").config.attention == "xsa"
-    resumed = run_cli(["train", f"hydra.run.dir={tmp_path / 'fsdp'}", "resume=auto", "trainer=cpu",
-                       "trainer.devices=1", "trainer.max_steps=12"], data_cache, tmp_path)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["steps"] == 12
+
+
+def test_sharded_checkpoints_are_directories_that_analyze_and_eval_read(runs: Path, data_cache: Path, tmp_path: Path):
+    folder = runs / "fsdp" / "checkpoints"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["best.ckpt", "last.ckpt", *[f"step-{s:06d}.ckpt" for s in (5, 10, 15, 20)]]  # no .tmp, .old
+    assert sorted(p.name for p in (folder / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert newest_valid_checkpoint(folder)[:2] == (folder / "last.ckpt", 20)
+    # Put back together in one process, the weights equal the single process's (float summation order aside).
+    sharded, single = load_model(folder / "last.ckpt"), load_model(runs / "single" / "checkpoints" / "last.ckpt")
+    for (name, a), b in zip(sharded.state_dict().items(), single.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
+    analyze = run_cli(["analyze", f"ckpts=[{folder / 'last.ckpt'}]", "sequences=2", f"hydra.run.dir={tmp_path / 'a'}"],
+                      data_cache, tmp_path)  # fmt: skip
+    assert analyze.returncode == 0, analyze.stderr[-2000:]
+    assert (tmp_path / "a" / "diagnostics.csv").read_text().count("\n") == 1 + 2  # a row per layer
+    task = write_local_task(tmp_path / "tasks")
+    evaluate = run_cli(["eval", f"ckpts=[{folder / 'last.ckpt'}]", f"tasks=[{task}]", "wandb=false",
+                        f"hydra.run.dir={tmp_path / 'e'}"], data_cache, tmp_path)  # fmt: skip
+    assert evaluate.returncode == 0, evaluate.stderr[-2000:]
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["rows"][0]["attention"] == "xsa"
+
+
+FSDP_ONE = [a for a in FSDP if a != "trainer.devices=2"] + ["trainer.devices=1"]
+
+
+@pytest.mark.parametrize("where", [["trainer=cpu"], FSDP_ONE], ids=["trainer=cpu", "fsdp-1-process"])
+def test_a_sharded_checkpoint_resumes_in_one_process(where: list[str], runs: Path, data_cache: Path, tmp_path: Path):
+    """Written by 2 ranks at step 10, continued by one process: steps 10-19 as in the uninterrupted run."""
+    ckpt = runs / "fsdp" / "checkpoints" / "step-000010.ckpt"
+    run_dir = tmp_path / "run"
+    out = run_cli(["train", *ARGS, *where, f"resume={ckpt}", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "x 2 accumulation x 1 device(s)" in out.stdout
+    for name in ("train/grad_norm", "train/loss"):  # one process sees the whole batch, as the single run did
+        single = metric(runs / "single", name)
+        assert_close({s: single[s] for s in range(10, 20)}, metric(run_dir, name), range(10, 20))
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20
+
+
+def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cache: Path, tmp_path: Path):
+    """kill -9 of both ranks once step 10's checkpoint is in place (a later one may be half written), then
+    resume=auto on 2 processes, with activation checkpointing switched on (it recomputes the same values)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, env=cli_env(data_cache), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc, timeout=300)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the rank it started: one process group
+    proc.wait()
+    assert not (run_dir / "summary.json").exists()
+    again = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.activation_checkpointing=true"],
+                    data_cache, tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resume: continuing the run" in again.stdout and "x 1 accumulation x 2 device(s)" in again.stdout
+    assert_close(train_losses(runs / "fsdp"), train_losses(run_dir), range(20))
+    assert_close(metric(runs / "fsdp", "train/grad_norm"), metric(run_dir, "train/grad_norm"), range(20))
+    assert not list((run_dir / "checkpoints").glob("*.tmp")) and not list((run_dir / "checkpoints").glob("*.old"))
 
 
 def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
@@ -49,15 +122,17 @@ def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_nan_stops_every_rank_with_a_clean_checkpoint(data_cache: Path, tmp_path: Path):
-    """The non-finite flag comes from the global norm, so both ranks skip the update and stop at the same step."""
-    import torch
-
+def test_a_nan_on_one_rank_stops_every_rank_with_a_clean_checkpoint(data_cache: Path, tmp_path: Path):
+    """Only rank 1's loss is NaN. Its gradient reaches every shard through the reduce-scatter, so the global norm
+    is NaN on both ranks: both skip the update and stop at the same step. Consolidated checkpoints here (one file
+    gathered on rank 0), the other checkpoint format."""
     run_dir = tmp_path / "run"
-    out = run_cli(["train", *ARGS, *FSDP, "faults.inject_nan_at_step=7", f"hydra.run.dir={run_dir}"], data_cache,
-                  tmp_path, timeout=300)  # fmt: skip
+    out = run_cli(["train", *ARGS, *FSDP, "faults.inject_nan_at_step=7", "faults.inject_nan_on_rank=1",
+                   "trainer.strategy.save_distributed_checkpoint=false", f"hydra.run.dir={run_dir}"], data_cache,
+                  tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 7 and summary["steps"] == 8
+    assert all(loss == loss for loss in train_losses(run_dir).values())  # rank 0's own loss stayed finite
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8 and all(torch.isfinite(t).all() for t in last["state_dict"].values())

@@ -1,7 +1,7 @@
 """Checkpoints of `xsa-lm train` runs as plain models: the GPT (from the file alone) and the run's tokenizer.
 
 Used by `xsa-lm analyze`, `xsa-lm eval` and `xsa-lm generate`. A checkpoint lives in <run dir>/checkpoints/, next to
-the run's config.yaml, run_info.json and summary.json.
+the run's config.yaml, run_info.json and summary.json: a file, or a directory of shards (trainer=fsdp, xsa_lm.sharded).
 """
 
 import json
@@ -15,14 +15,20 @@ from tokenizers import Tokenizer
 
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.sharded import is_sharded, load_sharded, shards_complete
 
 
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
-    """Refuse, in one line naming the path, anything that cannot be a checkpoint: a missing path, a directory, an
-    empty file, or a file that is no torch.save archive (a config.yaml, a text file, a truncated download)."""
+    """Refuse, in one line naming the path, anything that cannot be a checkpoint: a missing path, a directory that
+    is no sharded checkpoint (or one with a shard missing), an empty file, or a file that is no torch.save archive
+    (a config.yaml, a text file, a truncated download)."""
+    if is_sharded(path):
+        if not shards_complete(path):
+            raise UserError(f"{key}: {path} is an incomplete sharded checkpoint (a shard is missing or truncated)")
+        return
     if path.is_dir():
-        inside = path / "checkpoints" / "last.ckpt"
-        example = inside if inside.is_file() else "runs/sa/checkpoints/last.ckpt"
+        inside = [p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.exists()]
+        example = inside[0] if inside else "runs/sa/checkpoints/last.ckpt"
         raise UserError(f"{key}: {path} is a directory, not a checkpoint: give a .ckpt file, e.g. {example}")
     if not path.is_file():
         raise UserError(f"{key}: checkpoint not found: {path}")
@@ -108,7 +114,10 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     command's option that named the file, for the error messages."""
     check_checkpoint_file(path, key)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if is_sharded(path):  # trainer=fsdp: put back together in this process (the weights only)
+            checkpoint = load_sharded(path, optimizer=False)
+        else:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
         raise UserError(f"{key}: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save

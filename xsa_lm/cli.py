@@ -11,6 +11,11 @@ COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
     "analyze": ("xsa_lm.analysis.run", "analyze", "Figure 1 diagnostics per layer (configs/analyze.yaml)"),
     "eval": ("xsa_lm.eval.run", "eval", "zero-shot tasks through lm-evaluation-harness (configs/eval.yaml)"),
     "generate": ("xsa_lm.eval.sample", "generate", "text from a checkpoint, with a KV cache (configs/generate.yaml)"),
+    "consolidate": (
+        "xsa_lm.train.consolidate",
+        "consolidate",
+        "a sharded checkpoint (trainer=fsdp) as one file (configs/consolidate.yaml)",
+    ),
     "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
     "scale": ("xsa_lm.scale.run", "scale", "the sweep at several sizes, XSA's compute multiplier (configs/scale.yaml)"),
     "plan": (

@@ -1,8 +1,10 @@
 """Checkpoints that survive crashes: atomic writes, validation before resuming, and a clean stop on preemption.
 
-- Every checkpoint is written to <name>.tmp and renamed into place: a kill mid-write leaves the previous file whole.
-- resume=auto takes the newest checkpoint that is a complete file (last.ckpt, step-*.ckpt), skipping a truncated or
-  corrupt one with a warning.
+- Every checkpoint is written to <name>.tmp and renamed into place: a kill mid-write leaves the previous one whole.
+  A sharded checkpoint (trainer=fsdp, a directory of one shard per rank) is renamed by rank 0 once every rank has
+  written its shard.
+- resume=auto takes the newest checkpoint that is complete (last.ckpt, step-*.ckpt; a file or a sharded directory),
+  skipping a truncated or corrupt one with a warning. A sharded checkpoint resumes on any number of processes.
 - SIGTERM / SIGUSR1 (SLURM preemption, `kill`) finish the current optimizer step, write last.ckpt, and end the run
   with status `preempted` and exit code 0, so the job can be requeued with resume=auto.
 - Ctrl-C (SIGINT) does the same with status `interrupted` and exit code 130; a second Ctrl-C aborts at once.
@@ -11,6 +13,7 @@
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import zipfile
@@ -19,8 +22,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from xsa_lm.errors import UserError
+from xsa_lm.sharded import META, is_sharded, load_sharded, shards_complete
 
 
 class CheckpointWriteError(UserError):
@@ -43,7 +48,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
-            os.replace(tmp, path)
+            move_into_place(tmp, path)
         except OSError as e:  # disk full, quota, permissions: the previous checkpoint is still whole
             tmp.unlink(missing_ok=True)
             raise CheckpointWriteError(
@@ -51,9 +56,66 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "free space (or fix permissions) and continue with resume=auto"
             ) from None
 
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        if is_sharded(Path(path)):  # written by FSDP2 ranks, resumed here by one process (or DDP)
+            return load_sharded(Path(path))
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """FSDP2 (trainer=fsdp) whose checkpoints are written as atomically as the others. Sharded
+    (save_distributed_checkpoint=true): every rank writes its shard into <name>.tmp/, and rank 0 renames the
+    directory into place once all have finished. Consolidated: rank 0 writes one file through AtomicCheckpointIO."""
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        path = Path(self.broadcast(str(filepath)))  # rank 0's path: all ranks write into the same directory
+        if not self._save_distributed_checkpoint:
+            # The state was gathered on rank 0 (a collective every rank joined); Lightning's own save would first
+            # delete a sharded directory of this name, leaving no checkpoint for a moment.
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        tmp = path.with_name(f"{path.name}.tmp")
+        if self.is_global_zero:
+            remove(tmp)  # left by a run killed mid-write
+        self.barrier("before the checkpoint")
+        super().save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        if self.is_global_zero:
+            with open(tmp / META, "rb") as f:  # the shards are fsynced by torch.distributed.checkpoint
+                os.fsync(f.fileno())
+        self.barrier("every shard written")
+        if self.is_global_zero:
+            move_into_place(tmp, path)
+        self.barrier("checkpoint in place")
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Rename tmp (a file or a sharded directory) to path. Nothing can be renamed over a directory: an old one is
+    renamed aside to <name>.old first (resume=auto still finds last.ckpt.old if a kill falls between the two
+    renames) and removed after."""
+    if path.exists() and (path.is_dir() or tmp.is_dir()):
+        old = path.with_name(f"{path.name}.old")
+        remove(old)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        remove(old)
+    else:
+        os.replace(tmp, path)
+
 
 def checkpoint_step(path: Path) -> int | None:
-    """The checkpoint's global step, or None when the file is truncated or not a checkpoint."""
+    """The checkpoint's global step, or None when it is truncated, incomplete or not a checkpoint."""
+    if path.is_dir():  # sharded: complete when every shard is, the step in its meta.pt
+        if not shards_complete(path):
+            return None
+        path = path / META
     try:
         with zipfile.ZipFile(path) as archive:  # torch.save files are zip archives with a CRC per member
             if archive.testzip() is not None:
@@ -64,11 +126,12 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list[Path]]:
-    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped."""
-    candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt"))]
+    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped.
+    A <name>.tmp (a write cut short) is never a candidate."""
+    candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt")), folder / "last.ckpt.old"]
     best, best_step, skipped = None, None, []
     for path in candidates:
-        if not path.is_file():
+        if not path.exists():
             continue
         step = checkpoint_step(path)
         if step is None:

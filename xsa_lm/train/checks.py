@@ -67,6 +67,7 @@ RULES = {
     "faults.skip_nonfinite_batches": _int(0),
     "faults.spike_factor": _number(0, low_open=True, nullable=True),
     "faults.inject_nan_at_step": _int(0, nullable=True),
+    "faults.inject_nan_on_rank": _int(0, nullable=True),
     "diagnostics.every_n_steps": _int(1, nullable=True),
     "diagnostics.sequences": _int(1),
     "diagnostics.chunk": _int(1),
@@ -99,6 +100,7 @@ RULES = {
     "trainer.log_every_n_steps": _int(1),
     "trainer.num_nodes": _int(1),
     "trainer.gradient_clip_val": _number(0, nullable=True),
+    "trainer.activation_checkpointing": _bool,
 }
 
 

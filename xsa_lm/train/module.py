@@ -34,17 +34,22 @@ class LMModule(L.LightningModule):
         skip_nonfinite_batches: int = 0,
         spike_factor: float | None = 3.0,
         nan_at_step: int | None = None,
+        nan_on_rank: int | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.model_config = model_config
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.total_steps = total_steps
         self.model = GPT(model_config)
+        for block in self.model.blocks:  # before compile and before FSDP2 wraps each block (configure_model)
+            block.activation_checkpointing = activation_checkpointing
         if compile:
             self.model = torch.compile(self.model)
         self.tokens_per_micro_batch = 0
         self.diverged_at: int | None = None
         self.skip_budget, self.spike_factor, self.nan_at_step = skip_nonfinite_batches, spike_factor, nan_at_step
+        self.nan_on_rank = nan_on_rank  # None: every rank
         self.events: list[dict] = []  # skipped batches and loss / grad-norm spikes, kept in summary.json
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
         self._nonfinite: list[tuple[int, torch.Tensor]] = []  # (step, device flag) not yet read by the host
@@ -68,6 +73,8 @@ class LMModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Checkpoints move between compiled and eager runs: torch.compile stores weights under model._orig_mod."""
+        if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
+            return
         compiled = hasattr(self.model, "_orig_mod")
         state = {}
         for key, value in checkpoint["state_dict"].items():
@@ -83,7 +90,8 @@ class LMModule(L.LightningModule):
         x, y = batch
         _, loss = self.model(x, y)
         if self.nan_at_step is not None and self.global_step == self.nan_at_step:  # faults.inject_nan_at_step
-            loss = loss * float("nan")  # one bad micro-batch
+            if self.nan_on_rank in (None, self.global_rank):
+                loss = loss * float("nan")  # one bad micro-batch
             self.nan_at_step = None
         self.watch_for_spike("loss_spike", loss)
         # A device tensor, read only when written out. Not prog_bar=True: Lightning reads those back after every

@@ -26,6 +26,7 @@ FREE_ON_RESUME = (
     "trainer.accelerator",
     "trainer.strategy",
     "trainer.enable_model_summary",
+    "trainer.activation_checkpointing",  # the backward recomputes the same values
     "micro_batch_size",
     "data.num_workers",
     "compile",

@@ -29,6 +29,7 @@ from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
 from xsa_lm.locking import exclusive
 from xsa_lm.model import GPTConfig
+from xsa_lm.sharded import META, is_sharded
 from xsa_lm.train import memory
 from xsa_lm.train.callbacks import Diagnostics, ProgressBar, Samples, Throughput, ValHistory
 from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
@@ -41,6 +42,7 @@ from xsa_lm.train.tracking import resolve_mode
 
 relaunch_argv: list[str] | None = None  # set by `xsa-lm train`: the command line that DDP ranks re-run
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
+OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by the run, not by lightning.Trainer
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
 
@@ -90,7 +92,8 @@ def check_memory(cfg: DictConfig, devices: int) -> None:
     vocab = fields.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
     need = memory.estimate(fields, math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE, cfg.micro_batch_size,
                            cfg.data.block_size, resolve_precision(cfg.trainer.precision),
-                           strategy=memory.strategy_kind(cfg.trainer.strategy), world_size=devices)  # fmt: skip
+                           strategy=memory.strategy_kind(cfg.trainer.strategy), world_size=devices,
+                           activation_checkpointing=cfg.trainer.get("activation_checkpointing", False))  # fmt: skip
     have, where = memory.available_bytes(cfg.trainer.accelerator)
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
@@ -176,12 +179,13 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
         path = newest
     else:
         path = Path(resume)
-        if not path.is_file():
+        if not path.is_file() and not is_sharded(path):
             raise UserError(f"resume: checkpoint not found: {resume}")
         step = checkpoint_step(path)
         if step is None:
             raise UserError(f"resume: {resume} is truncated or not a checkpoint")
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("model_config")
+    meta = path / META if path.is_dir() else path  # a sharded checkpoint keeps its model config in meta.pt
+    saved = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("model_config")
     differences = model_config_mismatch(saved, asdict(mcfg)) if saved is not None else []
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
@@ -290,6 +294,8 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
         spike_factor=cfg.faults.spike_factor,
         nan_at_step=cfg.faults.inject_nan_at_step,
+        nan_on_rank=cfg.faults.get("inject_nan_on_rank"),
+        activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
     )
     n_total = sum(p.numel() for p in module.parameters())
     n_params = n_total - mcfg.vocab_size * mcfg.d_model  # the tied token embedding
@@ -328,7 +334,7 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
     if memory.strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
         strategy = {**strategy, "data_parallel_size": plan["devices"]}  # Lightning's auto means one per node
     trainer: L.Trainer = build(
-        cfg.trainer,
+        lightning_trainer_args(cfg.trainer),
         strategy=strategy,
         precision=resolve_precision(cfg.trainer.precision),
         default_root_dir=str(run_dir),
@@ -364,12 +370,17 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
     return summary
 
 
+def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
+    """The trainer group without the keys that are ours (the module reads them), for lightning.Trainer."""
+    return OmegaConf.masked_copy(trainer_cfg, [key for key in trainer_cfg if key not in OUR_TRAINER_KEYS])
+
+
 def validate_last_step(trainer: L.Trainer, module: LMModule, datamodule, checkpoint: ModelCheckpoint) -> None:
     """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
     callbacks: when its loss is the best, best.ckpt must still hold it (and last.ckpt its validation history)."""
     trainer.validate(module, datamodule=datamodule, verbose=False)
-    if not trainer.is_global_zero:
-        return
+    # On every rank: under FSDP2 saving gathers (or writes) every rank's shard. val/loss is synced across ranks,
+    # so all take the same decisions.
     loss = trainer.callback_metrics["val/loss"]
     trainer.save_checkpoint(checkpoint.last_model_path or Path(checkpoint.dirpath) / "last.ckpt")
     if checkpoint.best_model_score is None or loss < checkpoint.best_model_score:

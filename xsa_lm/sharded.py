@@ -1,0 +1,59 @@
+"""Sharded checkpoints of FSDP2 runs (trainer=fsdp with save_distributed_checkpoint): read in one process.
+
+Such a checkpoint is a directory, e.g. checkpoints/last.ckpt/, written by Lightning's ModelParallelStrategy through
+torch.distributed.checkpoint: one `__<rank>_0.distcp` file per rank holding its shards of the weights and AdamW
+state, `.metadata` (where every tensor's pieces lie, written last by rank 0) and `meta.pt` (step, loops, LR
+schedule, data position, model config). Reading one needs no process group and no FSDP: the pieces are put back
+together into the ordinary checkpoint a single process writes, which any number of processes can resume from.
+"""
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+META = "meta.pt"  # Lightning's name for the part that is no tensor shard (fabric.utilities.load._METADATA_FILENAME)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def shards_complete(path: Path) -> bool:
+    """Whether every file the metadata names is there and long enough: a copy or write cut short is refused."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception:  # noqa: BLE001 - a truncated .metadata fails in pickle with any error
+        return False
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    files = {name: path / name for name in ends}
+    return (path / META).is_file() and all(f.is_file() and f.stat().st_size >= ends[n] for n, f in files.items())
+
+
+def load_sharded(path: Path, optimizer: bool = True) -> dict:
+    """The checkpoint as one process would have saved it: `state_dict` (full tensors), `optimizer_states` (keyed
+    by parameter position, as torch.optim expects) and everything of meta.pt. optimizer=False reads the weights
+    only (analyze, eval, generate): a third of the bytes."""
+    tensors: dict = {}
+    planner = _EmptyStateDictLoadPlanner(keys=None if optimizer else {"state_dict"})
+    # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file it writes
+    _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
+    checkpoint = torch.load(path / META, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = tensors.pop("state_dict")
+    optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    if optimizer:
+        checkpoint["optimizer_states"] = [by_position(tensors[k]) for k in optimizers]
+    return checkpoint
+
+
+def by_position(state: dict) -> dict:
+    """A sharded optimizer state names each parameter (`model.wte.weight`); torch.optim's load_state_dict wants
+    positions, numbered through the param groups in order."""
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    position = {name: i for i, name in enumerate(names)}
+    groups = [{**group, "params": [position[name] for name in group["params"]]} for group in state["param_groups"]]
+    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}

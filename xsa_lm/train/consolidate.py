@@ -1,0 +1,40 @@
+"""`xsa-lm consolidate ckpt=DIR out=FILE`: a sharded checkpoint of trainer=fsdp as one ordinary checkpoint file.
+
+analyze, eval, generate and resume read sharded checkpoints as they are; one file is what you copy elsewhere or share.
+"""
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.sharded import is_sharded, load_sharded, shards_complete
+from xsa_lm.train.checkpointing import AtomicCheckpointIO
+
+
+def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
+    if not is_sharded(source):
+        what = "a file" if source.is_file() else "not found" if not source.exists() else "no sharded checkpoint"
+        raise UserError(f"ckpt: {source} is {what}: give the directory of a sharded checkpoint "
+                        "(trainer=fsdp), e.g. runs/x/checkpoints/last.ckpt")  # fmt: skip
+    if not shards_complete(source):
+        raise UserError(f"ckpt: {source} is an incomplete sharded checkpoint (a shard is missing or truncated)")
+    if out.exists():
+        raise UserError(f"out: {out} exists; choose another path (nothing is overwritten)")
+    checkpoint = load_sharded(source, optimizer=not weights_only)
+    if weights_only:
+        checkpoint = {key: checkpoint[key] for key in ("state_dict", "model_config", "global_step")}
+    AtomicCheckpointIO().save_checkpoint(checkpoint, out)
+    return checkpoint
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        out = Path(str(cfg.out)).expanduser()
+        checkpoint = consolidate(Path(str(cfg.ckpt)).expanduser(), out, cfg.weights_only)
+    print(
+        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {checkpoint['global_step']}, "
+        f"{'weights only' if cfg.weights_only else 'weights, optimizer state and training position'}"
+    )
