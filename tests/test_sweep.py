@@ -16,6 +16,7 @@ from tests.test_eval import write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import (
+    SequentialRule,
     Trial,
     check_seeds,
     compare_trials,
@@ -24,6 +25,7 @@ from xsa_lm.sweep.protocol import (
     paired_ci,
     paired_test,
     search_trials,
+    seed_sequence,
     select_lr,
     t_quantile,
     t_quantile_975,
@@ -261,6 +263,95 @@ def test_minimum_detectable_difference_by_hand() -> None:
         assert power == pytest.approx(0.8, abs=0.006), (n, power)
 
 
+# --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
+
+
+def test_sequential_seeds_continue_after_the_largest_and_skip_the_search_seed() -> None:
+    assert seed_sequence([1, 2], search_seed=0, cap=5) == [1, 2, 3, 4, 5]
+    assert seed_sequence([1], search_seed=3, cap=4) == [1, 2, 4, 5]  # 3 is the search seed: its SA run won the search
+    assert seed_sequence([5, 1], search_seed=0, cap=3) == [5, 1, 6]
+    assert seed_sequence([1, 2, 3], search_seed=0, cap=3) == [1, 2, 3]
+    for cap in (1, 2, True, 2.5, None):  # below the 3 seeds of sweep.seeds (or two pairs), or not an integer
+        with pytest.raises(UserError, match="sweep.seeds_until_significant must be an integer"):
+            seed_sequence([1, 2, 3], search_seed=0, cap=cap)
+
+
+def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
+    # Looks after each seed count from sweep.seeds (at least 2 pairs) to the cap, each at 5% / looks.
+    rule = SequentialRule.plan(n_seeds=2, cap=6)
+    assert (rule.first_look, rule.looks, rule.alpha_per_look) == (2, 5, pytest.approx(0.01))
+    assert SequentialRule.plan(n_seeds=1, cap=4).looks == 3 and SequentialRule.plan(n_seeds=3, cap=6).looks == 4
+    assert SequentialRule.plan(n_seeds=4, cap=4).alpha_per_look == pytest.approx(0.05)  # one look: no correction
+    # Three pairs, mean -0.05, sd 0.01: the plain 95% CI excludes 0 (half-width 4.303 x 0.01 / sqrt 3 = 0.0248), the
+    # corrected 99% one does not (t(0.995, 2) = 9.925 from printed tables: half-width 0.0573). Not a stop yet.
+    diffs = [-0.05, -0.04, -0.06]
+    assert paired_ci(diffs)[1] < 0
+    look = rule.look(3, diffs)
+    assert look["ci"] == pytest.approx((-0.05 - 9.9248 * 0.01 / math.sqrt(3), -0.05 + 9.9248 * 0.01 / math.sqrt(3)),
+                                       abs=1e-5)  # fmt: skip
+    assert not look["significant"] and rule.stopped(look) is None
+    assert look["p_value"] == pytest.approx(paired_test(diffs).p_value) and look["pairs"] == 3
+    strong = rule.look(4, [-0.05, -0.051, -0.049, -0.05])
+    assert strong["significant"] and rule.stopped(strong) == "significant" and strong["ci"][1] < 0
+    at_cap = rule.look(6, [0.01, -0.02, 0.0, 0.03, -0.01])  # a diverged pair dropped: 5 pairs at 6 seeds
+    assert not at_cap["significant"] and rule.stopped(at_cap) == "cap"
+    assert rule.look(2, [0.1])["ci"] is None  # one usable pair: no CI, never significant
+    summary = rule.summary([look, strong], "significant")
+    assert summary["correction"] == "bonferroni" and summary["planned_looks"] == 5 and summary["n_looks"] == 2
+    assert summary["seeds"] == 4 and summary["ci"] == strong["ci"] and summary["confidence"] == pytest.approx(0.99)
+
+
+def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflate() -> None:
+    # Under no true difference, stopping at the first look whose CI excludes 0 declares a difference far more often
+    # than 5% at the plain level; at the rule's corrected level it stays at most 5%.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rule, sims = SequentialRule.plan(n_seeds=2, cap=10), 20000
+    diffs = rng.normal(size=(sims, rule.cap))
+
+    def false_positive_rate(alpha: float) -> float:
+        rejected = np.zeros(sims, dtype=bool)
+        for n in range(rule.first_look, rule.cap + 1):
+            x = diffs[:, :n]
+            t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / math.sqrt(n))
+            rejected |= np.abs(t) > t_quantile(1 - alpha / 2, n - 1)
+        return float(rejected.mean())
+
+    assert false_positive_rate(rule.alpha) > 0.12  # nine plain looks: the 5% level does not hold
+    assert false_positive_rate(rule.alpha_per_look) <= 0.05
+
+
+def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) -> None:
+    search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
+    trials = _search(search) + _compare(1, 3.0, 2.95) + _compare(2, 3.1, 3.04) + _compare(3, 3.05, 3.0)
+    selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
+    rule = SequentialRule.plan(n_seeds=2, cap=5)
+    looks = [rule.look(2, [-0.05, -0.06]), rule.look(3, [-0.05, -0.06, -0.05])]
+    sequential = rule.summary(looks, "significant")
+    results = build_results(tmp_path, "s", sorted(search), [1, 2, 3], [], trials, selection, None, search_seed=0,
+                            sequential=sequential)  # fmt: skip
+    plain = build_results(tmp_path, "s", sorted(search), [1, 2, 3], [], trials, selection, None, search_seed=0)
+    existing = {"sweep_dir", "sweep_id", "train_overrides", "grid", "seeds", "search_seed", "reuse_search_run",
+                "selected_lr", "warnings", "search", "comparison", "compare_table", "xsa_tuning", "trials"}  # fmt: skip
+    assert set(plain) == set(results) == existing | {"sequential"} and plain["sequential"] is None
+    assert all(results[key] == plain[key] for key in existing)  # the sequential rule only adds its own key
+    assert results["sequential"]["stopped"] == "significant" and results["sequential"]["alpha_per_look"] == 0.0125
+    markdown = render_markdown(results)
+    for text in ("### Sequential stopping", "one seed pair at a time from 2 to 5 compare seeds", "Bonferroni",
+                 "5% / 4 planned looks = 0.0125, i.e. a 98.75% CI", "| 2 | 3 | 3 | -0.0533 |",
+                 "Stopped after 2 of at most 4 looks, at 3 seeds: the corrected CI excludes 0.",
+                 "the sequential rule below decides"):  # fmt: skip
+        assert text in markdown, text
+    assert "Sequential" not in render_markdown(plain) and "sequential rule" not in render_markdown(plain)
+    capped = build_results(tmp_path, "s", sorted(search), [1, 2, 3], [], trials, selection, None,
+                           sequential=rule.summary(looks, "cap"))  # fmt: skip
+    assert "the cap was reached without the corrected CI excluding 0" in render_markdown(capped)
+    cut_short = build_results(tmp_path, "s", sorted(search), [1, 2], [], trials[:-2], selection, None,
+                              sequential=rule.summary([], "incomplete"))  # fmt: skip
+    assert "No look yet: a compare run did not finish; run the same sweep command again" in render_markdown(cut_short)
+
+
 # --- trial outcomes ------------------------------------------------------------------------------------------
 
 
@@ -395,6 +486,40 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cache: Path) -> None:
+    """sweep.seeds_until_significant=3 from seed 1, search seed 2: seeds 1 and 3 (2 skipped), then 4 unless the first
+    corrected look is significant; a rerun replays the looks on the reused trials and stops at the same place."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=10", "sweep.lrs=[3e-3]",
+            "sweep.search_seed=2", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "sweep.max_parallel=2",
+            f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    results = json.loads((sweep_dir / "results.json").read_text())
+    sequential = results["sequential"]
+    assert sequential["correction"] == "bonferroni" and sequential["planned_looks"] == 2
+    assert sequential["alpha_per_look"] == pytest.approx(0.025)
+    assert sequential["stopped"] in ("significant", "cap")
+    ran = [1, 3] if sequential["stopped"] == "significant" and sequential["n_looks"] == 1 else [1, 3, 4]
+    assert results["seeds"] == ran and sequential["seeds"] == len(ran)
+    assert [look["seeds"] for look in sequential["looks"]] == list(range(2, len(ran) + 1))
+    if sequential["stopped"] == "cap":
+        assert not any(look["significant"] for look in sequential["looks"])
+    compare = sorted((t["attention"], t["seed"]) for t in results["trials"] if t["phase"] == "compare")
+    assert compare == sorted((a, s) for a in ("sa", "xsa") for s in ran)  # one pair per seed, the search seed skipped
+    assert results["comparison"]["seeds"] == ran and results["comparison"]["diff_ci95"] is not None
+    report = (sweep_dir / "report.md").read_text()
+    assert "### Sequential stopping" in report and "Bonferroni-corrected level: 5% / 2 planned looks" in report
+    assert "look 1 of at most 2: 2 seeds, 97.50% CI" in proc.stdout
+
+    again = run_cli(args, data_cache, tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "started" not in again.stdout and again.stdout.count("(reused)") == 1 + 2 * len(ran)
+    assert json.loads((sweep_dir / "results.json").read_text())["sequential"] == sequential
+
+
+@pytest.mark.slow
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     task = write_local_task(tmp_path / "tasks")  # the compare runs are also evaluated on a local harness task
@@ -478,6 +603,7 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
         ("sweep.seeds=[0,0]", "distinct integers"),
         ("sweep.seeds=[0,1]", "contains the search seed (sweep.search_seed=0)"),
         ("sweep.max_parallel=0", "max_parallel must be at least 1"),
+        ("sweep.seeds_until_significant=2", "sweep.seeds_until_significant must be an integer of at least 2"),
     ],
 )
 def test_sweep_bad_inputs_fail_in_one_line(tmp_path: Path, data_cache: Path, override: str, message: str) -> None:

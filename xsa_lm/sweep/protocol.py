@@ -176,22 +176,23 @@ class PairedTest:
     n: int
     mean: float | None
     sd: float | None  # the standard deviation of the paired differences
-    ci95: tuple[float, float] | None
+    ci95: tuple[float, float] | None  # the (1 - alpha) CI of paired_test: 95% by default
     t: float | None
     p_value: float | None
     mde: float | None  # min_detectable_difference at ALPHA and POWER
 
 
-def paired_test(diffs: Sequence[float]) -> PairedTest:
+def paired_test(diffs: Sequence[float], alpha: float = ALPHA) -> PairedTest:
     """Student's paired t-test of the mean difference against 0 (scipy.stats.ttest_1samp on the differences, the
-    same as ttest_rel on the two arms): 95% CI, t, two-sided p-value and the minimum detectable difference."""
+    same as ttest_rel on the two arms): the (1 - alpha) CI (95% by default), t, two-sided p-value and the minimum
+    detectable difference (at ALPHA)."""
     mean, sd = mean_std(diffs)
     if len(diffs) < 2:
         return PairedTest(len(diffs), mean, sd, None, None, None, None)
     if sd == 0:  # identical differences: no noise estimate, scipy returns inf or nan
         return PairedTest(len(diffs), mean, sd, (mean, mean), None, None, 0.0)
     result = scipy.stats.ttest_1samp(list(diffs), 0.0)
-    ci = result.confidence_interval(1 - ALPHA)
+    ci = result.confidence_interval(1 - alpha)
     return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=(float(ci.low), float(ci.high)),
                       t=float(result.statistic), p_value=float(result.pvalue),
                       mde=min_detectable_difference(sd, len(diffs)))  # fmt: skip
@@ -200,3 +201,82 @@ def paired_test(diffs: Sequence[float]) -> PairedTest:
 def paired_ci(diffs: Sequence[float]) -> tuple[float, float] | None:
     """95% confidence interval of the mean paired difference (Student's t); None below two pairs."""
     return paired_test(diffs).ci95
+
+
+# --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
+
+
+def seed_sequence(seeds: Sequence[int], search_seed: int, cap: int) -> list[int]:
+    """The compare seeds of a sequential comparison, in the order they are added: sweep.seeds, then the integers
+    after the largest of them (never the search seed, whose SA run won the search), up to cap seeds in all."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < max(len(seeds), 2):
+        raise UserError(
+            f"sweep.seeds_until_significant must be an integer of at least 2 and at least the number of sweep.seeds "
+            f"({len(seeds)}), got {cap!r}: it caps the compare seeds, sweep.seeds included"
+        )
+    sequence, candidate = list(seeds), max(seeds) + 1
+    while len(sequence) < cap:
+        if candidate != search_seed:
+            sequence.append(candidate)
+        candidate += 1
+    return sequence
+
+
+@dataclass(frozen=True)
+class SequentialRule:
+    """Add one seed pair at a time and look at the paired CI after each, from first_look seeds up to cap; stop at
+    the first look whose CI excludes 0. Every look is a chance of a false positive, so each uses a Bonferroni-corrected
+    level alpha / looks: the chance that any of the planned looks rejects a true null stays at most alpha. Simple and
+    valid whatever the dependence between looks (conservative: the looks share data)."""
+
+    cap: int
+    first_look: int  # the seeds of the first look: sweep.seeds, at least 2 (no CI below two pairs)
+    alpha: float = ALPHA
+
+    @classmethod
+    def plan(cls, n_seeds: int, cap: int) -> "SequentialRule":
+        return cls(cap=cap, first_look=min(max(n_seeds, 2), cap))
+
+    @property
+    def looks(self) -> int:
+        """The planned number of looks: one after each seed count from first_look to cap."""
+        return self.cap - self.first_look + 1
+
+    @property
+    def alpha_per_look(self) -> float:
+        return self.alpha / self.looks
+
+    def look(self, n_seeds: int, diffs: Sequence[float]) -> dict:
+        """One look at the paired differences of the usable pairs so far: the corrected CI and p-value (scipy.stats),
+        and whether the CI excludes 0."""
+        test = paired_test(diffs, alpha=self.alpha_per_look)
+        significant = test.ci95 is not None and (test.ci95[0] > 0 or test.ci95[1] < 0)
+        return {"seeds": n_seeds, "pairs": test.n, "mean": test.mean, "ci": test.ci95, "p_value": test.p_value,
+                "significant": significant}  # fmt: skip
+
+    def stopped(self, look: dict) -> str | None:
+        """Why the sequence stops after this look: significant, cap (the cap reached without it), else None."""
+        if look["significant"]:
+            return "significant"
+        return "cap" if look["seeds"] >= self.cap else None
+
+    def summary(self, looks: list[dict], stopped: str) -> dict:
+        """The rule, its correction and its outcome, as results.json holds them (`sequential`)."""
+        last = looks[-1] if looks else {}
+        return {
+            "rule": f"one seed pair at a time from {self.first_look} to {self.cap} compare seeds, until the "
+            "corrected paired CI of XSA - SA excludes 0",
+            "correction": "bonferroni",
+            "cap": self.cap,
+            "first_look": self.first_look,
+            "planned_looks": self.looks,
+            "alpha": self.alpha,
+            "alpha_per_look": self.alpha_per_look,
+            "confidence": 1 - self.alpha_per_look,
+            "n_looks": len(looks),
+            "looks": looks,
+            "stopped": stopped,  # significant | cap | incomplete (a trial did not finish: rerun to continue)
+            "seeds": last.get("seeds"),
+            "ci": last.get("ci"),
+            "p_value": last.get("p_value"),
+        }

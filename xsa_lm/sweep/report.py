@@ -3,6 +3,7 @@ curves.png, and a W&B report run in the sweep's group."""
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from xsa_lm.sweep.protocol import ALPHA, POWER, Comparison, Selection, mean_std, paired_test
@@ -10,6 +11,10 @@ from xsa_lm.sweep.protocol import ALPHA, POWER, Comparison, Selection, mean_std,
 
 def _loss(value: float | None) -> str:
     return f"{value:.4f}" if value is not None and math.isfinite(value) else "-"
+
+
+def ci_text(ci: Sequence[float] | None) -> str:
+    return f"[{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci is not None else "(none below two pairs)"
 
 
 def comparison_of(trials: list[dict]) -> Comparison:
@@ -62,7 +67,7 @@ def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) 
     return stats
 
 
-def verdict(stats: dict) -> str:
+def verdict(stats: dict, sequential: bool = False) -> str:
     n, ci = len(stats["seeds"]), stats["diff_ci95"]
     dropped = len(stats.get("dropped_seeds") or [])
     left_out = f" ({dropped} seed(s) left out: see the warnings)" if dropped else ""
@@ -79,9 +84,48 @@ def verdict(stats: dict) -> str:
         meaning = "the interval excludes 0: XSA's higher loss is significant at the 5% level"
     else:
         meaning = "the interval includes 0: the difference is not significant at the 5% level"
+    if sequential:  # the seeds were added until significant: the plain 5% level no longer holds
+        meaning += " if no seeds had been added on sight of the results; the sequential rule below decides"
     p = stats.get("diff_p_value")
     p_text = f", p = {p:.3g}" if p is not None else ""
     return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}."
+
+
+STOPPED = {
+    "significant": "the corrected CI excludes 0",
+    "cap": "the cap was reached without the corrected CI excluding 0",
+    "incomplete": "a compare run did not finish; run the same sweep command again to continue",
+}
+
+
+def sequential_lines(sequential: dict) -> list[str]:
+    """The stopping rule of sweep.seeds_until_significant, its correction, each look and why it stopped."""
+    alpha, per_look = sequential["alpha"], sequential["alpha_per_look"]
+    lines = [
+        "### Sequential stopping (sweep.seeds_until_significant)",
+        "",
+        f"Rule: {sequential['rule']}. Every look at the data is another chance of a false positive, so each look "
+        f"uses a Bonferroni-corrected level: {alpha:.0%} / {sequential['planned_looks']} planned looks = "
+        f"{per_look:.4g}, i.e. a {1 - per_look:.2%} CI (Student's t, scipy.stats); the chance that any look "
+        f"declares a difference where there is none stays at most {alpha:.0%}.",
+        "",
+        "| look | seeds | pairs | mean XSA - SA | corrected CI | p |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, look in enumerate(sequential["looks"], start=1):
+        mean = f"{look['mean']:+.4f}" if look["mean"] is not None else "-"
+        p = f"{look['p_value']:.3g}" if look["p_value"] is not None else "-"
+        lines.append(f"| {i} | {look['seeds']} | {look['pairs']} | {mean} | {ci_text(look['ci'])} | {p} |")
+    if not sequential["looks"]:
+        return lines[:3] + [f"No look yet: {STOPPED[sequential['stopped']]}."]
+    lines += [
+        "",
+        f"Stopped after {sequential['n_looks']} of at most {sequential['planned_looks']} looks, at "
+        f"{sequential['seeds']} seeds: {STOPPED[sequential['stopped']]}. Corrected CI "
+        f"{ci_text(sequential['ci'])}"
+        + (f", p = {sequential['p_value']:.3g} against {per_look:.4g}." if sequential["p_value"] is not None else "."),
+    ]
+    return lines
 
 
 def noise_line(stats: dict) -> str:
@@ -156,9 +200,12 @@ def render_markdown(results: dict) -> str:
                 )  # fmt: skip
 
             lines.append(f"| mean ± std | {ms('sa')} | {ms('xsa')} | {ms('diff')} |")
-        lines += ["", verdict(compare)]
+        sequential = results.get("sequential")
+        lines += ["", verdict(compare, sequential=bool(sequential))]
         if noise_line(compare):
             lines += ["", noise_line(compare)]
+        if sequential:
+            lines += [""] + sequential_lines(sequential)
 
     tuning = results["xsa_tuning"]
     if tuning:
@@ -241,9 +288,10 @@ def plot_curves(trials: list[dict], path: Path) -> None:
 
 def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list[int], train_overrides: list[str],
                   trials: list[dict], selection: Selection, xsa_selection: Selection | None,
-                  search_seed: int = 0) -> dict:  # fmt: skip
+                  search_seed: int = 0, sequential: dict | None = None) -> dict:  # fmt: skip
     """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`;
-    `seeds` are the compare seeds, `search_seed` the search's."""
+    `seeds` are the compare seeds, `search_seed` the search's; `sequential` the outcome of the stopping rule of
+    sweep.seeds_until_significant (SequentialRule.summary), None without it."""
     search: dict[str, dict[str, dict]] = {}
     for trial in trials:
         if trial["phase"] == "search":
@@ -291,6 +339,7 @@ def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list
         "comparison": compare,
         "compare_table": compare_table,
         "xsa_tuning": tuning,
+        "sequential": sequential,
         "trials": trials,
     }
 
@@ -329,5 +378,6 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
         "diff_ci95_high": compare["diff_ci95"][1] if compare["diff_ci95"] else None,
         "diff_p_value": compare.get("diff_p_value"), "min_detectable_diff": compare.get("min_detectable_diff"),
         "sa_std": compare["sa_std"], "xsa_std": compare["xsa_std"], "reuse_search_run": results.get("reuse_search_run"),
+        "sequential_stopped": (results.get("sequential") or {}).get("stopped"),
     })  # fmt: skip
     run.finish()

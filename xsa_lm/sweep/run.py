@@ -24,8 +24,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.locking import exclusive
-from xsa_lm.sweep.protocol import Selection, Trial, check_seeds, compare_trials, lr_grid, search_trials, select_lr
-from xsa_lm.sweep.report import build_results, log_to_wandb, write_report
+from xsa_lm.sweep.protocol import (
+    Selection,
+    SequentialRule,
+    Trial,
+    check_seeds,
+    compare_trials,
+    lr_grid,
+    search_trials,
+    seed_sequence,
+    select_lr,
+)
+from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
 from xsa_lm.sweep.trials import Launcher, TrialStore
 
 relaunch_argv: list[str] | None = None  # set by the CLI; unused: trials are launched as their own processes
@@ -89,6 +99,28 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     return select_lr(results, math.inf)
 
 
+def run_sequential(launcher: Launcher, store: TrialStore, lr: float, seeds: list[int], search_seed: int,
+                   cap: int) -> tuple[list[Trial], dict]:  # fmt: skip
+    """The compare phase of sweep.seeds_until_significant: sweep.seeds first, then one seed pair at a time, with a
+    look at the corrected CI after each, until it excludes 0 or cap seeds ran. A rerun replays the same looks on the
+    reused trials, so it stops where the first run stopped, or continues where that one was cut short."""
+    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seed, cap)
+    looks, n, trials = [], rule.first_look, []
+    while True:
+        added = compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final (else it returned)
+        trials += added
+        launcher.run(added, "compare", "compare")
+        if not all(store.is_final(t) for t in trials):  # a failed or interrupted run: the next look waits for it
+            return trials, rule.summary(looks, "incomplete")
+        looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
+        stopped = rule.stopped(looks[-1])
+        print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {1 - rule.alpha_per_look:.2%} CI "
+              f"{ci_text(looks[-1]['ci'])}: " + (f"stop ({stopped})" if stopped else "one more seed"))  # fmt: skip
+        if stopped:
+            return trials, rule.summary(looks, stopped)
+        n += 1
+
+
 def evaluate_compare(store: TrialStore, trials: list[Trial], tasks, limit, sweep_dir: Path) -> tuple[dict | None, str]:
     """`xsa-lm eval` on the final checkpoints of the compare runs (its own process, like a trial); the result is
     reused when the same checkpoints were evaluated before."""
@@ -120,6 +152,9 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
     search_seed = cfg.sweep.get("search_seed", 0)
     seeds = check_seeds(cfg.sweep.seeds, search_seed, bool(cfg.sweep.get("reuse_search_run", False)))
+    cap = cfg.sweep.get("seeds_until_significant")
+    if cap is not None:
+        seed_sequence(seeds, search_seed, cap)  # a bad cap fails now, before anything is written
     if cfg.sweep.max_parallel < 1:
         raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
     check_config(cfg)
@@ -143,18 +178,24 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     signal.signal(signal.SIGINT, stop)
 
     n_search = len(grid) * (2 if cfg.sweep.tune_xsa else 1)
+    planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | LR grid {[f'{lr:g}' for lr in grid]}, "
-          f"search seed {search_seed}, compare seeds {seeds} | {n_search} search + up to {2 * len(seeds)} compare "
+          f"search seed {search_seed}, {planned} | {n_search} search + up to {2 * (cap or len(seeds))} compare "
           "trials")  # fmt: skip
     sa_search = search_trials(grid, search_seed, ["sa"])
     xsa_search = search_trials(grid, search_seed, ["xsa"]) if cfg.sweep.tune_xsa else []
     print("phase 1: LR search")
     launcher.run(sa_search + xsa_search, "search", "lr-search")
     selection = selection_of(store, sa_search)
-    compare = compare_trials(selection.lr, seeds) if selection.lr is not None else []
-    if compare:
+    compare, sequential = [], None
+    if selection.lr is not None:
         print(f"phase 2: selected LR {selection.lr:g}\nphase 3: SA vs XSA at LR {selection.lr:g}")
-        launcher.run(compare, "compare", "compare")
+        if cap is None:
+            compare = compare_trials(selection.lr, seeds)
+            launcher.run(compare, "compare", "compare")
+        else:
+            compare, sequential = run_sequential(launcher, store, selection.lr, seeds, search_seed, cap)
+            seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
 
     evaluation, eval_warning = None, ""
     if cfg.sweep.get("eval_tasks") and compare:
@@ -166,9 +207,8 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         evaluation, eval_warning = evaluate_compare(store, compare, tasks, cfg.sweep.get("eval_limit"), sweep_dir)
     trials = phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare")
     xsa_selection = selection_of(store, xsa_search) if xsa_search else None
-    results = build_results(
-        sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection, search_seed=search_seed
-    )
+    results = build_results(sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection,
+                            search_seed=search_seed, sequential=sequential)  # fmt: skip
     results["eval"] = evaluation
     if eval_warning:
         results["warnings"].append(eval_warning)
