@@ -60,13 +60,15 @@ class LMModule(L.LightningModule):
         and AdamW state; a block's weights are gathered for its forward and backward only."""
         if self.device_mesh is None:
             return
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+        model = getattr(self.model, "_orig_mod", self.model)
+        if isinstance(model, FSDPModule):  # trainer.validate after the fit calls this hook again
+            return
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy()  # fp32 on CPU; bf16 compute with fp32 gradient reduction on GPU
         if self.trainer.precision.startswith("bf16"):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = getattr(self.model, "_orig_mod", self.model)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
