@@ -13,7 +13,11 @@ PRESETS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 
 def preset(name: str, **overrides) -> GPTConfig:
-    fields = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"))
+    """The preset as Hydra composes it (a preset may build on another through its defaults list)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        fields = OmegaConf.to_container(compose(config_name="train", overrides=[f"model={name}"]).model)
     fields.pop("name")
     fields["vocab_size"] = fields["vocab_size"] or 50304
     return GPTConfig(**{**fields, **overrides})

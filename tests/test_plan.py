@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from xsa_lm.bench.loops import Setup, make_batches, peak_memory
+from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches, peak_memory
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
 from xsa_lm.train.schedule import warmup_cosine_scheduler
@@ -60,7 +60,10 @@ def test_estimate_within_20_percent_of_a_measured_cpu_step(shape, attention):
                        block_size=context, attention=attention)  # fmt: skip
     setup = Setup(torch.device("cpu"), "32-true", False, partial(torch.optim.AdamW, lr=1e-3, fused=True),
                   partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1))  # fmt: skip
-    measured, _ = peak_memory(config, setup, make_batches(2, micro_batch, context, vocab, 0, False), seed=0)
+    batches = make_batches(2, micro_batch, context, vocab, 0, False)
+    trainer = PlainTrainer(config, setup, seed=0, total_steps=4)
+    trainer.run(batches, 1)  # the AdamW state exists from the first step on
+    measured, _ = peak_memory(trainer, batches)
     e = memory.estimate(asdict(config), vocab, micro_batch, context, "32-true")
     assert 0.8 <= (e.total - e.transient) / measured <= 1.2
 
