@@ -53,6 +53,7 @@ class LMModule(L.LightningModule):
         self.events: list[dict] = []  # skipped batches and loss / grad-norm spikes, kept in summary.json
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
         self._nonfinite: list[tuple[int, torch.Tensor]] = []  # (step, device flag) not yet read by the host
+        self._step_loss: torch.Tensor | None = None  # the sum of the current step's micro-batch losses
 
     def configure_model(self) -> None:
         """Under ModelParallelStrategy (trainer=fsdp): FSDP2, one unit per transformer block and the root (the tied
@@ -96,12 +97,23 @@ class LMModule(L.LightningModule):
                 loss = loss * float("nan")  # one bad micro-batch
             self.nan_at_step = None
         self.watch_for_spike("loss_spike", loss)
-        # A device tensor, read only when written out. Not prog_bar=True: Lightning reads those back after every
-        # batch, a host-device sync per step; the ProgressBar callback shows it at logging steps instead.
-        self.log("train/loss", loss, on_step=True)
+        detached = loss.detach()
+        self._step_loss = detached if self._step_loss is None else self._step_loss + detached
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:  # the optimizer step's last micro-batch
+            self.log_step_loss()
         if logging_step(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
             self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True)
         return loss
+
+    def log_step_loss(self) -> None:
+        """train/loss: the mean over the step's micro-batches and, at logging steps, over every rank: what one process
+        training on the whole global batch logs. A device tensor, read only when written out (not prog_bar=True:
+        Lightning reads those back after every batch; the ProgressBar callback shows it at logging steps)."""
+        loss = self._step_loss / self.trainer.accumulate_grad_batches
+        self._step_loss = None
+        if logging_step(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
+            loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
+        self.log("train/loss", loss, on_step=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
