@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from tests.conftest import cli_env, run_cli
 from xsa_lm.errors import UserError
@@ -68,8 +69,6 @@ def test_the_multiplier_is_one_for_equal_losses_and_recovers_a_known_compute_rat
 def test_the_interval_covers_a_known_multiplier_at_its_nominal_rate():
     """XSA = SA at 1.2x the compute, 4 seeds per size with per-run noise, 100 simulated studies: the t interval
     through the fit holds the true 1.2 about 95% of the time (measured 94.6%)."""
-    import scipy.stats
-
     rng = np.random.default_rng(0)
     covered = total = 0
     for _ in range(100):
@@ -159,3 +158,35 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     report = (study / "report.md").read_text()
     assert "effective-compute multiplier" in report and "| tiny_d64 |" in report
     assert (study / "loss_vs_compute.png").stat().st_size > 10_000 and (study / "multiplier.png").exists()
+
+
+def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(tmp_path: Path, monkeypatch):
+    """The analysis and the W&B report run on a synthetic study (offline W&B, read back from its run file)."""
+    from tests.wandb_records import history, run_record, summary
+    from xsa_lm.scale.report import log_to_wandb, write_report
+    from xsa_lm.scale.run import analyse
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rng = np.random.default_rng(2)
+    sizes = []
+    for i, c in enumerate(COMPUTE[:4]):
+        sa, xsa = sa_curve(c) + rng.normal(0, 0.004, 3), sa_curve(1.2 * c) + rng.normal(0, 0.004, 3)
+        ci = scipy.stats.ttest_1samp(xsa - sa, 0.0).confidence_interval(0.95)
+        sizes.append({"model": f"m{i}", "usable": True, "compute": float(c), "non_embedding_params": 10**6 * 4**i,
+                      "selected_lr": 1e-3, "seeds": [1, 2, 3], "sa_runs": list(sa), "xsa_runs": list(xsa),
+                      "sa_mean": float(sa.mean()), "xsa_mean": float(xsa.mean()), "diff_ci95": [ci.low, ci.high],
+                      "sa_tokens_per_s": 100.0, "xsa_tokens_per_s": 98.0, "sweep_returncode": 0})  # fmt: skip
+    fit, warnings = analyse(sizes, "auto", resamples=100, seed=0)
+    assert fit["form"] == "power_law_offset" and warnings == []
+    results = {"study_dir": str(tmp_path), "study_id": "toy-study", "overrides": [], "models": ["m0", "m1", "m2", "m3"],
+               "seeds": [1, 2, 3], "fit": fit, "sizes": sizes, "warnings": warnings}  # fmt: skip
+    assert "| m3 |" in write_report(results, tmp_path)
+    for size in sizes:
+        assert size["wallclock_multiplier"] == pytest.approx(size["multiplier"] * 0.98)
+    log_to_wandb(results, tmp_path, {"mode": "offline"})
+    run_file = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert (run_record(run_file).run_group, run_record(run_file).job_type) == ("toy-study", "scale-report")
+    assert summary(run_file)["fit"] == fit["formula"]
+    logged = {key for row in history(run_file) for key in row}
+    for name in ("scale/sizes", "scale/loss_vs_compute", "scale/multiplier"):
+        assert any(key.startswith(name) for key in logged), (name, sorted(logged))
