@@ -108,6 +108,13 @@ def test_scale_refuses_a_model_override_and_a_single_size(tmp_path: Path, data_c
     assert proc.returncode == 2 and "scale.models" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli(["scale", "scale.models=[tiny]", f"hydra.run.dir={tmp_path / 's'}"], data_cache, tmp_path)
     assert proc.returncode == 2 and "at least two distinct model presets" in proc.stderr
+    for bad, why in (
+        ("scale.fit=cubic", "choose auto, power_law_offset or power_law"),
+        ("scale.bootstrap_resamples=5", "at least 100"),
+        ("scale.seeds=3", "list of seeds"),
+    ):
+        proc = run_cli(["scale", bad, f"hydra.run.dir={tmp_path / 's'}"], data_cache, tmp_path)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists()
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.locking import exclusive
 from xsa_lm.scale.fit import (
+    FORMS,
     bootstrap_multipliers,
     fit_loss_vs_compute,
     multiplier,
@@ -209,8 +210,20 @@ def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tupl
     return fit.as_dict(), warnings
 
 
+def check_analysis(scale: DictConfig) -> None:
+    """The analysis settings, before hours of training rather than after."""
+    if scale.fit not in ("auto", *FORMS):
+        raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
+    resamples = scale.bootstrap_resamples
+    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
+        raise UserError(f"scale.bootstrap_resamples must be an integer of at least 100, got {resamples!r}")
+    if scale.get("seeds") is not None and not OmegaConf.is_list(scale.seeds):
+        raise UserError(f"scale.seeds must be a list of seeds, e.g. scale.seeds=[1,2,3], got {scale.seeds!r}")
+
+
 def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
     models = check_models(cfg.scale.models)
+    check_analysis(cfg.scale)
     seeds = OmegaConf.to_container(cfg.scale.seeds) if cfg.scale.get("seeds") is not None else None
     state = open_study(study_dir, overrides, cfg)
     OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
