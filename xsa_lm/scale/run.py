@@ -182,6 +182,7 @@ def finite_or_none(value: float | None) -> float | None:
 def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tuple[dict | None, list[str]]:
     """Fit SA's loss vs compute over the usable sizes; each size gets its multiplier, CI and wall-clock multiplier."""
     warnings = [f"{s['model']}: left out of the fit: {s['error']}" for s in sizes if not s["usable"]]
+    warnings += [f"{s['model']}: {w}" for s in sizes for w in s.get("sweep_warnings", [])]  # e.g. a grid edge
     usable = [s for s in sizes if s["usable"]]
     compute = [s["compute"] for s in usable]
     fit = fit_loss_vs_compute(compute, [s["sa_mean"] for s in usable], fit_form)
