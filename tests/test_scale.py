@@ -197,3 +197,19 @@ def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(t
     logged = {key for row in history(run_file) for key in row}
     for name in ("scale/sizes", "scale/loss_vs_compute", "scale/multiplier"):
         assert any(key.startswith(name) for key in logged), (name, sorted(logged))
+
+
+def test_a_ladder_the_fit_cannot_describe_is_flagged_and_its_multipliers_are_not_read():
+    """SA's loss rising with compute (seed plateaus at toy scale do that): the report says the fit is unreliable."""
+    from xsa_lm.scale.report import reading
+    from xsa_lm.scale.run import analyse
+
+    means = [5.04, 5.35, 4.94, 4.82]  # the toy study's SA means: the second size is worse than the first
+    sizes = [{"model": f"m{i}", "usable": True, "compute": float(COMPUTE[i]), "sa_runs": [m - 0.01, m, m + 0.01],
+              "xsa_runs": [4.7, 4.72, 4.74], "sa_mean": m, "xsa_mean": 4.72, "diff_ci95": [4.65 - m, 4.8 - m],
+              "sa_tokens_per_s": None, "xsa_tokens_per_s": None} for i, m in enumerate(means)]  # fmt: skip
+    fit, warnings = analyse(sizes, "auto", resamples=100, seed=0)
+    assert any("m0 -> m1" in p for p in fit["problems"]) and any("RMS" in p for p in fit["problems"])
+    assert warnings[0].startswith("the SA fit is unreliable")
+    assert reading(sizes[1], fit_ok=False) == "unreliable fit (see the warnings)"
+    assert reading({"multiplier_ci": [1.1, 2.0]}) == "XSA better (CI above 1)"

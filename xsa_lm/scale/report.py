@@ -22,8 +22,10 @@ def fit_of(results: dict) -> Fit:
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
-def reading(size: dict) -> str:
+def reading(size: dict, fit_ok: bool = True) -> str:
     """What the multiplier's interval says, in words."""
+    if not fit_ok:
+        return "unreliable fit (see the warnings)"
     ci = size.get("multiplier_ci")
     if not ci:
         return "no interval"
@@ -72,6 +74,7 @@ def render_markdown(results: dict) -> str:
               "these runs.", "",
               "| model | seeds | SA mean | XSA mean | XSA - SA | k | 95% CI | bootstrap CI | wall-clock k | reading |",
               "|---|---:|---:|---:|---:|---:|---|---|---:|---|"]  # fmt: skip
+    fit_ok = not fit.get("problems")
     for size in results["sizes"]:
         if "compute" not in size:
             continue
@@ -79,7 +82,7 @@ def render_markdown(results: dict) -> str:
         lines.append(f"| {size['model']} | {len(size['seeds'])} | {_num(size['sa_mean'])} | {_num(size['xsa_mean'])} "
                      f"| {diff:+.4f} | {_num(size.get('multiplier'), 3)} | {_ci(size.get('multiplier_ci'))} | "
                      f"{_ci(size.get('multiplier_ci_bootstrap'))} | "
-                     f"{_num(size.get('wallclock_multiplier'), 3)} | {reading(size)} |")  # fmt: skip
+                     f"{_num(size.get('wallclock_multiplier'), 3)} | {reading(size, fit_ok)} |")  # fmt: skip
     lines += ["", "The fit runs along this ladder of sizes at a fixed token budget, not along a compute-optimal "
               "frontier: the multiplier is the compute SA would need on this ladder. Seed noise enters through the "
               "interval; the LR selected on SA at each size is reused for XSA (the paper's protocol)."]  # fmt: skip

@@ -11,6 +11,7 @@ import importlib.resources
 import json
 import math
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -179,6 +180,23 @@ def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def fit_problems(usable: list[dict], fit: dict) -> list[str]:
+    """Reasons the SA fit cannot convert losses into compute on this ladder; the multipliers then mean nothing."""
+    problems = []
+    ladder = sorted(usable, key=lambda s: s["compute"])
+    steps = zip(ladder, ladder[1:], strict=False)
+    rises = [f"{a['model']} -> {b['model']}" for a, b in steps if b["sa_mean"] >= a["sa_mean"]]
+    if rises:
+        problems.append(f"SA's mean loss does not fall as compute grows ({', '.join(rises)})")
+    errors = [statistics.stdev(s["sa_runs"]) / math.sqrt(len(s["sa_runs"])) for s in usable if len(s["sa_runs"]) > 1]
+    if errors and fit["rms_residual"] > 2 * max(errors):
+        problems.append(f"the fit misses the SA means by {fit['rms_residual']:.4f} RMS, more than twice their largest "
+                        f"standard error over seeds ({max(errors):.4f})")  # fmt: skip
+    if fit["form"] == "power_law_offset" and fit["E"] <= 1e-6:
+        problems.append("the irreducible loss E sits at its bound 0: the offset term is not identified")
+    return problems
+
+
 def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tuple[dict | None, list[str]]:
     """Fit SA's loss vs compute over the usable sizes; each size gets its multiplier, CI and wall-clock multiplier."""
     warnings = [f"{s['model']}: left out of the fit: {s['error']}" for s in sizes if not s["usable"]]
@@ -203,12 +221,16 @@ def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tupl
         if not math.isfinite(k) or (size["multiplier_ci"] and size["multiplier_ci"][1] is None):
             warnings.append(f"{size['model']}: XSA's loss (or its interval's lower end) is at or below the fit's "
                             f"floor E = {fit.E:.4f}: no finite multiplier there (reported as null)")  # fmt: skip
+    problems = fit_problems(usable, fit.as_dict())
+    if problems:
+        warnings.insert(0, "the SA fit is unreliable, so no multiplier here means anything: " + "; ".join(problems)
+                        + ". More seeds per size, longer runs or a wider ladder of sizes would help")  # fmt: skip
     if fit.form == "power_law" and len(usable) < 4:
         warnings.append(f"{len(usable)} sizes: a pure power law (no irreducible-loss term); 4 or more sizes fit "
                         "L = E + A C^-alpha")  # fmt: skip
     for size in sizes:
         size.pop("usable")
-    return fit.as_dict(), warnings
+    return {**fit.as_dict(), "problems": problems}, warnings
 
 
 def check_analysis(scale: DictConfig) -> None:
