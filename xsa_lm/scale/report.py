@@ -95,6 +95,7 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import NullFormatter
 
     sizes = [s for s in results["sizes"] if "compute" in s]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -111,10 +112,11 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     for s in sizes:
         ax.annotate(s["model"], (s["compute"], s["sa_mean"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("final validation loss")
     ax.set_title("Loss vs compute")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -125,6 +127,7 @@ def plot_multiplier(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     sizes = [s for s in results["sizes"] if s.get("multiplier") is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -138,9 +141,11 @@ def plot_multiplier(results: dict, path: Path) -> None:
             ax.plot([x], [k], "o", color="tab:orange")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("effective-compute multiplier k (95% CI)")
-    ax.set_title("XSA vs SA: compute multiplier by size")
+    unreliable = " (unreliable SA fit: see the report)" if results["fit"].get("problems") else ""
+    ax.set_title("XSA vs SA: compute multiplier by size" + unreliable, fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
