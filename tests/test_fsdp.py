@@ -19,7 +19,7 @@ from tests.test_train_cli import train_losses
 from xsa_lm.checkpoints import load_model
 from xsa_lm.train.checkpointing import newest_valid_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 STEPS = ["trainer.max_steps=20", "scheduler.total_steps=20", "val_every_steps=5", "checkpoint.keep_last=4"]
 ARGS = [a for a in FAST if a != "trainer=cpu"] + ["attention=xsa", *STEPS]
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]

@@ -51,6 +51,7 @@ def test_the_summary_records_a_failed_step_and_fails(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_whole_check_runs_on_cpu_with_the_tiny_model(tmp_path: Path):
     out = tmp_path / "check"
     proc = run_check(out, GPU_CHECK_ALLOW_CPU="1", GPU_CHECK_BUDGET_S="1400")

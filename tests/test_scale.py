@@ -127,6 +127,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     """Two sizes, one LR, three seeds: SIGKILL during the second size, then the same command finishes the study,
     reusing every trial that had finished."""

@@ -410,6 +410,7 @@ def _trial_wandb_file(run_dir: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     """Two LRs (one diverges), two seeds, XSA tuned too: the whole protocol, the report and W&B records."""
     sweep_dir = tmp_path / "sweep"
@@ -486,6 +487,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cache: Path) -> None:
     """sweep.seeds_until_significant=3 from seed 1, search seed 2: seeds 1 and 3 (2 skipped), then 4 unless the first
     corrected look is significant; a rerun replays the looks on the reused trials and stops at the same place."""
@@ -520,6 +522,7 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     task = write_local_task(tmp_path / "tasks")  # the compare runs are also evaluated on a local harness task
