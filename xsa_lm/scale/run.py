@@ -32,6 +32,7 @@ from xsa_lm.scale.fit import (
     wallclock_multiplier,
 )
 from xsa_lm.scale.report import log_to_wandb, write_report
+from xsa_lm.sweep.run import train_overrides
 from xsa_lm.sweep.trials import _die_with_parent, last_error_line
 
 relaunch_argv: list[str] | None = None  # set by the CLI; unused: every size is its own sweep process
@@ -51,6 +52,7 @@ def sweep_overrides(task_overrides: list[str]) -> list[str]:
         if key in SET_BY_SCALE:  # model.* keys apply to every size (e.g. model.block_size)
             raise UserError(f"{override}: {key} is set by xsa-lm scale for each size; {SET_BY_SCALE[key]}")
         kept.append(override)
+    train_overrides(kept)  # what every size's sweep would refuse (attention=, optim.lr=, seed=): refused here first
     return kept
 
 
