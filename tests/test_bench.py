@@ -59,6 +59,7 @@ def run_quick(script: str, tmp_path: Path) -> tuple[dict, str]:  # scripts/bench
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Path):
     out = tmp_path / "bench.json"
     args = [sys.executable, "-m", "xsa_lm.cli", "bench", "smoke=true", "model.n_layer=2", f"out={out}",
@@ -106,6 +107,7 @@ def test_a_failing_phase_ends_the_bench_in_one_line():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bench_data_quick_writes_the_report(tmp_path: Path):
     report, stdout = run_quick("bench_data.py", tmp_path)
     for key in ("raw_encode_tokens_per_s", "prepare_tokens_per_s", "loader_windows_per_s", "model_windows_per_s"):

@@ -120,6 +120,7 @@ metric_list:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     ckpts = {}
     for attention in ("sa", "xsa"):

@@ -69,6 +69,7 @@ def test_estimate_within_20_percent_of_a_measured_cpu_step(shape, attention):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
     args = ["plan", "model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8",
             "data.block_size=2048", "global_batch_tokens=524288", "tokenizer=gpt2", "device_memory_gb=80",

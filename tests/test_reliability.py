@@ -112,6 +112,7 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     assert not [e for e in quiet if e["event"] == "loss_spike"]  # the default factor 3: a smooth run has none
 
 
+@pytest.mark.long
 def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(data_cache: Path, tmp_path: Path):
     """Global batch 1024 tokens: one process accumulates 2 micro-batches, DDP runs 1 on each of 2 ranks."""
     args = [*COMMON, "trainer.max_steps=20"]

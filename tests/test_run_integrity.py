@@ -93,6 +93,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(xsa_run: Path, dat
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_second_run_into_a_busy_directory_is_refused(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     args = [*XSA, "trainer.max_steps=5000", f"hydra.run.dir={run_dir}"]  # long enough to outlive both refusals

@@ -134,6 +134,7 @@ def test_activation_checkpointing_gives_the_same_gradients_with_less_memory(atte
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_consolidate_writes_one_ordinary_checkpoint(tmp_path: Path, data_cache: Path):
     model, _ = write_sharded(tmp_path / "run" / "checkpoints" / "last.ckpt", step=12)
     source, out = tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "full.ckpt"

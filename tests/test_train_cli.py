@@ -81,6 +81,7 @@ def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
     assert [b[s] for s in range(20, 40)] == [a[s] for s in range(20, 40)]  # bit-identical on CPU, fp32
 
 
+@pytest.mark.long
 def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
     out = run_cli(["train", "attention=xsa", "model=gpt2_124m", "--cfg", "job"], data_cache, tmp_path)
     assert out.returncode == 0 and "name: xsa" in out.stdout and "n_layer: 12" in out.stdout
@@ -105,6 +106,7 @@ def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):
     assert summaries == ["sa", "xsa"]
 
 
+@pytest.mark.long
 def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
     """`xsa-lm train trainer.devices=2` relaunches the command for rank 1 (gloo); one W&B run, one summary."""
     run_dir = tmp_path / "ddp"
