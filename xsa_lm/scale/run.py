@@ -32,11 +32,11 @@ from xsa_lm.scale.fit import (
     wallclock_multiplier,
 )
 from xsa_lm.scale.report import log_to_wandb, write_report
-from xsa_lm.sweep.run import train_overrides
+from xsa_lm.sweep.run import passed_on, train_overrides
 from xsa_lm.sweep.trials import _die_with_parent, last_error_line
 
 relaunch_argv: list[str] | None = None  # set by the CLI; unused: every size is its own sweep process
-SET_BY_SCALE = {
+SET_BY_SCALE = {  # model.* keys apply to every size (e.g. model.block_size)
     "model": "set the sizes with scale.models=[...]",
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
@@ -44,14 +44,7 @@ SET_BY_SCALE = {
 
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
     """The command line's overrides passed on to every size's sweep (scale.* stays with the study)."""
-    kept = []
-    for override in task_overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == "scale" or key.startswith("scale."):
-            continue
-        if key in SET_BY_SCALE:  # model.* keys apply to every size (e.g. model.block_size)
-            raise UserError(f"{override}: {key} is set by xsa-lm scale for each size; {SET_BY_SCALE[key]}")
-        kept.append(override)
+    kept = passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
     train_overrides(kept)  # what every size's sweep would refuse (attention=, optim.lr=, seed=): refused here first
     return kept
 

@@ -48,18 +48,24 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
 }
 
 
-def train_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep)."""
+def passed_on(task_overrides: list[str], group: str, set_by: dict[str, str], setter: str) -> list[str]:
+    """The command line's overrides for the child processes: `group`.* stays with this command, and a key of set_by
+    (key -> where to set it instead) is refused."""
     kept = []
     for override in task_overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        if key == "sweep" or key.startswith("sweep."):
+        if key == group or key.startswith(f"{group}."):
             continue
-        if key in SET_BY_SWEEP or key == "attention.name":
-            why = SET_BY_SWEEP.get(key, SET_BY_SWEEP["attention"])
-            raise UserError(f"{override}: {key} is set by the sweep for each trial; {why}")
+        if key in set_by:
+            raise UserError(f"{override}: {key} is set by {setter}; {set_by[key]}")
         kept.append(override)
     return kept
+
+
+def train_overrides(task_overrides: list[str]) -> list[str]:
+    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep)."""
+    set_by = {**SET_BY_SWEEP, "attention.name": SET_BY_SWEEP["attention"]}
+    return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial")
 
 
 def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
