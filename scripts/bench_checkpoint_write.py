@@ -51,10 +51,14 @@ def main() -> None:
                 times[name].append(time_write(io, checkpoint, path))
                 path.unlink()
     size = sum(t.numel() * 4 for t in checkpoint["state_dict"].values())
-    result = {"checkpoint_mib": size / 2**20, "seconds": times,
-              "best_s": {name: min(ts) for name, ts in times.items()},
-              "atomic_over_lightning": min(times["atomic"]) / min(times["lightning"]),
-              "tmpdir": tempfile.gettempdir(), "run_info": run_info()}  # fmt: skip
+    result = {
+        "checkpoint_mib": size / 2**20,
+        "seconds": times,
+        "best_s": {name: min(ts) for name, ts in times.items()},
+        "atomic_over_lightning": min(times["atomic"]) / min(times["lightning"]),
+        "tmpdir": tempfile.gettempdir(),
+        "run_info": run_info(),
+    }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"| writer | best of {args.repeats} (s) | all (s) |\n|---|---:|---|")
     for name, ts in times.items():

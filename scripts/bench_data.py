@@ -45,9 +45,15 @@ def bench_prepare(workdir: Path, repeats: int, shard_documents: int) -> dict:
         data = prepare(source, load, workdir / f"prepared-{r}", {"bench": r}, shard_documents=shard_documents)
         prep_s.append(time.perf_counter() - t0)
     assert data.meta["train_tokens"] + data.meta["val_tokens"] == n_tokens + len(texts)  # + one EOT per document
-    return {"documents": len(texts), "tokens": n_tokens, "raw_encode_tokens_per_s": n_tokens / min(raw_s),
-            "prepare_tokens_per_s": n_tokens / min(prep_s), "prepare_over_raw": min(raw_s) / min(prep_s),
-            "shard_documents": shard_documents, "data_dir": str(data.dir)}  # fmt: skip
+    return {
+        "documents": len(texts),
+        "tokens": n_tokens,
+        "raw_encode_tokens_per_s": n_tokens / min(raw_s),
+        "prepare_tokens_per_s": n_tokens / min(prep_s),
+        "prepare_over_raw": min(raw_s) / min(prep_s),
+        "shard_documents": shard_documents,
+        "data_dir": str(data.dir),
+    }
 
 
 def bench_loader(data_dir: Path, block_size: int, micro_batch: int, batches: int) -> float:
@@ -100,14 +106,14 @@ def main() -> None:
         "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "quick": args.quick,
     }
+    prepare_ratio = f"{result['prepare_over_raw']:.2f}x raw (target >= 0.8)"
+    loader_ratio = f"{result['loader_over_model']:,.0f}x the model (target >= 50)"
     rows = [
         ("raw Tokenizer.encode_batch", f"{prep['raw_encode_tokens_per_s']:,.0f} tokens/s", ""),
-        ("prepare (shards + metadata)", f"{prep['prepare_tokens_per_s']:,.0f} tokens/s",
-         f"{result['prepare_over_raw']:.2f}x raw (target >= 0.8)"),
+        ("prepare (shards + metadata)", f"{prep['prepare_tokens_per_s']:,.0f} tokens/s", prepare_ratio),
         ("tiny model training", f"{model_windows_per_s:,.1f} windows/s", ""),
-        ("loader (shuffled stream)", f"{loader_windows_per_s:,.0f} windows/s",
-         f"{result['loader_over_model']:,.0f}x the model (target >= 50)"),
-    ]  # fmt: skip
+        ("loader (shuffled stream)", f"{loader_windows_per_s:,.0f} windows/s", loader_ratio),
+    ]
     print(f"bench_data: Shakespeare, {prep['documents']} documents, {prep['tokens']:,} tokens; {result['device']}")
     for name, value, ratio in rows:
         print(f"  {name:<30}{value:>24}  {ratio}")

@@ -14,6 +14,23 @@ from pathlib import Path
 LOSS_CLOSE = 0.10  # |XSA - SA| / SA of the final validation loss after 100 steps: same data, same LR, same seed
 MEMORY_WITHIN = 0.20  # measured peak memory within 20% of the planner's estimate
 PLAN_KEYS = ("per_device_bytes", "max_micro_batch_size", "micro_batch_size", "precision")
+BENCH_KEYS = (
+    "device",
+    "model",
+    "context",
+    "micro_batch",
+    "precision",
+    "compile",
+    "rounds",
+    "steps",
+    "tokens_per_s",
+    "step_time_ms",
+    "lightning_peak_memory_bytes",
+    "sa_peak_memory_bytes",
+    "xsa_peak_memory_bytes",
+    "runtime_s",
+)
+TRAIN_KEYS = ("status", "steps", "final_val_loss", "best_val_loss", "tokens_per_s", "wall_time_s")
 
 
 def read_json(path: Path) -> dict | None:
@@ -38,12 +55,9 @@ def read_steps(directory: Path) -> list[dict]:
 def bench_summary(report: dict | None) -> dict | None:
     if report is None:
         return None
-    keep = ("device", "model", "context", "micro_batch", "precision", "compile", "rounds", "steps", "tokens_per_s",
-            "step_time_ms", "lightning_peak_memory_bytes", "sa_peak_memory_bytes", "xsa_peak_memory_bytes",
-            "runtime_s")  # fmt: skip
-    ratios = {key: {k: s[k] for k in ("median", "mean", "sd", "interval", "target", "at_most", "verdict")}
-              for key, s in report["ratios"].items()}  # fmt: skip
-    return {k: report.get(k) for k in keep} | {"ratios": ratios}
+    ratio_keys = ("median", "mean", "sd", "interval", "target", "at_most", "verdict")
+    ratios = {key: {k: s[k] for k in ratio_keys} for key, s in report["ratios"].items()}
+    return {k: report.get(k) for k in BENCH_KEYS} | {"ratios": ratios}
 
 
 def memory_check(bench: dict | None, plan: dict | None) -> dict | None:
@@ -52,15 +66,18 @@ def memory_check(bench: dict | None, plan: dict | None) -> dict | None:
         return None
     measured, planned = bench["lightning_peak_memory_bytes"], plan["per_device_bytes"]["total"]
     ratio = measured / planned
-    return {"measured_bytes": measured, "planned_bytes": planned, "measured_over_planned": ratio,
-            "within": MEMORY_WITHIN, "ok": abs(ratio - 1) <= MEMORY_WITHIN}  # fmt: skip
+    return {
+        "measured_bytes": measured,
+        "planned_bytes": planned,
+        "measured_over_planned": ratio,
+        "within": MEMORY_WITHIN,
+        "ok": abs(ratio - 1) <= MEMORY_WITHIN,
+    }
 
 
 def train_check(directory: Path) -> dict:
     runs = {a: read_json(directory / f"train_{a}" / "summary.json") for a in ("sa", "xsa")}
-    out: dict = {a: None if s is None else {k: s.get(k) for k in ("status", "steps", "final_val_loss",
-                                                                   "best_val_loss", "tokens_per_s", "wall_time_s")}
-                 for a, s in runs.items()}  # fmt: skip
+    out: dict = {a: None if s is None else {k: s.get(k) for k in TRAIN_KEYS} for a, s in runs.items()}
     losses = [None if r is None else r["final_val_loss"] for r in out.values()]
     finite = all(isinstance(v, int | float) and math.isfinite(v) for v in losses)
     out["finite"] = finite
@@ -104,37 +121,68 @@ def fmt_ratio(key: str, s: dict) -> str:
     return f"| {key} | {f(s['median'])} | {f(s['sd'])} | {interval} | {target} | {s['verdict']} |"
 
 
-def markdown(s: dict) -> str:
-    lines = [f"# GPU check ({s['mode']}): {'all steps passed' if s['ok'] else 'FAILED'}", "",
-             f"{s['device']}; {s['seconds']} s in all.", "",
-             "| step | status | seconds | note |", "|---|---|---:|---|"]  # fmt: skip
-    lines += [f"| {t['name']} | {t['status']} | {t['seconds']} | {t.get('last_line', '')} |" for t in s["steps"]]
-    for name, b in s["bench"].items():
-        if b is None:
-            lines += ["", f"## bench {name}: no result"]
-            continue
-        lines += ["", f"## bench {b['model']} (context {b['context']} x {b['micro_batch']}, {b['precision']}, "
-                      f"compile {b['compile']}, {b['rounds']} rounds x {b['steps']} steps)", "",
-                  f"tokens/s (Lightning, SA) {b['tokens_per_s']:,.0f}, step {b['step_time_ms']:.1f} ms", "",
-                  "| ratio | median | sd | 95% interval | target | verdict |",
-                  "|---|---:|---:|---:|---:|---|"]  # fmt: skip
-        lines += [fmt_ratio(key, r) for key, r in b["ratios"].items()]
-    m = s["memory_vs_plan"]
-    if m:
-        lines += ["", f"peak memory paper_0.7b (Lightning step): {m['measured_bytes'] / 2**30:.2f} GiB measured, "
-                      f"{m['planned_bytes'] / 2**30:.2f} GiB planned: {m['measured_over_planned']:.2f}x "
-                      f"({'within' if m['ok'] else 'outside'} {m['within']:.0%})"]  # fmt: skip
-    t = s["train"]
-    lines += ["", "## train (FSDP2 on one device)", "", "| attention | status | steps | final val loss | "
-              "tokens/s |", "|---|---|---:|---:|---:|"]  # fmt: skip
+def bench_lines(name: str, b: dict | None) -> list[str]:
+    """One benchmark's shape, headline throughput and ratios."""
+    if b is None:
+        return ["", f"## bench {name}: no result"]
+    lines = [
+        "",
+        f"## bench {b['model']} (context {b['context']} x {b['micro_batch']}, {b['precision']}, "
+        f"compile {b['compile']}, {b['rounds']} rounds x {b['steps']} steps)",
+        "",
+        f"tokens/s (Lightning, SA) {b['tokens_per_s']:,.0f}, step {b['step_time_ms']:.1f} ms",
+        "",
+        "| ratio | median | sd | 95% interval | target | verdict |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    return lines + [fmt_ratio(key, r) for key, r in b["ratios"].items()]
+
+
+def train_lines(t: dict) -> list[str]:
+    """The SA and XSA training runs and how close their losses are."""
+    lines = [
+        "",
+        "## train (FSDP2 on one device)",
+        "",
+        "| attention | status | steps | final val loss | tokens/s |",
+        "|---|---|---:|---:|---:|",
+    ]
     for a in ("sa", "xsa"):
         r = t[a] or {}
         loss = r.get("final_val_loss")
-        lines.append(f"| {a} | {r.get('status')} | {r.get('steps')} | {'' if loss is None else f'{loss:.4f}'} | "
-                     f"{r.get('tokens_per_s') or 0:,.0f} |")  # fmt: skip
+        loss_cell = "" if loss is None else f"{loss:.4f}"
+        lines.append(
+            f"| {a} | {r.get('status')} | {r.get('steps')} | {loss_cell} | {r.get('tokens_per_s') or 0:,.0f} |"
+        )
     diff = t["relative_difference"]
-    lines.append(f"\nlosses finite: {t['finite']}; |XSA - SA| / SA = {'n/a' if diff is None else f'{diff:.3f}'} "
-                 f"(close: within {t['close_within']:.0%})")  # fmt: skip
+    diff_text = "n/a" if diff is None else f"{diff:.3f}"
+    lines.append(
+        f"\nlosses finite: {t['finite']}; |XSA - SA| / SA = {diff_text} (close: within {t['close_within']:.0%})"
+    )
+    return lines
+
+
+def markdown(s: dict) -> str:
+    lines = [
+        f"# GPU check ({s['mode']}): {'all steps passed' if s['ok'] else 'FAILED'}",
+        "",
+        f"{s['device']}; {s['seconds']} s in all.",
+        "",
+        "| step | status | seconds | note |",
+        "|---|---|---:|---|",
+    ]
+    lines += [f"| {t['name']} | {t['status']} | {t['seconds']} | {t.get('last_line', '')} |" for t in s["steps"]]
+    for name, b in s["bench"].items():
+        lines += bench_lines(name, b)
+    m = s["memory_vs_plan"]
+    if m:
+        lines += [
+            "",
+            f"peak memory paper_0.7b (Lightning step): {m['measured_bytes'] / 2**30:.2f} GiB measured, "
+            f"{m['planned_bytes'] / 2**30:.2f} GiB planned: {m['measured_over_planned']:.2f}x "
+            f"({'within' if m['ok'] else 'outside'} {m['within']:.0%})",
+        ]
+    lines += train_lines(s["train"])
     if s["eval"]:
         lines += ["", "## eval smoke", ""]
         lines += [f"- {r.get('run')}: average {r.get('average')}" for r in s["eval"]["rows"]]

@@ -17,8 +17,15 @@ PAPER = Path(__file__).resolve().parent / "data" / "paper_fig1.csv"
 
 def paper_rows() -> list[dict]:
     with open(PAPER) as f:
-        return [{"layer": int(r["layer"]), "cos_v_v": float(r["mean_cos_vi_vj"]), "a_ii": float(r["mean_a_ii"]),
-                 "cos_y_v": float(r["mean_cos_yi_vi"])} for r in csv.DictReader(f)]  # fmt: skip
+        return [
+            {
+                "layer": int(r["layer"]),
+                "cos_v_v": float(r["mean_cos_vi_vj"]),
+                "a_ii": float(r["mean_a_ii"]),
+                "cos_y_v": float(r["mean_cos_yi_vi"]),
+            }
+            for r in csv.DictReader(f)
+        ]
 
 
 def our_rows(path: Path) -> list[dict]:

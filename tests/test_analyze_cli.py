@@ -23,8 +23,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> d
     for attention in ("sa", "xsa"):
         logger = [] if attention == "xsa" else ["logger=csv"]  # the XSA run also logs to W&B (offline)
         fast = [o for o in FAST if o != "logger=csv"]
-        args = [*fast, *logger, f"attention={attention}", "trainer.max_steps=20", "diagnostics.every_n_steps=10",
-                "samples.every_n_steps=10", "samples.max_new_tokens=8", "samples.prompt=KING:"]  # fmt: skip
+        args = [*fast, *logger, f"attention={attention}", "trainer.max_steps=20", "diagnostics.every_n_steps=10"]
+        args += ["samples.every_n_steps=10", "samples.max_new_tokens=8", "samples.prompt=KING:"]
         proc = run_cli(["train", *args, f"hydra.run.dir={root / attention}"], data_cache, root)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[attention] = root / attention
@@ -51,8 +51,8 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
 def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path):
     ckpts = [checkpoints[a] / "checkpoints" / "last.ckpt" for a in ("sa", "xsa")]
     out = tmp_path / "analysis"
-    proc = run_cli(["analyze", f"ckpts=[{ckpts[0]},{ckpts[1]}]", "sequences=6", "chunk=16",
-                    f"hydra.run.dir={out}"], data_cache, tmp_path)  # fmt: skip
+    args = ["analyze", f"ckpts=[{ckpts[0]},{ckpts[1]}]", "sequences=6", "chunk=16", f"hydra.run.dir={out}"]
+    proc = run_cli(args, data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "diagnostics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -66,8 +66,9 @@ def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cac
     assert "cos_y_v" in proc.stdout and "\nxsa " in proc.stdout
     # the paper's own Figure 1 overlaid on ours
     fig = tmp_path / "fig1.png"
-    script = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_paper_fig1.py"), str(out / "diagnostics.csv"),
-                             "--out", str(fig)], capture_output=True, text=True)  # fmt: skip
+    plot_script = REPO / "scripts" / "plot_paper_fig1.py"
+    cmd = [sys.executable, str(plot_script), str(out / "diagnostics.csv"), "--out", str(fig)]
+    script = subprocess.run(cmd, capture_output=True, text=True)
     assert script.returncode == 0, script.stderr and fig.read_bytes()[:4] == b"\x89PNG"
     missing = run_cli(["analyze", "ckpts=[/no/such.ckpt]", f"hydra.run.dir={tmp_path / 'x'}"], data_cache, tmp_path)
     assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
@@ -84,8 +85,9 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("args, expected", REFUSED.values(), ids=REFUSED.keys())
-def test_analyze_refuses_in_one_line(args: list[str], expected: list[str], checkpoints: dict[str, Path],
-                                     data_cache: Path, tmp_path: Path):  # fmt: skip
+def test_analyze_refuses_in_one_line(
+    args: list[str], expected: list[str], checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path
+):
     run = checkpoints["xsa"]
     args = [a.format(run=run, ckpt=run / "checkpoints" / "last.ckpt") for a in args]
     out = tmp_path / "analysis"
@@ -96,17 +98,18 @@ def test_analyze_refuses_in_one_line(args: list[str], expected: list[str], check
 @pytest.mark.parametrize("toy", TOYS)
 def test_every_toy_recipe_trains_a_few_steps(toy: str, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", f"experiment={toy}", "trainer.max_steps=3", "val_every_steps=3", "data.val_windows=16",
-                    "logger=csv", "progress_bar=false", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)  # fmt: skip
+    args = ["train", f"experiment={toy}", "trainer.max_steps=3", "val_every_steps=3", "data.val_windows=16"]
+    args += ["logger=csv", "progress_bar=false", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
 
 
 def test_a_toy_study_runs_its_whole_grid(data_cache: Path, tmp_path: Path):
-    proc = run_cli(["train", "--multirun", "experiment=paper_sinks_toy", "trainer.max_steps=2", "val_every_steps=2",
-                    "data.val_windows=16", "logger=csv", "progress_bar=false",
-                    f"hydra.sweep.dir={tmp_path / 'multi'}"], data_cache, tmp_path, timeout=600)  # fmt: skip
+    args = ["train", "--multirun", "experiment=paper_sinks_toy", "trainer.max_steps=2", "val_every_steps=2"]
+    args += ["data.val_windows=16", "logger=csv", "progress_bar=false", f"hydra.sweep.dir={tmp_path / 'multi'}"]
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "multi").glob("*/summary.json"))]
     configs = {(s["attention"], s["model_config"]["n_sinks"]) for s in summaries}

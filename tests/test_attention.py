@@ -1,4 +1,4 @@
-"""XSA math and the SA path against a straightforward reference."""
+"""XSA math and the SA path against a straightforward reference; the fused XSA op against xsa_reference."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection
+from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection, xsa_reference
 from xsa_lm.model.attention import ExclusiveOutputProjection, apply_rope, rope_tables
 
 
@@ -14,16 +14,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(a, b, dim=-1)
 
 
-def test_exclusive_projection_equals_the_formula():
+def test_reference_and_fused_op_equal_the_formula_vector_by_vector():
     torch.manual_seed(0)
     y, v = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8, dtype=torch.float64)
     expected = torch.empty_like(y)
     for idx in torch.cartesian_prod(*(torch.arange(n) for n in y.shape[:3])).tolist():
         yi, vi = y[tuple(idx)], v[tuple(idx)]
         expected[tuple(idx)] = yi - (yi @ vi) * vi / (vi @ vi)
-    z = exclusive_projection(y, v, eps=0.0)
-    assert z.dtype == y.dtype
-    torch.testing.assert_close(z, expected, rtol=0, atol=1e-6)  # fp32 inside: float32 rounding
+    for z in (xsa_reference(y, v, eps=0.0), exclusive_projection(y, v, eps=0.0)):
+        assert z.dtype == y.dtype
+        torch.testing.assert_close(z, expected, rtol=0, atol=1e-12)  # fp64 inputs are computed in fp64
 
 
 def test_output_is_orthogonal_to_own_value_per_head():
@@ -61,7 +61,7 @@ def reference_attention(attn: CausalSelfAttention, x: torch.Tensor, exclusive: b
     scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
     y = scores.softmax(-1) @ v
     if exclusive:
-        y = y - (y * v).sum(-1, keepdim=True) * v / (v * v).sum(-1, keepdim=True)
+        y = xsa_reference(y, v, eps=attn.xsa_eps)
     out = attn.proj(y.transpose(1, 2).reshape(B, T, H * D))
     return out, y, v
 
@@ -102,13 +102,6 @@ def test_rope_keeps_norms_and_is_relative():
     torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-4)
 
 
-def reference_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
-    """The paper's formula, left to autograd, in fp64."""
-    y, v = y.double(), v.double()
-    coef = (y * v).sum(-1, keepdim=True) / ((v * v).sum(-1, keepdim=True) + eps)
-    return y - (coef if scale is None else coef * scale.double()) * v
-
-
 def gqa_inputs(dtype: torch.dtype, seed: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y as (B, H_kv, G, T, D) against a broadcast v (B, H_kv, 1, T, D), and a per-head gate, as the model passes."""
     g = torch.Generator().manual_seed(seed)
@@ -120,21 +113,22 @@ def gqa_inputs(dtype: torch.dtype, seed: int = 6) -> tuple[torch.Tensor, torch.T
 
 def test_hand_written_backward_passes_gradcheck():
     y, v, scale = gqa_inputs(torch.float64)
-    assert torch.autograd.gradcheck(lambda a, b, s: exclusive_projection(a, b, 1e-6, s), (y, v, scale))
-    assert torch.autograd.gradcheck(lambda a, b: exclusive_projection(a, b, 1e-6), (y, v))
+    assert torch.autograd.gradcheck(lambda a, b, s: exclusive_projection(a, b, eps=1e-6, scale=s), (y, v, scale))
+    assert torch.autograd.gradcheck(lambda a, b: exclusive_projection(a, b, eps=1e-6), (y, v))
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("gated", [False, True])
-def test_forward_and_backward_equal_the_formula(dtype: torch.dtype, tol: float, gated: bool):
+def test_forward_and_backward_equal_the_reference(dtype: torch.dtype, tol: float, gated: bool):
+    """The fused op against xsa_reference left to autograd in fp64, with GQA broadcasting, the gate and bf16."""
     y, v, scale = gqa_inputs(dtype)
     scale = scale if gated else None
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    z = exclusive_projection(y, v, 1e-6, scale)
+    z = exclusive_projection(y, v, eps=1e-6, scale=scale)
     assert z.dtype == dtype
     z.backward(grad.to(dtype))
     inputs = [t.detach().double().requires_grad_() for t in (y, v, *([scale] if gated else []))]
-    expected = reference_projection(inputs[0], inputs[1], 1e-6, inputs[2] if gated else None)
+    expected = xsa_reference(inputs[0], inputs[1], eps=1e-6, scale=inputs[2] if gated else None)
     expected.backward(grad)
     # bf16: the inputs are rounded alike, then z and the gradients are rounded once more on the way out
     torch.testing.assert_close(z.double(), expected, rtol=tol, atol=tol)
@@ -148,7 +142,7 @@ def test_only_the_inputs_and_two_numbers_per_token_are_saved_for_backward():
     y, v, scale = gqa_inputs(torch.bfloat16)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        exclusive_projection(y, v, 1e-6, scale)
+        exclusive_projection(y, v, eps=1e-6, scale=scale)
     inputs = {y.data_ptr(), v.data_ptr(), scale.data_ptr()}
     assert inputs <= {t.data_ptr() for t in saved} and all(t.dtype == torch.bfloat16 for t in saved[:3])
     extra = [t for t in saved if t.data_ptr() not in inputs]
@@ -169,13 +163,13 @@ def test_fused_output_projection_passes_gradcheck():
     y, v, scale, weight, bias = output_projection_inputs(torch.float64)
     fused = lambda y, v, s, w, b: ExclusiveOutputProjection.apply(y, v, 1e-6, s, w, b)
     assert torch.autograd.gradcheck(fused, (y, v, scale, weight, bias))
-    assert torch.autograd.gradcheck(lambda y, v, w: ExclusiveOutputProjection.apply(y, v, 1e-6, None, w, None),
-                                    (y, v, weight))  # fmt: skip
+    no_gate_no_bias = lambda y, v, w: ExclusiveOutputProjection.apply(y, v, 1e-6, None, w, None)
+    assert torch.autograd.gradcheck(no_gate_no_bias, (y, v, weight))
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_fused_output_projection_equals_projecting_z(autocast: bool):
-    """Forward and every gradient equal W_o(exclusive_projection(y, v)) left to autograd, also under bf16 autocast."""
+def test_fused_output_projection_equals_projecting_the_reference(autocast: bool):
+    """Forward and every gradient equal W_o(xsa_reference(y, v)) left to autograd, also under bf16 autocast."""
     results = []
     for fused in (True, False):
         y, v, scale, weight, bias = output_projection_inputs(torch.float32)
@@ -184,7 +178,7 @@ def test_fused_output_projection_equals_projecting_z(autocast: bool):
             if fused:
                 out = ExclusiveOutputProjection.apply(y_in, v_in, 1e-6, scale, weight, bias)
             else:
-                out = F.linear(exclusive_projection(y_in, v_in, 1e-6, scale).flatten(-3), weight, bias)
+                out = F.linear(xsa_reference(y_in, v_in, eps=1e-6, scale=scale).flatten(-3), weight, bias)
         out.backward(torch.ones_like(out))
         results.append([out, *(t.grad for t in (y, v, scale, weight, bias))])
     tol = 2e-2 if autocast else 1e-5

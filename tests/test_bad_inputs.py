@@ -61,16 +61,16 @@ def test_bad_input(overrides: list[str], expected: list[str], data_cache: Path, 
 
 def test_micro_batch_larger_than_the_corpus(data_cache: Path, tmp_path: Path):
     (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
-    out = run_cli(["train", *FAST, "data=local", f"data.files={tmp_path}/small.txt", "micro_batch_size=64",
-                   "global_batch_tokens=4096", f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)  # fmt: skip
+    args = ["train", *FAST, "data=local", f"data.files={tmp_path}/small.txt", "micro_batch_size=64"]
+    out = run_cli([*args, "global_batch_tokens=4096", f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)
     assert_clean_error(out, "fewer than micro_batch_size=64")
     assert not (tmp_path / "run").exists()
 
 
 def test_empty_corpus(data_cache: Path, tmp_path: Path):
     (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
-    out = run_cli(["train", *FAST, "data=local", f"data.files={tmp_path}/*.jsonl", "data.val_fraction=0.5",
-                   f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)  # fmt: skip
+    args = ["train", *FAST, "data=local", f"data.files={tmp_path}/*.jsonl", "data.val_fraction=0.5"]
+    out = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)
     assert_clean_error(out, "data:", "no text")
 
 

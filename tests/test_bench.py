@@ -52,8 +52,8 @@ def test_summarize_reports_the_spread_and_the_geometric_mean():
 
 def run_quick(script: str, tmp_path: Path) -> tuple[dict, str]:  # scripts/bench_*.py --quick
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--quick", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    cmd = [sys.executable, str(REPO / "scripts" / script), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -62,8 +62,8 @@ def run_quick(script: str, tmp_path: Path) -> tuple[dict, str]:  # scripts/bench
 @pytest.mark.long
 def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Path):
     out = tmp_path / "bench.json"
-    args = [sys.executable, "-m", "xsa_lm.cli", "bench", "smoke=true", "model.n_layer=2", f"out={out}",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [sys.executable, "-m", "xsa_lm.cli", "bench", "smoke=true", "model.n_layer=2", f"out={out}"]
+    args.append(f"hydra.run.dir={tmp_path / 'run'}")
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -97,11 +97,21 @@ def test_a_failing_phase_ends_the_bench_in_one_line():
     from xsa_lm.model import GPTConfig
 
     config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64)
-    phase = Phase(kind="plain", model=config, device="cpu", precision="32-true", compile=False,
-                  optimizer={"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
-                  scheduler={"_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler", "_partial_": True,
-                             "warmup_steps": 1},
-                  micro_batch=2, warmup=1, steps=2, seed=0, threads=1, reuse_host_memory=False)  # fmt: skip
+    phase = Phase(
+        kind="plain",
+        model=config,
+        device="cpu",
+        precision="32-true",
+        compile=False,
+        optimizer={"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
+        scheduler={"_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler", "_partial_": True, "warmup_steps": 1},
+        micro_batch=2,
+        warmup=1,
+        steps=2,
+        seed=0,
+        threads=1,
+        reuse_host_memory=False,
+    )
     with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
         run_fresh(replace(phase, kind="bogus"), label="bogus (round 1)", context=process_context())
 

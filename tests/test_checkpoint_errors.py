@@ -34,8 +34,11 @@ def lightning_checkpoint(config: GPTConfig) -> dict:
     """What `xsa-lm train` saves, as far as load_model reads it: Lightning's prefixed state_dict and the config."""
     torch.manual_seed(0)
     model = GPT(config)
-    return {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "model_config": asdict(config),
-            "global_step": 0}  # fmt: skip
+    return {
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "model_config": asdict(config),
+        "global_step": 0,
+    }
 
 
 def write_checkpoint(run_dir: Path, config: GPTConfig | None = None) -> Path:
@@ -61,8 +64,12 @@ def not_checkpoints(folder: Path) -> dict[str, Path]:
 
 
 def test_paths_that_are_no_checkpoint_are_refused_naming_them(tmp_path: Path):
-    expected = {"yaml": "not a checkpoint of `xsa-lm train`", "text": "not a checkpoint of `xsa-lm train`",
-                "empty": "is empty", "directory": "is a directory"}  # fmt: skip
+    expected = {
+        "yaml": "not a checkpoint of `xsa-lm train`",
+        "text": "not a checkpoint of `xsa-lm train`",
+        "empty": "is empty",
+        "directory": "is a directory",
+    }
     for kind, path in not_checkpoints(tmp_path).items():
         for check in (check_checkpoint_file, load_model):
             with pytest.raises(UserError, match="^ckpts: ") as e:
@@ -147,7 +154,8 @@ def test_load_weights_refuses_another_model_naming_the_fields():
         load_weights(other, checkpoint, "ckpts: checkpoint x.ckpt")
 
 
-def test_load_weights_takes_compiled_names():
+def test_load_weights_takes_the_names_of_a_torch_compile_wrapper():
+    """torch.compile(model) named the weights model._orig_mod.*: such checkpoints still load."""
     config = GPTConfig(**TINY)
     checkpoint = lightning_checkpoint(config)
     checkpoint["state_dict"] = {

@@ -1,12 +1,14 @@
-"""torch.compile: the model traces as one graph (no graph breaks) and XSA becomes one fused kernel each way."""
+"""torch.compile: the model traces as one graph (no graph breaks), XSA becomes one fused kernel each way, and
+generation runs a compiled model eagerly."""
 
 import re
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from xsa_lm.model import GPT, GPTConfig, exclusive_projection
+from xsa_lm.model import GPT, GPTConfig, exclusive_projection, generate
 
 # Inductor names its generated kernels cpp_fused_* on CPU and triton_*_fused_* on GPU.
 KERNEL = re.compile(r"^(?:cpp_fused_\w+|triton_\w+_fused_\w+) = ", re.MULTILINE)
@@ -45,3 +47,15 @@ def test_inductor_fuses_xsa_into_one_kernel_forward_and_one_backward():
     eager.backward(grad)
     torch.testing.assert_close(z, eager)
     torch.testing.assert_close(compiled_grads, (y.grad, v.grad))
+
+
+def test_generation_runs_a_compiled_model_eagerly():
+    """Each generated token is a call of another length: compiling each would cost far more than it saves."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16, attention="xsa"))
+    prompt = torch.randint(0, 64, (1, 4))
+    expected = generate(model, prompt, max_new_tokens=4)
+    model.compile()  # in place, as LMModule(compile=True) does
+    assert torch.equal(generate(model, prompt, max_new_tokens=4), expected)
+    assert not counters["stats"]["unique_graphs"]

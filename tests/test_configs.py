@@ -83,10 +83,8 @@ PAPER_PROTOCOL = {"block_size": 2048, "global_batch_tokens": 256 * 2048, "warmup
 @pytest.mark.parametrize("size", sorted(TABLE_1))
 def test_paper_presets_hold_the_papers_numbers(size: str):
     cfg = compose_train([f"experiment=paper_{size}"])
-    n_layer, d_model, n_head, head_dim, lr = TABLE_1[size]
     model = cfg.model
-    assert (model.n_layer, model.d_model, model.n_head, model.head_dim, cfg.optim.lr) == (n_layer, d_model, n_head,
-                                                                                           head_dim, lr)  # fmt: skip
+    assert (model.n_layer, model.d_model, model.n_head, model.head_dim, cfg.optim.lr) == TABLE_1[size]
     assert model.block_size == PAPER_PROTOCOL["block_size"]
     assert cfg.global_batch_tokens == PAPER_PROTOCOL["global_batch_tokens"]
     assert cfg.scheduler.warmup_steps == PAPER_PROTOCOL["warmup_steps"]
@@ -104,9 +102,16 @@ def test_toy_twins_keep_the_presets_attention_width_ratio(size: str):
     assert ratio(toy) == pytest.approx(ratio(preset))
 
 
-LABELLED = ["model/paper_0.7b.yaml", "model/paper_1.4b.yaml", "model/paper_2.7b.yaml", "experiment/paper_0.7b.yaml",
-            "experiment/paper_1.4b.yaml", "experiment/paper_2.7b.yaml", "optim/adamw.yaml",
-            "scheduler/warmup_cosine.yaml"]  # fmt: skip
+LABELLED = [
+    "model/paper_0.7b.yaml",
+    "model/paper_1.4b.yaml",
+    "model/paper_2.7b.yaml",
+    "experiment/paper_0.7b.yaml",
+    "experiment/paper_1.4b.yaml",
+    "experiment/paper_2.7b.yaml",
+    "optim/adamw.yaml",
+    "scheduler/warmup_cosine.yaml",
+]
 NOT_HYPERPARAMETERS = {"_target_", "_partial_", "name", "total_steps", "defaults", "- override"}
 
 

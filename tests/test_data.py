@@ -142,8 +142,8 @@ def test_hf_dataset_source_reads_local_files_through_datasets(tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", texts)
     source = HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"), streaming=True)
     assert [t for _, t in source.documents()] == texts
-    assert [t for _, t in HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"),
-                                    max_documents=2).documents()] == texts[:2]  # fmt: skip
+    first_two = HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"), max_documents=2)
+    assert [t for _, t in first_two.documents()] == texts[:2]
 
 
 def test_hub_dataset_offline_fails_fast_naming_local_files(monkeypatch):
@@ -342,19 +342,29 @@ def test_tail_split_holds_out_the_end_of_every_document(tmp_path: Path):
     assert 0.08 < data.meta["val_tokens"] / (data.meta["train_tokens"] + data.meta["val_tokens"]) < 0.12
     assert data.meta["split"] == "tail" and data.meta["identity"]["split"] == "tail"
     assert tail_start("abc", 0.1) == 3 and tail_start("", 0.1) == 0  # too short to hold out anything
-    other = prepare_local(tmp_path, str(tmp_path / "*.txt"), "b", split="tail", val_fraction=0.1,
-                          shard_documents=1, workers=2)  # fmt: skip
+    other = prepare_local(
+        tmp_path, str(tmp_path / "*.txt"), "b", split="tail", val_fraction=0.1, shard_documents=1, workers=2
+    )
     assert decode_documents(other, "train") == heads and decode_documents(other, "val") == tails
 
 
 def test_a_config_saved_before_val_split_keeps_the_document_split(tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(100))
     source = {"_target_": "xsa_lm.data.sources.LocalFiles", "files": str(tmp_path / "corpus.jsonl")}
-    data_cfg = {"dir": None, "cache_dir": str(tmp_path / "cache"), "val_fraction": 0.09, "split_seed": 0,
-                "shard_documents": 1000, "prepare_workers": 1, "tokenizer_documents": 1000, "val_windows": None,
-                "source": source}  # fmt: skip
-    tokenizer_cfg = OmegaConf.create({"_target_": "xsa_lm.data.tokenizer.train_bpe", "_partial_": True,
-                                      "vocab_size": 300})  # fmt: skip
+    data_cfg = {
+        "dir": None,
+        "cache_dir": str(tmp_path / "cache"),
+        "val_fraction": 0.09,
+        "split_seed": 0,
+        "shard_documents": 1000,
+        "prepare_workers": 1,
+        "tokenizer_documents": 1000,
+        "val_windows": None,
+        "source": source,
+    }
+    tokenizer_cfg = OmegaConf.create(
+        {"_target_": "xsa_lm.data.tokenizer.train_bpe", "_partial_": True, "vocab_size": 300}
+    )
     assert prepare_data(OmegaConf.create(data_cfg), tokenizer_cfg).meta["split"] == "document"  # 100 x 0.09 < 10
     data = prepare_data(OmegaConf.create({**data_cfg, "val_split": "auto"}), tokenizer_cfg)
     assert data.meta["split"] == "tail"

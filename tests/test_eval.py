@@ -85,8 +85,10 @@ def test_no_task_is_refused(tasks):
     assert len(resolve_tasks("paper")[0]) == 8
 
 
-@pytest.mark.parametrize("limit, batch_size, key", [(0, 16, "limit"), (-5, 16, "limit"), ("abc", 16, "limit"),
-                                                    (None, 0, "batch_size"), (None, 2.5, "batch_size")])  # fmt: skip
+@pytest.mark.parametrize(
+    "limit, batch_size, key",
+    [(0, 16, "limit"), (-5, 16, "limit"), ("abc", 16, "limit"), (None, 0, "batch_size"), (None, 2.5, "batch_size")],
+)
 def test_eval_options_are_checked(limit, batch_size, key: str):
     with pytest.raises(UserError, match=f"^{key} must be"):
         check_options(limit, batch_size)
@@ -127,19 +129,27 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
         run_dir = tmp_path / attention
         logger = [] if attention == "sa" else ["logger=csv"]  # the SA run has a W&B run to log the scores into
         fast = [o for o in FAST if o != "logger=csv"]
-        proc = run_cli(["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10",
-                        f"hydra.run.dir={run_dir}"], data_cache, tmp_path)  # fmt: skip
+        proc = run_cli(
+            ["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10", f"hydra.run.dir={run_dir}"],
+            data_cache,
+            tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         ckpts[attention] = run_dir / "checkpoints" / "last.ckpt"
     task = write_local_task(tmp_path / "tasks")
     script = REPO / "scripts" / "make_shakespeare_cloze.py"  # a second local task, from the held-out plays
-    made = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "tasks"), "--items", "20"],
-                          capture_output=True, text=True)  # fmt: skip
+    made = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "tasks"), "--items", "20"], capture_output=True, text=True
+    )
     assert made.returncode == 0, made.stderr
     cloze = tmp_path / "tasks" / "shakespeare_cloze.yaml"
     out = tmp_path / "eval"
-    proc = run_cli(["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]",
-                    f"hydra.run.dir={out}"], data_cache, tmp_path, timeout=600)  # fmt: skip
+    proc = run_cli(
+        ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"],
+        data_cache,
+        tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
     assert result["tasks"] == ["xsa_toy_mc", "shakespeare_cloze"]
@@ -157,8 +167,12 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])
 
     # A hub task without network: fails fast and names the task.
-    missing = run_cli(["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"],
-                      data_cache, tmp_path, timeout=300)  # fmt: skip
+    missing = run_cli(
+        ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"],
+        data_cache,
+        tmp_path,
+        timeout=300,
+    )
     assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
     # Generation: greedy is deterministic through the CLI too.

@@ -53,8 +53,9 @@ def test_fsdp2_trains_as_one_process(runs: Path):
     the single process's at every step."""
     assert_close(metric(runs / "single", "train/loss"), metric(runs / "fsdp", "train/loss"), range(20))
     assert_close(metric(runs / "single", "train/grad_norm"), metric(runs / "fsdp", "train/grad_norm"), range(20))
-    history = {name: json.loads((runs / name / "summary.json").read_text())["val_history"]
-               for name in ("single", "fsdp")}  # fmt: skip
+    history = {
+        name: json.loads((runs / name / "summary.json").read_text())["val_history"] for name in ("single", "fsdp")
+    }
     for x, y in zip(history["single"], history["fsdp"], strict=True):
         assert x["step"] == y["step"] and y["val_loss"] == pytest.approx(x["val_loss"], rel=1e-5)
 
@@ -79,13 +80,25 @@ def test_sharded_checkpoints_are_directories_that_analyze_and_eval_read(runs: Pa
     sharded, single = load_model(folder / "last.ckpt"), load_model(runs / "single" / "checkpoints" / "last.ckpt")
     for (name, a), b in zip(sharded.state_dict().items(), single.state_dict().values(), strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
-    analyze = run_cli(["analyze", f"ckpts=[{folder / 'last.ckpt'}]", "sequences=2", f"hydra.run.dir={tmp_path / 'a'}"],
-                      data_cache, tmp_path)  # fmt: skip
+    analyze = run_cli(
+        ["analyze", f"ckpts=[{folder / 'last.ckpt'}]", "sequences=2", f"hydra.run.dir={tmp_path / 'a'}"],
+        data_cache,
+        tmp_path,
+    )
     assert analyze.returncode == 0, analyze.stderr[-2000:]
     assert (tmp_path / "a" / "diagnostics.csv").read_text().count("\n") == 1 + 2  # a row per layer
     task = write_local_task(tmp_path / "tasks")
-    evaluate = run_cli(["eval", f"ckpts=[{folder / 'last.ckpt'}]", f"tasks=[{task}]", "wandb=false",
-                        f"hydra.run.dir={tmp_path / 'e'}"], data_cache, tmp_path)  # fmt: skip
+    evaluate = run_cli(
+        [
+            "eval",
+            f"ckpts=[{folder / 'last.ckpt'}]",
+            f"tasks=[{task}]",
+            "wandb=false",
+            f"hydra.run.dir={tmp_path / 'e'}",
+        ],
+        data_cache,
+        tmp_path,
+    )
     assert evaluate.returncode == 0, evaluate.stderr[-2000:]
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["rows"][0]["attention"] == "xsa"
 
@@ -111,15 +124,23 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
     """kill -9 of both ranks once step 10's checkpoint is in place (a later one may be half written), then
     resume=auto on 2 processes, with activation checkpointing switched on (it recomputes the same values)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, env=cli_env(data_cache), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=cli_env(data_cache),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc, timeout=300)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the rank it started: one process group
     proc.wait()
     assert not (run_dir / "summary.json").exists()
-    again = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.activation_checkpointing=true"],
-                    data_cache, tmp_path)  # fmt: skip
+    again = run_cli(
+        ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.activation_checkpointing=true"],
+        data_cache,
+        tmp_path,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resume: continuing the run" in again.stdout and "x 1 accumulation x 2 device(s)" in again.stdout
     assert_close(train_losses(runs / "fsdp"), train_losses(run_dir), range(20))
@@ -128,8 +149,9 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
 
 
 def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
-    out = run_cli(["train", *ARGS, *FSDP, "samples.every_n_steps=5", f"hydra.run.dir={tmp_path / 'run'}"],
-                  data_cache, tmp_path)  # fmt: skip
+    out = run_cli(
+        ["train", *ARGS, *FSDP, "samples.every_n_steps=5", f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path
+    )
     assert out.returncode == 2 and "samples.every_n_steps: not available under trainer=fsdp" in out.stderr
     assert not (tmp_path / "run").exists()
 
@@ -140,10 +162,21 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank(data_cache: Path, tmp_path: 
     12 steps, no multiple of val_every_steps: the last step is validated and checkpointed after the fit, on every
     rank. Consolidated checkpoints here (one file gathered on rank 0), the other checkpoint format."""
     run_dir = tmp_path / "run"
-    out = run_cli(["train", *ARGS, *FSDP, "trainer.max_steps=12", "faults.inject_nan_at_step=7",
-                   "faults.inject_nan_on_rank=1", "faults.skip_nonfinite_batches=1",
-                   "trainer.strategy.save_distributed_checkpoint=false", f"hydra.run.dir={run_dir}"], data_cache,
-                  tmp_path)  # fmt: skip
+    out = run_cli(
+        [
+            "train",
+            *ARGS,
+            *FSDP,
+            "trainer.max_steps=12",
+            "faults.inject_nan_at_step=7",
+            "faults.inject_nan_on_rank=1",
+            "faults.skip_nonfinite_batches=1",
+            "trainer.strategy.save_distributed_checkpoint=false",
+            f"hydra.run.dir={run_dir}",
+        ],
+        data_cache,
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 12 and summary["val_history"][-1]["step"] == 12

@@ -46,8 +46,10 @@ def test_cached_generation_equals_uncached(variant: str):
     cached = generate(model, prompt, max_new_tokens=30, use_cache=True)
     uncached = generate(model, prompt, max_new_tokens=30, use_cache=False)
     assert torch.equal(cached, uncached) and cached.shape == (2, 35)
-    sampled = [generate(model, prompt, 10, temperature=0.8, top_k=5, use_cache=c,
-                        generator=torch.Generator().manual_seed(3)) for c in (True, False)]  # fmt: skip
+    sampled = [
+        generate(model, prompt, 10, temperature=0.8, top_k=5, use_cache=c, generator=torch.Generator().manual_seed(3))
+        for c in (True, False)
+    ]
     assert torch.equal(*sampled)
 
 
@@ -55,7 +57,7 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
     model = model_for("xsa")
     prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(4))
     assert torch.equal(generate(model, prompt, 12), generate(model, prompt, 12))
-    draw = lambda seed: generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    draw = lambda seed: generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(draw(5), draw(5)) and not torch.equal(draw(5), draw(6))
     top1 = generate(model, prompt, 12, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(7))
     assert torch.equal(top1, generate(model, prompt, 12))  # top_k=1 is greedy

@@ -21,8 +21,13 @@ def has_gpu() -> bool:
 
 def run_check(out: Path, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_ALLOW_CPU")}
-    return subprocess.run(["bash", str(SCRIPT), str(out)], env=environment | {"XSA_LM_BIN": BIN} | env,
-                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        env=environment | {"XSA_LM_BIN": BIN} | env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
 
 
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU")
@@ -33,15 +38,31 @@ def test_without_a_gpu_it_stops_with_one_line(tmp_path: Path):
 
 
 def test_the_summary_records_a_failed_step_and_fails(tmp_path: Path):
-    steps = [{"name": "bench_gpt2_124m", "status": "ok", "exit_code": 0, "seconds": 3, "limit_s": 200, "command": "",
-              "log": "logs/bench_gpt2_124m.log"},
-             {"name": "train_sa", "status": "failed", "exit_code": 1, "seconds": 5, "limit_s": 120, "command": "",
-              "log": "logs/train_sa.log"}]  # fmt: skip
+    steps = [
+        {
+            "name": "bench_gpt2_124m",
+            "status": "ok",
+            "exit_code": 0,
+            "seconds": 3,
+            "limit_s": 200,
+            "command": "",
+            "log": "logs/bench_gpt2_124m.log",
+        },
+        {
+            "name": "train_sa",
+            "status": "failed",
+            "exit_code": 1,
+            "seconds": 5,
+            "limit_s": 120,
+            "command": "",
+            "log": "logs/train_sa.log",
+        },
+    ]
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "train_sa.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check_summary.py"), str(tmp_path), "--mode",
-                           "gpu"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_check_summary.py"), str(tmp_path), "--mode", "gpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["ok"] and "step train_sa: failed" in summary["failures"]
@@ -57,8 +78,15 @@ def test_the_whole_check_runs_on_cpu_with_the_tiny_model(tmp_path: Path):
     proc = run_check(out, GPU_CHECK_ALLOW_CPU="1", GPU_CHECK_BUDGET_S="1400")
     summary = json.loads((out / "summary.json").read_text())
     assert proc.returncode == 0, (summary["failures"], proc.stdout[-3000:])
-    assert [s["name"] for s in summary["steps"]] == ["bench_gpt2_124m", "plan_paper_0.7b", "bench_paper_0.7b",
-                                                     "train_sa", "train_xsa", "eval", "generate"]  # fmt: skip
+    assert [s["name"] for s in summary["steps"]] == [
+        "bench_gpt2_124m",
+        "plan_paper_0.7b",
+        "bench_paper_0.7b",
+        "train_sa",
+        "train_xsa",
+        "eval",
+        "generate",
+    ]
     assert all(s["status"] == "ok" for s in summary["steps"]) and summary["ok"] and summary["mode"] == "cpu"
     assert summary["train"]["finite"] and summary["train"]["close"] and summary["generate"]
     assert {"xsa_over_sa_step_time", "lightning_over_plain_throughput"} <= set(summary["bench"]["gpt2_124m"]["ratios"])

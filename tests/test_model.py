@@ -55,8 +55,9 @@ def test_gpt2_124m_has_124m_parameters_with_the_gpt2_vocab():
 @pytest.mark.parametrize("attention", ["sa", "xsa"])
 def test_forward_returns_logits_or_logits_and_loss(attention: str):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=128, block_size=16,
-                          attention=attention))  # fmt: skip
+    model = GPT(
+        GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=128, block_size=16, attention=attention)
+    )
     idx = torch.randint(0, 128, (3, 16))
     logits = model(idx)
     assert logits.shape == (3, 16, 128)

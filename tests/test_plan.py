@@ -56,24 +56,38 @@ def test_ddp_and_fsdp_bytes_by_hand():
 def test_estimate_within_20_percent_of_a_measured_cpu_step(shape, attention):
     """Against bench's CPU count: weights, gradients, AdamW state and every tensor saved for the backward."""
     n_layer, d_model, n_head, head_dim, vocab, micro_batch, context = shape
-    config = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, head_dim=head_dim, vocab_size=vocab,
-                       block_size=context, attention=attention)  # fmt: skip
-    setup = Setup(torch.device("cpu"), "32-true", False, partial(torch.optim.AdamW, lr=1e-3, fused=True),
-                  partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1))  # fmt: skip
-    batches = make_batches(2, micro_batch, context, vocab, 0, False)
+    config = GPTConfig(
+        n_layer=n_layer,
+        d_model=d_model,
+        n_head=n_head,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        block_size=context,
+        attention=attention,
+    )
+    setup = Setup(
+        torch.device("cpu"),
+        precision="32-true",
+        compile=False,
+        optimizer=partial(torch.optim.AdamW, lr=1e-3, fused=True),
+        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
+    )
+    batches = make_batches(2, micro_batch=micro_batch, context=context, vocab=vocab, seed=0, pin=False)
     trainer = PlainTrainer(config, setup, seed=0, total_steps=4)
     trainer.run(batches, 1)  # the AdamW state exists from the first step on
     measured, _ = peak_memory(trainer, batches)
-    e = memory.estimate(asdict(config), vocab, micro_batch, context, "32-true")
+    e = memory.estimate(
+        asdict(config), vocab_size=vocab, micro_batch_size=micro_batch, block_size=context, precision="32-true"
+    )
     assert 0.8 <= (e.total - e.transient) / measured <= 1.2
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
-    args = ["plan", "model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8",
-            "data.block_size=2048", "global_batch_tokens=524288", "tokenizer=gpt2", "device_memory_gb=80",
-            "out=plan.json"]  # fmt: skip
+    args = ["plan", "model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8"]
+    args += ["data.block_size=2048", "global_batch_tokens=524288", "tokenizer=gpt2", "device_memory_gb=80"]
+    args.append("out=plan.json")
     out = run_cli(args, data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())

@@ -18,8 +18,17 @@ TRAIN = [o for o in FAST if not o.startswith("tokenizer.")]  # data=prepared: th
 
 
 def prepare_args(corpus: str, out: Path, *extra: str) -> list[str]:
-    return ["prepare", "data=local", f"data.files={corpus}", "tokenizer=bpe", "tokenizer.vocab_size=300",
-            f"data.dir={out}", "data.val_fraction=0.05", "progress_bar=false", *extra]  # fmt: skip
+    return [
+        "prepare",
+        "data=local",
+        f"data.files={corpus}",
+        "tokenizer=bpe",
+        "tokenizer.vocab_size=300",
+        f"data.dir={out}",
+        "data.val_fraction=0.05",
+        "progress_bar=false",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +56,8 @@ def test_prepare_writes_shards_and_metadata(prepared: Path):
 
 def test_train_on_prepared_shards_needs_no_source(prepared: Path, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={prepared}", "trainer.max_steps=20",
-                    f"hydra.run.dir={run_dir}"], data_cache, tmp_path, HF_DATASETS_OFFLINE="1")  # fmt: skip
+    args = ["train", *TRAIN, "data=prepared", f"data.dir={prepared}", "trainer.max_steps=20"]
+    proc = run_cli([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path, HF_DATASETS_OFFLINE="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_val_loss"] < np.log(300)
@@ -66,11 +75,12 @@ def test_train_on_prepared_shards_needs_no_source(prepared: Path, data_cache: Pa
         (["model.vocab_size=128"], ["model.vocab_size=128", "smaller than the tokenizer"]),
     ],
 )
-def test_mismatched_tokenizer_or_vocab_is_refused(prepared: Path, data_cache: Path, tmp_path: Path,
-                                                  overrides: list[str], expected: list[str]):  # fmt: skip
+def test_mismatched_tokenizer_or_vocab_is_refused(
+    prepared: Path, data_cache: Path, tmp_path: Path, overrides: list[str], expected: list[str]
+):
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={prepared}", *overrides, f"hydra.run.dir={run_dir}"],
-                   data_cache, tmp_path)  # fmt: skip
+    args = ["train", *TRAIN, "data=prepared", f"data.dir={prepared}", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, data_cache, tmp_path)
     assert_clean_error(proc, *expected)
     assert proc.returncode == 2 and not (run_dir / "config.yaml").exists()
 
@@ -81,8 +91,8 @@ def test_truncated_shard_stops_training_with_one_line(prepared: Path, data_cache
     for path in prepared.iterdir():
         (copy / path.name).write_bytes(path.read_bytes())
     (copy / "train-000002.bin").write_bytes((copy / "train-000002.bin").read_bytes()[:100])
-    proc = run_cli(["train", *TRAIN, "data=prepared", f"data.dir={copy}", f"hydra.run.dir={tmp_path / 'run'}"],
-                   data_cache, tmp_path)  # fmt: skip
+    args = ["train", *TRAIN, "data=prepared", f"data.dir={copy}", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_cli(args, data_cache, tmp_path)
     assert_clean_error(proc, "train-000002.bin", "truncated")
 
 
@@ -95,10 +105,16 @@ def test_bad_corpus_files_fail_before_anything_is_written(data_cache: Path, tmp_
 
 def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(100_000))
-    args = prepare_args(str(tmp_path / "corpus.jsonl"), tmp_path / "killed", "data.shard_documents=500",
-                        "tokenizer.vocab_size=260")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", *args], cwd=tmp_path, env=cli_env(data_cache),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    args = prepare_args(
+        str(tmp_path / "corpus.jsonl"), tmp_path / "killed", "data.shard_documents=500", "tokenizer.vocab_size=260"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xsa_lm.cli", *args],
+        cwd=tmp_path,
+        env=cli_env(data_cache),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not (tmp_path / "killed" / "shard-000003.json").exists():
         assert proc.poll() is None and time.time() < deadline, "preparation ended before it could be killed"
@@ -129,8 +145,8 @@ def input_txt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", *FAST, "data=local", f"data.files={input_txt}", "trainer.max_steps=6", "val_every_steps=3",
-                    f"hydra.run.dir={run_dir}"], data_cache, tmp_path)  # fmt: skip
+    args = ["train", *FAST, "data=local", f"data.files={input_txt}", "trainer.max_steps=6", "val_every_steps=3"]
+    proc = run_cli([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data: 1 document is too few for a document-level split" in proc.stdout
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
@@ -144,17 +160,23 @@ def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Pat
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("data.val_fraction=0.9", "xsa-lm: error: data.val_fraction=0.9 must be in (0, 0.5]: it is the share held "
-                                  "out for validation (nanoGPT's 90/10 split is data.val_fraction=0.1)"),
-        ("data.val_windows=0", "xsa-lm: error: data.val_windows must be >= 1 (or null: every validation window), "
-                               "got 0"),
+        (
+            "data.val_fraction=0.9",
+            "xsa-lm: error: data.val_fraction=0.9 must be in (0, 0.5]: it is the share held "
+            "out for validation (nanoGPT's 90/10 split is data.val_fraction=0.1)",
+        ),
+        (
+            "data.val_windows=0",
+            "xsa-lm: error: data.val_windows must be >= 1 (or null: every validation window), got 0",
+        ),
     ],
-)  # fmt: skip
-def test_bad_split_settings_stop_before_the_run_starts(input_txt: Path, data_cache: Path, tmp_path: Path,
-                                                        override: str, message: str):  # fmt: skip
+)
+def test_bad_split_settings_stop_before_the_run_starts(
+    input_txt: Path, data_cache: Path, tmp_path: Path, override: str, message: str
+):
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", *FAST, "data=local", f"data.files={input_txt}", override, f"hydra.run.dir={run_dir}"],
-                   data_cache, tmp_path)  # fmt: skip
+    args = ["train", *FAST, "data=local", f"data.files={input_txt}", override, f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, data_cache, tmp_path)
     assert assert_clean_error(proc, message) == message and proc.stderr.strip() == message
     assert proc.returncode == 2
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()

@@ -19,8 +19,14 @@ COMMON = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40", "tra
 
 
 def start(args: list[str], data_cache: Path, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "xsa_lm.cli", *args], cwd=cwd, env=cli_env(data_cache),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "xsa_lm.cli", *args],
+        cwd=cwd,
+        env=cli_env(data_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -28,6 +34,20 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     while not path.exists():
         assert proc.poll() is None and time.time() < deadline, f"the run ended before {path.name} appeared"
         time.sleep(0.02)
+
+
+def stop_mid_run(args: list[str], sig: signal.Signals, *, data_cache: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """Start a run and send it `sig` once its step-10 checkpoint exists; it must have stopped between step 10 and the
+    end, with last.ckpt at the step its summary.json reports."""
+    run_dir = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+    proc = start(args, data_cache, cwd)
+    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 10 <= summary["steps"] < 40, stderr[-2000:]
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == summary["steps"]
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +92,10 @@ def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path
 
 def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    proc = start([*COMMON, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "preempted" and 10 <= summary["steps"] < 40
-    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == summary["steps"]
-    assert "SIGTERM received" in stdout and "resume=auto" in stdout
+    stopped = stop_mid_run([*COMMON, f"hydra.run.dir={run_dir}"], signal.SIGTERM, data_cache=data_cache, cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "preempted"
+    assert "SIGTERM received" in stopped.stdout and "resume=auto" in stopped.stdout
     again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
@@ -88,8 +103,9 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path
 
 
 def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, tmp_path: Path):
-    diverged = run_cli([*COMMON, "faults.inject_nan_at_step=15", f"hydra.run.dir={tmp_path / 'a'}"], data_cache,
-                       tmp_path)  # fmt: skip
+    diverged = run_cli(
+        [*COMMON, "faults.inject_nan_at_step=15", f"hydra.run.dir={tmp_path / 'a'}"], data_cache, tmp_path
+    )
     assert diverged.returncode == 0, diverged.stderr[-2000:]
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     # Step 15's update was skipped on the device (fused AdamW's found_inf); the host saw it at the next logging step.
@@ -98,8 +114,17 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     last = torch.load(summary["checkpoints"]["last"], map_location="cpu", weights_only=True)
     assert last["global_step"] == 16 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
     # spike_factor 0.5: every logged loss above half its running average counts as a spike, so events must appear
-    skipped = run_cli([*COMMON, "faults.inject_nan_at_step=15", "faults.skip_nonfinite_batches=1",
-                       "faults.spike_factor=0.5", f"hydra.run.dir={tmp_path / 'b'}"], data_cache, tmp_path)  # fmt: skip
+    skipped = run_cli(
+        [
+            *COMMON,
+            "faults.inject_nan_at_step=15",
+            "faults.skip_nonfinite_batches=1",
+            "faults.spike_factor=0.5",
+            f"hydra.run.dir={tmp_path / 'b'}",
+        ],
+        data_cache,
+        tmp_path,
+    )
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 40
@@ -117,11 +142,13 @@ def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(data_cache:
     """Global batch 1024 tokens: one process accumulates 2 micro-batches, DDP runs 1 on each of 2 ranks."""
     args = [*COMMON, "trainer.max_steps=20"]
     single = run_cli([*args, f"hydra.run.dir={tmp_path / 'single'}"], data_cache, tmp_path)
-    ddp = run_cli([*args, "trainer.devices=2", "trainer.strategy=ddp", f"hydra.run.dir={tmp_path / 'ddp'}"],
-                  data_cache, tmp_path)  # fmt: skip
+    ddp = run_cli(
+        [*args, "trainer.devices=2", "trainer.strategy=ddp", f"hydra.run.dir={tmp_path / 'ddp'}"], data_cache, tmp_path
+    )
     assert single.returncode == 0 and ddp.returncode == 0, ddp.stderr[-2000:]
-    history = {name: json.loads((tmp_path / name / "summary.json").read_text())["val_history"]
-               for name in ("single", "ddp")}  # fmt: skip
+    history = {
+        name: json.loads((tmp_path / name / "summary.json").read_text())["val_history"] for name in ("single", "ddp")
+    }
     assert [h["step"] for h in history["ddp"]] == [10, 20]
     for a, b in zip(history["single"], history["ddp"], strict=True):  # float summation order differs: close
         assert a["val_loss"] == pytest.approx(b["val_loss"], abs=2e-4)
@@ -141,11 +168,14 @@ def test_checkpoints_move_between_compiled_and_eager_models():
     from xsa_lm.train.module import LMModule
 
     config = GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8)
-    make = lambda compile: LMModule(config, optimizer=None, scheduler=None, total_steps=1, compile=compile)  # noqa: E731
-    eager, compiled = make(False), make(True)  # torch.compile wraps lazily: nothing is compiled here
-    assert all(k.startswith("model._orig_mod.") for k in compiled.state_dict())
-    for source, target in ((compiled, eager), (eager, compiled)):
-        checkpoint = {"state_dict": {k: v.clone() for k, v in source.state_dict().items()}}
+    make = lambda compile: LMModule(config, optimizer=None, scheduler=None, total_steps=1, compile=compile)
+    eager, compiled = make(False), make(True)  # compiled in place and lazily: nothing is compiled here
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # the same names: nothing to rename
+    # A torch.compile(model) wrapper names the weights model._orig_mod.*: such checkpoints load into both.
+    wrapped = {k.replace("model.", "model._orig_mod.", 1): v for k, v in eager.state_dict().items()}
+    for source, target in ((compiled, eager), (eager, compiled), (wrapped, eager), (wrapped, compiled)):
+        state = source if isinstance(source, dict) else source.state_dict()
+        checkpoint = {"state_dict": {k: v.clone() for k, v in state.items()}}
         target.on_load_checkpoint(checkpoint)
         target.load_state_dict(checkpoint["state_dict"])  # strict: every key maps
 
@@ -173,8 +203,13 @@ def test_no_secret_lands_in_the_run_directory(data_cache: Path, tmp_path: Path):
     secret = "0123456789abcdef0123456789abcdef01234567"
     run_dir = tmp_path / "run"
     fast = [o for o in FAST if o != "logger=csv"]
-    proc = run_cli(["train", *fast, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], data_cache, tmp_path,
-                   WANDB_API_KEY=secret, HF_TOKEN=secret)  # fmt: skip
+    proc = run_cli(
+        ["train", *fast, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"],
+        data_cache,
+        tmp_path,
+        WANDB_API_KEY=secret,
+        HF_TOKEN=secret,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == [] and secret not in proc.stdout + proc.stderr

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import FAST, run_cli
 from tests.test_bad_inputs import assert_clean_error
-from tests.test_reliability import start, wait_for
+from tests.test_reliability import start, stop_mid_run, wait_for
 from tests.test_train_cli import train_losses
 from xsa_lm.errors import UserError
 from xsa_lm.locking import exclusive
@@ -25,8 +25,11 @@ XSA = ["train", *FAST, "attention=xsa", "val_every_steps=10"]
 
 
 def snapshot(run_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +56,11 @@ def test_the_readme_resume_line_continues_xsa_exactly(xsa_run: Path, data_cache:
     assert summary["attention"] == "xsa" and summary["lr"] == 3e-3 and summary["steps"] == 40
     assert summary["tokens_seen"] == 40 * 1024 and "COMPLETED: xsa" in out.stdout
     # The uninterrupted run of the same plan: 40 steps on a 20-step schedule.
-    straight = run_cli([*XSA, "trainer.max_steps=40", "scheduler.total_steps=20", f"hydra.run.dir={tmp_path / 's'}"],
-                       data_cache, tmp_path)  # fmt: skip
+    straight = run_cli(
+        [*XSA, "trainer.max_steps=40", "scheduler.total_steps=20", f"hydra.run.dir={tmp_path / 's'}"],
+        data_cache,
+        tmp_path,
+    )
     assert straight.returncode == 0, straight.stderr[-2000:]
     assert train_losses(run_dir) == train_losses(tmp_path / "s")  # bit-identical on CPU, fp32
     config = OmegaConf.load(run_dir / "config.yaml")
@@ -116,9 +122,16 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path: Path):
     (tmp_path / ".xsa-lm.lock").write_text("999999\n")  # written by a process that died: no flock is held
     with exclusive(tmp_path, ".xsa-lm.lock", "xsa-lm train run"):
         assert (tmp_path / ".xsa-lm.lock").read_text() == f"{os.getpid()}\n"
-        holder = subprocess.run([sys.executable, "-c", "from pathlib import Path; from xsa_lm.locking import "
-                                 f"exclusive; exclusive(Path({str(tmp_path)!r}), '.xsa-lm.lock', 'run').__enter__()"],
-                                capture_output=True, text=True)  # fmt: skip
+        holder = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from pathlib import Path; from xsa_lm.locking import "
+                f"exclusive; exclusive(Path({str(tmp_path)!r}), '.xsa-lm.lock', 'run').__enter__()",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert holder.returncode != 0 and f"in use by another run (pid {os.getpid()})" in holder.stderr
     assert not (tmp_path / ".xsa-lm.lock").exists()
 
@@ -129,14 +142,10 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_exactly(data_cache: Path, tmp_
     straight = run_cli([*args, f"hydra.run.dir={tmp_path / 'straight'}"], data_cache, tmp_path)
     assert straight.returncode == 0, straight.stderr[-2000:]
     run_dir = tmp_path / "run"
-    proc = start([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and 10 <= summary["steps"] < 40
-    assert f"xsa-lm train hydra.run.dir={run_dir} resume=auto" in stdout and "Traceback" not in stderr
+    stopped = stop_mid_run([*args, f"hydra.run.dir={run_dir}"], signal.SIGINT, data_cache=data_cache, cwd=tmp_path)
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert f"xsa-lm train hydra.run.dir={run_dir} resume=auto" in stopped.stdout and "Traceback" not in stopped.stderr
     again = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert train_losses(run_dir) == train_losses(tmp_path / "straight")
@@ -155,23 +164,42 @@ def test_a_second_ctrl_c_aborts_at_once(monkeypatch):
 
 
 def test_every_bad_value_is_named_in_one_line():
-    cfg = OmegaConf.create({"seed": -1, "trainer": {"max_steps": 1.5, "log_every_n_steps": 1},
-                            "attention": {"eps": -1e-6}, "optim": {"lr": 1e-3, "betas": [0.9, 1.2]},
-                            "samples": {"top_k": 0}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "seed": -1,
+            "trainer": {"max_steps": 1.5, "log_every_n_steps": 1},
+            "attention": {"eps": -1e-6},
+            "optim": {"lr": 1e-3, "betas": [0.9, 1.2]},
+            "samples": {"top_k": 0},
+        }
+    )
     with pytest.raises(UserError) as error:
         check_values(cfg)
     message = str(error.value)
     assert "\n" not in message
-    for part in ("seed=-1 must be >= 0", "trainer.max_steps=1.5 must be an integer", "attention.eps=-1e-06 must be > 0",
-                 "optim.betas=[0.9, 1.2] must be two numbers in [0, 1)", "samples.top_k=0 must be >= 1"):  # fmt: skip
+    for part in (
+        "seed=-1 must be >= 0",
+        "trainer.max_steps=1.5 must be an integer",
+        "attention.eps=-1e-06 must be > 0",
+        "optim.betas=[0.9, 1.2] must be two numbers in [0, 1)",
+        "samples.top_k=0 must be >= 1",
+    ):
         assert part in message, message
     check_values(OmegaConf.create({"seed": 0, "trainer": {"max_steps": 10}, "samples": {"top_k": None}}))
 
 
 def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Path):
-    saved = OmegaConf.create({"seed": 0, "resume": None, "attention": {"name": "xsa"}, "optim": {"lr": 1e-2},
-                              "trainer": {"max_steps": 100}, "scheduler": {"total_steps": None, "min_lr_ratio": 0.1},
-                              "val_every_steps": 10})  # fmt: skip
+    saved = OmegaConf.create(
+        {
+            "seed": 0,
+            "resume": None,
+            "attention": {"name": "xsa"},
+            "optim": {"lr": 1e-2},
+            "trainer": {"max_steps": 100},
+            "scheduler": {"total_steps": None, "min_lr_ratio": 0.1},
+            "val_every_steps": 10,
+        }
+    )
     OmegaConf.save(saved, tmp_path / "config.yaml")
     defaults = OmegaConf.merge(saved, {"attention": {"name": "sa"}, "optim": {"lr": 1e-3}})
     given = OmegaConf.merge(defaults, {"resume": "auto", "trainer": {"max_steps": 200}, "val_every_steps": 20})

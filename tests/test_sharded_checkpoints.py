@@ -62,8 +62,8 @@ def test_a_sharded_checkpoint_reads_back_as_one_process_would_have_saved_it(tmp_
         assert torch.equal(checkpoint["state_dict"][f"model.{key}"], value)
     fresh = torch.optim.AdamW(param_groups(GPT(CONFIG), 0.1), lr=1e-3, fused=True)
     fresh.load_state_dict(checkpoint["optimizer_states"][0])  # positions, as a plain optimizer numbers them
-    for saved, restored in zip(optimizer.state_dict()["state"].values(), fresh.state_dict()["state"].values(),
-                               strict=True):  # fmt: skip
+    saved_states, restored_states = optimizer.state_dict()["state"], fresh.state_dict()["state"]
+    for saved, restored in zip(saved_states.values(), restored_states.values(), strict=True):
         assert all(torch.equal(saved[k], restored[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     # Lightning's single-process resume reads it through the checkpoint plugin.
     via_io = AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
@@ -108,8 +108,7 @@ def test_activation_checkpointing_gives_the_same_gradients_with_less_memory(atte
     """Measured with torch's MemTracker (every tensor's storage, live at the step's peak)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    config = GPTConfig(n_layer=4, d_model=64, n_head=2, head_dim=32, vocab_size=256, block_size=64,
-                       attention=attention)  # fmt: skip
+    config = GPTConfig(n_layer=4, d_model=64, n_head=2, head_dim=32, vocab_size=256, block_size=64, attention=attention)
     x, y = torch.randint(0, 256, (2, 8, 64), generator=torch.Generator().manual_seed(0))
     losses, grads, peaks = {}, {}, {}
     for checkpointing in (False, True):
@@ -143,7 +142,9 @@ def test_consolidate_writes_one_ordinary_checkpoint(tmp_path: Path, data_cache: 
     assert f"wrote {out}" in proc.stdout and "step 12" in proc.stdout
     assert checkpoint_step(out) == 12 and torch.equal(load_model(out).wte.weight, model.wte.weight)
     assert len(torch.load(out, weights_only=True)["optimizer_states"]) == 1  # resumable
-    for args, expected in (([f"ckpt={out}", f"out={tmp_path / 'x.ckpt'}"], "is a file"),
-                           ([f"ckpt={source}", f"out={out}"], "exists; choose another path")):  # fmt: skip
+    for args, expected in (
+        ([f"ckpt={out}", f"out={tmp_path / 'x.ckpt'}"], "is a file"),
+        ([f"ckpt={source}", f"out={out}"], "exists; choose another path"),
+    ):
         refused = run_cli(["consolidate", *args], data_cache, tmp_path)
         assert refused.returncode == 2 and expected in refused.stderr and refused.stderr.count("\n") == 1

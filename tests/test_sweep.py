@@ -123,27 +123,54 @@ def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
 
 def _compare(seed: int, sa: float | str, xsa: float | str, lr: float = 3e-4) -> list[dict]:
     """Compare-phase records of one seed: a float is a completed run's final val loss, a str its status."""
-    return [{"phase": "compare", "attention": attention, "lr": lr, "seed": seed, "reused": False,
-             "status": "completed" if isinstance(value, float) else value,
-             "final_val_loss": value if isinstance(value, float) else None}
-            for attention, value in (("sa", sa), ("xsa", xsa))]  # fmt: skip
+    return [
+        {
+            "phase": "compare",
+            "attention": attention,
+            "lr": lr,
+            "seed": seed,
+            "reused": False,
+            "status": "completed" if isinstance(value, float) else value,
+            "final_val_loss": value if isinstance(value, float) else None,
+        }
+        for attention, value in (("sa", sa), ("xsa", xsa))
+    ]
 
 
 def _search(lrs_losses: dict[float, float], seed: int = 0) -> list[dict]:
-    return [{"phase": "search", "attention": "sa", "lr": lr, "seed": seed, "status": "completed",
-             "final_val_loss": loss} for lr, loss in lrs_losses.items()]  # fmt: skip
+    return [
+        {"phase": "search", "attention": "sa", "lr": lr, "seed": seed, "status": "completed", "final_val_loss": loss}
+        for lr, loss in lrs_losses.items()
+    ]
+
+
+def _results(tmp_path: Path, trials: list[dict], selection, *, grid: list[float], seeds: list[int], **options) -> dict:
+    """build_results of a sweep "s" without training overrides or XSA tuning."""
+    return build_results(
+        tmp_path,
+        sweep_id="s",
+        grid=grid,
+        seeds=seeds,
+        train_overrides=[],
+        trials=trials,
+        selection=selection,
+        xsa_selection=None,
+        **options,
+    )
 
 
 def test_report_says_the_compare_seeds_are_disjoint_from_the_search(tmp_path: Path) -> None:
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(1, 3.01, 2.98) + _compare(2, 3.05, 3.00)
     selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
-    results = build_results(tmp_path, "s", sorted(search), [1, 2], [], trials, selection, None, search_seed=0)
+    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2], search_seed=0)
     assert results["search_seed"] == 0 and results["reuse_search_run"] is False and results["warnings"] == []
     markdown = render_markdown(results)
     assert "search seed 0, compare seeds [1, 2]" in markdown and "## 1. LR search (seed 0" in markdown
-    assert "The compare runs use seeds disjoint from the search's (seed 0), so no compare run was selected for its " \
-           "luck." in markdown  # fmt: skip
+    assert (
+        "The compare runs use seeds disjoint from the search's (seed 0), so no compare run was selected for its "
+        "luck." in markdown
+    )
     assert "biased" not in markdown
 
 
@@ -152,7 +179,7 @@ def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path
     trials = _search(search) + _compare(0, 3.0, 3.02) + _compare(1, 3.05, 3.00)
     trials[-4]["reused"] = True  # the SA run at seed 0 is the search's winner
     selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
-    results = build_results(tmp_path, "s", sorted(search), [0, 1], [], trials, selection, None, search_seed=0)
+    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[0, 1], search_seed=0)
     assert results["reuse_search_run"] is True
     assert len(results["warnings"]) == 1 and "biased against XSA" in results["warnings"][0]
     markdown = render_markdown(results)
@@ -164,7 +191,7 @@ def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Pa
     trials = _search({3e-4: 3.0}) + _compare(1, 3.0, 2.9) + _compare(2, 3.1, 3.05)
     trials += _compare(3, 3.2, "diverged") + _compare(4, "failed", 3.0) + _compare(5, "missing", "missing")
     selection = select_lr({3e-4: ("completed", 3.0)}, diverge_above=10.0)
-    results = build_results(tmp_path, "s", [3e-4], [1, 2, 3, 4, 5], [], trials, selection, None, search_seed=0)
+    results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seed=0)
     compare = results["comparison"]
     assert compare["seeds"] == [1, 2] and compare["xsa_better_in"] == 2  # the dropped seeds count nowhere
     assert [d["seed"] for d in compare["dropped_seeds"]] == [3, 4, 5]
@@ -205,11 +232,16 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
 # --- statistics ----------------------------------------------------------------------------------------------
 
 
-# The t-table the sweep used before scipy: two-sided 95% quantiles for 1..30 dof (3 decimals), then a Cornish-Fisher
-# expansion around the normal quantile.
-OLD_T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-             2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
-             2.042]  # fmt: skip
+# Two-sided 95% quantiles of Student's t for 1..30 dof as printed tables give them (3 decimals), then a Cornish-Fisher
+# expansion around the normal quantile: values independent of scipy, which its quantiles must reproduce.
+OLD_T_975 = [
+    float(t)
+    for t in """
+        12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262 2.228
+        2.201 2.179 2.160 2.145 2.131 2.120 2.110 2.101 2.093 2.086
+        2.080 2.074 2.069 2.064 2.060 2.056 2.052 2.048 2.045 2.042
+    """.split()
+]
 
 
 def _old_t_975(dof: int) -> float:
@@ -232,7 +264,7 @@ def test_scipy_t_quantiles_equal_the_previous_t_table() -> None:
 def test_paired_t_test_by_hand() -> None:
     diffs = [1.0, 2.0, 3.0]  # mean 2, sd 1, t = 2 / (1 / sqrt 3) = 3.4641 on 2 dof
     lo, hi = paired_ci(diffs)
-    half = _old_t_975(2) / math.sqrt(3)  # the previous table's computation
+    half = _old_t_975(2) / math.sqrt(3)  # from the printed table
     assert (lo, hi) == pytest.approx((2 - half, 2 + half), abs=1e-3)
     test = paired_test(diffs)
     assert test.ci95 == (lo, hi) and test.t == pytest.approx(2 * math.sqrt(3)) and test.sd == pytest.approx(1.0)
@@ -246,7 +278,7 @@ def test_paired_t_test_by_hand() -> None:
 def test_minimum_detectable_difference_by_hand() -> None:
     # (t_{0.975, n-1} + t_{0.80, n-1}) * sd / sqrt(n), with the quantiles from printed tables of Student's t.
     assert min_detectable_difference(0.04, 6) == pytest.approx((2.5706 + 0.9195) * 0.04 / math.sqrt(6), abs=1e-5)
-    assert min_detectable_difference(0.04, 6) == pytest.approx(0.0570, abs=1e-4)  # issue 14: "6 seeds, ~0.06"
+    assert min_detectable_difference(0.04, 6) == pytest.approx(0.0570, abs=1e-4)  # the rule of thumb "6 seeds, ~0.06"
     assert min_detectable_difference(0.04, 2) == pytest.approx((12.7062 + 1.3764) * 0.04 / math.sqrt(2), abs=1e-5)
     assert min_detectable_difference(0.04, 2) == pytest.approx(0.3983, abs=1e-4)  # "2 seeds, ~0.4"
     assert min_detectable_difference(0.04, 1) is None and min_detectable_difference(None, 5) is None
@@ -287,8 +319,9 @@ def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
     diffs = [-0.05, -0.04, -0.06]
     assert paired_ci(diffs)[1] < 0
     look = rule.look(3, diffs)
-    assert look["ci"] == pytest.approx((-0.05 - 9.9248 * 0.01 / math.sqrt(3), -0.05 + 9.9248 * 0.01 / math.sqrt(3)),
-                                       abs=1e-5)  # fmt: skip
+    assert look["ci"] == pytest.approx(
+        (-0.05 - 9.9248 * 0.01 / math.sqrt(3), -0.05 + 9.9248 * 0.01 / math.sqrt(3)), abs=1e-5
+    )
     assert not look["significant"] and rule.stopped(look) is None
     assert look["p_value"] == pytest.approx(paired_test(diffs).p_value) and look["pairs"] == 3
     strong = rule.look(4, [-0.05, -0.051, -0.049, -0.05])
@@ -329,26 +362,48 @@ def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) ->
     rule = SequentialRule.plan(n_seeds=2, cap=5)
     looks = [rule.look(2, [-0.05, -0.06]), rule.look(3, [-0.05, -0.06, -0.05])]
     sequential = rule.summary(looks, "significant")
-    results = build_results(tmp_path, "s", sorted(search), [1, 2, 3], [], trials, selection, None, search_seed=0,
-                            sequential=sequential)  # fmt: skip
-    plain = build_results(tmp_path, "s", sorted(search), [1, 2, 3], [], trials, selection, None, search_seed=0)
-    existing = {"sweep_dir", "sweep_id", "train_overrides", "grid", "seeds", "search_seed", "reuse_search_run",
-                "selected_lr", "warnings", "search", "comparison", "compare_table", "xsa_tuning", "trials"}  # fmt: skip
+    results = _results(
+        tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seed=0, sequential=sequential
+    )
+    plain = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seed=0)
+    existing = {
+        "sweep_dir",
+        "sweep_id",
+        "train_overrides",
+        "grid",
+        "seeds",
+        "search_seed",
+        "reuse_search_run",
+        "selected_lr",
+        "warnings",
+        "search",
+        "comparison",
+        "compare_table",
+        "xsa_tuning",
+        "trials",
+    }
     assert set(plain) == set(results) == existing | {"sequential"} and plain["sequential"] is None
     assert all(results[key] == plain[key] for key in existing)  # the sequential rule only adds its own key
     assert results["sequential"]["stopped"] == "significant" and results["sequential"]["alpha_per_look"] == 0.0125
     markdown = render_markdown(results)
-    for text in ("### Sequential stopping", "one seed pair at a time from 2 to 5 compare seeds", "Bonferroni",
-                 "5% / 4 planned looks = 0.0125, i.e. a 98.75% CI", "| 2 | 3 | 3 | -0.0533 |",
-                 "Stopped after 2 of at most 4 looks, at 3 seeds: the corrected CI excludes 0.",
-                 "the sequential rule below decides"):  # fmt: skip
+    for text in (
+        "### Sequential stopping",
+        "one seed pair at a time from 2 to 5 compare seeds",
+        "Bonferroni",
+        "5% / 4 planned looks = 0.0125, i.e. a 98.75% CI",
+        "| 2 | 3 | 3 | -0.0533 |",
+        "Stopped after 2 of at most 4 looks, at 3 seeds: the corrected CI excludes 0.",
+        "the sequential rule below decides",
+    ):
         assert text in markdown, text
     assert "Sequential" not in render_markdown(plain) and "sequential rule" not in render_markdown(plain)
-    capped = build_results(tmp_path, "s", sorted(search), [1, 2, 3], [], trials, selection, None,
-                           sequential=rule.summary(looks, "cap"))  # fmt: skip
+    capped = _results(
+        tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], sequential=rule.summary(looks, "cap")
+    )
     assert "the cap was reached without the corrected CI excluding 0" in render_markdown(capped)
-    cut_short = build_results(tmp_path, "s", sorted(search), [1, 2], [], trials[:-2], selection, None,
-                              sequential=rule.summary([], "incomplete"))  # fmt: skip
+    cut_short = _results(
+        tmp_path, trials[:-2], selection, grid=sorted(search), seeds=[1, 2], sequential=rule.summary([], "incomplete")
+    )
     assert "No look yet: a compare run did not finish; run the same sweep command again" in render_markdown(cut_short)
 
 
@@ -356,8 +411,14 @@ def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) ->
 
 
 def _summary(status: str = "completed", loss: float | None = 4.0, vocab: int = 512) -> dict:
-    return {"status": status, "error": None, "final_val_loss": loss, "diverged_at_step": 7 if status == "diverged"
-            else None, "model_config": {"vocab_size": vocab}, "val_history": []}  # fmt: skip
+    return {
+        "status": status,
+        "error": None,
+        "final_val_loss": loss,
+        "diverged_at_step": 7 if status == "diverged" else None,
+        "model_config": {"vocab_size": vocab},
+        "val_history": [],
+    }
 
 
 def test_outcome_of_trial_processes() -> None:
@@ -393,10 +454,12 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
 
 
 def test_report_without_a_usable_lr_says_the_comparison_did_not_run(tmp_path: Path) -> None:
-    trials = [{"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "diverged", "final_val_loss": None}
-              for lr in (1e-2, 1e-1)]  # fmt: skip
+    trials = [
+        {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "diverged", "final_val_loss": None}
+        for lr in (1e-2, 1e-1)
+    ]
     selection = select_lr({1e-2: ("diverged", None), 1e-1: ("diverged", None)}, diverge_above=10.0)
-    results = build_results(tmp_path, "s", [1e-2, 1e-1], [0], [], trials, selection, None)
+    results = _results(tmp_path, trials, selection, grid=[1e-2, 1e-1], seeds=[0])
     markdown = render_markdown(results)
     assert "no LR is usable" in markdown and "Not run: the search selected no LR" in markdown
     assert results["selected_lr"] is None and results["comparison"]["seeds"] == []
@@ -415,10 +478,9 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     """Two LRs (one diverges), two seeds, XSA tuned too: the whole protocol, the report and W&B records."""
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
-    args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]",
-            "sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']",
-            "sweep.max_parallel=2",
-            f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+    args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]
+    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']"]
+    args += ["sweep.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -450,9 +512,19 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert results["xsa_tuning"]["selected_lr"] == 3e-3
 
     report = (sweep_dir / "report.md").read_text()
-    for text in ("## 1. LR search", "| 1000 |", "diverged", "## 2. SA vs XSA", "mean ± std", "95% CI", ", p = ",
-                 "## 3. XSA at its own best LR", "extend the grid", "seeds disjoint from the search's (seed 0)",
-                 "this study could detect differences larger than"):  # fmt: skip
+    for text in (
+        "## 1. LR search",
+        "| 1000 |",
+        "diverged",
+        "## 2. SA vs XSA",
+        "mean ± std",
+        "95% CI",
+        ", p = ",
+        "## 3. XSA at its own best LR",
+        "extend the grid",
+        "seeds disjoint from the search's (seed 0)",
+        "this study could detect differences larger than",
+    ):
         assert text in report, text
     assert "## 2. SA vs XSA" in proc.stdout  # the report is printed at the end
     for plot in ("lr_sweep.png", "curves.png"):
@@ -492,9 +564,9 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
     """sweep.seeds_until_significant=3 from seed 1, search seed 2: seeds 1 and 3 (2 skipped), then 4 unless the first
     corrected look is significant; a rerun replays the looks on the reused trials and stops at the same place."""
     sweep_dir = tmp_path / "sweep"
-    args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=10", "sweep.lrs=[3e-3]",
-            "sweep.search_seed=2", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "sweep.max_parallel=2",
-            f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+    args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=10", "sweep.lrs=[3e-3]"]
+    args += ["sweep.search_seed=2", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "sweep.max_parallel=2"]
+    args.append(f"hydra.run.dir={sweep_dir}")
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -526,8 +598,8 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     task = write_local_task(tmp_path / "tasks")  # the compare runs are also evaluated on a local harness task
-    args = ["sweep", *SWEEP_FAST, "trainer.max_steps=60", "val_every_steps=10", "sweep.lrs=[1e-3,3e-3]",
-            "sweep.seeds=[1]", f"sweep.eval_tasks=[{task}]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
+    args = ["sweep", *SWEEP_FAST, "trainer.max_steps=60", "val_every_steps=10", "sweep.lrs=[1e-3,3e-3]"]
+    args += ["sweep.seeds=[1]", f"sweep.eval_tasks=[{task}]", f"hydra.run.dir={sweep_dir}"]
     cmd = [sys.executable, "-m", "xsa_lm.cli", *args]
     out = open(tmp_path / "sweep.out", "w")  # closed after the kill
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=out, stderr=subprocess.STDOUT)
@@ -557,8 +629,8 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     assert retried["resumed_from_checkpoint"] or (sweep_dir / "runs" / "sa_lr0.003_s0.attempt1").is_dir()
     results = json.loads((sweep_dir / "results.json").read_text())
     assert {t["status"] for t in results["trials"]} == {"completed"}
-    assert {(t["phase"], t["attention"]) for t in results["trials"]} == {("search", "sa"), ("compare", "sa"),
-                                                                         ("compare", "xsa")}  # fmt: skip
+    phases = {(t["phase"], t["attention"]) for t in results["trials"]}
+    assert phases == {("search", "sa"), ("compare", "sa"), ("compare", "xsa")}
     assert [row["attention"] for row in results["eval"]["rows"]] == ["sa", "xsa"]
     assert "## 4. Downstream evaluation" in (sweep_dir / "report.md").read_text() and "| XSA - SA |" in again.stdout
 
@@ -566,10 +638,11 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
 @pytest.mark.slow
 def test_sigterm_stops_the_trial_in_flight_and_records_it(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *SWEEP_FAST, "trainer.max_steps=200", "sweep.lrs=[1e-3]",
-           "sweep.seeds=[1]", f"hydra.run.dir={sweep_dir}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *SWEEP_FAST, "trainer.max_steps=200", "sweep.lrs=[1e-3]"]
+    cmd += ["sweep.seeds=[1]", f"hydra.run.dir={sweep_dir}"]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=cli_env(data_cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     record_file = sweep_dir / "trials" / "sa_lr0.001_s0.json"
     deadline = time.time() + 120
     while not (sweep_dir / "runs" / "sa_lr0.001_s0" / "metrics.csv").exists():

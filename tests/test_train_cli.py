@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import FAST, cli_env, run_cli
+from xsa_lm import cli
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +24,9 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.parametrize("attention", ["sa", "xsa"])
 def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    out = run_cli(["train", *FAST, f"attention={attention}", "seed=1", f"hydra.run.dir={run_dir}"],
-                  data_cache, tmp_path)  # fmt: skip
+    out = run_cli(
+        ["train", *FAST, f"attention={attention}", "seed=1", f"hydra.run.dir={run_dir}"], data_cache, tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["attention"] == attention
@@ -38,12 +40,12 @@ def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: P
     first, last = [losses[s] for s in sorted(losses)[:5]], [losses[s] for s in sorted(losses)[-5:]]
     assert sum(last) / 5 < sum(first) / 5 - 0.5
     header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s",
-                "val/loss", "val/ppl"):  # fmt: skip
-        assert key in header
+    train_keys = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s"}
+    assert train_keys | {"val/loss", "val/ppl"} <= set(header)
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["versions"]["torch"] and info["versions"]["lightning"] and info["hardware"]["cpu_count"]
     assert "commit" in info["git"]
+    assert info["command"][1] == "train" and info["command"][-1] == f"hydra.run.dir={run_dir}"  # as typed
     config = (run_dir / "config.yaml").read_text()
     assert f"name: {attention}" in config and "lr: 0.003" in config
     assert (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "checkpoints" / "best.ckpt").exists()
@@ -56,8 +58,11 @@ def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: P
 def test_progress_counts_optimizer_steps(data_cache: Path, tmp_path: Path):
     """2 micro-batches per step: Lightning's own bar would read 20/10."""
     args = [a for a in FAST if a != "progress_bar=false"]
-    out = run_cli(["train", *args, "trainer.max_steps=10", "val_every_steps=10", f"hydra.run.dir={tmp_path / 'run'}"],
-                  data_cache, tmp_path)  # fmt: skip
+    out = run_cli(
+        ["train", *args, "trainer.max_steps=10", "val_every_steps=10", f"hydra.run.dir={tmp_path / 'run'}"],
+        data_cache,
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step 10/10" in out.stdout and "tokens/s" in out.stdout and "Epoch" not in out.stdout + out.stderr
 
@@ -91,27 +96,59 @@ def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
     assert top.returncode == 0 and "train" in top.stdout
     # `python -m xsa_lm.train` is the same entry point as `xsa-lm train`
     args = ["attention=xsa", "--cfg", "job"]
-    module = subprocess.run([sys.executable, "-m", "xsa_lm.train", *args],
-                            cwd=tmp_path, env=cli_env(data_cache), capture_output=True, text=True)  # fmt: skip
+    module = subprocess.run(
+        [sys.executable, "-m", "xsa_lm.train", *args],
+        cwd=tmp_path,
+        env=cli_env(data_cache),
+        capture_output=True,
+        text=True,
+    )
     assert module.returncode == 0 and module.stdout == run_cli(["train", *args], data_cache, tmp_path).stdout
     assert not (tmp_path / "outputs").exists()  # printing the config or the help writes no run folder
 
 
 def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):
     sweep = tmp_path / "multi"
-    out = run_cli(["train", "--multirun", *FAST, "trainer.max_steps=10", "val_every_steps=10",
-                   "attention=sa,xsa", f"hydra.sweep.dir={sweep}"], data_cache, tmp_path)  # fmt: skip
+    out = run_cli(
+        [
+            "train",
+            "--multirun",
+            *FAST,
+            "trainer.max_steps=10",
+            "val_every_steps=10",
+            "attention=sa,xsa",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        data_cache,
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summaries = sorted(json.loads(p.read_text())["attention"] for p in sweep.glob("*/summary.json"))
     assert summaries == ["sa", "xsa"]
+
+
+def test_full_command_line_is_the_one_exported_for_this_process(monkeypatch: pytest.MonkeyPatch):
+    """`xsa-lm train` shortens sys.argv for Hydra; the job gets the whole command back, for DDP ranks to re-run."""
+    monkeypatch.setenv(cli.ARGV_VARIABLE, json.dumps(["xsa-lm", "train", "seed=1"]))
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "seed=1"])
+    assert cli.full_command_line() == ["xsa-lm", "train", "seed=1"]
+    monkeypatch.setattr(sys, "argv", ["xsa_lm/train/__main__.py", "seed=2"])  # a child that inherited the variable
+    assert cli.full_command_line() == ["xsa_lm/train/__main__.py", "seed=2"]
 
 
 @pytest.mark.long
 def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
     """`xsa-lm train trainer.devices=2` relaunches the command for rank 1 (gloo); one W&B run, one summary."""
     run_dir = tmp_path / "ddp"
-    args = [*FAST, "logger=wandb", "trainer.max_steps=10", "val_every_steps=5", "trainer.devices=2",
-            "trainer.strategy=ddp", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *FAST,
+        "logger=wandb",
+        "trainer.max_steps=10",
+        "val_every_steps=5",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        f"hydra.run.dir={run_dir}",
+    ]
     out = run_cli(["train", *args], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -1,4 +1,5 @@
-"""End to end: with no W&B API key a training run logs offline, and its .wandb file holds the metrics and the config."""
+"""End to end: with no W&B API key a training run logs offline, and its .wandb file holds the metrics, the config,
+the dashboard's axes and summaries, and the artifacts (report files, checkpoints with logger.wandb.log_model)."""
 
 import json
 import math
@@ -9,29 +10,39 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, cli_env
-from tests.wandb_records import config, history
+from tests.wandb_records import artifacts, config, history, metric_definitions, summary
 
 LR = 2e-3
 MAX_STEPS = 6
 
 
-@pytest.mark.slow
-def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: Path) -> None:
-    run_dir = tmp_path / "run"
-    overrides = [*FAST, "logger=wandb", f"optim.lr={LR}", f"trainer.max_steps={MAX_STEPS}", "val_every_steps=3"]
-    # No WANDB_MODE, no API key, no ~/.netrc: the logger's "auto" mode has to choose offline by itself.
+def train_offline(tmp_path: Path, data_cache: Path, name: str, *overrides: str) -> tuple[Path, Path, str]:
+    """A tiny run with logger=wandb and no WANDB_MODE, API key or ~/.netrc: "auto" has to choose offline by itself.
+    HOME is tmp_path, so W&B's copies of logged artifact files land there. Returns the run dir, its .wandb file and
+    its stdout."""
+    run_dir = tmp_path / name
     env = cli_env(data_cache, home=tmp_path)
     del env["WANDB_MODE"]
     proc = subprocess.run(
-        [sys.executable, "-m", "xsa_lm.train", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-m", "xsa_lm.train", *FAST, "logger=wandb", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "wandb sync" in proc.stdout
-
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1, offline_runs
     (run_file,) = offline_runs[0].glob("run-*.wandb")
+    return run_dir, run_file, proc.stdout
+
+
+@pytest.mark.slow
+def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: Path) -> None:
+    overrides = [f"optim.lr={LR}", f"trainer.max_steps={MAX_STEPS}", "val_every_steps=3"]
+    run_dir, run_file, stdout = train_offline(tmp_path, data_cache, "run", *overrides)
+    assert "wandb sync" in stdout
 
     rows = history(run_file)
     train = [row for row in rows if "train/loss" in row]
@@ -44,9 +55,9 @@ def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: P
 
     # The validations in the .wandb file are the ones the run itself reports in summary.json.
     val_losses = [row["val/loss"] for row in rows if "val/loss" in row]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run_summary = json.loads((run_dir / "summary.json").read_text())
     assert len(val_losses) == 2
-    assert val_losses == pytest.approx([v["val_loss"] for v in summary["val_history"]])
+    assert val_losses == pytest.approx([v["val_loss"] for v in run_summary["val_history"]])
 
     cfg = config(run_file)
     assert cfg["attention"]["name"] == "sa"
@@ -54,3 +65,116 @@ def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: P
     assert cfg["optim"]["lr"] == LR
     assert cfg["trainer"]["max_steps"] == MAX_STEPS
     assert cfg["data"]["cache_dir"] == str(data_cache)
+    assert cfg["logger"]["wandb"]["log_model"] is False  # the default: no checkpoint leaves the machine
+    assert artifacts(run_file) == []
+
+    check_axes_and_summary(run_file, rows, val_losses)
+    # The documented way to look inside an offline run without uploading it.
+    shown = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", str(run_dir / "wandb")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "val/loss.min" in shown.stdout and "final_val_loss" in shown.stdout, shown.stdout[:2000]
+
+
+def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[float]) -> None:
+    """Curves over tokens seen (validation rows carry the last value logged), val/loss summarised by min and last."""
+    definitions = {m.name or m.glob_name: m for m in metric_definitions(run_file)}
+    assert definitions["*"].step_metric == "train/tokens_seen" and definitions["*"].options.step_sync
+    assert (definitions["val/loss"].summary.min, definitions["val/loss"].summary.last) == (True, True)
+    assert "train/tokens_seen" in definitions and "trainer/global_step" in definitions
+    seen = 0.0
+    for row in rows:
+        if "train/loss" in row:
+            seen = row["train/tokens_seen"]
+            assert seen == (row["trainer/global_step"] + 1) * 1024  # FAST: global_batch_tokens=1024
+        elif "val/loss" in row:
+            assert row["train/tokens_seen"] == seen, row
+    assert summary(run_file)["val/loss"] == pytest.approx({"min": min(val_losses), "last": val_losses[-1]})
+
+
+@pytest.mark.slow
+def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_cache: Path) -> None:
+    overrides = ["trainer.max_steps=4", "val_every_steps=2", "logger.wandb.log_model=true"]
+    run_dir, run_file, _ = train_offline(tmp_path, data_cache, "run", *overrides)
+    logged = artifacts(run_file)
+    run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    assert {(a.name, a.type) for a in logged} == {(f"model-{run_id}", "model")}
+    originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}
+    # Only the val/loss callback's files: the step-NNNNNN.ckpt copies would take the `best` alias.
+    assert set(originals) == {"best.ckpt", "last.ckpt"}, sorted(originals)
+    assert "best" in originals["best.ckpt"].aliases and "best" not in originals["last.ckpt"].aliases
+    for artifact in logged:
+        (entry,) = artifact.manifest.contents
+        assert entry.path == "model.ckpt" and Path(entry.local_path).is_file()  # the copy wandb sync uploads
+        assert Path(entry.local_path).is_relative_to(tmp_path)
+
+
+def test_log_model_must_be_false_true_or_all(tmp_path: Path) -> None:
+    from xsa_lm.errors import UserError
+    from xsa_lm.train.tracking import wandb_logger
+
+    with pytest.raises(UserError, match=r"^logger.wandb.log_model must be false, true or all, got 'yes'$"):
+        wandb_logger(save_dir=str(tmp_path), name="x", run_config={}, log_model="yes", mode="offline")
+    assert not (tmp_path / "wandb").exists()  # refused before a run is made
+
+
+def write_png(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def report_artifact(folder: Path, artifact_type: str) -> tuple[object, dict]:
+    """The report run's artifact of that type (logging a wandb.Table adds one of type run_table) and its files."""
+    import wandb
+
+    wandb.teardown()  # run.finish() can return before W&B's service has written the run file
+    (run_file,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    (artifact,) = [a for a in artifacts(run_file) if a.type == artifact_type]
+    return artifact, {entry.path: entry for entry in artifact.manifest.contents}
+
+
+def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
+    from xsa_lm.sweep.report import log_to_wandb
+
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B's copies of the files
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    files = {"results.json": '{"selected_lr": 0.003}', "report.md": "# report\n"}
+    for name, text in files.items():
+        (sweep_dir / name).write_text(text)
+    for name in ("lr_sweep.png", "curves.png"):
+        write_png(sweep_dir / name)
+    comparison = {key: None for key in ("sa_mean", "xsa_mean", "diff_mean", "diff_ci95", "sa_std", "xsa_std")}
+    results = {"sweep_id": "toy sweep:1", "trials": [], "comparison": comparison, "selected_lr": 3e-3}
+    log_to_wandb(results, sweep_dir, {"mode": "offline"})
+    artifact, entries = report_artifact(sweep_dir, "sweep-report")
+    assert (artifact.name, artifact.type) == ("toy-sweep-1-report", "sweep-report")  # W&B's allowed characters
+    assert set(entries) == {"results.json", "report.md", "lr_sweep.png", "curves.png"}
+    assert Path(entries["report.md"].local_path).read_text() == "# report\n"
+    assert Path(entries["report.md"].local_path).is_relative_to(tmp_path / "wandb-data")
+
+
+def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
+    from xsa_lm.scale.report import log_to_wandb
+
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "report.md").write_text("# scale\n")
+    for name in ("loss_vs_compute.png", "multiplier.png"):
+        write_png(tmp_path / name)
+    fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01}
+    results = {"study_id": "toy-study", "models": [], "seeds": [], "overrides": [], "sizes": [], "fit": fit}
+    log_to_wandb(results, tmp_path, {"mode": "offline"})
+    artifact, entries = report_artifact(tmp_path, "scale-report")
+    assert (artifact.name, artifact.type) == ("toy-study-scale-report", "scale-report")
+    assert set(entries) == {"results.json", "report.md", "loss_vs_compute.png", "multiplier.png"}

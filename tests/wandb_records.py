@@ -1,4 +1,5 @@
-"""Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``); wandb 0.31 ships no Python reader for it.
+"""Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``); wandb 0.31 ships no Python reader for it
+(``wandb leet inspect`` prints one for people). tests/constraints.txt keeps wandb below 0.32, the format read here.
 
 The file is a LevelDB log (https://github.com/google/leveldb/blob/main/doc/log_format.md) behind a W&B header:
 
@@ -84,3 +85,14 @@ def summary(path: str | Path) -> dict[str, Any]:
         if r.HasField("summary"):
             out.update({_key(i): json.loads(i.value_json) for i in r.summary.update})
     return out
+
+
+def metric_definitions(path: str | Path) -> list[Any]:
+    """The ``run.define_metric`` calls, in order: name or glob_name, step_metric, options.step_sync, summary."""
+    return [r.metric for r in read_records(path) if r.HasField("metric")]
+
+
+def artifacts(path: str | Path) -> list[Any]:
+    """The ``run.log_artifact`` calls: name, type, aliases, metadata (JSON text) and the files in manifest.contents
+    (``path`` in the artifact, ``local_path`` of the copy that ``wandb sync`` uploads)."""
+    return [r.artifact for r in read_records(path) if r.HasField("artifact")]

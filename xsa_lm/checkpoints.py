@@ -7,6 +7,7 @@ the run's config.yaml, run_info.json and summary.json: a file, or a directory of
 import json
 import pickle
 import zipfile
+from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         )
 
 
-def checkpoint_list(ckpts) -> list[str]:
+def checkpoint_list(ckpts: Sequence[object] | None) -> list[str]:
     """The `ckpts=[...]` of analyze and eval, refused in one line when empty or when one of them cannot be a
     checkpoint (checked up front, before any slow work)."""
     if not ckpts:
@@ -97,8 +98,8 @@ def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
     """checkpoint["state_dict"] (a Lightning checkpoint of `xsa-lm train`) into `model`. Weights of another
     architecture are refused in one line that names the differing GPTConfig fields, e.g. "resume: checkpoint
     runs/x/checkpoints/last.ckpt is of another model: d_model: 128 -> 64" (`source` starts the message)."""
-    # Lightning prefixes the module's attribute (`model.`); compiled runs store `_orig_mod.<name>`.
-    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
+    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added `_orig_mod.`.
+    state = {k.removeprefix("model.").removeprefix("_orig_mod."): v for k, v in checkpoint["state_dict"].items()}
     try:
         model.load_state_dict(state)
     except RuntimeError as e:  # missing, unexpected or differently shaped tensors

@@ -1,35 +1,38 @@
 """`xsa-lm <command> [hydra overrides]`: one entry point for every job."""
 
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
 
-COMMANDS = {  # command -> (module with a Hydra main, its primary config, help)
-    "train": ("xsa_lm.train.run", "train", "train one SA or XSA model (configs/train.yaml)"),
-    "prepare": ("xsa_lm.data.run", "prepare", "tokenize a corpus into shards (configs/prepare.yaml)"),
-    "analyze": ("xsa_lm.analysis.run", "analyze", "Figure 1 diagnostics per layer (configs/analyze.yaml)"),
-    "eval": ("xsa_lm.eval.run", "eval", "zero-shot tasks through lm-evaluation-harness (configs/eval.yaml)"),
-    "generate": ("xsa_lm.eval.sample", "generate", "text from a checkpoint, with a KV cache (configs/generate.yaml)"),
-    "consolidate": (
-        "xsa_lm.train.consolidate",
-        "consolidate",
-        "a sharded checkpoint (trainer=fsdp) as one file (configs/consolidate.yaml)",
-    ),
-    "sweep": ("xsa_lm.sweep.run", "sweep", "LR search on SA, then SA vs XSA at that LR per seed (configs/sweep.yaml)"),
-    "scale": ("xsa_lm.scale.run", "scale", "the sweep at several sizes, XSA's compute multiplier (configs/scale.yaml)"),
-    "plan": (
-        "xsa_lm.train.plan",
-        "plan",
-        "memory per device for DDP and FSDP, largest micro-batch (configs/plan.yaml)",
-    ),
-    "bench": ("xsa_lm.bench.run", "bench", "SA vs XSA time and memory, Lightning vs plain, MFU (configs/bench.yaml)"),
+COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/<command>.yaml
+    "train": ("xsa_lm.train.run", "train one SA or XSA model"),
+    "prepare": ("xsa_lm.data.run", "tokenize a corpus into shards"),
+    "analyze": ("xsa_lm.analysis.run", "Figure 1 diagnostics per layer"),
+    "eval": ("xsa_lm.eval.run", "zero-shot tasks through lm-evaluation-harness"),
+    "generate": ("xsa_lm.eval.sample", "text from a checkpoint, with a KV cache"),
+    "consolidate": ("xsa_lm.train.consolidate", "a sharded checkpoint (trainer=fsdp) as one file"),
+    "sweep": ("xsa_lm.sweep.run", "LR search on SA, then SA vs XSA at that LR per seed"),
+    "scale": ("xsa_lm.scale.run", "the sweep at several sizes, XSA's compute multiplier"),
+    "plan": ("xsa_lm.train.plan", "memory per device for DDP and FSDP, largest micro-batch"),
+    "bench": ("xsa_lm.bench.run", "SA vs XSA time and memory, Lightning vs plain, MFU"),
 }
-HYDRA_FLAGS_WITHOUT_CHECK = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",
-                             "--multirun", "-m")  # fmt: skip
+ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
+HYDRA_FLAGS_WITHOUT_CHECK = (
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--shell-completion",
+    "-sc",
+    "--multirun",
+    "-m",
+)
 
 USAGE = "usage: xsa-lm <command> [hydra overrides | --help | --cfg job | --multirun]\n\ncommands:\n" + "\n".join(
-    f"  {name:<10}{help_}" for name, (_, _, help_) in COMMANDS.items()
+    f"  {name:<13}{help_} (configs/{name}.yaml)" for name, (_, help_) in COMMANDS.items()
 )
 
 
@@ -61,8 +64,11 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     job = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
     missing = missing_values(job)  # `???` values the chosen options need, e.g. data.files
     if missing:
-        print(f"xsa-lm: error: missing required value(s): {', '.join(missing)}; set them on the command line, "
-              f"e.g. {missing[0]}=...", file=sys.stderr)  # fmt: skip
+        listed = ", ".join(missing)
+        print(
+            f"xsa-lm: error: missing required value(s): {listed}; set them on the command line, e.g. {missing[0]}=...",
+            file=sys.stderr,
+        )
         sys.exit(2)
     if any(a in ("--cfg", "-c") for a in args):  # prints the config: no run, no run directory
         return
@@ -81,8 +87,8 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        print(f"xsa-lm: error: hydra.run.dir={run_dir} cannot be created ({e.strerror or e}): choose another",
-              file=sys.stderr)  # fmt: skip
+        reason = e.strerror or e
+        print(f"xsa-lm: error: hydra.run.dir={run_dir} cannot be created ({reason}): choose another", file=sys.stderr)
         sys.exit(2)
     for folder in missing:  # deepest first
         folder.rmdir()
@@ -108,6 +114,15 @@ def one_line(error: BaseException) -> str:
     return " ".join(kept).replace(" Available options in", "; available options in").replace(":\t", ": ")
 
 
+def full_command_line() -> list[str]:
+    """The command line as typed (`xsa-lm train ...`), also inside a job whose sys.argv main() has shortened for
+    Hydra. Lightning's DDP launcher re-runs sys.argv for the other ranks, and run_info.json records it."""
+    saved = json.loads(os.environ.get(ARGV_VARIABLE, "null"))
+    if saved and [saved[0], *saved[2:]] == sys.argv:  # exported for this process, not inherited from a parent's
+        return saved
+    return list(sys.argv)
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(USAGE)
@@ -116,12 +131,12 @@ def main() -> None:
     if command not in COMMANDS:
         print(f"xsa-lm: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         sys.exit(2)
-    module_name, config_name, _ = COMMANDS[command]
-    check_overrides(config_name, sys.argv[2:])
+    module_name, _ = COMMANDS[command]
+    check_overrides(command, sys.argv[2:])
     module = importlib.import_module(module_name)
-    # Hydra reads its overrides from sys.argv[1:]. Lightning's DDP launcher re-runs sys.argv for the other
-    # ranks, so the job gets the full command line back once Hydra has parsed it.
-    module.relaunch_argv = list(sys.argv)
+    # Hydra reads its overrides from sys.argv[1:], so the command name goes; the job reads the full command line back
+    # through full_command_line().
+    os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)
     sys.argv = [sys.argv[0], *sys.argv[2:]]
     module.main()
 

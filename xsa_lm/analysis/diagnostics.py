@@ -55,7 +55,7 @@ def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12).mean(-1)
 
 
-def layer_statistics(q, k, v, y, z, n_sinks: int = 0, chunk: int = 256) -> dict[str, torch.Tensor]:
+def layer_statistics(q, k, v, y, *, z, n_sinks: int = 0, chunk: int = 256) -> dict[str, torch.Tensor]:
     """Every metric of one layer as (B, H) tensors. k and v may have fewer (grouped) heads than q and y."""
     groups = q.size(1) // k.size(1)
     if groups > 1:  # diagnostics only: copying is fine here (training broadcasts instead)
@@ -85,7 +85,8 @@ def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> l
 
     def observer_for(layer: int):
         def observe(q, k, v, y, z) -> None:
-            for name, value in layer_statistics(q, k, v, y, z, model.config.n_sinks, chunk).items():
+            stats = layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk)
+            for name, value in stats.items():
                 sums[layer][name] += value.sum().item()
                 counts[layer][name] += value.numel()
 

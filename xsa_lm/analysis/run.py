@@ -71,7 +71,7 @@ def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
     return [f"{label} #{i}" if counts[label] > 1 else label for i, label in enumerate(labels)]
 
 
-def analyze(ckpts: list[str], labels: list[str] | None, sequences: int, chunk: int, batch: int) -> list[dict]:
+def analyze(ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk: int, batch: int) -> list[dict]:
     check_counts(sequences=sequences, chunk=chunk, batch_size=batch)
     if labels is not None and len(labels) != len(ckpts):
         raise UserError(f"labels: {len(labels)} labels for {len(ckpts)} checkpoints")
@@ -83,8 +83,11 @@ def analyze(ckpts: list[str], labels: list[str] | None, sequences: int, chunk: i
         windows = validation_windows(path, sequences).to(device)
         measured.append((model.config.attention, diagnose(model, windows.split(batch), chunk)))
     labels = [str(label) for label in labels] if labels else default_labels(paths, [a for a, _ in measured])
-    return [{"checkpoint": str(path), "label": label, **row}
-            for path, label, (_, layers) in zip(paths, labels, measured, strict=True) for row in layers]  # fmt: skip
+    return [
+        {"checkpoint": str(path), "label": label, **row}
+        for path, label, (_, layers) in zip(paths, labels, measured, strict=True)
+        for row in layers
+    ]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -101,6 +104,31 @@ def number(value) -> float | None:
     return None if value is None or value == "" else float(value)
 
 
+def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool) -> list[tuple[float, float]]:
+    """One checkpoint's (layer, value) points in one panel, the layer as relative depth when `relative`; none
+    where the metric is missing (an SA checkpoint has none in the XSA panels)."""
+    mine = [r for r in rows if r["label"] == label]
+    n_layers = max(r["layer"] for r in mine) + 1
+    points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], number(r.get(metric))) for r in mine]
+    return [(x, y) for x, y in points if y is not None]
+
+
+def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
+    """The axes of a panel with lines: a y range no narrower than the metric's MIN_SPAN, and every layer on x."""
+    from matplotlib.ticker import MaxNLocator
+
+    low, high = ax.get_ylim()
+    span = MIN_SPAN.get(metric, 1e-3)
+    if high - low < span:
+        ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
+    last = 1 if relative else max(r["layer"] for r in rows)
+    margin = 0.05 * last or 0.5
+    ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
+    if not relative:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
+    ax.grid(alpha=0.3)
+
+
 def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
     """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
     colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
@@ -110,7 +138,6 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     fig, grid = plt.subplots(2, 3, figsize=(14, 7.5))
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
@@ -119,11 +146,7 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
     relative = reference is not None
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=True):
         for label in labels:
-            mine = [r for r in rows if r["label"] == label]
-            n_layers = max(r["layer"] for r in mine) + 1
-            points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], number(r.get(metric)))
-                      for r in mine]  # fmt: skip
-            points = [(x, y) for x, y in points if y is not None]  # an SA checkpoint has none in the XSA panels
+            points = checkpoint_points(rows, label, metric, relative)
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=colors[label], label=label)
         paper = [(r["layer"] / max(len(reference) - 1, 1), r[metric]) for r in reference or [] if metric in r]
@@ -132,22 +155,13 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.set_xlabel("relative depth (layer / last layer)" if relative else "layer")
-        if not ax.lines:  # SA checkpoints only: no z to measure
-            ax.text(0.5, 0.5, "no XSA layers among these checkpoints", ha="center", va="center",
-                    transform=ax.transAxes, color="0.4")  # fmt: skip
+        if ax.lines:
+            frame_panel(ax, metric, rows, relative)
+        else:  # SA checkpoints only: no z to measure
+            message = "no XSA layers among these checkpoints"
+            ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
             ax.set_xticks([])
             ax.set_yticks([])
-            continue
-        low, high = ax.get_ylim()
-        span = MIN_SPAN.get(metric, 1e-3)
-        if high - low < span:
-            ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
-        last = 1 if relative else max(r["layer"] for r in rows)
-        margin = 0.05 * last or 0.5
-        ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
-        if not relative:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
-        ax.grid(alpha=0.3)
     handles = {}  # one entry per line label, across panels (the paper's line is not in every one)
     for ax in axes:
         for line in ax.lines:
@@ -179,8 +193,13 @@ def table(rows: list[dict]) -> str:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
-        rows = analyze(checkpoint_list(cfg.ckpts), list(cfg.labels) if cfg.labels else None, cfg.sequences, cfg.chunk,
-                       cfg.batch_size)  # fmt: skip
+        rows = analyze(
+            checkpoint_list(cfg.ckpts),
+            labels=list(cfg.labels) if cfg.labels else None,
+            sequences=cfg.sequences,
+            chunk=cfg.chunk,
+            batch=cfg.batch_size,
+        )
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")

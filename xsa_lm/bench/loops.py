@@ -46,7 +46,7 @@ class Phase:
     reuse_host_memory: bool
 
 
-def make_batches(n: int, micro_batch: int, context: int, vocab: int, seed: int, pin: bool) -> list[Batch]:
+def make_batches(n: int, *, micro_batch: int, context: int, vocab: int, seed: int, pin: bool) -> list[Batch]:
     """Random tokens: the step time of a language model does not depend on what the tokens say."""
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, vocab, (micro_batch, context + 1), generator=g) for _ in range(n)]
@@ -57,9 +57,12 @@ def make_batches(n: int, micro_batch: int, context: int, vocab: int, seed: int, 
 class Setup:
     """What both loops share: device, precision, compile, and the optimizer and schedule factories."""
 
-    def __init__(self, device: torch.device, precision: str, compile: bool, optimizer, scheduler) -> None:
-        self.device, self.precision, self.compile = device, precision, compile
-        self.optimizer, self.scheduler = optimizer, scheduler
+    def __init__(self, device: torch.device, *, precision: str, compile: bool, optimizer, scheduler) -> None:
+        self.device = device
+        self.precision = precision
+        self.compile = compile
+        self.optimizer = optimizer
+        self.scheduler = scheduler
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision.startswith("bf16"):
@@ -106,7 +109,8 @@ class PlainTrainer:
 
 class CycledBatches(Dataset):
     def __init__(self, batches: list[Batch], length: int) -> None:
-        self.batches, self.length = batches, length
+        self.batches = batches
+        self.length = length
 
     def __len__(self) -> int:
         return self.length
@@ -120,7 +124,8 @@ class StepTimer(L.Callback):
     CUDA, the allocator's high-water mark over the last batch (a whole training step, optimizer state included)."""
 
     def __init__(self, device: torch.device, last_batch: int) -> None:
-        self.device, self.last_batch = device, last_batch
+        self.device = device
+        self.last_batch = last_batch
         self.starts: list[float] = []
         self.peak_memory: int | None = None
 
@@ -135,17 +140,32 @@ class StepTimer(L.Callback):
             self.peak_memory = torch.cuda.max_memory_allocated(self.device)
 
 
-def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], n: int, seed: int) -> StepTimer:
+def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: int, seed: int) -> StepTimer:
     """A fresh Trainer.fit of LMModule for n steps, as `xsa-lm train` configures it, without logging or checkpoints."""
     torch.manual_seed(seed)
-    module = LMModule(config, optimizer=setup.optimizer, scheduler=setup.scheduler, total_steps=n,
-                      compile=setup.compile, spike_factor=None)  # fmt: skip
+    module = LMModule(
+        config,
+        optimizer=setup.optimizer,
+        scheduler=setup.scheduler,
+        total_steps=n,
+        compile=setup.compile,
+        spike_factor=None,
+    )
     timer = StepTimer(setup.device, last_batch=n - 1)
     trainer = L.Trainer(
-        max_steps=n, accelerator=setup.device.type, devices=1, precision=setup.precision, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
-    )  # fmt: skip
+        max_steps=n,
+        accelerator=setup.device.type,
+        devices=1,
+        precision=setup.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
     loader = DataLoader(CycledBatches(batches, n), batch_size=None, shuffle=False, num_workers=0)
     trainer.fit(module, loader)
     return timer
@@ -209,19 +229,34 @@ def measure(phase: Phase) -> dict:
     device = torch.device(phase.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    setup = Setup(device, phase.precision, phase.compile, build(OmegaConf.create(phase.optimizer)),
-                  build(OmegaConf.create(phase.scheduler)))  # fmt: skip
+    setup = Setup(
+        device,
+        precision=phase.precision,
+        compile=phase.compile,
+        optimizer=build(OmegaConf.create(phase.optimizer)),
+        scheduler=build(OmegaConf.create(phase.scheduler)),
+    )
     config, w = phase.model, phase.warmup
-    batches = make_batches(N_BATCHES, phase.micro_batch, config.block_size, config.vocab_size, phase.seed,
-                           pin=device.type == "cuda")  # fmt: skip
+    batches = make_batches(
+        N_BATCHES,
+        micro_batch=phase.micro_batch,
+        context=config.block_size,
+        vocab=config.vocab_size,
+        seed=phase.seed,
+        pin=device.type == "cuda",
+    )
     out = {"pid": os.getpid(), "threads": torch.get_num_threads(), "host_memory_reuse": host_memory_reuse}
     if phase.kind == "device":
         peak, source = peak_flops(device, phase.precision)
         first = (batches[0][0][:1], batches[0][1][:1])
-        return out | {"device": device_name(device), "peak_flops": peak, "peak_flops_source": source,
-                      "flops_per_token": GPT(config).flops_per_token(config.block_size),
-                      # one sequence: the count per token is the same, the memory a fraction
-                      "flops_per_token_flop_counter": counted_flops_per_token(config, setup, first)}  # fmt: skip
+        return out | {
+            "device": device_name(device),
+            "peak_flops": peak,
+            "peak_flops_source": source,
+            "flops_per_token": GPT(config).flops_per_token(config.block_size),
+            # one sequence: the count per token is the same, the memory a fraction
+            "flops_per_token_flop_counter": counted_flops_per_token(config, setup, first),
+        }
     # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
     total = w + phase.steps + 1
     if phase.kind == "plain":
@@ -229,7 +264,7 @@ def measure(phase: Phase) -> dict:
         times = step_times(trainer.run(batches, total - 1)[w:])
         memory, source = peak_memory(trainer, batches)
     elif phase.kind == "lightning":
-        timer = fit_lightning(config, setup, batches, total, phase.seed)
+        timer = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
         times = step_times(timer.starts[w:])
         memory = timer.peak_memory  # CUDA only: the CPU estimate needs the plain loop's own forward
         source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"

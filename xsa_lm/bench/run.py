@@ -66,11 +66,21 @@ def make_phases(cfg: DictConfig, n: dict, device: torch.device, precision: str) 
     unknown = set(cfg.comparisons) - set(COMPARISONS)
     if unknown:
         raise UserError(f"comparisons: unknown {sorted(unknown)}; choose from {sorted(COMPARISONS)}")
-    base = Phase(kind="plain", model=sa, device=device.type, precision=precision, compile=cfg.compile,
-                 optimizer=OmegaConf.to_container(cfg.optim, resolve=True),
-                 scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True), micro_batch=cfg.micro_batch,
-                 warmup=n["warmup"], steps=n["steps"], seed=cfg.seed, threads=cfg.threads,
-                 reuse_host_memory=bool(cfg.reuse_host_memory))  # fmt: skip
+    base = Phase(
+        kind="plain",
+        model=sa,
+        device=device.type,
+        precision=precision,
+        compile=cfg.compile,
+        optimizer=OmegaConf.to_container(cfg.optim, resolve=True),
+        scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
+        micro_batch=cfg.micro_batch,
+        warmup=n["warmup"],
+        steps=n["steps"],
+        seed=cfg.seed,
+        threads=cfg.threads,
+        reuse_host_memory=bool(cfg.reuse_host_memory),
+    )
     every = {"sa": base, "xsa": replace(base, model=xsa), "lightning": replace(base, kind="lightning")}
     needed = {"lightning"} | {name for c in cfg.comparisons for name in COMPARISONS[c]}
     return {name: every[name] for name in ("sa", "xsa", "lightning") if name in needed}
@@ -95,7 +105,7 @@ def mfu_target(model: str, device: str) -> float | None:
     return spec["at_least"] if applies else None
 
 
-def summarize_rounds(rounds: list[dict[str, dict]], info: dict, model: str, device_type: str, tokens: int) -> dict:
+def summarize_rounds(rounds: list[dict[str, dict]], info: dict, *, model: str, device_type: str, tokens: int) -> dict:
     """Per phase: median step time, tokens/s, peak memory; per comparison: the per-round ratios summarized."""
     step = {name: [statistics.median(r[name]["step_times"]) for r in rounds] for name in rounds[0]}
     out: dict = {}
@@ -108,17 +118,32 @@ def summarize_rounds(rounds: list[dict[str, dict]], info: dict, model: str, devi
     if "xsa" in step:
         ratios["xsa_over_sa_step_time"] = summarize(
             [x / s for x, s in zip(step["xsa"], step["sa"], strict=True)],
-            target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True)  # fmt: skip
+            target=TARGETS["xsa_over_sa_step_time"][device_type],
+            at_most=True,
+        )
     if "sa" in step:  # throughput ratio = plain step time / Lightning step time
         ratios["lightning_over_plain_throughput"] = summarize(
             [p / lt for p, lt in zip(step["sa"], step["lightning"], strict=True)],
-            target=TARGETS["lightning_over_plain_throughput"], at_most=False)  # fmt: skip
+            target=TARGETS["lightning_over_plain_throughput"],
+            at_most=False,
+        )
     if info["peak_flops"] is not None:
         mfu = [tokens / t * info["flops_per_token"] / info["peak_flops"] for t in step["lightning"]]
         ratios["mfu"] = summarize(mfu, target=mfu_target(model, info["device"]), at_most=False)
     if out.get("xsa_peak_memory_bytes") and out.get("sa_peak_memory_bytes"):
         out["xsa_over_sa_peak_memory"] = out["xsa_peak_memory_bytes"] / out["sa_peak_memory_bytes"]
     return out | {"ratios": ratios}
+
+
+FLOPS_KEYS = ("flops_per_token", "flops_per_token_flop_counter", "peak_flops", "peak_flops_source")
+
+
+def with_step_medians(round_results: dict[str, dict]) -> dict[str, dict]:
+    """One round's results, each phase's with its median step time in ms."""
+    return {
+        name: {**result, "step_ms_median": 1e3 * statistics.median(result["step_times"])}
+        for name, result in round_results.items()
+    }
 
 
 def bench(cfg: DictConfig) -> dict:
@@ -132,51 +157,66 @@ def bench(cfg: DictConfig) -> dict:
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
     rounds = run_rounds(phases, n["rounds"])
     info = run_fresh(replace(phases["lightning"], kind="device"), label="device", context=process_context())
-    summary = summarize_rounds(rounds, info, cfg.model.name, device.type, tokens)
+    summary = summarize_rounds(rounds, info, model=cfg.model.name, device_type=device.type, tokens=tokens)
     ratios = summary.pop("ratios")
     lightning = statistics.median(statistics.median(r["lightning"]["step_times"]) for r in rounds)
     memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
     return {
-        "device": info["device"], "precision": precision, "compile": cfg.compile, "model": cfg.model.name,
-        "context": cfg.context, "micro_batch": cfg.micro_batch, "tokens_per_step": tokens,
-        "vocab_size": phases["lightning"].model.vocab_size, "smoke": cfg.smoke,
-        "host_memory_reuse": info["host_memory_reuse"], "threads": info["threads"], **n,
-        "phases": list(phases), "fresh_process_per_phase": True,
+        "device": info["device"],
+        "precision": precision,
+        "compile": cfg.compile,
+        "model": cfg.model.name,
+        "context": cfg.context,
+        "micro_batch": cfg.micro_batch,
+        "tokens_per_step": tokens,
+        "vocab_size": phases["lightning"].model.vocab_size,
+        "smoke": cfg.smoke,
+        "host_memory_reuse": info["host_memory_reuse"],
+        "threads": info["threads"],
+        **n,
+        "phases": list(phases),
+        "fresh_process_per_phase": True,
         # The headline: the trainer `xsa-lm train` runs (Lightning, SA).
-        "tokens_per_s": tokens / lightning, "step_time_ms": 1e3 * lightning, **summary,
+        "tokens_per_s": tokens / lightning,
+        "step_time_ms": 1e3 * lightning,
+        **summary,
         "peak_memory_source": memory_source,
-        # Point estimates (the median of the per-round ratios) under the old keys; the statistics beside them.
+        # Point estimates (the median of the per-round ratios) as top-level keys; the statistics beside them.
         **{key: s["median"] for key, s in ratios.items()},
         "ratios": ratios,
         "targets": {key: s["target"] for key, s in ratios.items()},
         "verdicts": {key: s["verdict"] for key, s in ratios.items()},
-        **{key: info[key] for key in ("flops_per_token", "flops_per_token_flop_counter", "peak_flops",
-                                      "peak_flops_source")},
-        "per_round": [{name: {**result, "step_ms_median": 1e3 * statistics.median(result["step_times"])}
-                       for name, result in r.items()} for r in rounds],
+        **{key: info[key] for key in FLOPS_KEYS},
+        "per_round": [with_step_medians(r) for r in rounds],
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
         "model_config": asdict(phases["lightning"].model),
-        "config": OmegaConf.to_container(cfg, resolve=True), "run_info": run_info(),
-    }  # fmt: skip
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "run_info": run_info(),
+    }
 
 
 LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
-RATIO_LABELS = {"xsa_over_sa_step_time": "XSA/SA step time", "lightning_over_plain_throughput":
-                "Lightning/plain tokens/s", "mfu": "MFU (Lightning, SA)"}  # fmt: skip
+RATIO_LABELS = {
+    "xsa_over_sa_step_time": "XSA/SA step time",
+    "lightning_over_plain_throughput": "Lightning/plain tokens/s",
+    "mfu": "MFU (Lightning, SA)",
+}
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 
 def phase_table(r: dict) -> Table:
-    table = Table(title=f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}"
-                        f"{', compiled' if r['compile'] else ''}, {r['device']}; {r['rounds']} rounds x "
-                        f"{r['steps']} steps, a fresh process per phase")  # fmt: skip
+    compiled = ", compiled" if r["compile"] else ""
+    table = Table(
+        title=f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
+        f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
+    )
     for col in ("phase", "step ms (median)", "tokens/s", "peak memory"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for name in r["phases"]:
         memory = r[f"{name}_peak_memory_bytes"]
-        table.add_row(LABELS[name], f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}",
-                      "" if memory is None else f"{memory / 2**20:,.1f} MiB")  # fmt: skip
+        memory_cell = "" if memory is None else f"{memory / 2**20:,.1f} MiB"
+        table.add_row(LABELS[name], f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}", memory_cell)
     return table
 
 
@@ -189,10 +229,11 @@ def ratio_table(r: dict) -> Table:
         bounds = "n/a" if s["interval"] is None else f"{fmt(s['interval'][0])} - {fmt(s['interval'][1])}"
         target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {fmt(s['target'])}"
         colour = COLOURS.get(s["verdict"], "yellow")
-        table.add_row(RATIO_LABELS[key], fmt(s["median"]), fmt(s["mean"]), fmt(s["sd"]),
-                      f"{fmt(s['min'])} - {fmt(s['max'])}", bounds, target, f"[{colour}]{s['verdict']}[/]")  # fmt: skip
+        spread = f"{fmt(s['min'])} - {fmt(s['max'])}"
+        cells = [RATIO_LABELS[key], fmt(s["median"]), fmt(s["mean"]), fmt(s["sd"]), spread, bounds, target]
+        table.add_row(*cells, f"[{colour}]{s['verdict']}[/]")
     if r.get("xsa_over_sa_peak_memory"):
-        table.add_row("XSA/SA peak memory", f"{r['xsa_over_sa_peak_memory']:.3f}", "", "", "", "", "", "")
+        table.add_row("XSA/SA peak memory", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6)
     return table
 
 
@@ -201,8 +242,10 @@ def print_tables(r: dict) -> None:
     console.print(phase_table(r))
     console.print(ratio_table(r))
     peak = "unknown" if r["peak_flops"] is None else f"{r['peak_flops'] / 1e12:.3f} TFLOP/s"
-    print(f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
-          f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})")  # fmt: skip
+    print(
+        f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
+        f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})"
+    )
     load = r["load_avg_1min"]
     smoke = " (smoke: a few steps, numbers not meaningful)" if r["smoke"] else ""
     print(f"runtime {r['runtime_s']:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}{smoke}")

@@ -18,7 +18,8 @@ class PackedWindows(Dataset):
     share one token (the last target is the next input's first token); no window crosses a shard boundary."""
 
     def __init__(self, shards: Sequence[np.ndarray], block_size: int) -> None:
-        self.shards, self.block_size = list(shards), block_size
+        self.shards = list(shards)
+        self.block_size = block_size
         counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
         self.starts = np.cumsum([0, *counts]).tolist()  # window index where each shard begins
         self.n = self.starts[-1]
@@ -44,11 +45,23 @@ class ShuffledBatches(IterableDataset):
     `start_batch` resumes exactly where an interrupted run stopped.
     """
 
-    def __init__(self, windows: PackedWindows, batch_size: int, seed: int,
-                 start_batch: int = 0, rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
-        self.windows, self.batch_size, self.seed = windows, batch_size, seed
-        self.start_batch, self.rank, self.world_size = start_batch, rank, world_size
-        self._perms: dict[int, torch.Tensor] = {}
+    def __init__(
+        self,
+        windows: PackedWindows,
+        batch_size: int,
+        *,
+        seed: int,
+        start_batch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self._perms: dict[int, torch.Tensor] = {}  # epoch -> its permutation of the windows (window_index)
+        self.start_batch = start_batch
+        self.rank = rank
+        self.world_size = world_size
 
     def window_index(self, g: int) -> int:
         epoch, i = divmod(g, len(self.windows))
@@ -75,13 +88,25 @@ class ShuffledBatches(IterableDataset):
 
 
 class TokenDataModule(L.LightningDataModule):
-    def __init__(self, data: PreparedData, block_size: int, micro_batch_size: int, seed: int,
-                 val_windows: int | None = None, num_workers: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data: PreparedData,
+        *,
+        block_size: int,
+        micro_batch_size: int,
+        seed: int,
+        val_windows: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
-        self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
-        self.seed, self.val_windows, self.num_workers = seed, val_windows, num_workers
         check_val_windows(val_windows)
+        self.data = data
+        self.block_size = block_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.num_workers = num_workers
         self.train_windows = PackedWindows(data.shards("train"), block_size)
+        self.val_windows = val_windows
         self.val_set = PackedWindows(data.shards("val"), block_size)
         if val_windows is not None:
             self.val_set.n = min(self.val_set.n, val_windows)  # the first windows: fixed across runs
@@ -105,8 +130,13 @@ class TokenDataModule(L.LightningDataModule):
         if self.trainer is None:
             return {}
         served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
-        return {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "global_micro_batches": served,
-                "world_size": self.trainer.world_size, "block_size": self.block_size}  # fmt: skip
+        return {
+            "seed": self.seed,
+            "micro_batch_size": self.micro_batch_size,
+            "global_micro_batches": served,
+            "world_size": self.trainer.world_size,
+            "block_size": self.block_size,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.resume_from = state_dict or None
@@ -115,15 +145,32 @@ class TokenDataModule(L.LightningDataModule):
         start_batch, rank, world = 0, 0, 1
         if self.trainer is not None:
             rank, world = self.trainer.global_rank, self.trainer.world_size
-            # Resume at the exact micro-batch. The checkpoint's sampler position is authoritative; a checkpoint
-            # from before it was saved falls back on the restored step count.
+            # Resume at the exact micro-batch: from the checkpoint's sampler position when it holds one, else (a
+            # fresh run, or a checkpoint without it) from the restored step count.
             start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
             if self.resume_from:  # rank r reads global micro-batches r, r + W, ...: its own count is global / W
                 start_batch = self.resume_from["global_micro_batches"] // world
-        stream = ShuffledBatches(self.train_windows, self.micro_batch_size, self.seed, start_batch, rank, world)
-        return DataLoader(stream, batch_size=None, num_workers=self.num_workers,
-                          pin_memory=torch.cuda.is_available(), persistent_workers=False)  # fmt: skip
+        stream = ShuffledBatches(
+            self.train_windows,
+            self.micro_batch_size,
+            seed=self.seed,
+            start_batch=start_batch,
+            rank=rank,
+            world_size=world,
+        )
+        return DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.micro_batch_size, shuffle=False,
-                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available())  # fmt: skip
+        return DataLoader(
+            self.val_set,
+            batch_size=self.micro_batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )

@@ -115,9 +115,11 @@ def choose_split(source, split: str = "auto", val_fraction: float | None = None)
         if chosen == "tail":
             documents = "1 document is" if count == 1 else f"{count:,} documents are"
             held_out = val_fraction or TAIL_VAL_FRACTION
-            note = (f"data: {documents} too few for a document-level split ({MIN_VAL_DOCUMENTS} validation documents "
-                    f"at {100 * document_fraction:g}% need {needed:,}); holding out the last {100 * held_out:g}% of "
-                    "each document for validation (data.val_split=tail)")  # fmt: skip
+            note = (
+                f"data: {documents} too few for a document-level split ({MIN_VAL_DOCUMENTS} validation documents "
+                f"at {100 * document_fraction:g}% need {needed:,}); holding out the last {100 * held_out:g}% of "
+                "each document for validation (data.val_split=tail)"
+            )
     if val_fraction is None:
         val_fraction = TAIL_VAL_FRACTION if chosen == "tail" else DOCUMENT_VAL_FRACTION
     return chosen, val_fraction, note
@@ -164,7 +166,7 @@ def prepare(
     if shard_documents < 1 or workers < 1:
         raise UserError("data.shard_documents and data.prepare_workers must be at least 1")
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
-    pieces = partial(_split_documents, source, split, val_fraction, split_seed)
+    pieces = partial(_split_documents, source, split=split, val_fraction=val_fraction, split_seed=split_seed)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".prepare.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process (a parallel sweep trial) waits, then reuses the result
@@ -172,8 +174,10 @@ def prepare(
         if (out / "meta.json").exists():
             return load_prepared(out)
         tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
-        shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, source)
-        meta = _meta(identity, tokenizer, out, shards, split)
+        shards = _write_shards(
+            pieces(), out, tokenizer, shard_documents=shard_documents, workers=workers, progress=progress, source=source
+        )
+        meta = _meta(identity, tokenizer, out, shards=shards, split=split)
         _check_split(meta, split, val_fraction)
         _atomic_write(out / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)
@@ -196,8 +200,9 @@ def _check_split(meta: dict, split: str, val_fraction: float) -> None:
             "raise data.val_fraction, or hold out the end of each document with data.val_split=tail"
         )
     if meta["val_documents"] == 0:
-        raise UserError(f"data: the documents are too short to hold out {100 * val_fraction:g}% of each: raise "
-                        "data.val_fraction")  # fmt: skip
+        raise UserError(
+            f"data: the documents are too short to hold out {100 * val_fraction:g}% of each: raise data.val_fraction"
+        )
 
 
 def load_prepared(out: Path) -> PreparedData:
@@ -242,7 +247,7 @@ def _tokenizer(pieces: Callable[[], Iterator[tuple]], build_tokenizer, out: Path
     return tokenizer
 
 
-def _split_documents(source, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
+def _split_documents(source, *, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
     """(train text, val text) for every document, in the source's order; None where a document has no part in
     a split. A source may define its own document split (is_val)."""
     if split == "tail":
@@ -255,7 +260,16 @@ def _split_documents(source, split: str, val_fraction: float, split_seed: int) -
         yield (None, text) if is_val(key) else (text, None)
 
 
-def _write_shards(pieces: Iterator[tuple], out, tokenizer, shard_documents, workers, progress, source) -> list:
+def _write_shards(
+    pieces: Iterator[tuple],
+    out: Path,
+    tokenizer: Tokenizer,
+    *,
+    shard_documents: int,
+    workers: int,
+    progress: bool,
+    source,
+) -> list:
     job = (str(out), str(out / "tokenizer.json"), tokenizer.token_to_id(EOT), token_dtype(tokenizer.get_vocab_size()))
     shards: list[dict] = []
     bar = _Progress(progress, getattr(source, "count_documents", lambda: None)())
@@ -300,8 +314,9 @@ def _collect(pending: dict[Future, int], bar: "_Progress") -> list[dict]:
 _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _encode_shard(out: str, tokenizer_path: str, eot: int, dtype: str, index: int, train: list[str | None],
-                  val: list[str | None]) -> dict:  # fmt: skip
+def _encode_shard(
+    out: str, tokenizer_path: str, eot: int, dtype: str, index: int, train: list[str | None], val: list[str | None]
+) -> dict:
     """Tokenize one chunk into its train and val shard files (runs in a worker process)."""
     if tokenizer_path not in _WORKER_TOKENIZERS:
         _WORKER_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
@@ -325,17 +340,17 @@ def _encode_shard(out: str, tokenizer_path: str, eot: int, dtype: str, index: in
     return shard
 
 
-def _meta(identity: dict, tokenizer: Tokenizer, out: Path, shards: list[dict], split: str) -> dict:
+def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict], split: str) -> dict:
     tokenizer_bytes = (out / "tokenizer.json").read_bytes()
-    totals = {f"{s}_{n}": sum(shard[f"{s}_{n}"] for shard in shards) for s in ("train", "val")
-              for n in ("documents", "tokens")}  # fmt: skip
+    counts = [f"{s}_{n}" for s in ("train", "val") for n in ("documents", "tokens")]
+    totals = {count: sum(shard[count] for shard in shards) for count in counts}
     return {
         "identity": identity,
         "tokenizer": {
             "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
             "vocab_size": tokenizer.get_vocab_size(),
             "config": identity.get("tokenizer"),
-        },  # fmt: skip
+        },
         "vocab_size": tokenizer.get_vocab_size(),
         "eot_id": tokenizer.token_to_id(EOT),
         "dtype": token_dtype(tokenizer.get_vocab_size()),
@@ -362,12 +377,13 @@ class _Progress:
 
     def __init__(self, enabled: bool, total_documents: int | None) -> None:
         self.bar = None
-        self.t0, self.tokens = time.perf_counter(), 0
+        self.t0 = time.perf_counter()
+        self.tokens = 0
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"),
-                                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())  # fmt: skip
+            columns = [TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents")]
+            self.bar = Progress(*columns, TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
             self.task = self.bar.add_task("prepare", total=total_documents, rate="")
             self.bar.start()
 

@@ -15,8 +15,9 @@ from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_pre
 from xsa_lm.errors import UserError, build, exit_on_user_error
 
 
-def prepare_data(data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_tokenizer: bool = False,
-                 progress: bool = False) -> PreparedData:  # fmt: skip
+def prepare_data(
+    data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_tokenizer: bool = False, progress: bool = False
+) -> PreparedData:
     tokenizer_key = OmegaConf.to_container(tokenizer_cfg, resolve=True)
     check_val_windows(data_cfg.get("val_windows"))
     if data_cfg.get("source") is None:  # data=prepared
@@ -39,10 +40,19 @@ def prepare_data(data_cfg: DictConfig, tokenizer_cfg: DictConfig, explicit_token
     settings = split_settings(split, val_fraction, data_cfg.split_seed, data_cfg.shard_documents)
     identity = {"source": source.identity(), "tokenizer": tokenizer_key, **settings}
     out = Path(data_cfg.dir).expanduser() if data_cfg.dir else cache_path(data_cfg.cache_dir, source.name, identity)
-    return prepare(source, build_tokenizer, out, identity, val_fraction=val_fraction, split=split,
-                   split_seed=data_cfg.split_seed, shard_documents=data_cfg.shard_documents,
-                   workers=data_cfg.prepare_workers, tokenizer_documents=data_cfg.tokenizer_documents,
-                   progress=progress)  # fmt: skip
+    return prepare(
+        source,
+        build_tokenizer,
+        out,
+        identity,
+        val_fraction=val_fraction,
+        split=split,
+        split_seed=data_cfg.split_seed,
+        shard_documents=data_cfg.shard_documents,
+        workers=data_cfg.prepare_workers,
+        tokenizer_documents=data_cfg.tokenizer_documents,
+        progress=progress,
+    )
 
 
 def check_val_windows(val_windows: int | None) -> None:
@@ -54,9 +64,11 @@ def check_val_windows(val_windows: int | None) -> None:
 def describe(data: PreparedData) -> str:
     m = data.meta
     val = "val document tails" if m.get("split") == "tail" else "val documents"
-    return (f"{data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
-            f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), "
-            f"{m['dtype']}, vocab {m['vocab_size']}")  # fmt: skip
+    return (
+        f"{data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
+        f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), "
+        f"{m['dtype']}, vocab {m['vocab_size']}"
+    )
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")
@@ -68,5 +80,7 @@ def main(cfg: DictConfig) -> None:
         data = prepare_data(cfg.data, cfg.tokenizer, progress=cfg.progress_bar)
     seconds = time.perf_counter() - t0
     tokens = data.meta["train_tokens"] + data.meta["val_tokens"]
-    print(f"prepared {describe(data)} | {seconds:.1f} s this run ({tokens / max(seconds, 1e-9):,.0f} tokens/s "
-          f"if all were new)\ntrain on it: xsa-lm train data=prepared data.dir={data.dir}")  # fmt: skip
+    print(
+        f"prepared {describe(data)} | {seconds:.1f} s this run ({tokens / max(seconds, 1e-9):,.0f} tokens/s "
+        f"if all were new)\ntrain on it: xsa-lm train data=prepared data.dir={data.dir}"
+    )

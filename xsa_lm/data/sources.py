@@ -127,8 +127,9 @@ class LocalFiles:
 
         table = pq.ParquetFile(path)
         if self.text_field not in table.schema_arrow.names:
-            raise UserError(f"data.text_field: {path} has no column {self.text_field!r} "
-                            f"(columns: {table.schema_arrow.names})")  # fmt: skip
+            raise UserError(
+                f"data.text_field: {path} has no column {self.text_field!r} (columns: {table.schema_arrow.names})"
+            )
         n = 0
         for batch in table.iter_batches(columns=[self.text_field], batch_size=1024):
             for value in batch.column(0).to_pylist():
@@ -155,19 +156,33 @@ class HFDataset:
 
     name = "hf"
 
-    def __init__(self, path: str, subset: str | None = None, split: str = "train", text_field: str = "text",
-                 streaming: bool = True, data_files: str | list[str] | None = None,
-                 max_documents: int | None = None, timeout_s: float = 5.0) -> None:  # fmt: skip
-        self.path, self.subset, self.split, self.text_field = path, subset, split, text_field
-        self.streaming, self.data_files, self.max_documents = streaming, data_files, max_documents
+    def __init__(
+        self,
+        path: str,
+        subset: str | None = None,
+        split: str = "train",
+        text_field: str = "text",
+        streaming: bool = True,
+        data_files: str | list[str] | None = None,
+        max_documents: int | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.path = path
+        self.subset = subset
+        self.split = split
+        self.data_files = data_files
         self.timeout_s = timeout_s
         if data_files is None:
             self._check_hub()
+        self.text_field = text_field
+        self.streaming = streaming
+        self.max_documents = max_documents
 
     def _check_hub(self) -> None:
         """Fail in seconds without network (the hub client retries for much longer), naming the alternative."""
-        offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
-                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))  # fmt: skip
+        offline = any(
+            os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        )
         if offline or not reachable("huggingface.co", 443, self.timeout_s):
             reason = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if offline else ""
             raise UserError(
@@ -197,8 +212,15 @@ class HFDataset:
         files = expand(self.data_files, "data.data_files") if self.data_files is not None else None
         if files is not None:
             files = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in files]
-        return {"name": self.name, "path": self.path, "subset": self.subset, "split": self.split,
-                "text_field": self.text_field, "files": files, "max_documents": self.max_documents}  # fmt: skip
+        return {
+            "name": self.name,
+            "path": self.path,
+            "subset": self.subset,
+            "split": self.split,
+            "text_field": self.text_field,
+            "files": files,
+            "max_documents": self.max_documents,
+        }
 
 
 def _read_utf8(path: str) -> str:
@@ -206,8 +228,10 @@ def _read_utf8(path: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
-                        "convert it, e.g. `iconv -f latin1 -t utf-8`") from None  # fmt: skip
+        raise UserError(
+            f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
+            "convert it, e.g. `iconv -f latin1 -t utf-8`"
+        ) from None
 
 
 def expand(patterns: str | list[str], field: str) -> list[str]:

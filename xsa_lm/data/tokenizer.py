@@ -26,8 +26,10 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(train_texts, trainer=trainer)
     if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
-        print(f"tokenizer: the corpus supports {tokenizer.get_vocab_size()} BPE tokens, fewer than "
-              f"tokenizer.vocab_size={vocab_size}; the model uses {tokenizer.get_vocab_size()}")  # fmt: skip
+        print(
+            f"tokenizer: the corpus supports {tokenizer.get_vocab_size()} BPE tokens, fewer than "
+            f"tokenizer.vocab_size={vocab_size}; the model uses {tokenizer.get_vocab_size()}"
+        )
     return tokenizer
 
 

@@ -58,8 +58,12 @@ class HarnessLM(LM):
         the tokens before it, up to max_length)."""
         totals = []
         for request in requests:
-            windows = lm_utils.get_rolling_token_windows(token_list=self.encode(request.args[0]), prefix_token=self.eot,
-                                                         max_seq_len=self.max_length, context_len=1)  # fmt: skip
+            windows = lm_utils.get_rolling_token_windows(
+                token_list=self.encode(request.args[0]),
+                prefix_token=self.eot,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
             totals.append(sum(s for s, _ in self.score([lm_utils.make_disjoint_window(w) for w in windows])))
         return totals
 
@@ -71,8 +75,12 @@ class HarnessLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
             ids = (self.encode(context) or [self.eot])[-self.max_length :]
-            tokens = generate(self.model, torch.tensor([ids], device=self.device), int(kwargs.get("max_gen_toks", 128)),
-                              temperature=temperature)  # fmt: skip
+            tokens = generate(
+                self.model,
+                torch.tensor([ids], device=self.device),
+                int(kwargs.get("max_gen_toks", 128)),
+                temperature=temperature,
+            )
             text = self.tokenizer.decode(tokens[0, len(ids) :].tolist())
             for stop in until:
                 text = text.split(stop)[0]

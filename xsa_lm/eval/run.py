@@ -4,6 +4,7 @@ Writes DIR/eval.json and DIR/eval.md (a table like the paper's Table 2: one row 
 XSA - SA when both are given), prints the table, and logs it to W&B in each checkpoint's own run.
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -18,8 +19,30 @@ from xsa_lm.data.tokenizer import reachable
 from xsa_lm.errors import UserError, exit_on_user_error
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
-PAPER_TASKS = {"arc_easy": "acc_norm", "boolq": "acc", "hellaswag": "acc_norm", "lambada_openai": "acc",
-               "openbookqa": "acc_norm", "piqa": "acc_norm", "social_iqa": "acc", "winogrande": "acc"}  # fmt: skip
+PAPER_TASKS = {
+    "arc_easy": "acc_norm",
+    "boolq": "acc",
+    "hellaswag": "acc_norm",
+    "lambada_openai": "acc",
+    "openbookqa": "acc_norm",
+    "piqa": "acc_norm",
+    "social_iqa": "acc",
+    "winogrande": "acc",
+}
+
+
+# The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
+HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
+
+
+def require_harness() -> None:
+    """lm-evaluation-harness is an optional extra (about 30 packages for this one command): without it, one line
+    that says how to install it, before any checkpoint is read."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(
+            "xsa-lm eval needs lm-evaluation-harness, the extra `eval`: "
+            f"pip install '{HARNESS_REQUIREMENT}' (in a checkout: pip install -e '.[eval]')"
+        )
 
 
 def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
@@ -99,13 +122,22 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
         path = Path(ckpt).expanduser()
         model = load_model(path)
         lm = HarnessLM(model, load_tokenizer(path), batch_size=batch_size, device=device)
-        out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0,
-                                      log_samples=False)  # fmt: skip
-        scores = {task: dict(zip(("metric", "value"), headline(task, out["results"][task]), strict=True))
-                  for task in names}  # fmt: skip
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
+        )
+        scores = {
+            task: dict(zip(("metric", "value"), headline(task, out["results"][task]), strict=True)) for task in names
+        }
         average = sum(s["value"] for s in scores.values()) / len(scores)
-        rows.append({"checkpoint": str(path), "attention": model.config.attention, "run": run_dir_of(path).name,
-                     "scores": scores, "average": average})  # fmt: skip
+        rows.append(
+            {
+                "checkpoint": str(path),
+                "attention": model.config.attention,
+                "run": run_dir_of(path).name,
+                "scores": scores,
+                "average": average,
+            }
+        )
     result = {"tasks": names, "limit": limit, "rows": rows}
     sa = [r for r in rows if r["attention"] == "sa"]
     xsa = [r for r in rows if r["attention"] == "xsa"]
@@ -142,10 +174,16 @@ def log_to_wandb(result: dict, wandb_mode: str) -> None:
         id_file = run_dir / "wandb_run_id.txt"
         config = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").exists() else None
         wandb_cfg = config.logger.get("wandb") if config is not None and config.get("logger") else None
-        run = wandb_init(save_dir=str(run_dir), name=f"eval-{row['run']}", run_config={"eval_tasks": result["tasks"]},
-                         project=wandb_cfg.project if wandb_cfg else "xsa-lm",
-                         group=wandb_cfg.group if wandb_cfg else None, job_type="eval", mode=wandb_mode,
-                         run_id=id_file.read_text().strip() if id_file.exists() else None)  # fmt: skip
+        run = wandb_init(
+            save_dir=str(run_dir),
+            name=f"eval-{row['run']}",
+            run_config={"eval_tasks": result["tasks"]},
+            project=wandb_cfg.project if wandb_cfg else "xsa-lm",
+            group=wandb_cfg.group if wandb_cfg else None,
+            job_type="eval",
+            mode=wandb_mode,
+            run_id=id_file.read_text().strip() if id_file.exists() else None,
+        )
         run.summary.update(
             {f"eval/{t}": s["value"] for t, s in row["scores"].items()} | {"eval/average": row["average"]}
         )
@@ -156,6 +194,7 @@ def log_to_wandb(result: dict, wandb_mode: str) -> None:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
+        require_harness()
         tasks = OmegaConf.to_container(cfg.tasks) if OmegaConf.is_list(cfg.tasks) else cfg.tasks
         result = evaluate(checkpoint_list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_sampling(max_new_tokens, temperature, top_k, num_samples, seed) -> None:
+def check_sampling(*, max_new_tokens, temperature, top_k, num_samples, seed) -> None:
     """The sampling options, one line per mistake, before the checkpoint is read."""
     for key, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
         if not is_int(value) or value < 1:
@@ -29,9 +29,12 @@ def check_sampling(max_new_tokens, temperature, top_k, num_samples, seed) -> Non
         raise UserError(f"seed must be an integer, got {seed!r}")
 
 
-def sample(ckpt: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, num_samples: int,
-           seed: int) -> list[str]:  # fmt: skip
-    check_sampling(max_new_tokens, temperature, top_k, num_samples, seed)
+def sample(
+    ckpt: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, num_samples: int, seed: int
+) -> list[str]:
+    check_sampling(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, num_samples=num_samples, seed=seed
+    )
     path = Path(str(ckpt)).expanduser()
     model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path)
     prompt = "" if prompt is None else str(prompt)  # prompt=null, or a number Hydra parsed as one
@@ -46,6 +49,14 @@ def sample(ckpt: str, prompt: str, max_new_tokens: int, temperature: float, top_
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        texts = sample(cfg.ckpt, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, cfg.seed)
+        texts = sample(
+            cfg.ckpt,
+            cfg.prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            num_samples=cfg.num_samples,
+            seed=cfg.seed,
+        )
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")

@@ -24,26 +24,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def xsa_reference(
+    y: torch.Tensor, v: torch.Tensor, eps: float = 1e-6, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """XSA as the paper writes it, left to autograd: z = y - (y . v) / (||v||^2 + eps) v over the last dim.
+
+    eps keeps a zero v from giving NaN. Computed in at least fp32 (bf16 loses the orthogonality), returned in y's
+    dtype. v broadcasts against y (grouped-query attention); `scale`, the gated variant's tanh(alpha) per head,
+    multiplies the subtracted part.
+    """
+    dtype = torch.promote_types(y.dtype, torch.float32)  # fp64 stays fp64, for tests
+    y32, v32 = y.to(dtype), v.to(dtype)
+    coef = (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + eps)
+    if scale is not None:
+        coef = coef * scale
+    return (y32 - coef * v32).to(y.dtype)
+
+
+# The fused path below computes xsa_reference's z, with a hand-written backward that keeps less memory:
+# tests/test_attention.py checks its forward and gradients against xsa_reference (equal to float rounding), with
+# GQA broadcasting, the gate and bf16.
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """At least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward."""
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    return [t.to(dtype) for t in tensors]
+
+
 def _xsa_forward(
     y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z = y - scale * c v with c = (y . v) / n and n = ||v||^2 + eps; also returns c and 1 / n for the backward."""
+    """z, and for the backward c = (y . v) / n and 1 / n, with n = ||v||^2 + eps."""
     y32, v32 = _compute_dtype(y, v)
     inv_norm = 1.0 / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
     coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) * inv_norm
-    return _subtract(y32, v32, coef, scale).to(y.dtype), coef, inv_norm
+    return _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype), coef, inv_norm
 
 
 def _subtract(y32: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """z = y - scale * coef * v (in the compute dtype)."""
+    """z = y - scale * coef * v, in the compute dtype."""
     return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0)
 
 
 def _xsa_backward(
-    grad: torch.Tensor, y: torch.Tensor, v: torch.Tensor, scale: torch.Tensor | None, coef: torch.Tensor,
-    inv_norm: torch.Tensor, scale_needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """Gradients of z with respect to y, v and the gate, given dL/dz."""
+    grad: torch.Tensor,
+    *,
+    y: torch.Tensor,
+    v: torch.Tensor,
+    scale: torch.Tensor | None,
+    coef: torch.Tensor,
+    inv_norm: torch.Tensor,
+    scale_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of z with respect to y, v and the gate, given g = dL/dz."""
     y32, v32, g32 = _compute_dtype(y, v, grad)
     g_dot_v = torch.linalg.vecdot(g32, v32).unsqueeze(-1)
     k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
@@ -51,12 +85,13 @@ def _xsa_backward(
     grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
     # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
     grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
+    grad_v = grad_v.sum_to_size(v.shape).to(v.dtype)  # GQA: summed over the query heads that share v
     grad_scale = (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale_needs_grad else None
-    return grad_y.to(y.dtype), _reduce_to(grad_v, v), grad_scale
+    return grad_y.to(y.dtype), grad_v, grad_scale
 
 
 class ExclusiveProjection(torch.autograd.Function):
-    """z = y - scale * (y . v) / (||v||^2 + eps) * v over the last dim, with a hand-written backward.
+    """z = xsa_reference(y, v, eps, scale), with a hand-written backward.
 
     It saves y and v as they came in (bf16 stays bf16; SDPA keeps both for its own backward anyway), the gate, and
     two numbers per token and head, (y . v) / n and 1 / n with n = ||v||^2 + eps: 2 / head_dim of y's size. Autograd
@@ -66,60 +101,62 @@ class ExclusiveProjection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
-        z, coef, inv_norm = _xsa_forward(y, v, eps, scale)
+        z, coef, inv_norm = _xsa_forward(y, v, eps=eps, scale=scale)
         ctx.save_for_backward(y, v, scale, coef, inv_norm)
         return z
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         y, v, scale, coef, inv_norm = ctx.saved_tensors
-        grad_y, grad_v, grad_scale = _xsa_backward(grad, y, v, scale, coef, inv_norm, ctx.needs_input_grad[3])
+        grad_y, grad_v, grad_scale = _xsa_backward(
+            grad, y=y, v=v, scale=scale, coef=coef, inv_norm=inv_norm, scale_needs_grad=ctx.needs_input_grad[3]
+        )
         return grad_y, grad_v, None, grad_scale
 
 
 class ExclusiveOutputProjection(torch.autograd.Function):
-    """W_o applied to XSA's z without keeping z: out = flatten(z) W^T + b, z = exclusive_projection(y, v).
+    """out = F.linear(xsa_reference(y, v, eps, scale).flatten(-3), weight, bias), keeping no z for the backward.
 
     W_o's weight gradient needs its input. For SA that is SDPA's output y, which SDPA keeps anyway; for XSA it would
     be z, one more activation of y's size per layer. So z is recomputed in the backward from y, v and the saved
     coefficients (one elementwise pass, no matmul), and XSA costs no activation memory beyond 2 numbers per token and
-    head. y is (..., H_kv, G, D) and v (..., H_kv, 1, D), as for exclusive_projection; the last three dims are
-    flattened into W_o's input. Matmuls run in the dtype of the output (the autocast dtype, as F.linear does).
+    head. y is (..., H_kv, G, D) and v (..., H_kv, 1, D); the last three dims are flattened into W_o's input.
+    Matmuls run in the dtype of the output (the autocast dtype, as F.linear does).
     """
 
     @staticmethod
-    def forward(ctx, y, v, eps: float, scale, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        z, coef, inv_norm = _xsa_forward(y, v, eps, scale)
+    def forward(
+        ctx,
+        y: torch.Tensor,
+        v: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        z, coef, inv_norm = _xsa_forward(y, v, eps=eps, scale=scale)
         out = F.linear(z.flatten(-3), weight, bias)
         ctx.save_for_backward(y, v, scale, coef, inv_norm, weight)
         ctx.has_bias = bias is not None
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         y, v, scale, coef, inv_norm, weight = ctx.saved_tensors
         _, _, _, need_scale, need_weight, need_bias = ctx.needs_input_grad
         grad_weight = grad_bias = None
         if need_weight:
-            z = _subtract(*_compute_dtype(y, v), coef, scale).to(y.dtype)  # rounded as the forward's z was
+            y32, v32 = _compute_dtype(y, v)
+            z = _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype)  # rounded as the forward's z was
             z = z.flatten(-3).reshape(-1, weight.shape[1]).to(grad_out.dtype)
             grad_weight = (grad_out.reshape(-1, weight.shape[0]).T @ z).to(weight.dtype)
         if ctx.has_bias and need_bias:
             grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)  # bias shares W's dtype
         grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
-        grad_y, grad_v, grad_scale = _xsa_backward(grad_z, y, v, scale, coef, inv_norm, need_scale)
+        grad_y, grad_v, grad_scale = _xsa_backward(
+            grad_z, y=y, v=v, scale=scale, coef=coef, inv_norm=inv_norm, scale_needs_grad=need_scale
+        )
         return grad_y, grad_v, None, grad_scale, grad_weight, grad_bias
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """At least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward."""
-    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-    return [t.to(dtype) for t in tensors]
-
-
-def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Sum the gradient over dims where `like` was broadcast (GQA: one v per group of query heads)."""
-    return grad.sum_to_size(like.shape).to(like.dtype)
 
 
 def exclusive_projection(
@@ -127,20 +164,13 @@ def exclusive_projection(
 ) -> torch.Tensor:
     """XSA: remove from each attention output y_i its component along the token's own value v_i.
 
-    z_i = y_i - (y_i . v_i) v_i / ||v_i||^2, per head, on (..., T, D) tensors; v broadcasts against y (grouped-
-    query attention passes v as (B, H_kv, 1, T, D) against y as (B, H_kv, G, T, D): no copies of v).
-    The projection runs in fp32 (bf16 loses the orthogonality); eps is added to ||v_i||^2 so a zero
-    value vector leaves y_i unchanged instead of producing NaN. `scale` (broadcastable to (..., 1, 1))
-    multiplies the subtracted part: the gated variant passes tanh(alpha) per head.
+    z_i = y_i - (y_i . v_i) v_i / ||v_i||^2, per head, on (..., T, D) tensors: xsa_reference, with less memory kept
+    for the backward. v broadcasts against y (grouped-query attention passes v as (B, H_kv, 1, T, D) against y as
+    (B, H_kv, G, T, D): no copies of v). eps is added to ||v_i||^2 so a zero value vector leaves y_i unchanged
+    instead of producing NaN. `scale` (broadcastable to (..., 1, 1)) multiplies the subtracted part: the gated
+    variant passes tanh(alpha) per head.
     """
     return ExclusiveProjection.apply(y, v, eps, scale)
-
-
-def exclusive_output_projection(
-    y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None, proj: nn.Linear
-) -> torch.Tensor:
-    """proj(exclusive_projection(y, v).flatten(-3)), keeping no z for the backward (ExclusiveOutputProjection)."""
-    return ExclusiveOutputProjection.apply(y, v, eps, scale, proj.weight, proj.bias)
 
 
 class KVCache:
@@ -187,8 +217,9 @@ class CausalSelfAttention(nn.Module):
         # Causal: query t (at position past + t) sees keys 0 .. past + t.
         mask = None if past == 0 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=dropout, enable_gqa=H_kv != H)  # fmt: skip
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, enable_gqa=H_kv != H
+        )
         # (B, T, H, D) order from here: SDPA's kernels return y laid out that way in memory, so the output projection
         # reads it (and XSA's result, computed in that order) without a copy.
         y_t = y.transpose(1, 2)
@@ -197,10 +228,12 @@ class CausalSelfAttention(nn.Module):
         else:
             # Each query head projects on its KV group's v: y as (B, T, H_kv, G, D) against v as (B, T, H_kv, 1, D).
             # Only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA.
-            y_t, v_t = y_t.view(B, T, H_kv, H // H_kv, D), v.transpose(1, 2).unsqueeze(3)
+            y_t, v_t = y_t.unflatten(2, (H_kv, H // H_kv)), v.transpose(1, 2).unsqueeze(3)
             scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
-            out = exclusive_output_projection(y_t, v_t, self.xsa_eps, scale, self.proj)  # z is not kept
+            # out = self.proj(xsa_reference(y_t, v_t, self.xsa_eps, scale).flatten(-3)), fused to keep no z
+            weight, bias = self.proj.weight, self.proj.bias
+            out = ExclusiveOutputProjection.apply(y_t, v_t, self.xsa_eps, scale, weight, bias)
         if self.observer is not None:  # diagnostics: z once more, to look at
-            z = exclusive_projection(y_t, v_t, self.xsa_eps, scale) if self.exclusive else None
+            z = exclusive_projection(y_t, v_t, eps=self.xsa_eps, scale=scale) if self.exclusive else None
             self.observer(q=q, k=k, v=v, y=y, z=None if z is None else z.reshape(B, T, H, D).transpose(1, 2))
         return out

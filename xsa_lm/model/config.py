@@ -18,7 +18,7 @@ class GPTConfig:
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head (paper)
     n_sinks: int = 0  # learned attention-sink tokens prepended inside the model (paper's Figure 6: 0, 1, 4)
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
-    bias: bool = False  # biases in Linear and LayerNorm layers (paper: none)
+    bias: bool = False  # biases in Linear and LayerNorm layers (nanoGPT's option; paper: not stated)
     dropout: float = 0.0  # pretraining on ~1 epoch of data needs none
     rope_base: float = 10000.0  # RoPE frequency base
     init_std: float = 0.02  # N(0, init_std); residual projections get init_std / sqrt(2 n_layer)

@@ -7,6 +7,7 @@ from xsa_lm.model.gpt import GPT
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # on a compiled model each new length would compile again: not worth it
 def generate(
     model: GPT,
     idx: torch.Tensor,

@@ -1,5 +1,20 @@
-"""A GPT decoder as in the XSA paper: nanoGPT with RoPE, a LayerNorm after the embedding,
-and n_head / head_dim independent of d_model."""
+"""A GPT decoder as in the XSA paper (arXiv 2603.09078). nanoGPT's model, with these changes:
+
+- rotary position embeddings (RoPE) on q and k instead of learned absolute positions
+- a LayerNorm right after the token embedding (the paper's)
+- n_head * head_dim independent of d_model (the paper's 1.4B model: 24 x 128 = 1.5 d_model)
+- optional grouped-query attention: n_kv_head key/value heads shared by groups of query heads
+- optional learned attention sinks: n_sinks extra positions before the tokens, seen by all, never predicted
+- XSA, per layer (xsa_layers), optionally gated: z = y - tanh(alpha_h) x the projection, alpha zero-initialised
+- no biases in Linear and LayerNorm layers by default (nanoGPT's bias=False option; its default is True)
+- activation checkpointing per block (a training option, not part of the architecture)
+- a KV cache for generation (generate.py), which serves XSA as it serves SA
+- the loss from fp32 logits (under bf16 autocast the logits are bf16)
+
+Kept from nanoGPT: pre-LayerNorm blocks with a GELU MLP, tied input and output embeddings, N(0, init_std) init with
+the residual projections (attn.proj, mlp.proj) at init_std / sqrt(2 n_layer), and a vocabulary padded to a multiple
+of 64 (by the caller, xsa_lm/train/run.py).
+"""
 
 import math
 
@@ -41,7 +56,7 @@ class Block(nn.Module):
         if self.activation_checkpointing and torch.is_grad_enabled():
             # Keep only the block's input for the backward, which runs the block again: less memory, ~1/3 more
             # compute. Inside forward, so under FSDP2 the recompute reuses the weights gathered for the backward.
-            return checkpoint(self._forward, x, cos, sin, cache, use_reentrant=False)
+            return checkpoint(self._forward, x, cos, sin, cache=cache, use_reentrant=False)
         return self._forward(x, cos, sin, cache)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:

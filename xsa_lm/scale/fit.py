@@ -164,8 +164,15 @@ def bootstrap_multipliers(
         return np.array([min(math.log(k), LOG_CAP) if k > 0 else -LOG_CAP for k in ks])
 
     samples = tuple(np.arange(len(s), dtype=float) for s in sa_runs)
-    result = scipy.stats.bootstrap(samples, statistic, n_resamples=n_resamples, vectorized=False, paired=False,
-                                   method="percentile", rng=np.random.default_rng(seed))  # fmt: skip
+    result = scipy.stats.bootstrap(
+        samples,
+        statistic,
+        n_resamples=n_resamples,
+        vectorized=False,
+        paired=False,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
     intervals = []
     for lo, hi in zip(result.confidence_interval.low, result.confidence_interval.high, strict=True):
         if not (math.isfinite(lo) and math.isfinite(hi)):

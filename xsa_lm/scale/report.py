@@ -37,8 +37,66 @@ def reading(size: dict, fit_ok: bool = True) -> str:
     return "not resolved (CI contains 1)"
 
 
-def render_markdown(results: dict) -> str:
+def fit_lines(results: dict) -> list[str]:
+    """The SA fit of loss vs compute, and each size against it."""
     fit = results["fit"]
+    lines = [
+        "",
+        "## SA loss vs training compute",
+        "",
+        f"Fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
+        f"squares): **{fit['formula']}** (C in FLOPs = FLOPs per token x tokens trained). RMS residual "
+        f"{fit['rms_residual']:.4f}.",
+        "",
+        "| model | non-embedding params | selected LR | compute (FLOPs) | SA mean | fit | residual |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    model = fit_of(results)
+    residuals = iter(fit["residuals"])
+    for size in results["sizes"]:
+        if "compute" not in size:
+            lines.append(f"| {size['model']} | - | - | - | - | - | left out |")
+            continue
+        lines.append(
+            f"| {size['model']} | {size['non_embedding_params']:,} | {size['selected_lr']:g} | "
+            f"{size['compute']:.3g} | {_num(size['sa_mean'])} | {_num(model.loss(size['compute']))} | "
+            f"{next(residuals):+.4f} |"
+        )
+    return lines
+
+
+def multiplier_lines(results: dict) -> list[str]:
+    """XSA's effective-compute multiplier at each size, its intervals and what they say."""
+    lines = [
+        "",
+        "## XSA's effective-compute multiplier",
+        "",
+        "k = C_fit(L_XSA) / C_fit(L_SA) at each size: the compute the SA fit needs to reach XSA's loss over "
+        "the compute it needs to reach SA's (k > 1: XSA is worth k x the compute). 95% CI: the paired t "
+        "interval of XSA - SA at that size, each end converted to compute through the fit (calibrated for "
+        "seed noise; the fit's exchange rate held fixed). Bootstrap CI: seed pairs resampled within each size "
+        "and the fit redone, so it carries the fit's uncertainty too, but it is too narrow with few seeds "
+        "(measured on synthetic data: 76% coverage at 4 seeds). Wall-clock k: k x XSA's tokens/s over SA's in "
+        "these runs.",
+        "",
+        "| model | seeds | SA mean | XSA mean | XSA - SA | k | 95% CI | bootstrap CI | wall-clock k | reading |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---|",
+    ]
+    fit_ok = not results["fit"].get("problems")
+    for size in results["sizes"]:
+        if "compute" not in size:
+            continue
+        diff = size["xsa_mean"] - size["sa_mean"]
+        lines.append(
+            f"| {size['model']} | {len(size['seeds'])} | {_num(size['sa_mean'])} | {_num(size['xsa_mean'])} "
+            f"| {diff:+.4f} | {_num(size.get('multiplier'), 3)} | {_ci(size.get('multiplier_ci'))} | "
+            f"{_ci(size.get('multiplier_ci_bootstrap'))} | "
+            f"{_num(size.get('wallclock_multiplier'), 3)} | {reading(size, fit_ok)} |"
+        )
+    return lines
+
+
+def render_markdown(results: dict) -> str:
     lines = [
         "# SA vs XSA across model sizes: effective-compute multiplier",
         "",
@@ -49,43 +107,13 @@ def render_markdown(results: dict) -> str:
     ]
     if results["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
-    lines += ["", "## SA loss vs training compute", "",
-              f"Fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
-              f"squares): **{fit['formula']}** (C in FLOPs = FLOPs per token x tokens trained). RMS residual "
-              f"{fit['rms_residual']:.4f}.", ""]  # fmt: skip
-    lines += ["| model | non-embedding params | selected LR | compute (FLOPs) | SA mean | fit | residual |",
-              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    model = fit_of(results)
-    residuals = iter(fit["residuals"])
-    for size in results["sizes"]:
-        if "compute" not in size:
-            lines.append(f"| {size['model']} | - | - | - | - | - | left out |")
-            continue
-        lines.append(f"| {size['model']} | {size['non_embedding_params']:,} | {size['selected_lr']:g} | "
-                     f"{size['compute']:.3g} | {_num(size['sa_mean'])} | {_num(model.loss(size['compute']))} | "
-                     f"{next(residuals):+.4f} |")  # fmt: skip
-    lines += ["", "## XSA's effective-compute multiplier", "",
-              "k = C_fit(L_XSA) / C_fit(L_SA) at each size: the compute the SA fit needs to reach XSA's loss over "
-              "the compute it needs to reach SA's (k > 1: XSA is worth k x the compute). 95% CI: the paired t "
-              "interval of XSA - SA at that size, each end converted to compute through the fit (calibrated for "
-              "seed noise; the fit's exchange rate held fixed). Bootstrap CI: seed pairs resampled within each size "
-              "and the fit redone, so it carries the fit's uncertainty too, but it is too narrow with few seeds "
-              "(measured on synthetic data: 76% coverage at 4 seeds). Wall-clock k: k x XSA's tokens/s over SA's in "
-              "these runs.", "",
-              "| model | seeds | SA mean | XSA mean | XSA - SA | k | 95% CI | bootstrap CI | wall-clock k | reading |",
-              "|---|---:|---:|---:|---:|---:|---|---|---:|---|"]  # fmt: skip
-    fit_ok = not fit.get("problems")
-    for size in results["sizes"]:
-        if "compute" not in size:
-            continue
-        diff = size["xsa_mean"] - size["sa_mean"]
-        lines.append(f"| {size['model']} | {len(size['seeds'])} | {_num(size['sa_mean'])} | {_num(size['xsa_mean'])} "
-                     f"| {diff:+.4f} | {_num(size.get('multiplier'), 3)} | {_ci(size.get('multiplier_ci'))} | "
-                     f"{_ci(size.get('multiplier_ci_bootstrap'))} | "
-                     f"{_num(size.get('wallclock_multiplier'), 3)} | {reading(size, fit_ok)} |")  # fmt: skip
-    lines += ["", "The fit runs along this ladder of sizes at a fixed token budget, not along a compute-optimal "
-              "frontier: the multiplier is the compute SA would need on this ladder. Seed noise enters through the "
-              "interval; the LR selected on SA at each size is reused for XSA (the paper's protocol)."]  # fmt: skip
+    lines += fit_lines(results) + multiplier_lines(results)
+    lines += [
+        "",
+        "The fit runs along this ladder of sizes at a fixed token budget, not along a compute-optimal "
+        "frontier: the multiplier is the compute SA would need on this ladder. Seed noise enters through the "
+        "interval; the LR selected on SA at each size is reused for XSA (the paper's protocol).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -162,21 +190,27 @@ def write_report(results: dict, study_dir: Path) -> str:
 
 
 def log_to_wandb(results: dict, study_dir: Path, wandb_cfg: dict) -> None:
-    """A `scale-report` run in the study's W&B group: the sizes table and both plots."""
+    """A `scale-report` run in the study's W&B group: the sizes table, both plots, and the report's files
+    (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
     import wandb
 
-    from xsa_lm.train.tracking import wandb_init
+    from xsa_lm.train.tracking import log_files_artifact, wandb_init
 
     config = {"models": results["models"], "seeds": results["seeds"], "overrides": results["overrides"]}
-    run = wandb_init(save_dir=str(study_dir), name=f"{results['study_id']}-scale-report", run_config=config,
-                     group=results["study_id"], job_type="scale-report", **wandb_cfg)  # fmt: skip
-    columns = ["model", "non_embedding_params", "selected_lr", "compute", "sa_mean", "xsa_mean", "multiplier",
-               "wallclock_multiplier"]  # fmt: skip
+    name = f"{results['study_id']}-scale-report"
+    run = wandb_init(
+        save_dir=str(study_dir),
+        name=name,
+        run_config=config,
+        group=results["study_id"],
+        job_type="scale-report",
+        **wandb_cfg,
+    )
+    columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean multiplier wallclock_multiplier".split()
     rows = [[s.get(c) for c in columns] for s in results["sizes"] if "compute" in s]
-    run.log({
-        "scale/sizes": wandb.Table(columns=columns, data=rows),
-        "scale/loss_vs_compute": wandb.Image(str(study_dir / "loss_vs_compute.png")),
-        "scale/multiplier": wandb.Image(str(study_dir / "multiplier.png")),
-    })  # fmt: skip
+    plots = {f"scale/{p}": wandb.Image(str(study_dir / f"{p}.png")) for p in ("loss_vs_compute", "multiplier")}
+    run.log({"scale/sizes": wandb.Table(columns=columns, data=rows), **plots})
     run.summary.update({"fit": results["fit"]["formula"], "fit_rms_residual": results["fit"]["rms_residual"]})
+    files = [study_dir / f for f in ("results.json", "report.md", "loss_vs_compute.png", "multiplier.png")]
+    log_files_artifact(run, name=name, artifact_type="scale-report", files=files)
     run.finish()

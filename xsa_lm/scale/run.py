@@ -10,19 +10,17 @@
 import importlib.resources
 import json
 import math
-import signal
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.errors import UserError, exit_on_user_error
-from xsa_lm.locking import exclusive
+from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     FORMS,
     bootstrap_multipliers,
@@ -32,10 +30,17 @@ from xsa_lm.scale.fit import (
     wallclock_multiplier,
 )
 from xsa_lm.scale.report import log_to_wandb, write_report
-from xsa_lm.sweep.run import passed_on, train_overrides
+from xsa_lm.sweep.run import (
+    open_state,
+    passed_on,
+    report_run_settings,
+    run_exclusive,
+    stop_on_signals,
+    train_overrides,
+    wandb_settings,
+)
 from xsa_lm.sweep.trials import _die_with_parent, last_error_line
 
-relaunch_argv: list[str] | None = None  # set by the CLI; unused: every size is its own sweep process
 SET_BY_SCALE = {  # model.* keys apply to every size (e.g. model.block_size)
     "model": "set the sizes with scale.models=[...]",
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
@@ -52,24 +57,14 @@ def sweep_overrides(task_overrides: list[str]) -> list[str]:
 def open_study(study_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
     """scale.json: the study's identity. A rerun must train what the first run trained (sizes and seeds may be
     added: their sweeps run, the finished ones are reused)."""
-    state_file = study_dir / "scale.json"
-    if state_file.exists():
-        state = json.loads(state_file.read_text())
-        if sorted(state["overrides"]) != sorted(overrides):
-            raise UserError(
-                f"{study_dir} holds a scaling study with the overrides {state['overrides']}, not {overrides}: rerun "
-                "it with the same overrides to resume it, or choose a new hydra.run.dir"
-            )
-        return state
-    wandb_cfg = cfg.logger.get("wandb") if cfg.logger else None
-    state = {
-        "study_id": (wandb_cfg.group if wandb_cfg else None) or study_dir.name,
-        "overrides": overrides,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(sys.argv),
-    }
-    state_file.write_text(json.dumps(state, indent=2))
-    return state
+    return open_state(
+        study_dir / "scale.json",
+        overrides,
+        cfg,
+        id_key="study_id",
+        overrides_key="overrides",
+        holds="a scaling study with the overrides",
+    )
 
 
 def check_models(models: object) -> list[str]:
@@ -92,15 +87,18 @@ class SizeRunner:
     """One `xsa-lm sweep` process per size, its output in logs/<model>.log and its progress on the terminal."""
 
     def __init__(self, study_dir: Path, overrides: list[str], seeds: list[int] | None, group: str | None) -> None:
-        self.study_dir, self.overrides, self.seeds, self.group = study_dir, overrides, seeds, group
+        self.study_dir = study_dir
+        self.overrides = overrides
+        self.seeds = seeds
+        self.group = group
         self.proc: subprocess.Popen | None = None
 
     def sweep_dir(self, model: str) -> Path:
         return self.study_dir / "sizes" / model
 
     def command(self, model: str) -> list[str]:
-        cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *self.overrides, f"model={model}",
-               f"hydra.run.dir={self.sweep_dir(model)}"]  # fmt: skip
+        cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *self.overrides, f"model={model}"]
+        cmd.append(f"hydra.run.dir={self.sweep_dir(model)}")
         if self.seeds is not None:
             cmd.append(f"sweep.seeds=[{','.join(map(str, self.seeds))}]")
         if self.group is not None:
@@ -113,8 +111,14 @@ class SizeRunner:
         cmd = self.command(model)
         with open(log, "a") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
             in_report = False  # the sweep prints its report at the end: it stays in the log, the study reports
             for line in self.proc.stdout:
                 out.write(line)
@@ -154,9 +158,16 @@ def size_result(model: str, sweep_dir: Path, returncode: int, log: Path) -> dict
     sweep = json.loads(results_file.read_text())
     compare = sweep["comparison"]
     runs = [t for t in sweep["trials"] if t["phase"] == "compare" and t["seed"] in compare["seeds"]]
-    entry.update(selected_lr=sweep["selected_lr"], seeds=compare["seeds"], sa_runs=compare["sa"],
-                 xsa_runs=compare["xsa"], sa_mean=compare["sa_mean"], xsa_mean=compare["xsa_mean"],
-                 diff_ci95=compare["diff_ci95"], sweep_warnings=sweep["warnings"])  # fmt: skip
+    entry.update(
+        selected_lr=sweep["selected_lr"],
+        seeds=compare["seeds"],
+        sa_runs=compare["sa"],
+        xsa_runs=compare["xsa"],
+        sa_mean=compare["sa_mean"],
+        xsa_mean=compare["xsa_mean"],
+        diff_ci95=compare["diff_ci95"],
+        sweep_warnings=sweep["warnings"],
+    )
     if not runs:
         entry["error"] = "no seed has both an SA and an XSA result (see the size's report)"
         return entry
@@ -185,8 +196,10 @@ def fit_problems(usable: list[dict], fit: dict) -> list[str]:
         problems.append(f"SA's mean loss does not fall as compute grows ({', '.join(rises)})")
     errors = [statistics.stdev(s["sa_runs"]) / math.sqrt(len(s["sa_runs"])) for s in usable if len(s["sa_runs"]) > 1]
     if errors and fit["rms_residual"] > 2 * max(errors):
-        problems.append(f"the fit misses the SA means by {fit['rms_residual']:.4f} RMS, more than twice their largest "
-                        f"standard error over seeds ({max(errors):.4f})")  # fmt: skip
+        problems.append(
+            f"the fit misses the SA means by {fit['rms_residual']:.4f} RMS, more than twice their largest "
+            f"standard error over seeds ({max(errors):.4f})"
+        )
     if fit["form"] == "power_law_offset" and fit["E"] <= 1e-6:
         problems.append("the irreducible loss E sits at its bound 0: the offset term is not identified")
     return problems
@@ -199,8 +212,8 @@ def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tupl
     usable = [s for s in sizes if s["usable"]]
     compute = [s["compute"] for s in usable]
     fit = fit_loss_vs_compute(compute, [s["sa_mean"] for s in usable], fit_form)
-    intervals = bootstrap_multipliers(compute, [s["sa_runs"] for s in usable], [s["xsa_runs"] for s in usable],
-                                      form=fit.form, n_resamples=resamples, seed=seed)  # fmt: skip
+    sa_runs, xsa_runs = [s["sa_runs"] for s in usable], [s["xsa_runs"] for s in usable]
+    intervals = bootstrap_multipliers(compute, sa_runs, xsa_runs, form=fit.form, n_resamples=resamples, seed=seed)
     for size, interval in zip(usable, intervals, strict=True):
         k = float(multiplier(fit, size["sa_mean"], size["xsa_mean"]))
         size["multiplier"] = finite_or_none(k)
@@ -214,15 +227,22 @@ def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tupl
         wall = wallclock_multiplier(k, size["sa_tokens_per_s"], size["xsa_tokens_per_s"])
         size["wallclock_multiplier"] = finite_or_none(wall)
         if not math.isfinite(k) or (size["multiplier_ci"] and size["multiplier_ci"][1] is None):
-            warnings.append(f"{size['model']}: XSA's loss (or its interval's lower end) is at or below the fit's "
-                            f"floor E = {fit.E:.4f}: no finite multiplier there (reported as null)")  # fmt: skip
+            warnings.append(
+                f"{size['model']}: XSA's loss (or its interval's lower end) is at or below the fit's "
+                f"floor E = {fit.E:.4f}: no finite multiplier there (reported as null)"
+            )
     problems = fit_problems(usable, fit.as_dict())
     if problems:
-        warnings.insert(0, "the SA fit is unreliable, so no multiplier here means anything: " + "; ".join(problems)
-                        + ". More seeds per size, longer runs or a wider ladder of sizes would help")  # fmt: skip
+        warnings.insert(
+            0,
+            "the SA fit is unreliable, so no multiplier here means anything: "
+            + "; ".join(problems)
+            + ". More seeds per size, longer runs or a wider ladder of sizes would help",
+        )
     if fit.form == "power_law" and len(usable) < 4:
-        warnings.append(f"{len(usable)} sizes: a pure power law (no irreducible-loss term); 4 or more sizes fit "
-                        "L = E + A C^-alpha")  # fmt: skip
+        warnings.append(
+            f"{len(usable)} sizes: a pure power law (no irreducible-loss term); 4 or more sizes fit L = E + A C^-alpha"
+        )
     for size in sizes:
         size.pop("usable")
     return {**fit.as_dict(), "problems": problems}, warnings
@@ -245,17 +265,9 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
     seeds = OmegaConf.to_container(cfg.scale.seeds) if cfg.scale.get("seeds") is not None else None
     state = open_study(study_dir, overrides, cfg)
     OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
-    wandb_cfg = cfg.logger.get("wandb") if cfg.logger else None
+    wandb_cfg = wandb_settings(cfg)
     runner = SizeRunner(study_dir, overrides, seeds, group=state["study_id"] if wandb_cfg else None)
-
-    def stop(signum, frame):
-        runner.stop()
-        print(f"\nxsa-lm scale: interrupted ({signal.Signals(signum).name}); run the same command to resume",
-              file=sys.stderr)  # fmt: skip
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(runner.stop, "scale")
     print(f"xsa-lm scale | {study_dir} | W&B group {state['study_id']} | sizes {models}")
     sizes = []
     for model in models:
@@ -266,27 +278,32 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
             raise UserError(f"the sweep of {model} was refused: {last_error_line(log)}")  # same for every size
         sizes.append(size_result(model, runner.sweep_dir(model), returncode, log))
     fit, warnings = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed)
-    results = {"study_dir": str(study_dir), "study_id": state["study_id"], "overrides": overrides,
-               "models": models, "seeds": seeds, "fit": fit, "sizes": sizes, "warnings": warnings}  # fmt: skip
+    results = {
+        "study_dir": str(study_dir),
+        "study_id": state["study_id"],
+        "overrides": overrides,
+        "models": models,
+        "seeds": seeds,
+        "fit": fit,
+        "sizes": sizes,
+        "warnings": warnings,
+    }
     write_report(results, study_dir)
     if wandb_cfg and cfg.scale.wandb_report:
-        wandb_kwargs = {k: v for k, v in OmegaConf.to_container(wandb_cfg, resolve=True).items()
-                        if k in ("project", "entity", "mode", "init_timeout_s")}  # fmt: skip
-        log_to_wandb(results, study_dir, wandb_kwargs)
+        log_to_wandb(results, study_dir, report_run_settings(wandb_cfg))
     return results
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
 def main(cfg: DictConfig) -> None:
-    study_dir = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        overrides = sweep_overrides(list(HydraConfig.get().overrides.task))
-        with exclusive(study_dir, "scale.lock", "xsa-lm scale"):
-            results = run_study(cfg, study_dir, overrides)
+    study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
     incomplete = [s["model"] for s in results["sizes"] if s["sweep_returncode"] != 0]
     if incomplete:
-        print(f"xsa-lm scale: the sweeps of {', '.join(incomplete)} did not finish: run the same command again to "
-              "retry them", file=sys.stderr)  # fmt: skip
+        print(
+            f"xsa-lm scale: the sweeps of {', '.join(incomplete)} did not finish: run the same command again to "
+            "retry them",
+            file=sys.stderr,
+        )
         sys.exit(1)

@@ -188,14 +188,20 @@ def paired_test(diffs: Sequence[float], alpha: float = ALPHA) -> PairedTest:
     detectable difference (at ALPHA)."""
     mean, sd = mean_std(diffs)
     if len(diffs) < 2:
-        return PairedTest(len(diffs), mean, sd, None, None, None, None)
+        return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=None, t=None, p_value=None, mde=None)
     if sd == 0:  # identical differences: no noise estimate, scipy returns inf or nan
-        return PairedTest(len(diffs), mean, sd, (mean, mean), None, None, 0.0)
+        return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=(mean, mean), t=None, p_value=None, mde=0.0)
     result = scipy.stats.ttest_1samp(list(diffs), 0.0)
     ci = result.confidence_interval(1 - alpha)
-    return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=(float(ci.low), float(ci.high)),
-                      t=float(result.statistic), p_value=float(result.pvalue),
-                      mde=min_detectable_difference(sd, len(diffs)))  # fmt: skip
+    return PairedTest(
+        n=len(diffs),
+        mean=mean,
+        sd=sd,
+        ci95=(float(ci.low), float(ci.high)),
+        t=float(result.statistic),
+        p_value=float(result.pvalue),
+        mde=min_detectable_difference(sd, len(diffs)),
+    )
 
 
 def paired_ci(diffs: Sequence[float]) -> tuple[float, float] | None:
@@ -251,8 +257,14 @@ class SequentialRule:
         and whether the CI excludes 0."""
         test = paired_test(diffs, alpha=self.alpha_per_look)
         significant = test.ci95 is not None and (test.ci95[0] > 0 or test.ci95[1] < 0)
-        return {"seeds": n_seeds, "pairs": test.n, "mean": test.mean, "ci": test.ci95, "p_value": test.p_value,
-                "significant": significant}  # fmt: skip
+        return {
+            "seeds": n_seeds,
+            "pairs": test.n,
+            "mean": test.mean,
+            "ci": test.ci95,
+            "p_value": test.p_value,
+            "significant": significant,
+        }
 
     def stopped(self, look: dict) -> str | None:
         """Why the sequence stops after this look: significant, cap (the cap reached without it), else None."""

@@ -45,8 +45,10 @@ def dropped_seeds(trials: list[dict]) -> list[dict]:
 def dropped_warning(drop: dict) -> str:
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
     sides = [f"{a.upper()} {what.get(drop[a], 'did not finish')}" for a in ("sa", "xsa") if drop[a] != "completed"]
-    warning = (f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
-               f"is lower: {' and '.join(sides)}")  # fmt: skip
+    warning = (
+        f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
+        f"is lower: {' and '.join(sides)}"
+    )
     if "diverged" in (drop["sa"], drop["xsa"]):
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
     if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
@@ -61,9 +63,17 @@ def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) 
     test = paired_test(comparison.diffs)
     stats["diff_ci95"] = test.ci95
     stats["xsa_better_in"] = sum(d < 0 for d in comparison.diffs)
-    stats.update({"diff_t": test.t, "diff_p_value": test.p_value, "dof": test.n - 1 if test.n > 1 else None,
-                  "min_detectable_diff": test.mde, "power": POWER, "alpha": ALPHA,
-                  "dropped_seeds": dropped or []})  # fmt: skip
+    stats.update(
+        {
+            "diff_t": test.t,
+            "diff_p_value": test.p_value,
+            "dof": test.n - 1 if test.n > 1 else None,
+            "min_detectable_diff": test.mde,
+            "power": POWER,
+            "alpha": ALPHA,
+            "dropped_seeds": dropped or [],
+        }
+    )
     return stats
 
 
@@ -133,94 +143,116 @@ def noise_line(stats: dict) -> str:
     n = len(stats["seeds"])
     if n < 2:
         return ""
-    line = (f"Noise: the per-run standard deviation over seeds is {stats['sa_std']:.4f} for SA and "
-            f"{stats['xsa_std']:.4f} for XSA, {stats['diff_std']:.4f} for the paired difference. With {n} seeds "
-            f"this study could detect differences larger than {stats['min_detectable_diff']:.4f} "
-            f"({stats.get('power', POWER):.0%} power, two-sided {stats.get('alpha', ALPHA):.0%} level"
-            f"{'; the closed form is optimistic below 4 seeds' if n < 4 else ''}): a smaller true difference may well "
-            "come out not significant.")  # fmt: skip
-    return line
-
-
-def search_seed(results: dict) -> int:
-    return results.get("search_seed", results["seeds"][0])  # results.json before search_seed: the first seed
+    optimistic = "; the closed form is optimistic below 4 seeds" if n < 4 else ""
+    return (
+        f"Noise: the per-run standard deviation over seeds is {stats['sa_std']:.4f} for SA and "
+        f"{stats['xsa_std']:.4f} for XSA, {stats['diff_std']:.4f} for the paired difference. With {n} seeds "
+        f"this study could detect differences larger than {stats['min_detectable_diff']:.4f} "
+        f"({stats['power']:.0%} power, two-sided {stats['alpha']:.0%} level{optimistic}): a smaller true "
+        "difference may well come out not significant."
+    )
 
 
 def design_line(results: dict) -> str:
     """One line on whether a compare run can be the search's winner (the winner's curse)."""
-    seed = search_seed(results)
+    seed = results["search_seed"]
     if results.get("reuse_search_run"):
-        return (f"The SA run at seed {seed} is the search's winning run (sweep.reuse_search_run=true), selected partly "
-                "for its luck while XSA's was not: the comparison is biased against XSA.")  # fmt: skip
-    return (f"The compare runs use seeds disjoint from the search's (seed {seed}), so no compare run was selected "
-            "for its luck.")  # fmt: skip
+        return (
+            f"The SA run at seed {seed} is the search's winning run (sweep.reuse_search_run=true), selected partly "
+            "for its luck while XSA's was not: the comparison is biased against XSA."
+        )
+    return (
+        f"The compare runs use seeds disjoint from the search's (seed {seed}), so no compare run was selected "
+        "for its luck."
+    )
 
 
-def render_markdown(results: dict) -> str:
-    search, compare = results["search"], results["comparison"]
+def header_lines(results: dict) -> list[str]:
+    """The title, what the sweep ran, and its warnings."""
     lines = [
         "# SA vs XSA: LR search on SA, comparison at the shared LR",
         "",
         f"- sweep directory: `{results['sweep_dir']}` (W&B group `{results['sweep_id']}`)",
         f"- training overrides: `{' '.join(results['train_overrides']) or '(defaults)'}`",
-        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; search seed {search_seed(results)}, "
+        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; search seed {results['search_seed']}, "
         f"compare seeds {results['seeds']}",
     ]
     if results["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
+    return lines
+
+
+def search_lines(results: dict) -> list[str]:
+    """Section 1: the final val loss and status of every search run, the selected LR marked."""
     attentions = ["sa", "xsa"] if results["xsa_tuning"] else ["sa"]
-    lines += ["", f"## 1. LR search (seed {search_seed(results)}, final validation loss)", ""]
+    lines = ["", f"## 1. LR search (seed {results['search_seed']}, final validation loss)", ""]
     lines.append("| LR | " + " | ".join(f"{a.upper()} val loss | {a.upper()} status" for a in attentions) + " |")
     lines.append("|---:|" + "---:|---|" * len(attentions))
     for lr in results["grid"]:
         cells = []
         for attention in attentions:
-            trial = search.get(attention, {}).get(f"{lr:g}", {})
+            trial = results["search"].get(attention, {}).get(f"{lr:g}", {})
             cells += [_loss(trial.get("final_val_loss")), trial.get("status", "missing")]
         mark = " **(selected)**" if lr == results["selected_lr"] else ""
         lines.append(f"| {lr:g}{mark} | " + " | ".join(cells) + " |")
+    return lines
 
-    lines += ["", "## 2. SA vs XSA at the shared LR", ""]
+
+def _mean_std(compare: dict, name: str) -> str:
+    """A table cell: mean ± std over seeds; the mean alone below two seeds (signed for the difference)."""
+    mean, std = compare[f"{name}_mean"], compare[f"{name}_std"]
+    if std is None:
+        return f"{mean:+.4f}" if name == "diff" else f"{mean:.4f}"
+    return f"{mean:.4f} ± {std:.4f}"
+
+
+def compare_lines(results: dict) -> list[str]:
+    """Section 2: SA vs XSA per seed at the shared LR, the verdict, the noise and the sequential rule."""
+    lines = ["", "## 2. SA vs XSA at the shared LR", ""]
     if results["selected_lr"] is None:
-        lines.append("Not run: the search selected no LR (see the warnings).")
-    else:
-        lines += [
-            f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA. " + design_line(results),
-            "",
-        ]
-        lines += ["| seed | SA val loss | XSA val loss | XSA - SA |", "|---:|---:|---:|---:|"]
-        for trial_pair in results["compare_table"]:
-            lines.append(f"| {trial_pair['seed']} | {trial_pair['sa']} | {trial_pair['xsa']} | {trial_pair['diff']} |")
-        if compare["seeds"]:
+        return lines + ["Not run: the search selected no LR (see the warnings)."]
+    compare = results["comparison"]
+    lines += [
+        f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA. " + design_line(results),
+        "",
+    ]
+    lines += ["| seed | SA val loss | XSA val loss | XSA - SA |", "|---:|---:|---:|---:|"]
+    for trial_pair in results["compare_table"]:
+        lines.append(f"| {trial_pair['seed']} | {trial_pair['sa']} | {trial_pair['xsa']} | {trial_pair['diff']} |")
+    if compare["seeds"]:
+        cells = " | ".join(_mean_std(compare, name) for name in ("sa", "xsa", "diff"))
+        lines.append(f"| mean ± std | {cells} |")
+    sequential = results.get("sequential")
+    lines += ["", verdict(compare, sequential=bool(sequential))]
+    if noise_line(compare):
+        lines += ["", noise_line(compare)]
+    if sequential:
+        lines += [""] + sequential_lines(sequential)
+    return lines
 
-            def ms(name: str) -> str:
-                mean, std = compare[f"{name}_mean"], compare[f"{name}_std"]
-                return f"{mean:+.4f}" if name == "diff" and std is None else (
-                    f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
-                )  # fmt: skip
 
-            lines.append(f"| mean ± std | {ms('sa')} | {ms('xsa')} | {ms('diff')} |")
-        sequential = results.get("sequential")
-        lines += ["", verdict(compare, sequential=bool(sequential))]
-        if noise_line(compare):
-            lines += ["", noise_line(compare)]
-        if sequential:
-            lines += [""] + sequential_lines(sequential)
-
+def tuning_lines(results: dict) -> list[str]:
+    """Section 3 (sweep.tune_xsa): XSA at its own best LR against XSA at the LR selected on SA."""
     tuning = results["xsa_tuning"]
-    if tuning:
-        lines += ["", "## 3. XSA at its own best LR (sweep.tune_xsa)", ""]
-        if tuning["selected_lr"] is None:
-            lines.append("No usable XSA search run.")
-        else:
-            lines.append(
-                f"XSA's own best LR is {tuning['selected_lr']:g} (val loss {_loss(tuning['loss_at_own_lr'])}, seed "
-                f"{search_seed(results)}); at the SA-tuned LR {results['selected_lr'] or float('nan'):g} XSA reaches "
-                f"{_loss(tuning['loss_at_shared_lr'])}. "
-                + ("Sharing the SA-tuned LR costs XSA nothing here."
-                   if tuning["selected_lr"] == results["selected_lr"] else
-                   "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here.")
-            )  # fmt: skip
+    if not tuning:
+        return []
+    lines = ["", "## 3. XSA at its own best LR (sweep.tune_xsa)", ""]
+    if tuning["selected_lr"] is None:
+        return lines + ["No usable XSA search run."]
+    if tuning["selected_lr"] == results["selected_lr"]:
+        meaning = "Sharing the SA-tuned LR costs XSA nothing here."
+    else:
+        meaning = "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here."
+    shared_lr = results["selected_lr"] or float("nan")
+    return lines + [
+        f"XSA's own best LR is {tuning['selected_lr']:g} (val loss {_loss(tuning['loss_at_own_lr'])}, seed "
+        f"{results['search_seed']}); at the SA-tuned LR {shared_lr:g} XSA reaches "
+        f"{_loss(tuning['loss_at_shared_lr'])}. " + meaning
+    ]
+
+
+def render_markdown(results: dict) -> str:
+    lines = header_lines(results) + search_lines(results) + compare_lines(results) + tuning_lines(results)
     if results.get("eval"):
         from xsa_lm.eval.run import render
 
@@ -253,7 +285,7 @@ def plot_lr_sweep(results: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final validation loss")
-    ax.set_title(f"LR search (seed {search_seed(results)})")
+    ax.set_title(f"LR search (seed {results['search_seed']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -274,8 +306,8 @@ def plot_curves(trials: list[dict], path: Path) -> None:
         history = trial["val_history"]
         color = "tab:blue" if trial["attention"] == "sa" else "tab:orange"
         label = f"{trial['attention'].upper()} seed {trial['seed']}"
-        ax.plot([h["tokens"] for h in history], [h["val_loss"] for h in history], styles[trial["seed"] % 4],
-                color=color, marker="o", markersize=3, label=label)  # fmt: skip
+        tokens, losses = [h["tokens"] for h in history], [h["val_loss"] for h in history]
+        ax.plot(tokens, losses, styles[trial["seed"] % 4], color=color, marker="o", markersize=3, label=label)
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss")
     ax.set_title("SA vs XSA at the shared LR")
@@ -286,9 +318,43 @@ def plot_curves(trials: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list[int], train_overrides: list[str],
-                  trials: list[dict], selection: Selection, xsa_selection: Selection | None,
-                  search_seed: int = 0, sequential: dict | None = None) -> dict:  # fmt: skip
+def compare_table(trials: list[dict], seeds: list[int]) -> list[dict]:
+    """A row per compare seed that ran: each side's final val loss (or its status) and XSA - SA."""
+    rows = []
+    for seed in seeds:
+        pair = {t["attention"]: t for t in trials if t["phase"] == "compare" and t["seed"] == seed}
+        if not pair:
+            continue
+        cell = {a: _loss(t["final_val_loss"]) if t["status"] == "completed" else t["status"] for a, t in pair.items()}
+        both = all(t["status"] == "completed" for t in pair.values()) and len(pair) == 2
+        diff = f"{pair['xsa']['final_val_loss'] - pair['sa']['final_val_loss']:+.4f}" if both else "-"
+        rows.append({"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": diff})
+    return rows
+
+
+def xsa_tuning(search: dict[str, dict[str, dict]], selection: Selection, xsa_selection: Selection) -> dict:
+    """sweep.tune_xsa: XSA's own best LR and loss, and its loss at the LR selected on SA."""
+    shared = search.get("xsa", {}).get(f"{selection.lr:g}", {}) if selection.lr is not None else {}
+    return {
+        "selected_lr": xsa_selection.lr,
+        "loss_at_own_lr": xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None,
+        "loss_at_shared_lr": shared.get("final_val_loss") if shared.get("status") == "completed" else None,
+    }
+
+
+def build_results(
+    sweep_dir: Path,
+    *,
+    sweep_id: str,
+    grid: list[float],
+    seeds: list[int],
+    train_overrides: list[str],
+    trials: list[dict],
+    selection: Selection,
+    xsa_selection: Selection | None,
+    search_seed: int = 0,
+    sequential: dict | None = None,
+) -> dict:
     """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`;
     `seeds` are the compare seeds, `search_seed` the search's; `sequential` the outcome of the stopping rule of
     sweep.seeds_until_significant (SequentialRule.summary), None without it."""
@@ -298,23 +364,7 @@ def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list
             search.setdefault(trial["attention"], {})[f"{trial['lr']:g}"] = trial
     dropped = dropped_seeds(trials)
     compare = comparison_stats(comparison_of(trials), dropped)
-    compare_table = []
-    for seed in seeds:
-        pair = {t["attention"]: t for t in trials if t["phase"] == "compare" and t["seed"] == seed}
-        if not pair:
-            continue
-        cell = {a: _loss(t["final_val_loss"]) if t["status"] == "completed" else t["status"] for a, t in pair.items()}
-        both = all(t["status"] == "completed" for t in pair.values()) and len(pair) == 2
-        diff = f"{pair['xsa']['final_val_loss'] - pair['sa']['final_val_loss']:+.4f}" if both else "-"
-        compare_table.append({"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": diff})
-    tuning = None
-    if xsa_selection is not None:
-        shared = search.get("xsa", {}).get(f"{selection.lr:g}", {}) if selection.lr is not None else {}
-        tuning = {
-            "selected_lr": xsa_selection.lr,
-            "loss_at_own_lr": xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None,
-            "loss_at_shared_lr": shared.get("final_val_loss") if shared.get("status") == "completed" else None,
-        }
+    tuning = xsa_tuning(search, selection, xsa_selection) if xsa_selection is not None else None
     warnings = list(selection.warnings)
     warnings += [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
     reused = selection.lr is not None and search_seed in seeds  # allowed only with sweep.reuse_search_run=true
@@ -337,7 +387,7 @@ def build_results(sweep_dir: Path, sweep_id: str, grid: list[float], seeds: list
         "warnings": warnings,
         "search": search,
         "comparison": compare,
-        "compare_table": compare_table,
+        "compare_table": compare_table(trials, seeds),
         "xsa_tuning": tuning,
         "sequential": sequential,
         "trials": trials,
@@ -355,29 +405,38 @@ def write_report(results: dict, sweep_dir: Path) -> str:
 
 
 def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
-    """A `report` run in the sweep's W&B group: the trials table, the comparison and both plots."""
+    """A `report` run in the sweep's W&B group: the trials table, the comparison, both plots, and the report's files
+    (results.json, report.md, the plots) as its artifact <sweep_id>-report."""
     import wandb
 
-    from xsa_lm.train.tracking import wandb_init
+    from xsa_lm.train.tracking import log_files_artifact, wandb_init
 
     config = {k: results.get(k) for k in ("grid", "seeds", "search_seed", "train_overrides", "selected_lr")}
-    run = wandb_init(save_dir=str(sweep_dir), name=f"{results['sweep_id']}-report", run_config=config,
-                     group=results["sweep_id"], job_type="report", **wandb_cfg)  # fmt: skip
+    run = wandb_init(
+        save_dir=str(sweep_dir),
+        name=f"{results['sweep_id']}-report",
+        run_config=config,
+        group=results["sweep_id"],
+        job_type="report",
+        **wandb_cfg,
+    )
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
     table = wandb.Table(columns=columns, data=[[t.get(c) for c in columns] for t in results["trials"]])
+    plots = {f"report/{name}": wandb.Image(str(sweep_dir / f"{name}.png")) for name in ("lr_sweep", "curves")}
+    run.log({"report/trials": table, **plots})
     compare = results["comparison"]
-    run.log({
-        "report/trials": table,
-        "report/lr_sweep": wandb.Image(str(sweep_dir / "lr_sweep.png")),
-        "report/curves": wandb.Image(str(sweep_dir / "curves.png")),
-    })  # fmt: skip
-    run.summary.update({
-        "selected_lr": results["selected_lr"],
-        "sa_mean": compare["sa_mean"], "xsa_mean": compare["xsa_mean"], "diff_mean": compare["diff_mean"],
-        "diff_ci95_low": compare["diff_ci95"][0] if compare["diff_ci95"] else None,
-        "diff_ci95_high": compare["diff_ci95"][1] if compare["diff_ci95"] else None,
-        "diff_p_value": compare.get("diff_p_value"), "min_detectable_diff": compare.get("min_detectable_diff"),
-        "sa_std": compare["sa_std"], "xsa_std": compare["xsa_std"], "reuse_search_run": results.get("reuse_search_run"),
-        "sequential_stopped": (results.get("sequential") or {}).get("stopped"),
-    })  # fmt: skip
+    ci95 = compare["diff_ci95"] or (None, None)
+    keys = ("sa_mean", "xsa_mean", "diff_mean", "diff_p_value", "min_detectable_diff", "sa_std", "xsa_std")
+    run.summary.update(
+        {key: compare.get(key) for key in keys}
+        | {
+            "selected_lr": results["selected_lr"],
+            "diff_ci95_low": ci95[0],
+            "diff_ci95_high": ci95[1],
+            "reuse_search_run": results.get("reuse_search_run"),
+            "sequential_stopped": (results.get("sequential") or {}).get("stopped"),
+        }
+    )
+    files = [sweep_dir / name for name in ("results.json", "report.md", "lr_sweep.png", "curves.png")]
+    log_files_artifact(run, name=f"{results['sweep_id']}-report", artifact_type="sweep-report", files=files)
     run.finish()

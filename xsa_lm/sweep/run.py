@@ -16,7 +16,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -38,7 +42,6 @@ from xsa_lm.sweep.protocol import (
 from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
 from xsa_lm.sweep.trials import Launcher, TrialStore
 
-relaunch_argv: list[str] | None = None  # set by the CLI; unused: trials are launched as their own processes
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
     "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
@@ -68,30 +71,90 @@ def train_overrides(task_overrides: list[str]) -> list[str]:
     return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial")
 
 
+def wandb_settings(cfg: DictConfig) -> DictConfig | None:
+    """logger.wandb, or None when the command logs without W&B."""
+    return cfg.logger.get("wandb") if cfg.logger else None
+
+
+def report_run_settings(wandb_cfg: DictConfig) -> dict:
+    """The logger.wandb settings that a report run (log_to_wandb) takes."""
+    settings = OmegaConf.to_container(wandb_cfg, resolve=True)
+    return {k: v for k, v in settings.items() if k in ("project", "entity", "mode", "init_timeout_s")}
+
+
+def open_state(
+    state_file: Path, overrides: list[str], cfg: DictConfig, *, id_key: str, overrides_key: str, holds: str
+) -> dict:
+    """The identity of a sweep or a study, kept in state_file: its id (the W&B group, else the folder's name) and
+    the overrides it runs with. A rerun with other overrides is refused: `holds` says what the folder holds."""
+    directory = state_file.parent
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        if sorted(state[overrides_key]) != sorted(overrides):
+            raise UserError(
+                f"{directory} holds {holds} {state[overrides_key]}, not {overrides}: rerun it with the same overrides "
+                "to resume it, or choose a new hydra.run.dir"
+            )
+        return state
+    wandb_cfg = wandb_settings(cfg)
+    state = {
+        id_key: (wandb_cfg.group if wandb_cfg else None) or directory.name,
+        overrides_key: overrides,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+    }
+    state_file.write_text(json.dumps(state, indent=2))
+    return state
+
+
+def stop_on_signals(stop: Callable[[], None], command: str) -> None:
+    """On SIGTERM or SIGINT: stop the child processes, say how to resume, and exit with 128 + the signal."""
+
+    def handler(signum, frame):
+        stop()
+        print(
+            f"\nxsa-lm {command}: interrupted ({signal.Signals(signum).name}); run the same command to resume",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+Result = TypeVar("Result")
+
+
+def run_exclusive(
+    command: str, overrides_of: Callable[[list[str]], list[str]], run: Callable[[Path, list[str]], Result]
+) -> tuple[Path, Result]:
+    """The body of `xsa-lm sweep` and `xsa-lm scale`: the command line's overrides for the child processes
+    (overrides_of refuses the ones it cannot pass on), then run(directory, overrides) in Hydra's output directory,
+    which it holds locked; a UserError ends the command with one line."""
+    directory = Path(HydraConfig.get().runtime.output_dir)
+    with exit_on_user_error():
+        overrides = overrides_of(list(HydraConfig.get().overrides.task))
+        with exclusive(directory, f"{command}.lock", f"xsa-lm {command}"):
+            return directory, run(directory, overrides)
+
+
 def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
     """sweep.json: the sweep's identity. A rerun must train what the first run trained (the LR grid and the
     seeds may change: new trials are added, finished ones reused)."""
-    state_file = sweep_dir / "sweep.json"
-    if state_file.exists():
-        state = json.loads(state_file.read_text())
-        if sorted(state["train_overrides"]) != sorted(overrides):
-            raise UserError(
-                f"{sweep_dir} holds a sweep with the training overrides {state['train_overrides']}, not {overrides}: "
-                "rerun it with the same overrides to resume it, or choose a new hydra.run.dir"
-            )
-        return state
-    wandb_cfg = cfg.logger.get("wandb") if cfg.logger else None
-    state = {"sweep_id": (wandb_cfg.group if wandb_cfg else None) or sweep_dir.name, "train_overrides": overrides,
-             "created": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}  # fmt: skip
-    state_file.write_text(json.dumps(state, indent=2))
-    return state
+    return open_state(
+        sweep_dir / "sweep.json",
+        overrides,
+        cfg,
+        id_key="sweep_id",
+        overrides_key="train_overrides",
+        holds="a sweep with the training overrides",
+    )
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
     records = []
     for trial in trials:
-        record = store.load(trial) or {"id": trial.id, "attention": trial.attention, "lr": trial.lr,
-                                       "seed": trial.seed, "status": "missing"}  # fmt: skip
+        record = store.load(trial) or {"id": trial.id, **asdict(trial), "status": "missing"}
         records.append({**record, "phase": phase, "reused": record.get("phase", phase) != phase})
     return records
 
@@ -105,8 +168,9 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     return select_lr(results, math.inf)
 
 
-def run_sequential(launcher: Launcher, store: TrialStore, lr: float, seeds: list[int], search_seed: int,
-                   cap: int) -> tuple[list[Trial], dict]:  # fmt: skip
+def run_sequential(
+    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seed: int, cap: int
+) -> tuple[list[Trial], dict]:
     """The compare phase of sweep.seeds_until_significant: sweep.seeds first, then one seed pair at a time, with a
     look at the corrected CI after each, until it excludes 0 or cap seeds ran. A rerun replays the same looks on the
     reused trials, so it stops where the first run stopped, or continues where that one was cut short."""
@@ -120,26 +184,29 @@ def run_sequential(launcher: Launcher, store: TrialStore, lr: float, seeds: list
             return trials, rule.summary(looks, "incomplete")
         looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
         stopped = rule.stopped(looks[-1])
-        print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {1 - rule.alpha_per_look:.2%} CI "
-              f"{ci_text(looks[-1]['ci'])}: " + (f"stop ({stopped})" if stopped else "one more seed"))  # fmt: skip
+        outcome = f"stop ({stopped})" if stopped else "one more seed"
+        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1]['ci'])}"
+        print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
         if stopped:
             return trials, rule.summary(looks, stopped)
         n += 1
 
 
-def evaluate_compare(store: TrialStore, trials: list[Trial], tasks, limit, sweep_dir: Path) -> tuple[dict | None, str]:
+def evaluate_compare(
+    store: TrialStore, trials: list[Trial], *, tasks, limit, sweep_dir: Path
+) -> tuple[dict | None, str]:
     """`xsa-lm eval` on the final checkpoints of the compare runs (its own process, like a trial); the result is
     reused when the same checkpoints were evaluated before."""
-    ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in trials if store.is_final(t)
-             and (store.load(t) or {}).get("status") == "completed"]  # fmt: skip
+    completed = [t for t in trials if store.is_final(t) and (store.load(t) or {}).get("status") == "completed"]
+    ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
     out = sweep_dir / "eval"
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
         if sorted(r["checkpoint"] for r in previous["rows"]) == sorted(ckpts):
             return previous, ""
     tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list | tuple) else str(tasks)
-    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}",
-           f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])  # fmt: skip
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]
+    cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({tasks})")
     store.logs.mkdir(parents=True, exist_ok=True)
     with open(store.logs / "eval.log", "a") as log:
@@ -151,7 +218,9 @@ def evaluate_compare(store: TrialStore, trials: list[Trial], tasks, limit, sweep
     return json.loads((out / "eval.json").read_text()), ""
 
 
-def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
+def check_sweep(cfg: DictConfig) -> tuple[list[float], int, list[int], int | None]:
+    """The LR grid, the search seed, the compare seeds and the cap of sweep.seeds_until_significant (None: a fixed
+    set of seeds); every setting is checked before anything is written."""
     from xsa_lm.train.run import check_config  # validate once, not in every trial
 
     grids = cfg.sweep.get("lr_grids") or {}
@@ -163,82 +232,122 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         seed_sequence(seeds, search_seed, cap)  # a bad cap fails now, before anything is written
     if cfg.sweep.max_parallel < 1:
         raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
+    if cfg.sweep.get("eval_tasks"):
+        from xsa_lm.eval.run import require_harness
+
+        require_harness()  # now, not after hours of training
     check_config(cfg)
-    state = open_sweep(sweep_dir, overrides, cfg)
+    return grid, search_seed, seeds, cap
+
+
+def save_config(cfg: DictConfig, sweep_dir: Path) -> None:
+    """config.yaml, resolved; a rerun keeps the first one and saves its own beside it."""
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
     OmegaConf.save(cfg, sweep_dir / config_name, resolve=True)
 
+
+def search_phase(
+    launcher: Launcher, store: TrialStore, grid: list[float], *, search_seed: int, tune_xsa: bool
+) -> tuple[list[Trial], list[Trial], Selection]:
+    """The search runs of SA (and of XSA with sweep.tune_xsa) at every LR of the grid, and the LR selected on SA."""
+    sa_search = search_trials(grid, search_seed, ["sa"])
+    xsa_search = search_trials(grid, search_seed, ["xsa"]) if tune_xsa else []
+    print("phase 1: LR search")
+    launcher.run(sa_search + xsa_search, "search", "lr-search")
+    return sa_search, xsa_search, selection_of(store, sa_search)
+
+
+def compare_phase(
+    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seed: int, cap: int | None
+) -> tuple[list[Trial], dict | None]:
+    """SA and XSA at the selected LR: over sweep.seeds, or one seed pair at a time up to cap seeds (run_sequential,
+    whose summary is the second value; None without a cap)."""
+    print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
+    if cap is None:
+        compare = compare_trials(lr, seeds)
+        launcher.run(compare, "compare", "compare")
+        return compare, None
+    return run_sequential(launcher, store, lr, seeds=seeds, search_seed=search_seed, cap=cap)
+
+
+def downstream_evaluation(
+    cfg: DictConfig, store: TrialStore, compare: list[Trial], sweep_dir: Path
+) -> tuple[dict | None, str]:
+    """evaluate_compare when sweep.eval_tasks asks for it and there are compare runs, else (None, "")."""
+    if not (cfg.sweep.get("eval_tasks") and compare):
+        return None, ""
+    tasks = cfg.sweep.eval_tasks
+    tasks = OmegaConf.to_container(tasks) if OmegaConf.is_list(tasks) else tasks
+    return evaluate_compare(store, compare, tasks=tasks, limit=cfg.sweep.get("eval_limit"), sweep_dir=sweep_dir)
+
+
+def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
+    grid, search_seed, seeds, cap = check_sweep(cfg)
+    state = open_sweep(sweep_dir, overrides, cfg)
+    save_config(cfg, sweep_dir)
+
     store = TrialStore(sweep_dir)
-    wandb_cfg = cfg.logger.get("wandb") if cfg.logger else None
-    launcher = Launcher(store, overrides, cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [],
-                        wandb_group=state["sweep_id"] if wandb_cfg else None,
-                        diverge_above=cfg.sweep.diverge_above)  # fmt: skip
-
-    def stop(signum, frame):
-        launcher.stop()
-        print(f"\nxsa-lm sweep: interrupted ({signal.Signals(signum).name}); run the same command to resume",
-              file=sys.stderr)  # fmt: skip
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    wandb_cfg = wandb_settings(cfg)
+    launcher = Launcher(
+        store,
+        overrides,
+        max_parallel=cfg.sweep.max_parallel,
+        launch_prefix=cfg.sweep.launch_prefix or [],
+        wandb_group=state["sweep_id"] if wandb_cfg else None,
+        diverge_above=cfg.sweep.diverge_above,
+    )
+    stop_on_signals(launcher.stop, "sweep")
 
     n_search = len(grid) * (2 if cfg.sweep.tune_xsa else 1)
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
-    print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | LR grid {[f'{lr:g}' for lr in grid]}, "
-          f"search seed {search_seed}, {planned} | {n_search} search + up to {2 * (cap or len(seeds))} compare "
-          "trials")  # fmt: skip
-    sa_search = search_trials(grid, search_seed, ["sa"])
-    xsa_search = search_trials(grid, search_seed, ["xsa"]) if cfg.sweep.tune_xsa else []
-    print("phase 1: LR search")
-    launcher.run(sa_search + xsa_search, "search", "lr-search")
-    selection = selection_of(store, sa_search)
+    grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seed {search_seed}, {planned}"
+    trial_counts = f"{n_search} search + up to {2 * (cap or len(seeds))} compare trials"
+    print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | {grid_text} | {trial_counts}")
+    sa_search, xsa_search, selection = search_phase(
+        launcher, store, grid, search_seed=search_seed, tune_xsa=cfg.sweep.tune_xsa
+    )
     compare, sequential = [], None
     if selection.lr is not None:
-        print(f"phase 2: selected LR {selection.lr:g}\nphase 3: SA vs XSA at LR {selection.lr:g}")
-        if cap is None:
-            compare = compare_trials(selection.lr, seeds)
-            launcher.run(compare, "compare", "compare")
-        else:
-            compare, sequential = run_sequential(launcher, store, selection.lr, seeds, search_seed, cap)
+        compare, sequential = compare_phase(
+            launcher, store, selection.lr, seeds=seeds, search_seed=search_seed, cap=cap
+        )
+        if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
 
-    evaluation, eval_warning = None, ""
-    if cfg.sweep.get("eval_tasks") and compare:
-        tasks = (
-            OmegaConf.to_container(cfg.sweep.eval_tasks)
-            if OmegaConf.is_list(cfg.sweep.eval_tasks)
-            else cfg.sweep.eval_tasks
-        )
-        evaluation, eval_warning = evaluate_compare(store, compare, tasks, cfg.sweep.get("eval_limit"), sweep_dir)
-    trials = phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare")
-    xsa_selection = selection_of(store, xsa_search) if xsa_search else None
-    results = build_results(sweep_dir, state["sweep_id"], grid, seeds, overrides, trials, selection, xsa_selection,
-                            search_seed=search_seed, sequential=sequential)  # fmt: skip
+    evaluation, eval_warning = downstream_evaluation(cfg, store, compare, sweep_dir)
+    results = build_results(
+        sweep_dir,
+        sweep_id=state["sweep_id"],
+        grid=grid,
+        seeds=seeds,
+        train_overrides=overrides,
+        trials=phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare"),
+        selection=selection,
+        xsa_selection=selection_of(store, xsa_search) if xsa_search else None,
+        search_seed=search_seed,
+        sequential=sequential,
+    )
     results["eval"] = evaluation
     if eval_warning:
         results["warnings"].append(eval_warning)
     markdown = write_report(results, sweep_dir)
     if wandb_cfg and cfg.sweep.wandb_report:
-        wandb_kwargs = {k: v for k, v in OmegaConf.to_container(wandb_cfg, resolve=True).items()
-                        if k in ("project", "entity", "mode", "init_timeout_s")}  # fmt: skip
-        log_to_wandb(results, sweep_dir, wandb_kwargs)
+        log_to_wandb(results, sweep_dir, report_run_settings(wandb_cfg))
     return results, markdown
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
 def main(cfg: DictConfig) -> None:
-    sweep_dir = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        overrides = train_overrides(list(HydraConfig.get().overrides.task))
-        with exclusive(sweep_dir, "sweep.lock", "xsa-lm sweep"):
-            results, markdown = run_sweep(cfg, sweep_dir, overrides)
+    sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, partial(run_sweep, cfg))
     print("\n" + markdown)
     print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
     unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]
     if unfinished:
-        print(f"xsa-lm sweep: {len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): "
-              "run the same command again to retry them", file=sys.stderr)  # fmt: skip
+        print(
+            f"xsa-lm sweep: {len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): "
+            "run the same command again to retry them",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if results["selected_lr"] is None:
         print("xsa-lm sweep: no usable LR in the grid (see the report's warnings)", file=sys.stderr)

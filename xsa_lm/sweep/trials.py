@@ -25,14 +25,26 @@ from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import Trial
 
 FINAL = ("completed", "diverged")
-SUMMARY_METRICS = ("final_val_loss", "final_val_ppl", "best_val_loss", "steps", "tokens_seen", "tokens_per_s",
-                   "wall_time_s", "diverged_at_step", "val_history", "checkpoints")  # fmt: skip
+SUMMARY_METRICS = (
+    "final_val_loss",
+    "final_val_ppl",
+    "best_val_loss",
+    "steps",
+    "tokens_seen",
+    "tokens_per_s",
+    "wall_time_s",
+    "diverged_at_step",
+    "val_history",
+    "checkpoints",
+)
 
 
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
         self.sweep_dir = sweep_dir
-        self.records, self.runs, self.logs = sweep_dir / "trials", sweep_dir / "runs", sweep_dir / "logs"
+        self.records = sweep_dir / "trials"
+        self.runs = sweep_dir / "runs"
+        self.logs = sweep_dir / "logs"
 
     def run_dir(self, trial: Trial) -> Path:
         return self.runs / trial.id
@@ -138,18 +150,26 @@ class Launcher:
         diverge_above: float | None = None,
         echo: Callable[[str], None] = print,
     ) -> None:
-        self.store, self.train_overrides = store, list(train_overrides)
+        self.store = store
+        self.train_overrides = list(train_overrides)
         # With a launch prefix (srun, ...) the scheduler places each trial: no GPU slicing from here.
         slice_gpus = max_parallel > 1 and not launch_prefix
         self.slots = device_slots(max_parallel, visible_gpus() if slice_gpus else [])
-        self.launch_prefix, self.wandb_group, self.diverge_above = list(launch_prefix), wandb_group, diverge_above
+        self.launch_prefix = list(launch_prefix)
+        self.wandb_group = wandb_group
+        self.diverge_above = diverge_above
         self.echo = echo
         self.running: dict[subprocess.Popen, tuple[Trial, int, float]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
-        cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides,
-               f"attention={trial.attention}", f"optim.lr={trial.lr!r}", f"seed={trial.seed}",
-               f"hydra.run.dir={self.store.run_dir(trial)}", "progress_bar=false"]  # fmt: skip
+        set_by_sweep = [
+            f"attention={trial.attention}",
+            f"optim.lr={trial.lr!r}",
+            f"seed={trial.seed}",
+            f"hydra.run.dir={self.store.run_dir(trial)}",
+            "progress_bar=false",
+        ]
+        cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides, *set_by_sweep]
         if self.wandb_group is not None:
             cmd += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
         if resume:
@@ -187,16 +207,28 @@ class Launcher:
         with open(log, "a") as out:
             out.write(f"\n=== attempt {attempt} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
             out.flush()
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=_die_with_parent)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent
+            )
         started = time.time()
         self.running[proc] = (trial, slot, started)
-        self.store.save(trial, {
-            "id": trial.id, "phase": phase, "attention": trial.attention, "lr": trial.lr, "seed": trial.seed,
-            "status": "running", "attempt": attempt, "resumed_from_checkpoint": resume, "pid": proc.pid,
-            "started": started, "command": cmd, "run_dir": str(run_dir), "log": str(log),
+        record = {
+            "id": trial.id,
+            "phase": phase,
+            "attention": trial.attention,
+            "lr": trial.lr,
+            "seed": trial.seed,
+            "status": "running",
+            "attempt": attempt,
+            "resumed_from_checkpoint": resume,
+            "pid": proc.pid,
+            "started": started,
+            "command": cmd,
+            "run_dir": str(run_dir),
+            "log": str(log),
             "config": str(run_dir / "config.yaml"),
-        })  # fmt: skip
+        }
+        self.store.save(trial, record)
         how = " (resuming from its last checkpoint)" if resume else ""
         self.echo(f"  {phase}: {trial.id} started{how}; log {log}")
 

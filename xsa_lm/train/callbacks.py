@@ -1,9 +1,11 @@
 """Callbacks: throughput and tokens seen, the validation history kept for summary.json, and periodic diagnostics."""
 
 import time
+from dataclasses import dataclass
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -13,14 +15,16 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from xsa_lm.train.module import logging_step
+from xsa_lm.compat import should_update_logs
+from xsa_lm.train.checkpointing import Preemption
 
 
 class Throughput(L.Callback):
     """Logs tokens seen and tokens/s, measured between optimizer steps over a sliding window."""
 
     def __init__(self, tokens_per_step: int, window: int = 10) -> None:
-        self.tokens_per_step, self.window = tokens_per_step, window
+        self.tokens_per_step = tokens_per_step
+        self.window = window
         self._marks: list[tuple[int, float]] = []
         self.tokens_per_s = 0.0
 
@@ -32,7 +36,7 @@ class Throughput(L.Callback):
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
             self.tokens_per_s = (s1 - s0) * self.tokens_per_step / (t1 - t0)
-        if logging_step(trainer):  # logging a float copies it to the device, which waits for it: only when kept
+        if should_update_logs(trainer):  # logging a float copies it to the device, which waits for it: only when kept
             pl_module.log("train/tokens_per_s", self.tokens_per_s, on_step=True)
             pl_module.log("train/tokens_seen", float(step * self.tokens_per_step), on_step=True)
 
@@ -50,8 +54,15 @@ class ProgressBar(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                   TextColumn("eta"), TimeRemainingColumn(), TimeElapsedColumn()]  # fmt: skip
+        columns = [
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TimeElapsedColumn(),
+        ]
         self.progress = Progress(*columns)
         self.progress.start()
         self.task = self.progress.add_task("train", total=trainer.max_steps, completed=trainer.global_step, info="")
@@ -59,7 +70,7 @@ class ProgressBar(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if self.progress is None:
             return
-        if logging_step(trainer):
+        if should_update_logs(trainer):
             logged = trainer.callback_metrics
             self._info = " | ".join(fmt.format(float(logged[k])) for k, fmt in self.KEYS.items() if k in logged)
         self.progress.update(self.task, completed=trainer.global_step, info=self._info)
@@ -104,7 +115,8 @@ class EveryNSteps(L.Callback):
     accumulated micro-batch)."""
 
     def __init__(self, every_n_steps: int) -> None:
-        self.every_n_steps, self._last_step = every_n_steps, -1
+        self.every_n_steps = every_n_steps
+        self._last_step = -1
 
     def due(self, trainer: L.Trainer) -> bool:
         step = trainer.global_step
@@ -120,7 +132,8 @@ class Diagnostics(EveryNSteps):
 
     def __init__(self, every_n_steps: int, sequences: int = 8, chunk: int = 256) -> None:
         super().__init__(every_n_steps)
-        self.sequences, self.chunk = sequences, chunk
+        self.sequences = sequences
+        self.chunk = chunk
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if not self.due(trainer):
@@ -130,11 +143,16 @@ class Diagnostics(EveryNSteps):
 
         val = trainer.datamodule.val_set
         windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
-        model = getattr(pl_module.model, "_orig_mod", pl_module.model)  # the eager model under torch.compile
-        rows = diagnose(model, windows.split(trainer.datamodule.micro_batch_size), self.chunk)
+        model = pl_module.model
+        with torch.compiler.set_stance("force_eager"):  # a few batches, observed layer by layer: not worth compiling
+            rows = diagnose(model, windows.split(trainer.datamodule.micro_batch_size), self.chunk)
         # Straight to the loggers, once (self.log would repeat the value on every later step's row).
-        metrics = {f"diag/{metric}/layer_{row['layer']}": row[metric]
-                   for row in rows for metric in METRICS if row[metric] is not None}  # fmt: skip
+        metrics = {
+            f"diag/{metric}/layer_{row['layer']}": row[metric]
+            for row in rows
+            for metric in METRICS
+            if row[metric] is not None
+        }
         columns = ["step", "layer", "attention", *METRICS]
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
@@ -146,11 +164,21 @@ class Samples(EveryNSteps):
     """Every `every_n_steps` optimizer steps: text sampled from the model, appended to <run dir>/samples.txt and
     logged to W&B as a table (step, text), to see what the model has learned beyond its loss."""
 
-    def __init__(self, every_n_steps: int, run_dir: str, prompt: str = "", max_new_tokens: int = 64,
-                 temperature: float = 0.8, top_k: int | None = 50) -> None:  # fmt: skip
+    def __init__(
+        self,
+        every_n_steps: int,
+        run_dir: str,
+        prompt: str = "",
+        max_new_tokens: int = 64,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+    ) -> None:
         super().__init__(every_n_steps)
-        self.path, self.prompt = f"{run_dir}/samples.txt", prompt
-        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.path = f"{run_dir}/samples.txt"
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
         self._rows: list[list] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
@@ -162,10 +190,12 @@ class Samples(EveryNSteps):
 
         tokenizer = trainer.datamodule.data.tokenizer
         ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [tokenizer.token_to_id(EOT)]
-        model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+        model = pl_module.model  # generate() runs it eagerly, compiled or not
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
-        tokens = generate(model, torch.tensor([ids], device=pl_module.device), self.max_new_tokens,
-                          temperature=self.temperature, top_k=self.top_k, generator=generator)  # fmt: skip
+        context = torch.tensor([ids], device=pl_module.device)
+        tokens = generate(
+            model, context, self.max_new_tokens, temperature=self.temperature, top_k=self.top_k, generator=generator
+        )
         text = self.prompt + tokenizer.decode(tokens[0, len(ids) :].tolist())
         with open(self.path, "a") as f:
             f.write(f"=== step {step}\n{text}\n")
@@ -173,3 +203,14 @@ class Samples(EveryNSteps):
         for logger in trainer.loggers:
             if hasattr(logger, "log_text"):  # W&B: the whole table so far
                 logger.log_text(key="samples", columns=["step", "text"], data=self._rows)
+
+
+@dataclass
+class RunCallbacks:
+    """A run's callbacks: the ones it reads back after the fit, by name, and the list the trainer gets."""
+
+    history: ValHistory
+    throughput: Throughput
+    best: ModelCheckpoint  # best.ckpt, and last.ckpt
+    preemption: Preemption
+    all: list[L.Callback]

@@ -24,6 +24,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from xsa_lm.compat import saves_sharded_checkpoints
 from xsa_lm.errors import UserError
 from xsa_lm.sharded import META, is_sharded, load_sharded, shards_complete
 
@@ -37,7 +38,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the whole checkpoint into memory and then goes through a temporary file elsewhere: for a large model that is a
     second copy in RAM and, across filesystems, a second copy on disk."""
 
-    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+    def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: object = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
         path = Path(path)
@@ -56,7 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "free space (or fix permissions) and continue with resume=auto"
             ) from None
 
-    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+    def load_checkpoint(self, path: str | Path, map_location: object = None, weights_only: bool | None = None) -> dict:
         if is_sharded(Path(path)):  # written by FSDP2 ranks, resumed here by one process (or DDP)
             return load_sharded(Path(path))
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -67,9 +68,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     (save_distributed_checkpoint=true): every rank writes its shard into <name>.tmp/, and rank 0 renames the
     directory into place once all have finished. Consolidated: rank 0 writes one file through AtomicCheckpointIO."""
 
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+    def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
         path = Path(self.broadcast(str(filepath)))  # rank 0's path: all ranks write into the same directory
-        if not self._save_distributed_checkpoint:
+        if not saves_sharded_checkpoints(self):
             # The state was gathered on rank 0 (a collective every rank joined); Lightning's own save would first
             # delete a sharded directory of this name, leaving no checkpoint for a moment.
             if self.is_global_zero:
@@ -147,18 +148,25 @@ class Preemption(L.Callback):
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, last_checkpoint: Path) -> None:
-        self.last_checkpoint, self.received = last_checkpoint, None
+        self.last_checkpoint = last_checkpoint
+        self.received: str | None = None  # the signal's name
         self.preempted_at: int | None = None
         self._seen_step = -1
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: object) -> None:
         if signum == signal.SIGINT and self.received == "SIGINT":  # a second Ctrl-C: the user will not wait
-            print("\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(130)
         if signum == signal.SIGINT:
-            print("\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)",
+                file=sys.stderr,
+                flush=True,
+            )
         self.received = signal.Signals(signum).name
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

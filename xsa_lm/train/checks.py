@@ -9,6 +9,7 @@ import math
 from omegaconf import DictConfig
 
 from xsa_lm.errors import UserError
+from xsa_lm.schema import check_known_keys
 
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 
@@ -104,7 +105,8 @@ RULES = {
 }
 
 
-def lookup(cfg: DictConfig, key: str):
+def lookup(cfg: DictConfig, key: str) -> object:
+    """The value at a dotted key, or KeyError (the class) where the config has no such key."""
     node = cfg
     for part in key.split("."):
         if node is None or part not in node:
@@ -114,7 +116,9 @@ def lookup(cfg: DictConfig, key: str):
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Every key of RULES that the config has, in one line naming each bad value."""
+    """Keys the model and attention groups do not have, then every key of RULES that the config has, in one line
+    naming each bad value."""
+    check_known_keys(cfg)
     bad = []
     for key, rule in RULES.items():
         value = lookup(cfg, key)

@@ -16,8 +16,10 @@ from xsa_lm.train.checkpointing import AtomicCheckpointIO
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
     if not is_sharded(source):
         what = "a file" if source.is_file() else "not found" if not source.exists() else "no sharded checkpoint"
-        raise UserError(f"ckpt: {source} is {what}: give the directory of a sharded checkpoint "
-                        "(trainer=fsdp), e.g. runs/x/checkpoints/last.ckpt")  # fmt: skip
+        raise UserError(
+            f"ckpt: {source} is {what}: give the directory of a sharded checkpoint "
+            "(trainer=fsdp), e.g. runs/x/checkpoints/last.ckpt"
+        )
     if not shards_complete(source):
         raise UserError(f"ckpt: {source} is an incomplete sharded checkpoint (a shard is missing or truncated)")
     if out.exists():
@@ -33,7 +35,7 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         out = Path(str(cfg.out)).expanduser()
-        checkpoint = consolidate(Path(str(cfg.ckpt)).expanduser(), out, cfg.weights_only)
+        checkpoint = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {checkpoint['global_step']}, "
         f"{'weights only' if cfg.weights_only else 'weights, optimizer state and training position'}"

@@ -60,22 +60,39 @@ def activation_bytes(model: dict, vocab_size: int, tokens: int, half: bool, chec
     return tokens * layers * value + logits, logits
 
 
-def estimate(model: dict, vocab_size: int, micro_batch_size: int, block_size: int, precision: str,
-             strategy: str = "ddp", world_size: int = 1,
-             activation_checkpointing: bool = False) -> MemoryEstimate:  # fmt: skip
+def estimate(
+    model: dict,
+    vocab_size: int,
+    micro_batch_size: int,
+    block_size: int,
+    precision: str,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    activation_checkpointing: bool = False,
+) -> MemoryEstimate:
     """Per device. fp32 weights, gradients and AdamW's two moments (mixed precision keeps fp32 masters). DDP holds
     them whole on every device; FSDP shards them over `world_size` and gathers one block at a time (two with
     prefetching) plus the root (the tied embedding) in the compute dtype, with one block's unsharded gradients."""
     half = precision.startswith(("bf16", "16"))
     n = parameter_count(model, vocab_size)
-    saved, transient = activation_bytes(model, vocab_size, micro_batch_size * block_size, half,
-                                        activation_checkpointing)  # fmt: skip
+    saved, transient = activation_bytes(
+        model=model,
+        vocab_size=vocab_size,
+        tokens=micro_batch_size * block_size,
+        half=half,
+        checkpointing=activation_checkpointing,
+    )
     if strategy == "fsdp":
         value = 2 if half else 4
         gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * value
         shard = math.ceil(n / world_size)
-        return MemoryEstimate(params=4 * shard + gathered, grads=4 * shard + block_parameters(model) * value,
-                              optimizer=8 * shard, activations=saved, transient=transient)  # fmt: skip
+        return MemoryEstimate(
+            params=4 * shard + gathered,
+            grads=4 * shard + block_parameters(model) * value,
+            optimizer=8 * shard,
+            activations=saved,
+            transient=transient,
+        )
     return MemoryEstimate(params=4 * n, grads=4 * n, optimizer=8 * n, activations=saved, transient=transient)
 
 

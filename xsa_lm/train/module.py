@@ -6,8 +6,10 @@ from dataclasses import asdict
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.tensor import DTensor
 
+from xsa_lm.compat import should_update_logs, skip_fused_update
 from xsa_lm.model import GPT, GPTConfig
 
 
@@ -16,11 +18,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def logging_step(trainer: L.Trainer) -> bool:
-    """Whether this step's logged values reach the loggers (Lightning's own rule, as its LearningRateMonitor uses)."""
-    return trainer._logger_connector.should_update_logs
 
 
 class LMModule(L.LightningModule):
@@ -39,16 +36,19 @@ class LMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.model_config = model_config
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
         self.total_steps = total_steps
         self.model = GPT(model_config)
         for block in self.model.blocks:  # before compile and before FSDP2 wraps each block (configure_model)
             block.activation_checkpointing = activation_checkpointing
         if compile:
-            self.model = torch.compile(self.model)
+            self.model.compile()  # in place: the module and its state-dict keys stay those of an eager run
         self.tokens_per_micro_batch = 0
         self.diverged_at: int | None = None
-        self.skip_budget, self.spike_factor, self.nan_at_step = skip_nonfinite_batches, spike_factor, nan_at_step
+        self.skip_budget = skip_nonfinite_batches
+        self.spike_factor = spike_factor
+        self.nan_at_step = nan_at_step
         self.nan_on_rank = nan_on_rank  # None: every rank
         self.events: list[dict] = []  # skipped batches and loss / grad-norm spikes, kept in summary.json
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
@@ -63,27 +63,22 @@ class LMModule(L.LightningModule):
             return
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        model = getattr(self.model, "_orig_mod", self.model)
-        if isinstance(model, FSDPModule):  # trainer.validate after the fit calls this hook again
+        if isinstance(self.model, FSDPModule):  # trainer.validate after the fit calls this hook again
             return
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy()  # fp32 on CPU; bf16 compute with fp32 gradient reduction on GPU
         if self.trainer.precision.startswith("bf16"):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
+        for block in self.model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Checkpoints move between compiled and eager runs: torch.compile stores weights under model._orig_mod."""
+        """Checkpoints saved from a torch.compile(model) wrapper name the weights model._orig_mod.*: renamed."""
         if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
             return
-        compiled = hasattr(self.model, "_orig_mod")
-        state = {}
-        for key, value in checkpoint["state_dict"].items():
-            key = key.replace("model._orig_mod.", "model.", 1)
-            state[key.replace("model.", "model._orig_mod.", 1) if compiled else key] = value
-        checkpoint["state_dict"] = state
+        state = checkpoint["state_dict"]
+        checkpoint["state_dict"] = {key.replace("model._orig_mod.", "model.", 1): value for key, value in state.items()}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
@@ -101,7 +96,8 @@ class LMModule(L.LightningModule):
         self._step_loss = detached if self._step_loss is None else self._step_loss + detached
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:  # the optimizer step's last micro-batch
             self.log_step_loss()
-        if logging_step(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
+        # Not LearningRateMonitor: it names the column lr-AdamW/pg1 and logs it on rows of its own, per micro-batch.
+        if should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
             self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True)
         return loss
 
@@ -111,7 +107,7 @@ class LMModule(L.LightningModule):
         Lightning reads those back after every batch; the ProgressBar callback shows it at logging steps)."""
         loss = self._step_loss / self.trainer.accumulate_grad_batches
         self._step_loss = None
-        if logging_step(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
+        if should_update_logs(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
             loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
         self.log("train/loss", loss, on_step=True)
 
@@ -125,7 +121,12 @@ class LMModule(L.LightningModule):
         if loss is not None:
             self.log("val/ppl", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         # Clip ourselves so the pre-clip norm can be logged (max_norm=inf only measures it).
         max_norm = gradient_clip_val if gradient_clip_val else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
@@ -141,7 +142,7 @@ class LMModule(L.LightningModule):
         are read at logging steps (check_nonfinite), which stops a diverged run. Unfused optimizers: read now."""
         nonfinite = ~torch.isfinite(grad_norm)
         if optimizer.defaults.get("fused"):
-            optimizer.found_inf = nonfinite.float()
+            skip_fused_update(optimizer, nonfinite)
             self._nonfinite.append((self.global_step, nonfinite))
         elif nonfinite:  # a host-device sync per step, only for optimizers that cannot skip on the device
             for group in optimizer.param_groups:
@@ -149,7 +150,7 @@ class LMModule(L.LightningModule):
                     p.grad = None  # the optimizer leaves parameters without a gradient untouched
             self._nonfinite.append((self.global_step, nonfinite))
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, outputs: STEP_OUTPUT, batch: tuple, batch_idx: int) -> None:
         if self.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
             self.check_nonfinite()
 
@@ -180,7 +181,7 @@ class LMModule(L.LightningModule):
     def watch_for_spike(self, event: str, value: torch.Tensor) -> None:
         """At logging steps only (reading the value syncs with the device): a value above spike_factor x its
         running average is recorded as an event."""
-        if self.spike_factor is None or not logging_step(self.trainer):
+        if self.spike_factor is None or not should_update_logs(self.trainer):
             return
         current = float(value.detach())
         if not math.isfinite(current):  # a skipped update (check_nonfinite), not a spike; keeps the average finite
@@ -190,7 +191,7 @@ class LMModule(L.LightningModule):
             self.record_event(event, current)
         self._typical[event] = current if typical is None else 0.9 * typical + 0.1 * current
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> dict:
         groups = param_groups(self.model, self.optimizer_factory.keywords.get("weight_decay", 0.0))
         kwargs = {}
         if "fused" not in self.optimizer_factory.keywords and self.device.type in ("cpu", "cuda"):

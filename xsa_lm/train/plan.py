@@ -28,19 +28,15 @@ def make_plan(cfg: DictConfig) -> dict:
         available, where = int(cfg.device_memory_gb * memory.GIB), f"device_memory_gb={cfg.device_memory_gb:g}"
     else:
         available, where = memory.available_bytes(cfg.trainer.accelerator)
-    shape = dict(model=model, vocab_size=vocab, block_size=cfg.data.block_size,
-                 precision=resolve_precision(cfg.trainer.precision), world_size=devices,
-                 activation_checkpointing=bool(cfg.activation_checkpointing))  # fmt: skip
-    strategies = {}
-    for strategy in ("ddp", "fsdp"):
-        need = memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, **shape)
-        largest = memory.largest_micro_batch(available, strategy=strategy, **shape)
-        dividing = next((m for m in range(largest, 0, -1)
-                         if accumulation(cfg.global_batch_tokens, m, devices, cfg.data.block_size)), 0)  # fmt: skip
-        strategies[strategy] = {"per_device_bytes": need.as_dict(), "fits": need.total <= available,
-                                "max_micro_batch_size": largest, "max_dividing_micro_batch_size": dividing,
-                                "accumulation_at_max_dividing": accumulation(cfg.global_batch_tokens, dividing,
-                                                                             devices, cfg.data.block_size)}  # fmt: skip
+    shape = dict(
+        model=model,
+        vocab_size=vocab,
+        block_size=cfg.data.block_size,
+        precision=resolve_precision(cfg.trainer.precision),
+        world_size=devices,
+        activation_checkpointing=bool(cfg.activation_checkpointing),
+    )
+    strategies = {s: strategy_plan(cfg, strategy=s, available=available, shape=shape) for s in ("ddp", "fsdp")}
     chosen = memory.strategy_kind(cfg.trainer.strategy)
     return {
         "model": cfg.model.name,
@@ -58,6 +54,24 @@ def make_plan(cfg: DictConfig) -> dict:
         "per_device_bytes": strategies[chosen]["per_device_bytes"],
         "max_micro_batch_size": strategies[chosen]["max_micro_batch_size"],
         "strategies": strategies,
+    }
+
+
+def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict) -> dict:
+    """One strategy's memory per device at the configured micro-batch, and the largest micro-batches that fit."""
+    need = memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, **shape)
+    largest = memory.largest_micro_batch(available, strategy=strategy, **shape)
+
+    def steps(micro_batch_size: int) -> int | None:
+        return accumulation(cfg.global_batch_tokens, micro_batch_size, shape["world_size"], cfg.data.block_size)
+
+    dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
+    return {
+        "per_device_bytes": need.as_dict(),
+        "fits": need.total <= available,
+        "max_micro_batch_size": largest,
+        "max_dividing_micro_batch_size": dividing,
+        "accumulation_at_max_dividing": steps(dividing),
     }
 
 
@@ -85,12 +99,16 @@ def table(plan: dict) -> str:
         b = s["per_device_bytes"]
         mark = " (trainer)" if name == plan["strategy"] else ""
         fits = "yes" if s["fits"] else "no"
-        lines.append(f"| {name}{mark} | {gib(b['params'])} | {gib(b['grads'])} | {gib(b['optimizer'])} | "
-                     f"{gib(b['activations'])} | {gib(b['transient'])} | {gib(b['total'])} | {fits} | "
-                     f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} "
-                     f"({s['accumulation_at_max_dividing']}) |")  # fmt: skip
-    lines.append(f"\nglobal_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) "
-                 "per step per device at this micro-batch (None: not a whole number)")  # fmt: skip
+        lines.append(
+            f"| {name}{mark} | {gib(b['params'])} | {gib(b['grads'])} | {gib(b['optimizer'])} | "
+            f"{gib(b['activations'])} | {gib(b['transient'])} | {gib(b['total'])} | {fits} | "
+            f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} "
+            f"({s['accumulation_at_max_dividing']}) |"
+        )
+    lines.append(
+        f"\nglobal_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) "
+        "per step per device at this micro-batch (None: not a whole number)"
+    )
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 import lightning as L
@@ -24,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints import model_config_mismatch
+from xsa_lm.cli import full_command_line
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
@@ -31,16 +33,16 @@ from xsa_lm.locking import exclusive
 from xsa_lm.model import GPTConfig
 from xsa_lm.sharded import META, is_sharded
 from xsa_lm.train import memory
-from xsa_lm.train.callbacks import Diagnostics, ProgressBar, Samples, Throughput, ValHistory
+from xsa_lm.train.callbacks import Diagnostics, ProgressBar, RunCallbacks, Samples, Throughput, ValHistory
 from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
 from xsa_lm.train.checks import check_values
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.resume import continuation_config
 from xsa_lm.train.runinfo import run_info
+from xsa_lm.train.summary import RunSummary, completed, error_line, finish_wandb, print_summary
 from xsa_lm.train.tracking import resolve_mode
 
-relaunch_argv: list[str] | None = None  # set by `xsa-lm train`: the command line that DDP ranks re-run
 VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
 OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by the run, not by lightning.Trainer
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
@@ -76,8 +78,10 @@ def check_config(cfg: DictConfig) -> dict:
     sharded = memory.strategy_kind(cfg.trainer.strategy) == "fsdp"
     for group in ("diagnostics", "samples"):  # they run a forward on rank 0 alone: under sharding it would hang
         if sharded and cfg.get(group) and cfg[group].every_n_steps:
-            raise UserError(f"{group}.every_n_steps: not available under trainer=fsdp; run `xsa-lm analyze` or "
-                            "`xsa-lm generate` on its checkpoints instead")  # fmt: skip
+            raise UserError(
+                f"{group}.every_n_steps: not available under trainer=fsdp; run `xsa-lm analyze` or "
+                "`xsa-lm generate` on its checkpoints instead"
+            )
     if cfg.logger and cfg.logger.get("wandb"):
         resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
@@ -90,10 +94,16 @@ def check_memory(cfg: DictConfig, devices: int) -> None:
         return
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     vocab = fields.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
-    need = memory.estimate(fields, math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE, cfg.micro_batch_size,
-                           cfg.data.block_size, resolve_precision(cfg.trainer.precision),
-                           strategy=memory.strategy_kind(cfg.trainer.strategy), world_size=devices,
-                           activation_checkpointing=cfg.trainer.get("activation_checkpointing", False))  # fmt: skip
+    need = memory.estimate(
+        model=fields,
+        vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        micro_batch_size=cfg.micro_batch_size,
+        block_size=cfg.data.block_size,
+        precision=resolve_precision(cfg.trainer.precision),
+        strategy=memory.strategy_kind(cfg.trainer.strategy),
+        world_size=devices,
+        activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
+    )
     have, where = memory.available_bytes(cfg.trainer.accelerator)
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
@@ -111,17 +121,22 @@ def tokenizer_on_command_line() -> bool:
 
 
 def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    fields.pop("name", None)
-    padded = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if fields.get("vocab_size") is None:
-        fields["vocab_size"] = padded
-    elif fields["vocab_size"] < vocab_size:
-        raise UserError(f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    """GPTConfig from the model group (typed like GPTConfig: xsa_lm/schema.py) and the attention group. A null
+    model.vocab_size takes the tokenizer's vocabulary, padded to a multiple of 64."""
+    architecture = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    if architecture["vocab_size"] is None:
+        architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif architecture["vocab_size"] < vocab_size:
+        raise UserError(f"model.vocab_size={architecture['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    attention = cfg.attention
     try:
-        return GPTConfig(**fields, attention=cfg.attention.name, xsa_eps=cfg.attention.eps,
-                         xsa_layers=xsa_layers(cfg.attention.get("layers", "all"), fields["n_layer"]),
-                         xsa_gate=gate_enabled(cfg.attention.get("gate", "none")))  # fmt: skip
+        return GPTConfig(
+            **architecture,
+            attention=attention.name,
+            xsa_eps=attention.eps,
+            xsa_layers=xsa_layers(attention.layers, n_layer=architecture["n_layer"]),
+            xsa_gate=gate_enabled(attention.gate),
+        )
     except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...) are the user's to fix
         raise UserError(f"model: {e}") from None
 
@@ -157,7 +172,17 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -> tuple[str | None, int | None]:
+class ResumePoint(NamedTuple):
+    """The checkpoint a run continues from and its global step; both None for a run from scratch."""
+
+    path: str | None
+    step: int | None
+
+
+FROM_SCRATCH = ResumePoint(path=None, step=None)
+
+
+def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -> ResumePoint:
     """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
     of another model is refused, naming each differing field."""
     if resume is None:
@@ -167,7 +192,7 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
                 f"hydra.run.dir={run_dir} already holds a run: pass resume=auto to continue it, "
                 "or choose a new hydra.run.dir"
             )
-        return None, None
+        return FROM_SCRATCH
     if resume == "auto":
         newest, step, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
         for path in skipped:
@@ -175,7 +200,7 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
         if newest is None:
             held = "holds no run yet" if not (run_dir / "config.yaml").exists() else "has no usable checkpoint"
             rank_zero_only(log.info)(f"resume=auto: {run_dir} {held}: starting a new run from scratch")
-            return None, None
+            return FROM_SCRATCH
         path = newest
     else:
         path = Path(resume)
@@ -189,7 +214,7 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
     differences = model_config_mismatch(saved, asdict(mcfg)) if saved is not None else []
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
-    return str(path), step
+    return ResumePoint(path=str(path), step=step)
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
@@ -220,36 +245,38 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
 
 def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> dict:
     """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing)."""
-    if relaunch_argv:  # the whole command line (`xsa-lm train ...`): recorded in run_info.json, re-run by DDP ranks
-        sys.argv = relaunch_argv
+    sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
     plan = check_config(cfg)
     if cfg.scheduler.get("total_steps") is None:  # saved resolved: a resume that extends max_steps keeps the schedule
         cfg.scheduler.total_steps = cfg.trainer.max_steps
     check_memory(cfg, plan["devices"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
-    datamodule = TokenDataModule(data, cfg.data.block_size, cfg.micro_batch_size, cfg.seed,
-                                 cfg.data.val_windows, cfg.data.num_workers)  # fmt: skip
+    datamodule = TokenDataModule(
+        data=data,
+        block_size=cfg.data.block_size,
+        micro_batch_size=cfg.micro_batch_size,
+        seed=cfg.seed,
+        val_windows=cfg.data.val_windows,
+        num_workers=cfg.data.num_workers,
+    )
     if rank_zero_only.rank != 0:
-        return fit(cfg, run_dir, plan, datamodule, mcfg, *find_resume_checkpoint(cfg.resume, run_dir, mcfg))
+        resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
+        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume)
     with exclusive(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
-        ckpt_path, resume_step = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
-        if resume_step is not None and resume_step >= cfg.trainer.max_steps and completed(run_dir):
-            print(f"resume: the run in {run_dir} completed step {resume_step} of trainer.max_steps="
-                  f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
-                  "are left as they are")  # fmt: skip
+        resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
+        if resume.step is not None and resume.step >= cfg.trainer.max_steps and completed(run_dir):
+            print(
+                f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps="
+                f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
+                "are left as they are"
+            )
             return {}
-        write_run_files(cfg, run_dir, data.dir, ckpt_path, resume_step, resume_notes or [])
-        return fit(cfg, run_dir, plan, datamodule, mcfg, ckpt_path, resume_step)
+        write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=resume_notes or [])
+        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume)
 
 
-def completed(run_dir: Path) -> bool:
-    summary = run_dir / "summary.json"
-    return summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
-
-
-def write_run_files(cfg: DictConfig, run_dir: Path, data_dir: Path, ckpt_path: str | None, resume_step: int | None,
-                    resume_notes: list[str]) -> None:  # fmt: skip
+def write_run_files(cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str]) -> None:
     """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
     first start, resumes.jsonl each resume."""
     continuing = (run_dir / "config.yaml").exists()
@@ -259,34 +286,71 @@ def write_run_files(cfg: DictConfig, run_dir: Path, data_dir: Path, ckpt_path: s
     info = {**run_info(), "data_dir": str(data_dir)}
     if not (run_dir / "run_info.json").exists():
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-    if ckpt_path is not None:
-        record = {"time": time.time(), "from_step": resume_step, "checkpoint": ckpt_path, "changes": resume_notes,
-                  "run_info": info}  # fmt: skip
-        with open(run_dir / "resumes.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        what = f"{cfg.attention.name}, {cfg.model.name}, lr {cfg.optim.lr:g}, seed {cfg.seed}"
-        if continuing:
-            log.info(f"resume: continuing the run in {run_dir} ({what}) from step {resume_step} ({ckpt_path}) with "
-                     f"its saved config.yaml" + "".join(f"; {note}" for note in resume_notes))  # fmt: skip
-        else:
-            log.info(f"resume: a new run in {run_dir} ({what}) starts from {ckpt_path} (step {resume_step}): its "
-                     "weights, optimizer state, LR schedule position and data position")  # fmt: skip
+    if resume.path is None:
+        return
+    record = {
+        "time": time.time(),
+        "from_step": resume.step,
+        "checkpoint": resume.path,
+        "changes": notes,
+        "run_info": info,
+    }
+    with open(run_dir / "resumes.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    what = f"{cfg.attention.name}, {cfg.model.name}, lr {cfg.optim.lr:g}, seed {cfg.seed}"
+    if continuing:
+        log.info(
+            f"resume: continuing the run in {run_dir} ({what}) from step {resume.step} ({resume.path}) with its saved "
+            "config.yaml" + "".join(f"; {note}" for note in notes)
+        )
+    else:
+        log.info(
+            f"resume: a new run in {run_dir} ({what}) starts from {resume.path} (step {resume.step}): its weights, "
+            "optimizer state, LR schedule position and data position"
+        )
 
 
-def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule, mcfg: GPTConfig,
-        ckpt_path: str | None, resume_step: int | None) -> dict:  # fmt: skip
-    t_start = time.time()
+def fit(
+    cfg: DictConfig, run_dir: Path, *, plan: dict, datamodule: TokenDataModule, mcfg: GPTConfig, resume: ResumePoint
+) -> dict:
+    """Build the module and the trainer, train, and write summary.json (global rank 0). A failed run is recorded in
+    summary.json too, then re-raised: a sweep must see failed runs."""
+    summary = RunSummary.of(cfg, run_dir=run_dir, model_config=mcfg)
+    set_up_process(cfg)
+    module = make_module(cfg, mcfg)
+    summary.non_embedding_params = parameter_counts(module)[0]
+    run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
+    rank_zero_only(log.info)(header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module))
+    callbacks = make_callbacks(cfg, run_dir)
+    loggers = make_loggers(cfg, run_dir=run_dir, run_name=run_name, resume_step=resume.step)
+    trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=callbacks.all, loggers=loggers)
     is_rank_zero = rank_zero_only.rank == 0
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path, weights_only=False)  # our own files
+        status = outcome(trainer, module=module, datamodule=datamodule, callbacks=callbacks)
+    except Exception as e:
+        if is_rank_zero:
+            failed = summary.write("failed", trainer=trainer, module=module, callbacks=callbacks, error=error_line(e))
+            finish_wandb(trainer, failed)
+        raise
+    result = summary.write(status, trainer=trainer, module=module, callbacks=callbacks) if is_rank_zero else {}
+    finish_wandb(trainer, result)
+    return result
 
+
+def set_up_process(cfg: DictConfig) -> None:
+    """Seeds, malloc's reuse of freed memory and TF32 matmuls, before anything is built."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("reuse_host_memory", True):
         reuse_freed_host_memory()
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    tokens_per_step = cfg.global_batch_tokens
-    module = LMModule(
-        mcfg,
+
+
+def make_module(cfg: DictConfig, mcfg: GPTConfig) -> LMModule:
+    return LMModule(
+        model_config=mcfg,
         optimizer=build(cfg.optim),
         scheduler=build(cfg.scheduler),
         total_steps=cfg.scheduler.total_steps,
@@ -297,48 +361,84 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         nan_on_rank=cfg.faults.get("inject_nan_on_rank"),
         activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
     )
-    n_total = sum(p.numel() for p in module.parameters())
-    n_params = n_total - mcfg.vocab_size * mcfg.d_model  # the tied token embedding
-    run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
-    rank_zero_only(log.info)(
+
+
+def parameter_counts(module: LMModule) -> tuple[int, int]:
+    """(non-embedding, total) parameters; the token embedding is tied to the head."""
+    total = sum(p.numel() for p in module.parameters())
+    return total - module.model_config.vocab_size * module.model_config.d_model, total
+
+
+def header(
+    cfg: DictConfig, *, run_name: str, run_dir: Path, plan: dict, data: TokenDataModule, module: LMModule
+) -> str:
+    """The run's first line: the model, the data, how a step's tokens are made up, where the run's files go."""
+    non_embedding, total = parameter_counts(module)
+    meta = data.data.meta
+    return (
         f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
-        f"{n_params / 1e6:.2f}M non-embedding parameters ({n_total / 1e6:.2f}M total) | "
-        f"data {datamodule.data.dir.name}: {datamodule.data.meta['train_tokens']:,} train / "
-        f"{datamodule.data.meta['val_tokens']:,} val tokens, vocab {datamodule.data.meta['vocab_size']} "
-        f"(model {mcfg.vocab_size}) | "
-        f"{tokens_per_step:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
+        f"{non_embedding / 1e6:.2f}M non-embedding parameters ({total / 1e6:.2f}M total) | "
+        f"data {data.data.dir.name}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, "
+        f"vocab {meta['vocab_size']} (model {module.model_config.vocab_size}) | "
+        f"{cfg.global_batch_tokens:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
         f"{plan['accumulate']} accumulation x {plan['devices']} device(s) ({device_name(cfg.trainer.accelerator)}), "
         f"{cfg.trainer.max_steps} steps | run dir {run_dir}"
     )
 
-    history = ValHistory(tokens_per_step)
-    throughput = Throughput(tokens_per_step)
+
+def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
+    """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional diagnostics, samples and
+    progress bar."""
     ckpt_dir = run_dir / "checkpoints"
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss",
-                                 mode="min", save_top_k=1, save_last=True)  # fmt: skip
+    best = ModelCheckpoint(
+        dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, save_last=True
+    )
     # The last K step checkpoints too: if last.ckpt is ever damaged, resume=auto falls back on the newest of these.
     # Written after each validation like last.ckpt, not in on_train_batch_end: by then the step's metrics.csv row
     # is on disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
-    periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:06d}", monitor="step", mode="max",
-                               save_top_k=cfg.checkpoint.keep_last, auto_insert_metric_name=False)  # fmt: skip
+    periodic = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="step-{step:06d}",
+        monitor="step",
+        mode="max",
+        save_top_k=cfg.checkpoint.keep_last,
+        auto_insert_metric_name=False,
+    )
+    history = ValHistory(cfg.global_batch_tokens)
+    throughput = Throughput(cfg.global_batch_tokens)
     preemption = Preemption(ckpt_dir / "last.ckpt")
-    callbacks = [checkpoint, periodic, history, throughput, preemption]
+    callbacks = [best, periodic, history, throughput, preemption]
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
-        callbacks.append(Diagnostics(cfg.diagnostics.every_n_steps, cfg.diagnostics.sequences, cfg.diagnostics.chunk))
+        d = cfg.diagnostics
+        callbacks.append(Diagnostics(every_n_steps=d.every_n_steps, sequences=d.sequences, chunk=d.chunk))
     if cfg.get("samples") and cfg.samples.every_n_steps:
         s = cfg.samples
-        callbacks.append(Samples(s.every_n_steps, str(run_dir), s.prompt, s.max_new_tokens, s.temperature, s.top_k))
+        samples = Samples(
+            every_n_steps=s.every_n_steps,
+            run_dir=str(run_dir),
+            prompt=s.prompt,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+        )
+        callbacks.append(samples)
     if cfg.progress_bar:
         callbacks.append(ProgressBar())
+    return RunCallbacks(history=history, throughput=throughput, best=best, preemption=preemption, all=callbacks)
+
+
+def make_trainer(
+    cfg: DictConfig, run_dir: Path, *, plan: dict, callbacks: list[L.Callback], loggers: list
+) -> L.Trainer:
     strategy = cfg.trainer.strategy
     if memory.strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
         strategy = {**strategy, "data_parallel_size": plan["devices"]}  # Lightning's auto means one per node
-    trainer: L.Trainer = build(
+    return build(
         lightning_trainer_args(cfg.trainer),
         strategy=strategy,
         precision=resolve_precision(cfg.trainer.precision),
         default_root_dir=str(run_dir),
-        logger=make_loggers(cfg, run_dir, run_name, resume_step) or False,
+        logger=loggers or False,
         callbacks=callbacks,
         accumulate_grad_batches=plan["accumulate"],
         val_check_interval=cfg.val_every_steps * plan["accumulate"],
@@ -347,35 +447,28 @@ def fit(cfg: DictConfig, run_dir: Path, plan: dict, datamodule: TokenDataModule,
         plugins=[AtomicCheckpointIO()],
     )
 
-    def summarize(status: str, error: str | None = None) -> dict:
-        return write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
-                             checkpoint, diverged_at=module.diverged_at)  # fmt: skip
-
-    status = "completed"
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)  # our own files
-        if module.diverged_at is not None:
-            status = "diverged"
-        elif preemption.preempted_at is not None:
-            status = "interrupted" if preemption.received == "SIGINT" else "preempted"
-        elif not history.history or history.history[-1]["step"] != trainer.global_step:
-            validate_last_step(trainer, module, datamodule, checkpoint)
-    except Exception as e:  # recorded in summary.json, then re-raised: a sweep must see failed runs
-        if is_rank_zero:
-            first_line = (str(e).strip().splitlines() or [""])[0][:500]
-            finish_wandb(trainer, summarize("failed", f"{type(e).__name__}: {first_line}"))
-        raise
-    summary = summarize(status) if is_rank_zero else {}
-    finish_wandb(trainer, summary)
-    return summary
-
 
 def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
     """The trainer group without the keys that are ours (the module reads them), for lightning.Trainer."""
     return OmegaConf.masked_copy(trainer_cfg, [key for key in trainer_cfg if key not in OUR_TRAINER_KEYS])
 
 
-def validate_last_step(trainer: L.Trainer, module: LMModule, datamodule, checkpoint: ModelCheckpoint) -> None:
+def outcome(trainer: L.Trainer, *, module: LMModule, datamodule: TokenDataModule, callbacks: RunCallbacks) -> str:
+    """The run's status once the fit has returned; a completed run whose last step has no validation yet gets one."""
+    if module.diverged_at is not None:
+        return "diverged"
+    preemption = callbacks.preemption
+    if preemption.preempted_at is not None:
+        return "interrupted" if preemption.received == "SIGINT" else "preempted"
+    history = callbacks.history.history
+    if not history or history[-1]["step"] != trainer.global_step:
+        validate_last_step(trainer, module=module, datamodule=datamodule, checkpoint=callbacks.best)
+    return "completed"
+
+
+def validate_last_step(
+    trainer: L.Trainer, *, module: LMModule, datamodule: TokenDataModule, checkpoint: ModelCheckpoint
+) -> None:
     """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
     callbacks: when its loss is the best, best.ckpt must still hold it (and last.ckpt its validation history)."""
     trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -386,59 +479,8 @@ def validate_last_step(trainer: L.Trainer, module: LMModule, datamodule, checkpo
     if checkpoint.best_model_score is None or loss < checkpoint.best_model_score:
         best = Path(checkpoint.dirpath) / "best.ckpt"
         trainer.save_checkpoint(best)
-        checkpoint.best_model_path, checkpoint.best_model_score = str(best), loss
-
-
-def finish_wandb(trainer: L.Trainer, summary: dict) -> None:
-    """Put the run's outcome into the W&B run summary (what a sweep's dashboard compares), then close it."""
-    for logger in trainer.loggers:
-        if type(logger).__name__ == "WandbLogger":
-            keys = ("status", "final_val_loss", "final_val_ppl", "best_val_loss", "tokens_per_s", "diverged_at_step")
-            logger.experiment.summary.update({key: summary[key] for key in keys if key in summary})
-            logger.experiment.finish()
-
-
-def write_summary(cfg, run_dir, mcfg, n_params, status, error, trainer, history, throughput, t_start,
-                  checkpoint, diverged_at=None) -> dict:  # fmt: skip
-    final = history.history[-1]["val_loss"] if history.history and status == "completed" else None
-    summary = {
-        "status": status,
-        "error": error,
-        "attention": cfg.attention.name,
-        "model": cfg.model.name,
-        "lr": cfg.optim.lr,
-        "seed": cfg.seed,
-        "final_val_loss": final,
-        "final_val_ppl": math.exp(final) if final is not None else None,
-        "best_val_loss": min((h["val_loss"] for h in history.history), default=None),
-        "steps": trainer.global_step,
-        "tokens_seen": trainer.global_step * cfg.global_batch_tokens,
-        "tokens_per_s": throughput.tokens_per_s,
-        "wall_time_s": round(time.time() - t_start, 2),
-        "non_embedding_params": n_params,
-        "diverged_at_step": diverged_at,
-        "events": getattr(trainer.lightning_module, "events", []) if trainer.lightning_module else [],
-        "val_history": history.history,
-        "run_dir": str(run_dir),
-        "checkpoints": {"last": str(run_dir / "checkpoints" / "last.ckpt"), "best": checkpoint.best_model_path or None},
-        "model_config": asdict(mcfg),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
-
-
-def print_summary(s: dict) -> None:
-    loss = f"{s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f})" if s["final_val_loss"] is not None else "n/a"
-    lines = [
-        f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | {s['steps']} steps, "
-        f"{s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | {s['wall_time_s']:.1f} s wall",
-        f"  summary: {s['run_dir']}/summary.json",
-    ]
-    if s["diverged_at_step"] is not None:
-        lines.append(f"  diverged at step {s['diverged_at_step']}; last good checkpoint: {s['checkpoints']['last']}")
-    if s["status"] in ("preempted", "interrupted"):
-        lines.append(f"  {s['status']}: continue with `xsa-lm train hydra.run.dir={s['run_dir']} resume=auto`")
-    log.info("\n".join(lines))
+        checkpoint.best_model_path = str(best)
+        checkpoint.best_model_score = loss
 
 
 LIGHTNING_NOISE = (
@@ -475,7 +517,7 @@ def main(cfg: DictConfig) -> None:
                 defaults = compose(config_name="train")
                 overrides = list(HydraConfig.get().overrides.task)
                 cfg, notes = continuation_config(cfg, defaults, overrides, run_dir)
-            summary = train(cfg, run_dir, notes)
+            summary = train(cfg, run_dir, resume_notes=notes)
     except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
         print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
         sys.exit(130)

@@ -3,12 +3,20 @@
 import csv
 import netrc
 import os
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
+
+from xsa_lm.compat import appending_csv_writer
+
+if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
+    from wandb import Run
 
 
 def has_wandb_key() -> bool:
@@ -52,8 +60,18 @@ def wandb_init(
     import wandb
 
     mode = resolve_mode(mode)
-    init = dict(project=project, entity=entity, group=group, job_type=job_type, tags=list(tags or []), name=name,
-                config=run_config, dir=save_dir, id=run_id, resume="allow" if run_id else None)  # fmt: skip
+    init = dict(
+        project=project,
+        entity=entity,
+        group=group,
+        job_type=job_type,
+        tags=list(tags or []),
+        name=name,
+        config=run_config,
+        dir=save_dir,
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
     try:
         run = wandb.init(
             mode=mode,
@@ -72,18 +90,48 @@ def wandb_init(
     return run
 
 
-def wandb_logger(save_dir: str, name: str, run_config: dict, **kwargs) -> WandbLogger:
-    """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments)."""
-    return WandbLogger(experiment=wandb_init(save_dir, name, run_config, **kwargs), save_dir=save_dir)
+class RunWandbLogger(WandbLogger):
+    """Lightning's W&B logger; log_model uploads the checkpoints of the val/loss callback only (best.ckpt, alias
+    `best`, and last.ckpt). The step-NNNNNN.ckpt copies kept for a damaged last.ckpt would be uploaded too, and take
+    the `best` alias (their callback's best is the highest step)."""
+
+    def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
+        if getattr(checkpoint_callback, "monitor", None) == "val/loss":
+            super().after_save_checkpoint(checkpoint_callback)
 
 
-class _AppendingWriter(ExperimentWriter):
-    """Lightning's CSV writer deletes an existing metrics.csv; a resumed run must append to it instead."""
+def define_training_metrics(run: "Run") -> None:
+    """The dashboard of a training run: every curve over tokens seen (runs of other batch sizes line up; validation
+    rows get the last value logged before them), and val/loss summarised by its minimum, the number runs are
+    compared by, beside its last value. Lightning defines its own axis only for runs it creates itself."""
+    run.define_metric("trainer/global_step")
+    run.define_metric("train/tokens_seen")
+    run.define_metric("*", step_metric="train/tokens_seen")
+    run.define_metric("val/loss", summary="min,last")
 
-    def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with open(self.metrics_file_path, newline="") as f:
-                self.metrics_keys = sorted(next(csv.reader(f), []))
+
+def wandb_logger(save_dir: str, name: str, run_config: dict, log_model: bool | str = False, **kwargs) -> RunWandbLogger:
+    """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments). log_model=true logs best.ckpt
+    and last.ckpt as versions of the artifact model-<run id> when training ends, `all` each time they are written."""
+    if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
+        from xsa_lm.errors import UserError
+
+        raise UserError(f"logger.wandb.log_model must be false, true or all, got {log_model!r}")
+    run = wandb_init(save_dir, name, run_config, **kwargs)
+    define_training_metrics(run)
+    return RunWandbLogger(experiment=run, save_dir=save_dir, log_model=log_model)
+
+
+def log_files_artifact(run: "Run", name: str, artifact_type: str, files: list[Path]) -> None:
+    """The files that exist, as a new version of the run's artifact `name`. They are copied aside when logged, so a
+    later rewrite does not change this version; offline, the run file records it and `wandb sync` uploads it."""
+    import wandb
+
+    artifact = wandb.Artifact(name=re.sub(r"[^\w.-]", "-", name), type=artifact_type)  # W&B's allowed characters
+    for path in files:
+        if path.is_file():
+            artifact.add_file(str(path), name=path.name)
+    run.log_artifact(artifact)
 
 
 class RunCSVLogger(CSVLogger):
@@ -97,7 +145,8 @@ class RunCSVLogger(CSVLogger):
         if resume_step is not None and path.exists() and rank_zero_only.rank == 0:
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
-                header, rows = reader.fieldnames or [], list(reader)
+                header = reader.fieldnames or []
+                rows = list(reader)
             kept = [r for r in rows if not r.get("step") or int(float(r["step"])) < resume_step]
             tmp = path.with_suffix(".csv.tmp")
             with open(tmp, "w", newline="") as f:
@@ -109,6 +158,4 @@ class RunCSVLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment
+        return appending_csv_writer(self)  # Lightning's own writer would delete the metrics.csv of a resumed run

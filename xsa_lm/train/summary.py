@@ -1,0 +1,115 @@
+"""summary.json: how a run ended and what it was, written by global rank 0 when the fit is over (also on failure)."""
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import WandbLogger
+from omegaconf import DictConfig
+
+from xsa_lm.model import GPTConfig
+from xsa_lm.train.callbacks import RunCallbacks
+from xsa_lm.train.module import LMModule
+
+log = logging.getLogger("xsa_lm.train")
+WANDB_SUMMARY_KEYS = ("status", "final_val_loss", "final_val_ppl", "best_val_loss", "tokens_per_s", "diverged_at_step")
+
+
+@dataclass
+class RunSummary:
+    """What is known of a run when it starts; write() adds how it ended. The clock starts when it is made."""
+
+    run_dir: Path
+    attention: str
+    model: str
+    lr: float
+    seed: int
+    tokens_per_step: int
+    model_config: GPTConfig
+    non_embedding_params: int = 0
+    started: float = field(default_factory=time.time)
+
+    @classmethod
+    def of(cls, cfg: DictConfig, run_dir: Path, model_config: GPTConfig) -> "RunSummary":
+        return cls(
+            run_dir=run_dir,
+            attention=cfg.attention.name,
+            model=cfg.model.name,
+            lr=cfg.optim.lr,
+            seed=cfg.seed,
+            tokens_per_step=cfg.global_batch_tokens,
+            model_config=model_config,
+        )
+
+    def write(
+        self, status: str, *, trainer: L.Trainer, module: LMModule, callbacks: RunCallbacks, error: str | None = None
+    ) -> dict:
+        """summary.json, returned as a dict. The final loss is that of a completed run only."""
+        history = callbacks.history.history
+        final = history[-1]["val_loss"] if history and status == "completed" else None
+        summary = {
+            "status": status,
+            "error": error,
+            "attention": self.attention,
+            "model": self.model,
+            "lr": self.lr,
+            "seed": self.seed,
+            "final_val_loss": final,
+            "final_val_ppl": math.exp(final) if final is not None else None,
+            "best_val_loss": min((h["val_loss"] for h in history), default=None),
+            "steps": trainer.global_step,
+            "tokens_seen": trainer.global_step * self.tokens_per_step,
+            "tokens_per_s": callbacks.throughput.tokens_per_s,
+            "wall_time_s": round(time.time() - self.started, 2),
+            "non_embedding_params": self.non_embedding_params,
+            "diverged_at_step": module.diverged_at,
+            "events": module.events,
+            "val_history": history,
+            "run_dir": str(self.run_dir),
+            "checkpoints": {
+                "last": str(self.run_dir / "checkpoints" / "last.ckpt"),
+                "best": callbacks.best.best_model_path or None,
+            },
+            "model_config": asdict(self.model_config),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def error_line(error: Exception) -> str:
+    """The exception's type and the first line of its message, for summary.json."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:500]
+    return f"{type(error).__name__}: {first_line}"
+
+
+def completed(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
+
+
+def finish_wandb(trainer: L.Trainer, summary: dict) -> None:
+    """Put the run's outcome into the W&B run summary (what a sweep's dashboard compares), then close it."""
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            if summary.get("status") == "completed":
+                logger.finalize("success")  # log_model: also the checkpoints written after the fit (last step)
+            logger.experiment.summary.update({key: summary[key] for key in WANDB_SUMMARY_KEYS if key in summary})
+            logger.experiment.finish()
+
+
+def print_summary(s: dict) -> None:
+    loss = f"{s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f})" if s["final_val_loss"] is not None else "n/a"
+    lines = [
+        f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | {s['steps']} steps, "
+        f"{s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | {s['wall_time_s']:.1f} s wall",
+        f"  summary: {s['run_dir']}/summary.json",
+    ]
+    if s["diverged_at_step"] is not None:
+        lines.append(f"  diverged at step {s['diverged_at_step']}; last good checkpoint: {s['checkpoints']['last']}")
+    if s["status"] in ("preempted", "interrupted"):
+        lines.append(f"  {s['status']}: continue with `xsa-lm train hydra.run.dir={s['run_dir']} resume=auto`")
+    log.info("\n".join(lines))
