@@ -115,12 +115,20 @@ def test_the_eval_message_names_the_extra_of_pyproject():
 
 
 @pytest.mark.slow
-def test_eval_without_lm_eval_says_how_to_install_it_in_one_line(tmp_path: Path):
-    """As in an install without the extra `eval`: `import lm_eval` fails (a None entry in sys.modules)."""
+@pytest.mark.parametrize(
+    "command, needed_by",
+    [
+        (["eval", "ckpts=[x.ckpt]"], "xsa-lm eval"),
+        (["sweep", "experiment=demo", "sweep.eval_tasks=paper"], "sweep.eval_tasks"),
+    ],
+)
+def test_eval_without_lm_eval_says_how_to_install_it_in_one_line(command: list[str], needed_by: str, tmp_path: Path):
+    """As in an install without the extra `eval`: `import lm_eval` fails (a None entry in sys.modules). A sweep that
+    would evaluate its runs is refused before it trains any."""
     run_dir = tmp_path / "e1"
     code = (
         "import sys; sys.modules['lm_eval'] = None; from xsa_lm.cli import main; "
-        f"sys.argv = ['xsa-lm', 'eval', 'ckpts=[x.ckpt]', 'hydra.run.dir={run_dir}']; main()"
+        f"sys.argv = ['xsa-lm', *{command!r}, 'hydra.run.dir={run_dir}']; main()"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
     out = subprocess.run(
@@ -128,7 +136,7 @@ def test_eval_without_lm_eval_says_how_to_install_it_in_one_line(tmp_path: Path)
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.splitlines() == [
-        "xsa-lm: error: xsa-lm eval needs lm-evaluation-harness, the extra `eval`: "
+        f"xsa-lm: error: {needed_by} needs lm-evaluation-harness, the extra `eval`: "
         "pip install 'lm-eval>=0.4.9,<0.5' (in a checkout: pip install -e '.[eval]')"
     ]
     assert not run_dir.exists()  # refused before any output

@@ -35,12 +35,12 @@ PAPER_TASKS = {
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
 
 
-def require_harness() -> None:
+def require_harness(needed_by: str = "xsa-lm eval") -> None:
     """lm-evaluation-harness is an optional extra (about 30 packages for this one command): without it, one line
-    that says how to install it, before any checkpoint is read."""
+    that says how to install it, before any checkpoint is read or any run trained."""
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError(
-            "xsa-lm eval needs lm-evaluation-harness, the extra `eval`: "
+            f"{needed_by} needs lm-evaluation-harness, the extra `eval`: "
             f"pip install '{HARNESS_REQUIREMENT}' (in a checkout: pip install -e '.[eval]')"
         )
 

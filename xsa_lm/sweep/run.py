@@ -235,7 +235,7 @@ def check_sweep(cfg: DictConfig) -> tuple[list[float], int, list[int], int | Non
     if cfg.sweep.get("eval_tasks"):
         from xsa_lm.eval.run import require_harness
 
-        require_harness()  # now, not after hours of training
+        require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
     check_config(cfg)
     return grid, search_seed, seeds, cap
 
