@@ -95,6 +95,7 @@ def test_analyze_refuses_in_one_line(
     assert_nothing_written(out)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("toy", TOYS)
 def test_every_toy_recipe_trains_a_few_steps(toy: str, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
@@ -106,6 +107,7 @@ def test_every_toy_recipe_trains_a_few_steps(toy: str, data_cache: Path, tmp_pat
     assert summary["status"] == "completed" and summary["steps"] == 3
 
 
+@pytest.mark.long
 def test_a_toy_study_runs_its_whole_grid(data_cache: Path, tmp_path: Path):
     args = ["train", "--multirun", "experiment=paper_sinks_toy", "trainer.max_steps=2", "val_every_steps=2"]
     args += ["data.val_windows=16", "logger=csv", "progress_bar=false", f"hydra.sweep.dir={tmp_path / 'multi'}"]

@@ -116,6 +116,7 @@ STUDY = [
 ]
 
 
+@pytest.mark.long
 def test_scale_refuses_a_model_override_and_a_single_size(tmp_path: Path, data_cache: Path):
     proc = run_cli(["scale", *STUDY, "model=tiny", f"hydra.run.dir={tmp_path / 's'}"], data_cache, tmp_path)
     assert proc.returncode == 2 and "scale.models" in proc.stderr and "Traceback" not in proc.stderr

@@ -47,7 +47,8 @@ def test_a_value_of_the_wrong_type_fails_at_composition(override: str):
 
 def test_a_typo_in_a_preset_file_fails_at_composition(tmp_path: Path):
     configs = shutil.copytree(REPO / "configs", tmp_path / "configs")
-    (configs / "model" / "typo.yaml").write_text("defaults:\n  - _schema\n  - _self_\n\nname: typo\nn_layr: 3\n")
+    preset = (configs / "model" / "tiny.yaml").read_text().replace("name: tiny", "name: typo\nn_layr: 3")
+    (configs / "model" / "typo.yaml").write_text(preset)
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         with pytest.raises((HydraException, OmegaConfBaseException), match="n_layr"):
             compose(config_name="train", overrides=["model=typo"])

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import FAST, cli_env
 from tests.wandb_records import artifacts, config, history, metric_definitions, summary
@@ -98,12 +99,13 @@ def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[fl
 
 @pytest.mark.slow
 def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_cache: Path) -> None:
-    overrides = ["trainer.max_steps=4", "val_every_steps=2", "logger.wandb.log_model=true"]
+    # The last step (5) is off the validation grid: validated, and checkpointed, after the fit.
+    overrides = ["trainer.max_steps=5", "val_every_steps=2", "logger.wandb.log_model=true"]
     run_dir, run_file, _ = train_offline(tmp_path, data_cache, "run", *overrides)
     logged = artifacts(run_file)
     run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
     assert {(a.name, a.type) for a in logged} == {(f"model-{run_id}", "model")}
-    originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}
+    originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}  # the newest version of each
     # Only the val/loss callback's files: the step-NNNNNN.ckpt copies would take the `best` alias.
     assert set(originals) == {"best.ckpt", "last.ckpt"}, sorted(originals)
     assert "best" in originals["best.ckpt"].aliases and "best" not in originals["last.ckpt"].aliases
@@ -111,6 +113,8 @@ def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_ca
         (entry,) = artifact.manifest.contents
         assert entry.path == "model.ckpt" and Path(entry.local_path).is_file()  # the copy wandb sync uploads
         assert Path(entry.local_path).is_relative_to(tmp_path)
+    (last,) = originals["last.ckpt"].manifest.contents
+    assert torch.load(last.local_path, map_location="cpu", weights_only=False)["global_step"] == 5
 
 
 def test_log_model_must_be_false_true_or_all(tmp_path: Path) -> None:

@@ -38,10 +38,11 @@ class AttentionOptions:
 
 
 def register() -> None:
-    """The schemas as `model/_schema` and `attention/_schema`: each preset names `_schema` first in its defaults."""
+    """The schemas as the configs `_model_schema` and `_attention_schema`, outside the groups (so that no option of
+    the group's lists them): each preset names `/_<group>_schema@_here_` first in its defaults."""
     store = ConfigStore.instance()
-    store.store(group="model", name="_schema", node=ModelOptions)
-    store.store(group="attention", name="_schema", node=AttentionOptions)
+    store.store(name="_model_schema", node=ModelOptions)
+    store.store(name="_attention_schema", node=AttentionOptions)
 
 
 def check_known_keys(cfg: DictConfig) -> None:
