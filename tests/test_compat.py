@@ -100,3 +100,18 @@ def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1"], changed("ExperimentWriter", "no longer appends to metrics.csv")
+
+
+def test_a_distributed_checkpoint_reads_back_in_one_process_without_a_process_group(tmp_path: Path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict": {"w": torch.arange(6.0).view(2, 3)}, "optimizer_0": {"step": torch.tensor(3.0)}}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)  # the public writer, as FSDP2 runs write
+    try:
+        everything = compat.read_distributed_checkpoint(tmp_path)
+        weights = compat.read_distributed_checkpoint(tmp_path, keys={"state_dict"})
+    except (ImportError, TypeError, AttributeError) as e:
+        pytest.fail(changed("torch.distributed.checkpoint._load_state_dict / _EmptyStateDictLoadPlanner", str(e)))
+    assert torch.equal(everything["state_dict"]["w"], state["state_dict"]["w"]), changed("the DCP reader", "differs")
+    assert torch.equal(everything["optimizer_0"]["step"], torch.tensor(3.0))
+    assert set(weights) == {"state_dict"}, changed("_EmptyStateDictLoadPlanner(keys=)", "no longer filters")

@@ -5,12 +5,16 @@ removes or changes one fails there, by name, rather than deep inside a training 
 """
 
 import csv
+from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 
 def should_update_logs(trainer: L.Trainer) -> bool:
@@ -45,3 +49,12 @@ def appending_csv_writer(logger: CSVLogger) -> ExperimentWriter:
     if logger._experiment is None:
         logger._experiment = AppendingExperimentWriter(log_dir=logger.log_dir)
     return logger._experiment
+
+
+def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
+    """A torch.distributed.checkpoint directory read whole into this process, without a process group (`keys`: only
+    these top-level entries). What torch's format_utils.dcp_to_torch_save does, which only offers to write a file."""
+    state: dict = {}
+    planner = _EmptyStateDictLoadPlanner(keys=keys)
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
+    return state

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from xsa_lm.compat import read_distributed_checkpoint
 
 META = "meta.pt"  # Lightning's name for the part that is no tensor shard (fabric.utilities.load._METADATA_FILENAME)
 
@@ -38,10 +38,7 @@ def load_sharded(path: Path, optimizer: bool = True) -> dict:
     """The checkpoint as one process would have saved it: `state_dict` (full tensors), `optimizer_states` (keyed
     by parameter position, as torch.optim expects) and everything of meta.pt. optimizer=False reads the weights
     only (analyze, eval, generate): a third of the bytes."""
-    tensors: dict = {}
-    planner = _EmptyStateDictLoadPlanner(keys=None if optimizer else {"state_dict"})
-    # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file it writes
-    _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
+    tensors = read_distributed_checkpoint(path, keys=None if optimizer else {"state_dict"})
     checkpoint = torch.load(path / META, map_location="cpu", weights_only=True)
     checkpoint["state_dict"] = tensors.pop("state_dict")
     optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
