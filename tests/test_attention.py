@@ -1,13 +1,14 @@
 """XSA math and the SA path against a straightforward reference; the fused XSA op against xsa_reference."""
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection, xsa_reference
-from xsa_lm.model.attention import ExclusiveOutputProjection, apply_rope, rope_tables
+from xsa_lm.model.attention import ExclusiveOutputProjection, ExclusiveProjection, apply_rope, rope_tables
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -211,3 +212,53 @@ def test_an_xsa_layer_keeps_only_two_numbers_per_token_and_head_more_than_sa(n_k
         config = GPTConfig(d_model=64, n_head=4, head_dim=16, block_size=16, attention=attention, n_kv_head=n_kv_head)
         sizes[attention] = saved_bytes(CausalSelfAttention(config), x)
     assert 0 < sizes["xsa"] - sizes["sa"] <= 2 * 2 * 16 * 4 * 4  # coef and 1 / n: B x T x heads fp32 numbers each
+
+
+def autocast_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 y and v as SDPA returns them under autocast, y largely along v (so the projection has much to remove)."""
+    g = torch.Generator().manual_seed(11)
+    v = torch.randn(2, 64, 4, 1, 64, generator=g).bfloat16()
+    y = (torch.randn(2, 64, 4, 1, 64, generator=g) + 3 * v.float()).bfloat16()
+    return y.requires_grad_(), v.requires_grad_()
+
+
+def errors_under_autocast(op: Callable) -> tuple[float, float, float]:
+    """max |cos(z, v)|, and the y and v gradients' largest error against fp64 xsa_reference, under CPU bf16 autocast."""
+    y, v = autocast_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = op(y, v)
+    grad = torch.randn(z.shape, generator=torch.Generator().manual_seed(12)).bfloat16()
+    z.backward(grad)
+    y64, v64 = (t.detach().double().requires_grad_() for t in (y, v))
+    xsa_reference(y64, v64, eps=1e-6).backward(grad.double())
+    cos = cosine(z.double(), v.detach().double()).abs().max().item()
+    return cos, (y.grad.double() - y64.grad).abs().max().item(), (v.grad.double() - v64.grad).abs().max().item()
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_fused_op_keeps_fp32_precision_under_autocast(compiled: bool):
+    """Autocast runs some reductions (torch.linalg.vecdot) in bf16 whatever their inputs: the fused op's (y . v) / n
+    must not be among them. Its orthogonality and gradients must be as good as xsa_reference's, which computes in
+    fp32 by hand (before the fix: |cos(z, v)| 3e-2 against 7e-4)."""
+    fused = lambda y, v: ExclusiveProjection.apply(y, v, 1e-6, None)
+    reference = lambda y, v: xsa_reference(y, v, eps=1e-6)
+    if compiled:
+        torch._dynamo.reset()
+        fused = torch.compile(fused, fullgraph=True)
+    cos, grad_y_error, grad_v_error = errors_under_autocast(fused)
+    ref_cos, ref_grad_y_error, ref_grad_v_error = errors_under_autocast(reference)
+    assert ref_cos < 2e-3  # bf16 rounding of z only
+    assert cos <= 2 * ref_cos
+    assert grad_y_error <= 2 * ref_grad_y_error and grad_v_error <= 2 * ref_grad_v_error
+
+
+def test_output_projection_saves_fp32_coefficients_under_autocast():
+    """What the fused output projection keeps for its backward: y and v as they came (bf16) and fp32 coefficients."""
+    y, v = autocast_inputs()
+    weight = torch.randn(8, 4 * 64, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+    coefficients = [t for t in saved if t.shape == y.shape[:-1] + (1,)]
+    assert len(coefficients) == 2 and all(t.dtype == torch.float32 for t in coefficients)

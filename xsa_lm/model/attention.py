@@ -52,13 +52,18 @@ def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(dtype) for t in tensors]
 
 
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a . b over the last dim, kept. Not torch.linalg.vecdot: autocast runs that in bf16, whatever its inputs."""
+    return (a * b).sum(-1, keepdim=True)
+
+
 def _xsa_forward(
     y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """z, and for the backward c = (y . v) / n and 1 / n, with n = ||v||^2 + eps."""
     y32, v32 = _compute_dtype(y, v)
-    inv_norm = 1.0 / (torch.linalg.vecdot(v32, v32).unsqueeze(-1) + eps)
-    coef = torch.linalg.vecdot(y32, v32).unsqueeze(-1) * inv_norm
+    inv_norm = 1.0 / (_dot(v32, v32) + eps)
+    coef = _dot(y32, v32) * inv_norm
     return _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype), coef, inv_norm
 
 
@@ -79,7 +84,7 @@ def _xsa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of z with respect to y, v and the gate, given g = dL/dz."""
     y32, v32, g32 = _compute_dtype(y, v, grad)
-    g_dot_v = torch.linalg.vecdot(g32, v32).unsqueeze(-1)
+    g_dot_v = _dot(g32, v32)
     k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
     c = coef if scale is None else coef * scale
     grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
