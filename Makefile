@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -c tests/constraints.txt
 LOCK_VENV := build/lock-venv
 
-.PHONY: install lock demo test test-long test-all test-fast lint format bench gpu-check clean
+.PHONY: install lock demo test test-long test-all test-fast lint format bench gpu-bundle gpu-check clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
 # (an unpinned resolve pulls a multi-GB CUDA build). The extra `eval` (lm-evaluation-harness) is for xsa-lm eval
@@ -55,11 +55,19 @@ bench: $(STAMP)
 	$(BIN)/xsa-lm bench out=bench.json overwrite=true
 	$(BIN)/python scripts/bench_data.py --out bench_data.json
 
-# On a machine with one NVIDIA GPU, under 8 minutes: bench gpt2_124m and paper_0.7b (MFU, memory vs xsa-lm plan),
-# 100 FSDP2 steps of SA and XSA, an eval and generate smoke -> outputs/gpu_check/<time>/summary.{json,md}
-# (OUT=dir to choose; GPU_CHECK_ALLOW_CPU=1 rehearses the same pipeline on CPU with the tiny model).
-gpu-check: $(STAMP)
-	scripts/gpu_check.sh $(OUT)
+# What scripts/gpu_check.sh needs on a GPU machine without network or xsa-lm (its image has torch and Lightning):
+# hydra-core, omegaconf and the antlr4 runtime as a pure-Python --target site, and the Shakespeare corpus tokenized
+# -> build/gpu-bundle/ (~6 MiB; carry it to that machine beside the working tree).
+gpu-bundle: $(STAMP)
+	scripts/gpu_bundle.sh
+
+# On that machine, under 7 minutes, installing nothing: XSA's orthogonality in bf16, SA vs XSA step time eager and
+# compiled, tokens/s, MFU, SDPA kernel and peak memory vs the estimate for gpt2_124m and paper_0.7b, an FSDP2 train
+# and its resume -> $(OUT) or outputs/gpu_check/<time>/summary.{json,md}. GPU_PYTHON: a Python with torch and
+# Lightning (the image's python3); GPU_CHECK_ALLOW_CPU=1 rehearses the same steps on CPU with the tiny model.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHON=$(GPU_PYTHON) scripts/gpu_check.sh $(OUT)
 
 # constraints.txt anew: the newest releases pyproject.toml and tests/constraints.txt allow, resolved with $(TORCH) in
 # a scratch venv (a few minutes; needs the package index). Then `make install` and `make test` with them, and commit.

@@ -1,110 +1,176 @@
 #!/usr/bin/env bash
-# One command on a machine with one NVIDIA GPU (under 8 minutes on an H100/H200): the benchmark of gpt2_124m (context
-# 2048, bf16, compile) and of paper_0.7b (MFU, peak memory against `xsa-lm plan`), 100 steps of `xsa-lm train` with
-# bf16 + compile + FSDP2 on one GPU for SA and XSA, and an eval/generate smoke on their checkpoints. Writes
-# summary.json and summary.md (and every step's log) into the directory given as argument, else $OUT, else
-# outputs/gpu_check/<time>. A failing step is recorded in the summary and the others still run; the exit code is
-# non-zero when any step failed or a check did not hold.
+# One command on a machine with one NVIDIA GPU, under 7 minutes, with nothing installed there but Python, torch and
+# Lightning: xsa-lm runs from this working tree, the rest comes from `make gpu-bundle` (hydra-core, omegaconf, the
+# antlr4 runtime, the Shakespeare corpus tokenized). It measures
+#   - XSA's orthogonality under bf16 autocast (fused op against xsa_reference),
+#   - gpt2_124m and paper_0.7b at context 2048: SA and XSA step time eager and compiled with a 95% interval, tokens/s,
+#     MFU, the SDPA kernel that runs, peak memory against xsa_lm.train.memory.estimate (one process per model),
+#   - a short FSDP2 bf16 compiled train on one GPU (trainer=fsdp), then resume=auto continuing it.
+# DIR (the argument, else $OUT, else outputs/gpu_check/<time>) gets summary.json and summary.md, rewritten after every
+# measurement, plus check.json, steps.jsonl, measurements.json and check.log (every step's output): a check cut short
+# keeps what it measured. Scratch (runs, checkpoints, compiler caches) goes to $GPU_CHECK_WORK, else a new temp dir.
+# Exit code: 0 when every step ran and every check held, 1 otherwise, 2 when the check could not start.
 #
-#   scripts/gpu_check.sh [DIR]              # or: make gpu-check
-#   GPU_CHECK_ALLOW_CPU=1 scripts/gpu_check.sh DIR   # no GPU: the same pipeline on CPU, tiny model (a rehearsal)
+#   scripts/gpu_check.sh [DIR]                      # or: make gpu-check
+#   PYTHON=python3 GPU_CHECK_BUNDLE=build/gpu-bundle scripts/gpu_check.sh DIR   # the defaults
+#   GPU_CHECK_ALLOW_CPU=1 scripts/gpu_check.sh DIR  # no GPU: the same steps on CPU with the tiny model (a rehearsal)
+#   scripts/gpu_check.sh --plan                     # each mode's steps and time limits, nothing run
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DIR="${1:-${OUT:-outputs/gpu_check/$(date +%Y-%m-%d_%H-%M-%S)}}"  # a new directory per check by default
-BIN="${XSA_LM_BIN:-$REPO/.venv/bin}"
-[ -x "$BIN/xsa-lm" ] || BIN="$(dirname "$(command -v xsa-lm || echo /nonexistent/xsa-lm)")"
-PY="$BIN/python"
-[ -x "$BIN/xsa-lm" ] || { echo "gpu_check: error: xsa-lm not found (make install, or set XSA_LM_BIN)" >&2; exit 2; }
-BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"  # the whole check; each step gets at most what is left of it
+PY="${PYTHON:-python3}"
+BUNDLE="${GPU_CHECK_BUNDLE:-$REPO/build/gpu-bundle}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-400}"  # the whole check; the step limits below add up to less
 
-has_gpu() {
-  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
-    "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null
+# The steps, in this order, and each one's limit in seconds: "name:limit". The model steps write as they measure, so
+# the slowest (paper_0.7b, compiled last) goes last and keeps whatever it measured before its limit. GPU_CHECK_STEPS
+# runs a subset with other limits, e.g. GPU_CHECK_STEPS="bench_paper_0.7b:300" (resume continues what train left).
+GPU_STEPS=(xsa_orthogonality:35 bench_gpt2_124m:120 train:90 resume:60 bench_paper_0.7b:90)
+CPU_STEPS=(xsa_orthogonality:40 bench_gpt2_124m:120 train:90 resume:60 bench_paper_0.7b:80)
+KNOWN_STEPS=" xsa_orthogonality bench_gpt2_124m train resume bench_paper_0.7b "
+
+fail() {  # one line, exit 2: the check did not start
+  echo "gpu_check: error: $*" >&2
+  exit 2
 }
-if has_gpu; then
-  MODE=gpu
-elif [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then
-  MODE=cpu  # a rehearsal of the pipeline: tiny model, a few steps, fp32
-else
-  echo "gpu_check: error: no NVIDIA GPU here (nvidia-smi or torch.cuda.is_available() fails);" \
-    "GPU_CHECK_ALLOW_CPU=1 rehearses on CPU" >&2
-  exit 2
-fi
 
-mkdir -p "$DIR/logs" || { echo "gpu_check: error: cannot create $DIR" >&2; exit 2; }
-DIR="$(cd "$DIR" && pwd)"
-if [ -e "$DIR/steps.jsonl" ]; then
-  echo "gpu_check: error: $DIR holds an earlier check (steps.jsonl): choose another directory" >&2
-  exit 2
-fi
-export XSA_LM_DATA_DIR="${XSA_LM_DATA_DIR:-$DIR/data}" WANDB_MODE=offline PYTHONUNBUFFERED=1
-START=$SECONDS
+limits_total() {
+  local total=0 step
+  for step in "$@"; do total=$((total + ${step##*:})); done
+  echo "$total"
+}
 
-# run_step NAME LIMIT_S COMMAND...: the command's output into logs/NAME.log, its outcome as one line of steps.jsonl.
+# run_step NAME LIMIT COMMAND...: the command's output appended to check.log, its outcome one line of steps.jsonl,
+# then the summary anew. A step gets at most what is left of the budget; with under 10 s left it is skipped.
 run_step() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 rc status
   shift 2
-  local left=$((BUDGET_S - (SECONDS - START))) t0=$SECONDS rc status
-  if [ "$left" -lt 15 ]; then
+  local left=$((BUDGET_S - (SECONDS - START))) t0=$SECONDS start_byte end_byte
+  start_byte=$(wc -c <"$DIR/check.log")
+  if [ "$left" -lt 10 ]; then
     rc=124 status=skipped limit=0
-    echo "skipped: the check's time budget (GPU_CHECK_BUDGET_S=$BUDGET_S) is spent" >"$DIR/logs/$name.log"
+    echo "== $name: skipped, the budget (GPU_CHECK_BUDGET_S=$BUDGET_S) is spent" >>"$DIR/check.log"
   else
     [ "$limit" -gt "$left" ] && limit=$left
-    echo "== $name (at most ${limit} s)"
-    timeout --kill-after=10 "$limit" "$@" >"$DIR/logs/$name.log" 2>&1
+    echo "== $name (at most $limit s)" | tee -a "$DIR/check.log"
+    timeout --kill-after=5 "$limit" "$@" >>"$DIR/check.log" 2>&1
     rc=$?
-    if [ $rc = 0 ]; then status=ok; elif [ $rc = 124 ]; then status="timed out"; else status=failed; fi
+    if [ $rc = 0 ]; then status=ok; elif [ $rc = 124 ] || [ $rc = 137 ]; then status="timed out"; else status=failed; fi
   fi
-  echo "   $status (exit $rc) after $((SECONDS - t0)) s; log: $DIR/logs/$name.log"
-  "$PY" -c 'import json, sys; name, status, rc, s, limit, *cmd = sys.argv[1:]; print(json.dumps({"name": name,
-"status": status, "exit_code": int(rc), "seconds": int(s), "limit_s": int(limit), "command": " ".join(cmd),
-"log": f"logs/{name}.log"}))' "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" "$@" >>"$DIR/steps.jsonl"
+  end_byte=$(wc -c <"$DIR/check.log")
+  echo "   $status (exit $rc) after $((SECONDS - t0)) s"
+  "$PY" -c 'import json, sys; n, st, rc, s, lim, a, b = sys.argv[1:]; print(json.dumps({"name": n, "status": st,
+"exit_code": int(rc), "seconds": int(s), "limit_s": int(lim), "log_start": int(a), "log_end": int(b)}))' \
+    "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" "$start_byte" "$end_byte" >>"$DIR/steps.jsonl"
+  "$PY" "$REPO/scripts/gpu_check_summary.py" "$DIR" >/dev/null
 }
 
-# The eval and generate steps as functions (run by `timeout bash -c`): they need the exported variables below.
-eval_smoke() {
-  "$PY" "$REPO/scripts/make_shakespeare_cloze.py" --out "$DIR/tasks" --items "$EVAL_ITEMS" &&
-    "$BIN/xsa-lm" eval "ckpts=[$DIR/train_sa/checkpoints/last.ckpt,$DIR/train_xsa/checkpoints/last.ckpt]" \
-      "tasks=[$DIR/tasks/shakespeare_cloze.yaml]" limit="$EVAL_ITEMS" wandb=false hydra.run.dir="$DIR/eval"
+# start_check DIR MODE STEPS...: the directory and its check.json (mode, budget, the steps and their limits).
+start_check() {
+  DIR=$1 MODE=$2
+  shift 2
+  mkdir -p "$DIR" || fail "cannot create $DIR"
+  DIR="$(cd "$DIR" && pwd)"
+  [ -e "$DIR/steps.jsonl" ] && fail "$DIR holds an earlier check (steps.jsonl): choose another directory"
+  : >"$DIR/check.log"
+  : >"$DIR/steps.jsonl"
+  START=$SECONDS
+  "$PY" -c 'import json, sys, time; mode, budget, *steps = sys.argv[1:]; print(json.dumps({"mode": mode,
+"budget_s": int(budget), "started": time.time(), "steps": {s.split(":")[0]: int(s.split(":")[1]) for s in steps}}))' \
+    "$MODE" "$BUDGET_S" "$@" >"$DIR/check.json"
 }
-generate_smoke() {
-  "$BIN/xsa-lm" generate ckpt="$DIR/train_xsa/checkpoints/last.ckpt" prompt=ROMEO: max_new_tokens=48 temperature=0 \
-    >"$DIR/generate.txt"
-}
-export -f eval_smoke generate_smoke
-export DIR BIN PY REPO
 
-if [ "$MODE" = gpu ]; then
-  GPT2=(model=gpt2_124m vocab_size=50257 context=2048 micro_batch=8 compile=true rounds=3 steps=20 warmup=5)
-  BIG=(model=paper_0.7b vocab_size=50257 context=2048 micro_batch=16 compile=true comparisons=[] rounds=2 steps=10
-       warmup=5)
-  PLAN=(model=paper_0.7b tokenizer=gpt2 trainer=gpu micro_batch_size=16 data.block_size=2048 global_batch_tokens=32768)
-  TRAIN=(model=gpt2_124m trainer=fsdp trainer.devices=1 compile=true trainer.max_steps=100 val_every_steps=50
-         data.val_windows=64 data.num_workers=2)
-  EVAL_ITEMS=100 LIMITS=(200 30 150 120 60 60)
-else
-  GPT2=(model=tiny smoke=true device=cpu)
-  BIG=(model=tiny smoke=true device=cpu comparisons=[])
-  PLAN=(model=tiny trainer=cpu micro_batch_size=16)
-  TRAIN=(model=tiny model.n_layer=2 trainer=fsdp trainer.accelerator=cpu trainer.devices=1 trainer.precision=32-true
-         compile=false trainer.max_steps=10 val_every_steps=5 data.val_windows=16 micro_batch_size=8
-         global_batch_tokens=1024)
-  EVAL_ITEMS=10 LIMITS=(200 60 200 200 120 60)
+limit_of() {  # limit_of NAME STEPS...: the step's limit, nothing when it is not among them
+  local name=$1 step
+  shift
+  for step in "$@"; do [ "${step%%:*}" = "$name" ] && echo "${step##*:}"; done
+}
+
+step() {  # step NAME COMMAND...: run_step with the step's limit, when the check includes it
+  local name=$1 limit
+  shift
+  limit=$(limit_of "$name" "${STEPS[@]}")
+  [ -z "$limit" ] || run_step "$name" "$limit" "$@"
+}
+
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
+  return 0  # sourced (tests): the functions only
 fi
-COMMON_TRAIN=(data=shakespeare tokenizer=bpe logger=csv progress_bar=false)
 
-run_step bench_gpt2_124m "${LIMITS[0]}" "$BIN/xsa-lm" bench "${GPT2[@]}" out="$DIR/bench_gpt2_124m.json" \
-  hydra.run.dir="$DIR/hydra/bench_gpt2_124m"
-run_step plan_paper_0.7b "${LIMITS[1]}" "$BIN/xsa-lm" plan "${PLAN[@]}" out="$DIR/plan_paper_0.7b.json"
-run_step bench_paper_0.7b "${LIMITS[2]}" "$BIN/xsa-lm" bench "${BIG[@]}" out="$DIR/bench_paper_0.7b.json" \
-  hydra.run.dir="$DIR/hydra/bench_paper_0.7b"
-for attention in sa xsa; do
-  run_step "train_$attention" "${LIMITS[3]}" "$BIN/xsa-lm" train "${TRAIN[@]}" "${COMMON_TRAIN[@]}" \
-    attention=$attention hydra.run.dir="$DIR/train_$attention"
+if [ "${1:-}" = --plan ]; then  # one JSON line per mode
+  for mode in gpu cpu; do
+    declare -n steps="${mode^^}_STEPS"
+    printf '{"mode": "%s", "budget_s": %d, "limits_total_s": %d, "steps": "%s"}\n' \
+      "$mode" "$BUDGET_S" "$(limits_total "${steps[@]}")" "${steps[*]}"
+  done
+  exit 0
+fi
+
+DIR="${1:-${OUT:-outputs/gpu_check/$(date +%Y-%m-%d_%H-%M-%S)}}"
+command -v "$PY" >/dev/null || fail "no Python: set PYTHON"
+[ -d "$BUNDLE/site" ] && [ -f "$BUNDLE/shakespeare-bpe/meta.json" ] ||
+  fail "no bundle in $BUNDLE: run make gpu-bundle here (or set GPU_CHECK_BUNDLE) and carry it along"
+export PYTHONPATH="$BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${GPU_CHECK_STEPS:-}" ]; then
+  read -r -a GPU_STEPS <<<"$GPU_CHECK_STEPS"
+  for s in "${GPU_STEPS[@]}"; do
+    [[ "$s" =~ ^[a-z0-9_.]+:[0-9]+$ && "$KNOWN_STEPS" == *" ${s%%:*} "* ]] ||
+      fail "GPU_CHECK_STEPS: $s is not name:seconds with a name among$KNOWN_STEPS"
+  done
+  CPU_STEPS=("${GPU_STEPS[@]}")
+fi
+for total in "$(limits_total "${GPU_STEPS[@]}")" "$(limits_total "${CPU_STEPS[@]}")"; do
+  [ "$total" -lt "$BUDGET_S" ] || fail "the step limits add up to $total s, not below GPU_CHECK_BUDGET_S=$BUDGET_S"
 done
-export EVAL_ITEMS
-run_step eval "${LIMITS[4]}" bash -c eval_smoke
-run_step generate "${LIMITS[5]}" bash -c generate_smoke
 
-"$PY" "$REPO/scripts/gpu_check_summary.py" "$DIR" --mode "$MODE" --seconds $((SECONDS - START))
+CUDA=$("$PY" -c "import hydra, omegaconf, lightning, torch; print(torch.cuda.is_available())" 2>/dev/null) ||
+  fail "$PY cannot import torch, lightning, hydra and omegaconf (with PYTHONPATH=$PYTHONPATH)"
+if [ "$CUDA" = True ]; then
+  MODE=gpu STEPS=("${GPU_STEPS[@]}")
+elif [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then
+  MODE=cpu STEPS=("${CPU_STEPS[@]}")  # a rehearsal: the tiny model, a few steps
+else
+  fail "no NVIDIA GPU here (torch.cuda.is_available() is false); GPU_CHECK_ALLOW_CPU=1 rehearses on CPU"
+fi
+TOTAL=$(limits_total "${STEPS[@]}")
+
+start_check "$DIR" "$MODE" "${STEPS[@]}"
+WORK="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}"
+mkdir -p "$WORK" || fail "cannot create $WORK"
+export XSA_LM_DATA_DIR="$WORK/data" TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+echo "gpu_check: $MODE, budget $BUDGET_S s (step limits $TOTAL s); results in $DIR, scratch in $WORK"
+
+MEASURE=("$PY" "$REPO/scripts/gpu_check_measure.py" "$DIR")
+XSA_LM=("$PY" "$REPO/scripts/gpu_xsa_lm.py")
+RUN="$WORK/train"
+TRAIN=(data=prepared "data.dir=$BUNDLE/shakespeare-bpe" logger=csv progress_bar=false trainer=fsdp trainer.devices=1
+       compile=true attention=xsa "hydra.run.dir=$RUN")
+if [ "$MODE" = gpu ]; then
+  SHAPES=(--shape 12,64,2048 --shape 6,256,2048)
+  GPT2=(--model gpt2_124m --context 2048 --micro-batch 8 --rounds 4 --steps 5 --warmup 2)
+  BIG=(--model paper_0.7b --context 2048 --micro-batch 8 --rounds 3 --steps 3 --warmup 2)
+  TRAIN+=(model=gpt2_124m micro_batch_size=8 global_batch_tokens=16384 val_every_steps=15 data.val_windows=32
+          data.num_workers=2)
+  FIRST_STEPS=30 RESUMED_STEPS=40
+else
+  SHAPES=(--device cpu --shape 4,32,128 --shape 2,64,128)
+  GPT2=(--device cpu --model tiny --vocab-size 4096 --context 128 --micro-batch 8 --rounds 2 --steps 2 --warmup 1)
+  BIG=(--device cpu --model tiny --vocab-size 4096 --context 64 --micro-batch 4 --rounds 2 --steps 2 --warmup 1
+       --override model.n_layer=2)
+  TRAIN+=(model=tiny model.n_layer=2 trainer.accelerator=cpu trainer.precision=32-true micro_batch_size=8
+          global_batch_tokens=1024 val_every_steps=5 data.val_windows=4)
+  FIRST_STEPS=10 RESUMED_STEPS=15
+fi
+
+step xsa_orthogonality "${MEASURE[@]}" xsa_orthogonality "${SHAPES[@]}"
+step bench_gpt2_124m "${MEASURE[@]}" bench_gpt2_124m "${GPT2[@]}"
+for name in train resume; do  # the same run directory: resume=auto continues the train step's run
+  [ -n "$(limit_of $name "${STEPS[@]}")" ] || continue
+  extra=(trainer.max_steps=$FIRST_STEPS)
+  [ $name = resume ] && extra=(resume=auto trainer.max_steps=$RESUMED_STEPS)
+  step $name "${XSA_LM[@]}" train "${TRAIN[@]}" "${extra[@]}"
+  "$PY" "$REPO/scripts/gpu_check_summary.py" "$DIR" --record-run $name "$RUN" >/dev/null
+done
+step bench_paper_0.7b "${MEASURE[@]}" bench_paper_0.7b "${BIG[@]}"
+
+"$PY" "$REPO/scripts/gpu_check_summary.py" "$DIR" --final

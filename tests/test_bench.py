@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,91 @@ def test_bench_data_quick_writes_the_report(tmp_path: Path):
         assert report[key] > 0, key
     assert report["prepare_over_raw"] > 0 and report["loader_over_model"] > 0 and report["tokens"] > 1_000_000
     assert "target >= 0.8" in stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "bf16"),
+    [
+        ("NVIDIA L4", "L4", 121e12),
+        ("NVIDIA L40", "L40", 181.05e12),  # not the L4 (a substring of it)
+        ("NVIDIA L40S", "L40S", 362.05e12),
+        ("NVIDIA H100 80GB HBM3", "H100", 989.5e12),  # the SXM board
+        ("NVIDIA H100 NVL", "H100 NVL", 835.5e12),  # not the SXM number
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756.5e12),
+        ("NVIDIA H200", "H200", 989.5e12),
+        ("NVIDIA H200 NVL", "H200 NVL", 835.5e12),
+        ("NVIDIA A100-SXM4-40GB", "A100", 312e12),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
+        ("NVIDIA A100-PCIE-40GB", "A100 PCIe", 312e12),
+        ("NVIDIA A100 80GB PCIe", "A100 PCIe", 312e12),
+    ],
+)
+def test_peak_flops_match_the_whole_device_name(name: str, key: str, bf16: float):
+    from xsa_lm.bench.hardware import datasheet_key, datasheet_peak
+
+    assert datasheet_key(name) == key
+    assert datasheet_peak(name, "bf16-mixed") == (bf16, f"datasheet: {key} dense bf16")
+
+
+@pytest.mark.parametrize(
+    "name", ["NVIDIA H20", "NVIDIA L20", "NVIDIA H800 PCIe", "Tesla T4", "NVIDIA H100 80GB HBM3 MIG 1g.10gb"]
+)
+def test_a_device_not_in_the_table_has_no_peak(name: str):
+    from xsa_lm.bench.hardware import datasheet_peak
+
+    peak, source = datasheet_peak(name, "bf16-mixed")
+    assert peak is None and "not in xsa_lm.bench.hardware.PEAK_FLOPS" in source
+
+
+def test_the_mfu_target_names_whole_gpus():
+    from xsa_lm.bench.run import mfu_target
+
+    assert mfu_target("paper_0.7b", "cuda (NVIDIA H200, torch 2.11)") == 0.45
+    assert mfu_target("paper_0.7b", "cuda (NVIDIA GH200 480GB, torch 2.11)") is None
+    assert mfu_target("gpt2_124m", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)") is None
+
+
+@pytest.mark.slow
+def test_sa_and_xsa_in_one_process_give_step_times_mfu_and_memory_against_the_plan():
+    import torch
+
+    from xsa_lm.bench.interleaved import build_pair, compare, memory_against_plan, timed_rounds
+    from xsa_lm.bench.loops import Setup, make_batches
+    from xsa_lm.bench.probes import sdpa_kernels
+    from xsa_lm.model import GPTConfig
+    from xsa_lm.train.schedule import warmup_cosine_scheduler
+
+    config = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=32, vocab_size=128, attention="xsa")
+    setup = Setup(
+        torch.device("cpu"),
+        precision="32-true",
+        compile=False,
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
+    )
+    trainers = build_pair(config, setup, seed=0, total_steps=100)
+    assert trainers["sa"].model.config.attention == "sa" and trainers["xsa"].model.config.attention == "xsa"
+    batches = make_batches(2, micro_batch=2, context=32, vocab=128, seed=0, pin=False)
+    per_round = timed_rounds(trainers, batches, rounds=3, steps=2)
+    assert {k: len(v) for k, v in per_round.items()} == {"sa": 3, "xsa": 3}
+    result = compare(per_round, tokens=64, flops_per_token=1e6, peak_flops=1e12, step_time_target=1.02, mfu_target=None)
+    assert len(result["xsa_over_sa_step_time"]["rounds"]) == 3 and result["xsa_over_sa_step_time"]["interval"]
+    assert result["sa"]["mfu"]["median"] == pytest.approx(64 / (result["sa"]["step_ms"] / 1e3) * 1e6 / 1e12)
+    assert sdpa_kernels(lambda: trainers["xsa"].step(batches[0]))["backends"] in (["flash (cpu)"], ["math"])
+    memory = memory_against_plan(trainers["xsa"], batches, micro_batch=2, compiled=False)
+    assert memory["planned"]["total"] > 0 and 0.2 < memory["measured_over_planned"] < 5
+
+
+@pytest.mark.slow
+def test_xsa_stays_orthogonal_to_v_under_bf16_autocast():
+    import torch
+
+    from xsa_lm.bench.probes import orthogonality_holds, xsa_orthogonality
+
+    result = xsa_orthogonality(torch.device("cpu"), heads=2, head_dim=32, context=64)
+    cos = result["max_abs_cos"]
+    assert result["dtype"] == "bfloat16" and orthogonality_holds(result)
+    assert cos["reference_fp64"] < 1e-5 < cos["fused"] < 1e-2  # bf16 rounding of z, far below y's own cos
+    assert cos["before_xsa"] > 0.5 and result["tokens_left_out"] >= 2  # each sequence's first token: y_0 = v_0
+    broken = result | {"max_abs_cos": cos | {"fused": 0.1}}
+    assert not orthogonality_holds(broken)

@@ -115,3 +115,110 @@ def test_a_distributed_checkpoint_reads_back_in_one_process_without_a_process_gr
     assert torch.equal(everything["state_dict"]["w"], state["state_dict"]["w"]), changed("the DCP reader", "differs")
     assert torch.equal(everything["optimizer_0"]["step"], torch.tensor(3.0))
     assert set(weights) == {"state_dict"}, changed("_EmptyStateDictLoadPlanner(keys=)", "no longer filters")
+
+
+def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, steps: int = 4) -> L.Trainer:
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
+    trainer = L.Trainer(
+        max_steps=steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+    )
+    trainer.fit(Recorder(), data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_model_checkpoint_saves_through_save_checkpoint_and_saves_now_on_request(tmp_path: Path):
+    """LinkedCheckpoint overrides ModelCheckpoint._save_checkpoint(trainer, filepath): every write goes through it;
+    compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    api = "ModelCheckpoint._save_checkpoint"
+    seen = []
+
+    class Probe(ModelCheckpoint):
+        def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+            seen.append((trainer.global_step, Path(filepath).name))
+            super()._save_checkpoint(trainer, filepath)
+
+    probe = Probe(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
+    trainer = fit_recorder(tmp_path, [probe])
+    assert (4, "last.ckpt") in seen, changed(api, "is not called for every write")
+    for attribute in ("_last_global_step_saved", "_last_checkpoint_saved"):
+        assert hasattr(probe, attribute), changed(f"ModelCheckpoint.{attribute}", "is gone")
+    seen.clear()
+    trainer.state.fn = "validate"  # as after trainer.validate
+    now = Probe(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
+    compat.save_checkpoints_now(now, trainer)
+    assert [name for _, name in seen] == ["step-step=4.ckpt", "last.ckpt"], changed(
+        "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed"
+    )
+
+
+def test_the_resume_checkpoint_can_be_agreed_on_before_it_is_read(tmp_path: Path):
+    api = "_CheckpointConnector._restore_modules_and_callbacks"
+    first = fit_recorder(tmp_path / "a", [], steps=3)
+    saved = tmp_path / "rank0.ckpt"
+    first.save_checkpoint(saved)
+    offered = []
+
+    class Agree(L.Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            compat.agree_on_resume_checkpoint(trainer, lambda path: offered.append(path) or str(saved))
+
+    resumed = fit_recorder(tmp_path / "b", [Agree()], ckpt_path=None, steps=5)  # this rank found none
+    assert offered == [None], changed(api, "is not where fit hands over ckpt_path")
+    assert resumed.ckpt_path == str(saved) and resumed.global_step == 5, changed(api, "no longer restores the path")
+
+
+def test_lightning_broadcasts_a_sigterm_flag_per_batch_that_can_be_skipped(tmp_path: Path, monkeypatch):
+    """The per-micro-batch broadcast only happens with several processes: checked here in the loop's code, and
+    counted in a 2-process run by tests/test_multi_device.py."""
+    import inspect
+
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    api = "_TrainingEpochLoop._broadcast_sigterm_tensor"
+    assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"), changed(api, "is gone")
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance), changed(
+        api, "is no longer called from _TrainingEpochLoop.advance"
+    )
+    broadcasts = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda tensor, src: broadcasts.append(src))
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert broadcasts == [0], changed(api, "no longer broadcasts through torch.distributed.broadcast")
+    compat.skip_sigterm_broadcast(trainer)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert broadcasts == [0], changed(api, "can no longer be skipped")
+
+
+class AccumulationRecorder(Recorder):
+    """Records compat.accumulating at each micro-batch."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        self.seen[batch_idx] = compat.accumulating(self.trainer)
+        return self.layer(batch[0]).sum()
+
+
+def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_path: Path):
+    api = "Trainer.fit_loop._should_accumulate"
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(7, 2)), batch_size=1)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accumulate_grad_batches=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    assert hasattr(trainer.fit_loop, "_should_accumulate"), changed(api, "is gone")
+    module = AccumulationRecorder()
+    trainer.fit(module, data)
+    expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
+    assert module.seen == expected, changed(api, "changed meaning")

@@ -1,5 +1,6 @@
-"""torch.compile: the model traces as one graph (no graph breaks), XSA becomes one fused kernel each way, and
-generation runs a compiled model eagerly."""
+"""torch.compile: the model traces as one graph (no graph breaks), XSA becomes one fused kernel each way, training
+compiles each block and the head with the loss (as under FSDP2, tests/test_multi_device.py) without renaming a weight,
+and generation runs a compiled model eagerly."""
 
 import re
 
@@ -9,6 +10,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from xsa_lm.model import GPT, GPTConfig, exclusive_projection, generate
+from xsa_lm.train.module import LMModule, compile_model
 
 # Inductor names its generated kernels cpp_fused_* on CPU and triton_*_fused_* on GPU.
 KERNEL = re.compile(r"^(?:cpp_fused_\w+|triton_\w+_fused_\w+) = ", re.MULTILINE)
@@ -49,6 +51,45 @@ def test_inductor_fuses_xsa_into_one_kernel_forward_and_one_backward():
     torch.testing.assert_close(compiled_grads, (y.grad, v.grad))
 
 
+def test_training_compiles_each_block_and_the_head_with_the_loss_keeping_the_weight_names():
+    """The blocks share one graph, the head and the cross-entropy have one of their own; the losses and gradients
+    are the eager model's, and a checkpoint's names are the same either way."""
+    torch._dynamo.reset()
+    graphs: list[set[str]] = []
+
+    def recording_backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append({getattr(node.target, "__name__", str(node.target)) for node in graph.graph.nodes})
+        return graph.forward  # runs as traced
+
+    config = GPTConfig(n_layer=3, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16, attention="xsa")
+    eager, compiled = GPT(config), GPT(config)
+    compiled.load_state_dict(eager.state_dict())
+    compile_model(compiled, backend=recording_backend)
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    losses = []
+    for model in (eager, compiled):
+        _, loss = model(idx, idx)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert len(graphs) == 2, graphs
+    assert "scaled_dot_product_attention" in graphs[0] and "cross_entropy" not in graphs[0]
+    assert {"layer_norm", "linear", "cross_entropy"} <= graphs[1]
+
+
+def test_the_module_compiles_for_training_in_place():
+    config = GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16)
+    module = LMModule(config, optimizer=None, scheduler=None, total_steps=1, compile=True)
+    assert all(block._compiled_call_impl is not None for block in module.model.blocks)
+    assert "logits_and_loss" in vars(module.model)  # the compiled head and loss, on the instance
+    eager = LMModule(config, optimizer=None, scheduler=None, total_steps=1, compile=False)
+    assert all(block._compiled_call_impl is None for block in eager.model.blocks)
+    assert list(module.state_dict()) == list(eager.state_dict())
+
+
 def test_generation_runs_a_compiled_model_eagerly():
     """Each generated token is a call of another length: compiling each would cost far more than it saves."""
     torch._dynamo.reset()
@@ -56,6 +97,6 @@ def test_generation_runs_a_compiled_model_eagerly():
     model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16, attention="xsa"))
     prompt = torch.randint(0, 64, (1, 4))
     expected = generate(model, prompt, max_new_tokens=4)
-    model.compile()  # in place, as LMModule(compile=True) does
+    compile_model(model)  # in place, as LMModule(compile=True) does
     assert torch.equal(generate(model, prompt, max_new_tokens=4), expected)
     assert not counters["stats"]["unique_graphs"]

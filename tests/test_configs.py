@@ -70,7 +70,8 @@ def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
     strategy = hydra.utils.instantiate(compose_train(["trainer=fsdp"]).trainer.strategy)
     assert isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint  # sharded
     assert memory.strategy_kind(compose_train(["trainer=fsdp"]).trainer.strategy) == "fsdp"
-    assert compose_train(["trainer=ddp"]).trainer.strategy == "ddp"
+    assert compose_train(["trainer=ddp"]).trainer.strategy._target_.endswith("AtomicDDPStrategy")
+    assert memory.strategy_kind(compose_train(["trainer=ddp"]).trainer.strategy) == "ddp"
     slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
     assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4
 

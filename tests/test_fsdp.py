@@ -70,6 +70,18 @@ def test_fsdp2_trains_sa_as_one_process(data_cache: Path, tmp_path: Path):
         assert_close(metric(tmp_path / "single", name), metric(tmp_path / "fsdp", name), range(8))
 
 
+def test_fsdp2_with_accumulation_trains_as_one_process(data_cache: Path, tmp_path: Path):
+    """Global batch 2048 tokens: one process accumulates 4 micro-batches, FSDP2 2 on each of 2 ranks, reducing the
+    gradients once per step (after the last micro-batch): the same losses and global norms at every step."""
+    args = [*ARGS, "global_batch_tokens=2048", "trainer.max_steps=6", "scheduler.total_steps=6"]
+    single = run_cli(["train", *args, "trainer=cpu", f"hydra.run.dir={tmp_path / 'single'}"], data_cache, tmp_path)
+    sharded = run_cli(["train", *args, *FSDP, f"hydra.run.dir={tmp_path / 'fsdp'}"], data_cache, tmp_path)
+    assert single.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
+    assert "x 2 accumulation x 2 device(s)" in sharded.stdout
+    for name in ("train/loss", "train/grad_norm"):
+        assert_close(metric(tmp_path / "single", name), metric(tmp_path / "fsdp", name), range(6))
+
+
 def test_sharded_checkpoints_are_directories_that_analyze_and_eval_read(runs: Path, data_cache: Path, tmp_path: Path):
     folder = runs / "fsdp" / "checkpoints"
     names = sorted(p.name for p in folder.iterdir())

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 
 from tests.conftest import run_cli
 from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches, peak_memory
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
+from xsa_lm.train.plan import estimate_for_config
 from xsa_lm.train.schedule import warmup_cosine_scheduler
 
 TINY = {"n_layer": 4, "d_model": 128, "n_head": 4, "head_dim": 32, "mlp_ratio": 4}
@@ -32,23 +34,114 @@ def test_parameters_by_hand_and_by_the_model():
 
 def test_ddp_and_fsdp_bytes_by_hand():
     p = memory.parameter_count(PAPER_07B, 50304)
-    tokens = 16 * 2048
-    per_token_layer = 4 * 1536 + 6 * 1536 + 2 * 6144  # LayerNorms, q k v (+RoPE), attention out, MLP hidden x 2
-    logits = tokens * 50304 * 4
-    ddp = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed")
+    tokens, d, V = 16 * 2048, 1536, 50304
+    # per token and layer, bf16 autocast: two fp32 LayerNorm inputs and their stats, their bf16 outputs (the qkv and fc
+    # inputs), the qkv output (v keeps it whole), q and k after RoPE, the attention output and its logsumexp, the MLP
+    # hidden layer before and after GELU
+    per_token_layer = 2 * 4 * d + 2 * 8 + 2 * 2 * d + 2 * 3 * d + 2 * 2 * d + 2 * d + 4 * 6 + 2 * 2 * 6144
+    assert per_token_layer == 61_480
+    outside = 2 * 8 + 2 * (4 * d + 8) + 2 * d  # token ids and targets, ln_emb and ln_f inputs, the head's input
+    ddp = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed")
     assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * p, 4 * p, 8 * p)
-    assert ddp.activations == 24 * tokens * per_token_layer * 2 + logits and ddp.transient == logits
-    fsdp = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", strategy="fsdp", world_size=8)
+    assert ddp.activations == tokens * (24 * per_token_layer + outside + 4 * V)  # + the fp32 log-probabilities
+    assert ddp.transient == tokens * 2 * 4 * V  # their gradient and log_softmax backward's output
+    fsdp = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", strategy="fsdp", world_size=8)
     block = memory.block_parameters(PAPER_07B)
-    assert fsdp.params == 4 * -(-p // 8) + (2 * block + 50304 * 1536) * 2
+    assert fsdp.params == 4 * -(-p // 8) + (2 * block + V * d) * 2 and fsdp.weight_copies == 0
     assert fsdp.optimizer == 8 * -(-p // 8) and fsdp.grads == 4 * -(-p // 8) + block * 2
-    checkpointed = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", activation_checkpointing=True)
-    assert checkpointed.activations == tokens * (24 * 1536 + per_token_layer) * 2 + logits
+    checkpointed = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", activation_checkpointing=True)
+    # checkpointed: each block's fp32 input; the block recomputed in the backward (after the cross-entropy's
+    # buffers are freed) or those buffers, the larger
+    assert checkpointed.activations == tokens * (24 * 4 * d + outside + 4 * V)
+    assert checkpointed.transient == tokens * max(2 * 4 * V, per_token_layer - 4 * V)
     # the largest micro-batch fits and one more does not
-    kwargs = dict(model=PAPER_07B, vocab_size=50304, block_size=2048, precision="bf16-mixed")
+    kwargs = dict(model=PAPER_07B, vocab_size=V, block_size=2048, precision="bf16-mixed")
     largest = memory.largest_micro_batch(80 * memory.GIB, **kwargs)
     assert memory.estimate(micro_batch_size=largest, **kwargs).total <= 80 * memory.GIB
     assert memory.estimate(micro_batch_size=largest + 1, **kwargs).total > 80 * memory.GIB
+
+
+def test_each_new_term_is_sized():
+    """autocast's bf16 weight copies, the cross-entropy's three N x V fp32 buffers, DDP's buckets, compile."""
+    p, V, d = memory.parameter_count(PAPER_07B, 50304), 50304, 1536
+    tokens = 16 * 2048
+    layernorms = 24 * 2 * d + 2 * d
+    mixed = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8)
+    assert mixed.weight_copies == 2 * (p - layernorms)  # every matmul weight, the tied head included, in bf16
+    assert memory.estimate(PAPER_07B, V, 16, 2048, "32-true").weight_copies == 0
+    # eager cross-entropy: the saved fp32 log-probabilities + their gradient + log_softmax backward's output
+    head = memory.head_saved_per_token(PAPER_07B, V, compute=2, residual=4)
+    assert head["cross_entropy"] + memory.cross_entropy_transient_per_token(V, compute=2) == 3 * 4 * V
+    assert mixed.transient == tokens * 2 * 4 * V
+    # DDP: gradients live in its buckets (gradient_as_bucket_view); without it the buckets are a second copy
+    assert mixed.ddp_buckets == 0 and mixed.grads == 4 * p
+    copied = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, gradient_as_bucket_view=False)
+    assert copied.ddp_buckets == 4 * p and copied.total == mixed.total + 4 * p
+    assert memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", gradient_as_bucket_view=False).ddp_buckets == 0
+    assert memory.bucket_view({"_target_": "DDPStrategy", "gradient_as_bucket_view": True})
+    assert not memory.bucket_view("ddp")  # Lightning's default
+    # compiled (as measured): the second residual kept as the bf16 attention branch (2 x d_model less), and a
+    # cross-entropy of bf16 logits (saved) with two bf16 N x V buffers in its backward
+    compiled = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, compiled=True)
+    assert mixed.activations - compiled.activations == tokens * (24 * 2 * d + (4 - 2) * V)
+    assert compiled.transient == tokens * 2 * 2 * V and compiled.total < mixed.total
+    # XSA: two fp32 numbers per token and head; eager, W_o stays fp32 (no bf16 copy)
+    xsa = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, attention="xsa")
+    assert xsa.activations - mixed.activations == tokens * 24 * 2 * 4 * 6
+    assert mixed.weight_copies - xsa.weight_copies == 2 * 24 * d * d
+    # FSDP2 accumulating: the reduction waits for the step's last micro-batch, so every rank holds every unsharded
+    # gradient in fp32 until then, instead of one block's in bf16
+    one = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", strategy="fsdp", world_size=8)
+    four = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", strategy="fsdp", world_size=8, accumulation=4)
+    assert four.grads - one.grads == 4 * p - 2 * memory.block_parameters(PAPER_07B)
+
+
+def saved_bytes(run, model: torch.nn.Module) -> int:
+    """Storages autograd saves while `run` builds its graph, each once, the model's weights and buffers excluded."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in own:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("attention", ["sa", "xsa"])
+def test_saved_bytes_per_token_and_layer_match_a_real_block(attention: str):
+    """A paper-shaped block (attention width = d_model, MLP 4x, 6 heads), scaled down, under CPU bf16 autocast:
+    the per-token part is the difference between two lengths (the rest is autocast's weight copies)."""
+    shape = {"n_layer": 1, "d_model": 384, "n_head": 6, "head_dim": 64, "mlp_ratio": 4}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape, vocab_size=64, block_size=256, attention=attention))
+    block = model.blocks[0]
+
+    def measure(T: int) -> int:
+        x = torch.randn(1, T, shape["d_model"], requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return saved_bytes(lambda: block(x, model.rope_cos[:T], model.rope_sin[:T]), model)
+
+    short, long = measure(64), measure(128)
+    per_token = (long - short) / 64
+    terms = memory.block_saved_per_token(shape, compute=2, residual=4, exclusive=attention == "xsa")
+    assert abs(sum(terms.values()) / per_token - 1) < 0.02
+    copies = memory.autocast_copies(shape, 0, "bf16-mixed", attention=attention, compiled=False, checkpointing=False)
+    assert abs(copies / (long - 128 * per_token) - 1) < 0.02
+
+
+def test_estimate_for_a_composed_config():
+    overrides = ["model=paper_0.7b", "trainer=ddp", "trainer.devices=8", "micro_batch_size=16"]
+    overrides += ["data.block_size=2048", "tokenizer=gpt2", "attention=xsa", "compile=true"]
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    e = estimate_for_config(cfg)
+    expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, attention="xsa", compiled=True)
+    assert e == expected and e.ddp_buckets == 0  # configs/trainer/ddp.yaml: gradient_as_bucket_view
+    assert estimate_for_config(dict(cfg)) == e
 
 
 @pytest.mark.parametrize("attention", ["sa", "xsa"])
@@ -92,10 +185,13 @@ def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["strategy"] == "fsdp" and plan["devices"] == 8 and plan["accumulation"] == 4
-    assert set(plan["per_device_bytes"]) == {"params", "grads", "optimizer", "activations", "transient", "total"}
+    terms = {"params", "grads", "optimizer", "activations", "transient", "weight_copies", "ddp_buckets", "total"}
+    assert set(plan["per_device_bytes"]) == terms
+    assert plan["strategies"]["fsdp"]["compiled_bytes"]["total"] < plan["strategies"]["fsdp"]["eager_bytes"]["total"]
     fsdp, ddp = plan["strategies"]["fsdp"], plan["strategies"]["ddp"]
     assert fsdp["per_device_bytes"]["optimizer"] * 8 <= ddp["per_device_bytes"]["optimizer"] + 64  # sharded by 8
     assert plan["max_micro_batch_size"] == fsdp["max_micro_batch_size"] > ddp["max_micro_batch_size"]
-    assert "| fsdp (trainer) |" in out.stdout and [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+    assert "| fsdp (trainer) | eager |" in out.stdout and "| fsdp (trainer) | compiled |" in out.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
     bad = run_cli(["plan", "device_memory_gb=0"], data_cache, tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("xsa-lm: error: device_memory_gb")

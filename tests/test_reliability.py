@@ -79,15 +79,35 @@ def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path
     run_dir = tmp_path / "run"
     first = run_cli([*COMMON, "trainer.max_steps=20", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    last = run_dir / "checkpoints" / "last.ckpt"
+    folder = run_dir / "checkpoints"
+    last = folder / "last.ckpt"
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a write cut short by a crash (not ours)
-    assert checkpoint_step(last) is None and checkpoint_step(run_dir / "checkpoints" / "step-000020.ckpt") == 20
+    # last.ckpt is a hard link to step 20's checkpoint (one write per checkpoint): damage in place reaches both, and
+    # resume=auto falls back on the step checkpoint before it (keep_last=2).
+    assert checkpoint_step(last) is None and checkpoint_step(folder / "step-000020.ckpt") is None
+    assert checkpoint_step(folder / "step-000010.ckpt") == 10
     again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "last.ckpt is truncated or corrupt; skipped" in again.stdout
+    assert "step-000020.ckpt is truncated or corrupt; skipped" in again.stdout
     assert train_losses(run_dir) == straight
-    names = {p.name for p in (run_dir / "checkpoints").glob("step-*.ckpt")}
-    assert {"step-000030.ckpt", "step-000040.ckpt"} <= names and "step-000010.ckpt" not in names  # keep_last=2
+    names = {p.name for p in folder.glob("step-*.ckpt")}
+    assert {"step-000030.ckpt", "step-000040.ckpt"} <= names and "step-000020.ckpt" not in names  # keep_last=2
+
+
+def test_resume_with_another_micro_batch_split_continues_the_same_stream(straight, data_cache: Path, tmp_path: Path):
+    """Stopped at step 5 with 2 micro-batches of 8 per step, resumed with 4 of 4: each step after the resume sees
+    the same windows (not windows counted in micro-batches of the old size) and closes after 4 micro-batches (not
+    after the 2 the checkpoint's count leaves to the next multiple of 4): the straight run's losses."""
+    run_dir = tmp_path / "run"
+    first = run_cli([*COMMON, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli([*COMMON, "micro_batch_size=4", "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    resumed = train_losses(run_dir)
+    assert sorted(resumed) == list(range(40))
+    for step in range(5, 40):  # the same sums in another order: float rounding apart
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-4), step
 
 
 def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path, tmp_path: Path):

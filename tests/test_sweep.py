@@ -32,7 +32,7 @@ from xsa_lm.sweep.protocol import (
 )
 from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.run import train_overrides
-from xsa_lm.sweep.trials import device_slots, outcome
+from xsa_lm.sweep.trials import Launcher, TrialStore, device_slots, outcome
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
 SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar="))]
@@ -443,6 +443,32 @@ def test_parallel_trials_get_their_own_gpus() -> None:
     assert device_slots(1, ["0", "1"]) == [None]  # one trial: it sees every GPU (and may use DDP)
     with pytest.raises(UserError, match="max_parallel"):
         device_slots(4, ["0", "1"])
+
+
+@pytest.mark.parametrize("slurm", [False, True], ids=["local", "slurm"])
+def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch, slurm: bool) -> None:
+    """Two trials at once, each as a real child process that records the rendezvous it was given: their ports
+    differ (one allocation, maybe one node); under SLURM neither inherits the sweep's MASTER_ADDR."""
+    monkeypatch.setenv("MASTER_ADDR", "sweep-host")
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    if slurm:
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    else:
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    out = tmp_path / "env"
+    out.mkdir()
+    record = (  # stands in for `srun`: runs instead of the trial and stays up until both have started
+        "import json, os, sys, time; run = [a for a in sys.argv if a.startswith('hydra.run.dir=')][0]; "
+        f"open(os.path.join({str(out)!r}, os.path.basename(run)), 'w').write(json.dumps("
+        "[os.environ.get('MASTER_ADDR'), os.environ['MASTER_PORT']])); time.sleep(1)"
+    )
+    launcher = Launcher(
+        TrialStore(tmp_path / "sweep"), [], max_parallel=2, launch_prefix=[sys.executable, "-c", record], echo=str
+    )
+    launcher.run([Trial("sa", 1e-3, 0), Trial("xsa", 1e-3, 0)], phase="search", job_type="search")
+    (addr_a, port_a), (addr_b, port_b) = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
+    assert port_a != port_b and "12345" not in (port_a, port_b)
+    assert (addr_a, addr_b) == ((None, None) if slurm else ("127.0.0.1", "127.0.0.1"))
 
 
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:

@@ -5,10 +5,12 @@ removes or changes one fails there, by name, rather than deep inside a training 
 """
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -58,3 +60,52 @@ def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dic
     planner = _EmptyStateDictLoadPlanner(keys=keys)
     _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
     return state
+
+
+def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Lightning's training loop broadcasts a SIGTERM flag from rank 0 before every micro-batch of a multi-process
+    run and reads it on the host (`.item()`): a wait for the device per micro-batch. The run's Preemption callback
+    replaces Lightning's signal handling and agrees on stopping at logging steps only: the broadcast is switched off
+    on this trainer's loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`)."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def accumulating(trainer: L.Trainer) -> bool:
+    """Whether the current micro-batch's gradients are accumulated, not yet followed by an optimizer step: Lightning's
+    own rule (end of the accumulation window or of the epoch), which its DDP no_sync follows; no public accessor."""
+    return trainer.fit_loop._should_accumulate()
+
+
+def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
+    """What a ModelCheckpoint does at the end of a validation (its top-k checkpoint, then last.ckpt), outside the fit
+    loop: for a last step validated after the fit. The two steps have no public entry point."""
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+
+
+def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:
+    """Lightning reads fit(ckpt_path=...) in every process on its own; `choose` (e.g. rank 0's path, broadcast) sees
+    each process's path once the process group exists and returns the one to restore. The restore call it wraps,
+    `_CheckpointConnector._restore_modules_and_callbacks`, is where fit hands the path over, after the setup hooks."""
+    connector = trainer._checkpoint_connector
+    restore = connector._restore_modules_and_callbacks
+
+    def restore_agreed(checkpoint_path: str | None = None, weights_only: bool | None = None) -> None:
+        restore(choose(None if checkpoint_path is None else str(checkpoint_path)), weights_only)
+
+    connector._restore_modules_and_callbacks = restore_agreed
+
+
+def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int) -> None:
+    """A checkpoint counts the micro-batches each process has run (global_step x the accumulation it trained with),
+    and Lightning closes an accumulation window when that count is a multiple of the current accumulation. A run
+    resumed with another accumulation (another number of devices, another micro-batch size) would take its first
+    steps after a partial window: the count is set to what this accumulation would have run. The loop counters
+    live in the checkpoint's private `loops` layout."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if progress is None:
+        return
+    for counts in (progress["total"], progress["current"]):
+        for key in ("ready", "started", "processed", "completed"):
+            counts[key] = global_step * accumulate

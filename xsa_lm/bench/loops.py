@@ -85,6 +85,10 @@ class PlainTrainer:
         self.sched = setup.scheduler(self.opt, total_steps=total_steps)
         self.losses: list[torch.Tensor] = []
 
+    def compile(self) -> None:
+        """From now on steps run the torch.compile'd model (same weights, same optimizer), compiled at the next one."""
+        self.step_fn = torch.compile(self.model)
+
     def step(self, batch: Batch) -> None:
         x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
         with self.setup.autocast():

@@ -10,6 +10,7 @@ training step comes from the same processes; tokens/s and MFU from the Lightning
 import itertools
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -100,8 +101,8 @@ def run_rounds(phases: dict[str, Phase], rounds: int) -> list[dict[str, dict]]:
 
 
 def mfu_target(model: str, device: str) -> float | None:
-    spec = TARGETS["mfu"]
-    applies = model == spec["model"] and any(gpu in device for gpu in spec["gpus"])
+    spec = TARGETS["mfu"]  # whole words: a GH200 is no H200
+    applies = model == spec["model"] and any(re.search(rf"\b{gpu}\b", device) for gpu in spec["gpus"])
     return spec["at_least"] if applies else None
 
 

@@ -141,6 +141,12 @@ class TokenDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict) -> None:
         self.resume_from = state_dict or None
 
+    def resumed_windows(self) -> int:
+        """Windows the resumed run's stream had served: a multiple of every micro-batch x devices split of the
+        global batch (a resume keeps global_batch_tokens and block_size), so any split continues where it stopped."""
+        saved = self.resume_from
+        return saved["global_micro_batches"] * saved.get("micro_batch_size", self.micro_batch_size)
+
     def train_dataloader(self) -> DataLoader:
         start_batch, rank, world = 0, 0, 1
         if self.trainer is not None:
@@ -149,7 +155,7 @@ class TokenDataModule(L.LightningDataModule):
             # fresh run, or a checkpoint without it) from the restored step count.
             start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
             if self.resume_from:  # rank r reads global micro-batches r, r + W, ...: its own count is global / W
-                start_batch = self.resume_from["global_micro_batches"] // world
+                start_batch = self.resumed_windows() // (self.micro_batch_size * world)
         stream = ShuffledBatches(
             self.train_windows,
             self.micro_batch_size,

@@ -135,8 +135,16 @@ class GPT(nn.Module):
         x = self.drop(self.ln_emb(x))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, caches[i] if caches else None)
-        logits = self.lm_head(self.ln_f(x[:, S:]))  # sink positions are never predicted
+        logits, loss = self.logits_and_loss(x[:, S:], targets)  # sink positions are never predicted
+        return logits if targets is None else (logits, loss)
+
+    def logits_and_loss(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head (final LayerNorm, tied output layer) and, with targets, the mean cross-entropy. A method of its
+        own so that training under FSDP2 can compile it apart from the blocks (xsa_lm/train/module.py)."""
+        logits = self.lm_head(self.ln_f(x))
         if targets is None:
-            return logits
+            return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss

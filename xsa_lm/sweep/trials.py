@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -137,6 +138,29 @@ def _die_with_parent() -> None:
         pass
 
 
+def free_port() -> int:
+    """A TCP port no process on this host listens on now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
+    """The rendezvous of one trial's processes, apart from every other trial's: trials of one sweep may land on the
+    same node, where a shared MASTER_PORT (Lightning derives it from the SLURM job id) would join them into one
+    process group. Under SLURM the trial's own first node is its MASTER_ADDR: an inherited one is dropped, so that
+    Lightning takes it from the trial's own node list (srun sets SLURM_NODELIST per job step)."""
+    port = free_port()
+    while port in taken:
+        port = free_port()
+    env = {**env, "MASTER_PORT": str(port)}
+    if "SLURM_JOB_ID" in env:
+        env.pop("MASTER_ADDR", None)
+    else:
+        env["MASTER_ADDR"] = "127.0.0.1"
+    return env
+
+
 class Launcher:
     """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
 
@@ -159,7 +183,7 @@ class Launcher:
         self.wandb_group = wandb_group
         self.diverge_above = diverge_above
         self.echo = echo
-        self.running: dict[subprocess.Popen, tuple[Trial, int, float]] = {}
+        self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
         set_by_sweep = [
@@ -188,7 +212,7 @@ class Launcher:
                 self._start(todo.pop(0), free.pop(0), phase, job_type)
             time.sleep(0.2)
             for proc in [p for p in self.running if p.poll() is not None]:
-                trial, slot, started = self.running.pop(proc)
+                trial, slot, started, _ = self.running.pop(proc)
                 free.append(slot)
                 self._finish(trial, proc.returncode, started, phase)
 
@@ -201,7 +225,8 @@ class Launcher:
             run_dir.rename(run_dir.with_name(f"{trial.id}.attempt{attempt - 1}"))
         cmd = self.command(trial, job_type, resume)
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
+        env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
         if self.slots[slot] is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.slots[slot]
         with open(log, "a") as out:
@@ -211,7 +236,7 @@ class Launcher:
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent
             )
         started = time.time()
-        self.running[proc] = (trial, slot, started)
+        self.running[proc] = (trial, slot, started, env)
         record = {
             "id": trial.id,
             "phase": phase,
@@ -248,7 +273,7 @@ class Launcher:
         """Terminate the trials in flight (the sweep was interrupted); their records say `interrupted`."""
         for proc in self.running:
             proc.terminate()
-        for proc, (trial, _, _) in list(self.running.items()):
+        for proc, (trial, *_) in list(self.running.items()):
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

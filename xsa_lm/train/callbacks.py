@@ -2,6 +2,8 @@
 
 import time
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -15,18 +17,45 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from xsa_lm.bench.hardware import peak_flops
 from xsa_lm.compat import should_update_logs
 from xsa_lm.train.checkpointing import Preemption
 
+GIB = 2**30
+
+
+@lru_cache
+def device_peak_flops(device: str, precision: str) -> float | None:
+    """The device's peak FLOP/s, once per process (on CPU it is a measured matmul, about a second)."""
+    return peak_flops(torch.device(device), precision)[0]
+
 
 class Throughput(L.Callback):
-    """Logs tokens seen and tokens/s, measured between optimizer steps over a sliding window."""
+    """Logs tokens seen, tokens/s, seconds per optimizer step and MFU, measured between optimizer steps over a
+    sliding window, and on CUDA the allocator's peak memory. Logged at logging steps only: reading the clock and
+    the allocator's counters needs no host-device sync, and logging a float copies it to the device, which waits.
 
-    def __init__(self, tokens_per_step: int, window: int = 10) -> None:
+    MFU: the model's training FLOPs per token (GPT.flops_per_token at the training context) x tokens/s over the
+    peak FLOP/s of every device of the run (a datasheet number on GPUs, a measured matmul on CPU)."""
+
+    def __init__(self, tokens_per_step: int, window: int = 10, mfu: bool = True) -> None:
         self.tokens_per_step = tokens_per_step
         self.window = window
+        self.mfu = mfu
         self._marks: list[tuple[int, float]] = []
         self.tokens_per_s = 0.0
+        self.step_time_s = 0.0
+        self.flops_per_token: float | None = None
+        self.peak_flops: float | None = None  # all devices together
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.mfu:
+            return
+        datamodule = getattr(trainer, "datamodule", None)
+        context = getattr(datamodule, "block_size", None)
+        self.flops_per_token = pl_module.model.flops_per_token(context)
+        peak = device_peak_flops(str(pl_module.device), str(trainer.precision))
+        self.peak_flops = peak * trainer.world_size if peak else None  # None: a GPU missing from the table
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
@@ -35,10 +64,69 @@ class Throughput(L.Callback):
         self._marks = (self._marks + [(step, time.perf_counter())])[-(self.window + 1) :]
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
-            self.tokens_per_s = (s1 - s0) * self.tokens_per_step / (t1 - t0)
-        if should_update_logs(trainer):  # logging a float copies it to the device, which waits for it: only when kept
-            pl_module.log("train/tokens_per_s", self.tokens_per_s, on_step=True)
-            pl_module.log("train/tokens_seen", float(step * self.tokens_per_step), on_step=True)
+            self.step_time_s = (t1 - t0) / (s1 - s0)
+            self.tokens_per_s = self.tokens_per_step / self.step_time_s
+        if should_update_logs(trainer):
+            for name, value in self.metrics(step, pl_module.device).items():
+                pl_module.log(name, value, on_step=True)
+
+    def metrics(self, step: int, device: torch.device) -> dict[str, float]:
+        values = {"train/tokens_per_s": self.tokens_per_s, "train/tokens_seen": float(step * self.tokens_per_step)}
+        if len(self._marks) > 1:  # a rate needs two optimizer steps
+            values["train/step_time_s"] = self.step_time_s
+            if self.flops_per_token and self.peak_flops:
+                values["train/mfu"] = self.flops_per_token * self.tokens_per_s / self.peak_flops
+        if device.type == "cuda":
+            values["train/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            values["train/max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        return values
+
+
+class Profiler(L.Callback):
+    """A torch.profiler trace of optimizer steps [start_step, start_step + steps), every micro-batch of them, written
+    as a Chrome trace (chrome://tracing, ui.perfetto.dev) to <run dir>/profile/steps_<first>-<last>_rank<r>.json
+    with shapes and memory events. A run that ends inside the range writes what it traced."""
+
+    def __init__(self, run_dir: str, start_step: int, steps: int = 3) -> None:
+        self.dir = Path(run_dir) / "profile"
+        self.start_step = start_step
+        self.end_step = start_step + steps
+        self._profiler: torch.profiler.profile | None = None
+        self._first = self._step = start_step
+        self.path: Path | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if self._profiler is None and self.path is None and self.start_step <= trainer.global_step < self.end_step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if pl_module.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+            self._profiler.start()
+            self._first = self._step = trainer.global_step  # a resumed run may start inside the range
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if self._profiler is None or trainer.global_step == self._step:
+            return  # not tracing, or still accumulating this step's micro-batches
+        self._profiler.step()  # marks the optimizer step in the trace
+        self._step = trainer.global_step
+        if self._step >= self.end_step:
+            self.finish(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.finish(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.finish(trainer)
+
+    def finish(self, trainer: L.Trainer) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.stop()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        last = max(self._first, self._step - 1)
+        self.path = self.dir / f"steps_{self._first}-{last}_rank{trainer.global_rank}.json"
+        self._profiler.export_chrome_trace(str(self.path))
+        self._profiler = None
 
 
 class ProgressBar(L.Callback):

@@ -8,6 +8,10 @@
 - SIGTERM / SIGUSR1 (SLURM preemption, `kill`) finish the current optimizer step, write last.ckpt, and end the run
   with status `preempted` and exit code 0, so the job can be requeued with resume=auto.
 - Ctrl-C (SIGINT) does the same with status `interrupted` and exit code 130; a second Ctrl-C aborts at once.
+- Each checkpoint event writes one payload, step-NNNNNN.ckpt; last.ckpt and best.ckpt are hard links to it (a copy
+  where the filesystem has no links). A hard link outlives the pruning of the step checkpoint it was made from, and
+  reads as the file (or directory of shards) itself.
+- A failure in rank 0's part of a checkpoint (rename, link, cleanup) raises on every rank at once.
 """
 
 import logging
@@ -16,13 +20,16 @@ import pickle
 import shutil
 import signal
 import sys
+import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from xsa_lm.compat import saves_sharded_checkpoints
 from xsa_lm.errors import UserError
@@ -63,31 +70,114 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
+class AtomicDDPStrategy(DDPStrategy):
+    """DDP whose checkpoint write (rank 0 alone) fails every rank at once: Lightning's would leave the other ranks
+    waiting at the barrier after it until the collective times out."""
+
+    def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
+        save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
+        on_rank_zero(self, save, f"writing checkpoint {filepath}")
+
+
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """FSDP2 (trainer=fsdp) whose checkpoints are written as atomically as the others. Sharded
     (save_distributed_checkpoint=true): every rank writes its shard into <name>.tmp/, and rank 0 renames the
-    directory into place once all have finished. Consolidated: rank 0 writes one file through AtomicCheckpointIO."""
+    directory into place once all have finished. Consolidated: rank 0 writes one file through AtomicCheckpointIO.
+
+    async_save (sharded only): the shards are written by a background thread while training goes on; the rename,
+    and any link to the checkpoint (`when_written`), follow once it has finished: at the next save at the latest,
+    and at the end of the fit (teardown)."""
+
+    def __init__(self, *args, async_save: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_save = async_save
+        self._pending: tuple | None = None  # (future, tmp, path, [actions after the rename])
+        self._checkpoint_group = None  # async writes agree over a group of their own, beside training's
 
     def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
+        self.finish_pending_checkpoint()
         path = Path(self.broadcast(str(filepath)))  # rank 0's path: all ranks write into the same directory
         if not saves_sharded_checkpoints(self):
             # The state was gathered on rank 0 (a collective every rank joined); Lightning's own save would first
             # delete a sharded directory of this name, leaving no checkpoint for a moment.
-            if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
+            on_rank_zero(self, save, f"writing checkpoint {path}")
             return
         tmp = path.with_name(f"{path.name}.tmp")
-        if self.is_global_zero:
-            remove(tmp)  # left by a run killed mid-write
-        self.barrier("before the checkpoint")
+        on_rank_zero(self, lambda: remove(tmp), f"removing {tmp}")  # left by a run killed mid-write
+        if self.async_save:
+            self._pending = (self._start_async_save(checkpoint, tmp), tmp, path, [])
+            return
         super().save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-        if self.is_global_zero:
-            with open(tmp / META, "rb") as f:  # the shards are fsynced by torch.distributed.checkpoint
-                os.fsync(f.fileno())
         self.barrier("every shard written")
+        on_rank_zero(self, lambda: finish_sharded(tmp, path), f"putting checkpoint {path} in place")
+
+    def _start_async_save(self, checkpoint: dict, tmp: Path) -> object:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}  # the layout ModelParallelStrategy's save writes
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._checkpoint_group)
         if self.is_global_zero:
-            move_into_place(tmp, path)
-        self.barrier("checkpoint in place")
+            torch.save(checkpoint, tmp / META)
+        return future
+
+    def when_written(self, action: Callable[[], None], what: str) -> None:
+        """Run `action` on rank 0 once the checkpoint being written is in place (now, when none is)."""
+        if self._pending is None:
+            on_rank_zero(self, action, what)
+        else:
+            self._pending[3].append((action, what))
+
+    def finish_pending_checkpoint(self) -> None:
+        if self._pending is None:
+            return
+        future, tmp, path, after = self._pending
+        self._pending = None
+        future.result()  # this rank's shard and, on rank 0, .metadata
+        self.barrier("every shard written")
+        on_rank_zero(self, lambda: finish_sharded(tmp, path), f"putting checkpoint {path} in place")
+        for action, what in after:
+            on_rank_zero(self, action, what)
+
+    def teardown(self) -> None:
+        self.finish_pending_checkpoint()  # the end of the fit (or validate) waits for the last checkpoint
+        super().teardown()
+
+
+class AsyncSave(L.Callback):
+    """checkpoint.async_save: switched on in the strategy (built from the trainer group) before the fit saves."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not isinstance(trainer.strategy, AtomicModelParallelStrategy) or not saves_sharded_checkpoints(
+            trainer.strategy
+        ):
+            raise UserError("checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp)")
+        trainer.strategy.async_save = True
+
+
+def finish_sharded(tmp: Path, path: Path) -> None:
+    with open(tmp / META, "rb") as f:  # the shards are fsynced by torch.distributed.checkpoint
+        os.fsync(f.fileno())
+    move_into_place(tmp, path)
+
+
+def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> None:
+    """Run a filesystem step on global rank 0 and broadcast how it went: a failure there raises on every rank at
+    once, instead of leaving the others at the next barrier until the collective times out (30 min)."""
+    error = None
+    if strategy.is_global_zero:
+        try:
+            action()
+        except Exception as e:  # re-raised below, on every rank
+            error = str(e) if isinstance(e, UserError) else f"{what} failed on rank 0: {type(e).__name__}: {e}"
+    error = strategy.broadcast(error)
+    if error is not None:
+        raise CheckpointWriteError(error)
 
 
 def remove(path: Path) -> None:
@@ -109,6 +199,64 @@ def move_into_place(tmp: Path, path: Path) -> None:
         remove(old)
     else:
         os.replace(tmp, path)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """target becomes a hard link to source (a file, or a directory of links to a sharded checkpoint's files),
+    replaced atomically like a written checkpoint; a filesystem without hard links gets a copy."""
+    if linked(source, target):  # already (rename would leave the new link beside the old one: the same file)
+        return
+    tmp = target.with_name(f"{target.name}.tmp")
+    remove(tmp)
+    try:
+        _link_tree(source, tmp, os.link)
+    except OSError as e:  # no hard links here (some FUSE / object-store mounts): the second write is unavoidable
+        remove(tmp)
+        warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
+        _link_tree(source, tmp, shutil.copy2)
+    move_into_place(tmp, target)
+
+
+def linked(source: Path, target: Path) -> bool:
+    ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
+    return theirs.exists() and ours.exists() and os.path.samefile(ours, theirs)
+
+
+def _link_tree(source: Path, target: Path, link: Callable[[Path, Path], object]) -> None:
+    if not source.is_dir():
+        link(source, target)
+        return
+    target.mkdir()
+    for item in source.iterdir():
+        _link_tree(item, target / item.name, link)
+
+
+class LinkedCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint that writes a checkpoint only when none of this step exists yet: the callbacks
+    of one run share `written` (the newest payload and its step) and link to it instead of saving it again."""
+
+    def __init__(self, *, written: dict, **kwargs) -> None:
+        # Fixed names: both callbacks keep last.ckpt, and a resume overwrites best.ckpt (never best-v1.ckpt).
+        super().__init__(enable_version_counter=False, **kwargs)
+        self.written = written  # {"step": int, "path": str}, shared by the run's checkpoint callbacks
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        # Decided from `written` alone, the same on every rank (the save is a collective under FSDP2).
+        source = self.written.get("path") if self.written.get("step") == trainer.global_step else None
+        if source is None:
+            trainer.save_checkpoint(filepath, self.save_weights_only)
+            self.written.update(step=trainer.global_step, path=filepath)
+        elif Path(source).absolute() != Path(filepath).absolute():
+            link = lambda: link_or_copy(Path(source), Path(filepath))  # noqa: E731
+            if isinstance(trainer.strategy, AtomicModelParallelStrategy):  # the source may still be being written
+                trainer.strategy.when_written(link, f"linking {filepath}")
+            else:
+                on_rank_zero(trainer.strategy, link, f"linking {filepath}")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
 
 
 def checkpoint_step(path: Path) -> int | None:

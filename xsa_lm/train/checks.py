@@ -49,6 +49,27 @@ def _bool(value) -> str | None:
     return None if isinstance(value, bool) else "must be true or false"
 
 
+def _one_only(value) -> str | None:
+    # ModelParallelStrategy would build a tensor-parallel mesh that the model never uses: wrong, silently.
+    if value == 1 and not isinstance(value, bool):
+        return None
+    return "must be 1: tensor parallelism is not implemented (trainer=fsdp shards data parallel only)"
+
+
+def _bool_or_auto(value) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "must be true, false or auto"
+
+
+def _int_or_auto(minimum: int):
+    number = _int(minimum)
+
+    def check(value) -> str | None:
+        problem = None if value == "auto" else number(value)
+        return f"{problem} or auto" if problem else None
+
+    return check
+
+
 def _betas(value) -> str | None:
     if len(value) != 2 or any(isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b < 1 for b in value):
         return "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
@@ -60,11 +81,14 @@ RULES = {
     "global_batch_tokens": _int(1),
     "micro_batch_size": _int(1),
     "val_every_steps": _int(1),
-    "compile": _bool,
+    "compile": _bool_or_auto,
     "reuse_host_memory": _bool,
     "progress_bar": _bool,
     "check_memory": _bool,
     "checkpoint.keep_last": _int(0),
+    "checkpoint.every_n_steps": _int(1, nullable=True),
+    "checkpoint.async_save": _bool,
+    "trainer.strategy.tensor_parallel_size": _one_only,
     "faults.skip_nonfinite_batches": _int(0),
     "faults.spike_factor": _number(0, low_open=True, nullable=True),
     "faults.inject_nan_at_step": _int(0, nullable=True),
@@ -76,6 +100,8 @@ RULES = {
     "samples.max_new_tokens": _int(1),
     "samples.temperature": _number(0),
     "samples.top_k": _int(1, nullable=True),
+    "profile.start_step": _int(0, nullable=True),
+    "profile.steps": _int(1),
     "model.n_layer": _int(1),
     "model.d_model": _int(1),
     "model.n_head": _int(1),
@@ -90,6 +116,7 @@ RULES = {
     "model.n_sinks": _int(0),
     "attention.eps": _number(0, low_open=True),
     "data.block_size": _int(1),
+    "data.num_workers": _int_or_auto(0),
     "optim.lr": _number(0, low_open=True),
     "optim.eps": _number(0, low_open=True),
     "optim.weight_decay": _number(0),

@@ -3,6 +3,9 @@ can have. `xsa-lm train` refuses a run that cannot fit; `xsa-lm plan` prints the
 
 A model too large for the machine otherwise allocates until the kernel's out-of-memory killer ends it (minutes of
 swapping on a laptop) or CUDA raises deep inside the first step; the estimate refuses it in one line instead.
+
+The per-token terms are counted tensor by tensor from what autograd saves (scripts/calibrate_memory.py measures them
+on real blocks and a whole training step; tests/test_plan.py keeps them within a few % of a measurement).
 """
 
 import math
@@ -12,21 +15,27 @@ from dataclasses import asdict, dataclass
 import torch
 
 GIB = 2**30
+FP32 = 4
+LAYERNORM_STATS = 2 * FP32  # mean and 1/std per token, fp32 whatever the input dtype
+INDEX = 8  # an int64 token id
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one training step at its peak, the start of the backward."""
+    """Bytes per device of one training step at its peak: the cross-entropy's backward, the first op of the backward,
+    while every activation of the micro-batch is still saved."""
 
-    params: int
-    grads: int
-    optimizer: int
-    activations: int  # one micro-batch's tensors saved for the backward, the cross-entropy's log-probabilities included
-    transient: int  # alive at the peak but not saved: the log-probabilities' gradient
+    params: int  # fp32 weights (FSDP: the shard, plus the blocks gathered in the compute dtype)
+    grads: int  # fp32 gradients; under DDP with gradient_as_bucket_view they are views into its buckets
+    optimizer: int  # AdamW's two moments
+    activations: int  # one micro-batch's tensors saved for the backward, the cross-entropy's saved logits included
+    transient: int  # alive at the peak but not saved: the cross-entropy backward's N x V buffers
+    weight_copies: int = 0  # autocast's compute-dtype copies of the matmul weights, saved for the backward
+    ddp_buckets: int = 0  # DDP's fp32 gradient buckets where the gradients are a copy (gradient_as_bucket_view off)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return sum(asdict(self).values())
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -35,9 +44,18 @@ class MemoryEstimate:
 def block_parameters(model: dict) -> int:
     """Weights of one transformer block (no biases): q and o at n_head x head_dim, k and v at n_kv_head x head_dim,
     the MLP, two LayerNorm weights."""
+    return block_matmul_parameters(model) + 2 * model["d_model"]
+
+
+def block_matmul_parameters(model: dict) -> int:
+    """The Linear weights of one block: what autocast copies to the compute dtype."""
     d, head_dim = model["d_model"], model["head_dim"]
     attn, kv = model["n_head"] * head_dim, (model.get("n_kv_head") or model["n_head"]) * head_dim
-    return 2 * d * attn + 2 * d * kv + 2 * d * int(model.get("mlp_ratio", 4) * d) + 2 * d
+    return 2 * d * attn + 2 * d * kv + 2 * d * hidden_width(model)
+
+
+def hidden_width(model: dict) -> int:
+    return int(model.get("mlp_ratio", 4) * model["d_model"])
 
 
 def parameter_count(model: dict, vocab_size: int) -> int:
@@ -45,19 +63,84 @@ def parameter_count(model: dict, vocab_size: int) -> int:
     return model["n_layer"] * block_parameters(model) + vocab_size * model["d_model"] + 2 * model["d_model"]
 
 
-def activation_bytes(model: dict, vocab_size: int, tokens: int, half: bool, checkpointing: bool) -> tuple[int, int]:
-    """(saved, transient) for one micro-batch of `tokens`. Saved per layer and token: the two LayerNorm inputs and
-    outputs, q, k, v before and after RoPE, the attention output, the MLP's hidden layer before and after GELU;
-    with activation checkpointing only each block's input, plus one block recomputed in the backward. The
-    cross-entropy keeps fp32 log-probabilities, and its gradient of the same size is alive at the peak."""
-    d, width = model["d_model"], model["n_head"] * model["head_dim"]
-    per_token_layer = 4 * d + 6 * width + 2 * int(model.get("mlp_ratio", 4) * d)
-    value = 2 if half else 4
-    layers = model["n_layer"] * d if checkpointing else model["n_layer"] * per_token_layer
+def dtype_bytes(precision: str) -> tuple[int, int]:
+    """(compute, weights): bytes per value of the matmuls and of the weights (= the residual stream). Mixed
+    precision computes in 16 bits on fp32 weights; `-true` precisions hold the weights in 16 bits too."""
+    compute = 2 if precision.startswith(("bf16", "16")) else 4
+    return compute, compute if precision.endswith("-true") else 4
+
+
+def block_saved_per_token(
+    model: dict, *, compute: int, residual: int, exclusive: bool = False, compiled: bool = False
+) -> dict[str, int]:
+    """Bytes one block saves for the backward per token, by term. Eager: both LayerNorms' inputs (the residual
+    stream, in the weights' dtype) and statistics, their outputs cast for the qkv and fc matmuls, the qkv output
+    (v is a view of it, so it stays whole), q and k after RoPE, the attention output and its logsumexp, the MLP's
+    hidden layer before and after GELU. XSA adds (y . v) / ||v||^2 and 1 / ||v||^2 per head; y and v are SDPA's.
+    Compiled: the partitioner keeps the attention branch's output and recomputes the second residual from it, and
+    XSA keeps its z for W_o instead of recomputing it."""
+    d, head_dim, heads = model["d_model"], model["head_dim"], model["n_head"]
+    width, kv_width = heads * head_dim, (model.get("n_kv_head") or heads) * head_dim
+    terms = {
+        "layernorm_inputs": 2 * residual * d if not compiled else (residual + compute) * d,
+        "layernorm_stats": 2 * LAYERNORM_STATS,
+        "matmul_inputs": 2 * compute * d,
+        "qkv": compute * (width + 2 * kv_width),
+        "rope": compute * (width + kv_width),
+        "attention_output": compute * width + FP32 * heads,
+        "mlp_hidden": 2 * compute * hidden_width(model),
+        "xsa": 0,
+    }
+    if exclusive:
+        terms["xsa"] = 2 * FP32 * heads + (compute * width if compiled else 0)
+    return terms
+
+
+def head_saved_per_token(
+    model: dict, vocab_size: int, *, compute: int, residual: int, compiled: bool = False
+) -> dict[str, int]:
+    """Bytes saved per token outside the blocks: the token ids, the embedding's LayerNorm input and the final
+    LayerNorm's (residual dtype) with their statistics, the head's input in the compute dtype, and the
+    cross-entropy's: eager, its fp32 log-probabilities; compiled, the logits in the compute dtype."""
+    d = model["d_model"]
+    return {
+        "embedding_and_head": 2 * INDEX + 2 * (residual * d + LAYERNORM_STATS) + compute * d,
+        "cross_entropy": vocab_size * (compute if compiled else FP32),
+    }
+
+
+def cross_entropy_transient_per_token(vocab_size: int, *, compute: int, compiled: bool = False) -> int:
+    """Alive at the peak besides the saved logits. Eager: the gradient of the fp32 log-probabilities and log_softmax
+    backward's fp32 output (with the saved log-probabilities, three N x V fp32 buffers). Compiled (measured): two
+    N x V buffers in the compute dtype, the logits' gradient and one intermediate of its size."""
+    return vocab_size * (2 * FP32 if not compiled else 2 * compute)
+
+
+def activation_bytes(
+    model: dict,
+    vocab_size: int,
+    tokens: int,
+    half: bool,
+    checkpointing: bool,
+    *,
+    residual: int = FP32,
+    exclusive: bool = False,
+    compiled: bool = False,
+) -> tuple[int, int]:
+    """(saved, transient) for one micro-batch of `tokens`: what the backward starts with, and what its first op (the
+    cross-entropy's) adds. With activation checkpointing each block keeps only its input, and the block recomputed
+    in the backward comes after the cross-entropy's buffers are freed: the transient is the larger of the two."""
+    compute = 2 if half else 4
+    terms = block_saved_per_token(model, compute=compute, residual=residual, exclusive=exclusive, compiled=compiled)
+    layer = sum(terms.values())
+    outside = head_saved_per_token(model, vocab_size, compute=compute, residual=residual, compiled=compiled)
+    transient = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
     if checkpointing:
-        layers += per_token_layer
-    logits = tokens * vocab_size * 4
-    return tokens * layers * value + logits, logits
+        blocks = model["n_layer"] * residual * model["d_model"]
+        transient = max(transient, layer - outside["cross_entropy"])
+    else:
+        blocks = model["n_layer"] * layer
+    return tokens * (blocks + sum(outside.values())), tokens * transient
 
 
 def estimate(
@@ -69,31 +152,69 @@ def estimate(
     strategy: str = "ddp",
     world_size: int = 1,
     activation_checkpointing: bool = False,
+    *,
+    compiled: bool = False,
+    attention: str = "sa",
+    gradient_as_bucket_view: bool = True,
+    accumulation: int = 1,
 ) -> MemoryEstimate:
-    """Per device. fp32 weights, gradients and AdamW's two moments (mixed precision keeps fp32 masters). DDP holds
-    them whole on every device; FSDP shards them over `world_size` and gathers one block at a time (two with
-    prefetching) plus the root (the tied embedding) in the compute dtype, with one block's unsharded gradients."""
-    half = precision.startswith(("bf16", "16"))
+    """Per device. fp32 weights, gradients and AdamW's two moments (mixed precision keeps fp32 masters), and under
+    mixed precision autocast's compute-dtype copies of the matmul weights, which the backward keeps. DDP holds them
+    whole on every device, its gradients in its buckets (a second copy without gradient_as_bucket_view); FSDP
+    shards them over `world_size` and gathers one block at a time (two with prefetching) plus the root (the tied
+    embedding) in the compute dtype, with one block's unsharded gradients; with gradient accumulation, every
+    unsharded gradient in fp32 (the reduction waits for the step's last micro-batch). attention="xsa": every layer
+    XSA."""
+    compute, weights = dtype_bytes(precision)
     n = parameter_count(model, vocab_size)
     saved, transient = activation_bytes(
         model=model,
         vocab_size=vocab_size,
         tokens=micro_batch_size * block_size,
-        half=half,
+        half=compute == 2,
         checkpointing=activation_checkpointing,
+        residual=weights,
+        exclusive=attention == "xsa",
+        compiled=compiled,
     )
-    if strategy == "fsdp":
-        value = 2 if half else 4
-        gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * value
+    if strategy == "fsdp":  # the gathered blocks are already in the compute dtype: autocast copies nothing
+        gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * compute
         shard = math.ceil(n / world_size)
         return MemoryEstimate(
-            params=4 * shard + gathered,
-            grads=4 * shard + block_parameters(model) * value,
-            optimizer=8 * shard,
+            params=weights * shard + gathered,
+            grads=weights * shard + (4 * n if accumulation > 1 else block_parameters(model) * compute),
+            optimizer=2 * weights * shard,
             activations=saved,
             transient=transient,
         )
-    return MemoryEstimate(params=4 * n, grads=4 * n, optimizer=8 * n, activations=saved, transient=transient)
+    return MemoryEstimate(
+        params=weights * n,
+        grads=weights * n,
+        optimizer=2 * weights * n,
+        activations=saved,
+        transient=transient,
+        weight_copies=autocast_copies(
+            model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
+        ),
+        ddp_buckets=weights * n if world_size > 1 and not gradient_as_bucket_view else 0,
+    )
+
+
+def autocast_copies(
+    model: dict, vocab_size: int, precision: str, *, attention: str, compiled: bool, checkpointing: bool
+) -> int:
+    """Mixed precision: every matmul weight cast to the compute dtype once per forward (autocast's cache), kept by
+    the backward. Activation checkpointing keeps only the head's, plus the block being recomputed. Eager XSA keeps
+    W_o in fp32 (its fused output projection casts it in the backward)."""
+    compute, weights = dtype_bytes(precision)
+    if compute == weights:
+        return 0
+    d = model["d_model"]
+    block = block_matmul_parameters(model)
+    if attention == "xsa" and not compiled:
+        block -= model["n_head"] * model["head_dim"] * d
+    blocks = block if checkpointing else model["n_layer"] * block
+    return compute * (blocks + vocab_size * d)
 
 
 def strategy_kind(strategy) -> str:
@@ -122,8 +243,17 @@ def available_bytes(accelerator: str) -> tuple[int, str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
 
 
+def bucket_view(strategy) -> bool:
+    """Whether DDP's gradients are views into its buckets: the strategy's gradient_as_bucket_view (Lightning's
+    default, a plain `ddp`, is false)."""
+    return bool(strategy.get("gradient_as_bucket_view", False)) if hasattr(strategy, "get") else False
+
+
 def describe(e: MemoryEstimate) -> str:
+    copies = f", 16-bit weight copies {e.weight_copies / GIB:.1f}" if e.weight_copies else ""
+    buckets = f", DDP buckets {e.ddp_buckets / GIB:.1f}" if e.ddp_buckets else ""
     return (
         f"{e.total / GIB:.1f} GiB (weights {e.params / GIB:.1f}, gradients {e.grads / GIB:.1f}, AdamW state "
-        f"{e.optimizer / GIB:.1f}, activations of one micro-batch {(e.activations + e.transient) / GIB:.1f})"
+        f"{e.optimizer / GIB:.1f}{copies}{buckets}, activations of one micro-batch "
+        f"{(e.activations + e.transient) / GIB:.1f})"
     )

@@ -7,10 +7,21 @@ from dataclasses import asdict
 import lightning as L
 import torch
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from xsa_lm.compat import should_update_logs, skip_fused_update
+from xsa_lm.compat import accumulating, realign_accumulation, should_update_logs, skip_fused_update
 from xsa_lm.model import GPT, GPTConfig
+
+
+def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
+    """torch.compile as torchtitan applies it: each block on its own, and the head with the loss, in place (the
+    state-dict keys stay those of an eager model, so checkpoints move between the two). Under FSDP2 every block is a
+    unit whose hooks run eagerly between the compiled regions; compiling the whole model there compiled only the
+    blocks, leaving the head and the cross-entropy eager. Alike blocks reuse one graph; the embedding stays eager."""
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=True)
+    model.logits_and_loss = torch.compile(model.logits_and_loss, backend=backend, fullgraph=True)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -43,7 +54,7 @@ class LMModule(L.LightningModule):
         for block in self.model.blocks:  # before compile and before FSDP2 wraps each block (configure_model)
             block.activation_checkpointing = activation_checkpointing
         if compile:
-            self.model.compile()  # in place: the module and its state-dict keys stay those of an eager run
+            compile_model(self.model)
         self.tokens_per_micro_batch = 0
         self.diverged_at: int | None = None
         self.skip_budget = skip_nonfinite_batches
@@ -61,7 +72,7 @@ class LMModule(L.LightningModule):
         and AdamW state; a block's weights are gathered for its forward and backward only."""
         if self.device_mesh is None:
             return
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if isinstance(self.model, FSDPModule):  # trainer.validate after the fit calls this hook again
             return
@@ -74,7 +85,12 @@ class LMModule(L.LightningModule):
         fully_shard(self.model, mesh=mesh, mp_policy=policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Checkpoints saved from a torch.compile(model) wrapper name the weights model._orig_mod.*: renamed."""
+        """The micro-batch count realigned to this run's accumulation; weights saved from a torch.compile(model)
+        wrapper (named model._orig_mod.*) renamed."""
+        if self._trainer is not None and "global_step" in checkpoint:
+            realign_accumulation(
+                checkpoint, global_step=checkpoint["global_step"], accumulate=self.trainer.accumulate_grad_batches
+            )
         if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
             return
         state = checkpoint["state_dict"]
@@ -86,6 +102,11 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if isinstance(self.model, FSDPModule):  # DDP's counterpart is Lightning's no_sync
+            # Gradients accumulate unreduced on each rank and are reduce-scattered once, after the step's last
+            # micro-batch: one reduction per step instead of one per micro-batch, at the cost of holding the
+            # unsharded gradients (in the fp32 reduce dtype) while accumulating.
+            self.model.set_requires_gradient_sync(not accumulating(self.trainer))
         _, loss = self.model(x, y)
         if self.nan_at_step is not None and self.global_step == self.nan_at_step:  # faults.inject_nan_at_step
             if self.nan_on_rank in (None, self.global_rank):

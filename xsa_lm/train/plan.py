@@ -1,6 +1,8 @@
-"""`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, and the largest micro-batch that fits.
+"""`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, eager and compiled, and the largest
+micro-batch that fits.
 
-The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model.
+The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model;
+estimate_for_config gives it for any composed config, e.g. to compare with torch.cuda.max_memory_allocated.
 """
 
 import json
@@ -13,30 +15,55 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.train import memory
 from xsa_lm.train.checks import check_values
+from xsa_lm.train.devices import compile_enabled
 from xsa_lm.train.run import VOCAB_MULTIPLE, resolve_precision, world_size
+
+
+def memory_shape(cfg: DictConfig) -> dict:
+    """memory.estimate's arguments that a training config fixes (all but micro_batch_size, strategy, compiled)."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    vocab = model.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
+    return dict(
+        model=model,
+        vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        block_size=cfg.data.block_size,
+        precision=resolve_precision(cfg.trainer.precision),
+        world_size=world_size(cfg.trainer),
+        activation_checkpointing=bool(cfg.trainer.get("activation_checkpointing", False)),
+        attention=cfg.attention.name,
+        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
+    )
+
+
+def estimate_for_config(cfg: DictConfig | dict) -> memory.MemoryEstimate:
+    """The per-device estimate of a composed training config (a DictConfig or its plain dict), as the run would
+    train it: its strategy, micro-batch and compile setting on this machine."""
+    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    steps = accumulation(cfg.global_batch_tokens, cfg.micro_batch_size, world_size(cfg.trainer), cfg.data.block_size)
+    return memory.estimate(
+        micro_batch_size=cfg.micro_batch_size,
+        accumulation=steps or 1,
+        strategy=memory.strategy_kind(cfg.trainer.strategy),
+        compiled=compile_enabled(cfg.get("compile", False), accelerator=cfg.trainer.accelerator),
+        **memory_shape(cfg),
+    )
 
 
 def make_plan(cfg: DictConfig) -> dict:
     check_values(cfg)
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    vocab = model.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257
-    vocab = math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    devices = world_size(cfg.trainer)
+    shape = memory_shape(cfg)
+    shape["activation_checkpointing"] = bool(cfg.activation_checkpointing)  # plan.yaml's, which follows the trainer's
+    devices = shape["world_size"]
     if cfg.device_memory_gb is not None:
         if not isinstance(cfg.device_memory_gb, int | float) or cfg.device_memory_gb <= 0:
             raise UserError(f"device_memory_gb must be a positive number of GiB, got {cfg.device_memory_gb}")
         available, where = int(cfg.device_memory_gb * memory.GIB), f"device_memory_gb={cfg.device_memory_gb:g}"
     else:
         available, where = memory.available_bytes(cfg.trainer.accelerator)
-    shape = dict(
-        model=model,
-        vocab_size=vocab,
-        block_size=cfg.data.block_size,
-        precision=resolve_precision(cfg.trainer.precision),
-        world_size=devices,
-        activation_checkpointing=bool(cfg.activation_checkpointing),
-    )
-    strategies = {s: strategy_plan(cfg, strategy=s, available=available, shape=shape) for s in ("ddp", "fsdp")}
+    compiled = compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator)
+    strategies = {
+        s: strategy_plan(cfg, strategy=s, available=available, shape=shape, compiled=compiled) for s in ("ddp", "fsdp")
+    }
     chosen = memory.strategy_kind(cfg.trainer.strategy)
     return {
         "model": cfg.model.name,
@@ -44,9 +71,11 @@ def make_plan(cfg: DictConfig) -> dict:
         "devices": devices,
         "precision": shape["precision"],
         "activation_checkpointing": shape["activation_checkpointing"],
+        "attention": shape["attention"],
+        "compiled": compiled,
         "micro_batch_size": cfg.micro_batch_size,
         "block_size": cfg.data.block_size,
-        "parameters": memory.parameter_count(model, vocab),
+        "parameters": memory.parameter_count(shape["model"], shape["vocab_size"]),
         "available_bytes": available,
         "available_from": where,
         "global_batch_tokens": cfg.global_batch_tokens,
@@ -57,17 +86,26 @@ def make_plan(cfg: DictConfig) -> dict:
     }
 
 
-def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict) -> dict:
-    """One strategy's memory per device at the configured micro-batch, and the largest micro-batches that fit."""
-    need = memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, **shape)
-    largest = memory.largest_micro_batch(available, strategy=strategy, **shape)
+def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict, compiled: bool) -> dict:
+    """One strategy's memory per device at the configured micro-batch, eager and compiled, and the largest
+    micro-batches that fit as the run would train (compiled or not)."""
 
     def steps(micro_batch_size: int) -> int | None:
         return accumulation(cfg.global_batch_tokens, micro_batch_size, shape["world_size"], cfg.data.block_size)
 
+    shape = {**shape, "accumulation": steps(cfg.micro_batch_size) or 1}
+    both = {
+        mode: memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, compiled=mode, **shape)
+        for mode in (False, True)
+    }
+    need = both[compiled]
+    largest = memory.largest_micro_batch(available, strategy=strategy, compiled=compiled, **shape)
+
     dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
     return {
         "per_device_bytes": need.as_dict(),
+        "eager_bytes": both[False].as_dict(),
+        "compiled_bytes": both[True].as_dict(),
         "fits": need.total <= available,
         "max_micro_batch_size": largest,
         "max_dividing_micro_batch_size": dividing,
@@ -88,23 +126,28 @@ def table(plan: dict) -> str:
     lines = [
         f"xsa-lm plan | {plan['model']}: {plan['parameters'] / 1e9:.3f}B parameters | {plan['devices']} device(s), "
         f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens, activation "
-        f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'} | memory per device "
+        f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'}, attention {plan['attention']}, "
+        f"{'compiled' if plan['compiled'] else 'eager'} | memory per device "
         f"{gib(plan['available_bytes'])} GiB ({plan['available_from']})",
         "",
-        "| strategy | weights | gradients | AdamW state | activations | backward peak | total (GiB) | fits | "
-        "largest micro-batch | largest dividing the global batch (accumulation) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| strategy | mode | weights | gradients | AdamW state | 16-bit weight copies | DDP buckets | activations | "
+        "backward peak | total (GiB) | fits | largest micro-batch | largest dividing the global batch "
+        "(accumulation) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for name, s in plan["strategies"].items():
-        b = s["per_device_bytes"]
         mark = " (trainer)" if name == plan["strategy"] else ""
-        fits = "yes" if s["fits"] else "no"
-        lines.append(
-            f"| {name}{mark} | {gib(b['params'])} | {gib(b['grads'])} | {gib(b['optimizer'])} | "
-            f"{gib(b['activations'])} | {gib(b['transient'])} | {gib(b['total'])} | {fits} | "
-            f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} "
-            f"({s['accumulation_at_max_dividing']}) |"
-        )
+        for mode in ("eager", "compiled"):
+            b = s[f"{mode}_bytes"]
+            run = (mode == "compiled") == plan["compiled"]  # the mode the run trains in: fits and micro-batches
+            fits = ("yes" if s["fits"] else "no") if run else ""
+            largest = f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} " if run else " | "
+            accumulation = f"({s['accumulation_at_max_dividing']})" if run else ""
+            lines.append(
+                f"| {name}{mark} | {mode} | {gib(b['params'])} | {gib(b['grads'])} | {gib(b['optimizer'])} | "
+                f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
+                f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
+            )
     lines.append(
         f"\nglobal_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) "
         "per step per device at this micro-batch (None: not a whole number)"

@@ -38,6 +38,7 @@ FREE_ON_RESUME = (
     "faults.",
     "diagnostics.",
     "samples.",
+    "profile.",
     "logger.",
 )
 

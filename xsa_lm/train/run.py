@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints import model_config_mismatch
 from xsa_lm.cli import full_command_line
+from xsa_lm.compat import save_checkpoints_now, skip_sigterm_broadcast
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, build, exit_on_user_error
@@ -33,9 +34,19 @@ from xsa_lm.locking import exclusive
 from xsa_lm.model import GPTConfig
 from xsa_lm.sharded import META, is_sharded
 from xsa_lm.train import memory
-from xsa_lm.train.callbacks import Diagnostics, ProgressBar, RunCallbacks, Samples, Throughput, ValHistory
-from xsa_lm.train.checkpointing import AtomicCheckpointIO, Preemption, checkpoint_step, newest_valid_checkpoint
+from xsa_lm.train.callbacks import Diagnostics, Profiler, ProgressBar, RunCallbacks, Samples, Throughput, ValHistory
+from xsa_lm.train.checkpointing import (
+    AsyncSave,
+    AtomicCheckpointIO,
+    AtomicDDPStrategy,
+    LinkedCheckpoint,
+    Preemption,
+    checkpoint_step,
+    newest_valid_checkpoint,
+)
 from xsa_lm.train.checks import check_values
+from xsa_lm.train.cluster import ClusterChecks
+from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.resume import continuation_config
@@ -82,12 +93,18 @@ def check_config(cfg: DictConfig) -> dict:
                 f"{group}.every_n_steps: not available under trainer=fsdp; run `xsa-lm analyze` or "
                 "`xsa-lm generate` on its checkpoints instead"
             )
+    sharded_files = sharded and cfg.trainer.strategy.get("save_distributed_checkpoint", True)
+    if cfg.checkpoint.get("async_save") and not sharded_files:
+        raise UserError(
+            "checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp with "
+            "trainer.strategy.save_distributed_checkpoint=true); leave it false here"
+        )
     if cfg.logger and cfg.logger.get("wandb"):
         resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
 
 
-def check_memory(cfg: DictConfig, devices: int) -> None:
+def check_memory(cfg: DictConfig, *, devices: int, accumulation: int) -> None:
     """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
     has free, before the model is built; check_memory=false lets it try anyway."""
     if not cfg.get("check_memory", True):
@@ -103,6 +120,10 @@ def check_memory(cfg: DictConfig, devices: int) -> None:
         strategy=memory.strategy_kind(cfg.trainer.strategy),
         world_size=devices,
         activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
+        compiled=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
+        attention=cfg.attention.name,
+        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
+        accumulation=accumulation,
     )
     have, where = memory.available_bytes(cfg.trainer.accelerator)
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
@@ -161,8 +182,8 @@ def gate_enabled(gate: str) -> bool:
 
 
 def device_name(accelerator: str) -> str:
-    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+    if uses_cuda(accelerator):
+        return torch.cuda.get_device_name()  # this rank's: set_device ran first
     return "cpu"
 
 
@@ -245,11 +266,12 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
 
 def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> dict:
     """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing)."""
+    set_device(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
     plan = check_config(cfg)
     if cfg.scheduler.get("total_steps") is None:  # saved resolved: a resume that extends max_steps keeps the schedule
         cfg.scheduler.total_steps = cfg.trainer.max_steps
-    check_memory(cfg, plan["devices"])
+    check_memory(cfg, devices=plan["devices"], accumulation=plan["accumulate"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
     datamodule = TokenDataModule(
@@ -258,11 +280,16 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         micro_batch_size=cfg.micro_batch_size,
         seed=cfg.seed,
         val_windows=cfg.data.val_windows,
-        num_workers=cfg.data.num_workers,
+        num_workers=loader_workers(
+            cfg.data.num_workers,
+            accelerator=cfg.trainer.accelerator,
+            ranks_per_node=plan["devices"] // int(cfg.trainer.get("num_nodes", 1)),
+        ),
     )
     if rank_zero_only.rank != 0:
-        resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
-        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume)
+        # Rank 0 alone picks the checkpoint (each rank would pick from what it sees); its choice reaches this rank
+        # once the process group exists (ClusterChecks).
+        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH)
     with exclusive(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
         if resume.step is not None and resume.step >= cfg.trainer.max_steps and completed(run_dir):
@@ -339,9 +366,10 @@ def fit(
 
 
 def set_up_process(cfg: DictConfig) -> None:
-    """Seeds, malloc's reuse of freed memory and TF32 matmuls, before anything is built."""
+    """Seeds, malloc's reuse of freed memory (CPU runs: their tensors live on the host) and TF32 matmuls, before
+    anything is built."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.get("reuse_host_memory", True):
+    if cfg.get("reuse_host_memory", True) and not uses_cuda(cfg.trainer.accelerator):
         reuse_freed_host_memory()
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -354,7 +382,7 @@ def make_module(cfg: DictConfig, mcfg: GPTConfig) -> LMModule:
         optimizer=build(cfg.optim),
         scheduler=build(cfg.scheduler),
         total_steps=cfg.scheduler.total_steps,
-        compile=cfg.compile,
+        compile=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
         skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
         spike_factor=cfg.faults.spike_factor,
         nan_at_step=cfg.faults.inject_nan_at_step,
@@ -390,24 +418,39 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
     """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional diagnostics, samples and
     progress bar."""
     ckpt_dir = run_dir / "checkpoints"
-    best = ModelCheckpoint(
-        dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, save_last=True
-    )
-    # The last K step checkpoints too: if last.ckpt is ever damaged, resume=auto falls back on the newest of these.
-    # Written after each validation like last.ckpt, not in on_train_batch_end: by then the step's metrics.csv row
-    # is on disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
-    periodic = ModelCheckpoint(
+    written: dict = {}  # the newest payload: the other checkpoint names of its step link to it
+    # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
+    # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
+    # disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
+    # First in the list: best.ckpt and last.ckpt link to the step checkpoint it has just written.
+    periodic = LinkedCheckpoint(
+        written=written,
         dirpath=ckpt_dir,
         filename="step-{step:06d}",
         monitor="step",
         mode="max",
         save_top_k=cfg.checkpoint.keep_last,
+        save_last=True,
+        every_n_train_steps=cfg.checkpoint.get("every_n_steps"),
         auto_insert_metric_name=False,
+    )
+    best = LinkedCheckpoint(
+        written=written,
+        dirpath=ckpt_dir,
+        filename="best",
+        monitor="val/loss",
+        mode="min",
+        save_top_k=1,
+        save_last=True,
+        every_n_epochs=1,  # at each validation, also when checkpoint.every_n_steps sets the step checkpoints apart
     )
     history = ValHistory(cfg.global_batch_tokens)
     throughput = Throughput(cfg.global_batch_tokens)
     preemption = Preemption(ckpt_dir / "last.ckpt")
-    callbacks = [best, periodic, history, throughput, preemption]
+    cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
+    callbacks = [cluster, periodic, best, history, throughput, preemption]
+    if cfg.checkpoint.get("async_save"):
+        callbacks.append(AsyncSave())
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
         d = cfg.diagnostics
         callbacks.append(Diagnostics(every_n_steps=d.every_n_steps, sequences=d.sequences, chunk=d.chunk))
@@ -422,6 +465,9 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
             top_k=s.top_k,
         )
         callbacks.append(samples)
+    if cfg.get("profile") and cfg.profile.start_step is not None:
+        p = cfg.profile
+        callbacks.append(Profiler(run_dir=str(run_dir), start_step=p.start_step, steps=p.steps))
     if cfg.progress_bar:
         callbacks.append(ProgressBar())
     return RunCallbacks(history=history, throughput=throughput, best=best, preemption=preemption, all=callbacks)
@@ -431,9 +477,11 @@ def make_trainer(
     cfg: DictConfig, run_dir: Path, *, plan: dict, callbacks: list[L.Callback], loggers: list
 ) -> L.Trainer:
     strategy = cfg.trainer.strategy
+    if strategy in ("auto", "ddp") and plan["devices"] > 1:  # what Lightning would pick, failing checkpoints together
+        strategy = AtomicDDPStrategy()
     if memory.strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
         strategy = {**strategy, "data_parallel_size": plan["devices"]}  # Lightning's auto means one per node
-    return build(
+    trainer = build(
         lightning_trainer_args(cfg.trainer),
         strategy=strategy,
         precision=resolve_precision(cfg.trainer.precision),
@@ -446,6 +494,8 @@ def make_trainer(
         enable_progress_bar=False,  # ours (ProgressBar) counts optimizer steps, Lightning's counts micro-batches
         plugins=[AtomicCheckpointIO()],
     )
+    skip_sigterm_broadcast(trainer)  # Preemption handles signals, without a sync per micro-batch
+    return trainer
 
 
 def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
@@ -470,17 +520,14 @@ def validate_last_step(
     trainer: L.Trainer, *, module: LMModule, datamodule: TokenDataModule, checkpoint: ModelCheckpoint
 ) -> None:
     """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
-    callbacks: when its loss is the best, best.ckpt must still hold it (and last.ckpt its validation history)."""
+    callbacks' own hooks: its checkpoint is written once (step-N.ckpt), last.ckpt links to it, and best.ckpt too
+    when its loss is the best. `checkpoint` is the val/loss callback; the step callback comes first in the trainer's."""
     trainer.validate(module, datamodule=datamodule, verbose=False)
     # On every rank: under FSDP2 saving gathers (or writes) every rank's shard. val/loss is synced across ranks,
     # so all take the same decisions.
-    loss = trainer.callback_metrics["val/loss"]
-    trainer.save_checkpoint(checkpoint.last_model_path or Path(checkpoint.dirpath) / "last.ckpt")
-    if checkpoint.best_model_score is None or loss < checkpoint.best_model_score:
-        best = Path(checkpoint.dirpath) / "best.ckpt"
-        trainer.save_checkpoint(best)
-        checkpoint.best_model_path = str(best)
-        checkpoint.best_model_score = loss
+    callbacks = [c for c in trainer.checkpoint_callbacks if c is not checkpoint] + [checkpoint]
+    for callback in callbacks:
+        save_checkpoints_now(callback, trainer)
 
 
 LIGHTNING_NOISE = (

@@ -1,0 +1,219 @@
+"""Checkpoints written once per event (best.ckpt and last.ckpt linked to it), a save interval of its own, and the
+refusals that keep a cluster run from training wrong or hanging: world size, unshared checkpoint directories, rank 0
+failing its part of a checkpoint, tensor parallelism. Multi-process behaviour: 2 gloo processes on CPU."""
+
+import datetime
+import os
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_module
+
+from tests.conftest import FAST
+from tests.test_sharded_checkpoints import write_sharded
+from xsa_lm.checkpoints import load_model
+from xsa_lm.errors import UserError
+from xsa_lm.sweep.trials import free_port
+from xsa_lm.train.checkpointing import CheckpointWriteError, checkpoint_step, link_or_copy, on_rank_zero
+from xsa_lm.train.checks import check_values
+from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
+
+
+def composed(overrides: list[str]):
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:
+    """A run in this process; the name of every checkpoint payload torch.save wrote, in order."""
+    from xsa_lm.train.run import train
+
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    written, save = [], torch.save
+
+    def counting(obj, f, *args, **kwargs):
+        name = getattr(f, "name", str(f))
+        if str(name).endswith(".tmp") or "/step-" in str(name) or ".ckpt" in str(name):
+            written.append(Path(str(name)).name.removesuffix(".tmp"))
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+    cfg = composed([*FAST, "trainer.max_steps=20", "scheduler.total_steps=20", *overrides])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(cfg, tmp_path / "run")
+    return written
+
+
+@pytest.mark.slow
+def test_each_validation_writes_one_checkpoint_and_links_last_and_best(tmp_path, data_cache, monkeypatch):
+    written = train_counting_payloads(tmp_path, data_cache, monkeypatch, "val_every_steps=10", "checkpoint.keep_last=1")
+    assert written == ["step-000010.ckpt", "step-000020.ckpt"]  # two validations, one payload each
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["best.ckpt", "last.ckpt", "step-000020.ckpt"]
+    step = (folder / "step-000020.ckpt").stat()
+    assert (folder / "last.ckpt").stat().st_ino == step.st_ino and step.st_nlink >= 2  # a hard link, no copy
+    best_step = checkpoint_step(folder / "best.ckpt")
+    assert best_step in (10, 20) and checkpoint_step(folder / "last.ckpt") == 20  # best outlives step-10's pruning
+    load_model(folder / "best.ckpt")  # what analyze / eval / generate read
+
+
+@pytest.mark.slow
+def test_checkpoint_every_n_steps_is_apart_from_validation(tmp_path, data_cache, monkeypatch):
+    written = train_counting_payloads(
+        tmp_path, data_cache, monkeypatch, "val_every_steps=10", "checkpoint.every_n_steps=4", "checkpoint.keep_last=5"
+    )
+    steps = [f"step-{s:06d}.ckpt" for s in (4, 8, 12, 16, 20)]
+    assert [w for w in written if w.startswith("step-")] == steps
+    # Validation at step 10 has no step checkpoint to link to: best.ckpt is written there, once (unless not better).
+    assert [w for w in written if not w.startswith("step-")] in ([], ["best.ckpt"])
+    folder = tmp_path / "run" / "checkpoints"
+    assert checkpoint_step(folder / "last.ckpt") == 20 and {p.name for p in folder.glob("step-*")} == set(steps)
+
+
+def test_a_link_outlives_its_source_and_falls_back_on_a_copy(tmp_path: Path, monkeypatch):
+    folder = tmp_path / "checkpoints"
+    write_sharded(folder / "step-000010.ckpt", step=10)
+    link_or_copy(folder / "step-000010.ckpt", folder / "best.ckpt")
+    distcp = next((folder / "best.ckpt").glob("*.distcp"))
+    assert distcp.stat().st_ino == (folder / "step-000010.ckpt" / distcp.name).stat().st_ino
+    for item in (folder / "step-000010.ckpt").iterdir():  # pruned by keep_last
+        item.unlink()
+    (folder / "step-000010.ckpt").rmdir()
+    assert checkpoint_step(folder / "best.ckpt") == 10 and sorted(p.name for p in folder.iterdir()) == ["best.ckpt"]
+
+    def no_links(source, target):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with pytest.warns(UserWarning, match="cannot hard-link .* copying it"):
+        link_or_copy(folder / "best.ckpt", folder / "last.ckpt")
+    assert checkpoint_step(folder / "last.ckpt") == 10 and not list(folder.glob("*.tmp"))
+
+
+def test_a_world_size_other_than_planned_is_refused():
+    with pytest.raises(UserError, match=r"^1 process\(es\) joined this run but .* plans 8 .* srun"):
+        check_world_size(planned=8, joined=1)
+    checks = ClusterChecks(planned_world_size=8, checkpoint_dir=Path("unused"))
+    with pytest.raises(UserError, match="plans 8"):  # at fit start, on every rank (a faked trainer: sbatch, no srun)
+        checks.setup(SimpleNamespace(world_size=1), None, "fit")
+    check_world_size(planned=2, joined=2)
+
+
+def test_tensor_parallelism_is_refused():
+    fsdp = ["trainer=fsdp", "trainer.accelerator=cpu"]
+    with pytest.raises(UserError, match=r"^trainer.strategy.tensor_parallel_size=2 must be 1: tensor parallelism"):
+        check_values(composed([*fsdp, "trainer.strategy.tensor_parallel_size=2"]))
+    check_values(composed(fsdp))
+    check_values(composed(["trainer=ddp"]))  # a strategy given by name has no such key
+
+
+class GlooRanks:
+    """What a Lightning strategy offers the checks (broadcast, barrier, all_gather), over a plain gloo group."""
+
+    root_device = torch.device("cpu")
+
+    @property
+    def is_global_zero(self) -> bool:
+        return dist.get_rank() == 0
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self, name: str | None = None) -> None:
+        dist.barrier()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, tensor)
+        return torch.stack(out)
+
+
+def _rank(rank: int, port: int, folder: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    ranks = GlooRanks()
+
+    def rename_fails() -> None:
+        raise PermissionError(13, "Permission denied", f"{folder}/last.ckpt")
+
+    start = time.monotonic()
+    try:
+        on_rank_zero(ranks, rename_fails, "putting checkpoint last.ckpt in place")
+        results[f"{rank}-finalise"] = "no error"
+    except CheckpointWriteError as e:
+        results[f"{rank}-finalise"] = f"{time.monotonic() - start:.1f} s: {e}"
+    trainer = SimpleNamespace(strategy=ranks, is_global_zero=rank == 0, world_size=2)
+    try:  # a node-local checkpoints/: each rank looks in a directory of its own
+        check_shared_directory(trainer, Path(folder) / f"node{rank}")
+        results[f"{rank}-shared"] = "no error"
+    except UserError as e:
+        results[f"{rank}-shared"] = str(e)
+    try:
+        check_shared_directory(trainer, Path(folder) / "shared")
+        results[f"{rank}-shared-ok"] = "no error"
+    except UserError as e:
+        results[f"{rank}-shared-ok"] = str(e)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_fail_together_on_rank_zero_errors_and_unshared_directories(tmp_path: Path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_rank, args=(free_port(), str(tmp_path), results), nprocs=2, start_method="fork")
+        results = dict(results)
+    for rank in (0, 1):  # at once (a broadcast), not at a barrier's 60 s timeout; with rank 0's error
+        seconds, message = results[f"{rank}-finalise"].split(" s: ")
+        assert float(seconds) < 10 and "PermissionError" in message and "rank 0" in message, results
+        assert "is not shared: rank(s) [1] cannot see" in results[f"{rank}-shared"], results
+        assert results[f"{rank}-shared-ok"] == "no error"
+    assert not list((tmp_path / "shared").iterdir())  # the token is removed
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: Path):
+    """FSDP2 on 2 gloo processes with checkpoint.async_save: the checkpoints are in place, whole and linked by the
+    end of the fit, and step 5's continues with the losses of the uninterrupted run."""
+    from tests.conftest import run_cli
+    from tests.test_fsdp import ARGS, FSDP, assert_close, metric
+
+    steps = ["trainer.max_steps=10", "scheduler.total_steps=20"]
+    run = run_cli(
+        ["train", *ARGS, *FSDP, *steps, "checkpoint.async_save=true", f"hydra.run.dir={tmp_path / 'async'}"],
+        data_cache,
+        tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder = tmp_path / "async" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "best.ckpt",
+        "last.ckpt",
+        "step-000005.ckpt",
+        "step-000010.ckpt",
+    ]
+    assert checkpoint_step(folder / "last.ckpt") == 10 and checkpoint_step(folder / "step-000005.ckpt") == 5
+    resumed = run_cli(
+        [
+            "train",
+            *ARGS,
+            *FSDP,
+            *steps,
+            "checkpoint.async_save=true",
+            f"resume={folder / 'step-000005.ckpt'}",
+            f"hydra.run.dir={tmp_path / 'r'}",
+        ],
+        data_cache,
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fsdp = metric(tmp_path / "async", "train/loss")
+    assert_close({s: fsdp[s] for s in range(5, 10)}, metric(tmp_path / "r", "train/loss"), range(5, 10))

@@ -1,0 +1,318 @@
+"""Many devices without wasted work: each rank's GPU set before any CUDA call, no host sync per micro-batch, one
+gradient reduction per optimizer step under FSDP2, and a compile that covers the head and the loss under FSDP2.
+
+The multi-process checks run this file as a script in 2 gloo processes (`python -m tests.test_multi_device`), started
+as torchrun would (LOCAL_RANK, RANK, WORLD_SIZE set: Lightning launches nothing), so each rank can count the
+collectives it calls and the graphs it compiles."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import FAST, REPO
+from tests.test_configs import compose_train
+from tests.test_reliability import stop_mid_run
+from xsa_lm.errors import UserError
+from xsa_lm.train import devices
+from xsa_lm.train.checks import check_values
+from xsa_lm.train.run import check_config, make_module, make_trainer, model_config, set_up_process, train
+
+N_LAYER = 2
+STEPS = 3
+ACCUMULATE = 4  # global_batch_tokens 1024 = 4 x (micro-batch 2 x 2 ranks x 64 tokens)
+
+
+# --- each rank's device, before any CUDA call -------------------------------------------------------------------
+
+CUDA_CALLS = ("set_device", "mem_get_info", "get_device_name", "is_bf16_supported", "get_device_properties", "init")
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Four CUDA devices that record every call which would open a CUDA context, in order; 1 byte free, so the run
+    stops at its memory check."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    results = {"mem_get_info": (1, 2), "get_device_name": "Fake GPU", "is_bf16_supported": True}
+    for name in CUDA_CALLS:
+        monkeypatch.setattr(
+            torch.cuda, name, lambda *args, _name=name, **kwargs: calls.append((_name, *args)) or results.get(_name)
+        )
+    for variable in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(variable, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "env, trainer, expected",
+    [
+        ({"LOCAL_RANK": "1"}, ["trainer=ddp"], 1),
+        ({"SLURM_LOCALID": "1"}, ["trainer=ddp"], 1),
+        ({"LOCAL_RANK": "1"}, ["trainer=ddp", "trainer.devices=[2,3]"], 3),
+        ({}, ["trainer=gpu"], 0),
+    ],
+    ids=["torchrun", "srun", "device-list", "one-gpu"],
+)
+def test_each_rank_sets_its_device_before_any_cuda_call(
+    fake_gpus: list[tuple], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict, trainer: list[str], expected
+):
+    """The memory check, bf16 support and the device's name all come after set_device(this rank's GPU)."""
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    cfg = compose_train([*FAST, *trainer, "trainer.precision=auto", "micro_batch_size=4"])
+    with pytest.raises(UserError, match="this run needs about"):
+        train(cfg, tmp_path / "run")
+    names = [call[0] for call in fake_gpus]
+    assert fake_gpus[0] == ("set_device", expected), fake_gpus
+    assert {"mem_get_info", "is_bf16_supported"} <= set(names[1:])  # the calls that used to come first
+
+
+def test_a_cpu_run_or_a_rank_beyond_the_visible_gpus_sets_no_device(
+    fake_gpus: list[tuple], monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    devices.set_device(accelerator="cpu", devices=2)
+    monkeypatch.setenv("LOCAL_RANK", "4")  # 4 GPUs visible: Lightning's own check names the mismatch
+    devices.set_device(accelerator="gpu", devices="auto")
+    assert fake_gpus == []
+
+
+def test_the_host_heap_tweak_is_for_cpu_runs_only(fake_gpus: list[tuple], monkeypatch: pytest.MonkeyPatch):
+    """glibc keeping freed memory helps a CPU run, whose tensors live on the host; a GPU run leaves malloc alone."""
+    tweaked = []
+    monkeypatch.setattr("xsa_lm.train.run.reuse_freed_host_memory", lambda: tweaked.append(True) or True)
+    set_up_process(compose_train([*FAST, "trainer=gpu"]))
+    assert tweaked == []
+    set_up_process(compose_train([*FAST, "trainer=cpu"]))
+    assert tweaked == [True]
+
+
+# --- data-loader workers and compile: auto --------------------------------------------------------------------
+
+
+def test_num_workers_auto_is_none_on_cpu_and_some_on_gpu(monkeypatch: pytest.MonkeyPatch):
+    assert devices.loader_workers("auto", accelerator="cpu", ranks_per_node=1) == 0
+    assert devices.loader_workers(3, accelerator="cpu", ranks_per_node=1) == 3  # a number is kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert devices.loader_workers("auto", accelerator="gpu", ranks_per_node=8) == 4
+    assert devices.loader_workers("auto", accelerator="auto", ranks_per_node=16) == 2  # the node's CPUs, shared
+    assert devices.loader_workers("auto", accelerator="gpu", ranks_per_node=64) == 1  # still off the critical path
+    assert devices.loader_workers(0, accelerator="gpu", ranks_per_node=8) == 0
+
+
+def test_compile_auto_is_on_for_cuda_runs_only(monkeypatch: pytest.MonkeyPatch):
+    assert devices.compile_enabled("auto", accelerator="auto") is torch.cuda.is_available()
+    assert devices.compile_enabled("auto", accelerator="cpu") is False
+    assert devices.compile_enabled(True, accelerator="cpu") is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.compile_enabled("auto", accelerator="gpu") is True
+    assert devices.compile_enabled("auto", accelerator="cpu") is False
+    assert devices.compile_enabled(False, accelerator="gpu") is False
+
+
+def test_the_defaults_are_auto_and_the_checks_take_them():
+    cfg = compose_train([])
+    assert cfg.compile == "auto" and cfg.data.num_workers == "auto"
+    check_values(cfg)
+    check_values(compose_train(["compile=true", "data.num_workers=2"]))
+    for bad, message in [("compile=yes", "compile=yes must be true, false or auto"), ("data.num_workers=-1", ">= 0")]:
+        with pytest.raises(UserError, match=message):
+            check_values(compose_train([bad]))
+
+
+def test_ddp_keeps_gradients_in_its_buckets():
+    import hydra
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = hydra.utils.instantiate(compose_train(["trainer=ddp"]).trainer.strategy)
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
+# --- 2 gloo processes ------------------------------------------------------------------------------------------
+
+WORKER_ARGS = [
+    *[a for a in FAST if a != "trainer=cpu" and not a.startswith("micro_batch_size")],
+    "trainer=fsdp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+    "micro_batch_size=2",
+    f"model.n_layer={N_LAYER}",
+    "model.vocab_size=512",
+    "attention=xsa",
+    f"trainer.max_steps={STEPS}",
+    f"scheduler.total_steps={STEPS}",
+    "val_every_steps=1000",
+    "faults.spike_factor=null",
+]
+
+
+class RandomTokens(torch.utils.data.IterableDataset):
+    """Micro-batches of random tokens, another stream per rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.rank)
+        while True:
+            tokens = torch.randint(0, 512, (2, 65), generator=generator)
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def counting(counts: dict, name: str, function):
+    def counted(*args, **kwargs):
+        if counts["on"]:
+            counts[name] += 1
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def fit_once(overrides: list[str], rank: int, run_dir: Path) -> dict:
+    """Train STEPS optimizer steps through the run's own make_module and make_trainer; what this rank saw."""
+    cfg = compose_train([*WORKER_ARGS, *overrides])
+    plan = check_config(cfg)
+    assert plan["accumulate"] == ACCUMULATE
+    counts = {"on": False, "broadcast": 0, "reduce_scatter": 0}
+    # FSDP2 reduce-scatters through dist.reduce_scatter_single (dist.reduce_scatter_tensor before torch 2.13).
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    originals = {"broadcast": dist.broadcast, scatter: getattr(dist, scatter)}
+    losses: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            counts["on"] = True
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            counts["on"] = False
+
+    dist.broadcast = counting(counts, "broadcast", originals["broadcast"])
+    setattr(dist, scatter, counting(counts, "reduce_scatter", originals[scatter]))
+    try:
+        set_up_process(cfg)  # the seed: every fit starts from the same weights
+        module = make_module(cfg, model_config(cfg, 512))
+        trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=[Record()], loggers=[])
+        loader = torch.utils.data.DataLoader(RandomTokens(rank), batch_size=None)
+        trainer.fit(module, train_dataloaders=loader)
+    finally:
+        dist.broadcast = originals["broadcast"]
+        setattr(dist, scatter, originals[scatter])
+    return {"losses": losses, "broadcasts": counts["broadcast"], "reduce_scatters": counts["reduce_scatter"]}
+
+
+def worker(out: Path) -> None:
+    """Three fits in each of the 2 processes: FSDP2 as the run trains, the same with a gradient reduction on every
+    micro-batch (as before FSDP2's sync was deferred), and compiled through a backend that records each graph."""
+    import torch.distributed.fsdp as fsdp
+
+    from xsa_lm.train import module
+
+    rank = int(os.environ["RANK"])
+    run_dir = out / f"rank{rank}"
+    result = {"deferred": fit_once([], rank, run_dir)}
+    set_sync = fsdp.FSDPModule.set_requires_gradient_sync
+    fsdp.FSDPModule.set_requires_gradient_sync = lambda self, requires, **kwargs: None  # always on: every micro-batch
+    try:
+        result["every_micro_batch"] = fit_once([], rank, run_dir)
+    finally:
+        fsdp.FSDPModule.set_requires_gradient_sync = set_sync
+    graphs: list[list[str]] = []
+
+    def recording_backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(sorted({getattr(n.target, "__name__", str(n.target)) for n in graph.graph.nodes}))
+        return graph.forward  # runs as traced: the same numbers as eager
+
+    compile_model = module.compile_model
+    module.compile_model = partial(compile_model, backend=recording_backend)
+    try:
+        result["compiled"] = {**fit_once(["compile=true"], rank, run_dir), "graphs": graphs}
+    finally:
+        module.compile_model = compile_model
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("multi_device")
+    port = str(free_port())
+    procs, logs = [], [out / f"rank{rank}.log" for rank in range(2)]
+    for rank, log in enumerate(logs):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "SLURM_"))}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        with open(log, "w") as f:
+            command = [sys.executable, "-m", "tests.test_multi_device", str(out)]
+            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        for proc in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc in procs:
+            proc.kill()  # a rank left waiting for the other, if one failed
+    tails = "".join(log.read_text()[-3000:] for log in logs)
+    assert all(proc.returncode == 0 for proc in procs), tails
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_no_broadcast_per_micro_batch(two_ranks: list[dict]):
+    """Lightning's loop would broadcast its SIGTERM flag before each of the 12 micro-batches (and read it back)."""
+    for rank in two_ranks:
+        assert len(rank["deferred"]["losses"]) == STEPS * ACCUMULATE
+        assert rank["deferred"]["broadcasts"] == 0
+
+
+@pytest.mark.slow
+def test_fsdp2_reduces_gradients_once_per_optimizer_step(two_ranks: list[dict]):
+    """One reduce-scatter per FSDP unit (each block and the root) per step, not per micro-batch, and the same
+    losses as reducing after every micro-batch."""
+    units = N_LAYER + 1
+    for rank in two_ranks:
+        assert rank["deferred"]["reduce_scatters"] == STEPS * units
+        assert rank["every_micro_batch"]["reduce_scatters"] == STEPS * ACCUMULATE * units  # the counter counts
+        assert rank["deferred"]["losses"] == pytest.approx(rank["every_micro_batch"]["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compile_under_fsdp2_covers_the_blocks_the_head_and_the_loss(two_ranks: list[dict]):
+    for rank in two_ranks:
+        graphs = rank["compiled"]["graphs"]
+        assert any("cross_entropy" in ops and "linear" in ops for ops in graphs), graphs  # the head and the loss
+        assert any("scaled_dot_product_attention" in ops for ops in graphs), graphs  # the blocks
+        assert rank["compiled"]["losses"] == pytest.approx(rank["deferred"]["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_0_alone_stops_both_ranks_at_one_step(data_cache: Path, tmp_path: Path):
+    """Without Lightning's per-batch broadcast, the run's Preemption callback agrees on the stop (at logging steps):
+    both ranks stop after the same step, and last.ckpt holds it."""
+    run_dir = tmp_path / "run"
+    args = ["train", *FAST, "trainer.devices=2", "trainer.strategy=ddp", "micro_batch_size=4", "val_every_steps=10"]
+    stopped = stop_mid_run([*args, f"hydra.run.dir={run_dir}"], signal.SIGTERM, data_cache=data_cache, cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "preempted"
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

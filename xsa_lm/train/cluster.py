@@ -1,0 +1,69 @@
+"""Checks that a multi-process run makes once its processes have joined, before the first step, on every rank.
+
+- The number of processes is the one the gradient accumulation was sized for: `sbatch` without `srun` starts one
+  process where trainer.devices=8 planned eight, and the global batch would silently shrink 8x.
+- Every rank sees the checkpoint directory rank 0 writes into: on a node-local checkpoints/ the other nodes would
+  resume from scratch, or not find the checkpoint they are to read.
+- Every rank resumes from the checkpoint rank 0 chose (each would otherwise pick its own from what it sees).
+
+Each refusal is one line on every rank and a non-zero exit (UserError), not a hang.
+"""
+
+import secrets
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from xsa_lm.compat import agree_on_resume_checkpoint
+from xsa_lm.errors import UserError
+from xsa_lm.train.checkpointing import on_rank_zero
+
+TOKEN = ".rank0-token-"  # a file rank 0 writes into the checkpoint directory, gone once every rank has looked
+
+
+def check_world_size(*, planned: int, joined: int) -> None:
+    if joined != planned:
+        raise UserError(
+            f"{joined} process(es) joined this run but trainer.devices x trainer.num_nodes plans {planned} (the "
+            "gradient accumulation is sized for them): under SLURM start one task per device with srun "
+            "(sbatch alone starts one), or set trainer.devices and trainer.num_nodes to what is launched"
+        )
+
+
+class ClusterChecks(L.Callback):
+    def __init__(self, *, planned_world_size: int, checkpoint_dir: Path) -> None:
+        self.planned_world_size = planned_world_size
+        self.checkpoint_dir = checkpoint_dir
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_world_size(planned=self.planned_world_size, joined=trainer.world_size)
+        if trainer.world_size > 1:
+            check_shared_directory(trainer, self.checkpoint_dir)
+            agree_on_resume_checkpoint(trainer, trainer.strategy.broadcast)  # rank 0's choice, on every rank
+
+
+def check_shared_directory(trainer: L.Trainer, folder: Path) -> None:
+    """Rank 0 writes a token file into `folder`; every rank looks for it; the ranks that did not see it are named."""
+    token = trainer.strategy.broadcast(secrets.token_hex(8))
+    path = folder / f"{TOKEN}{token}"
+
+    def write() -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text("written by rank 0; every rank of the run must see this file\n")
+
+    on_rank_zero(trainer.strategy, write, f"writing into the checkpoint directory {folder}")  # fails on every rank
+    trainer.strategy.barrier("token written")
+    seen = torch.tensor([float(path.is_file())], device=trainer.strategy.root_device)
+    everyone = trainer.strategy.all_gather(seen).flatten().tolist()
+    trainer.strategy.barrier("token seen")
+    if trainer.is_global_zero:
+        path.unlink()
+    blind = [rank for rank, saw in enumerate(everyone) if not saw]
+    if blind:
+        raise UserError(
+            f"the checkpoint directory {folder} is not shared: rank(s) {blind} cannot see what rank 0 writes there "
+            "(a node-local disk?); put hydra.run.dir on a filesystem every node mounts"
+        )

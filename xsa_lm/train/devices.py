@@ -1,0 +1,66 @@
+"""Which device this process trains on, decided before anything touches CUDA.
+
+The first CUDA call of a process (free memory, the device's name, bf16 support) opens a context on the current
+device, GPU 0 unless told otherwise. Lightning sets each rank's device only once the Trainer starts, so every rank
+would open a context on GPU 0 (about 0.5 GiB each) and measure GPU 0's free memory: the run sets it first instead.
+"""
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+LOADER_WORKERS_PER_RANK = 4  # enough to keep a GPU fed from memory-mapped token shards
+
+
+def uses_cuda(accelerator: str) -> bool:
+    """Whether a run with this trainer.accelerator trains on CUDA devices."""
+    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+
+
+def local_rank() -> int:
+    """This process's index among the ranks of its node: from Lightning's launcher or torchrun (LOCAL_RANK), or
+    SLURM's srun (SLURM_LOCALID); 0 for the first (or only) process."""
+    for variable in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if variable in os.environ:
+            return int(os.environ[variable])
+    return 0
+
+
+def device_index(devices: int | str | Sequence[int], rank: int) -> int:
+    """The CUDA device of local rank `rank`: the rank-th of an explicit list (trainer.devices=[2,3] or "2,3"),
+    else the rank-th device."""
+    if isinstance(devices, str) and "," in devices:
+        devices = [int(d) for d in devices.split(",") if d.strip()]
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return int(devices[rank])
+    return rank
+
+
+def set_device(*, accelerator: str, devices: int | str | Sequence[int]) -> None:
+    """Make this rank's GPU the current device before the first CUDA call; nothing on a CPU run. A rank without a
+    visible GPU of that index (one GPU per task under srun) is left to Lightning, whose device check names the
+    mismatch."""
+    if not uses_cuda(accelerator):
+        return
+    index = device_index(devices, local_rank())
+    if index < torch.cuda.device_count():
+        torch.cuda.set_device(index)
+
+
+def loader_workers(num_workers: int | str, *, accelerator: str, ranks_per_node: int) -> int:
+    """data.num_workers: a number, or `auto`: none on CPU (reading memory-mapped shards costs less than the worker
+    processes), and on GPU one or more, up to LOADER_WORKERS_PER_RANK, within the CPUs this process may use shared
+    by the node's ranks, so that loading the next batch overlaps the step."""
+    if num_workers != "auto":
+        return int(num_workers)
+    if not uses_cuda(accelerator):
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(LOADER_WORKERS_PER_RANK, cpus // max(ranks_per_node, 1)))
+
+
+def compile_enabled(compile: bool | str, *, accelerator: str) -> bool:
+    """compile: true, false, or `auto`: on for CUDA runs, off on CPU (there the first compile takes longer than a
+    short run's steps save)."""
+    return uses_cuda(accelerator) if compile == "auto" else bool(compile)
