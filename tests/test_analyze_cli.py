@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, run_cli
-from tests.test_checkpoint_errors import assert_nothing_written, assert_refused
+from tests.helpers import FAST, REPO, assert_nothing_written, assert_refused, run_cli
 from tests.wandb_records import history
 
 pytestmark = pytest.mark.slow

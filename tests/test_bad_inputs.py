@@ -5,19 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, run_cli
+from tests.helpers import FAST, assert_clean_error, run_cli
 
 pytestmark = pytest.mark.slow
-
-
-def assert_clean_error(out, *expected: str) -> str:
-    assert out.returncode != 0
-    assert "Traceback" not in out.stderr + out.stdout
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("xsa-lm"), out.stderr[-2000:]
-    for text in expected:
-        assert text in last, last
-    return last
 
 
 CASES = {

@@ -7,46 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.helpers import TINY, assert_nothing_written, assert_refused, lightning_checkpoint, run_cli, write_checkpoint
 from xsa_lm.checkpoints import check_checkpoint_file, load_model, load_weights, model_config_mismatch
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
-
-TINY = dict(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16)
-
-
-def assert_refused(proc, *expected: str) -> str:
-    """One line on stderr, `xsa-lm: error: ...` with the expected texts, exit code 2, no traceback."""
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: "), proc.stderr[-2000:]
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
-
-
-def assert_nothing_written(folder: Path) -> None:
-    assert not folder.exists(), sorted(folder.iterdir())  # not even the folder Hydra made
-
-
-def lightning_checkpoint(config: GPTConfig) -> dict:
-    """What `xsa-lm train` saves, as far as load_model reads it: Lightning's prefixed state_dict and the config."""
-    torch.manual_seed(0)
-    model = GPT(config)
-    return {
-        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-        "model_config": asdict(config),
-        "global_step": 0,
-    }
-
-
-def write_checkpoint(run_dir: Path, config: GPTConfig | None = None) -> Path:
-    """A checkpoint of the tiny model in <run_dir>/checkpoints/last.ckpt (no training; no tokenizer beside it)."""
-    path = run_dir / "checkpoints" / "last.ckpt"
-    path.parent.mkdir(parents=True)
-    torch.save(lightning_checkpoint(config or GPTConfig(**TINY)), path)
-    return path
 
 
 def not_checkpoints(folder: Path) -> dict[str, Path]:

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_module
 
-from tests.conftest import FAST
+from tests.helpers import FAST
+from tests.helpers import compose_train as composed
 from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints import load_model
 from xsa_lm.errors import UserError
@@ -23,11 +23,6 @@ from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.checkpointing import CheckpointWriteError, checkpoint_step, link_or_copy, on_rank_zero
 from xsa_lm.train.checks import check_values
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
-
-
-def composed(overrides: list[str]):
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
 
 
 def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:

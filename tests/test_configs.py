@@ -5,20 +5,15 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from tests.helpers import compose_train
 from xsa_lm.train import memory
 from xsa_lm.train.run import check_config, model_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and not p.name.startswith("_"))
 CHOICES = [(g, p.stem) for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml")) if not p.stem.startswith("_")]
-
-
-def compose_train(overrides: list[str], config_name: str = "train"):
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
 
 
 def test_groups_cover_the_required_concerns():

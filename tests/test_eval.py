@@ -11,8 +11,15 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from tests.conftest import FAST, REPO, run_cli
-from tests.test_checkpoint_errors import assert_nothing_written, assert_refused, write_checkpoint
+from tests.helpers import (
+    FAST,
+    REPO,
+    assert_nothing_written,
+    assert_refused,
+    run_cli,
+    write_checkpoint,
+    write_local_task,
+)
 from tests.wandb_records import summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
@@ -21,12 +28,6 @@ from xsa_lm.eval.run import check_options, resolve_tasks
 from xsa_lm.model import GPT, GPTConfig
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
-QUESTIONS = [
-    ("The cat sat on the", ["mat", "sky", "moon"], 0),
-    ("A dog ran in the", ["river", "park", "cloud"], 1),
-    ("the cat ran", ["too", "never", "fast"], 0),
-    ("on the", ["mat", "cat", "dog"], 0),
-]
 
 
 @pytest.fixture(scope="module")
@@ -97,28 +98,6 @@ def test_eval_options_are_checked(limit, batch_size, key: str):
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------
-
-
-def write_local_task(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    items = folder / "items.jsonl"
-    items.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
-    task = folder / "toy_mc.yaml"
-    task.write_text(f"""task: xsa_toy_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {items}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-""")
-    return task
 
 
 @pytest.mark.slow

@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, cli_env, run_cli
-from tests.test_eval import write_local_task
-from tests.test_reliability import wait_for
-from tests.test_train_cli import train_losses
+from tests.helpers import FAST, cli_env, run_cli, train_losses, wait_for, write_local_task
 from xsa_lm.checkpoints import load_model
 from xsa_lm.train.checkpointing import newest_valid_checkpoint
 

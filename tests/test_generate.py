@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
-from tests.test_checkpoint_errors import assert_refused, write_checkpoint
+from tests.helpers import assert_refused, run_cli, write_checkpoint
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import check_sampling
 from xsa_lm.model import GPT, GPTConfig, KVCache, generate

@@ -60,6 +60,7 @@ def test_without_the_bundle_it_stops_with_one_line(tmp_path: Path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "make gpu-bundle" in proc.stderr
 
 
+@pytest.mark.slow  # the whole check script in a fresh process (~10 s)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_stops_with_one_line(tmp_path: Path):
     proc = run_check(str(tmp_path / "check"), GPU_CHECK_BUNDLE=str(fake_bundle(tmp_path / "bundle")))

@@ -9,8 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import FAST
-from tests.test_configs import compose_train
+from tests.helpers import FAST, compose_train
 from xsa_lm.train import run
 
 # Every way a tensor's value reaches Python; on a GPU each one waits for the device to finish its queue.

@@ -19,8 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import FAST, REPO
-from tests.test_configs import compose_train
+from tests.helpers import FAST, REPO, compose_train
 from tests.test_reliability import stop_mid_run
 from xsa_lm.errors import UserError
 from xsa_lm.train import devices

@@ -81,10 +81,22 @@ def test_constraints_pin_every_dependency_inside_its_range():
     lines = (REPO / "tests/constraints.txt").read_text().splitlines()
     caps = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
     assert caps, "tests/constraints.txt names no package"
-    for requirement in requirements("dev", "eval") + caps:
+    for requirement in requirements("dev", "eval", "docs") + caps:
         name = canonicalize_name(requirement.name)
         assert name in pinned, f"{name} is not in constraints.txt: run make lock"
         assert requirement.specifier.contains(pinned[name], prereleases=True), (str(requirement), pinned[name])
+
+
+def test_the_version_is_written_once_and_the_install_reports_it():
+    """pyproject.toml takes the version from xsa_lm.__version__ (setuptools reads the file's text, as a build does),
+    so the package and its metadata cannot disagree; the installed metadata says it too (after a reinstall)."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import xsa_lm
+
+    assert "version" not in project() and "version" in project()["dynamic"]
+    assert read_configuration(REPO / "pyproject.toml")["project"]["version"] == xsa_lm.__version__
+    assert importlib.metadata.version("xsa-lm") == xsa_lm.__version__, "reinstall: make install"
 
 
 def third_party_imports(folder: Path) -> set[str]:
@@ -110,7 +122,7 @@ def test_every_third_party_import_is_a_declared_dependency():
 def test_the_eval_message_names_the_extra_of_pyproject():
     from xsa_lm.eval.run import HARNESS_REQUIREMENT
 
-    (extra,) = project()["optional-dependencies"]["eval"]
+    extra = next(r for r in project()["optional-dependencies"]["eval"] if r.startswith("lm-eval"))
     assert Requirement(HARNESS_REQUIREMENT) == Requirement(extra)
     assert "lm-eval" not in {canonicalize_name(r.name) for r in requirements()}  # not in the core install
 

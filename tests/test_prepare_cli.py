@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, cli_env, run_cli
-from tests.test_bad_inputs import assert_clean_error
+from tests.helpers import FAST, assert_clean_error, cli_env, run_cli
 from tests.test_data import many_docs, shakespeare_text, write_jsonl
 
 pytestmark = pytest.mark.slow

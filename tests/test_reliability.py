@@ -3,37 +3,17 @@
 import json
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import FAST, cli_env, run_cli
-from tests.test_train_cli import train_losses
+from tests.helpers import FAST, run_cli, train_losses, wait_for
+from tests.helpers import start_cli as start
 from xsa_lm.train.checkpointing import checkpoint_step
 
 pytestmark = pytest.mark.slow
 COMMON = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40", "trainer.max_steps=40"]
-
-
-def start(args: list[str], data_cache: Path, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "xsa_lm.cli", *args],
-        cwd=cwd,
-        env=cli_env(data_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None and time.time() < deadline, f"the run ended before {path.name} appeared"
-        time.sleep(0.02)
 
 
 def stop_mid_run(args: list[str], sig: signal.Signals, *, data_cache: Path, cwd: Path) -> subprocess.CompletedProcess:

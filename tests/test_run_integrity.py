@@ -12,10 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import FAST, run_cli
-from tests.test_bad_inputs import assert_clean_error
-from tests.test_reliability import start, stop_mid_run, wait_for
-from tests.test_train_cli import train_losses
+from tests.helpers import FAST, assert_clean_error, compose_train, run_cli, train_losses, wait_for
+from tests.helpers import start_cli as start
+from tests.test_reliability import stop_mid_run
 from xsa_lm.errors import UserError
 from xsa_lm.locking import exclusive
 from xsa_lm.train.checks import check_values
@@ -185,7 +184,7 @@ def test_every_bad_value_is_named_in_one_line():
         "samples.top_k=0 must be >= 1",
     ):
         assert part in message, message
-    check_values(OmegaConf.create({"seed": 0, "trainer": {"max_steps": 10}, "samples": {"top_k": None}}))
+    check_values(compose_train(["samples.top_k=null"]))
 
 
 def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Path):

@@ -1,27 +1,80 @@
-"""The model and attention groups are typed (xsa_lm/schema.py): mistakes fail when the config is composed."""
+"""The training config is typed (xsa_lm/schema.py): a renamed or misspelt key fails when the config is composed or
+when the run starts, and every rule of xsa_lm/train/checks.py names a key the config has."""
 
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, compose_train, refused_in_process
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
-from xsa_lm.schema import ATTENTION_FIELDS, check_known_keys
+from xsa_lm.schema import ATTENTION_FIELDS, GROUPS, TrainOptions, check_known_keys, register
+from xsa_lm.train.checks import RULES, WHERE_PRESENT, check_values, lookup
+from xsa_lm.train.resume import continuation_config
 from xsa_lm.train.run import model_config
 
-MODELS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml") if not p.stem.startswith("_"))
+CONFIGS = REPO / "configs"
+MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml") if not p.stem.startswith("_"))
+# Every option of every group of the training config, with what it needs set.
+REQUIRED = {"data=local": ["data.files=x"], "data=hf": ["data.path=x"], "data=prepared": ["data.dir=x"]}
+REQUIRED["tokenizer=file"] = ["tokenizer.path=x"]
+OPTIONS = [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml")) if not p.stem.startswith("_")]
+# `Any` values that no rule of checks.py checks, and what checks them instead.
+FREE_FORM = {
+    "attention.layers": "all | N | a list: run.xsa_layers",
+    "data.source": "a _target_ node: its class's arguments",
+    "data.files": "a glob or a list: data.sources.LocalFiles",
+    "data.data_files": "datasets' data_files",
+    "trainer.devices": "N | auto | a list: Lightning",
+    "trainer.strategy": "auto | a _target_ node: Lightning",
+    "trainer.limit_val_batches": "N batches | a share: Lightning",
+    "trainer.deterministic": "true | false | warn: Lightning",
+    "logger.wandb.log_model": "tracking.wandb_logger",
+}
 
 
-def compose_train(overrides: list[str]):
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+def compose_copy(configs: Path, overrides: list[str]) -> DictConfig:
+    """configs/train.yaml of a changed copy of the config tree (its schemas registered, as xsa_lm.configs does)."""
+    register()
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def every_option() -> list[DictConfig]:
+    """The training config with each option of each group."""
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        return [compose(config_name="train", overrides=[option, *REQUIRED.get(option, [])]) for option in OPTIONS]
+
+
+def leaves(cfg: DictConfig) -> list[tuple[str, Any]]:
+    """(dotted key, its schema type) of every value of the config down to the untyped nodes, which count as one."""
+    found = [(key, TrainOptions.__dataclass_fields__[key].type) for key in cfg if key not in GROUPS]
+    for group in GROUPS:
+        found += typed_leaves(cfg[group], f"{group}.")
+    found = [(key, t) for key, t in found if not dataclasses.is_dataclass(t)]
+    for key in ("checkpoint", "faults", "diagnostics", "samples", "profile"):
+        found += typed_leaves(cfg[key], f"{key}.")
+    return found
+
+
+def typed_leaves(node: DictConfig, prefix: str) -> list[tuple[str, Any]]:
+    schema = OmegaConf.get_type(node)
+    assert dataclasses.is_dataclass(schema), f"{prefix[:-1]} is untyped"
+    found = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.type) and isinstance(node[f.name], DictConfig):
+            found += typed_leaves(node[f.name], f"{prefix}{f.name}.")
+        else:
+            found.append((f"{prefix}{f.name}", f.type))
+    return found
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -49,26 +102,26 @@ def test_a_typo_in_a_preset_file_fails_at_composition(tmp_path: Path):
     configs = shutil.copytree(REPO / "configs", tmp_path / "configs")
     preset = (configs / "model" / "tiny.yaml").read_text().replace("name: tiny", "name: typo\nn_layr: 3")
     (configs / "model" / "typo.yaml").write_text(preset)
-    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
-        with pytest.raises((HydraException, OmegaConfBaseException), match="n_layr"):
-            compose(config_name="train", overrides=["model=typo"])
+    with pytest.raises((HydraException, OmegaConfBaseException), match="n_layr"):
+        compose_copy(configs, ["model=typo"])
 
 
-def test_an_appended_key_is_refused_in_one_line(tmp_path: Path):
+def test_an_appended_key_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     with pytest.raises(UserError, match=r"model\.n_layr: not an option of the model group"):
         check_known_keys(compose_train(["+model.n_layr=3"]))
     check_known_keys(compose_train(["attention=xsa", "attention.layers=[0,1]"]))
-    result = run_cli(["train", "+attention.gates=tanh", f"hydra.run.dir={tmp_path}/run"], tmp_path, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == (
+    stderr = refused_in_process(
+        ["train", "+attention.gates=tanh", f"hydra.run.dir={tmp_path}/run"], monkeypatch, capsys
+    )
+    assert stderr.strip() == (
         "xsa-lm: error: attention.gates: not an option of the attention group (it has name, eps, layers, gate)"
     )
 
 
-def test_the_cli_reports_a_wrong_type_in_one_line(tmp_path: Path):
-    result = run_cli(["train", "model.n_layer=four", f"hydra.run.dir={tmp_path}/run"], tmp_path, cwd=tmp_path)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "model.n_layer=four" in result.stderr and not (tmp_path / "run").exists()
+def test_the_cli_reports_a_wrong_type_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    stderr = refused_in_process(["train", "model.n_layer=four", f"hydra.run.dir={tmp_path}/run"], monkeypatch, capsys)
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert "model.n_layer=four" in stderr and not (tmp_path / "run").exists()
 
 
 def test_the_resolved_model_group_round_trips_through_config_yaml(tmp_path: Path):
@@ -78,3 +131,93 @@ def test_the_resolved_model_group_round_trips_through_config_yaml(tmp_path: Path
     saved = OmegaConf.load(tmp_path / "config.yaml")
     assert OmegaConf.to_container(saved.model) == OmegaConf.to_container(cfg.model)
     assert saved.attention.layers == 2
+
+
+@pytest.mark.parametrize(
+    "path, key, renamed",
+    [
+        ("train.yaml", "  keep_last:", "  keep_lst:"),  # a node of train.yaml
+        ("data/_base.yaml", "num_workers:", "num_worker:"),
+        ("optim/adamw.yaml", "weight_decay:", "wd:"),
+        ("scheduler/warmup_cosine.yaml", "warmup_steps:", "warmup:"),
+        ("trainer/default.yaml", "max_steps:", "max_step:"),
+        ("tokenizer/bpe.yaml", "vocab_size:", "vocab:"),
+        ("logger/wandb.yaml", "  mode:", "  mod:"),
+    ],
+)
+def test_a_renamed_key_in_a_config_file_fails_at_composition(tmp_path: Path, path: str, key: str, renamed: str):
+    configs = shutil.copytree(CONFIGS, tmp_path / "configs")
+    text = (configs / path).read_text()
+    assert text.count(key) == 1
+    (configs / path).write_text(text.replace(key, renamed))
+    with pytest.raises((HydraException, OmegaConfBaseException), match=renamed.strip(" :")):
+        compose_copy(configs, [])
+
+
+def test_a_renamed_top_level_key_fails_before_the_run_starts(tmp_path: Path):
+    # The root stays open to the keys sweep, scale and plan add beside the training config: checked at the start.
+    configs = shutil.copytree(CONFIGS, tmp_path / "configs")
+    text = (configs / "train.yaml").read_text()
+    (configs / "train.yaml").write_text(text.replace("\nprogress_bar:", "\nprogres_bar:"))
+    cfg = compose_copy(configs, [])
+    with pytest.raises(UserError, match=r"^progres_bar: not an option of configs/train.yaml \(it has seed, "):
+        check_values(cfg)
+    for command in ("plan", "sweep", "scale"):  # their own keys beside the training config's are theirs
+        check_values(compose_train([], config_name=command))
+
+
+def test_every_rule_names_a_key_of_the_config(every_option: list[DictConfig]):
+    for cfg in every_option:
+        missing = [key for key in RULES if lookup(cfg, key) is KeyError]
+        assert not missing, missing
+        check_values(cfg)
+    for key in WHERE_PRESENT:  # in some option (trainer=fsdp's strategy)
+        assert any(lookup(cfg, key) is not KeyError for cfg in every_option), key
+
+
+def test_every_key_of_the_config_has_a_type(every_option: list[DictConfig]):
+    # A schema type, or a rule of checks.py for an `Any`, or a reason in FREE_FORM; never nothing.
+    for cfg in every_option:
+        check_known_keys(cfg)
+        untyped = [key for key, t in leaves(cfg) if t is Any and key not in RULES and key not in FREE_FORM]
+        assert not untyped, untyped
+    assert set(FREE_FORM) <= {key for cfg in every_option for key, _ in leaves(cfg)}
+
+
+def test_a_rule_whose_key_is_missing_is_an_error():
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_train([])))  # as a resume reads config.yaml back
+    check_values(cfg)
+    del cfg.checkpoint["keep_last"]
+    with pytest.raises(UserError, match=r"^checkpoint.keep_last is missing from the config"):
+        check_values(cfg)
+
+
+def test_a_run_saved_before_a_free_key_existed_resumes_with_it(tmp_path: Path):
+    """config.yaml of a run saved before `profile` and checkpoint.every_n_steps existed: the resume takes them as
+    given (keys a resume may change anyway); a missing key a resume may not change stays missing, and is refused."""
+    given = compose_train(["resume=auto"])  # the default logger, wandb
+    saved = OmegaConf.create(OmegaConf.to_container(compose_train(["logger=csv"])))
+    del saved["profile"], saved.checkpoint["every_n_steps"], saved.optim["weight_decay"]
+    OmegaConf.save(saved, tmp_path / "config.yaml")
+    merged, _ = continuation_config(given, compose_train([]), ["resume=auto"], tmp_path)
+    assert merged.profile == given.profile and merged.checkpoint.every_n_steps == given.checkpoint.every_n_steps
+    assert "weight_decay" not in merged.optim  # what the model learns with: never filled in silently
+    assert "wandb" not in merged.logger  # a group's keys are those of the saved option
+    with pytest.raises(UserError, match=r"^optim.weight_decay is missing from the config"):
+        check_values(merged)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+optim.lrr=0.1", "optim.lrr: not an option of the optim group (it has _target_, _partial_, lr, "),
+        ("+trainer.max_step=5", "trainer.max_step: not an option of the trainer group"),
+        ("+checkpoint.keep=1", "checkpoint.keep: not an option of checkpoint (it has keep_last, every_n_steps, "),
+        ("+logger.wandb.projct=x", "logger.wandb.projct: not an option of logger.wandb (it has _target_, project, "),
+        ("+seeed=1", "seeed: not an option of configs/train.yaml"),
+    ],
+)
+def test_an_appended_key_anywhere_is_refused(override: str, message: str):
+    with pytest.raises(UserError) as error:
+        check_values(compose_train([override]))
+    assert str(error.value).startswith(message), error.value

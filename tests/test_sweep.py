@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, cli_env, run_cli
-from tests.test_eval import write_local_task
+from tests.helpers import FAST, cli_env, run_cli, write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import (
@@ -210,7 +209,7 @@ def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Pa
 
 
 def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
-    from tests.test_configs import compose_train
+    from tests.helpers import compose_train
 
     def grid(*overrides: str) -> list[float]:
         cfg = compose_train(list(overrides), config_name="sweep")
@@ -697,6 +696,7 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"trial process {pid} outlived the killed sweep")
 
 
+@pytest.mark.slow  # a sweep process per case (~10 s each)
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -1,6 +1,5 @@
 """End-to-end: `xsa-lm train` on the bundled corpus, for both attention types, through the real CLI."""
 
-import csv
 import json
 import subprocess
 import sys
@@ -9,16 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, cli_env, run_cli
+from tests.helpers import FAST, cli_env, run_cli, train_losses
 from xsa_lm import cli
 
 pytestmark = pytest.mark.slow
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss per step from metrics.csv (a resumed run's later rows win)."""
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
 @pytest.mark.parametrize("attention", ["sa", "xsa"])

@@ -1,6 +1,6 @@
 """xsa-lm: pretrain GPT-style models with baseline (SA) or exclusive (XSA) self attention."""
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
 from omegaconf import OmegaConf
 

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/<command>.yaml
     "train": ("xsa_lm.train.run", "train one SA or XSA model"),
@@ -13,6 +14,7 @@ COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/
     "eval": ("xsa_lm.eval.run", "zero-shot tasks through lm-evaluation-harness"),
     "generate": ("xsa_lm.eval.sample", "text from a checkpoint, with a KV cache"),
     "consolidate": ("xsa_lm.train.consolidate", "a sharded checkpoint (trainer=fsdp) as one file"),
+    "export": ("xsa_lm.export.run", "a checkpoint as a Hugging Face transformers model"),
     "sweep": ("xsa_lm.sweep.run", "LR search on SA, then SA vs XSA at that LR per seed"),
     "scale": ("xsa_lm.scale.run", "the sweep at several sizes, XSA's compute multiplier"),
     "plan": ("xsa_lm.train.plan", "memory per device for DDP and FSDP, largest micro-batch"),
@@ -61,7 +63,8 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         print(f"xsa-lm: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
-    job = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    everything = cast(dict, OmegaConf.to_container(cfg, resolve=False))  # a DictConfig gives a dict
+    job = {k: v for k, v in everything.items() if k != "hydra"}
     missing = missing_values(job)  # `???` values the chosen options need, e.g. data.files
     if missing:
         listed = ", ".join(missing)
@@ -83,14 +86,14 @@ def check_overrides(config_name: str, args: list[str]) -> None:
             sys.exit(2)
     # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line. The
     # folders made for the test are removed again: a default run dir holds the time, which Hydra reads anew.
-    missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    absent = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         reason = e.strerror or e
         print(f"xsa-lm: error: hydra.run.dir={run_dir} cannot be created ({reason}): choose another", file=sys.stderr)
         sys.exit(2)
-    for folder in missing:  # deepest first
+    for folder in absent:  # deepest first
         folder.rmdir()
 
 

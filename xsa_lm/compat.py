@@ -7,6 +7,7 @@ removes or changes one fails there, by name, rather than deep inside a training 
 import csv
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import lightning as L
 import torch
@@ -28,7 +29,7 @@ def should_update_logs(trainer: L.Trainer) -> bool:
 def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """Fused Adam/AdamW leave parameters and state untouched where `optimizer.found_inf` is nonzero, deciding on the
     device: the attribute GradScaler sets for them, read by torch's fused step."""
-    optimizer.found_inf = skip.float()
+    optimizer.found_inf = skip.float()  # type: ignore[attr-defined]  # not declared on Optimizer: set for its step
 
 
 def saves_sharded_checkpoints(strategy: ModelParallelStrategy) -> bool:
@@ -50,7 +51,7 @@ def appending_csv_writer(logger: CSVLogger) -> ExperimentWriter:
     """CSVLogger.experiment, with an AppendingExperimentWriter: the logger keeps its writer in `_experiment`."""
     if logger._experiment is None:
         logger._experiment = AppendingExperimentWriter(log_dir=logger.log_dir)
-    return logger._experiment
+    return cast(ExperimentWriter, logger._experiment)  # declared as Fabric's writer, the base of Lightning's
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
@@ -67,7 +68,7 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     run and reads it on the host (`.item()`): a wait for the device per micro-batch. The run's Preemption callback
     replaces Lightning's signal handling and agrees on stopping at logging steps only: the broadcast is switched off
     on this trainer's loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`)."""
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
 
 
 def accumulating(trainer: L.Trainer) -> bool:
@@ -91,10 +92,10 @@ def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None]
     connector = trainer._checkpoint_connector
     restore = connector._restore_modules_and_callbacks
 
-    def restore_agreed(checkpoint_path: str | None = None, weights_only: bool | None = None) -> None:
+    def restore_agreed(checkpoint_path: str | Path | None = None, weights_only: bool | None = None) -> None:
         restore(choose(None if checkpoint_path is None else str(checkpoint_path)), weights_only)
 
-    connector._restore_modules_and_callbacks = restore_agreed
+    connector._restore_modules_and_callbacks = restore_agreed  # type: ignore[method-assign]  # on purpose
 
 
 def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int) -> None:

@@ -15,11 +15,13 @@ normaliser, computed over chunks of queries, so it runs at the paper's 2048-1638
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from xsa_lm.model import GPT
+from xsa_lm.model.attention import CausalSelfAttention
 
 METRICS = ("cos_v_v", "a_ii", "cos_y_v", "cos_z_v", "norm_removed")
 
@@ -92,20 +94,21 @@ def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> l
 
         return observe
 
+    attentions = [cast(CausalSelfAttention, block.attn) for block in model.blocks]  # nn.ModuleList is untyped
     was_training = model.training
     model.eval()
     try:
-        for layer, block in enumerate(model.blocks):
-            block.attn.observer = observer_for(layer)
+        for layer, attn in enumerate(attentions):
+            attn.observer = observer_for(layer)
         for batch in batches:
             model(batch)
     finally:
-        for block in model.blocks:
-            block.attn.observer = None
+        for attn in attentions:
+            attn.observer = None
         model.train(was_training)
     rows = []
-    for layer, block in enumerate(model.blocks):
-        row = {"layer": layer, "attention": "xsa" if block.attn.exclusive else "sa"}
+    for layer, attn in enumerate(attentions):
+        row: dict[str, int | str | float | None] = {"layer": layer, "attention": "xsa" if attn.exclusive else "sa"}
         for name in METRICS:
             row[name] = sums[layer][name] / counts[layer][name] if counts[layer][name] else None
         rows.append(row)

@@ -149,7 +149,8 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
             points = checkpoint_points(rows, label, metric, relative)
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=colors[label], label=label)
-        paper = [(r["layer"] / max(len(reference) - 1, 1), r[metric]) for r in reference or [] if metric in r]
+        paper_rows = reference or []
+        paper = [(r["layer"] / max(len(paper_rows) - 1, 1), r[metric]) for r in paper_rows if metric in r]
         if paper:
             ax.plot(*zip(*paper, strict=True), "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
         ax.set_title(title)
@@ -162,7 +163,7 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
             ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
             ax.set_xticks([])
             ax.set_yticks([])
-    handles = {}  # one entry per line label, across panels (the paper's line is not in every one)
+    handles: dict = {}  # one entry per line label, across panels (the paper's line is not in every one)
     for ax in axes:
         for line in ax.lines:
             handles.setdefault(line.get_label(), line)

@@ -5,6 +5,7 @@ inherits another's state, but each recompiles); this is for a GPU lent for minut
 import inspect
 import statistics
 from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 
@@ -25,7 +26,8 @@ def timed_rounds(
 ) -> dict[str, list[float]]:
     """Per model, the median step time (s) of each round; a round times `steps` steps of every model, in an order
     that alternates from round to round, so drift hits both alike."""
-    names, per_round = list(trainers), {name: [] for name in trainers}
+    names = list(trainers)
+    per_round: dict[str, list[float]] = {name: [] for name in trainers}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
             per_round[name].append(statistics.median(step_times(trainers[name].run(batches, steps))))
@@ -91,7 +93,9 @@ def planned_memory(config: GPTConfig, *, micro_batch: int, precision: str, compi
     """xsa_lm.train.memory.estimate for this model on one device (the plain loop holds every tensor whole), with its
     `compiled=` and `attention=` arguments where the estimate has them."""
     accepted = inspect.signature(estimate).parameters
-    optional = {k: v for k, v in (("compiled", compiled), ("attention", config.attention)) if k in accepted}
+    optional: dict[str, Any] = {
+        k: v for k, v in (("compiled", compiled), ("attention", config.attention)) if k in accepted
+    }
     plan = estimate(asdict(config), config.vocab_size, micro_batch, config.block_size, precision, **optional)
     return plan.as_dict() | {"arguments": sorted(optional)}
 

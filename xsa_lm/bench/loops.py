@@ -160,7 +160,7 @@ def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: i
         max_steps=n,
         accelerator=setup.device.type,
         devices=1,
-        precision=setup.precision,
+        precision=setup.precision,  # type: ignore[arg-type]  # a config string: Lightning checks it
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -263,6 +263,7 @@ def measure(phase: Phase) -> dict:
         }
     # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
     total = w + phase.steps + 1
+    memory: int | None
     if phase.kind == "plain":
         trainer = PlainTrainer(config, setup, phase.seed, total)
         times = step_times(trainer.run(batches, total - 1)[w:])

@@ -31,7 +31,8 @@ def profiled_names(fn: Callable[[], object]) -> tuple[set[str], set[str]]:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    operators, kernels = set(), set()
+    operators: set[str] = set()
+    kernels: set[str] = set()
     for event in prof.events():
         on_host = event.device_type == torch.autograd.DeviceType.CPU
         (operators if on_host else kernels).add(event.name)

@@ -145,6 +145,7 @@ class TokenDataModule(L.LightningDataModule):
         """Windows the resumed run's stream had served: a multiple of every micro-batch x devices split of the
         global batch (a resume keeps global_batch_tokens and block_size), so any split continues where it stopped."""
         saved = self.resume_from
+        assert saved is not None  # asked on a resumed run only
         return saved["global_micro_batches"] * saved.get("micro_batch_size", self.micro_batch_size)
 
     def train_dataloader(self) -> DataLoader:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from xsa_lm.data.tokenizer import EOT
+from xsa_lm.data.tokenizer import EOT, eot_id
 from xsa_lm.errors import UserError
 
 
@@ -48,7 +48,7 @@ class PreparedData:
 
     def shards(self, split: str) -> list[np.ndarray]:
         """The split's non-empty shards, memory-mapped; a shard whose size disagrees with meta.json is an error."""
-        arrays = []
+        arrays: list[np.ndarray] = []
         for shard in self.meta["shards"]:
             n_tokens = shard[f"{split}_tokens"]
             if n_tokens == 0:
@@ -270,7 +270,7 @@ def _write_shards(
     progress: bool,
     source,
 ) -> list:
-    job = (str(out), str(out / "tokenizer.json"), tokenizer.token_to_id(EOT), token_dtype(tokenizer.get_vocab_size()))
+    job = (str(out), str(out / "tokenizer.json"), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
     shards: list[dict] = []
     bar = _Progress(progress, getattr(source, "count_documents", lambda: None)())
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None

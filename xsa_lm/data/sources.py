@@ -111,6 +111,7 @@ class LocalFiles:
 
     def _json_documents(self, path: str) -> Iterator[tuple[str, str]]:
         text = _read_utf8(path)
+        rows: Iterator[tuple[int, object]]
         if text.lstrip().startswith("["):  # one JSON array
             rows = enumerate(json.loads(text), start=1)
         else:  # JSON lines
@@ -210,15 +211,16 @@ class HFDataset:
 
     def identity(self) -> dict:
         files = expand(self.data_files, "data.data_files") if self.data_files is not None else None
+        described = None
         if files is not None:
-            files = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in files]
+            described = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in files]
         return {
             "name": self.name,
             "path": self.path,
             "subset": self.subset,
             "split": self.split,
             "text_field": self.text_field,
-            "files": files,
+            "files": described,
             "max_documents": self.max_documents,
         }
 

@@ -11,6 +11,14 @@ from xsa_lm.errors import UserError
 EOT = "<|endoftext|>"  # separates documents; GPT-2's own end-of-text token
 
 
+def eot_id(tokenizer: Tokenizer) -> int:
+    """EOT's id: every tokenizer a corpus is prepared with has one (preparing refuses a tokenizer without)."""
+    eot = tokenizer.token_to_id(EOT)
+    if eot is None:
+        raise UserError(f"tokenizer: it has no {EOT} token to separate documents")
+    return eot
+
+
 def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE with EOT as its only special token, trained on the training split's documents."""
     if vocab_size < 257:

@@ -6,7 +6,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from tokenizers import Tokenizer
 
-from xsa_lm.data.tokenizer import EOT
+from xsa_lm.data.tokenizer import eot_id
 from xsa_lm.model import GPT, generate
 
 
@@ -17,7 +17,7 @@ class HarnessLM(LM):
         super().__init__()
         self.model, self.tokenizer = model.to(device).eval(), tokenizer
         self.batch_size, self._device = batch_size, device  # the harness reads it through its `device` property
-        self.eot = tokenizer.token_to_id(EOT)
+        self.eot = eot_id(tokenizer)
         self.max_length = model.config.block_size
 
     def encode(self, text: str) -> list[int]:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any, cast
 
 import hydra
 import yaml
@@ -117,7 +118,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
 
     manager = load_tasks(names, folders)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
+    rows: list[dict[str, Any]] = []
     for ckpt in ckpts:
         path = Path(ckpt).expanduser()
         model = load_model(path)
@@ -125,7 +126,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
         out = lm_eval.simple_evaluate(
             model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
         )
-        scores = {
+        scores: dict[str, dict[str, Any]] = {
             task: dict(zip(("metric", "value"), headline(task, out["results"][task]), strict=True)) for task in names
         }
         average = sum(s["value"] for s in scores.values()) / len(scores)
@@ -138,7 +139,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
                 "average": average,
             }
         )
-    result = {"tasks": names, "limit": limit, "rows": rows}
+    result: dict[str, Any] = {"tasks": names, "limit": limit, "rows": rows}
     sa = [r for r in rows if r["attention"] == "sa"]
     xsa = [r for r in rows if r["attention"] == "xsa"]
     if sa and xsa:  # the first of each, as in the paper's table
@@ -172,7 +173,8 @@ def log_to_wandb(result: dict, wandb_mode: str) -> None:
     for row in result["rows"]:
         run_dir = run_dir_of(Path(row["checkpoint"]))
         id_file = run_dir / "wandb_run_id.txt"
-        config = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").exists() else None
+        saved = run_dir / "config.yaml"  # written by xsa-lm train: a mapping
+        config = cast(DictConfig, OmegaConf.load(saved)) if saved.exists() else None
         wandb_cfg = config.logger.get("wandb") if config is not None and config.get("logger") else None
         run = wandb_init(
             save_dir=str(run_dir),

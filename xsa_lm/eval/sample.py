@@ -7,7 +7,7 @@ import torch
 from omegaconf import DictConfig
 
 from xsa_lm.checkpoints import load_model, load_tokenizer
-from xsa_lm.data.tokenizer import EOT
+from xsa_lm.data.tokenizer import eot_id
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.model import generate
 
@@ -39,7 +39,7 @@ def sample(
     model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path)
     prompt = "" if prompt is None else str(prompt)  # prompt=null, or a number Hydra parsed as one
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [tokenizer.token_to_id(EOT)]
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
     idx = torch.tensor([ids] * num_samples, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = generate(model.to(device), idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)

@@ -91,7 +91,9 @@ def _xsa_backward(
     # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
     grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
     grad_v = grad_v.sum_to_size(v.shape).to(v.dtype)  # GQA: summed over the query heads that share v
-    grad_scale = (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale_needs_grad else None
+    grad_scale = (
+        (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale is not None and scale_needs_grad else None
+    )
     return grad_y.to(y.dtype), grad_v, grad_scale
 
 
@@ -197,6 +199,7 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
+        assert config.n_kv_head is not None  # GPTConfig resolves None to n_head
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)  # W_o

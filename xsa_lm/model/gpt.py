@@ -17,6 +17,7 @@ of 64 (by the caller, xsa_lm/train/run.py).
 """
 
 import math
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -65,6 +66,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -130,13 +134,13 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {past + T} exceeds block_size {self.config.block_size}")
         cos, sin = self.rope_cos[past : past + S + T], self.rope_sin[past : past + S + T]
         x = self.wte(idx)
-        if S:
+        if S and self.sinks is not None:
             x = torch.cat([self.sinks.to(x.dtype).expand(x.size(0), -1, -1), x], dim=1)
         x = self.drop(self.ln_emb(x))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, caches[i] if caches else None)
         logits, loss = self.logits_and_loss(x[:, S:], targets)  # sink positions are never predicted
-        return logits if targets is None else (logits, loss)
+        return logits if targets is None else (logits, cast(torch.Tensor, loss))  # a loss: targets were given
 
     def logits_and_loss(
         self, x: torch.Tensor, targets: torch.Tensor | None = None

@@ -173,7 +173,7 @@ def bootstrap_multipliers(
         method="percentile",
         rng=np.random.default_rng(seed),
     )
-    intervals = []
+    intervals: list[tuple[float, float] | None] = []
     for lo, hi in zip(result.confidence_interval.low, result.confidence_interval.high, strict=True):
         if not (math.isfinite(lo) and math.isfinite(hi)):
             intervals.append(None)

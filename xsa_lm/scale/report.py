@@ -209,7 +209,8 @@ def log_to_wandb(results: dict, study_dir: Path, wandb_cfg: dict) -> None:
     columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean multiplier wallclock_multiplier".split()
     rows = [[s.get(c) for c in columns] for s in results["sizes"] if "compute" in s]
     plots = {f"scale/{p}": wandb.Image(str(study_dir / f"{p}.png")) for p in ("loss_vs_compute", "multiplier")}
-    run.log({"scale/sizes": wandb.Table(columns=columns, data=rows), **plots})
+    table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
+    run.log({"scale/sizes": table, **plots})
     run.summary.update({"fit": results["fit"]["formula"], "fit_rms_residual": results["fit"]["rms_residual"]})
     files = [study_dir / f for f in ("results.json", "report.md", "loss_vs_compute.png", "multiplier.png")]
     log_files_artifact(run, name=name, artifact_type="scale-report", files=files)

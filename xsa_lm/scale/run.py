@@ -16,6 +16,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -67,7 +68,7 @@ def open_study(study_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
     )
 
 
-def check_models(models: object) -> list[str]:
+def check_models(models: Any) -> list[str]:
     names = [str(m) for m in models or []] if OmegaConf.is_list(models) or isinstance(models, list) else []
     if len(names) < 2 or len(set(names)) != len(names):
         raise UserError(
@@ -120,6 +121,7 @@ class SizeRunner:
                 preexec_fn=_die_with_parent,
             )
             in_report = False  # the sweep prints its report at the end: it stays in the log, the study reports
+            assert self.proc.stdout is not None  # stdout=PIPE
             for line in self.proc.stdout:
                 out.write(line)
                 out.flush()
@@ -262,7 +264,7 @@ def check_analysis(scale: DictConfig) -> None:
 def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
     models = check_models(cfg.scale.models)
     check_analysis(cfg.scale)
-    seeds = OmegaConf.to_container(cfg.scale.seeds) if cfg.scale.get("seeds") is not None else None
+    seeds = cast(list[int], OmegaConf.to_container(cfg.scale.seeds)) if cfg.scale.get("seeds") is not None else None
     state = open_study(study_dir, overrides, cfg)
     OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
     wandb_cfg = wandb_settings(cfg)

@@ -189,6 +189,7 @@ def paired_test(diffs: Sequence[float], alpha: float = ALPHA) -> PairedTest:
     mean, sd = mean_std(diffs)
     if len(diffs) < 2:
         return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=None, t=None, p_value=None, mde=None)
+    assert mean is not None  # two differences or more
     if sd == 0:  # identical differences: no noise estimate, scipy returns inf or nan
         return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=(mean, mean), t=None, p_value=None, mde=0.0)
     result = scipy.stats.ttest_1samp(list(diffs), 0.0)

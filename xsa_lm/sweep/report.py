@@ -421,7 +421,8 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
         **wandb_cfg,
     )
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
-    table = wandb.Table(columns=columns, data=[[t.get(c) for c in columns] for t in results["trials"]])
+    rows = [[t.get(c) for c in columns] for t in results["trials"]]
+    table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
     plots = {f"report/{name}": wandb.Image(str(sweep_dir / f"{name}.png")) for name in ("lr_sweep", "curves")}
     run.log({"report/trials": table, **plots})
     compare = results["comparison"]

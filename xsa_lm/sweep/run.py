@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -78,7 +78,7 @@ def wandb_settings(cfg: DictConfig) -> DictConfig | None:
 
 def report_run_settings(wandb_cfg: DictConfig) -> dict:
     """The logger.wandb settings that a report run (log_to_wandb) takes."""
-    settings = OmegaConf.to_container(wandb_cfg, resolve=True)
+    settings = cast(dict, OmegaConf.to_container(wandb_cfg, resolve=True))  # a DictConfig gives a dict
     return {k: v for k, v in settings.items() if k in ("project", "entity", "mode", "init_timeout_s")}
 
 
@@ -175,7 +175,9 @@ def run_sequential(
     look at the corrected CI after each, until it excludes 0 or cap seeds ran. A rerun replays the same looks on the
     reused trials, so it stops where the first run stopped, or continues where that one was cut short."""
     rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seed, cap)
-    looks, n, trials = [], rule.first_look, []
+    looks: list[dict] = []
+    trials: list[Trial] = []
+    n = rule.first_look
     while True:
         added = compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final (else it returned)
         trials += added
@@ -306,7 +308,8 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     sa_search, xsa_search, selection = search_phase(
         launcher, store, grid, search_seed=search_seed, tune_xsa=cfg.sweep.tune_xsa
     )
-    compare, sequential = [], None
+    compare: list[Trial] = []
+    sequential = None
     if selection.lr is not None:
         compare, sequential = compare_phase(
             launcher, store, selection.lr, seeds=seeds, search_seed=search_seed, cap=cap

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import Trial
@@ -204,8 +205,9 @@ class Launcher:
         """Run every trial that has no final record yet; returns when all have finished."""
         todo = [t for t in dict.fromkeys(trials) if not self.store.is_final(t)]
         for trial in dict.fromkeys(trials):
-            if trial not in todo:
-                self.echo(f"  {phase}: {trial.id} already {self.store.load(trial)['status']} (reused)")
+            if trial not in todo:  # final: it has a record
+                status = cast(dict, self.store.load(trial))["status"]
+                self.echo(f"  {phase}: {trial.id} already {status} (reused)")
         free = list(range(len(self.slots)))
         while todo or self.running:
             while todo and free:
@@ -227,8 +229,9 @@ class Launcher:
         log.parent.mkdir(parents=True, exist_ok=True)
         taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
         env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
-        if self.slots[slot] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.slots[slot]
+        gpus = self.slots[slot]
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         with open(log, "a") as out:
             out.write(f"\n=== attempt {attempt} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
             out.flush()
@@ -262,7 +265,7 @@ class Launcher:
         fresh = summary_file.exists() and summary_file.stat().st_mtime >= started - 1
         summary = json.loads(summary_file.read_text()) if fresh else None
         result = outcome(returncode, summary, last_error_line(self.store.log_file(trial)), self.diverge_above)
-        record = {**self.store.load(trial), **result, "returncode": returncode, "finished": time.time()}
+        record = {**(self.store.load(trial) or {}), **result, "returncode": returncode, "finished": time.time()}
         self.store.save(trial, record)
         loss = result.get("final_val_loss")
         finished = loss is not None and result["status"] == "completed"
@@ -278,5 +281,5 @@ class Launcher:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            self.store.save(trial, {**self.store.load(trial), "status": "interrupted", "finished": time.time()})
+            self.store.save(trial, {**(self.store.load(trial) or {}), "status": "interrupted", "finished": time.time()})
         self.running.clear()

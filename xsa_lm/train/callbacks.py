@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import cast
 
 import lightning as L
 import torch
@@ -19,6 +20,7 @@ from rich.progress import (
 
 from xsa_lm.bench.hardware import peak_flops
 from xsa_lm.compat import should_update_logs
+from xsa_lm.model import GPT
 from xsa_lm.train.checkpointing import Preemption
 
 GIB = 2**30
@@ -53,7 +55,7 @@ class Throughput(L.Callback):
             return
         datamodule = getattr(trainer, "datamodule", None)
         context = getattr(datamodule, "block_size", None)
-        self.flops_per_token = pl_module.model.flops_per_token(context)
+        self.flops_per_token = cast(GPT, pl_module.model).flops_per_token(context)
         peak = device_peak_flops(str(pl_module.device), str(trainer.precision))
         self.peak_flops = peak * trainer.world_size if peak else None  # None: a GPU missing from the table
 
@@ -229,11 +231,12 @@ class Diagnostics(EveryNSteps):
         step = trainer.global_step
         from xsa_lm.analysis.diagnostics import METRICS, diagnose
 
-        val = trainer.datamodule.val_set
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's fit, not declared
+        val = datamodule.val_set
         windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
-        model = pl_module.model
+        model = cast(GPT, pl_module.model)
         with torch.compiler.set_stance("force_eager"):  # a few batches, observed layer by layer: not worth compiling
-            rows = diagnose(model, windows.split(trainer.datamodule.micro_batch_size), self.chunk)
+            rows = diagnose(model, windows.split(datamodule.micro_batch_size), self.chunk)
         # Straight to the loggers, once (self.log would repeat the value on every later step's row).
         metrics = {
             f"diag/{metric}/layer_{row['layer']}": row[metric]
@@ -273,11 +276,11 @@ class Samples(EveryNSteps):
         if not self.due(trainer):
             return
         step = trainer.global_step
-        from xsa_lm.data.tokenizer import EOT
+        from xsa_lm.data.tokenizer import eot_id
         from xsa_lm.model import generate
 
-        tokenizer = trainer.datamodule.data.tokenizer
-        ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [tokenizer.token_to_id(EOT)]
+        tokenizer = trainer.datamodule.data.tokenizer  # type: ignore[attr-defined]  # set by Lightning's fit
+        ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
         model = pl_module.model  # generate() runs it eagerly, compiled or not
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
         context = torch.tensor([ids], device=pl_module.device)

@@ -64,7 +64,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "free space (or fix permissions) and continue with resume=auto"
             ) from None
 
-    def load_checkpoint(self, path: str | Path, map_location: object = None, weights_only: bool | None = None) -> dict:
+    def load_checkpoint(
+        self, path: str | Path, map_location: Callable | None = None, weights_only: bool | None = None
+    ) -> dict:
         if is_sharded(Path(path)):  # written by FSDP2 ranks, resumed here by one process (or DDP)
             return load_sharded(Path(path))
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -329,7 +331,8 @@ class Preemption(L.Callback):
         self._seen_step = trainer.global_step
         stop = self.received is not None
         if trainer.world_size > 1:  # every rank stops at the same step, or none does
-            if trainer.global_step % max(trainer.log_every_n_steps, 1):
+            every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
+            if trainer.global_step % max(every, 1):
                 return  # agreeing is a collective that waits for the device: at logging steps only
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop and self.preempted_at is None:

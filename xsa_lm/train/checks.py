@@ -6,7 +6,7 @@ compose fine and would fail deep inside torch or Lightning, or worse, run. Each 
 
 import math
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from xsa_lm.errors import UserError
 from xsa_lm.schema import check_known_keys
@@ -71,7 +71,11 @@ def _int_or_auto(minimum: int):
 
 
 def _betas(value) -> str | None:
-    if len(value) != 2 or any(isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b < 1 for b in value):
+    if (
+        not isinstance(value, list | ListConfig)
+        or len(value) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b < 1 for b in value)
+    ):
         return "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
     return None
 
@@ -88,7 +92,6 @@ RULES = {
     "checkpoint.keep_last": _int(0),
     "checkpoint.every_n_steps": _int(1, nullable=True),
     "checkpoint.async_save": _bool,
-    "trainer.strategy.tensor_parallel_size": _one_only,
     "faults.skip_nonfinite_batches": _int(0),
     "faults.spike_factor": _number(0, low_open=True, nullable=True),
     "faults.inject_nan_at_step": _int(0, nullable=True),
@@ -130,26 +133,32 @@ RULES = {
     "trainer.gradient_clip_val": _number(0, nullable=True),
     "trainer.activation_checkpointing": _bool,
 }
+# Keys of a node that only some options have: trainer.strategy is `auto` or a strategy's own arguments.
+WHERE_PRESENT = {
+    "trainer.strategy.tensor_parallel_size": _one_only,  # trainer=fsdp
+}
 
 
 def lookup(cfg: DictConfig, key: str) -> object:
     """The value at a dotted key, or KeyError (the class) where the config has no such key."""
     node = cfg
     for part in key.split("."):
-        if node is None or part not in node:
+        if not isinstance(node, DictConfig) or part not in node:
             return KeyError
         node = node[part]
     return node
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Keys the model and attention groups do not have, then every key of RULES that the config has, in one line
-    naming each bad value."""
+    """Keys no schema has, then every key of RULES (a missing one is a mistake too: a rule never goes unchecked) and
+    of WHERE_PRESENT that the config has, in one line naming each bad value."""
     check_known_keys(cfg)
     bad = []
-    for key, rule in RULES.items():
+    for key, rule in {**RULES, **WHERE_PRESENT}.items():
         value = lookup(cfg, key)
         if value is KeyError:
+            if key in RULES:
+                bad.append(f"{key} is missing from the config: set it")
             continue
         problem = rule(value)
         if problem:

@@ -3,15 +3,19 @@
 import math
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
+from typing import cast
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRSchedulerConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from xsa_lm.compat import accumulating, realign_accumulation, should_update_logs, skip_fused_update
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model.gpt import Block
 
 
 def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
@@ -21,7 +25,9 @@ def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
     blocks, leaving the head and the cross-entropy eager. Alike blocks reuse one graph; the embedding stays eager."""
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=True)
-    model.logits_and_loss = torch.compile(model.logits_and_loss, backend=backend, fullgraph=True)
+    model.logits_and_loss = torch.compile(  # type: ignore[method-assign]  # in place, on purpose
+        model.logits_and_loss, backend=backend, fullgraph=True
+    )
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -35,7 +41,7 @@ class LMModule(L.LightningModule):
     def __init__(
         self,
         model_config: GPTConfig,
-        optimizer: Callable[..., torch.optim.Optimizer],
+        optimizer: partial[torch.optim.Optimizer],
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler],
         total_steps: int,
         compile: bool = False,
@@ -52,7 +58,7 @@ class LMModule(L.LightningModule):
         self.total_steps = total_steps
         self.model = GPT(model_config)
         for block in self.model.blocks:  # before compile and before FSDP2 wraps each block (configure_model)
-            block.activation_checkpointing = activation_checkpointing
+            cast(Block, block).activation_checkpointing = activation_checkpointing
         if compile:
             compile_model(self.model)
         self.tokens_per_micro_batch = 0
@@ -119,13 +125,15 @@ class LMModule(L.LightningModule):
             self.log_step_loss()
         # Not LearningRateMonitor: it names the column lr-AdamW/pg1 and logs it on rows of its own, per micro-batch.
         if should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
-            self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True)
+            optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer: not a list
+            self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True)
         return loss
 
     def log_step_loss(self) -> None:
         """train/loss: the mean over the step's micro-batches and, at logging steps, over every rank: what one process
         training on the whole global batch logs. A device tensor, read only when written out (not prog_bar=True:
         Lightning reads those back after every batch; the ProgressBar callback shows it at logging steps)."""
+        assert self._step_loss is not None  # training_step has just added to it
         loss = self._step_loss / self.trainer.accumulate_grad_batches
         self._step_loss = None
         if should_update_logs(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
@@ -172,7 +180,8 @@ class LMModule(L.LightningModule):
             self._nonfinite.append((self.global_step, nonfinite))
 
     def on_train_batch_end(self, outputs: STEP_OUTPUT, batch: tuple, batch_idx: int) -> None:
-        if self.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
+        every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
+        if self.global_step % max(every, 1) == 0:
             self.check_nonfinite()
 
     def on_train_end(self) -> None:
@@ -212,9 +221,9 @@ class LMModule(L.LightningModule):
             self.record_event(event, current)
         self._typical[event] = current if typical is None else 0.9 * typical + 0.1 * current
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         groups = param_groups(self.model, self.optimizer_factory.keywords.get("weight_decay", 0.0))
-        kwargs = {}
+        kwargs: dict[str, bool] = {}
         if "fused" not in self.optimizer_factory.keywords and self.device.type in ("cpu", "cuda"):
             kwargs["fused"] = True  # one kernel for all parameters (~8x faster on CPU too), and found_inf skipping
         optimizer = self.optimizer_factory(groups, **kwargs)

@@ -8,6 +8,7 @@ estimate_for_config gives it for any composed config, e.g. to compare with torch
 import json
 import math
 from pathlib import Path
+from typing import cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +22,7 @@ from xsa_lm.train.run import VOCAB_MULTIPLE, resolve_precision, world_size
 
 def memory_shape(cfg: DictConfig) -> dict:
     """memory.estimate's arguments that a training config fixes (all but micro_batch_size, strategy, compiled)."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig gives a dict
     vocab = model.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
     return dict(
         model=model,
@@ -113,7 +114,7 @@ def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict
     }
 
 
-def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> float | None:
+def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> int | None:
     """Micro-batches per optimizer step on each device (None when not a whole number)."""
     per_micro_step = micro_batch_size * devices * block_size
     if per_micro_step == 0 or global_batch_tokens % per_micro_step:

@@ -8,10 +8,12 @@ cosine for the new length.
 """
 
 from pathlib import Path
+from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError
+from xsa_lm.schema import GROUPS
 
 # Keys a resume may change: how long, how often, where and how fast; never what the model sees or how it learns.
 # micro_batch_size and devices change only the split of the same global batch (the accumulation follows).
@@ -54,6 +56,11 @@ def flatten(node: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def plain(config: DictConfig) -> dict:
+    """The config resolved into plain dicts and lists."""
+    return cast(dict, OmegaConf.to_container(config, resolve=True))  # a DictConfig gives a dict
+
+
 def is_free(key: str) -> bool:
     return any(key == free or (free.endswith(".") and key.startswith(free)) for free in FREE_ON_RESUME)
 
@@ -69,12 +76,10 @@ def continuation_config(
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
         return given, []
-    saved = OmegaConf.load(saved_file)
+    saved = cast(DictConfig, OmegaConf.load(saved_file))  # written by xsa-lm train: a mapping
     if saved.scheduler.get("total_steps") is None:  # written before the schedule length was resolved into it
         saved.scheduler.total_steps = saved.trainer.max_steps
-    saved_flat = flatten(OmegaConf.to_container(saved, resolve=True))
-    given_flat = flatten(OmegaConf.to_container(given, resolve=True))
-    default_flat = flatten(OmegaConf.to_container(defaults, resolve=True))
+    saved_flat, given_flat, default_flat = (flatten(plain(c)) for c in (saved, given, defaults))
     named = [o.split("=", 1)[0].lstrip("+~") for o in overrides]  # `attention=sa` names attention.*
     on_command_line = {
         k: v
@@ -89,9 +94,13 @@ def continuation_config(
             f"resume: the run in {run_dir} was trained with another config ({'; '.join(refused)}); a resume continues "
             "the saved config.yaml: drop these overrides, or start a new run in another hydra.run.dir"
         )
-    merged = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    merged = OmegaConf.create(plain(saved))
     for key, (_, new) in changes.items():
         OmegaConf.update(merged, key, new, force_add=True)
+    for key, value in given_flat.items():  # free keys added to train.yaml after this run was saved: as given
+        in_group = key.split(".")[0] in GROUPS  # a group's keys follow the saved option (logger=csv has no wandb)
+        if key not in saved_flat and key not in changes and is_free(key) and not in_group:
+            OmegaConf.update(merged, key, value, force_add=True)
     merged.resume = given.resume
     notes = [f"{k}: {old} -> {new}" for k, (old, new) in changes.items()]
     return merged, [*notes, schedule_note(saved.scheduler.total_steps, merged)]

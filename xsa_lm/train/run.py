@@ -13,7 +13,7 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import hydra
 import lightning as L
@@ -109,7 +109,7 @@ def check_memory(cfg: DictConfig, *, devices: int, accumulation: int) -> None:
     has free, before the model is built; check_memory=false lets it try anyway."""
     if not cfg.get("check_memory", True):
         return
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields = cast(dict[str, Any], OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig: a dict
     vocab = fields.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
     need = memory.estimate(
         model=fields,
@@ -144,7 +144,8 @@ def tokenizer_on_command_line() -> bool:
 def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
     """GPTConfig from the model group (typed like GPTConfig: xsa_lm/schema.py) and the attention group. A null
     model.vocab_size takes the tokenizer's vocabulary, padded to a multiple of 64."""
-    architecture = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    fields = cast(dict[str, Any], OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig: a dict
+    architecture = {k: v for k, v in fields.items() if k != "name"}
     if architecture["vocab_size"] is None:
         architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     elif architecture["vocab_size"] < vocab_size:
@@ -208,7 +209,8 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
     of another model is refused, naming each differing field."""
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
-        if holds_a_run and rank_zero_only.rank == 0:  # DDP ranks > 0 start after rank 0 has written
+        # DDP ranks > 0 start after rank 0 has written. rank_zero_only.rank: a function attribute Lightning sets.
+        if holds_a_run and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
             raise UserError(
                 f"hydra.run.dir={run_dir} already holds a run: pass resume=auto to continue it, "
                 "or choose a new hydra.run.dir"
@@ -241,13 +243,14 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
 def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
     """metrics.csv and W&B. A resume from the checkpoint of step S keeps metrics.csv's rows before S and continues
     the run's W&B run; a resume=auto that found no checkpoint starts over: no old row is kept, a new W&B run."""
-    loggers = []
+    loggers: list = []
     if not cfg.logger:
         return loggers
     if cfg.logger.get("csv"):
         keep_before = resume_step if resume_step is not None else (0 if cfg.resume is not None else None)
         loggers.append(build(cfg.logger.csv, save_dir=str(run_dir), resume_step=keep_before))
-    if cfg.logger.get("wandb") and rank_zero_only.rank == 0:  # one W&B run, from global rank 0
+    # One W&B run, from global rank 0 (rank_zero_only.rank: a function attribute Lightning sets).
+    if cfg.logger.get("wandb") and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
         # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
@@ -286,7 +289,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
             ranks_per_node=plan["devices"] // int(cfg.trainer.get("num_nodes", 1)),
         ),
     )
-    if rank_zero_only.rank != 0:
+    if rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # a function attribute Lightning sets
         # Rank 0 alone picks the checkpoint (each rank would pick from what it sees); its choice reaches this rank
         # once the process group exists (ClusterChecks).
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH)
@@ -351,7 +354,7 @@ def fit(
     callbacks = make_callbacks(cfg, run_dir)
     loggers = make_loggers(cfg, run_dir=run_dir, run_name=run_name, resume_step=resume.step)
     trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=callbacks.all, loggers=loggers)
-    is_rank_zero = rank_zero_only.rank == 0
+    is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path, weights_only=False)  # our own files
         status = outcome(trainer, module=module, datamodule=datamodule, callbacks=callbacks)
@@ -500,7 +503,7 @@ def make_trainer(
 
 def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
     """The trainer group without the keys that are ours (the module reads them), for lightning.Trainer."""
-    return OmegaConf.masked_copy(trainer_cfg, [key for key in trainer_cfg if key not in OUR_TRAINER_KEYS])
+    return OmegaConf.masked_copy(trainer_cfg, [str(key) for key in trainer_cfg if key not in OUR_TRAINER_KEYS])
 
 
 def outcome(trainer: L.Trainer, *, module: LMModule, datamodule: TokenDataModule, callbacks: RunCallbacks) -> str:
@@ -525,7 +528,8 @@ def validate_last_step(
     trainer.validate(module, datamodule=datamodule, verbose=False)
     # On every rank: under FSDP2 saving gathers (or writes) every rank's shard. val/loss is synced across ranks,
     # so all take the same decisions.
-    callbacks = [c for c in trainer.checkpoint_callbacks if c is not checkpoint] + [checkpoint]
+    others = [c for c in trainer.checkpoint_callbacks if c is not checkpoint and isinstance(c, ModelCheckpoint)]
+    callbacks = others + [checkpoint]
     for callback in callbacks:
         save_checkpoints_now(callback, trainer)
 
@@ -546,8 +550,10 @@ def quiet_third_party() -> None:
     """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
-    noise = logging.Filter()
-    noise.filter = lambda record: not any(text in str(record.msg) for text in LIGHTNING_NOISE)
+
+    def noise(record: logging.LogRecord) -> bool:
+        return not any(text in str(record.msg) for text in LIGHTNING_NOISE)
+
     for logger in (logging.getLogger("lightning.pytorch"), logging.getLogger()):
         for handler in logger.handlers:
             handler.addFilter(noise)
@@ -559,7 +565,7 @@ def main(cfg: DictConfig) -> None:
     quiet_third_party()
     try:
         with exit_on_user_error():
-            notes = []
+            notes: list[str] = []
             if cfg.resume is not None:
                 defaults = compose(config_name="train")
                 overrides = list(HydraConfig.get().overrides.task)

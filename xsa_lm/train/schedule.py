@@ -18,7 +18,7 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 
 def warmup_cosine_scheduler(
-    optimizer: torch.optim.Optimizer, total_steps: int | None, warmup_steps: int, min_lr_ratio: float
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float
 ) -> LambdaLR:
     """total_steps: the length of the schedule (the run passes trainer.max_steps unless configured)."""
     return LambdaLR(

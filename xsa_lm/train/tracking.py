@@ -5,7 +5,7 @@ import netrc
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -28,17 +28,20 @@ def has_wandb_key() -> bool:
         return False
 
 
-def resolve_mode(mode: str) -> str:
+WandbMode = Literal["online", "offline", "disabled", "shared"]
+
+
+def resolve_mode(mode: str) -> WandbMode:
     """'auto' -> WANDB_MODE if set, else online with an API key, else offline."""
     if mode not in ("auto", "online", "offline", "disabled"):
         from xsa_lm.errors import UserError
 
         raise UserError(f"logger.wandb.mode must be auto, online, offline or disabled, got {mode!r}")
     if mode != "auto":
-        return mode
+        return cast(WandbMode, mode)
     env = os.environ.get("WANDB_MODE")
-    if env:
-        return {"dryrun": "offline", "run": "online"}.get(env, env)
+    if env:  # passed on as it is: wandb.init refuses a value it does not know
+        return cast(WandbMode, {"dryrun": "offline", "run": "online"}.get(env, env))
     return "online" if has_wandb_key() else "offline"
 
 
@@ -60,7 +63,7 @@ def wandb_init(
     import wandb
 
     mode = resolve_mode(mode)
-    init = dict(
+    init: dict[str, Any] = dict(
         project=project,
         entity=entity,
         group=group,
@@ -83,8 +86,8 @@ def wandb_init(
             raise
         # A key but no network (or a bad key): keep training and keep the data; upload it later.
         print(f"W&B: online init failed ({type(e).__name__}: {e}); logging offline instead")
+        run = wandb.init(mode="offline", settings=wandb.Settings(quiet=True, silent=True), **init)
         mode = "offline"
-        run = wandb.init(mode=mode, settings=wandb.Settings(quiet=True, silent=True), **init)
     if mode == "offline":
         print(f"W&B: offline run in {Path(run.dir).parent}; upload it later with `wandb sync {Path(run.dir).parent}`")
     return run
@@ -110,7 +113,9 @@ def define_training_metrics(run: "Run") -> None:
     run.define_metric("val/loss", summary="min,last")
 
 
-def wandb_logger(save_dir: str, name: str, run_config: dict, log_model: bool | str = False, **kwargs) -> RunWandbLogger:
+def wandb_logger(
+    save_dir: str, name: str, run_config: dict, log_model: bool | Literal["all"] = False, **kwargs
+) -> RunWandbLogger:
     """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments). log_model=true logs best.ckpt
     and last.ckpt as versions of the artifact model-<run id> when training ends, `all` each time they are written."""
     if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
@@ -142,7 +147,8 @@ class RunCSVLogger(CSVLogger):
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
         path = Path(save_dir) / "metrics.csv"
-        if resume_step is not None and path.exists() and rank_zero_only.rank == 0:
+        rank = rank_zero_only.rank  # type: ignore[attr-defined]  # a function attribute Lightning sets
+        if resume_step is not None and path.exists() and rank == 0:
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
                 header = reader.fieldnames or []

@@ -1,0 +1,298 @@
+"""`xsa-lm export`: a checkpoint as a transformers model gives our logits, our greedy tokens (through transformers'
+generate and its KV cache) and our lm-eval scores (through lm-eval's `hf` backend), for SA, XSA and XSA's variants;
+a sharded checkpoint exports to the same weights; bad inputs fail in one line."""
+
+import ast
+import json
+import subprocess
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, run_cli
+from tests.test_checkpoint_errors import assert_refused
+from xsa_lm.data.tokenizer import EOT, train_bpe
+from xsa_lm.errors import UserError
+from xsa_lm.eval.sample import sample
+from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export, require_transformers
+from xsa_lm.model import GPT, GPTConfig, generate
+from xsa_lm.sharded import META
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
+TINY = dict(n_layer=3, d_model=32, n_head=4, head_dim=8, vocab_size=320, block_size=40)
+VARIANTS = {
+    "sa": dict(attention="sa"),
+    "xsa": dict(attention="xsa"),
+    # every option at once: a gate, XSA on a subset of layers, grouped-query attention, sinks, biases
+    "xsa-gated-subset-gqa-sinks": dict(
+        attention="xsa", xsa_gate=True, xsa_layers=(0, 2), n_kv_head=2, n_sinks=2, bias=True
+    ),
+}
+
+
+def trained_looking(config: GPTConfig) -> GPT:
+    """A GPT far from its init, whose greedy tokens vary (at init, with tied embeddings, it repeats the prompt's last
+    token), with gates and biases that are not zero (a gate at 0 is SA: a wrong gate would go unnoticed)."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif p.dim() >= 2 and name != "wte.weight":
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def checkpoint_of(model: GPT) -> dict:
+    """What `xsa-lm train` saves, as far as load_model reads it (Lightning prefixes the module's attribute)."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    return {"state_dict": state, "model_config": asdict(model.config), "global_step": 7}
+
+
+def write_run(run_dir: Path, data_dir: Path, model: GPT, sharded: bool = False) -> Path:
+    """A run directory as `xsa-lm train` leaves it: checkpoints/last.ckpt (a file, or trainer=fsdp's sharded
+    directory) and run_info.json naming the prepared data, whose tokenizer.json is the run's tokenizer."""
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    (run_dir / "run_info.json").write_text(json.dumps({"data_dir": str(data_dir)}))
+    checkpoint = checkpoint_of(model)
+    if not sharded:
+        torch.save(checkpoint, ckpt)
+        return ckpt
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=ckpt)
+    torch.save(checkpoint, ckpt / META)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("data")
+    train_bpe(TEXTS, vocab_size=300).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, tuple[GPT, Path, Path]]:
+    """Per variant: our model, its checkpoint, and the directory `export` wrote from it."""
+    root = tmp_path_factory.mktemp("runs")
+    made = {}
+    for variant, options in VARIANTS.items():
+        model = trained_looking(GPTConfig(**TINY, **options))
+        ckpt = write_run(root / variant, data_dir, model)
+        made[variant] = model, ckpt, export(ckpt, root / f"{variant}-hf")
+    return made
+
+
+def load_exported(folder: Path):
+    """The model and tokenizer as a user loads them (trusting the code for both: the tokenizer reads config.json)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@torch.no_grad()
+def test_transformers_gives_our_logits_and_loss(variant: str, runs):
+    model, _, folder = runs[variant]
+    hf, _ = load_exported(folder)
+    assert type(hf).__name__ == "XSAForCausalLM" and hf.dtype == torch.float32
+    assert hf.lm_head.weight is hf.wte.weight  # tied, as ours
+    idx = torch.randint(0, TINY["vocab_size"], (3, TINY["block_size"]), generator=torch.Generator().manual_seed(1))
+    ours = model(idx)
+    out = hf(idx, labels=idx)
+    assert (out.logits - ours).abs().max() <= 1e-5
+    _, our_loss = model(idx[:, :-1], idx[:, 1:].contiguous())
+    assert out.loss.item() == pytest.approx(our_loss.item(), abs=1e-5)  # transformers' labels: shifted inside
+    # Through transformers' KV cache: a prefix, then one token at a time (the sinks enter with the first tokens).
+    first = hf(idx[:, :25], use_cache=True)
+    pieces, cache = [first.logits], first.cache
+    for t in range(25, TINY["block_size"]):
+        step = hf(idx[:, t : t + 1], cache=cache, use_cache=True)
+        pieces.append(step.logits)
+        cache = step.cache
+    assert (torch.cat(pieces, dim=1) - ours).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_transformers_generate_gives_the_greedy_tokens_of_xsa_lm_generate(variant: str, runs):
+    model, ckpt, folder = runs[variant]
+    hf, tokenizer = load_exported(folder)
+    prompt = "the cat sat"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    theirs = hf.generate(ids, max_new_tokens=25, do_sample=False)[0, ids.size(1) :]
+    ours = generate(model, ids, 25)[0, ids.size(1) :]
+    # transformers stops at <|endoftext|> (the exported eos_token_id); ours runs on to max_new_tokens
+    assert len(theirs) == 25 or theirs[-1] == tokenizer.convert_tokens_to_ids(EOT)
+    assert theirs.tolist() == ours[: len(theirs)].tolist() and len(set(ours.tolist())) > 3  # no single repeated token
+    (text,) = sample(str(ckpt), prompt, max_new_tokens=25, temperature=0, top_k=None, num_samples=1, seed=0)
+    assert prompt + tokenizer.decode(theirs, skip_special_tokens=True) == text  # `xsa-lm generate`'s text
+
+
+@pytest.mark.parametrize("variant", ["sa", "xsa-gated-subset-gqa-sinks"])
+def test_a_left_padded_batch_generates_as_each_prompt_alone(variant: str, runs):
+    _, _, folder = runs[variant]
+    hf, tokenizer = load_exported(folder)
+    tokenizer.padding_side = "left"
+    prompts = ["the cat sat on the mat and", "a dog"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert not batch["attention_mask"].all()  # padded
+    together = hf.generate(**batch, max_new_tokens=8, do_sample=False)[:, batch["input_ids"].size(1) :]
+    for row, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        alone = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.size(1) :]
+        assert together[row, : len(alone)].tolist() == alone.tolist()
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_backend_scores_as_xsa_lm_eval(runs, tmp_path: Path):
+    """The same local task through lm-eval's `hf` backend on the export and through our adapter (what `xsa-lm eval`
+    runs) on the checkpoint: the same log-likelihood for every choice, the same accuracy."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from xsa_lm.checkpoints import load_model, load_tokenizer
+    from xsa_lm.eval.harness import HarnessLM
+
+    made = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_shakespeare_cloze.py"), "--out", str(tmp_path), "--items", "24"],
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr
+    _, ckpt, folder = runs["xsa-gated-subset-gqa-sinks"]
+    results = {}
+    for name, lm in (
+        ("ours", HarnessLM(load_model(ckpt), load_tokenizer(ckpt), batch_size=8)),
+        ("hf", HFLM(pretrained=str(folder), trust_remote_code=True, device="cpu", batch_size=8)),
+    ):
+        results[name] = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=["shakespeare_cloze"],
+            task_manager=TaskManager(include_path=str(tmp_path)),
+            bootstrap_iters=0,
+            log_samples=True,
+        )
+    scores = {
+        name: [[r[0] for r in s["resps"]] for s in out["samples"]["shakespeare_cloze"]] for name, out in results.items()
+    }
+    assert len(scores["hf"]) == 24
+    ours, theirs = (torch.tensor(scores[name], dtype=torch.float64).reshape(-1, 2) for name in ("ours", "hf"))
+    assert torch.allclose(ours[:, 0], theirs[:, 0], atol=1e-4)  # log P(choice | context), every choice
+    assert ours[:, 1].tolist() == theirs[:, 1].tolist()  # greedy or not
+    for metric in ("acc,none", "acc_norm,none"):
+        expected = results["ours"]["results"]["shakespeare_cloze"][metric]
+        assert results["hf"]["results"]["shakespeare_cloze"][metric] == expected
+
+
+def test_a_sharded_checkpoint_exports_to_the_same_weights(runs, data_dir: Path, tmp_path: Path):
+    model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
+    ckpt = write_run(tmp_path / "fsdp", data_dir, model, sharded=True)
+    exported = export(ckpt, tmp_path / "hf")
+    weights, expected = load_file(exported / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert weights.keys() == expected.keys() and "blocks.0.attn.gate" in weights and "sinks" in weights
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert json.loads((exported / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+
+
+def test_the_export_holds_weights_config_tokenizer_and_code(runs):
+    model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_xsa.XSAConfig",
+        "AutoModelForCausalLM": "modeling_xsa.XSAForCausalLM",
+    }
+    expected = asdict(model.config) | {"xsa_layers": [0, 2]}
+    assert {key: config[key] for key in expected} == expected
+    for name in ("configuration_xsa.py", "modeling_xsa.py"):  # the package's files, verbatim
+        assert (folder / name).read_text() == (REPO / "xsa_lm" / "export" / name).read_text()
+    code = (folder / "modeling_xsa.py").read_text() + (folder / "configuration_xsa.py").read_text()
+    assert "xsa_lm" not in code.replace("xsa_lm/model", "")  # self-contained: torch and transformers only
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # without trust_remote_code too (it asks, then loads)
+    ours = train_bpe(TEXTS, vocab_size=300)
+    assert tokenizer("the cat ran")["input_ids"] == ours.encode("the cat ran").ids
+    assert tokenizer.eos_token == EOT and tokenizer.model_max_length == TINY["block_size"]
+    assert not list(folder.parent.glob(f".{folder.name}.*"))  # no staging directory left behind
+
+
+def test_bad_inputs_are_refused_in_one_line_and_nothing_is_overwritten(runs, tmp_path: Path):
+    _, ckpt, folder = runs["sa"]
+    (tmp_path / "config.yaml").write_text("model:\n  n_layer: 2\n")
+    for bad, expected in (
+        (tmp_path / "config.yaml", "is not a checkpoint of `xsa-lm train`"),
+        (tmp_path, "is a directory, not a checkpoint"),
+        (tmp_path / "missing.ckpt", "checkpoint not found"),
+    ):
+        with pytest.raises(UserError, match=f"^ckpt: .*{expected}") as refused:
+            export(bad, tmp_path / "out")
+        assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    with pytest.raises(
+        UserError, match=r"exists and is not empty; choose another directory \(nothing is overwritten\)"
+    ):
+        export(ckpt, folder)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    with pytest.raises(UserError, match="exists and is not empty"):
+        export(ckpt, tmp_path / "config.yaml")  # a file
+    (tmp_path / "empty").mkdir()
+    assert (export(ckpt, tmp_path / "empty") / "model.safetensors").is_file()  # an empty directory is filled
+
+
+def test_without_transformers_the_export_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name)
+    )
+    with pytest.raises(UserError, match=r"^xsa-lm export needs transformers, in the extra `eval`: pip install"):
+        require_transformers()
+
+
+def test_the_transformers_requirement_is_in_the_eval_extra():
+    import tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert Requirement(TRANSFORMERS_REQUIREMENT) in [Requirement(r) for r in project["optional-dependencies"]["eval"]]
+    assert "transformers" not in [Requirement(r).name for r in project["dependencies"]]  # not in the core install
+    assert "xsa_lm.export" in (REPO / "pyproject.toml").read_text()  # the package ships (with its code templates)
+
+
+@pytest.mark.slow
+def test_export_through_the_cli(runs, data_cache: Path, tmp_path: Path):
+    _, ckpt, _ = runs["xsa"]
+    out = tmp_path / "hf"
+    proc = run_cli(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"wrote {out} (") and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing else written (no Hydra outputs)
+    assert_refused(run_cli(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path), "exists and is not empty")
+
+
+def test_only_the_shipped_modelling_code_imports_transformers_at_import_time():
+    """The core install has no transformers: the export imports it inside its functions, and only the two files it
+    copies beside a model import it at their top."""
+    shipped = {"configuration_xsa.py", "modeling_xsa.py"}
+    for path in (REPO / "xsa_lm").rglob("*.py"):
+        top = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        uses = {name for name in names if name.split(".")[0] in ("transformers", "lm_eval", "accelerate")}
+        assert not uses or path.name in shipped or path.name == "harness.py", (path, uses)

@@ -1,0 +1,101 @@
+"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model.
+
+DIR gets model.safetensors, config.json, generation_config.json, the run's tokenizer (tokenizer.json,
+tokenizer_config.json) and the modelling code (configuration_xsa.py, modeling_xsa.py, copied from this package), so
+that, offline, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR)
+load it. A file checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA with every variant.
+"""
+
+import importlib.util
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import hydra
+from omegaconf import DictConfig
+from tokenizers import Tokenizer
+
+from xsa_lm.checkpoints import check_checkpoint_file, load_model, load_tokenizer
+from xsa_lm.data.tokenizer import EOT
+from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.model import GPT
+
+if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
+    from transformers import PreTrainedTokenizerFast
+
+    from xsa_lm.export.modeling_xsa import XSAForCausalLM
+
+TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproject.toml (5.24: tested)
+
+
+def require_transformers() -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise UserError(
+            f"xsa-lm export needs transformers, in the extra `eval`: pip install '{TRANSFORMERS_REQUIREMENT}' "
+            "(in a checkout: pip install -e '.[eval]')"
+        )
+
+
+def check_out(out: Path) -> None:
+    """Results are never overwritten: an existing file, or a directory with anything in it, is refused."""
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
+
+
+def hf_model(model: GPT, eot: int) -> "XSAForCausalLM":
+    """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained."""
+    from xsa_lm.export.configuration_xsa import XSAConfig
+    from xsa_lm.export.modeling_xsa import XSAForCausalLM
+
+    fields = asdict(model.config)
+    fields["xsa_layers"] = None if fields["xsa_layers"] is None else list(fields["xsa_layers"])  # JSON: a list
+    config = XSAConfig(**fields, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    # auto_map in config.json, and save_pretrained copies the two code files beside the weights
+    XSAConfig.register_for_auto_class()
+    XSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    hf = XSAForCausalLM(config)
+    hf.load_state_dict(model.state_dict())  # strict: every tensor, same names and shapes
+    return hf.eval()
+
+
+def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerFast":
+    """The run's tokenizer as a PreTrainedTokenizerFast: <|endoftext|> begins, ends and pads (GPT-2's way)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=block_size
+    )
+
+
+def export(ckpt: Path, out: Path) -> Path:
+    """Write the model of `ckpt` and its run's tokenizer into `out` (created; refused if it holds anything)."""
+    require_transformers()
+    check_checkpoint_file(ckpt, key="ckpt")
+    check_out(out)
+    model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt)
+    eot = tokenizer.token_to_id(EOT)
+    if eot is None:
+        raise UserError(f"ckpt: the tokenizer of {ckpt}'s run has no {EOT} token")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        hf_model(model, eot).save_pretrained(staging)
+        hf_tokenizer(tokenizer, model.config.block_size).save_pretrained(staging)
+        staging.replace(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="export")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out)).expanduser())
+    size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    print(
+        f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)"
+    )
