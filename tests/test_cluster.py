@@ -47,6 +47,7 @@ def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *over
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_each_validation_writes_one_checkpoint_and_links_last_and_best(tmp_path, data_cache, monkeypatch):
     written = train_counting_payloads(tmp_path, data_cache, monkeypatch, "val_every_steps=10", "checkpoint.keep_last=1")
     assert written == ["step-000010.ckpt", "step-000020.ckpt"]  # two validations, one payload each
@@ -60,6 +61,7 @@ def test_each_validation_writes_one_checkpoint_and_links_last_and_best(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_checkpoint_every_n_steps_is_apart_from_validation(tmp_path, data_cache, monkeypatch):
     written = train_counting_payloads(
         tmp_path, data_cache, monkeypatch, "val_every_steps=10", "checkpoint.every_n_steps=4", "checkpoint.keep_last=5"

@@ -158,6 +158,7 @@ def test_a_left_padded_batch_generates_as_each_prompt_alone(variant: str, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_lm_eval_hf_backend_scores_as_xsa_lm_eval(runs, tmp_path: Path):
     """The same local task through lm-eval's `hf` backend on the export and through our adapter (what `xsa-lm eval`
     runs) on the checkpoint: the same log-likelihood for every choice, the same accuracy."""
@@ -276,6 +277,7 @@ def test_the_transformers_requirement_is_in_the_eval_extra():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_export_through_the_cli(runs, data_cache: Path, tmp_path: Path):
     _, ckpt, _ = runs["xsa"]
     out = tmp_path / "hf"

@@ -75,6 +75,7 @@ def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path
     assert {"step-000030.ckpt", "step-000040.ckpt"} <= names and "step-000020.ckpt" not in names  # keep_last=2
 
 
+@pytest.mark.long
 def test_resume_with_another_micro_batch_split_continues_the_same_stream(straight, data_cache: Path, tmp_path: Path):
     """Stopped at step 5 with 2 micro-batches of 8 per step, resumed with 4 of 4: each step after the resume sees
     the same windows (not windows counted in micro-batches of the old size) and closes after 4 micro-batches (not
