@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from xsa_lm.train.checkpointing import AtomicCheckpointIO
+from xsa_lm.checkpoints.atomic import AtomicCheckpointIO
 from xsa_lm.train.runinfo import run_info
 
 

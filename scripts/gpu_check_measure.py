@@ -24,8 +24,8 @@ TOTAL_STEPS = 1000  # the LR schedule's length: the measured steps stay in its w
 
 
 def orthogonality(directory: Path, key: str, device: torch.device, shapes: list[tuple[int, int, int]]) -> None:
-    from xsa_lm.bench.hardware import device_name
     from xsa_lm.bench.probes import orthogonality_holds, xsa_orthogonality
+    from xsa_lm.train.hardware import device_name
 
     result = {"device": device_name(device), "shapes": []}
     for heads, head_dim, context in shapes:
@@ -39,7 +39,7 @@ def model_pair(args: argparse.Namespace):
     """The bench config for this preset (as `xsa-lm bench model=... attention=xsa` composes it) and its XSA model."""
     from hydra import compose, initialize_config_module
 
-    from xsa_lm.train.run import model_config
+    from xsa_lm.config.builders import model_config
 
     overrides = [
         f"model={args.model}",
@@ -56,11 +56,11 @@ def model_pair(args: argparse.Namespace):
 
 def bench(directory: Path, key: str, device: torch.device, args: argparse.Namespace) -> None:
     """SA and XSA built once, measured eager and then compiled; the result recorded after every measurement."""
-    from xsa_lm.bench.hardware import device_name, peak_flops
     from xsa_lm.bench.interleaved import build_pair
     from xsa_lm.bench.loops import N_BATCHES, Setup, make_batches
     from xsa_lm.bench.run import resolve_bench_precision
-    from xsa_lm.errors import build
+    from xsa_lm.config.builders import build
+    from xsa_lm.train.hardware import device_name, peak_flops
 
     t_start = time.perf_counter()
     cfg, config = model_pair(args)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from xsa_lm.config.builders import xsa_layers
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.train.run import xsa_layers
 
 TINY = dict(n_layer=3, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=16)
 

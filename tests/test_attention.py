@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection, xsa_reference
-from xsa_lm.model.attention import ExclusiveOutputProjection, ExclusiveProjection, apply_rope, rope_tables
+from xsa_lm.model.attention import apply_rope, rope_tables
+from xsa_lm.model.xsa import ExclusiveOutputProjection, ExclusiveProjection
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

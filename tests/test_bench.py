@@ -145,7 +145,7 @@ def test_bench_data_quick_writes_the_report(tmp_path: Path):
     ],
 )
 def test_peak_flops_match_the_whole_device_name(name: str, key: str, bf16: float):
-    from xsa_lm.bench.hardware import datasheet_key, datasheet_peak
+    from xsa_lm.train.hardware import datasheet_key, datasheet_peak
 
     assert datasheet_key(name) == key
     assert datasheet_peak(name, "bf16-mixed") == (bf16, f"datasheet: {key} dense bf16")
@@ -155,10 +155,10 @@ def test_peak_flops_match_the_whole_device_name(name: str, key: str, bf16: float
     "name", ["NVIDIA H20", "NVIDIA L20", "NVIDIA H800 PCIe", "Tesla T4", "NVIDIA H100 80GB HBM3 MIG 1g.10gb"]
 )
 def test_a_device_not_in_the_table_has_no_peak(name: str):
-    from xsa_lm.bench.hardware import datasheet_peak
+    from xsa_lm.train.hardware import datasheet_peak
 
     peak, source = datasheet_peak(name, "bf16-mixed")
-    assert peak is None and "not in xsa_lm.bench.hardware.PEAK_FLOPS" in source
+    assert peak is None and "not in xsa_lm.train.hardware.PEAK_FLOPS" in source
 
 
 def test_the_mfu_target_names_whole_gpus():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY, assert_nothing_written, assert_refused, lightning_checkpoint, run_cli, write_checkpoint
-from xsa_lm.checkpoints import check_checkpoint_file, load_model, load_weights, model_config_mismatch
+from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_weights, model_config_mismatch
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 

@@ -17,11 +17,12 @@ import torch.multiprocessing as mp
 from tests.helpers import FAST
 from tests.helpers import compose_train as composed
 from tests.test_sharded_checkpoints import write_sharded
-from xsa_lm.checkpoints import load_model
+from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
+from xsa_lm.checkpoints.discovery import checkpoint_step
+from xsa_lm.checkpoints.load import load_model
+from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
-from xsa_lm.train.checkpointing import CheckpointWriteError, checkpoint_step, link_or_copy, on_rank_zero
-from xsa_lm.train.checks import check_values
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
 
 

@@ -8,8 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import compose_train
-from xsa_lm.train import memory
-from xsa_lm.train.run import check_config, model_config
+from xsa_lm.config.builders import check_config, model_config, strategy_kind
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and not p.name.startswith("_"))
@@ -64,9 +63,9 @@ def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
 
     strategy = hydra.utils.instantiate(compose_train(["trainer=fsdp"]).trainer.strategy)
     assert isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint  # sharded
-    assert memory.strategy_kind(compose_train(["trainer=fsdp"]).trainer.strategy) == "fsdp"
+    assert strategy_kind(compose_train(["trainer=fsdp"]).trainer.strategy) == "fsdp"
     assert compose_train(["trainer=ddp"]).trainer.strategy._target_.endswith("AtomicDDPStrategy")
-    assert memory.strategy_kind(compose_train(["trainer=ddp"]).trainer.strategy) == "ddp"
+    assert strategy_kind(compose_train(["trainer=ddp"]).trainer.strategy) == "ddp"
     slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
     assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4
 

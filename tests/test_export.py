@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, run_cli
 from tests.test_checkpoint_errors import assert_refused
+from xsa_lm.checkpoints.sharded import META
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import sample
 from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export, require_transformers
 from xsa_lm.model import GPT, GPTConfig, generate
-from xsa_lm.sharded import META
 
 transformers = pytest.importorskip("transformers")
 
@@ -166,7 +166,7 @@ def test_lm_eval_hf_backend_scores_as_xsa_lm_eval(runs, tmp_path: Path):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from xsa_lm.checkpoints import load_model, load_tokenizer
+    from xsa_lm.checkpoints.load import load_model, load_tokenizer
     from xsa_lm.eval.harness import HarnessLM
 
     made = subprocess.run(

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.helpers import FAST, cli_env, run_cli, train_losses, wait_for, write_local_task
-from xsa_lm.checkpoints import load_model
-from xsa_lm.train.checkpointing import newest_valid_checkpoint
+from xsa_lm.checkpoints.discovery import newest_valid_checkpoint
+from xsa_lm.checkpoints.load import load_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 STEPS = ["trainer.max_steps=20", "scheduler.total_steps=20", "val_every_steps=5", "checkpoint.keep_last=4"]

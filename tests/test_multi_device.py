@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from tests.helpers import FAST, REPO, compose_train
 from tests.test_reliability import stop_mid_run
+from xsa_lm.config.builders import check_config, model_config
+from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError
 from xsa_lm.train import devices
-from xsa_lm.train.checks import check_values
-from xsa_lm.train.run import check_config, make_module, make_trainer, model_config, set_up_process, train
+from xsa_lm.train.run import make_module, make_trainer, set_up_process, train
 
 N_LAYER = 2
 STEPS = 3

@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import FAST, run_cli
+from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Profiler, Throughput
-from xsa_lm.train.checks import check_values
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.schedule import warmup_cosine_scheduler
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import FAST, run_cli, train_losses, wait_for
 from tests.helpers import start_cli as start
-from xsa_lm.train.checkpointing import checkpoint_step
+from xsa_lm.checkpoints.discovery import checkpoint_step
 
 pytestmark = pytest.mark.slow
 COMMON = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40", "trainer.max_steps=40"]
@@ -182,7 +182,7 @@ def test_checkpoints_move_between_compiled_and_eager_models():
 
 
 def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path, monkeypatch):
-    from xsa_lm.train.checkpointing import AtomicCheckpointIO, CheckpointWriteError
+    from xsa_lm.checkpoints.atomic import AtomicCheckpointIO, CheckpointWriteError
 
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"

@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 from tests.helpers import FAST, assert_clean_error, compose_train, run_cli, train_losses, wait_for
 from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
+from xsa_lm.config.checks import check_values
+from xsa_lm.config.resume import continuation_config
 from xsa_lm.errors import UserError
-from xsa_lm.locking import exclusive
-from xsa_lm.train.checks import check_values
-from xsa_lm.train.resume import continuation_config
+from xsa_lm.locking import hold_directory
 
 XSA = ["train", *FAST, "attention=xsa", "val_every_steps=10"]
 
@@ -119,14 +119,14 @@ def test_a_second_run_into_a_busy_directory_is_refused(data_cache: Path, tmp_pat
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path: Path):
     (tmp_path / ".xsa-lm.lock").write_text("999999\n")  # written by a process that died: no flock is held
-    with exclusive(tmp_path, ".xsa-lm.lock", "xsa-lm train run"):
+    with hold_directory(tmp_path, ".xsa-lm.lock", "xsa-lm train run"):
         assert (tmp_path / ".xsa-lm.lock").read_text() == f"{os.getpid()}\n"
         holder = subprocess.run(
             [
                 sys.executable,
                 "-c",
                 "from pathlib import Path; from xsa_lm.locking import "
-                f"exclusive; exclusive(Path({str(tmp_path)!r}), '.xsa-lm.lock', 'run').__enter__()",
+                f"hold_directory; hold_directory(Path({str(tmp_path)!r}), '.xsa-lm.lock', 'run').__enter__()",
             ],
             capture_output=True,
             text=True,
@@ -151,7 +151,7 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_exactly(data_cache: Path, tmp_
 
 
 def test_a_second_ctrl_c_aborts_at_once(monkeypatch):
-    from xsa_lm.train.checkpointing import Preemption
+    from xsa_lm.train.callbacks import Preemption
 
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)

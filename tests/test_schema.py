@@ -1,5 +1,5 @@
 """The training config is typed (xsa_lm/schema.py): a renamed or misspelt key fails when the config is composed or
-when the run starts, and every rule of xsa_lm/train/checks.py names a key the config has."""
+when the run starts, and every rule of xsa_lm/config/checks.py names a key the config has."""
 
 import dataclasses
 import shutil
@@ -13,12 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tests.helpers import REPO, compose_train, refused_in_process
+from xsa_lm.config.builders import model_config
+from xsa_lm.config.checks import RULES, WHERE_PRESENT, check_values, lookup
+from xsa_lm.config.resume import continuation_config
+from xsa_lm.config.schema import ATTENTION_FIELDS, GROUPS, TrainOptions, check_known_keys, register
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
-from xsa_lm.schema import ATTENTION_FIELDS, GROUPS, TrainOptions, check_known_keys, register
-from xsa_lm.train.checks import RULES, WHERE_PRESENT, check_values, lookup
-from xsa_lm.train.resume import continuation_config
-from xsa_lm.train.run import model_config
 
 CONFIGS = REPO / "configs"
 MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml") if not p.stem.startswith("_"))
@@ -28,7 +28,7 @@ REQUIRED["tokenizer=file"] = ["tokenizer.path=x"]
 OPTIONS = [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml")) if not p.stem.startswith("_")]
 # `Any` values that no rule of checks.py checks, and what checks them instead.
 FREE_FORM = {
-    "attention.layers": "all | N | a list: run.xsa_layers",
+    "attention.layers": "all | N | a list: builders.xsa_layers",
     "data.source": "a _target_ node: its class's arguments",
     "data.files": "a glob or a list: data.sources.LocalFiles",
     "data.data_files": "datasets' data_files",

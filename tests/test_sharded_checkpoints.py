@@ -12,17 +12,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from tests.conftest import run_cli
-from xsa_lm.checkpoints import load_model
+from xsa_lm.checkpoints.atomic import AtomicCheckpointIO, move_into_place
+from xsa_lm.checkpoints.discovery import checkpoint_step, newest_valid_checkpoint
+from xsa_lm.checkpoints.load import load_model
+from xsa_lm.checkpoints.sharded import META, load_sharded
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.sharded import META, load_sharded
 from xsa_lm.train import memory
-from xsa_lm.train.checkpointing import (
-    AtomicCheckpointIO,
-    checkpoint_step,
-    move_into_place,
-    newest_valid_checkpoint,
-)
 from xsa_lm.train.module import param_groups
 
 CONFIG = GPTConfig(n_layer=2, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8, attention="xsa")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import FAST, cli_env, run_cli, train_losses
-from xsa_lm import cli
+from xsa_lm.config import command_line
 
 pytestmark = pytest.mark.slow
 
@@ -122,11 +122,11 @@ def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):
 
 def test_full_command_line_is_the_one_exported_for_this_process(monkeypatch: pytest.MonkeyPatch):
     """`xsa-lm train` shortens sys.argv for Hydra; the job gets the whole command back, for DDP ranks to re-run."""
-    monkeypatch.setenv(cli.ARGV_VARIABLE, json.dumps(["xsa-lm", "train", "seed=1"]))
+    monkeypatch.setenv(command_line.ARGV_VARIABLE, json.dumps(["xsa-lm", "train", "seed=1"]))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "seed=1"])
-    assert cli.full_command_line() == ["xsa-lm", "train", "seed=1"]
+    assert command_line.full_command_line() == ["xsa-lm", "train", "seed=1"]
     monkeypatch.setattr(sys, "argv", ["xsa_lm/train/__main__.py", "seed=2"])  # a child that inherited the variable
-    assert cli.full_command_line() == ["xsa_lm/train/__main__.py", "seed=2"]
+    assert command_line.full_command_line() == ["xsa_lm/train/__main__.py", "seed=2"]
 
 
 @pytest.mark.long

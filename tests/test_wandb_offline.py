@@ -119,7 +119,7 @@ def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_ca
 
 def test_log_model_must_be_false_true_or_all(tmp_path: Path) -> None:
     from xsa_lm.errors import UserError
-    from xsa_lm.train.tracking import wandb_logger
+    from xsa_lm.tracking import wandb_logger
 
     with pytest.raises(UserError, match=r"^logger.wandb.log_model must be false, true or all, got 'yes'$"):
         wandb_logger(save_dir=str(tmp_path), name="x", run_config={}, log_model="yes", mode="offline")

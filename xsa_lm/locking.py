@@ -15,7 +15,7 @@ from xsa_lm.errors import UserError
 
 
 @contextmanager
-def exclusive(directory: Path, lock_name: str, what: str) -> Iterator[None]:
+def hold_directory(directory: Path, lock_name: str, what: str) -> Iterator[None]:
     """Hold `directory/lock_name` while the block runs, or raise a UserError naming the holder's pid."""
     path = directory / lock_name
     while True:

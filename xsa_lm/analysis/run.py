@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
-from xsa_lm.checkpoints import checkpoint_list, load_model, run_dir_of
+from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_dir_of
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.run import prepare_data
 from xsa_lm.errors import UserError, exit_on_user_error

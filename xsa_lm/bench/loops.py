@@ -14,9 +14,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from xsa_lm.bench.hardware import device_name, peak_flops, synchronize
-from xsa_lm.errors import build
+from xsa_lm.config.builders import build
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.train.hardware import device_name, peak_flops, synchronize
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
 

@@ -26,8 +26,8 @@ from rich.table import Table
 from xsa_lm.bench.fresh import process_context, run_fresh
 from xsa_lm.bench.loops import Phase
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, summarize
+from xsa_lm.config.builders import model_config, resolve_precision
 from xsa_lm.errors import UserError, exit_on_user_error
-from xsa_lm.train.run import model_config, resolve_precision
 from xsa_lm.train.runinfo import run_info
 
 # XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU

@@ -11,8 +11,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config.builders import build
 from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_prepared, prepare, split_settings
-from xsa_lm.errors import UserError, build, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error
 
 
 def prepare_data(

@@ -15,7 +15,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.checkpoints import checkpoint_list, load_model, load_tokenizer, run_dir_of
+from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer, run_dir_of
 from xsa_lm.data.tokenizer import reachable
 from xsa_lm.errors import UserError, exit_on_user_error
 
@@ -168,7 +168,7 @@ def render(result: dict) -> str:
 
 def log_to_wandb(result: dict, wandb_mode: str) -> None:
     """Each checkpoint's scores into its own W&B run (the id in wandb_run_id.txt), or a new `eval` run."""
-    from xsa_lm.train.tracking import wandb_init
+    from xsa_lm.tracking import wandb_init
 
     for row in result["rows"]:
         run_dir = run_dir_of(Path(row["checkpoint"]))

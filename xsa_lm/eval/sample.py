@@ -6,7 +6,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from xsa_lm.checkpoints import load_model, load_tokenizer
+from xsa_lm.checkpoints.load import load_model, load_tokenizer
 from xsa_lm.data.tokenizer import eot_id
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.model import generate

@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints import check_checkpoint_file, load_model, load_tokenizer
+from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
 from xsa_lm.data.tokenizer import EOT
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.model import GPT

@@ -1,4 +1,4 @@
-"""Causal self attention with RoPE, and the XSA step (arXiv 2603.09078, Algorithm 1)."""
+"""Causal self attention with RoPE; XSA layers add the step in xsa.py after it."""
 
 from collections.abc import Callable
 
@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xsa_lm.model.config import GPTConfig
+from xsa_lm.model.xsa import ExclusiveOutputProjection, exclusive_projection
 
 
 def rope_tables(block_size: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,162 +23,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
-
-
-def xsa_reference(
-    y: torch.Tensor, v: torch.Tensor, eps: float = 1e-6, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """XSA as the paper writes it, left to autograd: z = y - (y . v) / (||v||^2 + eps) v over the last dim.
-
-    eps keeps a zero v from giving NaN. Computed in at least fp32 (bf16 loses the orthogonality), returned in y's
-    dtype. v broadcasts against y (grouped-query attention); `scale`, the gated variant's tanh(alpha) per head,
-    multiplies the subtracted part.
-    """
-    dtype = torch.promote_types(y.dtype, torch.float32)  # fp64 stays fp64, for tests
-    y32, v32 = y.to(dtype), v.to(dtype)
-    coef = (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + eps)
-    if scale is not None:
-        coef = coef * scale
-    return (y32 - coef * v32).to(y.dtype)
-
-
-# The fused path below computes xsa_reference's z, with a hand-written backward that keeps less memory:
-# tests/test_attention.py checks its forward and gradients against xsa_reference (equal to float rounding), with
-# GQA broadcasting, the gate and bf16.
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """At least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward."""
-    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-    return [t.to(dtype) for t in tensors]
-
-
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a . b over the last dim, kept. Not torch.linalg.vecdot: autocast runs that in bf16, whatever its inputs."""
-    return (a * b).sum(-1, keepdim=True)
-
-
-def _xsa_forward(
-    y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z, and for the backward c = (y . v) / n and 1 / n, with n = ||v||^2 + eps."""
-    y32, v32 = _compute_dtype(y, v)
-    inv_norm = 1.0 / (_dot(v32, v32) + eps)
-    coef = _dot(y32, v32) * inv_norm
-    return _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype), coef, inv_norm
-
-
-def _subtract(y32: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """z = y - scale * coef * v, in the compute dtype."""
-    return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0)
-
-
-def _xsa_backward(
-    grad: torch.Tensor,
-    *,
-    y: torch.Tensor,
-    v: torch.Tensor,
-    scale: torch.Tensor | None,
-    coef: torch.Tensor,
-    inv_norm: torch.Tensor,
-    scale_needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of z with respect to y, v and the gate, given g = dL/dz."""
-    y32, v32, g32 = _compute_dtype(y, v, grad)
-    g_dot_v = _dot(g32, v32)
-    k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
-    c = coef if scale is None else coef * scale
-    grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
-    # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
-    grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
-    grad_v = grad_v.sum_to_size(v.shape).to(v.dtype)  # GQA: summed over the query heads that share v
-    grad_scale = (
-        (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale is not None and scale_needs_grad else None
-    )
-    return grad_y.to(y.dtype), grad_v, grad_scale
-
-
-class ExclusiveProjection(torch.autograd.Function):
-    """z = xsa_reference(y, v, eps, scale), with a hand-written backward.
-
-    It saves y and v as they came in (bf16 stays bf16; SDPA keeps both for its own backward anyway), the gate, and
-    two numbers per token and head, (y . v) / n and 1 / n with n = ||v||^2 + eps: 2 / head_dim of y's size. Autograd
-    of the plain formula would keep fp32 copies of y and v (in bf16, 2x y more) and redo more passes over memory.
-    torch.compile traces through it (no graph break) and fuses forward and backward into one kernel each.
-    """
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
-        z, coef, inv_norm = _xsa_forward(y, v, eps=eps, scale=scale)
-        ctx.save_for_backward(y, v, scale, coef, inv_norm)
-        return z
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, v, scale, coef, inv_norm = ctx.saved_tensors
-        grad_y, grad_v, grad_scale = _xsa_backward(
-            grad, y=y, v=v, scale=scale, coef=coef, inv_norm=inv_norm, scale_needs_grad=ctx.needs_input_grad[3]
-        )
-        return grad_y, grad_v, None, grad_scale
-
-
-class ExclusiveOutputProjection(torch.autograd.Function):
-    """out = F.linear(xsa_reference(y, v, eps, scale).flatten(-3), weight, bias), keeping no z for the backward.
-
-    W_o's weight gradient needs its input. For SA that is SDPA's output y, which SDPA keeps anyway; for XSA it would
-    be z, one more activation of y's size per layer. So z is recomputed in the backward from y, v and the saved
-    coefficients (one elementwise pass, no matmul), and XSA costs no activation memory beyond 2 numbers per token and
-    head. y is (..., H_kv, G, D) and v (..., H_kv, 1, D); the last three dims are flattened into W_o's input.
-    Matmuls run in the dtype of the output (the autocast dtype, as F.linear does).
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        y: torch.Tensor,
-        v: torch.Tensor,
-        eps: float,
-        scale: torch.Tensor | None,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        z, coef, inv_norm = _xsa_forward(y, v, eps=eps, scale=scale)
-        out = F.linear(z.flatten(-3), weight, bias)
-        ctx.save_for_backward(y, v, scale, coef, inv_norm, weight)
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, v, scale, coef, inv_norm, weight = ctx.saved_tensors
-        _, _, _, need_scale, need_weight, need_bias = ctx.needs_input_grad
-        grad_weight = grad_bias = None
-        if need_weight:
-            y32, v32 = _compute_dtype(y, v)
-            z = _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype)  # rounded as the forward's z was
-            z = z.flatten(-3).reshape(-1, weight.shape[1]).to(grad_out.dtype)
-            grad_weight = (grad_out.reshape(-1, weight.shape[0]).T @ z).to(weight.dtype)
-        if ctx.has_bias and need_bias:
-            grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)  # bias shares W's dtype
-        grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
-        grad_y, grad_v, grad_scale = _xsa_backward(
-            grad_z, y=y, v=v, scale=scale, coef=coef, inv_norm=inv_norm, scale_needs_grad=need_scale
-        )
-        return grad_y, grad_v, None, grad_scale, grad_weight, grad_bias
-
-
-def exclusive_projection(
-    y: torch.Tensor, v: torch.Tensor, eps: float = 1e-6, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """XSA: remove from each attention output y_i its component along the token's own value v_i.
-
-    z_i = y_i - (y_i . v_i) v_i / ||v_i||^2, per head, on (..., T, D) tensors: xsa_reference, with less memory kept
-    for the backward. v broadcasts against y (grouped-query attention passes v as (B, H_kv, 1, T, D) against y as
-    (B, H_kv, G, T, D): no copies of v). eps is added to ||v_i||^2 so a zero value vector leaves y_i unchanged
-    instead of producing NaN. `scale` (broadcastable to (..., 1, 1)) multiplies the subtracted part: the gated
-    variant passes tanh(alpha) per head.
-    """
-    return ExclusiveProjection.apply(y, v, eps, scale)
 
 
 class KVCache:

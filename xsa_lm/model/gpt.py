@@ -13,7 +13,7 @@
 
 Kept from nanoGPT: pre-LayerNorm blocks with a GELU MLP, tied input and output embeddings, N(0, init_std) init with
 the residual projections (attn.proj, mlp.proj) at init_std / sqrt(2 n_layer), and a vocabulary padded to a multiple
-of 64 (by the caller, xsa_lm/train/run.py).
+of 64 (by the caller, xsa_lm/config/builders.py).
 """
 
 import math

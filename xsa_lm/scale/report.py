@@ -194,7 +194,7 @@ def log_to_wandb(results: dict, study_dir: Path, wandb_cfg: dict) -> None:
     (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
     import wandb
 
-    from xsa_lm.train.tracking import log_files_artifact, wandb_init
+    from xsa_lm.tracking import log_files_artifact, wandb_init
 
     config = {"models": results["models"], "seeds": results["seeds"], "overrides": results["overrides"]}
     name = f"{results['study_id']}-scale-report"

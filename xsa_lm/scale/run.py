@@ -40,7 +40,7 @@ from xsa_lm.sweep.run import (
     train_overrides,
     wandb_settings,
 )
-from xsa_lm.sweep.trials import _die_with_parent, last_error_line
+from xsa_lm.sweep.trials import die_with_parent, last_error_line
 
 SET_BY_SCALE = {  # model.* keys apply to every size (e.g. model.block_size)
     "model": "set the sizes with scale.models=[...]",
@@ -118,7 +118,7 @@ class SizeRunner:
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             in_report = False  # the sweep prints its report at the end: it stays in the log, the study reports
             assert self.proc.stdout is not None  # stdout=PIPE

@@ -409,7 +409,7 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
     (results.json, report.md, the plots) as its artifact <sweep_id>-report."""
     import wandb
 
-    from xsa_lm.train.tracking import log_files_artifact, wandb_init
+    from xsa_lm.tracking import log_files_artifact, wandb_init
 
     config = {k: results.get(k) for k in ("grid", "seeds", "search_seed", "train_overrides", "selected_lr")}
     run = wandb_init(

@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error
-from xsa_lm.locking import exclusive
+from xsa_lm.locking import hold_directory
 from xsa_lm.sweep.protocol import (
     Selection,
     SequentialRule,
@@ -134,7 +134,7 @@ def run_exclusive(
     directory = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
         overrides = overrides_of(list(HydraConfig.get().overrides.task))
-        with exclusive(directory, f"{command}.lock", f"xsa-lm {command}"):
+        with hold_directory(directory, f"{command}.lock", f"xsa-lm {command}"):
             return directory, run(directory, overrides)
 
 
@@ -223,7 +223,7 @@ def evaluate_compare(
 def check_sweep(cfg: DictConfig) -> tuple[list[float], int, list[int], int | None]:
     """The LR grid, the search seed, the compare seeds and the cap of sweep.seeds_until_significant (None: a fixed
     set of seeds); every setting is checked before anything is written."""
-    from xsa_lm.train.run import check_config  # validate once, not in every trial
+    from xsa_lm.config.builders import check_config  # validate once, not in every trial
 
     grids = cfg.sweep.get("lr_grids") or {}
     grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))

@@ -130,7 +130,7 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the sweep dies, even by SIGKILL (Linux), so that no orphan
     trial keeps writing into a run directory that a rerun of the sweep is about to use."""
     try:
@@ -236,7 +236,7 @@ class Launcher:
             out.write(f"\n=== attempt {attempt} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
             out.flush()
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent
             )
         started = time.time()
         self.running[proc] = (trial, slot, started, env)

@@ -2,7 +2,7 @@
 
 import sys
 
-from xsa_lm.cli import check_overrides
+from xsa_lm.config.command_line import check_overrides
 from xsa_lm.train.run import main
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
-"""Callbacks: throughput and tokens seen, the validation history kept for summary.json, and periodic diagnostics."""
+"""Callbacks: throughput and tokens seen, the validation history kept for summary.json, periodic diagnostics, and a
+clean stop with a checkpoint on preemption (SIGTERM / SIGUSR1) or Ctrl-C."""
 
+import logging
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,10 +23,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from xsa_lm.bench.hardware import peak_flops
 from xsa_lm.compat import should_update_logs
 from xsa_lm.model import GPT
-from xsa_lm.train.checkpointing import Preemption
+from xsa_lm.train.hardware import peak_flops
 
 GIB = 2**30
 
@@ -294,6 +298,68 @@ class Samples(EveryNSteps):
         for logger in trainer.loggers:
             if hasattr(logger, "log_text"):  # W&B: the whole table so far
                 logger.log_text(key="samples", columns=["step", "text"], data=self._rows)
+
+
+class Preemption(L.Callback):
+    """SIGTERM / SIGUSR1 / SIGINT: stop at the next optimizer step with a checkpoint, instead of dying mid-step.
+
+    SIGTERM / SIGUSR1 (SLURM preemption, `kill`) end the run with status `preempted` and exit code 0, so the job can be
+    requeued with resume=auto; Ctrl-C (SIGINT) with status `interrupted` and exit code 130; a second Ctrl-C aborts.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, last_checkpoint: Path) -> None:
+        self.last_checkpoint = last_checkpoint
+        self.received: str | None = None  # the signal's name
+        self.preempted_at: int | None = None
+        self._seen_step = -1
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":  # a second Ctrl-C: the user will not wait
+            print(
+                "\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(130)
+        if signum == signal.SIGINT:
+            print(
+                "\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.received = signal.Signals(signum).name
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After Lightning's own handlers are installed (they would end the run without a checkpoint).
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step == self._seen_step:  # still accumulating micro-batches of this step
+            return
+        self._seen_step = trainer.global_step
+        stop = self.received is not None
+        if trainer.world_size > 1:  # every rank stops at the same step, or none does
+            every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
+            if trainer.global_step % max(every, 1):
+                return  # agreeing is a collective that waits for the device: at logging steps only
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop and self.preempted_at is None:
+            self.preempted_at = trainer.global_step
+            trainer.should_stop = True  # the loop ends after this batch; the checkpoint follows in on_train_end
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Written once the loop has closed the step (its counters complete), so a resume logs the same step numbers.
+        if self.preempted_at is not None:
+            trainer.save_checkpoint(self.last_checkpoint)
+            if trainer.is_global_zero:
+                logging.getLogger("xsa_lm.train").info(
+                    f"{self.received or 'signal'} received: checkpoint at step {trainer.global_step} written to "
+                    f"{self.last_checkpoint}; resume with resume=auto"
+                )
 
 
 @dataclass

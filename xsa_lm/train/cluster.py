@@ -15,9 +15,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from xsa_lm.checkpoints.atomic import on_rank_zero
 from xsa_lm.compat import agree_on_resume_checkpoint
 from xsa_lm.errors import UserError
-from xsa_lm.train.checkpointing import on_rank_zero
 
 TOKEN = ".rank0-token-"  # a file rank 0 writes into the checkpoint directory, gone once every rank has looked
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from xsa_lm.checkpoints.atomic import AtomicCheckpointIO
+from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
 from xsa_lm.errors import UserError, exit_on_user_error
-from xsa_lm.sharded import is_sharded, load_sharded, shards_complete
-from xsa_lm.train.checkpointing import AtomicCheckpointIO
 
 
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:

@@ -217,12 +217,6 @@ def autocast_copies(
     return compute * (blocks + vocab_size * d)
 
 
-def strategy_kind(strategy) -> str:
-    """`fsdp` for a sharding strategy (trainer=fsdp, or a strategy named so), else `ddp` (one device included)."""
-    target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy)
-    return "fsdp" if "fsdp" in target.lower() or "ModelParallel" in target else "ddp"
-
-
 def largest_micro_batch(available: int, **kwargs) -> int:
     """The largest micro_batch_size whose estimate fits in `available` bytes (0 if none): memory grows linearly."""
     one, two = estimate(micro_batch_size=1, **kwargs), estimate(micro_batch_size=2, **kwargs)

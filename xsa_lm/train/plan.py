@@ -13,11 +13,11 @@ from typing import cast
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config.builders import VOCAB_MULTIPLE, resolve_precision, strategy_kind, world_size
+from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.train import memory
-from xsa_lm.train.checks import check_values
 from xsa_lm.train.devices import compile_enabled
-from xsa_lm.train.run import VOCAB_MULTIPLE, resolve_precision, world_size
 
 
 def memory_shape(cfg: DictConfig) -> dict:
@@ -44,7 +44,7 @@ def estimate_for_config(cfg: DictConfig | dict) -> memory.MemoryEstimate:
     return memory.estimate(
         micro_batch_size=cfg.micro_batch_size,
         accumulation=steps or 1,
-        strategy=memory.strategy_kind(cfg.trainer.strategy),
+        strategy=strategy_kind(cfg.trainer.strategy),
         compiled=compile_enabled(cfg.get("compile", False), accelerator=cfg.trainer.accelerator),
         **memory_shape(cfg),
     )
@@ -65,7 +65,7 @@ def make_plan(cfg: DictConfig) -> dict:
     strategies = {
         s: strategy_plan(cfg, strategy=s, available=available, shape=shape, compiled=compiled) for s in ("ddp", "fsdp")
     }
-    chosen = memory.strategy_kind(cfg.trainer.strategy)
+    chosen = strategy_kind(cfg.trainer.strategy)
     return {
         "model": cfg.model.name,
         "strategy": chosen,

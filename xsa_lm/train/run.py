@@ -24,84 +24,47 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.checkpoints import model_config_mismatch
-from xsa_lm.cli import full_command_line
+from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, LinkedCheckpoint
+from xsa_lm.checkpoints.discovery import checkpoint_step, newest_valid_checkpoint
+from xsa_lm.checkpoints.load import model_config_mismatch
+from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import save_checkpoints_now, skip_sigterm_broadcast
+from xsa_lm.config.builders import (
+    VOCAB_MULTIPLE,
+    build,
+    check_config,
+    model_config,
+    resolve_precision,
+    strategy_kind,
+    world_size,
+)
+from xsa_lm.config.command_line import full_command_line
+from xsa_lm.config.resume import continuation_config
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
-from xsa_lm.errors import UserError, build, exit_on_user_error
-from xsa_lm.locking import exclusive
+from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.locking import hold_directory
 from xsa_lm.model import GPTConfig
-from xsa_lm.sharded import META, is_sharded
 from xsa_lm.train import memory
-from xsa_lm.train.callbacks import Diagnostics, Profiler, ProgressBar, RunCallbacks, Samples, Throughput, ValHistory
-from xsa_lm.train.checkpointing import (
-    AsyncSave,
-    AtomicCheckpointIO,
-    AtomicDDPStrategy,
-    LinkedCheckpoint,
+from xsa_lm.train.callbacks import (
+    Diagnostics,
     Preemption,
-    checkpoint_step,
-    newest_valid_checkpoint,
+    Profiler,
+    ProgressBar,
+    RunCallbacks,
+    Samples,
+    Throughput,
+    ValHistory,
 )
-from xsa_lm.train.checks import check_values
 from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
-from xsa_lm.train.resume import continuation_config
 from xsa_lm.train.runinfo import run_info
 from xsa_lm.train.summary import RunSummary, completed, error_line, finish_wandb, print_summary
-from xsa_lm.train.tracking import resolve_mode
 
-VOCAB_MULTIPLE = 64  # pad the embedding table: matmuls are faster on multiples of 64 (50257 -> 50304)
 OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by the run, not by lightning.Trainer
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
-
-
-def world_size(trainer_cfg: DictConfig) -> int:
-    devices = trainer_cfg.get("devices", 1)
-    if devices in ("auto", -1, "-1"):
-        devices = torch.cuda.device_count() or 1
-    elif isinstance(devices, str):  # "0,1" or "2"
-        devices = len(devices.split(",")) if "," in devices else int(devices)
-    elif not isinstance(devices, int):
-        devices = len(devices)
-    return devices * int(trainer_cfg.get("num_nodes", 1))
-
-
-def check_config(cfg: DictConfig) -> dict:
-    """Validate what the user can get wrong; returns derived batch quantities."""
-    check_values(cfg)
-    if cfg.data.block_size > cfg.model.block_size:
-        raise UserError(
-            f"data.block_size={cfg.data.block_size} is above model.block_size={cfg.model.block_size}: "
-            "lower data.block_size or raise model.block_size"
-        )
-    devices = world_size(cfg.trainer)
-    tokens_per_micro_step = cfg.micro_batch_size * devices * cfg.data.block_size
-    if cfg.global_batch_tokens % tokens_per_micro_step:
-        raise UserError(
-            f"global_batch_tokens={cfg.global_batch_tokens} is not divisible by micro_batch_size x devices x "
-            f"data.block_size = {cfg.micro_batch_size} x {devices} x {cfg.data.block_size} = {tokens_per_micro_step}: "
-            "choose a multiple"
-        )
-    sharded = memory.strategy_kind(cfg.trainer.strategy) == "fsdp"
-    for group in ("diagnostics", "samples"):  # they run a forward on rank 0 alone: under sharding it would hang
-        if sharded and cfg.get(group) and cfg[group].every_n_steps:
-            raise UserError(
-                f"{group}.every_n_steps: not available under trainer=fsdp; run `xsa-lm analyze` or "
-                "`xsa-lm generate` on its checkpoints instead"
-            )
-    sharded_files = sharded and cfg.trainer.strategy.get("save_distributed_checkpoint", True)
-    if cfg.checkpoint.get("async_save") and not sharded_files:
-        raise UserError(
-            "checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp with "
-            "trainer.strategy.save_distributed_checkpoint=true); leave it false here"
-        )
-    if cfg.logger and cfg.logger.get("wandb"):
-        resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
-    return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
 
 
 def check_memory(cfg: DictConfig, *, devices: int, accumulation: int) -> None:
@@ -117,7 +80,7 @@ def check_memory(cfg: DictConfig, *, devices: int, accumulation: int) -> None:
         micro_batch_size=cfg.micro_batch_size,
         block_size=cfg.data.block_size,
         precision=resolve_precision(cfg.trainer.precision),
-        strategy=memory.strategy_kind(cfg.trainer.strategy),
+        strategy=strategy_kind(cfg.trainer.strategy),
         world_size=devices,
         activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
         compiled=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
@@ -141,57 +104,10 @@ def tokenizer_on_command_line() -> bool:
     return any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "tokenizer" for o in overrides)
 
 
-def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
-    """GPTConfig from the model group (typed like GPTConfig: xsa_lm/schema.py) and the attention group. A null
-    model.vocab_size takes the tokenizer's vocabulary, padded to a multiple of 64."""
-    fields = cast(dict[str, Any], OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig: a dict
-    architecture = {k: v for k, v in fields.items() if k != "name"}
-    if architecture["vocab_size"] is None:
-        architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    elif architecture["vocab_size"] < vocab_size:
-        raise UserError(f"model.vocab_size={architecture['vocab_size']} is smaller than the tokenizer's {vocab_size}")
-    attention = cfg.attention
-    try:
-        return GPTConfig(
-            **architecture,
-            attention=attention.name,
-            xsa_eps=attention.eps,
-            xsa_layers=xsa_layers(attention.layers, n_layer=architecture["n_layer"]),
-            xsa_gate=gate_enabled(attention.gate),
-        )
-    except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...) are the user's to fix
-        raise UserError(f"model: {e}") from None
-
-
-def xsa_layers(layers, n_layer: int) -> tuple[int, ...] | None:
-    """attention.layers: `all` (None: every layer), N (the last N layers) or a list of 0-based layer indices."""
-    if layers in ("all", None):
-        return None
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        if not 0 <= layers <= n_layer:
-            raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= n_layer={n_layer}")
-        return tuple(range(n_layer - layers, n_layer))
-    if OmegaConf.is_list(layers) or isinstance(layers, list | tuple):
-        return tuple(int(i) for i in layers)
-    raise UserError(f"attention.layers must be all, a number of last layers, or a list of layers; got {layers!r}")
-
-
-def gate_enabled(gate: str) -> bool:
-    if gate not in ("none", "tanh"):
-        raise UserError(f"attention.gate must be none or tanh, got {gate!r}")
-    return gate == "tanh"
-
-
 def device_name(accelerator: str) -> str:
     if uses_cuda(accelerator):
         return torch.cuda.get_device_name()  # this rank's: set_device ran first
     return "cpu"
-
-
-def resolve_precision(precision: str) -> str:
-    if precision != "auto":
-        return precision
-    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
 class ResumePoint(NamedTuple):
@@ -293,7 +209,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         # Rank 0 alone picks the checkpoint (each rank would pick from what it sees); its choice reaches this rank
         # once the process group exists (ClusterChecks).
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH)
-    with exclusive(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
+    with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
         if resume.step is not None and resume.step >= cfg.trainer.max_steps and completed(run_dir):
             print(
@@ -482,7 +398,7 @@ def make_trainer(
     strategy = cfg.trainer.strategy
     if strategy in ("auto", "ddp") and plan["devices"] > 1:  # what Lightning would pick, failing checkpoints together
         strategy = AtomicDDPStrategy()
-    if memory.strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
+    if strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
         strategy = {**strategy, "data_parallel_size": plan["devices"]}  # Lightning's auto means one per node
     trainer = build(
         lightning_trainer_args(cfg.trainer),

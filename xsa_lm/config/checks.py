@@ -8,8 +8,8 @@ import math
 
 from omegaconf import DictConfig, ListConfig
 
+from xsa_lm.config.schema import check_known_keys
 from xsa_lm.errors import UserError
-from xsa_lm.schema import check_known_keys
 
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 

@@ -12,8 +12,8 @@ from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config.schema import GROUPS
 from xsa_lm.errors import UserError
-from xsa_lm.schema import GROUPS
 
 # Keys a resume may change: how long, how often, where and how fast; never what the model sees or how it learns.
 # micro_batch_size and devices change only the split of the same global batch (the accumulation follows).

@@ -1,7 +1,7 @@
 """Checkpoints of `xsa-lm train` runs as plain models: the GPT (from the file alone) and the run's tokenizer.
 
 Used by `xsa-lm analyze`, `xsa-lm eval` and `xsa-lm generate`. A checkpoint lives in <run dir>/checkpoints/, next to
-the run's config.yaml, run_info.json and summary.json: a file, or a directory of shards (trainer=fsdp, xsa_lm.sharded).
+the run's config.yaml, run_info.json and summary.json: a file, or a directory of shards (trainer=fsdp: sharded.py).
 """
 
 import json
@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.sharded import is_sharded, load_sharded, shards_complete
 
 
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:

@@ -47,7 +47,7 @@ def datasheet_peak(name: str, precision: str) -> tuple[float | None, str]:
     kind = "bf16" if precision.startswith("bf16") else "tf32"
     key = datasheet_key(name)
     if key is None:
-        return None, f"{name} is not in xsa_lm.bench.hardware.PEAK_FLOPS: add its dense {kind} FLOP/s for MFU"
+        return None, f"{name} is not in xsa_lm.train.hardware.PEAK_FLOPS: add its dense {kind} FLOP/s for MFU"
     return PEAK_FLOPS[key][kind], f"datasheet: {key} dense {kind}"
 
 

@@ -1,27 +1,17 @@
-"""Checkpoints that survive crashes: atomic writes, validation before resuming, and a clean stop on preemption.
+"""Checkpoints that survive crashes: atomic writes (discovery.py picks the one to resume from).
 
 - Every checkpoint is written to <name>.tmp and renamed into place: a kill mid-write leaves the previous one whole.
   A sharded checkpoint (trainer=fsdp, a directory of one shard per rank) is renamed by rank 0 once every rank has
   written its shard.
-- resume=auto takes the newest checkpoint that is complete (last.ckpt, step-*.ckpt; a file or a sharded directory),
-  skipping a truncated or corrupt one with a warning. A sharded checkpoint resumes on any number of processes.
-- SIGTERM / SIGUSR1 (SLURM preemption, `kill`) finish the current optimizer step, write last.ckpt, and end the run
-  with status `preempted` and exit code 0, so the job can be requeued with resume=auto.
-- Ctrl-C (SIGINT) does the same with status `interrupted` and exit code 130; a second Ctrl-C aborts at once.
 - Each checkpoint event writes one payload, step-NNNNNN.ckpt; last.ckpt and best.ckpt are hard links to it (a copy
   where the filesystem has no links). A hard link outlives the pruning of the step checkpoint it was made from, and
   reads as the file (or directory of shards) itself.
 - A failure in rank 0's part of a checkpoint (rename, link, cleanup) raises on every rank at once.
 """
 
-import logging
 import os
-import pickle
 import shutil
-import signal
-import sys
 import warnings
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,9 +21,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
+from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
 from xsa_lm.compat import saves_sharded_checkpoints
 from xsa_lm.errors import UserError
-from xsa_lm.sharded import META, is_sharded, load_sharded, shards_complete
 
 
 class CheckpointWriteError(UserError):
@@ -259,92 +249,3 @@ class LinkedCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The checkpoint's global step, or None when it is truncated, incomplete or not a checkpoint."""
-    if path.is_dir():  # sharded: complete when every shard is, the step in its meta.pt
-        if not shards_complete(path):
-            return None
-        path = path / META
-    try:
-        with zipfile.ZipFile(path) as archive:  # torch.save files are zip archives with a CRC per member
-            if archive.testzip() is not None:
-                return None
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
-    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError):
-        return None
-
-
-def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list[Path]]:
-    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped.
-    A <name>.tmp (a write cut short) is never a candidate."""
-    candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt")), folder / "last.ckpt.old"]
-    best, best_step, skipped = None, None, []
-    for path in candidates:
-        if not path.exists():
-            continue
-        step = checkpoint_step(path)
-        if step is None:
-            skipped.append(path)
-        elif best_step is None or step > best_step:
-            best, best_step = path, step
-    return best, best_step, skipped
-
-
-class Preemption(L.Callback):
-    """SIGTERM / SIGUSR1 / SIGINT: stop at the next optimizer step with a checkpoint, instead of dying mid-step."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self, last_checkpoint: Path) -> None:
-        self.last_checkpoint = last_checkpoint
-        self.received: str | None = None  # the signal's name
-        self.preempted_at: int | None = None
-        self._seen_step = -1
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and self.received == "SIGINT":  # a second Ctrl-C: the user will not wait
-            print(
-                "\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(130)
-        if signum == signal.SIGINT:
-            print(
-                "\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.received = signal.Signals(signum).name
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # After Lightning's own handlers are installed (they would end the run without a checkpoint).
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
-        self._seen_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if trainer.global_step == self._seen_step:  # still accumulating micro-batches of this step
-            return
-        self._seen_step = trainer.global_step
-        stop = self.received is not None
-        if trainer.world_size > 1:  # every rank stops at the same step, or none does
-            every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
-            if trainer.global_step % max(every, 1):
-                return  # agreeing is a collective that waits for the device: at logging steps only
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop and self.preempted_at is None:
-            self.preempted_at = trainer.global_step
-            trainer.should_stop = True  # the loop ends after this batch; the checkpoint follows in on_train_end
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Written once the loop has closed the step (its counters complete), so a resume logs the same step numbers.
-        if self.preempted_at is not None:
-            trainer.save_checkpoint(self.last_checkpoint)
-            if trainer.is_global_zero:
-                logging.getLogger("xsa_lm.train").info(
-                    f"{self.received or 'signal'} received: checkpoint at step {trainer.global_step} written to "
-                    f"{self.last_checkpoint}; resume with resume=auto"
-                )

@@ -3,7 +3,7 @@ or misspelt key in a file fails when Hydra composes the config, a key appended p
 the run starts (check_known_keys), each in one line from the CLI.
 
 The files hold the values and say why; the schemas hold the keys and their types (`???`: the file sets it). A value
-that a rule of xsa_lm/train/checks.py checks is `Any` here: Hydra types a command-line value by its look, so an int
+that a rule of checks.py checks is `Any` here: Hydra types a command-line value by its look, so an int
 field would stop at `trainer.max_steps=1.5` in OmegaConf's words, where the rule names the key, the value and what
 it takes, with every other bad value, in one line (and also checks a config.yaml read back on resume). The model
 group mirrors GPTConfig (its presets list only what differs from it); its rules check ranges only.
@@ -24,7 +24,7 @@ ATTENTION_FIELDS = ("attention", "xsa_eps", "xsa_layers", "xsa_gate")
 
 def _model_fields() -> list[tuple]:
     """GPTConfig's architecture fields with its defaults, so the schema cannot drift from the model. vocab_size
-    defaults to null: the tokenizer's vocabulary, padded (train/run.py model_config)."""
+    defaults to null: the tokenizer's vocabulary, padded (builders.py model_config)."""
     own: list[tuple[str, Any, Any]] = [("name", str, field(default=MISSING))]
     for f in fields(GPTConfig):
         if f.name == "vocab_size":

@@ -1,0 +1,44 @@
+"""Finding the checkpoint to resume from.
+
+resume=auto takes the newest checkpoint that is complete (last.ckpt, step-*.ckpt; a file or a sharded directory),
+skipping a truncated or corrupt one with a warning. A sharded checkpoint resumes on any number of processes.
+"""
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from xsa_lm.checkpoints.sharded import META, shards_complete
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The checkpoint's global step, or None when it is truncated, incomplete or not a checkpoint."""
+    if path.is_dir():  # sharded: complete when every shard is, the step in its meta.pt
+        if not shards_complete(path):
+            return None
+        path = path / META
+    try:
+        with zipfile.ZipFile(path) as archive:  # torch.save files are zip archives with a CRC per member
+            if archive.testzip() is not None:
+                return None
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError):
+        return None
+
+
+def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list[Path]]:
+    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped.
+    A <name>.tmp (a write cut short) is never a candidate."""
+    candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt")), folder / "last.ckpt.old"]
+    best, best_step, skipped = None, None, []
+    for path in candidates:
+        if not path.exists():
+            continue
+        step = checkpoint_step(path)
+        if step is None:
+            skipped.append(path)
+        elif best_step is None or step > best_step:
+            best, best_step = path, step
+    return best, best_step, skipped
