@@ -10,16 +10,19 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from tests.helpers import FAST, cli_env, run_cli, write_local_task
+from tests.helpers import FAST, assert_refused, cli_env, run_cli, write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import (
     SequentialRule,
     Trial,
+    check_search_seeds,
     check_seeds,
     compare_trials,
     lr_grid,
+    lr_score,
     min_detectable_difference,
     paired_ci,
     paired_test,
@@ -29,8 +32,9 @@ from xsa_lm.sweep.protocol import (
     t_quantile,
     t_quantile_975,
 )
-from xsa_lm.sweep.report import build_results, render_markdown
-from xsa_lm.sweep.run import train_overrides
+from xsa_lm.sweep.report import build_results, rank_tests, render_markdown
+from xsa_lm.sweep.run import comparison_plan, keep_plan, train_overrides
+from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialStore, device_slots, outcome
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
@@ -52,29 +56,43 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
         lr_grid(None, {"min": 1e-2, "max": 1e-4, "num": 3})
 
 
+def _one_seed(results: dict[float, tuple[str | None, float | None]]) -> dict:
+    """select_lr's input for a search with one seed: lr -> [(status, final val loss)]."""
+    return {lr: [run] for lr, run in results.items()}
+
+
 def test_selection_takes_the_lowest_loss_and_no_warning_inside_the_grid() -> None:
     results = {1e-4: ("completed", 3.2), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.1)}
-    selection = select_lr(results, diverge_above=10.0)
+    selection = select_lr(_one_seed(results), diverge_above=10.0)
     assert selection.lr == 3e-4 and selection.warnings == []
 
 
 def test_selection_tie_goes_to_the_smaller_lr() -> None:
     results = {1e-4: ("completed", 3.5), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.0), 3e-3: ("completed", 3.4)}
-    assert select_lr(results, diverge_above=10.0).lr == 3e-4
+    assert select_lr(_one_seed(results), diverge_above=10.0).lr == 3e-4
+    # The same with medians over three seeds: 3e-4 and 1e-3 both have the median 3.0.
+    seeds = {
+        1e-4: [("completed", 3.5), ("completed", 3.6), ("completed", 3.4)],
+        3e-4: [("completed", 2.9), ("completed", 3.0), ("completed", 3.3)],
+        1e-3: [("completed", 3.0), ("completed", 2.8), ("completed", 3.1)],
+        3e-3: [("completed", 3.4), ("completed", 3.5), ("completed", 3.3)],
+    }
+    selection = select_lr(seeds, diverge_above=10.0)
+    assert selection.losses[3e-4] == selection.losses[1e-3] == 3.0 and selection.lr == 3e-4
 
 
 def test_diverged_runs_are_never_selected() -> None:
     # A diverged run's loss (or a loss above the bound) never wins, however low it looks.
     results = {1e-4: ("completed", 3.3), 3e-4: ("completed", 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("completed", 12.0)}
-    selection = select_lr(results, diverge_above=10.0)
+    selection = select_lr(_one_seed(results), diverge_above=10.0)
     assert selection.lr == 3e-4
     assert selection.losses[1e-3] is None and selection.losses[3e-3] is None
     nan = {1e-4: ("completed", 3.3), 3e-4: ("completed", math.nan), 1e-3: ("completed", 3.4)}
-    assert select_lr(nan, diverge_above=10.0).lr == 1e-4
+    assert select_lr(_one_seed(nan), diverge_above=10.0).lr == 1e-4
 
 
 def test_all_diverged_selects_nothing_and_says_so() -> None:
-    selection = select_lr({1e-3: ("diverged", None), 1e-2: ("completed", math.inf)}, diverge_above=10.0)
+    selection = select_lr(_one_seed({1e-3: ("diverged", None), 1e-2: ("completed", math.inf)}), diverge_above=10.0)
     assert selection.lr is None
     assert any("no LR is usable" in w for w in selection.warnings)
 
@@ -82,42 +100,117 @@ def test_all_diverged_selects_nothing_and_says_so() -> None:
 @pytest.mark.parametrize(("best", "side"), [(1e-4, "lowest"), (1e-3, "highest")])
 def test_best_lr_on_the_edge_of_the_grid_warns(best: float, side: str) -> None:
     results = {lr: ("completed", 3.0 if lr == best else 3.5) for lr in (1e-4, 3e-4, 1e-3)}
-    selection = select_lr(results, diverge_above=10.0)
+    selection = select_lr(_one_seed(results), diverge_above=10.0)
     assert selection.lr == best
     assert len(selection.warnings) == 1 and side in selection.warnings[0] and "extend the grid" in selection.warnings[0]
 
 
 def test_a_grid_of_one_lr_warns_that_nothing_was_searched() -> None:
-    selection = select_lr({3e-4: ("completed", 3.0)}, diverge_above=10.0)
+    selection = select_lr({3e-4: [("completed", 3.0)]}, diverge_above=10.0)
     assert selection.lr == 3e-4
     assert len(selection.warnings) == 1 and "holds one LR (0.0003)" in selection.warnings[0]
 
 
 def test_failed_search_runs_are_named_for_a_retry() -> None:
     results = {1e-4: ("completed", 3.3), 3e-4: ("failed", None), 1e-3: ("completed", 3.1), 3e-3: ("completed", 3.2)}
-    selection = select_lr(results, diverge_above=10.0)
+    selection = select_lr(_one_seed(results), diverge_above=10.0)
     assert selection.lr == 1e-3
     assert "0.0003" in selection.warnings[0] and "retry" in selection.warnings[0]
 
 
+def test_the_median_over_search_seeds_outvotes_one_stalled_seed() -> None:
+    # SA at 1e-3 is best on seeds 0 and 2, but seed 1 stalled there (a loss far above the others). Judged on seed 1
+    # alone, the stall moves the selection to 3e-4; the median over the three seeds keeps 1e-3.
+    seeds = {
+        3e-4: [("completed", 3.30), ("completed", 3.32), ("completed", 3.31)],
+        1e-3: [("completed", 3.10), ("completed", 4.50), ("completed", 3.12)],
+        3e-3: [("completed", 3.40), ("completed", 3.45), ("completed", 3.42)],
+    }
+    selection = select_lr(seeds, diverge_above=10.0)
+    assert selection.lr == 1e-3 and selection.losses[1e-3] == 3.12 and selection.warnings == []
+    assert selection.losses == {3e-4: 3.31, 1e-3: 3.12, 3e-3: 3.42}
+    seed_1 = {lr: [runs[1]] for lr, runs in seeds.items()}  # the stalled seed as the only search seed
+    assert select_lr(seed_1, diverge_above=10.0).lr == 3e-4
+    assert lr_score([("completed", 3.0), ("completed", 3.2)], diverge_above=10.0) == pytest.approx(
+        3.1
+    )  # even: mean of two
+
+
+def test_a_majority_of_diverged_seeds_makes_an_lr_unusable_a_minority_does_not() -> None:
+    minority = [("completed", 3.0), ("diverged", None), ("completed", 3.2)]  # the median: 3.2 (diverged = +inf)
+    majority = [("diverged", None), ("completed", 2.0), ("completed", 50.0)]  # 50 is above the bound: diverged too
+    assert lr_score(minority, diverge_above=10.0) == 3.2
+    assert lr_score(majority, diverge_above=10.0) is None
+    selection = select_lr({1e-3: majority, 3e-3: minority}, diverge_above=10.0)
+    assert selection.lr == 3e-3 and selection.losses == {1e-3: None, 3e-3: 3.2}  # 1e-3's 2.0 never wins
+    half = [("completed", 3.0), ("diverged", None)]  # two seeds, one diverged: the median is +inf, not usable
+    assert lr_score(half, diverge_above=10.0) is None
+    everywhere = select_lr({1e-3: majority, 3e-3: half}, diverge_above=10.0)
+    assert everywhere.lr is None and any("half the search runs or more diverged" in w for w in everywhere.warnings)
+
+
+def test_failed_search_runs_are_left_out_of_the_median_with_a_warning() -> None:
+    # A failed (or missing) run is no result: the median is over the runs that finished, and the warning names the LR.
+    with_failure = [("completed", 3.0), ("failed", None), (None, None), ("completed", 3.4)]
+    assert lr_score(with_failure, diverge_above=10.0) == pytest.approx(3.2)
+    selection = select_lr({1e-3: with_failure, 3e-3: [("completed", 3.3)] * 3}, diverge_above=10.0)
+    assert selection.lr == 1e-3 and selection.losses[1e-3] == pytest.approx(3.2)
+    assert len(selection.warnings) == 2  # the failed runs, and the best LR on the grid's edge
+    assert "search runs at LR 0.001 did not finish" in selection.warnings[0] and "retry" in selection.warnings[0]
+    assert lr_score([("failed", None), (None, None)], diverge_above=10.0) is None  # nothing finished: not usable
+
+
 def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
     # The search's SA run at the selected LR won partly on its noise (the winner's curse): by default the compare
-    # seeds must not contain the search seed, so no compare trial is a search trial.
+    # seeds must not contain a search seed, so no compare trial is a search trial.
     grid = [1e-4, 3e-4, 1e-3]
-    search = search_trials(grid, 0, ["sa", "xsa"])
+    search = search_trials(grid, [0, 5], ["sa", "xsa"])
+    assert len(search) == 12 and {t.seed for t in search} == {0, 5}  # every LR x every search seed x each arm
     for lr in grid:
-        assert not set(compare_trials(lr, check_seeds([1, 2], search_seed=0))) & set(search)
-    with pytest.raises(UserError, match=r"search seed .* \(e\.g\. sweep\.seeds=\[1,2\]\) .*reuse_search_run=true"):
-        check_seeds([0, 1], search_seed=0)
-    assert check_seeds([3], search_seed=7) == [3]
+        assert not set(compare_trials(lr, check_seeds([1, 2], search_seeds=[0, 5]))) & set(search)
+    with pytest.raises(
+        UserError, match=r"search seed\(s\) \[0\] .* \(e\.g\. sweep\.seeds=\[2,1\]\) .*reuse_search_run=true"
+    ):
+        check_seeds([0, 1], search_seeds=[0])
+    assert check_seeds([3], search_seeds=[7]) == [3]
     # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
-    trials = compare_trials(3e-4, check_seeds([0, 1], search_seed=0, reuse_search_run=True))
+    trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True))
     assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
-    for bad in ([], [1, 1]):
-        with pytest.raises(UserError, match="distinct integers"):
-            check_seeds(bad, search_seed=0)
-    with pytest.raises(UserError, match="sweep.search_seed must be an integer"):
-        check_seeds([1], search_seed=None)
+    with pytest.raises(UserError, match="distinct integers"):
+        check_seeds([1, 1], search_seeds=[0])
+
+
+def test_no_compare_seeds_is_a_search_only_sweep() -> None:
+    assert check_seeds([], search_seeds=[0, 1]) == [] and check_seeds(None, search_seeds=[0]) == []
+
+
+@pytest.mark.parametrize(
+    ("seeds", "search_seeds"), [([0, 1], [0]), ([1, 2, 3, 4], [2, 4, 5]), ([3, 0, 7], [7, 8, 0]), ([6], [6, 7])]
+)
+def test_a_compare_seed_among_the_search_seeds_is_refused_with_a_disjoint_replacement(
+    seeds: list[int], search_seeds: list[int]
+) -> None:
+    with pytest.raises(UserError) as refused:
+        check_seeds(seeds, search_seeds=search_seeds)
+    message = str(refused.value)
+    assert "\n" not in message
+    shared = [s for s in seeds if s in search_seeds]
+    assert f"contains the search seed(s) [{','.join(map(str, shared))}] (sweep.search_seeds)" in message
+    suggested = json.loads(message.split("e.g. sweep.seeds=")[1].split(")")[0])
+    assert len(suggested) == len(seeds) == len(set(suggested))  # as many seeds, distinct
+    assert not set(suggested) & set(search_seeds)  # none of them a search seed
+    assert [s for s in suggested if s in seeds] == [s for s in seeds if s not in search_seeds]  # the others kept
+    assert check_seeds(suggested, search_seeds=search_seeds) == suggested  # the suggestion passes
+
+
+@pytest.mark.parametrize("bad", [[], None, [0, 0], [0, "1"], [0.5], [True], 3, "0"])
+def test_search_seeds_must_be_a_non_empty_list_of_distinct_integers(bad: object) -> None:
+    with pytest.raises(UserError, match=r"sweep.search_seeds must be a non-empty list of distinct integers"):
+        check_search_seeds(bad)
+
+
+def test_search_seeds_pass_through_when_valid() -> None:
+    assert check_search_seeds([0]) == [0] and check_search_seeds((4, 0, 9)) == [4, 0, 9]
 
 
 def _compare(seed: int, sa: float | str, xsa: float | str, lr: float = 3e-4) -> list[dict]:
@@ -161,13 +254,15 @@ def _results(tmp_path: Path, trials: list[dict], selection, *, grid: list[float]
 def test_report_says_the_compare_seeds_are_disjoint_from_the_search(tmp_path: Path) -> None:
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(1, 3.01, 2.98) + _compare(2, 3.05, 3.00)
-    selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
-    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2], search_seed=0)
-    assert results["search_seed"] == 0 and results["reuse_search_run"] is False and results["warnings"] == []
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()}, diverge_above=10.0)
+    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2], search_seeds=[0])
+    assert results["search_seeds"] == [0] and results["reuse_search_run"] is False and results["warnings"] == []
+    assert results["stalls"] is None  # one search seed: no stall table
     markdown = render_markdown(results)
-    assert "search seed 0, compare seeds [1, 2]" in markdown and "## 1. LR search (seed 0" in markdown
+    assert "search seeds [0] (each LR scored by the median final loss over them), compare seeds [1, 2]" in markdown
+    assert "## 1. LR search (seeds 0, final validation loss)" in markdown and "## Stalls" not in markdown
     assert (
-        "The compare runs use seeds disjoint from the search's (seed 0), so no compare run was selected for its "
+        "The compare runs use seeds disjoint from the search's (seeds 0), so no compare run was selected for its "
         "luck." in markdown
     )
     assert "biased" not in markdown
@@ -177,8 +272,8 @@ def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(0, 3.0, 3.02) + _compare(1, 3.05, 3.00)
     trials[-4]["reused"] = True  # the SA run at seed 0 is the search's winner
-    selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
-    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[0, 1], search_seed=0)
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()}, diverge_above=10.0)
+    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[0, 1], search_seeds=[0])
     assert results["reuse_search_run"] is True
     assert len(results["warnings"]) == 1 and "biased against XSA" in results["warnings"][0]
     markdown = render_markdown(results)
@@ -189,8 +284,8 @@ def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path
 def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Path) -> None:
     trials = _search({3e-4: 3.0}) + _compare(1, 3.0, 2.9) + _compare(2, 3.1, 3.05)
     trials += _compare(3, 3.2, "diverged") + _compare(4, "failed", 3.0) + _compare(5, "missing", "missing")
-    selection = select_lr({3e-4: ("completed", 3.0)}, diverge_above=10.0)
-    results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seed=0)
+    selection = select_lr({3e-4: [("completed", 3.0)]}, diverge_above=10.0)
+    results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seeds=[0])
     compare = results["comparison"]
     assert compare["seeds"] == [1, 2] and compare["xsa_better_in"] == 2  # the dropped seeds count nowhere
     assert [d["seed"] for d in compare["dropped_seeds"]] == [3, 4, 5]
@@ -208,6 +303,58 @@ def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Pa
     assert "over 2 seed(s) (3 seed(s) left out: see the warnings); XSA is lower in 2." in markdown
 
 
+def _seeded_search(attention: str, lr: float, seed: int, final: float | str, at_40: float | None = None) -> dict:
+    """A search record with a validation history over 100 steps: a float is a completed run's final val loss (its
+    loss at 40% of the run is at_40, else the final loss + 0.5), a str the status of a run without one."""
+    completed = isinstance(final, float)
+    history = [
+        {"step": 40, "tokens": 40_000, "val_loss": at_40 if at_40 is not None else (final + 0.5 if completed else 9.9)},
+        {"step": 100, "tokens": 100_000, "val_loss": final if completed else 9.9},
+    ]
+    return {
+        "phase": "search",
+        "attention": attention,
+        "lr": lr,
+        "seed": seed,
+        "status": "completed" if completed else final,
+        "final_val_loss": final if completed else None,
+        "steps": 100,
+        "val_history": history,
+    }
+
+
+def test_report_shows_each_lrs_median_every_seed_and_the_stall_table(tmp_path: Path) -> None:
+    trials = [
+        _seeded_search("sa", 1e-3, 0, 3.10),
+        _seeded_search("sa", 1e-3, 1, 3.20, at_40=4.0),  # far above its LR's median at 40%: a stall
+        _seeded_search("sa", 3e-3, 0, 3.40),
+        _seeded_search("sa", 3e-3, 1, "diverged"),
+    ]
+    runs: dict[float, list] = {}
+    for t in trials:
+        runs.setdefault(t["lr"], []).append((t["status"], t["final_val_loss"]))
+    selection = select_lr(runs, diverge_above=10.0)
+    options = {"search_seeds": [0, 1], "stall_rule": StallRule(at_fraction=0.4, margin=0.15)}
+    results = _results(tmp_path, trials, selection, grid=[1e-3, 3e-3], seeds=[], **options)
+    assert results["search"]["sa"]["0.001"] == {"lr": 1e-3, "median": pytest.approx(3.15), "runs": trials[:2]}
+    assert results["search"]["sa"]["0.003"]["median"] is None  # half its seeds diverged: the median is +inf
+    assert results["selected_lr"] == 1e-3 and results["compare_table"] == []
+    stalls = results["stalls"]
+    assert stalls["stalls"] == {"sa": 1, "xsa": 0} and stalls["judged"] == {"sa": 3, "xsa": 0}
+    markdown = render_markdown(results)
+    assert "| LR | SA median | SA per seed |" in markdown
+    assert "| 0.001 **(selected)** | 3.1500 | 3.1000, 3.2000 |" in markdown
+    assert "| 0.003 | - | 3.4000, diverged |" in markdown
+    assert "compare seeds none (search only)" in markdown
+    table = markdown.index("| 0.003 | - |") < markdown.index("## Stalls per LR and arm") < markdown.index("## 2.")
+    assert table and "| 0.001 | SA | 2 | 1 |" in markdown and "| 0.003 | SA | 2 (+1 diverged/failed) | 0 |" in markdown
+    assert "Not run: a search-only sweep (sweep.seeds=[])" in markdown and "XSA - SA =" not in markdown
+    one_seed = _results(tmp_path, trials[::2], selection, grid=[1e-3, 3e-3], seeds=[], search_seeds=[0])
+    assert one_seed["stalls"] is None  # one search seed: a stall is not told from an unlucky LR
+    no_rule = _results(tmp_path, trials, selection, grid=[1e-3, 3e-3], seeds=[], search_seeds=[0, 1])
+    assert no_rule["stalls"] is None and "## Stalls" not in render_markdown(no_rule)
+
+
 def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
     from tests.helpers import compose_train
 
@@ -223,9 +370,11 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
     assert grid("model=gpt2_124m") == [1e-4, 2e-4, 4e-4, 6e-4]  # any other model: the LR-robustness grid
     assert grid("experiment=paper_0.7b", "sweep.lrs=[1e-4,2e-4]") == [1e-4, 2e-4]  # an explicit grid wins
     assert grid("experiment=demo", "sweep=demo") == [3e-3, 1e-2, 3e-2]
-    for overrides in (["sweep=demo"], [], ["experiment=paper_lr_robustness_toy"]):  # the shipped seeds are valid
+    shipped = (["sweep=demo"], [], ["experiment=paper_lr_robustness_toy"], ["experiment=stalls_toy"])
+    for overrides in shipped:  # the shipped seeds are valid, and the compare seeds disjoint from the search's
         sweep = compose_train(overrides, config_name="sweep").sweep
-        assert sweep.search_seed not in check_seeds(sweep.seeds, sweep.search_seed, sweep.reuse_search_run)
+        search_seeds = check_search_seeds(list(sweep.search_seeds))
+        assert not set(search_seeds) & set(check_seeds(sweep.seeds, search_seeds, sweep.reuse_search_run))
 
 
 # --- statistics ----------------------------------------------------------------------------------------------
@@ -294,17 +443,52 @@ def test_minimum_detectable_difference_by_hand() -> None:
         assert power == pytest.approx(0.8, abs=0.006), (n, power)
 
 
+def test_rank_tests_are_scipys_exact_wilcoxon_and_sign_tests(tmp_path: Path) -> None:
+    import scipy.stats
+
+    for diffs in ([-0.1, -0.2, -0.3, -0.4, -0.5], [-0.05, 0.01, -0.2, -0.3, -0.12, -0.07], [0.3, -0.1, 0.2, -0.4]):
+        tests = rank_tests(diffs)
+        assert tests["wilcoxon_p_value"] == pytest.approx(scipy.stats.wilcoxon(diffs, method="exact").pvalue)
+        lower = sum(d < 0 for d in diffs)
+        assert tests["sign_test_p_value"] == pytest.approx(scipy.stats.binomtest(lower, len(diffs), 0.5).pvalue)
+    # By hand, n = 5: all lower: both two-sided p = 2 / 2^5. One higher, with the smallest rank: P(W+ <= 1) = 2/32,
+    # p = 4/32; the sign test's 4 of 5: p = 2 (1 + 5) / 32.
+    assert rank_tests([-0.1, -0.2, -0.3, -0.4, -0.5]) == pytest.approx(
+        {"wilcoxon_p_value": 0.0625, "sign_test_p_value": 0.0625}
+    )
+    assert rank_tests([0.05, -0.2, -0.3, -0.4, -0.5]) == pytest.approx(
+        {"wilcoxon_p_value": 0.125, "sign_test_p_value": 0.375}
+    )
+    assert rank_tests([0.0, -0.1, -0.2]) == pytest.approx({"wilcoxon_p_value": 0.5, "sign_test_p_value": 0.5})
+    for few in ([], [0.1], [0.0, -0.2], [0.0, 0.0]):  # below two non-zero differences: no test
+        assert rank_tests(few) == {"wilcoxon_p_value": None, "sign_test_p_value": None}
+    # In the comparison's statistics and the verdict line.
+    trials = _search({3e-4: 3.0}) + [r for seed in range(1, 6) for r in _compare(seed, 3.0 + seed / 10, 2.9)]
+    selection = select_lr({3e-4: [("completed", 3.0)]}, diverge_above=10.0)
+    results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seeds=[0])
+    assert results["comparison"]["wilcoxon_p_value"] == pytest.approx(0.0625)
+    assert results["comparison"]["sign_test_p_value"] == pytest.approx(0.0625)
+    assert (
+        "Tests that do not assume normal noise: exact Wilcoxon signed-rank p = 0.0625, exact sign test p = 0.0625."
+        in render_markdown(results)
+    )
+
+
 # --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
 
 
-def test_sequential_seeds_continue_after_the_largest_and_skip_the_search_seed() -> None:
-    assert seed_sequence([1, 2], search_seed=0, cap=5) == [1, 2, 3, 4, 5]
-    assert seed_sequence([1], search_seed=3, cap=4) == [1, 2, 4, 5]  # 3 is the search seed: its SA run won the search
-    assert seed_sequence([5, 1], search_seed=0, cap=3) == [5, 1, 6]
-    assert seed_sequence([1, 2, 3], search_seed=0, cap=3) == [1, 2, 3]
+def test_sequential_seeds_continue_after_the_largest_and_skip_every_search_seed() -> None:
+    assert seed_sequence([1, 2], search_seeds=[0], cap=5) == [1, 2, 3, 4, 5]
+    assert seed_sequence([1], search_seeds=[3], cap=4) == [1, 2, 4, 5]  # 3 is a search seed: its SA run may have won
+    assert seed_sequence([5, 1], search_seeds=[0], cap=3) == [5, 1, 6]
+    assert seed_sequence([1, 2, 3], search_seeds=[0], cap=3) == [1, 2, 3]
+    assert seed_sequence([1, 2], search_seeds=[0, 3, 4, 6], cap=6) == [1, 2, 5, 7, 8, 9]  # every search seed skipped
+    assert seed_sequence([10], search_seeds=[11, 12], cap=3) == [10, 13, 14]
     for cap in (1, 2, True, 2.5, None):  # below the 3 seeds of sweep.seeds (or two pairs), or not an integer
         with pytest.raises(UserError, match="sweep.seeds_until_significant must be an integer"):
-            seed_sequence([1, 2, 3], search_seed=0, cap=cap)
+            seed_sequence([1, 2, 3], search_seeds=[0], cap=cap)
+    with pytest.raises(UserError, match=r"needs compare seeds to start from: set sweep.seeds=\[1,2\]"):
+        seed_sequence([], search_seeds=[0], cap=4)  # a search-only sweep has nothing to continue
 
 
 def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
@@ -357,21 +541,21 @@ def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflat
 def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) -> None:
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(1, 3.0, 2.95) + _compare(2, 3.1, 3.04) + _compare(3, 3.05, 3.0)
-    selection = select_lr({lr: ("completed", loss) for lr, loss in search.items()}, diverge_above=10.0)
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()}, diverge_above=10.0)
     rule = SequentialRule.plan(n_seeds=2, cap=5)
     looks = [rule.look(2, [-0.05, -0.06]), rule.look(3, [-0.05, -0.06, -0.05])]
     sequential = rule.summary(looks, "significant")
     results = _results(
-        tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seed=0, sequential=sequential
+        tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seeds=[0], sequential=sequential
     )
-    plain = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seed=0)
+    plain = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seeds=[0])
     existing = {
         "sweep_dir",
         "sweep_id",
         "train_overrides",
         "grid",
         "seeds",
-        "search_seed",
+        "search_seeds",
         "reuse_search_run",
         "selected_lr",
         "warnings",
@@ -379,6 +563,7 @@ def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) ->
         "comparison",
         "compare_table",
         "xsa_tuning",
+        "stalls",
         "trials",
     }
     assert set(plain) == set(results) == existing | {"sequential"} and plain["sequential"] is None
@@ -478,12 +663,56 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
             train_overrides([bad])
 
 
+def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
+    """comparison_plan of a sweep config whose stall rule has this margin."""
+    cfg = OmegaConf.create({"sweep": {"stall": {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}}})
+    return comparison_plan(cfg, list(search_seeds), list(seeds), cap)
+
+
+def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:
+    state_file = tmp_path / "sweep.json"
+    state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": []}))  # as open_sweep writes it
+
+    def run(plan: dict, grid: list[float]) -> None:  # what each run of the sweep does: read sweep.json, keep the plan
+        keep_plan(state_file, json.loads(state_file.read_text()), plan, grid)
+
+    run(_plan(), [1e-3])
+    first = json.loads(state_file.read_text())
+    stall = {"at_fraction": 0.4, "margin": 0.15, "loss_threshold": None}
+    assert first["plan"] == {
+        "search_seeds": [0],
+        "seeds": [1, 2],
+        "seeds_until_significant": 4,
+        "alpha": 0.05,
+        "planned_looks": 3,  # looks at 2, 3 and 4 seeds
+        "stall": stall,
+    }
+    assert first["sweep_id"] == "s" and [h["grid"] for h in first["history"]] == [[1e-3]]
+    run(_plan(), [1e-3, 3e-3])  # the same plan with a larger grid: allowed, and the grid's history kept
+    assert [h["grid"] for h in json.loads(state_file.read_text())["history"]] == [[1e-3], [1e-3, 3e-3]]
+    kept = state_file.read_bytes()
+    for changed, named in (
+        (_plan(seeds=(1, 3)), "seeds [1, 2] -> [1, 3]"),
+        (_plan(seeds=(1, 2, 3)), "seeds [1, 2] -> [1, 2, 3], planned_looks 3 -> 2"),
+        (_plan(cap=6), "seeds_until_significant 4 -> 6, planned_looks 3 -> 5"),
+        (_plan(cap=None), "seeds_until_significant 4 -> None, planned_looks 3 -> 1"),
+        (_plan(search_seeds=(0, 5)), "search_seeds [0] -> [0, 5]"),
+        (_plan(margin=0.1), f"stall {stall!r} -> { ({**stall, 'margin': 0.1})!r}"),
+    ):
+        with pytest.raises(UserError) as refused:
+            run(changed, [1e-3, 3e-3])
+        message = str(refused.value)
+        assert "\n" not in message and f"({named})" in message, message
+        assert "spends the significance level again" in message and "a new hydra.run.dir" in message
+        assert state_file.read_bytes() == kept  # nothing recorded
+
+
 def test_report_without_a_usable_lr_says_the_comparison_did_not_run(tmp_path: Path) -> None:
     trials = [
         {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "diverged", "final_val_loss": None}
         for lr in (1e-2, 1e-1)
     ]
-    selection = select_lr({1e-2: ("diverged", None), 1e-1: ("diverged", None)}, diverge_above=10.0)
+    selection = select_lr({1e-2: [("diverged", None)], 1e-1: [("diverged", None)]}, diverge_above=10.0)
     results = _results(tmp_path, trials, selection, grid=[1e-2, 1e-1], seeds=[0])
     markdown = render_markdown(results)
     assert "no LR is usable" in markdown and "Not run: the search selected no LR" in markdown
@@ -520,7 +749,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
             assert trial["status"] == "completed" and trial["final_val_loss"] < math.log(512)
             assert {"phase", "attention", "lr", "seed", "status", "final_val_loss", "run_dir"} <= set(trial)
             assert not trial["reused"]  # seeds disjoint from the search's: no compare run is a search run
-    assert results["search_seed"] == 0 and results["seeds"] == [1, 2] and not results["reuse_search_run"]
+    assert results["search_seeds"] == [0] and results["seeds"] == [1, 2] and not results["reuse_search_run"]
     assert len(list((sweep_dir / "runs").iterdir())) == 8  # 4 search + 4 compare runs, none twice
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
     assert record["command"][:2] == ["env", "XSA_LM_VIA_PREFIX=1"]  # sweep.launch_prefix wraps every trial
@@ -547,7 +776,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
         ", p = ",
         "## 3. XSA at its own best LR",
         "extend the grid",
-        "seeds disjoint from the search's (seed 0)",
+        "seeds disjoint from the search's (seeds 0)",
         "this study could detect differences larger than",
     ):
         assert text in report, text
@@ -590,7 +819,7 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
     corrected look is significant; a rerun replays the looks on the reused trials and stops at the same place."""
     sweep_dir = tmp_path / "sweep"
     args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=10", "sweep.lrs=[3e-3]"]
-    args += ["sweep.search_seed=2", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "sweep.max_parallel=2"]
+    args += ["sweep.search_seeds=[2]", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "sweep.max_parallel=2"]
     args.append(f"hydra.run.dir={sweep_dir}")
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -616,6 +845,44 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
     assert again.returncode == 0, again.stderr[-2000:]
     assert "started" not in again.stdout and again.stdout.count("(reused)") == 1 + 2 * len(ran)
     assert json.loads((sweep_dir / "results.json").read_text())["sequential"] == sequential
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(tmp_path: Path, data_cache: Path) -> None:
+    """sweep.seeds=[]: the LR x seed grid of SA and XSA is the study (two search seeds, one LR), the report counts
+    stalls per arm with the attention diagnostics read from each run's metrics.csv; the same sweep with compare seeds
+    added afterwards is refused in one line, its results untouched."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=5", "diagnostics.every_n_steps=5"]
+    args += ["sweep.lrs=[3e-3]", "sweep.seeds=[]", "sweep.search_seeds=[0,1]", "sweep.tune_xsa=true"]
+    args += ["sweep.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    results = json.loads((sweep_dir / "results.json").read_text())
+    assert results["seeds"] == [] and results["search_seeds"] == [0, 1] and results["selected_lr"] == 3e-3
+    assert {t["phase"] for t in results["trials"]} == {"search"} and len(results["trials"]) == 4
+    assert results["comparison"]["seeds"] == [] and results["compare_table"] == []
+    assert sorted(results["search"]) == ["sa", "xsa"] and len(results["search"]["xsa"]["0.003"]["runs"]) == 2
+    stalls = results["stalls"]
+    assert [(c["lr"], c["attention"], c["runs"]) for c in stalls["cells"]] == [(3e-3, "sa", 2), (3e-3, "xsa", 2)]
+    assert stalls["judged"] == {"sa": 2, "xsa": 2} and stalls["rule"]["at_fraction"] == 0.4
+    for row in stalls["runs"]:  # a_ii at step 5 (the first validation at 40% of 10 steps) from metrics.csv
+        assert row["step"] == 5 and 0.0 <= row["diagnostics"]["a_ii"] <= 1.0, row
+    report = (sweep_dir / "report.md").read_text()
+    assert "## Stalls per LR and arm" in report and "| 0.003 | SA | 2 |" in report and "| 0.003 | XSA | 2 |" in report
+    assert "compare seeds none (search only)" in report and "Not run: a search-only sweep" in report
+    assert len(list((sweep_dir / "runs").iterdir())) == 4
+    plan = json.loads((sweep_dir / "sweep.json").read_text())["plan"]
+    assert plan["seeds"] == [] and plan["search_seeds"] == [0, 1]
+
+    before = {name: (sweep_dir / name).read_bytes() for name in ("results.json", "report.md", "sweep.json")}
+    other_seeds = [a for a in args if a != "sweep.seeds=[]"] + ["sweep.seeds=[2,3]"]
+    refused = run_cli(other_seeds, data_cache, tmp_path, timeout=120)
+    assert_refused(refused, "planned with other statistics (seeds [] -> [2, 3])", "a new hydra.run.dir")
+    assert {name: (sweep_dir / name).read_bytes() for name in before} == before
+    assert len(list((sweep_dir / "runs").iterdir())) == 4  # nothing trained
 
 
 @pytest.mark.slow
@@ -703,7 +970,9 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
         ("optim.lr=1e-3", "optim.lr is set by the sweep"),
         ("sweep.lrs=[]", "needs an LR grid"),
         ("sweep.seeds=[0,0]", "distinct integers"),
-        ("sweep.seeds=[0,1]", "contains the search seed (sweep.search_seed=0)"),
+        ("sweep.seeds=[0,1]", "contains the search seed(s) [0] (sweep.search_seeds)"),
+        ("sweep.search_seeds=[]", "sweep.search_seeds must be a non-empty list of distinct integers"),
+        ("sweep.stall.margin=-1", "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
         ("sweep.max_parallel=0", "max_parallel must be at least 1"),
         ("sweep.seeds_until_significant=2", "sweep.seeds_until_significant must be an integer of at least 2"),
     ],

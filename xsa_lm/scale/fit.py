@@ -1,11 +1,17 @@
 """Loss vs training compute, and XSA's effective-compute multiplier, as pure functions (no processes or files).
 
-The SA baseline's final losses at several model sizes are fitted with
-    L(C) = E + A * C^-alpha          (E: the irreducible loss; with fewer points, E = 0: a pure power law)
-and, at each size, XSA's multiplier is the compute the SA fit needs to reach XSA's loss over the compute it needs
-to reach SA's loss at that size: k = C_fit(L_XSA) / C_fit(L_SA). The fit only converts the loss gap at each size
-into compute, so XSA = SA gives exactly k = 1 whatever the fit's residual at that point; with a residual of 0 it is
-the usual C_fit(L_XSA) / C ("XSA reaches the loss SA reaches with k x the compute").
+Two fits, each for its own question:
+- the SA fit, L(C) = E + A C^-alpha through SA's mean final losses (E = 0, a pure power law, with fewer than 4
+  sizes), least squares in loss: what the lack-of-fit test and the extrapolation check judge.
+- the shared fit, L_arm(C) = E + A_arm C^-alpha through both arms at once (one E and one alpha), Huber loss on
+  log-loss residuals: XSA's one multiplier for the ladder, k = (A_SA / A_XSA)^(1/alpha), the compute SA needs to
+  match XSA ("XSA reaches SA's loss with 1/k of the compute"), as OLMo-core's ladder reads it.
+
+k's 95% interval is a parametric bootstrap of the shared fit (ladder_bootstrap): each resample adds to every fitted
+mean the seed noise of that size (its standard error over seeds) and the ladder's lack-of-fit variance (what the
+residuals show beyond the seed noise), then refits. Two earlier intervals are gone: the paired t interval of each
+size converted through a fixed SA curve ignored the fit's own uncertainty (it undercovers once sizes deviate from the
+curve: tests/test_scale.py measures it), and a bootstrap over seeds alone was too narrow with 3-4 seeds.
 """
 
 import math
@@ -19,9 +25,12 @@ import scipy.stats
 
 from xsa_lm.errors import UserError
 
-LOG_CAP = math.log(1e6)  # log multipliers are capped here: XSA's loss below the fitted floor E has no finite k
-MIN_BOOTSTRAP_SEEDS = 3
-FORMS = {"power_law_offset": 3, "power_law": 2}  # fit form -> its number of parameters
+LOG_CAP = math.log(1e6)  # log multipliers are capped here: an alpha near 0 puts k out of any reading
+FORMS = {"power_law_offset": 3, "power_law": 2}  # fit form -> its number of parameters (SA fit)
+ALPHA_MAX = 2.0  # language-model loss exponents are 0.05-0.5; the bound keeps a degenerate fit finite
+HUBER_DEFAULT = 1e-3  # Chinchilla's delta on log-loss residuals, when the seed noise is unknown
+LOG_A_MAX = 50.0  # ln A (C in units of its geometric mean) stays finite in every refit
+BOUND_TOLERANCE = 1e-3  # a parameter within this fraction of its range from a bound sits at that bound
 
 
 @dataclass
@@ -38,7 +47,7 @@ class Fit:
 
     def compute_for(self, loss: float) -> float:
         """The compute at which the fit reaches `loss`: inf when loss is at or below the floor E."""
-        if loss <= self.E:
+        if loss <= self.E or self.alpha <= 0:
             return math.inf
         return self.c_ref * (self.A / (loss - self.E)) ** (1 / self.alpha)
 
@@ -95,7 +104,8 @@ def _least_squares(x: np.ndarray, y: np.ndarray, form: str, a0: float, alpha0: f
 
 
 def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: str = "auto") -> Fit:
-    """Least squares in loss (scipy.optimize.curve_fit), started from the log-log line through the points."""
+    """The SA fit: least squares in loss (scipy.optimize.curve_fit), started from the log-log line through the
+    points."""
     form = choose_form(len(compute), form)
     c = np.asarray(compute, dtype=float)
     y = np.asarray(loss, dtype=float)
@@ -111,79 +121,251 @@ def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: s
 
 
 def multiplier(fit: Fit, sa_loss: float, xsa_loss: float) -> float:
-    """XSA's effective-compute multiplier at one size (see the module docstring); inf when XSA's loss is at or
-    below the fit's floor."""
+    """The compute the SA fit needs to reach XSA's loss over the compute it needs to reach SA's; inf when XSA's loss
+    is at or below the fit's floor."""
     return fit.compute_for(xsa_loss) / fit.compute_for(sa_loss)
 
 
-def multiplier_interval(fit: Fit, sa_loss: float, diff_ci: Sequence[float]) -> tuple[float, float]:
-    """The 95% interval of the multiplier from the paired t interval of XSA - SA at this size, each end converted to
-    compute through the SA fit (k falls as XSA's loss rises). Exact for normal seed noise with the fit's exchange rate
-    held fixed: measured on synthetic data, 95% coverage with 4 sizes (the offset fit), 90-93% with 3 (a pure power law
-    where the truth has an offset)."""
-    lo, hi = diff_ci
-    return multiplier(fit, sa_loss, sa_loss + hi), multiplier(fit, sa_loss, sa_loss + lo)
+def lack_of_fit(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> dict:
+    """chi^2 = sum((residual / SE)^2) of a fit through means with these standard errors, on points - parameters
+    degrees of freedom, and its p-value (scipy.stats.chi2.sf); p is None when no degree of freedom is left or an
+    SE is unknown (a size with one seed) or 0."""
+    dof = len(residuals) - parameters
+    se = np.asarray(standard_errors, dtype=float)
+    if dof <= 0 or not np.all(np.isfinite(se)) or np.any(se <= 0):
+        return {"chi2": None, "dof": dof, "p": None}
+    chi2 = float(np.sum((np.asarray(residuals) / se) ** 2))
+    return {"chi2": chi2, "dof": dof, "p": float(scipy.stats.chi2.sf(chi2, dof))}
 
 
-def multipliers(compute: Sequence[float], sa: Sequence[float], xsa: Sequence[float], form: str = "auto") -> list[float]:
-    """The SA fit through (compute, sa) and XSA's multiplier at every size."""
-    fit = fit_loss_vs_compute(compute, sa, form)
-    return [multiplier(fit, s, x) for s, x in zip(sa, xsa, strict=True)]
+@dataclass
+class SharedFit:
+    """L_arm(C) = E + A_arm (C / c_ref)^-alpha for arm in (sa, xsa), one E and one alpha."""
+
+    offset: bool  # False: E = 0 (a pure power law)
+    E: float
+    log_A_sa: float  # ln A for C in units of c_ref
+    log_A_xsa: float
+    alpha: float
+    c_ref: float
+    floor: float  # E's upper bound: the lowest observed mean
+    residuals: list[float]  # observed - fitted in loss, SA's sizes then XSA's
+
+    def loss(self, arm: str, compute: np.ndarray | float) -> np.ndarray:
+        log_A = self.log_A_sa if arm == "sa" else self.log_A_xsa
+        return self.E + np.exp(log_A - self.alpha * np.log(np.asarray(compute) / self.c_ref))
+
+    @property
+    def log_multiplier(self) -> float:
+        """ln k = ln(A_SA / A_XSA) / alpha, capped at +-LOG_CAP."""
+        gap = self.log_A_sa - self.log_A_xsa
+        if self.alpha <= 0:
+            return math.copysign(LOG_CAP, gap)
+        return max(-LOG_CAP, min(LOG_CAP, gap / self.alpha))
+
+    @property
+    def multiplier(self) -> float:
+        return math.exp(self.log_multiplier)
+
+    @property
+    def parameters(self) -> int:
+        return 4 if self.offset else 3
+
+    def at_bounds(self) -> list[str]:
+        """The parameters sitting at a bound of the fit (not identified by the data)."""
+        found = []
+        if self.offset and self.E <= BOUND_TOLERANCE * self.floor:
+            found.append(f"E = {self.E:.4f} at its lower bound 0")
+        if self.offset and self.E >= (1 - BOUND_TOLERANCE) * self.floor:
+            found.append(f"E = {self.E:.4f} at its upper bound, the lowest mean loss {self.floor:.4f}")
+        if self.alpha <= BOUND_TOLERANCE * ALPHA_MAX:
+            found.append(f"alpha = {self.alpha:.4f} at its lower bound 0")
+        if self.alpha >= (1 - BOUND_TOLERANCE) * ALPHA_MAX:
+            found.append(f"alpha = {self.alpha:.4f} at its upper bound {ALPHA_MAX}")
+        return found
+
+    def A_in_flops(self, arm: str) -> float:
+        """A for C in FLOPs."""
+        log_A = self.log_A_sa if arm == "sa" else self.log_A_xsa
+        return math.exp(log_A + self.alpha * math.log(self.c_ref))
+
+    def describe(self) -> str:
+        head = f"L(C) = {self.E:.4f} + " if self.offset else "L(C) = "
+        A = {arm: self.A_in_flops(arm) for arm in ("sa", "xsa")}
+        return f"{head}{{SA: {A['sa']:.4g}, XSA: {A['xsa']:.4g}}} * C^-{self.alpha:.4f}"
+
+    def as_dict(self) -> dict:
+        return {
+            "formula": self.describe(),
+            "E": self.E,
+            "A_sa": self.A_in_flops("sa"),
+            "A_xsa": self.A_in_flops("xsa"),
+            "alpha": self.alpha,
+            "residuals": self.residuals,
+            "points": len(self.residuals),
+            "parameters": self.parameters,
+            "loss": "huber on log-loss residuals",
+        }
 
 
-def bootstrap_multipliers(
+def huber_scale(means: Sequence[float], standard_errors: Sequence[float]) -> float:
+    """Huber's delta on log-loss residuals: 1.345 x the typical relative seed noise (95% efficient for normal noise,
+    while a stalled size counts linearly); HUBER_DEFAULT when the noise is unknown."""
+    relative = [se / m for se, m in zip(standard_errors, means, strict=True) if math.isfinite(se) and se > 0]
+    return 1.345 * float(np.median(relative)) if relative else HUBER_DEFAULT
+
+
+def _shared_problem(x: np.ndarray, y: np.ndarray, offset: bool):
+    """Residuals and Jacobian of ln y - ln(E + exp(a_arm) x^-alpha) over the stacked arms (SA's sizes, then XSA's)."""
+    n = len(x) // 2
+    is_xsa = np.r_[np.zeros(n), np.ones(n)]
+    log_x, log_y = np.log(x), np.log(y)
+
+    def unpack(p: np.ndarray) -> tuple[float, np.ndarray, float]:
+        E = p[0] if offset else 0.0
+        a_sa, a_xsa, alpha = p[-3:]
+        return E, np.where(is_xsa == 1, a_xsa, a_sa), alpha
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        E, a, alpha = unpack(p)
+        with np.errstate(over="ignore"):  # a trial step far off: an infinite residual, which the solver rejects
+            return log_y - np.log(E + np.exp(a - alpha * log_x))
+
+    def jacobian(p: np.ndarray) -> np.ndarray:
+        E, a, alpha = unpack(p)
+        term = np.exp(a - alpha * log_x)
+        pred = E + term
+        cols = [-term / pred * (1 - is_xsa), -term / pred * is_xsa, term * log_x / pred]
+        if offset:
+            cols.insert(0, -1 / pred)
+        return np.stack(cols, axis=1)
+
+    return residuals, jacobian
+
+
+def _starts(x: np.ndarray, y: np.ndarray, offset: bool, floor: float) -> list[np.ndarray]:
+    """A grid of starting points: E and alpha on a grid, each arm's a from the log-log line given them."""
+    n = len(x) // 2
+    starts = []
+    for E in (0.0, 0.5 * floor, 0.9 * floor) if offset else (0.0,):
+        for alpha in (0.05, 0.2, 0.6):
+            a = [float(np.mean(np.log(y[s] - E) + alpha * np.log(x[s]))) for s in (slice(0, n), slice(n, None))]
+            starts.append(np.array(([E] if offset else []) + a + [alpha]))
+    return starts
+
+
+def fit_shared(
     compute: Sequence[float],
-    sa_runs: Sequence[Sequence[float]],
-    xsa_runs: Sequence[Sequence[float]],
-    form: str = "auto",
+    sa: Sequence[float],
+    xsa: Sequence[float],
+    *,
+    offset: bool,
+    f_scale: float = HUBER_DEFAULT,
+    start: np.ndarray | None = None,
+) -> SharedFit:
+    """The shared fit through both arms' means (scipy.optimize.least_squares, loss="huber" on log-loss residuals),
+    from several starts (the lowest cost kept), or from `start` alone (a bootstrap refit from the point estimate)."""
+    c = np.asarray(compute, dtype=float)
+    c_ref = float(np.exp(np.mean(np.log(c))))
+    x = np.r_[c, c] / c_ref
+    y = np.r_[np.asarray(sa, dtype=float), np.asarray(xsa, dtype=float)]
+    floor = float(y.min())
+    residuals, jacobian = _shared_problem(x, y, offset)
+    lower = ([0.0] if offset else []) + [-LOG_A_MAX, -LOG_A_MAX, 0.0]
+    upper = ([floor] if offset else []) + [LOG_A_MAX, LOG_A_MAX, ALPHA_MAX]
+    best = None
+    tolerance = 1e-8 if start is None else 1e-6  # a refit moves ln k by far more than 1e-6 between resamples
+    for p0 in _starts(x, y, offset, floor) if start is None else [start]:
+        p0 = np.clip(p0, lower, upper)
+        result = scipy.optimize.least_squares(
+            residuals,
+            p0,
+            jac=jacobian,
+            bounds=(lower, upper),
+            loss="huber",
+            f_scale=f_scale,
+            x_scale="jac",  # E, ln A and alpha differ in scale by orders: 3-10x fewer evaluations
+            ftol=tolerance,
+            xtol=tolerance,
+            gtol=tolerance,
+        )
+        if best is None or result.cost < best.cost:
+            best = result
+    assert best is not None  # at least one start
+    p = best.x
+    E = float(p[0]) if offset else 0.0
+    fit = SharedFit(
+        offset=offset,
+        E=E,
+        log_A_sa=float(p[-3]),
+        log_A_xsa=float(p[-2]),
+        alpha=float(p[-1]),
+        c_ref=c_ref,
+        floor=floor,
+        residuals=[],
+    )
+    fitted = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
+    fit.residuals = [float(r) for r in y - fitted]
+    return fit
+
+
+def parameters_of(fit: SharedFit) -> np.ndarray:
+    """The fit's parameter vector as fit_shared optimises it (its `start`)."""
+    a = [fit.log_A_sa, fit.log_A_xsa, fit.alpha]
+    return np.array(([fit.E] if fit.offset else []) + a)
+
+
+def lack_of_fit_variance(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> float:
+    """The variance of the means about the curve beyond their seed noise: sum(r^2) / dof - mean(SE^2), floored at
+    0; 0 when no degree of freedom is left (nothing to estimate it from: the study is flagged for that)."""
+    dof = len(residuals) - parameters
+    if dof <= 0:
+        return 0.0
+    excess = float(np.sum(np.square(residuals))) / dof - float(np.mean(np.square(standard_errors)))
+    return max(0.0, excess)
+
+
+def ladder_bootstrap(
+    fit: SharedFit,
+    compute: Sequence[float],
+    sa_se: Sequence[float],
+    xsa_se: Sequence[float],
+    *,
+    lof_variance: float,
+    f_scale: float,
     n_resamples: int = 1000,
     seed: int = 0,
-) -> list[tuple[float, float] | None]:
-    """95% percentile-bootstrap interval of each size's multiplier, the fit's own uncertainty included. One resample
-    draws, independently per size, the
-    seeds with replacement (an SA and an XSA run of the same seed stay together), refits SA and recomputes every
-    multiplier, so the interval carries both the seed noise at that size and the fit's. scipy.stats.bootstrap does
-    the resampling. Fewer than MIN_BOOTSTRAP_SEEDS seeds at any size: None (2 seeds have only 3 distinct
-    resamples). An upper end of inf (unbounded) when more than 2.5% of the resamples put XSA at or below the fitted
-    floor. With few seeds it is too narrow: measured on synthetic data, 76% coverage at 4 seeds per size and 90% at
-    8 (BCa no better); multiplier_interval is the calibrated one."""
-    sizes = len(compute)
-    if any(len(s) != len(x) for s, x in zip(sa_runs, xsa_runs, strict=True)):
-        raise ValueError("sa_runs and xsa_runs need the same seeds at each size")
-    if any(len(s) < MIN_BOOTSTRAP_SEEDS for s in sa_runs):
-        return [None] * sizes
-    fixed_form = choose_form(sizes, form)
-
-    def statistic(*seed_indices: np.ndarray) -> np.ndarray:
-        sa = [float(np.mean(np.take(s, i.astype(int)))) for s, i in zip(sa_runs, seed_indices, strict=True)]
-        xsa = [float(np.mean(np.take(x, i.astype(int)))) for x, i in zip(xsa_runs, seed_indices, strict=True)]
-        try:
-            ks = multipliers(compute, sa, xsa, fixed_form)
-        except RuntimeError:  # curve_fit found no optimum for this resample: no information on any size
-            return np.full(sizes, np.nan)
-        return np.array([min(math.log(k), LOG_CAP) if k > 0 else -LOG_CAP for k in ks])
-
-    samples = tuple(np.arange(len(s), dtype=float) for s in sa_runs)
-    result = scipy.stats.bootstrap(
-        samples,
-        statistic,
-        n_resamples=n_resamples,
-        vectorized=False,
-        paired=False,
-        method="percentile",
-        rng=np.random.default_rng(seed),
-    )
-    intervals: list[tuple[float, float] | None] = []
-    for lo, hi in zip(result.confidence_interval.low, result.confidence_interval.high, strict=True):
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            intervals.append(None)
-        else:
-            intervals.append((math.exp(lo), math.inf if hi >= LOG_CAP else math.exp(hi)))
-    return intervals
+) -> tuple[float, float]:
+    """95% interval of the ladder's k: a parametric bootstrap of the shared fit. Each resample draws every size's
+    two means about the fitted curves with variance SE^2 (seed noise) + lof_variance (size-level deviations the
+    curve does not explain), refits, and takes ln k; the interval is the basic (pivotal) one in ln k,
+    [2 ln k - q97.5, 2 ln k - q2.5], which corrects the fit's bias that the resamples reveal. Measured coverage in
+    tests/test_scale.py (simulated ladders with size-level deviations and a curve not of the fitted form)."""
+    rng = np.random.default_rng(seed)
+    c = np.asarray(compute, dtype=float)
+    centre = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
+    sd = np.sqrt(np.square(np.r_[sa_se, xsa_se]) + lof_variance)
+    start = parameters_of(fit)
+    n = len(c)
+    logs = []
+    for _ in range(n_resamples):
+        y = centre + rng.normal(0.0, sd)
+        if np.any(y <= 0):
+            continue
+        refit = fit_shared(compute, list(y[:n]), list(y[n:]), offset=fit.offset, f_scale=f_scale, start=start)
+        logs.append(refit.log_multiplier)
+    q_lo, q_hi = np.percentile(logs, [2.5, 97.5])
+    log_k = fit.log_multiplier
+    lo, hi = (float(np.clip(2 * log_k - q, -LOG_CAP, LOG_CAP)) for q in (q_hi, q_lo))
+    return math.exp(lo), math.exp(hi)
 
 
-def wallclock_multiplier(k: float, sa_tokens_per_s: float | None, xsa_tokens_per_s: float | None) -> float | None:
-    """The multiplier in wall-clock time: k x XSA's throughput over SA's (a slower XSA gives back part of k)."""
-    if not sa_tokens_per_s or not xsa_tokens_per_s:
-        return None
-    return k * xsa_tokens_per_s / sa_tokens_per_s
+def wallclock_multiplier(k: float, ci: Sequence[float], step_time_ratio: dict) -> dict:
+    """k in wall-clock time from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, measured with both
+    arms timed in alternating rounds): a slower XSA gives back part of k. The interval combines the ends
+    conservatively (k's low end over the ratio's high end, and the reverse)."""
+    median, interval = step_time_ratio["median"], step_time_ratio.get("interval")
+    value = k / median
+    if not interval:
+        return {"multiplier": value, "ci": None}
+    return {"multiplier": value, "ci": [ci[0] / interval[1], ci[1] / interval[0]]}

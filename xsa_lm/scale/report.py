@@ -1,4 +1,5 @@
-"""The scaling study's outputs: results.json, report.md, loss_vs_compute.png, multiplier.png and a W&B report run."""
+"""The scaling study's outputs: results.json, report.md, loss_vs_compute.png, multiplier.png (XSA - SA by size; the
+ladder's k in its title only when no flag is up) and a W&B report run."""
 
 import json
 import math
@@ -22,97 +23,141 @@ def fit_of(results: dict) -> Fit:
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
-def reading(size: dict, fit_ok: bool = True) -> str:
-    """What the multiplier's interval says, in words."""
-    if not fit_ok:
-        return "unreliable fit (see the warnings)"
-    ci = size.get("multiplier_ci")
-    if not ci:
-        return "no interval"
-    lo, hi = ci
-    if lo > 1:
-        return "XSA better (CI above 1)"
-    if hi is not None and hi < 1:
-        return "XSA worse (CI below 1)"
-    return "not resolved (CI contains 1)"
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def flag_lines(results: dict) -> list[str]:
+    flags = results["fit"].get("flags", [])
+    if not flags:
+        return []
+    return [
+        "",
+        "## Flags: this ladder gives no multiplier",
+        "",
+        *[f"- **{f['flag']}**: {f['reason']}" for f in flags],
+    ]
 
 
 def fit_lines(results: dict) -> list[str]:
-    """The SA fit of loss vs compute, and each size against it."""
+    """The SA fit of loss vs compute, its lack-of-fit test, and each size against it."""
     fit = results["fit"]
+    lack = fit["lack_of_fit"]
+    test = (
+        f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof, p = {lack['p']:.2g}"
+        if lack["p"] is not None
+        else f"no test ({lack['dof']} dof or a size with one seed)"
+    )
     lines = [
         "",
         "## SA loss vs training compute",
         "",
-        f"Fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
+        f"SA fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
         f"squares): **{fit['formula']}** (C in FLOPs = FLOPs per token x tokens trained). RMS residual "
-        f"{fit['rms_residual']:.4f}.",
+        f"{fit['rms_residual']:.4f}. Lack of fit against each size's standard error over seeds: {test}.",
         "",
-        "| model | non-embedding params | selected LR | compute (FLOPs) | SA mean | fit | residual |",
+        f"Shared fit of both arms (one E and one alpha, Huber loss on log-loss residuals): "
+        f"**{fit['shared']['formula']}**; size-level deviation beyond seed noise: "
+        f"{fit['shared']['lack_of_fit_sd']:.4f} sd.",
+        "",
+        "| model | non-embedding params | selected LR | compute (FLOPs) | SA mean | SA fit | residual |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     model = fit_of(results)
-    residuals = iter(fit["residuals"])
     for size in results["sizes"]:
         if "compute" not in size:
             lines.append(f"| {size['model']} | - | - | - | - | - | left out |")
             continue
+        predicted = model.loss(size["compute"])
         lines.append(
             f"| {size['model']} | {size['non_embedding_params']:,} | {size['selected_lr']:g} | "
-            f"{size['compute']:.3g} | {_num(size['sa_mean'])} | {_num(model.loss(size['compute']))} | "
-            f"{next(residuals):+.4f} |"
+            f"{size['compute']:.3g} | {_num(size['sa_mean'])} | {_num(predicted)} | "
+            f"{size['sa_mean'] - predicted:+.4f} |"
         )
+    return lines
+
+
+def size_test_lines(results: dict) -> list[str]:
+    """XSA - SA at each size with the paired t, exact Wilcoxon and exact sign tests, Holm across sizes."""
+    lines = [
+        "",
+        "## XSA vs SA at each size",
+        "",
+        "Paired over seeds. Some SA seeds stall at toy scale, so the differences can be bimodal: beside the paired "
+        "t, the exact Wilcoxon signed-rank and sign tests (two-sided). Holm: the t p-values adjusted for testing "
+        "every size.",
+        "",
+        "| model | seeds | SA mean | XSA mean | XSA - SA | 95% CI (t) | t p | Holm p | Wilcoxon p | sign p "
+        "| XSA lower |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for size in results["sizes"]:
+        if "tests" not in size:
+            continue
+        t = size["tests"]
+        lines.append(
+            f"| {size['model']} | {t['pairs']} | {_num(size['sa_mean'])} | {_num(size['xsa_mean'])} | "
+            f"{t['mean_diff']:+.4f} | {_ci(t['t_ci95'])} | {_p(t['t_p'])} | {_p(t['t_p_holm'])} | "
+            f"{_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} |"
+        )
+    pooled = results["across_sizes"]["pooled_sign"]
+    lines += [
+        "",
+        f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} "
+        f"(exact sign test p = {_p(pooled['p'])}; the pairs of a size share its LR and curve, so this reads the "
+        "direction, not a size of effect).",
+    ]
     return lines
 
 
 def multiplier_lines(results: dict) -> list[str]:
-    """XSA's effective-compute multiplier at each size, its intervals and what they say."""
-    lines = [
+    """The ladder's one multiplier, only when no flag is up."""
+    fit = results["fit"]
+    lines = ["", "## XSA's effective-compute multiplier (the ladder)", ""]
+    if fit.get("flags"):
+        names = ", ".join(f["flag"] for f in fit["flags"])
+        return lines + [
+            f"Not reported: the ladder is flagged ({names}). A multiplier read off a curve that does not describe "
+            "the data would be a number without meaning; results.json keeps what the fit computed under "
+            "`fit.not_results`, for diagnosis only.",
+            "",
+            "wall-clock k: measure throughput with xsa-lm bench",
+        ]
+    wall = fit["wallclock"]
+    wall_line = (
+        f"wall-clock k: {_num(wall['multiplier'], 3)}, 95% CI {_ci(wall['ci'])} ({wall['note']})"
+        if wall["multiplier"] is not None
+        else wall["note"]
+    )
+    return lines + [
+        f"k = **{_num(fit['multiplier'], 3)}**, 95% CI {_ci(fit['multiplier_ci'])}: k = (A_SA / A_XSA)^(1/alpha) "
+        "from the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is worth k x the compute). The "
+        "interval is a parametric bootstrap of the shared fit: each size's seed noise and the size-level "
+        "deviations beyond it, refitted.",
         "",
-        "## XSA's effective-compute multiplier",
-        "",
-        "k = C_fit(L_XSA) / C_fit(L_SA) at each size: the compute the SA fit needs to reach XSA's loss over "
-        "the compute it needs to reach SA's (k > 1: XSA is worth k x the compute). 95% CI: the paired t "
-        "interval of XSA - SA at that size, each end converted to compute through the fit (calibrated for "
-        "seed noise; the fit's exchange rate held fixed). Bootstrap CI: seed pairs resampled within each size "
-        "and the fit redone, so it carries the fit's uncertainty too, but it is too narrow with few seeds "
-        "(measured on synthetic data: 76% coverage at 4 seeds). Wall-clock k: k x XSA's tokens/s over SA's in "
-        "these runs.",
-        "",
-        "| model | seeds | SA mean | XSA mean | XSA - SA | k | 95% CI | bootstrap CI | wall-clock k | reading |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|---|",
+        wall_line,
     ]
-    fit_ok = not results["fit"].get("problems")
-    for size in results["sizes"]:
-        if "compute" not in size:
-            continue
-        diff = size["xsa_mean"] - size["sa_mean"]
-        lines.append(
-            f"| {size['model']} | {len(size['seeds'])} | {_num(size['sa_mean'])} | {_num(size['xsa_mean'])} "
-            f"| {diff:+.4f} | {_num(size.get('multiplier'), 3)} | {_ci(size.get('multiplier_ci'))} | "
-            f"{_ci(size.get('multiplier_ci_bootstrap'))} | "
-            f"{_num(size.get('wallclock_multiplier'), 3)} | {reading(size, fit_ok)} |"
-        )
-    return lines
 
 
 def render_markdown(results: dict) -> str:
-    lines = [
-        "# SA vs XSA across model sizes: effective-compute multiplier",
-        "",
+    lines = ["# SA vs XSA across model sizes: effective-compute multiplier", ""]
+    if results.get("reanalysed"):
+        lines.append(f"- re-analysed on {results['reanalysed']} from the saved sizes with the current analysis")
+    lines += [
         f"- study directory: `{results['study_dir']}` (W&B group `{results['study_id']}`)",
         f"- overrides: `{' '.join(results['overrides']) or '(defaults)'}`",
         f"- sizes: {', '.join(results['models'])}; each size: LR search on SA, then SA vs XSA at its selected LR "
         "(its own `xsa-lm sweep` under `sizes/`)",
     ]
+    lines += flag_lines(results)
     if results["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
-    lines += fit_lines(results) + multiplier_lines(results)
+    lines += fit_lines(results) + size_test_lines(results) + multiplier_lines(results)
     lines += [
         "",
-        "The fit runs along this ladder of sizes at a fixed token budget, not along a compute-optimal "
-        "frontier: the multiplier is the compute SA would need on this ladder. Seed noise enters through the "
-        "interval; the LR selected on SA at each size is reused for XSA (the paper's protocol).",
+        "The fits run along this ladder of sizes at a fixed token budget, not along a compute-optimal frontier: "
+        "the multiplier is the compute SA would need on this ladder. The LR selected on SA at each size is reused "
+        "for XSA (the paper's protocol).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -137,13 +182,18 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     model = fit_of(results)
     grid = np.geomspace(min(s["compute"] for s in sizes) / 1.5, max(s["compute"] for s in sizes) * 1.5, 100)
     ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=f"SA fit: {model.describe()}")
+    shared = results["fit"]["shared"]
+    for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+        curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
+        ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
     for s in sizes:
         ax.annotate(s["model"], (s["compute"], s["sa_mean"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("final validation loss")
-    ax.set_title("Loss vs compute")
+    flagged = results["fit"].get("flags")
+    ax.set_title("Loss vs compute" + (" (fit flagged: see the report)" if flagged else ""), fontsize=10)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -151,29 +201,32 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
 
 
 def plot_multiplier(results: dict, path: Path) -> None:
+    """XSA - SA at each size with its paired 95% interval; the ladder's k in the title only when no flag is up."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    sizes = [s for s in results["sizes"] if s.get("multiplier") is not None]
+    sizes = [s for s in results["sizes"] if "tests" in s]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.axhline(1.0, color="gray", linestyle="--", label="no difference")
+    ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
     for s in sizes:
-        x, k, ci = s["non_embedding_params"], s["multiplier"], s.get("multiplier_ci")
+        x, diff, ci = s["non_embedding_params"], s["tests"]["mean_diff"], s["tests"]["t_ci95"]
         if ci:
-            hi = ci[1] if ci[1] is not None else k * 10
-            ax.errorbar([x], [k], yerr=[[k - ci[0]], [hi - k]], fmt="o", color="tab:orange", capsize=4)
+            ax.errorbar([x], [diff], yerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="tab:orange", capsize=4)
         else:
-            ax.plot([x], [k], "o", color="tab:orange")
+            ax.plot([x], [diff], "o", color="tab:orange")
     ax.set_xscale("log")
-    ax.set_yscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("non-embedding parameters")
-    ax.set_ylabel("effective-compute multiplier k (95% CI)")
-    unreliable = " (unreliable SA fit: see the report)" if results["fit"].get("problems") else ""
-    ax.set_title("XSA vs SA: compute multiplier by size" + unreliable, fontsize=10)
+    ax.set_ylabel("XSA - SA final loss (paired 95% CI)")
+    fit = results["fit"]
+    if fit.get("flags"):
+        title = "XSA - SA by size (ladder flagged: no multiplier)"
+    else:
+        title = f"XSA - SA by size; ladder k = {fit['multiplier']:.3g} {_ci(fit['multiplier_ci'])}"
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -206,12 +259,22 @@ def log_to_wandb(results: dict, study_dir: Path, wandb_cfg: dict) -> None:
         job_type="scale-report",
         **wandb_cfg,
     )
-    columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean multiplier wallclock_multiplier".split()
-    rows = [[s.get(c) for c in columns] for s in results["sizes"] if "compute" in s]
+    columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean".split()
+    tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
+    rows = [[s.get(c) for c in columns] + [s["tests"][t] for t in tests] for s in results["sizes"] if "tests" in s]
+    columns += tests
     plots = {f"scale/{p}": wandb.Image(str(study_dir / f"{p}.png")) for p in ("loss_vs_compute", "multiplier")}
     table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
     run.log({"scale/sizes": table, **plots})
-    run.summary.update({"fit": results["fit"]["formula"], "fit_rms_residual": results["fit"]["rms_residual"]})
+    fit = results["fit"]
+    summary = {
+        "fit": fit["formula"],
+        "fit_rms_residual": fit["rms_residual"],
+        "flags": [f["flag"] for f in fit["flags"]],
+    }
+    if not fit["flags"]:  # a flagged ladder's k stays out of every summary
+        summary |= {"multiplier": fit["multiplier"], "multiplier_ci": fit["multiplier_ci"]}
+    run.summary.update(summary)
     files = [study_dir / f for f in ("results.json", "report.md", "loss_vs_compute.png", "multiplier.png")]
     log_files_artifact(run, name=name, artifact_type="scale-report", files=files)
     run.finish()

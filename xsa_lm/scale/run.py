@@ -1,9 +1,11 @@
-"""`xsa-lm scale`: the sweep's protocol at several model sizes, and XSA's effective-compute multiplier at each.
+"""`xsa-lm scale`: the sweep's protocol at several model sizes, and XSA's effective-compute multiplier.
 
 1. for every model preset of scale.models, an `xsa-lm sweep` in DIR/sizes/<model>/ (LR search on SA, then SA vs XSA
    at the selected LR over the compare seeds): resumable, its trials reused when the same command runs again
-2. fit the SA losses against training compute (fit.py) and convert XSA's loss at each size into compute: the
-   multiplier, its bootstrap CI over seeds, and the same in wall-clock time (times XSA's over SA's throughput)
+2. fit SA's losses against training compute and both arms with a shared curve (fit.py): one multiplier k for the
+   ladder with a parametric-bootstrap CI, reported only when no flag is up (lack of fit, extrapolation, a short
+   compute span, a parameter at a bound, an arm not falling with compute, an LR at its grid's edge); per size and
+   across sizes, the paired tests (paired.py); a wall-clock k only from `xsa-lm bench` (scale.bench)
 3. results.json, report.md, loss_vs_compute.png, multiplier.png, and a report run in the study's W&B group
 """
 
@@ -19,17 +21,24 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import numpy as np
+import scipy.stats
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.scale.fit import (
     FORMS,
-    bootstrap_multipliers,
+    Fit,
+    SharedFit,
     fit_loss_vs_compute,
-    multiplier,
-    multiplier_interval,
+    fit_shared,
+    huber_scale,
+    lack_of_fit,
+    lack_of_fit_variance,
+    ladder_bootstrap,
     wallclock_multiplier,
 )
+from xsa_lm.scale.paired import holm, pooled_sign_test, size_tests
 from xsa_lm.scale.report import log_to_wandb, write_report
 from xsa_lm.sweep.run import (
     open_state,
@@ -162,6 +171,7 @@ def size_result(model: str, sweep_dir: Path, returncode: int, log: Path) -> dict
     runs = [t for t in sweep["trials"] if t["phase"] == "compare" and t["seed"] in compare["seeds"]]
     entry.update(
         selected_lr=sweep["selected_lr"],
+        lr_grid=sweep.get("grid"),
         seeds=compare["seeds"],
         sa_runs=compare["sa"],
         xsa_runs=compare["xsa"],
@@ -184,70 +194,202 @@ def size_result(model: str, sweep_dir: Path, returncode: int, log: Path) -> dict
     return entry
 
 
-def finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
+def standard_error(runs: list[float]) -> float:
+    """The standard error of a size's mean over its seeds; nan with one seed."""
+    return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
-def fit_problems(usable: list[dict], fit: dict) -> list[str]:
-    """Reasons the SA fit cannot convert losses into compute on this ladder; the multipliers then mean nothing."""
-    problems = []
-    ladder = sorted(usable, key=lambda s: s["compute"])
+def flag(name: str, reason: str) -> dict:
+    return {"flag": name, "reason": reason}
+
+
+def lr_edges(sizes: list[dict]) -> list[str]:
+    """The sizes whose selected LR is at an edge of their grid: their sweep's warning says so, or the grid does."""
+    found = []
+    for s in sizes:
+        grid = s.get("lr_grid") or []
+        at_edge = bool(grid) and (len(grid) == 1 or s["selected_lr"] in (min(grid), max(grid)))
+        said = any("of the grid" in w or "grid holds one LR" in w for w in s.get("sweep_warnings", []))
+        if at_edge or said:
+            found.append(f"{s['model']} (LR {s['selected_lr']:g})")
+    return found
+
+
+def not_falling(ladder: list[dict], key: str) -> list[str]:
     steps = zip(ladder, ladder[1:], strict=False)
-    rises = [f"{a['model']} -> {b['model']}" for a, b in steps if b["sa_mean"] >= a["sa_mean"]]
-    if rises:
-        problems.append(f"SA's mean loss does not fall as compute grows ({', '.join(rises)})")
-    errors = [statistics.stdev(s["sa_runs"]) / math.sqrt(len(s["sa_runs"])) for s in usable if len(s["sa_runs"]) > 1]
-    if errors and fit["rms_residual"] > 2 * max(errors):
-        problems.append(
-            f"the fit misses the SA means by {fit['rms_residual']:.4f} RMS, more than twice their largest "
-            f"standard error over seeds ({max(errors):.4f})"
+    return [f"{a['model']} -> {b['model']}" for a, b in steps if b[key] >= a[key]]
+
+
+def ladder_flags(ladder: list[dict], sa_fit: Fit, lack: dict, shared: SharedFit) -> list[dict]:
+    """Every reason this ladder cannot turn XSA's loss gap into compute, each with its one-line why."""
+    flags = []
+    compute = [s["compute"] for s in ladder]
+    if lack["p"] is None:
+        why = (
+            "a size has fewer than 2 seeds (no standard error)"
+            if lack["dof"] > 0
+            else (f"{len(ladder)} sizes for {sa_fit.as_dict()['parameters']} parameters leave no degree of freedom")
         )
-    if fit["form"] == "power_law_offset" and fit["E"] <= 1e-6:
-        problems.append("the irreducible loss E sits at its bound 0: the offset term is not identified")
-    return problems
+        flags.append(flag("lack_of_fit", f"no lack-of-fit test possible: {why}"))
+    elif lack["p"] < 0.05:
+        flags.append(
+            flag(
+                "lack_of_fit",
+                f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof (p = {lack['p']:.2g}): the SA curve misses the SA "
+                "means by more than their seed noise (each size's standard error over seeds)",
+            )
+        )
+    # One step of the ladder beyond its ends is allowed: XSA winning at the largest size always reads SA's curve
+    # a little past it, which is what k means there.
+    step = (max(compute) / min(compute)) ** (1 / (len(compute) - 1))
+    outside = []
+    for s in ladder:
+        for arm in ("sa", "xsa"):
+            needed = sa_fit.compute_for(s[f"{arm}_mean"])
+            if not math.isfinite(needed) or needed > max(compute) * step:
+                outside.append(f"{s['model']} {arm.upper()} ({needed / max(compute):.3g}x the largest)")
+            elif needed < min(compute) / step:
+                outside.append(f"{s['model']} {arm.upper()} ({min(compute) / needed:.3g}x below the smallest)")
+    if outside:
+        flags.append(
+            flag(
+                "extrapolation",
+                "the SA fit needs compute beyond the measured range (by more than one ladder step, "
+                f"{step:.2f}x) to reach the means of {', '.join(outside)}",
+            )
+        )
+    span = max(compute) / min(compute)
+    if span < 10:
+        flags.append(flag("compute_span", f"the ladder spans {span:.3g}x in compute, under 10x"))
+    bounds = [f"shared fit: {b}" for b in shared.at_bounds()]
+    sa = sa_fit.as_dict()
+    if sa_fit.form == "power_law_offset" and sa_fit.E <= 1e-6:
+        bounds.insert(0, "SA fit: E at its lower bound 0")
+    if sa_fit.form == "power_law_offset" and sa_fit.E >= min(s["sa_mean"] for s in ladder) - 1e-6:
+        bounds.insert(0, "SA fit: E at its upper bound, the lowest SA mean")
+    if sa["alpha"] <= 1e-6 or sa["alpha"] >= 10 - 1e-6:
+        bounds.insert(0, f"SA fit: alpha = {sa['alpha']:.4f} at a bound (0 or 10)")
+    if bounds:
+        flags.append(flag("parameter_at_bound", "; ".join(bounds) + ": the data do not identify it"))
+    rises = not_falling(ladder, "xsa_mean")
+    trend = scipy.stats.linregress(np.log(compute), [s["xsa_mean"] for s in ladder]) if len(ladder) > 2 else None
+    if rises or trend is None or trend.slope >= 0 or trend.pvalue > 0.05:
+        why = f"it rises ({', '.join(rises)})" if rises else "its fall is not significant"
+        if trend is not None:
+            why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})"
+        else:
+            why += "; two sizes cannot test its slope"
+        flags.append(flag("xsa_flat_or_not_monotone", f"XSA's mean loss does not fall with compute: {why}"))
+    rises = not_falling(ladder, "sa_mean")
+    if rises:
+        flags.append(flag("sa_not_monotone", f"SA's mean loss does not fall as compute grows ({', '.join(rises)})"))
+    edges = lr_edges(ladder)
+    if edges:
+        flags.append(
+            flag("lr_at_grid_edge", f"the selected LR is at an edge of its grid at {', '.join(edges)}: extend it")
+        )
+    return flags
 
 
-def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int) -> tuple[dict | None, list[str]]:
-    """Fit SA's loss vs compute over the usable sizes; each size gets its multiplier, CI and wall-clock multiplier."""
+def wallclock(k: float, ci: list[float], bench: dict | None) -> dict:
+    """k in wall-clock time, only from `xsa-lm bench` (trial tokens/s vary with whatever else the machine ran)."""
+    if not bench:
+        return {"multiplier": None, "ci": None, "note": "wall-clock k: measure throughput with xsa-lm bench"}
+    ratio = bench["xsa_over_sa_step_time"]
+    return wallclock_multiplier(k, ci, ratio) | {"note": f"XSA/SA step time from xsa-lm bench ({bench['source']})"}
+
+
+def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int, bench: dict | None = None) -> dict:
+    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI,
+    the flags, and the paired tests per size and across sizes. A flagged ladder keeps k only under not_results."""
     warnings = [f"{s['model']}: left out of the fit: {s['error']}" for s in sizes if not s["usable"]]
     warnings += [f"{s['model']}: {w}" for s in sizes for w in s.get("sweep_warnings", [])]  # e.g. a grid edge
-    usable = [s for s in sizes if s["usable"]]
-    compute = [s["compute"] for s in usable]
-    fit = fit_loss_vs_compute(compute, [s["sa_mean"] for s in usable], fit_form)
-    sa_runs, xsa_runs = [s["sa_runs"] for s in usable], [s["xsa_runs"] for s in usable]
-    intervals = bootstrap_multipliers(compute, sa_runs, xsa_runs, form=fit.form, n_resamples=resamples, seed=seed)
-    for size, interval in zip(usable, intervals, strict=True):
-        k = float(multiplier(fit, size["sa_mean"], size["xsa_mean"]))
-        size["multiplier"] = finite_or_none(k)
-        if size["diff_ci95"] is None:
-            size["multiplier_ci"] = None
-            warnings.append(f"{size['model']}: fewer than 2 paired seeds: no interval")
-        else:
-            lo, hi = multiplier_interval(fit, size["sa_mean"], size["diff_ci95"])
-            size["multiplier_ci"] = [lo, finite_or_none(hi)]
-        size["multiplier_ci_bootstrap"] = [interval[0], finite_or_none(interval[1])] if interval else None
-        wall = wallclock_multiplier(k, size["sa_tokens_per_s"], size["xsa_tokens_per_s"])
-        size["wallclock_multiplier"] = finite_or_none(wall)
-        if not math.isfinite(k) or (size["multiplier_ci"] and size["multiplier_ci"][1] is None):
-            warnings.append(
-                f"{size['model']}: XSA's loss (or its interval's lower end) is at or below the fit's "
-                f"floor E = {fit.E:.4f}: no finite multiplier there (reported as null)"
-            )
-    problems = fit_problems(usable, fit.as_dict())
-    if problems:
-        warnings.insert(
-            0,
-            "the SA fit is unreliable, so no multiplier here means anything: "
-            + "; ".join(problems)
-            + ". More seeds per size, longer runs or a wider ladder of sizes would help",
-        )
-    if fit.form == "power_law" and len(usable) < 4:
-        warnings.append(
-            f"{len(usable)} sizes: a pure power law (no irreducible-loss term); 4 or more sizes fit L = E + A C^-alpha"
-        )
+    ladder = sorted((s for s in sizes if s["usable"]), key=lambda s: s["compute"])
+    compute = [s["compute"] for s in ladder]
+    sa_fit = fit_loss_vs_compute(compute, [s["sa_mean"] for s in ladder], fit_form)
+    sa_se = [standard_error(s["sa_runs"]) for s in ladder]
+    xsa_se = [standard_error(s["xsa_runs"]) for s in ladder]
+    lack = lack_of_fit(sa_fit.residuals, sa_se, FORMS[sa_fit.form])
+    means = [s["sa_mean"] for s in ladder] + [s["xsa_mean"] for s in ladder]
+    f_scale = huber_scale(means, sa_se + xsa_se)
+    shared = fit_shared(
+        compute,
+        [s["sa_mean"] for s in ladder],
+        [s["xsa_mean"] for s in ladder],
+        offset=sa_fit.form == "power_law_offset",
+        f_scale=f_scale,
+    )
+    known_se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]
+    lof_variance = lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
+    k = shared.multiplier
+    ci = ladder_bootstrap(
+        shared,
+        compute,
+        known_se[: len(ladder)],
+        known_se[len(ladder) :],
+        lof_variance=lof_variance,
+        f_scale=f_scale,
+        n_resamples=resamples,
+        seed=seed,
+    )
+    flags = ladder_flags(ladder, sa_fit, lack, shared)
+    fit = {
+        **sa_fit.as_dict(),
+        "lack_of_fit": lack,
+        "shared": {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof_variance)},
+        "flags": flags,
+    }
+    estimate = {"multiplier": k, "ci": list(ci), "wallclock": wallclock(k, list(ci), bench)}
+    if flags:
+        fit["not_results"] = {"why": [f["flag"] for f in flags], **estimate}
+        warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
+    else:
+        fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
     for size in sizes:
         size.pop("usable")
-    return {**fit.as_dict(), "problems": problems}, warnings
+        if "compute" in size:
+            size["tests"] = size_tests(size["sa_runs"], size["xsa_runs"])
+    tested = [s for s in sizes if "tests" in s]
+    for size, p in zip(tested, holm([s["tests"]["t_p"] for s in tested]), strict=True):
+        size["tests"]["t_p_holm"] = p
+    across = {"pooled_sign": pooled_sign_test([(s["sa_runs"], s["xsa_runs"]) for s in tested])}
+    return {"fit": fit, "across_sizes": across, "warnings": warnings}
+
+
+RAW_SIZE_KEYS = (  # what size_result saves: the raw data reanalyse starts from
+    "model sweep_dir sweep_returncode error selected_lr lr_grid seeds sa_runs xsa_runs sa_mean xsa_mean diff_ci95 "
+    "sweep_warnings non_embedding_params tokens compute sa_tokens_per_s xsa_tokens_per_s"
+).split()
+
+
+def reanalyse(
+    results: dict, *, fit_form: str = "auto", resamples: int = 1000, seed: int = 0, when: str | None = None
+) -> dict:
+    """A saved study's results.json analysed again from its sizes' raw data (the multipliers and intervals of an
+    older analysis dropped); `reanalysed` says when."""
+    sizes = [{k: v for k, v in s.items() if k in RAW_SIZE_KEYS} for s in results["sizes"]]
+    for size in sizes:
+        size["usable"] = "compute" in size and "error" not in size
+    analysis = analyse(sizes, fit_form, resamples, seed, results.get("bench"))
+    identity = {k: results[k] for k in ("study_dir", "study_id", "overrides", "models", "seeds")}
+    reanalysed = when or time.strftime("%Y-%m-%d")
+    return {**identity, "reanalysed": reanalysed, **analysis, "sizes": sizes} | (
+        {"bench": results["bench"]} if results.get("bench") else {}
+    )
+
+
+def load_bench(path: Any) -> dict | None:
+    """XSA/SA step time from an `xsa-lm bench` results.json (scale.bench), for the wall-clock k."""
+    if path is None:
+        return None
+    file = Path(str(path))
+    if not file.is_file():
+        raise UserError(f"scale.bench={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
+    bench = json.loads(file.read_text())
+    ratio = bench.get("ratios", {}).get("xsa_over_sa_step_time")
+    if not ratio:
+        raise UserError(f"scale.bench={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
+    return {"source": str(file), "model": bench.get("model"), "xsa_over_sa_step_time": ratio}
 
 
 def check_analysis(scale: DictConfig) -> None:
@@ -264,6 +406,7 @@ def check_analysis(scale: DictConfig) -> None:
 def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
     models = check_models(cfg.scale.models)
     check_analysis(cfg.scale)
+    bench = load_bench(cfg.scale.get("bench"))  # before hours of training rather than after
     seeds = cast(list[int], OmegaConf.to_container(cfg.scale.seeds)) if cfg.scale.get("seeds") is not None else None
     state = open_study(study_dir, overrides, cfg)
     OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
@@ -276,20 +419,19 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
         print(f"size {model}: xsa-lm sweep into {runner.sweep_dir(model)}")
         returncode = runner.run(model)
         log = study_dir / "logs" / f"{model}.log"
-        if returncode == 2 and not (runner.sweep_dir(model) / "sweep.json").exists():
-            raise UserError(f"the sweep of {model} was refused: {last_error_line(log)}")  # same for every size
+        if returncode == 2:  # a refusal (e.g. a changed plan): its results.json, if any, is an earlier one's
+            raise UserError(f"the sweep of {model} was refused: {last_error_line(log)}")
         sizes.append(size_result(model, runner.sweep_dir(model), returncode, log))
-    fit, warnings = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed)
+    analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
     results = {
         "study_dir": str(study_dir),
         "study_id": state["study_id"],
         "overrides": overrides,
         "models": models,
         "seeds": seeds,
-        "fit": fit,
+        **analysis,
         "sizes": sizes,
-        "warnings": warnings,
-    }
+    } | ({"bench": bench} if bench else {})
     write_report(results, study_dir)
     if wandb_cfg and cfg.scale.wandb_report:
         log_to_wandb(results, study_dir, report_run_settings(wandb_cfg))
@@ -298,14 +440,28 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
 def main(cfg: DictConfig) -> None:
-    study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
+    if cfg.scale.axis not in ("size", "tokens"):
+        with exit_on_user_error():
+            raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
+    if cfg.scale.axis == "tokens":
+        from xsa_lm.scale.tokens import run_token_study, unfinished
+
+        def token_study(study_dir: Path, overrides: list[str]) -> dict:
+            models = check_models(cfg.scale.models)
+            state = open_study(study_dir, overrides, cfg)
+            OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
+            return run_token_study(cfg, study_dir, overrides, models=models, state=state)
+
+        study_dir, results = run_exclusive("scale", sweep_overrides, token_study)
+        incomplete = unfinished(results)
+    else:
+        study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
+        incomplete = [s["model"] for s in results["sizes"] if s["sweep_returncode"] != 0]
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
-    incomplete = [s["model"] for s in results["sizes"] if s["sweep_returncode"] != 0]
     if incomplete:
         print(
-            f"xsa-lm scale: the sweeps of {', '.join(incomplete)} did not finish: run the same command again to "
-            "retry them",
+            f"xsa-lm scale: {', '.join(incomplete)} did not finish: run the same command again to retry",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -16,8 +16,8 @@ ALPHA, POWER = 0.05, 0.8  # the comparison's significance level (two-sided) and 
 @dataclass(frozen=True)
 class Trial:
     """One training run of the sweep, identified by (attention, lr, seed) alone: a rerun of the sweep, or another
-    phase asking for the same run, reuses it. The search runs with sweep.search_seed and the comparison with
-    sweep.seeds, which exclude it by default (check_seeds), so no compare run is a search run chosen for its luck."""
+    phase asking for the same run, reuses it. The search runs with sweep.search_seeds and the comparison with
+    sweep.seeds, which exclude them by default (check_seeds), so no compare run is a search run chosen for its luck."""
 
     attention: str
     lr: float
@@ -30,8 +30,8 @@ class Trial:
 
 @dataclass
 class Selection:
-    lr: float | None  # None: no search run finished without diverging
-    losses: dict[float, float | None]  # lr -> final val loss of a usable run (None: diverged, failed or missing)
+    lr: float | None  # None: no LR has a usable median
+    losses: dict[float, float | None]  # lr -> median final val loss over the search seeds (None: not usable)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -60,30 +60,41 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
     return sorted(set(grid))
 
 
-def check_seeds(seeds: Sequence[int] | None, search_seed: object, reuse_search_run: bool = False) -> list[int]:
-    """The compare seeds. They must not contain the search seed: the search's SA run at the selected LR won the
-    search partly on its noise (the winner's curse), while XSA's run at that seed was not selected, so reusing it
-    biases the paired difference against XSA. sweep.reuse_search_run=true allows it (the report then warns)."""
-    if not isinstance(search_seed, int) or isinstance(search_seed, bool):
-        raise UserError(f"sweep.search_seed must be an integer, got {search_seed!r}")
-    seeds = [int(s) for s in seeds or []]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise UserError(f"sweep.seeds must be a non-empty list of distinct integers, got {seeds}")
-    if search_seed in seeds and not reuse_search_run:
-        fresh = max(max(seeds), search_seed) + 1  # the same number of seeds, the search seed swapped for a new one
-        listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
-        instead = listed([s for s in seeds if s != search_seed] + [fresh])
+def check_search_seeds(search_seeds: object) -> list[int]:
+    """The seeds of the LR search: at least one, distinct integers."""
+    values = list(search_seeds) if isinstance(search_seeds, list | tuple) else None
+    if not values or len(set(values)) != len(values) or any(type(s) is not int for s in values):
         raise UserError(
-            f"sweep.seeds={listed(seeds)} contains the search seed (sweep.search_seed={search_seed}): the compare "
-            "phase would reuse the search's winning SA run, selected partly for its luck, which biases the comparison "
-            f"against XSA; use seeds without it (e.g. sweep.seeds={instead}) or set sweep.reuse_search_run=true to "
-            "accept the bias"
+            f"sweep.search_seeds must be a non-empty list of distinct integers, got {search_seeds!r}; e.g. "
+            "sweep.search_seeds=[0] or, to select on the median of 3 seeds, sweep.search_seeds=[0,10,20]"
+        )
+    return values
+
+
+def check_seeds(seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False) -> list[int]:
+    """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid). They must not contain a search seed:
+    the search's SA run at the selected LR won the search partly on its noise (the winner's curse), while XSA's run at
+    that seed was not selected, so reusing it biases the paired difference against XSA. sweep.reuse_search_run=true
+    allows it (the report then warns)."""
+    seeds = [int(s) for s in seeds or []]
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"sweep.seeds must be a list of distinct integers, got {seeds}")
+    shared = [s for s in seeds if s in search_seeds]
+    if shared and not reuse_search_run:
+        fresh = iter(s for s in range(max([*seeds, *search_seeds]) + 1, 10**9))  # new seeds, the same number
+        instead = [s if s not in search_seeds else next(fresh) for s in seeds]
+        listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
+        raise UserError(
+            f"sweep.seeds={listed(seeds)} contains the search seed(s) {listed(shared)} (sweep.search_seeds): the "
+            "compare phase would reuse the search's winning SA run, selected partly for its luck, which biases the "
+            f"comparison against XSA; use seeds without them (e.g. sweep.seeds={listed(instead)}) or set "
+            "sweep.reuse_search_run=true to accept the bias"
         )
     return seeds
 
 
-def search_trials(grid: Sequence[float], seed: int, attentions: Sequence[str]) -> list[Trial]:
-    return [Trial(attention, lr, seed) for attention in attentions for lr in grid]
+def search_trials(grid: Sequence[float], seeds: Sequence[int], attentions: Sequence[str]) -> list[Trial]:
+    return [Trial(attention, lr, seed) for attention in attentions for lr in grid for seed in seeds]
 
 
 def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
@@ -98,22 +109,35 @@ def usable_loss(status: str | None, loss: float | None, diverge_above: float) ->
     return loss
 
 
-def select_lr(results: dict[float, tuple[str | None, float | None]], diverge_above: float) -> Selection:
-    """The LR with the lowest final val loss among the search runs (lr -> (status, final val loss)).
-    Diverged, failed and missing runs are never selected. A tie goes to the smaller LR, the safer choice."""
-    losses = {lr: usable_loss(status, loss, diverge_above) for lr, (status, loss) in sorted(results.items())}
+def lr_score(runs: Sequence[tuple[str | None, float | None]], diverge_above: float) -> float | None:
+    """The median final val loss of one LR's search runs (status, loss), a diverged run counting as worse than any
+    loss: one stalled or diverged seed cannot decide the selection, and diverged seeds make the LR unusable when they
+    are half of its finished runs or more (the median is then +inf). Failed and missing runs are left out. None:
+    nothing usable."""
+    done = [(status, loss) for status, loss in runs if status in ("completed", "diverged")]
+    if not done:
+        return None
+    scores = [usable_loss(status, loss, diverge_above) for status, loss in done]
+    median = statistics.median([math.inf if v is None else v for v in scores])
+    return float(median) if math.isfinite(median) else None
+
+
+def select_lr(results: dict[float, list[tuple[str | None, float | None]]], diverge_above: float) -> Selection:
+    """The LR with the lowest median final val loss over the search seeds (lr -> [(status, final val loss) per
+    seed]). Diverged, failed and missing runs never win. A tie goes to the smaller LR, the safer choice."""
+    losses = {lr: lr_score(runs, diverge_above) for lr, runs in sorted(results.items())}
     selection = Selection(lr=None, losses=losses)
-    failed = [lr for lr, (status, _) in sorted(results.items()) if status not in ("completed", "diverged")]
+    failed = [lr for lr, runs in sorted(results.items()) if any(s not in ("completed", "diverged") for s, _ in runs)]
     if failed:
         selection.warnings.append(
-            f"the search runs at LR {', '.join(f'{lr:g}' for lr in failed)} did not finish (failed or "
-            "interrupted): the selection ignores them; run the same sweep command again to retry them"
+            f"search runs at LR {', '.join(f'{lr:g}' for lr in failed)} did not finish (failed or interrupted): "
+            "the selection ignores them; run the same sweep command again to retry them"
         )
     usable = [(loss, lr) for lr, loss in losses.items() if loss is not None]
     if not usable:
         selection.warnings.append(
-            "no LR is usable: every search run diverged (NaN/inf loss, or a final val loss above the bound "
-            "sweep.diverge_above) or failed; lower the LR grid (sweep.lrs) and run the sweep again"
+            "no LR is usable: at every LR half the search runs or more diverged (NaN/inf loss, or a final val loss "
+            "above the bound sweep.diverge_above) or failed; lower the LR grid (sweep.lrs) and run the sweep again"
         )
         return selection
     selection.lr = min(usable)[1]
@@ -213,17 +237,19 @@ def paired_ci(diffs: Sequence[float]) -> tuple[float, float] | None:
 # --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
 
 
-def seed_sequence(seeds: Sequence[int], search_seed: int, cap: int) -> list[int]:
+def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -> list[int]:
     """The compare seeds of a sequential comparison, in the order they are added: sweep.seeds, then the integers
-    after the largest of them (never the search seed, whose SA run won the search), up to cap seeds in all."""
+    after the largest of them (never a search seed, whose SA run may have won the search), up to cap seeds in all."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < max(len(seeds), 2):
         raise UserError(
             f"sweep.seeds_until_significant must be an integer of at least 2 and at least the number of sweep.seeds "
             f"({len(seeds)}), got {cap!r}: it caps the compare seeds, sweep.seeds included"
         )
+    if not seeds:
+        raise UserError("sweep.seeds_until_significant needs compare seeds to start from: set sweep.seeds=[1,2]")
     sequence, candidate = list(seeds), max(seeds) + 1
     while len(sequence) < cap:
-        if candidate != search_seed:
+        if candidate not in search_seeds:
             sequence.append(candidate)
         candidate += 1
     return sequence

@@ -6,7 +6,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import scipy.stats
+
 from xsa_lm.sweep.protocol import ALPHA, POWER, Comparison, Selection, mean_std, paired_test
+from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
 
 
 def _loss(value: float | None) -> str:
@@ -63,6 +66,7 @@ def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) 
     test = paired_test(comparison.diffs)
     stats["diff_ci95"] = test.ci95
     stats["xsa_better_in"] = sum(d < 0 for d in comparison.diffs)
+    stats.update(rank_tests(comparison.diffs))
     stats.update(
         {
             "diff_t": test.t,
@@ -75,6 +79,17 @@ def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) 
         }
     )
     return stats
+
+
+def rank_tests(diffs: Sequence[float]) -> dict:
+    """Beside the paired t, tests that hold when outcomes are bimodal (a stalled seed is an outlier, not normal
+    noise): the exact Wilcoxon signed-rank test and the exact sign test, both two-sided; None below two pairs."""
+    nonzero = [d for d in diffs if d != 0]
+    if len(nonzero) < 2:
+        return {"wilcoxon_p_value": None, "sign_test_p_value": None}
+    wilcoxon = scipy.stats.wilcoxon(nonzero, method="exact")
+    sign = scipy.stats.binomtest(sum(d < 0 for d in nonzero), len(nonzero))
+    return {"wilcoxon_p_value": float(wilcoxon.pvalue), "sign_test_p_value": float(sign.pvalue)}
 
 
 def verdict(stats: dict, sequential: bool = False) -> str:
@@ -98,7 +113,13 @@ def verdict(stats: dict, sequential: bool = False) -> str:
         meaning += " if no seeds had been added on sight of the results; the sequential rule below decides"
     p = stats.get("diff_p_value")
     p_text = f", p = {p:.3g}" if p is not None else ""
-    return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}."
+    ranks = ""
+    if stats.get("wilcoxon_p_value") is not None:
+        ranks = (
+            f" Tests that do not assume normal noise: exact Wilcoxon signed-rank p = {stats['wilcoxon_p_value']:.3g}, "
+            f"exact sign test p = {stats['sign_test_p_value']:.3g}."
+        )
+    return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}." + ranks
 
 
 STOPPED = {
@@ -155,14 +176,14 @@ def noise_line(stats: dict) -> str:
 
 def design_line(results: dict) -> str:
     """One line on whether a compare run can be the search's winner (the winner's curse)."""
-    seed = results["search_seed"]
+    seed = ", ".join(map(str, results["search_seeds"]))
     if results.get("reuse_search_run"):
         return (
-            f"The SA run at seed {seed} is the search's winning run (sweep.reuse_search_run=true), selected partly "
-            "for its luck while XSA's was not: the comparison is biased against XSA."
+            f"An SA run at search seed(s) {seed} is the search's winning run (sweep.reuse_search_run=true), "
+            "selected partly for its luck while XSA's was not: the comparison is biased against XSA."
         )
     return (
-        f"The compare runs use seeds disjoint from the search's (seed {seed}), so no compare run was selected "
+        f"The compare runs use seeds disjoint from the search's (seeds {seed}), so no compare run was selected "
         "for its luck."
     )
 
@@ -174,8 +195,8 @@ def header_lines(results: dict) -> list[str]:
         "",
         f"- sweep directory: `{results['sweep_dir']}` (W&B group `{results['sweep_id']}`)",
         f"- training overrides: `{' '.join(results['train_overrides']) or '(defaults)'}`",
-        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; search seed {results['search_seed']}, "
-        f"compare seeds {results['seeds']}",
+        f"- LR grid: {', '.join(f'{lr:g}' for lr in results['grid'])}; search seeds {results['search_seeds']} (each "
+        f"LR scored by the median final loss over them), compare seeds {results['seeds'] or 'none (search only)'}",
     ]
     if results["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
@@ -183,18 +204,25 @@ def header_lines(results: dict) -> list[str]:
 
 
 def search_lines(results: dict) -> list[str]:
-    """Section 1: the final val loss and status of every search run, the selected LR marked."""
+    """Section 1: each LR's median final val loss over the search seeds and every run's, the selected LR marked."""
     attentions = ["sa", "xsa"] if results["xsa_tuning"] else ["sa"]
-    lines = ["", f"## 1. LR search (seed {results['search_seed']}, final validation loss)", ""]
-    lines.append("| LR | " + " | ".join(f"{a.upper()} val loss | {a.upper()} status" for a in attentions) + " |")
+    seeds = results["search_seeds"]
+    lines = ["", f"## 1. LR search (seeds {', '.join(map(str, seeds))}, final validation loss)", ""]
+    lines.append("| LR | " + " | ".join(f"{a.upper()} median | {a.upper()} per seed" for a in attentions) + " |")
     lines.append("|---:|" + "---:|---|" * len(attentions))
     for lr in results["grid"]:
         cells = []
         for attention in attentions:
-            trial = results["search"].get(attention, {}).get(f"{lr:g}", {})
-            cells += [_loss(trial.get("final_val_loss")), trial.get("status", "missing")]
+            point = results["search"].get(attention, {}).get(f"{lr:g}", {"median": None, "runs": []})
+            per_seed = ", ".join(
+                _loss(r.get("final_val_loss")) if r.get("status") == "completed" else r.get("status", "missing")
+                for r in point["runs"]
+            )
+            cells += [_loss(point["median"]), per_seed or "missing"]
         mark = " **(selected)**" if lr == results["selected_lr"] else ""
         lines.append(f"| {lr:g}{mark} | " + " | ".join(cells) + " |")
+    if results.get("stalls"):
+        lines += stall_lines(results["stalls"])
     return lines
 
 
@@ -211,6 +239,8 @@ def compare_lines(results: dict) -> list[str]:
     lines = ["", "## 2. SA vs XSA at the shared LR", ""]
     if results["selected_lr"] is None:
         return lines + ["Not run: the search selected no LR (see the warnings)."]
+    if not results["seeds"]:
+        return lines + ["Not run: a search-only sweep (sweep.seeds=[]); the search's grid is the study."]
     compare = results["comparison"]
     lines += [
         f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA. " + design_line(results),
@@ -245,8 +275,8 @@ def tuning_lines(results: dict) -> list[str]:
         meaning = "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here."
     shared_lr = results["selected_lr"] or float("nan")
     return lines + [
-        f"XSA's own best LR is {tuning['selected_lr']:g} (val loss {_loss(tuning['loss_at_own_lr'])}, seed "
-        f"{results['search_seed']}); at the SA-tuned LR {shared_lr:g} XSA reaches "
+        f"XSA's own best LR is {tuning['selected_lr']:g} (median val loss {_loss(tuning['loss_at_own_lr'])}, "
+        f"seeds {results['search_seeds']}); at the SA-tuned LR {shared_lr:g} XSA reaches "
         f"{_loss(tuning['loss_at_shared_lr'])}. " + meaning
     ]
 
@@ -272,10 +302,14 @@ def plot_lr_sweep(results: dict, path: Path) -> None:
         points = results["search"].get(attention)
         if not points:
             continue
-        ok = [(t["lr"], t["final_val_loss"]) for t in points.values() if t.get("status") == "completed"]
+        medians = [(p["lr"], p["median"]) for p in points.values() if p["median"] is not None]
+        if medians:
+            ax.plot(*zip(*sorted(medians), strict=True), "-", color=color, label=f"{attention.upper()} median")
+        runs = [r for p in points.values() for r in p["runs"]]
+        ok = [(r["lr"], r["final_val_loss"]) for r in runs if r.get("status") == "completed"]
         if ok:
-            ax.plot(*zip(*sorted(ok), strict=True), "o-", color=color, label=attention.upper())
-        bad = [t["lr"] for t in points.values() if t.get("status") != "completed"]
+            ax.plot(*zip(*ok, strict=True), "o", color=color, alpha=0.6, markersize=4)
+        bad = [r["lr"] for r in runs if r.get("status") != "completed"]
         if bad:
             top = max((loss for _, loss in ok), default=1.0)
             label = f"{attention.upper()} diverged/failed"
@@ -285,7 +319,7 @@ def plot_lr_sweep(results: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final validation loss")
-    ax.set_title(f"LR search (seed {results['search_seed']})")
+    ax.set_title(f"LR search (seeds {', '.join(map(str, results['search_seeds']))}: each run and the median)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -338,7 +372,7 @@ def xsa_tuning(search: dict[str, dict[str, dict]], selection: Selection, xsa_sel
     return {
         "selected_lr": xsa_selection.lr,
         "loss_at_own_lr": xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None,
-        "loss_at_shared_lr": shared.get("final_val_loss") if shared.get("status") == "completed" else None,
+        "loss_at_shared_lr": shared.get("median"),
     }
 
 
@@ -352,27 +386,36 @@ def build_results(
     trials: list[dict],
     selection: Selection,
     xsa_selection: Selection | None,
-    search_seed: int = 0,
+    search_seeds: Sequence[int] = (0,),
     sequential: dict | None = None,
+    stall_rule: StallRule | None = None,
 ) -> dict:
     """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`;
-    `seeds` are the compare seeds, `search_seed` the search's; `sequential` the outcome of the stopping rule of
-    sweep.seeds_until_significant (SequentialRule.summary), None without it."""
+    `seeds` are the compare seeds, `search_seeds` the search's; `sequential` the outcome of the stopping rule of
+    sweep.seeds_until_significant (SequentialRule.summary), None without it; `stall_rule` the stall definition of
+    the plan (the stall table needs two search seeds or more)."""
     search: dict[str, dict[str, dict]] = {}
+    medians = {"sa": selection.losses, "xsa": xsa_selection.losses if xsa_selection else {}}
     for trial in trials:
         if trial["phase"] == "search":
-            search.setdefault(trial["attention"], {})[f"{trial['lr']:g}"] = trial
+            arm = trial["attention"]
+            point = search.setdefault(arm, {}).setdefault(
+                f"{trial['lr']:g}", {"lr": trial["lr"], "median": medians[arm].get(trial["lr"]), "runs": []}
+            )
+            point["runs"].append(trial)
     dropped = dropped_seeds(trials)
     compare = comparison_stats(comparison_of(trials), dropped)
     tuning = xsa_tuning(search, selection, xsa_selection) if xsa_selection is not None else None
     warnings = list(selection.warnings)
     warnings += [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
-    reused = selection.lr is not None and search_seed in seeds  # allowed only with sweep.reuse_search_run=true
+    shared = [s for s in seeds if s in search_seeds]  # allowed only with sweep.reuse_search_run=true
+    reused = selection.lr is not None and bool(shared)
     if reused:
         warnings.append(
-            f"the comparison at seed {search_seed} reuses the search's winning SA run (sweep.reuse_search_run=true): "
-            "it won the search partly on its noise and XSA's run was not selected, so the comparison is biased "
-            f"against XSA; for an unbiased one use compare seeds without {search_seed} (sweep.seeds)"
+            f"the comparison at seed(s) {shared} reuses the search's SA runs at the selected LR "
+            "(sweep.reuse_search_run=true): they won the search partly on their noise and XSA's runs were not "
+            "selected, so the comparison is biased against XSA; for an unbiased one use compare seeds without "
+            f"{shared} (sweep.seeds)"
         )
     warnings += [dropped_warning(drop) for drop in dropped]
     return {
@@ -381,7 +424,7 @@ def build_results(
         "train_overrides": train_overrides,
         "grid": grid,
         "seeds": seeds,
-        "search_seed": search_seed,
+        "search_seeds": list(search_seeds),
         "reuse_search_run": reused,
         "selected_lr": selection.lr,
         "warnings": warnings,
@@ -390,6 +433,9 @@ def build_results(
         "compare_table": compare_table(trials, seeds),
         "xsa_tuning": tuning,
         "sequential": sequential,
+        "stalls": stall_study([t for t in trials if t["phase"] == "search"], stall_rule)
+        if stall_rule is not None and len(search_seeds) >= 2
+        else None,
         "trials": trials,
     }
 
@@ -411,7 +457,7 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
 
     from xsa_lm.tracking import log_files_artifact, wandb_init
 
-    config = {k: results.get(k) for k in ("grid", "seeds", "search_seed", "train_overrides", "selected_lr")}
+    config = {k: results.get(k) for k in ("grid", "seeds", "search_seeds", "train_overrides", "selected_lr")}
     run = wandb_init(
         save_dir=str(sweep_dir),
         name=f"{results['sweep_id']}-report",

@@ -1,7 +1,7 @@
 """`xsa-lm sweep`: the paper's protocol in one command.
 
-1. search:  one SA run per LR of the grid, seed sweep.search_seed (with sweep.tune_xsa, XSA too)
-2. select:  the LR with the lowest final val loss among SA runs (diverged runs never win)
+1. search:  SA runs at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
+2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
 3. compare: SA and XSA at that LR for every seed of sweep.seeds, which excludes the search seed: a compare run is
             never the search's winner, chosen partly for its noise (unless sweep.reuse_search_run=true)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
@@ -29,9 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.errors import UserError, exit_on_user_error
 from xsa_lm.locking import hold_directory
 from xsa_lm.sweep.protocol import (
+    ALPHA,
     Selection,
     SequentialRule,
     Trial,
+    check_search_seeds,
     check_seeds,
     compare_trials,
     lr_grid,
@@ -40,12 +42,13 @@ from xsa_lm.sweep.protocol import (
     select_lr,
 )
 from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
+from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialStore
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
     "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
-    "seed": "set the seeds with sweep.search_seed and sweep.seeds=[...]",
+    "seed": "set the seeds with sweep.search_seeds=[...] and sweep.seeds=[...]",
     "resume": "running the same sweep command again resumes it",
     "progress_bar": "trials write their output to the sweep's logs/ folder",
 }
@@ -151,6 +154,43 @@ def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
     )
 
 
+def comparison_plan(cfg: DictConfig, search_seeds: list[int], seeds: list[int], cap: int | None) -> dict:
+    """What decides the comparison's statistics, fixed at the first run: the seeds, the sequential rule and its
+    level, and the stall definition of the report."""
+    return {
+        "search_seeds": search_seeds,
+        "seeds": seeds,
+        "seeds_until_significant": cap,
+        "alpha": ALPHA,
+        "planned_looks": SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1,
+        "stall": plain(cfg.sweep.get("stall")),
+    }
+
+
+def stall_rule(cfg: DictConfig) -> StallRule | None:
+    """sweep.stall as a StallRule (None: no stall table)."""
+    stall = cfg.sweep.get("stall")
+    return StallRule(**cast(dict, OmegaConf.to_container(stall))) if stall else None
+
+
+def keep_plan(state_file: Path, state: dict, plan: dict, grid: list[float]) -> None:
+    """The plan is recorded at the first run and a rerun must keep it: adding seeds after seeing p > 0.05, raising a
+    sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
+    again without a trace. The grid may grow (its history is kept)."""
+    recorded = state.get("plan")
+    if recorded is not None and recorded != plan:
+        changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])
+        raise UserError(
+            f"{state_file.parent} was planned with other statistics ({changed}): a plan changed after results exist "
+            "spends the significance level again; rerun with the first plan, or start a new study (a new "
+            "hydra.run.dir)"
+        )
+    state["plan"] = plan
+    history = state.setdefault("history", [])
+    history.append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
+    state_file.write_text(json.dumps(state, indent=2))
+
+
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
     records = []
     for trial in trials:
@@ -160,21 +200,21 @@ def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[di
 
 
 def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
-    results = {}
+    results: dict[float, list[tuple[str | None, float | None]]] = {}
     for trial in trials:
         record = store.load(trial) or {}
-        results[trial.lr] = (record.get("status"), record.get("final_val_loss"))
+        results.setdefault(trial.lr, []).append((record.get("status"), record.get("final_val_loss")))
     # Statuses already hold the sweep's divergence bound (trials.outcome): no second bound here.
     return select_lr(results, math.inf)
 
 
 def run_sequential(
-    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seed: int, cap: int
+    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int
 ) -> tuple[list[Trial], dict]:
     """The compare phase of sweep.seeds_until_significant: sweep.seeds first, then one seed pair at a time, with a
     look at the corrected CI after each, until it excludes 0 or cap seeds ran. A rerun replays the same looks on the
     reused trials, so it stops where the first run stopped, or continues where that one was cut short."""
-    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seed, cap)
+    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seeds, cap)
     looks: list[dict] = []
     trials: list[Trial] = []
     n = rule.first_look
@@ -220,18 +260,26 @@ def evaluate_compare(
     return json.loads((out / "eval.json").read_text()), ""
 
 
-def check_sweep(cfg: DictConfig) -> tuple[list[float], int, list[int], int | None]:
-    """The LR grid, the search seed, the compare seeds and the cap of sweep.seeds_until_significant (None: a fixed
+def plain(value: object) -> object:
+    """A config list or dict as a Python one (anything else unchanged)."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def check_sweep(cfg: DictConfig) -> tuple[list[float], list[int], list[int], int | None]:
+    """The LR grid, the search seeds, the compare seeds and the cap of sweep.seeds_until_significant (None: a fixed
     set of seeds); every setting is checked before anything is written."""
     from xsa_lm.config.builders import check_config  # validate once, not in every trial
 
     grids = cfg.sweep.get("lr_grids") or {}
     grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
-    search_seed = cfg.sweep.get("search_seed", 0)
-    seeds = check_seeds(cfg.sweep.seeds, search_seed, bool(cfg.sweep.get("reuse_search_run", False)))
+    search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
+    seeds = check_seeds(
+        cast(list[int] | None, plain(cfg.sweep.seeds)), search_seeds, bool(cfg.sweep.get("reuse_search_run", False))
+    )
     cap = cfg.sweep.get("seeds_until_significant")
     if cap is not None:
-        seed_sequence(seeds, search_seed, cap)  # a bad cap fails now, before anything is written
+        seed_sequence(seeds, search_seeds, cap)  # a bad cap fails now, before anything is written
+    stall_rule(cfg)  # a bad sweep.stall too, not at the report after every run
     if cfg.sweep.max_parallel < 1:
         raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
     if cfg.sweep.get("eval_tasks"):
@@ -239,7 +287,7 @@ def check_sweep(cfg: DictConfig) -> tuple[list[float], int, list[int], int | Non
 
         require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
     check_config(cfg)
-    return grid, search_seed, seeds, cap
+    return grid, search_seeds, seeds, cap
 
 
 def save_config(cfg: DictConfig, sweep_dir: Path) -> None:
@@ -249,18 +297,18 @@ def save_config(cfg: DictConfig, sweep_dir: Path) -> None:
 
 
 def search_phase(
-    launcher: Launcher, store: TrialStore, grid: list[float], *, search_seed: int, tune_xsa: bool
+    launcher: Launcher, store: TrialStore, grid: list[float], *, search_seeds: list[int], tune_xsa: bool
 ) -> tuple[list[Trial], list[Trial], Selection]:
     """The search runs of SA (and of XSA with sweep.tune_xsa) at every LR of the grid, and the LR selected on SA."""
-    sa_search = search_trials(grid, search_seed, ["sa"])
-    xsa_search = search_trials(grid, search_seed, ["xsa"]) if tune_xsa else []
+    sa_search = search_trials(grid, search_seeds, ["sa"])
+    xsa_search = search_trials(grid, search_seeds, ["xsa"]) if tune_xsa else []
     print("phase 1: LR search")
     launcher.run(sa_search + xsa_search, "search", "lr-search")
     return sa_search, xsa_search, selection_of(store, sa_search)
 
 
 def compare_phase(
-    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seed: int, cap: int | None
+    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], dict | None]:
     """SA and XSA at the selected LR: over sweep.seeds, or one seed pair at a time up to cap seeds (run_sequential,
     whose summary is the second value; None without a cap)."""
@@ -269,7 +317,7 @@ def compare_phase(
         compare = compare_trials(lr, seeds)
         launcher.run(compare, "compare", "compare")
         return compare, None
-    return run_sequential(launcher, store, lr, seeds=seeds, search_seed=search_seed, cap=cap)
+    return run_sequential(launcher, store, lr, seeds=seeds, search_seeds=search_seeds, cap=cap)
 
 
 def downstream_evaluation(
@@ -284,8 +332,9 @@ def downstream_evaluation(
 
 
 def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
-    grid, search_seed, seeds, cap = check_sweep(cfg)
+    grid, search_seeds, seeds, cap = check_sweep(cfg)
     state = open_sweep(sweep_dir, overrides, cfg)
+    keep_plan(sweep_dir / "sweep.json", state, comparison_plan(cfg, search_seeds, seeds, cap), grid)
     save_config(cfg, sweep_dir)
 
     store = TrialStore(sweep_dir)
@@ -300,19 +349,19 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     )
     stop_on_signals(launcher.stop, "sweep")
 
-    n_search = len(grid) * (2 if cfg.sweep.tune_xsa else 1)
+    n_search = len(grid) * len(search_seeds) * (2 if cfg.sweep.tune_xsa else 1)
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
-    grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seed {search_seed}, {planned}"
+    grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
     trial_counts = f"{n_search} search + up to {2 * (cap or len(seeds))} compare trials"
     print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | {grid_text} | {trial_counts}")
     sa_search, xsa_search, selection = search_phase(
-        launcher, store, grid, search_seed=search_seed, tune_xsa=cfg.sweep.tune_xsa
+        launcher, store, grid, search_seeds=search_seeds, tune_xsa=cfg.sweep.tune_xsa
     )
     compare: list[Trial] = []
     sequential = None
-    if selection.lr is not None:
+    if selection.lr is not None and seeds:
         compare, sequential = compare_phase(
-            launcher, store, selection.lr, seeds=seeds, search_seed=search_seed, cap=cap
+            launcher, store, selection.lr, seeds=seeds, search_seeds=search_seeds, cap=cap
         )
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
@@ -327,8 +376,9 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         trials=phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare"),
         selection=selection,
         xsa_selection=selection_of(store, xsa_search) if xsa_search else None,
-        search_seed=search_seed,
+        search_seeds=search_seeds,
         sequential=sequential,
+        stall_rule=stall_rule(cfg),
     )
     results["eval"] = evaluation
     if eval_warning:

@@ -1,0 +1,244 @@
+"""Stalls of the LR search as a measured rate (xsa_lm/sweep/stalls.py): the rule, the exact intervals, the stratified
+test, the attention diagnostics read back from metrics.csv, and the report's table. Pure functions on synthetic
+records; the whole path through `xsa-lm sweep` is in test_sweep.py."""
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from xsa_lm.errors import UserError
+from xsa_lm.sweep.stalls import (
+    StallRule,
+    classify,
+    diagnostics_at,
+    exact_interval,
+    loss_at_fraction,
+    mantel_haenszel,
+    stall_lines,
+    stall_study,
+    tokens_to_reach,
+)
+
+RULE = StallRule(at_fraction=0.4, margin=0.15)
+
+
+def run(
+    attention: str,
+    seed: int,
+    at_40: float,
+    *,
+    lr: float = 1e-2,
+    status: str = "completed",
+    final: float | None = None,
+    run_dir: Path | None = None,
+) -> dict:
+    """A search run's record over 100 steps, validated every 20 steps: at_40 is its val loss at step 40 (40% of the
+    run); the earlier validation is far above everything, so only the loss at 40% can decide a stall."""
+    final = at_40 - 1.0 if final is None else final
+    losses = {20: 9.0, 40: at_40, 60: at_40 - 0.4, 80: at_40 - 0.8, 100: final}
+    record = {
+        "attention": attention,
+        "lr": lr,
+        "seed": seed,
+        "status": status,
+        "final_val_loss": final if status == "completed" else None,
+        "steps": 100,
+        "val_history": [{"step": s, "tokens": s * 1000, "val_loss": v} for s, v in losses.items()],
+    }
+    if run_dir is not None:
+        record["run_dir"] = str(run_dir)
+    return record
+
+
+def stalled(rows: list[dict]) -> dict[tuple[str, int], bool | None]:
+    return {(r["attention"], r["seed"]): r["stalled"] for r in rows}
+
+
+# --- the rule --------------------------------------------------------------------------------------------------
+
+
+def test_a_run_stalls_above_the_lrs_median_plus_the_margin() -> None:
+    # Five runs at one LR, median 5.0 at 40% of the run: 5.2 is 0.2 above it (a stall), 5.1 is 0.1 above (not).
+    records = [run("sa", 0, 5.0), run("sa", 1, 5.0), run("sa", 2, 5.2), run("xsa", 0, 5.0), run("xsa", 1, 5.1)]
+    rows = classify(records, RULE)
+    assert stalled(rows) == {("sa", 0): False, ("sa", 1): False, ("sa", 2): True, ("xsa", 0): False, ("xsa", 1): False}
+    assert {r["reference"] for r in rows} == {5.0}
+    assert all(r["step"] == 40 for r in rows) and rows[2]["loss_at"] == 5.2
+    assert [r["stalled"] for r in classify(records, StallRule(at_fraction=0.4, margin=0.25))] == [False] * 5
+
+
+def test_the_reference_median_is_over_both_arms_at_that_lr_only() -> None:
+    # SA alone has the median 5.3 (no SA stall); with XSA's three runs at 5.0 the LR's median is 5.0 and both SA runs
+    # at 5.3 stall. The runs at another LR (8.0, all of them) are no part of this LR's reference.
+    records = [run("sa", s, v) for s, v in enumerate((5.0, 5.3, 5.3))] + [run("xsa", s, 5.0) for s in range(3)]
+    records += [run(arm, s, 8.0, lr=3e-2) for arm in ("sa", "xsa") for s in range(2)]
+    rows = classify(records, RULE)
+    at_1e2 = [r for r in rows if r["lr"] == 1e-2]
+    assert {r["reference"] for r in at_1e2} == {5.0}
+    assert [r["stalled"] for r in at_1e2] == [False, True, True, False, False, False]
+    assert [r["stalled"] for r in rows if r["lr"] == 3e-2] == [False] * 4 and rows[-1]["reference"] == 8.0
+    sa_only = classify(records[:3], RULE)
+    assert sa_only[1]["reference"] == 5.3 and not any(r["stalled"] for r in sa_only)
+
+
+def test_diverged_and_failed_runs_are_not_judged_nor_part_of_the_reference() -> None:
+    # The diverged run's 1.0 at 40% would pull the median down to 5.0 and make the 5.2 runs stalls if it counted.
+    records = [run("sa", 0, 5.2), run("sa", 1, 5.2), run("xsa", 0, 5.0)]
+    records += [run("xsa", 1, 1.0, status="diverged"), run("sa", 2, 1.0, status="failed")]
+    rows = classify(records, RULE)
+    assert stalled(rows) == {("sa", 0): False, ("sa", 1): False, ("xsa", 0): False, ("xsa", 1): None, ("sa", 2): None}
+    assert rows[0]["reference"] == 5.2 and "reference" not in rows[3]
+    study = stall_study(records, RULE)
+    cells = {c["attention"]: c for c in study["cells"]}
+    assert (cells["sa"]["runs"], cells["sa"]["diverged_or_failed"]) == (3, 1)
+    assert (cells["xsa"]["runs"], cells["xsa"]["diverged_or_failed"]) == (2, 1)
+    assert study["judged"] == {"sa": 2, "xsa": 1} and study["stalls"] == {"sa": 0, "xsa": 0}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"at_fraction": 0.0}, {"at_fraction": 1.5}, {"margin": -0.1}, {"margin": "0.1"}, {"loss_threshold": True}],
+)
+def test_a_stall_rule_out_of_range_is_refused_in_one_line(bad: dict) -> None:
+    with pytest.raises(UserError, match=r"^sweep.stall needs 0 < at_fraction <= 1, margin >= 0 and loss_threshold"):
+        StallRule(**bad)
+    assert StallRule(at_fraction=1, margin=0, loss_threshold=5) == StallRule(1.0, 0.0, 5.0)  # ints are numbers too
+
+
+def test_the_loss_at_a_fraction_and_the_tokens_to_a_threshold() -> None:
+    record = run("sa", 0, 5.0)  # validations at 20, 40, ..., 100
+    assert loss_at_fraction(record, 0.4) == (40, 5.0)
+    assert loss_at_fraction(record, 0.3) == (40, 5.0)  # the first validation at or after 30 steps
+    assert loss_at_fraction(record, 0.0) == (20, 9.0)
+    assert loss_at_fraction({**record, "val_history": []}, 0.4) is None
+    assert loss_at_fraction({"val_history": [{"step": 10, "tokens": 1, "val_loss": 3.0}]}, 1.1) is None
+    assert tokens_to_reach(record, 4.6) == 60_000 and tokens_to_reach(record, 3.0) is None
+
+
+# --- statistics ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 5), (1, 5), (3, 10), (10, 10), (2, 25)])
+def test_exact_intervals_are_clopper_pearson(k: int, n: int) -> None:
+    # Clopper-Pearson from the beta quantiles (independent of binomtest): [B(0.025; k, n-k+1), B(0.975; k+1, n-k)].
+    low = 0.0 if k == 0 else scipy.stats.beta.ppf(0.025, k, n - k + 1)
+    high = 1.0 if k == n else scipy.stats.beta.ppf(0.975, k + 1, n - k)
+    assert exact_interval(k, n) == pytest.approx((low, high), abs=1e-9)
+
+
+def test_exact_interval_of_no_stall_in_five_by_hand() -> None:
+    # k = 0: the upper bound solves (1 - p)^n = 0.025, p = 1 - 0.025^(1/n).
+    assert exact_interval(0, 5) == pytest.approx((0.0, 1 - 0.025 ** (1 / 5)), abs=1e-9)  # (0, 0.5218)
+    assert exact_interval(5, 5) == pytest.approx((0.025 ** (1 / 5), 1.0), abs=1e-9)
+
+
+def test_mantel_haenszel_on_a_published_example() -> None:
+    # R's mantelhaen.test(Rabbits) (Cochran 1954, penicillin and rabbits, 5 strata): "Mantel-Haenszel X-squared =
+    # 3.9286, df = 1, p-value = 0.04747" (continuity-corrected). Tables (a, b, c, d) per stratum.
+    rabbits = [(0, 6, 0, 5), (3, 3, 0, 6), (6, 0, 2, 4), (5, 1, 6, 0), (2, 0, 5, 0)]
+    test = mantel_haenszel(rabbits)
+    assert test["statistic"] == pytest.approx(3.9286, abs=5e-5) and test["p_value"] == pytest.approx(0.04747, abs=5e-6)
+    assert test["excess_sa_stalls"] == pytest.approx(3.0)
+
+
+def test_mantel_haenszel_equals_the_hypergeometric_moments() -> None:
+    # Under the null, each stratum's `a` is hypergeometric given the margins (a + c stalled runs, a + b of them SA):
+    # its mean and variance summed over its probability mass, not from the closed form that stalls.py writes.
+    rng = np.random.default_rng(1)
+    tables = rng.integers(0, 8, size=(6, 4))
+    deviation = variance = 0.0
+    for a, b, c, d in tables:
+        ks = np.arange(0, a + b + 1)
+        pmf = scipy.stats.hypergeom(M=a + b + c + d, n=a + c, N=a + b).pmf(ks)
+        mean = float((ks * pmf).sum())
+        deviation += a - mean
+        variance += float(((ks - mean) ** 2 * pmf).sum())
+    expected = (abs(deviation) - 0.5) ** 2 / variance
+    test = mantel_haenszel([tuple(int(x) for x in t) for t in tables])
+    assert test["statistic"] == pytest.approx(expected, rel=1e-9)
+    assert test["p_value"] == pytest.approx(scipy.stats.chi2.sf(expected, 1), rel=1e-9)
+    nothing = mantel_haenszel([(0, 3, 0, 3), (0, 5, 0, 4)])  # no stall anywhere: nothing to test
+    assert nothing["statistic"] is None and "nothing to test" in nothing["note"]
+
+
+# --- diagnostics and the report --------------------------------------------------------------------------------
+
+
+def write_metrics(run_dir: Path, rows: list[dict]) -> Path:
+    """A metrics.csv as Lightning's CSVLogger writes it: one header over every key, empty cells where a row has none."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    columns = ["step", "train/loss", "val_loss"]
+    columns += [f"diag/{m}/layer_{layer}" for m in ("a_ii", "cos_y_v", "cos_v_v") for layer in (0, 1)]
+    with open(run_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return run_dir
+
+
+def diag_row(step: int, a_ii: tuple[float, float], cos_y_v: tuple[float, float]) -> dict:
+    row: dict = {"step": step, "diag/cos_v_v/layer_0": 0.9, "diag/cos_v_v/layer_1": 0.9}
+    row.update({f"diag/a_ii/layer_{i}": v for i, v in enumerate(a_ii)})
+    row.update({f"diag/cos_y_v/layer_{i}": v for i, v in enumerate(cos_y_v)})
+    return row
+
+
+def test_diagnostics_at_the_logged_step_nearest_the_asked_one(tmp_path: Path) -> None:
+    rows = [
+        {"step": 10, "train/loss": 6.0},
+        diag_row(20, a_ii=(0.2, 0.4), cos_y_v=(0.5, 0.7)),
+        {"step": 20, "val_loss": 5.5},
+        {"step": 30, "train/loss": 5.0},
+        diag_row(40, a_ii=(0.6, 0.8), cos_y_v=(0.1, 0.3)),
+    ]
+    run_dir = write_metrics(tmp_path / "run", rows)
+    assert diagnostics_at(run_dir, 22) == pytest.approx({"a_ii": 0.3, "cos_y_v": 0.6})  # the layers' mean at 20
+    assert diagnostics_at(run_dir, 10) == pytest.approx({"a_ii": 0.3, "cos_y_v": 0.6})  # rows without them skipped
+    assert diagnostics_at(str(run_dir), 35) == pytest.approx({"a_ii": 0.7, "cos_y_v": 0.2})
+    assert diagnostics_at(run_dir, 400) == pytest.approx({"a_ii": 0.7, "cos_y_v": 0.2})
+    assert diagnostics_at(tmp_path / "nowhere", 40) is None  # no metrics.csv
+    plain = write_metrics(tmp_path / "plain", [{"step": 10, "train/loss": 6.0}, {"step": 20, "val_loss": 5.5}])
+    assert diagnostics_at(plain, 20) is None  # trained without diagnostics.every_n_steps
+
+
+def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> None:
+    def logged(name: str, a_ii: float) -> Path:  # a run whose diagnostics at step 40 have this a_ii (both layers)
+        return write_metrics(tmp_path / name, [diag_row(40, a_ii=(a_ii, a_ii), cos_y_v=(0.5, 0.5))])
+
+    at_1e2 = [run("sa", 0, 5.0, run_dir=logged("sa0", 0.2)), run("sa", 1, 5.6, run_dir=logged("sa1", 0.9))]
+    at_1e2 += [run("sa", 2, 5.5, run_dir=logged("sa2", 0.8)), run("xsa", 0, 5.0), run("xsa", 1, 5.0)]
+    at_1e2 += [run("xsa", 2, 1.0, status="diverged")]
+    at_3e2 = [run(arm, s, 6.0, lr=3e-2) for arm in ("sa", "xsa") for s in range(3)]
+    rule = StallRule(at_fraction=0.4, margin=0.15, loss_threshold=4.3)
+    study = stall_study(at_1e2 + at_3e2, rule)
+    cells = {(c["lr"], c["attention"]): c for c in study["cells"]}
+    sa = cells[(1e-2, "sa")]  # the median of 5.0, 5.6, 5.5, 5.0, 5.0 is 5.0: both 5.6 and 5.5 stall
+    assert (sa["runs"], sa["stalls"], sa["diverged_or_failed"]) == (3, 2, 0)
+    assert sa["stall_rate_ci95"] == pytest.approx(exact_interval(2, 3))
+    assert sa["diagnostics_stalled"] == pytest.approx({"a_ii": 0.85, "cos_y_v": 0.5})
+    assert sa["diagnostics_healthy"] == pytest.approx({"a_ii": 0.2, "cos_y_v": 0.5})
+    assert sa["final_loss_quartiles"] == pytest.approx(list(np.percentile([4.0, 4.6, 4.5], [25, 50, 75])))
+    xsa = cells[(1e-2, "xsa")]
+    assert (xsa["runs"], xsa["stalls"], xsa["diverged_or_failed"]) == (3, 0, 1) and xsa["diagnostics_healthy"] is None
+    assert xsa["reached_threshold"] == 2 and xsa["median_tokens_to_threshold"] == 80_000  # 4.2 at step 80
+    assert sa["reached_threshold"] == 1  # only seed 0 (5.0 at 40%) gets to 4.3
+    assert study["stalls"] == {"sa": 2, "xsa": 0} and study["judged"] == {"sa": 6, "xsa": 5}
+    assert study["stratified_test"] == mantel_haenszel([(2, 1, 0, 2), (0, 3, 0, 3)])
+
+    lines = stall_lines(study)
+    text = "\n".join(lines)
+    assert "## Stalls per LR and arm" in text and "at 40% of the run lies more than 0.15 nats above" in text
+    assert "| 0.01 | SA | 3 | 2 | [0.09, 0.99] | 4.500 [4.250, 4.550] | 0.850 / 0.200 | 0.500 / 0.500 |" in lines
+    assert "| 0.01 | XSA | 3 (+1 diverged/failed) | 0 | [0.00, 0.84] | 4.000 [4.000, 4.000] | - / - | - / - |" in lines
+    assert "| 0.03 | SA | 3 | 0 | [0.00, 0.71] | 5.000 [5.000, 5.000] | - / - | - / - |" in lines
+    assert "In all: SA stalled in 2 of 6 runs, XSA in 0 of 5." in lines
+    p = study["stratified_test"]["p_value"]
+    assert f"chi^2 = {study['stratified_test']['statistic']:.2f} on 1 dof, p = {p:.3g}." in text
+    assert "| 0.01 | XSA | 2 | 80,000 |" in lines and "| 0.03 | SA | 0 | - |" in lines  # tokens to val loss 4.3
+    quiet = stall_lines(stall_study(at_3e2, StallRule()))
+    assert "Stratified test: no stall at any LR, or every run stalled: nothing to test." in quiet
+    assert not any("tokens to reach" in line for line in quiet) and math.isfinite(p)

@@ -1,0 +1,227 @@
+"""XSA's multiplier along the token axis at a fixed model size, as pure functions (no processes or files).
+
+At one size, SA trains at several token budgets D_1 < D_2 < ... and XSA at a budget b, the seeds paired (seed s of
+every run shares its initialisation and data order). SA's mean final loss, interpolated linearly in ln D between
+the budgets that bracket XSA's mean loss, gives the tokens D_SA that SA needs to reach it; the multiplier is
+    k = D_SA / b    ("XSA at b tokens reaches the loss SA reaches with k x b tokens").
+Nothing is extrapolated: XSA's loss below SA's at the largest budget is reported as the bound k > D_max / b, above
+SA's at the smallest as k < D_min / b.
+
+The 95% interval is Fieller's, by test inversion: on the segment [D_j, D_j+1] the curve is
+m_j + theta (m_j+1 - m_j) with theta in [0, 1], and theta is kept when the paired per-seed values
+    c_s(theta) = SA_j,s + theta (SA_j+1,s - SA_j,s) - XSA_s
+have a mean that Student's t does not reject at 0: a quadratic inequality in theta, solved exactly. The union over
+segments is the interval; a side that reaches the end of SA's range is a bound. A within-cell bootstrap over seeds
+checks it, and cells are pooled by inverse variance on ln k with Cochran's Q for heterogeneity.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.stats
+
+ALPHA = 0.05
+
+
+@dataclass
+class Cell:
+    """One size and one XSA budget: the estimate, its interval and how each end is bounded."""
+
+    budget: float  # XSA's tokens
+    sa_budgets: list[float]  # SA's tokens, ascending
+    k: float | None  # None: outside SA's range (see bound)
+    bound: str | None  # e.g. "k > 2" when XSA's mean loss lies beyond SA's range
+    ci: tuple[float | None, float | None]  # None at an end: unbounded within SA's range (that end is a bound)
+    ln_k_se: float | None  # delta-method standard error of ln k (for pooling); None with a bound
+    sa_means: list[float]
+    xsa_mean: float
+    seeds: int
+
+    def as_dict(self) -> dict:
+        return {
+            "budget": self.budget,
+            "sa_budgets": self.sa_budgets,
+            "k": self.k,
+            "bound": self.bound,
+            "ci95": list(self.ci),
+            "ln_k_se": self.ln_k_se,
+            "sa_means": self.sa_means,
+            "xsa_mean": self.xsa_mean,
+            "seeds": self.seeds,
+        }
+
+
+def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:
+    """The theta in [0, 1] where |mean(a - theta d)| <= t * se(a - theta d), se over seeds: the quadratic
+    (mean_a - theta mean_d)^2 - t^2 (v_aa - 2 theta v_ad + theta^2 v_dd) <= 0, v the variances of the means."""
+    n = len(a)
+    ma, md = float(a.mean()), float(d.mean())
+    cov = np.cov(np.vstack([a, d]), ddof=1) / n
+    vaa, vad, vdd = float(cov[0, 0]), float(cov[0, 1]), float(cov[1, 1])
+    t2 = t * t
+    qa, qb, qc = md * md - t2 * vdd, -2 * (ma * md - t2 * vad), ma * ma - t2 * vaa
+
+    def inside(theta: float) -> bool:
+        return qa * theta * theta + qb * theta + qc <= 1e-15
+
+    if abs(qa) < 1e-300:
+        roots: list[float] = [] if abs(qb) < 1e-300 else [-qc / qb]
+    else:
+        disc = qb * qb - 4 * qa * qc
+        roots = [] if disc < 0 else sorted([(-qb - math.sqrt(disc)) / (2 * qa), (-qb + math.sqrt(disc)) / (2 * qa)])
+    points = sorted({0.0, 1.0, *[r for r in roots if 0.0 < r < 1.0]})
+    pieces = []
+    for lo, hi in zip(points, points[1:], strict=False):
+        if inside((lo + hi) / 2):
+            pieces.append((lo, hi))
+    if not pieces and any(inside(p) for p in points):
+        pieces = [(p, p) for p in points if inside(p)]
+    return pieces
+
+
+def cell_estimate(
+    sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float
+) -> Cell:
+    """k at one size and one XSA budget. `sa[j][s]` is SA's final loss at sa_budgets[j] for seed s, `xsa[s]` XSA's
+    at `budget` for the same seed s (pairs with a missing run are left out by the caller)."""
+    order = np.argsort(sa_budgets)
+    budgets = [float(sa_budgets[i]) for i in order]
+    runs = np.asarray([sa[i] for i in order], dtype=float)  # (budgets, seeds)
+    x = np.asarray(xsa, dtype=float)
+    n = x.size
+    if n < 2 or runs.shape[1] != n:
+        raise ValueError("cell_estimate needs at least 2 seeds, the same in every arm and budget")
+    means = runs.mean(axis=1)
+    lnD = np.log(budgets)
+    xm = float(x.mean())
+    t = float(scipy.stats.t.ppf(1 - ALPHA / 2, n - 1))
+
+    k, bound, se = None, None, None
+    lo_ratio, hi_ratio = budgets[0] / budget, budgets[-1] / budget
+    if xm < means.min() and xm < means[-1]:
+        bound = f"k > {hi_ratio:g}"
+    elif xm > means[0]:
+        bound = f"k < {lo_ratio:g}"
+    else:
+        for j in range(len(budgets) - 1):
+            m1, m2 = means[j], means[j + 1]
+            if min(m1, m2) <= xm <= max(m1, m2) and m1 != m2:
+                theta = (m1 - xm) / (m1 - m2)
+                ln_d = lnD[j] + theta * (lnD[j + 1] - lnD[j])
+                k = math.exp(ln_d) / budget
+                a, dd = runs[j] - x, runs[j] - runs[j + 1]
+                var_theta = float(np.var(a - theta * dd, ddof=1) / n) / (m1 - m2) ** 2
+                se = (lnD[j + 1] - lnD[j]) * math.sqrt(var_theta)
+                break
+    accepted: list[float] = []  # ln D values of the accepted set, segment by segment
+    for j in range(len(budgets) - 1):
+        for lo, hi in _segment_solutions(runs[j] - x, runs[j] - runs[j + 1], t):
+            accepted += [lnD[j] + lo * (lnD[j + 1] - lnD[j]), lnD[j] + hi * (lnD[j + 1] - lnD[j])]
+    if accepted:
+        low, high = min(accepted), max(accepted)
+        ci = (
+            None if low <= lnD[0] + 1e-12 else math.exp(low) / budget,
+            None if high >= lnD[-1] - 1e-12 else math.exp(high) / budget,
+        )
+    else:  # no ln D in SA's range is compatible: the interval lies wholly beyond one end
+        ci = (hi_ratio, None) if xm < means[-1] else (None, lo_ratio)
+    return Cell(
+        budget=float(budget),
+        sa_budgets=budgets,
+        k=k,
+        bound=bound,
+        ci=ci,
+        ln_k_se=se,
+        sa_means=[float(m) for m in means],
+        xsa_mean=xm,
+        seeds=n,
+    )
+
+
+def bootstrap_interval(
+    sa: Sequence[Sequence[float]],
+    sa_budgets: Sequence[float],
+    xsa: Sequence[float],
+    budget: float,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """Percentile 95% interval of k from resampling seeds within the cell (all of a seed's runs together). A
+    resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
+    runs = np.asarray(sa, dtype=float)
+    x = np.asarray(xsa, dtype=float)
+    n = x.size
+    if n < 3:
+        return None
+    rng = np.random.default_rng(seed)
+    lo_ratio, hi_ratio = min(sa_budgets) / budget, max(sa_budgets) / budget
+    values = []
+    for _ in range(n_resamples):
+        pick = rng.integers(0, n, n)
+        means = runs[:, pick].mean(axis=1)
+        xm = float(x[pick].mean())
+        values.append(_ln_k_of_means(means, sa_budgets, xm, budget, lo_ratio, hi_ratio))
+    low, high = np.percentile(values, [2.5, 97.5])
+    return float(math.exp(low)), float(math.exp(high))
+
+
+def _ln_k_of_means(
+    means: np.ndarray, budgets: Sequence[float], xm: float, budget: float, lo: float, hi: float
+) -> float:
+    """ln k from mean losses (SA's curve at its budgets, ascending), clipped to SA's range."""
+    order = np.argsort(budgets)
+    lnD = np.log(np.asarray(budgets, dtype=float)[order])
+    m = means[order]
+    if xm <= m.min() and xm <= m[-1]:
+        return math.log(hi)
+    if xm >= m[0]:
+        return math.log(lo)
+    for j in range(len(m) - 1):
+        if min(m[j], m[j + 1]) <= xm <= max(m[j], m[j + 1]) and m[j] != m[j + 1]:
+            theta = (m[j] - xm) / (m[j] - m[j + 1])
+            return float(lnD[j] + theta * (lnD[j + 1] - lnD[j]) - math.log(budget))
+    return math.log(hi)
+
+
+def pool(cells: Sequence[Cell]) -> dict | None:
+    """Inverse-variance pooling of ln k over the cells with a point estimate (bounds are left out and listed),
+    Cochran's Q and I^2 for heterogeneity. Cells at one size share SA's runs, so they are not independent: the pooled
+    interval is then too narrow, and the report says so."""
+    usable = [c for c in cells if c.k is not None and c.ln_k_se and c.ln_k_se > 0]
+    if not usable:
+        return None
+    y = np.array([math.log(c.k) for c in usable if c.k is not None])
+    w = np.array([1 / c.ln_k_se**2 for c in usable if c.ln_k_se])
+    mean = float((w * y).sum() / w.sum())
+    se = math.sqrt(1 / w.sum())
+    q = float((w * (y - mean) ** 2).sum())
+    dof = len(usable) - 1
+    z = float(scipy.stats.norm.ppf(1 - ALPHA / 2))
+    return {
+        "k": math.exp(mean),
+        "ci95": [math.exp(mean - z * se), math.exp(mean + z * se)],
+        "cells": len(usable),
+        "left_out": len(cells) - len(usable),
+        "cochran_q": q,
+        "q_dof": dof,
+        "q_p_value": float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else None,
+        "i2": max(0.0, (q - dof) / q) if q > 0 and dof > 0 else 0.0,
+    }
+
+
+def k_text(cell: dict) -> str:
+    """k or its bound, for a table."""
+    if cell["k"] is None:
+        return cell["bound"] or "-"
+    return f"{cell['k']:.3f}"
+
+
+def ci_text(cell: dict) -> str:
+    """The interval; an unbounded end is a bound at SA's range."""
+    lo, hi = cell["ci95"]
+    budgets, budget = cell["sa_budgets"], cell["budget"]
+    lo_text = f"{lo:.3f}" if lo is not None else f"<= {min(budgets) / budget:g}"
+    hi_text = f"{hi:.3f}" if hi is not None else f">= {max(budgets) / budget:g}"
+    return f"[{lo_text}, {hi_text}]"

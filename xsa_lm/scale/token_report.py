@@ -1,0 +1,169 @@
+"""The token-axis study's outputs: results.json, report.md, loss_vs_tokens.png and multiplier.png."""
+
+import json
+from pathlib import Path
+
+from xsa_lm.scale.token_axis import ci_text, k_text
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return f"{value:.{digits}f}" if value is not None else "-"
+
+
+def size_lines(results: dict) -> list[str]:
+    plan = results["plan"]
+    lines = [
+        "",
+        "## Sizes, budgets and the LR",
+        "",
+        f"B = {plan['tokens_per_param']:g} tokens per non-embedding parameter. SA at {plan['sa_budgets']} x B, XSA at "
+        f"{plan['xsa_budgets']} x B, seeds {plan['seeds']} (paired); the LR is the one with the lowest median SA "
+        f"loss at B over the search seeds {plan['search_seeds']}, used at every budget and for both arms.",
+        "",
+        "| model | non-embedding params | B (tokens) | LR grid: median SA loss at B | selected LR |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for size in results["sizes"]:
+        grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in size["search"].items())
+        lr = f"{size['selected_lr']:g}" if size["selected_lr"] is not None else "none"
+        lines.append(
+            f"| {size['model']} | {size['non_embedding_params']:,} | {size['tokens_B']:,.0f} | {grid} | {lr} |"
+        )
+    lines += ["", "| model | arm | budget | final val loss per seed | mean |", "|---|---|---:|---|---:|"]
+    for size in results["sizes"]:
+        for arm, budgets in size.get("runs", {}).items():
+            for fraction, runs in budgets.items():
+                losses = [r["final_val_loss"] for r in runs if r["status"] == "completed"]
+                cells = ", ".join(
+                    f"{r['final_val_loss']:.4f}" if r["status"] == "completed" else r["status"] for r in runs
+                )
+                mean = sum(losses) / len(losses) if losses else None
+                lines.append(f"| {size['model']} | {arm.upper()} | {fraction} B | {cells} | {_num(mean)} |")
+    return lines
+
+
+def multiplier_lines(results: dict) -> list[str]:
+    lines = [
+        "",
+        "## XSA's multiplier along the token axis",
+        "",
+        "k = the tokens SA needs to reach XSA's mean loss (SA's mean losses interpolated linearly in ln tokens between "
+        "the budgets that bracket it) / XSA's tokens. 95% CI: Fieller's interval for that crossing (test inversion "
+        "over the paired per-seed values); an end at SA's range is a bound (<= or >=), never an extrapolation. "
+        "Bootstrap: seeds resampled within the cell, a check of the interval. Wall-clock k: k over XSA's step-time "
+        "ratio from `xsa-lm bench` at that size (ends combined conservatively).",
+        "",
+        "| model | XSA budget | seeds | SA means (per budget) | XSA mean | k | 95% CI | bootstrap CI | wall-clock k |",
+        "|---|---:|---:|---|---:|---:|---|---|---|",
+    ]
+    for cell in results["cells"]:
+        boot = cell.get("bootstrap_ci95")
+        boot_text = f"[{boot[0]:.3f}, {boot[1]:.3f}]" if boot else "-"
+        wall = cell.get("wallclock_k")
+        wall_text = "-"
+        if wall is not None:
+            lo, hi = cell["wallclock_ci"]
+            wall_text = f"{wall:.3f} [{_num(lo, 3) if lo else '-'}, {_num(hi, 3) if hi else '-'}]"
+        lines.append(
+            f"| {cell['model']} | {cell['fraction']:g} B | {cell['seeds']} | "
+            f"{', '.join(f'{m:.4f}' for m in cell['sa_means'])} | {cell['xsa_mean']:.4f} | {k_text(cell)} | "
+            f"{ci_text(cell)} | {boot_text} | {wall_text} |"
+        )
+    pooled = results.get("pooled")
+    if pooled:
+        q_p = pooled["q_p_value"]
+        lines += [
+            "",
+            f"Pooled over {pooled['cells']} cell(s) with a point estimate (inverse variance on ln k; "
+            f"{pooled['left_out']} bound(s) left out): **k = {pooled['k']:.3f}, 95% CI "
+            f"[{pooled['ci95'][0]:.3f}, {pooled['ci95'][1]:.3f}]**. "
+            f"Heterogeneity: Cochran's Q = {pooled['cochran_q']:.2f} on {pooled['q_dof']} dof"
+            + (f" (p = {q_p:.3g}), I^2 = {pooled['i2']:.0%}" if q_p is not None else "")
+            + ". The two budgets of one size share SA's runs, so the cells are not independent and the pooled "
+            "interval is narrower than it should be: read the per-cell intervals first.",
+        ]
+    return lines
+
+
+def render_markdown(results: dict) -> str:
+    lines = [
+        "# SA vs XSA along the token axis: XSA's multiplier at fixed model size",
+        "",
+        f"- study directory: `{results['study_dir']}` (W&B group `{results['study_id']}`)",
+        f"- overrides: `{' '.join(results['overrides']) or '(defaults)'}`",
+    ]
+    if results["warnings"]:
+        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
+    lines += size_lines(results) + multiplier_lines(results)
+    lines += ["", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_loss_vs_tokens(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s for s in results["sizes"] if "runs" in s]
+    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5 * max(1, len(sizes)), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=False):
+        for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+            points = []
+            for runs in size["runs"][arm].values():
+                done = [r for r in runs if r["status"] == "completed"]
+                ax.plot(
+                    [r["tokens_seen"] for r in done], [r["final_val_loss"] for r in done], ".", color=color, alpha=0.4
+                )
+                if done:
+                    mean = sum(r["final_val_loss"] for r in done) / len(done)
+                    points.append((done[0]["tokens_seen"], mean))
+            if points:
+                ax.plot(*zip(*sorted(points), strict=True), "o-", color=color, label=f"{arm.upper()} mean")
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("final validation loss")
+        ax.set_title(f"{size['model']} (LR {size['selected_lr']:g})")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_multipliers(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = []
+    for i, cell in enumerate(results["cells"]):
+        labels.append(f"{cell['model']}\nXSA at {cell['fraction']:g} B")
+        lo_edge, hi_edge = min(cell["sa_budgets"]) / cell["budget"], max(cell["sa_budgets"]) / cell["budget"]
+        lo, hi = cell["ci95"]
+        lo, hi = lo if lo is not None else lo_edge, hi if hi is not None else hi_edge
+        ax.plot([i, i], [lo, hi], "-", color="tab:orange", linewidth=3, alpha=0.6)
+        ax.plot([i - 0.2, i + 0.2], [lo_edge, lo_edge], ":", color="gray")
+        ax.plot([i - 0.2, i + 0.2], [hi_edge, hi_edge], ":", color="gray")
+        if cell["k"] is not None:
+            ax.plot(i, cell["k"], "o", color="tab:orange")
+        else:
+            ax.annotate(cell["bound"], (i, hi if ">" in (cell["bound"] or "") else lo), ha="center")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("k (tokens SA needs / XSA's tokens)")
+    ax.set_title("XSA's token multiplier, 95% CI (dotted: SA's measured range)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict, study_dir: Path) -> str:
+    (study_dir / "results.json").write_text(json.dumps(results, indent=2))
+    plot_loss_vs_tokens(results, study_dir / "loss_vs_tokens.png")
+    plot_multipliers(results, study_dir / "multiplier.png")
+    markdown = render_markdown(results)
+    (study_dir / "report.md").write_text(markdown)
+    return markdown

@@ -1,0 +1,321 @@
+"""`xsa-lm scale scale.axis=tokens`: XSA's multiplier along the token axis at each fixed model size.
+
+At each size of scale.models, with B = scale.tokens_per_param x its non-embedding parameters:
+1. search: SA at B for every LR of the size's grid x sweep.search_seeds; the LR with the lowest median loss
+2. budgets: at that LR, SA at every budget of scale.sa_budgets (x B) and XSA at every one of scale.xsa_budgets,
+   each for every compare seed (paired: a seed's runs share initialisation and data order)
+3. bench (scale.bench): `xsa-lm bench` of SA vs XSA at this size, for the wall-clock multiplier with its interval
+4. k per (size, XSA budget) from SA's tokens-to-loss curve (token_axis.py), pooled over cells; results.json,
+   report.md, loss_vs_tokens.png, multiplier.png
+
+Every run is an `xsa-lm train` process of the sweep's Launcher with its record under sizes/<model>/<phase>/, so
+the same command resumes the study; the plan (budgets, seeds) is fixed at the first run.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+from hydra import compose
+from omegaconf import DictConfig, OmegaConf
+
+from xsa_lm.errors import UserError
+from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, pool
+from xsa_lm.scale.token_report import write_report
+from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
+from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, wandb_settings
+from xsa_lm.sweep.trials import Launcher, TrialStore, last_error_line
+
+SET_BY_TOKEN_AXIS = {
+    "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
+    "val_every_steps": "scale.axis=tokens validates at half and at the end of each run",
+}
+
+
+def check_budgets(scale: DictConfig) -> tuple[list[float], list[float]]:
+    """SA's and XSA's budgets (in units of B): SA at 2+ budgets including 1 (where the LR is chosen), XSA's inside
+    SA's range, so that no multiplier needs an extrapolation."""
+    sa = sorted(float(f) for f in scale.sa_budgets)
+    xsa = sorted(float(f) for f in scale.xsa_budgets)
+    if len(sa) < 2 or 1.0 not in sa or any(f <= 0 for f in sa):
+        raise UserError(f"scale.sa_budgets needs 2+ positive budgets including 1 (the LR is chosen at B), got {sa}")
+    if not xsa or any(not sa[0] <= f <= sa[-1] for f in xsa):
+        raise UserError(f"scale.xsa_budgets must lie within SA's budgets [{sa[0]:g}, {sa[-1]:g}], got {xsa}")
+    per_param = scale.tokens_per_param
+    if isinstance(per_param, bool) or not isinstance(per_param, int | float) or per_param <= 0:
+        raise UserError(f"scale.tokens_per_param must be a positive number, got {per_param!r}")
+    return sa, xsa
+
+
+def non_embedding_params(model: str, overrides: list[str]) -> int:
+    """The non-embedding parameters of a preset with the command line's model.* overrides (Hydra's compose
+    within the running app; the model on the meta device)."""
+    import torch
+
+    from xsa_lm.config.builders import model_config
+    from xsa_lm.model.gpt import GPT
+
+    model_keys = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith("model.")]
+    cfg = compose(config_name="train", overrides=[f"model={model}", *model_keys])
+    with torch.device("meta"):
+        return GPT(model_config(cfg, vocab_size=cfg.model.vocab_size or 64)).num_params(non_embedding=True)
+
+
+class SizePlan:
+    """The runs of one size: its budget B in tokens, the steps of each budget, and a Launcher per phase."""
+
+    def __init__(self, study_dir: Path, model: str, params: int, cfg: DictConfig, overrides: list[str]) -> None:
+        self.model = model
+        self.dir = study_dir / "sizes" / model
+        self.params = params
+        self.batch_tokens = int(cfg.global_batch_tokens)
+        self.tokens = cfg.scale.tokens_per_param * params  # B
+        self.cfg = cfg
+        self.overrides = overrides
+
+    def steps(self, fraction: float) -> int:
+        return max(1, round(fraction * self.tokens / self.batch_tokens))
+
+    def store(self, phase: str) -> TrialStore:
+        return TrialStore(self.dir / phase)
+
+    def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
+        steps = self.steps(fraction)
+        settings = [f"model={self.model}", f"trainer.max_steps={steps}", f"val_every_steps={max(1, -(-steps // 2))}"]
+        return Launcher(
+            self.store(phase),
+            [*self.overrides, *settings],
+            max_parallel=self.cfg.sweep.max_parallel,
+            launch_prefix=self.cfg.sweep.launch_prefix or [],
+            wandb_group=group,
+            diverge_above=self.cfg.sweep.diverge_above,
+        )
+
+
+def phase_name(fraction: float) -> str:
+    return f"budget_{fraction:g}"
+
+
+def run_size(
+    plan: SizePlan,
+    *,
+    grid: list[float],
+    search_seeds: list[int],
+    seeds: list[int],
+    sa_budgets,
+    xsa_budgets,
+    group: str | None,
+) -> dict:
+    """The search, the selected LR and every budget's runs of one size; the per-seed losses for the estimator."""
+    print(
+        f"size {plan.model}: {plan.params:,} non-embedding parameters, B = {plan.tokens:,.0f} tokens "
+        f"({plan.steps(1.0)} steps)"
+    )
+    search = search_trials(grid, search_seeds, ["sa"])
+    launcher = plan.launcher("search", 1.0, group)
+    stop_on_signals(launcher.stop, "scale")
+    launcher.run(search, "search", "lr-search")
+    selection = selection_of(plan.store("search"), search)
+    entry: dict[str, Any] = {
+        "model": plan.model,
+        "non_embedding_params": plan.params,
+        "tokens_B": plan.tokens,
+        "search": {f"{lr:g}": loss for lr, loss in selection.losses.items()},
+        "selected_lr": selection.lr,
+        "warnings": list(selection.warnings),
+    }
+    if selection.lr is None:
+        return entry
+    runs: dict[str, dict[str, list]] = {"sa": {}, "xsa": {}}
+    for fraction in sorted(set(sa_budgets) | set(xsa_budgets)):
+        arms = [a for a, budgets in (("sa", sa_budgets), ("xsa", xsa_budgets)) if fraction in budgets]
+        trials = [Trial(arm, selection.lr, seed) for seed in seeds for arm in arms]
+        launcher = plan.launcher(phase_name(fraction), fraction, group)
+        stop_on_signals(launcher.stop, "scale")
+        print(
+            f"size {plan.model}: {' and '.join(a.upper() for a in arms)} at {fraction:g} B ({plan.steps(fraction)} "
+            f"steps), LR {selection.lr:g}, seeds {seeds}"
+        )
+        launcher.run(trials, phase_name(fraction), "budget")
+        store = plan.store(phase_name(fraction))
+        for arm in arms:
+            runs[arm][f"{fraction:g}"] = [outcome_of(store, Trial(arm, selection.lr, seed)) for seed in seeds]
+    entry["runs"] = runs
+    entry["seeds"] = seeds
+    return entry
+
+
+def outcome_of(store: TrialStore, trial: Trial) -> dict:
+    record = store.load(trial) or {"status": "missing"}
+    keep = ("status", "final_val_loss", "tokens_seen", "tokens_per_s", "val_history", "run_dir")
+    return {"seed": trial.seed, **{k: record.get(k) for k in keep}}
+
+
+def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> dict | None:
+    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists): the step-time
+    ratio with its interval, measured with both arms interleaved, not the trials' tokens/s."""
+    out = study_dir / "bench" / f"{model}.json"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        model_keys = [o for o in overrides if o.split("=", 1)[0].startswith("model.")]
+        micro = max(1, int(cfg.global_batch_tokens) // int(cfg.model.block_size))
+        cmd = [
+            sys.executable,
+            "-m",
+            "xsa_lm.cli",
+            "bench",
+            f"model={model}",
+            *model_keys,
+            f"micro_batch={micro}",
+            "comparisons=[xsa_over_sa]",
+            f"rounds={cfg.scale.bench_rounds}",
+            f"out={out}",
+        ]
+        log = study_dir / "logs" / f"bench_{model}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            print(f"size {model}: xsa-lm bench failed: {last_error_line(log)} (no wall-clock multiplier)")
+            return None
+    ratio = json.loads(out.read_text())["ratios"]["xsa_over_sa_step_time"]
+    return {
+        "xsa_over_sa_step_time": ratio["median"],
+        "interval": ratio["interval"],
+        "rounds": len(ratio["rounds"]),
+        "file": str(out),
+    }
+
+
+def paired_losses(entry: dict, arm_budgets: dict[str, list[float]], xsa_budget: float) -> tuple[list, list, list]:
+    """The seeds where every SA budget and XSA at xsa_budget completed: SA's losses per budget, XSA's, the seeds."""
+    runs = entry["runs"]
+    usable = []
+    for i, seed in enumerate(entry["seeds"]):
+        sides = [runs["sa"][f"{f:g}"][i] for f in arm_budgets["sa"]] + [runs["xsa"][f"{xsa_budget:g}"][i]]
+        if all(s["status"] == "completed" for s in sides):
+            usable.append((i, seed))
+    sa = [[runs["sa"][f"{f:g}"][i]["final_val_loss"] for i, _ in usable] for f in arm_budgets["sa"]]
+    xsa = [runs["xsa"][f"{xsa_budget:g}"][i]["final_val_loss"] for i, _ in usable]
+    return sa, xsa, [seed for _, seed in usable]
+
+
+def tokens_of(entry: dict, arm: str, fraction: float) -> float:
+    """The tokens the runs of one arm and budget trained on (the same for every seed)."""
+    seen = [r["tokens_seen"] for r in entry["runs"][arm][f"{fraction:g}"] if r.get("tokens_seen")]
+    return float(seen[0]) if seen else fraction * entry["tokens_B"]
+
+
+def analyse_tokens(sizes: list[dict], sa_budgets: list[float], xsa_budgets: list[float], seed: int = 0) -> dict:
+    """k, Fieller interval and bootstrap check per (size, XSA budget); the pooled k with its heterogeneity."""
+    cells, estimates, warnings = [], [], []
+    for entry in sizes:
+        if "runs" not in entry:
+            warnings.append(f"{entry['model']}: no LR selected, so no budget runs")
+            continue
+        sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
+        for fraction in xsa_budgets:
+            sa, xsa, seeds = paired_losses(entry, {"sa": sa_budgets}, fraction)
+            left_out = len(entry["seeds"]) - len(seeds)
+            if left_out:
+                warnings.append(
+                    f"{entry['model']} XSA at {fraction:g} B: {left_out} seed(s) left out (a run did not "
+                    "complete: diverged, failed or missing; rerun the same command to retry failures)"
+                )
+            if len(seeds) < 2:
+                warnings.append(f"{entry['model']} XSA at {fraction:g} B: fewer than 2 complete seeds, no estimate")
+                continue
+            budget = tokens_of(entry, "xsa", fraction)
+            cell = cell_estimate(sa, sa_tokens, xsa, budget)
+            monotone = all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False))
+            if not monotone:
+                warnings.append(
+                    f"{entry['model']}: SA's mean loss does not fall with every doubling of tokens "
+                    f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
+                )
+            row = {"model": entry["model"], "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
+            row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
+            bench = entry.get("bench")
+            if bench and cell.k is not None and bench.get("interval"):
+                r, (r_lo, r_hi) = bench["xsa_over_sa_step_time"], bench["interval"]
+                lo, hi = cell.ci
+                row["wallclock_k"] = cell.k / r
+                row["wallclock_ci"] = [lo / r_hi if lo is not None else None, hi / r_lo if hi is not None else None]
+            cells.append(row)
+            estimates.append(cell)
+    return {"cells": cells, "pooled": pool(estimates), "warnings": warnings}
+
+
+def run_token_study(cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], state: dict) -> dict:
+    """The token-axis study: every size's runs, then the analysis and the report."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in SET_BY_TOKEN_AXIS:
+            raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
+    sa_budgets, xsa_budgets = check_budgets(cfg.scale)
+    search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
+    compare = cfg.scale.seeds if cfg.scale.get("seeds") is not None else cfg.sweep.seeds
+    seeds = check_seeds(cast(list[int], plain(compare)), search_seeds)
+    if len(seeds) < 2:
+        raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
+    plan = {
+        "axis": "tokens",
+        "tokens_per_param": cfg.scale.tokens_per_param,
+        "sa_budgets": sa_budgets,
+        "xsa_budgets": xsa_budgets,
+        "search_seeds": search_seeds,
+        "seeds": seeds,
+    }
+    keep_plan(study_dir / "scale.json", state, plan, grid=[])
+    group = state["study_id"] if wandb_settings(cfg) else None
+    grids = cfg.sweep.get("lr_grids") or {}
+    sizes = []
+    for model in models:
+        grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
+        size = SizePlan(study_dir, model, non_embedding_params(model, overrides), cfg, overrides)
+        entry = run_size(
+            size,
+            grid=grid,
+            search_seeds=search_seeds,
+            seeds=seeds,
+            sa_budgets=sa_budgets,
+            xsa_budgets=xsa_budgets,
+            group=group,
+        )
+        entry["grid"] = grid
+        if cfg.scale.measure_throughput:
+            entry["bench"] = bench_size(study_dir, model, cfg, overrides)
+        sizes.append(entry)
+    analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed)
+    results = {
+        "axis": "tokens",
+        "study_dir": str(study_dir),
+        "study_id": state["study_id"],
+        "overrides": overrides,
+        "plan": plan,
+        "sizes": sizes,
+        **analysis,
+        "warnings": [w for s in sizes for w in (f"{s['model']}: {x}" for x in s["warnings"])] + analysis["warnings"],
+    }
+    write_report(results, study_dir)
+    return results
+
+
+def unfinished(results: dict) -> list[str]:
+    """Runs that did not end completed or diverged (a rerun retries them)."""
+    missing = []
+    for size in results["sizes"]:
+        for arm, budgets in size.get("runs", {}).items():
+            for fraction, runs in budgets.items():
+                missing += [
+                    f"{size['model']} {arm} {fraction} B seed {r['seed']}"
+                    for r in runs
+                    if r["status"] not in ("completed", "diverged")
+                ]
+    return missing
+
+
+def model_names(cfg: DictConfig) -> list[str]:
+    return [str(m) for m in cast(list, OmegaConf.to_container(cfg.scale.models))]

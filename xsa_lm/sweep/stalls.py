@@ -1,0 +1,229 @@
+"""Stalls of the LR search, as a measured rate: per LR and arm, how many seeds stall, with an exact interval, and a
+test of SA against XSA stratified by LR. Pure functions over the trial records (their val_history) and, for the
+attention diagnostics, each run's metrics.csv.
+
+A run stalls when its validation loss at `at_fraction` of the run lies above the median of every run at its LR
+(both arms) by more than `margin` nats: the definition is fixed in the sweep's plan before any run (sweep.stall).
+"""
+
+import csv
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.stats
+
+from xsa_lm.errors import UserError
+
+DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
+
+
+@dataclass(frozen=True)
+class StallRule:
+    at_fraction: float = 0.4
+    margin: float = 0.15
+    loss_threshold: float | None = None  # also: the tokens each run needs to reach this val loss
+
+    def __post_init__(self) -> None:
+        values = [self.at_fraction, self.margin] + ([] if self.loss_threshold is None else [self.loss_threshold])
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        if not numbers or not 0 < self.at_fraction <= 1 or self.margin < 0:
+            raise UserError(
+                f"sweep.stall needs 0 < at_fraction <= 1, margin >= 0 and loss_threshold null or a number, got "
+                f"at_fraction={self.at_fraction!r}, margin={self.margin!r}, loss_threshold={self.loss_threshold!r}"
+            )
+
+
+def loss_at_fraction(record: dict, fraction: float) -> tuple[int, float] | None:
+    """(step, val loss) of the first validation at or after `fraction` of the run's steps; None without one."""
+    history = record.get("val_history") or []
+    steps = record.get("steps") or (history[-1]["step"] if history else 0)
+    due = [h for h in history if h["step"] >= fraction * steps]
+    return (due[0]["step"], due[0]["val_loss"]) if due else None
+
+
+def tokens_to_reach(record: dict, threshold: float) -> float | None:
+    """The tokens seen at the first validation whose loss is at or below threshold; None: never reached."""
+    hits = [h["tokens"] for h in record.get("val_history") or [] if h["val_loss"] <= threshold]
+    return float(hits[0]) if hits else None
+
+
+def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
+    """The mean over layers of each attention diagnostic at the logged step nearest `step` (metrics.csv of a run
+    trained with diagnostics.every_n_steps); None when the run logged none."""
+    path = Path(run_dir) / "metrics.csv"
+    if not path.exists():
+        return None
+    rows = []
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            values = {m: [float(v) for k, v in row.items() if k.startswith(f"diag/{m}/") and v] for m in DIAGNOSTICS}
+            if all(values.values()) and row.get("step"):
+                rows.append((int(float(row["step"])), {m: statistics.fmean(v) for m, v in values.items()}))
+    if not rows:
+        return None
+    return min(rows, key=lambda r: abs(r[0] - step))[1]
+
+
+def exact_interval(k: int, n: int) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) 95% interval of a rate of k in n."""
+    ci = scipy.stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def mantel_haenszel(tables: Sequence[tuple[int, int, int, int]]) -> dict:
+    """The Cochran-Mantel-Haenszel test (continuity-corrected) of 2x2 tables (a, b, c, d) = (SA stalled, SA not,
+    XSA stalled, XSA not), one per LR: is the stall rate of SA the same as XSA's at every LR? scipy has no
+    stratified test of 2x2 tables, so the textbook formula is written here."""
+    deviation = variance = 0.0
+    for a, b, c, d in tables:
+        n = a + b + c + d
+        if n < 2:
+            continue
+        deviation += a - (a + b) * (a + c) / n
+        variance += (a + b) * (c + d) * (a + c) * (b + d) / (n * n * (n - 1))
+    if variance == 0:
+        return {"statistic": None, "p_value": None, "note": "no stall at any LR, or every run stalled: nothing to test"}
+    statistic = (abs(deviation) - 0.5) ** 2 / variance if abs(deviation) > 0.5 else 0.0
+    return {"statistic": statistic, "p_value": float(scipy.stats.chi2.sf(statistic, 1)), "excess_sa_stalls": deviation}
+
+
+def _quartiles(values: list[float]) -> list[float] | None:
+    return [float(q) for q in np.percentile(values, [25, 50, 75])] if values else None
+
+
+def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
+    """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed)."""
+    by_lr: dict[float, list[float]] = {}
+    points = []
+    for record in records:
+        point = loss_at_fraction(record, rule.at_fraction) if record.get("status") == "completed" else None
+        points.append(point)
+        if point is not None:
+            by_lr.setdefault(record["lr"], []).append(point[1])
+    rows = []
+    for record, point in zip(records, points, strict=True):
+        row = {k: record.get(k) for k in ("attention", "lr", "seed", "status", "final_val_loss", "run_dir")}
+        if point is None:
+            row.update(stalled=None, step=None, loss_at=None)
+        else:
+            reference = statistics.median(by_lr[record["lr"]])
+            row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin)
+            row["reference"] = reference
+        if rule.loss_threshold is not None:
+            row["tokens_to_threshold"] = tokens_to_reach(record, rule.loss_threshold)
+        rows.append(row)
+    return rows
+
+
+def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
+    """Per LR and arm: runs, final-loss quartiles, stalls with an exact interval, diverged runs, the median tokens to
+    the loss threshold and the attention diagnostics of stalled and healthy runs; then the stratified test."""
+    rows = classify(records, rule)
+    for row in rows:
+        if row["stalled"] is not None and row.get("run_dir"):
+            row["diagnostics"] = diagnostics_at(row["run_dir"], row["step"])
+    cells = []
+    tables = []
+    for lr in sorted({r["lr"] for r in rows}):
+        counts = {}
+        for arm in ("sa", "xsa"):
+            runs = [r for r in rows if r["lr"] == lr and r["attention"] == arm]
+            if not runs:
+                continue
+            judged = [r for r in runs if r["stalled"] is not None]
+            stalls = sum(bool(r["stalled"]) for r in judged)
+            cell = {
+                "lr": lr,
+                "attention": arm,
+                "runs": len(runs),
+                "diverged_or_failed": len(runs) - len(judged),
+                "final_loss_quartiles": _quartiles([r["final_val_loss"] for r in judged]),
+                "stalls": stalls,
+                "stall_rate_ci95": exact_interval(stalls, len(judged)) if judged else None,
+            }
+            if rule.loss_threshold is not None:
+                reached = [r["tokens_to_threshold"] for r in judged if r.get("tokens_to_threshold") is not None]
+                cell["reached_threshold"] = len(reached)
+                cell["median_tokens_to_threshold"] = statistics.median(reached) if reached else None
+            for state, wanted in (("stalled", True), ("healthy", False)):
+                diags = [r["diagnostics"] for r in judged if r["stalled"] is wanted and r.get("diagnostics")]
+                cell[f"diagnostics_{state}"] = (
+                    {m: statistics.fmean(d[m] for d in diags) for m in DIAGNOSTICS} if diags else None
+                )
+            counts[arm] = (stalls, len(judged) - stalls)
+            cells.append(cell)
+        if len(counts) == 2:
+            tables.append((*counts["sa"], *counts["xsa"]))
+    total = {arm: sum(c["stalls"] for c in cells if c["attention"] == arm) for arm in ("sa", "xsa")}
+    judged_runs = {
+        arm: sum(c["runs"] - c["diverged_or_failed"] for c in cells if c["attention"] == arm) for arm in total
+    }
+    return {
+        "rule": {"at_fraction": rule.at_fraction, "margin": rule.margin, "loss_threshold": rule.loss_threshold},
+        "cells": cells,
+        "runs": rows,
+        "stalls": total,
+        "judged": judged_runs,
+        "stratified_test": mantel_haenszel(tables) if tables else None,
+    }
+
+
+def stall_lines(study: dict) -> list[str]:
+    """The report's section: the rule, the table per LR and arm, the stratified test."""
+    rule = study["rule"]
+    lines = [
+        "",
+        "## Stalls per LR and arm (LR x seed grid of the search)",
+        "",
+        f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
+        f"{rule['margin']:g} nats above the median of every run at its LR (both arms); the rule was fixed in the "
+        "sweep's plan before the runs. Interval: exact (Clopper-Pearson) 95%. Final loss: median [IQR] of the runs "
+        "that did not diverge.",
+        "",
+        "| LR | arm | runs | stalls | stall rate 95% CI | final loss median [IQR] | a_ii stalled / healthy | "
+        "cos(y,v) stalled / healthy |",
+        "|---:|---|---:|---:|---|---|---|---|",
+    ]
+
+    def diag(cell: dict, metric: str) -> str:
+        return " / ".join(
+            f"{cell[f'diagnostics_{s}'][metric]:.3f}" if cell[f"diagnostics_{s}"] else "-"
+            for s in ("stalled", "healthy")
+        )
+
+    for cell in study["cells"]:
+        ci = cell["stall_rate_ci95"]
+        q = cell["final_loss_quartiles"]
+        loss = f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if q else "-"
+        diverged = f" (+{cell['diverged_or_failed']} diverged/failed)" if cell["diverged_or_failed"] else ""
+        lines.append(
+            f"| {cell['lr']:g} | {cell['attention'].upper()} | {cell['runs']}{diverged} | {cell['stalls']} | "
+            f"{f'[{ci[0]:.2f}, {ci[1]:.2f}]' if ci else '-'} | {loss} | {diag(cell, 'a_ii')} | "
+            f"{diag(cell, 'cos_y_v')} |"
+        )
+    test = study["stratified_test"]
+    stalls, judged = study["stalls"], study["judged"]
+    lines += [
+        "",
+        f"In all: SA stalled in {stalls['sa']} of {judged['sa']} runs, XSA in {stalls['xsa']} of {judged['xsa']}.",
+    ]
+    if test and test.get("p_value") is not None:
+        lines.append(
+            f"Cochran-Mantel-Haenszel test stratified by LR (SA's stall rate = XSA's at every LR): chi^2 = "
+            f"{test['statistic']:.2f} on 1 dof, p = {test['p_value']:.3g}."
+        )
+    elif test:
+        lines.append(f"Stratified test: {test['note']}.")
+    if any(math.isfinite(c.get("median_tokens_to_threshold") or math.nan) for c in study["cells"]):
+        lines += ["", "| LR | arm | runs reaching the threshold | median tokens to reach it |", "|---:|---|---:|---:|"]
+        for cell in study["cells"]:
+            tokens = cell.get("median_tokens_to_threshold")
+            lines.append(
+                f"| {cell['lr']:g} | {cell['attention'].upper()} | {cell.get('reached_threshold', 0)} | "
+                f"{f'{tokens:,.0f}' if tokens is not None else '-'} |"
+            )
+    return lines
