@@ -380,6 +380,9 @@ def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(t
     results = study_results(sizes, analysis, tmp_path)
     assert "| m3 |" in write_report(results, tmp_path)
     log_to_wandb(results, tmp_path, {"mode": "offline"})
+    import wandb
+
+    wandb.teardown()  # run.finish() can return before W&B's service has written the run file
     run_file = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert (run_record(run_file).run_group, run_record(run_file).job_type) == ("toy-study", "scale-report")
     assert summary(run_file)["fit"] == analysis["fit"]["formula"]
