@@ -473,8 +473,8 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
     run.log({"report/trials": table, **plots})
     compare = results["comparison"]
     ci95 = compare["diff_ci95"] or (None, None)
-    keys = ("sa_mean", "xsa_mean", "diff_mean", "diff_p_value", "wilcoxon_p_value", "sign_test_p_value")
-    keys += ("min_detectable_diff", "sa_std", "xsa_std")
+    keys = ["sa_mean", "xsa_mean", "diff_mean", "diff_p_value", "wilcoxon_p_value", "sign_test_p_value"]
+    keys += ["min_detectable_diff", "sa_std", "xsa_std"]
     run.summary.update(
         {key: compare.get(key) for key in keys}
         | {
