@@ -176,7 +176,7 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
     (tmp_path / "report.md").write_text("# scale\n")
     for name in ("loss_vs_compute.png", "multiplier.png"):
         write_png(tmp_path / name)
-    fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01}
+    fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01, "flags": [{"flag": "compute_span", "reason": "8x"}]}
     results = {"study_id": "toy-study", "models": [], "seeds": [], "overrides": [], "sizes": [], "fit": fit}
     log_to_wandb(results, tmp_path, {"mode": "offline"})
     artifact, entries = report_artifact(tmp_path, "scale-report")
