@@ -192,3 +192,16 @@ def test_the_token_study_runs_end_to_end_and_resumes(tmp_path: Path, data_cache:
     assert again.returncode == 0 and "started" not in again.stdout
     changed = run_cli([*args[:-1], "scale.seeds=[2,3,4]", args[-1]], data_cache, cwd=tmp_path, timeout=300)
     assert changed.returncode == 2 and "planned with other statistics" in changed.stderr
+
+
+def test_the_pooled_interval_covers_over_independent_cells():
+    rng = np.random.default_rng(7)
+    covered, trials = 0, 200
+    for _ in range(trials):
+        cells = []
+        for budget in (B, B / 2):
+            sa, xsa = study(rng, k=1.3, xsa_budget=budget)
+            cells.append(cell_estimate(sa, BUDGETS, xsa, budget))
+        pooled = pool(cells)
+        covered += pooled["ci95"][0] <= 1.3 <= pooled["ci95"][1]
+    assert 0.90 <= covered / trials <= 0.99, covered / trials

@@ -198,7 +198,9 @@ def pool(cells: Sequence[Cell]) -> dict | None:
     se = math.sqrt(1 / w.sum())
     q = float((w * (y - mean) ** 2).sum())
     dof = len(usable) - 1
-    z = float(scipy.stats.norm.ppf(1 - ALPHA / 2))
+    # Each ln k's variance comes from few seeds: Student's t on the fewest seeds' dof, not the normal z (simulated, 5
+    # seeds, 2 independent cells: coverage 0.81-0.85 with z, 0.91-0.94 with t).
+    z = float(scipy.stats.t.ppf(1 - ALPHA / 2, min(c.seeds for c in usable) - 1))
     return {
         "k": math.exp(mean),
         "ci95": [math.exp(mean - z * se), math.exp(mean + z * se)],
