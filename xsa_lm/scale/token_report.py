@@ -74,7 +74,8 @@ def multiplier_lines(results: dict) -> list[str]:
         q_p = pooled["q_p_value"]
         lines += [
             "",
-            f"Pooled over {pooled['cells']} cell(s) with a point estimate (inverse variance on ln k; "
+            f"Pooled over {pooled['cells']} cell(s) with a point estimate (inverse variance on ln k, Student's t on "
+            f"the fewest seeds; "
             f"{pooled['left_out']} bound(s) left out): **k = {pooled['k']:.3f}, 95% CI "
             f"[{pooled['ci95'][0]:.3f}, {pooled['ci95'][1]:.3f}]**. "
             f"Heterogeneity: Cochran's Q = {pooled['cochran_q']:.2f} on {pooled['q_dof']} dof"
