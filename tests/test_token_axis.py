@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from tests.helpers import compose_train, run_cli
+from tests.helpers import assert_clean_error, assert_nothing_written, compose_train, run_cli
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
 from xsa_lm.scale.tokens import analyse_tokens
 
@@ -205,3 +205,21 @@ def test_the_pooled_interval_covers_over_independent_cells():
         pooled = pool(cells)
         covered += pooled["ci95"][0] <= 1.3 <= pooled["ci95"][1]
     assert 0.90 <= covered / trials <= 0.99, covered / trials
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
+        ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
+        ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
+        ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
+        ("scale.seeds=[2]", "needs 2+ compare seeds"),
+    ],
+)
+def test_a_refused_token_study_writes_nothing(tmp_path: Path, data_cache: Path, override: str, message: str):
+    study_dir = tmp_path / "study"
+    args = ["scale", "experiment=tokens_toy", override, f"hydra.run.dir={study_dir}"]
+    assert_clean_error(run_cli(args, data_cache, cwd=tmp_path), message)
+    assert_nothing_written(study_dir)

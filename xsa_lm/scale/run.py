@@ -444,13 +444,14 @@ def main(cfg: DictConfig) -> None:
         with exit_on_user_error():
             raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
     if cfg.scale.axis == "tokens":
-        from xsa_lm.scale.tokens import run_token_study, unfinished
+        from xsa_lm.scale.tokens import check_token_study, run_token_study, unfinished
 
         def token_study(study_dir: Path, overrides: list[str]) -> dict:
             models = check_models(cfg.scale.models)
+            plan = check_token_study(cfg, overrides)  # before the directory gets anything
             state = open_study(study_dir, overrides, cfg)
             OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
-            return run_token_study(cfg, study_dir, overrides, models=models, state=state)
+            return run_token_study(cfg, study_dir, overrides, models=models, plan=plan, state=state)
 
         study_dir, results = run_exclusive("scale", sweep_overrides, token_study)
         incomplete = unfinished(results)

@@ -248,19 +248,20 @@ def analyse_tokens(sizes: list[dict], sa_budgets: list[float], xsa_budgets: list
     return {"cells": cells, "pooled": pool(estimates), "warnings": warnings}
 
 
-def run_token_study(cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], state: dict) -> dict:
-    """The token-axis study: every size's runs, then the analysis and the report."""
+def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
+    """Every setting of the token axis, before the study directory gets anything: the plan a rerun must keep."""
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in SET_BY_TOKEN_AXIS:
             raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
     sa_budgets, xsa_budgets = check_budgets(cfg.scale)
     search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
-    compare = cfg.scale.seeds if cfg.scale.get("seeds") is not None else cfg.sweep.seeds
-    seeds = check_seeds(cast(list[int], plain(compare)), search_seeds)
+    name = "scale.seeds" if cfg.scale.get("seeds") is not None else "sweep.seeds"
+    listed = cast(list[int], plain(OmegaConf.select(cfg, name)))
+    seeds = check_seeds(listed, search_seeds, bool(cfg.sweep.reuse_search_run), name=name)
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
-    plan = {
+    return {
         "axis": "tokens",
         "tokens_per_param": cfg.scale.tokens_per_param,
         "sa_budgets": sa_budgets,
@@ -268,6 +269,14 @@ def run_token_study(cfg: DictConfig, study_dir: Path, overrides: list[str], *, m
         "search_seeds": search_seeds,
         "seeds": seeds,
     }
+
+
+def run_token_study(
+    cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], plan: dict, state: dict
+) -> dict:
+    """The token-axis study (plan: check_token_study's): every size's runs, then the analysis and the report."""
+    sa_budgets, xsa_budgets = plan["sa_budgets"], plan["xsa_budgets"]
+    search_seeds, seeds = plan["search_seeds"], plan["seeds"]
     keep_plan(study_dir / "scale.json", state, plan, grid=[])
     group = state["study_id"] if wandb_settings(cfg) else None
     grids = cfg.sweep.get("lr_grids") or {}

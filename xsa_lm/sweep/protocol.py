@@ -71,23 +71,25 @@ def check_search_seeds(search_seeds: object) -> list[int]:
     return values
 
 
-def check_seeds(seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False) -> list[int]:
+def check_seeds(
+    seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
+) -> list[int]:
     """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid). They must not contain a search seed:
     the search's SA run at the selected LR won the search partly on its noise (the winner's curse), while XSA's run at
     that seed was not selected, so reusing it biases the paired difference against XSA. sweep.reuse_search_run=true
     allows it (the report then warns)."""
     seeds = [int(s) for s in seeds or []]
     if len(set(seeds)) != len(seeds):
-        raise UserError(f"sweep.seeds must be a list of distinct integers, got {seeds}")
+        raise UserError(f"{name} must be a list of distinct integers, got {seeds}")
     shared = [s for s in seeds if s in search_seeds]
     if shared and not reuse_search_run:
         fresh = iter(s for s in range(max([*seeds, *search_seeds]) + 1, 10**9))  # new seeds, the same number
         instead = [s if s not in search_seeds else next(fresh) for s in seeds]
         listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
         raise UserError(
-            f"sweep.seeds={listed(seeds)} contains the search seed(s) {listed(shared)} (sweep.search_seeds): the "
+            f"{name}={listed(seeds)} contains the search seed(s) {listed(shared)} (sweep.search_seeds): the "
             "compare phase would reuse the search's winning SA run, selected partly for its luck, which biases the "
-            f"comparison against XSA; use seeds without them (e.g. sweep.seeds={listed(instead)}) or set "
+            f"comparison against XSA; use seeds without them (e.g. {name}={listed(instead)}) or set "
             "sweep.reuse_search_run=true to accept the bias"
         )
     return seeds
