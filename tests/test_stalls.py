@@ -242,3 +242,21 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
     quiet = stall_lines(stall_study(at_3e2, StallRule()))
     assert "Stratified test: no stall at any LR, or every run stalled: nothing to test." in quiet
     assert not any("tokens to reach" in line for line in quiet) and math.isfinite(p)
+
+
+def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
+
+    from xsa_lm.sweep.stalls import paired_final_losses
+
+    def row(arm, lr, seed, loss, stalled=False):
+        return {"attention": arm, "lr": lr, "seed": seed, "final_val_loss": loss, "stalled": stalled}
+
+    rows = [row("sa", 0.01, s, 5.0 + s / 10) for s in range(3)] + [row("xsa", 0.01, s, 4.9 + s / 10) for s in range(3)]
+    rows += [row("sa", 0.03, 0, 5.0), row("xsa", 0.03, 0, 5.2), row("sa", 0.03, 1, 5.0)]  # seed 1 has no XSA
+    rows.append(row("xsa", 0.03, 1, 9.0, stalled=None))  # diverged: not paired
+    paired = paired_final_losses(rows)
+    assert paired["pairs"] == 4 and paired["xsa_lower"] == 3
+    assert [(c["lr"], c["pairs"], c["xsa_lower"]) for c in paired["per_lr"]] == [(0.01, 3, 3), (0.03, 1, 0)]
+    assert paired["per_lr"][0]["median_diff"] == pytest.approx(-0.1)
+    assert paired["sign_test_p_value"] == pytest.approx(scipy.stats.binomtest(3, 4).pvalue)
+    assert paired_final_losses([row("sa", 0.01, 0, 5.0)]) is None

@@ -119,6 +119,35 @@ def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
     return rows
 
 
+def paired_final_losses(rows: Sequence[dict]) -> dict | None:
+    """XSA - SA final val loss for each (LR, seed) where both completed: per LR the median difference and how many
+    pairs XSA is lower in, and over every pair the exact sign test (stratified by design: each pair shares LR and
+    seed). None without a pair."""
+    final = {(r["attention"], r["lr"], r["seed"]): r["final_val_loss"] for r in rows if r["stalled"] is not None}
+    pairs = [
+        (lr, final[("xsa", lr, seed)] - loss)
+        for (arm, lr, seed), loss in final.items()
+        if arm == "sa" and ("xsa", lr, seed) in final
+    ]
+    if not pairs:
+        return None
+    per_lr = []
+    for lr in sorted({lr for lr, _ in pairs}):
+        diffs = [d for x, d in pairs if x == lr]
+        per_lr.append(
+            {
+                "lr": lr,
+                "pairs": len(diffs),
+                "median_diff": statistics.median(diffs),
+                "xsa_lower": sum(d < 0 for d in diffs),
+            }
+        )
+    nonzero = [d for _, d in pairs if d != 0]
+    lower = sum(d < 0 for d in nonzero)
+    p = float(scipy.stats.binomtest(lower, len(nonzero)).pvalue) if nonzero else None
+    return {"per_lr": per_lr, "pairs": len(pairs), "xsa_lower": lower, "sign_test_p_value": p}
+
+
 def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
     """Per LR and arm: runs, final-loss quartiles, stalls with an exact interval, diverged runs, the median tokens to
     the loss threshold and the attention diagnostics of stalled and healthy runs; then the stratified test."""
@@ -169,6 +198,7 @@ def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
         "stalls": total,
         "judged": judged_runs,
         "stratified_test": mantel_haenszel(tables) if tables else None,
+        "paired_final_losses": paired_final_losses(rows),
     }
 
 
@@ -218,6 +248,18 @@ def stall_lines(study: dict) -> list[str]:
         )
     elif test:
         lines.append(f"Stratified test: {test['note']}.")
+    paired = study.get("paired_final_losses")
+    if paired:
+        per_lr = "; ".join(
+            f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
+            for c in paired["per_lr"]
+        )
+        p_text = f"{paired['sign_test_p_value']:.3g}" if paired["sign_test_p_value"] is not None else "-"
+        lines += [
+            "",
+            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired['pairs']} pairs XSA is lower "
+            f"in {paired['xsa_lower']} (exact sign test p = {p_text}).",
+        ]
     if any(math.isfinite(c.get("median_tokens_to_threshold") or math.nan) for c in study["cells"]):
         lines += ["", "| LR | arm | runs reaching the threshold | median tokens to reach it |", "|---:|---|---:|---:|"]
         for cell in study["cells"]:
