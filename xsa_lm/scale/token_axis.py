@@ -101,9 +101,9 @@ def cell_estimate(
     k, bound, se = None, None, None
     lo_ratio, hi_ratio = budgets[0] / budget, budgets[-1] / budget
     if xm < means.min() and xm < means[-1]:
-        bound = f"k > {hi_ratio:g}"
+        bound = f"k > {hi_ratio:.3g}"
     elif xm > means[0]:
-        bound = f"k < {lo_ratio:g}"
+        bound = f"k < {lo_ratio:.3g}"
     else:
         for j in range(len(budgets) - 1):
             m1, m2 = means[j], means[j + 1]
@@ -224,6 +224,6 @@ def ci_text(cell: dict) -> str:
     """The interval; an unbounded end is a bound at SA's range."""
     lo, hi = cell["ci95"]
     budgets, budget = cell["sa_budgets"], cell["budget"]
-    lo_text = f"{lo:.3f}" if lo is not None else f"<= {min(budgets) / budget:g}"
-    hi_text = f"{hi:.3f}" if hi is not None else f">= {max(budgets) / budget:g}"
+    lo_text = f"{lo:.3f}" if lo is not None else f"<= {min(budgets) / budget:.3g}"
+    hi_text = f"{hi:.3f}" if hi is not None else f">= {max(budgets) / budget:.3g}"
     return f"[{lo_text}, {hi_text}]"

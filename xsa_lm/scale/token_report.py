@@ -63,7 +63,7 @@ def multiplier_lines(results: dict) -> list[str]:
         wall_text = "-"
         if wall is not None:
             lo, hi = cell["wallclock_ci"]
-            wall_text = f"{wall:.3f} [{_num(lo, 3) if lo else '-'}, {_num(hi, 3) if hi else '-'}]"
+            wall_text = f"{wall:.3f} [{_num(lo, 3) if lo else 'unbounded'}, {_num(hi, 3) if hi else 'unbounded'}]"
         lines.append(
             f"| {cell['model']} | {cell['fraction']:g} B | {cell['seeds']} | "
             f"{', '.join(f'{m:.4f}' for m in cell['sa_means'])} | {cell['xsa_mean']:.4f} | {k_text(cell)} | "
@@ -136,6 +136,7 @@ def plot_multipliers(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = []
@@ -154,6 +155,9 @@ def plot_multipliers(results: dict, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_yticks([0.5, 1, 2, 4])
     ax.set_ylabel("k (tokens SA needs / XSA's tokens)")
     ax.set_title("XSA's token multiplier, 95% CI (dotted: SA's measured range)")
     fig.tight_layout()
