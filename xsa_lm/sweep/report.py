@@ -326,7 +326,8 @@ def plot_lr_sweep(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_curves(trials: list[dict], path: Path) -> None:
+def plot_curves(trials: list[dict], path: Path, selected_lr: float | None = None) -> None:
+    """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -334,8 +335,10 @@ def plot_curves(trials: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = ["-", "--", ":", "-."]
+    search_only = not any(t["phase"] == "compare" for t in trials)
     for trial in trials:
-        if trial["phase"] != "compare" or not trial.get("val_history"):
+        shown = trial["phase"] == "compare" or (search_only and trial["lr"] == selected_lr)
+        if not shown or not trial.get("val_history"):
             continue
         history = trial["val_history"]
         color = "tab:blue" if trial["attention"] == "sa" else "tab:orange"
@@ -344,7 +347,9 @@ def plot_curves(trials: list[dict], path: Path) -> None:
         ax.plot(tokens, losses, styles[trial["seed"] % 4], color=color, marker="o", markersize=3, label=label)
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss")
-    ax.set_title("SA vs XSA at the shared LR")
+    ax.set_title(
+        "SA vs XSA at the shared LR" + (f" ({selected_lr:g}, search runs)" if search_only and selected_lr else "")
+    )
     if ax.lines:
         ax.legend()
     fig.tight_layout()
@@ -444,7 +449,7 @@ def write_report(results: dict, sweep_dir: Path) -> str:
     """results.json, report.md and the two plots in the sweep directory; returns the markdown."""
     (sweep_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot_lr_sweep(results, sweep_dir / "lr_sweep.png")
-    plot_curves(results["trials"], sweep_dir / "curves.png")
+    plot_curves(results["trials"], sweep_dir / "curves.png", results["selected_lr"])
     markdown = render_markdown(results)
     (sweep_dir / "report.md").write_text(markdown)
     return markdown
