@@ -150,6 +150,22 @@ def test_the_analysis_pairs_seeds_leaves_out_unfinished_ones_and_takes_wall_cloc
     assert analysis["pooled"]["cells"] == 2
 
 
+def test_the_budget_counts_the_parameters_the_runs_will_build():
+    """B follows the study's overrides (an experiment's or the command line's model.* keys) and the size's preset."""
+    from hydra import initialize_config_module
+
+    from xsa_lm.scale.tokens import non_embedding_params
+
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        base = non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy"])
+        deeper = non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy", "model.n_layer=4"])
+    from xsa_lm.model.config import GPTConfig
+    from xsa_lm.model.gpt import GPT
+
+    four = GPT(GPTConfig(n_layer=4, d_model=48, n_head=3, head_dim=16, vocab_size=4096)).num_params(non_embedding=True)
+    assert base == 83328 and deeper == four > base
+
+
 def test_an_experiment_sets_the_scale_settings():
     """configs/_scale.yaml comes before the training config, so an experiment's scale.* values win."""
     tokens = compose_train(["experiment=tokens_toy"], config_name="scale")

@@ -50,15 +50,14 @@ def check_budgets(scale: DictConfig) -> tuple[list[float], list[float]]:
 
 
 def non_embedding_params(model: str, overrides: list[str]) -> int:
-    """The non-embedding parameters of a preset with the command line's model.* overrides (Hydra's compose
-    within the running app; the model on the meta device)."""
+    """The non-embedding parameters of a size as its runs will build it: the study's overrides (an experiment, model.*
+    keys) with model=<size>, composed by Hydra within the running app; the model on the meta device."""
     import torch
 
     from xsa_lm.config.builders import model_config
     from xsa_lm.model.gpt import GPT
 
-    model_keys = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith("model.")]
-    cfg = compose(config_name="train", overrides=[f"model={model}", *model_keys])
+    cfg = compose(config_name="train", overrides=[*overrides, f"model={model}"])
     with torch.device("meta"):
         return GPT(model_config(cfg, vocab_size=cfg.model.vocab_size or 64)).num_params(non_embedding=True)
 
