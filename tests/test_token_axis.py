@@ -224,14 +224,20 @@ def test_the_pooled_interval_covers_over_independent_cells():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # two refusals in make test, the other three in make test-long (each ~10 s, a process)
     "override, message",
     [
         ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
-        ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
-        ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
+        pytest.param(
+            "scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]", marks=pytest.mark.long
+        ),
+        pytest.param(
+            "trainer.max_steps=100",
+            "trainer.max_steps=100: scale.axis=tokens sets each run's steps",
+            marks=pytest.mark.long,
+        ),
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
-        ("scale.seeds=[2]", "needs 2+ compare seeds"),
+        pytest.param("scale.seeds=[2]", "needs 2+ compare seeds", marks=pytest.mark.long),
     ],
 )
 def test_a_refused_token_study_writes_nothing(tmp_path: Path, data_cache: Path, override: str, message: str):
