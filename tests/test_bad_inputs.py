@@ -80,8 +80,3 @@ def test_run_directory_that_cannot_be_created(data_cache: Path, tmp_path: Path):
     out = run_cli(["train", *FAST, "hydra.run.dir=/proc/xsa-lm-run"], data_cache, tmp_path)  # /proc: no new folders
     assert_clean_error(out, "hydra.run.dir=/proc/xsa-lm-run", "cannot be created")
     assert out.returncode == 2
-
-
-def test_unknown_command(data_cache: Path, tmp_path: Path):
-    out = run_cli(["trian"], data_cache, tmp_path)
-    assert out.returncode == 2 and "unknown command 'trian'" in out.stderr

@@ -1,15 +1,39 @@
-"""Anything that is not a checkpoint of `xsa-lm train`, or one of another model, is refused in one line naming it."""
+"""Anything that is not a checkpoint of `xsa-lm train`, or one of another model, is refused in one line naming it; so
+is a tokenizer other than the one a checkpoint was trained with."""
 
+import json
+import shutil
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from tests.helpers import TINY, assert_nothing_written, assert_refused, lightning_checkpoint, run_cli, write_checkpoint
-from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_weights, model_config_mismatch
+from tests.helpers import (
+    TINY,
+    assert_nothing_written,
+    assert_refused,
+    compose_train,
+    lightning_checkpoint,
+    run_cli,
+    write_checkpoint,
+)
+from tests.test_data import shakespeare_text
+from xsa_lm.analysis.run import validation_windows
+from xsa_lm.checkpoints.load import (
+    check_checkpoint_file,
+    load_model,
+    load_tokenizer,
+    load_weights,
+    model_config_mismatch,
+    run_data,
+)
+from xsa_lm.data.run import prepare_data
+from xsa_lm.data.tokenizer import read_tokenizer, train_bpe
 from xsa_lm.errors import UserError
+from xsa_lm.eval.sample import sample
 from xsa_lm.model import GPT, GPTConfig
 
 
@@ -128,6 +152,69 @@ def test_load_weights_takes_the_names_of_a_torch_compile_wrapper():
     model = GPT(config)
     load_weights(model, checkpoint, "ckpts: checkpoint x.ckpt")
     assert torch.equal(model.state_dict()["lm_head.weight"], checkpoint["state_dict"]["model._orig_mod.lm_head.weight"])
+
+
+# --- the tokenizer a checkpoint was trained with ---------------------------------------------------------------
+
+
+def local_run(tmp_path: Path, *, vocab_size: int = 320, record: bool = True) -> tuple[Path, Path]:
+    """A run of `xsa-lm train data=local data.files=a.txt` as far as the loading commands read it: config.yaml,
+    run_info.json naming its prepared data, and a checkpoint recording (or, an older one, not) the tokenizer's
+    sha256 where training saves it. Returns the checkpoint and the data folder."""
+    (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
+    overrides = ["data=local", "data.files=a.txt", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"]
+    cfg = compose_train([*overrides, "model.block_size=16"])
+    data = prepare_data(cfg.data, cfg.tokenizer)
+    ckpt = write_checkpoint(tmp_path / "run", GPTConfig(**{**TINY, "vocab_size": vocab_size}))
+    if record:
+        checkpoint = torch.load(ckpt, weights_only=True)
+        torch.save({**checkpoint, "TokenDataModule": {"tokenizer_sha256": data.tokenizer_sha256}}, ckpt)
+    OmegaConf.save(cfg, tmp_path / "run" / "config.yaml")
+    info = {"data_dir": str(data.dir.relative_to(tmp_path)), "cwd": str(tmp_path)}
+    (tmp_path / "run" / "run_info.json").write_text(json.dumps(info))
+    return ckpt, data.dir
+
+
+def generate(ckpt: Path) -> list[str]:
+    return sample(str(ckpt), "ROMEO", max_new_tokens=3, temperature=0, top_k=None, num_samples=1, seed=0)
+
+
+def test_generate_analyze_and_eval_refuse_a_tokenizer_other_than_the_checkpoints(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt, data_dir = local_run(tmp_path)
+    assert generate(ckpt)[0].startswith("ROMEO") and validation_windows(ckpt, 2).shape == (2, 16)
+    monkeypatch.chdir(tmp_path / "run")  # run_info.json's relative data folder is taken from the run's cwd
+    assert load_tokenizer(ckpt).to_str() == read_tokenizer(data_dir / "tokenizer.json", "test").to_str()
+    monkeypatch.chdir(tmp_path)
+    # The folder's tokenizer.json replaced by another tokenizer.
+    original = (data_dir / "tokenizer.json").read_bytes()
+    train_bpe([shakespeare_text(3_000)], vocab_size=280).save(str(data_dir / "tokenizer.json"))
+    with pytest.raises(UserError, match=f"was trained with another tokenizer .* than {data_dir / 'tokenizer.json'}"):
+        load_tokenizer(ckpt)
+    with pytest.raises(UserError, match="is not the tokenizer the shards were made with"):
+        run_data(ckpt)
+    (data_dir / "tokenizer.json").write_bytes(original)
+    # The run's data folder is gone and the source changed since: the data prepared again has another tokenizer.
+    shutil.rmtree(data_dir)
+    (tmp_path / "a.txt").write_text(shakespeare_text(8_000))
+    message = f"ckpts?: {ckpt} was trained with another tokenizer .*: the run's data folder {data_dir} is gone\\)"
+    for load in (generate, load_tokenizer, lambda ckpt: validation_windows(ckpt, 2)):  # generate, eval, analyze
+        with pytest.raises(UserError, match=message):
+            load(ckpt)
+
+
+def test_a_checkpoint_without_a_recorded_tokenizer_still_loads(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    ckpt, data_dir = local_run(tmp_path, record=False)
+    capsys.readouterr()
+    assert generate(ckpt)[0].startswith("ROMEO") and "note:" not in capsys.readouterr().out
+    shutil.rmtree(data_dir)  # prepared again: the same inputs, so the same tokenizer, but nothing to check it by
+    assert load_tokenizer(ckpt).get_vocab_size() == 300
+    assert f"note: {ckpt} records no tokenizer (an older checkpoint)" in capsys.readouterr().out
+    (tmp_path / "small").mkdir()
+    small, _ = local_run(tmp_path / "small", vocab_size=64, record=False)  # a tokenizer too large for the model
+    with pytest.raises(UserError, match="was trained with another tokenizer: .* has 300 tokens, the model 64"):
+        load_tokenizer(small)
 
 
 # --- through the CLI -------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -222,3 +223,18 @@ def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_pa
     trainer.fit(module, data)
     expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
     assert module.seen == expected, changed(api, "changed meaning")
+
+
+def test_lightning_names_precisions_and_decides_device_settings_as_its_trainer_does():
+    api = "lightning.fabric.connector._PRECISION_INPUT_STR / _convert_precision_to_unified_args"
+    assert {"32-true", "16-mixed", "bf16-mixed"} <= set(compat.lightning_precisions()), changed(api, "changed")
+    assert compat.lightning_precision_name("16") == "16-mixed", changed(api, "changed meaning")
+    with pytest.raises(ValueError):
+        compat.lightning_precision_name("bogus")
+    api = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+    for precision in ("32-true", "16-mixed"):  # what the Trainer then trains in
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False, enable_progress_bar=False)
+        decided = compat.lightning_device_settings(accelerator="cpu", devices=1, precision=precision)
+        assert decided == trainer.precision, changed(api, "decides another precision than the Trainer")
+    with pytest.raises(MisconfigurationException, match="devices=0"):  # as Trainer(devices=0) raises
+        compat.lightning_device_settings(accelerator="cpu", devices=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import compose_train
+from tests.helpers import compose_train, refused_in_process
 from xsa_lm.config.builders import check_config, model_config, strategy_kind
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -45,6 +45,19 @@ def test_every_option_composes_and_builds(group: str, option: str):
     optimizer = hydra.utils.instantiate(cfg.optim)([torch.nn.Parameter(torch.zeros(2))])
     hydra.utils.instantiate(cfg.scheduler)(optimizer, total_steps=cfg.trainer.max_steps)
     assert callable(hydra.utils.instantiate(cfg.tokenizer))
+
+
+def test_a_shared_part_of_a_group_is_no_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    """data/_base.yaml holds what every data option shares: chosen alone it is no data source (not data=prepared)."""
+    stderr = refused_in_process(["train", "data=_base", f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    options = ", ".join(option for group, option in CHOICES if group == "data")
+    assert (
+        stderr == f"xsa-lm: error: data=_base is not an option (it holds settings the data options share); "
+        f"choose one of: {options}\n"
+    )
+    assert not (tmp_path / "run").exists()
+    stderr = refused_in_process(["train", "data=foo", f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    assert stderr.endswith(f"available options in 'data': {options.replace(',', '')}\n")  # without _base
 
 
 def test_attention_choice_reaches_the_model():

@@ -1,6 +1,10 @@
 """Corpora, tokenizers, sharded preparation (formats, split, resume) and the deterministic, resumable loading order."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -12,6 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.helpers import FAST, assert_nothing_written, compose_train, refused_in_process
 from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches, TokenDataModule
 from xsa_lm.data.prepare import choose_split, is_val_document, load_prepared, prepare, tail_start
 from xsa_lm.data.run import prepare_data
@@ -19,6 +24,8 @@ from xsa_lm.data.sources import HFDataset, LocalFiles, ShakespeareCorpus
 from xsa_lm.data.tokenizer import EOT, load_gpt2, load_tokenizer_file, train_bpe
 from xsa_lm.errors import UserError
 
+# Short runs for the refusals tested in this process: a run that is not refused ends in seconds (and the test fails).
+FAST_ENOUGH = [o for o in FAST if not o.startswith(("tokenizer.", "trainer.max_steps"))] + ["trainer.max_steps=2"]
 DOCS = ["the quick brown fox jumps over the lazy dog. " * 20, "to be or not to be, that is the question. " * 20]
 BPE = partial(train_bpe, vocab_size=300)
 
@@ -105,6 +112,55 @@ def test_gpt2_tokenizer_from_a_local_file(tmp_path: Path):
     assert load_gpt2(path=str(tmp_path / "tokenizer.json")).token_to_id(EOT) is not None
     with pytest.raises(UserError, match="not found"):
         load_gpt2(path=str(tmp_path / "missing.json"))
+
+
+NO_TOKENIZER = {
+    "plain text": (b"hello world\n", "is not a tokenizer.json: invalid JSON at line 1, column 1"),
+    "not UTF-8": ("caf\xe9".encode("latin-1"), "not UTF-8 text: invalid byte at offset 3"),
+    "truncated": (None, "is not a tokenizer.json: invalid JSON"),
+    "other JSON": (b'{"model": "gpt2", "vocab_size": 50257}', "is JSON but no tokenizer of the `tokenizers` library"),
+    "without EOT": (b"", f"has no {EOT} token"),
+}
+
+
+@pytest.mark.parametrize(("content", "message"), NO_TOKENIZER.values(), ids=NO_TOKENIZER.keys())
+def test_a_tokenizer_file_that_is_no_tokenizer_is_one_line(tmp_path: Path, content: bytes | None, message: str):
+    real = train_bpe(DOCS, vocab_size=300).to_str().encode()
+    if content is None:
+        content = real[: len(real) // 2]
+    if content == b"":  # a valid tokenizer without the token that separates documents
+        content = real.replace(EOT.encode(), b"<|other|>")
+    (tmp_path / "t.json").write_bytes(content)
+    for read in (load_tokenizer_file, load_gpt2):  # tokenizer=file and tokenizer=gpt2 tokenizer.path=...
+        with pytest.raises(UserError, match=f"^tokenizer.path: {tmp_path / 't.json'} .*{re.escape(message)}"):
+            read(str(tmp_path / "t.json"))
+
+
+def test_a_tokenizer_file_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("my notes, not a tokenizer\n")
+    args = ["train", *FAST_ENOUGH, "tokenizer=file", f"tokenizer.path={tmp_path / 'notes.txt'}"]
+    stderr = refused_in_process(
+        [*args, f"data.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys
+    )
+    assert stderr.startswith("xsa-lm: error: tokenizer.path: ") and "invalid JSON" in stderr
+    assert_nothing_written(tmp_path / "run")
+    assert_nothing_written(tmp_path / "c")  # not even a data-cache folder
+
+
+def test_gpt2_tokenizer_with_an_unusable_hugging_face_cache_is_one_line(tmp_path: Path):
+    """HF_HOME below a regular file: the hub client's NotADirectoryError becomes one line naming HF_HOME. In a
+    fresh process: huggingface_hub reads HF_HOME once, when it is imported."""
+    (tmp_path / "file").write_text("")
+    probe = (
+        "from xsa_lm.data.tokenizer import load_gpt2\n"
+        "from xsa_lm.errors import UserError\n"
+        "try:\n    load_gpt2()\nexcept UserError as e:\n    print(e)\n    raise SystemExit(2)"
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "file" / "hf"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.startswith("tokenizer=gpt2: the Hugging Face cache cannot be used (")
+    assert "point HF_HOME at a writable folder" in proc.stdout
 
 
 # --- sources -------------------------------------------------------------------------------------------------
@@ -251,6 +307,93 @@ def test_truncated_shard_is_detected(tmp_path: Path):
         load_prepared(data.dir)
 
 
+def overwrite(path: Path, at: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+DAMAGE = {
+    "truncated tokenizer.json": (
+        lambda d: (d / "tokenizer.json").write_bytes((d / "tokenizer.json").read_bytes()[:500]),
+        "tokenizer.json is not the tokenizer the shards were made with",
+    ),
+    "other JSON as tokenizer.json": (
+        lambda d: (d / "tokenizer.json").write_text('{"vocab_size": 300}'),
+        "tokenizer.json is not the tokenizer the shards were made with",
+    ),
+    "truncated meta.json": (
+        lambda d: (d / "meta.json").write_bytes((d / "meta.json").read_bytes()[:50]),
+        "meta.json is not valid JSON",
+    ),
+    "other JSON as meta.json": (lambda d: (d / "meta.json").write_text("[]"), "is not the meta.json of"),
+    "overwritten shard bytes": (
+        lambda d: overwrite(d / "val-000000.bin", 10, b"\xff" * 8),
+        "val-000000.bin holds token id 65535, outside the vocabulary of",
+    ),
+}
+
+
+@pytest.mark.parametrize(("damage", "message"), DAMAGE.values(), ids=DAMAGE.keys())
+def test_a_damaged_prepared_directory_is_one_line_at_load(tmp_path: Path, damage, message: str):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    damage(data.dir)
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_prepared(data.dir)
+
+
+def test_overwritten_token_ids_stop_a_run_before_it_starts(tmp_path: Path, monkeypatch, capsys):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(400))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    overwrite(data.dir / "train-000000.bin", 2000, np.array([data.meta["vocab_size"]] * 4, np.uint16).tobytes())
+    args = ["train", *FAST_ENOUGH, "data=prepared", f"data.dir={data.dir}", f"hydra.run.dir={tmp_path / 'run'}"]
+    stderr = refused_in_process(args, monkeypatch, capsys)
+    assert f"train-000000.bin holds token id {data.meta['vocab_size']}, outside the vocabulary" in stderr
+    assert_nothing_written(tmp_path / "run")
+
+
+def prepared_from(tmp_path: Path, *overrides: str):
+    """`xsa-lm train data=local <overrides>`'s data (a BPE of 300 tokens unless the overrides choose another)."""
+    bpe = [] if any(o.startswith("tokenizer=") for o in overrides) else ["tokenizer.vocab_size=300"]
+    cfg = compose_train(["data=local", f"data.cache_dir={tmp_path / 'cache'}", *bpe, *overrides])
+    return prepare_data(cfg.data, cfg.tokenizer)
+
+
+def test_the_data_cache_is_keyed_by_every_input_that_changes_the_tokens(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
+    default = prepared_from(tmp_path, "data.files=a.txt")
+    bytes_only = prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=0")
+    assert (default.meta["vocab_size"], bytes_only.meta["vocab_size"]) == (300, 257)  # 256 bytes + EOT
+    assert prepared_from(tmp_path, "data.files=a.txt").dir == default.dir  # each is reused, in both orders
+    assert prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=0").dir == bytes_only.dir
+    others = [prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=5").dir]
+    others.append(prepared_from(tmp_path, "data.files=a.txt", "tokenizer.vocab_size=280").dir)
+    assert len({default.dir, bytes_only.dir, *others}) == 4
+    # The same file by another name is the same input: the same folder.
+    assert prepared_from(tmp_path, f"data.files={tmp_path / 'a.txt'}").dir == default.dir
+    # A given tokenizer file is known by its bytes, not its path.
+    train_bpe(DOCS, vocab_size=280).save(str(tmp_path / "t.json"))
+    given = prepared_from(tmp_path, "data.files=a.txt", "tokenizer=file", "tokenizer.path=t.json")
+    train_bpe(DOCS, vocab_size=260).save(str(tmp_path / "t.json"))
+    changed = prepared_from(tmp_path, "data.files=a.txt", "tokenizer=file", "tokenizer.path=t.json")
+    assert changed.dir != given.dir and changed.meta["vocab_size"] < given.meta["vocab_size"]
+
+
+def test_a_file_matched_twice_is_read_once(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.txt")
+    once = prepared_from(tmp_path, "data.files=a.txt", f"data.dir={tmp_path / 'once'}")
+    capsys.readouterr()
+    for i, files in enumerate(["[a.txt,a.txt]", f"[*.txt,{tmp_path / 'a.txt'}]", "[a.txt,link.txt]"]):
+        again = prepared_from(tmp_path, f"data.files={files}", f"data.dir={tmp_path / str(i)}")
+        assert again.meta["train_tokens"] == once.meta["train_tokens"], files  # not twice the tokens
+        assert "matched more than once, read once" in capsys.readouterr().out
+    assert LocalFiles(["a.txt", "*.txt", "link.txt"]).files == ["a.txt"]
+
+
 @pytest.mark.parametrize(
     ("files", "message"),
     [
@@ -292,10 +435,19 @@ def test_progress_bar_shows_documents_and_tokens_per_second(tmp_path: Path, caps
     assert "60/60" in out and "tokens/s" in out  # documents done / total (the total gives the ETA)
 
 
-def test_empty_corpus_is_a_user_error(tmp_path: Path):
-    write_jsonl(tmp_path / "corpus.jsonl", ["", "", "", ""])
-    with pytest.raises(UserError, match="no text"):
+@pytest.mark.parametrize("texts", [["", "", "", ""], [" ", "\n\n", "\t \n", "   "]], ids=["empty", "whitespace"])
+def test_empty_corpus_is_a_user_error(tmp_path: Path, texts: list[str]):
+    write_jsonl(tmp_path / "corpus.jsonl", texts)
+    with pytest.raises(UserError, match="the corpus has no text: every document is empty or whitespace only"):
         prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), val_fraction=0.5)
+
+
+@pytest.mark.parametrize("text", [" \n\t\n", " \n" * 5000], ids=["short", "long"])
+def test_a_whitespace_file_has_no_text(tmp_path: Path, text: str):
+    """Not "raise data.val_fraction" (a short one) nor "a larger corpus" (a long one): the file holds no text."""
+    (tmp_path / "input.txt").write_text(text)
+    with pytest.raises(UserError, match="the corpus has no text"):
+        prepare_local(tmp_path, str(tmp_path / "input.txt"), split="tail", val_fraction=0.1)
 
 
 def test_auto_split_takes_the_document_split_only_with_enough_documents(tmp_path: Path):
@@ -457,6 +609,16 @@ def test_too_few_windows_for_a_batch_or_validation_are_one_line(tmp_path: Path):
         TokenDataModule(data, block_size=1024, micro_batch_size=1, seed=0)
     with pytest.raises(UserError, match="data.val_windows must be >= 1"):
         TokenDataModule(data, block_size=16, micro_batch_size=1, seed=0, val_windows=0)
+
+
+def test_a_resume_on_data_of_another_tokenizer_is_refused(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(400))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), val_fraction=0.3)
+    module = TokenDataModule(data, block_size=16, micro_batch_size=4, seed=0)
+    module.load_state_dict({"global_micro_batches": 8, "tokenizer_sha256": data.tokenizer_sha256})
+    with pytest.raises(UserError, match="resume: the checkpoint was trained with another tokenizer"):
+        module.load_state_dict({"global_micro_batches": 8, "tokenizer_sha256": "0" * 64})
+    module.load_state_dict({"global_micro_batches": 8})  # a checkpoint from before the hash was recorded
 
 
 def test_workers_do_not_change_the_order():

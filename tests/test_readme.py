@@ -30,6 +30,15 @@ def code(page: Path) -> list[str]:
     return blocks + re.findall(r"`([^`]+)`", FENCE.sub("", markdown))
 
 
+@pytest.mark.parametrize("page", PAGES, ids=label)
+def test_every_code_block_is_closed(page: Path):
+    """A block opened and never closed renders the rest of the page as code (links included), with no warning."""
+    fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
+    openings, closings = fences[::2], fences[1::2]
+    assert len(fences) % 2 == 0 and all(line == "```" for line in closings), (label(page), fences)
+    assert all(line != "```" for line in openings), (label(page), "a block opened without a language", fences)
+
+
 def test_python_blocks_run():
     blocks = [
         (page, block) for page in PAGES for language, block in FENCE.findall(page.read_text()) if language == "python"

@@ -181,7 +181,8 @@ def test_checkpoints_move_between_compiled_and_eager_models():
         target.load_state_dict(checkpoint["state_dict"])  # strict: every key maps
 
 
-def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["OSError", "torch's RuntimeError over it"])
+def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(wrapped: bool, tmp_path: Path, monkeypatch):
     from xsa_lm.checkpoints.atomic import AtomicCheckpointIO, CheckpointWriteError
 
     io = AtomicCheckpointIO()
@@ -191,7 +192,12 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path,
 
     def disk_full(obj, f, *args, **kwargs):
         f.write(b"partial")
-        raise OSError(28, "No space left on device")
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            if not wrapped:
+                raise
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(CheckpointWriteError, match="No space left on device.*previous checkpoints are intact"):

@@ -241,3 +241,7 @@ def test_the_default_run_directory_is_made_once(data_cache: Path, tmp_path: Path
     assert out.returncode == 0, out.stderr[-2000:]
     folders = list((tmp_path / "outputs" / "train").iterdir())
     assert len(folders) == 1 and (folders[0] / "summary.json").exists()
+    # FAST's warmup (5 steps) is longer than these 2: clipped, said once, saved, and the LR reached the peak.
+    assert out.stdout.count("scheduler.warmup_steps=5 is longer than the LR schedule's 2 steps") == 1
+    assert "warmup_steps: 2\n" in (folders[0] / "config.yaml").read_text()
+    assert json.loads((folders[0] / "summary.json").read_text())["peak_lr"] == pytest.approx(3e-3)

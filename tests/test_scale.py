@@ -16,6 +16,7 @@ import pytest
 import scipy.stats
 
 from tests.conftest import cli_env, run_cli
+from tests.helpers import refused_in_process
 from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     choose_form,
@@ -28,7 +29,7 @@ from xsa_lm.scale.fit import (
 )
 from xsa_lm.scale.paired import holm, pooled_sign_test, size_tests
 from xsa_lm.scale.report import render_markdown, write_report
-from xsa_lm.scale.run import analyse, reanalyse
+from xsa_lm.scale.run import SizeRunner, analyse, reanalyse
 
 E, A, ALPHA = 2.0, 50.0, 0.15  # a synthetic SA curve L(C) = E + A C^-alpha
 COMPUTE = np.array([1e12, 4e12, 1.6e13, 6.4e13, 2.56e14])
@@ -300,20 +301,42 @@ STUDY = [
 ]
 
 
-@pytest.mark.long
-def test_scale_refuses_a_model_override_and_a_single_size(tmp_path: Path, data_cache: Path):
-    proc = run_cli(["scale", *STUDY, "model=tiny", f"hydra.run.dir={tmp_path / 's'}"], data_cache, tmp_path)
-    assert proc.returncode == 2 and "scale.models" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli(["scale", "scale.models=[tiny]", f"hydra.run.dir={tmp_path / 's'}"], data_cache, tmp_path)
-    assert proc.returncode == 2 and "at least two distinct model presets" in proc.stderr
-    for bad, why in (
-        ("scale.fit=cubic", "choose auto, power_law_offset or power_law"),
-        ("scale.bootstrap_resamples=5", "at least 100"),
-        ("scale.seeds=3", "list of seeds"),
-    ):
-        proc = run_cli(["scale", bad, f"hydra.run.dir={tmp_path / 's'}"], data_cache, tmp_path)
-        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
-    assert not (tmp_path / "s").exists()
+def sweep_started(*args, **kwargs) -> None:
+    raise AssertionError("a size's sweep started: the refusal came too late")
+
+
+# Each setting a study takes, wrong: refused in one line before the study directory exists or any size's sweep starts.
+# The last ones are refused by every size's sweep, checked as that sweep will check them, trials included.
+SIZE_REFUSALS = [
+    ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
+    ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
+    ("scale.axis=depth", "scale.axis='depth': choose size or tokens"),
+    ("scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
+    ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
+    ("scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0 and <= 4294967295"),
+    ("scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
+    ("scale.seeds=[a]", "scale.seeds=['a'] must be a list of distinct integers"),
+    ("scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
+    ("scale.seeds=[]", "scale.seeds=[]: the study compares SA and XSA at every size, which needs compare seeds"),
+    (f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
+    ("+scale.seed=1", "scale.seed: not a setting of `xsa-lm scale` (it has axis, models, seeds,"),
+    ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
+    ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+    ("attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
+    ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), SIZE_REFUSALS, ids=[o for o, _ in SIZE_REFUSALS])
+def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
+):
+    monkeypatch.setattr(SizeRunner, "run", sweep_started)
+    study_dir = tmp_path / "study"
+    stderr = refused_in_process(["scale", *STUDY, override, f"hydra.run.dir={study_dir}"], monkeypatch, capsys)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], stderr
+    assert not study_dir.exists()
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

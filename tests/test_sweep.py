@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from tests.helpers import FAST, assert_refused, cli_env, run_cli, write_local_task
+from tests.helpers import FAST, assert_refused, cli_env, compose_train, refused_in_process, run_cli, write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import (
@@ -33,7 +34,8 @@ from xsa_lm.sweep.protocol import (
     t_quantile_975,
 )
 from xsa_lm.sweep.report import build_results, rank_tests, render_markdown
-from xsa_lm.sweep.run import comparison_plan, keep_plan, train_overrides
+from xsa_lm.sweep.run import check_sweep, comparison_plan, keep_plan, train_overrides
+from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialStore, device_slots, outcome
 
@@ -48,6 +50,8 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
     assert lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
     assert lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
     assert lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
+    with pytest.raises(UserError, match="sweep.lrs and sweep.lr_range are both set"):  # not one ignored
+        lr_grid([1e-3], {"min": 1e-4, "max": 1e-2, "num": 3})
     with pytest.raises(UserError, match="sweep.lrs"):
         lr_grid([], None)
     with pytest.raises(UserError, match="positive"):
@@ -963,22 +967,68 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"trial process {pid} outlived the killed sweep")
 
 
-@pytest.mark.slow  # a sweep process per case (~10 s each)
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("optim.lr=1e-3", "optim.lr is set by the sweep"),
-        ("sweep.lrs=[]", "needs an LR grid"),
-        ("sweep.seeds=[0,0]", "distinct integers"),
-        ("sweep.seeds=[0,1]", "contains the search seed(s) [0] (sweep.search_seeds)"),
-        ("sweep.search_seeds=[]", "sweep.search_seeds must be a non-empty list of distinct integers"),
-        ("sweep.stall.margin=-1", "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
-        ("sweep.max_parallel=0", "max_parallel must be at least 1"),
-        ("sweep.seeds_until_significant=2", "sweep.seeds_until_significant must be an integer of at least 2"),
-    ],
-)
-def test_sweep_bad_inputs_fail_in_one_line(tmp_path: Path, data_cache: Path, override: str, message: str) -> None:
-    proc = run_cli(["sweep", *SWEEP_FAST, override, f"hydra.run.dir={tmp_path / 'sweep'}"], data_cache, tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert not (tmp_path / "sweep" / "sweep.json").exists() and not (tmp_path / "sweep" / "runs").exists()
+def trial_started(*args, **kwargs) -> None:
+    raise AssertionError("a trial started: the refusal came too late")
+
+
+# Each setting a sweep takes, wrong: refused in one line before the sweep directory exists or any trial starts.
+SWEEP_REFUSALS = [
+    ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0 (a final val loss above it counts as diverged"),
+    ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number or null"),
+    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
+    ("sweep.search_seeds=[]", "sweep.search_seeds must be a non-empty list of distinct integers"),
+    ("sweep.seeds=[a,b]", "sweep.seeds=['a', 'b'] must be a list of distinct integers from 0 to 4294967295"),
+    ("sweep.seeds=[4294967296]", "sweep.seeds=[4294967296] must be a list of distinct integers from 0 to"),
+    ("sweep.seeds=[1,1]", "sweep.seeds=[1, 1] must be a list of distinct integers"),
+    ("sweep.seeds=[0,1]", "contains the search seed(s) [0] (sweep.search_seeds)"),
+    ("sweep.seeds_until_significant=2", "sweep.seeds_until_significant must be an integer of at least 2"),
+    ("sweep.lrs=1e-3", "sweep.lrs=0.001 must be a list of positive numbers, e.g. [1e-3,3e-3], or null"),
+    ("sweep.lrs=[1e-3,0.001]", "sweep.lrs=[0.001, 0.001] lists 0.001 twice"),
+    ("sweep.lrs=[]", "needs an LR grid"),
+    ("sweep.lr_range={min:1e-4,max:1e-2}", "must be {min:..,max:..,num:..} with 0 < min < max and an integer num"),
+    ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
+    ("sweep.launch_prefix=[/nonexistent]", "starts with /nonexistent, which is no program on PATH"),
+    ("sweep.launch_prefix=srun", "sweep.launch_prefix=srun must be a list of words"),
+    ("sweep.max_parallel=0", "sweep.max_parallel=0 must be >= 1"),
+    ("sweep.tune_xsa=yes", "sweep.tune_xsa=yes must be true or false"),
+    ("sweep.stall.margin=-1", "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
+    ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
+    ("+sweep.lr=1e-3", "sweep.lr: not a setting of `xsa-lm sweep` (it has lrs, lr_range,"),
+    ("optim.lr=1e-3", "optim.lr is set by the sweep"),
+    # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.
+    ("attention.layers=[7]", "attention.layers=[7]: each layer is a 0-based index below model.n_layer=2"),
+    ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), SWEEP_REFUSALS, ids=[o for o, _ in SWEEP_REFUSALS])
+def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
+) -> None:
+    monkeypatch.setattr(Launcher, "_start", trial_started)
+    sweep_dir = tmp_path / "sweep"
+    stderr = refused_in_process(["sweep", *SWEEP_FAST, override, f"hydra.run.dir={sweep_dir}"], monkeypatch, capsys)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], stderr
+    assert not sweep_dir.exists()
+
+
+def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
+    """An XSA training config is checked only when the sweep trains XSA: attention.layers=[] (XSA on no layer) is
+    refused for a comparison, not for a search-only sweep of SA."""
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]"]
+        search_only = compose(config_name="sweep", overrides=[*overrides, "sweep.seeds=[]"])
+        assert check_sweep(search_only, train_overrides(overrides)) == ([1e-3, 3e-3], [0], [], None)
+        for compared in ([*overrides, "sweep.seeds=[]", "sweep.tune_xsa=true"], overrides):
+            with pytest.raises(UserError, match=r"attention.layers=\[\] puts XSA on no layer"):
+                check_sweep(compose(config_name="sweep", overrides=compared), train_overrides(overrides))
+
+
+def test_every_sweep_and_scale_setting_has_a_rule() -> None:
+    """The rules cover the keys the configs have, no more (a new key without a rule fails here)."""
+    for config_name in ("sweep", "scale"):
+        cfg = compose_train([], config_name=config_name)
+        check_settings(cfg.sweep, SWEEP_RULES, "sweep")
+    check_settings(cfg.scale, SCALE_RULES, "scale")
+    assert set(cfg.sweep) == set(SWEEP_RULES) and set(cfg.scale) == set(SCALE_RULES)

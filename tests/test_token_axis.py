@@ -8,10 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.stats
+from hydra import compose, initialize_config_module
 
-from tests.helpers import assert_clean_error, assert_nothing_written, compose_train, run_cli
+from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
+from xsa_lm.scale import tokens
+from xsa_lm.scale.run import check_study, sweep_overrides
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
 from xsa_lm.scale.tokens import analyse_tokens
+from xsa_lm.sweep.trials import Launcher
 
 B = 1.0e6
 BUDGETS = [B / 2, B, 2 * B]
@@ -223,25 +227,61 @@ def test_the_pooled_interval_covers_over_independent_cells():
     assert 0.90 <= covered / trials <= 0.99, covered / trials
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(  # two refusals in make test, the other three in make test-long (each ~10 s, a process)
-    "override, message",
-    [
-        ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
-        pytest.param(
-            "scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]", marks=pytest.mark.long
-        ),
-        pytest.param(
-            "trainer.max_steps=100",
-            "trainer.max_steps=100: scale.axis=tokens sets each run's steps",
-            marks=pytest.mark.long,
-        ),
-        ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
-        pytest.param("scale.seeds=[2]", "needs 2+ compare seeds", marks=pytest.mark.long),
-    ],
-)
-def test_a_refused_token_study_writes_nothing(tmp_path: Path, data_cache: Path, override: str, message: str):
+def run_started(*args, **kwargs) -> None:
+    raise AssertionError("a run started: the refusal came too late")
+
+
+# Each setting of a token study, wrong: refused in one line before the study directory exists or any run starts. The
+# last ones are refused by each size's runs, composed and checked as their `xsa-lm train` will check them.
+TOKEN_REFUSALS = [
+    ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
+    ("scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
+    ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
+    ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
+    ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
+    ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
+    ("scale.seeds=[2]", "needs 2+ compare seeds"),
+    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
+    ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+    ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
+    ("attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
+]
+
+
+@pytest.mark.parametrize("override, message", TOKEN_REFUSALS, ids=[o for o, _ in TOKEN_REFUSALS])
+def test_a_refused_token_study_writes_nothing_and_starts_no_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
+):
+    monkeypatch.setattr(Launcher, "_start", run_started)
     study_dir = tmp_path / "study"
     args = ["scale", "experiment=tokens_toy", override, f"hydra.run.dir={study_dir}"]
-    assert_clean_error(run_cli(args, data_cache, cwd=tmp_path), message)
+    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], lines
     assert_nothing_written(study_dir)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_sweep_settings_stay_with_the_study_and_each_run_gets_the_training_overrides(tmp_path, monkeypatch):
+    """sweep.* on the command line sets the study's search (here its grid); the runs' `xsa-lm train`, which has no
+    sweep settings, gets the training overrides alone."""
+    commands = []
+
+    def first_command(launcher: Launcher, trials, phase: str, job_type: str) -> None:
+        commands.append(launcher.command(trials[0], job_type, resume=False))
+        raise Stop
+
+    monkeypatch.setattr(Launcher, "run", first_command)
+    monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)  # no handlers left in pytest
+    task = ["experiment=tokens_toy", "sweep.lrs=[2e-2]", "scale.measure_throughput=false"]
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        cfg = compose(config_name="scale", overrides=task)
+        overrides = sweep_overrides(task)
+        models, plan = check_study(cfg, tmp_path, overrides)
+        with pytest.raises(Stop):
+            tokens.run_token_study(cfg, tmp_path, overrides, models=models, plan=plan, state={"study_id": "t"})
+    (command,) = commands
+    assert "optim.lr=0.02" in command and "experiment=tokens_toy" in command, command
+    assert not [word for word in command if word.startswith("sweep.")], command

@@ -24,6 +24,7 @@ def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: P
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["attention"] == attention
     assert summary["lr"] == 3e-3 and summary["seed"] == 1 and summary["steps"] == 40
+    assert summary["peak_lr"] == pytest.approx(3e-3) and summary["precision"] == "32-true"  # what it trained with
     assert summary["tokens_seen"] == 40 * 1024
     assert summary["final_val_loss"] == summary["val_history"][-1]["val_loss"]
     assert [h["step"] for h in summary["val_history"]] == [20, 40]
@@ -71,6 +72,8 @@ def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
     checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     sampler = checkpoint["TokenDataModule"]  # the sampler position travels in the checkpoint
     assert sampler["global_micro_batches"] == 40 and sampler["seed"] == 0  # 20 steps x 2 accumulated micro-batches
+    data_dir = Path(json.loads((resumed / "run_info.json").read_text())["data_dir"])  # and the tokenizer's identity
+    assert sampler["tokenizer_sha256"] == json.loads((data_dir / "meta.json").read_text())["tokenizer"]["sha256"]
     again = run_cli([*common, "resume=auto", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 40

@@ -1,11 +1,13 @@
 """`xsa-lm <command> [hydra overrides]`: one entry point for every job."""
 
+import difflib
 import importlib
 import json
 import os
 import sys
 
 from xsa_lm.config.command_line import ARGV_VARIABLE, check_overrides
+from xsa_lm.errors import UserError, exit_on_user_error
 
 COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/<command>.yaml
     "train": ("xsa_lm.train.run", "train one SA or XSA model"),
@@ -31,17 +33,23 @@ def main() -> None:
         print(USAGE)
         sys.exit(0 if len(sys.argv) >= 2 else 2)
     command = sys.argv[1]
-    if command not in COMMANDS:
-        print(f"xsa-lm: unknown command {command!r}\n{USAGE}", file=sys.stderr)
-        sys.exit(2)
-    module_name, _ = COMMANDS[command]
-    check_overrides(command, sys.argv[2:])
-    module = importlib.import_module(module_name)
+    with exit_on_user_error():  # the job has its own (one_line_errors); this one covers what runs before it
+        if command not in COMMANDS:
+            raise UserError(unknown_command(command))
+        module_name, _ = COMMANDS[command]
+        check_overrides(command, sys.argv[2:])
+        module = importlib.import_module(module_name)
     # Hydra reads its overrides from sys.argv[1:], so the command name goes; the job reads the full command line back
     # through full_command_line().
     os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)
     sys.argv = [sys.argv[0], *sys.argv[2:]]
     module.main()
+
+
+def unknown_command(command: str) -> str:
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    guess = f": did you mean {close[0]!r}?" if close else ""
+    return f"unknown command {command!r}{guess} (commands: {', '.join(COMMANDS)}; xsa-lm --help describes them)"
 
 
 if __name__ == "__main__":

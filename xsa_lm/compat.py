@@ -5,6 +5,9 @@ removes or changes one fails there, by name, rather than deep inside a training 
 """
 
 import csv
+import logging
+import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -18,6 +21,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from xsa_lm.errors import WriteError, what_to_do
+from xsa_lm.files import atomic_file
 
 
 def should_update_logs(trainer: L.Trainer) -> bool:
@@ -45,6 +51,34 @@ class AppendingExperimentWriter(ExperimentWriter):
         if self._fs.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = sorted(next(csv.reader(f), []))
+
+    def save(self) -> None:
+        """Lightning's, but a write that fails (a full disk) leaves metrics.csv whole: the rows it was appending are
+        cut off again, and a new header (a metric logged for the first time) is written through a temporary file
+        (Lightning's rewrite truncates the file first)."""
+        path = Path(self.metrics_file_path)
+        self._whole_size = path.stat().st_size if path.is_file() else None
+        try:
+            super().save()
+        except OSError as e:
+            if self._whole_size is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.truncate(path, self._whole_size)
+            raise WriteError(
+                f"could not write {path} ({e.strerror or e}); its earlier rows are intact: {what_to_do(e)}, then "
+                "continue with resume=auto"
+            ) from e
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        with open(self.metrics_file_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        intact, then = "its earlier rows are intact", "continue with resume=auto"
+        with atomic_file(self.metrics_file_path, "w", newline="", intact=intact, then=then) as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+        self._whole_size = Path(self.metrics_file_path).stat().st_size  # what a failed append is cut back to
 
 
 def appending_csv_writer(logger: CSVLogger) -> ExperimentWriter:
@@ -110,3 +144,45 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
     for counts in (progress["total"], progress["current"]):
         for key in ("ready", "started", "processed", "completed"):
             counts[key] = global_step * accumulate
+
+
+def lightning_precisions() -> tuple[str, ...]:
+    """The precision names Lightning's Trainer accepts (besides aliases such as `16`): its own type's values."""
+    from typing import get_args
+
+    from lightning.fabric.connector import _PRECISION_INPUT_STR
+
+    return get_args(_PRECISION_INPUT_STR)
+
+
+def lightning_precision_name(precision: str | int) -> str:
+    """Lightning's own name of a precision it accepts (`16` -> `16-mixed`, `bf16` -> `bf16-mixed`, `32` ->
+    `32-true`), or ValueError listing the accepted ones: Trainer's conversion, which has no public entry point."""
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    with warnings.catch_warnings():  # an accepted but discouraged alias: the Trainer warns once, later
+        warnings.simplefilter("ignore")
+        name = _convert_precision_to_unified_args(precision)  # type: ignore[arg-type]  # any value: it checks
+    return cast(str, name)
+
+
+def lightning_device_settings(**trainer_args) -> str:
+    """What Lightning's Trainer decides from its accelerator, devices, num_nodes, strategy and precision arguments,
+    without building a Trainer: the same checks (an unknown name, an accelerator this machine lacks, a device count
+    it cannot use, a combination it refuses) raise the same errors, and it returns the precision the run would
+    train in (Lightning may change it, e.g. 16-mixed on CPU runs bf16-mixed). `_AcceleratorConnector` is the part
+    of Trainer.__init__ that does this; its warnings and info lines are left to the Trainer, which repeats them."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            connector = _AcceleratorConnector(**trainer_args)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+    return str(connector.precision_plugin.precision)

@@ -1,19 +1,44 @@
-"""Errors a user can cause. The CLI prints them as one line and exits non-zero."""
+"""How a command ends on an error: always one line on stderr, never a traceback.
 
+- A UserError (a mistake in the configuration or the inputs, a full disk) is one actionable line, exit code 2.
+- Any other exception (a bug, or a failure nobody foresaw) is one line naming it and the file it concerns, exit code
+  1; its full traceback is saved for a bug report (<run dir>/error.log, else a temporary file). HYDRA_FULL_ERROR=1
+  lets it through instead, to Hydra's full report.
+
+Every command's Hydra job runs inside `one_line_errors` (cli.py too, around what runs before the job).
+"""
+
+import contextlib
+import errno
+import functools
+import logging
+import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+EXIT_USER_ERROR = 2
+EXIT_BUG = 1
 
 
 class UserError(Exception):
     """A mistake in the configuration or the inputs, with a message that says how to fix it."""
 
 
-@contextmanager
+class WriteError(UserError):
+    """A file that could not be written (a full disk, a file-size limit, permissions): the message names it and
+    what is still intact."""
+
+
+@contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
     """Around a command's work: a UserError or a config error (e.g. a `???` value left unset) becomes one line on
-    stderr and exit code 2, instead of a traceback."""
+    stderr and exit code 2; any other exception one line and exit code 1 (report_unexpected). KeyboardInterrupt and
+    SystemExit go on."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -21,18 +46,129 @@ def exit_on_user_error() -> Iterator[None]:
     except UserError as e:
         print(f"xsa-lm: error: {e}", file=sys.stderr)
         remove_empty_run_dir()
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     except OmegaConfBaseException as e:
         print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
         remove_empty_run_dir()
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
+    except Exception as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(report_unexpected(e), file=sys.stderr)
+        sys.exit(EXIT_BUG)
+
+
+def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
+    """A command's job (under @hydra.main): whatever escapes it ends as one line (exit_on_user_error)."""
+
+    @functools.wraps(job)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        quiet_log_file_errors()
+        with exit_on_user_error():
+            return job(*args, **kwargs)
+
+    return guarded
+
+
+def quiet_log_file_errors() -> None:
+    """A log file (Hydra's <run dir>/<command>.log) that cannot be written, on a full disk, would print a traceback
+    for every line logged: the console shows the same lines, and the next result file that cannot be written ends
+    the command in one line."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handleError = lambda record: None  # type: ignore[method-assign]  # this handler's only
+
+
+def report_unexpected(error: BaseException) -> str:
+    """The line for an exception nobody foresaw: its type and message, the OSError behind it and its file if any,
+    and where its full traceback was saved."""
+    message = first_line(error)
+    line = f"xsa-lm: error: {type(error).__name__}" + (f": {message}" if message else "")
+    cause = os_error_in(error)
+    if cause is not None and cause is not error:  # e.g. torch.save's RuntimeError over a full disk
+        line += f" (caused by {type(cause).__name__}: {first_line(cause)})"
+    if cause is not None and cause.filename is not None and str(cause.filename) not in line:
+        line += f" (file: {cause.filename})"
+    if cause is not None and cause.errno in DISK_ERRNOS:
+        line += f": {what_to_do(cause)}"
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return f"{line}; {save_traceback(trace)}"
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:500]
+
+
+def save_traceback(trace: str) -> str:
+    """Append the traceback to <run dir>/error.log (a temporary file for a command without a run folder, or when the
+    run folder cannot be written); what the line tells the user about it."""
+    header = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(sys.argv)}\n"
+    run_dir = hydra_run_dir()
+    reasons = []
+    if run_dir is not None and run_dir.is_dir() and run_dir.resolve() != Path.cwd().resolve():
+        path = run_dir / "error.log"
+        existed = path.exists()
+        try:
+            with open(path, "a") as f:
+                f.write(header + trace)
+            return f"full traceback in {path}"
+        except OSError as e:  # a full disk, or the error was that the folder cannot be written
+            reasons.append(f"{path}: {e.strerror or e}")
+            if not existed:
+                path.unlink(missing_ok=True)  # no empty error.log
+    try:
+        fd, name = tempfile.mkstemp(prefix="xsa-lm-error-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(header + trace)
+        return f"full traceback in {name}"
+    except OSError as e:
+        reasons.append(f"{tempfile.gettempdir()}: {e.strerror or e}")
+        return f"the traceback could not be saved ({'; '.join(reasons)}): HYDRA_FULL_ERROR=1 prints it"
+
+
+def hydra_run_dir() -> Path | None:
+    """The folder Hydra made for this job, if a job is running."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind an exception: itself, or one it was raised from or while handling (torch.save reports a
+    full disk as a RuntimeError raised while handling the OSError)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def what_to_do(error: OSError) -> str:
+    """What fixes a failed write, by its errno."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space (or choose a folder on another disk)"
+    if error.errno == errno.EFBIG:
+        return "raise the file-size limit (ulimit -f)"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "fix the folder's permissions (or choose another folder)"
+    return "fix the cause"
 
 
 def remove_empty_run_dir() -> None:
     """A refused command leaves no folder behind: Hydra made the run directory before the job started."""
-    from hydra.core.hydra_config import HydraConfig
+    run_dir = hydra_run_dir()
+    if run_dir is not None:
+        remove_if_empty(run_dir)
 
-    if HydraConfig.initialized():
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        if run_dir.is_dir() and run_dir.resolve() != Path.cwd().resolve() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
+
+def remove_if_empty(folder: Path) -> None:
+    # A folder that cannot be read or removed (its parent cannot be written either) stays: the line was said.
+    with contextlib.suppress(OSError):
+        if folder.is_dir() and folder.resolve() != Path.cwd().resolve() and not any(folder.iterdir()):
+            folder.rmdir()

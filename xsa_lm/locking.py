@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, WriteError, what_to_do
 
 
 @contextmanager
@@ -39,11 +39,15 @@ def hold_directory(directory: Path, lock_name: str, what: str) -> Iterator[None]
         if path.exists() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
             break
         lock.close()
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
     try:
+        try:  # unbuffered: a full disk fails here, not again when the file is closed
+            os.ftruncate(lock.fileno(), 0)
+            os.write(lock.fileno(), f"{os.getpid()}\n".encode())
+        except OSError as e:
+            raise WriteError(
+                f"could not write {path} ({e.strerror or e}); nothing else was written: {what_to_do(e)}, then run "
+                "the command again"
+            ) from None
         yield
     finally:
         path.unlink(missing_ok=True)  # while still locked: a newcomer then creates and locks a new file

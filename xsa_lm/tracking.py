@@ -4,6 +4,11 @@ import csv
 import netrc
 import os
 import re
+import shutil
+import socket
+import threading
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -14,6 +19,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from xsa_lm.compat import appending_csv_writer
+from xsa_lm.files import atomic_file
 
 if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
     from wandb import Run
@@ -31,18 +37,52 @@ def has_wandb_key() -> bool:
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
-def resolve_mode(mode: str) -> WandbMode:
-    """'auto' -> WANDB_MODE if set, else online with an API key, else offline."""
-    if mode not in ("auto", "online", "offline", "disabled"):
-        from xsa_lm.errors import UserError
+WANDB_ENV_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "shared": "shared"}
+WANDB_ENV_MODES.update(dryrun="offline", run="online")  # W&B's older names
 
+
+def resolve_mode(mode: str) -> WandbMode:
+    """'auto' -> WANDB_MODE if set, else online with an API key, else offline. A WANDB_MODE that W&B does not know is
+    refused whatever the mode (wandb.init would fail on it after the run has started)."""
+    from xsa_lm.errors import UserError
+
+    if mode not in ("auto", "online", "offline", "disabled"):
         raise UserError(f"logger.wandb.mode must be auto, online, offline or disabled, got {mode!r}")
+    env = os.environ.get("WANDB_MODE")
+    if env and env not in WANDB_ENV_MODES:
+        raise UserError(
+            f"the environment variable WANDB_MODE={env!r} is no W&B mode: set it to online, offline or disabled, "
+            "or unset it (logger.wandb.mode=auto then logs online with an API key, else offline)"
+        )
     if mode != "auto":
         return cast(WandbMode, mode)
-    env = os.environ.get("WANDB_MODE")
-    if env:  # passed on as it is: wandb.init refuses a value it does not know
-        return cast(WandbMode, {"dryrun": "offline", "run": "online"}.get(env, env))
+    if env:
+        return cast(WandbMode, WANDB_ENV_MODES[env])
     return "online" if has_wandb_key() else "offline"
+
+
+def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
+    """Why W&B's server (or the proxy to it) takes no connection within timeout_s; None when it does. Without a
+    network, an online wandb.init waits for its init_timeout and leaves a failed run's folder behind."""
+    url = urllib.parse.urlsplit(base_url)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    address = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+    failure: list[str] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+        except OSError as e:  # no such host, refused, timed out, no route
+            failure.append(str(e.strerror or e))
+
+    probe = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
+    probe.start()
+    probe.join(timeout_s)
+    if probe.is_alive():
+        return f"{address[0]}:{address[1]}: no answer within {timeout_s:g} s"
+    return f"{address[0]}:{address[1]}: {failure[0]}" if failure else None
 
 
 def wandb_init(
@@ -75,20 +115,28 @@ def wandb_init(
         id=run_id,
         resume="allow" if run_id else None,
     )
-    try:
-        run = wandb.init(
-            mode=mode,
-            settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True, silent=mode == "offline"),
-            **init,
-        )
-    except wandb.errors.Error as e:
-        if mode != "online":
-            raise
-        # A key but no network (or a bad key): keep training and keep the data; upload it later.
-        print(f"W&B: online init failed ({type(e).__name__}: {e}); logging offline instead")
+    # A key but no network, or a bad key: keep training and keep the data, offline; upload it later.
+    why_offline = unreachable(wandb.setup().settings.base_url) if mode == "online" else None
+    if why_offline is None:
+        folder = Path(save_dir) / "wandb"
+        before = set(folder.glob("run-*"))
+        try:
+            run = wandb.init(
+                mode=mode,
+                settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True, silent=mode == "offline"),
+                **init,
+            )
+        except wandb.errors.Error as e:
+            if mode != "online":
+                raise
+            why_offline = f"online init failed ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
+            for failed in set(folder.glob("run-*")) - before:  # the online attempt's folder holds nothing to keep
+                shutil.rmtree(failed, ignore_errors=True)
+    if why_offline is not None:
         run = wandb.init(mode="offline", settings=wandb.Settings(quiet=True, silent=True), **init)
-        mode = "offline"
-    if mode == "offline":
+        where = Path(run.dir).parent
+        print(f"W&B: {why_offline}; logging offline in {where}: upload it later with `wandb sync {where}`")
+    elif mode == "offline":
         print(f"W&B: offline run in {Path(run.dir).parent}; upload it later with `wandb sync {Path(run.dir).parent}`")
     return run
 
@@ -154,12 +202,10 @@ class RunCSVLogger(CSVLogger):
                 header = reader.fieldnames or []
                 rows = list(reader)
             kept = [r for r in rows if not r.get("step") or int(float(r["step"])) < resume_step]
-            tmp = path.with_suffix(".csv.tmp")
-            with open(tmp, "w", newline="") as f:
+            with atomic_file(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=header)
                 writer.writeheader()
                 writer.writerows(kept)
-            os.replace(tmp, path)
 
     @property
     @rank_zero_experiment

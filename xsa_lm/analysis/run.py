@@ -18,10 +18,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
-from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_dir_of
+from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_data, run_dir_of
 from xsa_lm.data.datamodule import PackedWindows
-from xsa_lm.data.run import prepare_data
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import atomic_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -41,12 +41,12 @@ MIN_SPAN = {"cos_z_v": 0.1}
 
 
 def validation_windows(path: Path, n: int) -> torch.Tensor:
-    """The first n validation windows of the data the checkpoint's run trained on (from its config.yaml)."""
+    """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml)."""
     run_config = path.parent.parent / "config.yaml"
     if not run_config.exists():
         raise UserError(f"ckpts: {run_config} not found: analyze reads the run's data settings from it")
     cfg = OmegaConf.load(run_config)
-    data = prepare_data(cfg.data, cfg.tokenizer)
+    data = run_data(path)
     windows = PackedWindows(data.shards("val"), cfg.data.block_size)
     return torch.stack([windows[i][0] for i in range(min(n, len(windows)))])
 
@@ -92,7 +92,7 @@ def analyze(ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk
 
 def write_csv(rows: list[dict], path: Path) -> None:
     columns = ["checkpoint", "label", "layer", "attention", *METRICS]
-    with open(path, "w", newline="") as f:
+    with atomic_file(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
@@ -191,6 +191,7 @@ def table(rows: list[dict]) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="analyze")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():

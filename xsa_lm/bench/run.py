@@ -8,7 +8,6 @@ training step comes from the same processes; tokens/s and MFU from the Lightning
 """
 
 import itertools
-import json
 import os
 import re
 import statistics
@@ -27,7 +26,8 @@ from xsa_lm.bench.fresh import process_context, run_fresh
 from xsa_lm.bench.loops import Phase
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, summarize
 from xsa_lm.config.builders import model_config, resolve_precision
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import write_json
 from xsa_lm.train.runinfo import run_info
 
 # XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
@@ -256,15 +256,14 @@ def print_tables(r: dict) -> None:
 
 def write(out: Path, result: dict, overwrite: bool) -> None:
     """Exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(out, "w" if overwrite else "x") as f:
-            f.write(json.dumps(result, indent=2))
+        write_json(out, result, replace=overwrite)
     except FileExistsError:
         raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="bench")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         out = Path(cfg.out)

@@ -23,36 +23,31 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
 from xsa_lm.compat import saves_sharded_checkpoints
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, WriteError
+from xsa_lm.files import atomic_file
 
 
-class CheckpointWriteError(UserError):
+class CheckpointWriteError(WriteError):
     pass
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save straight into <path>.tmp beside the target, fsync, rename. Lightning's own save first serialises
-    the whole checkpoint into memory and then goes through a temporary file elsewhere: for a large model that is a
-    second copy in RAM and, across filesystems, a second copy on disk."""
+    """torch.save straight into <path>.tmp beside the target, fsync, rename (xsa_lm.files.atomic_file). Lightning's
+    own save first serialises the whole checkpoint into memory and then goes through a temporary file elsewhere: for
+    a large model that is a second copy in RAM and, across filesystems, a second copy on disk."""
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: object = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
+        # A full disk, a quota, a file-size limit, permissions: the .tmp goes, the previous checkpoints are whole.
         path = Path(path)
-        tmp = path.with_name(f"{path.name}.tmp")
+        earlier = path.parent.is_dir() and any(path.parent.glob("*.ckpt"))
+        intact = "the previous checkpoints are intact" if earlier else "no checkpoint was written yet"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            with atomic_file(path, "wb", intact=intact, then="continue with resume=auto", place=move_into_place) as f:
                 torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
-            move_into_place(tmp, path)
-        except OSError as e:  # disk full, quota, permissions: the previous checkpoint is still whole
-            tmp.unlink(missing_ok=True)
-            raise CheckpointWriteError(
-                f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoints are intact: "
-                "free space (or fix permissions) and continue with resume=auto"
-            ) from None
+        except WriteError as e:
+            raise CheckpointWriteError(str(e)) from None
 
     def load_checkpoint(
         self, path: str | Path, map_location: Callable | None = None, weights_only: bool | None = None
@@ -205,7 +200,11 @@ def link_or_copy(source: Path, target: Path) -> None:
     except OSError as e:  # no hard links here (some FUSE / object-store mounts): the second write is unavoidable
         remove(tmp)
         warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
-        _link_tree(source, tmp, shutil.copy2)
+        try:
+            _link_tree(source, tmp, shutil.copy2)
+        except BaseException:  # a full disk mid-copy: no partial copy stays; the error goes on
+            remove(tmp)
+            raise
     move_into_place(tmp, target)
 
 

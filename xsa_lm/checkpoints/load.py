@@ -14,9 +14,15 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
+from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
+from xsa_lm.data.prepare import PreparedData, load_prepared
+from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
+
+# Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
+# with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
+DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
 
 
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
@@ -137,19 +143,82 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     return model
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer the checkpoint's run trained with: saved with its prepared data (run_info.json names it)."""
-    run_dir = run_dir_of(path)
-    info = run_dir / "run_info.json"
-    if info.exists():
-        tokenizer_file = Path(json.loads(info.read_text()).get("data_dir", "")) / "tokenizer.json"
-        if tokenizer_file.is_file():
-            return Tokenizer.from_file(str(tokenizer_file))
+def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
+    """The tokenizer the checkpoint's run trained with: the one saved with its prepared data (run_info.json names
+    the folder), else that of the data prepared again from the run's config.yaml. Either is refused in one line
+    when it is not the tokenizer the checkpoint records."""
+    data_dir = _run_data_dir(path, key)
+    tokenizer_file = data_dir / "tokenizer.json" if data_dir else None
+    if tokenizer_file and tokenizer_file.is_file():
+        tokenizer = read_tokenizer(tokenizer_file, key)
+        check_tokenizer(path, tokenizer, file_sha256(tokenizer_file, key), tokenizer_file, key)
+        return tokenizer
+    return run_data(path, key).tokenizer
+
+
+def run_data(path: Path, key: str = "ckpts") -> PreparedData:
+    """The prepared data of the checkpoint's run: its folder (run_info.json names it) when it is still there, else
+    prepared again from the run's config.yaml; refused in one line when its tokenizer is not the checkpoint's."""
+    data_dir = _run_data_dir(path, key)
+    if data_dir and (data_dir / "meta.json").is_file():
+        data = load_prepared(data_dir)
+        check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key)
+        return data
     from omegaconf import OmegaConf
 
     from xsa_lm.data.run import prepare_data
 
-    if not (run_dir / "config.yaml").exists():
-        raise UserError(f"{path}: no run_info.json or config.yaml in {run_dir}: cannot tell which tokenizer it used")
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    return prepare_data(cfg.data, cfg.tokenizer).tokenizer
+    run_config = run_dir_of(path) / "config.yaml"
+    if not run_config.is_file():
+        raise UserError(f"{key}: {run_config} not found: the run's data settings (and its tokenizer) are read from it")
+    cfg = OmegaConf.load(run_config)
+    data = prepare_data(cfg.data, cfg.tokenizer)
+    gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
+    rebuilt = f" (prepared again from {run_config}{gone})"
+    check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
+    return data
+
+
+def _run_data_dir(path: Path, key: str) -> Path | None:
+    """The prepared-data folder the run trained on, as its run_info.json records it (it may be gone since); a
+    relative one is taken from the directory the run was started in."""
+    info = run_dir_of(path) / "run_info.json"
+    if not info.is_file():
+        return None
+    try:
+        recorded = json.loads(info.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{key}: {info} is not valid JSON (truncated or overwritten?)") from None
+    if not isinstance(recorded, dict) or not recorded.get("data_dir"):
+        return None
+    return (Path(recorded.get("cwd") or ".") / recorded["data_dir"]).resolve()
+
+
+def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:
+    """Refuse, in one line, a tokenizer (read from `where`; `rebuilt` says how it was made again) other than the
+    one the checkpoint's run trained with, whose sha256 the checkpoint records. A checkpoint saved before it did
+    is checked by vocabulary size only."""
+    record = _checkpoint_record(path)
+    recorded = (record.get(DATA_STATE) or {}).get(TOKENIZER_SHA256)
+    fix = "restore the data folder or the source files it was trained on"
+    if recorded is not None and recorded != sha256:
+        raise UserError(
+            f"{key}: {path} was trained with another tokenizer (sha256 {recorded[:12]}) than {where} "
+            f"(sha256 {sha256[:12]}){rebuilt}: {fix}"
+        )
+    model_vocab = (record.get("model_config") or {}).get("vocab_size")
+    if recorded is None and model_vocab is not None and tokenizer.get_vocab_size() > model_vocab:
+        raise UserError(
+            f"{key}: {path} was trained with another tokenizer: {where} has {tokenizer.get_vocab_size()} tokens, "
+            f"the model {model_vocab}{rebuilt}: {fix}"
+        )
+    if recorded is None and rebuilt:
+        print(f"note: {path} records no tokenizer (an older checkpoint): using {where} unchecked{rebuilt}")
+
+
+def _checkpoint_record(path: Path) -> dict:
+    """The checkpoint's entries other than tensors: memory-mapped, so a large file is not read (a sharded
+    checkpoint's meta.pt)."""
+    if is_sharded(path):
+        return torch.load(path / META, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -7,6 +7,7 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.compat import lightning_device_settings, lightning_precision_name, lightning_precisions
 from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
@@ -39,8 +40,9 @@ def strategy_kind(strategy) -> str:
 
 def world_size(trainer_cfg: DictConfig) -> int:
     devices = trainer_cfg.get("devices", 1)
-    if devices in ("auto", -1, "-1"):
-        devices = torch.cuda.device_count() or 1
+    if devices in ("auto", -1, "-1"):  # every device: the GPUs of a GPU run; on CPU, Lightning takes one
+        on_gpu = trainer_cfg.get("accelerator", "auto") in ("auto", "gpu", "cuda")
+        devices = (torch.cuda.device_count() if on_gpu else 0) or 1
     elif isinstance(devices, str):  # "0,1" or "2"
         devices = len(devices.split(",")) if "," in devices else int(devices)
     elif not isinstance(devices, int):
@@ -51,6 +53,8 @@ def world_size(trainer_cfg: DictConfig) -> int:
 def check_config(cfg: DictConfig) -> dict:
     """Validate what the user can get wrong; returns derived batch quantities."""
     check_values(cfg)
+    model_config(cfg, vocab_size=1)  # GPTConfig's own checks (layers, sinks, heads), before the data is prepared
+    resolve_precision(cfg.trainer.precision)  # a name Lightning accepts; check_trainer asks this machine
     if cfg.data.block_size > cfg.model.block_size:
         raise UserError(
             f"data.block_size={cfg.data.block_size} is above model.block_size={cfg.model.block_size}: "
@@ -82,6 +86,27 @@ def check_config(cfg: DictConfig) -> dict:
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}
 
 
+def settle_schedule(cfg: DictConfig) -> str | None:
+    """The LR schedule's length (scheduler.total_steps; null: trainer.max_steps) and warmup, resolved into cfg, which
+    config.yaml saves: a resume that extends max_steps keeps the schedule. A warmup longer than the schedule would
+    never reach optim.lr, while the run reports it: it is clipped to the schedule's length, so that the LR reaches
+    optim.lr at the last step, and the returned warning says so (a short try-out with the default warmup still runs)."""
+    scheduler = cfg.scheduler
+    if "total_steps" not in scheduler or "warmup_steps" not in scheduler:
+        return None
+    if scheduler.total_steps is None:
+        scheduler.total_steps = cfg.trainer.max_steps
+    total, warmup = scheduler.total_steps, scheduler.warmup_steps
+    if warmup <= total:
+        return None
+    scheduler.warmup_steps = total
+    return (
+        f"WARNING: scheduler.warmup_steps={warmup} is longer than the LR schedule's {total} steps "
+        f"(scheduler.total_steps, default trainer.max_steps): clipped to {total}, so the LR reaches optim.lr="
+        f"{cfg.optim.lr:g} at the last step; set scheduler.warmup_steps below {total} to have a decay after it"
+    )
+
+
 def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
     """GPTConfig from the model group (typed like GPTConfig: xsa_lm/config/schema.py) and the attention group. A null
     model.vocab_size takes the tokenizer's vocabulary, padded to a multiple of 64."""
@@ -97,24 +122,37 @@ def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
             **architecture,
             attention=attention.name,
             xsa_eps=attention.eps,
-            xsa_layers=xsa_layers(attention.layers, n_layer=architecture["n_layer"]),
+            xsa_layers=xsa_layers(attention.layers, n_layer=architecture["n_layer"], attention=attention.name),
             xsa_gate=gate_enabled(attention.gate),
         )
-    except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...) are the user's to fix
-        raise UserError(f"model: {e}") from None
+    except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...), each opening with its field
+        raise UserError(f"model.{e}") from None
 
 
-def xsa_layers(layers, n_layer: int) -> tuple[int, ...] | None:
-    """attention.layers: `all` (None: every layer), N (the last N layers) or a list of 0-based layer indices."""
+def xsa_layers(layers, n_layer: int, attention: str = "xsa") -> tuple[int, ...] | None:
+    """attention.layers: `all` (None: every layer), N (the last N layers) or a list of distinct 0-based layer
+    indices. Under attention=xsa at least one layer: XSA on none is SA, which the run would report as XSA."""
     if layers in ("all", None):
         return None
+    shown = OmegaConf.to_container(layers) if OmegaConf.is_list(layers) else layers
     if isinstance(layers, int) and not isinstance(layers, bool):
         if not 0 <= layers <= n_layer:
-            raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= n_layer={n_layer}")
-        return tuple(range(n_layer - layers, n_layer))
-    if OmegaConf.is_list(layers) or isinstance(layers, list | tuple):
-        return tuple(int(i) for i in layers)
-    raise UserError(f"attention.layers must be all, a number of last layers, or a list of layers; got {layers!r}")
+            raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= model.n_layer={n_layer}")
+        chosen = tuple(range(n_layer - layers, n_layer))
+    elif OmegaConf.is_list(layers) or isinstance(layers, list | tuple):
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layer for i in layers):
+            raise UserError(
+                f"attention.layers={shown}: each layer is a 0-based index below model.n_layer={n_layer}, e.g. "
+                f"[0,{n_layer - 1}]"
+            )
+        if len(set(layers)) != len(layers):
+            raise UserError(f"attention.layers={shown} names a layer twice: list each layer once")
+        chosen = tuple(layers)
+    else:
+        raise UserError(f"attention.layers must be all, a number of last layers, or a list of layers; got {shown!r}")
+    if attention == "xsa" and not chosen:
+        raise UserError(f"attention.layers={shown} puts XSA on no layer, which is plain SA: use attention=sa")
+    return chosen
 
 
 def gate_enabled(gate: str) -> bool:
@@ -123,7 +161,76 @@ def gate_enabled(gate: str) -> bool:
     return gate == "tanh"
 
 
-def resolve_precision(precision: str) -> str:
-    if precision != "auto":
-        return precision
-    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+def resolve_precision(precision: str, accelerator: str = "auto") -> str:
+    """trainer.precision by Lightning's name for it (`16` is `16-mixed`); `auto` (ours): bf16-mixed on a GPU run
+    where the GPU has bf16, else 32-true."""
+    if precision == "auto":
+        on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+    try:
+        return lightning_precision_name(precision)
+    except ValueError:
+        raise UserError(
+            f"trainer.precision={precision} is not a precision Lightning accepts: use auto or one of "
+            f"{', '.join(lightning_precisions())}"
+        ) from None
+
+
+def check_trainer(trainer_cfg: DictConfig, strategy: object) -> str:
+    """The trainer settings as Lightning's Trainer will take them on this machine, before anything is written: an
+    accelerator it lacks, devices it cannot use, a combination Lightning refuses, or a precision Lightning would
+    silently replace (16-mixed on CPU runs bf16-mixed) is refused in one line naming the key. `strategy`: what the
+    Trainer gets (a _target_ node is built). Returns the precision the run trains in."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    accelerator = trainer_cfg.accelerator
+    precision = resolve_precision(trainer_cfg.precision, accelerator=accelerator)
+    if OmegaConf.is_dict(strategy) or isinstance(strategy, dict):
+        strategy = build(strategy)
+    devices = trainer_cfg.devices
+    settings = {
+        "accelerator": accelerator,
+        "devices": OmegaConf.to_container(devices) if OmegaConf.is_list(devices) else devices,
+        "num_nodes": trainer_cfg.num_nodes,
+        "precision": precision,
+        "strategy": strategy,
+    }
+    given: dict = {}
+    for key, value in settings.items():  # one more at a time: Lightning's refusal is the last key's
+        given[key] = value
+        try:
+            effective = lightning_device_settings(**given)
+        except (ValueError, TypeError, RuntimeError, ImportError, MisconfigurationException) as e:
+            reason = " ".join(str(e).split()).rstrip(".")
+            raise UserError(
+                f"trainer.{key}={shown_setting(trainer_cfg, key)}: Lightning cannot train so on this machine "
+                f"({reason}); {setting_fix(key)}"
+            ) from None
+    if effective != precision:
+        raise UserError(
+            f"trainer.precision={trainer_cfg.precision}: Lightning would train in {effective} on this "
+            f"trainer.accelerator={accelerator}, not {precision}: set trainer.precision={effective} or 32-true"
+        )
+    return precision
+
+
+def shown_setting(trainer_cfg: DictConfig, key: str) -> object:
+    """A trainer setting as the user wrote it; a strategy node by its class."""
+    value = trainer_cfg[key]
+    if OmegaConf.is_dict(value):
+        return str(value.get("_target_", "")).rpartition(".")[2] or dict(value)
+    return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+
+
+def setting_fix(key: str) -> str:
+    """How to fix a trainer setting Lightning refuses on this machine."""
+    if key == "accelerator":
+        from lightning.pytorch.accelerators import AcceleratorRegistry
+
+        here = sorted(name for name in AcceleratorRegistry if AcceleratorRegistry[name]["accelerator"].is_available())
+        return f"this machine has trainer.accelerator={' or '.join(here)} (trainer=cpu; trainer=gpu where a GPU is)"
+    return {
+        "devices": "set trainer.devices to a number of devices this machine has, e.g. 1",
+        "num_nodes": "set trainer.num_nodes to the number of nodes the run is launched on",
+        "precision": "choose another trainer.precision, e.g. 32-true",
+    }.get(key, "choose another trainer option or trainer.precision")

@@ -70,6 +70,21 @@ def _int_or_auto(minimum: int):
     return check
 
 
+def _devices(value) -> str | None:
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text
+    ("2", "0,1")."""
+    if isinstance(value, str) and value != "auto":
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if parts and all(p.lstrip("-").isdigit() for p in parts):
+            value = [int(p) for p in parts] if "," in value else int(parts[0])
+    if value == "auto" or value == -1 or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    indices = list(value) if isinstance(value, list | ListConfig) else []
+    if indices and all(_int(0)(i) is None for i in indices) and len(set(indices)) == len(indices):
+        return None
+    return "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+
+
 def _betas(value) -> str | None:
     if (
         not isinstance(value, list | ListConfig)
@@ -130,6 +145,7 @@ RULES = {
     "trainer.max_steps": _int(1),
     "trainer.log_every_n_steps": _int(1),
     "trainer.num_nodes": _int(1),
+    "trainer.devices": _devices,
     "trainer.gradient_clip_val": _number(0, nullable=True),
     "trainer.activation_checkpointing": _bool,
 }

@@ -2,9 +2,10 @@
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
 HYDRA_FLAGS_WITHOUT_CHECK = (
@@ -15,14 +16,32 @@ HYDRA_FLAGS_WITHOUT_CHECK = (
     "-i",
     "--shell-completion",
     "-sc",
-    "--multirun",
-    "-m",
 )
+HYDRA_FLAGS_WITH_A_VALUE = (
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--config-path",
+    "-cp",
+    "--experimental-rerun",
+)
+MULTIRUN_FLAGS = ("--multirun", "-m")
+
+
+def refuse(message: str) -> NoReturn:
+    print(f"xsa-lm: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def check_overrides(config_name: str, args: list[str]) -> None:
-    """Compose the config once before Hydra runs, so that an unknown option or a typo'd key ends in one
-    actionable line and exit code 2 instead of Hydra's multi-line report (HYDRA_FULL_ERROR=1 keeps Hydra's)."""
+    """Compose the config before Hydra runs (under --multirun, that of every job), so that an unknown option or a
+    typo'd key ends in one actionable line and exit code 2 instead of Hydra's multi-line report (HYDRA_FULL_ERROR=1
+    keeps Hydra's)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a in HYDRA_FLAGS_WITHOUT_CHECK for a in args):
         return
     overrides, skip_next = [], False
@@ -30,53 +49,112 @@ def check_overrides(config_name: str, args: list[str]) -> None:
         if skip_next:
             skip_next = False
         elif arg.startswith("-"):
-            skip_next = arg in ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir", "-cd")
+            skip_next = arg in HYDRA_FLAGS_WITH_A_VALUE
         else:
             overrides.append(arg)
+    check_words(overrides)
     from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, OverrideParseException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    multirun = any(a in MULTIRUN_FLAGS for a in args)
+    job, jobs, configs = overrides, [overrides], []
     try:
         with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
-            run_dir = Path(cfg.hydra.run.dir)  # resolved here: ${now:...} needs Hydra's resolvers
+            if multirun:
+                jobs = sweep_jobs(config_name, overrides)
+            for job in jobs:
+                configs.append(compose(config_name=config_name, overrides=job, return_hydra_config=True))
+            # resolved here: ${now:...} needs Hydra's resolvers
+            run_dir = Path(configs[0].hydra.sweep.dir if multirun else configs[0].hydra.run.dir)
+    except OverrideParseException as e:
+        refuse(f"{one_line(e)} (a value with spaces or brackets must be quoted as one argument: 'key=a value')")
     except (HydraException, OmegaConfBaseException) as e:
-        print(f"xsa-lm: error: {one_line(e)}", file=sys.stderr)
-        sys.exit(2)
-    everything = cast(dict, OmegaConf.to_container(cfg, resolve=False))  # a DictConfig gives a dict
-    job = {k: v for k, v in everything.items() if k != "hydra"}
-    missing = missing_values(job)  # `???` values the chosen options need, e.g. data.files
-    if missing:
-        listed = ", ".join(missing)
-        print(
-            f"xsa-lm: error: missing required value(s): {listed}; set them on the command line, e.g. {missing[0]}=...",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        refuse(f"{one_line(e)}{job_named(job, jobs)}")
+    for cfg, job in zip(configs, jobs, strict=True):
+        for group, option in cfg.hydra.runtime.choices.items():
+            if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
+                refuse(
+                    f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
+                    f"of: {', '.join(group_options(group))}{job_named(job, jobs)}"
+                )
+        everything = cast(dict, OmegaConf.to_container(cfg, resolve=False))  # a DictConfig gives a dict
+        missing = missing_values({k: v for k, v in everything.items() if k != "hydra"})  # e.g. data.files
+        if missing:
+            refuse(
+                f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. "
+                f"{missing[0]}=...{job_named(job, jobs)}"
+            )
     if any(a in ("--cfg", "-c") for a in args):  # prints the config: no run, no run directory
         return
     if config_name in ("train", "sweep", "scale"):  # wrong types or ranges: before torch and Lightning load (5 s)
         from xsa_lm.config.checks import check_values
         from xsa_lm.errors import UserError
 
-        try:
-            check_values(cfg)
-        except UserError as e:
-            print(f"xsa-lm: error: {e}", file=sys.stderr)
-            sys.exit(2)
-    # Hydra creates the run directory before the job starts: a path that cannot exist fails here, in one line. The
-    # folders made for the test are removed again: a default run dir holds the time, which Hydra reads anew.
+        for cfg, job in zip(configs, jobs, strict=True):
+            try:
+                check_values(cfg)
+            except UserError as e:
+                refuse(f"{e}{job_named(job, jobs)}")
+    # Hydra creates the run directory (a multirun's sweep directory) before the job starts: a path that cannot exist
+    # fails here, in one line. The folders made for the test are removed again: a default one holds the time, which
+    # Hydra reads anew.
     absent = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        reason = e.strerror or e
-        print(f"xsa-lm: error: hydra.run.dir={run_dir} cannot be created ({reason}): choose another", file=sys.stderr)
-        sys.exit(2)
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        refuse(f"{key}={run_dir} cannot be created ({e.strerror or e}): choose another")
     for folder in absent:  # deepest first
         folder.rmdir()
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group a user can choose: its YAML files, but those named _* (shared parts)."""
+    from importlib.resources import files
+
+    folder = files("xsa_lm.configs").joinpath(group)
+    names = [entry.name for entry in folder.iterdir()] if folder.is_dir() else []
+    return sorted(name.removesuffix(".yaml") for name in names if name.endswith(".yaml") and name[0] != "_")
+
+
+def check_words(overrides: list[str]) -> None:
+    """An argument that is no override (`key=value`, `~key`) is most often the rest of an unquoted value with a
+    space, which the shell split: `data.files=/tmp/my dir/a.txt` is `data.files=/tmp/my` and `dir/a.txt`."""
+    for before, word in zip(["", *overrides], overrides, strict=False):
+        if "=" not in word and not word.startswith("~"):
+            example = f"'{before} {word}'" if "=" in before else "'key=a value'"
+            refuse(
+                f"{word!r} is not an override (key=value): a value with spaces must be quoted as one argument, "
+                f"e.g. {example}"
+            )
+
+
+def sweep_jobs(config_name: str, overrides: list[str]) -> list[list[str]]:
+    """The jobs of `--multirun`, each as its overrides: what Hydra's basic sweeper launches, the product of the
+    sweeps on the command line and in the config's hydra.sweeper.params (an experiment sets them). Another sweeper
+    chooses its own jobs: the command line without its sweeps stands for them. Hydra has no public call for this."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    hydra = GlobalHydra.instance().hydra
+    assert hydra is not None  # inside initialize_config_module
+    master = hydra.compose_config(config_name, overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+    parser = OverridesParser.create(config_loader=hydra.config_loader)
+    if not str(master.hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+        return [[o for o in overrides if not parser.parse_override(o).is_sweep_override()]]
+    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()]
+    return [
+        job for batch in BasicSweeper.split_arguments(parser.parse_overrides(params + overrides), None) for job in batch
+    ]
+
+
+def job_named(job: list[str], jobs: list[list[str]]) -> str:
+    """Which job of a multirun a message is about (nothing for a single run)."""
+    return f" (in the job {' '.join(job)})" if len(jobs) > 1 else ""
 
 
 def missing_values(node: object, prefix: str = "") -> list[str]:
@@ -96,7 +174,9 @@ def one_line(error: BaseException) -> str:
     if cause is not None and str(cause).splitlines()[0].strip() not in lines:
         lines.append(str(cause).splitlines()[0].strip())
     kept = [line for line in lines if not line.startswith(noise)]
-    return " ".join(kept).replace(" Available options in", "; available options in").replace(":\t", ": ")
+    text = " ".join(kept).replace(" Available options in", "; available options in").replace(":\t", ": ")
+    head, listed, options = text.partition("; available options in ")
+    return head + listed + re.sub(r" _[\w.-]+", "", options)  # data/_base.yaml is a shared part, not an option
 
 
 def full_command_line() -> list[str]:

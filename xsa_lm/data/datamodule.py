@@ -12,6 +12,10 @@ from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.run import check_val_windows
 from xsa_lm.errors import UserError
 
+# Where a checkpoint holds the sha256 of its run's tokenizer: in this data module's state (Lightning saves it under
+# the class name), read back by xsa_lm.checkpoints.load.check_tokenizer.
+TOKENIZER_KEY = "tokenizer_sha256"
+
 
 class PackedWindows(Dataset):
     """Windows of block_size + 1 tokens over memory-mapped shards, as (input, target) pairs. Consecutive windows
@@ -126,7 +130,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         """The sampler position, saved in every checkpoint: how many micro-batches the whole stream (every rank)
-        has served. A run resumed on another number of devices continues at the same global position."""
+        has served. A run resumed on another number of devices continues at the same global position. And the
+        tokenizer's identity (TOKENIZER_KEY): what loads the checkpoint can tell whether a tokenizer is its own."""
         if self.trainer is None:
             return {}
         served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
@@ -136,9 +141,16 @@ class TokenDataModule(L.LightningDataModule):
             "global_micro_batches": served,
             "world_size": self.trainer.world_size,
             "block_size": self.block_size,
+            TOKENIZER_KEY: self.data.tokenizer_sha256,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved = (state_dict or {}).get(TOKENIZER_KEY)
+        if saved is not None and saved != self.data.tokenizer_sha256:  # the data was prepared again, differently
+            raise UserError(
+                f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
+                f"{self.data.dir} (sha256 {self.data.tokenizer_sha256[:12]}): resume on the data it was trained on"
+            )
         self.resume_from = state_dict or None
 
     def resumed_windows(self) -> int:

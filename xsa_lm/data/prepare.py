@@ -28,11 +28,12 @@ from functools import partial
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from xsa_lm.data.tokenizer import EOT, eot_id
+from xsa_lm.data.tokenizer import EOT, eot_id, file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 
 
@@ -45,6 +46,11 @@ class PreparedData:
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self.meta["dtype"])
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        """The identity of the tokenizer the shards were made with (checkpoints record it)."""
+        return self.meta["tokenizer"]["sha256"]
 
     def shards(self, split: str) -> list[np.ndarray]:
         """The split's non-empty shards, memory-mapped; a shard whose size disagrees with meta.json is an error."""
@@ -174,9 +180,11 @@ def prepare(
         if (out / "meta.json").exists():
             return load_prepared(out)
         tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
-        shards = _write_shards(
+        shards, has_text = _write_shards(
             pieces(), out, tokenizer, shard_documents=shard_documents, workers=workers, progress=progress, source=source
         )
+        if not has_text:
+            raise UserError("data: the corpus has no text: every document is empty or whitespace only")
         meta = _meta(identity, tokenizer, out, shards=shards, split=split)
         _check_split(meta, split, val_fraction)
         _atomic_write(out / "meta.json", json.dumps(meta, indent=2, default=str))
@@ -184,11 +192,9 @@ def prepare(
 
 
 def _check_split(meta: dict, split: str, val_fraction: float) -> None:
-    """Both splits need text (the token counts include one EOT per document or piece)."""
+    """Both splits need text (the token counts include one EOT per document or piece); the corpus has some."""
     n = meta["train_documents"] + meta["val_documents"]
     if meta["train_tokens"] <= meta["train_documents"]:
-        if meta["val_tokens"] <= meta["val_documents"]:
-            raise UserError("data: the corpus has no text (every document is empty)")
         raise UserError(
             f"data: every document with text fell into the validation split ({n} documents, "
             f"data.val_fraction={val_fraction}): lower data.val_fraction, or hold out the end of each document "
@@ -211,11 +217,42 @@ def load_prepared(out: Path) -> PreparedData:
             f"data.dir={out} holds no finished preparation (no meta.json): run `xsa-lm prepare ... data.dir={out}` "
             "(again, with the same arguments, to finish an interrupted one)"
         )
-    meta = json.loads((out / "meta.json").read_text())
-    data = PreparedData(dir=out, tokenizer=Tokenizer.from_file(str(out / "tokenizer.json")), meta=meta)
-    for split in ("train", "val"):  # a truncated or missing shard is found now, before a run starts
-        data.shards(split)
+    meta = _read_json(out / "meta.json", "delete it and run the same `xsa-lm prepare` command (shards are kept)")
+    if not isinstance(meta, dict) or not {"shards", "dtype", "vocab_size", "tokenizer"} <= meta.keys():
+        raise UserError(f"data: {out / 'meta.json'} is not the meta.json of `xsa-lm prepare`: prepare the data again")
+    recorded = meta["tokenizer"].get("sha256")
+    if recorded and file_sha256(out / "tokenizer.json", "data") != recorded:
+        raise UserError(
+            f"data: {out / 'tokenizer.json'} is not the tokenizer the shards were made with (its sha256 differs from "
+            "meta.json's): restore it, or prepare the data again in a new folder"
+        )
+    data = PreparedData(dir=out, tokenizer=read_tokenizer(out / "tokenizer.json", "data"), meta=meta)
+    for split in ("train", "val"):  # a truncated, missing or overwritten shard is found now, before a run starts
+        _check_token_ids(data, split)
     return data
+
+
+def _check_token_ids(data: PreparedData, split: str) -> None:
+    """Every token id of every shard inside the vocabulary: one pass over each file (a max over the memory map), so
+    that overwritten bytes stop the run here in one line, not steps later in the embedding."""
+    vocab_size = data.meta["vocab_size"]
+    indices = [shard["index"] for shard in data.meta["shards"] if shard[f"{split}_tokens"]]
+    for index, tokens in zip(indices, data.shards(split), strict=True):
+        largest = int(tokens.max())
+        if largest >= vocab_size:
+            raise UserError(
+                f"data: shard {data.dir / f'{split}-{index:06d}.bin'} holds token id {largest}, outside the "
+                f"vocabulary of {vocab_size} (overwritten?): delete it and its shard-{index:06d}.json, then run the "
+                "same `xsa-lm prepare` command to rebuild it"
+            )
+
+
+def _read_json(path: Path, fix: str) -> object:
+    """A JSON file of a prepared directory, or one line naming it and `fix` when it is truncated or overwritten."""
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"data: {path} is not valid JSON ({e}; truncated or overwritten?): {fix}") from None
 
 
 def _check_identity(out: Path, identity: dict) -> None:
@@ -226,7 +263,7 @@ def _check_identity(out: Path, identity: dict) -> None:
             raise UserError(f"data.dir={out} holds files that xsa-lm did not prepare: choose another data.dir")
         _atomic_write(recorded, json.dumps(wanted, indent=2))
         return
-    if json.loads(recorded.read_text()) != wanted:
+    if _read_json(recorded, "delete its folder to prepare it again") != wanted:
         raise UserError(
             f"data.dir={out} was prepared from other inputs (source, tokenizer or split settings; see "
             f"{recorded}): choose another data.dir, or delete that one to prepare it again"
@@ -236,7 +273,7 @@ def _check_identity(out: Path, identity: dict) -> None:
 def _tokenizer(pieces: Callable[[], Iterator[tuple]], build_tokenizer, out: Path, n_docs: int) -> Tokenizer:
     path = out / "tokenizer.json"
     if path.exists():  # an interrupted preparation: its shards were written with this tokenizer
-        return Tokenizer.from_file(str(path))
+        return read_tokenizer(path, "data")
     train_texts = (train for train, _ in pieces() if train is not None)  # never the validation text
     tokenizer = build_tokenizer(train_texts=islice(train_texts, n_docs))
     if tokenizer.token_to_id(EOT) is None:
@@ -269,17 +306,20 @@ def _write_shards(
     workers: int,
     progress: bool,
     source,
-) -> list:
+) -> tuple[list[dict], bool]:
+    """The shards' counts, sorted, and whether any document has text (more than whitespace)."""
     job = (str(out), str(out / "tokenizer.json"), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
     shards: list[dict] = []
+    has_text = False
     bar = _Progress(progress, getattr(source, "count_documents", lambda: None)())
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
     pending: dict[Future, int] = {}  # a chunk being tokenized -> its number of documents
     try:
         for index, chunk in enumerate(_batched(pieces, shard_documents)):
+            has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
             done_file = out / f"shard-{index:06d}.json"
             if done_file.exists():  # finished by an earlier run: never rewritten
-                shards.append(json.loads(done_file.read_text()))
+                shards.append(cast(dict, _read_json(done_file, "delete it to tokenize that shard again")))
                 bar.update(len(chunk), shards[-1]["train_tokens"] + shards[-1]["val_tokens"])
                 continue
             args = (*job, index, [train for train, _ in chunk], [val for _, val in chunk])
@@ -298,7 +338,7 @@ def _write_shards(
         bar.close()
     if not shards:
         raise UserError("data: the corpus has no documents")
-    return sorted(shards, key=lambda s: s["index"])
+    return sorted(shards, key=lambda s: s["index"]), has_text
 
 
 def _collect(pending: dict[Future, int], bar: "_Progress") -> list[dict]:

@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import build
 from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_prepared, prepare, split_settings
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.data.tokenizer import learns_from_corpus, tokenizer_inputs
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 
 
 def prepare_data(
@@ -36,11 +37,17 @@ def prepare_data(
     build_tokenizer = build(tokenizer_cfg)
     # A run's config saved before val_split existed keeps the document split it was trained with.
     split, val_fraction, note = choose_split(source, data_cfg.get("val_split", "document"), data_cfg.val_fraction)
-    if note and all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK")):  # once, not per DDP rank
-        print(note)
-    settings = split_settings(split, val_fraction, data_cfg.split_seed, data_cfg.shard_documents)
-    identity = {"source": source.identity(), "tokenizer": tokenizer_key, **settings}
+    if getattr(source, "dropped", None):  # the same file given twice, or a glob and one of its matches
+        repeats = ", ".join(source.dropped[:3]) + (", ..." if len(source.dropped) > 3 else "")
+        once(f"data: {len(source.dropped)} file(s) matched more than once, read once: {repeats}")
+    if note:
+        once(note)
+    identity = data_identity(source, tokenizer_cfg, data_cfg, split=split, val_fraction=val_fraction)
     out = Path(data_cfg.dir).expanduser() if data_cfg.dir else cache_path(data_cfg.cache_dir, source.name, identity)
+    if not learns_from_corpus(tokenizer_cfg) and not (out / "meta.json").exists():
+        # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
+        tokenizer = build_tokenizer()
+        build_tokenizer = lambda train_texts: tokenizer  # noqa: E731
     return prepare(
         source,
         build_tokenizer,
@@ -54,6 +61,24 @@ def prepare_data(
         tokenizer_documents=data_cfg.tokenizer_documents,
         progress=progress,
     )
+
+
+def data_identity(source, tokenizer_cfg: DictConfig, data_cfg: DictConfig, *, split: str, val_fraction: float) -> dict:
+    """Everything that decides the tokens of a preparation: the source (its files resolved, each once, with their
+    sizes and times), the tokenizer (its settings, a given file's bytes, the documents a trained one learns from)
+    and the split. It names the cache folder and is recorded in prepare.json: other inputs never share shards."""
+    return {
+        "source": source.identity(),
+        "tokenizer": OmegaConf.to_container(tokenizer_cfg, resolve=True),
+        **tokenizer_inputs(tokenizer_cfg, data_cfg.tokenizer_documents),
+        **split_settings(split, val_fraction, data_cfg.split_seed, data_cfg.shard_documents),
+    }
+
+
+def once(line: str) -> None:
+    """A note printed by one process, not by every DDP rank."""
+    if all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK")):
+        print(line)
 
 
 def check_val_windows(val_windows: int | None) -> None:
@@ -73,6 +98,7 @@ def describe(data: PreparedData) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     with exit_on_user_error():

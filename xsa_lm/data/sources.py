@@ -67,7 +67,7 @@ class LocalFiles:
     name = "local"
 
     def __init__(self, files: str | list[str], text_field: str = "text") -> None:
-        self.files = expand(files, "data.files")
+        self.files, self.dropped = expand(files, "data.files")
         self.text_field = text_field
         for path in self.files:
             if not path.endswith(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES):
@@ -147,8 +147,7 @@ class LocalFiles:
         return value
 
     def identity(self) -> dict:
-        files = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in self.files]
-        return {"name": self.name, "files": files, "text_field": self.text_field}
+        return {"name": self.name, "files": describe_files(self.files), "text_field": self.text_field}
 
 
 class HFDataset:
@@ -171,7 +170,10 @@ class HFDataset:
         self.path = path
         self.subset = subset
         self.split = split
-        self.data_files = data_files
+        self.data_files: list[str] | None = None
+        self.dropped: list[str] = []
+        if data_files is not None:  # local files for a builder path: each once, and a missing one refused now
+            self.data_files, self.dropped = expand(data_files, "data.data_files")
         self.timeout_s = timeout_s
         if data_files is None:
             self._check_hub()
@@ -210,17 +212,13 @@ class HFDataset:
         return self.max_documents
 
     def identity(self) -> dict:
-        files = expand(self.data_files, "data.data_files") if self.data_files is not None else None
-        described = None
-        if files is not None:
-            described = [[os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)] for p in files]
         return {
             "name": self.name,
             "path": self.path,
             "subset": self.subset,
             "split": self.split,
             "text_field": self.text_field,
-            "files": described,
+            "files": None if self.data_files is None else describe_files(self.data_files),
             "max_documents": self.max_documents,
         }
 
@@ -236,12 +234,24 @@ def _read_utf8(path: str) -> str:
         ) from None
 
 
-def expand(patterns: str | list[str], field: str) -> list[str]:
+def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]:
+    """The files the globs match, in order, each once: a file matched again (the same path twice, a glob and one
+    of its matches, a symlink to it) is read once. Returns (files, the repeats dropped)."""
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    paths: list[str] = []
+    paths: dict[str, str] = {}  # resolved path -> the path as matched
+    dropped: list[str] = []
     for pattern in patterns:
         matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
         if not matched:
             raise UserError(f"{field}: no file matches {pattern!r}")
-        paths += matched
-    return paths
+        for path in matched:
+            if os.path.realpath(path) in paths:
+                dropped.append(path)
+            else:
+                paths[os.path.realpath(path)] = path
+    return list(paths.values()), dropped
+
+
+def describe_files(paths: list[str]) -> list[list]:
+    """Files as the data cache tells them apart: resolved path, size and modification time."""
+    return [[os.path.realpath(p), os.path.getsize(p), os.path.getmtime(p)] for p in paths]

@@ -1,9 +1,13 @@
 """Tokenizers: a byte-level BPE trained on the corpus, GPT-2's, or any tokenizer.json."""
 
+import hashlib
+import json
 import os
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 
+from omegaconf import DictConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from xsa_lm.errors import UserError
@@ -41,14 +45,75 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
+    """The tokenizer saved in the tokenizer.json at `path`, or one line naming `key` and the file when it is missing,
+    unreadable, not UTF-8, not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file
+    xsa-lm reads (tokenizer.path, a prepared data.dir, the Hugging Face cache) is read here."""
+    text = _read_text(Path(path), key)
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{key}: {path} is not a tokenizer.json: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}; "
+            "a truncated or a plain-text file?)"
+        ) from None
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any JSON it cannot read
+        raise UserError(f"{key}: {path} is JSON but no tokenizer of the `tokenizers` library ({e})") from None
+    if tokenizer.token_to_id(EOT) is None:
+        raise UserError(f"{key}: {path} has no {EOT} token to separate documents")
+    return tokenizer
+
+
+def _read_text(path: Path, key: str) -> str:
+    if not path.is_file():
+        raise UserError(f"{key}: file not found: {path}")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{key}: {path} cannot be read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
+        ) from None
+
+
+def file_sha256(path: str | Path, key: str) -> str:
+    """The sha256 of a tokenizer file's bytes: the identity of a tokenizer (meta.json and checkpoints record it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{key}: file not found: {path}")
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise UserError(f"{key}: {path} cannot be read ({e.strerror})") from None
+
+
+# Tokenizers whose vocabulary is given, not learned from the corpus: data.tokenizer_documents does not change them.
+FIXED_TOKENIZERS = ("xsa_lm.data.tokenizer.load_tokenizer_file", "xsa_lm.data.tokenizer.load_gpt2")
+
+
+def learns_from_corpus(tokenizer_cfg: DictConfig) -> bool:
+    return tokenizer_cfg.get("_target_") not in FIXED_TOKENIZERS
+
+
+def tokenizer_inputs(tokenizer_cfg: DictConfig, tokenizer_documents: int) -> dict:
+    """What decides the tokenizer besides its settings: the bytes of a given tokenizer file (the same path may hold
+    another file later), or the number of documents a tokenizer trained on the corpus learns from."""
+    inputs: dict = {}
+    if tokenizer_cfg.get("path"):
+        inputs["tokenizer_sha256"] = file_sha256(os.path.expanduser(tokenizer_cfg.path), "tokenizer.path")
+    if learns_from_corpus(tokenizer_cfg):
+        inputs["tokenizer_documents"] = tokenizer_documents
+    return inputs
+
+
 def load_tokenizer_file(path: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
     """A saved tokenizer.json (train_texts is unused: its vocabulary is fixed)."""
-    if not os.path.isfile(path):
-        raise UserError(f"tokenizer.path: file not found: {path}")
-    tokenizer = Tokenizer.from_file(path)
-    if tokenizer.token_to_id(EOT) is None:
-        raise UserError(f"tokenizer.path: {path} has no {EOT} token to separate documents")
-    return tokenizer
+    return read_tokenizer(os.path.expanduser(path), "tokenizer.path")
 
 
 def load_gpt2(
@@ -66,10 +131,13 @@ def load_gpt2(
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    key = "tokenizer=gpt2 (from the Hugging Face cache)"
     try:
-        return Tokenizer.from_file(hf_hub_download(repo_id, "tokenizer.json", local_files_only=True))
+        return read_tokenizer(hf_hub_download(repo_id, "tokenizer.json", local_files_only=True), key)
     except LocalEntryNotFoundError:
         pass
+    except OSError as e:  # HF_HOME (or HF_HUB_CACHE) below a file, or not readable
+        raise _hub_error(e) from None
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     if offline or not reachable("huggingface.co", 443, timeout_s):
         raise UserError(
@@ -77,7 +145,20 @@ def load_gpt2(
             + (" (HF_HUB_OFFLINE is set)" if offline else "")
             + ": pass tokenizer.path=/path/to/gpt2/tokenizer.json, or use tokenizer=bpe"
         )
-    return Tokenizer.from_file(hf_hub_download(repo_id, "tokenizer.json"))
+    try:
+        return read_tokenizer(hf_hub_download(repo_id, "tokenizer.json"), key)
+    except OSError as e:  # the cache's folders, or the download (requests' errors are OSErrors too)
+        raise _hub_error(e) from None
+
+
+def _hub_error(error: OSError) -> UserError:
+    alternative = "pass tokenizer.path=/path/to/gpt2/tokenizer.json"
+    if error.filename:  # a file or folder of the cache
+        return UserError(
+            f"tokenizer=gpt2: the Hugging Face cache cannot be used ({error.filename}: {error.strerror or error}): "
+            f"point HF_HOME at a writable folder, or {alternative}"
+        )
+    return UserError(f"tokenizer=gpt2: the download failed ({type(error).__name__}: {str(error)[:150]}): {alternative}")
 
 
 def reachable(host: str, port: int, timeout_s: float) -> bool:

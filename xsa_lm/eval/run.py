@@ -5,7 +5,6 @@ XSA - SA when both are given), prints the table, and logs it to W&B in each chec
 """
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Any, cast
@@ -17,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer, run_dir_of
 from xsa_lm.data.tokenizer import reachable
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import write_json, write_text
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
 PAPER_TASKS = {
@@ -193,6 +193,7 @@ def log_to_wandb(result: dict, wandb_mode: str) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="eval")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
@@ -201,8 +202,8 @@ def main(cfg: DictConfig) -> None:
         result = evaluate(checkpoint_list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
-    (out / "eval.json").write_text(json.dumps(result, indent=2))
-    (out / "eval.md").write_text(table + "\n")
+    write_json(out / "eval.json", result)
+    write_text(out / "eval.md", table + "\n")
     if cfg.wandb:
         log_to_wandb(result, cfg.wandb_mode)
     print(table)

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from xsa_lm.checkpoints.load import load_model, load_tokenizer
 from xsa_lm.data.tokenizer import eot_id
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import generate
 
 
@@ -36,7 +36,7 @@ def sample(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, num_samples=num_samples, seed=seed
     )
     path = Path(str(ckpt)).expanduser()
-    model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path)
+    model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path, key="ckpt")
     prompt = "" if prompt is None else str(prompt)  # prompt=null, or a number Hydra parsed as one
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
@@ -47,6 +47,7 @@ def sample(
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="generate")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         texts = sample(

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
 from xsa_lm.data.tokenizer import EOT
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import GPT
 
 if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
@@ -74,7 +74,7 @@ def export(ckpt: Path, out: Path) -> Path:
     require_transformers()
     check_checkpoint_file(ckpt, key="ckpt")
     check_out(out)
-    model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt)
+    model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt, key="ckpt")
     eot = tokenizer.token_to_id(EOT)
     if eot is None:
         raise UserError(f"ckpt: the tokenizer of {ckpt}'s run has no {EOT} token")
@@ -92,6 +92,7 @@ def export(ckpt: Path, out: Path) -> Path:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="export")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out)).expanduser())

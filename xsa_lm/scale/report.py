@@ -1,10 +1,10 @@
 """The scaling study's outputs: results.json, report.md, loss_vs_compute.png, multiplier.png (XSA - SA by size; the
 ladder's k in its title only when no flag is up) and a W&B report run."""
 
-import json
 import math
 from pathlib import Path
 
+from xsa_lm.files import write_json, write_text
 from xsa_lm.scale.fit import Fit
 
 
@@ -234,11 +234,11 @@ def plot_multiplier(results: dict, path: Path) -> None:
 
 
 def write_report(results: dict, study_dir: Path) -> str:
-    (study_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(study_dir / "results.json", results)
     plot_loss_vs_compute(results, study_dir / "loss_vs_compute.png")
     plot_multiplier(results, study_dir / "multiplier.png")
     markdown = render_markdown(results)
-    (study_dir / "report.md").write_text(markdown)
+    write_text(study_dir / "report.md", markdown)
     return markdown
 
 

@@ -23,9 +23,11 @@ from typing import Any, cast
 import hydra
 import numpy as np
 import scipy.stats
+from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import write_text
 from xsa_lm.scale.fit import (
     FORMS,
     Fit,
@@ -40,7 +42,9 @@ from xsa_lm.scale.fit import (
 )
 from xsa_lm.scale.paired import holm, pooled_sign_test, size_tests
 from xsa_lm.scale.report import log_to_wandb, write_report
+from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
 from xsa_lm.sweep.run import (
+    check_sweep,
     open_state,
     passed_on,
     report_run_settings,
@@ -49,6 +53,7 @@ from xsa_lm.sweep.run import (
     train_overrides,
     wandb_settings,
 )
+from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.trials import die_with_parent, last_error_line
 
 SET_BY_SCALE = {  # model.* keys apply to every size (e.g. model.block_size)
@@ -93,6 +98,13 @@ def check_models(models: Any) -> list[str]:
     return names
 
 
+def size_overrides(overrides: list[str], model: str, seeds: list[int] | None) -> list[str]:
+    """What one size's `xsa-lm sweep` runs with (its directory and W&B group aside): the study's overrides, the size,
+    and scale.seeds as its compare seeds (None: sweep.seeds)."""
+    compare_seeds = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
+    return [*overrides, f"model={model}", *compare_seeds]
+
+
 class SizeRunner:
     """One `xsa-lm sweep` process per size, its output in logs/<model>.log and its progress on the terminal."""
 
@@ -107,10 +119,8 @@ class SizeRunner:
         return self.study_dir / "sizes" / model
 
     def command(self, model: str) -> list[str]:
-        cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *self.overrides, f"model={model}"]
+        cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *size_overrides(self.overrides, model, self.seeds)]
         cmd.append(f"hydra.run.dir={self.sweep_dir(model)}")
-        if self.seeds is not None:
-            cmd.append(f"sweep.seeds=[{','.join(map(str, self.seeds))}]")
         if self.group is not None:
             cmd.append(f"logger.wandb.group={self.group}")
         return cmd
@@ -385,31 +395,56 @@ def load_bench(path: Any) -> dict | None:
     file = Path(str(path))
     if not file.is_file():
         raise UserError(f"scale.bench={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
-    bench = json.loads(file.read_text())
-    ratio = bench.get("ratios", {}).get("xsa_over_sa_step_time")
-    if not ratio:
+    try:
+        bench = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        bench = None
+    ratios = bench.get("ratios") if isinstance(bench, dict) else None
+    ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
+    if not isinstance(ratio, dict) or "median" not in ratio:
         raise UserError(f"scale.bench={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
     return {"source": str(file), "model": bench.get("model"), "xsa_over_sa_step_time": ratio}
 
 
 def check_analysis(scale: DictConfig) -> None:
-    """The analysis settings, before hours of training rather than after."""
+    """The analysis settings, before hours of training rather than after (their types: SCALE_RULES)."""
     if scale.fit not in ("auto", *FORMS):
         raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
-    resamples = scale.bootstrap_resamples
-    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
-        raise UserError(f"scale.bootstrap_resamples must be an integer of at least 100, got {resamples!r}")
-    if scale.get("seeds") is not None and not OmegaConf.is_list(scale.seeds):
-        raise UserError(f"scale.seeds must be a list of seeds, e.g. scale.seeds=[1,2,3], got {scale.seeds!r}")
+
+
+def check_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple[list[str], dict]:
+    """Every setting of the study and what each size will run, before the study directory gets anything (nothing is
+    written here): the sizes, and the plan of the axis. On the size axis, each size's `xsa-lm sweep` config is
+    composed as that sweep will compose it (within the running Hydra app) and checked as it will check it, its
+    trials included (check_sweep); on the token axis, check_token_study and each size's runs (check_token_runs)."""
+    check_settings(cfg.scale, SCALE_RULES, "scale")
+    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher: the rules below rely on them
+    models = check_models(cfg.scale.models)
+    if cfg.scale.axis == "tokens":
+        from xsa_lm.scale.tokens import check_token_runs, check_token_study
+
+        plan = check_token_study(cfg, overrides)
+        check_token_runs(cfg, study_dir, overrides, models, plan)
+        return models, plan
+    check_analysis(cfg.scale)
+    bench = load_bench(cfg.scale.bench)
+    name = "scale.seeds" if cfg.scale.seeds is not None else "sweep.seeds"
+    search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
+    listed = cast(list[int] | None, plain(OmegaConf.select(cfg, name)))
+    if not check_seeds(listed, search_seeds, cfg.sweep.reuse_search_run, name=name):
+        raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
+    seeds = cast(list[int] | None, plain(cfg.scale.seeds))
+    for model in models:
+        size = size_overrides(overrides, model, seeds)
+        check_sweep(compose(config_name="sweep", overrides=size), train_overrides(size))
+    return models, {"seeds": seeds, "bench": bench}
 
 
 def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
-    models = check_models(cfg.scale.models)
-    check_analysis(cfg.scale)
-    bench = load_bench(cfg.scale.get("bench"))  # before hours of training rather than after
-    seeds = cast(list[int], OmegaConf.to_container(cfg.scale.seeds)) if cfg.scale.get("seeds") is not None else None
+    models, plan = check_study(cfg, study_dir, overrides)
+    bench, seeds = plan["bench"], plan["seeds"]
     state = open_study(study_dir, overrides, cfg)
-    OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
+    write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     wandb_cfg = wandb_settings(cfg)
     runner = SizeRunner(study_dir, overrides, seeds, group=state["study_id"] if wandb_cfg else None)
     stop_on_signals(runner.stop, "scale")
@@ -439,18 +474,18 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     if cfg.scale.axis not in ("size", "tokens"):
         with exit_on_user_error():
             raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
     if cfg.scale.axis == "tokens":
-        from xsa_lm.scale.tokens import check_token_study, run_token_study, unfinished
+        from xsa_lm.scale.tokens import run_token_study, unfinished
 
         def token_study(study_dir: Path, overrides: list[str]) -> dict:
-            models = check_models(cfg.scale.models)
-            plan = check_token_study(cfg, overrides)  # before the directory gets anything
+            models, plan = check_study(cfg, study_dir, overrides)  # before the directory gets anything
             state = open_study(study_dir, overrides, cfg)
-            OmegaConf.save(cfg, study_dir / "config.yaml", resolve=True)
+            write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
             return run_token_study(cfg, study_dir, overrides, models=models, plan=plan, state=state)
 
         study_dir, results = run_exclusive("scale", sweep_overrides, token_study)

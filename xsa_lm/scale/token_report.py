@@ -1,8 +1,8 @@
 """The token-axis study's outputs: results.json, report.md, loss_vs_tokens.png and multiplier.png."""
 
-import json
 from pathlib import Path
 
+from xsa_lm.files import write_json, write_text
 from xsa_lm.scale.token_axis import ci_text, k_text
 
 
@@ -166,9 +166,9 @@ def plot_multipliers(results: dict, path: Path) -> None:
 
 
 def write_report(results: dict, study_dir: Path) -> str:
-    (study_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(study_dir / "results.json", results)
     plot_loss_vs_tokens(results, study_dir / "loss_vs_tokens.png")
     plot_multipliers(results, study_dir / "multiplier.png")
     markdown = render_markdown(results)
-    (study_dir / "report.md").write_text(markdown)
+    write_text(study_dir / "report.md", markdown)
     return markdown

@@ -25,8 +25,8 @@ from xsa_lm.errors import UserError
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, pool
 from xsa_lm.scale.token_report import write_report
 from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
-from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, wandb_settings
-from xsa_lm.sweep.trials import Launcher, TrialStore, last_error_line
+from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
+from xsa_lm.sweep.trials import Launcher, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_TOKEN_AXIS = {
     "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
@@ -43,9 +43,6 @@ def check_budgets(scale: DictConfig) -> tuple[list[float], list[float]]:
         raise UserError(f"scale.sa_budgets needs 2+ positive budgets including 1 (the LR is chosen at B), got {sa}")
     if not xsa or any(not sa[0] <= f <= sa[-1] for f in xsa):
         raise UserError(f"scale.xsa_budgets must lie within SA's budgets [{sa[0]:g}, {sa[-1]:g}], got {xsa}")
-    per_param = scale.tokens_per_param
-    if isinstance(per_param, bool) or not isinstance(per_param, int | float) or per_param <= 0:
-        raise UserError(f"scale.tokens_per_param must be a positive number, got {per_param!r}")
     return sa, xsa
 
 
@@ -80,12 +77,16 @@ class SizePlan:
     def store(self, phase: str) -> TrialStore:
         return TrialStore(self.dir / phase)
 
-    def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
+    def train_overrides(self, fraction: float) -> list[str]:
+        """What the runs of a budget train with: the study's training overrides, the size and the budget's steps."""
         steps = self.steps(fraction)
         settings = [f"model={self.model}", f"trainer.max_steps={steps}", f"val_every_steps={max(1, -(-steps // 2))}"]
+        return [*self.overrides, *settings]
+
+    def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
         return Launcher(
             self.store(phase),
-            [*self.overrides, *settings],
+            self.train_overrides(fraction),
             max_parallel=self.cfg.sweep.max_parallel,
             launch_prefix=self.cfg.sweep.launch_prefix or [],
             wandb_group=group,
@@ -248,7 +249,8 @@ def analyse_tokens(sizes: list[dict], sa_budgets: list[float], xsa_budgets: list
 
 
 def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
-    """Every setting of the token axis, before the study directory gets anything: the plan a rerun must keep."""
+    """Every setting of the token axis, before the study directory gets anything: the plan a rerun must keep. The
+    runs themselves: check_token_runs."""
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in SET_BY_TOKEN_AXIS:
@@ -270,6 +272,19 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
     }
 
 
+def check_token_runs(cfg: DictConfig, study_dir: Path, overrides: list[str], models: list[str], plan: dict) -> None:
+    """Each size's LR grid and its runs at B (an SA search run, an XSA run), composed and checked as their
+    `xsa-lm train` will (check_trials), within the running Hydra app; and GPUs for the runs at once."""
+    gpu_slots(cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [])
+    runs = train_overrides(overrides)
+    grids = cfg.sweep.lr_grids or {}
+    for model in models:
+        grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
+        size = SizePlan(study_dir, model, non_embedding_params(model, runs), cfg, runs)
+        trials = [Trial("sa", grid[0], plan["search_seeds"][0]), Trial("xsa", grid[0], plan["seeds"][0])]
+        check_trials(size.train_overrides(1.0), trials)
+
+
 def run_token_study(
     cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], plan: dict, state: dict
 ) -> dict:
@@ -279,10 +294,11 @@ def run_token_study(
     keep_plan(study_dir / "scale.json", state, plan, grid=[])
     group = state["study_id"] if wandb_settings(cfg) else None
     grids = cfg.sweep.get("lr_grids") or {}
+    runs = train_overrides(overrides)  # sweep.* stays with the study
     sizes = []
     for model in models:
         grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
-        size = SizePlan(study_dir, model, non_embedding_params(model, overrides), cfg, overrides)
+        size = SizePlan(study_dir, model, non_embedding_params(model, runs), cfg, runs)
         entry = run_size(
             size,
             grid=grid,

@@ -1,6 +1,7 @@
 """The paper's protocol as pure functions: the LR grid, the trials of each phase, the LR selection, and the
 statistics of the comparison. No processes, files or plots here (see trials.py and report.py)."""
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -8,7 +9,9 @@ from dataclasses import dataclass, field
 
 import scipy.stats
 
+from xsa_lm.config.checks import SEED_MAX
 from xsa_lm.errors import UserError
+from xsa_lm.sweep.settings import seed_list
 
 ALPHA, POWER = 0.05, 0.8  # the comparison's significance level (two-sided) and the power of its detectable difference
 
@@ -43,6 +46,11 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
             "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
             "model preset (sweep.lr_grids)"
         )
+    if lrs and lr_range:  # one would be ignored without a word
+        raise UserError(
+            "sweep.lrs and sweep.lr_range are both set, and the grid is one of them: set the other to null (e.g. "
+            "sweep.lrs=null for the log-spaced range)"
+        )
     if lrs:
         grid = [float(lr) for lr in lrs]
     elif lr_range:
@@ -61,12 +69,13 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
 
 
 def check_search_seeds(search_seeds: object) -> list[int]:
-    """The seeds of the LR search: at least one, distinct integers."""
+    """The seeds of the LR search: at least one, distinct integers in the seed range."""
     values = list(search_seeds) if isinstance(search_seeds, list | tuple) else None
-    if not values or len(set(values)) != len(values) or any(type(s) is not int for s in values):
+    if not values or seed_list()(values):
         raise UserError(
-            f"sweep.search_seeds must be a non-empty list of distinct integers, got {search_seeds!r}; e.g. "
-            "sweep.search_seeds=[0] or, to select on the median of 3 seeds, sweep.search_seeds=[0,10,20]"
+            f"sweep.search_seeds must be a non-empty list of distinct integers from 0 to {SEED_MAX}, got "
+            f"{search_seeds!r}; e.g. sweep.search_seeds=[0] or, to select on the median of 3 seeds, "
+            "sweep.search_seeds=[0,10,20]"
         )
     return values
 
@@ -78,12 +87,13 @@ def check_seeds(
     the search's SA run at the selected LR won the search partly on its noise (the winner's curse), while XSA's run at
     that seed was not selected, so reusing it biases the paired difference against XSA. sweep.reuse_search_run=true
     allows it (the report then warns)."""
-    seeds = [int(s) for s in seeds or []]
-    if len(set(seeds)) != len(seeds):
-        raise UserError(f"{name} must be a list of distinct integers, got {seeds}")
+    problem = seed_list(nullable=True)(seeds)
+    if problem:
+        raise UserError(f"{name}={seeds!r} {problem}")
+    seeds = list(seeds or [])
     shared = [s for s in seeds if s in search_seeds]
     if shared and not reuse_search_run:
-        fresh = iter(s for s in range(max([*seeds, *search_seeds]) + 1, 10**9))  # new seeds, the same number
+        fresh = (s for s in itertools.count() if s not in seeds and s not in search_seeds)  # the same number, new
         instead = [s if s not in search_seeds else next(fresh) for s in seeds]
         listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
         raise UserError(
@@ -254,6 +264,11 @@ def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -
         if candidate not in search_seeds:
             sequence.append(candidate)
         candidate += 1
+    if sequence[-1] > SEED_MAX:
+        raise UserError(
+            f"sweep.seeds_until_significant={cap} would add seeds up to {sequence[-1]}, beyond the largest seed "
+            f"{SEED_MAX}: start sweep.seeds lower"
+        )
     return sequence
 
 

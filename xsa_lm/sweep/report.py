@@ -1,13 +1,13 @@
 """The sweep's outputs: results.json (machine-readable), report.md (tables a paper can use), lr_sweep.png and
 curves.png, and a W&B report run in the sweep's group."""
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import scipy.stats
 
+from xsa_lm.files import write_json, write_text
 from xsa_lm.sweep.protocol import ALPHA, POWER, Comparison, Selection, mean_std, paired_test
 from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
 
@@ -447,11 +447,11 @@ def build_results(
 
 def write_report(results: dict, sweep_dir: Path) -> str:
     """results.json, report.md and the two plots in the sweep directory; returns the markdown."""
-    (sweep_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(sweep_dir / "results.json", results)
     plot_lr_sweep(results, sweep_dir / "lr_sweep.png")
     plot_curves(results["trials"], sweep_dir / "curves.png", results["selected_lr"])
     markdown = render_markdown(results)
-    (sweep_dir / "report.md").write_text(markdown)
+    write_text(sweep_dir / "report.md", markdown)
     return markdown
 
 

@@ -26,7 +26,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.sweep.protocol import (
     ALPHA,
@@ -42,8 +43,9 @@ from xsa_lm.sweep.protocol import (
     select_lr,
 )
 from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
+from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import Launcher, TrialStore
+from xsa_lm.sweep.trials import Launcher, TrialStore, check_trials, gpu_slots
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
@@ -106,7 +108,7 @@ def open_state(
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),
     }
-    state_file.write_text(json.dumps(state, indent=2))
+    write_json(state_file, state)
     return state
 
 
@@ -188,7 +190,7 @@ def keep_plan(state_file: Path, state: dict, plan: dict, grid: list[float]) -> N
     state["plan"] = plan
     history = state.setdefault("history", [])
     history.append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
-    state_file.write_text(json.dumps(state, indent=2))
+    write_json(state_file, state)
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
@@ -260,40 +262,45 @@ def evaluate_compare(
     return json.loads((out / "eval.json").read_text()), ""
 
 
-def plain(value: object) -> object:
-    """A config list or dict as a Python one (anything else unchanged)."""
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def check_sweep(cfg: DictConfig) -> tuple[list[float], list[int], list[int], int | None]:
+def check_sweep(
+    cfg: DictConfig, overrides: list[str] | None = None
+) -> tuple[list[float], list[int], list[int], int | None]:
     """The LR grid, the search seeds, the compare seeds and the cap of sweep.seeds_until_significant (None: a fixed
-    set of seeds); every setting is checked before anything is written."""
-    from xsa_lm.config.builders import check_config  # validate once, not in every trial
+    set of seeds). Every sweep.* setting is checked here, before anything is written, and so is each kind of trial
+    the sweep will start: its training config composed from the training overrides (within the running Hydra app)
+    and checked as its `xsa-lm train` will check it; without overrides, the sweep's own config stands for it."""
+    from xsa_lm.config.builders import check_config
 
-    grids = cfg.sweep.get("lr_grids") or {}
+    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # types and ranges first: the rules below rely on them
+    grids = cfg.sweep.lr_grids or {}
     grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
     search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
-    seeds = check_seeds(
-        cast(list[int] | None, plain(cfg.sweep.seeds)), search_seeds, bool(cfg.sweep.get("reuse_search_run", False))
-    )
-    cap = cfg.sweep.get("seeds_until_significant")
+    seeds = check_seeds(cast(list[int] | None, plain(cfg.sweep.seeds)), search_seeds, cfg.sweep.reuse_search_run)
+    cap = cfg.sweep.seeds_until_significant
     if cap is not None:
-        seed_sequence(seeds, search_seeds, cap)  # a bad cap fails now, before anything is written
-    stall_rule(cfg)  # a bad sweep.stall too, not at the report after every run
-    if cfg.sweep.max_parallel < 1:
-        raise UserError(f"sweep.max_parallel must be at least 1, got {cfg.sweep.max_parallel}")
-    if cfg.sweep.get("eval_tasks"):
-        from xsa_lm.eval.run import require_harness
+        seed_sequence(seeds, search_seeds, cap)
+    stall_rule(cfg)  # its values, not at the report after every run
+    gpu_slots(cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [])  # enough GPUs for the trials at once
+    if cfg.sweep.eval_tasks:
+        from xsa_lm.eval.run import require_harness, resolve_tasks
 
         require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
-    check_config(cfg)
+        try:
+            resolve_tasks(cast(str | list[str], plain(cfg.sweep.eval_tasks)))  # a task file that is not there
+        except UserError as e:
+            raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
+    if overrides is None:
+        check_config(cfg)
+    else:  # XSA trials only in the comparison, unless it is tuned too
+        attentions = ["sa", "xsa"] if seeds or cfg.sweep.tune_xsa else ["sa"]
+        check_trials(overrides, [Trial(attention, grid[0], search_seeds[0]) for attention in attentions])
     return grid, search_seeds, seeds, cap
 
 
 def save_config(cfg: DictConfig, sweep_dir: Path) -> None:
     """config.yaml, resolved; a rerun keeps the first one and saves its own beside it."""
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
-    OmegaConf.save(cfg, sweep_dir / config_name, resolve=True)
+    write_text(sweep_dir / config_name, OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def search_phase(
@@ -332,7 +339,7 @@ def downstream_evaluation(
 
 
 def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
-    grid, search_seeds, seeds, cap = check_sweep(cfg)
+    grid, search_seeds, seeds, cap = check_sweep(cfg, overrides)
     state = open_sweep(sweep_dir, overrides, cfg)
     keep_plan(sweep_dir / "sweep.json", state, comparison_plan(cfg, search_seeds, seeds, cap), grid)
     save_config(cfg, sweep_dir)
@@ -390,6 +397,7 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, partial(run_sweep, cfg))
     print("\n" + markdown)

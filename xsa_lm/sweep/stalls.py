@@ -29,10 +29,10 @@ class StallRule:
 
     def __post_init__(self) -> None:
         values = [self.at_fraction, self.margin] + ([] if self.loss_threshold is None else [self.loss_threshold])
-        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
         if not numbers or not 0 < self.at_fraction <= 1 or self.margin < 0:
             raise UserError(
-                f"sweep.stall needs 0 < at_fraction <= 1, margin >= 0 and loss_threshold null or a number, got "
+                f"sweep.stall needs 0 < at_fraction <= 1, margin >= 0 and loss_threshold null or a finite number, got "
                 f"at_fraction={self.at_fraction!r}, margin={self.margin!r}, loss_threshold={self.loss_threshold!r}"
             )
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import cast
 
 from xsa_lm.errors import UserError
+from xsa_lm.files import write_json
 from xsa_lm.sweep.protocol import Trial
 
 FINAL = ("completed", "diverged")
@@ -60,10 +61,7 @@ class TrialStore:
 
     def save(self, trial: Trial, record: dict) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
-        path = self.records / f"{trial.id}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, path)  # a kill mid-write leaves the old record, never half a record
+        write_json(self.records / f"{trial.id}.json", record)  # a kill mid-write leaves the old record whole
 
     def is_final(self, trial: Trial) -> bool:
         record = self.load(trial)
@@ -121,6 +119,13 @@ def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
     return [",".join(visible[i * per_slot : (i + 1) * per_slot]) for i in range(max_parallel)]
 
 
+def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
+    """device_slots of this machine's GPUs; with a launch prefix (srun, ...) the scheduler places each trial: no
+    slicing from here."""
+    slice_gpus = max_parallel > 1 and not launch_prefix
+    return device_slots(max_parallel, visible_gpus() if slice_gpus else [])
+
+
 def visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -162,6 +167,25 @@ def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
     return env
 
 
+def trial_settings(trial: Trial) -> list[str]:
+    """The training keys the sweep sets for a trial, its run directory aside (run.py SET_BY_SWEEP)."""
+    return [f"attention={trial.attention}", f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
+
+
+def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> None:
+    """Each trial's training config, composed as its `xsa-lm train` will compose it (within the running Hydra app)
+    and checked as train checks it before it writes anything: a bad training key is refused here, once, instead of
+    failing every trial. What only the trial can see (its data, its devices) is left to it."""
+    from hydra import compose
+
+    from xsa_lm.config.builders import check_config, model_config
+
+    for trial in trials:
+        cfg = compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)])
+        check_config(cfg)
+        model_config(cfg, vocab_size=1)  # the model's shape; the tokenizer's vocabulary comes with the data
+
+
 class Launcher:
     """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
 
@@ -177,9 +201,7 @@ class Launcher:
     ) -> None:
         self.store = store
         self.train_overrides = list(train_overrides)
-        # With a launch prefix (srun, ...) the scheduler places each trial: no GPU slicing from here.
-        slice_gpus = max_parallel > 1 and not launch_prefix
-        self.slots = device_slots(max_parallel, visible_gpus() if slice_gpus else [])
+        self.slots = gpu_slots(max_parallel, launch_prefix)
         self.launch_prefix = list(launch_prefix)
         self.wandb_group = wandb_group
         self.diverge_above = diverge_above
@@ -187,13 +209,7 @@ class Launcher:
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
-        set_by_sweep = [
-            f"attention={trial.attention}",
-            f"optim.lr={trial.lr!r}",
-            f"seed={trial.seed}",
-            f"hydra.run.dir={self.store.run_dir(trial)}",
-            "progress_bar=false",
-        ]
+        set_by_sweep = [*trial_settings(trial), f"hydra.run.dir={self.store.run_dir(trial)}"]
         cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides, *set_by_sweep]
         if self.wandb_group is not None:
             cmd += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]

@@ -6,11 +6,12 @@ analyze, eval, generate and resume read sharded checkpoints as they are; one fil
 from pathlib import Path
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
-from xsa_lm.checkpoints.atomic import AtomicCheckpointIO
 from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import atomic_file
 
 
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
@@ -27,11 +28,13 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
     checkpoint = load_sharded(source, optimizer=not weights_only)
     if weights_only:
         checkpoint = {key: checkpoint[key] for key in ("state_dict", "model_config", "global_step")}
-    AtomicCheckpointIO().save_checkpoint(checkpoint, out)
+    with atomic_file(out, "wb", replace=False) as f:  # whole or not at all; a file made meanwhile is kept too
+        torch.save(checkpoint, f)
     return checkpoint
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         out = Path(str(cfg.out)).expanduser()

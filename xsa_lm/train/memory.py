@@ -59,8 +59,9 @@ def hidden_width(model: dict) -> int:
 
 
 def parameter_count(model: dict, vocab_size: int) -> int:
-    """Blocks, the tied embedding, the LayerNorms after the embedding and before the head."""
-    return model["n_layer"] * block_parameters(model) + vocab_size * model["d_model"] + 2 * model["d_model"]
+    """Blocks, the tied embedding, the attention sinks, the LayerNorms after the embedding and before the head."""
+    embeddings = (vocab_size + model.get("n_sinks", 0)) * model["d_model"]
+    return model["n_layer"] * block_parameters(model) + embeddings + 2 * model["d_model"]
 
 
 def dtype_bytes(precision: str) -> tuple[int, int]:
@@ -126,21 +127,24 @@ def activation_bytes(
     residual: int = FP32,
     exclusive: bool = False,
     compiled: bool = False,
+    positions: int | None = None,
 ) -> tuple[int, int]:
     """(saved, transient) for one micro-batch of `tokens`: what the backward starts with, and what its first op (the
-    cross-entropy's) adds. With activation checkpointing each block keeps only its input, and the block recomputed
+    cross-entropy's) adds. `positions`: those the blocks see, the tokens and every sequence's attention sinks
+    (default: the tokens). With activation checkpointing each block keeps only its input, and the block recomputed
     in the backward comes after the cross-entropy's buffers are freed: the transient is the larger of the two."""
+    positions = tokens if positions is None else positions
     compute = 2 if half else 4
     terms = block_saved_per_token(model, compute=compute, residual=residual, exclusive=exclusive, compiled=compiled)
     layer = sum(terms.values())
     outside = head_saved_per_token(model, vocab_size, compute=compute, residual=residual, compiled=compiled)
-    transient = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
+    transient = tokens * cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
     if checkpointing:
         blocks = model["n_layer"] * residual * model["d_model"]
-        transient = max(transient, layer - outside["cross_entropy"])
+        transient = max(transient, positions * layer - tokens * outside["cross_entropy"])
     else:
         blocks = model["n_layer"] * layer
-    return tokens * (blocks + sum(outside.values())), tokens * transient
+    return positions * blocks + tokens * sum(outside.values()), transient
 
 
 def estimate(
@@ -171,6 +175,7 @@ def estimate(
         model=model,
         vocab_size=vocab_size,
         tokens=micro_batch_size * block_size,
+        positions=micro_batch_size * (block_size + model.get("n_sinks", 0)),  # the sinks pass every block too
         half=compute == 2,
         checkpointing=activation_checkpointing,
         residual=weights,

@@ -5,7 +5,6 @@ The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks be
 estimate_for_config gives it for any composed config, e.g. to compare with torch.cuda.max_memory_allocated.
 """
 
-import json
 import math
 from pathlib import Path
 from typing import cast
@@ -13,9 +12,10 @@ from typing import cast
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.config.builders import VOCAB_MULTIPLE, resolve_precision, strategy_kind, world_size
+from xsa_lm.config.builders import VOCAB_MULTIPLE, model_config, resolve_precision, strategy_kind, world_size
 from xsa_lm.config.checks import check_values
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.files import write_json
 from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled
 
@@ -28,7 +28,7 @@ def memory_shape(cfg: DictConfig) -> dict:
         model=model,
         vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
         block_size=cfg.data.block_size,
-        precision=resolve_precision(cfg.trainer.precision),
+        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
         world_size=world_size(cfg.trainer),
         activation_checkpointing=bool(cfg.trainer.get("activation_checkpointing", False)),
         attention=cfg.attention.name,
@@ -52,6 +52,7 @@ def estimate_for_config(cfg: DictConfig | dict) -> memory.MemoryEstimate:
 
 def make_plan(cfg: DictConfig) -> dict:
     check_values(cfg)
+    model_config(cfg, vocab_size=1)  # the model `xsa-lm train` would refuse (e.g. more sinks than positions), refused
     shape = memory_shape(cfg)
     shape["activation_checkpointing"] = bool(cfg.activation_checkpointing)  # plan.yaml's, which follows the trainer's
     devices = shape["world_size"]
@@ -76,6 +77,7 @@ def make_plan(cfg: DictConfig) -> dict:
         "compiled": compiled,
         "micro_batch_size": cfg.micro_batch_size,
         "block_size": cfg.data.block_size,
+        "n_sinks": shape["model"].get("n_sinks", 0),
         "parameters": memory.parameter_count(shape["model"], shape["vocab_size"]),
         "available_bytes": available,
         "available_from": where,
@@ -90,9 +92,10 @@ def make_plan(cfg: DictConfig) -> dict:
 def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict, compiled: bool) -> dict:
     """One strategy's memory per device at the configured micro-batch, eager and compiled, and the largest
     micro-batches that fit as the run would train (compiled or not)."""
+    batch, block = cfg.global_batch_tokens, cfg.data.block_size  # read once: steps() runs per micro-batch size
 
     def steps(micro_batch_size: int) -> int | None:
-        return accumulation(cfg.global_batch_tokens, micro_batch_size, shape["world_size"], cfg.data.block_size)
+        return accumulation(batch, micro_batch_size, shape["world_size"], block)
 
     shape = {**shape, "accumulation": steps(cfg.micro_batch_size) or 1}
     both = {
@@ -122,11 +125,17 @@ def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, 
     return global_batch_tokens // per_micro_step
 
 
+def sinks(plan: dict) -> str:
+    n = plan.get("n_sinks", 0)
+    return f" (+ {n} attention sink{'s' if n > 1 else ''} in every block)" if n else ""
+
+
 def table(plan: dict) -> str:
     gib = lambda b: f"{b / memory.GIB:.2f}"  # noqa: E731
     lines = [
         f"xsa-lm plan | {plan['model']}: {plan['parameters'] / 1e9:.3f}B parameters | {plan['devices']} device(s), "
-        f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens, activation "
+        f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens"
+        f"{sinks(plan)}, activation "
         f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'}, attention {plan['attention']}, "
         f"{'compiled' if plan['compiled'] else 'eager'} | memory per device "
         f"{gib(plan['available_bytes'])} GiB ({plan['available_from']})",
@@ -149,17 +158,31 @@ def table(plan: dict) -> str:
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    lines.append(
-        f"\nglobal_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) "
-        "per step per device at this micro-batch (None: not a whole number)"
-    )
+    lines.append("\n" + batch_line(plan))
     return "\n".join(lines)
 
 
+def batch_line(plan: dict) -> str:
+    """How global_batch_tokens splits into micro-batches, or why `xsa-lm train` would refuse it."""
+    per_micro_step = plan["micro_batch_size"] * plan["devices"] * plan["block_size"]
+    if plan["accumulation"] is None:
+        return (
+            f"global_batch_tokens={plan['global_batch_tokens']:,} is not a multiple of micro_batch_size x devices x "
+            f"data.block_size = {plan['micro_batch_size']} x {plan['devices']} x {plan['block_size']} = "
+            f"{per_micro_step:,}: `xsa-lm train` refuses this config; set global_batch_tokens to a multiple of "
+            f"{per_micro_step:,}"
+        )
+    return (
+        f"global_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) of "
+        f"{per_micro_step:,} tokens per optimizer step"
+    )
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         plan = make_plan(cfg)
         if cfg.out:
-            Path(cfg.out).write_text(json.dumps(plan, indent=2))
+            write_json(Path(cfg.out), plan)
     print(table(plan))

@@ -7,7 +7,6 @@ checkpoints/, wandb/ and summary.json.
 import json
 import logging
 import math
-import os
 import sys
 import time
 import warnings
@@ -26,15 +25,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, LinkedCheckpoint
 from xsa_lm.checkpoints.discovery import checkpoint_step, newest_valid_checkpoint
-from xsa_lm.checkpoints.load import model_config_mismatch
+from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import save_checkpoints_now, skip_sigterm_broadcast
 from xsa_lm.config.builders import (
     VOCAB_MULTIPLE,
     build,
     check_config,
+    check_trainer,
     model_config,
     resolve_precision,
+    settle_schedule,
     strategy_kind,
     world_size,
 )
@@ -42,7 +43,8 @@ from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.resume import continuation_config
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
-from xsa_lm.errors import UserError, exit_on_user_error
+from xsa_lm.errors import UserError, WriteError, exit_on_user_error, one_line_errors
+from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.model import GPTConfig
 from xsa_lm.train import memory
@@ -79,7 +81,7 @@ def check_memory(cfg: DictConfig, *, devices: int, accumulation: int) -> None:
         vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
         micro_batch_size=cfg.micro_batch_size,
         block_size=cfg.data.block_size,
-        precision=resolve_precision(cfg.trainer.precision),
+        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
         strategy=strategy_kind(cfg.trainer.strategy),
         world_size=devices,
         activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
@@ -137,6 +139,7 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
         for path in skipped:
             rank_zero_only(log.warning)(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
         if newest is None:
+            refuse_to_overwrite_results(run_dir)
             held = "holds no run yet" if not (run_dir / "config.yaml").exists() else "has no usable checkpoint"
             rank_zero_only(log.info)(f"resume=auto: {run_dir} {held}: starting a new run from scratch")
             return FROM_SCRATCH
@@ -154,6 +157,28 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
     return ResumePoint(path=str(path), step=step)
+
+
+def refuse_to_overwrite_results(run_dir: Path) -> None:
+    """A resume=auto that finds no checkpoint starts over, replacing summary.json, metrics.csv and config.yaml: not
+    in a directory where a run has ended with results (its summary.json). Starting over is a retry where there are
+    none yet: a run killed before its first checkpoint (no summary; its metrics.csv rows are of steps the new run
+    trains again) or one that failed before it (a full disk, say)."""
+    summary = run_dir / "summary.json"
+    if not summary.exists():
+        return
+    try:
+        ended = json.loads(summary.read_text())
+        status, what = ended["status"], f"a {ended['status']} run of {ended['steps']} steps"
+    except (ValueError, KeyError, TypeError, OSError):
+        status, what = None, "a run"
+    if status == "failed":
+        return
+    files = ", ".join(p.name for p in (summary, run_dir / "metrics.csv", run_dir / "config.yaml") if p.exists())
+    raise UserError(
+        f"resume=auto: hydra.run.dir={run_dir} holds the results of {what} ({files}) but no usable checkpoint to "
+        "continue from: a new run there would replace them; choose a new hydra.run.dir, or move the old run aside"
+    )
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
@@ -178,7 +203,7 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
             tags=[cfg.attention.name, cfg.model.name, *(cfg.logger.wandb.tags or [])],
             run_id=run_id,
         )
-        id_file.write_text(wb.experiment.id)
+        write_text(id_file, wb.experiment.id)
         loggers.append(wb)
     return loggers
 
@@ -188,8 +213,8 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     set_device(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
     plan = check_config(cfg)
-    if cfg.scheduler.get("total_steps") is None:  # saved resolved: a resume that extends max_steps keeps the schedule
-        cfg.scheduler.total_steps = cfg.trainer.max_steps
+    check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))  # as Lightning will
+    schedule_warning = settle_schedule(cfg)
     check_memory(cfg, devices=plan["devices"], accumulation=plan["accumulate"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
@@ -211,6 +236,9 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH)
     with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
+        if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
+            where = data.dir / "tokenizer.json"
+            check_tokenizer(Path(resume.path), data.tokenizer, data.tokenizer_sha256, where, "resume")
         if resume.step is not None and resume.step >= cfg.trainer.max_steps and completed(run_dir):
             print(
                 f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps="
@@ -218,6 +246,8 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
                 "are left as they are"
             )
             return {}
+        if schedule_warning:
+            log.warning(schedule_warning)
         write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=resume_notes or [])
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume)
 
@@ -226,12 +256,10 @@ def write_run_files(cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: R
     """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
     first start, resumes.jsonl each resume."""
     continuing = (run_dir / "config.yaml").exists()
-    tmp = run_dir / "config.yaml.tmp"
-    OmegaConf.save(cfg, tmp, resolve=True)
-    os.replace(tmp, run_dir / "config.yaml")
+    write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = {**run_info(), "data_dir": str(data_dir)}
     if not (run_dir / "run_info.json").exists():
-        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+        write_json(run_dir / "run_info.json", info)
     if resume.path is None:
         return
     record = {
@@ -276,8 +304,14 @@ def fit(
         status = outcome(trainer, module=module, datamodule=datamodule, callbacks=callbacks)
     except Exception as e:
         if is_rank_zero:
-            failed = summary.write("failed", trainer=trainer, module=module, callbacks=callbacks, error=error_line(e))
-            finish_wandb(trainer, failed)
+            try:
+                failed = summary.write(
+                    "failed", trainer=trainer, module=module, callbacks=callbacks, error=error_line(e)
+                )
+            except WriteError:  # a full disk: the error that stopped the run (re-raised below) says what to do
+                pass
+            else:
+                finish_wandb(trainer, failed)
         raise
     result = summary.write(status, trainer=trainer, module=module, callbacks=callbacks) if is_rank_zero else {}
     finish_wandb(trainer, result)
@@ -395,15 +429,10 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
 def make_trainer(
     cfg: DictConfig, run_dir: Path, *, plan: dict, callbacks: list[L.Callback], loggers: list
 ) -> L.Trainer:
-    strategy = cfg.trainer.strategy
-    if strategy in ("auto", "ddp") and plan["devices"] > 1:  # what Lightning would pick, failing checkpoints together
-        strategy = AtomicDDPStrategy()
-    if strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
-        strategy = {**strategy, "data_parallel_size": plan["devices"]}  # Lightning's auto means one per node
     trainer = build(
         lightning_trainer_args(cfg.trainer),
-        strategy=strategy,
-        precision=resolve_precision(cfg.trainer.precision),
+        strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]),
+        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
         default_root_dir=str(run_dir),
         logger=loggers or False,
         callbacks=callbacks,
@@ -415,6 +444,17 @@ def make_trainer(
     )
     skip_sigterm_broadcast(trainer)  # Preemption handles signals, without a sync per micro-batch
     return trainer
+
+
+def trainer_strategy(trainer_cfg: DictConfig, *, devices: int) -> object:
+    """trainer.strategy as the Trainer gets it: `auto` or `ddp` over several devices is Lightning's DDP failing
+    checkpoints together, an FSDP `data_parallel_size: auto` is every device (Lightning's auto means one per node)."""
+    strategy = trainer_cfg.strategy
+    if strategy in ("auto", "ddp") and devices > 1:
+        return AtomicDDPStrategy()
+    if strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
+        return {**strategy, "data_parallel_size": devices}
+    return strategy
 
 
 def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
@@ -476,6 +516,7 @@ def quiet_third_party() -> None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="train")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     quiet_third_party()

@@ -25,3 +25,13 @@ def warmup_cosine_scheduler(
         optimizer,
         partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio),
     )
+
+
+def peak_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> float | None:
+    """The highest LR a LambdaLR schedule gave its first `steps` optimizer steps (None before the first step, or
+    for another kind of schedule): the LR a run actually reached, which a warmup longer than the run keeps below
+    the configured peak."""
+    if steps <= 0 or not isinstance(scheduler, LambdaLR):
+        return None
+    multipliers = [max(f(step) for step in range(steps)) for f in scheduler.lr_lambdas]
+    return float(max(base * m for base, m in zip(scheduler.base_lrs, multipliers, strict=True)))

@@ -11,9 +11,11 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig
 
+from xsa_lm.files import write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import RunCallbacks
 from xsa_lm.train.module import LMModule
+from xsa_lm.train.schedule import peak_lr
 
 log = logging.getLogger("xsa_lm.train")
 WANDB_SUMMARY_KEYS = ("status", "final_val_loss", "final_val_ppl", "best_val_loss", "tokens_per_s", "diverged_at_step")
@@ -57,6 +59,10 @@ class RunSummary:
             "attention": self.attention,
             "model": self.model,
             "lr": self.lr,
+            "peak_lr": peak_lr(trainer.lr_scheduler_configs[0].scheduler, trainer.global_step)
+            if trainer.lr_scheduler_configs
+            else None,  # the highest LR it stepped with: below lr while the warmup has not ended
+            "precision": trainer.precision,  # as Lightning trains it (trainer.precision=auto resolved)
             "seed": self.seed,
             "final_val_loss": final,
             "final_val_ppl": math.exp(final) if final is not None else None,
@@ -76,7 +82,12 @@ class RunSummary:
             },
             "model_config": asdict(self.model_config),
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(
+            self.run_dir / "summary.json",
+            summary,
+            intact="the run's checkpoints and metrics.csv are intact",
+            then=f"write it with `xsa-lm train hydra.run.dir={self.run_dir} resume=auto`",
+        )
         return summary
 
 

@@ -1,0 +1,621 @@
+"""Every command README.md and docs/*.md show runs as written, so a stale example fails here.
+
+The commands are read from the pages' code blocks (not ```text ones): continuation lines joined, `# comments` dropped,
+shell variables given the values of VARIABLES, a `srun`, `docker run ... xsa-lm` or `NAME=value` prefix set aside,
+`python -m xsa_lm.train` read as `xsa-lm train`. `...` stands for "your other overrides": such a command is checked
+without it (a `key=...` or `key=[...]` value becomes a stand-in) and cannot run as written.
+
+- Up-front checks, every command (make test, in this process, ~20 s on 2 cores): each goes through what the command
+  itself checks before it writes anything: the CLI's check (composition with its exact overrides, required values,
+  types and ranges, a run directory that can be made) and its job's own checks (batch arithmetic, the trainer as
+  Lightning takes it here, the model's settings, the sweep's grid and seeds, the scale's sizes with each size's
+  sweep, sampling, plan, ...), each `--multirun` combination apart. A removed key, option or experiment, or a value
+  the command refuses, fails. The same holds for the xsa-lm commands of the Makefile recipes a shown `make` runs,
+  and for commands written inline in the prose.
+- Run for real (make test-long): RUN, in its order, through the CLI in one folder, so that `analyze` reads the
+  checkpoints the `train` commands before it wrote. Each entry says what is appended to shrink it (a tiny model, a few
+  steps) and why; the rest run exactly as written.
+- NOT_RUN: every other command shown in a code block, with the reason it does not run here (a GPU, the hub, a
+  cluster, hours) and where what it does is tested instead. A command shown in a code block that is in neither list
+  fails, and so does an entry no page shows any more: a new or changed example is run or reviewed, never forgotten.
+"""
+
+import itertools
+import json
+import os
+import re
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, open_dict
+
+from tests.helpers import compose_train, run_cli
+from xsa_lm.config.command_line import check_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+VARIABLES = {  # the shell variables of the shown commands; each becomes a folder in the test's temp dir, or a value
+    "DATA": "{tmp}/data",
+    "SCRATCH": "{tmp}/scratch",
+    "PWD": "{tmp}",
+    "SLURM_JOB_ID": "1",
+}
+ELIDED = "elided"  # the stand-in for a `key=...` value
+HYDRA_FLAGS = {"--multirun", "-m", "--help", "-h", "--cfg", "-c"}  # --cfg takes a value (job, hydra, all)
+STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One command as a page shows it: `text` (the shell's words, variables unexpanded) is its name in RUN and
+    NOT_RUN; `argv` is what follows `xsa-lm` (or `make`)."""
+
+    page: str
+    text: str
+    program: str  # xsa-lm | make
+    argv: tuple[str, ...]
+    fenced: bool  # from a code block (must be in RUN or NOT_RUN), else inline code in the prose
+
+    @property
+    def elided(self) -> bool:
+        return any(a == "..." or a.endswith(("=...", "=[...]")) for a in self.argv)
+
+
+def shell_lines(block: str, console: bool) -> list[str]:
+    """The block's commands, one per string, continuation lines joined; in a ```console block the `$ ` lines (the
+    others are output)."""
+    commands, current = [], None
+    for line in block.splitlines():
+        if console and current is None:
+            if not line.startswith("$ "):
+                continue
+            line = line[2:]
+        current = line if current is None else f"{current} {line.strip()}"
+        if current.rstrip().endswith("\\"):
+            current = current.rstrip()[:-1]
+            continue
+        commands.append(current)
+        current = None
+    return commands
+
+
+def simple_commands(words: list[str]) -> list[list[str]]:
+    """Words split at `&&`, `||`, `;` and `|`."""
+    parts, current = [], []
+    for word in words:
+        if word in ("&&", "||", ";", "|"):
+            parts.append(current)
+            current = []
+        else:
+            current.append(word)
+    return [*parts, current]
+
+
+def parse(words: list[str]) -> tuple[str, tuple[str, ...]] | None:
+    """(program, argv) of an xsa-lm or make command, else None."""
+    for i, word in enumerate(words):
+        rest = words[i + 1 :]
+        if word == "xsa-lm" or word.endswith("/xsa-lm"):
+            if rest and re.fullmatch(r"[a-z][\w-]*", rest[0]):  # `docker build -t xsa-lm .` names an image
+                return "xsa-lm", tuple(rest)
+        elif word == "-m" and rest and rest[0] in ("xsa_lm.train", "xsa_lm.cli"):
+            return "xsa-lm", tuple(rest[1:]) if rest[0] == "xsa_lm.cli" else ("train", *rest[1:])
+        elif word == "make" and i == 0 and rest:
+            return "make", tuple(rest)
+    return None
+
+
+def shown_in(page: Path) -> list[Shown]:
+    markdown, label = page.read_text(), str(page.relative_to(REPO))
+    found = []
+    for language, block in FENCE.findall(markdown):
+        if language in ("text", "python", "yaml"):
+            continue
+        for line in shell_lines(block, console=language == "console"):
+            for words in simple_commands(shlex.split(line, comments=True)):
+                if parsed := parse(words):
+                    found.append(Shown(label, " ".join(words), *parsed, fenced=True))
+    for span in re.findall(r"`([^`]+)`", FENCE.sub("", markdown)):
+        if not re.match(r"(\w+=\S* )*(xsa-lm |python -m xsa_lm\.|torchrun )", span):  # prose, or a message
+            continue
+        words = shlex.split(" ".join(span.split()))
+        parsed = parse(words)
+        if parsed and parsed[0] == "xsa-lm" and len(parsed[1]) > 1:  # `xsa-lm eval` alone names the command
+            found.append(Shown(label, " ".join(words), *parsed, fenced=False))
+    return found
+
+
+def all_shown() -> list[Shown]:
+    return [shown for page in PAGES for shown in shown_in(page)]
+
+
+def fenced() -> dict[str, Shown]:
+    """Every command of a code block, once (the first page that shows it)."""
+    commands: dict[str, Shown] = {}
+    for shown in all_shown():
+        if shown.fenced:
+            commands.setdefault(shown.text, shown)
+    return commands
+
+
+def expand(word: str, tmp: Path) -> str:
+    def value(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        assert name in VARIABLES, f"${name} in a documented command: give it a value in VARIABLES"
+        return VARIABLES[name].format(tmp=tmp)
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, word)
+
+
+def recipe_commands(target: str) -> list[tuple[str, ...]]:
+    """The xsa-lm commands of a Makefile target's recipe, as make would run them (a `$$(date ...)` as a time)."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)*)", makefile, re.M)
+    assert recipe, f"no target {target} in the Makefile"
+    commands = []
+    for line in recipe.group(1).splitlines():
+        if "xsa-lm" not in line:
+            continue
+        line = re.sub(r"\$\$\(date [^)]*\)", "2026-01-01_00-00-00", line.strip()).replace("$(BIN)/", "")
+        for words in simple_commands(shlex.split(line)):
+            if (parsed := parse(words)) and parsed[0] == "xsa-lm":
+                commands.append(parsed[1])
+    return commands
+
+
+# What is run for real, and what is not and why. A key is a command as the shell sees it (quotes removed).
+
+# Appended to a training command that RUN shrinks: one layer of width 32, 4 steps of 1024 tokens, 8 validation windows,
+# a BPE of 512 tokens (the one the other tests train), metrics.csv only (W&B offline costs seconds per run and has
+# its own tests, test_wandb_offline.py), no progress bar.
+TINY_TRAIN = [
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.head_dim=16",
+    "trainer.max_steps=4",
+    "val_every_steps=2",
+    "global_batch_tokens=1024",
+    "micro_batch_size=8",
+    "data.val_windows=8",
+    "logger=csv",
+    "progress_bar=false",
+]
+VOCAB = ["tokenizer.vocab_size=512"]  # not on shards: their own tokenizer is used, another one would be refused
+
+RUN: list[tuple[str, list[str], str]] = [  # in this order, in one folder: (command, appended, why)
+    ("xsa-lm prepare data=local data.files=corpus/*.jsonl data.dir=shards/mine", [], "as written, on corpus/"),
+    ("xsa-lm train data=prepared data.dir=shards/mine attention=xsa", TINY_TRAIN, "the shards written just before"),
+    ("xsa-lm train experiment=demo hydra.run.dir=runs/sa", TINY_TRAIN + VOCAB, "150 steps of the tiny model"),
+    ("xsa-lm train experiment=demo attention=xsa hydra.run.dir=runs/xsa", TINY_TRAIN + VOCAB, "the same with XSA"),
+    (
+        "xsa-lm train hydra.run.dir=runs/xsa resume=auto trainer.max_steps=400",
+        ["trainer.max_steps=6"],
+        "2 steps more than the run it continues; a resume takes no other override",
+    ),
+    (
+        "xsa-lm analyze ckpts=[runs/sa/checkpoints/last.ckpt,runs/xsa/checkpoints/last.ckpt] hydra.run.dir=runs/fig1",
+        [],
+        "as written",
+    ),
+    (
+        "xsa-lm generate ckpt=runs/xsa/checkpoints/last.ckpt prompt=ROMEO: max_new_tokens=200 temperature=0.8 top_k=50",
+        [],
+        "as written",
+    ),
+    ("xsa-lm export ckpt=runs/xsa/checkpoints/last.ckpt out=hf/xsa", [], "as written"),
+    (
+        "xsa-lm plan model=paper_2.7b trainer=fsdp trainer.devices=8 micro_batch_size=8 global_batch_tokens=524288 "
+        "device_memory_gb=80",
+        [],
+        "as written",
+    ),
+    ("xsa-lm train", TINY_TRAIN + VOCAB, "1000 steps; the run folder is checked: outputs/train/<time>_tiny_sa/"),
+    ("xsa-lm train data=local data.files=input.txt", TINY_TRAIN + VOCAB, "1000 steps, on input.txt"),
+]
+
+ELSEWHERE_SWEEP = "the whole protocol of a sweep runs in test_sweep.py (long)"
+GPU = "needs a GPU"
+NOT_RUN = {  # command -> why it does not run here, and where what it does is tested
+    "make demo": "the demo sweep, 7 trials, ~7 min: its recipe's command passes the up-front checks; "
+    + ELSEWHERE_SWEEP,
+    "make test": "the suite itself; CI runs it",
+    "make test-long": "the suite itself; CI runs it",
+    "make test-all": "the suite itself",
+    "make test-fast": "the suite itself",
+    "make lint": "CI runs it",
+    "make typecheck": "CI runs it",
+    "make docs": "CI runs it (mkdocs build --strict)",
+    "make format": "rewrites the working tree",
+    "make lock": "resolves the newest releases in a scratch venv: the package index, minutes",
+    "make bench": "10 rounds of bench (~2 min) and the data benchmark; test_bench.py runs bench with smoke=true",
+    "make gpu-bundle": "builds a wheel and a site (~10 s); test_gpu_check.py builds it (long)",
+    "make gpu-check": GPU + "; test_gpu_check.py rehearses it on CPU (long)",
+    "xsa-lm sweep experiment=demo sweep=demo": "7 trials, ~7 min; " + ELSEWHERE_SWEEP,
+    "xsa-lm sweep ... sweep.eval_tasks=paper": "`...`: the overrides of a GPU recipe; the hub's task data",
+    "xsa-lm sweep ... sweep.lr_range={min:1e-4,max:1e-2,num:5}": "`...`: the overrides of a GPU recipe",
+    "xsa-lm sweep ... sweep.tune_xsa=true": "`...`: the overrides of a GPU recipe",
+    "xsa-lm sweep ... sweep.search_seeds=[0,10,20] sweep.seeds=[1,2,3]": "`...`: the overrides of a GPU recipe",
+    "xsa-lm sweep ... hydra.run.dir=sweeps/gpt2": "`...`: the overrides of a GPU recipe; resuming: test_sweep.py",
+    "xsa-lm sweep experiment=stalls_toy": "50 runs, ~1 h; the stall table of a search-only sweep: test_sweep.py (long)",
+    "xsa-lm sweep experiment=stalls_toy hydra.run.dir=outputs/stalls_toy": "50 runs, ~1 h; see the one above",
+    "xsa-lm sweep model=gpt2_124m trainer=gpu trainer.max_steps=5000 sweep.lrs=[1e-4,2e-4,4e-4,6e-4] "
+    "sweep.seeds=[1,2,3] hydra.run.dir=sweeps/gpt2": GPU,
+    "xsa-lm sweep experiment=paper_0.7b data=prepared data.dir=$DATA/fw100b": GPU + "s and FineWeb shards",
+    "xsa-lm sweep model=paper_0.7b global_batch_tokens=524288 micro_batch_size=16 trainer=gpu trainer.devices=8 "
+    "sweep.max_parallel=4 sweep.launch_prefix=[srun,'--nodes=1','--ntasks-per-node=8','--gpus-per-node=8',"
+    "--exclusive] hydra.run.dir=$SCRATCH/sweeps/paper_0.7b": "SLURM and GPUs; the prefix wrapping: test_sweep.py",
+    "xsa-lm scale experiment=scale_toy hydra.run.dir=outputs/scale_toy": "36 runs; test_scale.py runs a study (long)",
+    "xsa-lm scale experiment=tokens_toy hydra.run.dir=outputs/tokens_toy": "86 min; test_token_axis.py runs a "
+    "token study (long)",
+    "xsa-lm scale scale.models=[paper_0.7b,paper_1.4b,paper_2.7b] trainer=fsdp global_batch_tokens=524288 "
+    "micro_batch_size=8 data=prepared data.dir=$DATA/fw100b scale.seeds=[1,2,3] hydra.run.dir=$SCRATCH/scale": GPU
+    + "s, FineWeb shards and days",
+    "xsa-lm scale scale.axis=tokens scale.models=[gpt2_124m,paper_0.7b] trainer=ddp global_batch_tokens=524288 "
+    "micro_batch_size=8 data=prepared data.dir=$DATA/fw100b sweep.search_seeds=[0,1] scale.seeds=[2,3,4,5,6] "
+    "hydra.run.dir=$SCRATCH/tokens": GPU + "s, FineWeb shards and days",
+    "xsa-lm prepare data=local data.files=corpus/*.jsonl data.text_field=text tokenizer=bpe tokenizer.vocab_size=4096 "
+    "data.dir=shards/mine": "the README's prepare (run) with its defaults spelled out",
+    "xsa-lm prepare data=fineweb data.subset=sample-10BT tokenizer=gpt2 data.dir=shards/fw10b "
+    "data.prepare_workers=16": "the hub (FineWeb); hub datasets offline: test_data.py",
+    "xsa-lm train data=local data.files=corpus/*.txt": "data.files=input.txt (run) with a glob: test_data.py",
+    "xsa-lm train model=tiny attention=xsa optim.lr=3e-3 trainer.max_steps=200 seed=1 logger=wandb": "a plain train "
+    "(run) with other values; W&B offline: test_wandb_offline.py",
+    "xsa-lm train attention=xsa": "a plain train (run) with XSA; W&B offline: test_wandb_offline.py",
+    "WANDB_API_KEY=... xsa-lm train attention=xsa logger.wandb.project=my-xsa logger.wandb.group=lr-3e-3": "a W&B "
+    "key and the network",
+    "xsa-lm train --multirun attention=sa,xsa seed=0,1,2": "6 runs; test_train_cli.py runs a multirun of 2",
+    "xsa-lm train attention=xsa --cfg job": "test_train_cli.py runs --cfg job and --help (long)",
+    "xsa-lm train --help": "test_train_cli.py runs it (long)",
+    "python -m xsa_lm.train attention=xsa": "a plain train (run); test_train_cli.py compares the entry points (long)",
+    "xsa-lm train experiment=demo attention=xsa diagnostics.every_n_steps=50": "diagnostics during training: "
+    "test_analyze_cli.py",
+    "xsa-lm analyze ckpts=[runs/sa/checkpoints/last.ckpt,runs/xsa/checkpoints/last.ckpt] sequences=64 "
+    "hydra.run.dir=fig1": "the README's analyze (run) with sequences=64 and another folder",
+    "xsa-lm eval ckpts=[runs/sa/checkpoints/last.ckpt,runs/xsa/checkpoints/last.ckpt] tasks=paper "
+    "hydra.run.dir=runs/eval": "the hub's task data; test_eval.py runs eval on a local task",
+    "xsa-lm eval ckpts=[...] tasks=[hellaswag,piqa] limit=200": "the hub's task data",
+    "xsa-lm eval ckpts=[...] tasks=[tasks/shakespeare_cloze.yaml]": "`[...]`: checkpoints; test_eval.py runs a local "
+    "task YAML",
+    "xsa-lm consolidate ckpt=RUN/checkpoints/last.ckpt out=last-full.ckpt": "a sharded checkpoint of a 2-process "
+    "trainer=fsdp run: test_sharded_checkpoints.py",
+    "xsa-lm plan model=paper_0.7b trainer=ddp trainer.devices=8 micro_batch_size=16 data.block_size=2048 "
+    "global_batch_tokens=524288 tokenizer=gpt2 device_memory_gb=80": "the README's plan (run) with other keys; the "
+    "up-front checks compute it",
+    "xsa-lm bench model=tiny out=bench.json": "10 rounds, ~2 min (smoke=true alone ~50 s); test_bench.py runs smoke",
+    "xsa-lm bench smoke=true out=smoke.json": "~50 s of fresh processes; test_bench.py runs it",
+    "xsa-lm bench model=gpt2_124m context=2048 micro_batch=8 compile=true out=bench_gpu.json": GPU,
+    "xsa-lm train trainer=gpu model=gpt2_124m attention=xsa": GPU,
+    "xsa-lm train trainer=ddp model=paper_0.7b global_batch_tokens=524288 micro_batch_size=8": GPU + "s",
+    "xsa-lm train trainer=fsdp model=paper_2.7b global_batch_tokens=524288 micro_batch_size=8": GPU + "s",
+    "srun xsa-lm train trainer=ddp trainer.num_nodes=4 model=paper_0.7b attention=xsa global_batch_tokens=524288 "
+    "micro_batch_size=8 hydra.run.dir=runs/xsa resume=auto": "SLURM, 4 nodes of GPUs",
+    "docker run --gpus all --rm -v $PWD/runs:/work/runs -v $PWD/data:/work/data -e WANDB_API_KEY xsa-lm train "
+    "trainer=gpu compile=true attention=xsa hydra.run.dir=runs/xsa": "Docker and a GPU",
+}
+
+# Shown commands the up-front checks refuse today; each must still be refused (remove it once it passes).
+KNOWN_BROKEN: dict[str, str] = {}  # documented commands that fail today, each with the reason (none now)
+
+
+# The up-front checks: the CLI's, then each job's own checks before it writes anything.
+
+
+def task_overrides(overrides: list[str]) -> list[str]:
+    """What Hydra passes a job as its task overrides: all but hydra.*."""
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
+
+
+def check_train(cfg: DictConfig, overrides: list[str]) -> None:
+    """What `xsa-lm train` checks before it reads data or writes: the config, the trainer as Lightning takes it on
+    this machine (not for a GPU trainer on a machine without one: the docs' GPU commands are for GPU machines), the
+    schedule, the model's settings."""
+    import torch
+
+    from xsa_lm.config.builders import check_config, check_trainer, model_config, settle_schedule
+    from xsa_lm.train.run import trainer_strategy
+
+    plan = check_config(cfg)
+    if cfg.trainer.accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
+        check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))
+    settle_schedule(cfg)
+    model_config(cfg, vocab_size=cfg.model.vocab_size or cfg.tokenizer.get("vocab_size") or 50257)
+
+
+def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.sweep import run as sweep
+
+    sweep.train_overrides(task_overrides(overrides))
+    sweep.check_sweep(cfg)
+    check_train(cfg, overrides)  # what every trial, an `xsa-lm train` process, checks
+
+
+def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.scale.run import check_analysis, check_models, load_bench, sweep_overrides
+    from xsa_lm.sweep.run import train_overrides
+
+    kept = sweep_overrides(task_overrides(overrides))
+    models = check_models(cfg.scale.models)
+    check_analysis(cfg.scale)
+    load_bench(cfg.scale.get("bench"))
+    if cfg.scale.axis == "tokens":  # each size's runs are `xsa-lm train` processes
+        from xsa_lm.scale.tokens import check_token_study
+
+        check_token_study(cfg, task_overrides(overrides))
+        for model in models:
+            check_train(compose_train([*train_overrides(kept), f"model={model}"]), [])
+        return
+    assert cfg.scale.axis == "size", f"scale.axis={cfg.scale.axis}"
+    seeds = [] if cfg.scale.seeds is None else [f"sweep.seeds=[{','.join(map(str, cfg.scale.seeds))}]"]
+    for model in models:  # each size is an `xsa-lm sweep` process: what it checks before it starts
+        size = [*kept, f"model={model}", *seeds]
+        check_sweep(compose_train(size, config_name="sweep"), size)
+
+
+def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.data.run import check_val_windows
+
+    assert cfg.data.get("source") is not None, "xsa-lm prepare needs a source"
+    check_val_windows(cfg.data.get("val_windows"))
+
+
+def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.analysis.run import check_counts
+
+    check_counts(sequences=cfg.sequences, chunk=cfg.chunk, batch_size=cfg.batch_size)
+
+
+def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.eval.run import check_options, require_harness
+
+    require_harness()
+    check_options(cfg.limit, cfg.batch_size)
+
+
+def check_generate(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.eval.sample import check_sampling
+
+    keys = ("max_new_tokens", "temperature", "top_k", "num_samples", "seed")
+    check_sampling(**{key: cfg[key] for key in keys})
+
+
+def check_export(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.export.run import require_transformers
+
+    require_transformers()
+
+
+def check_plan(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.train.plan import make_plan
+
+    make_plan(cfg)
+
+
+def check_bench(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.bench.run import resolve_device
+
+    if cfg.device != "cuda":  # device=cuda is refused without a GPU
+        resolve_device(cfg.device)
+
+
+JOB_CHECKS: dict[str, Callable[[DictConfig, list[str]], None]] = {
+    "train": check_train,
+    "sweep": check_sweep,
+    "scale": check_scale,
+    "prepare": check_prepare,
+    "analyze": check_analyze,
+    "eval": check_eval,
+    "generate": check_generate,
+    "export": check_export,
+    "consolidate": lambda cfg, overrides: None,  # its checks are of the checkpoint files it reads
+    "plan": check_plan,
+    "bench": check_bench,
+}
+
+
+def overrides_of(argv: tuple[str, ...], tmp: Path) -> list[str]:
+    """The Hydra overrides of a command line (flags left out), variables expanded, elisions as stand-ins."""
+    words, overrides, skip = list(argv[1:]), [], False
+    for word in words:
+        if skip:
+            assert word in ("job", "hydra", "all"), f"--cfg {word}"
+            skip = False
+        elif word.startswith("-"):
+            assert word in HYDRA_FLAGS, f"{word}: not a Hydra flag the docs may show"
+            skip = word in ("--cfg", "-c")
+        elif word != "...":
+            overrides.append(expand(word, tmp).replace("=[...]", f"=[{ELIDED}]").replace("=...", f"={ELIDED}"))
+    return overrides
+
+
+def combinations(overrides: list[str]) -> list[list[str]]:
+    """A --multirun's runs, one list of overrides each (Hydra's own parser splits `attention=sa,xsa`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_sweep_override():
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([override.input_line])
+    return [list(combination) for combination in itertools.product(*choices)]
+
+
+def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest.CaptureFixture) -> str | None:
+    """What the command refuses before it writes anything, None when it passes: xsa-lm's check before Hydra runs,
+    then its job's checks on the config that check composed. An elided command gets the CLI's check only: its
+    stand-in values are no values to check a range of."""
+    import hydra
+
+    from xsa_lm.errors import UserError
+
+    command, overrides = argv[0], overrides_of(argv, tmp)
+    runs = combinations(overrides) if {"--multirun", "-m"} & set(argv) else [overrides]
+    real_compose, composed = hydra.compose, []
+
+    def recording_compose(*args, **kwargs):
+        composed.append(real_compose(*args, **kwargs))
+        return composed[-1]
+
+    for run in runs:
+        capsys.readouterr()
+        hydra.compose = recording_compose  # check_overrides imports it when it runs
+        try:
+            check_overrides(command, run)
+        except SystemExit as e:
+            return f"{capsys.readouterr().err.strip()} (exit {e.code})"
+        finally:
+            hydra.compose = real_compose
+        if elided:
+            continue
+        cfg = composed[-1] if composed else compose_train(run, config_name=command)  # should it stop composing
+        with open_dict(cfg):
+            del cfg["hydra"]  # ${now:...} and the like resolve only inside Hydra
+        try:
+            JOB_CHECKS[command](cfg, run)
+        except (UserError, AssertionError) as e:
+            return f"xsa-lm: error: {e}"
+    return None
+
+
+def test_the_extraction_finds_every_kind_of_command():
+    """The patterns above find what the pages show (a rewrite of the extraction that finds nothing fails here)."""
+    shown = fenced()
+    commands = {s.argv[0] for s in shown.values() if s.program == "xsa-lm"}
+    assert commands >= {"train", "prepare", "sweep", "scale", "analyze", "eval", "generate", "export", "plan", "bench"}
+    assert "xsa-lm train --multirun attention=sa,xsa seed=0,1,2" in shown  # continuation and comment dropped
+    assert "python -m xsa_lm.train attention=xsa" in shown
+    srun = next(s for s in shown.values() if s.text.startswith("srun xsa-lm train"))
+    assert srun.argv[-1] == "resume=auto"  # its continuation line joined
+    plan = next(s for s in shown.values() if s.page == "docs/gpus.md" and s.argv[0] == "plan")  # a ```console block
+    assert plan.argv[-1] == "device_memory_gb=80"
+    assert {"demo", "test", "docs"} <= {s.argv[0] for s in shown.values() if s.program == "make"}
+    assert any(not s.fenced for s in all_shown())  # inline ones too
+
+
+def test_every_documented_command_passes_its_up_front_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """Each command as written (variables expanded) through the checks the command makes before writing anything;
+    the xsa-lm commands of a shown `make` target's recipe too."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "bin").mkdir()
+    for program in STUBS:
+        (tmp_path / "bin" / program).write_text("#!/bin/sh\nexit 0\n")
+        (tmp_path / "bin" / program).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    commands = {s.text: s for s in all_shown() if s.program == "xsa-lm"}
+    for target in sorted({s.argv[0] for s in all_shown() if s.program == "make"}):
+        for argv in recipe_commands(target):
+            text = f"make {target}: xsa-lm {' '.join(argv)}"
+            commands[text] = Shown("Makefile", text, "xsa-lm", argv, fenced=False)
+    start, refused, mended = time.perf_counter(), [], []
+    for text, shown in commands.items():
+        error = upfront_error(shown.argv, tmp_path, shown.elided, capsys)
+        if error is not None and text not in KNOWN_BROKEN:
+            refused.append(f"{shown.page}: {text}\n    {error}")
+        elif error is None and text in KNOWN_BROKEN:
+            mended.append(text)
+    seconds = time.perf_counter() - start
+    assert len(commands) >= 60  # the extraction found them
+    assert not refused, "documented commands refused before they start:\n" + "\n".join(refused)
+    assert not mended, f"these pass now: remove them from KNOWN_BROKEN: {mended}"
+    assert set(KNOWN_BROKEN) <= set(commands), set(KNOWN_BROKEN) - set(commands)
+    print(f"{len(commands)} documented commands through their up-front checks in {seconds:.1f} s")
+
+
+def test_a_stale_example_would_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """The check can fail: a removed option, a typo'd key, a value the job refuses, a size the scale refuses."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ("train", "experiment=no_such_recipe"),
+        ("train", "optim.lrr=1e-3"),
+        ("train", "model=tiny", "global_batch_tokens=1000"),
+        ("generate", "ckpt=x.ckpt", "top_k=0"),
+        ("scale", "scale.axis=tokens", "scale.models=[gpt2_124m]"),
+        ("scale", "scale.models=[paper_0.7b,paper_1.4b]"),  # a size's sweep: the default batch does not divide
+        ("sweep", "sweep.launch_prefix=[srun,--nodes=1]"),  # Hydra's grammar: an element with `=` needs quotes
+        ("train", "--multirun", "attention=sa,nope"),
+    ):
+        assert upfront_error(argv, tmp_path, False, capsys), argv
+
+
+def test_every_documented_command_is_run_or_listed():
+    """A command shown in a code block is run below (RUN) or listed with the reason it is not (NOT_RUN); an entry no
+    page shows any more is a stale one."""
+    shown = set(fenced())
+    run = [text for text, _, _ in RUN]
+    assert len(run) == len(set(run)) and not set(run) & set(NOT_RUN), set(run) & set(NOT_RUN)
+    assert sorted(shown - set(run) - set(NOT_RUN)) == [], "new in the docs: add each to RUN, or to NOT_RUN with why"
+    assert sorted((set(run) | set(NOT_RUN)) - shown) == [], "no page shows these any more: remove them"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """The folder the shown commands run in, with the files they name: input.txt (a play), corpus/*.jsonl (three
+    plays, a paragraph per line)."""
+    from xsa_lm.data.sources import ShakespeareCorpus
+
+    plays = dict(itertools.islice(ShakespeareCorpus(val_plays=[]).documents(), 4))
+    texts = list(plays.values())
+    (tmp_path / "input.txt").write_text(texts[0])
+    (tmp_path / "corpus").mkdir()
+    for i, text in enumerate(texts[1:]):
+        paragraphs = [p for p in text.split("\n\n") if p.strip()]
+        lines = "".join(json.dumps({"text": paragraph}) + "\n" for paragraph in paragraphs)
+        (tmp_path / "corpus" / f"part-{i}.jsonl").write_text(lines)
+    return tmp_path
+
+
+def exported_model_stops_at_block_size(folder: Path, out: str) -> bool:
+    """As docs/evaluation.md says: in transformers the exported model refuses a sequence past its block_size (where
+    `xsa-lm generate`, 200 tokens after a prompt in a 128-token context above, slides the window)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "hf" / "xsa", trust_remote_code=True)
+    block_size = model.config.block_size
+    prompt, new = torch.ones((1, 1), dtype=torch.long), block_size + 1  # the model reads all but the last new token
+    try:  # min_new_tokens: greedy from a tiny model may say <|endoftext|> at once, which ends a generation
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    except ValueError as e:
+        return f"sequence length {block_size + 1} exceeds block_size {block_size}" in str(e)
+    return False
+
+
+AFTERWARDS: dict[str, Callable[[Path, str], object]] = {  # what a command of RUN must have done, beyond exit code 0
+    "xsa-lm train experiment=demo hydra.run.dir=runs/sa": lambda d, out: (d / "runs/sa/checkpoints/last.ckpt").exists(),
+    "xsa-lm train": lambda d, out: re.search(r"run dir \S*outputs/train/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_tiny_sa\b", out),
+    "xsa-lm analyze ckpts=[runs/sa/checkpoints/last.ckpt,runs/xsa/checkpoints/last.ckpt] hydra.run.dir=runs/fig1": (
+        lambda d, out: (d / "runs/fig1/diagnostics.csv").exists()
+    ),
+    "xsa-lm generate ckpt=runs/xsa/checkpoints/last.ckpt prompt=ROMEO: max_new_tokens=200 temperature=0.8 top_k=50": (
+        lambda d, out: "ROMEO:" in out
+    ),
+    "xsa-lm export ckpt=runs/xsa/checkpoints/last.ckpt out=hf/xsa": exported_model_stops_at_block_size,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_documented_commands_run(workdir: Path, data_cache: Path):
+    """RUN's commands through the CLI, one after another in one folder, each shrunk as RUN says."""
+    commands, failed, times = fenced(), [], []
+    for text, appended, _why in RUN:
+        args = [expand(word, workdir) for word in commands[text].argv] + appended
+        start = time.perf_counter()
+        proc = run_cli(args, data_cache, workdir, timeout=300)
+        times.append(f"{time.perf_counter() - start:5.1f} s  {text}")
+        out = proc.stdout + proc.stderr
+        check = AFTERWARDS.get(text, lambda d, out: True)
+        if proc.returncode != 0 or "Traceback" in out or not check(workdir, out):
+            failed.append(f"{text} + {appended}: exit {proc.returncode}\n{out[-1500:]}")
+    print("\n".join(times))
+    assert not failed, "\n\n".join(failed)

@@ -1,0 +1,244 @@
+"""Whatever goes wrong ends in one line: a write that fails (a full disk, a file-size limit) leaves the previous file
+whole and no .tmp, an exception nobody foresaw names itself and where its traceback was saved, and a finished run's
+results are never replaced by a resume=auto that finds no checkpoint."""
+
+import csv
+import errno
+import json
+import logging
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra.core.hydra_config import HydraConfig
+
+from tests.helpers import FAST, TINY, assert_clean_error, cli_env, refused_in_process
+from xsa_lm import cli
+from xsa_lm.errors import UserError, WriteError, exit_on_user_error, remove_if_empty
+from xsa_lm.files import atomic_file, write_json
+from xsa_lm.model import GPTConfig
+
+
+def disk_full() -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def too_large() -> None:
+    raise OSError(errno.EFBIG, "File too large")
+
+
+def wrapped_disk_full() -> None:  # what torch.save raises: a RuntimeError while handling the OSError
+    try:
+        disk_full()
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
+
+FAILURES = [(disk_full, "No space"), (too_large, "too large"), (wrapped_disk_full, "No space")]
+
+
+@pytest.mark.parametrize("failure, reason", FAILURES)
+@pytest.mark.parametrize("existed", [True, False], ids=["over an old file", "a new file"])
+def test_a_failed_write_leaves_the_previous_file_whole_and_no_tmp(failure, reason: str, existed: bool, tmp_path: Path):
+    path = tmp_path / "results.json"
+    if existed:
+        write_json(path, {"old": 1})
+    with pytest.raises(WriteError) as error, atomic_file(path) as f:
+        f.write('{"new": ')
+        failure()
+    message = str(error.value)
+    assert message.startswith(f"could not write {path} (") and reason in message, message
+    assert ("the previous results.json is intact" if existed else "no partial file was left") in message
+    assert sorted(tmp_path.iterdir()) == ([path] if existed else [])  # no .tmp, no 0-byte file
+    if existed:
+        assert json.loads(path.read_text()) == {"old": 1}
+
+
+def test_exclusive_creation_refuses_a_file_made_meanwhile(tmp_path: Path):
+    path = tmp_path / "bench.json"
+    write_json(path, {"theirs": 1})
+    with pytest.raises(FileExistsError):
+        write_json(path, {"ours": 1}, replace=False)
+    assert json.loads(path.read_text()) == {"theirs": 1} and sorted(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("new_metric", [False, True], ids=["an append", "a new header"])
+def test_a_metrics_write_that_fails_leaves_metrics_csv_whole(new_metric: bool, monkeypatch, tmp_path: Path):
+    from xsa_lm.tracking import RunCSVLogger
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,train/loss\n0,1.5\n")
+    writer = RunCSVLogger(save_dir=str(tmp_path)).experiment
+    writer.log_metrics({"val/loss" if new_metric else "train/loss": 1.25}, step=1)
+
+    def disk_full(self: csv.DictWriter, rows: list) -> None:
+        self.writer.writerow(["1", "1.2"])  # part of the rows reaches the file
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", disk_full)
+    with pytest.raises(WriteError, match=r"metrics.csv \(No space left on device\); its earlier rows are intact"):
+        writer.save()
+    assert path.read_text() == "step,train/loss\n0,1.5\n" and sorted(tmp_path.iterdir()) == [path]
+
+
+def limit_file_size() -> None:
+    """In the child: a file may not grow past 256 KiB. SIGXFSZ ignored (as Python itself does at start-up): a write
+    past the limit raises OSError(EFBIG) instead of killing the process."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_mid_run_is_one_line_and_leaves_no_partial_file(data_cache: Path, tmp_path: Path):
+    """A corpus whose prepared files stay under the limit; the run's first checkpoint cannot be written: one line
+    naming it, exit 2, summary.json says failed, and no .tmp or 0-byte file anywhere."""
+    (tmp_path / "corpus.txt").write_text("To be, or not to be, that is the question.\n" * 600)
+    run_dir = tmp_path / "run"
+    args = ["train", *FAST, "data=local", f"data.files={tmp_path / 'corpus.txt'}", "data.val_windows=8"]
+    args += ["trainer.max_steps=5", "val_every_steps=5", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "xsa_lm.cli", *args],
+        cwd=tmp_path,
+        env=cli_env(data_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+    )
+    line = assert_clean_error(proc, "could not write", "step-000005.ckpt", "File too large", "ulimit -f")
+    assert proc.returncode == 2 and "no checkpoint was written yet" in line
+    assert [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.stat().st_size == 0] == []
+    summary = json.loads((run_dir / "summary.json").read_text())  # fit() records the failure before re-raising
+    assert summary["status"] == "failed" and "File too large" in summary["error"]
+
+
+def test_an_unforeseen_error_is_one_line_with_its_traceback_in_the_run_folder(monkeypatch, capsys, tmp_path: Path):
+    run_dir = tmp_path / "run"
+
+    def bug(*args, **kwargs):
+        try:
+            open(tmp_path / "no" / "such.file")
+        except OSError:
+            raise RuntimeError("something nobody foresaw") from None
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr("xsa_lm.train.run.train", bug)
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "train", *FAST, f"hydra.run.dir={run_dir}"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "xsa-lm: error: RuntimeError: something nobody foresaw (caused by FileNotFoundError: [Errno 2] No such file "
+        f"or directory: '{tmp_path / 'no' / 'such.file'}'); full traceback in {run_dir / 'error.log'}"
+    ]
+    trace = (run_dir / "error.log").read_text()
+    assert "Traceback" in trace and "in bug" in trace and "RuntimeError: something nobody foresaw" in trace
+
+
+def test_without_a_run_folder_the_traceback_goes_to_a_temporary_file(monkeypatch, capsys):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # no Hydra job (an earlier test's would linger)
+    with pytest.raises(SystemExit) as exit_, exit_on_user_error():
+        raise KeyError("boom")
+    assert exit_.value.code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("xsa-lm: error: KeyError: 'boom'; full traceback in ")
+    saved = Path(line.rsplit(" ", 1)[1])
+    assert "KeyError: 'boom'" in saved.read_text()
+    saved.unlink()
+
+
+def test_a_folder_that_cannot_be_removed_stays_without_a_traceback(monkeypatch, tmp_path: Path):
+    """A refused run's empty folder is removed; one whose parent cannot be written stays (the refusal was said)."""
+    (tmp_path / "empty").mkdir()
+    remove_if_empty(tmp_path / "empty")
+    assert not (tmp_path / "empty").exists()
+
+    def read_only(self: Path) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    (tmp_path / "stays").mkdir()
+    monkeypatch.setattr(Path, "rmdir", read_only)
+    remove_if_empty(tmp_path / "stays")
+    assert (tmp_path / "stays").is_dir()
+
+
+def test_unknown_command_names_the_closest(monkeypatch, capsys):
+    err = refused_in_process(["trian"], monkeypatch, capsys)
+    (line,) = err.strip().splitlines()
+    assert line.startswith("xsa-lm: error: unknown command 'trian': did you mean 'train'? (commands: train, ")
+
+
+@pytest.mark.parametrize("mode", ["auto", "offline"])
+def test_an_unknown_wandb_mode_in_the_environment_is_refused(mode: str, monkeypatch):
+    """Whatever logger.wandb.mode says (wandb.init reads WANDB_MODE too); refused where the run checks its config,
+    before anything is written (test_bad_inputs.py: an unknown logger.wandb.mode)."""
+    from xsa_lm.tracking import resolve_mode
+
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(UserError, match="the environment variable WANDB_MODE='bogus' is no W&B mode: set it to"):
+        resolve_mode(mode)
+    monkeypatch.setenv("WANDB_MODE", "dryrun")  # W&B's older name
+    assert resolve_mode(mode) == "offline"
+
+
+@pytest.mark.slow
+def test_wandb_with_a_key_but_no_server_goes_offline_in_one_line_and_leaves_no_debris(
+    monkeypatch, capsys, tmp_path: Path
+):
+    """A fake key and a W&B server that takes no connection (port 9 on this host): offline at once, not after
+    init_timeout, with one line and no folder of a failed online run."""
+    import wandb
+
+    from xsa_lm.tracking import wandb_init
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings file
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    wandb.teardown()  # W&B's settings are read once per process: read them with these
+    started = time.time()
+    try:
+        run = wandb_init(str(tmp_path), "run", {"lr": 1e-3}, mode="auto")
+        run.finish()
+    finally:
+        wandb.teardown()
+    assert time.time() - started < 25  # the online init's timeout alone is 30 s
+    assert run.settings.mode == "offline"
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("W&B: 127.0.0.1:9: "), lines
+    assert "logging offline in" in lines[0] and "wandb sync" in lines[0]
+    assert [p.name for p in (tmp_path / "wandb").glob("run-*")] == []
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+
+
+def finished_run(run_dir: Path, status: str) -> None:
+    run_dir.mkdir()
+    write_json(run_dir / "summary.json", {"status": status, "steps": 40, "final_val_loss": 1.0})
+    (run_dir / "metrics.csv").write_text("step,train/loss\n1,9.0\n")
+    (run_dir / "config.yaml").write_text("original: true\n")
+
+
+def test_resume_auto_never_replaces_the_results_of_a_run_without_a_checkpoint(monkeypatch, tmp_path: Path):
+    from xsa_lm.train.run import FROM_SCRATCH, find_resume_checkpoint
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # not the log file of an earlier in-process job
+    finished_run(tmp_path / "completed", "completed")
+    with pytest.raises(UserError) as refusal:
+        find_resume_checkpoint("auto", tmp_path / "completed", GPTConfig(**TINY))
+    assert str(refusal.value) == (
+        f"resume=auto: hydra.run.dir={tmp_path / 'completed'} holds the results of a completed run of 40 steps "
+        "(summary.json, metrics.csv, config.yaml) but no usable checkpoint to continue from: a new run there would "
+        "replace them; choose a new hydra.run.dir, or move the old run aside"
+    )
+    # Nothing to lose yet: a run that failed (a full disk, say), or was killed, before its first checkpoint.
+    finished_run(tmp_path / "failed", "failed")
+    assert find_resume_checkpoint("auto", tmp_path / "failed", GPTConfig(**TINY)) == FROM_SCRATCH
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "metrics.csv").write_text("step,train/loss\n1,9.0\n")
+    assert find_resume_checkpoint("auto", tmp_path / "killed", GPTConfig(**TINY)) == FROM_SCRATCH

@@ -1,0 +1,157 @@
+"""A training config is checked as a whole before anything is written (the attention layers, the sinks, the trainer
+settings as Lightning will take them on this machine, every job of a --multirun), and what a run reports is what it
+does (the warmup it can finish, the LR it reached, the memory its sinks take). In process: no training."""
+
+import sys
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from omegaconf import DictConfig
+
+from tests.helpers import FAST, compose_train, refused_in_process
+from xsa_lm.config.builders import check_config, check_trainer, resolve_precision, settle_schedule, world_size
+from xsa_lm.errors import UserError
+from xsa_lm.train import memory
+from xsa_lm.train.plan import make_plan, table
+from xsa_lm.train.run import train, trainer_strategy
+from xsa_lm.train.schedule import peak_lr
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: Lightning can use it")
+
+
+def fast(*overrides: str) -> DictConfig:
+    """FAST with the overrides; a trainer option replaces FAST's trainer=cpu."""
+    own_trainer = any(o.startswith("trainer=") for o in overrides)
+    return compose_train([*(a for a in FAST if not (own_trainer and a.startswith("trainer="))), *overrides])
+
+
+REFUSED = {
+    "XSA on no layer (an empty list)": (["attention=xsa", "attention.layers=[]"], "use attention=sa"),
+    "XSA on no layer (the last 0)": (["attention=xsa", "attention.layers=0"], "use attention=sa"),
+    "a layer twice": (["attention=xsa", "attention.layers=[1,1]"], "attention.layers=[1, 1] names a layer twice"),
+    "a layer past the model": (["attention=xsa", "attention.layers=[0,2]"], "index below model.n_layer=2"),
+    "a negative layer": (["attention=xsa", "attention.layers=[-1]"], "index below model.n_layer=2"),
+    "a layer that is no number": (["attention=xsa", "attention.layers=[a]"], "index below model.n_layer=2"),
+    "more sinks than positions": (["model.n_sinks=100000"], "model.n_sinks=100000 must be in [0, block_size=64]"),
+    "a precision Lightning does not know": (["trainer.precision=bogus"], "is not a precision Lightning accepts"),
+    "fp16 autocast on CPU": (["trainer.precision=16-mixed"], "Lightning would train in bf16-mixed"),
+    "fp16 autocast on CPU, by its alias": (["trainer.precision=16"], "trainer.precision=16: Lightning would train"),
+    "an accelerator Lightning lacks here": (["trainer.accelerator=tpu"], "trainer.accelerator=tpu: Lightning cannot"),
+    "no device": (["trainer.devices=0"], "trainer.devices=0 must be a number of devices >= 1"),
+    "a negative device count": (["trainer.devices=-5"], "trainer.devices=-5 must be a number of devices >= 1"),
+    "a device twice": (["trainer.devices=[0,0]"], "trainer.devices=[0, 0] must be"),
+    "device indices on CPU": (["trainer.devices=[0,1]"], "trainer.devices=[0, 1]: Lightning cannot train so"),
+    "no GPU for trainer=gpu": pytest.param(["trainer=gpu"], "trainer.accelerator=gpu: Lightning", marks=NO_GPU),
+    "no GPU for trainer=fsdp": pytest.param(["trainer=fsdp"], "trainer.accelerator=gpu: Lightning", marks=NO_GPU),
+}
+
+
+@pytest.mark.parametrize("overrides, expected", REFUSED.values(), ids=REFUSED.keys())
+def test_refused_before_anything_is_written(
+    overrides: list[str], expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "train"])  # train() records the command line in sys.argv
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # as Hydra makes it
+    with pytest.raises(UserError) as refused:
+        train(fast(*overrides), run_dir)
+    assert expected in str(refused.value) and "\n" not in str(refused.value), refused.value
+    assert list(run_dir.iterdir()) == []  # no config.yaml, run_info.json or train.log
+
+
+def lightning_precision(cfg: DictConfig) -> str:
+    plan = check_config(cfg)
+    return check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, precision",
+    [
+        ([], "32-true"),  # trainer=cpu
+        (["trainer=default", "trainer.accelerator=cpu"], "32-true"),  # precision auto, resolved
+        (["trainer.precision=bf16"], "bf16-mixed"),  # Lightning's alias, by its full name
+        (["trainer.precision=bf16-mixed", "trainer.devices=2", "global_batch_tokens=2048"], "bf16-mixed"),  # DDP
+        # docs/gpus.md's FSDP2 on CPU
+        (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"], "32-true"),
+    ],
+)
+def test_settings_lightning_takes_here_pass(overrides: list[str], precision: str):
+    cfg = fast(*overrides)
+    assert lightning_precision(cfg) == precision
+    assert resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator) == precision
+
+
+def test_a_warmup_longer_than_the_schedule_is_clipped_with_a_warning():
+    short = fast("trainer.max_steps=3")  # FAST warms up for 5 steps
+    warning = settle_schedule(short)
+    assert warning and "scheduler.warmup_steps=5" in warning and "clipped to 3" in warning and "\n" not in warning
+    assert (short.scheduler.warmup_steps, short.scheduler.total_steps) == (3, 3)  # what config.yaml saves
+    assert peak_lr(scheduler_of(short), steps=3) == pytest.approx(short.optim.lr)  # reached at the last step
+    unclipped = fast("trainer.max_steps=3", "scheduler.total_steps=3")
+    assert peak_lr(scheduler_of(unclipped), steps=3) == pytest.approx(short.optim.lr * 3 / 5)  # what it would be
+    whole = fast()
+    assert settle_schedule(whole) is None and whole.scheduler.warmup_steps == 5
+    assert peak_lr(scheduler_of(whole), steps=40) == pytest.approx(whole.optim.lr)
+    assert peak_lr(scheduler_of(whole), steps=0) is None
+    # Stopping early inside a longer schedule is deliberate (a resume continues it): left as set.
+    inside = fast("trainer.max_steps=2", "scheduler.total_steps=40")
+    assert settle_schedule(inside) is None and inside.scheduler.warmup_steps == 5
+
+
+def scheduler_of(cfg: DictConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """The run's scheduler, as make_module builds it."""
+    optimizer = hydra.utils.instantiate(cfg.optim)([torch.nn.Parameter(torch.zeros(2))])
+    return hydra.utils.instantiate(cfg.scheduler)(optimizer, total_steps=cfg.scheduler.total_steps)
+
+
+def test_sinks_count_in_the_memory_estimate():
+    model = {"n_layer": 4, "d_model": 128, "n_head": 4, "head_dim": 32, "mlp_ratio": 4}
+    sinks = {**model, "n_sinks": 4}
+    plain, with_sinks = (memory.estimate(m, 4096, 16, 128, "32-true") for m in (model, sinks))
+    per_position = model["n_layer"] * sum(memory.block_saved_per_token(model, compute=4, residual=4).values())
+    assert with_sinks.activations - plain.activations == 16 * 4 * per_position  # 4 more positions per sequence
+    assert memory.parameter_count(sinks, 4096) == memory.parameter_count(model, 4096) + 4 * 128
+    plan, without = (
+        table(make_plan(compose_train(["model=tiny", *extra, "device_memory_gb=80"], config_name="plan")))
+        for extra in (["model.n_sinks=64"], [])
+    )
+    assert plan.splitlines()[4:] != without.splitlines()[4:] and "64 attention sinks" in plan  # the rows differ
+    with pytest.raises(UserError, match=r"^model.n_sinks=100000 must be in \[0, block_size=128\]"):
+        make_plan(compose_train(["model.n_sinks=100000"], config_name="plan"))
+
+
+def test_the_readme_plan_says_why_its_batch_does_not_split():
+    readme = ["model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8", "device_memory_gb=80"]
+    text = table(make_plan(compose_train(readme, config_name="plan")))
+    assert "None" not in text
+    assert "global_batch_tokens=16,384 is not a multiple of" in text and "8 x 8 x 2048 = 131,072" in text
+    paper = table(make_plan(compose_train([*readme, "global_batch_tokens=524288"], config_name="plan")))
+    assert "global_batch_tokens=524,288: 4 micro-batch(es) of 131,072 tokens per optimizer step" in paper
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--multirun", "attention=foo"], ["Could not find 'attention/foo'", "available options in 'attention'"]),
+        (["--multirun", "attention=sa,foo"], ["attention/foo", "(in the job attention=foo)"]),
+        (["-m", "attention=sa,xsa", "seed=-1,0"], ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"]),
+        (["data=local", "data.files=/tmp/my", "dir/a.txt"], ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"]),
+        (["data.files=[a"], ["must be quoted"]),
+    ],
+    ids=["multirun: an unknown option", "multirun: one job's option", "multirun: one job's value", "space", "bracket"],
+)
+def test_the_command_line_is_refused_in_one_line(
+    args: list[str], expected: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    err = refused_in_process(["train", *args], monkeypatch, capsys).strip()
+    assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
+    for text in expected:
+        assert text in err, err
+
+
+def test_every_device_on_cpu_is_lightnings_one(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert world_size(fast("trainer=default", "trainer.devices=auto").trainer) == 8  # a GPU run takes all 8
+    assert world_size(fast("trainer.devices=auto").trainer) == 1  # trainer=cpu: Lightning's CPU "auto" is one
