@@ -242,3 +242,19 @@ def test_resume_auto_never_replaces_the_results_of_a_run_without_a_checkpoint(mo
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "metrics.csv").write_text("step,train/loss\n1,9.0\n")
     assert find_resume_checkpoint("auto", tmp_path / "killed", GPTConfig(**TINY)) == FROM_SCRATCH
+
+
+def test_a_refused_job_leaves_no_log_file_handler_into_its_removed_folder(tmp_path: Path, monkeypatch, capsys):
+    """Hydra's <run dir>/train.log handler opens its file at the first line: once the refused run's folder is gone,
+    a later line in the same process (the next --multirun job, a test) would fail on it."""
+    run_dir = tmp_path / "run"
+    args = ["train", *FAST, "attention=xsa", "attention.layers=[]", f"hydra.run.dir={run_dir}"]  # refused in the job
+    refused_in_process(args, monkeypatch, capsys)
+    assert not run_dir.exists()
+    into_it = [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir
+    ]
+    assert not into_it
+    logging.getLogger("xsa_lm.train").warning("a line after the refusal")  # raised FileNotFoundError before

@@ -172,3 +172,14 @@ def remove_if_empty(folder: Path) -> None:
     with contextlib.suppress(OSError):
         if folder.is_dir() and folder.resolve() != Path.cwd().resolve() and not any(folder.iterdir()):
             folder.rmdir()
+            drop_log_files_in(folder)
+
+
+def drop_log_files_in(folder: Path) -> None:
+    """Hydra's log file handlers that would write into a removed folder go (Hydra opens the file at the first
+    line): a later line logged in this process, e.g. the next job of a --multirun, would otherwise fail."""
+    root, removed = logging.getLogger(), Path(os.path.abspath(folder))
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == removed:
+            root.removeHandler(handler)
+            handler.close()
