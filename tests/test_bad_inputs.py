@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, assert_clean_error, run_cli
+from tests.helpers import FAST, assert_clean_error, refused_in_process, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +38,37 @@ CASES = {
 }
 
 
+IN_A_SUBPROCESS = {"hub dataset offline"}  # HF_HUB_OFFLINE is read when huggingface_hub is imported
+
+
 @pytest.mark.parametrize("overrides, expected", CASES.values(), ids=CASES.keys())
-def test_bad_input(overrides: list[str], expected: list[str], data_cache: Path, tmp_path: Path):
+def test_bad_input(
+    overrides: list[str],
+    expected: list[str],
+    data_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    request: pytest.FixtureRequest,
+):
+    """In this process, as `xsa-lm train ...` runs it (a subprocess adds ~5 s of imports per case and nothing else)."""
     run_dir = tmp_path / "run"
     switches_tokenizer = any(o.startswith("tokenizer=") for o in overrides)
     fast = [a for a in FAST if not (switches_tokenizer and a.startswith("tokenizer."))]
-    out = run_cli(["train", *fast, *overrides, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert_clean_error(out, *expected)
-    assert out.returncode == 2
+    args = ["train", *fast, *overrides, f"hydra.run.dir={run_dir}"]
+    if request.node.callspec.id in IN_A_SUBPROCESS:
+        out = run_cli(args, data_cache, tmp_path)
+        assert_clean_error(out, *expected)
+        assert out.returncode == 2
+    else:
+        monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+        monkeypatch.chdir(tmp_path)
+        err = refused_in_process(args, monkeypatch, capsys)  # exit code 2
+        assert "Traceback" not in err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("xsa-lm"), err[-2000:]
+        for text in expected:
+            assert text in last, last
     assert not run_dir.exists()  # a refused run writes nothing, not even an empty folder
 
 
