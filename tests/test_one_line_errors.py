@@ -258,3 +258,17 @@ def test_a_refused_job_leaves_no_log_file_handler_into_its_removed_folder(tmp_pa
     ]
     assert not into_it
     logging.getLogger("xsa_lm.train").warning("a line after the refusal")  # raised FileNotFoundError before
+
+
+def test_ctrl_c_at_any_moment_of_any_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C while the imports load or while generate samples: one line, the shell's code for SIGINT."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "generate", "ckpt=x.ckpt"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["xsa-lm: interrupted (Ctrl-C) during xsa-lm generate"]

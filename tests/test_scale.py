@@ -309,6 +309,7 @@ def sweep_started(*args, **kwargs) -> None:
 # The last ones are refused by every size's sweep, checked as that sweep will check them, trials included.
 SIZE_REFUSALS = [
     ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
+    ("model.d_model=64", "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model"),
     ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
     ("scale.axis=depth", "scale.axis='depth': choose size or tokens"),
     ("scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),

@@ -1032,3 +1032,16 @@ def test_every_sweep_and_scale_setting_has_a_rule() -> None:
         check_settings(cfg.sweep, SWEEP_RULES, "sweep")
     check_settings(cfg.scale, SCALE_RULES, "scale")
     assert set(cfg.sweep) == set(SWEEP_RULES) and set(cfg.scale) == set(SCALE_RULES)
+
+
+def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """sweep.json's command reruns the sweep: it keeps the `sweep` word the CLI takes off for Hydra."""
+    from xsa_lm.config.command_line import ARGV_VARIABLE
+    from xsa_lm.sweep.run import open_state
+
+    typed = ["xsa-lm", "sweep", "sweep=demo"]
+    monkeypatch.setenv(ARGV_VARIABLE, json.dumps(typed))
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "sweep=demo"])  # what Hydra sees
+    cfg = OmegaConf.create({"logger": None})
+    state = open_state(tmp_path / "sweep.json", [], cfg, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
+    assert state["command"] == "xsa-lm sweep sweep=demo"

@@ -32,7 +32,14 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if len(sys.argv) >= 2 else 2)
-    command = sys.argv[1]
+    try:
+        run(sys.argv[1])
+    except KeyboardInterrupt:  # training's own Ctrl-C stops at a step and exits 130 itself; this is any other moment
+        print(f"xsa-lm: interrupted (Ctrl-C) during xsa-lm {sys.argv[1]}", file=sys.stderr)
+        sys.exit(130)
+
+
+def run(command: str) -> None:
     with exit_on_user_error():  # the job has its own (one_line_errors); this one covers what runs before it
         if command not in COMMANDS:
             raise UserError(unknown_command(command))

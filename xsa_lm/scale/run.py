@@ -56,8 +56,14 @@ from xsa_lm.sweep.run import (
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.trials import die_with_parent, last_error_line
 
-SET_BY_SCALE = {  # model.* keys apply to every size (e.g. model.block_size)
+SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
+SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
     "model": "set the sizes with scale.models=[...]",
+    **{
+        f"model.{key}": "each size's model preset sets it (one value for all would make the sizes one model); set "
+        "the sizes with scale.models=[...]"
+        for key in SIZE_KEYS
+    },
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
 

@@ -26,6 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config.command_line import full_command_line
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
@@ -106,7 +107,7 @@ def open_state(
         id_key: (wandb_cfg.group if wandb_cfg else None) or directory.name,
         overrides_key: overrides,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(sys.argv),
+        "command": " ".join(full_command_line()),  # as typed: `xsa-lm sweep ...`
     }
     write_json(state_file, state)
     return state
