@@ -127,6 +127,21 @@ def test_bench_data_quick_writes_the_report(tmp_path: Path):
     assert "target >= 0.8" in stdout
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", 16, "bf16-true", "64-true", "fast"])
+def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
+    import torch
+
+    from xsa_lm.bench.run import resolve_bench_precision
+    from xsa_lm.errors import UserError
+
+    # 16-mixed on CPU: Lightning would run bf16-mixed, the hand-written loop fp32, the report say 16-mixed for both
+    with pytest.raises(UserError, match=f"^precision={precision}: bench runs auto, 32-true or bf16-mixed"):
+        resolve_bench_precision(precision, torch.device("cpu"))
+    assert resolve_bench_precision(32, torch.device("cpu")) == "32-true"
+    assert resolve_bench_precision("bf16", torch.device("cpu")) == "bf16-mixed"
+    assert resolve_bench_precision("auto", torch.device("cpu")) == "32-true"
+
+
 @pytest.mark.parametrize(
     ("name", "key", "bf16"),
     [
@@ -213,3 +228,13 @@ def test_xsa_stays_orthogonal_to_v_under_bf16_autocast():
     assert cos["before_xsa"] > 0.5 and result["tokens_left_out"] >= 2  # each sequence's first token: y_0 = v_0
     broken = result | {"max_abs_cos": cos | {"fused": 0.1}}
     assert not orthogonality_holds(broken)
+
+
+def test_bench_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, monkeypatch, capsys):
+    """Refused inside its job (Hydra has run): nothing but its `out` is ever written where it was typed."""
+    from tests.helpers import refused_in_process
+
+    (tmp_path / "bench.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert "out=bench.json exists" in refused_in_process(["bench", "smoke=true"], monkeypatch, capsys)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]

@@ -24,6 +24,7 @@ from tests.test_data import shakespeare_text
 from xsa_lm.analysis.run import validation_windows
 from xsa_lm.checkpoints.load import (
     check_checkpoint_file,
+    checkpoint_list,
     load_model,
     load_tokenizer,
     load_weights,
@@ -65,6 +66,17 @@ def test_paths_that_are_no_checkpoint_are_refused_naming_them(tmp_path: Path):
             assert str(path) in str(e.value) and expected[kind] in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UserError, match="checkpoint not found"):
         load_model(tmp_path / "missing.ckpt", key="ckpt")
+    with pytest.raises(UserError, match="^ckpt: /dev/null is not a regular file"):  # there, but no file
+        load_model(Path("/dev/null"), key="ckpt")
+
+
+def test_one_checkpoint_may_be_given_without_brackets(tmp_path: Path):
+    ckpt = str(write_checkpoint(tmp_path / "run"))
+    assert checkpoint_list(ckpt) == checkpoint_list([ckpt]) == [ckpt]  # ckpts=PATH: the path, not its letters
+    with pytest.raises(UserError, match="^ckpts: checkpoint not found: 5$"):
+        checkpoint_list(5)  # ckpts=5, typed a number by Hydra
+    with pytest.raises(UserError, match="give at least one checkpoint"):
+        checkpoint_list([])
 
 
 def test_a_run_directory_points_at_its_last_checkpoint(tmp_path: Path):

@@ -628,3 +628,48 @@ def test_workers_do_not_change_the_order():
     it = iter(loader)
     with_workers = [next(it)[0] for _ in range(6)]
     assert all(torch.equal(x, y) for x, y in zip(with_workers, stream_batches(stream, 6), strict=True))
+
+
+def test_data_files_naming_a_directory_suggests_its_files(tmp_path: Path):
+    (tmp_path / "corp").mkdir()
+    with pytest.raises(
+        UserError, match=f"^data.files: '.*corp' matches only a directory .* data.files='{tmp_path}/corp/"
+    ):
+        list(LocalFiles(str(tmp_path / "corp")).documents())
+
+
+@pytest.mark.parametrize("kind", ["a training run", "a file"])
+def test_prepare_refuses_a_data_dir_it_did_not_make(kind: str, tmp_path: Path):
+    """The shards would mix with another command's files: nothing is written there, not even the lock."""
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    out = tmp_path / "out"
+    if kind == "a file":
+        out.write_text("notes\n")
+        message = "is a file, not a folder"
+    else:
+        out.mkdir()
+        (out / "summary.json").write_text("{}")
+        message = r"holds no preparation of xsa-lm \(no prepare.json; it holds summary.json\)"
+    with pytest.raises(UserError, match=f"^data.dir={out} .*{message}"):
+        prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    assert out.is_file() if kind == "a file" else [p.name for p in out.iterdir()] == ["summary.json"]
+
+
+def test_a_refused_preparation_leaves_nothing_that_blocks_the_corrected_one(tmp_path: Path):
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    source = LocalFiles(str(tmp_path / "corpus.jsonl"))
+    too_small = partial(train_bpe, vocab_size=10)
+    with pytest.raises(UserError, match="vocab_size must be at least 257"):
+        prepare(source, too_small, tmp_path / "out", {"tokenizer": "bpe10"}, val_fraction=0.2)
+    assert not (tmp_path / "out").exists()
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))  # the corrected settings, the same folder
+    assert data.dir == tmp_path / "out" and (data.dir / "meta.json").exists()
+
+
+def test_prepare_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, monkeypatch, capsys):
+    """Refused inside its job (Hydra has run): no outputs/prepare/<time>/prepare.log where it was typed."""
+    (tmp_path / "corp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = ["prepare", "data=local", "data.files=corp", f"data.dir={tmp_path / 'out'}"]
+    assert "matches only a directory" in refused_in_process(args, monkeypatch, capsys)
+    assert [p.name for p in tmp_path.iterdir()] == ["corp"]

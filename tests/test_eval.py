@@ -24,7 +24,7 @@ from tests.wandb_records import summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import check_options, resolve_tasks
+from xsa_lm.eval.run import check_options, render, resolve_tasks
 from xsa_lm.model import GPT, GPTConfig
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
@@ -88,13 +88,32 @@ def test_no_task_is_refused(tasks):
 
 @pytest.mark.parametrize(
     "limit, batch_size, key",
-    [(0, 16, "limit"), (-5, 16, "limit"), ("abc", 16, "limit"), (None, 0, "batch_size"), (None, 2.5, "batch_size")],
+    [
+        (0, 16, "limit"),
+        (-5, 16, "limit"),
+        ("abc", 16, "limit"),
+        (math.inf, 16, "limit"),  # not an OverflowError in the harness
+        (math.nan, 16, "limit"),
+        (2.5, 16, "limit"),  # the harness would run 2 and the table say 2.5
+        (True, 16, "limit"),
+        (None, 0, "batch_size"),
+        (None, 2.5, "batch_size"),
+    ],
 )
 def test_eval_options_are_checked(limit, batch_size, key: str):
     with pytest.raises(UserError, match=f"^{key} must be"):
         check_options(limit, batch_size)
     for fine in ((None, 16), (10, 1), (0.5, 1)):  # 0.5: a fraction of each task, the harness's own meaning
         check_options(*fine)
+
+
+def test_eval_wandb_is_a_boolean_and_the_table_says_what_a_limit_ran():
+    with pytest.raises(UserError, match="^wandb must be true or false, got 'maybe'$"):
+        check_options(None, 16, "maybe")  # a non-empty text would count as true
+    check_options(None, 16, False)
+    empty = {"tasks": [], "rows": []}
+    assert "(limit=0.5: 50% of the examples of each task" in render({**empty, "limit": 0.5})
+    assert "(limit=3: the first 3 examples of each task" in render({**empty, "limit": 3})
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------

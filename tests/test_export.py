@@ -21,7 +21,7 @@ from xsa_lm.checkpoints.sharded import META
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import sample
-from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export, require_transformers
+from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, check_out, export, require_transformers
 from xsa_lm.model import GPT, GPTConfig, generate
 
 transformers = pytest.importorskip("transformers")
@@ -253,6 +253,14 @@ def test_bad_inputs_are_refused_in_one_line_and_nothing_is_overwritten(runs, tmp
         export(ckpt, tmp_path / "config.yaml")  # a file
     (tmp_path / "empty").mkdir()
     assert (export(ckpt, tmp_path / "empty") / "model.safetensors").is_file()  # an empty directory is filled
+
+
+@pytest.mark.parametrize("out", ["", ".", "..", "/"])
+def test_an_empty_out_or_the_current_directory_is_refused(out: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)  # empty: `out=` here was an OSError from the final rename
+    with pytest.raises(UserError, match="^out=.* is empty, the current directory or one above it: give the new"):
+        check_out(Path(out))
+    check_out(tmp_path / "hf")  # a new directory is fine
 
 
 def test_without_transformers_the_export_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch):

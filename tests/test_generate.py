@@ -1,5 +1,6 @@
 """Generation with a KV cache equals generation without one, for SA and XSA (and GQA, sinks, gates)."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,11 @@ def test_generate_refuses_an_empty_top_k_and_a_negative_temperature():
 SAMPLING = {
     "top_k=0": ("top_k", 0, "top_k must be an integer >= 1, or null for the whole vocabulary, got 0"),
     "top_k=-1": ("top_k", -1, "top_k must be an integer >= 1, or null for the whole vocabulary, got -1"),
-    "temperature=-1": ("temperature", -1, "temperature must be a number >= 0 (0: greedy), got -1"),
+    "temperature=-1": ("temperature", -1, "temperature must be a finite number >= 0 (0: greedy), got -1"),
+    "temperature=inf": ("temperature", math.inf, "temperature must be a finite number >= 0 (0: greedy), got inf"),
+    "temperature=nan": ("temperature", math.nan, "temperature must be a finite number >= 0 (0: greedy), got nan"),
+    "prompt=1e3": ("prompt", 1000.0, "prompt must be text, got 1000.0 (Hydra read it as a float): quote it"),
+    "prompt=true": ("prompt", True, "prompt must be text, got True (Hydra read it as a bool): quote it"),
     "max_new_tokens=0": ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
     "num_samples=0": ("num_samples", 0, "num_samples must be an integer >= 1, got 0"),
     "seed=abc": ("seed", "abc", "seed must be an integer, got 'abc'"),
@@ -88,8 +93,10 @@ GOOD = dict(max_new_tokens=10, temperature=0.8, top_k=50, num_samples=1, seed=0)
 def test_sampling_options_are_checked(key: str, value, message: str):
     with pytest.raises(UserError) as e:
         check_sampling(**{**GOOD, key: value})
-    assert str(e.value) == message
+    assert str(e.value).startswith(message)
     check_sampling(**{**GOOD, "top_k": None, "temperature": 0})  # null top_k, greedy
+    check_sampling(**{**GOOD, "prompt": None})  # null: start from <|endoftext|>
+    check_sampling(**{**GOOD, "prompt": "1e3"})  # quoted for Hydra
 
 
 @pytest.mark.slow

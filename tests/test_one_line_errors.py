@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from tests.helpers import FAST, TINY, assert_clean_error, cli_env, refused_in_process
 from xsa_lm import cli
+from xsa_lm.config.command_line import check_overrides
 from xsa_lm.errors import UserError, WriteError, exit_on_user_error, remove_if_empty
 from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
@@ -172,6 +173,30 @@ def test_unknown_command_names_the_closest(monkeypatch, capsys):
     err = refused_in_process(["trian"], monkeypatch, capsys)
     (line,) = err.strip().splitlines()
     assert line.startswith("xsa-lm: error: unknown command 'trian': did you mean 'train'? (commands: train, ")
+
+
+TYPOS = {  # a key the command's config lacks, with and without `+` (which Hydra suggests, and which was ignored)
+    "generate temprature": (["generate", "ckpt=x", "temprature=0"], "generate has no key temprature: did you mean"),
+    "generate +temprature": (["generate", "ckpt=x", "+temprature=0"], "generate has no key temprature: did you mean"),
+    "eval +lmit": (["eval", "ckpts=[x]", "+lmit=3"], "eval has no key lmit: did you mean limit?"),
+    "plan +model.n_layr": (["plan", "+model.n_layr=2"], "plan has no key model.n_layr: did you mean model.n_layer?"),
+    "train optim.lrr": (["train", "optim.lrr=0.1"], "train has no key optim.lrr: did you mean optim.lr?"),
+    "generate foo.bar": (["generate", "ckpt=x", "foo.bar=1"], "generate has no key foo.bar: its keys are ckpt, "),
+    "generate +model=tiny": (["generate", "ckpt=x", "+model=tiny"], "generate has no key model: its keys are ckpt,"),
+}
+
+
+@pytest.mark.parametrize("args, expected", TYPOS.values(), ids=TYPOS.keys())
+def test_a_key_the_command_lacks_names_the_closest(args: list[str], expected: str, monkeypatch, capsys):
+    err = refused_in_process(args, monkeypatch, capsys)
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"xsa-lm: error: {expected}"), line
+    assert "temprature" not in line or "did you mean temperature?" in line
+
+
+def test_a_plus_key_the_command_has_or_a_group_is_not_refused():
+    check_overrides("generate", ["ckpt=x", "++temperature=0", "+hydra.job.env_set.A=1"])  # `++` overrides its key
+    check_overrides("plan", ["model=tiny", "++device_memory_gb=8"])
 
 
 @pytest.mark.parametrize("mode", ["auto", "offline"])

@@ -11,9 +11,10 @@ from hydra import compose, initialize_config_module
 
 from tests.conftest import run_cli
 from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches, peak_memory
+from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
-from xsa_lm.train.plan import estimate_for_config
+from xsa_lm.train.plan import estimate_for_config, make_plan
 from xsa_lm.train.schedule import warmup_cosine_scheduler
 
 TINY = {"n_layer": 4, "d_model": 128, "n_head": 4, "head_dim": 32, "mlp_ratio": 4}
@@ -142,6 +143,14 @@ def test_estimate_for_a_composed_config():
     expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, attention="xsa", compiled=True)
     assert e == expected and e.ddp_buckets == 0  # configs/trainer/ddp.yaml: gradient_as_bucket_view
     assert estimate_for_config(dict(cfg)) == e
+
+
+@pytest.mark.parametrize("gib", ["0", "-1", "nan", "inf", "true", "lots"])
+def test_plan_refuses_a_device_memory_that_is_no_positive_size(gib: str):
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        cfg = compose(config_name="plan", overrides=["model=tiny", f"device_memory_gb={gib}"])
+    with pytest.raises(UserError, match="^device_memory_gb must be a positive number of GiB, got "):
+        make_plan(cfg)  # nan, inf: not a ValueError or OverflowError from int()
 
 
 @pytest.mark.parametrize("attention", ["sa", "xsa"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import FAST, assert_clean_error, compose_train, run_cli, train_losses, wait_for
+from tests.helpers import FAST, assert_clean_error, compose_train, refused_in_process, run_cli, train_losses, wait_for
 from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
 from xsa_lm.config.checks import check_values
@@ -245,3 +245,48 @@ def test_the_default_run_directory_is_made_once(data_cache: Path, tmp_path: Path
     assert out.stdout.count("scheduler.warmup_steps=5 is longer than the LR schedule's 2 steps") == 1
     assert "warmup_steps: 2\n" in (folders[0] / "config.yaml").read_text()
     assert json.loads((folders[0] / "summary.json").read_text())["peak_lr"] == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize(
+    ("command", "mark", "expected"),
+    [
+        ("train", "sweep.json", "holds an `xsa-lm sweep` (sweep.json): xsa-lm train would overwrite its files"),
+        ("train", "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm train"),
+        ("sweep", "summary.json", "holds a training run (summary.json): xsa-lm sweep"),
+        ("scale", "checkpoints/", "holds a training run (checkpoints/): xsa-lm scale"),
+        ("sweep", "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm sweep"),
+    ],
+)
+def test_a_command_never_writes_into_another_commands_folder(command, mark, expected, monkeypatch, capsys, tmp_path):
+    """Refused before Hydra runs (Hydra would write its own files there first): nothing in the folder changes."""
+    folder = tmp_path / "theirs"
+    (folder / mark).parent.mkdir(parents=True, exist_ok=True)
+    (folder / "checkpoints").mkdir() if mark.endswith("/") else (folder / mark).write_text("{}")
+    (folder / "config.yaml").write_text("theirs: true\n")
+    before = snapshot(folder), sorted(p.name for p in folder.iterdir())
+    err = refused_in_process([command, *FAST, f"hydra.run.dir={folder}"], monkeypatch, capsys)
+    assert err.startswith(f"xsa-lm: error: hydra.run.dir={folder} {expected}") and err.count("\n") == 1, err
+    assert err.endswith("; choose a new hydra.run.dir\n")
+    assert (snapshot(folder), sorted(p.name for p in folder.iterdir())) == before
+
+
+def test_a_training_run_inside_a_study_folder_is_refused_in_the_job_too(tmp_path: Path):
+    """With HYDRA_FULL_ERROR=1 the command line goes unchecked: the run itself refuses before it writes."""
+    from xsa_lm.model import GPTConfig
+    from xsa_lm.train.run import find_resume_checkpoint
+
+    (tmp_path / "sweep.json").write_text("{}")
+    for resume in (None, "auto"):
+        with pytest.raises(UserError, match="holds an `xsa-lm sweep` \\(sweep.json\\)"):
+            find_resume_checkpoint(resume, tmp_path, GPTConfig())
+
+
+@pytest.mark.parametrize("args", [["hydra.run.dir="], ["hydra.run.dir= "], ["--multirun", "hydra.sweep.dir="]])
+def test_an_empty_run_directory_is_refused(args: list[str], monkeypatch, capsys, tmp_path: Path):
+    """An empty path is the current directory: an unset shell variable would train into it."""
+    monkeypatch.chdir(tmp_path)
+    err = refused_in_process(["train", *FAST, *args], monkeypatch, capsys)
+    key = args[-1].split("=")[0]
+    assert err.startswith(f"xsa-lm: error: {key} is empty (an unset shell variable?): set it to a folder")
+    assert err.endswith(f"e.g. {key}=runs/a\n") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ and prints the table. Each checkpoint is measured on the first `sequences` valid
 import csv
 import re
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,10 +72,25 @@ def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
     return [f"{label} #{i}" if counts[label] > 1 else label for i, label in enumerate(labels)]
 
 
-def analyze(ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk: int, batch: int) -> list[dict]:
+def label_list(labels: str | Sequence[object] | None, count: int) -> list[str] | None:
+    """The `labels=` of `count` checkpoints as text, one per checkpoint and each its own (two equal labels would draw
+    two checkpoints as one line); a single label may be given without brackets. None: the default labels."""
+    if labels is None:
+        return None
+    texts = [str(label) for label in ([labels] if isinstance(labels, str) else labels)]  # labels=[1,2]: numbers
+    if len(texts) != count:
+        raise UserError(f"labels: {len(texts)} labels for {count} checkpoints")
+    repeated = sorted({label for label in texts if texts.count(label) > 1})
+    if repeated:
+        raise UserError(f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own")
+    return texts
+
+
+def analyze(
+    ckpts: list[str], *, labels: str | Sequence[object] | None, sequences: int, chunk: int, batch: int
+) -> list[dict]:
     check_counts(sequences=sequences, chunk=chunk, batch_size=batch)
-    if labels is not None and len(labels) != len(ckpts):
-        raise UserError(f"labels: {len(labels)} labels for {len(ckpts)} checkpoints")
+    given = label_list(labels, len(ckpts))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in ckpts]
     measured = []
@@ -82,10 +98,10 @@ def analyze(ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk
         model = load_model(path).to(device)
         windows = validation_windows(path, sequences).to(device)
         measured.append((model.config.attention, diagnose(model, windows.split(batch), chunk)))
-    labels = [str(label) for label in labels] if labels else default_labels(paths, [a for a, _ in measured])
+    names = given or default_labels(paths, [a for a, _ in measured])
     return [
         {"checkpoint": str(path), "label": label, **row}
-        for path, label, (_, layers) in zip(paths, labels, measured, strict=True)
+        for path, label, (_, layers) in zip(paths, names, measured, strict=True)
         for row in layers
     ]
 
@@ -197,7 +213,7 @@ def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         rows = analyze(
             checkpoint_list(cfg.ckpts),
-            labels=list(cfg.labels) if cfg.labels else None,
+            labels=cfg.labels,
             sequences=cfg.sequences,
             chunk=cfg.chunk,
             batch=cfg.batch_size,

@@ -25,7 +25,8 @@ from rich.table import Table
 from xsa_lm.bench.fresh import process_context, run_fresh
 from xsa_lm.bench.loops import Phase
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, summarize
-from xsa_lm.config.builders import model_config, resolve_precision
+from xsa_lm.compat import lightning_precision_name
+from xsa_lm.config.builders import model_config
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json
 from xsa_lm.train.runinfo import run_info
@@ -50,12 +51,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# What the hand-written loop reproduces (autocast to bf16, or none): under any other precision Lightning would train
+# in another one than the plain loop (16-mixed: fp16 with a grad scaler on a GPU, bf16-mixed on CPU; *-true: weights
+# cast), and the report would compare two precisions under one name.
+BOTH_LOOPS = ("32-true", "bf16-mixed")
+
+
 def resolve_bench_precision(precision: str, device: torch.device) -> str:
     """auto: fp32 on CPU (even where torch would offer bf16), bf16 on a GPU. Decided without asking the GPU whether
     it has bf16: that would create a CUDA context in this process, which only waits for the phases."""
-    if precision != "auto":
-        return resolve_precision(precision)
-    return "bf16-mixed" if device.type == "cuda" else "32-true"
+    if precision == "auto":
+        return "bf16-mixed" if device.type == "cuda" else "32-true"
+    try:
+        name = lightning_precision_name(precision)
+    except ValueError:
+        name = None  # not a precision at all: the same answer
+    if name not in BOTH_LOOPS:
+        raise UserError(
+            f"precision={precision}: bench runs auto, {' or '.join(BOTH_LOOPS)} (what both its Lightning loop and its "
+            "hand-written loop train in): set precision=auto"
+        )
+    return name
 
 
 def make_phases(cfg: DictConfig, n: dict, device: torch.device, precision: str) -> dict[str, Phase]:

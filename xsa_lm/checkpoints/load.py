@@ -37,6 +37,8 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         inside = [p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.exists()]
         example = inside[0] if inside else "runs/sa/checkpoints/last.ckpt"
         raise UserError(f"{key}: {path} is a directory, not a checkpoint: give a .ckpt file, e.g. {example}")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{key}: {path} is not a regular file (a device, pipe or socket), not a checkpoint")
     if not path.is_file():
         raise UserError(f"{key}: checkpoint not found: {path}")
     if path.stat().st_size == 0:
@@ -50,9 +52,11 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         )
 
 
-def checkpoint_list(ckpts: Sequence[object] | None) -> list[str]:
+def checkpoint_list(ckpts: Sequence[object] | object) -> list[str]:
     """The `ckpts=[...]` of analyze and eval, refused in one line when empty or when one of them cannot be a
-    checkpoint (checked up front, before any slow work)."""
+    checkpoint (checked up front, before any slow work). One checkpoint may be given without brackets: ckpts=PATH."""
+    if ckpts is not None and (isinstance(ckpts, str) or not isinstance(ckpts, Sequence)):
+        ckpts = [ckpts]  # a path, not its letters
     if not ckpts:
         raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
     for ckpt in ckpts:

@@ -56,6 +56,23 @@ def _one_only(value) -> str | None:
     return "must be 1: tensor parallelism is not implemented (trainer=fsdp shards data parallel only)"
 
 
+def _text(value) -> str | None:
+    # Hydra types a value by its look: samples.prompt=1e3 arrives as 1000.0, =true as True, not as typed.
+    if isinstance(value, str):
+        return None
+    kind = type(value).__name__
+    return f"must be text (Hydra read it as a {kind}): quote it for Hydra, e.g. samples.prompt='\"1e3\"'"
+
+
+def _resume(value) -> str | None:
+    wanted = "must be auto, null or a checkpoint path"
+    if isinstance(value, str) and value != "auto" and value.strip().lower() == "auto":  # AUTO, Auto: not a path
+        return f"{wanted}: did you mean resume=auto?"
+    if value is None or (isinstance(value, str) and value.strip()):
+        return None
+    return f"{wanted} (quote a path Hydra reads as a number or boolean, e.g. resume='\"5\"')"
+
+
 def _bool_or_auto(value) -> str | None:
     return None if isinstance(value, bool) or value == "auto" else "must be true, false or auto"
 
@@ -97,6 +114,7 @@ def _betas(value) -> str | None:
 
 RULES = {
     "seed": _int(0, SEED_MAX),
+    "resume": _resume,
     "global_batch_tokens": _int(1),
     "micro_batch_size": _int(1),
     "val_every_steps": _int(1),
@@ -118,6 +136,7 @@ RULES = {
     "samples.max_new_tokens": _int(1),
     "samples.temperature": _number(0),
     "samples.top_k": _int(1, nullable=True),
+    "samples.prompt": _text,
     "profile.start_step": _int(0, nullable=True),
     "profile.steps": _int(1),
     "model.n_layer": _int(1),

@@ -1,5 +1,6 @@
 """The command line: checked against the composed config before Hydra runs, and read back inside a job."""
 
+import difflib
 import json
 import os
 import re
@@ -67,11 +68,13 @@ def check_overrides(config_name: str, args: list[str]) -> None:
             for job in jobs:
                 configs.append(compose(config_name=config_name, overrides=job, return_hydra_config=True))
             # resolved here: ${now:...} needs Hydra's resolvers
-            run_dir = Path(configs[0].hydra.sweep.dir if multirun else configs[0].hydra.run.dir)
+            run_dir_value = configs[0].hydra.sweep.dir if multirun else configs[0].hydra.run.dir
     except OverrideParseException as e:
         refuse(f"{one_line(e)} (a value with spaces or brackets must be quoted as one argument: 'key=a value')")
     except (HydraException, OmegaConfBaseException) as e:
-        refuse(f"{one_line(e)}{job_named(job, jobs)}")
+        typo = re.match(r"Could not override '([^']+)'", str(e))  # Hydra's hint is to add it with `+`: never read
+        unknown = typo and no_such_key(config_name, typo.group(1), [o for o in job if override_key(o) != typo[1]])
+        refuse(f"{unknown or one_line(e)}{job_named(job, jobs)}")
     for cfg, job in zip(configs, jobs, strict=True):
         for group, option in cfg.hydra.runtime.choices.items():
             if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
@@ -86,6 +89,9 @@ def check_overrides(config_name: str, args: list[str]) -> None:
                 f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. "
                 f"{missing[0]}=...{job_named(job, jobs)}"
             )
+    if config_name not in ("train", "sweep", "scale"):  # train's schema refuses a key it lacks (check_known_keys)
+        for job in jobs:
+            check_appended_keys(config_name, job, jobs)
     if any(a in ("--cfg", "-c") for a in args):  # prints the config: no run, no run directory
         return
     if config_name in ("train", "sweep", "scale"):  # wrong types or ranges: before torch and Lightning load (5 s)
@@ -97,6 +103,13 @@ def check_overrides(config_name: str, args: list[str]) -> None:
                 check_values(cfg)
             except UserError as e:
                 refuse(f"{e}{job_named(job, jobs)}")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if run_dir_value is None or not str(run_dir_value).strip():  # Path("") is the current directory
+        refuse(f"{key} is empty (an unset shell variable?): set it to a folder for the results, e.g. {key}=runs/a")
+    run_dir = Path(run_dir_value)
+    elsewhere = None if multirun else another_commands_folder(config_name, run_dir)
+    if elsewhere:
+        refuse(elsewhere)
     # Hydra creates the run directory (a multirun's sweep directory) before the job starts: a path that cannot exist
     # fails here, in one line. The folders made for the test are removed again: a default one holds the time, which
     # Hydra reads anew.
@@ -104,10 +117,79 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         refuse(f"{key}={run_dir} cannot be created ({e.strerror or e}): choose another")
     for folder in absent:  # deepest first
         folder.rmdir()
+
+
+# The files that mark a command's folder (what a rerun resumes from). A command refuses a folder another one wrote:
+# it would overwrite that one's files (config.yaml, report.md, results.json) or mix its own in.
+FOLDER_MARKS = {
+    "train": ("a training run", ("summary.json", "checkpoints")),
+    "sweep": ("an `xsa-lm sweep`", ("sweep.json",)),
+    "scale": ("an `xsa-lm scale` study", ("scale.json",)),
+}
+
+
+def another_commands_folder(command: str, folder: Path) -> str | None:
+    """The line refusing `xsa-lm <command>` in a folder that holds another command's results; None where it holds
+    none (or the command is not one that FOLDER_MARKS knows)."""
+    if command not in FOLDER_MARKS:
+        return None
+    for other, (what, marks) in FOLDER_MARKS.items():
+        found = [m + ("/" if (folder / m).is_dir() else "") for m in marks if (folder / m).exists()]
+        if other != command and found:
+            return (
+                f"hydra.run.dir={folder} holds {what} ({', '.join(found)}): xsa-lm {command} would overwrite its "
+                "files; choose a new hydra.run.dir"
+            )
+    return None
+
+
+def override_key(override: str) -> str:
+    """The key of `key=value`, `+key=value`, `++key=value` or `~key`."""
+    return override.split("=", 1)[0].lstrip("~+")
+
+
+def config_keys(node: object, prefix: str = "") -> list[str]:
+    """Every dotted key of a config (as a container), its nodes' and their leaves'."""
+    if not isinstance(node, dict):
+        return []
+    return [key for k, v in node.items() for key in (f"{prefix}{k}", *config_keys(v, f"{prefix}{k}."))]
+
+
+def no_such_key(config_name: str, key: str, overrides: list[str]) -> str | None:
+    """`<command> has no key K: did you mean ...?`, the closest key of the config the other overrides compose (None
+    where they compose none)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException):
+        return None
+    keys = config_keys(OmegaConf.to_container(cfg, resolve=False))
+    if key in keys:
+        return None
+    close = difflib.get_close_matches(key, keys, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(k for k in keys if '.' not in k)}"
+    return f"{config_name} has no key {key}: {hint} (configs/{config_name}.yaml)"
+
+
+def check_appended_keys(config_name: str, job: list[str], jobs: list[list[str]]) -> None:
+    """A `+key=value` that adds a key the command's config lacks would be ignored without a word (the command reads
+    only its own keys): refused, naming the closest key. `+hydra.*` (Hydra's own settings) stays."""
+    for override in job:
+        key = override_key(override).split("@")[0]  # +group@package=option: the group
+        if not override.startswith("+") or key.startswith("hydra."):
+            continue
+        others = [o for o in job if not o.startswith("+") or o == override]  # `++key` may override a key it has
+        unknown = no_such_key(config_name, key, [o for o in others if o != override])
+        if unknown:
+            refuse(f"{unknown}; {config_name} would ignore {override}{job_named(job, jobs)}")
 
 
 def group_options(group: str) -> list[str]:

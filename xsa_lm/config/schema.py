@@ -202,7 +202,7 @@ class DiagnosticsOptions:
 @dataclass
 class SamplesOptions:
     every_n_steps: Any = MISSING
-    prompt: str = MISSING
+    prompt: Any = MISSING  # typed `str`, OmegaConf would turn prompt=1e3 into "1000.0" silently; checks.py refuses it
     max_new_tokens: Any = MISSING
     temperature: Any = MISSING
     top_k: Any = MISSING

@@ -36,6 +36,8 @@ from tokenizers import Tokenizer
 from xsa_lm.data.tokenizer import EOT, eot_id, file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 
+LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reuses the result
+
 
 @dataclass
 class PreparedData:
@@ -173,22 +175,65 @@ def prepare(
         raise UserError("data.shard_documents and data.prepare_workers must be at least 1")
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
     pieces = partial(_split_documents, source, split=split, val_fraction=val_fraction, split_seed=split_seed)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".prepare.lock", "w") as lock:
+    made = not out.exists()
+    held = _open_folder(out)
+    with open(out / LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process (a parallel sweep trial) waits, then reuses the result
-        _check_identity(out, identity)
-        if (out / "meta.json").exists():
-            return load_prepared(out)
-        tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
-        shards, has_text = _write_shards(
-            pieces(), out, tokenizer, shard_documents=shard_documents, workers=workers, progress=progress, source=source
-        )
-        if not has_text:
-            raise UserError("data: the corpus has no text: every document is empty or whitespace only")
-        meta = _meta(identity, tokenizer, out, shards=shards, split=split)
-        _check_split(meta, split, val_fraction)
-        _atomic_write(out / "meta.json", json.dumps(meta, indent=2, default=str))
+        try:
+            _check_identity(out, identity)
+            if (out / "meta.json").exists():
+                return load_prepared(out)
+            tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
+            shards, has_text = _write_shards(
+                pieces(),
+                out,
+                tokenizer,
+                shard_documents=shard_documents,
+                workers=workers,
+                progress=progress,
+                source=source,
+            )
+            if not has_text:
+                raise UserError("data: the corpus has no text: every document is empty or whitespace only")
+            meta = _meta(identity, tokenizer, out, shards=shards, split=split)
+            _check_split(meta, split, val_fraction)
+            _atomic_write(out / "meta.json", json.dumps(meta, indent=2, default=str))
+        except UserError:
+            _remove_unstarted(out, held, made)
+            raise
     return load_prepared(out)
+
+
+def _open_folder(out: Path) -> set[str]:
+    """Make the folder, refusing a file or a folder of other files than a preparation (the shards would mix with
+    them): the names it held before."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"data.dir={out} is a file, not a folder: choose a folder for the shards")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"data.dir={out} cannot be created ({e.strerror or e}): choose another") from None
+    held = {p.name for p in out.iterdir()}
+    others = sorted(held - {LOCK}) if "prepare.json" not in held else []
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise UserError(
+            f"data.dir={out} is not empty and holds no preparation of xsa-lm (no prepare.json; it holds {shown}): "
+            "choose a new or empty data.dir"
+        )
+    return held
+
+
+def _remove_unstarted(out: Path, held: set[str], made: bool) -> None:
+    """A refused preparation that wrote no shard leaves nothing behind (its prepare.json would refuse the corrected
+    command as other inputs): the files this call wrote go, and the folder if it made it. Shards stay: they resume."""
+    if any(out.glob("*.bin")):
+        return
+    for path in out.iterdir():
+        if path.name not in held and path.is_file():
+            path.unlink()
+    if made and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _check_split(meta: dict, split: str, val_fraction: float) -> None:

@@ -241,7 +241,14 @@ def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]
     paths: dict[str, str] = {}  # resolved path -> the path as matched
     dropped: list[str] = []
     for pattern in patterns:
-        matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+        found = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matched = [p for p in found if os.path.isfile(p)]
+        if not matched and found:  # a folder: its files are meant
+            folder = found[0].rstrip("/")
+            raise UserError(
+                f"{field}: {pattern!r} matches only a directory ({folder}), not files: give its files, e.g. "
+                f"{field}='{folder}/*.txt'"
+            )
         if not matched:
             raise UserError(f"{field}: no file matches {pattern!r}")
         for path in matched:

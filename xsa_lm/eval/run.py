@@ -96,12 +96,20 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
     return name.split(",")[0], value
 
 
-def check_options(limit, batch_size) -> None:
-    # The harness reads a limit below 1 as a fraction of each task; 0 would silently mean "every example".
-    if limit is not None and (not isinstance(limit, int | float) or isinstance(limit, bool) or not limit > 0):
-        raise UserError(f"limit must be a number > 0 (N examples per task), or null for every example, got {limit!r}")
+def check_options(limit, batch_size, wandb: object = False) -> None:
+    # The harness reads a limit below 1 as a fraction of each task and cuts 2.5 down to 2; 0 would silently mean
+    # "every example".
+    whole = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1
+    fraction = isinstance(limit, float) and 0 < limit < 1
+    if limit is not None and not (whole or fraction):
+        raise UserError(
+            "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, "
+            f"or null for every example, got {limit!r}"
+        )
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not isinstance(wandb, bool):  # a non-empty text such as `maybe` would count as true
+        raise UserError(f"wandb must be true or false, got {wandb!r}")
 
 
 def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dict:
@@ -161,8 +169,10 @@ def render(result: dict) -> str:
         lines.append(
             "| XSA - SA | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
         )
-    if result["limit"]:
-        lines.append(f"\n(limit={result['limit']} examples per task: a smoke test, not a measurement)")
+    limit = result["limit"]
+    if limit:
+        share = f"{limit:.0%} of the examples" if limit < 1 else f"the first {limit} examples"
+        lines.append(f"\n(limit={limit}: {share} of each task: a smoke test, not a measurement)")
     return "\n".join(lines)
 
 
@@ -197,6 +207,7 @@ def log_to_wandb(result: dict, wandb_mode: str) -> None:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
+        check_options(cfg.limit, cfg.batch_size, cfg.wandb)  # wandb too: before any scoring
         require_harness()
         tasks = OmegaConf.to_container(cfg.tasks) if OmegaConf.is_list(cfg.tasks) else cfg.tasks
         result = evaluate(checkpoint_list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)

@@ -1,5 +1,6 @@
 """`xsa-lm generate ckpt=... prompt="..." max_new_tokens=... temperature=... top_k=...`: text from a checkpoint."""
 
+import math
 from pathlib import Path
 
 import hydra
@@ -16,13 +17,20 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_sampling(*, max_new_tokens, temperature, top_k, num_samples, seed) -> None:
+def check_sampling(*, max_new_tokens, temperature, top_k, num_samples, seed, prompt="") -> None:
     """The sampling options, one line per mistake, before the checkpoint is read."""
+    # Hydra types a value by its look: prompt=1e3 arrives as 1000.0, prompt=true as True, not as what was typed.
+    if prompt is not None and not isinstance(prompt, str):
+        raise UserError(
+            f"prompt must be text, got {prompt!r} (Hydra read it as a {type(prompt).__name__}): quote it for Hydra, "
+            f"e.g. prompt='\"1e3\"'"
+        )
     for key, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
         if not is_int(value) or value < 1:
             raise UserError(f"{key} must be an integer >= 1, got {value!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
-        raise UserError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    # not finite: logits / inf is all zeros, a uniform draw whatever top_k says
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < math.inf:
+        raise UserError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise UserError(f"top_k must be an integer >= 1, or null for the whole vocabulary, got {top_k!r}")
     if not is_int(seed):
@@ -33,11 +41,16 @@ def sample(
     ckpt: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, num_samples: int, seed: int
 ) -> list[str]:
     check_sampling(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, num_samples=num_samples, seed=seed
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        num_samples=num_samples,
+        seed=seed,
+        prompt=prompt,
     )
     path = Path(str(ckpt)).expanduser()
     model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path, key="ckpt")
-    prompt = "" if prompt is None else str(prompt)  # prompt=null, or a number Hydra parsed as one
+    prompt = prompt or ""  # prompt=null
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
     idx = torch.tensor([ids] * num_samples, device=device)

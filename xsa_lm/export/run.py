@@ -39,7 +39,13 @@ def require_transformers() -> None:
 
 
 def check_out(out: Path) -> None:
-    """Results are never overwritten: an existing file, or a directory with anything in it, is refused."""
+    """Results are never overwritten: an existing file, or a directory with anything in it, is refused. So is the
+    current directory or one above it (`out=` is Path("."), which the final rename cannot replace)."""
+    if out.name in ("", "..") or out.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+        raise UserError(
+            f"out={str(out) if str(out) != '.' else ''} is empty, the current directory or one above it: give the "
+            "new directory to write the model to, e.g. out=hf/xsa"
+        )
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
 
@@ -95,7 +101,7 @@ def export(ckpt: Path, out: Path) -> Path:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out)).expanduser())
+        out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out or "")).expanduser())  # null: not "None"
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
         f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)"

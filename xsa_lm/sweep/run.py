@@ -26,7 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.config.command_line import full_command_line
+from xsa_lm.config.command_line import another_commands_folder, full_command_line
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
@@ -139,6 +139,9 @@ def run_exclusive(
     which it holds locked; a UserError ends the command with one line."""
     directory = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
+        elsewhere = another_commands_folder(command, directory)  # also checked before Hydra runs
+        if elsewhere:
+            raise UserError(elsewhere)
         overrides = overrides_of(list(HydraConfig.get().overrides.task))
         with hold_directory(directory, f"{command}.lock", f"xsa-lm {command}"):
             return directory, run(directory, overrides)

@@ -57,7 +57,8 @@ def make_plan(cfg: DictConfig) -> dict:
     shape["activation_checkpointing"] = bool(cfg.activation_checkpointing)  # plan.yaml's, which follows the trainer's
     devices = shape["world_size"]
     if cfg.device_memory_gb is not None:
-        if not isinstance(cfg.device_memory_gb, int | float) or cfg.device_memory_gb <= 0:
+        gib = cfg.device_memory_gb  # nan and inf would fail below, in int()
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib < math.inf:
             raise UserError(f"device_memory_gb must be a positive number of GiB, got {cfg.device_memory_gb}")
         available, where = int(cfg.device_memory_gb * memory.GIB), f"device_memory_gb={cfg.device_memory_gb:g}"
     else:

@@ -39,7 +39,7 @@ from xsa_lm.config.builders import (
     strategy_kind,
     world_size,
 )
-from xsa_lm.config.command_line import full_command_line
+from xsa_lm.config.command_line import another_commands_folder, full_command_line
 from xsa_lm.config.resume import continuation_config
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
@@ -125,6 +125,9 @@ FROM_SCRATCH = ResumePoint(path=None, step=None)
 def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -> ResumePoint:
     """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
     of another model is refused, naming each differing field."""
+    elsewhere = another_commands_folder("train", run_dir)  # also checked before Hydra runs, unless HYDRA_FULL_ERROR
+    if elsewhere:
+        raise UserError(elsewhere)
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
         # DDP ranks > 0 start after rank 0 has written. rank_zero_only.rank: a function attribute Lightning sets.
@@ -146,6 +149,8 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
         path = newest
     else:
         path = Path(resume)
+        if path.exists() and not path.is_file() and not path.is_dir():
+            raise UserError(f"resume: {resume} is not a regular file (a device, pipe or socket), not a checkpoint")
         if not path.is_file() and not is_sharded(path):
             raise UserError(f"resume: checkpoint not found: {resume}")
         step = checkpoint_step(path)
