@@ -181,7 +181,7 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
 
 REFUSED = {
     "tasks=[]": "tasks: give at least one task, e.g. tasks=paper",
-    "limit=0": "limit must be a number > 0",
+    "limit=0": "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1)",
     "batch_size=0": "batch_size must be an integer >= 1, got 0",
 }
 
