@@ -3,7 +3,9 @@ refusals that keep a cluster run from training wrong or hanging: world size, uns
 failing its part of a checkpoint, tensor parallelism. Multi-process behaviour: 2 gloo processes on CPU."""
 
 import datetime
+import json
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -215,3 +217,23 @@ def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: P
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     fsdp = metric(tmp_path / "async", "train/loss")
     assert_close({s: fsdp[s] for s in range(5, 10)}, metric(tmp_path / "r", "train/loss"), range(5, 10))
+
+
+@pytest.mark.slow
+def test_a_run_folder_copied_elsewhere_resumes_with_its_kept_checkpoints(tmp_path, data_cache, monkeypatch):
+    """Lightning forgets the checkpoints it kept when the folder's path changed: keep_last would never prune the
+    copied ones, and the next validation would replace best.ckpt, better or not."""
+    from xsa_lm.train.run import train
+
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    settings = [*FAST, "val_every_steps=2", "checkpoint.keep_last=2", "scheduler.total_steps=8"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(composed([*settings, "trainer.max_steps=4"]), tmp_path / "a")
+        shutil.copytree(tmp_path / "a", tmp_path / "b")
+        train(composed([*settings, "trainer.max_steps=8", "resume=auto"]), tmp_path / "b")
+    folder = tmp_path / "b" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-000006.ckpt", "step-000008.ckpt"]
+    history = json.loads((tmp_path / "b" / "summary.json").read_text())["val_history"]
+    best = min(history, key=lambda row: row["val_loss"])["step"]
+    assert checkpoint_step(folder / "best.ckpt") == best, history

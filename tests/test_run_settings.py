@@ -11,7 +11,9 @@ import torch
 from omegaconf import DictConfig
 
 from tests.helpers import FAST, compose_train, refused_in_process
+from xsa_lm import cli
 from xsa_lm.config.builders import check_config, check_trainer, resolve_precision, settle_schedule, world_size
+from xsa_lm.config.command_line import flags_first
 from xsa_lm.errors import UserError
 from xsa_lm.train import memory
 from xsa_lm.train.plan import make_plan, table
@@ -139,8 +141,16 @@ def test_the_readme_plan_says_why_its_batch_does_not_split():
         (["-m", "attention=sa,xsa", "seed=-1,0"], ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"]),
         (["data=local", "data.files=/tmp/my", "dir/a.txt"], ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"]),
         (["data.files=[a"], ["must be quoted"]),
+        (["-m", "seed=1,2", "hydra.run.dir=runs/x"], ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"]),
     ],
-    ids=["multirun: an unknown option", "multirun: one job's option", "multirun: one job's value", "space", "bracket"],
+    ids=[
+        "multirun: an unknown option",
+        "multirun: one job's option",
+        "multirun: one job's value",
+        "space",
+        "bracket",
+        "multirun: hydra.run.dir",
+    ],
 )
 def test_the_command_line_is_refused_in_one_line(
     args: list[str], expected: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -149,6 +159,27 @@ def test_the_command_line_is_refused_in_one_line(
     assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
     for text in expected:
         assert text in err, err
+
+
+def test_hydra_flags_go_before_the_overrides():
+    """argparse refuses a flag between overrides with its whole usage text; the user meant the same command."""
+    assert flags_first(["seed=1", "--cfg", "job", "lr=2", "-m", "a=b"]) == [
+        "--cfg",
+        "job",
+        "-m",
+        "seed=1",
+        "lr=2",
+        "a=b",
+    ]
+    assert flags_first(["x=1", "--info", "defaults", "y=2"]) == ["--info", "defaults", "x=1", "y=2"]
+    assert flags_first(["x=1", "--info", "y=2"]) == ["--info", "x=1", "y=2"]
+
+
+def test_a_flag_between_overrides_is_taken(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "train", "seed=3", "--cfg", "job", "trainer.max_steps=7"])
+    cli.main()  # prints the config, as with the flag first
+    printed = capsys.readouterr().out
+    assert "seed: 3" in printed and "max_steps: 7" in printed
 
 
 def test_every_device_on_cpu_is_lightnings_one(monkeypatch: pytest.MonkeyPatch):

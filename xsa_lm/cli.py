@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from xsa_lm.config.command_line import ARGV_VARIABLE, check_overrides
+from xsa_lm.config.command_line import ARGV_VARIABLE, check_overrides, flags_first
 from xsa_lm.errors import UserError, exit_on_user_error
 
 COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/<command>.yaml
@@ -49,7 +49,7 @@ def run(command: str) -> None:
     # Hydra reads its overrides from sys.argv[1:], so the command name goes; the job reads the full command line back
     # through full_command_line().
     os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)
-    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    sys.argv = [sys.argv[0], *flags_first(sys.argv[2:])]
     module.main()
 
 

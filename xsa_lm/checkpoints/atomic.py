@@ -231,6 +231,23 @@ class LinkedCheckpoint(ModelCheckpoint):
         super().__init__(enable_version_counter=False, **kwargs)
         self.written = written  # {"step": int, "path": str}, shared by the run's checkpoint callbacks
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A run folder copied or moved elsewhere and resumed: Lightning forgets the checkpoints it kept when the
+        folder's path changed (keep_last would then never prune them, and best.ckpt would be replaced by the next
+        validation, better or not). Its paths are read as the same files in the folder's new place."""
+        old, new = state_dict.get("dirpath"), self.dirpath
+        if old and new and Path(old) != Path(new):
+            moved = lambda path: str(Path(new) / Path(path).name) if path else path  # noqa: E731
+            state_dict = {
+                **state_dict,
+                "dirpath": new,
+                "best_model_path": moved(state_dict.get("best_model_path")),
+                "kth_best_model_path": moved(state_dict.get("kth_best_model_path")),
+                "last_model_path": moved(state_dict.get("last_model_path")),
+                "best_k_models": {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()},
+            }
+        super().load_state_dict(state_dict)
+
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         # Decided from `written` alone, the same on every rank (the save is a collective under FSDP2).
         source = self.written.get("path") if self.written.get("step") == trainer.global_step else None

@@ -32,6 +32,25 @@ HYDRA_FLAGS_WITH_A_VALUE = (
     "--experimental-rerun",
 )
 MULTIRUN_FLAGS = ("--multirun", "-m")
+INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def flags_first(args: list[str]) -> list[str]:
+    """Hydra's flags (with their values) before the overrides: argparse refuses a flag placed between overrides
+    (`seed=1 --multirun lr=2`) with its whole usage text, while a user means the same command either way."""
+    flags, overrides, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        takes_value = arg in HYDRA_FLAGS_WITH_A_VALUE or (
+            arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in INFO_TOPICS
+        )
+        if arg.startswith("-") and takes_value:
+            flags += args[i : i + 2]
+            i += 2
+            continue
+        (flags if arg.startswith("-") else overrides).append(arg)
+        i += 1
+    return flags + overrides
 
 
 def refuse(message: str) -> NoReturn:
@@ -60,6 +79,11 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     multirun = any(a in MULTIRUN_FLAGS for a in args)
+    if multirun and any(override_key(o) == "hydra.run.dir" for o in overrides):
+        refuse(
+            "hydra.run.dir is not used under --multirun (each job writes to hydra.sweep.dir/hydra.sweep.subdir): "
+            "set hydra.sweep.dir=... instead"
+        )
     job, jobs, configs = overrides, [overrides], []
     try:
         with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
@@ -265,6 +289,8 @@ def full_command_line() -> list[str]:
     """The command line as typed (`xsa-lm train ...`), also inside a job whose sys.argv main() has shortened for
     Hydra. Lightning's DDP launcher re-runs sys.argv for the other ranks, and run_info.json records it."""
     saved = json.loads(os.environ.get(ARGV_VARIABLE, "null"))
-    if saved and [saved[0], *saved[2:]] == sys.argv:  # exported for this process, not inherited from a parent's
+    if (
+        saved and [saved[0], *flags_first(saved[2:])] == sys.argv
+    ):  # exported for this process, not inherited from a parent's
         return saved
     return list(sys.argv)
