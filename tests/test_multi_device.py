@@ -23,12 +23,14 @@ from tests.helpers import FAST, REPO, compose_train
 from tests.test_reliability import stop_mid_run
 from xsa_lm.config.builders import check_config, model_config
 from xsa_lm.config.checks import check_values
+from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
 from xsa_lm.train import devices
 from xsa_lm.train.run import make_module, make_trainer, set_up_process, train
 
 N_LAYER = 2
 STEPS = 3
+VAL_WINDOWS = 5
 ACCUMULATE = 4  # global_batch_tokens 1024 = 4 x (micro-batch 2 x 2 ranks x 64 tokens)
 
 
@@ -216,6 +218,21 @@ def fit_once(overrides: list[str], rank: int, run_dir: Path) -> dict:
     return {"losses": losses, "broadcasts": counts["broadcast"], "reduce_scatters": counts["reduce_scatter"]}
 
 
+def validate_once(run_dir: Path) -> dict:
+    """An odd number of validation windows over 2 ranks under FSDP2, and the mean over all of them in one process."""
+    cfg = compose_train(WORKER_ARGS)
+    set_up_process(cfg)
+    module = make_module(cfg, model_config(cfg, 512))
+    tokens = torch.randint(0, 512, (VAL_WINDOWS, 65), generator=torch.Generator().manual_seed(0))
+    windows = [(t[:-1], t[1:]) for t in tokens]
+    with torch.no_grad():
+        reference = sum(float(module.model(x[None], y[None])[1]) for x, y in windows) / VAL_WINDOWS
+    trainer = make_trainer(cfg, run_dir, plan=check_config(cfg), callbacks=[], loggers=[])
+    loader = torch.utils.data.DataLoader(padded_for_ranks(windows, 2), batch_size=2)
+    validated = trainer.validate(module, dataloaders=loader, verbose=False)[0]["val/loss"]
+    return {"validated": validated, "reference": reference}
+
+
 def worker(out: Path) -> None:
     """Three fits in each of the 2 processes: FSDP2 as the run trains, the same with a gradient reduction on every
     micro-batch (as before FSDP2's sync was deferred), and compiled through a backend that records each graph."""
@@ -225,7 +242,7 @@ def worker(out: Path) -> None:
 
     rank = int(os.environ["RANK"])
     run_dir = out / f"rank{rank}"
-    result = {"deferred": fit_once([], rank, run_dir)}
+    result = {"deferred": fit_once([], rank, run_dir), "validation": validate_once(run_dir)}
     set_sync = fsdp.FSDPModule.set_requires_gradient_sync
     fsdp.FSDPModule.set_requires_gradient_sync = lambda self, requires, **kwargs: None  # always on: every micro-batch
     try:
@@ -281,6 +298,13 @@ def test_no_broadcast_per_micro_batch(two_ranks: list[dict]):
     for rank in two_ranks:
         assert len(rank["deferred"]["losses"]) == STEPS * ACCUMULATE
         assert rank["deferred"]["broadcasts"] == 0
+
+
+@pytest.mark.slow
+def test_the_validation_loss_is_that_of_one_process_on_any_rank_count(two_ranks: list[dict]):
+    """5 windows on 2 ranks: 3 on one, 2 and a padding window on the other; each window counts once."""
+    for rank in two_ranks:
+        assert rank["validation"]["validated"] == pytest.approx(rank["validation"]["reference"], rel=1e-6)
 
 
 @pytest.mark.slow

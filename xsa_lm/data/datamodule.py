@@ -186,10 +186,34 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        world = self.trainer.world_size if self.trainer is not None else 1
         return DataLoader(
-            self.val_set,
+            padded_for_ranks(self.val_set, world),
             batch_size=self.micro_batch_size,
             shuffle=False,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
         )
+
+
+class PaddedWindows(Dataset):
+    """`windows` and then padding windows whose targets are all -1 (ignored by the loss), up to a multiple of the
+    ranks: Lightning's DistributedSampler would otherwise pad by repeating the first windows, and every rank must
+    run as many batches (an FSDP forward is a collective)."""
+
+    def __init__(self, windows: Dataset, n: int) -> None:
+        self.windows, self.real, self.n = windows, len(windows), n  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.windows[i if i < self.real else 0]
+        return (x, y) if i < self.real else (x, torch.full_like(y, -1))
+
+
+def padded_for_ranks(windows: Dataset, world_size: int) -> Dataset:
+    """The validation windows, padded so that each of world_size ranks gets as many."""
+    n = len(windows)  # type: ignore[arg-type]
+    padded = -(-n // world_size) * world_size
+    return windows if padded == n else PaddedWindows(windows, padded)

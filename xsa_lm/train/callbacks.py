@@ -185,7 +185,7 @@ class ValHistory(L.Callback):
         self.tokens_per_step = tokens_per_step
         self.history: list[dict] = []
 
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
         if trainer.sanity_checking or loss is None:
             return

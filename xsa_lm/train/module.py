@@ -71,6 +71,7 @@ class LMModule(L.LightningModule):
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
         self._nonfinite: list[tuple[int, torch.Tensor]] = []  # (step, device flag) not yet read by the host
         self._step_loss: torch.Tensor | None = None  # the sum of the current step's micro-batch losses
+        self._val_sum: torch.Tensor | None = None  # validation: [sum of token losses, tokens] on this rank
 
     def configure_model(self) -> None:
         """Under ModelParallelStrategy (trainer=fsdp): FSDP2, one unit per transformer block and the root (the tied
@@ -140,15 +141,24 @@ class LMModule(L.LightningModule):
             loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
         self.log("train/loss", loss, on_step=True)
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum = torch.zeros(2, device=self.device, dtype=torch.float64)
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         _, loss = self.model(x, y)
-        self.log("val/loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, batch_size=x.size(0))
+        tokens = (y != -1).sum()  # padding windows (datamodule.PaddedWindows) have none
+        assert self._val_sum is not None  # set at the epoch's start
+        self._val_sum += torch.stack([torch.where(tokens > 0, loss.double() * tokens, 0.0), tokens.double()])
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.trainer.callback_metrics.get("val/loss")
-        if loss is not None:
-            self.log("val/ppl", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
+        """The mean over every validation token of every rank: the same number on any device count (Lightning's
+        sync_dist would average each rank's mean, and ranks hold different numbers of windows)."""
+        assert self._val_sum is not None
+        total, tokens = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum").tolist()
+        loss = torch.tensor(total / tokens if tokens else math.nan, device=self.device)
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss.clamp(max=50.0)))
 
     def configure_gradient_clipping(
         self,
