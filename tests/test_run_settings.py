@@ -4,6 +4,7 @@ does (the warmup it can finish, the LR it reached, the memory its sinks take). I
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 import pytest
@@ -17,7 +18,7 @@ from xsa_lm.config.command_line import flags_first
 from xsa_lm.errors import UserError
 from xsa_lm.train import memory
 from xsa_lm.train.plan import make_plan, table
-from xsa_lm.train.run import train, trainer_strategy
+from xsa_lm.train.run import fewer_windows, train, trainer_strategy
 from xsa_lm.train.schedule import peak_lr
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: Lightning can use it")
@@ -159,6 +160,23 @@ def test_the_command_line_is_refused_in_one_line(
     assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
     for text in expected:
         assert text in err, err
+
+
+def test_more_windows_than_the_data_holds_are_named():
+    data = SimpleNamespace(val_available=12, val_set=SimpleNamespace(n=12))
+    notes = fewer_windows(fast("data.val_windows=100", "diagnostics.every_n_steps=5", "diagnostics.sequences=50"), data)
+    assert notes == [
+        "WARNING: data.val_windows=100 but the validation split holds 12 windows of 65 tokens: validating on all "
+        "of them",
+        "WARNING: diagnostics.sequences=50 but validation uses 12 windows: the diagnostics measure 12",
+    ]
+    assert fewer_windows(fast("data.val_windows=12"), data) == []
+
+
+def test_a_profile_beyond_the_run_is_refused():
+    with pytest.raises(UserError, match=r"^profile.start_step=9 \+ profile.steps=3 is beyond trainer.max_steps=10"):
+        check_config(fast("trainer.max_steps=10", "profile.start_step=9"))
+    check_config(fast("trainer.max_steps=10", "profile.start_step=7"))
 
 
 def test_hydra_flags_go_before_the_overrides():

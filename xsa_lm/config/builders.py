@@ -81,6 +81,12 @@ def check_config(cfg: DictConfig) -> dict:
             "checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp with "
             "trainer.strategy.save_distributed_checkpoint=true); leave it false here"
         )
+    profile = cfg.get("profile")
+    if profile and profile.start_step is not None and profile.start_step + profile.steps > cfg.trainer.max_steps:
+        raise UserError(
+            f"profile.start_step={profile.start_step} + profile.steps={profile.steps} is beyond trainer.max_steps="
+            f"{cfg.trainer.max_steps}: the trace would be cut short or never start; profile earlier steps"
+        )
     if cfg.logger and cfg.logger.get("wandb"):
         resolve_mode(cfg.logger.wandb.mode)  # a bad mode fails now, before the run directory is written
     return {"devices": devices, "accumulate": cfg.global_batch_tokens // tokens_per_micro_step}

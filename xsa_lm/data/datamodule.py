@@ -112,6 +112,7 @@ class TokenDataModule(L.LightningDataModule):
         self.train_windows = PackedWindows(data.shards("train"), block_size)
         self.val_windows = val_windows
         self.val_set = PackedWindows(data.shards("val"), block_size)
+        self.val_available = self.val_set.n  # before data.val_windows takes the first ones
         if val_windows is not None:
             self.val_set.n = min(self.val_set.n, val_windows)  # the first windows: fixed across runs
         window, meta = block_size + 1, data.meta

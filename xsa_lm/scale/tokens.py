@@ -149,7 +149,7 @@ def run_size(
 
 def outcome_of(store: TrialStore, trial: Trial) -> dict:
     record = store.load(trial) or {"status": "missing"}
-    keep = ("status", "final_val_loss", "tokens_seen", "tokens_per_s", "val_history", "run_dir")
+    keep = ("status", "error", "log", "final_val_loss", "tokens_seen", "tokens_per_s", "val_history", "run_dir")
     return {"seed": trial.seed, **{k: record.get(k) for k in keep}}
 
 
@@ -334,11 +334,19 @@ def unfinished(results: dict) -> list[str]:
         for arm, budgets in size.get("runs", {}).items():
             for fraction, runs in budgets.items():
                 missing += [
-                    f"{size['model']} {arm} {fraction} B seed {r['seed']}"
+                    f"{size['model']} {arm} {fraction} B seed {r['seed']} ({why(r)})"
                     for r in runs
                     if r["status"] not in ("completed", "diverged")
                 ]
     return missing
+
+
+def why(run: dict) -> str:
+    """A run's status, the first line of its error and its log, e.g. `failed: killed by signal SIGKILL (out of
+    memory?); log <path>`."""
+    error = (run.get("error") or "").strip().splitlines()
+    said = f"{run['status']}: {error[0][:200]}" if error else run["status"]
+    return f"{said}; log {run['log']}" if run.get("log") else said
 
 
 def model_names(cfg: DictConfig) -> list[str]:

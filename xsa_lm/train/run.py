@@ -251,10 +251,28 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
                 "are left as they are"
             )
             return {}
-        if schedule_warning:
-            log.warning(schedule_warning)
+        for warning in [schedule_warning, *fewer_windows(cfg, datamodule)]:
+            if warning:
+                log.warning(warning)
         write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=resume_notes or [])
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume)
+
+
+def fewer_windows(cfg: DictConfig, datamodule: TokenDataModule) -> list[str]:
+    """Settings asking for more validation windows than there are: the run takes what there is, and says so."""
+    window, notes = cfg.data.block_size + 1, []
+    if cfg.data.val_windows is not None and cfg.data.val_windows > datamodule.val_available:
+        notes.append(
+            f"WARNING: data.val_windows={cfg.data.val_windows} but the validation split holds "
+            f"{datamodule.val_available} windows of {window} tokens: validating on all of them"
+        )
+    used = datamodule.val_set.n
+    if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps and cfg.diagnostics.sequences > used:
+        notes.append(
+            f"WARNING: diagnostics.sequences={cfg.diagnostics.sequences} but validation uses {used} windows: "
+            f"the diagnostics measure {used}"
+        )
+    return notes
 
 
 def write_run_files(cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str]) -> None:
