@@ -142,6 +142,8 @@ def test_the_readme_plan_says_why_its_batch_does_not_split():
         (["-m", "attention=sa,xsa", "seed=-1,0"], ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"]),
         (["data=local", "data.files=/tmp/my", "dir/a.txt"], ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"]),
         (["data.files=[a"], ["must be quoted"]),
+        (["samples.prompt=it's"], ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""']),
+        (["samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
         (["-m", "seed=1,2", "hydra.run.dir=runs/x"], ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"]),
     ],
     ids=[
@@ -150,6 +152,8 @@ def test_the_readme_plan_says_why_its_batch_does_not_split():
         "multirun: one job's value",
         "space",
         "bracket",
+        "an apostrophe",
+        "a comma",
         "multirun: hydra.run.dir",
     ],
 )

@@ -993,6 +993,7 @@ SWEEP_REFUSALS = [
     ("sweep.tune_xsa=yes", "sweep.tune_xsa=yes must be true or false"),
     ("sweep.stall.margin=-1", "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
     ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
+    ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not a setting of `xsa-lm sweep` (it has lrs, lr_range,"),
     ("optim.lr=1e-3", "optim.lr is set by the sweep"),
     # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.

@@ -94,8 +94,12 @@ def check_overrides(config_name: str, args: list[str]) -> None:
             # resolved here: ${now:...} needs Hydra's resolvers
             run_dir_value = configs[0].hydra.sweep.dir if multirun else configs[0].hydra.run.dir
     except OverrideParseException as e:
-        refuse(f"{one_line(e)} (a value with spaces or brackets must be quoted as one argument: 'key=a value')")
+        hint = quoting_hint(str(e), overrides) or "a value with spaces or brackets must be quoted as one argument"
+        refuse(f"{one_line(e)} ({hint}: 'key=a value')" if hint.endswith("argument") else f"{one_line(e)} ({hint})")
     except (HydraException, OmegaConfBaseException) as e:
+        if str(e).startswith("Ambiguous value"):  # a comma: a list, a string or a sweep?
+            hint = quoting_hint(str(e), overrides)
+            refuse(f"{one_line(e)} ({hint})" if hint else one_line(e))
         typo = re.match(r"Could not override '([^']+)'", str(e))  # Hydra's hint is to add it with `+`: never read
         unknown = typo and no_such_key(config_name, typo.group(1), [o for o in job if override_key(o) != typo[1]])
         refuse(f"{unknown or one_line(e)}{job_named(job, jobs)}")
@@ -270,6 +274,16 @@ def missing_values(node: object, prefix: str = "") -> list[str]:
     if isinstance(node, list):
         return [key for i, v in enumerate(node) for key in missing_values(v, f"{prefix}{i}.")]
     return [prefix[:-1]] if node == "???" else []
+
+
+def quoting_hint(error: str, overrides: list[str]) -> str | None:
+    """For a value with an apostrophe or a comma that Hydra's grammar refused: the same value quoted for Hydra inside
+    the shell's quotes, as the user would type it (a value with a double quote or a backslash gets no example)."""
+    bad = next((o for o in overrides if o in error and "=" in o), None)
+    if bad is None or not re.search(r"[',]", bad) or re.search(r'["\\$`]', bad):
+        return None
+    key, value = bad.split("=", 1)
+    return f'an apostrophe or a comma in a value: quote the value for Hydra too, e.g. "{key}=\\"{value}\\""'
 
 
 def one_line(error: BaseException) -> str:

@@ -67,15 +67,23 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
     return names, sorted(set(folders))
 
 
-def load_tasks(names: list[str], folders: list[str]):
-    """The harness's tasks with their data, one by one, so that a missing dataset names its task. Without network
-    the hub is not tried (its retries take minutes): only locally cached or local-file datasets load."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+def task_manager(names: list[str], folders: list[str]):
+    """The harness's task index (about 10 s to build), refusing names it does not hold."""
+    from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=folders or None)
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
         raise UserError(f"tasks: unknown task(s) {unknown}: use lm-eval task names, `paper`, or task YAML files")
+    return manager
+
+
+def load_tasks(names: list[str], folders: list[str]):
+    """The harness's tasks with their data, one by one, so that a missing dataset names its task. Without network
+    the hub is not tried (its retries take minutes): only locally cached or local-file datasets load."""
+    from lm_eval.tasks import get_task_dict
+
+    manager = task_manager(names, folders)
     for name in names:
         try:
             get_task_dict([name], manager)

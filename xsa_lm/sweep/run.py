@@ -286,11 +286,11 @@ def check_sweep(
     stall_rule(cfg)  # its values, not at the report after every run
     gpu_slots(cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [])  # enough GPUs for the trials at once
     if cfg.sweep.eval_tasks:
-        from xsa_lm.eval.run import require_harness, resolve_tasks
+        from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
 
         require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
         try:
-            resolve_tasks(cast(str | list[str], plain(cfg.sweep.eval_tasks)))  # a task file that is not there
+            task_manager(*resolve_tasks(cast(str | list[str], plain(cfg.sweep.eval_tasks))))  # names, task files
         except UserError as e:
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
     if overrides is None:
