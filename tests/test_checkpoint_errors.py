@@ -251,3 +251,18 @@ def test_eval_and_generate_refuse_what_is_no_checkpoint(data_cache: Path, tmp_pa
     assert_nothing_written(out)
     proc = run_cli(["generate", f"ckpt={paths['text']}"], data_cache, tmp_path / "inputs")
     assert_refused(proc, "ckpt: ", str(paths["text"]), "not a checkpoint")
+
+
+def test_a_checkpoint_away_from_its_run_folder_is_told_where_it_belongs(tmp_path: Path):
+    from xsa_lm.checkpoints.load import run_data
+
+    lone = tmp_path / "lone" / "x.ckpt"
+    lone.parent.mkdir()
+    lone.write_bytes(b"")
+    with pytest.raises(UserError, match=r"^ckpt: .*/lone/x.ckpt is not in a run's checkpoints/ folder"):
+        run_data(lone, "ckpt")
+    orphan = tmp_path / "run" / "checkpoints" / "last.ckpt"  # in place, but its run's config.yaml is gone
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"")
+    with pytest.raises(UserError, match=r"^ckpt: .*/run/config.yaml not found"):
+        run_data(orphan, "ckpt")

@@ -255,6 +255,7 @@ def test_the_default_run_directory_is_made_once(data_cache: Path, tmp_path: Path
         ("sweep", "summary.json", "holds a training run (summary.json): xsa-lm sweep"),
         ("scale", "checkpoints/", "holds a training run (checkpoints/): xsa-lm scale"),
         ("sweep", "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm sweep"),
+        ("train", "eval.json", "holds an `xsa-lm eval` (eval.json): xsa-lm train"),
     ],
 )
 def test_a_command_never_writes_into_another_commands_folder(command, mark, expected, monkeypatch, capsys, tmp_path):
@@ -268,6 +269,32 @@ def test_a_command_never_writes_into_another_commands_folder(command, mark, expe
     assert err.startswith(f"xsa-lm: error: hydra.run.dir={folder} {expected}") and err.count("\n") == 1, err
     assert err.endswith("; choose a new hydra.run.dir\n")
     assert (snapshot(folder), sorted(p.name for p in folder.iterdir())) == before
+
+
+@pytest.mark.parametrize(("command", "mark"), [("analyze", "diagnostics.csv"), ("eval", "eval.json")])
+def test_a_command_that_does_not_resume_never_overwrites_its_earlier_results(
+    command, mark, monkeypatch, capsys, tmp_path
+):
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    (folder / mark).write_text("{}")
+    err = refused_in_process([command, "ckpts=[a.ckpt]", f"hydra.run.dir={folder}"], monkeypatch, capsys)
+    expected = f"holds the results of an earlier xsa-lm {command} ({mark}): it would overwrite them; choose a new"
+    assert err.startswith(f"xsa-lm: error: hydra.run.dir={folder} {expected}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in folder.iterdir()) == [mark] and (folder / mark).read_text() == "{}"
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "analyze"])
+def test_no_command_writes_inside_a_training_runs_folder(command, monkeypatch, capsys, tmp_path):
+    run = tmp_path / "a"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_info.json").write_text("{}")
+    args = [*FAST] if command != "analyze" else ["ckpts=[a.ckpt]"]
+    err = refused_in_process([command, *args, f"hydra.run.dir={run / 'checkpoints'}"], monkeypatch, capsys)
+    expected = f"hydra.run.dir={run / 'checkpoints'} is inside the training run {run} (run_info.json): choose a"
+    assert err.startswith(f"xsa-lm: error: {expected}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run_info.json"]
+    assert not any((run / "checkpoints").iterdir())
 
 
 def test_a_training_run_inside_a_study_folder_is_refused_in_the_job_too(tmp_path: Path):

@@ -173,6 +173,11 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
     from xsa_lm.data.run import prepare_data
 
     run_config = run_dir_of(path) / "config.yaml"
+    if not run_config.is_file() and path.parent.name != "checkpoints":
+        raise UserError(
+            f"{key}: {path} is not in a run's checkpoints/ folder: the run's config.yaml (its data settings and "
+            "tokenizer) is read from <run dir>/config.yaml; give the checkpoint where its run wrote it"
+        )
     if not run_config.is_file():
         raise UserError(f"{key}: {run_config} not found: the run's data settings (and its tokenizer) are read from it")
     cfg = OmegaConf.load(run_config)

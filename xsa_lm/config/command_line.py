@@ -156,7 +156,10 @@ FOLDER_MARKS = {
     "train": ("a training run", ("summary.json", "checkpoints")),
     "sweep": ("an `xsa-lm sweep`", ("sweep.json",)),
     "scale": ("an `xsa-lm scale` study", ("scale.json",)),
+    "analyze": ("an `xsa-lm analyze`", ("diagnostics.csv",)),
+    "eval": ("an `xsa-lm eval`", ("eval.json",)),
 }
+RESUMING = ("train", "sweep", "scale")  # a rerun into their own folder continues it; the others would overwrite
 
 
 def another_commands_folder(command: str, folder: Path) -> str | None:
@@ -164,12 +167,20 @@ def another_commands_folder(command: str, folder: Path) -> str | None:
     none (or the command is not one that FOLDER_MARKS knows)."""
     if command not in FOLDER_MARKS:
         return None
+    run = next((p for p in folder.absolute().parents if (p / "run_info.json").is_file()), None)
+    if run is not None:  # e.g. hydra.run.dir=runs/a/checkpoints: the run's own files would mix with ours
+        return f"hydra.run.dir={folder} is inside the training run {run} (run_info.json): choose a folder outside it"
     for other, (what, marks) in FOLDER_MARKS.items():
         found = [m + ("/" if (folder / m).is_dir() else "") for m in marks if (folder / m).exists()]
-        if other != command and found:
+        if found and other != command:
             return (
                 f"hydra.run.dir={folder} holds {what} ({', '.join(found)}): xsa-lm {command} would overwrite its "
                 "files; choose a new hydra.run.dir"
+            )
+        if found and command not in RESUMING:
+            return (
+                f"hydra.run.dir={folder} holds the results of an earlier xsa-lm {command} ({', '.join(found)}): "
+                "it would overwrite them; choose a new hydra.run.dir"
             )
     return None
 
