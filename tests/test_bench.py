@@ -3,6 +3,7 @@ statistics against hand-computed numbers; each phase in its own process."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import compose_train
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, interval, summarize, verdict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,6 +142,25 @@ def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
     assert resolve_bench_precision(32, torch.device("cpu")) == "32-true"
     assert resolve_bench_precision("bf16", torch.device("cpu")) == "bf16-mixed"
     assert resolve_bench_precision("auto", torch.device("cpu")) == "32-true"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("micro_batch=0", "micro_batch=0 must be an integer >= 1"),
+        ("threads=0", "threads=0 must be an integer >= 1 (or null)"),
+        ("steps=1.5", "steps=1.5 must be an integer >= 1"),
+        ("context=100000", "context=100000 is above model.block_size=128: lower it"),
+    ],
+)
+def test_bench_sizes_are_refused_before_any_phase(override: str, message: str):
+    from xsa_lm.bench.run import check_sizes
+    from xsa_lm.errors import UserError
+
+    cfg = compose_train([override], config_name="bench")
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        check_sizes(cfg)
+    check_sizes(compose_train([], config_name="bench"))
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,7 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "not a git repository" not in proc.stderr  # the harness's own git call, outside a repository
     result = json.loads((out / "eval.json").read_text())
     assert result["tasks"] == ["xsa_toy_mc", "shakespeare_cloze"]
     assert [r["attention"] for r in result["rows"]] == ["sa", "xsa"]

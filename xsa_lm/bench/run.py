@@ -165,10 +165,22 @@ def with_step_medians(round_results: dict[str, dict]) -> dict[str, dict]:
     }
 
 
+def check_sizes(cfg: DictConfig) -> None:
+    """The whole numbers of a bench, before any phase starts (a zero would fail inside a phase's process)."""
+    lowest = {"micro_batch": 1, "context": 1, "steps": 1, "warmup": 0, "vocab_size": 1, "seed": 0, "threads": 1}
+    for key, low in lowest.items():
+        value = cfg[key]
+        if (key != "threads" or value is not None) and (type(value) is not int or value < low):
+            raise UserError(f"{key}={value!r} must be an integer >= {low}" + (" (or null)" if key == "threads" else ""))
+    if cfg.context > cfg.model.block_size:
+        raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
+
+
 def bench(cfg: DictConfig) -> dict:
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
     if n["rounds"] < 2:
         raise UserError(f"rounds={n['rounds']}: at least 2 are needed for an interval")
+    check_sizes(cfg)
     device = resolve_device(cfg.device)
     precision = resolve_bench_precision(cfg.precision, device)
     phases = make_phases(cfg, n, device, precision)

@@ -8,6 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 from typing import Any, cast
+from unittest import mock
 
 import hydra
 import yaml
@@ -128,6 +129,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
     if not reachable("huggingface.co", 443, 5.0):
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
+    import lm_eval.evaluator
     import torch
 
     from xsa_lm.eval.harness import HarnessLM
@@ -139,9 +141,12 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
         path = Path(ckpt).expanduser()
         model = load_model(path)
         lm = HarnessLM(model, load_tokenizer(path), batch_size=batch_size, device=device)
-        out = lm_eval.simple_evaluate(
-            model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
-        )
+        # The harness records the git commit of the working directory by running git, which prints "fatal: not a
+        # git repository" outside one; run_info.json of the checkpoint's run records the code's commit.
+        with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+            out = lm_eval.simple_evaluate(
+                model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
+            )
         scores: dict[str, dict[str, Any]] = {
             task: dict(zip(("metric", "value"), headline(task, out["results"][task]), strict=True)) for task in names
         }
