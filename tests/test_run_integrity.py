@@ -136,6 +136,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the same clean stop as SIGTERM's, which make test rehearses (test_reliability.py)
 def test_ctrl_c_checkpoints_exits_130_and_resumes_exactly(data_cache: Path, tmp_path: Path):
     args = [*XSA, "trainer.max_steps=40"]
     straight = run_cli([*args, f"hydra.run.dir={tmp_path / 'straight'}"], data_cache, tmp_path)

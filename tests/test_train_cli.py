@@ -61,6 +61,8 @@ def test_progress_counts_optimizer_steps(data_cache: Path, tmp_path: Path):
     assert "step 10/10" in out.stdout and "tokens/s" in out.stdout and "Epoch" not in out.stdout + out.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.long  # make test resumes exactly after kill -9 and SIGTERM (test_reliability.py)
 def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
     """Stop at step 20 of a 40-step schedule, resume with one override: same losses as one straight run."""
     common = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40"]
