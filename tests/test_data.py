@@ -673,3 +673,21 @@ def test_prepare_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, m
     args = ["prepare", "data=local", "data.files=corp", f"data.dir={tmp_path / 'out'}"]
     assert "matches only a directory" in refused_in_process(args, monkeypatch, capsys)
     assert [p.name for p in tmp_path.iterdir()] == ["corp"]
+
+
+def test_a_val_fraction_the_play_split_would_ignore_is_refused(tmp_path: Path):
+    """The bundled corpus validates on whole plays: a val_fraction there would be recorded but not used."""
+    cfg = compose_train([*FAST, "data.val_fraction=0.1", f"data.cache_dir={tmp_path}"])
+    with pytest.raises(UserError, match=r"^data.val_fraction=0.1 does not apply here: this corpus validates on whole"):
+        prepare_data(cfg.data, cfg.tokenizer)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_cache_dir_that_is_a_file_names_the_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    a_file = tmp_path / "corpus.jsonl"
+    a_file.write_text("{}\n")
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(a_file))
+    cfg = compose_train(FAST)
+    expected = f"data.cache_dir={a_file} (from the environment variable XSA_LM_DATA_DIR): {a_file} is a file"
+    with pytest.raises(UserError, match=f"^{re.escape(expected)}"):
+        prepare_data(cfg.data, cfg.tokenizer)

@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from tests.conftest import run_cli
+from tests.helpers import refused_in_process
 from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches, peak_memory
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
@@ -204,3 +205,11 @@ def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
     bad = run_cli(["plan", "device_memory_gb=0"], data_cache, tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("xsa-lm: error: device_memory_gb")
+
+
+def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    kept = tmp_path / "notes.txt"
+    kept.write_text("mine")
+    err = refused_in_process(["plan", f"out={kept}", "device_memory_gb=80"], monkeypatch, capsys)
+    assert err == f"xsa-lm: error: out={kept} exists: choose another path or add overwrite=true\n"
+    assert kept.read_text() == "mine"

@@ -144,6 +144,7 @@ def test_the_readme_plan_says_why_its_batch_does_not_split():
         (["data.files=[a"], ["must be quoted"]),
         (["samples.prompt=it's"], ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""']),
         (["samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
+        (["samples.prompt=日本語"], ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""']),
         (["-m", "seed=1,2", "hydra.run.dir=runs/x"], ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"]),
     ],
     ids=[
@@ -154,6 +155,7 @@ def test_the_readme_plan_says_why_its_batch_does_not_split():
         "bracket",
         "an apostrophe",
         "a comma",
+        "non-ASCII",
         "multirun: hydra.run.dir",
     ],
 )
@@ -175,6 +177,12 @@ def test_more_windows_than_the_data_holds_are_named():
         "WARNING: diagnostics.sequences=50 but validation uses 12 windows: the diagnostics measure 12",
     ]
     assert fewer_windows(fast("data.val_windows=12"), data) == []
+
+
+def test_a_nan_injected_on_a_rank_the_run_lacks_is_refused():
+    with pytest.raises(UserError, match=r"^faults.inject_nan_on_rank=3: this run has 1 device\(s\), ranks 0 to 0"):
+        check_config(fast("faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=3"))
+    check_config(fast("faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=0"))
 
 
 def test_a_profile_beyond_the_run_is_refused():

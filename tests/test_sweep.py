@@ -1002,6 +1002,17 @@ SWEEP_REFUSALS = [
 ]
 
 
+def test_a_refused_sweep_in_its_default_folder_leaves_no_outputs_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Hydra made outputs/sweep/<time> before the job's checks: all three go again."""
+    monkeypatch.setattr(Launcher, "_start", trial_started)
+    monkeypatch.chdir(tmp_path)
+    stderr = refused_in_process(["sweep", *SWEEP_FAST, "sweep.seeds=[1,1]"], monkeypatch, capsys)
+    assert "sweep.seeds=[1, 1] must be a list of distinct integers" in stderr
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(("override", "message"), SWEEP_REFUSALS, ids=[o for o, _ in SWEEP_REFUSALS])
 def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str

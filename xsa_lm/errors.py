@@ -163,8 +163,14 @@ def what_to_do(error: OSError) -> str:
 def remove_empty_run_dir() -> None:
     """A refused command leaves no folder behind: Hydra made the run directory before the job started."""
     run_dir = hydra_run_dir()
-    if run_dir is not None:
-        remove_if_empty(run_dir)
+    if run_dir is None:
+        return
+    remove_if_empty(run_dir)
+    here = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:  # the default outputs/<command>/<time>: outputs/<command> was made too
+        if here not in parent.parents or not parent.is_dir() or any(parent.iterdir()):
+            break  # the current directory, outside it, or holding something
+        remove_if_empty(parent)
 
 
 def remove_if_empty(folder: Path) -> None:

@@ -81,6 +81,12 @@ def check_config(cfg: DictConfig) -> dict:
             "checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp with "
             "trainer.strategy.save_distributed_checkpoint=true); leave it false here"
         )
+    rank = cfg.faults.get("inject_nan_on_rank")
+    if cfg.faults.get("inject_nan_at_step") is not None and rank is not None and rank >= devices:
+        raise UserError(
+            f"faults.inject_nan_on_rank={rank}: this run has {devices} device(s), ranks 0 to {devices - 1}; the NaN "
+            "would never be injected"
+        )
     profile = cfg.get("profile")
     if profile and profile.start_step is not None and profile.start_step + profile.steps > cfg.trainer.max_steps:
         raise UserError(

@@ -288,13 +288,17 @@ def missing_values(node: object, prefix: str = "") -> list[str]:
 
 
 def quoting_hint(error: str, overrides: list[str]) -> str | None:
-    """For a value with an apostrophe or a comma that Hydra's grammar refused: the same value quoted for Hydra inside
-    the shell's quotes, as the user would type it (a value with a double quote or a backslash gets no example)."""
+    """For a value with an apostrophe, a comma or a non-ASCII character that Hydra's grammar refused: the same value
+    quoted for Hydra inside the shell's quotes, as the user would type it (a value with a double quote or a backslash
+    gets no example)."""
     bad = next((o for o in overrides if o in error and "=" in o), None)
-    if bad is None or not re.search(r"[',]", bad) or re.search(r'["\\$`]', bad):
+    if bad is None or not re.search(r"[',]|[^\x00-\x7f]", bad) or re.search(r'["\\$`]', bad):
         return None
     key, value = bad.split("=", 1)
-    return f'an apostrophe or a comma in a value: quote the value for Hydra too, e.g. "{key}=\\"{value}\\""'
+    return (
+        "Hydra reads an apostrophe, a comma or a non-ASCII character only inside quotes: quote the value for Hydra "
+        f'too, e.g. "{key}=\\"{value}\\""'
+    )
 
 
 def one_line(error: BaseException) -> str:

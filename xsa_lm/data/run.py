@@ -37,12 +37,20 @@ def prepare_data(
     build_tokenizer = build(tokenizer_cfg)
     # A run's config saved before val_split existed keeps the document split it was trained with.
     split, val_fraction, note = choose_split(source, data_cfg.get("val_split", "document"), data_cfg.val_fraction)
+    plays = getattr(source, "val_plays", None)
+    if plays is not None and split == "document" and data_cfg.val_fraction is not None:
+        raise UserError(
+            f"data.val_fraction={data_cfg.val_fraction} does not apply here: this corpus validates on whole plays "
+            f"(data.source.val_plays={plays}); drop it, or hold out that share of each play with data.val_split=tail"
+        )
     if getattr(source, "dropped", None):  # the same file given twice, or a glob and one of its matches
         repeats = ", ".join(source.dropped[:3]) + (", ..." if len(source.dropped) > 3 else "")
         once(f"data: {len(source.dropped)} file(s) matched more than once, read once: {repeats}")
     if note:
         once(note)
     identity = data_identity(source, tokenizer_cfg, data_cfg, split=split, val_fraction=val_fraction)
+    if not data_cfg.dir:
+        check_cache_dir(Path(data_cfg.cache_dir).expanduser())
     out = Path(data_cfg.dir).expanduser() if data_cfg.dir else cache_path(data_cfg.cache_dir, source.name, identity)
     if not learns_from_corpus(tokenizer_cfg) and not (out / "meta.json").exists():
         # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
@@ -79,6 +87,15 @@ def once(line: str) -> None:
     """A note printed by one process, not by every DDP rank."""
     if all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK")):
         print(line)
+
+
+def check_cache_dir(cache: Path) -> None:
+    """The folder prepared data is cached in, which the environment variable XSA_LM_DATA_DIR may have set."""
+    blocking = next((p for p in (cache, *cache.parents) if p.exists()), cache)
+    if not blocking.is_dir():
+        env = os.environ.get("XSA_LM_DATA_DIR")
+        source = " (from the environment variable XSA_LM_DATA_DIR)" if env and Path(env).expanduser() == cache else ""
+        raise UserError(f"data.cache_dir={cache}{source}: {blocking} is a file, not a folder; choose a folder")
 
 
 def check_val_windows(val_windows: int | None) -> None:

@@ -183,6 +183,8 @@ def batch_line(plan: dict) -> str:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
+        if cfg.out and Path(cfg.out).exists() and not cfg.overwrite:
+            raise UserError(f"out={cfg.out} exists: choose another path or add overwrite=true")
         plan = make_plan(cfg)
         if cfg.out:
             write_json(Path(cfg.out), plan)
