@@ -238,7 +238,7 @@ class TrainOptions:
 GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
 # Keys beside the training config's in a composed config: Hydra's own, and those of the commands that compose it
 # (configs/sweep.yaml, scale.yaml, plan.yaml; an experiment may set sweep and scale for them).
-AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out")
+AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
 
 # name in the config store -> schema; each option file names its own first in its defaults (`/<name>@_here_`).
 SCHEMAS = {
