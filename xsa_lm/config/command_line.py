@@ -32,13 +32,16 @@ HYDRA_FLAGS_WITH_A_VALUE = (
     "--experimental-rerun",
 )
 MULTIRUN_FLAGS = ("--multirun", "-m")
+QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 'key=a value'"
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
 def flags_first(args: list[str]) -> list[str]:
     """Hydra's flags (with their values) before the overrides: argparse refuses a flag placed between overrides
     (`seed=1 --multirun lr=2`) with its whole usage text, while a user means the same command either way."""
-    flags, overrides, i = [], [], 0
+    flags: list[str] = []
+    overrides: list[str] = []
+    i = 0
     while i < len(args):
         arg = args[i]
         takes_value = arg in HYDRA_FLAGS_WITH_A_VALUE or (
@@ -94,12 +97,12 @@ def check_overrides(config_name: str, args: list[str]) -> None:
             # resolved here: ${now:...} needs Hydra's resolvers
             run_dir_value = configs[0].hydra.sweep.dir if multirun else configs[0].hydra.run.dir
     except OverrideParseException as e:
-        hint = quoting_hint(str(e), overrides) or "a value with spaces or brackets must be quoted as one argument"
-        refuse(f"{one_line(e)} ({hint}: 'key=a value')" if hint.endswith("argument") else f"{one_line(e)} ({hint})")
+        quoting = quoting_hint(str(e), overrides)
+        refuse(f"{one_line(e)} ({quoting or QUOTE_AS_ONE})")
     except (HydraException, OmegaConfBaseException) as e:
         if str(e).startswith("Ambiguous value"):  # a comma: a list, a string or a sweep?
-            hint = quoting_hint(str(e), overrides)
-            refuse(f"{one_line(e)} ({hint})" if hint else one_line(e))
+            quoting = quoting_hint(str(e), overrides)
+            refuse(f"{one_line(e)} ({quoting})" if quoting else one_line(e))
         typo = re.match(r"Could not override '([^']+)'", str(e))  # Hydra's hint is to add it with `+`: never read
         unknown = typo and no_such_key(config_name, typo.group(1), [o for o in job if override_key(o) != typo[1]])
         refuse(f"{unknown or one_line(e)}{job_named(job, jobs)}")
