@@ -6,6 +6,7 @@ as torchrun would (LOCAL_RANK, RANK, WORLD_SIZE set: Lightning launches nothing)
 collectives it calls and the graphs it compiles."""
 
 import json
+import math
 import os
 import signal
 import socket
@@ -233,6 +234,19 @@ def validate_once(run_dir: Path) -> dict:
     return {"validated": validated, "reference": reference}
 
 
+def recording_block_inputs(seen: dict) -> object:
+    """Block._forward that records the dtypes of what each block receives: the residual stream and the RoPE tables."""
+    from xsa_lm.model import gpt
+
+    original = gpt.Block._forward
+
+    def recording(self, x, cos, sin, cache):
+        seen.update(x=str(x.dtype), cos=str(cos.dtype), sin=str(sin.dtype))
+        return original(self, x, cos, sin, cache)
+
+    return recording
+
+
 def worker(out: Path) -> None:
     """Three fits in each of the 2 processes: FSDP2 as the run trains, the same with a gradient reduction on every
     micro-batch (as before FSDP2's sync was deferred), and compiled through a backend that records each graph."""
@@ -243,6 +257,15 @@ def worker(out: Path) -> None:
     rank = int(os.environ["RANK"])
     run_dir = out / f"rank{rank}"
     result = {"deferred": fit_once([], rank, run_dir), "validation": validate_once(run_dir)}
+    from xsa_lm.model import gpt
+
+    seen: dict = {}
+    original = gpt.Block._forward
+    gpt.Block._forward = recording_block_inputs(seen)
+    try:
+        result["bf16"] = {**fit_once(["trainer.precision=bf16-mixed"], rank, run_dir), "block_inputs": seen}
+    finally:
+        gpt.Block._forward = original
     set_sync = fsdp.FSDPModule.set_requires_gradient_sync
     fsdp.FSDPModule.set_requires_gradient_sync = lambda self, requires, **kwargs: None  # always on: every micro-batch
     try:
@@ -305,6 +328,28 @@ def test_the_validation_loss_is_that_of_one_process_on_any_rank_count(two_ranks:
     """5 windows on 2 ranks: 3 on one, 2 and a padding window on the other; each window counts once."""
     for rank in two_ranks:
         assert rank["validation"]["validated"] == pytest.approx(rank["validation"]["reference"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp2_in_bf16_keeps_the_rope_tables_in_fp32(two_ranks: list[dict]):
+    """As under DDP's autocast (and one process's): FSDP2 would cast every block's inputs to its bf16 parameters.
+    The residual stream is not checked here: CPU autocast runs LayerNorm in the dtype of its bf16 weights (CUDA
+    autocast runs it in fp32), so on CPU the stream is bf16 from the embedding's LayerNorm on; that needs a GPU."""
+    for rank in two_ranks:
+        inputs = rank["bf16"]["block_inputs"]
+        assert (inputs["cos"], inputs["sin"]) == ("torch.float32", "torch.float32"), inputs
+        assert all(math.isfinite(loss) for loss in rank["bf16"]["losses"])
+
+
+def test_one_process_in_bf16_keeps_the_residual_stream_and_rope_tables_in_fp32(monkeypatch: pytest.MonkeyPatch):
+    from xsa_lm.model import GPT, GPTConfig, gpt
+
+    seen: dict = {}
+    monkeypatch.setattr(gpt.Block, "_forward", recording_block_inputs(seen))
+    model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.zeros(1, 8, dtype=torch.long))
+    assert seen == {"x": "torch.float32", "cos": "torch.float32", "sin": "torch.float32"}
 
 
 @pytest.mark.slow

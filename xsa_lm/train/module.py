@@ -86,7 +86,11 @@ class LMModule(L.LightningModule):
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy()  # fp32 on CPU; bf16 compute with fp32 gradient reduction on GPU
         if self.trainer.precision.startswith("bf16"):
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # Block inputs are not cast (FSDP2 casts them by default): the RoPE tables, and on CUDA the residual
+            # stream (autocast runs LayerNorm in fp32), stay fp32 as under DDP, so both strategies train one model.
+            policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(self.model, mesh=mesh, mp_policy=policy)
