@@ -102,6 +102,7 @@ def test_bad_corpus_files_fail_before_anything_is_written(data_cache: Path, tmp_
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+@pytest.mark.long  # make test resumes an interrupted preparation in-process (test_data.py)
 def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(100_000))
     args = prepare_args(

@@ -41,6 +41,7 @@ def xsa_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test resumes exactly after kill -9 and SIGTERM (test_reliability.py)
 def test_the_readme_resume_line_continues_xsa_exactly(xsa_run: Path, data_cache: Path, tmp_path: Path):
     """`xsa-lm train hydra.run.dir=runs/xsa resume=auto trainer.max_steps=N`, nothing else on the command line:
     the saved config decides (XSA, its LR, batch, vocabulary), and the schedule keeps its saved length."""
