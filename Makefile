@@ -31,13 +31,14 @@ demo: $(STAMP)
 	$(BIN)/xsa-lm sweep experiment=demo sweep=demo hydra.run.dir=outputs/demo/$$(date +%Y-%m-%d_%H-%M-%S)
 
 # The suite without the long rehearsals (pytest exit code 5, "no tests ran", fails every target); CI runs both.
-# Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures run once): the end-to-end
-# tests spend much of their time starting processes and reading files, which two cores overlap.
+# make test on two pytest workers (pytest-xdist), each test file on one of them (its module fixtures run once): the
+# end-to-end tests spend much of their time starting processes and reading files, which two cores overlap. The long
+# rehearsals run one at a time: several of them time two processes of their own.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not long" -n 2 --dist loadfile --durations=30
 
 test-long: $(STAMP)
-	$(BIN)/python -m pytest -m long -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -m long --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest

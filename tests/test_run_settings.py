@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import hydra
 import pytest
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from tests.helpers import FAST, compose_train, refused_in_process
@@ -207,6 +208,7 @@ def test_hydra_flags_go_before_the_overrides():
 
 def test_a_flag_between_overrides_is_taken(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "train", "seed=3", "--cfg", "job", "trainer.max_steps=7"])
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored after: this job's config does not linger
     cli.main()  # prints the config, as with the flag first
     printed = capsys.readouterr().out
     assert "seed: 3" in printed and "max_steps: 7" in printed

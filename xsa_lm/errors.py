@@ -129,8 +129,12 @@ def save_traceback(trace: str) -> str:
 def hydra_run_dir() -> Path | None:
     """The folder Hydra made for this job, if a job is running."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+    if not HydraConfig.initialized():
+        return None
+    runtime = HydraConfig.get().runtime
+    return None if OmegaConf.is_missing(runtime, "output_dir") else Path(runtime.output_dir)  # --cfg: no folder
 
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
