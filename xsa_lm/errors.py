@@ -172,9 +172,11 @@ def remove_empty_run_dir() -> None:
     remove_if_empty(run_dir)
     here = Path.cwd().resolve()
     for parent in run_dir.resolve().parents:  # the default outputs/<command>/<time>: outputs/<command> was made too
-        if here not in parent.parents or not parent.is_dir() or any(parent.iterdir()):
-            break  # the current directory, outside it, or holding something
+        if here not in parent.parents:  # the current directory, or outside it
+            break
         remove_if_empty(parent)
+        if parent.exists():  # holding something: so are the folders above it
+            break
 
 
 def remove_if_empty(folder: Path) -> None:
