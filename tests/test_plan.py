@@ -210,6 +210,7 @@ def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
 def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     kept = tmp_path / "notes.txt"
     kept.write_text("mine")
+    monkeypatch.chdir(tmp_path)  # the job's plan.log handler, which later tests in this process would write to
     err = refused_in_process(["plan", f"out={kept}", "device_memory_gb=80"], monkeypatch, capsys)
     assert err == f"xsa-lm: error: out={kept} exists: choose another path or add overwrite=true\n"
     assert kept.read_text() == "mine"
