@@ -4,15 +4,21 @@ can have. `xsa-lm train` refuses a run that cannot fit; `xsa-lm plan` prints the
 A model too large for the machine otherwise allocates until the kernel's out-of-memory killer ends it (minutes of
 swapping on a laptop) or CUDA raises deep inside the first step; the estimate refuses it in one line instead.
 
-The per-token terms are counted tensor by tensor from what autograd saves (scripts/calibrate_memory.py measures them
-on real blocks and a whole training step; tests/test_plan.py keeps them within a few % of a measurement).
+The per-token terms are counted tensor by tensor from what autograd saves and what XSA's backward allocates;
+`allocator_peak` measures a step's peak from the CPU allocator (tests/test_memory_peak.py holds the estimate of a
+tiny model's training step to it; scripts/calibrate_memory.py measures paper-shaped blocks too).
 """
 
+import json
 import math
 import os
+import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 GIB = 2**30
 FP32 = 4
@@ -29,7 +35,7 @@ class MemoryEstimate:
     grads: int  # fp32 gradients; under DDP with gradient_as_bucket_view they are views into its buckets
     optimizer: int  # AdamW's two moments
     activations: int  # one micro-batch's tensors saved for the backward, the cross-entropy's saved logits included
-    transient: int  # alive at the peak but not saved: the cross-entropy backward's N x V buffers
+    transient: int  # alive at the peak but not saved: the cross-entropy backward's N x V buffers, or XSA's
     weight_copies: int = 0  # autocast's compute-dtype copies of the matmul weights, saved for the backward
     ddp_buckets: int = 0  # DDP's fp32 gradient buckets where the gradients are a copy (gradient_as_bucket_view off)
 
@@ -77,9 +83,9 @@ def block_saved_per_token(
     """Bytes one block saves for the backward per token, by term. Eager: both LayerNorms' inputs (the residual
     stream, in the weights' dtype) and statistics, their outputs cast for the qkv and fc matmuls, the qkv output
     (v is a view of it, so it stays whole), q and k after RoPE, the attention output and its logsumexp, the MLP's
-    hidden layer before and after GELU. XSA adds (y . v) / ||v||^2 and 1 / ||v||^2 per head; y and v are SDPA's.
-    Compiled: the partitioner keeps the attention branch's output and recomputes the second residual from it, and
-    XSA keeps its z for W_o instead of recomputing it."""
+    hidden layer before and after GELU. XSA adds (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head; y and v
+    are SDPA's. Compiled: the partitioner keeps the attention branch's output and recomputes the second residual
+    from it, and XSA keeps its z for W_o instead of recomputing it."""
     d, head_dim, heads = model["d_model"], model["head_dim"], model["n_head"]
     width, kv_width = heads * head_dim, (model.get("n_kv_head") or heads) * head_dim
     terms = {
@@ -93,8 +99,24 @@ def block_saved_per_token(
         "xsa": 0,
     }
     if exclusive:
-        terms["xsa"] = 2 * FP32 * heads + (compute * width if compiled else 0)
+        terms["xsa"] = FP32 * (heads + kv_width // head_dim) + (compute * width if compiled else 0)
     return terms
+
+
+def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False) -> int:
+    """The most bytes per token one XSA layer's temporaries hold at once beyond its inputs, what it saves and its
+    output: in its backward (xsa.py's ExclusiveOutputProjection.backward), W = n_head x head_dim wide. z recomputed
+    for W_o's gradient and the gradient of z (compute dtype); in fp32, the gradient of y and two partial sums of
+    the gradient of v (y's size until summed over a KV group); under 16-bit compute also fp32 copies of y and v,
+    made twice (for z, then beside the fp32 copy of z's gradient for the gradients); and three fp32 numbers per
+    head (g . v, its scaled k, k c). fp32: 20 W bytes, bf16: 36 W. The forward's are fewer (fp32: 4 W, bf16:
+    14 W). Compiled: the fused backward's outputs, the gradients of z, y and v in the compute dtype."""
+    heads, width = model["n_head"], model["n_head"] * model["head_dim"]
+    kv_width = (model.get("n_kv_head") or heads) * model["head_dim"]
+    if compiled:
+        return compute * (2 * width + kv_width)
+    copies = 0 if compute == FP32 else FP32 * (3 * width + 2 * kv_width)
+    return 2 * compute * width + 3 * FP32 * width + copies + 3 * FP32 * heads
 
 
 def head_saved_per_token(
@@ -129,19 +151,25 @@ def activation_bytes(
     compiled: bool = False,
     positions: int | None = None,
 ) -> tuple[int, int]:
-    """(saved, transient) for one micro-batch of `tokens`: what the backward starts with, and what its first op (the
-    cross-entropy's) adds. `positions`: those the blocks see, the tokens and every sequence's attention sinks
-    (default: the tokens). With activation checkpointing each block keeps only its input, and the block recomputed
-    in the backward comes after the cross-entropy's buffers are freed: the transient is the larger of the two."""
+    """(saved, transient) for one micro-batch of `tokens`: what the backward starts with, and the most its ops add
+    at once, one layer at a time: the cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's
+    backward runs after the cross-entropy's buffers, its saved log-probabilities and the last MLP's activations
+    are freed, so where XSA's is the larger this overstates the peak by up to those). `positions`: those the
+    blocks see, the tokens and every sequence's attention sinks (default: the tokens). With activation
+    checkpointing each block keeps only its input, and the block recomputed in the backward (with its XSA
+    temporaries) comes after the cross-entropy's buffers are freed."""
     positions = tokens if positions is None else positions
     compute = 2 if half else 4
     terms = block_saved_per_token(model, compute=compute, residual=residual, exclusive=exclusive, compiled=compiled)
     layer = sum(terms.values())
     outside = head_saved_per_token(model, vocab_size, compute=compute, residual=residual, compiled=compiled)
-    transient = tokens * cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
+    xsa = xsa_transient_per_token(model, compute=compute, compiled=compiled) if exclusive else 0
+    transient = max(
+        tokens * cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled), positions * xsa
+    )
     if checkpointing:
         blocks = model["n_layer"] * residual * model["d_model"]
-        transient = max(transient, positions * layer - tokens * outside["cross_entropy"])
+        transient = max(transient, positions * (layer + xsa) - tokens * outside["cross_entropy"])
     else:
         blocks = model["n_layer"] * layer
     return positions * blocks + tokens * sum(outside.values()), transient
@@ -240,6 +268,33 @@ def available_bytes(accelerator: str) -> tuple[int, str]:
         return info["MemAvailable"], "available host memory"
     except (FileNotFoundError, KeyError):  # macOS: the physical memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def allocator_peak(run: Callable[[], object]) -> int:
+    """The most bytes the CPU allocator held during `run` beyond what it held before: torch.profiler records each
+    allocation and free (its `[memory]` events). A free of a block allocated before `run` is not recorded (the
+    profiler does not know its size) and is not counted, so `run` should free only what it allocated. CPU only: on
+    CUDA, torch.cuda.max_memory_allocated is the allocator's own counter."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:  # the public form of the events: the Chrome trace
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    live, peak, ours = 0, 0, set()
+    for event in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0))):
+        e = event["args"]
+        if e["Device Type"] != 0:  # 0: CPU
+            continue
+        if e["Bytes"] > 0:
+            ours.add(e["Addr"])
+        elif e["Addr"] in ours:  # else freed by `run` but allocated before it: its size may be a stale record
+            ours.remove(e["Addr"])
+        else:
+            continue
+        live += e["Bytes"]
+        peak = max(peak, live)
+    return peak
 
 
 def bucket_view(strategy) -> bool:

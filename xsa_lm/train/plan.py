@@ -68,6 +68,10 @@ def make_plan(cfg: DictConfig) -> dict:
         s: strategy_plan(cfg, strategy=s, available=available, shape=shape, compiled=compiled) for s in ("ddp", "fsdp")
     }
     chosen = strategy_kind(cfg.trainer.strategy)
+    transients = {
+        mode: backward_transients(shape, micro_batch_size=cfg.micro_batch_size, compiled=mode == "compiled")
+        for mode in ("eager", "compiled")
+    }
     return {
         "model": cfg.model.name,
         "strategy": chosen,
@@ -87,7 +91,35 @@ def make_plan(cfg: DictConfig) -> dict:
         "per_device_bytes": strategies[chosen]["per_device_bytes"],
         "max_micro_batch_size": strategies[chosen]["max_micro_batch_size"],
         "strategies": strategies,
+        "xsa_saved_bytes": xsa_saved_bytes(shape, micro_batch_size=cfg.micro_batch_size),
+        "xsa_temporaries_bytes": {mode: t["xsa"] for mode, t in transients.items()},
+        "cross_entropy_transient_bytes": {mode: t["cross_entropy"] for mode, t in transients.items()},
     }
+
+
+def backward_transients(shape: dict, *, micro_batch_size: int, compiled: bool) -> dict[str, int]:
+    """The two candidates for the backward's peak beside the saved activations: the cross-entropy's buffers and one
+    XSA layer's temporaries (none under SA); memory.estimate counts the larger."""
+    model, block = shape["model"], shape["block_size"]
+    compute, _ = memory.dtype_bytes(shape["precision"])
+    positions = micro_batch_size * (block + model.get("n_sinks", 0))
+    per_token = memory.xsa_transient_per_token(model, compute=compute, compiled=compiled)
+    cross_entropy = memory.cross_entropy_transient_per_token(shape["vocab_size"], compute=compute, compiled=compiled)
+    return {
+        "cross_entropy": micro_batch_size * block * cross_entropy,
+        "xsa": positions * per_token if shape["attention"] == "xsa" else 0,
+    }
+
+
+def xsa_saved_bytes(shape: dict, *, micro_batch_size: int) -> int:
+    """What XSA saves for the backward in every layer, eager: its two coefficients (none under SA)."""
+    if shape["attention"] != "xsa":
+        return 0
+    model = shape["model"]
+    positions = micro_batch_size * (shape["block_size"] + model.get("n_sinks", 0))
+    compute, weights = memory.dtype_bytes(shape["precision"])
+    terms = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)
+    return model["n_layer"] * positions * terms["xsa"]
 
 
 def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict, compiled: bool) -> dict:
@@ -159,8 +191,28 @@ def table(plan: dict) -> str:
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    lines.append("\n" + batch_line(plan))
+    lines += ["", xsa_line(plan), batch_line(plan)]
     return "\n".join(lines)
+
+
+def size(n: int) -> str:
+    return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"
+
+
+def xsa_line(plan: dict) -> str:
+    """What XSA adds to the run's mode: its saved coefficients, and its temporaries against the cross-entropy's
+    buffers (the larger is the table's backward peak)."""
+    if plan["attention"] != "xsa":
+        return "XSA's memory: none (attention sa)"
+    mode = "compiled" if plan["compiled"] else "eager"
+    xsa, cross_entropy = plan["xsa_temporaries_bytes"][mode], plan["cross_entropy_transient_bytes"][mode]
+    peak = "XSA's" if xsa > cross_entropy else "the cross-entropy's"
+    return (
+        f"XSA's memory ({mode}): {size(plan['xsa_saved_bytes'])} saved for the backward (per token, fp32 "
+        f"(y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head, in every layer); the temporaries of one layer's "
+        f"backward {size(xsa)}, against the cross-entropy backward's {size(cross_entropy)}: the backward peak is "
+        f"{peak}"
+    )
 
 
 def batch_line(plan: dict) -> str:

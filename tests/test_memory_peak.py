@@ -1,0 +1,124 @@
+"""The memory plan against the CPU allocator's peak (torch.profiler's memory events): a tiny model's training step,
+and one XSA layer's temporaries, which a tiny model's peak (the cross-entropy's backward) hides."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+
+from xsa_lm.config.builders import model_config
+from xsa_lm.model import GPT
+from xsa_lm.model.xsa import ExclusiveOutputProjection
+from xsa_lm.train import memory
+from xsa_lm.train.module import param_groups
+from xsa_lm.train.plan import make_plan, memory_shape
+
+# Beside the plan's terms a training step holds the RoPE tables (2 x block_size x head_dim fp32, 32 KiB at tiny) and a
+# few scalars (the loss, the cross-entropy's total weight, ...): 116 bytes measured, SA and XSA, fp32 and bf16.
+SCALARS = 1024
+
+
+def test_allocator_peak_counts_what_the_run_allocates():
+    earlier = [torch.empty(2**20, dtype=torch.uint8)]
+
+    def run() -> None:
+        a = torch.empty(2**18, dtype=torch.uint8)
+        b = torch.empty(2**17, dtype=torch.uint8)
+        del a, b
+        earlier.pop()  # allocated before: its free lowers nothing the run added
+        c = torch.empty(2**16, dtype=torch.uint8)
+        del c
+
+    assert memory.allocator_peak(run) == 2**18 + 2**17
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("attention", ["sa", "xsa"])
+def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str):
+    """`xsa-lm plan model=tiny`'s per-device bytes against a micro-batch of an accumulating step (the gradients
+    exist, as from a step's second micro-batch on) and the optimizer step after it: weights, gradients, AdamW
+    state and the batch by their tensors, the rest by the allocator. The peak is the cross-entropy's backward."""
+    overrides = ["model=tiny", f"attention={attention}", f"trainer.precision={precision}", "micro_batch_size=4"]
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        cfg = compose(config_name="plan", overrides=[*overrides, "device_memory_gb=1"])
+    plan = make_plan(cfg)
+    assert plan["precision"] == precision and plan["accumulation"] > 1 and not plan["compiled"]
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg, vocab_size=memory_shape(cfg)["vocab_size"]))
+    optimizer = instantiate(cfg.optim)(param_groups(model, cfg.optim.weight_decay), fused=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # the AdamW state exists from here on
+    batch = [torch.randint(0, model.config.vocab_size, (cfg.micro_batch_size, cfg.data.block_size)) for _ in "xy"]
+
+    def last_micro_batch_and_update() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = model(*batch)[1]  # the logits dropped before the backward, as the training step's return does
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    held = tensor_bytes([*model.parameters(), *model.buffers(), *batch])
+    held += tensor_bytes(p.grad for p in model.parameters())
+    held += tensor_bytes(t for state in optimizer.state.values() for t in state.values())
+    measured = held + memory.allocator_peak(last_micro_batch_and_update)
+    beside_the_plan = measured - plan["per_device_bytes"]["total"] - tensor_bytes(model.buffers())
+    assert 0 <= beside_the_plan <= SCALARS, (measured, plan["per_device_bytes"])
+
+
+def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(measured, planned): one XSA output projection's forward and backward, the allocator's peak above its inputs
+    and the plan's per-token XSA terms plus what SA's output projection makes too (its output and W_o's gradient)."""
+    B, T, H, D = 2, 256, 4, 32
+    width, group = H * D, H // n_kv_head
+    torch.manual_seed(0)
+    y = torch.randn(B, T, n_kv_head, group, D, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, n_kv_head, 1, D, dtype=dtype, requires_grad=True)
+    weight = torch.randn(width, width, requires_grad=True)
+    grad_out = torch.randn(B, T, width, dtype=dtype)
+
+    def forward_and_backward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+        out.backward(grad_out)
+        y.grad = v.grad = weight.grad = None
+
+    forward_and_backward()  # autocast's and autograd's first-call allocations outside the measurement
+    measured = memory.allocator_peak(forward_and_backward)
+    model = {"n_head": H, "head_dim": D, "n_kv_head": n_kv_head}
+    compute = dtype.itemsize
+    terms = memory.block_saved_per_token(model | {"d_model": width}, compute=compute, residual=4, exclusive=True)
+    per_token = terms["xsa"] + memory.xsa_transient_per_token(model, compute=compute)
+    sa_too = B * T * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
+    return measured, B * T * per_token + sa_too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_xsa_temporaries_are_the_allocators(dtype: torch.dtype, n_kv_head: int):
+    """What the plan counts for one XSA layer (its saved coefficients and the temporaries of its backward) is what
+    the allocator holds at the layer's peak, to the byte: measured, bf16 and fp32, with and without grouped heads."""
+    measured, planned = xsa_layer_bytes(n_kv_head=n_kv_head, dtype=dtype)
+    assert measured == planned
+
+
+def test_sa_output_projection_has_none_of_it():
+    """The same measurement of SA's output projection: its output, W_o's gradient and y's gradient only, so the
+    XSA terms above are XSA's own."""
+    B, T, width = 2, 256, 128
+    y = torch.randn(B, T, width, requires_grad=True)
+    weight = torch.randn(width, width, requires_grad=True)
+    grad_out = torch.randn(B, T, width)
+
+    def forward_and_backward() -> None:
+        F.linear(y, weight).backward(grad_out)
+        y.grad = weight.grad = None
+
+    forward_and_backward()
+    assert memory.allocator_peak(forward_and_backward) == 2 * B * T * width * 4 + weight.numel() * 4
