@@ -10,6 +10,7 @@ from omegaconf import DictConfig, ListConfig
 
 from xsa_lm.config.schema import check_known_keys
 from xsa_lm.errors import UserError
+from xsa_lm.model.sdpa import config_problem as sdpa_backends_problem
 
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 
@@ -119,6 +120,7 @@ RULES = {
     "micro_batch_size": _int(1),
     "val_every_steps": _int(1),
     "compile": _bool_or_auto,
+    "sdpa_backends": sdpa_backends_problem,
     "reuse_host_memory": _bool,
     "progress_bar": _bool,
     "check_memory": _bool,

@@ -223,6 +223,7 @@ class TrainOptions:
     micro_batch_size: Any = MISSING
     val_every_steps: Any = MISSING
     compile: Any = MISSING  # auto | true | false
+    sdpa_backends: Any = MISSING  # auto | a kernel | a list of kernels: OmegaConf types no str-or-list union
     reuse_host_memory: Any = MISSING
     check_memory: Any = MISSING
     resume: str | None = MISSING  # null | auto | a checkpoint path

@@ -1,11 +1,13 @@
 """Callbacks: throughput and tokens seen, the validation history kept for summary.json, periodic diagnostics, and a
 clean stop with a checkpoint on preemption (SIGTERM / SIGUSR1) or Ctrl-C."""
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +27,7 @@ from rich.progress import (
 
 from xsa_lm.compat import should_update_logs
 from xsa_lm.model import GPT
+from xsa_lm.model.sdpa import resolve, sdpa_backends
 from xsa_lm.train.hardware import peak_flops
 
 GIB = 2**30
@@ -86,6 +89,30 @@ class Throughput(L.Callback):
             values["train/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             values["train/max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
         return values
+
+
+class AttentionKernels(L.Callback):
+    """SDPA runs the first kernel of the run's order (config `sdpa_backends`) that fits, from setup to teardown of
+    each fit or validation: training and validation steps alike, and compiled blocks too, which take the kernel
+    chosen when they are traced (their first call, inside)."""
+
+    def __init__(self, sdpa_backends_value: str | Sequence[str]) -> None:
+        self.value = sdpa_backends_value
+        self._inside: contextlib.ExitStack | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._inside is None:
+            order = resolve(self.value, trainer.strategy.root_device)
+            self._inside = contextlib.ExitStack()
+            self._inside.enter_context(sdpa_backends(order))
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._inside is not None:
+            self._inside.close()
+            self._inside = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, stage="")  # Lightning skips teardown after an exception
 
 
 class Profiler(L.Callback):

@@ -49,6 +49,7 @@ from xsa_lm.locking import hold_directory
 from xsa_lm.model import GPTConfig
 from xsa_lm.train import memory
 from xsa_lm.train.callbacks import (
+    AttentionKernels,
     Diagnostics,
     Preemption,
     Profiler,
@@ -62,7 +63,7 @@ from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
-from xsa_lm.train.runinfo import run_info
+from xsa_lm.train.runinfo import attention_kernels, run_info
 from xsa_lm.train.summary import RunSummary, completed, error_line, finish_wandb, print_summary
 
 OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by the run, not by lightning.Trainer
@@ -223,6 +224,13 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     check_memory(cfg, devices=plan["devices"], accumulation=plan["accumulate"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
+    kernels = attention_kernels(
+        cfg.sdpa_backends,
+        model=mcfg,
+        context=cfg.data.block_size,
+        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
+        accelerator=cfg.trainer.accelerator,
+    )
     datamodule = TokenDataModule(
         data=data,
         block_size=cfg.data.block_size,
@@ -238,7 +246,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     if rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # a function attribute Lightning sets
         # Rank 0 alone picks the checkpoint (each rank would pick from what it sees); its choice reaches this rank
         # once the process group exists (ClusterChecks).
-        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH)
+        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH, kernels=kernels)
     with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
         if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
@@ -254,8 +262,8 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         for warning in [schedule_warning, *fewer_windows(cfg, datamodule)]:
             if warning:
                 log.warning(warning)
-        write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=resume_notes or [])
-        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume)
+        write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=resume_notes or [], kernels=kernels)
+        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume, kernels=kernels)
 
 
 def fewer_windows(cfg: DictConfig, datamodule: TokenDataModule) -> list[str]:
@@ -275,12 +283,14 @@ def fewer_windows(cfg: DictConfig, datamodule: TokenDataModule) -> list[str]:
     return notes
 
 
-def write_run_files(cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str]) -> None:
+def write_run_files(
+    cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str], kernels: dict
+) -> None:
     """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
-    first start, resumes.jsonl each resume."""
+    first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
     continuing = (run_dir / "config.yaml").exists()
     write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    info = {**run_info(), "data_dir": str(data_dir)}
+    info = {**run_info(attention=kernels), "data_dir": str(data_dir)}
     if not (run_dir / "run_info.json").exists():
         write_json(run_dir / "run_info.json", info)
     if resume.path is None:
@@ -308,7 +318,14 @@ def write_run_files(cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: R
 
 
 def fit(
-    cfg: DictConfig, run_dir: Path, *, plan: dict, datamodule: TokenDataModule, mcfg: GPTConfig, resume: ResumePoint
+    cfg: DictConfig,
+    run_dir: Path,
+    *,
+    plan: dict,
+    datamodule: TokenDataModule,
+    mcfg: GPTConfig,
+    resume: ResumePoint,
+    kernels: dict,
 ) -> dict:
     """Build the module and the trainer, train, and write summary.json (global rank 0). A failed run is recorded in
     summary.json too, then re-raised: a sweep must see failed runs."""
@@ -317,7 +334,8 @@ def fit(
     module = make_module(cfg, mcfg)
     summary.non_embedding_params = parameter_counts(module)[0]
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
-    rank_zero_only(log.info)(header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module))
+    line = header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module, kernels=kernels)
+    rank_zero_only(log.info)(line)
     callbacks = make_callbacks(cfg, run_dir)
     loggers = make_loggers(cfg, run_dir=run_dir, run_name=run_name, resume_step=resume.step)
     trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=callbacks.all, loggers=loggers)
@@ -374,9 +392,10 @@ def parameter_counts(module: LMModule) -> tuple[int, int]:
 
 
 def header(
-    cfg: DictConfig, *, run_name: str, run_dir: Path, plan: dict, data: TokenDataModule, module: LMModule
+    cfg: DictConfig, *, run_name: str, run_dir: Path, plan: dict, data: TokenDataModule, module: LMModule, kernels: dict
 ) -> str:
-    """The run's first line: the model, the data, how a step's tokens are made up, where the run's files go."""
+    """The run's first line: the model, the data, how a step's tokens are made up, the attention kernel (and the
+    order it was chosen from), where the run's files go."""
     non_embedding, total = parameter_counts(module)
     meta = data.data.meta
     return (
@@ -386,7 +405,8 @@ def header(
         f"vocab {meta['vocab_size']} (model {module.model_config.vocab_size}) | "
         f"{cfg.global_batch_tokens:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
         f"{plan['accumulate']} accumulation x {plan['devices']} device(s) ({device_name(cfg.trainer.accelerator)}), "
-        f"{cfg.trainer.max_steps} steps | run dir {run_dir}"
+        f"{cfg.trainer.max_steps} steps | attention kernel {kernels['used']} (sdpa_backends: "
+        f"{', '.join(kernels['order'])}) | run dir {run_dir}"
     )
 
 
@@ -424,7 +444,8 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
     throughput = Throughput(cfg.global_batch_tokens)
     preemption = Preemption(ckpt_dir / "last.ckpt")
     cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
-    callbacks = [cluster, periodic, best, history, throughput, preemption]
+    kernels = AttentionKernels(cfg.sdpa_backends)
+    callbacks = [cluster, kernels, periodic, best, history, throughput, preemption]
     if cfg.checkpoint.get("async_save"):
         callbacks.append(AsyncSave())
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:

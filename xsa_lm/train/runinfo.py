@@ -5,10 +5,15 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from xsa_lm.model import GPTConfig
+from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
+from xsa_lm.train.devices import uses_cuda
 
 PACKAGES = ["xsa-lm", "torch", "lightning", "hydra-core", "omegaconf", "datasets", "tokenizers", "wandb", "numpy"]
 
@@ -49,7 +54,35 @@ def hardware() -> dict:
     return info
 
 
-def run_info() -> dict:
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype attention computes in under a Lightning precision (`bf16-mixed`: autocast's bf16)."""
+    for prefix, dtype in (("bf16", torch.bfloat16), ("16", torch.float16), ("64", torch.float64)):
+        if precision.startswith(prefix):
+            return dtype
+    return torch.float32
+
+
+def attention_kernels(
+    sdpa_backends_value: str | Sequence[str], *, model: GPTConfig, context: int, precision: str, accelerator: str
+) -> dict:
+    """The SDPA kernels a run allows, most preferred first (config `sdpa_backends` on this device), and the one its
+    attention runs: tried once on a tensor of the run's shape (sinks included) and precision."""
+    device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda(accelerator) else torch.device("cpu")
+    order = resolve(sdpa_backends_value, device)
+    with sdpa_backends(order):
+        used = backend_used(
+            heads=model.n_head,
+            kv_heads=model.n_kv_head,
+            seq=context + model.n_sinks,
+            head_dim=model.head_dim,
+            dtype=compute_dtype(precision),
+            device=device,
+        )
+    return {"order": order, "used": used}
+
+
+def run_info(*, attention: dict | None = None) -> dict:
+    """`attention`: attention_kernels' answer, recorded as `sdpa`."""
     return {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": sys.argv,
@@ -58,4 +91,5 @@ def run_info() -> dict:
         "versions": versions(),
         "git": git_state(),
         "hardware": hardware(),
+        "sdpa": attention,
     }
