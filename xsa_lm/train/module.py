@@ -79,21 +79,19 @@ class LMModule(L.LightningModule):
         and AdamW state; a block's weights are gathered for its forward and backward only."""
         if self.device_mesh is None:
             return
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         if isinstance(self.model, FSDPModule):  # trainer.validate after the fit calls this hook again
             return
         mesh = self.device_mesh["data_parallel"]
-        policy = MixedPrecisionPolicy()  # fp32 on CPU; bf16 compute with fp32 gradient reduction on GPU
-        if self.trainer.precision.startswith("bf16"):
-            # Block inputs are not cast (FSDP2 casts them by default): the RoPE tables, and on CUDA the residual
-            # stream (autocast runs LayerNorm in fp32), stay fp32 as under DDP, so both strategies train one model.
-            policy = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
-            )
+        # No mixed-precision policy, on purpose: fp32 parameters under every strategy, bf16-mixed's autocast (which
+        # Lightning enters here as under DDP) running the matmuls in bf16, so the residual stream, LayerNorms and RoPE
+        # tables are fp32 as under DDP, on CPU as on CUDA (bf16 parameters would round the LayerNorm gains and the
+        # embedding, and on CPU the residual stream, to bf16); the price is fp32 all-gathers and autocast's bf16
+        # weight copies kept for the backward, as under DDP.
         for block in self.model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(self.model, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """The micro-batch count realigned to this run's accumulation; weights saved from a torch.compile(model)
