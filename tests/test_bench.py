@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import compose_train
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, interval, summarize, verdict
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, interval, rounds_needed, summarize, verdict
 
 REPO = Path(__file__).resolve().parents[1]
 T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freedom (tables: 4.303)
@@ -53,6 +53,131 @@ def test_summarize_reports_the_spread_and_the_geometric_mean():
     assert s["rounds"] == [1.0, 1.04, 1.02, 1.01] and s["confidence"] == 0.95
 
 
+def test_rounds_needed_is_the_fewest_whose_interval_clears_the_target():
+    """Logs of the pilot: mean 0, sd 0.02; the target 1.02 is log 0.0198 away. n must satisfy
+    t(n - 1) x 0.02 / sqrt(n) < 0.0198: n = 6 gives 2.571 x 0.02 / 2.449 = 0.0210 (not yet), n = 7 gives
+    2.447 x 0.02 / 2.646 = 0.0185."""
+    pilot = [math.exp(x) for x in (-0.02 * math.sqrt(1.5), 0.0, 0.0, 0.02 * math.sqrt(1.5))]  # sd of the logs 0.02
+    assert rounds_needed(pilot, 1.02) == 7
+    assert rounds_needed([1.03, 1.03], 1.02) == 2  # no spread: already decided
+    assert rounds_needed([math.exp(-0.01), math.exp(0.01)], 1.0) > 1e6  # a centre on the target: no number will do
+    assert rounds_needed([0.90, 0.92, 0.91], 1.02) == 3  # far below: the pilot decides
+
+
+def test_a_round_pairs_each_kernels_sa_and_xsa_and_rotates_the_rest():
+    from xsa_lm.bench.run import round_order
+
+    phases = ["sa_flash", "xsa_flash", "sa_math", "xsa_math", "lightning"]
+    orders = [round_order(phases, ["flash", "math"], r) for r in range(4)]
+    assert orders[0] == ["lightning", "sa_flash", "xsa_flash", "sa_math", "xsa_math"]
+    assert orders[1] == ["xsa_math", "sa_math", "lightning", "xsa_flash", "sa_flash"]
+    assert orders[2] == ["sa_flash", "xsa_flash", "sa_math", "xsa_math", "lightning"]
+    assert orders[3] == ["lightning", "xsa_math", "sa_math", "xsa_flash", "sa_flash"]
+    for order in orders:  # neighbours: one round's XSA/SA ratio compares two processes run back to back
+        assert abs(order.index("sa_flash") - order.index("xsa_flash")) == 1
+    assert round_order(["sa_flash", "lightning"], ["flash"], 1) == ["sa_flash", "lightning"]  # no XSA phase
+
+
+def pilot_round(sa: float, xsa: float, *, cpu_scale: float = 1.0) -> dict:
+    """One round's phases as measure() returns them: SA and XSA under flash, and Lightning."""
+
+    def phase(step: float) -> dict:
+        return {"step_times": [step] * 3, "cpu_step_times": [cpu_scale * step] * 3}
+
+    return {"sa_flash": phase(sa), "xsa_flash": phase(xsa), "lightning": phase(sa)}
+
+
+def test_rounds_are_planned_from_the_pilots_spread_within_the_budget():
+    from omegaconf import OmegaConf
+
+    from xsa_lm.bench.run import plan_rounds
+
+    kernels = {"timed": ["flash"], "primary": "flash"}
+    pilot = [pilot_round(0.1, 0.1 * math.exp(x)) for x in (-0.0245, 0.0, 0.0, 0.0245)]  # as in the test above
+    roomy = OmegaConf.create({"budget_s": 1000, "max_rounds": 40})
+    plan = plan_rounds(pilot, kernels=kernels, elapsed_s=40.0, cfg=roomy, device_type="cpu")
+    assert plan["needed"] == 7 and plan["rounds"] == 7 and plan["clock"] == "cpu" and plan["limited_by"] == "needed"
+    tight = OmegaConf.create({"budget_s": 60, "max_rounds": 40})  # 10 s a round: 2 more fit
+    plan = plan_rounds(pilot, kernels=kernels, elapsed_s=40.0, cfg=tight, device_type="cpu")
+    assert plan["affordable"] == 6 and plan["rounds"] == 6 and plan["limited_by"] == "budget_s"
+    over = OmegaConf.create({"budget_s": 10, "max_rounds": 40})  # the pilot alone took longer than the budget
+    assert plan_rounds(pilot, kernels=kernels, elapsed_s=40.0, cfg=over, device_type="cpu")["rounds"] == 4
+
+
+def test_each_ratio_is_summarized_on_both_clocks_from_its_own_rounds():
+    from xsa_lm.bench.run import summarize_rounds
+
+    rounds = [pilot_round(0.1, 0.11, cpu_scale=2.0), pilot_round(0.2, 0.2, cpu_scale=2.0)]
+    for r in rounds:
+        for phase in r.values():
+            phase |= {"peak_memory_bytes": None, "sdpa_used": "flash"}
+    info = {"peak_flops": None}
+    kernels = {"timed": ["flash"], "primary": "flash"}
+    out = summarize_rounds(rounds, info, model="tiny", device_type="cpu", tokens=100, kernels=kernels)
+    ratios = out["ratios"]
+    assert ratios["xsa_over_sa_step_time"]["rounds"] == pytest.approx([1.1, 1.0])  # paired within each round
+    assert ratios["xsa_over_sa_cpu_time"]["rounds"] == pytest.approx([1.1, 1.0])
+    assert ratios["xsa_over_sa_cpu_time"]["clock"] == "cpu" and ratios["xsa_over_sa_step_time"]["kernel"] == "flash"
+    assert out["sa_flash_step_ms"] == pytest.approx(150.0) and out["sa_flash_cpu_ms"] == pytest.approx(300.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[flsh]", "backends=['flsh'] names no kernel: flsh (it takes auto, train or a list of cudnn, flash,"),
+        ("fast", "backends=fast must be auto, train or a list of cudnn, flash, efficient, math"),
+    ],
+)
+def test_bench_refuses_an_unknown_kernel_in_one_line(value: str, message: str):
+    from xsa_lm.bench.run import backend_names
+    from xsa_lm.errors import UserError
+
+    cfg = compose_train([f"backends={value}"], config_name="bench")
+    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+        backend_names(cfg.backends)
+    assert backend_names("math") == ("math",) and backend_names("auto") == backend_names("train") == ()
+
+
+def tiny_phase(**changes):
+    from xsa_lm.bench.loops import Phase
+    from xsa_lm.model import GPTConfig
+
+    config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64)
+    phase = Phase(
+        kind="plain",
+        model=config,
+        device="cpu",
+        precision="32-true",
+        compile=False,
+        optimizer={"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
+        scheduler={
+            "_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler",
+            "_partial_": True,
+            "warmup_steps": 1,
+            "min_lr_ratio": 0.1,
+        },
+        micro_batch=2,
+        warmup=1,
+        steps=2,
+        seed=0,
+        threads=None,
+        reuse_host_memory=False,
+    )
+    return replace(phase, **changes)
+
+
+def test_a_phase_runs_under_its_kernel_and_times_both_clocks():
+    from xsa_lm.bench.loops import measure
+
+    found = measure(tiny_phase(kind="kernels"))
+    assert found["order"] == ["flash", "math"] and found["used"] == "flash"
+    assert found["takes"] == {"flash": True, "math": True}
+    result = measure(tiny_phase(sdpa=("math",)))
+    assert result["sdpa_used"] == "math" and len(result["step_times"]) == len(result["cpu_step_times"]) == 2
+    assert all(t > 0 for t in result["cpu_step_times"])
+    assert measure(tiny_phase(sdpa=("flash",)))["sdpa_used"] == "flash"
+
+
 def run_quick(script: str, tmp_path: Path) -> tuple[dict, str]:  # scripts/bench_*.py --quick
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / script), "--quick", "--out", str(out)]
@@ -72,6 +197,15 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
     report = json.loads(out.read_text())
     for key in ("xsa_over_sa_step_time", "xsa_over_sa_peak_memory", "lightning_over_plain_throughput"):
         assert report[key] > 0, key
+    # SA and XSA under each CPU kernel, each ratio on both clocks; Lightning under train's order
+    assert report["sdpa"]["order"] == report["sdpa"]["timed"] == ["flash", "math"] and report["sdpa"]["used"] == "flash"
+    assert report["phase_kernels"] == {"lightning": "flash", "sa_flash": "flash", "xsa_flash": "flash"} | {
+        "sa_math": "math",
+        "xsa_math": "math",
+    }
+    for key in ("xsa_over_sa_cpu_time", "xsa_over_sa_step_time_math", "xsa_over_sa_cpu_time_math"):
+        assert report[key] > 0 and report["ratios"][key]["clock"] in ("wall", "cpu"), key
+    assert report["run_info"]["sdpa"] == {"order": ["flash", "math"], "used": "flash"}
     assert report["device"].startswith("cpu") and report["tokens_per_s"] == report["lightning_tokens_per_s"] > 0
     assert 0 < report["mfu"] < 1 and "measured" in report["peak_flops_source"]
     # every ratio: one value per round, a 95% interval around its geometric mean, a verdict
@@ -82,12 +216,13 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
     assert report["verdicts"]["mfu"] == NO_TARGET  # the MFU target is for paper_0.7b on an H100/H200
     # each phase of each round ran in its own process
     pids = [phase["pid"] for r in report["per_round"] for phase in r.values()]
-    assert len(pids) == 2 * 3 == len(set(pids))
+    assert len(pids) == 2 * 5 == len(set(pids))
     # the model's formula and torch's flop counter agree (SDPA counted through its math kernel on CPU)
     assert report["flops_per_token"] == report["flops_per_token_flop_counter"]
     # XSA keeps one more activation per layer (z, the output projection's input); SA's is SDPA's own output
     assert 1.0 < report["xsa_over_sa_peak_memory"] < 1.1
     assert "XSA/SA step time" in proc.stdout and "95% interval" in proc.stdout and "MFU" in proc.stdout
+    assert "CPU time" in proc.stdout and "runs flash for this model" in proc.stdout
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode != 0 and "exists" in again.stderr and json.loads(out.read_text()) == report
 
@@ -95,28 +230,10 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
 @pytest.mark.slow
 def test_a_failing_phase_ends_the_bench_in_one_line():
     from xsa_lm.bench.fresh import process_context, run_fresh
-    from xsa_lm.bench.loops import Phase
     from xsa_lm.errors import UserError
-    from xsa_lm.model import GPTConfig
 
-    config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64)
-    phase = Phase(
-        kind="plain",
-        model=config,
-        device="cpu",
-        precision="32-true",
-        compile=False,
-        optimizer={"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
-        scheduler={"_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler", "_partial_": True, "warmup_steps": 1},
-        micro_batch=2,
-        warmup=1,
-        steps=2,
-        seed=0,
-        threads=1,
-        reuse_host_memory=False,
-    )
     with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
-        run_fresh(replace(phase, kind="bogus"), label="bogus (round 1)", context=process_context())
+        run_fresh(tiny_phase(kind="bogus", threads=1), label="bogus (round 1)", context=process_context())
 
 
 @pytest.mark.slow

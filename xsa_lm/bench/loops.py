@@ -1,6 +1,9 @@
 """The contenders: a minimal hand-written training loop and Lightning fitting LMModule, on the same model, batches,
-optimizer and schedule; step timing and peak memory. `measure` runs one phase; `xsa_lm.bench.fresh` runs it in a
-fresh process."""
+optimizer and schedule, under a chosen SDPA kernel order; step timing on two clocks and peak memory. `measure` runs one
+phase; `xsa_lm.bench.fresh` runs it in a fresh process.
+
+Each step is timed by the wall clock and by the process's CPU time (every thread of it): on a machine shared with
+other jobs the wall clock also counts the time this process waited for a core, its CPU time barely moves."""
 
 import contextlib
 import logging
@@ -15,7 +18,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from xsa_lm.config.builders import build
+from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.hardware import device_name, peak_flops, synchronize
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
@@ -28,8 +33,9 @@ N_BATCHES = 8  # distinct random batches, cycled
 class Phase:
     """One measured phase, everything a fresh process needs to run it (plain values: it is pickled).
 
-    kind: `plain` (the hand-written loop), `lightning` (Trainer.fit of LMModule) or `device` (the device's name, peak
-    FLOP/s and the model's FLOPs per token, nothing timed)."""
+    kind: `plain` (the hand-written loop), `lightning` (Trainer.fit of LMModule), `device` (the device's name, peak
+    FLOP/s and the model's FLOPs per token, nothing timed) or `kernels` (which SDPA kernels take the model's
+    attention here, nothing timed). sdpa: the SDPA kernels allowed, most preferred first (empty: torch's own)."""
 
     kind: str
     model: GPTConfig
@@ -44,6 +50,7 @@ class Phase:
     seed: int
     threads: int | None
     reuse_host_memory: bool
+    sdpa: tuple[str, ...] = ()
 
 
 def make_batches(n: int, *, micro_batch: int, context: int, vocab: int, seed: int, pin: bool) -> list[Batch]:
@@ -84,6 +91,7 @@ class PlainTrainer:
         self.opt = setup.optimizer(param_groups(self.model, keywords.get("weight_decay", 0.0)), **fused)
         self.sched = setup.scheduler(self.opt, total_steps=total_steps)
         self.losses: list[torch.Tensor] = []
+        self.cpu_stamps: list[float] = []  # the last run's, on the process's CPU-time clock
 
     def compile(self) -> None:
         """From now on steps run the torch.compile'd model (same weights, same optimizer), compiled at the next one."""
@@ -101,13 +109,16 @@ class PlainTrainer:
         self.losses.append(loss.detach())
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
-        """n steps cycling over batches; n + 1 device-synchronised time stamps (each step's start, then the end)."""
-        stamps = []
+        """n steps cycling over batches; n + 1 device-synchronised wall-clock stamps (each step's start, then the
+        end). The same stamps on the CPU-time clock are left in cpu_stamps."""
+        stamps, self.cpu_stamps = [], []
         for i in range(n):
             synchronize(self.setup.device)
             stamps.append(time.perf_counter())
+            self.cpu_stamps.append(time.process_time())
             self.step(batches[i % len(batches)])
         synchronize(self.setup.device)
+        self.cpu_stamps.append(time.process_time())
         return stamps + [time.perf_counter()]
 
 
@@ -131,11 +142,13 @@ class StepTimer(L.Callback):
         self.device = device
         self.last_batch = last_batch
         self.starts: list[float] = []
+        self.cpu_starts: list[float] = []  # the process's CPU time at the same stamps
         self.peak_memory: int | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         synchronize(self.device)
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
         if batch_idx == self.last_batch and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -220,9 +233,39 @@ def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> fl
     return counter.get_total_flops() / x.numel()
 
 
+def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> dict:
+    """The SDPA kernel order `auto` gives this device, the kernel it runs for the model's attention, and of the
+    candidates (auto: that order's) those that take the attention alone: the ones a phase can be timed under."""
+    order = resolve("auto", setup.device)
+    with sdpa_backends(order):
+        used = attention_kernel(config, setup)
+    wanted = resolve(list(candidates) if candidates else "auto", setup.device)
+    takes = {}
+    for name in wanted:
+        with sdpa_backends([name]):
+            try:
+                takes[name] = attention_kernel(config, setup) == name
+            except UserError:  # no kernel allowed takes it: this one does not
+                takes[name] = False
+    return {"order": order, "used": used, "candidates": wanted, "takes": takes}
+
+
+def attention_kernel(config: GPTConfig, setup: Setup) -> str:
+    """The SDPA kernel the model's attention runs under the current order, at its shape and in its precision."""
+    return backend_used(
+        heads=config.n_head,
+        kv_heads=config.n_kv_head,
+        seq=config.block_size + config.n_sinks,
+        head_dim=config.head_dim,
+        dtype=torch.bfloat16 if setup.precision.startswith("bf16") else torch.float32,
+        device=setup.device,
+    )
+
+
 def measure(phase: Phase) -> dict:
     """Run one phase in this process (meant to be a fresh one) and return plain values: `warmup` untimed steps, then
-    `steps` timed ones (seconds), and the peak memory of a training step."""
+    `steps` timed ones (seconds, on the wall clock and on the process's CPU-time clock), and the peak memory of a
+    training step; all under the phase's SDPA kernel order."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
@@ -240,7 +283,7 @@ def measure(phase: Phase) -> dict:
         optimizer=build(OmegaConf.create(phase.optimizer)),
         scheduler=build(OmegaConf.create(phase.scheduler)),
     )
-    config, w = phase.model, phase.warmup
+    config = phase.model
     batches = make_batches(
         N_BATCHES,
         micro_batch=phase.micro_batch,
@@ -250,10 +293,19 @@ def measure(phase: Phase) -> dict:
         pin=device.type == "cuda",
     )
     out = {"pid": os.getpid(), "threads": torch.get_num_threads(), "host_memory_reuse": host_memory_reuse}
+    if phase.kind == "kernels":
+        return out | kernels_taking(config, setup, phase.sdpa)
+    with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
+        return out | timed(phase, setup, batches)
+
+
+def timed(phase: Phase, setup: Setup, batches: list[Batch]) -> dict:
+    """The `device` facts, or the `plain` or `lightning` phase timed (see measure)."""
+    config, w, device = phase.model, phase.warmup, setup.device
     if phase.kind == "device":
         peak, source = peak_flops(device, phase.precision)
         first = (batches[0][0][:1], batches[0][1][:1])
-        return out | {
+        return {
             "device": device_name(device),
             "peak_flops": peak,
             "peak_flops_source": source,
@@ -267,12 +319,19 @@ def measure(phase: Phase) -> dict:
     if phase.kind == "plain":
         trainer = PlainTrainer(config, setup, phase.seed, total)
         times = step_times(trainer.run(batches, total - 1)[w:])
+        cpu_times = step_times(trainer.cpu_stamps[w:])
         memory, source = peak_memory(trainer, batches)
     elif phase.kind == "lightning":
         timer = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
-        times = step_times(timer.starts[w:])
+        times, cpu_times = step_times(timer.starts[w:]), step_times(timer.cpu_starts[w:])
         memory = timer.peak_memory  # CUDA only: the CPU estimate needs the plain loop's own forward
         source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
     else:
         raise ValueError(f"unknown bench phase kind {phase.kind!r}")
-    return out | {"step_times": times, "peak_memory_bytes": memory, "peak_memory_source": source}
+    return {
+        "step_times": times,
+        "cpu_step_times": cpu_times,
+        "sdpa_used": attention_kernel(config, setup),
+        "peak_memory_bytes": memory,
+        "peak_memory_source": source,
+    }

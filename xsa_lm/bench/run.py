@@ -1,34 +1,42 @@
-"""`xsa-lm bench`: SA vs XSA and Lightning vs a plain loop, each phase in a fresh process; a table and a JSON file.
+"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process;
+a table and a JSON file.
 
-Every round runs the phases (a plain loop training SA, the same loop training XSA, Lightning fitting SA) one after
-another, each in its own fresh process, in an order that changes from round to round, so drift and noisy neighbours
-hit all of them alike. Each round gives one XSA/SA step time ratio and one Lightning/plain throughput ratio; over the
-rounds, their spread, a 95% interval and a verdict against the target (xsa_lm.bench.stats). Peak memory of a
-training step comes from the same processes; tokens/s and MFU from the Lightning ones (what `xsa-lm train` runs).
+Every round runs the phases (a plain loop training SA and the same loop training XSA under each SDPA kernel the
+device has, and Lightning fitting SA under the kernel order `xsa-lm train` uses) one after another, each in its own
+fresh process. A kernel's SA and XSA run back to back, in an order that alternates from round to round, so each
+round gives one XSA/SA ratio per kernel from two neighbouring processes; the kernels' order and Lightning's place
+rotate, so drift and noisy neighbours hit every phase alike. Each step is timed by the wall clock and by the
+process's CPU time (which barely moves when another job shares the machine). Over the rounds, each ratio's spread,
+a 95% interval and a verdict against the target (xsa_lm.bench.stats). `rounds: auto` runs a pilot, then as many
+rounds as the pilot's spread says the interval needs to decide the target either way, within a time budget.
+Peak memory of a training step comes from the same processes; tokens/s and MFU from the Lightning ones.
 """
 
-import itertools
+import math
 import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from xsa_lm.bench.fresh import process_context, run_fresh
 from xsa_lm.bench.loops import Phase
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, summarize
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, rounds_needed, summarize
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json
+from xsa_lm.model import GPTConfig
+from xsa_lm.model.sdpa import config_problem
 from xsa_lm.train.runinfo import run_info
 
 # XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
@@ -39,6 +47,10 @@ TARGETS: dict[str, Any] = {
 }
 COMPARISONS = {"xsa_over_sa": ("sa", "xsa"), "lightning_over_plain": ("sa", "lightning")}
 SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
+# The clock rounds are planned on: a CPU step is the process's own work (its CPU time holds up on a shared
+# machine); a GPU step's host CPU time says little about the device's.
+PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
+CLOCKS = {"wall": "step_times", "cpu": "cpu_step_times"}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -74,9 +86,9 @@ def resolve_bench_precision(precision: str, device: torch.device) -> str:
     return name
 
 
-def make_phases(cfg: DictConfig, n: dict, device: torch.device, precision: str) -> dict[str, Phase]:
-    """The phases this run needs: `sa` and `xsa` (the plain loop), `lightning` (always: the headline tokens/s and
-    MFU) and `device` (peak FLOP/s, FLOPs per token)."""
+def base_phase(cfg: DictConfig, n: dict, device: torch.device, precision: str) -> tuple[Phase, GPTConfig]:
+    """The plain loop training SA (under torch's own kernel order, until a phase names one), and the XSA variant's
+    model beside it."""
     xsa = model_config(cfg, cfg.vocab_size)
     if xsa.attention != "xsa":
         raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
@@ -100,22 +112,120 @@ def make_phases(cfg: DictConfig, n: dict, device: torch.device, precision: str) 
         threads=cfg.threads,
         reuse_host_memory=bool(cfg.reuse_host_memory),
     )
-    every = {"sa": base, "xsa": replace(base, model=xsa), "lightning": replace(base, kind="lightning")}
-    needed = {"lightning"} | {name for c in cfg.comparisons for name in COMPARISONS[c]}
-    return {name: every[name] for name in ("sa", "xsa", "lightning") if name in needed}
+    return base, xsa
 
 
-def run_rounds(phases: dict[str, Phase], rounds: int) -> list[dict[str, dict]]:
-    """Each round runs every phase once, each in a fresh process; the order cycles through all permutations."""
-    orders, context, results = list(itertools.permutations(phases)), process_context(), []
-    for r in range(rounds):
+def backend_names(value: Any) -> tuple[str, ...]:
+    """`backends` as the kernels to try (empty: every kernel the device has); refused in one line if unknown."""
+    if value in ("auto", "train"):
+        return ()
+    problem = config_problem(list(value) if isinstance(value, ListConfig) else value)
+    if problem:
+        raise UserError(f"backends={value} {problem.replace('auto', 'auto, train')}")
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def kernel_choice(cfg: DictConfig, base: Phase) -> dict:
+    """In a fresh process (this one never touches CUDA): the SDPA kernel order `xsa-lm train` uses on this device
+    (sdpa_backends=auto), the kernel it runs for this model, and the kernels to time SA and XSA under: those of
+    `backends` that take the model's attention alone (`train`: the one train runs). `primary`: the kernel whose
+    ratios are the headline (train's, when it is timed)."""
+    found = run_fresh(replace(base, kind="kernels", sdpa=backend_names(cfg.backends)), "kernels", process_context())
+    timed = [found["used"]] if cfg.backends == "train" else [k for k in found["candidates"] if found["takes"][k]]
+    if not timed:
+        raise UserError(
+            f"backends={cfg.backends}: none of {', '.join(found['candidates'])} takes this model's attention in "
+            f"{base.precision} on {base.device}; add math (it takes every shape)"
+        )
+    return found | {"timed": timed, "primary": found["used"] if found["used"] in timed else timed[0]}
+
+
+def make_phases(cfg: DictConfig, base: Phase, xsa: GPTConfig, kernels: dict) -> dict[str, Phase]:
+    """`sa_<kernel>` and `xsa_<kernel>` (the plain loop under that kernel alone) for each timed kernel, and
+    `lightning` (always: the headline tokens/s and MFU) under the kernel order `xsa-lm train` uses."""
+    phases = {}
+    for kernel in kernels["timed"]:
+        plain_sa = "lightning_over_plain" in cfg.comparisons and kernel == kernels["primary"]
+        if "xsa_over_sa" in cfg.comparisons or plain_sa:
+            phases[f"sa_{kernel}"] = replace(base, sdpa=(kernel,))
+        if "xsa_over_sa" in cfg.comparisons:
+            phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
+    phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels["order"]))
+    return phases
+
+
+def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
+    """Round r's phases: each kernel's SA and XSA back to back (their ratio pairs neighbours), SA first in even
+    rounds and XSA first in odd ones; the kernels' order rotates and Lightning moves one place each round."""
+    shift = r % len(kernels)
+    groups = []
+    for kernel in kernels[shift:] + kernels[:shift]:
+        pair = [name for name in (f"sa_{kernel}", f"xsa_{kernel}") if name in phases]
+        if pair:
+            groups.append(pair if r % 2 == 0 else pair[::-1])
+    groups.insert(r % (len(groups) + 1), ["lightning"])
+    return [name for group in groups for name in group]
+
+
+def median_step(result: dict, clock: str) -> float:
+    """A phase's median step time (s) on one clock."""
+    return statistics.median(result[CLOCKS[clock]])
+
+
+def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[dict]:
+    """Rounds first .. first + count - 1: each runs every phase once, each in a fresh process (round_order)."""
+    context, results = process_context(), []
+    for r in range(first, first + count):
         t0, result = time.perf_counter(), {}
-        for name in orders[r % len(orders)]:
+        for name in round_order(list(phases), kernels, r):
             result[name] = run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context)
         results.append(result)
-        ms = ", ".join(f"{k} {1e3 * statistics.median(v['step_times']):.1f} ms" for k, v in result.items())
-        print(f"round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f} s): {ms}", flush=True)
+        ms = ", ".join(
+            f"{k} {1e3 * median_step(v, 'wall'):.1f} ms ({1e3 * median_step(v, 'cpu'):.1f} CPU)"
+            for k, v in result.items()
+        )
+        print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {ms}", flush=True)
     return results
+
+
+def per_round_ratios(rounds: list[dict], top: str, bottom: str, clock: str) -> list[float]:
+    """Per round, phase `top`'s median step time over phase `bottom`'s, both from that round."""
+    return [median_step(r[top], clock) / median_step(r[bottom], clock) for r in rounds]
+
+
+def deciding_ratios(rounds: list[dict], kernels: dict, clock: str, device_type: str) -> list[tuple[list[float], float]]:
+    """The per-round ratios the rounds are planned for, each with its target: XSA/SA under each timed kernel, or,
+    when only Lightning and the plain loop are compared, Lightning's step time over the plain loop's (the inverse of
+    the throughput ratio, and of its target)."""
+    pairs = [(f"xsa_{k}", f"sa_{k}") for k in kernels["timed"] if f"xsa_{k}" in rounds[0]]
+    target = TARGETS["xsa_over_sa_step_time"][device_type]
+    if not pairs and f"sa_{kernels['primary']}" in rounds[0]:
+        pairs, target = [("lightning", f"sa_{kernels['primary']}")], 1 / TARGETS["lightning_over_plain_throughput"]
+    return [(per_round_ratios(rounds, top, bottom, clock), target) for top, bottom in pairs]
+
+
+def plan_rounds(pilot: list[dict], *, kernels: dict, elapsed_s: float, cfg: DictConfig, device_type: str) -> dict:
+    """How many rounds in all: the most any deciding ratio needs at the pilot's spread and distance to its target
+    (stats.rounds_needed), within what fits in budget_s at the pilot's pace and max_rounds. Planned once, from the
+    pilot: re-planning after every round would stop when the interval happened to look decided, and such an
+    interval covers less than 95%."""
+    clock = PLANNING_CLOCK[device_type]
+    ratios = deciding_ratios(pilot, kernels, clock, device_type)
+    needed = max((rounds_needed(values, target) for values, target in ratios), default=len(pilot))
+    pace = elapsed_s / len(pilot)
+    affordable = len(pilot) + max(0, math.floor((cfg.budget_s - elapsed_s) / pace))
+    total = max(len(pilot), min(needed, affordable, cfg.max_rounds))
+    return {
+        "pilot": len(pilot),
+        "clock": clock,
+        "needed": None if math.isinf(needed) else int(needed),  # None: the pilot's centre is on the target
+        "affordable": affordable,
+        "budget_s": cfg.budget_s,
+        "max_rounds": cfg.max_rounds,
+        "round_s": pace,
+        "rounds": int(total),
+        "limited_by": "needed" if total >= needed else "budget_s" if affordable <= cfg.max_rounds else "max_rounds",
+    }
 
 
 def mfu_target(model: str, device: str) -> float | None:
@@ -124,33 +234,41 @@ def mfu_target(model: str, device: str) -> float | None:
     return spec["at_least"] if applies else None
 
 
-def summarize_rounds(rounds: list[dict[str, dict]], info: dict, *, model: str, device_type: str, tokens: int) -> dict:
-    """Per phase: median step time, tokens/s, peak memory; per comparison: the per-round ratios summarized."""
-    step = {name: [statistics.median(r[name]["step_times"]) for r in rounds] for name in rounds[0]}
+def summarize_rounds(
+    rounds: list[dict], info: dict, *, model: str, device_type: str, tokens: int, kernels: dict
+) -> dict:
+    """Per phase: median step time on both clocks, tokens/s, peak memory, the kernel it ran; per comparison and
+    clock: the per-round ratios summarized (`_<kernel>` after the name for a kernel other than the primary)."""
     out: dict = {}
-    for name, times in step.items():
-        out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
-        out[f"{name}_tokens_per_s"] = tokens / statistics.median(times)
+    for name in rounds[0]:
+        wall = statistics.median(median_step(r[name], "wall") for r in rounds)
+        out[f"{name}_step_ms"] = 1e3 * wall
+        out[f"{name}_cpu_ms"] = 1e3 * statistics.median(median_step(r[name], "cpu") for r in rounds)
+        out[f"{name}_tokens_per_s"] = tokens / wall
         memory = [r[name]["peak_memory_bytes"] for r in rounds]
         out[f"{name}_peak_memory_bytes"] = None if None in memory else statistics.median(memory)
-    ratios = {}
-    if "xsa" in step:
-        ratios["xsa_over_sa_step_time"] = summarize(
-            [x / s for x, s in zip(step["xsa"], step["sa"], strict=True)],
-            target=TARGETS["xsa_over_sa_step_time"][device_type],
-            at_most=True,
-        )
-    if "sa" in step:  # throughput ratio = plain step time / Lightning step time
-        ratios["lightning_over_plain_throughput"] = summarize(
-            [p / lt for p, lt in zip(step["sa"], step["lightning"], strict=True)],
-            target=TARGETS["lightning_over_plain_throughput"],
-            at_most=False,
-        )
+    out["phase_kernels"] = {name: rounds[0][name]["sdpa_used"] for name in rounds[0]}
+    primary, ratios = kernels["primary"], {}
+    step_target = TARGETS["xsa_over_sa_step_time"][device_type]
+    for kernel in [k for k in kernels["timed"] if f"xsa_{k}" in rounds[0]]:
+        suffix = "" if kernel == primary else f"_{kernel}"
+        for clock, key in (("wall", "xsa_over_sa_step_time"), ("cpu", "xsa_over_sa_cpu_time")):
+            values = per_round_ratios(rounds, f"xsa_{kernel}", f"sa_{kernel}", clock)
+            ratios[key + suffix] = summarize(values, target=step_target, at_most=True) | {"kernel": kernel}
+            ratios[key + suffix]["clock"] = clock
+    if f"sa_{primary}" in rounds[0]:  # throughput ratio = plain step time / Lightning step time
+        for clock, key in (("wall", "lightning_over_plain_throughput"), ("cpu", "lightning_over_plain_cpu_throughput")):
+            values = per_round_ratios(rounds, f"sa_{primary}", "lightning", clock)
+            target = TARGETS["lightning_over_plain_throughput"]
+            ratios[key] = summarize(values, target=target, at_most=False) | {"kernel": primary, "clock": clock}
     if info["peak_flops"] is not None:
-        mfu = [tokens / t * info["flops_per_token"] / info["peak_flops"] for t in step["lightning"]]
-        ratios["mfu"] = summarize(mfu, target=mfu_target(model, info["device"]), at_most=False)
-    if out.get("xsa_peak_memory_bytes") and out.get("sa_peak_memory_bytes"):
-        out["xsa_over_sa_peak_memory"] = out["xsa_peak_memory_bytes"] / out["sa_peak_memory_bytes"]
+        per_round = [median_step(r["lightning"], "wall") for r in rounds]
+        mfu = [tokens / t * info["flops_per_token"] / info["peak_flops"] for t in per_round]
+        target = mfu_target(model, info["device"])
+        ratios["mfu"] = summarize(mfu, target=target, at_most=False) | {"kernel": primary, "clock": "wall"}
+    xsa_memory, sa_memory = out.get(f"xsa_{primary}_peak_memory_bytes"), out.get(f"sa_{primary}_peak_memory_bytes")
+    if xsa_memory and sa_memory:
+        out["xsa_over_sa_peak_memory"] = xsa_memory / sa_memory
     return out | {"ratios": ratios}
 
 
@@ -158,9 +276,13 @@ FLOPS_KEYS = ("flops_per_token", "flops_per_token_flop_counter", "peak_flops", "
 
 
 def with_step_medians(round_results: dict[str, dict]) -> dict[str, dict]:
-    """One round's results, each phase's with its median step time in ms."""
+    """One round's results, each phase's with its median step time in ms on both clocks."""
     return {
-        name: {**result, "step_ms_median": 1e3 * statistics.median(result["step_times"])}
+        name: {
+            **result,
+            "step_ms_median": 1e3 * median_step(result, "wall"),
+            "cpu_ms_median": 1e3 * median_step(result, "cpu"),
+        }
         for name, result in round_results.items()
     }
 
@@ -168,29 +290,53 @@ def with_step_medians(round_results: dict[str, dict]) -> dict[str, dict]:
 def check_sizes(cfg: DictConfig) -> None:
     """The whole numbers of a bench, before any phase starts (a zero would fail inside a phase's process)."""
     lowest = {"micro_batch": 1, "context": 1, "steps": 1, "warmup": 0, "vocab_size": 1, "seed": 0, "threads": 1}
+    lowest |= {"pilot_rounds": 2, "max_rounds": 2}
     for key, low in lowest.items():
         value = cfg[key]
         if (key != "threads" or value is not None) and (type(value) is not int or value < low):
             raise UserError(f"{key}={value!r} must be an integer >= {low}" + (" (or null)" if key == "threads" else ""))
+    if isinstance(cfg.budget_s, bool) or not isinstance(cfg.budget_s, int | float) or not cfg.budget_s > 0:
+        raise UserError(f"budget_s={cfg.budget_s!r} must be a number of seconds > 0")
     if cfg.context > cfg.model.block_size:
         raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
 
 
+def check_rounds(rounds: object) -> None:
+    if rounds == "auto":
+        return
+    if type(rounds) is not int or rounds < 2:
+        raise UserError(f"rounds={rounds!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
+
+
 def bench(cfg: DictConfig) -> dict:
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
-    if n["rounds"] < 2:
-        raise UserError(f"rounds={n['rounds']}: at least 2 are needed for an interval")
+    check_rounds(n["rounds"])
     check_sizes(cfg)
     device = resolve_device(cfg.device)
     precision = resolve_bench_precision(cfg.precision, device)
-    phases = make_phases(cfg, n, device, precision)
+    base, xsa = base_phase(cfg, n, device, precision)
     tokens = cfg.micro_batch * cfg.context
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    rounds = run_rounds(phases, n["rounds"])
+    kernels = kernel_choice(cfg, base)
+    print(kernel_line(kernels), flush=True)
+    phases = make_phases(cfg, base, xsa, kernels)
+    auto = n["rounds"] == "auto"
+    first = cfg.pilot_rounds if auto else n["rounds"]
+    t_rounds = time.perf_counter()
+    rounds = run_rounds(phases, kernels["timed"], first=0, count=first, of=" (pilot)" if auto else f"/{first}")
+    plan = None
+    if auto:
+        elapsed = time.perf_counter() - t_rounds
+        plan = plan_rounds(rounds, kernels=kernels, elapsed_s=elapsed, cfg=cfg, device_type=device.type)
+        print(plan_line(plan), flush=True)
+        extra = plan["rounds"] - len(rounds)
+        rounds += run_rounds(phases, kernels["timed"], first=len(rounds), count=extra, of=f"/{plan['rounds']}")
     info = run_fresh(replace(phases["lightning"], kind="device"), label="device", context=process_context())
-    summary = summarize_rounds(rounds, info, model=cfg.model.name, device_type=device.type, tokens=tokens)
+    summary = summarize_rounds(
+        rounds, info, model=cfg.model.name, device_type=device.type, tokens=tokens, kernels=kernels
+    )
     ratios = summary.pop("ratios")
-    lightning = statistics.median(statistics.median(r["lightning"]["step_times"]) for r in rounds)
+    lightning = statistics.median(median_step(r["lightning"], "wall") for r in rounds)
     memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
     return {
         "device": info["device"],
@@ -205,8 +351,13 @@ def bench(cfg: DictConfig) -> dict:
         "host_memory_reuse": info["host_memory_reuse"],
         "threads": info["threads"],
         **n,
+        "rounds": len(rounds),
+        "rounds_setting": n["rounds"],
+        "rounds_plan": plan,
+        "sdpa": {key: kernels[key] for key in ("order", "used", "candidates", "takes", "timed", "primary")},
         "phases": list(phases),
         "fresh_process_per_phase": True,
+        "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
         # The headline: the trainer `xsa-lm train` runs (Lightning, SA).
         "tokens_per_s": tokens / lightning,
         "step_time_ms": 1e3 * lightning,
@@ -223,17 +374,42 @@ def bench(cfg: DictConfig) -> dict:
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
         "model_config": asdict(phases["lightning"].model),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "run_info": run_info(),
+        "run_info": run_info(attention={"order": kernels["order"], "used": kernels["used"]}),
     }
 
 
-LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
+def kernel_line(kernels: dict) -> str:
+    not_taken = [k for k in kernels["candidates"] if not kernels["takes"][k]]
+    skipped = f" (not taking this model's attention: {', '.join(not_taken)})" if not_taken else ""
+    return (
+        f"SDPA kernels: xsa-lm train's order here (sdpa_backends=auto) {', '.join(kernels['order'])} runs "
+        f"{kernels['used']} for this model; timing SA and XSA under {', '.join(kernels['timed'])}{skipped}"
+    )
+
+
+def plan_line(plan: dict) -> str:
+    needed = "no finite number (the pilot's centre is on the target)" if plan["needed"] is None else plan["needed"]
+    return (
+        f"rounds: the pilot's spread ({plan['clock']} clock) needs {needed} rounds for the 95% interval to decide the "
+        f"target; {plan['affordable']} fit in budget_s={plan['budget_s']:g} ({plan['round_s']:.0f} s a round), "
+        f"max_rounds={plan['max_rounds']}: running {plan['rounds']}"
+    )
+
+
+PHASE_LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
 RATIO_LABELS = {
     "xsa_over_sa_step_time": "XSA/SA step time",
+    "xsa_over_sa_cpu_time": "XSA/SA step time",
     "lightning_over_plain_throughput": "Lightning/plain tokens/s",
+    "lightning_over_plain_cpu_throughput": "Lightning/plain tokens/s",
     "mfu": "MFU (Lightning, SA)",
 }
+CLOCK_LABELS = {"wall": "wall", "cpu": "CPU time"}
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
+
+
+def ratio_label(key: str) -> str:
+    return next(label for prefix, label in RATIO_LABELS.items() if key == prefix or key.startswith(f"{prefix}_"))
 
 
 def phase_table(r: dict) -> Table:
@@ -242,34 +418,37 @@ def phase_table(r: dict) -> Table:
         title=f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
         f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
     )
-    for col in ("phase", "step ms (median)", "tokens/s", "peak memory"):
-        table.add_column(col, justify="left" if col == "phase" else "right")
+    for col in ("phase", "SDPA kernel", "step ms (wall)", "step ms (CPU time)", "tokens/s", "peak memory"):
+        table.add_column(col, justify="left" if col in ("phase", "SDPA kernel") else "right")
     for name in r["phases"]:
         memory = r[f"{name}_peak_memory_bytes"]
         memory_cell = "" if memory is None else f"{memory / 2**20:,.1f} MiB"
-        table.add_row(LABELS[name], f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}", memory_cell)
+        label = PHASE_LABELS[name.split("_")[0]]
+        cells = [f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_cpu_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}"]
+        table.add_row(label, r["phase_kernels"][name], *cells, memory_cell)
     return table
 
 
 def ratio_table(r: dict) -> Table:
     table = Table(title=f"per-round ratios: median, geometric mean, spread, {100 * 0.95:.0f}% t-interval")
-    for col in ("ratio", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict"):
-        table.add_column(col, justify="left" if col == "ratio" else "right")
+    columns = ("ratio", "kernel", "clock", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("ratio", "kernel", "clock") else "right")
     for key, s in r["ratios"].items():
-        fmt = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
+        fmt: Callable[[float], str] = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
         bounds = "n/a" if s["interval"] is None else f"{fmt(s['interval'][0])} - {fmt(s['interval'][1])}"
         target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {fmt(s['target'])}"
         colour = COLOURS.get(s["verdict"], "yellow")
         spread = f"{fmt(s['min'])} - {fmt(s['max'])}"
-        cells = [RATIO_LABELS[key], fmt(s["median"]), fmt(s["mean"]), fmt(s["sd"]), spread, bounds, target]
-        table.add_row(*cells, f"[{colour}]{s['verdict']}[/]")
+        cells = [ratio_label(key), s["kernel"], CLOCK_LABELS[s["clock"]], fmt(s["median"]), fmt(s["mean"])]
+        table.add_row(*cells, fmt(s["sd"]), spread, bounds, target, f"[{colour}]{s['verdict']}[/]")
     if r.get("xsa_over_sa_peak_memory"):
-        table.add_row("XSA/SA peak memory", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6)
+        table.add_row("XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6)
     return table
 
 
 def print_tables(r: dict) -> None:
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 140))
     console.print(phase_table(r))
     console.print(ratio_table(r))
     peak = "unknown" if r["peak_flops"] is None else f"{r['peak_flops'] / 1e12:.3f} TFLOP/s"
@@ -277,6 +456,9 @@ def print_tables(r: dict) -> None:
         f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
         f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})"
     )
+    print(kernel_line(r["sdpa"]))
+    if r["rounds_plan"]:
+        print(plan_line(r["rounds_plan"]))
     load = r["load_avg_1min"]
     smoke = " (smoke: a few steps, numbers not meaningful)" if r["smoke"] else ""
     print(f"runtime {r['runtime_s']:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}{smoke}")

@@ -3,7 +3,8 @@
 Each round gives one ratio of two fresh processes run back to back (XSA over SA step time, say). Timing noise is
 multiplicative, so the interval is a t-interval of the mean log-ratio, turned back into a ratio (a geometric mean).
 A target is met only when the whole interval is on its side, missed when the whole interval is on the other, and
-"not resolved" when the interval straddles it: more rounds (or a quieter machine) would decide.
+"not resolved" when the interval straddles it: more rounds (or a quieter machine) would decide. rounds_needed says
+how many: from a pilot's spread and its distance to the target.
 """
 
 import math
@@ -13,6 +14,7 @@ from scipy import stats
 
 CONFIDENCE = 0.95
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
+LARGE = 1e6  # rounds
 
 
 def interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -52,3 +54,24 @@ def summarize(values: list[float], target: float | None, at_most: bool) -> dict:
         "verdict": verdict(bounds, target, at_most),
         "rounds": list(values),
     }
+
+
+def rounds_needed(values: list[float], target: float, confidence: float = CONFIDENCE) -> float:
+    """The fewest rounds whose interval, at these values' spread and centre, would lie wholly on one side of the
+    target: t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target|. Infinite for a centre on the target; at least
+    len(values) (with fewer than 2 values, or no spread, those already decide)."""
+    if len(values) < 2:
+        return float(len(values))
+    logs = [math.log(v) for v in values]
+    margin, sd = abs(statistics.fmean(logs) - math.log(target)), statistics.stdev(logs)
+    if sd == 0:
+        return float(len(values))
+    if margin == 0:
+        return math.inf
+    normal = (stats.norm.ppf((1 + confidence) / 2) * sd / margin) ** 2  # t's n is a little larger
+    if normal > LARGE:
+        return float(math.ceil(normal))  # far beyond any budget; t and the normal agree there
+    n = max(2, len(values), math.floor(normal))
+    while stats.t.ppf((1 + confidence) / 2, df=n - 1) * sd / math.sqrt(n) >= margin:
+        n += 1
+    return float(n)
