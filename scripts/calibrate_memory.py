@@ -3,8 +3,12 @@
 (a) Bytes a paper_0.7b block saves for the backward per token (SA and XSA, eager and compiled): every tensor that
     autograd keeps (saved_tensors_hooks, each storage once, weights and buffers excluded), at two sequence lengths:
     the difference is the per-token part, the rest autocast's bf16 copies of the block's weights.
-(b) A whole training step of a small model: its peak from the CPU allocator's running total (torch.profiler's memory
-    events) above the weights, gradients and AdamW state, and its head alone (the cross-entropy's N x V buffers).
+(b) A whole training step of a small model: its peak from the CPU allocator (memory.allocator_peak: torch.profiler's
+    memory events) above the weights, gradients and AdamW state, and its head alone (the cross-entropy's N x V buffers).
+(c) One paper_0.7b XSA output projection's forward and backward (eager fp32, eager under bf16 autocast, compiled):
+    the allocator's peak above its inputs against XSA's saved coefficients and backward temporaries plus what SA's
+    projection makes too (its output and W_o's gradient). tests/test_memory_peak.py holds model=tiny's whole step
+    and a small XSA layer to the allocator in make test.
 
 Writes <out>.json and <out>.md: each term measured, estimated, and estimated / measured.
 
@@ -14,14 +18,13 @@ Writes <out>.json and <out>.md: each term measured, estimated, and estimated / m
 
 import argparse
 import json
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
 
 PAPER_07B_BLOCK = {"n_layer": 1, "d_model": 1536, "n_head": 6, "head_dim": 256, "mlp_ratio": 4}
@@ -91,23 +94,6 @@ def block_saved(attention: str, compiled: bool, lengths: tuple[int, int] = (128,
     }
 
 
-def allocator_peak(run: Callable[[], None]) -> int:
-    """The CPU allocator's highest running total during `run`, above what was allocated before it: torch.profiler
-    records each allocation and free with the running total of the allocations it has seen."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:  # the running totals are in the trace's memory events
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    events.sort(key=lambda e: e["ts"])
-    if not events:
-        return 0
-    first = events[0]["args"]
-    before = first["Total Allocated"] - first["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - before
-
-
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -131,7 +117,7 @@ def training_step(attention: str, compiled: bool) -> dict:
     static = tensor_bytes(model.parameters()) + tensor_bytes(p.grad for p in model.parameters())
     static += tensor_bytes(t for state in optimizer.state.values() for t in state.values() if t.dim())
     static += tensor_bytes(model.buffers())
-    peak = static + allocator_peak(step)
+    peak = static + memory.allocator_peak(step)
 
     def forward() -> torch.Tensor:
         with autocast():
@@ -147,7 +133,7 @@ def training_step(attention: str, compiled: bool) -> dict:
         loss.backward()
 
     head()
-    head_peak = allocator_peak(head)
+    head_peak = memory.allocator_peak(head)
     e = memory.estimate(
         SMALL, SMALL_VOCAB, SMALL_BATCH, SMALL_CONTEXT, "bf16-mixed", attention=attention, compiled=compiled
     )
@@ -163,6 +149,35 @@ def training_step(attention: str, compiled: bool) -> dict:
     }
 
 
+def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> dict:
+    """(c): one paper_0.7b XSA output projection (6 heads of 256, batch 1), forward and backward."""
+    heads, head_dim, width = PAPER_07B_BLOCK["n_head"], PAPER_07B_BLOCK["head_dim"], PAPER_07B_BLOCK["d_model"]
+    torch.manual_seed(0)
+    y, v = (torch.randn(1, tokens, heads, 1, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    weight = torch.randn(width, heads * head_dim, requires_grad=True)
+    grad_out = torch.randn(1, tokens, width, dtype=dtype)
+
+    def project(y: torch.Tensor, v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+
+    projection = torch.compile(project, fullgraph=True, dynamic=False) if compiled else project
+
+    def forward_and_backward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = projection(y, v, weight)
+        out.backward(grad_out)
+        y.grad = v.grad = weight.grad = None
+
+    forward_and_backward()  # compiles, and first-call allocations outside the measurement
+    compute = dtype.itemsize
+    terms = memory.block_saved_per_token(
+        PAPER_07B_BLOCK, compute=compute, residual=4, exclusive=True, compiled=compiled
+    )
+    per_token = terms["xsa"] + memory.xsa_transient_per_token(PAPER_07B_BLOCK, compute=compute, compiled=compiled)
+    sa_too = tokens * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
+    return {"measured": memory.allocator_peak(forward_and_backward), "estimated": tokens * per_token + sa_too}
+
+
 def rows(results: dict) -> list[tuple[str, float, float]]:
     out = []
     for (attention, mode), r in results["block"].items():
@@ -173,6 +188,9 @@ def rows(results: dict) -> list[tuple[str, float, float]]:
         out.append((f"small model, saved for backward + weight copies ({small})", *pick(r["saved_with_weight_copies"])))
         out.append((f"small model, head + cross-entropy peak ({small})", *pick(r["head_peak"])))
         out.append((f"small model, training step peak ({small})", *pick(r["step_peak"])))
+    for (dtype, mode), r in results["xsa"].items():
+        name = f"paper_0.7b XSA output projection, forward + backward peak ({dtype}, {mode}, T512)"
+        out.append((name, *pick(r)))
     return out
 
 
@@ -203,9 +221,15 @@ def main() -> None:
     args = parser.parse_args()
     modes = ["eager"] if args.no_compile else ["eager", "compiled"]
     cases = [(attention, mode) for mode in modes for attention in ("sa", "xsa")]
+    dtypes = {"fp32": torch.float32, "bf16 autocast": torch.bfloat16}
     results = {
         "block": {case: block_saved(case[0], compiled=case[1] == "compiled") for case in cases},
         "step": {case: training_step(case[0], compiled=case[1] == "compiled") for case in cases},
+        "xsa": {
+            (name, mode): xsa_temporaries(dtype, compiled=mode == "compiled")
+            for mode in modes
+            for name, dtype in dtypes.items()
+        },
     }
     table = rows(results)
     out = Path(args.out)

@@ -198,3 +198,13 @@ def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str):
     assert f"the backward peak is {peak}\n" in table(plan)
     assert sa["xsa_temporaries_bytes"]["eager"] == sa["xsa_saved_bytes"] == 0
     assert "XSA's memory: none (attention sa)" in table(sa)
+
+
+def test_plan_prints_the_sdpa_kernel_order():
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        cpu = make_plan(compose(config_name="plan", overrides=["model=tiny", "trainer=cpu", "device_memory_gb=1"]))
+        gpu = make_plan(compose(config_name="plan", overrides=["model=tiny", "trainer=gpu", "device_memory_gb=1"]))
+    assert cpu["sdpa_backends"] == {"setting": "auto", "device": "cpu", "order": ["flash", "math"]}
+    assert "SDPA kernels on cpu (sdpa_backends=auto), the first that fits runs: flash, math\n" in table(cpu)
+    if not torch.cuda.is_available():  # planned here, resolved on the GPU
+        assert gpu["sdpa_backends"]["order"] is None and "chosen on the run's GPU (none here)" in table(gpu)

@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import cast
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import VOCAB_MULTIPLE, model_config, resolve_precision, strategy_kind, world_size
 from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json
+from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
-from xsa_lm.train.devices import compile_enabled
+from xsa_lm.train.devices import compile_enabled, uses_cuda
 
 
 def memory_shape(cfg: DictConfig) -> dict:
@@ -91,10 +93,23 @@ def make_plan(cfg: DictConfig) -> dict:
         "per_device_bytes": strategies[chosen]["per_device_bytes"],
         "max_micro_batch_size": strategies[chosen]["max_micro_batch_size"],
         "strategies": strategies,
+        "sdpa_backends": attention_kernels(cfg.sdpa_backends, accelerator=cfg.trainer.accelerator),
         "xsa_saved_bytes": xsa_saved_bytes(shape, micro_batch_size=cfg.micro_batch_size),
         "xsa_temporaries_bytes": {mode: t["xsa"] for mode, t in transients.items()},
         "cross_entropy_transient_bytes": {mode: t["cross_entropy"] for mode, t in transients.items()},
     }
+
+
+def attention_kernels(value, *, accelerator: str) -> dict:
+    """The SDPA kernels the run may use on its device, most preferred first (sdpa_backends, as `xsa-lm train`
+    resolves it), or none where the run's GPU is not on this machine: it is resolved on the GPU."""
+    value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    if uses_cuda(accelerator):
+        device = torch.device("cuda", torch.cuda.current_device())
+        return {"setting": value, "device": torch.cuda.get_device_name(device), "order": resolve(value, device)}
+    if accelerator in ("gpu", "cuda"):
+        return {"setting": value, "device": "cuda", "order": None}
+    return {"setting": value, "device": "cpu", "order": resolve(value, torch.device("cpu"))}
 
 
 def backward_transients(shape: dict, *, micro_batch_size: int, compiled: bool) -> dict[str, int]:
@@ -191,12 +206,21 @@ def table(plan: dict) -> str:
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    lines += ["", xsa_line(plan), batch_line(plan)]
+    lines += ["", sdpa_line(plan["sdpa_backends"]), xsa_line(plan), batch_line(plan)]
     return "\n".join(lines)
 
 
 def size(n: int) -> str:
     return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"
+
+
+def sdpa_line(kernels: dict) -> str:
+    setting = kernels["setting"] if isinstance(kernels["setting"], str) else ",".join(kernels["setting"])
+    if kernels["order"] is not None:
+        order = ", ".join(kernels["order"])
+        return f"SDPA kernels on {kernels['device']} (sdpa_backends={setting}), the first that fits runs: {order}"
+    listed = "cudnn (sm80 and newer), flash, efficient, math" if setting == "auto" else "this order, less any it lacks"
+    return f"SDPA kernels (sdpa_backends={setting}): chosen on the run's GPU (none here): {listed}"
 
 
 def xsa_line(plan: dict) -> str:
