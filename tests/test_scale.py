@@ -27,9 +27,9 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     multiplier,
 )
-from xsa_lm.scale.paired import holm, pooled_sign_test, size_tests
 from xsa_lm.scale.report import render_markdown, write_report
-from xsa_lm.scale.run import SizeRunner, analyse, reanalyse
+from xsa_lm.scale.run import SizeRunner, analyse, reanalyse, size_tests
+from xsa_lm.stats.paired import holm
 
 E, A, ALPHA = 2.0, 50.0, 0.15  # a synthetic SA curve L(C) = E + A C^-alpha
 COMPUTE = np.array([1e12, 4e12, 1.6e13, 6.4e13, 2.56e14])
@@ -265,20 +265,24 @@ def test_the_toy_study_reanalysed_prints_no_multiplier(tmp_path: Path):
     assert "| tiny_d64 |" in report and (tmp_path / "multiplier.png").exists()
 
 
-def test_the_paired_tests_match_scipys_exact_values():
+def test_each_size_gets_the_paired_tests_holm_across_sizes_and_one_pooled_sign_test():
     sa = [5.21, 4.81, 5.11, 4.95, 5.02]
     xsa = [4.73, 4.80, 4.68, 4.99, 4.70]
-    diff = np.subtract(xsa, sa)
-    tests = size_tests(sa, xsa)
-    assert tests["wilcoxon_p"] == pytest.approx(scipy.stats.wilcoxon(diff, method="exact").pvalue)
+    sizes = [
+        {"compute": 1.0, "sa_runs": sa, "xsa_runs": xsa},
+        {"compute": 2.0, "sa_runs": [1.0, 1.0], "xsa_runs": [0.9, 1.0]},
+        {"sa_runs": [1.0], "xsa_runs": [0.5], "error": "no summary"},  # left out of the fit: no test either
+    ]
+    across = size_tests(sizes)
+    tests = sizes[0]["tests"]
+    assert tests["wilcoxon_p"] == pytest.approx(scipy.stats.wilcoxon(np.subtract(xsa, sa), method="exact").pvalue)
     assert tests["sign_p"] == pytest.approx(scipy.stats.binomtest(4, 5, 0.5).pvalue)
     assert tests["t_p"] == pytest.approx(scipy.stats.ttest_rel(xsa, sa).pvalue)
-    assert tests["xsa_lower"] == 4
-    # Holm by hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1, then a running maximum.
-    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
-    assert holm([0.5, None, 0.6]) == [pytest.approx(1.0), None, pytest.approx(1.0)]
-    pooled = pooled_sign_test([(sa, xsa), ([1.0, 1.0], [0.9, 1.0])])
-    assert (pooled["pairs"], pooled["xsa_lower"]) == (7, 5)
+    assert tests["xsa_lower"] == 4 and "tests" not in sizes[2]
+    p_values = [s["tests"]["t_p"] for s in sizes[:2]]
+    assert [s["tests"]["t_p_holm"] for s in sizes[:2]] == holm(p_values)
+    pooled = across["pooled_sign"]
+    assert (pooled["pairs"], pooled["xsa_lower"]) == (7, 5)  # the tie of the second size counts in no sign test
     assert pooled["p"] == pytest.approx(scipy.stats.binomtest(5, 6).pvalue)
 
 

@@ -1,6 +1,6 @@
-"""Stalls of the LR search as a measured rate (xsa_lm/sweep/stalls.py): the rule, the exact intervals, the stratified
-test, the attention diagnostics read back from metrics.csv, and the report's table. Pure functions on synthetic
-records; the whole path through `xsa-lm sweep` is in test_sweep.py."""
+"""Stalls of the LR search as a measured rate (xsa_lm/sweep/stalls.py, its tests in xsa_lm/stats/rates.py): the
+rule, the exact intervals, the stratified test, the attention diagnostics read back from metrics.csv, and the
+report's table. Pure functions on synthetic records; the whole path through `xsa-lm sweep` is in test_sweep.py."""
 
 import csv
 import math
@@ -11,13 +11,12 @@ import pytest
 import scipy.stats
 
 from xsa_lm.errors import UserError
+from xsa_lm.stats.rates import exact_interval, mantel_haenszel
 from xsa_lm.sweep.stalls import (
     StallRule,
     classify,
     diagnostics_at,
-    exact_interval,
     loss_at_fraction,
-    mantel_haenszel,
     stall_lines,
     stall_study,
     tokens_to_reach,

@@ -10,12 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+import scipy.stats
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from tests.helpers import FAST, assert_refused, cli_env, compose_train, refused_in_process, run_cli, write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
+from xsa_lm.stats.paired import paired_t
 from xsa_lm.sweep.protocol import (
     SequentialRule,
     Trial,
@@ -24,16 +26,11 @@ from xsa_lm.sweep.protocol import (
     compare_trials,
     lr_grid,
     lr_score,
-    min_detectable_difference,
-    paired_ci,
-    paired_test,
     search_trials,
     seed_sequence,
     select_lr,
-    t_quantile,
-    t_quantile_975,
 )
-from xsa_lm.sweep.report import build_results, rank_tests, render_markdown
+from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.run import check_sweep, comparison_plan, keep_plan, train_overrides
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
 from xsa_lm.sweep.stalls import StallRule
@@ -67,13 +64,13 @@ def _one_seed(results: dict[float, tuple[str | None, float | None]]) -> dict:
 
 def test_selection_takes_the_lowest_loss_and_no_warning_inside_the_grid() -> None:
     results = {1e-4: ("completed", 3.2), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.1)}
-    selection = select_lr(_one_seed(results), diverge_above=10.0)
+    selection = select_lr(_one_seed(results))
     assert selection.lr == 3e-4 and selection.warnings == []
 
 
 def test_selection_tie_goes_to_the_smaller_lr() -> None:
     results = {1e-4: ("completed", 3.5), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.0), 3e-3: ("completed", 3.4)}
-    assert select_lr(_one_seed(results), diverge_above=10.0).lr == 3e-4
+    assert select_lr(_one_seed(results)).lr == 3e-4
     # The same with medians over three seeds: 3e-4 and 1e-3 both have the median 3.0.
     seeds = {
         1e-4: [("completed", 3.5), ("completed", 3.6), ("completed", 3.4)],
@@ -81,22 +78,22 @@ def test_selection_tie_goes_to_the_smaller_lr() -> None:
         1e-3: [("completed", 3.0), ("completed", 2.8), ("completed", 3.1)],
         3e-3: [("completed", 3.4), ("completed", 3.5), ("completed", 3.3)],
     }
-    selection = select_lr(seeds, diverge_above=10.0)
+    selection = select_lr(seeds)
     assert selection.losses[3e-4] == selection.losses[1e-3] == 3.0 and selection.lr == 3e-4
 
 
 def test_diverged_runs_are_never_selected() -> None:
-    # A diverged run's loss (or a loss above the bound) never wins, however low it looks.
-    results = {1e-4: ("completed", 3.3), 3e-4: ("completed", 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("completed", 12.0)}
-    selection = select_lr(_one_seed(results), diverge_above=10.0)
+    # A diverged run's loss (or a loss above the bound, which trials.outcome records as diverged) never wins.
+    results = {1e-4: ("completed", 3.3), 3e-4: ("completed", 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)}
+    selection = select_lr(_one_seed(results))
     assert selection.lr == 3e-4
     assert selection.losses[1e-3] is None and selection.losses[3e-3] is None
     nan = {1e-4: ("completed", 3.3), 3e-4: ("completed", math.nan), 1e-3: ("completed", 3.4)}
-    assert select_lr(_one_seed(nan), diverge_above=10.0).lr == 1e-4
+    assert select_lr(_one_seed(nan)).lr == 1e-4
 
 
 def test_all_diverged_selects_nothing_and_says_so() -> None:
-    selection = select_lr(_one_seed({1e-3: ("diverged", None), 1e-2: ("completed", math.inf)}), diverge_above=10.0)
+    selection = select_lr(_one_seed({1e-3: ("diverged", None), 1e-2: ("completed", math.inf)}))
     assert selection.lr is None
     assert any("no LR is usable" in w for w in selection.warnings)
 
@@ -104,20 +101,20 @@ def test_all_diverged_selects_nothing_and_says_so() -> None:
 @pytest.mark.parametrize(("best", "side"), [(1e-4, "lowest"), (1e-3, "highest")])
 def test_best_lr_on_the_edge_of_the_grid_warns(best: float, side: str) -> None:
     results = {lr: ("completed", 3.0 if lr == best else 3.5) for lr in (1e-4, 3e-4, 1e-3)}
-    selection = select_lr(_one_seed(results), diverge_above=10.0)
+    selection = select_lr(_one_seed(results))
     assert selection.lr == best
     assert len(selection.warnings) == 1 and side in selection.warnings[0] and "extend the grid" in selection.warnings[0]
 
 
 def test_a_grid_of_one_lr_warns_that_nothing_was_searched() -> None:
-    selection = select_lr({3e-4: [("completed", 3.0)]}, diverge_above=10.0)
+    selection = select_lr({3e-4: [("completed", 3.0)]})
     assert selection.lr == 3e-4
     assert len(selection.warnings) == 1 and "holds one LR (0.0003)" in selection.warnings[0]
 
 
 def test_failed_search_runs_are_named_for_a_retry() -> None:
     results = {1e-4: ("completed", 3.3), 3e-4: ("failed", None), 1e-3: ("completed", 3.1), 3e-3: ("completed", 3.2)}
-    selection = select_lr(_one_seed(results), diverge_above=10.0)
+    selection = select_lr(_one_seed(results))
     assert selection.lr == 1e-3
     assert "0.0003" in selection.warnings[0] and "retry" in selection.warnings[0]
 
@@ -130,38 +127,36 @@ def test_the_median_over_search_seeds_outvotes_one_stalled_seed() -> None:
         1e-3: [("completed", 3.10), ("completed", 4.50), ("completed", 3.12)],
         3e-3: [("completed", 3.40), ("completed", 3.45), ("completed", 3.42)],
     }
-    selection = select_lr(seeds, diverge_above=10.0)
+    selection = select_lr(seeds)
     assert selection.lr == 1e-3 and selection.losses[1e-3] == 3.12 and selection.warnings == []
     assert selection.losses == {3e-4: 3.31, 1e-3: 3.12, 3e-3: 3.42}
     seed_1 = {lr: [runs[1]] for lr, runs in seeds.items()}  # the stalled seed as the only search seed
-    assert select_lr(seed_1, diverge_above=10.0).lr == 3e-4
-    assert lr_score([("completed", 3.0), ("completed", 3.2)], diverge_above=10.0) == pytest.approx(
-        3.1
-    )  # even: mean of two
+    assert select_lr(seed_1).lr == 3e-4
+    assert lr_score([("completed", 3.0), ("completed", 3.2)]) == pytest.approx(3.1)  # even: mean of two
 
 
 def test_a_majority_of_diverged_seeds_makes_an_lr_unusable_a_minority_does_not() -> None:
     minority = [("completed", 3.0), ("diverged", None), ("completed", 3.2)]  # the median: 3.2 (diverged = +inf)
-    majority = [("diverged", None), ("completed", 2.0), ("completed", 50.0)]  # 50 is above the bound: diverged too
-    assert lr_score(minority, diverge_above=10.0) == 3.2
-    assert lr_score(majority, diverge_above=10.0) is None
-    selection = select_lr({1e-3: majority, 3e-3: minority}, diverge_above=10.0)
+    majority = [("diverged", None), ("completed", 2.0), ("diverged", 50.0)]  # 50 is above the bound: diverged too
+    assert lr_score(minority) == 3.2
+    assert lr_score(majority) is None
+    selection = select_lr({1e-3: majority, 3e-3: minority})
     assert selection.lr == 3e-3 and selection.losses == {1e-3: None, 3e-3: 3.2}  # 1e-3's 2.0 never wins
     half = [("completed", 3.0), ("diverged", None)]  # two seeds, one diverged: the median is +inf, not usable
-    assert lr_score(half, diverge_above=10.0) is None
-    everywhere = select_lr({1e-3: majority, 3e-3: half}, diverge_above=10.0)
+    assert lr_score(half) is None
+    everywhere = select_lr({1e-3: majority, 3e-3: half})
     assert everywhere.lr is None and any("half the search runs or more diverged" in w for w in everywhere.warnings)
 
 
 def test_failed_search_runs_are_left_out_of_the_median_with_a_warning() -> None:
     # A failed (or missing) run is no result: the median is over the runs that finished, and the warning names the LR.
     with_failure = [("completed", 3.0), ("failed", None), (None, None), ("completed", 3.4)]
-    assert lr_score(with_failure, diverge_above=10.0) == pytest.approx(3.2)
-    selection = select_lr({1e-3: with_failure, 3e-3: [("completed", 3.3)] * 3}, diverge_above=10.0)
+    assert lr_score(with_failure) == pytest.approx(3.2)
+    selection = select_lr({1e-3: with_failure, 3e-3: [("completed", 3.3)] * 3})
     assert selection.lr == 1e-3 and selection.losses[1e-3] == pytest.approx(3.2)
     assert len(selection.warnings) == 2  # the failed runs, and the best LR on the grid's edge
     assert "search runs at LR 0.001 did not finish" in selection.warnings[0] and "retry" in selection.warnings[0]
-    assert lr_score([("failed", None), (None, None)], diverge_above=10.0) is None  # nothing finished: not usable
+    assert lr_score([("failed", None), (None, None)]) is None  # nothing finished: not usable
 
 
 def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
@@ -258,7 +253,7 @@ def _results(tmp_path: Path, trials: list[dict], selection, *, grid: list[float]
 def test_report_says_the_compare_seeds_are_disjoint_from_the_search(tmp_path: Path) -> None:
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(1, 3.01, 2.98) + _compare(2, 3.05, 3.00)
-    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()}, diverge_above=10.0)
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2], search_seeds=[0])
     assert results["search_seeds"] == [0] and results["reuse_search_run"] is False and results["warnings"] == []
     assert results["stalls"] is None  # one search seed: no stall table
@@ -276,7 +271,7 @@ def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(0, 3.0, 3.02) + _compare(1, 3.05, 3.00)
     trials[-4]["reused"] = True  # the SA run at seed 0 is the search's winner
-    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()}, diverge_above=10.0)
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[0, 1], search_seeds=[0])
     assert results["reuse_search_run"] is True
     assert len(results["warnings"]) == 1 and "biased against XSA" in results["warnings"][0]
@@ -288,7 +283,7 @@ def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path
 def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Path) -> None:
     trials = _search({3e-4: 3.0}) + _compare(1, 3.0, 2.9) + _compare(2, 3.1, 3.05)
     trials += _compare(3, 3.2, "diverged") + _compare(4, "failed", 3.0) + _compare(5, "missing", "missing")
-    selection = select_lr({3e-4: [("completed", 3.0)]}, diverge_above=10.0)
+    selection = select_lr({3e-4: [("completed", 3.0)]})
     results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seeds=[0])
     compare = results["comparison"]
     assert compare["seeds"] == [1, 2] and compare["xsa_better_in"] == 2  # the dropped seeds count nowhere
@@ -337,7 +332,7 @@ def test_report_shows_each_lrs_median_every_seed_and_the_stall_table(tmp_path: P
     runs: dict[float, list] = {}
     for t in trials:
         runs.setdefault(t["lr"], []).append((t["status"], t["final_val_loss"]))
-    selection = select_lr(runs, diverge_above=10.0)
+    selection = select_lr(runs)
     options = {"search_seeds": [0, 1], "stall_rule": StallRule(at_fraction=0.4, margin=0.15)}
     results = _results(tmp_path, trials, selection, grid=[1e-3, 3e-3], seeds=[], **options)
     assert results["search"]["sa"]["0.001"] == {"lr": 1e-3, "median": pytest.approx(3.15), "runs": trials[:2]}
@@ -381,94 +376,12 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
         assert not set(search_seeds) & set(check_seeds(sweep.seeds, search_seeds, sweep.reuse_search_run))
 
 
-# --- statistics ----------------------------------------------------------------------------------------------
+# --- the statistics of the comparison (the tests themselves: test_stats.py) ------------------------------------
 
 
-# Two-sided 95% quantiles of Student's t for 1..30 dof as printed tables give them (3 decimals), then a Cornish-Fisher
-# expansion around the normal quantile: values independent of scipy, which its quantiles must reproduce.
-OLD_T_975 = [
-    float(t)
-    for t in """
-        12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262 2.228
-        2.201 2.179 2.160 2.145 2.131 2.120 2.110 2.101 2.093 2.086
-        2.080 2.074 2.069 2.064 2.060 2.056 2.052 2.048 2.045 2.042
-    """.split()
-]
-
-
-def _old_t_975(dof: int) -> float:
-    if dof <= len(OLD_T_975):
-        return OLD_T_975[dof - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
-
-
-def test_scipy_t_quantiles_equal_the_previous_t_table() -> None:
-    for dof in range(1, 31):  # the table has 3 decimals: scipy's value rounds to each entry (|diff| < 5e-4)
-        assert round(t_quantile_975(dof), 3) == OLD_T_975[dof - 1], dof
-    for dof in range(31, 301):  # the expansion beyond 30 dof: within 1e-4
-        assert t_quantile_975(dof) == pytest.approx(_old_t_975(dof), abs=1e-4), dof
-    assert t_quantile_975(31) == pytest.approx(2.03951, abs=1e-4)  # exact values from tables of Student's t
-    assert t_quantile_975(40) == pytest.approx(2.02108, abs=1e-4)
-    assert t_quantile_975(120) == pytest.approx(1.97993, abs=1e-4)
-
-
-def test_paired_t_test_by_hand() -> None:
-    diffs = [1.0, 2.0, 3.0]  # mean 2, sd 1, t = 2 / (1 / sqrt 3) = 3.4641 on 2 dof
-    lo, hi = paired_ci(diffs)
-    half = _old_t_975(2) / math.sqrt(3)  # from the printed table
-    assert (lo, hi) == pytest.approx((2 - half, 2 + half), abs=1e-3)
-    test = paired_test(diffs)
-    assert test.ci95 == (lo, hi) and test.t == pytest.approx(2 * math.sqrt(3)) and test.sd == pytest.approx(1.0)
-    # Student's t with 2 dof has the CDF 1/2 + t / (2 sqrt(2 + t^2)): two-sided p = 1 - t / sqrt(2 + t^2).
-    assert test.p_value == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(2 + 12), abs=1e-9)  # 0.07418
-    assert paired_ci([0.5]) is None and paired_test([0.5]).p_value is None and paired_test([0.5]).mde is None
-    flat = paired_test([0.1, 0.1])  # no spread: no p-value from a zero standard error
-    assert flat.ci95 == (0.1, 0.1) and flat.p_value is None
-
-
-def test_minimum_detectable_difference_by_hand() -> None:
-    # (t_{0.975, n-1} + t_{0.80, n-1}) * sd / sqrt(n), with the quantiles from printed tables of Student's t.
-    assert min_detectable_difference(0.04, 6) == pytest.approx((2.5706 + 0.9195) * 0.04 / math.sqrt(6), abs=1e-5)
-    assert min_detectable_difference(0.04, 6) == pytest.approx(0.0570, abs=1e-4)  # the rule of thumb "6 seeds, ~0.06"
-    assert min_detectable_difference(0.04, 2) == pytest.approx((12.7062 + 1.3764) * 0.04 / math.sqrt(2), abs=1e-5)
-    assert min_detectable_difference(0.04, 2) == pytest.approx(0.3983, abs=1e-4)  # "2 seeds, ~0.4"
-    assert min_detectable_difference(0.04, 1) is None and min_detectable_difference(None, 5) is None
-    assert paired_test([0.0, 0.1, -0.05, 0.02]).mde == pytest.approx(
-        min_detectable_difference(paired_test([0.0, 0.1, -0.05, 0.02]).sd, 4)
-    )
-    # The closed form against the exact power of the two-sided test (noncentral t): about 80% from 6 pairs on.
-    import scipy.stats
-
-    for n in (6, 10, 30):
-        mde, dof = min_detectable_difference(1.0, n), n - 1
-        crit, shift = t_quantile(0.975, dof), mde * math.sqrt(n)
-        power = scipy.stats.nct.sf(crit, dof, shift) + scipy.stats.nct.cdf(-crit, dof, shift)
-        assert power == pytest.approx(0.8, abs=0.006), (n, power)
-
-
-def test_rank_tests_are_scipys_exact_wilcoxon_and_sign_tests(tmp_path: Path) -> None:
-    import scipy.stats
-
-    for diffs in ([-0.1, -0.2, -0.3, -0.4, -0.5], [-0.05, 0.01, -0.2, -0.3, -0.12, -0.07], [0.3, -0.1, 0.2, -0.4]):
-        tests = rank_tests(diffs)
-        assert tests["wilcoxon_p_value"] == pytest.approx(scipy.stats.wilcoxon(diffs, method="exact").pvalue)
-        lower = sum(d < 0 for d in diffs)
-        assert tests["sign_test_p_value"] == pytest.approx(scipy.stats.binomtest(lower, len(diffs), 0.5).pvalue)
-    # By hand, n = 5: all lower: both two-sided p = 2 / 2^5. One higher, with the smallest rank: P(W+ <= 1) = 2/32,
-    # p = 4/32; the sign test's 4 of 5: p = 2 (1 + 5) / 32.
-    assert rank_tests([-0.1, -0.2, -0.3, -0.4, -0.5]) == pytest.approx(
-        {"wilcoxon_p_value": 0.0625, "sign_test_p_value": 0.0625}
-    )
-    assert rank_tests([0.05, -0.2, -0.3, -0.4, -0.5]) == pytest.approx(
-        {"wilcoxon_p_value": 0.125, "sign_test_p_value": 0.375}
-    )
-    assert rank_tests([0.0, -0.1, -0.2]) == pytest.approx({"wilcoxon_p_value": 0.5, "sign_test_p_value": 0.5})
-    for few in ([], [0.1], [0.0, -0.2], [0.0, 0.0]):  # below two non-zero differences: no test
-        assert rank_tests(few) == {"wilcoxon_p_value": None, "sign_test_p_value": None}
-    # In the comparison's statistics and the verdict line.
+def test_the_rank_tests_reach_the_comparison_and_the_verdict_line(tmp_path: Path) -> None:
     trials = _search({3e-4: 3.0}) + [r for seed in range(1, 6) for r in _compare(seed, 3.0 + seed / 10, 2.9)]
-    selection = select_lr({3e-4: [("completed", 3.0)]}, diverge_above=10.0)
+    selection = select_lr({3e-4: [("completed", 3.0)]})
     results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seeds=[0])
     assert results["comparison"]["wilcoxon_p_value"] == pytest.approx(0.0625)
     assert results["comparison"]["sign_test_p_value"] == pytest.approx(0.0625)
@@ -504,13 +417,13 @@ def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
     # Three pairs, mean -0.05, sd 0.01: the plain 95% CI excludes 0 (half-width 4.303 x 0.01 / sqrt 3 = 0.0248), the
     # corrected 99% one does not (t(0.995, 2) = 9.925 from printed tables: half-width 0.0573). Not a stop yet.
     diffs = [-0.05, -0.04, -0.06]
-    assert paired_ci(diffs)[1] < 0
+    assert paired_t(diffs).ci[1] < 0  # the plain 95% CI
     look = rule.look(3, diffs)
     assert look["ci"] == pytest.approx(
         (-0.05 - 9.9248 * 0.01 / math.sqrt(3), -0.05 + 9.9248 * 0.01 / math.sqrt(3)), abs=1e-5
     )
     assert not look["significant"] and rule.stopped(look) is None
-    assert look["p_value"] == pytest.approx(paired_test(diffs).p_value) and look["pairs"] == 3
+    assert look["p_value"] == pytest.approx(paired_t(diffs).p) and look["pairs"] == 3
     strong = rule.look(4, [-0.05, -0.051, -0.049, -0.05])
     assert strong["significant"] and rule.stopped(strong) == "significant" and strong["ci"][1] < 0
     at_cap = rule.look(6, [0.01, -0.02, 0.0, 0.03, -0.01])  # a diverged pair dropped: 5 pairs at 6 seeds
@@ -535,7 +448,7 @@ def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflat
         for n in range(rule.first_look, rule.cap + 1):
             x = diffs[:, :n]
             t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / math.sqrt(n))
-            rejected |= np.abs(t) > t_quantile(1 - alpha / 2, n - 1)
+            rejected |= np.abs(t) > scipy.stats.t.ppf(1 - alpha / 2, n - 1)
         return float(rejected.mean())
 
     assert false_positive_rate(rule.alpha) > 0.12  # nine plain looks: the 5% level does not hold
@@ -545,7 +458,7 @@ def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflat
 def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) -> None:
     search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
     trials = _search(search) + _compare(1, 3.0, 2.95) + _compare(2, 3.1, 3.04) + _compare(3, 3.05, 3.0)
-    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()}, diverge_above=10.0)
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     rule = SequentialRule.plan(n_seeds=2, cap=5)
     looks = [rule.look(2, [-0.05, -0.06]), rule.look(3, [-0.05, -0.06, -0.05])]
     sequential = rule.summary(looks, "significant")
@@ -716,7 +629,7 @@ def test_report_without_a_usable_lr_says_the_comparison_did_not_run(tmp_path: Pa
         {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "diverged", "final_val_loss": None}
         for lr in (1e-2, 1e-1)
     ]
-    selection = select_lr({1e-2: [("diverged", None)], 1e-1: [("diverged", None)]}, diverge_above=10.0)
+    selection = select_lr({1e-2: [("diverged", None)], 1e-1: [("diverged", None)]})
     results = _results(tmp_path, trials, selection, grid=[1e-2, 1e-1], seeds=[0])
     markdown = render_markdown(results)
     assert "no LR is usable" in markdown and "Not run: the search selected no LR" in markdown
@@ -763,7 +676,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     compare = results["comparison"]
     assert compare["seeds"] == [1, 2] and compare["diff_ci95"] is not None and compare["diff_p_value"] is not None
     assert compare["min_detectable_diff"] == pytest.approx(
-        (t_quantile(0.975, 1) + t_quantile(0.8, 1)) * compare["diff_std"] / math.sqrt(2)
+        (scipy.stats.t.ppf(0.975, 1) + scipy.stats.t.ppf(0.8, 1)) * compare["diff_std"] / math.sqrt(2)
     )
     assert compare["diff_mean"] == pytest.approx(sum(compare["xsa"]) / 2 - sum(compare["sa"]) / 2)
     assert any("lowest LR of the grid" in w for w in results["warnings"])

@@ -5,7 +5,7 @@
 2. fit SA's losses against training compute and both arms with a shared curve (fit.py): one multiplier k for the
    ladder with a parametric-bootstrap CI, reported only when no flag is up (lack of fit, extrapolation, a short
    compute span, a parameter at a bound, an arm not falling with compute, an LR at its grid's edge); per size and
-   across sizes, the paired tests (paired.py); a wall-clock k only from `xsa-lm bench` (scale.bench)
+   across sizes, the paired tests (xsa_lm.stats); a wall-clock k only from `xsa-lm bench` (scale.bench)
 3. results.json, report.md, loss_vs_compute.png, multiplier.png, and a report run in the study's W&B group
 """
 
@@ -40,8 +40,8 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     wallclock_multiplier,
 )
-from xsa_lm.scale.paired import holm, pooled_sign_test, size_tests
 from xsa_lm.scale.report import log_to_wandb, write_report
+from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
 from xsa_lm.sweep.run import (
     check_sweep,
@@ -363,13 +363,19 @@ def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int, bench: 
         fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
     for size in sizes:
         size.pop("usable")
-        if "compute" in size:
-            size["tests"] = size_tests(size["sa_runs"], size["xsa_runs"])
-    tested = [s for s in sizes if "tests" in s]
+    return {"fit": fit, "across_sizes": size_tests(sizes), "warnings": warnings}
+
+
+def size_tests(sizes: list[dict]) -> dict:
+    """XSA - SA at each size with a result (paired_stats under `tests`, its t p-value Holm-adjusted across the
+    sizes), and across sizes one sign test over every pair of every size."""
+    tested = [s for s in sizes if "compute" in s]
+    for size in tested:
+        size["tests"] = paired_stats(size["sa_runs"], size["xsa_runs"]).to_json()
     for size, p in zip(tested, holm([s["tests"]["t_p"] for s in tested]), strict=True):
         size["tests"]["t_p_holm"] = p
-    across = {"pooled_sign": pooled_sign_test([(s["sa_runs"], s["xsa_runs"]) for s in tested])}
-    return {"fit": fit, "across_sizes": across, "warnings": warnings}
+    diffs = [x - s for size in tested for s, x in zip(size["sa_runs"], size["xsa_runs"], strict=True)]
+    return {"pooled_sign": {"pairs": len(diffs), "xsa_lower": sum(d < 0 for d in diffs), "p": sign_test_p(diffs)}}
 
 
 RAW_SIZE_KEYS = (  # what size_result saves: the raw data reanalyse starts from

@@ -86,6 +86,34 @@ def multiplier_lines(results: dict) -> list[str]:
     return lines
 
 
+def _p(value: float | None) -> str:
+    return f"{value:.3g}" if value is not None else "-"
+
+
+def same_budget_lines(results: dict) -> list[str]:
+    """XSA - SA at each XSA budget SA also trained at, with the paired tests (results of earlier releases lack it)."""
+    cells = [c for c in results["cells"] if c.get("same_budget")]
+    if not cells:
+        return []
+    lines = [
+        "",
+        "## XSA vs SA at the same budget",
+        "",
+        "Paired over seeds: Student's paired t, the exact Wilcoxon signed-rank and exact sign tests (two-sided).",
+        "",
+        "| model | budget | seeds | XSA - SA | 95% CI (t) | t p | Wilcoxon p | sign p | XSA lower |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for cell in cells:
+        t = cell["same_budget"]
+        ci = f"[{t['t_ci95'][0]:+.4f}, {t['t_ci95'][1]:+.4f}]" if t["t_ci95"] else "-"
+        lines.append(
+            f"| {cell['model']} | {cell['fraction']:g} B | {t['pairs']} | {t['mean_diff']:+.4f} | {ci} | "
+            f"{_p(t['t_p'])} | {_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} |"
+        )
+    return lines
+
+
 def render_markdown(results: dict) -> str:
     lines = [
         "# SA vs XSA along the token axis: XSA's multiplier at fixed model size",
@@ -95,7 +123,7 @@ def render_markdown(results: dict) -> str:
     ]
     if results["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
-    lines += size_lines(results) + multiplier_lines(results)
+    lines += size_lines(results) + multiplier_lines(results) + same_budget_lines(results)
     lines += ["", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""]
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.errors import UserError
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, pool
 from xsa_lm.scale.token_report import write_report
+from xsa_lm.stats.paired import paired_stats
 from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
 from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
 from xsa_lm.sweep.trials import Launcher, TrialStore, check_trials, gpu_slots, last_error_line
@@ -209,7 +210,8 @@ def tokens_of(entry: dict, arm: str, fraction: float) -> float:
 
 
 def analyse_tokens(sizes: list[dict], sa_budgets: list[float], xsa_budgets: list[float], seed: int = 0) -> dict:
-    """k, Fieller interval and bootstrap check per (size, XSA budget); the pooled k with its heterogeneity."""
+    """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
+    at it too (paired_stats); the pooled k with its heterogeneity."""
     cells, estimates, warnings = [], [], []
     for entry in sizes:
         if "runs" not in entry:
@@ -236,6 +238,8 @@ def analyse_tokens(sizes: list[dict], sa_budgets: list[float], xsa_budgets: list
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
                 )
             row = {"model": entry["model"], "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
+            same = sa[sa_budgets.index(fraction)] if fraction in sa_budgets else None  # SA at XSA's budget
+            row["same_budget"] = paired_stats(same, xsa).to_json() if same is not None else None
             row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
             bench = entry.get("bench")
             if bench and cell.k is not None and bench.get("interval"):
@@ -347,7 +351,3 @@ def why(run: dict) -> str:
     error = (run.get("error") or "").strip().splitlines()
     said = f"{run['status']}: {error[0][:200]}" if error else run["status"]
     return f"{said}; log {run['log']}" if run.get("log") else said
-
-
-def model_names(cfg: DictConfig) -> list[str]:
-    return [str(m) for m in cast(list, OmegaConf.to_container(cfg.scale.models))]

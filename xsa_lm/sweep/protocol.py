@@ -1,5 +1,6 @@
 """The paper's protocol as pure functions: the LR grid, the trials of each phase, the LR selection, and the
-statistics of the comparison. No processes, files or plots here (see trials.py and report.py)."""
+sequential stopping rule. No processes, files or plots here (see trials.py and report.py); the tests of the
+comparison are xsa_lm.stats."""
 
 import itertools
 import math
@@ -7,13 +8,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import scipy.stats
-
 from xsa_lm.config.checks import SEED_MAX
 from xsa_lm.errors import UserError
+from xsa_lm.stats.paired import ALPHA, paired_t
 from xsa_lm.sweep.settings import seed_list
-
-ALPHA, POWER = 0.05, 0.8  # the comparison's significance level (two-sided) and the power of its detectable difference
 
 
 @dataclass(frozen=True)
@@ -113,31 +111,26 @@ def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
     return [Trial(attention, lr, seed) for seed in seeds for attention in ("sa", "xsa")]
 
 
-def usable_loss(status: str | None, loss: float | None, diverge_above: float) -> float | None:
-    """The final val loss of a run that can be compared, else None. A run counts as diverged when training
-    stopped on a NaN/inf loss, or its final loss is not finite or above the bound."""
-    if status != "completed" or loss is None or not math.isfinite(loss) or loss > diverge_above:
-        return None
-    return loss
-
-
-def lr_score(runs: Sequence[tuple[str | None, float | None]], diverge_above: float) -> float | None:
+def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
     """The median final val loss of one LR's search runs (status, loss), a diverged run counting as worse than any
     loss: one stalled or diverged seed cannot decide the selection, and diverged seeds make the LR unusable when they
-    are half of its finished runs or more (the median is then +inf). Failed and missing runs are left out. None:
-    nothing usable."""
+    are half of its finished runs or more (the median is then +inf). A loss above sweep.diverge_above already made
+    its run `diverged` (trials.outcome). Failed and missing runs are left out. None: nothing usable."""
     done = [(status, loss) for status, loss in runs if status in ("completed", "diverged")]
     if not done:
         return None
-    scores = [usable_loss(status, loss, diverge_above) for status, loss in done]
-    median = statistics.median([math.inf if v is None else v for v in scores])
+    scores = [
+        loss if status == "completed" and loss is not None and math.isfinite(loss) else math.inf
+        for status, loss in done
+    ]
+    median = statistics.median(scores)
     return float(median) if math.isfinite(median) else None
 
 
-def select_lr(results: dict[float, list[tuple[str | None, float | None]]], diverge_above: float) -> Selection:
+def select_lr(results: dict[float, list[tuple[str | None, float | None]]]) -> Selection:
     """The LR with the lowest median final val loss over the search seeds (lr -> [(status, final val loss) per
     seed]). Diverged, failed and missing runs never win. A tie goes to the smaller LR, the safer choice."""
-    losses = {lr: lr_score(runs, diverge_above) for lr, runs in sorted(results.items())}
+    losses = {lr: lr_score(runs) for lr, runs in sorted(results.items())}
     selection = Selection(lr=None, losses=losses)
     failed = [lr for lr, runs in sorted(results.items()) if any(s not in ("completed", "diverged") for s, _ in runs)]
     if failed:
@@ -184,66 +177,6 @@ def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
-
-
-def t_quantile(q: float, dof: int) -> float:
-    """The q-quantile of Student's t with dof degrees of freedom (scipy.stats)."""
-    return float(scipy.stats.t.ppf(q, dof))
-
-
-def t_quantile_975(dof: int) -> float:
-    return t_quantile(1 - ALPHA / 2, dof)
-
-
-def min_detectable_difference(sd: float | None, n: int, alpha: float = ALPHA, power: float = POWER) -> float | None:
-    """The smallest true mean paired difference that a two-sided paired t-test at level alpha over n pairs detects
-    with the given power, for a paired standard deviation sd. The usual closed form,
-        MDE = (t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / sqrt(n),
-    which stands a shifted central t in for the noncentral t and ignores the opposite rejection tail. It is slightly
-    optimistic for very few pairs: the exact noncentral-t value is 5% larger at n = 3, 2% at n = 4, under 1% from
-    n = 6 (at n = 2 the formula's difference is detected with about 73% power, not 80%). None below two pairs."""
-    if sd is None or n < 2:
-        return None
-    return (t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
-
-
-@dataclass
-class PairedTest:
-    n: int
-    mean: float | None
-    sd: float | None  # the standard deviation of the paired differences
-    ci95: tuple[float, float] | None  # the (1 - alpha) CI of paired_test: 95% by default
-    t: float | None
-    p_value: float | None
-    mde: float | None  # min_detectable_difference at ALPHA and POWER
-
-
-def paired_test(diffs: Sequence[float], alpha: float = ALPHA) -> PairedTest:
-    """Student's paired t-test of the mean difference against 0 (scipy.stats.ttest_1samp on the differences, the
-    same as ttest_rel on the two arms): the (1 - alpha) CI (95% by default), t, two-sided p-value and the minimum
-    detectable difference (at ALPHA)."""
-    mean, sd = mean_std(diffs)
-    if len(diffs) < 2:
-        return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=None, t=None, p_value=None, mde=None)
-    assert mean is not None  # two differences or more
-    if sd == 0:  # identical differences: no noise estimate, scipy returns inf or nan
-        return PairedTest(n=len(diffs), mean=mean, sd=sd, ci95=(mean, mean), t=None, p_value=None, mde=0.0)
-    result = scipy.stats.ttest_1samp(list(diffs), 0.0)
-    ci = result.confidence_interval(1 - alpha)
-    return PairedTest(
-        n=len(diffs),
-        mean=mean,
-        sd=sd,
-        ci95=(float(ci.low), float(ci.high)),
-        t=float(result.statistic),
-        p_value=float(result.pvalue),
-        mde=min_detectable_difference(sd, len(diffs)),
-    )
-
-
-def paired_ci(diffs: Sequence[float]) -> tuple[float, float] | None:
-    """95% confidence interval of the mean paired difference (Student's t); None below two pairs."""
-    return paired_test(diffs).ci95
 
 
 # --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
@@ -299,14 +232,14 @@ class SequentialRule:
     def look(self, n_seeds: int, diffs: Sequence[float]) -> dict:
         """One look at the paired differences of the usable pairs so far: the corrected CI and p-value (scipy.stats),
         and whether the CI excludes 0."""
-        test = paired_test(diffs, alpha=self.alpha_per_look)
-        significant = test.ci95 is not None and (test.ci95[0] > 0 or test.ci95[1] < 0)
+        test = paired_t(diffs, confidence=1 - self.alpha_per_look)
+        significant = test.ci is not None and (test.ci[0] > 0 or test.ci[1] < 0)
         return {
             "seeds": n_seeds,
-            "pairs": test.n,
-            "mean": test.mean,
-            "ci": test.ci95,
-            "p_value": test.p_value,
+            "pairs": len(diffs),
+            "mean": statistics.fmean(diffs) if diffs else None,
+            "ci": test.ci,
+            "p_value": test.p,
             "significant": significant,
         }
 

@@ -5,10 +5,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import scipy.stats
-
 from xsa_lm.files import write_json, write_text
-from xsa_lm.sweep.protocol import ALPHA, POWER, Comparison, Selection, mean_std, paired_test
+from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
+from xsa_lm.sweep.protocol import Comparison, Selection, mean_std
 from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
 
 
@@ -60,36 +59,27 @@ def dropped_warning(drop: dict) -> str:
 
 
 def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) -> dict:
+    """The comparison of results.json: each arm's mean and std over seeds, and the paired tests (paired_stats) under
+    the key names results.json has always had (docs/sweep.md; `xsa-lm scale` reads them)."""
     stats = {"seeds": comparison.seeds, "sa": comparison.sa, "xsa": comparison.xsa, "diff": comparison.diffs}
-    for name, values in (("sa", comparison.sa), ("xsa", comparison.xsa), ("diff", comparison.diffs)):
+    for name, values in (("sa", comparison.sa), ("xsa", comparison.xsa)):
         stats[f"{name}_mean"], stats[f"{name}_std"] = mean_std(values)
-    test = paired_test(comparison.diffs)
-    stats["diff_ci95"] = test.ci95
-    stats["xsa_better_in"] = sum(d < 0 for d in comparison.diffs)
-    stats.update(rank_tests(comparison.diffs))
-    stats.update(
-        {
-            "diff_t": test.t,
-            "diff_p_value": test.p_value,
-            "dof": test.n - 1 if test.n > 1 else None,
-            "min_detectable_diff": test.mde,
-            "power": POWER,
-            "alpha": ALPHA,
-            "dropped_seeds": dropped or [],
-        }
-    )
-    return stats
-
-
-def rank_tests(diffs: Sequence[float]) -> dict:
-    """Beside the paired t, tests that hold when outcomes are bimodal (a stalled seed is an outlier, not normal
-    noise): the exact Wilcoxon signed-rank test and the exact sign test, both two-sided; None below two pairs."""
-    nonzero = [d for d in diffs if d != 0]
-    if len(nonzero) < 2:
-        return {"wilcoxon_p_value": None, "sign_test_p_value": None}
-    wilcoxon = scipy.stats.wilcoxon(nonzero, method="exact")
-    sign = scipy.stats.binomtest(sum(d < 0 for d in nonzero), len(nonzero))
-    return {"wilcoxon_p_value": float(wilcoxon.pvalue), "sign_test_p_value": float(sign.pvalue)}
+    paired = paired_stats(comparison.sa, comparison.xsa)
+    return stats | {
+        "diff_mean": paired.mean_diff,
+        "diff_std": paired.sd_diff,
+        "diff_ci95": paired.t_ci95,
+        "xsa_better_in": paired.xsa_lower,
+        "wilcoxon_p_value": paired.wilcoxon_p,
+        "sign_test_p_value": paired.sign_p,
+        "diff_t": paired.t,
+        "diff_p_value": paired.t_p,
+        "dof": paired.pairs - 1 if paired.pairs > 1 else None,
+        "min_detectable_diff": min_detectable_difference(paired.sd_diff, paired.pairs),
+        "power": POWER,
+        "alpha": ALPHA,
+        "dropped_seeds": dropped or [],
+    }
 
 
 def verdict(stats: dict, sequential: bool = False) -> str:
@@ -100,8 +90,10 @@ def verdict(stats: dict, sequential: bool = False) -> str:
         return f"No seed has both an SA and an XSA result: nothing to compare{left_out}."
     head = f"XSA - SA = {stats['diff_mean']:+.4f} on average over {n} seed(s){left_out}; XSA is lower in "
     head += f"{stats['xsa_better_in']}."
-    if ci is None:
+    if ci is None and n == 1:
         return head + " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
+    if ci is None:
+        return head + " The differences are all equal: no spread, so Student's t gives no interval."
     lo, hi = ci
     if hi < 0:
         meaning = "the interval excludes 0: XSA's lower loss is significant at the 5% level"

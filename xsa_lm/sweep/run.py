@@ -11,7 +11,6 @@ makes the same command resumable (see trials.py).
 """
 
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -210,8 +209,7 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     for trial in trials:
         record = store.load(trial) or {}
         results.setdefault(trial.lr, []).append((record.get("status"), record.get("final_val_loss")))
-    # Statuses already hold the sweep's divergence bound (trials.outcome): no second bound here.
-    return select_lr(results, math.inf)
+    return select_lr(results)
 
 
 def run_sequential(

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import scipy.stats
 
 from xsa_lm.errors import UserError
+from xsa_lm.stats.paired import sign_test_p
+from xsa_lm.stats.rates import exact_interval, mantel_haenszel
 
 DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
 
@@ -66,29 +67,6 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
     if not rows:
         return None
     return min(rows, key=lambda r: abs(r[0] - step))[1]
-
-
-def exact_interval(k: int, n: int) -> tuple[float, float]:
-    """The exact (Clopper-Pearson) 95% interval of a rate of k in n."""
-    ci = scipy.stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
-    return float(ci.low), float(ci.high)
-
-
-def mantel_haenszel(tables: Sequence[tuple[int, int, int, int]]) -> dict:
-    """The Cochran-Mantel-Haenszel test (continuity-corrected) of 2x2 tables (a, b, c, d) = (SA stalled, SA not,
-    XSA stalled, XSA not), one per LR: is the stall rate of SA the same as XSA's at every LR? scipy has no
-    stratified test of 2x2 tables, so the textbook formula is written here."""
-    deviation = variance = 0.0
-    for a, b, c, d in tables:
-        n = a + b + c + d
-        if n < 2:
-            continue
-        deviation += a - (a + b) * (a + c) / n
-        variance += (a + b) * (c + d) * (a + c) * (b + d) / (n * n * (n - 1))
-    if variance == 0:
-        return {"statistic": None, "p_value": None, "note": "no stall at any LR, or every run stalled: nothing to test"}
-    statistic = (abs(deviation) - 0.5) ** 2 / variance if abs(deviation) > 0.5 else 0.0
-    return {"statistic": statistic, "p_value": float(scipy.stats.chi2.sf(statistic, 1)), "excess_sa_stalls": deviation}
 
 
 def _quartiles(values: list[float]) -> list[float] | None:
@@ -142,10 +120,9 @@ def paired_final_losses(rows: Sequence[dict]) -> dict | None:
                 "xsa_lower": sum(d < 0 for d in diffs),
             }
         )
-    nonzero = [d for _, d in pairs if d != 0]
-    lower = sum(d < 0 for d in nonzero)
-    p = float(scipy.stats.binomtest(lower, len(nonzero)).pvalue) if nonzero else None
-    return {"per_lr": per_lr, "pairs": len(pairs), "xsa_lower": lower, "sign_test_p_value": p}
+    diffs = [d for _, d in pairs]
+    lower = sum(d < 0 for d in diffs)
+    return {"per_lr": per_lr, "pairs": len(pairs), "xsa_lower": lower, "sign_test_p_value": sign_test_p(diffs)}
 
 
 def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
