@@ -139,6 +139,84 @@ def test_forward_and_backward_equal_the_reference(dtype: torch.dtype, tol: float
         torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=tol, atol=tol * ref.grad.abs().max().item())
 
 
+BF16_UNIT = 2.0**-8  # bf16 keeps 8 significant bits: rounding to nearest moves x by at most 2^-8 |x|
+
+
+def bf16_inputs(seed: int, *, kv_heads: int, group: int, gated: bool) -> list[torch.Tensor]:
+    """bf16 y, v (and the gate) as the model passes them, (B, T, H_kv, G, D) against (B, T, H_kv, 1, D): y partly
+    along v (z is then a small remainder), and v near zero at some tokens: ||v||^2 far below eps, near it, and 0."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(2, 16, kv_heads, 1, 64, generator=g)
+    v[:, 3], v[:, 5], v[:, 7] = v[:, 3] * 1e-5, v[:, 5] * 1e-4, 0.0
+    y = torch.randn(2, 16, kv_heads, group, 64, generator=g) + 2 * v
+    inputs = [y, v] + ([torch.tanh(torch.randn(kv_heads, group, 1, generator=g))] if gated else [])
+    return [t.bfloat16().requires_grad_() for t in inputs]
+
+
+def in_fp64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same (bf16-rounded) values in fp64: what the reference computes from."""
+    return [t.detach().double().requires_grad_() for t in tensors]
+
+
+def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((ours.double() - exact).norm() / exact.norm()).item()
+
+
+BF16_CASES = [(2, 1, False), (2, 1, True), (1, 3, False), (1, 3, True)]  # (H_kv, G, gated): MHA and GQA
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "gated"), BF16_CASES)
+def test_bf16_gradients_are_the_fp64_gradients_rounded_once(kv_heads: int, group: int, gated: bool):
+    """bf16 y, v, gate and dL/dz: each gradient is computed in fp32 and rounded to bf16 once, so it differs from the
+    fp64 gradient of the same inputs by at most 2^-8 of each element, hence of its norm. The fp32 arithmetic before
+    (~2^-24 per operation, sums of at most 64 or B T terms) gets 1/16 of that as room. Measured over 30 seeds per
+    case: at most 0.83 x 2^-8 (the gate's, one number per head). A backward computed in bf16 reaches 5.6 x 2^-8 (4 of
+    these 12 cases fail), one without the 2 k c v term 28 x 2^-8 (all fail)."""
+    for seed in range(3):
+        inputs = bf16_inputs(seed, kv_heads=kv_heads, group=group, gated=gated)
+        grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(100 + seed)).bfloat16()
+        exclusive_projection(*inputs[:2], eps=1e-6, scale=inputs[2] if gated else None).backward(grad)
+        exact = in_fp64(inputs)
+        xsa_reference(*exact[:2], eps=1e-6, scale=exact[2] if gated else None).backward(grad.double())
+        for name, ours, reference in zip("yvs", inputs, exact, strict=False):
+            assert ours.grad.dtype == torch.bfloat16
+            assert relative_error(ours.grad, reference.grad) <= (1 + 1 / 16) * BF16_UNIT, (seed, name)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "gated"), BF16_CASES)
+def test_bf16_output_projection_gradients_are_within_two_roundings_of_fp64(kv_heads: int, group: int, gated: bool):
+    """bf16 y, v, gate and W_o (FSDP2's bf16 parameters, no autocast), against W_o(xsa_reference) in fp64 from the
+    same values. Two bf16 roundings on each path, each at most 2^-8 of every element: dL/dz = dL/dout @ W_o, then the
+    gradient itself (for W_o: z, then its gradient; for out: z, then out). The maps between them (the projection
+    I - s v v^T / n with |s| <= 1, sums over tokens) keep the relative error of these inputs near one rounding's:
+    c = 2 (measured at most 1.16, grad_v's, over 30 seeds per case; without the 2 k c v term 11 of these 12 cases
+    fail). The gate's gradient is a sum over tokens of -(g . v) c that cancels, so it is bounded against the sum of
+    the magnitudes: dL/dz's rounding moves each g . v by at most 2^-8 |g| . |v| (measured: 0.07 of that bound)."""
+    for seed in range(3):
+        inputs = bf16_inputs(seed, kv_heads=kv_heads, group=group, gated=gated)
+        g = torch.Generator().manual_seed(200 + seed)
+        weight = (torch.randn(48, kv_heads * group * 64, generator=g) / 16).bfloat16().requires_grad_()
+        grad_out = torch.randn(2, 16, 48, generator=g).bfloat16()
+        y, v, scale = inputs[0], inputs[1], inputs[2] if gated else None
+        out = ExclusiveOutputProjection.apply(y, v, 1e-6, scale, weight, None)
+        out.backward(grad_out)
+        y64, v64, *gate64 = in_fp64(inputs)
+        weight64 = in_fp64([weight])[0]
+        scale64 = gate64[0] if gated else None
+        out64 = F.linear(xsa_reference(y64, v64, eps=1e-6, scale=scale64).flatten(-3), weight64)
+        out64.backward(grad_out.double())
+        assert relative_error(out, out64) <= 2 * BF16_UNIT
+        for name, ours, reference in (("y", y, y64), ("v", v, v64), ("W_o", weight, weight64)):
+            assert ours.grad.dtype == torch.bfloat16
+            assert relative_error(ours.grad, reference.grad) <= 2 * BF16_UNIT, (seed, name)
+        if gated:
+            grad_z = (grad_out.double() @ weight64.detach()).view(y.shape)
+            coef = (y64 * v64).sum(-1, keepdim=True) / ((v64 * v64).sum(-1, keepdim=True) + 1e-6)
+            magnitude = ((grad_z.abs() * v64.abs()).sum(-1, keepdim=True) * coef.abs()).sum_to_size(scale.shape)
+            error = (scale.grad.double() - scale64.grad).abs()
+            assert (error <= 2 * BF16_UNIT * (scale64.grad.abs() + magnitude)).all(), seed
+
+
 def test_only_the_inputs_and_two_numbers_per_token_are_saved_for_backward():
     """No fp32 copies of y or v: the backward works from them as they came in, plus (y . v) / n and 1 / n."""
     y, v, scale = gqa_inputs(torch.bfloat16)

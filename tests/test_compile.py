@@ -2,6 +2,7 @@
 compiles each block and the head with the loss (as under FSDP2, tests/test_multi_device.py) without renaming a weight,
 and generation runs a compiled model eagerly."""
 
+import importlib.util
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
+from tests.helpers import REPO
 from xsa_lm.model import GPT, GPTConfig, exclusive_projection, generate
 from xsa_lm.train.module import LMModule, compile_model
 
@@ -100,3 +102,31 @@ def test_generation_runs_a_compiled_model_eagerly():
     compile_model(model)  # in place, as LMModule(compile=True) does
     assert torch.equal(generate(model, prompt, max_new_tokens=4), expected)
     assert not counters["stats"]["unique_graphs"]
+
+
+def bench_xsa_epilogue():
+    """scripts/bench_xsa_epilogue.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("bench_xsa_epilogue", REPO / "scripts" / "bench_xsa_epilogue.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_compiled_xsa_adds_no_more_kernels_and_bytes_than_it_needs():
+    """A compiled XSA attention layer against a compiled SA layer of the same shape (grouped heads): at most one
+    kernel more each way, and no more bytes allocated or kept for the backward than z, grad_y and two fp32 numbers
+    per token and head (the bound derived in the script). The forward computed by an op inductor cannot see into (a
+    torch.library custom op, as a hand-written kernel would be) allocates 10x the bound and adds no generated kernel:
+    this fails."""
+    bench = bench_xsa_epilogue()
+    shape = {"batch": 1, "seq": 16, "heads": 2, "kv_heads": 1, "head_dim": 16}
+    report = bench.compare(shape, gate=False, modes=("compiled",))
+    rows = [row for row in report["rows"] if row["bound"] is not None]
+    assert len(rows) == 5
+    for row in rows:
+        assert row["added"] <= row["bound"], row
+    kernels = {row["pass"]: row["added"] for row in rows if row["metric"] == "kernels"}
+    assert kernels["forward"] == 1  # it did add the XSA kernel: the measurement sees it

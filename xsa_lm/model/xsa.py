@@ -1,5 +1,19 @@
 """The XSA step (arXiv 2603.09078, Algorithm 1): remove from each attention output its component along the
-token's own value vector. A reference in plain torch, and autograd Functions that keep less memory for the backward."""
+token's own value vector. A reference in plain torch, and autograd Functions that keep less memory for the backward.
+
+What the fused path adds to SA in bf16, measured by scripts/bench_xsa_epilogue.py on CPU (E_y: y's size in bytes):
+- compiled (inductor): one kernel each way, the least XSA needs. The forward's reads y and v and writes z and two
+  fp32 numbers per token and head, (y . v) / n and 1 / n; the backward's reads grad_z, y, v and those numbers and
+  writes grad_y and one fp32 number per token and head (grad_v is folded into the kernel that writes the qkv
+  gradient). No fp32 copy of anything is made. The partitioner keeps z for W_o's weight gradient rather than
+  recompute it: E_y more kept per layer, a pass over y and v less in the backward.
+- eager: z is recomputed in the backward instead, so XSA keeps only the two numbers per token and head. Only v is
+  converted to fp32 for the pass; y and the gradient enter each product as they are (type promotion computes in
+  fp32; on CPU it copies them for that one op), and the backward works in place where it can. One XSA output
+  projection alone, its allocator peak in units of y's bytes (B 2, T 64, 4 heads of 16): bf16 forward 6.25
+  (was 7.25 with fp32 copies of y, v and the gradient), backward 8.75 (was 18.9); fp32 backward 3.6 (was 5.7).
+  In a whole attention layer that is 0.75 of y's bytes above SA's peak in the backward (was 10.6).
+"""
 
 import torch
 import torch.nn.functional as F
@@ -27,30 +41,31 @@ def xsa_reference(
 # GQA broadcasting, the gate and bf16.
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """At least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward."""
-    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-    return [t.to(dtype) for t in tensors]
-
-
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a . b over the last dim, kept. Not torch.linalg.vecdot: autocast runs that in bf16, whatever its inputs."""
     return (a * b).sum(-1, keepdim=True)
 
 
+def _upcast(v: torch.Tensor) -> torch.Tensor:
+    """v in at least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward. Only v
+    is converted: y and the gradient enter each product beside it as they are, type promotion computing in v's dtype
+    (exactly: a product of two bf16 numbers fits in fp32), so no fp32 copy of them is ever made."""
+    return v.to(torch.promote_types(v.dtype, torch.float32))
+
+
 def _xsa_forward(
     y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z, and for the backward c = (y . v) / n and 1 / n, with n = ||v||^2 + eps."""
-    y32, v32 = _compute_dtype(y, v)
+    """z, and for the backward c = (y . v) / n and 1 / n, with n = ||v||^2 + eps (fp32, per token and head)."""
+    v32 = _upcast(v)
     inv_norm = 1.0 / (_dot(v32, v32) + eps)
-    coef = _dot(y32, v32) * inv_norm
-    return _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype), coef, inv_norm
+    coef = _dot(y, v32) * inv_norm
+    return _subtract(y, v32, coef=coef, scale=scale), coef, inv_norm
 
 
-def _subtract(y32: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """z = y - scale * coef * v, in the compute dtype."""
-    return torch.addcmul(y32, coef if scale is None else coef * scale, v32, value=-1.0)
+def _subtract(y: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """z = y - scale * coef * v, computed in v32's dtype and returned in y's."""
+    return torch.addcmul(y, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
 
 
 def _xsa_backward(
@@ -63,19 +78,20 @@ def _xsa_backward(
     inv_norm: torch.Tensor,
     scale_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of z with respect to y, v and the gate, given g = dL/dz."""
-    y32, v32, g32 = _compute_dtype(y, v, grad)
-    g_dot_v = _dot(g32, v32)
+    """Gradients of z with respect to y, v and the gate, given g = dL/dz. Each full-size fp32 temporary is consumed
+    before the next is made (eager holds at most one, plus v's fp32 copy); compiled, all of it is one kernel."""
+    v32 = _upcast(v)
+    g_dot_v = _dot(grad, v32)
     k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
     c = coef if scale is None else coef * scale
-    grad_y = torch.addcmul(g32, k, v32, value=-1.0)  # g - k v
-    # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2)
-    grad_v = torch.addcmul(torch.addcmul(g32 * -c, k, y32, value=-1.0), k * coef, v32, value=2.0)
+    # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2), in place on the first term
+    grad_v = (grad * -c).addcmul_(k, y, value=-1.0).addcmul_(k * coef, v32, value=2.0)
     grad_v = grad_v.sum_to_size(v.shape).to(v.dtype)  # GQA: summed over the query heads that share v
+    grad_y = torch.addcmul(grad, k, v32, value=-1.0).to(y.dtype)  # g - k v
     grad_scale = (
         (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale is not None and scale_needs_grad else None
     )
-    return grad_y.to(y.dtype), grad_v, grad_scale
+    return grad_y, grad_v, grad_scale
 
 
 class ExclusiveProjection(torch.autograd.Function):
@@ -107,8 +123,10 @@ class ExclusiveOutputProjection(torch.autograd.Function):
 
     W_o's weight gradient needs its input. For SA that is SDPA's output y, which SDPA keeps anyway; for XSA it would
     be z, one more activation of y's size per layer. So z is recomputed in the backward from y, v and the saved
-    coefficients (one elementwise pass, no matmul), and XSA costs no activation memory beyond 2 numbers per token and
-    head. y is (..., H_kv, G, D) and v (..., H_kv, 1, D); the last three dims are flattened into W_o's input.
+    coefficients (one elementwise pass, no matmul), and eager XSA costs no activation memory beyond 2 numbers per
+    token and head. Under torch.compile the recompute is the forward's z to the partitioner, which keeps z instead
+    (see the module docstring). y is (..., H_kv, G, D) and v (..., H_kv, 1, D); the last three dims are flattened into
+    W_o's input.
     Matmuls run in the dtype of the output (the autocast dtype, as F.linear does).
     """
 
@@ -133,11 +151,11 @@ class ExclusiveOutputProjection(torch.autograd.Function):
         y, v, scale, coef, inv_norm, weight = ctx.saved_tensors
         _, _, _, need_scale, need_weight, need_bias = ctx.needs_input_grad
         grad_weight = grad_bias = None
-        if need_weight:
-            y32, v32 = _compute_dtype(y, v)
-            z = _subtract(y32, v32, coef=coef, scale=scale).to(y.dtype)  # rounded as the forward's z was
+        if need_weight:  # first, so that z is freed before the fp32 temporaries below are made
+            z = _subtract(y, _upcast(v), coef=coef, scale=scale)  # rounded as the forward's z was
             z = z.flatten(-3).reshape(-1, weight.shape[1]).to(grad_out.dtype)
             grad_weight = (grad_out.reshape(-1, weight.shape[0]).T @ z).to(weight.dtype)
+            del z
         if ctx.has_bias and need_bias:
             grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)  # bias shares W's dtype
         grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
