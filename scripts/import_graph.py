@@ -12,7 +12,7 @@ from pathlib import Path
 
 # Low to high: a module may import its own layer and the layers below it, never one above.
 LAYERS = (
-    ("xsa_lm", "xsa_lm.compat", "xsa_lm.errors", "xsa_lm.locking"),
+    ("xsa_lm", "xsa_lm.compat", "xsa_lm.errors", "xsa_lm.locking", "xsa_lm.records"),
     ("xsa_lm.stats",),  # pure functions on numbers (numpy, scipy): the sweep's, the scaling study's statistics
     ("xsa_lm.tracking",),  # W&B and CSV loggers: only compat below them, and config checks a W&B mode
     ("xsa_lm.model",),

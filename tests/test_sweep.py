@@ -35,6 +35,7 @@ from xsa_lm.sweep.run import check_sweep, comparison_plan, keep_plan, train_over
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialStore, device_slots, outcome
+from xsa_lm.train.summary import RunSummary
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
 SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar="))]
@@ -511,30 +512,35 @@ def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) ->
 # --- trial outcomes ------------------------------------------------------------------------------------------
 
 
-def _summary(status: str = "completed", loss: float | None = 4.0, vocab: int = 512) -> dict:
-    return {
-        "status": status,
-        "error": None,
-        "final_val_loss": loss,
-        "diverged_at_step": 7 if status == "diverged" else None,
-        "model_config": {"vocab_size": vocab},
-        "val_history": [],
-    }
+def _summary(status: str = "completed", loss: float | None = 4.0, vocab: int = 512) -> RunSummary:
+    return RunSummary(
+        status=status,
+        attention="sa",
+        model="tiny",
+        lr=1e-3,
+        seed=0,
+        final_val_loss=loss,
+        steps=10,
+        tokens_seen=640,
+        diverged_at_step=7 if status == "diverged" else None,
+        run_dir="run",
+        model_config={"vocab_size": vocab},
+    )
 
 
 def test_outcome_of_trial_processes() -> None:
-    assert outcome(0, _summary(), "", None)["status"] == "completed"
+    assert outcome(0, _summary(), "", None).status == "completed"
     # ln(512) = 6.24: a final loss above a uniform guess counts as diverged; an explicit bound replaces it.
     high = outcome(0, _summary(loss=7.0), "", None)
-    assert high["status"] == "diverged" and "6.238" in high["error"]
-    assert outcome(0, _summary(loss=5.0), "", diverge_above=4.5)["status"] == "diverged"
+    assert high.status == "diverged" and "6.238" in str(high.error)
+    assert outcome(0, _summary(loss=5.0), "", diverge_above=4.5).status == "diverged"
     nan = outcome(0, _summary(status="diverged", loss=None), "", None)
-    assert nan["status"] == "diverged" and "step 7" in nan["error"]
+    assert nan.status == "diverged" and "step 7" in str(nan.error)
     killed = outcome(-9, None, "", None)
-    assert killed["status"] == "failed" and "SIGKILL" in killed["error"]
+    assert killed.status == "failed" and "SIGKILL" in str(killed.error)
     crashed = outcome(1, None, "xsa-lm: error: data.files matched nothing", None)
-    assert crashed == {"status": "failed", "error": "xsa-lm: error: data.files matched nothing"}
-    assert outcome(1, _summary(), "RuntimeError: boom", None)["status"] == "failed"
+    assert (crashed.status, crashed.error) == ("failed", "xsa-lm: error: data.files matched nothing")
+    assert outcome(1, _summary(), "RuntimeError: boom", None).status == "failed"
 
 
 def test_parallel_trials_get_their_own_gpus() -> None:

@@ -27,7 +27,7 @@ from xsa_lm.scale.token_report import write_report
 from xsa_lm.stats.paired import paired_stats
 from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
 from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
-from xsa_lm.sweep.trials import Launcher, TrialStore, check_trials, gpu_slots, last_error_line
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_TOKEN_AXIS = {
     "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
@@ -149,9 +149,9 @@ def run_size(
 
 
 def outcome_of(store: TrialStore, trial: Trial) -> dict:
-    record = store.load(trial) or {"status": "missing"}
+    record = store.load(trial) or TrialRecord.missing(trial, "")
     keep = ("status", "error", "log", "final_val_loss", "tokens_seen", "tokens_per_s", "val_history", "run_dir")
-    return {"seed": trial.seed, **{k: record.get(k) for k in keep}}
+    return {"seed": trial.seed, **{k: getattr(record, k) for k in keep}}
 
 
 def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> dict | None:

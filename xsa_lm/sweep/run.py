@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import TypeVar, cast
@@ -45,7 +44,7 @@ from xsa_lm.sweep.protocol import (
 from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
 from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import Launcher, TrialStore, check_trials, gpu_slots
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
@@ -199,16 +198,16 @@ def keep_plan(state_file: Path, state: dict, plan: dict, grid: list[float]) -> N
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
     records = []
     for trial in trials:
-        record = store.load(trial) or {"id": trial.id, **asdict(trial), "status": "missing"}
-        records.append({**record, "phase": phase, "reused": record.get("phase", phase) != phase})
+        record = store.load(trial) or TrialRecord.missing(trial, phase)
+        records.append(record.to_json() | {"phase": phase, "reused": record.phase != phase})
     return records
 
 
 def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     results: dict[float, list[tuple[str | None, float | None]]] = {}
     for trial in trials:
-        record = store.load(trial) or {}
-        results.setdefault(trial.lr, []).append((record.get("status"), record.get("final_val_loss")))
+        record = store.load(trial)
+        results.setdefault(trial.lr, []).append((record.status, record.final_val_loss) if record else (None, None))
     return select_lr(results)
 
 
@@ -243,7 +242,7 @@ def evaluate_compare(
 ) -> tuple[dict | None, str]:
     """`xsa-lm eval` on the final checkpoints of the compare runs (its own process, like a trial); the result is
     reused when the same checkpoints were evaluated before."""
-    completed = [t for t in trials if store.is_final(t) and (store.load(t) or {}).get("status") == "completed"]
+    completed = [t for t in trials if (record := store.load(t)) is not None and record.status == "completed"]
     ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
     out = sweep_dir / "eval"
     if (out / "eval.json").exists():

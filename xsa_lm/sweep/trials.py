@@ -11,7 +11,6 @@ else from scratch, with the previous attempt's directory kept under runs/<id>.at
 """
 
 import ctypes
-import json
 import math
 import os
 import signal
@@ -20,26 +19,56 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
+from xsa_lm.records import Record
 from xsa_lm.sweep.protocol import Trial
+from xsa_lm.train.summary import RunSummary
 
 FINAL = ("completed", "diverged")
-SUMMARY_METRICS = (
-    "final_val_loss",
-    "final_val_ppl",
-    "best_val_loss",
-    "steps",
-    "tokens_seen",
-    "tokens_per_s",
-    "wall_time_s",
-    "diverged_at_step",
-    "val_history",
-    "checkpoints",
-)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord(Record):
+    """trials/<id>.json: a trial's command, status, metrics (from its summary.json) and files."""
+
+    id: str
+    phase: str
+    attention: str
+    lr: float
+    seed: int
+    status: str  # running, completed, diverged, failed, interrupted; missing: no record yet
+    attempt: int = 0
+    resumed_from_checkpoint: bool = False
+    pid: int | None = None
+    started: float | None = None
+    command: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+    log: str | None = None
+    config: str | None = None
+    error: str | None = None
+    final_val_loss: float | None = None
+    final_val_ppl: float | None = None
+    best_val_loss: float | None = None
+    steps: int | None = None
+    tokens_seen: int | None = None
+    tokens_per_s: float | None = None
+    wall_time_s: float | None = None
+    diverged_at_step: int | None = None
+    val_history: list[dict] = field(default_factory=list)
+    checkpoints: dict[str, str | None] | None = None
+    returncode: int | None = None
+    finished: float | None = None
+    reused: bool = False  # in a sweep's results.json: a run of another phase that this phase reuses
+    schema: int = 1
+
+    @classmethod
+    def missing(cls, trial: Trial, phase: str) -> "TrialRecord":
+        return cls(id=trial.id, phase=phase, attention=trial.attention, lr=trial.lr, seed=trial.seed, status="missing")
 
 
 class TrialStore:
@@ -55,17 +84,17 @@ class TrialStore:
     def log_file(self, trial: Trial) -> Path:
         return self.logs / f"{trial.id}.log"
 
-    def load(self, trial: Trial) -> dict | None:
+    def load(self, trial: Trial) -> TrialRecord | None:
         path = self.records / f"{trial.id}.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return TrialRecord.read(path) if path.exists() else None
 
-    def save(self, trial: Trial, record: dict) -> None:
+    def save(self, record: TrialRecord) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
-        write_json(self.records / f"{trial.id}.json", record)  # a kill mid-write leaves the old record whole
+        write_json(self.records / f"{record.id}.json", record.to_json())  # a kill mid-write leaves the old one whole
 
     def is_final(self, trial: Trial) -> bool:
         record = self.load(trial)
-        return record is not None and record["status"] in FINAL
+        return record is not None and record.status in FINAL
 
 
 def diverge_bound(diverge_above: float | None, vocab_size: int) -> float:
@@ -73,25 +102,52 @@ def diverge_bound(diverge_above: float | None, vocab_size: int) -> float:
     return float(diverge_above) if diverge_above is not None else math.log(vocab_size)
 
 
-def outcome(returncode: int, summary: dict | None, log_tail: str, diverge_above: float | None) -> dict:
+@dataclass(frozen=True)
+class Outcome:
+    """How a trial process ended: its status and error, and its run's summary.json when it wrote one."""
+
+    status: str
+    error: str | None
+    summary: RunSummary | None = None
+
+    def metrics(self) -> dict[str, Any]:
+        """The fields of a trial record that come from the run's summary.json."""
+        if self.summary is None:
+            return {}
+        return {name: getattr(self.summary, name) for name in SUMMARY_METRICS}
+
+
+SUMMARY_METRICS = (
+    "final_val_loss",
+    "final_val_ppl",
+    "best_val_loss",
+    "steps",
+    "tokens_seen",
+    "tokens_per_s",
+    "wall_time_s",
+    "diverged_at_step",
+    "val_history",
+    "checkpoints",
+)
+
+
+def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_above: float | None) -> Outcome:
     """The status, error and metrics of a finished trial process, from its exit code and summary.json."""
     if summary is None:
         if returncode < 0:
             error = f"killed by signal {signal.Signals(-returncode).name} (out of memory?)"
         else:
             error = log_tail or f"exited with code {returncode} before writing summary.json"
-        return {"status": "failed", "error": error}
-    result = {"status": summary["status"], "error": summary.get("error")}
-    result.update({key: summary.get(key) for key in SUMMARY_METRICS})
-    if returncode != 0 and summary["status"] != "failed":
-        result.update(status="failed", error=log_tail or f"exited with code {returncode}")
-    loss = summary.get("final_val_loss")
-    bound = diverge_bound(diverge_above, summary["model_config"]["vocab_size"])
-    if result["status"] == "completed" and (loss is None or not math.isfinite(loss) or loss > bound):
-        result.update(status="diverged", error=f"final val loss {loss} is above the divergence bound {bound:.3f}")
-    elif result["status"] == "diverged":
-        result["error"] = f"NaN/inf training loss at step {summary.get('diverged_at_step')}"
-    return result
+        return Outcome("failed", error)
+    if returncode != 0 and summary.status != "failed":
+        return Outcome("failed", log_tail or f"exited with code {returncode}", summary)
+    loss = summary.final_val_loss
+    bound = diverge_bound(diverge_above, summary.model_config["vocab_size"])
+    if summary.status == "completed" and (loss is None or not math.isfinite(loss) or loss > bound):
+        return Outcome("diverged", f"final val loss {loss} is above the divergence bound {bound:.3f}", summary)
+    if summary.status == "diverged":
+        return Outcome("diverged", f"NaN/inf training loss at step {summary.diverged_at_step}", summary)
+    return Outcome(summary.status, summary.error, summary)
 
 
 def last_error_line(log: Path) -> str:
@@ -222,7 +278,7 @@ class Launcher:
         todo = [t for t in dict.fromkeys(trials) if not self.store.is_final(t)]
         for trial in dict.fromkeys(trials):
             if trial not in todo:  # final: it has a record
-                status = cast(dict, self.store.load(trial))["status"]
+                status = cast(TrialRecord, self.store.load(trial)).status
                 self.echo(f"  {phase}: {trial.id} already {status} (reused)")
         free = list(range(len(self.slots)))
         while todo or self.running:
@@ -236,8 +292,8 @@ class Launcher:
 
     def _start(self, trial: Trial, slot: int, phase: str, job_type: str) -> None:
         run_dir, log = self.store.run_dir(trial), self.store.log_file(trial)
-        previous = self.store.load(trial) or {}
-        attempt = previous.get("attempt", 0) + 1
+        previous = self.store.load(trial)
+        attempt = (previous.attempt if previous is not None else 0) + 1
         resume = (run_dir / "checkpoints" / "last.ckpt").exists()
         if run_dir.exists() and not resume:  # an attempt that left no checkpoint: keep it aside, start afresh
             run_dir.rename(run_dir.with_name(f"{trial.id}.attempt{attempt - 1}"))
@@ -256,37 +312,44 @@ class Launcher:
             )
         started = time.time()
         self.running[proc] = (trial, slot, started, env)
-        record = {
-            "id": trial.id,
-            "phase": phase,
-            "attention": trial.attention,
-            "lr": trial.lr,
-            "seed": trial.seed,
-            "status": "running",
-            "attempt": attempt,
-            "resumed_from_checkpoint": resume,
-            "pid": proc.pid,
-            "started": started,
-            "command": cmd,
-            "run_dir": str(run_dir),
-            "log": str(log),
-            "config": str(run_dir / "config.yaml"),
-        }
-        self.store.save(trial, record)
+        record = TrialRecord(
+            id=trial.id,
+            phase=phase,
+            attention=trial.attention,
+            lr=trial.lr,
+            seed=trial.seed,
+            status="running",
+            attempt=attempt,
+            resumed_from_checkpoint=resume,
+            pid=proc.pid,
+            started=started,
+            command=cmd,
+            run_dir=str(run_dir),
+            log=str(log),
+            config=str(run_dir / "config.yaml"),
+        )
+        self.store.save(record)
         how = " (resuming from its last checkpoint)" if resume else ""
         self.echo(f"  {phase}: {trial.id} started{how}; log {log}")
 
     def _finish(self, trial: Trial, returncode: int, started: float, phase: str) -> None:
         summary_file = self.store.run_dir(trial) / "summary.json"
         fresh = summary_file.exists() and summary_file.stat().st_mtime >= started - 1
-        summary = json.loads(summary_file.read_text()) if fresh else None
+        summary = RunSummary.read(summary_file) if fresh else None
         result = outcome(returncode, summary, last_error_line(self.store.log_file(trial)), self.diverge_above)
-        record = {**(self.store.load(trial) or {}), **result, "returncode": returncode, "finished": time.time()}
-        self.store.save(trial, record)
-        loss = result.get("final_val_loss")
-        finished = loss is not None and result["status"] == "completed"
-        detail = f"final val loss {loss:.4f}" if finished else result["error"]
-        self.echo(f"  {phase}: {trial.id} {result['status']} in {time.time() - started:.0f} s: {detail}")
+        record = replace(
+            self.store.load(trial) or TrialRecord.missing(trial, phase),
+            status=result.status,
+            error=result.error,
+            **result.metrics(),
+            returncode=returncode,
+            finished=time.time(),
+        )
+        self.store.save(record)
+        loss = record.final_val_loss
+        finished = loss is not None and record.status == "completed"
+        detail = f"final val loss {loss:.4f}" if finished else record.error
+        self.echo(f"  {phase}: {trial.id} {record.status} in {time.time() - started:.0f} s: {detail}")
 
     def stop(self) -> None:
         """Terminate the trials in flight (the sweep was interrupted); their records say `interrupted`."""
@@ -297,5 +360,6 @@ class Launcher:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            self.store.save(trial, {**(self.store.load(trial) or {}), "status": "interrupted", "finished": time.time()})
+            record = self.store.load(trial) or TrialRecord.missing(trial, "")
+            self.store.save(replace(record, status="interrupted", finished=time.time()))
         self.running.clear()

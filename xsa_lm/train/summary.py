@@ -6,23 +6,60 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig
 
 from xsa_lm.files import write_json
-from xsa_lm.model import GPTConfig
-from xsa_lm.train.callbacks import RunCallbacks
-from xsa_lm.train.module import LMModule
-from xsa_lm.train.schedule import peak_lr
+from xsa_lm.records import Record
+
+if TYPE_CHECKING:  # the record alone is read by the sweep and the scaling study, which need no Lightning
+    import lightning as L
+
+    from xsa_lm.model import GPTConfig
+    from xsa_lm.train.callbacks import RunCallbacks
+    from xsa_lm.train.module import LMModule
 
 log = logging.getLogger("xsa_lm.train")
 WANDB_SUMMARY_KEYS = ("status", "final_val_loss", "final_val_ppl", "best_val_loss", "tokens_per_s", "diverged_at_step")
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunSummary(Record):
+    """summary.json: how a run ended and what it was (the sweep's trials and the scaling study read it)."""
+
+    status: str
+    error: str | None = None
+    attention: str
+    model: str
+    lr: float
+    peak_lr: float | None = None  # the highest LR it stepped with: below lr while the warmup has not ended
+    precision: str | None = None  # as Lightning trains it (trainer.precision=auto resolved)
+    seed: int
+    final_val_loss: float | None = None  # of a completed run only
+    final_val_ppl: float | None = None
+    best_val_loss: float | None = None
+    steps: int
+    tokens_seen: int
+    tokens_per_s: float | None = None
+    wall_time_s: float | None = None
+    non_embedding_params: int = 0
+    diverged_at_step: int | None = None
+    events: list[dict] = field(default_factory=list)
+    val_history: list[dict] = field(default_factory=list)
+    run_dir: str
+    checkpoints: dict[str, str | None] = field(default_factory=dict)
+    model_config: dict[str, Any]
+    schema: int = 1
+
+    @staticmethod
+    def of(cfg: DictConfig, run_dir: Path, model_config: "GPTConfig") -> "RunStart":
+        """What is known of a run when it starts (RunStart.of)."""
+        return RunStart.of(cfg, run_dir=run_dir, model_config=model_config)
+
+
 @dataclass
-class RunSummary:
+class RunStart:
     """What is known of a run when it starts; write() adds how it ended. The clock starts when it is made."""
 
     run_dir: Path
@@ -31,12 +68,12 @@ class RunSummary:
     lr: float
     seed: int
     tokens_per_step: int
-    model_config: GPTConfig
+    model_config: "GPTConfig"
     non_embedding_params: int = 0
     started: float = field(default_factory=time.time)
 
     @classmethod
-    def of(cls, cfg: DictConfig, run_dir: Path, model_config: GPTConfig) -> "RunSummary":
+    def of(cls, cfg: DictConfig, run_dir: Path, model_config: "GPTConfig") -> "RunStart":
         return cls(
             run_dir=run_dir,
             attention=cfg.attention.name,
@@ -47,41 +84,59 @@ class RunSummary:
             model_config=model_config,
         )
 
-    def write(
-        self, status: str, *, trainer: L.Trainer, module: LMModule, callbacks: RunCallbacks, error: str | None = None
-    ) -> dict:
-        """summary.json, returned as a dict. The final loss is that of a completed run only."""
+    def ended(
+        self,
+        status: str,
+        *,
+        trainer: "L.Trainer",
+        module: "LMModule",
+        callbacks: "RunCallbacks",
+        error: str | None = None,
+    ) -> RunSummary:
+        from xsa_lm.train.schedule import peak_lr
+
         history = callbacks.history.history
         final = history[-1]["val_loss"] if history and status == "completed" else None
-        summary = {
-            "status": status,
-            "error": error,
-            "attention": self.attention,
-            "model": self.model,
-            "lr": self.lr,
-            "peak_lr": peak_lr(trainer.lr_scheduler_configs[0].scheduler, trainer.global_step)
-            if trainer.lr_scheduler_configs
-            else None,  # the highest LR it stepped with: below lr while the warmup has not ended
-            "precision": trainer.precision,  # as Lightning trains it (trainer.precision=auto resolved)
-            "seed": self.seed,
-            "final_val_loss": final,
-            "final_val_ppl": math.exp(final) if final is not None else None,
-            "best_val_loss": min((h["val_loss"] for h in history), default=None),
-            "steps": trainer.global_step,
-            "tokens_seen": trainer.global_step * self.tokens_per_step,
-            "tokens_per_s": callbacks.throughput.tokens_per_s,
-            "wall_time_s": round(time.time() - self.started, 2),
-            "non_embedding_params": self.non_embedding_params,
-            "diverged_at_step": module.diverged_at,
-            "events": module.events,
-            "val_history": history,
-            "run_dir": str(self.run_dir),
-            "checkpoints": {
+        scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
+        return RunSummary(
+            status=status,
+            error=error,
+            attention=self.attention,
+            model=self.model,
+            lr=self.lr,
+            peak_lr=peak_lr(scheduler, trainer.global_step) if scheduler is not None else None,
+            precision=trainer.precision,
+            seed=self.seed,
+            final_val_loss=final,
+            final_val_ppl=math.exp(final) if final is not None else None,
+            best_val_loss=min((h["val_loss"] for h in history), default=None),
+            steps=trainer.global_step,
+            tokens_seen=trainer.global_step * self.tokens_per_step,
+            tokens_per_s=callbacks.throughput.tokens_per_s,
+            wall_time_s=round(time.time() - self.started, 2),
+            non_embedding_params=self.non_embedding_params,
+            diverged_at_step=module.diverged_at,
+            events=module.events,
+            val_history=history,
+            run_dir=str(self.run_dir),
+            checkpoints={
                 "last": str(self.run_dir / "checkpoints" / "last.ckpt"),
                 "best": callbacks.best.best_model_path or None,
             },
-            "model_config": asdict(self.model_config),
-        }
+            model_config=asdict(self.model_config),
+        )
+
+    def write(
+        self,
+        status: str,
+        *,
+        trainer: "L.Trainer",
+        module: "LMModule",
+        callbacks: "RunCallbacks",
+        error: str | None = None,
+    ) -> dict:
+        """summary.json, returned as JSON (what train() returns)."""
+        summary = self.ended(status, trainer=trainer, module=module, callbacks=callbacks, error=error).to_json()
         write_json(
             self.run_dir / "summary.json",
             summary,
@@ -102,8 +157,10 @@ def completed(run_dir: Path) -> bool:
     return summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
 
 
-def finish_wandb(trainer: L.Trainer, summary: dict) -> None:
+def finish_wandb(trainer: "L.Trainer", summary: dict) -> None:
     """Put the run's outcome into the W&B run summary (what a sweep's dashboard compares), then close it."""
+    from lightning.pytorch.loggers import WandbLogger
+
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             if summary.get("status") == "completed":
