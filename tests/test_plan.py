@@ -183,14 +183,15 @@ def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("vocab, peak", [(4096, "the cross-entropy's"), (64, "XSA's")])
 def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str):
-    """XSA's temporaries (one layer's backward: 20 fp32 bytes per token and attention channel, eager fp32) count
-    where they exceed the cross-entropy's buffers (2 fp32 N x V), as with a 64-token vocabulary."""
+    """XSA's temporaries (one layer's backward, eager fp32: the gradients of z, y and v, 12 bytes per token and
+    attention channel, and two numbers per head) count where they exceed the cross-entropy's buffers (2 fp32 N x V),
+    as with a 64-token vocabulary."""
     overrides = ["model=tiny", "attention=xsa", f"model.vocab_size={vocab}", "device_memory_gb=1"]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         plan = make_plan(compose(config_name="plan", overrides=overrides))
         sa = make_plan(compose(config_name="plan", overrides=["model=tiny", "device_memory_gb=1"]))
     positions = 16 * 128
-    assert plan["xsa_temporaries_bytes"]["eager"] == positions * (20 * 4 * 32 + 3 * 4 * 4)
+    assert plan["xsa_temporaries_bytes"]["eager"] == positions * (3 * 4 * 128 + 2 * 4 * 4)
     assert plan["cross_entropy_transient_bytes"]["eager"] == positions * 2 * 4 * vocab
     assert plan["xsa_saved_bytes"] == 4 * positions * 2 * 4 * 4  # per layer, token and head: two fp32 numbers
     larger = max(plan["xsa_temporaries_bytes"]["eager"], plan["cross_entropy_transient_bytes"]["eager"])

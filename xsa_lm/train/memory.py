@@ -105,18 +105,18 @@ def block_saved_per_token(
 
 def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False) -> int:
     """The most bytes per token one XSA layer's temporaries hold at once beyond its inputs, what it saves and its
-    output: in its backward (xsa.py's ExclusiveOutputProjection.backward), W = n_head x head_dim wide. z recomputed
-    for W_o's gradient and the gradient of z (compute dtype); in fp32, the gradient of y and two partial sums of
-    the gradient of v (y's size until summed over a KV group); under 16-bit compute also fp32 copies of y and v,
-    made twice (for z, then beside the fp32 copy of z's gradient for the gradients); and three fp32 numbers per
-    head (g . v, its scaled k, k c). fp32: 20 W bytes, bf16: 36 W. The forward's are fewer (fp32: 4 W, bf16:
-    14 W). Compiled: the fused backward's outputs, the gradients of z, y and v in the compute dtype."""
+    output, W = n_head x head_dim and W_kv = n_kv_head x head_dim wide: in its backward (xsa.py's
+    ExclusiveOutputProjection.backward, when it makes the gradient of y), the gradient of z (compute dtype), the
+    gradient of v (v's dtype), the gradient of y in fp32 before its cast, and two fp32 numbers per head (g . v and
+    k); under 16-bit compute also v's fp32 copy and the gradient promoted to fp32 for its product with v. fp32:
+    12 W bytes without grouped heads, bf16: 16 W; the forward's are fewer. Compiled (one fused kernel): the
+    gradients of y and v in the compute dtype and one fp32 number per head."""
     heads, width = model["n_head"], model["n_head"] * model["head_dim"]
     kv_width = (model.get("n_kv_head") or heads) * model["head_dim"]
     if compiled:
-        return compute * (2 * width + kv_width)
-    copies = 0 if compute == FP32 else FP32 * (3 * width + 2 * kv_width)
-    return 2 * compute * width + 3 * FP32 * width + copies + 3 * FP32 * heads
+        return compute * (width + kv_width) + FP32 * heads
+    promoted = 0 if compute == FP32 else FP32 * (kv_width + width)
+    return compute * (width + kv_width) + FP32 * width + promoted + 2 * FP32 * heads
 
 
 def head_saved_per_token(
