@@ -7,12 +7,12 @@
     memory events) above the weights, gradients and AdamW state, and its head alone (the cross-entropy's N x V buffers).
 (c) One paper_0.7b XSA output projection's forward and backward (eager fp32, eager under bf16 autocast, compiled):
     the allocator's peak above its inputs against XSA's saved coefficients and backward temporaries plus what SA's
-    projection makes too (its output and W_o's gradient). tests/test_memory_peak.py holds model=tiny's whole step
-    and a small XSA layer to the allocator in make test.
+    projection makes too (its output, W_o's gradient and, compiled under autocast, W_o's bf16 copy).
+    tests/test_memory_peak.py holds model=tiny's whole step and a small XSA layer to the allocator in make test.
 
 Writes <out>.json and <out>.md: each term measured, estimated, and estimated / measured.
 
-    .venv/bin/python scripts/calibrate_memory.py                 # ~1-2 min on 2 cores, compile included
+    .venv/bin/python scripts/calibrate_memory.py                 # ~1 min on 2 cores, compile included
     .venv/bin/python scripts/calibrate_memory.py --no-compile    # eager only, seconds
 """
 
@@ -175,6 +175,8 @@ def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> di
     )
     per_token = terms["xsa"] + memory.xsa_transient_per_token(PAPER_07B_BLOCK, compute=compute, compiled=compiled)
     sa_too = tokens * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
+    if compiled and compute < 4:  # autocast's copy of W_o, kept by the compiled backward (memory.autocast_copies)
+        sa_too += weight.numel() * compute
     return {"measured": memory.allocator_peak(forward_and_backward), "estimated": tokens * per_token + sa_too}
 
 
