@@ -113,8 +113,7 @@ def bench_xsa_epilogue():
     return module
 
 
-@pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.slow  # two compiles: ~20 s of CPU
 def test_compiled_xsa_adds_no_more_kernels_and_bytes_than_it_needs():
     """A compiled XSA attention layer against a compiled SA layer of the same shape (grouped heads): at most one
     kernel more each way, and no more bytes allocated or kept for the backward than z, grad_y and two fp32 numbers
