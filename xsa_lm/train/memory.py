@@ -31,7 +31,7 @@ class MemoryEstimate:
     """Bytes per device of one training step at its peak: the cross-entropy's backward, the first op of the backward,
     while every activation of the micro-batch is still saved."""
 
-    params: int  # fp32 weights (FSDP: the shard, plus the blocks gathered in the compute dtype)
+    params: int  # fp32 weights (FSDP: the shard, plus the gathered blocks, also fp32)
     grads: int  # fp32 gradients; under DDP with gradient_as_bucket_view they are views into its buckets
     optimizer: int  # AdamW's two moments
     activations: int  # one micro-batch's tensors saved for the backward, the cross-entropy's saved logits included
@@ -194,7 +194,7 @@ def estimate(
     mixed precision autocast's compute-dtype copies of the matmul weights, which the backward keeps. DDP holds them
     whole on every device, its gradients in its buckets (a second copy without gradient_as_bucket_view); FSDP
     shards them over `world_size` and gathers one block at a time (two with prefetching) plus the root (the tied
-    embedding) in the compute dtype, with one block's unsharded gradients; with gradient accumulation, every
+    embedding) in fp32, autocast copying as under DDP, with one block's unsharded gradients; with gradient accumulation, every
     unsharded gradient in fp32 (the reduction waits for the step's last micro-batch). attention="xsa": every layer
     XSA."""
     compute, weights = dtype_bytes(precision)
@@ -210,15 +210,19 @@ def estimate(
         exclusive=attention == "xsa",
         compiled=compiled,
     )
-    if strategy == "fsdp":  # the gathered blocks are already in the compute dtype: autocast copies nothing
-        gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * compute
+    copies = autocast_copies(
+        model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
+    )
+    if strategy == "fsdp":  # fp32 parameters gathered (no FSDP2 mixed-precision policy): autocast copies as DDP's
+        gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * weights
         shard = math.ceil(n / world_size)
         return MemoryEstimate(
             params=weights * shard + gathered,
-            grads=weights * shard + (4 * n if accumulation > 1 else block_parameters(model) * compute),
+            grads=weights * shard + (4 * n if accumulation > 1 else block_parameters(model) * weights),
             optimizer=2 * weights * shard,
             activations=saved,
             transient=transient,
+            weight_copies=copies,
         )
     return MemoryEstimate(
         params=weights * n,
@@ -226,9 +230,7 @@ def estimate(
         optimizer=2 * weights * n,
         activations=saved,
         transient=transient,
-        weight_copies=autocast_copies(
-            model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
-        ),
+        weight_copies=copies,
         ddp_buckets=weights * n if world_size > 1 and not gradient_as_bucket_view else 0,
     )
 
