@@ -27,7 +27,7 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     multiplier,
 )
-from xsa_lm.scale.report import render_markdown, write_report
+from xsa_lm.scale.report import SizeResult, render_markdown, write_report
 from xsa_lm.scale.run import SizeRunner, analyse, reanalyse, size_tests
 from xsa_lm.stats.paired import holm
 
@@ -139,7 +139,7 @@ def clean_sizes(
     lr_grid=(1e-3, 2e-3, 4e-3),
     selected_lr: float = 2e-3,
     warnings=(),
-) -> list[dict]:
+) -> list[SizeResult]:
     """A study's sizes as size_result saves them, seed noise drawn around the given means."""
     rng = np.random.default_rng(3)
     sa_means = sa_curve(compute) if sa_means is None else sa_means
@@ -151,7 +151,6 @@ def clean_sizes(
         sizes.append(
             {
                 "model": f"m{i}",
-                "usable": True,
                 "compute": float(c),
                 "non_embedding_params": 10**6 * 4**i,
                 "selected_lr": selected_lr,
@@ -167,17 +166,17 @@ def clean_sizes(
                 "sweep_returncode": 0,
             }
         )
-    return sizes
+    return [SizeResult.from_json(size) for size in sizes]
 
 
-def flags_of(sizes: list[dict]) -> list[str]:
+def flags_of(sizes: list[SizeResult]) -> list[str]:
     return [f["flag"] for f in analyse(sizes, "auto", resamples=100, seed=0)["fit"]["flags"]]
 
 
-def study_results(sizes: list[dict], analysis: dict, tmp_path: Path) -> dict:
-    models = [s["model"] for s in sizes]
+def study_results(sizes: list[SizeResult], analysis: dict, tmp_path: Path) -> dict:
+    models = [s.model for s in sizes]
     identity = {"study_dir": str(tmp_path), "study_id": "toy-study", "overrides": [], "models": models, "seeds": None}
-    return {**identity, **analysis, "sizes": sizes}
+    return {**identity, **analysis}
 
 
 def test_a_clean_ladder_raises_no_flag_and_recovers_k_within_its_interval(tmp_path: Path):
@@ -253,8 +252,9 @@ def test_the_toy_study_reanalysed_prints_no_multiplier(tmp_path: Path):
     hidden = fit["not_results"]
     assert hidden["why"] == list(flags) and hidden["multiplier"] > 1
     for size, raw in zip(results["sizes"], saved["sizes"], strict=True):
-        assert size["sa_runs"] == raw["sa_runs"] and size["xsa_runs"] == raw["xsa_runs"]  # the raw data kept
-        assert not {"multiplier", "multiplier_ci", "multiplier_ci_bootstrap", "wallclock_multiplier"} & set(size)
+        assert size.sa_runs == raw["sa_runs"] and size.xsa_runs == raw["xsa_runs"]  # the raw data kept
+        kept = set(size.to_json())
+        assert not {"multiplier", "multiplier_ci", "multiplier_ci_bootstrap", "wallclock_multiplier"} & kept
     report = write_report(results, tmp_path)
     assert "re-analysed on 2026-01-01" in report and "lack_of_fit" in report
     for value in (hidden["multiplier"], *hidden["ci"]):
@@ -268,19 +268,21 @@ def test_the_toy_study_reanalysed_prints_no_multiplier(tmp_path: Path):
 def test_each_size_gets_the_paired_tests_holm_across_sizes_and_one_pooled_sign_test():
     sa = [5.21, 4.81, 5.11, 4.95, 5.02]
     xsa = [4.73, 4.80, 4.68, 4.99, 4.70]
-    sizes = [
-        {"compute": 1.0, "sa_runs": sa, "xsa_runs": xsa},
-        {"compute": 2.0, "sa_runs": [1.0, 1.0], "xsa_runs": [0.9, 1.0]},
-        {"sa_runs": [1.0], "xsa_runs": [0.5], "error": "no summary"},  # left out of the fit: no test either
+    given = [
+        SizeResult(model="a", compute=1.0, sa_runs=sa, xsa_runs=xsa),
+        SizeResult(model="b", compute=2.0, sa_runs=[1.0, 1.0], xsa_runs=[0.9, 1.0]),
+        SizeResult(model="c", sa_runs=[1.0], xsa_runs=[0.5], error="no summary"),  # left out of the fit: no test
     ]
-    across = size_tests(sizes)
-    tests = sizes[0]["tests"]
+    sizes, across = size_tests(given)
+    assert all(size.tests is None for size in given)  # the sizes given are left as they were
+    tests = sizes[0].tests
+    assert tests is not None
     assert tests["wilcoxon_p"] == pytest.approx(scipy.stats.wilcoxon(np.subtract(xsa, sa), method="exact").pvalue)
     assert tests["sign_p"] == pytest.approx(scipy.stats.binomtest(4, 5, 0.5).pvalue)
     assert tests["t_p"] == pytest.approx(scipy.stats.ttest_rel(xsa, sa).pvalue)
-    assert tests["xsa_lower"] == 4 and "tests" not in sizes[2]
-    p_values = [s["tests"]["t_p"] for s in sizes[:2]]
-    assert [s["tests"]["t_p_holm"] for s in sizes[:2]] == holm(p_values)
+    assert tests["xsa_lower"] == 4 and sizes[2].tests is None
+    p_values = [s.tests["t_p"] for s in sizes[:2] if s.tests]
+    assert [s.tests["t_p_holm"] for s in sizes[:2] if s.tests] == holm(p_values)
     pooled = across["pooled_sign"]
     assert (pooled["pairs"], pooled["xsa_lower"]) == (7, 5)  # the tie of the second size counts in no sign test
     assert pooled["p"] == pytest.approx(scipy.stats.binomtest(5, 6).pvalue)

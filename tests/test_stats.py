@@ -12,6 +12,7 @@ import pytest
 import scipy.stats
 
 import xsa_lm.stats
+from xsa_lm.scale.report import SizeResult
 from xsa_lm.scale.run import size_tests
 from xsa_lm.scale.tokens import analyse_tokens
 from xsa_lm.stats.paired import holm, min_detectable_difference, paired_stats, paired_t, sign_test_p, wilcoxon_p
@@ -146,9 +147,13 @@ def sweep_path(sa: list[float], xsa: list[float], tmp_path: Path) -> dict:
 
 def scale_path(sa: list[float], xsa: list[float]) -> dict:
     """The tests of one size of a scaling study (two sizes: Holm's adjustment has a family)."""
-    sizes = [{"compute": 1.0, "sa_runs": sa, "xsa_runs": xsa}, {"compute": 2.0, "sa_runs": [1.0], "xsa_runs": [1.0]}]
-    size_tests(sizes)
-    return {k: v for k, v in sizes[0]["tests"].items() if k != "t_p_holm"}
+    given = [
+        SizeResult(model="a", compute=1.0, sa_runs=sa, xsa_runs=xsa),
+        SizeResult(model="b", compute=2.0, sa_runs=[1.0], xsa_runs=[1.0]),
+    ]
+    tests = size_tests(given)[0][0].tests
+    assert tests is not None
+    return {k: v for k, v in tests.items() if k != "t_p_holm"}
 
 
 def token_path(sa: list[float], xsa: list[float]) -> dict:

@@ -18,7 +18,8 @@ R = TypeVar("R", bound="Record")
 
 
 class Record:
-    """A dataclass record of a JSON file (subclasses are dataclasses with a last field `schema: int = SCHEMA`)."""
+    """A dataclass record of a JSON file: a subclass is a dataclass whose last field is `schema: int = 1` (its
+    version, SCHEMA), but for a record nested in another."""
 
     SCHEMA: ClassVar[int] = 1
 
@@ -36,6 +37,7 @@ class Record:
             raise UserError(
                 f"{where}: schema {version!r} is newer than this xsa-lm reads ({cls.SCHEMA}): upgrade xsa-lm to read it"
             )
+        data = cls.upgraded(data)
         hints = get_type_hints(cls)
         fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
         missing = [f.name for f in fields if f.name not in data and not has_default(f)]
@@ -45,7 +47,14 @@ class Record:
                 "that wrote it again"
             )
         values = {f.name: convert(hints[f.name], data[f.name], where) for f in fields if f.name in data}
-        return cls(**values | {"schema": cls.SCHEMA})
+        if any(f.name == "schema" for f in fields):  # read, it is of this version (a nested record has none)
+            values["schema"] = cls.SCHEMA
+        return cls(**values)
+
+    @classmethod
+    def upgraded(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """An older file's keys as this version names them (a subclass says how); to_json writes the new names."""
+        return data
 
     @classmethod
     def read(cls: type[R], path: Path) -> R:

@@ -2,10 +2,43 @@
 ladder's k in its title only when no flag is up) and a W&B report run."""
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
+from xsa_lm.records import Record, plain
 from xsa_lm.scale.fit import Fit
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeResult(Record):
+    """One size of a scaling study, as its results.json keeps it: what its sweep gave (the raw data a reanalysis starts
+    from; `error` says why a size has none) and, once analysed, its paired tests."""
+
+    model: str
+    sweep_dir: str | None = None
+    sweep_returncode: int | None = None
+    error: str | None = None
+    selected_lr: float | None = None
+    lr_grid: list[float] | None = None
+    seeds: list[int] = field(default_factory=list)
+    sa_runs: list[float] = field(default_factory=list)
+    xsa_runs: list[float] = field(default_factory=list)
+    sa_mean: float | None = None
+    xsa_mean: float | None = None
+    diff_ci95: tuple[float, float] | None = None
+    sweep_warnings: list[str] = field(default_factory=list)
+    non_embedding_params: int | None = None
+    tokens: int | None = None
+    compute: float | None = None  # training FLOPs of a run (model_compute); None: left out of the fit
+    sa_tokens_per_s: float | None = None
+    xsa_tokens_per_s: float | None = None
+    tests: dict | None = None  # PairedStats.to_json() and t_p_holm (analyse)
+    schema: int = 1
+
+    @property
+    def usable(self) -> bool:
+        return self.compute is not None and self.error is None
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -65,14 +98,13 @@ def fit_lines(results: dict) -> list[str]:
     ]
     model = fit_of(results)
     for size in results["sizes"]:
-        if "compute" not in size:
-            lines.append(f"| {size['model']} | - | - | - | - | - | left out |")
+        if size.compute is None or size.sa_mean is None:
+            lines.append(f"| {size.model} | - | - | - | - | - | left out |")
             continue
-        predicted = model.loss(size["compute"])
+        predicted = model.loss(size.compute)
         lines.append(
-            f"| {size['model']} | {size['non_embedding_params']:,} | {size['selected_lr']:g} | "
-            f"{size['compute']:.3g} | {_num(size['sa_mean'])} | {_num(predicted)} | "
-            f"{size['sa_mean'] - predicted:+.4f} |"
+            f"| {size.model} | {size.non_embedding_params:,} | {size.selected_lr:g} | "
+            f"{size.compute:.3g} | {_num(size.sa_mean)} | {_num(predicted)} | {size.sa_mean - predicted:+.4f} |"
         )
     return lines
 
@@ -92,11 +124,11 @@ def size_test_lines(results: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for size in results["sizes"]:
-        if "tests" not in size:
+        if size.tests is None:
             continue
-        t = size["tests"]
+        t = size.tests
         lines.append(
-            f"| {size['model']} | {t['pairs']} | {_num(size['sa_mean'])} | {_num(size['xsa_mean'])} | "
+            f"| {size.model} | {t['pairs']} | {_num(size.sa_mean)} | {_num(size.xsa_mean)} | "
             f"{t['mean_diff']:+.4f} | {_ci(t['t_ci95'])} | {_p(t['t_p'])} | {_p(t['t_p_holm'])} | "
             f"{_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} |"
         )
@@ -170,24 +202,24 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     import numpy as np
     from matplotlib.ticker import NullFormatter
 
-    sizes = [s for s in results["sizes"] if "compute" in s]
+    sizes = [s for s in results["sizes"] if s.compute is not None]
+    compute = [s.compute for s in sizes]
     fig, ax = plt.subplots(figsize=(6, 4))
     for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
-        compute = [s["compute"] for s in sizes]
-        runs = [s[f"{attention}_runs"] for s in sizes]
+        runs = [s.sa_runs if attention == "sa" else s.xsa_runs for s in sizes]
         means = [float(np.mean(r)) for r in runs]
         spread = [float(np.std(r, ddof=1)) if len(r) > 1 else 0.0 for r in runs]
         label = f"{attention.upper()} (mean ± sd over seeds)"
         ax.errorbar(compute, means, yerr=spread, fmt="o", color=color, capsize=3, label=label)
     model = fit_of(results)
-    grid = np.geomspace(min(s["compute"] for s in sizes) / 1.5, max(s["compute"] for s in sizes) * 1.5, 100)
+    grid = np.geomspace(min(compute) / 1.5, max(compute) * 1.5, 100)
     ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=f"SA fit: {model.describe()}")
     shared = results["fit"]["shared"]
     for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
         curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
         ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
     for s in sizes:
-        ax.annotate(s["model"], (s["compute"], s["sa_mean"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
     ax.set_xlabel("training compute (FLOPs)")
@@ -208,11 +240,11 @@ def plot_multiplier(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    sizes = [s for s in results["sizes"] if "tests" in s]
+    tested = [(s.non_embedding_params, s.tests) for s in results["sizes"] if s.tests is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
-    for s in sizes:
-        x, diff, ci = s["non_embedding_params"], s["tests"]["mean_diff"], s["tests"]["t_ci95"]
+    for x, tests in tested:
+        diff, ci = tests["mean_diff"], tests["t_ci95"]
         if ci:
             ax.errorbar([x], [diff], yerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="tab:orange", capsize=4)
         else:
@@ -234,7 +266,7 @@ def plot_multiplier(results: dict, path: Path) -> None:
 
 
 def write_report(results: dict, study_dir: Path) -> str:
-    write_json(study_dir / "results.json", results)
+    write_json(study_dir / "results.json", plain(results))
     plot_loss_vs_compute(results, study_dir / "loss_vs_compute.png")
     plot_multiplier(results, study_dir / "multiplier.png")
     markdown = render_markdown(results)
@@ -261,7 +293,7 @@ def log_to_wandb(results: dict, study_dir: Path, wandb_cfg: dict) -> None:
     )
     columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean".split()
     tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
-    rows = [[s.get(c) for c in columns] + [s["tests"][t] for t in tests] for s in results["sizes"] if "tests" in s]
+    rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results["sizes"] if s.tests]
     columns += tests
     plots = {f"scale/{p}": wandb.Image(str(study_dir / f"{p}.png")) for p in ("loss_vs_compute", "multiplier")}
     table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -40,9 +41,10 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     wallclock_multiplier,
 )
-from xsa_lm.scale.report import log_to_wandb, write_report
+from xsa_lm.scale.report import SizeResult, log_to_wandb, write_report
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
+from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.run import (
     check_sweep,
     open_state,
@@ -55,6 +57,7 @@ from xsa_lm.sweep.run import (
 )
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.trials import die_with_parent, last_error_line
+from xsa_lm.train.summary import RunSummary
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -163,7 +166,7 @@ class SizeRunner:
             self.proc.wait()
 
 
-def model_compute(summary: dict) -> float:
+def model_compute(summary: RunSummary) -> float:
     """Training FLOPs of a run: the model's FLOPs per token (GPT.flops_per_token) times the tokens it trained on."""
     import torch
 
@@ -171,43 +174,43 @@ def model_compute(summary: dict) -> float:
     from xsa_lm.model.gpt import GPT
 
     with torch.device("meta"):  # the formula needs the shapes only
-        model = GPT(GPTConfig(**summary["model_config"]))
-    return model.flops_per_token() * summary["tokens_seen"]
+        model = GPT(GPTConfig(**summary.model_config))
+    return model.flops_per_token() * summary.tokens_seen
 
 
-def size_result(model: str, sweep_dir: Path, returncode: int, log: Path) -> dict:
+def size_result(model: str, sweep_dir: Path, returncode: int, log: Path) -> SizeResult:
     """What the fit needs from one size's sweep: the paired final losses, compute, throughput."""
-    entry = {"model": model, "sweep_dir": str(sweep_dir), "sweep_returncode": returncode, "usable": False}
+    size = SizeResult(model=model, sweep_dir=str(sweep_dir), sweep_returncode=returncode)
     results_file = sweep_dir / "results.json"
     if not results_file.exists():
-        entry["error"] = last_error_line(log) or f"the sweep exited with code {returncode} before its report"
-        return entry
-    sweep = json.loads(results_file.read_text())
-    compare = sweep["comparison"]
-    runs = [t for t in sweep["trials"] if t["phase"] == "compare" and t["seed"] in compare["seeds"]]
-    entry.update(
-        selected_lr=sweep["selected_lr"],
-        lr_grid=sweep.get("grid"),
-        seeds=compare["seeds"],
-        sa_runs=compare["sa"],
-        xsa_runs=compare["xsa"],
-        sa_mean=compare["sa_mean"],
-        xsa_mean=compare["xsa_mean"],
-        diff_ci95=compare["diff_ci95"],
-        sweep_warnings=sweep["warnings"],
+        return replace(size, error=last_error_line(log) or f"the sweep exited with code {returncode} before its report")
+    sweep = SweepResult.read(results_file)
+    compare = sweep.comparison
+    size = replace(
+        size,
+        selected_lr=sweep.selected_lr,
+        lr_grid=sweep.grid,
+        seeds=compare.seeds,
+        sa_runs=compare.sa,
+        xsa_runs=compare.xsa,
+        sa_mean=compare.sa_mean,
+        xsa_mean=compare.xsa_mean,
+        diff_ci95=compare.diff_ci95,
+        sweep_warnings=sweep.warnings,
     )
+    runs = [t for t in sweep.trials if t.phase == "compare" and t.seed in compare.seeds]
     if not runs:
-        entry["error"] = "no seed has both an SA and an XSA result (see the size's report)"
-        return entry
-    summary = json.loads((Path(runs[0]["run_dir"]) / "summary.json").read_text())
-    entry["non_embedding_params"] = summary["non_embedding_params"]
-    entry["tokens"] = summary["tokens_seen"]
-    entry["compute"] = model_compute(summary)
-    for attention in ("sa", "xsa"):
-        speeds = [t["tokens_per_s"] for t in runs if t["attention"] == attention and t.get("tokens_per_s")]
-        entry[f"{attention}_tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
-    entry["usable"] = True
-    return entry
+        return replace(size, error="no seed has both an SA and an XSA result (see the size's report)")
+    summary = RunSummary.read(Path(str(runs[0].run_dir)) / "summary.json")
+    speeds = {a: [t.tokens_per_s for t in runs if t.attention == a and t.tokens_per_s] for a in ("sa", "xsa")}
+    return replace(
+        size,
+        non_embedding_params=summary.non_embedding_params,
+        tokens=summary.tokens_seen,
+        compute=model_compute(summary),
+        sa_tokens_per_s=statistics.fmean(speeds["sa"]) if speeds["sa"] else None,
+        xsa_tokens_per_s=statistics.fmean(speeds["xsa"]) if speeds["xsa"] else None,
+    )
 
 
 def standard_error(runs: list[float]) -> float:
@@ -219,27 +222,28 @@ def flag(name: str, reason: str) -> dict:
     return {"flag": name, "reason": reason}
 
 
-def lr_edges(sizes: list[dict]) -> list[str]:
+def lr_edges(sizes: list[SizeResult]) -> list[str]:
     """The sizes whose selected LR is at an edge of their grid: their sweep's warning says so, or the grid does."""
     found = []
     for s in sizes:
-        grid = s.get("lr_grid") or []
-        at_edge = bool(grid) and (len(grid) == 1 or s["selected_lr"] in (min(grid), max(grid)))
-        said = any("of the grid" in w or "grid holds one LR" in w for w in s.get("sweep_warnings", []))
+        grid = s.lr_grid or []
+        at_edge = bool(grid) and (len(grid) == 1 or s.selected_lr in (min(grid), max(grid)))
+        said = any("of the grid" in w or "grid holds one LR" in w for w in s.sweep_warnings)
         if at_edge or said:
-            found.append(f"{s['model']} (LR {s['selected_lr']:g})")
+            found.append(f"{s.model} (LR {s.selected_lr:g})")
     return found
 
 
-def not_falling(ladder: list[dict], key: str) -> list[str]:
-    steps = zip(ladder, ladder[1:], strict=False)
-    return [f"{a['model']} -> {b['model']}" for a, b in steps if b[key] >= a[key]]
+def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
+    pairs = range(len(ladder) - 1)
+    return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
 
 
-def ladder_flags(ladder: list[dict], sa_fit: Fit, lack: dict, shared: SharedFit) -> list[dict]:
+def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: dict, shared: SharedFit) -> list[dict]:
     """Every reason this ladder cannot turn XSA's loss gap into compute, each with its one-line why."""
     flags = []
-    compute = [s["compute"] for s in ladder]
+    compute = [cast(float, s.compute) for s in ladder]
+    sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
     if lack["p"] is None:
         why = (
             "a size has fewer than 2 seeds (no standard error)"
@@ -259,13 +263,13 @@ def ladder_flags(ladder: list[dict], sa_fit: Fit, lack: dict, shared: SharedFit)
     # a little past it, which is what k means there.
     step = (max(compute) / min(compute)) ** (1 / (len(compute) - 1))
     outside = []
-    for s in ladder:
-        for arm in ("sa", "xsa"):
-            needed = sa_fit.compute_for(s[f"{arm}_mean"])
+    for s, sa_mean, xsa_mean in zip(ladder, sa_means, xsa_means, strict=True):
+        for arm, mean in (("sa", sa_mean), ("xsa", xsa_mean)):
+            needed = sa_fit.compute_for(mean)
             if not math.isfinite(needed) or needed > max(compute) * step:
-                outside.append(f"{s['model']} {arm.upper()} ({needed / max(compute):.3g}x the largest)")
+                outside.append(f"{s.model} {arm.upper()} ({needed / max(compute):.3g}x the largest)")
             elif needed < min(compute) / step:
-                outside.append(f"{s['model']} {arm.upper()} ({min(compute) / needed:.3g}x below the smallest)")
+                outside.append(f"{s.model} {arm.upper()} ({min(compute) / needed:.3g}x below the smallest)")
     if outside:
         flags.append(
             flag(
@@ -281,14 +285,14 @@ def ladder_flags(ladder: list[dict], sa_fit: Fit, lack: dict, shared: SharedFit)
     sa = sa_fit.as_dict()
     if sa_fit.form == "power_law_offset" and sa_fit.E <= 1e-6:
         bounds.insert(0, "SA fit: E at its lower bound 0")
-    if sa_fit.form == "power_law_offset" and sa_fit.E >= min(s["sa_mean"] for s in ladder) - 1e-6:
+    if sa_fit.form == "power_law_offset" and sa_fit.E >= min(sa_means) - 1e-6:
         bounds.insert(0, "SA fit: E at its upper bound, the lowest SA mean")
     if sa["alpha"] <= 1e-6 or sa["alpha"] >= 10 - 1e-6:
         bounds.insert(0, f"SA fit: alpha = {sa['alpha']:.4f} at a bound (0 or 10)")
     if bounds:
         flags.append(flag("parameter_at_bound", "; ".join(bounds) + ": the data do not identify it"))
-    rises = not_falling(ladder, "xsa_mean")
-    trend = scipy.stats.linregress(np.log(compute), [s["xsa_mean"] for s in ladder]) if len(ladder) > 2 else None
+    rises = not_falling(ladder, xsa_means)
+    trend = scipy.stats.linregress(np.log(compute), xsa_means) if len(ladder) > 2 else None
     if rises or trend is None or trend.slope >= 0 or trend.pvalue > 0.05:
         why = f"it rises ({', '.join(rises)})" if rises else "its fall is not significant"
         if trend is not None:
@@ -296,7 +300,7 @@ def ladder_flags(ladder: list[dict], sa_fit: Fit, lack: dict, shared: SharedFit)
         else:
             why += "; two sizes cannot test its slope"
         flags.append(flag("xsa_flat_or_not_monotone", f"XSA's mean loss does not fall with compute: {why}"))
-    rises = not_falling(ladder, "sa_mean")
+    rises = not_falling(ladder, sa_means)
     if rises:
         flags.append(flag("sa_not_monotone", f"SA's mean loss does not fall as compute grows ({', '.join(rises)})"))
     edges = lr_edges(ladder)
@@ -315,26 +319,23 @@ def wallclock(k: float, ci: list[float], bench: dict | None) -> dict:
     return wallclock_multiplier(k, ci, ratio) | {"note": f"XSA/SA step time from xsa-lm bench ({bench['source']})"}
 
 
-def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int, bench: dict | None = None) -> dict:
+def analyse(
+    sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: dict | None = None
+) -> dict[str, Any]:
     """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI,
-    the flags, and the paired tests per size and across sizes. A flagged ladder keeps k only under not_results."""
-    warnings = [f"{s['model']}: left out of the fit: {s['error']}" for s in sizes if not s["usable"]]
-    warnings += [f"{s['model']}: {w}" for s in sizes for w in s.get("sweep_warnings", [])]  # e.g. a grid edge
-    ladder = sorted((s for s in sizes if s["usable"]), key=lambda s: s["compute"])
-    compute = [s["compute"] for s in ladder]
-    sa_fit = fit_loss_vs_compute(compute, [s["sa_mean"] for s in ladder], fit_form)
-    sa_se = [standard_error(s["sa_runs"]) for s in ladder]
-    xsa_se = [standard_error(s["xsa_runs"]) for s in ladder]
+    the flags, and the paired tests per size (the sizes returned with them) and across sizes. A flagged ladder keeps
+    k only under not_results."""
+    warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
+    warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
+    ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
+    compute = [cast(float, s.compute) for s in ladder]
+    sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
+    sa_fit = fit_loss_vs_compute(compute, sa_means, fit_form)
+    sa_se = [standard_error(s.sa_runs) for s in ladder]
+    xsa_se = [standard_error(s.xsa_runs) for s in ladder]
     lack = lack_of_fit(sa_fit.residuals, sa_se, FORMS[sa_fit.form])
-    means = [s["sa_mean"] for s in ladder] + [s["xsa_mean"] for s in ladder]
-    f_scale = huber_scale(means, sa_se + xsa_se)
-    shared = fit_shared(
-        compute,
-        [s["sa_mean"] for s in ladder],
-        [s["xsa_mean"] for s in ladder],
-        offset=sa_fit.form == "power_law_offset",
-        f_scale=f_scale,
-    )
+    f_scale = huber_scale(sa_means + xsa_means, sa_se + xsa_se)
+    shared = fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
     known_se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]
     lof_variance = lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
     k = shared.multiplier
@@ -361,41 +362,33 @@ def analyse(sizes: list[dict], fit_form: str, resamples: int, seed: int, bench: 
         warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
     else:
         fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
-    for size in sizes:
-        size.pop("usable")
-    return {"fit": fit, "across_sizes": size_tests(sizes), "warnings": warnings}
+    tested, across = size_tests(sizes)
+    return {"fit": fit, "across_sizes": across, "warnings": warnings, "sizes": tested}
 
 
-def size_tests(sizes: list[dict]) -> dict:
-    """XSA - SA at each size with a result (paired_stats under `tests`, its t p-value Holm-adjusted across the
-    sizes), and across sizes one sign test over every pair of every size."""
-    tested = [s for s in sizes if "compute" in s]
-    for size in tested:
-        size["tests"] = paired_stats(size["sa_runs"], size["xsa_runs"]).to_json()
-    for size, p in zip(tested, holm([s["tests"]["t_p"] for s in tested]), strict=True):
-        size["tests"]["t_p_holm"] = p
-    diffs = [x - s for size in tested for s, x in zip(size["sa_runs"], size["xsa_runs"], strict=True)]
-    return {"pooled_sign": {"pairs": len(diffs), "xsa_lower": sum(d < 0 for d in diffs), "p": sign_test_p(diffs)}}
-
-
-RAW_SIZE_KEYS = (  # what size_result saves: the raw data reanalyse starts from
-    "model sweep_dir sweep_returncode error selected_lr lr_grid seeds sa_runs xsa_runs sa_mean xsa_mean diff_ci95 "
-    "sweep_warnings non_embedding_params tokens compute sa_tokens_per_s xsa_tokens_per_s"
-).split()
+def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
+    """The sizes, each with a result given XSA - SA (paired_stats under `tests`, its t p-value Holm-adjusted across
+    the sizes); and across sizes one sign test over every pair of every size."""
+    tested = [s for s in sizes if s.compute is not None]
+    paired = [paired_stats(s.sa_runs, s.xsa_runs) for s in tested]
+    holm_p = holm([t.t_p for t in paired])
+    stats = [t.to_json() | {"t_p_holm": p} for t, p in zip(paired, holm_p, strict=True)]
+    diffs = [x - s for size in tested for s, x in zip(size.sa_runs, size.xsa_runs, strict=True)]
+    pooled = {"pairs": len(diffs), "xsa_lower": sum(d < 0 for d in diffs), "p": sign_test_p(diffs)}
+    tests = iter(stats)
+    return [replace(s, tests=next(tests)) if s.compute is not None else s for s in sizes], {"pooled_sign": pooled}
 
 
 def reanalyse(
     results: dict, *, fit_form: str = "auto", resamples: int = 1000, seed: int = 0, when: str | None = None
-) -> dict:
-    """A saved study's results.json analysed again from its sizes' raw data (the multipliers and intervals of an
-    older analysis dropped); `reanalysed` says when."""
-    sizes = [{k: v for k, v in s.items() if k in RAW_SIZE_KEYS} for s in results["sizes"]]
-    for size in sizes:
-        size["usable"] = "compute" in size and "error" not in size
+) -> dict[str, Any]:
+    """A saved study's results.json analysed again from its sizes' raw data (the tests and multipliers of an older
+    analysis dropped); `reanalysed` says when."""
+    sizes = [replace(SizeResult.from_json(s, source="results.json sizes"), tests=None) for s in results["sizes"]]
     analysis = analyse(sizes, fit_form, resamples, seed, results.get("bench"))
     identity = {k: results[k] for k in ("study_dir", "study_id", "overrides", "models", "seeds")}
     reanalysed = when or time.strftime("%Y-%m-%d")
-    return {**identity, "reanalysed": reanalysed, **analysis, "sizes": sizes} | (
+    return {**identity, "reanalysed": reanalysed, **analysis} | (
         {"bench": results["bench"]} if results.get("bench") else {}
     )
 
@@ -477,7 +470,6 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
         "models": models,
         "seeds": seeds,
         **analysis,
-        "sizes": sizes,
     } | ({"bench": bench} if bench else {})
     write_report(results, study_dir)
     if wandb_cfg and cfg.scale.wandb_report:
@@ -504,7 +496,7 @@ def main(cfg: DictConfig) -> None:
         incomplete = unfinished(results)
     else:
         study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
-        incomplete = [s["model"] for s in results["sizes"] if s["sweep_returncode"] != 0]
+        incomplete = [s.model for s in results["sizes"] if s.sweep_returncode != 0]
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
     if incomplete:

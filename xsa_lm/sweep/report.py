@@ -3,12 +3,16 @@ curves.png, and a W&B report run in the sweep's group."""
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from xsa_lm.files import write_json, write_text
+from xsa_lm.records import Record
 from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
 from xsa_lm.sweep.protocol import Comparison, Selection, mean_std
 from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
+from xsa_lm.sweep.trials import TrialRecord
 
 
 def _loss(value: float | None) -> str:
@@ -58,28 +62,89 @@ def dropped_warning(drop: dict) -> str:
     return warning
 
 
-def comparison_stats(comparison: Comparison, dropped: list[dict] | None = None) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class ComparisonStats(Record):
     """The comparison of results.json: each arm's mean and std over seeds, and the paired tests (paired_stats) under
-    the key names results.json has always had (docs/sweep.md; `xsa-lm scale` reads them)."""
-    stats = {"seeds": comparison.seeds, "sa": comparison.sa, "xsa": comparison.xsa, "diff": comparison.diffs}
-    for name, values in (("sa", comparison.sa), ("xsa", comparison.xsa)):
-        stats[f"{name}_mean"], stats[f"{name}_std"] = mean_std(values)
-    paired = paired_stats(comparison.sa, comparison.xsa)
-    return stats | {
-        "diff_mean": paired.mean_diff,
-        "diff_std": paired.sd_diff,
-        "diff_ci95": paired.t_ci95,
-        "xsa_better_in": paired.xsa_lower,
-        "wilcoxon_p_value": paired.wilcoxon_p,
-        "sign_test_p_value": paired.sign_p,
-        "diff_t": paired.t,
-        "diff_p_value": paired.t_p,
-        "dof": paired.pairs - 1 if paired.pairs > 1 else None,
-        "min_detectable_diff": min_detectable_difference(paired.sd_diff, paired.pairs),
-        "power": POWER,
-        "alpha": ALPHA,
-        "dropped_seeds": dropped or [],
-    }
+    the key names results.json has always had (docs/sweep.md)."""
+
+    seeds: list[int]
+    sa: list[float]
+    xsa: list[float]
+    diff: list[float]
+    sa_mean: float | None = None
+    sa_std: float | None = None
+    xsa_mean: float | None = None
+    xsa_std: float | None = None
+    diff_mean: float | None = None
+    diff_std: float | None = None
+    diff_ci95: tuple[float, float] | None = None
+    xsa_better_in: int = 0
+    wilcoxon_p_value: float | None = None
+    sign_test_p_value: float | None = None
+    diff_t: float | None = None
+    diff_p_value: float | None = None
+    dof: int | None = None
+    min_detectable_diff: float | None = None
+    power: float = POWER
+    alpha: float = ALPHA
+    dropped_seeds: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, comparison: Comparison, dropped: list[dict] | None = None) -> "ComparisonStats":
+        (sa_mean, sa_std), (xsa_mean, xsa_std) = mean_std(comparison.sa), mean_std(comparison.xsa)
+        paired = paired_stats(comparison.sa, comparison.xsa)
+        return cls(
+            seeds=comparison.seeds,
+            sa=comparison.sa,
+            xsa=comparison.xsa,
+            diff=comparison.diffs,
+            sa_mean=sa_mean,
+            sa_std=sa_std,
+            xsa_mean=xsa_mean,
+            xsa_std=xsa_std,
+            diff_mean=paired.mean_diff,
+            diff_std=paired.sd_diff,
+            diff_ci95=paired.t_ci95,
+            xsa_better_in=paired.xsa_lower,
+            wilcoxon_p_value=paired.wilcoxon_p,
+            sign_test_p_value=paired.sign_p,
+            diff_t=paired.t,
+            diff_p_value=paired.t_p,
+            dof=paired.pairs - 1 if paired.pairs > 1 else None,
+            min_detectable_diff=min_detectable_difference(paired.sd_diff, paired.pairs),
+            dropped_seeds=dropped or [],
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepResult(Record):
+    """A sweep's results.json (build_results makes it, `xsa-lm scale` reads it)."""
+
+    sweep_dir: str
+    sweep_id: str
+    train_overrides: list[str]
+    grid: list[float]
+    seeds: list[int]
+    search_seeds: list[int]
+    reuse_search_run: bool = False
+    selected_lr: float | None
+    warnings: list[str] = field(default_factory=list)
+    search: dict[str, dict[str, dict]] = field(default_factory=dict)  # arm -> LR -> its median and runs
+    comparison: ComparisonStats
+    compare_table: list[dict] = field(default_factory=list)
+    xsa_tuning: dict | None = None
+    sequential: dict | None = None  # SequentialRule.summary
+    stalls: dict | None = None  # stall_study
+    trials: list[TrialRecord] = field(default_factory=list)
+    eval: dict | None = None  # xsa-lm eval of the compare runs (sweep.eval_tasks)
+    schema: int = 1
+
+    @classmethod
+    def upgraded(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Sweeps before sweep.search_seeds searched at one seed, `search_seed`."""
+        if "search_seeds" not in data and "search_seed" in data:
+            return data | {"search_seeds": [data["search_seed"]]}
+        return data
 
 
 def verdict(stats: dict, sequential: bool = False) -> str:
@@ -401,7 +466,7 @@ def build_results(
             )
             point["runs"].append(trial)
     dropped = dropped_seeds(trials)
-    compare = comparison_stats(comparison_of(trials), dropped)
+    compare = ComparisonStats.of(comparison_of(trials), dropped).to_json()
     tuning = xsa_tuning(search, selection, xsa_selection) if xsa_selection is not None else None
     warnings = list(selection.warnings)
     warnings += [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
@@ -439,7 +504,7 @@ def build_results(
 
 def write_report(results: dict, sweep_dir: Path) -> str:
     """results.json, report.md and the two plots in the sweep directory; returns the markdown."""
-    write_json(sweep_dir / "results.json", results)
+    write_json(sweep_dir / "results.json", SweepResult.from_json(results).to_json())
     plot_lr_sweep(results, sweep_dir / "lr_sweep.png")
     plot_curves(results["trials"], sweep_dir / "curves.png", results["selected_lr"])
     markdown = render_markdown(results)

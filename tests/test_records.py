@@ -1,0 +1,89 @@
+"""The JSON files one layer writes and another reads, as typed records: the files of earlier releases under results/
+are read, a newer schema or a key missing is refused in one line naming the file."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xsa_lm.errors import UserError
+from xsa_lm.scale.report import SizeResult
+from xsa_lm.sweep.report import SweepResult
+from xsa_lm.sweep.trials import TrialRecord, outcome
+from xsa_lm.train.summary import RunSummary
+
+REPO = Path(__file__).resolve().parents[1]
+SWEEP_RESULTS = sorted(p for p in REPO.glob("results/*/results.json") if "sweep_id" in json.loads(p.read_text()))
+STUDY_RESULTS = [REPO / "results" / "scale_toy" / "results.json", REPO / "tests" / "data" / "scale_toy_results.json"]
+
+# summary.json as `xsa-lm train` wrote it before it had a schema version (keys as of this release's predecessor)
+OLD_SUMMARY = {
+    "status": "completed",
+    "error": None,
+    "attention": "xsa",
+    "model": "tiny",
+    "lr": 0.003,
+    "peak_lr": 0.003,
+    "precision": "32-true",
+    "seed": 1,
+    "final_val_loss": 5.1,
+    "final_val_ppl": 164.0,
+    "best_val_loss": 5.1,
+    "steps": 40,
+    "tokens_seen": 40960,
+    "tokens_per_s": 9000.0,
+    "wall_time_s": 12.5,
+    "non_embedding_params": 12345,
+    "diverged_at_step": None,
+    "events": [],
+    "val_history": [{"step": 40, "tokens": 40960, "val_loss": 5.1}],
+    "run_dir": "runs/xsa_lr0.003_s1",
+    "checkpoints": {"last": "runs/xsa_lr0.003_s1/checkpoints/last.ckpt", "best": None},
+    "model_config": {"vocab_size": 512, "n_layer": 2},
+}
+
+
+@pytest.mark.parametrize("path", SWEEP_RESULTS, ids=lambda p: p.parent.name)
+def test_the_sweep_results_under_results_are_read(path: Path) -> None:
+    saved = json.loads(path.read_text())
+    sweep = SweepResult.read(path)
+    assert sweep.selected_lr == saved["selected_lr"] and sweep.comparison.seeds == saved["comparison"]["seeds"]
+    assert [t.id for t in sweep.trials] == [t["id"] for t in saved["trials"]]
+    assert sweep.search_seeds == saved.get("search_seeds", [saved.get("search_seed")])  # older: one search seed
+    again = sweep.to_json()
+    assert again["comparison"]["diff_mean"] == saved["comparison"]["diff_mean"] and again["schema"] == 1
+    assert SweepResult.from_json(again) == sweep
+
+
+@pytest.mark.parametrize("path", STUDY_RESULTS, ids=lambda p: p.parent.name)
+def test_the_sizes_of_a_saved_study_are_read(path: Path) -> None:
+    saved = json.loads(path.read_text())["sizes"]
+    sizes = [SizeResult.from_json(s, source=str(path)) for s in saved]
+    assert [s.model for s in sizes] == [s["model"] for s in saved]
+    assert all(s.usable == ("compute" in raw and "error" not in raw) for s, raw in zip(sizes, saved, strict=True))
+    assert [s.sa_runs for s in sizes] == [s["sa_runs"] for s in saved]
+
+
+def test_a_summary_without_a_schema_is_read_and_what_the_sweep_makes_of_it() -> None:
+    summary = RunSummary.from_json(OLD_SUMMARY)
+    assert summary.schema == 1 and summary.to_json() == OLD_SUMMARY | {"schema": 1}
+    result = outcome(0, summary, "", None)
+    assert (result.status, result.metrics()["final_val_loss"], result.metrics()["steps"]) == ("completed", 5.1, 40)
+
+
+def test_a_newer_schema_or_a_missing_key_is_refused_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(OLD_SUMMARY | {"schema": 99}))
+    with pytest.raises(UserError, match=f"^{path}: schema 99 is newer than this xsa-lm reads .*upgrade xsa-lm") as e:
+        RunSummary.read(path)
+    assert "\n" not in str(e.value)
+    path.write_text(json.dumps({k: v for k, v in OLD_SUMMARY.items() if k not in ("steps", "model_config")}))
+    with pytest.raises(UserError, match=f"^{path}: no steps, model_config in it"):
+        RunSummary.read(path)
+    path.write_text("{not json")
+    with pytest.raises(UserError, match=f"^{path}: not JSON"):
+        RunSummary.read(path)
+    record = tmp_path / "trial.json"
+    record.write_text(json.dumps({"id": "sa_lr0.001_s0", "phase": "search", "attention": "sa", "lr": 1e-3}))
+    with pytest.raises(UserError, match="no seed, status in it"):
+        TrialRecord.read(record)
