@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import FAST
+from tests.helpers import FAST, train_losses
 from tests.helpers import compose_train as composed
 from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
@@ -75,6 +75,25 @@ def test_checkpoint_every_n_steps_is_apart_from_validation(tmp_path, data_cache,
     assert [w for w in written if not w.startswith("step-")] in ([], ["best.ckpt"])
     folder = tmp_path / "run" / "checkpoints"
     assert checkpoint_step(folder / "last.ckpt") == 20 and {p.name for p in folder.glob("step-*")} == set(steps)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_an_every_n_steps_checkpoint_logs_the_steps_it_trains(tmp_path, data_cache, monkeypatch):
+    """Lightning saves such a checkpoint before it counts the step its loggers write: resumed from step 3, the run's
+    metrics.csv labelled steps 3, 4, 5 as 2, 3, 4 (with the right losses)."""
+    from xsa_lm.train.run import train
+
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    settings = [*FAST, "trainer.max_steps=6", "scheduler.total_steps=6", "val_every_steps=1000"]
+    settings += ["checkpoint.every_n_steps=3", "checkpoint.keep_last=4"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(composed(settings), tmp_path / "a")
+        checkpoint = tmp_path / "a" / "checkpoints" / "step-000003.ckpt"
+        train(composed([*settings, f"resume={checkpoint}"]), tmp_path / "b")
+    first, resumed = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
+    assert sorted(resumed) == [3, 4, 5]
+    assert resumed == pytest.approx({step: first[step] for step in (3, 4, 5)}, rel=1e-6)
 
 
 def test_a_link_outlives_its_source_and_falls_back_on_a_copy(tmp_path: Path, monkeypatch):
