@@ -265,7 +265,7 @@ def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
     ("override", "message"),
     [
         ("micro_batch=0", "micro_batch=0 must be an integer >= 1"),
-        ("threads=0", "threads=0 must be an integer >= 1 (or null)"),
+        ("threads=0", "threads=0 must be an integer >= 1 (or auto or null)"),
         ("steps=1.5", "steps=1.5 must be an integer >= 1"),
         ("context=100000", "context=100000 is above model.block_size=128: lower it"),
     ],
