@@ -8,6 +8,7 @@ import pytest
 
 from xsa_lm.errors import UserError
 from xsa_lm.scale.report import SizeResult
+from xsa_lm.scale.token_report import TokenStudyResult
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.trials import TrialRecord, outcome
 from xsa_lm.train.summary import RunSummary
@@ -87,3 +88,15 @@ def test_a_newer_schema_or_a_missing_key_is_refused_in_one_line_naming_the_file(
     record.write_text(json.dumps({"id": "sa_lr0.001_s0", "phase": "search", "attention": "sa", "lr": 1e-3}))
     with pytest.raises(UserError, match="no seed, status in it"):
         TrialRecord.read(record)
+
+
+def test_the_token_study_under_results_is_read() -> None:
+    path = REPO / "results" / "tokens_toy" / "results.json"
+    saved = json.loads(path.read_text())
+    study = TokenStudyResult.read(path)
+    assert [s.model for s in study.sizes] == [s["model"] for s in saved["sizes"]] and study.cells == saved["cells"]
+    runs = study.sizes[0].runs
+    assert (
+        runs is not None
+        and runs["sa"]["1"][0].final_val_loss == saved["sizes"][0]["runs"]["sa"]["1"][0]["final_val_loss"]
+    )

@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from tests.helpers import assert_nothing_written, compose_train, refused_in_proc
 from xsa_lm.scale import tokens
 from xsa_lm.scale.run import check_study, sweep_overrides
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
+from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult
 from xsa_lm.scale.tokens import analyse_tokens, unfinished, why
 from xsa_lm.sweep.trials import Launcher
 
@@ -120,7 +122,7 @@ def test_pooling_weighs_by_precision_and_flags_heterogeneity():
     assert pool(mixed)["q_p_value"] < 0.01
 
 
-def _entry(model: str, sa, xsa_by_budget, seeds):
+def _entry(model: str, sa, xsa_by_budget, seeds, diverged: tuple[str, int] | None = None) -> TokenSize:
     runs = {
         "sa": {
             f"{f:g}": [
@@ -137,22 +139,22 @@ def _entry(model: str, sa, xsa_by_budget, seeds):
             for f, losses in xsa_by_budget.items()
         },
     }
-    return {"model": model, "tokens_B": B, "runs": runs, "seeds": seeds, "warnings": []}
+    if diverged is not None:  # (XSA's budget, a seed's index)
+        runs["xsa"][diverged[0]][diverged[1]]["status"] = "diverged"
+    return TokenSize.from_json({"model": model, "tokens_B": B, "runs": runs, "seeds": seeds, "warnings": []})
 
 
 def test_the_analysis_pairs_seeds_leaves_out_unfinished_ones_and_takes_wall_clock_only_from_bench():
     rng = np.random.default_rng(6)
     sa, xsa_b = study(rng, k=1.5, noise=0.005)
     _, xsa_half = study(rng, k=1.5, xsa_budget=B / 2, noise=0.005)
-    entry = _entry("m", sa, {0.5: xsa_half, 1: xsa_b}, seeds=[1, 2, 3, 4, 5])
-    entry["runs"]["xsa"]["1"][4]["status"] = "diverged"
-    entry["bench"] = {"xsa_over_sa_step_time": 1.1, "interval": [1.05, 1.15]}
-    analysis = analyse_tokens([entry], [0.5, 1, 2], [0.5, 1])
+    entry = _entry("m", sa, {0.5: xsa_half, 1: xsa_b}, seeds=[1, 2, 3, 4, 5], diverged=("1", 4))
+    bench = {"xsa_over_sa_step_time": 1.1, "interval": [1.05, 1.15]}
+    analysis = analyse_tokens([replace(entry, bench=bench)], [0.5, 1, 2], [0.5, 1])
     at_b = next(c for c in analysis["cells"] if c["fraction"] == 1)
     assert at_b["paired_seeds"] == [1, 2, 3, 4] and any("1 seed(s) left out" in w for w in analysis["warnings"])
     assert at_b["wallclock_k"] == pytest.approx(at_b["k"] / 1.1)
     assert at_b["wallclock_ci"][0] == pytest.approx(at_b["ci95"][0] / 1.15)
-    del entry["bench"]
     assert "wallclock_k" not in analyse_tokens([entry], [0.5, 1, 2], [0.5, 1])["cells"][0]
     assert analysis["pooled"]["cells"] == 2
 
@@ -231,11 +233,13 @@ def failed_logs(result: subprocess.CompletedProcess) -> str:
 
 def test_an_unfinished_run_is_named_with_its_reason_and_log():
     run = {"seed": 2, "status": "failed", "error": "killed by signal SIGKILL (out of memory?)\nmore", "log": "L"}
-    sizes = [{"model": "m", "runs": {"sa": {"2": [run, {**run, "seed": 3, "status": "completed"}]}}}]
-    assert unfinished({"sizes": sizes}) == [
+    runs = {"sa": {"2": [run, {**run, "seed": 3, "status": "completed"}]}}
+    size = {"model": "m", "tokens_B": B, "runs": runs}
+    study = {"study_dir": "s", "study_id": "s", "overrides": [], "plan": {}, "sizes": [size], "cells": []}
+    assert unfinished(TokenStudyResult.from_json(study)) == [
         "m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log L)"
     ]
-    assert why({"status": "interrupted", "error": None}) == "interrupted"
+    assert why(TokenRun(seed=1, status="interrupted")) == "interrupted"
 
 
 def test_the_pooled_interval_covers_over_independent_cells():

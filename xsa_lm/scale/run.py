@@ -484,16 +484,17 @@ def main(cfg: DictConfig) -> None:
         with exit_on_user_error():
             raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
     if cfg.scale.axis == "tokens":
+        from xsa_lm.scale.token_report import TokenStudyResult
         from xsa_lm.scale.tokens import run_token_study, unfinished
 
-        def token_study(study_dir: Path, overrides: list[str]) -> dict:
+        def token_study(study_dir: Path, overrides: list[str]) -> TokenStudyResult:
             models, plan = check_study(cfg, study_dir, overrides)  # before the directory gets anything
             state = open_study(study_dir, overrides, cfg)
             write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
             return run_token_study(cfg, study_dir, overrides, models=models, plan=plan, state=state)
 
-        study_dir, results = run_exclusive("scale", sweep_overrides, token_study)
-        incomplete = unfinished(results)
+        study_dir, token_results = run_exclusive("scale", sweep_overrides, token_study)
+        incomplete = unfinished(token_results)
     else:
         study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
         incomplete = [s.model for s in results["sizes"] if s.sweep_returncode != 0]

@@ -1,17 +1,68 @@
 """The token-axis study's outputs: results.json, report.md, loss_vs_tokens.png and multiplier.png."""
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
+from xsa_lm.records import Record
 from xsa_lm.scale.token_axis import ci_text, k_text
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenRun(Record):
+    """One run at one budget: what its trial record says of it."""
+
+    seed: int
+    status: str
+    error: str | None = None
+    log: str | None = None
+    final_val_loss: float | None = None
+    tokens_seen: int | None = None
+    tokens_per_s: float | None = None
+    val_history: list[dict] = field(default_factory=list)
+    run_dir: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenSize(Record):
+    """One size of a token-axis study: its budget B, its LR search, and its runs by arm and budget (none when no LR
+    was selected)."""
+
+    model: str
+    non_embedding_params: int | None = None
+    tokens_B: float
+    search: dict[str, float | None] = field(default_factory=dict)  # LR -> median SA loss at B
+    selected_lr: float | None = None
+    warnings: list[str] = field(default_factory=list)
+    runs: dict[str, dict[str, list[TokenRun]]] | None = None  # arm -> budget (in B) -> a run per seed
+    seeds: list[int] = field(default_factory=list)
+    grid: list[float] = field(default_factory=list)
+    bench: dict | None = None  # bench_size
+    schema: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenStudyResult(Record):
+    """A token-axis study's results.json."""
+
+    axis: str = "tokens"
+    study_dir: str
+    study_id: str
+    overrides: list[str]
+    plan: dict  # check_token_study
+    sizes: list[TokenSize]
+    cells: list[dict]  # analyse_tokens: k per (size, XSA budget)
+    pooled: dict | None = None
+    warnings: list[str] = field(default_factory=list)
+    schema: int = 1
 
 
 def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if value is not None else "-"
 
 
-def size_lines(results: dict) -> list[str]:
-    plan = results["plan"]
+def size_lines(results: TokenStudyResult) -> list[str]:
+    plan = results.plan
     lines = [
         "",
         "## Sizes, budgets and the LR",
@@ -23,26 +74,22 @@ def size_lines(results: dict) -> list[str]:
         "| model | non-embedding params | B (tokens) | LR grid: median SA loss at B | selected LR |",
         "|---|---:|---:|---|---:|",
     ]
-    for size in results["sizes"]:
-        grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in size["search"].items())
-        lr = f"{size['selected_lr']:g}" if size["selected_lr"] is not None else "none"
-        lines.append(
-            f"| {size['model']} | {size['non_embedding_params']:,} | {size['tokens_B']:,.0f} | {grid} | {lr} |"
-        )
+    for size in results.sizes:
+        grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in size.search.items())
+        lr = f"{size.selected_lr:g}" if size.selected_lr is not None else "none"
+        lines.append(f"| {size.model} | {size.non_embedding_params:,} | {size.tokens_B:,.0f} | {grid} | {lr} |")
     lines += ["", "| model | arm | budget | final val loss per seed | mean |", "|---|---|---:|---|---:|"]
-    for size in results["sizes"]:
-        for arm, budgets in size.get("runs", {}).items():
+    for size in results.sizes:
+        for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
-                losses = [r["final_val_loss"] for r in runs if r["status"] == "completed"]
-                cells = ", ".join(
-                    f"{r['final_val_loss']:.4f}" if r["status"] == "completed" else r["status"] for r in runs
-                )
+                losses = [r.final_val_loss for r in runs if r.status == "completed" and r.final_val_loss is not None]
+                cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in runs)
                 mean = sum(losses) / len(losses) if losses else None
-                lines.append(f"| {size['model']} | {arm.upper()} | {fraction} B | {cells} | {_num(mean)} |")
+                lines.append(f"| {size.model} | {arm.upper()} | {fraction} B | {cells} | {_num(mean)} |")
     return lines
 
 
-def multiplier_lines(results: dict) -> list[str]:
+def multiplier_lines(results: TokenStudyResult) -> list[str]:
     lines = [
         "",
         "## XSA's multiplier along the token axis",
@@ -56,7 +103,7 @@ def multiplier_lines(results: dict) -> list[str]:
         "| model | XSA budget | seeds | SA means (per budget) | XSA mean | k | 95% CI | bootstrap CI | wall-clock k |",
         "|---|---:|---:|---|---:|---:|---|---|---|",
     ]
-    for cell in results["cells"]:
+    for cell in results.cells:
         boot = cell.get("bootstrap_ci95")
         boot_text = f"[{boot[0]:.3f}, {boot[1]:.3f}]" if boot else "-"
         wall = cell.get("wallclock_k")
@@ -69,7 +116,7 @@ def multiplier_lines(results: dict) -> list[str]:
             f"{', '.join(f'{m:.4f}' for m in cell['sa_means'])} | {cell['xsa_mean']:.4f} | {k_text(cell)} | "
             f"{ci_text(cell)} | {boot_text} | {wall_text} |"
         )
-    pooled = results.get("pooled")
+    pooled = results.pooled
     if pooled:
         q_p = pooled["q_p_value"]
         lines += [
@@ -90,9 +137,9 @@ def _p(value: float | None) -> str:
     return f"{value:.3g}" if value is not None else "-"
 
 
-def same_budget_lines(results: dict) -> list[str]:
+def same_budget_lines(results: TokenStudyResult) -> list[str]:
     """XSA - SA at each XSA budget SA also trained at, with the paired tests (results of earlier releases lack it)."""
-    cells = [c for c in results["cells"] if c.get("same_budget")]
+    cells = [c for c in results.cells if c.get("same_budget")]
     if not cells:
         return []
     lines = [
@@ -114,52 +161,50 @@ def same_budget_lines(results: dict) -> list[str]:
     return lines
 
 
-def render_markdown(results: dict) -> str:
+def render_markdown(results: TokenStudyResult) -> str:
     lines = [
         "# SA vs XSA along the token axis: XSA's multiplier at fixed model size",
         "",
-        f"- study directory: `{results['study_dir']}` (W&B group `{results['study_id']}`)",
-        f"- overrides: `{' '.join(results['overrides']) or '(defaults)'}`",
+        f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
+        f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
     ]
-    if results["warnings"]:
-        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
+    if results.warnings:
+        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
     lines += size_lines(results) + multiplier_lines(results) + same_budget_lines(results)
     lines += ["", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""]
     return "\n".join(lines)
 
 
-def plot_loss_vs_tokens(results: dict, path: Path) -> None:
+def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [s for s in results["sizes"] if "runs" in s]
+    sizes = [s for s in results.sizes if s.runs is not None]
     fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5 * max(1, len(sizes)), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=False):
         for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
             points = []
-            for runs in size["runs"][arm].values():
-                done = [r for r in runs if r["status"] == "completed"]
-                ax.plot(
-                    [r["tokens_seen"] for r in done], [r["final_val_loss"] for r in done], ".", color=color, alpha=0.4
-                )
+            for runs in (size.runs or {})[arm].values():
+                done = [r for r in runs if r.status == "completed"]
+                ax.plot([r.tokens_seen for r in done], [r.final_val_loss for r in done], ".", color=color, alpha=0.4)
                 if done:
-                    mean = sum(r["final_val_loss"] for r in done) / len(done)
-                    points.append((done[0]["tokens_seen"], mean))
+                    mean = sum(r.final_val_loss or 0.0 for r in done) / len(done)
+                    points.append((done[0].tokens_seen, mean))
             if points:
                 ax.plot(*zip(*sorted(points), strict=True), "o-", color=color, label=f"{arm.upper()} mean")
         ax.set_xscale("log")
         ax.set_xlabel("training tokens")
         ax.set_ylabel("final validation loss")
-        ax.set_title(f"{size['model']} (LR {size['selected_lr']:g})")
+        ax.set_title(f"{size.model} (LR {size.selected_lr:g})")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_multipliers(results: dict, path: Path) -> None:
+def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +213,7 @@ def plot_multipliers(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = []
-    for i, cell in enumerate(results["cells"]):
+    for i, cell in enumerate(results.cells):
         labels.append(f"{cell['model']}\nXSA at {cell['fraction']:g} B")
         lo_edge, hi_edge = min(cell["sa_budgets"]) / cell["budget"], max(cell["sa_budgets"]) / cell["budget"]
         lo, hi = cell["ci95"]
@@ -193,8 +238,8 @@ def plot_multipliers(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, study_dir: Path) -> str:
-    write_json(study_dir / "results.json", results)
+def write_report(results: TokenStudyResult, study_dir: Path) -> str:
+    write_json(study_dir / "results.json", results.to_json())
     plot_loss_vs_tokens(results, study_dir / "loss_vs_tokens.png")
     plot_multipliers(results, study_dir / "multiplier.png")
     markdown = render_markdown(results)

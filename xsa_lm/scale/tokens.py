@@ -15,6 +15,7 @@ the same command resumes the study; the plan (budgets, seeds) is fixed at the fi
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, pool
-from xsa_lm.scale.token_report import write_report
+from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.paired import paired_stats
 from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
 from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
@@ -108,7 +109,7 @@ def run_size(
     sa_budgets,
     xsa_budgets,
     group: str | None,
-) -> dict:
+) -> TokenSize:
     """The search, the selected LR and every budget's runs of one size; the per-seed losses for the estimator."""
     print(
         f"size {plan.model}: {plan.params:,} non-embedding parameters, B = {plan.tokens:,.0f} tokens "
@@ -119,17 +120,17 @@ def run_size(
     stop_on_signals(launcher.stop, "scale")
     launcher.run(search, "search", "lr-search")
     selection = selection_of(plan.store("search"), search)
-    entry: dict[str, Any] = {
-        "model": plan.model,
-        "non_embedding_params": plan.params,
-        "tokens_B": plan.tokens,
-        "search": {f"{lr:g}": loss for lr, loss in selection.losses.items()},
-        "selected_lr": selection.lr,
-        "warnings": list(selection.warnings),
-    }
+    entry = TokenSize(
+        model=plan.model,
+        non_embedding_params=plan.params,
+        tokens_B=plan.tokens,
+        search={f"{lr:g}": loss for lr, loss in selection.losses.items()},
+        selected_lr=selection.lr,
+        warnings=list(selection.warnings),
+    )
     if selection.lr is None:
         return entry
-    runs: dict[str, dict[str, list]] = {"sa": {}, "xsa": {}}
+    runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
     for fraction in sorted(set(sa_budgets) | set(xsa_budgets)):
         arms = [a for a, budgets in (("sa", sa_budgets), ("xsa", xsa_budgets)) if fraction in budgets]
         trials = [Trial(arm, selection.lr, seed) for seed in seeds for arm in arms]
@@ -143,15 +144,13 @@ def run_size(
         store = plan.store(phase_name(fraction))
         for arm in arms:
             runs[arm][f"{fraction:g}"] = [outcome_of(store, Trial(arm, selection.lr, seed)) for seed in seeds]
-    entry["runs"] = runs
-    entry["seeds"] = seeds
-    return entry
+    return replace(entry, runs=runs, seeds=seeds)
 
 
-def outcome_of(store: TrialStore, trial: Trial) -> dict:
+def outcome_of(store: TrialStore, trial: Trial) -> TokenRun:
     record = store.load(trial) or TrialRecord.missing(trial, "")
     keep = ("status", "error", "log", "final_val_loss", "tokens_seen", "tokens_per_s", "val_history", "run_dir")
-    return {"seed": trial.seed, **{k: getattr(record, k) for k in keep}}
+    return TokenRun(seed=trial.seed, **{k: getattr(record, k) for k in keep})
 
 
 def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> dict | None:
@@ -190,58 +189,59 @@ def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str
     }
 
 
-def paired_losses(entry: dict, arm_budgets: dict[str, list[float]], xsa_budget: float) -> tuple[list, list, list]:
+def paired_losses(
+    runs: dict[str, dict[str, list[TokenRun]]], seeds: list[int], sa_budgets: list[float], xsa_budget: float
+) -> tuple[list[list[float]], list[float], list[int]]:
     """The seeds where every SA budget and XSA at xsa_budget completed: SA's losses per budget, XSA's, the seeds."""
-    runs = entry["runs"]
-    usable = []
-    for i, seed in enumerate(entry["seeds"]):
-        sides = [runs["sa"][f"{f:g}"][i] for f in arm_budgets["sa"]] + [runs["xsa"][f"{xsa_budget:g}"][i]]
-        if all(s["status"] == "completed" for s in sides):
-            usable.append((i, seed))
-    sa = [[runs["sa"][f"{f:g}"][i]["final_val_loss"] for i, _ in usable] for f in arm_budgets["sa"]]
-    xsa = [runs["xsa"][f"{xsa_budget:g}"][i]["final_val_loss"] for i, _ in usable]
-    return sa, xsa, [seed for _, seed in usable]
+    sa_runs = [runs["sa"][f"{f:g}"] for f in sa_budgets]
+    xsa_runs = runs["xsa"][f"{xsa_budget:g}"]
+    usable = [i for i in range(len(seeds)) if all(r[i].status == "completed" for r in [*sa_runs, xsa_runs])]
+    sa = [[cast(float, r[i].final_val_loss) for i in usable] for r in sa_runs]
+    xsa = [cast(float, xsa_runs[i].final_val_loss) for i in usable]
+    return sa, xsa, [seeds[i] for i in usable]
 
 
-def tokens_of(entry: dict, arm: str, fraction: float) -> float:
+def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
     """The tokens the runs of one arm and budget trained on (the same for every seed)."""
-    seen = [r["tokens_seen"] for r in entry["runs"][arm][f"{fraction:g}"] if r.get("tokens_seen")]
-    return float(seen[0]) if seen else fraction * entry["tokens_B"]
+    seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
+    return float(seen[0]) if seen else fraction * entry.tokens_B
 
 
-def analyse_tokens(sizes: list[dict], sa_budgets: list[float], xsa_budgets: list[float], seed: int = 0) -> dict:
+def analyse_tokens(
+    sizes: list[TokenSize], sa_budgets: list[float], xsa_budgets: list[float], seed: int = 0
+) -> dict[str, Any]:
     """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
     at it too (paired_stats); the pooled k with its heterogeneity."""
     cells, estimates, warnings = [], [], []
     for entry in sizes:
-        if "runs" not in entry:
-            warnings.append(f"{entry['model']}: no LR selected, so no budget runs")
+        if entry.runs is None:
+            warnings.append(f"{entry.model}: no LR selected, so no budget runs")
             continue
         sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
         for fraction in xsa_budgets:
-            sa, xsa, seeds = paired_losses(entry, {"sa": sa_budgets}, fraction)
-            left_out = len(entry["seeds"]) - len(seeds)
+            sa, xsa, seeds = paired_losses(entry.runs, entry.seeds, sa_budgets, fraction)
+            left_out = len(entry.seeds) - len(seeds)
             if left_out:
                 warnings.append(
-                    f"{entry['model']} XSA at {fraction:g} B: {left_out} seed(s) left out (a run did not "
+                    f"{entry.model} XSA at {fraction:g} B: {left_out} seed(s) left out (a run did not "
                     "complete: diverged, failed or missing; rerun the same command to retry failures)"
                 )
             if len(seeds) < 2:
-                warnings.append(f"{entry['model']} XSA at {fraction:g} B: fewer than 2 complete seeds, no estimate")
+                warnings.append(f"{entry.model} XSA at {fraction:g} B: fewer than 2 complete seeds, no estimate")
                 continue
             budget = tokens_of(entry, "xsa", fraction)
             cell = cell_estimate(sa, sa_tokens, xsa, budget)
             monotone = all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False))
             if not monotone:
                 warnings.append(
-                    f"{entry['model']}: SA's mean loss does not fall with every doubling of tokens "
+                    f"{entry.model}: SA's mean loss does not fall with every doubling of tokens "
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
                 )
-            row = {"model": entry["model"], "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
+            row = {"model": entry.model, "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
             same = sa[sa_budgets.index(fraction)] if fraction in sa_budgets else None  # SA at XSA's budget
             row["same_budget"] = paired_stats(same, xsa).to_json() if same is not None else None
             row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
-            bench = entry.get("bench")
+            bench = entry.bench
             if bench and cell.k is not None and bench.get("interval"):
                 r, (r_lo, r_hi) = bench["xsa_over_sa_step_time"], bench["interval"]
                 lo, hi = cell.ci
@@ -291,7 +291,7 @@ def check_token_runs(cfg: DictConfig, study_dir: Path, overrides: list[str], mod
 
 def run_token_study(
     cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], plan: dict, state: dict
-) -> dict:
+) -> TokenStudyResult:
     """The token-axis study (plan: check_token_study's): every size's runs, then the analysis and the report."""
     sa_budgets, xsa_budgets = plan["sa_budgets"], plan["xsa_budgets"]
     search_seeds, seeds = plan["search_seeds"], plan["seeds"]
@@ -312,42 +312,40 @@ def run_token_study(
             xsa_budgets=xsa_budgets,
             group=group,
         )
-        entry["grid"] = grid
-        if cfg.scale.measure_throughput:
-            entry["bench"] = bench_size(study_dir, model, cfg, overrides)
-        sizes.append(entry)
+        bench = bench_size(study_dir, model, cfg, overrides) if cfg.scale.measure_throughput else None
+        sizes.append(replace(entry, grid=grid, bench=bench))
     analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed)
-    results = {
-        "axis": "tokens",
-        "study_dir": str(study_dir),
-        "study_id": state["study_id"],
-        "overrides": overrides,
-        "plan": plan,
-        "sizes": sizes,
-        **analysis,
-        "warnings": [w for s in sizes for w in (f"{s['model']}: {x}" for x in s["warnings"])] + analysis["warnings"],
-    }
+    results = TokenStudyResult(
+        study_dir=str(study_dir),
+        study_id=state["study_id"],
+        overrides=overrides,
+        plan=plan,
+        sizes=sizes,
+        cells=analysis["cells"],
+        pooled=analysis["pooled"],
+        warnings=[f"{s.model}: {w}" for s in sizes for w in s.warnings] + analysis["warnings"],
+    )
     write_report(results, study_dir)
     return results
 
 
-def unfinished(results: dict) -> list[str]:
+def unfinished(results: TokenStudyResult) -> list[str]:
     """Runs that did not end completed or diverged (a rerun retries them)."""
     missing = []
-    for size in results["sizes"]:
-        for arm, budgets in size.get("runs", {}).items():
+    for size in results.sizes:
+        for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
                 missing += [
-                    f"{size['model']} {arm} {fraction} B seed {r['seed']} ({why(r)})"
+                    f"{size.model} {arm} {fraction} B seed {r.seed} ({why(r)})"
                     for r in runs
-                    if r["status"] not in ("completed", "diverged")
+                    if r.status not in ("completed", "diverged")
                 ]
     return missing
 
 
-def why(run: dict) -> str:
+def why(run: TokenRun) -> str:
     """A run's status, the first line of its error and its log, e.g. `failed: killed by signal SIGKILL (out of
     memory?); log <path>`."""
-    error = (run.get("error") or "").strip().splitlines()
-    said = f"{run['status']}: {error[0][:200]}" if error else run["status"]
-    return f"{said}; log {run['log']}" if run.get("log") else said
+    error = (run.error or "").strip().splitlines()
+    said = f"{run.status}: {error[0][:200]}" if error else run.status
+    return f"{said}; log {run.log}" if run.log else said
