@@ -68,8 +68,9 @@ def test_the_sizes_of_a_saved_study_are_read(path: Path) -> None:
 def test_a_summary_without_a_schema_is_read_and_what_the_sweep_makes_of_it() -> None:
     summary = RunSummary.from_json(OLD_SUMMARY)
     assert summary.schema == 1 and summary.to_json() == OLD_SUMMARY | {"schema": 1}
-    result = outcome(0, summary, "", None)
-    assert (result.status, result.metrics()["final_val_loss"], result.metrics()["steps"]) == ("completed", 5.1, 40)
+    trial = TrialRecord(id="xsa_lr0.003_s1", phase="compare", attention="xsa", lr=0.003, seed=1, status="running")
+    ended = trial.ended(outcome(0, summary, "", None), returncode=0)
+    assert (ended.status, ended.final_val_loss, ended.steps, ended.returncode) == ("completed", 5.1, 40, 0)
 
 
 def test_a_newer_schema_or_a_missing_key_is_refused_in_one_line_naming_the_file(tmp_path: Path) -> None:

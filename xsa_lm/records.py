@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type
 from xsa_lm.errors import UserError
 
 R = TypeVar("R", bound="Record")
+JsonObject = dict[str, Any]  # what a record's file holds: json.loads of it
 
 
 class Record:
@@ -23,7 +24,7 @@ class Record:
 
     SCHEMA: ClassVar[int] = 1
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
@@ -52,7 +53,7 @@ class Record:
         return cls(**values)
 
     @classmethod
-    def upgraded(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def upgraded(cls, data: JsonObject) -> JsonObject:
         """An older file's keys as this version names them (a subclass says how); to_json writes the new names."""
         return data
 

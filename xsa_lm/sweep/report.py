@@ -5,10 +5,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from xsa_lm.files import write_json, write_text
-from xsa_lm.records import Record
+from xsa_lm.records import JsonObject, Record
 from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
 from xsa_lm.sweep.protocol import Comparison, Selection, mean_std
 from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
@@ -140,7 +139,7 @@ class SweepResult(Record):
     schema: int = 1
 
     @classmethod
-    def upgraded(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def upgraded(cls, data: JsonObject) -> JsonObject:
         """Sweeps before sweep.search_seeds searched at one seed, `search_seed`."""
         if "search_seeds" not in data and "search_seed" in data:
             return data | {"search_seeds": [data["search_seed"]]}

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
@@ -65,6 +65,13 @@ class TrialRecord(Record):
     finished: float | None = None
     reused: bool = False  # in a sweep's results.json: a run of another phase that this phase reuses
     schema: int = 1
+
+    def ended(self, outcome: "Outcome", returncode: int) -> "TrialRecord":
+        """The record of the finished process: its outcome, and the metrics of its summary.json if it wrote one."""
+        metrics = {name: getattr(outcome.summary, name) for name in SUMMARY_METRICS} if outcome.summary else {}
+        return replace(
+            self, status=outcome.status, error=outcome.error, returncode=returncode, finished=time.time(), **metrics
+        )
 
     @classmethod
     def missing(cls, trial: Trial, phase: str) -> "TrialRecord":
@@ -110,14 +117,8 @@ class Outcome:
     error: str | None
     summary: RunSummary | None = None
 
-    def metrics(self) -> dict[str, Any]:
-        """The fields of a trial record that come from the run's summary.json."""
-        if self.summary is None:
-            return {}
-        return {name: getattr(self.summary, name) for name in SUMMARY_METRICS}
 
-
-SUMMARY_METRICS = (
+SUMMARY_METRICS = (  # what a trial's record copies from its run's summary.json
     "final_val_loss",
     "final_val_ppl",
     "best_val_loss",
@@ -337,14 +338,7 @@ class Launcher:
         fresh = summary_file.exists() and summary_file.stat().st_mtime >= started - 1
         summary = RunSummary.read(summary_file) if fresh else None
         result = outcome(returncode, summary, last_error_line(self.store.log_file(trial)), self.diverge_above)
-        record = replace(
-            self.store.load(trial) or TrialRecord.missing(trial, phase),
-            status=result.status,
-            error=result.error,
-            **result.metrics(),
-            returncode=returncode,
-            finished=time.time(),
-        )
+        record = (self.store.load(trial) or TrialRecord.missing(trial, phase)).ended(result, returncode)
         self.store.save(record)
         loss = record.final_val_loss
         finished = loss is not None and record.status == "completed"
