@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from xsa_lm.errors import UserError
-from xsa_lm.scale.report import SizeResult
+from xsa_lm.scale.report import ScaleStudyResult
 from xsa_lm.scale.token_report import TokenStudyResult
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.trials import TrialRecord, outcome
@@ -57,9 +57,9 @@ def test_the_sweep_results_under_results_are_read(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", STUDY_RESULTS, ids=lambda p: p.parent.name)
-def test_the_sizes_of_a_saved_study_are_read(path: Path) -> None:
+def test_a_saved_scaling_study_is_read(path: Path) -> None:
     saved = json.loads(path.read_text())["sizes"]
-    sizes = [SizeResult.from_json(s, source=str(path)) for s in saved]
+    sizes = ScaleStudyResult.read(path).sizes
     assert [s.model for s in sizes] == [s["model"] for s in saved]
     assert all(s.usable == ("compute" in raw and "error" not in raw) for s, raw in zip(sizes, saved, strict=True))
     assert [s.sa_runs for s in sizes] == [s["sa_runs"] for s in saved]

@@ -27,7 +27,7 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     multiplier,
 )
-from xsa_lm.scale.report import SizeResult, render_markdown, write_report
+from xsa_lm.scale.report import ScaleStudyResult, SizeResult, render_markdown, write_report
 from xsa_lm.scale.run import SizeRunner, analyse, reanalyse, size_tests
 from xsa_lm.stats.paired import holm
 
@@ -173,10 +173,9 @@ def flags_of(sizes: list[SizeResult]) -> list[str]:
     return [f["flag"] for f in analyse(sizes, "auto", resamples=100, seed=0)["fit"]["flags"]]
 
 
-def study_results(sizes: list[SizeResult], analysis: dict, tmp_path: Path) -> dict:
+def study_results(sizes: list[SizeResult], analysis: dict, tmp_path: Path) -> ScaleStudyResult:
     models = [s.model for s in sizes]
-    identity = {"study_dir": str(tmp_path), "study_id": "toy-study", "overrides": [], "models": models, "seeds": None}
-    return {**identity, **analysis}
+    return ScaleStudyResult(study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=models, **analysis)
 
 
 def test_a_clean_ladder_raises_no_flag_and_recovers_k_within_its_interval(tmp_path: Path):
@@ -243,7 +242,7 @@ def test_two_sizes_leave_no_degree_of_freedom_and_are_flagged():
 def test_the_toy_study_reanalysed_prints_no_multiplier(tmp_path: Path):
     saved = json.loads((Path(__file__).parent / "data" / "scale_toy_results.json").read_text())
     results = reanalyse(saved, resamples=100, when="2026-01-01")
-    fit = results["fit"]
+    fit = results.fit
     flags = {f["flag"]: f["reason"] for f in fit["flags"]}
     assert {"lack_of_fit", "extrapolation", "compute_span", "sa_not_monotone", "lr_at_grid_edge"} <= set(flags)
     assert fit["lack_of_fit"]["dof"] == 1 and fit["lack_of_fit"]["chi2"] == pytest.approx(50.1, abs=0.1)
@@ -251,7 +250,7 @@ def test_the_toy_study_reanalysed_prints_no_multiplier(tmp_path: Path):
     assert "multiplier" not in fit and "multiplier_ci" not in fit and "wallclock" not in fit
     hidden = fit["not_results"]
     assert hidden["why"] == list(flags) and hidden["multiplier"] > 1
-    for size, raw in zip(results["sizes"], saved["sizes"], strict=True):
+    for size, raw in zip(results.sizes, saved["sizes"], strict=True):
         assert size.sa_runs == raw["sa_runs"] and size.xsa_runs == raw["xsa_runs"]  # the raw data kept
         kept = set(size.to_json())
         assert not {"multiplier", "multiplier_ci", "multiplier_ci_bootstrap", "wallclock_multiplier"} & kept

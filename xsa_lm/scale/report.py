@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
-from xsa_lm.records import Record, plain
+from xsa_lm.records import Record
 from xsa_lm.scale.fit import Fit
 
 
@@ -41,6 +41,24 @@ class SizeResult(Record):
         return self.compute is not None and self.error is None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ScaleStudyResult(Record):
+    """A scaling study's results.json (scale.axis=size): its sizes and their analysis (scale.run.analyse)."""
+
+    study_dir: str
+    study_id: str
+    overrides: list[str]
+    models: list[str]
+    seeds: list[int] | None = None  # scale.seeds; None: each size's sweep.seeds
+    reanalysed: str | None = None  # the day a saved study was analysed again (scale.run.reanalyse)
+    fit: dict  # the SA fit, the shared fit, the flags, and k when no flag is up
+    across_sizes: dict = field(default_factory=dict)  # studies of earlier releases lack it: reanalyse adds it
+    warnings: list[str] = field(default_factory=list)
+    sizes: list[SizeResult]
+    bench: dict | None = None  # scale.bench's XSA/SA step time
+    schema: int = 1
+
+
 def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if value is not None and math.isfinite(value) else "-"
 
@@ -51,8 +69,8 @@ def _ci(interval: list | None) -> str:
     return f"[{_num(interval[0], 3)}, {_num(interval[1], 3) if interval[1] is not None else 'unbounded'}]"
 
 
-def fit_of(results: dict) -> Fit:
-    fit = results["fit"]
+def fit_of(results: ScaleStudyResult) -> Fit:
+    fit = results.fit
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
@@ -60,8 +78,8 @@ def _p(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def flag_lines(results: dict) -> list[str]:
-    flags = results["fit"].get("flags", [])
+def flag_lines(results: ScaleStudyResult) -> list[str]:
+    flags = results.fit.get("flags", [])
     if not flags:
         return []
     return [
@@ -72,9 +90,9 @@ def flag_lines(results: dict) -> list[str]:
     ]
 
 
-def fit_lines(results: dict) -> list[str]:
+def fit_lines(results: ScaleStudyResult) -> list[str]:
     """The SA fit of loss vs compute, its lack-of-fit test, and each size against it."""
-    fit = results["fit"]
+    fit = results.fit
     lack = fit["lack_of_fit"]
     test = (
         f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof, p = {lack['p']:.2g}"
@@ -97,7 +115,7 @@ def fit_lines(results: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     model = fit_of(results)
-    for size in results["sizes"]:
+    for size in results.sizes:
         if size.compute is None or size.sa_mean is None:
             lines.append(f"| {size.model} | - | - | - | - | - | left out |")
             continue
@@ -109,7 +127,7 @@ def fit_lines(results: dict) -> list[str]:
     return lines
 
 
-def size_test_lines(results: dict) -> list[str]:
+def size_test_lines(results: ScaleStudyResult) -> list[str]:
     """XSA - SA at each size with the paired t, exact Wilcoxon and exact sign tests, Holm across sizes."""
     lines = [
         "",
@@ -123,7 +141,7 @@ def size_test_lines(results: dict) -> list[str]:
         "| XSA lower |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for size in results["sizes"]:
+    for size in results.sizes:
         if size.tests is None:
             continue
         t = size.tests
@@ -132,7 +150,7 @@ def size_test_lines(results: dict) -> list[str]:
             f"{t['mean_diff']:+.4f} | {_ci(t['t_ci95'])} | {_p(t['t_p'])} | {_p(t['t_p_holm'])} | "
             f"{_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} |"
         )
-    pooled = results["across_sizes"]["pooled_sign"]
+    pooled = results.across_sizes["pooled_sign"]
     lines += [
         "",
         f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} "
@@ -142,9 +160,9 @@ def size_test_lines(results: dict) -> list[str]:
     return lines
 
 
-def multiplier_lines(results: dict) -> list[str]:
+def multiplier_lines(results: ScaleStudyResult) -> list[str]:
     """The ladder's one multiplier, only when no flag is up."""
-    fit = results["fit"]
+    fit = results.fit
     lines = ["", "## XSA's effective-compute multiplier (the ladder)", ""]
     if fit.get("flags"):
         names = ", ".join(f["flag"] for f in fit["flags"])
@@ -171,19 +189,19 @@ def multiplier_lines(results: dict) -> list[str]:
     ]
 
 
-def render_markdown(results: dict) -> str:
+def render_markdown(results: ScaleStudyResult) -> str:
     lines = ["# SA vs XSA across model sizes: effective-compute multiplier", ""]
-    if results.get("reanalysed"):
-        lines.append(f"- re-analysed on {results['reanalysed']} from the saved sizes with the current analysis")
+    if results.reanalysed:
+        lines.append(f"- re-analysed on {results.reanalysed} from the saved sizes with the current analysis")
     lines += [
-        f"- study directory: `{results['study_dir']}` (W&B group `{results['study_id']}`)",
-        f"- overrides: `{' '.join(results['overrides']) or '(defaults)'}`",
-        f"- sizes: {', '.join(results['models'])}; each size: LR search on SA, then SA vs XSA at its selected LR "
+        f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
+        f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
+        f"- sizes: {', '.join(results.models)}; each size: LR search on SA, then SA vs XSA at its selected LR "
         "(its own `xsa-lm sweep` under `sizes/`)",
     ]
     lines += flag_lines(results)
-    if results["warnings"]:
-        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results["warnings"]]
+    if results.warnings:
+        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
     lines += fit_lines(results) + size_test_lines(results) + multiplier_lines(results)
     lines += [
         "",
@@ -194,7 +212,7 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_loss_vs_compute(results: dict, path: Path) -> None:
+def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,8 +220,8 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     import numpy as np
     from matplotlib.ticker import NullFormatter
 
-    sizes = [s for s in results["sizes"] if s.compute is not None]
-    compute = [s.compute for s in sizes]
+    sizes = [s for s in results.sizes if s.compute is not None]
+    compute = [float(s.compute or 0.0) for s in sizes]
     fig, ax = plt.subplots(figsize=(6, 4))
     for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
         runs = [s.sa_runs if attention == "sa" else s.xsa_runs for s in sizes]
@@ -214,7 +232,7 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     model = fit_of(results)
     grid = np.geomspace(min(compute) / 1.5, max(compute) * 1.5, 100)
     ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=f"SA fit: {model.describe()}")
-    shared = results["fit"]["shared"]
+    shared = results.fit["shared"]
     for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
         curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
         ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
@@ -224,7 +242,7 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("final validation loss")
-    flagged = results["fit"].get("flags")
+    flagged = results.fit.get("flags")
     ax.set_title("Loss vs compute" + (" (fit flagged: see the report)" if flagged else ""), fontsize=10)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -232,7 +250,7 @@ def plot_loss_vs_compute(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_multiplier(results: dict, path: Path) -> None:
+def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
     """XSA - SA at each size with its paired 95% interval; the ladder's k in the title only when no flag is up."""
     import matplotlib
 
@@ -240,7 +258,7 @@ def plot_multiplier(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    tested = [(s.non_embedding_params, s.tests) for s in results["sizes"] if s.tests is not None]
+    tested = [(float(s.non_embedding_params or 0), s.tests) for s in results.sizes if s.tests is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
     for x, tests in tested:
@@ -253,7 +271,7 @@ def plot_multiplier(results: dict, path: Path) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("XSA - SA final loss (paired 95% CI)")
-    fit = results["fit"]
+    fit = results.fit
     if fit.get("flags"):
         title = "XSA - SA by size (ladder flagged: no multiplier)"
     else:
@@ -265,8 +283,8 @@ def plot_multiplier(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, study_dir: Path) -> str:
-    write_json(study_dir / "results.json", plain(results))
+def write_report(results: ScaleStudyResult, study_dir: Path) -> str:
+    write_json(study_dir / "results.json", results.to_json())
     plot_loss_vs_compute(results, study_dir / "loss_vs_compute.png")
     plot_multiplier(results, study_dir / "multiplier.png")
     markdown = render_markdown(results)
@@ -274,31 +292,31 @@ def write_report(results: dict, study_dir: Path) -> str:
     return markdown
 
 
-def log_to_wandb(results: dict, study_dir: Path, wandb_cfg: dict) -> None:
+def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: dict) -> None:
     """A `scale-report` run in the study's W&B group: the sizes table, both plots, and the report's files
     (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
     import wandb
 
     from xsa_lm.tracking import log_files_artifact, wandb_init
 
-    config = {"models": results["models"], "seeds": results["seeds"], "overrides": results["overrides"]}
-    name = f"{results['study_id']}-scale-report"
+    config = {"models": results.models, "seeds": results.seeds, "overrides": results.overrides}
+    name = f"{results.study_id}-scale-report"
     run = wandb_init(
         save_dir=str(study_dir),
         name=name,
         run_config=config,
-        group=results["study_id"],
+        group=results.study_id,
         job_type="scale-report",
         **wandb_cfg,
     )
     columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean".split()
     tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
-    rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results["sizes"] if s.tests]
+    rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results.sizes if s.tests]
     columns += tests
     plots = {f"scale/{p}": wandb.Image(str(study_dir / f"{p}.png")) for p in ("loss_vs_compute", "multiplier")}
     table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
     run.log({"scale/sizes": table, **plots})
-    fit = results["fit"]
+    fit = results.fit
     summary = {
         "fit": fit["formula"],
         "fit_rms_residual": fit["rms_residual"],

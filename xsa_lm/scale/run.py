@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_text
+from xsa_lm.records import JsonObject
 from xsa_lm.scale.fit import (
     FORMS,
     Fit,
@@ -41,7 +42,7 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     wallclock_multiplier,
 )
-from xsa_lm.scale.report import SizeResult, log_to_wandb, write_report
+from xsa_lm.scale.report import ScaleStudyResult, SizeResult, log_to_wandb, write_report
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
 from xsa_lm.sweep.report import SweepResult
@@ -380,17 +381,20 @@ def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any
 
 
 def reanalyse(
-    results: dict, *, fit_form: str = "auto", resamples: int = 1000, seed: int = 0, when: str | None = None
-) -> dict[str, Any]:
-    """A saved study's results.json analysed again from its sizes' raw data (the tests and multipliers of an older
-    analysis dropped); `reanalysed` says when."""
-    sizes = [replace(SizeResult.from_json(s, source="results.json sizes"), tests=None) for s in results["sizes"]]
-    analysis = analyse(sizes, fit_form, resamples, seed, results.get("bench"))
-    identity = {k: results[k] for k in ("study_dir", "study_id", "overrides", "models", "seeds")}
-    reanalysed = when or time.strftime("%Y-%m-%d")
-    return {**identity, "reanalysed": reanalysed, **analysis} | (
-        {"bench": results["bench"]} if results.get("bench") else {}
-    )
+    saved: ScaleStudyResult | JsonObject,
+    *,
+    fit_form: str = "auto",
+    resamples: int = 1000,
+    seed: int = 0,
+    when: str | None = None,
+) -> ScaleStudyResult:
+    """A saved study (its results.json, as json.load or ScaleStudyResult.read gives it) analysed again from its sizes'
+    raw data (the tests and multipliers of an older analysis dropped); `reanalysed` says when."""
+    if not isinstance(saved, ScaleStudyResult):
+        saved = ScaleStudyResult.from_json(saved, source="the study's results.json")
+    sizes = [replace(s, tests=None) for s in saved.sizes]
+    analysis = analyse(sizes, fit_form, resamples, seed, saved.bench)
+    return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **analysis)
 
 
 def load_bench(path: Any) -> dict | None:
@@ -445,7 +449,7 @@ def check_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple
     return models, {"seeds": seeds, "bench": bench}
 
 
-def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
+def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> ScaleStudyResult:
     models, plan = check_study(cfg, study_dir, overrides)
     bench, seeds = plan["bench"], plan["seeds"]
     state = open_study(study_dir, overrides, cfg)
@@ -463,14 +467,15 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> dict:
             raise UserError(f"the sweep of {model} was refused: {last_error_line(log)}")
         sizes.append(size_result(model, runner.sweep_dir(model), returncode, log))
     analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
-    results = {
-        "study_dir": str(study_dir),
-        "study_id": state["study_id"],
-        "overrides": overrides,
-        "models": models,
-        "seeds": seeds,
+    results = ScaleStudyResult(
+        study_dir=str(study_dir),
+        study_id=state["study_id"],
+        overrides=overrides,
+        models=models,
+        seeds=seeds,
+        bench=bench,
         **analysis,
-    } | ({"bench": bench} if bench else {})
+    )
     write_report(results, study_dir)
     if wandb_cfg and cfg.scale.wandb_report:
         log_to_wandb(results, study_dir, report_run_settings(wandb_cfg))
@@ -497,7 +502,7 @@ def main(cfg: DictConfig) -> None:
         incomplete = unfinished(token_results)
     else:
         study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
-        incomplete = [s.model for s in results["sizes"] if s.sweep_returncode != 0]
+        incomplete = [s.model for s in results.sizes if s.sweep_returncode != 0]
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
     if incomplete:
