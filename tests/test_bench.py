@@ -92,8 +92,13 @@ def test_rounds_are_planned_from_the_pilots_spread_within_the_budget():
 
     from xsa_lm.bench.run import plan_rounds
 
-    kernels = {"timed": ["flash"], "primary": "flash"}
+    kernels = {"timed": ["flash", "math"], "primary": "flash"}  # flash: the kernel train runs, the headline
     pilot = [pilot_round(0.1, 0.1 * math.exp(x)) for x in (-0.0245, 0.0, 0.0, 0.0245)]  # as in the test above
+    for r, x in zip(pilot, (-0.03, 0.05, 0.0, 0.04), strict=True):  # math's XSA/SA near its target: ignored
+        r |= {
+            "sa_math": r["sa_flash"],
+            "xsa_math": {key: [1.02 * math.exp(x) * v[0]] for key, v in r["sa_flash"].items()},
+        }
     roomy = OmegaConf.create({"budget_s": 1000, "max_rounds": 40})
     plan = plan_rounds(pilot, kernels=kernels, elapsed_s=40.0, cfg=roomy, device_type="cpu")
     assert plan["needed"] == 7 and plan["rounds"] == 7 and plan["clock"] == "cpu" and plan["limited_by"] == "needed"
