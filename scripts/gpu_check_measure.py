@@ -1,38 +1,213 @@
 """The measurements of scripts/gpu_check.sh that are not `xsa-lm` commands. Each result goes into DIR as soon as it is
-taken (gpu_check_summary.record), so a step stopped at its time limit keeps what it measured until then.
+taken (gpu_check_summary.record), and each step measures what matters most first, so a step stopped at its limit
+keeps the important part.
 
-    python scripts/gpu_check_measure.py DIR xsa_orthogonality --shape 12,64,2048 --shape 6,256,2048
-    python scripts/gpu_check_measure.py DIR bench_gpt2_124m --model gpt2_124m --context 2048 --micro-batch 8
+    python scripts/gpu_check_measure.py DIR xsa_bf16 --shape 12,64,2048 --shape 6,256,2048
+    python scripts/gpu_check_measure.py DIR bench_gpt2_124m --model gpt2_124m --context 2048 --backends cudnn,flash
 
-`xsa_orthogonality`: max |cos(z, v)| of XSA's fused op against xsa_reference under bf16 autocast, per
-heads,head_dim,context. Any other name: SA and XSA of one model preset in this one process (each compiled once), eager
-then compiled: step time per round, XSA/SA with its interval, tokens/s, MFU, the SDPA kernels that run, and the peak
-memory of a step against xsa_lm.train.memory.estimate.
+`xsa_bf16`: XSA in bf16 against fp64 on the same inputs, per heads,head_dim,context: the gradients (and output) of the
+fused ExclusiveOutputProjection, eager and compiled, against xsa_reference + F.linear in fp64, then the forward's
+orthogonality (xsa_lm.bench.probes). Any other key: SA and XSA of one model preset in this process, compiled as
+training compiles them (each block on its own), under each SDPA backend in turn, the first with the most rounds:
+paired rounds of step times -> XSA/SA with its 95% interval, tokens/s, MFU, the backend that ran, peak memory against
+xsa_lm.train.memory; then eager. GPU_CHECK_DEADLINE (Unix seconds, set by gpu_check.sh) ends optional work in time.
 """
 
 import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from gpu_check_summary import record
 from gpu_xsa_lm import use_working_tree
 
 TOTAL_STEPS = 1000  # the LR schedule's length: the measured steps stay in its warm-up, as a run's first steps do
+# bf16's unit roundoff: rounding to nearest moves x by at most 2^-8 |x|. The fused op's output and its gradients for
+# y, v and W_o may differ from fp64 on the same inputs by 2 roundings, as ||bf16 - fp64|| / ||fp64|| (dL/dz = dL/dout
+# W_o is rounded, then the gradient itself); the gate's gradient, a sum over tokens of -(g . v) c that cancels, by 2
+# roundings of each term: 2^-9 (|exact| + sum |g| . |v| |c|) per head. tests/test_attention.py holds the op to the
+# same bounds on CPU, where they were measured with margin (at most 1.16 x 2^-8).
+BF16_UNIT = 2.0**-8
+GRADIENT_BOUND = 2 * BF16_UNIT
+RESOLUTION = 0.01  # an XSA/SA interval narrower than this can tell a 1% difference from none
+XSA_EPS = 1e-6
 
 
-def orthogonality(directory: Path, key: str, device: torch.device, shapes: list[tuple[int, int, int]]) -> None:
+class Deadline:
+    """When this step must end (GPU_CHECK_DEADLINE, Unix seconds): optional work that would run past it is skipped
+    rather than cut off mid-way."""
+
+    def __init__(self) -> None:
+        self.at = float(os.environ.get("GPU_CHECK_DEADLINE", "inf"))
+
+    def left(self) -> float:
+        return self.at - time.time()
+
+
+# ---- XSA in bf16 ------------------------------------------------------------------------------------------------
+
+
+def attention_inputs(device: torch.device, *, heads: int, head_dim: int, context: int, batch: int, seed: int):
+    """y and v as an XSA layer gets them under bf16 autocast (v from a linear layer, y from causal SDPA), in the
+    layer's (B, T, H_kv, G, D) layout, and a W_o initialised as the model initialises it."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = heads * head_dim
+    x = torch.randn(batch, context, width, generator=g).to(device)
+    w_qkv = (torch.randn(3 * width, width, generator=g) / width**0.5).to(device)
+    w_o = (0.02 * torch.randn(width, width, generator=g)).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16), torch.no_grad():
+        qkv = F.linear(x, w_qkv).view(batch, context, 3 * heads, head_dim).transpose(1, 2)
+        q, k, v = qkv.split(heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y_t, v_t = y.transpose(1, 2).unflatten(2, (heads, 1)), v.transpose(1, 2).unsqueeze(3)
+    grad_out = torch.randn(batch, context, width, generator=g).to(device, torch.bfloat16)
+    return y_t.contiguous(), v_t.contiguous(), w_o, grad_out
+
+
+def relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((value.double() - exact).norm() / exact.norm().clamp_min(1e-300)).item()
+
+
+def projection_grads(
+    fn: Callable, inputs: dict[str, torch.Tensor], grad_out: torch.Tensor, *, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """out = fn(y, v, scale, W_o) and its gradients for each input: under bf16 autocast (dtype None), or with every
+    input in `dtype` and no autocast."""
+    leaves = {name: (t if dtype is None else t.to(dtype)).detach().requires_grad_() for name, t in inputs.items()}
+    autocast = torch.autocast(grad_out.device.type, dtype=torch.bfloat16) if dtype is None else contextlib.nullcontext()
+    with autocast:
+        out = fn(leaves["y"], leaves["v"], leaves["scale"], leaves["W_o"])
+    out.backward(grad_out if dtype is None else grad_out.to(dtype))
+    return {"out": out.detach()} | {name: t.grad for name, t in leaves.items()}
+
+
+def fused(y, v, scale, w_o):
+    from xsa_lm.model.xsa import ExclusiveOutputProjection
+
+    return ExclusiveOutputProjection.apply(y, v, XSA_EPS, scale, w_o, None)
+
+
+def plain(y, v, scale, w_o):
+    from xsa_lm.model import xsa_reference
+
+    return F.linear(xsa_reference(y, v, XSA_EPS, scale).flatten(-3), w_o)
+
+
+def gate_error_bound(inputs: dict[str, torch.Tensor], exact: dict[str, torch.Tensor], grad_out: torch.Tensor):
+    """Per head, 2 roundings of each term of the gate's gradient: 2^-8 (|exact| + sum |g| . |v| |c|) with g = dL/dz."""
+    y, v, w_o = (inputs[k].double() for k in ("y", "v", "W_o"))
+    grad_z = (grad_out.double() @ w_o).view(y.shape)
+    coef = (y * v).sum(-1, keepdim=True) / ((v * v).sum(-1, keepdim=True) + XSA_EPS)
+    magnitude = ((grad_z.abs() * v.abs()).sum(-1, keepdim=True) * coef.abs()).sum_to_size(inputs["scale"].shape)
+    return GRADIENT_BOUND * (exact["scale"].abs() + magnitude)
+
+
+def xsa_gradients(
+    device: torch.device, *, heads: int, head_dim: int, context: int, batch: int = 2, compiled: bool = True
+) -> dict:
+    """The output and gradients of the fused op in bf16 against xsa_reference + F.linear in fp64 on the same values:
+    eager and compiled under autocast with W_o in fp32 (single device, DDP), eager with W_o in bf16 (FSDP2's bf16
+    parameters); plain autograd of the paper formula under autocast for scale. The gated variant (scale tanh 0.5):
+    it has every term of the backward. Relative errors ||bf16 - fp64|| / ||fp64||; the gate's against its bound."""
+    y, v, w_o, grad_out = attention_inputs(device, heads=heads, head_dim=head_dim, context=context, batch=batch, seed=1)
+    inputs = {"y": y, "v": v, "scale": torch.full((heads, 1, 1), math.tanh(0.5), device=device), "W_o": w_o}
+    exact = projection_grads(plain, inputs, grad_out, dtype=torch.float64)
+    gate_bound = gate_error_bound(inputs, exact, grad_out)
+    variants = {
+        "fused": (fused, None),
+        "fused_compiled": (torch.compile(fused, dynamic=False), None),
+        "fused_bf16_weights": (fused, torch.bfloat16),
+        "plain_autograd": (plain, None),
+    }
+    if not compiled:
+        del variants["fused_compiled"]
+    errors, holds = {}, {}
+    for name, (fn, dtype) in variants.items():
+        measured = projection_grads(fn, inputs, grad_out, dtype=dtype)
+        relative = {key: relative_error(measured[key], exact[key]) for key in exact if key != "scale"}
+        gate_over_bound = ((measured["scale"].double() - exact["scale"]).abs() / gate_bound).max().item()
+        holds[name] = max(relative.values()) <= GRADIENT_BOUND and gate_over_bound <= 1
+        errors[name] = relative | {"scale_over_its_bound": gate_over_bound}
+    return {
+        "shape": [batch, heads, context, head_dim],
+        "dtype": str(y.dtype).removeprefix("torch."),
+        "relative_error": errors,
+        "bound": GRADIENT_BOUND,
+        "holds_per_variant": holds,
+        "holds": all(ok for name, ok in holds.items() if name.startswith("fused")),
+    }
+
+
+def xsa_bf16(directory: Path, key: str, device: torch.device, shapes: list[tuple[int, int, int]]) -> None:
     from xsa_lm.bench.probes import orthogonality_holds, xsa_orthogonality
     from xsa_lm.train.hardware import device_name
 
-    result = {"device": device_name(device), "shapes": []}
+    result: dict = {"device": device_name(device), "gradients": [], "orthogonality": []}
+    # Gradients first (the forward's orthogonality was checked on GPUs before); compiled for the first shape only:
+    # each compile costs seconds of the loan, and the compiled code is the same for every shape.
+    for i, (heads, head_dim, context) in enumerate(shapes):
+        measured = xsa_gradients(device, heads=heads, head_dim=head_dim, context=context, compiled=i == 0)
+        result["gradients"].append(measured)
+        record(directory, key, result)
+        worst = {
+            k: f"{max(e for n, e in v.items() if n != 'scale_over_its_bound'):.1e}"
+            for k, v in measured["relative_error"].items()
+        }
+        print(f"{key}: {heads}x{head_dim} at {context}: gradients, worst relative error {worst}", flush=True)
     for heads, head_dim, context in shapes:
         measured = xsa_orthogonality(device, heads=heads, head_dim=head_dim, context=context)
-        result["shapes"].append(measured | {"holds": orthogonality_holds(measured)})
+        result["orthogonality"].append(measured | {"holds": orthogonality_holds(measured)})
         record(directory, key, result)
         print(f"{key}: {heads}x{head_dim} at {context}: max |cos(z, v)| {measured['max_abs_cos']}", flush=True)
+
+
+# ---- SDPA kernels -----------------------------------------------------------------------------------------------
+
+
+def kernel_choices(device: torch.device, config, names: list[str], dtype: torch.dtype) -> dict[str, dict]:
+    """Per name ("auto", the run's default order, or one kernel): the order xsa_lm.model.sdpa resolves it to on this
+    device and the kernel SDPA then runs for this model's attention, or why none runs."""
+    from xsa_lm.errors import UserError
+    from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
+
+    out: dict[str, dict] = {}
+    for name in names:
+        try:
+            order = resolve(name, device)
+            with sdpa_backends(order):
+                runs = backend_used(
+                    heads=config.n_head,
+                    kv_heads=config.n_kv_head,
+                    seq=config.block_size,
+                    head_dim=config.head_dim,
+                    dtype=dtype,
+                    device=device,
+                )
+            out[name] = {"order": order, "runs": runs}
+        except (UserError, RuntimeError) as error:  # RuntimeError: CUDA's "No available kernel" for this shape
+            out[name] = {"order": None, "runs": None, "reason": str(error).splitlines()[0][:200]}
+    return out
+
+
+def to_measure(choices: dict[str, dict]) -> list[str]:
+    """The names whose kernel runs, each kernel once: `auto` first, a single kernel it already ran left out."""
+    seen, names = set(), []
+    for name, choice in choices.items():
+        if choice["runs"] is not None and choice["runs"] not in seen:
+            seen.add(choice["runs"])
+            names.append(name)
+    return names
+
+
+# ---- SA against XSA ---------------------------------------------------------------------------------------------
 
 
 def model_pair(args: argparse.Namespace):
@@ -54,15 +229,112 @@ def model_pair(args: argparse.Namespace):
     return cfg, replace(model_config(cfg, cfg.vocab_size), block_size=args.context)
 
 
+def paired_rounds(trainers: dict, batches: list, *, rounds: int, steps: int, deadline: Deadline) -> dict:
+    """Per model, the median step time (s) of each round. A round times `steps` steps of SA and of XSA back to back,
+    in an order that alternates between rounds, so drift hits both alike and each round gives one XSA/SA ratio.
+    No round is started that would end past the deadline (the second on: the first is the step's purpose)."""
+    per_round: dict[str, list[float]] = {name: [] for name in trainers}
+    names = list(trainers)
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        for name in names if r % 2 == 0 else reversed(names):
+            stamps = trainers[name].run(batches, steps)
+            per_round[name].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False)))
+        if deadline.left() < 2 * (time.perf_counter() - t0):
+            break
+    return per_round
+
+
+def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
+    """compare()'s step times, tokens/s, MFU and XSA/SA interval, and whether that interval resolves 1%."""
+    from xsa_lm.bench.interleaved import compare
+    from xsa_lm.bench.run import TARGETS, mfu_target
+
+    out = compare(
+        per_round,
+        tokens=result["tokens_per_step"],
+        flops_per_token=result["flops_per_token"],
+        peak_flops=result["peak_flops"],
+        step_time_target=TARGETS["xsa_over_sa_step_time"][device_type],
+        mfu_target=mfu_target(result["model"], result["device"]),
+    )
+    ratio = out["xsa_over_sa_step_time"]
+    ratio["resolution"] = RESOLUTION
+    ratio["resolved"] = ratio["interval"] is not None and ratio["interval"][1] - ratio["interval"][0] <= RESOLUTION
+    return out | {"rounds_done": len(per_round["sa"])}
+
+
+def kernels_ran(trainers: dict, batch) -> dict:
+    """The SDPA kernels one more training step of each model runs, from its profile."""
+    from xsa_lm.bench.probes import sdpa_kernels
+
+    return {name: sdpa_kernels(lambda t=t: t.step(batch)) for name, t in trainers.items()}
+
+
+def measure_kernel(order: list[str], trainers: dict, batches: list, *, args, rounds: int, deadline: Deadline) -> dict:
+    """Both models compiled anew under this SDPA order (the warm-up), the kernels that ran, the paired rounds."""
+    from xsa_lm.model.sdpa import sdpa_backends
+
+    torch._dynamo.reset()  # a compiled graph keeps the kernel it was traced with, whatever the order around it
+    out: dict = {"order": order, "warmup_s": {}}
+    with sdpa_backends(order):
+        for name, trainer in trainers.items():
+            t0 = time.perf_counter()
+            trainer.run(batches, args.warmup)
+            out["warmup_s"][name] = round(time.perf_counter() - t0, 1)
+        out["kernels"] = kernels_ran(trainers, batches[0])
+        t0 = time.perf_counter()
+        out["per_round"] = paired_rounds(trainers, batches, rounds=rounds, steps=args.steps, deadline=deadline)
+        out["timed_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def step_memory(trainer, batches: list) -> dict:
+    """Peak memory of one more training step: on CUDA the allocator's high-water mark (xsa_lm.bench.interleaved), on
+    CPU the allocator's peak from torch.profiler's memory events; both above what was allocated before the step,
+    plus this model's weights and AdamW state (the other model's stay out)."""
+    from xsa_lm.bench.interleaved import step_peak_memory, training_state_bytes
+    from xsa_lm.train.memory import allocator_peak
+
+    if trainer.setup.device.type == "cuda":
+        return step_peak_memory(trainer, batches)
+    peak = allocator_peak(lambda: trainer.run(batches, 1))
+    return {
+        "bytes": peak + training_state_bytes(trainer),
+        "source": "the CPU allocator's peak over a step (torch.profiler), plus this model's weights and AdamW state",
+    }
+
+
+def memory_phase(trainers: dict, batches: list, *, order: list[str], micro_batch: int, compiled: bool) -> dict:
+    """Per model, the measured peak of a step against xsa_lm.train.memory's estimate for the same shape."""
+    from xsa_lm.bench.interleaved import planned_memory
+    from xsa_lm.model.sdpa import sdpa_backends
+
+    out = {}
+    with sdpa_backends(order):
+        for name, trainer in trainers.items():
+            measured = step_memory(trainer, batches)
+            config, precision = trainer.model.config, trainer.setup.precision
+            planned = planned_memory(config, micro_batch=micro_batch, precision=precision, compiled=compiled)
+            out[name] = {
+                "measured": measured,
+                "planned": planned,
+                "measured_over_planned": measured["bytes"] / planned["total"],
+            }
+    return out
+
+
 def bench(directory: Path, key: str, device: torch.device, args: argparse.Namespace) -> None:
-    """SA and XSA built once, measured eager and then compiled; the result recorded after every measurement."""
+    """SA and XSA built once and compiled once per SDPA kernel, the result recorded after every measurement: the
+    first kernel's rounds and the compiled memory first, the other kernels while the deadline allows, eager last."""
     from xsa_lm.bench.interleaved import build_pair
     from xsa_lm.bench.loops import N_BATCHES, Setup, make_batches
     from xsa_lm.bench.run import resolve_bench_precision
     from xsa_lm.config.builders import build
     from xsa_lm.train.hardware import device_name, peak_flops
+    from xsa_lm.train.module import compile_model
 
-    t_start = time.perf_counter()
+    deadline, t_start = Deadline(), time.perf_counter()
     cfg, config = model_pair(args)
     precision = resolve_bench_precision("auto", device)
     if device.type == "cuda":
@@ -71,15 +343,14 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
         device, precision=precision, compile=False, optimizer=build(cfg.optim), scheduler=build(cfg.scheduler)
     )
     trainers = build_pair(config, setup, seed=cfg.seed, total_steps=TOTAL_STEPS)
+    for trainer in trainers.values():
+        compile_model(trainer.model)  # as training compiles: each block on its own, the head with the loss
+    pin = device.type == "cuda"
     batches = make_batches(
-        N_BATCHES,
-        micro_batch=args.micro_batch,
-        context=args.context,
-        vocab=config.vocab_size,
-        seed=0,
-        pin=device.type == "cuda",
+        N_BATCHES, micro_batch=args.micro_batch, context=args.context, vocab=config.vocab_size, seed=0, pin=pin
     )
     peak, source = peak_flops(device, precision)
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     result: dict = {
         "model": cfg.model.name,
         "device": device_name(device),
@@ -88,12 +359,14 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
         "micro_batch": args.micro_batch,
         "tokens_per_step": args.micro_batch * args.context,
         "vocab_size": config.vocab_size,
-        "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
         "flops_per_token": trainers["sa"].model.flops_per_token(args.context),
         "peak_flops": peak,
         "peak_flops_source": source,
+        "kernel_choices": kernel_choices(device, config, args.backends, dtype),
+        "compiled": {},
+        "skipped": [],
     }
 
     def save(what: str) -> None:
@@ -101,46 +374,56 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
         record(directory, key, result | {"seconds": seconds})
         print(f"{key}: {what} recorded at {seconds} s", flush=True)
 
-    save("setup")
-    for phase in ("eager", "compiled"):
-        measure_phase(phase, trainers, batches, args=args, result=result, save=save)
+    runs = {name: choice["runs"] for name, choice in result["kernel_choices"].items()}
+    save(f"setup (SDPA kernel per order: {runs})")
+    names, last_cost = to_measure(result["kernel_choices"]), 0.0
+    for i, name in enumerate(names):
+        if i and deadline.left() < 1.2 * last_cost:  # the first always runs: it is what the step is for
+            result["skipped"].append(f"compiled {name}: {deadline.left():.0f} s left, the last took {last_cost:.0f}")
+            save(f"compiled {name} skipped")
+            continue
+        t0, order = time.perf_counter(), result["kernel_choices"][name]["order"]
+        rounds = args.rounds if i == 0 else args.other_rounds
+        measured = measure_kernel(order, trainers, batches, args=args, rounds=rounds, deadline=deadline)
+        last_cost = time.perf_counter() - t0
+        per_round = measured.pop("per_round")
+        result["compiled"][name] = measured | summarize_phase(per_round, result, device_type=device.type)
+        save(f"compiled {name} ({measured['timed_s']} s timed, warm-up {measured['warmup_s']} s)")
+        if i == 0:
+            result["memory_compiled"] = memory_phase(
+                trainers, batches, order=order, micro_batch=args.micro_batch, compiled=True
+            )
+            save(f"compiled peak memory under {name}")
+    if names and args.eager_rounds:
+        eager(trainers, batches, name=names[0], args=args, result=result, deadline=deadline, save=save)
 
 
-def measure_phase(
-    phase: str, trainers: dict, batches: list, *, args: argparse.Namespace, result: dict, save: Callable[[str], None]
-) -> None:
-    """Warm-up (and compilation), timed rounds, the SDPA kernels of a step and its peak memory, into result."""
-    from xsa_lm.bench.interleaved import compare, memory_against_plan, timed_rounds
-    from xsa_lm.bench.probes import sdpa_kernels
-    from xsa_lm.bench.run import TARGETS, mfu_target
+def eager(trainers: dict, batches: list, *, name: str, args, result: dict, deadline: Deadline, save) -> None:
+    """The same models with their compiled regions bypassed, under the first order, if the time left allows four
+    times the compiled rounds' (eager is slower, then two memory steps)."""
+    from xsa_lm.model.sdpa import sdpa_backends
 
-    compiled = phase == "compiled"
-    result[f"warmup_s_{phase}"] = {}
-    for name, trainer in trainers.items():
-        if compiled:
-            trainer.compile()
-        t0 = time.perf_counter()
-        trainer.run(batches, args.warmup)  # compilation, when compiled, happens in the first of these
-        result[f"warmup_s_{phase}"][name] = round(time.perf_counter() - t0, 1)
-        save(f"{phase} warm-up of {name}")
-    result[phase] = compare(
-        timed_rounds(trainers, batches, rounds=args.rounds, steps=args.steps),
-        tokens=result["tokens_per_step"],
-        flops_per_token=result["flops_per_token"],
-        peak_flops=result["peak_flops"],
-        step_time_target=TARGETS["xsa_over_sa_step_time"][trainers["sa"].setup.device.type],
-        mfu_target=mfu_target(result["model"], result["device"]),
-    )
-    times = ", ".join(f"{name} {result[phase][name]['step_ms']:.1f} ms" for name in trainers)
-    save(f"{phase} step times ({times})")
-    kernels = {name: sdpa_kernels(lambda t=trainer: t.step(batches[0])) for name, trainer in trainers.items()}
-    result[f"kernels_{phase}"] = kernels
-    save(f"{phase} SDPA backends {kernels['sa']['backends']}")
-    result[f"memory_{phase}"] = {}
-    for name, trainer in trainers.items():
-        measured = memory_against_plan(trainer, batches, micro_batch=args.micro_batch, compiled=compiled)
-        result[f"memory_{phase}"][name] = measured
-        save(f"{phase} peak memory of {name} ({measured['measured_over_planned']:.2f} x the estimate)")
+    compiled = result["compiled"][name]
+    step_s = (compiled["sa"]["step_ms"] + compiled["xsa"]["step_ms"]) / 1e3
+    needed = 4 * step_s * args.steps * args.eager_rounds + 4 * step_s
+    if deadline.left() < needed:
+        result["skipped"].append(f"eager: {deadline.left():.0f} s left, about {needed:.0f} s needed")
+        save("eager skipped")
+        return
+    order = result["kernel_choices"][name]["order"]
+    with torch.compiler.set_stance("force_eager"), sdpa_backends(order):
+        for trainer in trainers.values():
+            trainer.run(batches, 1)
+        per_round = paired_rounds(trainers, batches, rounds=args.eager_rounds, steps=args.steps, deadline=deadline)
+        kernels = kernels_ran(trainers, batches[0])
+    device_type = trainers["sa"].setup.device.type
+    result["eager"] = {"order": order, "kernels": kernels} | summarize_phase(per_round, result, device_type=device_type)
+    save("eager rounds")
+    with torch.compiler.set_stance("force_eager"):
+        result["memory_eager"] = memory_phase(
+            trainers, batches, order=order, micro_batch=args.micro_batch, compiled=False
+        )
+    save("eager peak memory")
 
 
 def shape(text: str) -> tuple[int, int, int]:
@@ -151,25 +434,38 @@ def shape(text: str) -> tuple[int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="the check's directory (check.json, measurements.json)")
-    parser.add_argument("key", help="xsa_orthogonality, or the name a model's results are recorded under")
+    parser.add_argument("key", help="xsa_bf16, or the name a model's results are recorded under")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shape", type=shape, action="append", default=[], help="heads,head_dim,context")
     parser.add_argument("--model", default="gpt2_124m", help="a preset of configs/model")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=50257, help="where the preset leaves it to the tokenizer")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per model and round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and phase")
+    parser.add_argument(
+        "--backends",
+        type=lambda s: s.split(","),
+        default=["auto"],
+        help="SDPA orders in turn: auto (the run's) or a kernel",
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="paired rounds under the first backend")
+    parser.add_argument("--other-rounds", type=int, default=20, help="paired rounds under each other backend")
+    parser.add_argument("--eager-rounds", type=int, default=0, help="paired rounds eager (0: none)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per model and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and backend (compiling)")
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the bench config")
     args = parser.parse_args()
     use_working_tree()
     device = torch.device(args.device)
-    if args.key == "xsa_orthogonality":
-        orthogonality(args.directory, args.key, device, args.shape)
+    if args.key == "xsa_bf16":
+        xsa_bf16(args.directory, args.key, device, args.shape)
     else:
         bench(args.directory, args.key, device, args)
 
 
 if __name__ == "__main__":
     main()
+    # Everything is recorded and flushed: skip the interpreter's teardown of torch's native state, which takes
+    # seconds on a loaded machine, and the step's time limit counts them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
