@@ -94,16 +94,16 @@ docs: $(STAMP)
 	$(BIN)/python -c 'import mkdocs, material' 2>/dev/null || $(BIN)/pip install --quiet $(PIN) -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# What scripts/gpu_check.sh needs on a GPU machine without network or xsa-lm (its image has torch and Lightning):
-# hydra-core, omegaconf and the antlr4 runtime as a pure-Python --target site, and the Shakespeare corpus tokenized
-# -> build/gpu-bundle/ (~6 MiB; carry it to that machine beside the working tree).
+# Run before a GPU loan: what scripts/gpu_check.sh needs on a GPU machine without network or xsa-lm (its image has
+# torch and Lightning): hydra-core, omegaconf and the antlr4 runtime as a pure-Python --target site, and the
+# Shakespeare corpus tokenized -> build/gpu-bundle/ (~6 MiB; carry it along: docs/gpus.md, "The GPU check").
 gpu-bundle: $(STAMP)
 	scripts/gpu_bundle.sh
 
-# On that machine, under 7 minutes, installing nothing: XSA's orthogonality in bf16, SA vs XSA step time eager and
-# compiled, tokens/s, MFU, SDPA kernel and peak memory vs the estimate for gpt2_124m and paper_0.7b, an FSDP2 train
-# and its resume -> $(OUT) or outputs/gpu_check/<time>/summary.{json,md}. GPU_PYTHON: a Python with torch and
-# Lightning (the image's python3); GPU_CHECK_ALLOW_CPU=1 rehearses the same steps on CPU with the tiny model.
+# On that machine, at most 6 minutes, installing nothing: XSA's bf16 gradients and orthogonality, SA vs XSA compiled
+# under each SDPA kernel (XSA/SA with its interval), MFU and peak memory vs the plan for gpt2_124m and paper_0.7b, an
+# FSDP2 train and its resume -> one table in $(OUT) or outputs/gpu_check/<time>/summary.{json,md}. GPU_PYTHON: a
+# Python with torch and Lightning (the image's python3); GPU_CHECK_ALLOW_CPU=1 rehearses every step on CPU.
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHON=$(GPU_PYTHON) scripts/gpu_check.sh $(OUT)

@@ -114,8 +114,8 @@ def xsa_gradients(
     device: torch.device, *, heads: int, head_dim: int, context: int, batch: int = 2, compiled: bool = True
 ) -> dict:
     """The output and gradients of the fused op in bf16 against xsa_reference + F.linear in fp64 on the same values:
-    eager and compiled under autocast with W_o in fp32 (single device, DDP), eager with W_o in bf16 (FSDP2's bf16
-    parameters); plain autograd of the paper formula under autocast for scale. The gated variant (scale tanh 0.5):
+    eager and compiled under autocast with W_o in fp32 (bf16-mixed, every strategy), eager with every input in bf16
+    (bf16-true); plain autograd of the paper formula under autocast for scale. The gated variant (scale tanh 0.5):
     it has every term of the backward. Relative errors ||bf16 - fp64|| / ||fp64||; the gate's against its bound."""
     y, v, w_o, grad_out = attention_inputs(device, heads=heads, head_dim=head_dim, context=context, batch=batch, seed=1)
     inputs = {"y": y, "v": v, "scale": torch.full((heads, 1, 1), math.tanh(0.5), device=device), "W_o": w_o}
