@@ -169,7 +169,7 @@ def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
 
 
 def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
-    from xsa_lm.scale.report import log_to_wandb
+    from xsa_lm.scale.report import ScaleStudyResult, log_to_wandb
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     (tmp_path / "results.json").write_text("{}")
@@ -177,7 +177,9 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
     for name in ("loss_vs_compute.png", "multiplier.png"):
         write_png(tmp_path / name)
     fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01, "flags": [{"flag": "compute_span", "reason": "8x"}]}
-    results = {"study_id": "toy-study", "models": [], "seeds": [], "overrides": [], "sizes": [], "fit": fit}
+    results = ScaleStudyResult(
+        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, sizes=[]
+    )
     log_to_wandb(results, tmp_path, {"mode": "offline"})
     artifact, entries = report_artifact(tmp_path, "scale-report")
     assert (artifact.name, artifact.type) == ("toy-study-scale-report", "scale-report")
