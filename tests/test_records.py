@@ -101,3 +101,28 @@ def test_the_token_study_under_results_is_read() -> None:
         runs is not None
         and runs["sa"]["1"][0].final_val_loss == saved["sizes"][0]["runs"]["sa"]["1"][0]["final_val_loss"]
     )
+
+
+def test_a_size_of_the_study_is_read_from_its_sweep_and_a_run_summary(tmp_path: Path) -> None:
+    """scale.run.size_result reads the size's sweep results.json and one compare run's summary.json as records."""
+    from dataclasses import asdict, replace
+
+    from xsa_lm.model.config import GPTConfig
+    from xsa_lm.scale.run import size_result
+
+    saved = SweepResult.read(REPO / "results" / "demo_noise" / "results.json")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = asdict(GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, vocab_size=512))
+    (run_dir / "summary.json").write_text(json.dumps(OLD_SUMMARY | {"model_config": config}))
+    trials = [replace(t, run_dir=str(run_dir)) for t in saved.trials]
+    sweep_dir = tmp_path / "sizes" / "tiny"
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "results.json").write_text(json.dumps(replace(saved, trials=trials).to_json()))
+    size = size_result("tiny", sweep_dir, 0, tmp_path / "tiny.log")
+    assert size.usable and size.sa_runs == saved.comparison.sa and size.diff_ci95 == saved.comparison.diff_ci95
+    assert (size.tokens, size.non_embedding_params) == (40960, 12345) and size.compute is not None and size.compute > 0
+    compare = [t for t in saved.trials if t.phase == "compare" and t.attention == "xsa" and t.tokens_per_s]
+    assert size.xsa_tokens_per_s == pytest.approx(sum(t.tokens_per_s or 0 for t in compare) / len(compare))
+    missing = size_result("tiny", tmp_path / "none", 1, tmp_path / "tiny.log")
+    assert not missing.usable and missing.error == "the sweep exited with code 1 before its report"
