@@ -136,19 +136,17 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
     """A checkpoint counts the micro-batches each process has run (global_step x the accumulation it trained with),
     and Lightning closes an accumulation window when that count is a multiple of the current accumulation. A run
     resumed with another accumulation (another number of devices, another micro-batch size) would take its first
-    steps after a partial window: the count is set to what this accumulation would have run. The step the loggers
-    write (`_batches_that_stepped`) is set to global_step too: a checkpoint saved at a train batch's end (every_n_steps)
-    holds it one lower, since Lightning counts it after that hook, and the resumed run's metrics would be labelled
-    one step early. The loop counters live in the checkpoint's private `loops` layout."""
-    loops = checkpoint.get("loops", {}).get("fit_loop", {})
-    progress = loops.get("epoch_loop.batch_progress")
+    steps after a partial window: the count is set to what this accumulation would have run. Each counter keeps its
+    lag behind `ready`: a checkpoint saved at a train batch's end (every_n_steps) has that batch not yet completed,
+    which is how Lightning tells it apart on restore (and counts the step its loggers write). The loop counters live
+    in the checkpoint's private `loops` layout."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     if progress is None:
         return
     for counts in (progress["total"], progress["current"]):
-        for key in ("ready", "started", "processed", "completed"):
-            counts[key] = global_step * accumulate
-    if "_batches_that_stepped" in loops.get("epoch_loop.state_dict", {}):
-        loops["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
+        lag = {key: counts["ready"] - counts[key] for key in ("ready", "started", "processed", "completed")}
+        for key, behind in lag.items():
+            counts[key] = global_step * accumulate - behind
 
 
 def lightning_precisions() -> tuple[str, ...]:
