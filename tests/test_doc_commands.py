@@ -228,12 +228,13 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "make test-long": "the suite itself; CI runs it",
     "make test-all": "the suite itself",
     "make test-fast": "the suite itself",
+    "make test-torch-floor": "a second environment with torch 2.11 (~4.5 GB, ~2.5 min to install); CI runs it",
     "make lint": "CI runs it",
     "make typecheck": "CI runs it",
     "make docs": "CI runs it (mkdocs build --strict)",
     "make format": "rewrites the working tree",
     "make lock": "resolves the newest releases in a scratch venv: the package index, minutes",
-    "make bench": "10 rounds of bench (~2 min) and the data benchmark; test_bench.py runs bench with smoke=true",
+    "make bench": "bench's rounds from a pilot (up to ~10 min) and the data benchmark; test_bench.py runs smoke",
     "make gpu-bundle": "builds a wheel and a site (~10 s); test_gpu_check.py builds it (long)",
     "make gpu-check": GPU + "; test_gpu_check.py rehearses it on CPU (long)",
     "xsa-lm sweep experiment=demo sweep=demo": "7 trials, ~7 min; " + ELSEWHERE_SWEEP,
@@ -287,7 +288,7 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm plan model=paper_0.7b trainer=ddp trainer.devices=8 micro_batch_size=16 data.block_size=2048 "
     "global_batch_tokens=524288 tokenizer=gpt2 device_memory_gb=80": "the README's plan (run) with other keys; the "
     "up-front checks compute it",
-    "xsa-lm bench model=tiny out=bench.json": "10 rounds, ~2 min (smoke=true alone ~50 s); test_bench.py runs smoke",
+    "xsa-lm bench model=tiny out=bench.json": "rounds from a pilot, up to ~10 min; test_bench.py runs smoke=true",
     "xsa-lm bench smoke=true out=smoke.json": "~50 s of fresh processes; test_bench.py runs it",
     "xsa-lm bench model=gpt2_124m context=2048 micro_batch=8 compile=true out=bench_gpu.json": GPU,
     "xsa-lm train trainer=gpu model=gpt2_124m attention=xsa": GPU,

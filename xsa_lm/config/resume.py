@@ -32,6 +32,7 @@ FREE_ON_RESUME = (
     "micro_batch_size",
     "data.num_workers",
     "compile",
+    "sdpa_backends",  # the same numbers from another kernel
     "reuse_host_memory",
     "progress_bar",
     "check_memory",

@@ -170,6 +170,7 @@ def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str
             *model_keys,
             f"micro_batch={micro}",
             "comparisons=[xsa_over_sa]",
+            "backends=train",  # the kernel the study's runs trained with
             f"rounds={cfg.scale.bench_rounds}",
             f"out={out}",
         ]
