@@ -10,33 +10,35 @@
 #   train, resume     trainer=fsdp (FSDP2, bf16, compiled blocks, XSA) for a few steps, then resume=auto continuing it
 # DIR (the argument, else $OUT, else outputs/gpu_check/<time>) gets summary.json and summary.md (one table), rewritten
 # after every measurement, plus check.json, steps.jsonl, measurements.json and check.log (every step's output): a
-# check cut short keeps what it measured. Scratch (runs, checkpoints, compiler caches) goes to $GPU_CHECK_WORK, else a
-# new temp dir. Exit code: 0 when every step ran and every check held, 1 otherwise, 2 when the check could not start.
+# check cut short keeps what it measured. Scratch (runs, checkpoints, the compiler cache) goes to $GPU_CHECK_WORK, else
+# /tmp/gpu_check_work. Exit code: 0 when every step ran and every check held, 1 otherwise, 2 when it could not start.
 #
 #   scripts/gpu_check.sh [DIR]                      # or: make gpu-check
 #   PYTHON=python3 GPU_CHECK_BUNDLE=build/gpu-bundle scripts/gpu_check.sh DIR   # the defaults
 #   GPU_CHECK_ALLOW_CPU=1 scripts/gpu_check.sh DIR  # no GPU: the same steps on CPU with the tiny model (a rehearsal)
 #   scripts/gpu_check.sh --plan                     # each mode's steps and time limits, nothing run
 #
-# Time limits on the GPU, derived from the CPU rehearsal (GPU_CHECK_ALLOW_CPU=1, tests/test_gpu_check.py), where each
-# step's CPU seconds (steps.jsonl: `times` of its processes, one torch thread; the tiny model, so nearly all of it is
-# Python, imports and compiling) were measured on this project's 2-core machine. On the GPU machine those fixed costs
-# are taken x1.25 + 5 s: the same single-threaded tracing and lowering, Triton's kernels compiled on 16 cores where
-# C++ compiled on one, 25% for a slower core, 5 s for CUDA's context, cuBLAS and cuDNN. The timed part: FLOPs at 30%
-# MFU of the H200's 989.5 TFLOP/s (gpt2_124m: 0.968 GFLOP/token x 16,384 tokens = 53 ms a step; paper_0.7b: 5.45
-# GFLOP/token, 301 ms), x1.3 for a synchronisation after every step.
+# Time limits on the GPU, derived from the CPU rehearsal (GPU_CHECK_ALLOW_CPU=1) run with the GPU machine's torch
+# (2.11.0+cu130) on this project's 2-core machine: each step's CPU seconds (steps.jsonl, `times` of its processes; one
+# torch thread; the tiny model, so nearly all of it is Python, imports and compiling) are taken x1.0 on the GPU
+# machine. About half of them is a C++ compiler building kernels one at a time (torch's compile times, in
+# measurements.json), which there Triton does on 16 workers; against that stand CUDA's context, cuBLAS and cuDNN plans
+# and Triton's autotuning: taken as even. The timed part: FLOPs at 30% MFU of the H200's 989.5 TFLOP/s (gpt2_124m:
+# 0.968 GFLOP/token x 16,384 tokens = 53 ms a step; paper_0.7b: 5.45 GFLOP/token, 301 ms), x1.3 for the
+# synchronisation after every step.
 #
-# | step             | CPU rehearsal: CPU s            | GPU fixed           | GPU timed part                         | limit |
-# |------------------|---------------------------------|---------------------|----------------------------------------|------:|
-# | start-up         | import check 4, summaries 0.1   | 5                   | -                                      | (10)  |
-# | xsa_bf16         | 18 (one shape; a second +4)     | 1.25 x 22 + 5 = 33  | ~0                                     |    35 |
-# | bench_gpt2_124m  | 57: setup 7, first kernel 31,   | 1.25 x (7 + 31 +    | auto: 20 rounds x 2 x 6 steps x 69 ms  |   145 |
-# |                  | each further kernel 19          | 2 x 19) + 5 = 100   | = 17; flash, efficient: 10 rounds = 17 |       |
-# |                  |                                 |                     | together; eager 5 rounds 5; probes 3   |       |
-# | bench_paper_0.7b | 14 (compiler cache of gpt2's);  | 1.25 x 38 + 5 = 53  | (3 rounds x 3 + 4 probe and memory     |    65 |
-# |                  | cold as gpt2's first kernel: 38 |                     | + 2 warm-up) x 2 x 0.39 s = 11         |       |
-# | train            | 42                              | 1.25 x 42 + 5 = 58  | 20 steps, validation, checkpoint: ~6   |    70 |
-# | resume           | 13 (compiler cache warm)        | 1.25 x 13 + 5 = 21  | 20 steps, checkpoint load and save: ~8 |    35 |
+# | step             | CPU rehearsal, CPU s (measured)   | GPU timed part                                 | limit |
+# |------------------|-----------------------------------|------------------------------------------------|------:|
+# | start-up         | import check 4, summaries 0.1     | -                                              |  (10) |
+# | xsa_bf16         | 35 for one shape, a second +4     | ~0                                             |    45 |
+# | bench_gpt2_124m  | 57: start 7, auto's kernel 32,    | auto 20 rounds x 2 x 6 steps x 69 ms = 17;     |   130 |
+# |                  | math 16, eager 1: on the GPU 2    | flash and efficient 10 rounds each: 17; eager  |       |
+# |                  | further kernels, 7 + 32 + 2 x 16  | 5 rounds: 5; profiled and memory steps: 3      |       |
+# |                  | + 1 = 72                          | = 42; 114 in all                               |       |
+# | bench_paper_0.7b | 21 with gpt2's compiler cache;    | (2 warm-up + 3 rounds x 3 + 4 probe and        |    60 |
+# |                  | cold, as gpt2's first kernel: 39  | memory) x 2 x 0.39 s = 11; 50 in all           |       |
+# | train            | 44                                | 20 steps, validation, a 1.1 GB checkpoint: ~8  |    70 |
+# | resume           | 21 (compiler cache warm)          | its load, 20 steps, validation, a save: ~8     |    45 |
 # The limits add up to 350 s: with the start-up, 360 (GPU_CHECK_BUDGET_S). GPU_CHECK_DEADLINE, 5 s before a step's
 # limit, ends its optional work first: a bench step measures auto's kernel and the memory, then each further kernel
 # and eager only while the time left allows as much as the last one took.
@@ -53,8 +55,8 @@ START_UP_S=10          # the import check and the summaries between steps: in th
 DEADLINE_MARGIN_S=5    # a step's optional work ends this long before its limit
 
 # The steps, in this order, and each one's limit in seconds: "name:limit" (the table above). GPU_CHECK_STEPS runs a
-# subset with other limits, e.g. GPU_CHECK_STEPS="bench_paper_0.7b:300" (resume continues what train left).
-GPU_STEPS=(xsa_bf16:35 bench_gpt2_124m:145 bench_paper_0.7b:65 train:70 resume:35)
+# subset with other limits, e.g. GPU_CHECK_STEPS="bench_paper_0.7b:300" (resume only with train: it continues it).
+GPU_STEPS=(xsa_bf16:45 bench_gpt2_124m:130 bench_paper_0.7b:60 train:70 resume:45)
 CPU_STEPS=(xsa_bf16:70 bench_gpt2_124m:180 bench_paper_0.7b:90 train:150 resume:90)
 KNOWN_STEPS=" xsa_bf16 bench_gpt2_124m bench_paper_0.7b train resume "
 
@@ -185,14 +187,14 @@ fi
 TOTAL=$(limits_total "${STEPS[@]}")
 
 start_check "$DIR" "$MODE" "${STEPS[@]}"
-WORK="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}"
+WORK="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check_work}"  # kept: a rerun on the same machine finds its compiled code
 mkdir -p "$WORK" || fail "cannot create $WORK"
 export XSA_LM_DATA_DIR="$WORK/data" TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 echo "gpu_check: $MODE, budget $BUDGET_S s (step limits $TOTAL s); results in $DIR, scratch in $WORK"
 
 MEASURE=("$PY" "$REPO/scripts/gpu_check_measure.py" "$DIR")
 XSA_LM=("$PY" "$REPO/scripts/gpu_xsa_lm.py")
-RUN="$WORK/train"
+RUN="$WORK/runs/$(date +%Y%m%d-%H%M%S)-$$"  # this check's own: resume=auto continues its train step, no other
 TRAIN=(data=prepared "data.dir=$BUNDLE/shakespeare-bpe" logger=csv progress_bar=false trainer=fsdp trainer.devices=1
        compile=true attention=xsa "hydra.run.dir=$RUN")
 if [ "$MODE" = gpu ]; then
