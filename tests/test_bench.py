@@ -381,3 +381,16 @@ def test_bench_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, mon
     monkeypatch.chdir(tmp_path)
     assert "out=bench.json exists" in refused_in_process(["bench", "smoke=true"], monkeypatch, capsys)
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_bench_reports_xsa_memory_as_the_plan_counts_it():
+    """Per layer, 10 tokens, 2 heads of 16 in fp32: 2 fp32 coefficients per head saved (16 bytes a token); eager
+    temporaries: the gradients of z and v, y's fp32 gradient and 2 fp32 numbers per head (4 x 32 x 3 + 16 = 400);
+    compiled: the gradients of y and v and one number per head (4 x 64 + 8 = 264)."""
+    from xsa_lm.bench.run import xsa_memory, xsa_memory_line
+    from xsa_lm.model import GPTConfig
+
+    config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64, attention="xsa")
+    measured = xsa_memory(config, tokens=10, precision="32-true")
+    assert measured == {"saved_per_layer": 160, "temporaries_eager": 4000, "temporaries_compiled": 2640}
+    assert "backward temporaries 0.00 MiB eager" in xsa_memory_line(measured)

@@ -37,6 +37,7 @@ from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import config_problem
+from xsa_lm.train import memory
 from xsa_lm.train.runinfo import run_info
 
 # XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
@@ -370,6 +371,7 @@ def bench(cfg: DictConfig) -> dict:
         "rounds_setting": n["rounds"],
         "rounds_plan": plan,
         "sdpa": {key: kernels[key] for key in ("order", "used", "candidates", "takes", "timed", "primary")},
+        "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
         "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
@@ -391,6 +393,28 @@ def bench(cfg: DictConfig) -> dict:
         "config": OmegaConf.to_container(cfg, resolve=True),
         "run_info": run_info(attention={"order": kernels["order"], "used": kernels["used"]}),
     }
+
+
+def xsa_memory(model: GPTConfig, *, tokens: int, precision: str) -> dict[str, int]:
+    """What one XSA layer adds at this step's size, as the memory plan counts it (xsa-lm plan): the coefficients it
+    saves for the backward, and its backward's largest temporaries, eager and compiled."""
+    compute, weights = memory.dtype_bytes(precision)
+    shape = asdict(model)
+    saved = memory.block_saved_per_token(shape, compute=compute, residual=weights, exclusive=True)["xsa"]
+    return {
+        "saved_per_layer": tokens * saved,
+        "temporaries_eager": tokens * memory.xsa_transient_per_token(shape, compute=compute),
+        "temporaries_compiled": tokens * memory.xsa_transient_per_token(shape, compute=compute, compiled=True),
+    }
+
+
+def xsa_memory_line(xsa: dict[str, int]) -> str:
+    mib = 2**20
+    return (
+        f"XSA's memory per layer (the plan's count): saves {xsa['saved_per_layer'] / mib:.2f} MiB for the backward; "
+        f"backward temporaries {xsa['temporaries_eager'] / mib:.2f} MiB eager, "
+        f"{xsa['temporaries_compiled'] / mib:.2f} MiB compiled"
+    )
 
 
 def kernel_line(kernels: dict) -> str:
@@ -472,6 +496,7 @@ def print_tables(r: dict) -> None:
         f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})"
     )
     print(kernel_line(r["sdpa"]))
+    print(xsa_memory_line(r["xsa_memory"]))
     if r["rounds_plan"]:
         print(plan_line(r["rounds_plan"]))
     load = r["load_avg_1min"]
