@@ -194,9 +194,9 @@ def estimate(
     mixed precision autocast's compute-dtype copies of the matmul weights, which the backward keeps. DDP holds them
     whole on every device, its gradients in its buckets (a second copy without gradient_as_bucket_view); FSDP
     shards them over `world_size` and gathers one block at a time (two with prefetching) plus the root (the tied
-    embedding) in fp32, autocast copying as under DDP, with one block's unsharded gradients; with gradient accumulation, every
-    unsharded gradient in fp32 (the reduction waits for the step's last micro-batch). attention="xsa": every layer
-    XSA."""
+    embedding) in fp32, autocast copying as under DDP, with one block's unsharded gradients; with gradient
+    accumulation, every unsharded gradient in fp32 (the reduction waits for the step's last micro-batch).
+    attention="xsa": every layer XSA."""
     compute, weights = dtype_bytes(precision)
     n = parameter_count(model, vocab_size)
     saved, transient = activation_bytes(
