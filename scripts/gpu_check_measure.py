@@ -388,16 +388,18 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
 
     runs = {name: choice["runs"] for name, choice in result["kernel_choices"].items()}
     save(f"setup (SDPA kernel per order: {runs})")
-    names, last_cost = to_measure(result["kernel_choices"]), 0.0
+    names, last_cost = to_measure(result["kernel_choices"]), None
     for i, name in enumerate(names):
-        if i and deadline.left() < 1.2 * last_cost:  # the first always runs: it is what the step is for
-            result["skipped"].append(f"compiled {name}: {deadline.left():.0f} s left, the last took {last_cost:.0f}")
-            save(f"compiled {name} skipped")
-            continue
+        if i:  # the first always runs: it is what the step is for
+            expected = further_kernel_cost(result["compiled"][names[0]], last_cost, rounds=args.other_rounds)
+            if deadline.left() < 1.1 * expected:
+                result["skipped"].append(f"compiled {name}: {deadline.left():.0f} s left, {expected:.0f} s expected")
+                save(f"compiled {name} skipped")
+                continue
         t0, order = time.perf_counter(), result["kernel_choices"][name]["order"]
         rounds = args.rounds if i == 0 else args.other_rounds
         measured = measure_kernel(order, trainers, batches, args=args, rounds=rounds, deadline=deadline)
-        last_cost = time.perf_counter() - t0
+        last_cost = (time.perf_counter() - t0) if i else None
         per_round = measured.pop("per_round")
         result["compiled"][name] = measured | summarize_phase(per_round, result, device_type=device.type)
         save(f"compiled {name} ({measured['timed_s']} s timed, warm-up {measured['warmup_s']} s)")
@@ -408,6 +410,16 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
             save(f"compiled peak memory under {name}")
     if names and args.eager_rounds:
         eager(trainers, batches, name=names[0], args=args, result=result, deadline=deadline, save=save)
+
+
+def further_kernel_cost(first: dict, last: float | None, *, rounds: int) -> float:
+    """Seconds one more kernel is expected to take: as long as the last further one, else compiling at 60% of the
+    first kernel's warm-up (which also paid the process's one-time compile costs; measured on CPU: 50%) and `rounds`
+    rounds as long as the first kernel's."""
+    if last is not None:
+        return last
+    per_round = first["timed_s"] / max(first["rounds_done"], 1)
+    return 0.6 * sum(first["warmup_s"].values()) + rounds * per_round
 
 
 def eager(trainers: dict, batches: list, *, name: str, args, result: dict, deadline: Deadline, save) -> None:

@@ -220,6 +220,12 @@ def test_rounds_stop_before_the_deadline():
     assert per_round["sa"][0] == 0.02
 
 
+def test_a_further_kernel_is_expected_to_take_its_compile_and_rounds():
+    first = {"warmup_s": {"sa": 30.0, "xsa": 10.0}, "timed_s": 20.0, "rounds_done": 20}
+    assert gpu_check_measure.further_kernel_cost(first, None, rounds=10) == 0.6 * 40 + 10 * 1.0
+    assert gpu_check_measure.further_kernel_cost(first, 33.0, rounds=10) == 33.0  # as long as the last further one
+
+
 def test_a_wrong_gradient_of_the_fused_op_fails_the_bf16_check(monkeypatch: pytest.MonkeyPatch):
     """The check is the fp64 reference against the op: a backward without the terms through ||v||^2 and y . v fails it,
     while plain autograd of the paper formula in bf16 (the scale beside it) holds."""
@@ -264,7 +270,7 @@ def absent(root: Path, *packages: str) -> Path:
 @pytest.mark.long
 def test_the_whole_check_runs_on_cpu_from_a_bundle(tmp_path: Path):
     """Every step, from a bundle built here, with the packages the GPU image lacks shadowed. Measured on the 2-core
-    machine with other jobs beside it (load 3): 4 min 18 s, 178 CPU seconds (the bundle ~25)."""
+    machine: 2 min 36 s at load 1, 162 CPU seconds (the bundle ~25); 4 min 18 s with other jobs beside it."""
     bundle = tmp_path / "bundle"
     built = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_bundle.sh"), str(bundle)], capture_output=True, text=True
