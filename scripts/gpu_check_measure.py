@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -378,6 +379,7 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
         "peak_flops_source": source,
         "kernel_choices": kernel_choices(device, config, args.backends, dtype),
         "compiled": {},
+        "errors": {},
         "skipped": [],
     }
 
@@ -388,28 +390,44 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
 
     runs = {name: choice["runs"] for name, choice in result["kernel_choices"].items()}
     save(f"setup (SDPA kernel per order: {runs})")
-    names, last_cost = to_measure(result["kernel_choices"]), None
-    for i, name in enumerate(names):
-        if i:  # the first always runs: it is what the step is for
-            expected = further_kernel_cost(result["compiled"][names[0]], last_cost, rounds=args.other_rounds)
+    compiled_kernels(trainers, batches, args=args, result=result, deadline=deadline, save=save)
+    if result["compiled"] and args.eager_rounds:
+        first = next(iter(result["compiled"]))
+        eager(trainers, batches, name=first, args=args, result=result, deadline=deadline, save=save)
+
+
+def compiled_kernels(trainers: dict, batches: list, *, args, result: dict, deadline: Deadline, save) -> None:
+    """Each SDPA kernel in turn, into result["compiled"]. The first that runs gets args.rounds rounds and the peak
+    memory after them; a further one args.other_rounds, when the time left allows what it is expected to take. A
+    kernel that fails is recorded and the others go on."""
+    last_cost = None
+    for name in to_measure(result["kernel_choices"]):
+        first = next(iter(result["compiled"].values()), None)
+        if first is not None:
+            expected = further_kernel_cost(first, last_cost, rounds=args.other_rounds)
             if deadline.left() < 1.1 * expected:
                 result["skipped"].append(f"compiled {name}: {deadline.left():.0f} s left, {expected:.0f} s expected")
                 save(f"compiled {name} skipped")
                 continue
         t0, order = time.perf_counter(), result["kernel_choices"][name]["order"]
-        rounds = args.rounds if i == 0 else args.other_rounds
-        measured = measure_kernel(order, trainers, batches, args=args, rounds=rounds, deadline=deadline)
-        last_cost = (time.perf_counter() - t0) if i else None
+        rounds = args.rounds if first is None else args.other_rounds
+        try:
+            measured = measure_kernel(order, trainers, batches, args=args, rounds=rounds, deadline=deadline)
+        except RuntimeError as error:  # torch's: a kernel that fails to compile or run, out of memory
+            traceback.print_exc()
+            result["errors"][name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+            save(f"compiled {name} failed")
+            continue
+        last_cost = None if first is None else time.perf_counter() - t0
         per_round = measured.pop("per_round")
-        result["compiled"][name] = measured | summarize_phase(per_round, result, device_type=device.type)
+        device_type = trainers["sa"].setup.device.type
+        result["compiled"][name] = measured | summarize_phase(per_round, result, device_type=device_type)
         save(f"compiled {name} ({measured['timed_s']} s timed, warm-up {measured['warmup_s']} s)")
-        if i == 0:
+        if first is None:
             result["memory_compiled"] = memory_phase(
                 trainers, batches, order=order, micro_batch=args.micro_batch, compiled=True
             )
             save(f"compiled peak memory under {name}")
-    if names and args.eager_rounds:
-        eager(trainers, batches, name=names[0], args=args, result=result, deadline=deadline, save=save)
 
 
 def further_kernel_cost(first: dict, last: float | None, *, rounds: int) -> float:

@@ -106,6 +106,8 @@ def checks(m: dict, mode: str) -> list[dict]:
     for label, bench in bench_items(m):
         for name, phase in (bench.get("compiled") or {}).items():
             out.append(kernel_check(label, name, phase, bench["kernel_choices"][name], mode))
+        for name, error in (bench.get("errors") or {}).items():
+            out.append({"check": f"SDPA kernel {label} {name}", "ok": False, "detail": f"compiled: {error}"})
     train, resume = m.get("train"), m.get("resume")
     if train:
         ok = train["status"] == "completed" and finite(train["final_val_loss"])

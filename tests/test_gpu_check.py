@@ -220,6 +220,32 @@ def test_rounds_stop_before_the_deadline():
     assert per_round["sa"][0] == 0.02
 
 
+def test_a_kernel_that_fails_is_recorded_and_the_next_gets_the_first_ones_rounds(monkeypatch: pytest.MonkeyPatch):
+    def measure(order, trainers, batches, *, args, rounds, deadline):
+        if order == ["cudnn"]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        per_round = {"sa": [0.05] * rounds, "xsa": [0.05] * rounds}
+        return {"order": order, "warmup_s": {"sa": 1.0}, "kernels": {}, "per_round": per_round, "timed_s": 1.0}
+
+    monkeypatch.setattr(gpu_check_measure, "measure_kernel", measure)
+    monkeypatch.setattr(gpu_check_measure, "memory_phase", lambda *a, **k: {"measured": "here"})
+    choices = {"auto": {"order": ["cudnn"], "runs": "cudnn"}, "flash": {"order": ["flash"], "runs": "flash"}}
+    result = {"kernel_choices": choices, "compiled": {}, "errors": {}, "skipped": [], "tokens_per_step": 8}
+    result |= {"flops_per_token": 1.0, "peak_flops": 1e9, "model": "x", "device": "fake"}
+    args = type("Args", (), {"rounds": 20, "other_rounds": 10, "micro_batch": 1})()
+    trainers = {"sa": type("T", (), {"setup": type("S", (), {"device": torch.device("cuda")})()})()}
+    saved = []
+    gpu_check_measure.compiled_kernels(
+        trainers, [], args=args, result=result, deadline=gpu_check_measure.Deadline(), save=saved.append
+    )
+    assert result["errors"] == {"auto": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert list(result["compiled"]) == ["flash"] and result["compiled"]["flash"]["rounds_done"] == 20
+    assert result["memory_compiled"] == {"measured": "here"} and saved[0] == "compiled auto failed"
+    bench = result | {"device": "fake", "model": "x"}
+    failed = [c for c in gpu_check_summary.checks({"bench_x": bench}, "gpu") if not c["ok"]]
+    assert [c["check"] for c in failed] == ["SDPA kernel x auto"]
+
+
 def test_a_further_kernel_is_expected_to_take_its_compile_and_rounds():
     first = {"warmup_s": {"sa": 30.0, "xsa": 10.0}, "timed_s": 20.0, "rounds_done": 20}
     assert gpu_check_measure.further_kernel_cost(first, None, rounds=10) == 0.6 * 40 + 10 * 1.0
