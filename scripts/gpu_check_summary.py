@@ -207,7 +207,7 @@ def mfu_row(model: str, label: str, phase: dict) -> dict | None:
     if not sa or not xsa:
         return None
     target = sa.get("target")
-    verdicts = f"SA {sa['verdict']}, XSA {xsa['verdict']}" + (f" (>= {100 * target:.0f}%)" if target else "")
+    verdicts = f"SA {sa['verdict']}, XSA {xsa['verdict']} (>= {100 * target:.0f}%)" if target else ""
     return {
         "what": f"MFU, {model}, {label}",
         "result": f"SA {100 * sa['median']:.1f}%, XSA {100 * xsa['median']:.1f}%",
