@@ -118,6 +118,10 @@ class _AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# What SDPA raises when no allowed kernel takes the shape: on CPU, and on CUDA.
+NO_KERNEL = ("No viable backend", "No available kernel")
+
+
 def backend_used(
     *,
     heads: int,
@@ -142,7 +146,7 @@ def backend_used(
         with _AtenOps() as ops:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
     except RuntimeError as e:
-        if "No viable backend" not in str(e):
+        if not any(words in str(e) for words in NO_KERNEL):
             raise
         raise UserError(
             f"sdpa_backends: none of the kernels it allows runs attention of {heads} heads x {seq} positions x "
