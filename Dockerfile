@@ -1,8 +1,9 @@
 # xsa-lm for NVIDIA GPUs: `docker build -t xsa-lm .` then
 #   docker run --gpus all --rm -v $PWD/outputs:/work/outputs -v $PWD/data:/work/data -e WANDB_API_KEY xsa-lm \
 #     train trainer=gpu compile=true model=gpt2_124m attention=xsa
-# The base image brings CUDA, cuDNN and a CUDA build of torch inside the range pyproject.toml accepts.
-FROM pytorch/pytorch:2.8.0-cuda12.9-cudnn9-runtime
+# The base image brings CUDA, cuDNN and a CUDA build of torch inside the range pyproject.toml accepts: 2.11, the
+# oldest release CI tests (make test-torch-floor) and the GPU machine's.
+FROM pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
 # Inductor's compiled kernels go to the mounted outputs volume: the next container starts with a warm cache.
 ENV PYTHONUNBUFFERED=1 \
