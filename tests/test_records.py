@@ -61,7 +61,8 @@ def test_a_saved_scaling_study_is_read(path: Path) -> None:
     saved = json.loads(path.read_text())["sizes"]
     sizes = ScaleStudyResult.read(path).sizes
     assert [s.model for s in sizes] == [s["model"] for s in saved]
-    assert all(s.usable == ("compute" in raw and "error" not in raw) for s, raw in zip(sizes, saved, strict=True))
+    usable = [raw.get("compute") is not None and raw.get("error") is None for raw in saved]
+    assert [s.usable for s in sizes] == usable
     assert [s.sa_runs for s in sizes] == [s["sa_runs"] for s in saved]
 
 

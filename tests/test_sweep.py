@@ -588,7 +588,8 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
 
 def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
     """comparison_plan of a sweep config whose stall rule has this margin."""
-    cfg = OmegaConf.create({"sweep": {"stall": {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}}})
+    stall = {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}
+    cfg = OmegaConf.create({"sweep": {"stall": stall, "margin": 0.01}})
     return comparison_plan(cfg, list(search_seeds), list(seeds), cap)
 
 
@@ -609,6 +610,7 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         "alpha": 0.05,
         "planned_looks": 3,  # looks at 2, 3 and 4 seeds
         "stall": stall,
+        "margin": 0.01,
     }
     assert first["sweep_id"] == "s" and [h["grid"] for h in first["history"]] == [[1e-3]]
     run(_plan(), [1e-3, 3e-3])  # the same plan with a larger grid: allowed, and the grid's history kept

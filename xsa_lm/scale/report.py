@@ -8,6 +8,7 @@ from pathlib import Path
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
 from xsa_lm.scale.fit import Fit
+from xsa_lm.stats.decision import clustered_line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +158,8 @@ def size_test_lines(results: ScaleStudyResult) -> list[str]:
         f"(exact sign test p = {_p(pooled['p'])}; the pairs of a size share its LR and curve, so this reads the "
         "direction, not a size of effect).",
     ]
+    if results.across_sizes.get("by_seed"):
+        lines.append(clustered_line(results.across_sizes["by_seed"], shares="its data order at every size"))
     return lines
 
 

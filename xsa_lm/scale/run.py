@@ -43,6 +43,7 @@ from xsa_lm.scale.fit import (
     wallclock_multiplier,
 )
 from xsa_lm.scale.report import ScaleStudyResult, SizeResult, log_to_wandb, write_report
+from xsa_lm.stats.decision import clustered_test
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
 from xsa_lm.sweep.report import SweepResult
@@ -369,15 +370,20 @@ def analyse(
 
 def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
     """The sizes, each with a result given XSA - SA (paired_stats under `tests`, its t p-value Holm-adjusted across
-    the sizes); and across sizes one sign test over every pair of every size."""
+    the sizes); and across sizes the sign test over every pair of every size, and the test by seed (a seed's pairs
+    at every size share its data order, so they are not independent)."""
     tested = [s for s in sizes if s.compute is not None]
     paired = [paired_stats(s.sa_runs, s.xsa_runs) for s in tested]
     holm_p = holm([t.t_p for t in paired])
     stats = [t.to_json() | {"t_p_holm": p} for t, p in zip(paired, holm_p, strict=True)]
     diffs = [x - s for size in tested for s, x in zip(size.sa_runs, size.xsa_runs, strict=True)]
     pooled = {"pairs": len(diffs), "xsa_lower": sum(d < 0 for d in diffs), "p": sign_test_p(diffs)}
+    across: dict[str, Any] = {"pooled_sign": pooled}
+    seeds = [seed for size in tested for seed in size.seeds]
+    if len(seeds) == len(diffs):  # seed s at every size shares its data order: the pairs of one seed are one cluster
+        across["by_seed"] = clustered_test(diffs, seeds).to_json()
     tests = iter(stats)
-    return [replace(s, tests=next(tests)) if s.compute is not None else s for s in sizes], {"pooled_sign": pooled}
+    return [replace(s, tests=next(tests)) if s.compute is not None else s for s in sizes], across
 
 
 def reanalyse(

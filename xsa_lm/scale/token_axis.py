@@ -23,6 +23,7 @@ import numpy as np
 import scipy.stats
 
 ALPHA = 0.05
+STALL_MARGIN = 0.15  # nats above the median of a budget's seeds: the sweep's stall margin (sweep.stall.margin)
 
 
 @dataclass
@@ -183,6 +184,30 @@ def _ln_k_of_means(
             theta = (m[j] - xm) / (m[j] - m[j + 1])
             return float(lnD[j] + theta * (lnD[j + 1] - lnD[j]) - math.log(budget))
     return math.log(hi)
+
+
+def per_seed_k(
+    sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float
+) -> list[str]:
+    """k of each seed alone, from its own SA curve, as the report prints it: "1.31", or a bound at SA's range
+    (">= 2", "<= 0.5"). A mean k over bimodal seeds (some SA seeds stalled) reads as one effect; these show the mix."""
+    runs = np.asarray(sa, dtype=float)
+    lo, hi = min(sa_budgets) / budget, max(sa_budgets) / budget
+    values = []
+    for s, x in enumerate(xsa):
+        k = math.exp(_ln_k_of_means(runs[:, s], sa_budgets, float(x), budget, lo, hi))
+        values.append(
+            f">= {hi:.3g}" if k >= hi * (1 - 1e-9) else f"<= {lo:.3g}" if k <= lo * (1 + 1e-9) else f"{k:.2f}"
+        )
+    return values
+
+
+def stalled(losses: Sequence[float], margin: float = STALL_MARGIN) -> int:
+    """The runs whose final loss lies more than `margin` nats above the median of their arm and budget."""
+    if len(losses) < 2:
+        return 0
+    median = float(np.median(losses))
+    return sum(loss > median + margin for loss in losses)
 
 
 def pool(cells: Sequence[Cell]) -> dict | None:

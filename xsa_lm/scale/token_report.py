@@ -5,7 +5,7 @@ from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
-from xsa_lm.scale.token_axis import ci_text, k_text
+from xsa_lm.scale.token_axis import STALL_MARGIN, ci_text, k_text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +54,7 @@ class TokenStudyResult(Record):
     cells: list[dict]  # analyse_tokens: k per (size, XSA budget)
     pooled: dict | None = None
     warnings: list[str] = field(default_factory=list)
+    reanalysed: str | None = None  # the day a saved study was analysed again (scale.tokens.reanalyse_tokens)
     schema: int = 1
 
 
@@ -89,6 +90,32 @@ def size_lines(results: TokenStudyResult) -> list[str]:
     return lines
 
 
+def per_seed_lines(cells: list[dict]) -> list[str]:
+    """Each seed's own k and the stalled seeds per budget: a mean k over seeds where some SA runs stalled is a
+    mixture, and these show it (studies analysed before xsa-lm had them lack them)."""
+    rows = [c for c in cells if c.get("per_seed_k") is not None]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Per seed: k from that seed's own SA curve, and the seeds whose final loss lies more than {STALL_MARGIN:g} "
+        "nats above the median of their arm and budget (stalled).",
+        "",
+        "| model | XSA budget | seeds | k per seed | SA stalled per budget | XSA stalled |",
+        "|---|---:|---|---|---|---:|",
+    ]
+    for c in rows:
+        stalls = ", ".join(
+            f"{n} at {b / c['budget'] * c['fraction']:.3g} B"
+            for n, b in zip(c["sa_stalled"], c["sa_budgets"], strict=True)
+        )
+        lines.append(
+            f"| {c['model']} | {c['fraction']:g} B | {', '.join(map(str, c['paired_seeds']))} | "
+            f"{', '.join(c['per_seed_k'])} | {stalls} | {c['xsa_stalled']} |"
+        )
+    return lines
+
+
 def multiplier_lines(results: TokenStudyResult) -> list[str]:
     lines = [
         "",
@@ -116,6 +143,7 @@ def multiplier_lines(results: TokenStudyResult) -> list[str]:
             f"{', '.join(f'{m:.4f}' for m in cell['sa_means'])} | {cell['xsa_mean']:.4f} | {k_text(cell)} | "
             f"{ci_text(cell)} | {boot_text} | {wall_text} |"
         )
+    lines += per_seed_lines(results.cells)
     pooled = results.pooled
     if pooled:
         q_p = pooled["q_p_value"]
@@ -168,6 +196,8 @@ def render_markdown(results: TokenStudyResult) -> str:
         f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
         f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
     ]
+    if results.reanalysed:
+        lines.append(f"- re-analysed on {results.reanalysed} from the saved runs with the current analysis")
     if results.warnings:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
     lines += size_lines(results) + multiplier_lines(results) + same_budget_lines(results)

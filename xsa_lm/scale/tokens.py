@@ -15,6 +15,7 @@ the same command resumes the study; the plan (budgets, seeds) is fixed at the fi
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -23,7 +24,7 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError
-from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, pool
+from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, per_seed_k, pool, stalled
 from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.paired import paired_stats
 from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
@@ -242,6 +243,9 @@ def analyse_tokens(
             same = sa[sa_budgets.index(fraction)] if fraction in sa_budgets else None  # SA at XSA's budget
             row["same_budget"] = paired_stats(same, xsa).to_json() if same is not None else None
             row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
+            row["per_seed_k"] = per_seed_k(sa, sa_tokens, xsa, budget)
+            row["sa_stalled"] = [stalled(losses) for losses in sa]  # per SA budget
+            row["xsa_stalled"] = stalled(xsa)
             bench = entry.bench
             if bench and cell.k is not None and bench.get("interval"):
                 r, (r_lo, r_hi) = bench["xsa_over_sa_step_time"], bench["interval"]
@@ -251,6 +255,21 @@ def analyse_tokens(
             cells.append(row)
             estimates.append(cell)
     return {"cells": cells, "pooled": pool(estimates), "warnings": warnings}
+
+
+def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenStudyResult:
+    """A saved token study analysed again from its runs' final losses with the current analysis (no run is
+    repeated); `reanalysed` says when."""
+    plan = saved.plan
+    analysis = analyse_tokens(saved.sizes, plan["sa_budgets"], plan["xsa_budgets"])
+    warnings = [f"{s.model}: {w}" for s in saved.sizes for w in s.warnings] + analysis["warnings"]
+    return replace(
+        saved,
+        cells=analysis["cells"],
+        pooled=analysis["pooled"],
+        warnings=warnings,
+        reanalysed=when or time.strftime("%Y-%m-%d"),
+    )
 
 
 def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
+from xsa_lm.stats.decision import margin_verdict
 from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
 from xsa_lm.sweep.protocol import Comparison, Selection, mean_std
 from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
@@ -87,9 +88,12 @@ class ComparisonStats(Record):
     power: float = POWER
     alpha: float = ALPHA
     dropped_seeds: list[dict] = field(default_factory=list)
+    margin: dict | None = None  # MarginVerdict.to_json against sweep.margin (None: a sweep from before the margin)
 
     @classmethod
-    def of(cls, comparison: Comparison, dropped: list[dict] | None = None) -> "ComparisonStats":
+    def of(
+        cls, comparison: Comparison, dropped: list[dict] | None = None, margin: float | None = None
+    ) -> "ComparisonStats":
         (sa_mean, sa_std), (xsa_mean, xsa_std) = mean_std(comparison.sa), mean_std(comparison.xsa)
         paired = paired_stats(comparison.sa, comparison.xsa)
         return cls(
@@ -112,6 +116,7 @@ class ComparisonStats(Record):
             dof=paired.pairs - 1 if paired.pairs > 1 else None,
             min_detectable_diff=min_detectable_difference(paired.sd_diff, paired.pairs),
             dropped_seeds=dropped or [],
+            margin=margin_verdict(comparison.diffs, margin).to_json() if margin is not None else None,
         )
 
 
@@ -155,9 +160,14 @@ def verdict(stats: dict, sequential: bool = False) -> str:
     head = f"XSA - SA = {stats['diff_mean']:+.4f} on average over {n} seed(s){left_out}; XSA is lower in "
     head += f"{stats['xsa_better_in']}."
     if ci is None and n == 1:
-        return head + " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
+        return (
+            head
+            + " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
+            + margin_text(stats.get("margin"), sequential)
+        )
     if ci is None:
-        return head + " The differences are all equal: no spread, so Student's t gives no interval."
+        no_spread = " The differences are all equal: no spread, so Student's t gives no interval."
+        return head + no_spread + margin_text(stats.get("margin"), sequential)
     lo, hi = ci
     if hi < 0:
         meaning = "the interval excludes 0: XSA's lower loss is significant at the 5% level"
@@ -175,7 +185,17 @@ def verdict(stats: dict, sequential: bool = False) -> str:
             f" Tests that do not assume normal noise: exact Wilcoxon signed-rank p = {stats['wilcoxon_p_value']:.3g}, "
             f"exact sign test p = {stats['sign_test_p_value']:.3g}."
         )
-    return head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}." + ranks
+    text = head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}." + ranks
+    return text + margin_text(stats.get("margin"), sequential)
+
+
+def margin_text(margin: dict | None, sequential: bool = False) -> str:
+    """The verdict against the plan's margin, the claim the sweep may make (xsa_lm.stats.decision)."""
+    if margin is None:
+        return ""
+    caveat = " (its level assumes no seeds were added on sight of the results)" if sequential else ""
+    head = f" **Verdict against the plan's margin of {margin['margin']:g} nats: {margin['verdict']}**"
+    return f"{head}{caveat}: {margin['why']}."
 
 
 STOPPED = {
@@ -450,11 +470,12 @@ def build_results(
     search_seeds: Sequence[int] = (0,),
     sequential: dict | None = None,
     stall_rule: StallRule | None = None,
+    margin: float | None = None,
 ) -> dict:
     """Everything the report shows, as one JSON-able dict. `trials` are the records, each with its `phase`;
     `seeds` are the compare seeds, `search_seeds` the search's; `sequential` the outcome of the stopping rule of
     sweep.seeds_until_significant (SequentialRule.summary), None without it; `stall_rule` the stall definition of
-    the plan (the stall table needs two search seeds or more)."""
+    the plan (the stall table needs two search seeds or more); `margin` the plan's practical margin in nats."""
     search: dict[str, dict[str, dict]] = {}
     medians = {"sa": selection.losses, "xsa": xsa_selection.losses if xsa_selection else {}}
     for trial in trials:
@@ -465,7 +486,7 @@ def build_results(
             )
             point["runs"].append(trial)
     dropped = dropped_seeds(trials)
-    compare = ComparisonStats.of(comparison_of(trials), dropped).to_json()
+    compare = ComparisonStats.of(comparison_of(trials), dropped, margin).to_json()
     tuning = xsa_tuning(search, selection, xsa_selection) if xsa_selection is not None else None
     warnings = list(selection.warnings)
     warnings += [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]

@@ -168,6 +168,7 @@ def comparison_plan(cfg: DictConfig, search_seeds: list[int], seeds: list[int], 
         "alpha": ALPHA,
         "planned_looks": SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1,
         "stall": plain(cfg.sweep.get("stall")),
+        "margin": float(cfg.sweep.margin),
     }
 
 
@@ -182,6 +183,10 @@ def keep_plan(state_file: Path, state: dict, plan: dict, grid: list[float]) -> N
     sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
     again without a trace. The grid may grow (its history is kept)."""
     recorded = state.get("plan")
+    late = [key for key in plan if key not in (recorded or plan)]
+    if recorded is not None and late:  # planned before xsa-lm had these settings: kept from now on, reported
+        state.setdefault("declared_after_runs", {}).update({key: plan[key] for key in late})
+        recorded = recorded | {key: plan[key] for key in late}
     if recorded is not None and recorded != plan:
         changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])
         raise UserError(
@@ -387,8 +392,14 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         search_seeds=search_seeds,
         sequential=sequential,
         stall_rule=stall_rule(cfg),
+        margin=state["plan"]["margin"],
     )
     results["eval"] = evaluation
+    for key, value in state.get("declared_after_runs", {}).items():
+        results["warnings"].append(
+            f"sweep.{key}={value} was declared after this sweep's first runs (it was planned before xsa-lm had the "
+            "setting): the verdict that uses it was not fixed before the results"
+        )
     if eval_warning:
         results["warnings"].append(eval_warning)
     markdown = write_report(results, sweep_dir)

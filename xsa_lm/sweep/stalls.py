@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from xsa_lm.errors import UserError
+from xsa_lm.stats.decision import clustered_line, clustered_test
 from xsa_lm.stats.paired import sign_test_p
 from xsa_lm.stats.rates import exact_interval, mantel_haenszel
 
@@ -99,19 +100,20 @@ def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
 
 def paired_final_losses(rows: Sequence[dict]) -> dict | None:
     """XSA - SA final val loss for each (LR, seed) where both completed: per LR the median difference and how many
-    pairs XSA is lower in, and over every pair the exact sign test (stratified by design: each pair shares LR and
-    seed). None without a pair."""
+    pairs XSA is lower in; over every pair the exact sign test as if the pairs were independent, and the test that
+    keeps each seed's pairs together (a seed's runs at every LR share its initialisation and data order: the
+    clustered test is the one to read). None without a pair."""
     final = {(r["attention"], r["lr"], r["seed"]): r["final_val_loss"] for r in rows if r["stalled"] is not None}
     pairs = [
-        (lr, final[("xsa", lr, seed)] - loss)
+        (lr, final[("xsa", lr, seed)] - loss, seed)
         for (arm, lr, seed), loss in final.items()
         if arm == "sa" and ("xsa", lr, seed) in final
     ]
     if not pairs:
         return None
     per_lr = []
-    for lr in sorted({lr for lr, _ in pairs}):
-        diffs = [d for x, d in pairs if x == lr]
+    for lr in sorted({lr for lr, _, _ in pairs}):
+        diffs = [d for x, d, _ in pairs if x == lr]
         per_lr.append(
             {
                 "lr": lr,
@@ -120,9 +122,16 @@ def paired_final_losses(rows: Sequence[dict]) -> dict | None:
                 "xsa_lower": sum(d < 0 for d in diffs),
             }
         )
-    diffs = [d for _, d in pairs]
+    diffs = [d for _, d, _ in pairs]
     lower = sum(d < 0 for d in diffs)
-    return {"per_lr": per_lr, "pairs": len(pairs), "xsa_lower": lower, "sign_test_p_value": sign_test_p(diffs)}
+    by_seed = clustered_test(diffs, [seed for _, _, seed in pairs])
+    return {
+        "per_lr": per_lr,
+        "pairs": len(pairs),
+        "xsa_lower": lower,
+        "sign_test_p_value": sign_test_p(diffs),
+        "by_seed": by_seed.to_json(),
+    }
 
 
 def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
@@ -235,8 +244,10 @@ def stall_lines(study: dict) -> list[str]:
         lines += [
             "",
             f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired['pairs']} pairs XSA is lower "
-            f"in {paired['xsa_lower']} (exact sign test p = {p_text}).",
+            f"in {paired['xsa_lower']} (exact sign test p = {p_text} if the pairs were independent; they are not).",
         ]
+        if paired.get("by_seed"):
+            lines.append(clustered_line(paired["by_seed"]))
     if any(math.isfinite(c.get("median_tokens_to_threshold") or math.nan) for c in study["cells"]):
         lines += ["", "| LR | arm | runs reaching the threshold | median tokens to reach it |", "|---:|---|---:|---:|"]
         for cell in study["cells"]:

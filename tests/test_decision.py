@@ -1,0 +1,141 @@
+"""What a comparison may claim (xsa_lm/stats/decision.py): the verdict against a declared margin on constructed
+inputs, and tests of pairs that share a seed, against exact enumeration; then where the sweep, the scaling study and
+the token axis report them."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from xsa_lm.errors import UserError
+from xsa_lm.scale.report import SizeResult
+from xsa_lm.scale.run import size_tests
+from xsa_lm.scale.token_axis import per_seed_k, stalled
+from xsa_lm.stats.decision import clustered_test, margin_verdict
+from xsa_lm.sweep.protocol import select_lr
+from xsa_lm.sweep.report import build_results, render_markdown
+from xsa_lm.sweep.run import comparison_plan, keep_plan
+from xsa_lm.sweep.stalls import paired_final_losses
+
+MARGIN = 0.01
+
+
+@pytest.mark.parametrize(
+    ("diffs", "expected"),
+    [
+        ([-0.05, -0.04, -0.06, -0.05, -0.045], "better"),  # lower by ~0.05, far past the margin
+        ([-0.002, 0.001, -0.001, 0.002, -0.0015], "not worse"),  # within the margin either way
+        ([-0.004, -0.003, -0.005, -0.004, -0.0035], "not worse"),  # significant (p < 0.001) but 0.004 nats: no win
+        ([-0.3, 0.25, -0.1, 0.2, -0.05], "inconclusive"),  # too noisy to tell
+        ([0.05, 0.04, 0.06, 0.05, 0.045], "worse"),
+        ([-0.05], "inconclusive"),  # one pair: no interval
+    ],
+)
+def test_the_verdict_against_the_margin(diffs: list[float], expected: str) -> None:
+    assert margin_verdict(diffs, MARGIN).verdict == expected
+
+
+def test_the_verdict_reads_the_one_sided_bounds() -> None:
+    diffs = [-0.03, -0.01, -0.02, -0.025, -0.015]  # mean -0.02, sd 0.0079: upper bound -0.0125 at 5% one-sided
+    verdict = margin_verdict(diffs, MARGIN)
+    half = 2.1318 * np.std(diffs, ddof=1) / math.sqrt(5)  # t(0.95, 4) from printed tables
+    assert verdict.upper == pytest.approx(-0.02 + half, abs=1e-4) and verdict.verdict == "better"
+    assert margin_verdict(diffs, 0.015).verdict == "not worse"  # the same data against a wider margin
+    with pytest.raises(ValueError):
+        margin_verdict(diffs, -0.01)
+
+
+def test_a_seed_shared_by_five_lrs_is_one_observation() -> None:
+    """The README's grid: 5 LRs x 5 seeds, XSA lower in 21 of 25 pairs. Counted as 25 independent pairs the sign
+    test gives p = 0.0009; by seed, with XSA lower at every seed, no test can give less than 2 / 2^5."""
+    rng = np.random.default_rng(0)
+    seeds = [s for s in range(5) for _ in range(5)]
+    diffs = [-0.1 + 0.02 * rng.standard_normal() if i not in (1, 7, 13, 19) else 0.01 for i in range(25)]
+    test = clustered_test(diffs, seeds)
+    assert test.pairs == 25 and test.clusters == 5 and test.xsa_lower == 5
+    assert test.naive_sign_p == pytest.approx(0.000911, abs=1e-5)
+    assert test.sign_flip_p == pytest.approx(2 / 32) and test.sign_p == pytest.approx(2 / 32)
+
+
+def test_the_sign_flip_p_is_the_exact_enumeration() -> None:
+    rng = np.random.default_rng(1)
+    diffs = list(rng.normal(-0.02, 0.05, size=18))
+    seeds = [s % 6 for s in range(18)]
+    test = clustered_test(diffs, seeds)
+    means = np.array([np.mean([d for d, s in zip(diffs, seeds, strict=True) if s == c]) for c in range(6)])
+    observed = abs(means.mean())
+    flips = [abs((means * np.array(signs)).mean()) for signs in itertools.product((1, -1), repeat=6)]
+    exact = sum(f >= observed - 1e-12 for f in flips) / len(flips)
+    assert test.sign_flip_p == pytest.approx(exact) and test.cluster_means == pytest.approx(list(means))
+
+
+def test_the_stall_study_and_the_scale_study_test_by_seed() -> None:
+    rows = [
+        {"attention": arm, "lr": lr, "seed": seed, "final_val_loss": 5.0 - (0.1 if arm == "xsa" else 0), "stalled": 0}
+        for arm in ("sa", "xsa")
+        for lr in (1e-3, 3e-3, 1e-2)
+        for seed in (1, 2, 3)
+    ]
+    paired = paired_final_losses(rows)
+    assert paired is not None and paired["pairs"] == 9 and paired["sign_test_p_value"] == pytest.approx(2 / 2**9)
+    assert paired["by_seed"]["clusters"] == 3 and paired["by_seed"]["sign_flip_p"] == pytest.approx(2 / 8)
+    sizes = [
+        SizeResult(model=m, seeds=[1, 2, 3], sa_runs=[5.0, 5.1, 5.2], xsa_runs=[4.9, 5.0, 5.1], compute=c)
+        for m, c in (("a", 1.0), ("b", 2.0))
+    ]
+    _, across = size_tests(sizes)
+    assert across["pooled_sign"]["pairs"] == 6 and across["by_seed"]["clusters"] == 3
+
+
+def test_per_seed_k_reads_each_seed_on_its_own_curve() -> None:
+    budgets = [100.0, 200.0, 400.0]
+    sa = [[5.0, 5.3], [4.5, 5.2], [4.0, 5.1]]  # seed 0 falls 0.5 per doubling; seed 1 stalls at 5.1-5.3
+    xsa = [4.5 - 0.5 * math.log2(1.5), 4.0]  # seed 0: SA's loss at 300 tokens; seed 1: below SA's whole range
+    assert per_seed_k(sa, budgets, xsa, 200.0) == ["1.50", ">= 2"]
+    assert stalled([4.0, 4.01, 4.02, 4.3]) == 1 and stalled([4.0]) == 0
+
+
+def _sweep_results(tmp_path: Path, margin: float | None) -> dict:
+    search = {1e-3: 3.1, 3e-3: 3.0}
+    trials = [
+        {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "completed", "final_val_loss": loss}
+        for lr, loss in search.items()
+    ]
+    for seed, (sa, xsa) in enumerate([(3.00, 2.95), (3.02, 2.96), (3.01, 2.97), (3.03, 2.97)], start=1):
+        trials += [
+            {"phase": "compare", "attention": arm, "lr": 3e-3, "seed": seed, "status": "completed",
+             "final_val_loss": loss}
+            for arm, loss in (("sa", sa), ("xsa", xsa))
+        ]  # fmt: skip
+    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
+    return build_results(
+        tmp_path, sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
+        selection=selection, xsa_selection=None, margin=margin,
+    )  # fmt: skip
+
+
+def test_the_sweep_report_gives_the_verdict_against_the_plans_margin(tmp_path: Path) -> None:
+    results = _sweep_results(tmp_path, margin=0.01)
+    assert results["comparison"]["margin"]["verdict"] == "better"
+    assert "Verdict against the plan's margin of 0.01 nats: better" in render_markdown(results)
+    wide = _sweep_results(tmp_path, margin=0.1)  # XSA lower by 0.05: significant, yet within a 0.1 margin
+    assert wide["comparison"]["margin"]["verdict"] == "not worse"
+    assert _sweep_results(tmp_path, margin=None)["comparison"]["margin"] is None
+
+
+def test_the_margin_is_part_of_the_plan(tmp_path: Path) -> None:
+    cfg = OmegaConf.create({"sweep": {"stall": None, "margin": 0.01}})
+    state_file = tmp_path / "sweep.json"
+    plan = comparison_plan(cfg, [0], [1, 2], None)
+    keep_plan(state_file, {}, plan, [1e-3])
+    cfg.sweep.margin = 0.05  # widened after seeing the results
+    with pytest.raises(UserError, match=r"margin 0.01 -> 0.05"):
+        keep_plan(state_file, json.loads(state_file.read_text()), comparison_plan(cfg, [0], [1, 2], None), [1e-3])
+    older = {k: v for k, v in plan.items() if k != "margin"}  # a sweep planned before xsa-lm had the margin
+    state = {"plan": older}
+    keep_plan(state_file, state, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
+    assert state["declared_after_runs"] == {"margin": 0.05} and state["plan"]["margin"] == 0.05

@@ -1,0 +1,125 @@
+"""What a comparison may claim: a verdict against a practical margin declared before the runs, and tests over pairs
+that share a seed.
+
+A p < 0.05 on a 0.001-nat difference is not a win. The margin (nats of XSA - SA, or a ratio for k) is part of the
+study's plan, fixed at its first run; the verdict reads the one-sided 95% bounds against it:
+- "better":     XSA's loss is lower by more than the margin (upper bound < -margin);
+- "worse":      XSA's loss is higher by more than the margin (lower bound > +margin);
+- "not worse":  neither, but XSA is no worse than the margin (upper bound < +margin): non-inferior;
+- "inconclusive": the interval reaches past +margin and does not exclude 0 from the other side: more seeds decide.
+
+Pairs over several LRs (or sizes) that share a seed share its initialisation and data order, so they are not
+independent: counting 25 LR x seed pairs as 25 draws overstates the evidence. The clustered test keeps each seed's
+pairs together (the mean difference per seed, its sign flipped as a whole under the null).
+"""
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import scipy.stats
+
+from xsa_lm.stats.paired import ALPHA, sign_test_p
+
+VERDICTS = ("better", "not worse", "worse", "inconclusive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarginVerdict:
+    """XSA - SA against the declared margin, from the one-sided (1 - alpha) bounds of Student's paired t."""
+
+    margin: float
+    lower: float | None  # the one-sided 95% lower bound of the mean difference (the 90% two-sided interval's end)
+    upper: float | None
+    verdict: str  # one of VERDICTS
+    why: str
+
+    def to_json(self) -> dict[str, float | str | None]:
+        return asdict(self)
+
+
+def margin_verdict(diffs: Sequence[float], margin: float, alpha: float = ALPHA) -> MarginVerdict:
+    """The verdict on the paired differences XSA - SA (lower is better for XSA) against `margin` >= 0 nats."""
+    if margin < 0:
+        raise ValueError(f"the margin must be >= 0, got {margin}")
+    values = np.asarray(diffs, dtype=float)
+    if values.size < 2 or np.std(values) == 0:
+        why = "fewer than 2 pairs, or differences with no spread: no interval, so no claim either way"
+        return MarginVerdict(margin=margin, lower=None, upper=None, verdict="inconclusive", why=why)
+    ci = scipy.stats.ttest_1samp(values, 0.0).confidence_interval(1 - 2 * alpha)  # one-sided bounds at level alpha
+    lower, upper = float(ci.low), float(ci.high)
+    bounds = f"one-sided {1 - alpha:.0%} bounds [{lower:+.4f}, {upper:+.4f}] against the margin {margin:g}"
+    if upper < -margin:
+        verdict, why = "better", f"XSA is lower by more than the margin: {bounds}"
+    elif lower > margin:
+        verdict, why = "worse", f"XSA is higher by more than the margin: {bounds}"
+    elif upper < margin:
+        verdict, why = "not worse", f"XSA is no worse than the margin, and not shown better by more than it: {bounds}"
+    else:
+        verdict, why = "inconclusive", f"the interval reaches past the margin: {bounds}; more seeds decide"
+    return MarginVerdict(margin=margin, lower=lower, upper=upper, verdict=verdict, why=why)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusteredTest:
+    """Paired differences grouped by the seed they share: the tests run on one mean difference per seed."""
+
+    pairs: int
+    clusters: int  # seeds
+    cluster_means: list[float]  # the mean XSA - SA of each seed, in the order the seeds first appear
+    xsa_lower: int  # seeds whose mean difference is negative
+    sign_flip_p: float | None  # exact (up to 2^16 clusters' flips) two-sided permutation p of the mean
+    sign_p: float | None  # the exact sign test over the seeds
+    naive_sign_p: float | None  # the sign test as if every pair were independent: for comparison only
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> ClusteredTest:
+    """Tests of differences that share a cluster (a seed): each cluster's mean difference is one observation, and
+    under the null (no effect) its sign is as likely flipped as not, so the permutation test flips whole clusters
+    (scipy.stats.permutation_test, exact while 2^clusters is small). With 5 seeds the smallest two-sided p is
+    2/32 = 0.0625, whatever the number of LRs."""
+    if len(diffs) != len(clusters):
+        raise ValueError("clustered_test needs one cluster label per difference")
+    groups: dict[Hashable, list[float]] = {}
+    for d, c in zip(diffs, clusters, strict=True):
+        groups.setdefault(c, []).append(float(d))
+    means = [float(np.mean(v)) for v in groups.values()]
+    flip_p = None
+    if len(means) == 1 and means[0] != 0:
+        flip_p = 1.0  # both signs of one mean are as extreme: the exact answer, which scipy refuses to compute
+    elif any(m != 0 for m in means):
+        result = scipy.stats.permutation_test(
+            (np.asarray(means),),
+            np.mean,
+            permutation_type="samples",
+            n_resamples=2**16,
+            alternative="two-sided",
+            random_state=0,
+        )
+        flip_p = float(result.pvalue)
+    return ClusteredTest(
+        pairs=len(diffs),
+        clusters=len(means),
+        cluster_means=means,
+        xsa_lower=sum(m < 0 for m in means),
+        sign_flip_p=flip_p,
+        sign_p=sign_test_p(means),
+        naive_sign_p=sign_test_p(list(diffs)),
+    )
+
+
+def clustered_line(test: dict, unit: str = "seed", shares: str = "its initialisation and data order") -> str:
+    """One sentence of a report: the clustered test, next to the naive count it replaces."""
+    flip = test["sign_flip_p"]
+    smallest = 2 / 2 ** test["clusters"] if test["clusters"] else None
+    floor = ""
+    if smallest and smallest > 0.001:
+        floor = f"; with {test['clusters']} {unit}s no p can be below {smallest:.3g}"
+    return (
+        f"By {unit} (each {unit}'s pairs share {shares}, so they are one observation): "
+        f"XSA's mean difference is lower in {test['xsa_lower']} of {test['clusters']} {unit}s, sign-flip "
+        f"permutation p = {f'{flip:.3g}' if flip is not None else '-'}{floor}."
+    )
