@@ -16,6 +16,7 @@ from xsa_lm.scale.report import SizeResult
 from xsa_lm.scale.run import size_tests
 from xsa_lm.scale.token_axis import per_seed_k, stalled
 from xsa_lm.stats.decision import clustered_test, margin_verdict
+from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.run import comparison_plan, keep_plan
@@ -108,7 +109,8 @@ def _sweep_results(tmp_path: Path, margin: float | None) -> dict:
     for seed, (sa, xsa) in enumerate([(3.00, 2.95), (3.02, 2.96), (3.01, 2.97), (3.03, 2.97)], start=1):
         trials += [
             {"phase": "compare", "attention": arm, "lr": 3e-3, "seed": seed, "status": "completed",
-             "final_val_loss": loss}
+             "final_val_loss": loss, "final_val_bpb": loss / 2,
+             "final_val_loss_by_position": [loss + 0.1 - 0.05 * i * (arm == "xsa") + 0.001 * seed for i in range(3)]}
             for arm, loss in (("sa", sa), ("xsa", xsa))
         ]  # fmt: skip
     selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
@@ -125,6 +127,22 @@ def test_the_sweep_report_gives_the_verdict_against_the_plans_margin(tmp_path: P
     wide = _sweep_results(tmp_path, margin=0.1)  # XSA lower by 0.05: significant, yet within a 0.1 margin
     assert wide["comparison"]["margin"]["verdict"] == "not worse"
     assert _sweep_results(tmp_path, margin=None)["comparison"]["margin"] is None
+    markdown = render_markdown(results)
+    assert results["bpb"]["mean_diff"] == pytest.approx(-0.0525 / 2) and "In bits per byte" in markdown
+    assert results["positions"]["slope_mean"] == pytest.approx(-0.05) and "along the window" in markdown
+
+
+def test_the_gain_along_the_window_is_tested_one_slope_per_seed() -> None:
+    rng = np.random.default_rng(2)
+    sa = [[4.0 - 0.1 * b + 0.02 * rng.standard_normal() for b in range(8)] for _ in range(6)]
+    xsa = [[v - 0.01 * b + 0.002 * rng.standard_normal() for b, v in enumerate(row)] for row in sa]  # grows
+    grows = position_differences(sa, xsa)
+    assert grows is not None and grows["seeds"] == 6 and grows["spans"] == 8
+    assert grows["slope_mean"] == pytest.approx(-0.01, abs=0.001) and grows["slope_t_p"] < 1e-4
+    assert grows["per_span"][7]["mean_diff"] == pytest.approx(-0.07, abs=0.003)
+    flat = position_differences(sa, [[v - 0.03 + 0.002 * rng.standard_normal() for v in row] for row in sa])
+    assert flat is not None and flat["slope_t_p"] > 0.01 and flat["per_span"][0]["xsa_lower"] == 6
+    assert position_differences([[]], [[]]) is None  # runs from before the spans existed
 
 
 def test_the_margin_is_part_of_the_plan(tmp_path: Path) -> None:

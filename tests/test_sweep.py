@@ -480,6 +480,8 @@ def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) ->
         "search",
         "comparison",
         "compare_table",
+        "bpb",
+        "positions",
         "xsa_tuning",
         "stalls",
         "trials",

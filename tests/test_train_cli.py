@@ -29,13 +29,17 @@ def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: P
     assert summary["final_val_loss"] == summary["val_history"][-1]["val_loss"]
     assert [h["step"] for h in summary["val_history"]] == [20, 40]
     assert summary["final_val_loss"] < summary["val_history"][0]["val_loss"] < 6.2  # log(512) = 6.24
+    # 8 equal spans of the 64 positions, every window full: their mean is the loss; bits per byte beside nats
+    spans = summary["final_val_loss_by_position"]
+    assert len(spans) == 8 and sum(spans) / 8 == pytest.approx(summary["final_val_loss"], rel=1e-6)
+    assert 0 < summary["final_val_bpb"] == summary["val_history"][-1]["val_bpb"]
     losses = train_losses(run_dir)
     assert len(losses) == 40
     first, last = [losses[s] for s in sorted(losses)[:5]], [losses[s] for s in sorted(losses)[-5:]]
     assert sum(last) / 5 < sum(first) / 5 - 0.5
     header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
     train_keys = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s"}
-    assert train_keys | {"val/loss", "val/ppl"} <= set(header)
+    assert train_keys | {"val/loss", "val/ppl", "val/bpb"} <= set(header)
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["versions"]["torch"] and info["versions"]["lightning"] and info["hardware"]["cpu_count"]
     assert "commit" in info["git"]

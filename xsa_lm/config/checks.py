@@ -115,10 +115,12 @@ def _betas(value) -> str | None:
 
 RULES = {
     "seed": _int(0, SEED_MAX),
+    "init_seed": _int(0, SEED_MAX, nullable=True),
     "resume": _resume,
     "global_batch_tokens": _int(1),
     "micro_batch_size": _int(1),
     "val_every_steps": _int(1),
+    "val_position_buckets": _int(1),
     "compile": _bool_or_auto,
     "sdpa_backends": sdpa_backends_problem,
     "reuse_host_memory": _bool,

@@ -22,6 +22,7 @@ FREE_ON_RESUME = (
     "trainer.max_steps",
     "scheduler.total_steps",
     "val_every_steps",
+    "val_position_buckets",  # what validation reports, not what trains
     "trainer.log_every_n_steps",
     "trainer.devices",
     "trainer.num_nodes",

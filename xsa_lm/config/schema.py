@@ -219,9 +219,11 @@ class TrainOptions:
     """configs/train.yaml's own keys; the groups' nodes (model, data, ...) are typed by each option's schema."""
 
     seed: Any = MISSING
+    init_seed: Any = MISSING
     global_batch_tokens: Any = MISSING
     micro_batch_size: Any = MISSING
     val_every_steps: Any = MISSING
+    val_position_buckets: Any = MISSING
     compile: Any = MISSING  # auto | true | false
     sdpa_backends: Any = MISSING  # auto | a kernel | a list of kernels: OmegaConf types no str-or-list union
     reuse_host_memory: Any = MISSING

@@ -168,3 +168,20 @@ def reachable(host: str, port: int, timeout_s: float) -> bool:
         return True
     except OSError:
         return False
+
+
+def token_byte_lengths(tokenizer: Tokenizer, size: int) -> list[int]:
+    """The UTF-8 bytes of text each token id stands for, `size` ids (the model's vocabulary may be padded: 0 beyond
+    the tokenizer's), for bits per byte, which does not depend on the tokenizer. Special tokens (EOT) stand for no
+    text: 0. Byte-level BPE maps each byte to one character of the token's string, so its length is the byte count;
+    other tokenizers are decoded one token at a time."""
+    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+    lengths = [0] * size
+    for i in range(min(size, tokenizer.get_vocab_size())):
+        if i in special:
+            continue
+        piece = tokenizer.id_to_token(i)
+        if piece is not None:
+            lengths[i] = len(piece) if byte_level else len(tokenizer.decode([i]).encode("utf-8"))
+    return lengths

@@ -13,13 +13,15 @@ independent: counting 25 LR x seed pairs as 25 draws overstates the evidence. Th
 pairs together (the mean difference per seed, its sign flipped as a whole under the null).
 """
 
+import itertools
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import scipy.stats
 
-from xsa_lm.stats.paired import ALPHA, sign_test_p
+from xsa_lm.stats.paired import ALPHA, paired_t, sign_test_p
 
 VERDICTS = ("better", "not worse", "worse", "inconclusive")
 
@@ -42,12 +44,11 @@ def margin_verdict(diffs: Sequence[float], margin: float, alpha: float = ALPHA) 
     """The verdict on the paired differences XSA - SA (lower is better for XSA) against `margin` >= 0 nats."""
     if margin < 0:
         raise ValueError(f"the margin must be >= 0, got {margin}")
-    values = np.asarray(diffs, dtype=float)
-    if values.size < 2 or np.std(values) == 0:
+    ci = paired_t(diffs, confidence=1 - 2 * alpha).ci  # its ends are the one-sided bounds at level alpha
+    if ci is None:
         why = "fewer than 2 pairs, or differences with no spread: no interval, so no claim either way"
         return MarginVerdict(margin=margin, lower=None, upper=None, verdict="inconclusive", why=why)
-    ci = scipy.stats.ttest_1samp(values, 0.0).confidence_interval(1 - 2 * alpha)  # one-sided bounds at level alpha
-    lower, upper = float(ci.low), float(ci.high)
+    lower, upper = ci
     bounds = f"one-sided {1 - alpha:.0%} bounds [{lower:+.4f}, {upper:+.4f}] against the margin {margin:g}"
     if upper < -margin:
         verdict, why = "better", f"XSA is lower by more than the margin: {bounds}"
@@ -123,3 +124,47 @@ def clustered_line(test: dict, unit: str = "seed", shares: str = "its initialisa
         f"XSA's mean difference is lower in {test['xsa_lower']} of {test['clusters']} {unit}s, sign-flip "
         f"permutation p = {f'{flip:.3g}' if flip is not None else '-'}{floor}."
     )
+
+
+def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: float = ALPHA) -> dict | None:
+    """How often the procedure claims an effect when there is none, from the paired differences of an A/A null
+    (SA against SA): over every study of `study_size` of those pairs (2000 drawn at random when there are more), the
+    share whose 95% t interval excludes 0 and the share whose margin verdict is "better" or "worse" (its one-sided
+    bounds, as margin_verdict). The studies overlap, so each share's 95% interval comes from the jackknife over
+    pairs (leave one out), clipped to [0, 1]. None below 2 x study_size pairs."""
+    values = np.asarray(diffs, dtype=float)
+    n = values.size
+    if study_size < 2 or n < 2 * study_size:
+        return None
+    rng = np.random.default_rng(0)
+    two_sided, one_sided = scipy.stats.t.ppf([1 - alpha / 2, 1 - alpha], study_size - 1)
+
+    def rates(pool: np.ndarray) -> np.ndarray:
+        """[share of studies whose interval excludes 0, share whose verdict claims an effect] over `pool`."""
+        total = math.comb(pool.size, study_size)
+        if total <= 2000:
+            picks = np.array(list(itertools.combinations(range(pool.size), study_size)))
+        else:
+            picks = np.array([rng.choice(pool.size, study_size, replace=False) for _ in range(2000)])
+        chosen = pool[picks]
+        mean, se = chosen.mean(axis=1), chosen.std(axis=1, ddof=1) / math.sqrt(study_size)
+        spread = se > 1e-12 * np.maximum(1.0, np.abs(chosen).max(axis=1))  # no spread: no interval, no claim
+        excludes = spread & (np.abs(mean) > two_sided * se)
+        claims = spread & ((mean + one_sided * se < -margin) | (mean - one_sided * se > margin))
+        return np.array([excludes.mean(), claims.mean()])
+
+    full = rates(values)
+    leave_one_out = np.array([rates(np.delete(values, i)) for i in range(n)])
+    se = np.sqrt((n - 1) / n * ((leave_one_out - leave_one_out.mean(axis=0)) ** 2).sum(axis=0))
+    z = scipy.stats.norm.ppf(1 - alpha / 2)
+    low, high = np.clip(full - z * se, 0, 1), np.clip(full + z * se, 0, 1)
+    return {
+        "pairs": int(n),
+        "study_size": study_size,
+        "margin": margin,
+        "ci_excludes_0": float(full[0]),
+        "ci_excludes_0_ci95": [float(low[0]), float(high[0])],
+        "verdict_claims_effect": float(full[1]),
+        "verdict_claims_effect_ci95": [float(low[1]), float(high[1])],
+        "sd_diff": float(np.std(values, ddof=1)),
+    }

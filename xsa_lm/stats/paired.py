@@ -26,10 +26,11 @@ class TTest:
 def paired_t(diffs: Sequence[float], confidence: float = 1 - ALPHA) -> TTest:
     """Student's paired t-test of the mean difference against 0 (scipy's ttest_1samp on the differences, the same as
     ttest_rel on the two arms): t, the two-sided p and the `confidence` interval. All None below two differences or
-    when they are all equal (no spread: no standard error)."""
-    if len(diffs) < 2 or np.std(diffs) == 0:
+    when they are all equal up to rounding (no spread: no standard error)."""
+    values = np.asarray(diffs, dtype=float)
+    if values.size < 2 or np.std(values) <= 1e-12 * max(1.0, float(np.abs(values).max())):  # equal up to rounding
         return TTest(t=None, p=None, ci=None)
-    result = scipy.stats.ttest_1samp(np.asarray(diffs, dtype=float), 0.0)
+    result = scipy.stats.ttest_1samp(values, 0.0)
     ci = result.confidence_interval(confidence)
     return TTest(t=float(result.statistic), p=float(result.pvalue), ci=(float(ci.low), float(ci.high)))
 

@@ -111,6 +111,20 @@ def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
     return [Trial(attention, lr, seed) for seed in seeds for attention in ("sa", "xsa")]
 
 
+NULL = "null"  # the null arm's trials: SA with other initial weights
+NULL_INIT_OFFSET = 1_000_000  # the null arm's weights: init_seed = seed + this (mod the seed range)
+
+
+def null_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
+    """The A/A null (sweep.null_arm): SA again at each compare seed, the same data order from other initial
+    weights. Compared with SA as XSA is, it shows what the procedure reports when there is no effect."""
+    return [Trial(NULL, lr, seed) for seed in seeds]
+
+
+def null_init_seed(seed: int) -> int:
+    return (seed + NULL_INIT_OFFSET) % (SEED_MAX + 1)
+
+
 def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
     """The median final val loss of one LR's search runs (status, loss), a diverged run counting as worse than any
     loss: one stalled or diverged seed cannot decide the selection, and diverged seeds make the LR unusable when they

@@ -2,15 +2,17 @@
 curves.png, and a W&B report run in the sweep's group."""
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.stats.decision import margin_verdict
+from xsa_lm.stats.decision import margin_verdict, null_rates
 from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
-from xsa_lm.sweep.protocol import Comparison, Selection, mean_std
+from xsa_lm.stats.positions import position_differences
+from xsa_lm.sweep.protocol import NULL, Comparison, Selection, mean_std
 from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
 from xsa_lm.sweep.trials import TrialRecord
 
@@ -35,6 +37,44 @@ def comparison_of(trials: list[dict]) -> Comparison:
             comparison.sa.append(sa["final_val_loss"])
             comparison.xsa.append(xsa["final_val_loss"])
     return comparison
+
+
+def completed_pairs(trials: list[dict]) -> list[tuple[dict, dict]]:
+    """(SA, XSA) compare trials of each seed where both finished, by seed."""
+    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
+    pairs = [(by_key.get(("sa", seed)), by_key.get(("xsa", seed))) for seed in sorted({s for _, s in by_key})]
+    return [(sa, xsa) for sa, xsa in pairs if sa and xsa and sa["status"] == xsa["status"] == "completed"]
+
+
+def bits_per_byte(pairs: list[tuple[dict, dict]]) -> dict | None:
+    """The final validation loss in bits per byte (tokenizer-independent) of each arm, and the paired tests of XSA -
+    SA on it; None when a run predates it."""
+    if not pairs or any(t.get("final_val_bpb") is None for pair in pairs for t in pair):
+        return None
+    sa, xsa = [float(p[0]["final_val_bpb"]) for p in pairs], [float(p[1]["final_val_bpb"]) for p in pairs]
+    return {"sa_mean": statistics.fmean(sa), "xsa_mean": statistics.fmean(xsa)} | paired_stats(sa, xsa).to_json()
+
+
+def null_comparison(trials: list[dict], margin: float | None) -> dict | None:
+    """The A/A null (sweep.null_arm) analysed as XSA is: per seed, SA from other initial weights - SA, the paired
+    tests, the verdict against the margin, and how often studies of half this many seeds claim an effect
+    (null_rates). None without a null pair."""
+    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] in ("compare", "null")}
+    seeds = [
+        seed
+        for seed in sorted({s for _, s in by_key})
+        if all(by_key.get((arm, seed), {}).get("status") == "completed" for arm in ("sa", NULL))
+    ]
+    if not seeds:
+        return None
+    sa = [by_key[("sa", seed)]["final_val_loss"] for seed in seeds]
+    null = [by_key[(NULL, seed)]["final_val_loss"] for seed in seeds]
+    diffs = [b - a for a, b in zip(sa, null, strict=True)]
+    verdict = margin_verdict(diffs, margin).to_json() if margin is not None else None
+    rates = null_rates(diffs, len(diffs) // 2, margin) if margin is not None else None
+    return {"seeds": seeds, "sa": sa, "null": null, "diff": diffs, "margin": verdict, "rates": rates} | (
+        paired_stats(sa, null).to_json()
+    )
 
 
 def dropped_seeds(trials: list[dict]) -> list[dict]:
@@ -141,6 +181,9 @@ class SweepResult(Record):
     stalls: dict | None = None  # stall_study
     trials: list[TrialRecord] = field(default_factory=list)
     eval: dict | None = None  # xsa-lm eval of the compare runs (sweep.eval_tasks)
+    bpb: dict | None = None  # bits_per_byte of the compare runs
+    positions: dict | None = None  # position_differences: XSA - SA per span of window positions
+    null: dict | None = None  # null_comparison: the A/A null of sweep.null_arm
     schema: int = 1
 
     @classmethod
@@ -334,6 +377,90 @@ def compare_lines(results: dict) -> list[str]:
         lines += ["", noise_line(compare)]
     if sequential:
         lines += [""] + sequential_lines(sequential)
+    lines += null_lines(results.get("null"), compare)
+    return lines + bpb_lines(results.get("bpb")) + position_lines(results.get("positions"))
+
+
+def null_lines(null: dict | None, compare: dict) -> list[str]:
+    """The A/A null beside the comparison: what the same analysis reports when there is no effect."""
+    if not null:
+        return []
+    ci, verdict = null["t_ci95"], null["margin"]
+    interval = f", paired 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+    lines = [
+        "",
+        "### The null: SA against SA (sweep.null_arm)",
+        "",
+        f"SA again at each compare seed, the same data order from other initial weights, minus SA: "
+        f"{null['mean_diff']:+.4f} on average over {null['pairs']} seed(s){interval}"
+        + (f"; verdict against the margin: **{verdict['verdict']}**" if verdict else "")
+        + ". There is no effect here, so a verdict of better or worse, or an interval that excludes 0, is a false "
+        "positive of the procedure.",
+        "",
+        "| | mean | sd over seeds |",
+        "|---|---:|---:|",
+        f"| XSA - SA | {_num(compare.get('diff_mean'))} | {_num(compare.get('diff_std'), signed=False)} |",
+        f"| null - SA | {_num(null['mean_diff'])} | {_num(null['sd_diff'], signed=False)} |",
+    ]
+    rates = null.get("rates")
+    if rates:
+        ci0, ci1 = rates["ci_excludes_0_ci95"], rates["verdict_claims_effect_ci95"]
+        lines += [
+            "",
+            f"Over every study of {rates['study_size']} of these {rates['pairs']} null pairs: the t interval excludes "
+            f"0 in {rates['ci_excludes_0']:.1%} (95% CI [{ci0[0]:.1%}, {ci0[1]:.1%}]; 5% if the noise were normal), "
+            f"and the verdict claims an effect (better or worse than the {rates['margin']:g}-nat margin) in "
+            f"{rates['verdict_claims_effect']:.1%} ([{ci1[0]:.1%}, {ci1[1]:.1%}]); intervals by the jackknife over "
+            "pairs.",
+        ]
+    return lines
+
+
+def _num(value: float | None, signed: bool = True) -> str:
+    return "-" if value is None else f"{value:+.4f}" if signed else f"{value:.4f}"
+
+
+def bpb_lines(bpb: dict | None) -> list[str]:
+    if not bpb:
+        return []
+    ci = bpb["t_ci95"]
+    interval = f", paired 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+    return [
+        "",
+        f"In bits per byte (the loss over the UTF-8 bytes its tokens stand for, comparable across tokenizers): SA "
+        f"{bpb['sa_mean']:.4f}, XSA {bpb['xsa_mean']:.4f}, XSA - SA {bpb['mean_diff']:+.4f}{interval}.",
+    ]
+
+
+def position_lines(positions: dict | None) -> list[str]:
+    """XSA - SA per span of window positions and the trend across spans (xsa_lm.stats.positions)."""
+    if not positions:
+        return []
+    lines = [
+        "",
+        "### XSA - SA along the window (does the gain grow with context?)",
+        "",
+        f"The validation loss per equal span of positions (`val_position_buckets`, earliest first), paired over "
+        f"{positions['seeds']} seed(s).",
+        "",
+        "| span | XSA - SA | 95% CI (t) | XSA lower |",
+        "|---:|---:|---|---:|",
+    ]
+    for i, span in enumerate(positions["per_span"]):
+        ci = span["t_ci95"]
+        lines.append(
+            f"| {i + 1} of {positions['spans']} | {span['mean_diff']:+.4f} | "
+            f"{f'[{ci[0]:+.4f}, {ci[1]:+.4f}]' if ci else '-'} | {span['xsa_lower']}/{span['pairs']} |"
+        )
+    if positions["slope_mean"] is not None:
+        ci, p = positions["slope_ci95"], positions["slope_t_p"]
+        detail = f" (95% CI [{ci[0]:+.5f}, {ci[1]:+.5f}], t p = {p:.3g})" if ci and p is not None else ""
+        lines += [
+            "",
+            f"Trend: XSA - SA changes by {positions['slope_mean']:+.5f} nats per span on average over the seeds' own "
+            f"slopes{detail}; negative means XSA's gain grows later in the window. One slope per seed: spans of one "
+            "seed are not independent.",
+        ]
     return lines
 
 
@@ -364,6 +491,8 @@ def render_markdown(results: dict) -> str:
 
         lines += ["", "## 4. Downstream evaluation (lm-evaluation-harness, zero-shot)", "", render(results["eval"])]
     lines += ["", "![LR sweep](lr_sweep.png)", "", "![Validation curves](curves.png)", ""]
+    if results.get("positions"):
+        lines += ["![XSA - SA along the window](positions.png)", ""]
     return "\n".join(lines)
 
 
@@ -513,6 +642,12 @@ def build_results(
         "search": search,
         "comparison": compare,
         "compare_table": compare_table(trials, seeds),
+        "bpb": bits_per_byte(completed_pairs(trials)),
+        "null": null_comparison(trials, margin),
+        "positions": position_differences(
+            [sa.get("final_val_loss_by_position") or [] for sa, _ in completed_pairs(trials)],
+            [xsa.get("final_val_loss_by_position") or [] for _, xsa in completed_pairs(trials)],
+        ),
         "xsa_tuning": tuning,
         "sequential": sequential,
         "stalls": stall_study([t for t in trials if t["phase"] == "search"], stall_rule)
@@ -527,9 +662,32 @@ def write_report(results: dict, sweep_dir: Path) -> str:
     write_json(sweep_dir / "results.json", SweepResult.from_json(results).to_json())
     plot_lr_sweep(results, sweep_dir / "lr_sweep.png")
     plot_curves(results["trials"], sweep_dir / "curves.png", results["selected_lr"])
+    if results.get("positions"):
+        plot_positions(results["positions"], sweep_dir / "positions.png")
     markdown = render_markdown(results)
     write_text(sweep_dir / "report.md", markdown)
     return markdown
+
+
+def plot_positions(positions: dict, path: Path) -> None:
+    """XSA - SA per span of window positions: the mean over seeds with its 95% interval, and each seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = list(range(1, positions["spans"] + 1))
+    means = [s["mean_diff"] for s in positions["per_span"]]
+    cis = [s["t_ci95"] or (m, m) for s, m in zip(positions["per_span"], means, strict=True)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.fill_between(spans, [c[0] for c in cis], [c[1] for c in cis], color="tab:orange", alpha=0.25, label="95% CI")
+    ax.plot(spans, means, "o-", color="tab:orange", label="mean over seeds")
+    ax.axhline(0, color="gray", linewidth=0.8)
+    ax.set(xlabel="span of window positions (earliest first)", ylabel="XSA - SA val loss (nats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
@@ -551,7 +709,8 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
     rows = [[t.get(c) for c in columns] for t in results["trials"]]
     table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
-    plots = {f"report/{name}": wandb.Image(str(sweep_dir / f"{name}.png")) for name in ("lr_sweep", "curves")}
+    names = ["lr_sweep", "curves"] + (["positions"] if results.get("positions") else [])
+    plots = {f"report/{name}": wandb.Image(str(sweep_dir / f"{name}.png")) for name in names}
     run.log({"report/trials": table, **plots})
     compare = results["comparison"]
     ci95 = compare["diff_ci95"] or (None, None)
@@ -565,8 +724,12 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
             "diff_ci95_high": ci95[1],
             "reuse_search_run": results.get("reuse_search_run"),
             "sequential_stopped": (results.get("sequential") or {}).get("stopped"),
+            "margin_verdict": (compare.get("margin") or {}).get("verdict"),
+            "bpb_diff_mean": (results.get("bpb") or {}).get("mean_diff"),
+            "position_slope_mean": (results.get("positions") or {}).get("slope_mean"),
         }
     )
-    files = [sweep_dir / name for name in ("results.json", "report.md", "lr_sweep.png", "curves.png")]
+    files = [sweep_dir / f"{name}.png" for name in names]
+    files += [sweep_dir / "results.json", sweep_dir / "report.md"]
     log_files_artifact(run, name=f"{results['sweep_id']}-report", artifact_type="sweep-report", files=files)
     run.finish()

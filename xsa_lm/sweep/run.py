@@ -30,6 +30,7 @@ from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.sweep.protocol import (
     ALPHA,
+    NULL,
     Selection,
     SequentialRule,
     Trial,
@@ -37,6 +38,7 @@ from xsa_lm.sweep.protocol import (
     check_seeds,
     compare_trials,
     lr_grid,
+    null_trials,
     search_trials,
     seed_sequence,
     select_lr,
@@ -50,6 +52,7 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
     "attention": "the sweep trains both SA and XSA",
     "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
     "seed": "set the seeds with sweep.search_seeds=[...] and sweep.seeds=[...]",
+    "init_seed": "the sweep's null arm sets it (sweep.null_arm=true): every other trial's weights come from its seed",
     "resume": "running the same sweep command again resumes it",
     "progress_bar": "trials write their output to the sweep's logs/ folder",
 }
@@ -299,6 +302,7 @@ def check_sweep(
         check_config(cfg)
     else:  # XSA trials only in the comparison, unless it is tuned too
         attentions = ["sa", "xsa"] if seeds or cfg.sweep.tune_xsa else ["sa"]
+        attentions += [NULL] if seeds and cfg.sweep.null_arm else []
         check_trials(overrides, [Trial(attention, grid[0], search_seeds[0]) for attention in attentions])
     return grid, search_seeds, seeds, cap
 
@@ -365,7 +369,8 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     n_search = len(grid) * len(search_seeds) * (2 if cfg.sweep.tune_xsa else 1)
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
-    trial_counts = f"{n_search} search + up to {2 * (cap or len(seeds))} compare trials"
+    arms = 3 if cfg.sweep.null_arm else 2
+    trial_counts = f"{n_search} search + up to {arms * (cap or len(seeds))} compare trials"
     print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | {grid_text} | {trial_counts}")
     sa_search, xsa_search, selection = search_phase(
         launcher, store, grid, search_seeds=search_seeds, tune_xsa=cfg.sweep.tune_xsa
@@ -378,6 +383,10 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         )
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
+    null = null_trials(selection.lr, seeds) if cfg.sweep.null_arm and selection.lr is not None else []
+    if null:
+        print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
+        launcher.run(null, "null", "null")
 
     evaluation, eval_warning = downstream_evaluation(cfg, store, compare, sweep_dir)
     results = build_results(
@@ -386,7 +395,9 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         grid=grid,
         seeds=seeds,
         train_overrides=overrides,
-        trials=phase_records(store, sa_search + xsa_search, "search") + phase_records(store, compare, "compare"),
+        trials=phase_records(store, sa_search + xsa_search, "search")
+        + phase_records(store, compare, "compare")
+        + phase_records(store, null, "null"),
         selection=selection,
         xsa_selection=selection_of(store, xsa_search) if xsa_search else None,
         search_seeds=search_seeds,

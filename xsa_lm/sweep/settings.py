@@ -149,6 +149,7 @@ SWEEP_RULES: dict[str, Rule] = {
     "reuse_search_run": _bool,
     "seeds_until_significant": checked_elsewhere,  # protocol.py seed_sequence: at least the number of seeds
     "margin": hinted(_number(0), "the practical margin in nats of XSA - SA, fixed in the plan before the runs"),
+    "null_arm": _bool,
     "tune_xsa": _bool,
     "stall": stall,
     "diverge_above": hinted(

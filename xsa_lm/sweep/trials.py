@@ -26,7 +26,7 @@ from typing import cast
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record
-from xsa_lm.sweep.protocol import Trial
+from xsa_lm.sweep.protocol import NULL, Trial, null_init_seed
 from xsa_lm.train.summary import RunSummary
 
 FINAL = ("completed", "diverged")
@@ -54,6 +54,8 @@ class TrialRecord(Record):
     final_val_loss: float | None = None
     final_val_ppl: float | None = None
     best_val_loss: float | None = None
+    final_val_bpb: float | None = None
+    final_val_loss_by_position: list[float | None] = field(default_factory=list)
     steps: int | None = None
     tokens_seen: int | None = None
     tokens_per_s: float | None = None
@@ -122,6 +124,8 @@ SUMMARY_METRICS = (  # what a trial's record copies from its run's summary.json
     "final_val_loss",
     "final_val_ppl",
     "best_val_loss",
+    "final_val_bpb",
+    "final_val_loss_by_position",
     "steps",
     "tokens_seen",
     "tokens_per_s",
@@ -225,8 +229,12 @@ def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
 
 
 def trial_settings(trial: Trial) -> list[str]:
-    """The training keys the sweep sets for a trial, its run directory aside (run.py SET_BY_SWEEP)."""
-    return [f"attention={trial.attention}", f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
+    """The training keys the sweep sets for a trial, its run directory aside (run.py SET_BY_SWEEP). A trial of the
+    null arm is SA from other initial weights (protocol.null_trials)."""
+    null = trial.attention == NULL
+    arm = [f"attention={'sa' if null else trial.attention}"]
+    arm += [f"init_seed={null_init_seed(trial.seed)}"] if null else []
+    return [*arm, f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
 
 
 def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> None:

@@ -206,7 +206,8 @@ class ProgressBar(L.Callback):
 
 
 class ValHistory(L.Callback):
-    """Remembers (step, tokens, val loss) after each validation (not the sanity check)."""
+    """Remembers (step, tokens, val loss, bits per byte, loss per span of positions) after each validation (not the
+    sanity check)."""
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step = tokens_per_step
@@ -217,7 +218,14 @@ class ValHistory(L.Callback):
         if trainer.sanity_checking or loss is None:
             return
         step = trainer.global_step
-        entry = {"step": step, "tokens": step * self.tokens_per_step, "val_loss": float(loss)}
+        bpb = trainer.callback_metrics.get("val/bpb")
+        entry = {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "val_loss": float(loss),
+            "val_bpb": float(bpb) if bpb is not None else None,
+            "val_loss_by_position": list(getattr(pl_module, "val_by_position", [])),
+        }
         if self.history and self.history[-1]["step"] == step:
             self.history[-1] = entry
         else:

@@ -8,6 +8,7 @@ from typing import cast
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRSchedulerConfig
 from torch.distributed.fsdp import FSDPModule
@@ -50,6 +51,8 @@ class LMModule(L.LightningModule):
         nan_at_step: int | None = None,
         nan_on_rank: int | None = None,
         activation_checkpointing: bool = False,
+        position_buckets: int = 8,
+        token_bytes: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.model_config = model_config
@@ -71,7 +74,13 @@ class LMModule(L.LightningModule):
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
         self._nonfinite: list[tuple[int, torch.Tensor]] = []  # (step, device flag) not yet read by the host
         self._step_loss: torch.Tensor | None = None  # the sum of the current step's micro-batch losses
-        self._val_sum: torch.Tensor | None = None  # validation: [sum of token losses, tokens] on this rank
+        # Validation sums on this rank: token losses, tokens and their bytes, then the losses and tokens of each span
+        # of positions (position_buckets equal spans of the window, earliest first).
+        self._val_sum: torch.Tensor | None = None
+        self.position_buckets = position_buckets
+        self.val_by_position: list[float | None] = []  # the last validation's mean loss per span of positions
+        # The UTF-8 bytes of each token id (data/tokenizer.token_byte_lengths), for bits per byte; not saved.
+        self.register_buffer("token_bytes", torch.tensor(token_bytes or [], dtype=torch.float64), persistent=False)
 
     def configure_model(self) -> None:
         """Under ModelParallelStrategy (trainer=fsdp): FSDP2, one unit per transformer block and the root (the tied
@@ -144,23 +153,40 @@ class LMModule(L.LightningModule):
         self.log("train/loss", loss, on_step=True)
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sum = torch.zeros(2, device=self.device, dtype=torch.float64)
+        self._val_sum = torch.zeros(3 + 2 * self.position_buckets, device=self.device, dtype=torch.float64)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        _, loss = self.model(x, y)
-        tokens = (y != -1).sum()  # padding windows (datamodule.PaddedWindows) have none
+        logits, _ = self.model(x, y)  # with the targets: the same compiled graph as training
+        counted = y != -1  # padding windows (datamodule.PaddedWindows) have no target
+        token_loss = F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none"
+        ).view_as(y)  # 0 where ignored
+        span = torch.arange(y.size(1), device=y.device) * self.position_buckets // y.size(1)
+        zeros = torch.zeros(self.position_buckets, device=y.device, dtype=torch.float64)
+        span_loss = zeros.index_add(0, span, token_loss.double().sum(0))
+        span_tokens = zeros.index_add(0, span, counted.double().sum(0))
+        token_bytes = cast(torch.Tensor, self.token_bytes)
+        known = token_bytes.numel() > 0
+        nbytes = token_bytes[y.clamp(min=0)].masked_fill(~counted, 0).sum() if known else zeros.sum()
         assert self._val_sum is not None  # set at the epoch's start
-        self._val_sum += torch.stack([torch.where(tokens > 0, loss.double() * tokens, 0.0), tokens.double()])
+        totals = torch.stack([span_loss.sum(), span_tokens.sum(), nbytes])
+        self._val_sum += torch.cat([totals, span_loss, span_tokens])
 
     def on_validation_epoch_end(self) -> None:
         """The mean over every validation token of every rank: the same number on any device count (Lightning's
-        sync_dist would average each rank's mean, and ranks hold different numbers of windows)."""
+        sync_dist would average each rank's mean, and ranks hold different numbers of windows). Bits per byte: the
+        same sum in bits over the bytes the tokens stand for."""
         assert self._val_sum is not None
-        total, tokens = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum").tolist()
+        sums = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum").tolist()
+        total, tokens, nbytes = sums[:3]
+        n = self.position_buckets
+        self.val_by_position = [s / t if t else None for s, t in zip(sums[3 : 3 + n], sums[3 + n :], strict=True)]
         loss = torch.tensor(total / tokens if tokens else math.nan, device=self.device)
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss.clamp(max=50.0)))
+        if nbytes:
+            self.log("val/bpb", torch.tensor(total / (math.log(2) * nbytes), device=self.device))
 
     def configure_gradient_clipping(
         self,

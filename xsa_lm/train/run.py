@@ -43,6 +43,7 @@ from xsa_lm.config.command_line import another_commands_folder, full_command_lin
 from xsa_lm.config.resume import continuation_config
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
+from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, WriteError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
@@ -331,7 +332,7 @@ def fit(
     summary.json too, then re-raised: a sweep must see failed runs."""
     summary = RunSummary.of(cfg, run_dir=run_dir, model_config=mcfg)
     set_up_process(cfg)
-    module = make_module(cfg, mcfg)
+    module = make_module(cfg, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = parameter_counts(module)[0]
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
     line = header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module, kernels=kernels)
@@ -370,19 +371,27 @@ def set_up_process(cfg: DictConfig) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def make_module(cfg: DictConfig, mcfg: GPTConfig) -> LMModule:
-    return LMModule(
-        model_config=mcfg,
-        optimizer=build(cfg.optim),
-        scheduler=build(cfg.scheduler),
-        total_steps=cfg.scheduler.total_steps,
-        compile=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
-        skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
-        spike_factor=cfg.faults.spike_factor,
-        nan_at_step=cfg.faults.inject_nan_at_step,
-        nan_on_rank=cfg.faults.get("inject_nan_on_rank"),
-        activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
-    )
+def make_module(cfg: DictConfig, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
+    """The module, its weights drawn from `init_seed` when set (then the rest of the run's random stream is the one
+    `seed` gives): two runs with one seed and two init seeds see the same data in the same order."""
+    init_seed = cfg.get("init_seed")
+    with torch.random.fork_rng(devices=[], enabled=init_seed is not None):
+        if init_seed is not None:
+            torch.manual_seed(init_seed)
+        return LMModule(
+            model_config=mcfg,
+            optimizer=build(cfg.optim),
+            scheduler=build(cfg.scheduler),
+            total_steps=cfg.scheduler.total_steps,
+            compile=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
+            skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
+            spike_factor=cfg.faults.spike_factor,
+            nan_at_step=cfg.faults.inject_nan_at_step,
+            nan_on_rank=cfg.faults.get("inject_nan_on_rank"),
+            activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
+            position_buckets=cfg.val_position_buckets,
+            token_bytes=token_bytes,
+        )
 
 
 def parameter_counts(module: LMModule) -> tuple[int, int]:

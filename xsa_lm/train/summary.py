@@ -21,7 +21,15 @@ if TYPE_CHECKING:  # the record alone is read by the sweep and the scaling study
     from xsa_lm.train.module import LMModule
 
 log = logging.getLogger("xsa_lm.train")
-WANDB_SUMMARY_KEYS = ("status", "final_val_loss", "final_val_ppl", "best_val_loss", "tokens_per_s", "diverged_at_step")
+WANDB_SUMMARY_KEYS = (
+    "status",
+    "final_val_loss",
+    "final_val_ppl",
+    "final_val_bpb",
+    "best_val_loss",
+    "tokens_per_s",
+    "diverged_at_step",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +47,8 @@ class RunSummary(Record):
     final_val_loss: float | None = None  # of a completed run only
     final_val_ppl: float | None = None
     best_val_loss: float | None = None
+    final_val_bpb: float | None = None  # bits per byte: the final loss over the bytes its tokens stand for
+    final_val_loss_by_position: list[float | None] = field(default_factory=list)  # per equal span of positions
     steps: int
     tokens_seen: int
     tokens_per_s: float | None = None
@@ -110,6 +120,8 @@ class RunStart:
             final_val_loss=final,
             final_val_ppl=math.exp(final) if final is not None else None,
             best_val_loss=min((h["val_loss"] for h in history), default=None),
+            final_val_bpb=history[-1].get("val_bpb") if final is not None else None,
+            final_val_loss_by_position=history[-1].get("val_loss_by_position", []) if final is not None else [],
             steps=trainer.global_step,
             tokens_seen=trainer.global_step * self.tokens_per_step,
             tokens_per_s=callbacks.throughput.tokens_per_s,
