@@ -9,18 +9,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.stats
+import torch
 from omegaconf import OmegaConf
 
+from tests.helpers import FAST, compose_train
+from xsa_lm.config.builders import model_config
 from xsa_lm.errors import UserError
 from xsa_lm.scale.report import SizeResult
 from xsa_lm.scale.run import size_tests
 from xsa_lm.scale.token_axis import per_seed_k, stalled
-from xsa_lm.stats.decision import clustered_test, margin_verdict
+from xsa_lm.stats.decision import clustered_test, margin_verdict, null_rates
 from xsa_lm.stats.positions import position_differences
-from xsa_lm.sweep.protocol import select_lr
+from xsa_lm.sweep.protocol import NULL, Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.run import comparison_plan, keep_plan
 from xsa_lm.sweep.stalls import paired_final_losses
+from xsa_lm.sweep.trials import trial_settings
+from xsa_lm.train.run import make_module, set_up_process
 
 MARGIN = 0.01
 
@@ -100,7 +106,7 @@ def test_per_seed_k_reads_each_seed_on_its_own_curve() -> None:
     assert stalled([4.0, 4.01, 4.02, 4.3]) == 1 and stalled([4.0]) == 0
 
 
-def _sweep_results(tmp_path: Path, margin: float | None) -> dict:
+def _sweep_results(tmp_path: Path, margin: float | None, extra: list[dict] | None = None) -> dict:
     search = {1e-3: 3.1, 3e-3: 3.0}
     trials = [
         {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "completed", "final_val_loss": loss}
@@ -113,6 +119,7 @@ def _sweep_results(tmp_path: Path, margin: float | None) -> dict:
              "final_val_loss_by_position": [loss + 0.1 - 0.05 * i * (arm == "xsa") + 0.001 * seed for i in range(3)]}
             for arm, loss in (("sa", sa), ("xsa", xsa))
         ]  # fmt: skip
+    trials += extra or []
     selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     return build_results(
         tmp_path, sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
@@ -157,3 +164,49 @@ def test_the_margin_is_part_of_the_plan(tmp_path: Path) -> None:
     state = {"plan": older}
     keep_plan(state_file, state, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
     assert state["declared_after_runs"] == {"margin": 0.05} and state["plan"]["margin"] == 0.05
+
+
+def test_the_null_rates_are_the_share_of_studies_that_claim_an_effect() -> None:
+    diffs = [-0.30, -0.25, 0.01, -0.02, 0.02, 0.00, 0.03, -0.01]  # two stalled SA seeds among six quiet ones
+    rates = null_rates(diffs, 4, MARGIN)
+    assert rates is not None and rates["pairs"] == 8 and rates["study_size"] == 4
+    studies = list(itertools.combinations(diffs, 4))  # 70: every one counted once, by scipy
+    excludes = [scipy.stats.ttest_1samp(s, 0).pvalue < 0.05 for s in studies]
+    claims = [margin_verdict(s, MARGIN).verdict in ("better", "worse") for s in studies]
+    assert rates["ci_excludes_0"] == pytest.approx(np.mean(excludes))
+    assert rates["verdict_claims_effect"] == pytest.approx(np.mean(claims))
+    low, high = rates["verdict_claims_effect_ci95"]
+    assert 0 <= low <= rates["verdict_claims_effect"] <= high <= 1
+    assert null_rates(diffs, 5, MARGIN) is None  # 8 pairs make no two studies of 5 apart
+
+
+def test_the_null_arm_is_sa_from_other_weights_and_is_reported_beside_xsa(tmp_path: Path) -> None:
+    assert trial_settings(Trial(NULL, 1e-3, 7))[:3] == ["attention=sa", "init_seed=1000007", "optim.lr=0.001"]
+    results = _sweep_results(tmp_path, margin=0.01)
+    assert results["null"] is None  # no null arm
+    null_runs = [
+        {"phase": "null", "attention": NULL, "lr": 3e-3, "seed": seed, "status": "completed", "final_val_loss": loss}
+        for seed, loss in ((1, 3.01), (2, 3.00), (3, 3.02), (4, 3.03))
+    ]
+    results = _sweep_results(tmp_path, margin=0.01, extra=null_runs)
+    null = results["null"]
+    assert null["seeds"] == [1, 2, 3, 4] and null["diff"] == pytest.approx([0.01, -0.02, 0.01, 0.0])
+    assert null["margin"]["verdict"] == "inconclusive" and null["rates"]["study_size"] == 2
+    assert "### The null: SA against SA" in render_markdown(results)
+    assert results["comparison"]["seeds"] == [1, 2, 3, 4]  # the null runs stay out of XSA's comparison
+
+
+def test_init_seed_draws_other_weights_and_leaves_the_seeds_stream_alone() -> None:
+    cfg = compose_train([*FAST, "logger=none"])
+    weights = {}
+    for init_seed in (None, 5, 5):
+        cfg.init_seed = init_seed
+        set_up_process(cfg)
+        module = make_module(cfg, model_config(cfg, 512))
+        weights.setdefault(init_seed, []).append((module.model.wte.weight.detach().clone(), torch.rand(1)))
+    (plain, _), (first, after_first), (second, _) = weights[None][0], *weights[5]
+    assert not torch.equal(plain, first) and torch.equal(first, second)
+    # After the module, the random stream is the seed's own with or without init_seed: dropout, data order and the
+    # rest see what a plain run with that seed sees once its weights are drawn
+    set_up_process(cfg)
+    assert torch.equal(after_first, torch.rand(1))

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from tests.helpers import FAST, assert_refused, cli_env, compose_train, refused_in_process, run_cli, write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
+from xsa_lm.stats.decision import VERDICTS
 from xsa_lm.stats.paired import paired_t
 from xsa_lm.sweep.protocol import (
     SequentialRule,
@@ -656,11 +657,13 @@ def _trial_wandb_file(run_dir: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.long
 def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
-    """Two LRs (one diverges), two seeds, XSA tuned too: the whole protocol, the report and W&B records."""
+    """Two LRs (one diverges), two seeds, XSA tuned and the null arm too: the whole protocol, the report and W&B
+    records."""
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]
     args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']"]
+    args += ["sweep.null_arm=true"]
     args += ["sweep.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -677,7 +680,11 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
             assert {"phase", "attention", "lr", "seed", "status", "final_val_loss", "run_dir"} <= set(trial)
             assert not trial["reused"]  # seeds disjoint from the search's: no compare run is a search run
     assert results["search_seeds"] == [0] and results["seeds"] == [1, 2] and not results["reuse_search_run"]
-    assert len(list((sweep_dir / "runs").iterdir())) == 8  # 4 search + 4 compare runs, none twice
+    assert len(list((sweep_dir / "runs").iterdir())) == 10  # 4 search + 4 compare + 2 null runs, none twice
+    null = [by_key[("null", "null", 3e-3, seed)] for seed in (1, 2)]  # SA from other weights, the same data
+    assert all(t["status"] == "completed" for t in null) and "init_seed=1000001" in null[0]["command"]
+    assert null[0]["final_val_loss"] != by_key[("compare", "sa", 3e-3, 1)]["final_val_loss"]
+    assert results["null"]["seeds"] == [1, 2] and results["null"]["margin"]["verdict"] in VERDICTS
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
     assert record["command"][:2] == ["env", "XSA_LM_VIA_PREFIX=1"]  # sweep.launch_prefix wraps every trial
     spans = sorted((t["started"], t["finished"]) for t in results["trials"] if t["phase"] == "search")
@@ -705,6 +712,10 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
         "extend the grid",
         "seeds disjoint from the search's (seeds 0)",
         "this study could detect differences larger than",
+        "### The null: SA against SA",
+        "Verdict against the plan's margin of 0.01 nats",
+        "In bits per byte",
+        "### XSA - SA along the window",
     ):
         assert text in report, text
     assert "## 2. SA vs XSA" in proc.stdout  # the report is printed at the end

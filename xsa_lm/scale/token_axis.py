@@ -24,6 +24,7 @@ import scipy.stats
 
 ALPHA = 0.05
 STALL_MARGIN = 0.15  # nats above the median of a budget's seeds: the sweep's stall margin (sweep.stall.margin)
+STALL_SAFE_SEEDS = 10  # with stalled SA seeds, the fewest seeds at which Fieller's interval covered >= 90% simulated
 
 
 @dataclass
