@@ -202,6 +202,14 @@ def test_the_analysis_pairs_seeds_leaves_out_unfinished_ones_and_takes_wall_cloc
     stalled = analyse_tokens([_entry("m", sa, {0.5: xsa_half, 1: xsa_b}, seeds=[1, 2, 3, 4, 5])], [0.5, 1, 2], [1])
     assert stalled["cells"][0]["sa_stalled"] == [1, 0, 0] and len(stalled["cells"][0]["per_seed_k"]) == 5
     assert any("stalled seeds among 5" in w and "10 seeds or more" in w for w in stalled["warnings"])
+    assert not any("epochs of the training data" in w for w in analysis["warnings"])
+    runs = {arm: {f: [replace(r, data_epochs=1.8 if f == "2" else 0.9) for r in rs] for f, rs in b.items()}
+            for arm, b in (entry.runs or {}).items()}  # fmt: skip
+    repeated = analyse_tokens([replace(entry, runs=runs)], [0.5, 1, 2], [1])["warnings"]
+    assert [w for w in repeated if "epochs" in w] == [
+        "m SA at 2 B: 1.80 epochs of the training data (it repeats, which flattens SA's curve where k is read: use a "
+        "larger corpus or a smaller B)"
+    ]
 
 
 def test_the_budget_counts_the_parameters_the_runs_will_build():

@@ -1,6 +1,7 @@
 """End-to-end: `xsa-lm train` on the bundled corpus, for both attention types, through the real CLI."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: P
     assert summary["lr"] == 3e-3 and summary["seed"] == 1 and summary["steps"] == 40
     assert summary["peak_lr"] == pytest.approx(3e-3) and summary["precision"] == "32-true"  # what it trained with
     assert summary["tokens_seen"] == 40 * 1024
+    train_tokens = int(re.search(r"([\d,]+) train / ", out.stdout).group(1).replace(",", ""))  # the header's count
+    assert summary["data_epochs"] == pytest.approx(40 * 1024 / train_tokens) and "epochs) |" in out.stdout
     assert summary["final_val_loss"] == summary["val_history"][-1]["val_loss"]
     assert [h["step"] for h in summary["val_history"]] == [20, 40]
     assert summary["final_val_loss"] < summary["val_history"][0]["val_loss"] < 6.2  # log(512) = 6.24

@@ -18,6 +18,7 @@ class TokenRun(Record):
     log: str | None = None
     final_val_loss: float | None = None
     tokens_seen: int | None = None
+    data_epochs: float | None = None  # passes over the training split (None: a run from before it was recorded)
     tokens_per_s: float | None = None
     val_history: list[dict] = field(default_factory=list)
     run_dir: str | None = None

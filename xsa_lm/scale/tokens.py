@@ -150,7 +150,7 @@ def run_size(
 
 def outcome_of(store: TrialStore, trial: Trial) -> TokenRun:
     record = store.load(trial) or TrialRecord.missing(trial, "")
-    keep = ("status", "error", "log", "final_val_loss", "tokens_seen", "tokens_per_s", "val_history", "run_dir")
+    keep = "status error log final_val_loss tokens_seen data_epochs tokens_per_s val_history run_dir".split()
     return TokenRun(seed=trial.seed, **{k: getattr(record, k) for k in keep})
 
 
@@ -203,6 +203,21 @@ def paired_losses(
     return sa, xsa, [seeds[i] for i in usable]
 
 
+def repeated_data(entry: TokenSize) -> list[str]:
+    """A warning per arm and budget whose runs passed over the training split more than once: repeated tokens
+    teach less than new ones, which flattens the curve at its top budgets and with it k."""
+    found = []
+    for arm, budgets in (entry.runs or {}).items():
+        for fraction, runs in budgets.items():
+            epochs = max((r.data_epochs or 0.0 for r in runs), default=0.0)
+            if epochs > 1:
+                found.append(
+                    f"{entry.model} {arm.upper()} at {fraction} B: {epochs:.2f} epochs of the training data (it "
+                    "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
+                )
+    return found
+
+
 def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
     """The tokens the runs of one arm and budget trained on (the same for every seed)."""
     seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
@@ -219,6 +234,7 @@ def analyse_tokens(
         if entry.runs is None:
             warnings.append(f"{entry.model}: no LR selected, so no budget runs")
             continue
+        warnings += repeated_data(entry)
         sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
         for fraction in xsa_budgets:
             sa, xsa, seeds = paired_losses(entry.runs, entry.seeds, sa_budgets, fraction)

@@ -57,6 +57,7 @@ class TrialRecord(Record):
     final_val_bpb: float | None = None
     final_val_loss_by_position: list[float | None] = field(default_factory=list)
     steps: int | None = None
+    data_epochs: float | None = None
     tokens_seen: int | None = None
     tokens_per_s: float | None = None
     wall_time_s: float | None = None
@@ -127,6 +128,7 @@ SUMMARY_METRICS = (  # what a trial's record copies from its run's summary.json
     "final_val_bpb",
     "final_val_loss_by_position",
     "steps",
+    "data_epochs",
     "tokens_seen",
     "tokens_per_s",
     "wall_time_s",

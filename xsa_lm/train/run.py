@@ -334,6 +334,7 @@ def fit(
     set_up_process(cfg)
     module = make_module(cfg, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = parameter_counts(module)[0]
+    summary.train_tokens = int(datamodule.data.meta["train_tokens"])
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
     line = header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module, kernels=kernels)
     rank_zero_only(log.info)(line)
@@ -414,9 +415,15 @@ def header(
         f"vocab {meta['vocab_size']} (model {module.model_config.vocab_size}) | "
         f"{cfg.global_batch_tokens:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
         f"{plan['accumulate']} accumulation x {plan['devices']} device(s) ({device_name(cfg.trainer.accelerator)}), "
-        f"{cfg.trainer.max_steps} steps | attention kernel {kernels['used']} (sdpa_backends: "
+        f"{cfg.trainer.max_steps} steps ({epochs(cfg, meta['train_tokens']):.2f} epochs) | "
+        f"attention kernel {kernels['used']} (sdpa_backends: "
         f"{', '.join(kernels['order'])}) | run dir {run_dir}"
     )
+
+
+def epochs(cfg: DictConfig, train_tokens: int) -> float:
+    """The passes over the training split that trainer.max_steps makes (above 1, data repeats)."""
+    return cfg.trainer.max_steps * cfg.global_batch_tokens / train_tokens if train_tokens else float("nan")
 
 
 def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:

@@ -50,6 +50,7 @@ class RunSummary(Record):
     final_val_bpb: float | None = None  # bits per byte: the final loss over the bytes its tokens stand for
     final_val_loss_by_position: list[float | None] = field(default_factory=list)  # per equal span of positions
     steps: int
+    data_epochs: float | None = None  # tokens trained / the training split's tokens: above 1, data repeats
     tokens_seen: int
     tokens_per_s: float | None = None
     wall_time_s: float | None = None
@@ -80,6 +81,7 @@ class RunStart:
     tokens_per_step: int
     model_config: "GPTConfig"
     non_embedding_params: int = 0
+    train_tokens: int = 0  # the training split's tokens, for the epochs a run trains
     started: float = field(default_factory=time.time)
 
     @classmethod
@@ -123,6 +125,7 @@ class RunStart:
             final_val_bpb=history[-1].get("val_bpb") if final is not None else None,
             final_val_loss_by_position=history[-1].get("val_loss_by_position", []) if final is not None else [],
             steps=trainer.global_step,
+            data_epochs=trainer.global_step * self.tokens_per_step / self.train_tokens if self.train_tokens else None,
             tokens_seen=trainer.global_step * self.tokens_per_step,
             tokens_per_s=callbacks.throughput.tokens_per_s,
             wall_time_s=round(time.time() - self.started, 2),
