@@ -483,6 +483,7 @@ def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) ->
         "compare_table",
         "bpb",
         "positions",
+        "null",
         "xsa_tuning",
         "stalls",
         "trials",
