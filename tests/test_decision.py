@@ -19,7 +19,7 @@ from xsa_lm.errors import UserError
 from xsa_lm.scale.report import SizeResult
 from xsa_lm.scale.run import size_tests
 from xsa_lm.scale.token_axis import per_seed_k, stalled
-from xsa_lm.stats.decision import clustered_test, margin_verdict, null_rates
+from xsa_lm.stats.decision import clustered_test, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
@@ -178,6 +178,16 @@ def test_the_null_rates_are_the_share_of_studies_that_claim_an_effect() -> None:
     low, high = rates["verdict_claims_effect_ci95"]
     assert 0 <= low <= rates["verdict_claims_effect"] <= high <= 1
     assert null_rates(diffs, 5, MARGIN) is None  # 8 pairs make no two studies of 5 apart
+    disjoint = [margin_verdict(diffs[:4], MARGIN).verdict, margin_verdict(diffs[4:], MARGIN).verdict]
+    assert rates["disjoint_studies"] == 2
+    assert rates["disjoint_claims"] == sum(v in ("better", "worse") for v in disjoint)
+    ci = scipy.stats.binomtest(rates["disjoint_claims"], 2).proportion_ci(method="exact")
+    assert rates["disjoint_claims_ci95"] == pytest.approx([ci.low, ci.high])
+
+
+def test_a_null_calibrates_studies_of_3_5_and_half_its_pairs() -> None:
+    assert null_study_sizes(24) == [3, 5, 12] and null_study_sizes(12) == [3, 5, 6]
+    assert null_study_sizes(4) == [2] and null_study_sizes(3) == []
 
 
 def test_the_null_arm_is_sa_from_other_weights_and_is_reported_beside_xsa(tmp_path: Path) -> None:
@@ -191,7 +201,7 @@ def test_the_null_arm_is_sa_from_other_weights_and_is_reported_beside_xsa(tmp_pa
     results = _sweep_results(tmp_path, margin=0.01, extra=null_runs)
     null = results["null"]
     assert null["seeds"] == [1, 2, 3, 4] and null["diff"] == pytest.approx([0.01, -0.02, 0.01, 0.0])
-    assert null["margin"]["verdict"] == "inconclusive" and null["rates"]["study_size"] == 2
+    assert null["margin"]["verdict"] == "inconclusive" and [r["study_size"] for r in null["rates"]] == [2]
     assert "### The null: SA against SA" in render_markdown(results)
     assert results["comparison"]["seeds"] == [1, 2, 3, 4]  # the null runs stay out of XSA's comparison
 

@@ -22,6 +22,7 @@ import numpy as np
 import scipy.stats
 
 from xsa_lm.stats.paired import ALPHA, paired_t, sign_test_p
+from xsa_lm.stats.rates import exact_interval
 
 VERDICTS = ("better", "not worse", "worse", "inconclusive")
 
@@ -128,10 +129,14 @@ def clustered_line(test: dict, unit: str = "seed", shares: str = "its initialisa
 
 def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: float = ALPHA) -> dict | None:
     """How often the procedure claims an effect when there is none, from the paired differences of an A/A null
-    (SA against SA): over every study of `study_size` of those pairs (2000 drawn at random when there are more), the
-    share whose 95% t interval excludes 0 and the share whose margin verdict is "better" or "worse" (its one-sided
-    bounds, as margin_verdict). The studies overlap, so each share's 95% interval comes from the jackknife over
-    pairs (leave one out), clipped to [0, 1]. None below 2 x study_size pairs."""
+    (SA against SA), two ways:
+    - every study of `study_size` of those pairs (2000 drawn at random when there are more): the share whose 95% t
+      interval excludes 0 and the share whose margin verdict is "better" or "worse" (margin_verdict's bounds). The
+      studies overlap, so each share's 95% interval comes from the jackknife over pairs (leave one out), clipped to
+      [0, 1];
+    - disjoint studies (consecutive pairs, in the order given): independent, so their count of claims gets the exact
+      binomial interval, wide but owing nothing to an approximation.
+    None below 2 x study_size pairs."""
     values = np.asarray(diffs, dtype=float)
     n = values.size
     if study_size < 2 or n < 2 * study_size:
@@ -158,9 +163,14 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: fl
     se = np.sqrt((n - 1) / n * ((leave_one_out - leave_one_out.mean(axis=0)) ** 2).sum(axis=0))
     z = scipy.stats.norm.ppf(1 - alpha / 2)
     low, high = np.clip(full - z * se, 0, 1), np.clip(full + z * se, 0, 1)
+    disjoint = values[: n // study_size * study_size].reshape(-1, study_size)
+    claims = sum(margin_verdict(study, margin, alpha).verdict in ("better", "worse") for study in disjoint)
     return {
         "pairs": int(n),
         "study_size": study_size,
+        "disjoint_studies": len(disjoint),
+        "disjoint_claims": int(claims),
+        "disjoint_claims_ci95": list(exact_interval(int(claims), len(disjoint))),
         "margin": margin,
         "ci_excludes_0": float(full[0]),
         "ci_excludes_0_ci95": [float(low[0]), float(high[0])],
@@ -168,3 +178,9 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: fl
         "verdict_claims_effect_ci95": [float(low[1]), float(high[1])],
         "sd_diff": float(np.std(values, ddof=1)),
     }
+
+
+def null_study_sizes(pairs: int) -> list[int]:
+    """The study sizes a null of `pairs` pairs calibrates: 3 (the paper sweep's compare seeds), 5 (the token axis's)
+    and half the pairs, each with at least two disjoint studies."""
+    return sorted({size for size in (3, 5, pairs // 2) if 2 <= size <= pairs // 2})

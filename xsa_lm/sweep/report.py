@@ -9,7 +9,7 @@ from pathlib import Path
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.stats.decision import margin_verdict, null_rates
+from xsa_lm.stats.decision import margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
 from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, mean_std
@@ -57,8 +57,8 @@ def bits_per_byte(pairs: list[tuple[dict, dict]]) -> dict | None:
 
 def null_comparison(trials: list[dict], margin: float | None) -> dict | None:
     """The A/A null (sweep.null_arm) analysed as XSA is: per seed, SA from other initial weights - SA, the paired
-    tests, the verdict against the margin, and how often studies of half this many seeds claim an effect
-    (null_rates). None without a null pair."""
+    tests, the verdict against the margin, and how often studies of 3, 5 and half this many seeds claim an effect
+    (null_rates, one per study size). None without a null pair."""
     by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] in ("compare", "null")}
     seeds = [
         seed
@@ -71,7 +71,8 @@ def null_comparison(trials: list[dict], margin: float | None) -> dict | None:
     null = [by_key[(NULL, seed)]["final_val_loss"] for seed in seeds]
     diffs = [b - a for a, b in zip(sa, null, strict=True)]
     verdict = margin_verdict(diffs, margin).to_json() if margin is not None else None
-    rates = null_rates(diffs, len(diffs) // 2, margin) if margin is not None else None
+    sizes = null_study_sizes(len(diffs))
+    rates = [r for r in (null_rates(diffs, size, margin) for size in sizes) if r] if margin is not None else []
     return {"seeds": seeds, "sa": sa, "null": null, "diff": diffs, "margin": verdict, "rates": rates} | (
         paired_stats(sa, null).to_json()
     )
@@ -402,17 +403,30 @@ def null_lines(null: dict | None, compare: dict) -> list[str]:
         f"| XSA - SA | {_num(compare.get('diff_mean'))} | {_num(compare.get('diff_std'), signed=False)} |",
         f"| null - SA | {_num(null['mean_diff'])} | {_num(null['sd_diff'], signed=False)} |",
     ]
-    rates = null.get("rates")
+    rates = null.get("rates") or []
+    rates = [rates] if isinstance(rates, dict) else rates  # a dict: one size, from a results.json of 2026-12-02
     if rates:
-        ci0, ci1 = rates["ci_excludes_0_ci95"], rates["verdict_claims_effect_ci95"]
         lines += [
             "",
-            f"Over every study of {rates['study_size']} of these {rates['pairs']} null pairs: the t interval excludes "
-            f"0 in {rates['ci_excludes_0']:.1%} (95% CI [{ci0[0]:.1%}, {ci0[1]:.1%}]; 5% if the noise were normal), "
-            f"and the verdict claims an effect (better or worse than the {rates['margin']:g}-nat margin) in "
-            f"{rates['verdict_claims_effect']:.1%} ([{ci1[0]:.1%}, {ci1[1]:.1%}]); intervals by the jackknife over "
-            "pairs.",
+            f"How often studies of these {rates[0]['pairs']} null pairs claim an effect, by study size. Every study: "
+            "the share over all studies of that many pairs (they overlap; 95% CI by the jackknife over pairs). "
+            "Disjoint: studies that share no pair, independent, with the exact binomial 95% CI. The t interval "
+            f"excludes 0 in 5% of studies if the noise were normal; the verdict claims an effect when it says better "
+            f"or worse than the {rates[0]['margin']:g}-nat margin.",
+            "",
+            "| study size | t CI excludes 0 | verdict claims an effect | disjoint studies claiming |",
+            "|---:|---|---|---|",
         ]
+    for r in rates:
+        ci0, ci1 = r["ci_excludes_0_ci95"], r["verdict_claims_effect_ci95"]
+        disjoint = "-"
+        if "disjoint_studies" in r:
+            lo, hi = r["disjoint_claims_ci95"]
+            disjoint = f"{r['disjoint_claims']} of {r['disjoint_studies']} [{lo:.1%}, {hi:.1%}]"
+        lines.append(
+            f"| {r['study_size']} | {r['ci_excludes_0']:.1%} [{ci0[0]:.1%}, {ci0[1]:.1%}] | "
+            f"{r['verdict_claims_effect']:.1%} [{ci1[0]:.1%}, {ci1[1]:.1%}] | {disjoint} |"
+        )
     return lines
 
 
