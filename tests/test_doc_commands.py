@@ -256,12 +256,14 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm scale experiment=scale_toy hydra.run.dir=outputs/scale_toy": "36 runs; test_scale.py runs a study (long)",
     "xsa-lm scale experiment=tokens_toy hydra.run.dir=outputs/tokens_toy": "86 min; test_token_axis.py runs a "
     "token study (long)",
+    "xsa-lm scale experiment=tokens_tuned hydra.run.dir=outputs/tokens_tuned": "106 runs, ~70 min; "
+    "test_token_axis.py runs it at test size (long)",
     "xsa-lm scale scale.models=[paper_0.7b,paper_1.4b,paper_2.7b] trainer=fsdp global_batch_tokens=524288 "
     "micro_batch_size=8 data=prepared data.dir=$DATA/fw100b scale.seeds=[1,2,3] hydra.run.dir=$SCRATCH/scale": GPU
     + "s, FineWeb shards and days",
     "xsa-lm scale scale.axis=tokens scale.models=[gpt2_124m,paper_0.7b] trainer=ddp global_batch_tokens=524288 "
     "micro_batch_size=8 data=prepared data.dir=$DATA/fw100b sweep.search_seeds=[0,1] scale.seeds=[2,3,4,5,6] "
-    "hydra.run.dir=$SCRATCH/tokens": GPU + "s, FineWeb shards and days",
+    "sweep.null_arm=true hydra.run.dir=$SCRATCH/tokens": GPU + "s, FineWeb shards and days",
     "xsa-lm prepare data=local data.files=corpus/*.jsonl data.text_field=text tokenizer=bpe tokenizer.vocab_size=4096 "
     "data.dir=shards/mine": "the README's prepare (run) with its defaults spelled out",
     "xsa-lm prepare data=fineweb data.subset=sample-10BT tokenizer=gpt2 data.dir=shards/fw10b "

@@ -8,19 +8,22 @@ import subprocess
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 import scipy.stats
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
+from xsa_lm.errors import UserError
 from xsa_lm.scale import tokens
 from xsa_lm.scale.run import check_study, sweep_overrides
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
-from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult
+from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished, why
-from xsa_lm.sweep.trials import Launcher
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore
 
 B = 1.0e6
 BUDGETS = [B / 2, B, 2 * B]
@@ -212,6 +215,68 @@ def test_the_analysis_pairs_seeds_leaves_out_unfinished_ones_and_takes_wall_cloc
     ]
 
 
+def test_the_null_arm_is_read_off_sas_curve_as_xsa_is_and_every_budget_gets_a_verdict():
+    rng = np.random.default_rng(8)
+    sa, xsa = study(rng, k=1.5, noise=0.005)
+    entry = _entry("m", sa, {1: xsa}, seeds=[1, 2, 3, 4, 5])
+    null_runs = [replace(r, final_val_loss=cast(float, r.final_val_loss) + 0.001 * (-1) ** i)
+                 for i, r in enumerate((entry.runs or {})["sa"]["1"])]  # fmt: skip
+    entry = replace(entry, runs={**(entry.runs or {}), "null": {"1": null_runs}})
+    (cell,) = analyse_tokens([entry], [0.5, 1, 2], [1], margin=0.01)["cells"]
+    assert cell["null"]["k"] == pytest.approx(1.0, abs=0.01) and cell["null"]["paired_seeds"] == [1, 2, 3, 4, 5]
+    assert cell["k"] == pytest.approx(1.5, rel=0.05)
+    assert cell["same_budget"]["margin"]["verdict"] == "better"  # XSA at B is ~0.12 nats lower than SA at B
+    assert cell["null_same_budget"]["margin"]["verdict"] == "not worse"  # 0.001 nats apart, well within 0.01
+    report = render_markdown(
+        TokenStudyResult(study_dir="s", study_id="s", overrides=[], plan={**PLAN, "margin": 0.01}, sizes=[entry],
+                         cells=[cell])
+    )  # fmt: skip
+    assert "| m | 1 B | 5 | 1.5" in report and "| m | 1 B | null | 5 |" in report
+
+
+PLAN = {"tokens_per_param": 10, "sa_budgets": [0.5, 1, 2], "xsa_budgets": [1], "seeds": [1], "search_seeds": [0]}
+
+
+class Measured:
+    """A size whose search runs at B measured `epochs` passes over the training split."""
+
+    def __init__(self, tmp_path: Path, epochs: float) -> None:
+        self.model, self.dir = "m", tmp_path
+
+    def store(self, phase: str) -> TrialStore:
+        return TrialStore(self.dir / phase)
+
+
+def test_a_budget_past_one_epoch_is_refused_before_its_runs_unless_allowed(tmp_path: Path):
+    size = Measured(tmp_path, 0.3)
+    record = TrialRecord(id="sa_lr0.01_s0", phase="search", attention="sa", lr=0.01, seed=0, status="completed")
+    size.store("search").save(replace(record, data_epochs=0.3))
+    tokens.check_repeats(size, [0.01], [0], 3.0, allowed=False)  # 0.9 epochs at 3 B: fine
+    with pytest.raises(UserError, match=r"m: SA at 4 B would train 1.20 epochs .* scale.allow_repeated_data=true"):
+        tokens.check_repeats(size, [0.01], [0], 4.0, allowed=False)
+    tokens.check_repeats(size, [0.01], [0], 4.0, allowed=True)
+
+
+def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_path, monkeypatch):
+    phases = []
+
+    def record(launcher: Launcher, trials, phase: str, job_type: str) -> None:
+        phases.append((phase, launcher.command(trials[0], job_type, resume=False)))
+        raise Stop
+
+    monkeypatch.setattr(Launcher, "run", record)
+    monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)
+    task = ["experiment=tokens_tuned"]
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        cfg = compose(config_name="scale", overrides=task)
+        models, plan = check_study(cfg, tmp_path, sweep_overrides(task))
+        assert plan["lr_per_budget"] and plan["null_arm"] and plan["tune_xsa"] and plan["warmup_fraction"] == 0.1
+        with pytest.raises(Stop):
+            tokens.run_token_study(cfg, tmp_path, task, models=models, plan=plan, state={"study_id": "t"})
+    ((phase, command),) = phases
+    assert phase == "search" and "trainer.max_steps=98" in command and "scheduler.warmup_steps=10" in command
+
+
 def test_the_budget_counts_the_parameters_the_runs_will_build():
     """B follows the study's overrides (an experiment's or the command line's model.* keys) and the size's preset."""
     from hydra import initialize_config_module
@@ -240,18 +305,19 @@ def test_an_experiment_sets_the_scale_settings():
 @pytest.mark.slow
 @pytest.mark.long
 def test_the_token_study_runs_end_to_end_and_resumes(tmp_path: Path, data_cache: Path):
+    """experiment=tokens_tuned at test size: SA's LR searched at every budget, XSA's own at B, the null arm, warmup
+    as a share of each run; then a rerun reuses every run and a changed plan is refused."""
     study_dir = tmp_path / "study"
     args = [
         "scale",
-        "experiment=tokens_toy",
+        "experiment=tokens_tuned",
         "logger=csv",
         "data.val_windows=8",
         "scale.tokens_per_param=0.2",
         "scale.seeds=[2,3]",
-        "scale.measure_throughput=false",
         "sweep.search_seeds=[0]",
         "sweep.lr_grids.tiny_l3_d48=[3e-2]",
-        "sweep.lr_grids.tiny_l3_d64=[3e-2]",
+        "scale.warmup_fraction=0.25",
         f"hydra.run.dir={study_dir}",
     ]
     first = run_cli(args, data_cache, cwd=tmp_path, timeout=900)
@@ -263,15 +329,23 @@ def test_the_token_study_runs_end_to_end_and_resumes(tmp_path: Path, data_cache:
         first = run_cli(args, data_cache, cwd=tmp_path, timeout=900)
     assert first.returncode == 0, first.stderr[-2000:] + failed_logs(first)
     results = json.loads((study_dir / "results.json").read_text())
-    assert [c["model"] for c in results["cells"]] == ["tiny_l3_d48"] * 2 + ["tiny_l3_d64"] * 2
+    assert [(c["model"], c["fraction"]) for c in results["cells"]] == [("tiny_l3_d48", 0.5), ("tiny_l3_d48", 1.0)]
     d48 = results["sizes"][0]
-    assert d48["non_embedding_params"] == 83328 and sorted(d48["runs"]["sa"]) == ["0.5", "1", "2"]
-    steps = {
-        f: json.loads(Path(d48["runs"]["sa"][f][0]["run_dir"], "summary.json").read_text())["steps"]
-        for f in ("0.5", "1", "2")
-    }
-    assert steps == {"0.5": 2, "1": 4, "2": 8}  # 0.2 x 83,328 tokens per B at 4096 per step
-    assert (study_dir / "loss_vs_tokens.png").exists() and "token axis" in (study_dir / "report.md").read_text()
+    assert d48["non_embedding_params"] == 83328 and sorted(d48["runs"]["sa"]) == ["0.5", "1", "2", "4"]
+    assert sorted(d48["runs"]["null"]) == sorted(d48["runs"]["xsa"]) == ["0.5", "1"]
+    assert sorted(d48["searches"]) == ["0.5", "1", "2", "4"] and d48["selected_lrs"]["4"] == 0.03
+    assert d48["xsa_search"] == {"0.03": pytest.approx(d48["xsa_search"]["0.03"])} and d48["xsa_selected_lr"] == 0.03
+    config = {f: OmegaConf.load(Path(d48["runs"]["sa"][f][0]["run_dir"], "config.yaml")) for f in ("0.5", "1", "4")}
+    steps = {f: c.trainer.max_steps for f, c in config.items()}
+    assert steps == {"0.5": 2, "1": 4, "4": 16}  # 0.2 x 83,328 tokens per B at 4096 per step
+    assert {f: c.scheduler.warmup_steps for f, c in config.items()} == {"0.5": 1, "1": 1, "4": 4}
+    at_b = results["cells"][1]
+    assert at_b["null"]["paired_seeds"] == [2, 3] and len(at_b["null"]["per_seed_k"]) == 2
+    assert at_b["same_budget"]["margin"]["verdict"] in ("better", "not worse", "worse", "inconclusive")
+    assert at_b["same_budget"]["positions"]["spans"] == 8 and at_b["same_budget"]["bpb"]["pairs"] == 2
+    report = (study_dir / "report.md").read_text()
+    assert "## The null along the token axis" in report and "XSA's own LR search at B" in report
+    assert (study_dir / "loss_vs_tokens.png").exists() and "token axis" in report
     again = run_cli(args, data_cache, cwd=tmp_path, timeout=300)  # every run is reused
     assert again.returncode == 0 and "started" not in again.stdout
     changed = run_cli([*args[:-1], "scale.seeds=[2,3,4]", args[-1]], data_cache, cwd=tmp_path, timeout=300)
@@ -318,6 +392,7 @@ TOKEN_REFUSALS = [
     ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
     ("scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
     ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
+    ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be in [0, 1)"),
     ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
     ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
     ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),

@@ -93,12 +93,13 @@ def open_study(study_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
     )
 
 
-def check_models(models: Any) -> list[str]:
+def check_models(models: Any, at_least: int = 2) -> list[str]:
+    """The sizes: distinct presets that exist; a fit across sizes needs two, the token axis one."""
     names = [str(m) for m in models or []] if OmegaConf.is_list(models) or isinstance(models, list) else []
-    if len(names) < 2 or len(set(names)) != len(names):
+    if len(names) < at_least or len(set(names)) != len(names):
+        need = "at least two distinct model presets, smallest first" if at_least > 1 else "distinct model presets"
         raise UserError(
-            f"scale.models needs at least two distinct model presets, smallest first, got {models!r}; "
-            "e.g. scale.models=[tiny_d32,tiny_d64,tiny_d96,tiny]"
+            f"scale.models needs {need}, got {models!r}; e.g. scale.models=[tiny_d32,tiny_d64,tiny_d96,tiny]"
         )
     presets = importlib.resources.files("xsa_lm.configs") / "model"
     available = {p.name.removesuffix(".yaml") for p in presets.iterdir() if p.name.endswith(".yaml")}
@@ -434,7 +435,7 @@ def check_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple
     trials included (check_sweep); on the token axis, check_token_study and each size's runs (check_token_runs)."""
     check_settings(cfg.scale, SCALE_RULES, "scale")
     check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher: the rules below rely on them
-    models = check_models(cfg.scale.models)
+    models = check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
     if cfg.scale.axis == "tokens":
         from xsa_lm.scale.tokens import check_token_runs, check_token_study
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
 from xsa_lm.scale.token_axis import STALL_MARGIN, ci_text, k_text
+from xsa_lm.sweep.report import bpb_lines, position_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,6 +18,8 @@ class TokenRun(Record):
     error: str | None = None
     log: str | None = None
     final_val_loss: float | None = None
+    final_val_bpb: float | None = None
+    final_val_loss_by_position: list[float] | None = None
     tokens_seen: int | None = None
     data_epochs: float | None = None  # passes over the training split (None: a run from before it was recorded)
     tokens_per_s: float | None = None
@@ -33,7 +36,11 @@ class TokenSize(Record):
     non_embedding_params: int | None = None
     tokens_B: float
     search: dict[str, float | None] = field(default_factory=dict)  # LR -> median SA loss at B
-    selected_lr: float | None = None
+    selected_lr: float | None = None  # SA's at B
+    searches: dict[str, dict[str, float | None]] = field(default_factory=dict)  # budget -> LR -> median SA loss
+    selected_lrs: dict[str, float | None] = field(default_factory=dict)  # budget -> SA's LR (every budget's runs)
+    xsa_search: dict[str, float | None] = field(default_factory=dict)  # sweep.tune_xsa: LR -> median XSA loss at B
+    xsa_selected_lr: float | None = None
     warnings: list[str] = field(default_factory=list)
     runs: dict[str, dict[str, list[TokenRun]]] | None = None  # arm -> budget (in B) -> a run per seed
     seeds: list[int] = field(default_factory=list)
@@ -63,32 +70,76 @@ def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if value is not None else "-"
 
 
+def protocol_text(plan: dict) -> str:
+    """How the study chose its LRs and warmup, in one paragraph."""
+    if plan.get("lr_per_budget"):
+        lr = (
+            f"SA's LR is searched at every SA budget (the lowest median SA loss over the search seeds "
+            f"{plan['search_seeds']}), and XSA and the null arm train at SA's LR of their budget"
+        )
+    else:
+        lr = (
+            f"the LR is the one with the lowest median SA loss at B over the search seeds {plan['search_seeds']}, "
+            "used at every budget and for both arms"
+        )
+    warmup = plan.get("warmup_fraction")
+    warmup_text = f"each run warms up for {warmup:.0%} of its steps" if warmup is not None else "the recipe's warmup"
+    return (
+        f"B = {plan['tokens_per_param']:g} tokens per non-embedding parameter. SA at {plan['sa_budgets']} x B, XSA at "
+        f"{plan['xsa_budgets']} x B, seeds {plan['seeds']} (paired); {lr}; {warmup_text}."
+    )
+
+
 def size_lines(results: TokenStudyResult) -> list[str]:
-    plan = results.plan
     lines = [
         "",
         "## Sizes, budgets and the LR",
         "",
-        f"B = {plan['tokens_per_param']:g} tokens per non-embedding parameter. SA at {plan['sa_budgets']} x B, XSA at "
-        f"{plan['xsa_budgets']} x B, seeds {plan['seeds']} (paired); the LR is the one with the lowest median SA "
-        f"loss at B over the search seeds {plan['search_seeds']}, used at every budget and for both arms.",
+        protocol_text(results.plan),
         "",
-        "| model | non-embedding params | B (tokens) | LR grid: median SA loss at B | selected LR |",
-        "|---|---:|---:|---|---:|",
+        "| model | non-embedding params | B (tokens) | budget | LR grid: median SA loss | SA's LR |",
+        "|---|---:|---:|---:|---|---:|",
     ]
     for size in results.sizes:
-        grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in size.search.items())
-        lr = f"{size.selected_lr:g}" if size.selected_lr is not None else "none"
-        lines.append(f"| {size.model} | {size.non_embedding_params:,} | {size.tokens_B:,.0f} | {grid} | {lr} |")
-    lines += ["", "| model | arm | budget | final val loss per seed | mean |", "|---|---|---:|---|---:|"]
+        searches = size.searches or {"1": size.search}
+        for fraction, search in sorted(searches.items(), key=lambda item: float(item[0])):
+            grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in search.items())
+            chosen = size.selected_lrs.get(fraction, size.selected_lr if fraction == "1" else None)
+            lr = f"{chosen:g}" if chosen is not None else "none"
+            params = f"{size.non_embedding_params:,}" if size.non_embedding_params is not None else "-"
+            head = f"| {size.model} | {params} | {size.tokens_B:,.0f}"
+            lines.append(f"{head} | {fraction} B | {grid} | {lr} |")
+        if size.xsa_search:
+            grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in size.xsa_search.items())
+            own = f"{size.xsa_selected_lr:g}" if size.xsa_selected_lr is not None else "none"
+            lines += [
+                "",
+                f"{size.model}, XSA's own LR search at B (sweep.tune_xsa; XSA's runs use SA's LR, the paper's "
+                f"protocol): {grid}; XSA's best {own} beside SA's {_lr(size.selected_lr)}.",
+                "",
+            ]
+    lines += [
+        "",
+        "| model | arm | budget | LR | data epochs | final val loss per seed | mean |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
     for size in results.sizes:
         for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
                 losses = [r.final_val_loss for r in runs if r.status == "completed" and r.final_val_loss is not None]
                 cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in runs)
                 mean = sum(losses) / len(losses) if losses else None
-                lines.append(f"| {size.model} | {arm.upper()} | {fraction} B | {cells} | {_num(mean)} |")
+                lr = size.selected_lrs.get(fraction, size.selected_lr)
+                epochs = max((r.data_epochs for r in runs if r.data_epochs is not None), default=None)
+                lines.append(
+                    f"| {size.model} | {arm.upper()} | {fraction} B | {_lr(lr)} | {_num(epochs, 3)} | {cells} | "
+                    f"{_num(mean)} |"
+                )
     return lines
+
+
+def _lr(value: float | None) -> str:
+    return f"{value:g}" if value is not None else "-"
 
 
 def per_seed_lines(cells: list[dict]) -> list[str]:
@@ -166,27 +217,75 @@ def _p(value: float | None) -> str:
     return f"{value:.3g}" if value is not None else "-"
 
 
-def same_budget_lines(results: TokenStudyResult) -> list[str]:
-    """XSA - SA at each XSA budget SA also trained at, with the paired tests (results of earlier releases lack it)."""
-    cells = [c for c in results.cells if c.get("same_budget")]
+def null_lines(results: TokenStudyResult) -> list[str]:
+    """The null arm's k (sweep.null_arm): SA from other initial weights read off SA's curve as XSA is."""
+    cells = [c for c in results.cells if c.get("null")]
     if not cells:
         return []
     lines = [
         "",
+        "## The null along the token axis (sweep.null_arm)",
+        "",
+        "SA again at XSA's budgets, the same data order from other initial weights, its k read off SA's curve exactly "
+        "as XSA's is. There is no effect, so k is 1: how far its point and its interval stray is the yardstick's own "
+        "noise, to read beside XSA's.",
+        "",
+        "| model | budget | seeds | XSA's k | XSA's 95% CI | null k | null 95% CI | null k per seed |",
+        "|---|---:|---:|---:|---|---:|---|---|",
+    ]
+    for c in cells:
+        null = c["null"]
+        lines.append(
+            f"| {c['model']} | {c['fraction']:g} B | {len(null['paired_seeds'])} | {k_text(c)} | {ci_text(c)} | "
+            f"{k_text(null)} | {ci_text(null)} | {', '.join(null['per_seed_k'])} |"
+        )
+    return lines
+
+
+def _p(value: float | None) -> str:
+    return f"{value:.3g}" if value is not None else "-"
+
+
+def same_budget_lines(results: TokenStudyResult) -> list[str]:
+    """XSA - SA (and null - SA) at each XSA budget SA also trained at: the paired tests and the verdict against the
+    plan's margin; bits per byte and the loss along the window (results of earlier releases lack some)."""
+    rows = [(c, "XSA", c["same_budget"]) for c in results.cells if c.get("same_budget")]
+    rows += [(c, "null", c["null_same_budget"]) for c in results.cells if c.get("null_same_budget")]
+    if not rows:
+        return []
+    margin = results.plan.get("margin")
+    lines = [
+        "",
         "## XSA vs SA at the same budget",
         "",
-        "Paired over seeds: Student's paired t, the exact Wilcoxon signed-rank and exact sign tests (two-sided).",
-        "",
-        "| model | budget | seeds | XSA - SA | 95% CI (t) | t p | Wilcoxon p | sign p | XSA lower |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
-    ]
-    for cell in cells:
-        t = cell["same_budget"]
-        ci = f"[{t['t_ci95'][0]:+.4f}, {t['t_ci95'][1]:+.4f}]" if t["t_ci95"] else "-"
-        lines.append(
-            f"| {cell['model']} | {cell['fraction']:g} B | {t['pairs']} | {t['mean_diff']:+.4f} | {ci} | "
-            f"{_p(t['t_p'])} | {_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} |"
+        "Paired over seeds: Student's paired t, the exact Wilcoxon signed-rank and exact sign tests (two-sided)"
+        + (
+            f"; the verdict reads the one-sided 95% bounds against the plan's margin of {margin:g} nats"
+            if margin is not None
+            else ""
         )
+        + ". The null rows (SA from other initial weights - SA) are what the same tests say when there is no effect.",
+        "",
+        "| model | budget | arm - SA | seeds | difference | 95% CI (t) | t p | Wilcoxon p | sign p | lower | verdict |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for cell, arm, t in rows:
+        ci = f"[{t['t_ci95'][0]:+.4f}, {t['t_ci95'][1]:+.4f}]" if t["t_ci95"] else "-"
+        verdict = (t.get("margin") or {}).get("verdict", "-")
+        lines.append(
+            f"| {cell['model']} | {cell['fraction']:g} B | {arm} | {t['pairs']} | {t['mean_diff']:+.4f} | {ci} | "
+            f"{_p(t['t_p'])} | {_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} | "
+            f"{verdict} |"
+        )
+    for cell, arm, t in rows:
+        if arm != "XSA":
+            continue
+        if t.get("bpb"):
+            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(t["bpb"])[1:]
+        positions = position_lines(t.get("positions"))
+        if positions:
+            positions[1] = f"### {cell['model']} at {cell['fraction']:g} B: XSA - SA along the window"
+            lines += positions
     return lines
 
 
@@ -201,7 +300,7 @@ def render_markdown(results: TokenStudyResult) -> str:
         lines.append(f"- re-analysed on {results.reanalysed} from the saved runs with the current analysis")
     if results.warnings:
         lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
-    lines += size_lines(results) + multiplier_lines(results) + same_budget_lines(results)
+    lines += size_lines(results) + multiplier_lines(results) + null_lines(results) + same_budget_lines(results)
     lines += ["", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""]
     return "\n".join(lines)
 
@@ -215,20 +314,22 @@ def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
     sizes = [s for s in results.sizes if s.runs is not None]
     fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5 * max(1, len(sizes)), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=False):
-        for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+        for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange"), ("null", "tab:gray")):
             points = []
-            for runs in (size.runs or {})[arm].values():
+            for runs in (size.runs or {}).get(arm, {}).values():
                 done = [r for r in runs if r.status == "completed"]
                 ax.plot([r.tokens_seen for r in done], [r.final_val_loss for r in done], ".", color=color, alpha=0.4)
                 if done:
                     mean = sum(r.final_val_loss or 0.0 for r in done) / len(done)
                     points.append((done[0].tokens_seen, mean))
             if points:
-                ax.plot(*zip(*sorted(points), strict=True), "o-", color=color, label=f"{arm.upper()} mean")
+                label = f"{arm.upper()} mean" if arm != "null" else "null (SA, other weights) mean"
+                ax.plot(*zip(*sorted(points), strict=True), "o-", color=color, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("training tokens")
         ax.set_ylabel("final validation loss")
-        ax.set_title(f"{size.model} (LR {size.selected_lr:g})")
+        lr = "per budget" if len(size.selected_lrs) > 1 else f"{size.selected_lr:g}"
+        ax.set_title(f"{size.model} (LR {lr})")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

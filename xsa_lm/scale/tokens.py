@@ -13,6 +13,7 @@ the same command resumes the study; the plan (budgets, seeds) is fixed at the fi
 """
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -26,12 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.errors import UserError
 from xsa_lm.scale.token_axis import STALL_SAFE_SEEDS, bootstrap_interval, cell_estimate, per_seed_k, pool, stalled
 from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, write_report
+from xsa_lm.stats.decision import margin_verdict
 from xsa_lm.stats.paired import paired_stats
-from xsa_lm.sweep.protocol import Trial, check_search_seeds, check_seeds, lr_grid, search_trials
+from xsa_lm.stats.positions import position_differences
+from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_search_seeds, check_seeds, lr_grid, search_trials
 from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_TOKEN_AXIS = {
+    "scheduler.warmup_steps": "scale.warmup_fraction sets each run's warmup from its steps (null: the recipe's)",
     "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
     "val_every_steps": "scale.axis=tokens validates at half and at the end of each run",
 }
@@ -84,6 +88,9 @@ class SizePlan:
         """What the runs of a budget train with: the study's training overrides, the size and the budget's steps."""
         steps = self.steps(fraction)
         settings = [f"model={self.model}", f"trainer.max_steps={steps}", f"val_every_steps={max(1, -(-steps // 2))}"]
+        warmup = self.cfg.scale.get("warmup_fraction")
+        if warmup is not None:  # a fixed warmup would be half of the shortest run and a sliver of the longest
+            settings.append(f"scheduler.warmup_steps={max(1, round(warmup * steps))}")
         return [*self.overrides, *settings]
 
     def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
@@ -101,56 +108,100 @@ def phase_name(fraction: float) -> str:
     return f"budget_{fraction:g}"
 
 
-def run_size(
-    plan: SizePlan,
-    *,
-    grid: list[float],
-    search_seeds: list[int],
-    seeds: list[int],
-    sa_budgets,
-    xsa_budgets,
-    group: str | None,
-) -> TokenSize:
-    """The search, the selected LR and every budget's runs of one size; the per-seed losses for the estimator."""
+def search_phase(fraction: float) -> str:
+    return "search" if fraction == 1.0 else f"search_{fraction:g}"
+
+
+def search_at(
+    plan: SizePlan, fraction: float, grid: list[float], seeds: list[int], arm: str, group: str | None
+) -> Selection:
+    """The LR search of one arm at one budget: every LR of the grid x the search seeds, the lowest median loss."""
+    trials = search_trials(grid, seeds, [arm])
+    launcher = plan.launcher(search_phase(fraction), fraction, group)
+    stop_on_signals(launcher.stop, "scale")
+    print(f"size {plan.model}: {arm.upper()} LR search at {fraction:g} B ({plan.steps(fraction)} steps)")
+    launcher.run(trials, search_phase(fraction), "lr-search")
+    return selection_of(plan.store(search_phase(fraction)), trials)
+
+
+def check_repeats(plan: SizePlan, grid: list[float], seeds: list[int], top: float, allowed: bool) -> None:
+    """Refuse a study whose largest budget passes over the training split more than once, from what the runs at B
+    measured (their data_epochs), before any longer run starts: repeated tokens teach less than new ones, which
+    flattens SA's curve at the top, where k is read."""
+    store = plan.store(search_phase(1.0))
+    epochs = [r.data_epochs for t in search_trials(grid, seeds, ["sa"]) if (r := store.load(t)) and r.data_epochs]
+    if allowed or not epochs or top * max(epochs) <= 1.0 + 1e-9:
+        return
+    raise UserError(
+        f"{plan.model}: SA at {top:g} B would train {top * max(epochs):.2f} epochs of the training data (B is "
+        f"{max(epochs):.3f} epochs): lower scale.tokens_per_param or the largest of scale.sa_budgets, use a larger "
+        "corpus, or allow it with scale.allow_repeated_data=true (the report then names the repetition)"
+    )
+
+
+def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: dict, group: str | None) -> TokenSize:
+    """The searches, the selected LRs and every budget's runs of one size; the per-seed losses for the estimator.
+    With lr_per_budget, SA's LR is searched at every SA budget and each arm trains at SA's LR of its budget (the
+    paper's protocol at each budget); else SA's LR at B serves every budget."""
+    sa_budgets, xsa_budgets, search_seeds = study["sa_budgets"], study["xsa_budgets"], study["search_seeds"]
     print(
         f"size {plan.model}: {plan.params:,} non-embedding parameters, B = {plan.tokens:,.0f} tokens "
         f"({plan.steps(1.0)} steps)"
     )
-    search = search_trials(grid, search_seeds, ["sa"])
-    launcher = plan.launcher("search", 1.0, group)
-    stop_on_signals(launcher.stop, "scale")
-    launcher.run(search, "search", "lr-search")
-    selection = selection_of(plan.store("search"), search)
+    by_budget = sa_budgets if study.get("lr_per_budget") else [1.0]
+    searches: dict[str, dict[str, float | None]] = {}
+    lrs: dict[str, float | None] = {}
+    warnings: list[str] = []
+    for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: its runs measure the data's epochs
+        selection = search_at(plan, fraction, grid, search_seeds, "sa", group)
+        searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
+        lrs[f"{fraction:g}"] = selection.lr
+        warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
+        if fraction == 1.0:
+            check_repeats(plan, grid, search_seeds, max(sa_budgets), bool(study.get("allow_repeated_data", True)))
     entry = TokenSize(
         model=plan.model,
         non_embedding_params=plan.params,
         tokens_B=plan.tokens,
-        search={f"{lr:g}": loss for lr, loss in selection.losses.items()},
-        selected_lr=selection.lr,
-        warnings=list(selection.warnings),
+        search=searches["1"],
+        selected_lr=lrs["1"],
+        searches=searches,
+        selected_lrs=lrs,
+        warnings=warnings,
     )
-    if selection.lr is None:
+    if study.get("tune_xsa"):
+        xsa = search_at(plan, 1.0, grid, search_seeds, "xsa", group)
+        xsa_search = {f"{lr:g}": loss for lr, loss in xsa.losses.items()}
+        entry = replace(entry, xsa_search=xsa_search, xsa_selected_lr=xsa.lr)
+    lr_at = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(sa_budgets) | set(xsa_budgets))}
+    if any(lr is None for lr in lr_at.values()):
         return entry
     runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
-    for fraction in sorted(set(sa_budgets) | set(xsa_budgets)):
-        arms = [a for a, budgets in (("sa", sa_budgets), ("xsa", xsa_budgets)) if fraction in budgets]
-        trials = [Trial(arm, selection.lr, seed) for seed in seeds for arm in arms]
+    arms_by_budget = [("sa", sa_budgets), ("xsa", xsa_budgets)] + (
+        [(NULL, xsa_budgets)] if study.get("null_arm") else []
+    )
+    for fraction, lr in lr_at.items():
+        arms = [a for a, budgets in arms_by_budget if fraction in budgets]
+        trials = [Trial(arm, cast(float, lr), seed) for seed in seeds for arm in arms]
         launcher = plan.launcher(phase_name(fraction), fraction, group)
         stop_on_signals(launcher.stop, "scale")
         print(
             f"size {plan.model}: {' and '.join(a.upper() for a in arms)} at {fraction:g} B ({plan.steps(fraction)} "
-            f"steps), LR {selection.lr:g}, seeds {seeds}"
+            f"steps), LR {lr:g}, seeds {seeds}"
         )
         launcher.run(trials, phase_name(fraction), "budget")
         store = plan.store(phase_name(fraction))
         for arm in arms:
-            runs[arm][f"{fraction:g}"] = [outcome_of(store, Trial(arm, selection.lr, seed)) for seed in seeds]
+            runs.setdefault(arm, {})[f"{fraction:g}"] = [outcome_of(store, Trial(arm, lr, seed)) for seed in seeds]
     return replace(entry, runs=runs, seeds=seeds)
 
 
 def outcome_of(store: TrialStore, trial: Trial) -> TokenRun:
     record = store.load(trial) or TrialRecord.missing(trial, "")
-    keep = "status error log final_val_loss tokens_seen data_epochs tokens_per_s val_history run_dir".split()
+    keep = (
+        "status error log final_val_loss final_val_bpb final_val_loss_by_position tokens_seen data_epochs tokens_per_s "
+        "val_history run_dir"
+    ).split()
     return TokenRun(seed=trial.seed, **{k: getattr(record, k) for k in keep})
 
 
@@ -192,15 +243,61 @@ def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str
 
 
 def paired_losses(
-    runs: dict[str, dict[str, list[TokenRun]]], seeds: list[int], sa_budgets: list[float], xsa_budget: float
+    runs: dict[str, dict[str, list[TokenRun]]],
+    seeds: list[int],
+    sa_budgets: list[float],
+    xsa_budget: float,
+    arm: str = "xsa",
 ) -> tuple[list[list[float]], list[float], list[int]]:
-    """The seeds where every SA budget and XSA at xsa_budget completed: SA's losses per budget, XSA's, the seeds."""
+    """The seeds where every SA budget and `arm` (XSA, or the null arm) at xsa_budget completed: SA's losses per
+    budget, the arm's, the seeds."""
     sa_runs = [runs["sa"][f"{f:g}"] for f in sa_budgets]
-    xsa_runs = runs["xsa"][f"{xsa_budget:g}"]
+    xsa_runs = runs[arm][f"{xsa_budget:g}"]
     usable = [i for i in range(len(seeds)) if all(r[i].status == "completed" for r in [*sa_runs, xsa_runs])]
     sa = [[cast(float, r[i].final_val_loss) for i in usable] for r in sa_runs]
     xsa = [cast(float, xsa_runs[i].final_val_loss) for i in usable]
     return sa, xsa, [seeds[i] for i in usable]
+
+
+def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | None) -> dict | None:
+    """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss,
+    the verdict against the plan's margin, bits per byte and the loss per span of window positions."""
+    runs = entry.runs or {}
+    if f"{fraction:g}" not in runs.get("sa", {}) or f"{fraction:g}" not in runs.get(arm, {}):
+        return None
+    pairs = [
+        (a, b)
+        for a, b in zip(runs["sa"][f"{fraction:g}"], runs[arm][f"{fraction:g}"], strict=True)
+        if a.status == b.status == "completed"
+    ]
+    if not pairs:
+        return None
+    sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
+    result = paired_stats(sa, other).to_json()
+    diffs = [b - a for a, b in zip(sa, other, strict=True)]
+    result["margin"] = margin_verdict(diffs, margin).to_json() if margin is not None else None
+    if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
+        sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
+        other_bpb = [cast(float, b.final_val_bpb) for _, b in pairs]
+        means = {"sa_mean": statistics.fmean(sa_bpb), "xsa_mean": statistics.fmean(other_bpb)}
+        result["bpb"] = means | paired_stats(sa_bpb, other_bpb).to_json()
+    result["positions"] = position_differences(
+        [a.final_val_loss_by_position or [] for a, _ in pairs], [b.final_val_loss_by_position or [] for _, b in pairs]
+    )
+    return result
+
+
+def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> dict | None:
+    """k of the null arm (SA from other initial weights, at XSA's budget) read off SA's curve as XSA's k is: under
+    no effect k is 1, so its interval and per-seed spread are the yardstick's own noise."""
+    if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
+        return None
+    sa, null, seeds = paired_losses(cast(dict, entry.runs), entry.seeds, sa_budgets, fraction, arm=NULL)
+    if len(seeds) < 2:
+        return None
+    budget = tokens_of(entry, NULL, fraction)
+    cell = cell_estimate(sa, sa_tokens, null, budget)
+    return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": per_seed_k(sa, sa_tokens, null, budget)}
 
 
 def repeated_data(entry: TokenSize) -> list[str]:
@@ -225,7 +322,11 @@ def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
 
 
 def analyse_tokens(
-    sizes: list[TokenSize], sa_budgets: list[float], xsa_budgets: list[float], seed: int = 0
+    sizes: list[TokenSize],
+    sa_budgets: list[float],
+    xsa_budgets: list[float],
+    seed: int = 0,
+    margin: float | None = None,
 ) -> dict[str, Any]:
     """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
     at it too (paired_stats); the pooled k with its heterogeneity."""
@@ -256,8 +357,9 @@ def analyse_tokens(
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
                 )
             row = {"model": entry.model, "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
-            same = sa[sa_budgets.index(fraction)] if fraction in sa_budgets else None  # SA at XSA's budget
-            row["same_budget"] = paired_stats(same, xsa).to_json() if same is not None else None
+            row["same_budget"] = same_budget(entry, fraction, "xsa", margin)
+            row["null"] = null_cell(entry, sa_budgets, sa_tokens, fraction)
+            row["null_same_budget"] = same_budget(entry, fraction, NULL, margin)
             row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
             row["per_seed_k"] = per_seed_k(sa, sa_tokens, xsa, budget)
             row["sa_stalled"] = [stalled(losses) for losses in sa]  # per SA budget
@@ -284,7 +386,7 @@ def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenS
     """A saved token study analysed again from its runs' final losses with the current analysis (no run is
     repeated); `reanalysed` says when."""
     plan = saved.plan
-    analysis = analyse_tokens(saved.sizes, plan["sa_budgets"], plan["xsa_budgets"])
+    analysis = analyse_tokens(saved.sizes, plan["sa_budgets"], plan["xsa_budgets"], margin=plan.get("margin"))
     warnings = [f"{s.model}: {w}" for s in saved.sizes for w in s.warnings] + analysis["warnings"]
     return replace(
         saved,
@@ -309,6 +411,13 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
     seeds = check_seeds(listed, search_seeds, bool(cfg.sweep.reuse_search_run), name=name)
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
+    lr_per_budget = bool(cfg.scale.lr_per_budget)
+    if lr_per_budget and not set(xsa_budgets) <= set(sa_budgets):
+        raise UserError(
+            f"scale.lr_per_budget=true trains XSA at SA's LR of its budget, so every XSA budget {xsa_budgets} must be "
+            f"one of scale.sa_budgets {sa_budgets}"
+        )
+    warmup = cfg.scale.warmup_fraction
     return {
         "axis": "tokens",
         "tokens_per_param": cfg.scale.tokens_per_param,
@@ -316,6 +425,12 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
         "xsa_budgets": xsa_budgets,
         "search_seeds": search_seeds,
         "seeds": seeds,
+        "lr_per_budget": lr_per_budget,
+        "warmup_fraction": warmup,
+        "tune_xsa": bool(cfg.sweep.tune_xsa),
+        "null_arm": bool(cfg.sweep.null_arm),
+        "allow_repeated_data": bool(cfg.scale.allow_repeated_data),
+        "margin": float(cfg.sweep.margin),
     }
 
 
@@ -337,7 +452,7 @@ def run_token_study(
 ) -> TokenStudyResult:
     """The token-axis study (plan: check_token_study's): every size's runs, then the analysis and the report."""
     sa_budgets, xsa_budgets = plan["sa_budgets"], plan["xsa_budgets"]
-    search_seeds, seeds = plan["search_seeds"], plan["seeds"]
+    seeds = plan["seeds"]
     keep_plan(study_dir / "scale.json", state, plan, grid=[])
     group = state["study_id"] if wandb_settings(cfg) else None
     grids = cfg.sweep.get("lr_grids") or {}
@@ -346,18 +461,10 @@ def run_token_study(
     for model in models:
         grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
         size = SizePlan(study_dir, model, non_embedding_params(model, runs), cfg, runs)
-        entry = run_size(
-            size,
-            grid=grid,
-            search_seeds=search_seeds,
-            seeds=seeds,
-            sa_budgets=sa_budgets,
-            xsa_budgets=xsa_budgets,
-            group=group,
-        )
+        entry = run_size(size, grid=grid, seeds=seeds, study=plan, group=group)
         bench = bench_size(study_dir, model, cfg, overrides) if cfg.scale.measure_throughput else None
         sizes.append(replace(entry, grid=grid, bench=bench))
-    analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed)
+    analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed, margin=plan.get("margin"))
     results = TokenStudyResult(
         study_dir=str(study_dir),
         study_id=state["study_id"],

@@ -174,6 +174,12 @@ SCALE_RULES: dict[str, Rule] = {
     "tokens_per_param": _number(0, low_open=True),
     "sa_budgets": positive_numbers("[0.5,1,2]"),
     "xsa_budgets": positive_numbers("[0.5,1]"),
+    "lr_per_budget": _bool,
+    "warmup_fraction": hinted(
+        _number(0, 1, high_open=True, nullable=True),
+        "the share of each run's steps spent warming up; null: the recipe's",
+    ),
+    "allow_repeated_data": _bool,
     "measure_throughput": _bool,
     "bench_rounds": _int(2),
     "bench": checked_elsewhere,  # scale/run.py load_bench: a results.json of `xsa-lm bench`, or null
