@@ -1,15 +1,20 @@
-"""Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints, and the paper recipes' CPU twins."""
+"""Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints (diagnostics and held-out loss), and the
+paper recipes' CPU twins."""
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import FAST, REPO, assert_nothing_written, assert_refused, run_cli
+from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, run_cli
 from tests.wandb_records import history
+from xsa_lm.analysis.losses import held_out_loss
+from xsa_lm.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 TOYS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*_toy.yaml"))
@@ -47,12 +52,29 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     assert any(key.startswith("samples") for key in logged)
 
 
-def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path):
+@pytest.fixture(scope="module")
+def analysis(
+    checkpoints: dict[str, Path], data_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`xsa-lm analyze` of the SA and the XSA checkpoint on every validation window their runs validated on
+    (sequences=data.val_windows: the first windows of the split, FAST's 64): its folder and its process."""
+    from omegaconf import OmegaConf
+
+    val_windows = OmegaConf.load(checkpoints["sa"] / "config.yaml").data.val_windows
+    assert isinstance(val_windows, int)  # FAST's data.val_windows=64; null would mean every window
+    root = tmp_path_factory.mktemp("analysis")
     ckpts = [checkpoints[a] / "checkpoints" / "last.ckpt" for a in ("sa", "xsa")]
-    out = tmp_path / "analysis"
-    args = ["analyze", f"ckpts=[{ckpts[0]},{ckpts[1]}]", "sequences=6", "chunk=16", f"hydra.run.dir={out}"]
-    proc = run_cli(args, data_cache, tmp_path)
+    out = root / "analysis"
+    args = ["analyze", f"ckpts=[{ckpts[0]},{ckpts[1]}]", f"sequences={val_windows}", "chunk=16"]
+    proc = run_cli([*args, f"hydra.run.dir={out}"], data_cache, root)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_analyze_writes_csv_png_and_table(
+    analysis: tuple[Path, subprocess.CompletedProcess], data_cache: Path, tmp_path: Path
+):
+    out, proc = analysis
     with open(out / "diagnostics.csv") as f:
         rows = list(csv.DictReader(f))
     assert {"checkpoint", "layer", "cos_v_v", "a_ii", "cos_y_v", "cos_z_v"} <= set(rows[0])
@@ -73,12 +95,101 @@ def test_analyze_writes_csv_png_and_table(checkpoints: dict[str, Path], data_cac
     assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
 
 
+def test_analyze_measures_the_loss_its_run_validated(
+    analysis: tuple[Path, subprocess.CompletedProcess], checkpoints: dict[str, Path]
+):
+    """losses.csv: on the windows the run validated on, analyze's loss, bits per byte and loss per span are the run's
+    own final validation (summary.json); the spans average back to the loss; bpb is the loss over the bytes of the
+    targets, counted here from the tokenizer independently."""
+    from omegaconf import OmegaConf
+
+    from xsa_lm.checkpoints.load import run_data
+    from xsa_lm.data.datamodule import PackedWindows
+    from xsa_lm.data.tokenizer import token_byte_lengths
+
+    out, proc = analysis
+    spans = [f"span_{i}" for i in range(1, 9)]  # position_buckets: 8 by default, as training's val_position_buckets
+    with open(out / "losses.csv") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == ["checkpoint", "label", "windows", "loss", "bpb", *spans]
+    assert [r["label"] for r in rows] == ["sa", "xsa"]
+    for attention, row in zip(("sa", "xsa"), rows, strict=True):
+        run = checkpoints[attention]
+        ckpt = run / "checkpoints" / "last.ckpt"
+        assert row["checkpoint"] == str(ckpt)
+        cfg = OmegaConf.load(run / "config.yaml")
+        data = run_data(ckpt)
+        windows = PackedWindows(data.shards("val"), cfg.data.block_size)
+        n = min(cfg.data.val_windows, len(windows))  # the windows the run validated on (TokenDataModule.val_set)
+        assert int(row["windows"]) == n
+        loss, bpb, by_span = float(row["loss"]), float(row["bpb"]), [float(row[s]) for s in spans]
+        # The strongest check: the run's own final validation, on the same windows and weights (last.ckpt is
+        # written after the last validation), by the training module's code.
+        summary = json.loads((run / "summary.json").read_text())
+        assert loss == pytest.approx(summary["final_val_loss"], abs=1e-4)
+        assert bpb == pytest.approx(summary["final_val_bpb"], abs=1e-4)
+        assert by_span == pytest.approx(summary["final_val_loss_by_position"], abs=1e-4)
+        # 8 equal spans of the window (block_size a multiple of 8), no ignored target in real windows: every span
+        # holds the same number of tokens, so their plain mean is the loss.
+        assert cfg.data.block_size % 8 == 0
+        assert sum(by_span) / len(by_span) == pytest.approx(loss, rel=1e-9)
+        # bpb = loss / (ln 2 x bytes per token), the bytes of each target from the tokenizer's own pieces.
+        targets = torch.stack([windows[i][1] for i in range(n)])
+        lengths = token_byte_lengths(data.tokenizer, data.tokenizer.get_vocab_size())
+        nbytes = sum(lengths[t] for t in targets.flatten().tolist())
+        assert 0 < nbytes and bpb == pytest.approx(loss / (math.log(2) * nbytes / targets.numel()), rel=1e-9)
+    assert (out / "positions.png").read_bytes()[:4] == b"\x89PNG"
+    # The printed table, then XSA - SA per span (4 decimals), and the files named in the last line.
+    assert "bpb" in proc.stdout and "span_8" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("xsa - sa per span: ")]
+    printed = [float(v) for v in line.removeprefix("xsa - sa per span: ").split(" (loss")[0].split()]
+    expected = [float(rows[1][s]) - float(rows[0][s]) for s in spans]
+    assert printed == pytest.approx(expected, abs=1e-4)
+    assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
+
+
+def test_held_out_loss_weighs_each_span_by_its_tokens():
+    """Unequal spans (12 positions in 5) and ignored targets (-1): each span is the mean over its own tokens, the
+    loss their token-weighted mean, equal to the model's own mean cross-entropy; bpb over the counted bytes."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    x, y = torch.randint(0, 64, (5, 12)), torch.randint(0, 64, (5, 12))
+    y[1, 7:], y[3, :2] = -1, -1
+    lengths = [i % 4 for i in range(64)]  # some tokens stand for no byte (EOT, specials)
+    result = held_out_loss(model, x, y, token_bytes=lengths, buckets=5, batch_size=2)
+    assert model.training  # left as found
+    model.eval()
+    with torch.no_grad():
+        logits, mean = model(x, y)
+    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, ignore_index=-1, reduction="none")
+    counted = y != -1
+    span = torch.arange(12) * 5 // 12  # positions per span: 3, 2, 3, 2, 2
+    tokens = [int(counted[:, span == k].sum()) for k in range(5)]
+    assert result.windows == 5 and result.tokens == int(counted.sum()) == sum(tokens)
+    assert result.loss == pytest.approx(float(mean), rel=1e-6)
+    expected = [float(token_loss[:, span == k].sum()) / tokens[k] for k in range(5)]
+    assert result.by_position == pytest.approx(expected, rel=1e-6)
+    assert None not in result.by_position  # every span holds a position here
+    weighted = sum(v * t for v, t in zip(result.by_position, tokens, strict=True)) / sum(tokens)
+    assert weighted == pytest.approx(result.loss, rel=1e-9)
+    nbytes = sum(lengths[t] for t in y[counted].tolist())
+    assert result.bpb == pytest.approx(float(token_loss.sum()) / (math.log(2) * nbytes), rel=1e-6)
+    no_bytes = held_out_loss(model, x, y, token_bytes=None, buckets=24, batch_size=5)  # more spans than positions
+    assert no_bytes.bpb is None and no_bytes.loss == pytest.approx(result.loss, rel=1e-9)
+    assert no_bytes.by_position.count(None) == 12  # spans without positions have no loss, not 0
+
+
 REFUSED = {
     "the run's config.yaml": (["ckpts=[{run}/config.yaml]"], ["ckpts: ", "config.yaml", "not a checkpoint"]),
     "the run directory": (["ckpts=[{run}]"], ["ckpts: ", "is a directory", "checkpoints/last.ckpt"]),
     "sequences=0": (["ckpts=[{ckpt}]", "sequences=0"], ["sequences must be an integer >= 1, got 0"]),
     "chunk=0": (["ckpts=[{ckpt}]", "chunk=0"], ["chunk must be an integer >= 1, got 0"]),
     "batch_size=-1": (["ckpts=[{ckpt}]", "batch_size=-1"], ["batch_size must be an integer >= 1, got -1"]),
+    "position_buckets=0": (
+        ["ckpts=[{ckpt}]", "position_buckets=0"],
+        ["position_buckets must be an integer >= 1, got 0"],
+    ),
     "labels of another count": (["ckpts=[{ckpt}]", "labels=[a,b]"], ["labels: 2 labels for 1 checkpoints"]),
 }
 

@@ -372,7 +372,9 @@ def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
 def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
     from xsa_lm.analysis.run import check_counts
 
-    check_counts(sequences=cfg.sequences, chunk=cfg.chunk, batch_size=cfg.batch_size)
+    check_counts(
+        sequences=cfg.sequences, chunk=cfg.chunk, batch_size=cfg.batch_size, position_buckets=cfg.position_buckets
+    )
 
 
 def check_eval(cfg: DictConfig, overrides: list[str]) -> None:

@@ -1,9 +1,13 @@
-"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints.
+"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints, and their
+held-out loss.
 
 Writes DIR/diagnostics.csv (one row per checkpoint and layer), DIR/diagnostics.png (the three panels of the paper's
 Figure 1 and two of the XSA step, cos(z, v) and the norm it removes; one line per checkpoint, so SA and XSA overlay)
-and prints the table. Each checkpoint is measured on the first `sequences` validation windows of its own run's data
-(the same windows for runs on the same data).
+and prints the table. Then, on the same windows, each checkpoint's loss (nats per token), bits per byte and loss per
+equal span of window positions (`position_buckets`, earliest first; analysis/losses.py): DIR/losses.csv (one row per
+checkpoint), DIR/positions.png (loss per span, one line per checkpoint), a printed table and, from the second
+checkpoint on, its difference from the first per span. Each checkpoint is measured on the first `sequences`
+validation windows of its own run's data (the same windows for runs on the same data).
 """
 
 import csv
@@ -19,8 +23,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
+from xsa_lm.analysis.losses import held_out_loss
 from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_data, run_dir_of
 from xsa_lm.data.datamodule import PackedWindows
+from xsa_lm.data.prepare import PreparedData
+from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import atomic_file
 
@@ -41,19 +48,27 @@ PANELS = (
 MIN_SPAN = {"cos_z_v": 0.1}
 
 
-def validation_windows(path: Path, n: int) -> torch.Tensor:
-    """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml)."""
+def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, PreparedData]:
+    """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml):
+    their inputs and targets (n, T), the windows its run validated on when n covers data.val_windows, and that
+    data (its tokenizer gives the bytes of each token)."""
     run_config = path.parent.parent / "config.yaml"
     if not run_config.exists():
         raise UserError(f"ckpts: {run_config} not found: analyze reads the run's data settings from it")
     cfg = OmegaConf.load(run_config)
     data = run_data(path)
     windows = PackedWindows(data.shards("val"), cfg.data.block_size)
-    return torch.stack([windows[i][0] for i in range(min(n, len(windows)))])
+    pairs = [windows[i] for i in range(min(n, len(windows)))]
+    return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs]), data
+
+
+def validation_windows(path: Path, n: int) -> torch.Tensor:
+    """The inputs of validation_set(path, n): the windows the diagnostics run the model on."""
+    return validation_set(path, n)[0]
 
 
 def check_counts(**counts: object) -> None:
-    """sequences, chunk, batch_size: whole numbers of at least one, refused in one line each."""
+    """sequences, chunk, batch_size, position_buckets: whole numbers of at least one, refused in one line each."""
     for key, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{key} must be an integer >= 1, got {value!r}")
@@ -87,23 +102,52 @@ def label_list(labels: str | Sequence[object] | None, count: int) -> list[str] |
 
 
 def analyze(
-    ckpts: list[str], *, labels: str | Sequence[object] | None, sequences: int, chunk: int, batch: int
-) -> list[dict]:
-    check_counts(sequences=sequences, chunk=chunk, batch_size=batch)
+    ckpts: list[str],
+    *,
+    labels: str | Sequence[object] | None,
+    sequences: int,
+    chunk: int,
+    batch: int,
+    buckets: int = 8,
+) -> tuple[list[dict], list[dict]]:
+    """The diagnostics rows (one per checkpoint and layer) and the loss rows (one per checkpoint: windows, loss, bpb,
+    span_1..span_<buckets>), both measured on each checkpoint's first `sequences` validation windows."""
+    check_counts(sequences=sequences, chunk=chunk, batch_size=batch, position_buckets=buckets)
     given = label_list(labels, len(ckpts))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in ckpts]
     measured = []
     for path in paths:
         model = load_model(path).to(device)
-        windows = validation_windows(path, sequences).to(device)
-        measured.append((model.config.attention, diagnose(model, windows.split(batch), chunk)))
-    names = given or default_labels(paths, [a for a, _ in measured])
-    return [
+        x, y, data = validation_set(path, sequences)
+        x, y = x.to(device), y.to(device)
+        layers = diagnose(model, x.split(batch), chunk)
+        token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
+        loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch)
+        measured.append((model.config.attention, layers, loss))
+    names = given or default_labels(paths, [a for a, _, _ in measured])
+    rows = [
         {"checkpoint": str(path), "label": label, **row}
-        for path, label, (_, layers) in zip(paths, names, measured, strict=True)
+        for path, label, (_, layers, _) in zip(paths, names, measured, strict=True)
         for row in layers
     ]
+    losses = [
+        {
+            "checkpoint": str(path),
+            "label": label,
+            "windows": loss.windows,
+            "loss": loss.loss,
+            "bpb": loss.bpb,
+            **{f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)},
+        }
+        for path, label, (_, _, loss) in zip(paths, names, measured, strict=True)
+    ]
+    return rows, losses
+
+
+def span_columns(losses: list[dict]) -> list[str]:
+    """span_1..span_N of the loss rows, earliest positions first."""
+    return [key for key in losses[0] if key.startswith("span_")] if losses else []
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -206,20 +250,92 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_losses_csv(losses: list[dict], path: Path) -> None:
+    columns = ["checkpoint", "label", "windows", "loss", "bpb", *span_columns(losses)]
+    with atomic_file(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in losses:
+            writer.writerow({k: ("" if row[k] is None else row[k]) for k in columns})
+
+
+def cell(value: float | None, spec: str = ".4f") -> str:
+    """A number of the loss table; "-" where there is none (a span without tokens)."""
+    return "-" if value is None else format(value, spec)
+
+
+def loss_table(losses: list[dict]) -> str:
+    """One line per checkpoint: windows, loss, bpb and the loss per span; then, from the second checkpoint on, its
+    difference from the first per span (e.g. `xsa - sa per span: -0.0100 ...`), and in the overall loss."""
+    spans = span_columns(losses)
+    header = f"{'label':<28}{'windows':>8}{'loss':>9}{'bpb':>9}" + "".join(f"{s:>9}" for s in spans)
+    lines = [header]
+    for r in losses:
+        cells = "".join(f"{cell(r[s]):>9}" for s in spans)
+        lines.append(f"{r['label'][:27]:<28}{r['windows']:>8}{cell(r['loss']):>9}{cell(r['bpb']):>9}{cells}")
+    for r in losses[1:]:
+        first = losses[0]
+        differences = [None if r[s] is None or first[s] is None else r[s] - first[s] for s in spans]
+        per_span = " ".join(cell(d, "+.4f") for d in differences)
+        lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
+    return "\n".join(lines)
+
+
+def positions_figure(losses: list[dict]) -> "Figure":
+    """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
+    position has. Returns the matplotlib Figure (closed by the caller)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    spans = span_columns(losses)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(losses):
+        points = [(k, r[s]) for k, s in enumerate(spans, start=1) if r[s] is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=f"C{i % 10}", label=r["label"])
+    ax.set_title("validation loss per span of window positions")
+    ax.set_xlabel(f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)")
+    ax.set_ylabel("mean loss (nats per token)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(title="checkpoint")
+    fig.tight_layout()
+    return fig
+
+
+def plot_positions(losses: list[dict], path: Path) -> None:
+    """positions_figure(losses) written to `path` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = positions_figure(losses)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="analyze")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
-        rows = analyze(
+        rows, losses = analyze(
             checkpoint_list(cfg.ckpts),
             labels=cfg.labels,
             sequences=cfg.sequences,
             chunk=cfg.chunk,
             batch=cfg.batch_size,
+            buckets=cfg.position_buckets,
         )
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")
+    write_losses_csv(losses, out / "losses.csv")
+    plot_positions(losses, out / "positions.png")
     print(table(rows))
-    print(f"\nwrote {out / 'diagnostics.csv'} and {out / 'diagnostics.png'}")
+    print()
+    print(loss_table(losses))
+    written = [out / name for name in ("diagnostics.csv", "diagnostics.png", "losses.csv", "positions.png")]
+    print(f"\nwrote {', '.join(map(str, written[:-1]))} and {written[-1]}")

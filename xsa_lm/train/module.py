@@ -8,12 +8,12 @@ from typing import cast
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRSchedulerConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from xsa_lm.analysis.losses import loss_sums, read_sums
 from xsa_lm.compat import accumulating, realign_accumulation, should_update_logs, skip_fused_update
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.gpt import Block
@@ -158,23 +158,9 @@ class LMModule(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits, _ = self.model(x, y)  # with the targets: the same compiled graph as training
-        counted = y != -1  # padding windows (datamodule.PaddedWindows) have no target
-        # Per token, one window at a time: an fp32 copy of one window's logits, not the batch's (at GPT-2's vocabulary
-        # and 2048 positions a batch of 16 would add 6.6 GB).
-        rows = zip(logits, y, strict=True)
-        token_loss = torch.stack(
-            [F.cross_entropy(row.float(), target, ignore_index=-1, reduction="none") for row, target in rows]
-        )  # 0 where ignored
-        span = torch.arange(y.size(1), device=y.device) * self.position_buckets // y.size(1)
-        zeros = torch.zeros(self.position_buckets, device=y.device, dtype=torch.float64)
-        span_loss = zeros.index_add(0, span, token_loss.double().sum(0))
-        span_tokens = zeros.index_add(0, span, counted.double().sum(0))
-        token_bytes = cast(torch.Tensor, self.token_bytes)
-        known = token_bytes.numel() > 0
-        nbytes = token_bytes[y.clamp(min=0)].masked_fill(~counted, 0).sum() if known else zeros.sum()
         assert self._val_sum is not None  # set at the epoch's start
-        totals = torch.stack([span_loss.sum(), span_tokens.sum(), nbytes])
-        self._val_sum += torch.cat([totals, span_loss, span_tokens])
+        token_bytes = cast(torch.Tensor, self.token_bytes)
+        self._val_sum += loss_sums(logits, y, token_bytes=token_bytes, buckets=self.position_buckets)
 
     def on_validation_epoch_end(self) -> None:
         """The mean over every validation token of every rank: the same number on any device count (Lightning's
@@ -182,14 +168,12 @@ class LMModule(L.LightningModule):
         same sum in bits over the bytes the tokens stand for."""
         assert self._val_sum is not None
         sums = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum").tolist()
-        total, tokens, nbytes = sums[:3]
-        n = self.position_buckets
-        self.val_by_position = [s / t if t else None for s, t in zip(sums[3 : 3 + n], sums[3 + n :], strict=True)]
-        loss = torch.tensor(total / tokens if tokens else math.nan, device=self.device)
+        value, bpb, self.val_by_position = read_sums(sums, self.position_buckets)
+        loss = torch.tensor(value, device=self.device)
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss.clamp(max=50.0)))
-        if nbytes:
-            self.log("val/bpb", torch.tensor(total / (math.log(2) * nbytes), device=self.device))
+        if bpb is not None:
+            self.log("val/bpb", torch.tensor(bpb, device=self.device))
 
     def configure_gradient_clipping(
         self,

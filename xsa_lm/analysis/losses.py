@@ -1,0 +1,71 @@
+"""The held-out loss of a model on token windows: mean next-token cross entropy, bits per byte, and the loss per
+equal span of window positions (how much the later positions of a window gain from the context before them).
+
+Validation during training (train/module.py) and `xsa-lm analyze` both add up `loss_sums` batch by batch and read them
+with `read_sums`, so analyze of a checkpoint on the windows its run validated on gives the run's own final val/loss,
+val/bpb and val_loss_by_position (tests/test_analyze_cli.py checks it).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from xsa_lm.model import GPT
+
+
+@dataclass(frozen=True)
+class HeldOutLoss:
+    windows: int  # how many windows were measured
+    tokens: int  # the targets counted (not -1)
+    loss: float  # nats per token
+    bpb: float | None  # bits per byte; None without byte lengths (or targets that stand for no bytes)
+    by_position: list[float | None]  # the mean loss of each equal span of positions, earliest first; None: no token
+
+
+def loss_sums(logits: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tensor, buckets: int) -> torch.Tensor:
+    """The sums of one batch, in float64: [nats, counted tokens, their UTF-8 bytes, nats per span..., tokens per
+    span...]. Position t of a window of T is in span t * buckets // T; targets of -1 (padding) count nowhere;
+    token_bytes[id]: the bytes a token stands for (empty: no bytes, so no bits per byte)."""
+    counted = y != -1
+    # Per token, one window at a time: an fp32 copy of one window's logits, not the batch's (at GPT-2's vocabulary
+    # and 2048 positions a batch of 16 would add 6.6 GB).
+    rows = zip(logits, y, strict=True)
+    token_loss = torch.stack(
+        [F.cross_entropy(row.float(), target, ignore_index=-1, reduction="none") for row, target in rows]
+    )  # 0 where ignored
+    span = torch.arange(y.size(1), device=y.device) * buckets // y.size(1)
+    zeros = torch.zeros(buckets, device=y.device, dtype=torch.float64)
+    span_loss = zeros.index_add(0, span, token_loss.double().sum(0))
+    span_tokens = zeros.index_add(0, span, counted.double().sum(0))
+    nbytes = token_bytes[y.clamp(min=0)].masked_fill(~counted, 0).sum() if token_bytes.numel() else zeros.sum()
+    return torch.cat([torch.stack([span_loss.sum(), span_tokens.sum(), nbytes]), span_loss, span_tokens])
+
+
+def read_sums(sums: list[float], buckets: int) -> tuple[float, float | None, list[float | None]]:
+    """(nats per token, bits per byte or None, the mean loss per span or None where a span has no token) of the
+    added-up loss_sums."""
+    total, tokens, nbytes = sums[:3]
+    spans = zip(sums[3 : 3 + buckets], sums[3 + buckets :], strict=True)
+    loss = total / tokens if tokens else math.nan
+    return loss, total / (math.log(2) * nbytes) if nbytes else None, [s / t if t else None for s, t in spans]
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: GPT, x: torch.Tensor, y: torch.Tensor, *, token_bytes: list[int] | None, buckets: int, batch_size: int
+) -> HeldOutLoss:
+    """The model's loss on windows x (B, T) with targets y (B, T), `batch_size` windows per forward pass, in eval
+    mode (restored after). token_bytes: the UTF-8 bytes of each token id (index = id), for bits per byte."""
+    sums = torch.zeros(3 + 2 * buckets, device=x.device, dtype=torch.float64)
+    lengths = torch.tensor(token_bytes or [], device=x.device, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    try:
+        for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
+            sums += loss_sums(model(xb), yb, token_bytes=lengths, buckets=buckets)
+    finally:
+        model.train(was_training)
+    loss, bpb, by_position = read_sums(sums.tolist(), buckets)
+    return HeldOutLoss(windows=x.size(0), tokens=int(sums[1].item()), loss=loss, bpb=bpb, by_position=by_position)
