@@ -129,10 +129,10 @@ def size_lines(results: TokenStudyResult) -> list[str]:
                 losses = [r.final_val_loss for r in runs if r.status == "completed" and r.final_val_loss is not None]
                 cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in runs)
                 mean = sum(losses) / len(losses) if losses else None
-                lr = size.selected_lrs.get(fraction, size.selected_lr)
+                run_lr = size.selected_lrs.get(fraction, size.selected_lr)
                 epochs = max((r.data_epochs for r in runs if r.data_epochs is not None), default=None)
                 lines.append(
-                    f"| {size.model} | {arm.upper()} | {fraction} B | {_lr(lr)} | {_num(epochs, 3)} | {cells} | "
+                    f"| {size.model} | {arm.upper()} | {fraction} B | {_lr(run_lr)} | {_num(epochs, 3)} | {cells} | "
                     f"{_num(mean)} |"
                 )
     return lines
@@ -240,10 +240,6 @@ def null_lines(results: TokenStudyResult) -> list[str]:
             f"{k_text(null)} | {ci_text(null)} | {', '.join(null['per_seed_k'])} |"
         )
     return lines
-
-
-def _p(value: float | None) -> str:
-    return f"{value:.3g}" if value is not None else "-"
 
 
 def same_budget_lines(results: TokenStudyResult) -> list[str]:

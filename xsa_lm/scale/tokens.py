@@ -173,16 +173,17 @@ def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: dict
         xsa = search_at(plan, 1.0, grid, search_seeds, "xsa", group)
         xsa_search = {f"{lr:g}": loss for lr, loss in xsa.losses.items()}
         entry = replace(entry, xsa_search=xsa_search, xsa_selected_lr=xsa.lr)
-    lr_at = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(sa_budgets) | set(xsa_budgets))}
-    if any(lr is None for lr in lr_at.values()):
+    chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(sa_budgets) | set(xsa_budgets))}
+    if any(lr is None for lr in chosen.values()):
         return entry
+    lr_at = cast(dict[float, float], chosen)
     runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
     arms_by_budget = [("sa", sa_budgets), ("xsa", xsa_budgets)] + (
         [(NULL, xsa_budgets)] if study.get("null_arm") else []
     )
     for fraction, lr in lr_at.items():
         arms = [a for a, budgets in arms_by_budget if fraction in budgets]
-        trials = [Trial(arm, cast(float, lr), seed) for seed in seeds for arm in arms]
+        trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
         launcher = plan.launcher(phase_name(fraction), fraction, group)
         stop_on_signals(launcher.stop, "scale")
         print(
@@ -273,7 +274,7 @@ def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | Non
     if not pairs:
         return None
     sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
-    result = paired_stats(sa, other).to_json()
+    result: dict[str, Any] = dict(paired_stats(sa, other).to_json())
     diffs = [b - a for a, b in zip(sa, other, strict=True)]
     result["margin"] = margin_verdict(diffs, margin).to_json() if margin is not None else None
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):

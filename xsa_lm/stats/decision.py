@@ -164,7 +164,7 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: fl
     z = scipy.stats.norm.ppf(1 - alpha / 2)
     low, high = np.clip(full - z * se, 0, 1), np.clip(full + z * se, 0, 1)
     disjoint = values[: n // study_size * study_size].reshape(-1, study_size)
-    claims = sum(margin_verdict(study, margin, alpha).verdict in ("better", "worse") for study in disjoint)
+    claims = sum(margin_verdict(study.tolist(), margin, alpha).verdict in ("better", "worse") for study in disjoint)
     return {
         "pairs": int(n),
         "study_size": study_size,
