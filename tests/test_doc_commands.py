@@ -345,7 +345,7 @@ def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
     from xsa_lm.sweep.run import train_overrides
 
     kept = sweep_overrides(task_overrides(overrides))
-    models = check_models(cfg.scale.models)
+    models = check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
     check_analysis(cfg.scale)
     load_bench(cfg.scale.get("bench"))
     if cfg.scale.axis == "tokens":  # each size's runs are `xsa-lm train` processes
@@ -546,7 +546,7 @@ def test_a_stale_example_would_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         ("train", "optim.lrr=1e-3"),
         ("train", "model=tiny", "global_batch_tokens=1000"),
         ("generate", "ckpt=x.ckpt", "top_k=0"),
-        ("scale", "scale.axis=tokens", "scale.models=[gpt2_124m]"),
+        ("scale", "scale.axis=tokens", "scale.models=[gpt2_124m,gpt2_124m]"),
         ("scale", "scale.models=[paper_0.7b,paper_1.4b]"),  # a size's sweep: the default batch does not divide
         ("sweep", "sweep.launch_prefix=[srun,--nodes=1]"),  # Hydra's grammar: an element with `=` needs quotes
         ("train", "--multirun", "attention=sa,nope"),

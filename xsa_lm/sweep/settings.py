@@ -165,7 +165,7 @@ SWEEP_RULES: dict[str, Rule] = {
 
 SCALE_RULES: dict[str, Rule] = {
     "axis": choice("size", "tokens"),
-    "models": checked_elsewhere,  # scale/run.py check_models: two presets or more, each one that exists
+    "models": checked_elsewhere,  # scale/run.py check_models: presets that exist, two or more on the size axis
     "seeds": hinted(seed_list(nullable=True), "the compare seeds at every size; null: sweep.seeds"),
     "fit": checked_elsewhere,  # scale/run.py check_analysis: auto or a form of scale/fit.py
     "bootstrap_resamples": _int(100),
