@@ -17,13 +17,12 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
-from xsa_lm.errors import UserError
 from xsa_lm.scale import tokens
 from xsa_lm.scale.run import check_study, sweep_overrides
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
 from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished, why
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore
+from xsa_lm.sweep.trials import Launcher
 
 B = 1.0e6
 BUDGETS = [B / 2, B, 2 * B]
@@ -237,27 +236,22 @@ def test_the_null_arm_is_read_off_sas_curve_as_xsa_is_and_every_budget_gets_a_ve
 PLAN = {"tokens_per_param": 10, "sa_budgets": [0.5, 1, 2], "xsa_budgets": [1], "seeds": [1], "search_seeds": [0]}
 
 
-class Measured:
-    """A size whose search runs at B measured `epochs` passes over the training split."""
-
-    def __init__(self, tmp_path: Path, epochs: float) -> None:
-        self.model, self.dir = "m", tmp_path
-
-    def store(self, phase: str) -> TrialStore:
-        return TrialStore(self.dir / phase)
-
-
-def test_a_budget_past_one_epoch_is_refused_before_its_runs_unless_allowed(tmp_path: Path):
-    size = Measured(tmp_path, 0.3)
-    record = TrialRecord(id="sa_lr0.01_s0", phase="search", attention="sa", lr=0.01, seed=0, status="completed")
-    size.store("search").save(replace(record, data_epochs=0.3))
-    tokens.check_repeats(size, [0.01], [0], 3.0, allowed=False)  # 0.9 epochs at 3 B: fine
-    with pytest.raises(UserError, match=r"m: SA at 4 B would train 1.20 epochs .* scale.allow_repeated_data=true"):
-        tokens.check_repeats(size, [0.01], [0], 4.0, allowed=False)
-    tokens.check_repeats(size, [0.01], [0], 4.0, allowed=True)
+def test_a_budget_past_one_epoch_is_refused_before_any_run_unless_allowed(
+    tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """tokens_tuned's 4 B is 0.99 epochs of the bundled corpus; 8 B would be 1.97: refused in one line before the study
+    directory exists, from the training tokens of the runs' data (prepared into the cache as a run would)."""
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    monkeypatch.setattr(Launcher, "_start", run_started)
+    study_dir = tmp_path / "study"
+    args = ["scale", "experiment=tokens_tuned", "scale.sa_budgets=[0.5,1,2,8]", f"hydra.run.dir={study_dir}"]
+    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
+    assert len(lines) == 1 and "tiny_l3_d48: SA at 8 B would train 1.97 epochs of the 1,624,412 training" in lines[0]
+    assert "scale.allow_repeated_data=true" in lines[0]
+    assert_nothing_written(study_dir)
 
 
-def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_path, monkeypatch):
+def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_path, data_cache, monkeypatch):
     phases = []
 
     def record(launcher: Launcher, trials, phase: str, job_type: str) -> None:
@@ -266,6 +260,7 @@ def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_p
 
     monkeypatch.setattr(Launcher, "run", record)
     monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))  # check_repeats prepares the runs' data
     task = ["experiment=tokens_tuned"]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         cfg = compose(config_name="scale", overrides=task)

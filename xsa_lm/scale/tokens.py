@@ -124,19 +124,21 @@ def search_at(
     return selection_of(plan.store(search_phase(fraction)), trials)
 
 
-def check_repeats(plan: SizePlan, grid: list[float], seeds: list[int], top: float, allowed: bool) -> None:
-    """Refuse a study whose largest budget passes over the training split more than once, from what the runs at B
-    measured (their data_epochs), before any longer run starts: repeated tokens teach less than new ones, which
-    flattens SA's curve at the top, where k is read."""
-    store = plan.store(search_phase(1.0))
-    epochs = [r.data_epochs for t in search_trials(grid, seeds, ["sa"]) if (r := store.load(t)) and r.data_epochs]
-    if allowed or not epochs or top * max(epochs) <= 1.0 + 1e-9:
-        return
-    raise UserError(
-        f"{plan.model}: SA at {top:g} B would train {top * max(epochs):.2f} epochs of the training data (B is "
-        f"{max(epochs):.3f} epochs): lower scale.tokens_per_param or the largest of scale.sa_budgets, use a larger "
-        "corpus, or allow it with scale.allow_repeated_data=true (the report then names the repetition)"
-    )
+def check_repeats(size: SizePlan, top: float) -> None:
+    """Refuse a size whose largest SA budget passes over the training split more than once, before any run: the
+    runs' data, prepared (or found in the cache) as their `xsa-lm train` will prepare it, gives the split's tokens.
+    Repeated tokens teach less than new ones, which flattens SA's curve at the top, where k is read."""
+    from xsa_lm.data.run import prepare_data
+
+    cfg = compose(config_name="train", overrides=size.train_overrides(top))
+    train_tokens = int(prepare_data(cfg.data, cfg.tokenizer).meta["train_tokens"])
+    epochs = size.steps(top) * size.batch_tokens / train_tokens
+    if epochs > 1:
+        raise UserError(
+            f"{size.model}: SA at {top:g} B would train {epochs:.2f} epochs of the {train_tokens:,} training tokens: "
+            "lower scale.tokens_per_param or the largest of scale.sa_budgets, use a larger corpus, or allow it with "
+            "scale.allow_repeated_data=true (the report then names the repetition)"
+        )
 
 
 def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: dict, group: str | None) -> TokenSize:
@@ -152,13 +154,11 @@ def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: dict
     searches: dict[str, dict[str, float | None]] = {}
     lrs: dict[str, float | None] = {}
     warnings: list[str] = []
-    for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: its runs measure the data's epochs
+    for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: the LR the earlier plan used everywhere
         selection = search_at(plan, fraction, grid, search_seeds, "sa", group)
         searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
         lrs[f"{fraction:g}"] = selection.lr
         warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
-        if fraction == 1.0:
-            check_repeats(plan, grid, search_seeds, max(sa_budgets), bool(study.get("allow_repeated_data", True)))
     entry = TokenSize(
         model=plan.model,
         non_embedding_params=plan.params,
@@ -437,7 +437,8 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
 
 def check_token_runs(cfg: DictConfig, study_dir: Path, overrides: list[str], models: list[str], plan: dict) -> None:
     """Each size's LR grid and its runs at B (an SA search run, an XSA run), composed and checked as their
-    `xsa-lm train` will (check_trials), within the running Hydra app; and GPUs for the runs at once."""
+    `xsa-lm train` will (check_trials), within the running Hydra app; its largest budget against the training data
+    (check_repeats, unless scale.allow_repeated_data); and GPUs for the runs at once."""
     gpu_slots(cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [])
     runs = train_overrides(overrides)
     grids = cfg.sweep.lr_grids or {}
@@ -446,6 +447,8 @@ def check_token_runs(cfg: DictConfig, study_dir: Path, overrides: list[str], mod
         size = SizePlan(study_dir, model, non_embedding_params(model, runs), cfg, runs)
         trials = [Trial("sa", grid[0], plan["search_seeds"][0]), Trial("xsa", grid[0], plan["seeds"][0])]
         check_trials(size.train_overrides(1.0), trials)
+        if not plan["allow_repeated_data"]:
+            check_repeats(size, max(plan["sa_budgets"]))
 
 
 def run_token_study(
