@@ -258,7 +258,7 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm scale experiment=scale_toy hydra.run.dir=outputs/scale_toy": "36 runs; test_scale.py runs a study (long)",
     "xsa-lm scale experiment=tokens_toy hydra.run.dir=outputs/tokens_toy": "86 min; test_token_axis.py runs a "
     "token study (long)",
-    "xsa-lm scale experiment=tokens_tuned hydra.run.dir=outputs/tokens_tuned": "120 runs, ~90 min; "
+    "xsa-lm scale experiment=tokens_tuned hydra.run.dir=outputs/tokens_tuned": "130 runs, ~70 min; "
     "test_token_axis.py runs it at test size (long)",
     "xsa-lm scale scale.models=[paper_0.7b,paper_1.4b,paper_2.7b] trainer=fsdp global_batch_tokens=524288 "
     "micro_batch_size=8 data=prepared data.dir=$DATA/fw100b scale.seeds=[1,2,3] hydra.run.dir=$SCRATCH/scale": GPU
