@@ -224,8 +224,8 @@ def test_the_null_arm_is_read_off_sas_curve_as_xsa_is_and_every_budget_gets_a_ve
     (cell,) = analyse_tokens([entry], [0.5, 1, 2], [1], margin=0.01)["cells"]
     assert cell["null"]["k"] == pytest.approx(1.0, abs=0.01) and cell["null"]["paired_seeds"] == [1, 2, 3, 4, 5]
     assert cell["k"] == pytest.approx(1.5, rel=0.05)
-    assert cell["same_budget"]["margin"]["verdict"] == "better"  # XSA at B is ~0.12 nats lower than SA at B
-    assert cell["null_same_budget"]["margin"]["verdict"] == "not worse"  # 0.001 nats apart, well within 0.01
+    assert cell["same_budget_details"]["margin"]["verdict"] == "better"  # XSA at B is ~0.12 nats lower than SA at B
+    assert cell["null_same_budget_details"]["margin"]["verdict"] == "not worse"  # 0.001 nats apart, well within 0.01
     report = render_markdown(
         TokenStudyResult(study_dir="s", study_id="s", overrides=[], plan={**PLAN, "margin": 0.01}, sizes=[entry],
                          cells=[cell])
@@ -336,8 +336,9 @@ def test_the_token_study_runs_end_to_end_and_resumes(tmp_path: Path, data_cache:
     assert {f: c.scheduler.warmup_steps for f, c in config.items()} == {"0.5": 1, "1": 1, "4": 4}
     at_b = results["cells"][1]
     assert at_b["null"]["paired_seeds"] == [2, 3] and len(at_b["null"]["per_seed_k"]) == 2
-    assert at_b["same_budget"]["margin"]["verdict"] in ("better", "not worse", "worse", "inconclusive")
-    assert at_b["same_budget"]["positions"]["spans"] == 8 and at_b["same_budget"]["bpb"]["pairs"] == 2
+    details = at_b["same_budget_details"]
+    assert details["margin"]["verdict"] in ("better", "not worse", "worse", "inconclusive")
+    assert details["positions"]["spans"] == 8 and details["bpb"]["pairs"] == 2
     report = (study_dir / "report.md").read_text()
     assert "## The null along the token axis" in report and "XSA's own LR search at B" in report
     assert (study_dir / "loss_vs_tokens.png").exists() and "token axis" in report

@@ -245,8 +245,14 @@ def null_lines(results: TokenStudyResult) -> list[str]:
 def same_budget_lines(results: TokenStudyResult) -> list[str]:
     """XSA - SA (and null - SA) at each XSA budget SA also trained at: the paired tests and the verdict against the
     plan's margin; bits per byte and the loss along the window (results of earlier releases lack some)."""
-    rows = [(c, "XSA", c["same_budget"]) for c in results.cells if c.get("same_budget")]
-    rows += [(c, "null", c["null_same_budget"]) for c in results.cells if c.get("null_same_budget")]
+    rows = [
+        (c, "XSA", c["same_budget"], c.get("same_budget_details") or {}) for c in results.cells if c.get("same_budget")
+    ]
+    rows += [
+        (c, "null", c["null_same_budget"], c.get("null_same_budget_details") or {})
+        for c in results.cells
+        if c.get("null_same_budget")
+    ]
     if not rows:
         return []
     margin = results.plan.get("margin")
@@ -265,20 +271,20 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
         "| model | budget | arm - SA | seeds | difference | 95% CI (t) | t p | Wilcoxon p | sign p | lower | verdict |",
         "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
-    for cell, arm, t in rows:
+    for cell, arm, t, details in rows:
         ci = f"[{t['t_ci95'][0]:+.4f}, {t['t_ci95'][1]:+.4f}]" if t["t_ci95"] else "-"
-        verdict = (t.get("margin") or {}).get("verdict", "-")
+        verdict = (details.get("margin") or {}).get("verdict", "-")
         lines.append(
             f"| {cell['model']} | {cell['fraction']:g} B | {arm} | {t['pairs']} | {t['mean_diff']:+.4f} | {ci} | "
             f"{_p(t['t_p'])} | {_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} | "
             f"{verdict} |"
         )
-    for cell, arm, t in rows:
+    for cell, arm, _, details in rows:
         if arm != "XSA":
             continue
-        if t.get("bpb"):
-            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(t["bpb"])[1:]
-        positions = position_lines(t.get("positions"))
+        if details.get("bpb"):
+            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(details["bpb"])[1:]
+        positions = position_lines(details.get("positions"))
         if positions:
             positions[1] = f"### {cell['model']} at {cell['fraction']:g} B: XSA - SA along the window"
             lines += positions

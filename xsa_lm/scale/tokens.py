@@ -260,32 +260,32 @@ def paired_losses(
     return sa, xsa, [seeds[i] for i in usable]
 
 
-def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | None) -> dict | None:
-    """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss,
-    the verdict against the plan's margin, bits per byte and the loss per span of window positions."""
+def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | None) -> tuple[dict | None, dict | None]:
+    """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
+    (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
+    loss per span of window positions. (None, None) without such a pair."""
     runs = entry.runs or {}
     if f"{fraction:g}" not in runs.get("sa", {}) or f"{fraction:g}" not in runs.get(arm, {}):
-        return None
+        return None, None
     pairs = [
         (a, b)
         for a, b in zip(runs["sa"][f"{fraction:g}"], runs[arm][f"{fraction:g}"], strict=True)
         if a.status == b.status == "completed"
     ]
     if not pairs:
-        return None
+        return None, None
     sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
-    result: dict[str, Any] = dict(paired_stats(sa, other).to_json())
     diffs = [b - a for a, b in zip(sa, other, strict=True)]
-    result["margin"] = margin_verdict(diffs, margin).to_json() if margin is not None else None
+    details: dict[str, Any] = {"margin": margin_verdict(diffs, margin).to_json() if margin is not None else None}
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
         sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
         other_bpb = [cast(float, b.final_val_bpb) for _, b in pairs]
         means = {"sa_mean": statistics.fmean(sa_bpb), "xsa_mean": statistics.fmean(other_bpb)}
-        result["bpb"] = means | paired_stats(sa_bpb, other_bpb).to_json()
-    result["positions"] = position_differences(
+        details["bpb"] = means | paired_stats(sa_bpb, other_bpb).to_json()
+    details["positions"] = position_differences(
         [a.final_val_loss_by_position or [] for a, _ in pairs], [b.final_val_loss_by_position or [] for _, b in pairs]
     )
-    return result
+    return paired_stats(sa, other).to_json(), details
 
 
 def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> dict | None:
@@ -358,9 +358,9 @@ def analyse_tokens(
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
                 )
             row = {"model": entry.model, "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
-            row["same_budget"] = same_budget(entry, fraction, "xsa", margin)
+            row["same_budget"], row["same_budget_details"] = same_budget(entry, fraction, "xsa", margin)
             row["null"] = null_cell(entry, sa_budgets, sa_tokens, fraction)
-            row["null_same_budget"] = same_budget(entry, fraction, NULL, margin)
+            row["null_same_budget"], row["null_same_budget_details"] = same_budget(entry, fraction, NULL, margin)
             row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
             row["per_seed_k"] = per_seed_k(sa, sa_tokens, xsa, budget)
             row["sa_stalled"] = [stalled(losses) for losses in sa]  # per SA budget
