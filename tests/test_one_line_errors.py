@@ -297,3 +297,20 @@ def test_ctrl_c_at_any_moment_of_any_command_is_one_line_and_exit_130(monkeypatc
         cli.main()
     assert exit_.value.code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["xsa-lm: interrupted (Ctrl-C) during xsa-lm generate"]
+
+
+def test_the_run_directory_check_keeps_a_parent_another_run_filled_meanwhile(tmp_path: Path, monkeypatch):
+    """A sweep's trials start at once in a new phase folder: while one checks that its run directory can be made
+    (made, then removed again), the next one's appears beside it. The check leaves the shared parent in place instead
+    of failing the run on it (once in CI: OSError, Directory not empty)."""
+    parent = tmp_path / "budget_4" / "runs"
+    rmdir = Path.rmdir
+
+    def the_next_trial_starts(folder: Path) -> None:
+        if folder == parent / "a":
+            (parent / "b").mkdir()
+        rmdir(folder)
+
+    monkeypatch.setattr(Path, "rmdir", the_next_trial_starts)
+    check_overrides("generate", ["ckpt=x", f"hydra.run.dir={parent / 'a'}"])
+    assert [p.name for p in parent.iterdir()] == ["b"]

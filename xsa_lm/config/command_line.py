@@ -1,6 +1,7 @@
 """The command line: checked against the composed config before Hydra runs, and read back inside a job."""
 
 import difflib
+import errno
 import json
 import os
 import re
@@ -150,7 +151,12 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     except OSError as e:
         refuse(f"{key}={run_dir} cannot be created ({e.strerror or e}): choose another")
     for folder in absent:  # deepest first
-        folder.rmdir()
+        try:
+            folder.rmdir()
+        except OSError as e:  # a sweep's trials start at once: another one's run directory is in this parent now
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise
+            break  # its parents hold it too
 
 
 # The files that mark a command's folder (what a rerun resumes from). A command refuses a folder another one wrote:
