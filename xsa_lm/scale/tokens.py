@@ -13,7 +13,6 @@ the same command resumes the study; the plan (budgets, seeds) is fixed at the fi
 """
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from xsa_lm.stats.decision import margin_verdict
 from xsa_lm.stats.paired import paired_stats
 from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_search_seeds, check_seeds, lr_grid, search_trials
+from xsa_lm.sweep.report import bpb_stats
 from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
@@ -279,9 +279,7 @@ def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | Non
     details: dict[str, Any] = {"margin": margin_verdict(diffs, margin).to_json() if margin is not None else None}
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
         sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
-        other_bpb = [cast(float, b.final_val_bpb) for _, b in pairs]
-        means = {"sa_mean": statistics.fmean(sa_bpb), "xsa_mean": statistics.fmean(other_bpb)}
-        details["bpb"] = means | paired_stats(sa_bpb, other_bpb).to_json()
+        details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs])
     details["positions"] = position_differences(
         [a.final_val_loss_by_position or [] for a, _ in pairs], [b.final_val_loss_by_position or [] for _, b in pairs]
     )

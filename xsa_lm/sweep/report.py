@@ -51,7 +51,11 @@ def bits_per_byte(pairs: list[tuple[dict, dict]]) -> dict | None:
     SA on it; None when a run predates it."""
     if not pairs or any(t.get("final_val_bpb") is None for pair in pairs for t in pair):
         return None
-    sa, xsa = [float(p[0]["final_val_bpb"]) for p in pairs], [float(p[1]["final_val_bpb"]) for p in pairs]
+    return bpb_stats([float(p[0]["final_val_bpb"]) for p in pairs], [float(p[1]["final_val_bpb"]) for p in pairs])
+
+
+def bpb_stats(sa: list[float], xsa: list[float]) -> dict:
+    """Each arm's mean bits per byte and the paired tests of XSA - SA on them (paired_stats)."""
     return {"sa_mean": statistics.fmean(sa), "xsa_mean": statistics.fmean(xsa)} | paired_stats(sa, xsa).to_json()
 
 
