@@ -19,7 +19,15 @@ import time
 from pathlib import Path
 
 MEASUREMENTS = "measurements.json"
-RUN_KEYS = ("status", "error", "steps", "final_val_loss", "best_val_loss", "tokens_per_s", "wall_time_s", "val_history")
+RUN_KEYS = (
+    "error",
+    "steps",
+    "final_val_loss",
+    "best_val_loss",
+    "tokens_per_s",
+    "wall_time_s",
+    "val_history",
+)  # None without a summary
 LAST_LINES = 5  # of a failed step's output, in the summary
 
 
@@ -46,12 +54,29 @@ def record(directory: Path, key: str, value: object) -> dict:
 
 
 def run_outcome(run_dir: Path) -> dict:
-    """A training run's summary.json (the keys the check reads) and where its last resume started."""
-    summary = read_json(run_dir / "summary.json") or {"status": "no summary.json"}
+    """A training run's summary.json (what the check reads of it) and where its last resume started."""
+    from xsa_lm.errors import UserError
+    from xsa_lm.train.summary import RunSummary
+
     resumes = run_dir / "resumes.jsonl"
     lines = resumes.read_text().splitlines() if resumes.exists() else []
-    last = json.loads(lines[-1]) if lines else {}
-    return {k: summary.get(k) for k in RUN_KEYS} | {"resumed_from_step": last.get("from_step")}
+    resumed_from_step = json.loads(lines[-1]).get("from_step") if lines else None
+    try:
+        s = RunSummary.read(run_dir / "summary.json")
+    except (OSError, UserError) as e:  # none, or one refused (its line says why)
+        status = "no summary.json" if isinstance(e, OSError) else str(e)
+        return dict.fromkeys(RUN_KEYS) | {"status": status, "resumed_from_step": resumed_from_step}
+    return {
+        "status": s.status,
+        "error": s.error,
+        "steps": s.steps,
+        "final_val_loss": s.final_val_loss,
+        "best_val_loss": s.best_val_loss,
+        "tokens_per_s": s.tokens_per_s,
+        "wall_time_s": s.wall_time_s,
+        "val_history": s.val_history,
+        "resumed_from_step": resumed_from_step,
+    }
 
 
 def read_steps(directory: Path) -> list[dict]:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from xsa_lm.train.summary import RunSummary
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(REPO / "scripts"))
@@ -273,7 +275,19 @@ def test_a_wrong_gradient_of_the_fused_op_fails_the_bf16_check(monkeypatch: pyte
 def test_a_run_and_its_resume_are_read_from_the_run_directory(tmp_path: Path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "summary.json").write_text(json.dumps({"status": "completed", "steps": 40, "final_val_loss": 5.5}))
+    ended = RunSummary(
+        status="completed",
+        attention="sa",
+        model="tiny",
+        lr=1e-3,
+        seed=0,
+        steps=40,
+        final_val_loss=5.5,
+        tokens_seen=640,
+        run_dir=str(run),
+        model_config={},
+    )
+    (run / "summary.json").write_text(json.dumps(ended.to_json()))
     (run / "resumes.jsonl").write_text(json.dumps({"from_step": 30}) + "\n")
     outcome = gpu_check_summary.run_outcome(run)
     assert outcome["steps"] == 40 and outcome["resumed_from_step"] == 30 and outcome["final_val_loss"] == 5.5

@@ -19,6 +19,7 @@ from xsa_lm.data.prepare import PreparedData, load_prepared
 from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.train.summary import RunSummary
 
 # Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
 # with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
@@ -68,7 +69,7 @@ def run_dir_of(path: Path) -> Path:
     return path.parent.parent
 
 
-def _comparable(config: dict) -> dict:
+def _comparable(config: dict) -> dict[str, object]:
     """Defaults filled in and values normalised the way GPTConfig does (n_kv_head None -> n_head, xsa_layers as a
     sorted tuple, a JSON list included), so that equal models compare equal. Keys GPTConfig does not know (a config
     of another version) are kept as they are."""
@@ -136,7 +137,7 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     stored = checkpoint.get("model_config")
     summary = run_dir_of(path) / "summary.json"
     if stored is None and summary.exists():  # checkpoints written before the config was stored in them
-        stored = json.loads(summary.read_text()).get("model_config")
+        stored = RunSummary.read(summary).model_config
     if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
     try:
@@ -207,15 +208,13 @@ def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, 
     """Refuse, in one line, a tokenizer (read from `where`; `rebuilt` says how it was made again) other than the
     one the checkpoint's run trained with, whose sha256 the checkpoint records. A checkpoint saved before it did
     is checked by vocabulary size only."""
-    record = _checkpoint_record(path)
-    recorded = (record.get(DATA_STATE) or {}).get(TOKENIZER_SHA256)
+    recorded, model_vocab = _recorded_tokenizer(path)
     fix = "restore the data folder or the source files it was trained on"
     if recorded is not None and recorded != sha256:
         raise UserError(
             f"{key}: {path} was trained with another tokenizer (sha256 {recorded[:12]}) than {where} "
             f"(sha256 {sha256[:12]}){rebuilt}: {fix}"
         )
-    model_vocab = (record.get("model_config") or {}).get("vocab_size")
     if recorded is None and model_vocab is not None and tokenizer.get_vocab_size() > model_vocab:
         raise UserError(
             f"{key}: {path} was trained with another tokenizer: {where} has {tokenizer.get_vocab_size()} tokens, "
@@ -225,9 +224,9 @@ def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, 
         print(f"note: {path} records no tokenizer (an older checkpoint): using {where} unchecked{rebuilt}")
 
 
-def _checkpoint_record(path: Path) -> dict:
-    """The checkpoint's entries other than tensors: memory-mapped, so a large file is not read (a sharded
-    checkpoint's meta.pt)."""
-    if is_sharded(path):
-        return torch.load(path / META, map_location="cpu", weights_only=True)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+def _recorded_tokenizer(path: Path) -> tuple[str | None, int | None]:
+    """The sha256 of the tokenizer and the model's vocabulary size that a checkpoint records (None in an older
+    one): read memory-mapped, so a large file is not read (a sharded checkpoint's meta.pt)."""
+    meta = path / META if is_sharded(path) else path
+    record = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
+    return (record.get(DATA_STATE) or {}).get(TOKENIZER_SHA256), (record.get("model_config") or {}).get("vocab_size")

@@ -14,7 +14,8 @@ from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import atomic_file
 
 
-def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
+def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
+    """Write the sharded checkpoint `source` as the file `out`; returns its global step."""
     if not is_sharded(source):
         what = "a file" if source.is_file() else "not found" if not source.exists() else "no sharded checkpoint"
         raise UserError(
@@ -30,7 +31,7 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
         checkpoint = {key: checkpoint[key] for key in ("state_dict", "model_config", "global_step")}
     with atomic_file(out, "wb", replace=False) as f:  # whole or not at all; a file made meanwhile is kept too
         torch.save(checkpoint, f)
-    return checkpoint
+    return checkpoint["global_step"]
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
@@ -38,8 +39,8 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> dict:
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         out = Path(str(cfg.out)).expanduser()
-        checkpoint = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
+        step = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
     print(
-        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {checkpoint['global_step']}, "
+        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {step}, "
         f"{'weights only' if cfg.weights_only else 'weights, optimizer state and training position'}"
     )

@@ -64,8 +64,8 @@ from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
-from xsa_lm.train.runinfo import attention_kernels, run_info
-from xsa_lm.train.summary import RunSummary, completed, error_line, finish_wandb, print_summary
+from xsa_lm.train.runinfo import SdpaKernels, TrainRunInfo, attention_kernels, run_info
+from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
 OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by the run, not by lightning.Trainer
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
@@ -175,9 +175,9 @@ def refuse_to_overwrite_results(run_dir: Path) -> None:
     if not summary.exists():
         return
     try:
-        ended = json.loads(summary.read_text())
-        status, what = ended["status"], f"a {ended['status']} run of {ended['steps']} steps"
-    except (ValueError, KeyError, TypeError, OSError):
+        ended = RunSummary.read(summary)
+        status, what = ended.status, f"a {ended.status} run of {ended.steps} steps"
+    except (UserError, OSError):
         status, what = None, "a run"
     if status == "failed":
         return
@@ -215,8 +215,9 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
     return loggers
 
 
-def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> dict:
-    """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing)."""
+def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> RunSummary | None:
+    """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing and
+    return None, as does a run that has nothing left to train)."""
     set_device(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
     plan = check_config(cfg)
@@ -259,7 +260,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
                 f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
                 "are left as they are"
             )
-            return {}
+            return None
         for warning in [schedule_warning, *fewer_windows(cfg, datamodule)]:
             if warning:
                 log.warning(warning)
@@ -285,13 +286,13 @@ def fewer_windows(cfg: DictConfig, datamodule: TokenDataModule) -> list[str]:
 
 
 def write_run_files(
-    cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str], kernels: dict
+    cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str], kernels: SdpaKernels
 ) -> None:
     """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
     first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
     continuing = (run_dir / "config.yaml").exists()
     write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    info = {**run_info(attention=kernels), "data_dir": str(data_dir)}
+    info: TrainRunInfo = {**run_info(attention=kernels), "data_dir": str(data_dir)}
     if not (run_dir / "run_info.json").exists():
         write_json(run_dir / "run_info.json", info)
     if resume.path is None:
@@ -326,11 +327,11 @@ def fit(
     datamodule: TokenDataModule,
     mcfg: GPTConfig,
     resume: ResumePoint,
-    kernels: dict,
-) -> dict:
-    """Build the module and the trainer, train, and write summary.json (global rank 0). A failed run is recorded in
-    summary.json too, then re-raised: a sweep must see failed runs."""
-    summary = RunSummary.of(cfg, run_dir=run_dir, model_config=mcfg)
+    kernels: SdpaKernels,
+) -> RunSummary | None:
+    """Build the module and the trainer, train, and write summary.json (global rank 0, which returns it). A failed
+    run is recorded in summary.json too, then re-raised: a sweep must see failed runs."""
+    summary = RunStart.of(cfg, run_dir=run_dir, model_config=mcfg)
     set_up_process(cfg)
     module = make_module(cfg, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = parameter_counts(module)[0]
@@ -356,7 +357,9 @@ def fit(
             else:
                 finish_wandb(trainer, failed)
         raise
-    result = summary.write(status, trainer=trainer, module=module, callbacks=callbacks) if is_rank_zero else {}
+    if not is_rank_zero:
+        return None
+    result = summary.write(status, trainer=trainer, module=module, callbacks=callbacks)
     finish_wandb(trainer, result)
     return result
 
@@ -402,7 +405,14 @@ def parameter_counts(module: LMModule) -> tuple[int, int]:
 
 
 def header(
-    cfg: DictConfig, *, run_name: str, run_dir: Path, plan: dict, data: TokenDataModule, module: LMModule, kernels: dict
+    cfg: DictConfig,
+    *,
+    run_name: str,
+    run_dir: Path,
+    plan: dict,
+    data: TokenDataModule,
+    module: LMModule,
+    kernels: SdpaKernels,
 ) -> str:
     """The run's first line: the model, the data, how a step's tokens are made up, the attention kernel (and the
     order it was chosen from), where the run's files go."""
@@ -591,7 +601,7 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
         print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
         sys.exit(130)
-    if summary:
+    if summary is not None:
         print_summary(summary)
-        if summary["status"] == "interrupted":
+        if summary.status == "interrupted":
             sys.exit(130)

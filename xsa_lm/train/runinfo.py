@@ -8,12 +8,45 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.devices import uses_cuda
+
+
+class SdpaKernels(TypedDict):
+    """The SDPA kernels a run allows, most preferred first, and the one its attention runs."""
+
+    order: list[str]
+    used: str
+
+
+class Hardware(TypedDict):
+    platform: str
+    cpu_count: int | None
+    torch_threads: int
+    cuda_devices: list[str]
+
+
+class RunInfo(TypedDict):
+    """run_info.json (and each line of resumes.jsonl's `run_info`)."""
+
+    started_at: str
+    command: list[str]
+    cwd: str
+    host: str
+    versions: dict[str, str | None]
+    git: dict[str, str | bool | None]
+    hardware: Hardware
+    sdpa: SdpaKernels | None
+
+
+class TrainRunInfo(RunInfo):
+    data_dir: str  # the prepared data a training run reads
+
 
 PACKAGES = ["xsa-lm", "torch", "lightning", "hydra-core", "omegaconf", "datasets", "tokenizers", "wandb", "numpy"]
 
@@ -44,14 +77,13 @@ def git_state(repo: Path | None = None) -> dict[str, str | bool | None]:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
-def hardware() -> dict:
-    info = {
+def hardware() -> Hardware:
+    return {
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }
-    return info
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -64,7 +96,7 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 def attention_kernels(
     sdpa_backends_value: str | Sequence[str], *, model: GPTConfig, context: int, precision: str, accelerator: str
-) -> dict:
+) -> SdpaKernels:
     """The SDPA kernels a run allows, most preferred first (config `sdpa_backends` on this device), and the one its
     attention runs: tried once on a tensor of the run's shape (sinks included) and precision."""
     device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda(accelerator) else torch.device("cpu")
@@ -81,7 +113,7 @@ def attention_kernels(
     return {"order": order, "used": used}
 
 
-def run_info(*, attention: dict | None = None) -> dict:
+def run_info(*, attention: SdpaKernels | None = None) -> RunInfo:
     """`attention`: attention_kernels' answer, recorded as `sdpa`."""
     return {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,6 +1,5 @@
 """summary.json: how a run ended and what it was, written by global rank 0 when the fit is over (also on failure)."""
 
-import json
 import logging
 import math
 import time
@@ -62,11 +61,6 @@ class RunSummary(Record):
     checkpoints: dict[str, str | None] = field(default_factory=dict)
     model_config: dict[str, Any]
     schema: int = 1
-
-    @staticmethod
-    def of(cfg: DictConfig, run_dir: Path, model_config: "GPTConfig") -> "RunStart":
-        """What is known of a run when it starts (RunStart.of)."""
-        return RunStart.of(cfg, run_dir=run_dir, model_config=model_config)
 
 
 @dataclass
@@ -149,12 +143,12 @@ class RunStart:
         module: "LMModule",
         callbacks: "RunCallbacks",
         error: str | None = None,
-    ) -> dict:
-        """summary.json, returned as JSON (what train() returns)."""
-        summary = self.ended(status, trainer=trainer, module=module, callbacks=callbacks, error=error).to_json()
+    ) -> RunSummary:
+        """summary.json, returned (what train() returns)."""
+        summary = self.ended(status, trainer=trainer, module=module, callbacks=callbacks, error=error)
         write_json(
             self.run_dir / "summary.json",
-            summary,
+            summary.to_json(),
             intact="the run's checkpoints and metrics.csv are intact",
             then=f"write it with `xsa-lm train hydra.run.dir={self.run_dir} resume=auto`",
         )
@@ -169,30 +163,30 @@ def error_line(error: Exception) -> str:
 
 def completed(run_dir: Path) -> bool:
     summary = run_dir / "summary.json"
-    return summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
+    return summary.exists() and RunSummary.read(summary).status == "completed"
 
 
-def finish_wandb(trainer: "L.Trainer", summary: dict) -> None:
+def finish_wandb(trainer: "L.Trainer", summary: RunSummary) -> None:
     """Put the run's outcome into the W&B run summary (what a sweep's dashboard compares), then close it."""
     from lightning.pytorch.loggers import WandbLogger
 
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
-            if summary.get("status") == "completed":
+            if summary.status == "completed":
                 logger.finalize("success")  # log_model: also the checkpoints written after the fit (last step)
-            logger.experiment.summary.update({key: summary[key] for key in WANDB_SUMMARY_KEYS if key in summary})
+            logger.experiment.summary.update({key: getattr(summary, key) for key in WANDB_SUMMARY_KEYS})
             logger.experiment.finish()
 
 
-def print_summary(s: dict) -> None:
-    loss = f"{s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f})" if s["final_val_loss"] is not None else "n/a"
+def print_summary(s: RunSummary) -> None:
+    loss = f"{s.final_val_loss:.4f} (ppl {s.final_val_ppl:.2f})" if s.final_val_loss is not None else "n/a"
     lines = [
-        f"\n{s['status'].upper()}: {s['attention']} {s['model']} | final val loss {loss} | {s['steps']} steps, "
-        f"{s['tokens_seen']:,} tokens | {s['tokens_per_s']:,.0f} tokens/s | {s['wall_time_s']:.1f} s wall",
-        f"  summary: {s['run_dir']}/summary.json",
+        f"\n{s.status.upper()}: {s.attention} {s.model} | final val loss {loss} | {s.steps} steps, "
+        f"{s.tokens_seen:,} tokens | {s.tokens_per_s:,.0f} tokens/s | {s.wall_time_s:.1f} s wall",
+        f"  summary: {s.run_dir}/summary.json",
     ]
-    if s["diverged_at_step"] is not None:
-        lines.append(f"  diverged at step {s['diverged_at_step']}; last good checkpoint: {s['checkpoints']['last']}")
-    if s["status"] in ("preempted", "interrupted"):
-        lines.append(f"  {s['status']}: continue with `xsa-lm train hydra.run.dir={s['run_dir']} resume=auto`")
+    if s.diverged_at_step is not None:
+        lines.append(f"  diverged at step {s.diverged_at_step}; last good checkpoint: {s.checkpoints['last']}")
+    if s.status in ("preempted", "interrupted"):
+        lines.append(f"  {s.status}: continue with `xsa-lm train hydra.run.dir={s.run_dir} resume=auto`")
     log.info("\n".join(lines))
