@@ -7,7 +7,7 @@ XSA - SA when both are given), prints the table, and logs it to W&B in each chec
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import TypedDict, cast
 from unittest import mock
 
 import hydra
@@ -35,6 +35,33 @@ PAPER_TASKS = {
 
 # The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
+
+
+class Score(TypedDict):
+    metric: str  # the task's headline metric (acc or acc_norm)
+    value: float
+
+
+class Row(TypedDict):
+    """One checkpoint's scores."""
+
+    checkpoint: str
+    attention: str
+    run: str
+    scores: dict[str, Score]
+    average: float
+
+
+class EvalRows(TypedDict):
+    tasks: list[str]
+    limit: int | float | None
+    rows: list[Row]
+
+
+class EvalResult(EvalRows, total=False):
+    """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
+
+    xsa_minus_sa: dict[str, float]
 
 
 def require_harness(needed_by: str = "xsa-lm eval") -> None:
@@ -121,7 +148,7 @@ def check_options(limit, batch_size, wandb: object = False) -> None:
         raise UserError(f"wandb must be true or false, got {wandb!r}")
 
 
-def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dict:
+def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int) -> EvalResult:
     check_options(limit, batch_size)
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
@@ -136,7 +163,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
 
     manager = load_tasks(names, folders)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows: list[dict[str, Any]] = []
+    rows: list[Row] = []
     for ckpt in ckpts:
         path = Path(ckpt).expanduser()
         model = load_model(path)
@@ -147,9 +174,8 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
             out = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
             )
-        scores: dict[str, dict[str, Any]] = {
-            task: dict(zip(("metric", "value"), headline(task, out["results"][task]), strict=True)) for task in names
-        }
+        headlines = {task: headline(task, out["results"][task]) for task in names}
+        scores = {task: Score(metric=metric, value=value) for task, (metric, value) in headlines.items()}
         average = sum(s["value"] for s in scores.values()) / len(scores)
         rows.append(
             {
@@ -160,16 +186,16 @@ def evaluate(ckpts: list[str], tasks, limit: int | None, batch_size: int) -> dic
                 "average": average,
             }
         )
-    result: dict[str, Any] = {"tasks": names, "limit": limit, "rows": rows}
+    result: EvalResult = {"tasks": names, "limit": limit, "rows": rows}
     sa = [r for r in rows if r["attention"] == "sa"]
     xsa = [r for r in rows if r["attention"] == "xsa"]
     if sa and xsa:  # the first of each, as in the paper's table
-        result["xsa_minus_sa"] = {t: xsa[0]["scores"][t]["value"] - sa[0]["scores"][t]["value"] for t in names}
-        result["xsa_minus_sa"]["average"] = xsa[0]["average"] - sa[0]["average"]
+        difference = {t: xsa[0]["scores"][t]["value"] - sa[0]["scores"][t]["value"] for t in names}
+        result["xsa_minus_sa"] = difference | {"average": xsa[0]["average"] - sa[0]["average"]}
     return result
 
 
-def render(result: dict) -> str:
+def render(result: EvalResult) -> str:
     tasks = result["tasks"]
     metric = {t: result["rows"][0]["scores"][t]["metric"] for t in tasks} if result["rows"] else {}
     head = "| checkpoint | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " | average |"
@@ -189,7 +215,7 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def log_to_wandb(result: dict, wandb_mode: str) -> None:
+def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
     """Each checkpoint's scores into its own W&B run (the id in wandb_run_id.txt), or a new `eval` run."""
     from xsa_lm.tracking import wandb_init
 

@@ -7,7 +7,7 @@ estimate_for_config gives it for any composed config, e.g. to compare with torch
 
 import math
 from pathlib import Path
-from typing import cast
+from typing import TypedDict, cast
 
 import hydra
 import torch
@@ -22,11 +22,70 @@ from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled, uses_cuda
 
 
-def memory_shape(cfg: DictConfig) -> dict:
+class MemoryShape(TypedDict):
     """memory.estimate's arguments that a training config fixes (all but micro_batch_size, strategy, compiled)."""
+
+    model: dict  # the config's model group
+    vocab_size: int
+    block_size: int
+    precision: str
+    world_size: int
+    activation_checkpointing: bool
+    attention: str
+    gradient_as_bucket_view: bool
+
+
+class StepShape(MemoryShape):
+    accumulation: int
+
+
+class SdpaPlan(TypedDict):
+    setting: str | list[str]  # sdpa_backends
+    device: str
+    order: list[str] | None  # None: resolved on the run's GPU, which is not on this machine
+
+
+class StrategyPlan(TypedDict):
+    per_device_bytes: dict[str, int]  # MemoryEstimate.as_dict, of the mode the run trains in
+    eager_bytes: dict[str, int]
+    compiled_bytes: dict[str, int]
+    fits: bool
+    max_micro_batch_size: int
+    max_dividing_micro_batch_size: int
+    accumulation_at_max_dividing: int | None
+
+
+class Plan(TypedDict):
+    """`xsa-lm plan`'s answer (the JSON file of out=)."""
+
+    model: str
+    strategy: str
+    devices: int
+    precision: str
+    activation_checkpointing: bool
+    attention: str
+    compiled: bool
+    micro_batch_size: int
+    block_size: int
+    n_sinks: int
+    parameters: int
+    available_bytes: int
+    available_from: str
+    global_batch_tokens: int
+    accumulation: int | None
+    per_device_bytes: dict[str, int]
+    max_micro_batch_size: int
+    strategies: dict[str, StrategyPlan]  # ddp and fsdp
+    sdpa_backends: SdpaPlan
+    xsa_saved_bytes: int
+    xsa_temporaries_bytes: dict[str, int]  # eager and compiled
+    cross_entropy_transient_bytes: dict[str, int]
+
+
+def memory_shape(cfg: DictConfig) -> MemoryShape:
     model = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig gives a dict
     vocab = model.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
-    return dict(
+    return MemoryShape(
         model=model,
         vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
         block_size=cfg.data.block_size,
@@ -52,7 +111,7 @@ def estimate_for_config(cfg: DictConfig | dict) -> memory.MemoryEstimate:
     )
 
 
-def make_plan(cfg: DictConfig) -> dict:
+def make_plan(cfg: DictConfig) -> Plan:
     check_values(cfg)
     model_config(cfg, vocab_size=1)  # the model `xsa-lm train` would refuse (e.g. more sinks than positions), refused
     shape = memory_shape(cfg)
@@ -100,7 +159,7 @@ def make_plan(cfg: DictConfig) -> dict:
     }
 
 
-def attention_kernels(value, *, accelerator: str) -> dict:
+def attention_kernels(value, *, accelerator: str) -> SdpaPlan:
     """The SDPA kernels the run may use on its device, most preferred first (sdpa_backends, as `xsa-lm train`
     resolves it), or none where the run's GPU is not on this machine: it is resolved on the GPU."""
     value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
@@ -112,7 +171,7 @@ def attention_kernels(value, *, accelerator: str) -> dict:
     return {"setting": value, "device": "cpu", "order": resolve(value, torch.device("cpu"))}
 
 
-def backward_transients(shape: dict, *, micro_batch_size: int, compiled: bool) -> dict[str, int]:
+def backward_transients(shape: MemoryShape, *, micro_batch_size: int, compiled: bool) -> dict[str, int]:
     """The two candidates for the backward's peak beside the saved activations: the cross-entropy's buffers and one
     XSA layer's temporaries (none under SA); memory.estimate counts the larger."""
     model, block = shape["model"], shape["block_size"]
@@ -126,7 +185,7 @@ def backward_transients(shape: dict, *, micro_batch_size: int, compiled: bool) -
     }
 
 
-def xsa_saved_bytes(shape: dict, *, micro_batch_size: int) -> int:
+def xsa_saved_bytes(shape: MemoryShape, *, micro_batch_size: int) -> int:
     """What XSA saves for the backward in every layer, eager: its two coefficients (none under SA)."""
     if shape["attention"] != "xsa":
         return 0
@@ -137,7 +196,9 @@ def xsa_saved_bytes(shape: dict, *, micro_batch_size: int) -> int:
     return model["n_layer"] * positions * terms["xsa"]
 
 
-def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict, compiled: bool) -> dict:
+def strategy_plan(
+    cfg: DictConfig, *, strategy: str, available: int, shape: MemoryShape, compiled: bool
+) -> StrategyPlan:
     """One strategy's memory per device at the configured micro-batch, eager and compiled, and the largest
     micro-batches that fit as the run would train (compiled or not)."""
     batch, block = cfg.global_batch_tokens, cfg.data.block_size  # read once: steps() runs per micro-batch size
@@ -145,13 +206,13 @@ def strategy_plan(cfg: DictConfig, *, strategy: str, available: int, shape: dict
     def steps(micro_batch_size: int) -> int | None:
         return accumulation(batch, micro_batch_size, shape["world_size"], block)
 
-    shape = {**shape, "accumulation": steps(cfg.micro_batch_size) or 1}
+    sized: StepShape = {**shape, "accumulation": steps(cfg.micro_batch_size) or 1}
     both = {
-        mode: memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, compiled=mode, **shape)
+        mode: memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, compiled=mode, **sized)
         for mode in (False, True)
     }
     need = both[compiled]
-    largest = memory.largest_micro_batch(available, strategy=strategy, compiled=compiled, **shape)
+    largest = memory.largest_micro_batch(available, strategy=strategy, compiled=compiled, **sized)
 
     dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
     return {
@@ -173,12 +234,12 @@ def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, 
     return global_batch_tokens // per_micro_step
 
 
-def sinks(plan: dict) -> str:
+def sinks(plan: Plan) -> str:
     n = plan.get("n_sinks", 0)
     return f" (+ {n} attention sink{'s' if n > 1 else ''} in every block)" if n else ""
 
 
-def table(plan: dict) -> str:
+def table(plan: Plan) -> str:
     gib = lambda b: f"{b / memory.GIB:.2f}"  # noqa: E731
     lines = [
         f"xsa-lm plan | {plan['model']}: {plan['parameters'] / 1e9:.3f}B parameters | {plan['devices']} device(s), "
@@ -195,8 +256,7 @@ def table(plan: dict) -> str:
     ]
     for name, s in plan["strategies"].items():
         mark = " (trainer)" if name == plan["strategy"] else ""
-        for mode in ("eager", "compiled"):
-            b = s[f"{mode}_bytes"]
+        for mode, b in (("eager", s["eager_bytes"]), ("compiled", s["compiled_bytes"])):
             run = (mode == "compiled") == plan["compiled"]  # the mode the run trains in: fits and micro-batches
             fits = ("yes" if s["fits"] else "no") if run else ""
             largest = f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} " if run else " | "
@@ -214,7 +274,7 @@ def size(n: int) -> str:
     return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"
 
 
-def sdpa_line(kernels: dict) -> str:
+def sdpa_line(kernels: SdpaPlan) -> str:
     setting = kernels["setting"] if isinstance(kernels["setting"], str) else ",".join(kernels["setting"])
     if kernels["order"] is not None:
         order = ", ".join(kernels["order"])
@@ -223,7 +283,7 @@ def sdpa_line(kernels: dict) -> str:
     return f"SDPA kernels (sdpa_backends={setting}): chosen on the run's GPU (none here): {listed}"
 
 
-def xsa_line(plan: dict) -> str:
+def xsa_line(plan: Plan) -> str:
     """What XSA adds to the run's mode: its saved coefficients, and its temporaries against the cross-entropy's
     buffers (the larger is the table's backward peak)."""
     if plan["attention"] != "xsa":
@@ -239,7 +299,7 @@ def xsa_line(plan: dict) -> str:
     )
 
 
-def batch_line(plan: dict) -> str:
+def batch_line(plan: Plan) -> str:
     """How global_batch_tokens splits into micro-batches, or why `xsa-lm train` would refuse it."""
     per_micro_step = plan["micro_batch_size"] * plan["devices"] * plan["block_size"]
     if plan["accumulation"] is None:
