@@ -11,7 +11,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from xsa_lm.bench.loops import Phase, measure
+from xsa_lm.bench.loops import Phase, PhaseResult, measure
 from xsa_lm.errors import UserError
 
 PRELOAD = ["xsa_lm.bench.fresh"]  # the server imports this module, hence loops, torch and Lightning
@@ -34,7 +34,7 @@ def child(phase: Phase, connection: Connection) -> None:
         connection.close()
 
 
-def run_fresh(phase: Phase, label: str, context: multiprocessing.context.BaseContext) -> dict:
+def run_fresh(phase: Phase, label: str, context: multiprocessing.context.BaseContext) -> PhaseResult:
     """measure(phase) in a new process; a failure or a killed process ends the bench with one line naming it."""
     receive, send = context.Pipe(duplex=False)
     start = context.Process  # type: ignore[attr-defined]  # not on BaseContext; on both of process_context()'s

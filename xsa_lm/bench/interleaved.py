@@ -5,14 +5,48 @@ inherits another's state, but each recompiles); this is for a GPU lent for minut
 import inspect
 import statistics
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 
 from xsa_lm.bench.loops import Batch, PlainTrainer, Setup, peak_memory, step_times
-from xsa_lm.bench.stats import summarize
+from xsa_lm.bench.stats import RatioSummary, summarize
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.memory import estimate
+
+PlannedMemory = dict[str, int | list[str]]  # MemoryEstimate.as_dict() and the `arguments` the estimate took
+
+
+class StepTimes(TypedDict):
+    step_ms: float  # the median over rounds
+    tokens_per_s: float
+    round_step_ms: list[float]
+
+
+class ModelTimes(StepTimes, total=False):
+    mfu: RatioSummary  # where the device's peak FLOP/s is known
+
+
+class PairTimes(TypedDict):
+    sa: ModelTimes
+    xsa: ModelTimes
+    xsa_over_sa_step_time: RatioSummary
+
+
+class StepPeak(TypedDict):
+    bytes: int
+    source: str
+
+
+class CudaStepPeak(StepPeak):
+    max_memory_allocated: int
+    allocated_before: int
+
+
+class MemoryAgainstPlan(TypedDict):
+    measured: StepPeak
+    planned: PlannedMemory
+    measured_over_planned: float
 
 
 def build_pair(xsa: GPTConfig, setup: Setup, *, seed: int, total_steps: int) -> dict[str, PlainTrainer]:
@@ -42,10 +76,10 @@ def compare(
     peak_flops: float | None,
     step_time_target: float | None,
     mfu_target: float | None,
-) -> dict:
-    """Step time, tokens/s and MFU per model (median over rounds), and XSA/SA step time and MFU as per-round values
+) -> PairTimes:
+    """Step time, tokens/s and MFU per SA and XSA (median over rounds), and XSA/SA step time and MFU as per-round values
     with their 95% interval and verdict (xsa_lm.bench.stats)."""
-    out: dict = {}
+    out: dict[str, ModelTimes] = {}
     for name, times in per_round.items():
         median = statistics.median(times)
         out[name] = {
@@ -57,7 +91,8 @@ def compare(
             mfu = [tokens / t * flops_per_token / peak_flops for t in times]
             out[name]["mfu"] = summarize(mfu, target=mfu_target, at_most=False)
     ratios = [x / s for x, s in zip(per_round["xsa"], per_round["sa"], strict=True)]
-    return out | {"xsa_over_sa_step_time": summarize(ratios, target=step_time_target, at_most=True)}
+    step_time = summarize(ratios, target=step_time_target, at_most=True)
+    return PairTimes(sa=out["sa"], xsa=out["xsa"], xsa_over_sa_step_time=step_time)
 
 
 def training_state_bytes(trainer: PlainTrainer) -> int:
@@ -67,7 +102,7 @@ def training_state_bytes(trainer: PlainTrainer) -> int:
     return weights + state
 
 
-def step_peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> dict:
+def step_peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> StepPeak | CudaStepPeak:
     """Peak memory of one more training step of this model. CUDA: the allocator's high-water mark over the step
     above what was allocated before it (the other model's weights stay out), plus this model's weights and AdamW
     state. CPU: loops.peak_memory's estimate (CPU has no such counter)."""
@@ -89,7 +124,7 @@ def step_peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> dict:
     }
 
 
-def planned_memory(config: GPTConfig, *, micro_batch: int, precision: str, compiled: bool) -> dict:
+def planned_memory(config: GPTConfig, *, micro_batch: int, precision: str, compiled: bool) -> PlannedMemory:
     """xsa_lm.train.memory.estimate for this model on one device (the plain loop holds every tensor whole), with its
     `compiled=` and `attention=` arguments where the estimate has them."""
     accepted = inspect.signature(estimate).parameters
@@ -100,9 +135,12 @@ def planned_memory(config: GPTConfig, *, micro_batch: int, precision: str, compi
     return plan.as_dict() | {"arguments": sorted(optional)}
 
 
-def memory_against_plan(trainer: PlainTrainer, batches: list[Batch], *, micro_batch: int, compiled: bool) -> dict:
+def memory_against_plan(
+    trainer: PlainTrainer, batches: list[Batch], *, micro_batch: int, compiled: bool
+) -> MemoryAgainstPlan:
     """Measured peak of a step, the estimate for the same shape, and their ratio."""
     measured = step_peak_memory(trainer, batches)
     config = trainer.model.config
     planned = planned_memory(config, micro_batch=micro_batch, precision=trainer.setup.precision, compiled=compiled)
-    return {"measured": measured, "planned": planned, "measured_over_planned": measured["bytes"] / planned["total"]}
+    ratio = measured["bytes"] / cast(int, planned["total"])
+    return {"measured": measured, "planned": planned, "measured_over_planned": ratio}

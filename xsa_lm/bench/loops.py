@@ -11,6 +11,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TypedDict
 
 import lightning as L
 import torch
@@ -27,6 +28,54 @@ from xsa_lm.train.module import LMModule, param_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 N_BATCHES = 8  # distinct random batches, cycled
+
+
+class ProcessFacts(TypedDict):
+    pid: int
+    threads: int
+    host_memory_reuse: bool
+
+
+class KernelsFound(TypedDict):
+    """The SDPA kernel order `auto` gives the device, the one the attention runs, and which candidates take it."""
+
+    order: list[str]
+    used: str
+    candidates: list[str]
+    takes: dict[str, bool]
+
+
+class DeviceFacts(TypedDict):
+    device: str
+    peak_flops: float | None
+    peak_flops_source: str
+    flops_per_token: float
+    flops_per_token_flop_counter: float
+
+
+class PhaseTiming(TypedDict):
+    step_times: list[float]  # seconds, start to start
+    cpu_step_times: list[float]
+    sdpa_used: str
+    peak_memory_bytes: int | None
+    peak_memory_source: str
+
+
+class KernelsPhase(ProcessFacts, KernelsFound):
+    pass
+
+
+class DevicePhase(ProcessFacts, DeviceFacts):
+    pass
+
+
+class TimedPhase(ProcessFacts, PhaseTiming):
+    pass
+
+
+PhaseResult = (
+    KernelsPhase | DevicePhase | TimedPhase
+)  # what measure() returns for a phase of kind kernels, device, else
 
 
 @dataclass(frozen=True)
@@ -233,7 +282,7 @@ def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> fl
     return counter.get_total_flops() / x.numel()
 
 
-def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> dict:
+def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> KernelsFound:
     """The SDPA kernel order `auto` gives this device, the kernel it runs for the model's attention, and of the
     candidates (auto: that order's) those that take the attention alone: the ones a phase can be timed under."""
     order = resolve("auto", setup.device)
@@ -262,7 +311,7 @@ def attention_kernel(config: GPTConfig, setup: Setup) -> str:
     )
 
 
-def measure(phase: Phase) -> dict:
+def measure(phase: Phase) -> PhaseResult:
     """Run one phase in this process (meant to be a fresh one) and return plain values: `warmup` untimed steps, then
     `steps` timed ones (seconds, on the wall clock and on the process's CPU-time clock), and the peak memory of a
     training step; all under the phase's SDPA kernel order."""
@@ -292,27 +341,32 @@ def measure(phase: Phase) -> dict:
         seed=phase.seed,
         pin=device.type == "cuda",
     )
-    out = {"pid": os.getpid(), "threads": torch.get_num_threads(), "host_memory_reuse": host_memory_reuse}
+    out = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
     if phase.kind == "kernels":
-        return out | kernels_taking(config, setup, phase.sdpa)
+        return KernelsPhase(**out, **kernels_taking(config, setup, phase.sdpa))
     with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
-        return out | timed(phase, setup, batches)
+        if phase.kind == "device":
+            return DevicePhase(**out, **device_facts(phase, setup, batches))
+        return TimedPhase(**out, **timed(phase, setup, batches))
 
 
-def timed(phase: Phase, setup: Setup, batches: list[Batch]) -> dict:
-    """The `device` facts, or the `plain` or `lightning` phase timed (see measure)."""
-    config, w, device = phase.model, phase.warmup, setup.device
-    if phase.kind == "device":
-        peak, source = peak_flops(device, phase.precision)
-        first = (batches[0][0][:1], batches[0][1][:1])
-        return {
-            "device": device_name(device),
-            "peak_flops": peak,
-            "peak_flops_source": source,
-            "flops_per_token": GPT(config).flops_per_token(config.block_size),
-            # one sequence: the count per token is the same, the memory a fraction
-            "flops_per_token_flop_counter": counted_flops_per_token(config, setup, first),
-        }
+def device_facts(phase: Phase, setup: Setup, batches: list[Batch]) -> DeviceFacts:
+    """The device's name and peak FLOP/s, and the model's FLOPs per token (its formula and the flop counter's)."""
+    config = phase.model
+    peak, source = peak_flops(setup.device, phase.precision)
+    first = (batches[0][0][:1], batches[0][1][:1])  # one sequence: the count per token is the same, the memory less
+    return {
+        "device": device_name(setup.device),
+        "peak_flops": peak,
+        "peak_flops_source": source,
+        "flops_per_token": GPT(config).flops_per_token(config.block_size),
+        "flops_per_token_flop_counter": counted_flops_per_token(config, setup, first),
+    }
+
+
+def timed(phase: Phase, setup: Setup, batches: list[Batch]) -> PhaseTiming:
+    """The `plain` or `lightning` phase timed (see measure)."""
+    config, w = phase.model, phase.warmup
     # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
     total = w + phase.steps + 1
     memory: int | None

@@ -2,6 +2,7 @@
 XSA's output stays orthogonal to each token's own value under bf16 autocast, fused op and paper formula alike."""
 
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,21 @@ MAX_NAMES = 12
 KEPT_NORM = 0.01  # |z_i| below this share of |y_i|: too little left of y_i to have a direction
 
 
+class KernelsRun(TypedDict):
+    backends: list[str]  # SDPA's backends, from the aten operators
+    operators: list[str]
+    kernels: list[str]  # the device kernels' names, the first MAX_NAMES, each cut to MAX_NAME characters
+    kernel_count: int
+
+
+class Orthogonality(TypedDict):
+    shape: list[int]  # batch, heads, context, head_dim
+    dtype: str
+    max_abs_cos: dict[str, float]  # per variant: fused, fused_compiled, reference, reference_fp64, before_xsa
+    tokens_left_out: int
+    max_abs_difference: dict[str, float]
+
+
 def profiled_names(fn: Callable[[], object]) -> tuple[set[str], set[str]]:
     """The names of the operators (host) and of the kernels (device) that run in fn()."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -39,7 +55,7 @@ def profiled_names(fn: Callable[[], object]) -> tuple[set[str], set[str]]:
     return operators, kernels
 
 
-def sdpa_kernels(fn: Callable[[], object]) -> dict:
+def sdpa_kernels(fn: Callable[[], object]) -> KernelsRun:
     """Which SDPA backend fn() runs (forward and backward), from the aten operators and device kernels profiled."""
     operators, kernels = profiled_names(fn)
     backends = sorted({backend for op, backend in SDPA_BACKENDS.items() if op in operators})
@@ -61,7 +77,7 @@ def max_abs_cos(z: torch.Tensor, v: torch.Tensor, kept: torch.Tensor) -> float:
 
 def xsa_orthogonality(
     device: torch.device, *, heads: int, head_dim: int, context: int, batch: int = 2, seed: int = 0
-) -> dict:
+) -> Orthogonality:
     """max |cos(z, v)| of XSA's fused op (eager and compiled) and of xsa_reference, on y and v as the model makes
     them under bf16 autocast: v from a linear layer, y from causal SDPA. The exact reference shows the floor that bf16
     rounding of z sits above (in fp64); before XSA, |cos(y, v)| for scale."""
@@ -98,7 +114,7 @@ def xsa_orthogonality(
     }
 
 
-def orthogonality_holds(result: dict, slack: float = 2.0, floor: float = 1e-3) -> bool:
+def orthogonality_holds(result: Orthogonality, slack: float = 2.0, floor: float = 1e-3) -> bool:
     """The fused op (eager and compiled) is as orthogonal as the paper formula in the same dtype: within `slack`x
     its max |cos|, or below `floor` outright."""
     cos = result["max_abs_cos"]

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import hydra
 import torch
@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from xsa_lm.bench.fresh import process_context, run_fresh
-from xsa_lm.bench.loops import Phase
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, rounds_needed, summarize
+from xsa_lm.bench.loops import DevicePhase, KernelsFound, KernelsPhase, Phase, TimedPhase
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, RatioSummary, rounds_needed, summarize
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
@@ -51,7 +51,31 @@ SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
 # The clock rounds are planned on: a CPU step is the process's own work (its CPU time holds up on a shared
 # machine); a GPU step's host CPU time says little about the device's.
 PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
-CLOCKS = {"wall": "step_times", "cpu": "cpu_step_times"}
+Round = dict[str, TimedPhase]  # a round's result of each phase
+
+
+class KernelChoice(KernelsFound):
+    timed: list[str]  # the kernels SA and XSA are timed under
+    primary: str  # the kernel whose ratios are the headline
+
+
+class RoundsPlan(TypedDict):
+    """rounds: auto's plan, made once from the pilot (plan_rounds)."""
+
+    pilot: int
+    clock: str
+    needed: int | None  # None: the pilot's centre is on the target
+    affordable: int
+    budget_s: float
+    max_rounds: int
+    round_s: float
+    rounds: int
+    limited_by: str
+
+
+class Ratio(RatioSummary):
+    kernel: str
+    clock: str
 
 
 def resolve_device(device: str) -> torch.device:
@@ -135,22 +159,30 @@ def backend_names(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def kernel_choice(cfg: DictConfig, base: Phase) -> dict:
+def kernel_choice(cfg: DictConfig, base: Phase) -> KernelChoice:
     """In a fresh process (this one never touches CUDA): the SDPA kernel order `xsa-lm train` uses on this device
     (sdpa_backends=auto), the kernel it runs for this model, and the kernels to time SA and XSA under: those of
     `backends` that take the model's attention alone (`train`: the one train runs). `primary`: the kernel whose
     ratios are the headline (train's, when it is timed)."""
-    found = run_fresh(replace(base, kind="kernels", sdpa=backend_names(cfg.backends)), "kernels", process_context())
+    kernels = replace(base, kind="kernels", sdpa=backend_names(cfg.backends))
+    found = cast(KernelsPhase, run_fresh(kernels, "kernels", process_context()))
     timed = [found["used"]] if cfg.backends == "train" else [k for k in found["candidates"] if found["takes"][k]]
     if not timed:
         raise UserError(
             f"backends={cfg.backends}: none of {', '.join(found['candidates'])} takes this model's attention in "
             f"{base.precision} on {base.device}; add math (it takes every shape)"
         )
-    return found | {"timed": timed, "primary": found["used"] if found["used"] in timed else timed[0]}
+    return KernelChoice(
+        order=found["order"],
+        used=found["used"],
+        candidates=found["candidates"],
+        takes=found["takes"],
+        timed=timed,
+        primary=found["used"] if found["used"] in timed else timed[0],
+    )
 
 
-def make_phases(cfg: DictConfig, base: Phase, xsa: GPTConfig, kernels: dict) -> dict[str, Phase]:
+def make_phases(cfg: DictConfig, base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
     """`sa_<kernel>` and `xsa_<kernel>` (the plain loop under that kernel alone) for each timed kernel, and
     `lightning` (always: the headline tokens/s and MFU) under the kernel order `xsa-lm train` uses."""
     phases = {}
@@ -177,18 +209,19 @@ def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
     return [name for group in groups for name in group]
 
 
-def median_step(result: dict, clock: str) -> float:
-    """A phase's median step time (s) on one clock."""
-    return statistics.median(result[CLOCKS[clock]])
+def median_step(result: TimedPhase, clock: str) -> float:
+    """A phase's median step time (s) on one clock: wall or cpu."""
+    return statistics.median(result["step_times"] if clock == "wall" else result["cpu_step_times"])
 
 
-def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[dict]:
+def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[Round]:
     """Rounds first .. first + count - 1: each runs every phase once, each in a fresh process (round_order)."""
     context, results = process_context(), []
     for r in range(first, first + count):
-        t0, result = time.perf_counter(), {}
+        t0, result = time.perf_counter(), Round()
         for name in round_order(list(phases), kernels, r):
-            result[name] = run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context)
+            timed = run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context)
+            result[name] = cast(TimedPhase, timed)
         results.append(result)
         ms = ", ".join(
             f"{k} {1e3 * median_step(v, 'wall'):.1f} ms ({1e3 * median_step(v, 'cpu'):.1f} CPU)"
@@ -198,12 +231,14 @@ def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, coun
     return results
 
 
-def per_round_ratios(rounds: list[dict], top: str, bottom: str, clock: str) -> list[float]:
+def per_round_ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float]:
     """Per round, phase `top`'s median step time over phase `bottom`'s, both from that round."""
     return [median_step(r[top], clock) / median_step(r[bottom], clock) for r in rounds]
 
 
-def deciding_ratios(rounds: list[dict], kernels: dict, clock: str, device_type: str) -> list[tuple[list[float], float]]:
+def deciding_ratios(
+    rounds: list[Round], kernels: KernelChoice, clock: str, device_type: str
+) -> list[tuple[list[float], float]]:
     """The per-round ratios the rounds are planned for, each with its target: the headline, XSA/SA under the
     primary kernel (the other kernels' ratios come from the same rounds), or, when only Lightning and the plain
     loop are compared, Lightning's step time over the plain loop's (the inverse of the throughput ratio, and of its
@@ -218,7 +253,9 @@ def deciding_ratios(rounds: list[dict], kernels: dict, clock: str, device_type: 
     return [(per_round_ratios(rounds, top, bottom, clock), target) for top, bottom in pairs]
 
 
-def plan_rounds(pilot: list[dict], *, kernels: dict, elapsed_s: float, cfg: DictConfig, device_type: str) -> dict:
+def plan_rounds(
+    pilot: list[Round], *, kernels: KernelChoice, elapsed_s: float, cfg: DictConfig, device_type: str
+) -> RoundsPlan:
     """How many rounds in all: what the headline ratio needs at the pilot's spread and distance to its target
     (stats.rounds_needed), within what fits in budget_s at the pilot's pace and max_rounds. Planned once, from the
     pilot: re-planning after every round would stop when the interval happened to look decided, and such an
@@ -249,8 +286,8 @@ def mfu_target(model: str, device: str) -> float | None:
 
 
 def summarize_rounds(
-    rounds: list[dict], info: dict, *, model: str, device_type: str, tokens: int, kernels: dict
-) -> dict:
+    rounds: list[Round], info: DevicePhase, *, model: str, device_type: str, tokens: int, kernels: KernelChoice
+) -> dict[str, Any]:
     """Per phase: median step time on both clocks, tokens/s, peak memory, the kernel it ran; per comparison and
     clock: the per-round ratios summarized (`_<kernel>` after the name for a kernel other than the primary)."""
     out: dict = {}
@@ -260,36 +297,36 @@ def summarize_rounds(
         out[f"{name}_cpu_ms"] = 1e3 * statistics.median(median_step(r[name], "cpu") for r in rounds)
         out[f"{name}_tokens_per_s"] = tokens / wall
         memory = [r[name]["peak_memory_bytes"] for r in rounds]
-        out[f"{name}_peak_memory_bytes"] = None if None in memory else statistics.median(memory)
+        measured = [m for m in memory if m is not None]
+        out[f"{name}_peak_memory_bytes"] = statistics.median(measured) if len(measured) == len(memory) else None
     out["phase_kernels"] = {name: rounds[0][name]["sdpa_used"] for name in rounds[0]}
-    primary, ratios = kernels["primary"], {}
+    primary, ratios = kernels["primary"], dict[str, Ratio]()
     step_target = TARGETS["xsa_over_sa_step_time"][device_type]
     for kernel in [k for k in kernels["timed"] if f"xsa_{k}" in rounds[0]]:
         suffix = "" if kernel == primary else f"_{kernel}"
         for clock, key in (("wall", "xsa_over_sa_step_time"), ("cpu", "xsa_over_sa_cpu_time")):
             values = per_round_ratios(rounds, f"xsa_{kernel}", f"sa_{kernel}", clock)
-            ratios[key + suffix] = summarize(values, target=step_target, at_most=True) | {"kernel": kernel}
-            ratios[key + suffix]["clock"] = clock
+            ratios[key + suffix] = Ratio(
+                **summarize(values, target=step_target, at_most=True), kernel=kernel, clock=clock
+            )
     if f"sa_{primary}" in rounds[0]:  # throughput ratio = plain step time / Lightning step time
         for clock, key in (("wall", "lightning_over_plain_throughput"), ("cpu", "lightning_over_plain_cpu_throughput")):
             values = per_round_ratios(rounds, f"sa_{primary}", "lightning", clock)
             target = TARGETS["lightning_over_plain_throughput"]
-            ratios[key] = summarize(values, target=target, at_most=False) | {"kernel": primary, "clock": clock}
-    if info["peak_flops"] is not None:
+            ratios[key] = Ratio(**summarize(values, target=target, at_most=False), kernel=primary, clock=clock)
+    peak = info["peak_flops"]
+    if peak is not None:
         per_round = [median_step(r["lightning"], "wall") for r in rounds]
-        mfu = [tokens / t * info["flops_per_token"] / info["peak_flops"] for t in per_round]
+        mfu = [tokens / t * info["flops_per_token"] / peak for t in per_round]
         target = mfu_target(model, info["device"])
-        ratios["mfu"] = summarize(mfu, target=target, at_most=False) | {"kernel": primary, "clock": "wall"}
+        ratios["mfu"] = Ratio(**summarize(mfu, target=target, at_most=False), kernel=primary, clock="wall")
     xsa_memory, sa_memory = out.get(f"xsa_{primary}_peak_memory_bytes"), out.get(f"sa_{primary}_peak_memory_bytes")
     if xsa_memory and sa_memory:
         out["xsa_over_sa_peak_memory"] = xsa_memory / sa_memory
     return out | {"ratios": ratios}
 
 
-FLOPS_KEYS = ("flops_per_token", "flops_per_token_flop_counter", "peak_flops", "peak_flops_source")
-
-
-def with_step_medians(round_results: dict[str, dict]) -> dict[str, dict]:
+def with_step_medians(round_results: Round) -> dict[str, dict]:
     """One round's results, each phase's with its median step time in ms on both clocks."""
     return {
         name: {
@@ -324,7 +361,8 @@ def check_rounds(rounds: object) -> None:
         raise UserError(f"rounds={rounds!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
 
 
-def bench(cfg: DictConfig) -> dict:
+def bench(cfg: DictConfig) -> dict[str, Any]:
+    """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones."""
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
     check_rounds(n["rounds"])
     check_sizes(cfg)
@@ -347,7 +385,8 @@ def bench(cfg: DictConfig) -> dict:
         print(plan_line(plan), flush=True)
         extra = plan["rounds"] - len(rounds)
         rounds += run_rounds(phases, kernels["timed"], first=len(rounds), count=extra, of=f"/{plan['rounds']}")
-    info = run_fresh(replace(phases["lightning"], kind="device"), label="device", context=process_context())
+    device_phase = replace(phases["lightning"], kind="device")
+    info = cast(DevicePhase, run_fresh(device_phase, label="device", context=process_context()))
     summary = summarize_rounds(
         rounds, info, model=cfg.model.name, device_type=device.type, tokens=tokens, kernels=kernels
     )
@@ -370,7 +409,7 @@ def bench(cfg: DictConfig) -> dict:
         "rounds": len(rounds),
         "rounds_setting": n["rounds"],
         "rounds_plan": plan,
-        "sdpa": {key: kernels[key] for key in ("order", "used", "candidates", "takes", "timed", "primary")},
+        "sdpa": kernels,
         "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
@@ -385,7 +424,10 @@ def bench(cfg: DictConfig) -> dict:
         "ratios": ratios,
         "targets": {key: s["target"] for key, s in ratios.items()},
         "verdicts": {key: s["verdict"] for key, s in ratios.items()},
-        **{key: info[key] for key in FLOPS_KEYS},
+        "flops_per_token": info["flops_per_token"],
+        "flops_per_token_flop_counter": info["flops_per_token_flop_counter"],
+        "peak_flops": info["peak_flops"],
+        "peak_flops_source": info["peak_flops_source"],
         "per_round": [with_step_medians(r) for r in rounds],
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
@@ -417,7 +459,7 @@ def xsa_memory_line(xsa: dict[str, int]) -> str:
     )
 
 
-def kernel_line(kernels: dict) -> str:
+def kernel_line(kernels: KernelChoice) -> str:
     not_taken = [k for k in kernels["candidates"] if not kernels["takes"][k]]
     skipped = f" (not taking this model's attention: {', '.join(not_taken)})" if not_taken else ""
     return (
@@ -426,7 +468,7 @@ def kernel_line(kernels: dict) -> str:
     )
 
 
-def plan_line(plan: dict) -> str:
+def plan_line(plan: RoundsPlan) -> str:
     needed = "no finite number (the pilot's centre is on the target)" if plan["needed"] is None else plan["needed"]
     return (
         f"rounds: the pilot's spread ({plan['clock']} clock) needs {needed} rounds for the 95% interval to decide the "

@@ -9,12 +9,29 @@ how many: from a pilot's spread and its distance to the target.
 
 import math
 import statistics
+from typing import TypedDict
 
 from scipy import stats
 
 CONFIDENCE = 0.95
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
 LARGE = 1e6  # rounds
+
+
+class RatioSummary(TypedDict):
+    """Per-round values summarized: median, geometric mean (the interval's centre), spread, interval, verdict."""
+
+    median: float
+    mean: float
+    sd: float
+    min: float
+    max: float
+    interval: list[float] | None  # None with fewer than 2 rounds
+    confidence: float
+    target: float | None
+    at_most: bool  # the target is an upper bound
+    verdict: str
+    rounds: list[float]
 
 
 def interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -38,8 +55,7 @@ def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: b
     return MEETS if good else MISSES if bad else NOT_RESOLVED
 
 
-def summarize(values: list[float], target: float | None, at_most: bool) -> dict:
-    """Per-round values -> median, geometric mean, spread, 95% interval, target and verdict (plain JSON values)."""
+def summarize(values: list[float], target: float | None, at_most: bool) -> RatioSummary:
     bounds = interval(values)
     return {
         "median": statistics.median(values),
