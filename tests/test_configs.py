@@ -1,5 +1,7 @@
 """Every config composes, resolves, and builds its components."""
 
+import ast
+import re
 from pathlib import Path
 
 import hydra
@@ -133,3 +135,36 @@ def test_every_paper_preset_value_says_whether_the_paper_states_it(path: str):
             continue
         comment = rest.partition("#")[2]
         assert "paper:" in comment or "ours" in comment, f"{path}: {line}"
+
+
+def test_every_module_a_config_file_names_exists():
+    """The `_target_`s and the `xsa_lm/...py` pointers of configs/**/*.yaml name code that exists (read, not
+    imported: a name defined at the top of its module)."""
+    text = "\n".join(p.read_text() for p in sorted(CONFIGS.rglob("*.yaml")))
+    paths = set(re.findall(r"[\w.]+(?:/[\w.]+)+\.py\b", text))
+    assert "xsa_lm/config/schema.py" in paths
+    assert [p for p in paths if not (CONFIGS.parent / p).is_file()] == []
+    dotted = set(re.findall(r"\bxsa_lm(?:\.\w+)+", text))
+    assert "xsa_lm.data.sources.LocalFiles" in dotted
+    assert [name for name in dotted if not defined(name)] == []
+
+
+def defined(dotted: str) -> bool:
+    """A module of the repository (xsa_lm.data), or a name at the top of one (xsa_lm.data.sources.LocalFiles)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        stem = CONFIGS.parent.joinpath(*parts[:cut])
+        source = stem / "__init__.py" if stem.is_dir() else stem.with_suffix(".py")
+        if source.is_file():
+            rest = parts[cut:]
+            return not rest or (len(rest) == 1 and rest[0] in top_level_names(source))
+    return False
+
+
+def top_level_names(source: Path) -> set[str]:
+    tree = ast.parse(source.read_text())
+    names = {getattr(node, "name", None) for node in tree.body}
+    names |= {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+    }
+    return {name for name in names if name}

@@ -1,8 +1,9 @@
-"""The training config is typed (xsa_lm/schema.py): a renamed or misspelt key fails when the config is composed or
-when the run starts, and every rule of xsa_lm/config/checks.py names a key the config has."""
+"""The training config is typed (xsa_lm/config/schema.py): a renamed or misspelt key fails when the config is composed
+or when the run starts, every field has a real type, and every checked field names a key the config has."""
 
 import dataclasses
 import shutil
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tests.helpers import REPO, compose_train, refused_in_process
 from xsa_lm.config.builders import model_config
-from xsa_lm.config.checks import RULES, WHERE_PRESENT, check_values, lookup
+from xsa_lm.config.checks import check_values
 from xsa_lm.config.resume import continuation_config
-from xsa_lm.config.schema import ATTENTION_FIELDS, GROUPS, TrainOptions, check_known_keys, register
+from xsa_lm.config.schema import (
+    ATTENTION_FIELDS,
+    GROUPS,
+    SCHEMAS,
+    TrainOptions,
+    check_known_keys,
+    hydra_schema,
+    knob,
+    register,
+)
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 
@@ -26,18 +36,6 @@ MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml") if not p.stem
 REQUIRED = {"data=local": ["data.files=x"], "data=hf": ["data.path=x"], "data=prepared": ["data.dir=x"]}
 REQUIRED["tokenizer=file"] = ["tokenizer.path=x"]
 OPTIONS = [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml")) if not p.stem.startswith("_")]
-# `Any` values that no rule of checks.py checks, and what checks them instead.
-FREE_FORM = {
-    "attention.layers": "all | N | a list: builders.xsa_layers",
-    "data.source": "a _target_ node: its class's arguments",
-    "data.files": "a glob or a list: data.sources.LocalFiles",
-    "data.data_files": "datasets' data_files",
-    "trainer.devices": "N | auto | a list: Lightning",
-    "trainer.strategy": "auto | a _target_ node: Lightning",
-    "trainer.limit_val_batches": "N batches | a share: Lightning",
-    "trainer.deterministic": "true | false | warn: Lightning",
-    "logger.wandb.log_model": "tracking.wandb_logger",
-}
 
 
 def compose_copy(configs: Path, overrides: list[str]) -> DictConfig:
@@ -54,27 +52,11 @@ def every_option() -> list[DictConfig]:
         return [compose(config_name="train", overrides=[option, *REQUIRED.get(option, [])]) for option in OPTIONS]
 
 
-def leaves(cfg: DictConfig) -> list[tuple[str, Any]]:
-    """(dotted key, its schema type) of every value of the config down to the untyped nodes, which count as one."""
-    found = [(key, TrainOptions.__dataclass_fields__[key].type) for key in cfg if key not in GROUPS]
-    for group in GROUPS:
-        found += typed_leaves(cfg[group], f"{group}.")
-    found = [(key, t) for key, t in found if not dataclasses.is_dataclass(t)]
-    for key in ("checkpoint", "faults", "diagnostics", "samples", "profile"):
-        found += typed_leaves(cfg[key], f"{key}.")
-    return found
-
-
-def typed_leaves(node: DictConfig, prefix: str) -> list[tuple[str, Any]]:
-    schema = OmegaConf.get_type(node)
-    assert dataclasses.is_dataclass(schema), f"{prefix[:-1]} is untyped"
-    found = []
-    for f in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(f.type) and isinstance(node[f.name], DictConfig):
-            found += typed_leaves(node[f.name], f"{prefix}{f.name}.")
-        else:
-            found.append((f"{prefix}{f.name}", f.type))
-    return found
+def every_schema(schemas: list[type]) -> list[type]:
+    """The schemas and the schemas of their fields, down to the leaves."""
+    nested = [k for s in schemas for f in dataclasses.fields(s) for k in typing.get_args(f.type) or [f.type]]
+    inner = [k for k in nested if dataclasses.is_dataclass(k) and k not in schemas]
+    return schemas + every_schema(inner) if inner else schemas
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -166,22 +148,50 @@ def test_a_renamed_top_level_key_fails_before_the_run_starts(tmp_path: Path):
         check_values(compose_train([], config_name=command))
 
 
-def test_every_rule_names_a_key_of_the_config(every_option: list[DictConfig]):
+def test_every_checked_key_is_in_every_option(every_option: list[DictConfig]):
     for cfg in every_option:
-        missing = [key for key in RULES if lookup(cfg, key) is KeyError]
-        assert not missing, missing
-        check_values(cfg)
-    for key in WHERE_PRESENT:  # in some option (trainer=fsdp's strategy)
-        assert any(lookup(cfg, key) is not KeyError for cfg in every_option), key
+        check_values(cfg)  # a checked key that an option lacks is refused as missing
+    fsdp = compose_train(["trainer=fsdp"])  # a key checked where present: in some option
+    assert fsdp.trainer.strategy.tensor_parallel_size == 1
 
 
-def test_every_key_of_the_config_has_a_type(every_option: list[DictConfig]):
-    # A schema type, or a rule of checks.py for an `Any`, or a reason in FREE_FORM; never nothing.
-    for cfg in every_option:
-        check_known_keys(cfg)
-        untyped = [key for key, t in leaves(cfg) if t is Any and key not in RULES and key not in FREE_FORM]
-        assert not untyped, untyped
-    assert set(FREE_FORM) <= {key for cfg in every_option for key, _ in leaves(cfg)}
+def test_every_field_has_a_real_type():
+    schemas = every_schema([TrainOptions, *SCHEMAS.values()])
+    assert len(schemas) > 20
+    untyped = [f"{s.__name__}.{f.name}" for s in schemas for f in dataclasses.fields(s) if f.type is Any]
+    assert not untyped, untyped
+
+
+def test_hydra_holds_a_checked_field_untyped_and_the_others_typed():
+    trainer = {f.name: f.type for f in dataclasses.fields(hydra_schema(SCHEMAS["_trainer_schema"]))}
+    assert trainer["max_steps"] is Any and trainer["activation_checkpointing"] is Any  # checked: 1.5 reaches its check
+    assert trainer["precision"] is str and trainer["enable_model_summary"] is bool
+    assert trainer["deterministic"] is Any  # bool | "warn": no type of OmegaConf's
+    attention = {f.name: f.type for f in dataclasses.fields(hydra_schema(SCHEMAS["_attention_schema"]))}
+    assert attention["eps"] is float  # GPTConfig checks it: typed, as the model's fields are
+
+
+@pytest.mark.parametrize(
+    "annotation, check, value, problem",
+    [
+        (int, knob(ge=1), 0, "must be >= 1"),
+        (int, knob(ge=1), True, "must be an integer"),
+        (int | None, knob(ge=0, le=9), 10, "must be >= 0 and <= 9"),
+        (int | None, knob(ge=0), "x", "must be an integer or null"),
+        (int | None, knob(ge=0), None, None),
+        (float, knob(gt=0), 0, "must be > 0"),
+        (float, knob(ge=0, le=1), 1.5, "must be in [0, 1]"),
+        (float | None, knob(ge=0, lt=1), 1, "must be in [0, 1)"),
+        (float, knob(gt=0), float("nan"), "must be a finite number"),
+        (bool, knob(), 1, "must be true or false"),
+        (bool | typing.Literal["auto"], knob(), "yes", "must be true, false or auto"),
+        (int | typing.Literal["auto"], knob(ge=0), -1, "must be >= 0 or auto"),
+        (int | typing.Literal["auto"], knob(ge=0), "auto", None),
+        (str, knob(rule=lambda v: None if v == "a" else "must be a"), "b", "must be a"),
+    ],
+)
+def test_a_field_checks_its_type_and_bounds(annotation: Any, check: Any, value: Any, problem: str | None):
+    assert check.metadata["check"].problem(annotation, value) == problem
 
 
 def test_a_rule_whose_key_is_missing_is_an_error():

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.compat import lightning_device_settings, lightning_precision_name, lightning_precisions
 from xsa_lm.config.checks import check_values
+from xsa_lm.config.schema import model_error
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 from xsa_lm.tracking import resolve_mode
@@ -50,8 +51,9 @@ def world_size(trainer_cfg: DictConfig) -> int:
     return devices * int(trainer_cfg.get("num_nodes", 1))
 
 
-def check_config(cfg: DictConfig) -> dict:
-    """Validate what the user can get wrong; returns derived batch quantities."""
+def check_config(cfg: DictConfig) -> dict[str, int]:
+    """Validate what the user can get wrong; returns the derived batch quantities: devices (processes in the run)
+    and accumulate (micro-batches per optimizer step on each device)."""
     check_values(cfg)
     model_config(cfg, vocab_size=1)  # GPTConfig's own checks (layers, sinks, heads), before the data is prepared
     resolve_precision(cfg.trainer.precision)  # a name Lightning accepts; check_trainer asks this machine
@@ -138,7 +140,7 @@ def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
             xsa_gate=gate_enabled(attention.gate),
         )
     except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...), each opening with its field
-        raise UserError(f"model.{e}") from None
+        raise model_error(e) from None
 
 
 def xsa_layers(layers, n_layer: int, attention: str = "xsa") -> tuple[int, ...] | None:

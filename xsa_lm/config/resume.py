@@ -47,7 +47,7 @@ FREE_ON_RESUME = (
 )
 
 
-def flatten(node: dict, prefix: str = "") -> dict[str, object]:
+def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
     flat = {}
     for key, value in node.items():
@@ -58,9 +58,9 @@ def flatten(node: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
-def plain(config: DictConfig) -> dict:
+def plain(config: DictConfig) -> dict[str, object]:
     """The config resolved into plain dicts and lists."""
-    return cast(dict, OmegaConf.to_container(config, resolve=True))  # a DictConfig gives a dict
+    return cast(dict[str, object], OmegaConf.to_container(config, resolve=True))  # a DictConfig gives a dict
 
 
 def is_free(key: str) -> bool:

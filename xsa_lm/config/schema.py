@@ -1,25 +1,157 @@
-"""Typed schemas of the training config: every key of configs/train.yaml and of each option of its groups. A renamed
-or misspelt key in a file fails when Hydra composes the config, a key appended past a schema (`+optim.lrr=1`) when
-the run starts (check_known_keys), each in one line from the CLI.
+"""Typed schemas of the training config: every key of configs/train.yaml and of each option of its groups, each field
+holding the key's type, default (`???`: the file sets it), what it is, and its check. The files hold the values and
+say why.
 
-The files hold the values and say why; the schemas hold the keys and their types (`???`: the file sets it). A value
-that a rule of checks.py checks is `Any` here: Hydra types a command-line value by its look, so an int
-field would stop at `trainer.max_steps=1.5` in OmegaConf's words, where the rule names the key, the value and what
-it takes, with every other bad value, in one line (and also checks a config.yaml read back on resume). The model
-group mirrors GPTConfig (its presets list only what differs from it); its rules check ranges only.
+A renamed or misspelt key in a file fails when Hydra composes the config, a key appended past a schema
+(`+optim.lrr=1`) when the run starts (check_known_keys), each in one line from the CLI. A field made with knob() is
+checked by checks.py check_values against its type and bounds (or its own rule), naming the key, the value and what it
+takes, with every other bad value, in one line (also for a config.yaml read back on resume). Hydra types a
+command-line value by its look (`max_steps=1.5` is a float), so Hydra's config store holds such a field untyped
+(hydra_schema) and OmegaConf does not stop it first in its own words. The model group mirrors GPTConfig, whose own
+check is the one range check of the model's fields.
 """
 
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
-from typing import Any
+from types import NoneType, UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from xsa_lm.errors import UserError
 from xsa_lm.model.config import GPTConfig
+from xsa_lm.model.sdpa import config_problem as sdpa_backends_problem
 
-# GPTConfig fields that the attention group sets (attention.name, .eps, .layers, .gate), not the model group.
-ATTENTION_FIELDS = ("attention", "xsa_eps", "xsa_layers", "xsa_gate")
+SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
+Rule = Callable[[Any], str | None]  # a value -> what is wrong with it (None: nothing)
+TYPE_WANTED = {int: "must be an integer", float: "must be a finite number", bool: "must be true or false"}
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a field's value must be beyond its type: within bounds (gt, lt: open), or what a rule of its own says
+    (of its type too)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    rule: Rule | None = None
+
+    def problem(self, annotation: Any, value: Any) -> str | None:
+        """What is wrong with a value of a field annotated `annotation` (int, float or bool, `| None`, `| Literal`)."""
+        if self.rule:
+            return self.rule(value)
+        kinds = options(annotation)
+        words = [word for kind in kinds if get_origin(kind) is Literal for word in get_args(kind)]
+        if (value is None and NoneType in kinds) or (isinstance(value, str) and value in words):
+            return None
+        kind = next(k for k in kinds if k in TYPE_WANTED)
+        if is_a(kind, value):
+            problem = self.bounds_problem(kind, value)
+        else:
+            problem = TYPE_WANTED[kind] + (" or null" if NoneType in kinds else "")
+        if problem and words:
+            return ("must be true, false" if kind is bool else problem) + f" or {', '.join(words)}"
+        return problem
+
+    def bounds_problem(self, kind: type, value: float) -> str | None:
+        low, high = self.ge if self.gt is None else self.gt, self.le if self.lt is None else self.lt
+        if (low is None or value > low or (value == low and self.gt is None)) and (
+            high is None or value < high or (value == high and self.lt is None)
+        ):
+            return None
+        if kind is int:
+            return f"must be >= {low}" + (f" and <= {high}" if high is not None else "")
+        if high is None:
+            return f"must be {'>=' if self.gt is None else '>'} {low:g}"
+        return f"must be in {'[' if self.gt is None else '('}{low:g}, {high:g}{']' if self.lt is None else ')'}"
+
+
+def knob(default: Any = MISSING, **check: Any) -> Any:
+    """A checked field (check_values): Check's bounds or rule, e.g. knob(ge=1), knob(rule=_resume)."""
+    return field(default=default, metadata={"check": Check(**check)})
+
+
+def options(annotation: Any) -> tuple:
+    """The types a union annotation allows (`int | None` -> int, NoneType); a plain one alone."""
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+
+
+def is_a(kind: type, value: object) -> bool:
+    if isinstance(value, bool):  # an int to Python, never a number here
+        return kind is bool
+    if kind is int:
+        return isinstance(value, int)
+    return kind is float and isinstance(value, int | float) and math.isfinite(value)
+
+
+# --- the rules of the odd ones ----------------------------------------------------------------------------------
+
+
+def _text(value: object) -> str | None:
+    # Hydra types a value by its look: samples.prompt=1e3 arrives as 1000.0, =true as True, not as typed.
+    if isinstance(value, str):
+        return None
+    kind = type(value).__name__
+    return f"must be text (Hydra read it as a {kind}): quote it for Hydra, e.g. samples.prompt='\"1e3\"'"
+
+
+def _resume(value: object) -> str | None:
+    wanted = "must be auto, null or a checkpoint path"
+    if isinstance(value, str) and value != "auto" and value.strip().lower() == "auto":  # AUTO, Auto: not a path
+        return f"{wanted}: did you mean resume=auto?"
+    if value is None or (isinstance(value, str) and value.strip()):
+        return None
+    return f"{wanted} (quote a path Hydra reads as a number or boolean, e.g. resume='\"5\"')"
+
+
+def _devices(value: Any) -> str | None:
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text
+    ("2", "0,1")."""
+    if isinstance(value, str) and value != "auto":
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if parts and all(p.lstrip("-").isdigit() for p in parts):
+            value = [int(p) for p in parts] if "," in value else int(parts[0])
+    if value == "auto" or value == -1 or (is_a(int, value) and value >= 1):
+        return None
+    indices = list(value) if isinstance(value, list | ListConfig) else []
+    if indices and all(is_a(int, i) and i >= 0 for i in indices) and len(set(indices)) == len(indices):
+        return None
+    return "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+
+
+def _betas(value: object) -> str | None:
+    if (
+        not isinstance(value, list | ListConfig)
+        or len(value) != 2
+        or not all(is_a(float, b) and 0 <= b < 1 for b in value)
+    ):
+        return "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
+    return None
+
+
+def _one_only(value: object) -> str | None:
+    # ModelParallelStrategy would build a tensor-parallel mesh that the model never uses: wrong, silently.
+    if is_a(int, value) and value == 1:
+        return None
+    return "must be 1: tensor parallelism is not implemented (trainer=fsdp shards data parallel only)"
+
+
+# --- the schemas ------------------------------------------------------------------------------------------------
+
+# GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
+ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
+
+
+def model_error(error: ValueError) -> UserError:
+    """GPTConfig's refusal, which opens with its field, as one line naming the config key (model.n_sinks=...)."""
+    name, rest = re.match(r"(\w*)(.*)", str(error), re.DOTALL).groups()  # type: ignore[union-attr]  # always matches
+    key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
+    return UserError(f"{key}{rest}")
 
 
 def _model_fields() -> list[tuple]:
@@ -39,39 +171,39 @@ ModelOptions = make_dataclass("ModelOptions", _model_fields())
 
 @dataclass
 class AttentionOptions:
-    name: str = MISSING  # sa | xsa
-    eps: float = 1e-6  # added to ||v_i||^2 in XSA (fp32)
-    layers: Any = "all"  # all | N (the last N layers) | a list of 0-based layers: three types, so untyped
-    gate: str = "none"  # none | tanh
+    name: Literal["sa", "xsa"] = MISSING
+    eps: float = 1e-6  # added to ||v_i||^2 in XSA (fp32); GPTConfig checks it
+    layers: Literal["all"] | int | list[int] = "all"  # the last N layers, or these 0-based layers: builders.xsa_layers
+    gate: Literal["none", "tanh"] = "none"
 
 
 @dataclass
 class DataOptions:
     """configs/data/_base.yaml: preparation and loading, shared by every data option."""
 
-    dir: str | None = MISSING
+    dir: str | None = MISSING  # the token shards; null: under cache_dir
     cache_dir: str = MISSING
-    val_split: str = MISSING  # auto | document | tail
-    val_fraction: float | None = MISSING
+    val_split: Literal["auto", "document", "tail"] = MISSING
+    val_fraction: float | None = MISSING  # share held out; null: the paper's
     split_seed: int = MISSING
-    shard_documents: int = MISSING
-    prepare_workers: int = MISSING
-    tokenizer_documents: int = MISSING
-    block_size: Any = MISSING
-    val_windows: int | None = MISSING
-    num_workers: Any = MISSING  # auto | N
+    shard_documents: int = MISSING  # documents per shard
+    prepare_workers: int = MISSING  # tokenizer processes
+    tokenizer_documents: int = MISSING  # a trained BPE learns from the first N training documents
+    block_size: int = knob(ge=1)  # training context (xsa-lm prepare: null, whole documents)
+    val_windows: int | None = MISSING  # null: every validation window
+    num_workers: int | Literal["auto"] = knob(ge=0)  # data-loader workers per device
 
 
 @dataclass
 class ShakespeareData(DataOptions):
-    source: Any = MISSING  # a _target_ node: the corpus's own arguments
+    source: dict[str, Any] = MISSING  # a _target_ node: the corpus's own arguments
 
 
 @dataclass
 class LocalData(DataOptions):
-    files: Any = MISSING  # a glob or a list of globs
+    files: str | list[str] = MISSING  # a glob or a list of globs
     text_field: str = MISSING
-    source: Any = MISSING
+    source: dict[str, Any] = MISSING
 
 
 @dataclass
@@ -80,14 +212,14 @@ class HFData(DataOptions):
     subset: str | None = MISSING
     split: str = MISSING
     text_field: str = MISSING
-    data_files: Any = MISSING  # null, a path, a list or a split -> paths mapping (datasets' data_files)
+    data_files: str | list[str] | dict[str, Any] | None = MISSING  # datasets' data_files: a path, a list or a mapping
     max_documents: int | None = MISSING
-    source: Any = MISSING
+    source: dict[str, Any] = MISSING
 
 
 @dataclass
 class PreparedData(DataOptions):
-    source: Any = MISSING  # null: the shards hold everything
+    source: dict[str, Any] | None = MISSING  # null: the shards hold everything
 
 
 @dataclass
@@ -110,17 +242,24 @@ class PathTokenizer(Partial):
 
 @dataclass
 class AdamWOptions(Partial):
-    lr: Any = MISSING
-    betas: Any = MISSING
-    eps: Any = MISSING
-    weight_decay: Any = MISSING
+    lr: float = knob(gt=0)  # peak LR
+    betas: list[float] = knob(rule=_betas)
+    eps: float = knob(gt=0)
+    weight_decay: float = knob(ge=0)  # matrices only
 
 
 @dataclass
 class WarmupCosineOptions(Partial):
-    warmup_steps: Any = MISSING
-    min_lr_ratio: Any = MISSING
-    total_steps: Any = MISSING
+    warmup_steps: int = knob(ge=0)
+    min_lr_ratio: float = knob(ge=0, le=1)  # the final LR over the peak
+    total_steps: int | None = knob(ge=1)  # null: trainer.max_steps
+
+
+@dataclass
+class StrategyNode:
+    """trainer.strategy as a _target_ node: the strategy's own arguments, checked where the node has them."""
+
+    tensor_parallel_size: int = knob(1, rule=_one_only)  # ModelParallelStrategy's (trainer=fsdp)
 
 
 @dataclass
@@ -129,18 +268,18 @@ class TrainerOptions:
 
     _target_: str = MISSING
     accelerator: str = MISSING
-    devices: Any = MISSING  # N | auto | a list of device indices
-    strategy: Any = MISSING  # auto | a _target_ node with the strategy's own arguments
-    num_nodes: Any = MISSING
-    precision: str = MISSING
-    max_steps: Any = MISSING
-    gradient_clip_val: Any = MISSING
-    log_every_n_steps: Any = MISSING
-    limit_val_batches: Any = MISSING  # null | N batches | a share (float): Lightning reads the type
+    devices: int | str | list[int] = knob(rule=_devices)  # N | -1 | auto | a list of device indices, per node
+    strategy: str | StrategyNode = MISSING  # auto | a name | a _target_ node with the strategy's own arguments
+    num_nodes: int = knob(ge=1)
+    precision: str = MISSING  # auto (ours) or Lightning's name
+    max_steps: int = knob(ge=1)  # optimizer steps
+    gradient_clip_val: float | None = knob(ge=0)
+    log_every_n_steps: int = knob(ge=1)
+    limit_val_batches: int | float | None = MISSING  # null | N batches | a share: Lightning reads the type
     num_sanity_val_steps: int = MISSING
     enable_model_summary: bool = MISSING
-    deterministic: Any = MISSING  # true | false | warn
-    activation_checkpointing: Any = MISSING
+    deterministic: bool | Literal["warn"] = MISSING
+    activation_checkpointing: bool = knob()  # recompute each block in the backward
 
 
 @dataclass
@@ -156,9 +295,9 @@ class WandbOptions:
     group: str | None = MISSING
     job_type: str | None = MISSING
     tags: list[str] = MISSING
-    mode: str = MISSING  # auto | online | offline | disabled
+    mode: Literal["auto", "online", "offline", "disabled"] = MISSING
     init_timeout_s: int = MISSING
-    log_model: Any = MISSING  # false | true | all
+    log_model: bool | Literal["all"] = MISSING  # checkpoints as W&B artifacts: at the end, or at each save (all)
 
 
 @dataclass
@@ -179,58 +318,58 @@ class NoLogger:
 
 @dataclass
 class CheckpointOptions:
-    keep_last: Any = MISSING
-    every_n_steps: Any = MISSING
-    async_save: Any = MISSING
+    keep_last: int = knob(ge=0)  # step checkpoints kept besides last.ckpt and best.ckpt
+    every_n_steps: int | None = knob(ge=1)  # null: at each validation
+    async_save: bool = knob()  # sharded checkpoints written in the background
 
 
 @dataclass
 class FaultsOptions:
-    skip_nonfinite_batches: Any = MISSING
-    spike_factor: Any = MISSING
-    inject_nan_at_step: Any = MISSING
-    inject_nan_on_rank: Any = MISSING
+    skip_nonfinite_batches: int = knob(ge=0)  # steps with a NaN/inf gradient skipped before the run diverged
+    spike_factor: float | None = knob(gt=0)  # loss / grad-norm over its running average logged as an event
+    inject_nan_at_step: int | None = knob(ge=0)  # testing the recovery
+    inject_nan_on_rank: int | None = knob(ge=0)  # null: every rank
 
 
 @dataclass
 class DiagnosticsOptions:
-    every_n_steps: Any = MISSING
-    sequences: Any = MISSING
-    chunk: Any = MISSING
+    every_n_steps: int | None = knob(ge=1)  # null: off
+    sequences: int = knob(ge=1)  # the first N validation windows
+    chunk: int = knob(ge=1)  # query positions per block when computing a_ii
 
 
 @dataclass
 class SamplesOptions:
-    every_n_steps: Any = MISSING
-    prompt: Any = MISSING  # typed `str`, OmegaConf would turn prompt=1e3 into "1000.0" silently; checks.py refuses it
-    max_new_tokens: Any = MISSING
-    temperature: Any = MISSING
-    top_k: Any = MISSING
+    every_n_steps: int | None = knob(ge=1)  # null: off
+    prompt: str = knob(rule=_text)  # empty: start from <|endoftext|>
+    max_new_tokens: int = knob(ge=1)
+    temperature: float = knob(ge=0)
+    top_k: int | None = knob(ge=1)
 
 
 @dataclass
 class ProfileOptions:
-    start_step: Any = MISSING
-    steps: Any = MISSING
+    start_step: int | None = knob(ge=0)  # null: off
+    steps: int = knob(ge=1)  # optimizer steps traced
 
 
 @dataclass
 class TrainOptions:
     """configs/train.yaml's own keys; the groups' nodes (model, data, ...) are typed by each option's schema."""
 
-    seed: Any = MISSING
-    init_seed: Any = MISSING
-    global_batch_tokens: Any = MISSING
-    micro_batch_size: Any = MISSING
-    val_every_steps: Any = MISSING
-    val_position_buckets: Any = MISSING
-    compile: Any = MISSING  # auto | true | false
-    sdpa_backends: Any = MISSING  # auto | a kernel | a list of kernels: OmegaConf types no str-or-list union
-    reuse_host_memory: Any = MISSING
-    check_memory: Any = MISSING
-    resume: str | None = MISSING  # null | auto | a checkpoint path
-    run_name: str | None = MISSING
-    progress_bar: Any = MISSING
+    seed: int = knob(ge=0, le=SEED_MAX)
+    init_seed: int | None = knob(ge=0, le=SEED_MAX)  # null: weights from seed
+    global_batch_tokens: int = knob(ge=1)  # tokens per optimizer step
+    micro_batch_size: int = knob(ge=1)  # sequences per forward pass on one device
+    val_every_steps: int = knob(ge=1)
+    val_position_buckets: int = knob(ge=1)  # the validation loss per equal span of window positions
+    compile: bool | Literal["auto"] = knob()  # auto: on CUDA runs
+    sdpa_backends: str | list[str] = knob(rule=sdpa_backends_problem)  # auto | a kernel | kernels, first that fits
+    reuse_host_memory: bool = knob()
+    check_memory: bool = knob()  # refuse a run estimated not to fit
+    resume: str | None = knob(rule=_resume)  # null | auto | a checkpoint path
+    run_name: str | None = MISSING  # null: derived from the run's settings
+    progress_bar: bool = knob()
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     faults: FaultsOptions = field(default_factory=FaultsOptions)
     diagnostics: DiagnosticsOptions = field(default_factory=DiagnosticsOptions)
@@ -239,6 +378,15 @@ class TrainOptions:
 
 
 GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
+# The schema check_values reads each group by: the keys every option of the group has.
+GROUP_SCHEMAS = {
+    "model": ModelOptions,
+    "attention": AttentionOptions,
+    "data": DataOptions,
+    "optim": AdamWOptions,
+    "scheduler": WarmupCosineOptions,
+    "trainer": TrainerOptions,
+}
 # Keys beside the training config's in a composed config: Hydra's own, and those of the commands that compose it
 # (configs/sweep.yaml, scale.yaml, plan.yaml; an experiment may set sweep and scale for them).
 AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
@@ -260,20 +408,39 @@ SCHEMAS = {
     "_logger_wandb_schema": WandbLogger,
     "_logger_none_schema": NoLogger,
 }
+# Types OmegaConf holds as given (alone or `| None`); a union of others or a Literal it cannot.
+OMEGACONF_TYPES = (int, float, bool, str, list[str])
 
 
-def train_schema() -> dict:
-    """TrainOptions as an untyped root with typed nodes: sweep, scale and plan compose configs/train.yaml and add
-    keys of their own beside it, which a typed root would refuse (check_known_keys refuses the others)."""
-    return {f.name: getattr(TrainOptions(), f.name) for f in fields(TrainOptions)}
+def hydra_type(f: Any) -> Any:
+    """A field's type in Hydra's config store: a checked field untyped, so that a command-line value reaches its
+    check whatever its look, as does a type OmegaConf cannot hold; a schema as its own copy."""
+    if isinstance(f.type, type) and is_dataclass(f.type):
+        return hydra_schema(f.type)
+    kinds = [kind for kind in options(f.type) if kind is not NoneType]
+    held = len(kinds) == 1 and kinds[0] in OMEGACONF_TYPES
+    return f.type if held and "check" not in f.metadata else Any
+
+
+def hydra_schema(schema: type) -> type:
+    """The copy of a schema that Hydra's config store holds: the same keys and defaults, typed by hydra_type."""
+    own = []
+    for f in fields(schema):
+        kind = hydra_type(f)
+        default = field(default_factory=kind) if is_dataclass(f.type) else field(default=f.default)
+        own.append((f.name, kind, default))
+    return make_dataclass(schema.__name__, own)
 
 
 def register() -> None:
-    """The schemas in Hydra's config store, outside the groups (so that no option of a group lists them)."""
+    """The schemas in Hydra's config store, outside the groups (so that no option of a group lists them). The root
+    of train.yaml is untyped with typed nodes: sweep, scale and plan compose it and add keys of their own beside it,
+    which a typed root would refuse (check_known_keys refuses the others)."""
     store = ConfigStore.instance()
-    store.store(name="_train_schema", node=train_schema())
+    root = hydra_schema(TrainOptions)()
+    store.store(name="_train_schema", node={f.name: getattr(root, f.name) for f in fields(root)})
     for name, schema in SCHEMAS.items():
-        store.store(name=name, node=schema)
+        store.store(name=name, node=hydra_schema(schema))
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -305,7 +472,7 @@ def _node_at(node: DictConfig, key: str) -> DictConfig | None:
 
 def check_known_keys(cfg: DictConfig) -> None:
     """Keys no schema has, refused in one line: `+group.key=...` appends past the schema (Hydra opens the node for
-    `+`), and the root of the training config is untyped (train_schema). The first one is named."""
+    `+`), and the root of the training config is untyped (register). The first one is named."""
     own = [f.name for f in fields(TrainOptions)] + list(GROUPS)
     extra = [key for key in map(str, cfg) if key not in own and key not in AROUND_TRAINING]
     unknown = [f"{key}: not an option of configs/train.yaml (it has {', '.join(own)})" for key in extra]

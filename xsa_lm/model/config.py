@@ -28,9 +28,13 @@ class GPTConfig:
             raise ValueError(f"attention must be 'sa' or 'xsa', got {self.attention!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        # Each refusal opens with its field: config/schema.py model_error names the config key by it.
+        positive = ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size", "mlp_ratio", "rope_base")
+        for name in (*positive, "init_std", "xsa_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
