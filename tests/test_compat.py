@@ -1,4 +1,5 @@
-"""The private Lightning and torch APIs of xsa_lm.compat still behave as it expects, on the installed versions."""
+"""What xsa_lm.compat relies on still holds on the installed versions: the private Lightning and torch APIs it uses
+behave as it expects, and the Lightning and Hydra rules it restates in public terms give their own answers."""
 
 import csv
 from pathlib import Path
@@ -9,7 +10,6 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from xsa_lm import compat
 
@@ -21,38 +21,53 @@ def changed(api: str, what: str) -> str:
 
 
 class Recorder(L.LightningModule):
-    """A linear model that records compat.should_update_logs at each training step."""
+    """A linear model that records compat.should_update_logs and Lightning's own rule in each training step, its
+    gradient clipping and after each micro-batch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
         self.seen: dict[int, bool] = {}
+        self.both: list[tuple[bool, bool]] = []
+
+    def record(self) -> bool:
+        ours = compat.should_update_logs(self.trainer)
+        self.both.append((ours, self.trainer._logger_connector.should_update_logs))
+        return ours
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        self.seen[self.global_step] = compat.should_update_logs(self.trainer)
+        self.seen[self.global_step] = self.record()
         return self.layer(batch[0]).sum()
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        self.record()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self.record()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_should_update_logs_is_true_at_logging_steps(tmp_path: Path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_should_update_logs_is_lightnings_rule(tmp_path: Path, accumulate: int):
     api = "Trainer._logger_connector.should_update_logs"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=1)
     trainer = L.Trainer(
         max_steps=6,
         log_every_n_steps=3,
+        accumulate_grad_batches=accumulate,
         logger=CSVLogger(tmp_path),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    assert hasattr(trainer, "_logger_connector"), changed("Trainer._logger_connector", "is gone")
-    assert hasattr(type(trainer._logger_connector), "should_update_logs"), changed(api, "is gone")
     module = Recorder()
     trainer.fit(module, data)
     assert module.seen == {0: False, 1: False, 2: True, 3: False, 4: False, 5: True}, changed(api, "changed meaning")
+    ours, lightnings = zip(*module.both, strict=True)
+    assert ours == lightnings, changed(api, "differs from compat.should_update_logs")
 
 
 def test_fused_adamw_skips_its_update_where_found_inf_is_set():
@@ -69,11 +84,11 @@ def test_fused_adamw_skips_its_update_where_found_inf_is_set():
 
 
 @pytest.mark.parametrize("sharded", [True, False])
-def test_model_parallel_strategy_keeps_save_distributed_checkpoint(sharded: bool):
-    api = "ModelParallelStrategy._save_distributed_checkpoint"
-    strategy = ModelParallelStrategy(save_distributed_checkpoint=sharded)
-    assert hasattr(strategy, "_save_distributed_checkpoint"), changed(api, "is gone")
-    assert compat.saves_sharded_checkpoints(strategy) is sharded, changed(api, "changed meaning")
+def test_the_sharded_strategy_knows_whether_it_saves_shards(sharded: bool):
+    from xsa_lm.checkpoints.atomic import AtomicModelParallelStrategy
+
+    strategy = AtomicModelParallelStrategy(save_distributed_checkpoint=sharded)
+    assert strategy.sharded is sharded and strategy._save_distributed_checkpoint is sharded
 
 
 def test_experiment_writer_checks_its_directory_from_init(tmp_path: Path):
@@ -86,7 +101,6 @@ def test_experiment_writer_checks_its_directory_from_init(tmp_path: Path):
 
     Probe(log_dir=str(tmp_path))
     assert calls, changed(api, "is no longer called from ExperimentWriter.__init__")
-    assert calls[0] is not None, changed("ExperimentWriter._fs", "is not set before _check_log_dir_exists")
 
 
 def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
@@ -98,24 +112,28 @@ def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
     assert writer.metrics_keys == ["step", "train/loss"]
     writer.log_metrics({"train/loss": 1.25}, step=1)
     writer.save()
+    writer.log_metrics({"train/lr": 0.5}, step=2)  # a new column: the header is rewritten, the rows kept
+    writer.save()
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["step"] for r in rows] == ["0", "1"], changed("ExperimentWriter", "no longer appends to metrics.csv")
+    assert [r["step"] for r in rows] == ["0", "1", "2"], changed("ExperimentWriter", "no longer appends to metrics.csv")
+    assert rows[0] == {"step": "0", "train/loss": "1.5", "train/lr": ""} and rows[2]["train/lr"] == "0.5"
 
 
 def test_a_distributed_checkpoint_reads_back_in_one_process_without_a_process_group(tmp_path: Path):
     import torch.distributed.checkpoint as dcp
 
-    state = {"state_dict": {"w": torch.arange(6.0).view(2, 3)}, "optimizer_0": {"step": torch.tensor(3.0)}}
+    groups = [{"lr": 0.1, "params": ["w"]}, {"lr": 0.0, "params": []}]
+    state = {
+        "state_dict": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)},
+        "optimizer_0": {"state": {"w": {"step": torch.tensor(3.0)}}, "param_groups": groups},
+    }
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)  # the public writer, as FSDP2 runs write
-    try:
-        everything = compat.read_distributed_checkpoint(tmp_path)
-        weights = compat.read_distributed_checkpoint(tmp_path, keys={"state_dict"})
-    except (ImportError, TypeError, AttributeError) as e:
-        pytest.fail(changed("torch.distributed.checkpoint._load_state_dict / _EmptyStateDictLoadPlanner", str(e)))
-    assert torch.equal(everything["state_dict"]["w"], state["state_dict"]["w"]), changed("the DCP reader", "differs")
-    assert torch.equal(everything["optimizer_0"]["step"], torch.tensor(3.0))
-    assert set(weights) == {"state_dict"}, changed("_EmptyStateDictLoadPlanner(keys=)", "no longer filters")
+    everything = compat.read_distributed_checkpoint(tmp_path)
+    weights = compat.read_distributed_checkpoint(tmp_path, keys={"state_dict"})
+    assert torch.equal(everything["state_dict"]["w"], state["state_dict"]["w"])
+    assert everything["state_dict"]["b"].dtype == torch.bfloat16
+    assert everything["optimizer_0"] == state["optimizer_0"] and set(weights) == {"state_dict"}
 
 
 def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, steps: int = 4) -> L.Trainer:
@@ -199,10 +217,11 @@ def test_lightning_broadcasts_a_sigterm_flag_per_batch_that_can_be_skipped(tmp_p
 
 
 class AccumulationRecorder(Recorder):
-    """Records compat.accumulating at each micro-batch."""
+    """Records compat.accumulating at each micro-batch, and Lightning's own rule."""
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         self.seen[batch_idx] = compat.accumulating(self.trainer)
+        self.both.append((self.seen[batch_idx], self.trainer.fit_loop._should_accumulate()))
         return self.layer(batch[0]).sum()
 
 
@@ -218,23 +237,63 @@ def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_pa
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    assert hasattr(trainer.fit_loop, "_should_accumulate"), changed(api, "is gone")
     module = AccumulationRecorder()
     trainer.fit(module, data)
     expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
     assert module.seen == expected, changed(api, "changed meaning")
+    ours, lightnings = zip(*module.both, strict=True)
+    assert ours == lightnings, changed(api, "differs from compat.accumulating")
 
 
 def test_lightning_names_precisions_and_decides_device_settings_as_its_trainer_does():
-    api = "lightning.fabric.connector._PRECISION_INPUT_STR / _convert_precision_to_unified_args"
-    assert {"32-true", "16-mixed", "bf16-mixed"} <= set(compat.lightning_precisions()), changed(api, "changed")
-    assert compat.lightning_precision_name("16") == "16-mixed", changed(api, "changed meaning")
-    with pytest.raises(ValueError):
-        compat.lightning_precision_name("bogus")
-    api = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+    from typing import get_args
+
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+    from lightning.fabric.plugins.precision.precision import (
+        _PRECISION_INPUT_STR,
+        _PRECISION_INPUT_STR_ALIAS_CONVERSION,
+    )
+
+    api = "lightning.fabric's precision names (_PRECISION_INPUT_STR and its aliases)"
+    assert compat.PRECISIONS == get_args(_PRECISION_INPUT_STR), changed(api, "changed")
+    assert compat.PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION, changed(api, "changed")
+    with pytest.warns(UserWarning):  # Lightning discourages the alias
+        assert compat.lightning_precision_name("16") == "16-mixed" == _convert_precision_to_unified_args("16")
+    for precision in (*compat.PRECISIONS, 64, 32, "32", "64"):
+        assert compat.lightning_precision_name(precision) == _convert_precision_to_unified_args(precision)
+    for bogus in ("bogus", "fp8", 8):
+        with pytest.raises(ValueError):
+            _convert_precision_to_unified_args(bogus)
+        with pytest.raises(ValueError):
+            compat.lightning_precision_name(bogus)
     for precision in ("32-true", "16-mixed"):  # what the Trainer then trains in
         trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False, enable_progress_bar=False)
         decided = compat.lightning_device_settings(accelerator="cpu", devices=1, precision=precision)
-        assert decided == trainer.precision, changed(api, "decides another precision than the Trainer")
+        assert decided == trainer.precision
     with pytest.raises(MisconfigurationException, match="devices=0"):  # as Trainer(devices=0) raises
         compat.lightning_device_settings(accelerator="cpu", devices=0)
+
+
+def test_a_compiled_model_names_its_weights_with_the_wrapper_prefix():
+    compiled = torch.compile(torch.nn.Linear(2, 2))  # wrapped, not compiled until called
+    assert all(key.startswith(compat.COMPILED_PREFIX) for key in compiled.state_dict()), changed(
+        "torch.compile's OptimizedModule._orig_mod", "changed"
+    )
+
+
+def test_multirun_jobs_are_those_of_hydras_basic_sweeper():
+    from hydra import initialize_config_module
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from xsa_lm.config.command_line import sweep_jobs
+
+    overrides = ["seed=1,2", "trainer.max_steps=3,4,5", "seed=7,8", "val_every_steps=2"]
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+        jobs = sweep_jobs("train", overrides)
+        hydra = GlobalHydra.instance().hydra
+        assert hydra is not None
+        parser = OverridesParser.create(config_loader=hydra.config_loader)
+        (expected,) = BasicSweeper.split_arguments(parser.parse_overrides(overrides), None)
+    assert jobs == expected and len(jobs) == 6 and jobs[0] == ["seed=7", "trainer.max_steps=3", "val_every_steps=2"]

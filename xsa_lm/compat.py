@@ -1,7 +1,8 @@
-"""Every private Lightning or torch API this package relies on, in one place.
+"""Where this package leans on Lightning or torch beyond their public API, in one place.
 
-Each has no public equivalent; tests/test_compat.py checks each against the installed versions, so an upgrade that
-removes or changes one fails there, by name, rather than deep inside a training run.
+Two kinds: private names, each used because no public equivalent exists (checked against lightning 2.6.6 and torch
+2.13), and Lightning's own rules restated in public terms. tests/test_compat.py checks each against the installed
+versions, so an upgrade that changes one fails there, by name, rather than deep inside a training run.
 """
 
 import csv
@@ -10,26 +11,49 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from xsa_lm.errors import WriteError, what_to_do
 from xsa_lm.files import atomic_file
 
+# The name torch.compile(model)'s wrapper gives the model inside (its state-dict keys start with it).
+COMPILED_PREFIX = "_orig_mod."
+
+# The precisions Lightning's Trainer accepts, and its aliases for them (lightning.fabric.connector).
+PRECISIONS = tuple(
+    "transformer-engine transformer-engine-float16 16-true 16-mixed bf16-true bf16-mixed 32-true 64-true".split()
+)
+PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def accumulating(trainer: L.Trainer) -> bool:
+    """Whether the current micro-batch's gradients are accumulated, not yet followed by an optimizer step: Lightning's
+    rule (the end of the accumulation window, or of the epoch unless the strategy accumulates itself), which its DDP
+    no_sync follows."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    ready = progress.current.ready
+    epoch_ends = ready == trainer.num_training_batches or progress.is_last_batch
+    window_open = ready % trainer.accumulate_grad_batches != 0
+    return window_open and (trainer.strategy.handles_gradient_accumulation or not epoch_ends)
+
 
 def should_update_logs(trainer: L.Trainer) -> bool:
-    """Whether this step's logged values reach the loggers: Lightning's own rule (its LearningRateMonitor reads it
-    the same way), which has no public accessor."""
-    return trainer._logger_connector.should_update_logs
+    """Whether the values logged now, in training, reach the loggers: Lightning's rule (every log_every_n_steps-th
+    optimizer step, counted from 1, and the step the run stops at), which its LearningRateMonitor follows too."""
+    every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    # this micro-batch's step is done (a batch tracker counts processed micro-batches; its declared type does not)
+    stepped = current.processed == current.ready and not accumulating(trainer)  # type: ignore[attr-defined]
+    return every > 0 and ((trainer.global_step + 1 - stepped) % every == 0 or trainer.should_stop)
 
 
 def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
@@ -38,51 +62,47 @@ def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> N
     optimizer.found_inf = skip.float()  # type: ignore[attr-defined]  # not declared on Optimizer: set for its step
 
 
-def saves_sharded_checkpoints(strategy: ModelParallelStrategy) -> bool:
-    """ModelParallelStrategy(save_distributed_checkpoint=...) keeps the flag only in a private attribute."""
-    return strategy._save_distributed_checkpoint
-
-
 class AppendingExperimentWriter(ExperimentWriter):
     """Lightning's CSV writer, continuing an existing metrics.csv (a resumed run): the stock writer's __init__ calls
     `_check_log_dir_exists`, which deletes the file."""
 
     def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
+        if os.path.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = sorted(next(csv.reader(f), []))
 
     def save(self) -> None:
         """Lightning's, but a write that fails (a full disk) leaves metrics.csv whole: the rows it was appending are
-        cut off again, and a new header (a metric logged for the first time) is written through a temporary file
-        (Lightning's rewrite truncates the file first)."""
+        cut off again, and a new header (a metric logged for the first time) is written first, through a temporary
+        file (Lightning's rewrite truncates the file first), so that Lightning's save only appends."""
         path = Path(self.metrics_file_path)
-        self._whole_size = path.stat().st_size if path.is_file() else None
+        keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
+        if path.is_file() and keys != self.metrics_keys:
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            intact, then = "its earlier rows are intact", "continue with resume=auto"
+            with atomic_file(path, "w", newline="", intact=intact, then=then) as f:
+                writer = csv.DictWriter(f, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(rows)
+        self.metrics_keys = keys
+        whole_size = path.stat().st_size if path.is_file() else None
         try:
             super().save()
         except OSError as e:
-            if self._whole_size is None:
+            if whole_size is None:
                 path.unlink(missing_ok=True)
             else:
-                os.truncate(path, self._whole_size)
+                os.truncate(path, whole_size)
             raise WriteError(
                 f"could not write {path} ({e.strerror or e}); its earlier rows are intact: {what_to_do(e)}, then "
                 "continue with resume=auto"
             ) from e
 
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        with open(self.metrics_file_path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        intact, then = "its earlier rows are intact", "continue with resume=auto"
-        with atomic_file(self.metrics_file_path, "w", newline="", intact=intact, then=then) as f:
-            writer = csv.DictWriter(f, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(rows)
-        self._whole_size = Path(self.metrics_file_path).stat().st_size  # what a failed append is cut back to
-
 
 def appending_csv_writer(logger: CSVLogger) -> ExperimentWriter:
-    """CSVLogger.experiment, with an AppendingExperimentWriter: the logger keeps its writer in `_experiment`."""
+    """CSVLogger.experiment, with an AppendingExperimentWriter: the logger keeps its writer in `_experiment` (its
+    finalize saves only when that is set)."""
     if logger._experiment is None:
         logger._experiment = AppendingExperimentWriter(log_dir=logger.log_dir)
     return cast(ExperimentWriter, logger._experiment)  # declared as Fabric's writer, the base of Lightning's
@@ -90,11 +110,36 @@ def appending_csv_writer(logger: CSVLogger) -> ExperimentWriter:
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
     """A torch.distributed.checkpoint directory read whole into this process, without a process group (`keys`: only
-    these top-level entries). What torch's format_utils.dcp_to_torch_save does, which only offers to write a file."""
+    these top-level entries): a tensor of the saved size and dtype for each one the metadata lists, loaded in
+    place, then nested again as it was saved (dict keys are strings, list positions ints)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    paths = {name: at for name, at in metadata.planner_data.items() if keys is None or at[0] in keys}
+    saved = {name: metadata.state_dict_metadata[name] for name in paths}
+    flat: dict[str, Any] = {
+        name: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        for name, m in saved.items()
+    }
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        torch.distributed.checkpoint.load(
+            flat, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True
+        )
     state: dict = {}
-    planner = _EmptyStateDictLoadPlanner(keys=keys)
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
-    return state
+    for name, at in paths.items():
+        node = state
+        for part in at[:-1]:
+            node = node.setdefault(part, {})
+        node[at[-1]] = flat[name]
+    return cast(dict, as_lists(state))
+
+
+def as_lists(node: object) -> object:
+    """Nested dicts whose keys are all positions (ints) become lists again."""
+    if not isinstance(node, dict):
+        return node
+    items = {key: as_lists(value) for key, value in node.items()}
+    return [items[i] for i in range(len(items))] if items and all(isinstance(k, int) for k in items) else items
 
 
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
@@ -105,10 +150,20 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
 
 
-def accumulating(trainer: L.Trainer) -> bool:
-    """Whether the current micro-batch's gradients are accumulated, not yet followed by an optimizer step: Lightning's
-    own rule (end of the accumulation window or of the epoch), which its DDP no_sync follows; no public accessor."""
-    return trainer.fit_loop._should_accumulate()
+class WritingCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, whose every write (its private `_save_checkpoint`) goes through `write`: what
+    the callback records after a write, and the loggers' notification, stay Lightning's."""
+
+    def write(self, trainer: L.Trainer, filepath: str) -> None:
+        trainer.save_checkpoint(filepath, self.save_weights_only)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        self.write(trainer, filepath)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
 
 
 def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
@@ -139,7 +194,7 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
     steps after a partial window: the count is set to what this accumulation would have run. Each counter keeps its
     lag behind `ready`: a checkpoint saved at a train batch's end (every_n_steps) has that batch not yet completed,
     which is how Lightning tells it apart on restore (and counts the step its loggers write). The loop counters live
-    in the checkpoint's private `loops` layout."""
+    in the checkpoint's `loops` layout."""
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     if progress is None:
         return
@@ -150,33 +205,24 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
 
 
 def lightning_precisions() -> tuple[str, ...]:
-    """The precision names Lightning's Trainer accepts (besides aliases such as `16`): its own type's values."""
-    from typing import get_args
-
-    from lightning.fabric.connector import _PRECISION_INPUT_STR
-
-    return get_args(_PRECISION_INPUT_STR)
+    """The precision names Lightning's Trainer accepts (besides aliases such as `16`)."""
+    return PRECISIONS
 
 
 def lightning_precision_name(precision: str | int) -> str:
     """Lightning's own name of a precision it accepts (`16` -> `16-mixed`, `bf16` -> `bf16-mixed`, `32` ->
-    `32-true`), or ValueError listing the accepted ones: Trainer's conversion, which has no public entry point."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-
-    with warnings.catch_warnings():  # an accepted but discouraged alias: the Trainer warns once, later
-        warnings.simplefilter("ignore")
-        name = _convert_precision_to_unified_args(precision)  # type: ignore[arg-type]  # any value: it checks
-    return cast(str, name)
+    `32-true`), or ValueError listing the accepted ones."""
+    if precision not in (*PRECISIONS, *PRECISION_ALIASES, 64, 32, 16):
+        raise ValueError(f"Precision {precision!r} is invalid. Allowed precision values: {PRECISIONS}")
+    return PRECISION_ALIASES.get(str(precision), str(precision))
 
 
 def lightning_device_settings(**trainer_args) -> str:
     """What Lightning's Trainer decides from its accelerator, devices, num_nodes, strategy and precision arguments,
-    without building a Trainer: the same checks (an unknown name, an accelerator this machine lacks, a device count
-    it cannot use, a combination it refuses) raise the same errors, and it returns the precision the run would
-    train in (Lightning may change it, e.g. 16-mixed on CPU runs bf16-mixed). `_AcceleratorConnector` is the part
-    of Trainer.__init__ that does this; its warnings and info lines are left to the Trainer, which repeats them."""
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
+    by building one that logs nothing and fits nothing: an unknown name, an accelerator this machine lacks, a device
+    count it cannot use or a combination it refuses raise the Trainer's own errors. Returns the precision the run
+    would train in (Lightning may change it, e.g. 16-mixed on CPU runs bf16-mixed). Its warnings and info lines are
+    left to the run's Trainer, which repeats them."""
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -184,8 +230,8 @@ def lightning_device_settings(**trainer_args) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            connector = _AcceleratorConnector(**trainer_args)
+            trainer = L.Trainer(**{**trainer_args, **QUIET_TRAINER})
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-    return str(connector.precision_plugin.precision)
+    return str(trainer.precision)

@@ -18,11 +18,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
-from xsa_lm.compat import saves_sharded_checkpoints
+from xsa_lm.compat import WritingCheckpoint
 from xsa_lm.errors import UserError, WriteError
 from xsa_lm.files import atomic_file
 
@@ -75,8 +74,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     and any link to the checkpoint (`when_written`), follow once it has finished: at the next save at the latest,
     and at the end of the fit (teardown)."""
 
-    def __init__(self, *args, async_save: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *, save_distributed_checkpoint: bool = True, async_save: bool = False, **kwargs) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.sharded = save_distributed_checkpoint  # Lightning keeps it only in a private attribute
         self.async_save = async_save
         self._pending: tuple | None = None  # (future, tmp, path, [actions after the rename])
         self._checkpoint_group = None  # async writes agree over a group of their own, beside training's
@@ -84,7 +84,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
         self.finish_pending_checkpoint()
         path = Path(self.broadcast(str(filepath)))  # rank 0's path: all ranks write into the same directory
-        if not saves_sharded_checkpoints(self):
+        if not self.sharded:
             # The state was gathered on rank 0 (a collective every rank joined); Lightning's own save would first
             # delete a sharded directory of this name, leaving no checkpoint for a moment.
             save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
@@ -140,9 +140,7 @@ class AsyncSave(L.Callback):
     """checkpoint.async_save: switched on in the strategy (built from the trainer group) before the fit saves."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, AtomicModelParallelStrategy) or not saves_sharded_checkpoints(
-            trainer.strategy
-        ):
+        if not isinstance(trainer.strategy, AtomicModelParallelStrategy) or not trainer.strategy.sharded:
             raise UserError("checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp)")
         trainer.strategy.async_save = True
 
@@ -222,7 +220,7 @@ def _link_tree(source: Path, target: Path, link: Callable[[Path, Path], object])
         _link_tree(item, target / item.name, link)
 
 
-class LinkedCheckpoint(ModelCheckpoint):
+class LinkedCheckpoint(WritingCheckpoint):
     """Lightning's ModelCheckpoint that writes a checkpoint only when none of this step exists yet: the callbacks
     of one run share `written` (the newest payload and its step) and link to it instead of saving it again."""
 
@@ -248,7 +246,7 @@ class LinkedCheckpoint(ModelCheckpoint):
             }
         super().load_state_dict(state_dict)
 
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+    def write(self, trainer: L.Trainer, filepath: str) -> None:
         # Decided from `written` alone, the same on every rank (the save is a collective under FSDP2).
         source = self.written.get("path") if self.written.get("step") == trainer.global_step else None
         if source is None:
@@ -260,8 +258,3 @@ class LinkedCheckpoint(ModelCheckpoint):
                 trainer.strategy.when_written(link, f"linking {filepath}")
             else:
                 on_rank_zero(trainer.strategy, link, f"linking {filepath}")
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = filepath
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(self)

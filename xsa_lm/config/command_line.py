@@ -2,6 +2,7 @@
 
 import difflib
 import errno
+import itertools
 import json
 import os
 import re
@@ -264,10 +265,11 @@ def check_words(overrides: list[str]) -> None:
 def sweep_jobs(config_name: str, overrides: list[str]) -> list[list[str]]:
     """The jobs of `--multirun`, each as its overrides: what Hydra's basic sweeper launches, the product of the
     sweeps on the command line and in the config's hydra.sweeper.params (an experiment sets them). Another sweeper
-    chooses its own jobs: the command line without its sweeps stands for them. Hydra has no public call for this."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    chooses its own jobs: the command line without its sweeps stands for them. The basic sweeper's rule, in Hydra's
+    public override API: a key given again replaces its earlier values, and the jobs are the product of them all."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
     from hydra.types import RunMode
 
     hydra = GlobalHydra.instance().hydra
@@ -277,9 +279,16 @@ def sweep_jobs(config_name: str, overrides: list[str]) -> list[list[str]]:
     if not str(master.hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):
         return [[o for o in overrides if not parser.parse_override(o).is_sweep_override()]]
     params = [f"{key}={value}" for key, value in (master.hydra.sweeper.get("params") or {}).items()]
-    return [
-        job for batch in BasicSweeper.split_arguments(parser.parse_overrides(params + overrides), None) for job in batch
-    ]
+    values: dict[str, list[str]] = {}
+    for override in parser.parse_overrides(params + overrides):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:  # a range of reals: the basic sweeper's own refusal
+            raise HydraException(f"BasicSweeper does not support sweep type : {override.value_type.name}")  # type: ignore[union-attr]
+    return [list(job) for job in itertools.product(*values.values())]
 
 
 def job_named(job: list[str], jobs: list[list[str]]) -> str:

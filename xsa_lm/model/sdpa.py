@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from xsa_lm.errors import UserError
 
@@ -26,12 +25,12 @@ BACKENDS = {
 }
 CUDA_ORDER = ("cudnn", "flash", "efficient", "math")
 CPU_KERNELS = ("flash", "math")  # flash-attention for CPU and the math fallback: torch has no other CPU kernel
-# The aten op each fused kernel runs as; math runs as plain ops (matmuls and a softmax), none of these.
-KERNEL_OPS = {
-    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
-    "aten::_scaled_dot_product_flash_attention": "flash",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
-    "aten::_scaled_dot_product_efficient_attention": "efficient",
+# The backward node each fused kernel leaves in the autograd graph; math leaves plain ops (matmuls and a softmax).
+KERNEL_NODES = {
+    "ScaledDotProductCudnnAttentionBackward0": "cudnn",
+    "ScaledDotProductFlashAttentionBackward0": "flash",
+    "ScaledDotProductFlashAttentionForCpuBackward0": "flash",
+    "ScaledDotProductEfficientAttentionBackward0": "efficient",
 }
 CUDNN_MIN_CAPABILITY = (8, 0)  # torch's cuDNN attention runs on sm80 (Ampere) and newer
 
@@ -106,18 +105,6 @@ def compile_cache_key(order: Sequence[str]) -> contextlib.AbstractContextManager
     return config.patch(cache_key_tag=patched)  # type: ignore[attr-defined]  # torch adds patch to config modules
 
 
-class _AtenOps(TorchDispatchMode):
-    """Records the name of each aten op that runs inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket._qualified_op_name)
-        return func(*args, **(kwargs or {}))
-
-
 # What SDPA raises when no allowed kernel takes the shape: on CPU, and on CUDA.
 NO_KERNEL = ("No viable backend", "No available kernel")
 
@@ -131,20 +118,18 @@ def backend_used(
     device: torch.device | str,
     kv_heads: int | None = None,
     batch: int = 1,
-    requires_grad: bool = True,
 ) -> str:
-    """The kernel SDPA runs, under the current order, for causal attention of q (batch, heads, seq, head_dim)
-    over k and v with kv_heads heads: one call, its aten ops read. Zeros: the choice depends on shapes, dtype and
-    device, never on values, and no random number is drawn."""
+    """The kernel SDPA runs in training, under the current order, for causal attention of q (batch, heads, seq,
+    head_dim) over k and v with kv_heads heads: one call, its autograd graph read. Zeros: the choice depends on
+    shapes, dtype and device, never on values, and no random number is drawn."""
     kv_heads = kv_heads or heads
 
     def tensor(h: int) -> torch.Tensor:
-        return torch.zeros(batch, h, seq, head_dim, dtype=dtype, device=device, requires_grad=requires_grad)
+        return torch.zeros(batch, h, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
 
     q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
     try:
-        with _AtenOps() as ops:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
     except RuntimeError as e:
         if not any(words in str(e) for words in NO_KERNEL):
             raise
@@ -153,5 +138,10 @@ def backend_used(
             f"{head_dim} dims in {str(dtype).removeprefix('torch.')} on {torch.device(device).type}: add math "
             "(it runs every shape)"
         ) from None
-    fused = [KERNEL_OPS[name] for name in ops.names if name in KERNEL_OPS]
-    return fused[0] if fused else "math"
+    nodes, seen = [out.grad_fn], []
+    while nodes:
+        node = nodes.pop()
+        if node is not None:
+            seen.append(node.name())
+            nodes.extend(before for before, _ in node.next_functions)
+    return next((KERNEL_NODES[name] for name in seen if name in KERNEL_NODES), "math")

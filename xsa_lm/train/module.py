@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from xsa_lm.analysis.losses import loss_sums, read_sums
-from xsa_lm.compat import accumulating, realign_accumulation, should_update_logs, skip_fused_update
+from xsa_lm.compat import COMPILED_PREFIX, accumulating, realign_accumulation, should_update_logs, skip_fused_update
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.gpt import Block
 
@@ -103,22 +103,34 @@ class LMModule(L.LightningModule):
         fully_shard(self.model, mesh=mesh)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """The micro-batch count realigned to this run's accumulation; weights saved from a torch.compile(model)
-        wrapper (named model._orig_mod.*) renamed."""
-        if self._trainer is not None and "global_step" in checkpoint:
-            realign_accumulation(
-                checkpoint, global_step=checkpoint["global_step"], accumulate=self.trainer.accumulate_grad_batches
-            )
+        """The micro-batch count realigned to this run's accumulation (when a trainer resumes it); weights saved from
+        a torch.compile(model) wrapper (an earlier release) renamed."""
+        try:
+            accumulate = self.trainer.accumulate_grad_batches
+        except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
+            accumulate = None
+        if accumulate is not None and "global_step" in checkpoint:
+            realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
         if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
             return
+        wrapped = f"model.{COMPILED_PREFIX}"
         state = checkpoint["state_dict"]
-        checkpoint["state_dict"] = {key.replace("model._orig_mod.", "model.", 1): value for key, value in state.items()}
+        checkpoint["state_dict"] = {key.replace(wrapped, "model.", 1): value for key, value in state.items()}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
         checkpoint["model_config"] = asdict(self.model_config)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:
+
+        1. zero_grad: the last step's gradients are cleared (at the window's first micro-batch, before its backward)
+        2. forward: this method, for each of the accumulate_grad_batches micro-batches, returns the loss
+        3. backward: loss.backward() sums the gradients over the window
+        4. clip: configure_gradient_clipping logs the norm; a non-finite one skips the update
+        5. step: optimizer.step(), fused AdamW
+        6. schedule: the LR scheduler steps (interval "step")
+        """
         x, y = batch
         if isinstance(self.model, FSDPModule):  # DDP's counterpart is Lightning's no_sync
             # Gradients accumulate unreduced on each rank and are reduce-scattered once, after the step's last
