@@ -155,15 +155,18 @@ def test_the_gain_along_the_window_is_tested_one_slope_per_seed() -> None:
 def test_the_margin_is_part_of_the_plan(tmp_path: Path) -> None:
     cfg = OmegaConf.create({"sweep": {"stall": None, "margin": 0.01}})
     state_file = tmp_path / "sweep.json"
+    state_file.write_text("{}")
     plan = comparison_plan(cfg, [0], [1, 2], None)
-    keep_plan(state_file, {}, plan, [1e-3])
+    assert keep_plan(state_file, plan, [1e-3]) == []
     cfg.sweep.margin = 0.05  # widened after seeing the results
     with pytest.raises(UserError, match=r"margin 0.01 -> 0.05"):
-        keep_plan(state_file, json.loads(state_file.read_text()), comparison_plan(cfg, [0], [1, 2], None), [1e-3])
+        keep_plan(state_file, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
     older = {k: v for k, v in plan.items() if k != "margin"}  # a sweep planned before xsa-lm had the margin
-    state = {"plan": older}
-    keep_plan(state_file, state, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
+    state_file.write_text(json.dumps({"plan": older}))
+    late = keep_plan(state_file, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
+    state = json.loads(state_file.read_text())
     assert state["declared_after_runs"] == {"margin": 0.05} and state["plan"]["margin"] == 0.05
+    assert len(late) == 1 and late[0].startswith("sweep.margin=0.05 was declared after this sweep's first runs")
 
 
 def test_the_null_rates_are_the_share_of_studies_that_claim_an_effect() -> None:

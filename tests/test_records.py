@@ -121,10 +121,9 @@ def test_a_size_of_the_study_is_read_from_its_sweep_and_a_run_summary(tmp_path: 
     sweep_dir = tmp_path / "sizes" / "tiny"
     sweep_dir.mkdir(parents=True)
     (sweep_dir / "results.json").write_text(json.dumps(replace(saved, trials=trials).to_json()))
-    size = size_result("tiny", sweep_dir, 0, tmp_path / "tiny.log")
+    size = size_result("tiny", sweep_dir, finished=True)
     assert size.usable and size.sa_runs == saved.comparison.sa and size.diff_ci95 == saved.comparison.diff_ci95
     assert (size.tokens, size.non_embedding_params) == (40960, 12345) and size.compute is not None and size.compute > 0
     compare = [t for t in saved.trials if t.phase == "compare" and t.attention == "xsa" and t.tokens_per_s]
     assert size.xsa_tokens_per_s == pytest.approx(sum(t.tokens_per_s or 0 for t in compare) / len(compare))
-    missing = size_result("tiny", tmp_path / "none", 1, tmp_path / "tiny.log")
-    assert not missing.usable and missing.error == "the sweep exited with code 1 before its report"
+    assert size.sweep_returncode == 0 and size_result("tiny", sweep_dir, finished=False).sweep_returncode == 1

@@ -28,7 +28,7 @@ from xsa_lm.scale.fit import (
     multiplier,
 )
 from xsa_lm.scale.report import ScaleStudyResult, SizeResult, render_markdown, write_report
-from xsa_lm.scale.run import SizeRunner, analyse, reanalyse, size_tests
+from xsa_lm.scale.run import analyse, reanalyse, size_tests
 from xsa_lm.stats.paired import holm
 
 E, A, ALPHA = 2.0, 50.0, 0.15  # a synthetic SA curve L(C) = E + A C^-alpha
@@ -337,7 +337,7 @@ SIZE_REFUSALS = [
 def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
 ):
-    monkeypatch.setattr(SizeRunner, "run", sweep_started)
+    monkeypatch.setattr("xsa_lm.scale.run.run_sweep", sweep_started)
     study_dir = tmp_path / "study"
     stderr = refused_in_process(["scale", *STUDY, override, f"hydra.run.dir={study_dir}"], monkeypatch, capsys)
     lines = stderr.strip().splitlines()
@@ -368,8 +368,9 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     wait_for(lambda: second_size.exists() and any(second_size.iterdir()), 400, "the second size's first trial")
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    # The second size's sweep gets SIGTERM from the kernel when the study dies and stops its trials.
-    wait_for(lambda: not (study / "sizes" / "tiny_d64" / "sweep.lock").exists(), 60, "the orphaned sweep to stop")
+    # The second size's trials get SIGTERM from the kernel when the study dies, and stop.
+    trial_locks = lambda: list((study / "sizes" / "tiny_d64" / "runs").glob("*/.xsa-lm.lock"))  # noqa: E731
+    wait_for(lambda: not trial_locks(), 60, "the orphaned trials to stop")
     finished_before = {p.name for p in (study / "sizes" / "tiny_d32" / "runs").iterdir()}
 
     proc = run_cli(["scale", *STUDY, f"hydra.run.dir={study}"], data_cache, tmp_path, timeout=600)

@@ -602,7 +602,7 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
     state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": []}))  # as open_sweep writes it
 
     def run(plan: dict, grid: list[float]) -> None:  # what each run of the sweep does: read sweep.json, keep the plan
-        keep_plan(state_file, json.loads(state_file.read_text()), plan, grid)
+        keep_plan(state_file, plan, grid)
 
     run(_plan(), [1e-3])
     first = json.loads(state_file.read_text())
@@ -990,5 +990,5 @@ def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv(ARGV_VARIABLE, json.dumps(typed))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "sweep=demo"])  # what Hydra sees
     cfg = OmegaConf.create({"logger": None})
-    state = open_state(tmp_path / "sweep.json", [], cfg, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
-    assert state["command"] == "xsa-lm sweep sweep=demo"
+    open_state(tmp_path / "sweep.json", [], cfg, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
+    assert json.loads((tmp_path / "sweep.json").read_text())["command"] == "xsa-lm sweep sweep=demo"

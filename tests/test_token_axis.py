@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
-from xsa_lm.scale.run import check_study, sweep_overrides
+from xsa_lm.scale.run import check_token_axis, sweep_overrides
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
 from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished, why
@@ -263,10 +263,10 @@ def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_p
     task = ["experiment=tokens_tuned"]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         cfg = compose(config_name="scale", overrides=task)
-        models, plan = check_study(cfg, tmp_path, sweep_overrides(task))
+        models, plan = check_token_axis(cfg, tmp_path, sweep_overrides(task))
         assert plan["lr_per_budget"] and plan["null_arm"] and plan["tune_xsa"] and plan["warmup_fraction"] == 0.1
         with pytest.raises(Stop):
-            tokens.run_token_study(cfg, tmp_path, task, models=models, plan=plan, state={"study_id": "t"})
+            tokens.run_token_study(cfg, tmp_path, task, models=models, plan=plan, study_id="t")
     ((phase, command),) = phases
     assert phase == "search" and "trainer.max_steps=98" in command and "scheduler.warmup_steps=10" in command
 
@@ -424,9 +424,9 @@ def test_sweep_settings_stay_with_the_study_and_each_run_gets_the_training_overr
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         cfg = compose(config_name="scale", overrides=task)
         overrides = sweep_overrides(task)
-        models, plan = check_study(cfg, tmp_path, overrides)
+        models, plan = check_token_axis(cfg, tmp_path, overrides)
         with pytest.raises(Stop):
-            tokens.run_token_study(cfg, tmp_path, overrides, models=models, plan=plan, state={"study_id": "t"})
+            tokens.run_token_study(cfg, tmp_path, overrides, models=models, plan=plan, study_id="t")
     (command,) = commands
     assert "optim.lr=0.02" in command and "experiment=tokens_toy" in command, command
     assert not [word for word in command if word.startswith("sweep.")], command

@@ -18,12 +18,14 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import scipy.optimize
 import scipy.stats
 
 from xsa_lm.errors import UserError
+from xsa_lm.records import JsonObject
 
 LOG_CAP = math.log(1e6)  # log multipliers are capped here: an alpha near 0 puts k out of any reading
 FORMS = {"power_law_offset": 3, "power_law": 2}  # fit form -> its number of parameters (SA fit)
@@ -55,7 +57,7 @@ class Fit:
         head = f"L(C) = {self.E:.4f} + " if self.form == "power_law_offset" else "L(C) = "
         return head + f"{self.A * self.c_ref**self.alpha:.4g} * C^-{self.alpha:.4f}"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {
             "form": self.form,
             "formula": self.describe(),
@@ -126,16 +128,22 @@ def multiplier(fit: Fit, sa_loss: float, xsa_loss: float) -> float:
     return fit.compute_for(xsa_loss) / fit.compute_for(sa_loss)
 
 
-def lack_of_fit(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> dict:
+class LackOfFit(TypedDict):
+    chi2: float | None
+    dof: int
+    p: float | None
+
+
+def lack_of_fit(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> LackOfFit:
     """chi^2 = sum((residual / SE)^2) of a fit through means with these standard errors, on points - parameters
     degrees of freedom, and its p-value (scipy.stats.chi2.sf); p is None when no degree of freedom is left or an
     SE is unknown (a size with one seed) or 0."""
     dof = len(residuals) - parameters
     se = np.asarray(standard_errors, dtype=float)
     if dof <= 0 or not np.all(np.isfinite(se)) or np.any(se <= 0):
-        return {"chi2": None, "dof": dof, "p": None}
+        return LackOfFit(chi2=None, dof=dof, p=None)
     chi2 = float(np.sum((np.asarray(residuals) / se) ** 2))
-    return {"chi2": chi2, "dof": dof, "p": float(scipy.stats.chi2.sf(chi2, dof))}
+    return LackOfFit(chi2=chi2, dof=dof, p=float(scipy.stats.chi2.sf(chi2, dof)))
 
 
 @dataclass
@@ -194,7 +202,7 @@ class SharedFit:
         A = {arm: self.A_in_flops(arm) for arm in ("sa", "xsa")}
         return f"{head}{{SA: {A['sa']:.4g}, XSA: {A['xsa']:.4g}}} * C^-{self.alpha:.4f}"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {
             "formula": self.describe(),
             "E": self.E,
@@ -360,12 +368,18 @@ def ladder_bootstrap(
     return math.exp(lo), math.exp(hi)
 
 
-def wallclock_multiplier(k: float, ci: Sequence[float], step_time_ratio: dict) -> dict:
+class WallClock(TypedDict, total=False):
+    multiplier: float | None
+    ci: list[float] | None
+    note: str  # where the step times come from
+
+
+def wallclock_multiplier(k: float, ci: Sequence[float], step_time_ratio: JsonObject) -> WallClock:
     """k in wall-clock time from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, measured with both
     arms timed in alternating rounds): a slower XSA gives back part of k. The interval combines the ends
     conservatively (k's low end over the ratio's high end, and the reverse)."""
     median, interval = step_time_ratio["median"], step_time_ratio.get("interval")
     value = k / median
     if not interval:
-        return {"multiplier": value, "ci": None}
-    return {"multiplier": value, "ci": [ci[0] / interval[1], ci[1] / interval[0]]}
+        return WallClock(multiplier=value, ci=None)
+    return WallClock(multiplier=value, ci=[ci[0] / interval[1], ci[1] / interval[0]])

@@ -4,11 +4,21 @@ ladder's k in its title only when no flag is up) and a W&B report run."""
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
-from xsa_lm.records import Record
+from xsa_lm.records import JsonObject, Record
 from xsa_lm.scale.fit import Fit
 from xsa_lm.stats.decision import clustered_line
+from xsa_lm.sweep.report import ReportRunSettings
+
+
+class BenchRatio(TypedDict):
+    """scale.bench: the XSA/SA step time an `xsa-lm bench` run measured (its median, interval and rounds)."""
+
+    source: str
+    model: str | None
+    xsa_over_sa_step_time: JsonObject
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +66,7 @@ class ScaleStudyResult(Record):
     across_sizes: dict = field(default_factory=dict)  # studies of earlier releases lack it: reanalyse adds it
     warnings: list[str] = field(default_factory=list)
     sizes: list[SizeResult]
-    bench: dict | None = None  # scale.bench's XSA/SA step time
+    bench: BenchRatio | None = None  # scale.bench's XSA/SA step time
     schema: int = 1
 
 
@@ -200,7 +210,7 @@ def render_markdown(results: ScaleStudyResult) -> str:
         f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
         f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
         f"- sizes: {', '.join(results.models)}; each size: LR search on SA, then SA vs XSA at its selected LR "
-        "(its own `xsa-lm sweep` under `sizes/`)",
+        "(its own sweep under `sizes/`)",
     ]
     lines += flag_lines(results)
     if results.warnings:
@@ -295,7 +305,7 @@ def write_report(results: ScaleStudyResult, study_dir: Path) -> str:
     return markdown
 
 
-def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: dict) -> None:
+def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRunSettings) -> None:
     """A `scale-report` run in the study's W&B group: the sizes table, both plots, and the report's files
     (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
     import wandb

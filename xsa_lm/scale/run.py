@@ -1,7 +1,8 @@
 """`xsa-lm scale`: the sweep's protocol at several model sizes, and XSA's effective-compute multiplier.
 
-1. for every model preset of scale.models, an `xsa-lm sweep` in DIR/sizes/<model>/ (LR search on SA, then SA vs XSA
-   at the selected LR over the compare seeds): resumable, its trials reused when the same command runs again
+1. for every model preset of scale.models, the sweep's protocol in DIR/sizes/<model>/, run in this process (LR
+   search on SA, then SA vs XSA at the selected LR over the compare seeds): resumable, its trials reused when the
+   same command runs again
 2. fit SA's losses against training compute and both arms with a shared curve (fit.py): one multiplier k for the
    ladder with a parametric-bootstrap CI, reported only when no flag is up (lack of fit, extrapolation, a short
    compute span, a parameter at a bound, an arm not falling with compute, an LR at its grid's edge); per size and
@@ -10,16 +11,17 @@
 """
 
 import importlib.resources
+import io
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
+from contextlib import redirect_stdout
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TextIO, TypedDict, cast
 
 import hydra
 import numpy as np
@@ -29,11 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_text
+from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject
 from xsa_lm.scale.fit import (
     FORMS,
     Fit,
+    LackOfFit,
     SharedFit,
+    WallClock,
     fit_loss_vs_compute,
     fit_shared,
     huber_scale,
@@ -42,23 +47,25 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
     wallclock_multiplier,
 )
-from xsa_lm.scale.report import ScaleStudyResult, SizeResult, log_to_wandb, write_report
+from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult, log_to_wandb, write_report
+from xsa_lm.scale.token_report import TokenPlan, TokenStudyResult
 from xsa_lm.stats.decision import clustered_test
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.run import (
     check_sweep,
+    incomplete,
     open_state,
     passed_on,
     report_run_settings,
     run_exclusive,
+    run_sweep,
     stop_on_signals,
     train_overrides,
     wandb_settings,
 )
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
-from xsa_lm.sweep.trials import die_with_parent, last_error_line
 from xsa_lm.train.summary import RunSummary
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
@@ -80,7 +87,7 @@ def sweep_overrides(task_overrides: list[str]) -> list[str]:
     return kept
 
 
-def open_study(study_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
+def open_study(study_dir: Path, overrides: list[str], cfg: DictConfig) -> str:
     """scale.json: the study's identity. A rerun must train what the first run trained (sizes and seeds may be
     added: their sweeps run, the finished ones are reused)."""
     return open_state(
@@ -111,62 +118,45 @@ def check_models(models: Any, at_least: int = 2) -> list[str]:
 
 
 def size_overrides(overrides: list[str], model: str, seeds: list[int] | None) -> list[str]:
-    """What one size's `xsa-lm sweep` runs with (its directory and W&B group aside): the study's overrides, the size,
+    """What one size's sweep runs with (its directory and W&B group aside): the study's overrides, the size,
     and scale.seeds as its compare seeds (None: sweep.seeds)."""
     compare_seeds = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
     return [*overrides, f"model={model}", *compare_seeds]
 
 
-class SizeRunner:
-    """One `xsa-lm sweep` process per size, its output in logs/<model>.log and its progress on the terminal."""
+class SizeOutput(io.TextIOBase):
+    """A size's sweep output: whole in logs/<model>.log, and on the terminal line by line, named by its size."""
 
-    def __init__(self, study_dir: Path, overrides: list[str], seeds: list[int] | None, group: str | None) -> None:
-        self.study_dir = study_dir
-        self.overrides = overrides
-        self.seeds = seeds
-        self.group = group
-        self.proc: subprocess.Popen | None = None
+    def __init__(self, model: str, log: TextIO, terminal: TextIO) -> None:
+        self.model, self.log, self.terminal, self.pending = model, log, terminal, ""
 
-    def sweep_dir(self, model: str) -> Path:
-        return self.study_dir / "sizes" / model
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in filter(str.strip, lines):
+            print(f"[{self.model}] {line}", file=self.terminal, flush=True)
+        return len(text)
 
-    def command(self, model: str) -> list[str]:
-        cmd = [sys.executable, "-m", "xsa_lm.cli", "sweep", *size_overrides(self.overrides, model, self.seeds)]
-        cmd.append(f"hydra.run.dir={self.sweep_dir(model)}")
-        if self.group is not None:
-            cmd.append(f"logger.wandb.group={self.group}")
-        return cmd
 
-    def run(self, model: str) -> int:
-        log = self.study_dir / "logs" / f"{model}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = self.command(model)
-        with open(log, "a") as out:
-            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-            in_report = False  # the sweep prints its report at the end: it stays in the log, the study reports
-            assert self.proc.stdout is not None  # stdout=PIPE
-            for line in self.proc.stdout:
-                out.write(line)
-                out.flush()
-                in_report = (in_report or line.startswith("# SA vs XSA")) and not line.startswith("report:")
-                if not in_report and line.strip():
-                    print(f"[{model}] {line.rstrip()}", flush=True)
-            returncode = self.proc.wait()
-        self.proc = None
-        return returncode
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()  # the sweep stops its trials and marks them interrupted
-            self.proc.wait()
+def run_size(
+    model: str, *, study_dir: Path, overrides: list[str], seeds: list[int] | None, group: str | None
+) -> SizeResult:
+    """One size's sweep, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its folder)."""
+    sweep_dir = study_dir / "sizes" / model
+    size = size_overrides(overrides, model, seeds) + ([f"logger.wandb.group={group}"] if group is not None else [])
+    log = study_dir / "logs" / f"{model}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"size {model}: its sweep into {sweep_dir}")
+    with open(log, "a") as out, hold_directory(sweep_dir, "sweep.lock", "xsa-lm sweep"):
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: xsa-lm sweep {' '.join(size)}\n")
+        with redirect_stdout(SizeOutput(model, out, sys.stdout)):
+            try:
+                cfg = compose(config_name="sweep", overrides=size)
+                results, _ = run_sweep(cfg, sweep_dir, train_overrides(size), command="scale")
+            except UserError as e:
+                raise UserError(f"the sweep of {model} was refused: {e}") from None
+    return size_result(model, sweep_dir, finished=incomplete(results) is None)
 
 
 def model_compute(summary: RunSummary) -> float:
@@ -181,13 +171,10 @@ def model_compute(summary: RunSummary) -> float:
     return model.flops_per_token() * summary.tokens_seen
 
 
-def size_result(model: str, sweep_dir: Path, returncode: int, log: Path) -> SizeResult:
-    """What the fit needs from one size's sweep: the paired final losses, compute, throughput."""
-    size = SizeResult(model=model, sweep_dir=str(sweep_dir), sweep_returncode=returncode)
-    results_file = sweep_dir / "results.json"
-    if not results_file.exists():
-        return replace(size, error=last_error_line(log) or f"the sweep exited with code {returncode} before its report")
-    sweep = SweepResult.read(results_file)
+def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
+    """What the fit needs from one size's sweep (its results.json): the paired final losses, compute, throughput."""
+    size = SizeResult(model=model, sweep_dir=str(sweep_dir), sweep_returncode=0 if finished else 1)
+    sweep = SweepResult.read(sweep_dir / "results.json")
     compare = sweep.comparison
     size = replace(
         size,
@@ -221,8 +208,15 @@ def standard_error(runs: list[float]) -> float:
     return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
-def flag(name: str, reason: str) -> dict:
-    return {"flag": name, "reason": reason}
+class Flag(TypedDict):
+    """A reason the ladder cannot turn XSA's loss gap into compute."""
+
+    flag: str
+    reason: str
+
+
+def flag(name: str, reason: str) -> Flag:
+    return Flag(flag=name, reason=reason)
 
 
 def lr_edges(sizes: list[SizeResult]) -> list[str]:
@@ -242,7 +236,7 @@ def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
     return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
 
 
-def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: dict, shared: SharedFit) -> list[dict]:
+def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared: SharedFit) -> list[Flag]:
     """Every reason this ladder cannot turn XSA's loss gap into compute, each with its one-line why."""
     flags = []
     compute = [cast(float, s.compute) for s in ladder]
@@ -314,17 +308,24 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: dict, shared: Shar
     return flags
 
 
-def wallclock(k: float, ci: list[float], bench: dict | None) -> dict:
+def wallclock(k: float, ci: list[float], bench: BenchRatio | None) -> WallClock:
     """k in wall-clock time, only from `xsa-lm bench` (trial tokens/s vary with whatever else the machine ran)."""
     if not bench:
-        return {"multiplier": None, "ci": None, "note": "wall-clock k: measure throughput with xsa-lm bench"}
+        return WallClock(multiplier=None, ci=None, note="wall-clock k: measure throughput with xsa-lm bench")
     ratio = bench["xsa_over_sa_step_time"]
     return wallclock_multiplier(k, ci, ratio) | {"note": f"XSA/SA step time from xsa-lm bench ({bench['source']})"}
 
 
+class LadderAnalysis(TypedDict):
+    fit: JsonObject  # the SA fit, the shared fit, the flags, and k when no flag is up
+    across_sizes: JsonObject  # the pooled sign test and the test by seed
+    warnings: list[str]
+    sizes: list[SizeResult]  # each with its paired tests
+
+
 def analyse(
-    sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: dict | None = None
-) -> dict[str, Any]:
+    sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: BenchRatio | None = None
+) -> LadderAnalysis:
     """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI,
     the flags, and the paired tests per size (the sizes returned with them) and across sizes. A flagged ladder keeps
     k only under not_results."""
@@ -366,7 +367,7 @@ def analyse(
     else:
         fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
     tested, across = size_tests(sizes)
-    return {"fit": fit, "across_sizes": across, "warnings": warnings, "sizes": tested}
+    return LadderAnalysis(fit=fit, across_sizes=across, warnings=warnings, sizes=tested)
 
 
 def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
@@ -404,7 +405,7 @@ def reanalyse(
     return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **analysis)
 
 
-def load_bench(path: Any) -> dict | None:
+def load_bench(path: Any) -> BenchRatio | None:
     """XSA/SA step time from an `xsa-lm bench` results.json (scale.bench), for the wall-clock k."""
     if path is None:
         return None
@@ -419,7 +420,7 @@ def load_bench(path: Any) -> dict | None:
     ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
     if not isinstance(ratio, dict) or "median" not in ratio:
         raise UserError(f"scale.bench={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
-    return {"source": str(file), "model": bench.get("model"), "xsa_over_sa_step_time": ratio}
+    return BenchRatio(source=str(file), model=bench.get("model"), xsa_over_sa_step_time=ratio)
 
 
 def check_analysis(scale: DictConfig) -> None:
@@ -428,20 +429,18 @@ def check_analysis(scale: DictConfig) -> None:
         raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
 
 
-def check_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple[list[str], dict]:
-    """Every setting of the study and what each size will run, before the study directory gets anything (nothing is
-    written here): the sizes, and the plan of the axis. On the size axis, each size's `xsa-lm sweep` config is
-    composed as that sweep will compose it (within the running Hydra app) and checked as it will check it, its
-    trials included (check_sweep); on the token axis, check_token_study and each size's runs (check_token_runs)."""
+def check_models_of(cfg: DictConfig) -> list[str]:
+    """The settings both axes share, checked first (the rules after them rely on their types), and the sizes."""
     check_settings(cfg.scale, SCALE_RULES, "scale")
-    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher: the rules below rely on them
-    models = check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
-    if cfg.scale.axis == "tokens":
-        from xsa_lm.scale.tokens import check_token_runs, check_token_study
+    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher
+    return check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
 
-        plan = check_token_study(cfg, overrides)
-        check_token_runs(cfg, study_dir, overrides, models, plan)
-        return models, plan
+
+def check_study(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], list[int] | None, BenchRatio | None]:
+    """Every setting of the size axis and what each size will run, before the study directory gets anything: the
+    sizes, the compare seeds (None: sweep.seeds) and scale.bench's step time. Each size's sweep config is composed
+    and checked as that sweep will check it, its trials included (check_sweep)."""
+    models = check_models_of(cfg)
     check_analysis(cfg.scale)
     bench = load_bench(cfg.scale.bench)
     name = "scale.seeds" if cfg.scale.seeds is not None else "sweep.seeds"
@@ -453,30 +452,33 @@ def check_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple
     for model in models:
         size = size_overrides(overrides, model, seeds)
         check_sweep(compose(config_name="sweep", overrides=size), train_overrides(size))
-    return models, {"seeds": seeds, "bench": bench}
+    return models, seeds, bench
+
+
+def check_token_axis(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple[list[str], TokenPlan]:
+    """Every setting of the token axis (check_token_study) and each size's runs (check_token_runs), before the
+    study directory gets anything: the sizes and the plan."""
+    from xsa_lm.scale.tokens import check_token_runs, check_token_study
+
+    models = check_models_of(cfg)
+    plan = check_token_study(cfg, overrides)
+    check_token_runs(cfg, study_dir, overrides, models, plan)
+    return models, plan
 
 
 def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> ScaleStudyResult:
-    models, plan = check_study(cfg, study_dir, overrides)
-    bench, seeds = plan["bench"], plan["seeds"]
-    state = open_study(study_dir, overrides, cfg)
+    models, seeds, bench = check_study(cfg, overrides)
+    study_id = open_study(study_dir, overrides, cfg)
     write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     wandb_cfg = wandb_settings(cfg)
-    runner = SizeRunner(study_dir, overrides, seeds, group=state["study_id"] if wandb_cfg else None)
-    stop_on_signals(runner.stop, "scale")
-    print(f"xsa-lm scale | {study_dir} | W&B group {state['study_id']} | sizes {models}")
-    sizes = []
-    for model in models:
-        print(f"size {model}: xsa-lm sweep into {runner.sweep_dir(model)}")
-        returncode = runner.run(model)
-        log = study_dir / "logs" / f"{model}.log"
-        if returncode == 2:  # a refusal (e.g. a changed plan): its results.json, if any, is an earlier one's
-            raise UserError(f"the sweep of {model} was refused: {last_error_line(log)}")
-        sizes.append(size_result(model, runner.sweep_dir(model), returncode, log))
+    group = study_id if wandb_cfg else None
+    stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
+    print(f"xsa-lm scale | {study_dir} | W&B group {study_id} | sizes {models}")
+    sizes = [run_size(m, study_dir=study_dir, overrides=overrides, seeds=seeds, group=group) for m in models]
     analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
     results = ScaleStudyResult(
         study_dir=str(study_dir),
-        study_id=state["study_id"],
+        study_id=study_id,
         overrides=overrides,
         models=models,
         seeds=seeds,
@@ -496,14 +498,13 @@ def main(cfg: DictConfig) -> None:
         with exit_on_user_error():
             raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
     if cfg.scale.axis == "tokens":
-        from xsa_lm.scale.token_report import TokenStudyResult
         from xsa_lm.scale.tokens import run_token_study, unfinished
 
         def token_study(study_dir: Path, overrides: list[str]) -> TokenStudyResult:
-            models, plan = check_study(cfg, study_dir, overrides)  # before the directory gets anything
-            state = open_study(study_dir, overrides, cfg)
+            models, plan = check_token_axis(cfg, study_dir, overrides)  # before the directory gets anything
+            study_id = open_study(study_dir, overrides, cfg)
             write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-            return run_token_study(cfg, study_dir, overrides, models=models, plan=plan, state=state)
+            return run_token_study(cfg, study_dir, overrides, models=models, plan=plan, study_id=study_id)
 
         study_dir, token_results = run_exclusive("scale", sweep_overrides, token_study)
         incomplete = unfinished(token_results)

@@ -18,6 +18,7 @@ checks it, and cells are pooled by inverse variance on ln k with Cochran's Q for
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import scipy.stats
@@ -25,6 +26,20 @@ import scipy.stats
 ALPHA = 0.05
 STALL_MARGIN = 0.15  # nats above the median of a budget's seeds: the sweep's stall margin (sweep.stall.margin)
 STALL_SAFE_SEEDS = 10  # with stalled SA seeds, the fewest seeds at which Fieller's interval covered >= 90% simulated
+
+
+class CellJson(TypedDict):
+    """A Cell as results.json holds it."""
+
+    budget: float
+    sa_budgets: list[float]
+    k: float | None
+    bound: str | None
+    ci95: list[float | None]
+    ln_k_se: float | None
+    sa_means: list[float]
+    xsa_mean: float
+    seeds: int
 
 
 @dataclass
@@ -41,18 +56,18 @@ class Cell:
     xsa_mean: float
     seeds: int
 
-    def as_dict(self) -> dict:
-        return {
-            "budget": self.budget,
-            "sa_budgets": self.sa_budgets,
-            "k": self.k,
-            "bound": self.bound,
-            "ci95": list(self.ci),
-            "ln_k_se": self.ln_k_se,
-            "sa_means": self.sa_means,
-            "xsa_mean": self.xsa_mean,
-            "seeds": self.seeds,
-        }
+    def as_dict(self) -> CellJson:
+        return CellJson(
+            budget=self.budget,
+            sa_budgets=self.sa_budgets,
+            k=self.k,
+            bound=self.bound,
+            ci95=list(self.ci),
+            ln_k_se=self.ln_k_se,
+            sa_means=self.sa_means,
+            xsa_mean=self.xsa_mean,
+            seeds=self.seeds,
+        )
 
 
 def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:
@@ -211,7 +226,18 @@ def stalled(losses: Sequence[float], margin: float = STALL_MARGIN) -> int:
     return sum(loss > median + margin for loss in losses)
 
 
-def pool(cells: Sequence[Cell]) -> dict | None:
+class PooledK(TypedDict):
+    k: float
+    ci95: list[float]
+    cells: int
+    left_out: int
+    cochran_q: float
+    q_dof: int
+    q_p_value: float | None
+    i2: float
+
+
+def pool(cells: Sequence[Cell]) -> PooledK | None:
     """Inverse-variance pooling of ln k over the cells with a point estimate (bounds are left out and listed),
     Cochran's Q and I^2 for heterogeneity. Cells at one size share SA's runs, so they are not independent: the pooled
     interval is then too narrow, and the report says so."""
@@ -227,16 +253,16 @@ def pool(cells: Sequence[Cell]) -> dict | None:
     # Each ln k's variance comes from few seeds: Student's t on the fewest seeds' dof, not the normal z (simulated, 5
     # seeds, 2 independent cells: coverage 0.81-0.85 with z, 0.91-0.94 with t).
     z = float(scipy.stats.t.ppf(1 - ALPHA / 2, min(c.seeds for c in usable) - 1))
-    return {
-        "k": math.exp(mean),
-        "ci95": [math.exp(mean - z * se), math.exp(mean + z * se)],
-        "cells": len(usable),
-        "left_out": len(cells) - len(usable),
-        "cochran_q": q,
-        "q_dof": dof,
-        "q_p_value": float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else None,
-        "i2": max(0.0, (q - dof) / q) if q > 0 and dof > 0 else 0.0,
-    }
+    return PooledK(
+        k=math.exp(mean),
+        ci95=[math.exp(mean - z * se), math.exp(mean + z * se)],
+        cells=len(usable),
+        left_out=len(cells) - len(usable),
+        cochran_q=q,
+        q_dof=dof,
+        q_p_value=float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else None,
+        i2=max(0.0, (q - dof) / q) if q > 0 and dof > 0 else 0.0,
+    )
 
 
 def k_text(cell: dict) -> str:

@@ -2,11 +2,38 @@
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
-from xsa_lm.scale.token_axis import STALL_MARGIN, ci_text, k_text
+from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK, ci_text, k_text
 from xsa_lm.sweep.report import bpb_lines, position_lines
+
+
+class SizeBench(TypedDict):
+    """XSA/SA step time at one size, from `xsa-lm bench`: its median, 95% interval and rounds."""
+
+    xsa_over_sa_step_time: float
+    interval: list[float]
+    rounds: int
+    file: str
+
+
+class TokenPlan(TypedDict):
+    """The token axis's plan, fixed at the study's first run (scale.json)."""
+
+    axis: str
+    tokens_per_param: float
+    sa_budgets: list[float]
+    xsa_budgets: list[float]
+    search_seeds: list[int]
+    seeds: list[int]
+    lr_per_budget: bool
+    warmup_fraction: float
+    tune_xsa: bool
+    null_arm: bool
+    allow_repeated_data: bool
+    margin: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +72,7 @@ class TokenSize(Record):
     runs: dict[str, dict[str, list[TokenRun]]] | None = None  # arm -> budget (in B) -> a run per seed
     seeds: list[int] = field(default_factory=list)
     grid: list[float] = field(default_factory=list)
-    bench: dict | None = None  # bench_size
+    bench: SizeBench | None = None  # bench_size
     schema: int = 1
 
 
@@ -57,10 +84,10 @@ class TokenStudyResult(Record):
     study_dir: str
     study_id: str
     overrides: list[str]
-    plan: dict  # check_token_study
+    plan: TokenPlan  # check_token_study
     sizes: list[TokenSize]
     cells: list[dict]  # analyse_tokens: k per (size, XSA budget)
-    pooled: dict | None = None
+    pooled: PooledK | None = None
     warnings: list[str] = field(default_factory=list)
     reanalysed: str | None = None  # the day a saved study was analysed again (scale.tokens.reanalyse_tokens)
     schema: int = 1
@@ -70,7 +97,7 @@ def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if value is not None else "-"
 
 
-def protocol_text(plan: dict) -> str:
+def protocol_text(plan: TokenPlan) -> str:
     """How the study chose its LRs and warmup, in one paragraph."""
     if plan.get("lr_per_budget"):
         lr = (

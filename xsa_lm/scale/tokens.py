@@ -18,14 +18,24 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError
-from xsa_lm.scale.token_axis import STALL_SAFE_SEEDS, bootstrap_interval, cell_estimate, per_seed_k, pool, stalled
-from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, write_report
+from xsa_lm.records import JsonObject
+from xsa_lm.scale.token_axis import (
+    STALL_SAFE_SEEDS,
+    CellJson,
+    PooledK,
+    bootstrap_interval,
+    cell_estimate,
+    per_seed_k,
+    pool,
+    stalled,
+)
+from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.decision import margin_verdict
 from xsa_lm.stats.paired import paired_stats
 from xsa_lm.stats.positions import position_differences
@@ -141,7 +151,7 @@ def check_repeats(size: SizePlan, top: float) -> None:
         )
 
 
-def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: dict, group: str | None) -> TokenSize:
+def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: TokenPlan, group: str | None) -> TokenSize:
     """The searches, the selected LRs and every budget's runs of one size; the per-seed losses for the estimator.
     With lr_per_budget, SA's LR is searched at every SA budget and each arm trains at SA's LR of its budget (the
     paper's protocol at each budget); else SA's LR at B serves every budget."""
@@ -206,7 +216,7 @@ def outcome_of(store: TrialStore, trial: Trial) -> TokenRun:
     return TokenRun(seed=trial.seed, **{k: getattr(record, k) for k in keep})
 
 
-def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> dict | None:
+def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> SizeBench | None:
     """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists): the step-time
     ratio with its interval, measured with both arms interleaved, not the trials' tokens/s."""
     out = study_dir / "bench" / f"{model}.json"
@@ -235,12 +245,12 @@ def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str
             print(f"size {model}: xsa-lm bench failed: {last_error_line(log)} (no wall-clock multiplier)")
             return None
     ratio = json.loads(out.read_text())["ratios"]["xsa_over_sa_step_time"]
-    return {
-        "xsa_over_sa_step_time": ratio["median"],
-        "interval": ratio["interval"],
-        "rounds": len(ratio["rounds"]),
-        "file": str(out),
-    }
+    return SizeBench(
+        xsa_over_sa_step_time=ratio["median"],
+        interval=ratio["interval"],
+        rounds=len(ratio["rounds"]),
+        file=str(out),
+    )
 
 
 def paired_losses(
@@ -286,7 +296,12 @@ def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | Non
     return paired_stats(sa, other).to_json(), details
 
 
-def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> dict | None:
+class NullCell(CellJson):
+    paired_seeds: list[int]
+    per_seed_k: list[str]  # as the report prints each seed's k
+
+
+def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> NullCell | None:
     """k of the null arm (SA from other initial weights, at XSA's budget) read off SA's curve as XSA's k is: under
     no effect k is 1, so its interval and per-seed spread are the yardstick's own noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
@@ -296,7 +311,7 @@ def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float],
         return None
     budget = tokens_of(entry, NULL, fraction)
     cell = cell_estimate(sa, sa_tokens, null, budget)
-    return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": per_seed_k(sa, sa_tokens, null, budget)}
+    return NullCell(**cell.as_dict(), paired_seeds=seeds, per_seed_k=per_seed_k(sa, sa_tokens, null, budget))
 
 
 def repeated_data(entry: TokenSize) -> list[str]:
@@ -320,13 +335,19 @@ def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
     return float(seen[0]) if seen else fraction * entry.tokens_B
 
 
+class TokenAnalysis(TypedDict):
+    cells: list[JsonObject]  # one per size and XSA budget: the Cell, its tests, the null's, per-seed k, stalls
+    pooled: PooledK | None
+    warnings: list[str]
+
+
 def analyse_tokens(
     sizes: list[TokenSize],
     sa_budgets: list[float],
     xsa_budgets: list[float],
     seed: int = 0,
     margin: float | None = None,
-) -> dict[str, Any]:
+) -> TokenAnalysis:
     """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
     at it too (paired_stats); the pooled k with its heterogeneity."""
     cells, estimates, warnings = [], [], []
@@ -361,9 +382,9 @@ def analyse_tokens(
             row["null_same_budget"], row["null_same_budget_details"] = same_budget(entry, fraction, NULL, margin)
             row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
             row["per_seed_k"] = per_seed_k(sa, sa_tokens, xsa, budget)
-            row["sa_stalled"] = [stalled(losses) for losses in sa]  # per SA budget
-            row["xsa_stalled"] = stalled(xsa)
-            if (any(row["sa_stalled"]) or row["xsa_stalled"]) and len(seeds) < STALL_SAFE_SEEDS:
+            row["sa_stalled"] = sa_stalled = [stalled(losses) for losses in sa]  # per SA budget
+            row["xsa_stalled"] = xsa_stalled = stalled(xsa)
+            if (any(sa_stalled) or xsa_stalled) and len(seeds) < STALL_SAFE_SEEDS:
                 warnings.append(
                     f"{entry.model} XSA at {fraction:g} B: stalled seeds among {len(seeds)}, and k is read off the "
                     "mean curves: a stall shifts k, and simulated studies with 30% of SA seeds stalled gave the 95% "
@@ -378,7 +399,7 @@ def analyse_tokens(
                 row["wallclock_ci"] = [lo / r_hi if lo is not None else None, hi / r_lo if hi is not None else None]
             cells.append(row)
             estimates.append(cell)
-    return {"cells": cells, "pooled": pool(estimates), "warnings": warnings}
+    return TokenAnalysis(cells=cells, pooled=pool(estimates), warnings=warnings)
 
 
 def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenStudyResult:
@@ -396,7 +417,7 @@ def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenS
     )
 
 
-def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
+def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
     """Every setting of the token axis, before the study directory gets anything: the plan a rerun must keep. The
     runs themselves: check_token_runs."""
     for override in overrides:
@@ -417,23 +438,25 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> dict:
             f"one of scale.sa_budgets {sa_budgets}"
         )
     warmup = cfg.scale.warmup_fraction
-    return {
-        "axis": "tokens",
-        "tokens_per_param": cfg.scale.tokens_per_param,
-        "sa_budgets": sa_budgets,
-        "xsa_budgets": xsa_budgets,
-        "search_seeds": search_seeds,
-        "seeds": seeds,
-        "lr_per_budget": lr_per_budget,
-        "warmup_fraction": warmup,
-        "tune_xsa": bool(cfg.sweep.tune_xsa),
-        "null_arm": bool(cfg.sweep.null_arm),
-        "allow_repeated_data": bool(cfg.scale.allow_repeated_data),
-        "margin": float(cfg.sweep.margin),
-    }
+    return TokenPlan(
+        axis="tokens",
+        tokens_per_param=cfg.scale.tokens_per_param,
+        sa_budgets=sa_budgets,
+        xsa_budgets=xsa_budgets,
+        search_seeds=search_seeds,
+        seeds=seeds,
+        lr_per_budget=lr_per_budget,
+        warmup_fraction=warmup,
+        tune_xsa=bool(cfg.sweep.tune_xsa),
+        null_arm=bool(cfg.sweep.null_arm),
+        allow_repeated_data=bool(cfg.scale.allow_repeated_data),
+        margin=float(cfg.sweep.margin),
+    )
 
 
-def check_token_runs(cfg: DictConfig, study_dir: Path, overrides: list[str], models: list[str], plan: dict) -> None:
+def check_token_runs(
+    cfg: DictConfig, study_dir: Path, overrides: list[str], models: list[str], plan: TokenPlan
+) -> None:
     """Each size's LR grid and its runs at B (an SA search run, an XSA run), composed and checked as their
     `xsa-lm train` will (check_trials), within the running Hydra app; its largest budget against the training data
     (check_repeats, unless scale.allow_repeated_data); and GPUs for the runs at once."""
@@ -450,13 +473,13 @@ def check_token_runs(cfg: DictConfig, study_dir: Path, overrides: list[str], mod
 
 
 def run_token_study(
-    cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], plan: dict, state: dict
+    cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], plan: TokenPlan, study_id: str
 ) -> TokenStudyResult:
     """The token-axis study (plan: check_token_study's): every size's runs, then the analysis and the report."""
     sa_budgets, xsa_budgets = plan["sa_budgets"], plan["xsa_budgets"]
     seeds = plan["seeds"]
-    keep_plan(study_dir / "scale.json", state, plan, grid=[])
-    group = state["study_id"] if wandb_settings(cfg) else None
+    keep_plan(study_dir / "scale.json", plan, grid=[])
+    group = study_id if wandb_settings(cfg) else None
     grids = cfg.sweep.get("lr_grids") or {}
     runs = train_overrides(overrides)  # sweep.* stays with the study
     sizes = []
@@ -466,10 +489,10 @@ def run_token_study(
         entry = run_size(size, grid=grid, seeds=seeds, study=plan, group=group)
         bench = bench_size(study_dir, model, cfg, overrides) if cfg.scale.measure_throughput else None
         sizes.append(replace(entry, grid=grid, bench=bench))
-    analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed, margin=plan.get("margin"))
+    analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed, margin=plan["margin"])
     results = TokenStudyResult(
         study_dir=str(study_dir),
-        study_id=state["study_id"],
+        study_id=study_id,
         overrides=overrides,
         plan=plan,
         sizes=sizes,

@@ -17,6 +17,7 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TypedDict
 
 import numpy as np
 import scipy.stats
@@ -74,7 +75,7 @@ class ClusteredTest:
     sign_p: float | None  # the exact sign test over the seeds
     naive_sign_p: float | None  # the sign test as if every pair were independent: for comparison only
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, int | float | list[float] | None]:
         return asdict(self)
 
 
@@ -127,7 +128,23 @@ def clustered_line(test: dict, unit: str = "seed", shares: str = "its initialisa
     )
 
 
-def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: float = ALPHA) -> dict | None:
+class NullRates(TypedDict):
+    """How often studies of `study_size` null pairs claim an effect (null_rates); every share with its 95% CI."""
+
+    pairs: int
+    study_size: int
+    disjoint_studies: int
+    disjoint_claims: int
+    disjoint_claims_ci95: list[float]
+    margin: float
+    ci_excludes_0: float
+    ci_excludes_0_ci95: list[float]
+    verdict_claims_effect: float
+    verdict_claims_effect_ci95: list[float]
+    sd_diff: float
+
+
+def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: float = ALPHA) -> NullRates | None:
     """How often the procedure claims an effect when there is none, from the paired differences of an A/A null
     (SA against SA), two ways:
     - every study of `study_size` of those pairs (2000 drawn at random when there are more): the share whose 95% t
@@ -165,19 +182,19 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: fl
     low, high = np.clip(full - z * se, 0, 1), np.clip(full + z * se, 0, 1)
     disjoint = values[: n // study_size * study_size].reshape(-1, study_size)
     claims = sum(margin_verdict(study.tolist(), margin, alpha).verdict in ("better", "worse") for study in disjoint)
-    return {
-        "pairs": int(n),
-        "study_size": study_size,
-        "disjoint_studies": len(disjoint),
-        "disjoint_claims": int(claims),
-        "disjoint_claims_ci95": list(exact_interval(int(claims), len(disjoint))),
-        "margin": margin,
-        "ci_excludes_0": float(full[0]),
-        "ci_excludes_0_ci95": [float(low[0]), float(high[0])],
-        "verdict_claims_effect": float(full[1]),
-        "verdict_claims_effect_ci95": [float(low[1]), float(high[1])],
-        "sd_diff": float(np.std(values, ddof=1)),
-    }
+    return NullRates(
+        pairs=int(n),
+        study_size=study_size,
+        disjoint_studies=len(disjoint),
+        disjoint_claims=int(claims),
+        disjoint_claims_ci95=list(exact_interval(int(claims), len(disjoint))),
+        margin=margin,
+        ci_excludes_0=float(full[0]),
+        ci_excludes_0_ci95=[float(low[0]), float(high[0])],
+        verdict_claims_effect=float(full[1]),
+        verdict_claims_effect_ci95=[float(low[1]), float(high[1])],
+        sd_diff=float(np.std(values, ddof=1)),
+    )
 
 
 def null_study_sizes(pairs: int) -> list[int]:

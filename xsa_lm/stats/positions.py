@@ -7,13 +7,24 @@ its runs, are never counted as independent.
 """
 
 from collections.abc import Sequence
+from typing import TypedDict
 
 import numpy as np
 
 from xsa_lm.stats.paired import paired_stats, paired_t
 
 
-def position_differences(sa: Sequence[Sequence[float]], xsa: Sequence[Sequence[float]]) -> dict | None:
+class PositionDifferences(TypedDict):
+    seeds: int
+    spans: int
+    per_span: list[dict[str, float | int | list[float] | None]]  # PairedStats.to_json of each span
+    slopes: list[float]  # per seed: the change of XSA - SA from one span to the next
+    slope_mean: float | None
+    slope_t_p: float | None
+    slope_ci95: list[float] | None
+
+
+def position_differences(sa: Sequence[Sequence[float]], xsa: Sequence[Sequence[float]]) -> PositionDifferences | None:
     """`sa[s][b]` and `xsa[s][b]`: the loss of seed s over span b. Per span the paired tests of XSA - SA; over spans
     the slope of XSA - SA per span with its t test over seeds (negative: the gain grows with position). None
     without a seed whose runs both have every span."""
@@ -26,12 +37,12 @@ def position_differences(sa: Sequence[Sequence[float]], xsa: Sequence[Sequence[f
     index = np.arange(spans, dtype=float)
     slopes = [float(np.polyfit(index, np.subtract(b, a), 1)[0]) for a, b in pairs] if spans > 1 else []
     trend = paired_t(slopes)
-    return {
-        "seeds": len(pairs),
-        "spans": spans,
-        "per_span": per_span,
-        "slopes": slopes,  # per seed: the change of XSA - SA from one span to the next
-        "slope_mean": float(np.mean(slopes)) if slopes else None,
-        "slope_t_p": trend.p,
-        "slope_ci95": list(trend.ci) if trend.ci else None,
-    }
+    return PositionDifferences(
+        seeds=len(pairs),
+        spans=spans,
+        per_span=per_span,
+        slopes=slopes,
+        slope_mean=float(np.mean(slopes)) if slopes else None,
+        slope_t_p=trend.p,
+        slope_ci95=list(trend.ci) if trend.ci else None,
+    )

@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
@@ -708,7 +709,16 @@ def plot_positions(positions: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: dict) -> None:
+class ReportRunSettings(TypedDict):
+    """The logger.wandb settings that a report run (log_to_wandb) takes."""
+
+    project: str
+    entity: str | None
+    mode: str
+    init_timeout_s: int
+
+
+def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: ReportRunSettings) -> None:
     """A `report` run in the sweep's W&B group: the trials table, the comparison, both plots, and the report's files
     (results.json, report.md, the plots) as its artifact <sweep_id>-report."""
     import wandb

@@ -15,10 +15,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import TypedDict, TypeVar, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -43,7 +43,7 @@ from xsa_lm.sweep.protocol import (
     seed_sequence,
     select_lr,
 )
-from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
+from xsa_lm.sweep.report import ReportRunSettings, build_results, ci_text, comparison_of, log_to_wandb, write_report
 from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots
@@ -83,17 +83,21 @@ def wandb_settings(cfg: DictConfig) -> DictConfig | None:
     return cfg.logger.get("wandb") if cfg.logger else None
 
 
-def report_run_settings(wandb_cfg: DictConfig) -> dict:
-    """The logger.wandb settings that a report run (log_to_wandb) takes."""
-    settings = cast(dict, OmegaConf.to_container(wandb_cfg, resolve=True))  # a DictConfig gives a dict
-    return {k: v for k, v in settings.items() if k in ("project", "entity", "mode", "init_timeout_s")}
+def report_run_settings(wandb_cfg: DictConfig) -> ReportRunSettings:
+    return ReportRunSettings(
+        project=wandb_cfg.project,
+        entity=wandb_cfg.entity,
+        mode=wandb_cfg.mode,
+        init_timeout_s=wandb_cfg.init_timeout_s,
+    )
 
 
 def open_state(
     state_file: Path, overrides: list[str], cfg: DictConfig, *, id_key: str, overrides_key: str, holds: str
-) -> dict:
-    """The identity of a sweep or a study, kept in state_file: its id (the W&B group, else the folder's name) and
-    the overrides it runs with. A rerun with other overrides is refused: `holds` says what the folder holds."""
+) -> str:
+    """The identity of a sweep or a study, kept in state_file: its id (the W&B group, else the folder's name),
+    returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says what the folder
+    holds."""
     directory = state_file.parent
     if state_file.exists():
         state = json.loads(state_file.read_text())
@@ -102,7 +106,7 @@ def open_state(
                 f"{directory} holds {holds} {state[overrides_key]}, not {overrides}: rerun it with the same overrides "
                 "to resume it, or choose a new hydra.run.dir"
             )
-        return state
+        return state[id_key]
     wandb_cfg = wandb_settings(cfg)
     state = {
         id_key: (wandb_cfg.group if wandb_cfg else None) or directory.name,
@@ -111,7 +115,7 @@ def open_state(
         "command": " ".join(full_command_line()),  # as typed: `xsa-lm sweep ...`
     }
     write_json(state_file, state)
-    return state
+    return state[id_key]
 
 
 def stop_on_signals(stop: Callable[[], None], command: str) -> None:
@@ -148,7 +152,7 @@ def run_exclusive(
             return directory, run(directory, overrides)
 
 
-def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
+def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> str:
     """sweep.json: the sweep's identity. A rerun must train what the first run trained (the LR grid and the
     seeds may change: new trials are added, finished ones reused)."""
     return open_state(
@@ -161,18 +165,29 @@ def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> dict:
     )
 
 
-def comparison_plan(cfg: DictConfig, search_seeds: list[int], seeds: list[int], cap: int | None) -> dict:
+class ComparisonPlan(TypedDict):
     """What decides the comparison's statistics, fixed at the first run: the seeds, the sequential rule and its
-    level, and the stall definition of the report."""
-    return {
-        "search_seeds": search_seeds,
-        "seeds": seeds,
-        "seeds_until_significant": cap,
-        "alpha": ALPHA,
-        "planned_looks": SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1,
-        "stall": plain(cfg.sweep.get("stall")),
-        "margin": float(cfg.sweep.margin),
-    }
+    level, the stall definition of the report and the practical margin."""
+
+    search_seeds: list[int]
+    seeds: list[int]
+    seeds_until_significant: int | None
+    alpha: float
+    planned_looks: int
+    stall: object  # sweep.stall as written (None: no stall table)
+    margin: float
+
+
+def comparison_plan(cfg: DictConfig, search_seeds: list[int], seeds: list[int], cap: int | None) -> ComparisonPlan:
+    return ComparisonPlan(
+        search_seeds=search_seeds,
+        seeds=seeds,
+        seeds_until_significant=cap,
+        alpha=ALPHA,
+        planned_looks=SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1,
+        stall=plain(cfg.sweep.get("stall")),
+        margin=float(cfg.sweep.margin),
+    )
 
 
 def stall_rule(cfg: DictConfig) -> StallRule | None:
@@ -181,10 +196,12 @@ def stall_rule(cfg: DictConfig) -> StallRule | None:
     return StallRule(**cast(dict, OmegaConf.to_container(stall))) if stall else None
 
 
-def keep_plan(state_file: Path, state: dict, plan: dict, grid: list[float]) -> None:
+def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> list[str]:
     """The plan is recorded at the first run and a rerun must keep it: adding seeds after seeing p > 0.05, raising a
     sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
-    again without a trace. The grid may grow (its history is kept)."""
+    again without a trace. The grid may grow (its history is kept). Returns a warning for each setting declared
+    after the first runs."""
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
     late = [key for key in plan if key not in (recorded or plan)]
     if recorded is not None and late:  # planned before xsa-lm had these settings: kept from now on, reported
@@ -201,6 +218,11 @@ def keep_plan(state_file: Path, state: dict, plan: dict, grid: list[float]) -> N
     history = state.setdefault("history", [])
     history.append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
     write_json(state_file, state)
+    return [
+        f"sweep.{key}={value} was declared after this sweep's first runs (it was planned before xsa-lm had the "
+        "setting): the verdict that uses it was not fixed before the results"
+        for key, value in state.get("declared_after_runs", {}).items()
+    ]
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
@@ -348,10 +370,11 @@ def downstream_evaluation(
     return evaluate_compare(store, compare, tasks=tasks, limit=cfg.sweep.get("eval_limit"), sweep_dir=sweep_dir)
 
 
-def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[dict, str]:
+def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
     grid, search_seeds, seeds, cap = check_sweep(cfg, overrides)
-    state = open_sweep(sweep_dir, overrides, cfg)
-    keep_plan(sweep_dir / "sweep.json", state, comparison_plan(cfg, search_seeds, seeds, cap), grid)
+    sweep_id = open_sweep(sweep_dir, overrides, cfg)
+    plan = comparison_plan(cfg, search_seeds, seeds, cap)
+    late = keep_plan(sweep_dir / "sweep.json", plan, grid)
     save_config(cfg, sweep_dir)
 
     store = TrialStore(sweep_dir)
@@ -361,17 +384,17 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         overrides,
         max_parallel=cfg.sweep.max_parallel,
         launch_prefix=cfg.sweep.launch_prefix or [],
-        wandb_group=state["sweep_id"] if wandb_cfg else None,
+        wandb_group=sweep_id if wandb_cfg else None,
         diverge_above=cfg.sweep.diverge_above,
     )
-    stop_on_signals(launcher.stop, "sweep")
+    stop_on_signals(launcher.stop, command)
 
     n_search = len(grid) * len(search_seeds) * (2 if cfg.sweep.tune_xsa else 1)
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
     arms = 3 if cfg.sweep.null_arm else 2
     trial_counts = f"{n_search} search + up to {arms * (cap or len(seeds))} compare trials"
-    print(f"xsa-lm sweep | {sweep_dir} | W&B group {state['sweep_id']} | {grid_text} | {trial_counts}")
+    print(f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | {grid_text} | {trial_counts}")
     sa_search, xsa_search, selection = search_phase(
         launcher, store, grid, search_seeds=search_seeds, tune_xsa=cfg.sweep.tune_xsa
     )
@@ -391,7 +414,7 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     evaluation, eval_warning = downstream_evaluation(cfg, store, compare, sweep_dir)
     results = build_results(
         sweep_dir,
-        sweep_id=state["sweep_id"],
+        sweep_id=sweep_id,
         grid=grid,
         seeds=seeds,
         train_overrides=overrides,
@@ -403,14 +426,10 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
         search_seeds=search_seeds,
         sequential=sequential,
         stall_rule=stall_rule(cfg),
-        margin=state["plan"]["margin"],
+        margin=plan["margin"],
     )
     results["eval"] = evaluation
-    for key, value in state.get("declared_after_runs", {}).items():
-        results["warnings"].append(
-            f"sweep.{key}={value} was declared after this sweep's first runs (it was planned before xsa-lm had the "
-            "setting): the verdict that uses it was not fixed before the results"
-        )
+    results["warnings"] += late
     if eval_warning:
         results["warnings"].append(eval_warning)
     markdown = write_report(results, sweep_dir)
@@ -419,20 +438,24 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str]) -> tuple[d
     return results, markdown
 
 
+def incomplete(results: dict) -> str | None:
+    """Why a sweep did not finish, or None: a trial to retry, or no usable LR."""
+    unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]
+    if unfinished:
+        retry = "run the same command again to retry them"
+        return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"
+    if results["selected_lr"] is None:
+        return "no usable LR in the grid (see the report's warnings)"
+    return None
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, partial(run_sweep, cfg))
     print("\n" + markdown)
     print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
-    unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]
-    if unfinished:
-        print(
-            f"xsa-lm sweep: {len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): "
-            "run the same command again to retry them",
-            file=sys.stderr,
-        )
-        sys.exit(1)
-    if results["selected_lr"] is None:
-        print("xsa-lm sweep: no usable LR in the grid (see the report's warnings)", file=sys.stderr)
+    problem = incomplete(results)
+    if problem:
+        print(f"xsa-lm sweep: {problem}", file=sys.stderr)
         sys.exit(1)
