@@ -129,7 +129,7 @@ class TokenDataModule(L.LightningDataModule):
             )
         self.resume_from: dict | None = None  # the sampler position from a checkpoint
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, int | str]:
         """The sampler position, saved in every checkpoint: how many micro-batches the whole stream (every rank)
         has served. A run resumed on another number of devices continues at the same global position. And the
         tokenizer's identity (TOKENIZER_KEY): what loads the checkpoint can tell whether a tokenizer is its own."""

@@ -21,14 +21,14 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
-from typing import cast
+from typing import TypedDict, cast
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -37,6 +37,39 @@ from xsa_lm.data.tokenizer import EOT, eot_id, file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 
 LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reuses the result
+
+
+class DocumentSplit(TypedDict):
+    val_fraction: float
+    split_seed: int
+    shard_documents: int
+
+
+class SplitSettings(DocumentSplit, total=False):
+    split: str  # tail; absent for the document split
+
+
+class TokenizerRecord(TypedDict):
+    sha256: str
+    vocab_size: int
+    config: object  # the tokenizer's settings, as data_identity records them
+
+
+class PreparedMeta(TypedDict):
+    """meta.json, as prepare() writes it."""
+
+    identity: dict
+    tokenizer: TokenizerRecord
+    vocab_size: int
+    eot_id: int | None
+    dtype: str
+    split: str  # document: whole documents held out; tail: the end of each document
+    train_documents: int
+    train_tokens: int
+    val_documents: int
+    val_tokens: int
+    shards: list[dict[str, int]]  # each shard's index and counts (shard-NNNNNN.json)
+    created: str
 
 
 @dataclass
@@ -141,14 +174,18 @@ def _count_documents(source, stop_at: int) -> int | None:
     return source.count_documents(stop_at=stop_at)
 
 
-def split_settings(split: str, val_fraction: float, split_seed: int, shard_documents: int) -> dict:
+def split_settings(split: str, val_fraction: float, split_seed: int, shard_documents: int) -> SplitSettings:
     """The settings that decide the shards besides the source and the tokenizer (prepare.json and the cache
     name). The document split is implicit: directories prepared before there was a tail split are reused."""
-    settings = {"val_fraction": val_fraction, "split_seed": split_seed, "shard_documents": shard_documents}
+    settings: SplitSettings = {
+        "val_fraction": val_fraction,
+        "split_seed": split_seed,
+        "shard_documents": shard_documents,
+    }
     return settings if split == "document" else {**settings, "split": split}
 
 
-def cache_path(cache_dir: str, source_name: str, identity: dict) -> Path:
+def cache_path(cache_dir: str, source_name: str, identity: Mapping[str, object]) -> Path:
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return Path(cache_dir).expanduser() / f"{source_name}-{digest}"
 
@@ -157,7 +194,7 @@ def prepare(
     source,
     build_tokenizer: Callable[..., Tokenizer],
     out: Path,
-    identity: dict,
+    identity: Mapping[str, object],
     val_fraction: float = DOCUMENT_VAL_FRACTION,
     split: str = "document",
     split_seed: int = 0,
@@ -236,7 +273,7 @@ def _remove_unstarted(out: Path, held: set[str], made: bool) -> None:
         out.rmdir()
 
 
-def _check_split(meta: dict, split: str, val_fraction: float) -> None:
+def _check_split(meta: PreparedMeta, split: str, val_fraction: float) -> None:
     """Both splits need text (the token counts include one EOT per document or piece); the corpus has some."""
     n = meta["train_documents"] + meta["val_documents"]
     if meta["train_tokens"] <= meta["train_documents"]:
@@ -386,7 +423,7 @@ def _write_shards(
     return sorted(shards, key=lambda s: s["index"]), has_text
 
 
-def _collect(pending: dict[Future, int], bar: "_Progress") -> list[dict]:
+def _collect(pending: dict[Future, int], bar: "_Progress") -> list[dict[str, int]]:
     done, _ = wait(pending, return_when=FIRST_COMPLETED)
     results = []
     for future in done:
@@ -401,12 +438,12 @@ _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 def _encode_shard(
     out: str, tokenizer_path: str, eot: int, dtype: str, index: int, train: list[str | None], val: list[str | None]
-) -> dict:
+) -> dict[str, int]:
     """Tokenize one chunk into its train and val shard files (runs in a worker process)."""
     if tokenizer_path not in _WORKER_TOKENIZERS:
         _WORKER_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
     tokenizer = _WORKER_TOKENIZERS[tokenizer_path]
-    shard: dict = {"index": index}
+    shard = {"index": index}  # and each split's documents and tokens
     for split, texts in (("train", train), ("val", val)):
         encodings = tokenizer.encode_batch([text for text in texts if text is not None], add_special_tokens=False)
         ids = [enc.ids for enc in encodings]
@@ -425,10 +462,8 @@ def _encode_shard(
     return shard
 
 
-def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict], split: str) -> dict:
+def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict[str, int]], split: str) -> PreparedMeta:
     tokenizer_bytes = (out / "tokenizer.json").read_bytes()
-    counts = [f"{s}_{n}" for s in ("train", "val") for n in ("documents", "tokens")]
-    totals = {count: sum(shard[count] for shard in shards) for count in counts}
     return {
         "identity": identity,
         "tokenizer": {
@@ -439,8 +474,11 @@ def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict]
         "vocab_size": tokenizer.get_vocab_size(),
         "eot_id": tokenizer.token_to_id(EOT),
         "dtype": token_dtype(tokenizer.get_vocab_size()),
-        "split": split,  # document: whole documents held out; tail: the end of each document
-        **totals,
+        "split": split,
+        "train_documents": sum(shard["train_documents"] for shard in shards),
+        "train_tokens": sum(shard["train_tokens"] for shard in shards),
+        "val_documents": sum(shard["val_documents"] for shard in shards),
+        "val_tokens": sum(shard["val_tokens"] for shard in shards),
         "shards": shards,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -12,8 +12,17 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import build
-from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_prepared, prepare, split_settings
-from xsa_lm.data.tokenizer import learns_from_corpus, tokenizer_inputs
+from xsa_lm.data.prepare import (
+    PreparedData,
+    SplitSettings,
+    cache_path,
+    choose_split,
+    load_prepared,
+    prepare,
+    split_settings,
+)
+from xsa_lm.data.sources import SourceIdentity
+from xsa_lm.data.tokenizer import TokenizerInputs, learns_from_corpus, tokenizer_inputs
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 
 
@@ -71,7 +80,16 @@ def prepare_data(
     )
 
 
-def data_identity(source, tokenizer_cfg: DictConfig, data_cfg: DictConfig, *, split: str, val_fraction: float) -> dict:
+class DataIdentity(SplitSettings, TokenizerInputs):
+    """prepare.json: what decides the tokens of a preparation (its hash names the cache folder)."""
+
+    source: SourceIdentity
+    tokenizer: object  # the tokenizer's settings: a mapping of the config's values
+
+
+def data_identity(
+    source, tokenizer_cfg: DictConfig, data_cfg: DictConfig, *, split: str, val_fraction: float
+) -> DataIdentity:
     """Everything that decides the tokens of a preparation: the source (its files resolved, each once, with their
     sizes and times), the tokenizer (its settings, a given file's bytes, the documents a trained one learns from)
     and the split. It names the cache folder and is recorded in prepare.json: other inputs never share shards."""

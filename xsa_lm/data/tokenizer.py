@@ -6,6 +6,7 @@ import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TypedDict
 
 from omegaconf import DictConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -100,10 +101,15 @@ def learns_from_corpus(tokenizer_cfg: DictConfig) -> bool:
     return tokenizer_cfg.get("_target_") not in FIXED_TOKENIZERS
 
 
-def tokenizer_inputs(tokenizer_cfg: DictConfig, tokenizer_documents: int) -> dict:
+class TokenizerInputs(TypedDict, total=False):
+    tokenizer_sha256: str  # of a given tokenizer file
+    tokenizer_documents: int  # of a tokenizer trained on the corpus
+
+
+def tokenizer_inputs(tokenizer_cfg: DictConfig, tokenizer_documents: int) -> TokenizerInputs:
     """What decides the tokenizer besides its settings: the bytes of a given tokenizer file (the same path may hold
     another file later), or the number of documents a tokenizer trained on the corpus learns from."""
-    inputs: dict = {}
+    inputs: TokenizerInputs = {}
     if tokenizer_cfg.get("path"):
         inputs["tokenizer_sha256"] = file_sha256(os.path.expanduser(tokenizer_cfg.path), "tokenizer.path")
     if learns_from_corpus(tokenizer_cfg):
