@@ -5,11 +5,11 @@ inherits another's state, but each recompiles); this is for a GPU lent for minut
 import inspect
 import statistics
 from dataclasses import asdict, replace
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict
 
 import torch
 
-from xsa_lm.bench.loops import Batch, PlainTrainer, Setup, peak_memory, step_times
+from xsa_lm.bench.loops import Batch, PlainTrainer, Setup, peak_memory
 from xsa_lm.bench.stats import RatioSummary, summarize
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.memory import estimate
@@ -43,29 +43,10 @@ class CudaStepPeak(StepPeak):
     allocated_before: int
 
 
-class MemoryAgainstPlan(TypedDict):
-    measured: StepPeak
-    planned: PlannedMemory
-    measured_over_planned: float
-
-
 def build_pair(xsa: GPTConfig, setup: Setup, *, seed: int, total_steps: int) -> dict[str, PlainTrainer]:
     """Two hand-written loops on the same initial weights: SA, and the XSA model that `xsa` describes."""
     sa = replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False)
     return {name: PlainTrainer(config, setup, seed, total_steps) for name, config in (("sa", sa), ("xsa", xsa))}
-
-
-def timed_rounds(
-    trainers: dict[str, PlainTrainer], batches: list[Batch], *, rounds: int, steps: int
-) -> dict[str, list[float]]:
-    """Per model, the median step time (s) of each round; a round times `steps` steps of every model, in an order
-    that alternates from round to round, so drift hits both alike."""
-    names = list(trainers)
-    per_round: dict[str, list[float]] = {name: [] for name in trainers}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            per_round[name].append(statistics.median(step_times(trainers[name].run(batches, steps))))
-    return per_round
 
 
 def compare(
@@ -133,14 +114,3 @@ def planned_memory(config: GPTConfig, *, micro_batch: int, precision: str, compi
     }
     plan = estimate(asdict(config), config.vocab_size, micro_batch, config.block_size, precision, **optional)
     return plan.as_dict() | {"arguments": sorted(optional)}
-
-
-def memory_against_plan(
-    trainer: PlainTrainer, batches: list[Batch], *, micro_batch: int, compiled: bool
-) -> MemoryAgainstPlan:
-    """Measured peak of a step, the estimate for the same shape, and their ratio."""
-    measured = step_peak_memory(trainer, batches)
-    config = trainer.model.config
-    planned = planned_memory(config, micro_batch=micro_batch, precision=trainer.setup.precision, compiled=compiled)
-    ratio = measured["bytes"] / cast(int, planned["total"])
-    return {"measured": measured, "planned": planned, "measured_over_planned": ratio}
