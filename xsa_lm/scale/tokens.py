@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import TypedDict, cast
 
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
@@ -37,10 +37,10 @@ from xsa_lm.scale.token_axis import (
 )
 from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.decision import margin_verdict
-from xsa_lm.stats.paired import paired_stats
-from xsa_lm.stats.positions import position_differences
+from xsa_lm.stats.paired import PairedJson, paired_stats
+from xsa_lm.stats.positions import PositionDifferences, position_differences
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_search_seeds, check_seeds, lr_grid, search_trials
-from xsa_lm.sweep.report import bpb_stats
+from xsa_lm.sweep.report import BpbStats, bpb_stats
 from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
@@ -270,7 +270,17 @@ def paired_losses(
     return sa, xsa, [seeds[i] for i in usable]
 
 
-def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | None) -> tuple[dict | None, dict | None]:
+class SameBudgetDetails(TypedDict, total=False):
+    """Beside the paired tests at one budget: the margin verdict, bits per byte, the loss per span of positions."""
+
+    margin: dict[str, float | str | None] | None
+    bpb: BpbStats
+    positions: PositionDifferences | None
+
+
+def same_budget(
+    entry: TokenSize, fraction: float, arm: str, margin: float | None
+) -> tuple[PairedJson | None, SameBudgetDetails | None]:
     """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
     (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
     loss per span of window positions. (None, None) without such a pair."""
@@ -286,7 +296,7 @@ def same_budget(entry: TokenSize, fraction: float, arm: str, margin: float | Non
         return None, None
     sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
     diffs = [b - a for a, b in zip(sa, other, strict=True)]
-    details: dict[str, Any] = {"margin": margin_verdict(diffs, margin).to_json() if margin is not None else None}
+    details = SameBudgetDetails(margin=margin_verdict(diffs, margin).to_json() if margin is not None else None)
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
         sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
         details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs])

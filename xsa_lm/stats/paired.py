@@ -8,7 +8,8 @@ beside Student's paired t stand the exact Wilcoxon signed-rank and exact sign te
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import scipy.stats
@@ -78,6 +79,20 @@ def min_detectable_difference(sd: float | None, n: int, alpha: float = ALPHA, po
     return float(quantiles.sum()) * sd / math.sqrt(n)
 
 
+class PairedJson(TypedDict):
+    """PairedStats as results files hold it."""
+
+    pairs: int
+    mean_diff: float | None
+    sd_diff: float | None
+    t: float | None
+    t_p: float | None
+    t_ci95: list[float] | None
+    wilcoxon_p: float | None
+    sign_p: float | None
+    xsa_lower: int
+
+
 @dataclass(frozen=True)
 class PairedStats:
     """XSA - SA over paired seeds. Each test runs when its definition has the data, else its fields are None:
@@ -96,8 +111,18 @@ class PairedStats:
     sign_p: float | None
     xsa_lower: int  # the pairs where XSA's value is lower than SA's
 
-    def to_json(self) -> dict[str, float | int | list[float] | None]:
-        return asdict(self) | {"t_ci95": list(self.t_ci95) if self.t_ci95 is not None else None}
+    def to_json(self) -> PairedJson:
+        return PairedJson(
+            pairs=self.pairs,
+            mean_diff=self.mean_diff,
+            sd_diff=self.sd_diff,
+            t=self.t,
+            t_p=self.t_p,
+            t_ci95=list(self.t_ci95) if self.t_ci95 is not None else None,
+            wilcoxon_p=self.wilcoxon_p,
+            sign_p=self.sign_p,
+            xsa_lower=self.xsa_lower,
+        )
 
 
 def paired_stats(sa: Sequence[float], xsa: Sequence[float]) -> PairedStats:

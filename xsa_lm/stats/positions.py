@@ -11,13 +11,13 @@ from typing import TypedDict
 
 import numpy as np
 
-from xsa_lm.stats.paired import paired_stats, paired_t
+from xsa_lm.stats.paired import PairedJson, paired_stats, paired_t
 
 
 class PositionDifferences(TypedDict):
     seeds: int
     spans: int
-    per_span: list[dict[str, float | int | list[float] | None]]  # PairedStats.to_json of each span
+    per_span: list[PairedJson]
     slopes: list[float]  # per seed: the change of XSA - SA from one span to the next
     slope_mean: float | None
     slope_t_p: float | None

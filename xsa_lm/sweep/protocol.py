@@ -7,6 +7,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from xsa_lm.config.checks import SEED_MAX
 from xsa_lm.errors import UserError
@@ -219,6 +220,36 @@ def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -
     return sequence
 
 
+class Look(TypedDict):
+    """One look of the sequential rule at the pairs so far: the corrected CI and p-value."""
+
+    seeds: int
+    pairs: int
+    mean: float | None
+    ci: tuple[float, float] | None
+    p_value: float | None
+    significant: bool
+
+
+class SequentialSummary(TypedDict):
+    """The rule, its correction and its outcome, as results.json holds them (`sequential`)."""
+
+    rule: str
+    correction: str
+    cap: int
+    first_look: int
+    planned_looks: int
+    alpha: float
+    alpha_per_look: float
+    confidence: float
+    n_looks: int
+    looks: list[Look]
+    stopped: str  # significant | cap | incomplete (a trial did not finish: rerun to continue)
+    seeds: int | None
+    ci: tuple[float, float] | None
+    p_value: float | None
+
+
 @dataclass(frozen=True)
 class SequentialRule:
     """Add one seed pair at a time and look at the paired CI after each, from first_look seeds up to cap; stop at
@@ -243,43 +274,42 @@ class SequentialRule:
     def alpha_per_look(self) -> float:
         return self.alpha / self.looks
 
-    def look(self, n_seeds: int, diffs: Sequence[float]) -> dict:
+    def look(self, n_seeds: int, diffs: Sequence[float]) -> Look:
         """One look at the paired differences of the usable pairs so far: the corrected CI and p-value (scipy.stats),
         and whether the CI excludes 0."""
         test = paired_t(diffs, confidence=1 - self.alpha_per_look)
         significant = test.ci is not None and (test.ci[0] > 0 or test.ci[1] < 0)
-        return {
-            "seeds": n_seeds,
-            "pairs": len(diffs),
-            "mean": statistics.fmean(diffs) if diffs else None,
-            "ci": test.ci,
-            "p_value": test.p,
-            "significant": significant,
-        }
+        return Look(
+            seeds=n_seeds,
+            pairs=len(diffs),
+            mean=statistics.fmean(diffs) if diffs else None,
+            ci=test.ci,
+            p_value=test.p,
+            significant=significant,
+        )
 
-    def stopped(self, look: dict) -> str | None:
+    def stopped(self, look: Look) -> str | None:
         """Why the sequence stops after this look: significant, cap (the cap reached without it), else None."""
         if look["significant"]:
             return "significant"
         return "cap" if look["seeds"] >= self.cap else None
 
-    def summary(self, looks: list[dict], stopped: str) -> dict:
-        """The rule, its correction and its outcome, as results.json holds them (`sequential`)."""
-        last = looks[-1] if looks else {}
-        return {
-            "rule": f"one seed pair at a time from {self.first_look} to {self.cap} compare seeds, until the "
+    def summary(self, looks: list[Look], stopped: str) -> SequentialSummary:
+        last = looks[-1] if looks else None
+        return SequentialSummary(
+            rule=f"one seed pair at a time from {self.first_look} to {self.cap} compare seeds, until the "
             "corrected paired CI of XSA - SA excludes 0",
-            "correction": "bonferroni",
-            "cap": self.cap,
-            "first_look": self.first_look,
-            "planned_looks": self.looks,
-            "alpha": self.alpha,
-            "alpha_per_look": self.alpha_per_look,
-            "confidence": 1 - self.alpha_per_look,
-            "n_looks": len(looks),
-            "looks": looks,
-            "stopped": stopped,  # significant | cap | incomplete (a trial did not finish: rerun to continue)
-            "seeds": last.get("seeds"),
-            "ci": last.get("ci"),
-            "p_value": last.get("p_value"),
-        }
+            correction="bonferroni",
+            cap=self.cap,
+            first_look=self.first_look,
+            planned_looks=self.looks,
+            alpha=self.alpha,
+            alpha_per_look=self.alpha_per_look,
+            confidence=1 - self.alpha_per_look,
+            n_looks=len(looks),
+            looks=looks,
+            stopped=stopped,
+            seeds=last["seeds"] if last else None,
+            ci=last["ci"] if last else None,
+            p_value=last["p_value"] if last else None,
+        )

@@ -10,11 +10,11 @@ from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.stats.decision import margin_verdict, null_rates, null_study_sizes
-from xsa_lm.stats.paired import ALPHA, POWER, min_detectable_difference, paired_stats
-from xsa_lm.stats.positions import position_differences
-from xsa_lm.sweep.protocol import NULL, Comparison, Selection, mean_std
-from xsa_lm.sweep.stalls import StallRule, stall_lines, stall_study
+from xsa_lm.stats.decision import NullRates, margin_verdict, null_rates, null_study_sizes
+from xsa_lm.stats.paired import ALPHA, POWER, PairedJson, min_detectable_difference, paired_stats
+from xsa_lm.stats.positions import PositionDifferences, position_differences
+from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
+from xsa_lm.sweep.stalls import StallRule, StallStudy, stall_lines, stall_study
 from xsa_lm.sweep.trials import TrialRecord
 
 
@@ -47,7 +47,14 @@ def completed_pairs(trials: list[dict]) -> list[tuple[dict, dict]]:
     return [(sa, xsa) for sa, xsa in pairs if sa and xsa and sa["status"] == xsa["status"] == "completed"]
 
 
-def bits_per_byte(pairs: list[tuple[dict, dict]]) -> dict | None:
+class BpbStats(PairedJson):
+    """Each arm's mean bits per byte and the paired tests of XSA - SA on them."""
+
+    sa_mean: float
+    xsa_mean: float
+
+
+def bits_per_byte(pairs: list[tuple[dict, dict]]) -> BpbStats | None:
     """The final validation loss in bits per byte (tokenizer-independent) of each arm, and the paired tests of XSA -
     SA on it; None when a run predates it."""
     if not pairs or any(t.get("final_val_bpb") is None for pair in pairs for t in pair):
@@ -55,12 +62,22 @@ def bits_per_byte(pairs: list[tuple[dict, dict]]) -> dict | None:
     return bpb_stats([float(p[0]["final_val_bpb"]) for p in pairs], [float(p[1]["final_val_bpb"]) for p in pairs])
 
 
-def bpb_stats(sa: list[float], xsa: list[float]) -> dict:
-    """Each arm's mean bits per byte and the paired tests of XSA - SA on them (paired_stats)."""
-    return {"sa_mean": statistics.fmean(sa), "xsa_mean": statistics.fmean(xsa)} | paired_stats(sa, xsa).to_json()
+def bpb_stats(sa: list[float], xsa: list[float]) -> BpbStats:
+    return BpbStats(sa_mean=statistics.fmean(sa), xsa_mean=statistics.fmean(xsa), **paired_stats(sa, xsa).to_json())
 
 
-def null_comparison(trials: list[dict], margin: float | None) -> dict | None:
+class NullComparison(PairedJson):
+    """The A/A null against SA: per seed, the paired tests, the margin verdict and the false-positive rates."""
+
+    seeds: list[int]
+    sa: list[float]
+    null: list[float]
+    diff: list[float]
+    margin: dict[str, float | str | None] | None  # MarginVerdict.to_json
+    rates: list[NullRates]
+
+
+def null_comparison(trials: list[dict], margin: float | None) -> NullComparison | None:
     """The A/A null (sweep.null_arm) analysed as XSA is: per seed, SA from other initial weights - SA, the paired
     tests, the verdict against the margin, and how often studies of 3, 5 and half this many seeds claim an effect
     (null_rates, one per study size). None without a null pair."""
@@ -78,8 +95,8 @@ def null_comparison(trials: list[dict], margin: float | None) -> dict | None:
     verdict = margin_verdict(diffs, margin).to_json() if margin is not None else None
     sizes = null_study_sizes(len(diffs))
     rates = [r for r in (null_rates(diffs, size, margin) for size in sizes) if r] if margin is not None else []
-    return {"seeds": seeds, "sa": sa, "null": null, "diff": diffs, "margin": verdict, "rates": rates} | (
-        paired_stats(sa, null).to_json()
+    return NullComparison(
+        seeds=seeds, sa=sa, null=null, diff=diffs, margin=verdict, rates=rates, **paired_stats(sa, null).to_json()
     )
 
 
@@ -106,6 +123,14 @@ def dropped_warning(drop: dict) -> str:
     if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
         warning += "; run the same sweep command again to retry it"
     return warning
+
+
+class XsaTuning(TypedDict):
+    """sweep.tune_xsa: XSA's own best LR and loss, and its loss at the LR selected on SA."""
+
+    selected_lr: float | None
+    loss_at_own_lr: float | None
+    loss_at_shared_lr: float | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,14 +207,14 @@ class SweepResult(Record):
     search: dict[str, dict[str, dict]] = field(default_factory=dict)  # arm -> LR -> its median and runs
     comparison: ComparisonStats
     compare_table: list[dict] = field(default_factory=list)
-    xsa_tuning: dict | None = None
-    sequential: dict | None = None  # SequentialRule.summary
-    stalls: dict | None = None  # stall_study
+    xsa_tuning: XsaTuning | None = None
+    sequential: SequentialSummary | None = None
+    stalls: StallStudy | None = None
     trials: list[TrialRecord] = field(default_factory=list)
     eval: dict | None = None  # xsa-lm eval of the compare runs (sweep.eval_tasks)
-    bpb: dict | None = None  # bits_per_byte of the compare runs
-    positions: dict | None = None  # position_differences: XSA - SA per span of window positions
-    null: dict | None = None  # null_comparison: the A/A null of sweep.null_arm
+    bpb: BpbStats | None = None  # bits_per_byte of the compare runs
+    positions: PositionDifferences | None = None  # XSA - SA per span of window positions
+    null: NullComparison | None = None  # the A/A null of sweep.null_arm
     schema: int = 1
 
     @classmethod
@@ -595,14 +620,13 @@ def compare_table(trials: list[dict], seeds: list[int]) -> list[dict]:
     return rows
 
 
-def xsa_tuning(search: dict[str, dict[str, dict]], selection: Selection, xsa_selection: Selection) -> dict:
-    """sweep.tune_xsa: XSA's own best LR and loss, and its loss at the LR selected on SA."""
+def xsa_tuning(search: dict[str, dict[str, dict]], selection: Selection, xsa_selection: Selection) -> XsaTuning:
     shared = search.get("xsa", {}).get(f"{selection.lr:g}", {}) if selection.lr is not None else {}
-    return {
-        "selected_lr": xsa_selection.lr,
-        "loss_at_own_lr": xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None,
-        "loss_at_shared_lr": shared.get("median"),
-    }
+    return XsaTuning(
+        selected_lr=xsa_selection.lr,
+        loss_at_own_lr=xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None,
+        loss_at_shared_lr=shared.get("median"),
+    )
 
 
 def build_results(
@@ -616,7 +640,7 @@ def build_results(
     selection: Selection,
     xsa_selection: Selection | None,
     search_seeds: Sequence[int] = (0,),
-    sequential: dict | None = None,
+    sequential: SequentialSummary | None = None,
     stall_rule: StallRule | None = None,
     margin: float | None = None,
 ) -> dict:

@@ -31,8 +31,10 @@ from xsa_lm.locking import hold_directory
 from xsa_lm.sweep.protocol import (
     ALPHA,
     NULL,
+    Look,
     Selection,
     SequentialRule,
+    SequentialSummary,
     Trial,
     check_search_seeds,
     check_seeds,
@@ -243,12 +245,12 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
 
 def run_sequential(
     launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int
-) -> tuple[list[Trial], dict]:
+) -> tuple[list[Trial], SequentialSummary]:
     """The compare phase of sweep.seeds_until_significant: sweep.seeds first, then one seed pair at a time, with a
     look at the corrected CI after each, until it excludes 0 or cap seeds ran. A rerun replays the same looks on the
     reused trials, so it stops where the first run stopped, or continues where that one was cut short."""
     rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seeds, cap)
-    looks: list[dict] = []
+    looks: list[Look] = []
     trials: list[Trial] = []
     n = rule.first_look
     while True:
@@ -348,7 +350,7 @@ def search_phase(
 
 def compare_phase(
     launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int | None
-) -> tuple[list[Trial], dict | None]:
+) -> tuple[list[Trial], SequentialSummary | None]:
     """SA and XSA at the selected LR: over sweep.seeds, or one seed pair at a time up to cap seeds (run_sequential,
     whose summary is the second value; None without a cap)."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")

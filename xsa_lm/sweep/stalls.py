@@ -12,13 +12,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
 from xsa_lm.errors import UserError
 from xsa_lm.stats.decision import clustered_line, clustered_test
 from xsa_lm.stats.paired import sign_test_p
-from xsa_lm.stats.rates import exact_interval, mantel_haenszel
+from xsa_lm.stats.rates import MantelHaenszel, exact_interval, mantel_haenszel
 
 DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
 
@@ -98,7 +99,15 @@ def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
     return rows
 
 
-def paired_final_losses(rows: Sequence[dict]) -> dict | None:
+class PairedFinalLosses(TypedDict):
+    per_lr: list[dict[str, float | int]]  # lr, pairs, median_diff, xsa_lower
+    pairs: int
+    xsa_lower: int
+    sign_test_p_value: float | None
+    by_seed: dict[str, int | float | list[float] | None]  # ClusteredTest.to_json
+
+
+def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
     """XSA - SA final val loss for each (LR, seed) where both completed: per LR the median difference and how many
     pairs XSA is lower in; over every pair the exact sign test as if the pairs were independent, and the test that
     keeps each seed's pairs together (a seed's runs at every LR share its initialisation and data order: the
@@ -125,16 +134,26 @@ def paired_final_losses(rows: Sequence[dict]) -> dict | None:
     diffs = [d for _, d, _ in pairs]
     lower = sum(d < 0 for d in diffs)
     by_seed = clustered_test(diffs, [seed for _, _, seed in pairs])
-    return {
-        "per_lr": per_lr,
-        "pairs": len(pairs),
-        "xsa_lower": lower,
-        "sign_test_p_value": sign_test_p(diffs),
-        "by_seed": by_seed.to_json(),
-    }
+    return PairedFinalLosses(
+        per_lr=per_lr,
+        pairs=len(pairs),
+        xsa_lower=lower,
+        sign_test_p_value=sign_test_p(diffs),
+        by_seed=by_seed.to_json(),
+    )
 
 
-def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
+class StallStudy(TypedDict):
+    rule: dict[str, float | None]  # at_fraction, margin, loss_threshold
+    cells: list[dict]  # per LR and arm: runs, quartiles, stalls and their interval, diagnostics
+    runs: list[dict]  # each run classified
+    stalls: dict[str, int]  # per arm
+    judged: dict[str, int]  # per arm: the runs that completed
+    stratified_test: MantelHaenszel | None
+    paired_final_losses: PairedFinalLosses | None
+
+
+def stall_study(records: Sequence[dict], rule: StallRule) -> StallStudy:
     """Per LR and arm: runs, final-loss quartiles, stalls with an exact interval, diverged runs, the median tokens to
     the loss threshold and the attention diagnostics of stalled and healthy runs; then the stratified test."""
     rows = classify(records, rule)
@@ -177,15 +196,15 @@ def stall_study(records: Sequence[dict], rule: StallRule) -> dict:
     judged_runs = {
         arm: sum(c["runs"] - c["diverged_or_failed"] for c in cells if c["attention"] == arm) for arm in total
     }
-    return {
-        "rule": {"at_fraction": rule.at_fraction, "margin": rule.margin, "loss_threshold": rule.loss_threshold},
-        "cells": cells,
-        "runs": rows,
-        "stalls": total,
-        "judged": judged_runs,
-        "stratified_test": mantel_haenszel(tables) if tables else None,
-        "paired_final_losses": paired_final_losses(rows),
-    }
+    return StallStudy(
+        rule={"at_fraction": rule.at_fraction, "margin": rule.margin, "loss_threshold": rule.loss_threshold},
+        cells=cells,
+        runs=rows,
+        stalls=total,
+        judged=judged_runs,
+        stratified_test=mantel_haenszel(tables) if tables else None,
+        paired_final_losses=paired_final_losses(rows),
+    )
 
 
 def stall_lines(study: dict) -> list[str]:
