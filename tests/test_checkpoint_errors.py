@@ -21,7 +21,7 @@ from tests.helpers import (
     write_checkpoint,
 )
 from tests.test_data import shakespeare_text
-from xsa_lm.analysis.run import validation_windows
+from xsa_lm.analysis.run import validation_set
 from xsa_lm.checkpoints.load import (
     check_checkpoint_file,
     checkpoint_list,
@@ -194,7 +194,7 @@ def generate(ckpt: Path) -> list[str]:
 def test_generate_analyze_and_eval_refuse_a_tokenizer_other_than_the_checkpoints(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ckpt, data_dir = local_run(tmp_path)
-    assert generate(ckpt)[0].startswith("ROMEO") and validation_windows(ckpt, 2).shape == (2, 16)
+    assert generate(ckpt)[0].startswith("ROMEO") and validation_set(ckpt, 2)[0].shape == (2, 16)
     monkeypatch.chdir(tmp_path / "run")  # run_info.json's relative data folder is taken from the run's cwd
     assert load_tokenizer(ckpt).to_str() == read_tokenizer(data_dir / "tokenizer.json", "test").to_str()
     monkeypatch.chdir(tmp_path)
@@ -210,7 +210,7 @@ def test_generate_analyze_and_eval_refuse_a_tokenizer_other_than_the_checkpoints
     shutil.rmtree(data_dir)
     (tmp_path / "a.txt").write_text(shakespeare_text(8_000))
     message = f"ckpts?: {ckpt} was trained with another tokenizer .*: the run's data folder {data_dir} is gone\\)"
-    for load in (generate, load_tokenizer, lambda ckpt: validation_windows(ckpt, 2)):  # generate, eval, analyze
+    for load in (generate, load_tokenizer, lambda ckpt: validation_set(ckpt, 2)):  # generate, eval, analyze
         with pytest.raises(UserError, match=message):
             load(ckpt)
 

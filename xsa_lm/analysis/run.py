@@ -62,11 +62,6 @@ def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, Prep
     return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs]), data
 
 
-def validation_windows(path: Path, n: int) -> torch.Tensor:
-    """The inputs of validation_set(path, n): the windows the diagnostics run the model on."""
-    return validation_set(path, n)[0]
-
-
 def check_counts(**counts: object) -> None:
     """sequences, chunk, batch_size, position_buckets: whole numbers of at least one, refused in one line each."""
     for key, value in counts.items():
