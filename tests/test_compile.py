@@ -14,6 +14,8 @@ from tests.helpers import REPO
 from xsa_lm.model import GPT, GPTConfig, exclusive_projection, generate
 from xsa_lm.train.module import LMModule, compile_model
 
+pytestmark = pytest.mark.slow  # every test compiles (seconds of CPU each): kept out of make test-fast
+
 # Inductor names its generated kernels cpp_fused_* on CPU and triton_*_fused_* on GPU.
 KERNEL = re.compile(r"^(?:cpp_fused_\w+|triton_\w+_fused_\w+) = ", re.MULTILINE)
 
@@ -113,7 +115,6 @@ def bench_xsa_epilogue():
     return module
 
 
-@pytest.mark.slow  # two compiles: ~20 s of CPU
 def test_compiled_xsa_adds_no_more_kernels_and_bytes_than_it_needs():
     """A compiled XSA attention layer against a compiled SA layer of the same shape (grouped heads): at most one
     kernel more each way, and no more bytes allocated or kept for the backward than z, grad_y and two fp32 numbers
