@@ -1,14 +1,8 @@
-"""Typed schemas of the training config: every key of configs/train.yaml and of each option of its groups, each field
-holding the key's type, default (`???`: the file sets it), what it is, and its check. The files hold the values and
-say why.
-
-A renamed or misspelt key in a file fails when Hydra composes the config, a key appended past a schema
-(`+optim.lrr=1`) when the run starts (check_known_keys), each in one line from the CLI. A field made with knob() is
-checked by checks.py check_values against its type and bounds (or its own rule), naming the key, the value and what it
-takes, with every other bad value, in one line (also for a config.yaml read back on resume). Hydra types a
-command-line value by its look (`max_steps=1.5` is a float), so Hydra's config store holds such a field untyped
-(hydra_schema) and OmegaConf does not stop it first in its own words. The model group mirrors GPTConfig, whose own
-check is the one range check of the model's fields.
+"""Typed schemas of the training config: every key of configs/train.yaml and of each option of its groups, its
+field the one place of its type, default (`???`: the file sets it), what it is, and its check (knob: checks.py
+check_values names the key, the value and what it takes). The files hold the values and say why. A renamed or
+misspelt key in a file fails when Hydra composes the config, one appended past a schema (`+optim.lrr=1`) when the run
+starts (check_known_keys). The model group mirrors GPTConfig, whose own check is the one range check of the model.
 """
 
 import math
@@ -33,23 +27,30 @@ TYPE_WANTED = {int: "must be an integer", float: "must be a finite number", bool
 @dataclass(frozen=True)
 class Check:
     """What a field's value must be beyond its type: within bounds (gt, lt: open), or what a rule of its own says
-    (of its type too)."""
+    (of its type too); a refusal ends with the hint, if any (what the setting does)."""
 
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
     rule: Rule | None = None
+    hint: str | None = None
 
     def problem(self, annotation: Any, value: Any) -> str | None:
-        """What is wrong with a value of a field annotated `annotation` (int, float or bool, `| None`, `| Literal`)."""
-        if self.rule:
-            return self.rule(value)
+        """What is wrong with a value of a field annotated `annotation` (null, where it allows it: nothing)."""
         kinds = options(annotation)
-        words = [word for kind in kinds if get_origin(kind) is Literal for word in get_args(kind)]
-        if (value is None and NoneType in kinds) or (isinstance(value, str) and value in words):
+        if value is None and NoneType in kinds:
             return None
-        kind = next(k for k in kinds if k in TYPE_WANTED)
+        problem = self.rule(value) if self.rule else self.type_problem(kinds, value)
+        return f"{problem} ({self.hint})" if problem and self.hint else problem
+
+    def type_problem(self, kinds: tuple, value: Any) -> str | None:
+        words = [word for kind in kinds if get_origin(kind) is Literal for word in get_args(kind)]
+        if isinstance(value, str) and value in words:
+            return None
+        kind = next((k for k in kinds if k in TYPE_WANTED), None)
+        if kind is None:
+            return f"must be one of {', '.join(words)}"
         if is_a(kind, value):
             problem = self.bounds_problem(kind, value)
         else:
@@ -60,9 +61,9 @@ class Check:
 
     def bounds_problem(self, kind: type, value: float) -> str | None:
         low, high = self.ge if self.gt is None else self.gt, self.le if self.lt is None else self.lt
-        if (low is None or value > low or (value == low and self.gt is None)) and (
-            high is None or value < high or (value == high and self.lt is None)
-        ):
+        below = low is not None and (value < low or (value == low and self.gt is not None))
+        above = high is not None and (value > high or (value == high and self.lt is not None))
+        if not (below or above):
             return None
         if kind is int:
             return f"must be >= {low}" + (f" and <= {high}" if high is not None else "")
@@ -87,9 +88,6 @@ def is_a(kind: type, value: object) -> bool:
     if kind is int:
         return isinstance(value, int)
     return kind is float and isinstance(value, int | float) and math.isfinite(value)
-
-
-# --- the rules of the odd ones ----------------------------------------------------------------------------------
 
 
 def _text(value: object) -> str | None:
@@ -124,14 +122,11 @@ def _devices(value: Any) -> str | None:
     return "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
 
 
-def _betas(value: object) -> str | None:
-    if (
-        not isinstance(value, list | ListConfig)
-        or len(value) != 2
-        or not all(is_a(float, b) and 0 <= b < 1 for b in value)
-    ):
-        return "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
-    return None
+def _betas(value: Any) -> str | None:
+    pair = (
+        isinstance(value, list | ListConfig) and len(value) == 2 and all(is_a(float, b) and 0 <= b < 1 for b in value)
+    )
+    return None if pair else "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
 
 
 def _one_only(value: object) -> str | None:
@@ -141,32 +136,30 @@ def _one_only(value: object) -> str | None:
     return "must be 1: tensor parallelism is not implemented (trainer=fsdp shards data parallel only)"
 
 
-# --- the schemas ------------------------------------------------------------------------------------------------
-
 # GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
 ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
 
 
 def model_error(error: ValueError) -> UserError:
     """GPTConfig's refusal, which opens with its field, as one line naming the config key (model.n_sinks=...)."""
-    name, rest = re.match(r"(\w*)(.*)", str(error), re.DOTALL).groups()  # type: ignore[union-attr]  # always matches
+    name = re.split(r"\W", str(error), maxsplit=1)[0]
     key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
-    return UserError(f"{key}{rest}")
+    return UserError(f"{key}{str(error)[len(name) :]}")
 
 
-def _model_fields() -> list[tuple]:
-    """GPTConfig's architecture fields with its defaults, so the schema cannot drift from the model. vocab_size
-    defaults to null: the tokenizer's vocabulary, padded (builders.py model_config)."""
-    own: list[tuple[str, Any, Any]] = [("name", str, field(default=MISSING))]
-    for f in fields(GPTConfig):
-        if f.name == "vocab_size":
-            own.append(("vocab_size", int | None, field(default=None)))
-        elif f.name not in ATTENTION_FIELDS:
-            own.append((f.name, f.type, field(default=f.default)))
-    return own
-
-
-ModelOptions = make_dataclass("ModelOptions", _model_fields())
+# GPTConfig's architecture fields with its defaults, so that the schema cannot drift from the model; vocab_size
+# defaults to null: the tokenizer's vocabulary, padded (builders.py model_config).
+ModelOptions = make_dataclass(
+    "ModelOptions",
+    [("name", str, field(default=MISSING))]
+    + [
+        (f.name, int | None, field(default=None))
+        if f.name == "vocab_size"
+        else (f.name, f.type, field(default=f.default))
+        for f in fields(GPTConfig)
+        if f.name not in ATTENTION_FIELDS
+    ],
+)
 
 
 @dataclass
@@ -306,8 +299,7 @@ class CSVLogger:
 
 
 @dataclass
-class WandbLogger:
-    csv: CSVLoggerOptions = MISSING
+class WandbLogger(CSVLogger):
     wandb: WandbOptions = MISSING
 
 
@@ -412,23 +404,18 @@ SCHEMAS = {
 OMEGACONF_TYPES = (int, float, bool, str, list[str])
 
 
-def hydra_type(f: Any) -> Any:
-    """A field's type in Hydra's config store: a checked field untyped, so that a command-line value reaches its
-    check whatever its look, as does a type OmegaConf cannot hold; a schema as its own copy."""
-    if isinstance(f.type, type) and is_dataclass(f.type):
-        return hydra_schema(f.type)
-    kinds = [kind for kind in options(f.type) if kind is not NoneType]
-    held = len(kinds) == 1 and kinds[0] in OMEGACONF_TYPES
-    return f.type if held and "check" not in f.metadata else Any
-
-
 def hydra_schema(schema: type) -> type:
-    """The copy of a schema that Hydra's config store holds: the same keys and defaults, typed by hydra_type."""
-    own = []
+    """The copy of a schema that Hydra's config store holds: the same keys and defaults, a checked field untyped (Hydra
+    types a command-line value by its look: `max_steps=1.5` must reach its check, not stop in OmegaConf's words), as
+    is a type OmegaConf cannot hold; a schema as its own copy."""
+    own: list[tuple[str, Any, Any]] = []
     for f in fields(schema):
-        kind = hydra_type(f)
-        default = field(default_factory=kind) if is_dataclass(f.type) else field(default=f.default)
-        own.append((f.name, kind, default))
+        if isinstance(f.type, type) and is_dataclass(f.type):
+            own.append((f.name, node := hydra_schema(f.type), field(default_factory=node)))
+            continue
+        kinds = [kind for kind in options(f.type) if kind is not NoneType]
+        held = len(kinds) == 1 and kinds[0] in OMEGACONF_TYPES and "check" not in f.metadata
+        own.append((f.name, f.type if held else Any, field(default=f.default)))
     return make_dataclass(schema.__name__, own)
 
 

@@ -1,24 +1,21 @@
 """The type and range of every setting of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale`
-(configs/_scale.yaml), checked before the sweep or study directory gets anything.
-
-Hydra types a command-line value by its look: `sweep.lrs=1e-3` is a number, not a list, `sweep.seeds=[a,b]` a list of
-strings, and `sweep.diverge_above=-1` a fine int. Each would fail halfway through a sweep, or worse, run: with a bound
-of -1 every run "diverged". The rules that tie settings together (compare seeds apart from the search seeds, a cap
-above the seeds, budgets within each other) stay with the code that uses them (protocol.py, scale/); these come
-first, so that those see the types they expect.
+(configs/_scale.yaml), each on its field as config/schema.py has them, checked before the sweep or study directory
+gets anything. Hydra types a command-line value by its look: `sweep.lrs=1e-3` is a number, not a list, and
+`sweep.diverge_above=-1` a fine int (with it every run "diverged"). The rules that tie settings together stay with the
+code that uses them (protocol.py, scale/); these come first, so that those see the types they expect.
 """
 
-import math
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, fields
+from typing import Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from xsa_lm.config.checks import SEED_MAX, _bool, _int, _number
+from xsa_lm.config.checks import field_problems
+from xsa_lm.config.schema import SEED_MAX, Rule, is_a, knob
 from xsa_lm.errors import UserError
-
-Rule = Callable[[object], str | None]  # a value -> what is wrong with it (None: nothing)
 
 
 def plain(value: object) -> object:
@@ -30,17 +27,11 @@ def is_list(value: object) -> bool:
     return isinstance(value, list | tuple | ListConfig)
 
 
-def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def positive_numbers(example: str, nullable: bool = False) -> Rule:
     """A list of distinct positive numbers ([] is left to the code that needs some, which says why)."""
 
-    def check(value) -> str | None:
-        if value is None and nullable:
-            return None
-        if not is_list(value) or any(not is_number(v) or v <= 0 for v in value):
+    def check(value) -> str | None:  # null, where the field allows it: Check.problem
+        if not is_list(value) or any(not is_a(float, v) or v <= 0 for v in value):
             return f"must be a list of positive numbers, e.g. {example}" + (", or null" if nullable else "")
         twice = sorted(v for v, n in Counter(float(v) for v in value).items() if n > 1)
         return f"lists {', '.join(f'{v:g}' for v in twice)} twice: list each value once" if twice else None
@@ -54,7 +45,7 @@ def seed_list(nullable: bool = False) -> Rule:
     def check(value) -> str | None:
         if value is None and nullable:
             return None
-        ints = is_list(value) and all(_int(0, SEED_MAX)(s) is None for s in value)
+        ints = is_list(value) and all(is_a(int, s) and 0 <= s <= SEED_MAX for s in value)
         if not ints or len(set(value)) != len(value):
             return f"must be a list of distinct integers from 0 to {SEED_MAX}" + (", or null" if nullable else "")
         return None
@@ -63,24 +54,21 @@ def seed_list(nullable: bool = False) -> Rule:
 
 
 def lr_range(value) -> str | None:
-    """null, or {min, max, num}: num LRs log-spaced from min to max."""
-    if value is None:
-        return None
+    """{min, max, num}: num LRs log-spaced from min to max."""
     good = (
         isinstance(value, dict | DictConfig)
         and set(value) == {"min", "max", "num"}
-        and is_number(value["min"])
-        and is_number(value["max"])
+        and is_a(float, value["min"])
+        and is_a(float, value["max"])
         and 0 < value["min"] < value["max"]
-        and _int(2)(value["num"]) is None
+        and is_a(int, value["num"])
+        and value["num"] >= 2
     )
     return None if good else "must be {min:..,max:..,num:..} with 0 < min < max and an integer num >= 2, or null"
 
 
 def lr_grids(value) -> str | None:
-    """null, or model name -> its LR grid (a non-empty list of positive numbers)."""
-    if value is None:
-        return None
+    """Model name -> its LR grid (a non-empty list of positive numbers)."""
     if not isinstance(value, dict | DictConfig):
         return "must map model names to LR lists, e.g. {tiny:[3e-3,1e-2,3e-2],default:[1e-4,3e-4]}"
     grid = positive_numbers("[1e-4,3e-4]")
@@ -123,83 +111,70 @@ def checked_elsewhere(value) -> None:
     return None
 
 
-def choice(*options: str) -> Rule:
-    def check(value) -> str | None:
-        return None if value in options else f"must be one of {', '.join(options)}"
+@dataclass
+class SweepSettings:
+    """`xsa-lm sweep`'s settings (configs/sweep/paper.yaml says what each does)."""
 
-    return check
-
-
-def hinted(rule: Rule, hint: str) -> Rule:
-    """A rule whose refusal also says what the setting does."""
-
-    def check(value) -> str | None:
-        problem = rule(value)
-        return f"{problem} ({hint})" if problem else None
-
-    return check
-
-
-SWEEP_RULES: dict[str, Rule] = {
-    "lrs": positive_numbers("[1e-3,3e-3]", nullable=True),
-    "lr_range": lr_range,
-    "lr_grids": lr_grids,
-    "search_seeds": seed_list(),
-    "seeds": hinted(seed_list(nullable=True), "[]: a search-only sweep"),
-    "reuse_search_run": _bool,
-    "seeds_until_significant": checked_elsewhere,  # protocol.py seed_sequence: at least the number of seeds
-    "margin": hinted(_number(0), "the practical margin in nats of XSA - SA, fixed in the plan before the runs"),
-    "null_arm": _bool,
-    "tune_xsa": _bool,
-    "stall": stall,
-    "diverge_above": hinted(
-        _number(0, low_open=True, nullable=True),
-        "a final val loss above it counts as diverged; null: ln(vocabulary size), a uniform guess",
-    ),
-    "max_parallel": _int(1),
-    "launch_prefix": command_prefix,
-    "wandb_report": _bool,
-    "eval_tasks": eval_tasks,
-    "eval_limit": hinted(_number(0, low_open=True, nullable=True), "the first N examples per task; null: all"),
-}
-
-SCALE_RULES: dict[str, Rule] = {
-    "axis": choice("size", "tokens"),
-    "models": checked_elsewhere,  # scale/run.py check_models: presets that exist, two or more on the size axis
-    "seeds": hinted(seed_list(nullable=True), "the compare seeds at every size; null: sweep.seeds"),
-    "fit": checked_elsewhere,  # scale/run.py check_analysis: auto or a form of scale/fit.py
-    "bootstrap_resamples": _int(100),
-    "bootstrap_seed": _int(0, SEED_MAX),
-    "wandb_report": _bool,
-    "tokens_per_param": _number(0, low_open=True),
-    "sa_budgets": positive_numbers("[0.5,1,2]"),
-    "xsa_budgets": positive_numbers("[0.5,1]"),
-    "lr_per_budget": _bool,
-    "warmup_fraction": hinted(
-        _number(0, 1, high_open=True, nullable=True),
-        "the share of each run's steps spent warming up; null: the recipe's",
-    ),
-    "allow_repeated_data": _bool,
-    "measure_throughput": _bool,
-    "bench_rounds": _int(2),
-    "bench": checked_elsewhere,  # scale/run.py load_bench: a results.json of `xsa-lm bench`, or null
-}
+    lrs: list[float] | None = knob(rule=positive_numbers("[1e-3,3e-3]", nullable=True))  # null: lr_range, lr_grids
+    lr_range: dict[str, float] | None = knob(rule=lr_range)  # {min, max, num}: log-spaced
+    lr_grids: dict[str, list[float]] | None = knob(rule=lr_grids)  # model name -> its grid
+    search_seeds: list[int] = knob(rule=seed_list())
+    seeds: list[int] | None = knob(rule=seed_list(nullable=True), hint="[]: a search-only sweep")  # compare seeds
+    reuse_search_run: bool = knob()
+    seeds_until_significant: int | None = knob(rule=checked_elsewhere)  # protocol.py seed_sequence: >= the seeds
+    margin: float = knob(ge=0, hint="the practical margin in nats of XSA - SA, fixed in the plan before the runs")
+    null_arm: bool = knob()  # an A/A null beside the comparison
+    tune_xsa: bool = knob()
+    stall: dict[str, float | None] | None = knob(rule=stall)
+    diverge_above: float | None = knob(
+        gt=0, hint="a final val loss above it counts as diverged; null: ln(vocabulary size), a uniform guess"
+    )
+    max_parallel: int = knob(ge=1)  # trials at once
+    launch_prefix: list[str] = knob(rule=command_prefix)
+    wandb_report: bool = knob()
+    eval_tasks: str | list[str] | None = knob(rule=eval_tasks)
+    eval_limit: float | None = knob(gt=0, hint="the first N examples per task; null: all")
 
 
-def check_settings(node: DictConfig, rules: dict[str, Rule], group: str) -> None:
-    """Every key of the group against its rule, in one line naming each bad value; a key without a rule is one the
-    command does not have (`+sweep.lr=...`), a rule without a key a config that lost it."""
+@dataclass
+class ScaleSettings:
+    """`xsa-lm scale`'s settings (configs/_scale.yaml says what each does)."""
+
+    axis: Literal["size", "tokens"] = knob()
+    models: list[str] = knob(rule=checked_elsewhere)  # scale/run.py check_models: presets, two or more on size
+    seeds: list[int] | None = knob(
+        rule=seed_list(nullable=True), hint="the compare seeds at every size; null: sweep.seeds"
+    )
+    fit: str = knob(rule=checked_elsewhere)  # scale/run.py check_analysis: auto or a form of scale/fit.py
+    bootstrap_resamples: int = knob(ge=100)
+    bootstrap_seed: int = knob(ge=0, le=SEED_MAX)
+    wandb_report: bool = knob()
+    tokens_per_param: float = knob(gt=0)
+    sa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1,2]"))
+    xsa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1]"))
+    lr_per_budget: bool = knob()
+    warmup_fraction: float | None = knob(
+        ge=0, lt=1, hint="the share of each run's steps spent warming up; null: the recipe's"
+    )
+    allow_repeated_data: bool = knob()
+    measure_throughput: bool = knob()
+    bench_rounds: int = knob(ge=2)
+    bench: str | None = knob(rule=checked_elsewhere)  # scale/run.py load_bench: a results.json of `xsa-lm bench`
+
+
+# Each group's settings by name, as the commands check them (check_settings).
+SWEEP_RULES = {f.name: f for f in fields(SweepSettings)}
+SCALE_RULES = {f.name: f for f in fields(ScaleSettings)}
+
+
+def check_settings(node: DictConfig, rules: Mapping[str, Field], group: str) -> None:
+    """Every key of the group against its field, in one line naming each bad value; a key without a field is one the
+    command does not have (`+sweep.lr=...`), a field without a key a config that lost it."""
     bad = [
         f"{group}.{key}: not a setting of `xsa-lm {group}` (it has {', '.join(rules)})"
         for key in map(str, node)
         if key not in rules
     ]
-    for key, rule in rules.items():
-        if key not in node:
-            bad.append(f"{group}.{key} is missing from the config: set it")
-            continue
-        problem = rule(node[key])
-        if problem:
-            bad.append(f"{group}.{key}={plain(node[key])} {problem}")
+    bad += field_problems(node, rules.values(), f"{group}.")
     if bad:
         raise UserError("; ".join(bad))
