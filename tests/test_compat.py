@@ -17,7 +17,7 @@ VERSIONS = f"torch {torch.__version__}, lightning {L.__version__}"
 
 
 def changed(api: str, what: str) -> str:
-    return f"{api} {what} ({VERSIONS}): update xsa_lm/compat.py for this version"
+    return f"{api} {what} ({VERSIONS}; checked against {compat.CHECKED_AGAINST}): update xsa_lm/compat.py for it"
 
 
 class Recorder(L.LightningModule):

@@ -1,8 +1,8 @@
 """Where this package leans on Lightning or torch beyond their public API, in one place.
 
-Two kinds: private names, each used because no public equivalent exists (checked against lightning 2.6.6 and torch
-2.13), and Lightning's own rules restated in public terms. tests/test_compat.py checks each against the installed
-versions, so an upgrade that changes one fails there, by name, rather than deep inside a training run.
+Two kinds: private names, each used because no public equivalent exists, and Lightning's own rules restated in
+public terms. tests/test_compat.py checks each against the installed versions, so an upgrade that changes one fails
+there, by name, rather than deep inside a training run.
 """
 
 import csv
@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from xsa_lm.errors import WriteError, what_to_do
 from xsa_lm.files import atomic_file
+
+CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
 
 # The name torch.compile(model)'s wrapper gives the model inside (its state-dict keys start with it).
 COMPILED_PREFIX = "_orig_mod."

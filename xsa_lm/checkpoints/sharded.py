@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from xsa_lm.compat import read_distributed_checkpoint
 
-META = "meta.pt"  # Lightning's name for the part that is no tensor shard (fabric.utilities.load._METADATA_FILENAME)
+META = "meta.pt"  # what ModelParallelStrategy writes beside the tensor shards: the rest of the checkpoint
 
 
 def is_sharded(path: Path) -> bool:

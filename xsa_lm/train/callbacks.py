@@ -16,14 +16,7 @@ from typing import cast
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from xsa_lm.compat import should_update_logs
 from xsa_lm.model import GPT
