@@ -25,6 +25,7 @@ from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.hardware import device_name, peak_flops, synchronize
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
+from xsa_lm.train.runinfo import SdpaKernels
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 N_BATCHES = 8  # distinct random batches, cycled
@@ -36,11 +37,9 @@ class ProcessFacts(TypedDict):
     host_memory_reuse: bool
 
 
-class KernelsFound(TypedDict):
+class KernelsFound(SdpaKernels):
     """The SDPA kernel order `auto` gives the device, the one the attention runs, and which candidates take it."""
 
-    order: list[str]
-    used: str
     candidates: list[str]
     takes: dict[str, bool]
 
