@@ -7,44 +7,23 @@ planned with that many steps and the same scheduler.total_steps would; passing s
 cosine for the new length.
 """
 
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.config.schema import GROUPS
+from xsa_lm.config.schema import GROUP_SCHEMAS, GROUPS, TrainOptions
 from xsa_lm.errors import UserError
 
-# Keys a resume may change: how long, how often, where and how fast; never what the model sees or how it learns.
-# micro_batch_size and devices change only the split of the same global batch (the accumulation follows).
-FREE_ON_RESUME = (
-    "resume",
-    "trainer.max_steps",
-    "scheduler.total_steps",
-    "val_every_steps",
-    "val_position_buckets",  # what validation reports, not what trains
-    "trainer.log_every_n_steps",
-    "trainer.devices",
-    "trainer.num_nodes",
-    "trainer.accelerator",
-    "trainer.strategy",
-    "trainer.enable_model_summary",
-    "trainer.activation_checkpointing",  # the backward recomputes the same values
-    "micro_batch_size",
-    "data.num_workers",
-    "compile",
-    "sdpa_backends",  # the same numbers from another kernel
-    "reuse_host_memory",
-    "progress_bar",
-    "check_memory",
-    "run_name",
-    "checkpoint.",
-    "faults.",
-    "diagnostics.",
-    "samples.",
-    "profile.",
-    "logger.",
-)
+
+def free_on_resume() -> list[str]:
+    """The keys a resume may change (schema.FREE); a node's ending in `.`: all of its keys."""
+    free = ["logger."]  # where the run reports
+    for prefix, schema in [("", TrainOptions), *((f"{group}.", s) for group, s in GROUP_SCHEMAS.items())]:
+        nodes = [f for f in fields(schema) if f.metadata.get("free_on_resume")]
+        free += [f"{prefix}{f.name}{'.' if is_dataclass(f.type) else ''}" for f in nodes]
+    return free
 
 
 def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
@@ -64,7 +43,7 @@ def plain(config: DictConfig) -> dict[str, object]:
 
 
 def is_free(key: str) -> bool:
-    return any(key == free or (free.endswith(".") and key.startswith(free)) for free in FREE_ON_RESUME)
+    return any(key == free or (free.endswith(".") and key.startswith(free)) for free in free_on_resume())
 
 
 def continuation_config(

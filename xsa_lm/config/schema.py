@@ -72,9 +72,14 @@ class Check:
         return f"must be in {'[' if self.gt is None else '('}{low:g}, {high:g}{']' if self.lt is None else ')'}"
 
 
-def knob(default: Any = MISSING, **check: Any) -> Any:
-    """A checked field (check_values): Check's bounds or rule, e.g. knob(ge=1), knob(rule=_resume)."""
-    return field(default=default, metadata={"check": Check(**check)})
+# A key a resume may change (config/resume.py): how long, how often, where and how fast; never what the model sees or
+# how it learns. A node's: all of its keys.
+FREE = {"free_on_resume": True}
+
+
+def knob(default: Any = MISSING, *, free: bool = False, **check: Any) -> Any:
+    """A checked field (check_values): Check's bounds or rule, e.g. knob(ge=1), knob(rule=_resume); free: FREE."""
+    return field(default=default, metadata={"check": Check(**check), **(FREE if free else {})})
 
 
 def options(annotation: Any) -> tuple:
@@ -184,7 +189,7 @@ class DataOptions:
     tokenizer_documents: int = MISSING  # a trained BPE learns from the first N training documents
     block_size: int = knob(ge=1)  # training context (xsa-lm prepare: null, whole documents)
     val_windows: int | None = MISSING  # null: every validation window
-    num_workers: int | Literal["auto"] = knob(ge=0)  # data-loader workers per device
+    num_workers: int | Literal["auto"] = knob(ge=0, free=True)  # data-loader workers per device
 
 
 @dataclass
@@ -245,7 +250,7 @@ class AdamWOptions(Partial):
 class WarmupCosineOptions(Partial):
     warmup_steps: int = knob(ge=0)
     min_lr_ratio: float = knob(ge=0, le=1)  # the final LR over the peak
-    total_steps: int | None = knob(ge=1)  # null: trainer.max_steps
+    total_steps: int | None = knob(ge=1, free=True)  # null: trainer.max_steps
 
 
 @dataclass
@@ -260,19 +265,19 @@ class TrainerOptions:
     """lightning.Trainer's arguments (configs/trainer/default.yaml) and activation_checkpointing, which is ours."""
 
     _target_: str = MISSING
-    accelerator: str = MISSING
-    devices: int | str | list[int] = knob(rule=_devices)  # N | -1 | auto | a list of device indices, per node
-    strategy: str | StrategyNode = MISSING  # auto | a name | a _target_ node with the strategy's own arguments
-    num_nodes: int = knob(ge=1)
+    accelerator: str = field(default=MISSING, metadata=FREE)
+    devices: int | str | list[int] = knob(rule=_devices, free=True)  # N | -1 | auto | device indices, per node
+    strategy: str | StrategyNode = field(default=MISSING, metadata=FREE)  # auto | a name | a _target_ node
+    num_nodes: int = knob(ge=1, free=True)
     precision: str = MISSING  # auto (ours) or Lightning's name
-    max_steps: int = knob(ge=1)  # optimizer steps
+    max_steps: int = knob(ge=1, free=True)  # optimizer steps
     gradient_clip_val: float | None = knob(ge=0)
-    log_every_n_steps: int = knob(ge=1)
+    log_every_n_steps: int = knob(ge=1, free=True)
     limit_val_batches: int | float | None = MISSING  # null | N batches | a share: Lightning reads the type
     num_sanity_val_steps: int = MISSING
-    enable_model_summary: bool = MISSING
+    enable_model_summary: bool = field(default=MISSING, metadata=FREE)
     deterministic: bool | Literal["warn"] = MISSING
-    activation_checkpointing: bool = knob()  # recompute each block in the backward
+    activation_checkpointing: bool = knob(free=True)  # recompute each block in the backward: the same values
 
 
 @dataclass
@@ -352,21 +357,21 @@ class TrainOptions:
     seed: int = knob(ge=0, le=SEED_MAX)
     init_seed: int | None = knob(ge=0, le=SEED_MAX)  # null: weights from seed
     global_batch_tokens: int = knob(ge=1)  # tokens per optimizer step
-    micro_batch_size: int = knob(ge=1)  # sequences per forward pass on one device
-    val_every_steps: int = knob(ge=1)
-    val_position_buckets: int = knob(ge=1)  # the validation loss per equal span of window positions
-    compile: bool | Literal["auto"] = knob()  # auto: on CUDA runs
-    sdpa_backends: str | list[str] = knob(rule=sdpa_backends_problem)  # auto | a kernel | kernels, first that fits
-    reuse_host_memory: bool = knob()
-    check_memory: bool = knob()  # refuse a run estimated not to fit
-    resume: str | None = knob(rule=_resume)  # null | auto | a checkpoint path
-    run_name: str | None = MISSING  # null: derived from the run's settings
-    progress_bar: bool = knob()
-    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
-    faults: FaultsOptions = field(default_factory=FaultsOptions)
-    diagnostics: DiagnosticsOptions = field(default_factory=DiagnosticsOptions)
-    samples: SamplesOptions = field(default_factory=SamplesOptions)
-    profile: ProfileOptions = field(default_factory=ProfileOptions)
+    micro_batch_size: int = knob(ge=1, free=True)  # sequences per forward pass on one device (the split of a step)
+    val_every_steps: int = knob(ge=1, free=True)
+    val_position_buckets: int = knob(ge=1, free=True)  # the validation loss per equal span of window positions
+    compile: bool | Literal["auto"] = knob(free=True)  # auto: on CUDA runs
+    sdpa_backends: str | list[str] = knob(rule=sdpa_backends_problem, free=True)  # auto | kernels: the same numbers
+    reuse_host_memory: bool = knob(free=True)
+    check_memory: bool = knob(free=True)  # refuse a run estimated not to fit
+    resume: str | None = knob(rule=_resume, free=True)  # null | auto | a checkpoint path
+    run_name: str | None = field(default=MISSING, metadata=FREE)  # null: derived from the run's settings
+    progress_bar: bool = knob(free=True)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions, metadata=FREE)
+    faults: FaultsOptions = field(default_factory=FaultsOptions, metadata=FREE)
+    diagnostics: DiagnosticsOptions = field(default_factory=DiagnosticsOptions, metadata=FREE)
+    samples: SamplesOptions = field(default_factory=SamplesOptions, metadata=FREE)
+    profile: ProfileOptions = field(default_factory=ProfileOptions, metadata=FREE)
 
 
 GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
