@@ -169,6 +169,10 @@ def test_model_checkpoint_saves_through_save_checkpoint_and_saves_now_on_request
     assert (4, "last.ckpt") in seen, changed(api, "is not called for every write")
     for attribute in ("_last_global_step_saved", "_last_checkpoint_saved"):
         assert hasattr(probe, attribute), changed(f"ModelCheckpoint.{attribute}", "is gone")
+    ours, lightnings = compat.monitor_candidates(trainer), probe._monitor_candidates(trainer)
+    assert ours.keys() == lightnings.keys() and all(torch.equal(ours[k], lightnings[k]) for k in ours), changed(
+        "ModelCheckpoint._monitor_candidates", "differs from compat.monitor_candidates"
+    )
     seen.clear()
     trainer.state.fn = "validate"  # as after trainer.validate
     now = Probe(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)

@@ -5,6 +5,7 @@ public terms. tests/test_compat.py checks each against the installed versions, s
 there, by name, rather than deep inside a training run.
 """
 
+import copy
 import csv
 import logging
 import os
@@ -170,10 +171,19 @@ class WritingCheckpoint(ModelCheckpoint):
 
 def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
     """What a ModelCheckpoint does at the end of a validation (its top-k checkpoint, then last.ckpt), outside the fit
-    loop: for a last step validated after the fit. The two steps have no public entry point."""
-    candidates = callback._monitor_candidates(trainer)
+    loop: for a last step validated after the fit. The two steps have no public entry point; what they compare and
+    name files by is Lightning's: the logged values, with the epoch and step as int tensors."""
+    candidates = monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)
+
+
+def monitor_candidates(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    metrics = copy.deepcopy(trainer.callback_metrics)  # kept by the callback: never changed later
+    for key, counter in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+        value = metrics.get(key)
+        metrics[key] = value.int() if isinstance(value, torch.Tensor) else torch.tensor(counter)
+    return metrics
 
 
 def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:
