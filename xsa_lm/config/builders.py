@@ -52,10 +52,9 @@ def world_size(trainer_cfg: DictConfig) -> int:
 
 
 def check_config(cfg: DictConfig) -> dict[str, int]:
-    """Validate what the user can get wrong; returns the derived batch quantities: devices (processes in the run)
-    and accumulate (micro-batches per optimizer step on each device)."""
+    """Validate what the user can get wrong; returns the devices and `accumulate`: micro-batches per optimizer step."""
     check_values(cfg)
-    model_config(cfg, vocab_size=1)  # GPTConfig's own checks (layers, sinks, heads), before the data is prepared
+    model_config(cfg, vocab_size=1)  # attention.layers and .gate as the model takes them, before the data is prepared
     resolve_precision(cfg.trainer.precision)  # a name Lightning accepts; check_trainer asks this machine
     if cfg.data.block_size > cfg.model.block_size:
         raise UserError(

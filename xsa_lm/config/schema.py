@@ -169,10 +169,10 @@ ModelOptions = make_dataclass(
 
 @dataclass
 class AttentionOptions:
-    name: Literal["sa", "xsa"] = MISSING
+    name: Literal["sa", "xsa"] = MISSING  # sa: softmax attention | xsa: exclusive self attention
     eps: float = 1e-6  # added to ||v_i||^2 in XSA (fp32); GPTConfig checks it
     layers: Literal["all"] | int | list[int] = "all"  # the last N layers, or these 0-based layers: builders.xsa_layers
-    gate: Literal["none", "tanh"] = "none"
+    gate: Literal["none", "tanh"] = "none"  # tanh: subtract tanh(alpha) x the projection, alpha per head
 
 
 @dataclass
@@ -180,10 +180,10 @@ class DataOptions:
     """configs/data/_base.yaml: preparation and loading, shared by every data option."""
 
     dir: str | None = MISSING  # the token shards; null: under cache_dir
-    cache_dir: str = MISSING
-    val_split: Literal["auto", "document", "tail"] = MISSING
+    cache_dir: str = MISSING  # where prepared shards go when dir is null
+    val_split: Literal["auto", "document", "tail"] = MISSING  # whole documents, each one's end, or auto
     val_fraction: float | None = MISSING  # share held out; null: the paper's
-    split_seed: int = MISSING
+    split_seed: int = MISSING  # seeds the document split's hash
     shard_documents: int = MISSING  # documents per shard
     prepare_workers: int = MISSING  # tokenizer processes
     tokenizer_documents: int = MISSING  # a trained BPE learns from the first N training documents
@@ -200,19 +200,19 @@ class ShakespeareData(DataOptions):
 @dataclass
 class LocalData(DataOptions):
     files: str | list[str] = MISSING  # a glob or a list of globs
-    text_field: str = MISSING
-    source: dict[str, Any] = MISSING
+    text_field: str = MISSING  # the text's key in .jsonl/.json records
+    source: dict[str, Any] = MISSING  # a _target_ node: the source's own arguments
 
 
 @dataclass
 class HFData(DataOptions):
-    path: str = MISSING
-    subset: str | None = MISSING
-    split: str = MISSING
-    text_field: str = MISSING
+    path: str = MISSING  # the hub dataset, ORG/NAME
+    subset: str | None = MISSING  # its configuration name
+    split: str = MISSING  # the split read
+    text_field: str = MISSING  # the text's column
     data_files: str | list[str] | dict[str, Any] | None = MISSING  # datasets' data_files: a path, a list or a mapping
-    max_documents: int | None = MISSING
-    source: dict[str, Any] = MISSING
+    max_documents: int | None = MISSING  # null: every document
+    source: dict[str, Any] = MISSING  # a _target_ node: the source's own arguments
 
 
 @dataclass
@@ -224,13 +224,13 @@ class PreparedData(DataOptions):
 class Partial:
     """A callable built with its arguments, called later with the rest (hydra.utils.instantiate's _partial_)."""
 
-    _target_: str = MISSING
-    _partial_: bool = MISSING
+    _target_: str = MISSING  # what to build, by its import path
+    _partial_: bool = MISSING  # true: built with these arguments, called later with the rest
 
 
 @dataclass
 class BPETokenizer(Partial):
-    vocab_size: int = MISSING
+    vocab_size: int = MISSING  # a trained BPE's vocabulary
 
 
 @dataclass
@@ -241,14 +241,14 @@ class PathTokenizer(Partial):
 @dataclass
 class AdamWOptions(Partial):
     lr: float = knob(gt=0)  # peak LR
-    betas: list[float] = knob(rule=_betas)
-    eps: float = knob(gt=0)
+    betas: list[float] = knob(rule=_betas)  # AdamW's (beta1, beta2)
+    eps: float = knob(gt=0)  # AdamW's epsilon
     weight_decay: float = knob(ge=0)  # matrices only
 
 
 @dataclass
 class WarmupCosineOptions(Partial):
-    warmup_steps: int = knob(ge=0)
+    warmup_steps: int = knob(ge=0)  # linear warmup, then the cosine decay
     min_lr_ratio: float = knob(ge=0, le=1)  # the final LR over the peak
     total_steps: int | None = knob(ge=1, free=True)  # null: trainer.max_steps
 
@@ -264,48 +264,48 @@ class StrategyNode:
 class TrainerOptions:
     """lightning.Trainer's arguments (configs/trainer/default.yaml) and activation_checkpointing, which is ours."""
 
-    _target_: str = MISSING
-    accelerator: str = field(default=MISSING, metadata=FREE)
+    _target_: str = MISSING  # lightning.Trainer
+    accelerator: str = field(default=MISSING, metadata=FREE)  # auto | cpu | gpu
     devices: int | str | list[int] = knob(rule=_devices, free=True)  # N | -1 | auto | device indices, per node
     strategy: str | StrategyNode = field(default=MISSING, metadata=FREE)  # auto | a name | a _target_ node
-    num_nodes: int = knob(ge=1, free=True)
+    num_nodes: int = knob(ge=1, free=True)  # nodes the run is launched on
     precision: str = MISSING  # auto (ours) or Lightning's name
     max_steps: int = knob(ge=1, free=True)  # optimizer steps
-    gradient_clip_val: float | None = knob(ge=0)
-    log_every_n_steps: int = knob(ge=1, free=True)
+    gradient_clip_val: float | None = knob(ge=0)  # the gradient norm's bound; null: none
+    log_every_n_steps: int = knob(ge=1, free=True)  # optimizer steps between logged rows
     limit_val_batches: int | float | None = MISSING  # null | N batches | a share: Lightning reads the type
-    num_sanity_val_steps: int = MISSING
-    enable_model_summary: bool = field(default=MISSING, metadata=FREE)
-    deterministic: bool | Literal["warn"] = MISSING
+    num_sanity_val_steps: int = MISSING  # validation batches before training
+    enable_model_summary: bool = field(default=MISSING, metadata=FREE)  # Lightning's table of the model
+    deterministic: bool | Literal["warn"] = MISSING  # torch's deterministic algorithms (warn: warn only)
     activation_checkpointing: bool = knob(free=True)  # recompute each block in the backward: the same values
 
 
 @dataclass
 class CSVLoggerOptions:
-    _target_: str = MISSING
+    _target_: str = MISSING  # <run dir>/metrics.csv
 
 
 @dataclass
 class WandbOptions:
-    _target_: str = MISSING
-    project: str = MISSING
-    entity: str | None = MISSING
-    group: str | None = MISSING
-    job_type: str | None = MISSING
-    tags: list[str] = MISSING
-    mode: Literal["auto", "online", "offline", "disabled"] = MISSING
-    init_timeout_s: int = MISSING
+    _target_: str = MISSING  # tracking.wandb_logger
+    project: str = MISSING  # the W&B project
+    entity: str | None = MISSING  # the W&B entity; null: the default
+    group: str | None = MISSING  # runs of a group compare side by side
+    job_type: str | None = MISSING  # e.g. lr-search, compare
+    tags: list[str] = MISSING  # beside attention type and model preset
+    mode: Literal["auto", "online", "offline", "disabled"] = MISSING  # auto: WANDB_MODE, else by the API key
+    init_timeout_s: int = MISSING  # seconds wandb.init may take
     log_model: bool | Literal["all"] = MISSING  # checkpoints as W&B artifacts: at the end, or at each save (all)
 
 
 @dataclass
 class CSVLogger:
-    csv: CSVLoggerOptions = MISSING
+    csv: CSVLoggerOptions = MISSING  # <run dir>/metrics.csv
 
 
 @dataclass
 class WandbLogger(CSVLogger):
-    wandb: WandbOptions = MISSING
+    wandb: WandbOptions = MISSING  # W&B
 
 
 @dataclass
@@ -339,9 +339,9 @@ class DiagnosticsOptions:
 class SamplesOptions:
     every_n_steps: int | None = knob(ge=1)  # null: off
     prompt: str = knob(rule=_text)  # empty: start from <|endoftext|>
-    max_new_tokens: int = knob(ge=1)
-    temperature: float = knob(ge=0)
-    top_k: int | None = knob(ge=1)
+    max_new_tokens: int = knob(ge=1)  # tokens per sample
+    temperature: float = knob(ge=0)  # 0: greedy
+    top_k: int | None = knob(ge=1)  # null: the whole vocabulary
 
 
 @dataclass
@@ -354,19 +354,19 @@ class ProfileOptions:
 class TrainOptions:
     """configs/train.yaml's own keys; the groups' nodes (model, data, ...) are typed by each option's schema."""
 
-    seed: int = knob(ge=0, le=SEED_MAX)
+    seed: int = knob(ge=0, le=SEED_MAX)  # the data order, and the weights unless init_seed
     init_seed: int | None = knob(ge=0, le=SEED_MAX)  # null: weights from seed
     global_batch_tokens: int = knob(ge=1)  # tokens per optimizer step
     micro_batch_size: int = knob(ge=1, free=True)  # sequences per forward pass on one device (the split of a step)
-    val_every_steps: int = knob(ge=1, free=True)
+    val_every_steps: int = knob(ge=1, free=True)  # optimizer steps between validations (and checkpoints)
     val_position_buckets: int = knob(ge=1, free=True)  # the validation loss per equal span of window positions
     compile: bool | Literal["auto"] = knob(free=True)  # auto: on CUDA runs
     sdpa_backends: str | list[str] = knob(rule=sdpa_backends_problem, free=True)  # auto | kernels: the same numbers
-    reuse_host_memory: bool = knob(free=True)
+    reuse_host_memory: bool = knob(free=True)  # glibc: keep freed CPU memory (faster CPU steps)
     check_memory: bool = knob(free=True)  # refuse a run estimated not to fit
     resume: str | None = knob(rule=_resume, free=True)  # null | auto | a checkpoint path
     run_name: str | None = field(default=MISSING, metadata=FREE)  # null: derived from the run's settings
-    progress_bar: bool = knob(free=True)
+    progress_bar: bool = knob(free=True)  # optimizer steps with loss, tokens/s and time left
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions, metadata=FREE)
     faults: FaultsOptions = field(default_factory=FaultsOptions, metadata=FREE)
     diagnostics: DiagnosticsOptions = field(default_factory=DiagnosticsOptions, metadata=FREE)

@@ -118,21 +118,21 @@ class SweepSettings:
     lrs: list[float] | None = knob(rule=positive_numbers("[1e-3,3e-3]", nullable=True))  # null: lr_range, lr_grids
     lr_range: dict[str, float] | None = knob(rule=lr_range)  # {min, max, num}: log-spaced
     lr_grids: dict[str, list[float]] | None = knob(rule=lr_grids)  # model name -> its grid
-    search_seeds: list[int] = knob(rule=seed_list())
+    search_seeds: list[int] = knob(rule=seed_list())  # each LR scored by the median final loss over them
     seeds: list[int] | None = knob(rule=seed_list(nullable=True), hint="[]: a search-only sweep")  # compare seeds
-    reuse_search_run: bool = knob()
+    reuse_search_run: bool = knob()  # true: a search seed among the compare seeds (biased against XSA)
     seeds_until_significant: int | None = knob(rule=checked_elsewhere)  # protocol.py seed_sequence: >= the seeds
     margin: float = knob(ge=0, hint="the practical margin in nats of XSA - SA, fixed in the plan before the runs")
     null_arm: bool = knob()  # an A/A null beside the comparison
-    tune_xsa: bool = knob()
-    stall: dict[str, float | None] | None = knob(rule=stall)
+    tune_xsa: bool = knob()  # also grid-search XSA
+    stall: dict[str, float | None] | None = knob(rule=stall)  # when a search run stalls (sweep/stalls.py)
     diverge_above: float | None = knob(
         gt=0, hint="a final val loss above it counts as diverged; null: ln(vocabulary size), a uniform guess"
     )
     max_parallel: int = knob(ge=1)  # trials at once
-    launch_prefix: list[str] = knob(rule=command_prefix)
-    wandb_report: bool = knob()
-    eval_tasks: str | list[str] | None = knob(rule=eval_tasks)
+    launch_prefix: list[str] = knob(rule=command_prefix)  # put before each trial, e.g. [srun, --ntasks=1]
+    wandb_report: bool = knob()  # a report run in the sweep's W&B group
+    eval_tasks: str | list[str] | None = knob(rule=eval_tasks)  # xsa-lm eval on the compare runs; null: none
     eval_limit: float | None = knob(gt=0, hint="the first N examples per task; null: all")
 
 
@@ -140,25 +140,25 @@ class SweepSettings:
 class ScaleSettings:
     """`xsa-lm scale`'s settings (configs/_scale.yaml says what each does)."""
 
-    axis: Literal["size", "tokens"] = knob()
+    axis: Literal["size", "tokens"] = knob()  # the sizes at one token budget, or token budgets per size
     models: list[str] = knob(rule=checked_elsewhere)  # scale/run.py check_models: presets, two or more on size
     seeds: list[int] | None = knob(
         rule=seed_list(nullable=True), hint="the compare seeds at every size; null: sweep.seeds"
     )
     fit: str = knob(rule=checked_elsewhere)  # scale/run.py check_analysis: auto or a form of scale/fit.py
-    bootstrap_resamples: int = knob(ge=100)
-    bootstrap_seed: int = knob(ge=0, le=SEED_MAX)
-    wandb_report: bool = knob()
-    tokens_per_param: float = knob(gt=0)
-    sa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1,2]"))
-    xsa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1]"))
-    lr_per_budget: bool = knob()
+    bootstrap_resamples: int = knob(ge=100)  # behind the bootstrap intervals
+    bootstrap_seed: int = knob(ge=0, le=SEED_MAX)  # the same resamples on every rerun
+    wandb_report: bool = knob()  # a scale-report run in the study's W&B group
+    tokens_per_param: float = knob(gt=0)  # B = this x the non-embedding parameters
+    sa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1,2]"))  # in units of B
+    xsa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1]"))  # in units of B, among SA's
+    lr_per_budget: bool = knob()  # SA's LR searched at every SA budget
     warmup_fraction: float | None = knob(
         ge=0, lt=1, hint="the share of each run's steps spent warming up; null: the recipe's"
     )
-    allow_repeated_data: bool = knob()
-    measure_throughput: bool = knob()
-    bench_rounds: int = knob(ge=2)
+    allow_repeated_data: bool = knob()  # false: a budget past one epoch is refused
+    measure_throughput: bool = knob()  # xsa-lm bench SA vs XSA at each size
+    bench_rounds: int = knob(ge=2)  # of the throughput bench
     bench: str | None = knob(rule=checked_elsewhere)  # scale/run.py load_bench: a results.json of `xsa-lm bench`
 
 
