@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from xsa_lm import compat
+from xsa_lm.tracking import RunCSVLogger
 
 VERSIONS = f"torch {torch.__version__}, lightning {L.__version__}"
 
@@ -105,10 +106,9 @@ def test_experiment_writer_checks_its_directory_from_init(tmp_path: Path):
 
 def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
     (tmp_path / "metrics.csv").write_text("step,train/loss\n0,1.5\n")
-    logger = CSVLogger(save_dir=str(tmp_path), name="", version="")
-    assert hasattr(logger, "_experiment"), changed("CSVLogger._experiment", "is gone")
-    writer = compat.appending_csv_writer(logger)
-    assert compat.appending_csv_writer(logger) is writer and logger.experiment is writer
+    logger = RunCSVLogger(save_dir=str(tmp_path))
+    writer = logger.experiment
+    assert isinstance(writer, compat.AppendingExperimentWriter) and logger.experiment is writer
     assert writer.metrics_keys == ["step", "train/loss"]
     writer.log_metrics({"train/loss": 1.25}, step=1)
     writer.save()

@@ -54,7 +54,7 @@ def test_no_value_is_read_back_between_logging_steps(data_cache: Path, tmp_path:
     summary = run.train(cfg, tmp_path / "run")
     monkeypatch.undo()
 
-    assert summary["status"] == "completed" and len(step_starts) == 40  # 2 micro-batches per step
+    assert summary is not None and summary.status == "completed" and len(step_starts) == 40  # 2 micro-batches per step
     first = {step: count for step, count in reversed(step_starts)}  # reads before each step's first micro-batch
     per_step = {step: reads[first[step] : first[step + 1]] for step in range(19)}
     quiet = {step: r for step, r in per_step.items() if (step + 1) % LOG_EVERY}

@@ -22,6 +22,7 @@ from xsa_lm.config.command_line import check_overrides
 from xsa_lm.errors import UserError, WriteError, exit_on_user_error, remove_if_empty
 from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
+from xsa_lm.records import RunSummary
 
 
 def disk_full() -> None:
@@ -244,7 +245,11 @@ def test_wandb_with_a_key_but_no_server_goes_offline_in_one_line_and_leaves_no_d
 
 def finished_run(run_dir: Path, status: str) -> None:
     run_dir.mkdir()
-    write_json(run_dir / "summary.json", {"status": status, "steps": 40, "final_val_loss": 1.0})
+    summary = RunSummary(
+        status=status, attention="sa", model="tiny", lr=1e-3, seed=0, final_val_loss=1.0, steps=40, tokens_seen=40960,
+        run_dir=str(run_dir), model_config=TINY,
+    )  # fmt: skip
+    write_json(run_dir / "summary.json", summary.to_json())
     (run_dir / "metrics.csv").write_text("step,train/loss\n1,9.0\n")
     (run_dir / "config.yaml").write_text("original: true\n")
 

@@ -17,7 +17,6 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -101,14 +100,6 @@ class AppendingExperimentWriter(ExperimentWriter):
                 f"could not write {path} ({e.strerror or e}); its earlier rows are intact: {what_to_do(e)}, then "
                 "continue with resume=auto"
             ) from e
-
-
-def appending_csv_writer(logger: CSVLogger) -> ExperimentWriter:
-    """CSVLogger.experiment, with an AppendingExperimentWriter: the logger keeps its writer in `_experiment` (its
-    finalize saves only when that is set)."""
-    if logger._experiment is None:
-        logger._experiment = AppendingExperimentWriter(log_dir=logger.log_dir)
-    return cast(ExperimentWriter, logger._experiment)  # declared as Fabric's writer, the base of Lightning's
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:

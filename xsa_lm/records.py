@@ -9,6 +9,7 @@ default, is refused in one line naming the file.
 import dataclasses
 import json
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -100,3 +101,35 @@ def plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary(Record):
+    """summary.json: how a run ended and what it was (the sweep's trials and the scaling study read it)."""
+
+    status: str
+    error: str | None = None
+    attention: str
+    model: str
+    lr: float
+    peak_lr: float | None = None  # the highest LR it stepped with: below lr while the warmup has not ended
+    precision: str | None = None  # as Lightning trains it (trainer.precision=auto resolved)
+    seed: int
+    final_val_loss: float | None = None  # of a completed run only
+    final_val_ppl: float | None = None
+    best_val_loss: float | None = None
+    final_val_bpb: float | None = None  # bits per byte: the final loss over the bytes its tokens stand for
+    final_val_loss_by_position: list[float | None] = field(default_factory=list)  # per equal span of positions
+    steps: int
+    data_epochs: float | None = None  # tokens trained / the training split's tokens: above 1, data repeats
+    tokens_seen: int
+    tokens_per_s: float | None = None
+    wall_time_s: float | None = None
+    non_embedding_params: int = 0
+    diverged_at_step: int | None = None
+    events: list[dict] = field(default_factory=list)
+    val_history: list[dict] = field(default_factory=list)
+    run_dir: str
+    checkpoints: dict[str, str | None] = field(default_factory=dict)
+    model_config: dict[str, Any]
+    schema: int = 1

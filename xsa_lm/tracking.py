@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
-from xsa_lm.compat import appending_csv_writer
+from xsa_lm.compat import AppendingExperimentWriter
 from xsa_lm.files import atomic_file
 
 if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
@@ -194,6 +194,7 @@ class RunCSVLogger(CSVLogger):
 
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
+        self.writer: AppendingExperimentWriter | None = None
         path = Path(save_dir) / "metrics.csv"
         rank = rank_zero_only.rank  # type: ignore[attr-defined]  # a function attribute Lightning sets
         if resume_step is not None and path.exists() and rank == 0:
@@ -210,4 +211,11 @@ class RunCSVLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        return appending_csv_writer(self)  # Lightning's own writer would delete the metrics.csv of a resumed run
+        if self.writer is None:  # Lightning's own writer would delete the metrics.csv of a resumed run
+            self.writer = AppendingExperimentWriter(log_dir=self.log_dir)
+        return self.writer
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self.writer is not None:  # a process that logged nothing has nothing to save (as CSVLogger's own)
+            self.save()

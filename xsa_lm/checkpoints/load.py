@@ -15,11 +15,12 @@ import torch
 from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
+from xsa_lm.compat import COMPILED_PREFIX
 from xsa_lm.data.prepare import PreparedData, load_prepared
 from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.train.summary import RunSummary
+from xsa_lm.records import RunSummary
 
 # Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
 # with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
@@ -109,8 +110,8 @@ def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
     """checkpoint["state_dict"] (a Lightning checkpoint of `xsa-lm train`) into `model`. Weights of another
     architecture are refused in one line that names the differing GPTConfig fields, e.g. "resume: checkpoint
     runs/x/checkpoints/last.ckpt is of another model: d_model: 128 -> 64" (`source` starts the message)."""
-    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added `_orig_mod.`.
-    state = {k.removeprefix("model.").removeprefix("_orig_mod."): v for k, v in checkpoint["state_dict"].items()}
+    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
+    state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in checkpoint["state_dict"].items()}
     try:
         model.load_state_dict(state)
     except RuntimeError as e:  # missing, unexpected or differently shaped tensors

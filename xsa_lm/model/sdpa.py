@@ -72,7 +72,8 @@ def resolve(value: str | Sequence[str], device: torch.device) -> list[str]:
 
 
 def config_problem(value: object) -> str | None:
-    """What is wrong with an sdpa_backends value (config/checks.py's rule), or None."""
+    """What is wrong with an sdpa_backends value (the check of TrainOptions.sdpa_backends, config/schema.py), or
+    None."""
     if value == "auto" or (isinstance(value, str) and value in BACKENDS):
         return None
     if isinstance(value, str) or not isinstance(value, Sequence) or not value:

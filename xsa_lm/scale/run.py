@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_text
 from xsa_lm.locking import hold_directory
-from xsa_lm.records import JsonObject
+from xsa_lm.records import JsonObject, RunSummary
 from xsa_lm.scale.fit import (
     FORMS,
     Fit,
@@ -66,7 +66,6 @@ from xsa_lm.sweep.run import (
     wandb_settings,
 )
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
-from xsa_lm.train.summary import RunSummary
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -424,7 +423,7 @@ def load_bench(path: Any) -> BenchRatio | None:
 
 
 def check_analysis(scale: DictConfig) -> None:
-    """The analysis settings, before hours of training rather than after (their types: SCALE_RULES)."""
+    """The analysis settings, before hours of training rather than after (their types: ScaleSettings)."""
     if scale.fit not in ("auto", *FORMS):
         raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
 

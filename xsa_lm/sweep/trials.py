@@ -25,9 +25,8 @@ from typing import cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
-from xsa_lm.records import Record
+from xsa_lm.records import Record, RunSummary
 from xsa_lm.sweep.protocol import NULL, Trial, null_init_seed
-from xsa_lm.train.summary import RunSummary
 
 FINAL = ("completed", "diverged")
 

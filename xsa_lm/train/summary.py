@@ -5,14 +5,14 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from xsa_lm.files import write_json
-from xsa_lm.records import Record
+from xsa_lm.records import RunSummary
 
-if TYPE_CHECKING:  # the record alone is read by the sweep and the scaling study, which need no Lightning
+if TYPE_CHECKING:  # the record (RunSummary, in records.py) is read without Lightning
     import lightning as L
 
     from xsa_lm.model import GPTConfig
@@ -29,38 +29,6 @@ WANDB_SUMMARY_KEYS = (
     "tokens_per_s",
     "diverged_at_step",
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunSummary(Record):
-    """summary.json: how a run ended and what it was (the sweep's trials and the scaling study read it)."""
-
-    status: str
-    error: str | None = None
-    attention: str
-    model: str
-    lr: float
-    peak_lr: float | None = None  # the highest LR it stepped with: below lr while the warmup has not ended
-    precision: str | None = None  # as Lightning trains it (trainer.precision=auto resolved)
-    seed: int
-    final_val_loss: float | None = None  # of a completed run only
-    final_val_ppl: float | None = None
-    best_val_loss: float | None = None
-    final_val_bpb: float | None = None  # bits per byte: the final loss over the bytes its tokens stand for
-    final_val_loss_by_position: list[float | None] = field(default_factory=list)  # per equal span of positions
-    steps: int
-    data_epochs: float | None = None  # tokens trained / the training split's tokens: above 1, data repeats
-    tokens_seen: int
-    tokens_per_s: float | None = None
-    wall_time_s: float | None = None
-    non_embedding_params: int = 0
-    diverged_at_step: int | None = None
-    events: list[dict] = field(default_factory=list)
-    val_history: list[dict] = field(default_factory=list)
-    run_dir: str
-    checkpoints: dict[str, str | None] = field(default_factory=dict)
-    model_config: dict[str, Any]
-    schema: int = 1
 
 
 @dataclass
