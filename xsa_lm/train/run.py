@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -445,27 +446,17 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
     # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
     # disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
     # First in the list: best.ckpt and last.ckpt link to the step checkpoint it has just written.
-    periodic = LinkedCheckpoint(
-        written=written,
-        dirpath=ckpt_dir,
+    checkpoint = partial(LinkedCheckpoint, written=written, dirpath=ckpt_dir, save_last=True)
+    periodic = checkpoint(
         filename="step-{step:06d}",
         monitor="step",
         mode="max",
         save_top_k=cfg.checkpoint.keep_last,
-        save_last=True,
         every_n_train_steps=cfg.checkpoint.get("every_n_steps"),
         auto_insert_metric_name=False,
     )
-    best = LinkedCheckpoint(
-        written=written,
-        dirpath=ckpt_dir,
-        filename="best",
-        monitor="val/loss",
-        mode="min",
-        save_top_k=1,
-        save_last=True,
-        every_n_epochs=1,  # at each validation, also when checkpoint.every_n_steps sets the step checkpoints apart
-    )
+    # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart.
+    best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
     history = ValHistory(cfg.global_batch_tokens)
     throughput = Throughput(cfg.global_batch_tokens)
     preemption = Preemption(ckpt_dir / "last.ckpt")

@@ -58,7 +58,7 @@ class RunStart:
             model_config=model_config,
         )
 
-    def ended(
+    def write(
         self,
         status: str,
         *,
@@ -67,12 +67,13 @@ class RunStart:
         callbacks: "RunCallbacks",
         error: str | None = None,
     ) -> RunSummary:
+        """summary.json: how the run ended, written and returned (what train() returns)."""
         from xsa_lm.train.schedule import peak_lr
 
         history = callbacks.history.history
         final = history[-1]["val_loss"] if history and status == "completed" else None
         scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
-        return RunSummary(
+        summary = RunSummary(
             status=status,
             error=error,
             attention=self.attention,
@@ -102,18 +103,6 @@ class RunStart:
             },
             model_config=asdict(self.model_config),
         )
-
-    def write(
-        self,
-        status: str,
-        *,
-        trainer: "L.Trainer",
-        module: "LMModule",
-        callbacks: "RunCallbacks",
-        error: str | None = None,
-    ) -> RunSummary:
-        """summary.json, returned (what train() returns)."""
-        summary = self.ended(status, trainer=trainer, module=module, callbacks=callbacks, error=error)
         write_json(
             self.run_dir / "summary.json",
             summary.to_json(),
