@@ -8,8 +8,8 @@ beside Student's paired t stand the exact Wilcoxon signed-rank and exact sign te
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypedDict
+from dataclasses import asdict, dataclass
+from typing import TypedDict, cast
 
 import numpy as np
 import scipy.stats
@@ -112,17 +112,8 @@ class PairedStats:
     xsa_lower: int  # the pairs where XSA's value is lower than SA's
 
     def to_json(self) -> PairedJson:
-        return PairedJson(
-            pairs=self.pairs,
-            mean_diff=self.mean_diff,
-            sd_diff=self.sd_diff,
-            t=self.t,
-            t_p=self.t_p,
-            t_ci95=list(self.t_ci95) if self.t_ci95 is not None else None,
-            wilcoxon_p=self.wilcoxon_p,
-            sign_p=self.sign_p,
-            xsa_lower=self.xsa_lower,
-        )
+        ci = list(self.t_ci95) if self.t_ci95 is not None else None
+        return cast(PairedJson, asdict(self) | {"t_ci95": ci})  # the same keys, the interval as JSON holds it
 
 
 def paired_stats(sa: Sequence[float], xsa: Sequence[float]) -> PairedStats:
