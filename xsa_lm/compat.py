@@ -207,11 +207,6 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
             counts[key] = global_step * accumulate - behind
 
 
-def lightning_precisions() -> tuple[str, ...]:
-    """The precision names Lightning's Trainer accepts (besides aliases such as `16`)."""
-    return PRECISIONS
-
-
 def lightning_precision_name(precision: str | int) -> str:
     """Lightning's own name of a precision it accepts (`16` -> `16-mixed`, `bf16` -> `bf16-mixed`, `32` ->
     `32-true`), or ValueError listing the accepted ones."""

@@ -7,7 +7,7 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.compat import lightning_device_settings, lightning_precision_name, lightning_precisions
+from xsa_lm.compat import PRECISIONS, lightning_device_settings, lightning_precision_name
 from xsa_lm.config.checks import check_values
 from xsa_lm.config.schema import model_error
 from xsa_lm.errors import UserError
@@ -185,7 +185,7 @@ def resolve_precision(precision: str, accelerator: str = "auto") -> str:
     except ValueError:
         raise UserError(
             f"trainer.precision={precision} is not a precision Lightning accepts: use auto or one of "
-            f"{', '.join(lightning_precisions())}"
+            f"{', '.join(PRECISIONS)}"
         ) from None
 
 

@@ -10,7 +10,6 @@ from omegaconf import DictConfig
 
 from xsa_lm.config.schema import (
     GROUP_SCHEMAS,
-    SEED_MAX,
     TrainOptions,
     check_known_keys,
     model_error,
@@ -20,7 +19,6 @@ from xsa_lm.errors import UserError
 from xsa_lm.model.config import GPTConfig
 
 GPT_FIELDS = {f.name for f in fields(GPTConfig)}
-__all__ = ["SEED_MAX", "check_values"]
 
 
 def field_problems(

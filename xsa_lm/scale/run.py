@@ -428,7 +428,7 @@ def check_analysis(scale: DictConfig) -> None:
         raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
 
 
-def check_models_of(cfg: DictConfig) -> list[str]:
+def check_study_settings(cfg: DictConfig) -> list[str]:
     """The settings both axes share, checked first (the rules after them rely on their types), and the sizes."""
     check_settings(cfg.scale, SCALE_RULES, "scale")
     check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher
@@ -439,7 +439,7 @@ def check_study(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], list[
     """Every setting of the size axis and what each size will run, before the study directory gets anything: the
     sizes, the compare seeds (None: sweep.seeds) and scale.bench's step time. Each size's sweep config is composed
     and checked as that sweep will check it, its trials included (check_sweep)."""
-    models = check_models_of(cfg)
+    models = check_study_settings(cfg)
     check_analysis(cfg.scale)
     bench = load_bench(cfg.scale.bench)
     name = "scale.seeds" if cfg.scale.seeds is not None else "sweep.seeds"
@@ -459,7 +459,7 @@ def check_token_axis(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> 
     study directory gets anything: the sizes and the plan."""
     from xsa_lm.scale.tokens import check_token_runs, check_token_study
 
-    models = check_models_of(cfg)
+    models = check_study_settings(cfg)
     plan = check_token_study(cfg, overrides)
     check_token_runs(cfg, study_dir, overrides, models, plan)
     return models, plan

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from xsa_lm.config.checks import SEED_MAX
+from xsa_lm.config.schema import SEED_MAX
 from xsa_lm.errors import UserError
 from xsa_lm.stats.paired import ALPHA, paired_t
 from xsa_lm.sweep.settings import seed_list

@@ -324,7 +324,7 @@ def fit(
     cfg: DictConfig,
     run_dir: Path,
     *,
-    plan: dict,
+    plan: dict[str, int],
     datamodule: TokenDataModule,
     mcfg: GPTConfig,
     resume: ResumePoint,
@@ -410,7 +410,7 @@ def header(
     *,
     run_name: str,
     run_dir: Path,
-    plan: dict,
+    plan: dict[str, int],
     data: TokenDataModule,
     module: LMModule,
     kernels: SdpaKernels,
@@ -488,7 +488,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
 
 
 def make_trainer(
-    cfg: DictConfig, run_dir: Path, *, plan: dict, callbacks: list[L.Callback], loggers: list
+    cfg: DictConfig, run_dir: Path, *, plan: dict[str, int], callbacks: list[L.Callback], loggers: list
 ) -> L.Trainer:
     trainer = build(
         lightning_trainer_args(cfg.trainer),
