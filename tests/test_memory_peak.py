@@ -4,9 +4,9 @@ and one XSA layer's temporaries, which a tiny model's peak (the cross-entropy's 
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
+from tests.helpers import compose_train
 from xsa_lm.config.builders import model_config
 from xsa_lm.model import GPT
 from xsa_lm.model.xsa import ExclusiveOutputProjection
@@ -45,8 +45,7 @@ def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str):
     exist, as from a step's second micro-batch on) and the optimizer step after it: weights, gradients, AdamW
     state and the batch by their tensors, the rest by the allocator. The peak is the cross-entropy's backward."""
     overrides = ["model=tiny", f"attention={attention}", f"trainer.precision={precision}", "micro_batch_size=4"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="plan", overrides=[*overrides, "device_memory_gb=1"])
+    cfg = compose_train([*overrides, "device_memory_gb=1"], config_name="plan")
     plan = make_plan(cfg)
     assert plan["precision"] == precision and plan["accumulation"] > 1 and not plan["compiled"]
     torch.manual_seed(0)

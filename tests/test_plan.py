@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from tests.conftest import run_cli
-from tests.helpers import refused_in_process
+from tests.helpers import compose_train, refused_in_process
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
@@ -135,18 +134,14 @@ def test_saved_bytes_per_token_and_layer_match_a_real_block(attention: str):
 def test_estimate_for_a_composed_config():
     overrides = ["model=paper_0.7b", "trainer=ddp", "trainer.devices=8", "micro_batch_size=16"]
     overrides += ["data.block_size=2048", "tokenizer=gpt2", "attention=xsa", "compile=true"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
-    e = estimate_for_config(cfg)
+    e = estimate_for_config(compose_train(overrides))
     expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, attention="xsa", compiled=True)
     assert e == expected and e.ddp_buckets == 0  # configs/trainer/ddp.yaml: gradient_as_bucket_view
-    assert estimate_for_config(dict(cfg)) == e
 
 
 @pytest.mark.parametrize("gib", ["0", "-1", "nan", "inf", "true", "lots"])
 def test_plan_refuses_a_device_memory_that_is_no_positive_size(gib: str):
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="plan", overrides=["model=tiny", f"device_memory_gb={gib}"])
+    cfg = compose_train(["model=tiny", f"device_memory_gb={gib}"], config_name="plan")
     with pytest.raises(UserError, match="^device_memory_gb must be a positive number of GiB, got "):
         make_plan(cfg)  # nan, inf: not a ValueError or OverflowError from int()
 
@@ -188,9 +183,8 @@ def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str):
     attention channel, and two numbers per head) count where they exceed the cross-entropy's buffers (2 fp32 N x V),
     as with a 64-token vocabulary."""
     overrides = ["model=tiny", "attention=xsa", f"model.vocab_size={vocab}", "device_memory_gb=1"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        plan = make_plan(compose(config_name="plan", overrides=overrides))
-        sa = make_plan(compose(config_name="plan", overrides=["model=tiny", "device_memory_gb=1"]))
+    plan = make_plan(compose_train(overrides, config_name="plan"))
+    sa = make_plan(compose_train(["model=tiny", "device_memory_gb=1"], config_name="plan"))
     positions = 16 * 128
     assert plan["xsa_temporaries_bytes"]["eager"] == positions * (3 * 4 * 128 + 2 * 4 * 4)
     assert plan["cross_entropy_transient_bytes"]["eager"] == positions * 2 * 4 * vocab
@@ -203,9 +197,8 @@ def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str):
 
 
 def test_plan_prints_the_sdpa_kernel_order():
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cpu = make_plan(compose(config_name="plan", overrides=["model=tiny", "trainer=cpu", "device_memory_gb=1"]))
-        gpu = make_plan(compose(config_name="plan", overrides=["model=tiny", "trainer=gpu", "device_memory_gb=1"]))
+    cpu = make_plan(compose_train(["model=tiny", "trainer=cpu", "device_memory_gb=1"], config_name="plan"))
+    gpu = make_plan(compose_train(["model=tiny", "trainer=gpu", "device_memory_gb=1"], config_name="plan"))
     assert cpu["sdpa_backends"] == {"setting": "auto", "device": "cpu", "order": ["flash", "math"]}
     assert "SDPA kernels on cpu (sdpa_backends=auto), the first that fits runs: flash, math\n" in table(cpu)
     if not torch.cuda.is_available():  # planned here, resolved on the GPU

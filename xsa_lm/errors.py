@@ -43,12 +43,10 @@ def exit_on_user_error() -> Iterator[None]:
 
     try:
         yield
-    except UserError as e:
-        print(f"xsa-lm: error: {e}", file=sys.stderr)
-        remove_empty_run_dir()
-        sys.exit(EXIT_USER_ERROR)
-    except OmegaConfBaseException as e:
-        print(f"xsa-lm: config error: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})", file=sys.stderr)
+    except (UserError, OmegaConfBaseException) as e:
+        what = f"error: {e}" if isinstance(e, UserError) else f"config error: {str(e).splitlines()[0]}"
+        key = f" (key: {getattr(e, 'full_key', '?')})" if isinstance(e, OmegaConfBaseException) else ""
+        print(f"xsa-lm: {what}{key}", file=sys.stderr)
         remove_empty_run_dir()
         sys.exit(EXIT_USER_ERROR)
     except Exception as e:
@@ -117,10 +115,9 @@ def save_traceback(trace: str) -> str:
             if not existed:
                 path.unlink(missing_ok=True)  # no empty error.log
     try:
-        fd, name = tempfile.mkstemp(prefix="xsa-lm-error-", suffix=".log")
-        with os.fdopen(fd, "w") as f:
-            f.write(header + trace)
-        return f"full traceback in {name}"
+        with tempfile.NamedTemporaryFile("w", prefix="xsa-lm-error-", suffix=".log", delete=False) as temporary:
+            temporary.write(header + trace)
+        return f"full traceback in {temporary.name}"
     except OSError as e:
         reasons.append(f"{tempfile.gettempdir()}: {e.strerror or e}")
         return f"the traceback could not be saved ({'; '.join(reasons)}): HYDRA_FULL_ERROR=1 prints it"

@@ -10,7 +10,7 @@ import threading
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -19,6 +19,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from xsa_lm.compat import AppendingExperimentWriter
+from xsa_lm.errors import UserError, first_line
 from xsa_lm.files import atomic_file
 
 if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
@@ -37,15 +38,12 @@ def has_wandb_key() -> bool:
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
-WANDB_ENV_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "shared": "shared"}
-WANDB_ENV_MODES.update(dryrun="offline", run="online")  # W&B's older names
+WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode in get_args(WandbMode)}  # older names
 
 
 def resolve_mode(mode: str) -> WandbMode:
     """'auto' -> WANDB_MODE if set, else online with an API key, else offline. A WANDB_MODE that W&B does not know is
     refused whatever the mode (wandb.init would fail on it after the run has started)."""
-    from xsa_lm.errors import UserError
-
     if mode not in ("auto", "online", "offline", "disabled"):
         raise UserError(f"logger.wandb.mode must be auto, online, offline or disabled, got {mode!r}")
     env = os.environ.get("WANDB_MODE")
@@ -129,7 +127,7 @@ def wandb_init(
         except wandb.errors.Error as e:
             if mode != "online":
                 raise
-            why_offline = f"online init failed ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
+            why_offline = f"online init failed ({type(e).__name__}: {first_line(e)})"
             for failed in set(folder.glob("run-*")) - before:  # the online attempt's folder holds nothing to keep
                 shutil.rmtree(failed, ignore_errors=True)
     if why_offline is not None:
@@ -167,8 +165,6 @@ def wandb_logger(
     """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments). log_model=true logs best.ckpt
     and last.ckpt as versions of the artifact model-<run id> when training ends, `all` each time they are written."""
     if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
-        from xsa_lm.errors import UserError
-
         raise UserError(f"logger.wandb.log_model must be false, true or all, got {log_model!r}")
     run = wandb_init(save_dir, name, run_config, **kwargs)
     define_training_metrics(run)

@@ -38,9 +38,8 @@ QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
-def flags_first(args: list[str]) -> list[str]:
-    """Hydra's flags (with their values) before the overrides: argparse refuses a flag placed between overrides
-    (`seed=1 --multirun lr=2`) with its whole usage text, while a user means the same command either way."""
+def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's flags (with their values) and the overrides."""
     flags: list[str] = []
     overrides: list[str] = []
     i = 0
@@ -55,6 +54,13 @@ def flags_first(args: list[str]) -> list[str]:
             continue
         (flags if arg.startswith("-") else overrides).append(arg)
         i += 1
+    return flags, overrides
+
+
+def flags_first(args: list[str]) -> list[str]:
+    """Hydra's flags (with their values) before the overrides: argparse refuses a flag placed between overrides
+    (`seed=1 --multirun lr=2`) with its whole usage text, while a user means the same command either way."""
+    flags, overrides = split_flags(args)
     return flags + overrides
 
 
@@ -69,14 +75,7 @@ def check_overrides(config_name: str, args: list[str]) -> None:
     keeps Hydra's)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a in HYDRA_FLAGS_WITHOUT_CHECK for a in args):
         return
-    overrides, skip_next = [], False
-    for arg in args:
-        if skip_next:
-            skip_next = False
-        elif arg.startswith("-"):
-            skip_next = arg in HYDRA_FLAGS_WITH_A_VALUE
-        else:
-            overrides.append(arg)
+    _, overrides = split_flags(args)
     check_words(overrides)
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException, OverrideParseException

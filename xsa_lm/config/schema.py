@@ -435,42 +435,31 @@ def register() -> None:
         store.store(name=name, node=hydra_schema(schema))
 
 
-def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """'key: not an option of ...' for each key of a typed node (and its typed nodes) that its schema lacks."""
-    schema = OmegaConf.get_type(node)
-    if not is_dataclass(schema):
-        return []
-    known = [f.name for f in fields(schema)]
-    where = f"the {prefix[:-1]} group" if prefix[:-1] in GROUPS else prefix[:-1]
+def unknown_keys(node: DictConfig, prefix: str = "", known: list[str] | None = None) -> list[str]:
+    """'key: not an option of ...' for each key of a typed node (and its typed nodes) that its schema lacks; `known`:
+    the keys of an untyped node (the root of the training config)."""
+    if known is None:
+        schema = OmegaConf.get_type(node)
+        if not is_dataclass(schema):
+            return []
+        known = [f.name for f in fields(schema)]
+    where = prefix[:-1] or "configs/train.yaml"
+    where = f"the {where} group" if where in GROUPS else where
     found = [
         f"{prefix}{key}: not an option of {where} (it has {', '.join(known)})"
         for key in map(str, node)
-        if key not in known
+        if key not in known and (prefix or key not in AROUND_TRAINING)
     ]
     for key in known:
-        child = _node_at(node, key)
-        if child is not None:
-            found += unknown_keys(child, f"{prefix}{key}.")
+        if key in node and not OmegaConf.is_missing(node, key) and not OmegaConf.is_interpolation(node, key):
+            child = node[key]  # a node, not `???`, an interpolation or a value
+            found += unknown_keys(child, f"{prefix}{key}.") if isinstance(child, DictConfig) else []
     return found
-
-
-def _node_at(node: DictConfig, key: str) -> DictConfig | None:
-    """The node at `key`, if it holds one (not `???`, an interpolation or a value)."""
-    if key not in node or OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
-        return None
-    child = node[key]
-    return child if isinstance(child, DictConfig) else None
 
 
 def check_known_keys(cfg: DictConfig) -> None:
     """Keys no schema has, refused in one line: `+group.key=...` appends past the schema (Hydra opens the node for
     `+`), and the root of the training config is untyped (register). The first one is named."""
-    own = [f.name for f in fields(TrainOptions)] + list(GROUPS)
-    extra = [key for key in map(str, cfg) if key not in own and key not in AROUND_TRAINING]
-    unknown = [f"{key}: not an option of configs/train.yaml (it has {', '.join(own)})" for key in extra]
-    for key in own:
-        child = _node_at(cfg, key)
-        if child is not None:
-            unknown += unknown_keys(child, f"{key}.")
+    unknown = unknown_keys(cfg, known=[f.name for f in fields(TrainOptions)] + list(GROUPS))
     if unknown:
         raise UserError(unknown[0])

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from xsa_lm.train.devices import uses_cuda
+
 GIB = 2**30
 FP32 = 4
 LAYERNORM_STATS = 2 * FP32  # mean and 1/std per token, fp32 whatever the input dtype
@@ -261,7 +263,7 @@ def largest_micro_batch(available: int, **kwargs) -> int:
 
 def available_bytes(accelerator: str) -> tuple[int, str]:
     """Memory a run can use on its device: free CUDA memory on a GPU run, else the host's available memory."""
-    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+    if uses_cuda(accelerator):
         free, _ = torch.cuda.mem_get_info()
         return free, f"free on {torch.cuda.get_device_name()}"
     try:

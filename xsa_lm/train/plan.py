@@ -1,8 +1,8 @@
 """`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, eager and compiled, and the largest
 micro-batch that fits.
 
-The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model;
-estimate_for_config gives it for any composed config, e.g. to compare with torch.cuda.max_memory_allocated.
+The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model
+(estimate_for_config).
 """
 
 import math
@@ -97,10 +97,9 @@ def memory_shape(cfg: DictConfig) -> MemoryShape:
     )
 
 
-def estimate_for_config(cfg: DictConfig | dict) -> memory.MemoryEstimate:
-    """The per-device estimate of a composed training config (a DictConfig or its plain dict), as the run would
-    train it: its strategy, micro-batch and compile setting on this machine."""
-    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+def estimate_for_config(cfg: DictConfig) -> memory.MemoryEstimate:
+    """The per-device estimate of a composed training config, as the run would train it: its strategy, micro-batch
+    and compile setting on this machine."""
     steps = accumulation(cfg.global_batch_tokens, cfg.micro_batch_size, world_size(cfg.trainer), cfg.data.block_size)
     return memory.estimate(
         micro_batch_size=cfg.micro_batch_size,
@@ -129,10 +128,15 @@ def make_plan(cfg: DictConfig) -> Plan:
         s: strategy_plan(cfg, strategy=s, available=available, shape=shape, compiled=compiled) for s in ("ddp", "fsdp")
     }
     chosen = strategy_kind(cfg.trainer.strategy)
-    transients = {
-        mode: backward_transients(shape, micro_batch_size=cfg.micro_batch_size, compiled=mode == "compiled")
-        for mode in ("eager", "compiled")
-    }
+    # What XSA saves for the backward in every layer (eager: its two coefficients), and the two candidates for the
+    # backward's peak beside the saved activations, which memory.estimate counts the larger of: one XSA layer's
+    # temporaries and the cross-entropy's buffers.
+    model, compute, weights = shape["model"], *memory.dtype_bytes(shape["precision"])
+    tokens = cfg.micro_batch_size * cfg.data.block_size
+    positions = cfg.micro_batch_size * (cfg.data.block_size + model.get("n_sinks", 0))
+    xsa = shape["attention"] == "xsa"
+    saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
+    modes = {"eager": False, "compiled": True}
     return {
         "model": cfg.model.name,
         "strategy": chosen,
@@ -143,8 +147,8 @@ def make_plan(cfg: DictConfig) -> Plan:
         "compiled": compiled,
         "micro_batch_size": cfg.micro_batch_size,
         "block_size": cfg.data.block_size,
-        "n_sinks": shape["model"].get("n_sinks", 0),
-        "parameters": memory.parameter_count(shape["model"], shape["vocab_size"]),
+        "n_sinks": model.get("n_sinks", 0),
+        "parameters": memory.parameter_count(model, shape["vocab_size"]),
         "available_bytes": available,
         "available_from": where,
         "global_batch_tokens": cfg.global_batch_tokens,
@@ -153,9 +157,15 @@ def make_plan(cfg: DictConfig) -> Plan:
         "max_micro_batch_size": strategies[chosen]["max_micro_batch_size"],
         "strategies": strategies,
         "sdpa_backends": attention_kernels(cfg.sdpa_backends, accelerator=cfg.trainer.accelerator),
-        "xsa_saved_bytes": xsa_saved_bytes(shape, micro_batch_size=cfg.micro_batch_size),
-        "xsa_temporaries_bytes": {mode: t["xsa"] for mode, t in transients.items()},
-        "cross_entropy_transient_bytes": {mode: t["cross_entropy"] for mode, t in transients.items()},
+        "xsa_saved_bytes": model["n_layer"] * positions * saved if xsa else 0,
+        "xsa_temporaries_bytes": {
+            mode: positions * memory.xsa_transient_per_token(model, compute=compute, compiled=c) if xsa else 0
+            for mode, c in modes.items()
+        },
+        "cross_entropy_transient_bytes": {
+            mode: tokens * memory.cross_entropy_transient_per_token(shape["vocab_size"], compute=compute, compiled=c)
+            for mode, c in modes.items()
+        },
     }
 
 
@@ -169,31 +179,6 @@ def attention_kernels(value, *, accelerator: str) -> SdpaPlan:
     if accelerator in ("gpu", "cuda"):
         return {"setting": value, "device": "cuda", "order": None}
     return {"setting": value, "device": "cpu", "order": resolve(value, torch.device("cpu"))}
-
-
-def backward_transients(shape: MemoryShape, *, micro_batch_size: int, compiled: bool) -> dict[str, int]:
-    """The two candidates for the backward's peak beside the saved activations: the cross-entropy's buffers and one
-    XSA layer's temporaries (none under SA); memory.estimate counts the larger."""
-    model, block = shape["model"], shape["block_size"]
-    compute, _ = memory.dtype_bytes(shape["precision"])
-    positions = micro_batch_size * (block + model.get("n_sinks", 0))
-    per_token = memory.xsa_transient_per_token(model, compute=compute, compiled=compiled)
-    cross_entropy = memory.cross_entropy_transient_per_token(shape["vocab_size"], compute=compute, compiled=compiled)
-    return {
-        "cross_entropy": micro_batch_size * block * cross_entropy,
-        "xsa": positions * per_token if shape["attention"] == "xsa" else 0,
-    }
-
-
-def xsa_saved_bytes(shape: MemoryShape, *, micro_batch_size: int) -> int:
-    """What XSA saves for the backward in every layer, eager: its two coefficients (none under SA)."""
-    if shape["attention"] != "xsa":
-        return 0
-    model = shape["model"]
-    positions = micro_batch_size * (shape["block_size"] + model.get("n_sinks", 0))
-    compute, weights = memory.dtype_bytes(shape["precision"])
-    terms = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)
-    return model["n_layer"] * positions * terms["xsa"]
 
 
 def strategy_plan(

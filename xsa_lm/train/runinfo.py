@@ -61,9 +61,9 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def git_state(repo: Path | None = None) -> dict[str, str | bool | None]:
+def git_state() -> dict[str, str | bool | None]:
     """Commit and dirty flag of the source tree the package runs from (None outside a git checkout)."""
-    repo = repo or Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str | None:
         try:

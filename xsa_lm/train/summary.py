@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from xsa_lm.errors import first_line
 from xsa_lm.files import write_json
 from xsa_lm.records import RunSummary
 
@@ -114,8 +115,7 @@ class RunStart:
 
 def error_line(error: Exception) -> str:
     """The exception's type and the first line of its message, for summary.json."""
-    first_line = (str(error).strip().splitlines() or [""])[0][:500]
-    return f"{type(error).__name__}: {first_line}"
+    return f"{type(error).__name__}: {first_line(error)}"
 
 
 def completed(run_dir: Path) -> bool:
