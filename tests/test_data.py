@@ -196,7 +196,7 @@ def test_every_local_format_reads_the_same_documents(tmp_path: Path):
 def test_hf_dataset_source_reads_local_files_through_datasets(tmp_path: Path):
     texts = many_docs(5)
     write_jsonl(tmp_path / "corpus.jsonl", texts)
-    source = HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"), streaming=True)
+    source = HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"))
     assert [t for _, t in source.documents()] == texts
     first_two = HFDataset(path="json", data_files=str(tmp_path / "corpus.jsonl"), max_documents=2)
     assert [t for _, t in first_two.documents()] == texts[:2]

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import FAST, run_cli
+from xsa_lm.compat import QUIET_TRAINER
 from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
@@ -37,14 +38,7 @@ def fit(callbacks: list[L.Callback], max_steps: int, accumulate: int = 2) -> LMM
     tokens = torch.randint(0, VOCAB, (64, CONTEXT + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
+        accelerator="cpu", max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=callbacks, **QUIET_TRAINER
     )
     trainer.fit(module, train_dataloaders=loader)
     return module

@@ -145,8 +145,8 @@ def span_columns(losses: list[dict]) -> list[str]:
     return [key for key in losses[0] if key.startswith("span_")] if losses else []
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    columns = ["checkpoint", "label", "layer", "attention", *METRICS]
+def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
+    """`rows` as a CSV file of `columns`; an empty cell where a value is None."""
     with atomic_file(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
@@ -184,16 +184,22 @@ def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
     ax.grid(alpha=0.3)
 
 
-def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
-    """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
-    colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
-    own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
-    the axis. Returns the matplotlib Figure (closed by the caller)."""
+def pyplot():
+    """matplotlib.pyplot drawing into files (no window, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
+    """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
+    colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
+    own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
+    the axis. Returns the matplotlib Figure (closed by the caller)."""
+    plt = pyplot()
     fig, grid = plt.subplots(2, 3, figsize=(14, 7.5))
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
     labels = list(dict.fromkeys(row["label"] for row in rows))
@@ -230,9 +236,13 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
 
 def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
     """figure(rows, reference) written to `path` (PNG)."""
+    save(figure(rows, reference), path)
+
+
+def save(fig: "Figure", path: Path) -> None:
+    """A figure written to `path` (PNG), then closed."""
     import matplotlib.pyplot as plt
 
-    fig = figure(rows, reference)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -240,18 +250,9 @@ def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> N
 def table(rows: list[dict]) -> str:
     lines = [f"{'label':<28}{'layer':>6}{'attn':>6}" + "".join(f"{m:>14}" for m in METRICS)]
     for r in rows:
-        cells = "".join(f"{'-' if r[m] is None else format(r[m], '.4f'):>14}" for m in METRICS)
+        cells = "".join(f"{cell(r[m]):>14}" for m in METRICS)
         lines.append(f"{r['label'][:27]:<28}{r['layer']:>6}{r['attention']:>6}{cells}")
     return "\n".join(lines)
-
-
-def write_losses_csv(losses: list[dict], path: Path) -> None:
-    columns = ["checkpoint", "label", "windows", "loss", "bpb", *span_columns(losses)]
-    with atomic_file(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in losses:
-            writer.writerow({k: ("" if row[k] is None else row[k]) for k in columns})
 
 
 def cell(value: float | None, spec: str = ".4f") -> str:
@@ -279,12 +280,9 @@ def loss_table(losses: list[dict]) -> str:
 def positions_figure(losses: list[dict]) -> "Figure":
     """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
     position has. Returns the matplotlib Figure (closed by the caller)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    plt = pyplot()
     spans = span_columns(losses)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, r in enumerate(losses):
@@ -302,15 +300,6 @@ def positions_figure(losses: list[dict]) -> "Figure":
     return fig
 
 
-def plot_positions(losses: list[dict], path: Path) -> None:
-    """positions_figure(losses) written to `path` (PNG)."""
-    import matplotlib.pyplot as plt
-
-    fig = positions_figure(losses)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="analyze")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -325,10 +314,10 @@ def main(cfg: DictConfig) -> None:
             buckets=cfg.position_buckets,
         )
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out / "diagnostics.csv")
+    write_csv(rows, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")
-    write_losses_csv(losses, out / "losses.csv")
-    plot_positions(losses, out / "positions.png")
+    write_csv(losses, ["checkpoint", "label", "windows", "loss", "bpb", *span_columns(losses)], out / "losses.csv")
+    save(positions_figure(losses), out / "positions.png")
     print(table(rows))
     print()
     print(loss_table(losses))

@@ -2,11 +2,13 @@
 
 import bisect
 from collections.abc import Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import cast
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, get_worker_info
 
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.run import check_val_windows
@@ -40,6 +42,7 @@ class PackedWindows(Dataset):
         return window[:-1], window[1:]
 
 
+@dataclass
 class ShuffledBatches(IterableDataset):
     """An endless stream of micro-batches whose content is a pure function of (seed, batch index).
 
@@ -49,23 +52,14 @@ class ShuffledBatches(IterableDataset):
     `start_batch` resumes exactly where an interrupted run stopped.
     """
 
-    def __init__(
-        self,
-        windows: PackedWindows,
-        batch_size: int,
-        *,
-        seed: int,
-        start_batch: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        self.windows = windows
-        self.batch_size = batch_size
-        self.seed = seed
-        self._perms: dict[int, torch.Tensor] = {}  # epoch -> its permutation of the windows (window_index)
-        self.start_batch = start_batch
-        self.rank = rank
-        self.world_size = world_size
+    windows: PackedWindows
+    batch_size: int
+    _: KW_ONLY
+    seed: int
+    start_batch: int = 0
+    rank: int = 0
+    world_size: int = 1
+    _perms: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)  # epoch -> a permutation
 
     def window_index(self, g: int) -> int:
         epoch, i = divmod(g, len(self.windows))
@@ -110,7 +104,6 @@ class TokenDataModule(L.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.train_windows = PackedWindows(data.shards("train"), block_size)
-        self.val_windows = val_windows
         self.val_set = PackedWindows(data.shards("val"), block_size)
         self.val_available = self.val_set.n  # before data.val_windows takes the first ones
         if val_windows is not None:
@@ -154,13 +147,6 @@ class TokenDataModule(L.LightningDataModule):
             )
         self.resume_from = state_dict or None
 
-    def resumed_windows(self) -> int:
-        """Windows the resumed run's stream had served: a multiple of every micro-batch x devices split of the
-        global batch (a resume keeps global_batch_tokens and block_size), so any split continues where it stopped."""
-        saved = self.resume_from
-        assert saved is not None  # asked on a resumed run only
-        return saved["global_micro_batches"] * saved.get("micro_batch_size", self.micro_batch_size)
-
     def train_dataloader(self) -> DataLoader:
         start_batch, rank, world = 0, 0, 1
         if self.trainer is not None:
@@ -168,8 +154,13 @@ class TokenDataModule(L.LightningDataModule):
             # Resume at the exact micro-batch: from the checkpoint's sampler position when it holds one, else (a
             # fresh run, or a checkpoint without it) from the restored step count.
             start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
-            if self.resume_from:  # rank r reads global micro-batches r, r + W, ...: its own count is global / W
-                start_batch = self.resumed_windows() // (self.micro_batch_size * world)
+            if (
+                saved := self.resume_from
+            ):  # rank r reads global micro-batches r, r + W, ...: its own count is global / W
+                # The windows served: a multiple of every micro-batch x devices split of the global batch (a resume
+                # keeps global_batch_tokens and block_size), so any split continues where it stopped.
+                served = saved["global_micro_batches"] * saved.get("micro_batch_size", self.micro_batch_size)
+                start_batch = served // (self.micro_batch_size * world)
         stream = ShuffledBatches(
             self.train_windows,
             self.micro_batch_size,
@@ -197,24 +188,13 @@ class TokenDataModule(L.LightningDataModule):
         )
 
 
-class PaddedWindows(Dataset):
-    """`windows` and then padding windows whose targets are all -1 (ignored by the loss), up to a multiple of the
-    ranks: Lightning's DistributedSampler would otherwise pad by repeating the first windows, and every rank must
-    run as many batches (an FSDP forward is a collective)."""
-
-    def __init__(self, windows: Dataset, n: int) -> None:
-        self.windows, self.real, self.n = windows, len(windows), n  # type: ignore[arg-type]
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.windows[i if i < self.real else 0]
-        return (x, y) if i < self.real else (x, torch.full_like(y, -1))
-
-
 def padded_for_ranks(windows: Dataset, world_size: int) -> Dataset:
-    """The validation windows, padded so that each of world_size ranks gets as many."""
+    """The validation windows, padded up to a multiple of the ranks with windows whose targets are all -1 (ignored by
+    the loss): Lightning's DistributedSampler would otherwise pad by repeating the first windows, and every rank
+    must run as many batches (an FSDP forward is a collective)."""
     n = len(windows)  # type: ignore[arg-type]
-    padded = -(-n // world_size) * world_size
-    return windows if padded == n else PaddedWindows(windows, padded)
+    padding = -(-n // world_size) * world_size - n
+    if not padding:
+        return windows
+    x, y = windows[0]
+    return ConcatDataset([windows, cast(Dataset, [(x, torch.full_like(y, -1))] * padding)])  # a list serves as one

@@ -19,10 +19,10 @@ import fcntl
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 
 from xsa_lm.data.tokenizer import EOT, eot_id, file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
+from xsa_lm.files import atomic_file, write_json, write_text
 
 LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reuses the result
 
@@ -228,13 +229,13 @@ def prepare(
                 shard_documents=shard_documents,
                 workers=workers,
                 progress=progress,
-                source=source,
+                total_documents=getattr(source, "count_documents", lambda: None)(),
             )
             if not has_text:
                 raise UserError("data: the corpus has no text: every document is empty or whitespace only")
             meta = _meta(identity, tokenizer, out, shards=shards, split=split)
             _check_split(meta, split, val_fraction)
-            _atomic_write(out / "meta.json", json.dumps(meta, indent=2, default=str))
+            write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
         except UserError:
             _remove_unstarted(out, held, made)
             raise
@@ -343,7 +344,7 @@ def _check_identity(out: Path, identity: dict) -> None:
     if not recorded.exists():
         if any(out.glob("*.bin")) or (out / "meta.json").exists():
             raise UserError(f"data.dir={out} holds files that xsa-lm did not prepare: choose another data.dir")
-        _atomic_write(recorded, json.dumps(wanted, indent=2))
+        write_json(recorded, wanted)
         return
     if _read_json(recorded, "delete its folder to prepare it again") != wanted:
         raise UserError(
@@ -358,11 +359,8 @@ def _tokenizer(pieces: Callable[[], Iterator[tuple]], build_tokenizer, out: Path
         return read_tokenizer(path, "data")
     train_texts = (train for train, _ in pieces() if train is not None)  # never the validation text
     tokenizer = build_tokenizer(train_texts=islice(train_texts, n_docs))
-    if tokenizer.token_to_id(EOT) is None:
-        raise UserError(f"tokenizer: it has no {EOT} token to separate documents")
-    tmp = out / "tokenizer.json.tmp"
-    tokenizer.save(str(tmp))
-    os.replace(tmp, path)
+    eot_id(tokenizer)  # refuses a tokenizer without EOT
+    write_text(path, tokenizer.to_str(pretty=True))
     return tokenizer
 
 
@@ -387,62 +385,54 @@ def _write_shards(
     shard_documents: int,
     workers: int,
     progress: bool,
-    source,
+    total_documents: int | None,
 ) -> tuple[list[dict], bool]:
     """The shards' counts, sorted, and whether any document has text (more than whitespace)."""
-    job = (str(out), str(out / "tokenizer.json"), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
+    job = (str(out), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
     shards: list[dict] = []
     has_text = False
-    bar = _Progress(progress, getattr(source, "count_documents", lambda: None)())
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
     pending: dict[Future, int] = {}  # a chunk being tokenized -> its number of documents
-    try:
-        for index, chunk in enumerate(_batched(pieces, shard_documents)):
-            has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
-            done_file = out / f"shard-{index:06d}.json"
-            if done_file.exists():  # finished by an earlier run: never rewritten
-                shards.append(cast(dict, _read_json(done_file, "delete it to tokenize that shard again")))
-                bar.update(len(chunk), shards[-1]["train_tokens"] + shards[-1]["val_tokens"])
-                continue
-            args = (*job, index, [train for train, _ in chunk], [val for _, val in chunk])
-            if pool is None:
-                shards.append(_encode_shard(*args))
-                bar.update(len(chunk), shards[-1]["train_tokens"] + shards[-1]["val_tokens"])
-                continue
-            pending[pool.submit(_encode_shard, *args)] = len(chunk)
-            while len(pending) >= 2 * workers:  # bounded: at most two chunks per worker held in memory
-                shards += _collect(pending, bar)
-        while pending:
-            shards += _collect(pending, bar)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-        bar.close()
+    with _progress_bar(progress, total_documents) as finished:
+
+        def collect(until: int) -> None:
+            while len(pending) > until:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                shards.extend(finished(pending.pop(future), future.result()) for future in done)
+
+        try:
+            for index, chunk in enumerate(_batched(pieces, shard_documents)):
+                has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
+                done_file = out / f"shard-{index:06d}.json"
+                args = (*job, index, [train for train, _ in chunk], [val for _, val in chunk])
+                if done_file.exists():  # finished by an earlier run: never rewritten
+                    shard = cast(dict, _read_json(done_file, "delete it to tokenize that shard again"))
+                elif pool is None:
+                    shard = _encode_shard(*args)
+                else:
+                    pending[pool.submit(_encode_shard, *args)] = len(chunk)
+                    collect(until=2 * workers - 1)  # bounded: at most two chunks per worker held in memory
+                    continue
+                shards.append(finished(len(chunk), shard))
+            collect(until=0)
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
     if not shards:
         raise UserError("data: the corpus has no documents")
     return sorted(shards, key=lambda s: s["index"]), has_text
-
-
-def _collect(pending: dict[Future, int], bar: "_Progress") -> list[dict[str, int]]:
-    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-    results = []
-    for future in done:
-        documents, shard = pending.pop(future), future.result()
-        bar.update(documents, shard["train_tokens"] + shard["val_tokens"])
-        results.append(shard)
-    return results
 
 
 _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 def _encode_shard(
-    out: str, tokenizer_path: str, eot: int, dtype: str, index: int, train: list[str | None], val: list[str | None]
+    out: str, eot: int, dtype: str, index: int, train: list[str | None], val: list[str | None]
 ) -> dict[str, int]:
     """Tokenize one chunk into its train and val shard files (runs in a worker process)."""
-    if tokenizer_path not in _WORKER_TOKENIZERS:
-        _WORKER_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
-    tokenizer = _WORKER_TOKENIZERS[tokenizer_path]
+    if out not in _WORKER_TOKENIZERS:
+        _WORKER_TOKENIZERS[out] = Tokenizer.from_file(str(Path(out) / "tokenizer.json"))
+    tokenizer = _WORKER_TOKENIZERS[out]
     shard = {"index": index}  # and each split's documents and tokens
     for split, texts in (("train", train), ("val", val)):
         encodings = tokenizer.encode_batch([text for text in texts if text is not None], add_special_tokens=False)
@@ -453,12 +443,10 @@ def _encode_shard(
             tokens[end : end + len(doc)] = doc
             tokens[end + len(doc)] = eot
             end += len(doc) + 1
-        path = Path(out) / f"{split}-{index:06d}.bin"
-        tmp = path.with_suffix(".bin.tmp")
-        tokens.tofile(tmp)
-        os.replace(tmp, path)
+        with atomic_file(Path(out) / f"{split}-{index:06d}.bin", "wb") as f:
+            tokens.tofile(f)
         shard[f"{split}_documents"], shard[f"{split}_tokens"] = len(ids), len(tokens)
-    _atomic_write(Path(out) / f"shard-{index:06d}.json", json.dumps(shard))
+    write_text(Path(out) / f"shard-{index:06d}.json", json.dumps(shard))
     return shard
 
 
@@ -489,33 +477,22 @@ def _batched(items: Iterator, n: int) -> Iterator[list]:
         yield batch
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+@contextmanager
+def _progress_bar(enabled: bool, total_documents: int | None) -> Iterator[Callable[[int, dict], dict]]:
+    """Documents, tokens/s and (when the corpus size is known) ETA, on the terminal (rich): yields the function
+    that counts a finished shard of that many documents (and returns the shard)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    columns = [TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents")]
+    t0, tokens = time.perf_counter(), 0
+    with Progress(*columns, TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not enabled) as bar:
+        task = bar.add_task("prepare", total=total_documents, rate="")
 
-class _Progress:
-    """Documents, tokens/s and (when the corpus size is known) ETA, on the terminal (rich)."""
+        def finished(documents: int, shard: dict) -> dict:
+            nonlocal tokens
+            tokens += shard["train_tokens"] + shard["val_tokens"]
+            rate = tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.update(task, advance=documents, rate=f"{tokens:,} tokens, {rate:,.0f} tokens/s")
+            return shard
 
-    def __init__(self, enabled: bool, total_documents: int | None) -> None:
-        self.bar = None
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            columns = [TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents")]
-            self.bar = Progress(*columns, TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
-            self.task = self.bar.add_task("prepare", total=total_documents, rate="")
-            self.bar.start()
-
-    def update(self, documents: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.bar is not None:
-            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-            self.bar.update(self.task, advance=documents, rate=f"{self.tokens:,} tokens, {rate:,.0f} tokens/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        yield finished

@@ -57,7 +57,8 @@ def prepare_data(
         once(f"data: {len(source.dropped)} file(s) matched more than once, read once: {repeats}")
     if note:
         once(note)
-    identity = data_identity(source, tokenizer_cfg, data_cfg, split=split, val_fraction=val_fraction)
+    settings = split_settings(split, val_fraction, data_cfg.split_seed, data_cfg.shard_documents)
+    identity = data_identity(source, tokenizer_cfg, data_cfg.tokenizer_documents, settings)
     if not data_cfg.dir:
         check_cache_dir(Path(data_cfg.cache_dir).expanduser())
     out = Path(data_cfg.dir).expanduser() if data_cfg.dir else cache_path(data_cfg.cache_dir, source.name, identity)
@@ -70,10 +71,7 @@ def prepare_data(
         build_tokenizer,
         out,
         identity,
-        val_fraction=val_fraction,
-        split=split,
-        split_seed=data_cfg.split_seed,
-        shard_documents=data_cfg.shard_documents,
+        **settings,
         workers=data_cfg.prepare_workers,
         tokenizer_documents=data_cfg.tokenizer_documents,
         progress=progress,
@@ -87,17 +85,15 @@ class DataIdentity(SplitSettings, TokenizerInputs):
     tokenizer: object  # the tokenizer's settings: a mapping of the config's values
 
 
-def data_identity(
-    source, tokenizer_cfg: DictConfig, data_cfg: DictConfig, *, split: str, val_fraction: float
-) -> DataIdentity:
+def data_identity(source, tokenizer_cfg: DictConfig, tokenizer_documents: int, settings: SplitSettings) -> DataIdentity:
     """Everything that decides the tokens of a preparation: the source (its files resolved, each once, with their
     sizes and times), the tokenizer (its settings, a given file's bytes, the documents a trained one learns from)
     and the split. It names the cache folder and is recorded in prepare.json: other inputs never share shards."""
     return {
         "source": source.identity(),
         "tokenizer": OmegaConf.to_container(tokenizer_cfg, resolve=True),
-        **tokenizer_inputs(tokenizer_cfg, data_cfg.tokenizer_documents),
-        **split_settings(split, val_fraction, data_cfg.split_seed, data_cfg.shard_documents),
+        **tokenizer_inputs(tokenizer_cfg, tokenizer_documents),
+        **settings,
     }
 
 

@@ -12,10 +12,11 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import TypedDict
 
-from xsa_lm.data.tokenizer import reachable
+from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
 
 FileStamps = list[list]  # each file's [resolved path, size, modification time] (describe_files)
@@ -190,34 +191,23 @@ class HFDataset:
         subset: str | None = None,
         split: str = "train",
         text_field: str = "text",
-        streaming: bool = True,
         data_files: str | list[str] | None = None,
         max_documents: int | None = None,
-        timeout_s: float = 5.0,
     ) -> None:
         self.path = path
         self.subset = subset
         self.split = split
+        self.text_field = text_field
+        self.max_documents = max_documents
         self.data_files: list[str] | None = None
         self.dropped: list[str] = []
         if data_files is not None:  # local files for a builder path: each once, and a missing one refused now
             self.data_files, self.dropped = expand(data_files, "data.data_files")
-        self.timeout_s = timeout_s
-        if data_files is None:
-            self._check_hub()
-        self.text_field = text_field
-        self.streaming = streaming
-        self.max_documents = max_documents
-
-    def _check_hub(self) -> None:
-        """Fail in seconds without network (the hub client retries for much longer), naming the alternative."""
-        offline = any(
-            os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-        )
-        if offline or not reachable("huggingface.co", 443, self.timeout_s):
-            reason = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if offline else ""
+            return
+        why = hub_unreachable("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # in seconds, not the hub client's retries
+        if why is not None:
             raise UserError(
-                f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{reason}: "
+                f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{why}: "
                 "download its files elsewhere and use data=local data.files='DIR/*.parquet' data.text_field=text"
             )
 
@@ -225,10 +215,8 @@ class HFDataset:
         import datasets
 
         kwargs = {"data_files": self.data_files} if self.data_files is not None else {}
-        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, streaming=self.streaming, **kwargs)
-        for n, row in enumerate(dataset):
-            if self.max_documents is not None and n >= self.max_documents:
-                return
+        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, streaming=True, **kwargs)
+        for n, row in enumerate(islice(dataset, self.max_documents)):  # None: every row
             if self.text_field not in row:
                 fields = sorted(row)
                 raise UserError(f"data.text_field: {self.path} has no field {self.text_field!r} (fields: {fields})")

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from xsa_lm.errors import UserError
 
 EOT = "<|endoftext|>"  # separates documents; GPT-2's own end-of-text token
+GPT2_REPO = "openai-community/gpt2"
 
 
 def eot_id(tokenizer: Tokenizer) -> int:
@@ -68,29 +69,26 @@ def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
 
 
 def _read_text(path: Path, key: str) -> str:
-    if not path.is_file():
-        raise UserError(f"{key}: file not found: {path}")
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{key}: {path} cannot be read ({e.strerror})") from None
-    try:
-        return data.decode("utf-8")
+        return _read_bytes(path, key).decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(
             f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
         ) from None
 
 
-def file_sha256(path: str | Path, key: str) -> str:
-    """The sha256 of a tokenizer file's bytes: the identity of a tokenizer (meta.json and checkpoints record it)."""
-    path = Path(path)
+def _read_bytes(path: Path, key: str) -> bytes:
     if not path.is_file():
         raise UserError(f"{key}: file not found: {path}")
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return path.read_bytes()
     except OSError as e:
         raise UserError(f"{key}: {path} cannot be read ({e.strerror})") from None
+
+
+def file_sha256(path: str | Path, key: str) -> str:
+    """The sha256 of a tokenizer file's bytes: the identity of a tokenizer (meta.json and checkpoints record it)."""
+    return hashlib.sha256(_read_bytes(Path(path), key)).hexdigest()
 
 
 # Tokenizers whose vocabulary is given, not learned from the corpus: data.tokenizer_documents does not change them.
@@ -122,12 +120,7 @@ def load_tokenizer_file(path: str, train_texts: Iterable[str] | None = None) -> 
     return read_tokenizer(os.path.expanduser(path), "tokenizer.path")
 
 
-def load_gpt2(
-    path: str | None = None,
-    repo_id: str = "openai-community/gpt2",
-    timeout_s: float = 5.0,
-    train_texts: Iterable[str] | None = None,
-) -> Tokenizer:
+def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None) -> Tokenizer:
     """GPT-2's tokenizer from a local tokenizer.json, the Hugging Face cache, or the hub (train_texts: unused).
 
     Without network this fails in seconds (instead of the hub client's ~25 s of retries).
@@ -139,20 +132,19 @@ def load_gpt2(
 
     key = "tokenizer=gpt2 (from the Hugging Face cache)"
     try:
-        return read_tokenizer(hf_hub_download(repo_id, "tokenizer.json", local_files_only=True), key)
+        return read_tokenizer(hf_hub_download(GPT2_REPO, "tokenizer.json", local_files_only=True), key)
     except LocalEntryNotFoundError:
         pass
     except OSError as e:  # HF_HOME (or HF_HUB_CACHE) below a file, or not readable
         raise _hub_error(e) from None
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if offline or not reachable("huggingface.co", 443, timeout_s):
+    why = hub_unreachable("HF_HUB_OFFLINE")
+    if why is not None:
         raise UserError(
-            "tokenizer=gpt2 needs the Hugging Face hub, which is unreachable"
-            + (" (HF_HUB_OFFLINE is set)" if offline else "")
-            + ": pass tokenizer.path=/path/to/gpt2/tokenizer.json, or use tokenizer=bpe"
+            f"tokenizer=gpt2 needs the Hugging Face hub, which is unreachable{why}: "
+            "pass tokenizer.path=/path/to/gpt2/tokenizer.json, or use tokenizer=bpe"
         )
     try:
-        return read_tokenizer(hf_hub_download(repo_id, "tokenizer.json"), key)
+        return read_tokenizer(hf_hub_download(GPT2_REPO, "tokenizer.json"), key)
     except OSError as e:  # the cache's folders, or the download (requests' errors are OSErrors too)
         raise _hub_error(e) from None
 
@@ -167,13 +159,17 @@ def _hub_error(error: OSError) -> UserError:
     return UserError(f"tokenizer=gpt2: the download failed ({type(error).__name__}: {str(error)[:150]}): {alternative}")
 
 
-def reachable(host: str, port: int, timeout_s: float) -> bool:
-    """A TCP connect with a short timeout: offline fails in seconds, not after the hub client's retries."""
+def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be used now, as the end of a message: " (A/B is set)" when one of these
+    environment variables is, "" when a TCP connect fails within timeout_s (offline fails in seconds, not after the
+    hub client's retries); None when the hub answers."""
+    if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in offline_variables):
+        return f" ({'/'.join(offline_variables)} is set)"
     try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-        return True
+        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
+        return None
     except OSError:
-        return False
+        return ""
 
 
 def token_byte_lengths(tokenizer: Tokenizer, size: int) -> list[int]:

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer, run_dir_of
-from xsa_lm.data.tokenizer import reachable
+from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 
@@ -153,7 +153,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
     # hub client retry for minutes.
-    if not reachable("huggingface.co", 443, 5.0):
+    if hub_unreachable() is not None:
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
     import lm_eval.evaluator

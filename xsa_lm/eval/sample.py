@@ -12,6 +12,8 @@ from xsa_lm.data.tokenizer import eot_id
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import generate
 
+SETTINGS = ("max_new_tokens", "temperature", "top_k", "num_samples", "seed")  # generate.yaml's sampling options
+
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -40,14 +42,7 @@ def check_sampling(*, max_new_tokens, temperature, top_k, num_samples, seed, pro
 def sample(
     ckpt: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, num_samples: int, seed: int
 ) -> list[str]:
-    check_sampling(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        num_samples=num_samples,
-        seed=seed,
-        prompt=prompt,
-    )
+    """`num_samples` continuations of `prompt` by the checkpoint's model (check_sampling has checked the options)."""
     path = Path(str(ckpt)).expanduser()
     model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path, key="ckpt")
     prompt = prompt or ""  # prompt=null
@@ -62,15 +57,9 @@ def sample(
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="generate")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    settings = {key: cfg[key] for key in SETTINGS}
     with exit_on_user_error():
-        texts = sample(
-            cfg.ckpt,
-            cfg.prompt,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            num_samples=cfg.num_samples,
-            seed=cfg.seed,
-        )
+        check_sampling(prompt=cfg.prompt, **settings)  # before the checkpoint is read
+        texts = sample(cfg.ckpt, cfg.prompt, **settings)
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")
