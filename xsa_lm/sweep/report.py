@@ -1,7 +1,6 @@
 """The sweep's outputs: results.json (machine-readable), report.md (tables a paper can use), lr_sweep.png and
 curves.png, and a W&B report run in the sweep's group."""
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure
 from xsa_lm.stats.decision import NullRates, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import ALPHA, POWER, PairedJson, min_detectable_difference, paired_stats
 from xsa_lm.stats.positions import PositionDifferences, position_differences
@@ -18,26 +18,16 @@ from xsa_lm.sweep.stalls import StallRule, StallStudy, stall_lines, stall_study
 from xsa_lm.sweep.trials import TrialRecord
 
 
-def _loss(value: float | None) -> str:
-    return f"{value:.4f}" if value is not None and math.isfinite(value) else "-"
-
-
 def ci_text(ci: Sequence[float] | None) -> str:
-    return f"[{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci is not None else "(none below two pairs)"
+    return interval(ci, none="(none below two pairs)")
 
 
 def comparison_of(trials: list[dict]) -> Comparison:
     """Seeds where both SA and XSA finished at the shared LR (a diverged or failed side drops the pair, and
     dropped_seeds says so)."""
-    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
-    comparison = Comparison(seeds=[], sa=[], xsa=[])
-    for seed in sorted({seed for _, seed in by_key}):
-        sa, xsa = by_key.get(("sa", seed)), by_key.get(("xsa", seed))
-        if sa and xsa and sa["status"] == xsa["status"] == "completed":
-            comparison.seeds.append(seed)
-            comparison.sa.append(sa["final_val_loss"])
-            comparison.xsa.append(xsa["final_val_loss"])
-    return comparison
+    pairs = completed_pairs(trials)
+    sa, xsa = [p[0]["final_val_loss"] for p in pairs], [p[1]["final_val_loss"] for p in pairs]
+    return Comparison(seeds=[p[0]["seed"] for p in pairs], sa=sa, xsa=xsa)
 
 
 def completed_pairs(trials: list[dict]) -> list[tuple[dict, dict]]:
@@ -133,6 +123,19 @@ class XsaTuning(TypedDict):
     loss_at_shared_lr: float | None
 
 
+# paired_stats' names -> the names the comparison has always had in results.json
+RESULTS_JSON_NAMES = {
+    "mean_diff": "diff_mean",
+    "sd_diff": "diff_std",
+    "t_ci95": "diff_ci95",
+    "xsa_lower": "xsa_better_in",
+    "wilcoxon_p": "wilcoxon_p_value",
+    "sign_p": "sign_test_p_value",
+    "t": "diff_t",
+    "t_p": "diff_p_value",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ComparisonStats(Record):
     """The comparison of results.json: each arm's mean and std over seeds, and the paired tests (paired_stats) under
@@ -176,14 +179,7 @@ class ComparisonStats(Record):
             sa_std=sa_std,
             xsa_mean=xsa_mean,
             xsa_std=xsa_std,
-            diff_mean=paired.mean_diff,
-            diff_std=paired.sd_diff,
-            diff_ci95=paired.t_ci95,
-            xsa_better_in=paired.xsa_lower,
-            wilcoxon_p_value=paired.wilcoxon_p,
-            sign_test_p_value=paired.sign_p,
-            diff_t=paired.t,
-            diff_p_value=paired.t_p,
+            **{ours: getattr(paired, theirs) for theirs, ours in RESULTS_JSON_NAMES.items()},
             dof=paired.pairs - 1 if paired.pairs > 1 else None,
             min_detectable_diff=min_detectable_difference(paired.sd_diff, paired.pairs),
             dropped_seeds=dropped or [],
@@ -289,16 +285,15 @@ def sequential_lines(sequential: dict) -> list[str]:
         f"uses a Bonferroni-corrected level: {alpha:.0%} / {sequential['planned_looks']} planned looks = "
         f"{per_look:.4g}, i.e. a {1 - per_look:.2%} CI (Student's t, scipy.stats); the chance that any look "
         f"declares a difference where there is none stays at most {alpha:.0%}.",
-        "",
-        "| look | seeds | pairs | mean XSA - SA | corrected CI | p |",
-        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for i, look in enumerate(sequential["looks"], start=1):
-        mean = f"{look['mean']:+.4f}" if look["mean"] is not None else "-"
-        p = f"{look['p_value']:.3g}" if look["p_value"] is not None else "-"
-        lines.append(f"| {i} | {look['seeds']} | {look['pairs']} | {mean} | {ci_text(look['ci'])} | {p} |")
     if not sequential["looks"]:
-        return lines[:3] + [f"No look yet: {STOPPED[sequential['stopped']]}."]
+        return lines + [f"No look yet: {STOPPED[sequential['stopped']]}."]
+    looks = [
+        [i, look["seeds"], look["pairs"], num(look["mean"], "+.4f"), ci_text(look["ci"]), num(look["p_value"], ".3g")]
+        for i, look in enumerate(sequential["looks"], start=1)
+    ]
+    header = ["look", "seeds", "pairs", "mean XSA - SA", "corrected CI", "p"]
+    lines += ["", *markdown_table(header, looks, align="rrrrrr")]
     lines += [
         "",
         f"Stopped after {sequential['n_looks']} of at most {sequential['planned_looks']} looks, at "
@@ -357,20 +352,21 @@ def search_lines(results: dict) -> list[str]:
     """Section 1: each LR's median final val loss over the search seeds and every run's, the selected LR marked."""
     attentions = ["sa", "xsa"] if results["xsa_tuning"] else ["sa"]
     seeds = results["search_seeds"]
-    lines = ["", f"## 1. LR search (seeds {', '.join(map(str, seeds))}, final validation loss)", ""]
-    lines.append("| LR | " + " | ".join(f"{a.upper()} median | {a.upper()} per seed" for a in attentions) + " |")
-    lines.append("|---:|" + "---:|---|" * len(attentions))
+    rows = []
     for lr in results["grid"]:
-        cells = []
+        mark = " **(selected)**" if lr == results["selected_lr"] else ""
+        cells = [f"{lr:g}{mark}"]
         for attention in attentions:
             point = results["search"].get(attention, {}).get(f"{lr:g}", {"median": None, "runs": []})
             per_seed = ", ".join(
-                _loss(r.get("final_val_loss")) if r.get("status") == "completed" else r.get("status", "missing")
+                num(r.get("final_val_loss")) if r.get("status") == "completed" else r.get("status", "missing")
                 for r in point["runs"]
             )
-            cells += [_loss(point["median"]), per_seed or "missing"]
-        mark = " **(selected)**" if lr == results["selected_lr"] else ""
-        lines.append(f"| {lr:g}{mark} | " + " | ".join(cells) + " |")
+            cells += [num(point["median"]), per_seed or "missing"]
+        rows.append(cells)
+    header = ["LR"] + [f"{a.upper()} {what}" for a in attentions for what in ("median", "per seed")]
+    lines = ["", f"## 1. LR search (seeds {', '.join(map(str, seeds))}, final validation loss)", ""]
+    lines += markdown_table(header, rows, align="r" + "rl" * len(attentions))
     if results.get("stalls"):
         lines += stall_lines(results["stalls"])
     return lines
@@ -396,12 +392,10 @@ def compare_lines(results: dict) -> list[str]:
         f"LR {results['selected_lr']:g}, selected on SA and reused unchanged for XSA. " + design_line(results),
         "",
     ]
-    lines += ["| seed | SA val loss | XSA val loss | XSA - SA |", "|---:|---:|---:|---:|"]
-    for trial_pair in results["compare_table"]:
-        lines.append(f"| {trial_pair['seed']} | {trial_pair['sa']} | {trial_pair['xsa']} | {trial_pair['diff']} |")
+    rows = [[row["seed"], row["sa"], row["xsa"], row["diff"]] for row in results["compare_table"]]
     if compare["seeds"]:
-        cells = " | ".join(_mean_std(compare, name) for name in ("sa", "xsa", "diff"))
-        lines.append(f"| mean ± std | {cells} |")
+        rows.append(["mean ± std", *(_mean_std(compare, name) for name in ("sa", "xsa", "diff"))])
+    lines += markdown_table(["seed", "SA val loss", "XSA val loss", "XSA - SA"], rows, align="rrrr")
     sequential = results.get("sequential")
     lines += ["", verdict(compare, sequential=bool(sequential))]
     if noise_line(compare):
@@ -417,22 +411,23 @@ def null_lines(null: dict | None, compare: dict) -> list[str]:
     if not null:
         return []
     ci, verdict = null["t_ci95"], null["margin"]
-    interval = f", paired 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+    ci_part = f", paired 95% CI {interval(ci)}" if ci else ""
     lines = [
         "",
         "### The null: SA against SA (sweep.null_arm)",
         "",
         f"SA again at each compare seed, the same data order from other initial weights, minus SA: "
-        f"{null['mean_diff']:+.4f} on average over {null['pairs']} seed(s){interval}"
+        f"{null['mean_diff']:+.4f} on average over {null['pairs']} seed(s){ci_part}"
         + (f"; verdict against the margin: **{verdict['verdict']}**" if verdict else "")
         + ". There is no effect here, so a verdict of better or worse, or an interval that excludes 0, is a false "
         "positive of the procedure.",
         "",
-        "| | mean | sd over seeds |",
-        "|---|---:|---:|",
-        f"| XSA - SA | {_num(compare.get('diff_mean'))} | {_num(compare.get('diff_std'), signed=False)} |",
-        f"| null - SA | {_num(null['mean_diff'])} | {_num(null['sd_diff'], signed=False)} |",
     ]
+    spread = [
+        ["XSA - SA", num(compare.get("diff_mean"), "+.4f"), num(compare.get("diff_std"))],
+        ["null - SA", num(null["mean_diff"], "+.4f"), num(null["sd_diff"])],
+    ]
+    lines += markdown_table(["", "mean", "sd over seeds"], spread, align="lrr")
     rates = null.get("rates") or []
     rates = [rates] if isinstance(rates, dict) else rates  # a dict: one size, from a results.json of 2026-12-02
     if rates:
@@ -444,35 +439,29 @@ def null_lines(null: dict | None, compare: dict) -> list[str]:
             f"excludes 0 in 5% of studies if the noise were normal; the verdict claims an effect when it says better "
             f"or worse than the {rates[0]['margin']:g}-nat margin.",
             "",
-            "| study size | t CI excludes 0 | verdict claims an effect | disjoint studies claiming |",
-            "|---:|---|---|---|",
         ]
-    for r in rates:
-        ci0, ci1 = r["ci_excludes_0_ci95"], r["verdict_claims_effect_ci95"]
-        disjoint = "-"
-        if "disjoint_studies" in r:
-            lo, hi = r["disjoint_claims_ci95"]
-            disjoint = f"{r['disjoint_claims']} of {r['disjoint_studies']} [{lo:.1%}, {hi:.1%}]"
-        lines.append(
-            f"| {r['study_size']} | {r['ci_excludes_0']:.1%} [{ci0[0]:.1%}, {ci0[1]:.1%}] | "
-            f"{r['verdict_claims_effect']:.1%} [{ci1[0]:.1%}, {ci1[1]:.1%}] | {disjoint} |"
-        )
+        header = ["study size", "t CI excludes 0", "verdict claims an effect", "disjoint studies claiming"]
+        lines += markdown_table(header, [null_rate_row(r) for r in rates], align="rlll")
     return lines
 
 
-def _num(value: float | None, signed: bool = True) -> str:
-    return "-" if value is None else f"{value:+.4f}" if signed else f"{value:.4f}"
+def null_rate_row(r: dict) -> list:
+    """How often the null's studies of one size claim an effect: by the t interval, by the verdict, disjoint."""
+    claims = [f"{r[key]:.1%} {interval(r[f'{key}_ci95'], '.1%')}" for key in ("ci_excludes_0", "verdict_claims_effect")]
+    disjoint = "-"
+    if "disjoint_studies" in r:
+        disjoint = f"{r['disjoint_claims']} of {r['disjoint_studies']} {interval(r['disjoint_claims_ci95'], '.1%')}"
+    return [r["study_size"], *claims, disjoint]
 
 
 def bpb_lines(bpb: dict | None) -> list[str]:
     if not bpb:
         return []
-    ci = bpb["t_ci95"]
-    interval = f", paired 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+    ci_part = f", paired 95% CI {interval(bpb['t_ci95'])}" if bpb["t_ci95"] else ""
     return [
         "",
         f"In bits per byte (the loss over the UTF-8 bytes its tokens stand for, comparable across tokenizers): SA "
-        f"{bpb['sa_mean']:.4f}, XSA {bpb['xsa_mean']:.4f}, XSA - SA {bpb['mean_diff']:+.4f}{interval}.",
+        f"{bpb['sa_mean']:.4f}, XSA {bpb['xsa_mean']:.4f}, XSA - SA {bpb['mean_diff']:+.4f}{ci_part}.",
     ]
 
 
@@ -487,18 +476,20 @@ def position_lines(positions: dict | None) -> list[str]:
         f"The validation loss per equal span of positions (`val_position_buckets`, earliest first), paired over "
         f"{positions['seeds']} seed(s).",
         "",
-        "| span | XSA - SA | 95% CI (t) | XSA lower |",
-        "|---:|---:|---|---:|",
     ]
-    for i, span in enumerate(positions["per_span"]):
-        ci = span["t_ci95"]
-        lines.append(
-            f"| {i + 1} of {positions['spans']} | {span['mean_diff']:+.4f} | "
-            f"{f'[{ci[0]:+.4f}, {ci[1]:+.4f}]' if ci else '-'} | {span['xsa_lower']}/{span['pairs']} |"
-        )
+    spans = [
+        [
+            f"{i} of {positions['spans']}",
+            f"{s['mean_diff']:+.4f}",
+            interval(s["t_ci95"]),
+            f"{s['xsa_lower']}/{s['pairs']}",
+        ]
+        for i, s in enumerate(positions["per_span"], start=1)
+    ]
+    lines += markdown_table(["span", "XSA - SA", "95% CI (t)", "XSA lower"], spans, align="rrlr")
     if positions["slope_mean"] is not None:
         ci, p = positions["slope_ci95"], positions["slope_t_p"]
-        detail = f" (95% CI [{ci[0]:+.5f}, {ci[1]:+.5f}], t p = {p:.3g})" if ci and p is not None else ""
+        detail = f" (95% CI {interval(ci, '+.5f')}, t p = {p:.3g})" if ci and p is not None else ""
         lines += [
             "",
             f"Trend: XSA - SA changes by {positions['slope_mean']:+.5f} nats per span on average over the seeds' own "
@@ -522,9 +513,9 @@ def tuning_lines(results: dict) -> list[str]:
         meaning = "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here."
     shared_lr = results["selected_lr"] or float("nan")
     return lines + [
-        f"XSA's own best LR is {tuning['selected_lr']:g} (median val loss {_loss(tuning['loss_at_own_lr'])}, "
+        f"XSA's own best LR is {tuning['selected_lr']:g} (median val loss {num(tuning['loss_at_own_lr'])}, "
         f"seeds {results['search_seeds']}); at the SA-tuned LR {shared_lr:g} XSA reaches "
-        f"{_loss(tuning['loss_at_shared_lr'])}. " + meaning
+        f"{num(tuning['loss_at_shared_lr'])}. " + meaning
     ]
 
 
@@ -541,69 +532,55 @@ def render_markdown(results: dict) -> str:
 
 
 def plot_lr_sweep(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
-        points = results["search"].get(attention)
-        if not points:
-            continue
-        medians = [(p["lr"], p["median"]) for p in points.values() if p["median"] is not None]
-        if medians:
-            ax.plot(*zip(*sorted(medians), strict=True), "-", color=color, label=f"{attention.upper()} median")
-        runs = [r for p in points.values() for r in p["runs"]]
-        ok = [(r["lr"], r["final_val_loss"]) for r in runs if r.get("status") == "completed"]
-        if ok:
-            ax.plot(*zip(*ok, strict=True), "o", color=color, alpha=0.6, markersize=4)
-        bad = [r["lr"] for r in runs if r.get("status") != "completed"]
-        if bad:
-            top = max((loss for _, loss in ok), default=1.0)
-            label = f"{attention.upper()} diverged/failed"
-            ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
-    if results["selected_lr"] is not None:
-        ax.axvline(results["selected_lr"], color="gray", linestyle="--", label=f"selected {results['selected_lr']:g}")
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("final validation loss")
-    ax.set_title(f"LR search (seeds {', '.join(map(str, results['search_seeds']))}: each run and the median)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path) as ax:
+        for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+            points = results["search"].get(attention)
+            if not points:
+                continue
+            medians = [(p["lr"], p["median"]) for p in points.values() if p["median"] is not None]
+            if medians:
+                ax.plot(*zip(*sorted(medians), strict=True), "-", color=color, label=f"{attention.upper()} median")
+            runs = [r for p in points.values() for r in p["runs"]]
+            ok = [(r["lr"], r["final_val_loss"]) for r in runs if r.get("status") == "completed"]
+            if ok:
+                ax.plot(*zip(*ok, strict=True), "o", color=color, alpha=0.6, markersize=4)
+            bad = [r["lr"] for r in runs if r.get("status") != "completed"]
+            if bad:
+                top = max((loss for _, loss in ok), default=1.0)
+                label = f"{attention.upper()} diverged/failed"
+                ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
+        if results["selected_lr"] is not None:
+            ax.axvline(
+                results["selected_lr"], color="gray", linestyle="--", label=f"selected {results['selected_lr']:g}"
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("final validation loss")
+        ax.set_title(f"LR search (seeds {', '.join(map(str, results['search_seeds']))}: each run and the median)")
+        ax.legend()
 
 
 def plot_curves(trials: list[dict], path: Path, selected_lr: float | None = None) -> None:
     """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    styles = ["-", "--", ":", "-."]
-    search_only = not any(t["phase"] == "compare" for t in trials)
-    for trial in trials:
-        shown = trial["phase"] == "compare" or (search_only and trial["lr"] == selected_lr)
-        if not shown or not trial.get("val_history"):
-            continue
-        history = trial["val_history"]
-        color = "tab:blue" if trial["attention"] == "sa" else "tab:orange"
-        label = f"{trial['attention'].upper()} seed {trial['seed']}"
-        tokens, losses = [h["tokens"] for h in history], [h["val_loss"] for h in history]
-        ax.plot(tokens, losses, styles[trial["seed"] % 4], color=color, marker="o", markersize=3, label=label)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("validation loss")
-    ax.set_title(
-        "SA vs XSA at the shared LR" + (f" ({selected_lr:g}, search runs)" if search_only and selected_lr else "")
-    )
-    if ax.lines:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path) as ax:
+        styles = ["-", "--", ":", "-."]
+        search_only = not any(t["phase"] == "compare" for t in trials)
+        for trial in trials:
+            shown = trial["phase"] == "compare" or (search_only and trial["lr"] == selected_lr)
+            if not shown or not trial.get("val_history"):
+                continue
+            history = trial["val_history"]
+            color = "tab:blue" if trial["attention"] == "sa" else "tab:orange"
+            label = f"{trial['attention'].upper()} seed {trial['seed']}"
+            tokens, losses = [h["tokens"] for h in history], [h["val_loss"] for h in history]
+            ax.plot(tokens, losses, styles[trial["seed"] % 4], color=color, marker="o", markersize=3, label=label)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("validation loss")
+        ax.set_title(
+            "SA vs XSA at the shared LR" + (f" ({selected_lr:g}, search runs)" if search_only and selected_lr else "")
+        )
+        if ax.lines:
+            ax.legend()
 
 
 def compare_table(trials: list[dict], seeds: list[int]) -> list[dict]:
@@ -613,7 +590,7 @@ def compare_table(trials: list[dict], seeds: list[int]) -> list[dict]:
         pair = {t["attention"]: t for t in trials if t["phase"] == "compare" and t["seed"] == seed}
         if not pair:
             continue
-        cell = {a: _loss(t["final_val_loss"]) if t["status"] == "completed" else t["status"] for a, t in pair.items()}
+        cell = {a: num(t["final_val_loss"]) if t["status"] == "completed" else t["status"] for a, t in pair.items()}
         both = all(t["status"] == "completed" for t in pair.values()) and len(pair) == 2
         diff = f"{pair['xsa']['final_val_loss'] - pair['sa']['final_val_loss']:+.4f}" if both else "-"
         rows.append({"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": diff})
@@ -714,62 +691,37 @@ def write_report(results: dict, sweep_dir: Path) -> str:
 
 def plot_positions(positions: dict, path: Path) -> None:
     """XSA - SA per span of window positions: the mean over seeds with its 95% interval, and each seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     spans = list(range(1, positions["spans"] + 1))
     means = [s["mean_diff"] for s in positions["per_span"]]
     cis = [s["t_ci95"] or (m, m) for s, m in zip(positions["per_span"], means, strict=True)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.fill_between(spans, [c[0] for c in cis], [c[1] for c in cis], color="tab:orange", alpha=0.25, label="95% CI")
-    ax.plot(spans, means, "o-", color="tab:orange", label="mean over seeds")
-    ax.axhline(0, color="gray", linewidth=0.8)
-    ax.set(xlabel="span of window positions (earliest first)", ylabel="XSA - SA val loss (nats)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-class ReportRunSettings(TypedDict):
-    """The logger.wandb settings that a report run (log_to_wandb) takes."""
-
-    project: str
-    entity: str | None
-    mode: str
-    init_timeout_s: int
+    with saved_figure(path) as ax:
+        ax.fill_between(spans, [c[0] for c in cis], [c[1] for c in cis], color="tab:orange", alpha=0.25, label="95% CI")
+        ax.plot(spans, means, "o-", color="tab:orange", label="mean over seeds")
+        ax.axhline(0, color="gray", linewidth=0.8)
+        ax.set(xlabel="span of window positions (earliest first)", ylabel="XSA - SA val loss (nats)")
+        ax.legend()
 
 
 def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: ReportRunSettings) -> None:
-    """A `report` run in the sweep's W&B group: the trials table, the comparison, both plots, and the report's files
+    """A `report` run in the sweep's W&B group: the trials table, the comparison, the plots, and the report's files
     (results.json, report.md, the plots) as its artifact <sweep_id>-report."""
-    import wandb
-
-    from xsa_lm.tracking import log_files_artifact, wandb_init
-
-    config = {k: results.get(k) for k in ("grid", "seeds", "search_seeds", "train_overrides", "selected_lr")}
-    run = wandb_init(
-        save_dir=str(sweep_dir),
-        name=f"{results['sweep_id']}-report",
-        run_config=config,
-        group=results["sweep_id"],
-        job_type="report",
-        **wandb_cfg,
-    )
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
-    rows = [[t.get(c) for c in columns] for t in results["trials"]]
-    table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
     names = ["lr_sweep", "curves"] + (["positions"] if results.get("positions") else [])
-    plots = {f"report/{name}": wandb.Image(str(sweep_dir / f"{name}.png")) for name in names}
-    run.log({"report/trials": table, **plots})
     compare = results["comparison"]
     ci95 = compare["diff_ci95"] or (None, None)
     keys = ["sa_mean", "xsa_mean", "diff_mean", "diff_p_value", "wilcoxon_p_value", "sign_test_p_value"]
     keys += ["min_detectable_diff", "sa_std", "xsa_std"]
-    run.summary.update(
-        {key: compare.get(key) for key in keys}
+    log_report_run(
+        sweep_dir,
+        wandb_cfg,
+        name=f"{results['sweep_id']}-report",
+        group=results["sweep_id"],
+        job_type="report",
+        artifact_type="sweep-report",
+        config={k: results.get(k) for k in ("grid", "seeds", "search_seeds", "train_overrides", "selected_lr")},
+        table=("report/trials", columns, [[t.get(c) for c in columns] for t in results["trials"]]),
+        plots={f"report/{name}": f"{name}.png" for name in names},
+        summary={key: compare.get(key) for key in keys}
         | {
             "selected_lr": results["selected_lr"],
             "diff_ci95_low": ci95[0],
@@ -779,9 +731,5 @@ def log_to_wandb(results: dict, sweep_dir: Path, wandb_cfg: ReportRunSettings) -
             "margin_verdict": (compare.get("margin") or {}).get("verdict"),
             "bpb_diff_mean": (results.get("bpb") or {}).get("mean_diff"),
             "position_slope_mean": (results.get("positions") or {}).get("slope_mean"),
-        }
+        },
     )
-    files = [sweep_dir / f"{name}.png" for name in names]
-    files += [sweep_dir / "results.json", sweep_dir / "report.md"]
-    log_files_artifact(run, name=f"{results['sweep_id']}-report", artifact_type="sweep-report", files=files)
-    run.finish()

@@ -1,0 +1,94 @@
+"""What the study reports (sweep, scaling study, token axis) share: how a number reads in a table, a markdown table,
+a saved figure, and the W&B run that carries a report."""
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypedDict
+
+
+def num(value: float | None, spec: str = ".4f") -> str:
+    """A number in `spec` (a format spec: ".4f", "+.4f", ".3g", ".1%"); "-" where there is none (None, NaN, inf)."""
+    return format(value, spec) if value is not None and math.isfinite(value) else "-"
+
+
+def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str = "-") -> str:
+    """[low, high] in `spec`; an end without a value is unbounded, and `none` stands for no interval."""
+    if not ci:
+        return none
+    return "[" + ", ".join("unbounded" if end is None else num(end, spec) for end in ci) + "]"
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
+    """A markdown table's lines: the header, the rule under it (`align`: "l" or "r" per column) and a line per row."""
+
+    def line(cells: Sequence[object]) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
+    return [line(header).replace("|  |", "| |"), rule, *map(line, rows)]  # an empty title reads `| |`
+
+
+@contextmanager
+def saved_figure(path: Path, **subplots: Any) -> Iterator[Any]:
+    """The axes of a new figure (plt.subplots' arguments; 6 x 4 inches unless told), saved to `path` at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the figure only goes to a file
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(**{"figsize": (6, 4)} | subplots)
+    try:
+        yield axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def short_log_x(ax: Any, label: str) -> None:
+    """A log x axis without the minor labels, which overlap on an axis of a decade or two."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(label)
+
+
+class ReportRunSettings(TypedDict):
+    """The logger.wandb settings that a report run (log_report_run) takes."""
+
+    project: str
+    entity: str | None
+    mode: str
+    init_timeout_s: int
+
+
+def log_report_run(
+    folder: Path,
+    wandb_cfg: ReportRunSettings,
+    *,
+    name: str,
+    group: str,
+    job_type: str,
+    artifact_type: str,
+    config: dict,
+    table: tuple[str, list[str], list[list]],
+    plots: dict[str, str],
+    summary: dict,
+) -> None:
+    """A run in the study's W&B group: `table` (its key, columns and rows), the `plots` (key -> a .png name in
+    `folder`), `summary`, and the report's files (results.json, report.md, the plots) as its artifact `name`."""
+    import wandb
+
+    from xsa_lm.tracking import log_files_artifact, wandb_init
+
+    run = wandb_init(save_dir=str(folder), name=name, run_config=config, group=group, job_type=job_type, **wandb_cfg)
+    table_key, columns, rows = table
+    images = {key: wandb.Image(str(folder / png)) for key, png in plots.items()}
+    run.log({table_key: wandb.Table(columns=list[str | int](columns), data=rows), **images})  # the type wandb names
+    run.summary.update(summary)
+    files = [folder / "results.json", folder / "report.md", *(folder / png for png in plots.values())]
+    log_files_artifact(run, name=name, artifact_type=artifact_type, files=files)
+    run.finish()
