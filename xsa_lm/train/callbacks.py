@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import cast
 
@@ -40,10 +40,10 @@ class Throughput(L.Callback):
     MFU: the model's training FLOPs per token (GPT.flops_per_token at the training context) x tokens/s over the
     peak FLOP/s of every device of the run (a datasheet number on GPUs, a measured matmul on CPU)."""
 
-    def __init__(self, tokens_per_step: int, window: int = 10, mfu: bool = True) -> None:
+    WINDOW = 10  # optimizer steps
+
+    def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step = tokens_per_step
-        self.window = window
-        self.mfu = mfu
         self._marks: list[tuple[int, float]] = []
         self.tokens_per_s = 0.0
         self.step_time_s = 0.0
@@ -51,8 +51,6 @@ class Throughput(L.Callback):
         self.peak_flops: float | None = None  # all devices together
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.mfu:
-            return
         datamodule = getattr(trainer, "datamodule", None)
         context = getattr(datamodule, "block_size", None)
         self.flops_per_token = cast(GPT, pl_module.model).flops_per_token(context)
@@ -63,7 +61,7 @@ class Throughput(L.Callback):
         step = trainer.global_step
         if self._marks and self._marks[-1][0] == step:
             return  # still accumulating gradients for this step
-        self._marks = (self._marks + [(step, time.perf_counter())])[-(self.window + 1) :]
+        self._marks = (self._marks + [(step, time.perf_counter())])[-(self.WINDOW + 1) :]
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
             self.step_time_s = (t1 - t0) / (s1 - s0)
@@ -252,10 +250,10 @@ class Diagnostics(EveryNSteps):
     """Every `every_n_steps` optimizer steps: the paper's Figure 1 diagnostics per layer on the first `sequences`
     validation windows, logged as diag/<metric>/layer_<l> series (W&B and metrics.csv) and as a W&B table."""
 
-    def __init__(self, every_n_steps: int, sequences: int = 8, chunk: int = 256) -> None:
+    def __init__(self, every_n_steps: int, sequences: int, chunk: int) -> None:
         super().__init__(every_n_steps)
         self.sequences = sequences
-        self.chunk = chunk
+        self.chunk = chunk  # query positions per block when computing a_ii
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if not self.due(trainer):
@@ -288,13 +286,7 @@ class Samples(EveryNSteps):
     logged to W&B as a table (step, text), to see what the model has learned beyond its loss."""
 
     def __init__(
-        self,
-        every_n_steps: int,
-        run_dir: str,
-        prompt: str = "",
-        max_new_tokens: int = 64,
-        temperature: float = 0.8,
-        top_k: int | None = 50,
+        self, every_n_steps: int, run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None
     ) -> None:
         super().__init__(every_n_steps)
         self.path = f"{run_dir}/samples.txt"
@@ -344,19 +336,12 @@ class Preemption(L.Callback):
         self._seen_step = -1
 
     def _handle(self, signum: int, frame: object) -> None:
+        say = partial(print, file=sys.stderr, flush=True)
         if signum == signal.SIGINT and self.received == "SIGINT":  # a second Ctrl-C: the user will not wait
-            print(
-                "\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one",
-                file=sys.stderr,
-                flush=True,
-            )
+            say("\nsecond Ctrl-C: aborted without a checkpoint; resume=auto continues from the last one")
             os._exit(130)
         if signum == signal.SIGINT:
-            print(
-                "\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)",
-                file=sys.stderr,
-                flush=True,
-            )
+            say("\nCtrl-C: finishing this optimizer step, then writing a checkpoint (Ctrl-C again to abort now)")
         self.received = signal.Signals(signum).name
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
