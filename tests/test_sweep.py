@@ -53,10 +53,19 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
         lr_grid([1e-3], {"min": 1e-4, "max": 1e-2, "num": 3})
     with pytest.raises(UserError, match="sweep.lrs"):
         lr_grid([], None)
-    with pytest.raises(UserError, match="positive"):
-        lr_grid([1e-3, -1e-3], None)
-    with pytest.raises(UserError, match="min < max"):
-        lr_grid(None, {"min": 1e-2, "max": 1e-4, "num": 3})
+    assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
+    with pytest.raises(UserError, match="needs an LR grid"):
+        lr_grid(None, None)
+    # Each setting's own range is check_settings' (before lr_grid runs), in one line naming the value.
+    sweep = compose_train([], config_name="sweep").sweep
+    for bad, named in (
+        ({"lrs": [1e-3, -1e-3]}, "sweep.lrs=[0.001, -0.001] must be a list of positive numbers"),
+        ({"lrs": [math.inf]}, "sweep.lrs=[inf] must be a list of positive numbers"),
+        ({"lr_range": {"min": 1e-2, "max": 1e-4, "num": 3}}, "must be {min:..,max:..,num:..} with 0 < min < max"),
+    ):
+        with pytest.raises(UserError) as refused:
+            check_settings(OmegaConf.merge(sweep, bad), SWEEP_RULES, "sweep")
+        assert named in str(refused.value)
 
 
 def _one_seed(results: dict[float, tuple[str | None, float | None]]) -> dict:
@@ -574,7 +583,7 @@ def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch,
         "[os.environ.get('MASTER_ADDR'), os.environ['MASTER_PORT']])); time.sleep(1)"
     )
     launcher = Launcher(
-        TrialStore(tmp_path / "sweep"), [], max_parallel=2, launch_prefix=[sys.executable, "-c", record], echo=str
+        TrialStore(tmp_path / "sweep"), [], max_parallel=2, launch_prefix=[sys.executable, "-c", record]
     )
     launcher.run([Trial("sa", 1e-3, 0), Trial("xsa", 1e-3, 0)], phase="search", job_type="search")
     (addr_a, port_a), (addr_b, port_b) = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
@@ -902,10 +911,6 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"trial process {pid} outlived the killed sweep")
 
 
-def trial_started(*args, **kwargs) -> None:
-    raise AssertionError("a trial started: the refusal came too late")
-
-
 # Each setting a sweep takes, wrong: refused in one line before the sweep directory exists or any trial starts.
 SWEEP_REFUSALS = [
     ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0 (a final val loss above it counts as diverged"),
@@ -941,7 +946,7 @@ def test_a_refused_sweep_in_its_default_folder_leaves_no_outputs_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """Hydra made outputs/sweep/<time> before the job's checks: all three go again."""
-    monkeypatch.setattr(Launcher, "_start", trial_started)
+    monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
     monkeypatch.chdir(tmp_path)
     stderr = refused_in_process(["sweep", *SWEEP_FAST, "sweep.seeds=[1,1]"], monkeypatch, capsys)
     assert "sweep.seeds=[1, 1] must be a list of distinct integers" in stderr
@@ -952,7 +957,7 @@ def test_a_refused_sweep_in_its_default_folder_leaves_no_outputs_folder(
 def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
 ) -> None:
-    monkeypatch.setattr(Launcher, "_start", trial_started)
+    monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
     sweep_dir = tmp_path / "sweep"
     stderr = refused_in_process(["sweep", *SWEEP_FAST, override, f"hydra.run.dir={sweep_dir}"], monkeypatch, capsys)
     lines = stderr.strip().splitlines()

@@ -36,22 +36,17 @@ def paired_t(diffs: Sequence[float], confidence: float = 1 - ALPHA) -> TTest:
     return TTest(t=float(result.statistic), p=float(result.pvalue), ci=(float(ci.low), float(ci.high)))
 
 
-def _nonzero(diffs: Sequence[float]) -> list[float]:
-    """The rank tests leave out pairs with no difference: they carry no sign."""
-    return [float(d) for d in diffs if d != 0]
-
-
 def wilcoxon_p(diffs: Sequence[float]) -> float | None:
-    """The exact Wilcoxon signed-rank test, two-sided; None without a nonzero difference."""
-    nonzero = _nonzero(diffs)
-    return float(scipy.stats.wilcoxon(nonzero, method="exact").pvalue) if nonzero else None
+    """The exact Wilcoxon signed-rank test, two-sided; None without a nonzero difference. Like the sign test it leaves
+    out pairs with no difference, which carry no sign (scipy's default zero_method, "wilcox")."""
+    return float(scipy.stats.wilcoxon(diffs, method="exact").pvalue) if any(diffs) else None
 
 
 def sign_test_p(diffs: Sequence[float]) -> float | None:
     """The exact sign test (binomial, 1/2), two-sided: how often XSA is lower; None without a nonzero difference.
     Over the pairs of several sizes or LRs pooled it reads the direction, not a size of effect."""
-    nonzero = _nonzero(diffs)
-    return float(scipy.stats.binomtest(sum(d < 0 for d in nonzero), len(nonzero)).pvalue) if nonzero else None
+    nonzero = sum(d != 0 for d in diffs)
+    return float(scipy.stats.binomtest(sum(d < 0 for d in diffs), nonzero).pvalue) if nonzero else None
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:

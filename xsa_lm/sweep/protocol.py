@@ -39,7 +39,8 @@ class Selection:
 
 def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence[float] | None = None) -> list[float]:
     """The sorted, de-duplicated LR grid: an explicit list, {min, max, num} log-spaced, or else the grid of the
-    model preset (sweep.lr_grids)."""
+    model preset (sweep.lr_grids). Each is a list of positive numbers, and the range's ends are in order, when
+    check_settings has passed them (settings.py); what needs two settings together is checked here."""
     if lrs is not None and len(lrs) == 0:
         raise UserError(
             "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
@@ -50,21 +51,12 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
             "sweep.lrs and sweep.lr_range are both set, and the grid is one of them: set the other to null (e.g. "
             "sweep.lrs=null for the log-spaced range)"
         )
-    if lrs:
-        grid = [float(lr) for lr in lrs]
-    elif lr_range:
+    if lr_range and not lrs:
         lo, hi, num = float(lr_range["min"]), float(lr_range["max"]), int(lr_range["num"])
-        if not (0 < lo < hi) or num < 2:
-            raise UserError(f"sweep.lr_range needs 0 < min < max and num >= 2, got {dict(lr_range)}")
-        grid = [lo * (hi / lo) ** (i / (num - 1)) for i in range(num)]
-        grid = [float(f"{lr:.4g}") for lr in grid]  # readable trial names: 1e-4, 3.162e-4, ...
-    elif preset:
-        grid = [float(lr) for lr in preset]
-    else:
+        lrs = [float(f"{lo * (hi / lo) ** (i / (num - 1)):.4g}") for i in range(num)]  # readable: 1e-4, 3.162e-4
+    if not (lrs or preset):
         raise UserError("the sweep needs an LR grid: set sweep.lrs=[...] or sweep.lr_range={min:..,max:..,num:..}")
-    if any(not math.isfinite(lr) or lr <= 0 for lr in grid):
-        raise UserError(f"every LR of the grid must be a positive number, got {grid}")
-    return sorted(set(grid))
+    return sorted({float(lr) for lr in lrs or preset or []})
 
 
 def check_search_seeds(search_seeds: object) -> list[int]:
@@ -131,14 +123,12 @@ def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
     loss: one stalled or diverged seed cannot decide the selection, and diverged seeds make the LR unusable when they
     are half of its finished runs or more (the median is then +inf). A loss above sweep.diverge_above already made
     its run `diverged` (trials.outcome). Failed and missing runs are left out. None: nothing usable."""
-    done = [(status, loss) for status, loss in runs if status in ("completed", "diverged")]
-    if not done:
-        return None
     scores = [
         loss if status == "completed" and loss is not None and math.isfinite(loss) else math.inf
-        for status, loss in done
+        for status, loss in runs
+        if status in ("completed", "diverged")
     ]
-    median = statistics.median(scores)
+    median = statistics.median(scores) if scores else math.inf
     return float(median) if math.isfinite(median) else None
 
 

@@ -48,7 +48,7 @@ from xsa_lm.sweep.protocol import (
 from xsa_lm.sweep.report import ReportRunSettings, build_results, ci_text, comparison_of, log_to_wandb, write_report
 from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
@@ -154,19 +154,6 @@ def run_exclusive(
             return directory, run(directory, overrides)
 
 
-def open_sweep(sweep_dir: Path, overrides: list[str], cfg: DictConfig) -> str:
-    """sweep.json: the sweep's identity. A rerun must train what the first run trained (the LR grid and the
-    seeds may change: new trials are added, finished ones reused)."""
-    return open_state(
-        sweep_dir / "sweep.json",
-        overrides,
-        cfg,
-        id_key="sweep_id",
-        overrides_key="train_overrides",
-        holds="a sweep with the training overrides",
-    )
-
-
 class ComparisonPlan(TypedDict):
     """What decides the comparison's statistics, fixed at the first run: the seeds, the sequential rule and its
     level, the stall definition of the report and the practical margin."""
@@ -195,7 +182,7 @@ def comparison_plan(cfg: DictConfig, search_seeds: list[int], seeds: list[int], 
 def stall_rule(cfg: DictConfig) -> StallRule | None:
     """sweep.stall as a StallRule (None: no stall table)."""
     stall = cfg.sweep.get("stall")
-    return StallRule(**cast(dict, OmegaConf.to_container(stall))) if stall else None
+    return StallRule(**cast(dict, plain(stall))) if stall else None
 
 
 def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> list[str]:
@@ -243,58 +230,6 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     return select_lr(results)
 
 
-def run_sequential(
-    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int
-) -> tuple[list[Trial], SequentialSummary]:
-    """The compare phase of sweep.seeds_until_significant: sweep.seeds first, then one seed pair at a time, with a
-    look at the corrected CI after each, until it excludes 0 or cap seeds ran. A rerun replays the same looks on the
-    reused trials, so it stops where the first run stopped, or continues where that one was cut short."""
-    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seeds, cap)
-    looks: list[Look] = []
-    trials: list[Trial] = []
-    n = rule.first_look
-    while True:
-        added = compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final (else it returned)
-        trials += added
-        launcher.run(added, "compare", "compare")
-        if not all(store.is_final(t) for t in trials):  # a failed or interrupted run: the next look waits for it
-            return trials, rule.summary(looks, "incomplete")
-        looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
-        stopped = rule.stopped(looks[-1])
-        outcome = f"stop ({stopped})" if stopped else "one more seed"
-        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1]['ci'])}"
-        print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
-        if stopped:
-            return trials, rule.summary(looks, stopped)
-        n += 1
-
-
-def evaluate_compare(
-    store: TrialStore, trials: list[Trial], *, tasks, limit, sweep_dir: Path
-) -> tuple[dict | None, str]:
-    """`xsa-lm eval` on the final checkpoints of the compare runs (its own process, like a trial); the result is
-    reused when the same checkpoints were evaluated before."""
-    completed = [t for t in trials if (record := store.load(t)) is not None and record.status == "completed"]
-    ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
-    out = sweep_dir / "eval"
-    if (out / "eval.json").exists():
-        previous = json.loads((out / "eval.json").read_text())
-        if sorted(r["checkpoint"] for r in previous["rows"]) == sorted(ckpts):
-            return previous, ""
-    tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list | tuple) else str(tasks)
-    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]
-    cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
-    print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({tasks})")
-    store.logs.mkdir(parents=True, exist_ok=True)
-    with open(store.logs / "eval.log", "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        from xsa_lm.sweep.trials import last_error_line
-
-        return None, f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
-    return json.loads((out / "eval.json").read_text()), ""
-
-
 def check_sweep(
     cfg: DictConfig, overrides: list[str] | None = None
 ) -> tuple[list[float], list[int], list[int], int | None]:
@@ -331,12 +266,6 @@ def check_sweep(
     return grid, search_seeds, seeds, cap
 
 
-def save_config(cfg: DictConfig, sweep_dir: Path) -> None:
-    """config.yaml, resolved; a rerun keeps the first one and saves its own beside it."""
-    config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
-    write_text(sweep_dir / config_name, OmegaConf.to_yaml(cfg, resolve=True))
-
-
 def search_phase(
     launcher: Launcher, store: TrialStore, grid: list[float], *, search_seeds: list[int], tune_xsa: bool
 ) -> tuple[list[Trial], list[Trial], Selection]:
@@ -351,34 +280,84 @@ def search_phase(
 def compare_phase(
     launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], SequentialSummary | None]:
-    """SA and XSA at the selected LR: over sweep.seeds, or one seed pair at a time up to cap seeds (run_sequential,
-    whose summary is the second value; None without a cap)."""
+    """SA and XSA at the selected LR over sweep.seeds. With a cap (sweep.seeds_until_significant), one seed pair at a
+    time from there, with a look at the corrected CI after each, until it excludes 0 or cap seeds ran; the summary of
+    the looks is the second value (None without a cap). A rerun replays the same looks on the reused trials, so it
+    stops where the first run stopped, or continues where that one was cut short."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
     if cap is None:
         compare = compare_trials(lr, seeds)
         launcher.run(compare, "compare", "compare")
         return compare, None
-    return run_sequential(launcher, store, lr, seeds=seeds, search_seeds=search_seeds, cap=cap)
+    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seeds, cap)
+    looks: list[Look] = []
+    trials: list[Trial] = []
+    n = rule.first_look
+    while True:
+        added = compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final (else it returned)
+        trials += added
+        launcher.run(added, "compare", "compare")
+        if not all(store.is_final(t) for t in trials):  # a failed or interrupted run: the next look waits for it
+            return trials, rule.summary(looks, "incomplete")
+        looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
+        stopped = rule.stopped(looks[-1])
+        outcome = f"stop ({stopped})" if stopped else "one more seed"
+        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1]['ci'])}"
+        print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
+        if stopped:
+            return trials, rule.summary(looks, stopped)
+        n += 1
 
 
 def downstream_evaluation(
     cfg: DictConfig, store: TrialStore, compare: list[Trial], sweep_dir: Path
 ) -> tuple[dict | None, str]:
-    """evaluate_compare when sweep.eval_tasks asks for it and there are compare runs, else (None, "")."""
+    """`xsa-lm eval` of sweep.eval_tasks on the final checkpoints of the compare runs (its own process, like a trial):
+    its result and a warning if it failed; (None, "") without eval tasks or compare runs. The result is reused when
+    the same checkpoints were evaluated before."""
     if not (cfg.sweep.get("eval_tasks") and compare):
         return None, ""
-    tasks = cfg.sweep.eval_tasks
-    tasks = OmegaConf.to_container(tasks) if OmegaConf.is_list(tasks) else tasks
-    return evaluate_compare(store, compare, tasks=tasks, limit=cfg.sweep.get("eval_limit"), sweep_dir=sweep_dir)
+    completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
+    ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
+    out = sweep_dir / "eval"
+    if (out / "eval.json").exists():
+        previous = json.loads((out / "eval.json").read_text())
+        if sorted(r["checkpoint"] for r in previous["rows"]) == sorted(ckpts):
+            return previous, ""
+    tasks, limit = plain(cfg.sweep.eval_tasks), cfg.sweep.get("eval_limit")
+    tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]
+    cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
+    print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({tasks})")
+    store.logs.mkdir(parents=True, exist_ok=True)
+    with open(store.logs / "eval.log", "a") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        return None, f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
+    return json.loads((out / "eval.json").read_text()), ""
+
+
+def open_sweep(
+    cfg: DictConfig, sweep_dir: Path, overrides: list[str]
+) -> tuple[str, list[float], ComparisonPlan, list[str]]:
+    """The sweep checked (check_sweep), then its files before any trial: sweep.json, its identity and plan (a rerun
+    must train what the first run trained, with the same plan; the LR grid and the seeds may change: new trials are
+    added, finished ones reused), and config.yaml, resolved (a rerun keeps the first one and saves its own beside it).
+    Returns the sweep's id, the LR grid, the plan and the warnings of settings declared after the first runs."""
+    grid, search_seeds, seeds, cap = check_sweep(cfg, overrides)
+    holds = "a sweep with the training overrides"
+    state_file = sweep_dir / "sweep.json"
+    sweep_id = open_state(state_file, overrides, cfg, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
+    plan = comparison_plan(cfg, search_seeds, seeds, cap)
+    late = keep_plan(state_file, plan, grid)
+    config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
+    write_text(sweep_dir / config_name, OmegaConf.to_yaml(cfg, resolve=True))
+    return sweep_id, grid, plan, late
 
 
 def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
-    grid, search_seeds, seeds, cap = check_sweep(cfg, overrides)
-    sweep_id = open_sweep(sweep_dir, overrides, cfg)
-    plan = comparison_plan(cfg, search_seeds, seeds, cap)
-    late = keep_plan(sweep_dir / "sweep.json", plan, grid)
-    save_config(cfg, sweep_dir)
-
+    sweep_id, grid, plan, late = open_sweep(cfg, sweep_dir, overrides)
+    search_seeds, seeds, cap = plan["search_seeds"], plan["seeds"], plan["seeds_until_significant"]
     store = TrialStore(sweep_dir)
     wandb_cfg = wandb_settings(cfg)
     launcher = Launcher(

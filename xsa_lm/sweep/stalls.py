@@ -71,10 +71,6 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
     return min(rows, key=lambda r: abs(r[0] - step))[1]
 
 
-def _quartiles(values: list[float]) -> list[float] | None:
-    return [float(q) for q in np.percentile(values, [25, 50, 75])] if values else None
-
-
 def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
     """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed)."""
     by_lr: dict[float, list[float]] = {}
@@ -120,26 +116,19 @@ def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
     ]
     if not pairs:
         return None
-    per_lr = []
-    for lr in sorted({lr for lr, _, _ in pairs}):
-        diffs = [d for x, d, _ in pairs if x == lr]
-        per_lr.append(
-            {
-                "lr": lr,
-                "pairs": len(diffs),
-                "median_diff": statistics.median(diffs),
-                "xsa_lower": sum(d < 0 for d in diffs),
-            }
-        )
+    by_lr: dict[float, list[float]] = {}
+    for lr, diff, _ in sorted(pairs, key=lambda pair: pair[0]):
+        by_lr.setdefault(lr, []).append(diff)
     diffs = [d for _, d, _ in pairs]
-    lower = sum(d < 0 for d in diffs)
-    by_seed = clustered_test(diffs, [seed for _, _, seed in pairs])
     return PairedFinalLosses(
-        per_lr=per_lr,
+        per_lr=[
+            {"lr": lr, "pairs": len(d), "median_diff": statistics.median(d), "xsa_lower": sum(x < 0 for x in d)}
+            for lr, d in by_lr.items()
+        ],
         pairs=len(pairs),
-        xsa_lower=lower,
+        xsa_lower=sum(d < 0 for d in diffs),
         sign_test_p_value=sign_test_p(diffs),
-        by_seed=by_seed.to_json(),
+        by_seed=clustered_test(diffs, [seed for _, _, seed in pairs]).to_json(),
     )
 
 
@@ -175,7 +164,9 @@ def stall_study(records: Sequence[dict], rule: StallRule) -> StallStudy:
                 "attention": arm,
                 "runs": len(runs),
                 "diverged_or_failed": len(runs) - len(judged),
-                "final_loss_quartiles": _quartiles([r["final_val_loss"] for r in judged]),
+                "final_loss_quartiles": (
+                    np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
+                ),
                 "stalls": stalls,
                 "stall_rate_ci95": exact_interval(stalls, len(judged)) if judged else None,
             }

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
@@ -106,11 +106,6 @@ class TrialStore:
         return record is not None and record.status in FINAL
 
 
-def diverge_bound(diverge_above: float | None, vocab_size: int) -> float:
-    """A final val loss above ln(V) is worse than guessing uniformly over the vocabulary: the run diverged."""
-    return float(diverge_above) if diverge_above is not None else math.log(vocab_size)
-
-
 @dataclass(frozen=True)
 class Outcome:
     """How a trial process ended: its status and error, and its run's summary.json when it wrote one."""
@@ -120,21 +115,14 @@ class Outcome:
     summary: RunSummary | None = None
 
 
-SUMMARY_METRICS = (  # what a trial's record copies from its run's summary.json
-    "final_val_loss",
-    "final_val_ppl",
-    "best_val_loss",
-    "final_val_bpb",
-    "final_val_loss_by_position",
-    "steps",
-    "data_epochs",
-    "tokens_seen",
-    "tokens_per_s",
-    "wall_time_s",
-    "diverged_at_step",
-    "val_history",
-    "checkpoints",
-)
+# What a trial's record copies from its run's summary.json: every field they share but the trial's identity (a null
+# trial's arm is `null`, its run's SA), its outcome and its files.
+SUMMARY_METRICS = [
+    name
+    for name in RunSummary.__dataclass_fields__
+    if name in TrialRecord.__dataclass_fields__
+    and name not in ("status", "error", "run_dir", "schema", *Trial.__dataclass_fields__)
+]
 
 
 def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_above: float | None) -> Outcome:
@@ -148,7 +136,8 @@ def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_
     if returncode != 0 and summary.status != "failed":
         return Outcome("failed", log_tail or f"exited with code {returncode}", summary)
     loss = summary.final_val_loss
-    bound = diverge_bound(diverge_above, summary.model_config["vocab_size"])
+    # A final val loss above ln(V) is worse than guessing uniformly over the vocabulary: the run diverged.
+    bound = float(diverge_above) if diverge_above is not None else math.log(summary.model_config["vocab_size"])
     if summary.status == "completed" and (loss is None or not math.isfinite(loss) or loss > bound):
         return Outcome("diverged", f"final val loss {loss} is above the divergence bound {bound:.3f}", summary)
     if summary.status == "diverged":
@@ -184,17 +173,14 @@ def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
 def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
     """device_slots of this machine's GPUs; with a launch prefix (srun, ...) the scheduler places each trial: no
     slicing from here."""
-    slice_gpus = max_parallel > 1 and not launch_prefix
-    return device_slots(max_parallel, visible_gpus() if slice_gpus else [])
-
-
-def visible_gpus() -> list[str]:
+    if max_parallel <= 1 or launch_prefix:
+        return device_slots(max_parallel, [])
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [d for d in env.split(",") if d.strip()]
+        return device_slots(max_parallel, [d for d in env.split(",") if d.strip()])
     import torch
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return device_slots(max_parallel, [str(i) for i in range(torch.cuda.device_count())])
 
 
 def die_with_parent() -> None:
@@ -263,7 +249,6 @@ class Launcher:
         launch_prefix: Sequence[str] = (),
         wandb_group: str | None = None,
         diverge_above: float | None = None,
-        echo: Callable[[str], None] = print,
     ) -> None:
         self.store = store
         self.train_overrides = list(train_overrides)
@@ -271,7 +256,6 @@ class Launcher:
         self.launch_prefix = list(launch_prefix)
         self.wandb_group = wandb_group
         self.diverge_above = diverge_above
-        self.echo = echo
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
@@ -289,7 +273,7 @@ class Launcher:
         for trial in dict.fromkeys(trials):
             if trial not in todo:  # final: it has a record
                 status = cast(TrialRecord, self.store.load(trial)).status
-                self.echo(f"  {phase}: {trial.id} already {status} (reused)")
+                print(f"  {phase}: {trial.id} already {status} (reused)")
         free = list(range(len(self.slots)))
         while todo or self.running:
             while todo and free:
@@ -322,12 +306,8 @@ class Launcher:
             )
         started = time.time()
         self.running[proc] = (trial, slot, started, env)
-        record = TrialRecord(
-            id=trial.id,
-            phase=phase,
-            attention=trial.attention,
-            lr=trial.lr,
-            seed=trial.seed,
+        record = replace(
+            TrialRecord.missing(trial, phase),
             status="running",
             attempt=attempt,
             resumed_from_checkpoint=resume,
@@ -340,7 +320,7 @@ class Launcher:
         )
         self.store.save(record)
         how = " (resuming from its last checkpoint)" if resume else ""
-        self.echo(f"  {phase}: {trial.id} started{how}; log {log}")
+        print(f"  {phase}: {trial.id} started{how}; log {log}")
 
     def _finish(self, trial: Trial, returncode: int, started: float, phase: str) -> None:
         summary_file = self.store.run_dir(trial) / "summary.json"
@@ -352,7 +332,7 @@ class Launcher:
         loss = record.final_val_loss
         finished = loss is not None and record.status == "completed"
         detail = f"final val loss {loss:.4f}" if finished else record.error
-        self.echo(f"  {phase}: {trial.id} {record.status} in {time.time() - started:.0f} s: {detail}")
+        print(f"  {phase}: {trial.id} {record.status} in {time.time() - started:.0f} s: {detail}")
 
     def stop(self) -> None:
         """Terminate the trials in flight (the sweep was interrupted); their records say `interrupted`."""
