@@ -135,31 +135,32 @@ def test_the_readme_plan_says_why_its_batch_does_not_split():
     assert "global_batch_tokens=524,288: 4 micro-batch(es) of 131,072 tokens per optimizer step" in paper
 
 
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["--multirun", "attention=foo"], ["Could not find 'attention/foo'", "available options in 'attention'"]),
-        (["--multirun", "attention=sa,foo"], ["attention/foo", "(in the job attention=foo)"]),
-        (["-m", "attention=sa,xsa", "seed=-1,0"], ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"]),
-        (["data=local", "data.files=/tmp/my", "dir/a.txt"], ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"]),
-        (["data.files=[a"], ["must be quoted"]),
-        (["samples.prompt=it's"], ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""']),
-        (["samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
-        (["samples.prompt=日本語"], ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""']),
-        (["-m", "seed=1,2", "hydra.run.dir=runs/x"], ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"]),
-    ],
-    ids=[
-        "multirun: an unknown option",
-        "multirun: one job's option",
-        "multirun: one job's value",
-        "space",
-        "bracket",
-        "an apostrophe",
-        "a comma",
-        "non-ASCII",
-        "multirun: hydra.run.dir",
-    ],
-)
+COMMAND_LINES = {
+    "multirun: an unknown option": (
+        ["--multirun", "attention=foo"],
+        ["Could not find 'attention/foo'", "available options in 'attention'"],
+    ),
+    "multirun: one job's option": (["--multirun", "attention=sa,foo"], ["attention/foo", "(in the job attention=foo)"]),
+    "multirun: one job's value": (
+        ["-m", "attention=sa,xsa", "seed=-1,0"],
+        ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"],
+    ),
+    "space": (["data=local", "data.files=/tmp/my", "dir/a.txt"], ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"]),
+    "bracket": (["data.files=[a"], ["must be quoted"]),
+    "an apostrophe": (["samples.prompt=it's"], ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""']),
+    "a comma": (["samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
+    "non-ASCII": (
+        ["samples.prompt=日本語"],
+        ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""'],
+    ),
+    "multirun: hydra.run.dir": (
+        ["-m", "seed=1,2", "hydra.run.dir=runs/x"],
+        ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"],
+    ),
+}
+
+
+@pytest.mark.parametrize("args, expected", COMMAND_LINES.values(), ids=COMMAND_LINES.keys())
 def test_the_command_line_is_refused_in_one_line(
     args: list[str], expected: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):

@@ -223,7 +223,7 @@ class ValHistory(L.Callback):
             self.history.append(entry)
 
     # Kept in checkpoints, so that a resumed run's summary.json still holds the whole curve.
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, list[dict]]:
         return {"history": self.history}
 
     def load_state_dict(self, state_dict: dict) -> None:

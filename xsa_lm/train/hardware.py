@@ -1,7 +1,7 @@
 """What the device can do: its peak FLOP/s (a datasheet table for GPUs, a measured matmul on CPU) and its memory."""
 
 import re
-import time
+import timeit
 
 import torch
 
@@ -57,25 +57,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 20) -> float:
-    """FLOP/s of the best of `repeats` n x n x n matmuls: the denominator of MFU where no datasheet applies."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+def measured_matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of the best of `repeats` n x n x n matmuls on this CPU: the denominator of MFU where no datasheet
+    applies."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats))
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """The device's peak FLOP/s for this precision, and where the number comes from."""
     if device.type == "cpu":
         dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
-        return measured_matmul_peak(device, dtype), f"measured: best {dtype} 1024^3 matmul on this CPU"
+        return measured_matmul_peak(dtype), f"measured: best {dtype} 1024^3 matmul on this CPU"
     return datasheet_peak(torch.cuda.get_device_name(device), precision)
 
 

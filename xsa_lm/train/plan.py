@@ -219,17 +219,13 @@ def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, 
     return global_batch_tokens // per_micro_step
 
 
-def sinks(plan: Plan) -> str:
-    n = plan.get("n_sinks", 0)
-    return f" (+ {n} attention sink{'s' if n > 1 else ''} in every block)" if n else ""
-
-
 def table(plan: Plan) -> str:
     gib = lambda b: f"{b / memory.GIB:.2f}"  # noqa: E731
+    n = plan["n_sinks"]
+    sinks = f" (+ {n} attention sink{'s' if n > 1 else ''} in every block)" if n else ""
     lines = [
         f"xsa-lm plan | {plan['model']}: {plan['parameters'] / 1e9:.3f}B parameters | {plan['devices']} device(s), "
-        f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens"
-        f"{sinks(plan)}, activation "
+        f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens{sinks}, activation "
         f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'}, attention {plan['attention']}, "
         f"{'compiled' if plan['compiled'] else 'eager'} | memory per device "
         f"{gib(plan['available_bytes'])} GiB ({plan['available_from']})",
