@@ -1,16 +1,15 @@
 """The scaling study's outputs: results.json, report.md, loss_vs_compute.png, multiplier.png (XSA - SA by size; the
 ladder's k in its title only when no flag is up) and a W&B report run."""
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, short_log_x
 from xsa_lm.scale.fit import Fit
 from xsa_lm.stats.decision import clustered_line
-from xsa_lm.sweep.report import ReportRunSettings
 
 
 class BenchRatio(TypedDict):
@@ -70,23 +69,9 @@ class ScaleStudyResult(Record):
     schema: int = 1
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    return f"{value:.{digits}f}" if value is not None and math.isfinite(value) else "-"
-
-
-def _ci(interval: list | None) -> str:
-    if not interval:
-        return "-"
-    return f"[{_num(interval[0], 3)}, {_num(interval[1], 3) if interval[1] is not None else 'unbounded'}]"
-
-
 def fit_of(results: ScaleStudyResult) -> Fit:
     fit = results.fit
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
-
-
-def _p(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
 
 
 def flag_lines(results: ScaleStudyResult) -> list[str]:
@@ -122,20 +107,19 @@ def fit_lines(results: ScaleStudyResult) -> list[str]:
         f"**{fit['shared']['formula']}**; size-level deviation beyond seed noise: "
         f"{fit['shared']['lack_of_fit_sd']:.4f} sd.",
         "",
-        "| model | non-embedding params | selected LR | compute (FLOPs) | SA mean | SA fit | residual |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    model = fit_of(results)
+    model, rows = fit_of(results), []
     for size in results.sizes:
         if size.compute is None or size.sa_mean is None:
-            lines.append(f"| {size.model} | - | - | - | - | - | left out |")
+            rows.append([size.model, "-", "-", "-", "-", "-", "left out"])
             continue
         predicted = model.loss(size.compute)
-        lines.append(
-            f"| {size.model} | {size.non_embedding_params:,} | {size.selected_lr:g} | "
-            f"{size.compute:.3g} | {_num(size.sa_mean)} | {_num(predicted)} | {size.sa_mean - predicted:+.4f} |"
+        params, lr, compute = f"{size.non_embedding_params:,}", f"{size.selected_lr:g}", f"{size.compute:.3g}"
+        rows.append(
+            [size.model, params, lr, compute, num(size.sa_mean), num(predicted), f"{size.sa_mean - predicted:+.4f}"]
         )
-    return lines
+    header = ["model", "non-embedding params", "selected LR", "compute (FLOPs)", "SA mean", "SA fit", "residual"]
+    return lines + markdown_table(header, rows, align="lrrrrrr")
 
 
 def size_test_lines(results: ScaleStudyResult) -> list[str]:
@@ -148,25 +132,29 @@ def size_test_lines(results: ScaleStudyResult) -> list[str]:
         "t, the exact Wilcoxon signed-rank and sign tests (two-sided). Holm: the t p-values adjusted for testing "
         "every size.",
         "",
-        "| model | seeds | SA mean | XSA mean | XSA - SA | 95% CI (t) | t p | Holm p | Wilcoxon p | sign p "
-        "| XSA lower |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for size in results.sizes:
-        if size.tests is None:
-            continue
-        t = size.tests
-        lines.append(
-            f"| {size.model} | {t['pairs']} | {_num(size.sa_mean)} | {_num(size.xsa_mean)} | "
-            f"{t['mean_diff']:+.4f} | {_ci(t['t_ci95'])} | {_p(t['t_p'])} | {_p(t['t_p_holm'])} | "
-            f"{_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} |"
-        )
+    header = ["model", "seeds", "SA mean", "XSA mean", "XSA - SA", "95% CI (t)", "t p", "Holm p", "Wilcoxon p"]
+    rows = [
+        [
+            size.model,
+            t["pairs"],
+            num(size.sa_mean),
+            num(size.xsa_mean),
+            f"{t['mean_diff']:+.4f}",
+            interval(t["t_ci95"], ".3f"),
+        ]
+        + [num(t[p], ".3g") for p in ("t_p", "t_p_holm", "wilcoxon_p", "sign_p")]
+        + [f"{t['xsa_lower']}/{t['pairs']}"]
+        for size in results.sizes
+        if (t := size.tests) is not None
+    ]
+    lines += markdown_table(header + ["sign p", "XSA lower"], rows, align="lrrrrlrrrrr")
     pooled = results.across_sizes["pooled_sign"]
     lines += [
         "",
         f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} "
-        f"(exact sign test p = {_p(pooled['p'])}; the pairs of a size share its LR and curve, so this reads the "
-        "direction, not a size of effect).",
+        f"(exact sign test p = {num(pooled['p'], '.3g')}; the pairs of a size share its LR and curve, so this reads "
+        "the direction, not a size of effect).",
     ]
     if results.across_sizes.get("by_seed"):
         lines.append(clustered_line(results.across_sizes["by_seed"], shares="its data order at every size"))
@@ -188,15 +176,15 @@ def multiplier_lines(results: ScaleStudyResult) -> list[str]:
         ]
     wall = fit["wallclock"]
     wall_line = (
-        f"wall-clock k: {_num(wall['multiplier'], 3)}, 95% CI {_ci(wall['ci'])} ({wall['note']})"
+        f"wall-clock k: {num(wall['multiplier'], '.3f')}, 95% CI {interval(wall['ci'], '.3f')} ({wall['note']})"
         if wall["multiplier"] is not None
         else wall["note"]
     )
     return lines + [
-        f"k = **{_num(fit['multiplier'], 3)}**, 95% CI {_ci(fit['multiplier_ci'])}: k = (A_SA / A_XSA)^(1/alpha) "
-        "from the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is worth k x the compute). The "
-        "interval is a parametric bootstrap of the shared fit: each size's seed noise and the size-level "
-        "deviations beyond it, refitted.",
+        f"k = **{num(fit['multiplier'], '.3f')}**, 95% CI {interval(fit['multiplier_ci'], '.3f')}: "
+        "k = (A_SA / A_XSA)^(1/alpha) from the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is "
+        "worth k x the compute). The interval is a parametric bootstrap of the shared fit: each size's seed noise "
+        "and the size-level deviations beyond it, refitted.",
         "",
         wall_line,
     ]
@@ -226,74 +214,53 @@ def render_markdown(results: ScaleStudyResult) -> str:
 
 
 def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.ticker import NullFormatter
 
     sizes = [s for s in results.sizes if s.compute is not None]
     compute = [float(s.compute or 0.0) for s in sizes]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
-        runs = [s.sa_runs if attention == "sa" else s.xsa_runs for s in sizes]
-        means = [float(np.mean(r)) for r in runs]
-        spread = [float(np.std(r, ddof=1)) if len(r) > 1 else 0.0 for r in runs]
-        label = f"{attention.upper()} (mean ± sd over seeds)"
-        ax.errorbar(compute, means, yerr=spread, fmt="o", color=color, capsize=3, label=label)
-    model = fit_of(results)
+    model, shared = fit_of(results), results.fit["shared"]
     grid = np.geomspace(min(compute) / 1.5, max(compute) * 1.5, 100)
-    ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=f"SA fit: {model.describe()}")
-    shared = results.fit["shared"]
-    for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
-        curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
-        ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
-    for s in sizes:
-        ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
-    ax.set_xlabel("training compute (FLOPs)")
-    ax.set_ylabel("final validation loss")
-    flagged = results.fit.get("flags")
-    ax.set_title("Loss vs compute" + (" (fit flagged: see the report)" if flagged else ""), fontsize=10)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path) as ax:
+        for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+            runs = [s.sa_runs if attention == "sa" else s.xsa_runs for s in sizes]
+            means = [float(np.mean(r)) for r in runs]
+            spread = [float(np.std(r, ddof=1)) if len(r) > 1 else 0.0 for r in runs]
+            label = f"{attention.upper()} (mean ± sd over seeds)"
+            ax.errorbar(compute, means, yerr=spread, fmt="o", color=color, capsize=3, label=label)
+        label = f"SA fit: {model.describe()}"
+        ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=label)
+        for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+            curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
+            ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
+        for s in sizes:
+            ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        short_log_x(ax, "training compute (FLOPs)")
+        ax.set_ylabel("final validation loss")
+        flagged = results.fit.get("flags")
+        ax.set_title("Loss vs compute" + (" (fit flagged: see the report)" if flagged else ""), fontsize=10)
+        ax.legend(fontsize=7, loc="best")
 
 
 def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
     """XSA - SA at each size with its paired 95% interval; the ladder's k in the title only when no flag is up."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
     tested = [(float(s.non_embedding_params or 0), s.tests) for s in results.sizes if s.tests is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
-    for x, tests in tested:
-        diff, ci = tests["mean_diff"], tests["t_ci95"]
-        if ci:
-            ax.errorbar([x], [diff], yerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="tab:orange", capsize=4)
-        else:
-            ax.plot([x], [diff], "o", color="tab:orange")
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("non-embedding parameters")
-    ax.set_ylabel("XSA - SA final loss (paired 95% CI)")
     fit = results.fit
     if fit.get("flags"):
         title = "XSA - SA by size (ladder flagged: no multiplier)"
     else:
-        title = f"XSA - SA by size; ladder k = {fit['multiplier']:.3g} {_ci(fit['multiplier_ci'])}"
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        title = f"XSA - SA by size; ladder k = {fit['multiplier']:.3g} {interval(fit['multiplier_ci'], '.3f')}"
+    with saved_figure(path) as ax:
+        ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
+        for x, tests in tested:
+            diff, ci = tests["mean_diff"], tests["t_ci95"]
+            if ci:
+                ax.errorbar([x], [diff], yerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="tab:orange", capsize=4)
+            else:
+                ax.plot([x], [diff], "o", color="tab:orange")
+        short_log_x(ax, "non-embedding parameters")
+        ax.set_ylabel("XSA - SA final loss (paired 95% CI)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
 
 
 def write_report(results: ScaleStudyResult, study_dir: Path) -> str:
@@ -308,27 +275,9 @@ def write_report(results: ScaleStudyResult, study_dir: Path) -> str:
 def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRunSettings) -> None:
     """A `scale-report` run in the study's W&B group: the sizes table, both plots, and the report's files
     (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
-    import wandb
-
-    from xsa_lm.tracking import log_files_artifact, wandb_init
-
-    config = {"models": results.models, "seeds": results.seeds, "overrides": results.overrides}
-    name = f"{results.study_id}-scale-report"
-    run = wandb_init(
-        save_dir=str(study_dir),
-        name=name,
-        run_config=config,
-        group=results.study_id,
-        job_type="scale-report",
-        **wandb_cfg,
-    )
     columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean".split()
     tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
     rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results.sizes if s.tests]
-    columns += tests
-    plots = {f"scale/{p}": wandb.Image(str(study_dir / f"{p}.png")) for p in ("loss_vs_compute", "multiplier")}
-    table = wandb.Table(columns=list[str | int](columns), data=rows)  # the list type wandb's annotation names
-    run.log({"scale/sizes": table, **plots})
     fit = results.fit
     summary = {
         "fit": fit["formula"],
@@ -337,7 +286,15 @@ def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRu
     }
     if not fit["flags"]:  # a flagged ladder's k stays out of every summary
         summary |= {"multiplier": fit["multiplier"], "multiplier_ci": fit["multiplier_ci"]}
-    run.summary.update(summary)
-    files = [study_dir / f for f in ("results.json", "report.md", "loss_vs_compute.png", "multiplier.png")]
-    log_files_artifact(run, name=name, artifact_type="scale-report", files=files)
-    run.finish()
+    log_report_run(
+        study_dir,
+        wandb_cfg,
+        name=f"{results.study_id}-scale-report",
+        group=results.study_id,
+        job_type="scale-report",
+        artifact_type="scale-report",
+        config={"models": results.models, "seeds": results.seeds, "overrides": results.overrides},
+        table=("scale/sizes", columns + tests, rows),
+        plots={f"scale/{p}": f"{p}.png" for p in ("loss_vs_compute", "multiplier")},
+        summary=summary,
+    )
