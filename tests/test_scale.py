@@ -16,7 +16,7 @@ import pytest
 import scipy.stats
 
 from tests.conftest import cli_env, run_cli
-from tests.helpers import refused_in_process
+from tests.helpers import assert_nothing_written, refused_in_process
 from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     choose_form,
@@ -25,11 +25,11 @@ from xsa_lm.scale.fit import (
     huber_scale,
     lack_of_fit_variance,
     ladder_bootstrap,
-    multiplier,
 )
 from xsa_lm.scale.report import ScaleStudyResult, SizeResult, render_markdown, write_report
 from xsa_lm.scale.run import analyse, reanalyse, size_tests
 from xsa_lm.stats.paired import holm
+from xsa_lm.sweep.trials import Launcher
 
 E, A, ALPHA = 2.0, 50.0, 0.15  # a synthetic SA curve L(C) = E + A C^-alpha
 COMPUTE = np.array([1e12, 4e12, 1.6e13, 6.4e13, 2.56e14])
@@ -61,10 +61,10 @@ def test_a_fit_with_fewer_points_than_parameters_is_refused():
     assert pure.form == "power_law" and pure.E == 0 and pure.alpha == pytest.approx(0.05, rel=1e-4)
 
 
-def test_the_multiplier_is_one_for_equal_losses_and_recovers_a_known_compute_ratio():
+def test_the_fit_inverts_to_compute_and_the_shared_fit_recovers_a_known_compute_ratio():
     fit = fit_loss_vs_compute(COMPUTE, sa_curve(COMPUTE))
-    assert multiplier(fit, 3.0, 3.0) == 1.0
-    assert multiplier(fit, 3.0, fit.E - 0.1) == math.inf  # below the floor: no compute reaches it
+    assert fit.compute_for(fit.loss(1e13)) == pytest.approx(1e13)
+    assert fit.compute_for(fit.E - 0.1) == math.inf  # below the floor: no compute reaches it
     shared = fit_shared(COMPUTE, sa_curve(COMPUTE), sa_curve(1.2 * COMPUTE), offset=True)  # XSA = SA at 1.2x
     assert shared.multiplier == pytest.approx(1.2, rel=1e-3)
     assert (shared.E, shared.alpha) == pytest.approx((E, ALPHA), rel=1e-3)
@@ -99,7 +99,7 @@ def ladder_interval(compute, sa, xsa, resamples: int):
     f_scale = huber_scale(means_sa + means_xsa, se_sa + se_xsa)
     fit = fit_shared(compute, means_sa, means_xsa, offset=True, f_scale=f_scale)
     lof = lack_of_fit_variance(fit.residuals, se_sa + se_xsa, fit.parameters)
-    return ladder_bootstrap(fit, compute, se_sa, se_xsa, lof_variance=lof, f_scale=f_scale, n_resamples=resamples)
+    return ladder_bootstrap(fit, compute, se_sa + se_xsa, lof_variance=lof, f_scale=f_scale, n_resamples=resamples)
 
 
 def fixed_curve_interval(compute, sa, xsa):
@@ -107,7 +107,8 @@ def fixed_curve_interval(compute, sa, xsa):
     fit = fit_loss_vs_compute(compute, [s.mean() for s in sa])
     for s, x in zip(sa, xsa, strict=True):
         ci = scipy.stats.ttest_1samp(x - s, 0.0).confidence_interval(0.95)
-        yield multiplier(fit, s.mean(), s.mean() + ci.high), multiplier(fit, s.mean(), s.mean() + ci.low)
+        at_sa = fit.compute_for(s.mean())
+        yield fit.compute_for(s.mean() + ci.high) / at_sa, fit.compute_for(s.mean() + ci.low) / at_sa
 
 
 @pytest.mark.slow
@@ -306,43 +307,75 @@ STUDY = [
 ]
 
 
-def sweep_started(*args, **kwargs) -> None:
-    raise AssertionError("a size's sweep started: the refusal came too late")
+def started(*args, **kwargs) -> None:
+    raise AssertionError("a size's sweep or a run started: the refusal came too late")
 
 
-# Each setting a study takes, wrong: refused in one line before the study directory exists or any size's sweep starts.
-# The last ones are refused by every size's sweep, checked as that sweep will check them, trials included.
-SIZE_REFUSALS = [
-    ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
-    ("model.d_model=64", "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model"),
-    ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
-    ("scale.axis=depth", "scale.axis='depth': choose size or tokens"),
-    ("scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
-    ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
-    ("scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0 and <= 4294967295"),
-    ("scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
-    ("scale.seeds=[a]", "scale.seeds=['a'] must be a list of distinct integers"),
-    ("scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
-    ("scale.seeds=[]", "scale.seeds=[]: the study compares SA and XSA at every size, which needs compare seeds"),
-    (f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
-    ("+scale.seed=1", "scale.seed: not a setting of `xsa-lm scale` (it has axis, models, seeds,"),
-    ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
-    ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
-    ("attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
-    ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+AXES = {"size": STUDY, "tokens": ["experiment=tokens_toy"]}  # a study of each axis, right until one setting is wrong
+# Each setting a study takes, wrong: refused in one line before the study directory exists or any size's sweep or run
+# starts. The last ones of each axis are refused by every size's sweep or runs, checked as they will check them
+# (trials included, each composed as its `xsa-lm train` will compose it).
+REFUSALS = [
+    ("size", "model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
+    (
+        "size",
+        "model.d_model=64",
+        "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model",
+    ),
+    ("size", "scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
+    ("size", "scale.axis=depth", "scale.axis='depth': choose size or tokens"),
+    ("size", "scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
+    ("size", "scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
+    ("size", "scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0 and <= 4294967295"),
+    ("size", "scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
+    ("size", "scale.seeds=[a]", "scale.seeds=['a'] must be a list of distinct integers"),
+    ("size", "scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
+    (
+        "size",
+        "scale.seeds=[]",
+        "scale.seeds=[]: the study compares SA and XSA at every size, which needs compare seeds",
+    ),
+    ("size", f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
+    ("size", "+scale.seed=1", "scale.seed: not a setting of `xsa-lm scale` (it has axis, models, seeds,"),
+    ("size", "sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
+    ("size", "sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+    ("size", "attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
+    ("size", "global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+    ("tokens", "scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
+    ("tokens", "scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
+    ("tokens", "scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
+    ("tokens", "scale.warmup_fraction=1", "scale.warmup_fraction=1 must be in [0, 1)"),
+    ("tokens", "scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
+    ("tokens", "trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
+    ("tokens", "scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
+    ("tokens", "scale.seeds=[2]", "needs 2+ compare seeds"),
+    (
+        "tokens",
+        "sweep.search_seeds=[-1]",
+        "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295",
+    ),
+    ("tokens", "sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+    ("tokens", "sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
+    ("tokens", "attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
 ]
 
 
-@pytest.mark.parametrize(("override", "message"), SIZE_REFUSALS, ids=[o for o, _ in SIZE_REFUSALS])
-def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_sweep(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
+@pytest.mark.parametrize(("axis", "override", "message"), REFUSALS, ids=[f"{a}:{o}" for a, o, _ in REFUSALS])
+def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    axis: str,
+    override: str,
+    message: str,
 ):
-    monkeypatch.setattr("xsa_lm.scale.run.run_sweep", sweep_started)
+    monkeypatch.setattr("xsa_lm.scale.run.run_sweep", started)
+    monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"
-    stderr = refused_in_process(["scale", *STUDY, override, f"hydra.run.dir={study_dir}"], monkeypatch, capsys)
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], stderr
-    assert not study_dir.exists()
+    args = ["scale", *AXES[axis], override, f"hydra.run.dir={study_dir}"]
+    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], lines
+    assert_nothing_written(study_dir)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
-from xsa_lm.scale.run import check_token_axis, sweep_overrides
+from xsa_lm.scale.run import StudyIdentity, sweep_overrides
 from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
 from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished, why
@@ -235,6 +235,10 @@ def test_the_null_arm_is_read_off_sas_curve_as_xsa_is_and_every_budget_gets_a_ve
 PLAN = {"tokens_per_param": 10, "sa_budgets": [0.5, 1, 2], "xsa_budgets": [1], "seeds": [1], "search_seeds": [0]}
 
 
+def run_started(*args, **kwargs) -> None:
+    raise AssertionError("a run started: the refusal came too late")
+
+
 def test_a_budget_past_one_epoch_is_refused_before_any_run_unless_allowed(
     tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
@@ -250,24 +254,34 @@ def test_a_budget_past_one_epoch_is_refused_before_any_run_unless_allowed(
     assert_nothing_written(study_dir)
 
 
-def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_path, data_cache, monkeypatch):
-    phases = []
+class Stop(Exception):
+    pass
+
+
+def first_launch(task: list[str], study_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[str]]:
+    """The first phase a token study launches, after every check, and its first run's command (nothing runs)."""
+    launched = []
 
     def record(launcher: Launcher, trials, phase: str, job_type: str) -> None:
-        phases.append((phase, launcher.command(trials[0], job_type, resume=False)))
+        launched.append((phase, launcher.command(trials[0], job_type, resume=False)))
         raise Stop
 
     monkeypatch.setattr(Launcher, "run", record)
-    monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)
-    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))  # check_repeats prepares the runs' data
-    task = ["experiment=tokens_tuned"]
+    monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)  # no handlers left in pytest
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         cfg = compose(config_name="scale", overrides=task)
-        models, plan = check_token_axis(cfg, tmp_path, sweep_overrides(task))
-        assert plan["lr_per_budget"] and plan["null_arm"] and plan["tune_xsa"] and plan["warmup_fraction"] == 0.1
+        overrides = sweep_overrides(task)
+        study = tokens.check_token_axis(cfg, study_dir, overrides, list(cfg.scale.models))
         with pytest.raises(Stop):
-            tokens.run_token_study(cfg, tmp_path, task, models=models, plan=plan, study_id="t")
-    ((phase, command),) = phases
+            study(StudyIdentity(study_dir=str(study_dir), study_id="t", overrides=overrides), None)
+    return launched[0]
+
+
+def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_path, data_cache, monkeypatch):
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))  # check_repeats prepares the runs' data
+    phase, command = first_launch(["experiment=tokens_tuned"], tmp_path, monkeypatch)
+    plan = json.loads((tmp_path / "scale.json").read_text())["plan"]
+    assert plan["lr_per_budget"] and plan["null_arm"] and plan["tune_xsa"] and plan["warmup_fraction"] == 0.1
     assert phase == "search" and "trainer.max_steps=98" in command and "scheduler.warmup_steps=10" in command
 
 
@@ -371,62 +385,10 @@ def test_the_pooled_interval_covers_over_independent_cells():
     assert 0.90 <= covered / trials <= 0.99, covered / trials
 
 
-def run_started(*args, **kwargs) -> None:
-    raise AssertionError("a run started: the refusal came too late")
-
-
-# Each setting of a token study, wrong: refused in one line before the study directory exists or any run starts. The
-# last ones are refused by each size's runs, composed and checked as their `xsa-lm train` will check them.
-TOKEN_REFUSALS = [
-    ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
-    ("scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
-    ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
-    ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be in [0, 1)"),
-    ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
-    ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
-    ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
-    ("scale.seeds=[2]", "needs 2+ compare seeds"),
-    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
-    ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
-    ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
-    ("attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
-]
-
-
-@pytest.mark.parametrize("override, message", TOKEN_REFUSALS, ids=[o for o, _ in TOKEN_REFUSALS])
-def test_a_refused_token_study_writes_nothing_and_starts_no_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
-):
-    monkeypatch.setattr(Launcher, "_start", run_started)
-    study_dir = tmp_path / "study"
-    args = ["scale", "experiment=tokens_toy", override, f"hydra.run.dir={study_dir}"]
-    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], lines
-    assert_nothing_written(study_dir)
-
-
-class Stop(Exception):
-    pass
-
-
 def test_sweep_settings_stay_with_the_study_and_each_run_gets_the_training_overrides(tmp_path, monkeypatch):
     """sweep.* on the command line sets the study's search (here its grid); the runs' `xsa-lm train`, which has no
     sweep settings, gets the training overrides alone."""
-    commands = []
-
-    def first_command(launcher: Launcher, trials, phase: str, job_type: str) -> None:
-        commands.append(launcher.command(trials[0], job_type, resume=False))
-        raise Stop
-
-    monkeypatch.setattr(Launcher, "run", first_command)
-    monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)  # no handlers left in pytest
     task = ["experiment=tokens_toy", "sweep.lrs=[2e-2]", "scale.measure_throughput=false"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="scale", overrides=task)
-        overrides = sweep_overrides(task)
-        models, plan = check_token_axis(cfg, tmp_path, overrides)
-        with pytest.raises(Stop):
-            tokens.run_token_study(cfg, tmp_path, overrides, models=models, plan=plan, study_id="t")
-    (command,) = commands
+    _, command = first_launch(task, tmp_path, monkeypatch)
     assert "optim.lr=0.02" in command and "experiment=tokens_toy" in command, command
     assert not [word for word in command if word.startswith("sweep.")], command

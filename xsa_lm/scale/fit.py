@@ -122,12 +122,6 @@ def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: s
     return fit
 
 
-def multiplier(fit: Fit, sa_loss: float, xsa_loss: float) -> float:
-    """The compute the SA fit needs to reach XSA's loss over the compute it needs to reach SA's; inf when XSA's loss
-    is at or below the fit's floor."""
-    return fit.compute_for(xsa_loss) / fit.compute_for(sa_loss)
-
-
 class LackOfFit(TypedDict):
     chi2: float | None
     dof: int
@@ -317,12 +311,6 @@ def fit_shared(
     return fit
 
 
-def parameters_of(fit: SharedFit) -> np.ndarray:
-    """The fit's parameter vector as fit_shared optimises it (its `start`)."""
-    a = [fit.log_A_sa, fit.log_A_xsa, fit.alpha]
-    return np.array(([fit.E] if fit.offset else []) + a)
-
-
 def lack_of_fit_variance(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> float:
     """The variance of the means about the curve beyond their seed noise: sum(r^2) / dof - mean(SE^2), floored at
     0; 0 when no degree of freedom is left (nothing to estimate it from: the study is flagged for that)."""
@@ -336,8 +324,7 @@ def lack_of_fit_variance(residuals: Sequence[float], standard_errors: Sequence[f
 def ladder_bootstrap(
     fit: SharedFit,
     compute: Sequence[float],
-    sa_se: Sequence[float],
-    xsa_se: Sequence[float],
+    standard_errors: Sequence[float],
     *,
     lof_variance: float,
     f_scale: float,
@@ -345,15 +332,16 @@ def ladder_bootstrap(
     seed: int = 0,
 ) -> tuple[float, float]:
     """95% interval of the ladder's k: a parametric bootstrap of the shared fit. Each resample draws every size's
-    two means about the fitted curves with variance SE^2 (seed noise) + lof_variance (size-level deviations the
-    curve does not explain), refits, and takes ln k; the interval is the basic (pivotal) one in ln k,
-    [2 ln k - q97.5, 2 ln k - q2.5], which corrects the fit's bias that the resamples reveal. Measured coverage in
-    tests/test_scale.py (simulated ladders with size-level deviations and a curve not of the fitted form)."""
+    two means about the fitted curves with variance SE^2 (seed noise; standard_errors: SA's sizes, then XSA's) +
+    lof_variance (size-level deviations the curve does not explain), refits, and takes ln k; the interval is the
+    basic (pivotal) one in ln k, [2 ln k - q97.5, 2 ln k - q2.5], which corrects the fit's bias that the resamples
+    reveal. Measured coverage in tests/test_scale.py (simulated ladders with size-level deviations and a curve not of
+    the fitted form)."""
     rng = np.random.default_rng(seed)
     c = np.asarray(compute, dtype=float)
     centre = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
-    sd = np.sqrt(np.square(np.r_[sa_se, xsa_se]) + lof_variance)
-    start = parameters_of(fit)
+    sd = np.sqrt(np.square(standard_errors) + lof_variance)
+    start = np.array(([fit.E] if fit.offset else []) + [fit.log_A_sa, fit.log_A_xsa, fit.alpha])  # as fit_shared has it
     n = len(c)
     logs = []
     for _ in range(n_resamples):
@@ -366,20 +354,3 @@ def ladder_bootstrap(
     log_k = fit.log_multiplier
     lo, hi = (float(np.clip(2 * log_k - q, -LOG_CAP, LOG_CAP)) for q in (q_hi, q_lo))
     return math.exp(lo), math.exp(hi)
-
-
-class WallClock(TypedDict, total=False):
-    multiplier: float | None
-    ci: list[float] | None
-    note: str  # where the step times come from
-
-
-def wallclock_multiplier(k: float, ci: Sequence[float], step_time_ratio: JsonObject) -> WallClock:
-    """k in wall-clock time from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, measured with both
-    arms timed in alternating rounds): a slower XSA gives back part of k. The interval combines the ends
-    conservatively (k's low end over the ratio's high end, and the reverse)."""
-    median, interval = step_time_ratio["median"], step_time_ratio.get("interval")
-    value = k / median
-    if not interval:
-        return WallClock(multiplier=value, ci=None)
-    return WallClock(multiplier=value, ci=[ci[0] / interval[1], ci[1] / interval[0]])

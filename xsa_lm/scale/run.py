@@ -17,6 +17,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from dataclasses import replace
 from functools import partial
@@ -38,17 +39,14 @@ from xsa_lm.scale.fit import (
     Fit,
     LackOfFit,
     SharedFit,
-    WallClock,
     fit_loss_vs_compute,
     fit_shared,
     huber_scale,
     lack_of_fit,
     lack_of_fit_variance,
     ladder_bootstrap,
-    wallclock_multiplier,
 )
 from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult, log_to_wandb, write_report
-from xsa_lm.scale.token_report import TokenPlan, TokenStudyResult
 from xsa_lm.stats.decision import clustered_test
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
@@ -86,19 +84,6 @@ def sweep_overrides(task_overrides: list[str]) -> list[str]:
     return kept
 
 
-def open_study(study_dir: Path, overrides: list[str], cfg: DictConfig) -> str:
-    """scale.json: the study's identity. A rerun must train what the first run trained (sizes and seeds may be
-    added: their sweeps run, the finished ones are reused)."""
-    return open_state(
-        study_dir / "scale.json",
-        overrides,
-        cfg,
-        id_key="study_id",
-        overrides_key="overrides",
-        holds="a scaling study with the overrides",
-    )
-
-
 def check_models(models: Any, at_least: int = 2) -> list[str]:
     """The sizes: distinct presets that exist; a fit across sizes needs two, the token axis one."""
     names = [str(m) for m in models or []] if OmegaConf.is_list(models) or isinstance(models, list) else []
@@ -116,13 +101,6 @@ def check_models(models: Any, at_least: int = 2) -> list[str]:
     return names
 
 
-def size_overrides(overrides: list[str], model: str, seeds: list[int] | None) -> list[str]:
-    """What one size's sweep runs with (its directory and W&B group aside): the study's overrides, the size,
-    and scale.seeds as its compare seeds (None: sweep.seeds)."""
-    compare_seeds = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
-    return [*overrides, f"model={model}", *compare_seeds]
-
-
 class SizeOutput(io.TextIOBase):
     """A size's sweep output: whole in logs/<model>.log, and on the terminal line by line, named by its size."""
 
@@ -138,12 +116,11 @@ class SizeOutput(io.TextIOBase):
         return len(text)
 
 
-def run_size(
-    model: str, *, study_dir: Path, overrides: list[str], seeds: list[int] | None, group: str | None
-) -> SizeResult:
-    """One size's sweep, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its folder)."""
+def run_size(model: str, overrides: list[str], *, study_dir: Path, group: str | None) -> SizeResult:
+    """One size's sweep with its overrides, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its
+    folder)."""
     sweep_dir = study_dir / "sizes" / model
-    size = size_overrides(overrides, model, seeds) + ([f"logger.wandb.group={group}"] if group is not None else [])
+    size = overrides + ([f"logger.wandb.group={group}"] if group is not None else [])
     log = study_dir / "logs" / f"{model}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"size {model}: its sweep into {sweep_dir}")
@@ -158,45 +135,40 @@ def run_size(
     return size_result(model, sweep_dir, finished=incomplete(results) is None)
 
 
-def model_compute(summary: RunSummary) -> float:
-    """Training FLOPs of a run: the model's FLOPs per token (GPT.flops_per_token) times the tokens it trained on."""
+def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
+    """What the fit needs from one size's sweep (its results.json): the paired final losses, throughput and the
+    training FLOPs of a run, compute (the model's FLOPs per token, GPT.flops_per_token, times the tokens it trained
+    on)."""
     import torch
 
     from xsa_lm.model.config import GPTConfig
     from xsa_lm.model.gpt import GPT
 
-    with torch.device("meta"):  # the formula needs the shapes only
-        model = GPT(GPTConfig(**summary.model_config))
-    return model.flops_per_token() * summary.tokens_seen
-
-
-def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
-    """What the fit needs from one size's sweep (its results.json): the paired final losses, compute, throughput."""
-    size = SizeResult(model=model, sweep_dir=str(sweep_dir), sweep_returncode=0 if finished else 1)
     sweep = SweepResult.read(sweep_dir / "results.json")
     compare = sweep.comparison
-    size = replace(
-        size,
+    size = SizeResult(
+        model=model,
+        sweep_dir=str(sweep_dir),
+        sweep_returncode=0 if finished else 1,
         selected_lr=sweep.selected_lr,
         lr_grid=sweep.grid,
-        seeds=compare.seeds,
+        sweep_warnings=sweep.warnings,
         sa_runs=compare.sa,
         xsa_runs=compare.xsa,
-        sa_mean=compare.sa_mean,
-        xsa_mean=compare.xsa_mean,
-        diff_ci95=compare.diff_ci95,
-        sweep_warnings=sweep.warnings,
+        **{key: getattr(compare, key) for key in ("seeds", "sa_mean", "xsa_mean", "diff_ci95")},  # the same names
     )
     runs = [t for t in sweep.trials if t.phase == "compare" and t.seed in compare.seeds]
     if not runs:
         return replace(size, error="no seed has both an SA and an XSA result (see the size's report)")
     summary = RunSummary.read(Path(str(runs[0].run_dir)) / "summary.json")
+    with torch.device("meta"):  # the FLOPs formula needs the shapes only
+        flops_per_token = GPT(GPTConfig(**summary.model_config)).flops_per_token()
     speeds = {a: [t.tokens_per_s for t in runs if t.attention == a and t.tokens_per_s] for a in ("sa", "xsa")}
     return replace(
         size,
         non_embedding_params=summary.non_embedding_params,
         tokens=summary.tokens_seen,
-        compute=model_compute(summary),
+        compute=flops_per_token * summary.tokens_seen,
         sa_tokens_per_s=statistics.fmean(speeds["sa"]) if speeds["sa"] else None,
         xsa_tokens_per_s=statistics.fmean(speeds["xsa"]) if speeds["xsa"] else None,
     )
@@ -214,22 +186,6 @@ class Flag(TypedDict):
     reason: str
 
 
-def flag(name: str, reason: str) -> Flag:
-    return Flag(flag=name, reason=reason)
-
-
-def lr_edges(sizes: list[SizeResult]) -> list[str]:
-    """The sizes whose selected LR is at an edge of their grid: their sweep's warning says so, or the grid does."""
-    found = []
-    for s in sizes:
-        grid = s.lr_grid or []
-        at_edge = bool(grid) and (len(grid) == 1 or s.selected_lr in (min(grid), max(grid)))
-        said = any("of the grid" in w or "grid holds one LR" in w for w in s.sweep_warnings)
-        if at_edge or said:
-            found.append(f"{s.model} (LR {s.selected_lr:g})")
-    return found
-
-
 def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
     pairs = range(len(ladder) - 1)
     return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
@@ -237,23 +193,20 @@ def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
 
 def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared: SharedFit) -> list[Flag]:
     """Every reason this ladder cannot turn XSA's loss gap into compute, each with its one-line why."""
-    flags = []
+    flags: dict[str, str] = {}
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
     if lack["p"] is None:
         why = (
             "a size has fewer than 2 seeds (no standard error)"
             if lack["dof"] > 0
-            else (f"{len(ladder)} sizes for {sa_fit.as_dict()['parameters']} parameters leave no degree of freedom")
+            else f"{len(ladder)} sizes for {FORMS[sa_fit.form]} parameters leave no degree of freedom"
         )
-        flags.append(flag("lack_of_fit", f"no lack-of-fit test possible: {why}"))
+        flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
     elif lack["p"] < 0.05:
-        flags.append(
-            flag(
-                "lack_of_fit",
-                f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof (p = {lack['p']:.2g}): the SA curve misses the SA "
-                "means by more than their seed noise (each size's standard error over seeds)",
-            )
+        flags["lack_of_fit"] = (
+            f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof (p = {lack['p']:.2g}): the SA curve misses the SA "
+            "means by more than their seed noise (each size's standard error over seeds)"
         )
     # One step of the ladder beyond its ends is allowed: XSA winning at the largest size always reads SA's curve
     # a little past it, which is what k means there.
@@ -267,26 +220,22 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
             elif needed < min(compute) / step:
                 outside.append(f"{s.model} {arm.upper()} ({min(compute) / needed:.3g}x below the smallest)")
     if outside:
-        flags.append(
-            flag(
-                "extrapolation",
-                "the SA fit needs compute beyond the measured range (by more than one ladder step, "
-                f"{step:.2f}x) to reach the means of {', '.join(outside)}",
-            )
+        flags["extrapolation"] = (
+            "the SA fit needs compute beyond the measured range (by more than one ladder step, "
+            f"{step:.2f}x) to reach the means of {', '.join(outside)}"
         )
     span = max(compute) / min(compute)
     if span < 10:
-        flags.append(flag("compute_span", f"the ladder spans {span:.3g}x in compute, under 10x"))
+        flags["compute_span"] = f"the ladder spans {span:.3g}x in compute, under 10x"
     bounds = [f"shared fit: {b}" for b in shared.at_bounds()]
-    sa = sa_fit.as_dict()
     if sa_fit.form == "power_law_offset" and sa_fit.E <= 1e-6:
         bounds.insert(0, "SA fit: E at its lower bound 0")
     if sa_fit.form == "power_law_offset" and sa_fit.E >= min(sa_means) - 1e-6:
         bounds.insert(0, "SA fit: E at its upper bound, the lowest SA mean")
-    if sa["alpha"] <= 1e-6 or sa["alpha"] >= 10 - 1e-6:
-        bounds.insert(0, f"SA fit: alpha = {sa['alpha']:.4f} at a bound (0 or 10)")
+    if sa_fit.alpha <= 1e-6 or sa_fit.alpha >= 10 - 1e-6:
+        bounds.insert(0, f"SA fit: alpha = {sa_fit.alpha:.4f} at a bound (0 or 10)")
     if bounds:
-        flags.append(flag("parameter_at_bound", "; ".join(bounds) + ": the data do not identify it"))
+        flags["parameter_at_bound"] = "; ".join(bounds) + ": the data do not identify it"
     rises = not_falling(ladder, xsa_means)
     trend = scipy.stats.linregress(np.log(compute), xsa_means) if len(ladder) > 2 else None
     if rises or trend is None or trend.slope >= 0 or trend.pvalue > 0.05:
@@ -295,24 +244,41 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
             why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})"
         else:
             why += "; two sizes cannot test its slope"
-        flags.append(flag("xsa_flat_or_not_monotone", f"XSA's mean loss does not fall with compute: {why}"))
+        flags["xsa_flat_or_not_monotone"] = f"XSA's mean loss does not fall with compute: {why}"
     rises = not_falling(ladder, sa_means)
     if rises:
-        flags.append(flag("sa_not_monotone", f"SA's mean loss does not fall as compute grows ({', '.join(rises)})"))
-    edges = lr_edges(ladder)
+        flags["sa_not_monotone"] = f"SA's mean loss does not fall as compute grows ({', '.join(rises)})"
+    edges = [  # the selected LR at an edge of its grid, as the grid or the size's sweep says
+        f"{s.model} (LR {s.selected_lr:g})"
+        for s in ladder
+        if (s.lr_grid and (len(s.lr_grid) == 1 or s.selected_lr in (min(s.lr_grid), max(s.lr_grid))))
+        or any("of the grid" in w or "grid holds one LR" in w for w in s.sweep_warnings)
+    ]
     if edges:
-        flags.append(
-            flag("lr_at_grid_edge", f"the selected LR is at an edge of its grid at {', '.join(edges)}: extend it")
-        )
-    return flags
+        flags["lr_at_grid_edge"] = f"the selected LR is at an edge of its grid at {', '.join(edges)}: extend it"
+    return [Flag(flag=name, reason=reason) for name, reason in flags.items()]
+
+
+class WallClock(TypedDict):
+    multiplier: float | None
+    ci: list[float] | None
+    note: str  # where the step times come from
 
 
 def wallclock(k: float, ci: list[float], bench: BenchRatio | None) -> WallClock:
-    """k in wall-clock time, only from `xsa-lm bench` (trial tokens/s vary with whatever else the machine ran)."""
+    """k in wall-clock time, only from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, both arms
+    timed in alternating rounds; trial tokens/s vary with whatever else the machine ran): a slower XSA gives back
+    part of k. The interval combines the ends conservatively (k's low end over the ratio's high end, and the
+    reverse)."""
     if not bench:
         return WallClock(multiplier=None, ci=None, note="wall-clock k: measure throughput with xsa-lm bench")
     ratio = bench["xsa_over_sa_step_time"]
-    return wallclock_multiplier(k, ci, ratio) | {"note": f"XSA/SA step time from xsa-lm bench ({bench['source']})"}
+    interval = ratio.get("interval")
+    return WallClock(
+        multiplier=k / ratio["median"],
+        ci=[ci[0] / interval[1], ci[1] / interval[0]] if interval else None,
+        note=f"XSA/SA step time from xsa-lm bench ({bench['source']})",
+    )
 
 
 class LadderAnalysis(TypedDict):
@@ -343,14 +309,7 @@ def analyse(
     lof_variance = lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
     k = shared.multiplier
     ci = ladder_bootstrap(
-        shared,
-        compute,
-        known_se[: len(ladder)],
-        known_se[len(ladder) :],
-        lof_variance=lof_variance,
-        f_scale=f_scale,
-        n_resamples=resamples,
-        seed=seed,
+        shared, compute, known_se, lof_variance=lof_variance, f_scale=f_scale, n_resamples=resamples, seed=seed
     )
     flags = ladder_flags(ladder, sa_fit, lack, shared)
     fit = {
@@ -428,66 +387,90 @@ def check_analysis(scale: DictConfig) -> None:
         raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
 
 
-def check_study_settings(cfg: DictConfig) -> list[str]:
-    """The settings both axes share, checked first (the rules after them rely on their types), and the sizes."""
-    check_settings(cfg.scale, SCALE_RULES, "scale")
-    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher
-    return check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
-
-
-def check_study(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], list[int] | None, BenchRatio | None]:
-    """Every setting of the size axis and what each size will run, before the study directory gets anything: the
-    sizes, the compare seeds (None: sweep.seeds) and scale.bench's step time. Each size's sweep config is composed
-    and checked as that sweep will check it, its trials included (check_sweep)."""
-    models = check_study_settings(cfg)
-    check_analysis(cfg.scale)
-    bench = load_bench(cfg.scale.bench)
+def compare_seeds(cfg: DictConfig) -> tuple[list[int], list[int]]:
+    """The search seeds and the compare seeds of every size (scale.seeds, else sweep.seeds), checked as the sweep
+    checks them, under the name the user set."""
     name = "scale.seeds" if cfg.scale.seeds is not None else "sweep.seeds"
     search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
     listed = cast(list[int] | None, plain(OmegaConf.select(cfg, name)))
-    if not check_seeds(listed, search_seeds, cfg.sweep.reuse_search_run, name=name):
+    seeds = check_seeds(listed, search_seeds, cfg.sweep.reuse_search_run, name=name)
+    if not seeds:
         raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
-    seeds = cast(list[int] | None, plain(cfg.scale.seeds))
-    for model in models:
-        size = size_overrides(overrides, model, seeds)
+    return search_seeds, seeds
+
+
+class StudyIdentity(TypedDict):
+    """How both axes' results.json open: the study's folder, its id (scale.json's) and the overrides of its runs."""
+
+    study_dir: str
+    study_id: str
+    overrides: list[str]
+
+
+Study = Callable[[StudyIdentity, str | None], list[str]]  # runs a checked study: its identity, the W&B group
+
+
+def check_size_axis(cfg: DictConfig, overrides: list[str], models: list[str]) -> Study:
+    """Every setting of the size axis and what each size will run: each size's sweep config composed and checked
+    as that sweep will check it, its trials included (check_sweep). Returns the study, ready to run."""
+    check_analysis(cfg.scale)
+    bench = load_bench(cfg.scale.bench)
+    compare_seeds(cfg)
+    seeds = cast(list[int] | None, plain(cfg.scale.seeds))  # None: each size's sweep.seeds
+    as_sweep = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
+    sweeps = {model: [*overrides, f"model={model}", *as_sweep] for model in models}
+    for size in sweeps.values():
         check_sweep(compose(config_name="sweep", overrides=size), train_overrides(size))
-    return models, seeds, bench
+    return partial(run_size_axis, cfg, sweeps=sweeps, seeds=seeds, bench=bench)
 
 
-def check_token_axis(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> tuple[list[str], TokenPlan]:
-    """Every setting of the token axis (check_token_study) and each size's runs (check_token_runs), before the
-    study directory gets anything: the sizes and the plan."""
-    from xsa_lm.scale.tokens import check_token_runs, check_token_study
-
-    models = check_study_settings(cfg)
-    plan = check_token_study(cfg, overrides)
-    check_token_runs(cfg, study_dir, overrides, models, plan)
-    return models, plan
-
-
-def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> ScaleStudyResult:
-    models, seeds, bench = check_study(cfg, overrides)
-    study_id = open_study(study_dir, overrides, cfg)
-    write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    wandb_cfg = wandb_settings(cfg)
-    group = study_id if wandb_cfg else None
+def run_size_axis(
+    cfg: DictConfig,
+    identity: StudyIdentity,
+    group: str | None,
+    *,
+    sweeps: dict[str, list[str]],
+    seeds: list[int] | None,
+    bench: BenchRatio | None,
+) -> list[str]:
+    """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
+    study_dir = Path(identity["study_dir"])
     stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
-    print(f"xsa-lm scale | {study_dir} | W&B group {study_id} | sizes {models}")
-    sizes = [run_size(m, study_dir=study_dir, overrides=overrides, seeds=seeds, group=group) for m in models]
+    print(f"xsa-lm scale | {study_dir} | W&B group {identity['study_id']} | sizes {list(sweeps)}")
+    sizes = [run_size(model, overrides, study_dir=study_dir, group=group) for model, overrides in sweeps.items()]
     analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
-    results = ScaleStudyResult(
-        study_dir=str(study_dir),
-        study_id=study_id,
-        overrides=overrides,
-        models=models,
-        seeds=seeds,
-        bench=bench,
-        **analysis,
-    )
+    results = ScaleStudyResult(**identity, models=list(sweeps), seeds=seeds, bench=bench, **analysis)
     write_report(results, study_dir)
-    if wandb_cfg and cfg.scale.wandb_report:
-        log_to_wandb(results, study_dir, report_run_settings(wandb_cfg))
-    return results
+    if group is not None and cfg.scale.wandb_report:
+        log_to_wandb(results, study_dir, report_run_settings(cast(DictConfig, wandb_settings(cfg))))
+    return [s.model for s in results.sizes if s.sweep_returncode != 0]
+
+
+def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[str]:
+    """Either axis: every setting and what each size will run checked before the study directory gets anything, then
+    the study's identity (scale.json: a rerun must train what the first run trained; sizes and seeds may be added),
+    its config.yaml and its runs, in the study's W&B group. Returns what did not finish."""
+    check_settings(cfg.scale, SCALE_RULES, "scale")  # first: the rules after them rely on their types
+    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher
+    tokens = cfg.scale.axis == "tokens"
+    models = check_models(cfg.scale.models, at_least=1 if tokens else 2)
+    if tokens:
+        from xsa_lm.scale.tokens import check_token_axis
+
+        study = check_token_axis(cfg, study_dir, overrides, models)
+    else:
+        study = check_size_axis(cfg, overrides, models)
+    study_id = open_state(
+        study_dir / "scale.json",
+        overrides,
+        cfg,
+        id_key="study_id",
+        overrides_key="overrides",
+        holds="a scaling study with the overrides",
+    )
+    write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    identity = StudyIdentity(study_dir=str(study_dir), study_id=study_id, overrides=overrides)
+    return study(identity, study_id if wandb_settings(cfg) else None)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
@@ -496,20 +479,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.scale.axis not in ("size", "tokens"):
         with exit_on_user_error():
             raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
-    if cfg.scale.axis == "tokens":
-        from xsa_lm.scale.tokens import run_token_study, unfinished
-
-        def token_study(study_dir: Path, overrides: list[str]) -> TokenStudyResult:
-            models, plan = check_token_axis(cfg, study_dir, overrides)  # before the directory gets anything
-            study_id = open_study(study_dir, overrides, cfg)
-            write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-            return run_token_study(cfg, study_dir, overrides, models=models, plan=plan, study_id=study_id)
-
-        study_dir, token_results = run_exclusive("scale", sweep_overrides, token_study)
-        incomplete = unfinished(token_results)
-    else:
-        study_dir, results = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
-        incomplete = [s.model for s in results.sizes if s.sweep_returncode != 0]
+    study_dir, incomplete = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
     if incomplete:

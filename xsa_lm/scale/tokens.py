@@ -16,15 +16,17 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
+from functools import partial
 from pathlib import Path
 from typing import TypedDict, cast
 
 from hydra import compose
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from xsa_lm.errors import UserError
 from xsa_lm.records import JsonObject
+from xsa_lm.scale.run import Study, StudyIdentity, compare_seeds
 from xsa_lm.scale.token_axis import (
     STALL_SAFE_SEEDS,
     CellJson,
@@ -39,9 +41,9 @@ from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize,
 from xsa_lm.stats.decision import margin_verdict
 from xsa_lm.stats.paired import PairedJson, paired_stats
 from xsa_lm.stats.positions import PositionDifferences, position_differences
-from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_search_seeds, check_seeds, lr_grid, search_trials
+from xsa_lm.sweep.protocol import NULL, Selection, Trial, lr_grid, search_trials
 from xsa_lm.sweep.report import BpbStats, bpb_stats
-from xsa_lm.sweep.run import keep_plan, plain, selection_of, stop_on_signals, train_overrides, wandb_settings
+from xsa_lm.sweep.run import keep_plan, selection_of, stop_on_signals, train_overrides
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_TOKEN_AXIS = {
@@ -77,22 +79,22 @@ def non_embedding_params(model: str, overrides: list[str]) -> int:
 
 
 class SizePlan:
-    """The runs of one size: its budget B in tokens, the steps of each budget, and a Launcher per phase."""
+    """The runs of one size: its LR grid, its budget B in tokens, the steps of each budget, and how each phase runs
+    (a Launcher of its trials)."""
 
-    def __init__(self, study_dir: Path, model: str, params: int, cfg: DictConfig, overrides: list[str]) -> None:
+    def __init__(self, study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> None:
+        grids = cfg.sweep.lr_grids or {}
+        self.grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
         self.model = model
         self.dir = study_dir / "sizes" / model
-        self.params = params
+        self.params = non_embedding_params(model, overrides)
         self.batch_tokens = int(cfg.global_batch_tokens)
-        self.tokens = cfg.scale.tokens_per_param * params  # B
+        self.tokens = cfg.scale.tokens_per_param * self.params  # B
         self.cfg = cfg
         self.overrides = overrides
 
     def steps(self, fraction: float) -> int:
         return max(1, round(fraction * self.tokens / self.batch_tokens))
-
-    def store(self, phase: str) -> TrialStore:
-        return TrialStore(self.dir / phase)
 
     def train_overrides(self, fraction: float) -> list[str]:
         """What the runs of a budget train with: the study's training overrides, the size and the budget's steps."""
@@ -103,35 +105,28 @@ class SizePlan:
             settings.append(f"scheduler.warmup_steps={max(1, round(warmup * steps))}")
         return [*self.overrides, *settings]
 
-    def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
-        return Launcher(
-            self.store(phase),
+    def run(self, trials: list[Trial], phase: str, fraction: float, group: str | None, job_type: str) -> TrialStore:
+        """The trials of one phase at one budget, each an `xsa-lm train` process; their records' store."""
+        store = TrialStore(self.dir / phase)
+        launcher = Launcher(
+            store,
             self.train_overrides(fraction),
             max_parallel=self.cfg.sweep.max_parallel,
             launch_prefix=self.cfg.sweep.launch_prefix or [],
             wandb_group=group,
             diverge_above=self.cfg.sweep.diverge_above,
         )
+        stop_on_signals(launcher.stop, "scale")
+        launcher.run(trials, phase, job_type)
+        return store
 
 
-def phase_name(fraction: float) -> str:
-    return f"budget_{fraction:g}"
-
-
-def search_phase(fraction: float) -> str:
-    return "search" if fraction == 1.0 else f"search_{fraction:g}"
-
-
-def search_at(
-    plan: SizePlan, fraction: float, grid: list[float], seeds: list[int], arm: str, group: str | None
-) -> Selection:
+def search_at(plan: SizePlan, fraction: float, seeds: list[int], arm: str, group: str | None) -> Selection:
     """The LR search of one arm at one budget: every LR of the grid x the search seeds, the lowest median loss."""
-    trials = search_trials(grid, seeds, [arm])
-    launcher = plan.launcher(search_phase(fraction), fraction, group)
-    stop_on_signals(launcher.stop, "scale")
+    trials = search_trials(plan.grid, seeds, [arm])
     print(f"size {plan.model}: {arm.upper()} LR search at {fraction:g} B ({plan.steps(fraction)} steps)")
-    launcher.run(trials, search_phase(fraction), "lr-search")
-    return selection_of(plan.store(search_phase(fraction)), trials)
+    phase = "search" if fraction == 1.0 else f"search_{fraction:g}"
+    return selection_of(plan.run(trials, phase, fraction, group, "lr-search"), trials)
 
 
 def check_repeats(size: SizePlan, top: float) -> None:
@@ -151,21 +146,21 @@ def check_repeats(size: SizePlan, top: float) -> None:
         )
 
 
-def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: TokenPlan, group: str | None) -> TokenSize:
+def run_size(plan: SizePlan, study: TokenPlan, group: str | None) -> TokenSize:
     """The searches, the selected LRs and every budget's runs of one size; the per-seed losses for the estimator.
     With lr_per_budget, SA's LR is searched at every SA budget and each arm trains at SA's LR of its budget (the
     paper's protocol at each budget); else SA's LR at B serves every budget."""
-    sa_budgets, xsa_budgets, search_seeds = study["sa_budgets"], study["xsa_budgets"], study["search_seeds"]
+    sa_budgets, xsa_budgets, seeds = study["sa_budgets"], study["xsa_budgets"], study["seeds"]
     print(
         f"size {plan.model}: {plan.params:,} non-embedding parameters, B = {plan.tokens:,.0f} tokens "
         f"({plan.steps(1.0)} steps)"
     )
-    by_budget = sa_budgets if study.get("lr_per_budget") else [1.0]
+    by_budget = sa_budgets if study["lr_per_budget"] else [1.0]
     searches: dict[str, dict[str, float | None]] = {}
     lrs: dict[str, float | None] = {}
     warnings: list[str] = []
     for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: the LR the earlier plan used everywhere
-        selection = search_at(plan, fraction, grid, search_seeds, "sa", group)
+        selection = search_at(plan, fraction, study["search_seeds"], "sa", group)
         searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
         lrs[f"{fraction:g}"] = selection.lr
         warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
@@ -178,42 +173,28 @@ def run_size(plan: SizePlan, *, grid: list[float], seeds: list[int], study: Toke
         searches=searches,
         selected_lrs=lrs,
         warnings=warnings,
+        grid=plan.grid,
     )
-    if study.get("tune_xsa"):
-        xsa = search_at(plan, 1.0, grid, search_seeds, "xsa", group)
+    if study["tune_xsa"]:
+        xsa = search_at(plan, 1.0, study["search_seeds"], "xsa", group)
         xsa_search = {f"{lr:g}": loss for lr, loss in xsa.losses.items()}
         entry = replace(entry, xsa_search=xsa_search, xsa_selected_lr=xsa.lr)
     chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(sa_budgets) | set(xsa_budgets))}
     if any(lr is None for lr in chosen.values()):
         return entry
-    lr_at = cast(dict[float, float], chosen)
     runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
-    arms_by_budget = [("sa", sa_budgets), ("xsa", xsa_budgets)] + (
-        [(NULL, xsa_budgets)] if study.get("null_arm") else []
-    )
-    for fraction, lr in lr_at.items():
+    kept = [f.name for f in fields(TokenRun)]
+    arms_by_budget = [("sa", sa_budgets), ("xsa", xsa_budgets)] + ([(NULL, xsa_budgets)] if study["null_arm"] else [])
+    for fraction, lr in cast(dict[float, float], chosen).items():
         arms = [a for a, budgets in arms_by_budget if fraction in budgets]
+        names = " and ".join(a.upper() for a in arms)
+        print(f"size {plan.model}: {names} at {fraction:g} B ({plan.steps(fraction)} steps), LR {lr:g}, seeds {seeds}")
         trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
-        launcher = plan.launcher(phase_name(fraction), fraction, group)
-        stop_on_signals(launcher.stop, "scale")
-        print(
-            f"size {plan.model}: {' and '.join(a.upper() for a in arms)} at {fraction:g} B ({plan.steps(fraction)} "
-            f"steps), LR {lr:g}, seeds {seeds}"
-        )
-        launcher.run(trials, phase_name(fraction), "budget")
-        store = plan.store(phase_name(fraction))
-        for arm in arms:
-            runs.setdefault(arm, {})[f"{fraction:g}"] = [outcome_of(store, Trial(arm, lr, seed)) for seed in seeds]
+        store = plan.run(trials, f"budget_{fraction:g}", fraction, group, "budget")
+        for arm in arms:  # each run as its trial record has it (TokenRun's fields are some of the record's)
+            records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
+            runs.setdefault(arm, {})[f"{fraction:g}"] = [TokenRun(**{k: getattr(r, k) for k in kept}) for r in records]
     return replace(entry, runs=runs, seeds=seeds)
-
-
-def outcome_of(store: TrialStore, trial: Trial) -> TokenRun:
-    record = store.load(trial) or TrialRecord.missing(trial, "")
-    keep = (
-        "status error log final_val_loss final_val_bpb final_val_loss_by_position tokens_seen data_epochs tokens_per_s "
-        "val_history run_dir"
-    ).split()
-    return TokenRun(seed=trial.seed, **{k: getattr(record, k) for k in keep})
 
 
 def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str]) -> SizeBench | None:
@@ -412,42 +393,38 @@ def analyse_tokens(
     return TokenAnalysis(cells=cells, pooled=pool(estimates), warnings=warnings)
 
 
+def analysed(results: TokenStudyResult, seed: int = 0) -> TokenStudyResult:
+    """The study with its analysis (analyse_tokens; its sizes' warnings first)."""
+    plan = results.plan
+    analysis = analyse_tokens(
+        results.sizes, plan["sa_budgets"], plan["xsa_budgets"], seed=seed, margin=plan.get("margin")
+    )
+    warnings = [f"{s.model}: {w}" for s in results.sizes for w in s.warnings] + analysis["warnings"]
+    return replace(results, cells=analysis["cells"], pooled=analysis["pooled"], warnings=warnings)
+
+
 def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenStudyResult:
     """A saved token study analysed again from its runs' final losses with the current analysis (no run is
     repeated); `reanalysed` says when."""
-    plan = saved.plan
-    analysis = analyse_tokens(saved.sizes, plan["sa_budgets"], plan["xsa_budgets"], margin=plan.get("margin"))
-    warnings = [f"{s.model}: {w}" for s in saved.sizes for w in s.warnings] + analysis["warnings"]
-    return replace(
-        saved,
-        cells=analysis["cells"],
-        pooled=analysis["pooled"],
-        warnings=warnings,
-        reanalysed=when or time.strftime("%Y-%m-%d"),
-    )
+    return replace(analysed(saved), reanalysed=when or time.strftime("%Y-%m-%d"))
 
 
 def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
     """Every setting of the token axis, before the study directory gets anything: the plan a rerun must keep. The
-    runs themselves: check_token_runs."""
+    runs themselves: check_token_axis."""
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in SET_BY_TOKEN_AXIS:
             raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
     sa_budgets, xsa_budgets = check_budgets(cfg.scale)
-    search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
-    name = "scale.seeds" if cfg.scale.get("seeds") is not None else "sweep.seeds"
-    listed = cast(list[int], plain(OmegaConf.select(cfg, name)))
-    seeds = check_seeds(listed, search_seeds, bool(cfg.sweep.reuse_search_run), name=name)
+    search_seeds, seeds = compare_seeds(cfg)
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
-    lr_per_budget = bool(cfg.scale.lr_per_budget)
-    if lr_per_budget and not set(xsa_budgets) <= set(sa_budgets):
+    if cfg.scale.lr_per_budget and not set(xsa_budgets) <= set(sa_budgets):
         raise UserError(
             f"scale.lr_per_budget=true trains XSA at SA's LR of its budget, so every XSA budget {xsa_budgets} must be "
             f"one of scale.sa_budgets {sa_budgets}"
         )
-    warmup = cfg.scale.warmup_fraction
     return TokenPlan(
         axis="tokens",
         tokens_per_param=cfg.scale.tokens_per_param,
@@ -455,8 +432,8 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
         xsa_budgets=xsa_budgets,
         search_seeds=search_seeds,
         seeds=seeds,
-        lr_per_budget=lr_per_budget,
-        warmup_fraction=warmup,
+        lr_per_budget=bool(cfg.scale.lr_per_budget),
+        warmup_fraction=cfg.scale.warmup_fraction,
         tune_xsa=bool(cfg.sweep.tune_xsa),
         null_arm=bool(cfg.sweep.null_arm),
         allow_repeated_data=bool(cfg.scale.allow_repeated_data),
@@ -464,54 +441,38 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
     )
 
 
-def check_token_runs(
-    cfg: DictConfig, study_dir: Path, overrides: list[str], models: list[str], plan: TokenPlan
-) -> None:
-    """Each size's LR grid and its runs at B (an SA search run, an XSA run), composed and checked as their
-    `xsa-lm train` will (check_trials), within the running Hydra app; its largest budget against the training data
-    (check_repeats, unless scale.allow_repeated_data); and GPUs for the runs at once."""
+def check_token_axis(cfg: DictConfig, study_dir: Path, overrides: list[str], models: list[str]) -> Study:
+    """Every setting of the token axis (check_token_study) and each size's runs: its LR grid and its runs at B (an SA
+    search run, an XSA run) composed and checked as their `xsa-lm train` will (check_trials), within the running
+    Hydra app; its largest budget against the training data (check_repeats, unless scale.allow_repeated_data); and
+    GPUs for the runs at once. Returns the study, ready to run."""
+    plan = check_token_study(cfg, overrides)
     gpu_slots(cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [])
-    runs = train_overrides(overrides)
-    grids = cfg.sweep.lr_grids or {}
-    for model in models:
-        grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
-        size = SizePlan(study_dir, model, non_embedding_params(model, runs), cfg, runs)
-        trials = [Trial("sa", grid[0], plan["search_seeds"][0]), Trial("xsa", grid[0], plan["seeds"][0])]
+    runs = train_overrides(overrides)  # sweep.* stays with the study
+    sizes = [SizePlan(study_dir, model, cfg, runs) for model in models]
+    for size in sizes:
+        trials = [Trial("sa", size.grid[0], plan["search_seeds"][0]), Trial("xsa", size.grid[0], plan["seeds"][0])]
         check_trials(size.train_overrides(1.0), trials)
         if not plan["allow_repeated_data"]:
             check_repeats(size, max(plan["sa_budgets"]))
+    return partial(run_token_study, cfg, plan=plan, sizes=sizes)
 
 
 def run_token_study(
-    cfg: DictConfig, study_dir: Path, overrides: list[str], *, models: list[str], plan: TokenPlan, study_id: str
-) -> TokenStudyResult:
-    """The token-axis study (plan: check_token_study's): every size's runs, then the analysis and the report."""
-    sa_budgets, xsa_budgets = plan["sa_budgets"], plan["xsa_budgets"]
-    seeds = plan["seeds"]
+    cfg: DictConfig, identity: StudyIdentity, group: str | None, *, plan: TokenPlan, sizes: list[SizePlan]
+) -> list[str]:
+    """The token-axis study: the plan kept in scale.json, every size's runs, then the analysis and the report.
+    Returns the runs that did not finish."""
+    study_dir = Path(identity["study_dir"])
     keep_plan(study_dir / "scale.json", plan, grid=[])
-    group = study_id if wandb_settings(cfg) else None
-    grids = cfg.sweep.get("lr_grids") or {}
-    runs = train_overrides(overrides)  # sweep.* stays with the study
-    sizes = []
-    for model in models:
-        grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(model, grids.get("default")))
-        size = SizePlan(study_dir, model, non_embedding_params(model, runs), cfg, runs)
-        entry = run_size(size, grid=grid, seeds=seeds, study=plan, group=group)
-        bench = bench_size(study_dir, model, cfg, overrides) if cfg.scale.measure_throughput else None
-        sizes.append(replace(entry, grid=grid, bench=bench))
-    analysis = analyse_tokens(sizes, sa_budgets, xsa_budgets, seed=cfg.scale.bootstrap_seed, margin=plan["margin"])
-    results = TokenStudyResult(
-        study_dir=str(study_dir),
-        study_id=study_id,
-        overrides=overrides,
-        plan=plan,
-        sizes=sizes,
-        cells=analysis["cells"],
-        pooled=analysis["pooled"],
-        warnings=[f"{s.model}: {w}" for s in sizes for w in s.warnings] + analysis["warnings"],
-    )
+    entries = []
+    for size in sizes:
+        entry = run_size(size, plan, group)
+        bench = bench_size(study_dir, size.model, cfg, identity["overrides"]) if cfg.scale.measure_throughput else None
+        entries.append(replace(entry, bench=bench))
+    results = analysed(TokenStudyResult(**identity, plan=plan, sizes=entries, cells=[]), cfg.scale.bootstrap_seed)
     write_report(results, study_dir)
-    return results
+    return unfinished(results)
 
 
 def unfinished(results: TokenStudyResult) -> list[str]:
