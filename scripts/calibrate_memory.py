@@ -18,11 +18,11 @@ Writes <out>.json and <out>.md: each term measured, estimated, and estimated / m
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from xsa_lm.bench.loops import saved_for_backward
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
@@ -35,24 +35,6 @@ BF16_MIXED = {"compute": 2, "residual": 4}
 
 def autocast() -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16)
-
-
-def saved_for_backward(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> int:
-    """Bytes of the storages autograd saves while `run` builds its graph, each once, the model's own weights and
-    buffers excluded (they exist anyway). Returns after the backward, so the graph is freed."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    out.float().sum().backward()
-    return sum(storages.values())
 
 
 def compile_model(model: GPT) -> None:

@@ -7,10 +7,12 @@ keeps the important part.
 
 `xsa_bf16`: XSA in bf16 against fp64 on the same inputs, per heads,head_dim,context: the gradients (and output) of the
 fused ExclusiveOutputProjection, eager and compiled, against xsa_reference + F.linear in fp64, then the forward's
-orthogonality (xsa_lm.bench.probes). Any other key: SA and XSA of one model preset in this process, compiled as
-training compiles them (each block on its own), under each SDPA backend in turn, the first with the most rounds:
-paired rounds of step times -> XSA/SA with its 95% interval, tokens/s, MFU, the backend that ran, peak memory against
-xsa_lm.train.memory; then eager. GPU_CHECK_DEADLINE (Unix seconds, set by gpu_check.sh) ends optional work in time.
+orthogonality (max |cos(z, v)|). Any other key: SA and XSA of one model preset in this process (`xsa-lm bench` runs
+each phase in a fresh process instead: no phase inherits another's state, but each recompiles; this is for a GPU lent
+for minutes), compiled as training compiles them (each block on its own), under each SDPA backend in turn, the first
+with the most rounds: paired rounds of step times -> XSA/SA with its 95% interval, tokens/s, MFU, the backend that ran
+(from torch.profiler's names), peak memory against xsa_lm.train.memory; then eager. GPU_CHECK_DEADLINE (Unix
+seconds, set by gpu_check.sh) ends optional work in time.
 """
 
 import argparse
@@ -22,7 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,6 +43,19 @@ BF16_UNIT = 2.0**-8
 GRADIENT_BOUND = 2 * BF16_UNIT
 RESOLUTION = 0.01  # an XSA/SA interval narrower than this can tell a 1% difference from none
 XSA_EPS = 1e-6
+KEPT_NORM = 0.01  # |z_i| below this share of |y_i|: too little left of y_i to have a direction
+# The aten operator scaled_dot_product_attention dispatched to -> its backend.
+SDPA_BACKENDS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+    "aten::_scaled_dot_product_attention_math": "math",
+}
+KERNEL_WORDS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")  # device kernels of SDPA's backends
+MAX_NAME = 160  # templated kernel names run to kilobytes
+MAX_NAMES = 12
 
 
 class Deadline:
@@ -158,8 +173,55 @@ def xsa_gradients(
     }
 
 
+def max_abs_cos(z: torch.Tensor, v: torch.Tensor, kept: torch.Tensor) -> float:
+    """The largest |cos(z_i, v_i)| over the kept tokens and heads, in fp64 from the given (rounded) values."""
+    z64, v64 = z.double(), v.double()
+    cos = (z64 * v64).sum(-1) / (z64.norm(dim=-1) * v64.norm(dim=-1)).clamp_min(1e-30)
+    return cos[kept].abs().max().item()
+
+
+def xsa_orthogonality(device: torch.device, *, heads: int, head_dim: int, context: int, batch: int = 2) -> dict:
+    """max |cos(z, v)| of XSA's fused op (eager and compiled) and of xsa_reference, on y and v as the model makes
+    them under bf16 autocast (attention_inputs). The exact reference shows the floor that bf16 rounding of z sits
+    above (in fp64); before XSA, |cos(y, v)| for scale."""
+    from xsa_lm.model import exclusive_projection, xsa_reference
+
+    y, v, _, _ = attention_inputs(device, heads=heads, head_dim=head_dim, context=context, batch=batch, seed=0)
+    with torch.autocast(device.type, dtype=torch.bfloat16), torch.no_grad():
+        fused = exclusive_projection(y, v)
+        reference = xsa_reference(y, v)
+        compiled = torch.compile(exclusive_projection, dynamic=False)(y, v)
+    exact = xsa_reference(y.double(), v.double())
+    # Tokens whose y_i is (nearly) parallel to v_i are left out: there z_i is (nearly) zero and its direction is
+    # rounding noise (the first token attends only to itself: y_0 = v_0).
+    kept = exact.norm(dim=-1) > KEPT_NORM * y.double().norm(dim=-1)
+    return {
+        "shape": [batch, heads, context, head_dim],
+        "dtype": str(y.dtype).removeprefix("torch."),
+        "max_abs_cos": {
+            "fused": max_abs_cos(fused, v, kept),
+            "fused_compiled": max_abs_cos(compiled, v, kept),
+            "reference": max_abs_cos(reference, v, kept),
+            "reference_fp64": max_abs_cos(exact, v, kept),
+            "before_xsa": max_abs_cos(y, v, kept),
+        },
+        "tokens_left_out": int((~kept).sum()),
+        "max_abs_difference": {
+            "fused_vs_reference": (fused.double() - reference.double()).abs().max().item(),
+            "fused_vs_fp64": (fused.double() - exact).abs().max().item(),
+        },
+    }
+
+
+def orthogonality_holds(result: dict, slack: float = 2.0, floor: float = 1e-3) -> bool:
+    """The fused op (eager and compiled) is as orthogonal as the paper formula in the same dtype: within `slack`x
+    its max |cos|, or below `floor` outright."""
+    cos = result["max_abs_cos"]
+    bound = max(slack * cos["reference"], floor)
+    return cos["fused"] <= bound and cos["fused_compiled"] <= bound
+
+
 def xsa_bf16(directory: Path, key: str, device: torch.device, shapes: list[tuple[int, int, int]]) -> None:
-    from xsa_lm.bench.probes import orthogonality_holds, xsa_orthogonality
     from xsa_lm.train.hardware import device_name
 
     result: dict = {"device": device_name(device), "gradients": [], "orthogonality": []}
@@ -185,26 +247,19 @@ def xsa_bf16(directory: Path, key: str, device: torch.device, shapes: list[tuple
 # ---- SDPA kernels -----------------------------------------------------------------------------------------------
 
 
-def kernel_choices(device: torch.device, config, names: list[str], dtype: torch.dtype) -> dict[str, dict]:
+def kernel_choices(config, setup, names: list[str]) -> dict[str, dict]:
     """Per name ("auto", the run's default order, or one kernel): the order xsa_lm.model.sdpa resolves it to on this
     device and the kernel SDPA then runs for this model's attention, or why none runs."""
+    from xsa_lm.bench.loops import attention_kernel
     from xsa_lm.errors import UserError
-    from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
+    from xsa_lm.model.sdpa import resolve, sdpa_backends
 
     out: dict[str, dict] = {}
     for name in names:
         try:
-            order = resolve(name, device)
+            order = resolve(name, setup.device)
             with sdpa_backends(order):
-                runs = backend_used(
-                    heads=config.n_head,
-                    kv_heads=config.n_kv_head,
-                    seq=config.block_size,
-                    head_dim=config.head_dim,
-                    dtype=dtype,
-                    device=device,
-                )
-            out[name] = {"order": order, "runs": runs}
+                out[name] = {"order": order, "runs": attention_kernel(config, setup)}
         except (UserError, RuntimeError) as error:  # RuntimeError: CUDA's "No available kernel" for this shape
             out[name] = {"order": None, "runs": None, "reason": str(error).splitlines()[0][:200]}
     return out
@@ -223,11 +278,9 @@ def to_measure(choices: dict[str, dict]) -> list[str]:
 # ---- SA against XSA ---------------------------------------------------------------------------------------------
 
 
-def model_pair(args: argparse.Namespace):
-    """The bench config for this preset (as `xsa-lm bench model=... attention=xsa` composes it) and its XSA model."""
+def bench_config(args: argparse.Namespace):
+    """The bench config for this preset, as `xsa-lm bench model=... attention=xsa` composes it."""
     from hydra import compose, initialize_config_module
-
-    from xsa_lm.config.builders import model_config
 
     overrides = [
         f"model={args.model}",
@@ -238,8 +291,7 @@ def model_pair(args: argparse.Namespace):
         *args.override,
     ]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=overrides)
-    return cfg, replace(model_config(cfg, cfg.vocab_size), block_size=args.context)
+        return compose(config_name="bench", overrides=overrides)
 
 
 def paired_rounds(trainers: dict, batches: list, *, rounds: int, steps: int, deadline: Deadline) -> dict:
@@ -259,28 +311,53 @@ def paired_rounds(trainers: dict, batches: list, *, rounds: int, steps: int, dea
 
 
 def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
-    """compare()'s step times, tokens/s, MFU and XSA/SA interval, and whether that interval resolves 1%."""
-    from xsa_lm.bench.interleaved import compare
+    """Per SA and XSA the step time and tokens/s (the median over rounds) and, where the device's peak FLOP/s is
+    known, MFU per round; XSA/SA step time per round with its 95% interval and verdict (xsa_lm.bench.stats), and
+    whether that interval resolves 1%."""
     from xsa_lm.bench.run import TARGETS, mfu_target
+    from xsa_lm.bench.stats import summarize
 
-    out = compare(
-        per_round,
-        tokens=result["tokens_per_step"],
-        flops_per_token=result["flops_per_token"],
-        peak_flops=result["peak_flops"],
-        step_time_target=TARGETS["xsa_over_sa_step_time"][device_type],
-        mfu_target=mfu_target(result["model"], result["device"]),
-    )
-    ratio = out["xsa_over_sa_step_time"]
-    ratio["resolution"] = RESOLUTION
-    ratio["resolved"] = ratio["interval"] is not None and ratio["interval"][1] - ratio["interval"][0] <= RESOLUTION
-    return out | {"rounds_done": len(per_round["sa"])}
+    tokens, peak, out = result["tokens_per_step"], result["peak_flops"], {}
+    for name, times in per_round.items():
+        median = statistics.median(times)
+        out[name] = {
+            "step_ms": 1e3 * median,
+            "tokens_per_s": tokens / median,
+            "round_step_ms": [1e3 * t for t in times],
+        }
+        if peak is not None:
+            mfu = [tokens / t * result["flops_per_token"] / peak for t in times]
+            out[name]["mfu"] = summarize(mfu, target=mfu_target(result["model"], result["device"]), at_most=False)
+    ratios = [x / s for x, s in zip(per_round["xsa"], per_round["sa"], strict=True)]
+    ratio = summarize(ratios, target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True)
+    resolved = ratio["interval"] is not None and ratio["interval"][1] - ratio["interval"][0] <= RESOLUTION
+    ratio |= {"resolution": RESOLUTION, "resolved": resolved}
+    return out | {"xsa_over_sa_step_time": ratio, "rounds_done": len(per_round["sa"])}
+
+
+def sdpa_kernels(fn: Callable[[], object]) -> dict:
+    """Which SDPA backend fn() runs (forward and backward), from the names of the operators (host) and of the kernels
+    (device) profiled while it runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    on_host = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+    on_device = {e.name for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU}
+    attention = sorted(k for k in on_device if any(word in k.lower() for word in KERNEL_WORDS))
+    return {
+        "backends": sorted({backend for op, backend in SDPA_BACKENDS.items() if op in on_host}),
+        "operators": sorted(op for op in on_host if op in SDPA_BACKENDS or "scaled_dot_product" in op),
+        "kernels": [name[:MAX_NAME] for name in attention[:MAX_NAMES]],  # each cut to MAX_NAME characters
+        "kernel_count": len(attention),
+    }
 
 
 def kernels_ran(trainers: dict, batch) -> dict:
     """The SDPA kernels one more training step of each model runs, from its profile."""
-    from xsa_lm.bench.probes import sdpa_kernels
-
     return {name: sdpa_kernels(lambda t=t: t.step(batch)) for name, t in trainers.items()}
 
 
@@ -303,32 +380,42 @@ def measure_kernel(order: list[str], trainers: dict, batches: list, *, args, rou
 
 
 def step_memory(trainer, batches: list) -> dict:
-    """Peak memory of one more training step: on CUDA the allocator's high-water mark (xsa_lm.bench.interleaved), on
-    CPU the allocator's peak from torch.profiler's memory events; both above what was allocated before the step,
-    plus this model's weights and AdamW state (the other model's stay out)."""
-    from xsa_lm.bench.interleaved import step_peak_memory, training_state_bytes
+    """Peak memory of one more training step: on CUDA the allocator's high-water mark, on CPU the allocator's peak
+    from torch.profiler's memory events; both above what was allocated before the step, plus this model's weights
+    and AdamW state, what stays allocated between its steps (the other model's stay out)."""
     from xsa_lm.train.memory import allocator_peak
 
-    if trainer.setup.device.type == "cuda":
-        return step_peak_memory(trainer, batches)
-    peak = allocator_peak(lambda: trainer.run(batches, 1))
-    return {
-        "bytes": peak + training_state_bytes(trainer),
-        "source": "the CPU allocator's peak over a step (torch.profiler), plus this model's weights and AdamW state",
-    }
+    device, cuda = trainer.setup.device, {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.run(batches, 1)
+        cuda = {"max_memory_allocated": torch.cuda.max_memory_allocated(device), "allocated_before": before}
+        peak = cuda["max_memory_allocated"] - before
+        source = "torch.cuda.max_memory_allocated over a step, above what was allocated before it"
+    else:
+        peak = allocator_peak(lambda: trainer.run(batches, 1))
+        source = "the CPU allocator's peak over a step (torch.profiler)"
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    state = sum(t.numel() * t.element_size() for s in trainer.opt.state.values() for t in s.values() if t.dim())
+    return {"bytes": peak + weights + state, **cuda, "source": f"{source}, plus this model's weights and AdamW state"}
 
 
 def memory_phase(trainers: dict, batches: list, *, order: list[str], micro_batch: int, compiled: bool) -> dict:
-    """Per model, the measured peak of a step against xsa_lm.train.memory's estimate for the same shape."""
-    from xsa_lm.bench.interleaved import planned_memory
+    """Per model, the measured peak of a step against xsa_lm.train.memory's estimate for the same shape on one device
+    (the plain loop holds every tensor whole)."""
     from xsa_lm.model.sdpa import sdpa_backends
+    from xsa_lm.train.memory import estimate
 
     out = {}
     with sdpa_backends(order):
         for name, trainer in trainers.items():
             measured = step_memory(trainer, batches)
             config, precision = trainer.model.config, trainer.setup.precision
-            planned = planned_memory(config, micro_batch=micro_batch, precision=precision, compiled=compiled)
+            shape = (config.vocab_size, micro_batch, config.block_size, precision)
+            plan = estimate(asdict(config), *shape, compiled=compiled, attention=config.attention)
+            planned = plan.as_dict() | {"arguments": ["attention", "compiled"]}  # the estimate's optional ones given
             out[name] = {
                 "measured": measured,
                 "planned": planned,
@@ -340,30 +427,29 @@ def memory_phase(trainers: dict, batches: list, *, order: list[str], micro_batch
 def bench(directory: Path, key: str, device: torch.device, args: argparse.Namespace) -> None:
     """SA and XSA built once and compiled once per SDPA kernel, the result recorded after every measurement: the
     first kernel's rounds and the compiled memory first, the other kernels while the deadline allows, eager last."""
-    from xsa_lm.bench.interleaved import build_pair
-    from xsa_lm.bench.loops import N_BATCHES, Setup, make_batches
-    from xsa_lm.bench.run import resolve_bench_precision
+    from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
+    from xsa_lm.bench.run import resolve_bench_precision, sa_and_xsa
     from xsa_lm.config.builders import build
     from xsa_lm.train.hardware import device_name, peak_flops
     from xsa_lm.train.module import compile_model
 
     deadline, t_start = Deadline(), time.perf_counter()
-    cfg, config = model_pair(args)
+    cfg = bench_config(args)
+    models = dict(zip(("sa", "xsa"), sa_and_xsa(cfg), strict=True))
     precision = resolve_bench_precision("auto", device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     setup = Setup(
         device, precision=precision, compile=False, optimizer=build(cfg.optim), scheduler=build(cfg.scheduler)
     )
-    trainers = build_pair(config, setup, seed=cfg.seed, total_steps=TOTAL_STEPS)
+    # Two hand-written loops on the same initial weights, each compiled as training compiles: each block on its own,
+    # the head with the loss
+    trainers = {name: PlainTrainer(config, setup, cfg.seed, TOTAL_STEPS) for name, config in models.items()}
     for trainer in trainers.values():
-        compile_model(trainer.model)  # as training compiles: each block on its own, the head with the loss
-    pin = device.type == "cuda"
-    batches = make_batches(
-        N_BATCHES, micro_batch=args.micro_batch, context=args.context, vocab=config.vocab_size, seed=0, pin=pin
-    )
+        compile_model(trainer.model)
+    config = models["xsa"]
+    batches = make_batches(config, micro_batch=args.micro_batch, seed=0, device=device)
     peak, source = peak_flops(device, precision)
-    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     result: dict = {
         "model": cfg.model.name,
         "device": device_name(device),
@@ -377,7 +463,7 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
         "flops_per_token": trainers["sa"].model.flops_per_token(args.context),
         "peak_flops": peak,
         "peak_flops_source": source,
-        "kernel_choices": kernel_choices(device, config, args.backends, dtype),
+        "kernel_choices": kernel_choices(config, setup, args.backends),
         "compiled": {},
         "errors": {},
         "skipped": [],

@@ -98,7 +98,7 @@ def finite(value: object) -> bool:
 
 
 def kernel_name(backend: str) -> str:
-    """xsa_lm.bench.probes' backend name -> xsa_lm.model.sdpa's ("flash (cpu)" is flash)."""
+    """gpu_check_measure.sdpa_kernels' backend name -> xsa_lm.model.sdpa's ("flash (cpu)" is flash)."""
     return backend.split()[0]
 
 

@@ -272,6 +272,48 @@ def test_a_wrong_gradient_of_the_fused_op_fails_the_bf16_check(monkeypatch: pyte
     assert result["relative_error"]["fused"]["v"] > result["bound"] >= result["relative_error"]["fused"]["out"]
 
 
+@pytest.mark.slow
+def test_xsa_stays_orthogonal_to_v_under_bf16_autocast():
+    result = gpu_check_measure.xsa_orthogonality(torch.device("cpu"), heads=2, head_dim=32, context=64)
+    cos = result["max_abs_cos"]
+    assert result["dtype"] == "bfloat16" and gpu_check_measure.orthogonality_holds(result)
+    assert cos["reference_fp64"] < 1e-5 < cos["fused"] < 1e-2  # bf16 rounding of z, far below y's own cos
+    assert cos["before_xsa"] > 0.5 and result["tokens_left_out"] >= 2  # each sequence's first token: y_0 = v_0
+    broken = result | {"max_abs_cos": cos | {"fused": 0.1}}
+    assert not gpu_check_measure.orthogonality_holds(broken)
+
+
+@pytest.mark.slow
+def test_sa_and_xsa_in_one_process_give_step_times_mfu_kernels_and_memory_against_the_plan():
+    from dataclasses import replace
+    from functools import partial
+
+    from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
+    from xsa_lm.model import GPTConfig
+    from xsa_lm.train.schedule import warmup_cosine_scheduler
+
+    xsa = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=32, vocab_size=128, attention="xsa")
+    setup = Setup(
+        torch.device("cpu"),
+        precision="32-true",
+        compile=False,
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
+    )
+    sa = replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False)
+    trainers = {name: PlainTrainer(config, setup, 0, 100) for name, config in (("sa", sa), ("xsa", xsa))}
+    batches = make_batches(xsa, micro_batch=2, seed=0, device=setup.device)
+    deadline = gpu_check_measure.Deadline()
+    per_round = gpu_check_measure.paired_rounds(trainers, batches, rounds=3, steps=2, deadline=deadline)
+    result = {"tokens_per_step": 64, "flops_per_token": 1e6, "peak_flops": 1e12, "model": "x", "device": "cpu"}
+    measured = gpu_check_measure.summarize_phase(per_round, result, device_type="cpu")
+    assert len(measured["xsa_over_sa_step_time"]["rounds"]) == 3 and measured["xsa_over_sa_step_time"]["interval"]
+    assert measured["sa"]["mfu"]["median"] == pytest.approx(64 / (measured["sa"]["step_ms"] / 1e3) * 1e6 / 1e12)
+    assert gpu_check_measure.kernels_ran(trainers, batches[0])["xsa"]["backends"] in (["flash (cpu)"], ["math"])
+    memory = gpu_check_measure.memory_phase(trainers, batches, order=["math"], micro_batch=2, compiled=False)
+    assert memory["xsa"]["planned"]["total"] > 0 and 0.2 < memory["xsa"]["measured_over_planned"] < 5
+
+
 def test_a_run_and_its_resume_are_read_from_the_run_directory(tmp_path: Path):
     run = tmp_path / "run"
     run.mkdir()

@@ -8,15 +8,17 @@ other jobs the wall clock also counts the time this process waited for a core, i
 import contextlib
 import logging
 import os
+import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import lightning as L
 import torch
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from xsa_lm.config.builders import build
 from xsa_lm.errors import UserError
@@ -44,7 +46,7 @@ class KernelsFound(SdpaKernels):
     takes: dict[str, bool]
 
 
-class DeviceFacts(TypedDict):
+class DevicePhase(ProcessFacts):
     device: str
     peak_flops: float | None
     peak_flops_source: str
@@ -52,28 +54,18 @@ class DeviceFacts(TypedDict):
     flops_per_token_flop_counter: float
 
 
-class PhaseTiming(TypedDict):
+class TimedPhase(ProcessFacts):
     step_times: list[float]  # seconds, start to start
     cpu_step_times: list[float]
     sdpa_used: str
     peak_memory_bytes: int | None
     peak_memory_source: str
-
-
-class KernelsPhase(ProcessFacts, KernelsFound):
-    pass
-
-
-class DevicePhase(ProcessFacts, DeviceFacts):
-    pass
-
-
-class TimedPhase(ProcessFacts, PhaseTiming):
-    pass
+    step_ms_median: float  # wall clock
+    cpu_ms_median: float
 
 
 PhaseResult = (
-    KernelsPhase | DevicePhase | TimedPhase
+    KernelsFound | DevicePhase | TimedPhase
 )  # what measure() returns for a phase of kind kernels, device, else
 
 
@@ -101,23 +93,25 @@ class Phase:
     sdpa: tuple[str, ...] = ()
 
 
-def make_batches(n: int, *, micro_batch: int, context: int, vocab: int, seed: int, pin: bool) -> list[Batch]:
-    """Random tokens: the step time of a language model does not depend on what the tokens say."""
+def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torch.device) -> list[Batch]:
+    """N_BATCHES of random tokens, pinned for CUDA: the step time of a language model does not depend on what the
+    tokens say."""
     g = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, vocab, (micro_batch, context + 1), generator=g) for _ in range(n)]
+    shape = (micro_batch, config.block_size + 1)
+    tokens = [torch.randint(0, config.vocab_size, shape, generator=g) for _ in range(N_BATCHES)]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-    return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if pin else batches
+    return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if device.type == "cuda" else batches
 
 
+@dataclass(frozen=True)
 class Setup:
     """What both loops share: device, precision, compile, and the optimizer and schedule factories."""
 
-    def __init__(self, device: torch.device, *, precision: str, compile: bool, optimizer, scheduler) -> None:
-        self.device = device
-        self.precision = precision
-        self.compile = compile
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+    device: torch.device
+    precision: str
+    compile: bool
+    optimizer: Any  # a functools.partial of the optimizer: its keywords are read
+    scheduler: Callable
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision.startswith("bf16"):
@@ -140,10 +134,6 @@ class PlainTrainer:
         self.sched = setup.scheduler(self.opt, total_steps=total_steps)
         self.losses: list[torch.Tensor] = []
         self.cpu_stamps: list[float] = []  # the last run's, on the process's CPU-time clock
-
-    def compile(self) -> None:
-        """From now on steps run the torch.compile'd model (same weights, same optimizer), compiled at the next one."""
-        self.step_fn = torch.compile(self.model)
 
     def step(self, batch: Batch) -> None:
         x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
@@ -168,18 +158,6 @@ class PlainTrainer:
         synchronize(self.setup.device)
         self.cpu_stamps.append(time.process_time())
         return stamps + [time.perf_counter()]
-
-
-class CycledBatches(Dataset):
-    def __init__(self, batches: list[Batch], length: int) -> None:
-        self.batches = batches
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> Batch:
-        return self.batches[i % len(self.batches)]
 
 
 class StepTimer(L.Callback):
@@ -231,13 +209,30 @@ def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: i
         limit_val_batches=0,
         callbacks=[timer],
     )
-    loader = DataLoader(CycledBatches(batches, n), batch_size=None, shuffle=False, num_workers=0)
-    trainer.fit(module, loader)
+    cycled = [batches[i % len(batches)] for i in range(n)]  # a list is a map-style dataset
+    trainer.fit(module, DataLoader(cycled, batch_size=None, shuffle=False, num_workers=0))  # type: ignore[arg-type]
     return timer
 
 
 def step_times(stamps: list[float]) -> list[float]:
     return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:], strict=False)]
+
+
+def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int:
+    """Bytes of the storages autograd saves while `run` builds its graph, each once, the model's own weights and
+    buffers excluded (they exist anyway)."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
 
 
 def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
@@ -249,21 +244,12 @@ def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
         torch.cuda.reset_peak_memory_stats(setup.device)
         trainer.run(batches, 1)
         return torch.cuda.max_memory_allocated(setup.device), "torch.cuda.max_memory_allocated over a training step"
-    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     static = sum(p.numel() * p.element_size() * 2 for p in trainer.model.parameters())  # weights + gradients
+    static += sum(b.numel() * b.element_size() for b in trainer.model.buffers())  # RoPE's tables
     static += sum(t.numel() * t.element_size() for s in trainer.opt.state.values() for t in s.values())
-    saved: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), setup.autocast():
-        x, y = (t.to(setup.device) for t in batches[0])
-        trainer.step_fn(x, y)
-    return static + sum(saved.values()), "estimate: weights, gradients, AdamW state and tensors saved for backward"
+    with setup.autocast():
+        saved = saved_for_backward(lambda: trainer.step_fn(*batches[0]), trainer.model)
+    return static + saved, "estimate: weights, gradients, AdamW state and tensors saved for backward"
 
 
 def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> float:
@@ -295,7 +281,7 @@ def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...])
                 takes[name] = attention_kernel(config, setup) == name
             except UserError:  # no kernel allowed takes it: this one does not
                 takes[name] = False
-    return {"order": order, "used": used, "candidates": wanted, "takes": takes}
+    return KernelsFound(order=order, used=used, candidates=wanted, takes=takes)
 
 
 def attention_kernel(config: GPTConfig, setup: Setup) -> str:
@@ -331,39 +317,32 @@ def measure(phase: Phase) -> PhaseResult:
         optimizer=build(OmegaConf.create(phase.optimizer)),
         scheduler=build(OmegaConf.create(phase.scheduler)),
     )
-    config = phase.model
-    batches = make_batches(
-        N_BATCHES,
-        micro_batch=phase.micro_batch,
-        context=config.block_size,
-        vocab=config.vocab_size,
-        seed=phase.seed,
-        pin=device.type == "cuda",
-    )
-    out = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
+    batches = make_batches(phase.model, micro_batch=phase.micro_batch, seed=phase.seed, device=device)
     if phase.kind == "kernels":
-        return KernelsPhase(**out, **kernels_taking(config, setup, phase.sdpa))
+        return kernels_taking(phase.model, setup, phase.sdpa)
+    facts = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
     with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
         if phase.kind == "device":
-            return DevicePhase(**out, **device_facts(phase, setup, batches))
-        return TimedPhase(**out, **timed(phase, setup, batches))
+            return device_facts(phase, setup, batches, facts)
+        return timed(phase, setup, batches, facts)
 
 
-def device_facts(phase: Phase, setup: Setup, batches: list[Batch]) -> DeviceFacts:
+def device_facts(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> DevicePhase:
     """The device's name and peak FLOP/s, and the model's FLOPs per token (its formula and the flop counter's)."""
     config = phase.model
     peak, source = peak_flops(setup.device, phase.precision)
     first = (batches[0][0][:1], batches[0][1][:1])  # one sequence: the count per token is the same, the memory less
-    return {
-        "device": device_name(setup.device),
-        "peak_flops": peak,
-        "peak_flops_source": source,
-        "flops_per_token": GPT(config).flops_per_token(config.block_size),
-        "flops_per_token_flop_counter": counted_flops_per_token(config, setup, first),
-    }
+    return DevicePhase(
+        **facts,
+        device=device_name(setup.device),
+        peak_flops=peak,
+        peak_flops_source=source,
+        flops_per_token=GPT(config).flops_per_token(config.block_size),
+        flops_per_token_flop_counter=counted_flops_per_token(config, setup, first),
+    )
 
 
-def timed(phase: Phase, setup: Setup, batches: list[Batch]) -> PhaseTiming:
+def timed(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> TimedPhase:
     """The `plain` or `lightning` phase timed (see measure)."""
     config, w = phase.model, phase.warmup
     # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
@@ -381,10 +360,13 @@ def timed(phase: Phase, setup: Setup, batches: list[Batch]) -> PhaseTiming:
         source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
     else:
         raise ValueError(f"unknown bench phase kind {phase.kind!r}")
-    return {
-        "step_times": times,
-        "cpu_step_times": cpu_times,
-        "sdpa_used": attention_kernel(config, setup),
-        "peak_memory_bytes": memory,
-        "peak_memory_source": source,
-    }
+    return TimedPhase(
+        **facts,
+        step_times=times,
+        cpu_step_times=cpu_times,
+        sdpa_used=attention_kernel(config, setup),
+        peak_memory_bytes=memory,
+        peak_memory_source=source,
+        step_ms_median=1e3 * statistics.median(times),
+        cpu_ms_median=1e3 * statistics.median(cpu_times),
+    )

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from xsa_lm.bench.fresh import process_context, run_fresh
-from xsa_lm.bench.loops import DevicePhase, KernelsFound, KernelsPhase, Phase, TimedPhase
+from xsa_lm.bench.loops import DevicePhase, KernelsFound, Phase, TimedPhase
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, RatioSummary, rounds_needed, summarize
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
@@ -111,26 +111,27 @@ def resolve_bench_precision(precision: str, device: torch.device) -> str:
     return name
 
 
-def resolve_threads(threads: int | str | None, device: torch.device) -> int | None:
-    """auto: one thread per phase on CPU, torch's default (one per core) on a GPU. With two threads on a shared
-    machine, one thread spins while the other waits for a core, and the spinning counts as CPU time (measured in
-    docs/benchmark.md): one thread keeps the CPU-time clock a measure of the step's work."""
-    if threads == "auto":
-        return 1 if device.type == "cpu" else None
-    return cast(int | None, threads)
+def sa_and_xsa(cfg: DictConfig) -> tuple[GPTConfig, GPTConfig]:
+    """The XSA variant given by attention=xsa (its layers and gate) at the bench's context, and SA: the same model
+    without XSA."""
+    xsa = model_config(cfg, cfg.vocab_size)
+    if xsa.attention != "xsa":
+        raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
+    xsa = replace(xsa, block_size=cfg.context)
+    return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
 
 
 def base_phase(cfg: DictConfig, n: dict, device: torch.device, precision: str) -> tuple[Phase, GPTConfig]:
     """The plain loop training SA (under torch's own kernel order, until a phase names one), and the XSA variant's
     model beside it."""
-    xsa = model_config(cfg, cfg.vocab_size)
-    if xsa.attention != "xsa":
-        raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
-    xsa = replace(xsa, block_size=cfg.context)
-    sa = replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False)
+    sa, xsa = sa_and_xsa(cfg)
     unknown = set(cfg.comparisons) - set(COMPARISONS)
     if unknown:
         raise UserError(f"comparisons: unknown {sorted(unknown)}; choose from {sorted(COMPARISONS)}")
+    # threads=auto: one thread per phase on CPU, torch's default (one per core) on a GPU. With two threads on a
+    # shared machine, one thread spins while the other waits for a core, and the spinning counts as CPU time
+    # (measured in docs/benchmark.md): one thread keeps the CPU-time clock a measure of the step's work.
+    threads = (1 if device.type == "cpu" else None) if cfg.threads == "auto" else cfg.threads
     base = Phase(
         kind="plain",
         model=sa,
@@ -143,7 +144,7 @@ def base_phase(cfg: DictConfig, n: dict, device: torch.device, precision: str) -
         warmup=n["warmup"],
         steps=n["steps"],
         seed=cfg.seed,
-        threads=resolve_threads(cfg.threads, device),
+        threads=threads,
         reuse_host_memory=bool(cfg.reuse_host_memory),
     )
     return base, xsa
@@ -165,21 +166,14 @@ def kernel_choice(cfg: DictConfig, base: Phase) -> KernelChoice:
     `backends` that take the model's attention alone (`train`: the one train runs). `primary`: the kernel whose
     ratios are the headline (train's, when it is timed)."""
     kernels = replace(base, kind="kernels", sdpa=backend_names(cfg.backends))
-    found = cast(KernelsPhase, run_fresh(kernels, "kernels", process_context()))
+    found = cast(KernelsFound, run_fresh(kernels, "kernels", process_context()))
     timed = [found["used"]] if cfg.backends == "train" else [k for k in found["candidates"] if found["takes"][k]]
     if not timed:
         raise UserError(
             f"backends={cfg.backends}: none of {', '.join(found['candidates'])} takes this model's attention in "
             f"{base.precision} on {base.device}; add math (it takes every shape)"
         )
-    return KernelChoice(
-        order=found["order"],
-        used=found["used"],
-        candidates=found["candidates"],
-        takes=found["takes"],
-        timed=timed,
-        primary=found["used"] if found["used"] in timed else timed[0],
-    )
+    return KernelChoice(**found, timed=timed, primary=found["used"] if found["used"] in timed else timed[0])
 
 
 def make_phases(cfg: DictConfig, base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
@@ -220,13 +214,9 @@ def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, coun
     for r in range(first, first + count):
         t0, result = time.perf_counter(), Round()
         for name in round_order(list(phases), kernels, r):
-            timed = run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context)
-            result[name] = cast(TimedPhase, timed)
+            result[name] = cast(TimedPhase, run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context))
         results.append(result)
-        ms = ", ".join(
-            f"{k} {1e3 * median_step(v, 'wall'):.1f} ms ({1e3 * median_step(v, 'cpu'):.1f} CPU)"
-            for k, v in result.items()
-        )
+        ms = ", ".join(f"{k} {v['step_ms_median']:.1f} ms ({v['cpu_ms_median']:.1f} CPU)" for k, v in result.items())
         print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {ms}", flush=True)
     return results
 
@@ -236,33 +226,22 @@ def per_round_ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> 
     return [median_step(r[top], clock) / median_step(r[bottom], clock) for r in rounds]
 
 
-def deciding_ratios(
-    rounds: list[Round], kernels: KernelChoice, clock: str, device_type: str
-) -> list[tuple[list[float], float]]:
-    """The per-round ratios the rounds are planned for, each with its target: the headline, XSA/SA under the
-    primary kernel (the other kernels' ratios come from the same rounds), or, when only Lightning and the plain
-    loop are compared, Lightning's step time over the plain loop's (the inverse of the throughput ratio, and of its
-    target)."""
-    primary = kernels["primary"]
-    if f"xsa_{primary}" in rounds[0]:
-        pairs, target = [(f"xsa_{primary}", f"sa_{primary}")], TARGETS["xsa_over_sa_step_time"][device_type]
-    elif f"sa_{primary}" in rounds[0]:
-        pairs, target = [("lightning", f"sa_{primary}")], 1 / TARGETS["lightning_over_plain_throughput"]
-    else:
-        return []
-    return [(per_round_ratios(rounds, top, bottom, clock), target) for top, bottom in pairs]
-
-
 def plan_rounds(
     pilot: list[Round], *, kernels: KernelChoice, elapsed_s: float, cfg: DictConfig, device_type: str
 ) -> RoundsPlan:
     """How many rounds in all: what the headline ratio needs at the pilot's spread and distance to its target
-    (stats.rounds_needed), within what fits in budget_s at the pilot's pace and max_rounds. Planned once, from the
-    pilot: re-planning after every round would stop when the interval happened to look decided, and such an
-    interval covers less than 95%."""
-    clock = PLANNING_CLOCK[device_type]
-    ratios = deciding_ratios(pilot, kernels, clock, device_type)
-    needed = max((rounds_needed(values, target) for values, target in ratios), default=len(pilot))
+    (stats.rounds_needed), within what fits in budget_s at the pilot's pace and max_rounds. The headline: XSA/SA
+    under the primary kernel (the other kernels' ratios come from the same rounds), or, when only Lightning and the
+    plain loop are compared, Lightning's step time over the plain loop's (the inverse of the throughput ratio, and
+    of its target). Planned once, from the pilot: re-planning after every round would stop when the interval
+    happened to look decided, and such an interval covers less than 95%."""
+    clock, primary = PLANNING_CLOCK[device_type], kernels["primary"]
+    if f"xsa_{primary}" in pilot[0]:
+        top, target = f"xsa_{primary}", TARGETS["xsa_over_sa_step_time"][device_type]
+    else:
+        top, target = "lightning", 1 / TARGETS["lightning_over_plain_throughput"]
+    has_sa = f"sa_{primary}" in pilot[0]  # else Lightning alone: no ratio to plan for
+    needed = rounds_needed(per_round_ratios(pilot, top, f"sa_{primary}", clock), target) if has_sa else len(pilot)
     pace = elapsed_s / len(pilot)
     affordable = len(pilot) + max(0, math.floor((cfg.budget_s - elapsed_s) / pace))
     total = max(len(pilot), min(needed, affordable, cfg.max_rounds))
@@ -326,18 +305,6 @@ def summarize_rounds(
     return out | {"ratios": ratios}
 
 
-def with_step_medians(round_results: Round) -> dict[str, dict]:
-    """One round's results, each phase's with its median step time in ms on both clocks."""
-    return {
-        name: {
-            **result,
-            "step_ms_median": 1e3 * median_step(result, "wall"),
-            "cpu_ms_median": 1e3 * median_step(result, "cpu"),
-        }
-        for name, result in round_results.items()
-    }
-
-
 def check_sizes(cfg: DictConfig) -> None:
     """The whole numbers of a bench, before any phase starts (a zero would fail inside a phase's process)."""
     lowest = {"micro_batch": 1, "context": 1, "steps": 1, "warmup": 0, "vocab_size": 1, "seed": 0, "threads": 1}
@@ -354,17 +321,11 @@ def check_sizes(cfg: DictConfig) -> None:
         raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
 
 
-def check_rounds(rounds: object) -> None:
-    if rounds == "auto":
-        return
-    if type(rounds) is not int or rounds < 2:
-        raise UserError(f"rounds={rounds!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
-
-
 def bench(cfg: DictConfig) -> dict[str, Any]:
     """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones."""
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
-    check_rounds(n["rounds"])
+    if n["rounds"] != "auto" and (type(n["rounds"]) is not int or n["rounds"] < 2):
+        raise UserError(f"rounds={n['rounds']!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
     check_sizes(cfg)
     device = resolve_device(cfg.device)
     precision = resolve_bench_precision(cfg.precision, device)
@@ -391,7 +352,6 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         rounds, info, model=cfg.model.name, device_type=device.type, tokens=tokens, kernels=kernels
     )
     ratios = summary.pop("ratios")
-    lightning = statistics.median(median_step(r["lightning"], "wall") for r in rounds)
     memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
     return {
         "device": info["device"],
@@ -415,8 +375,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "fresh_process_per_phase": True,
         "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
         # The headline: the trainer `xsa-lm train` runs (Lightning, SA).
-        "tokens_per_s": tokens / lightning,
-        "step_time_ms": 1e3 * lightning,
+        "tokens_per_s": summary["lightning_tokens_per_s"],
+        "step_time_ms": summary["lightning_step_ms"],
         **summary,
         "peak_memory_source": memory_source,
         # Point estimates (the median of the per-round ratios) as top-level keys; the statistics beside them.
@@ -428,7 +388,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "flops_per_token_flop_counter": info["flops_per_token_flop_counter"],
         "peak_flops": info["peak_flops"],
         "peak_flops_source": info["peak_flops_source"],
-        "per_round": [with_step_medians(r) for r in rounds],
+        "per_round": rounds,
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
         "model_config": asdict(phases["lightning"].model),
@@ -479,10 +439,8 @@ def plan_line(plan: RoundsPlan) -> str:
 
 PHASE_LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
 RATIO_LABELS = {
-    "xsa_over_sa_step_time": "XSA/SA step time",
-    "xsa_over_sa_cpu_time": "XSA/SA step time",
-    "lightning_over_plain_throughput": "Lightning/plain tokens/s",
-    "lightning_over_plain_cpu_throughput": "Lightning/plain tokens/s",
+    "xsa_over_sa": "XSA/SA step time",
+    "lightning_over_plain": "Lightning/plain tokens/s",
     "mfu": "MFU (Lightning, SA)",
 }
 CLOCK_LABELS = {"wall": "wall", "cpu": "CPU time"}
@@ -490,7 +448,7 @@ COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 
 def ratio_label(key: str) -> str:
-    return next(label for prefix, label in RATIO_LABELS.items() if key == prefix or key.startswith(f"{prefix}_"))
+    return next(label for prefix, label in RATIO_LABELS.items() if key.startswith(prefix))
 
 
 def phase_table(r: dict) -> Table:
@@ -546,14 +504,6 @@ def print_tables(r: dict) -> None:
     print(f"runtime {r['runtime_s']:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}{smoke}")
 
 
-def write(out: Path, result: dict, overwrite: bool) -> None:
-    """Exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced."""
-    try:
-        write_json(out, result, replace=overwrite)
-    except FileExistsError:
-        raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
-
-
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -562,7 +512,10 @@ def main(cfg: DictConfig) -> None:
         if out.exists() and not cfg.overwrite:  # checked first, so that minutes of benchmarking are not lost
             raise UserError(f"out={out} exists: choose another path or add overwrite=true")
         result = bench(cfg)
-        write(out, result, overwrite=cfg.overwrite)
+        try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
+            write_json(out, result, replace=cfg.overwrite)
+        except FileExistsError:
+            raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
     print_tables(result)
     print(f"wrote {out}")
 
