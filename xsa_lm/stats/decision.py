@@ -30,7 +30,7 @@ VERDICTS = ("better", "not worse", "worse", "inconclusive")
 
 @dataclass(frozen=True, kw_only=True)
 class MarginVerdict:
-    """XSA - SA against the declared margin, from the one-sided (1 - alpha) bounds of Student's paired t."""
+    """XSA - SA against the declared margin, from the one-sided (1 - ALPHA) bounds of Student's paired t."""
 
     margin: float
     lower: float | None  # the one-sided 95% lower bound of the mean difference (the 90% two-sided interval's end)
@@ -42,16 +42,16 @@ class MarginVerdict:
         return asdict(self)
 
 
-def margin_verdict(diffs: Sequence[float], margin: float, alpha: float = ALPHA) -> MarginVerdict:
+def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
     """The verdict on the paired differences XSA - SA (lower is better for XSA) against `margin` >= 0 nats."""
     if margin < 0:
         raise ValueError(f"the margin must be >= 0, got {margin}")
-    ci = paired_t(diffs, confidence=1 - 2 * alpha).ci  # its ends are the one-sided bounds at level alpha
+    ci = paired_t(diffs, confidence=1 - 2 * ALPHA).ci  # its ends are the one-sided bounds at level ALPHA
     if ci is None:
         why = "fewer than 2 pairs, or differences with no spread: no interval, so no claim either way"
         return MarginVerdict(margin=margin, lower=None, upper=None, verdict="inconclusive", why=why)
     lower, upper = ci
-    bounds = f"one-sided {1 - alpha:.0%} bounds [{lower:+.4f}, {upper:+.4f}] against the margin {margin:g}"
+    bounds = f"one-sided {1 - ALPHA:.0%} bounds [{lower:+.4f}, {upper:+.4f}] against the margin {margin:g}"
     if upper < -margin:
         verdict, why = "better", f"XSA is lower by more than the margin: {bounds}"
     elif lower > margin:
@@ -112,16 +112,16 @@ def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> Clus
     )
 
 
-def clustered_line(test: dict, unit: str = "seed", shares: str = "its initialisation and data order") -> str:
+def clustered_line(test: dict, shares: str = "its initialisation and data order") -> str:
     """One sentence of a report: the clustered test, next to the naive count it replaces."""
     flip = test["sign_flip_p"]
     smallest = 2 / 2 ** test["clusters"] if test["clusters"] else None
     floor = ""
     if smallest and smallest > 0.001:
-        floor = f"; with {test['clusters']} {unit}s no p can be below {smallest:.3g}"
+        floor = f"; with {test['clusters']} seeds no p can be below {smallest:.3g}"
     return (
-        f"By {unit} (each {unit}'s pairs share {shares}, so they are one observation): "
-        f"XSA's mean difference is lower in {test['xsa_lower']} of {test['clusters']} {unit}s, sign-flip "
+        f"By seed (each seed's pairs share {shares}, so they are one observation): "
+        f"XSA's mean difference is lower in {test['xsa_lower']} of {test['clusters']} seeds, sign-flip "
         f"permutation p = {f'{flip:.3g}' if flip is not None else '-'}{floor}."
     )
 
@@ -142,7 +142,7 @@ class NullRates(TypedDict):
     sd_diff: float
 
 
-def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: float = ALPHA) -> NullRates | None:
+def null_rates(diffs: Sequence[float], study_size: int, margin: float) -> NullRates | None:
     """How often the procedure claims an effect when there is none, from the paired differences of an A/A null
     (SA against SA), two ways:
     - every study of `study_size` of those pairs (2000 drawn at random when there are more): the share whose 95% t
@@ -157,7 +157,7 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: fl
     if study_size < 2 or n < 2 * study_size:
         return None
     rng = np.random.default_rng(0)
-    two_sided, one_sided = scipy.stats.t.ppf([1 - alpha / 2, 1 - alpha], study_size - 1)
+    two_sided, one_sided = scipy.stats.t.ppf([1 - ALPHA / 2, 1 - ALPHA], study_size - 1)
 
     def rates(pool: np.ndarray) -> np.ndarray:
         """[share of studies whose interval excludes 0, share whose verdict claims an effect] over `pool`."""
@@ -176,10 +176,10 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float, alpha: fl
     full = rates(values)
     leave_one_out = np.array([rates(np.delete(values, i)) for i in range(n)])
     se = np.sqrt((n - 1) / n * ((leave_one_out - leave_one_out.mean(axis=0)) ** 2).sum(axis=0))
-    z = scipy.stats.norm.ppf(1 - alpha / 2)
+    z = scipy.stats.norm.ppf(1 - ALPHA / 2)
     low, high = np.clip(full - z * se, 0, 1), np.clip(full + z * se, 0, 1)
     disjoint = values[: n // study_size * study_size].reshape(-1, study_size)
-    claims = sum(margin_verdict(study.tolist(), margin, alpha).verdict in ("better", "worse") for study in disjoint)
+    claims = sum(margin_verdict(study.tolist(), margin).verdict in ("better", "worse") for study in disjoint)
     return NullRates(
         pairs=int(n),
         study_size=study_size,

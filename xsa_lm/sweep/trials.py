@@ -10,6 +10,7 @@ or `running` left behind by a killed sweep) is tried again: from the run's last 
 else from scratch, with the previous attempt's directory kept under runs/<id>.attempt<N>.
 """
 
+import contextlib
 import ctypes
 import math
 import os
@@ -157,9 +158,8 @@ def last_error_line(log: Path) -> str:
 
 
 def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs."""
-    if max_parallel < 1:
-        raise UserError(f"sweep.max_parallel must be at least 1, got {max_parallel}")
+    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs.
+    (sweep.max_parallel >= 1: check_settings.)"""
     if not visible or max_parallel == 1:
         return [None] * max_parallel
     if len(visible) < max_parallel:
@@ -186,10 +186,8 @@ def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | Non
 def die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the sweep dies, even by SIGKILL (Linux), so that no orphan
     trial keeps writing into a run directory that a rerun of the sweep is about to use."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the sweep's signal handlers still stop children
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the sweep's signal handlers still stop children
-        pass
 
 
 def free_port() -> int:
