@@ -23,11 +23,13 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
     """A markdown table's lines: the header, the rule under it (`align`: "l" or "r" per column) and a line per row."""
 
-    def line(cells: Sequence[object]) -> str:
-        return "| " + " | ".join(map(str, cells)) + " |"
-
     rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
-    return [line(header).replace("|  |", "| |"), rule, *map(line, rows)]  # an empty title reads `| |`
+    return [table_row(header).replace("|  |", "| |"), rule, *map(table_row, rows)]  # an empty title reads `| |`
+
+
+def table_row(cells: Sequence[object]) -> str:
+    """One line of a markdown table."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 @contextmanager

@@ -2,10 +2,11 @@
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
+from xsa_lm.reporting import interval, markdown_table, num, saved_figure, table_row
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK, ci_text, k_text
 from xsa_lm.sweep.report import bpb_lines, position_lines
 
@@ -93,10 +94,6 @@ class TokenStudyResult(Record):
     schema: int = 1
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    return f"{value:.{digits}f}" if value is not None else "-"
-
-
 def protocol_text(plan: TokenPlan) -> str:
     """How the study chose its LRs and warmup, in one paragraph."""
     if plan.get("lr_per_budget"):
@@ -118,55 +115,38 @@ def protocol_text(plan: TokenPlan) -> str:
 
 
 def size_lines(results: TokenStudyResult) -> list[str]:
-    lines = [
-        "",
-        "## Sizes, budgets and the LR",
-        "",
-        protocol_text(results.plan),
-        "",
-        "| model | non-embedding params | B (tokens) | budget | LR grid: median SA loss | SA's LR |",
-        "|---|---:|---:|---:|---|---:|",
-    ]
+    header = ["model", "non-embedding params", "B (tokens)", "budget", "LR grid: median SA loss", "SA's LR"]
+    lines = ["", "## Sizes, budgets and the LR", "", protocol_text(results.plan), ""]
+    lines += markdown_table(header, [], align="lrrrlr")
     for size in results.sizes:
         searches = size.searches or {"1": size.search}
         for fraction, search in sorted(searches.items(), key=lambda item: float(item[0])):
-            grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in search.items())
+            grid = ", ".join(f"{lr}: {num(loss)}" for lr, loss in search.items())
             chosen = size.selected_lrs.get(fraction, size.selected_lr if fraction == "1" else None)
             lr = f"{chosen:g}" if chosen is not None else "none"
             params = f"{size.non_embedding_params:,}" if size.non_embedding_params is not None else "-"
-            head = f"| {size.model} | {params} | {size.tokens_B:,.0f}"
-            lines.append(f"{head} | {fraction} B | {grid} | {lr} |")
-        if size.xsa_search:
-            grid = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in size.xsa_search.items())
+            lines.append(table_row([size.model, params, f"{size.tokens_B:,.0f}", f"{fraction} B", grid, lr]))
+        if size.xsa_search:  # a paragraph after the size's rows (the table goes on after it)
+            grid = ", ".join(f"{lr}: {num(loss)}" for lr, loss in size.xsa_search.items())
             own = f"{size.xsa_selected_lr:g}" if size.xsa_selected_lr is not None else "none"
             lines += [
                 "",
                 f"{size.model}, XSA's own LR search at B (sweep.tune_xsa; XSA's runs use SA's LR, the paper's "
-                f"protocol): {grid}; XSA's best {own} beside SA's {_lr(size.selected_lr)}.",
+                f"protocol): {grid}; XSA's best {own} beside SA's {num(size.selected_lr, 'g')}.",
                 "",
             ]
-    lines += [
-        "",
-        "| model | arm | budget | LR | data epochs | final val loss per seed | mean |",
-        "|---|---|---:|---:|---:|---|---:|",
-    ]
+    rows = []
     for size in results.sizes:
         for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
                 losses = [r.final_val_loss for r in runs if r.status == "completed" and r.final_val_loss is not None]
                 cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in runs)
                 mean = sum(losses) / len(losses) if losses else None
-                run_lr = size.selected_lrs.get(fraction, size.selected_lr)
+                run_lr = num(size.selected_lrs.get(fraction, size.selected_lr), "g")
                 epochs = max((r.data_epochs for r in runs if r.data_epochs is not None), default=None)
-                lines.append(
-                    f"| {size.model} | {arm.upper()} | {fraction} B | {_lr(run_lr)} | {_num(epochs, 3)} | {cells} | "
-                    f"{_num(mean)} |"
-                )
-    return lines
-
-
-def _lr(value: float | None) -> str:
-    return f"{value:g}" if value is not None else "-"
+                rows.append([size.model, arm.upper(), f"{fraction} B", run_lr, num(epochs, ".3f"), cells, num(mean)])
+    header = ["model", "arm", "budget", "LR", "data epochs", "final val loss per seed", "mean"]
+    return lines + [""] + markdown_table(header, rows, align="llrrrlr")
 
 
 def per_seed_lines(cells: list[dict]) -> list[str]:
@@ -180,19 +160,15 @@ def per_seed_lines(cells: list[dict]) -> list[str]:
         f"Per seed: k from that seed's own SA curve, and the seeds whose final loss lies more than {STALL_MARGIN:g} "
         "nats above the median of their arm and budget (stalled).",
         "",
-        "| model | XSA budget | seeds | k per seed | SA stalled per budget | XSA stalled |",
-        "|---|---:|---|---|---|---:|",
     ]
+    table = []
     for c in rows:
-        stalls = ", ".join(
-            f"{n} at {b / c['budget'] * c['fraction']:.3g} B"
-            for n, b in zip(c["sa_stalled"], c["sa_budgets"], strict=True)
-        )
-        lines.append(
-            f"| {c['model']} | {c['fraction']:g} B | {', '.join(map(str, c['paired_seeds']))} | "
-            f"{', '.join(c['per_seed_k'])} | {stalls} | {c['xsa_stalled']} |"
-        )
-    return lines
+        budgets = zip(c["sa_stalled"], c["sa_budgets"], strict=True)
+        stalls = ", ".join(f"{n} at {b / c['budget'] * c['fraction']:.3g} B" for n, b in budgets)
+        seeds, ks = ", ".join(map(str, c["paired_seeds"])), ", ".join(c["per_seed_k"])
+        table.append([c["model"], f"{c['fraction']:g} B", seeds, ks, stalls, c["xsa_stalled"]])
+    header = ["model", "XSA budget", "seeds", "k per seed", "SA stalled per budget", "XSA stalled"]
+    return lines + markdown_table(header, table, align="lrlllr")
 
 
 def multiplier_lines(results: TokenStudyResult) -> list[str]:
@@ -206,22 +182,18 @@ def multiplier_lines(results: TokenStudyResult) -> list[str]:
         "Bootstrap: seeds resampled within the cell, a check of the interval. Wall-clock k: k over XSA's step-time "
         "ratio from `xsa-lm bench` at that size (ends combined conservatively).",
         "",
-        "| model | XSA budget | seeds | SA means (per budget) | XSA mean | k | 95% CI | bootstrap CI | wall-clock k |",
-        "|---|---:|---:|---|---:|---:|---|---|---|",
     ]
+    rows = []
     for cell in results.cells:
-        boot = cell.get("bootstrap_ci95")
-        boot_text = f"[{boot[0]:.3f}, {boot[1]:.3f}]" if boot else "-"
         wall = cell.get("wallclock_k")
-        wall_text = "-"
-        if wall is not None:
-            lo, hi = cell["wallclock_ci"]
-            wall_text = f"{wall:.3f} [{_num(lo, 3) if lo else 'unbounded'}, {_num(hi, 3) if hi else 'unbounded'}]"
-        lines.append(
-            f"| {cell['model']} | {cell['fraction']:g} B | {cell['seeds']} | "
-            f"{', '.join(f'{m:.4f}' for m in cell['sa_means'])} | {cell['xsa_mean']:.4f} | {k_text(cell)} | "
-            f"{ci_text(cell)} | {boot_text} | {wall_text} |"
+        wall_text = f"{wall:.3f} {interval(cell['wallclock_ci'], '.3f')}" if wall is not None else "-"
+        sa_means = ", ".join(f"{m:.4f}" for m in cell["sa_means"])
+        rows.append(
+            [cell["model"], f"{cell['fraction']:g} B", cell["seeds"], sa_means, f"{cell['xsa_mean']:.4f}"]
+            + [k_text(cell), ci_text(cell), interval(cell.get("bootstrap_ci95"), ".3f"), wall_text]
         )
+    header = ["model", "XSA budget", "seeds", "SA means (per budget)", "XSA mean", "k", "95% CI", "bootstrap CI"]
+    lines += markdown_table(header + ["wall-clock k"], rows, align="lrrlrrlll")
     lines += per_seed_lines(results.cells)
     pooled = results.pooled
     if pooled:
@@ -231,17 +203,13 @@ def multiplier_lines(results: TokenStudyResult) -> list[str]:
             f"Pooled over {pooled['cells']} cell(s) with a point estimate (inverse variance on ln k, Student's t on "
             f"the fewest seeds; "
             f"{pooled['left_out']} bound(s) left out): **k = {pooled['k']:.3f}, 95% CI "
-            f"[{pooled['ci95'][0]:.3f}, {pooled['ci95'][1]:.3f}]**. "
+            f"{interval(pooled['ci95'], '.3f')}**. "
             f"Heterogeneity: Cochran's Q = {pooled['cochran_q']:.2f} on {pooled['q_dof']} dof"
             + (f" (p = {q_p:.3g}), I^2 = {pooled['i2']:.0%}" if q_p is not None else "")
             + ". The two budgets of one size share SA's runs, so the cells are not independent and the pooled "
             "interval is narrower than it should be: read the per-cell intervals first.",
         ]
     return lines
-
-
-def _p(value: float | None) -> str:
-    return f"{value:.3g}" if value is not None else "-"
 
 
 def null_lines(results: TokenStudyResult) -> list[str]:
@@ -257,16 +225,14 @@ def null_lines(results: TokenStudyResult) -> list[str]:
         "as XSA's is. There is no effect, so k is 1: how far its point and its interval stray is the yardstick's own "
         "noise, to read beside XSA's.",
         "",
-        "| model | budget | seeds | XSA's k | XSA's 95% CI | null k | null 95% CI | null k per seed |",
-        "|---|---:|---:|---:|---|---:|---|---|",
     ]
+    rows = []
     for c in cells:
         null = c["null"]
-        lines.append(
-            f"| {c['model']} | {c['fraction']:g} B | {len(null['paired_seeds'])} | {k_text(c)} | {ci_text(c)} | "
-            f"{k_text(null)} | {ci_text(null)} | {', '.join(null['per_seed_k'])} |"
-        )
-    return lines
+        rows.append([c["model"], f"{c['fraction']:g} B", len(null["paired_seeds"]), k_text(c), ci_text(c)])
+        rows[-1] += [k_text(null), ci_text(null), ", ".join(null["per_seed_k"])]
+    header = ["model", "budget", "seeds", "XSA's k", "XSA's 95% CI", "null k", "null 95% CI", "null k per seed"]
+    return lines + markdown_table(header, rows, align="lrrrlrll")
 
 
 def same_budget_lines(results: TokenStudyResult) -> list[str]:
@@ -295,17 +261,15 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
         )
         + ". The null rows (SA from other initial weights - SA) are what the same tests say when there is no effect.",
         "",
-        "| model | budget | arm - SA | seeds | difference | 95% CI (t) | t p | Wilcoxon p | sign p | lower | verdict |",
-        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
-    for cell, arm, t, details in rows:
-        ci = f"[{t['t_ci95'][0]:+.4f}, {t['t_ci95'][1]:+.4f}]" if t["t_ci95"] else "-"
-        verdict = (details.get("margin") or {}).get("verdict", "-")
-        lines.append(
-            f"| {cell['model']} | {cell['fraction']:g} B | {arm} | {t['pairs']} | {t['mean_diff']:+.4f} | {ci} | "
-            f"{_p(t['t_p'])} | {_p(t['wilcoxon_p'])} | {_p(t['sign_p'])} | {t['xsa_lower']}/{t['pairs']} | "
-            f"{verdict} |"
-        )
+    table = [
+        [cell["model"], f"{cell['fraction']:g} B", arm, t["pairs"], f"{t['mean_diff']:+.4f}", interval(t["t_ci95"])]
+        + [num(t[p], ".3g") for p in ("t_p", "wilcoxon_p", "sign_p")]
+        + [f"{t['xsa_lower']}/{t['pairs']}", (details.get("margin") or {}).get("verdict", "-")]
+        for cell, arm, t, details in rows
+    ]
+    header = ["model", "budget", "arm - SA", "seeds", "difference", "95% CI (t)", "t p", "Wilcoxon p", "sign p"]
+    lines += markdown_table(header + ["lower", "verdict"], table, align="lrlrrlrrrrl")
     for cell, arm, _, details in rows:
         if arm != "XSA":
             continue
@@ -335,14 +299,15 @@ def render_markdown(results: TokenStudyResult) -> str:
 
 
 def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = [s for s in results.sizes if s.runs is not None]
-    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5 * max(1, len(sizes)), 4), squeeze=False)
-    for ax, size in zip(axes[0], sizes, strict=False):
+    columns = max(1, len(sizes))
+    with saved_figure(path, ncols=columns, figsize=(5 * columns, 4), squeeze=False) as axes:
+        plot_sizes(sizes, axes[0])
+
+
+def plot_sizes(sizes: list[TokenSize], axes: Any) -> None:
+    """Each size's final losses against its tokens, one panel a size: every run and each arm's mean per budget."""
+    for ax, size in zip(axes, sizes, strict=False):
         for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange"), ("null", "tab:gray")):
             points = []
             for runs in (size.runs or {}).get(arm, {}).values():
@@ -360,43 +325,33 @@ def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
         lr = "per budget" if len(size.selected_lrs) > 1 else f"{size.selected_lr:g}"
         ax.set_title(f"{size.model} (LR {lr})")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    labels = []
-    for i, cell in enumerate(results.cells):
-        labels.append(f"{cell['model']}\nXSA at {cell['fraction']:g} B")
-        lo_edge, hi_edge = min(cell["sa_budgets"]) / cell["budget"], max(cell["sa_budgets"]) / cell["budget"]
-        lo, hi = cell["ci95"]
-        lo, hi = lo if lo is not None else lo_edge, hi if hi is not None else hi_edge
-        ax.plot([i, i], [lo, hi], "-", color="tab:orange", linewidth=3, alpha=0.6)
-        ax.plot([i - 0.2, i + 0.2], [lo_edge, lo_edge], ":", color="gray")
-        ax.plot([i - 0.2, i + 0.2], [hi_edge, hi_edge], ":", color="gray")
-        if cell["k"] is not None:
-            ax.plot(i, cell["k"], "o", color="tab:orange")
-        else:
-            ax.annotate(cell["bound"], (i, hi if ">" in (cell["bound"] or "") else lo), ha="center")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_yticks([0.5, 1, 2, 4])
-    ax.set_ylabel("k (tokens SA needs / XSA's tokens)")
-    ax.set_title("XSA's token multiplier, 95% CI (dotted: SA's measured range)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path) as ax:
+        labels = []
+        for i, cell in enumerate(results.cells):
+            labels.append(f"{cell['model']}\nXSA at {cell['fraction']:g} B")
+            lo_edge, hi_edge = min(cell["sa_budgets"]) / cell["budget"], max(cell["sa_budgets"]) / cell["budget"]
+            lo, hi = cell["ci95"]
+            lo, hi = lo if lo is not None else lo_edge, hi if hi is not None else hi_edge
+            ax.plot([i, i], [lo, hi], "-", color="tab:orange", linewidth=3, alpha=0.6)
+            ax.plot([i - 0.2, i + 0.2], [lo_edge, lo_edge], ":", color="gray")
+            ax.plot([i - 0.2, i + 0.2], [hi_edge, hi_edge], ":", color="gray")
+            if cell["k"] is not None:
+                ax.plot(i, cell["k"], "o", color="tab:orange")
+            else:
+                ax.annotate(cell["bound"], (i, hi if ">" in (cell["bound"] or "") else lo), ha="center")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yticks([0.5, 1, 2, 4])
+        ax.set_ylabel("k (tokens SA needs / XSA's tokens)")
+        ax.set_title("XSA's token multiplier, 95% CI (dotted: SA's measured range)")
 
 
 def write_report(results: TokenStudyResult, study_dir: Path) -> str:
