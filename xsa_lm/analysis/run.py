@@ -121,22 +121,12 @@ def analyze(
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch)
         measured.append((model.config.attention, layers, loss))
     names = given or default_labels(paths, [a for a, _, _ in measured])
-    rows = [
-        {"checkpoint": str(path), "label": label, **row}
-        for path, label, (_, layers, _) in zip(paths, names, measured, strict=True)
-        for row in layers
-    ]
-    losses = [
-        {
-            "checkpoint": str(path),
-            "label": label,
-            "windows": loss.windows,
-            "loss": loss.loss,
-            "bpb": loss.bpb,
-            **{f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)},
-        }
-        for path, label, (_, _, loss) in zip(paths, names, measured, strict=True)
-    ]
+    rows, losses = [], []
+    for path, label, (_, layers, loss) in zip(paths, names, measured, strict=True):
+        which: dict[str, object] = {"checkpoint": str(path), "label": label}
+        rows += [which | row for row in layers]
+        spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
+        losses.append(which | {"windows": loss.windows, "loss": loss.loss, "bpb": loss.bpb} | spans)
     return rows, losses
 
 

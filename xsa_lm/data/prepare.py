@@ -88,9 +88,9 @@ class PreparedData:
         """The identity of the tokenizer the shards were made with (checkpoints record it)."""
         return self.meta["tokenizer"]["sha256"]
 
-    def shards(self, split: str) -> list[np.ndarray]:
+    def shards(self, split: str) -> list[np.memmap]:
         """The split's non-empty shards, memory-mapped; a shard whose size disagrees with meta.json is an error."""
-        arrays: list[np.ndarray] = []
+        arrays: list[np.memmap] = []
         for shard in self.meta["shards"]:
             n_tokens = shard[f"{split}_tokens"]
             if n_tokens == 0:
@@ -98,11 +98,8 @@ class PreparedData:
             path = self.dir / f"{split}-{shard['index']:06d}.bin"
             size = path.stat().st_size if path.exists() else -1
             if size != n_tokens * self.dtype.itemsize:
-                raise UserError(
-                    f"data: shard {path} is truncated or corrupt ({size} bytes, expected "
-                    f"{n_tokens * self.dtype.itemsize}): delete it and its shard-{shard['index']:06d}.json, then "
-                    "run the same `xsa-lm prepare` command to rebuild it"
-                )
+                expected = n_tokens * self.dtype.itemsize
+                raise _damaged(path, f"is truncated or corrupt ({size} bytes, expected {expected})")
             arrays.append(np.memmap(path, dtype=self.dtype, mode="r"))
         return arrays
 
@@ -152,7 +149,9 @@ def choose_split(source, split: str = "auto", val_fraction: float | None = None)
     if split == "auto":
         document_fraction = val_fraction or DOCUMENT_VAL_FRACTION
         needed = math.ceil(MIN_VAL_DOCUMENTS / document_fraction)
-        count = _count_documents(source, stop_at=needed)
+        # None: a source with its own split (Shakespeare's plays) or one that cannot count its documents (a hub
+        # dataset: large); both keep the document split.
+        count = None if hasattr(source, "is_val") else getattr(source, "count_documents", lambda stop_at: None)(needed)
         chosen = "tail" if count is not None and count < needed else "document"
         if chosen == "tail":
             documents = "1 document is" if count == 1 else f"{count:,} documents are"
@@ -165,14 +164,6 @@ def choose_split(source, split: str = "auto", val_fraction: float | None = None)
     if val_fraction is None:
         val_fraction = TAIL_VAL_FRACTION if chosen == "tail" else DOCUMENT_VAL_FRACTION
     return chosen, val_fraction, note
-
-
-def _count_documents(source, stop_at: int) -> int | None:
-    """The source's documents, counted up to stop_at (cheap for a large corpus). None for a source with its own
-    split (Shakespeare's plays) or one that cannot count them (a hub dataset: large): both keep the document split."""
-    if hasattr(source, "is_val") or not hasattr(source, "count_documents"):
-        return None
-    return source.count_documents(stop_at=stop_at)
 
 
 def split_settings(split: str, val_fraction: float, split_seed: int, shard_documents: int) -> SplitSettings:
@@ -310,24 +301,25 @@ def load_prepared(out: Path) -> PreparedData:
             "meta.json's): restore it, or prepare the data again in a new folder"
         )
     data = PreparedData(dir=out, tokenizer=read_tokenizer(out / "tokenizer.json", "data"), meta=meta)
-    for split in ("train", "val"):  # a truncated, missing or overwritten shard is found now, before a run starts
-        _check_token_ids(data, split)
+    # A truncated, missing or overwritten shard is found now, before a run starts: every token id inside the
+    # vocabulary (one pass over each file, a max over the memory map), not an error steps later in the embedding.
+    vocab_size = meta["vocab_size"]
+    for tokens in data.shards("train") + data.shards("val"):
+        if (largest := int(tokens.max())) >= vocab_size:
+            raise _damaged(
+                out / Path(str(tokens.filename)).name,
+                f"holds token id {largest}, outside the vocabulary of {vocab_size} (overwritten?)",
+            )
     return data
 
 
-def _check_token_ids(data: PreparedData, split: str) -> None:
-    """Every token id of every shard inside the vocabulary: one pass over each file (a max over the memory map), so
-    that overwritten bytes stop the run here in one line, not steps later in the embedding."""
-    vocab_size = data.meta["vocab_size"]
-    indices = [shard["index"] for shard in data.meta["shards"] if shard[f"{split}_tokens"]]
-    for index, tokens in zip(indices, data.shards(split), strict=True):
-        largest = int(tokens.max())
-        if largest >= vocab_size:
-            raise UserError(
-                f"data: shard {data.dir / f'{split}-{index:06d}.bin'} holds token id {largest}, outside the "
-                f"vocabulary of {vocab_size} (overwritten?): delete it and its shard-{index:06d}.json, then run the "
-                "same `xsa-lm prepare` command to rebuild it"
-            )
+def _damaged(shard: Path, what: str) -> UserError:
+    """The one line for a shard file of a prepared directory that is not as prepare() wrote it."""
+    index = shard.stem.split("-")[-1]
+    return UserError(
+        f"data: shard {shard} {what}: delete it and its shard-{index}.json, then run the same `xsa-lm prepare` "
+        "command to rebuild it"
+    )
 
 
 def _read_json(path: Path, fix: str) -> object:
@@ -401,7 +393,8 @@ def _write_shards(
                 shards.extend(finished(pending.pop(future), future.result()) for future in done)
 
         try:
-            for index, chunk in enumerate(_batched(pieces, shard_documents)):
+            chunks = iter(lambda: list(islice(pieces, shard_documents)), [])  # until an empty chunk
+            for index, chunk in enumerate(chunks):
                 has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
                 done_file = out / f"shard-{index:06d}.json"
                 args = (*job, index, [train for train, _ in chunk], [val for _, val in chunk])
@@ -470,11 +463,6 @@ def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict[
         "shards": shards,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-
-def _batched(items: Iterator, n: int) -> Iterator[list]:
-    while batch := list(islice(items, n)):
-        yield batch
 
 
 @contextmanager

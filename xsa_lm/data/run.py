@@ -118,16 +118,6 @@ def check_val_windows(val_windows: int | None) -> None:
         raise UserError(f"data.val_windows must be >= 1 (or null: every validation window), got {val_windows}")
 
 
-def describe(data: PreparedData) -> str:
-    m = data.meta
-    val = "val document tails" if m.get("split") == "tail" else "val documents"
-    return (
-        f"{data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
-        f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), "
-        f"{m['dtype']}, vocab {m['vocab_size']}"
-    )
-
-
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -136,9 +126,12 @@ def main(cfg: DictConfig) -> None:
         if cfg.data.get("source") is None:
             raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
         data = prepare_data(cfg.data, cfg.tokenizer, progress=cfg.progress_bar)
-    seconds = time.perf_counter() - t0
-    tokens = data.meta["train_tokens"] + data.meta["val_tokens"]
+    seconds, m = time.perf_counter() - t0, data.meta
+    val = "val document tails" if m.get("split") == "tail" else "val documents"
     print(
-        f"prepared {describe(data)} | {seconds:.1f} s this run ({tokens / max(seconds, 1e-9):,.0f} tokens/s "
-        f"if all were new)\ntrain on it: xsa-lm train data=prepared data.dir={data.dir}"
+        f"prepared {data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
+        f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), {m['dtype']}, "
+        f"vocab {m['vocab_size']} | {seconds:.1f} s this run "
+        f"({(m['train_tokens'] + m['val_tokens']) / max(seconds, 1e-9):,.0f} tokens/s if all were new)\n"
+        f"train on it: xsa-lm train data=prepared data.dir={data.dir}"
     )

@@ -126,16 +126,8 @@ class LocalFiles:
                 import pyarrow.parquet as pq
 
                 n += pq.ParquetFile(path).metadata.num_rows
-            else:
-                with open(path, "rb") as f:
-                    if f.read(64).lstrip().startswith(b"["):  # one JSON array: read whole, as documents() does
-                        n += sum(1 for _ in self._json_documents(path))
-                        continue
-                    f.seek(0)
-                    for line in f:
-                        n += bool(line.strip())
-                        if stop_at is not None and n >= stop_at:
-                            break
+            else:  # the records documents() reads, up to stop_at
+                n += sum(1 for _ in islice(self._json_documents(path), None if stop_at is None else stop_at - n))
         return n
 
     def _json_documents(self, path: str) -> Iterator[tuple[str, str]]:

@@ -51,30 +51,25 @@ def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
     """The tokenizer saved in the tokenizer.json at `path`, or one line naming `key` and the file when it is missing,
     unreadable, not UTF-8, not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file
     xsa-lm reads (tokenizer.path, a prepared data.dir, the Hugging Face cache) is read here."""
-    text = _read_text(Path(path), key)
+    data = _read_bytes(Path(path), key)
     try:
-        json.loads(text)
+        json.loads(data)
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
+        ) from None
     except json.JSONDecodeError as e:
         raise UserError(
             f"{key}: {path} is not a tokenizer.json: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}; "
             "a truncated or a plain-text file?)"
         ) from None
     try:
-        tokenizer = Tokenizer.from_str(text)
+        tokenizer = Tokenizer.from_str(data.decode())
     except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any JSON it cannot read
         raise UserError(f"{key}: {path} is JSON but no tokenizer of the `tokenizers` library ({e})") from None
     if tokenizer.token_to_id(EOT) is None:
         raise UserError(f"{key}: {path} has no {EOT} token to separate documents")
     return tokenizer
-
-
-def _read_text(path: Path, key: str) -> str:
-    try:
-        return _read_bytes(path, key).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
-        ) from None
 
 
 def _read_bytes(path: Path, key: str) -> bytes:

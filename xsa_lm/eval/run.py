@@ -7,7 +7,7 @@ XSA - SA when both are given), prints the table, and logs it to W&B in each chec
 import importlib.util
 import os
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import TypedDict
 from unittest import mock
 
 import hydra
@@ -123,13 +123,13 @@ def load_tasks(names: list[str], folders: list[str]):
     return manager
 
 
-def headline(task: str, metrics: dict) -> tuple[str, float]:
+def headline(task: str, metrics: dict) -> Score:
     """The metric the paper reports for a task (acc or acc_norm); for other tasks acc_norm, acc, or the first."""
     for name in ([PAPER_TASKS[task]] if task in PAPER_TASKS else []) + ["acc_norm", "acc"]:
         if f"{name},none" in metrics:
-            return name, metrics[f"{name},none"]
+            return Score(metric=name, value=metrics[f"{name},none"])
     name, value = next((k, v) for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k)
-    return name.split(",")[0], value
+    return Score(metric=name.split(",")[0], value=value)
 
 
 def check_options(limit, batch_size, wandb: object = False) -> None:
@@ -174,8 +174,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
             out = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
             )
-        headlines = {task: headline(task, out["results"][task]) for task in names}
-        scores = {task: Score(metric=metric, value=value) for task, (metric, value) in headlines.items()}
+        scores = {task: headline(task, out["results"][task]) for task in names}
         average = sum(s["value"] for s in scores.values()) / len(scores)
         rows.append(
             {
@@ -222,9 +221,8 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
     for row in result["rows"]:
         run_dir = run_dir_of(Path(row["checkpoint"]))
         id_file = run_dir / "wandb_run_id.txt"
-        saved = run_dir / "config.yaml"  # written by xsa-lm train: a mapping
-        config = cast(DictConfig, OmegaConf.load(saved)) if saved.exists() else None
-        wandb_cfg = config.logger.get("wandb") if config is not None and config.get("logger") else None
+        saved = run_dir / "config.yaml"  # written by xsa-lm train
+        wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         run = wandb_init(
             save_dir=str(run_dir),
             name=f"eval-{row['run']}",

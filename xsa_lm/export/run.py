@@ -15,16 +15,13 @@ from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
-from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
-from xsa_lm.data.tokenizer import EOT
+from xsa_lm.data.tokenizer import EOT, eot_id
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import GPT
 
 if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
-    from transformers import PreTrainedTokenizerFast
-
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproject.toml (5.24: tested)
@@ -66,30 +63,28 @@ def hf_model(model: GPT, eot: int) -> "XSAForCausalLM":
     return hf.eval()
 
 
-def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerFast":
-    """The run's tokenizer as a PreTrainedTokenizerFast: <|endoftext|> begins, ends and pads (GPT-2's way)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=block_size
-    )
-
-
 def export(ckpt: Path, out: Path) -> Path:
     """Write the model of `ckpt` and its run's tokenizer into `out` (created; refused if it holds anything)."""
     require_transformers()
+    from transformers import PreTrainedTokenizerFast
+
     check_checkpoint_file(ckpt, key="ckpt")
     check_out(out)
     model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt, key="ckpt")
-    eot = tokenizer.token_to_id(EOT)
-    if eot is None:
-        raise UserError(f"ckpt: the tokenizer of {ckpt}'s run has no {EOT} token")
+    eot = eot_id(tokenizer)  # read_tokenizer refused a run's tokenizer without one
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         hf_model(model, eot).save_pretrained(staging)
-        hf_tokenizer(tokenizer, model.config.block_size).save_pretrained(staging)
+        # The run's tokenizer as transformers' own: <|endoftext|> begins, ends and pads (GPT-2's way).
+        PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer,
+            bos_token=EOT,
+            eos_token=EOT,
+            pad_token=EOT,
+            model_max_length=model.config.block_size,
+        ).save_pretrained(staging)
         staging.replace(out)
     finally:
         if staging.exists():
