@@ -14,13 +14,11 @@ from multiprocessing.connection import Connection
 from xsa_lm.bench.loops import Phase, PhaseResult, measure
 from xsa_lm.errors import UserError
 
-PRELOAD = ["xsa_lm.bench.fresh"]  # the server imports this module, hence loops, torch and Lightning
-
 
 def process_context() -> multiprocessing.context.BaseContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
+        context.set_forkserver_preload(["xsa_lm.bench.fresh"])  # this module, hence loops, torch and Lightning
         return context
     return multiprocessing.get_context("spawn")  # Windows: a new interpreter per phase (slower, as fresh)
 

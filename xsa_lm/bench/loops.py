@@ -132,7 +132,6 @@ class PlainTrainer:
         fused = {} if "fused" in keywords else {"fused": True}  # as LMModule.configure_optimizers
         self.opt = setup.optimizer(param_groups(self.model, keywords.get("weight_decay", 0.0)), **fused)
         self.sched = setup.scheduler(self.opt, total_steps=total_steps)
-        self.losses: list[torch.Tensor] = []
         self.cpu_stamps: list[float] = []  # the last run's, on the process's CPU-time clock
 
     def step(self, batch: Batch) -> None:
@@ -144,7 +143,6 @@ class PlainTrainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        self.losses.append(loss.detach())
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
         """n steps cycling over batches; n + 1 device-synchronised wall-clock stamps (each step's start, then the

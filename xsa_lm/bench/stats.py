@@ -34,13 +34,13 @@ class RatioSummary(TypedDict):
     rounds: list[float]
 
 
-def interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+def interval(values: list[float]) -> tuple[float, float] | None:
     """The t-interval of the geometric mean of positive values; None with fewer than 2 values."""
     if len(values) < 2:
         return None
     logs = [math.log(v) for v in values]
     centre, sd = statistics.fmean(logs), statistics.stdev(logs)
-    half = stats.t.ppf((1 + confidence) / 2, df=len(logs) - 1) * sd / math.sqrt(len(logs))
+    half = stats.t.ppf((1 + CONFIDENCE) / 2, df=len(logs) - 1) * sd / math.sqrt(len(logs))
     return math.exp(centre - half), math.exp(centre + half)
 
 
@@ -72,7 +72,7 @@ def summarize(values: list[float], target: float | None, at_most: bool) -> Ratio
     }
 
 
-def rounds_needed(values: list[float], target: float, confidence: float = CONFIDENCE) -> float:
+def rounds_needed(values: list[float], target: float) -> float:
     """The fewest rounds whose interval, at these values' spread and centre, would lie wholly on one side of the
     target: t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target|. Infinite for a centre on the target; at least
     len(values) (with fewer than 2 values, or no spread, those already decide)."""
@@ -84,10 +84,10 @@ def rounds_needed(values: list[float], target: float, confidence: float = CONFID
         return float(len(values))
     if margin == 0:
         return math.inf
-    normal = (stats.norm.ppf((1 + confidence) / 2) * sd / margin) ** 2  # t's n is a little larger
+    normal = (stats.norm.ppf((1 + CONFIDENCE) / 2) * sd / margin) ** 2  # t's n is a little larger
     if normal > LARGE:
         return float(math.ceil(normal))  # far beyond any budget; t and the normal agree there
     n = max(2, len(values), math.floor(normal))
-    while stats.t.ppf((1 + confidence) / 2, df=n - 1) * sd / math.sqrt(n) >= margin:
+    while stats.t.ppf((1 + CONFIDENCE) / 2, df=n - 1) * sd / math.sqrt(n) >= margin:
         n += 1
     return float(n)
