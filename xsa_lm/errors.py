@@ -61,20 +61,14 @@ def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(job)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        quiet_log_file_errors()
+        # A log file (Hydra's <run dir>/<command>.log) that cannot be written, on a full disk, would print a traceback
+        # for every line logged: the console shows the same lines, and the next result file that cannot be written
+        # ends the command in one line.
+        logging.raiseExceptions = False
         with exit_on_user_error():
             return job(*args, **kwargs)
 
     return guarded
-
-
-def quiet_log_file_errors() -> None:
-    """A log file (Hydra's <run dir>/<command>.log) that cannot be written, on a full disk, would print a traceback
-    for every line logged: the console shows the same lines, and the next result file that cannot be written ends
-    the command in one line."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handleError = lambda record: None  # type: ignore[method-assign]  # this handler's only
 
 
 def report_unexpected(error: BaseException) -> str:

@@ -115,7 +115,7 @@ def check_overrides(config_name: str, args: list[str]) -> None:
                     f"of: {', '.join(group_options(group))}{job_named(job, jobs)}"
                 )
         everything = cast(dict, OmegaConf.to_container(cfg, resolve=False))  # a DictConfig gives a dict
-        missing = missing_values({k: v for k, v in everything.items() if k != "hydra"})  # e.g. data.files
+        missing = [k for k, v in flatten(everything).items() if v == "???" and k.split(".")[0] != "hydra"]
         if missing:
             refuse(
                 f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. "
@@ -199,11 +199,15 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("~+")
 
 
-def config_keys(node: object, prefix: str = "") -> list[str]:
-    """Every dotted key of a config (as a container), its nodes' and their leaves'."""
-    if not isinstance(node, dict):
-        return []
-    return [key for k, v in node.items() for key in (f"{prefix}{k}", *config_keys(v, f"{prefix}{k}."))]
+def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def no_such_key(config_name: str, key: str, overrides: list[str]) -> str | None:
@@ -219,7 +223,8 @@ def no_such_key(config_name: str, key: str, overrides: list[str]) -> str | None:
             cfg = compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException):
         return None
-    keys = config_keys(OmegaConf.to_container(cfg, resolve=False))
+    leaves = [key.split(".") for key in flatten(cast(dict, OmegaConf.to_container(cfg, resolve=False)))]
+    keys = list(dict.fromkeys(".".join(parts[:n]) for parts in leaves for n in range(1, len(parts) + 1)))  # nodes too
     if key in keys:
         return None
     close = difflib.get_close_matches(key, keys, n=1)
@@ -293,15 +298,6 @@ def sweep_jobs(config_name: str, overrides: list[str]) -> list[list[str]]:
 def job_named(job: list[str], jobs: list[list[str]]) -> str:
     """Which job of a multirun a message is about (nothing for a single run)."""
     return f" (in the job {' '.join(job)})" if len(jobs) > 1 else ""
-
-
-def missing_values(node: object, prefix: str = "") -> list[str]:
-    """Keys whose value is still `???` (e.g. data.files for data=local), without resolving interpolations."""
-    if isinstance(node, dict):
-        return [key for k, v in node.items() for key in missing_values(v, f"{prefix}{k}.")]
-    if isinstance(node, list):
-        return [key for i, v in enumerate(node) for key in missing_values(v, f"{prefix}{i}.")]
-    return [prefix[:-1]] if node == "???" else []
 
 
 def quoting_hint(error: str, overrides: list[str]) -> str | None:

@@ -13,6 +13,7 @@ from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config.command_line import flatten
 from xsa_lm.config.schema import GROUP_SCHEMAS, GROUPS, TrainOptions
 from xsa_lm.errors import UserError
 
@@ -24,17 +25,6 @@ def free_on_resume() -> list[str]:
         nodes = [f for f in fields(schema) if f.metadata.get("free_on_resume")]
         free += [f"{prefix}{f.name}{'.' if is_dataclass(f.type) else ''}" for f in nodes]
     return free
-
-
-def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
-    flat = {}
-    for key, value in node.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def plain(config: DictConfig) -> dict[str, object]:
