@@ -315,52 +315,45 @@ AXES = {"size": STUDY, "tokens": ["experiment=tokens_toy"]}  # a study of each a
 # Each setting a study takes, wrong: refused in one line before the study directory exists or any size's sweep or run
 # starts. The last ones of each axis are refused by every size's sweep or runs, checked as they will check them
 # (trials included, each composed as its `xsa-lm train` will compose it).
-REFUSALS = [
-    ("size", "model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
-    (
-        "size",
-        "model.d_model=64",
-        "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model",
-    ),
-    ("size", "scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
-    ("size", "scale.axis=depth", "scale.axis='depth': choose size or tokens"),
-    ("size", "scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
-    ("size", "scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
-    ("size", "scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0 and <= 4294967295"),
-    ("size", "scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
-    ("size", "scale.seeds=[a]", "scale.seeds=['a'] must be a list of distinct integers"),
-    ("size", "scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
-    (
-        "size",
-        "scale.seeds=[]",
-        "scale.seeds=[]: the study compares SA and XSA at every size, which needs compare seeds",
-    ),
-    ("size", f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
-    ("size", "+scale.seed=1", "scale.seed: not a setting of `xsa-lm scale` (it has axis, models, seeds,"),
-    ("size", "sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
-    ("size", "sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
-    ("size", "attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
-    ("size", "global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
-    ("tokens", "scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
-    ("tokens", "scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
-    ("tokens", "scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
-    ("tokens", "scale.warmup_fraction=1", "scale.warmup_fraction=1 must be in [0, 1)"),
-    ("tokens", "scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
-    ("tokens", "trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
-    ("tokens", "scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
-    ("tokens", "scale.seeds=[2]", "needs 2+ compare seeds"),
-    (
-        "tokens",
-        "sweep.search_seeds=[-1]",
-        "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295",
-    ),
-    ("tokens", "sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
-    ("tokens", "sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
-    ("tokens", "attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
-]
+REFUSALS = {
+    "size": [
+        ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
+        ("model.d_model=64", "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model"),
+        ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
+        ("scale.axis=depth", "scale.axis='depth': choose size or tokens"),
+        ("scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
+        ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
+        ("scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0 and <= 4294967295"),
+        ("scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
+        ("scale.seeds=[a]", "scale.seeds=['a'] must be a list of distinct integers"),
+        ("scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
+        ("scale.seeds=[]", "scale.seeds=[]: the study compares SA and XSA at every size, which needs compare seeds"),
+        (f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
+        ("+scale.seed=1", "scale.seed: not a setting of `xsa-lm scale` (it has axis, models, seeds,"),
+        ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
+        ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+        ("attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
+        ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+    ],
+    "tokens": [
+        ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
+        ("scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
+        ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
+        ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be in [0, 1)"),
+        ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
+        ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
+        ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
+        ("scale.seeds=[2]", "needs 2+ compare seeds"),
+        ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
+        ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+        ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
+        ("attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
+    ],
+}
+CASES = [(axis, override, message) for axis, rows in REFUSALS.items() for override, message in rows]
 
 
-@pytest.mark.parametrize(("axis", "override", "message"), REFUSALS, ids=[f"{a}:{o}" for a, o, _ in REFUSALS])
+@pytest.mark.parametrize(("axis", "override", "message"), CASES, ids=[f"{a}:{o}" for a, o, _ in CASES])
 def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

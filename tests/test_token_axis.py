@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
 from xsa_lm.scale.run import StudyIdentity, sweep_overrides
-from xsa_lm.scale.token_axis import bootstrap_interval, cell_estimate, ci_text, k_text, pool
-from xsa_lm.scale.token_report import TokenRun, TokenSize, TokenStudyResult, render_markdown
-from xsa_lm.scale.tokens import analyse_tokens, unfinished, why
+from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, ci_text, k_text, pool
+from xsa_lm.scale.token_report import TokenSize, TokenStudyResult, render_markdown
+from xsa_lm.scale.tokens import analyse_tokens, unfinished
 from xsa_lm.sweep.trials import Launcher
 
 B = 1.0e6
@@ -130,7 +130,7 @@ def test_with_stalled_seeds_the_interval_covers_from_ten_seeds_and_the_report_wa
     structural k of 1.3 to 1.92). Measured on 300 studies each: coverage 0.81 at 5 seeds, 0.93 at 10, 0.91 at 20."""
     half = math.sqrt(2 / math.pi)  # E|N(0, 1)|
     means = np.array([bent(d) + 0.09 + 0.02 * half + 0.01 * half * (d == 2 * B) for d in BUDGETS])
-    target = math.exp(tokens_of_means(means, bent(1.3 * B) + 0.02 * half))
+    target = math.exp(_ln_k_of_means(means, BUDGETS, bent(1.3 * B) + 0.02 * half, B, 0.5, 2.0))  # k of the mean curves
     assert target == pytest.approx(1.918, abs=0.001)
     rng = np.random.default_rng(8)
     covered = 0
@@ -139,13 +139,6 @@ def test_with_stalled_seeds_the_interval_covers_from_ten_seeds_and_the_report_wa
         cell = cell_estimate(sa, BUDGETS, xsa, B)
         covered += (cell.ci[0] or 0.0) <= target <= (cell.ci[1] or math.inf)
     assert 0.90 <= covered / 300 <= 0.99, covered / 300
-
-
-def tokens_of_means(means: np.ndarray, xsa_mean: float) -> float:
-    """ln k of the mean curves, interpolated in ln tokens as the estimator does (XSA at B)."""
-    from xsa_lm.scale.token_axis import _ln_k_of_means
-
-    return _ln_k_of_means(means, BUDGETS, xsa_mean, B, 0.5, 2.0)
 
 
 def test_pooling_weighs_by_precision_and_flags_heterogeneity():
@@ -164,22 +157,16 @@ def test_pooling_weighs_by_precision_and_flags_heterogeneity():
 
 
 def _entry(model: str, sa, xsa_by_budget, seeds, diverged: tuple[str, int] | None = None) -> TokenSize:
-    runs = {
-        "sa": {
+    def completed(by_budget: dict) -> dict:
+        return {
             f"{f:g}": [
                 {"seed": s, "status": "completed", "final_val_loss": v, "tokens_seen": f * B}
                 for s, v in zip(seeds, losses, strict=True)
             ]
-            for f, losses in zip([0.5, 1, 2], sa, strict=True)
-        },
-        "xsa": {
-            f"{f:g}": [
-                {"seed": s, "status": "completed", "final_val_loss": v, "tokens_seen": f * B}
-                for s, v in zip(seeds, losses, strict=True)
-            ]
-            for f, losses in xsa_by_budget.items()
-        },
-    }
+            for f, losses in by_budget.items()
+        }
+
+    runs = {"sa": completed(dict(zip([0.5, 1, 2], sa, strict=True))), "xsa": completed(xsa_by_budget)}
     if diverged is not None:  # (XSA's budget, a seed's index)
         runs["xsa"][diverged[0]][diverged[1]]["status"] = "diverged"
     return TokenSize.from_json({"model": model, "tokens_B": B, "runs": runs, "seeds": seeds, "warnings": []})
@@ -287,13 +274,9 @@ def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_p
 
 def test_the_budget_counts_the_parameters_the_runs_will_build():
     """B follows the study's overrides (an experiment's or the command line's model.* keys) and the size's preset."""
-    from hydra import initialize_config_module
-
-    from xsa_lm.scale.tokens import non_embedding_params
-
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        base = non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy"])
-        deeper = non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy", "model.n_layer=4"])
+        base = tokens.non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy"])
+        deeper = tokens.non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy", "model.n_layer=4"])
     from xsa_lm.model.config import GPTConfig
     from xsa_lm.model.gpt import GPT
 
@@ -363,13 +346,13 @@ def failed_logs(result: subprocess.CompletedProcess) -> str:
 
 def test_an_unfinished_run_is_named_with_its_reason_and_log():
     run = {"seed": 2, "status": "failed", "error": "killed by signal SIGKILL (out of memory?)\nmore", "log": "L"}
-    runs = {"sa": {"2": [run, {**run, "seed": 3, "status": "completed"}]}}
+    runs = {"sa": {"2": [run, {**run, "seed": 3, "status": "completed"}, {"seed": 4, "status": "interrupted"}]}}
     size = {"model": "m", "tokens_B": B, "runs": runs}
     study = {"study_dir": "s", "study_id": "s", "overrides": [], "plan": {}, "sizes": [size], "cells": []}
     assert unfinished(TokenStudyResult.from_json(study)) == [
-        "m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log L)"
+        "m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log L)",
+        "m sa 2 B seed 4 (interrupted)",
     ]
-    assert why(TokenRun(seed=1, status="interrupted")) == "interrupted"
 
 
 def test_the_pooled_interval_covers_over_independent_cells():

@@ -186,22 +186,15 @@ class SharedFit:
             found.append(f"alpha = {self.alpha:.4f} at its upper bound {ALPHA_MAX}")
         return found
 
-    def A_in_flops(self, arm: str) -> float:
-        """A for C in FLOPs."""
-        log_A = self.log_A_sa if arm == "sa" else self.log_A_xsa
-        return math.exp(log_A + self.alpha * math.log(self.c_ref))
-
-    def describe(self) -> str:
-        head = f"L(C) = {self.E:.4f} + " if self.offset else "L(C) = "
-        A = {arm: self.A_in_flops(arm) for arm in ("sa", "xsa")}
-        return f"{head}{{SA: {A['sa']:.4g}, XSA: {A['xsa']:.4g}}} * C^-{self.alpha:.4f}"
-
     def as_dict(self) -> JsonObject:
+        to_flops = self.alpha * math.log(self.c_ref)  # ln A for C in FLOPs, not in units of c_ref
+        A_sa, A_xsa = math.exp(self.log_A_sa + to_flops), math.exp(self.log_A_xsa + to_flops)
+        head = f"L(C) = {self.E:.4f} + " if self.offset else "L(C) = "
         return {
-            "formula": self.describe(),
+            "formula": f"{head}{{SA: {A_sa:.4g}, XSA: {A_xsa:.4g}}} * C^-{self.alpha:.4f}",
             "E": self.E,
-            "A_sa": self.A_in_flops("sa"),
-            "A_xsa": self.A_in_flops("xsa"),
+            "A_sa": A_sa,
+            "A_xsa": A_xsa,
             "alpha": self.alpha,
             "residuals": self.residuals,
             "points": len(self.residuals),

@@ -17,8 +17,8 @@ checks it, and cells are pooled by inverse variance on ln k with Cochran's Q for
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypedDict
+from dataclasses import asdict, dataclass
+from typing import TypedDict, cast
 
 import numpy as np
 import scipy.stats
@@ -57,17 +57,9 @@ class Cell:
     seeds: int
 
     def as_dict(self) -> CellJson:
-        return CellJson(
-            budget=self.budget,
-            sa_budgets=self.sa_budgets,
-            k=self.k,
-            bound=self.bound,
-            ci95=list(self.ci),
-            ln_k_se=self.ln_k_se,
-            sa_means=self.sa_means,
-            xsa_mean=self.xsa_mean,
-            seeds=self.seeds,
-        )
+        cell = asdict(self)
+        cell["ci95"] = list(cell.pop("ci"))
+        return cast(CellJson, cell)
 
 
 def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:
@@ -218,12 +210,12 @@ def per_seed_k(
     return values
 
 
-def stalled(losses: Sequence[float], margin: float = STALL_MARGIN) -> int:
-    """The runs whose final loss lies more than `margin` nats above the median of their arm and budget."""
+def stalled(losses: Sequence[float]) -> int:
+    """The runs whose final loss lies more than STALL_MARGIN nats above the median of their arm and budget."""
     if len(losses) < 2:
         return 0
     median = float(np.median(losses))
-    return sum(loss > median + margin for loss in losses)
+    return sum(loss > median + STALL_MARGIN for loss in losses)
 
 
 class PooledK(TypedDict):

@@ -340,8 +340,9 @@ def analyse_tokens(
     margin: float | None = None,
 ) -> TokenAnalysis:
     """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
-    at it too (paired_stats); the pooled k with its heterogeneity."""
-    cells, estimates, warnings = [], [], []
+    at it too (paired_stats); the pooled k with its heterogeneity; the sizes' warnings, then the analysis's."""
+    cells, estimates = [], []
+    warnings = [f"{s.model}: {w}" for s in sizes for w in s.warnings]
     for entry in sizes:
         if entry.runs is None:
             warnings.append(f"{entry.model}: no LR selected, so no budget runs")
@@ -393,20 +394,12 @@ def analyse_tokens(
     return TokenAnalysis(cells=cells, pooled=pool(estimates), warnings=warnings)
 
 
-def analysed(results: TokenStudyResult, seed: int = 0) -> TokenStudyResult:
-    """The study with its analysis (analyse_tokens; its sizes' warnings first)."""
-    plan = results.plan
-    analysis = analyse_tokens(
-        results.sizes, plan["sa_budgets"], plan["xsa_budgets"], seed=seed, margin=plan.get("margin")
-    )
-    warnings = [f"{s.model}: {w}" for s in results.sizes for w in s.warnings] + analysis["warnings"]
-    return replace(results, cells=analysis["cells"], pooled=analysis["pooled"], warnings=warnings)
-
-
 def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenStudyResult:
     """A saved token study analysed again from its runs' final losses with the current analysis (no run is
     repeated); `reanalysed` says when."""
-    return replace(analysed(saved), reanalysed=when or time.strftime("%Y-%m-%d"))
+    plan = saved.plan
+    analysis = analyse_tokens(saved.sizes, plan["sa_budgets"], plan["xsa_budgets"], margin=plan.get("margin"))
+    return replace(saved, **analysis, reanalysed=when or time.strftime("%Y-%m-%d"))
 
 
 def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
@@ -470,28 +463,23 @@ def run_token_study(
         entry = run_size(size, plan, group)
         bench = bench_size(study_dir, size.model, cfg, identity["overrides"]) if cfg.scale.measure_throughput else None
         entries.append(replace(entry, bench=bench))
-    results = analysed(TokenStudyResult(**identity, plan=plan, sizes=entries, cells=[]), cfg.scale.bootstrap_seed)
+    seed, margin = cfg.scale.bootstrap_seed, plan["margin"]
+    analysis = analyse_tokens(entries, plan["sa_budgets"], plan["xsa_budgets"], seed=seed, margin=margin)
+    results = TokenStudyResult(**identity, plan=plan, sizes=entries, **analysis)
     write_report(results, study_dir)
     return unfinished(results)
 
 
 def unfinished(results: TokenStudyResult) -> list[str]:
-    """Runs that did not end completed or diverged (a rerun retries them)."""
+    """Runs that did not end completed or diverged (a rerun retries them), each with its status, the first line of
+    its error and its log, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log <path>)`."""
     missing = []
     for size in results.sizes:
         for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
-                missing += [
-                    f"{size.model} {arm} {fraction} B seed {r.seed} ({why(r)})"
-                    for r in runs
-                    if r.status not in ("completed", "diverged")
-                ]
+                for run in (r for r in runs if r.status not in ("completed", "diverged")):
+                    error = (run.error or "").strip().splitlines()
+                    why = f"{run.status}: {error[0][:200]}" if error else run.status
+                    why += f"; log {run.log}" if run.log else ""
+                    missing.append(f"{size.model} {arm} {fraction} B seed {run.seed} ({why})")
     return missing
-
-
-def why(run: TokenRun) -> str:
-    """A run's status, the first line of its error and its log, e.g. `failed: killed by signal SIGKILL (out of
-    memory?); log <path>`."""
-    error = (run.error or "").strip().splitlines()
-    said = f"{run.status}: {error[0][:200]}" if error else run.status
-    return f"{said}; log {run.log}" if run.log else said
