@@ -186,8 +186,6 @@ def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
     # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
     trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True))
     assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
-    with pytest.raises(UserError, match="distinct integers"):
-        check_seeds([1, 1], search_seeds=[0])
 
 
 def test_no_compare_seeds_is_a_search_only_sweep() -> None:
@@ -215,8 +213,11 @@ def test_a_compare_seed_among_the_search_seeds_is_refused_with_a_disjoint_replac
 
 @pytest.mark.parametrize("bad", [[], None, [0, 0], [0, "1"], [0.5], [True], 3, "0"])
 def test_search_seeds_must_be_a_non_empty_list_of_distinct_integers(bad: object) -> None:
-    with pytest.raises(UserError, match=r"sweep.search_seeds must be a non-empty list of distinct integers"):
-        check_search_seeds(bad)
+    """Each seed's type and range (check_settings, first), then at least one (check_search_seeds)."""
+    sweep = OmegaConf.merge(compose_train([], config_name="sweep").sweep, {"search_seeds": bad})
+    with pytest.raises(UserError, match=r"^sweep.search_seeds(=.+)? must be a (non-empty )?list of distinct integers"):
+        check_settings(sweep, SWEEP_RULES, "sweep")
+        check_search_seeds(sweep.search_seeds)
 
 
 def test_search_seeds_pass_through_when_valid() -> None:

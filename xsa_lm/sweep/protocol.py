@@ -7,12 +7,11 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import TypedDict, cast
 
 from xsa_lm.config.schema import SEED_MAX
 from xsa_lm.errors import UserError
 from xsa_lm.stats.paired import ALPHA, paired_t
-from xsa_lm.sweep.settings import seed_list
 
 
 @dataclass(frozen=True)
@@ -60,27 +59,23 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
 
 
 def check_search_seeds(search_seeds: object) -> list[int]:
-    """The seeds of the LR search: at least one, distinct integers in the seed range."""
-    values = list(search_seeds) if isinstance(search_seeds, list | tuple) else None
-    if not values or seed_list()(values):
+    """The seeds of the LR search: at least one (each a distinct integer in the seed range: check_settings)."""
+    if not search_seeds:
         raise UserError(
             f"sweep.search_seeds must be a non-empty list of distinct integers from 0 to {SEED_MAX}, got "
             f"{search_seeds!r}; e.g. sweep.search_seeds=[0] or, to select on the median of 3 seeds, "
             "sweep.search_seeds=[0,10,20]"
         )
-    return values
+    return list(cast(Sequence[int], search_seeds))
 
 
 def check_seeds(
     seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
 ) -> list[int]:
-    """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid). They must not contain a search seed:
-    the search's SA run at the selected LR won the search partly on its noise (the winner's curse), while XSA's run at
-    that seed was not selected, so reusing it biases the paired difference against XSA. sweep.reuse_search_run=true
-    allows it (the report then warns)."""
-    problem = seed_list(nullable=True)(seeds)
-    if problem:
-        raise UserError(f"{name}={seeds!r} {problem}")
+    """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid; each a distinct integer in the seed
+    range: check_settings). They must not contain a search seed: the search's SA run at the selected LR won the search
+    partly on its noise (the winner's curse), while XSA's run at that seed was not selected, so reusing it biases the
+    paired difference against XSA. sweep.reuse_search_run=true allows it (the report then warns)."""
     seeds = list(seeds or [])
     shared = [s for s in seeds if s in search_seeds]
     if shared and not reuse_search_run:

@@ -28,6 +28,7 @@ from xsa_lm.config.command_line import another_commands_folder, full_command_lin
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
+from xsa_lm.reporting import ReportRunSettings
 from xsa_lm.sweep.protocol import (
     ALPHA,
     NULL,
@@ -45,7 +46,7 @@ from xsa_lm.sweep.protocol import (
     seed_sequence,
     select_lr,
 )
-from xsa_lm.sweep.report import ReportRunSettings, build_results, ci_text, comparison_of, log_to_wandb, write_report
+from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
 from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
@@ -86,12 +87,8 @@ def wandb_settings(cfg: DictConfig) -> DictConfig | None:
 
 
 def report_run_settings(wandb_cfg: DictConfig) -> ReportRunSettings:
-    return ReportRunSettings(
-        project=wandb_cfg.project,
-        entity=wandb_cfg.entity,
-        mode=wandb_cfg.mode,
-        init_timeout_s=wandb_cfg.init_timeout_s,
-    )
+    """The settings of logger.wandb that a report run takes."""
+    return cast(ReportRunSettings, {key: wandb_cfg[key] for key in ReportRunSettings.__annotations__})
 
 
 def open_state(
@@ -266,17 +263,6 @@ def check_sweep(
     return grid, search_seeds, seeds, cap
 
 
-def search_phase(
-    launcher: Launcher, store: TrialStore, grid: list[float], *, search_seeds: list[int], tune_xsa: bool
-) -> tuple[list[Trial], list[Trial], Selection]:
-    """The search runs of SA (and of XSA with sweep.tune_xsa) at every LR of the grid, and the LR selected on SA."""
-    sa_search = search_trials(grid, search_seeds, ["sa"])
-    xsa_search = search_trials(grid, search_seeds, ["xsa"]) if tune_xsa else []
-    print("phase 1: LR search")
-    launcher.run(sa_search + xsa_search, "search", "lr-search")
-    return sa_search, xsa_search, selection_of(store, sa_search)
-
-
 def compare_phase(
     launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], SequentialSummary | None]:
@@ -311,19 +297,19 @@ def compare_phase(
 
 def downstream_evaluation(
     cfg: DictConfig, store: TrialStore, compare: list[Trial], sweep_dir: Path
-) -> tuple[dict | None, str]:
+) -> tuple[dict | None, list[str]]:
     """`xsa-lm eval` of sweep.eval_tasks on the final checkpoints of the compare runs (its own process, like a trial):
-    its result and a warning if it failed; (None, "") without eval tasks or compare runs. The result is reused when
-    the same checkpoints were evaluated before."""
+    its result (None without eval tasks or compare runs, or when it failed) and the warning of a failure. The result
+    is reused when the same checkpoints were evaluated before."""
     if not (cfg.sweep.get("eval_tasks") and compare):
-        return None, ""
+        return None, []
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
     ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
     out = sweep_dir / "eval"
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
         if sorted(r["checkpoint"] for r in previous["rows"]) == sorted(ckpts):
-            return previous, ""
+            return previous, []
     tasks, limit = plain(cfg.sweep.eval_tasks), cfg.sweep.get("eval_limit")
     tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]
@@ -333,17 +319,18 @@ def downstream_evaluation(
     with open(store.logs / "eval.log", "a") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        return None, f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
-    return json.loads((out / "eval.json").read_text()), ""
+        return None, [f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"]
+    return json.loads((out / "eval.json").read_text()), []
 
 
 def open_sweep(
-    cfg: DictConfig, sweep_dir: Path, overrides: list[str]
-) -> tuple[str, list[float], ComparisonPlan, list[str]]:
-    """The sweep checked (check_sweep), then its files before any trial: sweep.json, its identity and plan (a rerun
+    cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str
+) -> tuple[Launcher, str, list[float], ComparisonPlan, list[str]]:
+    """Everything before the first trial: the sweep checked (check_sweep); sweep.json, its identity and plan (a rerun
     must train what the first run trained, with the same plan; the LR grid and the seeds may change: new trials are
-    added, finished ones reused), and config.yaml, resolved (a rerun keeps the first one and saves its own beside it).
-    Returns the sweep's id, the LR grid, the plan and the warnings of settings declared after the first runs."""
+    added, finished ones reused); config.yaml, resolved (a rerun keeps the first one and saves its own beside it);
+    the launcher of its trials, stopped on a signal. Returns the launcher, the sweep's id, the LR grid, the plan and
+    the warnings of settings declared after the first runs."""
     grid, search_seeds, seeds, cap = check_sweep(cfg, overrides)
     holds = "a sweep with the training overrides"
     state_file = sweep_dir / "sweep.json"
@@ -352,33 +339,36 @@ def open_sweep(
     late = keep_plan(state_file, plan, grid)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
     write_text(sweep_dir / config_name, OmegaConf.to_yaml(cfg, resolve=True))
-    return sweep_id, grid, plan, late
-
-
-def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
-    sweep_id, grid, plan, late = open_sweep(cfg, sweep_dir, overrides)
-    search_seeds, seeds, cap = plan["search_seeds"], plan["seeds"], plan["seeds_until_significant"]
-    store = TrialStore(sweep_dir)
-    wandb_cfg = wandb_settings(cfg)
     launcher = Launcher(
-        store,
+        TrialStore(sweep_dir),
         overrides,
         max_parallel=cfg.sweep.max_parallel,
         launch_prefix=cfg.sweep.launch_prefix or [],
-        wandb_group=sweep_id if wandb_cfg else None,
+        wandb_group=sweep_id if wandb_settings(cfg) else None,
         diverge_above=cfg.sweep.diverge_above,
     )
     stop_on_signals(launcher.stop, command)
-
     n_search = len(grid) * len(search_seeds) * (2 if cfg.sweep.tune_xsa else 1)
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
-    arms = 3 if cfg.sweep.null_arm else 2
-    trial_counts = f"{n_search} search + up to {arms * (cap or len(seeds))} compare trials"
+    trial_counts = f"{n_search} search + up to {(3 if cfg.sweep.null_arm else 2) * (cap or len(seeds))} compare trials"
     print(f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | {grid_text} | {trial_counts}")
-    sa_search, xsa_search, selection = search_phase(
-        launcher, store, grid, search_seeds=search_seeds, tune_xsa=cfg.sweep.tune_xsa
+    return launcher, sweep_id, grid, plan, late
+
+
+def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
+    launcher, sweep_id, grid, plan, late = open_sweep(cfg, sweep_dir, overrides, command)
+    search_seeds, seeds, cap, store = (
+        plan["search_seeds"],
+        plan["seeds"],
+        plan["seeds_until_significant"],
+        launcher.store,
     )
+    print("phase 1: LR search")  # SA's runs select the LR; XSA's (sweep.tune_xsa) say where XSA's own optimum lies
+    sa_search = search_trials(grid, search_seeds, ["sa"])
+    xsa_search = search_trials(grid, search_seeds, ["xsa"]) if cfg.sweep.tune_xsa else []
+    launcher.run(sa_search + xsa_search, "search", "lr-search")
+    selection = selection_of(store, sa_search)
     compare: list[Trial] = []
     sequential = None
     if selection.lr is not None and seeds:
@@ -392,7 +382,7 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
 
-    evaluation, eval_warning = downstream_evaluation(cfg, store, compare, sweep_dir)
+    evaluation, eval_warnings = downstream_evaluation(cfg, store, compare, sweep_dir)
     results = build_results(
         sweep_dir,
         sweep_id=sweep_id,
@@ -410,10 +400,9 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
         margin=plan["margin"],
     )
     results["eval"] = evaluation
-    results["warnings"] += late
-    if eval_warning:
-        results["warnings"].append(eval_warning)
+    results["warnings"] += late + eval_warnings
     markdown = write_report(results, sweep_dir)
+    wandb_cfg = wandb_settings(cfg)
     if wandb_cfg and cfg.sweep.wandb_report:
         log_to_wandb(results, sweep_dir, report_run_settings(wandb_cfg))
     return results, markdown

@@ -10,7 +10,7 @@ import csv
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypedDict
 
@@ -87,8 +87,7 @@ def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
             row.update(stalled=None, step=None, loss_at=None)
         else:
             reference = statistics.median(by_lr[record["lr"]])
-            row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin)
-            row["reference"] = reference
+            row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin, reference=reference)
         if rule.loss_threshold is not None:
             row["tokens_to_threshold"] = tokens_to_reach(record, rule.loss_threshold)
         rows.append(row)
@@ -183,16 +182,13 @@ def stall_study(records: Sequence[dict], rule: StallRule) -> StallStudy:
             cells.append(cell)
         if len(counts) == 2:
             tables.append((*counts["sa"], *counts["xsa"]))
-    total = {arm: sum(c["stalls"] for c in cells if c["attention"] == arm) for arm in ("sa", "xsa")}
-    judged_runs = {
-        arm: sum(c["runs"] - c["diverged_or_failed"] for c in cells if c["attention"] == arm) for arm in total
-    }
+    completed = [r for r in rows if r["stalled"] is not None]
     return StallStudy(
-        rule={"at_fraction": rule.at_fraction, "margin": rule.margin, "loss_threshold": rule.loss_threshold},
+        rule=asdict(rule),
         cells=cells,
         runs=rows,
-        stalls=total,
-        judged=judged_runs,
+        stalls={arm: sum(r["attention"] == arm and r["stalled"] for r in completed) for arm in ("sa", "xsa")},
+        judged={arm: sum(r["attention"] == arm for r in completed) for arm in ("sa", "xsa")},
         stratified_test=mantel_haenszel(tables) if tables else None,
         paired_final_losses=paired_final_losses(rows),
     )
