@@ -20,6 +20,11 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
     return "[" + ", ".join("unbounded" if end is None else num(end, spec) for end in ci) + "]"
 
 
+def section(heading: str, *paragraphs: str) -> list[str]:
+    """The lines that open a report's section: its heading and paragraphs, each after a blank line, then one more."""
+    return ["", heading, *(line for paragraph in paragraphs for line in ("", paragraph)), ""]
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
     """A markdown table's lines: the header, the rule under it (`align`: "l" or "r" per column) and a line per row."""
 
@@ -47,15 +52,6 @@ def saved_figure(path: Path, **subplots: Any) -> Iterator[Any]:
         fig.savefig(path, dpi=120)
     finally:
         plt.close(fig)
-
-
-def short_log_x(ax: Any, label: str) -> None:
-    """A log x axis without the minor labels, which overlap on an axis of a decade or two."""
-    from matplotlib.ticker import NullFormatter
-
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel(label)
 
 
 class ReportRunSettings(TypedDict):

@@ -7,7 +7,7 @@ from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, short_log_x
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, section
 from xsa_lm.scale.fit import Fit
 from xsa_lm.stats.decision import clustered_line
 
@@ -95,19 +95,15 @@ def fit_lines(results: ScaleStudyResult) -> list[str]:
         if lack["p"] is not None
         else f"no test ({lack['dof']} dof or a size with one seed)"
     )
-    lines = [
-        "",
+    lines = section(
         "## SA loss vs training compute",
-        "",
         f"SA fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
         f"squares): **{fit['formula']}** (C in FLOPs = FLOPs per token x tokens trained). RMS residual "
         f"{fit['rms_residual']:.4f}. Lack of fit against each size's standard error over seeds: {test}.",
-        "",
         f"Shared fit of both arms (one E and one alpha, Huber loss on log-loss residuals): "
         f"**{fit['shared']['formula']}**; size-level deviation beyond seed noise: "
         f"{fit['shared']['lack_of_fit_sd']:.4f} sd.",
-        "",
-    ]
+    )
     model, rows = fit_of(results), []
     for size in results.sizes:
         if size.compute is None or size.sa_mean is None:
@@ -124,15 +120,12 @@ def fit_lines(results: ScaleStudyResult) -> list[str]:
 
 def size_test_lines(results: ScaleStudyResult) -> list[str]:
     """XSA - SA at each size with the paired t, exact Wilcoxon and exact sign tests, Holm across sizes."""
-    lines = [
-        "",
+    lines = section(
         "## XSA vs SA at each size",
-        "",
         "Paired over seeds. Some SA seeds stall at toy scale, so the differences can be bimodal: beside the paired "
         "t, the exact Wilcoxon signed-rank and sign tests (two-sided). Holm: the t p-values adjusted for testing "
         "every size.",
-        "",
-    ]
+    )
     header = ["model", "seeds", "SA mean", "XSA mean", "XSA - SA", "95% CI (t)", "t p", "Holm p", "Wilcoxon p"]
     rows = [
         [
@@ -215,6 +208,7 @@ def render_markdown(results: ScaleStudyResult) -> str:
 
 def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
     import numpy as np
+    from matplotlib.ticker import NullFormatter
 
     sizes = [s for s in results.sizes if s.compute is not None]
     compute = [float(s.compute or 0.0) for s in sizes]
@@ -234,7 +228,9 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
             ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
         for s in sizes:
             ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        short_log_x(ax, "training compute (FLOPs)")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
+        ax.set_xlabel("training compute (FLOPs)")
         ax.set_ylabel("final validation loss")
         flagged = results.fit.get("flags")
         ax.set_title("Loss vs compute" + (" (fit flagged: see the report)" if flagged else ""), fontsize=10)
@@ -243,6 +239,8 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
 
 def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
     """XSA - SA at each size with its paired 95% interval; the ladder's k in the title only when no flag is up."""
+    from matplotlib.ticker import NullFormatter
+
     tested = [(float(s.non_embedding_params or 0), s.tests) for s in results.sizes if s.tests is not None]
     fit = results.fit
     if fit.get("flags"):
@@ -257,7 +255,9 @@ def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
                 ax.errorbar([x], [diff], yerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="tab:orange", capsize=4)
             else:
                 ax.plot([x], [diff], "o", color="tab:orange")
-        short_log_x(ax, "non-embedding parameters")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("non-embedding parameters")
         ax.set_ylabel("XSA - SA final loss (paired 95% CI)")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)

@@ -6,7 +6,7 @@ from typing import Any, TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
-from xsa_lm.reporting import interval, markdown_table, num, saved_figure, table_row
+from xsa_lm.reporting import interval, markdown_table, num, saved_figure, section, table_row
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK, ci_text, k_text
 from xsa_lm.sweep.report import bpb_lines, position_lines
 
@@ -172,17 +172,14 @@ def per_seed_lines(cells: list[dict]) -> list[str]:
 
 
 def multiplier_lines(results: TokenStudyResult) -> list[str]:
-    lines = [
-        "",
+    lines = section(
         "## XSA's multiplier along the token axis",
-        "",
         "k = the tokens SA needs to reach XSA's mean loss (SA's mean losses interpolated linearly in ln tokens between "
         "the budgets that bracket it) / XSA's tokens. 95% CI: Fieller's interval for that crossing (test inversion "
         "over the paired per-seed values); an end at SA's range is a bound (<= or >=), never an extrapolation. "
         "Bootstrap: seeds resampled within the cell, a check of the interval. Wall-clock k: k over XSA's step-time "
         "ratio from `xsa-lm bench` at that size (ends combined conservatively).",
-        "",
-    ]
+    )
     rows = []
     for cell in results.cells:
         wall = cell.get("wallclock_k")
@@ -217,15 +214,12 @@ def null_lines(results: TokenStudyResult) -> list[str]:
     cells = [c for c in results.cells if c.get("null")]
     if not cells:
         return []
-    lines = [
-        "",
+    lines = section(
         "## The null along the token axis (sweep.null_arm)",
-        "",
         "SA again at XSA's budgets, the same data order from other initial weights, its k read off SA's curve exactly "
         "as XSA's is. There is no effect, so k is 1: how far its point and its interval stray is the yardstick's own "
         "noise, to read beside XSA's.",
-        "",
-    ]
+    )
     rows = []
     for c in cells:
         null = c["null"]
@@ -249,10 +243,8 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
     if not rows:
         return []
     margin = results.plan.get("margin")
-    lines = [
-        "",
+    lines = section(
         "## XSA vs SA at the same budget",
-        "",
         "Paired over seeds: Student's paired t, the exact Wilcoxon signed-rank and exact sign tests (two-sided)"
         + (
             f"; the verdict reads the one-sided 95% bounds against the plan's margin of {margin:g} nats"
@@ -260,8 +252,7 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
             else ""
         )
         + ". The null rows (SA from other initial weights - SA) are what the same tests say when there is no effect.",
-        "",
-    ]
+    )
     table = [
         [cell["model"], f"{cell['fraction']:g} B", arm, t["pairs"], f"{t['mean_diff']:+.4f}", interval(t["t_ci95"])]
         + [num(t[p], ".3g") for p in ("t_p", "wilcoxon_p", "sign_p")]

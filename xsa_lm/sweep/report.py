@@ -9,7 +9,7 @@ from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, section
 from xsa_lm.stats.decision import NullRates, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import ALPHA, POWER, PairedJson, min_detectable_difference, paired_stats
 from xsa_lm.stats.positions import PositionDifferences, position_differences
@@ -22,19 +22,27 @@ def ci_text(ci: Sequence[float] | None) -> str:
     return interval(ci, none="(none below two pairs)")
 
 
-def comparison_of(trials: list[dict]) -> Comparison:
-    """Seeds where both SA and XSA finished at the shared LR (a diverged or failed side drops the pair, and
-    dropped_seeds says so)."""
-    pairs = completed_pairs(trials)
+def comparison_of(trials: list[dict], arm: str = "xsa") -> Comparison:
+    """Seeds where both SA and XSA (or `arm`) finished at the shared LR (a diverged or failed side drops the pair,
+    and dropped_seeds says so)."""
+    pairs = completed_pairs(trials, arm)
     sa, xsa = [p[0]["final_val_loss"] for p in pairs], [p[1]["final_val_loss"] for p in pairs]
     return Comparison(seeds=[p[0]["seed"] for p in pairs], sa=sa, xsa=xsa)
 
 
-def completed_pairs(trials: list[dict]) -> list[tuple[dict, dict]]:
-    """(SA, XSA) compare trials of each seed where both finished, by seed."""
-    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
-    pairs = [(by_key.get(("sa", seed)), by_key.get(("xsa", seed))) for seed in sorted({s for _, s in by_key})]
-    return [(sa, xsa) for sa, xsa in pairs if sa and xsa and sa["status"] == xsa["status"] == "completed"]
+def arms_by_seed(trials: list[dict], *phases: str) -> dict[int, dict[str, dict]]:
+    """The trials of `phases` by seed, ascending, then by arm (attention)."""
+    by_seed: dict[int, dict[str, dict]] = {}
+    for trial in sorted((t for t in trials if t["phase"] in phases), key=lambda t: t["seed"]):
+        by_seed.setdefault(trial["seed"], {})[trial["attention"]] = trial
+    return by_seed
+
+
+def completed_pairs(trials: list[dict], arm: str = "xsa") -> list[tuple[dict, dict]]:
+    """(SA, XSA) compare trials of each seed where both finished, by seed; (SA, null) with arm=NULL."""
+    both = ("sa", arm)
+    by_seed = arms_by_seed(trials, "compare", NULL).values()
+    return [(t["sa"], t[arm]) for t in by_seed if all(t.get(a, {}).get("status") == "completed" for a in both)]
 
 
 class BpbStats(PairedJson):
@@ -71,17 +79,10 @@ def null_comparison(trials: list[dict], margin: float | None) -> NullComparison 
     """The A/A null (sweep.null_arm) analysed as XSA is: per seed, SA from other initial weights - SA, the paired
     tests, the verdict against the margin, and how often studies of 3, 5 and half this many seeds claim an effect
     (null_rates, one per study size). None without a null pair."""
-    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] in ("compare", "null")}
-    seeds = [
-        seed
-        for seed in sorted({s for _, s in by_key})
-        if all(by_key.get((arm, seed), {}).get("status") == "completed" for arm in ("sa", NULL))
-    ]
+    pairs = comparison_of(trials, arm=NULL)
+    seeds, sa, null, diffs = pairs.seeds, pairs.sa, pairs.xsa, pairs.diffs  # pairs.xsa: the null arm's losses
     if not seeds:
         return None
-    sa = [by_key[("sa", seed)]["final_val_loss"] for seed in seeds]
-    null = [by_key[(NULL, seed)]["final_val_loss"] for seed in seeds]
-    diffs = [b - a for a, b in zip(sa, null, strict=True)]
     verdict = margin_verdict(diffs, margin).to_json() if margin is not None else None
     sizes = null_study_sizes(len(diffs))
     rates = [r for r in (null_rates(diffs, size, margin) for size in sizes) if r] if margin is not None else []
@@ -92,10 +93,9 @@ def null_comparison(trials: list[dict], margin: float | None) -> NullComparison 
 
 def dropped_seeds(trials: list[dict]) -> list[dict]:
     """The compare seeds left out of the statistics, each with what happened to which side."""
-    by_key = {(t["attention"], t["seed"]): t for t in trials if t["phase"] == "compare"}
     dropped = []
-    for seed in sorted({seed for _, seed in by_key}):
-        sides = {a: by_key.get((a, seed), {}).get("status", "missing") for a in ("sa", "xsa")}
+    for seed, arms in arms_by_seed(trials, "compare").items():
+        sides = {a: arms.get(a, {}).get("status", "missing") for a in ("sa", "xsa")}
         if any(status != "completed" for status in sides.values()):
             dropped.append({"seed": seed, **sides})
     return dropped
@@ -412,17 +412,14 @@ def null_lines(null: dict | None, compare: dict) -> list[str]:
         return []
     ci, verdict = null["t_ci95"], null["margin"]
     ci_part = f", paired 95% CI {interval(ci)}" if ci else ""
-    lines = [
-        "",
+    lines = section(
         "### The null: SA against SA (sweep.null_arm)",
-        "",
         f"SA again at each compare seed, the same data order from other initial weights, minus SA: "
         f"{null['mean_diff']:+.4f} on average over {null['pairs']} seed(s){ci_part}"
         + (f"; verdict against the margin: **{verdict['verdict']}**" if verdict else "")
         + ". There is no effect here, so a verdict of better or worse, or an interval that excludes 0, is a false "
         "positive of the procedure.",
-        "",
-    ]
+    )
     spread = [
         ["XSA - SA", num(compare.get("diff_mean"), "+.4f"), num(compare.get("diff_std"))],
         ["null - SA", num(null["mean_diff"], "+.4f"), num(null["sd_diff"])],
@@ -469,14 +466,11 @@ def position_lines(positions: dict | None) -> list[str]:
     """XSA - SA per span of window positions and the trend across spans (xsa_lm.stats.positions)."""
     if not positions:
         return []
-    lines = [
-        "",
+    lines = section(
         "### XSA - SA along the window (does the gain grow with context?)",
-        "",
         f"The validation loss per equal span of positions (`val_position_buckets`, earliest first), paired over "
         f"{positions['seeds']} seed(s).",
-        "",
-    ]
+    )
     spans = [
         [
             f"{i} of {positions['spans']}",
@@ -585,9 +579,9 @@ def plot_curves(trials: list[dict], path: Path, selected_lr: float | None = None
 
 def compare_table(trials: list[dict], seeds: list[int]) -> list[dict]:
     """A row per compare seed that ran: each side's final val loss (or its status) and XSA - SA."""
-    rows = []
+    rows, by_seed = [], arms_by_seed(trials, "compare")
     for seed in seeds:
-        pair = {t["attention"]: t for t in trials if t["phase"] == "compare" and t["seed"] == seed}
+        pair = by_seed.get(seed)
         if not pair:
             continue
         cell = {a: num(t["final_val_loss"]) if t["status"] == "completed" else t["status"] for a, t in pair.items()}
