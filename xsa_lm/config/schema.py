@@ -177,7 +177,8 @@ class AttentionOptions:
 
 @dataclass
 class DataOptions:
-    """configs/data/_base.yaml: preparation and loading, shared by every data option."""
+    """The keys of every data option: configs/data/_base.yaml's (preparation and loading) and the source; those of
+    data=shakespeare and data=prepared."""
 
     dir: str | None = MISSING  # the token shards; null: under cache_dir
     cache_dir: str = MISSING  # where prepared shards go when dir is null
@@ -190,18 +191,13 @@ class DataOptions:
     block_size: int = knob(ge=1)  # training context (xsa-lm prepare: null, whole documents)
     val_windows: int | None = MISSING  # null: every validation window
     num_workers: int | Literal["auto"] = knob(ge=0, free=True)  # data-loader workers per device
-
-
-@dataclass
-class ShakespeareData(DataOptions):
-    source: dict[str, Any] = MISSING  # a _target_ node: the corpus's own arguments
+    source: dict[str, Any] | None = MISSING  # a _target_ node: the source's own arguments; null (prepared): shards only
 
 
 @dataclass
 class LocalData(DataOptions):
     files: str | list[str] = MISSING  # a glob or a list of globs
     text_field: str = MISSING  # the text's key in .jsonl/.json records
-    source: dict[str, Any] = MISSING  # a _target_ node: the source's own arguments
 
 
 @dataclass
@@ -212,12 +208,6 @@ class HFData(DataOptions):
     text_field: str = MISSING  # the text's column
     data_files: str | list[str] | dict[str, Any] | None = MISSING  # datasets' data_files: a path, a list or a mapping
     max_documents: int | None = MISSING  # null: every document
-    source: dict[str, Any] = MISSING  # a _target_ node: the source's own arguments
-
-
-@dataclass
-class PreparedData(DataOptions):
-    source: dict[str, Any] | None = MISSING  # null: the shards hold everything
 
 
 @dataclass
@@ -392,10 +382,10 @@ AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_ch
 SCHEMAS = {
     "_model_schema": ModelOptions,
     "_attention_schema": AttentionOptions,
-    "_data_shakespeare_schema": ShakespeareData,
+    "_data_shakespeare_schema": DataOptions,
     "_data_local_schema": LocalData,
     "_data_hf_schema": HFData,
-    "_data_prepared_schema": PreparedData,
+    "_data_prepared_schema": DataOptions,
     "_tokenizer_bpe_schema": BPETokenizer,
     "_tokenizer_path_schema": PathTokenizer,
     "_optim_adamw_schema": AdamWOptions,
