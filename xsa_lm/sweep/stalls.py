@@ -17,6 +17,7 @@ from typing import TypedDict
 import numpy as np
 
 from xsa_lm.errors import UserError
+from xsa_lm.reporting import interval, markdown_table, num, section
 from xsa_lm.stats.decision import clustered_line, clustered_test
 from xsa_lm.stats.paired import sign_test_p
 from xsa_lm.stats.rates import MantelHaenszel, exact_interval, mantel_haenszel
@@ -196,37 +197,36 @@ def stall_study(records: Sequence[dict], rule: StallRule) -> StallStudy:
 
 def stall_lines(study: dict) -> list[str]:
     """The report's section: the rule, the table per LR and arm, the stratified test."""
-    rule = study["rule"]
-    lines = [
-        "",
+    rule, cells = study["rule"], study["cells"]
+
+    def diag(cell: dict, metric: str) -> str:
+        states = (cell[f"diagnostics_{state}"] for state in ("stalled", "healthy"))
+        return " / ".join(f"{d[metric]:.3f}" if d else "-" for d in states)
+
+    def runs(cell: dict) -> str:
+        return f"{cell['runs']}" + (f" (+{n} diverged/failed)" if (n := cell["diverged_or_failed"]) else "")
+
+    def loss(q: list[float] | None) -> str:
+        return f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if q else "-"
+
+    lines = section(
         "## Stalls per LR and arm (LR x seed grid of the search)",
-        "",
         f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
         f"{rule['margin']:g} nats above the median of every run at its LR (both arms); the rule was fixed in the "
         "sweep's plan before the runs. Interval: exact (Clopper-Pearson) 95%. Final loss: median [IQR] of the runs "
         "that did not diverge.",
-        "",
-        "| LR | arm | runs | stalls | stall rate 95% CI | final loss median [IQR] | a_ii stalled / healthy | "
-        "cos(y,v) stalled / healthy |",
-        "|---:|---|---:|---:|---|---|---|---|",
-    ]
-
-    def diag(cell: dict, metric: str) -> str:
-        return " / ".join(
-            f"{cell[f'diagnostics_{s}'][metric]:.3f}" if cell[f"diagnostics_{s}"] else "-"
-            for s in ("stalled", "healthy")
-        )
-
-    for cell in study["cells"]:
-        ci = cell["stall_rate_ci95"]
-        q = cell["final_loss_quartiles"]
-        loss = f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if q else "-"
-        diverged = f" (+{cell['diverged_or_failed']} diverged/failed)" if cell["diverged_or_failed"] else ""
-        lines.append(
-            f"| {cell['lr']:g} | {cell['attention'].upper()} | {cell['runs']}{diverged} | {cell['stalls']} | "
-            f"{f'[{ci[0]:.2f}, {ci[1]:.2f}]' if ci else '-'} | {loss} | {diag(cell, 'a_ii')} | "
-            f"{diag(cell, 'cos_y_v')} |"
-        )
+    )
+    header = ["LR", "arm", "runs", "stalls", "stall rate 95% CI", "final loss median [IQR]"]
+    header += ["a_ii stalled / healthy", "cos(y,v) stalled / healthy"]
+    lines += markdown_table(
+        header,
+        [
+            [f"{c['lr']:g}", c["attention"].upper(), runs(c), c["stalls"], interval(c["stall_rate_ci95"], ".2f")]
+            + [loss(c["final_loss_quartiles"]), diag(c, "a_ii"), diag(c, "cos_y_v")]
+            for c in cells
+        ],
+        align="rlrrllll",
+    )
     test = study["stratified_test"]
     stalls, judged = study["stalls"], study["judged"]
     lines += [
@@ -246,20 +246,24 @@ def stall_lines(study: dict) -> list[str]:
             f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
             for c in paired["per_lr"]
         )
-        p_text = f"{paired['sign_test_p_value']:.3g}" if paired["sign_test_p_value"] is not None else "-"
         lines += [
             "",
-            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired['pairs']} pairs XSA is lower "
-            f"in {paired['xsa_lower']} (exact sign test p = {p_text} if the pairs were independent; they are not).",
+            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired['pairs']} pairs XSA is lower in "
+            f"{paired['xsa_lower']} (exact sign test p = {num(paired['sign_test_p_value'], '.3g')} if the pairs were "
+            "independent; they are not).",
         ]
         if paired.get("by_seed"):
             lines.append(clustered_line(paired["by_seed"]))
-    if any(math.isfinite(c.get("median_tokens_to_threshold") or math.nan) for c in study["cells"]):
-        lines += ["", "| LR | arm | runs reaching the threshold | median tokens to reach it |", "|---:|---|---:|---:|"]
-        for cell in study["cells"]:
-            tokens = cell.get("median_tokens_to_threshold")
-            lines.append(
-                f"| {cell['lr']:g} | {cell['attention'].upper()} | {cell.get('reached_threshold', 0)} | "
-                f"{f'{tokens:,.0f}' if tokens is not None else '-'} |"
-            )
+    if any(math.isfinite(c.get("median_tokens_to_threshold") or math.nan) for c in cells):
+        header = ["LR", "arm", "runs reaching the threshold", "median tokens to reach it"]
+        rows = [
+            [
+                f"{c['lr']:g}",
+                c["attention"].upper(),
+                c.get("reached_threshold", 0),
+                num(c.get("median_tokens_to_threshold"), ",.0f"),
+            ]
+            for c in cells
+        ]
+        lines += ["", *markdown_table(header, rows, align="rlrr")]
     return lines

@@ -304,7 +304,7 @@ class Launcher:
             )
         started = time.time()
         self.running[proc] = (trial, slot, started, env)
-        record = replace(
+        record = replace(  # a sweep killed now leaves it `running`: a rerun tries the trial again
             TrialRecord.missing(trial, phase),
             status="running",
             attempt=attempt,
