@@ -128,15 +128,8 @@ def size_test_lines(results: ScaleStudyResult) -> list[str]:
     )
     header = ["model", "seeds", "SA mean", "XSA mean", "XSA - SA", "95% CI (t)", "t p", "Holm p", "Wilcoxon p"]
     rows = [
-        [
-            size.model,
-            t["pairs"],
-            num(size.sa_mean),
-            num(size.xsa_mean),
-            f"{t['mean_diff']:+.4f}",
-            interval(t["t_ci95"], ".3f"),
-        ]
-        + [num(t[p], ".3g") for p in ("t_p", "t_p_holm", "wilcoxon_p", "sign_p")]
+        [size.model, t["pairs"], num(size.sa_mean), num(size.xsa_mean), f"{t['mean_diff']:+.4f}"]
+        + [interval(t["t_ci95"], ".3f"), *(num(t[p], ".3g") for p in ("t_p", "t_p_holm", "wilcoxon_p", "sign_p"))]
         + [f"{t['xsa_lower']}/{t['pairs']}"]
         for size in results.sizes
         if (t := size.tests) is not None

@@ -229,15 +229,15 @@ def verdict(stats: dict, sequential: bool = False) -> str:
         return f"No seed has both an SA and an XSA result: nothing to compare{left_out}."
     head = f"XSA - SA = {stats['diff_mean']:+.4f} on average over {n} seed(s){left_out}; XSA is lower in "
     head += f"{stats['xsa_better_in']}."
+    margin = margin_text(stats.get("margin"), sequential)
     if ci is None and n == 1:
         return (
             head
             + " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
-            + margin_text(stats.get("margin"), sequential)
+            + margin
         )
     if ci is None:
-        no_spread = " The differences are all equal: no spread, so Student's t gives no interval."
-        return head + no_spread + margin_text(stats.get("margin"), sequential)
+        return head + " The differences are all equal: no spread, so Student's t gives no interval." + margin
     lo, hi = ci
     if hi < 0:
         meaning = "the interval excludes 0: XSA's lower loss is significant at the 5% level"
@@ -255,8 +255,7 @@ def verdict(stats: dict, sequential: bool = False) -> str:
             f" Tests that do not assume normal noise: exact Wilcoxon signed-rank p = {stats['wilcoxon_p_value']:.3g}, "
             f"exact sign test p = {stats['sign_test_p_value']:.3g}."
         )
-    text = head + f" Paired 95% CI [{lo:+.4f}, {hi:+.4f}] (Student's t, {n - 1} dof{p_text}): {meaning}." + ranks
-    return text + margin_text(stats.get("margin"), sequential)
+    return head + f" Paired 95% CI {interval(ci)} (Student's t, {n - 1} dof{p_text}): {meaning}." + ranks + margin
 
 
 def margin_text(margin: dict | None, sequential: bool = False) -> str:
@@ -375,9 +374,7 @@ def search_lines(results: dict) -> list[str]:
 def _mean_std(compare: dict, name: str) -> str:
     """A table cell: mean ± std over seeds; the mean alone below two seeds (signed for the difference)."""
     mean, std = compare[f"{name}_mean"], compare[f"{name}_std"]
-    if std is None:
-        return f"{mean:+.4f}" if name == "diff" else f"{mean:.4f}"
-    return f"{mean:.4f} ± {std:.4f}"
+    return f"{mean:.4f} ± {std:.4f}" if std is not None else format(mean, "+.4f" if name == "diff" else ".4f")
 
 
 def compare_lines(results: dict) -> list[str]:
@@ -471,13 +468,9 @@ def position_lines(positions: dict | None) -> list[str]:
         f"The validation loss per equal span of positions (`val_position_buckets`, earliest first), paired over "
         f"{positions['seeds']} seed(s).",
     )
+    n = positions["spans"]
     spans = [
-        [
-            f"{i} of {positions['spans']}",
-            f"{s['mean_diff']:+.4f}",
-            interval(s["t_ci95"]),
-            f"{s['xsa_lower']}/{s['pairs']}",
-        ]
+        [f"{i} of {n}", f"{s['mean_diff']:+.4f}", interval(s["t_ci95"]), f"{s['xsa_lower']}/{s['pairs']}"]
         for i, s in enumerate(positions["per_span"], start=1)
     ]
     lines += markdown_table(["span", "XSA - SA", "95% CI (t)", "XSA lower"], spans, align="rrlr")
