@@ -358,12 +358,8 @@ def open_sweep(
 
 def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
     launcher, sweep_id, grid, plan, late = open_sweep(cfg, sweep_dir, overrides, command)
-    search_seeds, seeds, cap, store = (
-        plan["search_seeds"],
-        plan["seeds"],
-        plan["seeds_until_significant"],
-        launcher.store,
-    )
+    store, search_seeds, seeds = launcher.store, plan["search_seeds"], plan["seeds"]
+    cap = plan["seeds_until_significant"]
     print("phase 1: LR search")  # SA's runs select the LR; XSA's (sweep.tune_xsa) say where XSA's own optimum lies
     sa_search = search_trials(grid, search_seeds, ["sa"])
     xsa_search = search_trials(grid, search_seeds, ["xsa"]) if cfg.sweep.tune_xsa else []
