@@ -132,42 +132,34 @@ def test_the_ladder_interval_covers_k_on_deviating_misspecified_ladders_where_th
 
 
 def clean_sizes(
-    compute=COMPUTE[:4],
-    sa_means=None,
-    xsa_means=None,
-    noise: float = 0.002,
-    seeds: int = 4,
-    lr_grid=(1e-3, 2e-3, 4e-3),
-    selected_lr: float = 2e-3,
-    warnings=(),
+    compute=COMPUTE[:4], sa_means=None, xsa_means=None, lr_grid=(1e-3, 2e-3, 4e-3), selected_lr=2e-3, warnings=()
 ) -> list[SizeResult]:
-    """A study's sizes as size_result saves them, seed noise drawn around the given means."""
+    """A study's sizes as size_result saves them, 4 seeds of noise (sd 0.002) drawn around the given means."""
     rng = np.random.default_rng(3)
     sa_means = sa_curve(compute) if sa_means is None else sa_means
     xsa_means = sa_curve(K_TRUE * np.asarray(compute)) if xsa_means is None else xsa_means
     sizes = []
     for i, (c, m_sa, m_xsa) in enumerate(zip(compute, sa_means, xsa_means, strict=True)):
-        sa = m_sa + rng.normal(0, noise, seeds)
-        xsa = m_xsa + rng.normal(0, noise, seeds)
+        sa, xsa = (m + rng.normal(0, 0.002, 4) for m in (m_sa, m_xsa))
         sizes.append(
-            {
-                "model": f"m{i}",
-                "compute": float(c),
-                "non_embedding_params": 10**6 * 4**i,
-                "selected_lr": selected_lr,
-                "lr_grid": list(lr_grid),
-                "seeds": list(range(1, seeds + 1)),
-                "sa_runs": [float(v) for v in sa],
-                "xsa_runs": [float(v) for v in xsa],
-                "sa_mean": float(sa.mean()),
-                "xsa_mean": float(xsa.mean()),
-                "sweep_warnings": list(warnings),
-                "sa_tokens_per_s": 100.0,
-                "xsa_tokens_per_s": 98.0,
-                "sweep_returncode": 0,
-            }
+            SizeResult(
+                model=f"m{i}",
+                compute=float(c),
+                non_embedding_params=10**6 * 4**i,
+                selected_lr=selected_lr,
+                lr_grid=list(lr_grid),
+                seeds=[1, 2, 3, 4],
+                sa_runs=[float(v) for v in sa],
+                xsa_runs=[float(v) for v in xsa],
+                sa_mean=float(sa.mean()),
+                xsa_mean=float(xsa.mean()),
+                sweep_warnings=list(warnings),
+                sa_tokens_per_s=100.0,
+                xsa_tokens_per_s=98.0,
+                sweep_returncode=0,
+            )
         )
-    return [SizeResult.from_json(size) for size in sizes]
+    return sizes
 
 
 def flags_of(sizes: list[SizeResult]) -> list[str]:

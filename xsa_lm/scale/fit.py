@@ -86,37 +86,25 @@ def choose_form(n_points: int, form: str = "auto") -> str:
     return form
 
 
-def _least_squares(x: np.ndarray, y: np.ndarray, form: str, a0: float, alpha0: float) -> tuple[float, float, float]:
-    """(E, a, alpha) of the form in loss space, x being compute over its reference."""
-    if form == "power_law":
-        (a, alpha), _ = scipy.optimize.curve_fit(
-            lambda x, a, alpha: a * x**-alpha, x, y, p0=(a0, alpha0), bounds=((0, 0), (np.inf, 10))
-        )
-        return 0.0, a, alpha
-    floor = float(y.min())  # E stays below every observed loss
-    (E, a, alpha), _ = scipy.optimize.curve_fit(
-        lambda x, E, a, alpha: E + a * x**-alpha,
-        x,
-        y,
-        p0=(0.5 * floor, max(a0 - 0.5 * floor, 1e-3), alpha0),
-        bounds=((0, 0, 0), (floor, np.inf, 10)),
-        maxfev=20000,
-    )
-    return E, a, alpha
-
-
 def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: str = "auto") -> Fit:
-    """The SA fit: least squares in loss (scipy.optimize.curve_fit), started from the log-log line through the
-    points."""
+    """The SA fit: least squares in loss (scipy.optimize.curve_fit) with x = compute over its reference, started from
+    the log-log line through the points."""
     form = choose_form(len(compute), form)
     c = np.asarray(compute, dtype=float)
     y = np.asarray(loss, dtype=float)
     c_ref = float(np.exp(np.mean(np.log(c))))
     x = c / c_ref
     slope, intercept, *_ = scipy.stats.linregress(np.log(x), np.log(y))
+    a0, alpha0, floor = math.exp(intercept), max(-slope, 1e-3), float(y.min())
+    offset = form == "power_law_offset"  # E + a x^-alpha with E in [0, the lowest loss]; else a x^-alpha
+    p0 = [0.5 * floor, max(a0 - 0.5 * floor, 1e-3), alpha0] if offset else [a0, alpha0]
+    bounds = ([0.0] * len(p0), [floor, np.inf, 10.0][-len(p0) :])
     with warnings.catch_warnings():  # an exact fit has no covariance estimate; only the parameters are used
         warnings.simplefilter("ignore", scipy.optimize.OptimizeWarning)
-        E, a, alpha = _least_squares(x, y, form, a0=math.exp(intercept), alpha0=max(-slope, 1e-3))
+        p, _ = scipy.optimize.curve_fit(
+            lambda x, *q: (q[0] if offset else 0.0) + q[-2] * x ** -q[-1], x, y, p0=p0, bounds=bounds, maxfev=20000
+        )
+    E, a, alpha = p if offset else (0.0, *p)
     fit = Fit(form=form, E=float(E), A=float(a), alpha=float(alpha), c_ref=c_ref, residuals=[])
     fit.residuals = [float(yi - fit.loss(ci)) for ci, yi in zip(c, y, strict=True)]
     return fit

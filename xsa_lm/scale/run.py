@@ -78,13 +78,12 @@ SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_siz
 
 
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's overrides passed on to every size's sweep (scale.* stays with the study)."""
-    kept = passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
-    train_overrides(kept)  # what every size's sweep would refuse (attention=, optim.lr=, seed=): refused here first
-    return kept
+    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study); what
+    each sweep would refuse (attention=, optim.lr=, seed=) is refused with the study's checks (train_overrides)."""
+    return passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
 
 
-def check_models(models: Any, at_least: int = 2) -> list[str]:
+def check_models(models: Any, at_least: int) -> list[str]:
     """The sizes: distinct presets that exist; a fit across sizes needs two, the token axis one."""
     names = [str(m) for m in models or []] if OmegaConf.is_list(models) or isinstance(models, list) else []
     if len(names) < at_least or len(set(names)) != len(names):

@@ -4,7 +4,7 @@ At each size of scale.models, with B = scale.tokens_per_param x its non-embeddin
 1. search: SA at B for every LR of the size's grid x sweep.search_seeds; the LR with the lowest median loss
 2. budgets: at that LR, SA at every budget of scale.sa_budgets (x B) and XSA at every one of scale.xsa_budgets,
    each for every compare seed (paired: a seed's runs share initialisation and data order)
-3. bench (scale.bench): `xsa-lm bench` of SA vs XSA at this size, for the wall-clock multiplier with its interval
+3. bench (scale.measure_throughput): `xsa-lm bench` of SA vs XSA at this size: the wall-clock k with its interval
 4. k per (size, XSA budget) from SA's tokens-to-loss curve (token_axis.py), pooled over cells; results.json,
    report.md, loss_vs_tokens.png, multiplier.png
 
