@@ -1,6 +1,7 @@
 """`xsa-lm prepare` -> shards -> `xsa-lm train data=prepared`, through the CLI as a user runs it."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -85,10 +86,7 @@ def test_mismatched_tokenizer_or_vocab_is_refused(
 
 
 def test_truncated_shard_stops_training_with_one_line(prepared: Path, data_cache: Path, tmp_path: Path):
-    copy = tmp_path / "shards"
-    copy.mkdir()
-    for path in prepared.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
+    copy = Path(shutil.copytree(prepared, tmp_path / "shards"))
     (copy / "train-000002.bin").write_bytes((copy / "train-000002.bin").read_bytes()[:100])
     args = ["train", *TRAIN, "data=prepared", f"data.dir={copy}", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = run_cli(args, data_cache, tmp_path)

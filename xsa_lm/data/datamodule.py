@@ -148,41 +148,26 @@ class TokenDataModule(L.LightningDataModule):
         self.resume_from = state_dict or None
 
     def train_dataloader(self) -> DataLoader:
-        start_batch, rank, world = 0, 0, 1
-        if self.trainer is not None:
-            rank, world = self.trainer.global_rank, self.trainer.world_size
+        stream = ShuffledBatches(self.train_windows, self.micro_batch_size, seed=self.seed)
+        if (trainer := self.trainer) is not None:
+            stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
             # Resume at the exact micro-batch: from the checkpoint's sampler position when it holds one, else (a
             # fresh run, or a checkpoint without it) from the restored step count.
-            start_batch = self.trainer.global_step * self.trainer.accumulate_grad_batches
-            if (
-                saved := self.resume_from
-            ):  # rank r reads global micro-batches r, r + W, ...: its own count is global / W
+            stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
+            if saved := self.resume_from:
                 # The windows served: a multiple of every micro-batch x devices split of the global batch (a resume
-                # keeps global_batch_tokens and block_size), so any split continues where it stopped.
+                # keeps global_batch_tokens and block_size), so any split continues where it stopped. Rank r reads
+                # global micro-batches r, r + W, ...: its own count is global / W.
                 served = saved["global_micro_batches"] * saved.get("micro_batch_size", self.micro_batch_size)
-                start_batch = served // (self.micro_batch_size * world)
-        stream = ShuffledBatches(
-            self.train_windows,
-            self.micro_batch_size,
-            seed=self.seed,
-            start_batch=start_batch,
-            rank=rank,
-            world_size=world,
-        )
-        return DataLoader(
-            stream,
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=False,
-        )
+                stream.start_batch = served // (self.micro_batch_size * trainer.world_size)
+        return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:
         world = self.trainer.world_size if self.trainer is not None else 1
+        windows = padded_for_ranks(self.val_set, world)
         return DataLoader(
-            padded_for_ranks(self.val_set, world),
+            windows,
             batch_size=self.micro_batch_size,
-            shuffle=False,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
         )

@@ -196,10 +196,7 @@ def prepare(
     progress: bool = False,
 ) -> PreparedData:
     """Tokenize `source` into shards in `out`, resuming an interrupted preparation, or load a finished one.
-    `split` is document or tail (choose_split resolves auto)."""
-    check_val_fraction(val_fraction)
-    if split not in ("document", "tail"):
-        raise UserError(f"data.val_split must be document or tail here, got {split!r}")
+    `split` is document or tail, and val_fraction as choose_split checked and resolved them."""
     if shard_documents < 1 or workers < 1:
         raise UserError("data.shard_documents and data.prepare_workers must be at least 1")
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}

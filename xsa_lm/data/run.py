@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import hydra
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import build
@@ -24,6 +25,8 @@ from xsa_lm.data.prepare import (
 from xsa_lm.data.sources import SourceIdentity
 from xsa_lm.data.tokenizer import TokenizerInputs, learns_from_corpus, tokenizer_inputs
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+
+once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
 
 
 def prepare_data(
@@ -95,12 +98,6 @@ def data_identity(source, tokenizer_cfg: DictConfig, tokenizer_documents: int, s
         **tokenizer_inputs(tokenizer_cfg, tokenizer_documents),
         **settings,
     }
-
-
-def once(line: str) -> None:
-    """A note printed by one process, not by every DDP rank."""
-    if all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK")):
-        print(line)
 
 
 def check_cache_dir(cache: Path) -> None:
