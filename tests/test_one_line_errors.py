@@ -6,6 +6,7 @@ import csv
 import errno
 import json
 import logging
+import os
 import resource
 import signal
 import subprocess
@@ -17,9 +18,9 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 
 from tests.helpers import FAST, TINY, assert_clean_error, cli_env, refused_in_process
-from xsa_lm import cli
+from xsa_lm import cli, errors
 from xsa_lm.config.command_line import check_overrides
-from xsa_lm.errors import UserError, WriteError, exit_on_user_error, remove_if_empty
+from xsa_lm.errors import UserError, WriteError, exit_on_user_error
 from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.records import RunSummary
@@ -156,18 +157,22 @@ def test_without_a_run_folder_the_traceback_goes_to_a_temporary_file(monkeypatch
 
 
 def test_a_folder_that_cannot_be_removed_stays_without_a_traceback(monkeypatch, tmp_path: Path):
-    """A refused run's empty folder is removed; one whose parent cannot be written stays (the refusal was said)."""
-    (tmp_path / "empty").mkdir()
-    remove_if_empty(tmp_path / "empty")
-    assert not (tmp_path / "empty").exists()
+    """A refused run's empty folder is removed, with the empty folders above it in the current directory; one whose
+    parent cannot be written stays (the refusal was said)."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "outputs" / "train" / "now"
+    run_dir.mkdir(parents=True)
+    monkeypatch.setattr(errors, "hydra_run_dir", lambda: run_dir)
+    errors.remove_empty_run_dir()
+    assert list(tmp_path.iterdir()) == []
 
-    def read_only(self: Path) -> None:
-        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    def read_only(path: str) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    (tmp_path / "stays").mkdir()
-    monkeypatch.setattr(Path, "rmdir", read_only)
-    remove_if_empty(tmp_path / "stays")
-    assert (tmp_path / "stays").is_dir()
+    run_dir.mkdir(parents=True)
+    monkeypatch.setattr(os, "rmdir", read_only)
+    errors.remove_empty_run_dir()
+    assert run_dir.is_dir()
 
 
 def test_unknown_command_names_the_closest(monkeypatch, capsys):

@@ -156,26 +156,19 @@ def what_to_do(error: OSError) -> str:
 
 
 def remove_empty_run_dir() -> None:
-    """A refused command leaves no folder behind: Hydra made the run directory before the job started."""
-    run_dir = hydra_run_dir()
-    if run_dir is None:
+    """A refused command leaves no folder behind: Hydra made the run directory before the job started, and for the
+    default outputs/<command>/<time> the folders above it in the current directory too."""
+    run_dir, here = hydra_run_dir(), Path.cwd().resolve()
+    if run_dir is None or run_dir.resolve() == here:
         return
-    remove_if_empty(run_dir)
-    here = Path.cwd().resolve()
-    for parent in run_dir.resolve().parents:  # the default outputs/<command>/<time>: outputs/<command> was made too
-        if here not in parent.parents:  # the current directory, or outside it
-            break
-        remove_if_empty(parent)
-        if parent.exists():  # holding something: so are the folders above it
-            break
-
-
-def remove_if_empty(folder: Path) -> None:
     # A folder that cannot be read or removed (its parent cannot be written either) stays: the line was said.
     with contextlib.suppress(OSError):
-        if folder.is_dir() and folder.resolve() != Path.cwd().resolve() and not any(folder.iterdir()):
-            folder.rmdir()
-            drop_log_files_in(folder)
+        if not any(run_dir.iterdir()):
+            if here in run_dir.resolve().parents:  # its empty parents too, up to the current directory
+                os.removedirs(os.path.relpath(run_dir.resolve(), here))
+            else:
+                run_dir.rmdir()
+            drop_log_files_in(run_dir)
 
 
 def drop_log_files_in(folder: Path) -> None:

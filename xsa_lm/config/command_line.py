@@ -97,12 +97,11 @@ def check_overrides(config_name: str, args: list[str]) -> None:
                 configs.append(compose(config_name=config_name, overrides=job, return_hydra_config=True))
             # resolved here: ${now:...} needs Hydra's resolvers
             run_dir_value = configs[0].hydra.sweep.dir if multirun else configs[0].hydra.run.dir
-    except OverrideParseException as e:
-        quoting = quoting_hint(str(e), overrides)
-        refuse(f"{one_line(e)} ({quoting or QUOTE_AS_ONE})")
     except (HydraException, OmegaConfBaseException) as e:
+        quoting = quoting_hint(str(e), overrides)
+        if isinstance(e, OverrideParseException):
+            refuse(f"{one_line(e)} ({quoting or QUOTE_AS_ONE})")
         if str(e).startswith("Ambiguous value"):  # a comma: a list, a string or a sweep?
-            quoting = quoting_hint(str(e), overrides)
             refuse(f"{one_line(e)} ({quoting})" if quoting else one_line(e))
         typo = re.match(r"Could not override '([^']+)'", str(e))  # Hydra's hint is to add it with `+`: never read
         unknown = typo and no_such_key(config_name, typo.group(1), [o for o in job if override_key(o) != typo[1]])
