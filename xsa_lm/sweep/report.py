@@ -549,9 +549,9 @@ def plot_lr_sweep(results: dict, path: Path) -> None:
 
 def plot_curves(trials: list[dict], path: Path, selected_lr: float | None = None) -> None:
     """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
+    styles = ["-", "--", ":", "-."]
+    search_only = not any(t["phase"] == "compare" for t in trials)
     with saved_figure(path) as ax:
-        styles = ["-", "--", ":", "-."]
-        search_only = not any(t["phase"] == "compare" for t in trials)
         for trial in trials:
             shown = trial["phase"] == "compare" or (search_only and trial["lr"] == selected_lr)
             if not shown or not trial.get("val_history"):
@@ -621,7 +621,7 @@ def build_results(
                 f"{trial['lr']:g}", {"lr": trial["lr"], "median": medians[arm].get(trial["lr"]), "runs": []}
             )
             point["runs"].append(trial)
-    dropped = dropped_seeds(trials)
+    dropped, pairs = dropped_seeds(trials), completed_pairs(trials)
     compare = ComparisonStats.of(comparison_of(trials), dropped, margin).to_json()
     tuning = xsa_tuning(search, selection, xsa_selection) if xsa_selection is not None else None
     warnings = list(selection.warnings)
@@ -649,11 +649,11 @@ def build_results(
         "search": search,
         "comparison": compare,
         "compare_table": compare_table(trials, seeds),
-        "bpb": bits_per_byte(completed_pairs(trials)),
+        "bpb": bits_per_byte(pairs),
         "null": null_comparison(trials, margin),
         "positions": position_differences(
-            [sa.get("final_val_loss_by_position") or [] for sa, _ in completed_pairs(trials)],
-            [xsa.get("final_val_loss_by_position") or [] for _, xsa in completed_pairs(trials)],
+            [sa.get("final_val_loss_by_position") or [] for sa, _ in pairs],
+            [xsa.get("final_val_loss_by_position") or [] for _, xsa in pairs],
         ),
         "xsa_tuning": tuning,
         "sequential": sequential,
