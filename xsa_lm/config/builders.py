@@ -136,7 +136,7 @@ def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
             attention=attention.name,
             xsa_eps=attention.eps,
             xsa_layers=xsa_layers(attention.layers, n_layer=architecture["n_layer"], attention=attention.name),
-            xsa_gate=gate_enabled(attention.gate),
+            xsa_gate=attention.gate == "tanh",  # none or tanh (config/schema.py checks it)
         )
     except ValueError as e:  # GPTConfig's own checks (n_kv_head, n_sinks, ...), each opening with its field
         raise model_error(e) from None
@@ -166,12 +166,6 @@ def xsa_layers(layers, n_layer: int, attention: str = "xsa") -> tuple[int, ...] 
     if attention == "xsa" and not chosen:
         raise UserError(f"attention.layers={shown} puts XSA on no layer, which is plain SA: use attention=sa")
     return chosen
-
-
-def gate_enabled(gate: str) -> bool:
-    if gate not in ("none", "tanh"):
-        raise UserError(f"attention.gate must be none or tanh, got {gate!r}")
-    return gate == "tanh"
 
 
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:

@@ -172,7 +172,7 @@ class AttentionOptions:
     name: Literal["sa", "xsa"] = MISSING  # sa: softmax attention | xsa: exclusive self attention
     eps: float = 1e-6  # added to ||v_i||^2 in XSA (fp32); GPTConfig checks it
     layers: Literal["all"] | int | list[int] = "all"  # the last N layers, or these 0-based layers: builders.xsa_layers
-    gate: Literal["none", "tanh"] = "none"  # tanh: subtract tanh(alpha) x the projection, alpha per head
+    gate: Literal["none", "tanh"] = knob("none")  # tanh: subtract tanh(alpha) x the projection, alpha per head
 
 
 @dataclass
