@@ -154,44 +154,40 @@ def bootstrap_interval(
     sa_budgets: Sequence[float],
     xsa: Sequence[float],
     budget: float,
-    n_resamples: int = 2000,
     seed: int = 0,
 ) -> tuple[float, float] | None:
-    """Percentile 95% interval of k from resampling seeds within the cell (all of a seed's runs together). A
-    resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
+    """Percentile 95% interval of k from 2000 resamples of the seeds within the cell (all of a seed's runs
+    together). A resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
     runs = np.asarray(sa, dtype=float)
     x = np.asarray(xsa, dtype=float)
     n = x.size
     if n < 3:
         return None
     rng = np.random.default_rng(seed)
-    lo_ratio, hi_ratio = min(sa_budgets) / budget, max(sa_budgets) / budget
     values = []
-    for _ in range(n_resamples):
+    for _ in range(2000):
         pick = rng.integers(0, n, n)
         means = runs[:, pick].mean(axis=1)
         xm = float(x[pick].mean())
-        values.append(_ln_k_of_means(means, sa_budgets, xm, budget, lo_ratio, hi_ratio))
+        values.append(_ln_k_of_means(means, sa_budgets, xm, budget))
     low, high = np.percentile(values, [2.5, 97.5])
     return float(math.exp(low)), float(math.exp(high))
 
 
-def _ln_k_of_means(
-    means: np.ndarray, budgets: Sequence[float], xm: float, budget: float, lo: float, hi: float
-) -> float:
-    """ln k from mean losses (SA's curve at its budgets, ascending), clipped to SA's range."""
+def _ln_k_of_means(means: np.ndarray, budgets: Sequence[float], xm: float, budget: float) -> float:
+    """ln k from mean losses (SA's curve at its budgets), clipped to SA's range."""
     order = np.argsort(budgets)
-    lnD = np.log(np.asarray(budgets, dtype=float)[order])
+    ln_k = np.log(np.asarray(budgets, dtype=float)[order]) - math.log(budget)  # ln(D / b) at each budget
     m = means[order]
     if xm <= m.min() and xm <= m[-1]:
-        return math.log(hi)
+        return float(ln_k[-1])
     if xm >= m[0]:
-        return math.log(lo)
+        return float(ln_k[0])
     for j in range(len(m) - 1):
         if min(m[j], m[j + 1]) <= xm <= max(m[j], m[j + 1]) and m[j] != m[j + 1]:
             theta = (m[j] - xm) / (m[j] - m[j + 1])
-            return float(lnD[j] + theta * (lnD[j + 1] - lnD[j]) - math.log(budget))
-    return math.log(hi)
+            return float(ln_k[j] + theta * (ln_k[j + 1] - ln_k[j]))
+    return float(ln_k[-1])
 
 
 def per_seed_k(
@@ -203,7 +199,7 @@ def per_seed_k(
     lo, hi = min(sa_budgets) / budget, max(sa_budgets) / budget
     values = []
     for s, x in enumerate(xsa):
-        k = math.exp(_ln_k_of_means(runs[:, s], sa_budgets, float(x), budget, lo, hi))
+        k = math.exp(_ln_k_of_means(runs[:, s], sa_budgets, float(x), budget))
         values.append(
             f">= {hi:.3g}" if k >= hi * (1 - 1e-9) else f"<= {lo:.3g}" if k <= lo * (1 + 1e-9) else f"{k:.2f}"
         )

@@ -235,20 +235,14 @@ def bench_size(study_dir: Path, model: str, cfg: DictConfig, overrides: list[str
 
 
 def paired_losses(
-    runs: dict[str, dict[str, list[TokenRun]]],
-    seeds: list[int],
-    sa_budgets: list[float],
-    xsa_budget: float,
-    arm: str = "xsa",
+    entry: TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
 ) -> tuple[list[list[float]], list[float], list[int]]:
-    """The seeds where every SA budget and `arm` (XSA, or the null arm) at xsa_budget completed: SA's losses per
+    """The seeds where every SA budget and `arm` (XSA, or the null arm) at `fraction` completed: SA's losses per
     budget, the arm's, the seeds."""
-    sa_runs = [runs["sa"][f"{f:g}"] for f in sa_budgets]
-    xsa_runs = runs[arm][f"{xsa_budget:g}"]
-    usable = [i for i in range(len(seeds)) if all(r[i].status == "completed" for r in [*sa_runs, xsa_runs])]
-    sa = [[cast(float, r[i].final_val_loss) for i in usable] for r in sa_runs]
-    xsa = [cast(float, xsa_runs[i].final_val_loss) for i in usable]
-    return sa, xsa, [seeds[i] for i in usable]
+    runs = [*((entry.runs or {})["sa"][f"{f:g}"] for f in sa_budgets), (entry.runs or {})[arm][f"{fraction:g}"]]
+    usable = [i for i in range(len(entry.seeds)) if all(r[i].status == "completed" for r in runs)]
+    losses = [[cast(float, r[i].final_val_loss) for i in usable] for r in runs]
+    return losses[:-1], losses[-1], [entry.seeds[i] for i in usable]
 
 
 class SameBudgetDetails(TypedDict, total=False):
@@ -297,7 +291,7 @@ def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float],
     no effect k is 1, so its interval and per-seed spread are the yardstick's own noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
-    sa, null, seeds = paired_losses(cast(dict, entry.runs), entry.seeds, sa_budgets, fraction, arm=NULL)
+    sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
     if len(seeds) < 2:
         return None
     budget = tokens_of(entry, NULL, fraction)
@@ -350,7 +344,7 @@ def analyse_tokens(
         warnings += repeated_data(entry)
         sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
         for fraction in xsa_budgets:
-            sa, xsa, seeds = paired_losses(entry.runs, entry.seeds, sa_budgets, fraction)
+            sa, xsa, seeds = paired_losses(entry, sa_budgets, fraction)
             left_out = len(entry.seeds) - len(seeds)
             if left_out:
                 warnings.append(
