@@ -27,7 +27,6 @@ def section(heading: str, *paragraphs: str) -> list[str]:
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
     """A markdown table's lines: the header, the rule under it (`align`: "l" or "r" per column) and a line per row."""
-
     rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
     return [table_row(header).replace("|  |", "| |"), rule, *map(table_row, rows)]  # an empty title reads `| |`
 
