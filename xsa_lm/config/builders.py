@@ -147,24 +147,24 @@ def xsa_layers(layers, n_layer: int, attention: str = "xsa") -> tuple[int, ...] 
     indices. Under attention=xsa at least one layer: XSA on none is SA, which the run would report as XSA."""
     if layers in ("all", None):
         return None
-    shown = OmegaConf.to_container(layers) if OmegaConf.is_list(layers) else layers
+    layers = OmegaConf.to_container(layers) if OmegaConf.is_list(layers) else layers
     if isinstance(layers, int) and not isinstance(layers, bool):
         if not 0 <= layers <= n_layer:
             raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= model.n_layer={n_layer}")
         chosen = tuple(range(n_layer - layers, n_layer))
-    elif OmegaConf.is_list(layers) or isinstance(layers, list | tuple):
+    elif isinstance(layers, list | tuple):
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layer for i in layers):
             raise UserError(
-                f"attention.layers={shown}: each layer is a 0-based index below model.n_layer={n_layer}, e.g. "
+                f"attention.layers={layers}: each layer is a 0-based index below model.n_layer={n_layer}, e.g. "
                 f"[0,{n_layer - 1}]"
             )
         if len(set(layers)) != len(layers):
-            raise UserError(f"attention.layers={shown} names a layer twice: list each layer once")
+            raise UserError(f"attention.layers={layers} names a layer twice: list each layer once")
         chosen = tuple(layers)
     else:
-        raise UserError(f"attention.layers must be all, a number of last layers, or a list of layers; got {shown!r}")
+        raise UserError(f"attention.layers must be all, a number of last layers, or a list of layers; got {layers!r}")
     if attention == "xsa" and not chosen:
-        raise UserError(f"attention.layers={shown} puts XSA on no layer, which is plain SA: use attention=sa")
+        raise UserError(f"attention.layers={layers} puts XSA on no layer, which is plain SA: use attention=sa")
     return chosen
 
 

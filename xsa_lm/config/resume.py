@@ -13,7 +13,7 @@ from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.config.command_line import flatten
+from xsa_lm.config.command_line import flatten, override_key
 from xsa_lm.config.schema import GROUP_SCHEMAS, GROUPS, TrainOptions
 from xsa_lm.errors import UserError
 
@@ -51,7 +51,7 @@ def continuation_config(
     if saved.scheduler.get("total_steps") is None:  # written before the schedule length was resolved into it
         saved.scheduler.total_steps = saved.trainer.max_steps
     saved_flat, given_flat, default_flat = (flatten(plain(c)) for c in (saved, given, defaults))
-    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides]  # `attention=sa` names attention.*
+    named = [override_key(o) for o in overrides]  # `attention=sa` names attention.*
     on_command_line = {
         k: v
         for k, v in given_flat.items()
