@@ -58,11 +58,8 @@ def test_should_update_logs_is_lightnings_rule(tmp_path: Path, accumulate: int):
         max_steps=6,
         log_every_n_steps=3,
         accumulate_grad_batches=accumulate,
-        logger=CSVLogger(tmp_path),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
+        **{**compat.QUIET_TRAINER, "logger": CSVLogger(tmp_path)},
     )
     module = Recorder()
     trainer.fit(module, data)
@@ -138,48 +135,37 @@ def test_a_distributed_checkpoint_reads_back_in_one_process_without_a_process_gr
 
 def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, steps: int = 4) -> L.Trainer:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
-    trainer = L.Trainer(
-        max_steps=steps,
-        logger=False,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-    )
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path, **quiet)
     trainer.fit(Recorder(), data, ckpt_path=ckpt_path)
     return trainer
 
 
-def test_model_checkpoint_saves_through_save_checkpoint_and_saves_now_on_request(tmp_path: Path):
-    """LinkedCheckpoint overrides ModelCheckpoint._save_checkpoint(trainer, filepath): every write goes through it;
-    compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation."""
+def test_model_checkpoint_saves_now_on_request(tmp_path: Path):
+    """compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation, through
+    Trainer.save_checkpoint (where LinkingTrainer writes a step's payload once)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    api = "ModelCheckpoint._save_checkpoint"
     seen = []
 
-    class Probe(ModelCheckpoint):
-        def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-            seen.append((trainer.global_step, Path(filepath).name))
-            super()._save_checkpoint(trainer, filepath)
+    class Probe(L.Callback):
+        def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+            seen.append(trainer.global_step)
 
-    probe = Probe(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
-    trainer = fit_recorder(tmp_path, [probe])
-    assert (4, "last.ckpt") in seen, changed(api, "is not called for every write")
-    for attribute in ("_last_global_step_saved", "_last_checkpoint_saved"):
-        assert hasattr(probe, attribute), changed(f"ModelCheckpoint.{attribute}", "is gone")
+    probe = ModelCheckpoint(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
+    trainer = fit_recorder(tmp_path, [probe, Probe()])
     ours, lightnings = compat.monitor_candidates(trainer), probe._monitor_candidates(trainer)
     assert ours.keys() == lightnings.keys() and all(torch.equal(ours[k], lightnings[k]) for k in ours), changed(
         "ModelCheckpoint._monitor_candidates", "differs from compat.monitor_candidates"
     )
     seen.clear()
     trainer.state.fn = "validate"  # as after trainer.validate
-    now = Probe(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
+    now = ModelCheckpoint(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
     compat.save_checkpoints_now(now, trainer)
-    assert [name for _, name in seen] == ["step-step=4.ckpt", "last.ckpt"], changed(
+    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
         "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed"
     )
+    assert seen == [4, 4], changed("ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed")
 
 
 def test_the_resume_checkpoint_can_be_agreed_on_before_it_is_read(tmp_path: Path):
@@ -235,11 +221,8 @@ def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_pa
     trainer = L.Trainer(
         max_epochs=1,
         accumulate_grad_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
+        **compat.QUIET_TRAINER,
     )
     module = AccumulationRecorder()
     trainer.fit(module, data)

@@ -144,22 +144,6 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
 
 
-class WritingCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint, whose every write (its private `_save_checkpoint`) goes through `write`: what
-    the callback records after a write, and the loggers' notification, stay Lightning's."""
-
-    def write(self, trainer: L.Trainer, filepath: str) -> None:
-        trainer.save_checkpoint(filepath, self.save_weights_only)
-
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        self.write(trainer, filepath)
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = filepath
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(self)
-
-
 def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
     """What a ModelCheckpoint does at the end of a validation (its top-k checkpoint, then last.ckpt), outside the fit
     loop: for a last step validated after the fit. The two steps have no public entry point; what they compare and

@@ -18,10 +18,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
-from xsa_lm.compat import WritingCheckpoint
 from xsa_lm.errors import UserError, WriteError
 from xsa_lm.files import atomic_file
 
@@ -220,14 +220,12 @@ def _link_tree(source: Path, target: Path, link: Callable[[Path, Path], object])
         _link_tree(item, target / item.name, link)
 
 
-class LinkedCheckpoint(WritingCheckpoint):
-    """Lightning's ModelCheckpoint that writes a checkpoint only when none of this step exists yet: the callbacks
-    of one run share `written` (the newest payload and its step) and link to it instead of saving it again."""
+class FolderCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint with fixed names (both callbacks of a run keep last.ckpt, and a resume overwrites
+    best.ckpt, never best-v1.ckpt), whose kept checkpoints follow a run folder that was moved."""
 
-    def __init__(self, *, written: dict, **kwargs) -> None:
-        # Fixed names: both callbacks keep last.ckpt, and a resume overwrites best.ckpt (never best-v1.ckpt).
+    def __init__(self, **kwargs) -> None:
         super().__init__(enable_version_counter=False, **kwargs)
-        self.written = written  # {"step": int, "path": str}, shared by the run's checkpoint callbacks
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A run folder copied or moved elsewhere and resumed: Lightning forgets the checkpoints it kept when the
@@ -246,15 +244,29 @@ class LinkedCheckpoint(WritingCheckpoint):
             }
         super().load_state_dict(state_dict)
 
-    def write(self, trainer: L.Trainer, filepath: str) -> None:
-        # Decided from `written` alone, the same on every rank (the save is a collective under FSDP2).
-        source = self.written.get("path") if self.written.get("step") == trainer.global_step else None
+
+class LinkingTrainer(L.Trainer):
+    """Lightning's Trainer, whose checkpoints of one training state are written once: the first name saved gets the
+    payload, and any other name saved in the same state (last.ckpt, best.ckpt) becomes a hard link to it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.written: tuple[tuple, str] | None = None  # the newest payload: its state and path
+
+    def save_checkpoint(
+        self, filepath: str | Path, weights_only: bool | None = None, storage_options: object = None
+    ) -> None:
+        # A preemption's checkpoint, saved once the loop has closed the step and its epoch, resumes unlike one saved
+        # inside the loop at the same step (after its validation): another state. The same on every rank (the save
+        # is a collective under FSDP2).
+        state = (self.global_step, bool(weights_only), self.fit_loop.epoch_progress.total.completed)
+        source = self.written[1] if self.written is not None and self.written[0] == state else None
         if source is None:
-            trainer.save_checkpoint(filepath, self.save_weights_only)
-            self.written.update(step=trainer.global_step, path=filepath)
+            super().save_checkpoint(filepath, weights_only, storage_options)
+            self.written = (state, str(filepath))
         elif Path(source).absolute() != Path(filepath).absolute():
             link = lambda: link_or_copy(Path(source), Path(filepath))  # noqa: E731
-            if isinstance(trainer.strategy, AtomicModelParallelStrategy):  # the source may still be being written
-                trainer.strategy.when_written(link, f"linking {filepath}")
+            if isinstance(self.strategy, AtomicModelParallelStrategy):  # the source may still be being written
+                self.strategy.when_written(link, f"linking {filepath}")
             else:
-                on_rank_zero(trainer.strategy, link, f"linking {filepath}")
+                on_rank_zero(self.strategy, link, f"linking {filepath}")

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, LinkedCheckpoint
+from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, FolderCheckpoint
 from xsa_lm.checkpoints.discovery import checkpoint_step, newest_valid_checkpoint
 from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
@@ -441,12 +441,11 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
     """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional diagnostics, samples and
     progress bar."""
     ckpt_dir = run_dir / "checkpoints"
-    written: dict = {}  # the newest payload: the other checkpoint names of its step link to it
     # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
     # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
     # disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
-    # First in the list: best.ckpt and last.ckpt link to the step checkpoint it has just written.
-    checkpoint = partial(LinkedCheckpoint, written=written, dirpath=ckpt_dir, save_last=True)
+    # First in the list: best.ckpt and last.ckpt link to the step checkpoint it has just written (LinkingTrainer).
+    checkpoint = partial(FolderCheckpoint, dirpath=ckpt_dir, save_last=True)
     periodic = checkpoint(
         filename="step-{step:06d}",
         monitor="step",
