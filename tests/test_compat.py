@@ -50,19 +50,18 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def fit_on_ones(module: L.LightningModule, tmp_path: Path, *, rows: int, **settings) -> L.LightningModule:
+    """`module` fitted on `rows` batches of ones by a Trainer that writes nothing but what `settings` ask for."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(rows, 2)), batch_size=1)
+    L.Trainer(default_root_dir=tmp_path, **{**compat.QUIET_TRAINER, **settings}).fit(module, data)
+    return module
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_should_update_logs_is_lightnings_rule(tmp_path: Path, accumulate: int):
     api = "Trainer._logger_connector.should_update_logs"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=1)
-    trainer = L.Trainer(
-        max_steps=6,
-        log_every_n_steps=3,
-        accumulate_grad_batches=accumulate,
-        default_root_dir=tmp_path,
-        **{**compat.QUIET_TRAINER, "logger": CSVLogger(tmp_path)},
-    )
-    module = Recorder()
-    trainer.fit(module, data)
+    settings = dict(max_steps=6, log_every_n_steps=3, accumulate_grad_batches=accumulate, logger=CSVLogger(tmp_path))
+    module = fit_on_ones(Recorder(), tmp_path, rows=16, **settings)
     assert module.seen == {0: False, 1: False, 2: True, 3: False, 4: False, 5: True}, changed(api, "changed meaning")
     ours, lightnings = zip(*module.both, strict=True)
     assert ours == lightnings, changed(api, "differs from compat.should_update_logs")
@@ -217,15 +216,7 @@ class AccumulationRecorder(Recorder):
 
 def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_path: Path):
     api = "Trainer.fit_loop._should_accumulate"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(7, 2)), batch_size=1)
-    trainer = L.Trainer(
-        max_epochs=1,
-        accumulate_grad_batches=3,
-        default_root_dir=tmp_path,
-        **compat.QUIET_TRAINER,
-    )
-    module = AccumulationRecorder()
-    trainer.fit(module, data)
+    module = fit_on_ones(AccumulationRecorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3)
     expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
     assert module.seen == expected, changed(api, "changed meaning")
     ours, lightnings = zip(*module.both, strict=True)
