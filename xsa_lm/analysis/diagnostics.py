@@ -15,6 +15,7 @@ normaliser, computed over chunks of queries, so it runs at the paper's 2048-1638
 
 import math
 from collections.abc import Iterable
+from functools import partial
 from typing import cast
 
 import torch
@@ -85,31 +86,26 @@ def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> l
     sums = [dict.fromkeys(METRICS, 0.0) for _ in model.blocks]
     counts = [dict.fromkeys(METRICS, 0) for _ in model.blocks]
 
-    def observer_for(layer: int):
-        def observe(q, k, v, y, z) -> None:
-            stats = layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk)
-            for name, value in stats.items():
-                sums[layer][name] += value.sum().item()
-                counts[layer][name] += value.numel()
-
-        return observe
+    def observe(layer: int, q, k, v, y, z) -> None:
+        stats = layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk)
+        for name, value in stats.items():
+            sums[layer][name] += value.sum().item()
+            counts[layer][name] += value.numel()
 
     attentions = [cast(CausalSelfAttention, block.attn) for block in model.blocks]  # nn.ModuleList is untyped
     was_training = model.training
     model.eval()
     try:
         for layer, attn in enumerate(attentions):
-            attn.observer = observer_for(layer)
+            attn.observer = partial(observe, layer)
         for batch in batches:
             model(batch)
     finally:
         for attn in attentions:
             attn.observer = None
         model.train(was_training)
-    rows = []
-    for layer, attn in enumerate(attentions):
-        row: dict[str, int | str | float | None] = {"layer": layer, "attention": "xsa" if attn.exclusive else "sa"}
-        for name in METRICS:
-            row[name] = sums[layer][name] / counts[layer][name] if counts[layer][name] else None
-        rows.append(row)
-    return rows
+    return [
+        {"layer": layer, "attention": "xsa" if attn.exclusive else "sa"}
+        | {name: sums[layer][name] / counts[layer][name] if counts[layer][name] else None for name in METRICS}
+        for layer, attn in enumerate(attentions)
+    ]
