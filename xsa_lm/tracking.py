@@ -149,25 +149,21 @@ class RunWandbLogger(WandbLogger):
             super().after_save_checkpoint(checkpoint_callback)
 
 
-def define_training_metrics(run: "Run") -> None:
-    """The dashboard of a training run: every curve over tokens seen (runs of other batch sizes line up; validation
-    rows get the last value logged before them), and val/loss summarised by its minimum, the number runs are
-    compared by, beside its last value. Lightning defines its own axis only for runs it creates itself."""
-    run.define_metric("trainer/global_step")
-    run.define_metric("train/tokens_seen")
-    run.define_metric("*", step_metric="train/tokens_seen")
-    run.define_metric("val/loss", summary="min,last")
-
-
 def wandb_logger(
     save_dir: str, name: str, run_config: dict, log_model: bool | Literal["all"] = False, **kwargs
 ) -> RunWandbLogger:
     """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments). log_model=true logs best.ckpt
-    and last.ckpt as versions of the artifact model-<run id> when training ends, `all` each time they are written."""
+    and last.ckpt as versions of the artifact model-<run id> when training ends, `all` each time they are written.
+    The dashboard of a training run: every curve over tokens seen (runs of other batch sizes line up; validation rows
+    get the last value logged before them), and val/loss summarised by its minimum, the number runs are compared by,
+    beside its last value. Lightning defines its own axis only for runs it creates itself."""
     if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
         raise UserError(f"logger.wandb.log_model must be false, true or all, got {log_model!r}")
     run = wandb_init(save_dir, name, run_config, **kwargs)
-    define_training_metrics(run)
+    run.define_metric("trainer/global_step")
+    run.define_metric("train/tokens_seen")
+    run.define_metric("*", step_metric="train/tokens_seen")
+    run.define_metric("val/loss", summary="min,last")
     return RunWandbLogger(experiment=run, save_dir=save_dir, log_model=log_model)
 
 

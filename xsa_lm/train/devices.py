@@ -18,32 +18,18 @@ def uses_cuda(accelerator: str) -> bool:
     return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
 
 
-def local_rank() -> int:
-    """This process's index among the ranks of its node: from Lightning's launcher or torchrun (LOCAL_RANK), or
-    SLURM's srun (SLURM_LOCALID); 0 for the first (or only) process."""
-    for variable in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if variable in os.environ:
-            return int(os.environ[variable])
-    return 0
-
-
-def device_index(devices: int | str | Sequence[int], rank: int) -> int:
-    """The CUDA device of local rank `rank`: the rank-th of an explicit list (trainer.devices=[2,3] or "2,3"),
-    else the rank-th device."""
-    if isinstance(devices, str) and "," in devices:
-        devices = [int(d) for d in devices.split(",") if d.strip()]
-    if isinstance(devices, Sequence) and not isinstance(devices, str):
-        return int(devices[rank])
-    return rank
-
-
 def set_device(*, accelerator: str, devices: int | str | Sequence[int]) -> None:
-    """Make this rank's GPU the current device before the first CUDA call; nothing on a CPU run. A rank without a
-    visible GPU of that index (one GPU per task under srun) is left to Lightning, whose device check names the
-    mismatch."""
+    """Make this rank's GPU the current device before the first CUDA call; nothing on a CPU run. This rank: its
+    index among the ranks of its node, from Lightning's launcher or torchrun (LOCAL_RANK) or SLURM's srun
+    (SLURM_LOCALID), 0 for the first (or only) process; its GPU: the rank-th of an explicit list (trainer.devices=[2,3]
+    or "2,3"), else the rank-th. A rank without a visible GPU of that index (one GPU per task under srun) is left to
+    Lightning, whose device check names the mismatch."""
     if not uses_cuda(accelerator):
         return
-    index = device_index(devices, local_rank())
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    if isinstance(devices, str) and "," in devices:
+        devices = [int(d) for d in devices.split(",") if d.strip()]
+    index = int(devices[rank]) if isinstance(devices, Sequence) and not isinstance(devices, str) else rank
     if index < torch.cuda.device_count():
         torch.cuda.set_device(index)
 
