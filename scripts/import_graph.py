@@ -14,7 +14,7 @@ from pathlib import Path
 LAYERS = (
     ("xsa_lm", "xsa_lm.compat", "xsa_lm.errors", "xsa_lm.locking", "xsa_lm.records"),
     ("xsa_lm.stats",),  # pure functions on numbers (numpy, scipy): the sweep's, the scaling study's statistics
-    ("xsa_lm.tracking",),  # W&B and CSV loggers: only compat below them, and config checks a W&B mode
+    ("xsa_lm.tracking", "xsa_lm.reporting"),  # W&B and CSV loggers; the reports' formats, tables, W&B report run
     ("xsa_lm.model",),
     ("xsa_lm.config",),
     ("xsa_lm.data",),
