@@ -77,23 +77,6 @@ def git_state() -> dict[str, str | bool | None]:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
-def hardware() -> Hardware:
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype attention computes in under a Lightning precision (`bf16-mixed`: autocast's bf16)."""
-    for prefix, dtype in (("bf16", torch.bfloat16), ("16", torch.float16), ("64", torch.float64)):
-        if precision.startswith(prefix):
-            return dtype
-    return torch.float32
-
-
 def attention_kernels(
     sdpa_backends_value: str | Sequence[str], *, model: GPTConfig, context: int, precision: str, accelerator: str
 ) -> SdpaKernels:
@@ -101,13 +84,16 @@ def attention_kernels(
     attention runs: tried once on a tensor of the run's shape (sinks included) and precision."""
     device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda(accelerator) else torch.device("cpu")
     order = resolve(sdpa_backends_value, device)
+    # the dtype attention computes in under a Lightning precision (`bf16-mixed`: autocast's bf16)
+    dtypes = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
+    dtype = next((d for prefix, d in dtypes.items() if precision.startswith(prefix)), torch.float32)
     with sdpa_backends(order):
         used = backend_used(
             heads=model.n_head,
             kv_heads=model.n_kv_head,
             seq=context + model.n_sinks,
             head_dim=model.head_dim,
-            dtype=compute_dtype(precision),
+            dtype=dtype,
             device=device,
         )
     return {"order": order, "used": used}
@@ -122,6 +108,11 @@ def run_info(*, attention: SdpaKernels | None = None) -> RunInfo:
         "host": platform.node(),
         "versions": versions(),
         "git": git_state(),
-        "hardware": hardware(),
+        "hardware": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        },
         "sdpa": attention,
     }
