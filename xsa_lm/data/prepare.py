@@ -38,6 +38,7 @@ from xsa_lm.errors import UserError
 from xsa_lm.files import atomic_file, write_json, write_text
 
 LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reuses the result
+ShardCounts = dict[str, int]  # a shard's index, and each split's documents and tokens (shard-NNNNNN.json)
 
 
 class DocumentSplit(TypedDict):
@@ -69,7 +70,7 @@ class PreparedMeta(TypedDict):
     train_tokens: int
     val_documents: int
     val_tokens: int
-    shards: list[dict[str, int]]  # each shard's index and counts (shard-NNNNNN.json)
+    shards: list[ShardCounts]
     created: str
 
 
@@ -375,10 +376,10 @@ def _write_shards(
     workers: int,
     progress: bool,
     total_documents: int | None,
-) -> tuple[list[dict], bool]:
+) -> tuple[list[ShardCounts], bool]:
     """The shards' counts, sorted, and whether any document has text (more than whitespace)."""
     job = (str(out), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
-    shards: list[dict] = []
+    shards: list[ShardCounts] = []
     has_text = False
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
     pending: dict[Future, int] = {}  # a chunk being tokenized -> its number of documents
@@ -396,7 +397,7 @@ def _write_shards(
                 done_file = out / f"shard-{index:06d}.json"
                 args = (*job, index, [train for train, _ in chunk], [val for _, val in chunk])
                 if done_file.exists():  # finished by an earlier run: never rewritten
-                    shard = cast(dict, _read_json(done_file, "delete it to tokenize that shard again"))
+                    shard = cast(ShardCounts, _read_json(done_file, "delete it to tokenize that shard again"))
                 elif pool is None:
                     shard = _encode_shard(*args)
                 else:
@@ -418,7 +419,7 @@ _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 def _encode_shard(
     out: str, eot: int, dtype: str, index: int, train: list[str | None], val: list[str | None]
-) -> dict[str, int]:
+) -> ShardCounts:
     """Tokenize one chunk into its train and val shard files (runs in a worker process)."""
     if out not in _WORKER_TOKENIZERS:
         _WORKER_TOKENIZERS[out] = Tokenizer.from_file(str(Path(out) / "tokenizer.json"))
@@ -440,7 +441,7 @@ def _encode_shard(
     return shard
 
 
-def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict[str, int]], split: str) -> PreparedMeta:
+def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[ShardCounts], split: str) -> PreparedMeta:
     tokenizer_bytes = (out / "tokenizer.json").read_bytes()
     return {
         "identity": identity,
@@ -463,7 +464,7 @@ def _meta(identity: dict, tokenizer: Tokenizer, out: Path, *, shards: list[dict[
 
 
 @contextmanager
-def _progress_bar(enabled: bool, total_documents: int | None) -> Iterator[Callable[[int, dict], dict]]:
+def _progress_bar(enabled: bool, total_documents: int | None) -> Iterator[Callable[[int, ShardCounts], ShardCounts]]:
     """Documents, tokens/s and (when the corpus size is known) ETA, on the terminal (rich): yields the function
     that counts a finished shard of that many documents (and returns the shard)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -473,7 +474,7 @@ def _progress_bar(enabled: bool, total_documents: int | None) -> Iterator[Callab
     with Progress(*columns, TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not enabled) as bar:
         task = bar.add_task("prepare", total=total_documents, rate="")
 
-        def finished(documents: int, shard: dict) -> dict:
+        def finished(documents: int, shard: ShardCounts) -> ShardCounts:
             nonlocal tokens
             tokens += shard["train_tokens"] + shard["val_tokens"]
             rate = tokens / max(time.perf_counter() - t0, 1e-9)
