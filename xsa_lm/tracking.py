@@ -26,15 +26,6 @@ if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
     from wandb import Run
 
 
-def has_wandb_key() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
-
-
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
@@ -56,7 +47,11 @@ def resolve_mode(mode: str) -> WandbMode:
         return cast(WandbMode, mode)
     if env:
         return cast(WandbMode, WANDB_ENV_MODES[env])
-    return "online" if has_wandb_key() else "offline"
+    try:  # an API key: in the environment or ~/.netrc (`wandb login`)
+        key = bool(os.environ.get("WANDB_API_KEY")) or netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        key = False
+    return "online" if key else "offline"
 
 
 def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
