@@ -112,16 +112,8 @@ def test_toy_twins_keep_the_presets_attention_width_ratio(size: str):
     assert ratio(toy) == pytest.approx(ratio(preset))
 
 
-LABELLED = [
-    "model/paper_0.7b.yaml",
-    "model/paper_1.4b.yaml",
-    "model/paper_2.7b.yaml",
-    "experiment/paper_0.7b.yaml",
-    "experiment/paper_1.4b.yaml",
-    "experiment/paper_2.7b.yaml",
-    "optim/adamw.yaml",
-    "scheduler/warmup_cosine.yaml",
-]
+LABELLED = [f"{group}/paper_{size}.yaml" for group in ("model", "experiment") for size in TABLE_1]
+LABELLED += ["optim/adamw.yaml", "scheduler/warmup_cosine.yaml"]
 NOT_HYPERPARAMETERS = {"_target_", "_partial_", "name", "total_steps", "defaults", "- override"}
 
 
