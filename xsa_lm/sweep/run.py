@@ -201,8 +201,7 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
             "hydra.run.dir)"
         )
     state["plan"] = plan
-    history = state.setdefault("history", [])
-    history.append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
+    state.setdefault("history", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
     write_json(state_file, state)
     return [
         f"sweep.{key}={value} was declared after this sweep's first runs (it was planned before xsa-lm had the "
