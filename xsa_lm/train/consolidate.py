@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
 
 
@@ -36,10 +36,9 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
 @one_line_errors
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        out = Path(str(cfg.out)).expanduser()
-        step = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
+def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
+    out = Path(str(cfg.out)).expanduser()
+    step = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {step}, "
         f"{'weights only' if cfg.weights_only else 'weights, optimizer state and training position'}"

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import VOCAB_MULTIPLE, model_config, resolve_precision, strategy_kind, world_size
 from xsa_lm.config.checks import check_values
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json
 from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
@@ -298,11 +298,10 @@ def batch_line(plan: Plan) -> str:
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
 @one_line_errors
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        if cfg.out and Path(cfg.out).exists() and not cfg.overwrite:
-            raise UserError(f"out={cfg.out} exists: choose another path or add overwrite=true")
-        plan = make_plan(cfg)
-        if cfg.out:
-            write_json(Path(cfg.out), plan)
+def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
+    if cfg.out and Path(cfg.out).exists() and not cfg.overwrite:
+        raise UserError(f"out={cfg.out} exists: choose another path or add overwrite=true")
+    plan = make_plan(cfg)
+    if cfg.out:
+        write_json(Path(cfg.out), plan)
     print(table(plan))
