@@ -121,10 +121,8 @@ class Profiler(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if self._profiler is None and self.path is None and self.start_step <= trainer.global_step < self.end_step:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if pl_module.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+            # the CPU's activity, and CUDA's where torch has it
+            self._profiler = torch.profiler.profile(record_shapes=True, profile_memory=True)
             self._profiler.start()
             self._first = self._step = trainer.global_step  # a resumed run may start inside the range
 
