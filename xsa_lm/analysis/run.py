@@ -174,23 +174,15 @@ def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
     ax.grid(alpha=0.3)
 
 
-def pyplot():
-    """matplotlib.pyplot drawing into files (no window, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
     """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
     colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
     own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
-    the axis. Returns the matplotlib Figure (closed by the caller)."""
-    plt = pyplot()
-    fig, grid = plt.subplots(2, 3, figsize=(14, 7.5))
+    the axis. A Figure of its own, not pyplot's: it needs no display and is not kept open."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 7.5))
+    grid = fig.subplots(2, 3)
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
     labels = list(dict.fromkeys(row["label"] for row in rows))
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
@@ -226,15 +218,7 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
 
 def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
     """figure(rows, reference) written to `path` (PNG)."""
-    save(figure(rows, reference), path)
-
-
-def save(fig: "Figure", path: Path) -> None:
-    """A figure written to `path` (PNG), then closed."""
-    import matplotlib.pyplot as plt
-
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figure(rows, reference).savefig(path, dpi=120)
 
 
 def table(rows: list[dict]) -> str:
@@ -269,12 +253,13 @@ def loss_table(losses: list[dict]) -> str:
 
 def positions_figure(losses: list[dict]) -> "Figure":
     """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
-    position has. Returns the matplotlib Figure (closed by the caller)."""
+    position has (a Figure of its own, as figure's)."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    plt = pyplot()
     spans = span_columns(losses)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for i, r in enumerate(losses):
         points = [(k, r[s]) for k, s in enumerate(spans, start=1) if r[s] is not None]
         if points:
@@ -307,7 +292,7 @@ def main(cfg: DictConfig) -> None:
     write_csv(rows, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")
     write_csv(losses, ["checkpoint", "label", "windows", "loss", "bpb", *span_columns(losses)], out / "losses.csv")
-    save(positions_figure(losses), out / "positions.png")
+    positions_figure(losses).savefig(out / "positions.png", dpi=120)
     print(table(rows))
     print()
     print(loss_table(losses))
