@@ -106,36 +106,26 @@ def figure_rows() -> list[dict]:
 
 
 def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels():
-    import matplotlib.pyplot as plt
-
     fig = figure(figure_rows())
-    try:
-        panels = [ax for ax in fig.axes if ax.get_title()]
-        assert [ax.get_title() for ax in panels] == [title for _, title, _ in PANELS]
-        assert [m for m, _, _ in PANELS] == ["cos_v_v", "a_ii", "cos_y_v", "cos_z_v", "norm_removed"]
-        for ax in panels:
-            assert ax.get_xlabel() == "layer" and ax.get_ylabel()
-            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
-            assert ticks == [0, 1, 2]  # whole layers, no 0.5
-        lines = {ax.get_title(): {line.get_label(): list(line.get_xdata()) for line in ax.lines} for ax in panels}
-        assert lines["value similarity"] == {"sa": [0, 1, 2], "xsa-late": [0, 1, 2]}
-        for _, title, _ in PANELS[3:]:  # z exists only in XSA layers: no SA line, XSA layers 1 and 2 only
-            assert lines[title] == {"xsa-late": [1, 2]}
-        (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
-        assert [t.get_text() for t in legend.get_texts()] == ["sa", "xsa-late"]  # each checkpoint once, its label
-    finally:
-        plt.close(fig)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == [title for _, title, _ in PANELS]
+    assert [m for m, _, _ in PANELS] == ["cos_v_v", "a_ii", "cos_y_v", "cos_z_v", "norm_removed"]
+    for ax in panels:
+        assert ax.get_xlabel() == "layer" and ax.get_ylabel()
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks == [0, 1, 2]  # whole layers, no 0.5
+    lines = {ax.get_title(): {line.get_label(): list(line.get_xdata()) for line in ax.lines} for ax in panels}
+    assert lines["value similarity"] == {"sa": [0, 1, 2], "xsa-late": [0, 1, 2]}
+    for _, title, _ in PANELS[3:]:  # z exists only in XSA layers: no SA line, XSA layers 1 and 2 only
+        assert lines[title] == {"xsa-late": [1, 2]}
+    (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    assert [t.get_text() for t in legend.get_texts()] == ["sa", "xsa-late"]  # each checkpoint once, its label
 
 
 def test_diagnostics_figure_of_sa_checkpoints_only_says_there_is_no_z():
-    import matplotlib.pyplot as plt
-
     fig = figure([r for r in figure_rows() if r["label"] == "sa"])
-    try:
-        empty = [ax for ax in fig.axes if ax.get_title() and not ax.lines]
-        assert len(empty) == 2 and all("no XSA layers" in ax.texts[0].get_text() for ax in empty)
-    finally:
-        plt.close(fig)
+    empty = [ax for ax in fig.axes if ax.get_title() and not ax.lines]
+    assert len(empty) == 2 and all("no XSA layers" in ax.texts[0].get_text() for ax in empty)
 
 
 def test_default_labels_are_run_names_saying_the_attention_once(tmp_path):
