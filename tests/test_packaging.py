@@ -34,6 +34,8 @@ def test_non_editable_install_ships_the_configs(tmp_path: Path):
     assert (target / "xsa_lm" / "configs" / "train.yaml").exists()
     assert (target / "xsa_lm" / "configs" / "model" / "paper_2.7b.yaml").exists()
     assert not (target / "xsa_lm" / "configs" / "train.yaml").is_symlink()
+    modules = {p.relative_to(REPO) for p in (REPO / "xsa_lm").rglob("*.py")}  # every subpackage listed in pyproject
+    assert modules <= {p.relative_to(target) for p in (target / "xsa_lm").rglob("*.py")}
     # Run from an unrelated directory with only the installed copy importable (not the source tree).
     env = {**os.environ, "PYTHONPATH": str(target)}
     code = (
