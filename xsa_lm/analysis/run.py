@@ -15,11 +15,12 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
@@ -30,9 +31,6 @@ from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import atomic_file
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 # (metric, panel title, y label): the paper's Figure 1, then the two statistics of the XSA step itself.
 PANELS = (
@@ -160,8 +158,6 @@ def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool)
 
 def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
     """The axes of a panel with lines: a y range no narrower than the metric's MIN_SPAN, and every layer on x."""
-    from matplotlib.ticker import MaxNLocator
-
     low, high = ax.get_ylim()
     span = MIN_SPAN.get(metric, 1e-3)
     if high - low < span:
@@ -174,13 +170,11 @@ def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
     ax.grid(alpha=0.3)
 
 
-def figure(rows: list[dict], reference: list[dict] | None = None) -> "Figure":
+def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
     """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
     colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
     own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
     the axis. A Figure of its own, not pyplot's: it needs no display and is not kept open."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(14, 7.5))
     grid = fig.subplots(2, 3)
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
@@ -251,12 +245,9 @@ def loss_table(losses: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def positions_figure(losses: list[dict]) -> "Figure":
+def positions_figure(losses: list[dict]) -> Figure:
     """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
     position has (a Figure of its own, as figure's)."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     spans = span_columns(losses)
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
