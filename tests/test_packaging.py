@@ -6,6 +6,7 @@ import ast
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 from functools import cache
@@ -29,7 +30,12 @@ def project() -> dict:
 def test_non_editable_install_ships_the_configs(tmp_path: Path):
     target = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
-    build = subprocess.run([*pip, "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=300)
+    source = tmp_path / "source"  # a copy: setuptools would reuse the checkout's build/ (stale modules included)
+    for tree in ("xsa_lm", "configs"):
+        shutil.copytree(REPO / tree, source / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    for file in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / file, source / file)
+    build = subprocess.run([*pip, "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
     assert (target / "xsa_lm" / "configs" / "train.yaml").exists()
     assert (target / "xsa_lm" / "configs" / "model" / "paper_2.7b.yaml").exists()
