@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -24,12 +24,6 @@ from xsa_lm.model.sdpa import resolve, sdpa_backends
 from xsa_lm.train.hardware import peak_flops
 
 GIB = 2**30
-
-
-@lru_cache
-def device_peak_flops(device: str, precision: str) -> float | None:
-    """The device's peak FLOP/s, once per process (on CPU it is a measured matmul, about a second)."""
-    return peak_flops(torch.device(device), precision)[0]
 
 
 class Throughput(L.Callback):
@@ -54,7 +48,7 @@ class Throughput(L.Callback):
         datamodule = getattr(trainer, "datamodule", None)
         context = getattr(datamodule, "block_size", None)
         self.flops_per_token = cast(GPT, pl_module.model).flops_per_token(context)
-        peak = device_peak_flops(str(pl_module.device), str(trainer.precision))
+        peak, _ = peak_flops(pl_module.device, str(trainer.precision))
         self.peak_flops = peak * trainer.world_size if peak else None  # None: a GPU missing from the table
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:

@@ -1,5 +1,6 @@
 """What the device can do: its peak FLOP/s (a datasheet table for GPUs, a measured matmul on CPU) and its memory."""
 
+import functools
 import re
 import timeit
 
@@ -57,9 +58,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@functools.lru_cache
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """The device's peak FLOP/s for this precision, and where the number comes from: where no datasheet applies (on
-    CPU), the best of 20 n x n x n matmuls."""
+    CPU), the best of 20 n x n x n matmuls (about a second: measured once per process)."""
     if device.type == "cpu":
         dtype, n = torch.bfloat16 if precision.startswith("bf16") else torch.float32, 1024
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
