@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
-from xsa_lm.scale.run import StudyIdentity, sweep_overrides
+from xsa_lm.scale.run import sweep_overrides
+from xsa_lm.scale.study import StudyIdentity
 from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, ci_text, k_text, pool
 from xsa_lm.scale.token_report import TokenSize, TokenStudyResult, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished

@@ -40,7 +40,7 @@ class SizeResult(Record):
     sweep_warnings: list[str] = field(default_factory=list)
     non_embedding_params: int | None = None
     tokens: int | None = None
-    compute: float | None = None  # training FLOPs of a run (model_compute); None: left out of the fit
+    compute: float | None = None  # training FLOPs of a run (size_result); None: left out of the fit
     sa_tokens_per_s: float | None = None
     xsa_tokens_per_s: float | None = None
     tests: dict | None = None  # PairedStats.to_json() and t_p_holm (analyse)

@@ -17,7 +17,6 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from contextlib import redirect_stdout
 from dataclasses import replace
 from functools import partial
@@ -47,9 +46,9 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
 )
 from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult, log_to_wandb, write_report
+from xsa_lm.scale.study import Study, StudyIdentity, compare_seeds
 from xsa_lm.stats.decision import clustered_test
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
-from xsa_lm.sweep.protocol import check_search_seeds, check_seeds
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.run import (
     check_sweep,
@@ -384,29 +383,6 @@ def check_analysis(scale: DictConfig) -> None:
     """The analysis settings, before hours of training rather than after (their types: ScaleSettings)."""
     if scale.fit not in ("auto", *FORMS):
         raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
-
-
-def compare_seeds(cfg: DictConfig) -> tuple[list[int], list[int]]:
-    """The search seeds and the compare seeds of every size (scale.seeds, else sweep.seeds), checked as the sweep
-    checks them, under the name the user set."""
-    name = "scale.seeds" if cfg.scale.seeds is not None else "sweep.seeds"
-    search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
-    listed = cast(list[int] | None, plain(OmegaConf.select(cfg, name)))
-    seeds = check_seeds(listed, search_seeds, cfg.sweep.reuse_search_run, name=name)
-    if not seeds:
-        raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
-    return search_seeds, seeds
-
-
-class StudyIdentity(TypedDict):
-    """How both axes' results.json open: the study's folder, its id (scale.json's) and the overrides of its runs."""
-
-    study_dir: str
-    study_id: str
-    overrides: list[str]
-
-
-Study = Callable[[StudyIdentity, str | None], list[str]]  # runs a checked study: its identity, the W&B group
 
 
 def check_size_axis(cfg: DictConfig, overrides: list[str], models: list[str]) -> Study:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from xsa_lm.errors import UserError
 from xsa_lm.records import JsonObject
-from xsa_lm.scale.run import Study, StudyIdentity, compare_seeds
+from xsa_lm.scale.study import Study, StudyIdentity, compare_seeds
 from xsa_lm.scale.token_axis import (
     STALL_SAFE_SEEDS,
     CellJson,
