@@ -149,7 +149,7 @@ def check_options(limit, batch_size, wandb: object = False) -> None:
 
 
 def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int) -> EvalResult:
-    check_options(limit, batch_size)
+    """Each checkpoint's scores on `tasks` (limit and batch_size as check_options checked them)."""
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
     # hub client retry for minutes.
