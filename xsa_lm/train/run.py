@@ -6,14 +6,13 @@ checkpoints/, wandb/ and summary.json.
 
 import json
 import logging
-import math
 import sys
 import time
 import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple
 
 import hydra
 import lightning as L
@@ -30,7 +29,6 @@ from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import save_checkpoints_now, skip_sigterm_broadcast
 from xsa_lm.config.builders import (
-    VOCAB_MULTIPLE,
     build,
     check_config,
     check_trainer,
@@ -65,6 +63,7 @@ from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
+from xsa_lm.train.plan import estimate_for_config
 from xsa_lm.train.runinfo import SdpaKernels, TrainRunInfo, attention_kernels, run_info
 from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
@@ -72,27 +71,12 @@ OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
 
-def check_memory(cfg: DictConfig, *, devices: int, accumulation: int) -> None:
+def check_memory(cfg: DictConfig, *, devices: int) -> None:
     """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
     has free, before the model is built; check_memory=false lets it try anyway."""
     if not cfg.get("check_memory", True):
         return
-    fields = cast(dict[str, Any], OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig: a dict
-    vocab = fields.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
-    need = memory.estimate(
-        model=fields,
-        vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        micro_batch_size=cfg.micro_batch_size,
-        block_size=cfg.data.block_size,
-        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
-        strategy=strategy_kind(cfg.trainer.strategy),
-        world_size=devices,
-        activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
-        compiled=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
-        attention=cfg.attention.name,
-        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
-        accumulation=accumulation,
-    )
+    need = estimate_for_config(cfg)
     have, where = memory.available_bytes(cfg.trainer.accelerator)
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
@@ -224,7 +208,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     plan = check_config(cfg)
     check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))  # as Lightning will
     schedule_warning = settle_schedule(cfg)
-    check_memory(cfg, devices=plan["devices"], accumulation=plan["accumulate"])
+    check_memory(cfg, devices=plan["devices"])
     data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
     kernels = attention_kernels(
