@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,15 +52,25 @@ def cli_env(data_cache: Path, home: Path | None = None) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], data_cache: Path, cwd: Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:
-    """`python -m xsa_lm.cli <args>` in a subprocess, as a user would type `xsa-lm <args>`."""
+def run_cli(
+    args: list[str],
+    data_cache: Path,
+    cwd: Path,
+    timeout: int = 300,
+    module: str = "xsa_lm.cli",
+    preexec_fn: Callable[[], None] | None = None,
+    **env,
+) -> subprocess.CompletedProcess:
+    """`python -m xsa_lm.cli <args>` in a subprocess, as a user would type `xsa-lm <args>` (`module`: another entry
+    point; `preexec_fn`: run in the child first, e.g. to set a resource limit)."""
     return subprocess.run(
-        [sys.executable, "-m", "xsa_lm.cli", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env={**cli_env(data_cache), **env},
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 

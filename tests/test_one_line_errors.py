@@ -9,7 +9,6 @@ import logging
 import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
-from tests.helpers import FAST, TINY, assert_clean_error, cli_env, refused_in_process
+from tests.helpers import FAST, TINY, assert_clean_error, refused_in_process, run_cli
 from xsa_lm import cli, errors
 from xsa_lm.config.command_line import check_overrides
 from xsa_lm.errors import UserError, WriteError, exit_on_user_error
@@ -103,15 +102,7 @@ def test_a_file_size_limit_mid_run_is_one_line_and_leaves_no_partial_file(data_c
     run_dir = tmp_path / "run"
     args = ["train", *FAST, "data=local", f"data.files={tmp_path / 'corpus.txt'}", "data.val_windows=8"]
     args += ["trainer.max_steps=5", "val_every_steps=5", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "xsa_lm.cli", *args],
-        cwd=tmp_path,
-        env=cli_env(data_cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=limit_file_size,
-    )
+    proc = run_cli(args, data_cache, tmp_path, preexec_fn=limit_file_size)
     line = assert_clean_error(proc, "could not write", "step-000005.ckpt", "File too large", "ulimit -f")
     assert proc.returncode == 2 and "no checkpoint was written yet" in line
     assert [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.stat().st_size == 0] == []

@@ -2,14 +2,13 @@
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import FAST, cli_env, run_cli, train_losses
+from tests.helpers import FAST, run_cli, train_losses
 from xsa_lm.config import command_line
 
 pytestmark = pytest.mark.slow
@@ -101,13 +100,7 @@ def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
     assert top.returncode == 0 and "train" in top.stdout
     # `python -m xsa_lm.train` is the same entry point as `xsa-lm train`
     args = ["attention=xsa", "--cfg", "job"]
-    module = subprocess.run(
-        [sys.executable, "-m", "xsa_lm.train", *args],
-        cwd=tmp_path,
-        env=cli_env(data_cache),
-        capture_output=True,
-        text=True,
-    )
+    module = run_cli(args, data_cache, tmp_path, module="xsa_lm.train")
     assert module.returncode == 0 and module.stdout == run_cli(["train", *args], data_cache, tmp_path).stdout
     assert not (tmp_path / "outputs").exists()  # printing the config or the help writes no run folder
 
