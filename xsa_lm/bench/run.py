@@ -33,7 +33,7 @@ from xsa_lm.bench.loops import DevicePhase, KernelsFound, Phase, TimedPhase
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, RatioSummary, rounds_needed, summarize
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import config_problem
@@ -507,15 +507,14 @@ def print_tables(r: dict) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        out = Path(cfg.out)
-        if out.exists() and not cfg.overwrite:  # checked first, so that minutes of benchmarking are not lost
-            raise UserError(f"out={out} exists: choose another path or add overwrite=true")
-        result = bench(cfg)
-        try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
-            write_json(out, result, replace=cfg.overwrite)
-        except FileExistsError:
-            raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:  # checked first, so that minutes of benchmarking are not lost
+        raise UserError(f"out={out} exists: choose another path or add overwrite=true")
+    result = bench(cfg)
+    try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
+        write_json(out, result, replace=cfg.overwrite)
+    except FileExistsError:
+        raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
     print_tables(result)
     print(f"wrote {out}")
 
