@@ -254,7 +254,7 @@ class StrategyNode:
 class TrainerOptions:
     """lightning.Trainer's arguments (configs/trainer/default.yaml) and activation_checkpointing, which is ours."""
 
-    _target_: str = MISSING  # lightning.Trainer
+    _target_: str = MISSING  # xsa_lm.checkpoints.atomic.LinkingTrainer, a lightning.Trainer
     accelerator: str = field(default=MISSING, metadata=FREE)  # auto | cpu | gpu
     devices: int | str | list[int] = knob(rule=_devices, free=True)  # N | -1 | auto | device indices, per node
     strategy: str | StrategyNode = field(default=MISSING, metadata=FREE)  # auto | a name | a _target_ node
