@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,24 @@ def test_a_resume_that_changes_what_is_trained_is_refused(overrides, expected, x
     out = run_cli(["train", f"hydra.run.dir={xsa_run}", "resume=auto", *overrides], data_cache, tmp_path)
     assert_clean_error(out, "resume:", expected, "drop these overrides")
     assert snapshot(xsa_run) == before  # byte-identical
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["removed", "not yaml"])
+def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cache, tmp_path):
+    """A run folder whose config.yaml is gone or damaged would otherwise train the defaults over its results."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(xsa_run, run_dir)
+    if damage == "removed":
+        (run_dir / "config.yaml").unlink()
+    else:
+        with open(run_dir / "config.yaml", "a") as f:
+            f.write("optim: [unclosed\n")
+    before = snapshot(run_dir)
+    out = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=30"], data_cache, tmp_path)
+    expected = "holds a run but no config.yaml" if damage == "removed" else "config.yaml is not valid YAML at line"
+    assert_clean_error(out, "resume:", expected)
+    assert snapshot(run_dir) == before  # byte-identical
 
 
 @pytest.mark.slow

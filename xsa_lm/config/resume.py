@@ -11,11 +11,12 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import cast
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.command_line import flatten, override_key
 from xsa_lm.config.schema import GROUP_SCHEMAS, GROUPS, TrainOptions
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, first_line
 
 
 def free_on_resume() -> list[str]:
@@ -41,13 +42,25 @@ def continuation_config(
 ) -> tuple[DictConfig, list[str]]:
     """The config a resume into `run_dir` trains with: the saved config.yaml, with the command line's changes
     (the keys `overrides` name, and any other key where `given` differs from the untouched `defaults`, as an
-    `experiment=` sets) applied where they are free, else refused. A run directory without
-    config.yaml starts a new run from the checkpoint (`resume=PATH` into a new directory): the given config as it
-    is. Returns the config and the lines that say what changed, the LR schedule's last."""
+    `experiment=` sets) applied where they are free, else refused. A new run directory (no config.yaml) starts a
+    new run from the checkpoint (`resume=PATH`): the given config as it is; one that holds a run without a readable
+    config.yaml is refused. Returns the config and the lines that say what changed, the LR schedule's last."""
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
+        if (run_dir / "checkpoints").exists() or (run_dir / "summary.json").exists():  # its run's config is gone
+            raise UserError(
+                f"resume: {run_dir} holds a run but no config.yaml, the config it was trained with: put it back, or "
+                "start a new run from one of its checkpoints in another hydra.run.dir (resume=<checkpoint>)"
+            )
         return given, []
-    saved = cast(DictConfig, OmegaConf.load(saved_file))  # written by xsa-lm train: a mapping
+    try:
+        saved = cast(DictConfig, OmegaConf.load(saved_file))  # written by xsa-lm train: a mapping
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(
+            f"resume: {saved_file} is not valid YAML{where} ({first_line(e)}): put back the config the run saved"
+        ) from None
     if saved.scheduler.get("total_steps") is None:  # written before the schedule length was resolved into it
         saved.scheduler.total_steps = saved.trainer.max_steps
     saved_flat, given_flat, default_flat = (flatten(plain(c)) for c in (saved, given, defaults))
