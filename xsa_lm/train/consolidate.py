@@ -17,10 +17,12 @@ from xsa_lm.files import atomic_file
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
     """Write the sharded checkpoint `source` as the file `out`; returns its global step."""
     if not is_sharded(source):
-        what = "a file" if source.is_file() else "not found" if not source.exists() else "no sharded checkpoint"
+        if source.is_file():
+            raise UserError(f"ckpt: {source} is a file, one checkpoint already: every command reads it as it is")
+        what = "not found" if not source.exists() else "no sharded checkpoint"
         raise UserError(
-            f"ckpt: {source} is {what}: give the directory of a sharded checkpoint "
-            "(trainer=fsdp), e.g. runs/x/checkpoints/last.ckpt"
+            f"ckpt: {source} is {what}: give the directory of a sharded checkpoint (trainer=fsdp), e.g. "
+            "runs/x/checkpoints/last.ckpt"
         )
     if not shards_complete(source):
         raise UserError(f"ckpt: {source} is an incomplete sharded checkpoint (a shard is missing or truncated)")
