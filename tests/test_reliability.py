@@ -97,10 +97,15 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "preempted"
     assert "SIGTERM received" in stopped.stdout and "resume=auto" in stopped.stdout
+    assert "| last val loss " in stopped.stdout  # no final loss before the last step, but where the run stood
     again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
     assert train_losses(run_dir) == straight
+    # The stop validated only where an uninterrupted run does (Lightning validates a run that stops early).
+    assert [h["step"] for h in summary["val_history"]] == [10, 20, 30, 40]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000030.ckpt", "step-000040.ckpt"]
 
 
 def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, tmp_path: Path):

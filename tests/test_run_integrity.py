@@ -91,20 +91,28 @@ def test_a_resume_that_changes_what_is_trained_is_refused(overrides, expected, x
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["removed", "not yaml"])
+@pytest.mark.parametrize("damage", ["removed", "not yaml", "edited"])
 def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cache, tmp_path):
-    """A run folder whose config.yaml is gone or damaged would otherwise train the defaults over its results."""
+    """A run folder whose config.yaml is gone or damaged would otherwise train the defaults over its results; one
+    edited by hand, another run than its checkpoints' under the same record."""
     run_dir = tmp_path / "run"
     shutil.copytree(xsa_run, run_dir)
+    config = run_dir / "config.yaml"
     if damage == "removed":
-        (run_dir / "config.yaml").unlink()
-    else:
-        with open(run_dir / "config.yaml", "a") as f:
+        config.unlink()
+    elif damage == "not yaml":
+        with open(config, "a") as f:
             f.write("optim: [unclosed\n")
+    else:
+        config.write_text(config.read_text().replace("  lr: 0.003\n", "  lr: 0.01\n", 1))
     before = snapshot(run_dir)
     out = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=30"], data_cache, tmp_path)
-    expected = "holds a run but no config.yaml" if damage == "removed" else "config.yaml is not valid YAML at line"
-    assert_clean_error(out, "resume:", expected)
+    expected = {
+        "removed": "holds a run but no config.yaml",
+        "not yaml": "config.yaml is not valid YAML at line",
+        "edited": "config.yaml differs from the config",
+    }[damage]
+    assert_clean_error(out, "resume:", expected, *(["optim.lr: 0.003 -> 0.01"] if damage == "edited" else []))
     assert snapshot(run_dir) == before  # byte-identical
 
 
@@ -176,7 +184,7 @@ def test_a_second_ctrl_c_aborts_at_once(monkeypatch):
 
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
-    preemption = Preemption(Path("last.ckpt"))
+    preemption = Preemption(Path("last.ckpt"), val_every_steps=10)
     preemption._handle(signal.SIGINT, None)
     assert preemption.received == "SIGINT" and exits == []  # the first one asks for a clean stop
     preemption._handle(signal.SIGINT, None)

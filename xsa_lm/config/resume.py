@@ -90,6 +90,13 @@ def continuation_config(
     return merged, [*notes, schedule_note(saved.scheduler.total_steps, merged)]
 
 
+def edited_since(trained: dict[str, object], config: DictConfig) -> list[str]:
+    """`key: trained -> now` for each key a resume may not change whose value in `config` differs from the config a
+    checkpoint was trained with (`trained`, saved in the checkpoint): a run folder's config.yaml edited by hand."""
+    then, now = flatten(trained), flatten(plain(config))
+    return [f"{k}: {v} -> {now[k]}" for k, v in then.items() if k in now and now[k] != v and not is_free(k)]
+
+
 def schedule_note(saved_total_steps: int, config: DictConfig) -> str:
     """How the LR schedule continues, for the resume's first line."""
     total = config.scheduler.total_steps

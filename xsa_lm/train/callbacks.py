@@ -321,8 +321,9 @@ class Preemption(L.Callback):
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, last_checkpoint: Path) -> None:
+    def __init__(self, last_checkpoint: Path, val_every_steps: int) -> None:
         self.last_checkpoint = last_checkpoint
+        self.val_every_steps = val_every_steps
         self.received: str | None = None  # the signal's name
         self.preempted_at: int | None = None
         self._seen_step = -1
@@ -355,6 +356,10 @@ class Preemption(L.Callback):
         if stop and self.preempted_at is None:
             self.preempted_at = trainer.global_step
             trainer.should_stop = True  # the loop ends after this batch; the checkpoint follows in on_train_end
+            if trainer.global_step % self.val_every_steps:
+                # Lightning validates a run that stops early: the grace period is the checkpoint's, and a resumed
+                # run validates at the steps an uninterrupted one does
+                trainer.limit_val_batches = 0
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Written once the loop has closed the step (its counters complete), so a resume logs the same step numbers.
@@ -365,6 +370,16 @@ class Preemption(L.Callback):
                     f"{self.received or 'signal'} received: checkpoint at step {trainer.global_step} written to "
                     f"{self.last_checkpoint}; resume with resume=auto"
                 )
+
+
+class SavedConfig(L.Callback):
+    """The run's config travels in each checkpoint, so that a resume can tell a hand-edited config.yaml."""
+
+    def __init__(self, config: dict[str, object]) -> None:
+        self.config = config
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["run_config"] = self.config
 
 
 @dataclass

@@ -39,7 +39,7 @@ from xsa_lm.config.builders import (
     world_size,
 )
 from xsa_lm.config.command_line import another_commands_folder, full_command_line
-from xsa_lm.config.resume import continuation_config
+from xsa_lm.config.resume import continuation_config, edited_since, plain
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import token_byte_lengths
@@ -56,6 +56,7 @@ from xsa_lm.train.callbacks import (
     ProgressBar,
     RunCallbacks,
     Samples,
+    SavedConfig,
     Throughput,
     ValHistory,
 )
@@ -109,9 +110,12 @@ class ResumePoint(NamedTuple):
 FROM_SCRATCH = ResumePoint(path=None, step=None)
 
 
-def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -> ResumePoint:
+def find_resume_checkpoint(
+    resume: str | None, run_dir: Path, mcfg: GPTConfig, *, config: DictConfig | None = None
+) -> ResumePoint:
     """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
-    of another model is refused, naming each differing field."""
+    of another model is refused, naming each differing field, and so is a continuation whose config (`config`: the
+    run folder's config.yaml and the free changes) differs from the one the checkpoint was trained with."""
     elsewhere = another_commands_folder("train", run_dir)  # also checked before Hydra runs, unless HYDRA_FULL_ERROR
     if elsewhere:
         raise UserError(elsewhere)
@@ -144,10 +148,17 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, mcfg: GPTConfig) -
         if step is None:
             raise UserError(f"resume: {resume} is truncated or not a checkpoint")
     meta = path / META if path.is_dir() else path  # a sharded checkpoint keeps its model config in meta.pt
-    saved = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("model_config")
-    differences = model_config_mismatch(saved, asdict(mcfg)) if saved is not None else []
+    saved = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
+    differences = model_config_mismatch(saved["model_config"], asdict(mcfg)) if "model_config" in saved else []
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
+    edited = edited_since(saved["run_config"], config) if "run_config" in saved and config is not None else []
+    if edited and (run_dir / "config.yaml").exists():  # a new run from a checkpoint may train it otherwise
+        raise UserError(
+            f"resume: {run_dir / 'config.yaml'} differs from the config {path} was trained with ({'; '.join(edited)}):"
+            " a resume continues the run as it was trained: put back its values, or start a new run from the "
+            "checkpoint in another hydra.run.dir (resume=<checkpoint>)"
+        )
     return ResumePoint(path=str(path), step=step)
 
 
@@ -235,7 +246,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         # once the process group exists (ClusterChecks).
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH, kernels=kernels)
     with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
-        resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg)
+        resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg, config=cfg)
         if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
             where = data.dir / "tokenizer.json"
             check_tokenizer(Path(resume.path), data.tokenizer, data.tokenizer_sha256, where, "resume")
@@ -442,10 +453,10 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
     history = ValHistory(cfg.global_batch_tokens)
     throughput = Throughput(cfg.global_batch_tokens)
-    preemption = Preemption(ckpt_dir / "last.ckpt")
+    preemption = Preemption(ckpt_dir / "last.ckpt", val_every_steps=cfg.val_every_steps)
     cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
     kernels = AttentionKernels(cfg.sdpa_backends)
-    callbacks = [cluster, kernels, periodic, best, history, throughput, preemption]
+    callbacks = [cluster, kernels, periodic, best, history, throughput, preemption, SavedConfig(plain(cfg))]
     if cfg.checkpoint.get("async_save"):
         callbacks.append(AsyncSave())
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:

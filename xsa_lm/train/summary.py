@@ -136,9 +136,14 @@ def finish_wandb(trainer: "L.Trainer", summary: RunSummary) -> None:
 
 
 def print_summary(s: RunSummary) -> None:
-    loss = f"{s.final_val_loss:.4f} (ppl {s.final_val_ppl:.2f})" if s.final_val_loss is not None else "n/a"
+    if s.final_val_loss is not None:
+        loss = f"final val loss {s.final_val_loss:.4f} (ppl {s.final_val_ppl:.2f})"
+    elif s.val_history:  # a run that has not reached its last step: no final loss yet
+        loss = f"last val loss {s.val_history[-1]['val_loss']:.4f} at step {s.val_history[-1]['step']}"
+    else:
+        loss = "final val loss n/a"
     lines = [
-        f"\n{s.status.upper()}: {s.attention} {s.model} | final val loss {loss} | {s.steps} steps, "
+        f"\n{s.status.upper()}: {s.attention} {s.model} | {loss} | {s.steps} steps, "
         f"{s.tokens_seen:,} tokens | {s.tokens_per_s:,.0f} tokens/s | {s.wall_time_s:.1f} s wall",
         f"  summary: {s.run_dir}/summary.json",
     ]
