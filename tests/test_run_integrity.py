@@ -126,6 +126,18 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(xsa_run: Path, dat
 
 
 @pytest.mark.slow
+def test_a_new_run_from_a_checkpoint_refuses_optimizer_settings_its_state_would_undo(xsa_run, data_cache, tmp_path):
+    """Loading the checkpoint's AdamW state sets its LR, weight decay, betas and eps back (the schedule's base LR
+    too): the run would train at the old LR under a record of the new one."""
+    new_dir = tmp_path / "new"
+    checkpoint = xsa_run / "checkpoints" / "last.ckpt"
+    overrides = ["optim.lr=0.01", "optim.weight_decay=0.5", "trainer.max_steps=30"]
+    out = run_cli([*XSA, *overrides, f"resume={checkpoint}", f"hydra.run.dir={new_dir}"], data_cache, tmp_path)
+    assert_clean_error(out, "resume:", "optimizer state", "optim.lr: 0.003 -> 0.01; optim.weight_decay: 0.1 -> 0.5")
+    assert not new_dir.exists()
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_second_run_into_a_busy_directory_is_refused(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"

@@ -159,6 +159,12 @@ def find_resume_checkpoint(
             " a resume continues the run as it was trained: put back its values, or start a new run from the "
             "checkpoint in another hydra.run.dir (resume=<checkpoint>)"
         )
+    optimizer = [change for change in edited if change.startswith("optim.")]
+    if optimizer:  # the checkpoint's optimizer state (and the schedule's base LR) would set them back
+        raise UserError(
+            f"resume: a new run from {path} takes its optimizer state, which holds other settings than the given "
+            f"({'; '.join(optimizer)}): the run would train with the checkpoint's; drop these overrides"
+        )
     return ResumePoint(path=str(path), step=step)
 
 
