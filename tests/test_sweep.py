@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 import scipy.stats
@@ -17,6 +19,7 @@ from omegaconf import OmegaConf
 from tests.helpers import FAST, assert_refused, cli_env, compose_train, refused_in_process, run_cli, write_local_task
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
+from xsa_lm.files import write_json
 from xsa_lm.stats.decision import VERDICTS
 from xsa_lm.stats.paired import paired_t
 from xsa_lm.sweep.protocol import (
@@ -35,7 +38,7 @@ from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.run import check_sweep, comparison_plan, keep_plan, train_overrides
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import Launcher, TrialStore, device_slots, outcome
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, device_slots, outcome
 from xsa_lm.train.summary import RunSummary
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
@@ -590,6 +593,20 @@ def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch,
     (addr_a, port_a), (addr_b, port_b) = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
     assert port_a != port_b and "12345" not in (port_a, port_b)
     assert (addr_a, addr_b) == ((None, None) if slurm else ("127.0.0.1", "127.0.0.1"))
+
+
+def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path) -> None:
+    """A rerun with another sweep.diverge_above reused its trials as they were recorded: the LR selection then hung
+    on the order the bounds were tried in."""
+    store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
+    store.run_dir(trial).mkdir(parents=True)
+    write_json(store.run_dir(trial) / "summary.json", _summary(loss=5.0).to_json())
+    store.save(replace(TrialRecord.missing(trial, "search"), status="completed", returncode=0, final_val_loss=5.0))
+    Launcher(store, [], diverge_above=4.5).run([trial], phase="search", job_type="search")
+    diverged = cast(TrialRecord, store.load(trial))
+    assert diverged.status == "diverged" and "above the divergence bound 4.500" in str(diverged.error)
+    Launcher(store, []).run([trial], phase="search", job_type="search")  # the default bound, ln(512) = 6.24
+    assert cast(TrialRecord, store.load(trial)).status == "completed"
 
 
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:

@@ -270,7 +270,7 @@ class Launcher:
         todo = [t for t in dict.fromkeys(trials) if not self.store.is_final(t)]
         for trial in dict.fromkeys(trials):
             if trial not in todo:  # final: it has a record
-                status = cast(TrialRecord, self.store.load(trial)).status
+                status = self.judged_again(trial).status
                 print(f"  {phase}: {trial.id} already {status} (reused)")
         free = list(range(len(self.slots)))
         while todo or self.running:
@@ -281,6 +281,21 @@ class Launcher:
                 trial, slot, started, _ = self.running.pop(proc)
                 free.append(slot)
                 self._finish(trial, proc.returncode, started, phase)
+
+    def judged_again(self, trial: Trial) -> TrialRecord:
+        """A final trial's record under this run's divergence bound (sweep.diverge_above), which may differ from the
+        one it was recorded under; saved, and said, where its status changes."""
+        record = cast(TrialRecord, self.store.load(trial))
+        summary_file = self.store.run_dir(trial) / "summary.json"
+        if not summary_file.exists():
+            return record
+        judged = outcome(record.returncode or 0, RunSummary.read(summary_file), "", self.diverge_above)
+        if judged.status == record.status:
+            return record
+        print(f"  {trial.id}: {record.status} -> {judged.status} under this run's divergence bound ({judged.error})")
+        record = replace(record, status=judged.status, error=judged.error)
+        self.store.save(record)
+        return record
 
     def _start(self, trial: Trial, slot: int, phase: str, job_type: str) -> None:
         run_dir, log = self.store.run_dir(trial), self.store.log_file(trial)
