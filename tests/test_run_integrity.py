@@ -297,6 +297,8 @@ def test_the_default_run_directory_is_made_once(data_cache: Path, tmp_path: Path
         ("scale", "checkpoints/", "holds a training run (checkpoints/): xsa-lm scale"),
         ("sweep", "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm sweep"),
         ("train", "eval.json", "holds an `xsa-lm eval` (eval.json): xsa-lm train"),
+        ("sweep", "results.json", "holds a study's results (results.json) without the sweep.json or scale.json"),
+        ("scale", "results.json", "holds a study's results (results.json) without the sweep.json or scale.json"),
     ],
 )
 def test_a_command_never_writes_into_another_commands_folder(command, mark, expected, monkeypatch, capsys, tmp_path):

@@ -178,6 +178,12 @@ def another_commands_folder(command: str, folder: Path) -> str | None:
     run = next((p for p in folder.absolute().parents if (p / "run_info.json").is_file()), None)
     if run is not None:  # e.g. hydra.run.dir=runs/a/checkpoints: the run's own files would mix with ours
         return f"hydra.run.dir={folder} is inside the training run {run} (run_info.json): choose a folder outside it"
+    continued_by = [m for c in ("sweep", "scale") for m in FOLDER_MARKS[c][1]]
+    if (folder / "results.json").is_file() and not any((folder / m).exists() for m in continued_by):
+        return (  # a study's report without the state that continues it (results/ ships such folders)
+            f"hydra.run.dir={folder} holds a study's results (results.json) without the sweep.json or scale.json "
+            f"that would continue it: xsa-lm {command} would overwrite its files; choose a new hydra.run.dir"
+        )
     for other, (what, marks) in FOLDER_MARKS.items():
         found = [m + ("/" if (folder / m).is_dir() else "") for m in marks if (folder / m).exists()]
         if found and other != command:
