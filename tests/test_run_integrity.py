@@ -117,6 +117,19 @@ def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cach
 
 
 @pytest.mark.slow
+def test_a_rewind_into_the_runs_own_folder_is_refused(xsa_run, data_cache, tmp_path):
+    """resume=<an earlier checkpoint> into the run's folder replaced its result and left the discarded steps'
+    checkpoints beside the new ones (the next resume=auto took the highest step: the discarded branch)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(xsa_run, run_dir)
+    before = snapshot(run_dir)
+    earlier = run_dir / "checkpoints" / "step-000010.ckpt"
+    out = run_cli(["train", f"hydra.run.dir={run_dir}", f"resume={earlier}"], data_cache, tmp_path)
+    assert_clean_error(out, "resume:", "is at step 10, but the run", "has gone on to step 20", "another hydra.run.dir")
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(xsa_run: Path, data_cache: Path, tmp_path: Path):
     new_dir = tmp_path / "new"
     checkpoint = xsa_run / "checkpoints" / "last.ckpt"

@@ -147,6 +147,15 @@ def find_resume_checkpoint(
         step = checkpoint_step(path)
         if step is None:
             raise UserError(f"resume: {resume} is truncated or not a checkpoint")
+        names = [p.stem.removeprefix("step-") for p in (run_dir / "checkpoints").glob("step-*.ckpt")]
+        furthest = max((int(n) for n in names if n.isdigit()), default=-1)
+        if (run_dir / "config.yaml").exists() and step < furthest:  # a rewind in place would mix two histories
+            raise UserError(
+                f"resume: {resume} is at step {step}, but the run in {run_dir} has gone on to step {furthest}: "
+                "continuing it from an earlier step would replace its later results and leave the discarded "
+                f"steps' checkpoints beside the new ones; start a new run from it in another hydra.run.dir "
+                f"(resume={resume}), or continue the run with resume=auto"
+            )
     meta = path / META if path.is_dir() else path  # a sharded checkpoint keeps its model config in meta.pt
     saved = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
     differences = model_config_mismatch(saved["model_config"], asdict(mcfg)) if "model_config" in saved else []
