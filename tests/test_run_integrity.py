@@ -117,6 +117,16 @@ def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cach
 
 
 @pytest.mark.slow
+def test_a_new_run_from_a_checkpoint_at_its_last_step_is_refused(xsa_run, data_cache, tmp_path):
+    """It trained nothing and recorded the checkpoint's result as a completed run of trainer.max_steps."""
+    new_dir, checkpoint = tmp_path / "new", xsa_run / "checkpoints" / "last.ckpt"
+    args = [*XSA, "trainer.max_steps=20", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"]
+    out = run_cli(args, data_cache, tmp_path)
+    assert_clean_error(out, "resume:", "is at step 20, at or past trainer.max_steps=20", "raise trainer.max_steps")
+    assert not new_dir.exists()
+
+
+@pytest.mark.slow
 def test_a_rewind_into_the_runs_own_folder_is_refused(xsa_run, data_cache, tmp_path):
     """resume=<an earlier checkpoint> into the run's folder replaced its result and left the discarded steps'
     checkpoints beside the new ones (the next resume=auto took the highest step: the discarded branch)."""

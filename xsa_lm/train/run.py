@@ -265,6 +265,12 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
         if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
             where = data.dir / "tokenizer.json"
             check_tokenizer(Path(resume.path), data.tokenizer, data.tokenizer_sha256, where, "resume")
+        new_run = not (run_dir / "config.yaml").exists()
+        if resume.step is not None and resume.step >= cfg.trainer.max_steps and new_run:
+            raise UserError(  # it would record the checkpoint's result as a run of trainer.max_steps
+                f"resume: {resume.path} is at step {resume.step}, at or past trainer.max_steps="
+                f"{cfg.trainer.max_steps}: a new run from it would train nothing; raise trainer.max_steps"
+            )
         if resume.step is not None and resume.step >= cfg.trainer.max_steps and completed(run_dir):
             print(
                 f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps="
