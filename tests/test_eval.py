@@ -24,7 +24,7 @@ from tests.wandb_records import summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import check_options, render, resolve_tasks
+from xsa_lm.eval.run import check_options, render, resolve_tasks, xsa_minus_sa
 from xsa_lm.model import GPT, GPTConfig
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
@@ -114,6 +114,21 @@ def test_eval_wandb_is_a_boolean_and_the_table_says_what_a_limit_ran():
     empty = {"tasks": [], "rows": []}
     assert "(limit=0.5: 50% of the examples of each task" in render({**empty, "limit": 0.5})
     assert "(limit=3: the first 3 examples of each task" in render({**empty, "limit": 3})
+
+
+def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
+    """Seeds of both arms (as a sweep's compare runs are evaluated): the row was the first XSA minus the first SA."""
+
+    def row(attention: str, value: float) -> dict:
+        score = {"metric": "acc", "value": value}
+        return {"attention": attention, "run": f"{attention}{value}", "scores": {"t": score}, "average": value}
+
+    rows = [row("xsa", 0.5), row("sa", 0.4), row("xsa", 0.7), row("sa", 0.2), row("sa", 0.3)]
+    difference = xsa_minus_sa(rows, ["t"])
+    assert difference == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
+    table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": difference})
+    assert "| XSA - SA (means of 2 and 3 checkpoints) | +30.00 | +30.00 |" in table
+    assert xsa_minus_sa(rows[1::2], ["t"]) is None  # no XSA checkpoint
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ XSA - SA when both are given), prints the table, and logs it to W&B in each chec
 import importlib.util
 import os
 from pathlib import Path
+from statistics import fmean
 from typing import TypedDict
 from unittest import mock
 
@@ -186,12 +187,21 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
             }
         )
     result: EvalResult = {"tasks": names, "limit": limit, "rows": rows}
-    sa = [r for r in rows if r["attention"] == "sa"]
-    xsa = [r for r in rows if r["attention"] == "xsa"]
-    if sa and xsa:  # the first of each, as in the paper's table
-        difference = {t: xsa[0]["scores"][t]["value"] - sa[0]["scores"][t]["value"] for t in names}
-        result["xsa_minus_sa"] = difference | {"average": xsa[0]["average"] - sa[0]["average"]}
+    difference = xsa_minus_sa(rows, names)
+    if difference is not None:
+        result["xsa_minus_sa"] = difference
     return result
+
+
+def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
+    """XSA's mean score minus SA's, per task and on average, over each arm's checkpoints (several seeds: their
+    means; one of each: the paper's row). None without both arms."""
+    arms = [[r for r in rows if r["attention"] == arm] for arm in ("xsa", "sa")]
+    if not all(arms):
+        return None
+    mean = {task: [fmean(r["scores"][task]["value"] for r in arm) for arm in arms] for task in tasks}
+    average = [fmean(r["average"] for r in arm) for arm in arms]
+    return {task: xsa - sa for task, (xsa, sa) in mean.items()} | {"average": average[0] - average[1]}
 
 
 def render(result: EvalResult) -> str:
@@ -204,8 +214,10 @@ def render(result: EvalResult) -> str:
         lines.append(f"| {row['attention'].upper()} {row['run']} | {cells} | {100 * row['average']:.2f} |")
     if "xsa_minus_sa" in result:
         diff = result["xsa_minus_sa"]
+        counts = [sum(r["attention"] == arm for r in result["rows"]) for arm in ("xsa", "sa")]
+        label = "XSA - SA" if counts == [1, 1] else f"XSA - SA (means of {counts[0]} and {counts[1]} checkpoints)"
         lines.append(
-            "| XSA - SA | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
+            f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
         )
     limit = result["limit"]
     if limit:
