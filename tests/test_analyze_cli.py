@@ -112,7 +112,7 @@ def test_analyze_measures_the_loss_its_run_validated(
     with open(out / "losses.csv") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-    assert reader.fieldnames == ["checkpoint", "label", "windows", "loss", "bpb", *spans]
+    assert reader.fieldnames == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
     assert [r["label"] for r in rows] == ["sa", "xsa"]
     for attention, row in zip(("sa", "xsa"), rows, strict=True):
         run = checkpoints[attention]
@@ -122,7 +122,7 @@ def test_analyze_measures_the_loss_its_run_validated(
         data = run_data(ckpt)
         windows = PackedWindows(data.shards("val"), cfg.data.block_size)
         n = min(cfg.data.val_windows, len(windows))  # the windows the run validated on (TokenDataModule.val_set)
-        assert int(row["windows"]) == n
+        assert int(row["windows"]) == n and row["data"] == data.dir.name
         loss, bpb, by_span = float(row["loss"]), float(row["bpb"]), [float(row[s]) for s in spans]
         # The strongest check: the run's own final validation, on the same windows and weights (last.ckpt is
         # written after the last validation), by the training module's code.
@@ -147,6 +147,18 @@ def test_analyze_measures_the_loss_its_run_validated(
     expected = [float(rows[1][s]) - float(rows[0][s]) for s in spans]
     assert printed == pytest.approx(expected, abs=1e-4)
     assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
+
+
+def test_losses_of_other_data_are_listed_but_not_subtracted():
+    """Two checkpoints of runs on other corpora or tokenizers: a difference of their losses means nothing."""
+    from xsa_lm.analysis.run import loss_table
+
+    def row(label: str, data: str, loss: float) -> dict:
+        return {"label": label, "data": data, "windows": 8, "loss": loss, "bpb": loss / 2, "span_1": loss}
+
+    table = loss_table([row("sa", "shakespeare-1", 4.0), row("xsa", "shakespeare-1", 3.5), row("loc", "local-2", 2.0)])
+    assert "xsa - sa per span: -0.5000 (loss -0.5000)" in table
+    assert "loc - sa: not compared (measured on 8 windows of local-2, against 8 of shakespeare-1)" in table
 
 
 def test_held_out_loss_weighs_each_span_by_its_tokens():

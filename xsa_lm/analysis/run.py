@@ -117,14 +117,15 @@ def analyze(
         layers = diagnose(model, x.split(batch), chunk)
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch)
-        measured.append((model.config.attention, layers, loss))
-    names = given or default_labels(paths, [a for a, _, _ in measured])
+        measured.append((model.config.attention, layers, loss, data))
+    names = given or default_labels(paths, [a for a, _, _, _ in measured])
     rows, losses = [], []
-    for path, label, (_, layers, loss) in zip(paths, names, measured, strict=True):
+    for path, label, (_, layers, loss, data) in zip(paths, names, measured, strict=True):
         which: dict[str, object] = {"checkpoint": str(path), "label": label}
         rows += [which | row for row in layers]
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
-        losses.append(which | {"windows": loss.windows, "loss": loss.loss, "bpb": loss.bpb} | spans)
+        measured_on = {"data": data.dir.name, "windows": loss.windows}  # the prepared data names its tokenizer
+        losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
     return rows, losses
 
 
@@ -239,6 +240,12 @@ def loss_table(losses: list[dict]) -> str:
         lines.append(f"{r['label'][:27]:<28}{r['windows']:>8}{cell(r['loss']):>9}{cell(r['bpb']):>9}{cells}")
     for r in losses[1:]:
         first = losses[0]
+        if (r["data"], r["windows"]) != (first["data"], first["windows"]):  # a difference of other tokens means nothing
+            lines.append(
+                f"{r['label']} - {first['label']}: not compared (measured on {r['windows']} windows of "
+                f"{r['data']}, against {first['windows']} of {first['data']})"
+            )
+            continue
         differences = [None if r[s] is None or first[s] is None else r[s] - first[s] for s in spans]
         per_span = " ".join(cell(d, "+.4f") for d in differences)
         lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
@@ -282,7 +289,8 @@ def main(cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")
-    write_csv(losses, ["checkpoint", "label", "windows", "loss", "bpb", *span_columns(losses)], out / "losses.csv")
+    columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)]
+    write_csv(losses, columns, out / "losses.csv")
     positions_figure(losses).savefig(out / "positions.png", dpi=120)
     print(table(rows))
     print()
