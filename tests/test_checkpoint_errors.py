@@ -259,7 +259,7 @@ def test_a_checkpoint_away_from_its_run_folder_is_told_where_it_belongs(tmp_path
     lone = tmp_path / "lone" / "x.ckpt"
     lone.parent.mkdir()
     lone.write_bytes(b"")
-    with pytest.raises(UserError, match=r"^ckpt: .*/lone/x.ckpt is not in a run's checkpoints/ folder"):
+    with pytest.raises(UserError, match=r"^ckpt: .*/lone/x.ckpt is neither in a run's checkpoints/ folder nor beside"):
         run_data(lone, "ckpt")
     orphan = tmp_path / "run" / "checkpoints" / "last.ckpt"  # in place, but its run's config.yaml is gone
     orphan.parent.mkdir(parents=True)

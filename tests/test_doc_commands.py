@@ -289,7 +289,7 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm eval ckpts=[...] tasks=[hellaswag,piqa] limit=200": "the hub's task data",
     "xsa-lm eval ckpts=[...] tasks=[tasks/shakespeare_cloze.yaml]": "`[...]`: checkpoints; test_eval.py runs a local "
     "task YAML",
-    "xsa-lm consolidate ckpt=RUN/checkpoints/last.ckpt out=last-full.ckpt": "a sharded checkpoint of a 2-process "
+    "xsa-lm consolidate ckpt=RUN/checkpoints/last.ckpt out=RUN/last-full.ckpt": "a sharded checkpoint of a 2-process "
     "trainer=fsdp run: test_sharded_checkpoints.py",
     "xsa-lm plan model=paper_0.7b trainer=ddp trainer.devices=8 micro_batch_size=16 data.block_size=2048 "
     "global_batch_tokens=524288 tokenizer=gpt2 device_memory_gb=80": "the README's plan (run) with other keys; the "

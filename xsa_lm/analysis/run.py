@@ -50,7 +50,7 @@ def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, Prep
     """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml):
     their inputs and targets (n, T), the windows its run validated on when n covers data.val_windows, and that
     data (its tokenizer gives the bytes of each token)."""
-    run_config = path.parent.parent / "config.yaml"
+    run_config = run_dir_of(path) / "config.yaml"
     if not run_config.exists():
         raise UserError(f"ckpts: {run_config} not found: analyze reads the run's data settings from it")
     cfg = OmegaConf.load(run_config)

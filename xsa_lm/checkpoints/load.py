@@ -67,7 +67,13 @@ def checkpoint_list(ckpts: Sequence[object] | object) -> list[str]:
 
 
 def run_dir_of(path: Path) -> Path:
-    return path.parent.parent
+    """The run a checkpoint belongs to: the folder above its checkpoints/, or the run folder itself where the file
+    lies beside the run's config.yaml (a consolidated checkpoint, say)."""
+    return (
+        path.parent
+        if path.parent.name != "checkpoints" and (path.parent / "config.yaml").is_file()
+        else path.parent.parent
+    )
 
 
 def _comparable(config: dict) -> dict[str, object]:
@@ -177,8 +183,8 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
     run_config = run_dir_of(path) / "config.yaml"
     if not run_config.is_file() and path.parent.name != "checkpoints":
         raise UserError(
-            f"{key}: {path} is not in a run's checkpoints/ folder: the run's config.yaml (its data settings and "
-            "tokenizer) is read from <run dir>/config.yaml; give the checkpoint where its run wrote it"
+            f"{key}: {path} is neither in a run's checkpoints/ folder nor beside its config.yaml: the run's data "
+            "settings and tokenizer are read from <run dir>/config.yaml; put the file in its run's folder"
         )
     if not run_config.is_file():
         raise UserError(f"{key}: {run_config} not found: the run's data settings (and its tokenizer) are read from it")
