@@ -384,6 +384,16 @@ def test_a_training_run_inside_a_study_folder_is_refused_in_the_job_too(tmp_path
             find_resume_checkpoint(resume, tmp_path, GPTConfig())
 
 
+def test_a_run_folder_given_as_the_checkpoint_is_told_both_ways_on(tmp_path: Path):
+    from xsa_lm.model import GPTConfig
+    from xsa_lm.train.run import find_resume_checkpoint
+
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    expected = f"^resume: {tmp_path / 'old'} is a run folder, not a checkpoint: continue it with .* resume=auto"
+    with pytest.raises(UserError, match=expected):
+        find_resume_checkpoint(str(tmp_path / "old"), tmp_path / "new", GPTConfig())
+
+
 @pytest.mark.parametrize("args", [["hydra.run.dir="], ["hydra.run.dir= "], ["--multirun", "hydra.sweep.dir="]])
 def test_an_empty_run_directory_is_refused(args: list[str], monkeypatch, capsys, tmp_path: Path):
     """An empty path is the current directory: an unset shell variable would train into it."""

@@ -95,6 +95,12 @@ def test_a_warmup_longer_than_the_schedule_is_clipped_with_a_warning():
     assert peak_lr(scheduler_of(short), steps=3) == pytest.approx(short.optim.lr)  # reached at the last step
     unclipped = fast("trainer.max_steps=3", "scheduler.total_steps=3")
     assert peak_lr(scheduler_of(unclipped), steps=3) == pytest.approx(short.optim.lr * 3 / 5)  # what it would be
+    longer = fast("trainer.max_steps=6", "scheduler.total_steps=2")  # a schedule shorter than the run
+    lr = longer.optim.lr
+    assert "the 4 steps after it run at its final LR" in str(settle_schedule(longer))
+    assert [lr * f(step) for f in scheduler_of(longer).lr_lambdas for step in range(6)] == pytest.approx(
+        [lr / 2, lr] + [lr * longer.scheduler.min_lr_ratio] * 4
+    )
     whole = fast()
     assert settle_schedule(whole) is None and whole.scheduler.warmup_steps == 5
     assert peak_lr(scheduler_of(whole), steps=40) == pytest.approx(whole.optim.lr)

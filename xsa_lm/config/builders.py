@@ -113,10 +113,14 @@ def settle_schedule(cfg: DictConfig) -> str | None:
     if warmup <= total:
         return None
     scheduler.warmup_steps = total
+    extra = cfg.trainer.max_steps - total
+    final = cfg.optim.lr * scheduler.get("min_lr_ratio", 1.0)
+    after = f" (the {extra} steps after it run at its final LR {final:g})" if extra > 0 else ""
     return (
         f"WARNING: scheduler.warmup_steps={warmup} is longer than the LR schedule's {total} steps "
         f"(scheduler.total_steps, default trainer.max_steps): clipped to {total}, so the LR reaches optim.lr="
-        f"{cfg.optim.lr:g} at the last step; set scheduler.warmup_steps below {total} to have a decay after it"
+        f"{cfg.optim.lr:g} at the schedule's last step{after}; set scheduler.warmup_steps below {total} to have a "
+        "decay after it"
     )
 
 

@@ -5,6 +5,7 @@ with data=prepared it opens the shards in data.dir and touches no network.
 """
 
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -130,5 +131,5 @@ def main(cfg: DictConfig) -> None:
         f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), {m['dtype']}, "
         f"vocab {m['vocab_size']} | {seconds:.1f} s this run "
         f"({(m['train_tokens'] + m['val_tokens']) / max(seconds, 1e-9):,.0f} tokens/s if all were new)\n"
-        f"train on it: xsa-lm train data=prepared data.dir={data.dir}"
+        f"train on it: xsa-lm train data=prepared data.dir={shlex.quote(str(data.dir))}"
     )

@@ -142,6 +142,11 @@ def find_resume_checkpoint(
         path = Path(resume)
         if path.exists() and not path.is_file() and not path.is_dir():
             raise UserError(f"resume: {resume} is not a regular file (a device, pipe or socket), not a checkpoint")
+        if (path / "checkpoints").is_dir():
+            raise UserError(
+                f"resume: {resume} is a run folder, not a checkpoint: continue it with hydra.run.dir={resume} "
+                f"resume=auto, or start a new run from one of its checkpoints (resume={path / 'checkpoints'}/last.ckpt)"
+            )
         if not path.is_file() and not is_sharded(path):
             raise UserError(f"resume: checkpoint not found: {resume}")
         step = checkpoint_step(path)
