@@ -203,6 +203,10 @@ REFUSED = {
         ["position_buckets must be an integer >= 1, got 0"],
     ),
     "labels of another count": (["ckpts=[{ckpt}]", "labels=[a,b]"], ["labels: 2 labels for 1 checkpoints"]),
+    "more spans than positions": (
+        ["ckpts=[{ckpt}]", "position_buckets=65"],
+        ["position_buckets=65 is above the 64 positions of"],
+    ),
 }
 
 

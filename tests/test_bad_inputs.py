@@ -28,6 +28,7 @@ CASES = {
     "resume from a device": (["resume=/dev/null"], ["resume: /dev/null is not a regular file"]),
     "resume=true": (["resume=true"], ["resume=True must be auto, null or a checkpoint path"]),
     "resume=AUTO": (["resume=AUTO"], ["did you mean resume=auto?"]),
+    "more position spans than positions": (["val_position_buckets=65"], ["val_position_buckets=65 is above"]),
     "a number as the sample prompt": (["samples.prompt=1e3"], ["samples.prompt=1000.0 must be text", "'\"1e3\"'"]),
     "unknown W&B mode": (["logger=wandb", "logger.wandb.mode=sometimes"], ["logger.wandb.mode"]),
     "KV heads that do not divide the heads": (["model.n_kv_head=3"], ["n_kv_head=3"]),

@@ -56,6 +56,8 @@ def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, Prep
     cfg = OmegaConf.load(run_config)
     data = run_data(path)
     windows = PackedWindows(data.shards("val"), cfg.data.block_size)
+    if n > len(windows):
+        print(f"sequences={n}, but {path}'s validation split holds {len(windows)} windows: measuring all of them")
     pairs = [windows[i] for i in range(min(n, len(windows)))]
     return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs]), data
 
@@ -113,6 +115,8 @@ def analyze(
     for path in paths:
         model = load_model(path).to(device)
         x, y, data = validation_set(path, sequences)
+        if buckets > x.shape[1]:  # spans without a position would be reported empty
+            raise UserError(f"position_buckets={buckets} is above the {x.shape[1]} positions of {path}'s windows")
         x, y = x.to(device), y.to(device)
         layers = diagnose(model, x.split(batch), chunk)
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)

@@ -61,6 +61,11 @@ def check_config(cfg: DictConfig) -> dict[str, int]:
             f"data.block_size={cfg.data.block_size} is above model.block_size={cfg.model.block_size}: "
             "lower data.block_size or raise model.block_size"
         )
+    if cfg.val_position_buckets > cfg.data.block_size:  # spans without a position would be reported empty
+        raise UserError(
+            f"val_position_buckets={cfg.val_position_buckets} is above data.block_size={cfg.data.block_size}: "
+            "each span needs a position; lower it"
+        )
     devices = world_size(cfg.trainer)
     tokens_per_micro_step = cfg.micro_batch_size * devices * cfg.data.block_size
     if cfg.global_batch_tokens % tokens_per_micro_step:
