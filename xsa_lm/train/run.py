@@ -166,7 +166,15 @@ def find_resume_checkpoint(
     differences = model_config_mismatch(saved["model_config"], asdict(mcfg)) if "model_config" in saved else []
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
-    edited = edited_since(saved["run_config"], config) if "run_config" in saved and config is not None else []
+    if "run_config" in saved and config is not None:
+        check_trained_config(saved["run_config"], config, run_dir=run_dir, path=path)
+    return ResumePoint(path=str(path), step=step)
+
+
+def check_trained_config(trained: dict[str, object], config: DictConfig, *, run_dir: Path, path: Path) -> None:
+    """A continuation whose config.yaml differs from the config the checkpoint `path` was trained with is refused;
+    so is a new run from it with optim settings the checkpoint's optimizer state would set back."""
+    edited = edited_since(trained, config)
     if edited and (run_dir / "config.yaml").exists():  # a new run from a checkpoint may train it otherwise
         raise UserError(
             f"resume: {run_dir / 'config.yaml'} differs from the config {path} was trained with ({'; '.join(edited)}):"
@@ -179,7 +187,6 @@ def find_resume_checkpoint(
             f"resume: a new run from {path} takes its optimizer state, which holds other settings than the given "
             f"({'; '.join(optimizer)}): the run would train with the checkpoint's; drop these overrides"
         )
-    return ResumePoint(path=str(path), step=step)
 
 
 def refuse_to_overwrite_results(run_dir: Path) -> None:
