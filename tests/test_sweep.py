@@ -569,6 +569,21 @@ def test_parallel_trials_get_their_own_gpus() -> None:
         device_slots(4, ["0", "1"])
 
 
+def test_trials_at_once_share_the_cores_unless_the_threads_are_set(tmp_path: Path, monkeypatch) -> None:
+    """Trials at once on one machine each get their share of its cores as OpenMP threads (more threads than cores
+    spin and wait); a user's OMP_NUM_THREADS, one trial at a time, or a launch prefix that places them, leaves it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    store = TrialStore(tmp_path / "sweep")
+    assert Launcher(store, [], max_parallel=2).trial_env(0)["OMP_NUM_THREADS"] == "4"
+    assert Launcher(store, [], max_parallel=3).trial_env(2)["OMP_NUM_THREADS"] == "2"
+    assert Launcher(store, [], max_parallel=16).trial_env(0)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in Launcher(store, [], max_parallel=1).trial_env(0)
+    assert "OMP_NUM_THREADS" not in Launcher(store, [], max_parallel=2, launch_prefix=["srun"]).trial_env(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert Launcher(store, [], max_parallel=2).trial_env(0)["OMP_NUM_THREADS"] == "3"
+
+
 @pytest.mark.parametrize("slurm", [False, True], ids=["local", "slurm"])
 def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch, slurm: bool) -> None:
     """Two trials at once, each as a real child process that records the rendezvous it was given: their ports

@@ -351,7 +351,8 @@ def open_sweep(
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
     trial_counts = f"{n_search} search + up to {(3 if cfg.sweep.null_arm else 2) * (cap or len(seeds))} compare trials"
-    print(f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | {grid_text} | {trial_counts}")
+    threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
+    print(f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | {grid_text} | {trial_counts}{threads}")
     return launcher, sweep_id, grid, plan, late
 
 

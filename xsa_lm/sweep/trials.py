@@ -197,6 +197,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def thread_share(max_parallel: int, launch_prefix: Sequence[str]) -> int | None:
+    """OMP_NUM_THREADS for each of the trials at once on this machine: its cores shared among them, as torchrun does
+    for its processes (more threads than cores spin and wait: four tiny CPU runs at once on 2 cores took 80 s with
+    2 threads each, 32 s with 1). None where one trial runs at a time, where a launch prefix places the trials, or
+    where OMP_NUM_THREADS is set already."""
+    if max_parallel <= 1 or launch_prefix or "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max_parallel)
+
+
 def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
     """The rendezvous of one trial's processes, apart from every other trial's: trials of one sweep may land on the
     same node, where a shared MASTER_PORT (Lightning derives it from the SLURM job id) would join them into one
@@ -251,6 +262,7 @@ class Launcher:
         self.store = store
         self.train_overrides = list(train_overrides)
         self.slots = gpu_slots(max_parallel, launch_prefix)
+        self.threads = thread_share(max_parallel, launch_prefix)
         self.launch_prefix = list(launch_prefix)
         self.wandb_group = wandb_group
         self.diverge_above = diverge_above
@@ -297,6 +309,17 @@ class Launcher:
         self.store.save(record)
         return record
 
+    def trial_env(self, slot: int) -> dict[str, str]:
+        """The environment of a trial in a slot: its own rendezvous, its GPUs and its share of the cores."""
+        taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
+        env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
+        gpus = self.slots[slot]
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
     def _start(self, trial: Trial, slot: int, phase: str, job_type: str) -> None:
         run_dir, log = self.store.run_dir(trial), self.store.log_file(trial)
         previous = self.store.load(trial)
@@ -306,11 +329,7 @@ class Launcher:
             run_dir.rename(run_dir.with_name(f"{trial.id}.attempt{attempt - 1}"))
         cmd = self.command(trial, job_type, resume)
         log.parent.mkdir(parents=True, exist_ok=True)
-        taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
-        env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
-        gpus = self.slots[slot]
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
+        env = self.trial_env(slot)
         with open(log, "a") as out:
             out.write(f"\n=== attempt {attempt} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
             out.flush()
