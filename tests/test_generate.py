@@ -84,7 +84,13 @@ SAMPLING = {
     "prompt=true": ("prompt", True, "prompt must be text, got True (Hydra read it as a bool): quote it"),
     "max_new_tokens=0": ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
     "num_samples=0": ("num_samples", 0, "num_samples must be an integer >= 1, got 0"),
-    "seed=abc": ("seed", "abc", "seed must be an integer, got 'abc'"),
+    "seed=abc": ("seed", "abc", "seed must be an integer from 0 to 4294967295, as training's, got 'abc'"),
+    "seed=-1": ("seed", -1, "seed must be an integer from 0 to 4294967295, as training's, got -1"),
+    "seed=2**64": (
+        "seed",
+        2**64,
+        "seed must be an integer from 0 to 4294967295, as training's, got 1844674",
+    ),
 }
 GOOD = dict(max_new_tokens=10, temperature=0.8, top_k=50, num_samples=1, seed=0)
 

@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from xsa_lm.checkpoints.load import load_model, load_tokenizer
+from xsa_lm.config.schema import SEED_MAX
 from xsa_lm.data.tokenizer import eot_id
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import generate
@@ -35,8 +36,8 @@ def check_sampling(*, max_new_tokens, temperature, top_k, num_samples, seed, pro
         raise UserError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise UserError(f"top_k must be an integer >= 1, or null for the whole vocabulary, got {top_k!r}")
-    if not is_int(seed):
-        raise UserError(f"seed must be an integer, got {seed!r}")
+    if not is_int(seed) or not 0 <= seed <= SEED_MAX:  # training's range (torch's generator overflows past 2**64)
+        raise UserError(f"seed must be an integer from 0 to {SEED_MAX}, as training's, got {seed!r}")
 
 
 def sample(
