@@ -180,6 +180,11 @@ TYPOS = {  # a key the command's config lacks, with and without `+` (which Hydra
     "train optim.lrr": (["train", "optim.lrr=0.1"], "train has no key optim.lrr: did you mean optim.lr?"),
     "generate foo.bar": (["generate", "ckpt=x", "foo.bar=1"], "generate has no key foo.bar: its keys are ckpt, "),
     "generate +model=tiny": (["generate", "ckpt=x", "+model=tiny"], "generate has no key model: its keys are ckpt,"),
+    "sweep new lr_grids entry": (
+        ["sweep", "sweep.lr_grids.mine=[1e-3]"],
+        "sweep has no key sweep.lr_grids.mine yet: add the LR grid of another model.name with "
+        "+sweep.lr_grids.mine=[...]",
+    ),
 }
 
 
@@ -194,6 +199,7 @@ def test_a_key_the_command_lacks_names_the_closest(args: list[str], expected: st
 def test_a_plus_key_the_command_has_or_a_group_is_not_refused():
     check_overrides("generate", ["ckpt=x", "++temperature=0", "+hydra.job.env_set.A=1"])  # `++` overrides its key
     check_overrides("plan", ["model=tiny", "++device_memory_gb=8"])
+    check_overrides("sweep", ["+sweep.lr_grids.mine=[1e-3]", "model.name=mine"])  # a new model's grid
 
 
 @pytest.mark.parametrize("mode", ["auto", "offline"])

@@ -215,6 +215,10 @@ def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
     return flat
 
 
+# Mappings whose keys the user names (a model's LR grid): a new entry is added with `+`, never a typo of another one.
+OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
+
+
 def no_such_key(config_name: str, key: str, overrides: list[str]) -> str | None:
     """`<command> has no key K: did you mean ...?`, the closest key of the config the other overrides compose (None
     where they compose none)."""
@@ -232,6 +236,9 @@ def no_such_key(config_name: str, key: str, overrides: list[str]) -> str | None:
     keys = list(dict.fromkeys(".".join(parts[:n]) for parts in leaves for n in range(1, len(parts) + 1)))  # nodes too
     if key in keys:
         return None
+    mapping = key.rpartition(".")[0]
+    if mapping in OPEN_MAPPINGS:
+        return f"{config_name} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
     close = difflib.get_close_matches(key, keys, n=1)
     hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(k for k in keys if '.' not in k)}"
     return f"{config_name} has no key {key}: {hint} (configs/{config_name}.yaml)"
