@@ -508,6 +508,7 @@ def test_the_extraction_finds_every_kind_of_command():
     assert any(not s.fenced for s in all_shown())  # inline ones too
 
 
+@pytest.mark.slow  # composes and checks every command of the README and docs, one by one
 def test_every_documented_command_passes_its_up_front_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):

@@ -986,7 +986,13 @@ def test_a_refused_sweep_in_its_default_folder_leaves_no_outputs_folder(
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(("override", "message"), SWEEP_REFUSALS, ids=[o for o, _ in SWEEP_REFUSALS])
+SLOW_REFUSALS = {"sweep.eval_tasks=[nosuch]"}  # lm-eval's task index is read: seconds, so not in make test-fast
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [pytest.param(o, m, id=o, marks=[pytest.mark.slow] if o in SLOW_REFUSALS else []) for o, m in SWEEP_REFUSALS],
+)
 def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
 ) -> None:

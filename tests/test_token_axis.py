@@ -227,6 +227,7 @@ def run_started(*args, **kwargs) -> None:
     raise AssertionError("a run started: the refusal came too late")
 
 
+@pytest.mark.slow  # prepares the bundled corpus into the cache, as a run would
 def test_a_budget_past_one_epoch_is_refused_before_any_run_unless_allowed(
     tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
