@@ -28,6 +28,7 @@ from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
 from xsa_lm.sweep.protocol import NULL, Trial, null_init_seed
+from xsa_lm.train.devices import usable_cpus
 
 FINAL = ("completed", "diverged")
 
@@ -204,8 +205,7 @@ def thread_share(max_parallel: int, launch_prefix: Sequence[str]) -> int | None:
     where OMP_NUM_THREADS is set already."""
     if max_parallel <= 1 or launch_prefix or "OMP_NUM_THREADS" in os.environ:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max_parallel)
+    return max(1, usable_cpus() // max_parallel)
 
 
 def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:

@@ -42,8 +42,12 @@ def loader_workers(num_workers: int | str, *, accelerator: str, ranks_per_node: 
         return int(num_workers)
     if not uses_cuda(accelerator):
         return 0
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(LOADER_WORKERS_PER_RANK, cpus // max(ranks_per_node, 1)))
+    return max(1, min(LOADER_WORKERS_PER_RANK, usable_cpus() // max(ranks_per_node, 1)))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a SLURM or container share), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def compile_enabled(compile: bool | str, *, accelerator: str) -> bool:
