@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
 from xsa_lm import cli
+from xsa_lm.config.command_line import ARGV_VARIABLE
 from xsa_lm.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,10 +75,34 @@ def run_cli(
     )
 
 
+def cli_in_process(
+    args: list[str], data_cache: Path, cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> subprocess.CompletedProcess:
+    """`xsa-lm <args>` run in this process, with run_cli's environment and working directory: its exit code and
+    output. For commands refused before any training, where a subprocess adds ~10 s of imports and nothing else (a
+    check read at import time, such as HF_HUB_OFFLINE, needs run_cli)."""
+    for name in os.environ:
+        if name.startswith(("WANDB_", "HYDRA_")):
+            monkeypatch.delenv(name)
+    for name, value in {**cli_env(data_cache), ARGV_VARIABLE: "null"}.items():
+        monkeypatch.setenv(name, value)  # restored after the test, with what the CLI sets itself
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
+    capsys.readouterr()
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def refused_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> str:
     """`xsa-lm <args>`, refused before its job starts (exit code 2), run in this process: its stderr. For checks of
     the refusal itself, where a subprocess adds seconds and nothing else."""
     monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
+    monkeypatch.setenv(ARGV_VARIABLE, "null")  # restored after the test
     with pytest.raises(SystemExit) as exit_:
         cli.main()
     assert exit_.value.code == 2, exit_.value.code

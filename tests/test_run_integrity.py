@@ -13,7 +13,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import FAST, assert_clean_error, compose_train, refused_in_process, run_cli, train_losses, wait_for
+from tests.helpers import (
+    FAST,
+    assert_clean_error,
+    cli_in_process,
+    compose_train,
+    refused_in_process,
+    run_cli,
+    train_losses,
+    wait_for,
+)
 from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
 from xsa_lm.config.checks import check_values
@@ -83,16 +92,20 @@ CHANGES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, expected", CHANGES.values(), ids=CHANGES.keys())
-def test_a_resume_that_changes_what_is_trained_is_refused(overrides, expected, xsa_run, data_cache, tmp_path):
+def test_a_resume_that_changes_what_is_trained_is_refused(
+    overrides, expected, xsa_run, data_cache, tmp_path, monkeypatch, capsys
+):
     before = snapshot(xsa_run)
-    out = run_cli(["train", f"hydra.run.dir={xsa_run}", "resume=auto", *overrides], data_cache, tmp_path)
+    out = cli_in_process(
+        ["train", f"hydra.run.dir={xsa_run}", "resume=auto", *overrides], data_cache, tmp_path, monkeypatch, capsys
+    )
     assert_clean_error(out, "resume:", expected, "drop these overrides")
     assert snapshot(xsa_run) == before  # byte-identical
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["removed", "not yaml", "edited"])
-def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cache, tmp_path):
+def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cache, tmp_path, monkeypatch, capsys):
     """A run folder whose config.yaml is gone or damaged would otherwise train the defaults over its results; one
     edited by hand, another run than its checkpoints' under the same record."""
     run_dir = tmp_path / "run"
@@ -106,7 +119,13 @@ def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cach
     else:
         config.write_text(config.read_text().replace("  lr: 0.003\n", "  lr: 0.01\n", 1))
     before = snapshot(run_dir)
-    out = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=30"], data_cache, tmp_path)
+    out = cli_in_process(
+        ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=30"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     expected = {
         "removed": "holds a run but no config.yaml",
         "not yaml": "config.yaml is not valid YAML at line",
@@ -117,11 +136,11 @@ def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cach
 
 
 @pytest.mark.slow
-def test_a_new_run_from_a_checkpoint_at_its_last_step_is_refused(xsa_run, data_cache, tmp_path):
+def test_a_new_run_from_a_checkpoint_at_its_last_step_is_refused(xsa_run, data_cache, tmp_path, monkeypatch, capsys):
     """It trained nothing and recorded the checkpoint's result as a completed run of trainer.max_steps."""
     new_dir, checkpoint = tmp_path / "new", xsa_run / "checkpoints" / "last.ckpt"
     args = [*XSA, "trainer.max_steps=20", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"]
-    out = run_cli(args, data_cache, tmp_path)
+    out = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(out, "resume:", "is at step 20, at or past trainer.max_steps=20", "raise trainer.max_steps")
     assert not new_dir.exists()
 
@@ -137,35 +156,53 @@ def test_a_checkpoint_beside_its_runs_config_is_read_as_in_checkpoints(xsa_run, 
 
 
 @pytest.mark.slow
-def test_a_rewind_into_the_runs_own_folder_is_refused(xsa_run, data_cache, tmp_path):
+def test_a_rewind_into_the_runs_own_folder_is_refused(xsa_run, data_cache, tmp_path, monkeypatch, capsys):
     """resume=<an earlier checkpoint> into the run's folder replaced its result and left the discarded steps'
     checkpoints beside the new ones (the next resume=auto took the highest step: the discarded branch)."""
     run_dir = tmp_path / "run"
     shutil.copytree(xsa_run, run_dir)
     before = snapshot(run_dir)
     earlier = run_dir / "checkpoints" / "step-000010.ckpt"
-    out = run_cli(["train", f"hydra.run.dir={run_dir}", f"resume={earlier}"], data_cache, tmp_path)
+    out = cli_in_process(
+        ["train", f"hydra.run.dir={run_dir}", f"resume={earlier}"], data_cache, tmp_path, monkeypatch, capsys
+    )
     assert_clean_error(out, "resume:", "is at step 10, but the run", "has gone on to step 20", "another hydra.run.dir")
     assert snapshot(run_dir) == before
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(xsa_run: Path, data_cache: Path, tmp_path: Path):
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(
+    xsa_run: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
     new_dir = tmp_path / "new"
     checkpoint = xsa_run / "checkpoints" / "last.ckpt"
-    out = run_cli([*XSA, "model.d_model=96", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"], data_cache, tmp_path)
+    out = cli_in_process(
+        [*XSA, "model.d_model=96", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert_clean_error(out, "resume:", "another model", "d_model: 64 -> 96")
     assert not new_dir.exists()
 
 
 @pytest.mark.slow
-def test_a_new_run_from_a_checkpoint_refuses_optimizer_settings_its_state_would_undo(xsa_run, data_cache, tmp_path):
+def test_a_new_run_from_a_checkpoint_refuses_optimizer_settings_its_state_would_undo(
+    xsa_run, data_cache, tmp_path, monkeypatch, capsys
+):
     """Loading the checkpoint's AdamW state sets its LR, weight decay, betas and eps back (the schedule's base LR
     too): the run would train at the old LR under a record of the new one."""
     new_dir = tmp_path / "new"
     checkpoint = xsa_run / "checkpoints" / "last.ckpt"
     overrides = ["optim.lr=0.01", "optim.weight_decay=0.5", "trainer.max_steps=30"]
-    out = run_cli([*XSA, *overrides, f"resume={checkpoint}", f"hydra.run.dir={new_dir}"], data_cache, tmp_path)
+    out = cli_in_process(
+        [*XSA, *overrides, f"resume={checkpoint}", f"hydra.run.dir={new_dir}"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert_clean_error(out, "resume:", "optimizer state", "optim.lr: 0.003 -> 0.01; optim.weight_decay: 0.1 -> 0.5")
     assert not new_dir.exists()
 
