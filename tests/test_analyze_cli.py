@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, run_cli
+from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, cli_in_process, run_cli
 from tests.wandb_records import history
 from xsa_lm.analysis.losses import held_out_loss
 from xsa_lm.model import GPT, GPTConfig
@@ -212,12 +212,20 @@ REFUSED = {
 
 @pytest.mark.parametrize("args, expected", REFUSED.values(), ids=REFUSED.keys())
 def test_analyze_refuses_in_one_line(
-    args: list[str], expected: list[str], checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path
+    args: list[str],
+    expected: list[str],
+    checkpoints: dict[str, Path],
+    data_cache: Path,
+    tmp_path: Path,
+    monkeypatch,
+    capsys,
 ):
     run = checkpoints["xsa"]
     args = [a.format(run=run, ckpt=run / "checkpoints" / "last.ckpt") for a in args]
     out = tmp_path / "analysis"
-    assert_refused(run_cli(["analyze", *args, f"hydra.run.dir={out}"], data_cache, tmp_path), *expected)
+    assert_refused(
+        cli_in_process(["analyze", *args, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys), *expected
+    )
     assert_nothing_written(out)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, assert_clean_error, refused_in_process, run_cli
+from tests.helpers import FAST, assert_clean_error, cli_in_process, refused_in_process, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -77,34 +77,42 @@ def test_bad_input(
     assert not run_dir.exists()  # a refused run writes nothing, not even an empty folder
 
 
-def test_micro_batch_larger_than_the_corpus(data_cache: Path, tmp_path: Path):
+def test_micro_batch_larger_than_the_corpus(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
     args = ["train", *FAST, "data=local", f"data.files={tmp_path}/small.txt", "micro_batch_size=64"]
-    out = run_cli([*args, "global_batch_tokens=4096", f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)
+    out = cli_in_process(
+        [*args, "global_batch_tokens=4096", f"hydra.run.dir={tmp_path / 'run'}"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert_clean_error(out, "fewer than micro_batch_size=64")
     assert not (tmp_path / "run").exists()
 
 
-def test_empty_corpus(data_cache: Path, tmp_path: Path):
+def test_empty_corpus(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
     args = ["train", *FAST, "data=local", f"data.files={tmp_path}/*.jsonl", "data.val_fraction=0.5"]
-    out = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path)
+    out = cli_in_process([*args, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(out, "data:", "no text")
 
 
-def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path):
+def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "final_val_loss": 1.0}))
     (run_dir / "config.yaml").write_text("original: true\n")
-    out = run_cli(["train", *FAST, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    out = cli_in_process(["train", *FAST, f"hydra.run.dir={run_dir}"], data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(out, "hydra.run.dir", "resume=auto")
     assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == 1.0
     assert (run_dir / "config.yaml").read_text() == "original: true\n"
     assert not (run_dir / "checkpoints").exists()
 
 
-def test_run_directory_that_cannot_be_created(data_cache: Path, tmp_path: Path):
-    out = run_cli(["train", *FAST, "hydra.run.dir=/proc/xsa-lm-run"], data_cache, tmp_path)  # /proc: no new folders
+def test_run_directory_that_cannot_be_created(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
+    out = cli_in_process(
+        ["train", *FAST, "hydra.run.dir=/proc/xsa-lm-run"], data_cache, tmp_path, monkeypatch, capsys
+    )  # /proc: no new folders
     assert_clean_error(out, "hydra.run.dir=/proc/xsa-lm-run", "cannot be created")
     assert out.returncode == 2

@@ -15,9 +15,9 @@ from tests.helpers import (
     TINY,
     assert_nothing_written,
     assert_refused,
+    cli_in_process,
     compose_train,
     lightning_checkpoint,
-    run_cli,
     write_checkpoint,
 )
 from tests.test_data import shakespeare_text
@@ -234,22 +234,26 @@ def test_a_checkpoint_without_a_recorded_tokenizer_still_loads(tmp_path: Path, m
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["yaml", "text", "empty", "directory"])
-def test_analyze_refuses_what_is_no_checkpoint(kind: str, data_cache: Path, tmp_path: Path):
+def test_analyze_refuses_what_is_no_checkpoint(kind: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     path = not_checkpoints(tmp_path / "inputs")[kind]
     out = tmp_path / "out"
-    proc = run_cli(["analyze", f"ckpts=[{path}]", f"hydra.run.dir={out}"], data_cache, tmp_path)
+    proc = cli_in_process(
+        ["analyze", f"ckpts=[{path}]", f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
+    )
     assert_refused(proc, "ckpts: ", str(path))
     assert_nothing_written(out)
 
 
 @pytest.mark.slow
-def test_eval_and_generate_refuse_what_is_no_checkpoint(data_cache: Path, tmp_path: Path):
+def test_eval_and_generate_refuse_what_is_no_checkpoint(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     paths = not_checkpoints(tmp_path / "inputs")
     out = tmp_path / "out"
-    proc = run_cli(["eval", f"ckpts=[{paths['yaml']}]", f"hydra.run.dir={out}"], data_cache, tmp_path)
+    proc = cli_in_process(
+        ["eval", f"ckpts=[{paths['yaml']}]", f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
+    )
     assert_refused(proc, "ckpts: ", str(paths["yaml"]), "not a checkpoint")
     assert_nothing_written(out)
-    proc = run_cli(["generate", f"ckpt={paths['text']}"], data_cache, tmp_path / "inputs")
+    proc = cli_in_process(["generate", f"ckpt={paths['text']}"], data_cache, tmp_path / "inputs", monkeypatch, capsys)
     assert_refused(proc, "ckpt: ", str(paths["text"]), "not a checkpoint")
 
 

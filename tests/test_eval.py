@@ -16,6 +16,7 @@ from tests.helpers import (
     REPO,
     assert_nothing_written,
     assert_refused,
+    cli_in_process,
     run_cli,
     write_checkpoint,
     write_local_task,
@@ -204,9 +205,11 @@ REFUSED = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("option, expected", REFUSED.items(), ids=REFUSED.keys())
-def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, tmp_path: Path):
+def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     ckpt = write_checkpoint(tmp_path / "run")
     out = tmp_path / "eval"
-    proc = run_cli(["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path)
+    proc = cli_in_process(
+        ["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
+    )
     assert_refused(proc, expected)
     assert_nothing_written(out)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_refused, run_cli, write_checkpoint
+from tests.helpers import assert_refused, cli_in_process, write_checkpoint
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import check_sampling
 from xsa_lm.model import GPT, GPTConfig, KVCache, generate
@@ -107,8 +107,10 @@ def test_sampling_options_are_checked(key: str, value, message: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("option", ["top_k=0", "temperature=-1", "max_new_tokens=0", "num_samples=0"])
-def test_generate_refuses_sampling_options_in_one_line(option: str, data_cache: Path, tmp_path: Path):
+def test_generate_refuses_sampling_options_in_one_line(
+    option: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
     ckpt = write_checkpoint(tmp_path / "run")
-    proc = run_cli(["generate", f"ckpt={ckpt}", option], data_cache, tmp_path)
+    proc = cli_in_process(["generate", f"ckpt={ckpt}", option], data_cache, tmp_path, monkeypatch, capsys)
     assert_refused(proc, SAMPLING[option][2])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # writes nothing

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import FAST, assert_clean_error, cli_env, run_cli
+from tests.helpers import FAST, assert_clean_error, cli_env, cli_in_process, run_cli
 from tests.test_data import many_docs, shakespeare_text, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -76,26 +76,30 @@ def test_train_on_prepared_shards_needs_no_source(prepared: Path, data_cache: Pa
     ],
 )
 def test_mismatched_tokenizer_or_vocab_is_refused(
-    prepared: Path, data_cache: Path, tmp_path: Path, overrides: list[str], expected: list[str]
+    prepared: Path, data_cache: Path, tmp_path: Path, overrides: list[str], expected: list[str], monkeypatch, capsys
 ):
     run_dir = tmp_path / "run"
     args = ["train", *TRAIN, "data=prepared", f"data.dir={prepared}", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = run_cli(args, data_cache, tmp_path)
+    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(proc, *expected)
     assert proc.returncode == 2 and not (run_dir / "config.yaml").exists()
 
 
-def test_truncated_shard_stops_training_with_one_line(prepared: Path, data_cache: Path, tmp_path: Path):
+def test_truncated_shard_stops_training_with_one_line(
+    prepared: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
     copy = Path(shutil.copytree(prepared, tmp_path / "shards"))
     (copy / "train-000002.bin").write_bytes((copy / "train-000002.bin").read_bytes()[:100])
     args = ["train", *TRAIN, "data=prepared", f"data.dir={copy}", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = run_cli(args, data_cache, tmp_path)
+    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(proc, "train-000002.bin", "truncated")
 
 
-def test_bad_corpus_files_fail_before_anything_is_written(data_cache: Path, tmp_path: Path):
+def test_bad_corpus_files_fail_before_anything_is_written(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
-    proc = run_cli(prepare_args(str(tmp_path / "bad.txt"), tmp_path / "out"), data_cache, tmp_path)
+    proc = cli_in_process(
+        prepare_args(str(tmp_path / "bad.txt"), tmp_path / "out"), data_cache, tmp_path, monkeypatch, capsys
+    )
     assert_clean_error(proc, "bad.txt", "not UTF-8")
     assert not (tmp_path / "out" / "meta.json").exists()
 
@@ -170,11 +174,11 @@ def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Pat
     ],
 )
 def test_bad_split_settings_stop_before_the_run_starts(
-    input_txt: Path, data_cache: Path, tmp_path: Path, override: str, message: str
+    input_txt: Path, data_cache: Path, tmp_path: Path, override: str, message: str, monkeypatch, capsys
 ):
     run_dir = tmp_path / "run"
     args = ["train", *FAST, "data=local", f"data.files={input_txt}", override, f"hydra.run.dir={run_dir}"]
-    proc = run_cli(args, data_cache, tmp_path)
+    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert assert_clean_error(proc, message) == message and proc.stderr.strip() == message
     assert proc.returncode == 2
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()
