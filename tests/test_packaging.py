@@ -16,6 +16,8 @@ import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
 from packaging.utils import canonicalize_name
 
+from tests.helpers import refused_in_process
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -143,20 +145,16 @@ def test_the_eval_message_names_the_extra_of_pyproject():
         (["sweep", "experiment=demo", "sweep.eval_tasks=paper"], "sweep.eval_tasks"),
     ],
 )
-def test_eval_without_lm_eval_says_how_to_install_it_in_one_line(command: list[str], needed_by: str, tmp_path: Path):
+def test_eval_without_lm_eval_says_how_to_install_it_in_one_line(
+    command: list[str], needed_by: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+):
     """As in an install without the extra `eval`: `import lm_eval` fails (a None entry in sys.modules). A sweep that
     would evaluate its runs is refused before it trains any."""
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "e1"
-    code = (
-        "import sys; sys.modules['lm_eval'] = None; from xsa_lm.cli import main; "
-        f"sys.argv = ['xsa-lm', *{command!r}, 'hydra.run.dir={run_dir}']; main()"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.splitlines() == [
+    err = refused_in_process([*command, f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
+    assert err.splitlines() == [
         f"xsa-lm: error: {needed_by} needs lm-evaluation-harness, the extra `eval`: "
         "pip install 'lm-eval>=0.4.9,<0.5' (in a checkout: pip install -e '.[eval]')"
     ]
