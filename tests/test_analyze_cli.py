@@ -72,7 +72,7 @@ def analysis(
 
 
 def test_analyze_writes_csv_png_and_table(
-    analysis: tuple[Path, subprocess.CompletedProcess], data_cache: Path, tmp_path: Path
+    analysis: tuple[Path, subprocess.CompletedProcess], data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
     out, proc = analysis
     with open(out / "diagnostics.csv") as f:
@@ -91,7 +91,13 @@ def test_analyze_writes_csv_png_and_table(
     cmd = [sys.executable, str(plot_script), str(out / "diagnostics.csv"), "--out", str(fig)]
     script = subprocess.run(cmd, capture_output=True, text=True)
     assert script.returncode == 0, script.stderr and fig.read_bytes()[:4] == b"\x89PNG"
-    missing = run_cli(["analyze", "ckpts=[/no/such.ckpt]", f"hydra.run.dir={tmp_path / 'x'}"], data_cache, tmp_path)
+    missing = cli_in_process(
+        ["analyze", "ckpts=[/no/such.ckpt]", f"hydra.run.dir={tmp_path / 'x'}"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
 
 

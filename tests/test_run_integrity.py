@@ -146,12 +146,20 @@ def test_a_new_run_from_a_checkpoint_at_its_last_step_is_refused(xsa_run, data_c
 
 
 @pytest.mark.slow
-def test_a_checkpoint_beside_its_runs_config_is_read_as_in_checkpoints(xsa_run, data_cache, tmp_path):
+def test_a_checkpoint_beside_its_runs_config_is_read_as_in_checkpoints(
+    xsa_run, data_cache, tmp_path, monkeypatch, capsys
+):
     """Where `xsa-lm consolidate` writes its one file (RUN/last-full.ckpt): generate finds the run's tokenizer."""
     run_dir = tmp_path / "run"
     shutil.copytree(xsa_run, run_dir)
     shutil.copy(run_dir / "checkpoints" / "last.ckpt", run_dir / "last-full.ckpt")
-    out = run_cli(["generate", f"ckpt={run_dir / 'last-full.ckpt'}", "max_new_tokens=8"], data_cache, tmp_path)
+    out = cli_in_process(
+        ["generate", f"ckpt={run_dir / 'last-full.ckpt'}", "max_new_tokens=8"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
 
 
