@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, run_cli
+from tests.helpers import cli_in_process
 from tests.test_checkpoint_errors import assert_refused
 from xsa_lm.checkpoints.sharded import META
 from xsa_lm.data.tokenizer import EOT, train_bpe
@@ -286,14 +287,17 @@ def test_the_transformers_requirement_is_in_the_eval_extra():
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_export_through_the_cli(runs, data_cache: Path, tmp_path: Path):
+def test_export_through_the_cli(runs, data_cache: Path, tmp_path: Path, monkeypatch, capsys):
     _, ckpt, _ = runs["xsa"]
     out = tmp_path / "hf"
     proc = run_cli(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"wrote {out} (") and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing else written (no Hydra outputs)
-    assert_refused(run_cli(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path), "exists and is not empty")
+    assert_refused(
+        cli_in_process(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path, monkeypatch, capsys),
+        "exists and is not empty",
+    )
 
 
 def test_only_the_shipped_modelling_code_imports_transformers_at_import_time():

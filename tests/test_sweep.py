@@ -16,7 +16,16 @@ import scipy.stats
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from tests.helpers import FAST, assert_refused, cli_env, compose_train, refused_in_process, run_cli, write_local_task
+from tests.helpers import (
+    FAST,
+    assert_refused,
+    cli_env,
+    cli_in_process,
+    compose_train,
+    refused_in_process,
+    run_cli,
+    write_local_task,
+)
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
@@ -830,7 +839,9 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(tmp_path: Path, data_cache: Path) -> None:
+def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(
+    tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """sweep.seeds=[]: the LR x seed grid of SA and XSA is the study (two search seeds, one LR), the report counts
     stalls per arm with the attention diagnostics read from each run's metrics.csv; the same sweep with compare seeds
     added afterwards is refused in one line, its results untouched."""
@@ -860,7 +871,7 @@ def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(tmp_
 
     before = {name: (sweep_dir / name).read_bytes() for name in ("results.json", "report.md", "sweep.json")}
     other_seeds = [a for a in args if a != "sweep.seeds=[]"] + ["sweep.seeds=[2,3]"]
-    refused = run_cli(other_seeds, data_cache, tmp_path, timeout=120)
+    refused = cli_in_process(other_seeds, data_cache, tmp_path, monkeypatch, capsys)
     assert_refused(refused, "planned with other statistics (seeds [] -> [2, 3])", "a new hydra.run.dir")
     assert {name: (sweep_dir / name).read_bytes() for name in before} == before
     assert len(list((sweep_dir / "runs").iterdir())) == 4  # nothing trained
