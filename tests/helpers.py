@@ -81,9 +81,8 @@ def cli_in_process(
     """`xsa-lm <args>` run in this process, with run_cli's environment and working directory: its exit code and
     output. For commands refused before any training, where a subprocess adds ~10 s of imports and nothing else (a
     check read at import time, such as HF_HUB_OFFLINE, needs run_cli)."""
-    for name in os.environ:
-        if name.startswith(("WANDB_", "HYDRA_")):
-            monkeypatch.delenv(name)
+    for name in [n for n in os.environ if n.startswith(("WANDB_", "HYDRA_"))]:
+        monkeypatch.delenv(name)
     for name, value in {**cli_env(data_cache), ARGV_VARIABLE: "null"}.items():
         monkeypatch.setenv(name, value)  # restored after the test, with what the CLI sets itself
     monkeypatch.chdir(cwd)
