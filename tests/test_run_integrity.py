@@ -164,11 +164,15 @@ def test_a_checkpoint_beside_its_runs_config_is_read_as_in_checkpoints(
 
 
 @pytest.mark.slow
-def test_a_rewind_into_the_runs_own_folder_is_refused(xsa_run, data_cache, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("furthest", ["step-000020.ckpt", "last.ckpt alone"])
+def test_a_rewind_into_the_runs_own_folder_is_refused(furthest, xsa_run, data_cache, tmp_path, monkeypatch, capsys):
     """resume=<an earlier checkpoint> into the run's folder replaced its result and left the discarded steps'
-    checkpoints beside the new ones (the next resume=auto took the highest step: the discarded branch)."""
+    checkpoints beside the new ones (the next resume=auto took the highest step: the discarded branch). Also where
+    only last.ckpt holds the furthest step, as after a SIGTERM between two step checkpoints."""
     run_dir = tmp_path / "run"
     shutil.copytree(xsa_run, run_dir)
+    if furthest == "last.ckpt alone":
+        (run_dir / "checkpoints" / "step-000020.ckpt").unlink()  # last.ckpt, a link to it, keeps step 20
     before = snapshot(run_dir)
     earlier = run_dir / "checkpoints" / "step-000010.ckpt"
     out = cli_in_process(

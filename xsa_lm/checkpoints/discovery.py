@@ -42,3 +42,13 @@ def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list
         elif best_step is None or step > best_step:
             best, best_step = path, step
     return best, best_step, skipped
+
+
+def furthest_step(folder: Path) -> int:
+    """The highest step the checkpoints in `folder` reached (-1: none): the step-*.ckpt names and last.ckpt's own
+    step, which a SIGTERM writes between two step checkpoints."""
+    steps = [int(n) for p in folder.glob("step-*.ckpt") if (n := p.stem.removeprefix("step-")).isdigit()]
+    last = checkpoint_step(folder / "last.ckpt") if (folder / "last.ckpt").exists() else None
+    if last is not None:
+        steps.append(last)
+    return max(steps, default=-1)

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, FolderCheckpoint
-from xsa_lm.checkpoints.discovery import checkpoint_step, newest_valid_checkpoint
+from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_valid_checkpoint
 from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import save_checkpoints_now, skip_sigterm_broadcast
@@ -152,8 +152,7 @@ def find_resume_checkpoint(
         step = checkpoint_step(path)
         if step is None:
             raise UserError(f"resume: {resume} is truncated or not a checkpoint")
-        names = [p.stem.removeprefix("step-") for p in (run_dir / "checkpoints").glob("step-*.ckpt")]
-        furthest = max((int(n) for n in names if n.isdigit()), default=-1)
+        furthest = furthest_step(run_dir / "checkpoints")
         if (run_dir / "config.yaml").exists() and step < furthest:  # a rewind in place would mix two histories
             raise UserError(
                 f"resume: {resume} is at step {step}, but the run in {run_dir} has gone on to step {furthest}: "
