@@ -3,11 +3,13 @@ command, and small files the tests write. Fixtures live in conftest.py."""
 
 import csv
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -75,6 +77,25 @@ def run_cli(
     )
 
 
+@contextmanager
+def logging_restored() -> Iterator[None]:
+    """Every logger as it was before: a command's Hydra logging config (hydra/job_logging: disabled sets
+    disable_existing_loggers) would otherwise silence or redirect the logging of the tests after it in this process."""
+    loggers = [
+        logging.getLogger(),
+        *(g for g in logging.Logger.manager.loggerDict.values() if isinstance(g, logging.Logger)),
+    ]
+    saved = [(g, g.disabled, g.level, g.propagate, list(g.handlers)) for g in loggers]
+    try:
+        yield
+    finally:
+        for g, disabled, level, propagate, handlers in saved:
+            for handler in set(g.handlers) - set(handlers):
+                handler.close()
+            g.disabled, g.propagate, g.handlers[:] = disabled, propagate, handlers
+            g.setLevel(level)  # also clears the loggers' cached levels
+
+
 def cli_in_process(
     args: list[str], data_cache: Path, cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> subprocess.CompletedProcess:
@@ -89,7 +110,8 @@ def cli_in_process(
     monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
     capsys.readouterr()
     try:
-        cli.main()
+        with logging_restored():
+            cli.main()
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
@@ -102,7 +124,7 @@ def refused_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys:
     the refusal itself, where a subprocess adds seconds and nothing else."""
     monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
     monkeypatch.setenv(ARGV_VARIABLE, "null")  # restored after the test
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(SystemExit) as exit_, logging_restored():
         cli.main()
     assert exit_.value.code == 2, exit_.value.code
     return capsys.readouterr().err
