@@ -78,9 +78,11 @@ def run_cli(
 
 
 @contextmanager
-def logging_restored() -> Iterator[None]:
-    """Every logger as it was before: a command's Hydra logging config (hydra/job_logging: disabled sets
-    disable_existing_loggers) would otherwise silence or redirect the logging of the tests after it in this process."""
+def process_state_restored() -> Iterator[None]:
+    """The environment and every logger as they were before a command ran in this process: what it sets (eval's HF
+    offline switches; generate's Hydra logging config, hydra/job_logging: disabled, disables every existing logger)
+    would otherwise reach the tests after it."""
+    environ = dict(os.environ)
     loggers = [
         logging.getLogger(),
         *(g for g in logging.Logger.manager.loggerDict.values() if isinstance(g, logging.Logger)),
@@ -89,11 +91,16 @@ def logging_restored() -> Iterator[None]:
     try:
         yield
     finally:
+        for g in logging.Logger.manager.loggerDict.values():
+            if isinstance(g, logging.Logger) and g not in loggers:  # made during the command (a module it imported)
+                g.disabled = False
         for g, disabled, level, propagate, handlers in saved:
             for handler in set(g.handlers) - set(handlers):
                 handler.close()
             g.disabled, g.propagate, g.handlers[:] = disabled, propagate, handlers
             g.setLevel(level)  # also clears the loggers' cached levels
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def cli_in_process(
@@ -110,7 +117,7 @@ def cli_in_process(
     monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
     capsys.readouterr()
     try:
-        with logging_restored():
+        with process_state_restored():
             cli.main()
         code = 0
     except SystemExit as exit_:
@@ -124,7 +131,7 @@ def refused_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys:
     the refusal itself, where a subprocess adds seconds and nothing else."""
     monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
     monkeypatch.setenv(ARGV_VARIABLE, "null")  # restored after the test
-    with pytest.raises(SystemExit) as exit_, logging_restored():
+    with pytest.raises(SystemExit) as exit_, process_state_restored():
         cli.main()
     assert exit_.value.code == 2, exit_.value.code
     return capsys.readouterr().err
