@@ -44,7 +44,7 @@ test-long: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The unit layer, the inner loop (2-2.5 min on 2 cores): no end-to-end run, on 2 processes (pytest-xdist).
+# The unit layer, the inner loop (2.5-3 min on 2 cores): no end-to-end run, on 2 processes (pytest-xdist).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not long" -n 2 --durations=15
 

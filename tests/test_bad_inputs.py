@@ -111,8 +111,7 @@ def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path, mon
 
 
 def test_run_directory_that_cannot_be_created(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    out = cli_in_process(
-        ["train", *FAST, "hydra.run.dir=/proc/xsa-lm-run"], data_cache, tmp_path, monkeypatch, capsys
-    )  # /proc: no new folders
+    args = ["train", *FAST, "hydra.run.dir=/proc/xsa-lm-run"]  # /proc: no new folders
+    out = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(out, "hydra.run.dir=/proc/xsa-lm-run", "cannot be created")
     assert out.returncode == 2
