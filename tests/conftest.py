@@ -18,6 +18,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The long rehearsals' heaviest files (seconds of test time in CI on 2 cores: ~500, ~320, ~310, ~260), handed to the
+# pytest workers first, so that neither worker starts one of them when the other is nearly done (make test-long turns
+# off xdist's own order, which sends the files holding the most tests first and these hold one to four).
+HEAVIEST_FIRST = ("test_sweep.py", "test_scale.py", "test_gpu_check.py", "test_token_axis.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prepared-data directory for every test of the session (tokenizer training happens once)."""

@@ -152,8 +152,8 @@ def find_resume_checkpoint(
         step = checkpoint_step(path)
         if step is None:
             raise UserError(f"resume: {resume} is truncated or not a checkpoint")
-        furthest = furthest_step(run_dir / "checkpoints")
-        if (run_dir / "config.yaml").exists() and step < furthest:  # a rewind in place would mix two histories
+        in_place = (run_dir / "config.yaml").exists()  # into a run's own folder: read its checkpoints' steps
+        if in_place and step < (furthest := furthest_step(run_dir / "checkpoints")):  # a rewind would mix histories
             raise UserError(
                 f"resume: {resume} is at step {step}, but the run in {run_dir} has gone on to step {furthest}: "
                 "continuing it from an earlier step would replace its later results and leave the discarded "
