@@ -1,5 +1,6 @@
 """A run cannot silently go wrong: a resume continues the run as saved, one run per directory, Ctrl-C checkpoints."""
 
+import csv
 import hashlib
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,10 +27,12 @@ from tests.helpers import (
 )
 from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
+from xsa_lm.checkpoints.atomic import FolderCheckpoint
 from xsa_lm.config.checks import check_values
 from xsa_lm.config.resume import continuation_config
 from xsa_lm.errors import UserError
 from xsa_lm.locking import hold_directory
+from xsa_lm.train.schedule import warmup_cosine
 
 XSA = ["train", *FAST, "attention=xsa", "val_every_steps=10"]
 
@@ -143,6 +147,88 @@ def test_a_new_run_from_a_checkpoint_at_its_last_step_is_refused(xsa_run, data_c
     out = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert_clean_error(out, "resume:", "is at step 20, at or past trainer.max_steps=20", "raise trainer.max_steps")
     assert not new_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_the_validation_and_the_schedule_logs_each_step_once_at_its_lr(
+    xsa_run: Path, data_cache: Path, tmp_path: Path
+):
+    """Another val_every_steps on the command line numbered every row after the resume one step low (step 19
+    twice); a schedule recomputed (here by a config.yaml edited by hand, which the resume line named as saved) ran
+    its first step at the old schedule's LR."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(xsa_run, run_dir)
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("  total_steps: 20\n", "  total_steps: 30\n", 1))
+    args = ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=26", "val_every_steps=4"]
+    out = run_cli(args, data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    edited = "scheduler.total_steps: 20 -> 30 (config.yaml edited since the checkpoint)"
+    assert edited in first and first.endswith("LR schedule recomputed for scheduler.total_steps=30 (was 20)")
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert edited in record["changes"] and "val_every_steps: 10 -> 4" in record["changes"]
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert [int(r["step"]) for r in rows] == list(range(26))
+    assert [float(r["train/tokens_seen"]) for r in rows] == [1024.0 * (step + 1) for step in range(26)]
+    peak, min_ratio = 3e-3, OmegaConf.load(config).scheduler.min_lr_ratio
+    for r in rows[20:]:
+        expected = peak * warmup_cosine(int(r["step"]), warmup_steps=5, total_steps=30, min_lr_ratio=min_ratio)
+        assert float(r["train/lr"]) == pytest.approx(expected, rel=1e-6), r["step"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [h["step"] for h in summary["val_history"]] == [10, 20, 24, 26]
+
+
+@pytest.mark.slow
+def test_a_new_run_validated_on_other_windows_starts_its_history_afresh(xsa_run: Path, data_cache: Path, tmp_path):
+    """A new run from a checkpoint with another data.val_windows mixed the checkpoint's losses (another validation
+    set) into its val_history and best_val_loss. Its only validation comes after the fit (step 25), where Lightning
+    had already saved last.ckpt at the same step: the checkpoints then linked to that save, without the validation."""
+    new_dir = tmp_path / "new"
+    args = [*XSA, "data.val_windows=32", "trainer.max_steps=25", f"resume={xsa_run / 'checkpoints' / 'last.ckpt'}"]
+    out = run_cli([*args, f"hydra.run.dir={new_dir}"], data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "validation history (2 points) was measured on another validation set" in out.stdout
+    assert "dirpath has changed" not in out.stdout + out.stderr  # Lightning's: the resume line says where it starts
+    summary = json.loads((new_dir / "summary.json").read_text())
+    assert [h["step"] for h in summary["val_history"]] == [25]
+    assert summary["best_val_loss"] == summary["final_val_loss"]
+    saved = torch.load(new_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert [h["step"] for h in saved["callbacks"]["ValHistory"]["history"]] == [25]
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["the run folder moved", "a new run from its checkpoint"])
+def test_kept_checkpoints_follow_a_moved_folder_only(moved: bool, tmp_path: Path):
+    """A new run from another run's checkpoint took on that run's best loss (maybe on another validation set), so
+    its best.ckpt was compared against it, and that run's kept files under its own folder's name."""
+    old, new = tmp_path / "old" / "checkpoints", tmp_path / "new" / "checkpoints"
+    new.mkdir(parents=True)
+    if moved:
+        (new / "best.ckpt").write_bytes(b"")
+    callback = FolderCheckpoint(dirpath=new, filename="best", monitor="val/loss", mode="min", save_top_k=1)
+    best = str(old / "best.ckpt")
+    state = {"dirpath": str(old), "best_model_path": best, "best_model_score": torch.tensor(3.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's on a changed dirpath
+        callback.load_state_dict({**state, "best_k_models": {best: torch.tensor(3.0)}, "last_model_path": ""})
+    assert callback.best_model_score == (torch.tensor(3.0) if moved else None)
+    assert list(callback.best_k_models) == ([str(new / "best.ckpt")] if moved else [])
+
+
+@pytest.mark.slow
+def test_continuing_a_run_past_its_new_max_steps_is_refused(xsa_run, data_cache, tmp_path, monkeypatch, capsys):
+    """A run stopped at step 20 (preempted), continued with trainer.max_steps=15: it recorded a run of 15 steps in
+    config.yaml that had trained 20."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(xsa_run, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "preempted"}))
+    before = snapshot(run_dir)
+    args = ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=15"]
+    out = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert_clean_error(out, "resume:", "has reached step 20, past trainer.max_steps=15", "raise trainer.max_steps")
+    assert snapshot(run_dir) == before
 
 
 @pytest.mark.slow

@@ -191,6 +191,22 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
             counts[key] = global_step * accumulate - behind
 
 
+def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
+    """Lightning restores the step its loggers number rows by in one of two ways, by where the checkpoint was saved:
+    at a train batch's end (every_n_steps, a preemption: that batch not yet completed), counted on restore; or at a
+    validation's end or after the fit, counted only if this run validates at that step too, so a resume with another
+    val_every_steps numbered every later row one step low. The checkpoint is set to the first way: the batch not yet
+    completed, the counter one short of `global_step`. The loop counters live in the checkpoint's `loops` layout."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    progress, state = loop.get("epoch_loop.batch_progress"), loop.get("epoch_loop.state_dict")
+    if progress is None or state is None or global_step < 1:
+        return
+    for counts in (progress["total"], progress["current"]):
+        if counts["completed"] == counts["processed"]:
+            counts["completed"] -= 1
+    state["_batches_that_stepped"] = global_step - 1
+
+
 def lightning_precision_name(precision: str | int) -> str:
     """Lightning's own name of a precision it accepts (`16` -> `16-mixed`, `bf16` -> `bf16-mixed`, `32` ->
     `32-true`), or ValueError listing the accepted ones."""

@@ -230,9 +230,12 @@ class FolderCheckpoint(ModelCheckpoint):
     def load_state_dict(self, state_dict: dict) -> None:
         """A run folder copied or moved elsewhere and resumed: Lightning forgets the checkpoints it kept when the
         folder's path changed (keep_last would then never prune them, and best.ckpt would be replaced by the next
-        validation, better or not). Its paths are read as the same files in the folder's new place."""
+        validation, better or not). Its paths are read as the same files in the folder's new place. A new run from
+        another run's checkpoint (whose files are not here) keeps none of them: its best loss was measured by another
+        run, maybe on another validation set."""
         old, new = state_dict.get("dirpath"), self.dirpath
-        if old and new and Path(old) != Path(new):
+        kept = [state_dict.get(key) for key in ("best_model_path", "last_model_path")]
+        if old and new and Path(old) != Path(new) and any(p and (Path(new) / Path(p).name).exists() for p in kept):
             moved = lambda path: str(Path(new) / Path(path).name) if path else path  # noqa: E731
             state_dict = {
                 **state_dict,
@@ -252,6 +255,12 @@ class LinkingTrainer(L.Trainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.written: tuple[tuple, str] | None = None  # the newest payload: its state and path
+
+    def validate(self, *args, **kwargs) -> list:
+        # After the fit (a last step validated then), at the step of the checkpoint ModelCheckpoint.on_train_end may
+        # have just written: the validation changes what a checkpoint holds (the history, the best loss).
+        self.written = None
+        return super().validate(*args, **kwargs)
 
     def save_checkpoint(
         self, filepath: str | Path, weights_only: bool | None = None, storage_options: object = None

@@ -97,6 +97,22 @@ def edited_since(trained: dict[str, object], config: DictConfig) -> list[str]:
     return [f"{k}: {v} -> {now[k]}" for k, v in then.items() if k in now and now[k] != v and not is_free(k)]
 
 
+def with_hand_edits(notes: list[str], *, trained: dict[str, object], config: DictConfig) -> list[str]:
+    """A continuation's `notes` (continuation_config's), completed from the config its checkpoint was trained with
+    (`trained`): each key a resume may change whose config.yaml value was edited by hand since, then the LR
+    schedule's note told from the checkpoint's schedule, not the edited one."""
+    named = {note.split(":")[0] for note in notes}
+    then, now = flatten(trained), flatten(plain(config))
+    edits = [
+        f"{k}: {v} -> {now[k]} (config.yaml edited since the checkpoint)"
+        for k, v in then.items()
+        if k in now and now[k] != v and k not in named and k != "resume"
+    ]
+    total = then.get("scheduler.total_steps") or then.get("trainer.max_steps")
+    schedule = [schedule_note(total, config)] if isinstance(total, int) else notes[-1:]
+    return [*notes[:-1], *edits, *schedule]
+
+
 def schedule_note(saved_total_steps: int, config: DictConfig) -> str:
     """How the LR schedule continues, for the resume's first line."""
     total = config.scheduler.total_steps

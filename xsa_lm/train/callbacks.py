@@ -16,12 +16,15 @@ from typing import cast
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from xsa_lm.compat import should_update_logs
 from xsa_lm.model import GPT
 from xsa_lm.model.sdpa import resolve, sdpa_backends
 from xsa_lm.train.hardware import peak_flops
+
+log = logging.getLogger("xsa_lm.train")
 
 GIB = 2**30
 
@@ -190,10 +193,12 @@ class ProgressBar(L.Callback):
 
 class ValHistory(L.Callback):
     """Remembers (step, tokens, val loss, bits per byte, loss per span of positions) after each validation (not the
-    sanity check)."""
+    sanity check). `val_set` names the validation set (the prepared data's identity, the window count and length):
+    a history measured on another one (a new run from a checkpoint with other data settings) is not continued."""
 
-    def __init__(self, tokens_per_step: int) -> None:
+    def __init__(self, tokens_per_step: int, val_set: dict[str, object] | None = None) -> None:
         self.tokens_per_step = tokens_per_step
+        self.val_set = val_set
         self.history: list[dict] = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -215,10 +220,17 @@ class ValHistory(L.Callback):
             self.history.append(entry)
 
     # Kept in checkpoints, so that a resumed run's summary.json still holds the whole curve.
-    def state_dict(self) -> dict[str, list[dict]]:
-        return {"history": self.history}
+    def state_dict(self) -> dict[str, object]:
+        return {"history": self.history, "val_set": self.val_set}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("val_set")  # None: a checkpoint of an earlier release, which did not say
+        if saved is not None and self.val_set is not None and saved != self.val_set:
+            rank_zero_only(log.warning)(
+                f"WARNING: the checkpoint's validation history ({len(state_dict['history'])} points) was measured "
+                "on another validation set than this run's: val_history and best_val_loss start afresh"
+            )
+            return
         self.history = list(state_dict["history"])
 
 

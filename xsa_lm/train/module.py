@@ -14,9 +14,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from xsa_lm.analysis.losses import loss_sums, read_sums
-from xsa_lm.compat import COMPILED_PREFIX, accumulating, realign_accumulation, should_update_logs, skip_fused_update
+from xsa_lm.compat import (
+    COMPILED_PREFIX,
+    accumulating,
+    realign_accumulation,
+    restart_after_the_step,
+    should_update_logs,
+    skip_fused_update,
+)
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.gpt import Block
+from xsa_lm.train.schedule import continue_schedule
 
 
 def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
@@ -110,12 +118,17 @@ class LMModule(L.LightningModule):
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
             accumulate = None
         if accumulate is not None and "global_step" in checkpoint:
+            restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
             realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
         if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
             return
         wrapped = f"model.{COMPILED_PREFIX}"
         state = checkpoint["state_dict"]
         checkpoint["state_dict"] = {key.replace(wrapped, "model.", 1): value for key, value in state.items()}
+
+    def on_train_start(self) -> None:
+        for config in self.trainer.lr_scheduler_configs:  # restored from a checkpoint: at its step of this schedule
+            continue_schedule(config.scheduler)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.

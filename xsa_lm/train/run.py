@@ -39,7 +39,7 @@ from xsa_lm.config.builders import (
     world_size,
 )
 from xsa_lm.config.command_line import another_commands_folder, full_command_line
-from xsa_lm.config.resume import continuation_config, edited_since, plain
+from xsa_lm.config.resume import continuation_config, edited_since, plain, with_hand_edits
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import token_byte_lengths
@@ -101,10 +101,12 @@ def device_name(accelerator: str) -> str:
 
 
 class ResumePoint(NamedTuple):
-    """The checkpoint a run continues from and its global step; both None for a run from scratch."""
+    """The checkpoint a run continues from, its global step and the config it was trained with (its run_config:
+    None in a checkpoint of an earlier release); all None for a run from scratch."""
 
     path: str | None
     step: int | None
+    trained: dict[str, object] | None = None
 
 
 FROM_SCRATCH = ResumePoint(path=None, step=None)
@@ -165,9 +167,10 @@ def find_resume_checkpoint(
     differences = model_config_mismatch(saved["model_config"], asdict(mcfg)) if "model_config" in saved else []
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
-    if "run_config" in saved and config is not None:
-        check_trained_config(saved["run_config"], config, run_dir=run_dir, path=path)
-    return ResumePoint(path=str(path), step=step)
+    trained = saved.get("run_config")
+    if trained is not None and config is not None:
+        check_trained_config(trained, config, run_dir=run_dir, path=path)
+    return ResumePoint(path=str(path), step=step, trained=trained)
 
 
 def check_trained_config(trained: dict[str, object], config: DictConfig, *, run_dir: Path, path: Path) -> None:
@@ -289,10 +292,18 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
                 "are left as they are"
             )
             return None
+        if resume.step is not None and resume.step > cfg.trainer.max_steps:
+            raise UserError(  # it would record a run of more steps than its config.yaml and summary.json say
+                f"resume: the run in {run_dir} has reached step {resume.step}, past trainer.max_steps="
+                f"{cfg.trainer.max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
+            )
+        notes = resume_notes or []
+        if resume.trained is not None and not new_run:
+            notes = with_hand_edits(notes, trained=resume.trained, config=cfg)
         for warning in [schedule_warning, *fewer_windows(cfg, datamodule)]:
             if warning:
                 log.warning(warning)
-        write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=resume_notes or [], kernels=kernels)
+        write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=notes, kernels=kernels)
         return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume, kernels=kernels)
 
 
@@ -367,7 +378,7 @@ def fit(
     run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
     line = header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module, kernels=kernels)
     rank_zero_only(log.info)(line)
-    callbacks = make_callbacks(cfg, run_dir)
+    callbacks = make_callbacks(cfg, run_dir, val_set=val_set_identity(datamodule))
     loggers = make_loggers(cfg, run_dir=run_dir, run_name=run_name, resume_step=resume.step)
     trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=callbacks.all, loggers=loggers)
     is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
@@ -464,9 +475,18 @@ def epochs(cfg: DictConfig, train_tokens: int) -> float:
     return cfg.trainer.max_steps * cfg.global_batch_tokens / train_tokens if train_tokens else float("nan")
 
 
-def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
+def val_set_identity(datamodule: TokenDataModule) -> dict[str, object]:
+    """What the validation loss is measured on: the prepared data, the number of windows and their length."""
+    return {
+        "data": datamodule.data.meta.get("identity"),
+        "windows": datamodule.val_set.n,
+        "block_size": datamodule.block_size,
+    }
+
+
+def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]) -> RunCallbacks:
     """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional diagnostics, samples and
-    progress bar."""
+    progress bar; `val_set`: val_set_identity's."""
     ckpt_dir = run_dir / "checkpoints"
     # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
     # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
@@ -483,7 +503,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> RunCallbacks:
     )
     # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart.
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
-    history = ValHistory(cfg.global_batch_tokens)
+    history = ValHistory(cfg.global_batch_tokens, val_set=val_set)
     throughput = Throughput(cfg.global_batch_tokens)
     preemption = Preemption(ckpt_dir / "last.ckpt", val_every_steps=cfg.val_every_steps)
     cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
@@ -593,6 +613,7 @@ def quiet_third_party() -> None:
     """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
 
     def noise(record: logging.LogRecord) -> bool:
         return not any(text in str(record.msg) for text in LIGHTNING_NOISE)

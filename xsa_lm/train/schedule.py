@@ -27,6 +27,17 @@ def warmup_cosine_scheduler(
     )
 
 
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Sets the optimizer's LRs to what a LambdaLR schedule gives its current step. A restored optimizer holds the LR
+    the checkpoint's schedule set for the next step: a resume that changes the schedule (its length, its warmup)
+    would run that step at the old schedule's LR."""
+    if not isinstance(scheduler, LambdaLR):
+        return
+    groups = scheduler.optimizer.param_groups
+    for group, base, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * multiplier(scheduler.last_epoch)
+
+
 def peak_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> float | None:
     """The highest LR a LambdaLR schedule gave its first `steps` optimizer steps (None before the first step, or
     for another kind of schedule): the LR a run actually reached, which a warmup longer than the run keeps below
