@@ -103,7 +103,7 @@ def test_a_file_size_limit_mid_run_is_one_line_and_leaves_no_partial_file(data_c
     args = ["train", *FAST, "data=local", f"data.files={tmp_path / 'corpus.txt'}", "data.val_windows=8"]
     args += ["trainer.max_steps=5", "val_every_steps=5", f"hydra.run.dir={run_dir}"]
     proc = run_cli(args, data_cache, tmp_path, preexec_fn=limit_file_size)
-    line = assert_clean_error(proc, "could not write", "step-000005.ckpt", "File too large", "ulimit -f")
+    line = assert_clean_error(proc, "could not write", "checkpoints/best.ckpt", "File too large", "ulimit -f")
     assert proc.returncode == 2 and "no checkpoint was written yet" in line
     assert [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.stat().st_size == 0] == []
     summary = json.loads((run_dir / "summary.json").read_text())  # fit() records the failure before re-raising

@@ -178,6 +178,20 @@ def test_a_resume_that_changes_the_validation_and_the_schedule_logs_each_step_on
         assert float(r["train/lr"]) == pytest.approx(expected, rel=1e-6), r["step"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [h["step"] for h in summary["val_history"]] == [10, 20, 24, 26]
+    # keep_last=2, although step 20's checkpoint was saved before its own callback counted it
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000024.ckpt", "step-000026.ckpt"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_holds_the_best_loss_its_run_reached(xsa_run: Path):
+    """The step checkpoint's payload was saved before the val/loss callback took that validation in: a resume
+    compared the next losses against the one before, and could replace best.ckpt with a worse model."""
+    summary = json.loads((xsa_run / "summary.json").read_text())
+    losses = [h["val_loss"] for h in summary["val_history"]]
+    assert losses[-1] < losses[0]  # step 20 improved on step 10
+    saved = torch.load(xsa_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    best = next(v for k, v in saved["callbacks"].items() if "val/loss" in k)
+    assert float(best["best_model_score"]) == pytest.approx(min(losses))
 
 
 @pytest.mark.slow

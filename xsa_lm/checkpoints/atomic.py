@@ -226,6 +226,10 @@ class FolderCheckpoint(ModelCheckpoint):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(enable_version_counter=False, **kwargs)
+        self.restored_step: int | None = None
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.restored_step = checkpoint.get("global_step")  # before load_state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A run folder copied or moved elsewhere and resumed: Lightning forgets the checkpoints it kept when the
@@ -246,6 +250,24 @@ class FolderCheckpoint(ModelCheckpoint):
                 "best_k_models": {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()},
             }
         super().load_state_dict(state_dict)
+        if self.monitor == "step" and self.save_top_k > 0 and self.restored_step is not None:
+            self.count_kept_files(self.restored_step)
+
+    def count_kept_files(self, step: int) -> None:
+        """The step checkpoints kept are the newest of those on disk, the restored step's included. A step
+        checkpoint saved where best.ckpt had just been written is a link to it, whose state was saved before this
+        callback counted the step: without it, keep_last would never remove that file."""
+        kept = {path: score for path, score in self.best_k_models.items() if Path(path).exists()}
+        restored = self.format_checkpoint_name({"step": torch.tensor(step)})
+        if Path(restored).exists():
+            kept[restored] = torch.tensor(step)
+        newest = sorted(kept.items(), key=lambda item: float(item[1]))[-self.save_top_k :]
+        self.best_k_models = dict(newest)
+        if newest:
+            (self.kth_best_model_path, self.kth_value), (self.best_model_path, self.best_model_score) = (
+                newest[0],
+                newest[-1],
+            )
 
 
 class LinkingTrainer(L.Trainer):

@@ -491,7 +491,6 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]
     # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
     # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
     # disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
-    # First in the list: best.ckpt and last.ckpt link to the step checkpoint it has just written (LinkingTrainer).
     checkpoint = partial(FolderCheckpoint, dirpath=ckpt_dir, save_last=True)
     periodic = checkpoint(
         filename="step-{step:06d}",
@@ -501,14 +500,15 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]
         every_n_train_steps=cfg.checkpoint.get("every_n_steps"),
         auto_insert_metric_name=False,
     )
-    # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart.
+    # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart. Saved before the step
+    # checkpoint, which links to it when it improved (LinkingTrainer): the file then holds the best loss it reached.
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
     history = ValHistory(cfg.global_batch_tokens, val_set=val_set)
     throughput = Throughput(cfg.global_batch_tokens)
     preemption = Preemption(ckpt_dir / "last.ckpt", val_every_steps=cfg.val_every_steps)
     cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
     kernels = AttentionKernels(cfg.sdpa_backends)
-    callbacks = [cluster, kernels, periodic, best, history, throughput, preemption, SavedConfig(plain(cfg))]
+    callbacks = [cluster, kernels, best, periodic, history, throughput, preemption, SavedConfig(plain(cfg))]
     if cfg.checkpoint.get("async_save"):
         callbacks.append(AsyncSave())
     if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
@@ -587,12 +587,12 @@ def validate_last_step(
 ) -> None:
     """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
     callbacks' own hooks: its checkpoint is written once (step-N.ckpt), last.ckpt links to it, and best.ckpt too
-    when its loss is the best. `checkpoint` is the val/loss callback; the step callback comes first in the trainer's."""
+    when its loss is the best. `checkpoint` is the val/loss callback, saved first as during the fit."""
     trainer.validate(module, datamodule=datamodule, verbose=False)
     # On every rank: under FSDP2 saving gathers (or writes) every rank's shard. val/loss is synced across ranks,
     # so all take the same decisions.
     others = [c for c in trainer.checkpoint_callbacks if c is not checkpoint and isinstance(c, ModelCheckpoint)]
-    callbacks = others + [checkpoint]
+    callbacks = [checkpoint, *others]
     for callback in callbacks:
         save_checkpoints_now(callback, trainer)
 
