@@ -250,8 +250,10 @@ def test_bad_inputs_are_refused_in_one_line_and_nothing_is_overwritten(runs, tmp
     ):
         export(ckpt, folder)
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
-    with pytest.raises(UserError, match="exists and is not empty"):
-        export(ckpt, tmp_path / "config.yaml")  # a file
+    (tmp_path / "empty.txt").write_text("")
+    for file in ("config.yaml", "empty.txt", "empty.txt/hf"):  # an empty file was "not empty"; below a file, a raw
+        with pytest.raises(UserError, match=r"^out: .*\.(yaml|txt) is a file, not a directory"):  # FileExistsError
+            export(ckpt, tmp_path / file)
     (tmp_path / "empty").mkdir()
     assert (export(ckpt, tmp_path / "empty") / "model.safetensors").is_file()  # an empty directory is filled
 

@@ -64,6 +64,15 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
     assert model.training  # generation leaves the mode as it found it
 
 
+def test_a_tiny_temperature_samples_the_greedy_tokens():
+    """logits / 1e-39 overflowed to +-inf, and softmax(inf - inf) to NaN; 1e-300 is 0 in fp32, 0 / 0 NaN too: both
+    ended in torch.multinomial's RuntimeError."""
+    model, prompt = model_for("xsa"), torch.zeros(2, 3, dtype=torch.long)
+    for temperature in (1e-39, 1e-300):
+        drawn = generate(model, prompt, 8, temperature=temperature, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(drawn, generate(model, prompt, 8)), temperature
+
+
 def test_generate_refuses_an_empty_top_k_and_a_negative_temperature():
     model, idx = model_for("xsa"), torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="top_k must be >= 1"):

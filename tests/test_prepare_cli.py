@@ -159,6 +159,16 @@ def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Pat
     assert 0.09 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.11
 
 
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_prepare_refuses_a_tokenizer_from_no_documents(
+    value: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
+    """-5 ended in itertools.islice's ValueError; 0 trained a 257-token vocabulary, "all the corpus supports"."""
+    proc = cli_in_process(["prepare", f"data.tokenizer_documents={value}"], data_cache, tmp_path, monkeypatch, capsys)
+    assert proc.returncode == 2
+    assert assert_clean_error(proc, f"data.tokenizer_documents={value} must be >= 1")
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -166,6 +176,10 @@ def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Pat
             "data.val_fraction=0.9",
             "xsa-lm: error: data.val_fraction=0.9 must be in (0, 0.5]: it is the share held "
             "out for validation (nanoGPT's 90/10 split is data.val_fraction=0.1)",
+        ),
+        (  # was a ValueError from itertools.islice
+            "data.tokenizer_documents=-5",
+            "xsa-lm: error: data.tokenizer_documents=-5 must be >= 1",
         ),
         (
             "data.val_windows=0",

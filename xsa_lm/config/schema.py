@@ -187,7 +187,7 @@ class DataOptions:
     split_seed: int = MISSING  # seeds the document split's hash
     shard_documents: int = MISSING  # documents per shard
     prepare_workers: int = MISSING  # tokenizer processes
-    tokenizer_documents: int = MISSING  # a trained BPE learns from the first N training documents
+    tokenizer_documents: int = knob(ge=1)  # a trained BPE learns from the first N training documents
     block_size: int = knob(ge=1)  # training context (xsa-lm prepare: null, whole documents)
     val_windows: int | None = MISSING  # null: every validation window
     num_workers: int | Literal["auto"] = knob(ge=0, free=True)  # data-loader workers per device

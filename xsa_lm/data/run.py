@@ -7,6 +7,7 @@ with data=prepared it opens the shards in data.dir and touches no network.
 import os
 import shlex
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import hydra
@@ -14,6 +15,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import build
+from xsa_lm.config.checks import field_problems
+from xsa_lm.config.schema import DataOptions
 from xsa_lm.data.prepare import (
     PreparedData,
     SplitSettings,
@@ -123,6 +126,10 @@ def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         if cfg.data.get("source") is None:
             raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
+        checked = [f for f in fields(DataOptions) if f.name != "block_size"]  # null in prepare: whole documents
+        bad = field_problems(cfg.data, checked, "data.")
+        if bad:
+            raise UserError("; ".join(bad))
         data = prepare_data(cfg.data, cfg.tokenizer, progress=cfg.progress_bar)
     seconds, m = time.perf_counter() - t0, data.meta
     val = "val document tails" if m.get("split") == "tail" else "val documents"

@@ -43,7 +43,12 @@ def check_out(out: Path) -> None:
             f"out={str(out) if str(out) != '.' else ''} is empty, the current directory or one above it: give the "
             "new directory to write the model to, e.g. out=hf/xsa"
         )
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir():
+        raise UserError(
+            f"out: {existing} is a file, not a directory; choose another directory (nothing is overwritten)"
+        )
+    if existing == out and any(out.iterdir()):
         raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
 
 

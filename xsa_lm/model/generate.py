@@ -38,10 +38,11 @@ def generate(
                 logits = model(tokens[:, fed:], caches=caches)
                 fed = tokens.size(1)
             logits = logits[:, -1, :].float()
-            if temperature == 0:
+            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one fp32 rounds to 0: greedy, the limit
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # From the largest logit down: a tiny temperature then gives -inf, never inf - inf (NaN), at the others.
+                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
