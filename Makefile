@@ -33,8 +33,8 @@ demo: $(STAMP)
 # The suite without the long rehearsals (pytest exit code 5, "no tests ran", fails every target); CI runs both.
 # make test on two pytest workers (pytest-xdist), each test file on one of them (its module fixtures run once): the
 # end-to-end tests spend much of their time starting processes and reading files, which two cores overlap. The long
-# rehearsals too: 25 min one at a time, 19 min on two workers (measured on 2 cores, 29 min on a slower 2-core machine;
-# their deadlines allow for it).
+# rehearsals too: 23 min on two workers, the heaviest files first (measured on 2 cores; their deadlines allow for a
+# slower machine).
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not long" -n 2 --dist loadfile --durations=30
 

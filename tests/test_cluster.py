@@ -53,7 +53,8 @@ def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *over
 @pytest.mark.long
 def test_each_validation_writes_one_checkpoint_and_links_last_and_best(tmp_path, data_cache, monkeypatch):
     written = train_counting_payloads(tmp_path, data_cache, monkeypatch, "val_every_steps=10", "checkpoint.keep_last=1")
-    assert written == ["step-000010.ckpt", "step-000020.ckpt"]  # two validations, one payload each
+    # Two validations, one payload each: best.ckpt's where the loss improved (the others link to it), else last.ckpt's.
+    assert len(written) == 2 and set(written) <= {"best.ckpt", "last.ckpt"}, written
     folder = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["best.ckpt", "last.ckpt", "step-000020.ckpt"]
     step = (folder / "step-000020.ckpt").stat()

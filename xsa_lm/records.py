@@ -123,8 +123,8 @@ class RunSummary(Record):
     steps: int
     data_epochs: float | None = None  # tokens trained / the training split's tokens: above 1, data repeats
     tokens_seen: int
-    tokens_per_s: float | None = None
-    wall_time_s: float | None = None
+    tokens_per_s: float | None = None  # of the last start or resume alone (resumes.jsonl lists each)
+    wall_time_s: float | None = None  # of the last start or resume alone
     non_embedding_params: int = 0
     diverged_at_step: int | None = None
     events: list[dict] = field(default_factory=list)

@@ -264,10 +264,8 @@ class FolderCheckpoint(ModelCheckpoint):
         newest = sorted(kept.items(), key=lambda item: float(item[1]))[-self.save_top_k :]
         self.best_k_models = dict(newest)
         if newest:
-            (self.kth_best_model_path, self.kth_value), (self.best_model_path, self.best_model_score) = (
-                newest[0],
-                newest[-1],
-            )
+            self.kth_best_model_path, self.kth_value = newest[0]
+            self.best_model_path, self.best_model_score = newest[-1]
 
 
 class LinkingTrainer(L.Trainer):
