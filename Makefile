@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -c tests/constraints.txt
 LOCK_VENV := build/lock-venv
 
-.PHONY: install lock demo test test-long test-all test-fast test-torch-floor lint typecheck format bench gpu-bundle gpu-check docs clean
+.PHONY: install install-torch-floor lock demo test test-long test-all test-fast test-torch-floor lint typecheck format bench gpu-bundle gpu-check docs clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
 # (an unpinned resolve pulls a multi-GB CUDA build). The extra `eval` (lm-evaluation-harness) is for xsa-lm eval
@@ -72,6 +72,8 @@ $(FLOOR_VENV)/.installed: pyproject.toml $(CONSTRAINTS) tests/constraints.txt
 # (Lightning's signal handling, not torch's numerics).
 FLOOR_DESELECT := --deselect tests/test_compile.py::test_inductor_fuses_xsa_into_one_kernel_forward_and_one_backward \
 	--deselect tests/test_multi_device.py::test_sigterm_to_rank_0_alone_stops_both_ranks_at_one_step
+install-torch-floor: $(FLOOR_VENV)/.installed
+
 test-torch-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS) $(FLOOR_DESELECT) -n 2 --dist loadfile --durations=10
 
