@@ -275,3 +275,46 @@ def test_multirun_jobs_are_those_of_hydras_basic_sweeper():
         parser = OverridesParser.create(config_loader=hydra.config_loader)
         (expected,) = BasicSweeper.split_arguments(parser.parse_overrides(overrides), None)
     assert jobs == expected and len(jobs) == 6 and jobs[0] == ["seed=7", "trainer.max_steps=3", "val_every_steps=2"]
+
+
+class StepLogger(Recorder):
+    """Logs its loss at every step and validates on one batch; a checkpoint it resumes from is set as after a train
+    batch's end (compat.restart_after_the_step), as LMModule sets it."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch[0]).sum()
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val", self.layer(batch[0]).sum())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        compat.restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
+
+
+@pytest.mark.parametrize("saved", ["at a validation's end", "after the fit"])
+def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validates_there(tmp_path: Path, saved: str):
+    """The step Lightning's loggers number rows by is restored from the checkpoint's loop counters: set as after a
+    train batch's end, it is counted on restore, whatever the resumed run validates at."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    api = "the loop counters of a checkpoint (`loops.fit_loop`, `epoch_loop.state_dict._batches_that_stepped`)"
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
+    quiet = dict(enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1, log_every_n_steps=1)
+
+    def fit(folder: str, steps: int, validate_every: int, ckpt_path: str | None = None, **settings) -> list[int]:
+        logger = CSVLogger(tmp_path, name=folder, version="")
+        trainer = L.Trainer(max_steps=steps, logger=logger, val_check_interval=validate_every, **quiet, **settings)
+        trainer.fit(StepLogger(), data, data, ckpt_path=ckpt_path)
+        if ckpt_path is None:
+            trainer.save_checkpoint(tmp_path / "after.ckpt")
+        with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
+            return [int(row["step"]) for row in csv.DictReader(f) if row["loss"]]
+
+    keep = ModelCheckpoint(dirpath=tmp_path, filename="at-{step}", every_n_train_steps=None, save_top_k=-1)
+    assert fit("first", 3, 3, callbacks=[keep], enable_checkpointing=True) == [0, 1, 2]
+    checkpoint = tmp_path / ("at-step=3.ckpt" if saved == "at a validation's end" else "after.ckpt")
+    for validate_every in (1, 2):  # the resumed run validates at step 3 (as the first did), or not
+        resumed = fit(f"resumed-{validate_every}", 5, validate_every, ckpt_path=str(checkpoint))
+        assert resumed == [3, 4], changed(api, f"changed (resumed from a checkpoint saved {saved}: rows {resumed})")
