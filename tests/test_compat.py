@@ -318,3 +318,21 @@ def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validat
     for validate_every in (1, 2):  # the resumed run validates at step 3 (as the first did), or not
         resumed = fit(f"resumed-{validate_every}", 5, validate_every, ckpt_path=str(checkpoint))
         assert resumed == [3, 4], changed(api, f"changed (resumed from a checkpoint saved {saved}: rows {resumed})")
+
+
+def test_a_validation_after_the_fit_can_be_logged_as_the_last_steps(tmp_path: Path):
+    """compat.logged_as_the_last_step: a validation of the last step run after the fit gets the row the loop gave
+    the same validation inside it (step N - 1, the epoch the step trained in)."""
+    api = "_TrainingEpochLoop._batches_that_stepped / the fit loop's epoch_progress"
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
+    logger = CSVLogger(tmp_path, name="run", version="")
+    quiet = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(max_steps=3, logger=logger, val_check_interval=3, limit_val_batches=1, **quiet)
+    module = StepLogger()
+    trainer.fit(module, data, data)
+    with compat.logged_as_the_last_step(trainer):
+        trainer.validate(module, data, verbose=False)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 3 and trainer.current_epoch == 1, changed(api, "moved")
+    with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
+        rows = [(row["epoch"], row["step"]) for row in csv.DictReader(f) if row["val"]]
+    assert rows == [("0", "2"), ("0", "2")], changed(api, f"changed (rows {rows})")

@@ -444,6 +444,9 @@ def test_a_last_step_off_the_validation_grid_still_reaches_best_ckpt(data_cache:
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [h["step"] for h in summary["val_history"]] == [10, 20, 25]
+    with open(run_dir / "metrics.csv", newline="") as f:  # each validation's row numbered as Lightning's loop does
+        rows = [(row["epoch"], row["step"]) for row in csv.DictReader(f) if row["val/loss"]]
+    assert rows == [("0", "9"), ("0", "19"), ("0", "24")]
     best_step = min(summary["val_history"], key=lambda h: h["val_loss"])["step"]
     assert torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=False)["global_step"] == best_step
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 25

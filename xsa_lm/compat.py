@@ -10,7 +10,8 @@ import csv
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -205,6 +206,22 @@ def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
         if counts["completed"] == counts["processed"]:
             counts["completed"] -= 1
     state["_batches_that_stepped"] = global_step - 1
+
+
+@contextmanager
+def logged_as_the_last_step(trainer: L.Trainer) -> Iterator[None]:
+    """Lightning's loggers number a row by the optimizer steps taken before the current one (`_batches_that_stepped`)
+    and label it with the epochs completed: inside the loop, the validation after step N is row N - 1 of its epoch.
+    After the fit both counters have moved on (the last step counted, its epoch closed), so a validation of the last
+    step run then gets them set back, and its row is numbered as the loop's are."""
+    loop = trainer.fit_loop
+    loop.epoch_loop._batches_that_stepped -= 1
+    loop.epoch_progress.current.completed -= 1
+    try:
+        yield
+    finally:
+        loop.epoch_loop._batches_that_stepped += 1
+        loop.epoch_progress.current.completed += 1
 
 
 def lightning_precision_name(precision: str | int) -> str:

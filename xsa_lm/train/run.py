@@ -27,7 +27,7 @@ from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPSt
 from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_valid_checkpoint
 from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
-from xsa_lm.compat import save_checkpoints_now, skip_sigterm_broadcast
+from xsa_lm.compat import logged_as_the_last_step, save_checkpoints_now, skip_sigterm_broadcast
 from xsa_lm.config.builders import (
     build,
     check_config,
@@ -588,7 +588,8 @@ def validate_last_step(
     """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
     callbacks' own hooks: its checkpoint is written once (step-N.ckpt), last.ckpt links to it, and best.ckpt too
     when its loss is the best. `checkpoint` is the val/loss callback, saved first as during the fit."""
-    trainer.validate(module, datamodule=datamodule, verbose=False)
+    with logged_as_the_last_step(trainer):  # its metrics.csv and W&B rows numbered as the loop's
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     # On every rank: under FSDP2 saving gathers (or writes) every rank's shard. val/loss is synced across ranks,
     # so all take the same decisions.
     others = [c for c in trainer.checkpoint_callbacks if c is not checkpoint and isinstance(c, ModelCheckpoint)]
