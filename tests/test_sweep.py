@@ -80,6 +80,21 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
         assert named in str(refused.value)
 
 
+def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
+    """Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record,
+    the second reusing the first's result as its own."""
+    with pytest.raises(UserError, match=r"the LR grid has 0.03 and 0.03004, which name one run \(lr0.03"):
+        lr_grid([3e-2, 1e-2, 3.004e-2], None)
+    with pytest.raises(UserError, match="sweep.lr_range gives .*, or fewer points"):
+        lr_grid(None, {"min": 1e-3, "max": 1.01e-3, "num": 3})
+    assert lr_grid([3e-2, 3.01e-2], None) == [3e-2, 3.01e-2]  # lr0.03 and lr0.0301
+    store = TrialStore(tmp_path / "sweep")  # an earlier grid's run of the same name
+    store.save(TrialRecord.missing(Trial("sa", 3.004e-2, 0), "search"))
+    assert store.load(Trial("sa", 3.004e-2, 0)) is not None
+    with pytest.raises(UserError, match="records sa_lr0.03_s0 at LR 0.03004, and this sweep asks for LR 0.03"):
+        store.is_final(Trial("sa", 3e-2, 0))
+
+
 def _one_seed(results: dict[float, tuple[str | None, float | None]]) -> dict:
     """select_lr's input for a search with one seed: lr -> [(status, final val loss)]."""
     return {lr: [run] for lr, run in results.items()}

@@ -50,12 +50,22 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
             "sweep.lrs and sweep.lr_range are both set, and the grid is one of them: set the other to null (e.g. "
             "sweep.lrs=null for the log-spaced range)"
         )
+    from_range = bool(lr_range and not lrs)
     if lr_range and not lrs:
         lo, hi, num = float(lr_range["min"]), float(lr_range["max"]), int(lr_range["num"])
         lrs = [float(f"{lo * (hi / lo) ** (i / (num - 1)):.4g}") for i in range(num)]  # readable: 1e-4, 3.162e-4
     if not (lrs or preset):
         raise UserError("the sweep needs an LR grid: set sweep.lrs=[...] or sweep.lr_range={min:..,max:..,num:..}")
-    return sorted({float(lr) for lr in lrs or preset or []})
+    grid = sorted({float(lr) for lr in lrs or preset or []})
+    named = {lr: Trial("sa", lr, 0).id for lr in grid}
+    for a, b in itertools.pairwise(grid):  # one name, one run folder and record: the second LR would reuse the first's
+        if named[a] == named[b]:
+            source = "sweep.lr_range gives" if from_range else "the LR grid has"
+            raise UserError(
+                f"{source} {a:g} and {b:g}, which name one run (lr{a:.3g}: runs are named by 3 significant digits): "
+                "use LRs that differ within 3 significant digits" + (", or fewer points" if from_range else "")
+            )
+    return grid
 
 
 def check_search_seeds(search_seeds: object) -> list[int]:

@@ -97,7 +97,16 @@ class TrialStore:
 
     def load(self, trial: Trial) -> TrialRecord | None:
         path = self.records / f"{trial.id}.json"
-        return TrialRecord.read(path) if path.exists() else None
+        if not path.exists():
+            return None
+        record = TrialRecord.read(path)
+        if not math.isclose(record.lr, trial.lr, rel_tol=1e-9):  # an earlier grid's LR of the same 3 digits
+            raise UserError(
+                f"{path} records {trial.id} at LR {record.lr:g}, and this sweep asks for LR {trial.lr:g} under that "
+                f"name (runs are named by 3 significant digits of the LR): use LR {record.lr:g}, or another "
+                "hydra.run.dir"
+            )
+        return record
 
     def save(self, record: TrialRecord) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
