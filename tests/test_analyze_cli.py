@@ -156,15 +156,21 @@ def test_analyze_measures_the_loss_its_run_validated(
 
 
 def test_losses_of_other_data_are_listed_but_not_subtracted():
-    """Two checkpoints of runs on other corpora or tokenizers: a difference of their losses means nothing."""
+    """Two checkpoints of runs on other corpora or tokenizers, or on windows of another length (other tokens, other
+    positions in each span): a difference of their losses means nothing."""
     from xsa_lm.analysis.run import loss_table
 
-    def row(label: str, data: str, loss: float) -> dict:
-        return {"label": label, "data": data, "windows": 8, "loss": loss, "bpb": loss / 2, "span_1": loss}
+    def row(label: str, data: str, loss: float, block_size: int = 128) -> dict:
+        measured_on = {"data": data, "windows": 8, "block_size": block_size}
+        return {"label": label} | measured_on | {"loss": loss, "bpb": loss / 2, "span_1": loss}
 
-    table = loss_table([row("sa", "shakespeare-1", 4.0), row("xsa", "shakespeare-1", 3.5), row("loc", "local-2", 2.0)])
+    rows = [row("sa", "shakespeare-1", 4.0), row("xsa", "shakespeare-1", 3.5), row("loc", "local-2", 2.0)]
+    table = loss_table([*rows, row("short", "shakespeare-1", 2.0, block_size=64)])
     assert "xsa - sa per span: -0.5000 (loss -0.5000)" in table
-    assert "loc - sa: not compared (measured on 8 windows of local-2, against 8 of shakespeare-1)" in table
+    against = "against 8 windows of 128 tokens of shakespeare-1)"
+    assert f"loc - sa: not compared (measured on 8 windows of 128 tokens of local-2, {against}" in table
+    assert f"short - sa: not compared (measured on 8 windows of 64 tokens of shakespeare-1, {against}" in table
+    assert "short - sa per span" not in table
 
 
 def test_held_out_loss_weighs_each_span_by_its_tokens():

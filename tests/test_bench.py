@@ -272,6 +272,9 @@ def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
         ("threads=0", "threads=0 must be an integer >= 1 (or auto or null)"),
         ("steps=1.5", "steps=1.5 must be an integer >= 1"),
         ("context=100000", "context=100000 is above model.block_size=128: lower it"),
+        ("budget_s=0", "budget_s=0 must be a finite number of seconds > 0"),
+        ("budget_s=inf", "budget_s=inf must be a finite number of seconds > 0"),  # not after the pilot
+        ("budget_s=nan", "budget_s=nan must be a finite number of seconds > 0"),
     ],
 )
 def test_bench_sizes_are_refused_before_any_phase(override: str, message: str):
@@ -282,6 +285,30 @@ def test_bench_sizes_are_refused_before_any_phase(override: str, message: str):
     with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
         check_sizes(cfg)
     check_sizes(compose_train([], config_name="bench"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["out=b1.json/x.json"], "out=b1.json/x.json: b1.json is a file, not a folder; choose another path"),
+        (["out=bdir", "overwrite=true"], "out=bdir is a directory: give the file to write, e.g. out=bdir/bench.json"),
+        (["out=b1.json", "overwrite=no"], "overwrite must be true or false, got 'no'"),
+        (["compile=no"], "compile must be true or false, got 'no'"),
+    ],
+)
+def test_bench_refuses_an_out_or_switch_before_measuring(
+    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """Refused up front, not after minutes of rounds at the write."""
+    from tests.helpers import refused_in_process
+    from xsa_lm.bench import run
+
+    (tmp_path / "b1.json").write_text("{}")
+    (tmp_path / "bdir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "bench", lambda cfg: pytest.fail("measured before refusing"))
+    assert refused_in_process(["bench", *args], monkeypatch, capsys) == f"xsa-lm: error: {message}\n"
+    assert (tmp_path / "b1.json").read_text() == "{}" and not any((tmp_path / "bdir").iterdir())
 
 
 @pytest.mark.parametrize(

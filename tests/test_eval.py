@@ -121,8 +121,9 @@ def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
     """Seeds of both arms (as a sweep's compare runs are evaluated): the row was the first XSA minus the first SA."""
 
     def row(attention: str, value: float) -> dict:
-        score = {"metric": "acc", "value": value}
-        return {"attention": attention, "run": f"{attention}{value}", "scores": {"t": score}, "average": value}
+        score, run = {"metric": "acc", "value": value}, f"{attention}{value}"
+        checkpoint = f"/runs/{run}/checkpoints/last.ckpt"
+        return {"checkpoint": checkpoint, "attention": attention, "run": run, "scores": {"t": score}, "average": value}
 
     rows = [row("xsa", 0.5), row("sa", 0.4), row("xsa", 0.7), row("sa", 0.2), row("sa", 0.3)]
     difference = xsa_minus_sa(rows, ["t"])
@@ -130,6 +131,31 @@ def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
     table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": difference})
     assert "| XSA - SA (means of 2 and 3 checkpoints) | +30.00 | +30.00 |" in table
     assert xsa_minus_sa(rows[1::2], ["t"]) is None  # no XSA checkpoint
+    assert "warning" not in table  # five runs: nothing shared
+
+
+def test_checkpoints_of_one_run_are_labelled_apart_and_their_shared_mean_is_warned_of():
+    """Two checkpoints of one run: each row names its file (both read `SA sa_run`), and the SA mean that counts them
+    both says so; runs of one name in other folders are told apart by their paths."""
+
+    def row(checkpoint: str, attention: str, value: float) -> dict:
+        score = {"metric": "acc", "value": value}
+        run = Path(checkpoint).parent.parent.name
+        return {"checkpoint": checkpoint, "attention": attention, "run": run, "scores": {"t": score}, "average": value}
+
+    rows = [
+        row("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425),
+        row("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45),
+    ]
+    rows += [row("/r/xsa_run/checkpoints/last.ckpt", "xsa", 0.5)]
+    table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": xsa_minus_sa(rows, ["t"])})
+    assert "| SA sa_run last | 42.50 | 42.50 |" in table and "| SA sa_run step-000010 | 45.00 | 45.00 |" in table
+    assert "| XSA xsa_run | 50.00 | 50.00 |" in table  # one checkpoint of its run: its name alone
+    warning = "(warning: SA's mean counts 2 checkpoints of one run, /r/sa_run (SA sa_run last, SA sa_run step-000010)"
+    assert warning in table
+    elsewhere = [row("/a/sa/checkpoints/last.ckpt", "sa", 0.4), row("/b/sa/checkpoints/last.ckpt", "sa", 0.5)]
+    table = render({"tasks": ["t"], "limit": None, "rows": elsewhere})
+    assert "| SA /a/sa/checkpoints/last.ckpt |" in table and "| SA /b/sa/checkpoints/last.ckpt |" in table
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------
@@ -213,3 +239,15 @@ def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, 
     )
     assert_refused(proc, expected)
     assert_nothing_written(out)
+
+
+def test_eval_refuses_a_checkpoint_given_twice(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
+    """The same file twice, also by another path: two identical rows would count twice in their arm's mean."""
+    ckpt = write_checkpoint(tmp_path / "run")
+    other = write_checkpoint(tmp_path / "other")
+    out = tmp_path / "eval"
+    for again in (ckpt, Path("run/checkpoints/../checkpoints/last.ckpt")):  # relative to tmp_path, the working folder
+        args = ["eval", f"ckpts=[{ckpt},{other},{again}]", "tasks=[no_such_task]", f"hydra.run.dir={out}"]
+        proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+        assert_refused(proc, f"ckpts: {ckpt.resolve()} is given twice", "give each checkpoint once")  # before the tasks
+        assert_nothing_written(out)

@@ -177,6 +177,26 @@ def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.Monkey
     assert kept.read_text() == "mine"
 
 
+def test_plan_refuses_an_overwrite_not_true_or_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """`no` is a non-empty text: read as a truth value it would overwrite the file."""
+    kept = tmp_path / "p2.json"
+    kept.write_text('{"keep": 1}')
+    monkeypatch.chdir(tmp_path)  # the job's plan.log handler, which later tests in this process would write to
+    args = ["plan", "model=tiny", f"out={kept}", "overwrite=no", "device_memory_gb=80"]
+    err = refused_in_process(args, monkeypatch, capsys)
+    assert err == "xsa-lm: error: overwrite must be true or false, got 'no'\n"
+    assert kept.read_text() == '{"keep": 1}'
+
+
+@pytest.mark.parametrize("value", ["no", "maybe", "1"])
+def test_plan_refuses_an_activation_checkpointing_not_true_or_false(value: str):
+    cfg = compose_train(["model=tiny", f"activation_checkpointing={value}", "device_memory_gb=1"], config_name="plan")
+    with pytest.raises(UserError, match="^activation_checkpointing must be true or false, got "):
+        make_plan(cfg)  # `no` would plan with activation checkpointing
+
+
 @pytest.mark.parametrize("vocab, peak", [(4096, "the cross-entropy's"), (64, "XSA's")])
 def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str):
     """XSA's temporaries (one layer's backward, eager fp32: the gradients of z, y and v, 12 bytes per token and

@@ -139,6 +139,13 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     assert spikes and all(e["value"] > 0 for e in spikes)
     with open(tmp_path / "b" / "metrics.csv") as f:
         assert "events/loss_spike" in f.readline()  # also a metric series (W&B and metrics.csv)
+    # A resume goes on with the run's events: its budget of one skipped batch is spent, so the next one diverges.
+    args = ["train", f"hydra.run.dir={tmp_path / 'b'}", "resume=auto", "trainer.max_steps=50"]
+    resumed = run_cli([*args, "faults.inject_nan_at_step=45"], data_cache, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert again["status"] == "diverged" and again["diverged_at_step"] == 45
+    assert again["events"][: len(summary["events"])] == summary["events"]
     quiet = json.loads((tmp_path / "a" / "summary.json").read_text())["events"]
     assert not [e for e in quiet if e["event"] == "loss_spike"]  # the default factor 3: a smooth run has none
 

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from tests.conftest import run_cli
+from tests.helpers import refused_in_process
 from xsa_lm.checkpoints.atomic import AtomicCheckpointIO, move_into_place
 from xsa_lm.checkpoints.discovery import checkpoint_step, newest_valid_checkpoint
 from xsa_lm.checkpoints.load import load_model
@@ -144,3 +145,17 @@ def test_consolidate_writes_one_ordinary_checkpoint(tmp_path: Path, data_cache: 
     ):
         refused = run_cli(["consolidate", *args], data_cache, tmp_path)
         assert refused.returncode == 2 and expected in refused.stderr and refused.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["no", "maybe"])
+def test_consolidate_refuses_a_weights_only_not_true_or_false(
+    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """`no` is a non-empty text: read as a truth value it would write a weights-only file."""
+    source, out = tmp_path / "last.ckpt", tmp_path / "w2.ckpt"
+    write_sharded(source, step=3)
+    monkeypatch.chdir(tmp_path)
+    args = ["consolidate", f"ckpt={source}", f"weights_only={value}", f"out={out}"]
+    err = refused_in_process(args, monkeypatch, capsys)
+    assert err == f"xsa-lm: error: weights_only must be true or false, got {value!r}\n"
+    assert not out.exists()

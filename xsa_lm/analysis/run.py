@@ -7,7 +7,7 @@ and prints the table. Then, on the same windows, each checkpoint's loss (nats pe
 equal span of window positions (`position_buckets`, earliest first; analysis/losses.py): DIR/losses.csv (one row per
 checkpoint), DIR/positions.png (loss per span, one line per checkpoint), a printed table and, from the second
 checkpoint on, its difference from the first per span. Each checkpoint is measured on the first `sequences`
-validation windows of its own run's data (the same windows for runs on the same data).
+validation windows of its own run's data (the same windows for runs on the same data and data.block_size).
 """
 
 import csv
@@ -121,14 +121,15 @@ def analyze(
         layers = diagnose(model, x.split(batch), chunk)
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch)
-        measured.append((model.config.attention, layers, loss, data))
-    names = given or default_labels(paths, [a for a, _, _, _ in measured])
+        measured.append((model.config.attention, layers, loss, data, x.shape[1]))
+    names = given or default_labels(paths, [a for a, *_ in measured])
     rows, losses = [], []
-    for path, label, (_, layers, loss, data) in zip(paths, names, measured, strict=True):
+    for path, label, (_, layers, loss, data, block_size) in zip(paths, names, measured, strict=True):
         which: dict[str, object] = {"checkpoint": str(path), "label": label}
         rows += [which | row for row in layers]
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
-        measured_on = {"data": data.dir.name, "windows": loss.windows}  # the prepared data names its tokenizer
+        # The prepared data names its tokenizer; the window's length sets which tokens and positions are measured.
+        measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": block_size}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
     return rows, losses
 
@@ -233,9 +234,15 @@ def cell(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def measured_on(loss_row: dict) -> str:
+    """The tokens a loss row was measured on: its windows, their length and the prepared data (corpus, tokenizer)."""
+    return f"{loss_row['windows']} windows of {loss_row['block_size']} tokens of {loss_row['data']}"
+
+
 def loss_table(losses: list[dict]) -> str:
     """One line per checkpoint: windows, loss, bpb and the loss per span; then, from the second checkpoint on, its
-    difference from the first per span (e.g. `xsa - sa per span: -0.0100 ...`), and in the overall loss."""
+    difference from the first per span (e.g. `xsa - sa per span: -0.0100 ...`), and in the overall loss, where both
+    were measured on the same tokens (measured_on); "not compared" where not."""
     spans = span_columns(losses)
     header = f"{'label':<28}{'windows':>8}{'loss':>9}{'bpb':>9}" + "".join(f"{s:>9}" for s in spans)
     lines = [header]
@@ -244,11 +251,9 @@ def loss_table(losses: list[dict]) -> str:
         lines.append(f"{r['label'][:27]:<28}{r['windows']:>8}{cell(r['loss']):>9}{cell(r['bpb']):>9}{cells}")
     for r in losses[1:]:
         first = losses[0]
-        if (r["data"], r["windows"]) != (first["data"], first["windows"]):  # a difference of other tokens means nothing
-            lines.append(
-                f"{r['label']} - {first['label']}: not compared (measured on {r['windows']} windows of "
-                f"{r['data']}, against {first['windows']} of {first['data']})"
-            )
+        if measured_on(r) != measured_on(first):  # a difference of other tokens means nothing
+            against = f"measured on {measured_on(r)}, against {measured_on(first)}"
+            lines.append(f"{r['label']} - {first['label']}: not compared ({against})")
             continue
         differences = [None if r[s] is None or first[s] is None else r[s] - first[s] for s in spans]
         per_span = " ".join(cell(d, "+.4f") for d in differences)

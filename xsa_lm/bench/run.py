@@ -33,6 +33,7 @@ from xsa_lm.bench.loops import DevicePhase, KernelsFound, Phase, TimedPhase
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, RatioSummary, rounds_needed, summarize
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
+from xsa_lm.config.checks import check_switches
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json
 from xsa_lm.model import GPTConfig
@@ -315,10 +316,23 @@ def check_sizes(cfg: DictConfig) -> None:
             raise UserError(
                 f"{key}={value!r} must be an integer >= {low}" + (" (or auto or null)" if key == "threads" else "")
             )
-    if isinstance(cfg.budget_s, bool) or not isinstance(cfg.budget_s, int | float) or not cfg.budget_s > 0:
-        raise UserError(f"budget_s={cfg.budget_s!r} must be a number of seconds > 0")
+    budget = cfg.budget_s  # inf would fail in plan_rounds, after the pilot; nan fails every comparison
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
+        raise UserError(f"budget_s={budget!r} must be a finite number of seconds > 0")
     if cfg.context > cfg.model.block_size:
         raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
+
+
+def check_out(out: Path, *, overwrite: bool) -> None:
+    """Where the report goes, checked before any phase, so that minutes of benchmarking are not lost: a new file,
+    or an old one with overwrite=true; never a directory, nor a path below a file."""
+    if out.is_dir():
+        raise UserError(f"out={out} is a directory: give the file to write, e.g. out={out / 'bench.json'}")
+    blocking = next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"out={out}: {blocking} is a file, not a folder; choose another path")
+    if out.exists() and not overwrite:
+        raise UserError(f"out={out} exists: choose another path or add overwrite=true")
 
 
 def bench(cfg: DictConfig) -> dict[str, Any]:
@@ -507,9 +521,9 @@ def print_tables(r: dict) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    check_switches(cfg, keys=("overwrite", "smoke", "compile", "reuse_host_memory"))
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:  # checked first, so that minutes of benchmarking are not lost
-        raise UserError(f"out={out} exists: choose another path or add overwrite=true")
+    check_out(out, overwrite=cfg.overwrite)
     result = bench(cfg)
     try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
         write_json(out, result, replace=cfg.overwrite)

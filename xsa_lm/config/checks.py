@@ -64,3 +64,11 @@ def check_values(cfg: DictConfig) -> None:
     bad += model_problem(cfg)
     if bad:
         raise UserError("; ".join(bad))
+
+
+def check_switches(cfg: DictConfig, *, keys: Iterable[str]) -> None:
+    """A command's own true-or-false options (the training config's are check_values'): a text such as `no` would
+    count as true."""
+    for key in keys:
+        if not isinstance(cfg[key], bool):
+            raise UserError(f"{key} must be true or false, got {cfg[key]!r}")

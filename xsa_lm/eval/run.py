@@ -6,6 +6,7 @@ XSA - SA when both are given), prints the table, and logs it to W&B in each chec
 
 import importlib.util
 import os
+from collections import Counter
 from pathlib import Path
 from statistics import fmean
 from typing import TypedDict
@@ -149,6 +150,19 @@ def check_options(limit, batch_size, wandb: object = False) -> None:
         raise UserError(f"wandb must be true or false, got {wandb!r}")
 
 
+def distinct_checkpoints(ckpts: list[str]) -> list[str]:
+    """`ckpts`, refused in one line when a file is given twice (by another path too): its rows would count twice in
+    its arm's mean."""
+    seen: dict[Path, str] = {}
+    for ckpt in ckpts:
+        resolved = Path(ckpt).expanduser().resolve()
+        if resolved in seen:
+            again = "twice" if ckpt == seen[resolved] else f"twice ({seen[resolved]} and {ckpt})"
+            raise UserError(f"ckpts: {resolved} is given {again}: give each checkpoint once")
+        seen[resolved] = ckpt
+    return ckpts
+
+
 def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int) -> EvalResult:
     """Each checkpoint's scores on `tasks` (limit and batch_size as check_options checked them)."""
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
@@ -204,14 +218,46 @@ def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
     return {task: xsa - sa for task, (xsa, sa) in mean.items()} | {"average": average[0] - average[1]}
 
 
+def row_labels(rows: list[Row]) -> list[str]:
+    """The attention and run name of each row; with the checkpoint's file name where a run gives several rows, and
+    its whole path where that still leaves two alike (runs of one name in other folders)."""
+    labels = [f"{row['attention'].upper()} {row['run']}" for row in rows]
+    counts = Counter(labels)
+    labels = [
+        f"{label} {Path(row['checkpoint']).stem}" if counts[label] > 1 else label
+        for label, row in zip(labels, rows, strict=True)
+    ]
+    counts = Counter(labels)
+    return [
+        f"{row['attention'].upper()} {row['checkpoint']}" if counts[label] > 1 else label
+        for label, row in zip(labels, rows, strict=True)
+    ]
+
+
+def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
+    """A warning per run with several checkpoints in one arm's mean, naming them: one run's weights at other steps
+    are not independent runs (seeds), yet each counts as one in the mean."""
+    by_run: dict[tuple[str, Path], list[str]] = {}
+    for row, label in zip(rows, labels, strict=True):
+        run = run_dir_of(Path(row["checkpoint"])).resolve()
+        by_run.setdefault((row["attention"], run), []).append(label)
+    return [
+        f"{arm.upper()}'s mean counts {len(named)} checkpoints of one run, {run} ({', '.join(named)}): "
+        "they are not independent runs"
+        for (arm, run), named in by_run.items()
+        if len(named) > 1
+    ]
+
+
 def render(result: EvalResult) -> str:
     tasks = result["tasks"]
     metric = {t: result["rows"][0]["scores"][t]["metric"] for t in tasks} if result["rows"] else {}
     head = "| checkpoint | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " | average |"
     lines = [head, "|---|" + "---:|" * (len(tasks) + 1)]
-    for row in result["rows"]:
+    labels = row_labels(result["rows"])
+    for row, label in zip(result["rows"], labels, strict=True):
         cells = " | ".join(f"{100 * row['scores'][t]['value']:.2f}" for t in tasks)
-        lines.append(f"| {row['attention'].upper()} {row['run']} | {cells} | {100 * row['average']:.2f} |")
+        lines.append(f"| {label} | {cells} | {100 * row['average']:.2f} |")
     if "xsa_minus_sa" in result:
         diff = result["xsa_minus_sa"]
         counts = [sum(r["attention"] == arm for r in result["rows"]) for arm in ("xsa", "sa")]
@@ -219,6 +265,7 @@ def render(result: EvalResult) -> str:
         lines.append(
             f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
         )
+        lines += [f"\n(warning: {note})" for note in shared_runs(result["rows"], labels)]
     limit = result["limit"]
     if limit:
         share = f"{limit:.0%} of the examples" if limit < 1 else f"the first {limit} examples"
@@ -259,7 +306,7 @@ def main(cfg: DictConfig) -> None:
         check_options(cfg.limit, cfg.batch_size, cfg.wandb)  # wandb too: before any scoring
         require_harness()
         tasks = OmegaConf.to_container(cfg.tasks) if OmegaConf.is_list(cfg.tasks) else cfg.tasks
-        result = evaluate(checkpoint_list(cfg.ckpts), tasks, cfg.limit, cfg.batch_size)
+        result = evaluate(distinct_checkpoints(checkpoint_list(cfg.ckpts)), tasks, cfg.limit, cfg.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
     write_json(out / "eval.json", result)

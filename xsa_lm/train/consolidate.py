@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
+from xsa_lm.config.checks import check_switches
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
 
@@ -39,6 +40,7 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
+    check_switches(cfg, keys=("weights_only",))
     out = Path(str(cfg.out)).expanduser()
     step = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
     print(

@@ -1,5 +1,6 @@
 """The LightningModule: loss, optimizer groups, LR schedule and what gets logged."""
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -120,6 +121,7 @@ class LMModule(L.LightningModule):
         if accumulate is not None and "global_step" in checkpoint:
             restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
             realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
+            self.restore_faults(checkpoint.get("faults"))
         if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
             return
         wrapped = f"model.{COMPILED_PREFIX}"
@@ -133,6 +135,18 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
         checkpoint["model_config"] = asdict(self.model_config)
+        # What a resume needs to go on where the run was: its events so far (the skip budget counts them), the
+        # spike detector's averages, and the skipped updates not yet read (the flags are read at logging steps).
+        # As JSON text, which every strategy's checkpoint format (FSDP2's sharded one too) keeps as it is.
+        pending = [step for step, flag in self._nonfinite if bool(flag)]
+        faults = {"events": self.events, "spike_averages": self._typical, "skipped_unread": pending}
+        checkpoint["faults"] = json.dumps(faults)
+
+    def restore_faults(self, saved: str | None) -> None:
+        faults = json.loads(saved) if saved else {}  # none in a checkpoint of an earlier release
+        self.events = faults.get("events", [])
+        self._typical = dict(faults.get("spike_averages", {}))
+        self._nonfinite = [(step, torch.tensor(True)) for step in faults.get("skipped_unread", [])]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:
@@ -242,7 +256,7 @@ class LMModule(L.LightningModule):
         diverged (the weights stay those of the last finite step, so the last checkpoint is clean)."""
         if not self._nonfinite:
             return
-        flags = torch.stack([flag for _, flag in self._nonfinite]).tolist()  # one sync for all pending steps
+        flags = torch.stack([flag.to(self.device) for _, flag in self._nonfinite]).tolist()  # one sync for all
         steps = [step for (step, _), bad in zip(self._nonfinite, flags, strict=True) if bad]
         self._nonfinite = []
         for step in steps:

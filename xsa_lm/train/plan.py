@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.builders import VOCAB_MULTIPLE, model_config, resolve_precision, strategy_kind, world_size
-from xsa_lm.config.checks import check_values
+from xsa_lm.config.checks import check_switches, check_values
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json
 from xsa_lm.model.sdpa import resolve
@@ -111,10 +111,11 @@ def estimate_for_config(cfg: DictConfig) -> memory.MemoryEstimate:
 
 
 def make_plan(cfg: DictConfig) -> Plan:
-    check_values(cfg)
+    check_values(cfg)  # first: a bad trainer.activation_checkpointing is named as such
+    check_switches(cfg, keys=("activation_checkpointing",))
     model_config(cfg, vocab_size=1)  # the model `xsa-lm train` would refuse (e.g. more sinks than positions), refused
     shape = memory_shape(cfg)
-    shape["activation_checkpointing"] = bool(cfg.activation_checkpointing)  # plan.yaml's, which follows the trainer's
+    shape["activation_checkpointing"] = cfg.activation_checkpointing  # plan.yaml's, which follows the trainer's
     devices = shape["world_size"]
     if cfg.device_memory_gb is not None:
         gib = cfg.device_memory_gb  # nan and inf would fail below, in int()
@@ -299,6 +300,7 @@ def batch_line(plan: Plan) -> str:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
+    check_switches(cfg, keys=("overwrite",))
     if cfg.out and Path(cfg.out).exists() and not cfg.overwrite:
         raise UserError(f"out={cfg.out} exists: choose another path or add overwrite=true")
     plan = make_plan(cfg)
