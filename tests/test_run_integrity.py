@@ -212,6 +212,26 @@ def test_a_new_run_validated_on_other_windows_starts_its_history_afresh(xsa_run:
     assert [h["step"] for h in saved["callbacks"]["ValHistory"]["history"]] == [25]
 
 
+@pytest.mark.slow
+def test_a_new_run_at_another_batch_size_counts_the_tokens_of_each_step(xsa_run: Path, data_cache: Path, tmp_path):
+    """Tokens seen were counted as steps x this run's tokens per step, so a new run from a checkpoint at another
+    global_batch_tokens counted the checkpoint's 20 steps at its own batch size too."""
+    new_dir = tmp_path / "new"
+    resume = f"resume={xsa_run / 'checkpoints' / 'last.ckpt'}"
+    args = [*XSA, "global_batch_tokens=2048", "trainer.max_steps=24", resume, f"hydra.run.dir={new_dir}"]
+    out = run_cli(args, data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((new_dir / "summary.json").read_text())
+    seen = 20 * 1024 + 4 * 2048
+    assert summary["tokens_seen"] == seen and [h["tokens"] for h in summary["val_history"]] == [10240, 20480, seen]
+    first = json.loads((xsa_run / "summary.json").read_text())
+    assert summary["data_epochs"] == pytest.approx(seen * first["data_epochs"] / first["tokens_seen"])
+    with open(new_dir / "metrics.csv", newline="") as f:
+        logged = [float(row["train/tokens_seen"]) for row in csv.DictReader(f) if row["train/tokens_seen"]]
+    assert logged == [20 * 1024 + 2048 * n for n in range(1, 5)]  # after each of steps 21-24
+    assert torch.load(new_dir / "checkpoints" / "last.ckpt", weights_only=False)["tokens_seen"] == seen
+
+
 @pytest.mark.parametrize("moved", [True, False], ids=["the run folder moved", "a new run from its checkpoint"])
 def test_kept_checkpoints_follow_a_moved_folder_only(moved: bool, tmp_path: Path):
     """A new run from another run's checkpoint took on that run's best loss (maybe on another validation set), so

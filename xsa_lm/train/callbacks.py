@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -41,6 +41,7 @@ class Throughput(L.Callback):
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step = tokens_per_step
+        self.counted_from = (0, 0)  # (step, tokens seen by then): a resume's checkpoint
         self._marks: list[tuple[int, float]] = []
         self.tokens_per_s = 0.0
         self.step_time_s = 0.0
@@ -53,6 +54,19 @@ class Throughput(L.Callback):
         self.flops_per_token = cast(GPT, pl_module.model).flops_per_token(context)
         peak, _ = peak_flops(pl_module.device, str(trainer.precision))
         self.peak_flops = peak * trainer.world_size if peak else None  # None: a GPU missing from the table
+
+    def tokens_seen(self, step: int) -> int:
+        """The tokens trained on by `step`: the checkpoint's count, then this run's tokens per step (a new run from
+        a checkpoint may train with another global_batch_tokens than the steps it continues)."""
+        start, tokens = self.counted_from
+        return tokens + (step - start) * self.tokens_per_step
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen(trainer.global_step)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if "tokens_seen" in checkpoint:  # not in a checkpoint of an earlier release: counted at this batch size
+            self.counted_from = (checkpoint["global_step"], checkpoint["tokens_seen"])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
@@ -68,7 +82,7 @@ class Throughput(L.Callback):
                 pl_module.log(name, value, on_step=True)
 
     def metrics(self, step: int, device: torch.device) -> dict[str, float]:
-        values = {"train/tokens_per_s": self.tokens_per_s, "train/tokens_seen": float(step * self.tokens_per_step)}
+        values = {"train/tokens_per_s": self.tokens_per_s, "train/tokens_seen": float(self.tokens_seen(step))}
         if len(self._marks) > 1:  # a rate needs two optimizer steps
             values["train/step_time_s"] = self.step_time_s
             if self.flops_per_token and self.peak_flops:
@@ -196,8 +210,8 @@ class ValHistory(L.Callback):
     sanity check). `val_set` names the validation set (the prepared data's identity, the window count and length):
     a history measured on another one (a new run from a checkpoint with other data settings) is not continued."""
 
-    def __init__(self, tokens_per_step: int, val_set: dict[str, object] | None = None) -> None:
-        self.tokens_per_step = tokens_per_step
+    def __init__(self, tokens_seen: Callable[[int], int], val_set: dict[str, object] | None = None) -> None:
+        self.tokens_seen = tokens_seen  # step -> tokens trained on by then (Throughput.tokens_seen)
         self.val_set = val_set
         self.history: list[dict] = []
 
@@ -209,7 +223,7 @@ class ValHistory(L.Callback):
         bpb = trainer.callback_metrics.get("val/bpb")
         entry = {
             "step": step,
-            "tokens": step * self.tokens_per_step,
+            "tokens": self.tokens_seen(step),
             "val_loss": float(loss),
             "val_bpb": float(bpb) if bpb is not None else None,
             "val_loss_by_position": list(getattr(pl_module, "val_by_position", [])),

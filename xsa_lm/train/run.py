@@ -503,8 +503,8 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]
     # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart. Saved before the step
     # checkpoint, which links to it when it improved (LinkingTrainer): the file then holds the best loss it reached.
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
-    history = ValHistory(cfg.global_batch_tokens, val_set=val_set)
     throughput = Throughput(cfg.global_batch_tokens)
+    history = ValHistory(throughput.tokens_seen, val_set=val_set)
     preemption = Preemption(ckpt_dir / "last.ckpt", val_every_steps=cfg.val_every_steps)
     cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
     kernels = AttentionKernels(cfg.sdpa_backends)

@@ -41,7 +41,6 @@ class RunStart:
     model: str
     lr: float
     seed: int
-    tokens_per_step: int
     model_config: "GPTConfig"
     non_embedding_params: int = 0
     train_tokens: int = 0  # the training split's tokens, for the epochs a run trains
@@ -55,7 +54,6 @@ class RunStart:
             model=cfg.model.name,
             lr=cfg.optim.lr,
             seed=cfg.seed,
-            tokens_per_step=cfg.global_batch_tokens,
             model_config=model_config,
         )
 
@@ -72,6 +70,7 @@ class RunStart:
         from xsa_lm.train.schedule import peak_lr
 
         history = callbacks.history.history
+        tokens_seen = callbacks.throughput.tokens_seen(trainer.global_step)
         final = history[-1]["val_loss"] if history and status == "completed" else None
         scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         summary = RunSummary(
@@ -89,8 +88,8 @@ class RunStart:
             final_val_bpb=history[-1].get("val_bpb") if final is not None else None,
             final_val_loss_by_position=history[-1].get("val_loss_by_position", []) if final is not None else [],
             steps=trainer.global_step,
-            data_epochs=trainer.global_step * self.tokens_per_step / self.train_tokens if self.train_tokens else None,
-            tokens_seen=trainer.global_step * self.tokens_per_step,
+            data_epochs=tokens_seen / self.train_tokens if self.train_tokens else None,
+            tokens_seen=tokens_seen,
             tokens_per_s=callbacks.throughput.tokens_per_s,
             wall_time_s=round(time.time() - self.started, 2),
             non_embedding_params=self.non_embedding_params,
