@@ -74,6 +74,10 @@ def test_throughput_reads_flops_and_peak_at_the_start(tmp_path: Path):
     assert metrics["train/step_time_s"] > 0 and 0 < metrics["train/mfu"] < 1
     assert metrics["train/tokens_per_s"] == pytest.approx(throughput.tokens_per_step / metrics["train/step_time_s"])
     assert not any("memory" in key for key in metrics)  # CUDA's allocator counters only
+    one_step = Throughput(tokens_per_step=4 * CONTEXT)
+    fit([one_step], max_steps=1, accumulate=1)  # timed from the start of training: a rate, not 0 tokens/s
+    assert one_step.step_time_s > 0
+    assert one_step.tokens_per_s == pytest.approx(one_step.tokens_per_step / one_step.step_time_s)
 
 
 @pytest.mark.parametrize("override", ["profile.steps=0", "profile.start_step=-1", "profile.start_step=1.5"])

@@ -44,7 +44,16 @@ from xsa_lm.sweep.protocol import (
     select_lr,
 )
 from xsa_lm.sweep.report import build_results, render_markdown
-from xsa_lm.sweep.run import check_sweep, comparison_plan, keep_plan, train_overrides
+from xsa_lm.sweep.run import (
+    Evaluation,
+    check_sweep,
+    comparison_plan,
+    downstream_evaluation,
+    earlier_comparisons,
+    keep_plan,
+    sweep_problem,
+    train_overrides,
+)
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, device_slots, outcome
@@ -634,9 +643,9 @@ def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch,
     assert (addr_a, addr_b) == ((None, None) if slurm else ("127.0.0.1", "127.0.0.1"))
 
 
-def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path) -> None:
+def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path, capsys) -> None:
     """A rerun with another sweep.diverge_above reused its trials as they were recorded: the LR selection then hung
-    on the order the bounds were tried in."""
+    on the order the bounds were tried in. Each change names the bound it was judged by."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
     store.run_dir(trial).mkdir(parents=True)
     write_json(store.run_dir(trial) / "summary.json", _summary(loss=5.0).to_json())
@@ -644,8 +653,11 @@ def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path) 
     Launcher(store, [], diverge_above=4.5).run([trial], phase="search", job_type="search")
     diverged = cast(TrialRecord, store.load(trial))
     assert diverged.status == "diverged" and "above the divergence bound 4.500" in str(diverged.error)
+    assert "diverged under this run's divergence bound 4.500 (sweep.diverge_above)" in capsys.readouterr().out
     Launcher(store, []).run([trial], phase="search", job_type="search")  # the default bound, ln(512) = 6.24
     assert cast(TrialRecord, store.load(trial)).status == "completed"
+    said = capsys.readouterr().out
+    assert "completed under this run's divergence bound 6.238 (ln of the vocabulary size)" in said, said
 
 
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
@@ -700,6 +712,88 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         assert "\n" not in message and f"({named})" in message, message
         assert "spends the significance level again" in message and "a new hydra.run.dir" in message
         assert state_file.read_bytes() == kept  # nothing recorded
+
+
+def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[Trial]:
+    """Completed compare records of SA and XSA at lr, as the compare phase leaves them."""
+    trials = compare_trials(lr, seeds)
+    for trial in trials:
+        store.save(replace(TrialRecord.missing(trial, "compare"), status="completed", final_val_loss=3.0))
+    return trials
+
+
+def test_a_comparison_at_an_earlier_grids_lr_is_reported_not_dropped(tmp_path: Path) -> None:
+    """A rerun whose larger grid selects another LR shows its own comparison: the one the folder already ran at the
+    earlier LR was seen before this verdict, and the warning says where it is."""
+    store = TrialStore(tmp_path / "sweep")
+    _completed_compare(store, 1e-2, [1, 2])
+    store.save(replace(TrialRecord.missing(Trial("sa", 1e-2, 0), "search"), status="completed"))  # not a comparison
+    _completed_compare(store, 3e-2, [1, 2])
+    assert earlier_comparisons(store, 1e-2)[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
+    (warning,) = earlier_comparisons(store, 3e-2)
+    runs = "sa_lr0.01_s1, sa_lr0.01_s2, xsa_lr0.01_s1, xsa_lr0.01_s2"
+    assert f"at LR 0.01 (4 completed compare run(s): {runs};" in warning
+    assert f"runs in {store.runs}) before this run's grid selected LR 0.03" in warning
+    assert "the verdict shown was reached after that comparison was seen" in warning
+    assert earlier_comparisons(TrialStore(tmp_path / "other"), 3e-2) == []
+
+
+def _fake_eval(calls: list[list[str]], returncode: int = 0):
+    """subprocess.run standing in for `xsa-lm eval`: it refuses a folder that holds an eval.json, as eval does."""
+
+    def run(cmd: list[str], stdout, stderr) -> subprocess.CompletedProcess:
+        calls.append(cmd)
+        args = dict(a.split("=", 1) for a in cmd if "=" in a)
+        out = Path(args["hydra.run.dir"])
+        if returncode or (out / "eval.json").exists():
+            stdout.write("xsa-lm: error: the evaluation failed\n")
+            return subprocess.CompletedProcess(cmd, 1)
+        rows = [{"checkpoint": c} for c in args["ckpts"].strip("[]").split(",")]
+        limit = float(args["limit"]) if "limit" in args else None
+        write_json(out / "eval.json", {"tasks": args["tasks"].strip("[]").split(","), "limit": limit, "rows": rows})
+        return subprocess.CompletedProcess(cmd, 0)
+
+    return run
+
+
+def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another limit, other tasks or other checkpoints evaluate anew; the earlier eval folder is kept beside."""
+    sweep_dir = tmp_path / "sweep"
+    store, calls = TrialStore(sweep_dir), []
+    monkeypatch.setattr(subprocess, "run", _fake_eval(calls))
+    compare = _completed_compare(store, 1e-2, [1])
+
+    def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> Evaluation:
+        cfg = OmegaConf.create({"sweep": {"eval_tasks": tasks, "eval_limit": limit}})
+        return downstream_evaluation(cfg, store, trials, sweep_dir)
+
+    first = evaluate(["piqa"], 10, compare)
+    assert first["result"] is not None and first["result"]["limit"] == 10 and first["warnings"] == []
+    assert evaluate(["piqa"], 10, compare) == first and len(calls) == 1  # the same evaluation: reused
+    full = evaluate(["piqa"], None, compare)
+    assert len(calls) == 2 and full["error"] is None and cast(dict, full["result"])["limit"] is None
+    assert json.loads((sweep_dir / "eval.earlier1" / "eval.json").read_text())["limit"] == 10
+    (warning,) = full["warnings"]
+    assert "(2 checkpoints, tasks ['piqa'], limit 10.0)" in warning and f"kept in {sweep_dir}/eval.earlier1" in warning
+    assert evaluate(["piqa", "arc_easy"], None, compare)["result"] is not None and len(calls) == 3
+    moved = evaluate(["piqa", "arc_easy"], None, _completed_compare(store, 3e-2, [1]))  # another selected LR
+    assert moved["error"] is None and "lr0.03" in cast(dict, moved["result"])["rows"][0]["checkpoint"]
+    kept = ["eval", "eval.earlier1", "eval.earlier2", "eval.earlier3"]
+    assert sorted(p.name for p in sweep_dir.glob("eval*")) == kept
+
+
+def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = TrialStore(tmp_path / "sweep")
+    monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))
+    cfg = OmegaConf.create({"sweep": {"eval_tasks": ["piqa"], "eval_limit": None}})
+    failed = downstream_evaluation(cfg, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
+    assert failed["result"] is None and failed["warnings"] == [failed["error"]]
+    assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed["error"])
+    results = {"trials": [{"id": "a", "status": "completed"}], "selected_lr": 1e-2, "eval_error": failed["error"]}
+    assert str(sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
+    assert sweep_problem(results | {"eval_error": None}) is None
 
 
 def test_report_without_a_usable_lr_says_the_comparison_did_not_run(tmp_path: Path) -> None:

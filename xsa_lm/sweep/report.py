@@ -208,6 +208,7 @@ class SweepResult(Record):
     stalls: StallStudy | None = None
     trials: list[TrialRecord] = field(default_factory=list)
     eval: dict | None = None  # xsa-lm eval of the compare runs (sweep.eval_tasks)
+    eval_error: str | None = None  # why that evaluation failed
     bpb: BpbStats | None = None  # bits_per_byte of the compare runs
     positions: PositionDifferences | None = None  # XSA - SA per span of window positions
     null: NullComparison | None = None  # the A/A null of sweep.null_arm

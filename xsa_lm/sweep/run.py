@@ -11,6 +11,7 @@ makes the same command resumable (see trials.py).
 """
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -226,6 +227,25 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     return select_lr(results)
 
 
+def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[str]:
+    """A warning for each LR other than the selected one at which this folder already ran compare trials (an earlier
+    grid selected it): the comparison shown was chosen after that one was seen, which spends the significance level
+    again, so the report must say so rather than drop it."""
+    completed: dict[float, list[str]] = {}
+    for record in store.all_records():
+        at_selected = selected_lr is not None and math.isclose(record.lr, selected_lr, rel_tol=1e-9)
+        if record.phase == "compare" and record.status == "completed" and not at_selected:
+            completed.setdefault(record.lr, []).append(record.id)
+    now = f"LR {selected_lr:g}" if selected_lr is not None else "no LR"
+    return [
+        f"this sweep folder already compared SA and XSA at LR {lr:g} ({len(ids)} completed compare run(s): "
+        f"{', '.join(ids)}; records in {store.records}, runs in {store.runs}) before this run's grid selected {now}: "
+        "the verdict shown was reached after that comparison was seen, which spends the significance level again "
+        "(the grids run are in sweep.json's history)"
+        for lr, ids in sorted(completed.items())
+    ]
+
+
 def check_sweep(
     cfg: DictConfig, overrides: list[str] | None = None
 ) -> tuple[list[float], list[int], list[int], int | None]:
@@ -294,22 +314,51 @@ def compare_phase(
         n += 1
 
 
-def downstream_evaluation(
-    cfg: DictConfig, store: TrialStore, compare: list[Trial], sweep_dir: Path
-) -> tuple[dict | None, list[str]]:
-    """`xsa-lm eval` of sweep.eval_tasks on the final checkpoints of the compare runs (its own process, like a trial):
-    its result (None without eval tasks or compare runs, or when it failed) and the warning of a failure. The result
-    is reused when the same checkpoints were evaluated before."""
+def same_evaluation(previous: dict, ckpts: list[str], tasks: list[str], limit: float | None) -> bool:
+    """Whether an eval.json evaluated these checkpoints on these tasks (names, as eval resolves them) and limit."""
+    evaluated = sorted(row["checkpoint"] for row in previous["rows"])
+    return evaluated == sorted(ckpts) and sorted(previous["tasks"]) == sorted(tasks) and previous["limit"] == limit
+
+
+def set_aside(folder: Path) -> Path:
+    """folder renamed to the first free <folder>.earlier<N>: a result is kept, never overwritten."""
+    n = 1
+    while folder.with_name(f"{folder.name}.earlier{n}").exists():
+        n += 1
+    return folder.rename(folder.with_name(f"{folder.name}.earlier{n}"))
+
+
+class Evaluation(TypedDict):
+    """The downstream evaluation phase: eval.json (None without eval tasks or compare runs, or when it failed), the
+    report's warnings and why it failed (None when it did not)."""
+
+    result: dict | None
+    warnings: list[str]
+    error: str | None
+
+
+def downstream_evaluation(cfg: DictConfig, store: TrialStore, compare: list[Trial], sweep_dir: Path) -> Evaluation:
+    """`xsa-lm eval` of sweep.eval_tasks on the final checkpoints of the compare runs (its own process, like a trial)
+    into eval/. An earlier eval.json of the same checkpoints, tasks and limit is reused; one of others is set aside
+    (eval.earlier<N>/) and the evaluation runs anew."""
     if not (cfg.sweep.get("eval_tasks") and compare):
-        return None, []
+        return Evaluation(result=None, warnings=[], error=None)
+    from xsa_lm.eval.run import resolve_tasks
+
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
     ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
-    out = sweep_dir / "eval"
+    tasks, limit = plain(cfg.sweep.eval_tasks), cfg.sweep.get("eval_limit")
+    out, warnings = sweep_dir / "eval", []
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
-        if sorted(r["checkpoint"] for r in previous["rows"]) == sorted(ckpts):
-            return previous, []
-    tasks, limit = plain(cfg.sweep.eval_tasks), cfg.sweep.get("eval_limit")
+        if same_evaluation(previous, ckpts, resolve_tasks(cast(str | list[str], tasks))[0], limit):
+            return Evaluation(result=previous, warnings=[], error=None)
+        kept = set_aside(out)
+        warnings.append(
+            f"the earlier downstream evaluation ({len(previous['rows'])} checkpoints, tasks {previous['tasks']}, "
+            f"limit {previous['limit']}) was of other checkpoints, tasks or limit than this run's: it is kept in "
+            f"{kept}, and the table shown is this run's evaluation in {out}"
+        )
     tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]
     cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
@@ -318,8 +367,9 @@ def downstream_evaluation(
     with open(store.logs / "eval.log", "a") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        return None, [f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"]
-    return json.loads((out / "eval.json").read_text()), []
+        error = f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
+        return Evaluation(result=None, warnings=[*warnings, error], error=error)
+    return Evaluation(result=json.loads((out / "eval.json").read_text()), warnings=warnings, error=None)
 
 
 def open_sweep(
@@ -378,7 +428,7 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
 
-    evaluation, eval_warnings = downstream_evaluation(cfg, store, compare, sweep_dir)
+    evaluation = downstream_evaluation(cfg, store, compare, sweep_dir)
     results = build_results(
         sweep_dir,
         sweep_id=sweep_id,
@@ -395,8 +445,8 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
         stall_rule=stall_rule(cfg),
         margin=plan["margin"],
     )
-    results["eval"] = evaluation
-    results["warnings"] += late + eval_warnings
+    results["eval"], results["eval_error"] = evaluation["result"], evaluation["error"]
+    results["warnings"] += late + earlier_comparisons(store, selection.lr) + evaluation["warnings"]
     markdown = write_report(results, sweep_dir)
     wandb_cfg = wandb_settings(cfg)
     if wandb_cfg and cfg.sweep.wandb_report:
@@ -415,13 +465,21 @@ def incomplete(results: dict) -> str | None:
     return None
 
 
+def sweep_problem(results: dict) -> str | None:
+    """Why `xsa-lm sweep` exits with 1, or None: incomplete(results), else a downstream evaluation that failed."""
+    problem = incomplete(results)
+    if problem is None and results.get("eval_error"):  # the training finished: only the evaluation is retried
+        problem = f"{results['eval_error']}: run the same command again to retry it"
+    return problem
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, partial(run_sweep, cfg))
     print("\n" + markdown)
     print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
-    problem = incomplete(results)
+    problem = sweep_problem(results)
     if problem:
         print(f"xsa-lm sweep: {problem}", file=sys.stderr)
         sys.exit(1)

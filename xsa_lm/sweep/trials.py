@@ -108,6 +108,10 @@ class TrialStore:
             )
         return record
 
+    def all_records(self) -> list[TrialRecord]:
+        """Every trial this sweep folder recorded, of this run's grid or an earlier one."""
+        return [TrialRecord.read(path) for path in sorted(self.records.glob("*.json"))]
+
     def save(self, record: TrialRecord) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
         write_json(self.records / f"{record.id}.json", record.to_json())  # a kill mid-write leaves the old one whole
@@ -136,6 +140,12 @@ SUMMARY_METRICS = [
 ]
 
 
+def divergence_bound(summary: RunSummary, diverge_above: float | None) -> float:
+    """sweep.diverge_above, else ln(V): a final val loss above it is worse than guessing uniformly over the
+    vocabulary, so the run diverged."""
+    return float(diverge_above) if diverge_above is not None else math.log(summary.model_config["vocab_size"])
+
+
 def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_above: float | None) -> Outcome:
     """The status, error and metrics of a finished trial process, from its exit code and summary.json."""
     if summary is None:
@@ -147,8 +157,7 @@ def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_
     if returncode != 0 and summary.status != "failed":
         return Outcome("failed", log_tail or f"exited with code {returncode}", summary)
     loss = summary.final_val_loss
-    # A final val loss above ln(V) is worse than guessing uniformly over the vocabulary: the run diverged.
-    bound = float(diverge_above) if diverge_above is not None else math.log(summary.model_config["vocab_size"])
+    bound = divergence_bound(summary, diverge_above)
     if summary.status == "completed" and (loss is None or not math.isfinite(loss) or loss > bound):
         return Outcome("diverged", f"final val loss {loss} is above the divergence bound {bound:.3f}", summary)
     if summary.status == "diverged":
@@ -310,10 +319,16 @@ class Launcher:
         summary_file = self.store.run_dir(trial) / "summary.json"
         if not summary_file.exists():
             return record
-        judged = outcome(record.returncode or 0, RunSummary.read(summary_file), "", self.diverge_above)
+        summary = RunSummary.read(summary_file)
+        judged = outcome(record.returncode or 0, summary, "", self.diverge_above)
         if judged.status == record.status:
             return record
-        print(f"  {trial.id}: {record.status} -> {judged.status} under this run's divergence bound ({judged.error})")
+        bound = f"{divergence_bound(summary, self.diverge_above):.3f}"
+        bound += " (sweep.diverge_above)" if self.diverge_above is not None else " (ln of the vocabulary size)"
+        print(
+            f"  {trial.id}: {record.status} -> {judged.status} under this run's divergence bound {bound}: "
+            f"final val loss {summary.final_val_loss}"
+        )
         record = replace(record, status=judged.status, error=judged.error)
         self.store.save(record)
         return record

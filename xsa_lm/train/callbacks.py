@@ -43,7 +43,7 @@ class Throughput(L.Callback):
         self.tokens_per_step = tokens_per_step
         self.counted_from = (0, 0)  # (step, tokens seen by then): a resume's checkpoint
         self._marks: list[tuple[int, float]] = []
-        self.tokens_per_s = 0.0
+        self.tokens_per_s: float | None = None  # none before the first optimizer step
         self.step_time_s = 0.0
         self.flops_per_token: float | None = None
         self.peak_flops: float | None = None  # all devices together
@@ -54,6 +54,7 @@ class Throughput(L.Callback):
         self.flops_per_token = cast(GPT, pl_module.model).flops_per_token(context)
         peak, _ = peak_flops(pl_module.device, str(trainer.precision))
         self.peak_flops = peak * trainer.world_size if peak else None  # None: a GPU missing from the table
+        self._marks = [(trainer.global_step, time.perf_counter())]  # so the first step counts whole, micro-batches too
 
     def tokens_seen(self, step: int) -> int:
         """The tokens trained on by `step`: the checkpoint's count, then this run's tokens per step (a new run from
@@ -82,9 +83,9 @@ class Throughput(L.Callback):
                 pl_module.log(name, value, on_step=True)
 
     def metrics(self, step: int, device: torch.device) -> dict[str, float]:
-        values = {"train/tokens_per_s": self.tokens_per_s, "train/tokens_seen": float(self.tokens_seen(step))}
-        if len(self._marks) > 1:  # a rate needs two optimizer steps
-            values["train/step_time_s"] = self.step_time_s
+        values = {"train/tokens_seen": float(self.tokens_seen(step))}
+        if self.tokens_per_s is not None:
+            values |= {"train/tokens_per_s": self.tokens_per_s, "train/step_time_s": self.step_time_s}
             if self.flops_per_token and self.peak_flops:
                 values["train/mfu"] = self.flops_per_token * self.tokens_per_s / self.peak_flops
         if device.type == "cuda":

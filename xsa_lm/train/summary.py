@@ -141,9 +141,10 @@ def print_summary(s: RunSummary) -> None:
         loss = f"last val loss {s.val_history[-1]['val_loss']:.4f} at step {s.val_history[-1]['step']}"
     else:
         loss = "final val loss n/a"
+    speed = f"{s.tokens_per_s:,.0f} tokens/s" if s.tokens_per_s is not None else "tokens/s n/a"
     lines = [
         f"\n{s.status.upper()}: {s.attention} {s.model} | {loss} | {s.steps} steps, "
-        f"{s.tokens_seen:,} tokens | {s.tokens_per_s:,.0f} tokens/s | {s.wall_time_s:.1f} s wall",
+        f"{s.tokens_seen:,} tokens | {speed} | {s.wall_time_s:.1f} s wall",
         f"  summary: {s.run_dir}/summary.json",
     ]
     if s.diverged_at_step is not None:
