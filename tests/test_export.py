@@ -4,6 +4,7 @@ a sharded checkpoint exports to the same weights; bad inputs fail in one line.""
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -256,6 +257,14 @@ def test_bad_inputs_are_refused_in_one_line_and_nothing_is_overwritten(runs, tmp
             export(ckpt, tmp_path / file)
     (tmp_path / "empty").mkdir()
     assert (export(ckpt, tmp_path / "empty") / "model.safetensors").is_file()  # an empty directory is filled
+    umask = os.umask(0o022)
+    try:  # readable by others, as a folder mkdir made (mkdtemp's staging folder is its owner's alone)
+        assert export(ckpt, tmp_path / "shared").stat().st_mode & 0o777 == 0o755
+    finally:
+        os.umask(umask)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")  # a link to an empty directory: that directory is filled
+    assert export(ckpt, tmp_path / "link") == tmp_path / "target" and (tmp_path / "target" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("out", ["", ".", "..", "/"])

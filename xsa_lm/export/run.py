@@ -7,6 +7,7 @@ load it. A file checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA wit
 """
 
 import importlib.util
+import os
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -52,6 +53,12 @@ def check_out(out: Path) -> None:
         raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
 
 
+def current_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def hf_model(model: GPT, eot: int) -> "XSAForCausalLM":
     """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained."""
     from xsa_lm.export.configuration_xsa import XSAConfig
@@ -74,6 +81,7 @@ def export(ckpt: Path, out: Path) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     check_checkpoint_file(ckpt, key="ckpt")
+    out = out.resolve() if out.is_symlink() else out  # a link to an empty directory: fill that directory
     check_out(out)
     model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt, key="ckpt")
     eot = eot_id(tokenizer)  # read_tokenizer refused a run's tokenizer without one
@@ -90,6 +98,7 @@ def export(ckpt: Path, out: Path) -> Path:
             pad_token=EOT,
             model_max_length=model.config.block_size,
         ).save_pretrained(staging)
+        staging.chmod(0o777 & ~current_umask())  # mkdtemp's is private to its owner: the folder's, as mkdir makes it
         staging.replace(out)
     finally:
         if staging.exists():
