@@ -294,6 +294,7 @@ def test_bench_sizes_are_refused_before_any_phase(override: str, message: str):
         (["out=bdir", "overwrite=true"], "out=bdir is a directory: give the file to write, e.g. out=bdir/bench.json"),
         (["out=b1.json", "overwrite=no"], "overwrite must be true or false, got 'no'"),
         (["compile=no"], "compile must be true or false, got 'no'"),
+        (["out=null"], "out=null: bench writes its results to a file; give one, e.g. out=bench.json"),
     ],
 )
 def test_bench_refuses_an_out_or_switch_before_measuring(

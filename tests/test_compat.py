@@ -140,33 +140,6 @@ def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, 
     return trainer
 
 
-def test_model_checkpoint_saves_now_on_request(tmp_path: Path):
-    """compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation, through
-    Trainer.save_checkpoint (where LinkingTrainer writes a step's payload once)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    seen = []
-
-    class Probe(L.Callback):
-        def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-            seen.append(trainer.global_step)
-
-    probe = ModelCheckpoint(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
-    trainer = fit_recorder(tmp_path, [probe, Probe()])
-    ours, lightnings = compat.monitor_candidates(trainer), probe._monitor_candidates(trainer)
-    assert ours.keys() == lightnings.keys() and all(torch.equal(ours[k], lightnings[k]) for k in ours), changed(
-        "ModelCheckpoint._monitor_candidates", "differs from compat.monitor_candidates"
-    )
-    seen.clear()
-    trainer.state.fn = "validate"  # as after trainer.validate
-    now = ModelCheckpoint(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
-    compat.save_checkpoints_now(now, trainer)
-    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
-        "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed"
-    )
-    assert seen == [4, 4], changed("ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed")
-
-
 def test_the_resume_checkpoint_can_be_agreed_on_before_it_is_read(tmp_path: Path):
     api = "_CheckpointConnector._restore_modules_and_callbacks"
     first = fit_recorder(tmp_path / "a", [], steps=3)
@@ -320,19 +293,25 @@ def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validat
         assert resumed == [3, 4], changed(api, f"changed (resumed from a checkpoint saved {saved}: rows {resumed})")
 
 
-def test_a_validation_after_the_fit_can_be_logged_as_the_last_steps(tmp_path: Path):
-    """compat.logged_as_the_last_step: a validation of the last step run after the fit gets the row the loop gave
-    the same validation inside it (step N - 1, the epoch the step trained in)."""
-    api = "_TrainingEpochLoop._batches_that_stepped / the fit loop's epoch_progress"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(tmp_path: Path, accumulate: int):
+    """LMModule stops the loop as its last micro-batch starts (Trainer.should_stop), so that Lightning logs that step
+    and validates it inside the loop, with its own row numbers and checkpoint hooks, though it is on neither's grid."""
+    api = "Trainer.should_stop set in on_train_batch_start (_TrainingEpochLoop._should_check_val_fx)"
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=1)
     logger = CSVLogger(tmp_path, name="run", version="")
     quiet = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    trainer = L.Trainer(max_steps=3, logger=logger, val_check_interval=3, limit_val_batches=1, **quiet)
-    module = StepLogger()
-    trainer.fit(module, data, data)
-    with compat.logged_as_the_last_step(trainer):
-        trainer.validate(module, data, verbose=False)
-    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 3 and trainer.current_epoch == 1, changed(api, "moved")
+
+    class StopsAtTheEnd(StepLogger):
+        def on_train_batch_start(self, *args) -> None:
+            if self.global_step + 1 >= self.trainer.max_steps and not compat.accumulating(self.trainer):
+                self.trainer.should_stop = True
+
+    settings = dict(val_check_interval=2 * accumulate, accumulate_grad_batches=accumulate, log_every_n_steps=2)
+    trainer = L.Trainer(max_steps=3, logger=logger, limit_val_batches=1, **quiet, **settings)
+    trainer.fit(StopsAtTheEnd(), data, data)
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3 * accumulate, changed(api, "stops early")
     with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
-        rows = [(row["epoch"], row["step"]) for row in csv.DictReader(f) if row["val"]]
-    assert rows == [("0", "2"), ("0", "2")], changed(api, f"changed (rows {rows})")
+        rows = list(csv.DictReader(f))
+    validated, logged = [r["step"] for r in rows if r["val"]], [r["step"] for r in rows if r["loss"]]
+    assert validated == ["1", "2"] and logged == ["1", "2"], changed(api, f"changed (rows {validated}, {logged})")

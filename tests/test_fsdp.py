@@ -168,7 +168,7 @@ def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
 def test_a_nan_on_one_rank_is_skipped_on_every_rank(data_cache: Path, tmp_path: Path):
     """Only rank 1's loss is NaN at step 7. Its gradient reaches every shard through the reduce-scatter, so the
     global norm is NaN on both ranks and both skip that update (one skip allowed), or the shards would part ways.
-    12 steps, no multiple of val_every_steps: the last step is validated and checkpointed after the fit, on every
+    12 steps, no multiple of val_every_steps: the last step is validated and checkpointed all the same, on every
     rank. Consolidated checkpoints here (one file gathered on rank 0), the other checkpoint format."""
     run_dir = tmp_path / "run"
     out = run_cli(

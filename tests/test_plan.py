@@ -177,6 +177,27 @@ def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.Monkey
     assert kept.read_text() == "mine"
 
 
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("notes.txt/plan.json", "out=notes.txt/plan.json: notes.txt is a file, not a folder; choose another path"),
+        ("folder", "out=folder is a directory: give the file to write, e.g. out=folder/plan.json"),
+    ],
+)
+def test_plan_refuses_an_out_it_cannot_write_before_planning(
+    out: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    from xsa_lm.train import plan
+
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan, "make_plan", lambda cfg: pytest.fail("planned before refusing"))
+    args = ["plan", f"out={out}", "overwrite=true", "device_memory_gb=80"]
+    assert refused_in_process(args, monkeypatch, capsys) == f"xsa-lm: error: {message}\n"
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not any((tmp_path / "folder").iterdir())
+
+
 def test_plan_refuses_an_overwrite_not_true_or_false(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):

@@ -197,8 +197,8 @@ def test_a_checkpoint_holds_the_best_loss_its_run_reached(xsa_run: Path):
 @pytest.mark.slow
 def test_a_new_run_validated_on_other_windows_starts_its_history_afresh(xsa_run: Path, data_cache: Path, tmp_path):
     """A new run from a checkpoint with another data.val_windows mixed the checkpoint's losses (another validation
-    set) into its val_history and best_val_loss. Its only validation comes after the fit (step 25), where Lightning
-    had already saved last.ckpt at the same step: the checkpoints then linked to that save, without the validation."""
+    set) into its val_history and best_val_loss. Its only validation is at its last step (25), off the val_every_steps
+    grid: the checkpoints of that step must hold that validation."""
     new_dir = tmp_path / "new"
     args = [*XSA, "data.val_windows=32", "trainer.max_steps=25", f"resume={xsa_run / 'checkpoints' / 'last.ckpt'}"]
     out = run_cli([*args, f"hydra.run.dir={new_dir}"], data_cache, tmp_path)

@@ -28,6 +28,7 @@ from tests.helpers import (
 )
 from tests.wandb_records import config, history, run_record, summary
 from xsa_lm.errors import UserError
+from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
 from xsa_lm.stats.decision import VERDICTS
 from xsa_lm.stats.paired import paired_t
@@ -750,7 +751,11 @@ def _fake_eval(calls: list[list[str]], returncode: int = 0):
             return subprocess.CompletedProcess(cmd, 1)
         rows = [{"checkpoint": c} for c in args["ckpts"].strip("[]").split(",")]
         limit = float(args["limit"]) if "limit" in args else None
-        write_json(out / "eval.json", {"tasks": args["tasks"].strip("[]").split(","), "limit": limit, "rows": rows})
+        tasks = args["tasks"].strip("[]").split(",")
+        names = resolve_tasks(tasks)[0]
+        write_json(
+            out / "eval.json", {"tasks": names, "limit": limit, "rows": rows, "task_files": task_file_digests(tasks)}
+        )
         return subprocess.CompletedProcess(cmd, 0)
 
     return run
@@ -782,6 +787,13 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     assert moved["error"] is None and "lr0.03" in cast(dict, moved["result"])["rows"][0]["checkpoint"]
     kept = ["eval", "eval.earlier1", "eval.earlier2", "eval.earlier3"]
     assert sorted(p.name for p in sweep_dir.glob("eval*")) == kept
+    task_file = tmp_path / "mine.yaml"
+    task_file.write_text("task: mine\ndataset_path: json\n")
+    assert evaluate([str(task_file)], None, compare)["result"] is not None and len(calls) == 5
+    assert evaluate([str(task_file)], None, compare)["warnings"] == [] and len(calls) == 5  # reused
+    task_file.write_text("task: mine\ndataset_path: csv\n")  # the same task name, another task
+    (edited,) = evaluate([str(task_file)], None, compare)["warnings"]
+    assert len(calls) == 6 and "other checkpoints, tasks, task files or limit" in edited
 
 
 def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

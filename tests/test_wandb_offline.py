@@ -99,7 +99,7 @@ def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[fl
 
 @pytest.mark.slow
 def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_cache: Path) -> None:
-    # The last step (5) is off the validation grid: validated, and checkpointed, after the fit.
+    # The last step (5) is off the validation grid: validated, and checkpointed, all the same.
     overrides = ["trainer.max_steps=5", "val_every_steps=2", "logger.wandb.log_model=true"]
     run_dir, run_file, _ = train_offline(tmp_path, data_cache, "run", *overrides)
     logged = artifacts(run_file)

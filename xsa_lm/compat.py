@@ -5,19 +5,16 @@ public terms. tests/test_compat.py checks each against the installed versions, s
 there, by name, rather than deep inside a training run.
 """
 
-import copy
 import csv
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -145,23 +142,6 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
 
 
-def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
-    """What a ModelCheckpoint does at the end of a validation (its top-k checkpoint, then last.ckpt), outside the fit
-    loop: for a last step validated after the fit. The two steps have no public entry point; what they compare and
-    name files by is Lightning's: the logged values, with the epoch and step as int tensors."""
-    candidates = monitor_candidates(trainer)
-    callback._save_topk_checkpoint(trainer, candidates)
-    callback._save_last_checkpoint(trainer, candidates)
-
-
-def monitor_candidates(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    metrics = copy.deepcopy(trainer.callback_metrics)  # kept by the callback: never changed later
-    for key, counter in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
-        value = metrics.get(key)
-        metrics[key] = value.int() if isinstance(value, torch.Tensor) else torch.tensor(counter)
-    return metrics
-
-
 def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:
     """Lightning reads fit(ckpt_path=...) in every process on its own; `choose` (e.g. rank 0's path, broadcast) sees
     each process's path once the process group exists and returns the one to restore. The restore call it wraps,
@@ -206,22 +186,6 @@ def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
         if counts["completed"] == counts["processed"]:
             counts["completed"] -= 1
     state["_batches_that_stepped"] = global_step - 1
-
-
-@contextmanager
-def logged_as_the_last_step(trainer: L.Trainer) -> Iterator[None]:
-    """Lightning's loggers number a row by the optimizer steps taken before the current one (`_batches_that_stepped`)
-    and label it with the epochs completed: inside the loop, the validation after step N is row N - 1 of its epoch.
-    After the fit both counters have moved on (the last step counted, its epoch closed), so a validation of the last
-    step run then gets them set back, and its row is numbered as the loop's are."""
-    loop = trainer.fit_loop
-    loop.epoch_loop._batches_that_stepped -= 1
-    loop.epoch_progress.current.completed -= 1
-    try:
-        yield
-    finally:
-        loop.epoch_loop._batches_that_stepped += 1
-        loop.epoch_progress.current.completed += 1
 
 
 def lightning_precision_name(precision: str | int) -> str:

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from xsa_lm.errors import WriteError, os_error_in, what_to_do
+from xsa_lm.errors import UserError, WriteError, os_error_in, what_to_do
 
 
 @contextmanager
@@ -88,3 +88,15 @@ def write_text(path: str | Path, text: str, **how: Any) -> None:
 def write_json(path: str | Path, data: object, **how: Any) -> None:
     """`data` as indented JSON (made before the file is opened: a value JSON cannot hold leaves no file)."""
     write_text(path, json.dumps(data, indent=2), **how)
+
+
+def check_new_file(out: Path, *, overwrite: bool, example: str) -> None:
+    """Where a command's results go, checked before the work that makes them, so that none of it is lost: a new
+    file, or an old one with overwrite=true; never a directory, nor a path below a file (`example`: a file name)."""
+    if out.is_dir():
+        raise UserError(f"out={out} is a directory: give the file to write, e.g. out={out / example}")
+    blocking = next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"out={out}: {blocking} is a file, not a folder; choose another path")
+    if out.exists() and not overwrite:
+        raise UserError(f"out={out} exists: choose another path or add overwrite=true")

@@ -35,7 +35,7 @@ from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
 from xsa_lm.config.checks import check_switches
 from xsa_lm.errors import UserError, one_line_errors
-from xsa_lm.files import write_json
+from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import config_problem
 from xsa_lm.train import memory
@@ -323,18 +323,6 @@ def check_sizes(cfg: DictConfig) -> None:
         raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
 
 
-def check_out(out: Path, *, overwrite: bool) -> None:
-    """Where the report goes, checked before any phase, so that minutes of benchmarking are not lost: a new file,
-    or an old one with overwrite=true; never a directory, nor a path below a file."""
-    if out.is_dir():
-        raise UserError(f"out={out} is a directory: give the file to write, e.g. out={out / 'bench.json'}")
-    blocking = next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None)
-    if blocking is not None:
-        raise UserError(f"out={out}: {blocking} is a file, not a folder; choose another path")
-    if out.exists() and not overwrite:
-        raise UserError(f"out={out} exists: choose another path or add overwrite=true")
-
-
 def bench(cfg: DictConfig) -> dict[str, Any]:
     """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones."""
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
@@ -522,8 +510,10 @@ def print_tables(r: dict) -> None:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     check_switches(cfg, keys=("overwrite", "smoke", "compile", "reuse_host_memory"))
-    out = Path(cfg.out)
-    check_out(out, overwrite=cfg.overwrite)
+    if cfg.out is None:
+        raise UserError("out=null: bench writes its results to a file; give one, e.g. out=bench.json")
+    out = Path(str(cfg.out))
+    check_new_file(out, overwrite=cfg.overwrite, example="bench.json")
     result = bench(cfg)
     try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
         write_json(out, result, replace=cfg.overwrite)

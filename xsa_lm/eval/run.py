@@ -4,6 +4,7 @@ Writes DIR/eval.json and DIR/eval.md (a table like the paper's Table 2: one row 
 XSA - SA when both are given), prints the table, and logs it to W&B in each checkpoint's own run.
 """
 
+import hashlib
 import importlib.util
 import os
 from collections import Counter
@@ -64,6 +65,7 @@ class EvalResult(EvalRows, total=False):
     """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
 
     xsa_minus_sa: dict[str, float]
+    task_files: dict[str, str]  # task_file_digests: the local task files' contents
 
 
 def require_harness(needed_by: str = "xsa-lm eval") -> None:
@@ -95,6 +97,14 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
         else:
             names.append(str(entry))
     return names, sorted(set(folders))
+
+
+def task_file_digests(tasks: str | list[str]) -> dict[str, str]:
+    """The sha256 of each local task file among `tasks` (resolve_tasks has checked them), by its resolved path: an
+    edited file evaluates something else under the same task name."""
+    entries = [tasks] if isinstance(tasks, str) else list(tasks or [])
+    files = [Path(str(entry)).expanduser() for entry in entries if Path(str(entry)).suffix in (".yaml", ".yml")]
+    return {str(file.resolve()): hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
 
 
 def task_manager(names: list[str], folders: list[str]):
@@ -200,7 +210,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
                 "average": average,
             }
         )
-    result: EvalResult = {"tasks": names, "limit": limit, "rows": rows}
+    result: EvalResult = {"tasks": names, "limit": limit, "rows": rows, "task_files": task_file_digests(tasks)}
     difference = xsa_minus_sa(rows, names)
     if difference is not None:
         result["xsa_minus_sa"] = difference

@@ -314,10 +314,15 @@ def compare_phase(
         n += 1
 
 
-def same_evaluation(previous: dict, ckpts: list[str], tasks: list[str], limit: float | None) -> bool:
-    """Whether an eval.json evaluated these checkpoints on these tasks (names, as eval resolves them) and limit."""
+def same_evaluation(previous: dict, ckpts: list[str], tasks: str | list[str], limit: float | None) -> bool:
+    """Whether an eval.json evaluated these checkpoints on these tasks (names as eval resolves them, and the contents
+    of local task files) and limit."""
+    from xsa_lm.eval.run import resolve_tasks, task_file_digests
+
     evaluated = sorted(row["checkpoint"] for row in previous["rows"])
-    return evaluated == sorted(ckpts) and sorted(previous["tasks"]) == sorted(tasks) and previous["limit"] == limit
+    same_tasks = sorted(previous["tasks"]) == sorted(resolve_tasks(tasks)[0])
+    same_files = previous.get("task_files", {}) == task_file_digests(tasks)
+    return evaluated == sorted(ckpts) and same_tasks and same_files and previous["limit"] == limit
 
 
 def set_aside(folder: Path) -> Path:
@@ -343,21 +348,19 @@ def downstream_evaluation(cfg: DictConfig, store: TrialStore, compare: list[Tria
     (eval.earlier<N>/) and the evaluation runs anew."""
     if not (cfg.sweep.get("eval_tasks") and compare):
         return Evaluation(result=None, warnings=[], error=None)
-    from xsa_lm.eval.run import resolve_tasks
-
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
     ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
     tasks, limit = plain(cfg.sweep.eval_tasks), cfg.sweep.get("eval_limit")
     out, warnings = sweep_dir / "eval", []
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
-        if same_evaluation(previous, ckpts, resolve_tasks(cast(str | list[str], tasks))[0], limit):
+        if same_evaluation(previous, ckpts, cast(str | list[str], tasks), limit):
             return Evaluation(result=previous, warnings=[], error=None)
         kept = set_aside(out)
         warnings.append(
             f"the earlier downstream evaluation ({len(previous['rows'])} checkpoints, tasks {previous['tasks']}, "
-            f"limit {previous['limit']}) was of other checkpoints, tasks or limit than this run's: it is kept in "
-            f"{kept}, and the table shown is this run's evaluation in {out}"
+            f"limit {previous['limit']}) was of other checkpoints, tasks, task files or limit than this run's: it is "
+            f"kept in {kept}, and the table shown is this run's evaluation in {out}"
         )
     tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]

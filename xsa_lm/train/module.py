@@ -73,7 +73,6 @@ class LMModule(L.LightningModule):
             cast(Block, block).activation_checkpointing = activation_checkpointing
         if compile:
             compile_model(self.model)
-        self.tokens_per_micro_batch = 0
         self.diverged_at: int | None = None
         self.skip_budget = skip_nonfinite_batches
         self.spike_factor = spike_factor
@@ -99,7 +98,7 @@ class LMModule(L.LightningModule):
             return
         from torch.distributed.fsdp import fully_shard
 
-        if isinstance(self.model, FSDPModule):  # trainer.validate after the fit calls this hook again
+        if isinstance(self.model, FSDPModule):  # a second fit or validate of this module calls this hook again
             return
         mesh = self.device_mesh["data_parallel"]
         # No mixed-precision policy, on purpose: fp32 parameters under every strategy, bf16-mixed's autocast (which
@@ -242,6 +241,12 @@ class LMModule(L.LightningModule):
                 for p in group["params"]:
                     p.grad = None  # the optimizer leaves parameters without a gradient untouched
             self._nonfinite.append((self.global_step, nonfinite))
+
+    def on_train_batch_start(self, batch: tuple, batch_idx: int) -> None:
+        if self.global_step + 1 >= self.trainer.max_steps and not accumulating(self.trainer):
+            # The run's last micro-batch: a stop, which Lightning's loop logs and validates before it ends (as at
+            # val_every_steps), so the last step gets its logged row, validation and checkpoints in the loop.
+            self.trainer.should_stop = True
 
     def on_train_batch_end(self, outputs: STEP_OUTPUT, batch: tuple, batch_idx: int) -> None:
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.config.builders import VOCAB_MULTIPLE, model_config, resolve_precision, strategy_kind, world_size
 from xsa_lm.config.checks import check_switches, check_values
 from xsa_lm.errors import UserError, one_line_errors
-from xsa_lm.files import write_json
+from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled, uses_cuda
@@ -301,9 +301,10 @@ def batch_line(plan: Plan) -> str:
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
     check_switches(cfg, keys=("overwrite",))
-    if cfg.out and Path(cfg.out).exists() and not cfg.overwrite:
-        raise UserError(f"out={cfg.out} exists: choose another path or add overwrite=true")
+    out = None if cfg.out is None else Path(str(cfg.out))
+    if out is not None:
+        check_new_file(out, overwrite=cfg.overwrite, example="plan.json")
     plan = make_plan(cfg)
-    if cfg.out:
-        write_json(Path(cfg.out), plan)
+    if out is not None:
+        write_json(out, plan)
     print(table(plan))

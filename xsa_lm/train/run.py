@@ -19,7 +19,6 @@ import lightning as L
 import torch
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,7 +26,7 @@ from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPSt
 from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_valid_checkpoint
 from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
-from xsa_lm.compat import logged_as_the_last_step, save_checkpoints_now, skip_sigterm_broadcast
+from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import (
     build,
     check_config,
@@ -384,7 +383,7 @@ def fit(
     is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path, weights_only=False)  # our own files
-        status = outcome(trainer, module=module, datamodule=datamodule, callbacks=callbacks)
+        status = outcome(module, callbacks)
     except Exception as e:
         if is_rank_zero:
             try:
@@ -569,33 +568,14 @@ def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
     return OmegaConf.masked_copy(trainer_cfg, [str(key) for key in trainer_cfg if key not in OUR_TRAINER_KEYS])
 
 
-def outcome(trainer: L.Trainer, *, module: LMModule, datamodule: TokenDataModule, callbacks: RunCallbacks) -> str:
-    """The run's status once the fit has returned; a completed run whose last step has no validation yet gets one."""
+def outcome(module: LMModule, callbacks: RunCallbacks) -> str:
+    """The run's status once the fit has returned."""
     if module.diverged_at is not None:
         return "diverged"
     preemption = callbacks.preemption
     if preemption.preempted_at is not None:
         return "interrupted" if preemption.received == "SIGINT" else "preempted"
-    history = callbacks.history.history
-    if not history or history[-1]["step"] != trainer.global_step:
-        validate_last_step(trainer, module=module, datamodule=datamodule, checkpoint=callbacks.best)
     return "completed"
-
-
-def validate_last_step(
-    trainer: L.Trainer, *, module: LMModule, datamodule: TokenDataModule, checkpoint: ModelCheckpoint
-) -> None:
-    """A last step that is no multiple of val_every_steps is validated after the fit, outside the checkpoint
-    callbacks' own hooks: its checkpoint is written once (step-N.ckpt), last.ckpt links to it, and best.ckpt too
-    when its loss is the best. `checkpoint` is the val/loss callback, saved first as during the fit."""
-    with logged_as_the_last_step(trainer):  # its metrics.csv and W&B rows numbered as the loop's
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-    # On every rank: under FSDP2 saving gathers (or writes) every rank's shard. val/loss is synced across ranks,
-    # so all take the same decisions.
-    others = [c for c in trainer.checkpoint_callbacks if c is not checkpoint and isinstance(c, ModelCheckpoint)]
-    callbacks = [checkpoint, *others]
-    for callback in callbacks:
-        save_checkpoints_now(callback, trainer)
 
 
 LIGHTNING_NOISE = (

@@ -129,7 +129,7 @@ def finish_wandb(trainer: "L.Trainer", summary: RunSummary) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             if summary.status == "completed":
-                logger.finalize("success")  # log_model: also the checkpoints written after the fit (last step)
+                logger.finalize("success")  # log_model: also the last step's checkpoints
             logger.experiment.summary.update({key: getattr(summary, key) for key in WANDB_SUMMARY_KEYS})
             logger.experiment.finish()
 
