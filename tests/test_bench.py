@@ -375,3 +375,24 @@ def test_bench_reports_xsa_memory_as_the_plan_counts_it():
     measured = xsa_memory(config, tokens=10, precision="32-true")
     assert measured == {"saved_per_layer": 160, "temporaries_eager": 4000, "temporaries_compiled": 2640}
     assert "backward temporaries 0.00 MiB eager" in xsa_memory_line(measured)
+
+
+def test_bench_names_a_changed_preset_by_its_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """A preset with model.* overrides is another model: the report names the overrides, and the preset's MFU
+    target does not apply to it."""
+    from tests.helpers import refused_in_process
+    from xsa_lm.bench import run
+    from xsa_lm.errors import UserError
+
+    def labelled(cfg, model: str) -> dict:
+        raise UserError(f"label {model}")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "bench", labelled)
+    args = ["bench", "model=paper_0.7b", "model.n_layer=2", "++model.dropout=0.0", "micro_batch=1"]
+    assert refused_in_process(args, monkeypatch, capsys) == "xsa-lm: error: label paper_0.7b (n_layer=2, dropout=0.0)\n"
+    assert refused_in_process(["bench", "model=tiny"], monkeypatch, capsys) == "xsa-lm: error: label tiny\n"
+    assert run.mfu_target("paper_0.7b", "NVIDIA H100 80GB HBM3") == 0.45
+    assert run.mfu_target(run.model_label("paper_0.7b", ["model.n_layer=2"]), "NVIDIA H100 80GB HBM3") is None

@@ -184,3 +184,40 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
     artifact, entries = report_artifact(tmp_path, "scale-report")
     assert (artifact.name, artifact.type) == ("toy-study-scale-report", "scale-report")
     assert set(entries) == {"results.json", "report.md", "loss_vs_compute.png", "multiplier.png"}
+
+
+def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path: Path, monkeypatch) -> None:
+    """Both rows go to the training run's W&B run (its id): the final model's scores under eval/, another checkpoint's
+    and a limited evaluation's under their own prefixes, so that neither replaces the final model's."""
+    from xsa_lm.eval.run import log_to_wandb
+
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "wandb_run_id.txt").write_text("trainrun1\n")
+
+    def row(name: str, value: float) -> dict:
+        score = {"metric": "acc", "value": value}
+        return {
+            "checkpoint": str(run_dir / "checkpoints" / name),
+            "run": "run",
+            "scores": {"piqa": score},
+            "average": value,
+        }
+
+    log_to_wandb(
+        {"tasks": ["piqa"], "limit": None, "rows": [row("last.ckpt", 0.6), row("step-000004.ckpt", 0.5)]}, "offline"
+    )
+    log_to_wandb({"tasks": ["piqa"], "limit": 10, "rows": [row("last.ckpt", 0.9)]}, "offline")
+    merged: dict = {}
+    for run_file in sorted((run_dir / "wandb").glob("offline-run-*/run-trainrun1.wandb")):
+        merged |= summary(run_file)  # as W&B merges the resumed run's summaries on upload
+    scores = {key: value for key, value in merged.items() if key.startswith("eval")}
+    assert scores == {
+        "eval/piqa": 0.6,
+        "eval/average": 0.6,
+        "eval-step-000004/piqa": 0.5,
+        "eval-step-000004/average": 0.5,
+        "eval-limit10/piqa": 0.9,
+        "eval-limit10/average": 0.9,
+    }

@@ -24,6 +24,7 @@ from typing import Any, TypedDict, cast
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -259,6 +260,13 @@ def plan_rounds(
     }
 
 
+def model_label(name: str, overrides: list[str]) -> str:
+    """The model preset's name with the command line's model.* overrides beside it (`tiny (n_layer=6)`): a preset's
+    name, and the targets set for it, then stand for the preset alone."""
+    changed = [o.lstrip("+~").removeprefix("model.") for o in overrides if o.lstrip("+~").startswith("model.")]
+    return f"{name} ({', '.join(changed)})" if changed else name
+
+
 def mfu_target(model: str, device: str) -> float | None:
     spec = TARGETS["mfu"]  # whole words: a GH200 is no H200
     applies = model == spec["model"] and any(re.search(rf"\b{gpu}\b", device) for gpu in spec["gpus"])
@@ -323,8 +331,9 @@ def check_sizes(cfg: DictConfig) -> None:
         raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
 
 
-def bench(cfg: DictConfig) -> dict[str, Any]:
-    """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones."""
+def bench(cfg: DictConfig, model: str | None = None) -> dict[str, Any]:
+    """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones; `model`:
+    the model's label (model_label; by default the preset's name)."""
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
     if n["rounds"] != "auto" and (type(n["rounds"]) is not int or n["rounds"] < 2):
         raise UserError(f"rounds={n['rounds']!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
@@ -351,7 +360,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     device_phase = replace(phases["lightning"], kind="device")
     info = cast(DevicePhase, run_fresh(device_phase, label="device", context=process_context()))
     summary = summarize_rounds(
-        rounds, info, model=cfg.model.name, device_type=device.type, tokens=tokens, kernels=kernels
+        rounds, info, model=model or cfg.model.name, device_type=device.type, tokens=tokens, kernels=kernels
     )
     ratios = summary.pop("ratios")
     memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
@@ -359,7 +368,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "device": info["device"],
         "precision": precision,
         "compile": cfg.compile,
-        "model": cfg.model.name,
+        "model": model or cfg.model.name,
         "context": cfg.context,
         "micro_batch": cfg.micro_batch,
         "tokens_per_step": tokens,
@@ -514,7 +523,7 @@ def main(cfg: DictConfig) -> None:
         raise UserError("out=null: bench writes its results to a file; give one, e.g. out=bench.json")
     out = Path(str(cfg.out))
     check_new_file(out, overwrite=cfg.overwrite, example="bench.json")
-    result = bench(cfg)
+    result = bench(cfg, model=model_label(cfg.model.name, list(HydraConfig.get().overrides.task)))
     try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
         write_json(out, result, replace=cfg.overwrite)
     except FileExistsError:

@@ -302,10 +302,19 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
             mode=wandb_mode,
             run_id=id_file.read_text().strip() if id_file.exists() else None,
         )
+        prefix = summary_prefix(row["checkpoint"], result["limit"])
         run.summary.update(
-            {f"eval/{t}": s["value"] for t, s in row["scores"].items()} | {"eval/average": row["average"]}
+            {f"{prefix}/{t}": s["value"] for t, s in row["scores"].items()} | {f"{prefix}/average": row["average"]}
         )
         run.finish()
+
+
+def summary_prefix(checkpoint: str, limit: int | float | None) -> str:
+    """Where a row's scores go in its run's W&B summary: eval/ for the final model (last.ckpt) on whole tasks; another
+    checkpoint of the run, or a limited evaluation, under a prefix of its own, so that none replaces those scores."""
+    stem = Path(checkpoint).stem
+    prefix = "eval" if stem == "last" else f"eval-{stem}"
+    return prefix if limit is None else f"{prefix}-limit{limit:g}"
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="eval")
