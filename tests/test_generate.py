@@ -123,3 +123,24 @@ def test_generate_refuses_sampling_options_in_one_line(
     proc = cli_in_process(["generate", f"ckpt={ckpt}", option], data_cache, tmp_path, monkeypatch, capsys)
     assert_refused(proc, SAMPLING[option][2])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # writes nothing
+
+
+def test_sample_i_is_the_same_text_whatever_num_samples(monkeypatch: pytest.MonkeyPatch):
+    """`xsa-lm generate seed=3 num_samples=4` repeats the sample of num_samples=1 as its first, and draws 4 texts."""
+    from types import SimpleNamespace
+
+    from xsa_lm.eval import sample as sampling
+
+    class Ids:  # a tokenizer onto the model's 64 ids
+        def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
+            return SimpleNamespace(ids=[ord(c) % 64 for c in text])
+
+        def decode(self, ids: list[int]) -> str:
+            return " " + " ".join(map(str, ids))
+
+    monkeypatch.setattr(sampling, "load_model", lambda path, key: model_for("xsa"))
+    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids())
+    options = dict(max_new_tokens=8, temperature=1.0, top_k=None, seed=3)
+    four = sampling.sample("run.ckpt", "ab", num_samples=4, **options)
+    assert sampling.sample("run.ckpt", "ab", num_samples=1, **options) == four[:1]
+    assert len(set(four)) == 4 and all(text.startswith("ab ") for text in four)

@@ -276,12 +276,6 @@ class LinkingTrainer(L.Trainer):
         super().__init__(*args, **kwargs)
         self.written: tuple[tuple, str] | None = None  # the newest payload: its state and path
 
-    def validate(self, *args, **kwargs) -> list:
-        # After the fit (a last step validated then), at the step of the checkpoint ModelCheckpoint.on_train_end may
-        # have just written: the validation changes what a checkpoint holds (the history, the best loss).
-        self.written = None
-        return super().validate(*args, **kwargs)
-
     def save_checkpoint(
         self, filepath: str | Path, weights_only: bool | None = None, storage_options: object = None
     ) -> None:

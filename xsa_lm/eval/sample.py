@@ -49,10 +49,16 @@ def sample(
     prompt = prompt or ""  # prompt=null
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
-    idx = torch.tensor([ids] * num_samples, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = generate(model.to(device), idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
-    return [prompt + tokenizer.decode(row[len(ids) :].tolist()) for row in tokens]
+    idx = torch.tensor([ids], device=device)
+    model = model.to(device)
+    # Sample i draws from the i-th seed of `seed`'s sequence, one sample at a time: the same text whatever num_samples.
+    seeds = torch.randint(2**62, (num_samples,), generator=torch.Generator().manual_seed(seed)).tolist()
+    texts = []
+    for each in seeds:
+        generator = torch.Generator(device=device).manual_seed(each)
+        (row,) = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        texts.append(prompt + tokenizer.decode(row[len(ids) :].tolist()))
+    return texts
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="generate")
