@@ -713,6 +713,14 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         assert "\n" not in message and f"({named})" in message, message
         assert "spends the significance level again" in message and "a new hydra.run.dir" in message
         assert state_file.read_bytes() == kept  # nothing recorded
+    with pytest.raises(UserError, match=r"\(seeds \[1, 2\] -> \[2, 1\]\)"):  # sequential: one pair at a time, in order
+        run(_plan(seeds=(2, 1)), [1e-3])
+    fixed = tmp_path / "fixed" / "sweep.json"
+    fixed.parent.mkdir()
+    keep_plan(fixed, _plan(seeds=(1, 2, 3), cap=None), [1e-3])
+    keep_plan(fixed, _plan(seeds=(3, 1, 2), cap=None), [1e-3])  # a fixed set of seeds, in another order: the same plan
+    with pytest.raises(UserError, match=r"\(seeds \[3, 1, 2\] -> \[3, 1\]"):
+        keep_plan(fixed, _plan(seeds=(3, 1), cap=None), [1e-3])
 
 
 def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[Trial]:

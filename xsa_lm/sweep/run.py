@@ -194,7 +194,7 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
     if recorded is not None and late:  # planned before xsa-lm had these settings: kept from now on, reported
         state.setdefault("declared_after_runs", {}).update({key: plan[key] for key in late})
         recorded = recorded | {key: plan[key] for key in late}
-    if recorded is not None and recorded != plan:
+    if recorded is not None and as_compared(recorded) != as_compared(plan):
         changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])
         raise UserError(
             f"{state_file.parent} was planned with other statistics ({changed}): a plan changed after results exist "
@@ -209,6 +209,14 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
         "setting): the verdict that uses it was not fixed before the results"
         for key, value in state.get("declared_after_runs", {}).items()
     ]
+
+
+def as_compared(plan: Mapping[str, object]) -> dict[str, object]:
+    """A plan as a rerun must keep it: the order of the compare seeds counts only in a sequential comparison (one
+    pair at a time, in that order); a fixed set of seeds is the same set in any order."""
+    if plan.get("seeds_until_significant") is not None:
+        return dict(plan)
+    return {**plan, "seeds": sorted(cast(list[int], plan.get("seeds") or []))}
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
