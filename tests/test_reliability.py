@@ -150,6 +150,24 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     assert not [e for e in quiet if e["event"] == "loss_spike"]  # the default factor 3: a smooth run has none
 
 
+def test_a_batch_skipped_at_the_last_step_is_in_that_steps_checkpoint(data_cache: Path, tmp_path: Path):
+    """The host reads the skip flags at logging steps, and at the last step before its validation writes the
+    checkpoints: a resume from them has spent the budget of one skipped batch, so its next NaN diverges."""
+    run_dir = tmp_path / "run"
+    args = [*COMMON, "trainer.log_every_n_steps=4", "faults.skip_nonfinite_batches=1", f"hydra.run.dir={run_dir}"]
+    first = run_cli([*args, "trainer.max_steps=25", "faults.inject_nan_at_step=24"], data_cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and [h["step"] for h in summary["val_history"]] == [10, 20, 25]
+    assert [e["step"] for e in summary["events"] if e["event"] == "skipped_batch"] == [24]  # the 25th step
+    resumed = run_cli(
+        [*args, "resume=auto", "trainer.max_steps=30", "faults.inject_nan_at_step=28"], data_cache, tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert again["status"] == "diverged" and again["diverged_at_step"] == 28
+
+
 @pytest.mark.long
 def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(data_cache: Path, tmp_path: Path):
     """Global batch 1024 tokens: one process accumulates 2 micro-batches, DDP runs 1 on each of 2 ranks."""

@@ -9,7 +9,8 @@ import torch
 # Dense (no sparsity) peak FLOP/s from NVIDIA datasheets (which print the sparse numbers, 2x these): bf16 and tf32
 # tensor cores. Keyed by the part and its board where the board changes the clocks or the power: "H100" is the SXM
 # board (torch names it "NVIDIA H100 80GB HBM3"), "H100 PCIe" and "H100 NVL" the PCIe cards. A100 40GB and 80GB peak
-# alike, as do an A100's SXM and PCIe boards.
+# alike, as do an A100's SXM and PCIe boards. Not lightning.fabric's get_available_flops (checked in 2.6.6): it
+# knows no "NVIDIA H200" (torch's name for one) and reads an "NVIDIA L40S" as an L4.
 PEAK_FLOPS = {
     "B200": {"bf16": 2250e12, "tf32": 1100e12},
     "H200": {"bf16": 989.5e12, "tf32": 494.5e12},

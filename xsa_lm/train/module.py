@@ -250,7 +250,7 @@ class LMModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs: STEP_OUTPUT, batch: tuple, batch_idx: int) -> None:
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
-        if self.global_step % max(every, 1) == 0:
+        if self.global_step % max(every, 1) == 0 or self.trainer.should_stop:  # the last step: before its checkpoints
             self.check_nonfinite()
 
     def on_train_end(self) -> None:
