@@ -240,6 +240,26 @@ def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: P
 
 
 @pytest.mark.slow
+def test_a_resume_with_a_lower_keep_last_prunes_the_older_step_checkpoints(tmp_path, data_cache, monkeypatch):
+    """keep_last lowered on a resume: the step checkpoints past it go as training starts, as a later save would
+    have pruned them; none is left behind, unmanaged, for resume=auto to fall back on."""
+    from xsa_lm.train.run import train
+
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    settings = [*FAST, "val_every_steps=2", "scheduler.total_steps=8"]
+    folder = tmp_path / "run" / "checkpoints"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(composed([*settings, "trainer.max_steps=6", "checkpoint.keep_last=3"]), tmp_path / "run")
+        assert sorted(p.name for p in folder.glob("step-*")) == [f"step-00000{s}.ckpt" for s in (2, 4, 6)]
+        train(composed([*settings, "trainer.max_steps=8", "checkpoint.keep_last=1", "resume=auto"]), tmp_path / "run")
+        assert sorted(p.name for p in folder.glob("step-*")) == ["step-000008.ckpt"]
+        train(composed([*settings, "trainer.max_steps=10", "checkpoint.keep_last=0", "resume=auto"]), tmp_path / "run")
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-000008.ckpt"]  # the file resumed from stays
+    assert checkpoint_step(folder / "last.ckpt") == 10
+
+
+@pytest.mark.slow
 def test_a_run_folder_copied_elsewhere_resumes_with_its_kept_checkpoints(tmp_path, data_cache, monkeypatch):
     """Lightning forgets the checkpoints it kept when the folder's path changed: keep_last would never prune the
     copied ones, and the next validation would replace best.ckpt, better or not."""

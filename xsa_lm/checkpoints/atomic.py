@@ -227,6 +227,7 @@ class FolderCheckpoint(ModelCheckpoint):
     def __init__(self, **kwargs) -> None:
         super().__init__(enable_version_counter=False, **kwargs)
         self.restored_step: int | None = None
+        self.dropped: list[str] = []  # step checkpoints past keep_last at a resume: removed as training starts
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self.restored_step = checkpoint.get("global_step")  # before load_state_dict
@@ -250,18 +251,30 @@ class FolderCheckpoint(ModelCheckpoint):
                 "best_k_models": {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()},
             }
         super().load_state_dict(state_dict)
-        if self.monitor == "step" and self.save_top_k > 0 and self.restored_step is not None:
+        if self.monitor == "step" and self.save_top_k >= 0 and self.restored_step is not None:
             self.count_kept_files(self.restored_step)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        for path in self.dropped:  # as the next save would prune them, had keep_last not been lowered
+            trainer.strategy.remove_checkpoint(path)
+        self.dropped = []
+
     def count_kept_files(self, step: int) -> None:
-        """The step checkpoints kept are the newest of those on disk, the restored step's included. A step
-        checkpoint saved where best.ckpt had just been written is a link to it, whose state was saved before this
-        callback counted the step: without it, keep_last would never remove that file."""
+        """The step checkpoints kept are the newest of those on disk, the restored step's included; older ones (a
+        resume with a lower keep_last) are dropped. A step checkpoint saved where best.ckpt had just been written is
+        a link to it, whose state was saved before this callback counted the step: without it, keep_last would never
+        remove that file."""
         kept = {path: score for path, score in self.best_k_models.items() if Path(path).exists()}
         restored = self.format_checkpoint_name({"step": torch.tensor(step)})
         if Path(restored).exists():
             kept[restored] = torch.tensor(step)
-        newest = sorted(kept.items(), key=lambda item: float(item[1]))[-self.save_top_k :]
+        ordered = sorted(kept.items(), key=lambda item: float(item[1]))
+        cut = max(len(ordered) - self.save_top_k, 0)
+        newest = ordered[cut:]
+        # never the file resumed from (keep_last=0), nor one outside this run's folder
+        here = Path(str(self.dirpath))
+        self.dropped = [path for path, _ in ordered[:cut] if path != restored and Path(path).parent == here]
         self.best_k_models = dict(newest)
         if newest:
             self.kth_best_model_path, self.kth_value = newest[0]
