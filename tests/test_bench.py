@@ -295,6 +295,7 @@ def test_bench_sizes_are_refused_before_any_phase(override: str, message: str):
         (["out=b1.json", "overwrite=no"], "overwrite must be true or false, got 'no'"),
         (["compile=no"], "compile must be true or false, got 'no'"),
         (["out=null"], "out=null: bench writes its results to a file; give one, e.g. out=bench.json"),
+        (["out="], "out=: bench writes its results to a file; give one, e.g. out=bench.json"),
     ],
 )
 def test_bench_refuses_an_out_or_switch_before_measuring(
@@ -391,8 +392,11 @@ def test_bench_names_a_changed_preset_by_its_overrides(
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "bench", labelled)
-    args = ["bench", "model=paper_0.7b", "model.n_layer=2", "++model.dropout=0.0", "micro_batch=1"]
-    assert refused_in_process(args, monkeypatch, capsys) == "xsa-lm: error: label paper_0.7b (n_layer=2, dropout=0.0)\n"
-    assert refused_in_process(["bench", "model=tiny"], monkeypatch, capsys) == "xsa-lm: error: label tiny\n"
+    args = ["bench", "model=paper_0.7b", "model.n_layer=2", "model.n_head=6", "model.dropout=0.1", "micro_batch=1"]
+    said = refused_in_process(args, monkeypatch, capsys)
+    assert said == "xsa-lm: error: label paper_0.7b (n_layer=2, dropout=0.1)\n"  # n_head=6 is the preset's own
+    assert refused_in_process(["bench", "model=tiny", "model.n_layer=4"], monkeypatch, capsys) == (
+        "xsa-lm: error: label tiny\n"
+    )
     assert run.mfu_target("paper_0.7b", "NVIDIA H100 80GB HBM3") == 0.45
-    assert run.mfu_target(run.model_label("paper_0.7b", ["model.n_layer=2"]), "NVIDIA H100 80GB HBM3") is None
+    assert run.mfu_target("paper_0.7b (n_layer=2)", "NVIDIA H100 80GB HBM3") is None

@@ -277,3 +277,17 @@ def test_a_run_folder_copied_elsewhere_resumes_with_its_kept_checkpoints(tmp_pat
     history = json.loads((tmp_path / "b" / "summary.json").read_text())["val_history"]
     best = min(history, key=lambda row: row["val_loss"])["step"]
     assert checkpoint_step(folder / "best.ckpt") == best, history
+
+
+@pytest.mark.slow
+def test_a_last_step_off_the_every_n_steps_grid_is_checkpointed(tmp_path, data_cache, monkeypatch):
+    """Lightning writes step checkpoints and last.ckpt only on the checkpoint.every_n_steps grid (and best.ckpt where
+    the loss improved): a run ending off it kept a last.ckpt of an earlier step, and no file held its final model."""
+    settings = ["val_every_steps=4", "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "trainer.max_steps=10"]
+    train_counting_payloads(tmp_path, data_cache, monkeypatch, *settings)
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step-*")) == [f"step-{s:06d}.ckpt" for s in (3, 6, 9, 10)]
+    assert checkpoint_step(folder / "last.ckpt") == 10
+    last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)
+    (history,) = [state["history"] for key, state in last["callbacks"].items() if "ValHistory" in key]
+    assert [h["step"] for h in history] == [4, 8, 10]  # the last step's validation in it

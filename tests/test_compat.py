@@ -140,6 +140,33 @@ def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, 
     return trainer
 
 
+def test_model_checkpoint_saves_now_on_request(tmp_path: Path):
+    """compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation, through
+    Trainer.save_checkpoint (where LinkingTrainer writes a step's payload once)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = []
+
+    class Probe(L.Callback):
+        def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+            seen.append(trainer.global_step)
+
+    probe = ModelCheckpoint(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
+    trainer = fit_recorder(tmp_path, [probe, Probe()])
+    ours, lightnings = compat.monitor_candidates(trainer), probe._monitor_candidates(trainer)
+    assert ours.keys() == lightnings.keys() and all(torch.equal(ours[k], lightnings[k]) for k in ours), changed(
+        "ModelCheckpoint._monitor_candidates", "differs from compat.monitor_candidates"
+    )
+    seen.clear()
+    trainer.state.fn = "validate"  # as after trainer.validate
+    now = ModelCheckpoint(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
+    compat.save_checkpoints_now(now, trainer)
+    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
+        "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed"
+    )
+    assert seen == [4, 4], changed("ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed")
+
+
 def test_the_resume_checkpoint_can_be_agreed_on_before_it_is_read(tmp_path: Path):
     api = "_CheckpointConnector._restore_modules_and_callbacks"
     first = fit_recorder(tmp_path / "a", [], steps=3)

@@ -182,6 +182,7 @@ def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.Monkey
     [
         ("notes.txt/plan.json", "out=notes.txt/plan.json: notes.txt is a file, not a folder; choose another path"),
         ("folder", "out=folder is a directory: give the file to write, e.g. out=folder/plan.json"),
+        ("", "out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out"),
     ],
 )
 def test_plan_refuses_an_out_it_cannot_write_before_planning(

@@ -719,7 +719,8 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
     fixed.parent.mkdir()
     keep_plan(fixed, _plan(seeds=(1, 2, 3), cap=None), [1e-3])
     keep_plan(fixed, _plan(seeds=(3, 1, 2), cap=None), [1e-3])  # a fixed set of seeds, in another order: the same plan
-    with pytest.raises(UserError, match=r"\(seeds \[3, 1, 2\] -> \[3, 1\]"):
+    assert json.loads(fixed.read_text())["plan"]["seeds"] == [1, 2, 3]  # as first planned
+    with pytest.raises(UserError, match=r"\(seeds \[1, 2, 3\] -> \[3, 1\]"):
         keep_plan(fixed, _plan(seeds=(3, 1), cap=None), [1e-3])
 
 

@@ -5,6 +5,7 @@ public terms. tests/test_compat.py checks each against the installed versions, s
 there, by name, rather than deep inside a training run.
 """
 
+import copy
 import csv
 import logging
 import os
@@ -15,6 +16,7 @@ from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -140,6 +142,23 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     replaces Lightning's signal handling and agrees on stopping at logging steps only: the broadcast is switched off
     on this trainer's loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`)."""
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
+
+
+def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
+    """What a ModelCheckpoint does at the end of a validation on its own grid (its top-k checkpoint, then last.ckpt),
+    at another step: for a last step off the checkpoint.every_n_steps grid. The two steps have no public entry point;
+    what they compare and name files by is Lightning's: the logged values, with the epoch and step as int tensors."""
+    candidates = monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+
+
+def monitor_candidates(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    metrics = copy.deepcopy(trainer.callback_metrics)  # kept by the callback: never changed later
+    for key, counter in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+        value = metrics.get(key)
+        metrics[key] = value.int() if isinstance(value, torch.Tensor) else torch.tensor(counter)
+    return metrics
 
 
 def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:

@@ -24,6 +24,7 @@ from typing import Any, TypedDict, cast
 
 import hydra
 import torch
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
@@ -260,11 +261,11 @@ def plan_rounds(
     }
 
 
-def model_label(name: str, overrides: list[str]) -> str:
-    """The model preset's name with the command line's model.* overrides beside it (`tiny (n_layer=6)`): a preset's
-    name, and the targets set for it, then stand for the preset alone."""
-    changed = [o.lstrip("+~").removeprefix("model.") for o in overrides if o.lstrip("+~").startswith("model.")]
-    return f"{name} ({', '.join(changed)})" if changed else name
+def model_label(model: DictConfig, preset: DictConfig) -> str:
+    """The model's name, with the fields it sets apart from its preset's (`tiny (n_layer=6)`): a preset's name, and
+    the targets set for it, then stand for the preset alone."""
+    changed = [f"{key!s}={model[key]}" for key in model if key != "name" and model[key] != preset.get(key)]
+    return f"{model.name} ({', '.join(changed)})" if changed else str(model.name)
 
 
 def mfu_target(model: str, device: str) -> float | None:
@@ -519,11 +520,13 @@ def print_tables(r: dict) -> None:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     check_switches(cfg, keys=("overwrite", "smoke", "compile", "reuse_host_memory"))
-    if cfg.out is None:
-        raise UserError("out=null: bench writes its results to a file; give one, e.g. out=bench.json")
+    if cfg.out is None or cfg.out == "":
+        said = "null" if cfg.out is None else ""
+        raise UserError(f"out={said}: bench writes its results to a file; give one, e.g. out=bench.json")
     out = Path(str(cfg.out))
     check_new_file(out, overwrite=cfg.overwrite, example="bench.json")
-    result = bench(cfg, model=model_label(cfg.model.name, list(HydraConfig.get().overrides.task)))
+    preset = compose(config_name="bench", overrides=[f"model={HydraConfig.get().runtime.choices['model']}"]).model
+    result = bench(cfg, model=model_label(cfg.model, preset))
     try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
         write_json(out, result, replace=cfg.overwrite)
     except FileExistsError:

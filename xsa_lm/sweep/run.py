@@ -201,7 +201,7 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
             "spends the significance level again; rerun with the first plan, or start a new study (a new "
             "hydra.run.dir)"
         )
-    state["plan"] = plan
+    state["plan"] = plan if recorded is None else recorded  # the first run's (its seeds' order, too)
     state.setdefault("history", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
     write_json(state_file, state)
     return [

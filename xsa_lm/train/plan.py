@@ -301,6 +301,8 @@ def batch_line(plan: Plan) -> str:
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
     check_switches(cfg, keys=("overwrite",))
+    if cfg.out == "":
+        raise UserError("out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out")
     out = None if cfg.out is None else Path(str(cfg.out))
     if out is not None:
         check_new_file(out, overwrite=cfg.overwrite, example="plan.json")
