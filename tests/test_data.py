@@ -338,6 +338,27 @@ def test_a_damaged_prepared_directory_is_one_line_at_load(tmp_path: Path, damage
         load_prepared(data.dir)
 
 
+def test_the_advice_for_a_damaged_shard_rebuilds_it(tmp_path: Path):
+    """Following the one line's advice literally (meta.json included) makes the same shard again; a missing shard
+    says so (not `-1 bytes`)."""
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    shard = data.dir / "train-000000.bin"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:100])
+    with pytest.raises(UserError) as damaged:
+        load_prepared(data.dir)
+    advice = "delete it, its shard-000000.json and meta.json, then run the same `xsa-lm prepare` command"
+    assert f"is truncated or corrupt (100 bytes, expected {len(whole)}): {advice}" in str(damaged.value)
+    shard.unlink()
+    with pytest.raises(UserError, match=re.escape(f"is missing (expected {len(whole)} bytes): {advice}")):
+        load_prepared(data.dir)
+    for name in ("shard-000000.json", "meta.json"):
+        (data.dir / name).unlink()
+    again = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))
+    assert shard.read_bytes() == whole and again.meta["shards"] == data.meta["shards"]
+
+
 def test_overwritten_token_ids_stop_a_run_before_it_starts(tmp_path: Path, monkeypatch, capsys):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(400))
     data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))

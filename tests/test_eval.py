@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,20 @@ def test_no_task_is_refused(tasks):
     with pytest.raises(UserError, match=r"^tasks: give at least one task, e.g. tasks=paper$"):
         resolve_tasks(tasks)
     assert len(resolve_tasks("paper")[0]) == 8
+
+
+def test_a_task_given_twice_is_refused(tmp_path: Path):
+    """One score per task name: a second file of the same `task:` replaced the first's score in the table and the
+    average, without a word; the same name twice counted it twice in the average."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "cloze.yaml").write_text("task: cloze\ndataset_path: json\n")
+    first, second = str(tmp_path / "a" / "cloze.yaml"), str(tmp_path / "b" / "cloze.yaml")
+    with pytest.raises(UserError, match=f"^tasks: {re.escape(second)} is the task 'cloze', as {re.escape(first)} is"):
+        resolve_tasks([first, second])
+    with pytest.raises(UserError, match="^tasks: piqa is the task 'piqa', as piqa is: give each task once$"):
+        resolve_tasks(["piqa", "arc_easy", "piqa"])
+    assert resolve_tasks([first, "piqa"]) == (["cloze", "piqa"], [str(tmp_path / "a")])
 
 
 @pytest.mark.parametrize(

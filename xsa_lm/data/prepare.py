@@ -97,9 +97,10 @@ class PreparedData:
             if n_tokens == 0:
                 continue
             path = self.dir / f"{split}-{shard['index']:06d}.bin"
-            size = path.stat().st_size if path.exists() else -1
-            if size != n_tokens * self.dtype.itemsize:
-                expected = n_tokens * self.dtype.itemsize
+            expected = n_tokens * self.dtype.itemsize
+            if not path.exists():
+                raise _damaged(path, f"is missing (expected {expected} bytes)")
+            if (size := path.stat().st_size) != expected:
                 raise _damaged(path, f"is truncated or corrupt ({size} bytes, expected {expected})")
             arrays.append(np.memmap(path, dtype=self.dtype, mode="r"))
         return arrays
@@ -315,8 +316,8 @@ def _damaged(shard: Path, what: str) -> UserError:
     """The one line for a shard file of a prepared directory that is not as prepare() wrote it."""
     index = shard.stem.split("-")[-1]
     return UserError(
-        f"data: shard {shard} {what}: delete it and its shard-{index}.json, then run the same `xsa-lm prepare` "
-        "command to rebuild it"
+        f"data: shard {shard} {what}: delete it, its shard-{index}.json and meta.json, then run the same "
+        "`xsa-lm prepare` command to rebuild it"
     )
 
 

@@ -83,7 +83,9 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
     entries = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
     if not [entry for entry in entries if entry not in (None, "")]:  # tasks=[], tasks=, tasks=null
         raise UserError("tasks: give at least one task, e.g. tasks=paper")
-    names, folders = [], []
+    names: list[str] = []
+    folders: list[str] = []
+    given: dict[str, object] = {}
     for entry in entries:
         path = Path(str(entry)).expanduser()
         if path.suffix in (".yaml", ".yml"):
@@ -92,10 +94,14 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
             config = yaml.safe_load(path.read_text()) or {}
             if "task" not in config:
                 raise UserError(f"tasks: {path} has no `task:` name")
-            names.append(config["task"])
+            name = str(config["task"])
             folders.append(str(path.resolve().parent))
         else:
-            names.append(str(entry))
+            name = str(entry)
+        if name in given:  # one score per name: the second would replace the first, or count twice in the average
+            raise UserError(f"tasks: {entry} is the task {name!r}, as {given[name]} is: give each task once")
+        given[name] = entry
+        names.append(name)
     return names, sorted(set(folders))
 
 
