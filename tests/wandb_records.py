@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import wandb
 from wandb.proto.wandb_internal_pb2 import ConfigItem, HistoryItem, Record
 
 BLOCK_LEN = 32768
@@ -30,6 +31,9 @@ FULL, FIRST, LAST = 1, 2, 4
 
 
 def read_records(path: str | Path) -> list[Record]:
+    # The W&B service writes the file on its own: run.finish() may return before the last records are on disk (once
+    # in CI, a file of 7 bytes). wandb.teardown() waits for the service to finish, as a process exit does.
+    wandb.teardown()
     data = Path(path).read_bytes()
     if data[:4] != b":W&B":
         raise ValueError(f"{path}: not a W&B run file")
