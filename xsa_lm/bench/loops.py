@@ -137,7 +137,9 @@ class PlainTrainer:
     def step(self, batch: Batch) -> None:
         x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
         with self.setup.autocast():
-            _, loss = self.step_fn(x, y)
+            # The logits dropped before the backward, as LMModule.training_step's return drops them: kept, they
+            # held 1.6 GB more through it (gpt2_124m, 8 x 2048 tokens, on an H200) than training does
+            loss = self.step_fn(x, y)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()

@@ -595,6 +595,8 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
+    # The validation metrics are sums reduced over every rank before they are logged (LMModule.on_validation_epoch_end)
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/.*sync_dist=True")
 
     def noise(record: logging.LogRecord) -> bool:
         return not any(text in str(record.msg) for text in LIGHTNING_NOISE)
