@@ -4,6 +4,8 @@ paper recipes' CPU twins."""
 import csv
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +101,35 @@ def test_analyze_writes_csv_png_and_table(
         capsys,
     )
     assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
+
+
+def test_an_interrupted_analyze_can_be_run_again_into_its_folder(
+    checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
+    """diagnostics.csv marks a finished analyze's folder: written before the figures, a Ctrl-C during them left a
+    folder that the same command then refused as earlier results."""
+    import xsa_lm.analysis.run as analysis_run
+
+    out = tmp_path / "analysis"
+    ckpt = checkpoints["sa"] / "checkpoints" / "last.ckpt"
+    relative = os.path.relpath(ckpt, tmp_path)  # the command runs in tmp_path
+    args = ["analyze", f"ckpts=[{relative}]", "sequences=4", "chunk=16", f"hydra.run.dir={out}"]
+    figure = analysis_run.positions_figure
+
+    def interrupted(losses: list[dict]):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(analysis_run, "positions_figure", interrupted)
+    first = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert first.returncode == 130 and not (out / "diagnostics.csv").exists()
+    assert first.stderr == "xsa-lm: interrupted (Ctrl-C) during xsa-lm analyze\n"  # the command, not an argument
+    monkeypatch.setattr(analysis_run, "positions_figure", figure)
+    again = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert again.returncode == 0, again.stderr
+    assert (out / "diagnostics.csv").is_file() and (out / "positions.png").is_file()
+    for written in ("diagnostics.csv", "losses.csv"):  # the checkpoint's path as it is from anywhere
+        with open(out / written, newline="") as f:
+            assert {row["checkpoint"] for row in csv.DictReader(f)} == {str(ckpt)}
 
 
 def test_analyze_measures_the_loss_its_run_validated(
@@ -215,6 +246,10 @@ REFUSED = {
         ["position_buckets must be an integer >= 1, got 0"],
     ),
     "labels of another count": (["ckpts=[{ckpt}]", "labels=[a,b]"], ["labels: 2 labels for 1 checkpoints"]),
+    "a checkpoint copied out of its run": (
+        ["ckpts=[{lone}]"],
+        ["ckpts: ", "lone/x.ckpt is neither in a run's checkpoints/ folder nor beside its config.yaml"],
+    ),
     "more spans than positions": (
         ["ckpts=[{ckpt}]", "position_buckets=65"],
         ["position_buckets=65 is above the 64 positions of"],
@@ -233,7 +268,10 @@ def test_analyze_refuses_in_one_line(
     capsys,
 ):
     run = checkpoints["xsa"]
-    args = [a.format(run=run, ckpt=run / "checkpoints" / "last.ckpt") for a in args]
+    lone = tmp_path / "lone" / "x.ckpt"
+    lone.parent.mkdir()
+    shutil.copy(run / "checkpoints" / "last.ckpt", lone)
+    args = [a.format(run=run, ckpt=run / "checkpoints" / "last.ckpt", lone=lone) for a in args]
     out = tmp_path / "analysis"
     assert_refused(
         cli_in_process(["analyze", *args, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys), *expected

@@ -68,6 +68,24 @@ def test_train_on_prepared_shards_needs_no_source(prepared: Path, data_cache: Pa
     assert again.returncode == 0, again.stderr[-2000:]
 
 
+def test_a_relative_data_dir_is_the_one_beside_where_the_run_started(
+    prepared: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
+    """A resume run from inside the run's folder read `data.dir=shards` from there ("no finished preparation"); a
+    command on a run whose data folder is gone names the folder the run used, and says it does not exist."""
+    shutil.copytree(prepared, tmp_path / "shards")
+    args = ["train", *TRAIN, "data=prepared", "data.dir=shards", "trainer.max_steps=4", "val_every_steps=2"]
+    first = run_cli([*args, "hydra.run.dir=run"], data_cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = run_cli(["train", "resume=auto", "trainer.max_steps=6", "hydra.run.dir=."], data_cache, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
+    (tmp_path / "shards").rename(tmp_path / "moved")
+    args = ["analyze", "ckpts=[run/checkpoints/last.ckpt]", "sequences=2", "hydra.run.dir=analysis"]
+    gone = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert_clean_error(gone, f"data.dir={tmp_path / 'shards'} does not exist: restore it, or run `xsa-lm prepare")
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -196,3 +214,14 @@ def test_bad_split_settings_stop_before_the_run_starts(
     assert assert_clean_error(proc, message) == message and proc.stderr.strip() == message
     assert proc.returncode == 2
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize("key", ["data.shard_documents", "data.prepare_workers"])
+def test_a_count_below_one_is_refused_by_its_key(
+    key: str, input_txt: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
+    out = tmp_path / "shards"
+    args = ["prepare", "data=local", f"data.files={input_txt}", f"{key}=0", f"data.dir={out}"]
+    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"xsa-lm: error: {key} must be at least 1, got 0"
+    assert not out.exists()

@@ -32,10 +32,11 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if len(sys.argv) >= 2 else 2)
+    command = sys.argv[1]  # run() hands Hydra sys.argv without it
     try:
-        run(sys.argv[1])
+        run(command)
     except KeyboardInterrupt:  # training's own Ctrl-C stops at a step and exits 130 itself; this is any other moment
-        print(f"xsa-lm: interrupted (Ctrl-C) during xsa-lm {sys.argv[1]}", file=sys.stderr)
+        print(f"xsa-lm: interrupted (Ctrl-C) during xsa-lm {command}", file=sys.stderr)
         sys.exit(130)
 
 

@@ -11,6 +11,7 @@ validation windows of its own run's data (the same windows for runs on the same 
 """
 
 import csv
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
 from xsa_lm.analysis.losses import held_out_loss
-from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_data, run_dir_of
+from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_config_of, run_data, run_dir_of
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
@@ -50,10 +51,7 @@ def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, Prep
     """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml):
     their inputs and targets (n, T), the windows its run validated on when n covers data.val_windows, and that
     data (its tokenizer gives the bytes of each token)."""
-    run_config = run_dir_of(path) / "config.yaml"
-    if not run_config.exists():
-        raise UserError(f"ckpts: {run_config} not found: analyze reads the run's data settings from it")
-    cfg = OmegaConf.load(run_config)
+    cfg = OmegaConf.load(run_config_of(path))
     data = run_data(path)
     windows = PackedWindows(data.shards("val"), cfg.data.block_size)
     if n > len(windows):
@@ -125,7 +123,7 @@ def analyze(
     names = given or default_labels(paths, [a for a, *_ in measured])
     rows, losses = [], []
     for path, label, (_, layers, loss, data, block_size) in zip(paths, names, measured, strict=True):
-        which: dict[str, object] = {"checkpoint": str(path), "label": label}
+        which: dict[str, object] = {"checkpoint": os.path.abspath(path), "label": label}  # readable from anywhere
         rows += [which | row for row in layers]
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
         # The prepared data names its tokenizer; the window's length sets which tokens and positions are measured.
@@ -296,11 +294,13 @@ def main(cfg: DictConfig) -> None:
             buckets=cfg.position_buckets,
         )
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
     plot(rows, out / "diagnostics.png")
     columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)]
     write_csv(losses, columns, out / "losses.csv")
     positions_figure(losses).savefig(out / "positions.png", dpi=120)
+    # Last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so one interrupted
+    # before it can be run again
+    write_csv(rows, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
     print(table(rows))
     print()
     print(loss_table(losses))

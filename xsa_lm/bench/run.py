@@ -336,6 +336,7 @@ def bench(cfg: DictConfig, model: str | None = None) -> dict[str, Any]:
     """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones; `model`:
     the model's label (model_label; by default the preset's name)."""
     n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
+    model = model or cfg.model.name
     if n["rounds"] != "auto" and (type(n["rounds"]) is not int or n["rounds"] < 2):
         raise UserError(f"rounds={n['rounds']!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
     check_sizes(cfg)
@@ -360,16 +361,14 @@ def bench(cfg: DictConfig, model: str | None = None) -> dict[str, Any]:
         rounds += run_rounds(phases, kernels["timed"], first=len(rounds), count=extra, of=f"/{plan['rounds']}")
     device_phase = replace(phases["lightning"], kind="device")
     info = cast(DevicePhase, run_fresh(device_phase, label="device", context=process_context()))
-    summary = summarize_rounds(
-        rounds, info, model=model or cfg.model.name, device_type=device.type, tokens=tokens, kernels=kernels
-    )
+    summary = summarize_rounds(rounds, info, model=model, device_type=device.type, tokens=tokens, kernels=kernels)
     ratios = summary.pop("ratios")
     memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
     return {
         "device": info["device"],
         "precision": precision,
         "compile": cfg.compile,
-        "model": model or cfg.model.name,
+        "model": model,
         "context": cfg.context,
         "micro_batch": cfg.micro_batch,
         "tokens_per_step": tokens,

@@ -12,6 +12,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
@@ -180,6 +181,18 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
 
     from xsa_lm.data.run import prepare_data
 
+    run_config = run_config_of(path, key)
+    cfg = OmegaConf.load(run_config)
+    data = prepare_data(data_settings_as_started(cfg.data, run_dir_of(path), key), cfg.tokenizer)
+    gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
+    rebuilt = f" (prepared again from {run_config}{gone})"
+    check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
+    return data
+
+
+def run_config_of(path: Path, key: str = "ckpts") -> Path:
+    """The config.yaml of the checkpoint's run, refused in one line when the file is in no run's folder or the run's
+    config.yaml is gone."""
     run_config = run_dir_of(path) / "config.yaml"
     if not run_config.is_file() and path.parent.name != "checkpoints":
         raise UserError(
@@ -188,27 +201,42 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
         )
     if not run_config.is_file():
         raise UserError(f"{key}: {run_config} not found: the run's data settings (and its tokenizer) are read from it")
-    cfg = OmegaConf.load(run_config)
-    data = prepare_data(cfg.data, cfg.tokenizer)
-    gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
-    rebuilt = f" (prepared again from {run_config}{gone})"
-    check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
-    return data
+    return run_config
 
 
-def _run_data_dir(path: Path, key: str) -> Path | None:
-    """The prepared-data folder the run trained on, as its run_info.json records it (it may be gone since); a
-    relative one is taken from the directory the run was started in."""
-    info = run_dir_of(path) / "run_info.json"
+def _run_info(run_dir: Path, key: str) -> dict | None:
+    """The run's run_info.json, None where it has none."""
+    info = run_dir / "run_info.json"
     if not info.is_file():
         return None
     try:
         recorded = json.loads(info.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{key}: {info} is not valid JSON (truncated or overwritten?)") from None
-    if not isinstance(recorded, dict) or not recorded.get("data_dir"):
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _run_data_dir(path: Path, key: str) -> Path | None:
+    """The prepared-data folder the run trained on, as its run_info.json records it (it may be gone since); a
+    relative one is taken from the directory the run was started in."""
+    recorded = _run_info(run_dir_of(path), key)
+    if not recorded or not recorded.get("data_dir"):
         return None
     return (Path(recorded.get("cwd") or ".") / recorded["data_dir"]).resolve()
+
+
+def data_settings_as_started(data: DictConfig, run_dir: Path, key: str = "resume") -> DictConfig:
+    """The run's data settings with a relative data.dir and data.cache_dir taken from the directory the run was
+    started in (run_info.json's cwd), as they were then, wherever the command now runs from."""
+    recorded = _run_info(run_dir, key)
+    if not recorded or not recorded.get("cwd"):
+        return data
+    resolved = data.copy()
+    for name in ("dir", "cache_dir"):
+        value = data.get(name)
+        if value and not Path(str(value)).expanduser().is_absolute():
+            resolved[name] = str(Path(recorded["cwd"]) / str(value))
+    return resolved
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:

@@ -199,8 +199,9 @@ def prepare(
 ) -> PreparedData:
     """Tokenize `source` into shards in `out`, resuming an interrupted preparation, or load a finished one.
     `split` is document or tail, and val_fraction as choose_split checked and resolved them."""
-    if shard_documents < 1 or workers < 1:
-        raise UserError("data.shard_documents and data.prepare_workers must be at least 1")
+    for key, value in (("data.shard_documents", shard_documents), ("data.prepare_workers", workers)):
+        if value < 1:
+            raise UserError(f"{key} must be at least 1, got {value}")
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
     pieces = partial(_split_documents, source, split=split, val_fraction=val_fraction, split_seed=split_seed)
     made = not out.exists()
@@ -285,6 +286,9 @@ def _check_split(meta: PreparedMeta, split: str, val_fraction: float) -> None:
 
 
 def load_prepared(out: Path) -> PreparedData:
+    if not out.exists():
+        where = "" if out.is_absolute() else f" (in {Path.cwd()})"
+        raise UserError(f"data.dir={out} does not exist{where}: restore it, or run `xsa-lm prepare ... data.dir={out}`")
     if not (out / "meta.json").exists():
         raise UserError(
             f"data.dir={out} holds no finished preparation (no meta.json): run `xsa-lm prepare ... data.dir={out}` "

@@ -80,15 +80,15 @@ def require_harness(needed_by: str = "xsa-lm eval") -> None:
 
 def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
-    entries = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
+    entries = task_entries(tasks)
     if not [entry for entry in entries if entry not in (None, "")]:  # tasks=[], tasks=, tasks=null
         raise UserError("tasks: give at least one task, e.g. tasks=paper")
     names: list[str] = []
     folders: list[str] = []
     given: dict[str, object] = {}
     for entry in entries:
-        path = Path(str(entry)).expanduser()
-        if path.suffix in (".yaml", ".yml"):
+        path = task_file(entry)
+        if path is not None:
             if not path.is_file():
                 raise UserError(f"tasks: task file not found: {path}")
             config = yaml.safe_load(path.read_text()) or {}
@@ -108,9 +108,19 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
 def task_file_digests(tasks: str | list[str]) -> dict[str, str]:
     """The sha256 of each local task file among `tasks` (resolve_tasks has checked them), by its resolved path: an
     edited file evaluates something else under the same task name."""
-    entries = [tasks] if isinstance(tasks, str) else list(tasks or [])
-    files = [Path(str(entry)).expanduser() for entry in entries if Path(str(entry)).suffix in (".yaml", ".yml")]
+    files = [file for file in map(task_file, task_entries(tasks)) if file is not None]
     return {str(file.resolve()): hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
+
+
+def task_entries(tasks: str | list[str]) -> list:
+    """`tasks` as a list: `paper`'s tasks, one name or file, or the list given."""
+    return list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
+
+
+def task_file(entry: object) -> Path | None:
+    """The local task YAML file an entry names; None for a task name."""
+    path = Path(str(entry)).expanduser()
+    return path if path.suffix in (".yaml", ".yml") else None
 
 
 def task_manager(names: list[str], folders: list[str]):
@@ -334,8 +344,8 @@ def main(cfg: DictConfig) -> None:
         result = evaluate(distinct_checkpoints(checkpoint_list(cfg.ckpts)), tasks, cfg.limit, cfg.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
-    write_json(out / "eval.json", result)
     write_text(out / "eval.md", table + "\n")
+    write_json(out / "eval.json", result)  # last: it marks a finished eval's folder, which a rerun refuses
     if cfg.wandb:
         log_to_wandb(result, cfg.wandb_mode)
     print(table)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, FolderCheckpoint
 from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_valid_checkpoint
-from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch
+from xsa_lm.checkpoints.load import check_tokenizer, data_settings_as_started, model_config_mismatch
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import (
@@ -248,7 +248,9 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))  # as Lightning will
     schedule_warning = settle_schedule(cfg)
     check_memory(cfg, devices=plan["devices"])
-    data = prepare_data(cfg.data, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
+    continuing = cfg.resume is not None and (run_dir / "config.yaml").exists()  # its saved config, paths and all
+    data_cfg = data_settings_as_started(cfg.data, run_dir) if continuing else cfg.data
+    data = prepare_data(data_cfg, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
     kernels = attention_kernels(
         cfg.sdpa_backends,
