@@ -6,6 +6,7 @@ check rehearsed on CPU from a bundle built here, so its first run on a GPU is no
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -400,3 +401,33 @@ def test_the_whole_check_runs_on_cpu_from_a_bundle(tmp_path: Path):
     assert len(list(out.iterdir())) <= 8
     again = run_check(str(out), **env)  # an earlier check is never overwritten
     assert again.returncode == 2 and "earlier check" in again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_the_step_profile_pairs_sa_and_xsa_kernels(tmp_path: Path):
+    """scripts/profile_xsa_step.py on CPU with a 2-layer tiny model: one row per operator, SA's and XSA's time per
+    step and the difference, largest first; XSA's own operators appear only on its side."""
+    out = tmp_path / "profile.json"
+    args = ["--device", "cpu", "--model", "tiny", "--context", "32", "--micro-batch", "2", "--vocab-size", "256"]
+    args += ["--override", "model.n_layer=2", "--steps", "1", "--out", str(out)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "profile_xsa_step.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "kernel time per step: SA " in proc.stdout and "| XSA - SA (ms) | SA (ms) | XSA (ms) | kernel |" in proc.stdout
+    )
+    result = json.loads(out.read_text())
+    rows = result["kernels"]
+    assert result["totals_ms"]["sa"] > 0 and result["totals_ms"]["xsa"] > 0
+    differences = [abs(r["xsa_minus_sa_ms"]) for r in rows]
+    assert differences == sorted(differences, reverse=True)
+    assert all(r["xsa_minus_sa_ms"] == pytest.approx(r["xsa_ms"] - r["sa_ms"]) for r in rows)
+    assert sum(r["sa_ms"] for r in rows) == pytest.approx(result["totals_ms"]["sa"])
+    assert not [r["kernel"] for r in rows if re.search(r"_\d+$", r["kernel"])]  # Inductor's numbers stripped
