@@ -17,6 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_xsa_lm import use_working_tree  # noqa: E402
@@ -54,22 +56,36 @@ def compare(sa: dict[str, float], xsa: dict[str, float]) -> list[dict]:
     return sorted(rows, key=lambda r: -abs(r["xsa_minus_sa_ms"]))
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default="gpt2_124m")
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=50304)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--context", type=positive, default=2048)
+    parser.add_argument("--micro-batch", type=positive, default=8)
+    parser.add_argument("--vocab-size", type=positive, default=50304)
+    parser.add_argument("--steps", type=positive, default=3)
     parser.add_argument("--override", action="append", default=[], help="a bench config override, e.g. model.n_layer=2")
-    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--rows", type=positive, default=15)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.out is not None and not args.out.parent.is_dir():
+        parser.error(f"--out: {args.out.parent} is not a folder")
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: --device cpu profiles on the CPU")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    cfg = gpu_check_measure.bench_config(args)
+    try:
+        cfg = gpu_check_measure.bench_config(args)
+    except (HydraException, OmegaConfBaseException) as e:  # an unknown model or override
+        parser.error(str(e).splitlines()[0])
     precision = resolve_bench_precision("auto", device)
     setup = Setup(
         device, precision=precision, compile=False, optimizer=build(cfg.optim), scheduler=build(cfg.scheduler)

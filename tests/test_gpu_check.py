@@ -431,3 +431,21 @@ def test_the_step_profile_pairs_sa_and_xsa_kernels(tmp_path: Path):
     assert all(r["xsa_minus_sa_ms"] == pytest.approx(r["xsa_ms"] - r["sa_ms"]) for r in rows)
     assert sum(r["sa_ms"] for r in rows) == pytest.approx(result["totals_ms"]["sa"])
     assert not [r["kernel"] for r in rows if re.search(r"_\d+$", r["kernel"])]  # Inductor's numbers stripped
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cpu", "--model", "nosuch"], "In 'bench': Could not find 'model/nosuch'"),
+        (["--device", "cpu", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["--device", "cpu", "--out", "/no/such/profile.json"], "--out: /no/such is not a folder"),
+    ],
+)
+def test_the_step_profile_refuses_bad_arguments_in_one_line(args: list[str], message: str, monkeypatch, capsys):
+    import profile_xsa_step
+
+    monkeypatch.setattr(sys, "argv", ["profile_xsa_step.py", *args])
+    with pytest.raises(SystemExit) as exit_:
+        profile_xsa_step.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.splitlines()[-1] == f"profile_xsa_step.py: error: {message}"
