@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, cli_in_process, run_cli
-from tests.wandb_records import history
+from tests.wandb_records import history, run_files
 from xsa_lm.analysis.losses import held_out_loss
 from xsa_lm.model import GPT, GPTConfig
 
@@ -45,7 +45,7 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     with open(checkpoints["sa"] / "metrics.csv") as f:
         header = next(csv.reader(f))
     assert "diag/a_ii/layer_0" in header and "diag/cos_z_v/layer_0" not in header  # SA has no z
-    wandb_file = next(checkpoints["xsa"].glob("wandb/offline-run-*/run-*.wandb"))
+    (wandb_file,) = run_files(checkpoints["xsa"])
     logged = {key for row in history(wandb_file) for key in row}
     assert any(key.startswith("diag/table") for key in logged) and "diag/a_ii/layer_0" in logged
     # text samples during training: in samples.txt and as a W&B table

@@ -22,7 +22,7 @@ from tests.helpers import (
     write_checkpoint,
     write_local_task,
 )
-from tests.wandb_records import summary
+from tests.wandb_records import run_files, summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
@@ -218,7 +218,7 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
     table = (out / "eval.md").read_text()
     assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm)" in table and "| XSA - SA |" in proc.stdout
-    sa_runs = sorted((tmp_path / "sa").glob("wandb/offline-run-*/run-*.wandb"))
+    sa_runs = run_files(tmp_path / "sa")
     assert len(sa_runs) == 2  # training, then the eval scores in the same run id
     assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])
 

@@ -419,7 +419,7 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
 
 def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(tmp_path: Path, monkeypatch):
     """The analysis and the W&B report run on a synthetic study (offline W&B, read back from its run file)."""
-    from tests.wandb_records import history, run_record, summary
+    from tests.wandb_records import history, run_files, run_record, summary
     from xsa_lm.scale.report import log_to_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -429,10 +429,7 @@ def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(t
     results = study_results(sizes, analysis, tmp_path)
     assert "| m3 |" in write_report(results, tmp_path)
     log_to_wandb(results, tmp_path, {"mode": "offline"})
-    import wandb
-
-    wandb.teardown()  # run.finish() can return before W&B's service has written the run file
-    run_file = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    (run_file,) = run_files(tmp_path)
     assert (run_record(run_file).run_group, run_record(run_file).job_type) == ("toy-study", "scale-report")
     assert summary(run_file)["fit"] == analysis["fit"]["formula"]
     assert summary(run_file)["multiplier"] == pytest.approx(analysis["fit"]["multiplier"])

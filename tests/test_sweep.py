@@ -26,7 +26,7 @@ from tests.helpers import (
     run_cli,
     write_local_task,
 )
-from tests.wandb_records import config, history, run_record, summary
+from tests.wandb_records import config, history, run_files, run_record, summary
 from xsa_lm.errors import UserError
 from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
@@ -833,7 +833,8 @@ def test_report_without_a_usable_lr_says_the_comparison_did_not_run(tmp_path: Pa
 
 
 def _trial_wandb_file(run_dir: Path) -> Path:
-    return next(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    (run_file,) = run_files(run_dir)
+    return run_file
 
 
 @pytest.mark.slow
@@ -912,7 +913,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert summary(search_run)["final_val_loss"] == pytest.approx(by_key[("search", "sa", 3e-3, 0)]["final_val_loss"])
     run_config = config(search_run)
     assert (run_config["attention"]["name"], run_config["optim"]["lr"], run_config["seed"]) == ("sa", 3e-3, 0)
-    report_run = next(sweep_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    (report_run,) = run_files(sweep_dir)
     assert (run_record(report_run).run_group, run_record(report_run).job_type) == ("sweep", "report")
     assert summary(report_run)["selected_lr"] == 3e-3
     assert summary(report_run)["min_detectable_diff"] == pytest.approx(compare["min_detectable_diff"])

@@ -5,13 +5,14 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import FAST, cli_env
-from tests.wandb_records import artifacts, config, history, metric_definitions, summary
+from tests.wandb_records import artifacts, config, history, metric_definitions, run_files, summary
 
 LR = 2e-3
 MAX_STEPS = 6
@@ -33,9 +34,7 @@ def train_offline(tmp_path: Path, data_cache: Path, name: str, *overrides: str) 
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 1, offline_runs
-    (run_file,) = offline_runs[0].glob("run-*.wandb")
+    (run_file,) = run_files(run_dir)
     return run_dir, run_file, proc.stdout
 
 
@@ -139,10 +138,7 @@ def write_png(path: Path) -> None:
 
 def report_artifact(folder: Path, artifact_type: str) -> tuple[object, dict]:
     """The report run's artifact of that type (logging a wandb.Table adds one of type run_table) and its files."""
-    import wandb
-
-    wandb.teardown()  # run.finish() can return before W&B's service has written the run file
-    (run_file,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    (run_file,) = run_files(folder)
     (artifact,) = [a for a in artifacts(run_file) if a.type == artifact_type]
     return artifact, {entry.path: entry for entry in artifact.manifest.contents}
 
@@ -209,8 +205,10 @@ def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path:
         {"tasks": ["piqa"], "limit": None, "rows": [row("last.ckpt", 0.6), row("step-000004.ckpt", 0.5)]}, "offline"
     )
     log_to_wandb({"tasks": ["piqa"], "limit": 10, "rows": [row("last.ckpt", 0.9)]}, "offline")
+    files = run_files(run_dir)
+    assert [f.name for f in files] == ["run-trainrun1.wandb"] * 3  # one W&B run, resumed by each row
     merged: dict = {}
-    for run_file in sorted((run_dir / "wandb").glob("offline-run-*/run-trainrun1.wandb")):
+    for run_file in files:
         merged |= summary(run_file)  # as W&B merges the resumed run's summaries on upload
     scores = {key: value for key, value in merged.items() if key.startswith("eval")}
     assert scores == {
@@ -221,3 +219,35 @@ def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path:
         "eval-limit10/piqa": 0.9,
         "eval-limit10/average": 0.9,
     }
+
+
+def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_path: Path, monkeypatch) -> None:
+    """W&B's service writes a run file after run.finish() may have returned: the tests' reader waits for the folder's
+    file and for its exit record, and reads a half-written chunk as not yet there rather than as a bad checksum."""
+    import threading
+
+    import wandb
+
+    from tests.wandb_records import read_records
+
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    run = wandb.init(mode="offline", dir=str(tmp_path / "done"), id="r1", settings=wandb.Settings(silent=True))
+    run.summary.update({"score": 0.5})
+    run.finish()
+    (written,) = run_files(tmp_path / "done")
+    whole = written.read_bytes()
+
+    late = tmp_path / "late" / "wandb" / "offline-run-20261204_000000-r1"
+    late.mkdir(parents=True)
+
+    def service() -> None:  # the file appears, then its header and half of its last chunk, then the rest
+        for size in (0, 7, len(whole) - 5, len(whole)):
+            time.sleep(0.3)
+            (late / written.name).write_bytes(whole[:size])
+
+    writer = threading.Thread(target=service)
+    writer.start()
+    (found,) = run_files(tmp_path / "late")
+    assert [r.WhichOneof("record_type") for r in read_records(found)][-1] == "exit"
+    assert summary(found)["score"] == 0.5
+    writer.join()

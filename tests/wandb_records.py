@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,43 @@ CHUNK_HEADER = struct.Struct("<IHB")  # crc32, length, type
 FULL, FIRST, LAST = 1, 2, 4
 
 
-def read_records(path: str | Path) -> list[Record]:
-    # The W&B service writes the file on its own: run.finish() may return before the last records are on disk (once
-    # in CI, a file of 7 bytes). wandb.teardown() waits for the service to finish, as a process exit does.
+def run_files(save_dir: str | Path) -> list[Path]:
+    """The offline run files under a run's save dir (``wandb/offline-run-*/run-<id>.wandb``), by folder name: oldest
+    first. The SDK makes each run's folder at init, but W&B's service writes the file in it on its own, perhaps after
+    ``run.finish()`` has returned: each folder is waited on for up to ``timeout_s``."""
     wandb.teardown()
+    return [_run_file(folder) for folder in sorted(Path(save_dir).glob("wandb/offline-run-*"))]
+
+
+def _run_file(folder: Path, timeout_s: float = 30.0) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while not (found := sorted(folder.glob("run-*.wandb"))):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no W&B run file in {folder} after {timeout_s:g} s")
+        time.sleep(0.1)
+    (run_file,) = found
+    return run_file
+
+
+def read_records(path: str | Path, finished: bool = True, timeout_s: float = 30.0) -> list[Record]:
+    """The file's records. W&B's service writes the file on its own: ``run.finish()`` may return before the last
+    records are on disk (once in CI, a file of 7 bytes), and ``wandb.teardown()`` need not wait for them either. So
+    a finished run is read again until it holds its ``exit`` record, for up to ``timeout_s``."""
+    wandb.teardown()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _records(path)
+        if not finished or any(r.HasField("exit") for r in records):
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: no exit record after {timeout_s:g} s ({len(records)} records)")
+        time.sleep(0.1)
+
+
+def _records(path: str | Path) -> list[Record]:
     data = Path(path).read_bytes()
+    if len(data) < 7:  # not yet written
+        return []
     if data[:4] != b":W&B":
         raise ValueError(f"{path}: not a W&B run file")
     records: list[Record] = []
@@ -44,6 +77,8 @@ def read_records(path: str | Path) -> list[Record]:
             pos += BLOCK_LEN - pos % BLOCK_LEN
             continue
         crc, length, kind = CHUNK_HEADER.unpack_from(data, pos)
+        if pos + CHUNK_HEADER.size + length > len(data):  # the service is still writing this chunk
+            break
         chunk = data[pos + CHUNK_HEADER.size : pos + CHUNK_HEADER.size + length]
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
             raise ValueError(f"{path}: bad chunk checksum at byte {pos}")
