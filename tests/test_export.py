@@ -304,6 +304,7 @@ def test_export_through_the_cli(runs, data_cache: Path, tmp_path: Path, monkeypa
     proc = run_cli(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"wrote {out} (") and (out / "model.safetensors").is_file()
+    assert "AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)" in proc.stdout  # else transformers asks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing else written (no Hydra outputs)
     assert_refused(
         cli_in_process(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path, monkeypatch, capsys),

@@ -73,6 +73,46 @@ def test_a_tiny_temperature_samples_the_greedy_tokens():
         assert torch.equal(drawn, generate(model, prompt, 8)), temperature
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+    """A model's table may be padded past its tokenizer's vocabulary (model.vocab_size 4096 beside a 512-token BPE):
+    those ids decode to nothing, and were drawn where their logits were high; with vocab_size they never are."""
+    model = model_for("sa").eval()
+    with torch.no_grad():
+        model.lm_head.weight[48:].mul_(20.0)  # the padding rows dominate the logits (tied: the inputs too)
+    idx = torch.randint(0, 48, (2, 4), generator=torch.Generator().manual_seed(1))
+    unmasked = generate(model, idx, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert (unmasked[:, 4:] >= 48).any()  # the case this guards against happens here
+    for temperature, top_k in ((0.0, None), (1.0, None), (2.0, 60)):
+        generator = torch.Generator().manual_seed(0)
+        out = generate(model, idx, 12, temperature=temperature, top_k=top_k, generator=generator, vocab_size=48)
+        assert (out[:, 4:] < 48).all(), (temperature, top_k, out)
+
+
+def test_xsa_lm_generate_draws_only_the_tokenizers_ids(monkeypatch: pytest.MonkeyPatch):
+    from types import SimpleNamespace
+
+    from xsa_lm.eval import sample as sampling
+
+    model = model_for("sa")
+    with torch.no_grad():
+        model.lm_head.weight[48:].mul_(20.0)
+
+    class Ids:  # a 48-token tokenizer onto the model's 64 ids
+        def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
+            return SimpleNamespace(ids=[ord(c) % 48 for c in text])
+
+        def decode(self, ids: list[int]) -> str:
+            return " " + " ".join(map(str, ids))
+
+        def get_vocab_size(self) -> int:
+            return 48
+
+    monkeypatch.setattr(sampling, "load_model", lambda path, key: model)
+    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids())
+    texts = sampling.sample("run.ckpt", "ab", max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=0)
+    assert all(int(i) < 48 for text in texts for i in text.split()[1:]), texts
+
+
 def test_generate_refuses_an_empty_top_k_and_a_negative_temperature():
     model, idx = model_for("xsa"), torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="top_k must be >= 1"):
@@ -137,6 +177,9 @@ def test_sample_i_is_the_same_text_whatever_num_samples(monkeypatch: pytest.Monk
 
         def decode(self, ids: list[int]) -> str:
             return " " + " ".join(map(str, ids))
+
+        def get_vocab_size(self) -> int:
+            return 64
 
     monkeypatch.setattr(sampling, "load_model", lambda path, key: model_for("xsa"))
     monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids())

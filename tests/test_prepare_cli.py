@@ -86,6 +86,31 @@ def test_a_relative_data_dir_is_the_one_beside_where_the_run_started(
     assert_clean_error(gone, f"data.dir={tmp_path / 'shards'} does not exist: restore it, or run `xsa-lm prepare")
 
 
+def test_a_resume_from_elsewhere_reads_the_files_and_tokenizer_the_run_started_with(
+    prepared: Path, data_cache: Path, tmp_path: Path
+):
+    """Relative data.files and tokenizer.path are read from where the run started: resumed from a folder that holds
+    another input.txt, the run trained on it without a word (its earlier validations dropped as another set's)."""
+    text = shakespeare_text(60_000)
+    for folder, part in (("A", text[:30_000]), ("B", text[30_000:])):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "input.txt").write_text(part)
+    shutil.copy(prepared / "tokenizer.json", tmp_path / "A" / "tok.json")
+    data = ["data=local", "data.files=input.txt", "tokenizer=file", "tokenizer.path=tok.json"]
+    args = ["train", *TRAIN, *data, "trainer.max_steps=4", "val_every_steps=2", "hydra.run.dir=../run"]
+    first = run_cli(args, data_cache, tmp_path / "A")
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = run_cli(
+        ["train", "resume=auto", "trainer.max_steps=6", "hydra.run.dir=../run"], data_cache, tmp_path / "B"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "another validation set" not in resumed.stdout + resumed.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [point["step"] for point in summary["val_history"]] == [2, 4, 6]
+    sources = [json.loads(p.read_text())["identity"]["source"] for p in data_cache.glob("local-*/meta.json")]
+    assert str(tmp_path / "A" / "input.txt") in str(sources) and str(tmp_path / "B") not in str(sources)
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

@@ -575,3 +575,48 @@ def test_an_empty_run_directory_is_refused(args: list[str], monkeypatch, capsys,
     assert err.startswith(f"xsa-lm: error: {key} is empty (an unset shell variable?): set it to a folder")
     assert err.endswith(f"e.g. {key}=runs/a\n") and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_auto_in_the_default_folder_is_refused_naming_the_newest_run(
+    data_cache: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The default hydra.run.dir is named by the time, so resume=auto there never found the run and started a new
+    one from scratch, saying so in a line easily missed; it is refused, naming the newest run beside it."""
+    runs = tmp_path / "outputs" / "train"
+    for name in ("2026-01-01_00-00-00_tiny_sa", "2026-01-02_00-00-00_tiny_xsa"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "config.yaml").write_text("")
+    os.utime(runs / "2026-01-01_00-00-00_tiny_sa" / "config.yaml", (0, 0))
+    refused = cli_in_process(["train", *FAST, "resume=auto"], data_cache, tmp_path, monkeypatch, capsys)
+    assert_clean_error(
+        refused,
+        "resume=auto continues the run in hydra.run.dir, which was not given",
+        f"hydra.run.dir={runs / '2026-01-02_00-00-00_tiny_xsa'}",
+    )
+    assert sorted(p.name for p in runs.iterdir()) == ["2026-01-01_00-00-00_tiny_sa", "2026-01-02_00-00-00_tiny_xsa"]
+    started = cli_in_process(
+        ["train", *FAST, "resume=auto", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'new'}"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
+    assert started.returncode == 0 and "holds no run yet: starting a new run from scratch" in started.stdout
+
+
+def test_resume_auto_writes_a_damaged_summary_of_a_completed_run_again(
+    data_cache: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A completed run whose summary.json was cut short (a full disk, a partial copy) was refused by every resume
+    with "run the command that wrote it again": resume=auto writes it again from the last checkpoint."""
+    args = ["train", *FAST, "trainer.max_steps=2", "val_every_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys).returncode == 0
+    summary = tmp_path / "run" / "summary.json"
+    whole = json.loads(summary.read_text())
+    summary.write_text(summary.read_text()[:100])
+    resume = ["train", "resume=auto", f"hydra.run.dir={tmp_path / 'run'}"]
+    again = cli_in_process(resume, data_cache, tmp_path, monkeypatch, capsys)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rewritten = json.loads(summary.read_text())
+    assert (rewritten["status"], rewritten["steps"]) == ("completed", 2)
+    assert rewritten["final_val_loss"] == pytest.approx(whole["final_val_loss"])

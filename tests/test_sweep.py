@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -659,6 +660,18 @@ def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path, 
     assert cast(TrialRecord, store.load(trial)).status == "completed"
     said = capsys.readouterr().out
     assert "completed under this run's divergence bound 6.238 (ln of the vocabulary size)" in said, said
+
+
+def test_a_reused_trial_with_a_damaged_summary_says_how_to_write_it_again(tmp_path: Path) -> None:
+    """A final trial whose summary.json was cut short stopped every rerun of the sweep with "run the command that wrote
+    it again", which is the sweep itself: it names the resume that writes the file again."""
+    store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
+    store.run_dir(trial).mkdir(parents=True)
+    (store.run_dir(trial) / "summary.json").write_text(json.dumps(_summary(loss=5.0).to_json())[:100])
+    store.save(replace(TrialRecord.missing(trial, "search"), status="completed", returncode=0, final_val_loss=5.0))
+    expected = f"write it again with `xsa-lm train hydra.run.dir={store.run_dir(trial)} resume=auto`, then the sweep"
+    with pytest.raises(UserError, match=re.escape(expected) + "$"):
+        Launcher(store, []).run([trial], phase="search", job_type="search")
 
 
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:

@@ -59,11 +59,12 @@ class Record:
         return data
 
     @classmethod
-    def read(cls: type[R], path: Path) -> R:
+    def read(cls: type[R], path: Path, then: str = "run the command that wrote it again") -> R:
+        """The record in a JSON file; one that is not JSON (cut short, edited) is refused in one line ending `then`."""
         try:
             data = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"{path}: not JSON ({e}); run the command that wrote it again") from None
+            raise UserError(f"{path}: not JSON ({e}); {then}") from None
         return cls.from_json(data, source=str(path))
 
 

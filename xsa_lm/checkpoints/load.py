@@ -10,9 +10,10 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Any, cast
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
@@ -177,13 +178,11 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
         data = load_prepared(data_dir)
         check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key)
         return data
-    from omegaconf import OmegaConf
-
     from xsa_lm.data.run import prepare_data
 
     run_config = run_config_of(path, key)
-    cfg = OmegaConf.load(run_config)
-    data = prepare_data(data_settings_as_started(cfg.data, run_dir_of(path), key), cfg.tokenizer)
+    cfg = cast(DictConfig, OmegaConf.load(run_config))
+    data = prepare_data(*settings_as_started(cfg, run_dir_of(path), key))
     gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
     rebuilt = f" (prepared again from {run_config}{gone})"
     check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
@@ -225,18 +224,35 @@ def _run_data_dir(path: Path, key: str) -> Path | None:
     return (Path(recorded.get("cwd") or ".") / recorded["data_dir"]).resolve()
 
 
-def data_settings_as_started(data: DictConfig, run_dir: Path, key: str = "resume") -> DictConfig:
-    """The run's data settings with a relative data.dir and data.cache_dir taken from the directory the run was
-    started in (run_info.json's cwd), as they were then, wherever the command now runs from."""
-    recorded = _run_info(run_dir, key)
-    if not recorded or not recorded.get("cwd"):
-        return data
-    resolved = data.copy()
-    for name in ("dir", "cache_dir"):
-        value = data.get(name)
-        if value and not Path(str(value)).expanduser().is_absolute():
-            resolved[name] = str(Path(recorded["cwd"]) / str(value))
-    return resolved
+# The settings that name files (the source's own copies too, as config.yaml saves them resolved).
+PATH_KEYS = ("dir", "cache_dir", "files", "data_files", "source.files", "source.data_files")
+
+
+def settings_as_started(cfg: DictConfig, run_dir: Path, key: str = "resume") -> tuple[DictConfig, DictConfig]:
+    """The run's data and tokenizer settings with each relative path in them (data.dir, data.cache_dir, the globs of
+    data.files and data.data_files, tokenizer.path) taken from the directory the run was started in (run_info.json's
+    cwd), so that they name the files they named then, wherever the command now runs from."""
+    cwd = (_run_info(run_dir, key) or {}).get("cwd")
+    if not cwd:
+        return cfg.data, cfg.tokenizer
+    started = OmegaConf.masked_copy(cfg, ["data", "tokenizer"])
+    for name in [f"data.{k}" for k in PATH_KEYS] + ["tokenizer.path"]:
+        value = OmegaConf.select(started, name)
+        if value is not None:
+            plain = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+            OmegaConf.update(started, name, _from(Path(cwd), plain), merge=False)
+    return started.data, started.tokenizer
+
+
+def _from(cwd: Path, value: Any) -> Any:
+    """A path, or the paths in a list or a {split: paths} mapping, with the relative ones under cwd."""
+    if isinstance(value, str):
+        return value if not value or Path(value).expanduser().is_absolute() else str(cwd / value)
+    if isinstance(value, list):
+        return [_from(cwd, v) for v in value]
+    if isinstance(value, dict):
+        return {k: _from(cwd, v) for k, v in value.items()}
+    return value
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:

@@ -98,10 +98,20 @@ def data_identity(source, tokenizer_cfg: DictConfig, tokenizer_documents: int, s
     and the split. It names the cache folder and is recorded in prepare.json: other inputs never share shards."""
     return {
         "source": source.identity(),
-        "tokenizer": OmegaConf.to_container(tokenizer_cfg, resolve=True),
+        "tokenizer": tokenizer_settings(tokenizer_cfg),
         **tokenizer_inputs(tokenizer_cfg, tokenizer_documents),
         **settings,
     }
+
+
+def tokenizer_settings(tokenizer_cfg: DictConfig) -> dict:
+    """The tokenizer's settings, a given file by its resolved path (as the source's files are): the same file named
+    from another directory is the same tokenizer."""
+    settings = OmegaConf.to_container(tokenizer_cfg, resolve=True)
+    assert isinstance(settings, dict)
+    if settings.get("path"):
+        settings["path"] = os.path.realpath(os.path.expanduser(settings["path"]))
+    return settings
 
 
 def check_cache_dir(cache: Path) -> None:

@@ -80,6 +80,7 @@ class HarnessLM(LM):
                 torch.tensor([ids], device=self.device),
                 int(kwargs.get("max_gen_toks", 128)),
                 temperature=temperature,
+                vocab_size=self.tokenizer.get_vocab_size(),
             )
             text = self.tokenizer.decode(tokens[0, len(ids) :].tolist())
             for stop in until:

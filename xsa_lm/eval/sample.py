@@ -56,7 +56,15 @@ def sample(
     texts = []
     for each in seeds:
         generator = torch.Generator(device=device).manual_seed(each)
-        (row,) = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        (row,) = generate(
+            model,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+            vocab_size=tokenizer.get_vocab_size(),
+        )
         texts.append(prompt + tokenizer.decode(row[len(ids) :].tolist()))
     return texts
 

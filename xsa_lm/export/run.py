@@ -2,8 +2,9 @@
 
 DIR gets model.safetensors, config.json, generation_config.json, the run's tokenizer (tokenizer.json,
 tokenizer_config.json) and the modelling code (configuration_xsa.py, modeling_xsa.py, copied from this package), so
-that, offline, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR)
-load it. A file checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA with every variant.
+that, offline, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR,
+trust_remote_code=True) load it (without the flag, AutoTokenizer asks first: it reads config.json). A file
+checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA with every variant.
 """
 
 import importlib.util
@@ -113,5 +114,6 @@ def main(cfg: DictConfig) -> None:
         out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out or "")).expanduser())  # null: not "None"
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
-        f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)"
+        f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) "
+        "and AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)"
     )

@@ -16,10 +16,12 @@ def generate(
     top_k: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """idx (B, T) followed by max_new_tokens sampled tokens. temperature 0 is greedy (deterministic); otherwise
     softmax(logits / temperature) over the top_k tokens, drawn with `generator`. Once the context exceeds
-    block_size the model sees the last block_size tokens, cached or not (the cache is rebuilt from that window)."""
+    block_size the model sees the last block_size tokens, cached or not (the cache is rebuilt from that window).
+    vocab_size: the tokenizer's, below the model's where its table is padded; the ids past it are never drawn."""
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:  # top-0 would keep no token at all
@@ -38,6 +40,8 @@ def generate(
                 logits = model(tokens[:, fed:], caches=caches)
                 fed = tokens.size(1)
             logits = logits[:, -1, :].float()
+            if vocab_size is not None:  # the padding of the embedding table: ids no tokenizer can decode
+                logits[:, vocab_size:] = float("-inf")
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one fp32 rounds to 0: greedy, the limit
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:

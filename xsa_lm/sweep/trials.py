@@ -319,7 +319,10 @@ class Launcher:
         summary_file = self.store.run_dir(trial) / "summary.json"
         if not summary_file.exists():
             return record
-        summary = RunSummary.read(summary_file)
+        run_dir = self.store.run_dir(trial)
+        summary = RunSummary.read(
+            summary_file, then=f"write it again with `xsa-lm train hydra.run.dir={run_dir} resume=auto`, then the sweep"
+        )
         judged = outcome(record.returncode or 0, summary, "", self.diverge_above)
         if judged.status == record.status:
             return record

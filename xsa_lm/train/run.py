@@ -12,19 +12,20 @@ import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import hydra
 import lightning as L
 import torch
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPStrategy, FolderCheckpoint
 from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_valid_checkpoint
-from xsa_lm.checkpoints.load import check_tokenizer, data_settings_as_started, model_config_mismatch
+from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch, settings_as_started
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import (
@@ -249,8 +250,8 @@ def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None)
     schedule_warning = settle_schedule(cfg)
     check_memory(cfg, devices=plan["devices"])
     continuing = cfg.resume is not None and (run_dir / "config.yaml").exists()  # its saved config, paths and all
-    data_cfg = data_settings_as_started(cfg.data, run_dir) if continuing else cfg.data
-    data = prepare_data(data_cfg, cfg.tokenizer, explicit_tokenizer=tokenizer_on_command_line())
+    data_cfg, tokenizer_cfg = settings_as_started(cfg, run_dir) if continuing else (cfg.data, cfg.tokenizer)
+    data = prepare_data(data_cfg, tokenizer_cfg, explicit_tokenizer=tokenizer_on_command_line())
     mcfg = model_config(cfg, data.meta["vocab_size"])
     kernels = attention_kernels(
         cfg.sdpa_backends,
@@ -608,6 +609,23 @@ def quiet_third_party() -> None:
             handler.addFilter(noise)
 
 
+def refuse_a_folder_new_each_time(run_dir: Path) -> None:
+    """resume=auto continues the run in hydra.run.dir: the default folder, named by the time, never holds one."""
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    pattern = cast(dict, OmegaConf.to_container(hydra_cfg.sweep if multirun else hydra_cfg.run))["dir"]  # unresolved
+    if "${now:" not in str(pattern):
+        return
+    runs = [p for p in run_dir.parent.glob("*/config.yaml") if p.parent != run_dir]
+    newest = max(runs, key=lambda p: p.stat().st_mtime, default=None)
+    hint = f", e.g. the newest here: hydra.run.dir={newest.parent}" if newest and key == "hydra.run.dir" else ""
+    raise UserError(
+        f"resume=auto continues the run in {key}, which was not given: its default ({pattern}) is a new folder each "
+        f"time; pass {key}=<the run's folder>{hint}"
+    )
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="train")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -616,6 +634,8 @@ def main(cfg: DictConfig) -> None:
     try:
         with exit_on_user_error():
             notes: list[str] = []
+            if cfg.resume == "auto":
+                refuse_a_folder_new_each_time(run_dir)
             if cfg.resume is not None:
                 defaults = compose(config_name="train")
                 overrides = list(HydraConfig.get().overrides.task)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from xsa_lm.errors import first_line
+from xsa_lm.errors import UserError, first_line
 from xsa_lm.files import write_json
 from xsa_lm.records import RunSummary
 
@@ -118,8 +118,12 @@ def error_line(error: Exception) -> str:
 
 
 def completed(run_dir: Path) -> bool:
+    """Whether the run's summary.json says it completed; a damaged one says nothing (a resume writes it again)."""
     summary = run_dir / "summary.json"
-    return summary.exists() and RunSummary.read(summary).status == "completed"
+    try:
+        return summary.exists() and RunSummary.read(summary).status == "completed"
+    except UserError:
+        return False
 
 
 def finish_wandb(trainer: "L.Trainer", summary: RunSummary) -> None:
