@@ -60,8 +60,9 @@ def current_umask() -> int:
     return mask
 
 
-def hf_model(model: GPT, eot: int) -> "XSAForCausalLM":
-    """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained."""
+def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
+    """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained. generate()
+    never draws the ids of the table's padding past the tokenizer's vocabulary, as `xsa-lm generate` does not."""
     from xsa_lm.export.configuration_xsa import XSAConfig
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
@@ -73,6 +74,8 @@ def hf_model(model: GPT, eot: int) -> "XSAForCausalLM":
     XSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     hf = XSAForCausalLM(config)
     hf.load_state_dict(model.state_dict())  # strict: every tensor, same names and shapes
+    if tokenizer_vocab < config.vocab_size:  # generation_config.json: transformers' own way to leave ids out
+        hf.generation_config.suppress_tokens = list(range(tokenizer_vocab, config.vocab_size))
     return hf.eval()
 
 
@@ -90,7 +93,7 @@ def export(ckpt: Path, out: Path) -> Path:
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        hf_model(model, eot).save_pretrained(staging)
+        hf_model(model, eot, tokenizer.get_vocab_size()).save_pretrained(staging)
         # The run's tokenizer as transformers' own: <|endoftext|> begins, ends and pads (GPT-2's way).
         PreTrainedTokenizerFast(
             tokenizer_object=tokenizer,
