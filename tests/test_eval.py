@@ -27,7 +27,7 @@ from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
 from xsa_lm.eval.run import check_options, render, resolve_tasks, xsa_minus_sa
-from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model import GPT, GPTConfig, generate
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
 
@@ -79,6 +79,16 @@ def test_generation_stops_at_until(lm: HarnessLM):
     assert len(out) == 1 and "." not in out[0]
     again = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
     assert again == out  # greedy
+
+
+def test_generation_draws_only_the_tokenizers_ids(lm: HarnessLM, monkeypatch):
+    """The model's table may be padded past the tokenizer's vocabulary: those ids are left out of the draw."""
+    from xsa_lm.eval import harness
+
+    asked = []
+    monkeypatch.setattr(harness, "generate", lambda *a, **kw: asked.append(kw) or generate(*a, **kw))
+    lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 4})])
+    assert [kw["vocab_size"] for kw in asked] == [lm.tokenizer.get_vocab_size()]
 
 
 @pytest.mark.parametrize("tasks", [[], "", None, [""]])
