@@ -608,14 +608,14 @@ def test_resume_auto_writes_a_damaged_summary_of_a_completed_run_again(
     data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     """A completed run whose summary.json was cut short (a full disk, a partial copy) was refused by every resume
-    with "run the command that wrote it again": resume=auto writes it again from the last checkpoint."""
+    with "run the command that wrote it again": resume=auto writes it again from the last checkpoint. The same
+    command again is no change of config, though its warmup (5) was clipped to the 2 steps of the schedule."""
     args = ["train", *FAST, "trainer.max_steps=2", "val_every_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
     assert cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys).returncode == 0
     summary = tmp_path / "run" / "summary.json"
     whole = json.loads(summary.read_text())
     summary.write_text(summary.read_text()[:100])
-    resume = ["train", "resume=auto", f"hydra.run.dir={tmp_path / 'run'}"]
-    again = cli_in_process(resume, data_cache, tmp_path, monkeypatch, capsys)
+    again = cli_in_process([*args, "resume=auto"], data_cache, tmp_path, monkeypatch, capsys)  # as a sweep retries
     assert again.returncode == 0, again.stderr[-2000:]
     rewritten = json.loads(summary.read_text())
     assert (rewritten["status"], rewritten["steps"]) == ("completed", 2)

@@ -58,7 +58,7 @@ from xsa_lm.sweep.run import (
 )
 from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, device_slots, outcome
+from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
 from xsa_lm.train.summary import RunSummary
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
@@ -672,6 +672,28 @@ def test_a_reused_trial_with_a_damaged_summary_says_how_to_write_it_again(tmp_pa
     expected = f"write it again with `xsa-lm train hydra.run.dir={store.run_dir(trial)} resume=auto`, then the sweep"
     with pytest.raises(UserError, match=re.escape(expected) + "$"):
         Launcher(store, []).run([trial], phase="search", job_type="search")
+
+
+def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_result(tmp_path: Path) -> None:
+    """A trial record cut short stopped every rerun with "run the command that wrote it again" (the sweep itself).
+    Moved aside as the line says, the trial runs again: its run, complete, has nothing left to train (exit code 0,
+    no new summary.json), and its earlier summary.json is its result, not "exited before writing summary.json"."""
+    store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
+    (store.run_dir(trial) / "checkpoints").mkdir(parents=True)
+    (store.run_dir(trial) / "checkpoints" / "last.ckpt").write_bytes(b"")  # the sweep resumes, keeping the folder
+    summary_file = store.run_dir(trial) / "summary.json"
+    write_json(summary_file, _summary(loss=5.0).to_json())
+    os.utime(summary_file, (0, 0))  # written by an earlier attempt
+    record = store.records / f"{trial.id}.json"
+    record.parent.mkdir(parents=True)
+    record.write_text("{garbage")
+    launcher = Launcher(store, [], launch_prefix=[sys.executable, "-c", "pass"])  # stands in for the finished run
+    with pytest.raises(UserError, match=re.escape(RETRY_DAMAGED) + "$"):
+        launcher.run([trial], phase="search", job_type="search")
+    record.unlink()
+    launcher.run([trial], phase="search", job_type="search")
+    retried = cast(TrialRecord, store.load(trial))
+    assert (retried.status, retried.final_val_loss) == ("completed", 5.0)
 
 
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:

@@ -64,6 +64,10 @@ def continuation_config(
     if saved.scheduler.get("total_steps") is None:  # written before the schedule length was resolved into it
         saved.scheduler.total_steps = saved.trainer.max_steps
     saved_flat, given_flat, default_flat = (flatten(plain(c)) for c in (saved, given, defaults))
+    # The run clipped a warmup longer than its schedule to the schedule (settle_schedule): given again, it is no change.
+    warmup, total = given_flat.get("scheduler.warmup_steps"), saved.scheduler.total_steps
+    if saved_flat.get("scheduler.warmup_steps") == total and isinstance(warmup, int) and warmup > total:
+        given_flat["scheduler.warmup_steps"] = total
     named = [override_key(o) for o in overrides]  # `attention=sa` names attention.*
     on_command_line = {
         k: v

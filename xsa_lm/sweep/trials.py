@@ -82,6 +82,12 @@ class TrialRecord(Record):
         return cls(id=trial.id, phase=phase, attention=trial.attention, lr=trial.lr, seed=trial.seed, status="missing")
 
 
+# A trial's record cut short (a full disk, an edit): the sweep runs the trial again without it.
+RETRY_DAMAGED = (
+    "move it out of trials/ and run the sweep again: it runs the trial again, from its last checkpoint if any"
+)
+
+
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
         self.sweep_dir = sweep_dir
@@ -99,7 +105,7 @@ class TrialStore:
         path = self.records / f"{trial.id}.json"
         if not path.exists():
             return None
-        record = TrialRecord.read(path)
+        record = TrialRecord.read(path, then=RETRY_DAMAGED)
         if not math.isclose(record.lr, trial.lr, rel_tol=1e-9):  # an earlier grid's LR of the same 3 digits
             raise UserError(
                 f"{path} records {trial.id} at LR {record.lr:g}, and this sweep asks for LR {trial.lr:g} under that "
@@ -110,7 +116,7 @@ class TrialStore:
 
     def all_records(self) -> list[TrialRecord]:
         """Every trial this sweep folder recorded, of this run's grid or an earlier one."""
-        return [TrialRecord.read(path) for path in sorted(self.records.glob("*.json"))]
+        return [TrialRecord.read(path, then=RETRY_DAMAGED) for path in sorted(self.records.glob("*.json"))]
 
     def save(self, record: TrialRecord) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
@@ -383,7 +389,8 @@ class Launcher:
 
     def _finish(self, trial: Trial, returncode: int, started: float, phase: str) -> None:
         summary_file = self.store.run_dir(trial) / "summary.json"
-        fresh = summary_file.exists() and summary_file.stat().st_mtime >= started - 1
+        # An earlier attempt's summary is not this one's, unless this one had nothing left to train (exit code 0).
+        fresh = summary_file.exists() and (summary_file.stat().st_mtime >= started - 1 or returncode == 0)
         summary = RunSummary.read(summary_file) if fresh else None
         result = outcome(returncode, summary, last_error_line(self.store.log_file(trial)), self.diverge_above)
         record = (self.store.load(trial) or TrialRecord.missing(trial, phase)).ended(result, returncode)
