@@ -26,7 +26,7 @@ from tests.wandb_records import run_files, summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import check_options, render, resolve_tasks, xsa_minus_sa
+from xsa_lm.eval.run import check_options, load_tasks, render, resolve_tasks, xsa_minus_sa
 from xsa_lm.model import GPT, GPTConfig, generate
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
@@ -110,6 +110,26 @@ def test_a_task_given_twice_is_refused(tmp_path: Path):
     with pytest.raises(UserError, match="^tasks: piqa is the task 'piqa', as piqa is: give each task once$"):
         resolve_tasks(["piqa", "arc_easy", "piqa"])
     assert resolve_tasks([first, "piqa"]) == (["cloze", "piqa"], [str(tmp_path / "a")])
+
+
+def test_a_bad_task_file_is_refused_by_name(tmp_path: Path) -> None:
+    """A task YAML that is not YAML, or whose data file holds no rows, ended in "xsa-lm: error: ParserError" or
+    "StopIteration" (an internal error); lm-eval's own tags (`!function`) are no error."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: [unclosed\n")
+    with pytest.raises(UserError, match=f"^tasks: {re.escape(str(broken))} is not valid YAML at line 2"):
+        resolve_tasks([str(broken)])
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("- task: a\n")
+    with pytest.raises(UserError, match="is not a task file"):
+        resolve_tasks([str(listed)])
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text("task: tagged\nprocess_docs: !function utils.process_docs\n")
+    assert resolve_tasks([str(tagged)]) == (["tagged"], [str(tmp_path)])
+    task = write_local_task(tmp_path / "empty")
+    (tmp_path / "empty" / "items.jsonl").write_text("")
+    with pytest.raises(UserError, match="^tasks: xsa_toy_mc: its data holds no items"):
+        load_tasks(*resolve_tasks([str(task)]))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 import scipy.stats
 
 from tests.conftest import cli_env, run_cli
-from tests.helpers import assert_nothing_written, refused_in_process
+from tests.helpers import assert_clean_error, assert_nothing_written, refused_in_process
 from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     choose_form,
@@ -27,7 +27,7 @@ from xsa_lm.scale.fit import (
     ladder_bootstrap,
 )
 from xsa_lm.scale.report import ScaleStudyResult, SizeResult, render_markdown, write_report
-from xsa_lm.scale.run import analyse, reanalyse, size_tests
+from xsa_lm.scale.run import analyse, keep_sizes, reanalyse, size_tests
 from xsa_lm.stats.paired import holm
 from xsa_lm.sweep.trials import Launcher
 
@@ -372,6 +372,16 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def test_a_rerun_may_add_sizes_but_not_leave_one_out(tmp_path: Path) -> None:
+    state = tmp_path / "scale.json"
+    state.write_text(json.dumps({"study_id": "s", "overrides": []}))  # a study that recorded no sizes yet
+    keep_sizes(state, ["tiny_d32", "tiny_d64"])
+    keep_sizes(state, ["tiny_d32", "tiny_d64", "tiny_d96"])
+    assert json.loads(state.read_text())["models"] == ["tiny_d32", "tiny_d64", "tiny_d96"]
+    with pytest.raises(UserError, match=r"leaves out \['tiny_d64'\]: give every size it has run"):
+        keep_sizes(state, ["tiny_d32", "tiny_d96"])
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
@@ -413,6 +423,12 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     assert all("run_dir" in t for t in sweep["trials"])  # each size is an ordinary sweep
     report = (study / "report.md").read_text()
     assert "Not reported: the ladder is flagged" in report and "| tiny_d64 |" in report
+    # A rerun that swaps a size it has run for another would rewrite the report without it: refused, nothing touched.
+    swapped = [a if not a.startswith("scale.models=") else "scale.models=[tiny_d32,tiny_d96]" for a in STUDY]
+    before = (study / "results.json").read_bytes()
+    refused = run_cli(["scale", *swapped, f"hydra.run.dir={study}"], data_cache, tmp_path, timeout=120)
+    assert_clean_error(refused, "scale.models=['tiny_d32', 'tiny_d96'] leaves out ['tiny_d64']")
+    assert (study / "results.json").read_bytes() == before and not (study / "sizes" / "tiny_d96").exists()
     assert "Not reported: the ladder is flagged" in proc.stdout  # the terminal shows the report
     assert (study / "loss_vs_compute.png").stat().st_size > 10_000 and (study / "multiplier.png").exists()
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer, run_dir_of
 from xsa_lm.data.tokenizer import hub_unreachable
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, exit_on_user_error, first_line, one_line_errors
 from xsa_lm.files import write_json, write_text
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
@@ -91,7 +91,7 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
         if path is not None:
             if not path.is_file():
                 raise UserError(f"tasks: task file not found: {path}")
-            config = yaml.safe_load(path.read_text()) or {}
+            config = read_task_yaml(path)
             if "task" not in config:
                 raise UserError(f"tasks: {path} has no `task:` name")
             name = str(config["task"])
@@ -103,6 +103,25 @@ def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
         given[name] = entry
         names.append(name)
     return names, sorted(set(folders))
+
+
+class TaskLoader(yaml.SafeLoader):
+    """YAML as lm-eval's task files write it: its tags (`!function utils.process_docs`) are read as plain values."""
+
+
+TaskLoader.add_multi_constructor("!", lambda loader, tag, node: None)
+
+
+def read_task_yaml(path: Path) -> dict:
+    try:
+        config = yaml.load(path.read_text(), Loader=TaskLoader) or {}  # a SafeLoader
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"tasks: {path} is not valid YAML{where} ({first_line(e)})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"tasks: {path} is not a task file (a YAML mapping with `task:`)")
+    return config
 
 
 def task_file_digests(tasks: str | list[str]) -> dict[str, str]:
@@ -143,6 +162,8 @@ def load_tasks(names: list[str], folders: list[str]):
     for name in names:
         try:
             get_task_dict([name], manager)
+        except StopIteration:  # datasets' json builder on a file with no rows
+            raise UserError(f"tasks: {name}: its data holds no items (an empty file?)") from None
         except (ConnectionError, OSError, ValueError) as e:  # datasets' offline / not-found errors
             raise UserError(
                 f"tasks: {name}: its dataset is not available ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "

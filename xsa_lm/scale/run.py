@@ -30,7 +30,7 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
-from xsa_lm.files import write_text
+from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
 from xsa_lm.scale.fit import (
@@ -421,6 +421,20 @@ def run_size_axis(
     return [s.model for s in results.sizes if s.sweep_returncode != 0]
 
 
+def keep_sizes(state_file: Path, models: list[str]) -> None:
+    """A rerun may add sizes to a study, not leave one out: its report would drop a size already trained (a ladder
+    chosen after seeing its results). scale.json records every size the study has run."""
+    state = json.loads(state_file.read_text())
+    earlier = state.get("models", [])  # none recorded: a study started before this was kept
+    left_out = [m for m in earlier if m not in models]
+    if left_out:
+        raise UserError(
+            f"scale.models: {state_file.parent} holds a study of {earlier}, and scale.models={models} leaves out "
+            f"{left_out}: give every size it has run (new ones may be added), or choose a new hydra.run.dir"
+        )
+    write_json(state_file, {**state, "models": earlier + [m for m in models if m not in earlier]})
+
+
 def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[str]:
     """Either axis: every setting and what each size will run checked before the study directory gets anything, then
     the study's identity (scale.json: a rerun must train what the first run trained; sizes and seeds may be added),
@@ -443,6 +457,7 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
         overrides_key="overrides",
         holds="a scaling study with the overrides",
     )
+    keep_sizes(study_dir / "scale.json", models)
     write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     identity = StudyIdentity(study_dir=str(study_dir), study_id=study_id, overrides=overrides)
     return study(identity, study_id if wandb_settings(cfg) else None)
