@@ -6,8 +6,8 @@ An arrow A -> B means module A imports module B (at the top or inside a function
 a module may import its own layer and the ones below it. tests/test_layering.py holds the same rules as a test.
 """
 
+import argparse
 import ast
-import sys
 from pathlib import Path
 
 # Low to high: a module may import its own layer and the layers below it, never one above.
@@ -115,7 +115,11 @@ def upward(arrows: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def main() -> None:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "xsa_lm")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("package", type=Path, nargs="?", default=Path("xsa_lm"), help="the package folder")
+    root = parser.parse_args().package
+    if not (root / "__init__.py").is_file():  # else nothing is measured and every count reads 0: a pass
+        parser.error(f"{root} is not a package folder (no __init__.py); run it from the repository root")
     arrows = graph(root)
     print(f"modules: {len(arrows)}")
     print(f"internal import arrows: {sum(len(t) for t in arrows.values())}")

@@ -28,12 +28,18 @@ def paper_rows() -> list[dict]:
         ]
 
 
+COLUMNS = ("layer", "cos_v_v", "a_ii", "cos_y_v")
+
+
 def our_rows(path: Path) -> list[dict]:
     with open(path) as f:
         rows = list(csv.DictReader(f))
+    missing = [c for c in COLUMNS if rows and c not in rows[0]]
+    if not rows or missing:
+        raise ValueError(f"{path} is not a diagnostics.csv of xsa-lm analyze (no rows, or no column {missing})")
     for row in rows:
         row["layer"] = int(row["layer"])
-        for metric in ("cos_v_v", "a_ii", "cos_y_v"):
+        for metric in COLUMNS[1:]:
             row[metric] = float(row[metric])
     return rows
 
@@ -43,7 +49,17 @@ def main() -> None:
     parser.add_argument("diagnostics", type=Path, help="diagnostics.csv written by xsa-lm analyze")
     parser.add_argument("--out", type=Path, default=Path("fig1_vs_paper.png"))
     args = parser.parse_args()
-    plot(our_rows(args.diagnostics), args.out, reference=paper_rows())
+    if not args.diagnostics.is_file():
+        parser.error(f"{args.diagnostics}: no such file (xsa-lm analyze writes DIR/diagnostics.csv)")
+    if args.out.exists():
+        parser.error(f"--out {args.out} exists: choose another file (nothing is overwritten)")
+    if not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: the folder {args.out.parent} does not exist")
+    try:
+        rows = our_rows(args.diagnostics)
+    except ValueError as e:
+        parser.error(str(e))
+    plot(rows, args.out, reference=paper_rows())
     print(f"wrote {args.out}")
 
 

@@ -93,6 +93,13 @@ def test_analyze_writes_csv_png_and_table(
     cmd = [sys.executable, str(plot_script), str(out / "diagnostics.csv"), "--out", str(fig)]
     script = subprocess.run(cmd, capture_output=True, text=True)
     assert script.returncode == 0, script.stderr and fig.read_bytes()[:4] == b"\x89PNG"
+    for args, said in (  # each ended in a traceback, or wrote over the figure
+        ([str(out / "diagnostics.csv"), "--out", str(fig)], "exists: choose another file"),
+        ([str(out / "losses.csv"), "--out", str(tmp_path / "f.png")], "is not a diagnostics.csv of xsa-lm analyze"),
+        ([str(out / "nope.csv")], "no such file"),
+    ):
+        refused = subprocess.run([sys.executable, str(plot_script), *args], capture_output=True, text=True)
+        assert refused.returncode == 2 and said in refused.stderr.splitlines()[-1], refused.stderr
     missing = cli_in_process(
         ["analyze", "ckpts=[/no/such.ckpt]", f"hydra.run.dir={tmp_path / 'x'}"],
         data_cache,

@@ -2,6 +2,8 @@
 no import arrow goes from a lower layer to a higher one."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,3 +33,12 @@ def test_no_arrow_points_up():
 
 def test_no_cycles():
     assert import_graph.cycles(arrows()) == []
+
+
+def test_the_script_refuses_a_folder_that_is_no_package(tmp_path: Path) -> None:
+    """Run from outside the repository it measured nothing and printed 0 violations: a check that passed."""
+    script = [sys.executable, str(REPO / "scripts" / "import_graph.py")]
+    refused = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2 and "xsa_lm is not a package folder" in refused.stderr
+    measured = subprocess.run([*script, str(REPO / "xsa_lm")], cwd=tmp_path, capture_output=True, text=True)
+    assert measured.returncode == 0 and "layer violations (lower -> higher): 0" in measured.stdout

@@ -155,6 +155,8 @@ def test_pooling_weighs_by_precision_and_flags_heterogeneity():
     assert pooled["q_p_value"] > 0.01
     mixed = same[:2] + [cell(0.7, 0.005) for _ in range(2)]
     assert pool(mixed)["q_p_value"] < 0.01
+    # One cell is no pool: a "pooled" interval of it was narrower than its own (0.857-1.157 beside 0.832-1.174)
+    assert pool(same[:1]) is None
 
 
 def _entry(model: str, sa, xsa_by_budget, seeds, diverged: tuple[str, int] | None = None) -> TokenSize:

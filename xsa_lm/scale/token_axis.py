@@ -226,11 +226,11 @@ class PooledK(TypedDict):
 
 
 def pool(cells: Sequence[Cell]) -> PooledK | None:
-    """Inverse-variance pooling of ln k over the cells with a point estimate (bounds are left out and listed),
+    """Inverse-variance pooling of ln k over two or more cells with a point estimate (bounds are left out and listed),
     Cochran's Q and I^2 for heterogeneity. Cells at one size share SA's runs, so they are not independent: the pooled
     interval is then too narrow, and the report says so."""
     usable = [c for c in cells if c.k is not None and c.ln_k_se and c.ln_k_se > 0]
-    if not usable:
+    if len(usable) < 2:  # one cell: its own interval (Fieller's) stands; t on its delta-method se would differ
         return None
     y = np.array([math.log(c.k) for c in usable if c.k is not None])
     w = np.array([1 / c.ln_k_se**2 for c in usable if c.ln_k_se])
