@@ -26,7 +26,7 @@ from tests.wandb_records import run_files, summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import check_options, load_tasks, render, resolve_tasks, xsa_minus_sa
+from xsa_lm.eval.run import check_options, load_tasks, paired_intervals, render, resolve_tasks, xsa_minus_sa
 from xsa_lm.model import GPT, GPTConfig, generate
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
@@ -179,6 +179,43 @@ def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
     assert "warning" not in table  # five runs: nothing shared
 
 
+def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_standard_error():
+    """-10 points on 20 items printed without a word of its noise (one item is 5 points): each score now carries n
+    and its standard error, and XSA - SA a t interval over the items both arms answered (seeds averaged first)."""
+    import scipy.stats
+
+    sa = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0, 5: 1.0}
+    xsa = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 1.0}
+    other = {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}  # a second SA seed, one more task
+
+    def row(attention: str, values: dict) -> dict:
+        value = sum(values.values()) / len(values)
+        return {"checkpoint": f"/r/{attention}/last.ckpt", "attention": attention, "run": attention, "average": value}
+
+    rows = [row("sa", sa), row("xsa", xsa), row("sa", other)]
+    items = [{"a": sa, "b": sa}, {"a": xsa, "b": other}, {"a": other, "b": xsa}]
+    intervals = paired_intervals(rows, items, ["a", "b"])
+    diffs = {t: [items[1][t][d] - (items[0][t][d] + items[2][t][d]) / 2 for d in range(6)] for t in ("a", "b")}
+    for task in ("a", "b"):
+        ci = scipy.stats.ttest_1samp(diffs[task], 0.0).confidence_interval(0.95)
+        assert intervals[task] == pytest.approx([ci.low, ci.high])
+    half = math.sqrt(sum(((intervals[t][1] - intervals[t][0]) / 2) ** 2 for t in ("a", "b"))) / 2
+    centre = (sum(diffs["a"]) + sum(diffs["b"])) / 12
+    assert intervals["average"] == pytest.approx([centre - half, centre + half])
+    assert paired_intervals(rows[:2], items[:2], ["a"])["a"] is not None
+    same = [{"a": sa}, {"a": sa}]
+    assert paired_intervals(rows[:2], same, ["a"]) == {"a": None, "average": None}  # no spread: no interval
+
+    scored = [{**r, "scores": {"a": {"metric": "acc", "value": r["average"], "n": 6, "stderr": 0.2}}} for r in rows[:2]]
+    result = {"tasks": ["a"], "limit": None, "rows": scored, "xsa_minus_sa": xsa_minus_sa(scored, ["a"])}
+    table = render({**result, "xsa_minus_sa_ci95": {"a": [-0.25, 0.05], "average": None}})
+    assert "| checkpoint | a (acc, n=6) | average |" in table and "| SA sa | 66.67 ± 20.00 | 66.67 |" in table
+    assert "| 95% CI, paired over items | [-25.00, +5.00] | - |" in table
+    earlier = [{**r, "scores": {"a": {"metric": "acc", "value": r["average"]}}} for r in rows[:2]]  # no n, stderr
+    table = render({**result, "rows": earlier})  # an eval.json of an earlier release, no interval either
+    assert "| checkpoint | a (acc) | average |" in table and "| SA sa | 66.67 | 66.67 |" in table and "CI" not in table
+
+
 def test_checkpoints_of_one_run_are_labelled_apart_and_their_shared_mean_is_warned_of():
     """Two checkpoints of one run: each row names its file (both read `SA sa_run`), and the SA mean that counts them
     both says so; runs of one name in other folders are told apart by their paths."""
@@ -247,7 +284,14 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     diff = result["rows"][1]["average"] - result["rows"][0]["average"]
     assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
     table = (out / "eval.md").read_text()
-    assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm)" in table and "| XSA - SA |" in proc.stdout
+    assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm, n=4)" in table and "| XSA - SA |" in proc.stdout
+    assert "shakespeare_cloze (acc_norm, n=20)" in table and "| 95% CI, paired over items |" in table
+    for row in result["rows"]:  # each score with the items it is over and its standard error over them
+        score = row["scores"]["shakespeare_cloze"]
+        expected = math.sqrt(score["value"] * (1 - score["value"]) / 19)  # 0/1 items: sd (n - 1) / sqrt(n)
+        assert score["n"] == 20 and score["stderr"] == pytest.approx(expected)
+    ci = result["xsa_minus_sa_ci95"]["shakespeare_cloze"]
+    assert ci is None or ci[0] <= result["xsa_minus_sa"]["shakespeare_cloze"] <= ci[1]
     sa_runs = run_files(tmp_path / "sa")
     assert len(sa_runs) == 2  # training, then the eval scores in the same run id
     assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])

@@ -6,6 +6,7 @@ XSA - SA when both are given), prints the table, and logs it to W&B in each chec
 
 import hashlib
 import importlib.util
+import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import TypedDict
 from unittest import mock
 
 import hydra
+import numpy as np
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -22,6 +24,7 @@ from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer,
 from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError, exit_on_user_error, first_line, one_line_errors
 from xsa_lm.files import write_json, write_text
+from xsa_lm.stats.paired import paired_t
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
 PAPER_TASKS = {
@@ -40,9 +43,11 @@ PAPER_TASKS = {
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
 
 
-class Score(TypedDict):
+class Score(TypedDict, total=False):
     metric: str  # the task's headline metric (acc or acc_norm)
     value: float
+    n: int  # the items scored (absent in an eval.json of an earlier release)
+    stderr: float | None  # of the value over the items: their sample standard deviation / sqrt(n); None: one item
 
 
 class Row(TypedDict):
@@ -65,6 +70,7 @@ class EvalResult(EvalRows, total=False):
     """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
 
     xsa_minus_sa: dict[str, float]
+    xsa_minus_sa_ci95: dict[str, list[float] | None]  # paired over the items both arms scored; None: no spread
     task_files: dict[str, str]  # task_file_digests: the local task files' contents
 
 
@@ -226,6 +232,7 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
     manager = load_tasks(names, folders)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list[Row] = []
+    items: list[dict[str, dict[int, float]]] = []  # each row's value of each item, by task and doc_id
     for ckpt in ckpts:
         path = Path(ckpt).expanduser()
         model = load_model(path)
@@ -234,9 +241,13 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
         # git repository" outside one; run_info.json of the checkpoint's run records the code's commit.
         with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
             out = lm_eval.simple_evaluate(
-                model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False
+                model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=True
             )
         scores = {task: headline(task, out["results"][task]) for task in names}
+        items.append({task: item_values(out["samples"][task], scores[task]["metric"]) for task in names})
+        for task, values in items[-1].items():
+            spread = float(np.std(list(values.values()), ddof=1)) / math.sqrt(len(values)) if len(values) > 1 else None
+            scores[task] |= {"n": len(values), "stderr": spread}
         average = sum(s["value"] for s in scores.values()) / len(scores)
         rows.append(
             {
@@ -251,7 +262,38 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
     difference = xsa_minus_sa(rows, names)
     if difference is not None:
         result["xsa_minus_sa"] = difference
+        result["xsa_minus_sa_ci95"] = paired_intervals(rows, items, names)
     return result
+
+
+def item_values(samples: list[dict], metric: str) -> dict[int, float]:
+    """Each item's value of the headline metric (1 or 0 for acc), by its doc_id, from the harness's logged samples."""
+    return {int(sample["doc_id"]): float(sample[metric]) for sample in samples}
+
+
+def paired_intervals(
+    rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
+) -> dict[str, list[float] | None]:
+    """The 95% interval of XSA - SA per task, paired over the items both arms scored (Student's t on the per-item
+    differences of the arms' mean values), and of the average over tasks (their variances added: the tasks' items
+    are independent). It measures the items' noise only: seeds vary beyond it."""
+    arms = [[i for i, r in enumerate(rows) if r["attention"] == arm] for arm in ("xsa", "sa")]
+    intervals: dict[str, list[float] | None] = {}
+    spreads = []
+    for task in tasks:
+        shared = sorted(set.intersection(*(set(items[i][task]) for arm in arms for i in arm)))
+        diffs = [fmean(items[i][task][d] for i in arms[0]) - fmean(items[i][task][d] for i in arms[1]) for d in shared]
+        test = paired_t(diffs)
+        intervals[task] = list(test.ci) if test.ci is not None else None
+        if test.ci is not None:
+            spreads.append((fmean(diffs), (test.ci[1] - test.ci[0]) / 2))
+    if len(spreads) == len(tasks):  # the tasks' half-widths added in quadrature, over T: the average's
+        mean = fmean(m for m, _ in spreads)
+        half = math.sqrt(sum(h**2 for _, h in spreads)) / len(tasks)
+        intervals["average"] = [mean - half, mean + half]
+    else:
+        intervals["average"] = None
+    return intervals
 
 
 def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
@@ -298,12 +340,12 @@ def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
 
 def render(result: EvalResult) -> str:
     tasks = result["tasks"]
-    metric = {t: result["rows"][0]["scores"][t]["metric"] for t in tasks} if result["rows"] else {}
-    head = "| checkpoint | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " | average |"
+    first = result["rows"][0]["scores"] if result["rows"] else {}
+    head = "| checkpoint | " + " | ".join(f"{t} ({task_header(first[t])})" for t in tasks) + " | average |"
     lines = [head, "|---|" + "---:|" * (len(tasks) + 1)]
     labels = row_labels(result["rows"])
     for row, label in zip(result["rows"], labels, strict=True):
-        cells = " | ".join(f"{100 * row['scores'][t]['value']:.2f}" for t in tasks)
+        cells = " | ".join(score_cell(row["scores"][t]) for t in tasks)
         lines.append(f"| {label} | {cells} | {100 * row['average']:.2f} |")
     if "xsa_minus_sa" in result:
         diff = result["xsa_minus_sa"]
@@ -312,12 +354,33 @@ def render(result: EvalResult) -> str:
         lines.append(
             f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
         )
+        if "xsa_minus_sa_ci95" in result:  # absent in an eval.json of an earlier release
+            ci = result["xsa_minus_sa_ci95"]
+            cells = " | ".join(interval_cell(ci[t]) for t in [*tasks, "average"])
+            lines += [
+                f"| 95% CI, paired over items | {cells} |",
+                "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
+                "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
+            ]
         lines += [f"\n(warning: {note})" for note in shared_runs(result["rows"], labels)]
     limit = result["limit"]
     if limit:
         share = f"{limit:.0%} of the examples" if limit < 1 else f"the first {limit} examples"
         lines.append(f"\n(limit={limit}: {share} of each task: a smoke test, not a measurement)")
     return "\n".join(lines)
+
+
+def task_header(score: Score) -> str:
+    return f"{score['metric']}, n={score['n']}" if "n" in score else score["metric"]
+
+
+def score_cell(score: Score) -> str:
+    stderr = score.get("stderr")
+    return f"{100 * score['value']:.2f}" + (f" ± {100 * stderr:.2f}" if stderr is not None else "")
+
+
+def interval_cell(ci: list[float] | None) -> str:
+    return f"[{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]" if ci is not None else "-"
 
 
 def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
