@@ -2,6 +2,7 @@
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,22 @@ VARIANTS = {
     "xsa-gqa-sinks": dict(attention="xsa", n_kv_head=2, n_sinks=2),
     "xsa-gated-last-layer": dict(attention="xsa", xsa_gate=True, xsa_layers=(1,)),
 }
+
+
+class Ids:
+    """A tokenizer of `vocab` tokens for `xsa-lm generate`'s sample(): a character's code modulo vocab; ids as text."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(ids=[ord(c) % self.vocab for c in text])
+
+    def decode(self, ids: list[int]) -> str:
+        return " " + " ".join(map(str, ids))
+
+    def get_vocab_size(self) -> int:
+        return self.vocab
 
 
 def model_for(variant: str) -> GPT:
@@ -89,26 +106,14 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
 
 
 def test_xsa_lm_generate_draws_only_the_tokenizers_ids(monkeypatch: pytest.MonkeyPatch):
-    from types import SimpleNamespace
-
     from xsa_lm.eval import sample as sampling
 
     model = model_for("sa")
     with torch.no_grad():
         model.lm_head.weight[48:].mul_(20.0)
 
-    class Ids:  # a 48-token tokenizer onto the model's 64 ids
-        def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
-            return SimpleNamespace(ids=[ord(c) % 48 for c in text])
-
-        def decode(self, ids: list[int]) -> str:
-            return " " + " ".join(map(str, ids))
-
-        def get_vocab_size(self) -> int:
-            return 48
-
     monkeypatch.setattr(sampling, "load_model", lambda path, key: model)
-    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids())
+    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(48))  # 48 tokens onto the model's 64 ids
     texts = sampling.sample("run.ckpt", "ab", max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=0)
     assert all(int(i) < 48 for text in texts for i in text.split()[1:]), texts
 
@@ -167,22 +172,10 @@ def test_generate_refuses_sampling_options_in_one_line(
 
 def test_sample_i_is_the_same_text_whatever_num_samples(monkeypatch: pytest.MonkeyPatch):
     """`xsa-lm generate seed=3 num_samples=4` repeats the sample of num_samples=1 as its first, and draws 4 texts."""
-    from types import SimpleNamespace
-
     from xsa_lm.eval import sample as sampling
 
-    class Ids:  # a tokenizer onto the model's 64 ids
-        def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
-            return SimpleNamespace(ids=[ord(c) % 64 for c in text])
-
-        def decode(self, ids: list[int]) -> str:
-            return " " + " ".join(map(str, ids))
-
-        def get_vocab_size(self) -> int:
-            return 64
-
     monkeypatch.setattr(sampling, "load_model", lambda path, key: model_for("xsa"))
-    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids())
+    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(64))
     options = dict(max_new_tokens=8, temperature=1.0, top_k=None, seed=3)
     four = sampling.sample("run.ckpt", "ab", num_samples=4, **options)
     assert sampling.sample("run.ckpt", "ab", num_samples=1, **options) == four[:1]
