@@ -594,28 +594,21 @@ def test_resume_auto_in_the_default_folder_is_refused_naming_the_newest_run(
         f"hydra.run.dir={runs / '2026-01-02_00-00-00_tiny_xsa'}",
     )
     assert sorted(p.name for p in runs.iterdir()) == ["2026-01-01_00-00-00_tiny_sa", "2026-01-02_00-00-00_tiny_xsa"]
-    started = cli_in_process(
-        ["train", *FAST, "resume=auto", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'new'}"],
-        data_cache,
-        tmp_path,
-        monkeypatch,
-        capsys,
-    )
+    new_run = ["train", *FAST, "resume=auto", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'new'}"]
+    started = run_cli(new_run, data_cache, tmp_path)
     assert started.returncode == 0 and "holds no run yet: starting a new run from scratch" in started.stdout
 
 
-def test_resume_auto_writes_a_damaged_summary_of_a_completed_run_again(
-    data_cache: Path, tmp_path: Path, monkeypatch, capsys
-) -> None:
+def test_resume_auto_writes_a_damaged_summary_of_a_completed_run_again(data_cache: Path, tmp_path: Path) -> None:
     """A completed run whose summary.json was cut short (a full disk, a partial copy) was refused by every resume
     with "run the command that wrote it again": resume=auto writes it again from the last checkpoint. The same
     command again is no change of config, though its warmup (5) was clipped to the 2 steps of the schedule."""
     args = ["train", *FAST, "trainer.max_steps=2", "val_every_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
-    assert cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys).returncode == 0
+    assert run_cli(args, data_cache, tmp_path).returncode == 0
     summary = tmp_path / "run" / "summary.json"
     whole = json.loads(summary.read_text())
     summary.write_text(summary.read_text()[:100])
-    again = cli_in_process([*args, "resume=auto"], data_cache, tmp_path, monkeypatch, capsys)  # as a sweep retries
+    again = run_cli([*args, "resume=auto"], data_cache, tmp_path)  # the same command, as a sweep retries a trial
     assert again.returncode == 0, again.stderr[-2000:]
     rewritten = json.loads(summary.read_text())
     assert (rewritten["status"], rewritten["steps"]) == ("completed", 2)
