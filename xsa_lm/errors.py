@@ -91,6 +91,12 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:500]
 
 
+def yaml_problem(error: BaseException) -> str:
+    """Where a YAML parse failed and why, for a one-line error: " at line N (what)"."""
+    mark = getattr(error, "problem_mark", None)
+    return (f" at line {mark.line + 1}" if mark is not None else "") + f" ({first_line(error)})"
+
+
 def save_traceback(trace: str) -> str:
     """Append the traceback to <run dir>/error.log (a temporary file for a command without a run folder, or when the
     run folder cannot be written); what the line tells the user about it."""

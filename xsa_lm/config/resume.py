@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.command_line import flatten, override_key
 from xsa_lm.config.schema import GROUP_SCHEMAS, GROUPS, TrainOptions
-from xsa_lm.errors import UserError, first_line
+from xsa_lm.errors import UserError, yaml_problem
 
 
 def free_on_resume() -> list[str]:
@@ -56,10 +56,8 @@ def continuation_config(
     try:
         saved = cast(DictConfig, OmegaConf.load(saved_file))  # written by xsa-lm train: a mapping
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
         raise UserError(
-            f"resume: {saved_file} is not valid YAML{where} ({first_line(e)}): put back the config the run saved"
+            f"resume: {saved_file} is not valid YAML{yaml_problem(e)}: put back the config the run saved"
         ) from None
     if saved.scheduler.get("total_steps") is None:  # written before the schedule length was resolved into it
         saved.scheduler.total_steps = saved.trainer.max_steps

@@ -15,14 +15,14 @@ from typing import TypedDict
 from unittest import mock
 
 import hydra
-import numpy as np
+import scipy.stats
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer, run_dir_of
 from xsa_lm.data.tokenizer import hub_unreachable
-from xsa_lm.errors import UserError, exit_on_user_error, first_line, one_line_errors
+from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors, yaml_problem
 from xsa_lm.files import write_json, write_text
 from xsa_lm.stats.paired import paired_t
 
@@ -122,9 +122,7 @@ def read_task_yaml(path: Path) -> dict:
     try:
         config = yaml.load(path.read_text(), Loader=TaskLoader) or {}  # a SafeLoader
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"tasks: {path} is not valid YAML{where} ({first_line(e)})") from None
+        raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
     if not isinstance(config, dict):
         raise UserError(f"tasks: {path} is not a task file (a YAML mapping with `task:`)")
     return config
@@ -246,8 +244,8 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
         scores = {task: headline(task, out["results"][task]) for task in names}
         items.append({task: item_values(out["samples"][task], scores[task]["metric"]) for task in names})
         for task, values in items[-1].items():
-            spread = float(np.std(list(values.values()), ddof=1)) / math.sqrt(len(values)) if len(values) > 1 else None
-            scores[task] |= {"n": len(values), "stderr": spread}
+            stderr = float(scipy.stats.sem(list(values.values()))) if len(values) > 1 else None
+            scores[task] |= {"n": len(values), "stderr": stderr}
         average = sum(s["value"] for s in scores.values()) / len(scores)
         rows.append(
             {

@@ -322,10 +322,10 @@ class Launcher:
         """A final trial's record under this run's divergence bound (sweep.diverge_above), which may differ from the
         one it was recorded under; saved, and said, where its status changes."""
         record = cast(TrialRecord, self.store.load(trial))
-        summary_file = self.store.run_dir(trial) / "summary.json"
+        run_dir = self.store.run_dir(trial)
+        summary_file = run_dir / "summary.json"
         if not summary_file.exists():
             return record
-        run_dir = self.store.run_dir(trial)
         summary = RunSummary.read(
             summary_file, then=f"write it again with `xsa-lm train hydra.run.dir={run_dir} resume=auto`, then the sweep"
         )
