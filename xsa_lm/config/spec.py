@@ -1,0 +1,654 @@
+"""The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
+
+A field owns its type, default, what it is and its range; a rule across fields is a model validator; what a run
+derives (precision, world size, accumulation, strategy kind, the settled LR schedule, the run name, the GPTConfig)
+is computed here once. `parse(TrainSpec, cfg)` turns Hydra's composed config into the spec, and every bad value into
+ONE line naming each key (Hydra types a command-line value by its look: `trainer.max_steps=1.5` composes fine).
+A field marked FREE may change on a resume (config/resume.py): how long, how often, where and how fast; never what
+the model sees or how it learns.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Annotated, Any, Literal, TypeVar, cast, get_args
+
+from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
+
+from xsa_lm.errors import UserError
+from xsa_lm.model.config import GPTConfig
+from xsa_lm.model.sdpa import config_problem as sdpa_backends_problem
+
+SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
+VOCAB_MULTIPLE = 64  # the embedding table padded: matmuls are faster on multiples of 64 (50257 -> 50304)
+FREE: dict[str, Any] = {"free_on_resume": True}  # json_schema_extra of a key a resume may change
+# Keys beside the training config's in a composed config: those of the commands that compose train.yaml
+# (configs/sweep.yaml, scale.yaml, plan.yaml; an experiment may set sweep and scale for them).
+AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
+S = TypeVar("S", bound=BaseModel)
+
+
+class Spec(BaseModel):
+    """A config node: frozen, no key beyond its fields, values of their own type (Hydra's `1.5` is no integer)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True)
+
+
+def rule(check: Any) -> BeforeValidator:
+    """A field checked by a function of its own (value -> what is wrong with it, or None), before its type."""
+
+    def validate(value: Any) -> Any:
+        problem = check(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return BeforeValidator(validate)
+
+
+def _text(value: object) -> str | None:
+    # Hydra types a value by its look: samples.prompt=1e3 arrives as 1000.0, =true as True.
+    if isinstance(value, str):
+        return None
+    kind = type(value).__name__
+    return f"must be text (Hydra read it as a {kind}): quote it for Hydra, e.g. samples.prompt='\"1e3\"'"
+
+
+def _resume(value: object) -> str | None:
+    wanted = "must be auto, null or a checkpoint path"
+    if isinstance(value, str) and value != "auto" and value.strip().lower() == "auto":  # AUTO, Auto: not a path
+        return f"{wanted}: did you mean resume=auto?"
+    if value is None or (isinstance(value, str) and value.strip()):
+        return None
+    return f"{wanted} (quote a path Hydra reads as a number or boolean, e.g. resume='\"5\"')"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _devices(value: Any) -> str | None:
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text."""
+    if isinstance(value, str) and value != "auto":
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if parts and all(p.lstrip("-").isdigit() for p in parts):
+            value = [int(p) for p in parts] if "," in value else int(parts[0])
+    if value == "auto" or value == -1 or (_is_int(value) and value >= 1):
+        return None
+    indices = list(value) if isinstance(value, list) else []
+    if indices and all(_is_int(i) and i >= 0 for i in indices) and len(set(indices)) == len(indices):
+        return None
+    return "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+
+
+def _betas(value: Any) -> str | None:
+    numbers = isinstance(value, list) and all(isinstance(b, int | float) and not isinstance(b, bool) for b in value)
+    pair = numbers and len(value) == 2 and all(0 <= b < 1 for b in value)
+    return None if pair else "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
+
+
+def _wandb_mode(value: Any) -> str | None:
+    modes = ("auto", "online", "offline", "disabled")
+    return None if value in modes else f"must be {', '.join(modes[:-1])} or {modes[-1]}"
+
+
+def _text_of_number(value: Any) -> Any:
+    return str(value) if _is_int(value) else value  # Lightning's 16, 32, 64 are names too
+
+
+def flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+Count = Annotated[int, Field(ge=1)]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+
+
+class ModelSpec(Spec):
+    """The model group: GPTConfig's architecture fields (its own check is the one range check, TrainSpec.gpt_config)
+    and the preset's name; vocab_size null: the tokenizer's vocabulary, padded to a multiple of 64."""
+
+    name: str = Field(description="the preset, for run names and reports")
+    n_layer: int = GPTConfig.n_layer
+    d_model: int = GPTConfig.d_model
+    n_head: int = GPTConfig.n_head
+    head_dim: int = GPTConfig.head_dim
+    vocab_size: int | None = None
+    block_size: int = GPTConfig.block_size
+    n_kv_head: int | None = GPTConfig.n_kv_head
+    n_sinks: int = GPTConfig.n_sinks
+    mlp_ratio: int = GPTConfig.mlp_ratio
+    bias: bool = GPTConfig.bias
+    dropout: float = GPTConfig.dropout
+    rope_base: float = GPTConfig.rope_base
+    init_std: float = GPTConfig.init_std
+
+
+class AttentionSpec(Spec):
+    name: Literal["sa", "xsa"] = Field(description="sa: softmax attention | xsa: exclusive self attention")
+    eps: float = Field(1e-6, description="added to ||v_i||^2 in XSA (fp32); GPTConfig checks it")
+    layers: Literal["all"] | int | list[int] = Field("all", description="all | the last N layers | these layers")
+    gate: Literal["none", "tanh"] = Field("none", description="tanh: subtract tanh(alpha) x the projection")
+
+    def xsa_layers(self, n_layer: int) -> tuple[int, ...] | None:
+        """The layers that use XSA (None: every layer). Under xsa at least one: XSA on none is SA, reported as XSA."""
+        layers = self.layers
+        if layers == "all":
+            return None
+        if isinstance(layers, int):
+            if not 0 <= layers <= n_layer:
+                raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= model.n_layer={n_layer}")
+            chosen = tuple(range(n_layer - layers, n_layer))
+        else:
+            if any(not 0 <= i < n_layer for i in layers):
+                raise UserError(
+                    f"attention.layers={layers}: each layer is a 0-based index below model.n_layer={n_layer}, e.g. "
+                    f"[0,{n_layer - 1}]"
+                )
+            if len(set(layers)) != len(layers):
+                raise UserError(f"attention.layers={layers} names a layer twice: list each layer once")
+            chosen = tuple(layers)
+        if self.name == "xsa" and not chosen:
+            raise UserError(f"attention.layers={layers} puts XSA on no layer, which is plain SA: use attention=sa")
+        return chosen
+
+
+class DataSpec(Spec):
+    """configs/data/_base.yaml's keys (preparation and loading), each option's own, and the source node."""
+
+    dir: str | None = Field(None, description="the token shards; null: <cache_dir>/<source>-<hash>")
+    cache_dir: str = Field("data", description="where prepared shards go when dir is null")
+    val_split: Literal["auto", "document", "tail"] = Field("auto", description="whole documents or each one's end")
+    val_fraction: float | None = Field(None, ge=0, le=0.5, description="share held out; null: the paper's")
+    split_seed: int = Field(0, description="seeds the document split's hash")
+    shard_documents: Count = Field(10000, description="documents per shard")
+    prepare_workers: Count = Field(1, description="tokenizer processes")
+    tokenizer_documents: Count = Field(100000, description="a trained BPE learns from the first N documents")
+    block_size: Count | None = Field(None, description="training context (prepare: null, whole documents)")
+    val_windows: Count | None = Field(None, description="null: every validation window")
+    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field("auto", json_schema_extra=FREE)
+    source: dict[str, Any] | None = Field(None, description="a _target_ node (null: data=prepared, shards only)")
+    files: str | list[str] | None = Field(None, description="data=local: a glob or a list of globs")
+    text_field: str | None = Field(None, description="the text's key or column")
+    path: str | None = Field(None, description="data=hf: the hub dataset, ORG/NAME")
+    subset: str | None = Field(None, description="its configuration name")
+    split: str | None = Field(None, description="the split read")
+    data_files: str | list[str] | dict[str, Any] | None = Field(None, description="a builder's local files")
+    max_documents: Count | None = Field(None, description="null: every document")
+
+
+class TokenizerSpec(Spec):
+    """A tokenizer option: a callable built with its arguments (_partial_), called with the training texts."""
+
+    target: str = Field(alias="_target_", description="what builds it, by its import path")
+    partial: bool = Field(True, alias="_partial_")
+    vocab_size: Count | None = Field(None, description="bpe: the trained vocabulary")
+    path: str | None = Field(None, description="gpt2: null (the hub) or a tokenizer.json; file: required")
+
+    @property
+    def node(self) -> dict[str, Any]:
+        """The option as its file gives it: what instantiate builds and prepare.json records."""
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+class OptimSpec(Spec):
+    target: str = Field("torch.optim.AdamW", alias="_target_")
+    partial: bool = Field(True, alias="_partial_")
+    lr: float = Field(gt=0, description="peak LR")
+    betas: Annotated[list[float], rule(_betas)] = Field([0.9, 0.95], description="AdamW's (beta1, beta2)")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    weight_decay: float = Field(0.1, ge=0, description="matrices only")
+
+    @property
+    def node(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+
+class SchedulerSpec(Spec):
+    target: str = Field("xsa_lm.train.schedule.warmup_cosine_scheduler", alias="_target_")
+    partial: bool = Field(True, alias="_partial_")
+    warmup_steps: int = Field(ge=0, description="linear warmup, then the cosine decay")
+    min_lr_ratio: float = Field(ge=0, le=1, description="the final LR over the peak")
+    total_steps: Count | None = Field(None, description="null: trainer.max_steps", json_schema_extra=FREE)
+
+
+class TrainerSpec(Spec):
+    """lightning.Trainer's arguments (configs/trainer/default.yaml) and activation_checkpointing, which is ours."""
+
+    target: str = Field("xsa_lm.checkpoints.atomic.LinkingTrainer", alias="_target_")
+    accelerator: str = Field("auto", description="auto | cpu | gpu", json_schema_extra=FREE)
+    devices: Annotated[int | str | list[int], rule(_devices)] = Field(1, json_schema_extra=FREE)
+    strategy: str | dict[str, Any] = Field("auto", description="auto | a name | a node", json_schema_extra=FREE)
+    num_nodes: Count = Field(1, json_schema_extra=FREE)
+    # auto (ours): bf16-mixed on GPUs with bf16, else 32-true
+    precision: Annotated[str, BeforeValidator(_text_of_number)] = "auto"
+    max_steps: Count = Field(1000, description="optimizer steps", json_schema_extra=FREE)
+    gradient_clip_val: float | None = Field(1.0, ge=0, description="the gradient norm's bound; null: none")
+    log_every_n_steps: Count = Field(10, json_schema_extra=FREE)
+    limit_val_batches: int | float | None = Field(None, description="null | N batches | a share")
+    num_sanity_val_steps: int = 0
+    enable_model_summary: bool = Field(False, json_schema_extra=FREE)
+    deterministic: bool | Literal["warn"] = False
+    activation_checkpointing: bool = Field(False, description="recompute each block", json_schema_extra=FREE)
+
+    @model_validator(mode="after")
+    def _data_parallel_only(self) -> "TrainerSpec":
+        # ModelParallelStrategy would build a tensor-parallel mesh that the model never uses: wrong, silently.
+        size = self.strategy.get("tensor_parallel_size", 1) if isinstance(self.strategy, dict) else 1
+        if size != 1 or isinstance(size, bool):
+            raise ValueError(
+                f"trainer.strategy.tensor_parallel_size={size} must be 1: tensor parallelism is not implemented "
+                "(trainer=fsdp shards data parallel only)"
+            )
+        return self
+
+    @property
+    def strategy_kind(self) -> Literal["fsdp", "ddp"]:
+        """`fsdp` for a sharding strategy (trainer=fsdp, or a strategy named so), else `ddp` (one device included)."""
+        return strategy_kind(self.strategy)
+
+    @cached_property
+    def world_size(self) -> int:
+        """Processes of the run: devices per node (auto/-1: the GPUs of a GPU run; on CPU one) x nodes."""
+        devices = self.devices
+        if devices in ("auto", -1, "-1"):
+            import torch
+
+            on_gpu = self.accelerator in ("auto", "gpu", "cuda")
+            count = (torch.cuda.device_count() if on_gpu else 0) or 1
+        elif isinstance(devices, str):  # "0,1" or "2"
+            count = len(devices.split(",")) if "," in devices else int(devices)
+        else:
+            count = devices if isinstance(devices, int) else len(devices)
+        return count * self.num_nodes
+
+    @cached_property
+    def resolved_precision(self) -> str:
+        """trainer.precision by Lightning's name (`16` is `16-mixed`); auto: bf16-mixed on a GPU with bf16."""
+        return resolve_precision(self.precision, self.accelerator)
+
+    @property
+    def lightning_args(self) -> dict[str, Any]:
+        """The node lightning.Trainer is built from (activation_checkpointing is the module's)."""
+        return self.model_dump(by_alias=True, exclude={"activation_checkpointing"})
+
+
+class WandbSpec(Spec):
+    target: str = Field("xsa_lm.tracking.wandb_logger", alias="_target_")
+    project: str = "xsa-lm"
+    entity: str | None = None
+    group: str | None = Field(None, description="runs of a group compare side by side")
+    job_type: str | None = Field(None, description="e.g. lr-search, compare")
+    tags: list[str] = Field([], description="beside attention type and model preset")
+    mode: Annotated[str, rule(_wandb_mode)] = Field("auto", description="auto: WANDB_MODE, else by the API key")
+    init_timeout_s: int = Field(30, ge=1)
+    log_model: bool | Literal["all"] = Field(False, description="checkpoints as W&B artifacts (all: each save)")
+
+    @property
+    def node(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+
+class LoggerSpec(Spec):
+    csv: dict[str, Any] | None = Field(None, description="metrics.csv: a _target_ node")
+    wandb: WandbSpec | None = None
+
+
+class CheckpointSpec(Spec):
+    keep_last: int = Field(2, ge=0, description="step checkpoints kept besides last.ckpt and best.ckpt")
+    every_n_steps: Count | None = Field(None, description="null: at each validation")
+    async_save: bool = Field(False, description="sharded checkpoints written in the background")
+
+
+class FaultsSpec(Spec):
+    skip_nonfinite_batches: int = Field(0, ge=0, description="NaN/inf steps skipped before the run diverged")
+    spike_factor: float | None = Field(3.0, gt=0, description="loss or grad-norm over its average: an event")
+    inject_nan_at_step: int | None = Field(None, ge=0, description="testing the recovery")
+    inject_nan_on_rank: int | None = Field(None, ge=0, description="null: every rank")
+
+
+class DiagnosticsSpec(Spec):
+    every_n_steps: Count | None = Field(None, description="null: off")
+    sequences: Count = Field(8, description="the first N validation windows")
+    chunk: Count = Field(256, description="query positions per block when computing a_ii")
+
+
+class SamplesSpec(Spec):
+    every_n_steps: Count | None = Field(None, description="null: off")
+    prompt: Annotated[str, rule(_text)] = Field("", description="empty: start from <|endoftext|>")
+    max_new_tokens: Count = 64
+    temperature: float = Field(0.8, ge=0, description="0: greedy")
+    top_k: Count | None = Field(50, description="null: the whole vocabulary")
+
+
+class ProfileSpec(Spec):
+    start_step: int | None = Field(None, ge=0, description="null: off")
+    steps: Count = Field(3, description="optimizer steps traced")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The LR schedule as the run settles it: its length, its warmup (clipped to the length) and the warning."""
+
+    total_steps: int
+    warmup_steps: int
+    warning: str | None
+
+
+class TrainSpec(Spec):
+    """configs/train.yaml: the run's own keys and each group's node."""
+
+    seed: Seed = Field(0, description="the data order, and the weights unless init_seed")
+    init_seed: Seed | None = Field(None, description="null: weights from seed")
+    global_batch_tokens: Count = Field(16384, description="tokens per optimizer step")
+    micro_batch_size: Count = Field(16, description="sequences per forward on one device", json_schema_extra=FREE)
+    val_every_steps: Count = Field(100, description="steps between validations", json_schema_extra=FREE)
+    val_position_buckets: Count = Field(8, description="val loss per span of positions", json_schema_extra=FREE)
+    compile: bool | Literal["auto"] = Field("auto", description="auto: on CUDA runs", json_schema_extra=FREE)
+    sdpa_backends: Annotated[str | list[str], rule(sdpa_backends_problem)] = Field("auto", json_schema_extra=FREE)
+    reuse_host_memory: bool = Field(True, description="keep freed CPU memory", json_schema_extra=FREE)
+    check_memory: bool = Field(True, description="refuse a run estimated not to fit", json_schema_extra=FREE)
+    resume: Annotated[str | None, rule(_resume)] = Field(None, json_schema_extra=FREE)
+    run_name: str | None = Field(None, description="null: run_label", json_schema_extra=FREE)
+    progress_bar: bool = Field(True, json_schema_extra=FREE)
+    checkpoint: CheckpointSpec = Field(CheckpointSpec(), json_schema_extra=FREE)
+    faults: FaultsSpec = Field(FaultsSpec(), json_schema_extra=FREE)
+    diagnostics: DiagnosticsSpec = Field(DiagnosticsSpec(), json_schema_extra=FREE)
+    samples: SamplesSpec = Field(SamplesSpec(), json_schema_extra=FREE)
+    profile: ProfileSpec = Field(ProfileSpec(), json_schema_extra=FREE)
+    model: ModelSpec
+    attention: AttentionSpec
+    data: DataSpec
+    tokenizer: TokenizerSpec
+    optim: OptimSpec
+    scheduler: SchedulerSpec
+    trainer: TrainerSpec
+    logger: LoggerSpec = Field(LoggerSpec(), json_schema_extra=FREE)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainSpec":
+        self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
+        self.trainer.resolved_precision  # a name Lightning accepts (check_trainer asks this machine)
+        block = self.data.block_size or self.model.block_size
+        if block > self.model.block_size:
+            raise ValueError(
+                f"data.block_size={block} is above model.block_size={self.model.block_size}: "
+                "lower data.block_size or raise model.block_size"
+            )
+        if self.val_position_buckets > block:  # spans without a position would be reported empty
+            raise ValueError(
+                f"val_position_buckets={self.val_position_buckets} is above data.block_size={block}: "
+                "each span needs a position; lower it"
+            )
+        devices, per_micro_step = self.trainer.world_size, self.micro_batch_size * self.trainer.world_size * block
+        if self.global_batch_tokens % per_micro_step:
+            raise ValueError(
+                f"global_batch_tokens={self.global_batch_tokens} is not divisible by micro_batch_size x devices x "
+                f"data.block_size = {self.micro_batch_size} x {devices} x {block} = {per_micro_step}: "
+                "choose a multiple"
+            )
+        sharded = self.trainer.strategy_kind == "fsdp"
+        for group, every in (("diagnostics", self.diagnostics.every_n_steps), ("samples", self.samples.every_n_steps)):
+            if sharded and every:  # they run a forward on rank 0 alone: under sharding it would hang
+                raise ValueError(
+                    f"{group}.every_n_steps: not available under trainer=fsdp; run `xsa-lm analyze` or "
+                    "`xsa-lm generate` on its checkpoints instead"
+                )
+        strategy = self.trainer.strategy
+        sharded_files = sharded and isinstance(strategy, dict) and strategy.get("save_distributed_checkpoint", True)
+        if self.checkpoint.async_save and not sharded_files:
+            raise ValueError(
+                "checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp with "
+                "trainer.strategy.save_distributed_checkpoint=true); leave it false here"
+            )
+        rank = self.faults.inject_nan_on_rank
+        if self.faults.inject_nan_at_step is not None and rank is not None and rank >= devices:
+            raise ValueError(
+                f"faults.inject_nan_on_rank={rank}: this run has {devices} device(s), ranks 0 to {devices - 1}; "
+                "the NaN would never be injected"
+            )
+        start, steps = self.profile.start_step, self.profile.steps
+        if start is not None and start + steps > self.trainer.max_steps:
+            raise ValueError(
+                f"profile.start_step={start} + profile.steps={steps} is beyond trainer.max_steps="
+                f"{self.trainer.max_steps}: the trace would be cut short or never start; profile earlier steps"
+            )
+        return self
+
+    @property
+    def block_size(self) -> int:
+        """The training context: data.block_size (null: model.block_size)."""
+        return self.data.block_size or self.model.block_size
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step on each device."""
+        return self.global_batch_tokens // (self.micro_batch_size * self.trainer.world_size * self.block_size)
+
+    @cached_property
+    def schedule(self) -> Schedule:
+        """The LR schedule's length (scheduler.total_steps; null: trainer.max_steps) and warmup, which config.yaml
+        saves: a resume that extends max_steps keeps the schedule. A warmup longer than the schedule would never
+        reach optim.lr while the run reports it: clipped to the schedule, with a warning."""
+        max_steps = self.trainer.max_steps
+        total, warmup = self.scheduler.total_steps or max_steps, self.scheduler.warmup_steps
+        if warmup <= total:
+            return Schedule(total, warmup, None)
+        extra, lr = max_steps - total, self.optim.lr
+        final = lr * self.scheduler.min_lr_ratio
+        after = f" (the {extra} steps after it run at its final LR {final:g})" if extra > 0 else ""
+        warning = (
+            f"WARNING: scheduler.warmup_steps={warmup} is longer than the LR schedule's {total} steps "
+            f"(scheduler.total_steps, default trainer.max_steps): clipped to {total}, so the LR reaches optim.lr="
+            f"{lr:g} at the schedule's last step{after}; set scheduler.warmup_steps below {total} to have a "
+            "decay after it"
+        )
+        return Schedule(total, total, warning)
+
+    @property
+    def scheduler_node(self) -> dict[str, Any]:
+        """The scheduler as instantiate builds it, its length and warmup settled."""
+        settled = {"total_steps": self.schedule.total_steps, "warmup_steps": self.schedule.warmup_steps}
+        return {**self.scheduler.model_dump(by_alias=True), **settled}
+
+    @property
+    def run_label(self) -> str:
+        """The W&B run name: run_name, or <attention>-<model>-lr<lr>-s<seed>."""
+        return self.run_name or f"{self.attention.name}-{self.model.name}-lr{self.optim.lr:g}-s{self.seed}"
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        """GPTConfig from the model and attention groups; a null model.vocab_size takes the tokenizer's vocabulary
+        (`vocab_size`), padded to a multiple of 64."""
+        architecture = self.model.model_dump(exclude={"name"})
+        if architecture["vocab_size"] is None:
+            architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        elif architecture["vocab_size"] < vocab_size:
+            given = architecture["vocab_size"]
+            raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
+        attention = self.attention
+        return gpt_config(
+            **architecture,
+            attention=attention.name,
+            xsa_eps=attention.eps,
+            xsa_layers=attention.xsa_layers(self.model.n_layer),
+            xsa_gate=attention.gate == "tanh",
+        )
+
+
+# GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
+ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
+
+
+def gpt_config(**fields: Any) -> GPTConfig:
+    """GPTConfig, its refusal (which opens with its field) as one line naming the config key (model.n_sinks=...)."""
+    try:
+        return GPTConfig(**fields)
+    except ValueError as e:
+        name = str(e).split("=")[0].split(" ")[0]
+        key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
+        raise UserError(f"{key}{str(e)[len(name) :]}") from None
+
+
+def strategy_kind(strategy: object) -> Literal["fsdp", "ddp"]:
+    """`fsdp` for a sharding strategy (a name or a _target_ node), else `ddp` (one device included)."""
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, dict | DictConfig) else str(strategy)
+    return "fsdp" if "fsdp" in target.lower() or "ModelParallel" in target else "ddp"
+
+
+def resolve_precision(precision: str, accelerator: str = "auto") -> str:
+    """trainer.precision by Lightning's name for it (`16` is `16-mixed`); `auto` (ours): bf16-mixed on a GPU run
+    where the GPU has bf16, else 32-true."""
+    import torch
+
+    from xsa_lm.compat import PRECISIONS, lightning_precision_name
+
+    if precision == "auto":
+        on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+    try:
+        return lightning_precision_name(precision)
+    except ValueError:
+        raise UserError(
+            f"trainer.precision={precision} is not a precision Lightning accepts: use auto or one of "
+            f"{', '.join(PRECISIONS)}"
+        ) from None
+
+
+def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> list[str]:
+    """The keys a resume may change (fields marked FREE); a node's ending in `.`: all of its keys."""
+    free = []
+    for name, info in spec_type.model_fields.items():
+        key, kind = info.alias or name, info.annotation
+        if info.json_schema_extra == FREE:
+            free.append(f"{prefix}{key}{'.' if isinstance(kind, type) and issubclass(kind, BaseModel) else ''}")
+        elif isinstance(kind, type) and issubclass(kind, BaseModel):
+            free += free_on_resume(kind, f"{prefix}{key}.")
+    return free
+
+
+def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any]) -> S:
+    """The spec of a composed config (the keys of the commands around training, and Hydra's, left aside), or a
+    UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`."""
+    if isinstance(cfg, DictConfig):
+        unresolved = flatten(plain_dict(cfg, resolve=False))
+        missing = [k for k, v in unresolved.items() if v == "???" and k.split(".")[0] not in AROUND_TRAINING]
+        if missing:
+            raise UserError(
+                f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
+            )
+    plain = plain_dict(cfg) if isinstance(cfg, DictConfig) else cfg
+    values = {k: v for k, v in plain.items() if k not in AROUND_TRAINING} if spec_type is TrainSpec else plain
+    try:
+        return spec_type.model_validate(values)
+    except ValidationError as e:
+        raise UserError("; ".join(problems(spec_type, values, e.errors()))) from None
+
+
+def plain_dict(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
+    """A config as plain dicts and lists (what config.yaml, a checkpoint and W&B keep)."""
+    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))  # a DictConfig gives a dict
+
+
+def problems(spec_type: type[BaseModel], values: dict[str, Any], errors: list[ErrorDetails]) -> list[str]:
+    """Pydantic's errors as `key=value what it takes`, one per key (a union's alternatives joined)."""
+    by_key: dict[str, list[ErrorDetails]] = {}
+    for error in errors:
+        by_key.setdefault(key_of(spec_type, error["loc"]), []).append(error)
+    return [problem(key, errors, values) for key, errors in by_key.items()]
+
+
+def key_of(spec_type: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """The config key an error is about: the field names along its location (a union's member tags left out)."""
+    parts: list[str] = []
+    kind: type[BaseModel] | None = spec_type
+    for part in loc:
+        if kind is None:  # inside a field's value: a union's member, a list's item
+            break
+        fields = {info.alias or name: info for name, info in kind.model_fields.items()}
+        parts.append(str(part))
+        if part not in fields:  # a key beyond the fields (extra_forbidden)
+            break
+        kind = nested_model(fields[str(part)].annotation)
+    return ".".join(parts)
+
+
+def nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (alone or `| None`), if any."""
+    kinds = [k for k in (annotation, *get_args(annotation)) if isinstance(k, type) and issubclass(k, BaseModel)]
+    return kinds[0] if kinds else None
+
+
+WANTED = {
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a finite number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "string_type": "must be text",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+}
+
+
+def problem(key: str, errors: list[ErrorDetails], values: dict[str, Any]) -> str:
+    first = errors[0]
+    if first["type"] == "extra_forbidden":
+        return extra_key(key)
+    if first["type"] == "missing":
+        return f"{key} is missing from the config: set it"
+    if first["type"] == "value_error" and not key:  # a rule across fields: its message names the keys
+        return str(first["ctx"]["error"])
+    value: Any = values
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    words = [w.strip("'") for e in errors if e["type"] == "literal_error" for w in e["ctx"]["expected"].split(", ")]
+    words = [w for word in words for w in word.replace("' or '", "|").split("|")]
+    said = [what(e) for e in errors if e["type"] != "literal_error"]
+    said = list(dict.fromkeys(said))
+    if first["type"] == "value_error":
+        text = said[0]
+    elif said:
+        text = " or ".join(said) + (f" or {', '.join(words)}" if words else "")
+    else:
+        text = f"must be one of {', '.join(words)}"
+    shown = "null" if value is None else value
+    return f"{key}={shown} {text}" if first["type"] != "value_error" or not text.startswith(key) else text
+
+
+def what(error: ErrorDetails) -> str:
+    """What one pydantic error says the value must be."""
+    kind, ctx = error["type"], error.get("ctx", {})
+    if kind in WANTED:
+        return WANTED[kind]
+    if kind == "value_error":
+        return str(ctx["error"])
+    bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bound:
+        limit = next(iter(ctx.values()))
+        return f"must be {bound[kind]} {limit:g}" if isinstance(limit, float) else f"must be {bound[kind]} {limit}"
+    return error["msg"]
+
+
+def extra_key(key: str) -> str:
+    """`key: not an option of ...`, naming the keys the node has."""
+    node, _, _ = key.rpartition(".")
+    kind: type[BaseModel] | None = TrainSpec
+    for part in node.split(".") if node else []:
+        kind = nested_model(kind.model_fields[part].annotation) if kind else None
+    assert kind is not None  # extra_forbidden comes from a model
+    where = f"the {node} group" if node in GROUPS else node or "configs/train.yaml"
+    known = ", ".join(info.alias or name for name, info in kind.model_fields.items())
+    return f"{key}: not an option of {where} (it has {known})"
+
+
+GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
