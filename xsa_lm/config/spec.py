@@ -377,7 +377,7 @@ class TrainSpec(Spec):
     @model_validator(mode="after")
     def _consistent(self) -> "TrainSpec":
         self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
-        self.trainer.resolved_precision  # a name Lightning accepts (check_trainer asks this machine)
+        resolve_precision(self.trainer.precision, self.trainer.accelerator)  # a name Lightning accepts
         block = self.data.block_size or self.model.block_size
         if block > self.model.block_size:
             raise ValueError(
