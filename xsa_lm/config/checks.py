@@ -1,32 +1,24 @@
-"""check_values: every value a user can set for `xsa-lm train` against its field in config/schema.py and the model
-against GPTConfig's own check, before anything is built or written, in one line naming each bad value: Hydra types a
-command-line value by its look, so `trainer.max_steps=1.5` or `seed=-1` compose fine and would fail deep inside torch
-or Lightning, or worse, run."""
+"""Checks of config values read as DictConfig: field_problems for the knob() fields of config/schema.py (the sweep's
+and scale's settings), check_switches for a command's true-or-false options, and check_values, the training config's
+check by its spec, for the commands that compose it (plan, sweep, scale) until they take the spec."""
 
 from collections.abc import Iterable
 from dataclasses import Field, fields, is_dataclass
+from typing import Any
 
 from omegaconf import DictConfig
 
-from xsa_lm.config.schema import (
-    GROUP_SCHEMAS,
-    TrainOptions,
-    check_known_keys,
-    model_error,
-    options,
-)
+from xsa_lm.config.schema import options
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
-from xsa_lm.model.config import GPTConfig
-
-GPT_FIELDS = {f.name for f in fields(GPTConfig)}
 
 
 def field_problems(
-    node: DictConfig | None, schema_fields: Iterable[Field], prefix: str = "", where_present: bool = False
+    node: DictConfig | None, schema_fields: Iterable[Field[Any]], prefix: str = "", where_present: bool = False
 ) -> list[str]:
     """'key=value what it takes' for each checked field of the node's schema whose value in `node` is wrong, and 'key is
-    missing' for each the node lacks (a check never goes unchecked), except in a node that takes several forms
-    (trainer.strategy), whose keys are checked where present. `node` None: the config lacks the whole node."""
+    missing' for each the node lacks (a check never goes unchecked), except in a node that takes several forms,
+    whose keys are checked where present. `node` None: the config lacks the whole node."""
     bad = []
     for f in schema_fields:
         key, check = f"{prefix}{f.name}", f.metadata.get("check")
@@ -43,32 +35,13 @@ def field_problems(
     return bad
 
 
-def model_problem(cfg: DictConfig) -> list[str]:
-    """GPTConfig's own check, the one range check of the model's fields, of the model group, attention.name and .eps,
-    as far as the config has them (null: GPTConfig's default; attention.layers and .gate: builders.model_config)."""
-    model, attention = cfg.get("model") or {}, cfg.get("attention") or {}
-    given = {**model, "attention": attention.get("name"), "xsa_eps": attention.get("eps")}
-    try:
-        GPTConfig(**{key: value for key, value in given.items() if key in GPT_FIELDS and value is not None})
-    except ValueError as e:
-        return [str(model_error(e))]
-    return []
-
-
 def check_values(cfg: DictConfig) -> None:
-    """Keys no schema has, then every checked field of the training config and its groups, and the model."""
-    check_known_keys(cfg)
-    bad = field_problems(cfg, fields(TrainOptions))
-    for group, schema in GROUP_SCHEMAS.items():
-        bad += field_problems(cfg.get(group), fields(schema), f"{group}.")
-    bad += model_problem(cfg)
-    if bad:
-        raise UserError("; ".join(bad))
+    """The training config of a composed config, refused in one line naming each bad key (config/spec.py parse)."""
+    parse(TrainSpec, cfg)
 
 
 def check_switches(cfg: DictConfig, *, keys: Iterable[str]) -> None:
-    """A command's own true-or-false options (the training config's are check_values'): a text such as `no` would
-    count as true."""
+    """A command's own true-or-false options: a text such as `no` would count as true."""
     for key in keys:
         if not isinstance(cfg[key], bool):
             raise UserError(f"{key} must be true or false, got {cfg[key]!r}")

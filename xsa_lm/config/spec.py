@@ -132,6 +132,23 @@ class ModelSpec(Spec):
     rope_base: float = GPTConfig.rope_base
     init_std: float = GPTConfig.init_std
 
+    def gpt_config(self, attention: "AttentionSpec", vocab_size: int) -> GPTConfig:
+        """GPTConfig from this group and the attention group; a null vocab_size takes the tokenizer's vocabulary
+        (`vocab_size`), padded to a multiple of 64."""
+        architecture = self.model_dump(exclude={"name"})
+        if architecture["vocab_size"] is None:
+            architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        elif architecture["vocab_size"] < vocab_size:
+            given = architecture["vocab_size"]
+            raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
+        return gpt_config(
+            **architecture,
+            attention=attention.name,
+            xsa_eps=attention.eps,
+            xsa_layers=attention.xsa_layers(self.n_layer),
+            xsa_gate=attention.gate == "tanh",
+        )
+
 
 class AttentionSpec(Spec):
     name: Literal["sa", "xsa"] = Field(description="sa: softmax attention | xsa: exclusive self attention")
@@ -335,6 +352,14 @@ class ProfileSpec(Spec):
     steps: Count = Field(3, description="optimizer steps traced")
 
 
+class PrepareSpec(Spec):
+    """configs/prepare.yaml: `xsa-lm prepare`'s data and tokenizer."""
+
+    data: DataSpec
+    tokenizer: TokenizerSpec
+    progress_bar: bool = Field(True, description="documents, tokens/s and ETA")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """The LR schedule as the run settles it: its length, its warmup (clipped to the length) and the warning."""
@@ -466,22 +491,8 @@ class TrainSpec(Spec):
         return self.run_name or f"{self.attention.name}-{self.model.name}-lr{self.optim.lr:g}-s{self.seed}"
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
-        """GPTConfig from the model and attention groups; a null model.vocab_size takes the tokenizer's vocabulary
-        (`vocab_size`), padded to a multiple of 64."""
-        architecture = self.model.model_dump(exclude={"name"})
-        if architecture["vocab_size"] is None:
-            architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        elif architecture["vocab_size"] < vocab_size:
-            given = architecture["vocab_size"]
-            raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
-        attention = self.attention
-        return gpt_config(
-            **architecture,
-            attention=attention.name,
-            xsa_eps=attention.eps,
-            xsa_layers=attention.xsa_layers(self.model.n_layer),
-            xsa_gate=attention.gate == "tanh",
-        )
+        """GPTConfig of this run's model and attention for a tokenizer of `vocab_size` tokens."""
+        return self.model.gpt_config(self.attention, vocab_size)
 
 
 # GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
@@ -538,13 +549,14 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
 def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any]) -> S:
     """The spec of a composed config (the keys of the commands around training, and Hydra's, left aside), or a
     UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`."""
-    if isinstance(cfg, DictConfig):
-        unresolved = flatten(plain_dict(cfg, resolve=False))
-        missing = [k for k, v in unresolved.items() if v == "???" and k.split(".")[0] not in AROUND_TRAINING]
-        if missing:
-            raise UserError(
-                f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
-            )
+    if isinstance(cfg, DictConfig) and spec_type is TrainSpec:  # Hydra's node resolves only inside a job
+        cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
+    unresolved = flatten(plain_dict(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
+    missing = [k for k, v in unresolved.items() if v == "???" and k.split(".")[0] not in AROUND_TRAINING]
+    if missing:
+        raise UserError(
+            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
+        )
     plain = plain_dict(cfg) if isinstance(cfg, DictConfig) else cfg
     values = {k: v for k, v in plain.items() if k not in AROUND_TRAINING} if spec_type is TrainSpec else plain
     try:

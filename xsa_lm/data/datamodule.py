@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, get_worker_info
 
 from xsa_lm.data.prepare import PreparedData
-from xsa_lm.data.run import check_val_windows
 from xsa_lm.errors import UserError
 
 # Where a checkpoint holds the sha256 of its run's tokenizer: in this data module's state (Lightning saves it under
@@ -97,7 +96,8 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        check_val_windows(val_windows)
+        if val_windows is not None and (type(val_windows) is not int or val_windows < 1):  # no validation at all
+            raise UserError(f"data.val_windows must be >= 1 (or null: every validation window), got {val_windows}")
         self.data = data
         self.block_size = block_size
         self.micro_batch_size = micro_batch_size

@@ -6,12 +6,14 @@ import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
-from omegaconf import DictConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from xsa_lm.errors import UserError
+
+if TYPE_CHECKING:
+    from xsa_lm.config.spec import TokenizerSpec
 
 EOT = "<|endoftext|>"  # separates documents; GPT-2's own end-of-text token
 GPT2_REPO = "openai-community/gpt2"
@@ -90,8 +92,8 @@ def file_sha256(path: str | Path, key: str) -> str:
 FIXED_TOKENIZERS = ("xsa_lm.data.tokenizer.load_tokenizer_file", "xsa_lm.data.tokenizer.load_gpt2")
 
 
-def learns_from_corpus(tokenizer_cfg: DictConfig) -> bool:
-    return tokenizer_cfg.get("_target_") not in FIXED_TOKENIZERS
+def learns_from_corpus(tokenizer: "TokenizerSpec") -> bool:
+    return tokenizer.target not in FIXED_TOKENIZERS
 
 
 class TokenizerInputs(TypedDict, total=False):
@@ -99,13 +101,13 @@ class TokenizerInputs(TypedDict, total=False):
     tokenizer_documents: int  # of a tokenizer trained on the corpus
 
 
-def tokenizer_inputs(tokenizer_cfg: DictConfig, tokenizer_documents: int) -> TokenizerInputs:
+def tokenizer_inputs(tokenizer: "TokenizerSpec", tokenizer_documents: int) -> TokenizerInputs:
     """What decides the tokenizer besides its settings: the bytes of a given tokenizer file (the same path may hold
     another file later), or the number of documents a tokenizer trained on the corpus learns from."""
     inputs: TokenizerInputs = {}
-    if tokenizer_cfg.get("path"):
-        inputs["tokenizer_sha256"] = file_sha256(os.path.expanduser(tokenizer_cfg.path), "tokenizer.path")
-    if learns_from_corpus(tokenizer_cfg):
+    if tokenizer.path:
+        inputs["tokenizer_sha256"] = file_sha256(os.path.expanduser(tokenizer.path), "tokenizer.path")
+    if learns_from_corpus(tokenizer):
         inputs["tokenizer_documents"] = tokenizer_documents
     return inputs
 

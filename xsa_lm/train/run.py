@@ -28,18 +28,10 @@ from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_
 from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch, settings_as_started
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import skip_sigterm_broadcast
-from xsa_lm.config.builders import (
-    build,
-    check_config,
-    check_trainer,
-    model_config,
-    resolve_precision,
-    settle_schedule,
-    strategy_kind,
-    world_size,
-)
+from xsa_lm.config.builders import build, check_trainer
 from xsa_lm.config.command_line import another_commands_folder, full_command_line
-from xsa_lm.config.resume import continuation_config, edited_since, plain, with_hand_edits
+from xsa_lm.config.resume import Config, continuation_config, edited_since, with_hand_edits
+from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse, plain_dict
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import token_byte_lengths
@@ -47,6 +39,7 @@ from xsa_lm.errors import UserError, WriteError, exit_on_user_error, one_line_er
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.model import GPTConfig
+from xsa_lm.tracking import resolve_mode
 from xsa_lm.train import memory
 from xsa_lm.train.callbacks import (
     AttentionKernels,
@@ -68,17 +61,17 @@ from xsa_lm.train.plan import estimate_for_config
 from xsa_lm.train.runinfo import SdpaKernels, TrainRunInfo, attention_kernels, run_info
 from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
-OUR_TRAINER_KEYS = ("activation_checkpointing",)  # in configs/trainer/, read by the run, not by lightning.Trainer
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
 
-def check_memory(cfg: DictConfig, *, devices: int) -> None:
+def check_memory(spec: TrainSpec, config: Config) -> None:
     """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
     has free, before the model is built; check_memory=false lets it try anyway."""
-    if not cfg.get("check_memory", True):
+    if not spec.check_memory:
         return
-    need = estimate_for_config(cfg)
-    have, where = memory.available_bytes(cfg.trainer.accelerator)
+    need = estimate_for_config(OmegaConf.create(config))
+    have, where = memory.available_bytes(spec.trainer.accelerator)
+    devices = spec.trainer.world_size
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
         per = f" per process x {processes}" if processes > 1 else ""
@@ -113,7 +106,7 @@ FROM_SCRATCH = ResumePoint(path=None, step=None)
 
 
 def find_resume_checkpoint(
-    resume: str | None, run_dir: Path, mcfg: GPTConfig, *, config: DictConfig | None = None
+    resume: str | None, run_dir: Path, mcfg: GPTConfig, *, config: Config | None = None
 ) -> ResumePoint:
     """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
     of another model is refused, naming each differing field, and so is a continuation whose config (`config`: the
@@ -173,7 +166,7 @@ def find_resume_checkpoint(
     return ResumePoint(path=str(path), step=step, trained=trained)
 
 
-def check_trained_config(trained: dict[str, object], config: DictConfig, *, run_dir: Path, path: Path) -> None:
+def check_trained_config(trained: Config, config: Config, *, run_dir: Path, path: Path) -> None:
     """A continuation whose config.yaml differs from the config the checkpoint `path` was trained with is refused;
     so is a new run from it with optim settings the checkpoint's optimizer state would set back."""
     edited = edited_since(trained, config)
@@ -213,26 +206,26 @@ def refuse_to_overwrite_results(run_dir: Path) -> None:
     )
 
 
-def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int | None) -> list:
-    """metrics.csv and W&B. A resume from the checkpoint of step S keeps metrics.csv's rows before S and continues
-    the run's W&B run; a resume=auto that found no checkpoint starts over: no old row is kept, a new W&B run."""
+def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: int | None) -> list:
+    """metrics.csv and W&B (`config`: the run's, for W&B). A resume from the checkpoint of step S keeps
+    metrics.csv's rows before S and continues the run's W&B run; a resume=auto that found no checkpoint starts over:
+    no old row is kept, a new W&B run."""
     loggers: list = []
-    if not cfg.logger:
-        return loggers
-    if cfg.logger.get("csv"):
-        keep_before = resume_step if resume_step is not None else (0 if cfg.resume is not None else None)
-        loggers.append(build(cfg.logger.csv, save_dir=str(run_dir), resume_step=keep_before))
+    if spec.logger.csv:
+        keep_before = resume_step if resume_step is not None else (0 if spec.resume is not None else None)
+        loggers.append(build(spec.logger.csv, save_dir=str(run_dir), resume_step=keep_before))
+    wandb = spec.logger.wandb
     # One W&B run, from global rank 0 (rank_zero_only.rank: a function attribute Lightning sets).
-    if cfg.logger.get("wandb") and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+    if wandb and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
         # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
-        make_wandb = build(cfg.logger.wandb, _partial_=True)
+        make_wandb = build(wandb.node, _partial_=True)
         wb = make_wandb(
             save_dir=str(run_dir),
-            name=run_name,
-            run_config=OmegaConf.to_container(cfg, resolve=True),
-            tags=[cfg.attention.name, cfg.model.name, *(cfg.logger.wandb.tags or [])],
+            name=spec.run_label,
+            run_config=config,
+            tags=[spec.attention.name, spec.model.name, *wandb.tags],
             run_id=run_id,
         )
         write_text(id_file, wb.experiment.id)
@@ -240,99 +233,125 @@ def make_loggers(cfg: DictConfig, run_dir: Path, run_name: str, resume_step: int
     return loggers
 
 
-def train(cfg: DictConfig, run_dir: Path, resume_notes: list[str] | None = None) -> RunSummary | None:
-    """Check everything, then train while holding the run directory (rank 0; DDP ranks > 0 write nothing and
-    return None, as does a run that has nothing left to train)."""
-    set_device(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices)  # before any CUDA call
+def settled(spec: TrainSpec, config: Config) -> Config:
+    """The run's config as config.yaml saves it: the LR schedule's length and warmup settled (TrainSpec.schedule), so
+    that a resume that extends trainer.max_steps keeps the schedule."""
+    scheduler = {**config["scheduler"], **{k: spec.scheduler_node[k] for k in ("total_steps", "warmup_steps")}}
+    return {**config, "scheduler": scheduler}
+
+
+def train(
+    spec: TrainSpec,
+    config: Config,
+    run_dir: Path,
+    resume_notes: list[str] | None = None,
+    explicit_tokenizer: bool = False,
+) -> RunSummary | None:
+    """Check what this machine decides, then train while holding the run directory (rank 0; DDP ranks > 0 write
+    nothing and return None, as does a run that has nothing left to train). `config`: the composed config as plain
+    dicts, which config.yaml, the checkpoints and W&B keep; `explicit_tokenizer`: the tokenizer was chosen on the
+    command line (prepared shards must then have been made with it)."""
+    trainer = spec.trainer
+    set_device(accelerator=trainer.accelerator, devices=trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
-    plan = check_config(cfg)
-    check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))  # as Lightning will
-    schedule_warning = settle_schedule(cfg)
-    check_memory(cfg, devices=plan["devices"])
-    continuing = cfg.resume is not None and (run_dir / "config.yaml").exists()  # its saved config, paths and all
-    data_cfg, tokenizer_cfg = settings_as_started(cfg, run_dir) if continuing else (cfg.data, cfg.tokenizer)
-    data = prepare_data(data_cfg, tokenizer_cfg, explicit_tokenizer=tokenizer_on_command_line())
-    mcfg = model_config(cfg, data.meta["vocab_size"])
+    check_trainer(trainer, strategy=trainer_strategy(trainer))  # as Lightning will take it
+    if spec.logger.wandb:
+        resolve_mode(spec.logger.wandb.mode)  # WANDB_MODE fails now, before the run directory is written
+    config = settled(spec, config)
+    check_memory(spec, config)
+    data_spec, tokenizer_spec = spec.data, spec.tokenizer
+    if spec.resume is not None and (run_dir / "config.yaml").exists():  # its saved config, paths and all
+        data_cfg, tokenizer_cfg = settings_as_started(OmegaConf.create(config), run_dir)
+        data_spec, tokenizer_spec = parse(DataSpec, data_cfg), parse(TokenizerSpec, tokenizer_cfg)
+    data = prepare_data(data_spec, tokenizer_spec, explicit_tokenizer=explicit_tokenizer)
+    mcfg = spec.gpt_config(data.meta["vocab_size"])
     kernels = attention_kernels(
-        cfg.sdpa_backends,
+        spec.sdpa_backends,
         model=mcfg,
-        context=cfg.data.block_size,
-        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
-        accelerator=cfg.trainer.accelerator,
+        context=spec.block_size,
+        precision=trainer.resolved_precision,
+        accelerator=trainer.accelerator,
     )
     datamodule = TokenDataModule(
         data=data,
-        block_size=cfg.data.block_size,
-        micro_batch_size=cfg.micro_batch_size,
-        seed=cfg.seed,
-        val_windows=cfg.data.val_windows,
+        block_size=spec.block_size,
+        micro_batch_size=spec.micro_batch_size,
+        seed=spec.seed,
+        val_windows=spec.data.val_windows,
         num_workers=loader_workers(
-            cfg.data.num_workers,
-            accelerator=cfg.trainer.accelerator,
-            ranks_per_node=plan["devices"] // int(cfg.trainer.get("num_nodes", 1)),
+            spec.data.num_workers,
+            accelerator=trainer.accelerator,
+            ranks_per_node=trainer.world_size // trainer.num_nodes,
         ),
     )
     if rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # a function attribute Lightning sets
         # Rank 0 alone picks the checkpoint (each rank would pick from what it sees); its choice reaches this rank
         # once the process group exists (ClusterChecks).
-        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH, kernels=kernels)
+        return fit(spec, config, run_dir, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH, kernels=kernels)
     with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
-        resume = find_resume_checkpoint(cfg.resume, run_dir, mcfg, config=cfg)
+        resume = find_resume_checkpoint(spec.resume, run_dir, mcfg, config=config)
         if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
             where = data.dir / "tokenizer.json"
             check_tokenizer(Path(resume.path), data.tokenizer, data.tokenizer_sha256, where, "resume")
         new_run = not (run_dir / "config.yaml").exists()
-        if resume.step is not None and resume.step >= cfg.trainer.max_steps and new_run:
+        if resume.step is not None and resume.step >= spec.trainer.max_steps and new_run:
             raise UserError(  # it would record the checkpoint's result as a run of trainer.max_steps
                 f"resume: {resume.path} is at step {resume.step}, at or past trainer.max_steps="
-                f"{cfg.trainer.max_steps}: a new run from it would train nothing; raise trainer.max_steps"
+                f"{spec.trainer.max_steps}: a new run from it would train nothing; raise trainer.max_steps"
             )
-        if resume.step is not None and resume.step >= cfg.trainer.max_steps and completed(run_dir):
+        if resume.step is not None and resume.step >= spec.trainer.max_steps and completed(run_dir):
             print(
                 f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps="
-                f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
+                f"{spec.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
                 "are left as they are"
             )
             return None
-        if resume.step is not None and resume.step > cfg.trainer.max_steps:
+        if resume.step is not None and resume.step > spec.trainer.max_steps:
             raise UserError(  # it would record a run of more steps than its config.yaml and summary.json say
                 f"resume: the run in {run_dir} has reached step {resume.step}, past trainer.max_steps="
-                f"{cfg.trainer.max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
+                f"{spec.trainer.max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
             )
         notes = resume_notes or []
         if resume.trained is not None and not new_run:
-            notes = with_hand_edits(notes, trained=resume.trained, config=cfg)
-        for warning in [schedule_warning, *fewer_windows(cfg, datamodule)]:
+            notes = with_hand_edits(notes, trained=resume.trained, config=config)
+        for warning in [spec.schedule.warning, *fewer_windows(spec, datamodule)]:
             if warning:
                 log.warning(warning)
-        write_run_files(cfg, run_dir, data_dir=data.dir, resume=resume, notes=notes, kernels=kernels)
-        return fit(cfg, run_dir, plan=plan, datamodule=datamodule, mcfg=mcfg, resume=resume, kernels=kernels)
+        write_run_files(spec, config, run_dir, data_dir=data.dir, resume=resume, notes=notes, kernels=kernels)
+        return fit(spec, config, run_dir, datamodule=datamodule, mcfg=mcfg, resume=resume, kernels=kernels)
 
 
-def fewer_windows(cfg: DictConfig, datamodule: TokenDataModule) -> list[str]:
+def fewer_windows(spec: TrainSpec, datamodule: TokenDataModule) -> list[str]:
     """Settings asking for more validation windows than there are: the run takes what there is, and says so."""
-    window, notes = cfg.data.block_size + 1, []
-    if cfg.data.val_windows is not None and cfg.data.val_windows > datamodule.val_available:
+    window, notes, asked = spec.block_size + 1, [], spec.data.val_windows
+    if asked is not None and asked > datamodule.val_available:
         notes.append(
-            f"WARNING: data.val_windows={cfg.data.val_windows} but the validation split holds "
+            f"WARNING: data.val_windows={asked} but the validation split holds "
             f"{datamodule.val_available} windows of {window} tokens: validating on all of them"
         )
-    used = datamodule.val_set.n
-    if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps and cfg.diagnostics.sequences > used:
+    used, diagnostics = datamodule.val_set.n, spec.diagnostics
+    if diagnostics.every_n_steps and diagnostics.sequences > used:
         notes.append(
-            f"WARNING: diagnostics.sequences={cfg.diagnostics.sequences} but validation uses {used} windows: "
+            f"WARNING: diagnostics.sequences={diagnostics.sequences} but validation uses {used} windows: "
             f"the diagnostics measure {used}"
         )
     return notes
 
 
 def write_run_files(
-    cfg: DictConfig, run_dir: Path, *, data_dir: Path, resume: ResumePoint, notes: list[str], kernels: SdpaKernels
+    spec: TrainSpec,
+    config: Config,
+    run_dir: Path,
+    *,
+    data_dir: Path,
+    resume: ResumePoint,
+    notes: list[str],
+    kernels: SdpaKernels,
 ) -> None:
-    """config.yaml is the run's effective config (what the next resume continues); run_info.json describes the
-    first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
+    """config.yaml is the run's effective config (`config`: what the next resume continues); run_info.json describes
+    the first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
     continuing = (run_dir / "config.yaml").exists()
-    write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
     info: TrainRunInfo = {**run_info(attention=kernels), "data_dir": str(data_dir)}
     if not (run_dir / "run_info.json").exists():
         write_json(run_dir / "run_info.json", info)
@@ -347,7 +366,7 @@ def write_run_files(
     }
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
-    what = f"{cfg.attention.name}, {cfg.model.name}, lr {cfg.optim.lr:g}, seed {cfg.seed}"
+    what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
     if continuing:
         log.info(
             f"resume: continuing the run in {run_dir} ({what}) from step {resume.step} ({resume.path}) with its saved "
@@ -361,10 +380,10 @@ def write_run_files(
 
 
 def fit(
-    cfg: DictConfig,
+    spec: TrainSpec,
+    config: Config,
     run_dir: Path,
     *,
-    plan: dict[str, int],
     datamodule: TokenDataModule,
     mcfg: GPTConfig,
     resume: ResumePoint,
@@ -372,17 +391,15 @@ def fit(
 ) -> RunSummary | None:
     """Build the module and the trainer, train, and write summary.json (global rank 0, which returns it). A failed
     run is recorded in summary.json too, then re-raised: a sweep must see failed runs."""
-    summary = RunStart.of(cfg, run_dir=run_dir, model_config=mcfg)
-    set_up_process(cfg)
-    module = make_module(cfg, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
+    summary = RunStart.of(spec, run_dir=run_dir, model_config=mcfg)
+    set_up_process(spec)
+    module = make_module(spec, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = parameter_counts(module)[0]
     summary.train_tokens = int(datamodule.data.meta["train_tokens"])
-    run_name = cfg.run_name or f"{cfg.attention.name}-{cfg.model.name}-lr{cfg.optim.lr:g}-s{cfg.seed}"
-    line = header(cfg, run_name=run_name, run_dir=run_dir, plan=plan, data=datamodule, module=module, kernels=kernels)
-    rank_zero_only(log.info)(line)
-    callbacks = make_callbacks(cfg, run_dir, val_set=val_set_identity(datamodule))
-    loggers = make_loggers(cfg, run_dir=run_dir, run_name=run_name, resume_step=resume.step)
-    trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=callbacks.all, loggers=loggers)
+    rank_zero_only(log.info)(header(spec, run_dir=run_dir, data=datamodule, module=module, kernels=kernels))
+    callbacks = make_callbacks(spec, config, run_dir, val_set=val_set_identity(datamodule))
+    loggers = make_loggers(spec, config, run_dir=run_dir, resume_step=resume.step)
+    trainer = make_trainer(spec, run_dir, callbacks=callbacks.all, loggers=loggers)
     is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path, weights_only=False)  # our own files
@@ -405,36 +422,36 @@ def fit(
     return result
 
 
-def set_up_process(cfg: DictConfig) -> None:
+def set_up_process(spec: TrainSpec) -> None:
     """Seeds, malloc's reuse of freed memory (CPU runs: their tensors live on the host) and TF32 matmuls, before
     anything is built."""
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.get("reuse_host_memory", True) and not uses_cuda(cfg.trainer.accelerator):
+    L.seed_everything(spec.seed, workers=True, verbose=False)
+    if spec.reuse_host_memory and not uses_cuda(spec.trainer.accelerator):
         reuse_freed_host_memory()
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
 
-def make_module(cfg: DictConfig, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
+def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
     """The module, its weights drawn from `init_seed` when set (then the rest of the run's random stream is the one
     `seed` gives): two runs with one seed and two init seeds see the same data in the same order."""
-    init_seed = cfg.get("init_seed")
+    init_seed, faults = spec.init_seed, spec.faults
     with torch.random.fork_rng(devices=[], enabled=init_seed is not None):
         if init_seed is not None:
             torch.manual_seed(init_seed)
         return LMModule(
             model_config=mcfg,
-            optimizer=build(cfg.optim),
-            scheduler=build(cfg.scheduler),
-            total_steps=cfg.scheduler.total_steps,
-            compile=compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator),
-            skip_nonfinite_batches=cfg.faults.skip_nonfinite_batches,
-            spike_factor=cfg.faults.spike_factor,
-            nan_at_step=cfg.faults.inject_nan_at_step,
-            nan_on_rank=cfg.faults.get("inject_nan_on_rank"),
-            activation_checkpointing=cfg.trainer.get("activation_checkpointing", False),
-            position_buckets=cfg.val_position_buckets,
+            optimizer=build(spec.optim.node),
+            scheduler=build(spec.scheduler_node),
+            total_steps=spec.schedule.total_steps,
+            compile=compile_enabled(spec.compile, accelerator=spec.trainer.accelerator),
+            skip_nonfinite_batches=faults.skip_nonfinite_batches,
+            spike_factor=faults.spike_factor,
+            nan_at_step=faults.inject_nan_at_step,
+            nan_on_rank=faults.inject_nan_on_rank,
+            activation_checkpointing=spec.trainer.activation_checkpointing,
+            position_buckets=spec.val_position_buckets,
             token_bytes=token_bytes,
         )
 
@@ -446,11 +463,9 @@ def parameter_counts(module: LMModule) -> tuple[int, int]:
 
 
 def header(
-    cfg: DictConfig,
+    spec: TrainSpec,
     *,
-    run_name: str,
     run_dir: Path,
-    plan: dict[str, int],
     data: TokenDataModule,
     module: LMModule,
     kernels: SdpaKernels,
@@ -460,21 +475,22 @@ def header(
     non_embedding, total = parameter_counts(module)
     meta = data.data.meta
     return (
-        f"xsa-lm train | {run_name} | model {cfg.model.name}, attention={cfg.attention.name}: "
+        f"xsa-lm train | {spec.run_label} | model {spec.model.name}, attention={spec.attention.name}: "
         f"{non_embedding / 1e6:.2f}M non-embedding parameters ({total / 1e6:.2f}M total) | "
         f"data {data.data.dir.name}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, "
         f"vocab {meta['vocab_size']} (model {module.model_config.vocab_size}) | "
-        f"{cfg.global_batch_tokens:,} tokens/step = {cfg.micro_batch_size} x {cfg.data.block_size} x "
-        f"{plan['accumulate']} accumulation x {plan['devices']} device(s) ({device_name(cfg.trainer.accelerator)}), "
-        f"{cfg.trainer.max_steps} steps ({epochs(cfg, meta['train_tokens']):.2f} epochs) | "
+        f"{spec.global_batch_tokens:,} tokens/step = {spec.micro_batch_size} x {spec.block_size} x "
+        f"{spec.accumulate} accumulation x {spec.trainer.world_size} device(s) "
+        f"({device_name(spec.trainer.accelerator)}), {spec.trainer.max_steps} steps "
+        f"({epochs(spec, meta['train_tokens']):.2f} epochs) | "
         f"attention kernel {kernels['used']} (sdpa_backends: "
         f"{', '.join(kernels['order'])}) | run dir {run_dir}"
     )
 
 
-def epochs(cfg: DictConfig, train_tokens: int) -> float:
+def epochs(spec: TrainSpec, train_tokens: int) -> float:
     """The passes over the training split that trainer.max_steps makes (above 1, data repeats)."""
-    return cfg.trainer.max_steps * cfg.global_batch_tokens / train_tokens if train_tokens else float("nan")
+    return spec.trainer.max_steps * spec.global_batch_tokens / train_tokens if train_tokens else float("nan")
 
 
 def val_set_identity(datamodule: TokenDataModule) -> dict[str, object]:
@@ -486,9 +502,9 @@ def val_set_identity(datamodule: TokenDataModule) -> dict[str, object]:
     }
 
 
-def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]) -> RunCallbacks:
-    """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional diagnostics, samples and
-    progress bar; `val_set`: val_set_identity's."""
+def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: dict[str, object]) -> RunCallbacks:
+    """Checkpoints (saving `config`, the run's), what summary.json reports, the clean stop on a signal, and the
+    optional diagnostics, samples and progress bar; `val_set`: val_set_identity's."""
     ckpt_dir = run_dir / "checkpoints"
     # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
     # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
@@ -498,26 +514,25 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]
         filename="step-{step:06d}",
         monitor="step",
         mode="max",
-        save_top_k=cfg.checkpoint.keep_last,
-        every_n_train_steps=cfg.checkpoint.get("every_n_steps"),
+        save_top_k=spec.checkpoint.keep_last,
+        every_n_train_steps=spec.checkpoint.every_n_steps,
         auto_insert_metric_name=False,
     )
     # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart. Saved before the step
     # checkpoint, which links to it when it improved (LinkingTrainer): the file then holds the best loss it reached.
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
-    throughput = Throughput(cfg.global_batch_tokens)
+    throughput = Throughput(spec.global_batch_tokens)
     history = ValHistory(throughput.tokens_seen, val_set=val_set)
-    preemption = Preemption(ckpt_dir / "last.ckpt", val_every_steps=cfg.val_every_steps)
-    cluster = ClusterChecks(planned_world_size=world_size(cfg.trainer), checkpoint_dir=ckpt_dir)
-    kernels = AttentionKernels(cfg.sdpa_backends)
-    callbacks = [cluster, kernels, best, periodic, history, throughput, preemption, SavedConfig(plain(cfg))]
-    if cfg.checkpoint.get("async_save"):
+    preemption = Preemption(ckpt_dir / "last.ckpt", val_every_steps=spec.val_every_steps)
+    cluster = ClusterChecks(planned_world_size=spec.trainer.world_size, checkpoint_dir=ckpt_dir)
+    kernels = AttentionKernels(spec.sdpa_backends)
+    callbacks = [cluster, kernels, best, periodic, history, throughput, preemption, SavedConfig(config)]
+    if spec.checkpoint.async_save:
         callbacks.append(AsyncSave())
-    if cfg.get("diagnostics") and cfg.diagnostics.every_n_steps:
-        d = cfg.diagnostics
+    d, s, p = spec.diagnostics, spec.samples, spec.profile
+    if d.every_n_steps:
         callbacks.append(Diagnostics(every_n_steps=d.every_n_steps, sequences=d.sequences, chunk=d.chunk))
-    if cfg.get("samples") and cfg.samples.every_n_steps:
-        s = cfg.samples
+    if s.every_n_steps:
         samples = Samples(
             every_n_steps=s.every_n_steps,
             run_dir=str(run_dir),
@@ -527,26 +542,23 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, *, val_set: dict[str, object]
             top_k=s.top_k,
         )
         callbacks.append(samples)
-    if cfg.get("profile") and cfg.profile.start_step is not None:
-        p = cfg.profile
+    if p.start_step is not None:
         callbacks.append(Profiler(run_dir=str(run_dir), start_step=p.start_step, steps=p.steps))
-    if cfg.progress_bar:
+    if spec.progress_bar:
         callbacks.append(ProgressBar())
     return RunCallbacks(history=history, throughput=throughput, best=best, preemption=preemption, all=callbacks)
 
 
-def make_trainer(
-    cfg: DictConfig, run_dir: Path, *, plan: dict[str, int], callbacks: list[L.Callback], loggers: list
-) -> L.Trainer:
+def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
     trainer = build(
-        lightning_trainer_args(cfg.trainer),
-        strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]),
-        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
+        spec.trainer.lightning_args,
+        strategy=trainer_strategy(spec.trainer),
+        precision=spec.trainer.resolved_precision,
         default_root_dir=str(run_dir),
         logger=loggers or False,
         callbacks=callbacks,
-        accumulate_grad_batches=plan["accumulate"],
-        val_check_interval=cfg.val_every_steps * plan["accumulate"],
+        accumulate_grad_batches=spec.accumulate,
+        val_check_interval=spec.val_every_steps * spec.accumulate,
         check_val_every_n_epoch=None,
         enable_progress_bar=False,  # ours (ProgressBar) counts optimizer steps, Lightning's counts micro-batches
         plugins=[AtomicCheckpointIO()],
@@ -555,20 +567,15 @@ def make_trainer(
     return trainer
 
 
-def trainer_strategy(trainer_cfg: DictConfig, *, devices: int) -> object:
+def trainer_strategy(trainer: TrainerSpec) -> object:
     """trainer.strategy as the Trainer gets it: `auto` or `ddp` over several devices is Lightning's DDP failing
     checkpoints together, an FSDP `data_parallel_size: auto` is every device (Lightning's auto means one per node)."""
-    strategy = trainer_cfg.strategy
-    if strategy in ("auto", "ddp") and devices > 1:
+    strategy = trainer.strategy
+    if strategy in ("auto", "ddp") and trainer.world_size > 1:
         return AtomicDDPStrategy()
-    if strategy_kind(strategy) == "fsdp" and strategy.get("data_parallel_size") == "auto":
-        return {**strategy, "data_parallel_size": devices}
+    if isinstance(strategy, dict) and strategy.get("data_parallel_size") == "auto":
+        return {**strategy, "data_parallel_size": trainer.world_size}
     return strategy
-
-
-def lightning_trainer_args(trainer_cfg: DictConfig) -> DictConfig:
-    """The trainer group without the keys that are ours (the module reads them), for lightning.Trainer."""
-    return OmegaConf.masked_copy(trainer_cfg, [str(key) for key in trainer_cfg if key not in OUR_TRAINER_KEYS])
 
 
 def outcome(module: LMModule, callbacks: RunCallbacks) -> str:
@@ -634,13 +641,16 @@ def main(cfg: DictConfig) -> None:
     try:
         with exit_on_user_error():
             notes: list[str] = []
+            spec = parse(TrainSpec, cfg)  # every value checked, before anything is read or written
+            config = plain_dict(cfg)
             if cfg.resume == "auto":
                 refuse_a_folder_new_each_time(run_dir)
             if cfg.resume is not None:
-                defaults = compose(config_name="train")
+                defaults = plain_dict(compose(config_name="train"))
                 overrides = list(HydraConfig.get().overrides.task)
-                cfg, notes = continuation_config(cfg, defaults, overrides, run_dir)
-            summary = train(cfg, run_dir, resume_notes=notes)
+                config, notes = continuation_config(config, defaults, overrides, run_dir)
+                spec = parse(TrainSpec, config)
+            summary = train(spec, config, run_dir, resume_notes=notes, explicit_tokenizer=tokenizer_on_command_line())
     except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
         print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
         sys.exit(130)

@@ -7,8 +7,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
 from xsa_lm.errors import UserError, first_line
 from xsa_lm.files import write_json
 from xsa_lm.records import RunSummary
@@ -16,6 +14,7 @@ from xsa_lm.records import RunSummary
 if TYPE_CHECKING:  # the record (RunSummary, in records.py) is read without Lightning
     import lightning as L
 
+    from xsa_lm.config.spec import TrainSpec
     from xsa_lm.model import GPTConfig
     from xsa_lm.train.callbacks import RunCallbacks
     from xsa_lm.train.module import LMModule
@@ -47,13 +46,13 @@ class RunStart:
     started: float = field(default_factory=time.time)
 
     @classmethod
-    def of(cls, cfg: DictConfig, run_dir: Path, model_config: "GPTConfig") -> "RunStart":
+    def of(cls, spec: "TrainSpec", run_dir: Path, model_config: "GPTConfig") -> "RunStart":
         return cls(
             run_dir=run_dir,
-            attention=cfg.attention.name,
-            model=cfg.model.name,
-            lr=cfg.optim.lr,
-            seed=cfg.seed,
+            attention=spec.attention.name,
+            model=spec.model.name,
+            lr=spec.optim.lr,
+            seed=spec.seed,
             model_config=model_config,
         )
 
