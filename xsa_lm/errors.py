@@ -23,6 +23,14 @@ from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
+# Set beside HYDRA_FULL_ERROR=1 when cli.py, not the user, asked Hydra to raise its errors (for one line of its own);
+# child processes (a sweep's trials, Lightning's DDP ranks) inherit both and so tell it from the user's.
+OURS_VARIABLE = "XSA_LM_HYDRA_FULL_ERROR"
+
+
+def full_errors() -> bool:
+    """Whether the user asked for full tracebacks (HYDRA_FULL_ERROR=1) instead of one line."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" and os.environ.get(OURS_VARIABLE) != "1"
 
 
 class UserError(Exception):
@@ -46,11 +54,11 @@ def exit_on_user_error() -> Iterator[None]:
     except (UserError, OmegaConfBaseException) as e:
         what = f"error: {e}" if isinstance(e, UserError) else f"config error: {str(e).splitlines()[0]}"
         key = f" (key: {getattr(e, 'full_key', '?')})" if isinstance(e, OmegaConfBaseException) else ""
-        print(f"xsa-lm: {what}{key}", file=sys.stderr)
+        print(f"xsa-lm: {what}{key}{job_named()}", file=sys.stderr)
         remove_empty_run_dir()
         sys.exit(EXIT_USER_ERROR)
     except Exception as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if full_errors():
             raise
         print(report_unexpected(e), file=sys.stderr)
         sys.exit(EXIT_BUG)
@@ -66,6 +74,15 @@ def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
         # ends the command in one line.
         logging.raiseExceptions = False
         with exit_on_user_error():
+            from hydra.core.hydra_config import HydraConfig
+            from omegaconf import OmegaConf
+
+            from xsa_lm.config.command_line import check_job
+
+            if HydraConfig.initialized() and args:  # args[0]: the job's config
+                hydra = HydraConfig.get()
+                config = OmegaConf.to_container(args[0], resolve=False)
+                check_job(hydra.job.name, dict(hydra.runtime.choices), config, hydra_run_dir())  # type: ignore[arg-type]
             return job(*args, **kwargs)
 
     return guarded
@@ -121,6 +138,16 @@ def save_traceback(trace: str) -> str:
     except OSError as e:
         reasons.append(f"{tempfile.gettempdir()}: {e.strerror or e}")
         return f"the traceback could not be saved ({'; '.join(reasons)}): HYDRA_FULL_ERROR=1 prints it"
+
+
+def job_named() -> str:
+    """Which job of a --multirun a refusal is about (nothing for a single run)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    return f" (in the job {' '.join(HydraConfig.get().overrides.task)})"
 
 
 def hydra_run_dir() -> Path | None:

@@ -38,7 +38,7 @@ class Check:
         problem = self.rule(value) if self.rule else self.type_problem(kinds, value)
         return f"{problem} ({self.hint})" if problem and self.hint else problem
 
-    def type_problem(self, kinds: tuple, value: Any) -> str | None:
+    def type_problem(self, kinds: tuple[Any, ...], value: Any) -> str | None:
         words = [word for kind in kinds if get_origin(kind) is Literal for word in get_args(kind)]
         if isinstance(value, str) and value in words:
             return None
@@ -71,7 +71,7 @@ def knob(default: Any = MISSING, **check: Any) -> Any:
     return field(default=default, metadata={"check": Check(**check)})
 
 
-def options(annotation: Any) -> tuple:
+def options(annotation: Any) -> tuple[Any, ...]:
     """The types a union annotation allows (`int | None` -> int, NoneType); a plain one alone."""
     return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
 

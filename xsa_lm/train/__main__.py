@@ -2,9 +2,8 @@
 
 import sys
 
-from xsa_lm.config.command_line import check_overrides
-from xsa_lm.train.run import main
+from xsa_lm import cli
 
 if __name__ == "__main__":
-    check_overrides("train", sys.argv[1:])
-    main()
+    sys.argv = [sys.argv[0], "train", *sys.argv[1:]]
+    cli.main()
