@@ -14,8 +14,9 @@ from omegaconf import DictConfig
 
 from tests.helpers import FAST, compose_train, refused_in_process
 from xsa_lm import cli
-from xsa_lm.config.builders import check_config, check_trainer, resolve_precision, settle_schedule, world_size
+from xsa_lm.config.builders import check_trainer
 from xsa_lm.config.command_line import flags_first
+from xsa_lm.config.spec import TrainSpec, parse, plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.train import memory
 from xsa_lm.train.plan import make_plan, table
@@ -25,10 +26,14 @@ from xsa_lm.train.schedule import peak_lr
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: Lightning can use it")
 
 
-def fast(*overrides: str) -> DictConfig:
+def fast_config(*overrides: str) -> DictConfig:
     """FAST with the overrides; a trainer option replaces FAST's trainer=cpu."""
     own_trainer = any(o.startswith("trainer=") for o in overrides)
     return compose_train([*(a for a in FAST if not (own_trainer and a.startswith("trainer="))), *overrides])
+
+
+def fast(*overrides: str) -> TrainSpec:
+    return parse(TrainSpec, fast_config(*overrides))
 
 
 REFUSED = {
@@ -37,7 +42,7 @@ REFUSED = {
     "a layer twice": (["attention=xsa", "attention.layers=[1,1]"], "attention.layers=[1, 1] names a layer twice"),
     "a layer past the model": (["attention=xsa", "attention.layers=[0,2]"], "index below model.n_layer=2"),
     "a negative layer": (["attention=xsa", "attention.layers=[-1]"], "index below model.n_layer=2"),
-    "a layer that is no number": (["attention=xsa", "attention.layers=[a]"], "index below model.n_layer=2"),
+    "a layer that is no number": (["attention=xsa", "attention.layers=[a]"], "attention.layers=['a'] must be all,"),
     "more sinks than positions": (["model.n_sinks=100000"], "model.n_sinks=100000 must be in [0, block_size=64]"),
     "a precision Lightning does not know": (["trainer.precision=bogus"], "is not a precision Lightning accepts"),
     "fp16 autocast on CPU": (["trainer.precision=16-mixed"], "Lightning would train in bf16-mixed"),
@@ -60,14 +65,14 @@ def test_refused_before_anything_is_written(
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # as Hydra makes it
     with pytest.raises(UserError) as refused:
-        train(fast(*overrides), run_dir)
+        cfg = fast_config(*overrides)
+        train(parse(TrainSpec, cfg), plain_dict(cfg), run_dir)
     assert expected in str(refused.value) and "\n" not in str(refused.value), refused.value
     assert list(run_dir.iterdir()) == []  # no config.yaml, run_info.json or train.log
 
 
-def lightning_precision(cfg: DictConfig) -> str:
-    plan = check_config(cfg)
-    return check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))
+def lightning_precision(spec: TrainSpec) -> str:
+    return check_trainer(spec.trainer, strategy=trainer_strategy(spec.trainer))
 
 
 @pytest.mark.parametrize(
@@ -82,38 +87,38 @@ def lightning_precision(cfg: DictConfig) -> str:
     ],
 )
 def test_settings_lightning_takes_here_pass(overrides: list[str], precision: str):
-    cfg = fast(*overrides)
-    assert lightning_precision(cfg) == precision
-    assert resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator) == precision
+    spec = fast(*overrides)
+    assert lightning_precision(spec) == precision == spec.trainer.resolved_precision
 
 
 def test_a_warmup_longer_than_the_schedule_is_clipped_with_a_warning():
     short = fast("trainer.max_steps=3")  # FAST warms up for 5 steps
-    warning = settle_schedule(short)
+    warning = short.schedule.warning
     assert warning and "scheduler.warmup_steps=5" in warning and "clipped to 3" in warning and "\n" not in warning
-    assert (short.scheduler.warmup_steps, short.scheduler.total_steps) == (3, 3)  # what config.yaml saves
+    assert (short.scheduler_node["warmup_steps"], short.scheduler_node["total_steps"]) == (3, 3)  # config.yaml's
     assert peak_lr(scheduler_of(short), steps=3) == pytest.approx(short.optim.lr)  # reached at the last step
     unclipped = fast("trainer.max_steps=3", "scheduler.total_steps=3")
-    assert peak_lr(scheduler_of(unclipped), steps=3) == pytest.approx(short.optim.lr * 3 / 5)  # what it would be
+    assert peak_lr(scheduler_of(unclipped, settled=False), steps=3) == pytest.approx(short.optim.lr * 3 / 5)
     longer = fast("trainer.max_steps=6", "scheduler.total_steps=2")  # a schedule shorter than the run
     lr = longer.optim.lr
-    assert "the 4 steps after it run at its final LR" in str(settle_schedule(longer))
+    assert "the 4 steps after it run at its final LR" in str(longer.schedule.warning)
     assert [lr * f(step) for f in scheduler_of(longer).lr_lambdas for step in range(6)] == pytest.approx(
         [lr / 2, lr] + [lr * longer.scheduler.min_lr_ratio] * 4
     )
     whole = fast()
-    assert settle_schedule(whole) is None and whole.scheduler.warmup_steps == 5
+    assert whole.schedule.warning is None and whole.schedule.warmup_steps == 5
     assert peak_lr(scheduler_of(whole), steps=40) == pytest.approx(whole.optim.lr)
     assert peak_lr(scheduler_of(whole), steps=0) is None
     # Stopping early inside a longer schedule is deliberate (a resume continues it): left as set.
     inside = fast("trainer.max_steps=2", "scheduler.total_steps=40")
-    assert settle_schedule(inside) is None and inside.scheduler.warmup_steps == 5
+    assert inside.schedule.warning is None and inside.schedule.warmup_steps == 5
 
 
-def scheduler_of(cfg: DictConfig) -> torch.optim.lr_scheduler.LRScheduler:
-    """The run's scheduler, as make_module builds it."""
-    optimizer = hydra.utils.instantiate(cfg.optim)([torch.nn.Parameter(torch.zeros(2))])
-    return hydra.utils.instantiate(cfg.scheduler)(optimizer, total_steps=cfg.scheduler.total_steps)
+def scheduler_of(spec: TrainSpec, settled: bool = True) -> torch.optim.lr_scheduler.LRScheduler:
+    """The run's scheduler, as make_module builds it (settled=False: as the config gives it, unclipped)."""
+    optimizer = hydra.utils.instantiate(spec.optim.node)([torch.nn.Parameter(torch.zeros(2))])
+    node = spec.scheduler_node if settled else spec.scheduler.model_dump(by_alias=True)
+    return hydra.utils.instantiate(node)(optimizer, total_steps=spec.schedule.total_steps)
 
 
 def test_sinks_count_in_the_memory_estimate():
@@ -146,7 +151,7 @@ COMMAND_LINES = {
         ["--multirun", "attention=foo"],
         ["Could not find 'attention/foo'", "available options in 'attention'"],
     ),
-    "multirun: one job's option": (["--multirun", "attention=sa,foo"], ["attention/foo", "(in the job attention=foo)"]),
+    "multirun: one job's option": (["--multirun", "attention=sa,foo"], ["attention/foo", "options in 'attention'"]),
     "multirun: one job's value": (
         ["-m", "attention=sa,xsa", "seed=-1,0"],
         ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"],
@@ -189,14 +194,14 @@ def test_more_windows_than_the_data_holds_are_named():
 
 def test_a_nan_injected_on_a_rank_the_run_lacks_is_refused():
     with pytest.raises(UserError, match=r"^faults.inject_nan_on_rank=3: this run has 1 device\(s\), ranks 0 to 0"):
-        check_config(fast("faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=3"))
-    check_config(fast("faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=0"))
+        fast("faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=3")
+    fast("faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=0")
 
 
 def test_a_profile_beyond_the_run_is_refused():
     with pytest.raises(UserError, match=r"^profile.start_step=9 \+ profile.steps=3 is beyond trainer.max_steps=10"):
-        check_config(fast("trainer.max_steps=10", "profile.start_step=9"))
-    check_config(fast("trainer.max_steps=10", "profile.start_step=7"))
+        fast("trainer.max_steps=10", "profile.start_step=9")
+    fast("trainer.max_steps=10", "profile.start_step=7")
 
 
 def test_hydra_flags_go_before_the_overrides():
@@ -223,5 +228,5 @@ def test_a_flag_between_overrides_is_taken(monkeypatch: pytest.MonkeyPatch, caps
 
 def test_every_device_on_cpu_is_lightnings_one(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert world_size(fast("trainer=default", "trainer.devices=auto").trainer) == 8  # a GPU run takes all 8
-    assert world_size(fast("trainer.devices=auto").trainer) == 1  # trainer=cpu: Lightning's CPU "auto" is one
+    assert fast("trainer=default", "trainer.devices=auto", "global_batch_tokens=4096").trainer.world_size == 8
+    assert fast("trainer.devices=auto").trainer.world_size == 1  # trainer=cpu: Lightning's CPU "auto" is one

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from xsa_lm.config.schema import options
-from xsa_lm.config.spec import TrainSpec, parse
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
 
 
@@ -36,8 +36,9 @@ def field_problems(
 
 
 def check_values(cfg: DictConfig) -> None:
-    """The training config of a composed config, refused in one line naming each bad key (config/spec.py parse)."""
-    parse(TrainSpec, cfg)
+    """Each value of the training config in a composed config, refused in one line naming each bad key
+    (config/spec.py parse; not the rules across values, which depend on the devices a run has)."""
+    parse(TrainSpec, cfg, context=VALUES_ONLY)
 
 
 def check_switches(cfg: DictConfig, *, keys: Iterable[str]) -> None:

@@ -1,9 +1,11 @@
 """The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
 
-A field owns its type, default, what it is and its range; a rule across fields is a model validator; what a run
-derives (precision, world size, accumulation, strategy kind, the settled LR schedule, the run name, the GPTConfig)
-is computed here once. `parse(TrainSpec, cfg)` turns Hydra's composed config into the spec, and every bad value into
-ONE line naming each key (Hydra types a command-line value by its look: `trainer.max_steps=1.5` composes fine).
+A field owns its type, what it is and its range; its value is the YAML file's (configs/, with the paper:/ours:
+note that says where it comes from), so a key missing from a config is refused, never filled in silently. A rule
+across fields is a model validator; what a run derives (precision, world size, accumulation, strategy kind, the
+settled LR schedule, the run name, the GPTConfig) is computed here once. `parse(TrainSpec, cfg)` turns Hydra's
+composed config into the spec, and every bad value into ONE line naming each key (Hydra types a command-line value
+by its look: `trainer.max_steps=1.5` composes fine).
 A field marked FREE may change on a resume (config/resume.py): how long, how often, where and how fast; never what
 the model sees or how it learns.
 """
@@ -14,7 +16,7 @@ from functools import cached_property
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import ErrorDetails
 
 from xsa_lm.errors import UserError
@@ -89,6 +91,12 @@ def _betas(value: Any) -> str | None:
     return None if pair else "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
 
 
+def _layers(value: Any) -> str | None:
+    if value == "all" or _is_int(value) or (isinstance(value, list) and all(_is_int(i) for i in value)):
+        return None
+    return "must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
+
+
 def _wandb_mode(value: Any) -> str | None:
     modes = ("auto", "online", "offline", "disabled")
     return None if value in modes else f"must be {', '.join(modes[:-1])} or {modes[-1]}"
@@ -152,9 +160,9 @@ class ModelSpec(Spec):
 
 class AttentionSpec(Spec):
     name: Literal["sa", "xsa"] = Field(description="sa: softmax attention | xsa: exclusive self attention")
-    eps: float = Field(1e-6, description="added to ||v_i||^2 in XSA (fp32); GPTConfig checks it")
-    layers: Literal["all"] | int | list[int] = Field("all", description="all | the last N layers | these layers")
-    gate: Literal["none", "tanh"] = Field("none", description="tanh: subtract tanh(alpha) x the projection")
+    eps: float = Field(description="added to ||v_i||^2 in XSA (fp32); GPTConfig checks it")
+    layers: Annotated[Literal["all"] | int | list[int], rule(_layers)] = Field(description="all | last N | these")
+    gate: Literal["none", "tanh"] = Field(description="tanh: subtract tanh(alpha) x the projection")
 
     def xsa_layers(self, n_layer: int) -> tuple[int, ...] | None:
         """The layers that use XSA (None: every layer). Under xsa at least one: XSA on none is SA, reported as XSA."""
@@ -182,18 +190,18 @@ class AttentionSpec(Spec):
 class DataSpec(Spec):
     """configs/data/_base.yaml's keys (preparation and loading), each option's own, and the source node."""
 
-    dir: str | None = Field(None, description="the token shards; null: <cache_dir>/<source>-<hash>")
-    cache_dir: str = Field("data", description="where prepared shards go when dir is null")
-    val_split: Literal["auto", "document", "tail"] = Field("auto", description="whole documents or each one's end")
-    val_fraction: float | None = Field(None, ge=0, le=0.5, description="share held out; null: the paper's")
-    split_seed: int = Field(0, description="seeds the document split's hash")
-    shard_documents: Count = Field(10000, description="documents per shard")
-    prepare_workers: Count = Field(1, description="tokenizer processes")
-    tokenizer_documents: Count = Field(100000, description="a trained BPE learns from the first N documents")
-    block_size: Count | None = Field(None, description="training context (prepare: null, whole documents)")
-    val_windows: Count | None = Field(None, description="null: every validation window")
-    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field("auto", json_schema_extra=FREE)
-    source: dict[str, Any] | None = Field(None, description="a _target_ node (null: data=prepared, shards only)")
+    dir: str | None = Field(description="the token shards; null: <cache_dir>/<source>-<hash>")
+    cache_dir: str = Field(description="where prepared shards go when dir is null")
+    val_split: Literal["auto", "document", "tail"] = Field(description="whole documents or each one's end")
+    val_fraction: float | None = Field(ge=0, le=0.5, description="share held out; null: the paper's")
+    split_seed: int = Field(description="seeds the document split's hash")
+    shard_documents: Count = Field(description="documents per shard")
+    prepare_workers: Count = Field(description="tokenizer processes")
+    tokenizer_documents: Count = Field(description="a trained BPE learns from the first N documents")
+    block_size: Count | None = Field(description="training context (prepare: null, whole documents)")
+    val_windows: Count | None = Field(description="null: every validation window")
+    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(json_schema_extra=FREE)
+    source: dict[str, Any] | None = Field(description="a _target_ node (null: data=prepared, shards only)")
     files: str | list[str] | None = Field(None, description="data=local: a glob or a list of globs")
     text_field: str | None = Field(None, description="the text's key or column")
     path: str | None = Field(None, description="data=hf: the hub dataset, ORG/NAME")
@@ -218,12 +226,12 @@ class TokenizerSpec(Spec):
 
 
 class OptimSpec(Spec):
-    target: str = Field("torch.optim.AdamW", alias="_target_")
+    target: str = Field(alias="_target_")
     partial: bool = Field(True, alias="_partial_")
     lr: float = Field(gt=0, description="peak LR")
-    betas: Annotated[list[float], rule(_betas)] = Field([0.9, 0.95], description="AdamW's (beta1, beta2)")
-    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
-    weight_decay: float = Field(0.1, ge=0, description="matrices only")
+    betas: Annotated[list[float], rule(_betas)] = Field(description="AdamW's (beta1, beta2)")
+    eps: float = Field(gt=0, description="AdamW's epsilon")
+    weight_decay: float = Field(ge=0, description="matrices only")
 
     @property
     def node(self) -> dict[str, Any]:
@@ -231,31 +239,31 @@ class OptimSpec(Spec):
 
 
 class SchedulerSpec(Spec):
-    target: str = Field("xsa_lm.train.schedule.warmup_cosine_scheduler", alias="_target_")
+    target: str = Field(alias="_target_")
     partial: bool = Field(True, alias="_partial_")
     warmup_steps: int = Field(ge=0, description="linear warmup, then the cosine decay")
     min_lr_ratio: float = Field(ge=0, le=1, description="the final LR over the peak")
-    total_steps: Count | None = Field(None, description="null: trainer.max_steps", json_schema_extra=FREE)
+    total_steps: Count | None = Field(description="null: trainer.max_steps", json_schema_extra=FREE)
 
 
 class TrainerSpec(Spec):
     """lightning.Trainer's arguments (configs/trainer/default.yaml) and activation_checkpointing, which is ours."""
 
-    target: str = Field("xsa_lm.checkpoints.atomic.LinkingTrainer", alias="_target_")
-    accelerator: str = Field("auto", description="auto | cpu | gpu", json_schema_extra=FREE)
-    devices: Annotated[int | str | list[int], rule(_devices)] = Field(1, json_schema_extra=FREE)
-    strategy: str | dict[str, Any] = Field("auto", description="auto | a name | a node", json_schema_extra=FREE)
-    num_nodes: Count = Field(1, json_schema_extra=FREE)
+    target: str = Field(alias="_target_")
+    accelerator: str = Field(description="auto | cpu | gpu", json_schema_extra=FREE)
+    devices: Annotated[int | str | list[int], rule(_devices)] = Field(json_schema_extra=FREE)
+    strategy: str | dict[str, Any] = Field(description="auto | a name | a node", json_schema_extra=FREE)
+    num_nodes: Count = Field(json_schema_extra=FREE)
     # auto (ours): bf16-mixed on GPUs with bf16, else 32-true
-    precision: Annotated[str, BeforeValidator(_text_of_number)] = "auto"
-    max_steps: Count = Field(1000, description="optimizer steps", json_schema_extra=FREE)
-    gradient_clip_val: float | None = Field(1.0, ge=0, description="the gradient norm's bound; null: none")
-    log_every_n_steps: Count = Field(10, json_schema_extra=FREE)
-    limit_val_batches: int | float | None = Field(None, description="null | N batches | a share")
-    num_sanity_val_steps: int = 0
-    enable_model_summary: bool = Field(False, json_schema_extra=FREE)
-    deterministic: bool | Literal["warn"] = False
-    activation_checkpointing: bool = Field(False, description="recompute each block", json_schema_extra=FREE)
+    precision: Annotated[str, BeforeValidator(_text_of_number)]
+    max_steps: Count = Field(description="optimizer steps", json_schema_extra=FREE)
+    gradient_clip_val: float | None = Field(ge=0, description="the gradient norm's bound; null: none")
+    log_every_n_steps: Count = Field(json_schema_extra=FREE)
+    limit_val_batches: int | float | None = Field(description="null | N batches | a share")
+    num_sanity_val_steps: int
+    enable_model_summary: bool = Field(json_schema_extra=FREE)
+    deterministic: bool | Literal["warn"]
+    activation_checkpointing: bool = Field(description="recompute each block", json_schema_extra=FREE)
 
     @model_validator(mode="after")
     def _data_parallel_only(self) -> "TrainerSpec":
@@ -300,15 +308,15 @@ class TrainerSpec(Spec):
 
 
 class WandbSpec(Spec):
-    target: str = Field("xsa_lm.tracking.wandb_logger", alias="_target_")
-    project: str = "xsa-lm"
-    entity: str | None = None
-    group: str | None = Field(None, description="runs of a group compare side by side")
-    job_type: str | None = Field(None, description="e.g. lr-search, compare")
-    tags: list[str] = Field([], description="beside attention type and model preset")
-    mode: Annotated[str, rule(_wandb_mode)] = Field("auto", description="auto: WANDB_MODE, else by the API key")
-    init_timeout_s: int = Field(30, ge=1)
-    log_model: bool | Literal["all"] = Field(False, description="checkpoints as W&B artifacts (all: each save)")
+    target: str = Field(alias="_target_")
+    project: str
+    entity: str | None
+    group: str | None = Field(description="runs of a group compare side by side")
+    job_type: str | None = Field(description="e.g. lr-search, compare")
+    tags: list[str] = Field(description="beside attention type and model preset")
+    mode: Annotated[str, rule(_wandb_mode)] = Field(description="auto: WANDB_MODE, else by the API key")
+    init_timeout_s: int = Field(ge=1)
+    log_model: bool | Literal["all"] = Field(description="checkpoints as W&B artifacts (all: each save)")
 
     @property
     def node(self) -> dict[str, Any]:
@@ -321,35 +329,35 @@ class LoggerSpec(Spec):
 
 
 class CheckpointSpec(Spec):
-    keep_last: int = Field(2, ge=0, description="step checkpoints kept besides last.ckpt and best.ckpt")
-    every_n_steps: Count | None = Field(None, description="null: at each validation")
-    async_save: bool = Field(False, description="sharded checkpoints written in the background")
+    keep_last: int = Field(ge=0, description="step checkpoints kept besides last.ckpt and best.ckpt")
+    every_n_steps: Count | None = Field(description="null: at each validation")
+    async_save: bool = Field(description="sharded checkpoints written in the background")
 
 
 class FaultsSpec(Spec):
-    skip_nonfinite_batches: int = Field(0, ge=0, description="NaN/inf steps skipped before the run diverged")
-    spike_factor: float | None = Field(3.0, gt=0, description="loss or grad-norm over its average: an event")
-    inject_nan_at_step: int | None = Field(None, ge=0, description="testing the recovery")
-    inject_nan_on_rank: int | None = Field(None, ge=0, description="null: every rank")
+    skip_nonfinite_batches: int = Field(ge=0, description="NaN/inf steps skipped before the run diverged")
+    spike_factor: float | None = Field(gt=0, description="loss or grad-norm over its average: an event")
+    inject_nan_at_step: int | None = Field(ge=0, description="testing the recovery")
+    inject_nan_on_rank: int | None = Field(ge=0, description="null: every rank")
 
 
 class DiagnosticsSpec(Spec):
-    every_n_steps: Count | None = Field(None, description="null: off")
-    sequences: Count = Field(8, description="the first N validation windows")
-    chunk: Count = Field(256, description="query positions per block when computing a_ii")
+    every_n_steps: Count | None = Field(description="null: off")
+    sequences: Count = Field(description="the first N validation windows")
+    chunk: Count = Field(description="query positions per block when computing a_ii")
 
 
 class SamplesSpec(Spec):
-    every_n_steps: Count | None = Field(None, description="null: off")
-    prompt: Annotated[str, rule(_text)] = Field("", description="empty: start from <|endoftext|>")
-    max_new_tokens: Count = 64
-    temperature: float = Field(0.8, ge=0, description="0: greedy")
-    top_k: Count | None = Field(50, description="null: the whole vocabulary")
+    every_n_steps: Count | None = Field(description="null: off")
+    prompt: Annotated[str, rule(_text)] = Field(description="empty: start from <|endoftext|>")
+    max_new_tokens: Count
+    temperature: float = Field(ge=0, description="0: greedy")
+    top_k: Count | None = Field(description="null: the whole vocabulary")
 
 
 class ProfileSpec(Spec):
-    start_step: int | None = Field(None, ge=0, description="null: off")
-    steps: Count = Field(3, description="optimizer steps traced")
+    start_step: int | None = Field(ge=0, description="null: off")
+    steps: Count = Field(description="optimizer steps traced")
 
 
 class PrepareSpec(Spec):
@@ -357,7 +365,7 @@ class PrepareSpec(Spec):
 
     data: DataSpec
     tokenizer: TokenizerSpec
-    progress_bar: bool = Field(True, description="documents, tokens/s and ETA")
+    progress_bar: bool = Field(description="documents, tokens/s and ETA")
 
 
 @dataclass(frozen=True)
@@ -372,24 +380,24 @@ class Schedule:
 class TrainSpec(Spec):
     """configs/train.yaml: the run's own keys and each group's node."""
 
-    seed: Seed = Field(0, description="the data order, and the weights unless init_seed")
-    init_seed: Seed | None = Field(None, description="null: weights from seed")
-    global_batch_tokens: Count = Field(16384, description="tokens per optimizer step")
-    micro_batch_size: Count = Field(16, description="sequences per forward on one device", json_schema_extra=FREE)
-    val_every_steps: Count = Field(100, description="steps between validations", json_schema_extra=FREE)
-    val_position_buckets: Count = Field(8, description="val loss per span of positions", json_schema_extra=FREE)
-    compile: bool | Literal["auto"] = Field("auto", description="auto: on CUDA runs", json_schema_extra=FREE)
-    sdpa_backends: Annotated[str | list[str], rule(sdpa_backends_problem)] = Field("auto", json_schema_extra=FREE)
-    reuse_host_memory: bool = Field(True, description="keep freed CPU memory", json_schema_extra=FREE)
-    check_memory: bool = Field(True, description="refuse a run estimated not to fit", json_schema_extra=FREE)
-    resume: Annotated[str | None, rule(_resume)] = Field(None, json_schema_extra=FREE)
-    run_name: str | None = Field(None, description="null: run_label", json_schema_extra=FREE)
-    progress_bar: bool = Field(True, json_schema_extra=FREE)
-    checkpoint: CheckpointSpec = Field(CheckpointSpec(), json_schema_extra=FREE)
-    faults: FaultsSpec = Field(FaultsSpec(), json_schema_extra=FREE)
-    diagnostics: DiagnosticsSpec = Field(DiagnosticsSpec(), json_schema_extra=FREE)
-    samples: SamplesSpec = Field(SamplesSpec(), json_schema_extra=FREE)
-    profile: ProfileSpec = Field(ProfileSpec(), json_schema_extra=FREE)
+    seed: Seed = Field(description="the data order, and the weights unless init_seed")
+    init_seed: Seed | None = Field(description="null: weights from seed")
+    global_batch_tokens: Count = Field(description="tokens per optimizer step")
+    micro_batch_size: Count = Field(description="sequences per forward on one device", json_schema_extra=FREE)
+    val_every_steps: Count = Field(description="steps between validations", json_schema_extra=FREE)
+    val_position_buckets: Count = Field(description="val loss per span of positions", json_schema_extra=FREE)
+    compile: bool | Literal["auto"] = Field(description="auto: on CUDA runs", json_schema_extra=FREE)
+    sdpa_backends: Annotated[str | list[str], rule(sdpa_backends_problem)] = Field(json_schema_extra=FREE)
+    reuse_host_memory: bool = Field(description="keep freed CPU memory", json_schema_extra=FREE)
+    check_memory: bool = Field(description="refuse a run estimated not to fit", json_schema_extra=FREE)
+    resume: Annotated[str | None, rule(_resume)] = Field(json_schema_extra=FREE)
+    run_name: str | None = Field(description="null: run_label", json_schema_extra=FREE)
+    progress_bar: bool = Field(json_schema_extra=FREE)
+    checkpoint: CheckpointSpec = Field(json_schema_extra=FREE)
+    faults: FaultsSpec = Field(json_schema_extra=FREE)
+    diagnostics: DiagnosticsSpec = Field(json_schema_extra=FREE)
+    samples: SamplesSpec = Field(json_schema_extra=FREE)
+    profile: ProfileSpec = Field(json_schema_extra=FREE)
     model: ModelSpec
     attention: AttentionSpec
     data: DataSpec
@@ -397,12 +405,14 @@ class TrainSpec(Spec):
     optim: OptimSpec
     scheduler: SchedulerSpec
     trainer: TrainerSpec
-    logger: LoggerSpec = Field(LoggerSpec(), json_schema_extra=FREE)
+    logger: LoggerSpec = Field(json_schema_extra=FREE)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainSpec":
+    def _consistent(self, info: ValidationInfo) -> "TrainSpec":
         self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
         resolve_precision(self.trainer.precision, self.trainer.accelerator)  # a name Lightning accepts
+        if info.context == VALUES_ONLY:
+            return self
         block = self.data.block_size or self.model.block_size
         if block > self.model.block_size:
             raise ValueError(
@@ -546,7 +556,10 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
     return free
 
 
-def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any]) -> S:
+VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
+
+
+def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any], context: str | None = None) -> S:
     """The spec of a composed config (the keys of the commands around training, and Hydra's, left aside), or a
     UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`."""
     if isinstance(cfg, DictConfig) and spec_type is TrainSpec:  # Hydra's node resolves only inside a job
@@ -560,7 +573,7 @@ def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any]) -> S:
     plain = plain_dict(cfg) if isinstance(cfg, DictConfig) else cfg
     values = {k: v for k, v in plain.items() if k not in AROUND_TRAINING} if spec_type is TrainSpec else plain
     try:
-        return spec_type.model_validate(values)
+        return spec_type.model_validate(values, context=context)
     except ValidationError as e:
         raise UserError("; ".join(problems(spec_type, values, e.errors()))) from None
 
