@@ -38,7 +38,7 @@ CASES = {
     "fractional step count": (["trainer.max_steps=1.5"], ["trainer.max_steps=1.5 must be an integer"]),
     "negative XSA eps": (["attention=xsa", "attention.eps=-1e-6"], ["attention.eps=-1e-06 must be > 0"]),
     "several bad values at once": (["seed=-1", "val_every_steps=0"], ["seed=-1", "val_every_steps=0"]),
-    "no validation window": (["data.val_windows=0"], ["data.val_windows must be >= 1"]),
+    "no validation window": (["data.val_windows=0"], ["data.val_windows=0 must be >= 1"]),
     "a model far larger than the machine": (["model.n_layer=100000"], ["needs about", "GiB", "check_memory=false"]),
 }
 

@@ -5,7 +5,9 @@ import importlib
 import json
 import os
 import sys
+import time
 
+from xsa_lm import errors
 from xsa_lm.config.command_line import ARGV_VARIABLE, check_command_line, flags_first, hydra_problem
 from xsa_lm.errors import EXIT_USER_ERROR, OURS_VARIABLE, UserError, exit_on_user_error, full_errors
 
@@ -53,6 +55,7 @@ def run(command: str) -> None:
     # through full_command_line().
     os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)
     sys.argv = [sys.argv[0], *flags_first(args)]
+    errors.STARTED[0] = time.time()
     if full_errors():  # the user's: Hydra's own report, tracebacks and all
         module.main()
         return

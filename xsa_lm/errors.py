@@ -28,6 +28,9 @@ EXIT_BUG = 1
 OURS_VARIABLE = "XSA_LM_HYDRA_FULL_ERROR"
 
 
+STARTED = [0.0]  # when cli.py started the command: a folder older than that was not made by Hydra for this job
+
+
 def full_errors() -> bool:
     """Whether the user asked for full tracebacks (HYDRA_FULL_ERROR=1) instead of one line."""
     return os.environ.get("HYDRA_FULL_ERROR") == "1" and os.environ.get(OURS_VARIABLE) != "1"
@@ -196,7 +199,7 @@ def remove_empty_run_dir() -> None:
         return
     # A folder that cannot be read or removed (its parent cannot be written either) stays: the line was said.
     with contextlib.suppress(OSError):
-        if not any(run_dir.iterdir()):
+        if run_dir.stat().st_ctime >= STARTED[0] and not any(run_dir.iterdir()):
             if here in run_dir.resolve().parents:  # its empty parents too, up to the current directory
                 os.removedirs(os.path.relpath(run_dir.resolve(), here))
             else:

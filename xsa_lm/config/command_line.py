@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,10 @@ def check_command_line(args: list[str]) -> str | None:
                 f"{word!r} is not an override (key=value): a value with spaces must be quoted as one argument, "
                 f"e.g. {example}"
             )
+    for key, value in (o.split("=", 1) for o in overrides if override_key(o) in ("hydra.run.dir", "hydra.sweep.dir")):
+        if not value.strip():  # Path("") is the current directory
+            key = key.lstrip("+")
+            return f"{key} is empty (an unset shell variable?): set it to a folder for the results, e.g. {key}=runs/a"
     if any(f in MULTIRUN_FLAGS for f in flags) and any(override_key(o) == "hydra.run.dir" for o in overrides):
         return (
             "hydra.run.dir is not used under --multirun (each job writes to hydra.sweep.dir/hydra.sweep.subdir): "
@@ -112,9 +117,10 @@ def no_such_key(command: str, key: str) -> str:
     mapping = key.rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
-    close = difflib.get_close_matches(key, spec_keys(), n=1) if command in TRAINING_COMMANDS else []
-    hint = f": did you mean {close[0]}?" if close else ""
-    return f"{command} has no key {key}{hint} (configs/{command}.yaml)"
+    keys = own_keys(command) + (spec_keys() if command in TRAINING_COMMANDS else [])
+    close = difflib.get_close_matches(key, keys, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own_keys(command))}"
+    return f"{command} has no key {key}: {hint} (configs/{command}.yaml)"
 
 
 TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
@@ -132,6 +138,14 @@ def spec_keys() -> list[str]:
         return found
 
     return keys(TrainSpec, "")
+
+
+def own_keys(command: str) -> list[str]:
+    """The keys configs/<command>.yaml sets itself (read, not composed)."""
+    import yaml
+
+    text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()
+    return [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
 
 
 def check_job(command: str, choices: dict[str, str | None], config: dict[str, Any], run_dir: Path | None) -> None:
@@ -212,8 +226,6 @@ def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
 
 def group_options(group: str) -> list[str]:
     """The options of a config group a user can choose: its YAML files, but those named _* (shared parts)."""
-    from importlib.resources import files
-
     folder = files("xsa_lm.configs").joinpath(group)
     names = [entry.name for entry in folder.iterdir()] if folder.is_dir() else []
     return sorted(name.removesuffix(".yaml") for name in names if name.endswith(".yaml") and name[0] != "_")
