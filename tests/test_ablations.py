@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xsa_lm.config.builders import xsa_layers
+from xsa_lm.config.spec import AttentionSpec
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 
@@ -55,6 +55,10 @@ def test_xsa_on_no_layer_equals_sa_and_on_some_layers_differs(idx: torch.Tensor)
     last = twin(sa, attention="xsa", xsa_layers=(2,))
     assert [b.attn.exclusive for b in last.blocks] == [False, False, True]
     assert not torch.allclose(sa(idx), last(idx))
+
+    def xsa_layers(layers: object, n_layer: int) -> tuple[int, ...] | None:
+        return AttentionSpec(name="xsa", eps=1e-6, layers=layers, gate="none").xsa_layers(n_layer)
+
     assert xsa_layers("all", 12) is None and xsa_layers(3, 12) == (9, 10, 11) and xsa_layers([0, 5], 12) == (0, 5)
     with pytest.raises(UserError, match="last N layers"):
         xsa_layers(13, 12)

@@ -381,10 +381,10 @@ def test_the_data_cache_is_keyed_by_every_input_that_changes_the_tokens(tmp_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
     default = prepared_from(tmp_path, "data.files=a.txt")
-    bytes_only = prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=0")
-    assert (default.meta["vocab_size"], bytes_only.meta["vocab_size"]) == (300, 257)  # 256 bytes + EOT
+    bytes_only = prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=1")  # the same text
+    assert default.meta["vocab_size"] == bytes_only.meta["vocab_size"] == 300
     assert prepared_from(tmp_path, "data.files=a.txt").dir == default.dir  # each is reused, in both orders
-    assert prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=0").dir == bytes_only.dir
+    assert prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=1").dir == bytes_only.dir
     others = [prepared_from(tmp_path, "data.files=a.txt", "data.tokenizer_documents=5").dir]
     others.append(prepared_from(tmp_path, "data.files=a.txt", "tokenizer.vocab_size=280").dir)
     assert len({default.dir, bytes_only.dir, *others}) == 4
@@ -517,7 +517,7 @@ def test_tail_split_holds_out_the_end_of_every_document(tmp_path: Path):
     assert decode_documents(other, "train") == heads and decode_documents(other, "val") == tails
 
 
-def test_a_config_saved_before_val_split_keeps_the_document_split(tmp_path: Path):
+def test_auto_holds_out_whole_documents_only_when_it_expects_ten(tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(100))
     source = {"_target_": "xsa_lm.data.sources.LocalFiles", "files": str(tmp_path / "corpus.jsonl")}
     data_cfg = {
@@ -529,14 +529,17 @@ def test_a_config_saved_before_val_split_keeps_the_document_split(tmp_path: Path
         "prepare_workers": 1,
         "tokenizer_documents": 1000,
         "val_windows": None,
+        "block_size": None,
+        "num_workers": "auto",
+        "val_split": "document",
         "source": source,
     }
     tokenizer_cfg = OmegaConf.create(
         {"_target_": "xsa_lm.data.tokenizer.train_bpe", "_partial_": True, "vocab_size": 300}
     )
-    assert prepare_data(OmegaConf.create(data_cfg), tokenizer_cfg).meta["split"] == "document"  # 100 x 0.09 < 10
+    assert prepare_data(OmegaConf.create(data_cfg), tokenizer_cfg).meta["split"] == "document"  # as asked
     data = prepare_data(OmegaConf.create({**data_cfg, "val_split": "auto"}), tokenizer_cfg)
-    assert data.meta["split"] == "tail"
+    assert data.meta["split"] == "tail"  # 100 x 0.09 < 10 documents
 
 
 def test_a_rerun_with_another_split_is_not_reused(tmp_path: Path):

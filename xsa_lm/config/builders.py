@@ -40,7 +40,7 @@ def build(node: Any, **kwargs: Any) -> Any:
 
 # The DictConfig forms that the commands of other areas (plan, bench, sweep, scale) call until they take the spec.
 def world_size(trainer_cfg: DictConfig) -> int:
-    return parse(TrainerSpec, trainer_cfg).world_size
+    return parse(TrainerSpec, trainer_cfg, at="trainer.").world_size
 
 
 def check_config(cfg: DictConfig) -> dict[str, int]:
@@ -49,7 +49,8 @@ def check_config(cfg: DictConfig) -> dict[str, int]:
 
 
 def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
-    return parse(ModelSpec, cfg.model).gpt_config(parse(AttentionSpec, cfg.attention), vocab_size)
+    attention = parse(AttentionSpec, cfg.attention, at="attention.")
+    return parse(ModelSpec, cfg.model, at="model.").gpt_config(attention, vocab_size)
 
 
 def check_trainer(trainer: TrainerSpec, strategy: object) -> str:

@@ -559,9 +559,10 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
 VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
 
 
-def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any], context: str | None = None) -> S:
+def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any], context: str | None = None, at: str = "") -> S:
     """The spec of a composed config (the keys of the commands around training, and Hydra's, left aside), or a
-    UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`."""
+    UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`; `at`: the node's key in
+    the config (e.g. `data.` for a DataSpec)."""
     if isinstance(cfg, DictConfig) and spec_type is TrainSpec:  # Hydra's node resolves only inside a job
         cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
     unresolved = flatten(plain_dict(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
@@ -575,7 +576,7 @@ def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any], context: str | N
     try:
         return spec_type.model_validate(values, context=context)
     except ValidationError as e:
-        raise UserError("; ".join(problems(spec_type, values, e.errors()))) from None
+        raise UserError("; ".join(at + line for line in problems(spec_type, values, e.errors()))) from None
 
 
 def plain_dict(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:

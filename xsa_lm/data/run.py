@@ -40,8 +40,8 @@ def prepare_data(
 ) -> PreparedData:
     """The prepared shards of `data` tokenized by `tokenizer` (prepared now, or found in the cache)."""
     # Callers in other areas (checkpoints/load.py, scale/tokens.py) still pass the config's nodes.
-    data = parse(DataSpec, data) if isinstance(data, DictConfig) else data
-    tokenizer = parse(TokenizerSpec, tokenizer) if isinstance(tokenizer, DictConfig) else tokenizer
+    data = parse(DataSpec, data, at="data.") if isinstance(data, DictConfig) else data
+    tokenizer = parse(TokenizerSpec, tokenizer, at="tokenizer.") if isinstance(tokenizer, DictConfig) else tokenizer
     if data.source is None:  # data=prepared
         if not data.dir:
             raise UserError("data=prepared needs data.dir=<the directory `xsa-lm prepare` wrote>")

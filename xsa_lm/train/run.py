@@ -262,7 +262,7 @@ def train(
     data_spec, tokenizer_spec = spec.data, spec.tokenizer
     if spec.resume is not None and (run_dir / "config.yaml").exists():  # its saved config, paths and all
         data_cfg, tokenizer_cfg = settings_as_started(OmegaConf.create(config), run_dir)
-        data_spec, tokenizer_spec = parse(DataSpec, data_cfg), parse(TokenizerSpec, tokenizer_cfg)
+        data_spec, tokenizer_spec = parse(DataSpec, data_cfg, at="data."), parse(TokenizerSpec, tokenizer_cfg)
     data = prepare_data(data_spec, tokenizer_spec, explicit_tokenizer=explicit_tokenizer)
     mcfg = spec.gpt_config(data.meta["vocab_size"])
     kernels = attention_kernels(
