@@ -226,7 +226,7 @@ def test_prepare_refuses_a_tokenizer_from_no_documents(
         ),
         (
             "data.val_windows=0",
-            "xsa-lm: error: data.val_windows must be >= 1 (or null: every validation window), got 0",
+            "xsa-lm: error: data.val_windows=0 must be >= 1",
         ),
     ],
 )
@@ -248,5 +248,5 @@ def test_a_count_below_one_is_refused_by_its_key(
     out = tmp_path / "shards"
     args = ["prepare", "data=local", f"data.files={input_txt}", f"{key}=0", f"data.dir={out}"]
     proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"xsa-lm: error: {key} must be at least 1, got 0"
+    assert proc.returncode == 2 and proc.stderr.strip() == f"xsa-lm: error: {key}=0 must be >= 1"
     assert not out.exists()

@@ -5,11 +5,9 @@ import importlib
 import json
 import os
 import sys
-import time
 
-from xsa_lm import errors
-from xsa_lm.config.command_line import ARGV_VARIABLE, check_command_line, flags_first, hydra_problem
-from xsa_lm.errors import EXIT_USER_ERROR, OURS_VARIABLE, UserError, exit_on_user_error, full_errors
+from xsa_lm.config.command_line import ARGV_VARIABLE, run_hydra
+from xsa_lm.errors import UserError, exit_on_user_error
 
 COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/<command>.yaml
     "train": ("xsa_lm.train.run", "train one SA or XSA model"),
@@ -43,41 +41,14 @@ def main() -> None:
 
 
 def run(command: str) -> None:
-    args = sys.argv[2:]
     with exit_on_user_error():  # the job has its own (one_line_errors); this one covers what runs before it
         if command not in COMMANDS:
             raise UserError(unknown_command(command))
-        problem = check_command_line(args)
-        if problem:
-            raise UserError(problem)
         module = importlib.import_module(COMMANDS[command][0])
     # Hydra reads its overrides from sys.argv[1:], so the command name goes; the job reads the full command line back
     # through full_command_line().
     os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)
-    sys.argv = [sys.argv[0], *flags_first(args)]
-    errors.STARTED[0] = time.time()
-    if full_errors():  # the user's: Hydra's own report, tracebacks and all
-        module.main()
-        return
-    # Hydra prints a refused command line as a report of several lines; raised instead, it becomes one line here.
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    os.environ.update({"HYDRA_FULL_ERROR": "1", OURS_VARIABLE: "1"})
-    try:
-        module.main()
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"xsa-lm: error: {hydra_problem(command, e, args)}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
-    except OSError as e:  # Hydra could not make the run directory, before the job started
-        key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in args) else "hydra.run.dir"
-        print(
-            f"xsa-lm: error: {key}={e.filename} cannot be created ({e.strerror or e}): choose another", file=sys.stderr
-        )
-        sys.exit(EXIT_USER_ERROR)
-    finally:
-        for name in ("HYDRA_FULL_ERROR", OURS_VARIABLE):
-            os.environ.pop(name, None)
+    run_hydra(command, module.main, sys.argv[2:])
 
 
 def unknown_command(command: str) -> str:

@@ -28,6 +28,9 @@ EXIT_BUG = 1
 OURS_VARIABLE = "XSA_LM_HYDRA_FULL_ERROR"
 
 
+# What every job checks before it starts (cli.py adds config/command_line.py's check_job): called with the command,
+# the group choices, the config as plain dicts (unresolved) and the run directory.
+JOB_CHECKS: list[Callable[[str, dict[str, Any], Any, Path | None], None]] = []
 STARTED = [0.0]  # when cli.py started the command: a folder older than that was not made by Hydra for this job
 
 
@@ -80,12 +83,10 @@ def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
             from hydra.core.hydra_config import HydraConfig
             from omegaconf import OmegaConf
 
-            from xsa_lm.config.command_line import check_job
-
             if HydraConfig.initialized() and args:  # args[0]: the job's config
-                hydra = HydraConfig.get()
-                config = OmegaConf.to_container(args[0], resolve=False)
-                check_job(hydra.job.name, dict(hydra.runtime.choices), config, hydra_run_dir())  # type: ignore[arg-type]
+                hydra, config = HydraConfig.get(), OmegaConf.to_container(args[0], resolve=False)
+                for check in JOB_CHECKS:
+                    check(hydra.job.name, dict(hydra.runtime.choices), config, hydra_run_dir())
             return job(*args, **kwargs)
 
     return guarded

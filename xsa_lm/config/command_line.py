@@ -6,10 +6,13 @@ import json
 import os
 import re
 import sys
+import time
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from xsa_lm import errors
 from xsa_lm.errors import UserError
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
@@ -88,6 +91,40 @@ def check_command_line(args: list[str]) -> str | None:
             "set hydra.sweep.dir=... instead"
         )
     return None
+
+
+def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
+    """A command's Hydra main with `args`: a command line Hydra would take but should not, and Hydra's own refusals
+    (a report of several lines) each end in one line and exit code 2; with the user's HYDRA_FULL_ERROR=1, Hydra's
+    report, tracebacks and all."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    with errors.exit_on_user_error():
+        problem = check_command_line(args)
+        if problem:
+            raise UserError(problem)
+    sys.argv = [sys.argv[0], *flags_first(args)]  # Hydra reads its overrides from sys.argv[1:]
+    errors.STARTED[0] = time.time()
+    errors.JOB_CHECKS[:] = [check_job]
+    if errors.full_errors():
+        main()
+        return
+    os.environ.update({"HYDRA_FULL_ERROR": "1", errors.OURS_VARIABLE: "1"})  # Hydra raises instead of reporting
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"xsa-lm: error: {hydra_problem(command, e, args)}", file=sys.stderr)
+        sys.exit(errors.EXIT_USER_ERROR)
+    except OSError as e:  # Hydra could not make the run directory, before the job started
+        key = "hydra.sweep.dir" if any(a in MULTIRUN_FLAGS for a in args) else "hydra.run.dir"
+        print(
+            f"xsa-lm: error: {key}={e.filename} cannot be created ({e.strerror or e}): choose another", file=sys.stderr
+        )
+        sys.exit(errors.EXIT_USER_ERROR)
+    finally:
+        for name in ("HYDRA_FULL_ERROR", errors.OURS_VARIABLE):
+            os.environ.pop(name, None)
 
 
 def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:

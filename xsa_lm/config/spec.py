@@ -91,6 +91,14 @@ def _betas(value: Any) -> str | None:
     return None if pair else "must be two numbers in [0, 1), e.g. [0.9, 0.95]"
 
 
+def _val_fraction(value: Any) -> str | None:
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 0.5):
+        return None
+    return (
+        "must be in (0, 0.5]: it is the share held out for validation (nanoGPT's 90/10 split is data.val_fraction=0.1)"
+    )
+
+
 def _layers(value: Any) -> str | None:
     if value == "all" or _is_int(value) or (isinstance(value, list) and all(_is_int(i) for i in value)):
         return None
@@ -193,7 +201,7 @@ class DataSpec(Spec):
     dir: str | None = Field(description="the token shards; null: <cache_dir>/<source>-<hash>")
     cache_dir: str = Field(description="where prepared shards go when dir is null")
     val_split: Literal["auto", "document", "tail"] = Field(description="whole documents or each one's end")
-    val_fraction: float | None = Field(ge=0, le=0.5, description="share held out; null: the paper's")
+    val_fraction: Annotated[float | None, rule(_val_fraction)] = Field(description="share held out; null: the paper's")
     split_seed: int = Field(description="seeds the document split's hash")
     shard_documents: Count = Field(description="documents per shard")
     prepare_workers: Count = Field(description="tokenizer processes")

@@ -130,23 +130,11 @@ def tail_start(text: str, val_fraction: float) -> int:
     return newline + 1 if newline >= 0 else cut
 
 
-def check_val_fraction(val_fraction: float) -> None:
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not 0 < val_fraction <= 0.5:
-        raise UserError(
-            f"data.val_fraction={val_fraction} must be in (0, 0.5]: it is the share held out for validation "
-            "(nanoGPT's 90/10 split is data.val_fraction=0.1)"
-        )
-
-
 def choose_split(source, split: str = "auto", val_fraction: float | None = None) -> tuple[str, float, str | None]:
     """The split (document or tail) and its fraction for `source`, and a line for the user when `auto` chose the
     tail split. auto: the document split when documents x val_fraction >= MIN_VAL_DOCUMENTS (20,000 documents at
     the default 0.0005), else the tail split. An unset val_fraction is DOCUMENT_VAL_FRACTION of the documents, or
     TAIL_VAL_FRACTION of each document's text."""
-    if split not in SPLITS:
-        raise UserError(f"data.val_split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if val_fraction is not None:
-        check_val_fraction(val_fraction)
     chosen, note = split, None
     if split == "auto":
         document_fraction = val_fraction or DOCUMENT_VAL_FRACTION
@@ -199,9 +187,6 @@ def prepare(
 ) -> PreparedData:
     """Tokenize `source` into shards in `out`, resuming an interrupted preparation, or load a finished one.
     `split` is document or tail, and val_fraction as choose_split checked and resolved them."""
-    for key, value in (("data.shard_documents", shard_documents), ("data.prepare_workers", workers)):
-        if value < 1:
-            raise UserError(f"{key} must be at least 1, got {value}")
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
     pieces = partial(_split_documents, source, split=split, val_fraction=val_fraction, split_seed=split_seed)
     made = not out.exists()

@@ -2,8 +2,8 @@
 
 import sys
 
-from xsa_lm import cli
+from xsa_lm.config.command_line import run_hydra
+from xsa_lm.train.run import main
 
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], "train", *sys.argv[1:]]
-    cli.main()
+    run_hydra("train", main, sys.argv[1:])
