@@ -155,3 +155,45 @@ def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
     assert "x 1 accumulation x 2 device(s)" in out.stdout
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert not list(run_dir.glob("config.resume-*.yaml"))
+
+
+def test_a_labs_own_experiment_outside_the_repository(data_cache: Path, tmp_path: Path):
+    """`--config-dir` (or hydra.searchpath) adds a folder of the user's own config files to Hydra's search path."""
+    lab = tmp_path / "lab"
+    (lab / "experiment").mkdir(parents=True)
+    (lab / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny_d32\n\n"
+        "seed: 7\nval_every_steps: 3\ntrainer:\n  max_steps: 3\n"
+    )
+    quick = ["trainer=cpu", "logger=csv", "progress_bar=false", "global_batch_tokens=1024", "micro_batch_size=8"]
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        "--config-dir",
+        str(lab),
+        "experiment=mine",
+        *quick,
+        "data.val_windows=8",
+        f"hydra.run.dir={run_dir}",
+    ]
+    out = run_cli(args, data_cache, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = (run_dir / "config.yaml").read_text()
+    assert "name: tiny_d32" in saved and "max_steps: 3" in saved and "seed: 7" in saved
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    searched = run_cli(
+        ["train", f"hydra.searchpath=[file://{lab}]", "experiment=mine", "--cfg", "job"], data_cache, tmp_path
+    )
+    assert searched.returncode == 0 and "name: tiny_d32" in searched.stdout and "seed: 7" in searched.stdout
+    missing = run_cli(["train", "experiment=mine"], data_cache, tmp_path)  # not on the search path: one line
+    assert missing.returncode == 2 and missing.stderr.strip().startswith("xsa-lm: error: In 'train': Could not find")
+
+
+def test_a_child_process_tells_hydra_full_error_set_for_it_from_the_users(monkeypatch: pytest.MonkeyPatch):
+    from xsa_lm.errors import OURS_VARIABLE, full_errors
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.delenv(OURS_VARIABLE, raising=False)
+    assert full_errors()  # the user's
+    monkeypatch.setenv(OURS_VARIABLE, "1")  # inherited from `xsa-lm`, which set both for itself
+    assert not full_errors()
