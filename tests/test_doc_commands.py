@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tests.helpers import compose_train, run_cli
-from xsa_lm.config.command_line import check_overrides
+from xsa_lm.config.command_line import check_command_line, check_job, hydra_problem
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -324,14 +324,14 @@ def check_train(cfg: DictConfig, overrides: list[str]) -> None:
     schedule, the model's settings."""
     import torch
 
-    from xsa_lm.config.builders import check_config, check_trainer, model_config, settle_schedule
+    from xsa_lm.config.builders import check_trainer
+    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.train.run import trainer_strategy
 
-    plan = check_config(cfg)
-    if cfg.trainer.accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
-        check_trainer(cfg.trainer, strategy=trainer_strategy(cfg.trainer, devices=plan["devices"]))
-    settle_schedule(cfg)
-    model_config(cfg, vocab_size=cfg.model.vocab_size or cfg.tokenizer.get("vocab_size") or 50257)
+    spec = parse(TrainSpec, cfg)
+    if spec.trainer.accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
+        check_trainer(spec.trainer, strategy=trainer_strategy(spec.trainer))
+    spec.gpt_config(vocab_size=spec.model.vocab_size or spec.tokenizer.vocab_size or 50257)
 
 
 def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
@@ -365,10 +365,9 @@ def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.data.run import check_val_windows
+    from xsa_lm.config.spec import PrepareSpec, parse
 
-    assert cfg.data.get("source") is not None, "xsa-lm prepare needs a source"
-    check_val_windows(cfg.data.get("val_windows"))
+    assert parse(PrepareSpec, cfg).data.source is not None, "xsa-lm prepare needs a source"
 
 
 def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
@@ -457,36 +456,34 @@ def combinations(overrides: list[str]) -> list[list[str]]:
 
 
 def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest.CaptureFixture) -> str | None:
-    """What the command refuses before it writes anything, None when it passes: xsa-lm's check before Hydra runs,
-    then its job's checks on the config that check composed. An elided command gets the CLI's check only: its
-    stand-in values are no values to check a range of."""
-    import hydra
+    """What the command refuses before it writes anything, None when it passes: xsa-lm's check of the command line,
+    Hydra's composition (of each job of a --multirun), then the checks of every job and of the command's own job.
+    An elided command gets the command line's and Hydra's checks only: its stand-in values are no values to check a
+    range of."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from xsa_lm.errors import UserError
 
     command, overrides = argv[0], overrides_of(argv, tmp)
-    runs = combinations(overrides) if {"--multirun", "-m"} & set(argv) else [overrides]
-    real_compose, composed = hydra.compose, []
-
-    def recording_compose(*args, **kwargs):
-        composed.append(real_compose(*args, **kwargs))
-        return composed[-1]
-
-    for run in runs:
-        capsys.readouterr()
-        hydra.compose = recording_compose  # check_overrides imports it when it runs
+    multirun = {"--multirun", "-m"} & set(argv)
+    problem = check_command_line([*(["-m"] if multirun else []), *overrides])
+    if problem:
+        return f"xsa-lm: error: {problem}"
+    for run in combinations(overrides) if multirun else [overrides]:
         try:
-            check_overrides(command, run)
-        except SystemExit as e:
-            return f"{capsys.readouterr().err.strip()} (exit {e.code})"
-        finally:
-            hydra.compose = real_compose
+            with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
+                cfg = compose(config_name=command, overrides=run, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException) as e:
+            return f"xsa-lm: error: {hydra_problem(command, e, run)}"
         if elided:
             continue
-        cfg = composed[-1] if composed else compose_train(run, config_name=command)  # should it stop composing
+        choices = dict(cfg.hydra.runtime.choices)
         with open_dict(cfg):
             del cfg["hydra"]  # ${now:...} and the like resolve only inside Hydra
         try:
+            check_job(command, choices, OmegaConf.to_container(cfg, resolve=False), None)
             JOB_CHECKS[command](cfg, run)
         except (UserError, AssertionError) as e:
             return f"xsa-lm: error: {e}"
