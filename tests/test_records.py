@@ -1,5 +1,5 @@
-"""The JSON files one layer writes and another reads, as typed records: the files of earlier releases under results/
-are read, a newer schema or a key missing is refused in one line naming the file."""
+"""The JSON files one layer writes and another reads, as typed records: the files under results/ are read, a file of
+another schema version, a key missing or a value of another type is refused in one line naming the file."""
 
 import json
 from pathlib import Path
@@ -17,8 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 SWEEP_RESULTS = sorted(p for p in REPO.glob("results/*/results.json") if "sweep_id" in json.loads(p.read_text()))
 STUDY_RESULTS = [REPO / "results" / "scale_toy" / "results.json", REPO / "tests" / "data" / "scale_toy_results.json"]
 
-# summary.json as `xsa-lm train` wrote it before it had a schema version (keys as of this release's predecessor)
-OLD_SUMMARY = {
+SUMMARY = {  # summary.json as `xsa-lm train` writes it
+    "schema": 1,
+    "final_val_bpb": None,
+    "final_val_loss_by_position": [],
+    "data_epochs": None,
     "status": "completed",
     "error": None,
     "attention": "xsa",
@@ -66,30 +69,40 @@ def test_a_saved_scaling_study_is_read(path: Path) -> None:
     assert [s.sa_runs for s in sizes] == [s["sa_runs"] for s in saved]
 
 
-def test_a_summary_without_a_schema_is_read_and_what_the_sweep_makes_of_it() -> None:
-    summary = RunSummary.from_json(OLD_SUMMARY)
-    gained = {"final_val_bpb": None, "final_val_loss_by_position": [], "data_epochs": None}  # keys added since
-    assert summary.schema == 1 and summary.to_json() == OLD_SUMMARY | gained | {"schema": 1}
+def test_a_summary_round_trips_and_what_the_sweep_makes_of_it() -> None:
+    summary = RunSummary.from_json(SUMMARY)
+    assert summary.schema == 1 and summary.to_json() == SUMMARY
     trial = TrialRecord(id="xsa_lr0.003_s1", phase="compare", attention="xsa", lr=0.003, seed=1, status="running")
     ended = trial.ended(outcome(0, summary, "", None), returncode=0)
     assert (ended.status, ended.final_val_loss, ended.steps, ended.returncode) == ("completed", 5.1, 40, 0)
 
 
-def test_a_newer_schema_or_a_missing_key_is_refused_in_one_line_naming_the_file(tmp_path: Path) -> None:
+REFUSED = {  # summary.json's content -> the one line after its path
+    "another version": (SUMMARY | {"schema": 99}, "schema 99, but this xsa-lm reads schema 1: run the command"),
+    "no version": ({k: v for k, v in SUMMARY.items() if k != "schema"}, "no schema in it: not written by xsa-lm"),
+    "keys missing": ({k: v for k, v in SUMMARY.items() if k not in ("steps", "model_config")}, "no steps, model_"),
+    "another type": (SUMMARY | {"steps": "many"}, "steps: Input should be a valid integer"),
+    "no object": ([1, 2], "not a RunSummary record (a JSON object)"),
+}
+
+
+@pytest.mark.parametrize("content, line", REFUSED.values(), ids=REFUSED.keys())
+def test_a_file_that_is_no_record_of_this_version_is_refused_in_one_line(content, line: str, tmp_path: Path) -> None:
     path = tmp_path / "summary.json"
-    path.write_text(json.dumps(OLD_SUMMARY | {"schema": 99}))
-    with pytest.raises(UserError, match=f"^{path}: schema 99 is newer than this xsa-lm reads .*upgrade xsa-lm") as e:
+    path.write_text(json.dumps(content))
+    with pytest.raises(UserError) as error:
         RunSummary.read(path)
-    assert "\n" not in str(e.value)
-    path.write_text(json.dumps({k: v for k, v in OLD_SUMMARY.items() if k not in ("steps", "model_config")}))
-    with pytest.raises(UserError, match=f"^{path}: no steps, model_config in it"):
-        RunSummary.read(path)
+    assert str(error.value).startswith(f"{path}: {line}") and "\n" not in str(error.value), error.value
+
+
+def test_a_trial_record_or_a_file_that_is_not_json_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
     path.write_text("{not json")
     with pytest.raises(UserError, match=f"^{path}: not JSON"):
         RunSummary.read(path)
     record = tmp_path / "trial.json"
     record.write_text(json.dumps({"id": "sa_lr0.001_s0", "phase": "search", "attention": "sa", "lr": 1e-3}))
-    with pytest.raises(UserError, match="no seed, status in it"):
+    with pytest.raises(UserError, match="no schema, seed, status in it"):
         TrialRecord.read(record)
 
 
@@ -116,7 +129,7 @@ def test_a_size_of_the_study_is_read_from_its_sweep_and_a_run_summary(tmp_path: 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     config = asdict(GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, vocab_size=512))
-    (run_dir / "summary.json").write_text(json.dumps(OLD_SUMMARY | {"model_config": config}))
+    (run_dir / "summary.json").write_text(json.dumps(SUMMARY | {"model_config": config}))
     trials = [replace(t, run_dir=str(run_dir)) for t in saved.trials]
     sweep_dir = tmp_path / "sizes" / "tiny"
     sweep_dir.mkdir(parents=True)
