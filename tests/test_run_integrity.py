@@ -520,15 +520,13 @@ def test_no_command_writes_inside_a_training_runs_folder(command, monkeypatch, c
     assert not any((run / "checkpoints").iterdir())
 
 
-def test_a_training_run_inside_a_study_folder_is_refused_in_the_job_too(tmp_path: Path):
-    """With HYDRA_FULL_ERROR=1 the command line goes unchecked: the run itself refuses before it writes."""
-    from xsa_lm.model import GPTConfig
-    from xsa_lm.train.run import find_resume_checkpoint
+def test_a_training_run_inside_a_study_folder_is_refused_by_every_job(tmp_path: Path):
+    """Also where the command is not started by xsa-lm (python -m, HYDRA_FULL_ERROR=1): the job's own check."""
+    from xsa_lm.config.command_line import check_job
 
     (tmp_path / "sweep.json").write_text("{}")
-    for resume in (None, "auto"):
-        with pytest.raises(UserError, match="holds an `xsa-lm sweep` \\(sweep.json\\)"):
-            find_resume_checkpoint(resume, tmp_path, GPTConfig())
+    with pytest.raises(UserError, match="holds an `xsa-lm sweep` \\(sweep.json\\)"):
+        check_job("train", {}, {}, tmp_path)
 
 
 def test_a_run_folder_given_as_the_checkpoint_is_told_both_ways_on(tmp_path: Path):

@@ -28,7 +28,7 @@ from functools import partial
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import Any, cast
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -41,37 +41,13 @@ LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reu
 ShardCounts = dict[str, int]  # a shard's index, and each split's documents and tokens (shard-NNNNNN.json)
 
 
-class DocumentSplit(TypedDict):
-    val_fraction: float
-    split_seed: int
-    shard_documents: int
-
-
-class SplitSettings(DocumentSplit, total=False):
-    split: str  # tail; absent for the document split
-
-
-class TokenizerRecord(TypedDict):
-    sha256: str
-    vocab_size: int
-    config: object  # the tokenizer's settings, as data_identity records them
-
-
-class PreparedMeta(TypedDict):
-    """meta.json, as prepare() writes it."""
-
-    identity: dict
-    tokenizer: TokenizerRecord
-    vocab_size: int
-    eot_id: int | None
-    dtype: str
-    split: str  # document: whole documents held out; tail: the end of each document
-    train_documents: int
-    train_tokens: int
-    val_documents: int
-    val_tokens: int
-    shards: list[ShardCounts]
-    created: str
+# How the documents are split: val_fraction, split_seed, shard_documents, and split (tail; absent for the document
+# split). Part of a preparation's identity, whose hash names its folder.
+SplitSettings = dict[str, Any]
+# meta.json as prepare() writes it: identity, tokenizer (its sha256, vocab_size, config), vocab_size, eot_id, dtype,
+# split (document: whole documents held out; tail: the end of each document), train_documents, train_tokens,
+# val_documents, val_tokens, shards (ShardCounts each), created.
+PreparedMeta = dict[str, Any]
 
 
 @dataclass

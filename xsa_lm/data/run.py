@@ -25,8 +25,7 @@ from xsa_lm.data.prepare import (
     prepare,
     split_settings,
 )
-from xsa_lm.data.sources import SourceIdentity
-from xsa_lm.data.tokenizer import TokenizerInputs, learns_from_corpus, tokenizer_inputs
+from xsa_lm.data.tokenizer import learns_from_corpus, tokenizer_inputs
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 
 once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
@@ -88,11 +87,7 @@ def prepare_data(
     )
 
 
-class DataIdentity(SplitSettings, TokenizerInputs):
-    """prepare.json: what decides the tokens of a preparation (its hash names the cache folder)."""
-
-    source: SourceIdentity
-    tokenizer: object  # the tokenizer's settings: a mapping of the config's values
+DataIdentity = dict[str, Any]  # prepare.json: source, tokenizer, the tokenizer's inputs and the split settings
 
 
 def data_identity(

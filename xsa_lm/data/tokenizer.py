@@ -6,7 +6,7 @@ import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -96,9 +96,9 @@ def learns_from_corpus(tokenizer: "TokenizerSpec") -> bool:
     return tokenizer.target not in FIXED_TOKENIZERS
 
 
-class TokenizerInputs(TypedDict, total=False):
-    tokenizer_sha256: str  # of a given tokenizer file
-    tokenizer_documents: int  # of a tokenizer trained on the corpus
+# What decides a tokenizer besides its settings: tokenizer_sha256 (of a given file) or tokenizer_documents (the
+# documents one trained on the corpus learns from).
+TokenizerInputs = dict[str, Any]
 
 
 def tokenizer_inputs(tokenizer: "TokenizerSpec", tokenizer_documents: int) -> TokenizerInputs:

@@ -29,7 +29,7 @@ from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch, sett
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import build, check_trainer
-from xsa_lm.config.command_line import another_commands_folder, full_command_line
+from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.resume import Config, continuation_config, edited_since, with_hand_edits
 from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse, plain_dict
 from xsa_lm.data.datamodule import TokenDataModule
@@ -58,7 +58,7 @@ from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, us
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.plan import estimate_for_config
-from xsa_lm.train.runinfo import SdpaKernels, TrainRunInfo, attention_kernels, run_info
+from xsa_lm.train.runinfo import SdpaKernels, attention_kernels, run_info
 from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
@@ -94,8 +94,8 @@ def device_name(accelerator: str) -> str:
 
 
 class ResumePoint(NamedTuple):
-    """The checkpoint a run continues from, its global step and the config it was trained with (its run_config:
-    None in a checkpoint of an earlier release); all None for a run from scratch."""
+    """The checkpoint a run continues from, its global step and the config it was trained with (its run_config);
+    all None for a run from scratch."""
 
     path: str | None
     step: int | None
@@ -111,9 +111,6 @@ def find_resume_checkpoint(
     """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
     of another model is refused, naming each differing field, and so is a continuation whose config (`config`: the
     run folder's config.yaml and the free changes) differs from the one the checkpoint was trained with."""
-    elsewhere = another_commands_folder("train", run_dir)  # also checked before Hydra runs, unless HYDRA_FULL_ERROR
-    if elsewhere:
-        raise UserError(elsewhere)
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
         # DDP ranks > 0 start after rank 0 has written. rank_zero_only.rank: a function attribute Lightning sets.
@@ -352,7 +349,7 @@ def write_run_files(
     the first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
     continuing = (run_dir / "config.yaml").exists()
     write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
-    info: TrainRunInfo = {**run_info(attention=kernels), "data_dir": str(data_dir)}
+    info = {**run_info(attention=kernels), "data_dir": str(data_dir)}
     if not (run_dir / "run_info.json").exists():
         write_json(run_dir / "run_info.json", info)
     if resume.path is None:

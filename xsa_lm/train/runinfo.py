@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TypedDict
+from typing import Any
 
 import torch
 
@@ -16,36 +16,10 @@ from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.devices import uses_cuda
 
-
-class SdpaKernels(TypedDict):
-    """The SDPA kernels a run allows, most preferred first, and the one its attention runs."""
-
-    order: list[str]
-    used: str
-
-
-class Hardware(TypedDict):
-    platform: str
-    cpu_count: int | None
-    torch_threads: int
-    cuda_devices: list[str]
-
-
-class RunInfo(TypedDict):
-    """run_info.json (and each line of resumes.jsonl's `run_info`)."""
-
-    started_at: str
-    command: list[str]
-    cwd: str
-    host: str
-    versions: dict[str, str | None]
-    git: dict[str, str | bool | None]
-    hardware: Hardware
-    sdpa: SdpaKernels | None
-
-
-class TrainRunInfo(RunInfo):
-    data_dir: str  # the prepared data a training run reads
+SdpaKernels = dict[str, Any]  # order: the SDPA kernels a run allows, most preferred first; used: the one it runs
+# run_info.json (and each line of resumes.jsonl's `run_info`): started_at, command, cwd, host, versions, git,
+# hardware (platform, cpu_count, torch_threads, cuda_devices), sdpa (SdpaKernels or None); a training run's data_dir.
+RunInfo = dict[str, Any]
 
 
 PACKAGES = ["xsa-lm", "torch", "lightning", "hydra-core", "omegaconf", "datasets", "tokenizers", "wandb", "numpy"]
