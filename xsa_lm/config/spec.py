@@ -11,13 +11,13 @@ the model sees or how it learns.
 """
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
-from pydantic_core import ErrorDetails
 
 from xsa_lm.errors import UserError
 from xsa_lm.model.config import GPTConfig
@@ -564,6 +564,7 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
     return free
 
 
+Error = Mapping[str, Any]  # one of pydantic's errors (type, loc, msg, ctx)
 VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
 
 
@@ -592,12 +593,12 @@ def plain_dict(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
     return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))  # a DictConfig gives a dict
 
 
-def problems(spec_type: type[BaseModel], values: dict[str, Any], errors: list[ErrorDetails]) -> list[str]:
+def problems(spec_type: type[BaseModel], values: dict[str, Any], errors: Sequence[Error]) -> list[str]:
     """Pydantic's errors as `key=value what it takes`, one per key (a union's alternatives joined)."""
-    by_key: dict[str, list[ErrorDetails]] = {}
+    by_key: dict[str, list[Error]] = {}
     for error in errors:
         by_key.setdefault(key_of(spec_type, error["loc"]), []).append(error)
-    return [problem(key, errors, values) for key, errors in by_key.items()]
+    return [problem(spec_type, key, errors, values) for key, errors in by_key.items()]
 
 
 def key_of(spec_type: type[BaseModel], loc: tuple[int | str, ...]) -> str:
@@ -634,10 +635,10 @@ WANTED = {
 }
 
 
-def problem(key: str, errors: list[ErrorDetails], values: dict[str, Any]) -> str:
+def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any]) -> str:
     first = errors[0]
     if first["type"] == "extra_forbidden":
-        return extra_key(key)
+        return extra_key(spec_type, key)
     if first["type"] == "missing":
         return f"{key} is missing from the config: set it"
     if first["type"] == "value_error" and not key:  # a rule across fields: its message names the keys
@@ -659,7 +660,7 @@ def problem(key: str, errors: list[ErrorDetails], values: dict[str, Any]) -> str
     return f"{key}={shown} {text}" if first["type"] != "value_error" or not text.startswith(key) else text
 
 
-def what(error: ErrorDetails) -> str:
+def what(error: Error) -> str:
     """What one pydantic error says the value must be."""
     kind, ctx = error["type"], error.get("ctx", {})
     if kind in WANTED:
@@ -670,17 +671,19 @@ def what(error: ErrorDetails) -> str:
     if kind in bound:
         limit = next(iter(ctx.values()))
         return f"must be {bound[kind]} {limit:g}" if isinstance(limit, float) else f"must be {bound[kind]} {limit}"
-    return error["msg"]
+    return str(error["msg"])
 
 
-def extra_key(key: str) -> str:
+def extra_key(spec_type: type[BaseModel], key: str) -> str:
     """`key: not an option of ...`, naming the keys the node has."""
     node, _, _ = key.rpartition(".")
-    kind: type[BaseModel] | None = TrainSpec
+    kind: type[BaseModel] | None = spec_type
     for part in node.split(".") if node else []:
         kind = nested_model(kind.model_fields[part].annotation) if kind else None
     assert kind is not None  # extra_forbidden comes from a model
-    where = f"the {node} group" if node in GROUPS else node or "configs/train.yaml"
+    where = (
+        f"the {node} group" if node in GROUPS else node or ("configs/train.yaml" if spec_type is TrainSpec else "it")
+    )
     known = ", ".join(info.alias or name for name, info in kind.model_fields.items())
     return f"{key}: not an option of {where} (it has {known})"
 
