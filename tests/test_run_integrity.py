@@ -139,16 +139,6 @@ def test_a_resume_without_its_saved_config_is_refused(damage, xsa_run, data_cach
 
 
 @pytest.mark.slow
-def test_a_new_run_from_a_checkpoint_at_its_last_step_is_refused(xsa_run, data_cache, tmp_path, monkeypatch, capsys):
-    """It trained nothing and recorded the checkpoint's result as a completed run of trainer.max_steps."""
-    new_dir, checkpoint = tmp_path / "new", xsa_run / "checkpoints" / "last.ckpt"
-    args = [*XSA, "trainer.max_steps=20", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"]
-    out = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-    assert_clean_error(out, "resume:", "is at step 20, at or past trainer.max_steps=20", "raise trainer.max_steps")
-    assert not new_dir.exists()
-
-
-@pytest.mark.slow
 def test_a_resume_that_changes_the_validation_and_the_schedule_logs_each_step_once_at_its_lr(
     xsa_run: Path, data_cache: Path, tmp_path: Path
 ):
@@ -250,21 +240,6 @@ def test_kept_checkpoints_follow_a_moved_folder_only(moved: bool, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_continuing_a_run_past_its_new_max_steps_is_refused(xsa_run, data_cache, tmp_path, monkeypatch, capsys):
-    """A run stopped at step 20 (preempted), continued with trainer.max_steps=15: it recorded a run of 15 steps in
-    config.yaml that had trained 20."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(xsa_run, run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "preempted"}))
-    before = snapshot(run_dir)
-    args = ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=15"]
-    out = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-    assert_clean_error(out, "resume:", "has reached step 20, past trainer.max_steps=15", "raise trainer.max_steps")
-    assert snapshot(run_dir) == before
-
-
-@pytest.mark.slow
 def test_a_checkpoint_beside_its_runs_config_is_read_as_in_checkpoints(
     xsa_run, data_cache, tmp_path, monkeypatch, capsys
 ):
@@ -282,60 +257,60 @@ def test_a_checkpoint_beside_its_runs_config_is_read_as_in_checkpoints(
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def preempted(run_dir: Path) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "preempted"}))
+
+
+def step_20_in_last_ckpt_alone(run_dir: Path) -> None:  # as after a SIGTERM between two step checkpoints
+    (run_dir / "checkpoints" / "step-000020.ckpt").unlink()  # last.ckpt, a link to it, keeps step 20
+
+
+LAST, EARLIER = "checkpoints/last.ckpt", "checkpoints/step-000010.ckpt"
+RESUMES = {  # (damage to a copy of the run, its checkpoint or None, into the run's own folder, overrides) -> the line
+    # It trained nothing and recorded the checkpoint's result as a completed run of trainer.max_steps.
+    "a new run from a checkpoint at its last step": (
+        (None, LAST, False, ["trainer.max_steps=20"]),
+        ["is at step 20, at or past trainer.max_steps=20", "raise trainer.max_steps"],
+    ),
+    # It recorded a run of 15 steps in config.yaml that had trained 20.
+    "continuing past a lower max_steps": (
+        (preempted, None, True, ["trainer.max_steps=15"]),
+        ["has reached step 20, past trainer.max_steps=15", "raise trainer.max_steps"],
+    ),
+    # It replaced the run's result and left the discarded steps' checkpoints beside the new ones.
+    "a rewind into the run's own folder": (
+        (None, EARLIER, True, []),
+        ["is at step 10, but the run", "has gone on to step 20", "another hydra.run.dir"],
+    ),
+    "a rewind, the furthest step in last.ckpt alone": (
+        (step_20_in_last_ckpt_alone, EARLIER, True, []),
+        ["is at step 10, but the run", "has gone on to step 20"],
+    ),
+    "another model": ((None, LAST, False, ["model.d_model=96"]), ["another model", "d_model: 64 -> 96"]),
+    # The checkpoint's AdamW state would set the LR, weight decay, betas and eps back, under a record of the new ones.
+    "optimizer settings its state would undo": (
+        (None, LAST, False, ["optim.lr=0.01", "optim.weight_decay=0.5", "trainer.max_steps=30"]),
+        ["optimizer state", "optim.lr: 0.003 -> 0.01; optim.weight_decay: 0.1 -> 0.5"],
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("furthest", ["step-000020.ckpt", "last.ckpt alone"])
-def test_a_rewind_into_the_runs_own_folder_is_refused(furthest, xsa_run, data_cache, tmp_path, monkeypatch, capsys):
-    """resume=<an earlier checkpoint> into the run's folder replaced its result and left the discarded steps'
-    checkpoints beside the new ones (the next resume=auto took the highest step: the discarded branch). Also where
-    only last.ckpt holds the furthest step, as after a SIGTERM between two step checkpoints."""
-    run_dir = tmp_path / "run"
+@pytest.mark.parametrize("case, expected", RESUMES.values(), ids=RESUMES.keys())
+def test_a_resume_that_would_falsify_the_record_is_refused(
+    case, expected, xsa_run, data_cache, tmp_path, monkeypatch, capsys
+):
+    damage, checkpoint, in_place, overrides = case
+    run_dir, new_dir = tmp_path / "run", tmp_path / "new"
     shutil.copytree(xsa_run, run_dir)
-    if furthest == "last.ckpt alone":
-        (run_dir / "checkpoints" / "step-000020.ckpt").unlink()  # last.ckpt, a link to it, keeps step 20
+    if damage:
+        damage(run_dir)
     before = snapshot(run_dir)
-    earlier = run_dir / "checkpoints" / "step-000010.ckpt"
-    out = cli_in_process(
-        ["train", f"hydra.run.dir={run_dir}", f"resume={earlier}"], data_cache, tmp_path, monkeypatch, capsys
-    )
-    assert_clean_error(out, "resume:", "is at step 10, but the run", "has gone on to step 20", "another hydra.run.dir")
-    assert snapshot(run_dir) == before
-
-
-@pytest.mark.slow
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(
-    xsa_run: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
-):
-    new_dir = tmp_path / "new"
-    checkpoint = xsa_run / "checkpoints" / "last.ckpt"
-    out = cli_in_process(
-        [*XSA, "model.d_model=96", f"resume={checkpoint}", f"hydra.run.dir={new_dir}"],
-        data_cache,
-        tmp_path,
-        monkeypatch,
-        capsys,
-    )
-    assert_clean_error(out, "resume:", "another model", "d_model: 64 -> 96")
-    assert not new_dir.exists()
-
-
-@pytest.mark.slow
-def test_a_new_run_from_a_checkpoint_refuses_optimizer_settings_its_state_would_undo(
-    xsa_run, data_cache, tmp_path, monkeypatch, capsys
-):
-    """Loading the checkpoint's AdamW state sets its LR, weight decay, betas and eps back (the schedule's base LR
-    too): the run would train at the old LR under a record of the new one."""
-    new_dir = tmp_path / "new"
-    checkpoint = xsa_run / "checkpoints" / "last.ckpt"
-    overrides = ["optim.lr=0.01", "optim.weight_decay=0.5", "trainer.max_steps=30"]
-    out = cli_in_process(
-        [*XSA, *overrides, f"resume={checkpoint}", f"hydra.run.dir={new_dir}"],
-        data_cache,
-        tmp_path,
-        monkeypatch,
-        capsys,
-    )
-    assert_clean_error(out, "resume:", "optimizer state", "optim.lr: 0.003 -> 0.01; optim.weight_decay: 0.1 -> 0.5")
-    assert not new_dir.exists()
+    resume = f"resume={run_dir / checkpoint}" if checkpoint else "resume=auto"
+    args = [*(["train"] if in_place else XSA), *overrides, resume, f"hydra.run.dir={run_dir if in_place else new_dir}"]
+    assert_clean_error(cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys), "resume:", *expected)
+    assert snapshot(run_dir) == before and not new_dir.exists()
 
 
 @pytest.mark.slow
