@@ -16,15 +16,6 @@ from xsa_lm import errors
 from xsa_lm.errors import UserError
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
-HYDRA_FLAGS_WITHOUT_CHECK = (
-    "--help",
-    "-h",
-    "--hydra-help",
-    "--info",
-    "-i",
-    "--shell-completion",
-    "-sc",
-)
 HYDRA_FLAGS_WITH_A_VALUE = (
     "--cfg",
     "-c",
@@ -194,6 +185,8 @@ def check_job(command: str, choices: dict[str, str | None], config: dict[str, An
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
                 f"of: {', '.join(group_options(group))}"
             )
+    from xsa_lm.config.spec import flatten
+
     missing = [k for k, v in flatten(config).items() if v == "???"]
     if missing:
         raise UserError(
@@ -248,17 +241,6 @@ def another_commands_folder(command: str, folder: Path) -> str | None:
 def override_key(override: str) -> str:
     """The key of `key=value`, `+key=value`, `++key=value` or `~key`."""
     return override.split("=", 1)[0].lstrip("~+")
-
-
-def flatten(node: dict[str, object], prefix: str = "") -> dict[str, object]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
-    flat = {}
-    for key, value in node.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def group_options(group: str) -> list[str]:
