@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.throughput import measure_flops
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
@@ -253,18 +254,17 @@ def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
 
 
 def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> float:
-    """torch.utils.flop_counter's count for one forward and backward, per token: checks the model's formula."""
+    """Lightning's measure_flops (torch's flop counter) for one forward and backward, per token: checks the model's
+    formula."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
 
     model = GPT(config).to(setup.device)
     x, y = (t.to(setup.device) for t in batch)
     # The counter knows SDPA's math, flash (CUDA) and efficient kernels, not the CPU flash kernel: math on CPU.
     math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else contextlib.nullcontext()
-    with FlopCounterMode(display=False) as counter, setup.autocast(), math_on_cpu:
-        _, loss = model(x, y)
-        loss.backward()
-    return counter.get_total_flops() / x.numel()
+    with setup.autocast(), math_on_cpu:
+        flops = measure_flops(model, lambda: model(x, y)[1], loss_fn=lambda loss: loss)
+    return flops / x.numel()
 
 
 def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> KernelsFound:

@@ -293,7 +293,10 @@ class FolderCheckpoint(ModelCheckpoint):
 
 class LinkingTrainer(L.Trainer):
     """Lightning's Trainer, whose checkpoints of one training state are written once: the first name saved gets the
-    payload, and any other name saved in the same state (last.ckpt, best.ckpt) becomes a hard link to it."""
+    payload, and any other name saved in the same state (last.ckpt, best.ckpt) becomes a hard link to it.
+
+    Not ModelCheckpoint(save_last="link"): it symlinks last.ckpt to its own callback's file only, a link that the
+    pruning of keep_last breaks; best.ckpt (another callback) and a step checkpoint of one state need a hard link."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

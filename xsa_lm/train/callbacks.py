@@ -15,9 +15,8 @@ from typing import cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from xsa_lm.compat import should_update_logs
 from xsa_lm.model import GPT
@@ -35,7 +34,9 @@ class Throughput(L.Callback):
     the allocator's counters needs no host-device sync, and logging a float copies it to the device, which waits.
 
     MFU: the model's training FLOPs per token (GPT.flops_per_token at the training context) x tokens/s over the
-    peak FLOP/s of every device of the run (a datasheet number on GPUs, a measured matmul on CPU)."""
+    peak FLOP/s of every device of the run (hardware.peak_flops: Lightning's table, ours where it misreads a GPU).
+
+    Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts micro-batches."""
 
     WINDOW = 10  # optimizer steps
 
@@ -66,8 +67,7 @@ class Throughput(L.Callback):
         checkpoint["tokens_seen"] = self.tokens_seen(trainer.global_step)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if "tokens_seen" in checkpoint:  # not in a checkpoint of an earlier release: counted at this batch size
-            self.counted_from = (checkpoint["global_step"], checkpoint["tokens_seen"])
+        self.counted_from = (checkpoint["global_step"], checkpoint["tokens_seen"])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
@@ -121,7 +121,10 @@ class AttentionKernels(L.Callback):
 class Profiler(L.Callback):
     """A torch.profiler trace of optimizer steps [start_step, start_step + steps), every micro-batch of them, written
     as a Chrome trace (chrome://tracing, ui.perfetto.dev) to <run dir>/profile/steps_<first>-<last>_rank<r>.json
-    with shapes and memory events. A run that ends inside the range writes what it traced."""
+    with shapes and memory events. A run that ends inside the range writes what it traced.
+
+    Not Lightning's PyTorchProfiler: its schedule counts training_step calls (micro-batches) from the process's start,
+    so it cannot ask for optimizer steps of a run that resumes past step 0."""
 
     def __init__(self, run_dir: str, start_step: int, steps: int = 3) -> None:
         self.dir = Path(run_dir) / "profile"
@@ -163,47 +166,32 @@ class Profiler(L.Callback):
         self._profiler = None
 
 
-class ProgressBar(L.Callback):
-    """`step 176/1000`, the training loss, tokens/s and the time left, in optimizer steps (Lightning's bar counts
-    micro-batches). Values are read (a host-device sync) only at logging steps."""
+class ProgressBar(RichProgressBar):
+    """Lightning's rich bar counting optimizer steps (`step 176/1000`; its own counts micro-batches), with the
+    training loss, tokens/s and the time left. The values are read (a host-device sync) at logging steps only."""
 
-    KEYS = {"train/loss": "loss {:.4f}", "train/tokens_per_s": "{:,.0f} tokens/s"}
+    KEYS = {"train/loss": ("loss", "{:.4f}"), "train/tokens_per_s": ("tokens/s", "{:,.0f}")}
 
     def __init__(self) -> None:
-        self.progress: Progress | None = None
-        self._info = ""
+        super().__init__(leave=True)
+        self.shown: dict[str, str] = {}
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        columns = [
-            TextColumn("step"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("{task.fields[info]}"),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            TimeElapsedColumn(),
-        ]
-        self.progress = Progress(*columns)
-        self.progress.start()
-        self.task = self.progress.add_task("train", total=trainer.max_steps, completed=trainer.global_step, info="")
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if self.progress is None:
-            return
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "step"
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        return dict(self.shown)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if should_update_logs(trainer):
             logged = trainer.callback_metrics
-            self._info = " | ".join(fmt.format(float(logged[k])) for k, fmt in self.KEYS.items() if k in logged)
-        self.progress.update(self.task, completed=trainer.global_step, info=self._info)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+            self.shown = {name: fmt.format(float(logged[k])) for k, (name, fmt) in self.KEYS.items() if k in logged}
+        # Lightning's bar shows batch_idx + 1 done: here, the optimizer steps done
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)
 
 
 class ValHistory(L.Callback):
@@ -239,8 +227,7 @@ class ValHistory(L.Callback):
         return {"history": self.history, "val_set": self.val_set}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("val_set")  # None: a checkpoint of an earlier release, which did not say
-        if saved is not None and self.val_set is not None and saved != self.val_set:
+        if self.val_set is not None and state_dict["val_set"] != self.val_set:
             rank_zero_only(log.warning)(
                 f"WARNING: the checkpoint's validation history ({len(state_dict['history'])} points) was measured "
                 "on another validation set than this run's: val_history and best_val_loss start afresh"
@@ -344,7 +331,7 @@ class Preemption(L.Callback):
 
     SIGTERM / SIGUSR1 (SLURM preemption, `kill`) end the run with status `preempted` and exit code 0, so the job can be
     requeued with resume=auto; Ctrl-C (SIGINT) with status `interrupted` and exit code 130; a second Ctrl-C aborts.
-    """
+    Not Lightning's own signal handling: it stops without a checkpoint (SLURMEnvironment's requeue aside)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

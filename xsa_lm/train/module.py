@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from xsa_lm.analysis.losses import loss_sums, read_sums
 from xsa_lm.compat import (
-    COMPILED_PREFIX,
     accumulating,
     realign_accumulation,
     restart_after_the_step,
@@ -111,8 +110,7 @@ class LMModule(L.LightningModule):
         fully_shard(self.model, mesh=mesh)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """The micro-batch count realigned to this run's accumulation (when a trainer resumes it); weights saved from
-        a torch.compile(model) wrapper (an earlier release) renamed."""
+        """The micro-batch count realigned to this run's accumulation, when a trainer resumes it."""
         try:
             accumulate = self.trainer.accumulate_grad_batches
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
@@ -120,12 +118,7 @@ class LMModule(L.LightningModule):
         if accumulate is not None and "global_step" in checkpoint:
             restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
             realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
-            self.restore_faults(checkpoint.get("faults"))
-        if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
-            return
-        wrapped = f"model.{COMPILED_PREFIX}"
-        state = checkpoint["state_dict"]
-        checkpoint["state_dict"] = {key.replace(wrapped, "model.", 1): value for key, value in state.items()}
+            self.restore_faults(checkpoint["faults"])
 
     def on_train_start(self) -> None:
         for config in self.trainer.lr_scheduler_configs:  # restored from a checkpoint: at its step of this schedule
@@ -141,11 +134,11 @@ class LMModule(L.LightningModule):
         faults = {"events": self.events, "spike_averages": self._typical, "skipped_unread": pending}
         checkpoint["faults"] = json.dumps(faults)
 
-    def restore_faults(self, saved: str | None) -> None:
-        faults = json.loads(saved) if saved else {}  # none in a checkpoint of an earlier release
-        self.events = faults.get("events", [])
-        self._typical = dict(faults.get("spike_averages", {}))
-        self._nonfinite = [(step, torch.tensor(True)) for step in faults.get("skipped_unread", [])]
+    def restore_faults(self, saved: str) -> None:
+        faults = json.loads(saved)
+        self.events = faults["events"]
+        self._typical = dict(faults["spike_averages"])
+        self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:

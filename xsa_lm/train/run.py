@@ -548,7 +548,7 @@ def make_trainer(
         accumulate_grad_batches=plan["accumulate"],
         val_check_interval=cfg.val_every_steps * plan["accumulate"],
         check_val_every_n_epoch=None,
-        enable_progress_bar=False,  # ours (ProgressBar) counts optimizer steps, Lightning's counts micro-batches
+        enable_progress_bar=bool(cfg.progress_bar),  # ours (ProgressBar), which counts optimizer steps
         plugins=[AtomicCheckpointIO()],
     )
     skip_sigterm_broadcast(trainer)  # Preemption handles signals, without a sync per micro-batch
