@@ -64,7 +64,7 @@ from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
-from xsa_lm.train.plan import estimate_for_config
+from xsa_lm.train.plan import RunShape
 from xsa_lm.train.runinfo import SdpaKernels, TrainRunInfo, attention_kernels, run_info
 from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
@@ -77,7 +77,19 @@ def check_memory(cfg: DictConfig, *, devices: int) -> None:
     has free, before the model is built; check_memory=false lets it try anyway."""
     if not cfg.get("check_memory", True):
         return
-    need = estimate_for_config(cfg)
+    accelerator, vocab = cfg.trainer.accelerator, cfg.tokenizer.get("vocab_size") or 50257
+    need = RunShape(
+        model=model_config(cfg, vocab_size=1 if cfg.model.vocab_size else vocab),
+        micro_batch_size=cfg.micro_batch_size,
+        block_size=cfg.data.block_size,
+        global_batch_tokens=cfg.global_batch_tokens,
+        precision=resolve_precision(cfg.trainer.precision, accelerator=accelerator),
+        devices=devices,
+        strategy=strategy_kind(cfg.trainer.strategy),
+        compiled=compile_enabled(cfg.get("compile", False), accelerator=accelerator),
+        activation_checkpointing=bool(cfg.trainer.get("activation_checkpointing", False)),
+        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
+    ).estimate()
     have, where = memory.available_bytes(cfg.trainer.accelerator)
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
