@@ -327,9 +327,10 @@ def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
         }
         if peak is not None:
             mfu = [tokens / t * result["flops_per_token"] / peak for t in times]
-            out[name]["mfu"] = summarize(mfu, target=mfu_target(result["model"], result["device"]), at_most=False)
+            target = mfu_target(result["model"], result["device"])
+            out[name]["mfu"] = summarize(mfu, target=target, at_most=False).to_json()
     ratios = [x / s for x, s in zip(per_round["xsa"], per_round["sa"], strict=True)]
-    ratio = summarize(ratios, target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True)
+    ratio = summarize(ratios, target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True).to_json()
     resolved = ratio["interval"] is not None and ratio["interval"][1] - ratio["interval"][0] <= RESOLUTION
     ratio |= {"resolution": RESOLUTION, "resolved": resolved}
     return out | {"xsa_over_sa_step_time": ratio, "rounds_done": len(per_round["sa"])}

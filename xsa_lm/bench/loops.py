@@ -12,8 +12,8 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,25 +28,29 @@ from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.hardware import device_name, peak_flops, synchronize
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
-from xsa_lm.train.runinfo import SdpaKernels
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 N_BATCHES = 8  # distinct random batches, cycled
 
 
-class ProcessFacts(TypedDict):
+@dataclass(frozen=True)
+class ProcessFacts:
     pid: int
     threads: int
     host_memory_reuse: bool
 
 
-class KernelsFound(SdpaKernels):
+@dataclass(frozen=True)
+class KernelsFound:
     """The SDPA kernel order `auto` gives the device, the one the attention runs, and which candidates take it."""
 
+    order: list[str]
+    used: str
     candidates: list[str]
     takes: dict[str, bool]
 
 
+@dataclass(frozen=True)
 class DevicePhase(ProcessFacts):
     device: str
     peak_flops: float | None
@@ -55,6 +59,7 @@ class DevicePhase(ProcessFacts):
     flops_per_token_flop_counter: float
 
 
+@dataclass(frozen=True)
 class TimedPhase(ProcessFacts):
     step_times: list[float]  # seconds, start to start
     cpu_step_times: list[float]
@@ -65,9 +70,7 @@ class TimedPhase(ProcessFacts):
     cpu_ms_median: float
 
 
-PhaseResult = (
-    KernelsFound | DevicePhase | TimedPhase
-)  # what measure() returns for a phase of kind kernels, device, else
+PhaseResult = KernelsFound | DevicePhase | TimedPhase  # measure()'s, for a phase of kind kernels, device, else
 
 
 @dataclass(frozen=True)
@@ -333,7 +336,7 @@ def device_facts(phase: Phase, setup: Setup, batches: list[Batch], facts: Proces
     peak, source = peak_flops(setup.device, phase.precision)
     first = (batches[0][0][:1], batches[0][1][:1])  # one sequence: the count per token is the same, the memory less
     return DevicePhase(
-        **facts,
+        **asdict(facts),
         device=device_name(setup.device),
         peak_flops=peak,
         peak_flops_source=source,
@@ -361,7 +364,7 @@ def timed(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts)
     else:
         raise ValueError(f"unknown bench phase kind {phase.kind!r}")
     return TimedPhase(
-        **facts,
+        **asdict(facts),
         step_times=times,
         cpu_step_times=cpu_times,
         sdpa_used=attention_kernel(config, setup),

@@ -9,17 +9,21 @@ how many: from a pilot's spread and its distance to the target.
 
 import math
 import statistics
-from typing import TypedDict
+from dataclasses import dataclass
 
 from scipy import stats
+
+from xsa_lm.records import Record
 
 CONFIDENCE = 0.95
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
 LARGE = 1e6  # rounds
 
 
-class RatioSummary(TypedDict):
-    """Per-round values summarized: median, geometric mean (the interval's centre), spread, interval, verdict."""
+@dataclass(frozen=True)
+class Ratio(Record):
+    """Per-round values summarized: median, geometric mean (the interval's centre), spread, interval, verdict; in
+    bench.json under `ratios` (scale reads it), with the SDPA kernel and clock it was measured under."""
 
     median: float
     mean: float
@@ -32,6 +36,8 @@ class RatioSummary(TypedDict):
     at_most: bool  # the target is an upper bound
     verdict: str
     rounds: list[float]
+    kernel: str = ""
+    clock: str = ""
 
 
 def interval(values: list[float]) -> tuple[float, float] | None:
@@ -55,21 +61,23 @@ def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: b
     return MEETS if good else MISSES if bad else NOT_RESOLVED
 
 
-def summarize(values: list[float], target: float | None, at_most: bool) -> RatioSummary:
+def summarize(values: list[float], target: float | None, at_most: bool, kernel: str = "", clock: str = "") -> Ratio:
     bounds = interval(values)
-    return {
-        "median": statistics.median(values),
-        "mean": math.exp(statistics.fmean(math.log(v) for v in values)),  # geometric: the interval's centre
-        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-        "interval": None if bounds is None else list(bounds),
-        "confidence": CONFIDENCE,
-        "target": target,
-        "at_most": at_most,
-        "verdict": verdict(bounds, target, at_most),
-        "rounds": list(values),
-    }
+    return Ratio(
+        median=statistics.median(values),
+        mean=math.exp(statistics.fmean(math.log(v) for v in values)),  # geometric: the interval's centre
+        sd=statistics.stdev(values) if len(values) > 1 else 0.0,
+        min=min(values),
+        max=max(values),
+        interval=None if bounds is None else list(bounds),
+        confidence=CONFIDENCE,
+        target=target,
+        at_most=at_most,
+        verdict=verdict(bounds, target, at_most),
+        rounds=list(values),
+        kernel=kernel,
+        clock=clock,
+    )
 
 
 def rounds_needed(values: list[float], target: float) -> float:
