@@ -259,24 +259,6 @@ def test_a_compiled_model_names_its_weights_with_the_wrapper_prefix():
     )
 
 
-def test_multirun_jobs_are_those_of_hydras_basic_sweeper():
-    from hydra import initialize_config_module
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from xsa_lm.config.command_line import sweep_jobs
-
-    overrides = ["seed=1,2", "trainer.max_steps=3,4,5", "seed=7,8", "val_every_steps=2"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        jobs = sweep_jobs("train", overrides)
-        hydra = GlobalHydra.instance().hydra
-        assert hydra is not None
-        parser = OverridesParser.create(config_loader=hydra.config_loader)
-        (expected,) = BasicSweeper.split_arguments(parser.parse_overrides(overrides), None)
-    assert jobs == expected and len(jobs) == 6 and jobs[0] == ["seed=7", "trainer.max_steps=3", "val_every_steps=2"]
-
-
 class StepLogger(Recorder):
     """Logs its loss at every step and validates on one batch; a checkpoint it resumes from is set as after a train
     batch's end (compat.restart_after_the_step), as LMModule sets it."""

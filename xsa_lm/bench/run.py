@@ -160,7 +160,7 @@ def resolve_device(device: str) -> torch.device:
 BOTH_LOOPS = ("32-true", "bf16-mixed")
 
 
-def resolve_bench_precision(precision: str, device: torch.device) -> str:
+def resolve_bench_precision(precision: str | int, device: torch.device) -> str:
     """auto: fp32 on CPU (even where torch would offer bf16), bf16 on a GPU. Decided without asking the GPU whether
     it has bf16: that would create a CUDA context in this process, which only waits for the phases."""
     if precision == "auto":
