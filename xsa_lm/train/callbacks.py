@@ -173,7 +173,7 @@ class ProgressBar(RichProgressBar):
     KEYS = {"train/loss": ("loss", "{:.4f}"), "train/tokens_per_s": ("tokens/s", "{:,.0f}")}
 
     def __init__(self) -> None:
-        super().__init__(leave=True)
+        super().__init__()
         self.shown: dict[str, str] = {}
 
     @property
