@@ -86,7 +86,7 @@ def test_analyze_writes_csv_png_and_table(
     assert all(0 < float(r["a_ii"]) <= 1 for r in rows)
     assert (out / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["label"] for r in rows] == ["sa", "sa", "xsa", "xsa"]  # the run names, which say the attention once
-    assert "cos_y_v" in proc.stdout and "\nxsa " in proc.stdout
+    assert "cos_y_v" in proc.stdout and "\n| xsa " in proc.stdout
     # the paper's own Figure 1 overlaid on ours
     fig = tmp_path / "fig1.png"
     plot_script = REPO / "scripts" / "plot_paper_fig1.py"
@@ -196,14 +196,14 @@ def test_analyze_measures_the_loss_its_run_validated(
 def test_losses_of_other_data_are_listed_but_not_subtracted():
     """Two checkpoints of runs on other corpora or tokenizers, or on windows of another length (other tokens, other
     positions in each span): a difference of their losses means nothing."""
-    from xsa_lm.analysis.run import loss_table
+    from xsa_lm.analysis.run import Analysis, render
 
     def row(label: str, data: str, loss: float, block_size: int = 128) -> dict:
         measured_on = {"data": data, "windows": 8, "block_size": block_size}
         return {"label": label} | measured_on | {"loss": loss, "bpb": loss / 2, "span_1": loss}
 
     rows = [row("sa", "shakespeare-1", 4.0), row("xsa", "shakespeare-1", 3.5), row("loc", "local-2", 2.0)]
-    table = loss_table([*rows, row("short", "shakespeare-1", 2.0, block_size=64)])
+    table = render(Analysis(diagnostics=[], losses=[*rows, row("short", "shakespeare-1", 2.0, block_size=64)]))
     assert "xsa - sa per span: -0.5000 (loss -0.5000)" in table
     against = "against 8 windows of 128 tokens of shakespeare-1)"
     assert f"loc - sa: not compared (measured on 8 windows of 128 tokens of local-2, {against}" in table
@@ -253,6 +253,11 @@ REFUSED = {
         ["position_buckets must be an integer >= 1, got 0"],
     ),
     "labels of another count": (["ckpts=[{ckpt}]", "labels=[a,b]"], ["labels: 2 labels for 1 checkpoints"]),
+    "one label for two": (["ckpts=[{ckpt},{ckpt}]", "labels=foo"], ["labels: 1 labels for 2 checkpoints"]),
+    "a label twice": (
+        ["ckpts=[{ckpt},{ckpt}]", "labels=[a,a]"],  # would draw two checkpoints as one line
+        ["labels: 'a' labels more than one checkpoint: give each its own"],
+    ),
     "a checkpoint copied out of its run": (
         ["ckpts=[{lone}]"],
         ["ckpts: ", "lone/x.ckpt is neither in a run's checkpoints/ folder nor beside its config.yaml"],

@@ -24,7 +24,6 @@ from tests.test_data import shakespeare_text
 from xsa_lm.analysis.run import validation_set
 from xsa_lm.checkpoints.load import (
     check_checkpoint_file,
-    checkpoint_list,
     load_model,
     load_tokenizer,
     load_weights,
@@ -68,15 +67,6 @@ def test_paths_that_are_no_checkpoint_are_refused_naming_them(tmp_path: Path):
         load_model(tmp_path / "missing.ckpt", key="ckpt")
     with pytest.raises(UserError, match="^ckpt: /dev/null is not a regular file"):  # there, but no file
         load_model(Path("/dev/null"), key="ckpt")
-
-
-def test_one_checkpoint_may_be_given_without_brackets(tmp_path: Path):
-    ckpt = str(write_checkpoint(tmp_path / "run"))
-    assert checkpoint_list(ckpt) == checkpoint_list([ckpt]) == [ckpt]  # ckpts=PATH: the path, not its letters
-    with pytest.raises(UserError, match="^ckpts: checkpoint not found: 5$"):
-        checkpoint_list(5)  # ckpts=5, typed a number by Hydra
-    with pytest.raises(UserError, match="give at least one checkpoint"):
-        checkpoint_list([])
 
 
 def test_a_run_directory_points_at_its_last_checkpoint(tmp_path: Path):
@@ -169,7 +159,7 @@ def test_load_weights_takes_the_names_of_a_torch_compile_wrapper():
 # --- the tokenizer a checkpoint was trained with ---------------------------------------------------------------
 
 
-def local_run(tmp_path: Path, *, vocab_size: int = 320, record: bool = True) -> tuple[Path, Path]:
+def local_run(tmp_path: Path, *, record: bool = True) -> tuple[Path, Path]:
     """A run of `xsa-lm train data=local data.files=a.txt` as far as the loading commands read it: config.yaml,
     run_info.json naming its prepared data, and a checkpoint recording (or, an older one, not) the tokenizer's
     sha256 where training saves it. Returns the checkpoint and the data folder."""
@@ -177,7 +167,7 @@ def local_run(tmp_path: Path, *, vocab_size: int = 320, record: bool = True) -> 
     overrides = ["data=local", "data.files=a.txt", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"]
     cfg = compose_train([*overrides, "model.block_size=16"])
     data = prepare_data(cfg.data, cfg.tokenizer)
-    ckpt = write_checkpoint(tmp_path / "run", GPTConfig(**{**TINY, "vocab_size": vocab_size}))
+    ckpt = write_checkpoint(tmp_path / "run", GPTConfig(**{**TINY, "vocab_size": 320}))
     if record:
         checkpoint = torch.load(ckpt, weights_only=True)
         torch.save({**checkpoint, "TokenDataModule": {"tokenizer_sha256": data.tokenizer_sha256}}, ckpt)
@@ -215,46 +205,41 @@ def test_generate_analyze_and_eval_refuse_a_tokenizer_other_than_the_checkpoints
             load(ckpt)
 
 
-def test_a_checkpoint_without_a_recorded_tokenizer_still_loads(tmp_path: Path, monkeypatch, capsys):
+def test_a_checkpoint_without_a_recorded_tokenizer_loads_unchecked(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ckpt, data_dir = local_run(tmp_path, record=False)
-    capsys.readouterr()
-    assert generate(ckpt)[0].startswith("ROMEO") and "note:" not in capsys.readouterr().out
-    shutil.rmtree(data_dir)  # prepared again: the same inputs, so the same tokenizer, but nothing to check it by
+    assert generate(ckpt)[0].startswith("ROMEO")
+    shutil.rmtree(data_dir)  # prepared again from config.yaml: the same inputs, so the same tokenizer
     assert load_tokenizer(ckpt).get_vocab_size() == 300
-    assert f"note: {ckpt} records no tokenizer (an older checkpoint)" in capsys.readouterr().out
-    (tmp_path / "small").mkdir()
-    small, _ = local_run(tmp_path / "small", vocab_size=64, record=False)  # a tokenizer too large for the model
-    with pytest.raises(UserError, match="was trained with another tokenizer: .* has 300 tokens, the model 64"):
-        load_tokenizer(small)
 
 
 # --- through the CLI -------------------------------------------------------------------------------------------------
 
+CLI = {  # one line each, naming the path (a checkpoint given once without brackets: ckpts=PATH)
+    "analyze: a config.yaml": (["analyze", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
+    "analyze: a text file": (["analyze", "ckpts=[{text}]"], "ckpts: {text} is not a checkpoint of `xsa-lm train`"),
+    "analyze: an empty file": (["analyze", "ckpts=[{empty}]"], "ckpts: {empty} is empty, not a checkpoint"),
+    "analyze: a folder": (["analyze", "ckpts=[{directory}]"], "ckpts: {directory} is a directory, not a checkpoint"),
+    "eval: a config.yaml": (["eval", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
+    "eval: no checkpoint": (["eval", "ckpts=[]"], "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
+    "eval: a number": (["eval", "ckpts=5"], "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
+    "eval: one without brackets": (["eval", "ckpts={ckpt}", "tasks=[]"], "tasks: give at least one task"),
+    "generate: a text file": (["generate", "ckpt={text}"], "ckpt: {text} is not a checkpoint of `xsa-lm train`"),
+    "export: a folder": (["export", "ckpt={directory}", "out=hf"], "ckpt: {directory} is a directory, not a"),
+}
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["yaml", "text", "empty", "directory"])
-def test_analyze_refuses_what_is_no_checkpoint(kind: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    path = not_checkpoints(tmp_path / "inputs")[kind]
+@pytest.mark.parametrize("args, expected", CLI.values(), ids=CLI.keys())
+def test_what_is_no_checkpoint_is_refused_in_one_line(
+    args: list[str], expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+):
+    paths = {**not_checkpoints(tmp_path / "inputs"), "ckpt": write_checkpoint(tmp_path / "run")}
     out = tmp_path / "out"
-    proc = cli_in_process(
-        ["analyze", f"ckpts=[{path}]", f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
-    )
-    assert_refused(proc, "ckpts: ", str(path))
+    args = [arg.format(**paths) for arg in args] + ([f"hydra.run.dir={out}"] if args[0] in ("analyze", "eval") else [])
+    assert expected.format(**paths) in assert_refused(cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys))
     assert_nothing_written(out)
-
-
-@pytest.mark.slow
-def test_eval_and_generate_refuse_what_is_no_checkpoint(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    paths = not_checkpoints(tmp_path / "inputs")
-    out = tmp_path / "out"
-    proc = cli_in_process(
-        ["eval", f"ckpts=[{paths['yaml']}]", f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
-    )
-    assert_refused(proc, "ckpts: ", str(paths["yaml"]), "not a checkpoint")
-    assert_nothing_written(out)
-    proc = cli_in_process(["generate", f"ckpt={paths['text']}"], data_cache, tmp_path / "inputs", monkeypatch, capsys)
-    assert_refused(proc, "ckpt: ", str(paths["text"]), "not a checkpoint")
+    assert_nothing_written(tmp_path / "hf")
 
 
 def test_a_checkpoint_away_from_its_run_folder_is_told_where_it_belongs(tmp_path: Path):

@@ -5,6 +5,7 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from tests.wandb_records import run_files, summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import check_options, load_tasks, paired_intervals, render, resolve_tasks, xsa_minus_sa
+from xsa_lm.eval.run import EvalResult, Row, Score, load_tasks, paired_intervals, render, resolve_tasks, xsa_minus_sa
 from xsa_lm.model import GPT, GPTConfig, generate
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
@@ -132,48 +133,28 @@ def test_a_bad_task_file_is_refused_by_name(tmp_path: Path) -> None:
         load_tasks(*resolve_tasks([str(task)]))
 
 
-@pytest.mark.parametrize(
-    "limit, batch_size, key",
-    [
-        (0, 16, "limit"),
-        (-5, 16, "limit"),
-        ("abc", 16, "limit"),
-        (math.inf, 16, "limit"),  # not an OverflowError in the harness
-        (math.nan, 16, "limit"),
-        (2.5, 16, "limit"),  # the harness would run 2 and the table say 2.5
-        (True, 16, "limit"),
-        (None, 0, "batch_size"),
-        (None, 2.5, "batch_size"),
-    ],
-)
-def test_eval_options_are_checked(limit, batch_size, key: str):
-    with pytest.raises(UserError, match=f"^{key} must be"):
-        check_options(limit, batch_size)
-    for fine in ((None, 16), (10, 1), (0.5, 1)):  # 0.5: a fraction of each task, the harness's own meaning
-        check_options(*fine)
+def score(value: float, n: int = 6, stderr: float | None = None) -> dict[str, Score]:
+    return {"t": Score(metric="acc", value=value, n=n, stderr=stderr)}
 
 
-def test_eval_wandb_is_a_boolean_and_the_table_says_what_a_limit_ran():
-    with pytest.raises(UserError, match="^wandb must be true or false, got 'maybe'$"):
-        check_options(None, 16, "maybe")  # a non-empty text would count as true
-    check_options(None, 16, False)
-    empty = {"tasks": [], "rows": []}
-    assert "(limit=0.5: 50% of the examples of each task" in render({**empty, "limit": 0.5})
-    assert "(limit=3: the first 3 examples of each task" in render({**empty, "limit": 3})
+def row(checkpoint: str, attention: str, value: float, run: str | None = None) -> Row:
+    run = run or Path(checkpoint).parent.parent.name
+    return Row(checkpoint=checkpoint, attention=attention, run=run, scores=score(value), average=value)
+
+
+def test_the_table_says_what_a_limit_ran():
+    empty = EvalResult(tasks=[], rows=[], limit=0.5)
+    assert "(limit=0.5: 50% of the examples of each task" in render(empty)
+    assert "(limit=3: the first 3 examples of each task" in render(EvalResult(tasks=[], rows=[], limit=3))
 
 
 def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
     """Seeds of both arms (as a sweep's compare runs are evaluated): the row was the first XSA minus the first SA."""
-
-    def row(attention: str, value: float) -> dict:
-        score, run = {"metric": "acc", "value": value}, f"{attention}{value}"
-        checkpoint = f"/runs/{run}/checkpoints/last.ckpt"
-        return {"checkpoint": checkpoint, "attention": attention, "run": run, "scores": {"t": score}, "average": value}
-
-    rows = [row("xsa", 0.5), row("sa", 0.4), row("xsa", 0.7), row("sa", 0.2), row("sa", 0.3)]
+    arms = [("xsa", 0.5), ("sa", 0.4), ("xsa", 0.7), ("sa", 0.2), ("sa", 0.3)]
+    rows = [row(f"/runs/{a}{v}/checkpoints/last.ckpt", a, v) for a, v in arms]
     difference = xsa_minus_sa(rows, ["t"])
     assert difference == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
-    table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": difference})
+    table = render(EvalResult(tasks=["t"], limit=None, rows=rows, xsa_minus_sa=difference))
     assert "| XSA - SA (means of 2 and 3 checkpoints) | +30.00 | +30.00 |" in table
     assert xsa_minus_sa(rows[1::2], ["t"]) is None  # no XSA checkpoint
     assert "warning" not in table  # five runs: nothing shared
@@ -188,11 +169,9 @@ def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_sta
     xsa = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 1.0}
     other = {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}  # a second SA seed, one more task
 
-    def row(attention: str, values: dict) -> dict:
-        value = sum(values.values()) / len(values)
-        return {"checkpoint": f"/r/{attention}/last.ckpt", "attention": attention, "run": attention, "average": value}
-
-    rows = [row("sa", sa), row("xsa", xsa), row("sa", other)]
+    rows = [
+        row(f"/r/{a}/last.ckpt", a, sum(v.values()) / 6, run=a) for a, v in (("sa", sa), ("xsa", xsa), ("sa", other))
+    ]
     items = [{"a": sa, "b": sa}, {"a": xsa, "b": other}, {"a": other, "b": xsa}]
     intervals = paired_intervals(rows, items, ["a", "b"])
     diffs = {t: [items[1][t][d] - (items[0][t][d] + items[2][t][d]) / 2 for d in range(6)] for t in ("a", "b")}
@@ -206,37 +185,32 @@ def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_sta
     same = [{"a": sa}, {"a": sa}]
     assert paired_intervals(rows[:2], same, ["a"]) == {"a": None, "average": None}  # no spread: no interval
 
-    scored = [{**r, "scores": {"a": {"metric": "acc", "value": r["average"], "n": 6, "stderr": 0.2}}} for r in rows[:2]]
-    result = {"tasks": ["a"], "limit": None, "rows": scored, "xsa_minus_sa": xsa_minus_sa(scored, ["a"])}
-    table = render({**result, "xsa_minus_sa_ci95": {"a": [-0.25, 0.05], "average": None}})
+    scored = [replace(r, scores={"a": score(r.average, stderr=0.2)["t"]}) for r in rows[:2]]
+    ci95 = {"a": [-0.25, 0.05], "average": None}
+    result = EvalResult(
+        tasks=["a"], limit=None, rows=scored, xsa_minus_sa=xsa_minus_sa(scored, ["a"]), xsa_minus_sa_ci95=ci95
+    )
+    table = render(EvalResult.from_json(json.loads(json.dumps(result.to_json()))))  # as eval.json holds it
     assert "| checkpoint | a (acc, n=6) | average |" in table and "| SA sa | 66.67 ± 20.00 | 66.67 |" in table
     assert "| 95% CI, paired over items | [-25.00, +5.00] | - |" in table
-    earlier = [{**r, "scores": {"a": {"metric": "acc", "value": r["average"]}}} for r in rows[:2]]  # no n, stderr
-    table = render({**result, "rows": earlier})  # an eval.json of an earlier release, no interval either
-    assert "| checkpoint | a (acc) | average |" in table and "| SA sa | 66.67 | 66.67 |" in table and "CI" not in table
 
 
 def test_checkpoints_of_one_run_are_labelled_apart_and_their_shared_mean_is_warned_of():
     """Two checkpoints of one run: each row names its file (both read `SA sa_run`), and the SA mean that counts them
     both says so; runs of one name in other folders are told apart by their paths."""
 
-    def row(checkpoint: str, attention: str, value: float) -> dict:
-        score = {"metric": "acc", "value": value}
-        run = Path(checkpoint).parent.parent.name
-        return {"checkpoint": checkpoint, "attention": attention, "run": run, "scores": {"t": score}, "average": value}
-
     rows = [
         row("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425),
         row("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45),
     ]
     rows += [row("/r/xsa_run/checkpoints/last.ckpt", "xsa", 0.5)]
-    table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": xsa_minus_sa(rows, ["t"])})
+    table = render(EvalResult(tasks=["t"], limit=None, rows=rows, xsa_minus_sa=xsa_minus_sa(rows, ["t"])))
     assert "| SA sa_run last | 42.50 | 42.50 |" in table and "| SA sa_run step-000010 | 45.00 | 45.00 |" in table
     assert "| XSA xsa_run | 50.00 | 50.00 |" in table  # one checkpoint of its run: its name alone
     warning = "(warning: SA's mean counts 2 checkpoints of one run, /r/sa_run (SA sa_run last, SA sa_run step-000010)"
     assert warning in table
     elsewhere = [row("/a/sa/checkpoints/last.ckpt", "sa", 0.4), row("/b/sa/checkpoints/last.ckpt", "sa", 0.5)]
-    table = render({"tasks": ["t"], "limit": None, "rows": elsewhere})
+    table = render(EvalResult(tasks=["t"], limit=None, rows=elsewhere))
     assert "| SA /a/sa/checkpoints/last.ckpt |" in table and "| SA /b/sa/checkpoints/last.ckpt |" in table
 
 
@@ -311,10 +285,19 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
 
 
+LIMIT = "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, or null"
 REFUSED = {
     "tasks=[]": "tasks: give at least one task, e.g. tasks=paper",
-    "limit=0": "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1)",
+    "limit=0": f"{LIMIT} for every example, got 0",
+    "limit=-5": f"{LIMIT} for every example, got -5",
+    "limit=abc": f"{LIMIT} for every example, got 'abc'",
+    "limit=inf": f"{LIMIT} for every example, got inf",  # not an OverflowError in the harness
+    "limit=nan": f"{LIMIT} for every example, got nan",
+    "limit=2.5": f"{LIMIT} for every example, got 2.5",  # the harness would run 2 and the table say 2.5
+    "limit=true": f"{LIMIT} for every example, got True",
     "batch_size=0": "batch_size must be an integer >= 1, got 0",
+    "batch_size=2.5": "batch_size must be an integer >= 1, got 2.5",
+    "wandb=maybe": "wandb must be true or false, got 'maybe'",  # a non-empty text would count as true
 }
 
 
@@ -326,7 +309,7 @@ def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, 
     proc = cli_in_process(
         ["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
     )
-    assert_refused(proc, expected)
+    assert assert_refused(proc) == f"xsa-lm: error: {expected}"
     assert_nothing_written(out)
 
 

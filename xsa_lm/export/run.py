@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
+from pydantic import Field
 
-from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
+from xsa_lm.checkpoints.load import Options, check_checkpoint_file, load_model, load_tokenizer, parse_options
 from xsa_lm.data.tokenizer import EOT, eot_id
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import GPT
@@ -27,6 +28,13 @@ if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extr
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproject.toml (5.24: tested)
+
+
+class ExportOptions(Options):
+    """configs/export.yaml."""
+
+    ckpt: str = Field(description="the path of a checkpoint")
+    out: str | None = Field(description="the path of the directory to write")
 
 
 def require_transformers() -> None:
@@ -114,7 +122,8 @@ def export(ckpt: Path, out: Path) -> Path:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out or "")).expanduser())  # null: not "None"
+        options = parse_options(ExportOptions, cfg)
+        out = export(Path(options.ckpt).expanduser(), Path(options.out or "").expanduser())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
         f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) "
