@@ -26,70 +26,64 @@ from tests.helpers import (
 from tests.wandb_records import run_files, summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
-from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import EvalResult, Row, Score, load_tasks, paired_intervals, render, resolve_tasks, xsa_minus_sa
-from xsa_lm.model import GPT, GPTConfig, generate
+from xsa_lm.eval.run import (
+    EvalResult,
+    Row,
+    Score,
+    harness_lm,
+    load_tasks,
+    paired_intervals,
+    render,
+    resolve_tasks,
+    xsa_minus_sa,
+)
+from xsa_lm.model import GPT, GPTConfig
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
 
 
 @pytest.fixture(scope="module")
-def lm() -> HarnessLM:
+def lm():
+    """What `xsa-lm eval` scores: a model as lm-eval's `hf` backend sees it, with the tokenizer it was trained with."""
     torch.manual_seed(0)
     tokenizer = train_bpe(TEXTS, vocab_size=300)
     model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=320, block_size=32, attention="xsa"))
-    return HarnessLM(model, tokenizer, batch_size=3)
+    return model.eval(), tokenizer, harness_lm(model, tokenizer, batch_size=3)
 
 
 def request(kind: str, *args) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
 
-def direct_logprob(lm: HarnessLM, ids: list[int], n_scored: int) -> float:
-    logits = lm.model(torch.tensor([ids[:-1]]))
-    logprobs = F.log_softmax(logits.float(), -1)[0, -n_scored:]
+def our_logprob(model: GPT, ids: list[int], n_scored: int) -> float:
+    logprobs = F.log_softmax(model(torch.tensor([ids[:-1]])).float(), -1)[0, -n_scored:]
     return logprobs.gather(-1, torch.tensor(ids[-n_scored:]).unsqueeze(-1)).sum().item()
 
 
-def test_loglikelihood_equals_a_direct_computation(lm: HarnessLM):
+@torch.no_grad()
+def test_the_harness_gives_our_models_log_likelihoods(lm):
+    """Context and continuation tokenized together (as training saw text) and split at the context's tokens, its
+    trailing spaces moved to the continuation; an empty context conditions on EOT; a text longer than the context is
+    scored in windows. Batching and padding change nothing."""
+    model, tokenizer, harness = lm
+    eot = tokenizer.token_to_id(EOT)
     pairs = [("the cat sat on the", " mat"), ("a dog ran in the ", "park"), ("", "the cat")]
-    got = lm.loglikelihood([request("loglikelihood", *p) for p in pairs])
+    got = harness.loglikelihood([request("loglikelihood", *p) for p in pairs])
     for (context, continuation), (logprob, greedy) in zip(pairs, got, strict=True):
-        context_ids, continuation_ids = lm.encode_pair(context, continuation)
-        expected = direct_logprob(lm, context_ids + continuation_ids, len(continuation_ids))
+        stripped = context.rstrip()
+        whole = tokenizer.encode(context + continuation).ids
+        head = tokenizer.encode(stripped).ids
+        expected = our_logprob(model, (head or [eot]) + whole[len(head) :], len(whole) - len(head))
         assert logprob == pytest.approx(expected, abs=1e-4) and isinstance(greedy, bool)
-    assert lm.encode_pair("", "x")[0] == [lm.tokenizer.token_to_id(EOT)]  # an empty context conditions on EOT
-    one_by_one = HarnessLM(lm.model, lm.tokenizer, batch_size=1)
+    one_by_one = harness_lm(model, tokenizer, batch_size=1)
     single = one_by_one.loglikelihood([request("loglikelihood", *p) for p in pairs])
-    assert [s for s, _ in single] == pytest.approx([s for s, _ in got], abs=1e-4)  # batching and padding change nothing
-
-
-def test_rolling_loglikelihood_covers_every_token_once(lm: HarnessLM):
-    short = "the cat sat"
-    ids = lm.encode(short)
-    expected = direct_logprob(lm, [lm.eot, *ids], len(ids))
-    assert lm.loglikelihood_rolling([request("loglikelihood_rolling", short)])[0] == pytest.approx(expected, abs=1e-4)
+    assert [s for s, _ in single] == pytest.approx([s for s, _ in got], abs=1e-4)
+    ids = tokenizer.encode("the cat sat").ids
+    rolling = harness.loglikelihood_rolling([request("loglikelihood_rolling", "the cat sat")])[0]
+    assert rolling == pytest.approx(our_logprob(model, [eot, *ids], len(ids)), abs=1e-4)
     long = TEXTS[1][:400]  # longer than the context: several windows
-    assert len(lm.encode(long)) > lm.max_length
-    total = lm.loglikelihood_rolling([request("loglikelihood_rolling", long)])[0]
-    assert math.isfinite(total) and total < 0
-
-
-def test_generation_stops_at_until(lm: HarnessLM):
-    out = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
-    assert len(out) == 1 and "." not in out[0]
-    again = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
-    assert again == out  # greedy
-
-
-def test_generation_draws_only_the_tokenizers_ids(lm: HarnessLM, monkeypatch):
-    """The model's table may be padded past the tokenizer's vocabulary: those ids are left out of the draw."""
-    from xsa_lm.eval import harness
-
-    asked = []
-    monkeypatch.setattr(harness, "generate", lambda *a, **kw: asked.append(kw) or generate(*a, **kw))
-    lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 4})])
-    assert [kw["vocab_size"] for kw in asked] == [lm.tokenizer.get_vocab_size()]
+    total = harness.loglikelihood_rolling([request("loglikelihood_rolling", long)])[0]
+    assert len(tokenizer.encode(long).ids) > 32 and math.isfinite(total) and total < 0
 
 
 @pytest.mark.parametrize("tasks", [[], "", None, [""]])

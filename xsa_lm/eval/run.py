@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from unittest import mock
 
 import hydra
@@ -21,6 +21,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, field_validator
+from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.load import (
     Count,
@@ -32,11 +33,15 @@ from xsa_lm.checkpoints.load import (
     parse_options,
     run_dir_of,
 )
-from xsa_lm.data.tokenizer import hub_unreachable
+from xsa_lm.data.tokenizer import eot_id, hub_unreachable
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors, yaml_problem
 from xsa_lm.files import write_json, write_text
+from xsa_lm.model import GPT
 from xsa_lm.records import Record
 from xsa_lm.stats.paired import paired_t
+
+if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
+    from lm_eval.models.huggingface import HFLM
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
 PAPER_TASKS = {
@@ -238,18 +243,14 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
     import lm_eval.evaluator
-    import torch
-
-    from xsa_lm.eval.harness import HarnessLM
 
     manager = load_tasks(names, folders)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list[Row] = []
     items: list[dict[str, dict[int, float]]] = []  # each row's value of each item, by task and doc_id
     for ckpt in ckpts:
         path = Path(ckpt).expanduser()
         model = load_model(path)
-        lm = HarnessLM(model, load_tokenizer(path), batch_size=batch_size, device=device)
+        lm = harness_lm(model, load_tokenizer(path), batch_size)
         # The harness records the git commit of the working directory by running git, which prints "fatal: not a
         # git repository" outside one; run_info.json of the checkpoint's run records the code's commit.
         with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
@@ -282,6 +283,20 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
         xsa_minus_sa=difference,
         xsa_minus_sa_ci95=paired_intervals(rows, items, names) if difference is not None else None,
     )
+
+
+def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
+    """The checkpoint's model as lm-eval scores a transformers model (its `hf` backend), with the tokenizer it was
+    trained with: the model `xsa-lm export` writes, on the GPU if there is one."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from xsa_lm.export.run import hf_model, hf_tokenizer
+
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where its weights are made
+        hf = hf_model(model, eot_id(tokenizer), tokenizer.get_vocab_size())
+    hf_tok = hf_tokenizer(tokenizer, model.config.block_size)
+    return HFLM(pretrained=hf, tokenizer=hf_tok, backend="causal", batch_size=batch_size)
 
 
 def item_values(samples: list[dict], metric: str) -> dict[int, float]:

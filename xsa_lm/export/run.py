@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig
 from pydantic import Field
+from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.load import Options, check_checkpoint_file, load_model, load_tokenizer, parse_options
 from xsa_lm.data.tokenizer import EOT, eot_id
@@ -25,6 +26,8 @@ from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import GPT
 
 if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
+    from transformers import PreTrainedTokenizerFast
+
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproject.toml (5.24: tested)
@@ -87,11 +90,18 @@ def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
     return hf.eval()
 
 
+def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerFast":
+    """The run's tokenizer as transformers' own: <|endoftext|> begins, ends and pads (GPT-2's way)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=block_size
+    )
+
+
 def export(ckpt: Path, out: Path) -> Path:
     """Write the model of `ckpt` and its run's tokenizer into `out` (created; refused if it holds anything)."""
     require_transformers()
-    from transformers import PreTrainedTokenizerFast
-
     check_checkpoint_file(ckpt, key="ckpt")
     out = out.resolve() if out.is_symlink() else out  # a link to an empty directory: fill that directory
     check_out(out)
@@ -102,14 +112,7 @@ def export(ckpt: Path, out: Path) -> Path:
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         hf_model(model, eot, tokenizer.get_vocab_size()).save_pretrained(staging)
-        # The run's tokenizer as transformers' own: <|endoftext|> begins, ends and pads (GPT-2's way).
-        PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer,
-            bos_token=EOT,
-            eos_token=EOT,
-            pad_token=EOT,
-            model_max_length=model.config.block_size,
-        ).save_pretrained(staging)
+        hf_tokenizer(tokenizer, model.config.block_size).save_pretrained(staging)
         staging.chmod(0o777 & ~current_umask())  # mkdtemp's is private to its owner: the folder's, as mkdir makes it
         staging.replace(out)
     finally:
