@@ -1,13 +1,14 @@
-"""Checkpoints of `xsa-lm train` runs as plain models: the GPT (from the file alone) and the run's tokenizer.
+"""Checkpoints of `xsa-lm train` runs as plain models: the GPT (from the file alone) and the run's tokenizer and data,
+for the commands that read a trained run (analyze, eval, generate, export), and those commands' typed options.
 
-Used by `xsa-lm analyze`, `xsa-lm eval` and `xsa-lm generate`. A checkpoint lives in <run dir>/checkpoints/, next to
-the run's config.yaml, run_info.json and summary.json: a file, or a directory of shards (trainer=fsdp: sharded.py).
+A checkpoint lives in <run dir>/checkpoints/, next to the run's config.yaml and run_info.json: a file, or a directory
+of shards (trainer=fsdp: sharded.py).
 """
 
 import json
 import pickle
 import zipfile
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -106,39 +107,28 @@ def run_dir_of(path: Path) -> Path:
     )
 
 
-def _comparable(config: dict) -> dict[str, object]:
-    """Defaults filled in and values normalised the way GPTConfig does (n_kv_head None -> n_head, xsa_layers as a
-    sorted tuple, a JSON list included), so that equal models compare equal. Keys GPTConfig does not know (a config
-    of another version) are kept as they are."""
-    known = {f.name: f.default for f in fields(GPTConfig)}
-    ours = {k: v for k, v in config.items() if k in known}
-    try:
-        normalised = asdict(GPTConfig(**ours))
-    except (TypeError, ValueError):  # invalid values: compare them as stored
-        normalised = known | ours
-    return normalised | {k: v for k, v in config.items() if k not in known}
-
-
-_ABSENT = object()  # a key only one side has (a config from another version)
-
-
-def _shown(value: object) -> str:
-    if value is _ABSENT:
-        return "(absent)"
-    return str(list(value)) if isinstance(value, tuple) else str(value)
-
-
 def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
     """The GPTConfig fields in which a checkpoint's stored `model_config` differs from the expected model, each as
     `key: saved -> expected` (e.g. ["d_model: 128 -> 64", "attention: sa -> xsa"]); empty when they describe the
     same model. Every field counts, not only those that change weight shapes: a resumed run must stay the model it
     started as."""
-    saved, expected = _comparable(saved), _comparable(expected)
-    keys = list(dict.fromkeys([*expected, *saved]))
+
+    def normalised(config: dict) -> dict:  # as GPTConfig holds it (defaults, n_kv_head, xsa_layers sorted)
+        try:
+            return asdict(GPTConfig(**config))
+        except (TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
+            return config
+
+    def shown(config: dict, key: str) -> str:
+        value = config.get(key, "(absent)")
+        return str(list(value)) if isinstance(value, tuple) else str(value)
+
+    saved, expected = normalised(saved), normalised(expected)
+    keys = dict.fromkeys([*expected, *saved])
     return [
-        f"{key}: {_shown(saved.get(key, _ABSENT))} -> {_shown(expected.get(key, _ABSENT))}"
-        for key in keys
-        if saved.get(key, _ABSENT) != expected.get(key, _ABSENT)
+        f"{k}: {shown(saved, k)} -> {shown(expected, k)}"
+        for k in keys
+        if (k in saved, saved.get(k)) != (k in expected, expected.get(k))
     ]
 
 

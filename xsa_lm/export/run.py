@@ -10,7 +10,6 @@ checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA with every variant.
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,12 +64,6 @@ def check_out(out: Path) -> None:
         raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
 
 
-def current_umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it
-    os.umask(mask)
-    return mask
-
-
 def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
     """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained. generate()
     never draws the ids of the table's padding past the tokenizer's vocabulary, as `xsa-lm generate` does not."""
@@ -109,11 +102,11 @@ def export(ckpt: Path, out: Path) -> Path:
     eot = eot_id(tokenizer)  # read_tokenizer refused a run's tokenizer without one
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    staging = out.parent / f".{out.name}.{os.getpid()}"  # mkdir's permissions, as `out`'s would be
+    staging.mkdir()
     try:
         hf_model(model, eot, tokenizer.get_vocab_size()).save_pretrained(staging)
         hf_tokenizer(tokenizer, model.config.block_size).save_pretrained(staging)
-        staging.chmod(0o777 & ~current_umask())  # mkdtemp's is private to its owner: the folder's, as mkdir makes it
         staging.replace(out)
     finally:
         if staging.exists():
