@@ -23,7 +23,6 @@ from tests.helpers import (
 from tests.test_data import shakespeare_text
 from xsa_lm.analysis.run import validation_set
 from xsa_lm.checkpoints.load import (
-    check_checkpoint_file,
     load_model,
     load_tokenizer,
     load_weights,
@@ -38,62 +37,47 @@ from xsa_lm.model import GPT, GPTConfig
 
 
 def not_checkpoints(folder: Path) -> dict[str, Path]:
-    """One of each kind of path a user may pass by mistake, created in `folder`."""
+    """One of each kind of path a user may pass by mistake, created in `folder` (a checkpoint too: `ckpt`)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text("model:\n  n_layer: 2\nattention:\n  type: xsa\n")
-    (folder / "notes.txt").write_text("hello, these are my notes\n")
-    (folder / "empty.ckpt").write_bytes(b"")
-    (folder / "a_run").mkdir(exist_ok=True)
-    names = {"yaml": "config.yaml", "text": "notes.txt", "empty": "empty.ckpt", "directory": "a_run"}
-    return {kind: folder / name for kind, name in names.items()}
-
-
-# --- the file checks -----------------------------------------------------------------------------------------------
-
-
-def test_paths_that_are_no_checkpoint_are_refused_naming_them(tmp_path: Path):
-    expected = {
-        "yaml": "not a checkpoint of `xsa-lm train`",
-        "text": "not a checkpoint of `xsa-lm train`",
-        "empty": "is empty",
-        "directory": "is a directory",
+    ckpt = write_checkpoint(folder / "run")
+    files = {
+        "yaml": ("config.yaml", b"model:\n  n_layer: 2\nattention:\n  type: xsa\n"),
+        "text": ("notes.txt", b"hello, these are my notes\n"),
+        "empty": ("empty.ckpt", b""),
+        "truncated": ("truncated.ckpt", ckpt.read_bytes()[: ckpt.stat().st_size // 2]),
     }
-    for kind, path in not_checkpoints(tmp_path).items():
-        for check in (check_checkpoint_file, load_model):
-            with pytest.raises(UserError, match="^ckpts: ") as e:
-                check(path)
-            assert str(path) in str(e.value) and expected[kind] in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(UserError, match="checkpoint not found"):
-        load_model(tmp_path / "missing.ckpt", key="ckpt")
-    with pytest.raises(UserError, match="^ckpt: /dev/null is not a regular file"):  # there, but no file
-        load_model(Path("/dev/null"), key="ckpt")
-
-
-def test_a_run_directory_points_at_its_last_checkpoint(tmp_path: Path):
-    ckpt = write_checkpoint(tmp_path / "run")
-    with pytest.raises(UserError, match=f"is a directory, not a checkpoint: give a .ckpt file, e.g. {ckpt}"):
-        load_model(tmp_path / "run", key="ckpt")
-
-
-def test_truncated_and_foreign_torch_files(tmp_path: Path):
-    whole = write_checkpoint(tmp_path / "run")
-    truncated = tmp_path / "truncated.ckpt"
-    truncated.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
-    with pytest.raises(UserError, match="truncated"):
-        load_model(truncated)
-    tensor = tmp_path / "tensor.pt"
-    torch.save(torch.zeros(3), tensor)
-    with pytest.raises(UserError, match="holds a Tensor, not a checkpoint"):
-        load_model(tensor)
-    other_zip = tmp_path / "archive.ckpt"
-    with zipfile.ZipFile(other_zip, "w") as archive:
+    paths = {kind: folder / name for kind, (name, _) in files.items()}
+    for kind, (_, content) in files.items():
+        paths[kind].write_bytes(content)
+    torch.save(torch.zeros(3), paths.setdefault("tensor", folder / "tensor.pt"))
+    torch.save({"state_dict": {}}, paths.setdefault("no_config", folder / "no_config.ckpt"))
+    with zipfile.ZipFile(paths.setdefault("zip", folder / "archive.ckpt"), "w") as archive:
         archive.writestr("hello.txt", "not torch")
-    with pytest.raises(UserError, match="not a readable checkpoint"):
-        load_model(other_zip)
-    no_config = tmp_path / "no_config.ckpt"
-    torch.save({"state_dict": {}}, no_config)
-    with pytest.raises(UserError, match="has no model config or weights"):
-        load_model(no_config)
+    (folder / "a_run").mkdir(exist_ok=True)
+    return paths | {"directory": folder / "a_run", "run": folder / "run", "ckpt": ckpt, "missing": folder / "no.ckpt"}
+
+
+NO_CHECKPOINT = {  # what load_model (every command) says of a path that holds no checkpoint of `xsa-lm train`
+    "yaml": "ckpts: {yaml} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)",
+    "text": "ckpts: {text} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)",
+    "empty": "ckpts: {empty} is empty, not a checkpoint",
+    "directory": "ckpts: {directory} is a directory, not a checkpoint: give a .ckpt file, e.g. runs/sa/",
+    "run": "ckpts: {run} is a directory, not a checkpoint: give a .ckpt file, e.g. {ckpt}",  # its last one
+    "missing": "ckpts: checkpoint not found: {missing}",
+    "device": "ckpts: /dev/null is not a regular file (a device, pipe or socket), not a checkpoint",
+    "truncated": "ckpts: {truncated} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)",
+    "tensor": "ckpts: {tensor} holds a Tensor, not a checkpoint of `xsa-lm train`",
+    "zip": "ckpts: {zip} is not a readable checkpoint",
+    "no_config": "ckpts: {no_config} has no model config or weights: is it a checkpoint of `xsa-lm train`?",
+}
+
+
+@pytest.mark.parametrize("kind, expected", NO_CHECKPOINT.items(), ids=NO_CHECKPOINT.keys())
+def test_what_is_no_checkpoint_is_refused_naming_it(kind: str, expected: str, tmp_path: Path):
+    paths = not_checkpoints(tmp_path) | {"device": Path("/dev/null")}
+    with pytest.raises(UserError) as refused:
+        load_model(paths[kind])
+    assert str(refused.value).startswith(expected.format(**paths)) and "\n" not in str(refused.value)
 
 
 def test_a_checkpoint_loads_back_as_the_model_it_was(tmp_path: Path):
@@ -215,26 +199,23 @@ def test_a_checkpoint_without_a_recorded_tokenizer_loads_unchecked(tmp_path: Pat
 
 # --- through the CLI -------------------------------------------------------------------------------------------------
 
-CLI = {  # one line each, naming the path (a checkpoint given once without brackets: ckpts=PATH)
-    "analyze: a config.yaml": (["analyze", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
-    "analyze: a text file": (["analyze", "ckpts=[{text}]"], "ckpts: {text} is not a checkpoint of `xsa-lm train`"),
-    "analyze: an empty file": (["analyze", "ckpts=[{empty}]"], "ckpts: {empty} is empty, not a checkpoint"),
-    "analyze: a folder": (["analyze", "ckpts=[{directory}]"], "ckpts: {directory} is a directory, not a checkpoint"),
-    "eval: a config.yaml": (["eval", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
+CLI = {  # each command, in one line naming the path (a checkpoint given once without brackets: ckpts=PATH)
+    "analyze": (["analyze", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
+    "eval": (["eval", "ckpts=[{empty}]"], "ckpts: {empty} is empty, not a checkpoint"),
     "eval: no checkpoint": (["eval", "ckpts=[]"], "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
     "eval: a number": (["eval", "ckpts=5"], "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
     "eval: one without brackets": (["eval", "ckpts={ckpt}", "tasks=[]"], "tasks: give at least one task"),
-    "generate: a text file": (["generate", "ckpt={text}"], "ckpt: {text} is not a checkpoint of `xsa-lm train`"),
-    "export: a folder": (["export", "ckpt={directory}", "out=hf"], "ckpt: {directory} is a directory, not a"),
+    "generate": (["generate", "ckpt={text}"], "ckpt: {text} is not a checkpoint of `xsa-lm train`"),
+    "export": (["export", "ckpt={directory}", "out=hf"], "ckpt: {directory} is a directory, not a"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args, expected", CLI.values(), ids=CLI.keys())
-def test_what_is_no_checkpoint_is_refused_in_one_line(
+def test_each_command_refuses_what_is_no_checkpoint_in_one_line(
     args: list[str], expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
-    paths = {**not_checkpoints(tmp_path / "inputs"), "ckpt": write_checkpoint(tmp_path / "run")}
+    paths = not_checkpoints(tmp_path / "inputs")
     out = tmp_path / "out"
     args = [arg.format(**paths) for arg in args] + ([f"hydra.run.dir={out}"] if args[0] in ("analyze", "eval") else [])
     assert expected.format(**paths) in assert_refused(cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys))
