@@ -12,7 +12,6 @@ validation windows of its own run's data (the same windows for runs on the same 
 
 import os
 import re
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from xsa_lm.checkpoints.load import (
     run_config,
     run_data,
     run_dir_of,
+    told_apart,
 )
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.prepare import PreparedData
@@ -101,10 +101,8 @@ def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
     for path, attention in zip(paths, attentions, strict=True):
         run = run_dir_of(path).name
         labels.append(run if attention in re.split(r"[^a-z0-9]+", run.lower()) else f"{run} ({attention})")
-    counts = Counter(labels)
-    labels = [f"{label} {path.stem}" if counts[label] > 1 else label for label, path in zip(labels, paths, strict=True)]
-    counts = Counter(labels)
-    return [f"{label} #{i}" if counts[label] > 1 else label for i, label in enumerate(labels)]
+    numbered = [f"{label} {path.stem} #{i}" for i, (label, path) in enumerate(zip(labels, paths, strict=True))]
+    return told_apart(labels, paths, numbered)
 
 
 def check_labels(labels: list[str], count: int) -> None:
@@ -266,19 +264,15 @@ def positions_figure(losses: list[dict]) -> Figure:
     """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
     position has (a Figure of its own, as figure's)."""
     spans = span_columns(losses)
+    curves = pd.DataFrame(losses, columns=["label", *spans]).set_index("label").T.astype(float)
+    curves.index = range(1, len(spans) + 1)
     fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
-    for i, r in enumerate(losses):
-        points = [(k, r[s]) for k, s in enumerate(spans, start=1) if r[s] is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=f"C{i % 10}", label=r["label"])
-    ax.set_title("validation loss per span of window positions")
+    ax = curves.plot(ax=fig.subplots(), marker="o", markersize=3, title="validation loss per span of window positions")
     ax.set_xlabel(f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)")
     ax.set_ylabel("mean loss (nats per token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(title="checkpoint")
+    ax.legend(title="checkpoint")
     fig.tight_layout()
     return fig
 

@@ -8,6 +8,7 @@ of shards (trainer=fsdp: sharded.py).
 import json
 import pickle
 import zipfile
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -95,6 +96,15 @@ def checkpoint_list(ckpts: list[str]) -> list[str]:
     for ckpt in ckpts:
         check_checkpoint_file(Path(ckpt).expanduser())
     return ckpts
+
+
+def told_apart(labels: list[str], paths: list[Path], last_resort: list[str]) -> list[str]:
+    """Each checkpoint's label, with its file name where two labels are alike (checkpoints of one run), and its
+    `last_resort` label where that still leaves two alike (runs of one name in other folders)."""
+    counts = Counter(labels)
+    labels = [f"{label} {path.stem}" if counts[label] > 1 else label for label, path in zip(labels, paths, strict=True)]
+    counts = Counter(labels)
+    return [last if counts[label] > 1 else label for label, last in zip(labels, last_resort, strict=True)]
 
 
 def run_dir_of(path: Path) -> Path:

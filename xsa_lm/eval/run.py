@@ -8,7 +8,6 @@ import hashlib
 import importlib.util
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
@@ -32,6 +31,7 @@ from xsa_lm.checkpoints.load import (
     load_tokenizer,
     parse_options,
     run_dir_of,
+    told_apart,
 )
 from xsa_lm.data.tokenizer import eot_id, hub_unreachable
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors, yaml_problem
@@ -341,19 +341,10 @@ def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
 
 
 def row_labels(rows: list[Row]) -> list[str]:
-    """The attention and run name of each row; with the checkpoint's file name where a run gives several rows, and
-    its whole path where that still leaves two alike (runs of one name in other folders)."""
+    """The attention and run name of each row; told apart by the checkpoint's file name, then its whole path."""
     labels = [f"{row.attention.upper()} {row.run}" for row in rows]
-    counts = Counter(labels)
-    labels = [
-        f"{label} {Path(row.checkpoint).stem}" if counts[label] > 1 else label
-        for label, row in zip(labels, rows, strict=True)
-    ]
-    counts = Counter(labels)
-    return [
-        f"{row.attention.upper()} {row.checkpoint}" if counts[label] > 1 else label
-        for label, row in zip(labels, rows, strict=True)
-    ]
+    paths = [Path(row.checkpoint) for row in rows]
+    return told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
 
 
 def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
