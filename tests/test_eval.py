@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -135,36 +136,23 @@ def row(checkpoint: str, attention: str, value: float, run: str | None = None) -
     return Row(checkpoint=checkpoint, attention=attention, run=run, scores=score(value), average=value)
 
 
-def test_the_table_says_what_a_limit_ran():
-    empty = EvalResult(tasks=[], rows=[], limit=0.5)
-    assert "(limit=0.5: 50% of the examples of each task" in render(empty)
-    assert "(limit=3: the first 3 examples of each task" in render(EvalResult(tasks=[], rows=[], limit=3))
-
-
-def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
+def test_the_difference_is_of_the_arms_means_over_their_seeds():
     """Seeds of both arms (as a sweep's compare runs are evaluated): the row was the first XSA minus the first SA."""
     arms = [("xsa", 0.5), ("sa", 0.4), ("xsa", 0.7), ("sa", 0.2), ("sa", 0.3)]
     rows = [row(f"/runs/{a}{v}/checkpoints/last.ckpt", a, v) for a, v in arms]
-    difference = xsa_minus_sa(rows, ["t"])
-    assert difference == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
-    table = render(EvalResult(tasks=["t"], limit=None, rows=rows, xsa_minus_sa=difference))
-    assert "| XSA - SA (means of 2 and 3 checkpoints) | +30.00 | +30.00 |" in table
+    assert xsa_minus_sa(rows, ["t"]) == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
     assert xsa_minus_sa(rows[1::2], ["t"]) is None  # no XSA checkpoint
-    assert "warning" not in table  # five runs: nothing shared
 
 
-def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_standard_error():
-    """-10 points on 20 items printed without a word of its noise (one item is 5 points): each score now carries n
-    and its standard error, and XSA - SA a t interval over the items both arms answered (seeds averaged first)."""
+def test_the_difference_has_an_interval_paired_over_items():
+    """-10 points on 20 items printed without a word of its noise (one item is 5 points): XSA - SA has a t interval
+    over the items both arms answered (seeds averaged first), the average's from the tasks' added in quadrature."""
     import scipy.stats
 
     sa = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0, 5: 1.0}
     xsa = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 1.0}
     other = {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}  # a second SA seed, one more task
-
-    rows = [
-        row(f"/r/{a}/last.ckpt", a, sum(v.values()) / 6, run=a) for a, v in (("sa", sa), ("xsa", xsa), ("sa", other))
-    ]
+    rows = [row(f"/r/{a}/last.ckpt", a, 0.5, run=a) for a in ("sa", "xsa", "sa")]
     items = [{"a": sa, "b": sa}, {"a": xsa, "b": other}, {"a": other, "b": xsa}]
     intervals = paired_intervals(rows, items, ["a", "b"])
     diffs = {t: [items[1][t][d] - (items[0][t][d] + items[2][t][d]) / 2 for d in range(6)] for t in ("a", "b")}
@@ -174,37 +162,31 @@ def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_sta
     half = math.sqrt(sum(((intervals[t][1] - intervals[t][0]) / 2) ** 2 for t in ("a", "b"))) / 2
     centre = (sum(diffs["a"]) + sum(diffs["b"])) / 12
     assert intervals["average"] == pytest.approx([centre - half, centre + half])
-    assert paired_intervals(rows[:2], items[:2], ["a"])["a"] is not None
     same = [{"a": sa}, {"a": sa}]
     assert paired_intervals(rows[:2], same, ["a"]) == {"a": None, "average": None}  # no spread: no interval
 
-    scored = [replace(r, scores={"a": score(r.average, stderr=0.2)["t"]}) for r in rows[:2]]
-    ci95 = {"a": [-0.25, 0.05], "average": None}
-    result = EvalResult(
-        tasks=["a"], limit=None, rows=scored, xsa_minus_sa=xsa_minus_sa(scored, ["a"]), xsa_minus_sa_ci95=ci95
-    )
-    table = render(EvalResult.from_json(json.loads(json.dumps(result.to_json()))))  # as eval.json holds it
-    assert "| checkpoint | a (acc, n=6) | average |" in table and "| SA sa | 66.67 ± 20.00 | 66.67 |" in table
-    assert "| 95% CI, paired over items | [-25.00, +5.00] | - |" in table
+
+def assert_golden(name: str, text: str) -> None:
+    """`text` is tests/golden/<name>; XSA_LM_GOLDEN=update writes it again after a deliberate change."""
+    path = Path(__file__).parent / "golden" / name
+    if os.environ.get("XSA_LM_GOLDEN") == "update":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text()
 
 
-def test_checkpoints_of_one_run_are_labelled_apart_and_their_shared_mean_is_warned_of():
-    """Two checkpoints of one run: each row names its file (both read `SA sa_run`), and the SA mean that counts them
-    both says so; runs of one name in other folders are told apart by their paths."""
-
-    rows = [
-        row("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425),
-        row("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45),
-    ]
-    rows += [row("/r/xsa_run/checkpoints/last.ckpt", "xsa", 0.5)]
-    table = render(EvalResult(tasks=["t"], limit=None, rows=rows, xsa_minus_sa=xsa_minus_sa(rows, ["t"])))
-    assert "| SA sa_run last | 42.50 | 42.50 |" in table and "| SA sa_run step-000010 | 45.00 | 45.00 |" in table
-    assert "| XSA xsa_run | 50.00 | 50.00 |" in table  # one checkpoint of its run: its name alone
-    warning = "(warning: SA's mean counts 2 checkpoints of one run, /r/sa_run (SA sa_run last, SA sa_run step-000010)"
-    assert warning in table
-    elsewhere = [row("/a/sa/checkpoints/last.ckpt", "sa", 0.4), row("/b/sa/checkpoints/last.ckpt", "sa", 0.5)]
-    table = render(EvalResult(tasks=["t"], limit=None, rows=elsewhere))
-    assert "| SA /a/sa/checkpoints/last.ckpt |" in table and "| SA /b/sa/checkpoints/last.ckpt |" in table
+def test_eval_md():
+    """eval.md, as eval.json reads back: each score with n and its standard error; two checkpoints of one run told
+    apart by their files, and the mean that counts both warned of; runs of one name in other folders told apart by
+    their paths; XSA - SA of the arms' means with its interval; what a limit ran."""
+    runs = [("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425), ("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45)]
+    runs += [("/a/xsa/checkpoints/last.ckpt", "xsa", 0.5), ("/b/xsa/checkpoints/last.ckpt", "xsa", 0.55)]
+    rows = [replace(row(*r), scores=score(r[2], n=20, stderr=0.11 if i else None)) for i, r in enumerate(runs)]
+    result = EvalResult(tasks=["t"], limit=0.5, rows=rows, xsa_minus_sa=xsa_minus_sa(rows, ["t"]))
+    result = replace(result, xsa_minus_sa_ci95={"t": [-0.25, 0.05], "average": None})
+    assert_golden("eval_report.md", render(EvalResult.from_json(json.loads(json.dumps(result.to_json())))))
+    one_each = EvalResult(tasks=["t"], limit=3, rows=rows[1:3], xsa_minus_sa=xsa_minus_sa(rows[1:3], ["t"]))
+    assert_golden("eval_report_limit.md", render(one_each))
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------
