@@ -8,11 +8,20 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig
+from pydantic import Field
 
+from xsa_lm.checkpoints.load import Options, parse_options
 from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
-from xsa_lm.config.checks import check_switches
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
+
+
+class ConsolidateOptions(Options):
+    """configs/consolidate.yaml."""
+
+    ckpt: str = Field(description="the path of a sharded checkpoint")
+    out: str = Field(description="the path of the file to write")
+    weights_only: bool = Field(description="true or false")  # a text such as `no` would count as true
 
 
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
@@ -40,10 +49,10 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
-    check_switches(cfg, keys=("weights_only",))
-    out = Path(str(cfg.out)).expanduser()
-    step = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
+    options = parse_options(ConsolidateOptions, cfg)
+    out = Path(options.out).expanduser()
+    step = consolidate(Path(options.ckpt).expanduser(), out, weights_only=options.weights_only)
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {step}, "
-        f"{'weights only' if cfg.weights_only else 'weights, optimizer state and training position'}"
+        f"{'weights only' if options.weights_only else 'weights, optimizer state and training position'}"
     )
