@@ -1,15 +1,8 @@
-"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process;
-a table and a JSON file.
+"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process.
 
-Every round runs the phases (a plain loop training SA and the same loop training XSA under each SDPA kernel the
-device has, and Lightning fitting SA under the kernel order `xsa-lm train` uses) one after another, each in its own
-fresh process. A kernel's SA and XSA run back to back, in an order that alternates from round to round, so each
-round gives one XSA/SA ratio per kernel from two neighbouring processes; the kernels' order and Lightning's place
-rotate, so drift and noisy neighbours hit every phase alike. Each step is timed by the wall clock and by the
-process's CPU time (which barely moves when another job shares the machine). Over the rounds, each ratio's spread,
-a 95% interval and a verdict against the target (xsa_lm.bench.stats). `rounds: auto` runs a pilot, then as many
-rounds as the pilot's spread says the interval needs to decide the target either way, within a time budget.
-Peak memory of a training step comes from the same processes; tokens/s and MFU from the Lightning ones.
+Each round runs every phase once; a kernel's SA and XSA back to back (alternating which goes first), the kernels'
+order and Lightning's place rotating, so that drift and noisy neighbours hit every phase alike. Over the rounds,
+each ratio's 95% interval and verdict (bench/stats.py); `rounds: auto` plans the rounds from a pilot's spread.
 """
 
 import math
@@ -58,7 +51,6 @@ Round = dict[str, TimedPhase]  # a round's result of each phase
 
 
 def at_least(low: int, also: str = "", unless: tuple = ()) -> BeforeValidator:
-    """An int (not a bool, not 1.5) >= low, or one of `unless`; `also`: those other values, said in the refusal."""
 
     def check(value: Any) -> Any:
         if value not in unless and (type(value) is not int or value < low):
@@ -114,7 +106,6 @@ class BenchSpec(BaseModel):
 
 
 def bench_spec(settings: dict[str, Any]) -> BenchSpec:
-    """The settings checked and typed; a bad one refused in one line naming its key and value."""
     try:
         return BenchSpec.model_validate(settings)
     except ValidationError as e:
@@ -131,8 +122,6 @@ class KernelChoice(KernelsFound):
 
 @dataclass(frozen=True)
 class RoundsPlan:
-    """rounds: auto's plan, made once from the pilot (plan_rounds)."""
-
     pilot: int
     clock: str
     needed: int | None  # None: the pilot's centre is on the target
@@ -161,8 +150,7 @@ BOTH_LOOPS = ("32-true", "bf16-mixed")
 
 
 def resolve_bench_precision(precision: str | int, device: torch.device) -> str:
-    """auto: fp32 on CPU (even where torch would offer bf16), bf16 on a GPU. Decided without asking the GPU whether
-    it has bf16: that would create a CUDA context in this process, which only waits for the phases."""
+    """auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the phases)."""
     if precision == "auto":
         return "bf16-mixed" if device.type == "cuda" else "32-true"
     try:
@@ -178,8 +166,7 @@ def resolve_bench_precision(precision: str | int, device: torch.device) -> str:
 
 
 def sa_and_xsa(xsa: GPTConfig, context: int) -> tuple[GPTConfig, GPTConfig]:
-    """The XSA variant given by attention=xsa (its layers and gate) at the bench's context, and SA: the same model
-    without XSA."""
+    """(SA, XSA) at the bench's context: the XSA variant of attention=xsa, and the same model without XSA."""
     if xsa.attention != "xsa":
         raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
     xsa = replace(xsa, block_size=context)
@@ -187,41 +174,24 @@ def sa_and_xsa(xsa: GPTConfig, context: int) -> tuple[GPTConfig, GPTConfig]:
 
 
 def base_phase(spec: BenchSpec, sa: GPTConfig, device: torch.device, precision: str, groups: dict) -> Phase:
-    """The plain loop training SA, under torch's own kernel order until a phase names one; `groups`: the optim and
-    scheduler groups, built in the phase's process."""
-    # threads=auto: one thread per phase on CPU, torch's default (one per core) on a GPU. With two threads on a
-    # shared machine, one thread spins while the other waits for a core, and the spinning counts as CPU time
-    # (measured in docs/benchmark.md): one thread keeps the CPU-time clock a measure of the step's work.
+    """The plain loop training SA; `groups`: the optim and scheduler groups, built in the phase's process."""
+    # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
+    # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
     threads = (1 if device.type == "cpu" else None) if spec.threads == "auto" else spec.threads
-    return Phase(
-        kind="plain",
-        model=sa,
-        device=device.type,
-        precision=precision,
-        compile=spec.compile,
-        optimizer=groups["optim"],
-        scheduler=groups["scheduler"],
-        micro_batch=spec.micro_batch,
-        warmup=spec.warmup,
-        steps=spec.steps,
-        seed=spec.seed,
-        threads=cast(int | None, threads),
-        reuse_host_memory=spec.reuse_host_memory,
-    )
+    same = spec.model_dump(include={"compile", "micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
+    optim, scheduler, threads = groups["optim"], groups["scheduler"], cast(int | None, threads)
+    return Phase("plain", sa, device.type, precision, optimizer=optim, scheduler=scheduler, threads=threads, **same)
 
 
 def backend_names(value: str | list[str]) -> tuple[str, ...]:
-    """`backends` as the kernels to try (empty: every kernel the device has)."""
     if value in ("auto", "train"):
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
 
 
 def kernel_choice(backends: str | list[str], base: Phase) -> KernelChoice:
-    """In a fresh process (this one never touches CUDA): the SDPA kernel order `xsa-lm train` uses on this device
-    (sdpa_backends=auto), the kernel it runs for this model, and the kernels to time SA and XSA under: those of
-    `backends` that take the model's attention alone (`train`: the one train runs). `primary`: the kernel whose
-    ratios are the headline (train's, when it is timed)."""
+    """In a fresh process: train's kernel order and kernel here, and the kernels of `backends` that take the model's
+    attention alone (`train`: train's); `primary` (train's when timed) gives the headline ratios."""
     kernels = replace(base, kind="kernels", sdpa=backend_names(backends))
     found = cast(KernelsFound, run_fresh(kernels, "kernels", process_context()))
     timed = [found.used] if backends == "train" else [k for k in found.candidates if found.takes[k]]
@@ -235,8 +205,7 @@ def kernel_choice(backends: str | list[str], base: Phase) -> KernelChoice:
 
 
 def make_phases(comparisons: list[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
-    """`sa_<kernel>` and `xsa_<kernel>` (the plain loop under that kernel alone) for each timed kernel, and
-    `lightning` (always: the headline tokens/s and MFU) under the kernel order `xsa-lm train` uses."""
+    """`sa_<kernel>` and `xsa_<kernel>` per timed kernel, and `lightning` (the headline) under train's order."""
     phases = {}
     for kernel in kernels.timed:
         plain_sa = "lightning_over_plain" in comparisons and kernel == kernels.primary
@@ -249,8 +218,7 @@ def make_phases(comparisons: list[str], base: Phase, xsa: GPTConfig, kernels: Ke
 
 
 def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
-    """Round r's phases: each kernel's SA and XSA back to back (their ratio pairs neighbours), SA first in even
-    rounds and XSA first in odd ones; the kernels' order rotates and Lightning moves one place each round."""
+    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
     shift = r % len(kernels)
     groups = []
     for kernel in kernels[shift:] + kernels[:shift]:
@@ -262,12 +230,10 @@ def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
 
 
 def median_step(result: TimedPhase, clock: str) -> float:
-    """A phase's median step time (s) on one clock: wall or cpu."""
     return statistics.median(result.step_times if clock == "wall" else result.cpu_step_times)
 
 
 def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[Round]:
-    """Rounds first .. first + count - 1: each runs every phase once, each in a fresh process (round_order)."""
     context, results = process_context(), []
     for r in range(first, first + count):
         t0, result = time.perf_counter(), Round()
@@ -280,19 +246,15 @@ def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, coun
 
 
 def per_round_ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float]:
-    """Per round, phase `top`'s median step time over phase `bottom`'s, both from that round."""
     return [median_step(r[top], clock) / median_step(r[bottom], clock) for r in rounds]
 
 
 def plan_rounds(
-    pilot: list[Round], *, kernels: KernelChoice, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
+    pilot: list[Round], kernels: KernelChoice, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
 ) -> RoundsPlan:
-    """How many rounds in all: what the headline ratio needs at the pilot's spread and distance to its target
-    (stats.rounds_needed), within what fits in budget_s at the pilot's pace and max_rounds. The headline: XSA/SA
-    under the primary kernel (the other kernels' ratios come from the same rounds), or, when only Lightning and the
-    plain loop are compared, Lightning's step time over the plain loop's (the inverse of the throughput ratio, and
-    of its target). Planned once, from the pilot: re-planning after every round would stop when the interval
-    happened to look decided, and such an interval covers less than 95%."""
+    """The rounds the headline ratio (XSA/SA, else Lightning/plain step time) needs at the pilot's spread, within
+    budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
+    decided, and such an interval covers less than 95%."""
     clock, primary = PLANNING_CLOCK[device_type], kernels.primary
     if f"xsa_{primary}" in pilot[0]:
         top, target = f"xsa_{primary}", TARGETS["xsa_over_sa_step_time"][device_type]
@@ -303,22 +265,13 @@ def plan_rounds(
     pace = elapsed_s / len(pilot)
     affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
     total = max(len(pilot), min(needed, affordable, max_rounds))
-    return RoundsPlan(
-        pilot=len(pilot),
-        clock=clock,
-        needed=None if math.isinf(needed) else int(needed),  # None: the pilot's centre is on the target
-        affordable=affordable,
-        budget_s=budget_s,
-        max_rounds=max_rounds,
-        round_s=pace,
-        rounds=int(total),
-        limited_by="needed" if total >= needed else "budget_s" if affordable <= max_rounds else "max_rounds",
-    )
+    limited_by = "needed" if total >= needed else "budget_s" if affordable <= max_rounds else "max_rounds"
+    finite = None if math.isinf(needed) else int(needed)
+    return RoundsPlan(len(pilot), clock, finite, affordable, budget_s, max_rounds, pace, int(total), limited_by)
 
 
 def model_label(model: dict, preset: dict) -> str:
-    """The model's name, with the fields it sets apart from its preset's (`tiny (n_layer=6)`): a preset's name, and
-    the targets set for it, then stand for the preset alone."""
+    """The model's name, with the fields it sets apart from its preset's: `tiny (n_layer=6)`."""
     changed = [f"{key!s}={model[key]}" for key in model if key != "name" and model[key] != preset.get(key)]
     return f"{model['name']} ({', '.join(changed)})" if changed else str(model["name"])
 
@@ -332,8 +285,7 @@ def mfu_target(model: str, device: str) -> float | None:
 def summarize_rounds(
     rounds: list[Round], info: DevicePhase, *, model: str, device_type: str, tokens: int, kernels: KernelChoice
 ) -> tuple[dict[str, Any], dict[str, Ratio]]:
-    """Per phase: median step time on both clocks, tokens/s, peak memory, the kernel it ran; per comparison and
-    clock: the per-round ratios summarized (`_<kernel>` after the name for a kernel other than the primary)."""
+    """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
     out: dict = {}
     for name in rounds[0]:
         wall = statistics.median(median_step(r[name], "wall") for r in rounds)
@@ -368,9 +320,7 @@ def summarize_rounds(
 
 
 def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: dict) -> dict[str, Any]:
-    """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones. `xsa`:
-    the XSA model; `groups`: the optim and scheduler groups; `model`: its label (model_label); `config`: the
-    composed config, as the report keeps it."""
+    """The report (bench.json); `model`: the label (model_label), `config`: the composed config, kept in it."""
     if spec.smoke:
         spec = spec.model_copy(update=SMOKE)
     device = resolve_device(spec.device)
@@ -388,15 +338,8 @@ def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: 
     rounds = run_rounds(phases, kernels.timed, first=0, count=first, of=" (pilot)" if auto else f"/{first}")
     plan = None
     if auto:
-        elapsed, budget = time.perf_counter() - t_rounds, (spec.budget_s, spec.max_rounds)
-        plan = plan_rounds(
-            rounds,
-            kernels=kernels,
-            elapsed_s=elapsed,
-            budget_s=budget[0],
-            max_rounds=budget[1],
-            device_type=device.type,
-        )
+        elapsed, budget = time.perf_counter() - t_rounds, spec.budget_s
+        plan = plan_rounds(rounds, kernels, elapsed, budget, spec.max_rounds, device.type)
         print(plan_line(asdict(plan)), flush=True)
         extra = plan.rounds - len(rounds)
         rounds += run_rounds(phases, kernels.timed, first=len(rounds), count=extra, of=f"/{plan.rounds}")
@@ -451,8 +394,7 @@ def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: 
 
 
 def xsa_memory(model: GPTConfig, *, tokens: int, precision: str) -> dict[str, int]:
-    """What one XSA layer adds at this step's size, as the memory plan counts it (xsa-lm plan): the coefficients it
-    saves for the backward, and its backward's largest temporaries, eager and compiled."""
+    """What one XSA layer adds at this step's size as `xsa-lm plan` counts it: saved, and backward temporaries."""
     compute, weights = memory.dtype_bytes(precision)
     shape = asdict(model)
     saved = memory.block_saved_per_token(shape, compute=compute, residual=weights, exclusive=True)["xsa"]
@@ -473,7 +415,6 @@ def xsa_memory_line(xsa: dict[str, int]) -> str:
 
 
 def kernel_line(kernels: dict) -> str:
-    """`kernels`: a KernelChoice as the report holds it."""
     not_taken = [k for k in kernels["candidates"] if not kernels["takes"][k]]
     skipped = f" (not taking this model's attention: {', '.join(not_taken)})" if not_taken else ""
     return (
@@ -483,7 +424,6 @@ def kernel_line(kernels: dict) -> str:
 
 
 def plan_line(plan: dict) -> str:
-    """`plan`: a RoundsPlan as the report holds it."""
     needed = "no finite number (the pilot's centre is on the target)" if plan["needed"] is None else plan["needed"]
     return (
         f"rounds: the pilot's spread ({plan['clock']} clock) needs {needed} rounds for the 95% interval to decide the "

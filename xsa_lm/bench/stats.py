@@ -1,11 +1,7 @@
-"""Ratios measured over rounds: their spread, a 95% interval, and whether they meet a target.
+"""Ratios measured over rounds: spread, a 95% interval, and a verdict against a target.
 
-Each round gives one ratio of two fresh processes run back to back (XSA over SA step time, say). Timing noise is
-multiplicative, so the interval is a t-interval of the mean log-ratio, turned back into a ratio (a geometric mean).
-A target is met only when the whole interval is on its side, missed when the whole interval is on the other, and
-"not resolved" when the interval straddles it: more rounds (or a quieter machine) would decide. rounds_needed says
-how many: from a pilot's spread and its distance to the target.
-"""
+Timing noise is multiplicative: the interval is a t-interval of the mean log-ratio (a geometric mean). A target is met
+when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
 
 import math
 import statistics
@@ -22,8 +18,7 @@ LARGE = 1e6  # rounds
 
 @dataclass(frozen=True)
 class Ratio(Record):
-    """Per-round values summarized: median, geometric mean (the interval's centre), spread, interval, verdict; in
-    bench.json under `ratios` (scale reads it), with the SDPA kernel and clock it was measured under."""
+    """Per-round values summarized; bench.json's `ratios` (scale reads it)."""
 
     median: float
     mean: float
@@ -41,7 +36,6 @@ class Ratio(Record):
 
 
 def interval(values: list[float]) -> tuple[float, float] | None:
-    """The t-interval of the geometric mean of positive values; None with fewer than 2 values."""
     if len(values) < 2:
         return None
     logs = [math.log(v) for v in values]
@@ -81,9 +75,7 @@ def summarize(values: list[float], target: float | None, at_most: bool, kernel: 
 
 
 def rounds_needed(values: list[float], target: float) -> float:
-    """The fewest rounds whose interval, at these values' spread and centre, would lie wholly on one side of the
-    target: t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target|. Infinite for a centre on the target; at least
-    len(values) (with fewer than 2 values, or no spread, those already decide)."""
+    """The fewest rounds with t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target| at these values' spread."""
     if len(values) < 2:
         return float(len(values))
     logs = [math.log(v) for v in values]

@@ -1,8 +1,5 @@
-"""`xsa-lm eval ckpts=[A,B,...] tasks=paper hydra.run.dir=DIR`: zero-shot tasks through lm-evaluation-harness.
-
-Writes DIR/eval.json and DIR/eval.md (a table like the paper's Table 2: one row per checkpoint, the average, and
-XSA - SA when both are given), prints the table, and logs it to W&B in each checkpoint's own run.
-"""
+"""`xsa-lm eval ckpts=[A,B,...] tasks=paper hydra.run.dir=DIR`: zero-shot tasks through lm-evaluation-harness; writes
+DIR/eval.json and DIR/eval.md (the paper's Table 2: a row per checkpoint, the average, XSA - SA), logs to W&B."""
 
 import hashlib
 import importlib.util
@@ -44,18 +41,9 @@ if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
     from lm_eval.models.huggingface import HFLM
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
-PAPER_TASKS = {
-    "arc_easy": "acc_norm",
-    "boolq": "acc",
-    "hellaswag": "acc_norm",
-    "lambada_openai": "acc",
-    "openbookqa": "acc_norm",
-    "piqa": "acc_norm",
-    "social_iqa": "acc",
-    "winogrande": "acc",
-}
-
-
+PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm") | dict.fromkeys(
+    ("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc"
+)
 # The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
 
@@ -111,8 +99,7 @@ class EvalResult(Record):
 
 
 def require_harness(needed_by: str = "xsa-lm eval") -> None:
-    """lm-evaluation-harness is an optional extra (about 30 packages for this one command): without it, one line
-    that says how to install it, before any checkpoint is read or any run trained."""
+    """The optional extra (about 30 packages for one command), asked for before any checkpoint is read."""
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError(
             f"{needed_by} needs lm-evaluation-harness, the extra `eval`: "
@@ -165,19 +152,16 @@ def read_task_yaml(path: Path) -> dict:
 
 
 def task_file_digests(tasks: str | list[str] | None) -> dict[str, str]:
-    """The sha256 of each local task file among `tasks` (resolve_tasks has checked them), by its resolved path: an
-    edited file evaluates something else under the same task name."""
+    """The sha256 of each local task file by its path: an edited file evaluates something else under one name."""
     files = [file for file in map(task_file, task_entries(tasks)) if file is not None]
     return {str(file.resolve()): hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
 
 
 def task_entries(tasks: str | list[str] | None) -> list:
-    """`tasks` as a list: `paper`'s tasks, one name or file, or the list given."""
     return list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
 
 
 def task_file(entry: object) -> Path | None:
-    """The local task YAML file an entry names; None for a task name."""
     path = Path(str(entry)).expanduser()
     return path if path.suffix in (".yaml", ".yml") else None
 
@@ -194,8 +178,7 @@ def task_manager(names: list[str], folders: list[str]):
 
 
 def load_tasks(names: list[str], folders: list[str]):
-    """The harness's tasks with their data, one by one, so that a missing dataset names its task. Without network
-    the hub is not tried (its retries take minutes): only locally cached or local-file datasets load."""
+    """The harness's tasks with their data, one by one, so that a missing dataset names its task."""
     from lm_eval.tasks import get_task_dict
 
     manager = task_manager(names, folders)
@@ -222,8 +205,7 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
 
 
 def distinct_checkpoints(ckpts: list[str]) -> list[str]:
-    """`ckpts`, refused in one line when a file is given twice (by another path too): its rows would count twice in
-    its arm's mean."""
+    """`ckpts`, refused when a file is given twice (its rows would count twice in its arm's mean)."""
     seen: dict[Path, str] = {}
     for ckpt in ckpts:
         resolved = Path(ckpt).expanduser().resolve()
@@ -235,7 +217,6 @@ def distinct_checkpoints(ckpts: list[str]) -> list[str]:
 
 
 def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
-    """Each checkpoint's scores on `tasks`."""
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
     # hub client retry for minutes.
@@ -265,29 +246,16 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
             stderr = float(scipy.stats.sem(list(values.values()))) if len(values) > 1 else None
             scores[task] = Score(metric=metric, value=value, n=len(values), stderr=stderr)
         average = fmean(s.value for s in scores.values())
-        rows.append(
-            Row(
-                checkpoint=str(path),
-                attention=model.config.attention,
-                run=run_dir_of(path).name,
-                scores=scores,
-                average=average,
-            )
-        )
-    difference = xsa_minus_sa(rows, names)
-    return EvalResult(
-        tasks=names,
-        limit=limit,
-        rows=rows,
-        task_files=task_file_digests(tasks),
-        xsa_minus_sa=difference,
-        xsa_minus_sa_ci95=paired_intervals(rows, items, names) if difference is not None else None,
-    )
+        attention, run = model.config.attention, run_dir_of(path).name
+        rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
+    diff = xsa_minus_sa(rows, names)
+    ci = paired_intervals(rows, items, names) if diff is not None else None
+    files = task_file_digests(tasks)
+    return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
 
 
 def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
-    """The checkpoint's model as lm-eval scores a transformers model (its `hf` backend), with the tokenizer it was
-    trained with: the model `xsa-lm export` writes, on the GPU if there is one."""
+    """The model `xsa-lm export` writes, with its tokenizer, in lm-eval's `hf` backend (on the GPU if there is one)."""
     import torch
     from lm_eval.models.huggingface import HFLM
 
@@ -300,16 +268,14 @@ def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
 
 
 def item_values(samples: list[dict], metric: str) -> dict[int, float]:
-    """Each item's value of the headline metric (1 or 0 for acc), by its doc_id, from the harness's logged samples."""
     return {int(sample["doc_id"]): float(sample[metric]) for sample in samples}
 
 
 def paired_intervals(
     rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
 ) -> dict[str, list[float] | None]:
-    """The 95% interval of XSA - SA per task, paired over the items both arms scored (Student's t on the per-item
-    differences of the arms' mean values), and of the average over tasks (their variances added: the tasks' items
-    are independent). It measures the items' noise only: seeds vary beyond it."""
+    """95% interval of XSA - SA per task, paired over the items both arms scored, and of the average (the tasks'
+    variances added: their items are independent). The items' noise only: seeds vary beyond it."""
     arms = [[i for i, r in enumerate(rows) if r.attention == arm] for arm in ("xsa", "sa")]
     intervals: dict[str, list[float] | None] = {}
     spreads = []
@@ -330,8 +296,7 @@ def paired_intervals(
 
 
 def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
-    """XSA's mean score minus SA's, per task and on average, over each arm's checkpoints (several seeds: their
-    means; one of each: the paper's row). None without both arms."""
+    """XSA's mean score minus SA's per task and on average over each arm's checkpoints; None without both arms."""
     arms = [[r for r in rows if r.attention == arm] for arm in ("xsa", "sa")]
     if not all(arms):
         return None
@@ -341,25 +306,19 @@ def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
 
 
 def row_labels(rows: list[Row]) -> list[str]:
-    """The attention and run name of each row; told apart by the checkpoint's file name, then its whole path."""
     labels = [f"{row.attention.upper()} {row.run}" for row in rows]
     paths = [Path(row.checkpoint) for row in rows]
     return told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
 
 
 def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
-    """A warning per run with several checkpoints in one arm's mean, naming them: one run's weights at other steps
-    are not independent runs (seeds), yet each counts as one in the mean."""
+    """A warning per run with several checkpoints in one arm's mean: they are not independent runs (seeds)."""
     by_run: dict[tuple[str, Path], list[str]] = {}
     for row, label in zip(rows, labels, strict=True):
         run = run_dir_of(Path(row.checkpoint)).resolve()
         by_run.setdefault((row.attention, run), []).append(label)
-    return [
-        f"{arm.upper()}'s mean counts {len(named)} checkpoints of one run, {run} ({', '.join(named)}): "
-        "they are not independent runs"
-        for (arm, run), named in by_run.items()
-        if len(named) > 1
-    ]
+    notes = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
+    return [notes.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
 
 
 def render(result: EvalResult) -> str:
@@ -398,7 +357,7 @@ def interval_cell(ci: list[float] | None) -> str:
 
 
 def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
-    """Each checkpoint's scores into its own W&B run (the id in wandb_run_id.txt), or a new `eval` run."""
+    """Each checkpoint's scores into its own W&B run (wandb_run_id.txt), or a new `eval` run."""
     from xsa_lm.tracking import wandb_init
 
     for row in result.rows:
@@ -406,26 +365,20 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         id_file = run_dir / "wandb_run_id.txt"
         saved = run_dir / "config.yaml"  # written by xsa-lm train
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
+        project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
+        run_id = id_file.read_text().strip() if id_file.exists() else None
+        name, config = f"eval-{row.run}", {"eval_tasks": result.tasks}
         run = wandb_init(
-            save_dir=str(run_dir),
-            name=f"eval-{row.run}",
-            run_config={"eval_tasks": result.tasks},
-            project=wandb_cfg.project if wandb_cfg else "xsa-lm",
-            group=wandb_cfg.group if wandb_cfg else None,
-            job_type="eval",
-            mode=wandb_mode,
-            run_id=id_file.read_text().strip() if id_file.exists() else None,
+            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
         )
         prefix = summary_prefix(row.checkpoint, result.limit)
-        run.summary.update(
-            {f"{prefix}/{t}": s.value for t, s in row.scores.items()} | {f"{prefix}/average": row.average}
-        )
+        run.summary.update({f"{prefix}/{t}": s.value for t, s in row.scores.items()})
+        run.summary.update({f"{prefix}/average": row.average})
         run.finish()
 
 
 def summary_prefix(checkpoint: str, limit: int | float | None) -> str:
-    """Where a row's scores go in its run's W&B summary: eval/ for the final model (last.ckpt) on whole tasks; another
-    checkpoint of the run, or a limited evaluation, under a prefix of its own, so that none replaces those scores."""
+    """eval/ for the final model (last.ckpt) on whole tasks; another checkpoint or a limit under its own prefix."""
     stem = Path(checkpoint).stem
     prefix = "eval" if stem == "last" else f"eval-{stem}"
     return prefix if limit is None else f"{prefix}-limit{limit:g}"
