@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from xsa_lm.errors import WriteError, what_to_do
-from xsa_lm.files import atomic_file
+from xsa_lm.files import read_csv, write_csv
 
 CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
 
@@ -73,13 +73,9 @@ class AppendingExperimentWriter(ExperimentWriter):
         path = Path(self.metrics_file_path)
         keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
         if path.is_file() and keys != self.metrics_keys:
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-            intact, then = "its earlier rows are intact", "continue with resume=auto"
-            with atomic_file(path, "w", newline="", intact=intact, then=then) as f:
-                writer = csv.DictWriter(f, fieldnames=keys)
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(
+                path, keys, read_csv(path)[1], intact="its earlier rows are intact", then="continue with resume=auto"
+            )
         self.metrics_keys = keys
         whole_size = path.stat().st_size if path.is_file() else None
         try:

@@ -1,6 +1,7 @@
 """Result files written whole or not at all: to <name>.tmp, fsynced, renamed over the old one (a full disk or a kill
 leaves the previous version, never a truncated file; the .tmp goes on any failure)."""
 
+import csv
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -71,6 +72,19 @@ def _create(tmp: Path, path: Path) -> None:
 def write_text(path: str | Path, text: str, **how: Any) -> None:
     with atomic_file(path, "w", **how) as f:
         f.write(text)
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def write_csv(path: Path, header: list[str], rows: list[dict[str, str]], **how: Any) -> None:
+    with atomic_file(path, "w", newline="", **how) as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def write_json(path: str | Path, data: object, **how: Any) -> None:

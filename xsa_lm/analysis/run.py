@@ -1,14 +1,7 @@
-"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints, and their
-held-out loss.
-
-Writes DIR/diagnostics.csv (one row per checkpoint and layer), DIR/diagnostics.png (the three panels of the paper's
-Figure 1 and two of the XSA step, cos(z, v) and the norm it removes; one line per checkpoint, so SA and XSA overlay)
-and prints the table. Then, on the same windows, each checkpoint's loss (nats per token), bits per byte and loss per
-equal span of window positions (`position_buckets`, earliest first; analysis/losses.py): DIR/losses.csv (one row per
-checkpoint), DIR/positions.png (loss per span, one line per checkpoint), a printed table and, from the second
-checkpoint on, its difference from the first per span. Each checkpoint is measured on the first `sequences`
-validation windows of its own run's data (the same windows for runs on the same data and data.block_size).
-"""
+"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints and their
+held-out loss, on the first `sequences` validation windows of each one's run: DIR/diagnostics.csv and .png (one line
+per checkpoint, so SA and XSA overlay), DIR/losses.csv and positions.png (loss per equal span of window positions),
+and the tables printed, with each checkpoint's difference from the first."""
 
 import os
 import re
@@ -46,8 +39,6 @@ from xsa_lm.files import atomic_file
 
 
 class AnalyzeOptions(Options):
-    """configs/analyze.yaml."""
-
     ckpts: list[str]
     labels: list[str] | None
     sequences: Count
@@ -60,8 +51,7 @@ class AnalyzeOptions(Options):
 
 @dataclass(frozen=True)
 class Analysis:
-    """What analyze measured: one diagnostics row per checkpoint and layer, one loss row per checkpoint (windows,
-    loss, bpb, span_1..span_<position_buckets>, and the tokens they were measured on: data, block_size)."""
+    """One diagnostics row per checkpoint and layer, one loss row per checkpoint (with the tokens measured on)."""
 
     diagnostics: list[dict]
     losses: list[dict]
@@ -82,9 +72,7 @@ MIN_SPAN = {"cos_z_v": 0.1}
 
 
 def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, PreparedData]:
-    """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml):
-    their inputs and targets (n, T), the windows its run validated on when n covers data.val_windows, and that
-    data (its tokenizer gives the bytes of each token)."""
+    """Inputs and targets (n, T) of the first n validation windows of the checkpoint's run, and its data."""
     block_size = run_config(path)["data"]["block_size"]
     data = run_data(path)
     windows = PackedWindows(data.shards("val"), block_size)
@@ -95,8 +83,7 @@ def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, Prep
 
 
 def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
-    """The run directory's name, with the attention type when the name does not already say it; the checkpoint's
-    file name too when two checkpoints would otherwise share a label (they would share a line in the plot)."""
+    """The run directory's name, with the attention where the name does not say it; told apart where two share it."""
     labels = []
     for path, attention in zip(paths, attentions, strict=True):
         run = run_dir_of(path).name
@@ -106,7 +93,7 @@ def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
 
 
 def check_labels(labels: list[str], count: int) -> None:
-    """One label per checkpoint, each its own (two equal labels would draw two checkpoints as one line)."""
+    """One label per checkpoint, each its own (equal labels would draw two checkpoints as one line)."""
     if len(labels) != count:
         raise UserError(f"labels: {len(labels)} labels for {count} checkpoints")
     repeated = sorted({label for label in labels if labels.count(label) > 1})
@@ -117,8 +104,6 @@ def check_labels(labels: list[str], count: int) -> None:
 def analyze(
     ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk: int, batch_size: int, buckets: int
 ) -> Analysis:
-    """The diagnostics and the held-out loss of each checkpoint, measured on its first `sequences` validation
-    windows."""
     if labels is not None:
         check_labels(labels, len(ckpts))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,24 +132,21 @@ def analyze(
 
 
 def span_columns(losses: list[dict]) -> list[str]:
-    """span_1..span_N of the loss rows, earliest positions first."""
     return [key for key in losses[0] if key.startswith("span_")] if losses else []
 
 
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
-    """`rows` as a CSV file of `columns`, written whole or not at all; an empty cell where a value is None."""
     with atomic_file(path, "w", newline="") as f:
         pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
 
 
 def number(value) -> float | None:
-    """A metric as a float; None for layers without it (SA layers have no z), also when read back from the CSV."""
+    """None for layers without the metric (SA layers have no z), also when read back from the CSV."""
     return None if value is None or value == "" else float(value)
 
 
 def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool) -> list[tuple[float, float]]:
-    """One checkpoint's (layer, value) points in one panel, the layer as relative depth when `relative`; none
-    where the metric is missing (an SA checkpoint has none in the XSA panels)."""
+    """One checkpoint's (layer or relative depth, value) points in one panel, where it has the metric."""
     mine = [r for r in rows if r["label"] == label]
     n_layers = max(r["layer"] for r in mine) + 1
     points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], number(r.get(metric))) for r in mine]
@@ -172,7 +154,6 @@ def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool)
 
 
 def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
-    """The axes of a panel with lines: a y range no narrower than the metric's MIN_SPAN, and every layer on x."""
     low, high = ax.get_ylim()
     span = MIN_SPAN.get(metric, 1e-3)
     if high - low < span:
@@ -186,10 +167,8 @@ def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
-    """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
-    colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
-    own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
-    the axis. A Figure of its own, not pyplot's: it needs no display and is not kept open."""
+    """PANELS per layer, a line per checkpoint label; `reference` (the paper's values) against relative depth, so
+    that models of other depths share the axis. A Figure, not pyplot's: it needs no display."""
     fig = Figure(figsize=(14, 7.5))
     grid = fig.subplots(2, 3)
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
@@ -226,25 +205,20 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
 
 
 def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
-    """figure(rows, reference) written to `path` (PNG)."""
     figure(rows, reference).savefig(path, dpi=120)
 
 
 def markdown(rows: list[dict], columns: list[str]) -> str:
-    """`rows` as a Markdown table of `columns`, numbers to 4 decimals, "-" where a value is None."""
     table = pd.DataFrame(rows, columns=columns).astype(object)
     return table.where(table.notna(), None).to_markdown(index=False, floatfmt=".4f", missingval="-")
 
 
 def measured_on(loss_row: dict) -> str:
-    """The tokens a loss row was measured on: its windows, their length and the prepared data (corpus, tokenizer)."""
     return f"{loss_row['windows']} windows of {loss_row['block_size']} tokens of {loss_row['data']}"
 
 
 def render(analysis: Analysis) -> str:
-    """The diagnostics table, the loss table, then, from the second checkpoint on, its difference from the first per
-    span (e.g. `xsa - sa per span: -0.0100 ...`) and in the overall loss, where both were measured on the same tokens
-    (measured_on); "not compared" where not."""
+    """The two tables, then each checkpoint's difference from the first per span, where measured on the same tokens."""
     losses, spans = analysis.losses, span_columns(analysis.losses)
     lines = [markdown(analysis.diagnostics, ["label", "layer", "attention", *METRICS]), ""]
     lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
@@ -261,8 +235,7 @@ def render(analysis: Analysis) -> str:
 
 
 def positions_figure(losses: list[dict]) -> Figure:
-    """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
-    position has (a Figure of its own, as figure's)."""
+    """The loss per equal span of window positions, a line per checkpoint: how it falls with the context."""
     spans = span_columns(losses)
     curves = pd.DataFrame(losses, columns=["label", *spans]).set_index("label").T.astype(float)
     curves.index = range(1, len(spans) + 1)
@@ -283,14 +256,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
         options = parse_options(AnalyzeOptions, cfg)
-        analysis = analyze(
-            checkpoint_list(options.ckpts),
-            labels=options.labels,
-            sequences=options.sequences,
-            chunk=options.chunk,
-            batch_size=options.batch_size,
-            buckets=options.position_buckets,
-        )
+        sizes = options.model_dump(include={"labels", "sequences", "chunk", "batch_size"})
+        analysis = analyze(checkpoint_list(options.ckpts), buckets=options.position_buckets, **sizes)
     out.mkdir(parents=True, exist_ok=True)
     plot(analysis.diagnostics, out / "diagnostics.png")
     columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(analysis.losses)]

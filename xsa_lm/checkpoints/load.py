@@ -1,9 +1,5 @@
-"""Checkpoints of `xsa-lm train` runs as plain models: the GPT (from the file alone) and the run's tokenizer and data,
-for the commands that read a trained run (analyze, eval, generate, export), and those commands' typed options.
-
-A checkpoint lives in <run dir>/checkpoints/, next to the run's config.yaml and run_info.json: a file, or a directory
-of shards (trainer=fsdp: sharded.py).
-"""
+"""Checkpoints of `xsa-lm train` runs as plain models, with the run's tokenizer and data, for the commands that read
+a trained run (analyze, eval, generate, export), and those commands' typed options."""
 
 import json
 import pickle
@@ -31,8 +27,7 @@ DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
 
 
 class Options(BaseModel):
-    """The options of a command that reads checkpoints (configs/<command>.yaml): typed, frozen, checked once. A field's
-    description completes "<key> must be ...", the line that refuses a bad value."""
+    """A checkpoint-reading command's options; a field's description completes the refusal "<key> must be ..."."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
@@ -42,7 +37,6 @@ Count = Annotated[int, Field(ge=1, description="an integer >= 1")]
 
 
 def parse_options(options: type[OptionsT], cfg: DictConfig) -> OptionsT:
-    """A command's composed config as its typed options; a bad value is refused in one line naming its key."""
     try:
         return options.model_validate(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     except ValidationError as e:
@@ -55,16 +49,14 @@ def parse_options(options: type[OptionsT], cfg: DictConfig) -> OptionsT:
 
 
 def as_texts(value: object) -> list[str] | object:
-    """A list option given as one value (ckpts=PATH, labels=foo), or with numbers in it, as a list of texts."""
+    """A list option given as one value (ckpts=PATH), or with numbers in it, as a list of texts."""
     if value is None:
         return None
     return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
 
 
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
-    """Refuse, in one line naming the path, anything that cannot be a checkpoint: a missing path, a directory that
-    is no sharded checkpoint (or one with a shard missing), an empty file, or a file that is no torch.save archive
-    (a config.yaml, a text file, a truncated download)."""
+    """Refuse in one line anything that cannot be a checkpoint (checked before any slow work)."""
     if is_sharded(path):
         if not shards_complete(path):
             raise UserError(f"{key}: {path} is an incomplete sharded checkpoint (a shard is missing or truncated)")
@@ -89,8 +81,6 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
 
 
 def checkpoint_list(ckpts: list[str]) -> list[str]:
-    """The `ckpts=[...]` of analyze and eval, refused in one line when empty or when one of them cannot be a
-    checkpoint (checked up front, before any slow work)."""
     if not ckpts:
         raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
     for ckpt in ckpts:
@@ -99,8 +89,7 @@ def checkpoint_list(ckpts: list[str]) -> list[str]:
 
 
 def told_apart(labels: list[str], paths: list[Path], last_resort: list[str]) -> list[str]:
-    """Each checkpoint's label, with its file name where two labels are alike (checkpoints of one run), and its
-    `last_resort` label where that still leaves two alike (runs of one name in other folders)."""
+    """Labels told apart by the file name where alike (one run's), then by `last_resort` (runs of one name)."""
     counts = Counter(labels)
     labels = [f"{label} {path.stem}" if counts[label] > 1 else label for label, path in zip(labels, paths, strict=True)]
     counts = Counter(labels)
@@ -108,20 +97,14 @@ def told_apart(labels: list[str], paths: list[Path], last_resort: list[str]) -> 
 
 
 def run_dir_of(path: Path) -> Path:
-    """The run a checkpoint belongs to: the folder above its checkpoints/, or the run folder itself where the file
-    lies beside the run's config.yaml (a consolidated checkpoint, say)."""
-    return (
-        path.parent
-        if path.parent.name != "checkpoints" and (path.parent / "config.yaml").is_file()
-        else path.parent.parent
-    )
+    """The folder above its checkpoints/, or the one holding it beside config.yaml (a consolidated checkpoint)."""
+    beside = path.parent.name != "checkpoints" and (path.parent / "config.yaml").is_file()
+    return path.parent if beside else path.parent.parent
 
 
 def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
-    """The GPTConfig fields in which a checkpoint's stored `model_config` differs from the expected model, each as
-    `key: saved -> expected` (e.g. ["d_model: 128 -> 64", "attention: sa -> xsa"]); empty when they describe the
-    same model. Every field counts, not only those that change weight shapes: a resumed run must stay the model it
-    started as."""
+    """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`; every field counts, not
+    only weight shapes: a resumed run must stay the model it started as."""
 
     def normalised(config: dict) -> dict:  # as GPTConfig holds it (defaults, n_kv_head, xsa_layers sorted)
         try:
@@ -143,9 +126,7 @@ def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
 
 
 def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
-    """checkpoint["state_dict"] (a Lightning checkpoint of `xsa-lm train`) into `model`. Weights of another
-    architecture are refused in one line that names the differing GPTConfig fields, e.g. "resume: checkpoint
-    runs/x/checkpoints/last.ckpt is of another model: d_model: 128 -> 64" (`source` starts the message)."""
+    """checkpoint["state_dict"] into `model`; another architecture refused naming its differing fields."""
     # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
     state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in checkpoint["state_dict"].items()}
     try:
@@ -159,8 +140,7 @@ def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
 
 
 def load_model(path: Path, key: str = "ckpts") -> GPT:
-    """A GPT from a Lightning checkpoint of `xsa-lm train` (weights only: no code is unpickled). `key` is the
-    command's option that named the file, for the error messages."""
+    """A GPT from a checkpoint of `xsa-lm train` (weights only: no code is unpickled); `key` names the option."""
     check_checkpoint_file(path, key)
     try:
         if is_sharded(path):  # trainer=fsdp: put back together in this process (the weights only)
@@ -183,9 +163,7 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
 
 
 def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
-    """The tokenizer the checkpoint's run trained with: the one saved with its prepared data (run_info.json names
-    the folder), else that of the data prepared again from the run's config.yaml. Either is refused in one line
-    when it is not the tokenizer the checkpoint records."""
+    """The run's tokenizer: saved with its prepared data, else that of the data prepared again (run_data)."""
     data_dir = _run_data_dir(path, key)
     tokenizer_file = data_dir / "tokenizer.json" if data_dir else None
     if tokenizer_file and tokenizer_file.is_file():
@@ -196,8 +174,8 @@ def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
 
 
 def run_data(path: Path, key: str = "ckpts") -> PreparedData:
-    """The prepared data of the checkpoint's run: its folder (run_info.json names it) when it is still there, else
-    prepared again from the run's config.yaml; refused in one line when its tokenizer is not the checkpoint's."""
+    """The run's prepared data: its folder if still there, else prepared again from config.yaml; refused when its
+    tokenizer is not the checkpoint's."""
     data_dir = _run_data_dir(path, key)
     if data_dir and (data_dir / "meta.json").is_file():
         data = load_prepared(data_dir)
@@ -215,8 +193,7 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
 
 
 def run_config(path: Path, key: str = "ckpts") -> dict[str, Any]:
-    """The config.yaml of the checkpoint's run, as a plain dict; refused in one line when the file is in no run's
-    folder or the run's config.yaml is gone."""
+    """The config.yaml of the checkpoint's run, as a plain dict."""
     saved = run_dir_of(path) / "config.yaml"
     if not saved.is_file() and path.parent.name != "checkpoints":
         raise UserError(
@@ -229,7 +206,6 @@ def run_config(path: Path, key: str = "ckpts") -> dict[str, Any]:
 
 
 def _run_info(run_dir: Path, key: str) -> dict | None:
-    """The run's run_info.json, None where it has none."""
     info = run_dir / "run_info.json"
     if not info.is_file():
         return None
@@ -241,8 +217,7 @@ def _run_info(run_dir: Path, key: str) -> dict | None:
 
 
 def _run_data_dir(path: Path, key: str) -> Path | None:
-    """The prepared-data folder the run trained on, as its run_info.json records it (it may be gone since); a
-    relative one is taken from the directory the run was started in."""
+    """The prepared-data folder run_info.json records (maybe gone since), a relative one from the run's cwd."""
     recorded = _run_info(run_dir_of(path), key)
     if not recorded or not recorded.get("data_dir"):
         return None
@@ -257,9 +232,8 @@ DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
 def settings_as_started(
     data: dict[str, Any], tokenizer: dict[str, Any], run_dir: Path, key: str = "resume"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The run's data and tokenizer settings with each relative path in them (data.dir, data.cache_dir, the globs of
-    data.files and data.data_files and of the source's, tokenizer.path) taken from the directory the run was started
-    in (run_info.json's cwd), so that they name the files they named then, wherever the command now runs from."""
+    """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
+    that they name the files they named then."""
     cwd = (_run_info(run_dir, key) or {}).get("cwd")
     if not cwd:
         return data, tokenizer
@@ -285,12 +259,10 @@ def _from(cwd: Path, value: Any) -> Any:
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:
-    """Refuse, in one line, a tokenizer (read from `where`; `rebuilt` says how it was made again) other than the
-    one the checkpoint's run trained with, whose sha256 the checkpoint records."""
+    """Refuse a tokenizer (from `where`; `rebuilt`: how made again) other than the one the checkpoint records."""
     meta = path / META if is_sharded(path) else path  # read memory-mapped: a large file is not read
-    recorded = (torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get(DATA_STATE) or {}).get(
-        TOKENIZER_SHA256
-    )
+    state = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get(DATA_STATE) or {}
+    recorded = state.get(TOKENIZER_SHA256)
     if recorded is not None and recorded != sha256:
         raise UserError(
             f"{key}: {path} was trained with another tokenizer (sha256 {recorded[:12]}) than {where} "

@@ -15,8 +15,6 @@ from xsa_lm.model import generate
 
 
 class GenerateOptions(Options):
-    """configs/generate.yaml."""
-
     ckpt: str
     # Hydra types a value by its look: prompt=1e3 arrives as 1000.0, prompt=true as True, not as what was typed.
     prompt: str | None = Field(
@@ -34,7 +32,6 @@ class GenerateOptions(Options):
 def sample(
     ckpt: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, num_samples: int, seed: int
 ) -> list[str]:
-    """`num_samples` continuations of `prompt` by the checkpoint's model."""
     path = Path(ckpt).expanduser()
     model, tokenizer = load_model(path, key="ckpt"), load_tokenizer(path, key="ckpt")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,16 +42,9 @@ def sample(
     seeds = torch.randint(2**62, (num_samples,), generator=torch.Generator().manual_seed(seed)).tolist()
     texts = []
     for each in seeds:
-        generator = torch.Generator(device=device).manual_seed(each)
-        (row,) = generate(
-            model,
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            generator=generator,
-            vocab_size=tokenizer.get_vocab_size(),
-        )
+        generator, vocab = torch.Generator(device=device).manual_seed(each), tokenizer.get_vocab_size()
+        draw = dict(temperature=temperature, top_k=top_k, generator=generator, vocab_size=vocab)
+        (row,) = generate(model, idx, max_new_tokens, **draw)
         texts.append(prompt + tokenizer.decode(row[len(ids) :].tolist()))
     return texts
 
@@ -64,14 +54,7 @@ def sample(
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         options = parse_options(GenerateOptions, cfg)  # before the checkpoint is read
-        texts = sample(
-            options.ckpt,
-            options.prompt or "",  # prompt=null: from <|endoftext|>
-            max_new_tokens=options.max_new_tokens,
-            temperature=options.temperature,
-            top_k=options.top_k,
-            num_samples=options.num_samples,
-            seed=options.seed,
-        )
+        how = options.model_dump(include={"max_new_tokens", "temperature", "top_k", "num_samples", "seed"})
+        texts = sample(options.ckpt, options.prompt or "", **how)  # prompt=null: from <|endoftext|>
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")

@@ -1,11 +1,6 @@
-"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model.
-
-DIR gets model.safetensors, config.json, generation_config.json, the run's tokenizer (tokenizer.json,
-tokenizer_config.json) and the modelling code (configuration_xsa.py, modeling_xsa.py, copied from this package), so
-that, offline, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR,
-trust_remote_code=True) load it (without the flag, AutoTokenizer asks first: it reads config.json). A file
-checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA with every variant.
-"""
+"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model, with the
+run's tokenizer and the modelling code (configuration_xsa.py, modeling_xsa.py), loaded offline with
+AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)."""
 
 import importlib.util
 import os
@@ -33,8 +28,6 @@ TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproj
 
 
 class ExportOptions(Options):
-    """configs/export.yaml."""
-
     ckpt: str = Field(description="the path of a checkpoint")
     out: str | None = Field(description="the path of the directory to write")
 
@@ -48,8 +41,7 @@ def require_transformers() -> None:
 
 
 def check_out(out: Path) -> None:
-    """Results are never overwritten: an existing file, or a directory with anything in it, is refused. So is the
-    current directory or one above it (`out=` is Path("."), which the final rename cannot replace)."""
+    """Never overwritten: a file, a non-empty directory, or the current one or above (a rename cannot replace it)."""
     if out.name in ("", "..") or out.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
         raise UserError(
             f"out={str(out) if str(out) != '.' else ''} is empty, the current directory or one above it: give the "
@@ -65,8 +57,7 @@ def check_out(out: Path) -> None:
 
 
 def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
-    """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained. generate()
-    never draws the ids of the table's padding past the tokenizer's vocabulary, as `xsa-lm generate` does not."""
+    """The same weights under the same names in an XSAForCausalLM, fp32; generate() never draws padding ids."""
     from xsa_lm.export.configuration_xsa import XSAConfig
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
@@ -93,7 +84,6 @@ def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerF
 
 
 def export(ckpt: Path, out: Path) -> Path:
-    """Write the model of `ckpt` and its run's tokenizer into `out` (created; refused if it holds anything)."""
     require_transformers()
     check_checkpoint_file(ckpt, key="ckpt")
     out = out.resolve() if out.is_symlink() else out  # a link to an empty directory: fill that directory

@@ -1,9 +1,5 @@
 """`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, eager and compiled, and the largest
-micro-batch that fits.
-
-The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model
-(RunShape.estimate).
-"""
+micro-batch that fits: memory.py's estimate, the one `xsa-lm train` checks (RunShape.estimate)."""
 
 import math
 from dataclasses import asdict, dataclass, replace
@@ -51,7 +47,7 @@ class RunShape:
         return accumulation(self.global_batch_tokens, self.micro_batch_size, self.devices, self.block_size)
 
     def memory_args(self) -> dict:
-        """memory.estimate's arguments for this run, all but micro_batch_size (the accumulation: this one's)."""
+        """memory.estimate's arguments for this run, all but micro_batch_size."""
         return dict(
             model=asdict(self.model),
             vocab_size=self.model.vocab_size,
@@ -67,7 +63,6 @@ class RunShape:
         )
 
     def estimate(self) -> memory.MemoryEstimate:
-        """The per-device estimate `xsa-lm train` checks before it builds the model."""
         return memory.estimate(micro_batch_size=self.micro_batch_size, **self.memory_args())
 
 
@@ -118,36 +113,29 @@ class Plan:
 
 
 def make_plan(run: RunShape, *, model_name: str, available: int, available_from: str, sdpa: SdpaPlan) -> Plan:
-    """Both strategies' memory per device at the run's micro-batch, eager and compiled, the largest micro-batches that
-    fit in `available` bytes, and what XSA adds."""
+    """Both strategies' memory per device, the largest micro-batches that fit in `available` bytes, and what XSA adds:
+    what it saves in every layer, and its temporaries against the cross-entropy's (the backward's peak the larger)."""
     strategies = {s: strategy_plan(replace(run, strategy=s), available) for s in ("ddp", "fsdp")}
-    # What XSA saves for the backward in every layer (eager: its two coefficients), and the two candidates for the
-    # backward's peak beside the saved activations, which memory.estimate counts the larger of: one XSA layer's
-    # temporaries and the cross-entropy's buffers.
     model, (compute, weights) = asdict(run.model), memory.dtype_bytes(run.precision)
     tokens = run.micro_batch_size * run.block_size
     positions = run.micro_batch_size * (run.block_size + run.model.n_sinks)
     xsa = run.model.attention == "xsa"
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
     modes = {"eager": False, "compiled": True}
+    same = (
+        "strategy devices precision activation_checkpointing compiled micro_batch_size block_size global_batch_tokens"
+    )
+    chosen = strategies[run.strategy]
     return Plan(
         model=model_name,
-        strategy=run.strategy,
-        devices=run.devices,
-        precision=run.precision,
-        activation_checkpointing=run.activation_checkpointing,
+        **{name: getattr(run, name) for name in [*same.split(), "accumulation"]},
         attention=run.model.attention,
-        compiled=run.compiled,
-        micro_batch_size=run.micro_batch_size,
-        block_size=run.block_size,
         n_sinks=run.model.n_sinks,
         parameters=memory.parameter_count(model, run.model.vocab_size),
         available_bytes=available,
         available_from=available_from,
-        global_batch_tokens=run.global_batch_tokens,
-        accumulation=run.accumulation,
-        per_device_bytes=strategies[run.strategy].per_device_bytes,
-        max_micro_batch_size=strategies[run.strategy].max_micro_batch_size,
+        per_device_bytes=chosen.per_device_bytes,
+        max_micro_batch_size=chosen.max_micro_batch_size,
         strategies=strategies,
         sdpa_backends=sdpa,
         xsa_saved_bytes=run.model.n_layer * positions * saved if xsa else 0,
@@ -163,8 +151,7 @@ def make_plan(run: RunShape, *, model_name: str, available: int, available_from:
 
 
 def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan:
-    """The SDPA kernels the run may use on its device, most preferred first (sdpa_backends, as `xsa-lm train`
-    resolves it), or none where the run's GPU is not on this machine: it is resolved on the GPU."""
+    """The SDPA kernels the run may use, most preferred first; none where the run's GPU is not on this machine."""
     if uses_cuda(accelerator):
         device = torch.device("cuda", torch.cuda.current_device())
         return SdpaPlan(setting, torch.cuda.get_device_name(device), resolve(setting, device))
@@ -174,8 +161,7 @@ def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan
 
 
 def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
-    """One strategy's memory per device at the run's micro-batch, eager and compiled, and the largest micro-batches
-    that fit as the run would train (compiled or not)."""
+    """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
     args = run.memory_args()
     both = {
         mode: memory.estimate(micro_batch_size=run.micro_batch_size, **(args | {"compiled": mode}))
@@ -242,8 +228,6 @@ def sdpa_line(kernels: SdpaPlan) -> str:
 
 
 def xsa_line(plan: Plan) -> str:
-    """What XSA adds to the run's mode: its saved coefficients, and its temporaries against the cross-entropy's
-    buffers (the larger is the table's backward peak)."""
     if plan.attention != "xsa":
         return "XSA's memory: none (attention sa)"
     mode = "compiled" if plan.compiled else "eager"
@@ -258,7 +242,6 @@ def xsa_line(plan: Plan) -> str:
 
 
 def batch_line(plan: Plan) -> str:
-    """How global_batch_tokens splits into micro-batches, or why `xsa-lm train` would refuse it."""
     per_micro_step = plan.micro_batch_size * plan.devices * plan.block_size
     if plan.accumulation is None:
         return (
