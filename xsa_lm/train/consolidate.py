@@ -1,7 +1,4 @@
-"""`xsa-lm consolidate ckpt=DIR out=FILE`: a sharded checkpoint of trainer=fsdp as one ordinary checkpoint file.
-
-analyze, eval, generate and resume read sharded checkpoints as they are; one file is what you copy elsewhere or share.
-"""
+"""`xsa-lm consolidate ckpt=DIR out=FILE`: a sharded checkpoint of trainer=fsdp as one file, to copy or share."""
 
 from pathlib import Path
 
@@ -17,15 +14,12 @@ from xsa_lm.files import atomic_file
 
 
 class ConsolidateOptions(Options):
-    """configs/consolidate.yaml."""
-
     ckpt: str = Field(description="the path of a sharded checkpoint")
     out: str = Field(description="the path of the file to write")
     weights_only: bool = Field(description="true or false")  # a text such as `no` would count as true
 
 
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
-    """Write the sharded checkpoint `source` as the file `out`; returns its global step."""
     if not is_sharded(source):
         if source.is_file():
             raise UserError(f"ckpt: {source} is a file, one checkpoint already: every command reads it as it is")

@@ -28,10 +28,8 @@ from xsa_lm.train.schedule import continue_schedule
 
 
 def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
-    """torch.compile as torchtitan applies it: each block on its own, and the head with the loss, in place (the
-    state-dict keys stay those of an eager model, so checkpoints move between the two). Under FSDP2 every block is a
-    unit whose hooks run eagerly between the compiled regions; compiling the whole model there compiled only the
-    blocks, leaving the head and the cross-entropy eager. Alike blocks reuse one graph; the embedding stays eager."""
+    """torch.compile as torchtitan applies it: each block, and the head with the loss, in place (the state-dict keys
+    stay an eager model's); under FSDP2 compiling the whole model left the head and the cross-entropy eager."""
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=True)
     model.logits_and_loss = torch.compile(  # type: ignore[method-assign]  # in place, on purpose
@@ -90,9 +88,7 @@ class LMModule(L.LightningModule):
         self.register_buffer("token_bytes", torch.tensor(token_bytes or [], dtype=torch.float64), persistent=False)
 
     def configure_model(self) -> None:
-        """Under ModelParallelStrategy (trainer=fsdp): FSDP2, one unit per transformer block and the root (the tied
-        embedding and the head), over the data-parallel mesh. Each rank then holds 1/N of the weights, gradients
-        and AdamW state; a block's weights are gathered for its forward and backward only."""
+        """trainer=fsdp: FSDP2, one unit per transformer block and the root, over the data-parallel mesh."""
         if self.device_mesh is None:
             return
         from torch.distributed.fsdp import fully_shard
@@ -100,11 +96,8 @@ class LMModule(L.LightningModule):
         if isinstance(self.model, FSDPModule):  # a second fit or validate of this module calls this hook again
             return
         mesh = self.device_mesh["data_parallel"]
-        # No mixed-precision policy, on purpose: fp32 parameters under every strategy, bf16-mixed's autocast (which
-        # Lightning enters here as under DDP) running the matmuls in bf16, so the residual stream, LayerNorms and RoPE
-        # tables are fp32 as under DDP, on CPU as on CUDA (bf16 parameters would round the LayerNorm gains and the
-        # embedding, and on CPU the residual stream, to bf16); the price is fp32 all-gathers and autocast's bf16
-        # weight copies kept for the backward, as under DDP.
+        # No mixed-precision policy, on purpose: fp32 parameters and autocast as under DDP (bf16 parameters would
+        # round the LayerNorm gains and the embedding); the price is fp32 all-gathers.
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
