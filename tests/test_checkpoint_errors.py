@@ -22,13 +22,7 @@ from tests.helpers import (
 )
 from tests.test_data import shakespeare_text
 from xsa_lm.analysis.run import validation_set
-from xsa_lm.checkpoints.load import (
-    load_model,
-    load_tokenizer,
-    load_weights,
-    model_config_mismatch,
-    run_data,
-)
+from xsa_lm.checkpoints.load import load_model, load_tokenizer, load_weights, model_config_mismatch, run_data
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import read_tokenizer, train_bpe
 from xsa_lm.errors import UserError

@@ -5,12 +5,7 @@ import math
 import pytest
 import torch
 
-from xsa_lm.analysis.diagnostics import (
-    diagnose,
-    layer_statistics,
-    mean_pairwise_cosine,
-    self_attention_weights,
-)
+from xsa_lm.analysis.diagnostics import diagnose, layer_statistics, mean_pairwise_cosine, self_attention_weights
 from xsa_lm.analysis.run import PANELS, AnalyzeOptions, default_labels, figure
 from xsa_lm.model import GPT, GPTConfig
 
