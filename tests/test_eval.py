@@ -200,11 +200,8 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
         run_dir = tmp_path / attention
         logger = [] if attention == "sa" else ["logger=csv"]  # the SA run has a W&B run to log the scores into
         fast = [o for o in FAST if o != "logger=csv"]
-        proc = run_cli(
-            ["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10", f"hydra.run.dir={run_dir}"],
-            data_cache,
-            tmp_path,
-        )
+        args = ["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10", f"hydra.run.dir={run_dir}"]
+        proc = run_cli(args, data_cache, tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         ckpts[attention] = run_dir / "checkpoints" / "last.ckpt"
     task = write_local_task(tmp_path / "tasks")
@@ -215,12 +212,8 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert made.returncode == 0, made.stderr
     cloze = tmp_path / "tasks" / "shakespeare_cloze.yaml"
     out = tmp_path / "eval"
-    proc = run_cli(
-        ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"],
-        data_cache,
-        tmp_path,
-        timeout=600,
-    )
+    args = ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"]
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "not a git repository" not in proc.stderr  # the harness's own git call, outside a repository
     result = json.loads((out / "eval.json").read_text())
@@ -246,12 +239,8 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])
 
     # A hub task without network: fails fast and names the task.
-    missing = run_cli(
-        ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"],
-        data_cache,
-        tmp_path,
-        timeout=300,
-    )
+    args = ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"]
+    missing = run_cli(args, data_cache, tmp_path, timeout=300)
     assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
     # Generation: greedy is deterministic through the CLI too.

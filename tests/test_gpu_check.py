@@ -412,13 +412,8 @@ def test_the_step_profile_pairs_sa_and_xsa_kernels(tmp_path: Path):
     args = ["--device", "cpu", "--model", "tiny", "--context", "32", "--micro-batch", "2", "--vocab-size", "256"]
     args += ["--override", "model.n_layer=2", "--steps", "1", "--out", str(out)]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "profile_xsa_step.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    args = [sys.executable, str(REPO / "scripts" / "profile_xsa_step.py"), *args]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "kernel time per step: SA " in proc.stdout and "| XSA - SA (ms) | SA (ms) | XSA (ms) | kernel |" in proc.stdout

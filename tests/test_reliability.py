@@ -235,13 +235,8 @@ def test_no_secret_lands_in_the_run_directory(data_cache: Path, tmp_path: Path):
     secret = "0123456789abcdef0123456789abcdef01234567"
     run_dir = tmp_path / "run"
     fast = [o for o in FAST if o != "logger=csv"]
-    proc = run_cli(
-        ["train", *fast, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"],
-        data_cache,
-        tmp_path,
-        WANDB_API_KEY=secret,
-        HF_TOKEN=secret,
-    )
+    args = ["train", *fast, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, data_cache, tmp_path, WANDB_API_KEY=secret, HF_TOKEN=secret)
     assert proc.returncode == 0, proc.stderr[-2000:]
     leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == [] and secret not in proc.stdout + proc.stderr

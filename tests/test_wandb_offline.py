@@ -25,14 +25,8 @@ def train_offline(tmp_path: Path, data_cache: Path, name: str, *overrides: str) 
     run_dir = tmp_path / name
     env = cli_env(data_cache, home=tmp_path)
     del env["WANDB_MODE"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "xsa_lm.train", *FAST, "logger=wandb", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [sys.executable, "-m", "xsa_lm.train", *FAST, "logger=wandb", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_file,) = run_files(run_dir)
     return run_dir, run_file, proc.stdout
@@ -70,12 +64,8 @@ def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: P
 
     check_axes_and_summary(run_file, rows, val_losses)
     # The documented way to look inside an offline run without uploading it.
-    shown = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", str(run_dir / "wandb")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", str(run_dir / "wandb")]
+    shown = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "val/loss.min" in shown.stdout and "final_val_loss" in shown.stdout, shown.stdout[:2000]
 
