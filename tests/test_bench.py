@@ -11,17 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from xsa_lm.bench.stats import (
-    MEETS,
-    MISSES,
-    NO_TARGET,
-    NOT_RESOLVED,
-    Ratio,
-    interval,
-    rounds_needed,
-    summarize,
-    verdict,
-)
+from xsa_lm.bench import stats
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, interval, rounds_needed, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freedom (tables: 4.303)
@@ -49,7 +40,7 @@ def test_interval_is_the_t_interval_of_the_log_ratios():
     ],
 )
 def test_verdict_needs_the_whole_interval_on_one_side(bounds, target, at_most, expected):
-    assert verdict(bounds, target, at_most) == expected
+    assert stats.verdict(bounds, target, at_most) == expected
 
 
 def test_summarize_reports_the_spread_and_the_geometric_mean():

@@ -1,7 +1,6 @@
 """What xsa_lm.compat relies on still holds on the installed versions: the private Lightning and torch APIs it uses
 behave as it expects, and the Lightning and Hydra rules it restates in public terms give their own answers."""
 
-import csv
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from xsa_lm import compat
+from xsa_lm.files import read_csv
 from xsa_lm.tracking import RunCSVLogger
 
 VERSIONS = f"torch {torch.__version__}, lightning {L.__version__}"
@@ -110,8 +110,7 @@ def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
     writer.save()
     writer.log_metrics({"train/lr": 0.5}, step=2)  # a new column: the header is rewritten, the rows kept
     writer.save()
-    with open(tmp_path / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(tmp_path / "metrics.csv")[1]
     assert [r["step"] for r in rows] == ["0", "1", "2"], changed("ExperimentWriter", "no longer appends to metrics.csv")
     assert rows[0] == {"step": "0", "train/loss": "1.5", "train/lr": ""} and rows[2]["train/lr"] == "0.5"
 
@@ -291,8 +290,7 @@ def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validat
         trainer.fit(StepLogger(), data, data, ckpt_path=ckpt_path)
         if ckpt_path is None:
             trainer.save_checkpoint(tmp_path / "after.ckpt")
-        with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
-            return [int(row["step"]) for row in csv.DictReader(f) if row["loss"]]
+        return [int(row["step"]) for row in read_csv(Path(logger.log_dir, "metrics.csv"))[1] if row["loss"]]
 
     keep = ModelCheckpoint(dirpath=tmp_path, filename="at-{step}", every_n_train_steps=None, save_top_k=-1)
     assert fit("first", 3, 3, callbacks=[keep], enable_checkpointing=True) == [0, 1, 2]
@@ -320,7 +318,6 @@ def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(
     trainer = L.Trainer(max_steps=3, logger=logger, limit_val_batches=1, **quiet, **settings)
     trainer.fit(StopsAtTheEnd(), data, data)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3 * accumulate, changed(api, "stops early")
-    with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(Path(logger.log_dir, "metrics.csv"))[1]
     validated, logged = [r["step"] for r in rows if r["val"]], [r["step"] for r in rows if r["loss"]]
     assert validated == ["1", "2"] and logged == ["1", "2"], changed(api, f"changed (rows {validated}, {logged})")
