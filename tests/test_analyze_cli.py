@@ -1,7 +1,6 @@
 """Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints (diagnostics and held-out loss), and the
 paper recipes' CPU twins."""
 
-import csv
 import json
 import math
 import os
@@ -16,6 +15,7 @@ import torch
 from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, cli_in_process, run_cli
 from tests.wandb_records import history, run_files
 from xsa_lm.analysis.losses import held_out_loss
+from xsa_lm.files import read_csv
 from xsa_lm.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -38,12 +38,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> d
 
 
 def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
-    with open(checkpoints["xsa"] / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("diag/cos_z_v/layer_1")]
+    rows = [r for r in read_csv(checkpoints["xsa"] / "metrics.csv")[1] if r.get("diag/cos_z_v/layer_1")]
     assert [int(r["step"]) for r in rows] == [10, 20]  # after optimizer steps 10 and 20
     assert all(abs(float(r["diag/cos_z_v/layer_1"])) < 1e-3 for r in rows)
-    with open(checkpoints["sa"] / "metrics.csv") as f:
-        header = next(csv.reader(f))
+    header = read_csv(checkpoints["sa"] / "metrics.csv")[0]
     assert "diag/a_ii/layer_0" in header and "diag/cos_z_v/layer_0" not in header  # SA has no z
     (wandb_file,) = run_files(checkpoints["xsa"])
     logged = {key for row in history(wandb_file) for key in row}
@@ -75,8 +73,7 @@ def analysis(
 
 def test_analyze_writes_csv_png_and_table(analysis: tuple[Path, subprocess.CompletedProcess], tmp_path: Path):
     out, proc = analysis
-    with open(out / "diagnostics.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(out / "diagnostics.csv")[1]
     assert {"checkpoint", "layer", "cos_v_v", "a_ii", "cos_y_v", "cos_z_v"} <= set(rows[0])
     assert len(rows) == 4 and [r["layer"] for r in rows] == ["0", "1", "0", "1"]  # 2 checkpoints x 2 layers
     sa, xsa = rows[:2], rows[2:]
@@ -125,8 +122,7 @@ def test_an_interrupted_analyze_can_be_run_again_into_its_folder(
     assert again.returncode == 0, again.stderr
     assert (out / "diagnostics.csv").is_file() and (out / "positions.png").is_file()
     for written in ("diagnostics.csv", "losses.csv"):  # the checkpoint's path as it is from anywhere
-        with open(out / written, newline="") as f:
-            assert {row["checkpoint"] for row in csv.DictReader(f)} == {str(ckpt)}
+        assert {row["checkpoint"] for row in read_csv(out / written)[1]} == {str(ckpt)}
 
 
 def test_analyze_measures_the_loss_its_run_validated(
@@ -143,10 +139,8 @@ def test_analyze_measures_the_loss_its_run_validated(
 
     out, proc = analysis
     spans = [f"span_{i}" for i in range(1, 9)]  # position_buckets: 8 by default, as training's val_position_buckets
-    with open(out / "losses.csv") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-    assert reader.fieldnames == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
+    header, rows = read_csv(out / "losses.csv")
+    assert header == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
     assert [r["label"] for r in rows] == ["sa", "xsa"]
     for attention, row in zip(("sa", "xsa"), rows, strict=True):
         run = checkpoints[attention]

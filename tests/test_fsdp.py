@@ -1,7 +1,6 @@
 """FSDP2 (trainer=fsdp) on CPU with 2 gloo processes: the same training as one process, sharded checkpoints that
 survive kill -9 and resume on another number of processes, and that analyze / eval read."""
 
-import csv
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ import torch
 from tests.helpers import FAST, cli_env, run_cli, train_losses, wait_for, write_local_task
 from xsa_lm.checkpoints.discovery import newest_valid_checkpoint
 from xsa_lm.checkpoints.load import load_model
+from xsa_lm.files import read_csv
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 STEPS = ["trainer.max_steps=20", "scheduler.total_steps=20", "val_every_steps=5", "checkpoint.keep_last=4"]
@@ -23,8 +23,7 @@ FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer
 
 
 def metric(run_dir: Path, name: str) -> dict[int, float]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+    return {int(r["step"]): float(r[name]) for r in read_csv(run_dir / "metrics.csv")[1] if r.get(name)}
 
 
 def assert_close(a: dict[int, float], b: dict[int, float], steps) -> None:

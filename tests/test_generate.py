@@ -44,18 +44,12 @@ def model_for(variant: str) -> GPT:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cached_forward_equals_the_full_forward(variant: str):
+def test_cached_forward_and_generation_equal_uncached(variant: str):
     model = model_for(variant).eval()
     idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
-    full = model(idx)
     caches = [KVCache() for _ in model.blocks]
     pieces = [model(idx[:, :12], caches=caches)] + [model(idx[:, t : t + 1], caches=caches) for t in range(12, 20)]
-    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_cached_generation_equals_uncached(variant: str):
-    model = model_for(variant)
+    assert torch.allclose(torch.cat(pieces, dim=1), model(idx), atol=1e-5)
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
     # 30 new tokens: past block_size (24), so the sliding window is exercised too
     cached = generate(model, prompt, max_new_tokens=30, use_cache=True)
@@ -77,23 +71,24 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
     top1 = generate(model, prompt, 12, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(7))
     assert torch.equal(top1, generate(model, prompt, 12))  # top_k=1 is greedy
     assert model.training  # generation leaves the mode as it found it
-
-
-def test_a_tiny_temperature_samples_the_greedy_tokens():
-    """logits / 1e-39 overflowed to +-inf, and softmax(inf - inf) to NaN; 1e-300 is 0 in fp32, 0 / 0 NaN too: both
-    ended in torch.multinomial's RuntimeError."""
-    model, prompt = model_for("xsa"), torch.zeros(2, 3, dtype=torch.long)
+    # A tiny temperature: logits / 1e-39 overflowed to +-inf, and softmax(inf - inf) to NaN; 1e-300 is 0 in fp32
+    prompt = torch.zeros(2, 3, dtype=torch.long)
     for temperature in (1e-39, 1e-300):
         drawn = generate(model, prompt, 8, temperature=temperature, generator=torch.Generator().manual_seed(0))
         assert torch.equal(drawn, generate(model, prompt, 8)), temperature
 
 
-def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
-    """A model's table may be padded past its tokenizer's vocabulary (model.vocab_size 4096 beside a 512-token BPE):
-    those ids decode to nothing, and were drawn where their logits were high; with vocab_size they never are."""
+def padded_model() -> GPT:
+    """A table padded past a 48-token tokenizer's vocabulary, whose padding rows dominate the logits."""
     model = model_for("sa").eval()
     with torch.no_grad():
-        model.lm_head.weight[48:].mul_(20.0)  # the padding rows dominate the logits (tied: the inputs too)
+        model.lm_head.weight[48:].mul_(20.0)  # tied: the inputs too
+    return model
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+    """Ids past the tokenizer's vocabulary decode to nothing, and were drawn where their logits were high."""
+    model = padded_model()
     idx = torch.randint(0, 48, (2, 4), generator=torch.Generator().manual_seed(1))
     unmasked = generate(model, idx, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert (unmasked[:, 4:] >= 48).any()  # the case this guards against happens here
@@ -106,10 +101,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
 def test_xsa_lm_generate_draws_only_the_tokenizers_ids(monkeypatch: pytest.MonkeyPatch):
     from xsa_lm.eval import sample as sampling
 
-    model = model_for("sa")
-    with torch.no_grad():
-        model.lm_head.weight[48:].mul_(20.0)
-
+    model = padded_model()
     monkeypatch.setattr(sampling, "load_model", lambda path, key: model)
     monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(48))  # 48 tokens onto the model's 64 ids
     texts = sampling.sample("run.ckpt", "ab", max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=0)
