@@ -175,40 +175,30 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
 def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path: Path, monkeypatch) -> None:
     """Both rows go to the training run's W&B run (its id): the final model's scores under eval/, another checkpoint's
     and a limited evaluation's under their own prefixes, so that neither replaces the final model's."""
-    from xsa_lm.eval.run import log_to_wandb
+    from xsa_lm.eval.run import EvalResult, Row, Score, log_to_wandb
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "wandb_run_id.txt").write_text("trainrun1\n")
 
-    def row(name: str, value: float) -> dict:
-        score = {"metric": "acc", "value": value}
-        return {
-            "checkpoint": str(run_dir / "checkpoints" / name),
-            "run": "run",
-            "scores": {"piqa": score},
-            "average": value,
-        }
+    def row(name: str, value: float) -> Row:
+        scores = {"piqa": Score(metric="acc", value=value, n=1, stderr=None)}
+        return Row(
+            checkpoint=str(run_dir / "checkpoints" / name), attention="sa", run="run", scores=scores, average=value
+        )
 
-    log_to_wandb(
-        {"tasks": ["piqa"], "limit": None, "rows": [row("last.ckpt", 0.6), row("step-000004.ckpt", 0.5)]}, "offline"
-    )
-    log_to_wandb({"tasks": ["piqa"], "limit": 10, "rows": [row("last.ckpt", 0.9)]}, "offline")
+    rows = [row("last.ckpt", 0.6), row("step-000004.ckpt", 0.5)]
+    log_to_wandb(EvalResult(tasks=["piqa"], limit=None, rows=rows), "offline")
+    log_to_wandb(EvalResult(tasks=["piqa"], limit=10, rows=[row("last.ckpt", 0.9)]), "offline")
     files = run_files(run_dir)
     assert [f.name for f in files] == ["run-trainrun1.wandb"] * 3  # one W&B run, resumed by each row
     merged: dict = {}
     for run_file in files:
         merged |= summary(run_file)  # as W&B merges the resumed run's summaries on upload
     scores = {key: value for key, value in merged.items() if key.startswith("eval")}
-    assert scores == {
-        "eval/piqa": 0.6,
-        "eval/average": 0.6,
-        "eval-step-000004/piqa": 0.5,
-        "eval-step-000004/average": 0.5,
-        "eval-limit10/piqa": 0.9,
-        "eval-limit10/average": 0.9,
-    }
+    expected = {"eval": 0.6, "eval-step-000004": 0.5, "eval-limit10": 0.9}
+    assert scores == {f"{prefix}/{key}": v for prefix, v in expected.items() for key in ("piqa", "average")}
 
 
 def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_path: Path, monkeypatch) -> None:
