@@ -132,27 +132,11 @@ def tiny_phase(**changes):
     from xsa_lm.model import GPTConfig
 
     config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64)
-    phase = Phase(
-        kind="plain",
-        model=config,
-        device="cpu",
-        precision="32-true",
-        compile=False,
-        optimizer={"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
-        scheduler={
-            "_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler",
-            "_partial_": True,
-            "warmup_steps": 1,
-            "min_lr_ratio": 0.1,
-        },
-        micro_batch=2,
-        warmup=1,
-        steps=2,
-        seed=0,
-        threads=None,
-        reuse_host_memory=False,
-    )
-    return replace(phase, **changes)
+    optim = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3}
+    scheduler = {"_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler", "_partial_": True}
+    scheduler |= {"warmup_steps": 1, "min_lr_ratio": 0.1}
+    loop = dict(micro_batch=2, warmup=1, steps=2, seed=0, threads=None, reuse_host_memory=False)
+    return replace(Phase("plain", config, "cpu", "32-true", False, optim, scheduler, **loop), **changes)
 
 
 def test_a_phase_runs_under_its_kernel_and_times_both_clocks():
@@ -188,10 +172,8 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
         assert report[key] > 0, key
     # SA and XSA under each CPU kernel, each ratio on both clocks; Lightning under train's order
     assert report["sdpa"]["order"] == report["sdpa"]["timed"] == ["flash", "math"] and report["sdpa"]["used"] == "flash"
-    assert report["phase_kernels"] == {"lightning": "flash", "sa_flash": "flash", "xsa_flash": "flash"} | {
-        "sa_math": "math",
-        "xsa_math": "math",
-    }
+    kernels = {"lightning": "flash", "sa_flash": "flash", "xsa_flash": "flash", "sa_math": "math", "xsa_math": "math"}
+    assert report["phase_kernels"] == kernels
     for key in ("xsa_over_sa_cpu_time", "xsa_over_sa_step_time_math", "xsa_over_sa_cpu_time_math"):
         assert report[key] > 0 and report["ratios"][key]["clock"] in ("wall", "cpu"), key
     assert report["run_info"]["sdpa"] == {"order": ["flash", "math"], "used": "flash"}
@@ -268,10 +250,7 @@ def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
         (["budget_s=inf"], "budget_s=inf must be a finite number of seconds > 0"),  # not after the pilot
         (["budget_s=nan"], "budget_s=nan must be a finite number of seconds > 0"),
         (["comparisons=[xsa_over_sa,speed]"], "comparisons=['xsa_over_sa', 'speed'] has unknown ['speed']; choose"),
-        (
-            ["backends=[flsh]"],
-            "backends=['flsh'] names no kernel: flsh (it takes auto, train or a list of cudnn, flash,",
-        ),
+        (["backends=[flsh]"], "backends=['flsh'] names no kernel: flsh (it takes auto, train or a list of cudnn,"),
         (["backends=fast"], "backends=fast must be auto, train or a list of cudnn, flash, efficient, math"),
     ],
 )
@@ -319,14 +298,6 @@ def test_peak_flops_of_a_gpu_by_its_whole_name(name: str, bf16: float | None, so
     assert peak == (pytest.approx(bf16) if bf16 else None) and source in said
 
 
-def test_the_mfu_target_names_whole_gpus():
-    from xsa_lm.bench.run import mfu_target
-
-    assert mfu_target("paper_0.7b", "cuda (NVIDIA H200, torch 2.11)") == 0.45
-    assert mfu_target("paper_0.7b", "cuda (NVIDIA GH200 480GB, torch 2.11)") is None
-    assert mfu_target("gpt2_124m", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)") is None
-
-
 def test_bench_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, monkeypatch, capsys):
     """Refused inside its job (Hydra has run): nothing but its `out` is ever written where it was typed."""
     from tests.helpers import refused_in_process
@@ -372,3 +343,6 @@ def test_bench_names_a_changed_preset_by_its_overrides(
     )
     assert run.mfu_target("paper_0.7b", "NVIDIA H100 80GB HBM3") == 0.45
     assert run.mfu_target("paper_0.7b (n_layer=2)", "NVIDIA H100 80GB HBM3") is None
+    assert run.mfu_target("paper_0.7b", "cuda (NVIDIA H200, torch 2.11)") == 0.45  # whole GPU names
+    assert run.mfu_target("paper_0.7b", "cuda (NVIDIA GH200 480GB, torch 2.11)") is None
+    assert run.mfu_target("gpt2_124m", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)") is None
