@@ -262,13 +262,10 @@ def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...])
 
 
 def attention_kernel(config: GPTConfig, setup: Setup) -> str:
+    dtype = torch.bfloat16 if setup.precision.startswith("bf16") else torch.float32
+    seq, heads, kv_heads = config.block_size + config.n_sinks, config.n_head, config.n_kv_head
     return backend_used(
-        heads=config.n_head,
-        kv_heads=config.n_kv_head,
-        seq=config.block_size + config.n_sinks,
-        head_dim=config.head_dim,
-        dtype=torch.bfloat16 if setup.precision.startswith("bf16") else torch.float32,
-        device=setup.device,
+        heads=heads, kv_heads=kv_heads, seq=seq, head_dim=config.head_dim, dtype=dtype, device=setup.device
     )
 
 

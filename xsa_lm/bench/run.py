@@ -51,7 +51,6 @@ Round = dict[str, TimedPhase]  # a round's result of each phase
 
 
 def at_least(low: int, also: str = "", unless: tuple = ()) -> BeforeValidator:
-
     def check(value: Any) -> Any:
         if value not in unless and (type(value) is not int or value < low):
             raise ValueError(f"must be an integer >= {low}{also}")

@@ -171,15 +171,8 @@ def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
     largest = memory.largest_micro_batch(available, **args)
     steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
     dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
-    return StrategyPlan(
-        per_device_bytes=need.as_dict(),
-        eager_bytes=both[False].as_dict(),
-        compiled_bytes=both[True].as_dict(),
-        fits=need.total <= available,
-        max_micro_batch_size=largest,
-        max_dividing_micro_batch_size=dividing,
-        accumulation_at_max_dividing=steps(dividing),
-    )
+    eager, compiled = both[False].as_dict(), both[True].as_dict()
+    return StrategyPlan(need.as_dict(), eager, compiled, need.total <= available, largest, dividing, steps(dividing))
 
 
 def table(plan: Plan) -> str:
