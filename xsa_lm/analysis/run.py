@@ -140,17 +140,12 @@ def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
         pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
 
 
-def number(value) -> float | None:
-    """None for layers without the metric (SA layers have no z), also when read back from the CSV."""
-    return None if value is None or value == "" else float(value)
-
-
 def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool) -> list[tuple[float, float]]:
     """One checkpoint's (layer or relative depth, value) points in one panel, where it has the metric."""
     mine = [r for r in rows if r["label"] == label]
     n_layers = max(r["layer"] for r in mine) + 1
-    points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], number(r.get(metric))) for r in mine]
-    return [(x, y) for x, y in points if y is not None]
+    points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], r.get(metric)) for r in mine]
+    return [(x, float(y)) for x, y in points if y is not None and y != ""]  # SA layers have no z (CSV: "")
 
 
 def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:

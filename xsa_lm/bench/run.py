@@ -182,16 +182,11 @@ def base_phase(spec: BenchSpec, sa: GPTConfig, device: torch.device, precision: 
     return Phase("plain", sa, device.type, precision, optimizer=optim, scheduler=scheduler, threads=threads, **same)
 
 
-def backend_names(value: str | list[str]) -> tuple[str, ...]:
-    if value in ("auto", "train"):
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
 def kernel_choice(backends: str | list[str], base: Phase) -> KernelChoice:
     """In a fresh process: train's kernel order and kernel here, and the kernels of `backends` that take the model's
     attention alone (`train`: train's); `primary` (train's when timed) gives the headline ratios."""
-    kernels = replace(base, kind="kernels", sdpa=backend_names(backends))
+    names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
+    kernels = replace(base, kind="kernels", sdpa=names)  # empty: every kernel the device has
     found = cast(KernelsFound, run_fresh(kernels, "kernels", process_context()))
     timed = [found.used] if backends == "train" else [k for k in found.candidates if found.takes[k]]
     if not timed:
@@ -441,10 +436,6 @@ CLOCK_LABELS = {"wall": "wall", "cpu": "CPU time"}
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 
-def ratio_label(key: str) -> str:
-    return next(label for prefix, label in RATIO_LABELS.items() if key.startswith(prefix))
-
-
 def phase_table(r: dict) -> Table:
     compiled = ", compiled" if r["compile"] else ""
     table = Table(
@@ -473,7 +464,8 @@ def ratio_table(r: dict) -> Table:
         target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {fmt(s['target'])}"
         colour = COLOURS.get(s["verdict"], "yellow")
         spread = f"{fmt(s['min'])} - {fmt(s['max'])}"
-        cells = [ratio_label(key), s["kernel"], CLOCK_LABELS[s["clock"]], fmt(s["median"]), fmt(s["mean"])]
+        label = next(label for prefix, label in RATIO_LABELS.items() if key.startswith(prefix))
+        cells = [label, s["kernel"], CLOCK_LABELS[s["clock"]], fmt(s["median"]), fmt(s["mean"])]
         table.add_row(*cells, fmt(s["sd"]), spread, bounds, target, f"[{colour}]{s['verdict']}[/]")
     if r.get("xsa_over_sa_peak_memory"):
         table.add_row("XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6)

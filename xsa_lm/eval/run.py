@@ -242,7 +242,8 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
         items.append({})
         for task in names:
             metric, value = headline(task, out["results"][task])
-            values = items[-1][task] = item_values(out["samples"][task], metric)
+            values = {int(sample["doc_id"]): float(sample[metric]) for sample in out["samples"][task]}
+            items[-1][task] = values
             stderr = float(scipy.stats.sem(list(values.values()))) if len(values) > 1 else None
             scores[task] = Score(metric=metric, value=value, n=len(values), stderr=stderr)
         average = fmean(s.value for s in scores.values())
@@ -265,10 +266,6 @@ def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
         hf = hf_model(model, eot_id(tokenizer), tokenizer.get_vocab_size())
     hf_tok = hf_tokenizer(tokenizer, model.config.block_size)
     return HFLM(pretrained=hf, tokenizer=hf_tok, backend="causal", batch_size=batch_size)
-
-
-def item_values(samples: list[dict], metric: str) -> dict[int, float]:
-    return {int(sample["doc_id"]): float(sample[metric]) for sample in samples}
 
 
 def paired_intervals(
