@@ -172,10 +172,8 @@ def test_a_sharded_checkpoint_exports_to_the_same_weights(runs, data_dir: Path, 
 def test_the_export_holds_weights_config_tokenizer_and_code(runs):
     model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"] == {
-        "AutoConfig": "configuration_xsa.XSAConfig",
-        "AutoModelForCausalLM": "modeling_xsa.XSAForCausalLM",
-    }
+    auto_map = {"AutoConfig": "configuration_xsa.XSAConfig", "AutoModelForCausalLM": "modeling_xsa.XSAForCausalLM"}
+    assert config["auto_map"] == auto_map
     expected = asdict(model.config) | {"xsa_layers": [0, 2]}
     assert {key: config[key] for key in expected} == expected
     for name in ("configuration_xsa.py", "modeling_xsa.py"):  # the package's files, verbatim
@@ -236,9 +234,8 @@ def test_without_transformers_the_export_says_how_to_install_it(monkeypatch: pyt
     import importlib.util
 
     find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name)
-    )
+    without = lambda name, *a: None if name == "transformers" else find_spec(name)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", without)
     with pytest.raises(UserError, match=r"^xsa-lm export needs transformers, in the extra `eval`: pip install"):
         require_transformers()
 
@@ -263,10 +260,8 @@ def test_export_through_the_cli(runs, data_cache: Path, tmp_path: Path, monkeypa
     assert proc.stdout.startswith(f"wrote {out} (") and (out / "model.safetensors").is_file()
     assert "AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)" in proc.stdout  # else transformers asks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing else written (no Hydra outputs)
-    assert_refused(
-        cli_in_process(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path, monkeypatch, capsys),
-        "exists and is not empty",
-    )
+    again = cli_in_process(["export", f"ckpt={ckpt}", f"out={out}"], data_cache, tmp_path, monkeypatch, capsys)
+    assert_refused(again, "exists and is not empty")
 
 
 def test_only_the_shipped_modelling_code_imports_transformers_at_import_time():
