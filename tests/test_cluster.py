@@ -214,12 +214,8 @@ def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: P
     run = run_cli([*common, f"hydra.run.dir={tmp_path / 'async'}"], data_cache, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     folder = tmp_path / "async" / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "best.ckpt",
-        "last.ckpt",
-        "step-000005.ckpt",
-        "step-000010.ckpt",
-    ]
+    expected = ["best.ckpt", "last.ckpt", "step-000005.ckpt", "step-000010.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == expected
     assert checkpoint_step(folder / "last.ckpt") == 10 and checkpoint_step(folder / "step-000005.ckpt") == 5
     resume = f"resume={folder / 'step-000005.ckpt'}"
     resumed = run_cli([*common, resume, f"hydra.run.dir={tmp_path / 'r'}"], data_cache, tmp_path)

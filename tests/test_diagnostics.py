@@ -61,18 +61,8 @@ def test_sinks_are_keys_but_not_positions():
 
 def test_diagnose_a_model_layer_by_layer():
     torch.manual_seed(0)
-    config = GPTConfig(
-        n_layer=3,
-        d_model=32,
-        n_head=4,
-        head_dim=8,
-        vocab_size=64,
-        block_size=32,
-        attention="xsa",
-        xsa_layers=(1, 2),
-        n_kv_head=2,
-        n_sinks=1,
-    )
+    shape = dict(n_layer=3, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=32, n_kv_head=2, n_sinks=1)
+    config = GPTConfig(**shape, attention="xsa", xsa_layers=(1, 2))
     model = GPT(config)
     batches = [torch.randint(0, 64, (2, 32)) for _ in range(3)]
     rows = diagnose(model, batches, chunk=8)

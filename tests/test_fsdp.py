@@ -126,14 +126,9 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
     """kill -9 of both ranks once step 10's checkpoint is in place (a later one may be half written), then
     resume=auto on 2 processes, with activation checkpointing switched on (it recomputes the same values)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env=cli_env(data_cache),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    args = [sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"]
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, cwd=tmp_path, env=cli_env(data_cache), **quiet)
     wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc, timeout=300)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the rank it started: one process group
     proc.wait()

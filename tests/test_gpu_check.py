@@ -328,18 +328,8 @@ def test_sa_and_xsa_in_one_process_give_step_times_mfu_kernels_and_memory_agains
 def test_a_run_and_its_resume_are_read_from_the_run_directory(tmp_path: Path):
     run = tmp_path / "run"
     run.mkdir()
-    ended = RunSummary(
-        status="completed",
-        attention="sa",
-        model="tiny",
-        lr=1e-3,
-        seed=0,
-        steps=40,
-        final_val_loss=5.5,
-        tokens_seen=640,
-        run_dir=str(run),
-        model_config={},
-    )
+    fields = dict(status="completed", attention="sa", model="tiny", lr=1e-3, seed=0, steps=40, final_val_loss=5.5)
+    ended = RunSummary(**fields, tokens_seen=640, run_dir=str(run), model_config={})
     (run / "summary.json").write_text(json.dumps(ended.to_json()))
     (run / "resumes.jsonl").write_text(json.dumps({"from_step": 30}) + "\n")
     outcome = gpu_check_summary.run_outcome(run)

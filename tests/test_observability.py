@@ -28,13 +28,8 @@ def fit(callbacks: list[L.Callback], max_steps: int, accumulate: int = 2) -> LMM
     """A tiny LMModule trained by a real Lightning Trainer on random tokens."""
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=VOCAB, block_size=CONTEXT)
-    module = LMModule(
-        config,
-        optimizer=partial(torch.optim.AdamW, lr=1e-3),
-        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
-        total_steps=max_steps,
-        spike_factor=None,
-    )
+    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
+    module = LMModule(config, partial(torch.optim.AdamW, lr=1e-3), scheduler, max_steps, spike_factor=None)
     tokens = torch.randint(0, VOCAB, (64, CONTEXT + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     trainer = L.Trainer(
