@@ -343,19 +343,12 @@ def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: 
         rounds, info, model=model, device_type=device.type, tokens=tokens, kernels=kernels
     )
     return {
-        "device": info.device,
+        **{key: value for key, value in asdict(info).items() if key != "pid"},  # the device, its peak FLOP/s, ...
         "precision": precision,
-        "compile": spec.compile,
         "model": model,
-        "context": spec.context,
-        "micro_batch": spec.micro_batch,
+        **spec.model_dump(include={"compile", "context", "micro_batch", "smoke", "steps", "warmup"}),
         "tokens_per_step": tokens,
         "vocab_size": phases["lightning"].model.vocab_size,
-        "smoke": spec.smoke,
-        "host_memory_reuse": info.host_memory_reuse,
-        "threads": info.threads,
-        "steps": spec.steps,
-        "warmup": spec.warmup,
         "rounds": len(rounds),
         "rounds_setting": spec.rounds,
         "rounds_plan": None if plan is None else asdict(plan),
@@ -374,10 +367,6 @@ def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: 
         "ratios": {key: s.to_json() for key, s in ratios.items()},
         "targets": {key: s.target for key, s in ratios.items()},
         "verdicts": {key: s.verdict for key, s in ratios.items()},
-        "flops_per_token": info.flops_per_token,
-        "flops_per_token_flop_counter": info.flops_per_token_flop_counter,
-        "peak_flops": info.peak_flops,
-        "peak_flops_source": info.peak_flops_source,
         "per_round": [{name: asdict(phase) for name, phase in r.items()} for r in rounds],
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
