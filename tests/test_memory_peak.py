@@ -84,11 +84,8 @@ def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision:
     from xsa_lm.train.schedule import warmup_cosine_scheduler
 
     config = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=64, vocab_size=2048)
-    optimizer, scheduler = (
-        partial(torch.optim.AdamW, lr=1e-3),
-        partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
-    )
-    setup = Setup(torch.device("cpu"), precision=precision, compile=False, optimizer=optimizer, scheduler=scheduler)
+    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
+    setup = Setup(torch.device("cpu"), precision, False, partial(torch.optim.AdamW, lr=1e-3), scheduler)
     trainer = PlainTrainer(config, setup, 0, 10)
     batches = make_batches(config, micro_batch=4, seed=0, device=setup.device)
     trainer.run(batches, 1)  # the AdamW state exists from here on
