@@ -327,9 +327,10 @@ def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
         }
         if peak is not None:
             mfu = [tokens / t * result["flops_per_token"] / peak for t in times]
-            out[name]["mfu"] = summarize(mfu, target=mfu_target(result["model"], result["device"]), at_most=False)
+            target = mfu_target(result["model"], result["device"])
+            out[name]["mfu"] = summarize(mfu, target=target, at_most=False).to_json()
     ratios = [x / s for x, s in zip(per_round["xsa"], per_round["sa"], strict=True)]
-    ratio = summarize(ratios, target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True)
+    ratio = summarize(ratios, target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True).to_json()
     resolved = ratio["interval"] is not None and ratio["interval"][1] - ratio["interval"][0] <= RESOLUTION
     ratio |= {"resolution": RESOLUTION, "resolved": resolved}
     return out | {"xsa_over_sa_step_time": ratio, "rounds_done": len(per_round["sa"])}
@@ -429,13 +430,13 @@ def bench(directory: Path, key: str, device: torch.device, args: argparse.Namesp
     first kernel's rounds and the compiled memory first, the other kernels while the deadline allows, eager last."""
     from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
     from xsa_lm.bench.run import resolve_bench_precision, sa_and_xsa
-    from xsa_lm.config.builders import build
+    from xsa_lm.config.builders import build, model_config
     from xsa_lm.train.hardware import device_name, peak_flops
     from xsa_lm.train.module import compile_model
 
     deadline, t_start = Deadline(), time.perf_counter()
     cfg = bench_config(args)
-    models = dict(zip(("sa", "xsa"), sa_and_xsa(cfg), strict=True))
+    models = dict(zip(("sa", "xsa"), sa_and_xsa(model_config(cfg, cfg.vocab_size), cfg.context), strict=True))
     precision = resolve_bench_precision("auto", device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

@@ -28,7 +28,7 @@ import gpu_check_measure  # noqa: E402
 
 from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches  # noqa: E402
 from xsa_lm.bench.run import resolve_bench_precision, sa_and_xsa  # noqa: E402
-from xsa_lm.config.builders import build  # noqa: E402
+from xsa_lm.config.builders import build, model_config  # noqa: E402
 from xsa_lm.train.module import compile_model  # noqa: E402
 
 WARMUP_STEPS = 3  # compiling, then autotuning and the allocator settling
@@ -91,7 +91,7 @@ def main() -> int:
         device, precision=precision, compile=False, optimizer=build(cfg.optim), scheduler=build(cfg.scheduler)
     )
     measured = {}
-    for name, config in zip(("sa", "xsa"), sa_and_xsa(cfg), strict=True):
+    for name, config in zip(("sa", "xsa"), sa_and_xsa(model_config(cfg, cfg.vocab_size), cfg.context), strict=True):
         trainer = PlainTrainer(config, setup, cfg.seed, WARMUP_STEPS + args.steps)
         compile_model(trainer.model)
         batches = make_batches(config, micro_batch=args.micro_batch, seed=0, device=device)

@@ -28,11 +28,18 @@ from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
 
 
-def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:
-    """A run in this process; the name of every checkpoint payload torch.save wrote, in order."""
+def train_here(data_cache: Path, monkeypatch, run_dir: Path, overrides: list[str]) -> None:
+    """A run in this process, its warnings hidden."""
     from xsa_lm.train.run import train
 
     monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(composed(overrides), run_dir)
+
+
+def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:
+    """A run in this process; the name of every checkpoint payload torch.save wrote, in order."""
     written, save = [], torch.save
 
     def counting(obj, f, *args, **kwargs):
@@ -42,10 +49,12 @@ def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *over
         return save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", counting)
-    cfg = composed([*FAST, "trainer.max_steps=20", "scheduler.total_steps=20", *overrides])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train(cfg, tmp_path / "run")
+    train_here(
+        data_cache,
+        monkeypatch,
+        tmp_path / "run",
+        [*FAST, "trainer.max_steps=20", "scheduler.total_steps=20", *overrides],
+    )
     return written
 
 
@@ -82,16 +91,11 @@ def test_checkpoint_every_n_steps_is_apart_from_validation(tmp_path, data_cache,
 def test_a_run_resumed_from_an_every_n_steps_checkpoint_logs_the_steps_it_trains(tmp_path, data_cache, monkeypatch):
     """Lightning saves such a checkpoint before it counts the step its loggers write: resumed from step 3, the run's
     metrics.csv labelled steps 3, 4, 5 as 2, 3, 4 (with the right losses)."""
-    from xsa_lm.train.run import train
-
-    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     settings = [*FAST, "trainer.max_steps=6", "scheduler.total_steps=6", "val_every_steps=1000"]
     settings += ["checkpoint.every_n_steps=3", "checkpoint.keep_last=4"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train(composed(settings), tmp_path / "a")
-        checkpoint = tmp_path / "a" / "checkpoints" / "step-000003.ckpt"
-        train(composed([*settings, f"resume={checkpoint}"]), tmp_path / "b")
+    train_here(data_cache, monkeypatch, tmp_path / "a", settings)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step-000003.ckpt"
+    train_here(data_cache, monkeypatch, tmp_path / "b", [*settings, f"resume={checkpoint}"])
     first, resumed = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
     assert sorted(resumed) == [3, 4, 5]
     assert resumed == pytest.approx({step: first[step] for step in (3, 4, 5)}, rel=1e-6)
@@ -206,34 +210,15 @@ def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: P
     from tests.conftest import run_cli
     from tests.test_fsdp import ARGS, FSDP, assert_close, metric
 
-    steps = ["trainer.max_steps=10", "scheduler.total_steps=20"]
-    run = run_cli(
-        ["train", *ARGS, *FSDP, *steps, "checkpoint.async_save=true", f"hydra.run.dir={tmp_path / 'async'}"],
-        data_cache,
-        tmp_path,
-    )
+    common = ["train", *ARGS, *FSDP, "trainer.max_steps=10", "scheduler.total_steps=20", "checkpoint.async_save=true"]
+    run = run_cli([*common, f"hydra.run.dir={tmp_path / 'async'}"], data_cache, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     folder = tmp_path / "async" / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "best.ckpt",
-        "last.ckpt",
-        "step-000005.ckpt",
-        "step-000010.ckpt",
-    ]
+    expected = ["best.ckpt", "last.ckpt", "step-000005.ckpt", "step-000010.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == expected
     assert checkpoint_step(folder / "last.ckpt") == 10 and checkpoint_step(folder / "step-000005.ckpt") == 5
-    resumed = run_cli(
-        [
-            "train",
-            *ARGS,
-            *FSDP,
-            *steps,
-            "checkpoint.async_save=true",
-            f"resume={folder / 'step-000005.ckpt'}",
-            f"hydra.run.dir={tmp_path / 'r'}",
-        ],
-        data_cache,
-        tmp_path,
-    )
+    resume = f"resume={folder / 'step-000005.ckpt'}"
+    resumed = run_cli([*common, resume, f"hydra.run.dir={tmp_path / 'r'}"], data_cache, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     fsdp = metric(tmp_path / "async", "train/loss")
     assert_close({s: fsdp[s] for s in range(5, 10)}, metric(tmp_path / "r", "train/loss"), range(5, 10))
@@ -243,18 +228,14 @@ def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: P
 def test_a_resume_with_a_lower_keep_last_prunes_the_older_step_checkpoints(tmp_path, data_cache, monkeypatch):
     """keep_last lowered on a resume: the step checkpoints past it go as training starts, as a later save would
     have pruned them; none is left behind, unmanaged, for resume=auto to fall back on."""
-    from xsa_lm.train.run import train
-
-    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     settings = [*FAST, "val_every_steps=2", "scheduler.total_steps=8"]
     folder = tmp_path / "run" / "checkpoints"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train(composed([*settings, "trainer.max_steps=6", "checkpoint.keep_last=3"]), tmp_path / "run")
-        assert sorted(p.name for p in folder.glob("step-*")) == [f"step-00000{s}.ckpt" for s in (2, 4, 6)]
-        train(composed([*settings, "trainer.max_steps=8", "checkpoint.keep_last=1", "resume=auto"]), tmp_path / "run")
-        assert sorted(p.name for p in folder.glob("step-*")) == ["step-000008.ckpt"]
-        train(composed([*settings, "trainer.max_steps=10", "checkpoint.keep_last=0", "resume=auto"]), tmp_path / "run")
+    train_here(data_cache, monkeypatch, tmp_path / "run", [*settings, "trainer.max_steps=6", "checkpoint.keep_last=3"])
+    assert sorted(p.name for p in folder.glob("step-*")) == [f"step-00000{s}.ckpt" for s in (2, 4, 6)]
+    settings.append("resume=auto")
+    train_here(data_cache, monkeypatch, tmp_path / "run", [*settings, "trainer.max_steps=8", "checkpoint.keep_last=1"])
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-000008.ckpt"]
+    train_here(data_cache, monkeypatch, tmp_path / "run", [*settings, "trainer.max_steps=10", "checkpoint.keep_last=0"])
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-000008.ckpt"]  # the file resumed from stays
     assert checkpoint_step(folder / "last.ckpt") == 10
 
@@ -263,15 +244,10 @@ def test_a_resume_with_a_lower_keep_last_prunes_the_older_step_checkpoints(tmp_p
 def test_a_run_folder_copied_elsewhere_resumes_with_its_kept_checkpoints(tmp_path, data_cache, monkeypatch):
     """Lightning forgets the checkpoints it kept when the folder's path changed: keep_last would never prune the
     copied ones, and the next validation would replace best.ckpt, better or not."""
-    from xsa_lm.train.run import train
-
-    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     settings = [*FAST, "val_every_steps=2", "checkpoint.keep_last=2", "scheduler.total_steps=8"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train(composed([*settings, "trainer.max_steps=4"]), tmp_path / "a")
-        shutil.copytree(tmp_path / "a", tmp_path / "b")
-        train(composed([*settings, "trainer.max_steps=8", "resume=auto"]), tmp_path / "b")
+    train_here(data_cache, monkeypatch, tmp_path / "a", [*settings, "trainer.max_steps=4"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    train_here(data_cache, monkeypatch, tmp_path / "b", [*settings, "trainer.max_steps=8", "resume=auto"])
     folder = tmp_path / "b" / "checkpoints"
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-000006.ckpt", "step-000008.ckpt"]
     history = json.loads((tmp_path / "b" / "summary.json").read_text())["val_history"]

@@ -1,7 +1,6 @@
 """What xsa_lm.compat relies on still holds on the installed versions: the private Lightning and torch APIs it uses
 behave as it expects, and the Lightning and Hydra rules it restates in public terms give their own answers."""
 
-import csv
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from xsa_lm import compat
+from xsa_lm.files import read_csv
 from xsa_lm.tracking import RunCSVLogger
 
 VERSIONS = f"torch {torch.__version__}, lightning {L.__version__}"
@@ -110,8 +110,7 @@ def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
     writer.save()
     writer.log_metrics({"train/lr": 0.5}, step=2)  # a new column: the header is rewritten, the rows kept
     writer.save()
-    with open(tmp_path / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(tmp_path / "metrics.csv")[1]
     assert [r["step"] for r in rows] == ["0", "1", "2"], changed("ExperimentWriter", "no longer appends to metrics.csv")
     assert rows[0] == {"step": "0", "train/loss": "1.5", "train/lr": ""} and rows[2]["train/lr"] == "0.5"
 
@@ -259,24 +258,6 @@ def test_a_compiled_model_names_its_weights_with_the_wrapper_prefix():
     )
 
 
-def test_multirun_jobs_are_those_of_hydras_basic_sweeper():
-    from hydra import initialize_config_module
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from xsa_lm.config.command_line import sweep_jobs
-
-    overrides = ["seed=1,2", "trainer.max_steps=3,4,5", "seed=7,8", "val_every_steps=2"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        jobs = sweep_jobs("train", overrides)
-        hydra = GlobalHydra.instance().hydra
-        assert hydra is not None
-        parser = OverridesParser.create(config_loader=hydra.config_loader)
-        (expected,) = BasicSweeper.split_arguments(parser.parse_overrides(overrides), None)
-    assert jobs == expected and len(jobs) == 6 and jobs[0] == ["seed=7", "trainer.max_steps=3", "val_every_steps=2"]
-
-
 class StepLogger(Recorder):
     """Logs its loss at every step and validates on one batch; a checkpoint it resumes from is set as after a train
     batch's end (compat.restart_after_the_step), as LMModule sets it."""
@@ -309,8 +290,7 @@ def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validat
         trainer.fit(StepLogger(), data, data, ckpt_path=ckpt_path)
         if ckpt_path is None:
             trainer.save_checkpoint(tmp_path / "after.ckpt")
-        with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
-            return [int(row["step"]) for row in csv.DictReader(f) if row["loss"]]
+        return [int(row["step"]) for row in read_csv(Path(logger.log_dir, "metrics.csv"))[1] if row["loss"]]
 
     keep = ModelCheckpoint(dirpath=tmp_path, filename="at-{step}", every_n_train_steps=None, save_top_k=-1)
     assert fit("first", 3, 3, callbacks=[keep], enable_checkpointing=True) == [0, 1, 2]
@@ -338,7 +318,6 @@ def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(
     trainer = L.Trainer(max_steps=3, logger=logger, limit_val_batches=1, **quiet, **settings)
     trainer.fit(StopsAtTheEnd(), data, data)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3 * accumulate, changed(api, "stops early")
-    with open(Path(logger.log_dir, "metrics.csv"), newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(Path(logger.log_dir, "metrics.csv"))[1]
     validated, logged = [r["step"] for r in rows if r["val"]], [r["step"] for r in rows if r["loss"]]
     assert validated == ["1", "2"] and logged == ["1", "2"], changed(api, f"changed (rows {validated}, {logged})")

@@ -5,14 +5,8 @@ import math
 import pytest
 import torch
 
-from xsa_lm.analysis.diagnostics import (
-    diagnose,
-    layer_statistics,
-    mean_pairwise_cosine,
-    self_attention_weights,
-)
-from xsa_lm.analysis.run import PANELS, default_labels, figure, label_list
-from xsa_lm.errors import UserError
+from xsa_lm.analysis.diagnostics import diagnose, layer_statistics, mean_pairwise_cosine, self_attention_weights
+from xsa_lm.analysis.run import PANELS, AnalyzeOptions, default_labels, figure
 from xsa_lm.model import GPT, GPTConfig
 
 
@@ -67,18 +61,8 @@ def test_sinks_are_keys_but_not_positions():
 
 def test_diagnose_a_model_layer_by_layer():
     torch.manual_seed(0)
-    config = GPTConfig(
-        n_layer=3,
-        d_model=32,
-        n_head=4,
-        head_dim=8,
-        vocab_size=64,
-        block_size=32,
-        attention="xsa",
-        xsa_layers=(1, 2),
-        n_kv_head=2,
-        n_sinks=1,
-    )
+    shape = dict(n_layer=3, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=32, n_kv_head=2, n_sinks=1)
+    config = GPTConfig(**shape, attention="xsa", xsa_layers=(1, 2))
     model = GPT(config)
     batches = [torch.randint(0, 64, (2, 32)) for _ in range(3)]
     rows = diagnose(model, batches, chunk=8)
@@ -139,11 +123,8 @@ def test_default_labels_are_run_names_saying_the_attention_once(tmp_path):
     assert default_labels(runs, ["xsa", "xsa"]) == ["xsa last #0", "xsa last #1"]
 
 
-def test_given_labels_are_one_distinct_text_per_checkpoint():
-    assert label_list(None, 2) is None
-    assert label_list(["sa", 3], 2) == ["sa", "3"]
-    assert label_list("foo", 1) == ["foo"]  # labels=foo: one label, not three letters
-    with pytest.raises(UserError, match="^labels: 'a' labels more than one checkpoint: give each its own$"):
-        label_list(["a", "a"], 2)  # would draw two checkpoints as one line
-    with pytest.raises(UserError, match="^labels: 1 labels for 2 checkpoints$"):
-        label_list("foo", 2)
+def test_labels_and_checkpoints_may_be_given_as_one_value_or_as_numbers():
+    counts = dict(sequences=1, batch_size=1, chunk=1, position_buckets=1)
+    options = AnalyzeOptions.model_validate({"ckpts": "a.ckpt", "labels": "foo", **counts})  # not three letters
+    assert (options.ckpts, options.labels) == (["a.ckpt"], ["foo"])
+    assert AnalyzeOptions.model_validate({"ckpts": [1, "b"], "labels": ["sa", 3], **counts}).labels == ["sa", "3"]

@@ -2,9 +2,10 @@
 
 import json
 import math
-import re
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,174 +26,133 @@ from tests.helpers import (
 from tests.wandb_records import run_files, summary
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
-from xsa_lm.eval.harness import HarnessLM
-from xsa_lm.eval.run import check_options, load_tasks, paired_intervals, render, resolve_tasks, xsa_minus_sa
-from xsa_lm.model import GPT, GPTConfig, generate
+from xsa_lm.eval.run import (
+    EvalResult,
+    Row,
+    Score,
+    harness_lm,
+    load_tasks,
+    paired_intervals,
+    render,
+    resolve_tasks,
+    xsa_minus_sa,
+)
+from xsa_lm.model import GPT, GPTConfig
 
 TEXTS = ["the cat sat on the mat. " * 30, "a dog ran in the park and the cat ran too. " * 30]
 
 
 @pytest.fixture(scope="module")
-def lm() -> HarnessLM:
+def lm():
+    """What `xsa-lm eval` scores: a model as lm-eval's `hf` backend sees it, with the tokenizer it was trained with."""
     torch.manual_seed(0)
     tokenizer = train_bpe(TEXTS, vocab_size=300)
     model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=320, block_size=32, attention="xsa"))
-    return HarnessLM(model, tokenizer, batch_size=3)
+    return model.eval(), tokenizer, harness_lm(model, tokenizer, batch_size=3)
 
 
 def request(kind: str, *args) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
 
-def direct_logprob(lm: HarnessLM, ids: list[int], n_scored: int) -> float:
-    logits = lm.model(torch.tensor([ids[:-1]]))
-    logprobs = F.log_softmax(logits.float(), -1)[0, -n_scored:]
+def our_logprob(model: GPT, ids: list[int], n_scored: int) -> float:
+    logprobs = F.log_softmax(model(torch.tensor([ids[:-1]])).float(), -1)[0, -n_scored:]
     return logprobs.gather(-1, torch.tensor(ids[-n_scored:]).unsqueeze(-1)).sum().item()
 
 
-def test_loglikelihood_equals_a_direct_computation(lm: HarnessLM):
+@torch.no_grad()
+def test_the_harness_gives_our_models_log_likelihoods(lm):
+    """Context and continuation tokenized together (as training saw text) and split at the context's tokens, its
+    trailing spaces moved to the continuation; an empty context conditions on EOT; a text longer than the context is
+    scored in windows. Batching and padding change nothing."""
+    model, tokenizer, harness = lm
+    eot = tokenizer.token_to_id(EOT)
     pairs = [("the cat sat on the", " mat"), ("a dog ran in the ", "park"), ("", "the cat")]
-    got = lm.loglikelihood([request("loglikelihood", *p) for p in pairs])
+    got = harness.loglikelihood([request("loglikelihood", *p) for p in pairs])
     for (context, continuation), (logprob, greedy) in zip(pairs, got, strict=True):
-        context_ids, continuation_ids = lm.encode_pair(context, continuation)
-        expected = direct_logprob(lm, context_ids + continuation_ids, len(continuation_ids))
+        stripped = context.rstrip()
+        whole = tokenizer.encode(context + continuation).ids
+        head = tokenizer.encode(stripped).ids
+        expected = our_logprob(model, (head or [eot]) + whole[len(head) :], len(whole) - len(head))
         assert logprob == pytest.approx(expected, abs=1e-4) and isinstance(greedy, bool)
-    assert lm.encode_pair("", "x")[0] == [lm.tokenizer.token_to_id(EOT)]  # an empty context conditions on EOT
-    one_by_one = HarnessLM(lm.model, lm.tokenizer, batch_size=1)
+    one_by_one = harness_lm(model, tokenizer, batch_size=1)
     single = one_by_one.loglikelihood([request("loglikelihood", *p) for p in pairs])
-    assert [s for s, _ in single] == pytest.approx([s for s, _ in got], abs=1e-4)  # batching and padding change nothing
-
-
-def test_rolling_loglikelihood_covers_every_token_once(lm: HarnessLM):
-    short = "the cat sat"
-    ids = lm.encode(short)
-    expected = direct_logprob(lm, [lm.eot, *ids], len(ids))
-    assert lm.loglikelihood_rolling([request("loglikelihood_rolling", short)])[0] == pytest.approx(expected, abs=1e-4)
+    assert [s for s, _ in single] == pytest.approx([s for s, _ in got], abs=1e-4)
+    ids = tokenizer.encode("the cat sat").ids
+    rolling = harness.loglikelihood_rolling([request("loglikelihood_rolling", "the cat sat")])[0]
+    assert rolling == pytest.approx(our_logprob(model, [eot, *ids], len(ids)), abs=1e-4)
     long = TEXTS[1][:400]  # longer than the context: several windows
-    assert len(lm.encode(long)) > lm.max_length
-    total = lm.loglikelihood_rolling([request("loglikelihood_rolling", long)])[0]
-    assert math.isfinite(total) and total < 0
+    total = harness.loglikelihood_rolling([request("loglikelihood_rolling", long)])[0]
+    assert len(tokenizer.encode(long).ids) > 32 and math.isfinite(total) and total < 0
 
 
-def test_generation_stops_at_until(lm: HarnessLM):
-    out = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
-    assert len(out) == 1 and "." not in out[0]
-    again = lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 20})])
-    assert again == out  # greedy
+TASKS_REFUSED = {  # tasks= -> the one line (a task YAML that is not YAML ended in "xsa-lm: error: ParserError")
+    "[]": ([], "tasks: give at least one task, e.g. tasks=paper"),
+    "empty": ("", "tasks: give at least one task, e.g. tasks=paper"),
+    "null": (None, "tasks: give at least one task, e.g. tasks=paper"),
+    "['']": ([""], "tasks: give at least one task, e.g. tasks=paper"),
+    # one score per task name: a second file of the same `task:` replaced the first's score in the table and the
+    # average, without a word; the same name twice counted it twice in the average
+    "a name twice": (["piqa", "arc_easy", "piqa"], "tasks: piqa is the task 'piqa', as piqa is: give each task once"),
+    "a task's file twice": (["{a}", "{b}"], "tasks: {b} is the task 'cloze', as {a} is: give each task once"),
+    "not YAML": (["{broken}"], "tasks: {broken} is not valid YAML at line 2"),
+    "a list": (["{listed}"], "tasks: {listed} is not a task file (a YAML mapping with `task:`)"),
+    "no name": (["{nameless}"], "tasks: {nameless} has no `task:` name"),
+    "no such file": (["{here}/none.yaml"], "tasks: task file not found: {here}/none.yaml"),
+}
 
 
-def test_generation_draws_only_the_tokenizers_ids(lm: HarnessLM, monkeypatch):
-    """The model's table may be padded past the tokenizer's vocabulary: those ids are left out of the draw."""
-    from xsa_lm.eval import harness
+@pytest.mark.parametrize("tasks, expected", TASKS_REFUSED.values(), ids=TASKS_REFUSED.keys())
+def test_tasks_are_refused_in_one_line(tasks, expected: str, tmp_path: Path):
+    files = {"a": "a/cloze.yaml", "b": "b/cloze.yaml", "broken": "x.yaml", "listed": "l.yaml", "nameless": "n.yaml"}
+    texts = {"a": "task: cloze", "b": "task: cloze", "broken": "task: [unclosed", "listed": "- task: a"}
+    paths = {key: tmp_path / name for key, name in files.items()}
+    for key, path in paths.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(texts.get(key, "dataset_path: json") + "\n")
+    paths["here"] = tmp_path
+    with pytest.raises(UserError) as refused:
+        resolve_tasks([task.format(**paths) for task in tasks] if isinstance(tasks, list) else tasks)
+    assert str(refused.value).startswith(expected.format(**paths))
 
-    asked = []
-    monkeypatch.setattr(harness, "generate", lambda *a, **kw: asked.append(kw) or generate(*a, **kw))
-    lm.generate_until([request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 4})])
-    assert [kw["vocab_size"] for kw in asked] == [lm.tokenizer.get_vocab_size()]
 
-
-@pytest.mark.parametrize("tasks", [[], "", None, [""]])
-def test_no_task_is_refused(tasks):
-    with pytest.raises(UserError, match=r"^tasks: give at least one task, e.g. tasks=paper$"):
-        resolve_tasks(tasks)
+def test_tasks_are_paper_names_or_files_whose_own_tags_are_no_error(tmp_path: Path) -> None:
     assert len(resolve_tasks("paper")[0]) == 8
-
-
-def test_a_task_given_twice_is_refused(tmp_path: Path):
-    """One score per task name: a second file of the same `task:` replaced the first's score in the table and the
-    average, without a word; the same name twice counted it twice in the average."""
-    for folder in ("a", "b"):
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "cloze.yaml").write_text("task: cloze\ndataset_path: json\n")
-    first, second = str(tmp_path / "a" / "cloze.yaml"), str(tmp_path / "b" / "cloze.yaml")
-    with pytest.raises(UserError, match=f"^tasks: {re.escape(second)} is the task 'cloze', as {re.escape(first)} is"):
-        resolve_tasks([first, second])
-    with pytest.raises(UserError, match="^tasks: piqa is the task 'piqa', as piqa is: give each task once$"):
-        resolve_tasks(["piqa", "arc_easy", "piqa"])
-    assert resolve_tasks([first, "piqa"]) == (["cloze", "piqa"], [str(tmp_path / "a")])
-
-
-def test_a_bad_task_file_is_refused_by_name(tmp_path: Path) -> None:
-    """A task YAML that is not YAML, or whose data file holds no rows, ended in "xsa-lm: error: ParserError" or
-    "StopIteration" (an internal error); lm-eval's own tags (`!function`) are no error."""
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("task: [unclosed\n")
-    with pytest.raises(UserError, match=f"^tasks: {re.escape(str(broken))} is not valid YAML at line 2"):
-        resolve_tasks([str(broken)])
-    listed = tmp_path / "listed.yaml"
-    listed.write_text("- task: a\n")
-    with pytest.raises(UserError, match="is not a task file"):
-        resolve_tasks([str(listed)])
-    tagged = tmp_path / "tagged.yaml"
+    tagged = tmp_path / "tagged.yaml"  # lm-eval's own tags (`!function`)
     tagged.write_text("task: tagged\nprocess_docs: !function utils.process_docs\n")
-    assert resolve_tasks([str(tagged)]) == (["tagged"], [str(tmp_path)])
+    assert resolve_tasks([str(tagged), "piqa"]) == (["tagged", "piqa"], [str(tmp_path)])
     task = write_local_task(tmp_path / "empty")
-    (tmp_path / "empty" / "items.jsonl").write_text("")
+    (tmp_path / "empty" / "items.jsonl").write_text("")  # ended in StopIteration, an internal error
     with pytest.raises(UserError, match="^tasks: xsa_toy_mc: its data holds no items"):
         load_tasks(*resolve_tasks([str(task)]))
 
 
-@pytest.mark.parametrize(
-    "limit, batch_size, key",
-    [
-        (0, 16, "limit"),
-        (-5, 16, "limit"),
-        ("abc", 16, "limit"),
-        (math.inf, 16, "limit"),  # not an OverflowError in the harness
-        (math.nan, 16, "limit"),
-        (2.5, 16, "limit"),  # the harness would run 2 and the table say 2.5
-        (True, 16, "limit"),
-        (None, 0, "batch_size"),
-        (None, 2.5, "batch_size"),
-    ],
-)
-def test_eval_options_are_checked(limit, batch_size, key: str):
-    with pytest.raises(UserError, match=f"^{key} must be"):
-        check_options(limit, batch_size)
-    for fine in ((None, 16), (10, 1), (0.5, 1)):  # 0.5: a fraction of each task, the harness's own meaning
-        check_options(*fine)
+def score(value: float, n: int = 6, stderr: float | None = None) -> dict[str, Score]:
+    return {"t": Score(metric="acc", value=value, n=n, stderr=stderr)}
 
 
-def test_eval_wandb_is_a_boolean_and_the_table_says_what_a_limit_ran():
-    with pytest.raises(UserError, match="^wandb must be true or false, got 'maybe'$"):
-        check_options(None, 16, "maybe")  # a non-empty text would count as true
-    check_options(None, 16, False)
-    empty = {"tasks": [], "rows": []}
-    assert "(limit=0.5: 50% of the examples of each task" in render({**empty, "limit": 0.5})
-    assert "(limit=3: the first 3 examples of each task" in render({**empty, "limit": 3})
+def row(checkpoint: str, attention: str, value: float, run: str | None = None) -> Row:
+    run = run or Path(checkpoint).parent.parent.name
+    return Row(checkpoint=checkpoint, attention=attention, run=run, scores=score(value), average=value)
 
 
-def test_the_difference_row_is_of_the_arms_means_over_their_seeds():
+def test_the_difference_is_of_the_arms_means_over_their_seeds():
     """Seeds of both arms (as a sweep's compare runs are evaluated): the row was the first XSA minus the first SA."""
-
-    def row(attention: str, value: float) -> dict:
-        score, run = {"metric": "acc", "value": value}, f"{attention}{value}"
-        checkpoint = f"/runs/{run}/checkpoints/last.ckpt"
-        return {"checkpoint": checkpoint, "attention": attention, "run": run, "scores": {"t": score}, "average": value}
-
-    rows = [row("xsa", 0.5), row("sa", 0.4), row("xsa", 0.7), row("sa", 0.2), row("sa", 0.3)]
-    difference = xsa_minus_sa(rows, ["t"])
-    assert difference == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
-    table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": difference})
-    assert "| XSA - SA (means of 2 and 3 checkpoints) | +30.00 | +30.00 |" in table
+    arms = [("xsa", 0.5), ("sa", 0.4), ("xsa", 0.7), ("sa", 0.2), ("sa", 0.3)]
+    rows = [row(f"/runs/{a}{v}/checkpoints/last.ckpt", a, v) for a, v in arms]
+    assert xsa_minus_sa(rows, ["t"]) == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
     assert xsa_minus_sa(rows[1::2], ["t"]) is None  # no XSA checkpoint
-    assert "warning" not in table  # five runs: nothing shared
 
 
-def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_standard_error():
-    """-10 points on 20 items printed without a word of its noise (one item is 5 points): each score now carries n
-    and its standard error, and XSA - SA a t interval over the items both arms answered (seeds averaged first)."""
+def test_the_difference_has_an_interval_paired_over_items():
+    """-10 points on 20 items printed without a word of its noise (one item is 5 points): XSA - SA has a t interval
+    over the items both arms answered (seeds averaged first), the average's from the tasks' added in quadrature."""
     import scipy.stats
 
     sa = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0, 5: 1.0}
     xsa = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 1.0}
     other = {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}  # a second SA seed, one more task
-
-    def row(attention: str, values: dict) -> dict:
-        value = sum(values.values()) / len(values)
-        return {"checkpoint": f"/r/{attention}/last.ckpt", "attention": attention, "run": attention, "average": value}
-
-    rows = [row("sa", sa), row("xsa", xsa), row("sa", other)]
+    rows = [row(f"/r/{a}/last.ckpt", a, 0.5, run=a) for a in ("sa", "xsa", "sa")]
     items = [{"a": sa, "b": sa}, {"a": xsa, "b": other}, {"a": other, "b": xsa}]
     intervals = paired_intervals(rows, items, ["a", "b"])
     diffs = {t: [items[1][t][d] - (items[0][t][d] + items[2][t][d]) / 2 for d in range(6)] for t in ("a", "b")}
@@ -202,42 +162,31 @@ def test_the_difference_has_an_interval_paired_over_items_and_each_score_its_sta
     half = math.sqrt(sum(((intervals[t][1] - intervals[t][0]) / 2) ** 2 for t in ("a", "b"))) / 2
     centre = (sum(diffs["a"]) + sum(diffs["b"])) / 12
     assert intervals["average"] == pytest.approx([centre - half, centre + half])
-    assert paired_intervals(rows[:2], items[:2], ["a"])["a"] is not None
     same = [{"a": sa}, {"a": sa}]
     assert paired_intervals(rows[:2], same, ["a"]) == {"a": None, "average": None}  # no spread: no interval
 
-    scored = [{**r, "scores": {"a": {"metric": "acc", "value": r["average"], "n": 6, "stderr": 0.2}}} for r in rows[:2]]
-    result = {"tasks": ["a"], "limit": None, "rows": scored, "xsa_minus_sa": xsa_minus_sa(scored, ["a"])}
-    table = render({**result, "xsa_minus_sa_ci95": {"a": [-0.25, 0.05], "average": None}})
-    assert "| checkpoint | a (acc, n=6) | average |" in table and "| SA sa | 66.67 ± 20.00 | 66.67 |" in table
-    assert "| 95% CI, paired over items | [-25.00, +5.00] | - |" in table
-    earlier = [{**r, "scores": {"a": {"metric": "acc", "value": r["average"]}}} for r in rows[:2]]  # no n, stderr
-    table = render({**result, "rows": earlier})  # an eval.json of an earlier release, no interval either
-    assert "| checkpoint | a (acc) | average |" in table and "| SA sa | 66.67 | 66.67 |" in table and "CI" not in table
+
+def assert_golden(name: str, text: str) -> None:
+    """`text` is tests/golden/<name>; XSA_LM_GOLDEN=update writes it again after a deliberate change."""
+    path = Path(__file__).parent / "golden" / name
+    if os.environ.get("XSA_LM_GOLDEN") == "update":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text()
 
 
-def test_checkpoints_of_one_run_are_labelled_apart_and_their_shared_mean_is_warned_of():
-    """Two checkpoints of one run: each row names its file (both read `SA sa_run`), and the SA mean that counts them
-    both says so; runs of one name in other folders are told apart by their paths."""
-
-    def row(checkpoint: str, attention: str, value: float) -> dict:
-        score = {"metric": "acc", "value": value}
-        run = Path(checkpoint).parent.parent.name
-        return {"checkpoint": checkpoint, "attention": attention, "run": run, "scores": {"t": score}, "average": value}
-
-    rows = [
-        row("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425),
-        row("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45),
-    ]
-    rows += [row("/r/xsa_run/checkpoints/last.ckpt", "xsa", 0.5)]
-    table = render({"tasks": ["t"], "limit": None, "rows": rows, "xsa_minus_sa": xsa_minus_sa(rows, ["t"])})
-    assert "| SA sa_run last | 42.50 | 42.50 |" in table and "| SA sa_run step-000010 | 45.00 | 45.00 |" in table
-    assert "| XSA xsa_run | 50.00 | 50.00 |" in table  # one checkpoint of its run: its name alone
-    warning = "(warning: SA's mean counts 2 checkpoints of one run, /r/sa_run (SA sa_run last, SA sa_run step-000010)"
-    assert warning in table
-    elsewhere = [row("/a/sa/checkpoints/last.ckpt", "sa", 0.4), row("/b/sa/checkpoints/last.ckpt", "sa", 0.5)]
-    table = render({"tasks": ["t"], "limit": None, "rows": elsewhere})
-    assert "| SA /a/sa/checkpoints/last.ckpt |" in table and "| SA /b/sa/checkpoints/last.ckpt |" in table
+def test_eval_md():
+    """eval.md, as eval.json reads back: each score with n and its standard error; two checkpoints of one run told
+    apart by their files, and the mean that counts both warned of; runs of one name in other folders told apart by
+    their paths; XSA - SA of the arms' means with its interval; what a limit ran."""
+    runs = [("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425), ("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45)]
+    runs += [("/a/xsa/checkpoints/last.ckpt", "xsa", 0.5), ("/b/xsa/checkpoints/last.ckpt", "xsa", 0.55)]
+    rows = [replace(row(*r), scores=score(r[2], n=20, stderr=0.11 if i else None)) for i, r in enumerate(runs)]
+    result = EvalResult(tasks=["t"], limit=0.5, rows=rows, xsa_minus_sa=xsa_minus_sa(rows, ["t"]))
+    result = replace(result, xsa_minus_sa_ci95={"t": [-0.25, 0.05], "average": None})
+    assert_golden("eval_report.md", render(EvalResult.from_json(json.loads(json.dumps(result.to_json())))))
+    one_each = EvalResult(tasks=["t"], limit=3, rows=rows[1:3], xsa_minus_sa=xsa_minus_sa(rows[1:3], ["t"]))
+    assert_golden("eval_report_limit.md", render(one_each))
 
 
 # --- through the CLI ---------------------------------------------------------------------------------------------
@@ -251,11 +200,8 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
         run_dir = tmp_path / attention
         logger = [] if attention == "sa" else ["logger=csv"]  # the SA run has a W&B run to log the scores into
         fast = [o for o in FAST if o != "logger=csv"]
-        proc = run_cli(
-            ["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10", f"hydra.run.dir={run_dir}"],
-            data_cache,
-            tmp_path,
-        )
+        args = ["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10", f"hydra.run.dir={run_dir}"]
+        proc = run_cli(args, data_cache, tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         ckpts[attention] = run_dir / "checkpoints" / "last.ckpt"
     task = write_local_task(tmp_path / "tasks")
@@ -266,12 +212,8 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert made.returncode == 0, made.stderr
     cloze = tmp_path / "tasks" / "shakespeare_cloze.yaml"
     out = tmp_path / "eval"
-    proc = run_cli(
-        ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"],
-        data_cache,
-        tmp_path,
-        timeout=600,
-    )
+    args = ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"]
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "not a git repository" not in proc.stderr  # the harness's own git call, outside a repository
     result = json.loads((out / "eval.json").read_text())
@@ -297,12 +239,8 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])
 
     # A hub task without network: fails fast and names the task.
-    missing = run_cli(
-        ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"],
-        data_cache,
-        tmp_path,
-        timeout=300,
-    )
+    args = ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"]
+    missing = run_cli(args, data_cache, tmp_path, timeout=300)
     assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
     # Generation: greedy is deterministic through the CLI too.
@@ -311,10 +249,19 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
 
 
+LIMIT = "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, or null"
 REFUSED = {
     "tasks=[]": "tasks: give at least one task, e.g. tasks=paper",
-    "limit=0": "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1)",
+    "limit=0": f"{LIMIT} for every example, got 0",
+    "limit=-5": f"{LIMIT} for every example, got -5",
+    "limit=abc": f"{LIMIT} for every example, got 'abc'",
+    "limit=inf": f"{LIMIT} for every example, got inf",  # not an OverflowError in the harness
+    "limit=nan": f"{LIMIT} for every example, got nan",
+    "limit=2.5": f"{LIMIT} for every example, got 2.5",  # the harness would run 2 and the table say 2.5
+    "limit=true": f"{LIMIT} for every example, got True",
     "batch_size=0": "batch_size must be an integer >= 1, got 0",
+    "batch_size=2.5": "batch_size must be an integer >= 1, got 2.5",
+    "wandb=maybe": "wandb must be true or false, got 'maybe'",  # a non-empty text would count as true
 }
 
 
@@ -326,7 +273,7 @@ def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, 
     proc = cli_in_process(
         ["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
     )
-    assert_refused(proc, expected)
+    assert assert_refused(proc) == f"xsa-lm: error: {expected}"
     assert_nothing_written(out)
 
 

@@ -1,7 +1,6 @@
 """FSDP2 (trainer=fsdp) on CPU with 2 gloo processes: the same training as one process, sharded checkpoints that
 survive kill -9 and resume on another number of processes, and that analyze / eval read."""
 
-import csv
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ import torch
 from tests.helpers import FAST, cli_env, run_cli, train_losses, wait_for, write_local_task
 from xsa_lm.checkpoints.discovery import newest_valid_checkpoint
 from xsa_lm.checkpoints.load import load_model
+from xsa_lm.files import read_csv
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 STEPS = ["trainer.max_steps=20", "scheduler.total_steps=20", "val_every_steps=5", "checkpoint.keep_last=4"]
@@ -23,8 +23,7 @@ FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer
 
 
 def metric(run_dir: Path, name: str) -> dict[int, float]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+    return {int(r["step"]): float(r[name]) for r in read_csv(run_dir / "metrics.csv")[1] if r.get(name)}
 
 
 def assert_close(a: dict[int, float], b: dict[int, float], steps) -> None:
@@ -33,16 +32,27 @@ def assert_close(a: dict[int, float], b: dict[int, float], steps) -> None:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
 
 
+def train_both(args: list[str], data_cache: Path, root: Path) -> str:
+    """One process in root/single and FSDP2 on 2 processes in root/fsdp; the FSDP2 run's output."""
+    single = run_cli(["train", *args, "trainer=cpu", f"hydra.run.dir={root / 'single'}"], data_cache, root)
+    sharded = run_cli(["train", *args, *FSDP, f"hydra.run.dir={root / 'fsdp'}"], data_cache, root)
+    assert single.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
+    return sharded.stdout + sharded.stderr
+
+
+def assert_same_steps(root: Path, steps: range) -> None:
+    for name in ("train/loss", "train/grad_norm"):
+        assert_close(metric(root / "single", name), metric(root / "fsdp", name), steps)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
     """20 steps in one process and under FSDP2 on 2 processes (sharded checkpoints, the default)."""
     root = tmp_path_factory.mktemp("fsdp")
-    single = run_cli(["train", *ARGS, "trainer=cpu", f"hydra.run.dir={root / 'single'}"], data_cache, root)
-    sharded = run_cli(["train", *ARGS, *FSDP, f"hydra.run.dir={root / 'fsdp'}"], data_cache, root)
-    assert single.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
-    assert "x 1 accumulation x 2 device(s)" in sharded.stdout
+    output = train_both(ARGS, data_cache, root)
+    assert "x 1 accumulation x 2 device(s)" in output
     # Lightning's advice to sync_dist the validation metrics: they are sums reduced over the ranks before logging
-    assert "sync_dist" not in sharded.stderr
+    assert "sync_dist" not in output
     return root
 
 
@@ -50,35 +60,27 @@ def test_fsdp2_trains_as_one_process(runs: Path):
     """Global batch 1024 tokens: one process accumulates 2 micro-batches, FSDP2 runs 1 on each of 2 ranks. The
     per-step loss is the mean over the global batch and the clipped norm the global one (every shard), so both equal
     the single process's at every step."""
-    assert_close(metric(runs / "single", "train/loss"), metric(runs / "fsdp", "train/loss"), range(20))
-    assert_close(metric(runs / "single", "train/grad_norm"), metric(runs / "fsdp", "train/grad_norm"), range(20))
-    history = {
-        name: json.loads((runs / name / "summary.json").read_text())["val_history"] for name in ("single", "fsdp")
-    }
-    for x, y in zip(history["single"], history["fsdp"], strict=True):
+    assert_same_steps(runs, range(20))
+    single, fsdp = (
+        json.loads((runs / name / "summary.json").read_text())["val_history"] for name in ("single", "fsdp")
+    )
+    for x, y in zip(single, fsdp, strict=True):
         assert x["step"] == y["step"] and y["val_loss"] == pytest.approx(x["val_loss"], rel=1e-5)
 
 
 def test_fsdp2_trains_sa_as_one_process(data_cache: Path, tmp_path: Path):
     """The same for the SA baseline, over 8 steps."""
     sa = [*[a for a in ARGS if a != "attention=xsa"], "attention=sa", "trainer.max_steps=8", "scheduler.total_steps=8"]
-    single = run_cli(["train", *sa, "trainer=cpu", f"hydra.run.dir={tmp_path / 'single'}"], data_cache, tmp_path)
-    sharded = run_cli(["train", *sa, *FSDP, f"hydra.run.dir={tmp_path / 'fsdp'}"], data_cache, tmp_path)
-    assert single.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
-    for name in ("train/loss", "train/grad_norm"):
-        assert_close(metric(tmp_path / "single", name), metric(tmp_path / "fsdp", name), range(8))
+    train_both(sa, data_cache, tmp_path)
+    assert_same_steps(tmp_path, range(8))
 
 
 def test_fsdp2_with_accumulation_trains_as_one_process(data_cache: Path, tmp_path: Path):
     """Global batch 2048 tokens: one process accumulates 4 micro-batches, FSDP2 2 on each of 2 ranks, reducing the
     gradients once per step (after the last micro-batch): the same losses and global norms at every step."""
     args = [*ARGS, "global_batch_tokens=2048", "trainer.max_steps=6", "scheduler.total_steps=6"]
-    single = run_cli(["train", *args, "trainer=cpu", f"hydra.run.dir={tmp_path / 'single'}"], data_cache, tmp_path)
-    sharded = run_cli(["train", *args, *FSDP, f"hydra.run.dir={tmp_path / 'fsdp'}"], data_cache, tmp_path)
-    assert single.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
-    assert "x 2 accumulation x 2 device(s)" in sharded.stdout
-    for name in ("train/loss", "train/grad_norm"):
-        assert_close(metric(tmp_path / "single", name), metric(tmp_path / "fsdp", name), range(6))
+    assert "x 2 accumulation x 2 device(s)" in train_both(args, data_cache, tmp_path)
+    assert_same_steps(tmp_path, range(6))
 
 
 def test_sharded_checkpoints_are_directories_that_analyze_and_eval_read(runs: Path, data_cache: Path, tmp_path: Path):
@@ -91,24 +93,13 @@ def test_sharded_checkpoints_are_directories_that_analyze_and_eval_read(runs: Pa
     sharded, single = load_model(folder / "last.ckpt"), load_model(runs / "single" / "checkpoints" / "last.ckpt")
     for (name, a), b in zip(sharded.state_dict().items(), single.state_dict().values(), strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
-    analyze = run_cli(
-        ["analyze", f"ckpts=[{folder / 'last.ckpt'}]", "sequences=2", f"hydra.run.dir={tmp_path / 'a'}"],
-        data_cache,
-        tmp_path,
-    )
+    ckpts = f"ckpts=[{folder / 'last.ckpt'}]"
+    analyze = run_cli(["analyze", ckpts, "sequences=2", f"hydra.run.dir={tmp_path / 'a'}"], data_cache, tmp_path)
     assert analyze.returncode == 0, analyze.stderr[-2000:]
     assert (tmp_path / "a" / "diagnostics.csv").read_text().count("\n") == 1 + 2  # a row per layer
     task = write_local_task(tmp_path / "tasks")
     evaluate = run_cli(
-        [
-            "eval",
-            f"ckpts=[{folder / 'last.ckpt'}]",
-            f"tasks=[{task}]",
-            "wandb=false",
-            f"hydra.run.dir={tmp_path / 'e'}",
-        ],
-        data_cache,
-        tmp_path,
+        ["eval", ckpts, f"tasks=[{task}]", "wandb=false", f"hydra.run.dir={tmp_path / 'e'}"], data_cache, tmp_path
     )
     assert evaluate.returncode == 0, evaluate.stderr[-2000:]
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["rows"][0]["attention"] == "xsa"
@@ -135,23 +126,15 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
     """kill -9 of both ranks once step 10's checkpoint is in place (a later one may be half written), then
     resume=auto on 2 processes, with activation checkpointing switched on (it recomputes the same values)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env=cli_env(data_cache),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    args = [sys.executable, "-m", "xsa_lm.cli", "train", *ARGS, *FSDP, f"hydra.run.dir={run_dir}"]
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, cwd=tmp_path, env=cli_env(data_cache), **quiet)
     wait_for(run_dir / "checkpoints" / "step-000010.ckpt", proc, timeout=300)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the rank it started: one process group
     proc.wait()
     assert not (run_dir / "summary.json").exists()
-    again = run_cli(
-        ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.activation_checkpointing=true"],
-        data_cache,
-        tmp_path,
-    )
+    resume = ["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.activation_checkpointing=true"]
+    again = run_cli(resume, data_cache, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resume: continuing the run" in again.stdout and "x 1 accumulation x 2 device(s)" in again.stdout
     assert_close(train_losses(runs / "fsdp"), train_losses(run_dir), range(20))
@@ -160,9 +143,8 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
 
 
 def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
-    out = run_cli(
-        ["train", *ARGS, *FSDP, "samples.every_n_steps=5", f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path
-    )
+    args = ["train", *ARGS, *FSDP, "samples.every_n_steps=5", f"hydra.run.dir={tmp_path / 'run'}"]
+    out = run_cli(args, data_cache, tmp_path)
     assert out.returncode == 2 and "samples.every_n_steps: not available under trainer=fsdp" in out.stderr
     assert not (tmp_path / "run").exists()
 
@@ -173,21 +155,9 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank(data_cache: Path, tmp_path: 
     12 steps, no multiple of val_every_steps: the last step is validated and checkpointed all the same, on every
     rank. Consolidated checkpoints here (one file gathered on rank 0), the other checkpoint format."""
     run_dir = tmp_path / "run"
-    out = run_cli(
-        [
-            "train",
-            *ARGS,
-            *FSDP,
-            "trainer.max_steps=12",
-            "faults.inject_nan_at_step=7",
-            "faults.inject_nan_on_rank=1",
-            "faults.skip_nonfinite_batches=1",
-            "trainer.strategy.save_distributed_checkpoint=false",
-            f"hydra.run.dir={run_dir}",
-        ],
-        data_cache,
-        tmp_path,
-    )
+    faults = "faults.inject_nan_at_step=7 faults.inject_nan_on_rank=1 faults.skip_nonfinite_batches=1".split()
+    args = [*ARGS, *FSDP, "trainer.max_steps=12", *faults, "trainer.strategy.save_distributed_checkpoint=false"]
+    out = run_cli(["train", *args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 12 and summary["val_history"][-1]["step"] == 12

@@ -15,18 +15,10 @@ from tests.helpers import FAST, run_cli, train_losses
 
 # Run by make test-torch-floor, on the GPU machine's torch (2.11), not again by make test-long on 2.13 (~4.5 min).
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.torch_floor]
-ARGS = [a for a in FAST if a != "trainer=cpu"] + [
-    "attention=xsa",
-    "trainer=fsdp",
-    "trainer.accelerator=cpu",
-    "trainer.devices=2",
-    "trainer.precision=bf16-mixed",
-    "compile=true",
-    "trainer.max_steps=6",
-    "scheduler.total_steps=6",
-    "val_every_steps=3",  # a checkpoint after each validation: step 3's is the one resumed
-    "data.val_windows=16",
-]
+ARGS = [a for a in FAST if a != "trainer=cpu"] + "attention=xsa compile=true data.val_windows=16".split()
+ARGS += "trainer=fsdp trainer.accelerator=cpu trainer.devices=2 trainer.precision=bf16-mixed".split()
+# a checkpoint after each validation: step 3's is the one resumed
+ARGS += "trainer.max_steps=6 scheduler.total_steps=6 val_every_steps=3".split()
 
 
 def generated_kernels(cache_dir: Path) -> set[str]:

@@ -1,6 +1,5 @@
 """Generation with a KV cache equals generation without one, for SA and XSA (and GQA, sinks, gates)."""
 
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -8,8 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_refused, cli_in_process, write_checkpoint
-from xsa_lm.errors import UserError
-from xsa_lm.eval.sample import check_sampling
+from xsa_lm.eval.sample import GenerateOptions
 from xsa_lm.model import GPT, GPTConfig, KVCache, generate
 
 TINY = dict(n_layer=2, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=24)
@@ -46,18 +44,12 @@ def model_for(variant: str) -> GPT:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cached_forward_equals_the_full_forward(variant: str):
+def test_cached_forward_and_generation_equal_uncached(variant: str):
     model = model_for(variant).eval()
     idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
-    full = model(idx)
     caches = [KVCache() for _ in model.blocks]
     pieces = [model(idx[:, :12], caches=caches)] + [model(idx[:, t : t + 1], caches=caches) for t in range(12, 20)]
-    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_cached_generation_equals_uncached(variant: str):
-    model = model_for(variant)
+    assert torch.allclose(torch.cat(pieces, dim=1), model(idx), atol=1e-5)
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
     # 30 new tokens: past block_size (24), so the sliding window is exercised too
     cached = generate(model, prompt, max_new_tokens=30, use_cache=True)
@@ -79,23 +71,24 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
     top1 = generate(model, prompt, 12, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(7))
     assert torch.equal(top1, generate(model, prompt, 12))  # top_k=1 is greedy
     assert model.training  # generation leaves the mode as it found it
-
-
-def test_a_tiny_temperature_samples_the_greedy_tokens():
-    """logits / 1e-39 overflowed to +-inf, and softmax(inf - inf) to NaN; 1e-300 is 0 in fp32, 0 / 0 NaN too: both
-    ended in torch.multinomial's RuntimeError."""
-    model, prompt = model_for("xsa"), torch.zeros(2, 3, dtype=torch.long)
+    # A tiny temperature: logits / 1e-39 overflowed to +-inf, and softmax(inf - inf) to NaN; 1e-300 is 0 in fp32
+    prompt = torch.zeros(2, 3, dtype=torch.long)
     for temperature in (1e-39, 1e-300):
         drawn = generate(model, prompt, 8, temperature=temperature, generator=torch.Generator().manual_seed(0))
         assert torch.equal(drawn, generate(model, prompt, 8)), temperature
 
 
-def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
-    """A model's table may be padded past its tokenizer's vocabulary (model.vocab_size 4096 beside a 512-token BPE):
-    those ids decode to nothing, and were drawn where their logits were high; with vocab_size they never are."""
+def padded_model() -> GPT:
+    """A table padded past a 48-token tokenizer's vocabulary, whose padding rows dominate the logits."""
     model = model_for("sa").eval()
     with torch.no_grad():
-        model.lm_head.weight[48:].mul_(20.0)  # the padding rows dominate the logits (tied: the inputs too)
+        model.lm_head.weight[48:].mul_(20.0)  # tied: the inputs too
+    return model
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+    """Ids past the tokenizer's vocabulary decode to nothing, and were drawn where their logits were high."""
+    model = padded_model()
     idx = torch.randint(0, 48, (2, 4), generator=torch.Generator().manual_seed(1))
     unmasked = generate(model, idx, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert (unmasked[:, 4:] >= 48).any()  # the case this guards against happens here
@@ -108,10 +101,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
 def test_xsa_lm_generate_draws_only_the_tokenizers_ids(monkeypatch: pytest.MonkeyPatch):
     from xsa_lm.eval import sample as sampling
 
-    model = model_for("sa")
-    with torch.no_grad():
-        model.lm_head.weight[48:].mul_(20.0)
-
+    model = padded_model()
     monkeypatch.setattr(sampling, "load_model", lambda path, key: model)
     monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(48))  # 48 tokens onto the model's 64 ids
     texts = sampling.sample("run.ckpt", "ab", max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=0)
@@ -127,47 +117,38 @@ def test_generate_refuses_an_empty_top_k_and_a_negative_temperature():
     assert generate(model, idx, 3, temperature=1.0, top_k=1).shape == (1, 4)  # top-1 sampling is greedy
 
 
-# (option, its bad value, the message): max_new_tokens, temperature, top_k, num_samples, seed as in generate.yaml
-SAMPLING = {
-    "top_k=0": ("top_k", 0, "top_k must be an integer >= 1, or null for the whole vocabulary, got 0"),
-    "top_k=-1": ("top_k", -1, "top_k must be an integer >= 1, or null for the whole vocabulary, got -1"),
-    "temperature=-1": ("temperature", -1, "temperature must be a finite number >= 0 (0: greedy), got -1"),
-    "temperature=inf": ("temperature", math.inf, "temperature must be a finite number >= 0 (0: greedy), got inf"),
-    "temperature=nan": ("temperature", math.nan, "temperature must be a finite number >= 0 (0: greedy), got nan"),
-    "prompt=1e3": ("prompt", 1000.0, "prompt must be text, got 1000.0 (Hydra read it as a float): quote it"),
-    "prompt=true": ("prompt", True, "prompt must be text, got True (Hydra read it as a bool): quote it"),
-    "max_new_tokens=0": ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
-    "num_samples=0": ("num_samples", 0, "num_samples must be an integer >= 1, got 0"),
-    "seed=abc": ("seed", "abc", "seed must be an integer from 0 to 4294967295, as training's, got 'abc'"),
-    "seed=-1": ("seed", -1, "seed must be an integer from 0 to 4294967295, as training's, got -1"),
-    "seed=2**64": (
-        "seed",
-        2**64,
-        "seed must be an integer from 0 to 4294967295, as training's, got 1844674",
-    ),
+# One line each, before the checkpoint is read (its options as configs/generate.yaml declares them).
+REFUSED = {
+    "top_k=0": "top_k must be an integer >= 1, or null for the whole vocabulary, got 0",
+    "top_k=-1": "top_k must be an integer >= 1, or null for the whole vocabulary, got -1",
+    "temperature=-1": "temperature must be a finite number >= 0 (0: greedy), got -1",
+    "temperature=inf": "temperature must be a finite number >= 0 (0: greedy), got inf",
+    "temperature=nan": "temperature must be a finite number >= 0 (0: greedy), got nan",
+    "prompt=1e3": "prompt must be text: quote one that Hydra reads as a number or boolean, e.g. prompt='\"1e3\"'",
+    "prompt=true": "prompt must be text: quote one that Hydra reads as a number or boolean",
+    "max_new_tokens=0": "max_new_tokens must be an integer >= 1, got 0",
+    "num_samples=0": "num_samples must be an integer >= 1, got 0",
+    "seed=abc": "seed must be an integer from 0 to 4294967295, as training's, got 'abc'",
+    "seed=-1": "seed must be an integer from 0 to 4294967295, as training's, got -1",
+    "seed=18446744073709551616": "seed must be an integer from 0 to 4294967295, as training's, got 1844674407370955",
 }
-GOOD = dict(max_new_tokens=10, temperature=0.8, top_k=50, num_samples=1, seed=0)
-
-
-@pytest.mark.parametrize("key, value, message", SAMPLING.values(), ids=SAMPLING.keys())
-def test_sampling_options_are_checked(key: str, value, message: str):
-    with pytest.raises(UserError) as e:
-        check_sampling(**{**GOOD, key: value})
-    assert str(e.value).startswith(message)
-    check_sampling(**{**GOOD, "top_k": None, "temperature": 0})  # null top_k, greedy
-    check_sampling(**{**GOOD, "prompt": None})  # null: start from <|endoftext|>
-    check_sampling(**{**GOOD, "prompt": "1e3"})  # quoted for Hydra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("option", ["top_k=0", "temperature=-1", "max_new_tokens=0", "num_samples=0"])
-def test_generate_refuses_sampling_options_in_one_line(
-    option: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+@pytest.mark.parametrize("option, expected", REFUSED.items(), ids=REFUSED.keys())
+def test_generate_refuses_a_bad_option_in_one_line(
+    option: str, expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
     ckpt = write_checkpoint(tmp_path / "run")
     proc = cli_in_process(["generate", f"ckpt={ckpt}", option], data_cache, tmp_path, monkeypatch, capsys)
-    assert_refused(proc, SAMPLING[option][2])
+    assert assert_refused(proc).startswith(f"xsa-lm: error: {expected}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # writes nothing
+
+
+def test_generate_takes_greedy_the_whole_vocabulary_and_an_empty_or_quoted_prompt():
+    fine = dict(ckpt="x.ckpt", max_new_tokens=1, temperature=0, top_k=None, num_samples=1, seed=0)
+    for prompt in (None, "1e3", ""):  # null: start from <|endoftext|>; "1e3": quoted for Hydra
+        assert GenerateOptions.model_validate({**fine, "prompt": prompt}).prompt == prompt
 
 
 def test_sample_i_is_the_same_text_whatever_num_samples(monkeypatch: pytest.MonkeyPatch):

@@ -21,15 +21,8 @@ LOG_EVERY = 5
 def test_no_value_is_read_back_between_logging_steps(data_cache: Path, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    overrides = [
-        *FAST,
-        f"trainer.log_every_n_steps={LOG_EVERY}",
-        "trainer.max_steps=20",
-        "val_every_steps=10",
-        "progress_bar=true",
-        "logger=csv",
-    ]
-    cfg = compose_train(overrides)
+    overrides = "trainer.max_steps=20 val_every_steps=10 progress_bar=true logger=csv".split()
+    cfg = compose_train([*FAST, f"trainer.log_every_n_steps={LOG_EVERY}", *overrides])
     reads: list[str] = []
     step_starts: list[tuple[int, int]] = []  # (global step, reads so far) at each batch start
 

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 
 from tests.helpers import compose_train
+from tests.test_plan import plan_of
 from xsa_lm.config.builders import model_config
 from xsa_lm.model import GPT
 from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
 from xsa_lm.train.module import param_groups
-from xsa_lm.train.plan import make_plan, memory_shape
 
 # Beside the plan's terms a training step holds the RoPE tables (2 x block_size x head_dim fp32, 32 KiB at tiny) and a
 # few scalars (the loss, the cross-entropy's total weight, ...): 116 bytes measured, SA and XSA, fp32 and bf16.
@@ -40,16 +40,16 @@ def tensor_bytes(tensors) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("attention", ["sa", "xsa"])
-def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str):
+def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tmp_path, monkeypatch, capsys):
     """`xsa-lm plan model=tiny`'s per-device bytes against a micro-batch of an accumulating step (the gradients
     exist, as from a step's second micro-batch on) and the optimizer step after it: weights, gradients, AdamW
     state and the batch by their tensors, the rest by the allocator. The peak is the cross-entropy's backward."""
     overrides = ["model=tiny", f"attention={attention}", f"trainer.precision={precision}", "micro_batch_size=4"]
-    cfg = compose_train([*overrides, "device_memory_gb=1"], config_name="plan")
-    plan = make_plan(cfg)
+    cfg = compose_train(overrides, config_name="plan")
+    plan, _ = plan_of([*overrides, "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
     assert plan["precision"] == precision and plan["accumulation"] > 1 and not plan["compiled"]
     torch.manual_seed(0)
-    model = GPT(model_config(cfg, vocab_size=memory_shape(cfg)["vocab_size"]))
+    model = GPT(model_config(cfg, vocab_size=cfg.tokenizer.vocab_size))
     optimizer = instantiate(cfg.optim)(param_groups(model, cfg.optim.weight_decay), fused=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -84,11 +84,8 @@ def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision:
     from xsa_lm.train.schedule import warmup_cosine_scheduler
 
     config = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=64, vocab_size=2048)
-    optimizer, scheduler = (
-        partial(torch.optim.AdamW, lr=1e-3),
-        partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
-    )
-    setup = Setup(torch.device("cpu"), precision=precision, compile=False, optimizer=optimizer, scheduler=scheduler)
+    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
+    setup = Setup(torch.device("cpu"), precision, False, partial(torch.optim.AdamW, lr=1e-3), scheduler)
     trainer = PlainTrainer(config, setup, 0, 10)
     batches = make_batches(config, micro_batch=4, seed=0, device=setup.device)
     trainer.run(batches, 1)  # the AdamW state exists from here on

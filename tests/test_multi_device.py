@@ -8,7 +8,6 @@ collectives it calls and the graphs it compiles."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from functools import partial
@@ -25,6 +24,7 @@ from xsa_lm.config.builders import check_config, model_config
 from xsa_lm.config.checks import check_values
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
+from xsa_lm.sweep.trials import free_port
 from xsa_lm.train import devices
 from xsa_lm.train.run import make_module, make_trainer, set_up_process, train
 
@@ -144,21 +144,12 @@ def test_ddp_keeps_gradients_in_its_buckets():
 
 # --- 2 gloo processes ------------------------------------------------------------------------------------------
 
-WORKER_ARGS = [
-    *[a for a in FAST if a != "trainer=cpu" and not a.startswith("micro_batch_size")],
-    "trainer=fsdp",
-    "trainer.accelerator=cpu",
-    "trainer.devices=2",
-    "trainer.precision=32-true",
-    "micro_batch_size=2",
-    f"model.n_layer={N_LAYER}",
-    "model.vocab_size=512",
-    "attention=xsa",
-    f"trainer.max_steps={STEPS}",
-    f"scheduler.total_steps={STEPS}",
-    "val_every_steps=1000",
-    "faults.spike_factor=null",
-]
+WORKER_ARGS = [a for a in FAST if a != "trainer=cpu" and not a.startswith("micro_batch_size")]
+WORKER_ARGS += (
+    "trainer=fsdp trainer.accelerator=cpu trainer.devices=2 trainer.precision=32-true micro_batch_size=2".split()
+)
+WORKER_ARGS += f"model.n_layer={N_LAYER} model.vocab_size=512 attention=xsa val_every_steps=1000".split()
+WORKER_ARGS += f"trainer.max_steps={STEPS} scheduler.total_steps={STEPS} faults.spike_factor=null".split()
 # The same training in one process: both ranks' sequences side by side, in micro-batches of 4.
 ONE_PROCESS_ARGS = [
     *[
@@ -170,14 +161,8 @@ ONE_PROCESS_ARGS = [
     "micro_batch_size=4",
 ]
 # What a block computes with under bf16-mixed, whatever the strategy (recording_blocks).
-BF16_MIXED_BLOCK = {
-    "x": "torch.float32",
-    "cos": "torch.float32",
-    "sin": "torch.float32",
-    "out": "torch.float32",
-    "params": ["torch.float32"],
-    "autocast": "torch.bfloat16",
-}
+BF16_MIXED_BLOCK = dict.fromkeys(("x", "cos", "sin", "out"), "torch.float32")
+BF16_MIXED_BLOCK |= {"params": ["torch.float32"], "autocast": "torch.bfloat16"}
 
 
 class RandomTokens(torch.utils.data.IterableDataset):
@@ -274,14 +259,9 @@ def recording_blocks(seen: dict) -> object:
     def recording(self, x, cos, sin, cache):
         out = original(self, x, cos, sin, cache)
         device = x.device.type
-        seen.update(
-            x=str(x.dtype),
-            cos=str(cos.dtype),
-            sin=str(sin.dtype),
-            out=str(out.dtype),
-            params=sorted({str(p.dtype) for p in self.parameters()}),
-            autocast=str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None,
-        )
+        seen.update({name: str(t.dtype) for name, t in dict(x=x, cos=cos, sin=sin, out=out).items()})
+        seen["params"] = sorted({str(p.dtype) for p in self.parameters()})
+        seen["autocast"] = str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         return out
 
     return recording
@@ -319,12 +299,6 @@ def worker(out: Path) -> None:
     finally:
         module.compile_model = compile_model
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -375,12 +349,9 @@ def one_process_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.slow
 def test_fsdp2_in_bf16_trains_as_one_process_in_bf16(two_ranks: list[dict], one_process_bf16: dict):
-    """Each micro-batch's loss under FSDP2 (the mean of the 2 ranks') against one process's on the same sequences.
-    The first step's 4 micro-batches run on the same weights: equal within 1e-6 relative (measured: 1.5e-7, the
-    fp32 loss summed in another order; with FSDP2's param_dtype=bf16, up to 7.4e-6 with the block inputs cast and
-    8.8e-6 without). From the second step on within 3e-5 (measured: 7.2e-6): each rank's weight gradients leave a
-    bf16 matmul over its own 2 sequences rounded to bf16, before the fp32 reduction, where one process rounds the
-    sum over 4 (DDP rounds as FSDP2 does)."""
+    """Each micro-batch's loss under FSDP2 (the 2 ranks' mean) against one process's: the first step within 1e-6
+    (measured 1.5e-7; FSDP2's param_dtype=bf16 gave 7.4e-6), later ones within 3e-5 (measured 7.2e-6: each rank
+    rounds its own gradients to bf16 before the fp32 reduction, as DDP does)."""
     sharded = [(a + b) / 2 for a, b in zip(*(rank["bf16"]["losses"] for rank in two_ranks), strict=True)]
     single = one_process_bf16["losses"]
     assert len(single) == STEPS * ACCUMULATE
@@ -392,13 +363,8 @@ def test_fsdp2_in_bf16_trains_as_one_process_in_bf16(two_ranks: list[dict], one_
 def test_a_block_computes_in_the_same_dtypes_under_every_strategy(
     two_ranks: list[dict], one_process_bf16: dict, tmp_path: Path
 ):
-    """bf16-mixed: a block's residual stream (in and out), RoPE tables and parameters are fp32 and autocast runs
-    its matmuls in bf16, in one process and under FSDP2 (as recorded inside the block). DDP: one process stands for
-    it, as Lightning gives DDP the same autocast (checked here) and DDP hands the module its inputs as they are and
-    keeps its fp32 parameters. On CUDA, Lightning's autocast is CUDA's under every strategy (not constructible
-    without a GPU); CUDA autocast runs LayerNorm in fp32 where CPU's runs it in its inputs' dtype, which with these
-    fp32 inputs and weights is fp32 too, so the dtypes are the same there. The bf16 rounding inside CUDA's kernels
-    (flash or cuDNN attention) is not visible here."""
+    """bf16-mixed: a block's residual stream, RoPE tables and parameters fp32, its matmuls bf16 under autocast, in one
+    process and under FSDP2; DDP gets one process's autocast from Lightning (checked here) and keeps fp32 weights."""
     assert one_process_bf16["blocks"] == BF16_MIXED_BLOCK
     for rank in two_ranks:
         assert rank["bf16"]["blocks"] == BF16_MIXED_BLOCK

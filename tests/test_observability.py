@@ -1,7 +1,6 @@
 """In-training observability: step time, tokens/s and MFU in metrics.csv at logging steps, and a torch.profiler trace
 of a chosen range of optimizer steps."""
 
-import csv
 import json
 from functools import partial
 from pathlib import Path
@@ -16,6 +15,7 @@ from tests.conftest import FAST, run_cli
 from xsa_lm.compat import QUIET_TRAINER
 from xsa_lm.config.checks import check_values
 from xsa_lm.errors import UserError
+from xsa_lm.files import read_csv
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.callbacks import Profiler, Throughput
 from xsa_lm.train.module import LMModule
@@ -28,13 +28,8 @@ def fit(callbacks: list[L.Callback], max_steps: int, accumulate: int = 2) -> LMM
     """A tiny LMModule trained by a real Lightning Trainer on random tokens."""
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=VOCAB, block_size=CONTEXT)
-    module = LMModule(
-        config,
-        optimizer=partial(torch.optim.AdamW, lr=1e-3),
-        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
-        total_steps=max_steps,
-        spike_factor=None,
-    )
+    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
+    module = LMModule(config, partial(torch.optim.AdamW, lr=1e-3), scheduler, max_steps, spike_factor=None)
     tokens = torch.randint(0, VOCAB, (64, CONTEXT + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     trainer = L.Trainer(
@@ -94,8 +89,7 @@ def test_train_logs_step_time_and_mfu_at_logging_steps(data_cache: Path, tmp_pat
     args = ["train", *FAST, "trainer.max_steps=8", "trainer.log_every_n_steps=2", "val_every_steps=8"]
     out = run_cli([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    with open(run_dir / "metrics.csv", newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("train/loss")]
+    rows = [row for row in read_csv(run_dir / "metrics.csv")[1] if row.get("train/loss")]
     assert [int(row["step"]) for row in rows] == [1, 3, 5, 7]  # logging steps only
     timed = [row for row in rows if row["train/step_time_s"]]
     assert len(timed) >= 3 and all(row["train/mfu"] for row in timed)

@@ -10,6 +10,8 @@ from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train.module import LMModule, param_groups
 from xsa_lm.train.schedule import warmup_cosine, warmup_cosine_scheduler
 
+SMALL = GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8)
+
 
 def test_warmup_is_linear_then_cosine_reaches_min_ratio():
     f = partial(warmup_cosine, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
@@ -52,12 +54,8 @@ def test_weight_decay_only_on_matrices():
 
 
 def test_module_builds_adamw_with_config_values():
-    module = LMModule(
-        GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8),
-        optimizer=partial(torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-        scheduler=partial(warmup_cosine_scheduler, warmup_steps=2, min_lr_ratio=0.1),
-        total_steps=10,
-    )
+    optimizer = partial(torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    module = LMModule(SMALL, optimizer, partial(warmup_cosine_scheduler, warmup_steps=2, min_lr_ratio=0.1), 10)
     conf = module.configure_optimizers()
     opt = conf["optimizer"]
     assert isinstance(opt, torch.optim.AdamW)
@@ -69,12 +67,8 @@ def test_module_builds_adamw_with_config_values():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_nonfinite_gradient_never_reaches_the_weights(fused: bool):
-    module = LMModule(
-        GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, block_size=8),
-        optimizer=partial(torch.optim.AdamW, lr=1e-2, fused=fused),
-        scheduler=partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1),
-        total_steps=10,
-    )
+    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
+    module = LMModule(SMALL, partial(torch.optim.AdamW, lr=1e-2, fused=fused), scheduler, total_steps=10)
     opt = module.configure_optimizers()["optimizer"]
     idx = torch.randint(0, 64, (2, 8))
     for poisoned in (False, True, False):

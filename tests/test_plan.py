@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.helpers import compose_train, refused_in_process
-from xsa_lm.errors import UserError
+from tests.helpers import cli_in_process, refused_in_process
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
-from xsa_lm.train.plan import estimate_for_config, make_plan, table
 
 TINY = {"n_layer": 4, "d_model": 128, "n_head": 4, "head_dim": 32, "mlp_ratio": 4}
 PAPER_07B = {"n_layer": 24, "d_model": 1536, "n_head": 6, "head_dim": 256, "mlp_ratio": 4}
@@ -131,19 +129,19 @@ def test_saved_bytes_per_token_and_layer_match_a_real_block(attention: str):
     assert abs(copies / (long - 128 * per_token) - 1) < 0.02
 
 
-def test_estimate_for_a_composed_config():
-    overrides = ["model=paper_0.7b", "trainer=ddp", "trainer.devices=8", "micro_batch_size=16"]
-    overrides += ["data.block_size=2048", "tokenizer=gpt2", "attention=xsa", "compile=true"]
-    e = estimate_for_config(compose_train(overrides))
+def plan_of(args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> tuple[dict, str]:
+    """`xsa-lm plan <args> out=plan.json`, in this process: the JSON file and the printed table."""
+    out = cli_in_process(["plan", *args, "out=plan.json", "overwrite=true"], tmp_path, tmp_path, monkeypatch, capsys)
+    assert out.returncode == 0, out.stderr
+    return json.loads((tmp_path / "plan.json").read_text()), out.stdout
+
+
+def test_plan_of_a_composed_config_is_memorys_estimate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    args = ["model=paper_0.7b", "trainer=ddp", "trainer.devices=8", "micro_batch_size=16", "device_memory_gb=80"]
+    args += ["data.block_size=2048", "tokenizer=gpt2", "attention=xsa", "compile=true", "global_batch_tokens=262144"]
+    plan, _ = plan_of(args, tmp_path, monkeypatch, capsys)
     expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, attention="xsa", compiled=True)
-    assert e == expected and e.ddp_buckets == 0  # configs/trainer/ddp.yaml: gradient_as_bucket_view
-
-
-@pytest.mark.parametrize("gib", ["0", "-1", "nan", "inf", "true", "lots"])
-def test_plan_refuses_a_device_memory_that_is_no_positive_size(gib: str):
-    cfg = compose_train(["model=tiny", f"device_memory_gb={gib}"], config_name="plan")
-    with pytest.raises(UserError, match="^device_memory_gb must be a positive number of GiB, got "):
-        make_plan(cfg)  # nan, inf: not a ValueError or OverflowError from int()
+    assert plan["per_device_bytes"] == expected.as_dict() and expected.ddp_buckets == 0  # gradient_as_bucket_view
 
 
 @pytest.mark.slow
@@ -168,80 +166,55 @@ def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("xsa-lm: error: device_memory_gb")
 
 
-def test_plan_never_overwrites_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    kept = tmp_path / "notes.txt"
-    kept.write_text("mine")
-    monkeypatch.chdir(tmp_path)  # the job's plan.log handler, which later tests in this process would write to
-    err = refused_in_process(["plan", f"out={kept}", "device_memory_gb=80"], monkeypatch, capsys)
-    assert err == f"xsa-lm: error: out={kept} exists: choose another path or add overwrite=true\n"
-    assert kept.read_text() == "mine"
-
-
-@pytest.mark.parametrize(
-    ("out", "message"),
-    [
-        ("notes.txt/plan.json", "out=notes.txt/plan.json: notes.txt is a file, not a folder; choose another path"),
-        ("folder", "out=folder is a directory: give the file to write, e.g. out=folder/plan.json"),
-        ("", "out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out"),
+REFUSALS = [
+    *[
+        ([f"device_memory_gb={gib}"], f"device_memory_gb must be a positive number of GiB, got {shown}")
+        for gib, shown in [("0", "0"), ("-1", "-1"), ("nan", "nan"), ("inf", "inf"), ("true", "True"), ("lots", "lots")]
     ],
-)
-def test_plan_refuses_an_out_it_cannot_write_before_planning(
-    out: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-):
-    from xsa_lm.train import plan
+    # `no` would plan with activation checkpointing
+    (["activation_checkpointing=no", "device_memory_gb=1"], "activation_checkpointing must be true or false, got 'no'"),
+    (["activation_checkpointing=maybe"], "activation_checkpointing must be true or false, got 'maybe'"),
+    (["out=notes.txt/plan.json"], "out=notes.txt/plan.json: notes.txt is a file, not a folder; choose another path"),
+    (["out=folder"], "out=folder is a directory: give the file to write, e.g. out=folder/plan.json"),
+    (["out="], "out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out"),
+    (["out=notes.txt"], "out=notes.txt exists: choose another path or add overwrite=true"),
+    (["out=notes.txt", "overwrite=no"], "overwrite must be true or false, got 'no'"),  # `no` is a non-empty text
+]
 
+
+@pytest.mark.parametrize(("args", "message"), REFUSALS)
+def test_plan_refusals(args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    """One line each, before anything is planned or written."""
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "folder").mkdir()
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(plan, "make_plan", lambda cfg: pytest.fail("planned before refusing"))
-    args = ["plan", f"out={out}", "overwrite=true", "device_memory_gb=80"]
-    assert refused_in_process(args, monkeypatch, capsys) == f"xsa-lm: error: {message}\n"
+    monkeypatch.chdir(tmp_path)  # the job's plan.log handler, which later tests in this process would write to
+    assert refused_in_process(["plan", "model=tiny", *args], monkeypatch, capsys) == f"xsa-lm: error: {message}\n"
     assert (tmp_path / "notes.txt").read_text() == "mine" and not any((tmp_path / "folder").iterdir())
 
 
-def test_plan_refuses_an_overwrite_not_true_or_false(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-):
-    """`no` is a non-empty text: read as a truth value it would overwrite the file."""
-    kept = tmp_path / "p2.json"
-    kept.write_text('{"keep": 1}')
-    monkeypatch.chdir(tmp_path)  # the job's plan.log handler, which later tests in this process would write to
-    args = ["plan", "model=tiny", f"out={kept}", "overwrite=no", "device_memory_gb=80"]
-    err = refused_in_process(args, monkeypatch, capsys)
-    assert err == "xsa-lm: error: overwrite must be true or false, got 'no'\n"
-    assert kept.read_text() == '{"keep": 1}'
-
-
-@pytest.mark.parametrize("value", ["no", "maybe", "1"])
-def test_plan_refuses_an_activation_checkpointing_not_true_or_false(value: str):
-    cfg = compose_train(["model=tiny", f"activation_checkpointing={value}", "device_memory_gb=1"], config_name="plan")
-    with pytest.raises(UserError, match="^activation_checkpointing must be true or false, got "):
-        make_plan(cfg)  # `no` would plan with activation checkpointing
-
-
 @pytest.mark.parametrize("vocab, peak", [(4096, "the cross-entropy's"), (64, "XSA's")])
-def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str):
+def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str, tmp_path: Path, monkeypatch, capsys):
     """XSA's temporaries (one layer's backward, eager fp32: the gradients of z, y and v, 12 bytes per token and
     attention channel, and two numbers per head) count where they exceed the cross-entropy's buffers (2 fp32 N x V),
     as with a 64-token vocabulary."""
-    overrides = ["model=tiny", "attention=xsa", f"model.vocab_size={vocab}", "device_memory_gb=1"]
-    plan = make_plan(compose_train(overrides, config_name="plan"))
-    sa = make_plan(compose_train(["model=tiny", "device_memory_gb=1"], config_name="plan"))
+    args = ["model=tiny", "attention=xsa", f"model.vocab_size={vocab}", "device_memory_gb=1"]
+    plan, text = plan_of(args, tmp_path, monkeypatch, capsys)
+    sa, sa_text = plan_of(["model=tiny", "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
     positions = 16 * 128
     assert plan["xsa_temporaries_bytes"]["eager"] == positions * (3 * 4 * 128 + 2 * 4 * 4)
     assert plan["cross_entropy_transient_bytes"]["eager"] == positions * 2 * 4 * vocab
     assert plan["xsa_saved_bytes"] == 4 * positions * 2 * 4 * 4  # per layer, token and head: two fp32 numbers
     larger = max(plan["xsa_temporaries_bytes"]["eager"], plan["cross_entropy_transient_bytes"]["eager"])
     assert plan["per_device_bytes"]["transient"] == larger
-    assert f"the backward peak is {peak}\n" in table(plan)
+    assert f"the backward peak is {peak}\n" in text
     assert sa["xsa_temporaries_bytes"]["eager"] == sa["xsa_saved_bytes"] == 0
-    assert "XSA's memory: none (attention sa)" in table(sa)
+    assert "XSA's memory: none (attention sa)" in sa_text
 
 
-def test_plan_prints_the_sdpa_kernel_order():
-    cpu = make_plan(compose_train(["model=tiny", "trainer=cpu", "device_memory_gb=1"], config_name="plan"))
-    gpu = make_plan(compose_train(["model=tiny", "trainer=gpu", "device_memory_gb=1"], config_name="plan"))
+def test_plan_prints_the_sdpa_kernel_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    cpu, cpu_text = plan_of(["model=tiny", "trainer=cpu", "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
+    gpu, gpu_text = plan_of(["model=tiny", "trainer=gpu", "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
     assert cpu["sdpa_backends"] == {"setting": "auto", "device": "cpu", "order": ["flash", "math"]}
-    assert "SDPA kernels on cpu (sdpa_backends=auto), the first that fits runs: flash, math\n" in table(cpu)
+    assert "SDPA kernels on cpu (sdpa_backends=auto), the first that fits runs: flash, math\n" in cpu_text
     if not torch.cuda.is_available():  # planned here, resolved on the GPU
-        assert gpu["sdpa_backends"]["order"] is None and "chosen on the run's GPU (none here)" in table(gpu)
+        assert gpu["sdpa_backends"]["order"] is None and "chosen on the run's GPU (none here)" in gpu_text

@@ -25,14 +25,8 @@ def train_offline(tmp_path: Path, data_cache: Path, name: str, *overrides: str) 
     run_dir = tmp_path / name
     env = cli_env(data_cache, home=tmp_path)
     del env["WANDB_MODE"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "xsa_lm.train", *FAST, "logger=wandb", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [sys.executable, "-m", "xsa_lm.train", *FAST, "logger=wandb", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_file,) = run_files(run_dir)
     return run_dir, run_file, proc.stdout
@@ -70,12 +64,8 @@ def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: P
 
     check_axes_and_summary(run_file, rows, val_losses)
     # The documented way to look inside an offline run without uploading it.
-    shown = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", str(run_dir / "wandb")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", str(run_dir / "wandb")]
+    shown = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "val/loss.min" in shown.stdout and "final_val_loss" in shown.stdout, shown.stdout[:2000]
 
@@ -185,40 +175,30 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
 def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path: Path, monkeypatch) -> None:
     """Both rows go to the training run's W&B run (its id): the final model's scores under eval/, another checkpoint's
     and a limited evaluation's under their own prefixes, so that neither replaces the final model's."""
-    from xsa_lm.eval.run import log_to_wandb
+    from xsa_lm.eval.run import EvalResult, Row, Score, log_to_wandb
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "wandb_run_id.txt").write_text("trainrun1\n")
 
-    def row(name: str, value: float) -> dict:
-        score = {"metric": "acc", "value": value}
-        return {
-            "checkpoint": str(run_dir / "checkpoints" / name),
-            "run": "run",
-            "scores": {"piqa": score},
-            "average": value,
-        }
+    def row(name: str, value: float) -> Row:
+        scores = {"piqa": Score(metric="acc", value=value, n=1, stderr=None)}
+        return Row(
+            checkpoint=str(run_dir / "checkpoints" / name), attention="sa", run="run", scores=scores, average=value
+        )
 
-    log_to_wandb(
-        {"tasks": ["piqa"], "limit": None, "rows": [row("last.ckpt", 0.6), row("step-000004.ckpt", 0.5)]}, "offline"
-    )
-    log_to_wandb({"tasks": ["piqa"], "limit": 10, "rows": [row("last.ckpt", 0.9)]}, "offline")
+    rows = [row("last.ckpt", 0.6), row("step-000004.ckpt", 0.5)]
+    log_to_wandb(EvalResult(tasks=["piqa"], limit=None, rows=rows), "offline")
+    log_to_wandb(EvalResult(tasks=["piqa"], limit=10, rows=[row("last.ckpt", 0.9)]), "offline")
     files = run_files(run_dir)
     assert [f.name for f in files] == ["run-trainrun1.wandb"] * 3  # one W&B run, resumed by each row
     merged: dict = {}
     for run_file in files:
         merged |= summary(run_file)  # as W&B merges the resumed run's summaries on upload
     scores = {key: value for key, value in merged.items() if key.startswith("eval")}
-    assert scores == {
-        "eval/piqa": 0.6,
-        "eval/average": 0.6,
-        "eval-step-000004/piqa": 0.5,
-        "eval-step-000004/average": 0.5,
-        "eval-limit10/piqa": 0.9,
-        "eval-limit10/average": 0.9,
-    }
+    expected = {"eval": 0.6, "eval-step-000004": 0.5, "eval-limit10": 0.9}
+    assert scores == {f"{prefix}/{key}": v for prefix, v in expected.items() for key in ("piqa", "average")}
 
 
 def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_path: Path, monkeypatch) -> None:

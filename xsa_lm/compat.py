@@ -1,9 +1,5 @@
-"""Where this package leans on Lightning or torch beyond their public API, in one place.
-
-Two kinds: private names, each used because no public equivalent exists, and Lightning's own rules restated in
-public terms. tests/test_compat.py checks each against the installed versions, so an upgrade that changes one fails
-there, by name, rather than deep inside a training run.
-"""
+"""Where this package leans on Lightning or torch beyond their public API (private names with no public equivalent,
+Lightning's rules restated), in one place: tests/test_compat.py checks each, so an upgrade fails there, by name."""
 
 import copy
 import csv
@@ -22,7 +18,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from xsa_lm.errors import WriteError, what_to_do
-from xsa_lm.files import atomic_file
+from xsa_lm.files import read_csv, write_csv
 
 CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
 
@@ -34,13 +30,13 @@ PRECISIONS = tuple(
     "transformer-engine transformer-engine-float16 16-true 16-mixed bf16-true bf16-mixed 32-true 64-true".split()
 )
 PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET_TRAINER: dict[str, Any] = dict(
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+)
 
 
 def accumulating(trainer: L.Trainer) -> bool:
-    """Whether the current micro-batch's gradients are accumulated, not yet followed by an optimizer step: Lightning's
-    rule (the end of the accumulation window, or of the epoch unless the strategy accumulates itself), which its DDP
-    no_sync follows."""
+    """Whether no optimizer step follows this micro-batch: Lightning's rule, which its DDP no_sync follows."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     ready = progress.current.ready
     epoch_ends = ready == trainer.num_training_batches or progress.is_last_batch
@@ -49,8 +45,7 @@ def accumulating(trainer: L.Trainer) -> bool:
 
 
 def should_update_logs(trainer: L.Trainer) -> bool:
-    """Whether the values logged now, in training, reach the loggers: Lightning's rule (every log_every_n_steps-th
-    optimizer step, counted from 1, and the step the run stops at), which its LearningRateMonitor follows too."""
+    """Whether values logged now reach the loggers: Lightning's rule (every log_every_n_steps-th step, and the last)."""
     every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
     current = trainer.fit_loop.epoch_loop.batch_progress.current
     # this micro-batch's step is done (a batch tracker counts processed micro-batches; its declared type does not)
@@ -59,8 +54,7 @@ def should_update_logs(trainer: L.Trainer) -> bool:
 
 
 def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """Fused Adam/AdamW leave parameters and state untouched where `optimizer.found_inf` is nonzero, deciding on the
-    device: the attribute GradScaler sets for them, read by torch's fused step."""
+    """Fused AdamW skips its step, deciding on the device, where `found_inf` (set by GradScaler) is nonzero."""
     optimizer.found_inf = skip.float()  # type: ignore[attr-defined]  # not declared on Optimizer: set for its step
 
 
@@ -74,19 +68,14 @@ class AppendingExperimentWriter(ExperimentWriter):
                 self.metrics_keys = sorted(next(csv.reader(f), []))
 
     def save(self) -> None:
-        """Lightning's, but a write that fails (a full disk) leaves metrics.csv whole: the rows it was appending are
-        cut off again, and a new header (a metric logged for the first time) is written first, through a temporary
-        file (Lightning's rewrite truncates the file first), so that Lightning's save only appends."""
+        """Lightning's, but a failed write (a full disk) leaves metrics.csv whole: a new header is written first through
+        a temporary file (Lightning's rewrite truncates), so its save only appends, and a failed append is cut off."""
         path = Path(self.metrics_file_path)
         keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
         if path.is_file() and keys != self.metrics_keys:
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-            intact, then = "its earlier rows are intact", "continue with resume=auto"
-            with atomic_file(path, "w", newline="", intact=intact, then=then) as f:
-                writer = csv.DictWriter(f, fieldnames=keys)
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(
+                path, keys, read_csv(path)[1], intact="its earlier rows are intact", then="continue with resume=auto"
+            )
         self.metrics_keys = keys
         whole_size = path.stat().st_size if path.is_file() else None
         try:
@@ -103,9 +92,8 @@ class AppendingExperimentWriter(ExperimentWriter):
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
-    """A torch.distributed.checkpoint directory read whole into this process, without a process group (`keys`: only
-    these top-level entries): a tensor of the saved size and dtype for each one the metadata lists, loaded in
-    place, then nested again as it was saved (dict keys are strings, list positions ints)."""
+    """A torch.distributed.checkpoint directory read into this process without a process group (`keys`: only these
+    top-level entries), nested again as it was saved."""
     metadata = FileSystemReader(str(path)).read_metadata()
     paths = {name: at for name, at in metadata.planner_data.items() if keys is None or at[0] in keys}
     saved = {name: metadata.state_dict_metadata[name] for name in paths}
@@ -137,17 +125,13 @@ def as_lists(node: object) -> object:
 
 
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
-    """Lightning's training loop broadcasts a SIGTERM flag from rank 0 before every micro-batch of a multi-process
-    run and reads it on the host (`.item()`): a wait for the device per micro-batch. The run's Preemption callback
-    replaces Lightning's signal handling and agrees on stopping at logging steps only: the broadcast is switched off
-    on this trainer's loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`)."""
+    """Lightning broadcasts a SIGTERM flag before every micro-batch and reads it on the host (a device wait each);
+    the Preemption callback replaces that signal handling, agreeing at logging steps only."""
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
 
 
 def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
-    """What a ModelCheckpoint does at the end of a validation on its own grid (its top-k checkpoint, then last.ckpt),
-    at another step: for a last step off the checkpoint.every_n_steps grid. The two steps have no public entry point;
-    what they compare and name files by is Lightning's: the logged values, with the epoch and step as int tensors."""
+    """A ModelCheckpoint's save at a validation's end (top-k, then last.ckpt) off its grid: no public entry."""
     candidates = monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)
@@ -162,9 +146,8 @@ def monitor_candidates(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
 
 def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:
-    """Lightning reads fit(ckpt_path=...) in every process on its own; `choose` (e.g. rank 0's path, broadcast) sees
-    each process's path once the process group exists and returns the one to restore. The restore call it wraps,
-    `_CheckpointConnector._restore_modules_and_callbacks`, is where fit hands the path over, after the setup hooks."""
+    """fit(ckpt_path=...) is read by every process on its own; `choose` (e.g. rank 0's, broadcast) gets each one's
+    path once the process group exists, where fit hands it over after the setup hooks, and returns the one to use."""
     connector = trainer._checkpoint_connector
     restore = connector._restore_modules_and_callbacks
 
@@ -175,13 +158,9 @@ def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None]
 
 
 def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int) -> None:
-    """A checkpoint counts the micro-batches each process has run (global_step x the accumulation it trained with),
-    and Lightning closes an accumulation window when that count is a multiple of the current accumulation. A run
-    resumed with another accumulation (another number of devices, another micro-batch size) would take its first
-    steps after a partial window: the count is set to what this accumulation would have run. Each counter keeps its
-    lag behind `ready`: a checkpoint saved at a train batch's end (every_n_steps) has that batch not yet completed,
-    which is how Lightning tells it apart on restore (and counts the step its loggers write). The loop counters live
-    in the checkpoint's `loops` layout."""
+    """A resume with another accumulation would start after a partial window (Lightning closes one when the micro-batch
+    count is a multiple of it): the count is set to what this accumulation would have run, each counter keeping its
+    lag behind `ready` (which tells Lightning where the checkpoint was saved)."""
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     if progress is None:
         return
@@ -192,11 +171,9 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
 
 
 def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
-    """Lightning restores the step its loggers number rows by in one of two ways, by where the checkpoint was saved:
-    at a train batch's end (every_n_steps, a preemption: that batch not yet completed), counted on restore; or at a
-    validation's end or after the fit, counted only if this run validates at that step too, so a resume with another
-    val_every_steps numbered every later row one step low. The checkpoint is set to the first way: the batch not yet
-    completed, the counter one short of `global_step`. The loop counters live in the checkpoint's `loops` layout."""
+    """A checkpoint saved at a validation's end restores the loggers' step only if this run validates there too (a
+    resume with another val_every_steps numbered every later row one low): it is set as if saved at a train batch's
+    end, that batch not yet completed."""
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     progress, state = loop.get("epoch_loop.batch_progress"), loop.get("epoch_loop.state_dict")
     if progress is None or state is None or global_step < 1:
@@ -208,19 +185,15 @@ def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
 
 
 def lightning_precision_name(precision: str | int) -> str:
-    """Lightning's own name of a precision it accepts (`16` -> `16-mixed`, `bf16` -> `bf16-mixed`, `32` ->
-    `32-true`), or ValueError listing the accepted ones."""
+    """Lightning's own name of a precision (`16` -> `16-mixed`), or ValueError listing the accepted ones."""
     if precision not in (*PRECISIONS, *PRECISION_ALIASES, 64, 32, 16):
         raise ValueError(f"Precision {precision!r} is invalid. Allowed precision values: {PRECISIONS}")
     return PRECISION_ALIASES.get(str(precision), str(precision))
 
 
 def lightning_device_settings(**trainer_args) -> str:
-    """What Lightning's Trainer decides from its accelerator, devices, num_nodes, strategy and precision arguments,
-    by building one that logs nothing and fits nothing: an unknown name, an accelerator this machine lacks, a device
-    count it cannot use or a combination it refuses raise the Trainer's own errors. Returns the precision the run
-    would train in (Lightning may change it, e.g. 16-mixed on CPU runs bf16-mixed). Its warnings and info lines are
-    left to the run's Trainer, which repeats them."""
+    """The precision the run would train in, by building a quiet Trainer from these arguments: what it refuses raises
+    the Trainer's own errors (its warnings are left to the run's Trainer, which repeats them)."""
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:

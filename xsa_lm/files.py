@@ -1,10 +1,7 @@
-"""Result files written whole or not at all: summary.json, config.yaml, results.json, a checkpoint, ...
+"""Result files written whole or not at all: to <name>.tmp, fsynced, renamed over the old one (a full disk or a kill
+leaves the previous version, never a truncated file; the .tmp goes on any failure)."""
 
-Each is written to <name>.tmp beside it, flushed to disk, then renamed over the old one. A full disk, a file-size
-limit or a kill mid-write leaves the previous version whole (or no file), never a truncated or 0-byte one, and the
-.tmp is removed on any failure.
-"""
-
+import csv
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -26,14 +23,8 @@ def atomic_file(
     place: Callable[[Path, Path], None] = os.replace,
     newline: str | None = None,
 ) -> Iterator[IO[Any]]:
-    """A file object for `path` (mode "w" or "wb"; its folder is made) that becomes `path` when the block ends
-    without an error.
-
-    A failure to write it (an OSError: ENOSPC, EFBIG, EACCES, ...; also when torch.save wraps it in a RuntimeError)
-    raises a WriteError naming the path, `intact` (what is still whole; default: the previous version, if any) and
-    what to do: what_to_do(the OSError), `then`.
-    replace=False refuses an existing `path` (FileExistsError): the exclusive creation of a result another run may
-    have written meanwhile. `place` moves the finished temporary file into place."""
+    """A file that becomes `path` when the block ends without an error; a failure to write it raises a WriteError
+    naming `intact` (what is still whole) and what to do, `then`. replace=False: FileExistsError if `path` exists."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp")
     existed = path.exists()
@@ -60,13 +51,12 @@ def atomic_file(
 
 
 def _of_writing(error: OSError, path: Path, tmp: Path) -> bool:
-    """Whether the error is one of writing `path`: it names no file (a write, a flush), or this one, its .tmp or a
-    folder above it; not, say, a file the block read."""
+    """Whether the error is one of writing `path` (no file named, or it, its .tmp or a folder above), not of a read."""
     return error.filename is None or Path(error.filename) in (tmp, path, *path.parents)
 
 
 def _create(tmp: Path, path: Path) -> None:
-    """Rename tmp to path unless path exists (a hard link fails on an existing name; then the temporary name goes)."""
+    """Rename tmp to path unless path exists (a hard link fails on an existing name)."""
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -80,9 +70,21 @@ def _create(tmp: Path, path: Path) -> None:
 
 
 def write_text(path: str | Path, text: str, **how: Any) -> None:
-    """`text` as the whole of `path`; `how`: atomic_file's intact, then, replace."""
     with atomic_file(path, "w", **how) as f:
         f.write(text)
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def write_csv(path: Path, header: list[str], rows: list[dict[str, str]], **how: Any) -> None:
+    with atomic_file(path, "w", newline="", **how) as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def write_json(path: str | Path, data: object, **how: Any) -> None:
@@ -91,8 +93,7 @@ def write_json(path: str | Path, data: object, **how: Any) -> None:
 
 
 def check_new_file(out: Path, *, overwrite: bool, example: str) -> None:
-    """Where a command's results go, checked before the work that makes them, so that none of it is lost: a new
-    file, or an old one with overwrite=true; never a directory, nor a path below a file (`example`: a file name)."""
+    """A command's output file, checked before the work that makes it (`example`: a file name for the refusal)."""
     if out.is_dir():
         raise UserError(f"out={out} is a directory: give the file to write, e.g. out={out / example}")
     blocking = next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None)

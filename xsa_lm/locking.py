@@ -1,9 +1,5 @@
-"""One writer per directory: an exclusive flock held for the whole job.
-
-The kernel drops a flock when its process dies (even by kill -9), so a lock left by a killed job is never stale: the
-next job takes it over at once. The file holds the holder's pid, only to name it in the refusal, and is removed when
-the job ends.
-"""
+"""One writer per directory: an exclusive flock held for the whole job (the kernel drops it when the process dies,
+so it is never stale); the file holds the holder's pid, to name it in the refusal."""
 
 import fcntl
 import os

@@ -1,6 +1,5 @@
 """Metric loggers: W&B (offline unless an API key is configured; never blocks or kills training) and CSV."""
 
-import csv
 import netrc
 import os
 import re
@@ -20,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from xsa_lm.compat import AppendingExperimentWriter
 from xsa_lm.errors import UserError, first_line
-from xsa_lm.files import atomic_file
+from xsa_lm.files import read_csv, write_csv
 
 if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
     from wandb import Run
@@ -33,8 +32,8 @@ WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode 
 
 
 def resolve_mode(mode: str) -> WandbMode:
-    """'auto' -> WANDB_MODE if set, else online with an API key, else offline. A WANDB_MODE that W&B does not know is
-    refused whatever the mode (wandb.init would fail on it after the run has started)."""
+    """'auto' -> WANDB_MODE if set, else online with an API key, else offline; an unknown WANDB_MODE is refused (W&B
+    would fail on it after the run has started)."""
     if mode not in ("auto", "online", "offline", "disabled"):
         raise UserError(f"logger.wandb.mode must be auto, online, offline or disabled, got {mode!r}")
     env = os.environ.get("WANDB_MODE")
@@ -55,8 +54,8 @@ def resolve_mode(mode: str) -> WandbMode:
 
 
 def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
-    """Why W&B's server (or the proxy to it) takes no connection within timeout_s; None when it does. Without a
-    network, an online wandb.init waits for its init_timeout and leaves a failed run's folder behind."""
+    """Why W&B's server (or its proxy) takes no connection within timeout_s, else None: an online wandb.init would
+    wait for its init_timeout and leave a failed run's folder behind."""
     url = urllib.parse.urlsplit(base_url)
     proxy = urllib.request.getproxies().get(url.scheme)
     if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
@@ -91,34 +90,21 @@ def wandb_init(
     init_timeout_s: float = 30.0,
     run_id: str | None = None,
 ):
-    """wandb.init that never blocks or kills the caller: online init failures fall back to offline. Offline, W&B's
-    own lines are off (the one line below says where the run is and how to upload it); online, they show its URL."""
+    """wandb.init that never blocks or kills the caller: online init failures fall back to offline (W&B's own lines
+    off; one line says where the run is and how to upload it)."""
     import wandb
 
     mode = resolve_mode(mode)
-    init: dict[str, Any] = dict(
-        project=project,
-        entity=entity,
-        group=group,
-        job_type=job_type,
-        tags=list(tags or []),
-        name=name,
-        config=run_config,
-        dir=save_dir,
-        id=run_id,
-        resume="allow" if run_id else None,
-    )
+    init: dict[str, Any] = dict(project=project, entity=entity, group=group, job_type=job_type, tags=list(tags or []))
+    init |= dict(name=name, config=run_config, dir=save_dir, id=run_id, resume="allow" if run_id else None)
     # A key but no network, or a bad key: keep training and keep the data, offline; upload it later.
     why_offline = unreachable(wandb.setup().settings.base_url) if mode == "online" else None
     if why_offline is None:
         folder = Path(save_dir) / "wandb"
         before = set(folder.glob("run-*"))
         try:
-            run = wandb.init(
-                mode=mode,
-                settings=wandb.Settings(init_timeout=init_timeout_s, quiet=True, silent=mode == "offline"),
-                **init,
-            )
+            settings = wandb.Settings(init_timeout=init_timeout_s, quiet=True, silent=mode == "offline")
+            run = wandb.init(mode=mode, settings=settings, **init)
         except wandb.errors.Error as e:
             if mode != "online":
                 raise
@@ -135,9 +121,7 @@ def wandb_init(
 
 
 class RunWandbLogger(WandbLogger):
-    """Lightning's W&B logger; log_model uploads the checkpoints of the val/loss callback only (best.ckpt, alias
-    `best`, and last.ckpt). The step-NNNNNN.ckpt copies kept for a damaged last.ckpt would be uploaded too, and take
-    the `best` alias (their callback's best is the highest step)."""
+    """log_model uploads the val/loss callback's checkpoints only: the step ones would take the `best` alias."""
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         if getattr(checkpoint_callback, "monitor", None) == "val/loss":
@@ -147,11 +131,8 @@ class RunWandbLogger(WandbLogger):
 def wandb_logger(
     save_dir: str, name: str, run_config: dict, log_model: bool | Literal["all"] = False, **kwargs
 ) -> RunWandbLogger:
-    """Lightning's WandbLogger around a run made by wandb_init (same keyword arguments). log_model=true logs best.ckpt
-    and last.ckpt as versions of the artifact model-<run id> when training ends, `all` each time they are written.
-    The dashboard of a training run: every curve over tokens seen (runs of other batch sizes line up; validation rows
-    get the last value logged before them), and val/loss summarised by its minimum, the number runs are compared by,
-    beside its last value. Lightning defines its own axis only for runs it creates itself."""
+    """Lightning's WandbLogger around a run made by wandb_init: every curve over tokens seen (runs of other batch
+    sizes line up), and val/loss summarised by its minimum beside its last value."""
     if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
         raise UserError(f"logger.wandb.log_model must be false, true or all, got {log_model!r}")
     run = wandb_init(save_dir, name, run_config, **kwargs)
@@ -163,8 +144,7 @@ def wandb_logger(
 
 
 def log_files_artifact(run: "Run", name: str, artifact_type: str, files: list[Path]) -> None:
-    """The files that exist, as a new version of the run's artifact `name`. They are copied aside when logged, so a
-    later rewrite does not change this version; offline, the run file records it and `wandb sync` uploads it."""
+    """The files that exist, as a new version of the run's artifact `name` (copied aside when logged)."""
     import wandb
 
     artifact = wandb.Artifact(name=re.sub(r"[^\w.-]", "-", name), type=artifact_type)  # W&B's allowed characters
@@ -175,9 +155,8 @@ def log_files_artifact(run: "Run", name: str, artifact_type: str, files: list[Pa
 
 
 class RunCSVLogger(CSVLogger):
-    """metrics.csv at the top of the run directory, kept across resumes. Resuming from the checkpoint of step S
-    drops the rows of steps >= S first: a run killed after its last checkpoint logged steps that are trained again,
-    and the file must hold each step once."""
+    """metrics.csv in the run directory, kept across resumes: resuming at step S drops the rows of steps >= S first
+    (trained again after a kill), so that the file holds each step once."""
 
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
@@ -185,15 +164,8 @@ class RunCSVLogger(CSVLogger):
         path = Path(save_dir) / "metrics.csv"
         rank = rank_zero_only.rank  # type: ignore[attr-defined]  # a function attribute Lightning sets
         if resume_step is not None and path.exists() and rank == 0:
-            with open(path, newline="") as f:
-                reader = csv.DictReader(f)
-                header = reader.fieldnames or []
-                rows = list(reader)
-            kept = [r for r in rows if not r.get("step") or int(float(r["step"])) < resume_step]
-            with atomic_file(path, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=header)
-                writer.writeheader()
-                writer.writerows(kept)
+            header, rows = read_csv(path)
+            write_csv(path, header, [r for r in rows if not r.get("step") or int(float(r["step"])) < resume_step])
 
     @property
     @rank_zero_experiment

@@ -1,10 +1,6 @@
-"""The held-out loss of a model on token windows: mean next-token cross entropy, bits per byte, and the loss per
-equal span of window positions (how much the later positions of a window gain from the context before them).
-
-Validation during training (train/module.py) and `xsa-lm analyze` both add up `loss_sums` batch by batch and read them
-with `read_sums`, so analyze of a checkpoint on the windows its run validated on gives the run's own final val/loss,
-val/bpb and val_loss_by_position (tests/test_analyze_cli.py checks it).
-"""
+"""The held-out loss on token windows: nats per token, bits per byte, and the loss per equal span of positions.
+Validation (train/module.py) and `xsa-lm analyze` both add up `loss_sums` and read them with `read_sums`, so analyze
+on a run's validation windows gives the run's own final val/loss."""
 
 import math
 from dataclasses import dataclass
@@ -25,9 +21,8 @@ class HeldOutLoss:
 
 
 def loss_sums(logits: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tensor, buckets: int) -> torch.Tensor:
-    """The sums of one batch, in float64: [nats, counted tokens, their UTF-8 bytes, nats per span..., tokens per
-    span...]. Position t of a window of T is in span t * buckets // T; targets of -1 (padding) count nowhere;
-    token_bytes[id]: the bytes a token stands for (empty: no bytes, so no bits per byte)."""
+    """One batch's float64 sums: [nats, tokens, their bytes, nats per span..., tokens per span...]; targets of -1
+    count nowhere; token_bytes[id]: the bytes a token stands for (empty: no bits per byte)."""
     counted = y != -1
     # Per token, one window at a time: an fp32 copy of one window's logits, not the batch's (at GPT-2's vocabulary
     # and 2048 positions a batch of 16 would add 6.6 GB).
@@ -44,8 +39,7 @@ def loss_sums(logits: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tenso
 
 
 def read_sums(sums: list[float], buckets: int) -> tuple[float, float | None, list[float | None]]:
-    """(nats per token, bits per byte or None, the mean loss per span or None where a span has no token) of the
-    added-up loss_sums."""
+    """(nats per token, bits per byte or None, mean loss per span or None) of the added-up loss_sums."""
     total, tokens, nbytes = sums[:3]
     spans = zip(sums[3 : 3 + buckets], sums[3 + buckets :], strict=True)
     loss = total / tokens if tokens else math.nan
@@ -56,8 +50,7 @@ def read_sums(sums: list[float], buckets: int) -> tuple[float, float | None, lis
 def held_out_loss(
     model: GPT, x: torch.Tensor, y: torch.Tensor, *, token_bytes: list[int] | None, buckets: int, batch_size: int
 ) -> HeldOutLoss:
-    """The model's loss on windows x (B, T) with targets y (B, T), `batch_size` windows per forward pass, in eval
-    mode (restored after). token_bytes: the UTF-8 bytes of each token id (index = id), for bits per byte."""
+    """The model's loss on windows x with targets y (B, T), in eval mode; token_bytes: each id's UTF-8 bytes."""
     sums = torch.zeros(3 + 2 * buckets, device=x.device, dtype=torch.float64)
     lengths = torch.tensor(token_bytes or [], device=x.device, dtype=torch.float64)
     was_training = model.training

@@ -1,37 +1,61 @@
-"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints, and their
-held-out loss.
+"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints and their
+held-out loss, on the first `sequences` validation windows of each one's run: DIR/diagnostics.csv and .png (one line
+per checkpoint, so SA and XSA overlay), DIR/losses.csv and positions.png (loss per equal span of window positions),
+and the tables printed, with each checkpoint's difference from the first."""
 
-Writes DIR/diagnostics.csv (one row per checkpoint and layer), DIR/diagnostics.png (the three panels of the paper's
-Figure 1 and two of the XSA step, cos(z, v) and the norm it removes; one line per checkpoint, so SA and XSA overlay)
-and prints the table. Then, on the same windows, each checkpoint's loss (nats per token), bits per byte and loss per
-equal span of window positions (`position_buckets`, earliest first; analysis/losses.py): DIR/losses.csv (one row per
-checkpoint), DIR/positions.png (loss per span, one line per checkpoint), a printed table and, from the second
-checkpoint on, its difference from the first per span. Each checkpoint is measured on the first `sequences`
-validation windows of its own run's data (the same windows for runs on the same data and data.block_size).
-"""
-
-import csv
 import os
 import re
-from collections import Counter
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
+import pandas as pd  # type: ignore[import-untyped]  # no stubs installed
 import torch
 from hydra.core.hydra_config import HydraConfig
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from pydantic import field_validator
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
 from xsa_lm.analysis.losses import held_out_loss
-from xsa_lm.checkpoints.load import checkpoint_list, load_model, run_config_of, run_data, run_dir_of
+from xsa_lm.checkpoints.load import (
+    Count,
+    Options,
+    as_texts,
+    checkpoint_list,
+    load_model,
+    parse_options,
+    run_config,
+    run_data,
+    run_dir_of,
+    told_apart,
+)
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import atomic_file
+
+
+class AnalyzeOptions(Options):
+    ckpts: list[str]
+    labels: list[str] | None
+    sequences: Count
+    batch_size: Count
+    chunk: Count
+    position_buckets: Count
+
+    _texts = field_validator("ckpts", "labels", mode="before")(as_texts)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One diagnostics row per checkpoint and layer, one loss row per checkpoint (with the tokens measured on)."""
+
+    diagnostics: list[dict]
+    losses: list[dict]
+
 
 # (metric, panel title, y label): the paper's Figure 1, then the two statistics of the XSA step itself.
 PANELS = (
@@ -48,65 +72,40 @@ MIN_SPAN = {"cos_z_v": 0.1}
 
 
 def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, PreparedData]:
-    """The first n validation windows of the data the checkpoint's run trained on, in its context (config.yaml):
-    their inputs and targets (n, T), the windows its run validated on when n covers data.val_windows, and that
-    data (its tokenizer gives the bytes of each token)."""
-    cfg = OmegaConf.load(run_config_of(path))
+    """Inputs and targets (n, T) of the first n validation windows of the checkpoint's run, and its data."""
+    block_size = run_config(path)["data"]["block_size"]
     data = run_data(path)
-    windows = PackedWindows(data.shards("val"), cfg.data.block_size)
+    windows = PackedWindows(data.shards("val"), block_size)
     if n > len(windows):
         print(f"sequences={n}, but {path}'s validation split holds {len(windows)} windows: measuring all of them")
     pairs = [windows[i] for i in range(min(n, len(windows)))]
     return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs]), data
 
 
-def check_counts(**counts: object) -> None:
-    """sequences, chunk, batch_size, position_buckets: whole numbers of at least one, refused in one line each."""
-    for key, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{key} must be an integer >= 1, got {value!r}")
-
-
 def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
-    """The run directory's name, with the attention type when the name does not already say it; the checkpoint's
-    file name too when two checkpoints would otherwise share a label (they would share a line in the plot)."""
+    """The run directory's name, with the attention where the name does not say it; told apart where two share it."""
     labels = []
     for path, attention in zip(paths, attentions, strict=True):
         run = run_dir_of(path).name
         labels.append(run if attention in re.split(r"[^a-z0-9]+", run.lower()) else f"{run} ({attention})")
-    counts = Counter(labels)
-    labels = [f"{label} {path.stem}" if counts[label] > 1 else label for label, path in zip(labels, paths, strict=True)]
-    counts = Counter(labels)
-    return [f"{label} #{i}" if counts[label] > 1 else label for i, label in enumerate(labels)]
+    numbered = [f"{label} {path.stem} #{i}" for i, (label, path) in enumerate(zip(labels, paths, strict=True))]
+    return told_apart(labels, paths, numbered)
 
 
-def label_list(labels: str | Sequence[object] | None, count: int) -> list[str] | None:
-    """The `labels=` of `count` checkpoints as text, one per checkpoint and each its own (two equal labels would draw
-    two checkpoints as one line); a single label may be given without brackets. None: the default labels."""
-    if labels is None:
-        return None
-    texts = [str(label) for label in ([labels] if isinstance(labels, str) else labels)]  # labels=[1,2]: numbers
-    if len(texts) != count:
-        raise UserError(f"labels: {len(texts)} labels for {count} checkpoints")
-    repeated = sorted({label for label in texts if texts.count(label) > 1})
+def check_labels(labels: list[str], count: int) -> None:
+    """One label per checkpoint, each its own (equal labels would draw two checkpoints as one line)."""
+    if len(labels) != count:
+        raise UserError(f"labels: {len(labels)} labels for {count} checkpoints")
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:
         raise UserError(f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own")
-    return texts
 
 
 def analyze(
-    ckpts: list[str],
-    *,
-    labels: str | Sequence[object] | None,
-    sequences: int,
-    chunk: int,
-    batch: int,
-    buckets: int = 8,
-) -> tuple[list[dict], list[dict]]:
-    """The diagnostics rows (one per checkpoint and layer) and the loss rows (one per checkpoint: windows, loss, bpb,
-    span_1..span_<buckets>), both measured on each checkpoint's first `sequences` validation windows."""
-    check_counts(sequences=sequences, chunk=chunk, batch_size=batch, position_buckets=buckets)
-    given = label_list(labels, len(ckpts))
+    ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk: int, batch_size: int, buckets: int
+) -> Analysis:
+    if labels is not None:
+        check_labels(labels, len(ckpts))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in ckpts]
     measured = []
@@ -116,11 +115,11 @@ def analyze(
         if buckets > x.shape[1]:  # spans without a position would be reported empty
             raise UserError(f"position_buckets={buckets} is above the {x.shape[1]} positions of {path}'s windows")
         x, y = x.to(device), y.to(device)
-        layers = diagnose(model, x.split(batch), chunk)
+        layers = diagnose(model, x.split(batch_size), chunk)
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
-        loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch)
+        loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch_size)
         measured.append((model.config.attention, layers, loss, data, x.shape[1]))
-    names = given or default_labels(paths, [a for a, *_ in measured])
+    names = labels or default_labels(paths, [a for a, *_ in measured])
     rows, losses = [], []
     for path, label, (_, layers, loss, data, block_size) in zip(paths, names, measured, strict=True):
         which: dict[str, object] = {"checkpoint": os.path.abspath(path), "label": label}  # readable from anywhere
@@ -129,39 +128,27 @@ def analyze(
         # The prepared data names its tokenizer; the window's length sets which tokens and positions are measured.
         measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": block_size}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
-    return rows, losses
+    return Analysis(rows, losses)
 
 
 def span_columns(losses: list[dict]) -> list[str]:
-    """span_1..span_N of the loss rows, earliest positions first."""
     return [key for key in losses[0] if key.startswith("span_")] if losses else []
 
 
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
-    """`rows` as a CSV file of `columns`; an empty cell where a value is None."""
     with atomic_file(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row[k] is None else row[k]) for k in columns})
-
-
-def number(value) -> float | None:
-    """A metric as a float; None for layers without it (SA layers have no z), also when read back from the CSV."""
-    return None if value is None or value == "" else float(value)
+        pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
 
 
 def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool) -> list[tuple[float, float]]:
-    """One checkpoint's (layer, value) points in one panel, the layer as relative depth when `relative`; none
-    where the metric is missing (an SA checkpoint has none in the XSA panels)."""
+    """One checkpoint's (layer or relative depth, value) points in one panel, where it has the metric."""
     mine = [r for r in rows if r["label"] == label]
     n_layers = max(r["layer"] for r in mine) + 1
-    points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], number(r.get(metric))) for r in mine]
-    return [(x, y) for x, y in points if y is not None]
+    points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], r.get(metric)) for r in mine]
+    return [(x, float(y)) for x, y in points if y is not None and y != ""]  # SA layers have no z (CSV: "")
 
 
 def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
-    """The axes of a panel with lines: a y range no narrower than the metric's MIN_SPAN, and every layer on x."""
     low, high = ax.get_ylim()
     span = MIN_SPAN.get(metric, 1e-3)
     if high - low < span:
@@ -175,10 +162,8 @@ def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
-    """The paper's Figure 1 panels, then cos(z, v) and the norm XSA removes: per-layer curves, one line and one
-    colour per checkpoint label, so SA and XSA overlay; the legend in the sixth cell. `reference` rows (the paper's
-    own values, Figure 1's metrics only) are drawn against relative depth, so that models of different depths share
-    the axis. A Figure of its own, not pyplot's: it needs no display and is not kept open."""
+    """PANELS per layer, a line per checkpoint label; `reference` (the paper's values) against relative depth, so
+    that models of other depths share the axis. A Figure, not pyplot's: it needs no display."""
     fig = Figure(figsize=(14, 7.5))
     grid = fig.subplots(2, 3)
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
@@ -215,38 +200,23 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
 
 
 def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
-    """figure(rows, reference) written to `path` (PNG)."""
     figure(rows, reference).savefig(path, dpi=120)
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'label':<28}{'layer':>6}{'attn':>6}" + "".join(f"{m:>14}" for m in METRICS)]
-    for r in rows:
-        cells = "".join(f"{cell(r[m]):>14}" for m in METRICS)
-        lines.append(f"{r['label'][:27]:<28}{r['layer']:>6}{r['attention']:>6}{cells}")
-    return "\n".join(lines)
-
-
-def cell(value: float | None, spec: str = ".4f") -> str:
-    """A number of the loss table; "-" where there is none (a span without tokens)."""
-    return "-" if value is None else format(value, spec)
+def markdown(rows: list[dict], columns: list[str]) -> str:
+    table = pd.DataFrame(rows, columns=columns).astype(object)
+    return table.where(table.notna(), None).to_markdown(index=False, floatfmt=".4f", missingval="-")
 
 
 def measured_on(loss_row: dict) -> str:
-    """The tokens a loss row was measured on: its windows, their length and the prepared data (corpus, tokenizer)."""
     return f"{loss_row['windows']} windows of {loss_row['block_size']} tokens of {loss_row['data']}"
 
 
-def loss_table(losses: list[dict]) -> str:
-    """One line per checkpoint: windows, loss, bpb and the loss per span; then, from the second checkpoint on, its
-    difference from the first per span (e.g. `xsa - sa per span: -0.0100 ...`), and in the overall loss, where both
-    were measured on the same tokens (measured_on); "not compared" where not."""
-    spans = span_columns(losses)
-    header = f"{'label':<28}{'windows':>8}{'loss':>9}{'bpb':>9}" + "".join(f"{s:>9}" for s in spans)
-    lines = [header]
-    for r in losses:
-        cells = "".join(f"{cell(r[s]):>9}" for s in spans)
-        lines.append(f"{r['label'][:27]:<28}{r['windows']:>8}{cell(r['loss']):>9}{cell(r['bpb']):>9}{cells}")
+def render(analysis: Analysis) -> str:
+    """The two tables, then each checkpoint's difference from the first per span, where measured on the same tokens."""
+    losses, spans = analysis.losses, span_columns(analysis.losses)
+    lines = [markdown(analysis.diagnostics, ["label", "layer", "attention", *METRICS]), ""]
+    lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
     for r in losses[1:]:
         first = losses[0]
         if measured_on(r) != measured_on(first):  # a difference of other tokens means nothing
@@ -254,28 +224,23 @@ def loss_table(losses: list[dict]) -> str:
             lines.append(f"{r['label']} - {first['label']}: not compared ({against})")
             continue
         differences = [None if r[s] is None or first[s] is None else r[s] - first[s] for s in spans]
-        per_span = " ".join(cell(d, "+.4f") for d in differences)
+        per_span = " ".join("-" if d is None else f"{d:+.4f}" for d in differences)
         lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
     return "\n".join(lines)
 
 
 def positions_figure(losses: list[dict]) -> Figure:
-    """The loss per equal span of window positions, one line per checkpoint: how the loss falls with the context a
-    position has (a Figure of its own, as figure's)."""
+    """The loss per equal span of window positions, a line per checkpoint: how it falls with the context."""
     spans = span_columns(losses)
+    curves = pd.DataFrame(losses, columns=["label", *spans]).set_index("label").T.astype(float)
+    curves.index = range(1, len(spans) + 1)
     fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
-    for i, r in enumerate(losses):
-        points = [(k, r[s]) for k, s in enumerate(spans, start=1) if r[s] is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=f"C{i % 10}", label=r["label"])
-    ax.set_title("validation loss per span of window positions")
+    ax = curves.plot(ax=fig.subplots(), marker="o", markersize=3, title="validation loss per span of window positions")
     ax.set_xlabel(f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)")
     ax.set_ylabel("mean loss (nats per token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(title="checkpoint")
+    ax.legend(title="checkpoint")
     fig.tight_layout()
     return fig
 
@@ -285,24 +250,17 @@ def positions_figure(losses: list[dict]) -> Figure:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
-        rows, losses = analyze(
-            checkpoint_list(cfg.ckpts),
-            labels=cfg.labels,
-            sequences=cfg.sequences,
-            chunk=cfg.chunk,
-            batch=cfg.batch_size,
-            buckets=cfg.position_buckets,
-        )
+        options = parse_options(AnalyzeOptions, cfg)
+        sizes = options.model_dump(include={"labels", "sequences", "chunk", "batch_size"})
+        analysis = analyze(checkpoint_list(options.ckpts), buckets=options.position_buckets, **sizes)
     out.mkdir(parents=True, exist_ok=True)
-    plot(rows, out / "diagnostics.png")
-    columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)]
-    write_csv(losses, columns, out / "losses.csv")
-    positions_figure(losses).savefig(out / "positions.png", dpi=120)
+    plot(analysis.diagnostics, out / "diagnostics.png")
+    columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(analysis.losses)]
+    write_csv(analysis.losses, columns, out / "losses.csv")
+    positions_figure(analysis.losses).savefig(out / "positions.png", dpi=120)
     # Last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so one interrupted
     # before it can be run again
-    write_csv(rows, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
-    print(table(rows))
-    print()
-    print(loss_table(losses))
+    write_csv(analysis.diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
+    print(render(analysis))
     written = [out / name for name in ("diagnostics.csv", "diagnostics.png", "losses.csv", "positions.png")]
     print(f"\nwrote {', '.join(map(str, written[:-1]))} and {written[-1]}")

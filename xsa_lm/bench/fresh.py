@@ -1,10 +1,5 @@
-"""Each measured phase in a fresh process, so that no phase inherits another's heap, allocator cache, threads or
-compiled code: in one process, a phase's step time depends on which phases ran before it.
-
-The processes are forked from a server that has imported torch, Lightning and the bench once (multiprocessing's
-forkserver): every phase starts from the same clean state, without paying the imports (seconds) each time. The
-server never touches CUDA, so each phase creates its own context.
-"""
+"""Each phase in a fresh process (no heap, allocator cache, threads or compiled code inherited), forked from a
+forkserver that has imported torch and Lightning once and never touches CUDA."""
 
 import multiprocessing
 import sys

@@ -1,9 +1,6 @@
-"""The contenders: a minimal hand-written training loop and Lightning fitting LMModule, on the same model, batches,
-optimizer and schedule, under a chosen SDPA kernel order; step timing on two clocks and peak memory. `measure` runs one
-phase; `xsa_lm.bench.fresh` runs it in a fresh process.
-
-Each step is timed by the wall clock and by the process's CPU time (every thread of it): on a machine shared with
-other jobs the wall clock also counts the time this process waited for a core, its CPU time barely moves."""
+"""The contenders: a hand-written training loop and Lightning fitting LMModule on the same model, batches, optimizer
+and schedule; each step timed by the wall clock and by the process's CPU time (which barely moves on a shared
+machine, where the wall clock also counts the waits for a core), and peak memory. `measure` runs one phase."""
 
 import contextlib
 import logging
@@ -12,14 +9,16 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.throughput import measure_flops
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from xsa_lm.compat import QUIET_TRAINER
 from xsa_lm.config.builders import build
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
@@ -27,25 +26,27 @@ from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.hardware import device_name, peak_flops, synchronize
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
-from xsa_lm.train.runinfo import SdpaKernels
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 N_BATCHES = 8  # distinct random batches, cycled
 
 
-class ProcessFacts(TypedDict):
+@dataclass(frozen=True)
+class ProcessFacts:
     pid: int
     threads: int
     host_memory_reuse: bool
 
 
-class KernelsFound(SdpaKernels):
-    """The SDPA kernel order `auto` gives the device, the one the attention runs, and which candidates take it."""
-
+@dataclass(frozen=True)
+class KernelsFound:
+    order: list[str]
+    used: str
     candidates: list[str]
     takes: dict[str, bool]
 
 
+@dataclass(frozen=True)
 class DevicePhase(ProcessFacts):
     device: str
     peak_flops: float | None
@@ -54,6 +55,7 @@ class DevicePhase(ProcessFacts):
     flops_per_token_flop_counter: float
 
 
+@dataclass(frozen=True)
 class TimedPhase(ProcessFacts):
     step_times: list[float]  # seconds, start to start
     cpu_step_times: list[float]
@@ -64,20 +66,14 @@ class TimedPhase(ProcessFacts):
     cpu_ms_median: float
 
 
-PhaseResult = (
-    KernelsFound | DevicePhase | TimedPhase
-)  # what measure() returns for a phase of kind kernels, device, else
+PhaseResult = KernelsFound | DevicePhase | TimedPhase  # measure()'s, for a phase of kind kernels, device, else
 
 
 @dataclass(frozen=True)
 class Phase:
-    """One measured phase, everything a fresh process needs to run it (plain values: it is pickled).
+    """What a fresh process needs to run one phase (plain values: it is pickled)."""
 
-    kind: `plain` (the hand-written loop), `lightning` (Trainer.fit of LMModule), `device` (the device's name, peak
-    FLOP/s and the model's FLOPs per token, nothing timed) or `kernels` (which SDPA kernels take the model's
-    attention here, nothing timed). sdpa: the SDPA kernels allowed, most preferred first (empty: torch's own)."""
-
-    kind: str
+    kind: str  # plain (the hand-written loop), lightning, device (FLOP/s, nothing timed) or kernels
     model: GPTConfig
     device: str
     precision: str
@@ -90,12 +86,11 @@ class Phase:
     seed: int
     threads: int | None
     reuse_host_memory: bool
-    sdpa: tuple[str, ...] = ()
+    sdpa: tuple[str, ...] = ()  # the SDPA kernels allowed, most preferred first (empty: torch's own)
 
 
 def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torch.device) -> list[Batch]:
-    """N_BATCHES of random tokens, pinned for CUDA: the step time of a language model does not depend on what the
-    tokens say."""
+    """Random tokens, pinned for CUDA: a step's time does not depend on what the tokens say."""
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch, config.block_size + 1)
     tokens = [torch.randint(0, config.vocab_size, shape, generator=g) for _ in range(N_BATCHES)]
@@ -105,8 +100,6 @@ def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torc
 
 @dataclass(frozen=True)
 class Setup:
-    """What both loops share: device, precision, compile, and the optimizer and schedule factories."""
-
     device: torch.device
     precision: str
     compile: bool
@@ -147,8 +140,7 @@ class PlainTrainer:
         self.opt.zero_grad(set_to_none=True)
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
-        """n steps cycling over batches; n + 1 device-synchronised wall-clock stamps (each step's start, then the
-        end). The same stamps on the CPU-time clock are left in cpu_stamps."""
+        """n steps; n + 1 device-synchronised wall-clock stamps (those on the CPU-time clock in cpu_stamps)."""
         stamps, self.cpu_stamps = [], []
         for i in range(n):
             synchronize(self.setup.device)
@@ -161,8 +153,8 @@ class PlainTrainer:
 
 
 class StepTimer(L.Callback):
-    """Device-synchronised stamp at each batch start; start-to-start covers all Lightning does between batches. On
-    CUDA, the allocator's high-water mark over the last batch (a whole training step, optimizer state included)."""
+    """A device-synchronised stamp at each batch start (start to start covers all Lightning does); on CUDA, the
+    allocator's high-water mark over the last batch."""
 
     def __init__(self, device: torch.device, last_batch: int) -> None:
         self.device = device
@@ -186,28 +178,18 @@ class StepTimer(L.Callback):
 def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: int, seed: int) -> StepTimer:
     """A fresh Trainer.fit of LMModule for n steps, as `xsa-lm train` configures it, without logging or checkpoints."""
     torch.manual_seed(seed)
-    module = LMModule(
-        config,
-        optimizer=setup.optimizer,
-        scheduler=setup.scheduler,
-        total_steps=n,
-        compile=setup.compile,
-        spike_factor=None,
-    )
+    module = LMModule(config, setup.optimizer, setup.scheduler, total_steps=n, compile=setup.compile, spike_factor=None)
     timer = StepTimer(setup.device, last_batch=n - 1)
     trainer = L.Trainer(
         max_steps=n,
         accelerator=setup.device.type,
         devices=1,
         precision=setup.precision,  # type: ignore[arg-type]  # a config string: Lightning checks it
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         gradient_clip_val=1.0,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[timer],
+        **QUIET_TRAINER,
     )
     cycled = [batches[i % len(batches)] for i in range(n)]  # a list is a map-style dataset
     trainer.fit(module, DataLoader(cycled, batch_size=None, shuffle=False, num_workers=0))  # type: ignore[arg-type]
@@ -219,8 +201,7 @@ def step_times(stamps: list[float]) -> list[float]:
 
 
 def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int:
-    """Bytes of the storages autograd saves while `run` builds its graph, each once, the model's own weights and
-    buffers excluded (they exist anyway)."""
+    """Bytes of the storages autograd saves while `run` builds its graph, each once, the model's own excluded."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     storages: dict[int, int] = {}
 
@@ -236,9 +217,8 @@ def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int
 
 
 def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
-    """Peak memory of one more training step of a trained model (its optimizer state exists).
-    CUDA: the allocator's high-water mark. CPU has no such counter: parameters, gradients and optimizer state
-    plus every tensor saved for the backward (each storage once), which is where SA and XSA can differ."""
+    """Peak memory of one more training step: CUDA's high-water mark; on CPU (no such counter) the weights,
+    gradients and optimizer state plus every tensor saved for the backward, where SA and XSA differ."""
     setup = trainer.setup
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
@@ -253,23 +233,20 @@ def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
 
 
 def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> float:
-    """torch.utils.flop_counter's count for one forward and backward, per token: checks the model's formula."""
+    """Lightning's measure_flops for one forward and backward, per token: checks the model's formula."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
 
     model = GPT(config).to(setup.device)
     x, y = (t.to(setup.device) for t in batch)
     # The counter knows SDPA's math, flash (CUDA) and efficient kernels, not the CPU flash kernel: math on CPU.
     math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else contextlib.nullcontext()
-    with FlopCounterMode(display=False) as counter, setup.autocast(), math_on_cpu:
-        _, loss = model(x, y)
-        loss.backward()
-    return counter.get_total_flops() / x.numel()
+    with setup.autocast(), math_on_cpu:
+        flops = measure_flops(model, lambda: model(x, y)[1], loss_fn=lambda loss: loss)
+    return flops / x.numel()
 
 
 def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> KernelsFound:
-    """The SDPA kernel order `auto` gives this device, the kernel it runs for the model's attention, and of the
-    candidates (auto: that order's) those that take the attention alone: the ones a phase can be timed under."""
+    """`auto`'s kernel order here, the kernel it runs, and which candidates take the attention alone."""
     order = resolve("auto", setup.device)
     with sdpa_backends(order):
         used = attention_kernel(config, setup)
@@ -285,21 +262,15 @@ def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...])
 
 
 def attention_kernel(config: GPTConfig, setup: Setup) -> str:
-    """The SDPA kernel the model's attention runs under the current order, at its shape and in its precision."""
+    dtype = torch.bfloat16 if setup.precision.startswith("bf16") else torch.float32
+    seq, heads, kv_heads = config.block_size + config.n_sinks, config.n_head, config.n_kv_head
     return backend_used(
-        heads=config.n_head,
-        kv_heads=config.n_kv_head,
-        seq=config.block_size + config.n_sinks,
-        head_dim=config.head_dim,
-        dtype=torch.bfloat16 if setup.precision.startswith("bf16") else torch.float32,
-        device=setup.device,
+        heads=heads, kv_heads=kv_heads, seq=seq, head_dim=config.head_dim, dtype=dtype, device=setup.device
     )
 
 
 def measure(phase: Phase) -> PhaseResult:
-    """Run one phase in this process (meant to be a fresh one) and return plain values: `warmup` untimed steps, then
-    `steps` timed ones (seconds, on the wall clock and on the process's CPU-time clock), and the peak memory of a
-    training step; all under the phase's SDPA kernel order."""
+    """Run one phase in this (fresh) process: `warmup` untimed steps, then `steps` timed ones, and peak memory."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
@@ -310,13 +281,8 @@ def measure(phase: Phase) -> PhaseResult:
     device = torch.device(phase.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    setup = Setup(
-        device,
-        precision=phase.precision,
-        compile=phase.compile,
-        optimizer=build(OmegaConf.create(phase.optimizer)),
-        scheduler=build(OmegaConf.create(phase.scheduler)),
-    )
+    optimizer, scheduler = (build(OmegaConf.create(group)) for group in (phase.optimizer, phase.scheduler))
+    setup = Setup(device, phase.precision, phase.compile, optimizer, scheduler)
     batches = make_batches(phase.model, micro_batch=phase.micro_batch, seed=phase.seed, device=device)
     if phase.kind == "kernels":
         return kernels_taking(phase.model, setup, phase.sdpa)
@@ -328,12 +294,11 @@ def measure(phase: Phase) -> PhaseResult:
 
 
 def device_facts(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> DevicePhase:
-    """The device's name and peak FLOP/s, and the model's FLOPs per token (its formula and the flop counter's)."""
     config = phase.model
     peak, source = peak_flops(setup.device, phase.precision)
     first = (batches[0][0][:1], batches[0][1][:1])  # one sequence: the count per token is the same, the memory less
     return DevicePhase(
-        **facts,
+        **asdict(facts),
         device=device_name(setup.device),
         peak_flops=peak,
         peak_flops_source=source,
@@ -343,7 +308,6 @@ def device_facts(phase: Phase, setup: Setup, batches: list[Batch], facts: Proces
 
 
 def timed(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> TimedPhase:
-    """The `plain` or `lightning` phase timed (see measure)."""
     config, w = phase.model, phase.warmup
     # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
     total = w + phase.steps + 1
@@ -361,7 +325,7 @@ def timed(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts)
     else:
         raise ValueError(f"unknown bench phase kind {phase.kind!r}")
     return TimedPhase(
-        **facts,
+        **asdict(facts),
         step_times=times,
         cpu_step_times=cpu_times,
         sdpa_used=attention_kernel(config, setup),

@@ -1,15 +1,8 @@
-"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process;
-a table and a JSON file.
+"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process.
 
-Every round runs the phases (a plain loop training SA and the same loop training XSA under each SDPA kernel the
-device has, and Lightning fitting SA under the kernel order `xsa-lm train` uses) one after another, each in its own
-fresh process. A kernel's SA and XSA run back to back, in an order that alternates from round to round, so each
-round gives one XSA/SA ratio per kernel from two neighbouring processes; the kernels' order and Lightning's place
-rotate, so drift and noisy neighbours hit every phase alike. Each step is timed by the wall clock and by the
-process's CPU time (which barely moves when another job shares the machine). Over the rounds, each ratio's spread,
-a 95% interval and a verdict against the target (xsa_lm.bench.stats). `rounds: auto` runs a pilot, then as many
-rounds as the pilot's spread says the interval needs to decide the target either way, within a time budget.
-Peak memory of a training step comes from the same processes; tokens/s and MFU from the Lightning ones.
+Each round runs every phase once; a kernel's SA and XSA back to back (alternating which goes first), the kernels'
+order and Lightning's place rotating, so that drift and noisy neighbours hit every phase alike. Over the rounds,
+each ratio's 95% interval and verdict (bench/stats.py); `rounds: auto` plans the rounds from a pilot's spread.
 """
 
 import math
@@ -18,21 +11,22 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Annotated, Any, cast
 
 import hydra
 import torch
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from xsa_lm.bench.fresh import process_context, run_fresh
 from xsa_lm.bench.loops import DevicePhase, KernelsFound, Phase, TimedPhase
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, RatioSummary, rounds_needed, summarize
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Ratio, rounds_needed, summarize
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import model_config
 from xsa_lm.config.checks import check_switches
@@ -49,7 +43,6 @@ TARGETS: dict[str, Any] = {
     "lightning_over_plain_throughput": 0.97,
     "mfu": {"model": "paper_0.7b", "gpus": ("H100", "H200"), "at_least": 0.45},
 }
-COMPARISONS = ("xsa_over_sa", "lightning_over_plain")
 SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
 # The clock rounds are planned on: a CPU step is the process's own work (its CPU time holds up on a shared
 # machine); a GPU step's host CPU time says little about the device's.
@@ -57,14 +50,77 @@ PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
 Round = dict[str, TimedPhase]  # a round's result of each phase
 
 
+def at_least(low: int, also: str = "", unless: tuple = ()) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if value not in unless and (type(value) is not int or value < low):
+            raise ValueError(f"must be an integer >= {low}{also}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def finite_seconds(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError("must be a finite number of seconds > 0")  # inf would fail after the pilot
+    return value
+
+
+def kernels(value: Any) -> Any:
+    problem = None if value in ("auto", "train") else config_problem(value)
+    if problem:
+        raise ValueError(problem.replace("auto", "auto, train"))
+    return value
+
+
+def comparisons(value: Any) -> Any:
+    unknown = sorted(set(value) - {"xsa_over_sa", "lightning_over_plain"})
+    if unknown:
+        raise ValueError(f"has unknown {unknown}; choose from ['lightning_over_plain', 'xsa_over_sa']")
+    return list(value)
+
+
+class BenchSpec(BaseModel):
+    """The bench's own settings (configs/bench.yaml), each refused in one line before any phase starts."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    device: str
+    precision: str | int
+    context: Annotated[int, at_least(1)]
+    micro_batch: Annotated[int, at_least(1)]
+    vocab_size: Annotated[int, at_least(1)]
+    compile: bool
+    reuse_host_memory: bool
+    backends: Annotated[str | list[str], BeforeValidator(kernels)]
+    rounds: Annotated[int | str, at_least(2, " or auto (an interval needs 2 rounds)", unless=("auto",))]
+    pilot_rounds: Annotated[int, at_least(2)]
+    budget_s: Annotated[float, BeforeValidator(finite_seconds)]
+    max_rounds: Annotated[int, at_least(2)]
+    steps: Annotated[int, at_least(1)]
+    warmup: Annotated[int, at_least(0)]
+    comparisons: Annotated[list[str], BeforeValidator(comparisons)]
+    threads: Annotated[int | str | None, at_least(1, " (or auto or null)", unless=(None, "auto"))]
+    seed: Annotated[int, at_least(0)]
+    smoke: bool
+
+
+def bench_spec(settings: dict[str, Any]) -> BenchSpec:
+    try:
+        return BenchSpec.model_validate(settings)
+    except ValidationError as e:
+        error = e.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        raise UserError(f"{key}={error['input']} {error['msg'].removeprefix('Value error, ')}") from None
+
+
+@dataclass(frozen=True)
 class KernelChoice(KernelsFound):
     timed: list[str]  # the kernels SA and XSA are timed under
     primary: str  # the kernel whose ratios are the headline
 
 
-class RoundsPlan(TypedDict):
-    """rounds: auto's plan, made once from the pilot (plan_rounds)."""
-
+@dataclass(frozen=True)
+class RoundsPlan:
     pilot: int
     clock: str
     needed: int | None  # None: the pilot's centre is on the target
@@ -74,11 +130,6 @@ class RoundsPlan(TypedDict):
     round_s: float
     rounds: int
     limited_by: str
-
-
-class Ratio(RatioSummary):
-    kernel: str
-    clock: str
 
 
 def resolve_device(device: str) -> torch.device:
@@ -97,9 +148,8 @@ def resolve_device(device: str) -> torch.device:
 BOTH_LOOPS = ("32-true", "bf16-mixed")
 
 
-def resolve_bench_precision(precision: str, device: torch.device) -> str:
-    """auto: fp32 on CPU (even where torch would offer bf16), bf16 on a GPU. Decided without asking the GPU whether
-    it has bf16: that would create a CUDA context in this process, which only waits for the phases."""
+def resolve_bench_precision(precision: str | int, device: torch.device) -> str:
+    """auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the phases)."""
     if precision == "auto":
         return "bf16-mixed" if device.type == "cuda" else "32-true"
     try:
@@ -114,88 +164,55 @@ def resolve_bench_precision(precision: str, device: torch.device) -> str:
     return name
 
 
-def sa_and_xsa(cfg: DictConfig) -> tuple[GPTConfig, GPTConfig]:
-    """The XSA variant given by attention=xsa (its layers and gate) at the bench's context, and SA: the same model
-    without XSA."""
-    xsa = model_config(cfg, cfg.vocab_size)
+def sa_and_xsa(xsa: GPTConfig, context: int) -> tuple[GPTConfig, GPTConfig]:
+    """(SA, XSA) at the bench's context: the XSA variant of attention=xsa, and the same model without XSA."""
     if xsa.attention != "xsa":
         raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
-    xsa = replace(xsa, block_size=cfg.context)
+    xsa = replace(xsa, block_size=context)
     return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
 
 
-def base_phase(cfg: DictConfig, n: dict, device: torch.device, precision: str) -> tuple[Phase, GPTConfig]:
-    """The plain loop training SA (under torch's own kernel order, until a phase names one), and the XSA variant's
-    model beside it."""
-    sa, xsa = sa_and_xsa(cfg)
-    unknown = set(cfg.comparisons) - set(COMPARISONS)
-    if unknown:
-        raise UserError(f"comparisons: unknown {sorted(unknown)}; choose from {sorted(COMPARISONS)}")
-    # threads=auto: one thread per phase on CPU, torch's default (one per core) on a GPU. With two threads on a
-    # shared machine, one thread spins while the other waits for a core, and the spinning counts as CPU time
-    # (measured in docs/benchmark.md): one thread keeps the CPU-time clock a measure of the step's work.
-    threads = (1 if device.type == "cpu" else None) if cfg.threads == "auto" else cfg.threads
-    base = Phase(
-        kind="plain",
-        model=sa,
-        device=device.type,
-        precision=precision,
-        compile=cfg.compile,
-        optimizer=cast(dict, OmegaConf.to_container(cfg.optim, resolve=True)),  # DictConfigs give dicts
-        scheduler=cast(dict, OmegaConf.to_container(cfg.scheduler, resolve=True)),
-        micro_batch=cfg.micro_batch,
-        warmup=n["warmup"],
-        steps=n["steps"],
-        seed=cfg.seed,
-        threads=threads,
-        reuse_host_memory=bool(cfg.reuse_host_memory),
-    )
-    return base, xsa
+def base_phase(spec: BenchSpec, sa: GPTConfig, device: torch.device, precision: str, groups: dict) -> Phase:
+    """The plain loop training SA; `groups`: the optim and scheduler groups, built in the phase's process."""
+    # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
+    # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
+    threads = (1 if device.type == "cpu" else None) if spec.threads == "auto" else spec.threads
+    same = spec.model_dump(include={"compile", "micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
+    optim, scheduler, threads = groups["optim"], groups["scheduler"], cast(int | None, threads)
+    return Phase("plain", sa, device.type, precision, optimizer=optim, scheduler=scheduler, threads=threads, **same)
 
 
-def backend_names(value: Any) -> tuple[str, ...]:
-    """`backends` as the kernels to try (empty: every kernel the device has); refused in one line if unknown."""
-    if value in ("auto", "train"):
-        return ()
-    problem = config_problem(list(value) if isinstance(value, ListConfig) else value)
-    if problem:
-        raise UserError(f"backends={value} {problem.replace('auto', 'auto, train')}")
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def kernel_choice(cfg: DictConfig, base: Phase) -> KernelChoice:
-    """In a fresh process (this one never touches CUDA): the SDPA kernel order `xsa-lm train` uses on this device
-    (sdpa_backends=auto), the kernel it runs for this model, and the kernels to time SA and XSA under: those of
-    `backends` that take the model's attention alone (`train`: the one train runs). `primary`: the kernel whose
-    ratios are the headline (train's, when it is timed)."""
-    kernels = replace(base, kind="kernels", sdpa=backend_names(cfg.backends))
+def kernel_choice(backends: str | list[str], base: Phase) -> KernelChoice:
+    """In a fresh process: train's kernel order and kernel here, and the kernels of `backends` that take the model's
+    attention alone (`train`: train's); `primary` (train's when timed) gives the headline ratios."""
+    names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
+    kernels = replace(base, kind="kernels", sdpa=names)  # empty: every kernel the device has
     found = cast(KernelsFound, run_fresh(kernels, "kernels", process_context()))
-    timed = [found["used"]] if cfg.backends == "train" else [k for k in found["candidates"] if found["takes"][k]]
+    timed = [found.used] if backends == "train" else [k for k in found.candidates if found.takes[k]]
     if not timed:
         raise UserError(
-            f"backends={cfg.backends}: none of {', '.join(found['candidates'])} takes this model's attention in "
+            f"backends={backends}: none of {', '.join(found.candidates)} takes this model's attention in "
             f"{base.precision} on {base.device}; add math (it takes every shape)"
         )
-    return KernelChoice(**found, timed=timed, primary=found["used"] if found["used"] in timed else timed[0])
+    primary = found.used if found.used in timed else timed[0]
+    return KernelChoice(**asdict(found), timed=timed, primary=primary)
 
 
-def make_phases(cfg: DictConfig, base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
-    """`sa_<kernel>` and `xsa_<kernel>` (the plain loop under that kernel alone) for each timed kernel, and
-    `lightning` (always: the headline tokens/s and MFU) under the kernel order `xsa-lm train` uses."""
+def make_phases(comparisons: list[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
+    """`sa_<kernel>` and `xsa_<kernel>` per timed kernel, and `lightning` (the headline) under train's order."""
     phases = {}
-    for kernel in kernels["timed"]:
-        plain_sa = "lightning_over_plain" in cfg.comparisons and kernel == kernels["primary"]
-        if "xsa_over_sa" in cfg.comparisons or plain_sa:
+    for kernel in kernels.timed:
+        plain_sa = "lightning_over_plain" in comparisons and kernel == kernels.primary
+        if "xsa_over_sa" in comparisons or plain_sa:
             phases[f"sa_{kernel}"] = replace(base, sdpa=(kernel,))
-        if "xsa_over_sa" in cfg.comparisons:
+        if "xsa_over_sa" in comparisons:
             phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
-    phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels["order"]))
+    phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
     return phases
 
 
 def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
-    """Round r's phases: each kernel's SA and XSA back to back (their ratio pairs neighbours), SA first in even
-    rounds and XSA first in odd ones; the kernels' order rotates and Lightning moves one place each round."""
+    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
     shift = r % len(kernels)
     groups = []
     for kernel in kernels[shift:] + kernels[:shift]:
@@ -207,38 +224,32 @@ def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
 
 
 def median_step(result: TimedPhase, clock: str) -> float:
-    """A phase's median step time (s) on one clock: wall or cpu."""
-    return statistics.median(result["step_times"] if clock == "wall" else result["cpu_step_times"])
+    return statistics.median(result.step_times if clock == "wall" else result.cpu_step_times)
 
 
 def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[Round]:
-    """Rounds first .. first + count - 1: each runs every phase once, each in a fresh process (round_order)."""
     context, results = process_context(), []
     for r in range(first, first + count):
         t0, result = time.perf_counter(), Round()
         for name in round_order(list(phases), kernels, r):
             result[name] = cast(TimedPhase, run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context))
         results.append(result)
-        ms = ", ".join(f"{k} {v['step_ms_median']:.1f} ms ({v['cpu_ms_median']:.1f} CPU)" for k, v in result.items())
+        ms = ", ".join(f"{k} {v.step_ms_median:.1f} ms ({v.cpu_ms_median:.1f} CPU)" for k, v in result.items())
         print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {ms}", flush=True)
     return results
 
 
 def per_round_ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float]:
-    """Per round, phase `top`'s median step time over phase `bottom`'s, both from that round."""
     return [median_step(r[top], clock) / median_step(r[bottom], clock) for r in rounds]
 
 
 def plan_rounds(
-    pilot: list[Round], *, kernels: KernelChoice, elapsed_s: float, cfg: DictConfig, device_type: str
+    pilot: list[Round], kernels: KernelChoice, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
 ) -> RoundsPlan:
-    """How many rounds in all: what the headline ratio needs at the pilot's spread and distance to its target
-    (stats.rounds_needed), within what fits in budget_s at the pilot's pace and max_rounds. The headline: XSA/SA
-    under the primary kernel (the other kernels' ratios come from the same rounds), or, when only Lightning and the
-    plain loop are compared, Lightning's step time over the plain loop's (the inverse of the throughput ratio, and
-    of its target). Planned once, from the pilot: re-planning after every round would stop when the interval
-    happened to look decided, and such an interval covers less than 95%."""
-    clock, primary = PLANNING_CLOCK[device_type], kernels["primary"]
+    """The rounds the headline ratio (XSA/SA, else Lightning/plain step time) needs at the pilot's spread, within
+    budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
+    decided, and such an interval covers less than 95%."""
+    clock, primary = PLANNING_CLOCK[device_type], kernels.primary
     if f"xsa_{primary}" in pilot[0]:
         top, target = f"xsa_{primary}", TARGETS["xsa_over_sa_step_time"][device_type]
     else:
@@ -246,26 +257,17 @@ def plan_rounds(
     has_sa = f"sa_{primary}" in pilot[0]  # else Lightning alone: no ratio to plan for
     needed = rounds_needed(per_round_ratios(pilot, top, f"sa_{primary}", clock), target) if has_sa else len(pilot)
     pace = elapsed_s / len(pilot)
-    affordable = len(pilot) + max(0, math.floor((cfg.budget_s - elapsed_s) / pace))
-    total = max(len(pilot), min(needed, affordable, cfg.max_rounds))
-    return {
-        "pilot": len(pilot),
-        "clock": clock,
-        "needed": None if math.isinf(needed) else int(needed),  # None: the pilot's centre is on the target
-        "affordable": affordable,
-        "budget_s": cfg.budget_s,
-        "max_rounds": cfg.max_rounds,
-        "round_s": pace,
-        "rounds": int(total),
-        "limited_by": "needed" if total >= needed else "budget_s" if affordable <= cfg.max_rounds else "max_rounds",
-    }
+    affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
+    total = max(len(pilot), min(needed, affordable, max_rounds))
+    limited_by = "needed" if total >= needed else "budget_s" if affordable <= max_rounds else "max_rounds"
+    finite = None if math.isinf(needed) else int(needed)
+    return RoundsPlan(len(pilot), clock, finite, affordable, budget_s, max_rounds, pace, int(total), limited_by)
 
 
-def model_label(model: DictConfig, preset: DictConfig) -> str:
-    """The model's name, with the fields it sets apart from its preset's (`tiny (n_layer=6)`): a preset's name, and
-    the targets set for it, then stand for the preset alone."""
+def model_label(model: dict, preset: dict) -> str:
+    """The model's name, with the fields it sets apart from its preset's: `tiny (n_layer=6)`."""
     changed = [f"{key!s}={model[key]}" for key in model if key != "name" and model[key] != preset.get(key)]
-    return f"{model.name} ({', '.join(changed)})" if changed else str(model.name)
+    return f"{model['name']} ({', '.join(changed)})" if changed else str(model["name"])
 
 
 def mfu_target(model: str, device: str) -> float | None:
@@ -276,111 +278,81 @@ def mfu_target(model: str, device: str) -> float | None:
 
 def summarize_rounds(
     rounds: list[Round], info: DevicePhase, *, model: str, device_type: str, tokens: int, kernels: KernelChoice
-) -> dict[str, Any]:
-    """Per phase: median step time on both clocks, tokens/s, peak memory, the kernel it ran; per comparison and
-    clock: the per-round ratios summarized (`_<kernel>` after the name for a kernel other than the primary)."""
+) -> tuple[dict[str, Any], dict[str, Ratio]]:
+    """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
     out: dict = {}
     for name in rounds[0]:
         wall = statistics.median(median_step(r[name], "wall") for r in rounds)
         out[f"{name}_step_ms"] = 1e3 * wall
         out[f"{name}_cpu_ms"] = 1e3 * statistics.median(median_step(r[name], "cpu") for r in rounds)
         out[f"{name}_tokens_per_s"] = tokens / wall
-        memory = [r[name]["peak_memory_bytes"] for r in rounds]
+        memory = [r[name].peak_memory_bytes for r in rounds]
         measured = [m for m in memory if m is not None]
         out[f"{name}_peak_memory_bytes"] = statistics.median(measured) if len(measured) == len(memory) else None
-    out["phase_kernels"] = {name: rounds[0][name]["sdpa_used"] for name in rounds[0]}
-    primary, ratios = kernels["primary"], dict[str, Ratio]()
+    out["phase_kernels"] = {name: rounds[0][name].sdpa_used for name in rounds[0]}
+    primary, ratios = kernels.primary, dict[str, Ratio]()
     step_target = TARGETS["xsa_over_sa_step_time"][device_type]
-    for kernel in [k for k in kernels["timed"] if f"xsa_{k}" in rounds[0]]:
+    for kernel in [k for k in kernels.timed if f"xsa_{k}" in rounds[0]]:
         suffix = "" if kernel == primary else f"_{kernel}"
         for clock, key in (("wall", "xsa_over_sa_step_time"), ("cpu", "xsa_over_sa_cpu_time")):
             values = per_round_ratios(rounds, f"xsa_{kernel}", f"sa_{kernel}", clock)
-            ratios[key + suffix] = Ratio(
-                **summarize(values, target=step_target, at_most=True), kernel=kernel, clock=clock
-            )
+            ratios[key + suffix] = summarize(values, step_target, at_most=True, kernel=kernel, clock=clock)
     if f"sa_{primary}" in rounds[0]:  # throughput ratio = plain step time / Lightning step time
         for clock, key in (("wall", "lightning_over_plain_throughput"), ("cpu", "lightning_over_plain_cpu_throughput")):
             values = per_round_ratios(rounds, f"sa_{primary}", "lightning", clock)
             target = TARGETS["lightning_over_plain_throughput"]
-            ratios[key] = Ratio(**summarize(values, target=target, at_most=False), kernel=primary, clock=clock)
-    peak = info["peak_flops"]
-    if peak is not None:
+            ratios[key] = summarize(values, target, at_most=False, kernel=primary, clock=clock)
+    if info.peak_flops is not None:
         per_round = [median_step(r["lightning"], "wall") for r in rounds]
-        mfu = [tokens / t * info["flops_per_token"] / peak for t in per_round]
-        target = mfu_target(model, info["device"])
-        ratios["mfu"] = Ratio(**summarize(mfu, target=target, at_most=False), kernel=primary, clock="wall")
+        mfu = [tokens / t * info.flops_per_token / info.peak_flops for t in per_round]
+        target = mfu_target(model, info.device)
+        ratios["mfu"] = summarize(mfu, target, at_most=False, kernel=primary, clock="wall")
     xsa_memory, sa_memory = out.get(f"xsa_{primary}_peak_memory_bytes"), out.get(f"sa_{primary}_peak_memory_bytes")
     if xsa_memory and sa_memory:
         out["xsa_over_sa_peak_memory"] = xsa_memory / sa_memory
-    return out | {"ratios": ratios}
+    return out, ratios
 
 
-def check_sizes(cfg: DictConfig) -> None:
-    """The whole numbers of a bench, before any phase starts (a zero would fail inside a phase's process)."""
-    lowest = {"micro_batch": 1, "context": 1, "steps": 1, "warmup": 0, "vocab_size": 1, "seed": 0, "threads": 1}
-    lowest |= {"pilot_rounds": 2, "max_rounds": 2}
-    for key, low in lowest.items():
-        value = cfg[key]
-        if (key != "threads" or value not in (None, "auto")) and (type(value) is not int or value < low):
-            raise UserError(
-                f"{key}={value!r} must be an integer >= {low}" + (" (or auto or null)" if key == "threads" else "")
-            )
-    budget = cfg.budget_s  # inf would fail in plan_rounds, after the pilot; nan fails every comparison
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
-        raise UserError(f"budget_s={budget!r} must be a finite number of seconds > 0")
-    if cfg.context > cfg.model.block_size:
-        raise UserError(f"context={cfg.context} is above model.block_size={cfg.model.block_size}: lower it")
-
-
-def bench(cfg: DictConfig, model: str | None = None) -> dict[str, Any]:
-    """The bench's report (its JSON file): keys named after the phases and ratios it ran, beside fixed ones; `model`:
-    the model's label (model_label; by default the preset's name)."""
-    n = {k: cfg[k] for k in ("rounds", "steps", "warmup")} | (SMOKE if cfg.smoke else {})
-    model = model or cfg.model.name
-    if n["rounds"] != "auto" and (type(n["rounds"]) is not int or n["rounds"] < 2):
-        raise UserError(f"rounds={n['rounds']!r}: auto, or an integer >= 2 (at least 2 are needed for an interval)")
-    check_sizes(cfg)
-    device = resolve_device(cfg.device)
-    precision = resolve_bench_precision(cfg.precision, device)
-    base, xsa = base_phase(cfg, n, device, precision)
-    tokens = cfg.micro_batch * cfg.context
+def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: dict) -> dict[str, Any]:
+    """The report (bench.json); `model`: the label (model_label), `config`: the composed config, kept in it."""
+    if spec.smoke:
+        spec = spec.model_copy(update=SMOKE)
+    device = resolve_device(spec.device)
+    precision = resolve_bench_precision(spec.precision, device)
+    sa, xsa = sa_and_xsa(xsa, spec.context)
+    base = base_phase(spec, sa, device, precision, groups)
+    tokens = spec.micro_batch * spec.context
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    kernels = kernel_choice(cfg, base)
-    print(kernel_line(kernels), flush=True)
-    phases = make_phases(cfg, base, xsa, kernels)
-    auto = n["rounds"] == "auto"
-    first = cfg.pilot_rounds if auto else n["rounds"]
+    kernels = kernel_choice(spec.backends, base)
+    print(kernel_line(asdict(kernels)), flush=True)
+    phases = make_phases(spec.comparisons, base, xsa, kernels)
+    auto = spec.rounds == "auto"
+    first = spec.pilot_rounds if auto else int(spec.rounds)
     t_rounds = time.perf_counter()
-    rounds = run_rounds(phases, kernels["timed"], first=0, count=first, of=" (pilot)" if auto else f"/{first}")
+    rounds = run_rounds(phases, kernels.timed, first=0, count=first, of=" (pilot)" if auto else f"/{first}")
     plan = None
     if auto:
-        elapsed = time.perf_counter() - t_rounds
-        plan = plan_rounds(rounds, kernels=kernels, elapsed_s=elapsed, cfg=cfg, device_type=device.type)
-        print(plan_line(plan), flush=True)
-        extra = plan["rounds"] - len(rounds)
-        rounds += run_rounds(phases, kernels["timed"], first=len(rounds), count=extra, of=f"/{plan['rounds']}")
+        elapsed, budget = time.perf_counter() - t_rounds, spec.budget_s
+        plan = plan_rounds(rounds, kernels, elapsed, budget, spec.max_rounds, device.type)
+        print(plan_line(asdict(plan)), flush=True)
+        extra = plan.rounds - len(rounds)
+        rounds += run_rounds(phases, kernels.timed, first=len(rounds), count=extra, of=f"/{plan.rounds}")
     device_phase = replace(phases["lightning"], kind="device")
     info = cast(DevicePhase, run_fresh(device_phase, label="device", context=process_context()))
-    summary = summarize_rounds(rounds, info, model=model, device_type=device.type, tokens=tokens, kernels=kernels)
-    ratios = summary.pop("ratios")
-    memory_source = rounds[0][next(iter(rounds[0]))]["peak_memory_source"]
+    summary, ratios = summarize_rounds(
+        rounds, info, model=model, device_type=device.type, tokens=tokens, kernels=kernels
+    )
     return {
-        "device": info["device"],
+        **{key: value for key, value in asdict(info).items() if key != "pid"},  # the device, its peak FLOP/s, ...
         "precision": precision,
-        "compile": cfg.compile,
         "model": model,
-        "context": cfg.context,
-        "micro_batch": cfg.micro_batch,
+        **spec.model_dump(include={"compile", "context", "micro_batch", "smoke", "steps", "warmup"}),
         "tokens_per_step": tokens,
         "vocab_size": phases["lightning"].model.vocab_size,
-        "smoke": cfg.smoke,
-        "host_memory_reuse": info["host_memory_reuse"],
-        "threads": info["threads"],
-        **n,
         "rounds": len(rounds),
-        "rounds_setting": n["rounds"],
-        "rounds_plan": plan,
-        "sdpa": kernels,
+        "rounds_setting": spec.rounds,
+        "rounds_plan": None if plan is None else asdict(plan),
+        "sdpa": asdict(kernels),
         "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
@@ -389,28 +361,23 @@ def bench(cfg: DictConfig, model: str | None = None) -> dict[str, Any]:
         "tokens_per_s": summary["lightning_tokens_per_s"],
         "step_time_ms": summary["lightning_step_ms"],
         **summary,
-        "peak_memory_source": memory_source,
+        "peak_memory_source": rounds[0][next(iter(rounds[0]))].peak_memory_source,
         # Point estimates (the median of the per-round ratios) as top-level keys; the statistics beside them.
-        **{key: s["median"] for key, s in ratios.items()},
-        "ratios": ratios,
-        "targets": {key: s["target"] for key, s in ratios.items()},
-        "verdicts": {key: s["verdict"] for key, s in ratios.items()},
-        "flops_per_token": info["flops_per_token"],
-        "flops_per_token_flop_counter": info["flops_per_token_flop_counter"],
-        "peak_flops": info["peak_flops"],
-        "peak_flops_source": info["peak_flops_source"],
-        "per_round": rounds,
+        **{key: s.median for key, s in ratios.items()},
+        "ratios": {key: s.to_json() for key, s in ratios.items()},
+        "targets": {key: s.target for key, s in ratios.items()},
+        "verdicts": {key: s.verdict for key, s in ratios.items()},
+        "per_round": [{name: asdict(phase) for name, phase in r.items()} for r in rounds],
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
         "model_config": asdict(phases["lightning"].model),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "run_info": run_info(attention={"order": kernels["order"], "used": kernels["used"]}),
+        "config": config,
+        "run_info": run_info(attention={"order": kernels.order, "used": kernels.used}),
     }
 
 
 def xsa_memory(model: GPTConfig, *, tokens: int, precision: str) -> dict[str, int]:
-    """What one XSA layer adds at this step's size, as the memory plan counts it (xsa-lm plan): the coefficients it
-    saves for the backward, and its backward's largest temporaries, eager and compiled."""
+    """What one XSA layer adds at this step's size as `xsa-lm plan` counts it: saved, and backward temporaries."""
     compute, weights = memory.dtype_bytes(precision)
     shape = asdict(model)
     saved = memory.block_saved_per_token(shape, compute=compute, residual=weights, exclusive=True)["xsa"]
@@ -430,7 +397,7 @@ def xsa_memory_line(xsa: dict[str, int]) -> str:
     )
 
 
-def kernel_line(kernels: KernelChoice) -> str:
+def kernel_line(kernels: dict) -> str:
     not_taken = [k for k in kernels["candidates"] if not kernels["takes"][k]]
     skipped = f" (not taking this model's attention: {', '.join(not_taken)})" if not_taken else ""
     return (
@@ -439,7 +406,7 @@ def kernel_line(kernels: KernelChoice) -> str:
     )
 
 
-def plan_line(plan: RoundsPlan) -> str:
+def plan_line(plan: dict) -> str:
     needed = "no finite number (the pilot's centre is on the target)" if plan["needed"] is None else plan["needed"]
     return (
         f"rounds: the pilot's spread ({plan['clock']} clock) needs {needed} rounds for the 95% interval to decide the "
@@ -456,10 +423,6 @@ RATIO_LABELS = {
 }
 CLOCK_LABELS = {"wall": "wall", "cpu": "CPU time"}
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
-
-
-def ratio_label(key: str) -> str:
-    return next(label for prefix, label in RATIO_LABELS.items() if key.startswith(prefix))
 
 
 def phase_table(r: dict) -> Table:
@@ -490,7 +453,8 @@ def ratio_table(r: dict) -> Table:
         target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {fmt(s['target'])}"
         colour = COLOURS.get(s["verdict"], "yellow")
         spread = f"{fmt(s['min'])} - {fmt(s['max'])}"
-        cells = [ratio_label(key), s["kernel"], CLOCK_LABELS[s["clock"]], fmt(s["median"]), fmt(s["mean"])]
+        label = next(label for prefix, label in RATIO_LABELS.items() if key.startswith(prefix))
+        cells = [label, s["kernel"], CLOCK_LABELS[s["clock"]], fmt(s["median"]), fmt(s["mean"])]
         table.add_row(*cells, fmt(s["sd"]), spread, bounds, target, f"[{colour}]{s['verdict']}[/]")
     if r.get("xsa_over_sa_peak_memory"):
         table.add_row("XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6)
@@ -524,8 +488,14 @@ def main(cfg: DictConfig) -> None:
         raise UserError(f"out={said}: bench writes its results to a file; give one, e.g. out=bench.json")
     out = Path(str(cfg.out))
     check_new_file(out, overwrite=cfg.overwrite, example="bench.json")
+    config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    spec = bench_spec(config)
+    if spec.context > cfg.model.block_size:
+        raise UserError(f"context={spec.context} is above model.block_size={cfg.model.block_size}: lower it")
     preset = compose(config_name="bench", overrides=[f"model={HydraConfig.get().runtime.choices['model']}"]).model
-    result = bench(cfg, model=model_label(cfg.model, preset))
+    label = model_label(config["model"], cast(dict, OmegaConf.to_container(preset, resolve=True)))
+    groups = {"optim": config["optim"], "scheduler": config["scheduler"]}
+    result = bench(spec, xsa=model_config(cfg, spec.vocab_size), groups=groups, model=label, config=config)
     try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
         write_json(out, result, replace=cfg.overwrite)
     except FileExistsError:

@@ -1,25 +1,24 @@
-"""Ratios measured over rounds: their spread, a 95% interval, and whether they meet a target.
+"""Ratios measured over rounds: spread, a 95% interval, and a verdict against a target.
 
-Each round gives one ratio of two fresh processes run back to back (XSA over SA step time, say). Timing noise is
-multiplicative, so the interval is a t-interval of the mean log-ratio, turned back into a ratio (a geometric mean).
-A target is met only when the whole interval is on its side, missed when the whole interval is on the other, and
-"not resolved" when the interval straddles it: more rounds (or a quieter machine) would decide. rounds_needed says
-how many: from a pilot's spread and its distance to the target.
-"""
+Timing noise is multiplicative: the interval is a t-interval of the mean log-ratio (a geometric mean). A target is met
+when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
 
 import math
 import statistics
-from typing import TypedDict
+from dataclasses import dataclass
 
 from scipy import stats
+
+from xsa_lm.records import Record
 
 CONFIDENCE = 0.95
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
 LARGE = 1e6  # rounds
 
 
-class RatioSummary(TypedDict):
-    """Per-round values summarized: median, geometric mean (the interval's centre), spread, interval, verdict."""
+@dataclass(frozen=True)
+class Ratio(Record):
+    """Per-round values summarized; bench.json's `ratios` (scale reads it)."""
 
     median: float
     mean: float
@@ -32,10 +31,11 @@ class RatioSummary(TypedDict):
     at_most: bool  # the target is an upper bound
     verdict: str
     rounds: list[float]
+    kernel: str = ""
+    clock: str = ""
 
 
 def interval(values: list[float]) -> tuple[float, float] | None:
-    """The t-interval of the geometric mean of positive values; None with fewer than 2 values."""
     if len(values) < 2:
         return None
     logs = [math.log(v) for v in values]
@@ -55,27 +55,27 @@ def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: b
     return MEETS if good else MISSES if bad else NOT_RESOLVED
 
 
-def summarize(values: list[float], target: float | None, at_most: bool) -> RatioSummary:
+def summarize(values: list[float], target: float | None, at_most: bool, kernel: str = "", clock: str = "") -> Ratio:
     bounds = interval(values)
-    return {
-        "median": statistics.median(values),
-        "mean": math.exp(statistics.fmean(math.log(v) for v in values)),  # geometric: the interval's centre
-        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-        "interval": None if bounds is None else list(bounds),
-        "confidence": CONFIDENCE,
-        "target": target,
-        "at_most": at_most,
-        "verdict": verdict(bounds, target, at_most),
-        "rounds": list(values),
-    }
+    return Ratio(
+        median=statistics.median(values),
+        mean=math.exp(statistics.fmean(math.log(v) for v in values)),  # geometric: the interval's centre
+        sd=statistics.stdev(values) if len(values) > 1 else 0.0,
+        min=min(values),
+        max=max(values),
+        interval=None if bounds is None else list(bounds),
+        confidence=CONFIDENCE,
+        target=target,
+        at_most=at_most,
+        verdict=verdict(bounds, target, at_most),
+        rounds=list(values),
+        kernel=kernel,
+        clock=clock,
+    )
 
 
 def rounds_needed(values: list[float], target: float) -> float:
-    """The fewest rounds whose interval, at these values' spread and centre, would lie wholly on one side of the
-    target: t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target|. Infinite for a centre on the target; at least
-    len(values) (with fewer than 2 values, or no spread, those already decide)."""
+    """The fewest rounds with t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target| at these values' spread."""
     if len(values) < 2:
         return float(len(values))
     logs = [math.log(v) for v in values]

@@ -1,13 +1,6 @@
-"""Checkpoints that survive crashes: atomic writes (discovery.py picks the one to resume from).
-
-- Every checkpoint is written to <name>.tmp and renamed into place: a kill mid-write leaves the previous one whole.
-  A sharded checkpoint (trainer=fsdp, a directory of one shard per rank) is renamed by rank 0 once every rank has
-  written its shard.
-- Each checkpoint event writes one payload, step-NNNNNN.ckpt; last.ckpt and best.ckpt are hard links to it (a copy
-  where the filesystem has no links). A hard link outlives the pruning of the step checkpoint it was made from, and
-  reads as the file (or directory of shards) itself.
-- A failure in rank 0's part of a checkpoint (rename, link, cleanup) raises on every rank at once.
-"""
+"""Checkpoints that survive crashes: each written to <name>.tmp and renamed into place (a sharded one by rank 0 once
+every shard is written); one payload per event, last.ckpt and best.ckpt hard links to it (they outlive its pruning);
+a failure in rank 0's part raises on every rank at once."""
 
 import os
 import shutil
@@ -32,9 +25,7 @@ class CheckpointWriteError(WriteError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save straight into <path>.tmp beside the target, fsync, rename (xsa_lm.files.atomic_file). Lightning's
-    own save first serialises the whole checkpoint into memory and then goes through a temporary file elsewhere: for
-    a large model that is a second copy in RAM and, across filesystems, a second copy on disk."""
+    """torch.save straight into <path>.tmp, fsync, rename: Lightning's serialises to memory first (a second copy)."""
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: object = None) -> None:
         if storage_options is not None:
@@ -58,8 +49,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class AtomicDDPStrategy(DDPStrategy):
-    """DDP whose checkpoint write (rank 0 alone) fails every rank at once: Lightning's would leave the other ranks
-    waiting at the barrier after it until the collective times out."""
+    """DDP whose checkpoint write (rank 0's) fails every rank at once, not leave them waiting at a barrier."""
 
     def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
         save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
@@ -67,13 +57,8 @@ class AtomicDDPStrategy(DDPStrategy):
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):
-    """FSDP2 (trainer=fsdp) whose checkpoints are written as atomically as the others. Sharded
-    (save_distributed_checkpoint=true): every rank writes its shard into <name>.tmp/, and rank 0 renames the
-    directory into place once all have finished. Consolidated: rank 0 writes one file through AtomicCheckpointIO.
-
-    async_save (sharded only): the shards are written by a background thread while training goes on; the rename,
-    and any link to the checkpoint (`when_written`), follow once it has finished: at the next save at the latest,
-    and at the end of the fit (teardown)."""
+    """FSDP2 whose checkpoints are atomic too: the shards go to <name>.tmp/, renamed by rank 0 once all are written.
+    async_save: written in the background; the rename and links (`when_written`) follow at the next save or teardown."""
 
     def __init__(self, *, save_distributed_checkpoint: bool = True, async_save: bool = False, **kwargs) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
@@ -153,8 +138,7 @@ def finish_sharded(tmp: Path, path: Path) -> None:
 
 
 def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> None:
-    """Run a filesystem step on global rank 0 and broadcast how it went: a failure there raises on every rank at
-    once, instead of leaving the others at the next barrier until the collective times out (30 min)."""
+    """A filesystem step on rank 0 whose failure raises on every rank (not at a barrier's 30-minute timeout)."""
     error = None
     if strategy.is_global_zero:
         try:
@@ -174,9 +158,7 @@ def remove(path: Path) -> None:
 
 
 def move_into_place(tmp: Path, path: Path) -> None:
-    """Rename tmp (a file or a sharded directory) to path. Nothing can be renamed over a directory: an old one is
-    renamed aside to <name>.old first (resume=auto still finds last.ckpt.old if a kill falls between the two
-    renames) and removed after."""
+    """Rename tmp to path; an old directory is renamed aside to <name>.old first (resume=auto finds it)."""
     if path.exists() and (path.is_dir() or tmp.is_dir()):
         old = path.with_name(f"{path.name}.old")
         remove(old)
@@ -188,8 +170,7 @@ def move_into_place(tmp: Path, path: Path) -> None:
 
 
 def link_or_copy(source: Path, target: Path) -> None:
-    """target becomes a hard link to source (a file, or a directory of links to a sharded checkpoint's files),
-    replaced atomically like a written checkpoint; a filesystem without hard links gets a copy."""
+    """target becomes a hard link to source (a directory: of links), atomically; a copy without hard links."""
     if linked(source, target):  # already (rename would leave the new link beside the old one: the same file)
         return
     tmp = target.with_name(f"{target.name}.tmp")
@@ -222,8 +203,7 @@ def _link_tree(source: Path, target: Path, link: Callable[[Path, Path], object])
 
 
 class FolderCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint with fixed names (both callbacks of a run keep last.ckpt, and a resume overwrites
-    best.ckpt, never best-v1.ckpt), whose kept checkpoints follow a run folder that was moved."""
+    """ModelCheckpoint with fixed names (never best-v1.ckpt) whose kept files follow a run folder that was moved."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(enable_version_counter=False, **kwargs)
@@ -234,11 +214,8 @@ class FolderCheckpoint(ModelCheckpoint):
         self.restored_step = checkpoint.get("global_step")  # before load_state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """A run folder copied or moved elsewhere and resumed: Lightning forgets the checkpoints it kept when the
-        folder's path changed (keep_last would then never prune them, and best.ckpt would be replaced by the next
-        validation, better or not). Its paths are read as the same files in the folder's new place. A new run from
-        another run's checkpoint (whose files are not here) keeps none of them: its best loss was measured by another
-        run, maybe on another validation set."""
+        """Lightning forgets the kept checkpoints of a moved run folder (keep_last never prunes them, best.ckpt is
+        replaced by the next validation): read them in the new place. Another run's checkpoint keeps none."""
         old, new = state_dict.get("dirpath"), self.dirpath
         kept = [state_dict.get(key) for key in ("best_model_path", "last_model_path")]
         if old and new and Path(old) != Path(new) and any(p and (Path(new) / Path(p).name).exists() for p in kept):
@@ -271,10 +248,8 @@ class FolderCheckpoint(ModelCheckpoint):
         self.dropped = []
 
     def count_kept_files(self, step: int) -> None:
-        """The step checkpoints kept are the newest of those on disk, the restored step's included; older ones (a
-        resume with a lower keep_last) are dropped. A step checkpoint saved where best.ckpt had just been written is
-        a link to it, whose state was saved before this callback counted the step: without it, keep_last would never
-        remove that file."""
+        """Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved before
+        this callback counted it); drop older ones (a lower keep_last)."""
         kept = {path: score for path, score in self.best_k_models.items() if Path(path).exists()}
         restored = self.format_checkpoint_name({"step": torch.tensor(step)})
         if Path(restored).exists():
@@ -292,8 +267,8 @@ class FolderCheckpoint(ModelCheckpoint):
 
 
 class LinkingTrainer(L.Trainer):
-    """Lightning's Trainer, whose checkpoints of one training state are written once: the first name saved gets the
-    payload, and any other name saved in the same state (last.ckpt, best.ckpt) becomes a hard link to it."""
+    """A Trainer writing one payload per training state; other names saved in it become hard links. Not
+    save_last="link": its symlink, to its own callback's file only, breaks when keep_last prunes that file."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -302,9 +277,7 @@ class LinkingTrainer(L.Trainer):
     def save_checkpoint(
         self, filepath: str | Path, weights_only: bool | None = None, storage_options: object = None
     ) -> None:
-        # A preemption's checkpoint, saved once the loop has closed the step and its epoch, resumes unlike one saved
-        # inside the loop at the same step (after its validation): another state. The same on every rank (the save
-        # is a collective under FSDP2).
+        # A preemption's checkpoint, saved after the loop closed the step and epoch, is another state.
         state = (self.global_step, bool(weights_only), self.fit_loop.epoch_progress.total.completed)
         source = self.written[1] if self.written is not None and self.written[0] == state else None
         if source is None:

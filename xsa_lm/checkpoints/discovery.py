@@ -1,8 +1,4 @@
-"""Finding the checkpoint to resume from.
-
-resume=auto takes the newest checkpoint that is complete (last.ckpt, step-*.ckpt; a file or a sharded directory),
-skipping a truncated or corrupt one with a warning. A sharded checkpoint resumes on any number of processes.
-"""
+"""Finding the checkpoint to resume from: the newest complete one, skipping a truncated or corrupt one."""
 
 import pickle
 import zipfile
@@ -29,8 +25,7 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list[Path]]:
-    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped.
-    A <name>.tmp (a write cut short) is never a candidate."""
+    """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped."""
     candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt")), folder / "last.ckpt.old"]
     best, best_step, skipped = None, None, []
     for path in candidates:
@@ -45,8 +40,7 @@ def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list
 
 
 def furthest_step(folder: Path) -> int:
-    """The highest step the checkpoints in `folder` reached (-1: none): the step-*.ckpt names and last.ckpt's own
-    step, which a SIGTERM writes between two step checkpoints."""
+    """The highest step of the step-*.ckpt names and last.ckpt (a SIGTERM's falls between them); -1: none."""
     steps = [int(n) for p in folder.glob("step-*.ckpt") if (n := p.stem.removeprefix("step-")).isdigit()]
     last = checkpoint_step(folder / "last.ckpt") if (folder / "last.ckpt").exists() else None
     if last is not None:

@@ -1,19 +1,17 @@
-"""Checkpoints of `xsa-lm train` runs as plain models: the GPT (from the file alone) and the run's tokenizer.
-
-Used by `xsa-lm analyze`, `xsa-lm eval` and `xsa-lm generate`. A checkpoint lives in <run dir>/checkpoints/, next to
-the run's config.yaml, run_info.json and summary.json: a file, or a directory of shards (trainer=fsdp: sharded.py).
-"""
+"""Checkpoints of `xsa-lm train` runs as plain models, with the run's tokenizer and data, for the commands that read
+a trained run (analyze, eval, generate, export), and those commands' typed options."""
 
 import json
 import pickle
 import zipfile
-from collections.abc import Sequence
-from dataclasses import asdict, fields
+from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
@@ -22,17 +20,43 @@ from xsa_lm.data.prepare import PreparedData, load_prepared
 from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.records import RunSummary
 
 # Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
 # with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
 DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
 
 
+class Options(BaseModel):
+    """A checkpoint-reading command's options; a field's description completes the refusal "<key> must be ..."."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+
+OptionsT = TypeVar("OptionsT", bound=Options)
+Count = Annotated[int, Field(ge=1, description="an integer >= 1")]
+
+
+def parse_options(options: type[OptionsT], cfg: DictConfig) -> OptionsT:
+    try:
+        return options.model_validate(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    except ValidationError as e:
+        error = e.errors()[0]
+        key = str(error["loc"][0])
+        field = options.model_fields.get(key)
+        if field is None or field.description is None:
+            raise UserError(f"{key}={error['input']!r}: {error['msg']}") from None
+        raise UserError(f"{key} must be {field.description}, got {error['input']!r}") from None
+
+
+def as_texts(value: object) -> list[str] | object:
+    """A list option given as one value (ckpts=PATH), or with numbers in it, as a list of texts."""
+    if value is None:
+        return None
+    return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
+
+
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
-    """Refuse, in one line naming the path, anything that cannot be a checkpoint: a missing path, a directory that
-    is no sharded checkpoint (or one with a shard missing), an empty file, or a file that is no torch.save archive
-    (a config.yaml, a text file, a truncated download)."""
+    """Refuse in one line anything that cannot be a checkpoint (checked before any slow work)."""
     if is_sharded(path):
         if not shards_complete(path):
             raise UserError(f"{key}: {path} is an incomplete sharded checkpoint (a shard is missing or truncated)")
@@ -56,68 +80,53 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         )
 
 
-def checkpoint_list(ckpts: Sequence[object] | object) -> list[str]:
-    """The `ckpts=[...]` of analyze and eval, refused in one line when empty or when one of them cannot be a
-    checkpoint (checked up front, before any slow work). One checkpoint may be given without brackets: ckpts=PATH."""
-    if ckpts is not None and (isinstance(ckpts, str) or not isinstance(ckpts, Sequence)):
-        ckpts = [ckpts]  # a path, not its letters
+def checkpoint_list(ckpts: list[str]) -> list[str]:
     if not ckpts:
         raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
     for ckpt in ckpts:
-        check_checkpoint_file(Path(str(ckpt)).expanduser())
-    return [str(ckpt) for ckpt in ckpts]
+        check_checkpoint_file(Path(ckpt).expanduser())
+    return ckpts
+
+
+def told_apart(labels: list[str], paths: list[Path], last_resort: list[str]) -> list[str]:
+    """Labels told apart by the file name where alike (one run's), then by `last_resort` (runs of one name)."""
+    counts = Counter(labels)
+    labels = [f"{label} {path.stem}" if counts[label] > 1 else label for label, path in zip(labels, paths, strict=True)]
+    counts = Counter(labels)
+    return [last if counts[label] > 1 else label for label, last in zip(labels, last_resort, strict=True)]
 
 
 def run_dir_of(path: Path) -> Path:
-    """The run a checkpoint belongs to: the folder above its checkpoints/, or the run folder itself where the file
-    lies beside the run's config.yaml (a consolidated checkpoint, say)."""
-    return (
-        path.parent
-        if path.parent.name != "checkpoints" and (path.parent / "config.yaml").is_file()
-        else path.parent.parent
-    )
-
-
-def _comparable(config: dict) -> dict[str, object]:
-    """Defaults filled in and values normalised the way GPTConfig does (n_kv_head None -> n_head, xsa_layers as a
-    sorted tuple, a JSON list included), so that equal models compare equal. Keys GPTConfig does not know (a config
-    of another version) are kept as they are."""
-    known = {f.name: f.default for f in fields(GPTConfig)}
-    ours = {k: v for k, v in config.items() if k in known}
-    try:
-        normalised = asdict(GPTConfig(**ours))
-    except (TypeError, ValueError):  # invalid values: compare them as stored
-        normalised = known | ours
-    return normalised | {k: v for k, v in config.items() if k not in known}
-
-
-_ABSENT = object()  # a key only one side has (a config from another version)
-
-
-def _shown(value: object) -> str:
-    if value is _ABSENT:
-        return "(absent)"
-    return str(list(value)) if isinstance(value, tuple) else str(value)
+    """The folder above its checkpoints/, or the one holding it beside config.yaml (a consolidated checkpoint)."""
+    beside = path.parent.name != "checkpoints" and (path.parent / "config.yaml").is_file()
+    return path.parent if beside else path.parent.parent
 
 
 def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
-    """The GPTConfig fields in which a checkpoint's stored `model_config` differs from the expected model, each as
-    `key: saved -> expected` (e.g. ["d_model: 128 -> 64", "attention: sa -> xsa"]); empty when they describe the
-    same model. Every field counts, not only those that change weight shapes: a resumed run must stay the model it
-    started as."""
-    saved, expected = _comparable(saved), _comparable(expected)
-    keys = list(dict.fromkeys([*expected, *saved]))
+    """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`; every field counts, not
+    only weight shapes: a resumed run must stay the model it started as."""
+
+    def normalised(config: dict) -> dict:  # as GPTConfig holds it (defaults, n_kv_head, xsa_layers sorted)
+        try:
+            return asdict(GPTConfig(**config))
+        except (TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
+            return config
+
+    def shown(config: dict, key: str) -> str:
+        value = config.get(key, "(absent)")
+        return str(list(value)) if isinstance(value, tuple) else str(value)
+
+    saved, expected = normalised(saved), normalised(expected)
+    keys = dict.fromkeys([*expected, *saved])
     return [
-        f"{key}: {_shown(saved.get(key, _ABSENT))} -> {_shown(expected.get(key, _ABSENT))}"
-        for key in keys
-        if saved.get(key, _ABSENT) != expected.get(key, _ABSENT)
+        f"{k}: {shown(saved, k)} -> {shown(expected, k)}"
+        for k in keys
+        if (k in saved, saved.get(k)) != (k in expected, expected.get(k))
     ]
 
 
 def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
-    """checkpoint["state_dict"] (a Lightning checkpoint of `xsa-lm train`) into `model`. Weights of another
-    architecture are refused in one line that names the differing GPTConfig fields, e.g. "resume: checkpoint
-    runs/x/checkpoints/last.ckpt is of another model: d_model: 128 -> 64" (`source` starts the message)."""
+    """checkpoint["state_dict"] into `model`; another architecture refused naming its differing fields."""
     # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
     state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in checkpoint["state_dict"].items()}
     try:
@@ -131,8 +140,7 @@ def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
 
 
 def load_model(path: Path, key: str = "ckpts") -> GPT:
-    """A GPT from a Lightning checkpoint of `xsa-lm train` (weights only: no code is unpickled). `key` is the
-    command's option that named the file, for the error messages."""
+    """A GPT from a checkpoint of `xsa-lm train` (weights only: no code is unpickled); `key` names the option."""
     check_checkpoint_file(path, key)
     try:
         if is_sharded(path):  # trainer=fsdp: put back together in this process (the weights only)
@@ -144,9 +152,6 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save
         raise UserError(f"{key}: {path} holds a {type(checkpoint).__name__}, not a checkpoint of `xsa-lm train`")
     stored = checkpoint.get("model_config")
-    summary = run_dir_of(path) / "summary.json"
-    if stored is None and summary.exists():  # checkpoints written before the config was stored in them
-        stored = RunSummary.read(summary).model_config
     if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
     try:
@@ -158,9 +163,7 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
 
 
 def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
-    """The tokenizer the checkpoint's run trained with: the one saved with its prepared data (run_info.json names
-    the folder), else that of the data prepared again from the run's config.yaml. Either is refused in one line
-    when it is not the tokenizer the checkpoint records."""
+    """The run's tokenizer: saved with its prepared data, else that of the data prepared again (run_data)."""
     data_dir = _run_data_dir(path, key)
     tokenizer_file = data_dir / "tokenizer.json" if data_dir else None
     if tokenizer_file and tokenizer_file.is_file():
@@ -171,8 +174,8 @@ def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
 
 
 def run_data(path: Path, key: str = "ckpts") -> PreparedData:
-    """The prepared data of the checkpoint's run: its folder (run_info.json names it) when it is still there, else
-    prepared again from the run's config.yaml; refused in one line when its tokenizer is not the checkpoint's."""
+    """The run's prepared data: its folder if still there, else prepared again from config.yaml; refused when its
+    tokenizer is not the checkpoint's."""
     data_dir = _run_data_dir(path, key)
     if data_dir and (data_dir / "meta.json").is_file():
         data = load_prepared(data_dir)
@@ -180,31 +183,29 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
         return data
     from xsa_lm.data.run import prepare_data
 
-    run_config = run_config_of(path, key)
-    cfg = cast(DictConfig, OmegaConf.load(run_config))
-    data = prepare_data(*settings_as_started(cfg, run_dir_of(path), key))
+    saved = run_config(path, key)
+    data_settings, tokenizer_settings = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
+    data = prepare_data(OmegaConf.create(data_settings), OmegaConf.create(tokenizer_settings))
     gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
-    rebuilt = f" (prepared again from {run_config}{gone})"
+    rebuilt = f" (prepared again from {run_dir_of(path) / 'config.yaml'}{gone})"
     check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
     return data
 
 
-def run_config_of(path: Path, key: str = "ckpts") -> Path:
-    """The config.yaml of the checkpoint's run, refused in one line when the file is in no run's folder or the run's
-    config.yaml is gone."""
-    run_config = run_dir_of(path) / "config.yaml"
-    if not run_config.is_file() and path.parent.name != "checkpoints":
+def run_config(path: Path, key: str = "ckpts") -> dict[str, Any]:
+    """The config.yaml of the checkpoint's run, as a plain dict."""
+    saved = run_dir_of(path) / "config.yaml"
+    if not saved.is_file() and path.parent.name != "checkpoints":
         raise UserError(
             f"{key}: {path} is neither in a run's checkpoints/ folder nor beside its config.yaml: the run's data "
             "settings and tokenizer are read from <run dir>/config.yaml; put the file in its run's folder"
         )
-    if not run_config.is_file():
-        raise UserError(f"{key}: {run_config} not found: the run's data settings (and its tokenizer) are read from it")
-    return run_config
+    if not saved.is_file():
+        raise UserError(f"{key}: {saved} not found: the run's data settings (and its tokenizer) are read from it")
+    return OmegaConf.to_container(OmegaConf.load(saved), resolve=True)  # type: ignore[return-value]  # a mapping
 
 
 def _run_info(run_dir: Path, key: str) -> dict | None:
-    """The run's run_info.json, None where it has none."""
     info = run_dir / "run_info.json"
     if not info.is_file():
         return None
@@ -216,32 +217,34 @@ def _run_info(run_dir: Path, key: str) -> dict | None:
 
 
 def _run_data_dir(path: Path, key: str) -> Path | None:
-    """The prepared-data folder the run trained on, as its run_info.json records it (it may be gone since); a
-    relative one is taken from the directory the run was started in."""
+    """The prepared-data folder run_info.json records (maybe gone since), a relative one from the run's cwd."""
     recorded = _run_info(run_dir_of(path), key)
     if not recorded or not recorded.get("data_dir"):
         return None
     return (Path(recorded.get("cwd") or ".") / recorded["data_dir"]).resolve()
 
 
-# The settings that name files (the source's own copies too, as config.yaml saves them resolved).
-PATH_KEYS = ("dir", "cache_dir", "files", "data_files", "source.files", "source.data_files")
+# The data settings that name files (the source's own copies too, as config.yaml saves them resolved); data.path is
+# a dataset's name on the hub.
+DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
 
 
-def settings_as_started(cfg: DictConfig, run_dir: Path, key: str = "resume") -> tuple[DictConfig, DictConfig]:
-    """The run's data and tokenizer settings with each relative path in them (data.dir, data.cache_dir, the globs of
-    data.files and data.data_files, tokenizer.path) taken from the directory the run was started in (run_info.json's
-    cwd), so that they name the files they named then, wherever the command now runs from."""
+def settings_as_started(
+    data: dict[str, Any], tokenizer: dict[str, Any], run_dir: Path, key: str = "resume"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
+    that they name the files they named then."""
     cwd = (_run_info(run_dir, key) or {}).get("cwd")
     if not cwd:
-        return cfg.data, cfg.tokenizer
-    started = OmegaConf.masked_copy(cfg, ["data", "tokenizer"])
-    for name in [f"data.{k}" for k in PATH_KEYS] + ["tokenizer.path"]:
-        value = OmegaConf.select(started, name)
-        if value is not None:
-            plain = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
-            OmegaConf.update(started, name, _from(Path(cwd), plain), merge=False)
-    return started.data, started.tokenizer
+        return data, tokenizer
+
+    def rebased(settings: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            k: rebased(v, keys) if k == "source" and isinstance(v, dict) else _from(Path(cwd), v) if k in keys else v
+            for k, v in settings.items()
+        }
+
+    return rebased(data, DATA_PATH_KEYS), rebased(tokenizer, ("path",))
 
 
 def _from(cwd: Path, value: Any) -> Any:
@@ -256,28 +259,12 @@ def _from(cwd: Path, value: Any) -> Any:
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:
-    """Refuse, in one line, a tokenizer (read from `where`; `rebuilt` says how it was made again) other than the
-    one the checkpoint's run trained with, whose sha256 the checkpoint records. A checkpoint saved before it did
-    is checked by vocabulary size only."""
-    recorded, model_vocab = _recorded_tokenizer(path)
-    fix = "restore the data folder or the source files it was trained on"
+    """Refuse a tokenizer (from `where`; `rebuilt`: how made again) other than the one the checkpoint records."""
+    meta = path / META if is_sharded(path) else path  # read memory-mapped: a large file is not read
+    state = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get(DATA_STATE) or {}
+    recorded = state.get(TOKENIZER_SHA256)
     if recorded is not None and recorded != sha256:
         raise UserError(
             f"{key}: {path} was trained with another tokenizer (sha256 {recorded[:12]}) than {where} "
-            f"(sha256 {sha256[:12]}){rebuilt}: {fix}"
+            f"(sha256 {sha256[:12]}){rebuilt}: restore the data folder or the source files it was trained on"
         )
-    if recorded is None and model_vocab is not None and tokenizer.get_vocab_size() > model_vocab:
-        raise UserError(
-            f"{key}: {path} was trained with another tokenizer: {where} has {tokenizer.get_vocab_size()} tokens, "
-            f"the model {model_vocab}{rebuilt}: {fix}"
-        )
-    if recorded is None and rebuilt:
-        print(f"note: {path} records no tokenizer (an older checkpoint): using {where} unchecked{rebuilt}")
-
-
-def _recorded_tokenizer(path: Path) -> tuple[str | None, int | None]:
-    """The sha256 of the tokenizer and the model's vocabulary size that a checkpoint records (None in an older
-    one): read memory-mapped, so a large file is not read (a sharded checkpoint's meta.pt)."""
-    meta = path / META if is_sharded(path) else path
-    record = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
-    return (record.get(DATA_STATE) or {}).get(TOKENIZER_SHA256), (record.get("model_config") or {}).get("vocab_size")

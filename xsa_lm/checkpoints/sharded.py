@@ -1,11 +1,5 @@
-"""Sharded checkpoints of FSDP2 runs (trainer=fsdp with save_distributed_checkpoint): read in one process.
-
-Such a checkpoint is a directory, e.g. checkpoints/last.ckpt/, written by Lightning's ModelParallelStrategy through
-torch.distributed.checkpoint: one `__<rank>_0.distcp` file per rank holding its shards of the weights and AdamW
-state, `.metadata` (where every tensor's pieces lie, written last by rank 0) and `meta.pt` (step, loops, LR
-schedule, data position, model config). Reading one needs no process group and no FSDP: the pieces are put back
-together into the ordinary checkpoint a single process writes, which any number of processes can resume from.
-"""
+"""Sharded checkpoints of FSDP2 runs (a directory of torch.distributed.checkpoint shards, `.metadata` and `meta.pt`),
+read in one process, without a process group, as the ordinary checkpoint a single process writes."""
 
 from pathlib import Path
 
@@ -35,9 +29,7 @@ def shards_complete(path: Path) -> bool:
 
 
 def load_sharded(path: Path, optimizer: bool = True) -> dict:
-    """The checkpoint as one process would have saved it: `state_dict` (full tensors), `optimizer_states` (keyed
-    by parameter position, as torch.optim expects) and everything of meta.pt. optimizer=False reads the weights
-    only (analyze, eval, generate): a third of the bytes."""
+    """The checkpoint as one process would have saved it; optimizer=False reads the weights only (a third)."""
     tensors = read_distributed_checkpoint(path, keys=None if optimizer else {"state_dict"})
     checkpoint = torch.load(path / META, map_location="cpu", weights_only=True)
     checkpoint["state_dict"] = tensors.pop("state_dict")
@@ -48,8 +40,7 @@ def load_sharded(path: Path, optimizer: bool = True) -> dict:
 
 
 def by_position(state: dict) -> dict:
-    """A sharded optimizer state names each parameter (`model.wte.weight`); torch.optim's load_state_dict wants
-    positions, numbered through the param groups in order."""
+    """A sharded optimizer state keyed by parameter position, as torch.optim wants, not by name."""
     names = [name for group in state["param_groups"] for name in group["params"]]
     position = {name: i for i, name in enumerate(names)}
     groups = [{**group, "params": [position[name] for name in group["params"]]} for group in state["param_groups"]]

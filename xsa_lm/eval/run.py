@@ -1,17 +1,14 @@
-"""`xsa-lm eval ckpts=[A,B,...] tasks=paper hydra.run.dir=DIR`: zero-shot tasks through lm-evaluation-harness.
-
-Writes DIR/eval.json and DIR/eval.md (a table like the paper's Table 2: one row per checkpoint, the average, and
-XSA - SA when both are given), prints the table, and logs it to W&B in each checkpoint's own run.
-"""
+"""`xsa-lm eval ckpts=[A,B,...] tasks=paper hydra.run.dir=DIR`: zero-shot tasks through lm-evaluation-harness; writes
+DIR/eval.json and DIR/eval.md (the paper's Table 2: a row per checkpoint, the average, XSA - SA), logs to W&B."""
 
 import hashlib
 import importlib.util
 import math
 import os
-from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
-from typing import TypedDict
+from typing import TYPE_CHECKING, Annotated
 from unittest import mock
 
 import hydra
@@ -19,38 +16,66 @@ import scipy.stats
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from pydantic import Field, field_validator
+from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.load import checkpoint_list, load_model, load_tokenizer, run_dir_of
-from xsa_lm.data.tokenizer import hub_unreachable
+from xsa_lm.checkpoints.load import (
+    Count,
+    Options,
+    as_texts,
+    checkpoint_list,
+    load_model,
+    load_tokenizer,
+    parse_options,
+    run_dir_of,
+    told_apart,
+)
+from xsa_lm.data.tokenizer import eot_id, hub_unreachable
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors, yaml_problem
 from xsa_lm.files import write_json, write_text
+from xsa_lm.model import GPT
+from xsa_lm.records import Record
 from xsa_lm.stats.paired import paired_t
 
+if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
+    from lm_eval.models.huggingface import HFLM
+
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
-PAPER_TASKS = {
-    "arc_easy": "acc_norm",
-    "boolq": "acc",
-    "hellaswag": "acc_norm",
-    "lambada_openai": "acc",
-    "openbookqa": "acc_norm",
-    "piqa": "acc_norm",
-    "social_iqa": "acc",
-    "winogrande": "acc",
-}
-
-
+PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm") | dict.fromkeys(
+    ("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc"
+)
 # The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
 
 
-class Score(TypedDict, total=False):
+class EvalOptions(Options):
+    """configs/eval.yaml."""
+
+    ckpts: list[str] = Field(description="a checkpoint or a list of them, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
+    tasks: str | list[str] | None = Field(description="paper, a task name or task file, or a list of them")
+    # The harness reads a limit below 1 as a fraction of each task and cuts 2.5 down to 2; 0 would silently mean
+    # "every example".
+    limit: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        description="an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, "
+        "or null for every example"
+    )
+    batch_size: Count
+    wandb: bool = Field(description="true or false")  # a non-empty text such as `maybe` would count as true
+    wandb_mode: str
+
+    _texts = field_validator("ckpts", mode="before")(as_texts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Score(Record):
     metric: str  # the task's headline metric (acc or acc_norm)
     value: float
-    n: int  # the items scored (absent in an eval.json of an earlier release)
+    n: int  # the items scored
     stderr: float | None  # of the value over the items: their sample standard deviation / sqrt(n); None: one item
 
 
-class Row(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class Row(Record):
     """One checkpoint's scores."""
 
     checkpoint: str
@@ -60,23 +85,21 @@ class Row(TypedDict):
     average: float
 
 
-class EvalRows(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class EvalResult(Record):
+    """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
+
     tasks: list[str]
     limit: int | float | None
     rows: list[Row]
-
-
-class EvalResult(EvalRows, total=False):
-    """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
-
-    xsa_minus_sa: dict[str, float]
-    xsa_minus_sa_ci95: dict[str, list[float] | None]  # paired over the items both arms scored; None: no spread
-    task_files: dict[str, str]  # task_file_digests: the local task files' contents
+    task_files: dict[str, str] = field(default_factory=dict)  # task_file_digests: the local task files' contents
+    xsa_minus_sa: dict[str, float] | None = None
+    xsa_minus_sa_ci95: dict[str, list[float] | None] | None = None  # paired over the items both arms scored
+    schema: int = 1
 
 
 def require_harness(needed_by: str = "xsa-lm eval") -> None:
-    """lm-evaluation-harness is an optional extra (about 30 packages for this one command): without it, one line
-    that says how to install it, before any checkpoint is read or any run trained."""
+    """The optional extra (about 30 packages for one command), asked for before any checkpoint is read."""
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError(
             f"{needed_by} needs lm-evaluation-harness, the extra `eval`: "
@@ -84,7 +107,7 @@ def require_harness(needed_by: str = "xsa-lm eval") -> None:
         )
 
 
-def resolve_tasks(tasks: str | list[str]) -> tuple[list[str], list[str]]:
+def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
     entries = task_entries(tasks)
     if not [entry for entry in entries if entry not in (None, "")]:  # tasks=[], tasks=, tasks=null
@@ -128,20 +151,17 @@ def read_task_yaml(path: Path) -> dict:
     return config
 
 
-def task_file_digests(tasks: str | list[str]) -> dict[str, str]:
-    """The sha256 of each local task file among `tasks` (resolve_tasks has checked them), by its resolved path: an
-    edited file evaluates something else under the same task name."""
+def task_file_digests(tasks: str | list[str] | None) -> dict[str, str]:
+    """The sha256 of each local task file by its path: an edited file evaluates something else under one name."""
     files = [file for file in map(task_file, task_entries(tasks)) if file is not None]
     return {str(file.resolve()): hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
 
 
-def task_entries(tasks: str | list[str]) -> list:
-    """`tasks` as a list: `paper`'s tasks, one name or file, or the list given."""
+def task_entries(tasks: str | list[str] | None) -> list:
     return list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
 
 
 def task_file(entry: object) -> Path | None:
-    """The local task YAML file an entry names; None for a task name."""
     path = Path(str(entry)).expanduser()
     return path if path.suffix in (".yaml", ".yml") else None
 
@@ -158,8 +178,7 @@ def task_manager(names: list[str], folders: list[str]):
 
 
 def load_tasks(names: list[str], folders: list[str]):
-    """The harness's tasks with their data, one by one, so that a missing dataset names its task. Without network
-    the hub is not tried (its retries take minutes): only locally cached or local-file datasets load."""
+    """The harness's tasks with their data, one by one, so that a missing dataset names its task."""
     from lm_eval.tasks import get_task_dict
 
     manager = task_manager(names, folders)
@@ -176,34 +195,17 @@ def load_tasks(names: list[str], folders: list[str]):
     return manager
 
 
-def headline(task: str, metrics: dict) -> Score:
+def headline(task: str, metrics: dict) -> tuple[str, float]:
     """The metric the paper reports for a task (acc or acc_norm); for other tasks acc_norm, acc, or the first."""
     for name in ([PAPER_TASKS[task]] if task in PAPER_TASKS else []) + ["acc_norm", "acc"]:
         if f"{name},none" in metrics:
-            return Score(metric=name, value=metrics[f"{name},none"])
+            return name, metrics[f"{name},none"]
     name, value = next((k, v) for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k)
-    return Score(metric=name.split(",")[0], value=value)
-
-
-def check_options(limit, batch_size, wandb: object = False) -> None:
-    # The harness reads a limit below 1 as a fraction of each task and cuts 2.5 down to 2; 0 would silently mean
-    # "every example".
-    whole = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1
-    fraction = isinstance(limit, float) and 0 < limit < 1
-    if limit is not None and not (whole or fraction):
-        raise UserError(
-            "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, "
-            f"or null for every example, got {limit!r}"
-        )
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not isinstance(wandb, bool):  # a non-empty text such as `maybe` would count as true
-        raise UserError(f"wandb must be true or false, got {wandb!r}")
+    return name.split(",")[0], value
 
 
 def distinct_checkpoints(ckpts: list[str]) -> list[str]:
-    """`ckpts`, refused in one line when a file is given twice (by another path too): its rows would count twice in
-    its arm's mean."""
+    """`ckpts`, refused when a file is given twice (its rows would count twice in its arm's mean)."""
     seen: dict[Path, str] = {}
     for ckpt in ckpts:
         resolved = Path(ckpt).expanduser().resolve()
@@ -214,8 +216,7 @@ def distinct_checkpoints(ckpts: list[str]) -> list[str]:
     return ckpts
 
 
-def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int) -> EvalResult:
-    """Each checkpoint's scores on `tasks` (limit and batch_size as check_options checked them)."""
+def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
     # hub client retry for minutes.
@@ -223,59 +224,56 @@ def evaluate(ckpts: list[str], tasks, limit: int | float | None, batch_size: int
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
     import lm_eval.evaluator
-    import torch
-
-    from xsa_lm.eval.harness import HarnessLM
 
     manager = load_tasks(names, folders)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list[Row] = []
     items: list[dict[str, dict[int, float]]] = []  # each row's value of each item, by task and doc_id
     for ckpt in ckpts:
         path = Path(ckpt).expanduser()
         model = load_model(path)
-        lm = HarnessLM(model, load_tokenizer(path), batch_size=batch_size, device=device)
+        lm = harness_lm(model, load_tokenizer(path), batch_size)
         # The harness records the git commit of the working directory by running git, which prints "fatal: not a
         # git repository" outside one; run_info.json of the checkpoint's run records the code's commit.
         with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
             out = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=True
             )
-        scores = {task: headline(task, out["results"][task]) for task in names}
-        items.append({task: item_values(out["samples"][task], scores[task]["metric"]) for task in names})
-        for task, values in items[-1].items():
+        scores = {}
+        items.append({})
+        for task in names:
+            metric, value = headline(task, out["results"][task])
+            values = {int(sample["doc_id"]): float(sample[metric]) for sample in out["samples"][task]}
+            items[-1][task] = values
             stderr = float(scipy.stats.sem(list(values.values()))) if len(values) > 1 else None
-            scores[task] |= {"n": len(values), "stderr": stderr}
-        average = sum(s["value"] for s in scores.values()) / len(scores)
-        rows.append(
-            {
-                "checkpoint": str(path),
-                "attention": model.config.attention,
-                "run": run_dir_of(path).name,
-                "scores": scores,
-                "average": average,
-            }
-        )
-    result: EvalResult = {"tasks": names, "limit": limit, "rows": rows, "task_files": task_file_digests(tasks)}
-    difference = xsa_minus_sa(rows, names)
-    if difference is not None:
-        result["xsa_minus_sa"] = difference
-        result["xsa_minus_sa_ci95"] = paired_intervals(rows, items, names)
-    return result
+            scores[task] = Score(metric=metric, value=value, n=len(values), stderr=stderr)
+        average = fmean(s.value for s in scores.values())
+        attention, run = model.config.attention, run_dir_of(path).name
+        rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
+    diff = xsa_minus_sa(rows, names)
+    ci = paired_intervals(rows, items, names) if diff is not None else None
+    files = task_file_digests(tasks)
+    return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
 
 
-def item_values(samples: list[dict], metric: str) -> dict[int, float]:
-    """Each item's value of the headline metric (1 or 0 for acc), by its doc_id, from the harness's logged samples."""
-    return {int(sample["doc_id"]): float(sample[metric]) for sample in samples}
+def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
+    """The model `xsa-lm export` writes, with its tokenizer, in lm-eval's `hf` backend (on the GPU if there is one)."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from xsa_lm.export.run import hf_model, hf_tokenizer
+
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where its weights are made
+        hf = hf_model(model, eot_id(tokenizer), tokenizer.get_vocab_size())
+    hf_tok = hf_tokenizer(tokenizer, model.config.block_size)
+    return HFLM(pretrained=hf, tokenizer=hf_tok, backend="causal", batch_size=batch_size)
 
 
 def paired_intervals(
     rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
 ) -> dict[str, list[float] | None]:
-    """The 95% interval of XSA - SA per task, paired over the items both arms scored (Student's t on the per-item
-    differences of the arms' mean values), and of the average over tasks (their variances added: the tasks' items
-    are independent). It measures the items' noise only: seeds vary beyond it."""
-    arms = [[i for i, r in enumerate(rows) if r["attention"] == arm] for arm in ("xsa", "sa")]
+    """95% interval of XSA - SA per task, paired over the items both arms scored, and of the average (the tasks'
+    variances added: their items are independent). The items' noise only: seeds vary beyond it."""
+    arms = [[i for i, r in enumerate(rows) if r.attention == arm] for arm in ("xsa", "sa")]
     intervals: dict[str, list[float] | None] = {}
     spreads = []
     for task in tasks:
@@ -295,86 +293,60 @@ def paired_intervals(
 
 
 def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
-    """XSA's mean score minus SA's, per task and on average, over each arm's checkpoints (several seeds: their
-    means; one of each: the paper's row). None without both arms."""
-    arms = [[r for r in rows if r["attention"] == arm] for arm in ("xsa", "sa")]
+    """XSA's mean score minus SA's per task and on average over each arm's checkpoints; None without both arms."""
+    arms = [[r for r in rows if r.attention == arm] for arm in ("xsa", "sa")]
     if not all(arms):
         return None
-    mean = {task: [fmean(r["scores"][task]["value"] for r in arm) for arm in arms] for task in tasks}
-    average = [fmean(r["average"] for r in arm) for arm in arms]
+    mean = {task: [fmean(r.scores[task].value for r in arm) for arm in arms] for task in tasks}
+    average = [fmean(r.average for r in arm) for arm in arms]
     return {task: xsa - sa for task, (xsa, sa) in mean.items()} | {"average": average[0] - average[1]}
 
 
 def row_labels(rows: list[Row]) -> list[str]:
-    """The attention and run name of each row; with the checkpoint's file name where a run gives several rows, and
-    its whole path where that still leaves two alike (runs of one name in other folders)."""
-    labels = [f"{row['attention'].upper()} {row['run']}" for row in rows]
-    counts = Counter(labels)
-    labels = [
-        f"{label} {Path(row['checkpoint']).stem}" if counts[label] > 1 else label
-        for label, row in zip(labels, rows, strict=True)
-    ]
-    counts = Counter(labels)
-    return [
-        f"{row['attention'].upper()} {row['checkpoint']}" if counts[label] > 1 else label
-        for label, row in zip(labels, rows, strict=True)
-    ]
+    labels = [f"{row.attention.upper()} {row.run}" for row in rows]
+    paths = [Path(row.checkpoint) for row in rows]
+    return told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
 
 
 def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
-    """A warning per run with several checkpoints in one arm's mean, naming them: one run's weights at other steps
-    are not independent runs (seeds), yet each counts as one in the mean."""
+    """A warning per run with several checkpoints in one arm's mean: they are not independent runs (seeds)."""
     by_run: dict[tuple[str, Path], list[str]] = {}
     for row, label in zip(rows, labels, strict=True):
-        run = run_dir_of(Path(row["checkpoint"])).resolve()
-        by_run.setdefault((row["attention"], run), []).append(label)
-    return [
-        f"{arm.upper()}'s mean counts {len(named)} checkpoints of one run, {run} ({', '.join(named)}): "
-        "they are not independent runs"
-        for (arm, run), named in by_run.items()
-        if len(named) > 1
-    ]
+        run = run_dir_of(Path(row.checkpoint)).resolve()
+        by_run.setdefault((row.attention, run), []).append(label)
+    notes = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
+    return [notes.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
 
 
 def render(result: EvalResult) -> str:
-    tasks = result["tasks"]
-    first = result["rows"][0]["scores"] if result["rows"] else {}
-    head = "| checkpoint | " + " | ".join(f"{t} ({task_header(first[t])})" for t in tasks) + " | average |"
-    lines = [head, "|---|" + "---:|" * (len(tasks) + 1)]
-    labels = row_labels(result["rows"])
-    for row, label in zip(result["rows"], labels, strict=True):
-        cells = " | ".join(score_cell(row["scores"][t]) for t in tasks)
-        lines.append(f"| {label} | {cells} | {100 * row['average']:.2f} |")
-    if "xsa_minus_sa" in result:
-        diff = result["xsa_minus_sa"]
-        counts = [sum(r["attention"] == arm for r in result["rows"]) for arm in ("xsa", "sa")]
+    """eval.md: a row per checkpoint, each score with its standard error; XSA - SA with its interval."""
+    tasks, rows = result.tasks, result.rows
+    head = " | ".join(f"{t} ({rows[0].scores[t].metric}, n={rows[0].scores[t].n})" for t in tasks) if rows else ""
+    lines = [f"| checkpoint | {head} | average |", "|---|" + "---:|" * (len(tasks) + 1)]
+    labels = row_labels(rows)
+    for row, label in zip(rows, labels, strict=True):
+        cells = " | ".join(score_cell(row.scores[t]) for t in tasks)
+        lines.append(f"| {label} | {cells} | {100 * row.average:.2f} |")
+    if result.xsa_minus_sa is not None:
+        diff, ci = result.xsa_minus_sa, result.xsa_minus_sa_ci95 or {}
+        counts = [sum(r.attention == arm for r in rows) for arm in ("xsa", "sa")]
         label = "XSA - SA" if counts == [1, 1] else f"XSA - SA (means of {counts[0]} and {counts[1]} checkpoints)"
-        lines.append(
-            f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in tasks) + f" | {100 * diff['average']:+.2f} |"
-        )
-        if "xsa_minus_sa_ci95" in result:  # absent in an eval.json of an earlier release
-            ci = result["xsa_minus_sa_ci95"]
-            cells = " | ".join(interval_cell(ci[t]) for t in [*tasks, "average"])
-            lines += [
-                f"| 95% CI, paired over items | {cells} |",
-                "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
-                "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
-            ]
-        lines += [f"\n(warning: {note})" for note in shared_runs(result["rows"], labels)]
-    limit = result["limit"]
+        lines += [
+            f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in [*tasks, "average"]) + " |",
+            "| 95% CI, paired over items | " + " | ".join(interval_cell(ci.get(t)) for t in [*tasks, "average"]) + " |",
+            "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
+            "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
+        ]
+        lines += [f"\n(warning: {note})" for note in shared_runs(rows, labels)]
+    limit = result.limit
     if limit:
         share = f"{limit:.0%} of the examples" if limit < 1 else f"the first {limit} examples"
         lines.append(f"\n(limit={limit}: {share} of each task: a smoke test, not a measurement)")
     return "\n".join(lines)
 
 
-def task_header(score: Score) -> str:
-    return f"{score['metric']}, n={score['n']}" if "n" in score else score["metric"]
-
-
 def score_cell(score: Score) -> str:
-    stderr = score.get("stderr")
-    return f"{100 * score['value']:.2f}" + (f" ± {100 * stderr:.2f}" if stderr is not None else "")
+    return f"{100 * score.value:.2f}" + (f" ± {100 * score.stderr:.2f}" if score.stderr is not None else "")
 
 
 def interval_cell(ci: list[float] | None) -> str:
@@ -382,34 +354,28 @@ def interval_cell(ci: list[float] | None) -> str:
 
 
 def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
-    """Each checkpoint's scores into its own W&B run (the id in wandb_run_id.txt), or a new `eval` run."""
+    """Each checkpoint's scores into its own W&B run (wandb_run_id.txt), or a new `eval` run."""
     from xsa_lm.tracking import wandb_init
 
-    for row in result["rows"]:
-        run_dir = run_dir_of(Path(row["checkpoint"]))
+    for row in result.rows:
+        run_dir = run_dir_of(Path(row.checkpoint))
         id_file = run_dir / "wandb_run_id.txt"
         saved = run_dir / "config.yaml"  # written by xsa-lm train
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
+        project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
+        run_id = id_file.read_text().strip() if id_file.exists() else None
+        name, config = f"eval-{row.run}", {"eval_tasks": result.tasks}
         run = wandb_init(
-            save_dir=str(run_dir),
-            name=f"eval-{row['run']}",
-            run_config={"eval_tasks": result["tasks"]},
-            project=wandb_cfg.project if wandb_cfg else "xsa-lm",
-            group=wandb_cfg.group if wandb_cfg else None,
-            job_type="eval",
-            mode=wandb_mode,
-            run_id=id_file.read_text().strip() if id_file.exists() else None,
+            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
         )
-        prefix = summary_prefix(row["checkpoint"], result["limit"])
-        run.summary.update(
-            {f"{prefix}/{t}": s["value"] for t, s in row["scores"].items()} | {f"{prefix}/average": row["average"]}
-        )
+        prefix = summary_prefix(row.checkpoint, result.limit)
+        run.summary.update({f"{prefix}/{t}": s.value for t, s in row.scores.items()})
+        run.summary.update({f"{prefix}/average": row.average})
         run.finish()
 
 
 def summary_prefix(checkpoint: str, limit: int | float | None) -> str:
-    """Where a row's scores go in its run's W&B summary: eval/ for the final model (last.ckpt) on whole tasks; another
-    checkpoint of the run, or a limited evaluation, under a prefix of its own, so that none replaces those scores."""
+    """eval/ for the final model (last.ckpt) on whole tasks; another checkpoint or a limit under its own prefix."""
     stem = Path(checkpoint).stem
     prefix = "eval" if stem == "last" else f"eval-{stem}"
     return prefix if limit is None else f"{prefix}-limit{limit:g}"
@@ -420,15 +386,15 @@ def summary_prefix(checkpoint: str, limit: int | float | None) -> str:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_user_error():
-        check_options(cfg.limit, cfg.batch_size, cfg.wandb)  # wandb too: before any scoring
+        options = parse_options(EvalOptions, cfg)  # wandb too: before any scoring
         require_harness()
-        tasks = OmegaConf.to_container(cfg.tasks) if OmegaConf.is_list(cfg.tasks) else cfg.tasks
-        result = evaluate(distinct_checkpoints(checkpoint_list(cfg.ckpts)), tasks, cfg.limit, cfg.batch_size)
+        ckpts = distinct_checkpoints(checkpoint_list(options.ckpts))
+        result = evaluate(ckpts, options.tasks, options.limit, options.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
     write_text(out / "eval.md", table + "\n")
-    write_json(out / "eval.json", result)  # last: it marks a finished eval's folder, which a rerun refuses
-    if cfg.wandb:
-        log_to_wandb(result, cfg.wandb_mode)
+    write_json(out / "eval.json", result.to_json())  # last: it marks a finished eval's folder, which a rerun refuses
+    if options.wandb:
+        log_to_wandb(result, options.wandb_mode)
     print(table)
     print(f"\nwrote {out / 'eval.json'} and {out / 'eval.md'}")

@@ -1,14 +1,10 @@
-"""XSAConfig: the GPTConfig of xsa-lm (xsa_lm/model/config.py) as a transformers configuration.
-
-Shipped beside every model `xsa-lm export` writes, with modeling_xsa.py: needs only torch and transformers.
-"""
+"""XSAConfig: xsa-lm's GPTConfig as a transformers configuration, shipped beside every exported model."""
 
 from transformers import PretrainedConfig
 
 
 class XSAConfig(PretrainedConfig):
-    """Every architectural choice of the decoder, under GPTConfig's names; the standard transformers names
-    (hidden_size, num_hidden_layers, ...) read the same values through attribute_map."""
+    """GPTConfig's fields; transformers' standard names read them through attribute_map."""
 
     model_type = "xsa_gpt"
     attribute_map = {

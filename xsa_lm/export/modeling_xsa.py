@@ -1,14 +1,7 @@
-"""A GPT of xsa-lm with SA or XSA attention (arXiv 2603.09078), as a transformers model.
-
-The same computation as xsa_lm/model (attention.py, gpt.py) under the same parameter names, so that a checkpoint's
-weights load as they are: pre-LayerNorm blocks with a GELU MLP, RoPE, a LayerNorm after the embedding, tied input
-and output embeddings, optional grouped-query attention, learned attention sinks, and XSA on all or some layers,
-optionally gated. XSA: each head's output y_i loses its component along the token's own value v_i,
-z_i = y_i - s (y_i . v_i) / (||v_i||^2 + eps) v_i, with s = 1 or, gated, tanh(alpha) per head.
-
-Shipped beside every model `xsa-lm export` writes, with configuration_xsa.py: needs only torch and transformers.
-Load it with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).
-"""
+"""A GPT of xsa-lm with SA or XSA attention (arXiv 2603.09078), as a transformers model: xsa_lm/model's computation
+under the same parameter names, so a checkpoint's weights load as they are. XSA: each head's output loses its component
+along the token's own value, z_i = y_i - s (y_i . v_i) / (||v_i||^2 + eps) v_i, s = 1 or, gated, tanh(alpha) per head.
+Shipped beside every exported model; needs only torch and transformers."""
 
 import torch
 import torch.nn as nn
@@ -125,8 +118,7 @@ class XSAPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        """For weights a checkpoint does not hold (none, in a model `xsa-lm export` wrote): N(0, init_std) and
-        LayerNorms at 1 and 0 (transformers' own), the XSA gate at 0 (starts as SA), the sinks N(0, init_std)."""
+        """For weights a checkpoint does not hold: transformers' own, the XSA gate at 0 (SA), sinks N(0, init_std)."""
         super()._init_weights(module)
         if isinstance(module, XSAAttention) and module.gate is not None:
             init.zeros_(module.gate)

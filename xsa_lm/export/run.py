@@ -1,32 +1,35 @@
-"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model.
-
-DIR gets model.safetensors, config.json, generation_config.json, the run's tokenizer (tokenizer.json,
-tokenizer_config.json) and the modelling code (configuration_xsa.py, modeling_xsa.py, copied from this package), so
-that, offline, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR,
-trust_remote_code=True) load it (without the flag, AutoTokenizer asks first: it reads config.json). A file
-checkpoint or a sharded one (trainer=fsdp) alike; SA and XSA with every variant.
-"""
+"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model, with the
+run's tokenizer and the modelling code (configuration_xsa.py, modeling_xsa.py), loaded offline with
+AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)."""
 
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
+from pydantic import Field
+from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
+from xsa_lm.checkpoints.load import Options, check_checkpoint_file, load_model, load_tokenizer, parse_options
 from xsa_lm.data.tokenizer import EOT, eot_id
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.model import GPT
 
 if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
+    from transformers import PreTrainedTokenizerFast
+
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproject.toml (5.24: tested)
+
+
+class ExportOptions(Options):
+    ckpt: str = Field(description="the path of a checkpoint")
+    out: str | None = Field(description="the path of the directory to write")
 
 
 def require_transformers() -> None:
@@ -38,8 +41,7 @@ def require_transformers() -> None:
 
 
 def check_out(out: Path) -> None:
-    """Results are never overwritten: an existing file, or a directory with anything in it, is refused. So is the
-    current directory or one above it (`out=` is Path("."), which the final rename cannot replace)."""
+    """Never overwritten: a file, a non-empty directory, or the current one or above (a rename cannot replace it)."""
     if out.name in ("", "..") or out.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
         raise UserError(
             f"out={str(out) if str(out) != '.' else ''} is empty, the current directory or one above it: give the "
@@ -54,15 +56,8 @@ def check_out(out: Path) -> None:
         raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
 
 
-def current_umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it
-    os.umask(mask)
-    return mask
-
-
 def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
-    """The same weights under the same names in an XSAForCausalLM (modeling_xsa.py), fp32 as trained. generate()
-    never draws the ids of the table's padding past the tokenizer's vocabulary, as `xsa-lm generate` does not."""
+    """The same weights under the same names in an XSAForCausalLM, fp32; generate() never draws padding ids."""
     from xsa_lm.export.configuration_xsa import XSAConfig
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
@@ -79,11 +74,17 @@ def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
     return hf.eval()
 
 
-def export(ckpt: Path, out: Path) -> Path:
-    """Write the model of `ckpt` and its run's tokenizer into `out` (created; refused if it holds anything)."""
-    require_transformers()
+def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerFast":
+    """The run's tokenizer as transformers' own: <|endoftext|> begins, ends and pads (GPT-2's way)."""
     from transformers import PreTrainedTokenizerFast
 
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=block_size
+    )
+
+
+def export(ckpt: Path, out: Path) -> Path:
+    require_transformers()
     check_checkpoint_file(ckpt, key="ckpt")
     out = out.resolve() if out.is_symlink() else out  # a link to an empty directory: fill that directory
     check_out(out)
@@ -91,18 +92,11 @@ def export(ckpt: Path, out: Path) -> Path:
     eot = eot_id(tokenizer)  # read_tokenizer refused a run's tokenizer without one
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    staging = out.parent / f".{out.name}.{os.getpid()}"  # mkdir's permissions, as `out`'s would be
+    staging.mkdir()
     try:
         hf_model(model, eot, tokenizer.get_vocab_size()).save_pretrained(staging)
-        # The run's tokenizer as transformers' own: <|endoftext|> begins, ends and pads (GPT-2's way).
-        PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer,
-            bos_token=EOT,
-            eos_token=EOT,
-            pad_token=EOT,
-            model_max_length=model.config.block_size,
-        ).save_pretrained(staging)
-        staging.chmod(0o777 & ~current_umask())  # mkdtemp's is private to its owner: the folder's, as mkdir makes it
+        hf_tokenizer(tokenizer, model.config.block_size).save_pretrained(staging)
         staging.replace(out)
     finally:
         if staging.exists():
@@ -114,7 +108,8 @@ def export(ckpt: Path, out: Path) -> Path:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        out = export(Path(str(cfg.ckpt)).expanduser(), Path(str(cfg.out or "")).expanduser())  # null: not "None"
+        options = parse_options(ExportOptions, cfg)
+        out = export(Path(options.ckpt).expanduser(), Path(options.out or "").expanduser())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
         f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) "

@@ -18,10 +18,8 @@ def generate(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """idx (B, T) followed by max_new_tokens sampled tokens. temperature 0 is greedy (deterministic); otherwise
-    softmax(logits / temperature) over the top_k tokens, drawn with `generator`. Once the context exceeds
-    block_size the model sees the last block_size tokens, cached or not (the cache is rebuilt from that window).
-    vocab_size: the tokenizer's, below the model's where its table is padded; the ids past it are never drawn."""
+    """idx (B, T) followed by max_new_tokens tokens: greedy at temperature 0, else drawn from the top_k; the model
+    sees the last block_size tokens. vocab_size: the tokenizer's (ids past it, the table's padding, never drawn)."""
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:  # top-0 would keep no token at all

@@ -15,9 +15,8 @@ from typing import cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from xsa_lm.compat import should_update_logs
 from xsa_lm.model import GPT
@@ -30,12 +29,9 @@ GIB = 2**30
 
 
 class Throughput(L.Callback):
-    """Logs tokens seen, tokens/s, seconds per optimizer step and MFU, measured between optimizer steps over a
-    sliding window, and on CUDA the allocator's peak memory. Logged at logging steps only: reading the clock and
-    the allocator's counters needs no host-device sync, and logging a float copies it to the device, which waits.
-
-    MFU: the model's training FLOPs per token (GPT.flops_per_token at the training context) x tokens/s over the
-    peak FLOP/s of every device of the run (a datasheet number on GPUs, a measured matmul on CPU)."""
+    """Tokens seen, tokens/s, seconds per optimizer step and MFU over a sliding window of optimizer steps, and CUDA's
+    peak memory, logged at logging steps only (logging a float copies it to the device, which waits).
+    Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts micro-batches."""
 
     WINDOW = 10  # optimizer steps
 
@@ -57,8 +53,7 @@ class Throughput(L.Callback):
         self._marks = [(trainer.global_step, time.perf_counter())]  # so the first step counts whole, micro-batches too
 
     def tokens_seen(self, step: int) -> int:
-        """The tokens trained on by `step`: the checkpoint's count, then this run's tokens per step (a new run from
-        a checkpoint may train with another global_batch_tokens than the steps it continues)."""
+        """The checkpoint's count, then this run's tokens per step (which a new run from it may change)."""
         start, tokens = self.counted_from
         return tokens + (step - start) * self.tokens_per_step
 
@@ -66,8 +61,7 @@ class Throughput(L.Callback):
         checkpoint["tokens_seen"] = self.tokens_seen(trainer.global_step)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if "tokens_seen" in checkpoint:  # not in a checkpoint of an earlier release: counted at this batch size
-            self.counted_from = (checkpoint["global_step"], checkpoint["tokens_seen"])
+        self.counted_from = (checkpoint["global_step"], checkpoint["tokens_seen"])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
@@ -95,9 +89,7 @@ class Throughput(L.Callback):
 
 
 class AttentionKernels(L.Callback):
-    """SDPA runs the first kernel of the run's order (config `sdpa_backends`) that fits, from setup to teardown of
-    each fit or validation: training and validation steps alike, and compiled blocks too, which take the kernel
-    chosen when they are traced (their first call, inside)."""
+    """The run's SDPA kernel order (`sdpa_backends`) from setup to teardown: compiled blocks are traced inside it."""
 
     def __init__(self, sdpa_backends_value: str | Sequence[str]) -> None:
         self.value = sdpa_backends_value
@@ -119,9 +111,8 @@ class AttentionKernels(L.Callback):
 
 
 class Profiler(L.Callback):
-    """A torch.profiler trace of optimizer steps [start_step, start_step + steps), every micro-batch of them, written
-    as a Chrome trace (chrome://tracing, ui.perfetto.dev) to <run dir>/profile/steps_<first>-<last>_rank<r>.json
-    with shapes and memory events. A run that ends inside the range writes what it traced."""
+    """A Chrome trace of optimizer steps [start_step, start_step + steps) in <run dir>/profile/.
+    Not Lightning's PyTorchProfiler: its schedule counts micro-batches since the process started."""
 
     def __init__(self, run_dir: str, start_step: int, steps: int = 3) -> None:
         self.dir = Path(run_dir) / "profile"
@@ -163,53 +154,36 @@ class Profiler(L.Callback):
         self._profiler = None
 
 
-class ProgressBar(L.Callback):
-    """`step 176/1000`, the training loss, tokens/s and the time left, in optimizer steps (Lightning's bar counts
-    micro-batches). Values are read (a host-device sync) only at logging steps."""
+class ProgressBar(RichProgressBar):
+    """Lightning's rich bar counting optimizer steps (its own counts micro-batches); values read at logging steps."""
 
-    KEYS = {"train/loss": "loss {:.4f}", "train/tokens_per_s": "{:,.0f} tokens/s"}
+    KEYS = {"train/loss": ("loss", "{:.4f}"), "train/tokens_per_s": ("tokens/s", "{:,.0f}")}
 
     def __init__(self) -> None:
-        self.progress: Progress | None = None
-        self._info = ""
+        super().__init__()
+        self.shown: dict[str, str] = {}
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        columns = [
-            TextColumn("step"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("{task.fields[info]}"),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            TimeElapsedColumn(),
-        ]
-        self.progress = Progress(*columns)
-        self.progress.start()
-        self.task = self.progress.add_task("train", total=trainer.max_steps, completed=trainer.global_step, info="")
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if self.progress is None:
-            return
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "step"
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        return dict(self.shown)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if should_update_logs(trainer):
             logged = trainer.callback_metrics
-            self._info = " | ".join(fmt.format(float(logged[k])) for k, fmt in self.KEYS.items() if k in logged)
-        self.progress.update(self.task, completed=trainer.global_step, info=self._info)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+            self.shown = {name: fmt.format(float(logged[k])) for k, (name, fmt) in self.KEYS.items() if k in logged}
+        # Lightning's bar shows batch_idx + 1 done: here, the optimizer steps done
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)
 
 
 class ValHistory(L.Callback):
-    """Remembers (step, tokens, val loss, bits per byte, loss per span of positions) after each validation (not the
-    sanity check). `val_set` names the validation set (the prepared data's identity, the window count and length):
-    a history measured on another one (a new run from a checkpoint with other data settings) is not continued."""
+    """Each validation's step, tokens, loss, bits per byte and loss by position; a checkpoint's history measured on
+    another `val_set` (the prepared data, window count and length) is not continued."""
 
     def __init__(self, tokens_seen: Callable[[int], int], val_set: dict[str, object] | None = None) -> None:
         self.tokens_seen = tokens_seen  # step -> tokens trained on by then (Throughput.tokens_seen)
@@ -220,15 +194,10 @@ class ValHistory(L.Callback):
         loss = trainer.callback_metrics.get("val/loss")
         if trainer.sanity_checking or loss is None:
             return
-        step = trainer.global_step
-        bpb = trainer.callback_metrics.get("val/bpb")
-        entry = {
-            "step": step,
-            "tokens": self.tokens_seen(step),
-            "val_loss": float(loss),
-            "val_bpb": float(bpb) if bpb is not None else None,
-            "val_loss_by_position": list(getattr(pl_module, "val_by_position", [])),
-        }
+        step, bpb = trainer.global_step, trainer.callback_metrics.get("val/bpb")
+        by_position = list(getattr(pl_module, "val_by_position", []))
+        entry: dict[str, object] = {"step": step, "tokens": self.tokens_seen(step), "val_loss": float(loss)}
+        entry |= {"val_bpb": float(bpb) if bpb is not None else None, "val_loss_by_position": by_position}
         if self.history and self.history[-1]["step"] == step:
             self.history[-1] = entry
         else:
@@ -239,8 +208,7 @@ class ValHistory(L.Callback):
         return {"history": self.history, "val_set": self.val_set}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("val_set")  # None: a checkpoint of an earlier release, which did not say
-        if saved is not None and self.val_set is not None and saved != self.val_set:
+        if self.val_set is not None and state_dict["val_set"] != self.val_set:
             rank_zero_only(log.warning)(
                 f"WARNING: the checkpoint's validation history ({len(state_dict['history'])} points) was measured "
                 "on another validation set than this run's: val_history and best_val_loss start afresh"
@@ -250,8 +218,7 @@ class ValHistory(L.Callback):
 
 
 class EveryNSteps(L.Callback):
-    """A callback whose work runs on global rank 0 once every `every_n_steps` optimizer steps (not once per
-    accumulated micro-batch)."""
+    """Work on global rank 0 once every `every_n_steps` optimizer steps (not per micro-batch)."""
 
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
@@ -266,8 +233,7 @@ class EveryNSteps(L.Callback):
 
 
 class Diagnostics(EveryNSteps):
-    """Every `every_n_steps` optimizer steps: the paper's Figure 1 diagnostics per layer on the first `sequences`
-    validation windows, logged as diag/<metric>/layer_<l> series (W&B and metrics.csv) and as a W&B table."""
+    """The paper's Figure 1 diagnostics per layer on the first validation windows, as diag/<metric>/layer_<l>."""
 
     def __init__(self, every_n_steps: int, sequences: int, chunk: int) -> None:
         super().__init__(every_n_steps)
@@ -287,12 +253,7 @@ class Diagnostics(EveryNSteps):
         with torch.compiler.set_stance("force_eager"):  # a few batches, observed layer by layer: not worth compiling
             rows = diagnose(model, windows.split(datamodule.micro_batch_size), self.chunk)
         # Straight to the loggers, once (self.log would repeat the value on every later step's row).
-        metrics = {
-            f"diag/{metric}/layer_{row['layer']}": row[metric]
-            for row in rows
-            for metric in METRICS
-            if row[metric] is not None
-        }
+        metrics = {f"diag/{m}/layer_{row['layer']}": row[m] for row in rows for m in METRICS if row[m] is not None}
         columns = ["step", "layer", "attention", *METRICS]
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
@@ -301,8 +262,7 @@ class Diagnostics(EveryNSteps):
 
 
 class Samples(EveryNSteps):
-    """Every `every_n_steps` optimizer steps: text sampled from the model, appended to <run dir>/samples.txt and
-    logged to W&B as a table (step, text), to see what the model has learned beyond its loss."""
+    """Text sampled from the model, appended to <run dir>/samples.txt and logged to W&B as a table."""
 
     def __init__(
         self, every_n_steps: int, run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None
@@ -340,11 +300,8 @@ class Samples(EveryNSteps):
 
 
 class Preemption(L.Callback):
-    """SIGTERM / SIGUSR1 / SIGINT: stop at the next optimizer step with a checkpoint, instead of dying mid-step.
-
-    SIGTERM / SIGUSR1 (SLURM preemption, `kill`) end the run with status `preempted` and exit code 0, so the job can be
-    requeued with resume=auto; Ctrl-C (SIGINT) with status `interrupted` and exit code 130; a second Ctrl-C aborts.
-    """
+    """SIGTERM / SIGUSR1 (preempted, exit 0) / SIGINT (interrupted, 130; twice: abort): stop at the next optimizer
+    step with a checkpoint. Not Lightning's signal handling: it stops without one (SLURM's requeue aside)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

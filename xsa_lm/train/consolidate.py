@@ -1,22 +1,25 @@
-"""`xsa-lm consolidate ckpt=DIR out=FILE`: a sharded checkpoint of trainer=fsdp as one ordinary checkpoint file.
-
-analyze, eval, generate and resume read sharded checkpoints as they are; one file is what you copy elsewhere or share.
-"""
+"""`xsa-lm consolidate ckpt=DIR out=FILE`: a sharded checkpoint of trainer=fsdp as one file, to copy or share."""
 
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
+from pydantic import Field
 
+from xsa_lm.checkpoints.load import Options, parse_options
 from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
-from xsa_lm.config.checks import check_switches
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
 
 
+class ConsolidateOptions(Options):
+    ckpt: str = Field(description="the path of a sharded checkpoint")
+    out: str = Field(description="the path of the file to write")
+    weights_only: bool = Field(description="true or false")  # a text such as `no` would count as true
+
+
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
-    """Write the sharded checkpoint `source` as the file `out`; returns its global step."""
     if not is_sharded(source):
         if source.is_file():
             raise UserError(f"ckpt: {source} is a file, one checkpoint already: every command reads it as it is")
@@ -40,10 +43,10 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
-    check_switches(cfg, keys=("weights_only",))
-    out = Path(str(cfg.out)).expanduser()
-    step = consolidate(Path(str(cfg.ckpt)).expanduser(), out, weights_only=cfg.weights_only)
+    options = parse_options(ConsolidateOptions, cfg)
+    out = Path(options.out).expanduser()
+    step = consolidate(Path(options.ckpt).expanduser(), out, weights_only=options.weights_only)
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {step}, "
-        f"{'weights only' if cfg.weights_only else 'weights, optimizer state and training position'}"
+        f"{'weights only' if options.weights_only else 'weights, optimizer state and training position'}"
     )

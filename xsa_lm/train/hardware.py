@@ -1,56 +1,57 @@
-"""What the device can do: its peak FLOP/s (a datasheet table for GPUs, a measured matmul on CPU) and its memory."""
+"""What the device can do: its peak FLOP/s (Lightning's table and ours on GPUs, a measured matmul on CPU)."""
 
 import functools
 import re
 import timeit
+import warnings
 
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 
-# Dense (no sparsity) peak FLOP/s from NVIDIA datasheets (which print the sparse numbers, 2x these): bf16 and tf32
-# tensor cores. Keyed by the part and its board where the board changes the clocks or the power: "H100" is the SXM
-# board (torch names it "NVIDIA H100 80GB HBM3"), "H100 PCIe" and "H100 NVL" the PCIe cards. A100 40GB and 80GB peak
-# alike, as do an A100's SXM and PCIe boards. Not lightning.fabric's get_available_flops (checked in 2.6.6): it
-# knows no "NVIDIA H200" (torch's name for one) and reads an "NVIDIA L40S" as an L4.
-PEAK_FLOPS = {
+# Dense (no sparsity) bf16 and tf32 peak FLOP/s from NVIDIA datasheets of the GPUs that Lightning's
+# get_available_flops misreads (checked in 2.6.6): it knows no "NVIDIA H200" (torch's name for one), H200 NVL, GH200
+# or B200, gives the H100 NVL its sparse numbers (2x), and reads "NVIDIA L40S" and "NVIDIA L40" as an L4. Every other
+# GPU's number is Lightning's. Keyed by the part and its board where the board changes the clocks or the power.
+MISREAD = {
     "B200": {"bf16": 2250e12, "tf32": 1100e12},
     "H200": {"bf16": 989.5e12, "tf32": 494.5e12},
     "H200 NVL": {"bf16": 835.5e12, "tf32": 417.5e12},
-    "H100": {"bf16": 989.5e12, "tf32": 494.5e12},
     "H100 NVL": {"bf16": 835.5e12, "tf32": 417.5e12},
-    "H100 PCIe": {"bf16": 756.5e12, "tf32": 378e12},
     "GH200": {"bf16": 989.5e12, "tf32": 494.5e12},
-    "A100": {"bf16": 312e12, "tf32": 156e12},
-    "A100 PCIe": {"bf16": 312e12, "tf32": 156e12},
     "L40S": {"bf16": 362.05e12, "tf32": 183e12},
     "L40": {"bf16": 181.05e12, "tf32": 90.5e12},
-    "L4": {"bf16": 121e12, "tf32": 60e12},
 }
 BOARDS = {"PCIE": "PCIe", "NVL": "NVL"}  # SXM (SXM4, SXM5 or unnamed) is the part's own entry
-UNKNOWN_WORDS = ("MIG",)  # a MIG slice has a fraction of the SMs: no datasheet number applies
+
+
+def name_words(name: str) -> list[str]:
+    words = [w for w in re.split(r"[\s\-_]+", name.strip()) if w]
+    return words[1:] if words and words[0].upper() == "NVIDIA" else words
 
 
 def datasheet_key(name: str) -> str | None:
-    """PEAK_FLOPS's key for a CUDA device name, matched word by word: "NVIDIA A100-SXM4-40GB" -> "A100",
-    "NVIDIA H100 NVL" -> "H100 NVL", "NVIDIA L40" -> "L40" (never "L4"); None when the table has no such part."""
-    words = [w for w in re.split(r"[\s\-_]+", name.strip()) if w]
-    if words and words[0].upper() == "NVIDIA":
-        words = words[1:]
-    if not words or any(w.upper() in UNKNOWN_WORDS for w in words):
-        return None
+    """MISREAD's key for a CUDA device name, matched word by word: "NVIDIA H200 NVL" -> "H200 NVL", "NVIDIA L40" ->
+    "L40" (never "L4"); None when the table has no such part."""
+    words = name_words(name)
     boards = {BOARDS[w.upper()] for w in words[1:] if w.upper() in BOARDS}
-    if len(boards) > 1:
-        return None
-    key = " ".join([words[0].upper(), *boards])
-    return key if key in PEAK_FLOPS else None
+    key = " ".join([words[0].upper(), *boards]) if words and len(boards) < 2 else None
+    return key if key in MISREAD else None
 
 
-def datasheet_peak(name: str, precision: str) -> tuple[float | None, str]:
-    """A CUDA device's dense peak FLOP/s for this precision from PEAK_FLOPS, and where the number comes from."""
-    kind = "bf16" if precision.startswith("bf16") else "tf32"
+def gpu_peak(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """A CUDA device's dense peak FLOP/s for this precision (MISREAD's, else Lightning's), and where it comes from."""
+    name, kind = torch.cuda.get_device_name(device), "bf16" if precision.startswith("bf16") else "tf32"
+    if "MIG" in (w.upper() for w in name_words(name)):  # a fraction of the SMs: no datasheet number applies
+        return None, f"{name} is a MIG slice: no peak FLOP/s for MFU"
     key = datasheet_key(name)
-    if key is None:
-        return None, f"{name} is not in xsa_lm.train.hardware.PEAK_FLOPS: add its dense {kind} FLOP/s for MFU"
-    return PEAK_FLOPS[key][kind], f"datasheet: {key} dense {kind}"
+    if key is not None:
+        return MISREAD[key][kind], f"datasheet: {key} dense {kind}"
+    with warnings.catch_warnings():  # its "FLOPs not found" becomes the source below
+        warnings.simplefilter("ignore")
+        peak = get_available_flops(device, torch.bfloat16 if kind == "bf16" else torch.float32)
+    if peak is None:
+        return None, f"{name} is known neither to Lightning nor to xsa_lm.train.hardware.MISREAD: add its dense {kind}"
+    return float(peak), f"lightning.fabric get_available_flops: {name} {kind}"
 
 
 def synchronize(device: torch.device) -> None:
@@ -59,17 +60,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@functools.lru_cache
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """The device's peak FLOP/s for this precision, and where the number comes from: where no datasheet applies (on
-    CPU), the best of 20 n x n x n matmuls (about a second: measured once per process)."""
-    if device.type == "cpu":
-        dtype, n = torch.bfloat16 if precision.startswith("bf16") else torch.float32, 1024
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b  # warm-up
-        best = min(timeit.repeat(lambda: a @ b, number=1, repeat=20))
-        return 2 * n**3 / best, f"measured: best {dtype} {n}^3 matmul on this CPU"
-    return datasheet_peak(torch.cuda.get_device_name(device), precision)
+    """The device's peak FLOP/s for this precision, and where the number comes from: a datasheet's on a GPU, a
+    measured matmul on CPU (Lightning has no CPU number)."""
+    return cpu_peak(precision) if device.type == "cpu" else gpu_peak(device, precision)
+
+
+@functools.lru_cache
+def cpu_peak(precision: str) -> tuple[float, str]:
+    """The best of 20 n x n x n matmuls (about a second: measured once per process)."""
+    dtype, n = torch.bfloat16 if precision.startswith("bf16") else torch.float32, 1024
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = min(timeit.repeat(lambda: a @ b, number=1, repeat=20))
+    return 2 * n**3 / best, f"measured: best {dtype} {n}^3 matmul on this CPU"
 
 
 def device_name(device: torch.device) -> str:

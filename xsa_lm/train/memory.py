@@ -1,13 +1,7 @@
 """The memory a training run needs per device, estimated from its config before the model exists, and the memory it
-can have. `xsa-lm train` refuses a run that cannot fit; `xsa-lm plan` prints the estimate for DDP and FSDP.
-
-A model too large for the machine otherwise allocates until the kernel's out-of-memory killer ends it (minutes of
-swapping on a laptop) or CUDA raises deep inside the first step; the estimate refuses it in one line instead.
-
-The per-token terms are counted tensor by tensor from what autograd saves and what XSA's backward allocates;
-`allocator_peak` measures a step's peak from the CPU allocator (tests/test_memory_peak.py holds the estimate of a
-tiny model's training step to it; scripts/calibrate_memory.py measures paper-shaped blocks too).
-"""
+can have: `xsa-lm train` refuses in one line a run that cannot fit (rather than swapping until the OOM killer ends it,
+or CUDA raising inside the first step); `xsa-lm plan` prints the estimate. The per-token terms are counted tensor by
+tensor from what autograd saves; tests/test_memory_peak.py holds them to `allocator_peak`'s measurement."""
 
 import json
 import math
@@ -50,8 +44,7 @@ class MemoryEstimate:
 
 
 def block_parameters(model: dict) -> int:
-    """Weights of one transformer block (no biases): q and o at n_head x head_dim, k and v at n_kv_head x head_dim,
-    the MLP, two LayerNorm weights."""
+    """Weights of one transformer block (no biases): its matmuls and two LayerNorm weights."""
     return block_matmul_parameters(model) + 2 * model["d_model"]
 
 
@@ -73,8 +66,7 @@ def parameter_count(model: dict, vocab_size: int) -> int:
 
 
 def dtype_bytes(precision: str) -> tuple[int, int]:
-    """(compute, weights): bytes per value of the matmuls and of the weights (= the residual stream). Mixed
-    precision computes in 16 bits on fp32 weights; `-true` precisions hold the weights in 16 bits too."""
+    """(compute, weights) bytes per value: mixed precision computes in 16 bits on fp32 weights; -true holds 16-bit."""
     compute = 2 if precision.startswith(("bf16", "16")) else 4
     return compute, compute if precision.endswith("-true") else 4
 
@@ -201,40 +193,20 @@ def estimate(
     attention="xsa": every layer XSA."""
     compute, weights = dtype_bytes(precision)
     n = parameter_count(model, vocab_size)
-    saved, transient = activation_bytes(
-        model=model,
-        vocab_size=vocab_size,
-        tokens=micro_batch_size * block_size,
-        positions=micro_batch_size * (block_size + model.get("n_sinks", 0)),  # the sinks pass every block too
-        half=compute == 2,
-        checkpointing=activation_checkpointing,
-        residual=weights,
-        exclusive=attention == "xsa",
-        compiled=compiled,
-    )
+    positions = micro_batch_size * (block_size + model.get("n_sinks", 0))  # the sinks pass every block too
+    xsa, tokens = attention == "xsa", micro_batch_size * block_size
+    how = dict(residual=weights, exclusive=xsa, compiled=compiled, positions=positions)
+    saved, transient = activation_bytes(model, vocab_size, tokens, compute == 2, activation_checkpointing, **how)
     copies = autocast_copies(
         model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
     )
     if strategy == "fsdp":  # fp32 parameters gathered (no FSDP2 mixed-precision policy): autocast copies as DDP's
         gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * weights
         shard = math.ceil(n / world_size)
-        return MemoryEstimate(
-            params=weights * shard + gathered,
-            grads=weights * shard + (4 * n if accumulation > 1 else block_parameters(model) * weights),
-            optimizer=2 * weights * shard,
-            activations=saved,
-            transient=transient,
-            weight_copies=copies,
-        )
-    return MemoryEstimate(
-        params=weights * n,
-        grads=weights * n,
-        optimizer=2 * weights * n,
-        activations=saved,
-        transient=transient,
-        weight_copies=copies,
-        ddp_buckets=weights * n if world_size > 1 and not gradient_as_bucket_view else 0,
-    )
+        grads = weights * shard + (4 * n if accumulation > 1 else block_parameters(model) * weights)
+        return MemoryEstimate(weights * shard + gathered, grads, 2 * weights * shard, saved, transient, copies)
+    buckets = weights * n if world_size > 1 and not gradient_as_bucket_view else 0
+    return MemoryEstimate(weights * n, weights * n, 2 * weights * n, saved, transient, copies, buckets)
 
 
 def autocast_copies(
@@ -275,10 +247,8 @@ def available_bytes(accelerator: str) -> tuple[int, str]:
 
 
 def allocator_peak(run: Callable[[], object]) -> int:
-    """The most bytes the CPU allocator held during `run` beyond what it held before: torch.profiler records each
-    allocation and free (its `[memory]` events). A free of a block allocated before `run` is not recorded (the
-    profiler does not know its size) and is not counted, so `run` should free only what it allocated. CPU only: on
-    CUDA, torch.cuda.max_memory_allocated is the allocator's own counter."""
+    """The most bytes the CPU allocator held during `run` beyond what it held before, from torch.profiler's
+    `[memory]` events; frees of blocks allocated before `run` are not counted. (CUDA has its own counter.)"""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     with tempfile.TemporaryDirectory() as tmp:  # the public form of the events: the Chrome trace
@@ -302,8 +272,7 @@ def allocator_peak(run: Callable[[], object]) -> int:
 
 
 def bucket_view(strategy) -> bool:
-    """Whether DDP's gradients are views into its buckets: the strategy's gradient_as_bucket_view (Lightning's
-    default, a plain `ddp`, is false)."""
+    """The strategy's gradient_as_bucket_view (a plain `ddp`, Lightning's default: false)."""
     return bool(strategy.get("gradient_as_bucket_view", False)) if hasattr(strategy, "get") else False
 
 

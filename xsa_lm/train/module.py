@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from xsa_lm.analysis.losses import loss_sums, read_sums
 from xsa_lm.compat import (
-    COMPILED_PREFIX,
     accumulating,
     realign_accumulation,
     restart_after_the_step,
@@ -29,10 +28,8 @@ from xsa_lm.train.schedule import continue_schedule
 
 
 def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
-    """torch.compile as torchtitan applies it: each block on its own, and the head with the loss, in place (the
-    state-dict keys stay those of an eager model, so checkpoints move between the two). Under FSDP2 every block is a
-    unit whose hooks run eagerly between the compiled regions; compiling the whole model there compiled only the
-    blocks, leaving the head and the cross-entropy eager. Alike blocks reuse one graph; the embedding stays eager."""
+    """torch.compile as torchtitan applies it: each block, and the head with the loss, in place (the state-dict keys
+    stay an eager model's); under FSDP2 compiling the whole model left the head and the cross-entropy eager."""
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=True)
     model.logits_and_loss = torch.compile(  # type: ignore[method-assign]  # in place, on purpose
@@ -91,9 +88,7 @@ class LMModule(L.LightningModule):
         self.register_buffer("token_bytes", torch.tensor(token_bytes or [], dtype=torch.float64), persistent=False)
 
     def configure_model(self) -> None:
-        """Under ModelParallelStrategy (trainer=fsdp): FSDP2, one unit per transformer block and the root (the tied
-        embedding and the head), over the data-parallel mesh. Each rank then holds 1/N of the weights, gradients
-        and AdamW state; a block's weights are gathered for its forward and backward only."""
+        """trainer=fsdp: FSDP2, one unit per transformer block and the root, over the data-parallel mesh."""
         if self.device_mesh is None:
             return
         from torch.distributed.fsdp import fully_shard
@@ -101,18 +96,14 @@ class LMModule(L.LightningModule):
         if isinstance(self.model, FSDPModule):  # a second fit or validate of this module calls this hook again
             return
         mesh = self.device_mesh["data_parallel"]
-        # No mixed-precision policy, on purpose: fp32 parameters under every strategy, bf16-mixed's autocast (which
-        # Lightning enters here as under DDP) running the matmuls in bf16, so the residual stream, LayerNorms and RoPE
-        # tables are fp32 as under DDP, on CPU as on CUDA (bf16 parameters would round the LayerNorm gains and the
-        # embedding, and on CPU the residual stream, to bf16); the price is fp32 all-gathers and autocast's bf16
-        # weight copies kept for the backward, as under DDP.
+        # No mixed-precision policy, on purpose: fp32 parameters and autocast as under DDP (bf16 parameters would
+        # round the LayerNorm gains and the embedding); the price is fp32 all-gathers.
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """The micro-batch count realigned to this run's accumulation (when a trainer resumes it); weights saved from
-        a torch.compile(model) wrapper (an earlier release) renamed."""
+        """The micro-batch count realigned to this run's accumulation, when a trainer resumes it."""
         try:
             accumulate = self.trainer.accumulate_grad_batches
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
@@ -120,12 +111,7 @@ class LMModule(L.LightningModule):
         if accumulate is not None and "global_step" in checkpoint:
             restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
             realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
-            self.restore_faults(checkpoint.get("faults"))
-        if "state_dict" not in checkpoint:  # sharded, under FSDP2: the strategy has loaded the weights itself
-            return
-        wrapped = f"model.{COMPILED_PREFIX}"
-        state = checkpoint["state_dict"]
-        checkpoint["state_dict"] = {key.replace(wrapped, "model.", 1): value for key, value in state.items()}
+            self.restore_faults(checkpoint["faults"])
 
     def on_train_start(self) -> None:
         for config in self.trainer.lr_scheduler_configs:  # restored from a checkpoint: at its step of this schedule
@@ -141,11 +127,11 @@ class LMModule(L.LightningModule):
         faults = {"events": self.events, "spike_averages": self._typical, "skipped_unread": pending}
         checkpoint["faults"] = json.dumps(faults)
 
-    def restore_faults(self, saved: str | None) -> None:
-        faults = json.loads(saved) if saved else {}  # none in a checkpoint of an earlier release
-        self.events = faults.get("events", [])
-        self._typical = dict(faults.get("spike_averages", {}))
-        self._nonfinite = [(step, torch.tensor(True)) for step in faults.get("skipped_unread", [])]
+    def restore_faults(self, saved: str) -> None:
+        faults = json.loads(saved)
+        self.events = faults["events"]
+        self._typical = dict(faults["spike_averages"])
+        self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:

@@ -1,51 +1,80 @@
 """`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, eager and compiled, and the largest
-micro-batch that fits.
-
-The numbers are xsa_lm.train.memory's estimate, the one `xsa-lm train` checks before it builds a model
-(estimate_for_config).
-"""
+micro-batch that fits: memory.py's estimate, the one `xsa-lm train` checks (RunShape.estimate)."""
 
 import math
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TypedDict, cast
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from xsa_lm.config.builders import VOCAB_MULTIPLE, model_config, resolve_precision, strategy_kind, world_size
+from xsa_lm.config.builders import model_config, resolve_precision, strategy_kind, world_size
 from xsa_lm.config.checks import check_switches, check_values
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import check_new_file, write_json
+from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled, uses_cuda
 
 
-class MemoryShape(TypedDict):
-    """memory.estimate's arguments that a training config fixes (all but micro_batch_size, strategy, compiled)."""
+def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> int | None:
+    """Micro-batches per optimizer step on each device (None when not a whole number)."""
+    per_micro_step = micro_batch_size * devices * block_size
+    if per_micro_step == 0 or global_batch_tokens % per_micro_step:
+        return None
+    return global_batch_tokens // per_micro_step
 
-    model: dict  # the config's model group
-    vocab_size: int
-    block_size: int
-    precision: str
-    world_size: int
+
+@dataclass(frozen=True)
+class RunShape:
+    """What fixes a training run's memory per device, as `xsa-lm train` would run it."""
+
+    model: GPTConfig  # its vocab_size padded as the run pads it
+    micro_batch_size: int
+    block_size: int  # data.block_size: the tokens of one window
+    global_batch_tokens: int
+    precision: str  # Lightning's name (resolve_precision)
+    devices: int  # every process of the run
+    strategy: str  # ddp | fsdp
+    compiled: bool
     activation_checkpointing: bool
-    attention: str
-    gradient_as_bucket_view: bool
+    gradient_as_bucket_view: bool = False  # DDP's (Lightning's default: off)
+
+    @property
+    def accumulation(self) -> int | None:
+        return accumulation(self.global_batch_tokens, self.micro_batch_size, self.devices, self.block_size)
+
+    def memory_args(self) -> dict:
+        """memory.estimate's arguments for this run, all but micro_batch_size."""
+        return dict(
+            model=asdict(self.model),
+            vocab_size=self.model.vocab_size,
+            block_size=self.block_size,
+            precision=self.precision,
+            strategy=self.strategy,
+            world_size=self.devices,
+            activation_checkpointing=self.activation_checkpointing,
+            compiled=self.compiled,
+            attention=self.model.attention,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            accumulation=self.accumulation or 1,
+        )
+
+    def estimate(self) -> memory.MemoryEstimate:
+        return memory.estimate(micro_batch_size=self.micro_batch_size, **self.memory_args())
 
 
-class StepShape(MemoryShape):
-    accumulation: int
-
-
-class SdpaPlan(TypedDict):
+@dataclass(frozen=True)
+class SdpaPlan:
     setting: str | list[str]  # sdpa_backends
     device: str
     order: list[str] | None  # None: resolved on the run's GPU, which is not on this machine
 
 
-class StrategyPlan(TypedDict):
+@dataclass(frozen=True)
+class StrategyPlan:
     per_device_bytes: dict[str, int]  # MemoryEstimate.as_dict, of the mode the run trains in
     eager_bytes: dict[str, int]
     compiled_bytes: dict[str, int]
@@ -55,7 +84,8 @@ class StrategyPlan(TypedDict):
     accumulation_at_max_dividing: int | None
 
 
-class Plan(TypedDict):
+@dataclass(frozen=True)
+class Plan:
     """`xsa-lm plan`'s answer (the JSON file of out=)."""
 
     model: str
@@ -82,173 +112,98 @@ class Plan(TypedDict):
     cross_entropy_transient_bytes: dict[str, int]
 
 
-def memory_shape(cfg: DictConfig) -> MemoryShape:
-    model = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))  # a DictConfig gives a dict
-    vocab = model.get("vocab_size") or cfg.tokenizer.get("vocab_size") or 50257  # before the tokenizer exists
-    return MemoryShape(
-        model=model,
-        vocab_size=math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        block_size=cfg.data.block_size,
-        precision=resolve_precision(cfg.trainer.precision, accelerator=cfg.trainer.accelerator),
-        world_size=world_size(cfg.trainer),
-        activation_checkpointing=bool(cfg.trainer.get("activation_checkpointing", False)),
-        attention=cfg.attention.name,
-        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
-    )
-
-
-def estimate_for_config(cfg: DictConfig) -> memory.MemoryEstimate:
-    """The per-device estimate of a composed training config, as the run would train it: its strategy, micro-batch
-    and compile setting on this machine."""
-    steps = accumulation(cfg.global_batch_tokens, cfg.micro_batch_size, world_size(cfg.trainer), cfg.data.block_size)
-    return memory.estimate(
-        micro_batch_size=cfg.micro_batch_size,
-        accumulation=steps or 1,
-        strategy=strategy_kind(cfg.trainer.strategy),
-        compiled=compile_enabled(cfg.get("compile", False), accelerator=cfg.trainer.accelerator),
-        **memory_shape(cfg),
-    )
-
-
-def make_plan(cfg: DictConfig) -> Plan:
-    check_values(cfg)  # first: a bad trainer.activation_checkpointing is named as such
-    check_switches(cfg, keys=("activation_checkpointing",))
-    model_config(cfg, vocab_size=1)  # the model `xsa-lm train` would refuse (e.g. more sinks than positions), refused
-    shape = memory_shape(cfg)
-    shape["activation_checkpointing"] = cfg.activation_checkpointing  # plan.yaml's, which follows the trainer's
-    devices = shape["world_size"]
-    if cfg.device_memory_gb is not None:
-        gib = cfg.device_memory_gb  # nan and inf would fail below, in int()
-        if isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib < math.inf:
-            raise UserError(f"device_memory_gb must be a positive number of GiB, got {cfg.device_memory_gb}")
-        available, where = int(cfg.device_memory_gb * memory.GIB), f"device_memory_gb={cfg.device_memory_gb:g}"
-    else:
-        available, where = memory.available_bytes(cfg.trainer.accelerator)
-    compiled = compile_enabled(cfg.compile, accelerator=cfg.trainer.accelerator)
-    strategies = {
-        s: strategy_plan(cfg, strategy=s, available=available, shape=shape, compiled=compiled) for s in ("ddp", "fsdp")
-    }
-    chosen = strategy_kind(cfg.trainer.strategy)
-    # What XSA saves for the backward in every layer (eager: its two coefficients), and the two candidates for the
-    # backward's peak beside the saved activations, which memory.estimate counts the larger of: one XSA layer's
-    # temporaries and the cross-entropy's buffers.
-    model, compute, weights = shape["model"], *memory.dtype_bytes(shape["precision"])
-    tokens = cfg.micro_batch_size * cfg.data.block_size
-    positions = cfg.micro_batch_size * (cfg.data.block_size + model.get("n_sinks", 0))
-    xsa = shape["attention"] == "xsa"
+def make_plan(run: RunShape, *, model_name: str, available: int, available_from: str, sdpa: SdpaPlan) -> Plan:
+    """Both strategies' memory per device, the largest micro-batches that fit in `available` bytes, and what XSA adds:
+    what it saves in every layer, and its temporaries against the cross-entropy's (the backward's peak the larger)."""
+    strategies = {s: strategy_plan(replace(run, strategy=s), available) for s in ("ddp", "fsdp")}
+    model, (compute, weights) = asdict(run.model), memory.dtype_bytes(run.precision)
+    tokens = run.micro_batch_size * run.block_size
+    positions = run.micro_batch_size * (run.block_size + run.model.n_sinks)
+    xsa = run.model.attention == "xsa"
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
     modes = {"eager": False, "compiled": True}
-    return {
-        "model": cfg.model.name,
-        "strategy": chosen,
-        "devices": devices,
-        "precision": shape["precision"],
-        "activation_checkpointing": shape["activation_checkpointing"],
-        "attention": shape["attention"],
-        "compiled": compiled,
-        "micro_batch_size": cfg.micro_batch_size,
-        "block_size": cfg.data.block_size,
-        "n_sinks": model.get("n_sinks", 0),
-        "parameters": memory.parameter_count(model, shape["vocab_size"]),
-        "available_bytes": available,
-        "available_from": where,
-        "global_batch_tokens": cfg.global_batch_tokens,
-        "accumulation": accumulation(cfg.global_batch_tokens, cfg.micro_batch_size, devices, cfg.data.block_size),
-        "per_device_bytes": strategies[chosen]["per_device_bytes"],
-        "max_micro_batch_size": strategies[chosen]["max_micro_batch_size"],
-        "strategies": strategies,
-        "sdpa_backends": attention_kernels(cfg.sdpa_backends, accelerator=cfg.trainer.accelerator),
-        "xsa_saved_bytes": model["n_layer"] * positions * saved if xsa else 0,
-        "xsa_temporaries_bytes": {
+    same = (
+        "strategy devices precision activation_checkpointing compiled micro_batch_size block_size global_batch_tokens"
+    )
+    chosen = strategies[run.strategy]
+    return Plan(
+        model=model_name,
+        **{name: getattr(run, name) for name in [*same.split(), "accumulation"]},
+        attention=run.model.attention,
+        n_sinks=run.model.n_sinks,
+        parameters=memory.parameter_count(model, run.model.vocab_size),
+        available_bytes=available,
+        available_from=available_from,
+        per_device_bytes=chosen.per_device_bytes,
+        max_micro_batch_size=chosen.max_micro_batch_size,
+        strategies=strategies,
+        sdpa_backends=sdpa,
+        xsa_saved_bytes=run.model.n_layer * positions * saved if xsa else 0,
+        xsa_temporaries_bytes={
             mode: positions * memory.xsa_transient_per_token(model, compute=compute, compiled=c) if xsa else 0
             for mode, c in modes.items()
         },
-        "cross_entropy_transient_bytes": {
-            mode: tokens * memory.cross_entropy_transient_per_token(shape["vocab_size"], compute=compute, compiled=c)
+        cross_entropy_transient_bytes={
+            mode: tokens * memory.cross_entropy_transient_per_token(run.model.vocab_size, compute=compute, compiled=c)
             for mode, c in modes.items()
         },
-    }
+    )
 
 
-def attention_kernels(value, *, accelerator: str) -> SdpaPlan:
-    """The SDPA kernels the run may use on its device, most preferred first (sdpa_backends, as `xsa-lm train`
-    resolves it), or none where the run's GPU is not on this machine: it is resolved on the GPU."""
-    value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan:
+    """The SDPA kernels the run may use, most preferred first; none where the run's GPU is not on this machine."""
     if uses_cuda(accelerator):
         device = torch.device("cuda", torch.cuda.current_device())
-        return {"setting": value, "device": torch.cuda.get_device_name(device), "order": resolve(value, device)}
+        return SdpaPlan(setting, torch.cuda.get_device_name(device), resolve(setting, device))
     if accelerator in ("gpu", "cuda"):
-        return {"setting": value, "device": "cuda", "order": None}
-    return {"setting": value, "device": "cpu", "order": resolve(value, torch.device("cpu"))}
+        return SdpaPlan(setting, "cuda", None)
+    return SdpaPlan(setting, "cpu", resolve(setting, torch.device("cpu")))
 
 
-def strategy_plan(
-    cfg: DictConfig, *, strategy: str, available: int, shape: MemoryShape, compiled: bool
-) -> StrategyPlan:
-    """One strategy's memory per device at the configured micro-batch, eager and compiled, and the largest
-    micro-batches that fit as the run would train (compiled or not)."""
-    batch, block = cfg.global_batch_tokens, cfg.data.block_size  # read once: steps() runs per micro-batch size
-
-    def steps(micro_batch_size: int) -> int | None:
-        return accumulation(batch, micro_batch_size, shape["world_size"], block)
-
-    sized: StepShape = {**shape, "accumulation": steps(cfg.micro_batch_size) or 1}
+def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
+    """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
+    args = run.memory_args()
     both = {
-        mode: memory.estimate(micro_batch_size=cfg.micro_batch_size, strategy=strategy, compiled=mode, **sized)
+        mode: memory.estimate(micro_batch_size=run.micro_batch_size, **(args | {"compiled": mode}))
         for mode in (False, True)
     }
-    need = both[compiled]
-    largest = memory.largest_micro_batch(available, strategy=strategy, compiled=compiled, **sized)
-
+    need = both[run.compiled]
+    largest = memory.largest_micro_batch(available, **args)
+    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
     dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
-    return {
-        "per_device_bytes": need.as_dict(),
-        "eager_bytes": both[False].as_dict(),
-        "compiled_bytes": both[True].as_dict(),
-        "fits": need.total <= available,
-        "max_micro_batch_size": largest,
-        "max_dividing_micro_batch_size": dividing,
-        "accumulation_at_max_dividing": steps(dividing),
-    }
-
-
-def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> int | None:
-    """Micro-batches per optimizer step on each device (None when not a whole number)."""
-    per_micro_step = micro_batch_size * devices * block_size
-    if per_micro_step == 0 or global_batch_tokens % per_micro_step:
-        return None
-    return global_batch_tokens // per_micro_step
+    eager, compiled = both[False].as_dict(), both[True].as_dict()
+    return StrategyPlan(need.as_dict(), eager, compiled, need.total <= available, largest, dividing, steps(dividing))
 
 
 def table(plan: Plan) -> str:
     gib = lambda b: f"{b / memory.GIB:.2f}"  # noqa: E731
-    n = plan["n_sinks"]
+    n = plan.n_sinks
     sinks = f" (+ {n} attention sink{'s' if n > 1 else ''} in every block)" if n else ""
     lines = [
-        f"xsa-lm plan | {plan['model']}: {plan['parameters'] / 1e9:.3f}B parameters | {plan['devices']} device(s), "
-        f"{plan['precision']}, micro-batch {plan['micro_batch_size']} x {plan['block_size']} tokens{sinks}, activation "
-        f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'}, attention {plan['attention']}, "
-        f"{'compiled' if plan['compiled'] else 'eager'} | memory per device "
-        f"{gib(plan['available_bytes'])} GiB ({plan['available_from']})",
+        f"xsa-lm plan | {plan.model}: {plan.parameters / 1e9:.3f}B parameters | {plan.devices} device(s), "
+        f"{plan.precision}, micro-batch {plan.micro_batch_size} x {plan.block_size} tokens{sinks}, activation "
+        f"checkpointing {'on' if plan.activation_checkpointing else 'off'}, attention {plan.attention}, "
+        f"{'compiled' if plan.compiled else 'eager'} | memory per device "
+        f"{gib(plan.available_bytes)} GiB ({plan.available_from})",
         "",
         "| strategy | mode | weights | gradients | AdamW state | 16-bit weight copies | DDP buckets | activations | "
         "backward peak | total (GiB) | fits | largest micro-batch | largest dividing the global batch "
         "(accumulation) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
-    for name, s in plan["strategies"].items():
-        mark = " (trainer)" if name == plan["strategy"] else ""
-        for mode, b in (("eager", s["eager_bytes"]), ("compiled", s["compiled_bytes"])):
-            run = (mode == "compiled") == plan["compiled"]  # the mode the run trains in: fits and micro-batches
-            fits = ("yes" if s["fits"] else "no") if run else ""
-            largest = f"{s['max_micro_batch_size']} | {s['max_dividing_micro_batch_size']} " if run else " | "
-            accumulation = f"({s['accumulation_at_max_dividing']})" if run else ""
+    for name, s in plan.strategies.items():
+        mark = " (trainer)" if name == plan.strategy else ""
+        for mode, b in (("eager", s.eager_bytes), ("compiled", s.compiled_bytes)):
+            run = (mode == "compiled") == plan.compiled  # the mode the run trains in: fits and micro-batches
+            fits = ("yes" if s.fits else "no") if run else ""
+            largest = f"{s.max_micro_batch_size} | {s.max_dividing_micro_batch_size} " if run else " | "
+            accumulation = f"({s.accumulation_at_max_dividing})" if run else ""
             lines.append(
                 f"| {name}{mark} | {mode} | {gib(b['params'])} | {gib(b['grads'])} | {gib(b['optimizer'])} | "
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    lines += ["", sdpa_line(plan["sdpa_backends"]), xsa_line(plan), batch_line(plan)]
+    lines += ["", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)]
     return "\n".join(lines)
 
 
@@ -257,24 +212,22 @@ def size(n: int) -> str:
 
 
 def sdpa_line(kernels: SdpaPlan) -> str:
-    setting = kernels["setting"] if isinstance(kernels["setting"], str) else ",".join(kernels["setting"])
-    if kernels["order"] is not None:
-        order = ", ".join(kernels["order"])
-        return f"SDPA kernels on {kernels['device']} (sdpa_backends={setting}), the first that fits runs: {order}"
+    setting = kernels.setting if isinstance(kernels.setting, str) else ",".join(kernels.setting)
+    if kernels.order is not None:
+        order = ", ".join(kernels.order)
+        return f"SDPA kernels on {kernels.device} (sdpa_backends={setting}), the first that fits runs: {order}"
     listed = "cudnn (sm80 and newer), flash, efficient, math" if setting == "auto" else "this order, less any it lacks"
     return f"SDPA kernels (sdpa_backends={setting}): chosen on the run's GPU (none here): {listed}"
 
 
 def xsa_line(plan: Plan) -> str:
-    """What XSA adds to the run's mode: its saved coefficients, and its temporaries against the cross-entropy's
-    buffers (the larger is the table's backward peak)."""
-    if plan["attention"] != "xsa":
+    if plan.attention != "xsa":
         return "XSA's memory: none (attention sa)"
-    mode = "compiled" if plan["compiled"] else "eager"
-    xsa, cross_entropy = plan["xsa_temporaries_bytes"][mode], plan["cross_entropy_transient_bytes"][mode]
+    mode = "compiled" if plan.compiled else "eager"
+    xsa, cross_entropy = plan.xsa_temporaries_bytes[mode], plan.cross_entropy_transient_bytes[mode]
     peak = "XSA's" if xsa > cross_entropy else "the cross-entropy's"
     return (
-        f"XSA's memory ({mode}): {size(plan['xsa_saved_bytes'])} saved for the backward (per token, fp32 "
+        f"XSA's memory ({mode}): {size(plan.xsa_saved_bytes)} saved for the backward (per token, fp32 "
         f"(y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head, in every layer); the temporaries of one layer's "
         f"backward {size(xsa)}, against the cross-entropy backward's {size(cross_entropy)}: the backward peak is "
         f"{peak}"
@@ -282,17 +235,16 @@ def xsa_line(plan: Plan) -> str:
 
 
 def batch_line(plan: Plan) -> str:
-    """How global_batch_tokens splits into micro-batches, or why `xsa-lm train` would refuse it."""
-    per_micro_step = plan["micro_batch_size"] * plan["devices"] * plan["block_size"]
-    if plan["accumulation"] is None:
+    per_micro_step = plan.micro_batch_size * plan.devices * plan.block_size
+    if plan.accumulation is None:
         return (
-            f"global_batch_tokens={plan['global_batch_tokens']:,} is not a multiple of micro_batch_size x devices x "
-            f"data.block_size = {plan['micro_batch_size']} x {plan['devices']} x {plan['block_size']} = "
+            f"global_batch_tokens={plan.global_batch_tokens:,} is not a multiple of micro_batch_size x devices x "
+            f"data.block_size = {plan.micro_batch_size} x {plan.devices} x {plan.block_size} = "
             f"{per_micro_step:,}: `xsa-lm train` refuses this config; set global_batch_tokens to a multiple of "
             f"{per_micro_step:,}"
         )
     return (
-        f"global_batch_tokens={plan['global_batch_tokens']:,}: {plan['accumulation']} micro-batch(es) of "
+        f"global_batch_tokens={plan.global_batch_tokens:,}: {plan.accumulation} micro-batch(es) of "
         f"{per_micro_step:,} tokens per optimizer step"
     )
 
@@ -306,7 +258,32 @@ def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_err
     out = None if cfg.out is None else Path(str(cfg.out))
     if out is not None:
         check_new_file(out, overwrite=cfg.overwrite, example="plan.json")
-    plan = make_plan(cfg)
+    check_values(cfg)  # first: a bad trainer.activation_checkpointing is named as such
+    check_switches(cfg, keys=("activation_checkpointing",))
+    gib, accelerator = cfg.device_memory_gb, cfg.trainer.accelerator
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib < math.inf):
+        raise UserError(f"device_memory_gb must be a positive number of GiB, got {gib}")
+    # The vocabulary before the tokenizer exists: the model's, else the tokenizer's size (GPT-2's by default).
+    vocab = 1 if cfg.model.vocab_size else cfg.tokenizer.get("vocab_size") or 50257
+    run = RunShape(
+        model=model_config(cfg, vocab_size=vocab),  # the model `xsa-lm train` would refuse, refused
+        micro_batch_size=cfg.micro_batch_size,
+        block_size=cfg.data.block_size,
+        global_batch_tokens=cfg.global_batch_tokens,
+        precision=resolve_precision(cfg.trainer.precision, accelerator=accelerator),
+        devices=world_size(cfg.trainer),
+        strategy=strategy_kind(cfg.trainer.strategy),
+        compiled=compile_enabled(cfg.compile, accelerator=accelerator),
+        activation_checkpointing=cfg.activation_checkpointing,  # plan.yaml's, which follows the trainer's
+        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
+    )
+    if gib is not None:
+        available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
+    else:
+        available, where = memory.available_bytes(accelerator)
+    setting = cfg.sdpa_backends if isinstance(cfg.sdpa_backends, str) else list(cfg.sdpa_backends)
+    sdpa = attention_kernels(setting, accelerator=accelerator)
+    plan = make_plan(run, model_name=cfg.model.name, available=available, available_from=where, sdpa=sdpa)
     if out is not None:
-        write_json(out, plan)
+        write_json(out, asdict(plan))
     print(table(plan))

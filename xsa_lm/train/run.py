@@ -57,21 +57,33 @@ from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
-from xsa_lm.train.plan import estimate_for_config
+from xsa_lm.train.plan import RunShape
 from xsa_lm.train.runinfo import SdpaKernels, attention_kernels, run_info
 from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
 
-def check_memory(spec: TrainSpec, config: Config) -> None:
+def check_memory(spec: TrainSpec) -> None:
     """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
     has free, before the model is built; check_memory=false lets it try anyway."""
     if not spec.check_memory:
         return
-    need = estimate_for_config(OmegaConf.create(config))
-    have, where = memory.available_bytes(spec.trainer.accelerator)
-    devices = spec.trainer.world_size
+    accelerator, trainer = spec.trainer.accelerator, spec.trainer
+    need = RunShape(
+        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),  # before the tokenizer exists
+        micro_batch_size=spec.micro_batch_size,
+        block_size=spec.data.block_size,
+        global_batch_tokens=spec.global_batch_tokens,
+        precision=trainer.resolved_precision,
+        devices=trainer.world_size,
+        strategy=trainer.strategy_kind,
+        compiled=compile_enabled(spec.compile, accelerator=accelerator),
+        activation_checkpointing=trainer.activation_checkpointing,
+        gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
+    ).estimate()
+    have, where = memory.available_bytes(accelerator)
+    devices = trainer.world_size
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
         per = f" per process x {processes}" if processes > 1 else ""
@@ -255,7 +267,7 @@ def train(
     if spec.logger.wandb:
         resolve_mode(spec.logger.wandb.mode)  # WANDB_MODE fails now, before the run directory is written
     config = settled(spec, config)
-    check_memory(spec, config)
+    check_memory(spec)
     data_spec, tokenizer_spec = spec.data, spec.tokenizer
     if spec.resume is not None and (run_dir / "config.yaml").exists():  # its saved config, paths and all
         data_cfg, tokenizer_cfg = settings_as_started(OmegaConf.create(config), run_dir)
@@ -557,7 +569,7 @@ def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback],
         accumulate_grad_batches=spec.accumulate,
         val_check_interval=spec.val_every_steps * spec.accumulate,
         check_val_every_n_epoch=None,
-        enable_progress_bar=False,  # ours (ProgressBar) counts optimizer steps, Lightning's counts micro-batches
+        enable_progress_bar=spec.progress_bar,  # ours (ProgressBar), which counts optimizer steps
         plugins=[AtomicCheckpointIO()],
     )
     skip_sigterm_broadcast(trainer)  # Preemption handles signals, without a sync per micro-batch
