@@ -71,9 +71,9 @@ def check_memory(spec: TrainSpec) -> None:
         return
     accelerator, trainer = spec.trainer.accelerator, spec.trainer
     need = RunShape(
-        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),  # before the tokenizer exists
+        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),  # no tokenizer yet
         micro_batch_size=spec.micro_batch_size,
-        block_size=spec.data.block_size,
+        block_size=spec.block_size,
         global_batch_tokens=spec.global_batch_tokens,
         precision=trainer.resolved_precision,
         devices=trainer.world_size,
@@ -270,7 +270,7 @@ def train(
     check_memory(spec)
     data_spec, tokenizer_spec = spec.data, spec.tokenizer
     if spec.resume is not None and (run_dir / "config.yaml").exists():  # its saved config, paths and all
-        data_cfg, tokenizer_cfg = settings_as_started(OmegaConf.create(config), run_dir)
+        data_cfg, tokenizer_cfg = settings_as_started(config["data"], config["tokenizer"], run_dir)
         data_spec, tokenizer_spec = parse(DataSpec, data_cfg, at="data."), parse(TokenizerSpec, tokenizer_cfg)
     data = prepare_data(data_spec, tokenizer_spec, explicit_tokenizer=explicit_tokenizer)
     mcfg = spec.gpt_config(data.meta["vocab_size"])
