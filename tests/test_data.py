@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import FAST, assert_nothing_written, compose_train, refused_in_process
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches, TokenDataModule
 from xsa_lm.data.prepare import choose_split, is_val_document, load_prepared, prepare, tail_start
 from xsa_lm.data.run import prepare_data
@@ -486,15 +487,15 @@ def test_auto_split_takes_the_document_split_only_with_enough_documents(tmp_path
     assert many.count_documents(stop_at=30) == 30 and many.count_documents() == 200  # counting stops early
 
 
-@pytest.mark.parametrize("val_fraction", [0.9, 0, -0.1, 1])
-def test_val_fraction_must_be_at_most_one_half(val_fraction: float):
-    with pytest.raises(UserError, match=r"data.val_fraction=.* must be in \(0, 0.5\]"):
-        choose_split(KeyedDocuments({"a": "text"}), val_fraction=val_fraction)
+@pytest.mark.parametrize("value", ["0.9", "0", "-0.1", "1"])
+def test_val_fraction_must_be_at_most_one_half(value: str):
+    with pytest.raises(UserError, match=rf"^data.val_fraction={value} must be in \(0, 0.5\]: it is the share held"):
+        parse(TrainSpec, compose_train([f"data.val_fraction={value}"]))
 
 
 def test_unknown_split_mode_is_refused():
-    with pytest.raises(UserError, match="data.val_split must be one of auto, document, tail, got 'random'"):
-        choose_split(KeyedDocuments({"a": "text"}), "random")
+    with pytest.raises(UserError, match="^data.val_split=random must be one of auto, document, tail$"):
+        parse(TrainSpec, compose_train(["data.val_split=random"]))
 
 
 def test_tail_split_holds_out_the_end_of_every_document(tmp_path: Path):

@@ -173,12 +173,15 @@ COMMAND_LINES = {
 
 @pytest.mark.parametrize("args, expected", COMMAND_LINES.values(), ids=COMMAND_LINES.keys())
 def test_the_command_line_is_refused_in_one_line(
-    args: list[str], expected: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    args: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
+    monkeypatch.chdir(tmp_path)
     err = refused_in_process(["train", *args], monkeypatch, capsys).strip()
     assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
     for text in expected:
         assert text in err, err
+    if "attention=sa,foo" not in args:  # Hydra's sweeper writes multirun.yaml before it composes each job
+        assert list(tmp_path.iterdir()) == []  # no outputs/ folder
 
 
 def test_more_windows_than_the_data_holds_are_named():

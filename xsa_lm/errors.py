@@ -206,6 +206,21 @@ def remove_empty_run_dir() -> None:
             else:
                 run_dir.rmdir()
             drop_log_files_in(run_dir)
+    if job_named():
+        remove_empty_sweep_dir(run_dir.parent)
+
+
+def remove_empty_sweep_dir(sweep_dir: Path) -> None:
+    """A --multirun whose first job is refused leaves no folder either: Hydra wrote multirun.yaml into its sweep
+    directory before the job started."""
+    here = Path.cwd().resolve()
+    with contextlib.suppress(OSError):  # one that cannot be read or removed stays
+        if sweep_dir.stat().st_ctime >= STARTED[0] and [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]:
+            (sweep_dir / "multirun.yaml").unlink()
+            if here in sweep_dir.resolve().parents:  # outputs/multirun/<time>: its empty parents too
+                os.removedirs(os.path.relpath(sweep_dir.resolve(), here))
+            else:
+                sweep_dir.rmdir()
 
 
 def drop_log_files_in(folder: Path) -> None:
