@@ -9,7 +9,7 @@ from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
 from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, section
 from xsa_lm.scale.fit import Fit
-from xsa_lm.stats.decision import clustered_line
+from xsa_lm.stats.decision import ClusteredTest, clustered_line
 
 
 class BenchRatio(TypedDict):
@@ -143,7 +143,11 @@ def size_test_lines(results: ScaleStudyResult) -> list[str]:
         "the direction, not a size of effect).",
     ]
     if results.across_sizes.get("by_seed"):
-        lines.append(clustered_line(results.across_sizes["by_seed"], shares="its data order at every size"))
+        lines.append(
+            clustered_line(
+                ClusteredTest.from_json(results.across_sizes["by_seed"]), shares="its data order at every size"
+            )
+        )
     return lines
 
 

@@ -8,7 +8,8 @@ from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
 from xsa_lm.reporting import interval, markdown_table, num, saved_figure, section, table_row
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK, ci_text, k_text
-from xsa_lm.sweep.report import bpb_lines, position_lines
+from xsa_lm.stats.positions import PositionDifferences
+from xsa_lm.sweep.report import BpbStats, bpb_lines, position_lines
 
 
 class SizeBench(TypedDict):
@@ -265,8 +266,10 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
         if arm != "XSA":
             continue
         if details.get("bpb"):
-            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(details["bpb"])[1:]
-        positions = position_lines(details.get("positions"))
+            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(
+                BpbStats.from_json(details["bpb"])
+            )[1:]
+        positions = position_lines(details.get("positions") and PositionDifferences.from_json(details["positions"]))
         if positions:
             positions[1] = f"### {cell['model']} at {cell['fraction']:g} B: XSA - SA along the window"
             lines += positions

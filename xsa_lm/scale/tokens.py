@@ -39,10 +39,10 @@ from xsa_lm.scale.token_axis import (
 )
 from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.decision import margin_verdict
-from xsa_lm.stats.paired import PairedJson, paired_stats
-from xsa_lm.stats.positions import PositionDifferences, position_differences
+from xsa_lm.stats.paired import paired_stats
+from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, lr_grid, search_trials
-from xsa_lm.sweep.report import BpbStats, bpb_stats
+from xsa_lm.sweep.report import bpb_stats
 from xsa_lm.sweep.run import keep_plan, selection_of, stop_on_signals, train_overrides
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
@@ -249,13 +249,13 @@ class SameBudgetDetails(TypedDict, total=False):
     """Beside the paired tests at one budget: the margin verdict, bits per byte, the loss per span of positions."""
 
     margin: dict[str, float | str | None] | None
-    bpb: BpbStats
-    positions: PositionDifferences | None
+    bpb: JsonObject  # BpbStats
+    positions: JsonObject | None  # PositionDifferences
 
 
 def same_budget(
     entry: TokenSize, fraction: float, arm: str, margin: float | None
-) -> tuple[PairedJson | None, SameBudgetDetails | None]:
+) -> tuple[JsonObject | None, SameBudgetDetails | None]:
     """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
     (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
     loss per span of window positions. (None, None) without such a pair."""
@@ -274,10 +274,11 @@ def same_budget(
     details = SameBudgetDetails(margin=margin_verdict(diffs, margin).to_json() if margin is not None else None)
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
         sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
-        details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs])
-    details["positions"] = position_differences(
+        details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs]).to_json()
+    positions = position_differences(
         [a.final_val_loss_by_position or [] for a, _ in pairs], [b.final_val_loss_by_position or [] for _, b in pairs]
     )
+    details["positions"] = positions.to_json() if positions else None
     return paired_stats(sa, other).to_json(), details
 
 

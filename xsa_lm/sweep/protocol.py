@@ -7,10 +7,11 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict, cast
+from typing import cast
 
 from xsa_lm.config.schema import SEED_MAX
 from xsa_lm.errors import UserError
+from xsa_lm.records import Record
 from xsa_lm.stats.paired import ALPHA, paired_t
 
 
@@ -215,7 +216,8 @@ def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -
     return sequence
 
 
-class Look(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class Look(Record):
     """One look of the sequential rule at the pairs so far: the corrected CI and p-value."""
 
     seeds: int
@@ -226,7 +228,8 @@ class Look(TypedDict):
     significant: bool
 
 
-class SequentialSummary(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class SequentialSummary(Record):
     """The rule, its correction and its outcome, as results.json holds them (`sequential`)."""
 
     rule: str
@@ -285,9 +288,9 @@ class SequentialRule:
 
     def stopped(self, look: Look) -> str | None:
         """Why the sequence stops after this look: significant, cap (the cap reached without it), else None."""
-        if look["significant"]:
+        if look.significant:
             return "significant"
-        return "cap" if look["seeds"] >= self.cap else None
+        return "cap" if look.seeds >= self.cap else None
 
     def summary(self, looks: list[Look], stopped: str) -> SequentialSummary:
         last = looks[-1] if looks else None
@@ -304,7 +307,7 @@ class SequentialRule:
             n_looks=len(looks),
             looks=looks,
             stopped=stopped,
-            seeds=last["seeds"] if last else None,
-            ci=last["ci"] if last else None,
-            p_value=last["p_value"] if last else None,
+            seeds=last.seeds if last else None,
+            ci=last.ci if last else None,
+            p_value=last.p_value if last else None,
         )

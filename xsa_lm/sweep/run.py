@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TypedDict, TypeVar, cast
@@ -47,7 +48,15 @@ from xsa_lm.sweep.protocol import (
     seed_sequence,
     select_lr,
 )
-from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
+from xsa_lm.sweep.report import (
+    SweepResult,
+    build_results,
+    ci_text,
+    comparison_of,
+    log_to_wandb,
+    with_outcome,
+    write_report,
+)
 from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
@@ -89,7 +98,7 @@ def wandb_settings(cfg: DictConfig) -> DictConfig | None:
 
 def report_run_settings(wandb_cfg: DictConfig) -> ReportRunSettings:
     """The settings of logger.wandb that a report run takes."""
-    return cast(ReportRunSettings, {key: wandb_cfg[key] for key in ReportRunSettings.__annotations__})
+    return ReportRunSettings(**{key: wandb_cfg[key] for key in ("project", "entity", "mode", "init_timeout_s")})
 
 
 def open_state(
@@ -219,12 +228,10 @@ def as_compared(plan: Mapping[str, object]) -> dict[str, object]:
     return {**plan, "seeds": sorted(cast(list[int], plan.get("seeds") or []))}
 
 
-def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
-    records = []
-    for trial in trials:
-        record = store.load(trial) or TrialRecord.missing(trial, phase)
-        records.append(record.to_json() | {"phase": phase, "reused": record.phase != phase})
-    return records
+def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[TrialRecord]:
+    """The records of `trials` as this phase uses them (`reused`: a run of another phase)."""
+    records = [store.load(trial) or TrialRecord.missing(trial, phase) for trial in trials]
+    return [replace(record, phase=phase, reused=record.phase != phase) for record in records]
 
 
 def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
@@ -315,7 +322,7 @@ def compare_phase(
         looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
         stopped = rule.stopped(looks[-1])
         outcome = f"stop ({stopped})" if stopped else "one more seed"
-        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1]['ci'])}"
+        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1].ci)}"
         print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
         if stopped:
             return trials, rule.summary(looks, stopped)
@@ -417,7 +424,9 @@ def open_sweep(
     return launcher, sweep_id, grid, plan, late
 
 
-def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
+def run_sweep(
+    cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep"
+) -> tuple[SweepResult, str]:
     launcher, sweep_id, grid, plan, late = open_sweep(cfg, sweep_dir, overrides, command)
     store, search_seeds, seeds = launcher.store, plan["search_seeds"], plan["seeds"]
     cap = plan["seeds_until_significant"]
@@ -456,8 +465,12 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
         stall_rule=stall_rule(cfg),
         margin=plan["margin"],
     )
-    results["eval"], results["eval_error"] = evaluation["result"], evaluation["error"]
-    results["warnings"] += late + earlier_comparisons(store, selection.lr) + evaluation["warnings"]
+    results = with_outcome(
+        results,
+        evaluation=evaluation["result"],
+        eval_error=evaluation["error"],
+        warnings=late + earlier_comparisons(store, selection.lr) + evaluation["warnings"],
+    )
     markdown = write_report(results, sweep_dir)
     wandb_cfg = wandb_settings(cfg)
     if wandb_cfg and cfg.sweep.wandb_report:
@@ -465,22 +478,22 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
     return results, markdown
 
 
-def incomplete(results: dict) -> str | None:
+def incomplete(results: SweepResult) -> str | None:
     """Why a sweep did not finish, or None: a trial to retry, or no usable LR."""
-    unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]
+    unfinished = [t.id for t in results.trials if t.status not in ("completed", "diverged")]
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"
-    if results["selected_lr"] is None:
+    if results.selected_lr is None:
         return "no usable LR in the grid (see the report's warnings)"
     return None
 
 
-def sweep_problem(results: dict) -> str | None:
+def sweep_problem(results: SweepResult) -> str | None:
     """Why `xsa-lm sweep` exits with 1, or None: incomplete(results), else a downstream evaluation that failed."""
     problem = incomplete(results)
-    if problem is None and results.get("eval_error"):  # the training finished: only the evaluation is retried
-        problem = f"{results['eval_error']}: run the same command again to retry it"
+    if problem is None and results.eval_error:  # the training finished: only the evaluation is retried
+        problem = f"{results.eval_error}: run the same command again to retry it"
     return problem
 
 
