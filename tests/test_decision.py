@@ -3,15 +3,14 @@ inputs, and tests of pairs that share a seed, against exact enumeration; then wh
 the token axis report them."""
 
 import itertools
-import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
 import torch
-from omegaconf import OmegaConf
 
 from tests.golden import assert_golden
 from tests.helpers import FAST, compose_train
@@ -126,7 +125,7 @@ def _sweep_results(tmp_path: Path, margin: float | None, extra: list[TrialRecord
     trials += extra or []
     selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     return build_results(
-        tmp_path, sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
+        Path("sweep"), sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
         selection=selection, xsa_selection=None, margin=margin,
     )  # fmt: skip
 
@@ -156,20 +155,13 @@ def test_the_gain_along_the_window_is_tested_one_slope_per_seed() -> None:
 
 
 def test_the_margin_is_part_of_the_plan(tmp_path: Path) -> None:
-    cfg = OmegaConf.create({"sweep": {"stall": None, "margin": 0.01}})
     state_file = tmp_path / "sweep.json"
     state_file.write_text("{}")
-    plan = comparison_plan(cfg, [0], [1, 2], None)
-    assert keep_plan(state_file, plan, [1e-3]) == []
-    cfg.sweep.margin = 0.05  # widened after seeing the results
+    plan = asdict(comparison_plan([0], [1, 2], None, stall=None, margin=0.01))
+    keep_plan(state_file, plan, [1e-3])
+    widened = asdict(comparison_plan([0], [1, 2], None, stall=None, margin=0.05))  # after seeing the results
     with pytest.raises(UserError, match=r"margin 0.01 -> 0.05"):
-        keep_plan(state_file, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
-    older = {k: v for k, v in plan.items() if k != "margin"}  # a sweep planned before xsa-lm had the margin
-    state_file.write_text(json.dumps({"plan": older}))
-    late = keep_plan(state_file, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
-    state = json.loads(state_file.read_text())
-    assert state["declared_after_runs"] == {"margin": 0.05} and state["plan"]["margin"] == 0.05
-    assert len(late) == 1 and late[0].startswith("sweep.margin=0.05 was declared after this sweep's first runs")
+        keep_plan(state_file, widened, [1e-3])
 
 
 def test_the_null_rates_are_the_share_of_studies_that_claim_an_effect() -> None:

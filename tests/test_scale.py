@@ -316,7 +316,7 @@ REFUSALS = {
         ("scale.axis=depth", "scale.axis='depth': choose size or tokens"),
         ("scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
         ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
-        ("scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0 and <= 4294967295"),
+        ("scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0"),
         ("scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
         ("scale.seeds=[a]", "scale.seeds=['a'] must be a list of distinct integers"),
         ("scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
@@ -332,7 +332,7 @@ REFUSALS = {
         ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
         ("scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
         ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
-        ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be in [0, 1)"),
+        ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be < 1 (the share of each run's steps"),
         ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
         ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
@@ -436,6 +436,7 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
 def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(tmp_path: Path, monkeypatch):
     """The analysis and the W&B report run on a synthetic study (offline W&B, read back from its run file)."""
     from tests.wandb_records import history, run_files, run_record, summary
+    from xsa_lm.reporting import ReportRunSettings
     from xsa_lm.scale.report import log_to_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -444,7 +445,7 @@ def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(t
     assert analysis["fit"]["form"] == "power_law_offset" and analysis["warnings"] == []
     results = study_results(sizes, analysis, tmp_path)
     assert re.search(r"^\| +m3 +\|", write_report(results, tmp_path), re.M)
-    log_to_wandb(results, tmp_path, {"mode": "offline"})
+    log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
     (run_file,) = run_files(tmp_path)
     assert (run_record(run_file).run_group, run_record(run_file).job_type) == ("toy-study", "scale-report")
     assert summary(run_file)["fit"] == analysis["fit"]["formula"]

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import cast
 
@@ -57,7 +57,7 @@ from xsa_lm.sweep.run import (
     sweep_problem,
     train_overrides,
 )
-from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
 from xsa_lm.train.summary import RunSummary
@@ -80,16 +80,6 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
     assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
         lr_grid(None, None)
-    # Each setting's own range is check_settings' (before lr_grid runs), in one line naming the value.
-    sweep = compose_train([], config_name="sweep").sweep
-    for bad, named in (
-        ({"lrs": [1e-3, -1e-3]}, "sweep.lrs=[0.001, -0.001] must be a list of positive numbers"),
-        ({"lrs": [math.inf]}, "sweep.lrs=[inf] must be a list of positive numbers"),
-        ({"lr_range": {"min": 1e-2, "max": 1e-4, "num": 3}}, "must be {min:..,max:..,num:..} with 0 < min < max"),
-    ):
-        with pytest.raises(UserError) as refused:
-            check_settings(OmegaConf.merge(sweep, bad), SWEEP_RULES, "sweep")
-        assert named in str(refused.value)
 
 
 def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
@@ -250,13 +240,30 @@ def test_a_compare_seed_among_the_search_seeds_is_refused_with_a_disjoint_replac
     assert check_seeds(suggested, search_seeds=search_seeds) == suggested  # the suggestion passes
 
 
-@pytest.mark.parametrize("bad", [[], None, [0, 0], [0, "1"], [0.5], [True], 3, "0"])
-def test_search_seeds_must_be_a_non_empty_list_of_distinct_integers(bad: object) -> None:
-    """Each seed's type and range (check_settings, first), then at least one (check_search_seeds)."""
-    sweep = OmegaConf.merge(compose_train([], config_name="sweep").sweep, {"search_seeds": bad})
-    with pytest.raises(UserError, match=r"^sweep.search_seeds(=.+)? must be a (non-empty )?list of distinct integers"):
-        check_settings(sweep, SWEEP_RULES, "sweep")
-        check_search_seeds(sweep.search_seeds)
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"lrs": [1e-3, -1e-3]}, "sweep.lrs=[0.001, -0.001] must be a list of positive numbers"),
+        ({"lrs": [math.inf]}, "sweep.lrs=[inf] must be a list of positive numbers"),
+        ({"lr_range": {"min": 1e-2, "max": 1e-4, "num": 3}}, "must be {min:..,max:..,num:..} with 0 < min < max"),
+        *(
+            ({"search_seeds": bad}, "sweep.search_seeds=")
+            for bad in ([], None, [0, 0], [0, "1"], [0.5], [True], 3, "0")
+        ),
+        ({"search_seeds": []}, "sweep.search_seeds must be a non-empty list of distinct integers"),
+        ({"stall": {"margin": -1}}, "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
+        ({"margin": -0.1}, "sweep.margin=-0.1 must be >= 0 (the practical margin in nats"),
+        ({"diverge_above": math.inf}, "sweep.diverge_above=inf must be a finite number or null"),
+        ({"tune_xsa": "yes"}, "sweep.tune_xsa=yes must be true or false"),
+        ({"lr": 1e-3}, "sweep.lr: not a setting of `xsa-lm sweep` (it has lrs, lr_range,"),
+    ],
+)
+def test_each_sweep_setting_is_refused_in_one_line_naming_its_value(bad: dict, named: str) -> None:
+    """Each setting's type and range, and the rules that tie the seeds together, in SweepSpec: checked once."""
+    sweep = cast(dict, OmegaConf.to_container(compose_train([], config_name="sweep").sweep)) | bad
+    with pytest.raises(UserError) as refused:
+        parse(SweepSpec, sweep, "sweep")
+    assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_search_seeds_pass_through_when_valid() -> None:
@@ -661,10 +668,9 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
 
 
 def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
-    """comparison_plan of a sweep config whose stall rule has this margin."""
+    """comparison_plan of a sweep whose stall rule has this margin, as sweep.json keeps it."""
     stall = {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}
-    cfg = OmegaConf.create({"sweep": {"stall": stall, "margin": 0.01}})
-    return comparison_plan(cfg, list(search_seeds), list(seeds), cap)
+    return asdict(comparison_plan(list(search_seeds), list(seeds), cap, stall=stall, margin=0.01))
 
 
 def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:
@@ -771,41 +777,39 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     compare = _completed_compare(store, 1e-2, [1])
 
     def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> Evaluation:
-        cfg = OmegaConf.create({"sweep": {"eval_tasks": tasks, "eval_limit": limit}})
-        return downstream_evaluation(cfg, store, trials, sweep_dir)
+        return downstream_evaluation(tasks, limit, store, trials, sweep_dir)
 
     first = evaluate(["piqa"], 10, compare)
-    assert first["result"] is not None and first["result"]["limit"] == 10 and first["warnings"] == []
+    assert first.result is not None and first.result["limit"] == 10 and first.warnings == []
     assert evaluate(["piqa"], 10, compare) == first and len(calls) == 1  # the same evaluation: reused
     full = evaluate(["piqa"], None, compare)
-    assert len(calls) == 2 and full["error"] is None and cast(dict, full["result"])["limit"] is None
+    assert len(calls) == 2 and full.error is None and cast(dict, full.result)["limit"] is None
     assert json.loads((sweep_dir / "eval.earlier1" / "eval.json").read_text())["limit"] == 10
-    (warning,) = full["warnings"]
+    (warning,) = full.warnings
     assert "(2 checkpoints, tasks ['piqa'], limit 10.0)" in warning and f"kept in {sweep_dir}/eval.earlier1" in warning
-    assert evaluate(["piqa", "arc_easy"], None, compare)["result"] is not None and len(calls) == 3
+    assert evaluate(["piqa", "arc_easy"], None, compare).result is not None and len(calls) == 3
     moved = evaluate(["piqa", "arc_easy"], None, _completed_compare(store, 3e-2, [1]))  # another selected LR
-    assert moved["error"] is None and "lr0.03" in cast(dict, moved["result"])["rows"][0]["checkpoint"]
+    assert moved.error is None and "lr0.03" in cast(dict, moved.result)["rows"][0]["checkpoint"]
     kept = ["eval", "eval.earlier1", "eval.earlier2", "eval.earlier3"]
     assert sorted(p.name for p in sweep_dir.glob("eval*")) == kept
     task_file = tmp_path / "mine.yaml"
     task_file.write_text("task: mine\ndataset_path: json\n")
-    assert evaluate([str(task_file)], None, compare)["result"] is not None and len(calls) == 5
-    assert evaluate([str(task_file)], None, compare)["warnings"] == [] and len(calls) == 5  # reused
+    assert evaluate([str(task_file)], None, compare).result is not None and len(calls) == 5
+    assert evaluate([str(task_file)], None, compare).warnings == [] and len(calls) == 5  # reused
     task_file.write_text("task: mine\ndataset_path: csv\n")  # the same task name, another task
-    (edited,) = evaluate([str(task_file)], None, compare)["warnings"]
+    (edited,) = evaluate([str(task_file)], None, compare).warnings
     assert len(calls) == 6 and "other checkpoints, tasks, task files or limit" in edited
 
 
 def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = TrialStore(tmp_path / "sweep")
     monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))
-    cfg = OmegaConf.create({"sweep": {"eval_tasks": ["piqa"], "eval_limit": None}})
-    failed = downstream_evaluation(cfg, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
-    assert failed["result"] is None and failed["warnings"] == [failed["error"]]
-    assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed["error"])
+    failed = downstream_evaluation(["piqa"], None, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
+    assert failed.result is None and failed.warnings == [failed.error]
+    assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed.error)
     search = [_record("search", "sa", 1e-2, 0, 3.0)]
     done = _results(search, select_lr({1e-2: [("completed", 3.0)]}), grid=[1e-2], seeds=[])
-    results = replace(done, eval_error=failed["error"])
+    results = replace(done, eval_error=failed.error)
     assert str(sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
     assert sweep_problem(done) is None
 
@@ -1133,7 +1137,8 @@ def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]"]
         search_only = compose(config_name="sweep", overrides=[*overrides, "sweep.seeds=[]"])
-        assert check_sweep(search_only, train_overrides(overrides)) == ([1e-3, 3e-3], [0], [], None)
+        setup = check_sweep(search_only, train_overrides(overrides))
+        assert (setup.grid, setup.search_seeds, setup.seeds, setup.cap) == ([1e-3, 3e-3], [0], [], None)
         for compared in ([*overrides, "sweep.seeds=[]", "sweep.tune_xsa=true"], overrides):
             with pytest.raises(UserError, match=r"attention.layers=\[\] puts XSA on no layer"):
                 check_sweep(compose(config_name="sweep", overrides=compared), train_overrides(overrides))
@@ -1143,9 +1148,9 @@ def test_every_sweep_and_scale_setting_has_a_rule() -> None:
     """The rules cover the keys the configs have, no more (a new key without a rule fails here)."""
     for config_name in ("sweep", "scale"):
         cfg = compose_train([], config_name=config_name)
-        check_settings(cfg.sweep, SWEEP_RULES, "sweep")
-    check_settings(cfg.scale, SCALE_RULES, "scale")
-    assert set(cfg.sweep) == set(SWEEP_RULES) and set(cfg.scale) == set(SCALE_RULES)
+        parse(SweepSpec, cfg.sweep, "sweep")
+    parse(ScaleSpec, cfg.scale, "scale")
+    assert set(cfg.sweep) == set(SweepSpec.model_fields) and set(cfg.scale) == set(ScaleSpec.model_fields)
 
 
 def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -29,7 +29,7 @@ import scipy.stats
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
@@ -62,7 +62,7 @@ from xsa_lm.sweep.run import (
     train_overrides,
     wandb_settings,
 )
-from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse, plain
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -379,16 +379,9 @@ def load_bench(path: Any) -> BenchRatio | None:
     return BenchRatio(source=str(file), model=bench.get("model"), xsa_over_sa_step_time=ratio)
 
 
-def check_analysis(scale: DictConfig) -> None:
-    """The analysis settings, before hours of training rather than after (their types: ScaleSettings)."""
-    if scale.fit not in ("auto", *FORMS):
-        raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
-
-
 def check_size_axis(cfg: DictConfig, overrides: list[str], models: list[str]) -> Study:
     """Every setting of the size axis and what each size will run: each size's sweep config composed and checked
     as that sweep will check it, its trials included (check_sweep). Returns the study, ready to run."""
-    check_analysis(cfg.scale)
     bench = load_bench(cfg.scale.bench)
     compare_seeds(cfg)
     seeds = cast(list[int] | None, plain(cfg.scale.seeds))  # None: each size's sweep.seeds
@@ -439,8 +432,8 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
     """Either axis: every setting and what each size will run checked before the study directory gets anything, then
     the study's identity (scale.json: a rerun must train what the first run trained; sizes and seeds may be added),
     its config.yaml and its runs, in the study's W&B group. Returns what did not finish."""
-    check_settings(cfg.scale, SCALE_RULES, "scale")  # first: the rules after them rely on their types
-    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher
+    parse(ScaleSpec, cfg.scale, "scale")  # first: the rules after them rely on their types
+    parse(SweepSpec, cfg.sweep, "sweep")  # each size's search and launcher
     tokens = cfg.scale.axis == "tokens"
     models = check_models(cfg.scale.models, at_least=1 if tokens else 2)
     if tokens:
@@ -466,9 +459,6 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    if cfg.scale.axis not in ("size", "tokens"):
-        with exit_on_user_error():
-            raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
     study_dir, incomplete = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
