@@ -26,8 +26,8 @@ from xsa_lm.scale.fit import (
     lack_of_fit_variance,
     ladder_bootstrap,
 )
-from xsa_lm.scale.report import ScaleStudyResult, SizeResult, render_markdown, write_report
-from xsa_lm.scale.run import analyse, keep_sizes, reanalyse, size_tests
+from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult, render_markdown, write_report
+from xsa_lm.scale.run import LadderAnalysis, analyse, keep_sizes, reanalyse, size_tests
 from xsa_lm.stats.paired import holm
 from xsa_lm.sweep.trials import Launcher
 
@@ -164,19 +164,23 @@ def clean_sizes(
 
 def flags_of(sizes: list[SizeResult]) -> list[str]:
     """The flags read the fits, not the bootstrap: a few resamples will do."""
-    return [f["flag"] for f in analyse(sizes, "auto", resamples=10, seed=0)["fit"]["flags"]]
+    return [f["flag"] for f in analyse(sizes, "auto", resamples=10, seed=0).fit["flags"]]
 
 
-def study_results(sizes: list[SizeResult], analysis: dict, tmp_path: Path) -> ScaleStudyResult:
+def study_results(sizes: list[SizeResult], analysis: LadderAnalysis, tmp_path: Path) -> ScaleStudyResult:
     models = [s.model for s in sizes]
-    return ScaleStudyResult(study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=models, **analysis)
+    return ScaleStudyResult(
+        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=models, **vars(analysis)
+    )
 
 
 def test_a_clean_ladder_raises_no_flag_and_recovers_k_within_its_interval(tmp_path: Path):
     sizes = clean_sizes()
-    bench = {"source": "bench.json", "xsa_over_sa_step_time": {"median": 1.05, "interval": [1.02, 1.08]}}
+    bench = BenchRatio(
+        source="bench.json", model=None, xsa_over_sa_step_time={"median": 1.05, "interval": [1.02, 1.08]}
+    )
     analysis = analyse(sizes, "auto", resamples=200, seed=0, bench=bench)
-    fit = analysis["fit"]
+    fit = analysis.fit
     assert fit["flags"] == [] and "not_results" not in fit
     lo, hi = fit["multiplier_ci"]
     assert lo <= K_TRUE <= hi and lo <= fit["multiplier"] <= hi and 1 < lo
@@ -188,7 +192,7 @@ def test_a_clean_ladder_raises_no_flag_and_recovers_k_within_its_interval(tmp_pa
 
 
 def test_without_bench_the_wall_clock_k_is_not_taken_from_the_trials_throughput():
-    fit = analyse(clean_sizes(), "auto", resamples=100, seed=0)["fit"]
+    fit = analyse(clean_sizes(), "auto", resamples=100, seed=0).fit
     assert fit["wallclock"]["multiplier"] is None
     assert fit["wallclock"]["note"] == "wall-clock k: measure throughput with xsa-lm bench"
 
@@ -227,7 +231,7 @@ def test_an_lr_at_the_grid_edge_is_flagged_from_the_sweeps_warning_when_no_grid_
 
 
 def test_two_sizes_leave_no_degree_of_freedom_and_are_flagged():
-    fit = analyse(clean_sizes()[:2], "auto", resamples=100, seed=0)["fit"]
+    fit = analyse(clean_sizes()[:2], "auto", resamples=100, seed=0).fit
     reasons = {f["flag"]: f["reason"] for f in fit["flags"]}
     assert fit["lack_of_fit"]["dof"] == 0 and "no lack-of-fit test possible" in reasons["lack_of_fit"]
     assert "multiplier" not in fit and fit["not_results"]["why"] == [f["flag"] for f in fit["flags"]]
@@ -442,14 +446,14 @@ def test_the_report_run_logs_the_sizes_table_and_both_plots_to_the_study_group(t
     monkeypatch.setenv("WANDB_MODE", "offline")
     sizes = clean_sizes()
     analysis = analyse(sizes, "auto", resamples=100, seed=0)
-    assert analysis["fit"]["form"] == "power_law_offset" and analysis["warnings"] == []
+    assert analysis.fit["form"] == "power_law_offset" and analysis.warnings == []
     results = study_results(sizes, analysis, tmp_path)
     assert re.search(r"^\| +m3 +\|", write_report(results, tmp_path), re.M)
     log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
     (run_file,) = run_files(tmp_path)
     assert (run_record(run_file).run_group, run_record(run_file).job_type) == ("toy-study", "scale-report")
-    assert summary(run_file)["fit"] == analysis["fit"]["formula"]
-    assert summary(run_file)["multiplier"] == pytest.approx(analysis["fit"]["multiplier"])
+    assert summary(run_file)["fit"] == analysis.fit["formula"]
+    assert summary(run_file)["multiplier"] == pytest.approx(analysis.fit["multiplier"])
     logged = {key for row in history(run_file) for key in row}
     for name in ("scale/sizes", "scale/loss_vs_compute", "scale/multiplier"):
         assert any(key.startswith(name) for key in logged), (name, sorted(logged))

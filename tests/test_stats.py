@@ -172,7 +172,7 @@ def token_path(sa: list[float], xsa: list[float]) -> dict:
 
     sa_runs = {"1": runs(sa, 1), "2": runs([v - 0.5 for v in sa], 2)}  # SA's curve goes on falling at 2 B
     entry = {"model": "m", "tokens_B": 1e6, "runs": {"sa": sa_runs, "xsa": {"1": runs(xsa, 1)}}, "seeds": seeds}
-    (cell,) = analyse_tokens([TokenSize.from_json(entry)], [1.0, 2.0], [1.0])["cells"]
+    (cell,) = analyse_tokens([TokenSize.from_json(entry)], [1.0, 2.0], [1.0]).cells
     return cell["same_budget"]
 
 

@@ -18,10 +18,10 @@ import statistics
 import sys
 import time
 from contextlib import redirect_stdout
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO, TypedDict, cast
+from typing import Any, TextIO, cast
 
 import hydra
 import numpy as np
@@ -177,7 +177,8 @@ def standard_error(runs: list[float]) -> float:
     return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
-class Flag(TypedDict):
+@dataclass(frozen=True)
+class Flag:
     """A reason the ladder cannot turn XSA's loss gap into compute."""
 
     flag: str
@@ -194,16 +195,16 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
     flags: dict[str, str] = {}
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
-    if lack["p"] is None:
+    if lack.p is None:
         why = (
             "a size has fewer than 2 seeds (no standard error)"
-            if lack["dof"] > 0
+            if lack.dof > 0
             else f"{len(ladder)} sizes for {FORMS[sa_fit.form]} parameters leave no degree of freedom"
         )
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
-    elif lack["p"] < 0.05:
+    elif lack.p < 0.05:
         flags["lack_of_fit"] = (
-            f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof (p = {lack['p']:.2g}): the SA curve misses the SA "
+            f"chi^2 = {lack.chi2:.1f} on {lack.dof} dof (p = {lack.p:.2g}): the SA curve misses the SA "
             "means by more than their seed noise (each size's standard error over seeds)"
         )
     # One step of the ladder beyond its ends is allowed: XSA winning at the largest size always reads SA's curve
@@ -257,7 +258,8 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
     return [Flag(flag=name, reason=reason) for name, reason in flags.items()]
 
 
-class WallClock(TypedDict):
+@dataclass(frozen=True)
+class WallClock:
     multiplier: float | None
     ci: list[float] | None
     note: str  # where the step times come from
@@ -270,16 +272,17 @@ def wallclock(k: float, ci: list[float], bench: BenchRatio | None) -> WallClock:
     reverse)."""
     if not bench:
         return WallClock(multiplier=None, ci=None, note="wall-clock k: measure throughput with xsa-lm bench")
-    ratio = bench["xsa_over_sa_step_time"]
+    ratio = bench.xsa_over_sa_step_time
     interval = ratio.get("interval")
     return WallClock(
         multiplier=k / ratio["median"],
         ci=[ci[0] / interval[1], ci[1] / interval[0]] if interval else None,
-        note=f"XSA/SA step time from xsa-lm bench ({bench['source']})",
+        note=f"XSA/SA step time from xsa-lm bench ({bench.source})",
     )
 
 
-class LadderAnalysis(TypedDict):
+@dataclass(frozen=True)
+class LadderAnalysis:
     fit: JsonObject  # the SA fit, the shared fit, the flags, and k when no flag is up
     across_sizes: JsonObject  # the pooled sign test and the test by seed
     warnings: list[str]
@@ -312,13 +315,13 @@ def analyse(
     flags = ladder_flags(ladder, sa_fit, lack, shared)
     fit = {
         **sa_fit.as_dict(),
-        "lack_of_fit": lack,
+        "lack_of_fit": asdict(lack),
         "shared": {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof_variance)},
-        "flags": flags,
+        "flags": [asdict(f) for f in flags],
     }
-    estimate = {"multiplier": k, "ci": list(ci), "wallclock": wallclock(k, list(ci), bench)}
+    estimate = {"multiplier": k, "ci": list(ci), "wallclock": asdict(wallclock(k, list(ci), bench))}
     if flags:
-        fit["not_results"] = {"why": [f["flag"] for f in flags], **estimate}
+        fit["not_results"] = {"why": [f.flag for f in flags], **estimate}
         warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
     else:
         fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
@@ -358,7 +361,7 @@ def reanalyse(
         saved = ScaleStudyResult.from_json(saved, source="the study's results.json")
     sizes = [replace(s, tests=None) for s in saved.sizes]
     analysis = analyse(sizes, fit_form, resamples, seed, saved.bench)
-    return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **analysis)
+    return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **vars(analysis))
 
 
 def load_bench(path: Any) -> BenchRatio | None:
@@ -402,12 +405,12 @@ def run_size_axis(
     bench: BenchRatio | None,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
-    study_dir = Path(identity["study_dir"])
+    study_dir = Path(identity.study_dir)
     stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
-    print(f"xsa-lm scale | {study_dir} | W&B group {identity['study_id']} | sizes {list(sweeps)}")
+    print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(sweeps)}")
     sizes = [run_size(model, overrides, study_dir=study_dir, group=group) for model, overrides in sweeps.items()]
     analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
-    results = ScaleStudyResult(**identity, models=list(sweeps), seeds=seeds, bench=bench, **analysis)
+    results = ScaleStudyResult(**vars(identity), models=list(sweeps), seeds=seeds, bench=bench, **vars(analysis))
     write_report(results, study_dir)
     if group is not None and cfg.scale.wandb_report:
         log_to_wandb(results, study_dir, report_run_settings(cast(DictConfig, wandb_settings(cfg))))

@@ -1,7 +1,8 @@
 """What both axes of `xsa-lm scale` share: the compare seeds, and how a checked study is run and identified."""
 
 from collections.abc import Callable
-from typing import TypedDict, cast
+from dataclasses import dataclass
+from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,7 +23,8 @@ def compare_seeds(cfg: DictConfig) -> tuple[list[int], list[int]]:
     return search_seeds, seeds
 
 
-class StudyIdentity(TypedDict):
+@dataclass(frozen=True)
+class StudyIdentity:
     """How both axes' results.json open: the study's folder, its id (scale.json's) and the overrides of its runs."""
 
     study_dir: str
