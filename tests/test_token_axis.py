@@ -383,3 +383,10 @@ def test_sweep_settings_stay_with_the_study_and_each_run_gets_the_training_overr
     _, command = first_launch(task, tmp_path, monkeypatch)
     assert "optim.lr=0.02" in command and "experiment=tokens_toy" in command, command
     assert not [word for word in command if word.startswith("sweep.")], command
+
+
+@pytest.mark.parametrize("study", ["tokens_toy", "tokens_tuned"])
+def test_the_token_studies_under_results_are_read_and_reported(study: str) -> None:
+    """results/<study>/results.json as `xsa-lm scale` reads it again, and its report from this renderer."""
+    results = TokenStudyResult.read(Path(__file__).parents[1] / "results" / study / "results.json")
+    assert_golden(f"tokens_{study}.md", render_markdown(results))
