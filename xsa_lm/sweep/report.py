@@ -44,8 +44,8 @@ def comparison_of(trials: Sequence[TrialRecord], arm: str = "xsa") -> Comparison
     pairs = completed_pairs(trials, arm)
     return Comparison(
         seeds=[sa.seed for sa, _ in pairs],
-        sa=[float(sa.final_val_loss or 0) for sa, _ in pairs],
-        xsa=[float(other.final_val_loss or 0) for _, other in pairs],
+        sa=[cast(float, sa.final_val_loss) for sa, _ in pairs],  # a completed run has its loss
+        xsa=[cast(float, other.final_val_loss) for _, other in pairs],
     )
 
 
@@ -66,7 +66,8 @@ def bits_per_byte(pairs: list[tuple[TrialRecord, TrialRecord]]) -> BpbStats | No
     SA on it; None without it on every run."""
     if not pairs or any(t.final_val_bpb is None for pair in pairs for t in pair):
         return None
-    return bpb_stats([float(sa.final_val_bpb or 0) for sa, _ in pairs], [float(x.final_val_bpb or 0) for _, x in pairs])
+    sa, xsa = ([cast(float, t.final_val_bpb) for t in arm] for arm in zip(*pairs, strict=True))
+    return bpb_stats(sa, xsa)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,7 +249,8 @@ def compare_table(trials: Sequence[TrialRecord], seeds: list[int]) -> list[dict]
         pair = by_seed[seed]
         cell = {a: num(t.final_val_loss) if t.status == "completed" else t.status for a, t in pair.items()}
         both = len(pair) == 2 and all(t.status == "completed" for t in pair.values())
-        diff = f"{(pair['xsa'].final_val_loss or 0) - (pair['sa'].final_val_loss or 0):+.4f}" if both else "-"
+        losses = [cast(float, pair[a].final_val_loss) for a in ("sa", "xsa")] if both else []
+        diff = f"{losses[1] - losses[0]:+.4f}" if both else "-"
         rows.append({"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": diff})
     return rows
 
