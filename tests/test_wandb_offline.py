@@ -177,7 +177,7 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
         write_png(tmp_path / name)
     fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01, "flags": [{"flag": "compute_span", "reason": "8x"}]}
     results = ScaleStudyResult(
-        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, sizes=[]
+        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, across_sizes={}, sizes=[]
     )
     log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
     artifact, entries = report_artifact(tmp_path, "scale-report")
