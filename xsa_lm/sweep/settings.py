@@ -8,11 +8,11 @@ value is refused in one line naming the key, the value and what it takes.
 import math
 import shutil
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import ErrorDetails
 
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import SEED_MAX, check_search_seeds
@@ -228,7 +228,7 @@ def parse(spec_type: type[S], node: DictConfig | dict, group: str) -> S:
         raise UserError("; ".join(problems(spec_type, values, e.errors(), group))) from None
 
 
-def problems(spec_type: type[Settings], values: Any, errors: list[ErrorDetails], group: str) -> list[str]:
+def problems(spec_type: type[Settings], values: Any, errors: Sequence[Mapping[str, Any]], group: str) -> list[str]:
     """Pydantic's errors as `group.key=value what it takes`, one per key."""
     said: dict[str, str] = {}
     for error in errors:
@@ -247,7 +247,7 @@ def problems(spec_type: type[Settings], values: Any, errors: list[ErrorDetails],
     return list(said.values())
 
 
-def problem(spec_type: type[Settings], key: str, name: str, value: Any, error: ErrorDetails) -> str:
+def problem(spec_type: type[Settings], key: str, name: str, value: Any, error: Mapping[str, Any]) -> str:
     """`key=value what it takes (what the setting does)` for one field's error."""
     kind, ctx, info = error["type"], error.get("ctx", {}), spec_type.model_fields[name]
     if kind == "literal_error":
