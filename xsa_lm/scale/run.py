@@ -386,7 +386,7 @@ def check_size_axis(cfg: DictConfig, overrides: list[str], models: list[str]) ->
     """Every setting of the size axis and what each size will run: each size's sweep config composed and checked
     as that sweep will check it, its trials included (check_sweep). Returns the study, ready to run."""
     bench = load_bench(cfg.scale.bench)
-    compare_seeds(cfg)
+    compare_seeds(parse(ScaleSpec, cfg.scale, "scale"), parse(SweepSpec, cfg.sweep, "sweep"))
     seeds = cast(list[int] | None, plain(cfg.scale.seeds))  # None: each size's sweep.seeds
     as_sweep = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
     sweeps = {model: [*overrides, f"model={model}", *as_sweep] for model in models}

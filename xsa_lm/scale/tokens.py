@@ -43,6 +43,7 @@ from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, lr_grid, search_trials
 from xsa_lm.sweep.report import bpb_stats
 from xsa_lm.sweep.run import keep_plan, selection_of, stop_on_signals, train_overrides
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_TOKEN_AXIS = {
@@ -383,7 +384,7 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
             raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
     sa_budgets = sorted(float(f) for f in cfg.scale.sa_budgets)  # their rules: ScaleSpec
     xsa_budgets = sorted(float(f) for f in cfg.scale.xsa_budgets)
-    search_seeds, seeds = compare_seeds(cfg)
+    search_seeds, seeds = compare_seeds(parse(ScaleSpec, cfg.scale, "scale"), parse(SweepSpec, cfg.sweep, "sweep"))
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
     if cfg.scale.lr_per_budget and not set(xsa_budgets) <= set(sa_budgets):
