@@ -41,7 +41,7 @@ class Selection:
 def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence[float] | None = None) -> list[float]:
     """The sorted, de-duplicated LR grid: an explicit list, {min, max, num} log-spaced, or else the grid of the
     model preset (sweep.lr_grids). Each is a list of positive numbers, and the range's ends are in order, when
-    check_settings has passed them (settings.py); what needs two settings together is checked here."""
+    SweepSpec has passed them (settings.py); what needs two settings together is checked here."""
     if lrs is not None and len(lrs) == 0:
         raise UserError(
             "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
@@ -71,7 +71,7 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
 
 
 def check_search_seeds(search_seeds: object) -> list[int]:
-    """The seeds of the LR search: at least one (each a distinct integer in the seed range: check_settings)."""
+    """The seeds of the LR search: at least one (each a distinct integer in the seed range: SweepSpec)."""
     if not search_seeds:
         raise UserError(
             f"sweep.search_seeds must be a non-empty list of distinct integers from 0 to {SEED_MAX}, got "
@@ -85,7 +85,7 @@ def check_seeds(
     seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
 ) -> list[int]:
     """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid; each a distinct integer in the seed
-    range: check_settings). They must not contain a search seed: the search's SA run at the selected LR won the search
+    range: SweepSpec). They must not contain a search seed: the search's SA run at the selected LR won the search
     partly on its noise (the winner's curse), while XSA's run at that seed was not selected, so reusing it biases the
     paired difference against XSA. sweep.reuse_search_run=true allows it (the report then warns)."""
     seeds = list(seeds or [])
