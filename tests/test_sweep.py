@@ -1161,6 +1161,5 @@ def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pyte
     typed = ["xsa-lm", "sweep", "sweep=demo"]
     monkeypatch.setenv(ARGV_VARIABLE, json.dumps(typed))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "sweep=demo"])  # what Hydra sees
-    cfg = OmegaConf.create({"logger": None})
-    open_state(tmp_path / "sweep.json", [], cfg, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
+    open_state(tmp_path / "sweep.json", [], None, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
     assert json.loads((tmp_path / "sweep.json").read_text())["command"] == "xsa-lm sweep sweep=demo"

@@ -445,10 +445,11 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
         study = check_token_axis(cfg, study_dir, overrides, models)
     else:
         study = check_size_axis(cfg, overrides, models)
+    wandb_cfg = wandb_settings(cfg)
     study_id = open_state(
         study_dir / "scale.json",
         overrides,
-        cfg,
+        wandb_cfg.group if wandb_cfg else None,
         id_key="study_id",
         overrides_key="overrides",
         holds="a scaling study with the overrides",
@@ -456,7 +457,7 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
     keep_sizes(study_dir / "scale.json", models)
     write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     identity = StudyIdentity(study_dir=str(study_dir), study_id=study_id, overrides=overrides)
-    return study(identity, study_id if wandb_settings(cfg) else None)
+    return study(identity, study_id if wandb_cfg else None)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")

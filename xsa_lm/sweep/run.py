@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -94,17 +94,17 @@ def wandb_settings(cfg: DictConfig) -> DictConfig | None:
     return cfg.logger.get("wandb") if cfg.logger else None
 
 
-def report_run_settings(wandb_cfg: DictConfig) -> ReportRunSettings:
+def report_run_settings(wandb_cfg: Mapping[str, Any]) -> ReportRunSettings:
     """The settings of logger.wandb that a report run takes."""
     return ReportRunSettings(**{key: wandb_cfg[key] for key in ("project", "entity", "mode", "init_timeout_s")})
 
 
 def open_state(
-    state_file: Path, overrides: list[str], cfg: DictConfig, *, id_key: str, overrides_key: str, holds: str
+    state_file: Path, overrides: list[str], group: str | None, *, id_key: str, overrides_key: str, holds: str
 ) -> str:
-    """The identity of a sweep or a study, kept in state_file: its id (the W&B group, else the folder's name),
-    returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says what the folder
-    holds."""
+    """The identity of a sweep or a study, kept in state_file: its id (the W&B group logger.wandb.group, else the
+    folder's name), returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says
+    what the folder holds."""
     directory = state_file.parent
     if state_file.exists():
         state = json.loads(state_file.read_text())
@@ -114,9 +114,8 @@ def open_state(
                 "to resume it, or choose a new hydra.run.dir"
             )
         return state[id_key]
-    wandb_cfg = wandb_settings(cfg)
     state = {
-        id_key: (wandb_cfg.group if wandb_cfg else None) or directory.name,
+        id_key: group or directory.name,
         overrides_key: overrides,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(full_command_line()),  # as typed: `xsa-lm sweep ...`
@@ -395,7 +394,9 @@ def open_sweep(
     spec, grid, search_seeds, seeds, cap = setup.spec, setup.grid, setup.search_seeds, setup.seeds, setup.cap
     holds = "a sweep with the training overrides"
     state_file = sweep_dir / "sweep.json"
-    sweep_id = open_state(state_file, overrides, cfg, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
+    wandb_cfg = wandb_settings(cfg)
+    group = wandb_cfg.group if wandb_cfg else None
+    sweep_id = open_state(state_file, overrides, group, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
     plan = comparison_plan(search_seeds, seeds, cap, stall=spec.stall, margin=spec.margin)
     keep_plan(state_file, asdict(plan), grid)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
@@ -405,7 +406,7 @@ def open_sweep(
         overrides,
         max_parallel=spec.max_parallel,
         launch_prefix=spec.launch_prefix or [],
-        wandb_group=sweep_id if wandb_settings(cfg) else None,
+        wandb_group=sweep_id if wandb_cfg else None,
         diverge_above=spec.diverge_above,
     )
     stop_on_signals(launcher.stop, command)
