@@ -3,16 +3,16 @@ inputs, and tests of pairs that share a seed, against exact enumeration; then wh
 the token axis report them."""
 
 import itertools
-import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
 import torch
-from omegaconf import OmegaConf
 
+from tests.golden import assert_golden
 from tests.helpers import FAST, compose_train
 from xsa_lm.config.builders import model_config
 from xsa_lm.errors import UserError
@@ -22,10 +22,10 @@ from xsa_lm.scale.token_axis import per_seed_k, stalled
 from xsa_lm.stats.decision import clustered_test, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Trial, select_lr
-from xsa_lm.sweep.report import build_results, render_markdown
+from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
 from xsa_lm.sweep.run import comparison_plan, keep_plan
 from xsa_lm.sweep.stalls import paired_final_losses
-from xsa_lm.sweep.trials import trial_settings
+from xsa_lm.sweep.trials import TrialRecord, trial_settings
 from xsa_lm.train.run import make_module, set_up_process
 
 MARGIN = 0.01
@@ -88,8 +88,8 @@ def test_the_stall_study_and_the_scale_study_test_by_seed() -> None:
         for seed in (1, 2, 3)
     ]
     paired = paired_final_losses(rows)
-    assert paired is not None and paired["pairs"] == 9 and paired["sign_test_p_value"] == pytest.approx(2 / 2**9)
-    assert paired["by_seed"]["clusters"] == 3 and paired["by_seed"]["sign_flip_p"] == pytest.approx(2 / 8)
+    assert paired is not None and paired.pairs == 9 and paired.sign_test_p_value == pytest.approx(2 / 2**9)
+    assert paired.by_seed.clusters == 3 and paired.by_seed.sign_flip_p == pytest.approx(2 / 8)
     sizes = [
         SizeResult(model=m, seeds=[1, 2, 3], sa_runs=[5.0, 5.1, 5.2], xsa_runs=[4.9, 5.0, 5.1], compute=c)
         for m, c in (("a", 1.0), ("b", 2.0))
@@ -106,37 +106,39 @@ def test_per_seed_k_reads_each_seed_on_its_own_curve() -> None:
     assert stalled([4.0, 4.01, 4.02, 4.3]) == 1 and stalled([4.0]) == 0
 
 
-def _sweep_results(tmp_path: Path, margin: float | None, extra: list[dict] | None = None) -> dict:
+def _trial(phase: str, attention: str, lr: float, seed: int, loss: float, **more) -> TrialRecord:
+    return TrialRecord(
+        id=f"{attention}{seed}", phase=phase, attention=attention, lr=lr, seed=seed, status="completed",
+        final_val_loss=loss, **more,
+    )  # fmt: skip
+
+
+def _sweep_results(tmp_path: Path, margin: float | None, extra: list[TrialRecord] | None = None) -> SweepResult:
     search = {1e-3: 3.1, 3e-3: 3.0}
-    trials = [
-        {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "completed", "final_val_loss": loss}
-        for lr, loss in search.items()
-    ]
+    trials = [_trial("search", "sa", lr, 0, loss) for lr, loss in search.items()]
     for seed, (sa, xsa) in enumerate([(3.00, 2.95), (3.02, 2.96), (3.01, 2.97), (3.03, 2.97)], start=1):
         trials += [
-            {"phase": "compare", "attention": arm, "lr": 3e-3, "seed": seed, "status": "completed",
-             "final_val_loss": loss, "final_val_bpb": loss / 2,
-             "final_val_loss_by_position": [loss + 0.1 - 0.05 * i * (arm == "xsa") + 0.001 * seed for i in range(3)]}
+            _trial("compare", arm, 3e-3, seed, loss, final_val_bpb=loss / 2,
+                   final_val_loss_by_position=[loss + 0.1 - 0.05 * i * (arm == "xsa") + 0.001 * seed for i in range(3)])
             for arm, loss in (("sa", sa), ("xsa", xsa))
         ]  # fmt: skip
     trials += extra or []
     selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     return build_results(
-        tmp_path, sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
+        Path("sweep"), sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
         selection=selection, xsa_selection=None, margin=margin,
     )  # fmt: skip
 
 
 def test_the_sweep_report_gives_the_verdict_against_the_plans_margin(tmp_path: Path) -> None:
     results = _sweep_results(tmp_path, margin=0.01)
-    assert results["comparison"]["margin"]["verdict"] == "better"
-    assert "Verdict against the plan's margin of 0.01 nats: better" in render_markdown(results)
-    wide = _sweep_results(tmp_path, margin=0.1)  # XSA lower by 0.05: significant, yet within a 0.1 margin
-    assert wide["comparison"]["margin"]["verdict"] == "not worse"
-    assert _sweep_results(tmp_path, margin=None)["comparison"]["margin"] is None
-    markdown = render_markdown(results)
-    assert results["bpb"]["mean_diff"] == pytest.approx(-0.0525 / 2) and "In bits per byte" in markdown
-    assert results["positions"]["slope_mean"] == pytest.approx(-0.05) and "along the window" in markdown
+    assert results.comparison.margin is not None and results.comparison.margin.verdict == "better"
+    wide = _sweep_results(tmp_path, margin=0.1).comparison  # XSA lower by 0.05: significant, yet within 0.1
+    assert wide.significance == "xsa lower" and wide.margin is not None and wide.margin.verdict == "not worse"
+    assert _sweep_results(tmp_path, margin=None).comparison.margin is None
+    assert results.bpb is not None and results.bpb.mean_diff == pytest.approx(-0.0525 / 2)
+    assert results.positions is not None and results.positions.slope_mean == pytest.approx(-0.05)
+    assert_golden("sweep_margin_bpb_positions.md", render_markdown(results))
 
 
 def test_the_gain_along_the_window_is_tested_one_slope_per_seed() -> None:
@@ -144,48 +146,41 @@ def test_the_gain_along_the_window_is_tested_one_slope_per_seed() -> None:
     sa = [[4.0 - 0.1 * b + 0.02 * rng.standard_normal() for b in range(8)] for _ in range(6)]
     xsa = [[v - 0.01 * b + 0.002 * rng.standard_normal() for b, v in enumerate(row)] for row in sa]  # grows
     grows = position_differences(sa, xsa)
-    assert grows is not None and grows["seeds"] == 6 and grows["spans"] == 8
-    assert grows["slope_mean"] == pytest.approx(-0.01, abs=0.001) and grows["slope_t_p"] < 1e-4
-    assert grows["per_span"][7]["mean_diff"] == pytest.approx(-0.07, abs=0.003)
+    assert grows is not None and grows.seeds == 6 and grows.spans == 8 and grows.slope_t_p is not None
+    assert grows.slope_mean == pytest.approx(-0.01, abs=0.001) and grows.slope_t_p < 1e-4
+    assert grows.per_span[7].mean_diff == pytest.approx(-0.07, abs=0.003)
     flat = position_differences(sa, [[v - 0.03 + 0.002 * rng.standard_normal() for v in row] for row in sa])
-    assert flat is not None and flat["slope_t_p"] > 0.01 and flat["per_span"][0]["xsa_lower"] == 6
+    assert flat is not None and flat.slope_t_p is not None and flat.slope_t_p > 0.01 and flat.per_span[0].xsa_lower == 6
     assert position_differences([[]], [[]]) is None  # runs from before the spans existed
 
 
 def test_the_margin_is_part_of_the_plan(tmp_path: Path) -> None:
-    cfg = OmegaConf.create({"sweep": {"stall": None, "margin": 0.01}})
     state_file = tmp_path / "sweep.json"
     state_file.write_text("{}")
-    plan = comparison_plan(cfg, [0], [1, 2], None)
-    assert keep_plan(state_file, plan, [1e-3]) == []
-    cfg.sweep.margin = 0.05  # widened after seeing the results
+    plan = asdict(comparison_plan([0], [1, 2], None, stall=None, margin=0.01))
+    keep_plan(state_file, plan, [1e-3])
+    widened = asdict(comparison_plan([0], [1, 2], None, stall=None, margin=0.05))  # after seeing the results
     with pytest.raises(UserError, match=r"margin 0.01 -> 0.05"):
-        keep_plan(state_file, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
-    older = {k: v for k, v in plan.items() if k != "margin"}  # a sweep planned before xsa-lm had the margin
-    state_file.write_text(json.dumps({"plan": older}))
-    late = keep_plan(state_file, comparison_plan(cfg, [0], [1, 2], None), [1e-3])
-    state = json.loads(state_file.read_text())
-    assert state["declared_after_runs"] == {"margin": 0.05} and state["plan"]["margin"] == 0.05
-    assert len(late) == 1 and late[0].startswith("sweep.margin=0.05 was declared after this sweep's first runs")
+        keep_plan(state_file, widened, [1e-3])
 
 
 def test_the_null_rates_are_the_share_of_studies_that_claim_an_effect() -> None:
     diffs = [-0.30, -0.25, 0.01, -0.02, 0.02, 0.00, 0.03, -0.01]  # two stalled SA seeds among six quiet ones
     rates = null_rates(diffs, 4, MARGIN)
-    assert rates is not None and rates["pairs"] == 8 and rates["study_size"] == 4
+    assert rates is not None and rates.pairs == 8 and rates.study_size == 4
     studies = list(itertools.combinations(diffs, 4))  # 70: every one counted once, by scipy
     excludes = [scipy.stats.ttest_1samp(s, 0).pvalue < 0.05 for s in studies]
     claims = [margin_verdict(s, MARGIN).verdict in ("better", "worse") for s in studies]
-    assert rates["ci_excludes_0"] == pytest.approx(np.mean(excludes))
-    assert rates["verdict_claims_effect"] == pytest.approx(np.mean(claims))
-    low, high = rates["verdict_claims_effect_ci95"]
-    assert 0 <= low <= rates["verdict_claims_effect"] <= high <= 1
+    assert rates.ci_excludes_0 == pytest.approx(np.mean(excludes))
+    assert rates.verdict_claims_effect == pytest.approx(np.mean(claims))
+    low, high = rates.verdict_claims_effect_ci95
+    assert 0 <= low <= rates.verdict_claims_effect <= high <= 1
     assert null_rates(diffs, 5, MARGIN) is None  # 8 pairs make no two studies of 5 apart
     disjoint = [margin_verdict(diffs[:4], MARGIN).verdict, margin_verdict(diffs[4:], MARGIN).verdict]
-    assert rates["disjoint_studies"] == 2
-    assert rates["disjoint_claims"] == sum(v in ("better", "worse") for v in disjoint)
-    ci = scipy.stats.binomtest(rates["disjoint_claims"], 2).proportion_ci(method="exact")
-    assert rates["disjoint_claims_ci95"] == pytest.approx([ci.low, ci.high])
+    assert rates.disjoint_studies == 2
+    assert rates.disjoint_claims == sum(v in ("better", "worse") for v in disjoint)
+    ci = scipy.stats.binomtest(rates.disjoint_claims, 2).proportion_ci(method="exact")
+    assert rates.disjoint_claims_ci95 == pytest.approx([ci.low, ci.high])
 
 
 def test_a_null_calibrates_studies_of_3_5_and_half_its_pairs() -> None:
@@ -196,17 +191,16 @@ def test_a_null_calibrates_studies_of_3_5_and_half_its_pairs() -> None:
 def test_the_null_arm_is_sa_from_other_weights_and_is_reported_beside_xsa(tmp_path: Path) -> None:
     assert trial_settings(Trial(NULL, 1e-3, 7))[:3] == ["attention=sa", "init_seed=1000007", "optim.lr=0.001"]
     results = _sweep_results(tmp_path, margin=0.01)
-    assert results["null"] is None  # no null arm
-    null_runs = [
-        {"phase": "null", "attention": NULL, "lr": 3e-3, "seed": seed, "status": "completed", "final_val_loss": loss}
-        for seed, loss in ((1, 3.01), (2, 3.00), (3, 3.02), (4, 3.03))
-    ]
+    assert results.null is None  # no null arm
+    null_runs = [_trial("null", NULL, 3e-3, seed, loss) for seed, loss in ((1, 3.01), (2, 3.00), (3, 3.02), (4, 3.03))]
     results = _sweep_results(tmp_path, margin=0.01, extra=null_runs)
-    null = results["null"]
-    assert null["seeds"] == [1, 2, 3, 4] and null["diff"] == pytest.approx([0.01, -0.02, 0.01, 0.0])
-    assert null["margin"]["verdict"] == "inconclusive" and [r["study_size"] for r in null["rates"]] == [2]
-    assert "### The null: SA against SA" in render_markdown(results)
-    assert results["comparison"]["seeds"] == [1, 2, 3, 4]  # the null runs stay out of XSA's comparison
+    null = results.null
+    assert null is not None and null.seeds == [1, 2, 3, 4] and null.diff == pytest.approx([0.01, -0.02, 0.01, 0.0])
+    assert (
+        null.margin is not None and null.margin.verdict == "inconclusive" and [r.study_size for r in null.rates] == [2]
+    )
+    assert results.comparison.seeds == [1, 2, 3, 4]  # the null runs stay out of XSA's comparison
+    assert_golden("sweep_null.md", render_markdown(results))
 
 
 def test_init_seed_draws_other_weights_and_leaves_the_seeds_stream_alone() -> None:

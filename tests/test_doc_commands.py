@@ -343,12 +343,13 @@ def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.scale.run import check_analysis, check_models, load_bench, sweep_overrides
+    from xsa_lm.scale.run import check_models, load_bench, sweep_overrides
     from xsa_lm.sweep.run import train_overrides
+    from xsa_lm.sweep.settings import ScaleSpec, parse
 
     kept = sweep_overrides(task_overrides(overrides))
     models = check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
-    check_analysis(cfg.scale)
+    parse(ScaleSpec, cfg.scale, "scale")
     load_bench(cfg.scale.get("bench"))
     if cfg.scale.axis == "tokens":  # each size's runs are `xsa-lm train` processes
         from xsa_lm.scale.tokens import check_token_study

@@ -4,23 +4,19 @@ report's table. Pure functions on synthetic records; the whole path through `xsa
 
 import csv
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
 
+from tests.golden import assert_golden
 from xsa_lm.errors import UserError
 from xsa_lm.stats.rates import exact_interval, mantel_haenszel
-from xsa_lm.sweep.stalls import (
-    StallRule,
-    classify,
-    diagnostics_at,
-    loss_at_fraction,
-    stall_lines,
-    stall_study,
-    tokens_to_reach,
-)
+from xsa_lm.sweep.report import stall_lines
+from xsa_lm.sweep.stalls import StallRule, classify, diagnostics_at, loss_at_fraction, stall_study, tokens_to_reach
+from xsa_lm.sweep.trials import TrialRecord
 
 RULE = StallRule(at_fraction=0.4, margin=0.15)
 
@@ -34,23 +30,23 @@ def run(
     status: str = "completed",
     final: float | None = None,
     run_dir: Path | None = None,
-) -> dict:
+) -> TrialRecord:
     """A search run's record over 100 steps, validated every 20 steps: at_40 is its val loss at step 40 (40% of the
     run); the earlier validation is far above everything, so only the loss at 40% can decide a stall."""
     final = at_40 - 1.0 if final is None else final
     losses = {20: 9.0, 40: at_40, 60: at_40 - 0.4, 80: at_40 - 0.8, 100: final}
-    record = {
-        "attention": attention,
-        "lr": lr,
-        "seed": seed,
-        "status": status,
-        "final_val_loss": final if status == "completed" else None,
-        "steps": 100,
-        "val_history": [{"step": s, "tokens": s * 1000, "val_loss": v} for s, v in losses.items()],
-    }
-    if run_dir is not None:
-        record["run_dir"] = str(run_dir)
-    return record
+    return TrialRecord(
+        id=f"{attention}_lr{lr:g}_s{seed}",
+        phase="search",
+        attention=attention,
+        lr=lr,
+        seed=seed,
+        status=status,
+        final_val_loss=final if status == "completed" else None,
+        steps=100,
+        val_history=[{"step": s, "tokens": s * 1000, "val_loss": v} for s, v in losses.items()],
+        run_dir=str(run_dir) if run_dir is not None else None,
+    )
 
 
 def stalled(rows: list[dict]) -> dict[tuple[str, int], bool | None]:
@@ -92,10 +88,10 @@ def test_diverged_and_failed_runs_are_not_judged_nor_part_of_the_reference() -> 
     assert stalled(rows) == {("sa", 0): False, ("sa", 1): False, ("xsa", 0): False, ("xsa", 1): None, ("sa", 2): None}
     assert rows[0]["reference"] == 5.2 and "reference" not in rows[3]
     study = stall_study(records, RULE)
-    cells = {c["attention"]: c for c in study["cells"]}
+    cells = {c["attention"]: c for c in study.cells}
     assert (cells["sa"]["runs"], cells["sa"]["diverged_or_failed"]) == (3, 1)
     assert (cells["xsa"]["runs"], cells["xsa"]["diverged_or_failed"]) == (2, 1)
-    assert study["judged"] == {"sa": 2, "xsa": 1} and study["stalls"] == {"sa": 0, "xsa": 0}
+    assert study.judged == {"sa": 2, "xsa": 1} and study.stalls == {"sa": 0, "xsa": 0}
 
 
 @pytest.mark.parametrize(
@@ -113,8 +109,11 @@ def test_the_loss_at_a_fraction_and_the_tokens_to_a_threshold() -> None:
     assert loss_at_fraction(record, 0.4) == (40, 5.0)
     assert loss_at_fraction(record, 0.3) == (40, 5.0)  # the first validation at or after 30 steps
     assert loss_at_fraction(record, 0.0) == (20, 9.0)
-    assert loss_at_fraction({**record, "val_history": []}, 0.4) is None
-    assert loss_at_fraction({"val_history": [{"step": 10, "tokens": 1, "val_loss": 3.0}]}, 1.1) is None
+    assert loss_at_fraction(replace(record, val_history=[]), 0.4) is None
+    assert (
+        loss_at_fraction(replace(record, steps=None, val_history=[{"step": 10, "tokens": 1, "val_loss": 3.0}]), 1.1)
+        is None
+    )
     assert tokens_to_reach(record, 4.6) == 60_000 and tokens_to_reach(record, 3.0) is None
 
 
@@ -140,8 +139,8 @@ def test_mantel_haenszel_on_a_published_example() -> None:
     # 3.9286, df = 1, p-value = 0.04747" (continuity-corrected). Tables (a, b, c, d) per stratum.
     rabbits = [(0, 6, 0, 5), (3, 3, 0, 6), (6, 0, 2, 4), (5, 1, 6, 0), (2, 0, 5, 0)]
     test = mantel_haenszel(rabbits)
-    assert test["statistic"] == pytest.approx(3.9286, abs=5e-5) and test["p_value"] == pytest.approx(0.04747, abs=5e-6)
-    assert test["excess_sa_stalls"] == pytest.approx(3.0)
+    assert test.statistic == pytest.approx(3.9286, abs=5e-5) and test.p_value == pytest.approx(0.04747, abs=5e-6)
+    assert test.excess_sa_stalls == pytest.approx(3.0)
 
 
 def test_mantel_haenszel_equals_the_hypergeometric_moments() -> None:
@@ -158,10 +157,10 @@ def test_mantel_haenszel_equals_the_hypergeometric_moments() -> None:
         variance += float(((ks - mean) ** 2 * pmf).sum())
     expected = (abs(deviation) - 0.5) ** 2 / variance
     test = mantel_haenszel([tuple(int(x) for x in t) for t in tables])
-    assert test["statistic"] == pytest.approx(expected, rel=1e-9)
-    assert test["p_value"] == pytest.approx(scipy.stats.chi2.sf(expected, 1), rel=1e-9)
+    assert test.statistic == pytest.approx(expected, rel=1e-9)
+    assert test.p_value == pytest.approx(scipy.stats.chi2.sf(expected, 1), rel=1e-9)
     nothing = mantel_haenszel([(0, 3, 0, 3), (0, 5, 0, 4)])  # no stall anywhere: nothing to test
-    assert nothing["statistic"] is None and "nothing to test" in nothing["note"]
+    assert nothing.statistic is None and "nothing to test" in nothing.note
 
 
 # --- diagnostics and the report --------------------------------------------------------------------------------
@@ -214,7 +213,7 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
     at_3e2 = [run(arm, s, 6.0, lr=3e-2) for arm in ("sa", "xsa") for s in range(3)]
     rule = StallRule(at_fraction=0.4, margin=0.15, loss_threshold=4.3)
     study = stall_study(at_1e2 + at_3e2, rule)
-    cells = {(c["lr"], c["attention"]): c for c in study["cells"]}
+    cells = {(c["lr"], c["attention"]): c for c in study.cells}
     sa = cells[(1e-2, "sa")]  # the median of 5.0, 5.6, 5.5, 5.0, 5.0 is 5.0: both 5.6 and 5.5 stall
     assert (sa["runs"], sa["stalls"], sa["diverged_or_failed"]) == (3, 2, 0)
     assert sa["stall_rate_ci95"] == pytest.approx(exact_interval(2, 3))
@@ -225,22 +224,15 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
     assert (xsa["runs"], xsa["stalls"], xsa["diverged_or_failed"]) == (3, 0, 1) and xsa["diagnostics_healthy"] is None
     assert xsa["reached_threshold"] == 2 and xsa["median_tokens_to_threshold"] == 80_000  # 4.2 at step 80
     assert sa["reached_threshold"] == 1  # only seed 0 (5.0 at 40%) gets to 4.3
-    assert study["stalls"] == {"sa": 2, "xsa": 0} and study["judged"] == {"sa": 6, "xsa": 5}
-    assert study["stratified_test"] == mantel_haenszel([(2, 1, 0, 2), (0, 3, 0, 3)])
+    assert study.stalls == {"sa": 2, "xsa": 0} and study.judged == {"sa": 6, "xsa": 5}
+    assert study.stratified_test == mantel_haenszel([(2, 1, 0, 2), (0, 3, 0, 3)])
 
-    lines = stall_lines(study)
-    text = "\n".join(lines)
-    assert "## Stalls per LR and arm" in text and "at 40% of the run lies more than 0.15 nats above" in text
-    assert "| 0.01 | SA | 3 | 2 | [0.09, 0.99] | 4.500 [4.250, 4.550] | 0.850 / 0.200 | 0.500 / 0.500 |" in lines
-    assert "| 0.01 | XSA | 3 (+1 diverged/failed) | 0 | [0.00, 0.84] | 4.000 [4.000, 4.000] | - / - | - / - |" in lines
-    assert "| 0.03 | SA | 3 | 0 | [0.00, 0.71] | 5.000 [5.000, 5.000] | - / - | - / - |" in lines
-    assert "In all: SA stalled in 2 of 6 runs, XSA in 0 of 5." in lines
-    p = study["stratified_test"]["p_value"]
-    assert f"chi^2 = {study['stratified_test']['statistic']:.2f} on 1 dof, p = {p:.3g}." in text
-    assert "| 0.01 | XSA | 2 | 80,000 |" in lines and "| 0.03 | SA | 0 | - |" in lines  # tokens to val loss 4.3
-    quiet = stall_lines(stall_study(at_3e2, StallRule()))
-    assert "Stratified test: no stall at any LR, or every run stalled: nothing to test." in quiet
-    assert not any("tokens to reach" in line for line in quiet) and math.isfinite(p)
+    assert_golden("stalls.md", "\n".join(stall_lines(study)))
+    assert study.stratified_test is not None and study.stratified_test.p_value is not None
+    assert math.isfinite(study.stratified_test.p_value)
+    quiet = stall_study(at_3e2, StallRule())
+    assert quiet.stratified_test is not None and quiet.stratified_test.p_value is None
+    assert_golden("stalls_quiet.md", "\n".join(stall_lines(quiet)))
 
 
 def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
@@ -254,8 +246,8 @@ def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
     rows += [row("sa", 0.03, 0, 5.0), row("xsa", 0.03, 0, 5.2), row("sa", 0.03, 1, 5.0)]  # seed 1 has no XSA
     rows.append(row("xsa", 0.03, 1, 9.0, stalled=None))  # diverged: not paired
     paired = paired_final_losses(rows)
-    assert paired["pairs"] == 4 and paired["xsa_lower"] == 3
-    assert [(c["lr"], c["pairs"], c["xsa_lower"]) for c in paired["per_lr"]] == [(0.01, 3, 3), (0.03, 1, 0)]
-    assert paired["per_lr"][0]["median_diff"] == pytest.approx(-0.1)
-    assert paired["sign_test_p_value"] == pytest.approx(scipy.stats.binomtest(3, 4).pvalue)
+    assert paired is not None and paired.pairs == 4 and paired.xsa_lower == 3
+    assert [(c["lr"], c["pairs"], c["xsa_lower"]) for c in paired.per_lr] == [(0.01, 3, 3), (0.03, 1, 0)]
+    assert paired.per_lr[0]["median_diff"] == pytest.approx(-0.1)
+    assert paired.sign_test_p_value == pytest.approx(scipy.stats.binomtest(3, 4).pvalue)
     assert paired_final_losses([row("sa", 0.01, 0, 5.0)]) is None

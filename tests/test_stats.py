@@ -19,16 +19,17 @@ from xsa_lm.scale.tokens import analyse_tokens
 from xsa_lm.stats.paired import holm, min_detectable_difference, paired_stats, paired_t, sign_test_p, wilcoxon_p
 from xsa_lm.sweep.protocol import Selection
 from xsa_lm.sweep.report import build_results
+from xsa_lm.sweep.trials import TrialRecord
 
 
-def test_the_package_imports_nothing_but_numpy_scipy_and_the_standard_library():
+def test_the_package_imports_nothing_but_numpy_scipy_the_standard_library_and_the_record_type():
     for path in Path(xsa_lm.stats.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 top = name.split(".")[0]
-                inside = name.startswith("xsa_lm.stats.")
+                inside = name.startswith("xsa_lm.stats.") or name == "xsa_lm.records"
                 assert top in {"numpy", "scipy"} or top in sys.stdlib_module_names or inside, f"{path.name}: {name}"
 
 
@@ -123,10 +124,11 @@ def test_the_paired_record_holds_every_test_under_one_set_of_names():
 def sweep_path(sa: list[float], xsa: list[float], tmp_path: Path) -> dict:
     """results.json's comparison of a sweep whose compare runs ended with these losses, in the record's names."""
     trials = [
-        {"phase": "compare", "attention": arm, "lr": 1e-3, "seed": seed, "status": "completed", "final_val_loss": v}
+        TrialRecord(id=f"{arm}{seed}", phase="compare", attention=arm, lr=1e-3, seed=seed, status="completed",
+                    final_val_loss=v)
         for seed, pair in enumerate(zip(sa, xsa, strict=True), start=1)
         for arm, v in zip(("sa", "xsa"), pair, strict=True)
-    ]
+    ]  # fmt: skip
     results = build_results(
         tmp_path,
         sweep_id="s",
@@ -137,9 +139,9 @@ def sweep_path(sa: list[float], xsa: list[float], tmp_path: Path) -> dict:
         selection=Selection(lr=1e-3, losses={1e-3: 3.0}),
         xsa_selection=None,
     )
-    c = results["comparison"]
+    c = results.comparison.to_json()
     names = {"pairs": len(c["seeds"]), "mean_diff": c["diff_mean"], "sd_diff": c["diff_std"], "t": c["diff_t"]}
-    names |= {"t_p": c["diff_p_value"], "t_ci95": list(c["diff_ci95"]) if c["diff_ci95"] else None}
+    names |= {"t_p": c["diff_p_value"], "t_ci95": c["diff_ci95"]}
     return names | {
         "wilcoxon_p": c["wilcoxon_p_value"],
         "sign_p": c["sign_test_p_value"],
@@ -170,7 +172,7 @@ def token_path(sa: list[float], xsa: list[float]) -> dict:
 
     sa_runs = {"1": runs(sa, 1), "2": runs([v - 0.5 for v in sa], 2)}  # SA's curve goes on falling at 2 B
     entry = {"model": "m", "tokens_B": 1e6, "runs": {"sa": sa_runs, "xsa": {"1": runs(xsa, 1)}}, "seeds": seeds}
-    (cell,) = analyse_tokens([TokenSize.from_json(entry)], [1.0, 2.0], [1.0])["cells"]
+    (cell,) = analyse_tokens([TokenSize.from_json(entry)], [1.0, 2.0], [1.0]).cells
     return cell["same_budget"]
 
 

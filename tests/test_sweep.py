@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import cast
 
@@ -17,6 +17,7 @@ import scipy.stats
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from tests.golden import assert_golden
 from tests.helpers import (
     FAST,
     assert_refused,
@@ -45,7 +46,7 @@ from xsa_lm.sweep.protocol import (
     seed_sequence,
     select_lr,
 )
-from xsa_lm.sweep.report import build_results, render_markdown
+from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
 from xsa_lm.sweep.run import (
     Evaluation,
     check_sweep,
@@ -56,7 +57,7 @@ from xsa_lm.sweep.run import (
     sweep_problem,
     train_overrides,
 )
-from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
 from xsa_lm.train.summary import RunSummary
@@ -79,16 +80,6 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
     assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
         lr_grid(None, None)
-    # Each setting's own range is check_settings' (before lr_grid runs), in one line naming the value.
-    sweep = compose_train([], config_name="sweep").sweep
-    for bad, named in (
-        ({"lrs": [1e-3, -1e-3]}, "sweep.lrs=[0.001, -0.001] must be a list of positive numbers"),
-        ({"lrs": [math.inf]}, "sweep.lrs=[inf] must be a list of positive numbers"),
-        ({"lr_range": {"min": 1e-2, "max": 1e-4, "num": 3}}, "must be {min:..,max:..,num:..} with 0 < min < max"),
-    ):
-        with pytest.raises(UserError) as refused:
-            check_settings(OmegaConf.merge(sweep, bad), SWEEP_RULES, "sweep")
-        assert named in str(refused.value)
 
 
 def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
@@ -249,49 +240,74 @@ def test_a_compare_seed_among_the_search_seeds_is_refused_with_a_disjoint_replac
     assert check_seeds(suggested, search_seeds=search_seeds) == suggested  # the suggestion passes
 
 
-@pytest.mark.parametrize("bad", [[], None, [0, 0], [0, "1"], [0.5], [True], 3, "0"])
-def test_search_seeds_must_be_a_non_empty_list_of_distinct_integers(bad: object) -> None:
-    """Each seed's type and range (check_settings, first), then at least one (check_search_seeds)."""
-    sweep = OmegaConf.merge(compose_train([], config_name="sweep").sweep, {"search_seeds": bad})
-    with pytest.raises(UserError, match=r"^sweep.search_seeds(=.+)? must be a (non-empty )?list of distinct integers"):
-        check_settings(sweep, SWEEP_RULES, "sweep")
-        check_search_seeds(sweep.search_seeds)
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"lrs": [1e-3, -1e-3]}, "sweep.lrs=[0.001, -0.001] must be a list of positive numbers"),
+        ({"lrs": [math.inf]}, "sweep.lrs=[inf] must be a list of positive numbers"),
+        ({"lr_range": {"min": 1e-2, "max": 1e-4, "num": 3}}, "must be {min:..,max:..,num:..} with 0 < min < max"),
+        *(
+            ({"search_seeds": bad}, "sweep.search_seeds=")
+            for bad in ([], None, [0, 0], [0, "1"], [0.5], [True], 3, "0")
+        ),
+        ({"search_seeds": []}, "sweep.search_seeds must be a non-empty list of distinct integers"),
+        ({"stall": {"margin": -1}}, "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
+        ({"margin": -0.1}, "sweep.margin=-0.1 must be >= 0 (the practical margin in nats"),
+        ({"diverge_above": math.inf}, "sweep.diverge_above=inf must be a finite number or null"),
+        ({"tune_xsa": "yes"}, "sweep.tune_xsa=yes must be true or false"),
+        ({"lr": 1e-3}, "sweep.lr: not a setting of `xsa-lm sweep` (it has lrs, lr_range,"),
+    ],
+)
+def test_each_sweep_setting_is_refused_in_one_line_naming_its_value(bad: dict, named: str) -> None:
+    """Each setting's type and range, and the rules that tie the seeds together, in SweepSpec: checked once."""
+    sweep = cast(dict, OmegaConf.to_container(compose_train([], config_name="sweep").sweep)) | bad
+    with pytest.raises(UserError) as refused:
+        parse(SweepSpec, sweep, "sweep")
+    assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_search_seeds_pass_through_when_valid() -> None:
     assert check_search_seeds([0]) == [0] and check_search_seeds((4, 0, 9)) == [4, 0, 9]
 
 
-def _compare(seed: int, sa: float | str, xsa: float | str, lr: float = 3e-4) -> list[dict]:
-    """Compare-phase records of one seed: a float is a completed run's final val loss, a str its status."""
-    return [
-        {
-            "phase": "compare",
-            "attention": attention,
-            "lr": lr,
-            "seed": seed,
-            "reused": False,
-            "status": "completed" if isinstance(value, float) else value,
-            "final_val_loss": value if isinstance(value, float) else None,
-        }
-        for attention, value in (("sa", sa), ("xsa", xsa))
-    ]
+# --- the results record and its report (golden files: tests/golden/) --------------------------------------------
 
 
-def _search(lrs_losses: dict[float, float], seed: int = 0) -> list[dict]:
-    return [
-        {"phase": "search", "attention": "sa", "lr": lr, "seed": seed, "status": "completed", "final_val_loss": loss}
-        for lr, loss in lrs_losses.items()
-    ]
+def _record(phase: str, attention: str, lr: float, seed: int, value: float | str, **more) -> TrialRecord:
+    """A trial record: a float is a completed run's final val loss, a str the status of a run without one."""
+    completed = isinstance(value, float)
+    return TrialRecord(
+        id=f"{attention}_lr{lr:g}_s{seed}",
+        phase=phase,
+        attention=attention,
+        lr=lr,
+        seed=seed,
+        status="completed" if completed else str(value),
+        final_val_loss=value if completed else None,
+        **more,
+    )
 
 
-def _results(tmp_path: Path, trials: list[dict], selection, *, grid: list[float], seeds: list[int], **options) -> dict:
+def _compare(seed: int, sa: float | str, xsa: float | str, lr: float = 3e-4) -> list[TrialRecord]:
+    return [_record("compare", "sa", lr, seed, sa), _record("compare", "xsa", lr, seed, xsa)]
+
+
+def _search(lrs_losses: dict[float, float], seed: int = 0) -> list[TrialRecord]:
+    return [_record("search", "sa", lr, seed, loss) for lr, loss in lrs_losses.items()]
+
+
+SEARCH = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
+GRID = sorted(SEARCH)
+SELECTION = select_lr({lr: [("completed", loss)] for lr, loss in SEARCH.items()})
+
+
+def _results(trials: list[TrialRecord], selection=SELECTION, *, grid=GRID, **options) -> SweepResult:
     """build_results of a sweep "s" without training overrides or XSA tuning."""
+    options = {"seeds": [1, 2], "search_seeds": [0]} | options
     return build_results(
-        tmp_path,
+        Path("sweep"),
         sweep_id="s",
         grid=grid,
-        seeds=seeds,
         train_overrides=[],
         trials=trials,
         selection=selection,
@@ -300,79 +316,73 @@ def _results(tmp_path: Path, trials: list[dict], selection, *, grid: list[float]
     )
 
 
-def test_report_says_the_compare_seeds_are_disjoint_from_the_search(tmp_path: Path) -> None:
-    search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
-    trials = _search(search) + _compare(1, 3.01, 2.98) + _compare(2, 3.05, 3.00)
-    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
-    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2], search_seeds=[0])
-    assert results["search_seeds"] == [0] and results["reuse_search_run"] is False and results["warnings"] == []
-    assert results["stalls"] is None  # one search seed: no stall table
-    markdown = render_markdown(results)
-    assert "search seeds [0] (each LR scored by the median final loss over them), compare seeds [1, 2]" in markdown
-    assert "## 1. LR search (seeds 0, final validation loss)" in markdown and "## Stalls" not in markdown
-    assert (
-        "The compare runs use seeds disjoint from the search's (seeds 0), so no compare run was selected for its "
-        "luck." in markdown
-    )
-    assert "biased" not in markdown
+def test_the_comparison_is_a_record_of_its_tests_and_its_verdict(tmp_path: Path) -> None:
+    trials = _search(SEARCH) + [r for seed in range(1, 6) for r in _compare(seed, 3.0 + seed / 10, 2.9)]
+    results = _results(trials, seeds=[1, 2, 3, 4, 5], margin=0.01)
+    compare = results.comparison
+    assert results.search_seeds == [0] and results.reuse_search_run is False and results.warnings == []
+    assert results.stalls is None and results.sequential is None  # one search seed: no stall table
+    assert compare.seeds == [1, 2, 3, 4, 5] and compare.xsa_better_in == 5 and compare.significance == "xsa lower"
+    assert compare.wilcoxon_p_value == pytest.approx(0.0625) and compare.sign_test_p_value == pytest.approx(0.0625)
+    assert compare.margin is not None and compare.margin.verdict == "better"
+    assert SweepResult.from_json(json.loads(json.dumps(results.to_json()))) == results  # results.json reads back
+    assert_golden("sweep_compare.md", render_markdown(results))
 
 
-def test_report_warns_that_reusing_the_search_run_biases_the_comparison(tmp_path: Path) -> None:
-    search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
-    trials = _search(search) + _compare(0, 3.0, 3.02) + _compare(1, 3.05, 3.00)
-    trials[-4]["reused"] = True  # the SA run at seed 0 is the search's winner
-    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
-    results = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[0, 1], search_seeds=[0])
-    assert results["reuse_search_run"] is True
-    assert len(results["warnings"]) == 1 and "biased against XSA" in results["warnings"][0]
-    markdown = render_markdown(results)
-    assert markdown.index("## Warnings") < markdown.index("biased against XSA") < markdown.index("XSA - SA =")
-    assert "is the search's winning run (sweep.reuse_search_run=true)" in markdown
+@pytest.mark.parametrize(
+    ("diffs", "significance"),
+    [
+        ([], "no pairs"),
+        ([-0.1], "one seed"),
+        ([-0.1, -0.1], "no spread"),
+        ([-0.1, -0.12, -0.11], "xsa lower"),
+        ([0.1, 0.12, 0.11], "xsa higher"),
+        ([-0.1, 0.1, 0.01], "not significant"),
+    ],
+)
+def test_what_the_interval_decides_is_a_field_of_the_comparison(diffs: list[float], significance: str) -> None:
+    trials = [r for seed, d in enumerate(diffs, start=1) for r in _compare(seed, 3.0, 3.0 + d)]
+    assert _results(trials, seeds=list(range(1, len(diffs) + 1))).comparison.significance == significance
 
 
-def test_dropped_seeds_and_a_one_point_grid_warn_before_the_verdict(tmp_path: Path) -> None:
+def test_reusing_the_search_run_warns_that_the_comparison_is_biased(tmp_path: Path) -> None:
+    trials = _search(SEARCH) + _compare(0, 3.0, 3.02) + _compare(1, 3.05, 3.00)
+    trials[-4] = replace(trials[-4], reused=True)  # the SA run at seed 0 is the search's winner
+    results = _results(trials, seeds=[0, 1])
+    assert results.reuse_search_run is True
+    assert len(results.warnings) == 1 and "biased against XSA" in results.warnings[0]
+    assert_golden("sweep_reused.md", render_markdown(results))
+
+
+def test_dropped_seeds_and_a_one_point_grid_are_warned(tmp_path: Path) -> None:
     trials = _search({3e-4: 3.0}) + _compare(1, 3.0, 2.9) + _compare(2, 3.1, 3.05)
     trials += _compare(3, 3.2, "diverged") + _compare(4, "failed", 3.0) + _compare(5, "missing", "missing")
     selection = select_lr({3e-4: [("completed", 3.0)]})
-    results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seeds=[0])
-    compare = results["comparison"]
-    assert compare["seeds"] == [1, 2] and compare["xsa_better_in"] == 2  # the dropped seeds count nowhere
-    assert [d["seed"] for d in compare["dropped_seeds"]] == [3, 4, 5]
-    warnings = results["warnings"]
-    assert "holds one LR (0.0003)" in warnings[0]  # the one-point grid (select_lr)
-    dropped = warnings[1:]
+    results = _results(trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5])
+    compare = results.comparison
+    assert compare.seeds == [1, 2] and compare.xsa_better_in == 2  # the dropped seeds count nowhere
+    assert [d["seed"] for d in compare.dropped_seeds] == [3, 4, 5]
+    one_lr, *dropped = results.warnings
+    assert "holds one LR (0.0003)" in one_lr  # select_lr's
     assert len(dropped) == 3 and all("is left out of the mean, the confidence interval" in w for w in dropped)
     assert "seed 3" in dropped[0] and "XSA diverged" in dropped[0] and "a result in itself" in dropped[0]
     assert "seed 4" in dropped[1] and "SA failed" in dropped[1] and "retry" in dropped[1]
     assert "seed 5" in dropped[2] and "SA did not run and XSA did not run" in dropped[2]
-    markdown = render_markdown(results)
-    verdict = markdown.index("XSA - SA = ")
-    assert markdown.index("## Warnings") < markdown.index("holds one LR") < markdown.index("seed 3 is left out")
-    assert markdown.index("seed 5 is left out") < verdict
-    assert "over 2 seed(s) (3 seed(s) left out: see the warnings); XSA is lower in 2." in markdown
+    assert_golden("sweep_dropped.md", render_markdown(results))
 
 
-def _seeded_search(attention: str, lr: float, seed: int, final: float | str, at_40: float | None = None) -> dict:
+def _seeded_search(attention: str, lr: float, seed: int, final: float | str, at_40: float | None = None):
     """A search record with a validation history over 100 steps: a float is a completed run's final val loss (its
     loss at 40% of the run is at_40, else the final loss + 0.5), a str the status of a run without one."""
-    completed = isinstance(final, float)
+    done = isinstance(final, float)
     history = [
-        {"step": 40, "tokens": 40_000, "val_loss": at_40 if at_40 is not None else (final + 0.5 if completed else 9.9)},
-        {"step": 100, "tokens": 100_000, "val_loss": final if completed else 9.9},
+        {"step": 40, "tokens": 40_000, "val_loss": at_40 if at_40 is not None else (final + 0.5 if done else 9.9)},
+        {"step": 100, "tokens": 100_000, "val_loss": final if done else 9.9},
     ]
-    return {
-        "phase": "search",
-        "attention": attention,
-        "lr": lr,
-        "seed": seed,
-        "status": "completed" if completed else final,
-        "final_val_loss": final if completed else None,
-        "steps": 100,
-        "val_history": history,
-    }
+    return _record("search", attention, lr, seed, final, steps=100, val_history=history)
 
 
-def test_report_shows_each_lrs_median_every_seed_and_the_stall_table(tmp_path: Path) -> None:
+def test_a_search_only_sweep_shows_each_lrs_median_every_seed_and_the_stall_table(tmp_path: Path) -> None:
     trials = [
         _seeded_search("sa", 1e-3, 0, 3.10),
         _seeded_search("sa", 1e-3, 1, 3.20, at_40=4.0),  # far above its LR's median at 40%: a stall
@@ -381,27 +391,51 @@ def test_report_shows_each_lrs_median_every_seed_and_the_stall_table(tmp_path: P
     ]
     runs: dict[float, list] = {}
     for t in trials:
-        runs.setdefault(t["lr"], []).append((t["status"], t["final_val_loss"]))
-    selection = select_lr(runs)
-    options = {"search_seeds": [0, 1], "stall_rule": StallRule(at_fraction=0.4, margin=0.15)}
-    results = _results(tmp_path, trials, selection, grid=[1e-3, 3e-3], seeds=[], **options)
-    assert results["search"]["sa"]["0.001"] == {"lr": 1e-3, "median": pytest.approx(3.15), "runs": trials[:2]}
-    assert results["search"]["sa"]["0.003"]["median"] is None  # half its seeds diverged: the median is +inf
-    assert results["selected_lr"] == 1e-3 and results["compare_table"] == []
-    stalls = results["stalls"]
-    assert stalls["stalls"] == {"sa": 1, "xsa": 0} and stalls["judged"] == {"sa": 3, "xsa": 0}
-    markdown = render_markdown(results)
-    assert "| LR | SA median | SA per seed |" in markdown
-    assert "| 0.001 **(selected)** | 3.1500 | 3.1000, 3.2000 |" in markdown
-    assert "| 0.003 | - | 3.4000, diverged |" in markdown
-    assert "compare seeds none (search only)" in markdown
-    table = markdown.index("| 0.003 | - |") < markdown.index("## Stalls per LR and arm") < markdown.index("## 2.")
-    assert table and "| 0.001 | SA | 2 | 1 |" in markdown and "| 0.003 | SA | 2 (+1 diverged/failed) | 0 |" in markdown
-    assert "Not run: a search-only sweep (sweep.seeds=[])" in markdown and "XSA - SA =" not in markdown
-    one_seed = _results(tmp_path, trials[::2], selection, grid=[1e-3, 3e-3], seeds=[], search_seeds=[0])
-    assert one_seed["stalls"] is None  # one search seed: a stall is not told from an unlucky LR
-    no_rule = _results(tmp_path, trials, selection, grid=[1e-3, 3e-3], seeds=[], search_seeds=[0, 1])
-    assert no_rule["stalls"] is None and "## Stalls" not in render_markdown(no_rule)
+        runs.setdefault(t.lr, []).append((t.status, t.final_val_loss))
+    selection, grid = select_lr(runs), [1e-3, 3e-3]
+    rule = StallRule(at_fraction=0.4, margin=0.15)
+    results = _results(trials, selection, grid=grid, seeds=[], search_seeds=[0, 1], stall_rule=rule)
+    assert (
+        results.search["sa"]["0.001"].median == pytest.approx(3.15) and results.search["sa"]["0.001"].runs == trials[:2]
+    )
+    assert results.search["sa"]["0.003"].median is None  # half its seeds diverged: the median is +inf
+    assert results.selected_lr == 1e-3 and results.compare_table == []
+    assert results.stalls is not None and results.stalls.stalls == {"sa": 1, "xsa": 0}
+    assert results.stalls.judged == {"sa": 3, "xsa": 0}
+    assert_golden("sweep_stalls.md", render_markdown(results))
+    one_seed = _results(trials[::2], selection, grid=grid, seeds=[], search_seeds=[0], stall_rule=rule)
+    assert one_seed.stalls is None  # one search seed: a stall is not told from an unlucky LR
+    assert _results(trials, selection, grid=grid, seeds=[], search_seeds=[0, 1]).stalls is None  # no rule
+
+
+def test_the_sequential_rule_adds_its_record_and_its_section(tmp_path: Path) -> None:
+    trials = _search(SEARCH) + _compare(1, 3.0, 2.95) + _compare(2, 3.1, 3.04) + _compare(3, 3.05, 3.0)
+    rule = SequentialRule.plan(n_seeds=2, cap=5)
+    looks = [rule.look(2, [-0.05, -0.06]), rule.look(3, [-0.05, -0.06, -0.05])]
+    results = _results(trials, seeds=[1, 2, 3], sequential=rule.summary(looks, "significant"))
+    plain = _results(trials, seeds=[1, 2, 3])
+    assert replace(results, sequential=None) == plain  # the sequential rule only adds its own record
+    assert results.sequential is not None and results.sequential.alpha_per_look == 0.0125
+    assert_golden("sweep_sequential.md", render_markdown(results))
+    capped = _results(trials, seeds=[1, 2, 3], sequential=rule.summary(looks, "cap"))
+    assert "the cap was reached without the corrected CI excluding 0" in render_markdown(capped)
+    cut_short = _results(trials[:-2], seeds=[1, 2], sequential=rule.summary([], "incomplete"))
+    assert_golden("sweep_sequential_incomplete.md", render_markdown(cut_short))
+
+
+def test_a_sweep_without_a_usable_lr_reports_that_the_comparison_did_not_run(tmp_path: Path) -> None:
+    trials = [_record("search", "sa", lr, 0, "diverged") for lr in (1e-2, 1e-1)]
+    selection = select_lr({1e-2: [("diverged", None)], 1e-1: [("diverged", None)]})
+    results = _results(trials, selection, grid=[1e-2, 1e-1], seeds=[0])
+    assert results.selected_lr is None and results.comparison.seeds == [] and "no LR is usable" in results.warnings[0]
+    assert_golden("sweep_no_lr.md", render_markdown(results))
+
+
+@pytest.mark.parametrize("study", ["demo_noise", "null_toy", "null_calibration", "stalls_toy"])
+def test_the_sweeps_under_results_are_read_and_reported(study: str) -> None:
+    """results/<study>/results.json as `xsa-lm sweep` reads it again, and its report from this renderer."""
+    results = SweepResult.read(Path(__file__).parents[1] / "results" / study / "results.json")
+    assert_golden(f"sweep_{study}.md", render_markdown(results))
 
 
 def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
@@ -424,21 +458,6 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
         sweep = compose_train(overrides, config_name="sweep").sweep
         search_seeds = check_search_seeds(list(sweep.search_seeds))
         assert not set(search_seeds) & set(check_seeds(sweep.seeds, search_seeds, sweep.reuse_search_run))
-
-
-# --- the statistics of the comparison (the tests themselves: test_stats.py) ------------------------------------
-
-
-def test_the_rank_tests_reach_the_comparison_and_the_verdict_line(tmp_path: Path) -> None:
-    trials = _search({3e-4: 3.0}) + [r for seed in range(1, 6) for r in _compare(seed, 3.0 + seed / 10, 2.9)]
-    selection = select_lr({3e-4: [("completed", 3.0)]})
-    results = _results(tmp_path, trials, selection, grid=[3e-4], seeds=[1, 2, 3, 4, 5], search_seeds=[0])
-    assert results["comparison"]["wilcoxon_p_value"] == pytest.approx(0.0625)
-    assert results["comparison"]["sign_test_p_value"] == pytest.approx(0.0625)
-    assert (
-        "Tests that do not assume normal noise: exact Wilcoxon signed-rank p = 0.0625, exact sign test p = 0.0625."
-        in render_markdown(results)
-    )
 
 
 # --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
@@ -469,19 +488,19 @@ def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
     diffs = [-0.05, -0.04, -0.06]
     assert paired_t(diffs).ci[1] < 0  # the plain 95% CI
     look = rule.look(3, diffs)
-    assert look["ci"] == pytest.approx(
+    assert look.ci == pytest.approx(
         (-0.05 - 9.9248 * 0.01 / math.sqrt(3), -0.05 + 9.9248 * 0.01 / math.sqrt(3)), abs=1e-5
     )
-    assert not look["significant"] and rule.stopped(look) is None
-    assert look["p_value"] == pytest.approx(paired_t(diffs).p) and look["pairs"] == 3
+    assert not look.significant and rule.stopped(look) is None
+    assert look.p_value == pytest.approx(paired_t(diffs).p) and look.pairs == 3
     strong = rule.look(4, [-0.05, -0.051, -0.049, -0.05])
-    assert strong["significant"] and rule.stopped(strong) == "significant" and strong["ci"][1] < 0
+    assert strong.significant and rule.stopped(strong) == "significant" and strong.ci[1] < 0
     at_cap = rule.look(6, [0.01, -0.02, 0.0, 0.03, -0.01])  # a diverged pair dropped: 5 pairs at 6 seeds
-    assert not at_cap["significant"] and rule.stopped(at_cap) == "cap"
-    assert rule.look(2, [0.1])["ci"] is None  # one usable pair: no CI, never significant
+    assert not at_cap.significant and rule.stopped(at_cap) == "cap"
+    assert rule.look(2, [0.1]).ci is None  # one usable pair: no CI, never significant
     summary = rule.summary([look, strong], "significant")
-    assert summary["correction"] == "bonferroni" and summary["planned_looks"] == 5 and summary["n_looks"] == 2
-    assert summary["seeds"] == 4 and summary["ci"] == strong["ci"] and summary["confidence"] == pytest.approx(0.99)
+    assert summary.correction == "bonferroni" and summary.planned_looks == 5 and summary.n_looks == 2
+    assert summary.seeds == 4 and summary.ci == strong.ci and summary.confidence == pytest.approx(0.99)
 
 
 def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflate() -> None:
@@ -503,62 +522,6 @@ def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflat
 
     assert false_positive_rate(rule.alpha) > 0.12  # nine plain looks: the 5% level does not hold
     assert false_positive_rate(rule.alpha_per_look) <= 0.05
-
-
-def test_report_states_the_sequential_rule_and_why_it_stopped(tmp_path: Path) -> None:
-    search = {1e-4: 3.2, 3e-4: 3.0, 1e-3: 3.1}
-    trials = _search(search) + _compare(1, 3.0, 2.95) + _compare(2, 3.1, 3.04) + _compare(3, 3.05, 3.0)
-    selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
-    rule = SequentialRule.plan(n_seeds=2, cap=5)
-    looks = [rule.look(2, [-0.05, -0.06]), rule.look(3, [-0.05, -0.06, -0.05])]
-    sequential = rule.summary(looks, "significant")
-    results = _results(
-        tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seeds=[0], sequential=sequential
-    )
-    plain = _results(tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], search_seeds=[0])
-    existing = {
-        "sweep_dir",
-        "sweep_id",
-        "train_overrides",
-        "grid",
-        "seeds",
-        "search_seeds",
-        "reuse_search_run",
-        "selected_lr",
-        "warnings",
-        "search",
-        "comparison",
-        "compare_table",
-        "bpb",
-        "positions",
-        "null",
-        "xsa_tuning",
-        "stalls",
-        "trials",
-    }
-    assert set(plain) == set(results) == existing | {"sequential"} and plain["sequential"] is None
-    assert all(results[key] == plain[key] for key in existing)  # the sequential rule only adds its own key
-    assert results["sequential"]["stopped"] == "significant" and results["sequential"]["alpha_per_look"] == 0.0125
-    markdown = render_markdown(results)
-    for text in (
-        "### Sequential stopping",
-        "one seed pair at a time from 2 to 5 compare seeds",
-        "Bonferroni",
-        "5% / 4 planned looks = 0.0125, i.e. a 98.75% CI",
-        "| 2 | 3 | 3 | -0.0533 |",
-        "Stopped after 2 of at most 4 looks, at 3 seeds: the corrected CI excludes 0.",
-        "the sequential rule below decides",
-    ):
-        assert text in markdown, text
-    assert "Sequential" not in render_markdown(plain) and "sequential rule" not in render_markdown(plain)
-    capped = _results(
-        tmp_path, trials, selection, grid=sorted(search), seeds=[1, 2, 3], sequential=rule.summary(looks, "cap")
-    )
-    assert "the cap was reached without the corrected CI excluding 0" in render_markdown(capped)
-    cut_short = _results(
-        tmp_path, trials[:-2], selection, grid=sorted(search), seeds=[1, 2], sequential=rule.summary([], "incomplete")
-    )
-    assert "No look yet: a compare run did not finish; run the same sweep command again" in render_markdown(cut_short)
 
 
 # --- trial outcomes ------------------------------------------------------------------------------------------
@@ -705,10 +668,9 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
 
 
 def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
-    """comparison_plan of a sweep config whose stall rule has this margin."""
+    """comparison_plan of a sweep whose stall rule has this margin, as sweep.json keeps it."""
     stall = {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}
-    cfg = OmegaConf.create({"sweep": {"stall": stall, "margin": 0.01}})
-    return comparison_plan(cfg, list(search_seeds), list(seeds), cap)
+    return asdict(comparison_plan(list(search_seeds), list(seeds), cap, stall=stall, margin=0.01))
 
 
 def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:
@@ -815,53 +777,41 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     compare = _completed_compare(store, 1e-2, [1])
 
     def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> Evaluation:
-        cfg = OmegaConf.create({"sweep": {"eval_tasks": tasks, "eval_limit": limit}})
-        return downstream_evaluation(cfg, store, trials, sweep_dir)
+        return downstream_evaluation(tasks, limit, store, trials, sweep_dir)
 
     first = evaluate(["piqa"], 10, compare)
-    assert first["result"] is not None and first["result"]["limit"] == 10 and first["warnings"] == []
+    assert first.result is not None and first.result["limit"] == 10 and first.warnings == []
     assert evaluate(["piqa"], 10, compare) == first and len(calls) == 1  # the same evaluation: reused
     full = evaluate(["piqa"], None, compare)
-    assert len(calls) == 2 and full["error"] is None and cast(dict, full["result"])["limit"] is None
+    assert len(calls) == 2 and full.error is None and cast(dict, full.result)["limit"] is None
     assert json.loads((sweep_dir / "eval.earlier1" / "eval.json").read_text())["limit"] == 10
-    (warning,) = full["warnings"]
+    (warning,) = full.warnings
     assert "(2 checkpoints, tasks ['piqa'], limit 10.0)" in warning and f"kept in {sweep_dir}/eval.earlier1" in warning
-    assert evaluate(["piqa", "arc_easy"], None, compare)["result"] is not None and len(calls) == 3
+    assert evaluate(["piqa", "arc_easy"], None, compare).result is not None and len(calls) == 3
     moved = evaluate(["piqa", "arc_easy"], None, _completed_compare(store, 3e-2, [1]))  # another selected LR
-    assert moved["error"] is None and "lr0.03" in cast(dict, moved["result"])["rows"][0]["checkpoint"]
+    assert moved.error is None and "lr0.03" in cast(dict, moved.result)["rows"][0]["checkpoint"]
     kept = ["eval", "eval.earlier1", "eval.earlier2", "eval.earlier3"]
     assert sorted(p.name for p in sweep_dir.glob("eval*")) == kept
     task_file = tmp_path / "mine.yaml"
     task_file.write_text("task: mine\ndataset_path: json\n")
-    assert evaluate([str(task_file)], None, compare)["result"] is not None and len(calls) == 5
-    assert evaluate([str(task_file)], None, compare)["warnings"] == [] and len(calls) == 5  # reused
+    assert evaluate([str(task_file)], None, compare).result is not None and len(calls) == 5
+    assert evaluate([str(task_file)], None, compare).warnings == [] and len(calls) == 5  # reused
     task_file.write_text("task: mine\ndataset_path: csv\n")  # the same task name, another task
-    (edited,) = evaluate([str(task_file)], None, compare)["warnings"]
+    (edited,) = evaluate([str(task_file)], None, compare).warnings
     assert len(calls) == 6 and "other checkpoints, tasks, task files or limit" in edited
 
 
 def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = TrialStore(tmp_path / "sweep")
     monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))
-    cfg = OmegaConf.create({"sweep": {"eval_tasks": ["piqa"], "eval_limit": None}})
-    failed = downstream_evaluation(cfg, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
-    assert failed["result"] is None and failed["warnings"] == [failed["error"]]
-    assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed["error"])
-    results = {"trials": [{"id": "a", "status": "completed"}], "selected_lr": 1e-2, "eval_error": failed["error"]}
+    failed = downstream_evaluation(["piqa"], None, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
+    assert failed.result is None and failed.warnings == [failed.error]
+    assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed.error)
+    search = [_record("search", "sa", 1e-2, 0, 3.0)]
+    done = _results(search, select_lr({1e-2: [("completed", 3.0)]}), grid=[1e-2], seeds=[])
+    results = replace(done, eval_error=failed.error)
     assert str(sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
-    assert sweep_problem(results | {"eval_error": None}) is None
-
-
-def test_report_without_a_usable_lr_says_the_comparison_did_not_run(tmp_path: Path) -> None:
-    trials = [
-        {"phase": "search", "attention": "sa", "lr": lr, "seed": 0, "status": "diverged", "final_val_loss": None}
-        for lr in (1e-2, 1e-1)
-    ]
-    selection = select_lr({1e-2: [("diverged", None)], 1e-1: [("diverged", None)]})
-    results = _results(tmp_path, trials, selection, grid=[1e-2, 1e-1], seeds=[0])
-    markdown = render_markdown(results)
-    assert "no LR is usable" in markdown and "Not run: the search selected no LR" in markdown
-    assert results["selected_lr"] is None and results["comparison"]["seeds"] == []
+    assert sweep_problem(done) is None
 
 
 # --- whole sweeps --------------------------------------------------------------------------------------------
@@ -917,7 +867,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert any("lowest LR of the grid" in w for w in results["warnings"])
     assert results["xsa_tuning"]["selected_lr"] == 3e-3
 
-    report = (sweep_dir / "report.md").read_text()
+    report = re.sub(" +", " ", (sweep_dir / "report.md").read_text())  # the tables' padding aside
     for text in (
         "## 1. LR search",
         "| 1000 |",
@@ -1028,7 +978,7 @@ def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(
     assert stalls["judged"] == {"sa": 2, "xsa": 2} and stalls["rule"]["at_fraction"] == 0.4
     for row in stalls["runs"]:  # a_ii at step 5 (the first validation at 40% of 10 steps) from metrics.csv
         assert row["step"] == 5 and 0.0 <= row["diagnostics"]["a_ii"] <= 1.0, row
-    report = (sweep_dir / "report.md").read_text()
+    report = re.sub(" +", " ", (sweep_dir / "report.md").read_text())  # the tables' padding aside
     assert "## Stalls per LR and arm" in report and "| 0.003 | SA | 2 |" in report and "| 0.003 | XSA | 2 |" in report
     assert "compare seeds none (search only)" in report and "Not run: a search-only sweep" in report
     assert len(list((sweep_dir / "runs").iterdir())) == 4
@@ -1187,7 +1137,8 @@ def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]"]
         search_only = compose(config_name="sweep", overrides=[*overrides, "sweep.seeds=[]"])
-        assert check_sweep(search_only, train_overrides(overrides)) == ([1e-3, 3e-3], [0], [], None)
+        setup = check_sweep(search_only, train_overrides(overrides))
+        assert (setup.grid, setup.search_seeds, setup.seeds, setup.cap) == ([1e-3, 3e-3], [0], [], None)
         for compared in ([*overrides, "sweep.seeds=[]", "sweep.tune_xsa=true"], overrides):
             with pytest.raises(UserError, match=r"attention.layers=\[\] puts XSA on no layer"):
                 check_sweep(compose(config_name="sweep", overrides=compared), train_overrides(overrides))
@@ -1197,9 +1148,9 @@ def test_every_sweep_and_scale_setting_has_a_rule() -> None:
     """The rules cover the keys the configs have, no more (a new key without a rule fails here)."""
     for config_name in ("sweep", "scale"):
         cfg = compose_train([], config_name=config_name)
-        check_settings(cfg.sweep, SWEEP_RULES, "sweep")
-    check_settings(cfg.scale, SCALE_RULES, "scale")
-    assert set(cfg.sweep) == set(SWEEP_RULES) and set(cfg.scale) == set(SCALE_RULES)
+        parse(SweepSpec, cfg.sweep, "sweep")
+    parse(ScaleSpec, cfg.scale, "scale")
+    assert set(cfg.sweep) == set(SweepSpec.model_fields) and set(cfg.scale) == set(ScaleSpec.model_fields)
 
 
 def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -1210,6 +1161,5 @@ def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pyte
     typed = ["xsa-lm", "sweep", "sweep=demo"]
     monkeypatch.setenv(ARGV_VARIABLE, json.dumps(typed))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "sweep=demo"])  # what Hydra sees
-    cfg = OmegaConf.create({"logger": None})
-    open_state(tmp_path / "sweep.json", [], cfg, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
+    open_state(tmp_path / "sweep.json", [], None, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
     assert json.loads((tmp_path / "sweep.json").read_text())["command"] == "xsa-lm sweep sweep=demo"

@@ -15,12 +15,13 @@ import scipy.stats
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from tests.golden import assert_golden
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
 from xsa_lm.scale.run import sweep_overrides
 from xsa_lm.scale.study import StudyIdentity
 from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, ci_text, k_text, pool
-from xsa_lm.scale.token_report import TokenSize, TokenStudyResult, render_markdown
+from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished
 from xsa_lm.sweep.trials import Launcher
 
@@ -151,10 +152,10 @@ def test_pooling_weighs_by_precision_and_flags_heterogeneity():
 
     same = [cell(1.4, 0.01) for _ in range(4)]
     pooled = pool(same)
-    assert pooled is not None and pooled["ci95"][0] < 1.4 < pooled["ci95"][1]
-    assert pooled["q_p_value"] > 0.01
-    mixed = same[:2] + [cell(0.7, 0.005) for _ in range(2)]
-    assert pool(mixed)["q_p_value"] < 0.01
+    assert pooled is not None and pooled.ci95[0] < 1.4 < pooled.ci95[1]
+    assert pooled.q_p_value is not None and pooled.q_p_value > 0.01
+    heterogeneous = pool(same[:2] + [cell(0.7, 0.005) for _ in range(2)])
+    assert heterogeneous is not None and heterogeneous.q_p_value is not None and heterogeneous.q_p_value < 0.01
     # One cell is no pool: a "pooled" interval of it was narrower than its own (0.857-1.157 beside 0.832-1.174)
     assert pool(same[:1]) is None
 
@@ -180,23 +181,23 @@ def test_the_analysis_pairs_seeds_leaves_out_unfinished_ones_and_takes_wall_cloc
     sa, xsa_b = study(rng, k=1.5, noise=0.005)
     _, xsa_half = study(rng, k=1.5, xsa_budget=B / 2, noise=0.005)
     entry = _entry("m", sa, {0.5: xsa_half, 1: xsa_b}, seeds=[1, 2, 3, 4, 5], diverged=("1", 4))
-    bench = {"xsa_over_sa_step_time": 1.1, "interval": [1.05, 1.15]}
+    bench = SizeBench(xsa_over_sa_step_time=1.1, interval=[1.05, 1.15], rounds=3, file="bench.json")
     analysis = analyse_tokens([replace(entry, bench=bench)], [0.5, 1, 2], [0.5, 1])
-    at_b = next(c for c in analysis["cells"] if c["fraction"] == 1)
-    assert at_b["paired_seeds"] == [1, 2, 3, 4] and any("1 seed(s) left out" in w for w in analysis["warnings"])
+    at_b = next(c for c in analysis.cells if c["fraction"] == 1)
+    assert at_b["paired_seeds"] == [1, 2, 3, 4] and any("1 seed(s) left out" in w for w in analysis.warnings)
     assert at_b["wallclock_k"] == pytest.approx(at_b["k"] / 1.1)
     assert at_b["wallclock_ci"][0] == pytest.approx(at_b["ci95"][0] / 1.15)
-    assert "wallclock_k" not in analyse_tokens([entry], [0.5, 1, 2], [0.5, 1])["cells"][0]
-    assert analysis["pooled"]["cells"] == 2
-    assert not any("stalled seeds" in w for w in analysis["warnings"])
+    assert "wallclock_k" not in analyse_tokens([entry], [0.5, 1, 2], [0.5, 1]).cells[0]
+    assert analysis.pooled is not None and analysis.pooled.cells == 2
+    assert not any("stalled seeds" in w for w in analysis.warnings)
     sa[0][2] += 0.3  # one SA seed stalls at B/2: per-seed k and a warning at 5 seeds
     stalled = analyse_tokens([_entry("m", sa, {0.5: xsa_half, 1: xsa_b}, seeds=[1, 2, 3, 4, 5])], [0.5, 1, 2], [1])
-    assert stalled["cells"][0]["sa_stalled"] == [1, 0, 0] and len(stalled["cells"][0]["per_seed_k"]) == 5
-    assert any("stalled seeds among 5" in w and "10 seeds or more" in w for w in stalled["warnings"])
-    assert not any("epochs of the training data" in w for w in analysis["warnings"])
+    assert stalled.cells[0]["sa_stalled"] == [1, 0, 0] and len(stalled.cells[0]["per_seed_k"]) == 5
+    assert any("stalled seeds among 5" in w and "10 seeds or more" in w for w in stalled.warnings)
+    assert not any("epochs of the training data" in w for w in analysis.warnings)
     runs = {arm: {f: [replace(r, data_epochs=1.8 if f == "2" else 0.9) for r in rs] for f, rs in b.items()}
             for arm, b in (entry.runs or {}).items()}  # fmt: skip
-    repeated = analyse_tokens([replace(entry, runs=runs)], [0.5, 1, 2], [1])["warnings"]
+    repeated = analyse_tokens([replace(entry, runs=runs)], [0.5, 1, 2], [1]).warnings
     assert [w for w in repeated if "epochs" in w] == [
         "m SA at 2 B: 1.80 epochs of the training data (it repeats, which flattens SA's curve where k is read: use a "
         "larger corpus or a smaller B)"
@@ -210,19 +211,21 @@ def test_the_null_arm_is_read_off_sas_curve_as_xsa_is_and_every_budget_gets_a_ve
     null_runs = [replace(r, final_val_loss=cast(float, r.final_val_loss) + 0.001 * (-1) ** i)
                  for i, r in enumerate((entry.runs or {})["sa"]["1"])]  # fmt: skip
     entry = replace(entry, runs={**(entry.runs or {}), "null": {"1": null_runs}})
-    (cell,) = analyse_tokens([entry], [0.5, 1, 2], [1], margin=0.01)["cells"]
+    (cell,) = analyse_tokens([entry], [0.5, 1, 2], [1], margin=0.01).cells
     assert cell["null"]["k"] == pytest.approx(1.0, abs=0.01) and cell["null"]["paired_seeds"] == [1, 2, 3, 4, 5]
     assert cell["k"] == pytest.approx(1.5, rel=0.05)
     assert cell["same_budget_details"]["margin"]["verdict"] == "better"  # XSA at B is ~0.12 nats lower than SA at B
     assert cell["null_same_budget_details"]["margin"]["verdict"] == "not worse"  # 0.001 nats apart, well within 0.01
     report = render_markdown(
-        TokenStudyResult(study_dir="s", study_id="s", overrides=[], plan={**PLAN, "margin": 0.01}, sizes=[entry],
+        TokenStudyResult(study_dir="s", study_id="s", overrides=[], plan=TokenPlan(**PLAN, margin=0.01), sizes=[entry],
                          cells=[cell])
     )  # fmt: skip
-    assert "| m | 1 B | 5 | 1.5" in report and "| m | 1 B | null | 5 |" in report
+    assert_golden("tokens_null.md", report)
 
 
-PLAN = {"tokens_per_param": 10, "sa_budgets": [0.5, 1, 2], "xsa_budgets": [1], "seeds": [1], "search_seeds": [0]}
+PLAN = {"axis": "tokens", "tokens_per_param": 10, "sa_budgets": [0.5, 1, 2], "xsa_budgets": [1], "seeds": [1],
+        "search_seeds": [0], "lr_per_budget": False, "warmup_fraction": None, "tune_xsa": False, "null_arm": False,
+        "allow_repeated_data": False}  # fmt: skip
 
 
 def run_started(*args, **kwargs) -> None:
@@ -352,7 +355,8 @@ def test_an_unfinished_run_is_named_with_its_reason_and_log():
     run = {"seed": 2, "status": "failed", "error": "killed by signal SIGKILL (out of memory?)\nmore", "log": "L"}
     runs = {"sa": {"2": [run, {**run, "seed": 3, "status": "completed"}, {"seed": 4, "status": "interrupted"}]}}
     size = {"model": "m", "tokens_B": B, "runs": runs}
-    study = {"study_dir": "s", "study_id": "s", "overrides": [], "plan": {}, "sizes": [size], "cells": []}
+    study = {"study_dir": "s", "study_id": "s", "overrides": [], "plan": PLAN | {"margin": None}, "sizes": [size],
+             "cells": []}  # fmt: skip
     assert unfinished(TokenStudyResult.from_json(study)) == [
         "m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log L)",
         "m sa 2 B seed 4 (interrupted)",
@@ -368,7 +372,7 @@ def test_the_pooled_interval_covers_over_independent_cells():
             sa, xsa = study(rng, k=1.3, xsa_budget=budget)
             cells.append(cell_estimate(sa, BUDGETS, xsa, budget))
         pooled = pool(cells)
-        covered += pooled["ci95"][0] <= 1.3 <= pooled["ci95"][1]
+        covered += pooled is not None and pooled.ci95[0] <= 1.3 <= pooled.ci95[1]
     assert 0.90 <= covered / trials <= 0.99, covered / trials
 
 
@@ -379,3 +383,10 @@ def test_sweep_settings_stay_with_the_study_and_each_run_gets_the_training_overr
     _, command = first_launch(task, tmp_path, monkeypatch)
     assert "optim.lr=0.02" in command and "experiment=tokens_toy" in command, command
     assert not [word for word in command if word.startswith("sweep.")], command
+
+
+@pytest.mark.parametrize("study", ["tokens_toy", "tokens_tuned"])
+def test_the_token_studies_under_results_are_read_and_reported(study: str) -> None:
+    """results/<study>/results.json as `xsa-lm scale` reads it again, and its report from this renderer."""
+    results = TokenStudyResult.read(Path(__file__).parents[1] / "results" / study / "results.json")
+    assert_golden(f"tokens_{study}.md", render_markdown(results))

@@ -134,7 +134,8 @@ def report_artifact(folder: Path, artifact_type: str) -> tuple[object, dict]:
 
 
 def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
-    from xsa_lm.sweep.report import log_to_wandb
+    from xsa_lm.reporting import ReportRunSettings
+    from xsa_lm.sweep.report import ComparisonStats, SweepResult, log_to_wandb
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B's copies of the files
     sweep_dir = tmp_path / "sweep"
@@ -144,9 +145,10 @@ def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
         (sweep_dir / name).write_text(text)
     for name in ("lr_sweep.png", "curves.png"):
         write_png(sweep_dir / name)
-    comparison = {key: None for key in ("sa_mean", "xsa_mean", "diff_mean", "diff_ci95", "sa_std", "xsa_std")}
-    results = {"sweep_id": "toy sweep:1", "trials": [], "comparison": comparison, "selected_lr": 3e-3}
-    log_to_wandb(results, sweep_dir, {"mode": "offline"})
+    comparison = ComparisonStats(seeds=[], sa=[], xsa=[], diff=[])
+    results = SweepResult(sweep_dir=str(sweep_dir), sweep_id="toy sweep:1", train_overrides=[], grid=[3e-3], seeds=[],
+                          search_seeds=[0], selected_lr=3e-3, comparison=comparison)  # fmt: skip
+    log_to_wandb(results, sweep_dir, ReportRunSettings(mode="offline"))
     artifact, entries = report_artifact(sweep_dir, "sweep-report")
     assert (artifact.name, artifact.type) == ("toy-sweep-1-report", "sweep-report")  # W&B's allowed characters
     assert set(entries) == {"results.json", "report.md", "lr_sweep.png", "curves.png"}
@@ -155,6 +157,7 @@ def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
 
 
 def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
+    from xsa_lm.reporting import ReportRunSettings
     from xsa_lm.scale.report import ScaleStudyResult, log_to_wandb
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
@@ -164,9 +167,9 @@ def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Pa
         write_png(tmp_path / name)
     fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01, "flags": [{"flag": "compute_span", "reason": "8x"}]}
     results = ScaleStudyResult(
-        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, sizes=[]
+        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, across_sizes={}, sizes=[]
     )
-    log_to_wandb(results, tmp_path, {"mode": "offline"})
+    log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
     artifact, entries = report_artifact(tmp_path, "scale-report")
     assert (artifact.name, artifact.type) == ("toy-study-scale-report", "scale-report")
     assert set(entries) == {"results.json", "report.md", "loss_vs_compute.png", "multiplier.png"}

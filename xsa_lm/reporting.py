@@ -4,8 +4,9 @@ a saved figure, and the W&B run that carries a report."""
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 
 def num(value: float | None, spec: str = ".4f") -> str:
@@ -26,9 +27,16 @@ def section(heading: str, *paragraphs: str) -> list[str]:
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
-    """A markdown table's lines: the header, the rule under it (`align`: "l" or "r" per column) and a line per row."""
-    rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
-    return [table_row(header).replace("|  |", "| |"), rule, *map(table_row, rows)]  # an empty title reads `| |`
+    """A markdown table's lines (pandas' to_markdown): the header, the rule under it (`align`: "l" or "r" per column)
+    and a line per row, each cell as str() writes it (no reformatting of numbers)."""
+    import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
+
+    rows = list(rows)
+    if not rows:  # a table whose rows follow one by one (table_row)
+        return [table_row(header), "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
+    table = pd.DataFrame([[str(c) for c in row] for row in rows], columns=list(header), dtype=object)
+    colalign = ["right" if a == "r" else "left" for a in align]
+    return table.to_markdown(index=False, colalign=colalign, disable_numparse=True).splitlines()
 
 
 def table_row(cells: Sequence[object]) -> str:
@@ -53,13 +61,14 @@ def saved_figure(path: Path, **subplots: Any) -> Iterator[Any]:
         plt.close(fig)
 
 
-class ReportRunSettings(TypedDict):
-    """The logger.wandb settings that a report run (log_report_run) takes."""
+@dataclass(frozen=True, kw_only=True)
+class ReportRunSettings:
+    """The logger.wandb settings that a report run (log_report_run) takes; the defaults are wandb_init's."""
 
-    project: str
-    entity: str | None
-    mode: str
-    init_timeout_s: int
+    project: str = "xsa-lm"
+    entity: str | None = None
+    mode: str = "auto"
+    init_timeout_s: float = 30.0
 
 
 def log_report_run(
@@ -81,7 +90,9 @@ def log_report_run(
 
     from xsa_lm.tracking import log_files_artifact, wandb_init
 
-    run = wandb_init(save_dir=str(folder), name=name, run_config=config, group=group, job_type=job_type, **wandb_cfg)
+    run = wandb_init(
+        save_dir=str(folder), name=name, run_config=config, group=group, job_type=job_type, **asdict(wandb_cfg)
+    )
     table_key, columns, rows = table
     images = {key: wandb.Image(str(folder / png)) for key, png in plots.items()}
     run.log({table_key: wandb.Table(columns=list[str | int](columns), data=rows), **images})  # the type wandb names

@@ -18,7 +18,6 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
 
 import numpy as np
 import scipy.optimize
@@ -110,7 +109,10 @@ def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: s
     return fit
 
 
-class LackOfFit(TypedDict):
+@dataclass(frozen=True)
+class LackOfFit:
+    """The chi^2 test of a fit against the seed noise of its points."""
+
     chi2: float | None
     dof: int
     p: float | None

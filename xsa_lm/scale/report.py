@@ -3,16 +3,16 @@ ladder's k in its title only when no flag is up) and a W&B report run."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
 from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, section
 from xsa_lm.scale.fit import Fit
-from xsa_lm.stats.decision import clustered_line
+from xsa_lm.stats.decision import ClusteredTest, clustered_line
 
 
-class BenchRatio(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class BenchRatio(Record):
     """scale.bench: the XSA/SA step time an `xsa-lm bench` run measured (its median, interval and rounds)."""
 
     source: str
@@ -62,7 +62,7 @@ class ScaleStudyResult(Record):
     seeds: list[int] | None = None  # scale.seeds; None: each size's sweep.seeds
     reanalysed: str | None = None  # the day a saved study was analysed again (scale.run.reanalyse)
     fit: dict  # the SA fit, the shared fit, the flags, and k when no flag is up
-    across_sizes: dict = field(default_factory=dict)  # studies of earlier releases lack it: reanalyse adds it
+    across_sizes: dict  # the pooled sign test and the test by seed
     warnings: list[str] = field(default_factory=list)
     sizes: list[SizeResult]
     bench: BenchRatio | None = None  # scale.bench's XSA/SA step time
@@ -142,8 +142,12 @@ def size_test_lines(results: ScaleStudyResult) -> list[str]:
         f"(exact sign test p = {num(pooled['p'], '.3g')}; the pairs of a size share its LR and curve, so this reads "
         "the direction, not a size of effect).",
     ]
-    if results.across_sizes.get("by_seed"):
-        lines.append(clustered_line(results.across_sizes["by_seed"], shares="its data order at every size"))
+    if "by_seed" in results.across_sizes:
+        lines.append(
+            clustered_line(
+                ClusteredTest.from_json(results.across_sizes["by_seed"]), shares="its data order at every size"
+            )
+        )
     return lines
 
 

@@ -18,10 +18,10 @@ import statistics
 import sys
 import time
 from contextlib import redirect_stdout
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO, TypedDict, cast
+from typing import Any, TextIO, cast
 
 import hydra
 import numpy as np
@@ -29,7 +29,7 @@ import scipy.stats
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
@@ -62,7 +62,7 @@ from xsa_lm.sweep.run import (
     train_overrides,
     wandb_settings,
 )
-from xsa_lm.sweep.settings import SCALE_RULES, SWEEP_RULES, check_settings, plain
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse, plain
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -177,7 +177,8 @@ def standard_error(runs: list[float]) -> float:
     return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
-class Flag(TypedDict):
+@dataclass(frozen=True)
+class Flag:
     """A reason the ladder cannot turn XSA's loss gap into compute."""
 
     flag: str
@@ -194,16 +195,16 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
     flags: dict[str, str] = {}
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
-    if lack["p"] is None:
+    if lack.p is None:
         why = (
             "a size has fewer than 2 seeds (no standard error)"
-            if lack["dof"] > 0
+            if lack.dof > 0
             else f"{len(ladder)} sizes for {FORMS[sa_fit.form]} parameters leave no degree of freedom"
         )
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
-    elif lack["p"] < 0.05:
+    elif lack.p < 0.05:
         flags["lack_of_fit"] = (
-            f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof (p = {lack['p']:.2g}): the SA curve misses the SA "
+            f"chi^2 = {lack.chi2:.1f} on {lack.dof} dof (p = {lack.p:.2g}): the SA curve misses the SA "
             "means by more than their seed noise (each size's standard error over seeds)"
         )
     # One step of the ladder beyond its ends is allowed: XSA winning at the largest size always reads SA's curve
@@ -257,7 +258,8 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
     return [Flag(flag=name, reason=reason) for name, reason in flags.items()]
 
 
-class WallClock(TypedDict):
+@dataclass(frozen=True)
+class WallClock:
     multiplier: float | None
     ci: list[float] | None
     note: str  # where the step times come from
@@ -270,16 +272,17 @@ def wallclock(k: float, ci: list[float], bench: BenchRatio | None) -> WallClock:
     reverse)."""
     if not bench:
         return WallClock(multiplier=None, ci=None, note="wall-clock k: measure throughput with xsa-lm bench")
-    ratio = bench["xsa_over_sa_step_time"]
+    ratio = bench.xsa_over_sa_step_time
     interval = ratio.get("interval")
     return WallClock(
         multiplier=k / ratio["median"],
         ci=[ci[0] / interval[1], ci[1] / interval[0]] if interval else None,
-        note=f"XSA/SA step time from xsa-lm bench ({bench['source']})",
+        note=f"XSA/SA step time from xsa-lm bench ({bench.source})",
     )
 
 
-class LadderAnalysis(TypedDict):
+@dataclass(frozen=True)
+class LadderAnalysis:
     fit: JsonObject  # the SA fit, the shared fit, the flags, and k when no flag is up
     across_sizes: JsonObject  # the pooled sign test and the test by seed
     warnings: list[str]
@@ -312,13 +315,13 @@ def analyse(
     flags = ladder_flags(ladder, sa_fit, lack, shared)
     fit = {
         **sa_fit.as_dict(),
-        "lack_of_fit": lack,
+        "lack_of_fit": asdict(lack),
         "shared": {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof_variance)},
-        "flags": flags,
+        "flags": [asdict(f) for f in flags],
     }
-    estimate = {"multiplier": k, "ci": list(ci), "wallclock": wallclock(k, list(ci), bench)}
+    estimate = {"multiplier": k, "ci": list(ci), "wallclock": asdict(wallclock(k, list(ci), bench))}
     if flags:
-        fit["not_results"] = {"why": [f["flag"] for f in flags], **estimate}
+        fit["not_results"] = {"why": [f.flag for f in flags], **estimate}
         warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
     else:
         fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
@@ -358,7 +361,7 @@ def reanalyse(
         saved = ScaleStudyResult.from_json(saved, source="the study's results.json")
     sizes = [replace(s, tests=None) for s in saved.sizes]
     analysis = analyse(sizes, fit_form, resamples, seed, saved.bench)
-    return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **analysis)
+    return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **vars(analysis))
 
 
 def load_bench(path: Any) -> BenchRatio | None:
@@ -379,18 +382,11 @@ def load_bench(path: Any) -> BenchRatio | None:
     return BenchRatio(source=str(file), model=bench.get("model"), xsa_over_sa_step_time=ratio)
 
 
-def check_analysis(scale: DictConfig) -> None:
-    """The analysis settings, before hours of training rather than after (their types: ScaleSettings)."""
-    if scale.fit not in ("auto", *FORMS):
-        raise UserError(f"scale.fit={scale.fit!r}: choose auto, {' or '.join(FORMS)}")
-
-
 def check_size_axis(cfg: DictConfig, overrides: list[str], models: list[str]) -> Study:
     """Every setting of the size axis and what each size will run: each size's sweep config composed and checked
     as that sweep will check it, its trials included (check_sweep). Returns the study, ready to run."""
-    check_analysis(cfg.scale)
     bench = load_bench(cfg.scale.bench)
-    compare_seeds(cfg)
+    compare_seeds(parse(ScaleSpec, cfg.scale, "scale"), parse(SweepSpec, cfg.sweep, "sweep"))
     seeds = cast(list[int] | None, plain(cfg.scale.seeds))  # None: each size's sweep.seeds
     as_sweep = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
     sweeps = {model: [*overrides, f"model={model}", *as_sweep] for model in models}
@@ -409,12 +405,12 @@ def run_size_axis(
     bench: BenchRatio | None,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
-    study_dir = Path(identity["study_dir"])
+    study_dir = Path(identity.study_dir)
     stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
-    print(f"xsa-lm scale | {study_dir} | W&B group {identity['study_id']} | sizes {list(sweeps)}")
+    print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(sweeps)}")
     sizes = [run_size(model, overrides, study_dir=study_dir, group=group) for model, overrides in sweeps.items()]
     analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
-    results = ScaleStudyResult(**identity, models=list(sweeps), seeds=seeds, bench=bench, **analysis)
+    results = ScaleStudyResult(**vars(identity), models=list(sweeps), seeds=seeds, bench=bench, **vars(analysis))
     write_report(results, study_dir)
     if group is not None and cfg.scale.wandb_report:
         log_to_wandb(results, study_dir, report_run_settings(cast(DictConfig, wandb_settings(cfg))))
@@ -439,8 +435,8 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
     """Either axis: every setting and what each size will run checked before the study directory gets anything, then
     the study's identity (scale.json: a rerun must train what the first run trained; sizes and seeds may be added),
     its config.yaml and its runs, in the study's W&B group. Returns what did not finish."""
-    check_settings(cfg.scale, SCALE_RULES, "scale")  # first: the rules after them rely on their types
-    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # each size's search and launcher
+    parse(ScaleSpec, cfg.scale, "scale")  # first: the rules after them rely on their types
+    parse(SweepSpec, cfg.sweep, "sweep")  # each size's search and launcher
     tokens = cfg.scale.axis == "tokens"
     models = check_models(cfg.scale.models, at_least=1 if tokens else 2)
     if tokens:
@@ -449,10 +445,11 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
         study = check_token_axis(cfg, study_dir, overrides, models)
     else:
         study = check_size_axis(cfg, overrides, models)
+    wandb_cfg = wandb_settings(cfg)
     study_id = open_state(
         study_dir / "scale.json",
         overrides,
-        cfg,
+        wandb_cfg.group if wandb_cfg else None,
         id_key="study_id",
         overrides_key="overrides",
         holds="a scaling study with the overrides",
@@ -460,15 +457,12 @@ def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[st
     keep_sizes(study_dir / "scale.json", models)
     write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     identity = StudyIdentity(study_dir=str(study_dir), study_id=study_id, overrides=overrides)
-    return study(identity, study_id if wandb_settings(cfg) else None)
+    return study(identity, study_id if wandb_cfg else None)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    if cfg.scale.axis not in ("size", "tokens"):
-        with exit_on_user_error():
-            raise UserError(f"scale.axis={cfg.scale.axis!r}: choose size or tokens")
     study_dir, incomplete = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
     print("\n" + (study_dir / "report.md").read_text())
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")

@@ -18,28 +18,16 @@ checks it, and cells are pooled by inverse variance on ln k with Cochran's Q for
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TypedDict, cast
+from typing import Any
 
 import numpy as np
 import scipy.stats
 
+from xsa_lm.records import Record
+
 ALPHA = 0.05
 STALL_MARGIN = 0.15  # nats above the median of a budget's seeds: the sweep's stall margin (sweep.stall.margin)
 STALL_SAFE_SEEDS = 10  # with stalled SA seeds, the fewest seeds at which Fieller's interval covered >= 90% simulated
-
-
-class CellJson(TypedDict):
-    """A Cell as results.json holds it."""
-
-    budget: float
-    sa_budgets: list[float]
-    k: float | None
-    bound: str | None
-    ci95: list[float | None]
-    ln_k_se: float | None
-    sa_means: list[float]
-    xsa_mean: float
-    seeds: int
 
 
 @dataclass
@@ -56,10 +44,11 @@ class Cell:
     xsa_mean: float
     seeds: int
 
-    def as_dict(self) -> CellJson:
+    def as_dict(self) -> dict[str, Any]:
+        """The cell as results.json holds it (the interval under ci95)."""
         cell = asdict(self)
         cell["ci95"] = list(cell.pop("ci"))
-        return cast(CellJson, cell)
+        return cell
 
 
 def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:
@@ -214,7 +203,10 @@ def stalled(losses: Sequence[float]) -> int:
     return sum(loss > median + STALL_MARGIN for loss in losses)
 
 
-class PooledK(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class PooledK(Record):
+    """ln k pooled over the cells with a point estimate, and its heterogeneity."""
+
     k: float
     ci95: list[float]
     cells: int

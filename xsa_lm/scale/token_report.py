@@ -2,16 +2,18 @@
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
 from xsa_lm.reporting import interval, markdown_table, num, saved_figure, section, table_row
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK, ci_text, k_text
-from xsa_lm.sweep.report import bpb_lines, position_lines
+from xsa_lm.stats.positions import PositionDifferences
+from xsa_lm.sweep.report import BpbStats, bpb_lines, position_lines
 
 
-class SizeBench(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class SizeBench(Record):
     """XSA/SA step time at one size, from `xsa-lm bench`: its median, 95% interval and rounds."""
 
     xsa_over_sa_step_time: float
@@ -20,7 +22,8 @@ class SizeBench(TypedDict):
     file: str
 
 
-class TokenPlan(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class TokenPlan(Record):
     """The token axis's plan, fixed at the study's first run (scale.json)."""
 
     axis: str
@@ -30,11 +33,11 @@ class TokenPlan(TypedDict):
     search_seeds: list[int]
     seeds: list[int]
     lr_per_budget: bool
-    warmup_fraction: float
+    warmup_fraction: float | None  # None: the recipe's warmup
     tune_xsa: bool
     null_arm: bool
     allow_repeated_data: bool
-    margin: float
+    margin: float | None  # None: no margin verdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,21 +99,21 @@ class TokenStudyResult(Record):
 
 def protocol_text(plan: TokenPlan) -> str:
     """How the study chose its LRs and warmup, in one paragraph."""
-    if plan.get("lr_per_budget"):
+    if plan.lr_per_budget:
         lr = (
             f"SA's LR is searched at every SA budget (the lowest median SA loss over the search seeds "
-            f"{plan['search_seeds']}), and XSA and the null arm train at SA's LR of their budget"
+            f"{plan.search_seeds}), and XSA and the null arm train at SA's LR of their budget"
         )
     else:
         lr = (
-            f"the LR is the one with the lowest median SA loss at B over the search seeds {plan['search_seeds']}, "
+            f"the LR is the one with the lowest median SA loss at B over the search seeds {plan.search_seeds}, "
             "used at every budget and for both arms"
         )
-    warmup = plan.get("warmup_fraction")
+    warmup = plan.warmup_fraction
     warmup_text = f"each run warms up for {warmup:.0%} of its steps" if warmup is not None else "the recipe's warmup"
     return (
-        f"B = {plan['tokens_per_param']:g} tokens per non-embedding parameter. SA at {plan['sa_budgets']} x B, XSA at "
-        f"{plan['xsa_budgets']} x B, seeds {plan['seeds']} (paired); {lr}; {warmup_text}."
+        f"B = {plan.tokens_per_param:g} tokens per non-embedding parameter. SA at {plan.sa_budgets} x B, XSA at "
+        f"{plan.xsa_budgets} x B, seeds {plan.seeds} (paired); {lr}; {warmup_text}."
     )
 
 
@@ -194,15 +197,15 @@ def multiplier_lines(results: TokenStudyResult) -> list[str]:
     lines += per_seed_lines(results.cells)
     pooled = results.pooled
     if pooled:
-        q_p = pooled["q_p_value"]
+        q_p = pooled.q_p_value
         lines += [
             "",
-            f"Pooled over {pooled['cells']} cell(s) with a point estimate (inverse variance on ln k, Student's t on "
+            f"Pooled over {pooled.cells} cell(s) with a point estimate (inverse variance on ln k, Student's t on "
             f"the fewest seeds; "
-            f"{pooled['left_out']} bound(s) left out): **k = {pooled['k']:.3f}, 95% CI "
-            f"{interval(pooled['ci95'], '.3f')}**. "
-            f"Heterogeneity: Cochran's Q = {pooled['cochran_q']:.2f} on {pooled['q_dof']} dof"
-            + (f" (p = {q_p:.3g}), I^2 = {pooled['i2']:.0%}" if q_p is not None else "")
+            f"{pooled.left_out} bound(s) left out): **k = {pooled.k:.3f}, 95% CI "
+            f"{interval(pooled.ci95, '.3f')}**. "
+            f"Heterogeneity: Cochran's Q = {pooled.cochran_q:.2f} on {pooled.q_dof} dof"
+            + (f" (p = {q_p:.3g}), I^2 = {pooled.i2:.0%}" if q_p is not None else "")
             + ". The two budgets of one size share SA's runs, so the cells are not independent and the pooled "
             "interval is narrower than it should be: read the per-cell intervals first.",
         ]
@@ -242,7 +245,7 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
     ]
     if not rows:
         return []
-    margin = results.plan.get("margin")
+    margin = results.plan.margin
     lines = section(
         "## XSA vs SA at the same budget",
         "Paired over seeds: Student's paired t, the exact Wilcoxon signed-rank and exact sign tests (two-sided)"
@@ -265,8 +268,10 @@ def same_budget_lines(results: TokenStudyResult) -> list[str]:
         if arm != "XSA":
             continue
         if details.get("bpb"):
-            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(details["bpb"])[1:]
-        positions = position_lines(details.get("positions"))
+            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(
+                BpbStats.from_json(details["bpb"])
+            )[1:]
+        positions = position_lines(details.get("positions") and PositionDifferences.from_json(details["positions"]))
         if positions:
             positions[1] = f"### {cell['model']} at {cell['fraction']:g} B: XSA - SA along the window"
             lines += positions

@@ -16,10 +16,10 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import cast
 
 from hydra import compose
 from omegaconf import DictConfig
@@ -29,7 +29,6 @@ from xsa_lm.records import JsonObject
 from xsa_lm.scale.study import Study, StudyIdentity, compare_seeds
 from xsa_lm.scale.token_axis import (
     STALL_SAFE_SEEDS,
-    CellJson,
     PooledK,
     bootstrap_interval,
     cell_estimate,
@@ -39,11 +38,12 @@ from xsa_lm.scale.token_axis import (
 )
 from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.decision import margin_verdict
-from xsa_lm.stats.paired import PairedJson, paired_stats
-from xsa_lm.stats.positions import PositionDifferences, position_differences
+from xsa_lm.stats.paired import paired_stats
+from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, lr_grid, search_trials
-from xsa_lm.sweep.report import BpbStats, bpb_stats
+from xsa_lm.sweep.report import bpb_stats
 from xsa_lm.sweep.run import keep_plan, selection_of, stop_on_signals, train_overrides
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_TOKEN_AXIS = {
@@ -51,18 +51,6 @@ SET_BY_TOKEN_AXIS = {
     "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
     "val_every_steps": "scale.axis=tokens validates at half and at the end of each run",
 }
-
-
-def check_budgets(scale: DictConfig) -> tuple[list[float], list[float]]:
-    """SA's and XSA's budgets (in units of B): SA at 2+ budgets including 1 (where the LR is chosen), XSA's inside
-    SA's range, so that no multiplier needs an extrapolation."""
-    sa = sorted(float(f) for f in scale.sa_budgets)
-    xsa = sorted(float(f) for f in scale.xsa_budgets)
-    if len(sa) < 2 or 1.0 not in sa or any(f <= 0 for f in sa):
-        raise UserError(f"scale.sa_budgets needs 2+ positive budgets including 1 (the LR is chosen at B), got {sa}")
-    if not xsa or any(not sa[0] <= f <= sa[-1] for f in xsa):
-        raise UserError(f"scale.xsa_budgets must lie within SA's budgets [{sa[0]:g}, {sa[-1]:g}], got {xsa}")
-    return sa, xsa
 
 
 def non_embedding_params(model: str, overrides: list[str]) -> int:
@@ -150,17 +138,17 @@ def run_size(plan: SizePlan, study: TokenPlan, group: str | None) -> TokenSize:
     """The searches, the selected LRs and every budget's runs of one size; the per-seed losses for the estimator.
     With lr_per_budget, SA's LR is searched at every SA budget and each arm trains at SA's LR of its budget (the
     paper's protocol at each budget); else SA's LR at B serves every budget."""
-    sa_budgets, xsa_budgets, seeds = study["sa_budgets"], study["xsa_budgets"], study["seeds"]
+    sa_budgets, xsa_budgets, seeds = study.sa_budgets, study.xsa_budgets, study.seeds
     print(
         f"size {plan.model}: {plan.params:,} non-embedding parameters, B = {plan.tokens:,.0f} tokens "
         f"({plan.steps(1.0)} steps)"
     )
-    by_budget = sa_budgets if study["lr_per_budget"] else [1.0]
+    by_budget = sa_budgets if study.lr_per_budget else [1.0]
     searches: dict[str, dict[str, float | None]] = {}
     lrs: dict[str, float | None] = {}
     warnings: list[str] = []
     for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: the LR the earlier plan used everywhere
-        selection = search_at(plan, fraction, study["search_seeds"], "sa", group)
+        selection = search_at(plan, fraction, study.search_seeds, "sa", group)
         searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
         lrs[f"{fraction:g}"] = selection.lr
         warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
@@ -175,8 +163,8 @@ def run_size(plan: SizePlan, study: TokenPlan, group: str | None) -> TokenSize:
         warnings=warnings,
         grid=plan.grid,
     )
-    if study["tune_xsa"]:
-        xsa = search_at(plan, 1.0, study["search_seeds"], "xsa", group)
+    if study.tune_xsa:
+        xsa = search_at(plan, 1.0, study.search_seeds, "xsa", group)
         xsa_search = {f"{lr:g}": loss for lr, loss in xsa.losses.items()}
         entry = replace(entry, xsa_search=xsa_search, xsa_selected_lr=xsa.lr)
     chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(sa_budgets) | set(xsa_budgets))}
@@ -184,7 +172,7 @@ def run_size(plan: SizePlan, study: TokenPlan, group: str | None) -> TokenSize:
         return entry
     runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
     kept = [f.name for f in fields(TokenRun)]
-    arms_by_budget = [("sa", sa_budgets), ("xsa", xsa_budgets)] + ([(NULL, xsa_budgets)] if study["null_arm"] else [])
+    arms_by_budget = [("sa", sa_budgets), ("xsa", xsa_budgets)] + ([(NULL, xsa_budgets)] if study.null_arm else [])
     for fraction, lr in cast(dict[float, float], chosen).items():
         arms = [a for a, budgets in arms_by_budget if fraction in budgets]
         names = " and ".join(a.upper() for a in arms)
@@ -245,17 +233,9 @@ def paired_losses(
     return losses[:-1], losses[-1], [entry.seeds[i] for i in usable]
 
 
-class SameBudgetDetails(TypedDict, total=False):
-    """Beside the paired tests at one budget: the margin verdict, bits per byte, the loss per span of positions."""
-
-    margin: dict[str, float | str | None] | None
-    bpb: BpbStats
-    positions: PositionDifferences | None
-
-
 def same_budget(
     entry: TokenSize, fraction: float, arm: str, margin: float | None
-) -> tuple[PairedJson | None, SameBudgetDetails | None]:
+) -> tuple[JsonObject | None, JsonObject | None]:
     """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
     (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
     loss per span of window positions. (None, None) without such a pair."""
@@ -271,22 +251,19 @@ def same_budget(
         return None, None
     sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
     diffs = [b - a for a, b in zip(sa, other, strict=True)]
-    details = SameBudgetDetails(margin=margin_verdict(diffs, margin).to_json() if margin is not None else None)
+    # beside the paired tests: the margin verdict, bits per byte (BpbStats), the loss per span (PositionDifferences)
+    details: JsonObject = {"margin": margin_verdict(diffs, margin).to_json() if margin is not None else None}
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
         sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
-        details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs])
-    details["positions"] = position_differences(
+        details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs]).to_json()
+    positions = position_differences(
         [a.final_val_loss_by_position or [] for a, _ in pairs], [b.final_val_loss_by_position or [] for _, b in pairs]
     )
+    details["positions"] = positions.to_json() if positions else None
     return paired_stats(sa, other).to_json(), details
 
 
-class NullCell(CellJson):
-    paired_seeds: list[int]
-    per_seed_k: list[str]  # as the report prints each seed's k
-
-
-def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> NullCell | None:
+def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> JsonObject | None:
     """k of the null arm (SA from other initial weights, at XSA's budget) read off SA's curve as XSA's k is: under
     no effect k is 1, so its interval and per-seed spread are the yardstick's own noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
@@ -296,7 +273,8 @@ def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float],
         return None
     budget = tokens_of(entry, NULL, fraction)
     cell = cell_estimate(sa, sa_tokens, null, budget)
-    return NullCell(**cell.as_dict(), paired_seeds=seeds, per_seed_k=per_seed_k(sa, sa_tokens, null, budget))
+    per_seed = per_seed_k(sa, sa_tokens, null, budget)  # as the report prints each seed's k
+    return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": per_seed}
 
 
 def repeated_data(entry: TokenSize) -> list[str]:
@@ -320,7 +298,8 @@ def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
     return float(seen[0]) if seen else fraction * entry.tokens_B
 
 
-class TokenAnalysis(TypedDict):
+@dataclass(frozen=True)
+class TokenAnalysis:
     cells: list[JsonObject]  # one per size and XSA budget: the Cell, its tests, the null's, per-seed k, stalls
     pooled: PooledK | None
     warnings: list[str]
@@ -378,8 +357,8 @@ def analyse_tokens(
                     f"k, or use {STALL_SAFE_SEEDS} seeds or more"
                 )
             bench = entry.bench
-            if bench and cell.k is not None and bench.get("interval"):
-                r, (r_lo, r_hi) = bench["xsa_over_sa_step_time"], bench["interval"]
+            if bench and cell.k is not None and bench.interval:
+                r, (r_lo, r_hi) = bench.xsa_over_sa_step_time, bench.interval
                 lo, hi = cell.ci
                 row["wallclock_k"] = cell.k / r
                 row["wallclock_ci"] = [lo / r_hi if lo is not None else None, hi / r_lo if hi is not None else None]
@@ -392,8 +371,8 @@ def reanalyse_tokens(saved: TokenStudyResult, when: str | None = None) -> TokenS
     """A saved token study analysed again from its runs' final losses with the current analysis (no run is
     repeated); `reanalysed` says when."""
     plan = saved.plan
-    analysis = analyse_tokens(saved.sizes, plan["sa_budgets"], plan["xsa_budgets"], margin=plan.get("margin"))
-    return replace(saved, **analysis, reanalysed=when or time.strftime("%Y-%m-%d"))
+    analysis = analyse_tokens(saved.sizes, plan.sa_budgets, plan.xsa_budgets, margin=plan.margin)
+    return replace(saved, **vars(analysis), reanalysed=when or time.strftime("%Y-%m-%d"))
 
 
 def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
@@ -403,8 +382,9 @@ def check_token_study(cfg: DictConfig, overrides: list[str]) -> TokenPlan:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in SET_BY_TOKEN_AXIS:
             raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
-    sa_budgets, xsa_budgets = check_budgets(cfg.scale)
-    search_seeds, seeds = compare_seeds(cfg)
+    sa_budgets = sorted(float(f) for f in cfg.scale.sa_budgets)  # their rules: ScaleSpec
+    xsa_budgets = sorted(float(f) for f in cfg.scale.xsa_budgets)
+    search_seeds, seeds = compare_seeds(parse(ScaleSpec, cfg.scale, "scale"), parse(SweepSpec, cfg.sweep, "sweep"))
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
     if cfg.scale.lr_per_budget and not set(xsa_budgets) <= set(sa_budgets):
@@ -438,10 +418,10 @@ def check_token_axis(cfg: DictConfig, study_dir: Path, overrides: list[str], mod
     runs = train_overrides(overrides)  # sweep.* stays with the study
     sizes = [SizePlan(study_dir, model, cfg, runs) for model in models]
     for size in sizes:
-        trials = [Trial("sa", size.grid[0], plan["search_seeds"][0]), Trial("xsa", size.grid[0], plan["seeds"][0])]
+        trials = [Trial("sa", size.grid[0], plan.search_seeds[0]), Trial("xsa", size.grid[0], plan.seeds[0])]
         check_trials(size.train_overrides(1.0), trials)
-        if not plan["allow_repeated_data"]:
-            check_repeats(size, max(plan["sa_budgets"]))
+        if not plan.allow_repeated_data:
+            check_repeats(size, max(plan.sa_budgets))
     return partial(run_token_study, cfg, plan=plan, sizes=sizes)
 
 
@@ -450,16 +430,16 @@ def run_token_study(
 ) -> list[str]:
     """The token-axis study: the plan kept in scale.json, every size's runs, then the analysis and the report.
     Returns the runs that did not finish."""
-    study_dir = Path(identity["study_dir"])
-    keep_plan(study_dir / "scale.json", plan, grid=[])
+    study_dir = Path(identity.study_dir)
+    keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
     entries = []
     for size in sizes:
         entry = run_size(size, plan, group)
-        bench = bench_size(study_dir, size.model, cfg, identity["overrides"]) if cfg.scale.measure_throughput else None
+        bench = bench_size(study_dir, size.model, cfg, identity.overrides) if cfg.scale.measure_throughput else None
         entries.append(replace(entry, bench=bench))
-    seed, margin = cfg.scale.bootstrap_seed, plan["margin"]
-    analysis = analyse_tokens(entries, plan["sa_budgets"], plan["xsa_budgets"], seed=seed, margin=margin)
-    results = TokenStudyResult(**identity, plan=plan, sizes=entries, **analysis)
+    seed, margin = cfg.scale.bootstrap_seed, plan.margin
+    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=margin)
+    results = TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
     write_report(results, study_dir)
     return unfinished(results)
 

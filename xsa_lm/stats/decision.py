@@ -16,12 +16,12 @@ pairs together (the mean difference per seed, its sign flipped as a whole under 
 import itertools
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
-from typing import TypedDict
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.stats
 
+from xsa_lm.records import Record
 from xsa_lm.stats.paired import ALPHA, paired_t, sign_test_p
 from xsa_lm.stats.rates import exact_interval
 
@@ -29,7 +29,7 @@ VERDICTS = ("better", "not worse", "worse", "inconclusive")
 
 
 @dataclass(frozen=True, kw_only=True)
-class MarginVerdict:
+class MarginVerdict(Record):
     """XSA - SA against the declared margin, from the one-sided (1 - ALPHA) bounds of Student's paired t."""
 
     margin: float
@@ -37,9 +37,6 @@ class MarginVerdict:
     upper: float | None
     verdict: str  # one of VERDICTS
     why: str
-
-    def to_json(self) -> dict[str, float | str | None]:
-        return asdict(self)
 
 
 def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
@@ -64,7 +61,7 @@ def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusteredTest:
+class ClusteredTest(Record):
     """Paired differences grouped by the seed they share: the tests run on one mean difference per seed."""
 
     pairs: int
@@ -74,9 +71,6 @@ class ClusteredTest:
     sign_flip_p: float | None  # exact (up to 2^16 clusters' flips) two-sided permutation p of the mean
     sign_p: float | None  # the exact sign test over the seeds
     naive_sign_p: float | None  # the sign test as if every pair were independent: for comparison only
-
-    def to_json(self) -> dict[str, int | float | list[float] | None]:
-        return asdict(self)
 
 
 def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> ClusteredTest:
@@ -112,21 +106,22 @@ def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> Clus
     )
 
 
-def clustered_line(test: dict, shares: str = "its initialisation and data order") -> str:
+def clustered_line(test: ClusteredTest, shares: str = "its initialisation and data order") -> str:
     """One sentence of a report: the clustered test, next to the naive count it replaces."""
-    flip = test["sign_flip_p"]
-    smallest = 2 / 2 ** test["clusters"] if test["clusters"] else None
+    flip = test.sign_flip_p
+    smallest = 2 / 2**test.clusters if test.clusters else None
     floor = ""
     if smallest and smallest > 0.001:
-        floor = f"; with {test['clusters']} seeds no p can be below {smallest:.3g}"
+        floor = f"; with {test.clusters} seeds no p can be below {smallest:.3g}"
     return (
         f"By seed (each seed's pairs share {shares}, so they are one observation): "
-        f"XSA's mean difference is lower in {test['xsa_lower']} of {test['clusters']} seeds, sign-flip "
+        f"XSA's mean difference is lower in {test.xsa_lower} of {test.clusters} seeds, sign-flip "
         f"permutation p = {f'{flip:.3g}' if flip is not None else '-'}{floor}."
     )
 
 
-class NullRates(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class NullRates(Record):
     """How often studies of `study_size` null pairs claim an effect (null_rates); every share with its 95% CI."""
 
     pairs: int

@@ -8,11 +8,12 @@ beside Student's paired t stand the exact Wilcoxon signed-rank and exact sign te
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import TypedDict, cast
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.stats
+
+from xsa_lm.records import Record
 
 ALPHA, POWER = 0.05, 0.8  # the comparison's significance level (two-sided) and the power of its detectable difference
 
@@ -74,22 +75,8 @@ def min_detectable_difference(sd: float | None, n: int) -> float | None:
     return float(quantiles.sum()) * sd / math.sqrt(n)
 
 
-class PairedJson(TypedDict):
-    """PairedStats as results files hold it."""
-
-    pairs: int
-    mean_diff: float | None
-    sd_diff: float | None
-    t: float | None
-    t_p: float | None
-    t_ci95: list[float] | None
-    wilcoxon_p: float | None
-    sign_p: float | None
-    xsa_lower: int
-
-
-@dataclass(frozen=True)
-class PairedStats:
+@dataclass(frozen=True, kw_only=True)
+class PairedStats(Record):
     """XSA - SA over paired seeds. Each test runs when its definition has the data, else its fields are None:
     - Student's paired t (t, t_p, t_ci95): two pairs or more whose differences are not all equal;
     - the exact Wilcoxon signed-rank test (wilcoxon_p) and the exact sign test (sign_p), two-sided: one pair or more
@@ -105,10 +92,6 @@ class PairedStats:
     wilcoxon_p: float | None
     sign_p: float | None
     xsa_lower: int  # the pairs where XSA's value is lower than SA's
-
-    def to_json(self) -> PairedJson:
-        ci = list(self.t_ci95) if self.t_ci95 is not None else None
-        return cast(PairedJson, asdict(self) | {"t_ci95": ci})  # the same keys, the interval as JSON holds it
 
 
 def paired_stats(sa: Sequence[float], xsa: Sequence[float]) -> PairedStats:

@@ -7,33 +7,41 @@ its runs, are never counted as independent.
 """
 
 from collections.abc import Sequence
-from typing import TypedDict
+from dataclasses import dataclass
 
 import numpy as np
 
-from xsa_lm.stats.paired import PairedJson, paired_stats, paired_t
+from xsa_lm.records import Record
+from xsa_lm.stats.paired import PairedStats, paired_stats, paired_t
 
 
-class PositionDifferences(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class PositionDifferences(Record):
     seeds: int
     spans: int
-    per_span: list[PairedJson]
+    per_span: list[PairedStats]
     slopes: list[float]  # per seed: the change of XSA - SA from one span to the next
     slope_mean: float | None
     slope_t_p: float | None
     slope_ci95: list[float] | None
 
 
-def position_differences(sa: Sequence[Sequence[float]], xsa: Sequence[Sequence[float]]) -> PositionDifferences | None:
+def position_differences(
+    sa: Sequence[Sequence[float | None]], xsa: Sequence[Sequence[float | None]]
+) -> PositionDifferences | None:
     """`sa[s][b]` and `xsa[s][b]`: the loss of seed s over span b. Per span the paired tests of XSA - SA; over spans
     the slope of XSA - SA per span with its t test over seeds (negative: the gain grows with position). None
     without a seed whose runs both have every span."""
-    pairs = [(a, b) for a, b in zip(sa, xsa, strict=True) if len(a) == len(b) > 0 and None not in (*a, *b)]
+    pairs = [
+        ([float(v or 0) for v in a], [float(v or 0) for v in b])
+        for a, b in zip(sa, xsa, strict=True)
+        if len(a) == len(b) > 0 and None not in (*a, *b)
+    ]
     if not pairs:
         return None
     spans = len(pairs[0][0])
     pairs = [(a, b) for a, b in pairs if len(a) == spans]
-    per_span = [paired_stats([a[i] for a, _ in pairs], [b[i] for _, b in pairs]).to_json() for i in range(spans)]
+    per_span = [paired_stats([a[i] for a, _ in pairs], [b[i] for _, b in pairs]) for i in range(spans)]
     index = np.arange(spans, dtype=float)
     slopes = [float(np.polyfit(index, np.subtract(b, a), 1)[0]) for a, b in pairs] if spans > 1 else []
     trend = paired_t(slopes)

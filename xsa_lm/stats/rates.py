@@ -1,9 +1,11 @@
 """Stall rates: the exact interval of one rate, and the stratified test of SA's rate against XSA's."""
 
 from collections.abc import Sequence
-from typing import TypedDict
+from dataclasses import dataclass
 
 import scipy.stats
+
+from xsa_lm.records import Record
 
 
 def exact_interval(k: int, n: int) -> tuple[float, float]:
@@ -12,11 +14,12 @@ def exact_interval(k: int, n: int) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
-class MantelHaenszel(TypedDict, total=False):
+@dataclass(frozen=True, kw_only=True)
+class MantelHaenszel(Record):
     statistic: float | None
     p_value: float | None
-    excess_sa_stalls: float  # observed - expected SA stalls, summed over the tables
-    note: str  # why there is no test
+    excess_sa_stalls: float | None = None  # observed - expected SA stalls, summed over the tables
+    note: str | None = None  # why there is no test
 
 
 def mantel_haenszel(tables: Sequence[tuple[int, int, int, int]]) -> MantelHaenszel:

@@ -7,11 +7,13 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict, cast
+from typing import cast
 
-from xsa_lm.config.schema import SEED_MAX
 from xsa_lm.errors import UserError
+from xsa_lm.records import Record
 from xsa_lm.stats.paired import ALPHA, paired_t
+
+SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Selection:
 def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence[float] | None = None) -> list[float]:
     """The sorted, de-duplicated LR grid: an explicit list, {min, max, num} log-spaced, or else the grid of the
     model preset (sweep.lr_grids). Each is a list of positive numbers, and the range's ends are in order, when
-    check_settings has passed them (settings.py); what needs two settings together is checked here."""
+    SweepSpec has passed them (settings.py); what needs two settings together is checked here."""
     if lrs is not None and len(lrs) == 0:
         raise UserError(
             "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
@@ -69,7 +71,7 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
 
 
 def check_search_seeds(search_seeds: object) -> list[int]:
-    """The seeds of the LR search: at least one (each a distinct integer in the seed range: check_settings)."""
+    """The seeds of the LR search: at least one (each a distinct integer in the seed range: SweepSpec)."""
     if not search_seeds:
         raise UserError(
             f"sweep.search_seeds must be a non-empty list of distinct integers from 0 to {SEED_MAX}, got "
@@ -83,7 +85,7 @@ def check_seeds(
     seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
 ) -> list[int]:
     """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid; each a distinct integer in the seed
-    range: check_settings). They must not contain a search seed: the search's SA run at the selected LR won the search
+    range: SweepSpec). They must not contain a search seed: the search's SA run at the selected LR won the search
     partly on its noise (the winner's curse), while XSA's run at that seed was not selected, so reusing it biases the
     paired difference against XSA. sweep.reuse_search_run=true allows it (the report then warns)."""
     seeds = list(seeds or [])
@@ -215,7 +217,8 @@ def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -
     return sequence
 
 
-class Look(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class Look(Record):
     """One look of the sequential rule at the pairs so far: the corrected CI and p-value."""
 
     seeds: int
@@ -226,7 +229,8 @@ class Look(TypedDict):
     significant: bool
 
 
-class SequentialSummary(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class SequentialSummary(Record):
     """The rule, its correction and its outcome, as results.json holds them (`sequential`)."""
 
     rule: str
@@ -285,9 +289,9 @@ class SequentialRule:
 
     def stopped(self, look: Look) -> str | None:
         """Why the sequence stops after this look: significant, cap (the cap reached without it), else None."""
-        if look["significant"]:
+        if look.significant:
             return "significant"
-        return "cap" if look["seeds"] >= self.cap else None
+        return "cap" if look.seeds >= self.cap else None
 
     def summary(self, looks: list[Look], stopped: str) -> SequentialSummary:
         last = looks[-1] if looks else None
@@ -304,7 +308,7 @@ class SequentialRule:
             n_looks=len(looks),
             looks=looks,
             stopped=stopped,
-            seeds=last["seeds"] if last else None,
-            ci=last["ci"] if last else None,
-            p_value=last["p_value"] if last else None,
+            seeds=last.seeds if last else None,
+            ci=last.ci if last else None,
+            p_value=last.p_value if last else None,
         )

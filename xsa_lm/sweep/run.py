@@ -17,9 +17,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TypedDict, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -38,7 +39,6 @@ from xsa_lm.sweep.protocol import (
     SequentialRule,
     SequentialSummary,
     Trial,
-    check_search_seeds,
     check_seeds,
     compare_trials,
     lr_grid,
@@ -47,9 +47,16 @@ from xsa_lm.sweep.protocol import (
     seed_sequence,
     select_lr,
 )
-from xsa_lm.sweep.report import build_results, ci_text, comparison_of, log_to_wandb, write_report
-from xsa_lm.sweep.settings import SWEEP_RULES, check_settings, plain
-from xsa_lm.sweep.stalls import StallRule
+from xsa_lm.sweep.report import (
+    SweepResult,
+    build_results,
+    ci_text,
+    comparison_of,
+    log_to_wandb,
+    with_outcome,
+    write_report,
+)
+from xsa_lm.sweep.settings import SweepSpec, parse
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
@@ -87,17 +94,17 @@ def wandb_settings(cfg: DictConfig) -> DictConfig | None:
     return cfg.logger.get("wandb") if cfg.logger else None
 
 
-def report_run_settings(wandb_cfg: DictConfig) -> ReportRunSettings:
+def report_run_settings(wandb_cfg: Mapping[str, Any]) -> ReportRunSettings:
     """The settings of logger.wandb that a report run takes."""
-    return cast(ReportRunSettings, {key: wandb_cfg[key] for key in ReportRunSettings.__annotations__})
+    return ReportRunSettings(**{key: wandb_cfg[key] for key in ("project", "entity", "mode", "init_timeout_s")})
 
 
 def open_state(
-    state_file: Path, overrides: list[str], cfg: DictConfig, *, id_key: str, overrides_key: str, holds: str
+    state_file: Path, overrides: list[str], group: str | None, *, id_key: str, overrides_key: str, holds: str
 ) -> str:
-    """The identity of a sweep or a study, kept in state_file: its id (the W&B group, else the folder's name),
-    returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says what the folder
-    holds."""
+    """The identity of a sweep or a study, kept in state_file: its id (the W&B group logger.wandb.group, else the
+    folder's name), returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says
+    what the folder holds."""
     directory = state_file.parent
     if state_file.exists():
         state = json.loads(state_file.read_text())
@@ -107,9 +114,8 @@ def open_state(
                 "to resume it, or choose a new hydra.run.dir"
             )
         return state[id_key]
-    wandb_cfg = wandb_settings(cfg)
     state = {
-        id_key: (wandb_cfg.group if wandb_cfg else None) or directory.name,
+        id_key: group or directory.name,
         overrides_key: overrides,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(full_command_line()),  # as typed: `xsa-lm sweep ...`
@@ -152,48 +158,40 @@ def run_exclusive(
             return directory, run(directory, overrides)
 
 
-class ComparisonPlan(TypedDict):
-    """What decides the comparison's statistics, fixed at the first run: the seeds, the sequential rule and its
-    level, the stall definition of the report and the practical margin."""
+@dataclass(frozen=True, kw_only=True)
+class ComparisonPlan:
+    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`): the seeds, the
+    sequential rule and its level, the stall definition of the report and the practical margin."""
 
     search_seeds: list[int]
     seeds: list[int]
     seeds_until_significant: int | None
     alpha: float
     planned_looks: int
-    stall: object  # sweep.stall as written (None: no stall table)
+    stall: dict | None  # sweep.stall as written (None: no stall table)
     margin: float
 
 
-def comparison_plan(cfg: DictConfig, search_seeds: list[int], seeds: list[int], cap: int | None) -> ComparisonPlan:
+def comparison_plan(
+    search_seeds: list[int], seeds: list[int], cap: int | None, *, stall: dict | None, margin: float
+) -> ComparisonPlan:
     return ComparisonPlan(
         search_seeds=search_seeds,
         seeds=seeds,
         seeds_until_significant=cap,
         alpha=ALPHA,
         planned_looks=SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1,
-        stall=plain(cfg.sweep.get("stall")),
-        margin=float(cfg.sweep.margin),
+        stall=stall,
+        margin=margin,
     )
 
 
-def stall_rule(cfg: DictConfig) -> StallRule | None:
-    """sweep.stall as a StallRule (None: no stall table)."""
-    stall = cfg.sweep.get("stall")
-    return StallRule(**cast(dict, plain(stall))) if stall else None
-
-
-def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> list[str]:
+def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
     """The plan is recorded at the first run and a rerun must keep it: adding seeds after seeing p > 0.05, raising a
     sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
-    again without a trace. The grid may grow (its history is kept). Returns a warning for each setting declared
-    after the first runs."""
+    again without a trace. The grid may grow (its history is kept)."""
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
-    late = [key for key in plan if key not in (recorded or plan)]
-    if recorded is not None and late:  # planned before xsa-lm had these settings: kept from now on, reported
-        state.setdefault("declared_after_runs", {}).update({key: plan[key] for key in late})
-        recorded = recorded | {key: plan[key] for key in late}
     if recorded is not None and as_compared(recorded) != as_compared(plan):
         changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])
         raise UserError(
@@ -204,11 +202,6 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
     state["plan"] = plan if recorded is None else recorded  # the first run's (its seeds' order, too)
     state.setdefault("history", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
     write_json(state_file, state)
-    return [
-        f"sweep.{key}={value} was declared after this sweep's first runs (it was planned before xsa-lm had the "
-        "setting): the verdict that uses it was not fixed before the results"
-        for key, value in state.get("declared_after_runs", {}).items()
-    ]
 
 
 def as_compared(plan: Mapping[str, object]) -> dict[str, object]:
@@ -219,12 +212,10 @@ def as_compared(plan: Mapping[str, object]) -> dict[str, object]:
     return {**plan, "seeds": sorted(cast(list[int], plan.get("seeds") or []))}
 
 
-def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[dict]:
-    records = []
-    for trial in trials:
-        record = store.load(trial) or TrialRecord.missing(trial, phase)
-        records.append(record.to_json() | {"phase": phase, "reused": record.phase != phase})
-    return records
+def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[TrialRecord]:
+    """The records of `trials` as this phase uses them (`reused`: a run of another phase)."""
+    records = [store.load(trial) or TrialRecord.missing(trial, phase) for trial in trials]
+    return [replace(record, phase=phase, reused=record.phase != phase) for record in records]
 
 
 def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
@@ -254,40 +245,47 @@ def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[st
     ]
 
 
-def check_sweep(
-    cfg: DictConfig, overrides: list[str] | None = None
-) -> tuple[list[float], list[int], list[int], int | None]:
-    """The LR grid, the search seeds, the compare seeds and the cap of sweep.seeds_until_significant (None: a fixed
-    set of seeds). Every sweep.* setting is checked here, before anything is written, and so is each kind of trial
-    the sweep will start: its training config composed from the training overrides (within the running Hydra app)
-    and checked as its `xsa-lm train` will check it; without overrides, the sweep's own config stands for it."""
+@dataclass(frozen=True)
+class SweepSetup:
+    """A checked sweep: its settings, the LR grid, the search and compare seeds, and the cap of
+    sweep.seeds_until_significant (None: a fixed set of seeds)."""
+
+    spec: SweepSpec
+    grid: list[float]
+    search_seeds: list[int]
+    seeds: list[int]
+    cap: int | None
+
+
+def check_sweep(cfg: DictConfig, overrides: list[str] | None = None) -> SweepSetup:
+    """Every sweep.* setting (SweepSpec), checked here before anything is written, and so is each kind of trial the
+    sweep will start: its training config composed from the training overrides (within the running Hydra app) and
+    checked as its `xsa-lm train` will check it; without overrides, the sweep's own config stands for it."""
     from xsa_lm.config.builders import check_config
 
-    check_settings(cfg.sweep, SWEEP_RULES, "sweep")  # types and ranges first: the rules below rely on them
-    grids = cfg.sweep.lr_grids or {}
-    grid = lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
-    search_seeds = check_search_seeds(plain(cfg.sweep.search_seeds))
-    seeds = check_seeds(cast(list[int] | None, plain(cfg.sweep.seeds)), search_seeds, cfg.sweep.reuse_search_run)
-    cap = cfg.sweep.seeds_until_significant
-    if cap is not None:
-        seed_sequence(seeds, search_seeds, cap)
-    stall_rule(cfg)  # its values, not at the report after every run
-    gpu_slots(cfg.sweep.max_parallel, cfg.sweep.launch_prefix or [])  # enough GPUs for the trials at once
-    if cfg.sweep.eval_tasks:
+    spec = parse(SweepSpec, cfg.sweep, "sweep")
+    grids = spec.lr_grids or {}
+    grid = lr_grid(spec.lrs, spec.lr_range, grids.get(cfg.model.name, grids.get("default")))
+    search_seeds = spec.search_seeds
+    seeds = check_seeds(spec.seeds, search_seeds, spec.reuse_search_run)
+    if spec.seeds_until_significant is not None:
+        seed_sequence(seeds, search_seeds, spec.seeds_until_significant)
+    gpu_slots(spec.max_parallel, spec.launch_prefix or [])  # enough GPUs for the trials at once
+    if spec.eval_tasks:
         from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
 
         require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
         try:
-            task_manager(*resolve_tasks(cast(str | list[str], plain(cfg.sweep.eval_tasks))))  # names, task files
+            task_manager(*resolve_tasks(spec.eval_tasks))  # names, task files
         except UserError as e:
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
     if overrides is None:
         check_config(cfg)
     else:  # XSA trials only in the comparison, unless it is tuned too
-        attentions = ["sa", "xsa"] if seeds or cfg.sweep.tune_xsa else ["sa"]
-        attentions += [NULL] if seeds and cfg.sweep.null_arm else []
+        attentions = ["sa", "xsa"] if seeds or spec.tune_xsa else ["sa"]
+        attentions += [NULL] if seeds and spec.null_arm else []
         check_trials(overrides, [Trial(attention, grid[0], search_seeds[0]) for attention in attentions])
-    return grid, search_seeds, seeds, cap
+    return SweepSetup(spec, grid, search_seeds, seeds, spec.seeds_until_significant)
 
 
 def compare_phase(
@@ -315,7 +313,7 @@ def compare_phase(
         looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
         stopped = rule.stopped(looks[-1])
         outcome = f"stop ({stopped})" if stopped else "one more seed"
-        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1]['ci'])}"
+        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1].ci)}"
         print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
         if stopped:
             return trials, rule.summary(looks, stopped)
@@ -341,7 +339,8 @@ def set_aside(folder: Path) -> Path:
     return folder.rename(folder.with_name(f"{folder.name}.earlier{n}"))
 
 
-class Evaluation(TypedDict):
+@dataclass(frozen=True)
+class Evaluation:
     """The downstream evaluation phase: eval.json (None without eval tasks or compare runs, or when it failed), the
     report's warnings and why it failed (None when it did not)."""
 
@@ -350,19 +349,20 @@ class Evaluation(TypedDict):
     error: str | None
 
 
-def downstream_evaluation(cfg: DictConfig, store: TrialStore, compare: list[Trial], sweep_dir: Path) -> Evaluation:
-    """`xsa-lm eval` of sweep.eval_tasks on the final checkpoints of the compare runs (its own process, like a trial)
-    into eval/. An earlier eval.json of the same checkpoints, tasks and limit is reused; one of others is set aside
-    (eval.earlier<N>/) and the evaluation runs anew."""
-    if not (cfg.sweep.get("eval_tasks") and compare):
+def downstream_evaluation(
+    tasks: str | list[str] | None, limit: float | None, store: TrialStore, compare: list[Trial], sweep_dir: Path
+) -> Evaluation:
+    """`xsa-lm eval` of sweep.eval_tasks (`tasks`, on the first `limit` examples) on the final checkpoints of the
+    compare runs (its own process, like a trial) into eval/. An earlier eval.json of the same checkpoints, tasks and
+    limit is reused; one of others is set aside (eval.earlier<N>/) and the evaluation runs anew."""
+    if not (tasks and compare):
         return Evaluation(result=None, warnings=[], error=None)
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
     ckpts = [str(store.run_dir(t) / "checkpoints" / "last.ckpt") for t in completed]
-    tasks, limit = plain(cfg.sweep.eval_tasks), cfg.sweep.get("eval_limit")
     out, warnings = sweep_dir / "eval", []
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
-        if same_evaluation(previous, ckpts, cast(str | list[str], tasks), limit):
+        if same_evaluation(previous, ckpts, tasks, limit):
             return Evaluation(result=previous, warnings=[], error=None)
         kept = set_aside(out)
         warnings.append(
@@ -370,10 +370,10 @@ def downstream_evaluation(cfg: DictConfig, store: TrialStore, compare: list[Tria
             f"limit {previous['limit']}) was of other checkpoints, tasks, task files or limit than this run's: it is "
             f"kept in {kept}, and the table shown is this run's evaluation in {out}"
         )
-    tasks = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
-    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={tasks}"]
+    listed = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
     cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
-    print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({tasks})")
+    print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
     store.logs.mkdir(parents=True, exist_ok=True)
     with open(store.logs / "eval.log", "a") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -385,61 +385,64 @@ def downstream_evaluation(cfg: DictConfig, store: TrialStore, compare: list[Tria
 
 def open_sweep(
     cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str
-) -> tuple[Launcher, str, list[float], ComparisonPlan, list[str]]:
+) -> tuple[Launcher, str, SweepSetup]:
     """Everything before the first trial: the sweep checked (check_sweep); sweep.json, its identity and plan (a rerun
     must train what the first run trained, with the same plan; the LR grid and the seeds may change: new trials are
     added, finished ones reused); config.yaml, resolved (a rerun keeps the first one and saves its own beside it);
-    the launcher of its trials, stopped on a signal. Returns the launcher, the sweep's id, the LR grid, the plan and
-    the warnings of settings declared after the first runs."""
-    grid, search_seeds, seeds, cap = check_sweep(cfg, overrides)
+    the launcher of its trials, stopped on a signal. Returns the launcher, the sweep's id and the checked sweep."""
+    setup = check_sweep(cfg, overrides)
+    spec, grid, search_seeds, seeds, cap = setup.spec, setup.grid, setup.search_seeds, setup.seeds, setup.cap
     holds = "a sweep with the training overrides"
     state_file = sweep_dir / "sweep.json"
-    sweep_id = open_state(state_file, overrides, cfg, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
-    plan = comparison_plan(cfg, search_seeds, seeds, cap)
-    late = keep_plan(state_file, plan, grid)
+    wandb_cfg = wandb_settings(cfg)
+    group = wandb_cfg.group if wandb_cfg else None
+    sweep_id = open_state(state_file, overrides, group, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
+    plan = comparison_plan(search_seeds, seeds, cap, stall=spec.stall, margin=spec.margin)
+    keep_plan(state_file, asdict(plan), grid)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
     write_text(sweep_dir / config_name, OmegaConf.to_yaml(cfg, resolve=True))
     launcher = Launcher(
         TrialStore(sweep_dir),
         overrides,
-        max_parallel=cfg.sweep.max_parallel,
-        launch_prefix=cfg.sweep.launch_prefix or [],
-        wandb_group=sweep_id if wandb_settings(cfg) else None,
-        diverge_above=cfg.sweep.diverge_above,
+        max_parallel=spec.max_parallel,
+        launch_prefix=spec.launch_prefix or [],
+        wandb_group=sweep_id if wandb_cfg else None,
+        diverge_above=spec.diverge_above,
     )
     stop_on_signals(launcher.stop, command)
-    n_search = len(grid) * len(search_seeds) * (2 if cfg.sweep.tune_xsa else 1)
+    n_search = len(grid) * len(search_seeds) * (2 if spec.tune_xsa else 1)
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
-    trial_counts = f"{n_search} search + up to {(3 if cfg.sweep.null_arm else 2) * (cap or len(seeds))} compare trials"
+    trial_counts = f"{n_search} search + up to {(3 if spec.null_arm else 2) * (cap or len(seeds))} compare trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
     print(f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | {grid_text} | {trial_counts}{threads}")
-    return launcher, sweep_id, grid, plan, late
+    return launcher, sweep_id, setup
 
 
-def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep") -> tuple[dict, str]:
-    launcher, sweep_id, grid, plan, late = open_sweep(cfg, sweep_dir, overrides, command)
-    store, search_seeds, seeds = launcher.store, plan["search_seeds"], plan["seeds"]
-    cap = plan["seeds_until_significant"]
+def run_sweep(
+    cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep"
+) -> tuple[SweepResult, str]:
+    launcher, sweep_id, setup = open_sweep(cfg, sweep_dir, overrides, command)
+    spec, store, grid, search_seeds, seeds = setup.spec, launcher.store, setup.grid, setup.search_seeds, setup.seeds
     print("phase 1: LR search")  # SA's runs select the LR; XSA's (sweep.tune_xsa) say where XSA's own optimum lies
     sa_search = search_trials(grid, search_seeds, ["sa"])
-    xsa_search = search_trials(grid, search_seeds, ["xsa"]) if cfg.sweep.tune_xsa else []
+    xsa_search = search_trials(grid, search_seeds, ["xsa"]) if spec.tune_xsa else []
     launcher.run(sa_search + xsa_search, "search", "lr-search")
     selection = selection_of(store, sa_search)
     compare: list[Trial] = []
     sequential = None
     if selection.lr is not None and seeds:
         compare, sequential = compare_phase(
-            launcher, store, selection.lr, seeds=seeds, search_seeds=search_seeds, cap=cap
+            launcher, store, selection.lr, seeds=seeds, search_seeds=search_seeds, cap=setup.cap
         )
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
-    null = null_trials(selection.lr, seeds) if cfg.sweep.null_arm and selection.lr is not None else []
+    null = null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
     if null:
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
 
-    evaluation = downstream_evaluation(cfg, store, compare, sweep_dir)
+    evaluation = downstream_evaluation(spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir)
     results = build_results(
         sweep_dir,
         sweep_id=sweep_id,
@@ -453,34 +456,38 @@ def run_sweep(cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: s
         xsa_selection=selection_of(store, xsa_search) if xsa_search else None,
         search_seeds=search_seeds,
         sequential=sequential,
-        stall_rule=stall_rule(cfg),
-        margin=plan["margin"],
+        stall_rule=spec.stall_rule,
+        margin=spec.margin,
     )
-    results["eval"], results["eval_error"] = evaluation["result"], evaluation["error"]
-    results["warnings"] += late + earlier_comparisons(store, selection.lr) + evaluation["warnings"]
+    results = with_outcome(
+        results,
+        evaluation=evaluation.result,
+        eval_error=evaluation.error,
+        warnings=earlier_comparisons(store, selection.lr) + evaluation.warnings,
+    )
     markdown = write_report(results, sweep_dir)
     wandb_cfg = wandb_settings(cfg)
-    if wandb_cfg and cfg.sweep.wandb_report:
+    if wandb_cfg and spec.wandb_report:
         log_to_wandb(results, sweep_dir, report_run_settings(wandb_cfg))
     return results, markdown
 
 
-def incomplete(results: dict) -> str | None:
+def incomplete(results: SweepResult) -> str | None:
     """Why a sweep did not finish, or None: a trial to retry, or no usable LR."""
-    unfinished = [t["id"] for t in results["trials"] if t["status"] not in ("completed", "diverged")]
+    unfinished = [t.id for t in results.trials if t.status not in ("completed", "diverged")]
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"
-    if results["selected_lr"] is None:
+    if results.selected_lr is None:
         return "no usable LR in the grid (see the report's warnings)"
     return None
 
 
-def sweep_problem(results: dict) -> str | None:
+def sweep_problem(results: SweepResult) -> str | None:
     """Why `xsa-lm sweep` exits with 1, or None: incomplete(results), else a downstream evaluation that failed."""
     problem = incomplete(results)
-    if problem is None and results.get("eval_error"):  # the training finished: only the evaluation is retried
-        problem = f"{results['eval_error']}: run the same command again to retry it"
+    if problem is None and results.eval_error:  # the training finished: only the evaluation is retried
+        problem = f"{results.eval_error}: run the same command again to retry it"
     return problem
 
 

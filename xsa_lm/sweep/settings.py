@@ -1,21 +1,24 @@
-"""The type and range of every setting of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale`
-(configs/_scale.yaml), each on its field as config/schema.py has them, checked before the sweep or study directory
-gets anything. Hydra types a command-line value by its look: `sweep.lrs=1e-3` is a number, not a list, and
-`sweep.diverge_above=-1` a fine int (with it every run "diverged"). The rules that tie settings together stay with the
-code that uses them (protocol.py, scale/); these come first, so that those see the types they expect.
+"""The settings of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale` (configs/_scale.yaml), typed once:
+frozen pydantic models whose fields own their type, range and one-line doc, converted from the composed config by
+`parse` before the sweep or study directory gets anything. Hydra types a command-line value by its look
+(`sweep.lrs=1e-3` is a number, not a list; `sweep.diverge_above=-1` a fine int), so every field is strict and a bad
+value is refused in one line naming the key, the value and what it takes.
 """
 
+import math
 import shutil
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import Field, dataclass, fields
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, TypeVar
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from xsa_lm.config.checks import field_problems
-from xsa_lm.config.schema import SEED_MAX, Rule, is_a, knob
 from xsa_lm.errors import UserError
+from xsa_lm.sweep.protocol import SEED_MAX, check_search_seeds
+from xsa_lm.sweep.stalls import StallRule
+
+S = TypeVar("S", bound="Settings")
 
 
 def plain(value: object) -> object:
@@ -23,158 +26,239 @@ def plain(value: object) -> object:
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
-def is_list(value: object) -> bool:
-    return isinstance(value, list | tuple | ListConfig)
+def rule(check: Any) -> BeforeValidator:
+    """A field checked by a function of its own (value -> what is wrong with it, or None), before its type."""
+
+    def validate(value: Any) -> Any:
+        problem = check(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return BeforeValidator(validate)
 
 
-def positive_numbers(example: str, nullable: bool = False) -> Rule:
-    """A list of distinct positive numbers ([] is left to the code that needs some, which says why)."""
-
-    def check(value) -> str | None:  # null, where the field allows it: Check.problem
-        if not is_list(value) or any(not is_a(float, v) or v <= 0 for v in value):
-            return f"must be a list of positive numbers, e.g. {example}" + (", or null" if nullable else "")
-        twice = sorted(v for v, n in Counter(float(v) for v in value).items() if n > 1)
-        return f"lists {', '.join(f'{v:g}' for v in twice)} twice: list each value once" if twice else None
-
-    return check
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def seed_list(nullable: bool = False) -> Rule:
-    """Distinct seeds, each in the range `seed` takes (numpy's, which Lightning's seed_everything enforces)."""
+def numbers_problem(value: Any, example: str, nullable: bool = False) -> str | None:
+    """What is wrong with a list of distinct positive numbers ([] is left to the code that needs some)."""
+    if value is None and nullable:
+        return None
+    if not isinstance(value, list) or any(not is_number(v) or v <= 0 for v in value):
+        return f"must be a list of positive numbers, e.g. {example}" + (", or null" if nullable else "")
+    twice = sorted(v for v, n in Counter(float(v) for v in value).items() if n > 1)
+    return f"lists {', '.join(f'{v:g}' for v in twice)} twice: list each value once" if twice else None
 
-    def check(value) -> str | None:
+
+def positive_numbers(example: str, nullable: bool = False) -> BeforeValidator:
+    return rule(lambda value: numbers_problem(value, example, nullable))
+
+
+def seed_list(nullable: bool = False) -> BeforeValidator:
+    """Distinct seeds, each in the range `seed` takes."""
+
+    def check(value: Any) -> str | None:
         if value is None and nullable:
             return None
-        ints = is_list(value) and all(is_a(int, s) and 0 <= s <= SEED_MAX for s in value)
+        ints = isinstance(value, list) and all(type(s) is int and 0 <= s <= SEED_MAX for s in value)
         if not ints or len(set(value)) != len(value):
             return f"must be a list of distinct integers from 0 to {SEED_MAX}" + (", or null" if nullable else "")
         return None
 
-    return check
+    return rule(check)
 
 
-def lr_range(value) -> str | None:
+def lr_range(value: Any) -> str | None:
     """{min, max, num}: num LRs log-spaced from min to max."""
-    good = (
-        isinstance(value, dict | DictConfig)
+    good = value is None or (
+        isinstance(value, dict)
         and set(value) == {"min", "max", "num"}
-        and is_a(float, value["min"])
-        and is_a(float, value["max"])
+        and is_number(value["min"])
+        and is_number(value["max"])
         and 0 < value["min"] < value["max"]
-        and is_a(int, value["num"])
+        and type(value["num"]) is int
         and value["num"] >= 2
     )
     return None if good else "must be {min:..,max:..,num:..} with 0 < min < max and an integer num >= 2, or null"
 
 
-def lr_grids(value) -> str | None:
+def lr_grids(value: Any) -> str | None:
     """Model name -> its LR grid (a non-empty list of positive numbers)."""
-    if not isinstance(value, dict | DictConfig):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
         return "must map model names to LR lists, e.g. {tiny:[3e-3,1e-2,3e-2],default:[1e-4,3e-4]}"
-    grid = positive_numbers("[1e-4,3e-4]")
     for name, lrs in value.items():
-        problem = grid(lrs) or (None if not is_list(lrs) or len(lrs) else "must not be empty")
+        problem = numbers_problem(lrs, "[1e-4,3e-4]") or (None if lrs else "must not be empty")
         if problem:
-            return f"has {name!s}: {plain(lrs)}, which {problem}"
+            return f"has {name!s}: {lrs}, which {problem}"
     return None
 
 
-def stall(value) -> str | None:
+def stall(value: Any) -> str | None:
     """null, or the stall rule's keys (sweep/stalls.py StallRule checks their values)."""
     keys = {"at_fraction", "margin", "loss_threshold"}
-    if value is None or (isinstance(value, dict | DictConfig) and set(value) <= keys):
+    if value is None or (isinstance(value, dict) and set(value) <= keys):
         return None
     return f"must be null or hold only {', '.join(sorted(keys))}"
 
 
-def command_prefix(value) -> str | None:
+def command_prefix(value: Any) -> str | None:
     """The words put before each trial's command: [] (none), or a program found on PATH and its arguments."""
-    if value is None or (is_list(value) and not value):
+    if value is None or value == []:
         return None
-    if not is_list(value) or any(not isinstance(word, str) or not word for word in value):
+    if not isinstance(value, list) or any(not isinstance(word, str) or not word for word in value):
         return "must be a list of words, e.g. [srun,--ntasks=1], or [] for none"
     if shutil.which(value[0]) is None:
         return f"starts with {value[0]}, which is no program on PATH (nor an executable file): install it or fix it"
     return None
 
 
-def eval_tasks(value) -> str | None:
+def eval_tasks(value: Any) -> str | None:
     """null (no downstream evaluation), `paper`, a task name or YAML file, or a list of them."""
-    words = list(value) if is_list(value) else [value]
+    words = value if isinstance(value, list) else [value]
     if value is None or (words and all(isinstance(w, str) and w for w in words)):
         return None
     return "must be null, paper, or a list of lm-eval task names or task YAML files"
 
 
-def checked_elsewhere(value) -> None:
-    """A setting whose rule needs other settings: the code that uses it checks it, before anything is written."""
-    return None
+class Settings(BaseModel):
+    """A command's settings: frozen, no key beyond its fields, values of their own type."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
-@dataclass
-class SweepSettings:
+class SweepSpec(Settings):
     """`xsa-lm sweep`'s settings (configs/sweep/paper.yaml says what each does)."""
 
-    lrs: list[float] | None = knob(rule=positive_numbers("[1e-3,3e-3]", nullable=True))  # null: lr_range, lr_grids
-    lr_range: dict[str, float] | None = knob(rule=lr_range)  # {min, max, num}: log-spaced
-    lr_grids: dict[str, list[float]] | None = knob(rule=lr_grids)  # model name -> its grid
-    search_seeds: list[int] = knob(rule=seed_list())  # each LR scored by the median final loss over them
-    seeds: list[int] | None = knob(rule=seed_list(nullable=True), hint="[]: a search-only sweep")  # compare seeds
-    reuse_search_run: bool = knob()  # true: a search seed among the compare seeds (biased against XSA)
-    seeds_until_significant: int | None = knob(rule=checked_elsewhere)  # protocol.py seed_sequence: >= the seeds
-    margin: float = knob(ge=0, hint="the practical margin in nats of XSA - SA, fixed in the plan before the runs")
-    null_arm: bool = knob()  # an A/A null beside the comparison
-    tune_xsa: bool = knob()  # also grid-search XSA
-    stall: dict[str, float | None] | None = knob(rule=stall)  # when a search run stalls (sweep/stalls.py)
-    diverge_above: float | None = knob(
-        gt=0, hint="a final val loss above it counts as diverged; null: ln(vocabulary size), a uniform guess"
+    lrs: Annotated[list[float] | None, positive_numbers("[1e-3,3e-3]", nullable=True)]  # null: lr_range, lr_grids
+    lr_range: Annotated[dict[str, float] | None, rule(lr_range)]  # {min, max, num}: log-spaced
+    lr_grids: Annotated[dict[str, list[float]] | None, rule(lr_grids)]  # model name -> its grid
+    search_seeds: Annotated[list[int], seed_list()]  # each LR scored by the median final loss over them
+    seeds: Annotated[list[int] | None, seed_list(nullable=True)] = Field(description="[]: a search-only sweep")
+    reuse_search_run: bool  # true: a search seed among the compare seeds (biased against XSA)
+    seeds_until_significant: int | None  # add seed pairs until significant, up to this many (protocol.seed_sequence)
+    margin: float = Field(
+        ge=0, description="the practical margin in nats of XSA - SA, fixed in the plan before the runs"
     )
-    max_parallel: int = knob(ge=1)  # trials at once
-    launch_prefix: list[str] = knob(rule=command_prefix)  # put before each trial, e.g. [srun, --ntasks=1]
-    wandb_report: bool = knob()  # a report run in the sweep's W&B group
-    eval_tasks: str | list[str] | None = knob(rule=eval_tasks)  # xsa-lm eval on the compare runs; null: none
-    eval_limit: float | None = knob(gt=0, hint="the first N examples per task; null: all")
+    null_arm: bool  # an A/A null beside the comparison
+    tune_xsa: bool  # also grid-search XSA
+    stall: Annotated[dict[str, float | None] | None, rule(stall)]  # when a search run stalls (sweep/stalls.py)
+    diverge_above: float | None = Field(
+        gt=0,
+        allow_inf_nan=False,
+        description="a final val loss above it counts as diverged; null: ln(vocabulary size), a uniform guess",
+    )
+    max_parallel: int = Field(ge=1)  # trials at once
+    launch_prefix: Annotated[list[str] | None, rule(command_prefix)]  # put before each trial, e.g. [srun, --ntasks=1]
+    wandb_report: bool  # a report run in the sweep's W&B group
+    eval_tasks: Annotated[str | list[str] | None, rule(eval_tasks)]  # xsa-lm eval on the compare runs; null: none
+    eval_limit: float | None = Field(gt=0, description="the first N examples per task; null: all")
+
+    @model_validator(mode="after")
+    def _search_seeds_and_stalls(self) -> "SweepSpec":
+        """One search seed at least, and the stall rule's values (now, not at the report after every run). The
+        compare seeds, which a scaling study sets per size, are the sweep's: check_sweep."""
+        check_search_seeds(self.search_seeds)
+        self.stall_rule  # noqa: B018
+        return self
+
+    @property
+    def stall_rule(self) -> StallRule | None:
+        """sweep.stall as a StallRule (None: no stall table)."""
+        return StallRule(**self.stall) if self.stall else None  # type: ignore[arg-type]  # StallRule checks them
 
 
-@dataclass
-class ScaleSettings:
+class ScaleSpec(Settings):
     """`xsa-lm scale`'s settings (configs/_scale.yaml says what each does)."""
 
-    axis: Literal["size", "tokens"] = knob()  # the sizes at one token budget, or token budgets per size
-    models: list[str] = knob(rule=checked_elsewhere)  # scale/run.py check_models: presets, two or more on size
-    seeds: list[int] | None = knob(
-        rule=seed_list(nullable=True), hint="the compare seeds at every size; null: sweep.seeds"
+    axis: Literal["size", "tokens"]  # the sizes at one token budget, or token budgets per size
+    models: Any  # scale/run.py check_models: model presets, two or more on the size axis
+    seeds: Annotated[list[int] | None, seed_list(nullable=True)] = Field(
+        description="the compare seeds at every size; null: sweep.seeds"
     )
-    fit: str = knob(rule=checked_elsewhere)  # scale/run.py check_analysis: auto or a form of scale/fit.py
-    bootstrap_resamples: int = knob(ge=100)  # behind the bootstrap intervals
-    bootstrap_seed: int = knob(ge=0, le=SEED_MAX)  # the same resamples on every rerun
-    wandb_report: bool = knob()  # a scale-report run in the study's W&B group
-    tokens_per_param: float = knob(gt=0)  # B = this x the non-embedding parameters
-    sa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1,2]"))  # in units of B
-    xsa_budgets: list[float] = knob(rule=positive_numbers("[0.5,1]"))  # in units of B, among SA's
-    lr_per_budget: bool = knob()  # SA's LR searched at every SA budget
-    warmup_fraction: float | None = knob(
-        ge=0, lt=1, hint="the share of each run's steps spent warming up; null: the recipe's"
+    fit: Literal["auto", "power_law_offset", "power_law"]  # scale/fit.py FORMS
+    bootstrap_resamples: int = Field(ge=100)  # behind the bootstrap intervals
+    bootstrap_seed: int = Field(ge=0, le=SEED_MAX)  # the same resamples on every rerun
+    wandb_report: bool  # a scale-report run in the study's W&B group
+    tokens_per_param: float = Field(gt=0)  # B = this x the non-embedding parameters
+    sa_budgets: Annotated[list[float], positive_numbers("[0.5,1,2]")]  # in units of B
+    xsa_budgets: Annotated[list[float], positive_numbers("[0.5,1]")]  # in units of B, within SA's
+    lr_per_budget: bool  # SA's LR searched at every SA budget
+    warmup_fraction: float | None = Field(
+        ge=0, lt=1, description="the share of each run's steps spent warming up; null: the recipe's"
     )
-    allow_repeated_data: bool = knob()  # false: a budget past one epoch is refused
-    measure_throughput: bool = knob()  # xsa-lm bench SA vs XSA at each size
-    bench_rounds: int = knob(ge=2)  # of the throughput bench
-    bench: str | None = knob(rule=checked_elsewhere)  # scale/run.py load_bench: a results.json of `xsa-lm bench`
+    allow_repeated_data: bool  # false: a budget past one epoch is refused
+    measure_throughput: bool  # xsa-lm bench SA vs XSA at each size
+    bench_rounds: int = Field(ge=2)  # of the throughput bench
+    bench: str | None  # scale/run.py load_bench: a results.json of `xsa-lm bench`
+
+    @model_validator(mode="after")
+    def _budgets(self) -> "ScaleSpec":
+        """The token axis: SA at 2+ budgets including 1 (where the LR is chosen), XSA's inside SA's range, so that no
+        multiplier needs an extrapolation."""
+        sa, xsa = sorted(self.sa_budgets), sorted(self.xsa_budgets)
+        if self.axis == "tokens" and (len(sa) < 2 or 1.0 not in sa):
+            raise UserError(f"scale.sa_budgets needs 2+ positive budgets including 1 (the LR is chosen at B), got {sa}")
+        if self.axis == "tokens" and (not xsa or any(not sa[0] <= f <= sa[-1] for f in xsa)):
+            raise UserError(f"scale.xsa_budgets must lie within SA's budgets [{sa[0]:g}, {sa[-1]:g}], got {xsa}")
+        return self
 
 
-# Each group's settings by name, as the commands check them (check_settings).
-SWEEP_RULES = {f.name: f for f in fields(SweepSettings)}
-SCALE_RULES = {f.name: f for f in fields(ScaleSettings)}
+WANTED = {
+    "int_type": "must be an integer",
+    "float_type": "must be a finite number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "string_type": "must be text",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+}
+BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
-def check_settings(node: DictConfig, rules: Mapping[str, Field], group: str) -> None:
-    """Every key of the group against its field, in one line naming each bad value; a key without a field is one the
-    command does not have (`+sweep.lr=...`), a field without a key a config that lost it."""
-    bad = [
-        f"{group}.{key}: not a setting of `xsa-lm {group}` (it has {', '.join(rules)})"
-        for key in map(str, node)
-        if key not in rules
-    ]
-    bad += field_problems(node, rules.values(), f"{group}.")
-    if bad:
-        raise UserError("; ".join(bad))
+def parse(spec_type: type[S], node: DictConfig | dict, group: str) -> S:
+    """The settings of `group` (sweep or scale) as their spec, or a UserError of one line naming each bad key."""
+    values = plain(node)
+    try:
+        return spec_type.model_validate(values)
+    except ValidationError as e:
+        raise UserError("; ".join(problems(spec_type, values, e.errors(), group))) from None
+
+
+def problems(spec_type: type[Settings], values: Any, errors: Sequence[Mapping[str, Any]], group: str) -> list[str]:
+    """Pydantic's errors as `group.key=value what it takes`, one per key."""
+    said: dict[str, str] = {}
+    for error in errors:
+        name = str(error["loc"][0]) if error["loc"] else ""
+        key = f"{group}.{name}"
+        if key in said:
+            continue
+        if error["type"] == "extra_forbidden":
+            said[key] = f"{key}: not a setting of `xsa-lm {group}` (it has {', '.join(spec_type.model_fields)})"
+        elif error["type"] == "missing":
+            said[key] = f"{key} is missing from the config: set it"
+        elif not name:  # a rule across fields: its message names the keys
+            said[key] = str(error["ctx"]["error"])
+        else:
+            said[key] = problem(spec_type, key, name, values.get(name), error)
+    return list(said.values())
+
+
+def problem(spec_type: type[Settings], key: str, name: str, value: Any, error: Mapping[str, Any]) -> str:
+    """`key=value what it takes (what the setting does)` for one field's error."""
+    kind, ctx, info = error["type"], error.get("ctx", {}), spec_type.model_fields[name]
+    if kind == "literal_error":
+        words = [w.strip("'") for w in ctx["expected"].replace(" or ", ", ").split(", ")]
+        return f"{key}={value!r}: choose {', '.join(words[:-1])} or {words[-1]}"
+    if kind == "value_error":
+        text = str(ctx["error"])
+    elif kind in BOUNDS:
+        limit = next(iter(ctx.values()))
+        text = f"must be {BOUNDS[kind]} {limit:g}" if isinstance(limit, float) else f"must be {BOUNDS[kind]} {limit}"
+    else:
+        text = WANTED.get(kind, error["msg"]) + (" or null" if value is None or "None" in str(info.annotation) else "")
+    hint = f" ({info.description})" if info.description else ""
+    return f"{key}={'null' if value is None else value} {text}{hint}"

@@ -12,15 +12,15 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypedDict
 
 import numpy as np
 
 from xsa_lm.errors import UserError
-from xsa_lm.reporting import interval, markdown_table, num, section
-from xsa_lm.stats.decision import clustered_line, clustered_test
+from xsa_lm.records import Record
+from xsa_lm.stats.decision import ClusteredTest, clustered_test
 from xsa_lm.stats.paired import sign_test_p
 from xsa_lm.stats.rates import MantelHaenszel, exact_interval, mantel_haenszel
+from xsa_lm.sweep.trials import TrialRecord
 
 DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
 
@@ -41,17 +41,17 @@ class StallRule:
             )
 
 
-def loss_at_fraction(record: dict, fraction: float) -> tuple[int, float] | None:
+def loss_at_fraction(record: TrialRecord, fraction: float) -> tuple[int, float] | None:
     """(step, val loss) of the first validation at or after `fraction` of the run's steps; None without one."""
-    history = record.get("val_history") or []
-    steps = record.get("steps") or (history[-1]["step"] if history else 0)
+    history = record.val_history
+    steps = record.steps or (history[-1]["step"] if history else 0)
     due = [h for h in history if h["step"] >= fraction * steps]
     return (due[0]["step"], due[0]["val_loss"]) if due else None
 
 
-def tokens_to_reach(record: dict, threshold: float) -> float | None:
+def tokens_to_reach(record: TrialRecord, threshold: float) -> float | None:
     """The tokens seen at the first validation whose loss is at or below threshold; None: never reached."""
-    hits = [h["tokens"] for h in record.get("val_history") or [] if h["val_loss"] <= threshold]
+    hits = [h["tokens"] for h in record.val_history if h["val_loss"] <= threshold]
     return float(hits[0]) if hits else None
 
 
@@ -72,22 +72,22 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
     return min(rows, key=lambda r: abs(r[0] - step))[1]
 
 
-def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
+def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
     """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed)."""
     by_lr: dict[float, list[float]] = {}
     points = []
     for record in records:
-        point = loss_at_fraction(record, rule.at_fraction) if record.get("status") == "completed" else None
+        point = loss_at_fraction(record, rule.at_fraction) if record.status == "completed" else None
         points.append(point)
         if point is not None:
-            by_lr.setdefault(record["lr"], []).append(point[1])
+            by_lr.setdefault(record.lr, []).append(point[1])
     rows = []
     for record, point in zip(records, points, strict=True):
-        row = {k: record.get(k) for k in ("attention", "lr", "seed", "status", "final_val_loss", "run_dir")}
+        row = {k: getattr(record, k) for k in ("attention", "lr", "seed", "status", "final_val_loss", "run_dir")}
         if point is None:
             row.update(stalled=None, step=None, loss_at=None)
         else:
-            reference = statistics.median(by_lr[record["lr"]])
+            reference = statistics.median(by_lr[record.lr])
             row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin, reference=reference)
         if rule.loss_threshold is not None:
             row["tokens_to_threshold"] = tokens_to_reach(record, rule.loss_threshold)
@@ -95,12 +95,13 @@ def classify(records: Sequence[dict], rule: StallRule) -> list[dict]:
     return rows
 
 
-class PairedFinalLosses(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class PairedFinalLosses(Record):
     per_lr: list[dict[str, float | int]]  # lr, pairs, median_diff, xsa_lower
     pairs: int
     xsa_lower: int
     sign_test_p_value: float | None
-    by_seed: dict[str, int | float | list[float] | None]  # ClusteredTest.to_json
+    by_seed: ClusteredTest
 
 
 def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
@@ -128,11 +129,12 @@ def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
         pairs=len(pairs),
         xsa_lower=sum(d < 0 for d in diffs),
         sign_test_p_value=sign_test_p(diffs),
-        by_seed=clustered_test(diffs, [seed for _, _, seed in pairs]).to_json(),
+        by_seed=clustered_test(diffs, [seed for _, _, seed in pairs]),
     )
 
 
-class StallStudy(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class StallStudy(Record):
     rule: dict[str, float | None]  # at_fraction, margin, loss_threshold
     cells: list[dict]  # per LR and arm: runs, quartiles, stalls and their interval, diagnostics
     runs: list[dict]  # each run classified
@@ -142,7 +144,7 @@ class StallStudy(TypedDict):
     paired_final_losses: PairedFinalLosses | None
 
 
-def stall_study(records: Sequence[dict], rule: StallRule) -> StallStudy:
+def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
     """Per LR and arm: runs, final-loss quartiles, stalls with an exact interval, diverged runs, the median tokens to
     the loss threshold and the attention diagnostics of stalled and healthy runs; then the stratified test."""
     rows = classify(records, rule)
@@ -193,77 +195,3 @@ def stall_study(records: Sequence[dict], rule: StallRule) -> StallStudy:
         stratified_test=mantel_haenszel(tables) if tables else None,
         paired_final_losses=paired_final_losses(rows),
     )
-
-
-def stall_lines(study: dict) -> list[str]:
-    """The report's section: the rule, the table per LR and arm, the stratified test."""
-    rule, cells = study["rule"], study["cells"]
-
-    def diag(cell: dict, metric: str) -> str:
-        states = (cell[f"diagnostics_{state}"] for state in ("stalled", "healthy"))
-        return " / ".join(f"{d[metric]:.3f}" if d else "-" for d in states)
-
-    def runs(cell: dict) -> str:
-        return f"{cell['runs']}" + (f" (+{n} diverged/failed)" if (n := cell["diverged_or_failed"]) else "")
-
-    def loss(q: list[float] | None) -> str:
-        return f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if q else "-"
-
-    lines = section(
-        "## Stalls per LR and arm (LR x seed grid of the search)",
-        f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
-        f"{rule['margin']:g} nats above the median of every run at its LR (both arms); the rule was fixed in the "
-        "sweep's plan before the runs. Interval: exact (Clopper-Pearson) 95%. Final loss: median [IQR] of the runs "
-        "that did not diverge.",
-    )
-    header = ["LR", "arm", "runs", "stalls", "stall rate 95% CI", "final loss median [IQR]"]
-    header += ["a_ii stalled / healthy", "cos(y,v) stalled / healthy"]
-    lines += markdown_table(
-        header,
-        [
-            [f"{c['lr']:g}", c["attention"].upper(), runs(c), c["stalls"], interval(c["stall_rate_ci95"], ".2f")]
-            + [loss(c["final_loss_quartiles"]), diag(c, "a_ii"), diag(c, "cos_y_v")]
-            for c in cells
-        ],
-        align="rlrrllll",
-    )
-    test = study["stratified_test"]
-    stalls, judged = study["stalls"], study["judged"]
-    lines += [
-        "",
-        f"In all: SA stalled in {stalls['sa']} of {judged['sa']} runs, XSA in {stalls['xsa']} of {judged['xsa']}.",
-    ]
-    if test and test.get("p_value") is not None:
-        lines.append(
-            f"Cochran-Mantel-Haenszel test stratified by LR (SA's stall rate = XSA's at every LR): chi^2 = "
-            f"{test['statistic']:.2f} on 1 dof, p = {test['p_value']:.3g}."
-        )
-    elif test:
-        lines.append(f"Stratified test: {test['note']}.")
-    paired = study.get("paired_final_losses")
-    if paired:
-        per_lr = "; ".join(
-            f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
-            for c in paired["per_lr"]
-        )
-        lines += [
-            "",
-            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired['pairs']} pairs XSA is lower in "
-            f"{paired['xsa_lower']} (exact sign test p = {num(paired['sign_test_p_value'], '.3g')} if the pairs were "
-            "independent; they are not).",
-        ]
-        if paired.get("by_seed"):
-            lines.append(clustered_line(paired["by_seed"]))
-    if any(math.isfinite(c.get("median_tokens_to_threshold") or math.nan) for c in cells):
-        header = ["LR", "arm", "runs reaching the threshold", "median tokens to reach it"]
-        rows = [
-            [
-                f"{c['lr']:g}",
-                c["attention"].upper(),
-                c.get("reached_threshold", 0),
-                num(c.get("median_tokens_to_threshold"), ",.0f"),
-            ]
-            for c in cells
-        ]
-        lines += ["", *markdown_table(header, rows, align="rlrr")]
-    return lines

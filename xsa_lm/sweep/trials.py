@@ -184,7 +184,7 @@ def last_error_line(log: Path) -> str:
 
 def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs.
-    (sweep.max_parallel >= 1: check_settings.)"""
+    (sweep.max_parallel >= 1: SweepSpec.)"""
     if not visible or max_parallel == 1:
         return [None] * max_parallel
     if len(visible) < max_parallel:
