@@ -356,7 +356,7 @@ def test_an_unfinished_run_is_named_with_its_reason_and_log():
     runs = {"sa": {"2": [run, {**run, "seed": 3, "status": "completed"}, {"seed": 4, "status": "interrupted"}]}}
     size = {"model": "m", "tokens_B": B, "runs": runs}
     study = {"study_dir": "s", "study_id": "s", "overrides": [], "plan": PLAN | {"margin": None}, "sizes": [size],
-             "cells": []}  # fmt: skip
+             "cells": [], "schema": 1}  # fmt: skip
     assert unfinished(TokenStudyResult.from_json(study)) == [
         "m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log L)",
         "m sa 2 B seed 4 (interrupted)",

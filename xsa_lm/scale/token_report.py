@@ -77,7 +77,6 @@ class TokenSize(Record):
     seeds: list[int] = field(default_factory=list)
     grid: list[float] = field(default_factory=list)
     bench: SizeBench | None = None  # bench_size
-    schema: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
