@@ -23,6 +23,7 @@ from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_ran
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
 from xsa_lm.config.checks import check_values
+from xsa_lm.config.spec import TrainSpec, parse, plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
@@ -35,7 +36,8 @@ def train_here(data_cache: Path, monkeypatch, run_dir: Path, overrides: list[str
     monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train(composed(overrides), run_dir)
+        cfg = composed(overrides)
+        train(parse(TrainSpec, cfg), plain_dict(cfg), run_dir)
 
 
 def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:

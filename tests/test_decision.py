@@ -14,7 +14,7 @@ import torch
 
 from tests.golden import assert_golden
 from tests.helpers import FAST, compose_train
-from xsa_lm.config.builders import model_config
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.scale.report import SizeResult
 from xsa_lm.scale.run import size_tests
@@ -204,16 +204,16 @@ def test_the_null_arm_is_sa_from_other_weights_and_is_reported_beside_xsa(tmp_pa
 
 
 def test_init_seed_draws_other_weights_and_leaves_the_seeds_stream_alone() -> None:
-    cfg = compose_train([*FAST, "logger=none"])
+    spec = parse(TrainSpec, compose_train([*FAST, "logger=none"]))
     weights = {}
     for init_seed in (None, 5, 5):
-        cfg.init_seed = init_seed
-        set_up_process(cfg)
-        module = make_module(cfg, model_config(cfg, 512))
+        spec = spec.model_copy(update={"init_seed": init_seed})
+        set_up_process(spec)
+        module = make_module(spec, spec.gpt_config(512))
         weights.setdefault(init_seed, []).append((module.model.wte.weight.detach().clone(), torch.rand(1)))
     (plain, _), (first, after_first), (second, _) = weights[None][0], *weights[5]
     assert not torch.equal(plain, first) and torch.equal(first, second)
     # After the module, the random stream is the seed's own with or without init_seed: dropout, data order and the
     # rest see what a plain run with that seed sees once its weights are drawn
-    set_up_process(cfg)
+    set_up_process(spec)
     assert torch.equal(after_first, torch.rand(1))

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from tests.helpers import FAST, REPO, compose_train
 from tests.test_reliability import stop_mid_run
-from xsa_lm.config.builders import check_config, model_config
 from xsa_lm.config.checks import check_values
+from xsa_lm.config.spec import TrainSpec, parse, plain_dict
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
@@ -74,7 +74,7 @@ def test_each_rank_sets_its_device_before_any_cuda_call(
         monkeypatch.setenv(variable, value)
     cfg = compose_train([*FAST, *trainer, "trainer.precision=auto", "micro_batch_size=4"])
     with pytest.raises(UserError, match="this run needs about"):
-        train(cfg, tmp_path / "run")
+        train(parse(TrainSpec, cfg), plain_dict(cfg), tmp_path / "run")
     names = [call[0] for call in fake_gpus]
     assert fake_gpus[0] == ("set_device", expected), fake_gpus
     assert {"mem_get_info", "is_bf16_supported"} <= set(names[1:])  # the calls that used to come first
@@ -94,9 +94,9 @@ def test_the_host_heap_tweak_is_for_cpu_runs_only(fake_gpus: list[tuple], monkey
     """glibc keeping freed memory helps a CPU run, whose tensors live on the host; a GPU run leaves malloc alone."""
     tweaked = []
     monkeypatch.setattr("xsa_lm.train.run.reuse_freed_host_memory", lambda: tweaked.append(True) or True)
-    set_up_process(compose_train([*FAST, "trainer=gpu"]))
+    set_up_process(parse(TrainSpec, compose_train([*FAST, "trainer=gpu"])))
     assert tweaked == []
-    set_up_process(compose_train([*FAST, "trainer=cpu"]))
+    set_up_process(parse(TrainSpec, compose_train([*FAST, "trainer=cpu"])))
     assert tweaked == [True]
 
 
@@ -193,9 +193,8 @@ def fit_once(
 ) -> dict:
     """Train STEPS optimizer steps through the run's own make_module and make_trainer; what this rank saw. One
     process (args=ONE_PROCESS_ARGS) trains on both ranks' streams. `blocks`: filled by recording_blocks."""
-    cfg = compose_train([*args, *overrides])
-    plan = check_config(cfg)
-    assert plan["accumulate"] == ACCUMULATE
+    spec = parse(TrainSpec, compose_train([*args, *overrides]))
+    assert spec.accumulate == ACCUMULATE
     counts = {"on": False, "broadcast": 0, "reduce_scatter": 0}
     # FSDP2 reduce-scatters through dist.reduce_scatter_single (dist.reduce_scatter_tensor before torch 2.13).
     scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
@@ -220,10 +219,10 @@ def fit_once(
     dist.broadcast = counting(counts, "broadcast", originals["broadcast"])
     setattr(dist, scatter, counting(counts, "reduce_scatter", originals[scatter]))
     try:
-        set_up_process(cfg)  # the seed: every fit starts from the same weights
-        module = make_module(cfg, model_config(cfg, 512))
-        trainer = make_trainer(cfg, run_dir, plan=plan, callbacks=[Record()], loggers=[])
-        streams = (rank,) if plan["devices"] > 1 else (0, 1)  # one device: the global batch of both ranks
+        set_up_process(spec)  # the seed: every fit starts from the same weights
+        module = make_module(spec, spec.gpt_config(512))
+        trainer = make_trainer(spec, run_dir, callbacks=[Record()], loggers=[])
+        streams = (rank,) if spec.trainer.world_size > 1 else (0, 1)  # one device: the global batch of both ranks
         loader = torch.utils.data.DataLoader(RandomTokens(streams), batch_size=None)
         trainer.fit(module, train_dataloaders=loader)
     finally:
@@ -235,14 +234,14 @@ def fit_once(
 
 def validate_once(run_dir: Path) -> dict:
     """An odd number of validation windows over 2 ranks under FSDP2, and the mean over all of them in one process."""
-    cfg = compose_train(WORKER_ARGS)
-    set_up_process(cfg)
-    module = make_module(cfg, model_config(cfg, 512))
+    spec = parse(TrainSpec, compose_train(WORKER_ARGS))
+    set_up_process(spec)
+    module = make_module(spec, spec.gpt_config(512))
     tokens = torch.randint(0, 512, (VAL_WINDOWS, 65), generator=torch.Generator().manual_seed(0))
     windows = [(t[:-1], t[1:]) for t in tokens]
     with torch.no_grad():
         reference = sum(float(module.model(x[None], y[None])[1]) for x, y in windows) / VAL_WINDOWS
-    trainer = make_trainer(cfg, run_dir, plan=check_config(cfg), callbacks=[], loggers=[])
+    trainer = make_trainer(spec, run_dir, callbacks=[], loggers=[])
     loader = torch.utils.data.DataLoader(padded_for_ranks(windows, 2), batch_size=2)
     validated = trainer.validate(module, dataloaders=loader, verbose=False)[0]["val/loss"]
     return {"validated": validated, "reference": reference}
@@ -371,7 +370,7 @@ def test_a_block_computes_in_the_same_dtypes_under_every_strategy(
     autocasts = []
     for strategy in (["trainer=cpu"], ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]):
         cfg = compose_train([*FAST, *strategy, "trainer.precision=bf16-mixed", "micro_batch_size=4"])
-        plugin = make_trainer(cfg, tmp_path, plan=check_config(cfg), callbacks=[], loggers=[]).precision_plugin
+        plugin = make_trainer(parse(TrainSpec, cfg), tmp_path, callbacks=[], loggers=[]).precision_plugin
         autocasts.append((type(plugin).__name__, plugin.precision, getattr(plugin, "device", None)))
     assert autocasts == [("MixedPrecision", "bf16-mixed", "cpu")] * 2
 

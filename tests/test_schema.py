@@ -31,7 +31,7 @@ REFUSED = {  # overrides -> the one line (its start)
     "a word for a real": (["attention.eps=small"], "attention.eps=small must be a finite number"),
     "two at once": (["seed=-1", "val_every_steps=0"], "seed=-1 must be >= 0; val_every_steps=0 must be >= 1"),
     "seed above numpy's": (["seed=4294967296"], "seed=4294967296 must be <= 4294967295"),
-    "a union": (["compile=maybe"], "compile=maybe must be true or false or auto"),
+    "a union": (["compile=maybe"], "compile=maybe must be true, false or auto"),
     "a bounded union": (["data.num_workers=-1"], "data.num_workers=-1 must be >= 0 or auto"),
     "a literal": (["attention=xsa", "attention.gate=sigmoid"], "attention.gate=sigmoid must be one of none, tanh"),
     "a rule of its own": (["optim.betas=[1,2]"], "optim.betas=[1, 2] must be two numbers in [0, 1)"),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tests.helpers import FAST, compose_train
 from xsa_lm.config.checks import check_values
+from xsa_lm.config.spec import TrainSpec, parse, plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.callbacks import AttentionKernels
@@ -119,7 +120,8 @@ def test_a_run_records_and_runs_its_kernel(data_cache: Path, tmp_path: Path, mon
     steps = ["trainer.max_steps=2", "val_every_steps=2", "profile.start_step=1", "profile.steps=1"]
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="xsa_lm"):
         warnings.simplefilter("ignore")
-        train(compose_train([*FAST, *steps, "sdpa_backends=[math]"]), run_dir)
+        cfg = compose_train([*FAST, *steps, "sdpa_backends=[math]"])
+        train(parse(TrainSpec, cfg), plain_dict(cfg), run_dir)
     assert json.loads((run_dir / "run_info.json").read_text())["sdpa"] == {"order": ["math"], "used": "math"}
     assert "attention kernel math (sdpa_backends: math)" in caplog.text
     trace = next((run_dir / "profile").glob("*.json")).read_text()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import FAST, compose_train
-from xsa_lm.config.builders import check_config, model_config
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.data.tokenizer import EOT, token_byte_lengths, train_bpe
 from xsa_lm.train.run import make_module, make_trainer, set_up_process
 
@@ -27,14 +27,14 @@ def test_the_byte_table_adds_up_to_the_utf8_bytes_of_the_text() -> None:
 @pytest.mark.parametrize("buckets", [4, 3])  # 64 positions: 4 spans of 16, or spans of 22, 21, 21
 def test_validation_reports_bits_per_byte_and_the_loss_per_span_of_positions(tmp_path, buckets: int) -> None:
     tokenizer = train_bpe([TEXT], 300)
-    cfg = compose_train([*FAST, "logger=none", f"val_position_buckets={buckets}"])
-    set_up_process(cfg)
-    mcfg = model_config(cfg, tokenizer.get_vocab_size())
-    module = make_module(cfg, mcfg, token_bytes=token_byte_lengths(tokenizer, mcfg.vocab_size))
+    spec = parse(TrainSpec, compose_train([*FAST, "logger=none", f"val_position_buckets={buckets}"]))
+    set_up_process(spec)
+    mcfg = spec.gpt_config(tokenizer.get_vocab_size())
+    module = make_module(spec, mcfg, token_bytes=token_byte_lengths(tokenizer, mcfg.vocab_size))
     ids = torch.tensor(tokenizer.encode(TEXT).ids)
     windows = [(ids[i : i + 64], ids[i + 1 : i + 65]) for i in range(0, 64 * 6, 64)]
     loader = torch.utils.data.DataLoader(windows, batch_size=4)  # 6 windows: a full batch and a half one
-    trainer = make_trainer(cfg, tmp_path, plan=check_config(cfg), callbacks=[], loggers=[])
+    trainer = make_trainer(spec, tmp_path, callbacks=[], loggers=[])
     logged = trainer.validate(module, dataloaders=loader, verbose=False)[0]
 
     with torch.no_grad():

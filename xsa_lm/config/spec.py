@@ -418,7 +418,8 @@ class TrainSpec(Spec):
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":
         self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
-        resolve_precision(self.trainer.precision, self.trainer.accelerator)  # a name Lightning accepts
+        if self.trainer.precision != "auto":  # auto asks the GPU: only after set_device chose this rank's
+            resolve_precision(self.trainer.precision, self.trainer.accelerator)  # a name Lightning accepts
         if info.context == VALUES_ONLY:
             return self
         block = self.data.block_size or self.model.block_size
@@ -652,6 +653,8 @@ def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], value
     said = list(dict.fromkeys(said))
     if first["type"] == "value_error":
         text = said[0]
+    elif said == [WANTED["bool_type"]] and words:  # a switch with words of its own (compile: auto)
+        text = f"must be true, false or {', '.join(words)}"
     elif said:
         text = " or ".join(said) + (f" or {', '.join(words)}" if words else "")
     else:
