@@ -372,25 +372,25 @@ def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.analysis.run import check_counts
+    from xsa_lm.analysis.run import AnalyzeOptions
+    from xsa_lm.checkpoints.load import parse_options
 
-    check_counts(
-        sequences=cfg.sequences, chunk=cfg.chunk, batch_size=cfg.batch_size, position_buckets=cfg.position_buckets
-    )
+    parse_options(AnalyzeOptions, cfg)
 
 
 def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.eval.run import check_options, require_harness
+    from xsa_lm.checkpoints.load import parse_options
+    from xsa_lm.eval.run import EvalOptions, require_harness
 
     require_harness()
-    check_options(cfg.limit, cfg.batch_size)
+    parse_options(EvalOptions, cfg)
 
 
 def check_generate(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.eval.sample import check_sampling
+    from xsa_lm.checkpoints.load import parse_options
+    from xsa_lm.eval.sample import GenerateOptions
 
-    keys = ("max_new_tokens", "temperature", "top_k", "num_samples", "seed")
-    check_sampling(**{key: cfg[key] for key in keys})
+    parse_options(GenerateOptions, cfg)
 
 
 def check_export(cfg: DictConfig, overrides: list[str]) -> None:
@@ -400,9 +400,10 @@ def check_export(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_plan(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.train.plan import make_plan
+    from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
+    from xsa_lm.train.plan import run_shape
 
-    make_plan(cfg)
+    run_shape(parse(TrainSpec, cfg, VALUES_ONLY)).estimate()
 
 
 def check_bench(cfg: DictConfig, overrides: list[str]) -> None:

@@ -13,13 +13,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from tests.helpers import FAST, compose_train, refused_in_process
+from tests.test_plan import plan_of
 from xsa_lm import cli
 from xsa_lm.config.builders import check_trainer
 from xsa_lm.config.command_line import flags_first
 from xsa_lm.config.spec import TrainSpec, parse, plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.train import memory
-from xsa_lm.train.plan import make_plan, table
 from xsa_lm.train.run import fewer_windows, train, trainer_strategy
 from xsa_lm.train.schedule import peak_lr
 
@@ -121,28 +121,28 @@ def scheduler_of(spec: TrainSpec, settled: bool = True) -> torch.optim.lr_schedu
     return hydra.utils.instantiate(node)(optimizer, total_steps=spec.schedule.total_steps)
 
 
-def test_sinks_count_in_the_memory_estimate():
+def test_sinks_count_in_the_memory_estimate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     model = {"n_layer": 4, "d_model": 128, "n_head": 4, "head_dim": 32, "mlp_ratio": 4}
     sinks = {**model, "n_sinks": 4}
     plain, with_sinks = (memory.estimate(m, 4096, 16, 128, "32-true") for m in (model, sinks))
     per_position = model["n_layer"] * sum(memory.block_saved_per_token(model, compute=4, residual=4).values())
     assert with_sinks.activations - plain.activations == 16 * 4 * per_position  # 4 more positions per sequence
     assert memory.parameter_count(sinks, 4096) == memory.parameter_count(model, 4096) + 4 * 128
-    plan, without = (
-        table(make_plan(compose_train(["model=tiny", *extra, "device_memory_gb=80"], config_name="plan")))
+    (plan, text), (without, _) = (
+        plan_of(["model=tiny", *extra, "device_memory_gb=80"], tmp_path, monkeypatch, capsys)
         for extra in (["model.n_sinks=64"], [])
     )
-    assert plan.splitlines()[4:] != without.splitlines()[4:] and "64 attention sinks" in plan  # the rows differ
-    with pytest.raises(UserError, match=r"^model.n_sinks=100000 must be in \[0, block_size=128\]"):
-        make_plan(compose_train(["model.n_sinks=100000"], config_name="plan"))
+    assert plan["per_device_bytes"] != without["per_device_bytes"] and "64 attention sinks" in text
+    error = refused_in_process(["plan", "model.n_sinks=100000"], monkeypatch, capsys)
+    assert "model.n_sinks=100000 must be in [0, block_size=128]" in error
 
 
-def test_the_readme_plan_says_why_its_batch_does_not_split():
+def test_the_readme_plan_says_why_its_batch_does_not_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     readme = ["model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8", "device_memory_gb=80"]
-    text = table(make_plan(compose_train(readme, config_name="plan")))
+    _, text = plan_of(readme, tmp_path, monkeypatch, capsys)
     assert "None" not in text
     assert "global_batch_tokens=16,384 is not a multiple of" in text and "8 x 8 x 2048 = 131,072" in text
-    paper = table(make_plan(compose_train([*readme, "global_batch_tokens=524288"], config_name="plan")))
+    _, paper = plan_of([*readme, "global_batch_tokens=524288"], tmp_path, monkeypatch, capsys)
     assert "global_batch_tokens=524,288: 4 micro-batch(es) of 131,072 tokens per optimizer step" in paper
 
 

@@ -9,8 +9,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from xsa_lm.config.builders import model_config, resolve_precision, strategy_kind, world_size
-from xsa_lm.config.checks import check_switches, check_values
+from xsa_lm.config.checks import check_switches
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model import GPTConfig
@@ -64,6 +64,26 @@ class RunShape:
 
     def estimate(self) -> memory.MemoryEstimate:
         return memory.estimate(micro_batch_size=self.micro_batch_size, **self.memory_args())
+
+
+def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> RunShape:
+    """The run `xsa-lm train` would start from this spec, before its tokenizer exists: the model's vocabulary, else
+    the tokenizer's size (GPT-2's by default)."""
+    trainer = spec.trainer
+    return RunShape(
+        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
+        micro_batch_size=spec.micro_batch_size,
+        block_size=spec.block_size,
+        global_batch_tokens=spec.global_batch_tokens,
+        precision=trainer.resolved_precision,
+        devices=trainer.world_size,
+        strategy=trainer.strategy_kind,
+        compiled=compile_enabled(spec.compile, accelerator=trainer.accelerator),
+        activation_checkpointing=trainer.activation_checkpointing
+        if activation_checkpointing is None
+        else activation_checkpointing,
+        gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
+    )
 
 
 @dataclass(frozen=True)
@@ -258,32 +278,18 @@ def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_err
     out = None if cfg.out is None else Path(str(cfg.out))
     if out is not None:
         check_new_file(out, overwrite=cfg.overwrite, example="plan.json")
-    check_values(cfg)  # first: a bad trainer.activation_checkpointing is named as such
+    spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
     check_switches(cfg, keys=("activation_checkpointing",))
-    gib, accelerator = cfg.device_memory_gb, cfg.trainer.accelerator
+    gib, accelerator = cfg.device_memory_gb, spec.trainer.accelerator
     if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib < math.inf):
         raise UserError(f"device_memory_gb must be a positive number of GiB, got {gib}")
-    # The vocabulary before the tokenizer exists: the model's, else the tokenizer's size (GPT-2's by default).
-    vocab = 1 if cfg.model.vocab_size else cfg.tokenizer.get("vocab_size") or 50257
-    run = RunShape(
-        model=model_config(cfg, vocab_size=vocab),  # the model `xsa-lm train` would refuse, refused
-        micro_batch_size=cfg.micro_batch_size,
-        block_size=cfg.data.block_size,
-        global_batch_tokens=cfg.global_batch_tokens,
-        precision=resolve_precision(cfg.trainer.precision, accelerator=accelerator),
-        devices=world_size(cfg.trainer),
-        strategy=strategy_kind(cfg.trainer.strategy),
-        compiled=compile_enabled(cfg.compile, accelerator=accelerator),
-        activation_checkpointing=cfg.activation_checkpointing,  # plan.yaml's, which follows the trainer's
-        gradient_as_bucket_view=memory.bucket_view(cfg.trainer.strategy),
-    )
+    run = run_shape(spec, activation_checkpointing=cfg.activation_checkpointing)  # plan.yaml's: the trainer's
     if gib is not None:
         available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
     else:
         available, where = memory.available_bytes(accelerator)
-    setting = cfg.sdpa_backends if isinstance(cfg.sdpa_backends, str) else list(cfg.sdpa_backends)
-    sdpa = attention_kernels(setting, accelerator=accelerator)
-    plan = make_plan(run, model_name=cfg.model.name, available=available, available_from=where, sdpa=sdpa)
+    sdpa = attention_kernels(spec.sdpa_backends, accelerator=accelerator)
+    plan = make_plan(run, model_name=spec.model.name, available=available, available_from=where, sdpa=sdpa)
     if out is not None:
         write_json(out, asdict(plan))
     print(table(plan))

@@ -57,7 +57,7 @@ from xsa_lm.train.cluster import ClusterChecks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
-from xsa_lm.train.plan import RunShape
+from xsa_lm.train.plan import run_shape
 from xsa_lm.train.runinfo import SdpaKernels, attention_kernels, run_info
 from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
 
@@ -69,21 +69,9 @@ def check_memory(spec: TrainSpec) -> None:
     has free, before the model is built; check_memory=false lets it try anyway."""
     if not spec.check_memory:
         return
-    accelerator, trainer = spec.trainer.accelerator, spec.trainer
-    need = RunShape(
-        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),  # no tokenizer yet
-        micro_batch_size=spec.micro_batch_size,
-        block_size=spec.block_size,
-        global_batch_tokens=spec.global_batch_tokens,
-        precision=trainer.resolved_precision,
-        devices=trainer.world_size,
-        strategy=trainer.strategy_kind,
-        compiled=compile_enabled(spec.compile, accelerator=accelerator),
-        activation_checkpointing=trainer.activation_checkpointing,
-        gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
-    ).estimate()
-    have, where = memory.available_bytes(accelerator)
-    devices = trainer.world_size
+    need = run_shape(spec).estimate()
+    have, where = memory.available_bytes(spec.trainer.accelerator)
+    devices = spec.trainer.world_size
     processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
         per = f" per process x {processes}" if processes > 1 else ""
