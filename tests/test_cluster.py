@@ -22,8 +22,7 @@ from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
-from xsa_lm.config.checks import check_values
-from xsa_lm.config.spec import TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse, plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
@@ -135,9 +134,9 @@ def test_a_world_size_other_than_planned_is_refused():
 def test_tensor_parallelism_is_refused():
     fsdp = ["trainer=fsdp", "trainer.accelerator=cpu"]
     with pytest.raises(UserError, match=r"^trainer.strategy.tensor_parallel_size=2 must be 1: tensor parallelism"):
-        check_values(composed([*fsdp, "trainer.strategy.tensor_parallel_size=2"]))
-    check_values(composed(fsdp))
-    check_values(composed(["trainer=ddp"]))  # a strategy given by name has no such key
+        parse(TrainSpec, composed([*fsdp, "trainer.strategy.tensor_parallel_size=2"]), VALUES_ONLY)
+    parse(TrainSpec, composed(fsdp), VALUES_ONLY)
+    parse(TrainSpec, composed(["trainer=ddp"]), VALUES_ONLY)  # a strategy given by name has no such key
 
 
 class GlooRanks:

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from tests.helpers import FAST, REPO, compose_train
 from tests.test_reliability import stop_mid_run
-from xsa_lm.config.checks import check_values
-from xsa_lm.config.spec import TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse, plain_dict
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
@@ -127,11 +126,11 @@ def test_compile_auto_is_on_for_cuda_runs_only(monkeypatch: pytest.MonkeyPatch):
 def test_the_defaults_are_auto_and_the_checks_take_them():
     cfg = compose_train([])
     assert cfg.compile == "auto" and cfg.data.num_workers == "auto"
-    check_values(cfg)
-    check_values(compose_train(["compile=true", "data.num_workers=2"]))
+    parse(TrainSpec, cfg, VALUES_ONLY)
+    parse(TrainSpec, compose_train(["compile=true", "data.num_workers=2"]), VALUES_ONLY)
     for bad, message in [("compile=yes", "compile=yes must be true, false or auto"), ("data.num_workers=-1", ">= 0")]:
         with pytest.raises(UserError, match=message):
-            check_values(compose_train([bad]))
+            parse(TrainSpec, compose_train([bad]), VALUES_ONLY)
 
 
 def test_ddp_keeps_gradients_in_its_buckets():

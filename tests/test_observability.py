@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import FAST, run_cli
 from xsa_lm.compat import QUIET_TRAINER
-from xsa_lm.config.checks import check_values
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.files import read_csv
 from xsa_lm.model import GPTConfig
@@ -80,7 +80,7 @@ def test_bad_profile_values_are_refused(override: str):
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=[override])
     with pytest.raises(UserError, match=override.split("=")[0]):
-        check_values(cfg)
+        parse(TrainSpec, cfg, VALUES_ONLY)
 
 
 @pytest.mark.slow

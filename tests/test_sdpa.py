@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import FAST, compose_train
-from xsa_lm.config.checks import check_values
-from xsa_lm.config.spec import TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse, plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.callbacks import AttentionKernels
@@ -105,7 +104,7 @@ def test_the_callback_applies_the_order_from_setup_to_teardown():
 def test_a_bad_name_is_refused_in_one_line(value: str, expected: str):
     """By the config's rules, before the data is prepared or anything is written."""
     with pytest.raises(UserError) as refused:
-        check_values(compose_train([*FAST, f"sdpa_backends={value}"]))
+        parse(TrainSpec, compose_train([*FAST, f"sdpa_backends={value}"]), VALUES_ONLY)
     assert expected in str(refused.value) and "\n" not in str(refused.value), refused.value
 
 

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from pydantic import Field
 
 from xsa_lm.checkpoints.load import Count, Options, load_model, load_tokenizer, parse_options
-from xsa_lm.config.schema import SEED_MAX
+from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.data.tokenizer import eot_id
 from xsa_lm.errors import exit_on_user_error, one_line_errors
 from xsa_lm.model import generate

@@ -72,7 +72,7 @@ def resolve(value: str | Sequence[str], device: torch.device) -> list[str]:
 
 
 def config_problem(value: object) -> str | None:
-    """What is wrong with an sdpa_backends value (the check of TrainOptions.sdpa_backends, config/schema.py), or
+    """What is wrong with an sdpa_backends value (the check of TrainSpec.sdpa_backends, config/spec.py), or
     None."""
     if value == "auto" or (isinstance(value, str) and value in BACKENDS):
         return None

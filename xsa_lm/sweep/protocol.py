@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.errors import UserError
 from xsa_lm.records import Record
 from xsa_lm.stats.paired import ALPHA, paired_t
-
-SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 
 
 @dataclass(frozen=True)

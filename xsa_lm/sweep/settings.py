@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.errors import UserError
-from xsa_lm.sweep.protocol import SEED_MAX, check_search_seeds
+from xsa_lm.sweep.protocol import check_search_seeds
 from xsa_lm.sweep.stalls import StallRule
 
 S = TypeVar("S", bound="Settings")
