@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from xsa_lm.config.spec import SEED_MAX
+from xsa_lm.config.spec import SEED_MAX, rule
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.protocol import check_search_seeds
 from xsa_lm.sweep.stalls import StallRule
@@ -25,18 +25,6 @@ S = TypeVar("S", bound="Settings")
 def plain(value: object) -> object:
     """A config list or dict as a Python one (anything else unchanged), also for messages."""
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def rule(check: Any) -> BeforeValidator:
-    """A field checked by a function of its own (value -> what is wrong with it, or None), before its type."""
-
-    def validate(value: Any) -> Any:
-        problem = check(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-    return BeforeValidator(validate)
 
 
 def is_number(value: object) -> bool:
