@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
@@ -646,10 +646,10 @@ def render_markdown(results: SweepResult) -> str:
     """report.md of a sweep's results."""
     lines = header_lines(results) + search_lines(results) + compare_lines(results) + tuning_lines(results)
     if results.eval:
-        from xsa_lm.eval.run import render
+        from xsa_lm.eval.run import EvalResult, render
 
         lines += section("## 4. Downstream evaluation (lm-evaluation-harness, zero-shot)") + [
-            render(cast(Any, results.eval))
+            render(EvalResult.from_json(results.eval, source="eval/eval.json"))
         ]
     lines += ["", "![LR sweep](lr_sweep.png)", "", "![Validation curves](curves.png)", ""]
     if results.positions:
