@@ -23,6 +23,7 @@ from tests.helpers import (
 from tests.test_data import shakespeare_text
 from xsa_lm.analysis.run import validation_set
 from xsa_lm.checkpoints.load import load_model, load_tokenizer, load_weights, model_config_mismatch, run_data
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import read_tokenizer, train_bpe
 from xsa_lm.errors import UserError
@@ -140,7 +141,7 @@ def local_run(tmp_path: Path, *, record: bool = True) -> tuple[Path, Path]:
     (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
     overrides = ["data=local", "data.files=a.txt", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"]
     cfg = compose_train([*overrides, "model.block_size=16"])
-    data = prepare_data(cfg.data, cfg.tokenizer)
+    data = prepare_data((spec := parse(TrainSpec, cfg)).data, spec.tokenizer)
     ckpt = write_checkpoint(tmp_path / "run", GPTConfig(**{**TINY, "vocab_size": 320}))
     if record:
         checkpoint = torch.load(ckpt, weights_only=True)

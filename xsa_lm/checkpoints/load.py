@@ -181,11 +181,12 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
         data = load_prepared(data_dir)
         check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key)
         return data
+    from xsa_lm.config.spec import DataSpec, TokenizerSpec, parse
     from xsa_lm.data.run import prepare_data
 
     saved = run_config(path, key)
     data_settings, tokenizer_settings = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
-    data = prepare_data(OmegaConf.create(data_settings), OmegaConf.create(tokenizer_settings))
+    data = prepare_data(parse(DataSpec, data_settings, at="data."), parse(TokenizerSpec, tokenizer_settings))
     gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
     rebuilt = f" (prepared again from {run_dir_of(path) / 'config.yaml'}{gone})"
     check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)

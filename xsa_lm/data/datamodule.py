@@ -96,18 +96,12 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if val_windows is not None and (type(val_windows) is not int or val_windows < 1):  # no validation at all
-            raise UserError(f"data.val_windows must be >= 1 (or null: every validation window), got {val_windows}")
-        self.data = data
-        self.block_size = block_size
-        self.micro_batch_size = micro_batch_size
-        self.seed = seed
-        self.num_workers = num_workers
+        self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
+        self.seed, self.num_workers = seed, num_workers
         self.train_windows = PackedWindows(data.shards("train"), block_size)
         self.val_set = PackedWindows(data.shards("val"), block_size)
-        self.val_available = self.val_set.n  # before data.val_windows takes the first ones
-        if val_windows is not None:
-            self.val_set.n = min(self.val_set.n, val_windows)  # the first windows: fixed across runs
+        self.val_available = self.val_set.n  # before data.val_windows takes the first ones (fixed across runs)
+        self.val_set.n = min(self.val_set.n, val_windows or self.val_set.n)
         window, meta = block_size + 1, data.meta
         if self.train_windows.n < micro_batch_size:  # else a micro-batch would repeat windows
             raise UserError(
@@ -123,9 +117,9 @@ class TokenDataModule(L.LightningDataModule):
         self.resume_from: dict | None = None  # the sampler position from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """The sampler position, saved in every checkpoint: how many micro-batches the whole stream (every rank)
-        has served. A run resumed on another number of devices continues at the same global position. And the
-        tokenizer's identity (TOKENIZER_KEY): what loads the checkpoint can tell whether a tokenizer is its own."""
+        """Saved in every checkpoint: the sampler position, as the micro-batches the whole stream (every rank) has
+        served, so that a resume on another number of devices continues at the same place; and the tokenizer's
+        identity (TOKENIZER_KEY), so that what loads the checkpoint can tell whether a tokenizer is its own."""
         if self.trainer is None:
             return {}
         served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
@@ -139,7 +133,7 @@ class TokenDataModule(L.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = (state_dict or {}).get(TOKENIZER_KEY)
+        saved = state_dict.get(TOKENIZER_KEY)
         if saved is not None and saved != self.data.tokenizer_sha256:  # the data was prepared again, differently
             raise UserError(
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
@@ -151,26 +145,18 @@ class TokenDataModule(L.LightningDataModule):
         stream = ShuffledBatches(self.train_windows, self.micro_batch_size, seed=self.seed)
         if (trainer := self.trainer) is not None:
             stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
-            # Resume at the exact micro-batch: from the checkpoint's sampler position when it holds one, else (a
-            # fresh run, or a checkpoint without it) from the restored step count.
             stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
             if saved := self.resume_from:
-                # The windows served: a multiple of every micro-batch x devices split of the global batch (a resume
-                # keeps global_batch_tokens and block_size), so any split continues where it stopped. Rank r reads
-                # global micro-batches r, r + W, ...: its own count is global / W.
-                served = saved["global_micro_batches"] * saved.get("micro_batch_size", self.micro_batch_size)
+                # The windows served are a multiple of every micro-batch x devices split of the global batch (a
+                # resume keeps global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
+                served = saved["global_micro_batches"] * saved["micro_batch_size"]
                 stream.start_batch = served // (self.micro_batch_size * trainer.world_size)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:
-        world = self.trainer.world_size if self.trainer is not None else 1
-        windows = padded_for_ranks(self.val_set, world)
-        return DataLoader(
-            windows,
-            batch_size=self.micro_batch_size,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-        )
+        windows = padded_for_ranks(self.val_set, self.trainer.world_size if self.trainer is not None else 1)
+        pin = torch.cuda.is_available()
+        return DataLoader(windows, batch_size=self.micro_batch_size, num_workers=self.num_workers, pin_memory=pin)
 
 
 def padded_for_ranks(windows: Dataset, world_size: int) -> Dataset:

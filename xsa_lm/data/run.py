@@ -16,31 +16,19 @@ from omegaconf import DictConfig
 
 from xsa_lm.config.builders import build
 from xsa_lm.config.spec import DataSpec, PrepareSpec, TokenizerSpec, parse
-from xsa_lm.data.prepare import (
-    PreparedData,
-    SplitSettings,
-    cache_path,
-    choose_split,
-    load_prepared,
-    prepare,
-    split_settings,
-)
-from xsa_lm.data.tokenizer import learns_from_corpus, tokenizer_inputs
+from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_prepared, prepare, split_settings
+from xsa_lm.data.tokenizer import file_sha256
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 
 once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
+# Tokenizers whose vocabulary is given, not learned from the corpus: data.tokenizer_documents does not change them.
+FIXED_TOKENIZERS = ("xsa_lm.data.tokenizer.load_tokenizer_file", "xsa_lm.data.tokenizer.load_gpt2")
 
 
 def prepare_data(
-    data: DataSpec | DictConfig,
-    tokenizer: TokenizerSpec | DictConfig,
-    explicit_tokenizer: bool = False,
-    progress: bool = False,
+    data: DataSpec, tokenizer: TokenizerSpec, explicit_tokenizer: bool = False, progress: bool = False
 ) -> PreparedData:
     """The prepared shards of `data` tokenized by `tokenizer` (prepared now, or found in the cache)."""
-    # Callers in other areas (checkpoints/load.py, scale/tokens.py) still pass the config's nodes.
-    data = parse(DataSpec, data, at="data.") if isinstance(data, DictConfig) else data
-    tokenizer = parse(TokenizerSpec, tokenizer, at="tokenizer.") if isinstance(tokenizer, DictConfig) else tokenizer
     if data.source is None:  # data=prepared
         if not data.dir:
             raise UserError("data=prepared needs data.dir=<the directory `xsa-lm prepare` wrote>")
@@ -52,14 +40,13 @@ def prepare_data(
                 f"{tokenizer.node}: drop the tokenizer override (the shards' own tokenizer is used) or prepare again"
             )
         return prepared
-    source = build(data.source)
-    build_tokenizer = build(tokenizer.node)
+    source, build_tokenizer = build(data.source), build(tokenizer.node)
     split, val_fraction, note = choose_split(source, data.val_split, data.val_fraction)
-    plays = getattr(source, "val_plays", None)
-    if plays is not None and split == "document" and data.val_fraction is not None:
+    if hasattr(source, "val_plays") and split == "document" and data.val_fraction is not None:
         raise UserError(
             f"data.val_fraction={data.val_fraction} does not apply here: this corpus validates on whole plays "
-            f"(data.source.val_plays={plays}); drop it, or hold out that share of each play with data.val_split=tail"
+            f"(data.source.val_plays={source.val_plays}); drop it, or hold out that share of each play with "
+            "data.val_split=tail"
         )
     if getattr(source, "dropped", None):  # the same file given twice, or a glob and one of its matches
         repeats = ", ".join(source.dropped[:3]) + (", ..." if len(source.dropped) > 3 else "")
@@ -67,11 +54,11 @@ def prepare_data(
     if note:
         once(note)
     settings = split_settings(split, val_fraction, data.split_seed, data.shard_documents)
-    identity = data_identity(source, tokenizer, data.tokenizer_documents, settings)
+    identity = {**data_identity(source, tokenizer, data.tokenizer_documents), **settings}
     if not data.dir:
         check_cache_dir(Path(data.cache_dir).expanduser())
     out = Path(data.dir).expanduser() if data.dir else cache_path(data.cache_dir, source.name, identity)
-    if not learns_from_corpus(tokenizer) and not (out / "meta.json").exists():
+    if tokenizer.target in FIXED_TOKENIZERS and not (out / "meta.json").exists():
         # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
         given = build_tokenizer()
         build_tokenizer = lambda train_texts: given  # noqa: E731
@@ -87,30 +74,17 @@ def prepare_data(
     )
 
 
-DataIdentity = dict[str, Any]  # prepare.json: source, tokenizer, the tokenizer's inputs and the split settings
-
-
-def data_identity(
-    source: Any, tokenizer: TokenizerSpec, tokenizer_documents: int, settings: SplitSettings
-) -> DataIdentity:
-    """Everything that decides the tokens of a preparation: the source (its files resolved, each once, with their
-    sizes and times), the tokenizer (its settings, a given file's bytes, the documents a trained one learns from)
-    and the split. It names the cache folder and is recorded in prepare.json: other inputs never share shards."""
-    return {
-        "source": source.identity(),
-        "tokenizer": tokenizer_settings(tokenizer),
-        **tokenizer_inputs(tokenizer, tokenizer_documents),
-        **settings,
-    }
-
-
-def tokenizer_settings(tokenizer: TokenizerSpec) -> dict[str, Any]:
-    """The tokenizer's settings, a given file by its resolved path (as the source's files are): the same file named
-    from another directory is the same tokenizer."""
-    settings = tokenizer.node
-    if settings.get("path"):
-        settings["path"] = os.path.realpath(os.path.expanduser(settings["path"]))
-    return settings
+def data_identity(source: Any, tokenizer: TokenizerSpec, tokenizer_documents: int) -> dict[str, Any]:
+    """What decides the tokens besides the split (prepare.json, and the cache folder's name): the source (its files
+    resolved, each once, with their sizes and times) and the tokenizer: its settings, a given file by its resolved
+    path and its bytes (the same path may hold another file later), the documents a trained one learns from."""
+    identity = {"source": source.identity(), "tokenizer": tokenizer.node}
+    if tokenizer.path:
+        path = identity["tokenizer"]["path"] = os.path.realpath(os.path.expanduser(tokenizer.path))
+        identity["tokenizer_sha256"] = file_sha256(path, "tokenizer.path")
+    if tokenizer.target not in FIXED_TOKENIZERS:
+        identity["tokenizer_documents"] = tokenizer_documents
+    return identity
 
 
 def check_cache_dir(cache: Path) -> None:
@@ -132,7 +106,7 @@ def main(cfg: DictConfig) -> None:
             raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
         data = prepare_data(spec.data, spec.tokenizer, progress=spec.progress_bar)
     seconds, m = time.perf_counter() - t0, data.meta
-    val = "val document tails" if m.get("split") == "tail" else "val documents"
+    val = "val document tails" if m["split"] == "tail" else "val documents"
     print(
         f"prepared {data.dir}: {m['train_documents']:,} train documents / {m['train_tokens']:,} tokens, "
         f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), {m['dtype']}, "

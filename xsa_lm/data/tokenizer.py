@@ -6,14 +6,10 @@ import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from xsa_lm.errors import UserError
-
-if TYPE_CHECKING:
-    from xsa_lm.config.spec import TokenizerSpec
 
 EOT = "<|endoftext|>"  # separates documents; GPT-2's own end-of-text token
 GPT2_REPO = "openai-community/gpt2"
@@ -88,30 +84,6 @@ def file_sha256(path: str | Path, key: str) -> str:
     return hashlib.sha256(_read_bytes(Path(path), key)).hexdigest()
 
 
-# Tokenizers whose vocabulary is given, not learned from the corpus: data.tokenizer_documents does not change them.
-FIXED_TOKENIZERS = ("xsa_lm.data.tokenizer.load_tokenizer_file", "xsa_lm.data.tokenizer.load_gpt2")
-
-
-def learns_from_corpus(tokenizer: "TokenizerSpec") -> bool:
-    return tokenizer.target not in FIXED_TOKENIZERS
-
-
-# What decides a tokenizer besides its settings: tokenizer_sha256 (of a given file) or tokenizer_documents (the
-# documents one trained on the corpus learns from).
-TokenizerInputs = dict[str, Any]
-
-
-def tokenizer_inputs(tokenizer: "TokenizerSpec", tokenizer_documents: int) -> TokenizerInputs:
-    """What decides the tokenizer besides its settings: the bytes of a given tokenizer file (the same path may hold
-    another file later), or the number of documents a tokenizer trained on the corpus learns from."""
-    inputs: TokenizerInputs = {}
-    if tokenizer.path:
-        inputs["tokenizer_sha256"] = file_sha256(os.path.expanduser(tokenizer.path), "tokenizer.path")
-    if learns_from_corpus(tokenizer):
-        inputs["tokenizer_documents"] = tokenizer_documents
-    return inputs
-
-
 def load_tokenizer_file(path: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
     """A saved tokenizer.json (train_texts is unused: its vocabulary is fixed)."""
     return read_tokenizer(os.path.expanduser(path), "tokenizer.path")
@@ -119,41 +91,33 @@ def load_tokenizer_file(path: str, train_texts: Iterable[str] | None = None) -> 
 
 def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None) -> Tokenizer:
     """GPT-2's tokenizer from a local tokenizer.json, the Hugging Face cache, or the hub (train_texts: unused).
-
-    Without network this fails in seconds (instead of the hub client's ~25 s of retries).
-    """
+    Without network this fails in seconds (instead of the hub client's ~25 s of retries)."""
     if path:
         return load_tokenizer_file(path)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    key = "tokenizer=gpt2 (from the Hugging Face cache)"
-    try:
-        return read_tokenizer(hf_hub_download(GPT2_REPO, "tokenizer.json", local_files_only=True), key)
-    except LocalEntryNotFoundError:
-        pass
-    except OSError as e:  # HF_HOME (or HF_HUB_CACHE) below a file, or not readable
-        raise _hub_error(e) from None
-    why = hub_unreachable("HF_HUB_OFFLINE")
-    if why is not None:
-        raise UserError(
-            f"tokenizer=gpt2 needs the Hugging Face hub, which is unreachable{why}: "
-            "pass tokenizer.path=/path/to/gpt2/tokenizer.json, or use tokenizer=bpe"
-        )
-    try:
-        return read_tokenizer(hf_hub_download(GPT2_REPO, "tokenizer.json"), key)
-    except OSError as e:  # the cache's folders, or the download (requests' errors are OSErrors too)
-        raise _hub_error(e) from None
-
-
-def _hub_error(error: OSError) -> UserError:
     alternative = "pass tokenizer.path=/path/to/gpt2/tokenizer.json"
-    if error.filename:  # a file or folder of the cache
-        return UserError(
-            f"tokenizer=gpt2: the Hugging Face cache cannot be used ({error.filename}: {error.strerror or error}): "
-            f"point HF_HOME at a writable folder, or {alternative}"
-        )
-    return UserError(f"tokenizer=gpt2: the download failed ({type(error).__name__}: {str(error)[:150]}): {alternative}")
+    try:
+        try:
+            file = hf_hub_download(GPT2_REPO, "tokenizer.json", local_files_only=True)
+        except LocalEntryNotFoundError:
+            if (why := hub_unreachable("HF_HUB_OFFLINE")) is not None:
+                raise UserError(
+                    f"tokenizer=gpt2 needs the Hugging Face hub, which is unreachable{why}: {alternative}, or use "
+                    "tokenizer=bpe"
+                ) from None
+            file = hf_hub_download(GPT2_REPO, "tokenizer.json")
+    except OSError as e:  # the cache's folders (HF_HOME below a file), or the download (requests' errors too)
+        if e.filename:
+            raise UserError(
+                f"tokenizer=gpt2: the Hugging Face cache cannot be used ({e.filename}: {e.strerror or e}): "
+                f"point HF_HOME at a writable folder, or {alternative}"
+            ) from None
+        raise UserError(
+            f"tokenizer=gpt2: the download failed ({type(e).__name__}: {str(e)[:150]}): {alternative}"
+        ) from None
+    return read_tokenizer(file, "tokenizer=gpt2 (from the Hugging Face cache)")
 
 
 def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | None:

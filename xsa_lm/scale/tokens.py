@@ -121,10 +121,11 @@ def check_repeats(size: SizePlan, top: float) -> None:
     """Refuse a size whose largest SA budget passes over the training split more than once, before any run: the
     runs' data, prepared (or found in the cache) as their `xsa-lm train` will prepare it, gives the split's tokens.
     Repeated tokens teach less than new ones, which flattens SA's curve at the top, where k is read."""
+    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.data.run import prepare_data
 
     cfg = compose(config_name="train", overrides=size.train_overrides(top))
-    train_tokens = int(prepare_data(cfg.data, cfg.tokenizer).meta["train_tokens"])
+    train_tokens = int(prepare_data((spec := parse(TrainSpec, cfg)).data, spec.tokenizer).meta["train_tokens"])
     epochs = size.steps(top) * size.batch_tokens / train_tokens
     if epochs > 1:
         raise UserError(
