@@ -480,7 +480,7 @@ def test_auto_split_takes_the_document_split_only_with_enough_documents(tmp_path
 
 
 SPEC_REFUSALS = [
-    *[(f"data.val_fraction={v}", rf"data.val_fraction={v} must be in \(0, 0.5\]: it is the") for v in ("0.9", "0", "1")],
+    *[(f"data.val_fraction={v}", rf"data.val_fraction={v} must be in \(0, 0.5\]: it is") for v in ("0.9", "0", "1")],
     ("data.val_fraction=-0.1", r"data.val_fraction=-0.1 must be in \(0, 0.5\]: it is the share held out"),
     ("data.val_split=random", "data.val_split=random must be one of auto, document, tail$"),
 ]

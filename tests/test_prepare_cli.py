@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import FAST, assert_clean_error, cli_env, cli_in_process, run_cli
+from tests.helpers import FAST, assert_clean_error, assert_refused, cli_env, cli_in_process, run_cli
 from tests.test_data import many_docs, shakespeare_text, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_prepare_writes_shards_and_metadata(prepared: Path):
     assert meta["train_documents"] + meta["val_documents"] == 6000 and meta["val_documents"] > 100
     assert meta["tokenizer"]["config"]["vocab_size"] == 300 and len(meta["tokenizer"]["sha256"]) == 64
     assert meta["identity"]["source"]["text_field"] == "text"
-    assert meta["split"] == "document" and "split" not in meta["identity"]  # 6000 x 0.05: whole documents
+    assert meta["split"] == meta["identity"]["split"] == "document"  # 6000 x 0.05: whole documents
     sizes = [(prepared / f"train-{s['index']:06d}.bin").stat().st_size for s in meta["shards"]]
     assert sizes == [2 * s["train_tokens"] for s in meta["shards"]]
 
@@ -138,15 +138,6 @@ def test_truncated_shard_stops_training_with_one_line(
     assert_clean_error(proc, "train-000002.bin", "truncated")
 
 
-def test_bad_corpus_files_fail_before_anything_is_written(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
-    proc = cli_in_process(
-        prepare_args(str(tmp_path / "bad.txt"), tmp_path / "out"), data_cache, tmp_path, monkeypatch, capsys
-    )
-    assert_clean_error(proc, "bad.txt", "not UTF-8")
-    assert not (tmp_path / "out" / "meta.json").exists()
-
-
 @pytest.mark.long  # make test resumes an interrupted preparation in-process (test_data.py)
 def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(100_000))
@@ -202,51 +193,30 @@ def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Pat
     assert 0.09 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.11
 
 
-@pytest.mark.parametrize("value", ["0", "-5"])
-def test_prepare_refuses_a_tokenizer_from_no_documents(
-    value: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
-):
-    """-5 ended in itertools.islice's ValueError; 0 trained a 257-token vocabulary, "all the corpus supports"."""
-    proc = cli_in_process(["prepare", f"data.tokenizer_documents={value}"], data_cache, tmp_path, monkeypatch, capsys)
-    assert proc.returncode == 2
-    assert assert_clean_error(proc, f"data.tokenizer_documents={value} must be >= 1")
+LOCAL = ["data=local", "data.files={input}"]
+REFUSALS = [  # args ({input}: a text file, {bad}: one not UTF-8), the one line
+    (["prepare", "data.tokenizer_documents=0"], "data.tokenizer_documents=0 must be >= 1"),
+    (["prepare", *LOCAL, "data.shard_documents=0"], "data.shard_documents=0 must be >= 1"),
+    (["prepare", *LOCAL, "data.prepare_workers=0"], "data.prepare_workers=0 must be >= 1"),
+    (["prepare", "data=local", "data.files={bad}"], "data.files: {bad} is not UTF-8 text (invalid byte at offset 3)"),
+    (["train", *FAST, *LOCAL, "data.tokenizer_documents=-5"], "data.tokenizer_documents=-5 must be >= 1"),
+    (["train", *FAST, *LOCAL, "data.val_windows=0"], "data.val_windows=0 must be >= 1"),
+    (
+        ["train", *FAST, *LOCAL, "data.val_fraction=0.9"],
+        "data.val_fraction=0.9 must be in (0, 0.5]: it is the share held out for validation (nanoGPT's 90/10 split is "
+        "data.val_fraction=0.1)",
+    ),
+]
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        (
-            "data.val_fraction=0.9",
-            "xsa-lm: error: data.val_fraction=0.9 must be in (0, 0.5]: it is the share held "
-            "out for validation (nanoGPT's 90/10 split is data.val_fraction=0.1)",
-        ),
-        (  # was a ValueError from itertools.islice
-            "data.tokenizer_documents=-5",
-            "xsa-lm: error: data.tokenizer_documents=-5 must be >= 1",
-        ),
-        (
-            "data.val_windows=0",
-            "xsa-lm: error: data.val_windows=0 must be >= 1",
-        ),
-    ],
-)
-def test_bad_split_settings_stop_before_the_run_starts(
-    input_txt: Path, data_cache: Path, tmp_path: Path, override: str, message: str, monkeypatch, capsys
+@pytest.mark.parametrize(("args", "message"), REFUSALS)
+def test_bad_data_settings_are_one_line_before_anything_is_written(
+    args: list[str], message: str, input_txt: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
-    run_dir = tmp_path / "run"
-    args = ["train", *FAST, "data=local", f"data.files={input_txt}", override, f"hydra.run.dir={run_dir}"]
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    where = {"input": input_txt, "bad": tmp_path / "bad.txt"}
+    out = [f"data.dir={tmp_path / 'out'}"] if args[0] == "prepare" else []
+    args = [arg.format(**where) for arg in [*args, *out, f"hydra.run.dir={tmp_path / 'run'}"]]
     proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-    assert assert_clean_error(proc, message) == message and proc.stderr.strip() == message
-    assert proc.returncode == 2
-    assert not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists()
-
-
-@pytest.mark.parametrize("key", ["data.shard_documents", "data.prepare_workers"])
-def test_a_count_below_one_is_refused_by_its_key(
-    key: str, input_txt: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
-):
-    out = tmp_path / "shards"
-    args = ["prepare", "data=local", f"data.files={input_txt}", f"{key}=0", f"data.dir={out}"]
-    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"xsa-lm: error: {key}=0 must be >= 1"
-    assert not out.exists()
+    assert assert_refused(proc, message.format(**where))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "config.yaml").exists()

