@@ -3,6 +3,7 @@
 import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
+from itertools import count
 from typing import cast
 
 import lightning as L
@@ -13,8 +14,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.errors import UserError
 
-# Where a checkpoint holds the sha256 of its run's tokenizer: in this data module's state (Lightning saves it under
-# the class name), read back by xsa_lm.checkpoints.load.check_tokenizer.
+# The key of the tokenizer's sha256 in this data module's state in a checkpoint (read by checkpoints/load.py).
 TOKENIZER_KEY = "tokenizer_sha256"
 
 
@@ -43,13 +43,10 @@ class PackedWindows(Dataset):
 
 @dataclass
 class ShuffledBatches(IterableDataset):
-    """An endless stream of micro-batches whose content is a pure function of (seed, batch index).
-
-    Sample g of the global stream is window perm_e[g mod n] with e = g // n and perm_e a seeded permutation
-    of the windows. Rank r of W takes global micro-batches r, r + W, ...; data-loader worker w of K takes
-    every K-th of the rank's batches, so the order does not depend on the number of workers. Starting at
-    `start_batch` resumes exactly where an interrupted run stopped.
-    """
+    """An endless stream of micro-batches, a pure function of (seed, batch index): sample g of the global stream is
+    window perm_e[g mod n], e = g // n, perm_e a seeded permutation. Rank r of W takes global micro-batches r, r + W,
+    ...; data-loader worker w of K every K-th of those (the order does not depend on the workers). `start_batch`
+    resumes exactly where an interrupted run stopped."""
 
     windows: PackedWindows
     batch_size: int
@@ -69,8 +66,7 @@ class ShuffledBatches(IterableDataset):
 
     def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch b of this rank's stream."""
-        global_batch = b * self.world_size + self.rank
-        first = global_batch * self.batch_size
+        first = (b * self.world_size + self.rank) * self.batch_size
         pairs = [self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)]
         xs, ys = zip(*pairs, strict=True)
         return torch.stack(xs), torch.stack(ys)
@@ -78,10 +74,8 @@ class ShuffledBatches(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        b = self.start_batch + worker
-        while True:
+        for b in count(self.start_batch + worker, n_workers):
             yield self.batch(b)
-            b += n_workers
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -164,8 +158,5 @@ def padded_for_ranks(windows: Dataset, world_size: int) -> Dataset:
     the loss): Lightning's DistributedSampler would otherwise pad by repeating the first windows, and every rank
     must run as many batches (an FSDP forward is a collective)."""
     n = len(windows)  # type: ignore[arg-type]
-    padding = -(-n // world_size) * world_size - n
-    if not padding:
-        return windows
-    x, y = windows[0]
+    padding, (x, y) = -(-n // world_size) * world_size - n, windows[0]
     return ConcatDataset([windows, cast(Dataset, [(x, torch.full_like(y, -1))] * padding)])  # a list serves as one

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 from itertools import chain, islice
@@ -132,35 +133,32 @@ def prepare(
     `split` is document or tail (choose_split resolves auto)."""
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
-    made = not out.exists()
-    held = _open_folder(out)
-    with open(out / LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process (a parallel sweep trial) waits, then reuses the result
-        try:
-            _check_identity(out, identity)
-            if not (out / "meta.json").exists():
-                tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
-                total = source.count_documents() if progress else None  # the progress bar's
-                shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, total)
-                meta = {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
-                meta |= {key: sum(shard[key] for shard in shards) for key in TOTALS}
-                vocab_size = tokenizer.get_vocab_size()
-                sha256 = file_sha256(out / "tokenizer.json", "data")
-                meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
-                meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": token_dtype(vocab_size)}
-                _check_split(meta, split, val_fraction)
-                write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
-        except UserError:
-            _remove_unstarted(out, held, made)
-            raise
+    with _claimed(out):
+        _check_identity(out, identity)
+        if not (out / "meta.json").exists():
+            tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
+            total = source.count_documents() if progress else None  # the progress bar's
+            shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, total)
+            meta = {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
+            meta |= {key: sum(shard[key] for shard in shards) for key in TOTALS}
+            vocab_size = tokenizer.get_vocab_size()
+            sha256 = file_sha256(out / "tokenizer.json", "data")
+            meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
+            meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": token_dtype(vocab_size)}
+            _check_split(meta, split, val_fraction)
+            write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)
 
 
-def _open_folder(out: Path) -> set[str]:
-    """Make the folder, refusing a file or a folder of other files than a preparation (the shards would mix with
-    them): the names it held before."""
+@contextmanager
+def _claimed(out: Path) -> Iterator[None]:
+    """The folder, made if needed and locked (a second process, e.g. a parallel sweep trial, waits, then reuses the
+    result); a file or a folder of other files than a preparation is refused (the shards would mix with them). A
+    refused preparation that wrote no shard leaves nothing behind (its prepare.json would refuse the corrected
+    command as other inputs): the files it wrote go, and the folder if it made it. Shards stay: they resume."""
     if out.exists() and not out.is_dir():
         raise UserError(f"data.dir={out} is a file, not a folder: choose a folder for the shards")
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -172,19 +170,17 @@ def _open_folder(out: Path) -> set[str]:
             f"data.dir={out} is not empty and holds no preparation of xsa-lm (no prepare.json; it holds {shown}): "
             "choose a new or empty data.dir"
         )
-    return held
-
-
-def _remove_unstarted(out: Path, held: set[str], made: bool) -> None:
-    """A refused preparation that wrote no shard leaves nothing behind (its prepare.json would refuse the corrected
-    command as other inputs): the files this call wrote go, and the folder if it made it. Shards stay: they resume."""
-    if any(out.glob("*.bin")):
-        return
-    for path in out.iterdir():
-        if path.name not in held and path.is_file():
-            path.unlink()
-    if made and not any(out.iterdir()):
-        out.rmdir()
+    with open(out / LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        except UserError:
+            if not any(out.glob("*.bin")):
+                for path in (p for p in out.iterdir() if p.name not in held and p.is_file()):
+                    path.unlink()
+                if made and not any(out.iterdir()):
+                    out.rmdir()
+            raise
 
 
 def _check_split(meta: dict[str, Any], split: str, val_fraction: float) -> None:
