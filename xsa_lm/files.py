@@ -35,24 +35,18 @@ def atomic_file(
             yield f
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the file
-        if replace:
-            place(tmp, path)
-        else:
-            _create(tmp, path)
+        (place if replace else _create)(tmp, path)
     except BaseException as e:  # also Ctrl-C: no .tmp stays behind; the error itself goes on
         tmp.unlink(missing_ok=True)
         cause = os_error_in(e)
-        if cause is None or isinstance(e, (WriteError, FileExistsError)) or not _of_writing(cause, path, tmp):
+        if cause is None or isinstance(e, (WriteError, FileExistsError)):
             raise
+        if cause.filename is not None and Path(cause.filename) not in (tmp, path, *path.parents):
+            raise  # an error of reading another file, not of writing this one
         kept = intact or (f"the previous {path.name} is intact" if existed else "no partial file was left")
         raise WriteError(
             f"could not write {path} ({cause.strerror or cause}); {kept}: {what_to_do(cause)}, then {then}"
         ) from e
-
-
-def _of_writing(error: OSError, path: Path, tmp: Path) -> bool:
-    """Whether the error is one of writing `path` (no file named, or it, its .tmp or a folder above), not of a read."""
-    return error.filename is None or Path(error.filename) in (tmp, path, *path.parents)
 
 
 def _create(tmp: Path, path: Path) -> None:

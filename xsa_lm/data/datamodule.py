@@ -108,23 +108,16 @@ class TokenDataModule(L.LightningDataModule):
                 f"data: the validation split has no window of {window} tokens ({meta['val_tokens']:,} tokens): raise "
                 "data.val_fraction or lower data.block_size"
             )
-        self.resume_from: dict | None = None  # the sampler position from a checkpoint
+        self.served: int | None = None  # the windows the whole stream had served, from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """Saved in every checkpoint: the sampler position, as the micro-batches the whole stream (every rank) has
-        served, so that a resume on another number of devices continues at the same place; and the tokenizer's
-        identity (TOKENIZER_KEY), so that what loads the checkpoint can tell whether a tokenizer is its own."""
+        """In every checkpoint: the micro-batches the whole stream (every rank) has served, so that a resume on
+        another number of devices continues at the same place, and the tokenizer's identity (TOKENIZER_KEY)."""
         if self.trainer is None:
             return {}
         served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
-        return {
-            "seed": self.seed,
-            "micro_batch_size": self.micro_batch_size,
-            "global_micro_batches": served,
-            "world_size": self.trainer.world_size,
-            "block_size": self.block_size,
-            TOKENIZER_KEY: self.data.tokenizer_sha256,
-        }
+        micro_batches = {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "global_micro_batches": served}
+        return {**micro_batches, TOKENIZER_KEY: self.data.tokenizer_sha256}
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get(TOKENIZER_KEY)
@@ -133,18 +126,18 @@ class TokenDataModule(L.LightningDataModule):
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
                 f"{self.data.dir} (sha256 {self.data.tokenizer_sha256[:12]}): resume on the data it was trained on"
             )
-        self.resume_from = state_dict or None
+        if "global_micro_batches" in state_dict:
+            self.served = state_dict["global_micro_batches"] * state_dict["micro_batch_size"]
 
     def train_dataloader(self) -> DataLoader:
         stream = ShuffledBatches(self.train_windows, self.micro_batch_size, seed=self.seed)
         if (trainer := self.trainer) is not None:
             stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
             stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
-            if saved := self.resume_from:
-                # The windows served are a multiple of every micro-batch x devices split of the global batch (a
-                # resume keeps global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
-                served = saved["global_micro_batches"] * saved["micro_batch_size"]
-                stream.start_batch = served // (self.micro_batch_size * trainer.world_size)
+            if self.served is not None:
+                # A multiple of every micro-batch x devices split of the global batch (a resume keeps
+                # global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
+                stream.start_batch = self.served // (self.micro_batch_size * trainer.world_size)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:

@@ -133,8 +133,7 @@ def prepare(
     `split` is document or tail (choose_split resolves auto)."""
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
-    with _claimed(out):
-        _check_identity(out, identity)
+    with _claimed(out, identity):
         if not (out / "meta.json").exists():
             tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
             total = source.count_documents() if progress else None  # the progress bar's
@@ -151,9 +150,9 @@ def prepare(
 
 
 @contextmanager
-def _claimed(out: Path) -> Iterator[None]:
+def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
     """The folder, made if needed and locked (a second process, e.g. a parallel sweep trial, waits, then reuses the
-    result); a file or a folder of other files than a preparation is refused (the shards would mix with them). A
+    result); a file, a folder of other files (the shards would mix with them) or of other inputs is refused. A
     refused preparation that wrote no shard leaves nothing behind (its prepare.json would refuse the corrected
     command as other inputs): the files it wrote go, and the folder if it made it. Shards stay: they resume."""
     if out.exists() and not out.is_dir():
@@ -172,7 +171,15 @@ def _claimed(out: Path) -> Iterator[None]:
         )
     with open(out / LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        recorded, wanted = out / "prepare.json", json.loads(json.dumps(identity, default=str))
         try:
+            if not recorded.exists():
+                write_json(recorded, wanted)
+            elif _read_json(recorded, "delete its folder to prepare it again") != wanted:
+                raise UserError(
+                    f"data.dir={out} was prepared from other inputs (source, tokenizer or split settings; see "
+                    f"{recorded}): choose another data.dir, or delete that one to prepare it again"
+                )
             yield
         except UserError:
             if not any(out.glob("*.bin")):
@@ -240,18 +247,6 @@ def _read_json(path: Path, fix: str) -> Any:
         return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"data: {path} is not valid JSON ({e}; truncated or overwritten?): {fix}") from None
-
-
-def _check_identity(out: Path, identity: dict[str, Any]) -> None:
-    recorded = out / "prepare.json"
-    wanted = json.loads(json.dumps(identity, default=str))
-    if not recorded.exists():
-        write_json(recorded, wanted)
-    elif _read_json(recorded, "delete its folder to prepare it again") != wanted:
-        raise UserError(
-            f"data.dir={out} was prepared from other inputs (source, tokenizer or split settings; see "
-            f"{recorded}): choose another data.dir, or delete that one to prepare it again"
-        )
 
 
 def _tokenizer(pieces: Callable[[], Iterator[tuple]], build_tokenizer: Callable, out: Path, n_docs: int) -> Tokenizer:

@@ -13,6 +13,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pyarrow.parquet as pq
+
 from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
 
@@ -83,8 +85,6 @@ class LocalFiles:
             if stop_at is not None and n >= stop_at:
                 break
             if path.endswith(PARQUET_SUFFIXES):
-                import pyarrow.parquet as pq
-
                 n += pq.ParquetFile(path).metadata.num_rows
             else:
                 n += sum(1 for _ in islice(self._documents(path), None if stop_at is None else stop_at - n))
@@ -92,8 +92,6 @@ class LocalFiles:
 
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
         if path.endswith(PARQUET_SUFFIXES):
-            import pyarrow.parquet as pq
-
             table = pq.ParquetFile(path)
             if self.text_field not in table.schema_arrow.names:
                 names = table.schema_arrow.names
@@ -172,9 +170,8 @@ class HFDataset:
 
 
 def _read_utf8(path: str) -> str:
-    data = Path(path).read_bytes()
     try:
-        return data.decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(
             f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "

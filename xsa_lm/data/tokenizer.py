@@ -46,9 +46,8 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
-    """The tokenizer saved in the tokenizer.json at `path`, or one line naming `key` and the file when it is missing,
-    unreadable, not UTF-8, not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file
-    xsa-lm reads (tokenizer.path, a prepared data.dir, the Hugging Face cache) is read here."""
+    """The tokenizer.json at `path`, or one line naming `key` and the file when it is missing, unreadable, not UTF-8,
+    not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file xsa-lm reads is read here."""
     data = _read_bytes(Path(path), key)
     try:
         json.loads(data)
@@ -90,8 +89,7 @@ def load_tokenizer_file(path: str, train_texts: Iterable[str] | None = None) -> 
 
 
 def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None) -> Tokenizer:
-    """GPT-2's tokenizer from a local tokenizer.json, the Hugging Face cache, or the hub (train_texts: unused).
-    Without network this fails in seconds (instead of the hub client's ~25 s of retries)."""
+    """GPT-2's tokenizer from a local tokenizer.json, the Hugging Face cache, or the hub (train_texts: unused)."""
     if path:
         return load_tokenizer_file(path)
     from huggingface_hub import hf_hub_download
@@ -121,9 +119,8 @@ def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None)
 
 
 def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | None:
-    """Why the Hugging Face hub cannot be used now, as the end of a message: " (A/B is set)" when one of these
-    environment variables is, "" when a TCP connect fails within timeout_s (offline fails in seconds, not after the
-    hub client's retries); None when the hub answers."""
+    """Why the Hugging Face hub cannot be used, as the end of a message: " (A/B is set)" for these environment
+    variables, "" when a TCP connect fails within timeout_s (not after the hub client's retries); None: it answers."""
     if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in offline_variables):
         return f" ({'/'.join(offline_variables)} is set)"
     try:
@@ -134,17 +131,12 @@ def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | No
 
 
 def token_byte_lengths(tokenizer: Tokenizer, size: int) -> list[int]:
-    """The UTF-8 bytes of text each token id stands for, `size` ids (the model's vocabulary may be padded: 0 beyond
-    the tokenizer's), for bits per byte, which does not depend on the tokenizer. Special tokens (EOT) stand for no
-    text: 0. Byte-level BPE maps each byte to one character of the token's string, so its length is the byte count;
-    other tokenizers are decoded one token at a time."""
+    """The UTF-8 bytes of text each of `size` token ids stands for (0 for special tokens and beyond the tokenizer's
+    vocabulary), for bits per byte. Byte-level BPE maps each byte to one character of the token's string."""
     special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
     lengths = [0] * size
     for i in range(min(size, tokenizer.get_vocab_size())):
-        if i in special:
-            continue
-        piece = tokenizer.id_to_token(i)
-        if piece is not None:
+        if (piece := tokenizer.id_to_token(i)) is not None and i not in special:
             lengths[i] = len(piece) if byte_level else len(tokenizer.decode([i]).encode("utf-8"))
     return lengths
