@@ -23,8 +23,7 @@ class PackedWindows(Dataset):
     share one token (the last target is the next input's first token); no window crosses a shard boundary."""
 
     def __init__(self, shards: Sequence[np.ndarray], block_size: int) -> None:
-        self.shards = list(shards)
-        self.block_size = block_size
+        self.shards, self.block_size = list(shards), block_size
         counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
         self.starts = np.cumsum([0, *counts]).tolist()  # window index where each shard begins
         self.n = self.starts[-1]

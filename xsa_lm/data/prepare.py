@@ -1,18 +1,17 @@
-"""Corpus + tokenizer -> token shards on disk, in bounded memory, resumable at shard granularity.
-
-A prepared directory holds prepare.json (the inputs: a rerun must match them), tokenizer.json, per chunk of
-`shard_documents` documents train-NNNNNN.bin and val-NNNNNN.bin (flat token arrays, EOT after each document) and
-shard-NNNNNN.json (written last: a shard without it is redone), and meta.json (written last). Validation: `document`
-holds out whole documents (a seeded hash of each key), `tail` the end of every document (for one .txt file).
-"""
+"""Corpus + tokenizer -> token shards on disk, in bounded memory, resumable at shard granularity: prepare.json (the
+inputs: a rerun must match them), tokenizer.json, per chunk of `shard_documents` documents train-NNNNNN.bin and
+val-NNNNNN.bin (tokens, EOT after each document) and shard-NNNNNN.json (written last: a shard without it is redone),
+and meta.json (written last). The `document` split holds out whole documents (a seeded hash of each key), `tail`
+the end of every document (for one .txt file)."""
 
 import fcntl
 import hashlib
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
@@ -135,10 +134,21 @@ def prepare(
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
     with _claimed(out, identity):
         if not (out / "meta.json").exists():
-            tokenizer = _tokenizer(pieces, build_tokenizer, out, tokenizer_documents)
+            if (out / "tokenizer.json").exists():  # an interrupted preparation: its shards were made with it
+                tokenizer = read_tokenizer(out / "tokenizer.json", "data")
+            else:
+                train_texts = (train for train, _ in pieces() if train is not None)  # never the validation text
+                tokenizer = build_tokenizer(train_texts=islice(train_texts, tokenizer_documents))
+                eot_id(tokenizer)  # refuses a tokenizer without EOT
+                write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
             total = source.count_documents() if progress else None  # the progress bar's
             shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, total)
-            meta = {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
+            meta: dict[str, Any] = {
+                "identity": identity,
+                "split": split,
+                "shards": shards,
+                "created": time.strftime("%F %T"),
+            }
             meta |= {key: sum(shard[key] for shard in shards) for key in TOTALS}
             vocab_size = tokenizer.get_vocab_size()
             sha256 = file_sha256(out / "tokenizer.json", "data")
@@ -249,17 +259,6 @@ def _read_json(path: Path, fix: str) -> Any:
         raise UserError(f"data: {path} is not valid JSON ({e}; truncated or overwritten?): {fix}") from None
 
 
-def _tokenizer(pieces: Callable[[], Iterator[tuple]], build_tokenizer: Callable, out: Path, n_docs: int) -> Tokenizer:
-    path = out / "tokenizer.json"
-    if path.exists():  # an interrupted preparation: its shards were written with this tokenizer
-        return read_tokenizer(path, "data")
-    train_texts = (train for train, _ in pieces() if train is not None)  # never the validation text
-    tokenizer = build_tokenizer(train_texts=islice(train_texts, n_docs))
-    eot_id(tokenizer)  # refuses a tokenizer without EOT
-    write_text(path, tokenizer.to_str(pretty=True))
-    return tokenizer
-
-
 def _split_documents(source: Any, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
     """(train text, val text) for every document, in the source's order; None where a document has no part in
     a split. A source may define its own document split (is_val)."""
@@ -286,7 +285,7 @@ def _write_shards(
 
     encode = partial(_encode_shard, str(out), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
-    pending: dict[Future, int] = {}  # a chunk being tokenized -> its number of documents
+    pending: deque[tuple[int, Future]] = deque()  # chunks being tokenized (their number of documents), in order
     shards: list[dict[str, int]] = []
     has_text, start = False, time.perf_counter()  # has_text: more than whitespace in some document
     columns = (TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents {task.fields[rate]}"))
@@ -299,12 +298,6 @@ def _write_shards(
             rate = f"{tokens:,} tokens, {tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s"
             bar.update(task, advance=documents, rate=rate)
 
-        def collect(until: int) -> None:
-            while len(pending) > until:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    finished(pending.pop(future), future.result())
-
         try:
             for index, chunk in enumerate(iter(lambda: list(islice(pieces, shard_documents)), [])):
                 has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
@@ -314,9 +307,12 @@ def _write_shards(
                 elif pool is None:
                     finished(len(chunk), encode(index, chunk))
                 else:
-                    pending[pool.submit(encode, index, chunk)] = len(chunk)
-                    collect(until=2 * workers - 1)  # bounded: at most two chunks per worker held in memory
-            collect(until=0)
+                    pending.append((len(chunk), pool.submit(encode, index, chunk)))
+                    if len(pending) == 2 * workers:  # bounded: at most two chunks per worker held in memory
+                        documents, future = pending.popleft()
+                        finished(documents, future.result())
+            for documents, future in pending:
+                finished(documents, future.result())
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)

@@ -1,8 +1,5 @@
 """`xsa-lm prepare`: a corpus and a tokenizer -> token shards in data.dir, for `xsa-lm train data=prepared`.
-
-`prepare_data` is also what `xsa-lm train` calls: with a source it prepares (or reuses) shards in the data cache,
-with data=prepared it opens the shards in data.dir and touches no network.
-"""
+`xsa-lm train` calls prepare_data too: it prepares (or reuses) shards in the data cache, or opens data.dir's."""
 
 import os
 import shlex

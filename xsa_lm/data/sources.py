@@ -182,13 +182,11 @@ def _read_utf8(path: str) -> str:
 def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]:
     """The files the globs match, in order, each once: a file matched again (the same path twice, a glob and one
     of its matches, a symlink to it) is read once. Returns (files, the repeats dropped)."""
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     paths: dict[str, str] = {}  # resolved path -> the path as matched
     dropped: list[str] = []
-    for pattern in patterns:
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
         found = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        matched = [p for p in found if os.path.isfile(p)]
-        if not matched and found:  # a folder: its files are meant
+        if not (matched := [p for p in found if os.path.isfile(p)]) and found:  # a folder: its files are meant
             folder = found[0].rstrip("/")
             raise UserError(
                 f"{field}: {pattern!r} matches only a directory ({folder}), not files: give its files, e.g. "
@@ -197,10 +195,10 @@ def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]
         if not matched:
             raise UserError(f"{field}: no file matches {pattern!r}")
         for path in matched:
-            if os.path.realpath(path) in paths:
+            if (real := os.path.realpath(path)) in paths:
                 dropped.append(path)
             else:
-                paths[os.path.realpath(path)] = path
+                paths[real] = path
     return list(paths.values()), dropped
 
 
