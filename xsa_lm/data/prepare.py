@@ -143,17 +143,11 @@ def prepare(
                 write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
             total = source.count_documents() if progress else None  # the progress bar's
             shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, total)
-            meta: dict[str, Any] = {
-                "identity": identity,
-                "split": split,
-                "shards": shards,
-                "created": time.strftime("%F %T"),
-            }
-            meta |= {key: sum(shard[key] for shard in shards) for key in TOTALS}
-            vocab_size = tokenizer.get_vocab_size()
-            sha256 = file_sha256(out / "tokenizer.json", "data")
+            meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in TOTALS}
+            vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
             meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": token_dtype(vocab_size)}
+            meta |= {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
             _check_split(meta, split, val_fraction)
             write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)

@@ -52,23 +52,19 @@ def prepare_data(
         once(note)
     settings = split_settings(split, val_fraction, data.split_seed, data.shard_documents)
     identity = {**data_identity(source, tokenizer, data.tokenizer_documents), **settings}
-    if not data.dir:
-        check_cache_dir(Path(data.cache_dir).expanduser())
+    if not data.dir:  # the cache folder, which the environment variable XSA_LM_DATA_DIR may have set
+        cache = Path(data.cache_dir).expanduser()
+        if not (blocking := next((p for p in (cache, *cache.parents) if p.exists()), cache)).is_dir():
+            from_env = (env := os.environ.get("XSA_LM_DATA_DIR")) and Path(env).expanduser() == cache
+            named = " (from the environment variable XSA_LM_DATA_DIR)" if from_env else ""
+            raise UserError(f"data.cache_dir={cache}{named}: {blocking} is a file, not a folder; choose a folder")
     out = Path(data.dir).expanduser() if data.dir else cache_path(data.cache_dir, source.name, identity)
     if tokenizer.target in FIXED_TOKENIZERS and not (out / "meta.json").exists():
         # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
         given = build_tokenizer()
         build_tokenizer = lambda train_texts: given  # noqa: E731
-    return prepare(
-        source,
-        build_tokenizer,
-        out,
-        identity,
-        **settings,
-        workers=data.prepare_workers,
-        tokenizer_documents=data.tokenizer_documents,
-        progress=progress,
-    )
+    how = {"workers": data.prepare_workers, "tokenizer_documents": data.tokenizer_documents}
+    return prepare(source, build_tokenizer, out, identity, **settings | how, progress=progress)
 
 
 def data_identity(source: Any, tokenizer: TokenizerSpec, tokenizer_documents: int) -> dict[str, Any]:
@@ -82,15 +78,6 @@ def data_identity(source: Any, tokenizer: TokenizerSpec, tokenizer_documents: in
     if tokenizer.target not in FIXED_TOKENIZERS:
         identity["tokenizer_documents"] = tokenizer_documents
     return identity
-
-
-def check_cache_dir(cache: Path) -> None:
-    """The folder prepared data is cached in, which the environment variable XSA_LM_DATA_DIR may have set."""
-    blocking = next((p for p in (cache, *cache.parents) if p.exists()), cache)
-    if not blocking.is_dir():
-        env = os.environ.get("XSA_LM_DATA_DIR")
-        source = " (from the environment variable XSA_LM_DATA_DIR)" if env and Path(env).expanduser() == cache else ""
-        raise UserError(f"data.cache_dir={cache}{source}: {blocking} is a file, not a folder; choose a folder")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")

@@ -17,8 +17,7 @@ GPT2_REPO = "openai-community/gpt2"
 
 def eot_id(tokenizer: Tokenizer) -> int:
     """EOT's id: every tokenizer a corpus is prepared with has one (preparing refuses a tokenizer without)."""
-    eot = tokenizer.token_to_id(EOT)
-    if eot is None:
+    if (eot := tokenizer.token_to_id(EOT)) is None:
         raise UserError(f"tokenizer: it has no {EOT} token to separate documents")
     return eot
 
@@ -30,11 +29,9 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
     )
     tokenizer.train_from_iterator(train_texts, trainer=trainer)
     if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
