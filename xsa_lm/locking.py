@@ -30,8 +30,7 @@ def hold_directory(directory: Path, lock_name: str, what: str) -> Iterator[None]
                 f"{directory} is in use by another {what} (pid {holder}): wait for it to finish, or choose another "
                 "hydra.run.dir"
             ) from None
-        # The holder we waited on may have removed the file between our open and our flock: then we hold a lock
-        # on a file nobody else will open. Lock the file that is at the path now instead.
+        # The holder may have removed the file between our open and flock: lock the one at the path now instead.
         if path.exists() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
             break
         lock.close()

@@ -63,10 +63,6 @@ class PreparedData:
         return arrays
 
 
-def token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
 def is_val_document(key: str, val_fraction: float, split_seed: int) -> bool:
     """A document's split from its key alone: stable under re-preparation, order and worker count."""
     digest = hashlib.sha256(f"{split_seed}:{key}".encode()).digest()
@@ -110,11 +106,6 @@ def split_settings(split: str, val_fraction: float, split_seed: int, shard_docum
     return {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "shard_documents": shard_documents}
 
 
-def cache_path(cache_dir: str, source_name: str, identity: Mapping[str, object]) -> Path:
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return Path(cache_dir).expanduser() / f"{source_name}-{digest}"
-
-
 def prepare(
     source: Any,
     build_tokenizer: Callable[..., Tokenizer],
@@ -146,7 +137,7 @@ def prepare(
             meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in TOTALS}
             vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
-            meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": token_dtype(vocab_size)}
+            meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": _dtype(tokenizer)}
             meta |= {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
             _check_split(meta, split, val_fraction)
             write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
@@ -277,7 +268,7 @@ def _write_shards(
     """The shards' counts, by index; with `progress`, documents, tokens/s and (given the total) ETA on the terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    encode = partial(_encode_shard, str(out), eot_id(tokenizer), token_dtype(tokenizer.get_vocab_size()))
+    encode = partial(_encode_shard, str(out), eot_id(tokenizer), _dtype(tokenizer))
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
     pending: deque[tuple[int, Future]] = deque()  # chunks being tokenized (their number of documents), in order
     shards: list[dict[str, int]] = []
@@ -315,6 +306,10 @@ def _write_shards(
     if not has_text:
         raise UserError("data: the corpus has no text: every document is empty or whitespace only")
     return sorted(shards, key=lambda s: s["index"])
+
+
+def _dtype(tokenizer: Tokenizer) -> str:
+    return "uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32"
 
 
 @cache  # once per worker process

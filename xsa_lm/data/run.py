@@ -1,6 +1,8 @@
 """`xsa-lm prepare`: a corpus and a tokenizer -> token shards in data.dir, for `xsa-lm train data=prepared`.
 `xsa-lm train` calls prepare_data too: it prepares (or reuses) shards in the data cache, or opens data.dir's."""
 
+import hashlib
+import json
 import os
 import shlex
 import time
@@ -13,7 +15,7 @@ from omegaconf import DictConfig
 
 from xsa_lm.config.builders import build
 from xsa_lm.config.spec import DataSpec, PrepareSpec, TokenizerSpec, parse
-from xsa_lm.data.prepare import PreparedData, cache_path, choose_split, load_prepared, prepare, split_settings
+from xsa_lm.data.prepare import PreparedData, choose_split, load_prepared, prepare, split_settings
 from xsa_lm.data.tokenizer import file_sha256
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 
@@ -52,13 +54,14 @@ def prepare_data(
         once(note)
     settings = split_settings(split, val_fraction, data.split_seed, data.shard_documents)
     identity = {**data_identity(source, tokenizer, data.tokenizer_documents), **settings}
-    if not data.dir:  # the cache folder, which the environment variable XSA_LM_DATA_DIR may have set
-        cache = Path(data.cache_dir).expanduser()
+    out = Path(data.dir or data.cache_dir).expanduser()
+    if not data.dir:  # a folder of the cache, which the environment variable XSA_LM_DATA_DIR may have set
+        cache, digest = out, hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
         if not (blocking := next((p for p in (cache, *cache.parents) if p.exists()), cache)).is_dir():
             from_env = (env := os.environ.get("XSA_LM_DATA_DIR")) and Path(env).expanduser() == cache
             named = " (from the environment variable XSA_LM_DATA_DIR)" if from_env else ""
             raise UserError(f"data.cache_dir={cache}{named}: {blocking} is a file, not a folder; choose a folder")
-    out = Path(data.dir).expanduser() if data.dir else cache_path(data.cache_dir, source.name, identity)
+        out = cache / f"{source.name}-{digest[:12]}"
     if tokenizer.target in FIXED_TOKENIZERS and not (out / "meta.json").exists():
         # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
         given = build_tokenizer()

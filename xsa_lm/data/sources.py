@@ -151,8 +151,8 @@ class HFDataset:
     def documents(self) -> Iterator[tuple[str, str]]:
         import datasets
 
-        kwargs = {"data_files": self.data_files} if self.data_files is not None else {}
-        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, streaming=True, **kwargs)
+        files = self.data_files
+        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, data_files=files, streaming=True)
         for n, row in enumerate(islice(dataset, self.max_documents)):  # None: every row
             if self.text_field not in row:
                 fields = sorted(row)
