@@ -30,8 +30,7 @@ def atomic_file(
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        encoding = None if "b" in mode else "utf-8"
-        with open(tmp, mode, encoding=encoding, newline=newline) as f:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8", newline=newline) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the file
@@ -90,8 +89,7 @@ def check_new_file(out: Path, *, overwrite: bool, example: str) -> None:
     """A command's output file, checked before the work that makes it (`example`: a file name for the refusal)."""
     if out.is_dir():
         raise UserError(f"out={out} is a directory: give the file to write, e.g. out={out / example}")
-    blocking = next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None)
-    if blocking is not None:
+    if (blocking := next((p for p in out.parents if p.exists() and not p.is_dir()), None)) is not None:
         raise UserError(f"out={out}: {blocking} is a file, not a folder; choose another path")
     if out.exists() and not overwrite:
         raise UserError(f"out={out} exists: choose another path or add overwrite=true")

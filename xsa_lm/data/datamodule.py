@@ -42,10 +42,9 @@ class PackedWindows(Dataset):
 
 @dataclass
 class ShuffledBatches(IterableDataset):
-    """An endless stream of micro-batches, a pure function of (seed, batch index): sample g of the global stream is
-    window perm_e[g mod n], e = g // n, perm_e a seeded permutation. Rank r of W takes global micro-batches r, r + W,
-    ...; data-loader worker w of K every K-th of those (the order does not depend on the workers). `start_batch`
-    resumes exactly where an interrupted run stopped."""
+    """Endless micro-batches, a pure function of (seed, batch index): sample g is window perm_e[g mod n], e = g // n,
+    perm_e a seeded permutation. Rank r of W takes global micro-batches r, r + W, ...; loader worker w of K every K-th
+    of those (the order does not depend on the workers). `start_batch` resumes exactly where a run stopped."""
 
     windows: PackedWindows
     batch_size: int
@@ -73,8 +72,7 @@ class ShuffledBatches(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        for b in count(self.start_batch + worker, n_workers):
-            yield self.batch(b)
+        yield from map(self.batch, count(self.start_batch + worker, n_workers))
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -110,8 +108,7 @@ class TokenDataModule(L.LightningDataModule):
         self.served: int | None = None  # the windows the whole stream had served, from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """In every checkpoint: the micro-batches the whole stream (every rank) has served, so that a resume on
-        another number of devices continues at the same place, and the tokenizer's identity (TOKENIZER_KEY)."""
+        """In every checkpoint: the micro-batches the whole stream (every rank) served, and the tokenizer's sha256."""
         if self.trainer is None:
             return {}
         served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
@@ -146,9 +143,8 @@ class TokenDataModule(L.LightningDataModule):
 
 
 def padded_for_ranks(windows: Dataset, world_size: int) -> Dataset:
-    """The validation windows, padded up to a multiple of the ranks with windows whose targets are all -1 (ignored by
-    the loss): Lightning's DistributedSampler would otherwise pad by repeating the first windows, and every rank
-    must run as many batches (an FSDP forward is a collective)."""
+    """The windows padded to a multiple of the ranks with targets of -1 (ignored by the loss): Lightning's sampler
+    would repeat the first windows, and every rank must run as many batches (an FSDP forward is a collective)."""
     n = len(windows)  # type: ignore[arg-type]
     padding, (x, y) = -(-n // world_size) * world_size - n, windows[0]
     return ConcatDataset([windows, cast(Dataset, [(x, torch.full_like(y, -1))] * padding)])  # a list serves as one

@@ -65,8 +65,7 @@ class PreparedData:
 
 def is_val_document(key: str, val_fraction: float, split_seed: int) -> bool:
     """A document's split from its key alone: stable under re-preparation, order and worker count."""
-    digest = hashlib.sha256(f"{split_seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+    return int.from_bytes(hashlib.sha256(f"{split_seed}:{key}".encode()).digest()[:8], "big") / 2**64 < val_fraction
 
 
 def tail_start(text: str, val_fraction: float) -> int:
@@ -78,9 +77,8 @@ def tail_start(text: str, val_fraction: float) -> int:
 
 
 def choose_split(source: Any, split: str = "auto", val_fraction: float | None = None) -> tuple[str, float, str | None]:
-    """The split and its fraction for `source`, and a note for the user when `auto` chose the tail split. auto: the
-    document split when documents x val_fraction >= MIN_VAL_DOCUMENTS, else the tail split. An unset val_fraction
-    is DOCUMENT_VAL_FRACTION of the documents, or TAIL_VAL_FRACTION of each document's text."""
+    """The split, its fraction and a note when `auto` chose the tail split: auto takes the document split when
+    documents x val_fraction >= MIN_VAL_DOCUMENTS. An unset val_fraction is the split's default fraction."""
     note = None
     if split == "auto":
         fraction = val_fraction or DOCUMENT_VAL_FRACTION
@@ -119,8 +117,7 @@ def prepare(
     tokenizer_documents: int = 100_000,
     progress: bool = False,
 ) -> PreparedData:
-    """Tokenize `source` into shards in `out`, resuming an interrupted preparation, or load a finished one.
-    `split` is document or tail (choose_split resolves auto)."""
+    """Tokenize `source` into shards in `out` (split: document or tail), resuming an interrupted preparation."""
     identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
     with _claimed(out, identity):
@@ -132,8 +129,9 @@ def prepare(
                 tokenizer = build_tokenizer(train_texts=islice(train_texts, tokenizer_documents))
                 eot_id(tokenizer)  # refuses a tokenizer without EOT
                 write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
-            total = source.count_documents() if progress else None  # the progress bar's
-            shards = _write_shards(pieces(), out, tokenizer, shard_documents, workers, progress, total)
+            total, documents = source.count_documents() if progress else None, pieces()  # total: the progress bar's
+            chunks = iter(lambda: list(islice(documents, shard_documents)), [])
+            shards = _write_shards(chunks, out, tokenizer, workers, progress, total)
             meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in TOTALS}
             vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
@@ -146,10 +144,9 @@ def prepare(
 
 @contextmanager
 def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
-    """The folder, made if needed and locked (a second process, e.g. a parallel sweep trial, waits, then reuses the
-    result); a file, a folder of other files (the shards would mix with them) or of other inputs is refused. A
-    refused preparation that wrote no shard leaves nothing behind (its prepare.json would refuse the corrected
-    command as other inputs): the files it wrote go, and the folder if it made it. Shards stay: they resume."""
+    """The folder, made if needed and locked (a second process waits, then reuses the result); a file, a folder of
+    other files (the shards would mix with them) or of other inputs is refused. A refusal before any shard leaves
+    nothing behind (its prepare.json would refuse the corrected command); shards stay: they resume."""
     if out.exists() and not out.is_dir():
         raise UserError(f"data.dir={out} is a file, not a folder: choose a folder for the shards")
     made = not out.exists()
@@ -221,11 +218,9 @@ def load_prepared(out: Path) -> PreparedData:
     data = PreparedData(dir=out, tokenizer=read_tokenizer(out / "tokenizer.json", "data"), meta=meta)
     # A truncated, missing or overwritten shard is found now, before a run starts, not steps later in the embedding.
     for tokens in data.shards("train") + data.shards("val"):
-        if (largest := int(tokens.max())) >= meta["vocab_size"]:
-            raise _damaged(
-                out / Path(str(tokens.filename)).name,
-                f"holds token id {largest}, outside the vocabulary of {meta['vocab_size']} (overwritten?)",
-            )
+        if (largest := int(tokens.max())) >= (vocab_size := meta["vocab_size"]):
+            what = f"holds token id {largest}, outside the vocabulary of {vocab_size} (overwritten?)"
+            raise _damaged(out / Path(str(tokens.filename)).name, what)
     return data
 
 
@@ -245,8 +240,7 @@ def _read_json(path: Path, fix: str) -> Any:
 
 
 def _split_documents(source: Any, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
-    """(train text, val text) for every document, in the source's order; None where a document has no part in
-    a split. A source may define its own document split (is_val)."""
+    """(train text, val text) of every document in order (None: no part); a source may have its own split (is_val)."""
     is_val = getattr(source, "is_val", None) or (lambda key: is_val_document(key, val_fraction, split_seed))
     for key, text in source.documents():
         if split == "tail":
@@ -257,13 +251,7 @@ def _split_documents(source: Any, split: str, val_fraction: float, split_seed: i
 
 
 def _write_shards(
-    pieces: Iterator[tuple],
-    out: Path,
-    tokenizer: Tokenizer,
-    shard_documents: int,
-    workers: int,
-    progress: bool,
-    total: int | None,
+    chunks: Iterator[list[tuple]], out: Path, tokenizer: Tokenizer, workers: int, progress: bool, total: int | None
 ) -> list[dict[str, int]]:
     """The shards' counts, by index; with `progress`, documents, tokens/s and (given the total) ETA on the terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -284,7 +272,7 @@ def _write_shards(
             bar.update(task, advance=documents, rate=rate)
 
         try:
-            for index, chunk in enumerate(iter(lambda: list(islice(pieces, shard_documents)), [])):
+            for index, chunk in enumerate(chunks):
                 has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
                 done_file = out / f"shard-{index:06d}.json"
                 if done_file.exists():  # finished by an earlier run: never rewritten

@@ -71,9 +71,8 @@ def prepare_data(
 
 
 def data_identity(source: Any, tokenizer: TokenizerSpec, tokenizer_documents: int) -> dict[str, Any]:
-    """What decides the tokens besides the split (prepare.json, and the cache folder's name): the source (its files
-    resolved, each once, with their sizes and times) and the tokenizer: its settings, a given file by its resolved
-    path and its bytes (the same path may hold another file later), the documents a trained one learns from."""
+    """What decides the tokens besides the split: the source (its files with sizes and times), the tokenizer's
+    settings, a given file by its resolved path and its bytes, or the documents a trained one learns from."""
     identity = {"source": source.identity(), "tokenizer": tokenizer.node}
     if tokenizer.path:
         path = identity["tokenizer"]["path"] = os.path.realpath(os.path.expanduser(tokenizer.path))

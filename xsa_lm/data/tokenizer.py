@@ -47,7 +47,8 @@ def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
     not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file xsa-lm reads is read here."""
     data = _read_bytes(Path(path), key)
     try:
-        json.loads(data)
+        json.loads(data)  # first: its errors say where the file stops being JSON
+        tokenizer = Tokenizer.from_str(data.decode())
     except UnicodeDecodeError as e:
         raise UserError(
             f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
@@ -57,8 +58,6 @@ def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
             f"{key}: {path} is not a tokenizer.json: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}; "
             "a truncated or a plain-text file?)"
         ) from None
-    try:
-        tokenizer = Tokenizer.from_str(data.decode())
     except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any JSON it cannot read
         raise UserError(f"{key}: {path} is JSON but no tokenizer of the `tokenizers` library ({e})") from None
     if tokenizer.token_to_id(EOT) is None:
@@ -128,10 +127,9 @@ def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | No
 
 
 def token_byte_lengths(tokenizer: Tokenizer, size: int) -> list[int]:
-    """The UTF-8 bytes of text each of `size` token ids stands for (0 for special tokens and beyond the tokenizer's
-    vocabulary), for bits per byte. Byte-level BPE maps each byte to one character of the token's string."""
+    """The UTF-8 bytes each of `size` token ids stands for (0: special, or beyond the vocabulary), for bits per byte."""
     special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
-    byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+    byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)  # a character of the token's string per byte
     lengths = [0] * size
     for i in range(min(size, tokenizer.get_vocab_size())):
         if (piece := tokenizer.id_to_token(i)) is not None and i not in special:
