@@ -1,5 +1,4 @@
-"""One writer per directory: an exclusive flock held for the whole job (the kernel drops it when the process dies,
-so it is never stale); the file holds the holder's pid, to name it in the refusal."""
+"""One writer per directory: a flock held for the job (the kernel drops it with the process), naming its pid."""
 
 import fcntl
 import os

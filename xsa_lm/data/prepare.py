@@ -129,8 +129,8 @@ def prepare(
                 tokenizer = build_tokenizer(train_texts=islice(train_texts, tokenizer_documents))
                 eot_id(tokenizer)  # refuses a tokenizer without EOT
                 write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
-            total, documents = source.count_documents() if progress else None, pieces()  # total: the progress bar's
-            chunks = iter(lambda: list(islice(documents, shard_documents)), [])
+            documents, total = pieces(), source.count_documents() if progress else None  # the progress bar's total
+            chunks = iter(lambda: list(islice(documents, shard_documents)), [])  # until an empty one
             shards = _write_shards(chunks, out, tokenizer, workers, progress, total)
             meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in TOTALS}
             vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")

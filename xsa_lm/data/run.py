@@ -56,12 +56,12 @@ def prepare_data(
     identity = {**data_identity(source, tokenizer, data.tokenizer_documents), **settings}
     out = Path(data.dir or data.cache_dir).expanduser()
     if not data.dir:  # a folder of the cache, which the environment variable XSA_LM_DATA_DIR may have set
-        cache, digest = out, hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-        if not (blocking := next((p for p in (cache, *cache.parents) if p.exists()), cache)).is_dir():
-            from_env = (env := os.environ.get("XSA_LM_DATA_DIR")) and Path(env).expanduser() == cache
+        if not (blocking := next((p for p in (out, *out.parents) if p.exists()), out)).is_dir():
+            from_env = (env := os.environ.get("XSA_LM_DATA_DIR")) and Path(env).expanduser() == out
             named = " (from the environment variable XSA_LM_DATA_DIR)" if from_env else ""
-            raise UserError(f"data.cache_dir={cache}{named}: {blocking} is a file, not a folder; choose a folder")
-        out = cache / f"{source.name}-{digest[:12]}"
+            raise UserError(f"data.cache_dir={out}{named}: {blocking} is a file, not a folder; choose a folder")
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+        out = out / f"{source.name}-{digest[:12]}"
     if tokenizer.target in FIXED_TOKENIZERS and not (out / "meta.json").exists():
         # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
         given = build_tokenizer()
