@@ -4,7 +4,6 @@ paper recipes' CPU twins."""
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, cli_in_process, run_cli
+from tests.helpers import FAST, REPO, TINY, cli_in_process, run_cli
 from tests.wandb_records import history, run_files
 from xsa_lm.analysis.losses import held_out_loss
 from xsa_lm.files import read_csv
@@ -224,34 +223,6 @@ def test_held_out_loss_weighs_each_span_by_its_tokens():
     no_bytes = held_out_loss(model, x, y, token_bytes=None, buckets=24, batch_size=5)  # more spans than positions
     assert no_bytes.bpb is None and no_bytes.loss == pytest.approx(result.loss, rel=1e-9)
     assert no_bytes.by_position.count(None) == 12  # spans without positions have no loss, not 0
-
-
-REFUSED = {  # the options (with ckpts=[{ckpt}] unless they give ckpts) -> the start of the one line
-    "sequences=0": "sequences must be an integer >= 1, got 0",
-    "chunk=0": "chunk must be an integer >= 1, got 0",
-    "batch_size=-1": "batch_size must be an integer >= 1, got -1",
-    "position_buckets=0": "position_buckets must be an integer >= 1, got 0",
-    "position_buckets=65": "position_buckets=65 is above the 64 positions of {ckpt}'s windows",
-    "labels=[a,b]": "labels: 2 labels for 1 checkpoints",
-    "ckpts=[{ckpt},{ckpt}] labels=foo": "labels: 1 labels for 2 checkpoints",  # one label, not three letters
-    # two checkpoints drawn as one line
-    "ckpts=[{ckpt},{ckpt}] labels=[a,a]": "labels: 'a' labels more than one checkpoint: give each its own",
-    "ckpts=[{lone}]": "ckpts: {lone} is neither in a run's checkpoints/ folder nor beside its config.yaml",
-}
-
-
-@pytest.mark.parametrize("options, expected", REFUSED.items(), ids=REFUSED.keys())
-def test_analyze_refuses_in_one_line(
-    options: str, expected: str, checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path, monkeypatch, capsys
-):
-    paths = {"ckpt": checkpoints["xsa"] / "checkpoints" / "last.ckpt", "lone": tmp_path / "lone" / "x.ckpt"}
-    paths["lone"].parent.mkdir()
-    shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
-    args = [a.format(**paths) for a in (options if "ckpts=" in options else f"ckpts=[{{ckpt}}] {options}").split()]
-    out = tmp_path / "analysis"
-    proc = cli_in_process(["analyze", *args, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys)
-    assert assert_refused(proc).startswith(f"xsa-lm: error: {expected.format(**paths)}")
-    assert_nothing_written(out)
 
 
 @pytest.mark.long

@@ -1,6 +1,7 @@
 """Anything that is not a checkpoint of `xsa-lm train`, or one of another model, is refused in one line naming it; so
 is a tokenizer other than the one a checkpoint was trained with."""
 
+import contextlib
 import json
 import shutil
 import zipfile
@@ -187,28 +188,82 @@ def test_a_checkpoint_without_a_recorded_tokenizer_loads_unchecked(tmp_path: Pat
     assert load_tokenizer(ckpt).get_vocab_size() == 300
 
 
-# --- through the CLI -------------------------------------------------------------------------------------------------
+# --- through the CLI: every refusal of the commands that read a checkpoint ---------------------------------------
 
-CLI = {  # each command, in one line naming the path (a checkpoint given once without brackets: ckpts=PATH)
-    "analyze": (["analyze", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
-    "eval": (["eval", "ckpts=[{empty}]"], "ckpts: {empty} is empty, not a checkpoint"),
-    "eval: no checkpoint": (["eval", "ckpts=[]"], "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
-    "eval: a number": (["eval", "ckpts=5"], "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
-    "eval: one without brackets": (["eval", "ckpts={ckpt}", "tasks=[]"], "tasks: give at least one task"),
-    "generate": (["generate", "ckpt={text}"], "ckpt: {text} is not a checkpoint of `xsa-lm train`"),
-    "export": (["export", "ckpt={directory}", "out=hf"], "ckpt: {directory} is a directory, not a"),
+LIMIT = "must be an integer >= 1 (the first N), a fraction in (0, 1) of each task, or null (all)"
+REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given once without brackets: ckpts=PATH
+    "analyze: yaml": ("analyze ckpts=[{yaml}]", "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
+    "eval: empty": ("eval ckpts=[{empty}]", "ckpts: {empty} is empty, not a checkpoint"),
+    "eval: no checkpoint": ("eval ckpts=[]", "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
+    "eval: a number": ("eval ckpts=5", "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
+    "eval: one without brackets": ("eval ckpts={ckpt} tasks=[]", "tasks: give at least one task, e.g. tasks=paper"),
+    "generate: text": ("generate ckpt={text}", "ckpt: {text} is not a checkpoint of `xsa-lm train`"),
+    "export: a directory": ("export ckpt={directory} out=hf", "ckpt: {directory} is a directory, not a"),
+    # eval's options, checked before any scoring; a checkpoint given twice (also by another path) would count twice
+    **{o: (f"eval ckpts=[{{ckpt}}] {o}", f"{o} {LIMIT}") for o in ("limit=0", "limit=-5", "limit=abc", "limit=inf")},
+    "limit=2.5": ("eval ckpts=[{ckpt}] limit=2.5", f"limit=2.5 {LIMIT}"),  # the harness would run 2
+    "limit=true": ("eval ckpts=[{ckpt}] limit=true", f"limit=True {LIMIT}"),
+    "batch_size=2.5": ("eval ckpts=[{ckpt}] batch_size=2.5", "batch_size=2.5 must be an integer"),
+    "wandb=maybe": ("eval ckpts=[{ckpt}] wandb=maybe", "wandb=maybe must be true or false"),  # text counts as true
+    "eval: twice": ("eval ckpts=[{ckpt},{other},{ckpt}] tasks=[x]", "ckpts: {ckpt} is given twice: give each"),
+    "eval: twice by another path": (
+        "eval ckpts=[{ckpt},inputs/run/checkpoints/../checkpoints/last.ckpt] tasks=[x]",
+        "ckpts: {ckpt} is given twice ({ckpt} and inputs/run/checkpoints/../checkpoints/last.ckpt): give each",
+    ),
+    # generate's options, checked before the checkpoint is read
+    "top_k=0": ("generate ckpt={ckpt} top_k=0", "top_k=0 must be >= 1"),
+    "temperature=-1": ("generate ckpt={ckpt} temperature=-1", "temperature=-1 must be >= 0"),
+    "temperature=nan": ("generate ckpt={ckpt} temperature=nan", "temperature=nan must be a finite number"),
+    "prompt=1e3": (
+        "generate ckpt={ckpt} prompt=1e3",
+        "prompt must be text: quote one that Hydra reads as a number or boolean, e.g. prompt='\"1e3\"', got 1000.0",
+    ),
+    "max_new_tokens=0": ("generate ckpt={ckpt} max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+    "num_samples=0": ("generate ckpt={ckpt} num_samples=0", "num_samples=0 must be >= 1"),
+    "seed=abc": ("generate ckpt={ckpt} seed=abc", "seed=abc must be an integer"),
+    "seed=2**64": ("generate ckpt={ckpt} seed=18446744073709551616", "seed=18446744073709551616 must be <= 4294967295"),
+    # analyze's options; equal labels would draw two checkpoints as one line
+    "sequences=0": ("analyze ckpts=[{ckpt}] sequences=0", "sequences=0 must be >= 1"),
+    "chunk=0": ("analyze ckpts=[{ckpt}] chunk=0", "chunk=0 must be >= 1"),
+    "position_buckets=17": (
+        "analyze ckpts=[{data}] position_buckets=17",
+        "position_buckets=17 is above the 16 positions of {data}'s windows",
+    ),
+    "labels=[a,b]": ("analyze ckpts=[{ckpt}] labels=[a,b]", "labels: 2 labels for 1 checkpoints"),
+    "labels=foo": ("analyze ckpts=[{ckpt},{ckpt}] labels=foo", "labels: 1 labels for 2 checkpoints"),  # not 3 letters
+    "labels=[a,a]": (
+        "analyze ckpts=[{ckpt},{ckpt}] labels=[a,a]",
+        "labels: 'a' labels more than one checkpoint: give each its own",
+    ),
+    "analyze: away from its run": (
+        "analyze ckpts=[{lone}]",
+        "ckpts: {lone} is neither in a run's checkpoints/ folder nor beside its config.yaml",
+    ),
 }
 
 
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("data_run")
+    with contextlib.chdir(folder):
+        return local_run(folder)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args, expected", CLI.values(), ids=CLI.keys())
-def test_each_command_refuses_what_is_no_checkpoint_in_one_line(
-    args: list[str], expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+@pytest.mark.parametrize("args, expected", REFUSED.values(), ids=REFUSED.keys())
+def test_each_command_refuses_in_one_line_and_writes_nothing(
+    args: str, expected: str, data_run: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
-    paths = not_checkpoints(tmp_path / "inputs")
+    paths = not_checkpoints(tmp_path / "inputs") | {"data": data_run, "other": write_checkpoint(tmp_path / "other")}
+    paths["lone"] = tmp_path / "lone" / "x.ckpt"
+    paths["lone"].parent.mkdir()
+    shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
     out = tmp_path / "out"
-    args = [arg.format(**paths) for arg in args] + ([f"hydra.run.dir={out}"] if args[0] in ("analyze", "eval") else [])
-    assert expected.format(**paths) in assert_refused(cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys))
+    argv = [arg.format(**paths) for arg in args.split()] + [f"hydra.run.dir={out}"] * (
+        args.split()[0] in ("analyze", "eval")
+    )
+    proc = cli_in_process(argv, data_cache, tmp_path, monkeypatch, capsys)
+    assert assert_refused(proc).startswith(f"xsa-lm: error: {expected.format(**paths)}")
     assert_nothing_written(out)
     assert_nothing_written(tmp_path / "hf")
 

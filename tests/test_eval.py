@@ -16,11 +16,7 @@ from lm_eval.api.instance import Instance
 from tests.helpers import (
     FAST,
     REPO,
-    assert_nothing_written,
-    assert_refused,
-    cli_in_process,
     run_cli,
-    write_checkpoint,
     write_local_task,
 )
 from tests.wandb_records import run_files, summary
@@ -247,43 +243,3 @@ def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
     args = ["generate", f"ckpt={ckpts['xsa']}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0"]
     first, second = run_cli(args, data_cache, tmp_path), run_cli(args, data_cache, tmp_path)
     assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
-
-
-LIMIT = "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, or null"
-REFUSED = {
-    "tasks=[]": "tasks: give at least one task, e.g. tasks=paper",
-    "limit=0": f"{LIMIT} for every example, got 0",
-    "limit=-5": f"{LIMIT} for every example, got -5",
-    "limit=abc": f"{LIMIT} for every example, got 'abc'",
-    "limit=inf": f"{LIMIT} for every example, got inf",  # not an OverflowError in the harness
-    "limit=nan": f"{LIMIT} for every example, got nan",
-    "limit=2.5": f"{LIMIT} for every example, got 2.5",  # the harness would run 2 and the table say 2.5
-    "limit=true": f"{LIMIT} for every example, got True",
-    "batch_size=0": "batch_size must be an integer >= 1, got 0",
-    "batch_size=2.5": "batch_size must be an integer >= 1, got 2.5",
-    "wandb=maybe": "wandb must be true or false, got 'maybe'",  # a non-empty text would count as true
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("option, expected", REFUSED.items(), ids=REFUSED.keys())
-def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    ckpt = write_checkpoint(tmp_path / "run")
-    out = tmp_path / "eval"
-    proc = cli_in_process(
-        ["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
-    )
-    assert assert_refused(proc) == f"xsa-lm: error: {expected}"
-    assert_nothing_written(out)
-
-
-def test_eval_refuses_a_checkpoint_given_twice(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    """The same file twice, also by another path: two identical rows would count twice in their arm's mean."""
-    ckpt = write_checkpoint(tmp_path / "run")
-    other = write_checkpoint(tmp_path / "other")
-    out = tmp_path / "eval"
-    for again in (ckpt, Path("run/checkpoints/../checkpoints/last.ckpt")):  # relative to tmp_path, the working folder
-        args = ["eval", f"ckpts=[{ckpt},{other},{again}]", "tasks=[no_such_task]", f"hydra.run.dir={out}"]
-        proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-        assert_refused(proc, f"ckpts: {ckpt.resolve()} is given twice", "give each checkpoint once")  # before the tasks
-        assert_nothing_written(out)

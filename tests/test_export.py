@@ -236,7 +236,7 @@ def test_without_transformers_the_export_says_how_to_install_it(monkeypatch: pyt
     find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
     without = lambda name, *a: None if name == "transformers" else find_spec(name)  # noqa: E731
     monkeypatch.setattr(importlib.util, "find_spec", without)
-    with pytest.raises(UserError, match=r"^xsa-lm export needs transformers, in the extra `eval`: pip install"):
+    with pytest.raises(UserError, match=r"^xsa-lm export needs transformers, the extra `eval`: pip install"):
         require_transformers()
 
 
