@@ -1,5 +1,5 @@
-"""Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints (diagnostics and held-out loss), and the
-paper recipes' CPU twins."""
+"""Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints (diagnostics and held-out loss), `eval` and
+`generate` on them, and the paper recipes' CPU twins."""
 
 import json
 import math
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, REPO, TINY, cli_in_process, run_cli
-from tests.wandb_records import history, run_files
+from tests.helpers import FAST, REPO, TINY, cli_in_process, run_cli, write_local_task
+from tests.wandb_records import history, run_files, summary
 from xsa_lm.analysis.losses import held_out_loss
 from xsa_lm.files import read_csv
 from xsa_lm.model import GPT, GPTConfig
@@ -42,7 +42,7 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     assert all(abs(float(r["diag/cos_z_v/layer_1"])) < 1e-3 for r in rows)
     header = read_csv(checkpoints["sa"] / "metrics.csv")[0]
     assert "diag/a_ii/layer_0" in header and "diag/cos_z_v/layer_0" not in header  # SA has no z
-    (wandb_file,) = run_files(checkpoints["xsa"])
+    wandb_file = run_files(checkpoints["xsa"])[0]  # the training run (then eval's, in the same run id)
     logged = {key for row in history(wandb_file) for key in row}
     assert any(key.startswith("diag/table") for key in logged) and "diag/a_ii/layer_0" in logged
     # text samples during training: in samples.txt and as a W&B table
@@ -176,17 +176,63 @@ def test_analyze_measures_the_loss_its_run_validated(
     assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
 
 
+@pytest.mark.long
+def test_eval_and_generate_through_the_cli(checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path):
+    """`xsa-lm eval` of both checkpoints on two local tasks: the table, eval.json with each score's n and standard
+    error, XSA - SA with its interval, the scores in the XSA run's own W&B run; a hub task offline fails fast naming
+    the task; greedy `xsa-lm generate` is deterministic."""
+    ckpts = {attention: run / "checkpoints" / "last.ckpt" for attention, run in checkpoints.items()}
+    task = write_local_task(tmp_path / "tasks")
+    script = REPO / "scripts" / "make_shakespeare_cloze.py"  # a second local task, from the held-out plays
+    made = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "tasks"), "--items", "20"], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    cloze, out = tmp_path / "tasks" / "shakespeare_cloze.yaml", tmp_path / "eval"
+    args = ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"]
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "not a git repository" not in proc.stderr  # the harness's own git call, outside a repository
+    result = json.loads((out / "eval.json").read_text())
+    assert result["tasks"] == ["xsa_toy_mc", "shakespeare_cloze"]
+    assert [r["attention"] for r in result["rows"]] == ["sa", "xsa"]
+    for row in result["rows"]:
+        toy, score = row["scores"]["xsa_toy_mc"], row["scores"]["shakespeare_cloze"]
+        assert toy["metric"] == "acc_norm" and 0 <= toy["value"] <= 1
+        assert row["average"] == pytest.approx((toy["value"] + score["value"]) / 2)
+        expected = math.sqrt(score["value"] * (1 - score["value"]) / 19)  # 0/1 items: sd (n - 1) / sqrt(n)
+        assert score["n"] == 20 and score["stderr"] == pytest.approx(expected)
+    diff = result["rows"][1]["average"] - result["rows"][0]["average"]
+    assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
+    table = (out / "eval.md").read_text()
+    assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm, n=4)" in table and "| XSA - SA |" in proc.stdout
+    assert "shakespeare_cloze (acc_norm, n=20)" in table and "| 95% CI, paired over items |" in table
+    ci = result["xsa_minus_sa_ci95"]["shakespeare_cloze"]
+    assert ci is None or ci[0] <= result["xsa_minus_sa"]["shakespeare_cloze"] <= ci[1]
+    xsa_runs = run_files(checkpoints["xsa"])
+    assert len(xsa_runs) == 2  # training, then the eval scores in the same run id
+    assert summary(xsa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][1]["scores"]["xsa_toy_mc"]["value"])
+
+    args = ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"]
+    missing = run_cli(args, data_cache, tmp_path, timeout=300)
+    assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+    args = ["generate", f"ckpt={ckpts['xsa']}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0"]
+    first, second = run_cli(args, data_cache, tmp_path), run_cli(args, data_cache, tmp_path)
+    assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
+
+
 def test_losses_of_other_data_are_listed_but_not_subtracted():
     """Two checkpoints of runs on other corpora or tokenizers, or on windows of another length (other tokens, other
     positions in each span): a difference of their losses means nothing."""
-    from xsa_lm.analysis.run import Analysis, render
+    from xsa_lm.analysis.run import render
 
     def row(label: str, data: str, loss: float, block_size: int = 128) -> dict:
         measured_on = {"data": data, "windows": 8, "block_size": block_size}
         return {"label": label} | measured_on | {"loss": loss, "bpb": loss / 2, "span_1": loss}
 
     rows = [row("sa", "shakespeare-1", 4.0), row("xsa", "shakespeare-1", 3.5), row("loc", "local-2", 2.0)]
-    table = render(Analysis(diagnostics=[], losses=[*rows, row("short", "shakespeare-1", 2.0, block_size=64)]))
+    table = render([], [*rows, row("short", "shakespeare-1", 2.0, block_size=64)])
     assert "xsa - sa per span: -0.5000 (loss -0.5000)" in table
     against = "against 8 windows of 128 tokens of shakespeare-1)"
     assert f"loc - sa: not compared (measured on 8 windows of 128 tokens of local-2, {against}" in table

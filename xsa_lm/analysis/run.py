@@ -5,9 +5,7 @@ and the tables printed, with each checkpoint's difference from the first."""
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import hydra
 import pandas as pd  # type: ignore[import-untyped]  # no stubs installed
@@ -16,19 +14,17 @@ from hydra.core.hydra_config import HydraConfig
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig
-from pydantic import BeforeValidator, model_validator
+from pydantic import model_validator
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
 from xsa_lm.analysis.losses import held_out_loss
-from xsa_lm.checkpoints.load import as_texts, checkpoint_list, load_model, run_config, run_data, run_dir_of, told_apart
+from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, run_config, run_data, run_dir_of, told_apart
 from xsa_lm.config.spec import Count, Spec, parse
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
-
-Texts = Annotated[list[str], BeforeValidator(as_texts)]
 
 
 class AnalyzeOptions(Spec):
@@ -50,14 +46,6 @@ class AnalyzeOptions(Spec):
                 f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own"
             )
         return self
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """One diagnostics row per checkpoint and layer, one loss row per checkpoint (with the tokens measured on)."""
-
-    diagnostics: list[dict]
-    losses: list[dict]
 
 
 # (metric, panel title, y label): the paper's Figure 1, then the two statistics of the XSA step itself.
@@ -95,7 +83,9 @@ def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
     return told_apart(labels, paths, numbered)
 
 
-def analyze(options: AnalyzeOptions) -> Analysis:
+def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
+    """One diagnostics row per checkpoint and layer, one loss row per checkpoint (with the tokens measured on)."""
+    checkpoint_list(options.ckpts)  # each a checkpoint, before any slow work
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in options.ckpts]
     buckets, batch_size = options.position_buckets, options.batch_size
@@ -119,7 +109,7 @@ def analyze(options: AnalyzeOptions) -> Analysis:
         # The prepared data names its tokenizer; the window's length sets which tokens and positions are measured.
         measured_on = {"data": data, "windows": loss.windows, "block_size": block_size}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
-    return Analysis(rows, losses)
+    return rows, losses
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
@@ -195,10 +185,10 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
     return table.where(table.notna(), None).to_markdown(index=False, floatfmt=".4f", missingval="-")
 
 
-def render(analysis: Analysis) -> str:
+def render(diagnostics: list[dict], losses: list[dict]) -> str:
     """The two tables, then each checkpoint's difference from the first per span, where measured on the same tokens."""
-    losses, spans = analysis.losses, span_columns(analysis.losses)
-    lines = [markdown(analysis.diagnostics, ["label", "layer", "attention", *METRICS]), ""]
+    spans = span_columns(losses)
+    lines = [markdown(diagnostics, ["label", "layer", "attention", *METRICS]), ""]
     lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
     tokens = [f"{r['windows']} windows of {r['block_size']} tokens of {r['data']}" for r in losses]
     for r, measured_on in zip(losses[1:], tokens[1:], strict=True):
@@ -213,26 +203,22 @@ def render(analysis: Analysis) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
-    with atomic_file(path, "w", newline="") as f:
-        pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
-
-
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="analyze")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
-    options = parse(AnalyzeOptions, cfg)
-    checkpoint_list(options.ckpts)
-    analysis = analyze(options)
+    diagnostics, losses = analyze(parse(AnalyzeOptions, cfg))
     out.mkdir(parents=True, exist_ok=True)
-    plot(analysis.diagnostics, out / "diagnostics.png")
-    columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(analysis.losses)]
-    write_csv(analysis.losses, columns, out / "losses.csv")
-    positions_figure(analysis.losses).savefig(out / "positions.png", dpi=120)
-    # Last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one interrupted
-    # before it can be run again
-    write_csv(analysis.diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
-    print(render(analysis))
+    plot(diagnostics, out / "diagnostics.png")
+    positions_figure(losses).savefig(out / "positions.png", dpi=120)
+    # diagnostics.csv last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one
+    # interrupted before it can be run again
+    for rows, columns, name in (
+        (losses, ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)], "losses.csv"),
+        (diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], "diagnostics.csv"),
+    ):
+        with atomic_file(out / name, "w", newline="") as f:
+            pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
+    print(render(diagnostics, losses))
     written = [out / name for name in ("diagnostics.csv", "diagnostics.png", "losses.csv", "positions.png")]
     print(f"\nwrote {', '.join(map(str, written[:-1]))} and {written[-1]}")

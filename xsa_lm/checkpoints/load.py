@@ -7,10 +7,11 @@ import zipfile
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from omegaconf import OmegaConf
+from pydantic import BeforeValidator
 from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
@@ -28,11 +29,11 @@ DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
 DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
 
 
-def as_texts(value: object) -> object:
-    """A list option given as one value (ckpts=PATH), or with numbers in it, as a list of texts."""
-    if value is None:
-        return None
-    return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
+def _texts(value: object) -> object:
+    return value if value is None else [str(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+Texts = Annotated[list[str], BeforeValidator(_texts)]  # a list option given as one value (ckpts=PATH), or numbers
 
 
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
@@ -61,10 +62,17 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
 
 
 def checkpoint_list(ckpts: list[str]) -> list[str]:
+    """Each a checkpoint, each once (its rows would count twice in a mean)."""
     if not ckpts:
         raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
+    seen: dict[Path, str] = {}
     for ckpt in ckpts:
         check_checkpoint_file(Path(ckpt).expanduser())
+        resolved = Path(ckpt).expanduser().resolve()
+        if resolved in seen:
+            again = "twice" if ckpt == seen[resolved] else f"twice ({seen[resolved]} and {ckpt})"
+            raise UserError(f"ckpts: {resolved} is given {again}: give each checkpoint once")
+        seen[resolved] = ckpt
     return ckpts
 
 

@@ -15,10 +15,9 @@ import scipy.stats
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BeforeValidator
 from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.load import as_texts, checkpoint_list, load_model, load_tokenizer, run_dir_of, told_apart
+from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, load_tokenizer, run_dir_of, told_apart
 from xsa_lm.config.spec import Count, Spec, parse, rule
 from xsa_lm.data.tokenizer import eot_id, hub_unreachable
 from xsa_lm.errors import UserError, one_line_errors, yaml_problem
@@ -49,7 +48,7 @@ def _limit(value: object) -> str | None:
 class EvalOptions(Spec):
     """configs/eval.yaml."""
 
-    ckpts: Annotated[list[str], BeforeValidator(as_texts)]
+    ckpts: Texts
     tasks: str | list[str] | None
     limit: Annotated[int | float | None, rule(_limit)]
     batch_size: Count
@@ -102,13 +101,12 @@ TaskLoader.add_multi_constructor("!", lambda loader, tag, node: None)
 
 def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
-    entries = [str(entry) for entry in task_entries(tasks) if entry not in (None, "")]
-    if not entries:  # tasks=[], tasks=, tasks=null
+    if not task_entries(tasks):  # tasks=[], tasks=, tasks=null
         raise UserError("tasks: give at least one task, e.g. tasks=paper")
     names: dict[str, str] = {}  # name -> the entry that gave it
     folders: set[str] = set()
-    for entry in entries:
-        path, name = task_file(entry), entry
+    for entry, path in task_entries(tasks):
+        name = entry
         if path is not None:
             if not path.is_file():
                 raise UserError(f"tasks: task file not found: {path}")
@@ -128,19 +126,17 @@ def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
     return list(names), sorted(folders)
 
 
+def task_entries(tasks: str | list[str] | None) -> list[tuple[str, Path | None]]:
+    """Each task given (`paper`: the paper's), with its path where it names a task YAML file."""
+    given = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
+    paths = [(str(entry), Path(str(entry)).expanduser()) for entry in given if entry not in (None, "")]
+    return [(entry, path if path.suffix in (".yaml", ".yml") else None) for entry, path in paths]
+
+
 def task_file_digests(tasks: str | list[str] | None) -> dict[str, str]:
     """The sha256 of each local task file by its path: an edited file evaluates something else under one name."""
-    files = [file for file in map(task_file, task_entries(tasks)) if file is not None]
+    files = [path for _, path in task_entries(tasks) if path is not None]
     return {str(file.resolve()): hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
-
-
-def task_entries(tasks: str | list[str] | None) -> list:
-    return list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
-
-
-def task_file(entry: object) -> Path | None:
-    path = Path(str(entry)).expanduser()
-    return path if path.suffix in (".yaml", ".yml") else None
 
 
 def task_manager(names: list[str], folders: list[str]) -> "TaskManager":
@@ -181,18 +177,6 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
     return name.split(",")[0], value
 
 
-def distinct_checkpoints(ckpts: list[str]) -> list[str]:
-    """`ckpts`, refused when a file is given twice (its rows would count twice in its arm's mean)."""
-    seen: dict[Path, str] = {}
-    for ckpt in ckpts:
-        resolved = Path(ckpt).expanduser().resolve()
-        if resolved in seen:
-            again = "twice" if ckpt == seen[resolved] else f"twice ({seen[resolved]} and {ckpt})"
-            raise UserError(f"ckpts: {resolved} is given {again}: give each checkpoint once")
-        seen[resolved] = ckpt
-    return ckpts
-
-
 def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
@@ -222,13 +206,12 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
             stderr = float(scipy.stats.sem(list(values[task].values()))) if len(values[task]) > 1 else None
             scores[task] = Score(metric=metric, value=value, n=len(values[task]), stderr=stderr)
         items.append(values)
-        average, run = fmean(s.value for s in scores.values()), run_dir_of(path).name
+        run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
         rows.append(
             Row(checkpoint=str(path), attention=model.config.attention, run=run, scores=scores, average=average)
         )
-    diff = xsa_minus_sa(rows, names)
+    diff, files = xsa_minus_sa(rows, names), task_file_digests(tasks)
     ci = paired_intervals(rows, items, names) if diff is not None else None
-    files = task_file_digests(tasks)
     return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
 
 
@@ -353,8 +336,7 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     options = parse(EvalOptions, cfg)  # wandb too: before any scoring
     require_harness()
-    ckpts = distinct_checkpoints(checkpoint_list(options.ckpts))
-    result = evaluate(ckpts, options.tasks, options.limit, options.batch_size)
+    result = evaluate(checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
     write_text(out / "eval.md", table + "\n")

@@ -24,8 +24,7 @@ def rope(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Ten
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | float) -> torch.Tensor:
@@ -41,10 +40,10 @@ class XSAAttention(nn.Module):
     def __init__(self, config: XSAConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # its place in the KV cache
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads(), config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head or config.n_head, config.head_dim
         self.qkv = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
         self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)  # W_o
-        self.exclusive = config.uses_xsa(layer)
+        self.exclusive = config.attention == "xsa" and (config.xsa_layers is None or layer in config.xsa_layers)
         self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and config.xsa_gate else None
         self.xsa_eps = config.xsa_eps
         self.dropout = config.dropout
@@ -96,11 +95,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
-class XSAPreTrainedModel(PreTrainedModel):
+class XSAForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = XSAConfig
     base_model_prefix = ""
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "wte.weight"}
+    _input_embed_layer = "wte"
 
     def _init_weights(self, module: nn.Module) -> None:
         """For weights a checkpoint does not hold: transformers' own, the XSA gate at 0 (SA), sinks N(0, init_std)."""
@@ -109,11 +110,6 @@ class XSAPreTrainedModel(PreTrainedModel):
             init.zeros_(module.gate)
         if isinstance(module, XSAForCausalLM) and module.sinks is not None:
             init.normal_(module.sinks, mean=0.0, std=self.config.init_std)
-
-
-class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "wte.weight"}
-    _input_embed_layer = "wte"
 
     def __init__(self, config: XSAConfig) -> None:
         super().__init__(config)
@@ -151,7 +147,10 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence length {seen + T} exceeds block_size {self.config.block_size}")
         if position_ids is None:
             position_ids = torch.arange(seen, seen + T, device=input_ids.device).expand(B, T)
-        cos, sin = rope(self.rope_positions(position_ids, S), self.config.head_dim, self.config.rope_base)
+        # RoPE positions: the sinks at 0 .. n_sinks - 1 (with the first tokens only), the tokens after them
+        sinks = torch.arange(S, device=input_ids.device).expand(B, S)
+        positions = torch.cat([sinks, position_ids + self.config.n_sinks], dim=1)
+        cos, sin = rope(positions, self.config.head_dim, self.config.rope_base)
         mask = self.attention_mask(attention_mask, past=past, new=S + T, device=input_ids.device)
 
         x = self.wte(input_ids)
@@ -168,12 +167,6 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
         shifted = None if labels is None else (logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
         loss = None if shifted is None else F.cross_entropy(*shifted, ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
-
-    def rope_positions(self, position_ids: torch.Tensor, new_sinks: int) -> torch.Tensor:
-        """RoPE positions of the new positions: the sinks at 0 .. n_sinks - 1, the tokens after them."""
-        positions = position_ids + self.config.n_sinks
-        sinks = torch.arange(new_sinks, device=positions.device).expand(positions.size(0), new_sinks)
-        return torch.cat([sinks, positions], dim=1)
 
     def attention_mask(
         self, padding: torch.Tensor | None, *, past: int, new: int, device: torch.device
