@@ -96,29 +96,21 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
         assert (out[:, 4:] < 48).all(), (temperature, top_k, out)
 
 
-def test_xsa_lm_generate_draws_only_the_tokenizers_ids(monkeypatch: pytest.MonkeyPatch):
-    from xsa_lm.eval import sample as sampling
-
-    model = padded_model()
-    monkeypatch.setattr(sampling, "load_model", lambda path, key: model)
-    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(48))  # 48 tokens onto the model's 64 ids
-    texts = sampling.sample("run.ckpt", "ab", max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=0)
-    assert all(int(i) < 48 for text in texts for i in text.split()[1:]), texts
-
-
 def test_generate_takes_greedy_the_whole_vocabulary_and_an_empty_or_quoted_prompt():
     fine = dict(ckpt="x.ckpt", max_new_tokens=1, temperature=0, top_k=None, num_samples=1, seed=0)
     for prompt in (None, "1e3", ""):  # null: start from <|endoftext|>; "1e3": quoted for Hydra
         assert GenerateOptions.model_validate({**fine, "prompt": prompt}).prompt == prompt
 
 
-def test_sample_i_is_the_same_text_whatever_num_samples(monkeypatch: pytest.MonkeyPatch):
-    """`xsa-lm generate seed=3 num_samples=4` repeats the sample of num_samples=1 as its first, and draws 4 texts."""
+def test_xsa_lm_generate_draws_the_tokenizers_ids_and_sample_i_whatever_num_samples(monkeypatch: pytest.MonkeyPatch):
+    """`xsa-lm generate seed=3 num_samples=4` repeats the sample of num_samples=1 as its first, and draws 4 texts,
+    of the tokenizer's ids only (48 tokens onto the padded table's 64 ids)."""
     from xsa_lm.eval import sample as sampling
 
-    monkeypatch.setattr(sampling, "load_model", lambda path, key: model_for("xsa"))
-    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(64))
-    options = dict(max_new_tokens=8, temperature=1.0, top_k=None, seed=3)
+    monkeypatch.setattr(sampling, "load_model", lambda path, key: padded_model())
+    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(48))
+    options = dict(max_new_tokens=12, temperature=1.0, top_k=None, seed=3)
     four = sampling.sample("run.ckpt", "ab", num_samples=4, **options)
     assert sampling.sample("run.ckpt", "ab", num_samples=1, **options) == four[:1]
     assert len(set(four)) == 4 and all(text.startswith("ab ") for text in four)
+    assert all(int(i) < 48 for text in four for i in text.split()[1:]), four

@@ -127,13 +127,9 @@ def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
 def load_model(path: Path, key: str = "ckpts") -> GPT:
     """A GPT from a checkpoint of `xsa-lm train` (weights only: no code is unpickled); `key` names the option."""
     check_checkpoint_file(path, key)
-    try:
-        # trainer=fsdp's shards are put back together in this process (the weights only)
-        checkpoint = (
-            load_sharded(path, optimizer=False)
-            if is_sharded(path)
-            else torch.load(path, map_location="cpu", weights_only=True)
-        )
+    try:  # trainer=fsdp's shards are put back together in this process (the weights only)
+        sharded = is_sharded(path)
+        checkpoint = load_sharded(path, optimizer=False) if sharded else torch.load(path, "cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
         raise UserError(f"{key}: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save
@@ -141,10 +137,7 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     stored = checkpoint.get("model_config")
     if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
-    try:
-        model = GPT(GPTConfig(**stored))
-    except (TypeError, ValueError) as e:  # a field this version does not know, or an invalid value
-        raise UserError(f"{key}: {path} stores a model config this version cannot build ({e})") from None
+    model = GPT(GPTConfig(**stored))
     load_weights(model, checkpoint, f"{key}: checkpoint {path}")
     return model
 
@@ -152,11 +145,10 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
 def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
     """The run's tokenizer: saved with its prepared data, else that of the data prepared again (run_data)."""
     data_dir = _run_data_dir(path, key)
-    if data_dir and (data_dir / "tokenizer.json").is_file():
-        tokenizer = read_tokenizer(data_dir / "tokenizer.json", key)
-        check_tokenizer(
-            path, tokenizer, file_sha256(data_dir / "tokenizer.json", key), data_dir / "tokenizer.json", key
-        )
+    saved = data_dir / "tokenizer.json" if data_dir else None
+    if saved and saved.is_file():
+        tokenizer = read_tokenizer(saved, key)
+        check_tokenizer(path, tokenizer, file_sha256(saved, key), saved, key)
         return tokenizer
     return run_data(path, key).tokenizer
 
