@@ -51,27 +51,26 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     assert any(key.startswith("samples") for key in logged)
 
 
-@pytest.fixture(scope="module")
-def analysis(
-    checkpoints: dict[str, Path], data_cache: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, subprocess.CompletedProcess]:
+def test_analyze_writes_csv_png_and_tables_of_the_loss_its_run_validated(
+    checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path
+):
     """`xsa-lm analyze` of the SA and the XSA checkpoint on every validation window their runs validated on
-    (sequences=data.val_windows: the first windows of the split, FAST's 64): its folder and its process."""
+    (sequences=data.val_windows, FAST's 64). losses.csv: analyze's loss, bits per byte and loss per span are the
+    run's own final validation (summary.json); the spans average back to the loss; bpb is the loss over the bytes of
+    the targets, counted here from the tokenizer independently."""
     from omegaconf import OmegaConf
+
+    from xsa_lm.checkpoints.load import run_data
+    from xsa_lm.data.datamodule import PackedWindows
+    from xsa_lm.data.tokenizer import token_byte_lengths
 
     val_windows = OmegaConf.load(checkpoints["sa"] / "config.yaml").data.val_windows
     assert isinstance(val_windows, int)  # FAST's data.val_windows=64; null would mean every window
-    root = tmp_path_factory.mktemp("analysis")
     ckpts = [checkpoints[a] / "checkpoints" / "last.ckpt" for a in ("sa", "xsa")]
-    out = root / "analysis"
+    out = tmp_path / "analysis"
     args = ["analyze", f"ckpts=[{ckpts[0]},{ckpts[1]}]", f"sequences={val_windows}", "chunk=16"]
-    proc = run_cli([*args, f"hydra.run.dir={out}"], data_cache, root)
+    proc = run_cli([*args, f"hydra.run.dir={out}"], data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
-
-
-def test_analyze_writes_csv_png_and_table(analysis: tuple[Path, subprocess.CompletedProcess], tmp_path: Path):
-    out, proc = analysis
     rows = read_csv(out / "diagnostics.csv")[1]
     assert {"checkpoint", "layer", "cos_v_v", "a_ii", "cos_y_v", "cos_z_v"} <= set(rows[0])
     assert len(rows) == 4 and [r["layer"] for r in rows] == ["0", "1", "0", "1"]  # 2 checkpoints x 2 layers
@@ -81,6 +80,43 @@ def test_analyze_writes_csv_png_and_table(analysis: tuple[Path, subprocess.Compl
     assert (out / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["label"] for r in rows] == ["sa", "sa", "xsa", "xsa"]  # the run names, which say the attention once
     assert "cos_y_v" in proc.stdout and "\n| xsa " in proc.stdout
+    spans = [f"span_{i}" for i in range(1, 9)]  # position_buckets: 8 by default, as training's val_position_buckets
+    header, rows = read_csv(out / "losses.csv")
+    assert header == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
+    assert [r["label"] for r in rows] == ["sa", "xsa"]
+    for attention, row in zip(("sa", "xsa"), rows, strict=True):
+        run = checkpoints[attention]
+        ckpt = run / "checkpoints" / "last.ckpt"
+        assert row["checkpoint"] == str(ckpt)
+        cfg = OmegaConf.load(run / "config.yaml")
+        data = run_data(ckpt)
+        windows = PackedWindows(data.shards("val"), cfg.data.block_size)
+        n = min(cfg.data.val_windows, len(windows))  # the windows the run validated on (TokenDataModule.val_set)
+        assert int(row["windows"]) == n and row["data"] == data.dir.name
+        loss, bpb, by_span = float(row["loss"]), float(row["bpb"]), [float(row[s]) for s in spans]
+        # The strongest check: the run's own final validation, on the same windows and weights (last.ckpt is
+        # written after the last validation), by the training module's code.
+        summary = json.loads((run / "summary.json").read_text())
+        assert loss == pytest.approx(summary["final_val_loss"], abs=1e-4)
+        assert bpb == pytest.approx(summary["final_val_bpb"], abs=1e-4)
+        assert by_span == pytest.approx(summary["final_val_loss_by_position"], abs=1e-4)
+        # 8 equal spans of the window (block_size a multiple of 8), no ignored target in real windows: every span
+        # holds the same number of tokens, so their plain mean is the loss.
+        assert cfg.data.block_size % 8 == 0
+        assert sum(by_span) / len(by_span) == pytest.approx(loss, rel=1e-9)
+        # bpb = loss / (ln 2 x bytes per token), the bytes of each target from the tokenizer's own pieces.
+        targets = torch.stack([windows[i][1] for i in range(n)])
+        lengths = token_byte_lengths(data.tokenizer, data.tokenizer.get_vocab_size())
+        nbytes = sum(lengths[t] for t in targets.flatten().tolist())
+        assert 0 < nbytes and bpb == pytest.approx(loss / (math.log(2) * nbytes / targets.numel()), rel=1e-9)
+    assert (out / "positions.png").read_bytes()[:4] == b"\x89PNG"
+    # The printed table, then XSA - SA per span (4 decimals), and the files named in the last line.
+    assert "bpb" in proc.stdout and "span_8" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("xsa - sa per span: ")]
+    printed = [float(v) for v in line.removeprefix("xsa - sa per span: ").split(" (loss")[0].split()]
+    expected = [float(rows[1][s]) - float(rows[0][s]) for s in spans]
+    assert printed == pytest.approx(expected, abs=1e-4)
+    assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
     # the paper's own Figure 1 overlaid on ours
     fig = tmp_path / "fig1.png"
     plot_script = REPO / "scripts" / "plot_paper_fig1.py"
@@ -122,58 +158,6 @@ def test_an_interrupted_analyze_can_be_run_again_into_its_folder(
     assert (out / "diagnostics.csv").is_file() and (out / "positions.png").is_file()
     for written in ("diagnostics.csv", "losses.csv"):  # the checkpoint's path as it is from anywhere
         assert {row["checkpoint"] for row in read_csv(out / written)[1]} == {str(ckpt)}
-
-
-def test_analyze_measures_the_loss_its_run_validated(
-    analysis: tuple[Path, subprocess.CompletedProcess], checkpoints: dict[str, Path]
-):
-    """losses.csv: on the windows the run validated on, analyze's loss, bits per byte and loss per span are the run's
-    own final validation (summary.json); the spans average back to the loss; bpb is the loss over the bytes of the
-    targets, counted here from the tokenizer independently."""
-    from omegaconf import OmegaConf
-
-    from xsa_lm.checkpoints.load import run_data
-    from xsa_lm.data.datamodule import PackedWindows
-    from xsa_lm.data.tokenizer import token_byte_lengths
-
-    out, proc = analysis
-    spans = [f"span_{i}" for i in range(1, 9)]  # position_buckets: 8 by default, as training's val_position_buckets
-    header, rows = read_csv(out / "losses.csv")
-    assert header == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
-    assert [r["label"] for r in rows] == ["sa", "xsa"]
-    for attention, row in zip(("sa", "xsa"), rows, strict=True):
-        run = checkpoints[attention]
-        ckpt = run / "checkpoints" / "last.ckpt"
-        assert row["checkpoint"] == str(ckpt)
-        cfg = OmegaConf.load(run / "config.yaml")
-        data = run_data(ckpt)
-        windows = PackedWindows(data.shards("val"), cfg.data.block_size)
-        n = min(cfg.data.val_windows, len(windows))  # the windows the run validated on (TokenDataModule.val_set)
-        assert int(row["windows"]) == n and row["data"] == data.dir.name
-        loss, bpb, by_span = float(row["loss"]), float(row["bpb"]), [float(row[s]) for s in spans]
-        # The strongest check: the run's own final validation, on the same windows and weights (last.ckpt is
-        # written after the last validation), by the training module's code.
-        summary = json.loads((run / "summary.json").read_text())
-        assert loss == pytest.approx(summary["final_val_loss"], abs=1e-4)
-        assert bpb == pytest.approx(summary["final_val_bpb"], abs=1e-4)
-        assert by_span == pytest.approx(summary["final_val_loss_by_position"], abs=1e-4)
-        # 8 equal spans of the window (block_size a multiple of 8), no ignored target in real windows: every span
-        # holds the same number of tokens, so their plain mean is the loss.
-        assert cfg.data.block_size % 8 == 0
-        assert sum(by_span) / len(by_span) == pytest.approx(loss, rel=1e-9)
-        # bpb = loss / (ln 2 x bytes per token), the bytes of each target from the tokenizer's own pieces.
-        targets = torch.stack([windows[i][1] for i in range(n)])
-        lengths = token_byte_lengths(data.tokenizer, data.tokenizer.get_vocab_size())
-        nbytes = sum(lengths[t] for t in targets.flatten().tolist())
-        assert 0 < nbytes and bpb == pytest.approx(loss / (math.log(2) * nbytes / targets.numel()), rel=1e-9)
-    assert (out / "positions.png").read_bytes()[:4] == b"\x89PNG"
-    # The printed table, then XSA - SA per span (4 decimals), and the files named in the last line.
-    assert "bpb" in proc.stdout and "span_8" in proc.stdout
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("xsa - sa per span: ")]
-    printed = [float(v) for v in line.removeprefix("xsa - sa per span: ").split(" (loss")[0].split()]
-    expected = [float(rows[1][s]) - float(rows[0][s]) for s in spans]
-    assert printed == pytest.approx(expected, abs=1e-4)
-    assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
 
 
 @pytest.mark.long

@@ -89,7 +89,7 @@ def figure_rows() -> list[dict]:
     return rows
 
 
-def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels():
+def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels_or_says_there_is_no_z():
     fig = figure(figure_rows())
     panels = [ax for ax in fig.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == [title for _, title, _ in PANELS]
@@ -104,10 +104,7 @@ def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels():
         assert lines[title] == {"xsa-late": [1, 2]}
     (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
     assert [t.get_text() for t in legend.get_texts()] == ["sa", "xsa-late"]  # each checkpoint once, its label
-
-
-def test_diagnostics_figure_of_sa_checkpoints_only_says_there_is_no_z():
-    fig = figure([r for r in figure_rows() if r["label"] == "sa"])
+    fig = figure([r for r in figure_rows() if r["label"] == "sa"])  # SA checkpoints only: no z
     empty = [ax for ax in fig.axes if ax.get_title() and not ax.lines]
     assert len(empty) == 2 and all("no XSA layers" in ax.texts[0].get_text() for ax in empty)
 

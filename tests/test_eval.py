@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter, `xsa-lm eval` on a local task, and `xsa-lm generate`."""
+"""The lm-evaluation-harness adapter, the tasks `xsa-lm eval` takes, and its report (the CLI: test_analyze_cli)."""
 
 import json
 import math
@@ -11,9 +11,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from tests.helpers import (
-    write_local_task,
-)
+from tests.helpers import write_local_task
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.run import (

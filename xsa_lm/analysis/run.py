@@ -89,27 +89,28 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in options.ckpts]
     buckets, batch_size = options.position_buckets, options.batch_size
-    measured = []
+    attentions: list[str] = []
+    rows: list[list[dict]] = []  # per checkpoint, per layer
+    losses: list[dict] = []
     for path in paths:
         model = load_model(path).to(device)
         x, y, data = validation_set(path, options.sequences)
         if buckets > x.shape[1]:  # spans without a position would be reported empty
             raise UserError(f"position_buckets={buckets} is above the {x.shape[1]} positions of {path}'s windows")
         x, y = x.to(device), y.to(device)
-        layers = diagnose(model, x.split(batch_size), options.chunk)
+        which = {"checkpoint": os.path.abspath(path)}  # readable from anywhere
+        rows.append([which | row for row in diagnose(model, x.split(batch_size), options.chunk)])
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch_size)
-        measured.append((model.config.attention, layers, loss, data.dir.name, x.shape[1]))
-    labels = options.labels or default_labels(paths, [attention for attention, *_ in measured])
-    rows, losses = [], []
-    for path, label, (_, layers, loss, data, block_size) in zip(paths, labels, measured, strict=True):
-        which: dict[str, object] = {"checkpoint": os.path.abspath(path), "label": label}  # readable from anywhere
-        rows += [which | row for row in layers]
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
         # The prepared data names its tokenizer; the window's length sets which tokens and positions are measured.
-        measured_on = {"data": data, "windows": loss.windows, "block_size": block_size}
+        measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": x.shape[1]}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
-    return rows, losses
+        attentions.append(model.config.attention)
+    for label, layers, loss_row in zip(options.labels or default_labels(paths, attentions), rows, losses, strict=True):
+        for row in [*layers, loss_row]:
+            row["label"] = label
+    return [row for layers in rows for row in layers], losses
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:

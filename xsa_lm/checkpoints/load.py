@@ -208,10 +208,11 @@ def settings_as_started(
     """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
     that they name the files they named then."""
     cwd = _run_info(run_dir, key).get("cwd")
+    root = Path(cwd or ".")
 
     def rebased(value: Any) -> Any:  # a path, or the paths in a list or a {split: paths} mapping
         if isinstance(value, str):
-            return value if not value or Path(value).expanduser().is_absolute() else str(Path(cwd) / value)
+            return value if not value or Path(value).expanduser().is_absolute() else str(root / value)
         if isinstance(value, list):
             return [rebased(v) for v in value]
         return {k: rebased(v) for k, v in value.items()} if isinstance(value, dict) else value
