@@ -192,6 +192,27 @@ REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given 
     "no checkpoint": ("eval ckpts=[]", "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
     "a number": ("eval ckpts=5", "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
     "one without brackets": ("eval ckpts={ckpt} tasks=[]", "tasks: give at least one task, e.g. tasks=paper"),
+    # eval's tasks (a task YAML that is not YAML ended in "ParserError"); one score per task name: a second file of
+    # the same `task:` replaced the first's score without a word, the same name twice counted twice in the average
+    **{
+        f"tasks={t}": (f"eval ckpts=[{{ckpt}}] tasks={t}", "tasks: give at least one task")
+        for t in ("", "null", "['']")
+    },
+    "a name twice": (
+        "eval ckpts=[{ckpt}] tasks=[piqa,arc_easy,piqa]",
+        "tasks: piqa is the task 'piqa', as piqa is: give",
+    ),
+    "a task file twice": (
+        "eval ckpts=[{ckpt}] tasks=[{a},{b}]",
+        "tasks: {b} is the task 'cloze', as {a} is: give each",
+    ),
+    "not YAML": ("eval ckpts=[{ckpt}] tasks=[{broken}]", "tasks: {broken} is not valid YAML at line 2"),
+    "a list": (
+        "eval ckpts=[{ckpt}] tasks=[{listed}]",
+        "tasks: {listed} is not a task file (a YAML mapping with `task:`)",
+    ),
+    "no name": ("eval ckpts=[{ckpt}] tasks=[{nameless}]", "tasks: {nameless} has no `task:` name"),
+    "no such file": ("eval ckpts=[{ckpt}] tasks=[none.yaml]", "tasks: task file not found: none.yaml"),
     # eval's options, checked before any scoring; a checkpoint given twice (also by another path) would count twice
     **{o: (f"eval ckpts=[{{ckpt}}] {o}", f"{o} {LIMIT}") for o in ("limit=0", "limit=-5", "limit=abc", "limit=inf")},
     "limit=2.5": ("eval ckpts=[{ckpt}] limit=2.5", f"limit=2.5 {LIMIT}"),  # the harness would run 2
@@ -236,6 +257,10 @@ REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given 
 }
 
 
+TASK_FILES = {"a": "task: cloze", "b": "task: cloze", "broken": "task: [unclosed", "listed": "- task: a"}
+TASK_FILES |= {"nameless": "dataset_path: json"}
+
+
 @pytest.fixture(scope="module")
 def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("data_run")
@@ -251,6 +276,10 @@ def test_each_command_refuses_in_one_line_and_writes_nothing(
     paths = not_checkpoints(tmp_path / "inputs") | {"data": data_run, "other": write_checkpoint(tmp_path / "other")}
     paths["lone"] = tmp_path / "lone" / "x.ckpt"
     paths["lone"].parent.mkdir()
+    for key, text in TASK_FILES.items():
+        paths[key] = tmp_path / key / "task.yaml"
+        paths[key].parent.mkdir()
+        paths[key].write_text(text + "\n")
     shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
     out = tmp_path / "out"
     argv = [arg.format(**paths) for arg in args.split()] + [f"hydra.run.dir={out}"] * (

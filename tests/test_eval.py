@@ -74,36 +74,6 @@ def test_the_harness_gives_our_models_log_likelihoods(lm):
     assert len(tokenizer.encode(long).ids) > 32 and math.isfinite(total) and total < 0
 
 
-TASKS_REFUSED = {  # tasks= -> the one line (a task YAML that is not YAML ended in "xsa-lm: error: ParserError")
-    "[]": ([], "tasks: give at least one task, e.g. tasks=paper"),
-    "empty": ("", "tasks: give at least one task, e.g. tasks=paper"),
-    "null": (None, "tasks: give at least one task, e.g. tasks=paper"),
-    "['']": ([""], "tasks: give at least one task, e.g. tasks=paper"),
-    # one score per task name: a second file of the same `task:` replaced the first's score in the table and the
-    # average, without a word; the same name twice counted it twice in the average
-    "a name twice": (["piqa", "arc_easy", "piqa"], "tasks: piqa is the task 'piqa', as piqa is: give each task once"),
-    "a task's file twice": (["{a}", "{b}"], "tasks: {b} is the task 'cloze', as {a} is: give each task once"),
-    "not YAML": (["{broken}"], "tasks: {broken} is not valid YAML at line 2"),
-    "a list": (["{listed}"], "tasks: {listed} is not a task file (a YAML mapping with `task:`)"),
-    "no name": (["{nameless}"], "tasks: {nameless} has no `task:` name"),
-    "no such file": (["{here}/none.yaml"], "tasks: task file not found: {here}/none.yaml"),
-}
-
-
-@pytest.mark.parametrize("tasks, expected", TASKS_REFUSED.values(), ids=TASKS_REFUSED.keys())
-def test_tasks_are_refused_in_one_line(tasks, expected: str, tmp_path: Path):
-    files = {"a": "a/cloze.yaml", "b": "b/cloze.yaml", "broken": "x.yaml", "listed": "l.yaml", "nameless": "n.yaml"}
-    texts = {"a": "task: cloze", "b": "task: cloze", "broken": "task: [unclosed", "listed": "- task: a"}
-    paths = {key: tmp_path / name for key, name in files.items()}
-    for key, path in paths.items():
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(texts.get(key, "dataset_path: json") + "\n")
-    paths["here"] = tmp_path
-    with pytest.raises(UserError) as refused:
-        resolve_tasks([task.format(**paths) for task in tasks] if isinstance(tasks, list) else tasks)
-    assert str(refused.value).startswith(expected.format(**paths))
-
-
 def test_tasks_are_paper_names_or_files_whose_own_tags_are_no_error(tmp_path: Path) -> None:
     assert len(resolve_tasks("paper")[0]) == 8
     tagged = tmp_path / "tagged.yaml"  # lm-eval's own tags (`!function`)

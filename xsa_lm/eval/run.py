@@ -316,17 +316,14 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
         run_id = id_file.read_text().strip() if id_file.exists() else None
+        config, name = {"eval_tasks": result.tasks}, f"eval-{row.run}"
         run = wandb_init(
-            str(run_dir), f"eval-{row.run}", {"eval_tasks": result.tasks}, project, group=group, job_type="eval",
-            mode=wandb_mode, run_id=run_id,
-        )  # fmt: skip
-        stem = Path(row.checkpoint).stem
-        prefix = ("eval" if stem == "last" else f"eval-{stem}") + (
-            "" if result.limit is None else f"-limit{result.limit:g}"
+            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
         )
-        run.summary.update(
-            {f"{prefix}/{t}": s.value for t, s in row.scores.items()} | {f"{prefix}/average": row.average}
-        )
+        stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
+        prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
+        run.summary.update({f"{prefix}/{t}": s.value for t, s in row.scores.items()})
+        run.summary.update({f"{prefix}/average": row.average})
         run.finish()
 
 
