@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 
 from tests.helpers import (
     TINY,
-    assert_nothing_written,
     assert_refused,
     cli_in_process,
     compose_train,
@@ -166,6 +165,7 @@ def test_a_checkpoint_without_a_recorded_tokenizer_loads_unchecked(tmp_path: Pat
 # --- through the CLI: every refusal of the commands that read a checkpoint ---------------------------------------
 
 LIMIT = "must be an integer >= 1 (the first N), a fraction in (0, 1) of each task, or null (all)"
+OUTS = {"": "", ".": "", "..": "..", "/": "/"}  # out= -> as the line shows it: none a rename could replace
 NOT = "not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)"
 REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given once without brackets: ckpts=PATH
     # what holds no checkpoint of `xsa-lm train`, in each command
@@ -224,6 +224,13 @@ REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given 
         "eval ckpts=[{ckpt},inputs/run/checkpoints/../checkpoints/last.ckpt] tasks=[x]",
         "ckpts: {ckpt} is given twice ({ckpt} and inputs/run/checkpoints/../checkpoints/last.ckpt): give each",
     ),
+    # export's out, never overwritten (an empty file was "not empty", below a file a raw FileExistsError)
+    **{
+        f"out={o}": (f"export ckpt={{ckpt}} out={o}", f"out={shown} is empty, the current") for o, shown in OUTS.items()
+    },
+    "out=full": ("export ckpt={ckpt} out=full", "out: full exists and is not empty; choose another directory (nothing"),
+    "out=empty.txt": ("export ckpt={ckpt} out=empty.txt", "out: empty.txt is a file, not a directory; choose another"),
+    "out=empty.txt/hf": ("export ckpt={ckpt} out=empty.txt/hf", "out: empty.txt is a file, not a directory; choose"),
     # generate's options, checked before the checkpoint is read
     "top_k=0": ("generate ckpt={ckpt} top_k=0", "top_k=0 must be >= 1"),
     "temperature=-1": ("generate ckpt={ckpt} temperature=-1", "temperature=-1 must be >= 0"),
@@ -281,11 +288,13 @@ def test_each_command_refuses_in_one_line_and_writes_nothing(
         paths[key].parent.mkdir()
         paths[key].write_text(text + "\n")
     shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
-    out = tmp_path / "out"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "empty.txt").write_text("")
+    before, out = sorted(tmp_path.rglob("*")), tmp_path / "out"
     argv = [arg.format(**paths) for arg in args.split()] + [f"hydra.run.dir={out}"] * (
         args.split()[0] in ("analyze", "eval")
     )
     proc = cli_in_process(argv, data_cache, tmp_path, monkeypatch, capsys)
     assert assert_refused(proc).startswith(f"xsa-lm: error: {expected.format(**paths)}")
-    assert_nothing_written(out)
-    assert_nothing_written(tmp_path / "hf")
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing overwritten

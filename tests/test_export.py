@@ -184,33 +184,6 @@ def test_the_export_holds_weights_config_tokenizer_and_code(runs):
     assert not list(folder.parent.glob(f".{folder.name}.*"))  # no staging directory left behind
 
 
-NOTHING_OVERWRITTEN = "choose another directory (nothing is overwritten)"
-OUT_REFUSED = {  # out= -> the one line; an empty file was "not empty", below a file a raw FileExistsError
-    "": "out= is empty, the current directory or one above it: give the new directory to write the model to",
-    ".": "out= is empty, the current directory or one above it",  # here an OSError from the final rename
-    "..": "out=.. is empty, the current directory or one above it",
-    "/": "out=/ is empty, the current directory or one above it",
-    "full": f"out: full exists and is not empty; {NOTHING_OVERWRITTEN}",
-    "empty.txt": f"out: empty.txt is a file, not a directory; {NOTHING_OVERWRITTEN}",
-    "empty.txt/hf": f"out: empty.txt is a file, not a directory; {NOTHING_OVERWRITTEN}",
-}
-
-
-@pytest.mark.parametrize("out, expected", OUT_REFUSED.items(), ids=OUT_REFUSED.keys())
-def test_an_out_that_is_no_new_directory_is_refused_and_nothing_is_overwritten(
-    out: str, expected: str, runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
-    _, ckpt, _ = runs["sa"]
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "notes.txt").write_text("mine")
-    (tmp_path / "empty.txt").write_text("")
-    before = sorted(tmp_path.rglob("*"))
-    with pytest.raises(UserError) as refused:
-        export(ckpt, Path(out))
-    assert str(refused.value).startswith(expected) and sorted(tmp_path.rglob("*")) == before
-
-
 def test_an_empty_directory_or_a_link_to_one_is_filled_as_mkdir_would_make_it(runs, tmp_path: Path):
     _, ckpt, _ = runs["sa"]
     (tmp_path / "empty").mkdir()
