@@ -37,10 +37,10 @@ class AnalyzeOptions(Spec):
 
     @model_validator(mode="after")
     def _one_label_each(self) -> "AnalyzeOptions":  # equal labels would draw two checkpoints as one line
-        labels = self.labels
-        if labels is not None and len(labels) != len(self.ckpts):
+        labels = self.labels or []
+        if self.labels is not None and len(labels) != len(self.ckpts):
             raise ValueError(f"labels: {len(labels)} labels for {len(self.ckpts)} checkpoints")
-        repeated = sorted({label for label in labels or [] if labels.count(label) > 1})  # type: ignore[union-attr]
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
         if repeated:
             raise ValueError(
                 f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own"
@@ -74,11 +74,10 @@ def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, Prep
 
 def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
     """The run directory's name, with the attention where the name does not say it; told apart where two share it."""
-    runs = [run_dir_of(path).name for path in paths]
-    labels = [
-        run if attention in re.split(r"[^a-z0-9]+", run.lower()) else f"{run} ({attention})"
-        for run, attention in zip(runs, attentions, strict=True)
-    ]
+    labels = []
+    for path, attention in zip(paths, attentions, strict=True):
+        run = run_dir_of(path).name
+        labels.append(run if attention in re.split(r"[^a-z0-9]+", run.lower()) else f"{run} ({attention})")
     numbered = [f"{label} {path.stem} #{i}" for i, (label, path) in enumerate(zip(labels, paths, strict=True))]
     return told_apart(labels, paths, numbered)
 

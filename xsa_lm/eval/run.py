@@ -291,10 +291,11 @@ def render(result: EvalResult) -> str:
         diff, ci = result.xsa_minus_sa, result.xsa_minus_sa_ci95 or {}
         counts = [len(arm) for arm in arms(rows)]
         label = "XSA - SA" if counts == [1, 1] else f"XSA - SA (means of {counts[0]} and {counts[1]} checkpoints)"
-        interval = lambda c: "-" if c is None else f"[{100 * c[0]:+.2f}, {100 * c[1]:+.2f}]"  # noqa: E731
+        intervals = [ci.get(t) for t in [*tasks, "average"]]
+        shown = ["-" if c is None else f"[{100 * c[0]:+.2f}, {100 * c[1]:+.2f}]" for c in intervals]
         lines += [
             f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in [*tasks, "average"]) + " |",
-            "| 95% CI, paired over items | " + " | ".join(interval(ci.get(t)) for t in [*tasks, "average"]) + " |",
+            f"| 95% CI, paired over items | {' | '.join(shown)} |",
             "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
             "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
         ]
