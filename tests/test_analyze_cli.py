@@ -1,10 +1,9 @@
-"""Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints (diagnostics and held-out loss), and the
-paper recipes' CPU twins."""
+"""Diagnostics during training, `xsa-lm analyze` on SA and XSA checkpoints (diagnostics and held-out loss), `eval` and
+`generate` on them, and the paper recipes' CPU twins."""
 
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, REPO, TINY, assert_nothing_written, assert_refused, cli_in_process, run_cli
-from tests.wandb_records import history, run_files
+from tests.helpers import FAST, REPO, TINY, cli_in_process, run_cli, write_local_task
+from tests.wandb_records import history, run_files, summary
 from xsa_lm.analysis.losses import held_out_loss
 from xsa_lm.files import read_csv
 from xsa_lm.model import GPT, GPTConfig
@@ -43,7 +42,7 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     assert all(abs(float(r["diag/cos_z_v/layer_1"])) < 1e-3 for r in rows)
     header = read_csv(checkpoints["sa"] / "metrics.csv")[0]
     assert "diag/a_ii/layer_0" in header and "diag/cos_z_v/layer_0" not in header  # SA has no z
-    (wandb_file,) = run_files(checkpoints["xsa"])
+    wandb_file = run_files(checkpoints["xsa"])[0]  # the training run (then eval's, in the same run id)
     logged = {key for row in history(wandb_file) for key in row}
     assert any(key.startswith("diag/table") for key in logged) and "diag/a_ii/layer_0" in logged
     # text samples during training: in samples.txt and as a W&B table
@@ -52,27 +51,26 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     assert any(key.startswith("samples") for key in logged)
 
 
-@pytest.fixture(scope="module")
-def analysis(
-    checkpoints: dict[str, Path], data_cache: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, subprocess.CompletedProcess]:
+def test_analyze_writes_csv_png_and_tables_of_the_loss_its_run_validated(
+    checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path
+):
     """`xsa-lm analyze` of the SA and the XSA checkpoint on every validation window their runs validated on
-    (sequences=data.val_windows: the first windows of the split, FAST's 64): its folder and its process."""
+    (sequences=data.val_windows, FAST's 64). losses.csv: analyze's loss, bits per byte and loss per span are the
+    run's own final validation (summary.json); the spans average back to the loss; bpb is the loss over the bytes of
+    the targets, counted here from the tokenizer independently."""
     from omegaconf import OmegaConf
+
+    from xsa_lm.checkpoints.load import run_data
+    from xsa_lm.data.datamodule import PackedWindows
+    from xsa_lm.data.tokenizer import token_byte_lengths
 
     val_windows = OmegaConf.load(checkpoints["sa"] / "config.yaml").data.val_windows
     assert isinstance(val_windows, int)  # FAST's data.val_windows=64; null would mean every window
-    root = tmp_path_factory.mktemp("analysis")
     ckpts = [checkpoints[a] / "checkpoints" / "last.ckpt" for a in ("sa", "xsa")]
-    out = root / "analysis"
+    out = tmp_path / "analysis"
     args = ["analyze", f"ckpts=[{ckpts[0]},{ckpts[1]}]", f"sequences={val_windows}", "chunk=16"]
-    proc = run_cli([*args, f"hydra.run.dir={out}"], data_cache, root)
+    proc = run_cli([*args, f"hydra.run.dir={out}"], data_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
-
-
-def test_analyze_writes_csv_png_and_table(analysis: tuple[Path, subprocess.CompletedProcess], tmp_path: Path):
-    out, proc = analysis
     rows = read_csv(out / "diagnostics.csv")[1]
     assert {"checkpoint", "layer", "cos_v_v", "a_ii", "cos_y_v", "cos_z_v"} <= set(rows[0])
     assert len(rows) == 4 and [r["layer"] for r in rows] == ["0", "1", "0", "1"]  # 2 checkpoints x 2 layers
@@ -82,6 +80,43 @@ def test_analyze_writes_csv_png_and_table(analysis: tuple[Path, subprocess.Compl
     assert (out / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["label"] for r in rows] == ["sa", "sa", "xsa", "xsa"]  # the run names, which say the attention once
     assert "cos_y_v" in proc.stdout and "\n| xsa " in proc.stdout
+    spans = [f"span_{i}" for i in range(1, 9)]  # position_buckets: 8 by default, as training's val_position_buckets
+    header, rows = read_csv(out / "losses.csv")
+    assert header == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
+    assert [r["label"] for r in rows] == ["sa", "xsa"]
+    for attention, row in zip(("sa", "xsa"), rows, strict=True):
+        run = checkpoints[attention]
+        ckpt = run / "checkpoints" / "last.ckpt"
+        assert row["checkpoint"] == str(ckpt)
+        cfg = OmegaConf.load(run / "config.yaml")
+        data = run_data(ckpt)
+        windows = PackedWindows(data.shards("val"), cfg.data.block_size)
+        n = min(cfg.data.val_windows, len(windows))  # the windows the run validated on (TokenDataModule.val_set)
+        assert int(row["windows"]) == n and row["data"] == data.dir.name
+        loss, bpb, by_span = float(row["loss"]), float(row["bpb"]), [float(row[s]) for s in spans]
+        # The strongest check: the run's own final validation, on the same windows and weights (last.ckpt is
+        # written after the last validation), by the training module's code.
+        summary = json.loads((run / "summary.json").read_text())
+        assert loss == pytest.approx(summary["final_val_loss"], abs=1e-4)
+        assert bpb == pytest.approx(summary["final_val_bpb"], abs=1e-4)
+        assert by_span == pytest.approx(summary["final_val_loss_by_position"], abs=1e-4)
+        # 8 equal spans of the window (block_size a multiple of 8), no ignored target in real windows: every span
+        # holds the same number of tokens, so their plain mean is the loss.
+        assert cfg.data.block_size % 8 == 0
+        assert sum(by_span) / len(by_span) == pytest.approx(loss, rel=1e-9)
+        # bpb = loss / (ln 2 x bytes per token), the bytes of each target from the tokenizer's own pieces.
+        targets = torch.stack([windows[i][1] for i in range(n)])
+        lengths = token_byte_lengths(data.tokenizer, data.tokenizer.get_vocab_size())
+        nbytes = sum(lengths[t] for t in targets.flatten().tolist())
+        assert 0 < nbytes and bpb == pytest.approx(loss / (math.log(2) * nbytes / targets.numel()), rel=1e-9)
+    assert (out / "positions.png").read_bytes()[:4] == b"\x89PNG"
+    # The printed table, then XSA - SA per span (4 decimals), and the files named in the last line.
+    assert "bpb" in proc.stdout and "span_8" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("xsa - sa per span: ")]
+    printed = [float(v) for v in line.removeprefix("xsa - sa per span: ").split(" (loss")[0].split()]
+    expected = [float(rows[1][s]) - float(rows[0][s]) for s in spans]
+    assert printed == pytest.approx(expected, abs=1e-4)
+    assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
     # the paper's own Figure 1 overlaid on ours
     fig = tmp_path / "fig1.png"
     plot_script = REPO / "scripts" / "plot_paper_fig1.py"
@@ -125,69 +160,63 @@ def test_an_interrupted_analyze_can_be_run_again_into_its_folder(
         assert {row["checkpoint"] for row in read_csv(out / written)[1]} == {str(ckpt)}
 
 
-def test_analyze_measures_the_loss_its_run_validated(
-    analysis: tuple[Path, subprocess.CompletedProcess], checkpoints: dict[str, Path]
-):
-    """losses.csv: on the windows the run validated on, analyze's loss, bits per byte and loss per span are the run's
-    own final validation (summary.json); the spans average back to the loss; bpb is the loss over the bytes of the
-    targets, counted here from the tokenizer independently."""
-    from omegaconf import OmegaConf
+@pytest.mark.long
+def test_eval_and_generate_through_the_cli(checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path):
+    """`xsa-lm eval` of both checkpoints on two local tasks: the table, eval.json with each score's n and standard
+    error, XSA - SA with its interval, the scores in the XSA run's own W&B run; a hub task offline fails fast naming
+    the task; greedy `xsa-lm generate` is deterministic."""
+    ckpts = {attention: run / "checkpoints" / "last.ckpt" for attention, run in checkpoints.items()}
+    task = write_local_task(tmp_path / "tasks")
+    script = REPO / "scripts" / "make_shakespeare_cloze.py"  # a second local task, from the held-out plays
+    made = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "tasks"), "--items", "20"], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    cloze, out = tmp_path / "tasks" / "shakespeare_cloze.yaml", tmp_path / "eval"
+    args = ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"]
+    proc = run_cli(args, data_cache, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "not a git repository" not in proc.stderr  # the harness's own git call, outside a repository
+    result = json.loads((out / "eval.json").read_text())
+    assert result["tasks"] == ["xsa_toy_mc", "shakespeare_cloze"]
+    assert [r["attention"] for r in result["rows"]] == ["sa", "xsa"]
+    for row in result["rows"]:
+        toy, score = row["scores"]["xsa_toy_mc"], row["scores"]["shakespeare_cloze"]
+        assert toy["metric"] == "acc_norm" and 0 <= toy["value"] <= 1
+        assert row["average"] == pytest.approx((toy["value"] + score["value"]) / 2)
+        expected = math.sqrt(score["value"] * (1 - score["value"]) / 19)  # 0/1 items: sd (n - 1) / sqrt(n)
+        assert score["n"] == 20 and score["stderr"] == pytest.approx(expected)
+    diff = result["rows"][1]["average"] - result["rows"][0]["average"]
+    assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
+    table = (out / "eval.md").read_text()
+    assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm, n=4)" in table and "| XSA - SA |" in proc.stdout
+    assert "shakespeare_cloze (acc_norm, n=20)" in table and "| 95% CI, paired over items |" in table
+    ci = result["xsa_minus_sa_ci95"]["shakespeare_cloze"]
+    assert ci is None or ci[0] <= result["xsa_minus_sa"]["shakespeare_cloze"] <= ci[1]
+    xsa_runs = run_files(checkpoints["xsa"])
+    assert len(xsa_runs) == 2  # training, then the eval scores in the same run id
+    assert summary(xsa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][1]["scores"]["xsa_toy_mc"]["value"])
 
-    from xsa_lm.checkpoints.load import run_data
-    from xsa_lm.data.datamodule import PackedWindows
-    from xsa_lm.data.tokenizer import token_byte_lengths
+    args = ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"]
+    missing = run_cli(args, data_cache, tmp_path, timeout=300)
+    assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
-    out, proc = analysis
-    spans = [f"span_{i}" for i in range(1, 9)]  # position_buckets: 8 by default, as training's val_position_buckets
-    header, rows = read_csv(out / "losses.csv")
-    assert header == ["checkpoint", "label", "data", "windows", "loss", "bpb", *spans]
-    assert [r["label"] for r in rows] == ["sa", "xsa"]
-    for attention, row in zip(("sa", "xsa"), rows, strict=True):
-        run = checkpoints[attention]
-        ckpt = run / "checkpoints" / "last.ckpt"
-        assert row["checkpoint"] == str(ckpt)
-        cfg = OmegaConf.load(run / "config.yaml")
-        data = run_data(ckpt)
-        windows = PackedWindows(data.shards("val"), cfg.data.block_size)
-        n = min(cfg.data.val_windows, len(windows))  # the windows the run validated on (TokenDataModule.val_set)
-        assert int(row["windows"]) == n and row["data"] == data.dir.name
-        loss, bpb, by_span = float(row["loss"]), float(row["bpb"]), [float(row[s]) for s in spans]
-        # The strongest check: the run's own final validation, on the same windows and weights (last.ckpt is
-        # written after the last validation), by the training module's code.
-        summary = json.loads((run / "summary.json").read_text())
-        assert loss == pytest.approx(summary["final_val_loss"], abs=1e-4)
-        assert bpb == pytest.approx(summary["final_val_bpb"], abs=1e-4)
-        assert by_span == pytest.approx(summary["final_val_loss_by_position"], abs=1e-4)
-        # 8 equal spans of the window (block_size a multiple of 8), no ignored target in real windows: every span
-        # holds the same number of tokens, so their plain mean is the loss.
-        assert cfg.data.block_size % 8 == 0
-        assert sum(by_span) / len(by_span) == pytest.approx(loss, rel=1e-9)
-        # bpb = loss / (ln 2 x bytes per token), the bytes of each target from the tokenizer's own pieces.
-        targets = torch.stack([windows[i][1] for i in range(n)])
-        lengths = token_byte_lengths(data.tokenizer, data.tokenizer.get_vocab_size())
-        nbytes = sum(lengths[t] for t in targets.flatten().tolist())
-        assert 0 < nbytes and bpb == pytest.approx(loss / (math.log(2) * nbytes / targets.numel()), rel=1e-9)
-    assert (out / "positions.png").read_bytes()[:4] == b"\x89PNG"
-    # The printed table, then XSA - SA per span (4 decimals), and the files named in the last line.
-    assert "bpb" in proc.stdout and "span_8" in proc.stdout
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("xsa - sa per span: ")]
-    printed = [float(v) for v in line.removeprefix("xsa - sa per span: ").split(" (loss")[0].split()]
-    expected = [float(rows[1][s]) - float(rows[0][s]) for s in spans]
-    assert printed == pytest.approx(expected, abs=1e-4)
-    assert "losses.csv" in proc.stdout.splitlines()[-1] and "positions.png" in proc.stdout.splitlines()[-1]
+    args = ["generate", f"ckpt={ckpts['xsa']}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0"]
+    first, second = run_cli(args, data_cache, tmp_path), run_cli(args, data_cache, tmp_path)
+    assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
 
 
 def test_losses_of_other_data_are_listed_but_not_subtracted():
     """Two checkpoints of runs on other corpora or tokenizers, or on windows of another length (other tokens, other
     positions in each span): a difference of their losses means nothing."""
-    from xsa_lm.analysis.run import Analysis, render
+    from xsa_lm.analysis.run import render
 
     def row(label: str, data: str, loss: float, block_size: int = 128) -> dict:
         measured_on = {"data": data, "windows": 8, "block_size": block_size}
         return {"label": label} | measured_on | {"loss": loss, "bpb": loss / 2, "span_1": loss}
 
     rows = [row("sa", "shakespeare-1", 4.0), row("xsa", "shakespeare-1", 3.5), row("loc", "local-2", 2.0)]
-    table = render(Analysis(diagnostics=[], losses=[*rows, row("short", "shakespeare-1", 2.0, block_size=64)]))
+    table = render([], [*rows, row("short", "shakespeare-1", 2.0, block_size=64)])
     assert "xsa - sa per span: -0.5000 (loss -0.5000)" in table
     against = "against 8 windows of 128 tokens of shakespeare-1)"
     assert f"loc - sa: not compared (measured on 8 windows of 128 tokens of local-2, {against}" in table
@@ -224,34 +253,6 @@ def test_held_out_loss_weighs_each_span_by_its_tokens():
     no_bytes = held_out_loss(model, x, y, token_bytes=None, buckets=24, batch_size=5)  # more spans than positions
     assert no_bytes.bpb is None and no_bytes.loss == pytest.approx(result.loss, rel=1e-9)
     assert no_bytes.by_position.count(None) == 12  # spans without positions have no loss, not 0
-
-
-REFUSED = {  # the options (with ckpts=[{ckpt}] unless they give ckpts) -> the start of the one line
-    "sequences=0": "sequences must be an integer >= 1, got 0",
-    "chunk=0": "chunk must be an integer >= 1, got 0",
-    "batch_size=-1": "batch_size must be an integer >= 1, got -1",
-    "position_buckets=0": "position_buckets must be an integer >= 1, got 0",
-    "position_buckets=65": "position_buckets=65 is above the 64 positions of {ckpt}'s windows",
-    "labels=[a,b]": "labels: 2 labels for 1 checkpoints",
-    "ckpts=[{ckpt},{ckpt}] labels=foo": "labels: 1 labels for 2 checkpoints",  # one label, not three letters
-    # two checkpoints drawn as one line
-    "ckpts=[{ckpt},{ckpt}] labels=[a,a]": "labels: 'a' labels more than one checkpoint: give each its own",
-    "ckpts=[{lone}]": "ckpts: {lone} is neither in a run's checkpoints/ folder nor beside its config.yaml",
-}
-
-
-@pytest.mark.parametrize("options, expected", REFUSED.items(), ids=REFUSED.keys())
-def test_analyze_refuses_in_one_line(
-    options: str, expected: str, checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path, monkeypatch, capsys
-):
-    paths = {"ckpt": checkpoints["xsa"] / "checkpoints" / "last.ckpt", "lone": tmp_path / "lone" / "x.ckpt"}
-    paths["lone"].parent.mkdir()
-    shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
-    args = [a.format(**paths) for a in (options if "ckpts=" in options else f"ckpts=[{{ckpt}}] {options}").split()]
-    out = tmp_path / "analysis"
-    proc = cli_in_process(["analyze", *args, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys)
-    assert assert_refused(proc).startswith(f"xsa-lm: error: {expected.format(**paths)}")
-    assert_nothing_written(out)
 
 
 @pytest.mark.long

@@ -1,6 +1,7 @@
 """Anything that is not a checkpoint of `xsa-lm train`, or one of another model, is refused in one line naming it; so
 is a tokenizer other than the one a checkpoint was trained with."""
 
+import contextlib
 import json
 import shutil
 import zipfile
@@ -13,7 +14,6 @@ from omegaconf import OmegaConf
 
 from tests.helpers import (
     TINY,
-    assert_nothing_written,
     assert_refused,
     cli_in_process,
     compose_train,
@@ -52,29 +52,6 @@ def not_checkpoints(folder: Path) -> dict[str, Path]:
     return paths | {"directory": folder / "a_run", "run": folder / "run", "ckpt": ckpt, "missing": folder / "no.ckpt"}
 
 
-NO_CHECKPOINT = {  # what load_model (every command) says of a path that holds no checkpoint of `xsa-lm train`
-    "yaml": "ckpts: {yaml} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)",
-    "text": "ckpts: {text} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)",
-    "empty": "ckpts: {empty} is empty, not a checkpoint",
-    "directory": "ckpts: {directory} is a directory, not a checkpoint: give a .ckpt file, e.g. runs/sa/",
-    "run": "ckpts: {run} is a directory, not a checkpoint: give a .ckpt file, e.g. {ckpt}",  # its last one
-    "missing": "ckpts: checkpoint not found: {missing}",
-    "device": "ckpts: /dev/null is not a regular file (a device, pipe or socket), not a checkpoint",
-    "truncated": "ckpts: {truncated} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)",
-    "tensor": "ckpts: {tensor} holds a Tensor, not a checkpoint of `xsa-lm train`",
-    "zip": "ckpts: {zip} is not a readable checkpoint",
-    "no_config": "ckpts: {no_config} has no model config or weights: is it a checkpoint of `xsa-lm train`?",
-}
-
-
-@pytest.mark.parametrize("kind, expected", NO_CHECKPOINT.items(), ids=NO_CHECKPOINT.keys())
-def test_what_is_no_checkpoint_is_refused_naming_it(kind: str, expected: str, tmp_path: Path):
-    paths = not_checkpoints(tmp_path) | {"device": Path("/dev/null")}
-    with pytest.raises(UserError) as refused:
-        load_model(paths[kind])
-    assert str(refused.value).startswith(expected.format(**paths)) and "\n" not in str(refused.value)
-
-
 def test_a_checkpoint_loads_back_as_the_model_it_was(tmp_path: Path):
     config = GPTConfig(**TINY, attention="xsa", xsa_layers=(1,))
     model = load_model(write_checkpoint(tmp_path / "run", config))
@@ -95,9 +72,7 @@ def test_model_config_mismatch_lists_every_differing_field():
     # Fields that leave the weights' shapes alone count too: resuming must not turn SA into XSA.
     xsa = asdict(GPTConfig(**TINY, attention="xsa", xsa_layers=(0,)))
     assert model_config_mismatch(saved, xsa) == ["attention: sa -> xsa", "xsa_layers: None -> [0]"]
-
-
-def test_model_config_mismatch_normalises_like_gptconfig():
+    # As GPTConfig holds them: defaults, xsa_layers sorted; a field GPTConfig does not know, as stored.
     saved = {**TINY, "xsa_layers": [1, 0], "n_kv_head": None}  # as read back from JSON, with defaults left out
     expected = asdict(GPTConfig(**TINY, xsa_layers=(0, 1)))
     assert model_config_mismatch(saved, expected) == []
@@ -188,40 +163,139 @@ def test_a_checkpoint_without_a_recorded_tokenizer_loads_unchecked(tmp_path: Pat
     assert load_tokenizer(ckpt).get_vocab_size() == 300
 
 
-# --- through the CLI -------------------------------------------------------------------------------------------------
+# --- through the CLI: every refusal of the commands that read a checkpoint ---------------------------------------
 
-CLI = {  # each command, in one line naming the path (a checkpoint given once without brackets: ckpts=PATH)
-    "analyze": (["analyze", "ckpts=[{yaml}]"], "ckpts: {yaml} is not a checkpoint of `xsa-lm train`"),
-    "eval": (["eval", "ckpts=[{empty}]"], "ckpts: {empty} is empty, not a checkpoint"),
-    "eval: no checkpoint": (["eval", "ckpts=[]"], "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
-    "eval: a number": (["eval", "ckpts=5"], "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
-    "eval: one without brackets": (["eval", "ckpts={ckpt}", "tasks=[]"], "tasks: give at least one task"),
-    "generate": (["generate", "ckpt={text}"], "ckpt: {text} is not a checkpoint of `xsa-lm train`"),
-    "export": (["export", "ckpt={directory}", "out=hf"], "ckpt: {directory} is a directory, not a"),
+LIMIT = "must be an integer >= 1 (the first N), a fraction in (0, 1) of each task, or null (all)"
+OUTS = {"": "", ".": "", "..": "..", "/": "/"}  # out= -> as the line shows it: none a rename could replace
+NOT = "not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)"
+REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given once without brackets: ckpts=PATH
+    # what holds no checkpoint of `xsa-lm train`, in each command
+    "yaml": (
+        "analyze ckpts=[{yaml}]",
+        f"ckpts: {{yaml}} is {NOT}",
+    ),
+    "text": (
+        "generate ckpt={text}",
+        f"ckpt: {{text}} is {NOT}",
+    ),
+    "truncated": (
+        "eval ckpts=[{truncated}]",
+        f"ckpts: {{truncated}} is {NOT}",
+    ),
+    "empty": ("eval ckpts=[{empty}]", "ckpts: {empty} is empty, not a checkpoint"),
+    "directory": ("export ckpt={directory} out=hf", "ckpt: {directory} is a directory, not a checkpoint: give a .ckpt"),
+    "run": ("analyze ckpts=[{run}]", "ckpts: {run} is a directory, not a checkpoint: give a .ckpt file, e.g. {ckpt}"),
+    "missing": ("generate ckpt={missing}", "ckpt: checkpoint not found: {missing}"),
+    "device": ("eval ckpts=[/dev/null]", "ckpts: /dev/null is not a regular file (a device, pipe or socket), not a"),
+    "tensor": ("generate ckpt={tensor}", "ckpt: {tensor} holds a Tensor, not a checkpoint of `xsa-lm train`"),
+    "zip": ("analyze ckpts=[{zip}]", "ckpts: {zip} is not a readable checkpoint"),
+    "no_config": ("export ckpt={no_config} out=hf", "ckpt: {no_config} has no model config or weights: is it a"),
+    "no checkpoint": ("eval ckpts=[]", "ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/"),
+    "a number": ("eval ckpts=5", "ckpts: checkpoint not found: 5"),  # typed a number by Hydra
+    "one without brackets": ("eval ckpts={ckpt} tasks=[]", "tasks: give at least one task, e.g. tasks=paper"),
+    # eval's tasks (a task YAML that is not YAML ended in "ParserError"); one score per task name: a second file of
+    # the same `task:` replaced the first's score without a word, the same name twice counted twice in the average
+    **{
+        f"tasks={t}": (f"eval ckpts=[{{ckpt}}] tasks={t}", "tasks: give at least one task")
+        for t in ("", "null", "['']")
+    },
+    "a name twice": (
+        "eval ckpts=[{ckpt}] tasks=[piqa,arc_easy,piqa]",
+        "tasks: piqa is the task 'piqa', as piqa is: give",
+    ),
+    "a task file twice": (
+        "eval ckpts=[{ckpt}] tasks=[{a},{b}]",
+        "tasks: {b} is the task 'cloze', as {a} is: give each",
+    ),
+    "not YAML": ("eval ckpts=[{ckpt}] tasks=[{broken}]", "tasks: {broken} is not valid YAML at line 2"),
+    "a list": (
+        "eval ckpts=[{ckpt}] tasks=[{listed}]",
+        "tasks: {listed} is not a task file (a YAML mapping with `task:`)",
+    ),
+    "no name": ("eval ckpts=[{ckpt}] tasks=[{nameless}]", "tasks: {nameless} has no `task:` name"),
+    "no such file": ("eval ckpts=[{ckpt}] tasks=[none.yaml]", "tasks: task file not found: none.yaml"),
+    # eval's options, checked before any scoring; a checkpoint given twice (also by another path) would count twice
+    **{o: (f"eval ckpts=[{{ckpt}}] {o}", f"{o} {LIMIT}") for o in ("limit=0", "limit=-5", "limit=abc", "limit=inf")},
+    "limit=2.5": ("eval ckpts=[{ckpt}] limit=2.5", f"limit=2.5 {LIMIT}"),  # the harness would run 2
+    "limit=true": ("eval ckpts=[{ckpt}] limit=true", f"limit=True {LIMIT}"),
+    "batch_size=2.5": ("eval ckpts=[{ckpt}] batch_size=2.5", "batch_size=2.5 must be an integer"),
+    "wandb=maybe": ("eval ckpts=[{ckpt}] wandb=maybe", "wandb=maybe must be true or false"),  # text counts as true
+    "eval: twice": ("eval ckpts=[{ckpt},{other},{ckpt}] tasks=[x]", "ckpts: {ckpt} is given twice: give each"),
+    "eval: twice by another path": (
+        "eval ckpts=[{ckpt},inputs/run/checkpoints/../checkpoints/last.ckpt] tasks=[x]",
+        "ckpts: {ckpt} is given twice ({ckpt} and inputs/run/checkpoints/../checkpoints/last.ckpt): give each",
+    ),
+    # export's out, never overwritten (an empty file was "not empty", below a file a raw FileExistsError)
+    **{
+        f"out={o}": (f"export ckpt={{ckpt}} out={o}", f"out={shown} is empty, the current") for o, shown in OUTS.items()
+    },
+    "out=full": ("export ckpt={ckpt} out=full", "out: full exists and is not empty; choose another directory (nothing"),
+    "out=empty.txt": ("export ckpt={ckpt} out=empty.txt", "out: empty.txt is a file, not a directory; choose another"),
+    "out=empty.txt/hf": ("export ckpt={ckpt} out=empty.txt/hf", "out: empty.txt is a file, not a directory; choose"),
+    # generate's options, checked before the checkpoint is read
+    "top_k=0": ("generate ckpt={ckpt} top_k=0", "top_k=0 must be >= 1"),
+    "temperature=-1": ("generate ckpt={ckpt} temperature=-1", "temperature=-1 must be >= 0"),
+    "temperature=nan": ("generate ckpt={ckpt} temperature=nan", "temperature=nan must be a finite number"),
+    "prompt=1e3": (
+        "generate ckpt={ckpt} prompt=1e3",
+        "prompt must be text: quote one that Hydra reads as a number or boolean, e.g. prompt='\"1e3\"', got 1000.0",
+    ),
+    "max_new_tokens=0": ("generate ckpt={ckpt} max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+    "num_samples=0": ("generate ckpt={ckpt} num_samples=0", "num_samples=0 must be >= 1"),
+    "seed=abc": ("generate ckpt={ckpt} seed=abc", "seed=abc must be an integer"),
+    "seed=2**64": ("generate ckpt={ckpt} seed=18446744073709551616", "seed=18446744073709551616 must be <= 4294967295"),
+    # analyze's options; equal labels would draw two checkpoints as one line
+    "sequences=0": ("analyze ckpts=[{ckpt}] sequences=0", "sequences=0 must be >= 1"),
+    "chunk=0": ("analyze ckpts=[{ckpt}] chunk=0", "chunk=0 must be >= 1"),
+    "position_buckets=17": (
+        "analyze ckpts=[{data}] position_buckets=17",
+        "position_buckets=17 is above the 16 positions of {data}'s windows",
+    ),
+    "labels=[a,b]": ("analyze ckpts=[{ckpt}] labels=[a,b]", "labels: 2 labels for 1 checkpoints"),
+    "labels=foo": ("analyze ckpts=[{ckpt},{ckpt}] labels=foo", "labels: 1 labels for 2 checkpoints"),  # not 3 letters
+    "labels=[a,a]": (
+        "analyze ckpts=[{ckpt},{ckpt}] labels=[a,a]",
+        "labels: 'a' labels more than one checkpoint: give each its own",
+    ),
+    "analyze: away from its run": (
+        "analyze ckpts=[{lone}]",
+        "ckpts: {lone} is neither in a run's checkpoints/ folder nor beside its config.yaml",
+    ),
+    "analyze: config.yaml gone": ("analyze ckpts=[{ckpt}]", "ckpts: {run}/config.yaml not found"),
 }
 
 
+TASK_FILES = {"a": "task: cloze", "b": "task: cloze", "broken": "task: [unclosed", "listed": "- task: a"}
+TASK_FILES |= {"nameless": "dataset_path: json"}
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("data_run")
+    with contextlib.chdir(folder):
+        return local_run(folder)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args, expected", CLI.values(), ids=CLI.keys())
-def test_each_command_refuses_what_is_no_checkpoint_in_one_line(
-    args: list[str], expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys
+@pytest.mark.parametrize("args, expected", REFUSED.values(), ids=REFUSED.keys())
+def test_each_command_refuses_in_one_line_and_writes_nothing(
+    args: str, expected: str, data_run: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
-    paths = not_checkpoints(tmp_path / "inputs")
-    out = tmp_path / "out"
-    args = [arg.format(**paths) for arg in args] + ([f"hydra.run.dir={out}"] if args[0] in ("analyze", "eval") else [])
-    assert expected.format(**paths) in assert_refused(cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys))
-    assert_nothing_written(out)
-    assert_nothing_written(tmp_path / "hf")
-
-
-def test_a_checkpoint_away_from_its_run_folder_is_told_where_it_belongs(tmp_path: Path):
-    lone = tmp_path / "lone" / "x.ckpt"
-    lone.parent.mkdir()
-    lone.write_bytes(b"")
-    with pytest.raises(UserError, match=r"^ckpt: .*/lone/x.ckpt is neither in a run's checkpoints/ folder nor beside"):
-        run_data(lone, "ckpt")
-    orphan = tmp_path / "run" / "checkpoints" / "last.ckpt"  # in place, but its run's config.yaml is gone
-    orphan.parent.mkdir(parents=True)
-    orphan.write_bytes(b"")
-    with pytest.raises(UserError, match=r"^ckpt: .*/run/config.yaml not found"):
-        run_data(orphan, "ckpt")
+    paths = not_checkpoints(tmp_path / "inputs") | {"data": data_run, "other": write_checkpoint(tmp_path / "other")}
+    paths["lone"] = tmp_path / "lone" / "x.ckpt"
+    paths["lone"].parent.mkdir()
+    for key, text in TASK_FILES.items():
+        paths[key] = tmp_path / key / "task.yaml"
+        paths[key].parent.mkdir()
+        paths[key].write_text(text + "\n")
+    shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "empty.txt").write_text("")
+    before, out = sorted(tmp_path.rglob("*")), tmp_path / "out"
+    argv = [arg.format(**paths) for arg in args.split()] + [f"hydra.run.dir={out}"] * (
+        args.split()[0] in ("analyze", "eval")
+    )
+    proc = cli_in_process(argv, data_cache, tmp_path, monkeypatch, capsys)
+    assert assert_refused(proc).startswith(f"xsa-lm: error: {expected.format(**paths)}")
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing overwritten

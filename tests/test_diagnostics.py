@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xsa_lm.analysis.diagnostics import diagnose, layer_statistics, mean_pairwise_cosine, self_attention_weights
-from xsa_lm.analysis.run import PANELS, AnalyzeOptions, default_labels, figure
+from xsa_lm.analysis.run import PANELS, default_labels, figure
 from xsa_lm.model import GPT, GPTConfig
 
 
@@ -89,7 +89,7 @@ def figure_rows() -> list[dict]:
     return rows
 
 
-def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels():
+def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels_or_says_there_is_no_z():
     fig = figure(figure_rows())
     panels = [ax for ax in fig.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == [title for _, title, _ in PANELS]
@@ -104,10 +104,7 @@ def test_diagnostics_figure_has_layer_ticks_axis_labels_and_the_xsa_panels():
         assert lines[title] == {"xsa-late": [1, 2]}
     (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
     assert [t.get_text() for t in legend.get_texts()] == ["sa", "xsa-late"]  # each checkpoint once, its label
-
-
-def test_diagnostics_figure_of_sa_checkpoints_only_says_there_is_no_z():
-    fig = figure([r for r in figure_rows() if r["label"] == "sa"])
+    fig = figure([r for r in figure_rows() if r["label"] == "sa"])  # SA checkpoints only: no z
     empty = [ax for ax in fig.axes if ax.get_title() and not ax.lines]
     assert len(empty) == 2 and all("no XSA layers" in ax.texts[0].get_text() for ax in empty)
 
@@ -121,10 +118,3 @@ def test_default_labels_are_run_names_saying_the_attention_once(tmp_path):
     assert default_labels([ckpt("xsa", "step-000020"), ckpt("xsa")], ["xsa", "xsa"]) == ["xsa step-000020", "xsa last"]
     runs = [tmp_path / d / "xsa" / "checkpoints" / "last.ckpt" for d in ("a", "b")]  # same name in two folders
     assert default_labels(runs, ["xsa", "xsa"]) == ["xsa last #0", "xsa last #1"]
-
-
-def test_labels_and_checkpoints_may_be_given_as_one_value_or_as_numbers():
-    counts = dict(sequences=1, batch_size=1, chunk=1, position_buckets=1)
-    options = AnalyzeOptions.model_validate({"ckpts": "a.ckpt", "labels": "foo", **counts})  # not three letters
-    assert (options.ckpts, options.labels) == (["a.ckpt"], ["foo"])
-    assert AnalyzeOptions.model_validate({"ckpts": [1, "b"], "labels": ["sa", 3], **counts}).labels == ["sa", "3"]

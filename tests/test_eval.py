@@ -1,10 +1,8 @@
-"""The lm-evaluation-harness adapter, `xsa-lm eval` on a local task, and `xsa-lm generate`."""
+"""The lm-evaluation-harness adapter, the tasks `xsa-lm eval` takes, and its report (the CLI: test_analyze_cli)."""
 
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,17 +11,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from tests.helpers import (
-    FAST,
-    REPO,
-    assert_nothing_written,
-    assert_refused,
-    cli_in_process,
-    run_cli,
-    write_checkpoint,
-    write_local_task,
-)
-from tests.wandb_records import run_files, summary
+from tests.helpers import write_local_task
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.run import (
@@ -84,36 +72,6 @@ def test_the_harness_gives_our_models_log_likelihoods(lm):
     long = TEXTS[1][:400]  # longer than the context: several windows
     total = harness.loglikelihood_rolling([request("loglikelihood_rolling", long)])[0]
     assert len(tokenizer.encode(long).ids) > 32 and math.isfinite(total) and total < 0
-
-
-TASKS_REFUSED = {  # tasks= -> the one line (a task YAML that is not YAML ended in "xsa-lm: error: ParserError")
-    "[]": ([], "tasks: give at least one task, e.g. tasks=paper"),
-    "empty": ("", "tasks: give at least one task, e.g. tasks=paper"),
-    "null": (None, "tasks: give at least one task, e.g. tasks=paper"),
-    "['']": ([""], "tasks: give at least one task, e.g. tasks=paper"),
-    # one score per task name: a second file of the same `task:` replaced the first's score in the table and the
-    # average, without a word; the same name twice counted it twice in the average
-    "a name twice": (["piqa", "arc_easy", "piqa"], "tasks: piqa is the task 'piqa', as piqa is: give each task once"),
-    "a task's file twice": (["{a}", "{b}"], "tasks: {b} is the task 'cloze', as {a} is: give each task once"),
-    "not YAML": (["{broken}"], "tasks: {broken} is not valid YAML at line 2"),
-    "a list": (["{listed}"], "tasks: {listed} is not a task file (a YAML mapping with `task:`)"),
-    "no name": (["{nameless}"], "tasks: {nameless} has no `task:` name"),
-    "no such file": (["{here}/none.yaml"], "tasks: task file not found: {here}/none.yaml"),
-}
-
-
-@pytest.mark.parametrize("tasks, expected", TASKS_REFUSED.values(), ids=TASKS_REFUSED.keys())
-def test_tasks_are_refused_in_one_line(tasks, expected: str, tmp_path: Path):
-    files = {"a": "a/cloze.yaml", "b": "b/cloze.yaml", "broken": "x.yaml", "listed": "l.yaml", "nameless": "n.yaml"}
-    texts = {"a": "task: cloze", "b": "task: cloze", "broken": "task: [unclosed", "listed": "- task: a"}
-    paths = {key: tmp_path / name for key, name in files.items()}
-    for key, path in paths.items():
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(texts.get(key, "dataset_path: json") + "\n")
-    paths["here"] = tmp_path
-    with pytest.raises(UserError) as refused:
-        resolve_tasks([task.format(**paths) for task in tasks] if isinstance(tasks, list) else tasks)
-    assert str(refused.value).startswith(expected.format(**paths))
 
 
 def test_tasks_are_paper_names_or_files_whose_own_tags_are_no_error(tmp_path: Path) -> None:
@@ -187,103 +145,3 @@ def test_eval_md():
     assert_golden("eval_report.md", render(EvalResult.from_json(json.loads(json.dumps(result.to_json())))))
     one_each = EvalResult(tasks=["t"], limit=3, rows=rows[1:3], xsa_minus_sa=xsa_minus_sa(rows[1:3], ["t"]))
     assert_golden("eval_report_limit.md", render(one_each))
-
-
-# --- through the CLI ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.long
-def test_eval_and_generate_through_the_cli(data_cache: Path, tmp_path: Path):
-    ckpts = {}
-    for attention in ("sa", "xsa"):
-        run_dir = tmp_path / attention
-        logger = [] if attention == "sa" else ["logger=csv"]  # the SA run has a W&B run to log the scores into
-        fast = [o for o in FAST if o != "logger=csv"]
-        args = ["train", *fast, *logger, f"attention={attention}", "trainer.max_steps=10", f"hydra.run.dir={run_dir}"]
-        proc = run_cli(args, data_cache, tmp_path)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        ckpts[attention] = run_dir / "checkpoints" / "last.ckpt"
-    task = write_local_task(tmp_path / "tasks")
-    script = REPO / "scripts" / "make_shakespeare_cloze.py"  # a second local task, from the held-out plays
-    made = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path / "tasks"), "--items", "20"], capture_output=True, text=True
-    )
-    assert made.returncode == 0, made.stderr
-    cloze = tmp_path / "tasks" / "shakespeare_cloze.yaml"
-    out = tmp_path / "eval"
-    args = ["eval", f"ckpts=[{ckpts['sa']},{ckpts['xsa']}]", f"tasks=[{task},{cloze}]", f"hydra.run.dir={out}"]
-    proc = run_cli(args, data_cache, tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "not a git repository" not in proc.stderr  # the harness's own git call, outside a repository
-    result = json.loads((out / "eval.json").read_text())
-    assert result["tasks"] == ["xsa_toy_mc", "shakespeare_cloze"]
-    assert [r["attention"] for r in result["rows"]] == ["sa", "xsa"]
-    for row in result["rows"]:
-        score = row["scores"]["xsa_toy_mc"]
-        assert score["metric"] == "acc_norm" and 0 <= score["value"] <= 1
-        assert row["average"] == pytest.approx((score["value"] + row["scores"]["shakespeare_cloze"]["value"]) / 2)
-    diff = result["rows"][1]["average"] - result["rows"][0]["average"]
-    assert result["xsa_minus_sa"]["average"] == pytest.approx(diff)
-    table = (out / "eval.md").read_text()
-    assert "| XSA - SA |" in table and "xsa_toy_mc (acc_norm, n=4)" in table and "| XSA - SA |" in proc.stdout
-    assert "shakespeare_cloze (acc_norm, n=20)" in table and "| 95% CI, paired over items |" in table
-    for row in result["rows"]:  # each score with the items it is over and its standard error over them
-        score = row["scores"]["shakespeare_cloze"]
-        expected = math.sqrt(score["value"] * (1 - score["value"]) / 19)  # 0/1 items: sd (n - 1) / sqrt(n)
-        assert score["n"] == 20 and score["stderr"] == pytest.approx(expected)
-    ci = result["xsa_minus_sa_ci95"]["shakespeare_cloze"]
-    assert ci is None or ci[0] <= result["xsa_minus_sa"]["shakespeare_cloze"] <= ci[1]
-    sa_runs = run_files(tmp_path / "sa")
-    assert len(sa_runs) == 2  # training, then the eval scores in the same run id
-    assert summary(sa_runs[-1])["eval/xsa_toy_mc"] == pytest.approx(result["rows"][0]["scores"]["xsa_toy_mc"]["value"])
-
-    # A hub task without network: fails fast and names the task.
-    args = ["eval", f"ckpts=[{ckpts['sa']}]", "tasks=[boolq]", f"hydra.run.dir={tmp_path / 'x'}"]
-    missing = run_cli(args, data_cache, tmp_path, timeout=300)
-    assert missing.returncode == 2 and "boolq" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
-
-    # Generation: greedy is deterministic through the CLI too.
-    args = ["generate", f"ckpt={ckpts['xsa']}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0"]
-    first, second = run_cli(args, data_cache, tmp_path), run_cli(args, data_cache, tmp_path)
-    assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.count("ROMEO:") == 1
-
-
-LIMIT = "limit must be an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, or null"
-REFUSED = {
-    "tasks=[]": "tasks: give at least one task, e.g. tasks=paper",
-    "limit=0": f"{LIMIT} for every example, got 0",
-    "limit=-5": f"{LIMIT} for every example, got -5",
-    "limit=abc": f"{LIMIT} for every example, got 'abc'",
-    "limit=inf": f"{LIMIT} for every example, got inf",  # not an OverflowError in the harness
-    "limit=nan": f"{LIMIT} for every example, got nan",
-    "limit=2.5": f"{LIMIT} for every example, got 2.5",  # the harness would run 2 and the table say 2.5
-    "limit=true": f"{LIMIT} for every example, got True",
-    "batch_size=0": "batch_size must be an integer >= 1, got 0",
-    "batch_size=2.5": "batch_size must be an integer >= 1, got 2.5",
-    "wandb=maybe": "wandb must be true or false, got 'maybe'",  # a non-empty text would count as true
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("option, expected", REFUSED.items(), ids=REFUSED.keys())
-def test_eval_refuses_in_one_line(option: str, expected: str, data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    ckpt = write_checkpoint(tmp_path / "run")
-    out = tmp_path / "eval"
-    proc = cli_in_process(
-        ["eval", f"ckpts=[{ckpt}]", option, f"hydra.run.dir={out}"], data_cache, tmp_path, monkeypatch, capsys
-    )
-    assert assert_refused(proc) == f"xsa-lm: error: {expected}"
-    assert_nothing_written(out)
-
-
-def test_eval_refuses_a_checkpoint_given_twice(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    """The same file twice, also by another path: two identical rows would count twice in their arm's mean."""
-    ckpt = write_checkpoint(tmp_path / "run")
-    other = write_checkpoint(tmp_path / "other")
-    out = tmp_path / "eval"
-    for again in (ckpt, Path("run/checkpoints/../checkpoints/last.ckpt")):  # relative to tmp_path, the working folder
-        args = ["eval", f"ckpts=[{ckpt},{other},{again}]", "tasks=[no_such_task]", f"hydra.run.dir={out}"]
-        proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-        assert_refused(proc, f"ckpts: {ckpt.resolve()} is given twice", "give each checkpoint once")  # before the tasks
-        assert_nothing_written(out)

@@ -21,7 +21,7 @@ from xsa_lm.checkpoints.sharded import META
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import sample
-from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export, require_transformers
+from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export
 from xsa_lm.model import GPT, GPTConfig, generate
 
 transformers = pytest.importorskip("transformers")
@@ -54,19 +54,14 @@ def trained_looking(config: GPTConfig) -> GPT:
     return model.eval()
 
 
-def checkpoint_of(model: GPT) -> dict:
-    """What `xsa-lm train` saves, as far as load_model reads it (Lightning prefixes the module's attribute)."""
-    state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    return {"state_dict": state, "model_config": asdict(model.config), "global_step": 7}
-
-
 def write_run(run_dir: Path, data_dir: Path, model: GPT, sharded: bool = False) -> Path:
     """A run directory as `xsa-lm train` leaves it: checkpoints/last.ckpt (a file, or trainer=fsdp's sharded
-    directory) and run_info.json naming the prepared data, whose tokenizer.json is the run's tokenizer."""
+    directory, Lightning's names) and run_info.json naming the prepared data, whose tokenizer.json is the run's."""
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     ckpt.parent.mkdir(parents=True)
     (run_dir / "run_info.json").write_text(json.dumps({"data_dir": str(data_dir)}))
-    checkpoint = checkpoint_of(model)
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    checkpoint = {"state_dict": state, "model_config": asdict(model.config), "global_step": 7}
     if not sharded:
         torch.save(checkpoint, ckpt)
         return ckpt
@@ -189,33 +184,6 @@ def test_the_export_holds_weights_config_tokenizer_and_code(runs):
     assert not list(folder.parent.glob(f".{folder.name}.*"))  # no staging directory left behind
 
 
-NOTHING_OVERWRITTEN = "choose another directory (nothing is overwritten)"
-OUT_REFUSED = {  # out= -> the one line; an empty file was "not empty", below a file a raw FileExistsError
-    "": "out= is empty, the current directory or one above it: give the new directory to write the model to",
-    ".": "out= is empty, the current directory or one above it",  # here an OSError from the final rename
-    "..": "out=.. is empty, the current directory or one above it",
-    "/": "out=/ is empty, the current directory or one above it",
-    "full": f"out: full exists and is not empty; {NOTHING_OVERWRITTEN}",
-    "empty.txt": f"out: empty.txt is a file, not a directory; {NOTHING_OVERWRITTEN}",
-    "empty.txt/hf": f"out: empty.txt is a file, not a directory; {NOTHING_OVERWRITTEN}",
-}
-
-
-@pytest.mark.parametrize("out, expected", OUT_REFUSED.items(), ids=OUT_REFUSED.keys())
-def test_an_out_that_is_no_new_directory_is_refused_and_nothing_is_overwritten(
-    out: str, expected: str, runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
-    _, ckpt, _ = runs["sa"]
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "notes.txt").write_text("mine")
-    (tmp_path / "empty.txt").write_text("")
-    before = sorted(tmp_path.rglob("*"))
-    with pytest.raises(UserError) as refused:
-        export(ckpt, Path(out))
-    assert str(refused.value).startswith(expected) and sorted(tmp_path.rglob("*")) == before
-
-
 def test_an_empty_directory_or_a_link_to_one_is_filled_as_mkdir_would_make_it(runs, tmp_path: Path):
     _, ckpt, _ = runs["sa"]
     (tmp_path / "empty").mkdir()
@@ -230,17 +198,9 @@ def test_an_empty_directory_or_a_link_to_one_is_filled_as_mkdir_would_make_it(ru
     assert export(ckpt, tmp_path / "link") == tmp_path / "target" and (tmp_path / "target" / "config.json").is_file()
 
 
-def test_without_transformers_the_export_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch):
+def test_without_transformers_the_export_says_how_to_install_the_eval_extra(runs, monkeypatch, tmp_path: Path):
     import importlib.util
 
-    find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
-    without = lambda name, *a: None if name == "transformers" else find_spec(name)  # noqa: E731
-    monkeypatch.setattr(importlib.util, "find_spec", without)
-    with pytest.raises(UserError, match=r"^xsa-lm export needs transformers, in the extra `eval`: pip install"):
-        require_transformers()
-
-
-def test_the_transformers_requirement_is_in_the_eval_extra():
     import tomllib
     from packaging.requirements import Requirement
 
@@ -248,6 +208,11 @@ def test_the_transformers_requirement_is_in_the_eval_extra():
     assert Requirement(TRANSFORMERS_REQUIREMENT) in [Requirement(r) for r in project["optional-dependencies"]["eval"]]
     assert "transformers" not in [Requirement(r).name for r in project["dependencies"]]  # not in the core install
     assert "xsa_lm.export" in (REPO / "pyproject.toml").read_text()  # the package ships (with its code templates)
+    find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
+    without = lambda name, *a: None if name == "transformers" else find_spec(name)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", without)
+    with pytest.raises(UserError, match=r"^xsa-lm export needs transformers, the extra `eval`: pip install 'transf"):
+        export(runs["sa"][1], tmp_path / "hf")
 
 
 @pytest.mark.slow

@@ -1,17 +1,12 @@
-"""The paper's Figure 1 diagnostics ("attention similarity bias"), per layer, for SA and XSA models alike.
-
-Per layer, averaged over heads and sequences (each (sequence, head) pair weighs the same):
+"""The paper's Figure 1 diagnostics ("attention similarity bias"), per layer, for SA and XSA models alike; averaged
+over heads and sequences (each (sequence, head) pair weighs the same):
   cos_v_v       mean cos(v_i, v_j) over token pairs i < j
   a_ii          mean attention of a token on itself, over positions after the first token
   cos_y_v       mean cos(y_i, v_i), y the attention output before the XSA step
   cos_z_v       mean cos(z_i, v_i) after the XSA step (XSA layers only: ~0 by construction, gated XSA: not)
   norm_removed  mean 1 - ||z_i|| / ||y_i||: the share of y's norm the XSA step removes (XSA layers only)
-  (cos_z_v and norm_removed skip the first token: it sees only itself, y_1 = v_1, and z_1 = eps-sized noise)
-Attention sinks are keys like any other, but never positions i of these statistics.
-
-Nothing T x T is kept: cos_v_v uses ||sum_i v_i/||v_i||||^2 and a_ii needs only q_i . k_i and the softmax
-normaliser, computed over chunks of queries, so it runs at the paper's 2048-16384 contexts.
-"""
+Attention sinks are keys like any other, but never positions i. Nothing T x T is kept (cos_v_v from
+||sum_i v_i/||v_i||||^2, a_ii over chunks of queries), so it runs at the paper's 2048-16384 contexts."""
 
 import math
 from collections.abc import Iterable
@@ -83,14 +78,12 @@ def layer_statistics(q, k, v, y, *, z, n_sinks: int = 0, chunk: int = 256) -> di
 def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> list[dict]:
     """Run the model on batches of token ids (B, T) and return one row per layer with every metric
     (cos_z_v and norm_removed are None for SA layers)."""
-    sums = [dict.fromkeys(METRICS, 0.0) for _ in model.blocks]
-    counts = [dict.fromkeys(METRICS, 0) for _ in model.blocks]
+    values: list[dict[str, list[torch.Tensor]]] = [{name: [] for name in METRICS} for _ in model.blocks]
 
     def observe(layer: int, q, k, v, y, z) -> None:
         stats = layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk)
         for name, value in stats.items():
-            sums[layer][name] += value.sum().item()
-            counts[layer][name] += value.numel()
+            values[layer][name].append(value.flatten().double())
 
     attentions = [cast(CausalSelfAttention, block.attn) for block in model.blocks]  # nn.ModuleList is untyped
     was_training = model.training
@@ -106,6 +99,6 @@ def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> l
         model.train(was_training)
     return [
         {"layer": layer, "attention": "xsa" if attn.exclusive else "sa"}
-        | {name: sums[layer][name] / counts[layer][name] if counts[layer][name] else None for name in METRICS}
+        | {name: torch.cat(seen).mean().item() if seen else None for name, seen in values[layer].items()}
         for layer, attn in enumerate(attentions)
     ]

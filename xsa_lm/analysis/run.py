@@ -5,7 +5,6 @@ and the tables printed, with each checkpoint's difference from the first."""
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -15,46 +14,38 @@ from hydra.core.hydra_config import HydraConfig
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig
-from pydantic import field_validator
+from pydantic import model_validator
 
 from xsa_lm.analysis.diagnostics import METRICS, diagnose
 from xsa_lm.analysis.losses import held_out_loss
-from xsa_lm.checkpoints.load import (
-    Count,
-    Options,
-    as_texts,
-    checkpoint_list,
-    load_model,
-    parse_options,
-    run_config,
-    run_data,
-    run_dir_of,
-    told_apart,
-)
+from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, run_config, run_data, run_dir_of, told_apart
+from xsa_lm.config.spec import Count, Spec, parse
 from xsa_lm.data.datamodule import PackedWindows
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
 
 
-class AnalyzeOptions(Options):
-    ckpts: list[str]
-    labels: list[str] | None
+class AnalyzeOptions(Spec):
+    ckpts: Texts
+    labels: Texts | None
     sequences: Count
     batch_size: Count
     chunk: Count
     position_buckets: Count
 
-    _texts = field_validator("ckpts", "labels", mode="before")(as_texts)
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """One diagnostics row per checkpoint and layer, one loss row per checkpoint (with the tokens measured on)."""
-
-    diagnostics: list[dict]
-    losses: list[dict]
+    @model_validator(mode="after")
+    def _one_label_each(self) -> "AnalyzeOptions":  # equal labels would draw two checkpoints as one line
+        labels = self.labels or []
+        if self.labels is not None and len(labels) != len(self.ckpts):
+            raise ValueError(f"labels: {len(labels)} labels for {len(self.ckpts)} checkpoints")
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
+        if repeated:
+            raise ValueError(
+                f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own"
+            )
+        return self
 
 
 # (metric, panel title, y label): the paper's Figure 1, then the two statistics of the XSA step itself.
@@ -65,9 +56,8 @@ PANELS = (
     ("cos_z_v", "after the XSA step (XSA layers)", "mean cos(z_i, v_i)"),
     ("norm_removed", "norm removed by XSA (XSA layers)", "mean 1 - ||z_i|| / ||y_i||"),
 )
-
 # The narrowest y range of a panel, so that noise is not magnified into a trend: cos(z, v) is ~1e-7 by construction
-# in XSA and should read as 0; a_ii is legitimately small (~1 / context), so the others only guard against rounding.
+# in XSA and should read as 0; the others only guard against rounding.
 MIN_SPAN = {"cos_z_v": 0.1}
 
 
@@ -92,73 +82,34 @@ def default_labels(paths: list[Path], attentions: list[str]) -> list[str]:
     return told_apart(labels, paths, numbered)
 
 
-def check_labels(labels: list[str], count: int) -> None:
-    """One label per checkpoint, each its own (equal labels would draw two checkpoints as one line)."""
-    if len(labels) != count:
-        raise UserError(f"labels: {len(labels)} labels for {count} checkpoints")
-    repeated = sorted({label for label in labels if labels.count(label) > 1})
-    if repeated:
-        raise UserError(f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own")
-
-
-def analyze(
-    ckpts: list[str], *, labels: list[str] | None, sequences: int, chunk: int, batch_size: int, buckets: int
-) -> Analysis:
-    if labels is not None:
-        check_labels(labels, len(ckpts))
+def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
+    """One diagnostics row per checkpoint and layer, one loss row per checkpoint (with the tokens measured on)."""
+    checkpoint_list(options.ckpts)  # each a checkpoint, before any slow work
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    paths = [Path(ckpt).expanduser() for ckpt in ckpts]
-    measured = []
+    paths = [Path(ckpt).expanduser() for ckpt in options.ckpts]
+    buckets, batch_size = options.position_buckets, options.batch_size
+    attentions: list[str] = []
+    rows: list[list[dict]] = []  # per checkpoint, per layer
+    losses: list[dict] = []
     for path in paths:
         model = load_model(path).to(device)
-        x, y, data = validation_set(path, sequences)
+        x, y, data = validation_set(path, options.sequences)
         if buckets > x.shape[1]:  # spans without a position would be reported empty
             raise UserError(f"position_buckets={buckets} is above the {x.shape[1]} positions of {path}'s windows")
         x, y = x.to(device), y.to(device)
-        layers = diagnose(model, x.split(batch_size), chunk)
+        which = {"checkpoint": os.path.abspath(path)}  # readable from anywhere
+        rows.append([which | row for row in diagnose(model, x.split(batch_size), options.chunk)])
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch_size)
-        measured.append((model.config.attention, layers, loss, data, x.shape[1]))
-    names = labels or default_labels(paths, [a for a, *_ in measured])
-    rows, losses = [], []
-    for path, label, (_, layers, loss, data, block_size) in zip(paths, names, measured, strict=True):
-        which: dict[str, object] = {"checkpoint": os.path.abspath(path), "label": label}  # readable from anywhere
-        rows += [which | row for row in layers]
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
         # The prepared data names its tokenizer; the window's length sets which tokens and positions are measured.
-        measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": block_size}
+        measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": x.shape[1]}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
-    return Analysis(rows, losses)
-
-
-def span_columns(losses: list[dict]) -> list[str]:
-    return [key for key in losses[0] if key.startswith("span_")] if losses else []
-
-
-def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
-    with atomic_file(path, "w", newline="") as f:
-        pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
-
-
-def checkpoint_points(rows: list[dict], label: str, metric: str, relative: bool) -> list[tuple[float, float]]:
-    """One checkpoint's (layer or relative depth, value) points in one panel, where it has the metric."""
-    mine = [r for r in rows if r["label"] == label]
-    n_layers = max(r["layer"] for r in mine) + 1
-    points = [(r["layer"] / max(n_layers - 1, 1) if relative else r["layer"], r.get(metric)) for r in mine]
-    return [(x, float(y)) for x, y in points if y is not None and y != ""]  # SA layers have no z (CSV: "")
-
-
-def frame_panel(ax, metric: str, rows: list[dict], relative: bool) -> None:
-    low, high = ax.get_ylim()
-    span = MIN_SPAN.get(metric, 1e-3)
-    if high - low < span:
-        ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
-    last = 1 if relative else max(r["layer"] for r in rows)
-    margin = 0.05 * last or 0.5
-    ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
-    if not relative:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
-    ax.grid(alpha=0.3)
+        attentions.append(model.config.attention)
+    for label, layers, loss_row in zip(options.labels or default_labels(paths, attentions), rows, losses, strict=True):
+        for row in [*layers, loss_row]:
+            row["label"] = label
+    return [row for layers in rows for row in layers], losses
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
@@ -167,66 +118,46 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
     fig = Figure(figsize=(14, 7.5))
     grid = fig.subplots(2, 3)
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
-    labels = list(dict.fromkeys(row["label"] for row in rows))
-    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     relative = reference is not None
+    table = pd.DataFrame(rows).astype({"layer": float})
+    if relative:  # layer / last layer
+        table["layer"] /= table.groupby("label")["layer"].transform("max").clip(lower=1)
+    paper = pd.DataFrame(reference) if reference else pd.DataFrame(columns=["layer"])
+    paper["layer"] = paper["layer"].astype(float) / max(len(paper) - 1, 1)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(table["label"]))}
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=True):
-        for label in labels:
-            points = checkpoint_points(rows, label, metric, relative)
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=colors[label], label=label)
-        paper_rows = reference or []
-        paper = [(r["layer"] / max(len(paper_rows) - 1, 1), r[metric]) for r in paper_rows if metric in r]
-        if paper:
-            ax.plot(*zip(*paper, strict=True), "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.set_xlabel("relative depth (layer / last layer)" if relative else "layer")
-        if ax.lines:
-            frame_panel(ax, metric, rows, relative)
-        else:  # SA checkpoints only: no z to measure
+        for label, mine in table.groupby("label", sort=False):  # SA layers have no z (None, or "" in a CSV)
+            points = mine.assign(y=pd.to_numeric(mine.get(metric), errors="coerce")).dropna(subset="y")
+            if len(points):
+                ax.plot(points["layer"], points["y"], marker="o", markersize=3, color=colors[label], label=label)
+        if metric in paper:
+            ax.plot(paper["layer"], paper[metric], "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
+        ax.set(title=title, ylabel=ylabel, xlabel="relative depth (layer / last layer)" if relative else "layer")
+        if not ax.lines:  # SA checkpoints only: no z to measure
             message = "no XSA layers among these checkpoints"
             ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
+            continue
+        low, high = ax.get_ylim()
+        span = MIN_SPAN.get(metric, 1e-3)
+        if high - low < span:
+            ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
+        last, margin = (1, 0.05) if relative else (table["layer"].max(), 0.05 * table["layer"].max() or 0.5)
+        ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
+        if not relative:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
+        ax.grid(alpha=0.3)
     handles: dict = {}  # one entry per line label, across panels (the paper's line is not in every one)
-    for ax in axes:
-        for line in ax.lines:
-            handles.setdefault(line.get_label(), line)
+    for line in [line for ax in axes for line in ax.lines]:
+        handles.setdefault(line.get_label(), line)
     legend_ax.axis("off")
-    legend_ax.legend(list(handles.values()), list(handles.keys()), loc="center", title="checkpoint")
+    legend_ax.legend(list(handles.values()), list(handles), loc="center", title="checkpoint")
     fig.tight_layout()
     return fig
 
 
 def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
     figure(rows, reference).savefig(path, dpi=120)
-
-
-def markdown(rows: list[dict], columns: list[str]) -> str:
-    table = pd.DataFrame(rows, columns=columns).astype(object)
-    return table.where(table.notna(), None).to_markdown(index=False, floatfmt=".4f", missingval="-")
-
-
-def measured_on(loss_row: dict) -> str:
-    return f"{loss_row['windows']} windows of {loss_row['block_size']} tokens of {loss_row['data']}"
-
-
-def render(analysis: Analysis) -> str:
-    """The two tables, then each checkpoint's difference from the first per span, where measured on the same tokens."""
-    losses, spans = analysis.losses, span_columns(analysis.losses)
-    lines = [markdown(analysis.diagnostics, ["label", "layer", "attention", *METRICS]), ""]
-    lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
-    for r in losses[1:]:
-        first = losses[0]
-        if measured_on(r) != measured_on(first):  # a difference of other tokens means nothing
-            against = f"measured on {measured_on(r)}, against {measured_on(first)}"
-            lines.append(f"{r['label']} - {first['label']}: not compared ({against})")
-            continue
-        differences = [None if r[s] is None or first[s] is None else r[s] - first[s] for s in spans]
-        per_span = " ".join("-" if d is None else f"{d:+.4f}" for d in differences)
-        lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
-    return "\n".join(lines)
 
 
 def positions_figure(losses: list[dict]) -> Figure:
@@ -245,22 +176,49 @@ def positions_figure(losses: list[dict]) -> Figure:
     return fig
 
 
+def span_columns(losses: list[dict]) -> list[str]:
+    return [key for key in losses[0] if key.startswith("span_")] if losses else []
+
+
+def markdown(rows: list[dict], columns: list[str]) -> str:
+    table = pd.DataFrame(rows, columns=columns).astype(object)
+    return table.where(table.notna(), None).to_markdown(index=False, floatfmt=".4f", missingval="-")
+
+
+def render(diagnostics: list[dict], losses: list[dict]) -> str:
+    """The two tables, then each checkpoint's difference from the first per span, where measured on the same tokens."""
+    spans = span_columns(losses)
+    lines = [markdown(diagnostics, ["label", "layer", "attention", *METRICS]), ""]
+    lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
+    tokens = [f"{r['windows']} windows of {r['block_size']} tokens of {r['data']}" for r in losses]
+    for r, measured_on in zip(losses[1:], tokens[1:], strict=True):
+        first = losses[0]
+        if measured_on != tokens[0]:  # a difference of other tokens means nothing
+            lines.append(
+                f"{r['label']} - {first['label']}: not compared (measured on {measured_on}, against {tokens[0]})"
+            )
+            continue
+        per_span = " ".join("-" if None in (r[s], first[s]) else f"{r[s] - first[s]:+.4f}" for s in spans)
+        lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
+    return "\n".join(lines)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="analyze")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        options = parse_options(AnalyzeOptions, cfg)
-        sizes = options.model_dump(include={"labels", "sequences", "chunk", "batch_size"})
-        analysis = analyze(checkpoint_list(options.ckpts), buckets=options.position_buckets, **sizes)
+    diagnostics, losses = analyze(parse(AnalyzeOptions, cfg))
     out.mkdir(parents=True, exist_ok=True)
-    plot(analysis.diagnostics, out / "diagnostics.png")
-    columns = ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(analysis.losses)]
-    write_csv(analysis.losses, columns, out / "losses.csv")
-    positions_figure(analysis.losses).savefig(out / "positions.png", dpi=120)
-    # Last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so one interrupted
-    # before it can be run again
-    write_csv(analysis.diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], out / "diagnostics.csv")
-    print(render(analysis))
+    plot(diagnostics, out / "diagnostics.png")
+    positions_figure(losses).savefig(out / "positions.png", dpi=120)
+    # diagnostics.csv last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one
+    # interrupted before it can be run again
+    for rows, columns, name in (
+        (losses, ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)], "losses.csv"),
+        (diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], "diagnostics.csv"),
+    ):
+        with atomic_file(out / name, "w", newline="") as f:
+            pd.DataFrame(rows, columns=columns).to_csv(f, index=False)
+    print(render(diagnostics, losses))
     written = [out / name for name in ("diagnostics.csv", "diagnostics.png", "losses.csv", "positions.png")]
     print(f"\nwrote {', '.join(map(str, written[:-1]))} and {written[-1]}")

@@ -1,5 +1,5 @@
 """Checkpoints of `xsa-lm train` runs as plain models, with the run's tokenizer and data, for the commands that read
-a trained run (analyze, eval, generate, export), and those commands' typed options."""
+a trained run (analyze, eval, generate, export)."""
 
 import json
 import pickle
@@ -7,15 +7,16 @@ import zipfile
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from omegaconf import OmegaConf
+from pydantic import BeforeValidator
 from tokenizers import Tokenizer
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded, shards_complete
 from xsa_lm.compat import COMPILED_PREFIX
+from xsa_lm.config.spec import DataSpec, TokenizerSpec, parse
 from xsa_lm.data.prepare import PreparedData, load_prepared
 from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
@@ -24,35 +25,15 @@ from xsa_lm.model import GPT, GPTConfig
 # Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
 # with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
 DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
+# The data settings that name files (the source's own copies too, as config.yaml saves them resolved).
+DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
 
 
-class Options(BaseModel):
-    """A checkpoint-reading command's options; a field's description completes the refusal "<key> must be ..."."""
-
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+def _texts(value: object) -> object:
+    return value if value is None else [str(v) for v in (value if isinstance(value, list | tuple) else [value])]
 
 
-OptionsT = TypeVar("OptionsT", bound=Options)
-Count = Annotated[int, Field(ge=1, description="an integer >= 1")]
-
-
-def parse_options(options: type[OptionsT], cfg: DictConfig) -> OptionsT:
-    try:
-        return options.model_validate(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
-    except ValidationError as e:
-        error = e.errors()[0]
-        key = str(error["loc"][0])
-        field = options.model_fields.get(key)
-        if field is None or field.description is None:
-            raise UserError(f"{key}={error['input']!r}: {error['msg']}") from None
-        raise UserError(f"{key} must be {field.description}, got {error['input']!r}") from None
-
-
-def as_texts(value: object) -> list[str] | object:
-    """A list option given as one value (ckpts=PATH), or with numbers in it, as a list of texts."""
-    if value is None:
-        return None
-    return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
+Texts = Annotated[list[str], BeforeValidator(_texts)]  # a list option given as one value (ckpts=PATH), or numbers
 
 
 def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
@@ -71,8 +52,8 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         raise UserError(f"{key}: checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise UserError(f"{key}: {path} is empty, not a checkpoint")
-    # torch.save writes zip archives; torch.load on anything else falls back to the legacy pickle reader, which
-    # fails with arbitrary errors (IndexError on a YAML file, KeyError on text).
+    # torch.save writes zip archives; torch.load falls back on anything else to the legacy pickle reader, which
+    # fails with arbitrary errors (IndexError on a YAML file).
     if not zipfile.is_zipfile(path):
         raise UserError(
             f"{key}: {path} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated): "
@@ -81,10 +62,17 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
 
 
 def checkpoint_list(ckpts: list[str]) -> list[str]:
+    """Each a checkpoint, each once (its rows would count twice in a mean)."""
     if not ckpts:
         raise UserError("ckpts: give at least one checkpoint, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
+    seen: dict[Path, str] = {}
     for ckpt in ckpts:
         check_checkpoint_file(Path(ckpt).expanduser())
+        resolved = Path(ckpt).expanduser().resolve()
+        if resolved in seen:
+            again = "twice" if ckpt == seen[resolved] else f"twice ({seen[resolved]} and {ckpt})"
+            raise UserError(f"ckpts: {resolved} is given {again}: give each checkpoint once")
+        seen[resolved] = ckpt
     return ckpts
 
 
@@ -106,22 +94,19 @@ def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
     """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`; every field counts, not
     only weight shapes: a resumed run must stay the model it started as."""
 
-    def normalised(config: dict) -> dict:  # as GPTConfig holds it (defaults, n_kv_head, xsa_layers sorted)
+    def normalised(config: dict) -> dict[str, str]:  # as GPTConfig holds it (defaults, xsa_layers sorted), as text
         try:
-            return asdict(GPTConfig(**config))
+            config = asdict(GPTConfig(**config))
         except (TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
-            return config
-
-    def shown(config: dict, key: str) -> str:
-        value = config.get(key, "(absent)")
-        return str(list(value)) if isinstance(value, tuple) else str(value)
+            pass
+        return {k: str(list(v)) if isinstance(v, tuple) else str(v) for k, v in config.items()}
 
     saved, expected = normalised(saved), normalised(expected)
     keys = dict.fromkeys([*expected, *saved])
     return [
-        f"{k}: {shown(saved, k)} -> {shown(expected, k)}"
+        f"{k}: {saved.get(k, '(absent)')} -> {expected.get(k, '(absent)')}"
         for k in keys
-        if (k in saved, saved.get(k)) != (k in expected, expected.get(k))
+        if saved.get(k) != expected.get(k)
     ]
 
 
@@ -142,11 +127,9 @@ def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
 def load_model(path: Path, key: str = "ckpts") -> GPT:
     """A GPT from a checkpoint of `xsa-lm train` (weights only: no code is unpickled); `key` names the option."""
     check_checkpoint_file(path, key)
-    try:
-        if is_sharded(path):  # trainer=fsdp: put back together in this process (the weights only)
-            checkpoint = load_sharded(path, optimizer=False)
-        else:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # trainer=fsdp's shards are put back together in this process (the weights only)
+        sharded = is_sharded(path)
+        checkpoint = load_sharded(path, optimizer=False) if sharded else torch.load(path, "cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
         raise UserError(f"{key}: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save
@@ -154,10 +137,7 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     stored = checkpoint.get("model_config")
     if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
-    try:
-        model = GPT(GPTConfig(**stored))  # GPTConfig turns a stored xsa_layers list back into a tuple
-    except (TypeError, ValueError) as e:  # a field this version does not know, or an invalid value
-        raise UserError(f"{key}: {path} stores a model config this version cannot build ({e})") from None
+    model = GPT(GPTConfig(**stored))
     load_weights(model, checkpoint, f"{key}: checkpoint {path}")
     return model
 
@@ -165,10 +145,10 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
 def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
     """The run's tokenizer: saved with its prepared data, else that of the data prepared again (run_data)."""
     data_dir = _run_data_dir(path, key)
-    tokenizer_file = data_dir / "tokenizer.json" if data_dir else None
-    if tokenizer_file and tokenizer_file.is_file():
-        tokenizer = read_tokenizer(tokenizer_file, key)
-        check_tokenizer(path, tokenizer, file_sha256(tokenizer_file, key), tokenizer_file, key)
+    saved = data_dir / "tokenizer.json" if data_dir else None
+    if saved and saved.is_file():
+        tokenizer = read_tokenizer(saved, key)
+        check_tokenizer(path, tokenizer, file_sha256(saved, key), saved, key)
         return tokenizer
     return run_data(path, key).tokenizer
 
@@ -177,18 +157,19 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
     """The run's prepared data: its folder if still there, else prepared again from config.yaml; refused when its
     tokenizer is not the checkpoint's."""
     data_dir = _run_data_dir(path, key)
+    rebuilt = ""
     if data_dir and (data_dir / "meta.json").is_file():
         data = load_prepared(data_dir)
-        check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key)
-        return data
-    from xsa_lm.config.spec import DataSpec, TokenizerSpec, parse
-    from xsa_lm.data.run import prepare_data
+    else:
+        from xsa_lm.data.run import prepare_data
 
-    saved = run_config(path, key)
-    data_settings, tokenizer_settings = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
-    data = prepare_data(parse(DataSpec, data_settings, at="data."), parse(TokenizerSpec, tokenizer_settings))
-    gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
-    rebuilt = f" (prepared again from {run_dir_of(path) / 'config.yaml'}{gone})"
+        saved = run_config(path, key)
+        settings = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
+        data = prepare_data(
+            parse(DataSpec, settings[0], at="data."), parse(TokenizerSpec, settings[1], at="tokenizer.")
+        )
+        gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
+        rebuilt = f" (prepared again from {run_dir_of(path) / 'config.yaml'}{gone})"
     check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
     return data
 
@@ -206,28 +187,19 @@ def run_config(path: Path, key: str = "ckpts") -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(saved), resolve=True)  # type: ignore[return-value]  # a mapping
 
 
-def _run_info(run_dir: Path, key: str) -> dict | None:
+def _run_info(run_dir: Path, key: str) -> dict:
     info = run_dir / "run_info.json"
-    if not info.is_file():
-        return None
     try:
-        recorded = json.loads(info.read_bytes())
+        recorded = json.loads(info.read_bytes()) if info.is_file() else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{key}: {info} is not valid JSON (truncated or overwritten?)") from None
-    return recorded if isinstance(recorded, dict) else None
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def _run_data_dir(path: Path, key: str) -> Path | None:
     """The prepared-data folder run_info.json records (maybe gone since), a relative one from the run's cwd."""
     recorded = _run_info(run_dir_of(path), key)
-    if not recorded or not recorded.get("data_dir"):
-        return None
-    return (Path(recorded.get("cwd") or ".") / recorded["data_dir"]).resolve()
-
-
-# The data settings that name files (the source's own copies too, as config.yaml saves them resolved); data.path is
-# a dataset's name on the hub.
-DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
+    return (Path(recorded.get("cwd") or ".") / recorded["data_dir"]).resolve() if recorded.get("data_dir") else None
 
 
 def settings_as_started(
@@ -235,28 +207,23 @@ def settings_as_started(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
     that they name the files they named then."""
-    cwd = (_run_info(run_dir, key) or {}).get("cwd")
-    if not cwd:
-        return data, tokenizer
+    cwd = _run_info(run_dir, key).get("cwd")
+    root = Path(cwd or ".")
 
-    def rebased(settings: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    def rebased(value: Any) -> Any:  # a path, or the paths in a list or a {split: paths} mapping
+        if isinstance(value, str):
+            return value if not value or Path(value).expanduser().is_absolute() else str(root / value)
+        if isinstance(value, list):
+            return [rebased(v) for v in value]
+        return {k: rebased(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    def settings(node: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
         return {
-            k: rebased(v, keys) if k == "source" and isinstance(v, dict) else _from(Path(cwd), v) if k in keys else v
-            for k, v in settings.items()
+            k: settings(v, keys) if k == "source" and isinstance(v, dict) else rebased(v) if k in keys else v
+            for k, v in node.items()
         }
 
-    return rebased(data, DATA_PATH_KEYS), rebased(tokenizer, ("path",))
-
-
-def _from(cwd: Path, value: Any) -> Any:
-    """A path, or the paths in a list or a {split: paths} mapping, with the relative ones under cwd."""
-    if isinstance(value, str):
-        return value if not value or Path(value).expanduser().is_absolute() else str(cwd / value)
-    if isinstance(value, list):
-        return [_from(cwd, v) for v in value]
-    if isinstance(value, dict):
-        return {k: _from(cwd, v) for k, v in value.items()}
-    return value
+    return (settings(data, DATA_PATH_KEYS), settings(tokenizer, ("path",))) if cwd else (data, tokenizer)
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:

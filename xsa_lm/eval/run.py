@@ -2,7 +2,6 @@
 DIR/eval.json and DIR/eval.md (the paper's Table 2: a row per checkpoint, the average, XSA - SA), logs to W&B."""
 
 import hashlib
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -16,22 +15,13 @@ import scipy.stats
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from pydantic import Field, field_validator
 from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.load import (
-    Count,
-    Options,
-    as_texts,
-    checkpoint_list,
-    load_model,
-    load_tokenizer,
-    parse_options,
-    run_dir_of,
-    told_apart,
-)
+from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, load_tokenizer, run_dir_of, told_apart
+from xsa_lm.config.spec import Count, Spec, parse, rule
 from xsa_lm.data.tokenizer import eot_id, hub_unreachable
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors, yaml_problem
+from xsa_lm.errors import UserError, one_line_errors, yaml_problem
+from xsa_lm.export.run import require
 from xsa_lm.files import write_json, write_text
 from xsa_lm.model import GPT
 from xsa_lm.records import Record
@@ -39,6 +29,7 @@ from xsa_lm.stats.paired import paired_t
 
 if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
 PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm") | dict.fromkeys(
@@ -48,22 +39,21 @@ PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "ac
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
 
 
-class EvalOptions(Options):
+def _limit(value: object) -> str | None:
+    # The harness reads a limit below 1 as a fraction of each task and cuts 2.5 down to 2; 0 would mean "every example"
+    fine = value is None or (type(value) is int and value >= 1) or (type(value) is float and 0 < value < 1)
+    return None if fine else "must be an integer >= 1 (the first N), a fraction in (0, 1) of each task, or null (all)"
+
+
+class EvalOptions(Spec):
     """configs/eval.yaml."""
 
-    ckpts: list[str] = Field(description="a checkpoint or a list of them, e.g. ckpts=[runs/sa/checkpoints/last.ckpt]")
-    tasks: str | list[str] | None = Field(description="paper, a task name or task file, or a list of them")
-    # The harness reads a limit below 1 as a fraction of each task and cuts 2.5 down to 2; 0 would silently mean
-    # "every example".
-    limit: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, lt=1)] | None = Field(
-        description="an integer >= 1 (the first N examples of each task), a fraction in (0, 1) of each task, "
-        "or null for every example"
-    )
+    ckpts: Texts
+    tasks: str | list[str] | None
+    limit: Annotated[int | float | None, rule(_limit)]
     batch_size: Count
-    wandb: bool = Field(description="true or false")  # a non-empty text such as `maybe` would count as true
+    wandb: bool
     wandb_mode: str
-
-    _texts = field_validator("ckpts", mode="before")(as_texts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,39 +89,7 @@ class EvalResult(Record):
 
 
 def require_harness(needed_by: str = "xsa-lm eval") -> None:
-    """The optional extra (about 30 packages for one command), asked for before any checkpoint is read."""
-    if importlib.util.find_spec("lm_eval") is None:
-        raise UserError(
-            f"{needed_by} needs lm-evaluation-harness, the extra `eval`: "
-            f"pip install '{HARNESS_REQUIREMENT}' (in a checkout: pip install -e '.[eval]')"
-        )
-
-
-def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
-    """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
-    entries = task_entries(tasks)
-    if not [entry for entry in entries if entry not in (None, "")]:  # tasks=[], tasks=, tasks=null
-        raise UserError("tasks: give at least one task, e.g. tasks=paper")
-    names: list[str] = []
-    folders: list[str] = []
-    given: dict[str, object] = {}
-    for entry in entries:
-        path = task_file(entry)
-        if path is not None:
-            if not path.is_file():
-                raise UserError(f"tasks: task file not found: {path}")
-            config = read_task_yaml(path)
-            if "task" not in config:
-                raise UserError(f"tasks: {path} has no `task:` name")
-            name = str(config["task"])
-            folders.append(str(path.resolve().parent))
-        else:
-            name = str(entry)
-        if name in given:  # one score per name: the second would replace the first, or count twice in the average
-            raise UserError(f"tasks: {entry} is the task {name!r}, as {given[name]} is: give each task once")
-        given[name] = entry
-        names.append(name)
-    return names, sorted(set(folders))
+    require("lm_eval", "lm-evaluation-harness", HARNESS_REQUIREMENT, needed_by)
 
 
 class TaskLoader(yaml.SafeLoader):
@@ -141,32 +99,47 @@ class TaskLoader(yaml.SafeLoader):
 TaskLoader.add_multi_constructor("!", lambda loader, tag, node: None)
 
 
-def read_task_yaml(path: Path) -> dict:
-    try:
-        config = yaml.load(path.read_text(), Loader=TaskLoader) or {}  # a SafeLoader
-    except yaml.YAMLError as e:
-        raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"tasks: {path} is not a task file (a YAML mapping with `task:`)")
-    return config
+def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
+    """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
+    if not task_entries(tasks):  # tasks=[], tasks=, tasks=null
+        raise UserError("tasks: give at least one task, e.g. tasks=paper")
+    names: dict[str, str] = {}  # name -> the entry that gave it
+    folders: set[str] = set()
+    for entry, path in task_entries(tasks):
+        name = entry
+        if path is not None:
+            if not path.is_file():
+                raise UserError(f"tasks: task file not found: {path}")
+            try:
+                config = yaml.load(path.read_text(), Loader=TaskLoader) or {}  # a SafeLoader
+            except yaml.YAMLError as e:
+                raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
+            if not isinstance(config, dict):
+                raise UserError(f"tasks: {path} is not a task file (a YAML mapping with `task:`)")
+            if "task" not in config:
+                raise UserError(f"tasks: {path} has no `task:` name")
+            name = str(config["task"])
+            folders.add(str(path.resolve().parent))
+        if name in names:  # one score per name: the second would replace the first, or count twice in the average
+            raise UserError(f"tasks: {entry} is the task {name!r}, as {names[name]} is: give each task once")
+        names[name] = entry
+    return list(names), sorted(folders)
+
+
+def task_entries(tasks: str | list[str] | None) -> list[tuple[str, Path | None]]:
+    """Each task given (`paper`: the paper's), with its path where it names a task YAML file."""
+    given = list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
+    paths = [(str(entry), Path(str(entry)).expanduser()) for entry in given if entry not in (None, "")]
+    return [(entry, path if path.suffix in (".yaml", ".yml") else None) for entry, path in paths]
 
 
 def task_file_digests(tasks: str | list[str] | None) -> dict[str, str]:
     """The sha256 of each local task file by its path: an edited file evaluates something else under one name."""
-    files = [file for file in map(task_file, task_entries(tasks)) if file is not None]
+    files = [path for _, path in task_entries(tasks) if path is not None]
     return {str(file.resolve()): hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
 
 
-def task_entries(tasks: str | list[str] | None) -> list:
-    return list(PAPER_TASKS) if tasks == "paper" else [tasks] if isinstance(tasks, str) else list(tasks or [])
-
-
-def task_file(entry: object) -> Path | None:
-    path = Path(str(entry)).expanduser()
-    return path if path.suffix in (".yaml", ".yml") else None
-
-
-def task_manager(names: list[str], folders: list[str]):
+def task_manager(names: list[str], folders: list[str]) -> "TaskManager":
     """The harness's task index (about 10 s to build), refusing names it does not hold."""
     from lm_eval.tasks import TaskManager
 
@@ -177,7 +150,7 @@ def task_manager(names: list[str], folders: list[str]):
     return manager
 
 
-def load_tasks(names: list[str], folders: list[str]):
+def load_tasks(names: list[str], folders: list[str]) -> "TaskManager":
     """The harness's tasks with their data, one by one, so that a missing dataset names its task."""
     from lm_eval.tasks import get_task_dict
 
@@ -197,23 +170,11 @@ def load_tasks(names: list[str], folders: list[str]):
 
 def headline(task: str, metrics: dict) -> tuple[str, float]:
     """The metric the paper reports for a task (acc or acc_norm); for other tasks acc_norm, acc, or the first."""
-    for name in ([PAPER_TASKS[task]] if task in PAPER_TASKS else []) + ["acc_norm", "acc"]:
+    for name in [PAPER_TASKS.get(task, "acc_norm"), "acc_norm", "acc"]:
         if f"{name},none" in metrics:
             return name, metrics[f"{name},none"]
     name, value = next((k, v) for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k)
     return name.split(",")[0], value
-
-
-def distinct_checkpoints(ckpts: list[str]) -> list[str]:
-    """`ckpts`, refused when a file is given twice (its rows would count twice in its arm's mean)."""
-    seen: dict[Path, str] = {}
-    for ckpt in ckpts:
-        resolved = Path(ckpt).expanduser().resolve()
-        if resolved in seen:
-            again = "twice" if ckpt == seen[resolved] else f"twice ({seen[resolved]} and {ckpt})"
-            raise UserError(f"ckpts: {resolved} is given {again}: give each checkpoint once")
-        seen[resolved] = ckpt
-    return ckpts
 
 
 def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
@@ -238,20 +199,19 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
             out = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=True
             )
-        scores = {}
-        items.append({})
+        scores, values = {}, {}
         for task in names:
             metric, value = headline(task, out["results"][task])
-            values = {int(sample["doc_id"]): float(sample[metric]) for sample in out["samples"][task]}
-            items[-1][task] = values
-            stderr = float(scipy.stats.sem(list(values.values()))) if len(values) > 1 else None
-            scores[task] = Score(metric=metric, value=value, n=len(values), stderr=stderr)
-        average = fmean(s.value for s in scores.values())
-        attention, run = model.config.attention, run_dir_of(path).name
-        rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
-    diff = xsa_minus_sa(rows, names)
+            values[task] = {int(sample["doc_id"]): float(sample[metric]) for sample in out["samples"][task]}
+            stderr = float(scipy.stats.sem(list(values[task].values()))) if len(values[task]) > 1 else None
+            scores[task] = Score(metric=metric, value=value, n=len(values[task]), stderr=stderr)
+        items.append(values)
+        run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
+        rows.append(
+            Row(checkpoint=str(path), attention=model.config.attention, run=run, scores=scores, average=average)
+        )
+    diff, files = xsa_minus_sa(rows, names), task_file_digests(tasks)
     ci = paired_intervals(rows, items, names) if diff is not None else None
-    files = task_file_digests(tasks)
     return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
 
 
@@ -268,52 +228,47 @@ def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
     return HFLM(pretrained=hf, tokenizer=hf_tok, backend="causal", batch_size=batch_size)
 
 
+def arms(rows: list[Row]) -> list[list[int]]:
+    """The indices of the XSA rows, then of the SA rows."""
+    return [[i for i, r in enumerate(rows) if r.attention == arm] for arm in ("xsa", "sa")]
+
+
 def paired_intervals(
     rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
 ) -> dict[str, list[float] | None]:
     """95% interval of XSA - SA per task, paired over the items both arms scored, and of the average (the tasks'
     variances added: their items are independent). The items' noise only: seeds vary beyond it."""
-    arms = [[i for i, r in enumerate(rows) if r.attention == arm] for arm in ("xsa", "sa")]
+    xsa, sa = arms(rows)
     intervals: dict[str, list[float] | None] = {}
     spreads = []
     for task in tasks:
-        shared = sorted(set.intersection(*(set(items[i][task]) for arm in arms for i in arm)))
-        diffs = [fmean(items[i][task][d] for i in arms[0]) - fmean(items[i][task][d] for i in arms[1]) for d in shared]
-        test = paired_t(diffs)
-        intervals[task] = list(test.ci) if test.ci is not None else None
-        if test.ci is not None:
-            spreads.append((fmean(diffs), (test.ci[1] - test.ci[0]) / 2))
+        shared = sorted(set.intersection(*(set(items[i][task]) for i in xsa + sa)))
+        diffs = [fmean(items[i][task][d] for i in xsa) - fmean(items[i][task][d] for i in sa) for d in shared]
+        ci = paired_t(diffs).ci
+        intervals[task] = list(ci) if ci is not None else None
+        if ci is not None:
+            spreads.append((fmean(diffs), (ci[1] - ci[0]) / 2))
+    intervals["average"] = None
     if len(spreads) == len(tasks):  # the tasks' half-widths added in quadrature, over T: the average's
-        mean = fmean(m for m, _ in spreads)
-        half = math.sqrt(sum(h**2 for _, h in spreads)) / len(tasks)
+        mean, half = fmean(m for m, _ in spreads), math.sqrt(sum(h**2 for _, h in spreads)) / len(tasks)
         intervals["average"] = [mean - half, mean + half]
-    else:
-        intervals["average"] = None
     return intervals
 
 
 def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
     """XSA's mean score minus SA's per task and on average over each arm's checkpoints; None without both arms."""
-    arms = [[r for r in rows if r.attention == arm] for arm in ("xsa", "sa")]
-    if not all(arms):
+    xsa, sa = ([rows[i] for i in arm] for arm in arms(rows))
+    if not xsa or not sa:
         return None
-    mean = {task: [fmean(r.scores[task].value for r in arm) for arm in arms] for task in tasks}
-    average = [fmean(r.average for r in arm) for arm in arms]
-    return {task: xsa - sa for task, (xsa, sa) in mean.items()} | {"average": average[0] - average[1]}
-
-
-def row_labels(rows: list[Row]) -> list[str]:
-    labels = [f"{row.attention.upper()} {row.run}" for row in rows]
-    paths = [Path(row.checkpoint) for row in rows]
-    return told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
+    diff = {task: fmean(r.scores[task].value for r in xsa) - fmean(r.scores[task].value for r in sa) for task in tasks}
+    return diff | {"average": fmean(r.average for r in xsa) - fmean(r.average for r in sa)}
 
 
 def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
     """A warning per run with several checkpoints in one arm's mean: they are not independent runs (seeds)."""
     by_run: dict[tuple[str, Path], list[str]] = {}
     for row, label in zip(rows, labels, strict=True):
-        run = run_dir_of(Path(row.checkpoint)).resolve()
-        by_run.setdefault((row.attention, run), []).append(label)
+        by_run.setdefault((row.attention, run_dir_of(Path(row.checkpoint)).resolve()), []).append(label)
     notes = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
     return [notes.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
 
@@ -323,73 +278,63 @@ def render(result: EvalResult) -> str:
     tasks, rows = result.tasks, result.rows
     head = " | ".join(f"{t} ({rows[0].scores[t].metric}, n={rows[0].scores[t].n})" for t in tasks) if rows else ""
     lines = [f"| checkpoint | {head} | average |", "|---|" + "---:|" * (len(tasks) + 1)]
-    labels = row_labels(rows)
+    paths = [Path(row.checkpoint) for row in rows]
+    labels = [f"{row.attention.upper()} {row.run}" for row in rows]
+    labels = told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
     for row, label in zip(rows, labels, strict=True):
-        cells = " | ".join(score_cell(row.scores[t]) for t in tasks)
-        lines.append(f"| {label} | {cells} | {100 * row.average:.2f} |")
+        cells = [
+            f"{100 * s.value:.2f}" + (f" ± {100 * s.stderr:.2f}" if s.stderr is not None else "")
+            for s in (row.scores[t] for t in tasks)
+        ]
+        lines.append(f"| {label} | {' | '.join(cells)} | {100 * row.average:.2f} |")
     if result.xsa_minus_sa is not None:
         diff, ci = result.xsa_minus_sa, result.xsa_minus_sa_ci95 or {}
-        counts = [sum(r.attention == arm for r in rows) for arm in ("xsa", "sa")]
+        counts = [len(arm) for arm in arms(rows)]
         label = "XSA - SA" if counts == [1, 1] else f"XSA - SA (means of {counts[0]} and {counts[1]} checkpoints)"
+        intervals = [ci.get(t) for t in [*tasks, "average"]]
+        shown = ["-" if c is None else f"[{100 * c[0]:+.2f}, {100 * c[1]:+.2f}]" for c in intervals]
         lines += [
             f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in [*tasks, "average"]) + " |",
-            "| 95% CI, paired over items | " + " | ".join(interval_cell(ci.get(t)) for t in [*tasks, "average"]) + " |",
+            f"| 95% CI, paired over items | {' | '.join(shown)} |",
             "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
             "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
         ]
         lines += [f"\n(warning: {note})" for note in shared_runs(rows, labels)]
-    limit = result.limit
-    if limit:
-        share = f"{limit:.0%} of the examples" if limit < 1 else f"the first {limit} examples"
-        lines.append(f"\n(limit={limit}: {share} of each task: a smoke test, not a measurement)")
+    if result.limit:
+        share = f"{result.limit:.0%} of the examples" if result.limit < 1 else f"the first {result.limit} examples"
+        lines.append(f"\n(limit={result.limit}: {share} of each task: a smoke test, not a measurement)")
     return "\n".join(lines)
 
 
-def score_cell(score: Score) -> str:
-    return f"{100 * score.value:.2f}" + (f" ± {100 * score.stderr:.2f}" if score.stderr is not None else "")
-
-
-def interval_cell(ci: list[float] | None) -> str:
-    return f"[{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]" if ci is not None else "-"
-
-
 def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
-    """Each checkpoint's scores into its own W&B run (wandb_run_id.txt), or a new `eval` run."""
+    """Each checkpoint's scores into its own W&B run (wandb_run_id.txt), or a new `eval` run: the final model
+    (last.ckpt) on whole tasks under eval/, another checkpoint or a limit under its own prefix."""
     from xsa_lm.tracking import wandb_init
 
     for row in result.rows:
         run_dir = run_dir_of(Path(row.checkpoint))
-        id_file = run_dir / "wandb_run_id.txt"
-        saved = run_dir / "config.yaml"  # written by xsa-lm train
+        id_file, saved = run_dir / "wandb_run_id.txt", run_dir / "config.yaml"  # written by xsa-lm train
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
         run_id = id_file.read_text().strip() if id_file.exists() else None
-        name, config = f"eval-{row.run}", {"eval_tasks": result.tasks}
+        config, name = {"eval_tasks": result.tasks}, f"eval-{row.run}"
         run = wandb_init(
             str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
         )
-        prefix = summary_prefix(row.checkpoint, result.limit)
+        stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
+        prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
         run.summary.update({f"{prefix}/{t}": s.value for t, s in row.scores.items()})
         run.summary.update({f"{prefix}/average": row.average})
         run.finish()
-
-
-def summary_prefix(checkpoint: str, limit: int | float | None) -> str:
-    """eval/ for the final model (last.ckpt) on whole tasks; another checkpoint or a limit under its own prefix."""
-    stem = Path(checkpoint).stem
-    prefix = "eval" if stem == "last" else f"eval-{stem}"
-    return prefix if limit is None else f"{prefix}-limit{limit:g}"
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="eval")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        options = parse_options(EvalOptions, cfg)  # wandb too: before any scoring
-        require_harness()
-        ckpts = distinct_checkpoints(checkpoint_list(options.ckpts))
-        result = evaluate(ckpts, options.tasks, options.limit, options.batch_size)
+    options = parse(EvalOptions, cfg)  # wandb too: before any scoring
+    require_harness()
+    result = evaluate(checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size)
     out.mkdir(parents=True, exist_ok=True)
     table = render(result)
     write_text(out / "eval.md", table + "\n")

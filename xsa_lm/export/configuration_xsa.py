@@ -38,9 +38,3 @@ class XSAConfig(PretrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-
-    def uses_xsa(self, layer: int) -> bool:
-        return self.attention == "xsa" and (self.xsa_layers is None or layer in self.xsa_layers)
-
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head

@@ -13,10 +13,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_xsa import XSAConfig
 
-# transformers 5 renamed the KV cache's argument and output field `past_key_values` to `cache`: forward accepts both,
-# and returns the cache under the name of the installed version (an exported model outlives the version it was made by).
-CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
 
 def rope(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (B, 1, T, head_dim) for rotate-half RoPE at integer positions (B, T)."""
@@ -28,20 +24,15 @@ def rope(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Ten
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
-def exclusive_projection(
-    y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None = None
-) -> torch.Tensor:
+def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | float) -> torch.Tensor:
     """z = y - scale (y . v) / (||v||^2 + eps) v over the last dim, in at least fp32 (bf16 loses the
     orthogonality), returned in y's dtype. v broadcasts against y (grouped-query attention)."""
     dtype = torch.promote_types(y.dtype, torch.float32)
     y32, v32 = y.to(dtype), v.to(dtype)
-    coef = (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + eps)
-    if scale is not None:
-        coef = coef * scale
+    coef = scale * (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + eps)
     return (y32 - coef * v32).to(y.dtype)
 
 
@@ -49,22 +40,15 @@ class XSAAttention(nn.Module):
     def __init__(self, config: XSAConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # its place in the KV cache
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads(), config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head or config.n_head, config.head_dim
         self.qkv = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
         self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)  # W_o
-        self.exclusive = config.uses_xsa(layer)
+        self.exclusive = config.attention == "xsa" and (config.xsa_layers is None or layer in config.xsa_layers)
         self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and config.xsa_gate else None
         self.xsa_eps = config.xsa_eps
         self.dropout = config.dropout
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: Cache | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
@@ -79,7 +63,7 @@ class XSAAttention(nn.Module):
             # Each query head projects on its KV group's value of the same token: y as (B, T, H_kv, G, D) against
             # v as (B, T, H_kv, 1, D). Only the new tokens' own v is needed, so the KV cache serves XSA as it does SA.
             y, v = y.unflatten(2, (H_kv, H // H_kv)), v.transpose(1, 2).unsqueeze(3)
-            scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
+            scale = 1.0 if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
             y = exclusive_projection(y, v, self.xsa_eps, scale)
         return self.proj(y.reshape(B, T, H * D))
 
@@ -111,11 +95,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
-class XSAPreTrainedModel(PreTrainedModel):
+class XSAForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = XSAConfig
     base_model_prefix = ""
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "wte.weight"}
+    _input_embed_layer = "wte"
 
     def _init_weights(self, module: nn.Module) -> None:
         """For weights a checkpoint does not hold: transformers' own, the XSA gate at 0 (SA), sinks N(0, init_std)."""
@@ -124,11 +110,6 @@ class XSAPreTrainedModel(PreTrainedModel):
             init.zeros_(module.gate)
         if isinstance(module, XSAForCausalLM) and module.sinks is not None:
             init.normal_(module.sinks, mean=0.0, std=self.config.init_std)
-
-
-class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "wte.weight"}
-    _input_embed_layer = "wte"
 
     def __init__(self, config: XSAConfig) -> None:
         super().__init__(config)
@@ -142,9 +123,6 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -154,13 +132,11 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
-        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits (B, T, vocab) of input_ids (B, T); with labels (shifted inside, -100 ignored) the mean
         cross-entropy. With a cache, input_ids are the tokens after those cached. attention_mask (B, all tokens so
         far), 0 at padding, is needed only for padded batches; position_ids count real tokens from 0."""
-        cache = cache if cache is not None else past_key_values
         if cache is None and (self.config.use_cache if use_cache is None else use_cache):
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0  # sinks included
@@ -171,12 +147,14 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence length {seen + T} exceeds block_size {self.config.block_size}")
         if position_ids is None:
             position_ids = torch.arange(seen, seen + T, device=input_ids.device).expand(B, T)
-        cos, sin = rope(self.rope_positions(position_ids, S), self.config.head_dim, self.config.rope_base)
+        # RoPE positions: the sinks at 0 .. n_sinks - 1 (with the first tokens only), the tokens after them
+        sinks = torch.arange(S, device=input_ids.device).expand(B, S)
+        positions = torch.cat([sinks, position_ids + self.config.n_sinks], dim=1)
+        cos, sin = rope(positions, self.config.head_dim, self.config.rope_base)
         mask = self.attention_mask(attention_mask, past=past, new=S + T, device=input_ids.device)
 
         x = self.wte(input_ids)
-        if S:
-            assert self.sinks is not None  # n_sinks > 0
+        if S and self.sinks is not None:
             x = torch.cat([self.sinks.to(x.dtype).expand(B, -1, -1), x], dim=1)
         x = self.drop(self.ln_emb(x))
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as xsa-lm's RoPE tables, which are cast with the model
@@ -186,20 +164,9 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
-            )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})  # type: ignore[arg-type]  # the cache field's name varies by version
-
-    def rope_positions(self, position_ids: torch.Tensor, new_sinks: int) -> torch.Tensor:
-        """RoPE positions of the new positions: the sinks at 0 .. n_sinks - 1, the tokens after them."""
-        positions = position_ids + self.config.n_sinks
-        if not new_sinks:
-            return positions
-        sinks = torch.arange(new_sinks, device=positions.device).expand(positions.size(0), new_sinks)
-        return torch.cat([sinks, positions], dim=1)
+        shifted = None if labels is None else (logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
+        loss = None if shifted is None else F.cross_entropy(*shifted, ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def attention_mask(
         self, padding: torch.Tensor | None, *, past: int, new: int, device: torch.device
@@ -207,11 +174,9 @@ class XSAForCausalLM(XSAPreTrainedModel, GenerationMixin):
         """Which keys each new position sees: causal over the cached and new positions (None: SDPA's own causal
         mask), and, where `padding` (B, tokens) marks padding with 0, without the padding. The sinks are always
         seen; a padding position also sees itself, so that no row is empty (its output is never used)."""
-        causal = None if past == 0 else torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)
+        causal = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)
         if padding is None or bool(padding.all()):
-            return causal
-        if causal is None:
-            causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+            return causal if past else None
         keys = torch.cat([padding.new_ones(padding.size(0), self.config.n_sinks), padding], dim=1).bool()
         itself = torch.arange(past + new, device=device) == torch.arange(past, past + new, device=device)[:, None]
         return (causal & keys[:, None, None, :]) | itself

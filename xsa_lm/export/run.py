@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
-from pydantic import Field
 from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.load import Options, check_checkpoint_file, load_model, load_tokenizer, parse_options
+from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
+from xsa_lm.config.spec import Spec, parse
 from xsa_lm.data.tokenizer import EOT, eot_id
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.model import GPT
 
 if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
@@ -27,17 +27,22 @@ if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extr
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24,<6"  # the extra `eval` of pyproject.toml (5.24: tested)
 
 
-class ExportOptions(Options):
-    ckpt: str = Field(description="the path of a checkpoint")
-    out: str | None = Field(description="the path of the directory to write")
+class ExportOptions(Spec):
+    ckpt: str
+    out: str | None
+
+
+def require(module: str, name: str, requirement: str, needed_by: str) -> None:
+    """A package of the extra `eval` (about 30 packages for two commands), asked for before any checkpoint is read."""
+    if importlib.util.find_spec(module) is None:
+        raise UserError(
+            f"{needed_by} needs {name}, the extra `eval`: pip install '{requirement}' "
+            "(in a checkout: pip install -e '.[eval]')"
+        )
 
 
 def require_transformers() -> None:
-    if importlib.util.find_spec("transformers") is None:
-        raise UserError(
-            f"xsa-lm export needs transformers, in the extra `eval`: pip install '{TRANSFORMERS_REQUIREMENT}' "
-            "(in a checkout: pip install -e '.[eval]')"
-        )
+    require("transformers", "transformers", TRANSFORMERS_REQUIREMENT, "xsa-lm export")
 
 
 def check_out(out: Path) -> None:
@@ -48,12 +53,9 @@ def check_out(out: Path) -> None:
             "new directory to write the model to, e.g. out=hf/xsa"
         )
     existing = next(folder for folder in (out, *out.parents) if folder.exists())
-    if not existing.is_dir():
-        raise UserError(
-            f"out: {existing} is a file, not a directory; choose another directory (nothing is overwritten)"
-        )
-    if existing == out and any(out.iterdir()):
-        raise UserError(f"out: {out} exists and is not empty; choose another directory (nothing is overwritten)")
+    if not existing.is_dir() or (existing == out and any(out.iterdir())):
+        what = "is a file, not a directory" if not existing.is_dir() else "exists and is not empty"
+        raise UserError(f"out: {existing} {what}; choose another directory (nothing is overwritten)")
 
 
 def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
@@ -62,7 +64,7 @@ def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
     fields = asdict(model.config)
-    fields["xsa_layers"] = None if fields["xsa_layers"] is None else list(fields["xsa_layers"])  # JSON: a list
+    fields["xsa_layers"] = fields["xsa_layers"] and list(fields["xsa_layers"])  # JSON: a list
     config = XSAConfig(**fields, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
     # auto_map in config.json, and save_pretrained copies the two code files beside the weights
     XSAConfig.register_for_auto_class()
@@ -89,27 +91,24 @@ def export(ckpt: Path, out: Path) -> Path:
     out = out.resolve() if out.is_symlink() else out  # a link to an empty directory: fill that directory
     check_out(out)
     model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt, key="ckpt")
-    eot = eot_id(tokenizer)  # read_tokenizer refused a run's tokenizer without one
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
     staging = out.parent / f".{out.name}.{os.getpid()}"  # mkdir's permissions, as `out`'s would be
     staging.mkdir()
     try:
-        hf_model(model, eot, tokenizer.get_vocab_size()).save_pretrained(staging)
+        hf_model(model, eot_id(tokenizer), tokenizer.get_vocab_size()).save_pretrained(staging)
         hf_tokenizer(tokenizer, model.config.block_size).save_pretrained(staging)
         staging.replace(out)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="export")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        options = parse_options(ExportOptions, cfg)
-        out = export(Path(options.ckpt).expanduser(), Path(options.out or "").expanduser())
+    options = parse(ExportOptions, cfg)
+    out = export(Path(options.ckpt).expanduser(), Path(options.out or "").expanduser())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
         f"wrote {out} ({size:.1f} MiB): load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) "

@@ -19,11 +19,8 @@ def generate(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """idx (B, T) followed by max_new_tokens tokens: greedy at temperature 0, else drawn from the top_k; the model
-    sees the last block_size tokens. vocab_size: the tokenizer's (ids past it, the table's padding, never drawn)."""
-    if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:  # top-0 would keep no token at all
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    sees the last block_size tokens. vocab_size: the tokenizer's (ids past it, the table's padding, never drawn).
+    temperature >= 0 and top_k >= 1 are the callers' options' to check (GenerateOptions, SamplesSpec)."""
     was_training = model.training
     model.eval()
     block = model.config.block_size

@@ -5,24 +5,23 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig
-from pydantic import Field
 
-from xsa_lm.checkpoints.load import Options, parse_options
 from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
+from xsa_lm.config.spec import Spec, parse
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
 
 
-class ConsolidateOptions(Options):
-    ckpt: str = Field(description="the path of a sharded checkpoint")
-    out: str = Field(description="the path of the file to write")
-    weights_only: bool = Field(description="true or false")  # a text such as `no` would count as true
+class ConsolidateOptions(Spec):
+    ckpt: str
+    out: str
+    weights_only: bool
 
 
 def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
+    if source.is_file():
+        raise UserError(f"ckpt: {source} is a file, one checkpoint already: every command reads it as it is")
     if not is_sharded(source):
-        if source.is_file():
-            raise UserError(f"ckpt: {source} is a file, one checkpoint already: every command reads it as it is")
         what = "not found" if not source.exists() else "no sharded checkpoint"
         raise UserError(
             f"ckpt: {source} is {what}: give the directory of a sharded checkpoint (trainer=fsdp), e.g. "
@@ -42,11 +41,9 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="consolidate")
 @one_line_errors
-def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
-    options = parse_options(ConsolidateOptions, cfg)
+def main(cfg: DictConfig) -> None:
+    options = parse(ConsolidateOptions, cfg)
     out = Path(options.out).expanduser()
     step = consolidate(Path(options.ckpt).expanduser(), out, weights_only=options.weights_only)
-    print(
-        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {step}, "
-        f"{'weights only' if options.weights_only else 'weights, optimizer state and training position'}"
-    )
+    kept = "weights only" if options.weights_only else "weights, optimizer state and training position"
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): step {step}, {kept}")
