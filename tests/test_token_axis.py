@@ -20,8 +20,8 @@ from tests.helpers import assert_nothing_written, compose_train, refused_in_proc
 from xsa_lm.scale import tokens
 from xsa_lm.scale.run import sweep_overrides
 from xsa_lm.scale.study import StudyIdentity
-from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, ci_text, k_text, pool
-from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, render_markdown
+from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, pool
+from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, k_cells, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished
 from xsa_lm.sweep.trials import Launcher
 
@@ -81,11 +81,11 @@ def test_a_loss_beyond_sas_range_is_a_bound_not_a_number():
     sa, xsa = study(rng, k=6.0, noise=0.005)  # XSA at B reaches what SA reaches at 6B: beyond 2B
     cell = cell_estimate(sa, BUDGETS, xsa, B)
     assert cell.k is None and cell.bound == "k > 2" and cell.ln_k_se is None
-    assert k_text(cell.as_dict()) == "k > 2"
+    assert k_cells(cell.as_dict())[0] == "k > 2"
     sa, xsa = study(rng, k=0.2, noise=0.005)  # worse than SA at B/2
     cell = cell_estimate(sa, BUDGETS, xsa, B)
     assert cell.k is None and cell.bound == "k < 0.5"
-    assert ci_text(cell.as_dict()).startswith("[<= 0.5") or cell.ci[0] is None
+    assert k_cells(cell.as_dict())[1].startswith("[<= 0.5") or cell.ci[0] is None
 
 
 def test_an_interval_that_reaches_sas_range_says_so():
@@ -93,7 +93,7 @@ def test_an_interval_that_reaches_sas_range_says_so():
     sa, xsa = study(rng, k=1.9, noise=0.05)  # near the top of the range, noisy: the upper end is unbounded
     cell = cell_estimate(sa, BUDGETS, xsa, B)
     assert cell.ci[1] is None
-    assert ci_text(cell.as_dict()).endswith(">= 2]")
+    assert k_cells(cell.as_dict())[1].endswith(">= 2]")
 
 
 @pytest.mark.parametrize("k_true, xsa_budget", [(1.3, B), (1.6, B / 2), (1.0, B)])

@@ -4,11 +4,25 @@ ladder's k in its title only when no flag is up) and a W&B report run."""
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xsa_lm.files import write_json, write_text
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, section
+from xsa_lm.reporting import (
+    PAIRED_ALIGN,
+    PAIRED_HEADER,
+    ReportRunSettings,
+    interval,
+    log_report_run,
+    markdown_table,
+    num,
+    paired_cells,
+    saved_figure,
+    section,
+    warning_lines,
+    write_report_files,
+)
 from xsa_lm.scale.fit import Fit
-from xsa_lm.stats.decision import ClusteredTest, clustered_line
+from xsa_lm.stats.decision import ClusteredTest
+from xsa_lm.stats.paired import PairedStats
+from xsa_lm.sweep.report import clustered_line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,32 +88,17 @@ def fit_of(results: ScaleStudyResult) -> Fit:
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
-def flag_lines(results: ScaleStudyResult) -> list[str]:
-    flags = results.fit.get("flags", [])
-    if not flags:
-        return []
-    return [
-        "",
-        "## Flags: this ladder gives no multiplier",
-        "",
-        *[f"- **{f['flag']}**: {f['reason']}" for f in flags],
-    ]
-
-
 def fit_lines(results: ScaleStudyResult) -> list[str]:
-    """The SA fit of loss vs compute, its lack-of-fit test, and each size against it."""
-    fit = results.fit
-    lack = fit["lack_of_fit"]
-    test = (
-        f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof, p = {lack['p']:.2g}"
-        if lack["p"] is not None
-        else f"no test ({lack['dof']} dof or a size with one seed)"
-    )
+    """The SA fit of loss vs compute, its lack-of-fit test, the shared fit, and each size against the SA fit."""
+    fit, lack = results.fit, results.fit["lack_of_fit"]
+    test = f"no test ({lack['dof']} dof or a size with one seed)"
+    if lack["p"] is not None:
+        test = f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof, p = {lack['p']:.2g}"
     lines = section(
         "## SA loss vs training compute",
         f"SA fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
-        f"squares): **{fit['formula']}** (C in FLOPs = FLOPs per token x tokens trained). RMS residual "
-        f"{fit['rms_residual']:.4f}. Lack of fit against each size's standard error over seeds: {test}.",
+        f"squares): **{fit['formula']}** (C: training FLOPs). RMS residual {fit['rms_residual']:.4f}. Lack of fit "
+        f"against each size's standard error over seeds: {test}.",
         f"Shared fit of both arms (one E and one alpha, Huber loss on log-loss residuals): "
         f"**{fit['shared']['formula']}**; size-level deviation beyond seed noise: "
         f"{fit['shared']['lack_of_fit_sd']:.4f} sd.",
@@ -110,10 +109,8 @@ def fit_lines(results: ScaleStudyResult) -> list[str]:
             rows.append([size.model, "-", "-", "-", "-", "-", "left out"])
             continue
         predicted = model.loss(size.compute)
-        params, lr, compute = f"{size.non_embedding_params:,}", f"{size.selected_lr:g}", f"{size.compute:.3g}"
-        rows.append(
-            [size.model, params, lr, compute, num(size.sa_mean), num(predicted), f"{size.sa_mean - predicted:+.4f}"]
-        )
+        rows.append([size.model, f"{size.non_embedding_params:,}", f"{size.selected_lr:g}", f"{size.compute:.3g}"])
+        rows[-1] += [num(size.sa_mean), num(predicted), f"{size.sa_mean - predicted:+.4f}"]
     header = ["model", "non-embedding params", "selected LR", "compute (FLOPs)", "SA mean", "SA fit", "residual"]
     return lines + markdown_table(header, rows, align="lrrrrrr")
 
@@ -122,32 +119,25 @@ def size_test_lines(results: ScaleStudyResult) -> list[str]:
     """XSA - SA at each size with the paired t, exact Wilcoxon and exact sign tests, Holm across sizes."""
     lines = section(
         "## XSA vs SA at each size",
-        "Paired over seeds. Some SA seeds stall at toy scale, so the differences can be bimodal: beside the paired "
-        "t, the exact Wilcoxon signed-rank and sign tests (two-sided). Holm: the t p-values adjusted for testing "
-        "every size.",
+        "Paired over seeds, two-sided; Holm: the t p-values adjusted for testing every size.",
     )
-    header = ["model", "seeds", "SA mean", "XSA mean", "XSA - SA", "95% CI (t)", "t p", "Holm p", "Wilcoxon p"]
-    rows = [
-        [size.model, t["pairs"], num(size.sa_mean), num(size.xsa_mean), f"{t['mean_diff']:+.4f}"]
-        + [interval(t["t_ci95"], ".3f"), *(num(t[p], ".3g") for p in ("t_p", "t_p_holm", "wilcoxon_p", "sign_p"))]
-        + [f"{t['xsa_lower']}/{t['pairs']}"]
-        for size in results.sizes
-        if (t := size.tests) is not None
-    ]
-    lines += markdown_table(header + ["sign p", "XSA lower"], rows, align="lrrrrlrrrrr")
+    rows = []
+    for size in results.sizes:
+        if (t := size.tests) is not None:
+            stats = PairedStats.from_json({k: v for k, v in t.items() if k != "t_p_holm"})
+            rows.append([size.model, num(size.sa_mean), num(size.xsa_mean), *paired_cells(stats)])
+            rows[-1].append(num(t["t_p_holm"], ".3g"))
+    header = ["model", "SA mean", "XSA mean", *PAIRED_HEADER, "Holm p"]
+    lines += markdown_table(header, rows, align="lrr" + PAIRED_ALIGN + "r")
     pooled = results.across_sizes["pooled_sign"]
     lines += [
         "",
-        f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} "
-        f"(exact sign test p = {num(pooled['p'], '.3g')}; the pairs of a size share its LR and curve, so this reads "
-        "the direction, not a size of effect).",
+        f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} (exact sign "
+        f"test p = {num(pooled['p'], '.3g')}; a size's pairs share its LR and curve: the direction, not a size).",
     ]
     if "by_seed" in results.across_sizes:
-        lines.append(
-            clustered_line(
-                ClusteredTest.from_json(results.across_sizes["by_seed"]), shares="its data order at every size"
-            )
-        )
+        by_seed = ClusteredTest.from_json(results.across_sizes["by_seed"])
+        lines.append(clustered_line(by_seed, shares="its data order at every size"))
     return lines
 
 
@@ -156,25 +146,22 @@ def multiplier_lines(results: ScaleStudyResult) -> list[str]:
     fit = results.fit
     lines = ["", "## XSA's effective-compute multiplier (the ladder)", ""]
     if fit.get("flags"):
-        names = ", ".join(f["flag"] for f in fit["flags"])
         return lines + [
-            f"Not reported: the ladder is flagged ({names}). A multiplier read off a curve that does not describe "
-            "the data would be a number without meaning; results.json keeps what the fit computed under "
-            "`fit.not_results`, for diagnosis only.",
+            f"Not reported: the ladder is flagged ({', '.join(f['flag'] for f in fit['flags'])}): a multiplier off a "
+            "curve that does not describe the data means nothing. results.json keeps it under `fit.not_results`, "
+            "for diagnosis only.",
             "",
             "wall-clock k: measure throughput with xsa-lm bench",
         ]
     wall = fit["wallclock"]
-    wall_line = (
-        f"wall-clock k: {num(wall['multiplier'], '.3f')}, 95% CI {interval(wall['ci'], '.3f')} ({wall['note']})"
-        if wall["multiplier"] is not None
-        else wall["note"]
-    )
+    wall_line = wall["note"]
+    if wall["multiplier"] is not None:
+        wall_line = f"wall-clock k: {wall['multiplier']:.3f}, 95% CI {interval(wall['ci'], '.3f')} ({wall['note']})"
     return lines + [
-        f"k = **{num(fit['multiplier'], '.3f')}**, 95% CI {interval(fit['multiplier_ci'], '.3f')}: "
-        "k = (A_SA / A_XSA)^(1/alpha) from the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is "
-        "worth k x the compute). The interval is a parametric bootstrap of the shared fit: each size's seed noise "
-        "and the size-level deviations beyond it, refitted.",
+        f"k = **{num(fit['multiplier'], '.3f')}**, 95% CI {interval(fit['multiplier_ci'], '.3f')}: k = (A_SA / "
+        "A_XSA)^(1/alpha) of the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is worth k x the "
+        "compute). Interval: a parametric bootstrap of the shared fit (each size's seed noise and the size-level "
+        "deviations beyond it).",
         "",
         wall_line,
     ]
@@ -190,15 +177,18 @@ def render_markdown(results: ScaleStudyResult) -> str:
         f"- sizes: {', '.join(results.models)}; each size: LR search on SA, then SA vs XSA at its selected LR "
         "(its own sweep under `sizes/`)",
     ]
-    lines += flag_lines(results)
-    if results.warnings:
-        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
-    lines += fit_lines(results) + size_test_lines(results) + multiplier_lines(results)
+    if flags := results.fit.get("flags", []):
+        lines += [
+            "",
+            "## Flags: this ladder gives no multiplier",
+            "",
+            *(f"- **{f['flag']}**: {f['reason']}" for f in flags),
+        ]
+    lines += warning_lines(results.warnings) + fit_lines(results) + size_test_lines(results) + multiplier_lines(results)
     lines += [
         "",
-        "The fits run along this ladder of sizes at a fixed token budget, not along a compute-optimal frontier: "
-        "the multiplier is the compute SA would need on this ladder. The LR selected on SA at each size is reused "
-        "for XSA (the paper's protocol).",
+        "The fits run along this ladder of sizes at a fixed token budget, not a compute-optimal frontier: the "
+        "multiplier is the compute SA would need on this ladder. Each size's LR, selected on SA, is reused for XSA.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -261,12 +251,9 @@ def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
 
 
 def write_report(results: ScaleStudyResult, study_dir: Path) -> str:
-    write_json(study_dir / "results.json", results.to_json())
-    plot_loss_vs_compute(results, study_dir / "loss_vs_compute.png")
-    plot_multiplier(results, study_dir / "multiplier.png")
-    markdown = render_markdown(results)
-    write_text(study_dir / "report.md", markdown)
-    return markdown
+    plots = {"loss_vs_compute.png": lambda path: plot_loss_vs_compute(results, path)}
+    plots["multiplier.png"] = lambda path: plot_multiplier(results, path)
+    return write_report_files(study_dir, results, render_markdown(results), plots)
 
 
 def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRunSettings) -> None:

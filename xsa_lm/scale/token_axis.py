@@ -1,18 +1,13 @@
-"""XSA's multiplier along the token axis at a fixed model size, as pure functions (no processes or files).
+"""XSA's multiplier along the token axis at a fixed model size, as pure functions.
 
-At one size, SA trains at several token budgets D_1 < D_2 < ... and XSA at a budget b, the seeds paired (seed s of
-every run shares its initialisation and data order). SA's mean final loss, interpolated linearly in ln D between
-the budgets that bracket XSA's mean loss, gives the tokens D_SA that SA needs to reach it; the multiplier is
-    k = D_SA / b    ("XSA at b tokens reaches the loss SA reaches with k x b tokens").
-Nothing is extrapolated: XSA's loss below SA's at the largest budget is reported as the bound k > D_max / b, above
-SA's at the smallest as k < D_min / b.
+SA trains at budgets D_1 < D_2 < ... and XSA at b, seeds paired. SA's mean final loss, interpolated linearly in ln D
+between the budgets that bracket XSA's mean loss, gives the tokens D_SA SA needs to reach it: k = D_SA / b. Nothing is
+extrapolated: beyond SA's range k is a bound (k > D_max / b, k < D_min / b).
 
-The 95% interval is Fieller's, by test inversion: on the segment [D_j, D_j+1] the curve is
-m_j + theta (m_j+1 - m_j) with theta in [0, 1], and theta is kept when the paired per-seed values
-    c_s(theta) = SA_j,s + theta (SA_j+1,s - SA_j,s) - XSA_s
-have a mean that Student's t does not reject at 0: a quadratic inequality in theta, solved exactly. The union over
-segments is the interval; a side that reaches the end of SA's range is a bound. A within-cell bootstrap over seeds
-checks it, and cells are pooled by inverse variance on ln k with Cochran's Q for heterogeneity.
+The 95% interval is Fieller's, by test inversion: on [D_j, D_j+1] the curve is m_j + theta (m_j+1 - m_j), and theta
+is kept when the per-seed values SA_j,s + theta (SA_j+1,s - SA_j,s) - XSA_s have a mean Student's t does not reject
+at 0 (a quadratic inequality, solved exactly); the union over segments is the interval. A bootstrap over seeds checks
+it; cells are pooled by inverse variance on ln k with Cochran's Q for heterogeneity.
 """
 
 import math
@@ -243,19 +238,3 @@ def pool(cells: Sequence[Cell]) -> PooledK | None:
         q_p_value=float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else None,
         i2=max(0.0, (q - dof) / q) if q > 0 and dof > 0 else 0.0,
     )
-
-
-def k_text(cell: dict) -> str:
-    """k or its bound, for a table."""
-    if cell["k"] is None:
-        return cell["bound"] or "-"
-    return f"{cell['k']:.3f}"
-
-
-def ci_text(cell: dict) -> str:
-    """The interval; an unbounded end is a bound at SA's range."""
-    lo, hi = cell["ci95"]
-    budgets, budget = cell["sa_budgets"], cell["budget"]
-    lo_text = f"{lo:.3f}" if lo is not None else f"<= {min(budgets) / budget:.3g}"
-    hi_text = f"{hi:.3f}" if hi is not None else f">= {max(budgets) / budget:.3g}"
-    return f"[{lo_text}, {hi_text}]"

@@ -4,12 +4,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
-from xsa_lm.reporting import interval, markdown_table, num, saved_figure, section, table_row
-from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK, ci_text, k_text
+from xsa_lm.reporting import (
+    PAIRED_ALIGN,
+    PAIRED_HEADER,
+    interval,
+    markdown_table,
+    num,
+    paired_cells,
+    saved_figure,
+    section,
+    warning_lines,
+    write_report_files,
+)
+from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
+from xsa_lm.stats.paired import PairedStats
 from xsa_lm.stats.positions import PositionDifferences
-from xsa_lm.sweep.report import BpbStats, bpb_lines, position_lines
+from xsa_lm.sweep.report import BpbStats, position_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,16 +109,13 @@ class TokenStudyResult(Record):
 
 def protocol_text(plan: TokenPlan) -> str:
     """How the study chose its LRs and warmup, in one paragraph."""
+    seeds = plan.search_seeds
     if plan.lr_per_budget:
-        lr = (
-            f"SA's LR is searched at every SA budget (the lowest median SA loss over the search seeds "
-            f"{plan.search_seeds}), and XSA and the null arm train at SA's LR of their budget"
-        )
+        lr = f"SA's LR is searched at every SA budget (the lowest median SA loss over the search seeds {seeds}), and "
+        lr += "XSA and the null arm train at SA's LR of their budget"
     else:
-        lr = (
-            f"the LR is the one with the lowest median SA loss at B over the search seeds {plan.search_seeds}, "
-            "used at every budget and for both arms"
-        )
+        lr = f"the LR is the one with the lowest median SA loss at B over the search seeds {seeds}, used at every "
+        lr += "budget and for both arms"
     warmup = plan.warmup_fraction
     warmup_text = f"each run warms up for {warmup:.0%} of its steps" if warmup is not None else "the recipe's warmup"
     return (
@@ -116,165 +124,149 @@ def protocol_text(plan: TokenPlan) -> str:
     )
 
 
+def grid_text(search: dict[str, float | None]) -> str:
+    return ", ".join(f"{lr}: {num(loss)}" for lr, loss in search.items())
+
+
 def size_lines(results: TokenStudyResult) -> list[str]:
-    header = ["model", "non-embedding params", "B (tokens)", "budget", "LR grid: median SA loss", "SA's LR"]
-    lines = ["", "## Sizes, budgets and the LR", "", protocol_text(results.plan), ""]
-    lines += markdown_table(header, [], align="lrrrlr")
+    """Each size's LR search per budget, XSA's own search (sweep.tune_xsa), and every run's final loss."""
+    searches, own, runs = [], [], []
     for size in results.sizes:
-        searches = size.searches or {"1": size.search}
-        for fraction, search in sorted(searches.items(), key=lambda item: float(item[0])):
-            grid = ", ".join(f"{lr}: {num(loss)}" for lr, loss in search.items())
+        params = f"{size.non_embedding_params:,}" if size.non_embedding_params is not None else "-"
+        for fraction, search in sorted((size.searches or {"1": size.search}).items(), key=lambda i: float(i[0])):
             chosen = size.selected_lrs.get(fraction, size.selected_lr if fraction == "1" else None)
-            lr = f"{chosen:g}" if chosen is not None else "none"
-            params = f"{size.non_embedding_params:,}" if size.non_embedding_params is not None else "-"
-            lines.append(table_row([size.model, params, f"{size.tokens_B:,.0f}", f"{fraction} B", grid, lr]))
-        if size.xsa_search:  # a paragraph after the size's rows (the table goes on after it)
-            grid = ", ".join(f"{lr}: {num(loss)}" for lr, loss in size.xsa_search.items())
-            own = f"{size.xsa_selected_lr:g}" if size.xsa_selected_lr is not None else "none"
-            lines += [
-                "",
-                f"{size.model}, XSA's own LR search at B (sweep.tune_xsa; XSA's runs use SA's LR, the paper's "
-                f"protocol): {grid}; XSA's best {own} beside SA's {num(size.selected_lr, 'g')}.",
-                "",
-            ]
-    rows = []
-    for size in results.sizes:
+            searches.append([size.model, params, f"{size.tokens_B:,.0f}", f"{fraction} B", grid_text(search)])
+            searches[-1].append(num(chosen, "g") if chosen is not None else "none")
+        if size.xsa_search:
+            best = num(size.xsa_selected_lr, "g") if size.xsa_selected_lr is not None else "none"
+            own.append([size.model, grid_text(size.xsa_search), best, num(size.selected_lr, "g")])
         for arm, budgets in (size.runs or {}).items():
-            for fraction, runs in budgets.items():
-                losses = [r.final_val_loss for r in runs if r.status == "completed" and r.final_val_loss is not None]
-                cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in runs)
+            for fraction, done in budgets.items():
+                losses = [r.final_val_loss for r in done if r.status == "completed" and r.final_val_loss is not None]
+                cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in done)
+                epochs = max((r.data_epochs for r in done if r.data_epochs is not None), default=None)
+                lr = num(size.selected_lrs.get(fraction, size.selected_lr), "g")
                 mean = sum(losses) / len(losses) if losses else None
-                run_lr = num(size.selected_lrs.get(fraction, size.selected_lr), "g")
-                epochs = max((r.data_epochs for r in runs if r.data_epochs is not None), default=None)
-                rows.append([size.model, arm.upper(), f"{fraction} B", run_lr, num(epochs, ".3f"), cells, num(mean)])
+                runs.append([size.model, arm.upper(), f"{fraction} B", lr, num(epochs, ".3f"), cells, num(mean)])
+    header = ["model", "non-embedding params", "B (tokens)", "budget", "LR grid: median SA loss", "SA's LR"]
+    lines = section("## Sizes, budgets and the LR", protocol_text(results.plan))
+    lines += markdown_table(header, searches, align="lrrrlr")
+    if own:  # XSA's runs use SA's LR, the paper's protocol
+        header = ["model", "XSA's own LR search at B: median XSA loss", "XSA's best LR", "SA's LR"]
+        lines += ["", *markdown_table(header, own, align="llrr")]
     header = ["model", "arm", "budget", "LR", "data epochs", "final val loss per seed", "mean"]
-    return lines + [""] + markdown_table(header, rows, align="llrrrlr")
+    return lines + ["", *markdown_table(header, runs, align="llrrrlr")]
 
 
-def per_seed_lines(cells: list[dict]) -> list[str]:
-    """Each seed's own k and the stalled seeds per budget: a mean k over seeds where some SA runs stalled is a
-    mixture, and these show it (studies analysed before xsa-lm had them lack them)."""
-    rows = [c for c in cells if c.get("per_seed_k") is not None]
-    if not rows:
-        return []
-    lines = [
-        "",
-        f"Per seed: k from that seed's own SA curve, and the seeds whose final loss lies more than {STALL_MARGIN:g} "
-        "nats above the median of their arm and budget (stalled).",
-        "",
-    ]
-    table = []
-    for c in rows:
-        budgets = zip(c["sa_stalled"], c["sa_budgets"], strict=True)
-        stalls = ", ".join(f"{n} at {b / c['budget'] * c['fraction']:.3g} B" for n, b in budgets)
-        seeds, ks = ", ".join(map(str, c["paired_seeds"])), ", ".join(c["per_seed_k"])
-        table.append([c["model"], f"{c['fraction']:g} B", seeds, ks, stalls, c["xsa_stalled"]])
-    header = ["model", "XSA budget", "seeds", "k per seed", "SA stalled per budget", "XSA stalled"]
-    return lines + markdown_table(header, table, align="lrlllr")
+def k_cells(cell: dict) -> list[str]:
+    """k (or its bound) and its interval, an unbounded end a bound at SA's range."""
+    (lo, hi), top, bottom = cell["ci95"], max(cell["sa_budgets"]), min(cell["sa_budgets"])
+    lo_text = f"{lo:.3f}" if lo is not None else f"<= {bottom / cell['budget']:.3g}"
+    hi_text = f"{hi:.3f}" if hi is not None else f">= {top / cell['budget']:.3g}"
+    k = f"{cell['k']:.3f}" if cell["k"] is not None else cell["bound"] or "-"
+    return [k, f"[{lo_text}, {hi_text}]"]
+
+
+def stalls(cell: dict) -> list[tuple[int, float]]:
+    return list(zip(cell["sa_stalled"], cell["sa_budgets"], strict=True))
 
 
 def multiplier_lines(results: TokenStudyResult) -> list[str]:
     lines = section(
         "## XSA's multiplier along the token axis",
-        "k = the tokens SA needs to reach XSA's mean loss (SA's mean losses interpolated linearly in ln tokens between "
-        "the budgets that bracket it) / XSA's tokens. 95% CI: Fieller's interval for that crossing (test inversion "
-        "over the paired per-seed values); an end at SA's range is a bound (<= or >=), never an extrapolation. "
-        "Bootstrap: seeds resampled within the cell, a check of the interval. Wall-clock k: k over XSA's step-time "
-        "ratio from `xsa-lm bench` at that size (ends combined conservatively).",
+        "k = the tokens SA needs to reach XSA's mean loss (SA's means interpolated linearly in ln tokens) / XSA's "
+        "tokens. 95% CI: Fieller's (test inversion over the paired per-seed values); an end at SA's range is a bound "
+        "(<= or >=), never an extrapolation. Bootstrap: seeds resampled within the cell. Wall-clock k: k over the "
+        "XSA/SA step time of `xsa-lm bench` at that size (ends combined conservatively).",
     )
     rows = []
     for cell in results.cells:
         wall = cell.get("wallclock_k")
-        wall_text = f"{wall:.3f} {interval(cell['wallclock_ci'], '.3f')}" if wall is not None else "-"
-        sa_means = ", ".join(f"{m:.4f}" for m in cell["sa_means"])
         rows.append(
-            [cell["model"], f"{cell['fraction']:g} B", cell["seeds"], sa_means, f"{cell['xsa_mean']:.4f}"]
-            + [k_text(cell), ci_text(cell), interval(cell.get("bootstrap_ci95"), ".3f"), wall_text]
+            [cell["model"], f"{cell['fraction']:g} B", cell["seeds"], ", ".join(f"{m:.4f}" for m in cell["sa_means"])]
+            + [f"{cell['xsa_mean']:.4f}", *k_cells(cell), interval(cell.get("bootstrap_ci95"), ".3f")]
+            + [f"{wall:.3f} {interval(cell['wallclock_ci'], '.3f')}" if wall is not None else "-"]
         )
     header = ["model", "XSA budget", "seeds", "SA means (per budget)", "XSA mean", "k", "95% CI", "bootstrap CI"]
     lines += markdown_table(header + ["wall-clock k"], rows, align="lrrlrrlll")
-    lines += per_seed_lines(results.cells)
-    pooled = results.pooled
-    if pooled:
-        q_p = pooled.q_p_value
+    if per_seed := [c for c in results.cells if c.get("per_seed_k") is not None]:
         lines += [
             "",
-            f"Pooled over {pooled.cells} cell(s) with a point estimate (inverse variance on ln k, Student's t on "
-            f"the fewest seeds; "
-            f"{pooled.left_out} bound(s) left out): **k = {pooled.k:.3f}, 95% CI "
-            f"{interval(pooled.ci95, '.3f')}**. "
-            f"Heterogeneity: Cochran's Q = {pooled.cochran_q:.2f} on {pooled.q_dof} dof"
-            + (f" (p = {q_p:.3g}), I^2 = {pooled.i2:.0%}" if q_p is not None else "")
-            + ". The two budgets of one size share SA's runs, so the cells are not independent and the pooled "
-            "interval is narrower than it should be: read the per-cell intervals first.",
+            f"Per seed: k on that seed's own SA curve, and the seeds more than {STALL_MARGIN:g} nats above the median "
+            "of their arm and budget (stalled): a mean k over stalled and healthy seeds is a mixture.",
+            "",
+        ]
+        rows = [
+            [c["model"], f"{c['fraction']:g} B", ", ".join(map(str, c["paired_seeds"])), ", ".join(c["per_seed_k"])]
+            + [", ".join(f"{n} at {b / c['budget'] * c['fraction']:.3g} B" for n, b in stalls(c))]
+            + [c["xsa_stalled"]]
+            for c in per_seed
+        ]
+        header = ["model", "XSA budget", "seeds", "k per seed", "SA stalled per budget", "XSA stalled"]
+        lines += markdown_table(header, rows, align="lrlllr")
+    if pooled := results.pooled:
+        q_p = f" (p = {pooled.q_p_value:.3g}), I^2 = {pooled.i2:.0%}" if pooled.q_p_value is not None else ""
+        lines += [
+            "",
+            f"Pooled over {pooled.cells} cell(s) with a point estimate (inverse variance on ln k, Student's t on the "
+            f"fewest seeds; {pooled.left_out} bound(s) left out): **k = {pooled.k:.3f}, 95% CI "
+            f"{interval(pooled.ci95, '.3f')}**. Cochran's Q = {pooled.cochran_q:.2f} on {pooled.q_dof} dof{q_p}. "
+            "The budgets of one size share SA's runs, so this interval is too narrow: read the cells' first.",
         ]
     return lines
 
 
 def null_lines(results: TokenStudyResult) -> list[str]:
     """The null arm's k (sweep.null_arm): SA from other initial weights read off SA's curve as XSA is."""
-    cells = [c for c in results.cells if c.get("null")]
-    if not cells:
+    if not (cells := [c for c in results.cells if c.get("null")]):
         return []
     lines = section(
         "## The null along the token axis (sweep.null_arm)",
-        "SA again at XSA's budgets, the same data order from other initial weights, its k read off SA's curve exactly "
-        "as XSA's is. There is no effect, so k is 1: how far its point and its interval stray is the yardstick's own "
-        "noise, to read beside XSA's.",
+        "SA again at XSA's budgets from other initial weights (the same data order), its k read off SA's curve as "
+        "XSA's is. Its true k is 1: how far its point and interval stray is the yardstick's own noise.",
     )
-    rows = []
-    for c in cells:
-        null = c["null"]
-        rows.append([c["model"], f"{c['fraction']:g} B", len(null["paired_seeds"]), k_text(c), ci_text(c)])
-        rows[-1] += [k_text(null), ci_text(null), ", ".join(null["per_seed_k"])]
+    rows = [
+        [c["model"], f"{c['fraction']:g} B", len(c["null"]["paired_seeds"]), *k_cells(c), *k_cells(c["null"])]
+        + [", ".join(c["null"]["per_seed_k"])]
+        for c in cells
+    ]
     header = ["model", "budget", "seeds", "XSA's k", "XSA's 95% CI", "null k", "null 95% CI", "null k per seed"]
     return lines + markdown_table(header, rows, align="lrrrlrll")
 
 
 def same_budget_lines(results: TokenStudyResult) -> list[str]:
-    """XSA - SA (and null - SA) at each XSA budget SA also trained at: the paired tests and the verdict against the
-    plan's margin; bits per byte and the loss along the window (results of earlier releases lack some)."""
-    rows = [
-        (c, "XSA", c["same_budget"], c.get("same_budget_details") or {}) for c in results.cells if c.get("same_budget")
-    ]
-    rows += [
-        (c, "null", c["null_same_budget"], c.get("null_same_budget_details") or {})
-        for c in results.cells
-        if c.get("null_same_budget")
-    ]
+    """XSA - SA (and null - SA, and XSA - SA in bits per byte) at each XSA budget SA also trained at: the paired
+    tests, the verdict against the plan's margin, and XSA - SA along the window."""
+    rows, positions = [], []
+    for arm, key in (("XSA", "same_budget"), ("null", "null_same_budget")):
+        for c in (c for c in results.cells if c.get(key)):
+            details = c.get(f"{key}_details") or {}
+            verdict = (details.get("margin") or {}).get("verdict", "-")
+            rows.append(
+                [c["model"], f"{c['fraction']:g} B", arm, *paired_cells(PairedStats.from_json(c[key])), verdict]
+            )
+            if arm == "XSA" and details.get("bpb"):
+                bpb = BpbStats.from_json(details["bpb"])
+                label = f"XSA, bits per byte (SA {bpb.sa_mean:.4f}, XSA {bpb.xsa_mean:.4f})"
+                rows.append([c["model"], f"{c['fraction']:g} B", label, *paired_cells(bpb), "-"])
+            if arm == "XSA" and details.get("positions"):
+                heading = f"### {c['model']} at {c['fraction']:g} B: XSA - SA along the window"
+                positions += position_lines(PositionDifferences.from_json(details["positions"]), heading)
     if not rows:
         return []
     margin = results.plan.margin
     lines = section(
         "## XSA vs SA at the same budget",
-        "Paired over seeds: Student's paired t, the exact Wilcoxon signed-rank and exact sign tests (two-sided)"
+        "Paired over seeds, two-sided"
         + (
             f"; the verdict reads the one-sided 95% bounds against the plan's margin of {margin:g} nats"
-            if margin is not None
+            if margin
             else ""
         )
-        + ". The null rows (SA from other initial weights - SA) are what the same tests say when there is no effect.",
+        + ". The null rows (SA from other initial weights - SA) are what the tests say when there is no effect.",
     )
-    table = [
-        [cell["model"], f"{cell['fraction']:g} B", arm, t["pairs"], f"{t['mean_diff']:+.4f}", interval(t["t_ci95"])]
-        + [num(t[p], ".3g") for p in ("t_p", "wilcoxon_p", "sign_p")]
-        + [f"{t['xsa_lower']}/{t['pairs']}", (details.get("margin") or {}).get("verdict", "-")]
-        for cell, arm, t, details in rows
-    ]
-    header = ["model", "budget", "arm - SA", "seeds", "difference", "95% CI (t)", "t p", "Wilcoxon p", "sign p"]
-    lines += markdown_table(header + ["lower", "verdict"], table, align="lrlrrlrrrrl")
-    for cell, arm, _, details in rows:
-        if arm != "XSA":
-            continue
-        if details.get("bpb"):
-            lines += ["", f"{cell['model']} at {cell['fraction']:g} B:"] + bpb_lines(
-                BpbStats.from_json(details["bpb"])
-            )[1:]
-        positions = position_lines(details.get("positions") and PositionDifferences.from_json(details["positions"]))
-        if positions:
-            positions[1] = f"### {cell['model']} at {cell['fraction']:g} B: XSA - SA along the window"
-            lines += positions
-    return lines
+    header = ["model", "budget", "arm - SA", *PAIRED_HEADER, "verdict"]
+    return lines + markdown_table(header, rows, align="lrl" + PAIRED_ALIGN + "l") + positions
 
 
 def render_markdown(results: TokenStudyResult) -> str:
@@ -286,11 +278,9 @@ def render_markdown(results: TokenStudyResult) -> str:
     ]
     if results.reanalysed:
         lines.append(f"- re-analysed on {results.reanalysed} from the saved runs with the current analysis")
-    if results.warnings:
-        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
+    lines += warning_lines(results.warnings)
     lines += size_lines(results) + multiplier_lines(results) + null_lines(results) + same_budget_lines(results)
-    lines += ["", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""])
 
 
 def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
@@ -350,9 +340,6 @@ def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
 
 
 def write_report(results: TokenStudyResult, study_dir: Path) -> str:
-    write_json(study_dir / "results.json", results.to_json())
-    plot_loss_vs_tokens(results, study_dir / "loss_vs_tokens.png")
-    plot_multipliers(results, study_dir / "multiplier.png")
-    markdown = render_markdown(results)
-    write_text(study_dir / "report.md", markdown)
-    return markdown
+    plots = {"loss_vs_tokens.png": lambda path: plot_loss_vs_tokens(results, path)}
+    plots["multiplier.png"] = lambda path: plot_multipliers(results, path)
+    return write_report_files(study_dir, results, render_markdown(results), plots)
