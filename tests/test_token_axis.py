@@ -76,24 +76,19 @@ def test_a_known_multiplier_is_recovered_inside_its_interval_and_the_interval_is
     assert boot is not None and boot[0] < cell.k < boot[1]
 
 
-def test_a_loss_beyond_sas_range_is_a_bound_not_a_number():
-    rng = np.random.default_rng(2)
-    sa, xsa = study(rng, k=6.0, noise=0.005)  # XSA at B reaches what SA reaches at 6B: beyond 2B
+@pytest.mark.parametrize(
+    ("seed", "k", "noise", "bound", "end"),
+    [
+        (2, 6.0, 0.005, "k > 2", ", >= 2]"),  # XSA at B reaches what SA reaches at 6B: beyond 2B
+        (2, 0.2, 0.005, "k < 0.5", "[<= 0.5, "),  # worse than SA at B/2
+        (3, 1.9, 0.05, None, ", >= 2]"),  # near the top of the range, noisy: the upper end is unbounded
+    ],
+)
+def test_beyond_sas_range_k_and_its_interval_are_bounds_not_numbers(seed, k, noise, bound, end):
+    sa, xsa = study(np.random.default_rng(seed), k=k, noise=noise)
     cell = cell_estimate(sa, BUDGETS, xsa, B)
-    assert cell.k is None and cell.bound == "k > 2" and cell.ln_k_se is None
-    assert k_cells(cell.as_dict())[0] == "k > 2"
-    sa, xsa = study(rng, k=0.2, noise=0.005)  # worse than SA at B/2
-    cell = cell_estimate(sa, BUDGETS, xsa, B)
-    assert cell.k is None and cell.bound == "k < 0.5"
-    assert k_cells(cell.as_dict())[1].startswith("[<= 0.5") or cell.ci[0] is None
-
-
-def test_an_interval_that_reaches_sas_range_says_so():
-    rng = np.random.default_rng(3)
-    sa, xsa = study(rng, k=1.9, noise=0.05)  # near the top of the range, noisy: the upper end is unbounded
-    cell = cell_estimate(sa, BUDGETS, xsa, B)
-    assert cell.ci[1] is None
-    assert k_cells(cell.as_dict())[1].endswith(">= 2]")
+    assert cell.bound == bound and (cell.k is None) == (cell.ln_k_se is None) == (bound is not None)
+    assert k_cells(cell.as_dict())[0] == (bound or f"{cell.k:.3f}") and end in k_cells(cell.as_dict())[1]
 
 
 @pytest.mark.parametrize("k_true, xsa_budget", [(1.3, B), (1.6, B / 2), (1.0, B)])

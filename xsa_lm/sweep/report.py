@@ -95,22 +95,19 @@ class NullComparison(PairedStats):
 
 
 def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> NullComparison | None:
-    """The A/A null (sweep.null_arm) analysed as XSA is: per seed, SA from other initial weights - SA, the paired
-    tests, the verdict against the margin, and how often studies of 3, 5 and half this many seeds claim an effect
-    (null_rates, one per study size). None without a null pair."""
+    """The A/A null (sweep.null_arm) analysed as XSA is, with how often studies of its pairs claim an effect."""
     pairs = comparison_of(trials, arm=NULL)
     if not pairs.seeds:
         return None
-    diffs = pairs.diffs
-    sizes = null_study_sizes(len(diffs)) if margin is not None else []
+    diffs, sizes = pairs.diffs, null_study_sizes(len(pairs.diffs)) if margin is not None else []
     return NullComparison(
+        **vars(paired_stats(pairs.sa, pairs.xsa)),
         seeds=pairs.seeds,
         sa=pairs.sa,
         null=pairs.xsa,  # the null arm's losses
         diff=diffs,
         margin=margin_verdict(diffs, margin) if margin is not None else None,
-        rates=[r for r in (null_rates(diffs, size, margin) for size in sizes if margin is not None) if r],
-        **vars(paired_stats(pairs.sa, pairs.xsa)),
+        rates=[r for size in sizes if (r := null_rates(diffs, size, cast(float, margin)))],
     )
 
 
@@ -127,10 +124,7 @@ def dropped_seeds(trials: Sequence[TrialRecord]) -> list[dict]:
 def dropped_warning(drop: dict) -> str:
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
     sides = [f"{a.upper()} {what.get(drop[a], 'did not finish')}" for a in ("sa", "xsa") if drop[a] != "completed"]
-    warning = (
-        f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
-        f"is lower: {' and '.join(sides)}"
-    )
+    warning = f"seed {drop['seed']} is left out of the comparison's statistics: {' and '.join(sides)}"
     if "diverged" in (drop["sa"], drop["xsa"]):
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
     if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
@@ -289,10 +283,7 @@ def build_results(
     stall_rule: StallRule | None = None,
     margin: float | None = None,
 ) -> SweepResult:
-    """Everything the report shows. `trials` are the records, each with its `phase`; `seeds` are the compare seeds,
-    `search_seeds` the search's; `sequential` the outcome of the stopping rule of sweep.seeds_until_significant,
-    None without it; `stall_rule` the stall definition of the plan (the stall table needs two search seeds or more);
-    `margin` the plan's practical margin in nats."""
+    """Everything the report shows, from the trial records of every phase; the stall table needs two search seeds."""
     search: dict[str, dict[str, SearchPoint]] = {}
     medians = {"sa": selection.losses, "xsa": xsa_selection.losses if xsa_selection else {}}
     searched = [t for t in trials if t.phase == "search"]
@@ -306,17 +297,13 @@ def build_results(
         tuning = XsaTuning(
             selected_lr=xsa_selection.lr, loss_at_own_lr=own, loss_at_shared_lr=shared.median if shared else None
         )
-    warnings = list(selection.warnings) + [
-        f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])
-    ]
+    warnings = selection.warnings + [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
     shared_seeds = [s for s in seeds if s in search_seeds]  # allowed only with sweep.reuse_search_run=true
-    reused = selection.lr is not None and bool(shared_seeds)
-    if reused:
+    if reused := selection.lr is not None and bool(shared_seeds):
         warnings.append(
-            f"the comparison at seed(s) {shared_seeds} reuses the search's SA runs at the selected LR "
-            "(sweep.reuse_search_run=true): they won the search partly on their noise and XSA's runs were not "
-            "selected, so the comparison is biased against XSA; for an unbiased one use compare seeds without "
-            f"{shared_seeds} (sweep.seeds)"
+            f"the comparison at seed(s) {shared_seeds} reuses the search's winning SA runs "
+            "(sweep.reuse_search_run=true), selected partly for their luck while XSA's were not: it is biased against "
+            f"XSA; for an unbiased one use compare seeds without {shared_seeds} (sweep.seeds)"
         )
     dropped, pairs = dropped_seeds(trials), completed_pairs(trials)
     warnings += [dropped_warning(drop) for drop in dropped]
@@ -474,14 +461,9 @@ def compare_lines(results: SweepResult) -> list[str]:
     if not results.seeds:
         return lines + ["Not run: a search-only sweep (sweep.seeds=[]); the search's grid is the study."]
     compare, search_seeds = results.comparison, ", ".join(map(str, results.search_seeds))
+    design = f"The compare runs use seeds disjoint from the search's (seeds {search_seeds}): none won the search."
     if results.reuse_search_run:
-        design = (
-            f"An SA run at search seed(s) {search_seeds} is the search's winning run (sweep.reuse_search_run=true), "
-            "selected partly for its luck while XSA's was not: the comparison is biased against XSA."
-        )
-    else:
-        design = f"The compare runs use seeds disjoint from the search's (seeds {search_seeds}), so no compare run was "
-        design += "selected for its luck."
+        design = "It reuses the search's winning SA run: the comparison is biased against XSA (see the warnings)."
     lines += [f"LR {results.selected_lr:g}, selected on SA and reused unchanged for XSA. {design}", ""]
     rows = [[row["seed"], row["sa"], row["xsa"], row["diff"]] for row in results.compare_table]
     if compare.seeds:
