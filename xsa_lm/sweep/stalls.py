@@ -1,12 +1,7 @@
-"""Stalls of the LR search, as a measured rate: per LR and arm, how many seeds stall, with an exact interval, and a
-test of SA against XSA stratified by LR. Pure functions over the trial records (their val_history) and, for the
-attention diagnostics, each run's metrics.csv.
+"""Stalls of the LR search as a measured rate: per LR and arm, the seeds that stall with an exact interval, and a test
+of SA against XSA stratified by LR. A run stalls when its validation loss at `at_fraction` of the run lies more than
+`margin` nats above the median of every run at its LR (both arms), a rule fixed in the sweep's plan (sweep.stall)."""
 
-A run stalls when its validation loss at `at_fraction` of the run lies above the median of every run at its LR
-(both arms) by more than `margin` nats: the definition is fixed in the sweep's plan before any run (sweep.stall).
-"""
-
-import csv
 import math
 import statistics
 from collections.abc import Sequence
@@ -61,15 +56,15 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
     path = Path(run_dir) / "metrics.csv"
     if not path.exists():
         return None
-    rows = []
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            values = {m: [float(v) for k, v in row.items() if k.startswith(f"diag/{m}/") and v] for m in DIAGNOSTICS}
-            if all(values.values()) and row.get("step"):
-                rows.append((int(float(row["step"])), {m: statistics.fmean(v) for m, v in values.items()}))
-    if not rows:
+    import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
+
+    frame = pd.read_csv(path)
+    means = {m: frame.filter(like=f"diag/{m}/").mean(axis=1, skipna=False) for m in DIAGNOSTICS}
+    logged = frame.assign(**means).dropna(subset=[*DIAGNOSTICS, "step"])
+    if logged.empty:
         return None
-    return min(rows, key=lambda r: abs(r[0] - step))[1]
+    nearest = logged.loc[(logged["step"] - step).abs().idxmin()]
+    return {m: float(nearest[m]) for m in DIAGNOSTICS}
 
 
 def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
