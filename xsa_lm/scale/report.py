@@ -215,12 +215,10 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
             ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
         for s in sizes:
             ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_xscale("log")
+        ax.set(xscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss")
         ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
-        ax.set_xlabel("training compute (FLOPs)")
-        ax.set_ylabel("final validation loss")
-        flagged = results.fit.get("flags")
-        ax.set_title("Loss vs compute" + (" (fit flagged: see the report)" if flagged else ""), fontsize=10)
+        flagged = " (fit flagged: see the report)" if results.fit.get("flags") else ""
+        ax.set_title("Loss vs compute" + flagged, fontsize=10)
         ax.legend(fontsize=7, loc="best")
 
 
@@ -228,24 +226,17 @@ def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
     """XSA - SA at each size with its paired 95% interval; the ladder's k in the title only when no flag is up."""
     from matplotlib.ticker import NullFormatter
 
-    tested = [(float(s.non_embedding_params or 0), s.tests) for s in results.sizes if s.tests is not None]
     fit = results.fit
-    if fit.get("flags"):
-        title = "XSA - SA by size (ladder flagged: no multiplier)"
-    else:
+    title = "XSA - SA by size (ladder flagged: no multiplier)"
+    if not fit.get("flags"):
         title = f"XSA - SA by size; ladder k = {fit['multiplier']:.3g} {interval(fit['multiplier_ci'], '.3f')}"
     with saved_figure(path) as ax:
         ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
-        for x, tests in tested:
-            diff, ci = tests["mean_diff"], tests["t_ci95"]
-            if ci:
-                ax.errorbar([x], [diff], yerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="tab:orange", capsize=4)
-            else:
-                ax.plot([x], [diff], "o", color="tab:orange")
-        ax.set_xscale("log")
+        for x, tests in ((float(s.non_embedding_params or 0), s.tests) for s in results.sizes if s.tests):
+            diff, (low, high) = tests["mean_diff"], tests["t_ci95"] or [tests["mean_diff"]] * 2
+            ax.errorbar([x], [diff], yerr=[[diff - low], [high - diff]], fmt="o", color="tab:orange", capsize=4)
+        ax.set(xscale="log", xlabel="non-embedding parameters", ylabel="XSA - SA final loss (paired 95% CI)")
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("non-embedding parameters")
-        ax.set_ylabel("XSA - SA final loss (paired 95% CI)")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
 

@@ -65,10 +65,7 @@ def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[flo
         disc = qb * qb - 4 * qa * qc
         roots = [] if disc < 0 else sorted([(-qb - math.sqrt(disc)) / (2 * qa), (-qb + math.sqrt(disc)) / (2 * qa)])
     points = sorted({0.0, 1.0, *[r for r in roots if 0.0 < r < 1.0]})
-    pieces = []
-    for lo, hi in zip(points, points[1:], strict=False):
-        if inside((lo + hi) / 2):
-            pieces.append((lo, hi))
+    pieces = [(lo, hi) for lo, hi in zip(points, points[1:], strict=False) if inside((lo + hi) / 2)]
     if not pieces and any(inside(p) for p in points):
         pieces = [(p, p) for p in points if inside(p)]
     return pieces
@@ -120,25 +117,11 @@ def cell_estimate(
         )
     else:  # no ln D in SA's range is compatible: the interval lies wholly beyond one end
         ci = (hi_ratio, None) if xm < means[-1] else (None, lo_ratio)
-    return Cell(
-        budget=float(budget),
-        sa_budgets=budgets,
-        k=k,
-        bound=bound,
-        ci=ci,
-        ln_k_se=se,
-        sa_means=[float(m) for m in means],
-        xsa_mean=xm,
-        seeds=n,
-    )
+    return Cell(float(budget), budgets, k, bound, ci, se, sa_means=[float(m) for m in means], xsa_mean=xm, seeds=n)
 
 
 def bootstrap_interval(
-    sa: Sequence[Sequence[float]],
-    sa_budgets: Sequence[float],
-    xsa: Sequence[float],
-    budget: float,
-    seed: int = 0,
+    sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float, seed: int = 0
 ) -> tuple[float, float] | None:
     """Percentile 95% interval of k from 2000 resamples of the seeds within the cell (all of a seed's runs
     together). A resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
@@ -148,12 +131,8 @@ def bootstrap_interval(
     if n < 3:
         return None
     rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(2000):
-        pick = rng.integers(0, n, n)
-        means = runs[:, pick].mean(axis=1)
-        xm = float(x[pick].mean())
-        values.append(_ln_k_of_means(means, sa_budgets, xm, budget))
+    picks = (rng.integers(0, n, n) for _ in range(2000))
+    values = [_ln_k_of_means(runs[:, p].mean(axis=1), sa_budgets, float(x[p].mean()), budget) for p in picks]
     low, high = np.percentile(values, [2.5, 97.5])
     return float(math.exp(low)), float(math.exp(high))
 

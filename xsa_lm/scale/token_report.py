@@ -1,5 +1,6 @@
 """The token-axis study's outputs: results.json, report.md, loss_vs_tokens.png and multiplier.png."""
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,29 +288,23 @@ def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
     sizes = [s for s in results.sizes if s.runs is not None]
     columns = max(1, len(sizes))
     with saved_figure(path, ncols=columns, figsize=(5 * columns, 4), squeeze=False) as axes:
-        plot_sizes(sizes, axes[0])
+        for ax, size in zip(axes[0], sizes, strict=False):
+            plot_size(ax, size)
 
 
-def plot_sizes(sizes: list[TokenSize], axes: Any) -> None:
-    """Each size's final losses against its tokens, one panel a size: every run and each arm's mean per budget."""
-    for ax, size in zip(axes, sizes, strict=False):
-        for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange"), ("null", "tab:gray")):
-            points = []
-            for runs in (size.runs or {}).get(arm, {}).values():
-                done = [r for r in runs if r.status == "completed"]
-                ax.plot([r.tokens_seen for r in done], [r.final_val_loss for r in done], ".", color=color, alpha=0.4)
-                if done:
-                    mean = sum(r.final_val_loss or 0.0 for r in done) / len(done)
-                    points.append((done[0].tokens_seen, mean))
-            if points:
-                label = f"{arm.upper()} mean" if arm != "null" else "null (SA, other weights) mean"
-                ax.plot(*zip(*sorted(points), strict=True), "o-", color=color, label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("final validation loss")
-        lr = "per budget" if len(size.selected_lrs) > 1 else f"{size.selected_lr:g}"
-        ax.set_title(f"{size.model} (LR {lr})")
-        ax.legend()
+def plot_size(ax: Any, size: TokenSize) -> None:
+    """One size's final losses against its tokens: every run and each arm's mean per budget."""
+    for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange"), ("null", "tab:gray")):
+        done = [[r for r in runs if r.status == "completed"] for runs in (size.runs or {}).get(arm, {}).values()]
+        for runs in done:
+            ax.plot([r.tokens_seen for r in runs], [r.final_val_loss for r in runs], ".", color=color, alpha=0.4)
+        means = sorted((r[0].tokens_seen, statistics.fmean(x.final_val_loss or 0.0 for x in r)) for r in done if r)
+        label = f"{arm.upper()} mean" if arm != "null" else "null (SA, other weights) mean"
+        if means:
+            ax.plot(*zip(*means, strict=True), "o-", color=color, label=label)
+    lr = "per budget" if len(size.selected_lrs) > 1 else f"{size.selected_lr:g}"
+    ax.set(xscale="log", xlabel="training tokens", ylabel="final validation loss", title=f"{size.model} (LR {lr})")
+    ax.legend()
 
 
 def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
@@ -323,19 +318,17 @@ def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
             lo, hi = cell["ci95"]
             lo, hi = lo if lo is not None else lo_edge, hi if hi is not None else hi_edge
             ax.plot([i, i], [lo, hi], "-", color="tab:orange", linewidth=3, alpha=0.6)
-            ax.plot([i - 0.2, i + 0.2], [lo_edge, lo_edge], ":", color="gray")
-            ax.plot([i - 0.2, i + 0.2], [hi_edge, hi_edge], ":", color="gray")
+            ax.hlines([lo_edge, hi_edge], i - 0.2, i + 0.2, linestyles=":", color="gray")
             if cell["k"] is not None:
                 ax.plot(i, cell["k"], "o", color="tab:orange")
             else:
                 ax.annotate(cell["bound"], (i, hi if ">" in (cell["bound"] or "") else lo), ha="center")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(labels)), labels)
-        ax.set_yscale("log")
+        ax.set(yscale="log", ylabel="k (tokens SA needs / XSA's tokens)")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks([0.5, 1, 2, 4])
-        ax.set_ylabel("k (tokens SA needs / XSA's tokens)")
         ax.set_title("XSA's token multiplier, 95% CI (dotted: SA's measured range)")
 
 

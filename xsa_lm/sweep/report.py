@@ -650,8 +650,7 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
                 ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
         if results.selected_lr is not None:
             ax.axvline(results.selected_lr, color="gray", linestyle="--", label=f"selected {results.selected_lr:g}")
-        ax.set_xscale("log")
-        ax.set(xlabel="learning rate", ylabel="final validation loss")
+        ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss")
         ax.set_title(f"LR search (seeds {', '.join(map(str, results.search_seeds))}: each run and the median)")
         ax.legend()
 
