@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 from tests.golden import assert_golden
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
+from xsa_lm.scale.report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, k_cells, render_markdown
 from xsa_lm.scale.run import sweep_overrides
 from xsa_lm.scale.study import StudyIdentity
 from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, pool
-from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, k_cells, render_markdown
 from xsa_lm.scale.tokens import analyse_tokens, unfinished
 from xsa_lm.sweep.trials import Launcher
 
