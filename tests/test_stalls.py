@@ -237,4 +237,7 @@ def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
     assert [(c["lr"], c["pairs"], c["xsa_lower"]) for c in paired.per_lr] == [(0.01, 3, 3), (0.03, 1, 0)]
     assert paired.per_lr[0]["median_diff"] == pytest.approx(-0.1)
     assert paired.sign_test_p_value == pytest.approx(scipy.stats.binomtest(3, 4).pvalue)
+    assert paired.by_seed.clusters == 3 and paired.by_seed.cluster_means == pytest.approx(
+        [0.05, -0.1, -0.1]
+    )  # seed 0: -0.1 and +0.2
     assert paired_final_losses([row("sa", 0.01, 0, 5.0)]) is None

@@ -74,15 +74,10 @@ def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> Clus
     if len(means) == 1 and means[0] != 0:
         flip_p = 1.0  # both signs of one mean are as extreme: the exact answer, which scipy refuses to compute
     elif any(m != 0 for m in means):
-        result = scipy.stats.permutation_test(
-            (np.asarray(means),),
-            np.mean,
-            permutation_type="samples",
-            n_resamples=2**16,
-            alternative="two-sided",
-            random_state=0,
+        test = scipy.stats.permutation_test(  # two-sided, exact up to 16 seeds
+            (np.asarray(means),), np.mean, permutation_type="samples", n_resamples=2**16, random_state=0
         )
-        flip_p = float(result.pvalue)
+        flip_p = float(test.pvalue)
     return ClusteredTest(
         pairs=len(diffs),
         clusters=len(means),

@@ -124,7 +124,8 @@ def dropped_seeds(trials: Sequence[TrialRecord]) -> list[dict]:
 def dropped_warning(drop: dict) -> str:
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
     sides = [f"{a.upper()} {what.get(drop[a], 'did not finish')}" for a in ("sa", "xsa") if drop[a] != "completed"]
-    warning = f"seed {drop['seed']} is left out of the comparison's statistics: {' and '.join(sides)}"
+    warning = f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
+    warning += f"is lower: {' and '.join(sides)}"
     if "diverged" in (drop["sa"], drop["xsa"]):
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
     if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
