@@ -69,19 +69,15 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
 
 def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
     """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed)."""
+    points = [loss_at_fraction(r, rule.at_fraction) if r.status == "completed" else None for r in records]
     by_lr: dict[float, list[float]] = {}
-    points = []
-    for record in records:
-        point = loss_at_fraction(record, rule.at_fraction) if record.status == "completed" else None
-        points.append(point)
-        if point is not None:
-            by_lr.setdefault(record.lr, []).append(point[1])
+    for record, point in zip(records, points, strict=True):
+        by_lr.setdefault(record.lr, []).extend([point[1]] if point else [])
     rows = []
     for record, point in zip(records, points, strict=True):
         row = {k: getattr(record, k) for k in ("attention", "lr", "seed", "status", "final_val_loss", "run_dir")}
-        if point is None:
-            row.update(stalled=None, step=None, loss_at=None)
-        else:
+        row.update(stalled=None, step=None, loss_at=None)
+        if point is not None:
             reference = statistics.median(by_lr[record.lr])
             row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin, reference=reference)
         if rule.loss_threshold is not None:
@@ -139,47 +135,41 @@ class StallStudy(Record):
     paired_final_losses: PairedFinalLosses | None
 
 
+def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
+    """One LR and arm: runs, final-loss quartiles, stalls with an exact interval, the median tokens to the loss
+    threshold, and the attention diagnostics of its stalled and healthy runs."""
+    judged = [r for r in runs if r["stalled"] is not None]
+    stalls = sum(bool(r["stalled"]) for r in judged)
+    quartiles = np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
+    cell = {"lr": lr, "attention": arm, "runs": len(runs), "diverged_or_failed": len(runs) - len(judged)}
+    cell |= {"final_loss_quartiles": quartiles, "stalls": stalls}
+    cell["stall_rate_ci95"] = exact_interval(stalls, len(judged)) if judged else None
+    if rule.loss_threshold is not None:
+        reached = [r["tokens_to_threshold"] for r in judged if r.get("tokens_to_threshold") is not None]
+        cell["reached_threshold"] = len(reached)
+        cell["median_tokens_to_threshold"] = statistics.median(reached) if reached else None
+    for state, wanted in (("stalled", True), ("healthy", False)):
+        diags = [r["diagnostics"] for r in judged if r["stalled"] is wanted and r.get("diagnostics")]
+        cell[f"diagnostics_{state}"] = (
+            {m: statistics.fmean(d[m] for d in diags) for m in DIAGNOSTICS} if diags else None
+        )
+    return cell
+
+
 def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
-    """Per LR and arm: runs, final-loss quartiles, stalls with an exact interval, diverged runs, the median tokens to
-    the loss threshold and the attention diagnostics of stalled and healthy runs; then the stratified test."""
+    """The stall cell of each LR and arm, the stratified test of SA's rate against XSA's, and the paired losses."""
     rows = classify(records, rule)
     for row in rows:
         if row["stalled"] is not None and row.get("run_dir"):
             row["diagnostics"] = diagnostics_at(row["run_dir"], row["step"])
-    cells = []
-    tables = []
+    cells, tables = [], []
     for lr in sorted({r["lr"] for r in rows}):
-        counts = {}
-        for arm in ("sa", "xsa"):
-            runs = [r for r in rows if r["lr"] == lr and r["attention"] == arm]
-            if not runs:
-                continue
-            judged = [r for r in runs if r["stalled"] is not None]
-            stalls = sum(bool(r["stalled"]) for r in judged)
-            cell = {
-                "lr": lr,
-                "attention": arm,
-                "runs": len(runs),
-                "diverged_or_failed": len(runs) - len(judged),
-                "final_loss_quartiles": (
-                    np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
-                ),
-                "stalls": stalls,
-                "stall_rate_ci95": exact_interval(stalls, len(judged)) if judged else None,
-            }
-            if rule.loss_threshold is not None:
-                reached = [r["tokens_to_threshold"] for r in judged if r.get("tokens_to_threshold") is not None]
-                cell["reached_threshold"] = len(reached)
-                cell["median_tokens_to_threshold"] = statistics.median(reached) if reached else None
-            for state, wanted in (("stalled", True), ("healthy", False)):
-                diags = [r["diagnostics"] for r in judged if r["stalled"] is wanted and r.get("diagnostics")]
-                cell[f"diagnostics_{state}"] = (
-                    {m: statistics.fmean(d[m] for d in diags) for m in DIAGNOSTICS} if diags else None
-                )
-            counts[arm] = (stalls, len(judged) - stalls)
-            cells.append(cell)
-        if len(counts) == 2:
-            tables.append((*counts["sa"], *counts["xsa"]))
+        arms = {arm: [r for r in rows if (r["lr"], r["attention"]) == (lr, arm)] for arm in ("sa", "xsa")}
+        cells += [stall_cell(lr, arm, runs, rule) for arm, runs in arms.items() if runs]
+        if all(arms.values()):  # SA's and XSA's (stalled, not) at this LR
+            tables.append(
+                tuple(n for c in cells[-2:] for n in (c["stalls"], c["runs"] - c["diverged_or_failed"] - c["stalls"]))
+            )
     completed = [r for r in rows if r["stalled"] is not None]
     return StallStudy(
         rule=asdict(rule),
