@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from xsa_lm.errors import UserError
-from xsa_lm.scale.report import ScaleStudyResult
-from xsa_lm.scale.token_report import TokenStudyResult
+from xsa_lm.scale.report import ScaleStudyResult, TokenStudyResult
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.trials import TrialRecord, outcome
 from xsa_lm.train.summary import RunSummary

@@ -25,9 +25,9 @@ def run(
     attention: str,
     seed: int,
     at_40: float,
-    *,
     lr: float = 1e-2,
     status: str = "completed",
+    *,
     final: float | None = None,
     run_dir: Path | None = None,
 ) -> TrialRecord:
@@ -49,44 +49,38 @@ def run(
     )
 
 
-def stalled(rows: list[dict]) -> dict[tuple[str, int], bool | None]:
-    return {(r["attention"], r["seed"]): r["stalled"] for r in rows}
-
-
 # --- the rule --------------------------------------------------------------------------------------------------
 
 
-def test_a_run_stalls_above_the_lrs_median_plus_the_margin() -> None:
-    # Five runs at one LR, median 5.0 at 40% of the run: 5.2 is 0.2 above it (a stall), 5.1 is 0.1 above (not).
-    records = [run("sa", 0, 5.0), run("sa", 1, 5.0), run("sa", 2, 5.2), run("xsa", 0, 5.0), run("xsa", 1, 5.1)]
-    rows = classify(records, RULE)
-    assert stalled(rows) == {("sa", 0): False, ("sa", 1): False, ("sa", 2): True, ("xsa", 0): False, ("xsa", 1): False}
-    assert {r["reference"] for r in rows} == {5.0}
-    assert all(r["step"] == 40 for r in rows) and rows[2]["loss_at"] == 5.2
-    assert [r["stalled"] for r in classify(records, StallRule(at_fraction=0.4, margin=0.25))] == [False] * 5
+FIVE = [("sa", 0, 5.0), ("sa", 1, 5.0), ("sa", 2, 5.2), ("xsa", 0, 5.0), ("xsa", 1, 5.1)]
+TWO_LRS = [("sa", 0, 5.0), ("sa", 1, 5.3), ("sa", 2, 5.3)] + [("xsa", s, 5.0) for s in range(3)]
+TWO_LRS += [(arm, s, 8.0, 3e-2) for arm in ("sa", "xsa") for s in range(2)]
+FAILING = [("sa", 0, 5.2), ("sa", 1, 5.2), ("xsa", 0, 5.0), ("xsa", 1, 1.0, 1e-2, "diverged")]
+FAILING += [("sa", 2, 1.0, 1e-2, "failed")]
 
 
-def test_the_reference_median_is_over_both_arms_at_that_lr_only() -> None:
-    # SA alone has the median 5.3 (no SA stall); with XSA's three runs at 5.0 the LR's median is 5.0 and both SA runs
-    # at 5.3 stall. The runs at another LR (8.0, all of them) are no part of this LR's reference.
-    records = [run("sa", s, v) for s, v in enumerate((5.0, 5.3, 5.3))] + [run("xsa", s, 5.0) for s in range(3)]
-    records += [run(arm, s, 8.0, lr=3e-2) for arm in ("sa", "xsa") for s in range(2)]
-    rows = classify(records, RULE)
-    at_1e2 = [r for r in rows if r["lr"] == 1e-2]
-    assert {r["reference"] for r in at_1e2} == {5.0}
-    assert [r["stalled"] for r in at_1e2] == [False, True, True, False, False, False]
-    assert [r["stalled"] for r in rows if r["lr"] == 3e-2] == [False] * 4 and rows[-1]["reference"] == 8.0
-    sa_only = classify(records[:3], RULE)
-    assert sa_only[1]["reference"] == 5.3 and not any(r["stalled"] for r in sa_only)
+@pytest.mark.parametrize(
+    ("runs", "margin", "references", "expected"),
+    [
+        # Median 5.0 at 40% of the run: 5.2 is 0.2 above it (a stall), 5.1 is 0.1 above (not); with 0.25, none.
+        (FIVE, 0.15, [5.0] * 5, [False, False, True, False, False]),
+        (FIVE, 0.25, [5.0] * 5, [False] * 5),
+        # SA alone has the median 5.3; with XSA's three 5.0 the LR's median is 5.0 and both SA 5.3 runs stall. The
+        # runs at another LR are no part of this LR's reference.
+        (TWO_LRS, 0.15, [5.0] * 6 + [8.0] * 4, [False, True, True] + [False] * 7),
+        (TWO_LRS[:3], 0.15, [5.3] * 3, [False] * 3),
+        # Diverged and failed runs are not judged: their 1.0 would pull the median to 5.0 and make the 5.2s stalls.
+        (FAILING, 0.15, [5.2, 5.2, 5.2, None, None], [False, False, False, None, None]),
+    ],
+)
+def test_a_run_stalls_above_the_median_of_its_lr_plus_the_margin(runs, margin, references, expected) -> None:
+    rows = classify([run(*r) for r in runs], StallRule(0.4, margin))
+    assert [r["stalled"] for r in rows] == expected and [r.get("reference") for r in rows] == references
+    assert all(r["step"] == 40 and r["loss_at"] == v[2] for r, v in zip(rows, runs, strict=True) if r.get("reference"))
 
 
-def test_diverged_and_failed_runs_are_not_judged_nor_part_of_the_reference() -> None:
-    # The diverged run's 1.0 at 40% would pull the median down to 5.0 and make the 5.2 runs stalls if it counted.
-    records = [run("sa", 0, 5.2), run("sa", 1, 5.2), run("xsa", 0, 5.0)]
-    records += [run("xsa", 1, 1.0, status="diverged"), run("sa", 2, 1.0, status="failed")]
-    rows = classify(records, RULE)
-    assert stalled(rows) == {("sa", 0): False, ("sa", 1): False, ("xsa", 0): False, ("xsa", 1): None, ("sa", 2): None}
-    assert rows[0]["reference"] == 5.2 and "reference" not in rows[3]
+def test_diverged_and_failed_runs_are_counted_apart() -> None:
+    records = [run(*r) for r in FAILING]
     study = stall_study(records, RULE)
     cells = {c["attention"]: c for c in study.cells}
     assert (cells["sa"]["runs"], cells["sa"]["diverged_or_failed"]) == (3, 1)
@@ -110,10 +104,8 @@ def test_the_loss_at_a_fraction_and_the_tokens_to_a_threshold() -> None:
     assert loss_at_fraction(record, 0.3) == (40, 5.0)  # the first validation at or after 30 steps
     assert loss_at_fraction(record, 0.0) == (20, 9.0)
     assert loss_at_fraction(replace(record, val_history=[]), 0.4) is None
-    assert (
-        loss_at_fraction(replace(record, steps=None, val_history=[{"step": 10, "tokens": 1, "val_loss": 3.0}]), 1.1)
-        is None
-    )
+    one = [{"step": 10, "tokens": 1, "val_loss": 3.0}]
+    assert loss_at_fraction(replace(record, steps=None, val_history=one), 1.1) is None
     assert tokens_to_reach(record, 4.6) == 60_000 and tokens_to_reach(record, 3.0) is None
 
 
@@ -126,12 +118,8 @@ def test_exact_intervals_are_clopper_pearson(k: int, n: int) -> None:
     low = 0.0 if k == 0 else scipy.stats.beta.ppf(0.025, k, n - k + 1)
     high = 1.0 if k == n else scipy.stats.beta.ppf(0.975, k + 1, n - k)
     assert exact_interval(k, n) == pytest.approx((low, high), abs=1e-9)
-
-
-def test_exact_interval_of_no_stall_in_five_by_hand() -> None:
-    # k = 0: the upper bound solves (1 - p)^n = 0.025, p = 1 - 0.025^(1/n).
+    # By hand, no stall in five: the upper bound solves (1 - p)^5 = 0.025.
     assert exact_interval(0, 5) == pytest.approx((0.0, 1 - 0.025 ** (1 / 5)), abs=1e-9)  # (0, 0.5218)
-    assert exact_interval(5, 5) == pytest.approx((0.025 ** (1 / 5), 1.0), abs=1e-9)
 
 
 def test_mantel_haenszel_on_a_published_example() -> None:
@@ -236,7 +224,6 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
 
 
 def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
-
     from xsa_lm.sweep.stalls import paired_final_losses
 
     def row(arm, lr, seed, loss, stalled=False):
@@ -250,4 +237,7 @@ def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
     assert [(c["lr"], c["pairs"], c["xsa_lower"]) for c in paired.per_lr] == [(0.01, 3, 3), (0.03, 1, 0)]
     assert paired.per_lr[0]["median_diff"] == pytest.approx(-0.1)
     assert paired.sign_test_p_value == pytest.approx(scipy.stats.binomtest(3, 4).pvalue)
+    assert paired.by_seed.clusters == 3 and paired.by_seed.cluster_means == pytest.approx(
+        [0.05, -0.1, -0.1]
+    )  # seed 0: -0.1 and +0.2
     assert paired_final_losses([row("sa", 0.01, 0, 5.0)]) is None

@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 from tests.golden import assert_golden
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
 from xsa_lm.scale import tokens
+from xsa_lm.scale.report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, k_cells, render_markdown
 from xsa_lm.scale.run import sweep_overrides
 from xsa_lm.scale.study import StudyIdentity
-from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, ci_text, k_text, pool
-from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, render_markdown
+from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, pool
 from xsa_lm.scale.tokens import analyse_tokens, unfinished
 from xsa_lm.sweep.trials import Launcher
 
@@ -41,6 +41,11 @@ def study(rng: np.random.Generator, k: float, xsa_budget: float = B, seeds: int 
     sa = [[curve(d) + seed_effect[s] + rng.normal(0, noise) for s in range(seeds)] for d in BUDGETS]
     xsa = [curve(k * xsa_budget) + seed_effect[s] + rng.normal(0, noise) for s in range(seeds)]
     return sa, xsa
+
+
+def coverage(intervals: list, target: float) -> float:
+    """The share of the intervals that cover target (an end None: unbounded on that side)."""
+    return float(np.mean([(lo or 0.0) <= target <= (math.inf if hi is None else hi) for lo, hi in intervals]))
 
 
 def test_identical_curves_give_k_one():
@@ -76,38 +81,26 @@ def test_a_known_multiplier_is_recovered_inside_its_interval_and_the_interval_is
     assert boot is not None and boot[0] < cell.k < boot[1]
 
 
-def test_a_loss_beyond_sas_range_is_a_bound_not_a_number():
-    rng = np.random.default_rng(2)
-    sa, xsa = study(rng, k=6.0, noise=0.005)  # XSA at B reaches what SA reaches at 6B: beyond 2B
+@pytest.mark.parametrize(
+    ("seed", "k", "noise", "bound", "end"),
+    [
+        (2, 6.0, 0.005, "k > 2", ", >= 2]"),  # XSA at B reaches what SA reaches at 6B: beyond 2B
+        (2, 0.2, 0.005, "k < 0.5", "[<= 0.5, "),  # worse than SA at B/2
+        (3, 1.9, 0.05, None, ", >= 2]"),  # near the top of the range, noisy: the upper end is unbounded
+    ],
+)
+def test_beyond_sas_range_k_and_its_interval_are_bounds_not_numbers(seed, k, noise, bound, end):
+    sa, xsa = study(np.random.default_rng(seed), k=k, noise=noise)
     cell = cell_estimate(sa, BUDGETS, xsa, B)
-    assert cell.k is None and cell.bound == "k > 2" and cell.ln_k_se is None
-    assert k_text(cell.as_dict()) == "k > 2"
-    sa, xsa = study(rng, k=0.2, noise=0.005)  # worse than SA at B/2
-    cell = cell_estimate(sa, BUDGETS, xsa, B)
-    assert cell.k is None and cell.bound == "k < 0.5"
-    assert ci_text(cell.as_dict()).startswith("[<= 0.5") or cell.ci[0] is None
-
-
-def test_an_interval_that_reaches_sas_range_says_so():
-    rng = np.random.default_rng(3)
-    sa, xsa = study(rng, k=1.9, noise=0.05)  # near the top of the range, noisy: the upper end is unbounded
-    cell = cell_estimate(sa, BUDGETS, xsa, B)
-    assert cell.ci[1] is None
-    assert ci_text(cell.as_dict()).endswith(">= 2]")
+    assert cell.bound == bound and (cell.k is None) == (cell.ln_k_se is None) == (bound is not None)
+    assert k_cells(cell.as_dict())[0] == (bound or f"{cell.k:.3f}") and end in k_cells(cell.as_dict())[1]
 
 
 @pytest.mark.parametrize("k_true, xsa_budget", [(1.3, B), (1.6, B / 2), (1.0, B)])
 def test_coverage_over_simulated_studies_with_five_seeds(k_true: float, xsa_budget: float):
     rng = np.random.default_rng(4)
-    covered = 0
-    trials = 400
-    for _ in range(trials):
-        sa, xsa = study(rng, k=k_true, xsa_budget=xsa_budget)
-        cell = cell_estimate(sa, BUDGETS, xsa, xsa_budget)
-        lo = cell.ci[0] if cell.ci[0] is not None else 0.0
-        hi = cell.ci[1] if cell.ci[1] is not None else math.inf
-        covered += lo <= k_true <= hi
-    assert 0.90 <= covered / trials <= 0.99, covered / trials
+    studies = [study(rng, k=k_true, xsa_budget=xsa_budget) for _ in range(400)]
+    assert 0.90 <= coverage([cell_estimate(sa, BUDGETS, xsa, xsa_budget).ci for sa, xsa in studies], k_true) <= 0.99
 
 
 def stalling_study(rng: np.random.Generator, k: float, seeds: int) -> tuple[list[list[float]], list[float]]:
@@ -135,12 +128,8 @@ def test_with_stalled_seeds_the_interval_covers_from_ten_seeds_and_the_report_wa
     target = math.exp(_ln_k_of_means(means, BUDGETS, bent(1.3 * B) + 0.02 * half, B))  # k of the mean curves
     assert target == pytest.approx(1.918, abs=0.001)
     rng = np.random.default_rng(8)
-    covered = 0
-    for _ in range(300):
-        sa, xsa = stalling_study(rng, 1.3, seeds=10)
-        cell = cell_estimate(sa, BUDGETS, xsa, B)
-        covered += (cell.ci[0] or 0.0) <= target <= (cell.ci[1] or math.inf)
-    assert 0.90 <= covered / 300 <= 0.99, covered / 300
+    studies = [stalling_study(rng, 1.3, seeds=10) for _ in range(300)]
+    assert 0.90 <= coverage([cell_estimate(sa, BUDGETS, xsa, B).ci for sa, xsa in studies], target) <= 0.99
 
 
 def test_pooling_weighs_by_precision_and_flags_heterogeneity():
@@ -364,16 +353,11 @@ def test_an_unfinished_run_is_named_with_its_reason_and_log():
 
 
 def test_the_pooled_interval_covers_over_independent_cells():
-    rng = np.random.default_rng(7)
-    covered, trials = 0, 200
-    for _ in range(trials):
-        cells = []
-        for budget in (B, B / 2):
-            sa, xsa = study(rng, k=1.3, xsa_budget=budget)
-            cells.append(cell_estimate(sa, BUDGETS, xsa, budget))
-        pooled = pool(cells)
-        covered += pooled is not None and pooled.ci95[0] <= 1.3 <= pooled.ci95[1]
-    assert 0.90 <= covered / trials <= 0.99, covered / trials
+    rng, intervals = np.random.default_rng(7), []
+    for _ in range(200):
+        cells = [cell_estimate(sa, BUDGETS, xsa, b) for b in (B, B / 2) for sa, xsa in [study(rng, 1.3, b)]]
+        intervals.append(pooled.ci95 if (pooled := pool(cells)) else (math.inf, math.inf))
+    assert 0.90 <= coverage(intervals, 1.3) <= 0.99
 
 
 def test_sweep_settings_stay_with_the_study_and_each_run_gets_the_training_overrides(tmp_path, monkeypatch):

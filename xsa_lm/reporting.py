@@ -1,12 +1,16 @@
-"""What the study reports (sweep, scaling study, token axis) share: how a number reads in a table, a markdown table,
-a saved figure, and the W&B run that carries a report."""
+"""What the study reports (sweep, scaling study, token axis) share: how a number reads in a table, a markdown table
+(pandas' to_markdown), the row of a paired comparison, the files of a report and the W&B run that carries it."""
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from xsa_lm.files import write_json, write_text
+from xsa_lm.records import Record
+from xsa_lm.stats.paired import PairedStats
 
 
 def num(value: float | None, spec: str = ".4f") -> str:
@@ -26,22 +30,37 @@ def section(heading: str, *paragraphs: str) -> list[str]:
     return ["", heading, *(line for paragraph in paragraphs for line in ("", paragraph)), ""]
 
 
+def warning_lines(warnings: Sequence[str]) -> list[str]:
+    return ["", "## Warnings", "", *(f"- **{w}**" for w in warnings)] if warnings else []
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
-    """A markdown table's lines (pandas' to_markdown): the header, the rule under it (`align`: "l" or "r" per column)
-    and a line per row, each cell as str() writes it (no reformatting of numbers)."""
+    """A markdown table's lines (pandas' to_markdown), `align` "l" or "r" per column, each cell as str() writes it."""
     import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
 
-    rows = list(rows)
-    if not rows:  # a table whose rows follow one by one (table_row)
-        return [table_row(header), "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
     table = pd.DataFrame([[str(c) for c in row] for row in rows], columns=list(header), dtype=object)
     colalign = ["right" if a == "r" else "left" for a in align]
     return table.to_markdown(index=False, colalign=colalign, disable_numparse=True).splitlines()
 
 
-def table_row(cells: Sequence[object]) -> str:
-    """One line of a markdown table."""
-    return "| " + " | ".join(map(str, cells)) + " |"
+PAIRED_HEADER = ["pairs", "mean", "sd", "95% CI (t)", "t p", "Wilcoxon p", "sign p", "lower"]
+PAIRED_ALIGN = "rrrlrrrr"
+
+
+def paired_cells(stats: PairedStats) -> list[str]:
+    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests."""
+    ps = [num(p, ".3g") for p in (stats.t_p, stats.wilcoxon_p, stats.sign_p)]
+    mean, sd, ci = num(stats.mean_diff, "+.4f"), num(stats.sd_diff), interval(stats.t_ci95)
+    return [str(stats.pairs), mean, sd, ci, *ps, f"{stats.xsa_lower}/{stats.pairs}"]
+
+
+def write_report_files(folder: Path, record: Record, markdown: str, plots: dict[str, Callable[[Path], None]]) -> str:
+    """results.json, the plots (file name -> what draws it) and report.md in `folder`; returns the markdown."""
+    write_json(folder / "results.json", record.to_json())
+    for name, plot in plots.items():
+        plot(folder / name)
+    write_text(folder / "report.md", markdown)
+    return markdown
 
 
 @contextmanager

@@ -1,17 +1,12 @@
-"""Loss vs training compute, and XSA's effective-compute multiplier, as pure functions (no processes or files).
+"""Loss vs training compute, and XSA's effective-compute multiplier, as pure functions.
 
-Two fits, each for its own question:
-- the SA fit, L(C) = E + A C^-alpha through SA's mean final losses (E = 0, a pure power law, with fewer than 4
-  sizes), least squares in loss: what the lack-of-fit test and the extrapolation check judge.
-- the shared fit, L_arm(C) = E + A_arm C^-alpha through both arms at once (one E and one alpha), Huber loss on
-  log-loss residuals: XSA's one multiplier for the ladder, k = (A_SA / A_XSA)^(1/alpha), the compute SA needs to
-  match XSA ("XSA reaches SA's loss with 1/k of the compute"), as OLMo-core's ladder reads it.
-
-k's 95% interval is a parametric bootstrap of the shared fit (ladder_bootstrap): each resample adds to every fitted
-mean the seed noise of that size (its standard error over seeds) and the ladder's lack-of-fit variance (what the
-residuals show beyond the seed noise), then refits. Two earlier intervals are gone: the paired t interval of each
-size converted through a fixed SA curve ignored the fit's own uncertainty (it undercovers once sizes deviate from the
-curve: tests/test_scale.py measures it), and a bootstrap over seeds alone was too narrow with 3-4 seeds.
+- The SA fit, L(C) = E + A C^-alpha through SA's mean final losses (E = 0 below 4 sizes), least squares in loss: what
+  the lack-of-fit test and the extrapolation check judge.
+- The shared fit, L_arm(C) = E + A_arm C^-alpha through both arms (one E, one alpha), Huber loss on log-loss
+  residuals: the ladder's multiplier k = (A_SA / A_XSA)^(1/alpha), the compute SA needs to match XSA (as OLMo-core's
+  ladder reads it). Its 95% interval is a parametric bootstrap (ladder_bootstrap): each resample adds every size's seed
+  noise and the ladder's lack-of-fit variance to the fitted means, then refits. (The paired t interval of each size
+  through a fixed SA curve undercovers once sizes deviate from the curve: tests/test_scale.py measures it.)
 """
 
 import math
@@ -71,8 +66,7 @@ class Fit:
 
 
 def choose_form(n_points: int, form: str = "auto") -> str:
-    """`auto`: the offset form when the points leave it at least one residual degree of freedom, else the pure power
-    law. A form with more parameters than points is refused."""
+    """`auto`: the offset form when the points leave it a residual degree of freedom, else the pure power law."""
     if form == "auto":
         form = "power_law_offset" if n_points > FORMS["power_law_offset"] else "power_law"
     if form not in FORMS:
@@ -86,8 +80,7 @@ def choose_form(n_points: int, form: str = "auto") -> str:
 
 
 def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: str = "auto") -> Fit:
-    """The SA fit: least squares in loss (scipy.optimize.curve_fit) with x = compute over its reference, started from
-    the log-log line through the points."""
+    """The SA fit: least squares in loss (scipy.optimize.curve_fit), started from the log-log line."""
     form = choose_form(len(compute), form)
     c = np.asarray(compute, dtype=float)
     y = np.asarray(loss, dtype=float)
@@ -119,9 +112,7 @@ class LackOfFit:
 
 
 def lack_of_fit(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> LackOfFit:
-    """chi^2 = sum((residual / SE)^2) of a fit through means with these standard errors, on points - parameters
-    degrees of freedom, and its p-value (scipy.stats.chi2.sf); p is None when no degree of freedom is left or an
-    SE is unknown (a size with one seed) or 0."""
+    """chi^2 = sum((residual / SE)^2) on points - parameters dof, and its p; None without a dof or a positive SE."""
     dof = len(residuals) - parameters
     se = np.asarray(standard_errors, dtype=float)
     if dof <= 0 or not np.all(np.isfinite(se)) or np.any(se <= 0):
@@ -194,8 +185,8 @@ class SharedFit:
 
 
 def huber_scale(means: Sequence[float], standard_errors: Sequence[float]) -> float:
-    """Huber's delta on log-loss residuals: 1.345 x the typical relative seed noise (95% efficient for normal noise,
-    while a stalled size counts linearly); HUBER_DEFAULT when the noise is unknown."""
+    """Huber's delta on log-loss residuals: 1.345 x the median relative seed noise (95% efficient for normal noise, a
+    stalled size counts linearly); HUBER_DEFAULT when the noise is unknown."""
     relative = [se / m for se, m in zip(standard_errors, means, strict=True) if math.isfinite(se) and se > 0]
     return 1.345 * float(np.median(relative)) if relative else HUBER_DEFAULT
 
@@ -248,8 +239,8 @@ def fit_shared(
     f_scale: float = HUBER_DEFAULT,
     start: np.ndarray | None = None,
 ) -> SharedFit:
-    """The shared fit through both arms' means (scipy.optimize.least_squares, loss="huber" on log-loss residuals),
-    from several starts (the lowest cost kept), or from `start` alone (a bootstrap refit from the point estimate)."""
+    """The shared fit (scipy.optimize.least_squares, Huber loss on log-loss residuals) from a grid of starts, the
+    lowest cost kept, or from `start` alone (a bootstrap refit)."""
     c = np.asarray(compute, dtype=float)
     c_ref = float(np.exp(np.mean(np.log(c))))
     x = np.r_[c, c] / c_ref
@@ -279,24 +270,14 @@ def fit_shared(
     assert best is not None  # at least one start
     p = best.x
     E = float(p[0]) if offset else 0.0
-    fit = SharedFit(
-        offset=offset,
-        E=E,
-        log_A_sa=float(p[-3]),
-        log_A_xsa=float(p[-2]),
-        alpha=float(p[-1]),
-        c_ref=c_ref,
-        floor=floor,
-        residuals=[],
-    )
+    fit = SharedFit(offset, E, float(p[-3]), float(p[-2]), float(p[-1]), c_ref, floor, residuals=[])
     fitted = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
     fit.residuals = [float(r) for r in y - fitted]
     return fit
 
 
 def lack_of_fit_variance(residuals: Sequence[float], standard_errors: Sequence[float], parameters: int) -> float:
-    """The variance of the means about the curve beyond their seed noise: sum(r^2) / dof - mean(SE^2), floored at
-    0; 0 when no degree of freedom is left (nothing to estimate it from: the study is flagged for that)."""
+    """The variance of the means about the curve beyond their seed noise, sum(r^2) / dof - mean(SE^2), floored at 0."""
     dof = len(residuals) - parameters
     if dof <= 0:
         return 0.0
@@ -314,12 +295,9 @@ def ladder_bootstrap(
     n_resamples: int = 1000,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """95% interval of the ladder's k: a parametric bootstrap of the shared fit. Each resample draws every size's
-    two means about the fitted curves with variance SE^2 (seed noise; standard_errors: SA's sizes, then XSA's) +
-    lof_variance (size-level deviations the curve does not explain), refits, and takes ln k; the interval is the
-    basic (pivotal) one in ln k, [2 ln k - q97.5, 2 ln k - q2.5], which corrects the fit's bias that the resamples
-    reveal. Measured coverage in tests/test_scale.py (simulated ladders with size-level deviations and a curve not of
-    the fitted form)."""
+    """95% interval of the ladder's k: each resample draws every size's two means about the fitted curves with
+    variance SE^2 (standard_errors: SA's sizes, then XSA's) + lof_variance, refits, and takes ln k; the interval is
+    the basic (pivotal) one in ln k, [2 ln k - q97.5, 2 ln k - q2.5], which corrects the fit's bias."""
     rng = np.random.default_rng(seed)
     c = np.asarray(compute, dtype=float)
     centre = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]

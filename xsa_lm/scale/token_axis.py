@@ -1,18 +1,13 @@
-"""XSA's multiplier along the token axis at a fixed model size, as pure functions (no processes or files).
+"""XSA's multiplier along the token axis at a fixed model size, as pure functions.
 
-At one size, SA trains at several token budgets D_1 < D_2 < ... and XSA at a budget b, the seeds paired (seed s of
-every run shares its initialisation and data order). SA's mean final loss, interpolated linearly in ln D between
-the budgets that bracket XSA's mean loss, gives the tokens D_SA that SA needs to reach it; the multiplier is
-    k = D_SA / b    ("XSA at b tokens reaches the loss SA reaches with k x b tokens").
-Nothing is extrapolated: XSA's loss below SA's at the largest budget is reported as the bound k > D_max / b, above
-SA's at the smallest as k < D_min / b.
+SA trains at budgets D_1 < D_2 < ... and XSA at b, seeds paired. SA's mean final loss, interpolated linearly in ln D
+between the budgets that bracket XSA's mean loss, gives the tokens D_SA SA needs to reach it: k = D_SA / b. Nothing is
+extrapolated: beyond SA's range k is a bound (k > D_max / b, k < D_min / b).
 
-The 95% interval is Fieller's, by test inversion: on the segment [D_j, D_j+1] the curve is
-m_j + theta (m_j+1 - m_j) with theta in [0, 1], and theta is kept when the paired per-seed values
-    c_s(theta) = SA_j,s + theta (SA_j+1,s - SA_j,s) - XSA_s
-have a mean that Student's t does not reject at 0: a quadratic inequality in theta, solved exactly. The union over
-segments is the interval; a side that reaches the end of SA's range is a bound. A within-cell bootstrap over seeds
-checks it, and cells are pooled by inverse variance on ln k with Cochran's Q for heterogeneity.
+The 95% interval is Fieller's, by test inversion: on [D_j, D_j+1] the curve is m_j + theta (m_j+1 - m_j), and theta
+is kept when the per-seed values SA_j,s + theta (SA_j+1,s - SA_j,s) - XSA_s have a mean Student's t does not reject
+at 0 (a quadratic inequality, solved exactly); the union over segments is the interval. A bootstrap over seeds checks
+it; cells are pooled by inverse variance on ln k with Cochran's Q for heterogeneity.
 """
 
 import math
@@ -70,10 +65,7 @@ def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[flo
         disc = qb * qb - 4 * qa * qc
         roots = [] if disc < 0 else sorted([(-qb - math.sqrt(disc)) / (2 * qa), (-qb + math.sqrt(disc)) / (2 * qa)])
     points = sorted({0.0, 1.0, *[r for r in roots if 0.0 < r < 1.0]})
-    pieces = []
-    for lo, hi in zip(points, points[1:], strict=False):
-        if inside((lo + hi) / 2):
-            pieces.append((lo, hi))
+    pieces = [(lo, hi) for lo, hi in zip(points, points[1:], strict=False) if inside((lo + hi) / 2)]
     if not pieces and any(inside(p) for p in points):
         pieces = [(p, p) for p in points if inside(p)]
     return pieces
@@ -125,25 +117,11 @@ def cell_estimate(
         )
     else:  # no ln D in SA's range is compatible: the interval lies wholly beyond one end
         ci = (hi_ratio, None) if xm < means[-1] else (None, lo_ratio)
-    return Cell(
-        budget=float(budget),
-        sa_budgets=budgets,
-        k=k,
-        bound=bound,
-        ci=ci,
-        ln_k_se=se,
-        sa_means=[float(m) for m in means],
-        xsa_mean=xm,
-        seeds=n,
-    )
+    return Cell(float(budget), budgets, k, bound, ci, se, sa_means=[float(m) for m in means], xsa_mean=xm, seeds=n)
 
 
 def bootstrap_interval(
-    sa: Sequence[Sequence[float]],
-    sa_budgets: Sequence[float],
-    xsa: Sequence[float],
-    budget: float,
-    seed: int = 0,
+    sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float, seed: int = 0
 ) -> tuple[float, float] | None:
     """Percentile 95% interval of k from 2000 resamples of the seeds within the cell (all of a seed's runs
     together). A resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
@@ -153,12 +131,8 @@ def bootstrap_interval(
     if n < 3:
         return None
     rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(2000):
-        pick = rng.integers(0, n, n)
-        means = runs[:, pick].mean(axis=1)
-        xm = float(x[pick].mean())
-        values.append(_ln_k_of_means(means, sa_budgets, xm, budget))
+    picks = (rng.integers(0, n, n) for _ in range(2000))
+    values = [_ln_k_of_means(runs[:, p].mean(axis=1), sa_budgets, float(x[p].mean()), budget) for p in picks]
     low, high = np.percentile(values, [2.5, 97.5])
     return float(math.exp(low)), float(math.exp(high))
 
@@ -243,19 +217,3 @@ def pool(cells: Sequence[Cell]) -> PooledK | None:
         q_p_value=float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else None,
         i2=max(0.0, (q - dof) / q) if q > 0 and dof > 0 else 0.0,
     )
-
-
-def k_text(cell: dict) -> str:
-    """k or its bound, for a table."""
-    if cell["k"] is None:
-        return cell["bound"] or "-"
-    return f"{cell['k']:.3f}"
-
-
-def ci_text(cell: dict) -> str:
-    """The interval; an unbounded end is a bound at SA's range."""
-    lo, hi = cell["ci95"]
-    budgets, budget = cell["sa_budgets"], cell["budget"]
-    lo_text = f"{lo:.3f}" if lo is not None else f"<= {min(budgets) / budget:.3g}"
-    hi_text = f"{hi:.3f}" if hi is not None else f">= {max(budgets) / budget:.3g}"
-    return f"[{lo_text}, {hi_text}]"

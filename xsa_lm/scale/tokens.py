@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from xsa_lm.errors import UserError
 from xsa_lm.records import JsonObject
+from xsa_lm.scale.report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.scale.study import Study, StudyIdentity, compare_seeds
 from xsa_lm.scale.token_axis import (
     STALL_SAFE_SEEDS,
@@ -36,7 +37,6 @@ from xsa_lm.scale.token_axis import (
     pool,
     stalled,
 )
-from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult, write_report
 from xsa_lm.stats.decision import margin_verdict
 from xsa_lm.stats.paired import paired_stats
 from xsa_lm.stats.positions import position_differences

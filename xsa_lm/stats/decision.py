@@ -1,17 +1,6 @@
-"""What a comparison may claim: a verdict against a practical margin declared before the runs, and tests over pairs
-that share a seed.
-
-A p < 0.05 on a 0.001-nat difference is not a win. The margin (nats of XSA - SA, or a ratio for k) is part of the
-study's plan, fixed at its first run; the verdict reads the one-sided 95% bounds against it:
-- "better":     XSA's loss is lower by more than the margin (upper bound < -margin);
-- "worse":      XSA's loss is higher by more than the margin (lower bound > +margin);
-- "not worse":  neither, but XSA is no worse than the margin (upper bound < +margin): non-inferior;
-- "inconclusive": the interval reaches past +margin and does not exclude 0 from the other side: more seeds decide.
-
-Pairs over several LRs (or sizes) that share a seed share its initialisation and data order, so they are not
-independent: counting 25 LR x seed pairs as 25 draws overstates the evidence. The clustered test keeps each seed's
-pairs together (the mean difference per seed, its sign flipped as a whole under the null).
-"""
+"""What a comparison may claim: a verdict against a practical margin declared in the study's plan (a p < 0.05 on a
+0.001-nat difference is not a win), tests over pairs that share a seed (25 LR x seed pairs over 5 seeds are not 25
+draws: each seed's mean difference is one), and how often the procedure claims an effect on an A/A null."""
 
 import itertools
 import math
@@ -40,7 +29,8 @@ class MarginVerdict(Record):
 
 
 def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
-    """The verdict on the paired differences XSA - SA (lower is better for XSA) against `margin` >= 0 nats."""
+    """The verdict on the paired differences XSA - SA against `margin` >= 0 nats, from the one-sided 95% bounds:
+    better (upper < -margin), worse (lower > margin), not worse (upper < margin: non-inferior), else inconclusive."""
     if margin < 0:
         raise ValueError(f"the margin must be >= 0, got {margin}")
     ci = paired_t(diffs, confidence=1 - 2 * ALPHA).ci  # its ends are the one-sided bounds at level ALPHA
@@ -74,10 +64,8 @@ class ClusteredTest(Record):
 
 
 def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> ClusteredTest:
-    """Tests of differences that share a cluster (a seed): each cluster's mean difference is one observation, and
-    under the null (no effect) its sign is as likely flipped as not, so the permutation test flips whole clusters
-    (scipy.stats.permutation_test, exact while 2^clusters is small). With 5 seeds the smallest two-sided p is
-    2/32 = 0.0625, whatever the number of LRs."""
+    """Tests of differences that share a cluster (a seed) on each cluster's mean difference: the sign test and the
+    permutation test that flips whole clusters (scipy.stats.permutation_test, exact while 2^clusters is small)."""
     groups: dict[Hashable, list[float]] = {}
     for d, c in zip(diffs, clusters, strict=True):
         groups.setdefault(c, []).append(float(d))
@@ -86,15 +74,10 @@ def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> Clus
     if len(means) == 1 and means[0] != 0:
         flip_p = 1.0  # both signs of one mean are as extreme: the exact answer, which scipy refuses to compute
     elif any(m != 0 for m in means):
-        result = scipy.stats.permutation_test(
-            (np.asarray(means),),
-            np.mean,
-            permutation_type="samples",
-            n_resamples=2**16,
-            alternative="two-sided",
-            random_state=0,
+        test = scipy.stats.permutation_test(  # two-sided, exact up to 16 seeds
+            (np.asarray(means),), np.mean, permutation_type="samples", n_resamples=2**16, random_state=0
         )
-        flip_p = float(result.pvalue)
+        flip_p = float(test.pvalue)
     return ClusteredTest(
         pairs=len(diffs),
         clusters=len(means),
@@ -103,20 +86,6 @@ def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> Clus
         sign_flip_p=flip_p,
         sign_p=sign_test_p(means),
         naive_sign_p=sign_test_p(list(diffs)),
-    )
-
-
-def clustered_line(test: ClusteredTest, shares: str = "its initialisation and data order") -> str:
-    """One sentence of a report: the clustered test, next to the naive count it replaces."""
-    flip = test.sign_flip_p
-    smallest = 2 / 2**test.clusters if test.clusters else None
-    floor = ""
-    if smallest and smallest > 0.001:
-        floor = f"; with {test.clusters} seeds no p can be below {smallest:.3g}"
-    return (
-        f"By seed (each seed's pairs share {shares}, so they are one observation): "
-        f"XSA's mean difference is lower in {test.xsa_lower} of {test.clusters} seeds, sign-flip "
-        f"permutation p = {f'{flip:.3g}' if flip is not None else '-'}{floor}."
     )
 
 
@@ -138,15 +107,10 @@ class NullRates(Record):
 
 
 def null_rates(diffs: Sequence[float], study_size: int, margin: float) -> NullRates | None:
-    """How often the procedure claims an effect when there is none, from the paired differences of an A/A null
-    (SA against SA), two ways:
-    - every study of `study_size` of those pairs (2000 drawn at random when there are more): the share whose 95% t
-      interval excludes 0 and the share whose margin verdict is "better" or "worse" (margin_verdict's bounds). The
-      studies overlap, so each share's 95% interval comes from the jackknife over pairs (leave one out), clipped to
-      [0, 1];
-    - disjoint studies (consecutive pairs, in the order given): independent, so their count of claims gets the exact
-      binomial interval, wide but owing nothing to an approximation.
-    None below 2 x study_size pairs."""
+    """How often the procedure claims an effect on the paired differences of an A/A null: over every study of
+    `study_size` pairs (2000 drawn when there are more) the share whose t interval excludes 0 and the share whose
+    margin verdict is better or worse, each with a jackknife 95% CI (the studies overlap); over disjoint studies of
+    consecutive pairs the count of claims, with its exact binomial CI. None below 2 x study_size pairs."""
     values = np.asarray(diffs, dtype=float)
     n = values.size
     if study_size < 2 or n < 2 * study_size:
@@ -191,6 +155,5 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float) -> NullRa
 
 
 def null_study_sizes(pairs: int) -> list[int]:
-    """The study sizes a null of `pairs` pairs calibrates: 3 (the paper sweep's compare seeds), 5 (the token axis's)
-    and half the pairs, each with at least two disjoint studies."""
+    """3 (the paper sweep's compare seeds), 5 (the token axis's) and half the pairs: two disjoint studies each."""
     return sorted({size for size in (3, 5, pairs // 2) if 2 <= size <= pairs // 2})

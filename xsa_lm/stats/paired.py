@@ -1,10 +1,6 @@
-"""XSA against SA over paired seeds: seed s of each arm shares its initialisation and data order, so every test runs
-on the per-seed differences XSA - SA. One public function per test, and `paired_stats`, the one record of them that
-the sweep, the scaling study and the token axis report.
-
-Some SA seeds stall on a plateau at toy scale, so the differences can be bimodal and a t test alone can mislead:
-beside Student's paired t stand the exact Wilcoxon signed-rank and exact sign tests, which do not assume normal noise.
-"""
+"""XSA against SA over paired seeds (seed s of each arm shares its initialisation and data order), tested on the
+differences XSA - SA. Stalled SA seeds make them bimodal, so beside Student's paired t stand the exact Wilcoxon
+signed-rank and sign tests, which assume no normal noise. `paired_stats` is the one record of them all."""
 
 import math
 from collections.abc import Sequence
@@ -26,9 +22,8 @@ class TTest:
 
 
 def paired_t(diffs: Sequence[float], confidence: float = 1 - ALPHA) -> TTest:
-    """Student's paired t-test of the mean difference against 0 (scipy's ttest_1samp on the differences, the same as
-    ttest_rel on the two arms): t, the two-sided p and the `confidence` interval. All None below two differences or
-    when they are all equal up to rounding (no spread: no standard error)."""
+    """Student's paired t-test of the differences against 0 (scipy's ttest_1samp): t, the two-sided p and the
+    `confidence` interval; all None below two differences or with no spread (all equal up to rounding)."""
     values = np.asarray(diffs, dtype=float)
     if values.size < 2 or np.std(values) <= 1e-12 * max(1.0, float(np.abs(values).max())):  # equal up to rounding
         return TTest(t=None, p=None, ci=None)
@@ -38,21 +33,19 @@ def paired_t(diffs: Sequence[float], confidence: float = 1 - ALPHA) -> TTest:
 
 
 def wilcoxon_p(diffs: Sequence[float]) -> float | None:
-    """The exact Wilcoxon signed-rank test, two-sided; None without a nonzero difference. Like the sign test it leaves
-    out pairs with no difference, which carry no sign (scipy's default zero_method, "wilcox")."""
+    """The exact Wilcoxon signed-rank test, two-sided, without the zero differences; None without a nonzero one."""
     return float(scipy.stats.wilcoxon(diffs, method="exact").pvalue) if any(diffs) else None
 
 
 def sign_test_p(diffs: Sequence[float]) -> float | None:
-    """The exact sign test (binomial, 1/2), two-sided: how often XSA is lower; None without a nonzero difference.
-    Over the pairs of several sizes or LRs pooled it reads the direction, not a size of effect."""
+    """The exact sign test (binomial, 1/2), two-sided, of how often XSA is lower; None without a nonzero difference."""
     nonzero = sum(d != 0 for d in diffs)
     return float(scipy.stats.binomtest(sum(d < 0 for d in diffs), nonzero).pvalue) if nonzero else None
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
-    """Holm's step-down adjustment (family-wise error), by hand because scipy.stats.false_discovery_control does
-    Benjamini-Hochberg (false discovery rate) only. None stays None and does not count in the family."""
+    """Holm's step-down adjustment (scipy.stats.false_discovery_control has Benjamini-Hochberg only); a None stays
+    None and does not count in the family."""
     known = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
     adjusted: list[float | None] = [None] * len(pvalues)
     running = 0.0
@@ -63,12 +56,9 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
 
 
 def min_detectable_difference(sd: float | None, n: int) -> float | None:
-    """The smallest true mean paired difference that a two-sided paired t-test at level ALPHA over n pairs detects
-    with the power POWER, for a paired standard deviation sd. The usual closed form,
-        MDE = (t_{1-ALPHA/2, n-1} + t_{POWER, n-1}) * sd / sqrt(n),
-    which stands a shifted central t in for the noncentral t and ignores the opposite rejection tail. It is slightly
-    optimistic for very few pairs: the exact noncentral-t value is 5% larger at n = 3, 2% at n = 4, under 1% from
-    n = 6 (at n = 2 the formula's difference is detected with about 73% power, not 80%). None below two pairs."""
+    """The smallest true mean difference a two-sided paired t-test at ALPHA detects with POWER over n pairs of
+    standard deviation sd: (t_{1-ALPHA/2, n-1} + t_{POWER, n-1}) sd / sqrt(n). The closed form is optimistic for few
+    pairs (the exact noncentral-t value is 5% larger at n = 3, under 1% from n = 6). None below two pairs."""
     if sd is None or n < 2:
         return None
     quantiles = scipy.stats.t.ppf([1 - ALPHA / 2, POWER], n - 1)
@@ -77,11 +67,7 @@ def min_detectable_difference(sd: float | None, n: int) -> float | None:
 
 @dataclass(frozen=True, kw_only=True)
 class PairedStats(Record):
-    """XSA - SA over paired seeds. Each test runs when its definition has the data, else its fields are None:
-    - Student's paired t (t, t_p, t_ci95): two pairs or more whose differences are not all equal;
-    - the exact Wilcoxon signed-rank test (wilcoxon_p) and the exact sign test (sign_p), two-sided: one pair or more
-      with a nonzero difference; pairs with no difference are left out (one such pair gives p = 1, the exact answer).
-    """
+    """XSA - SA over paired seeds; a test's fields are None where it has not the data (paired_t, wilcoxon_p)."""
 
     pairs: int
     mean_diff: float | None  # XSA - SA; None without a pair

@@ -1,10 +1,5 @@
-"""Does XSA's gain grow with context? Inside one run, the validation loss per equal span of window positions
-(earliest first); XSA - SA per span and seed, a paired interval per span, and a trend test across spans.
-
-The trend is tested seed by seed: each seed's differences are regressed on the span's index (least squares), and
-the slopes, one per seed, get Student's t against 0. A seed is one observation, so spans of one seed, which share
-its runs, are never counted as independent.
-"""
+"""Does XSA's gain grow with context? XSA - SA per equal span of window positions (earliest first), paired over
+seeds, and the trend across spans: one least-squares slope per seed (its spans share its runs), t-tested against 0."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,9 +24,7 @@ class PositionDifferences(Record):
 def position_differences(
     sa: Sequence[Sequence[float | None]], xsa: Sequence[Sequence[float | None]]
 ) -> PositionDifferences | None:
-    """`sa[s][b]` and `xsa[s][b]`: the loss of seed s over span b. Per span the paired tests of XSA - SA; over spans
-    the slope of XSA - SA per span with its t test over seeds (negative: the gain grows with position). None
-    without a seed whose runs both have every span."""
+    """`sa[s][b]`, `xsa[s][b]`: the loss of seed s over span b; None without a seed whose runs have every span."""
     pairs = [
         ([float(v or 0) for v in a], [float(v or 0) for v in b])
         for a, b in zip(sa, xsa, strict=True)

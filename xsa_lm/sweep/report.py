@@ -1,6 +1,6 @@
-"""The sweep's outputs: results.json (the SweepResult record), report.md (rendered from that record), lr_sweep.png and
-curves.png, and a W&B report run in the sweep's group. The statistics decide (records with their verdict fields);
-the renderer only words the decision."""
+"""The sweep's outputs: results.json (the SweepResult record), report.md (rendered from that record), the plots, and a
+W&B report run in the sweep's group. The statistics decide (records with their verdict fields); the renderer only
+words the decision."""
 
 import statistics
 from collections.abc import Sequence
@@ -8,10 +8,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
-from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
-from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, markdown_table, num, saved_figure, section
-from xsa_lm.stats.decision import MarginVerdict, NullRates, clustered_line, margin_verdict, null_rates, null_study_sizes
+from xsa_lm.reporting import (
+    PAIRED_ALIGN,
+    PAIRED_HEADER,
+    ReportRunSettings,
+    interval,
+    log_report_run,
+    markdown_table,
+    num,
+    paired_cells,
+    saved_figure,
+    section,
+    warning_lines,
+    write_report_files,
+)
+from xsa_lm.stats.decision import ClusteredTest, MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import ALPHA, POWER, PairedStats, min_detectable_difference, paired_stats
 from xsa_lm.stats.positions import PositionDifferences, position_differences
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
@@ -83,22 +95,19 @@ class NullComparison(PairedStats):
 
 
 def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> NullComparison | None:
-    """The A/A null (sweep.null_arm) analysed as XSA is: per seed, SA from other initial weights - SA, the paired
-    tests, the verdict against the margin, and how often studies of 3, 5 and half this many seeds claim an effect
-    (null_rates, one per study size). None without a null pair."""
+    """The A/A null (sweep.null_arm) analysed as XSA is, with how often studies of its pairs claim an effect."""
     pairs = comparison_of(trials, arm=NULL)
     if not pairs.seeds:
         return None
-    diffs = pairs.diffs
-    sizes = null_study_sizes(len(diffs)) if margin is not None else []
+    diffs, sizes = pairs.diffs, null_study_sizes(len(pairs.diffs)) if margin is not None else []
     return NullComparison(
+        **vars(paired_stats(pairs.sa, pairs.xsa)),
         seeds=pairs.seeds,
         sa=pairs.sa,
         null=pairs.xsa,  # the null arm's losses
         diff=diffs,
         margin=margin_verdict(diffs, margin) if margin is not None else None,
-        rates=[r for r in (null_rates(diffs, size, margin) for size in sizes if margin is not None) if r],
-        **vars(paired_stats(pairs.sa, pairs.xsa)),
+        rates=[r for size in sizes if (r := null_rates(diffs, size, cast(float, margin)))],
     )
 
 
@@ -115,10 +124,8 @@ def dropped_seeds(trials: Sequence[TrialRecord]) -> list[dict]:
 def dropped_warning(drop: dict) -> str:
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
     sides = [f"{a.upper()} {what.get(drop[a], 'did not finish')}" for a in ("sa", "xsa") if drop[a] != "completed"]
-    warning = (
-        f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
-        f"is lower: {' and '.join(sides)}"
-    )
+    warning = f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
+    warning += f"is lower: {' and '.join(sides)}"
     if "diverged" in (drop["sa"], drop["xsa"]):
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
     if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
@@ -137,6 +144,16 @@ class XsaTuning(Record):
 
 # What the paired t interval of XSA - SA says (ComparisonStats.significance).
 SIGNIFICANCE = ("no pairs", "one seed", "no spread", "xsa lower", "xsa higher", "not significant")
+RESULTS_NAMES = {  # PairedStats' field -> its name in results.json's comparison
+    "mean_diff": "diff_mean",
+    "sd_diff": "diff_std",
+    "t": "diff_t",
+    "t_p": "diff_p_value",
+    "t_ci95": "diff_ci95",
+    "wilcoxon_p": "wilcoxon_p_value",
+    "sign_p": "sign_test_p_value",
+    "xsa_lower": "xsa_better_in",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +189,7 @@ class ComparisonStats(Record):
         (sa_mean, sa_std), (xsa_mean, xsa_std) = mean_std(comparison.sa), mean_std(comparison.xsa)
         paired = paired_stats(comparison.sa, comparison.xsa)
         return cls(
+            **{name: getattr(paired, key) for key, name in RESULTS_NAMES.items()},
             seeds=comparison.seeds,
             sa=comparison.sa,
             xsa=comparison.xsa,
@@ -180,19 +198,15 @@ class ComparisonStats(Record):
             sa_std=sa_std,
             xsa_mean=xsa_mean,
             xsa_std=xsa_std,
-            diff_mean=paired.mean_diff,
-            diff_std=paired.sd_diff,
-            diff_ci95=paired.t_ci95,
-            xsa_better_in=paired.xsa_lower,
-            wilcoxon_p_value=paired.wilcoxon_p,
-            sign_test_p_value=paired.sign_p,
-            diff_t=paired.t,
-            diff_p_value=paired.t_p,
             dof=paired.pairs - 1 if paired.pairs > 1 else None,
             min_detectable_diff=min_detectable_difference(paired.sd_diff, paired.pairs),
             dropped_seeds=dropped,
             margin=margin_verdict(comparison.diffs, margin) if margin is not None else None,
         )
+
+    @property
+    def paired(self) -> PairedStats:
+        return PairedStats(pairs=len(self.seeds), **{key: getattr(self, name) for key, name in RESULTS_NAMES.items()})
 
     @property
     def significance(self) -> str:
@@ -270,10 +284,7 @@ def build_results(
     stall_rule: StallRule | None = None,
     margin: float | None = None,
 ) -> SweepResult:
-    """Everything the report shows. `trials` are the records, each with its `phase`; `seeds` are the compare seeds,
-    `search_seeds` the search's; `sequential` the outcome of the stopping rule of sweep.seeds_until_significant,
-    None without it; `stall_rule` the stall definition of the plan (the stall table needs two search seeds or more);
-    `margin` the plan's practical margin in nats."""
+    """Everything the report shows, from the trial records of every phase; the stall table needs two search seeds."""
     search: dict[str, dict[str, SearchPoint]] = {}
     medians = {"sa": selection.losses, "xsa": xsa_selection.losses if xsa_selection else {}}
     searched = [t for t in trials if t.phase == "search"]
@@ -287,17 +298,13 @@ def build_results(
         tuning = XsaTuning(
             selected_lr=xsa_selection.lr, loss_at_own_lr=own, loss_at_shared_lr=shared.median if shared else None
         )
-    warnings = list(selection.warnings) + [
-        f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])
-    ]
+    warnings = selection.warnings + [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
     shared_seeds = [s for s in seeds if s in search_seeds]  # allowed only with sweep.reuse_search_run=true
-    reused = selection.lr is not None and bool(shared_seeds)
-    if reused:
+    if reused := selection.lr is not None and bool(shared_seeds):
         warnings.append(
-            f"the comparison at seed(s) {shared_seeds} reuses the search's SA runs at the selected LR "
-            "(sweep.reuse_search_run=true): they won the search partly on their noise and XSA's runs were not "
-            "selected, so the comparison is biased against XSA; for an unbiased one use compare seeds without "
-            f"{shared_seeds} (sweep.seeds)"
+            f"the comparison at seed(s) {shared_seeds} reuses the search's winning SA runs "
+            "(sweep.reuse_search_run=true), selected partly for their luck while XSA's were not: it is biased against "
+            f"XSA; for an unbiased one use compare seeds without {shared_seeds} (sweep.seeds)"
         )
     dropped, pairs = dropped_seeds(trials), completed_pairs(trials)
     warnings += [dropped_warning(drop) for drop in dropped]
@@ -333,6 +340,8 @@ MEANING = {  # ComparisonStats.significance in words
     "xsa lower": "the interval excludes 0: XSA's lower loss is significant at the 5% level",
     "xsa higher": "the interval excludes 0: XSA's higher loss is significant at the 5% level",
     "not significant": "the interval includes 0: the difference is not significant at the 5% level",
+    "one seed": "one seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement",
+    "no spread": "the differences are all equal: no spread, so Student's t gives no interval",
 }
 STOPPED = {
     "significant": "the corrected CI excludes 0",
@@ -341,51 +350,177 @@ STOPPED = {
 }
 
 
-def verdict(stats: ComparisonStats, sequential: bool = False) -> str:
-    """The paragraph under the comparison: the mean difference, what its interval decides, the rank tests and the
-    verdict against the plan's margin."""
+def header_lines(results: SweepResult) -> list[str]:
+    """The title, what the sweep ran, and its warnings."""
+    return [
+        "# SA vs XSA: LR search on SA, comparison at the shared LR",
+        "",
+        f"- sweep directory: `{results.sweep_dir}` (W&B group `{results.sweep_id}`)",
+        f"- training overrides: `{' '.join(results.train_overrides) or '(defaults)'}`",
+        f"- LR grid: {', '.join(f'{lr:g}' for lr in results.grid)}; search seeds {results.search_seeds} (each "
+        f"LR scored by the median final loss over them), compare seeds {results.seeds or 'none (search only)'}",
+        *warning_lines(results.warnings),
+    ]
+
+
+def search_lines(results: SweepResult) -> list[str]:
+    """Section 1: each LR's median final val loss over the search seeds and every run's, the selected LR marked."""
+    attentions = ["sa", "xsa"] if results.xsa_tuning else ["sa"]
+    rows = []
+    for lr in results.grid:
+        cells = [f"{lr:g}" + (" **(selected)**" if lr == results.selected_lr else "")]
+        for attention in attentions:
+            point = results.search.get(attention, {}).get(f"{lr:g}")
+            per_seed = (
+                [num(r.final_val_loss) if r.status == "completed" else r.status for r in point.runs] if point else []
+            )
+            cells += [num(point.median if point else None), ", ".join(per_seed) or "missing"]
+        rows.append(cells)
+    header = ["LR"] + [f"{a.upper()} {what}" for a in attentions for what in ("median", "per seed")]
+    lines = section(f"## 1. LR search (seeds {', '.join(map(str, results.search_seeds))}, final validation loss)")
+    lines += markdown_table(header, rows, align="r" + "rl" * len(attentions))
+    return lines + (stall_lines(results.stalls) if results.stalls else [])
+
+
+def clustered_line(test: ClusteredTest, shares: str = "its initialisation and data order") -> str:
+    """The test by seed (a seed's pairs share `shares`, so they are one observation)."""
+    floor = (
+        f"; with {test.clusters} seeds no p can be below {2 / 2**test.clusters:.3g}" if 0 < test.clusters < 11 else ""
+    )
+    return (
+        f"By seed (each seed's pairs share {shares}, so they are one observation): XSA's mean difference is lower "
+        f"in {test.xsa_lower} of {test.clusters} seeds, sign-flip permutation p = {num(test.sign_flip_p, '.3g')}"
+        f"{floor}."
+    )
+
+
+def stall_lines(study: StallStudy) -> list[str]:
+    """The stall section: the rule, the table per LR and arm, the stratified test, the paired final losses."""
+    rule, cells, stalls, judged, test = study.rule, study.cells, study.stalls, study.judged, study.stratified_test
+
+    def diag(cell: dict, metric: str) -> str:
+        states = (cell[f"diagnostics_{state}"] for state in ("stalled", "healthy"))
+        return " / ".join(f"{d[metric]:.3f}" if d else "-" for d in states)
+
+    def runs(cell: dict) -> str:
+        return f"{cell['runs']}" + (f" (+{n} diverged/failed)" if (n := cell["diverged_or_failed"]) else "")
+
+    lines = section(
+        "## Stalls per LR and arm (LR x seed grid of the search)",
+        f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
+        f"{rule['margin']:g} nats above the median of every run at its LR (both arms), a rule fixed in the sweep's "
+        "plan. Stall rate: exact (Clopper-Pearson) 95% CI; final loss: median [IQR] of the runs that did not diverge.",
+    )
+    header = ["LR", "arm", "runs", "stalls", "stall rate 95% CI", "final loss median [IQR]"]
+    header += ["a_ii stalled / healthy", "cos(y,v) stalled / healthy"]
+    rows = [
+        [f"{c['lr']:g}", c["attention"].upper(), runs(c), c["stalls"], interval(c["stall_rate_ci95"], ".2f")]
+        + [f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if (q := c["final_loss_quartiles"]) else "-"]
+        + [diag(c, "a_ii"), diag(c, "cos_y_v")]
+        for c in cells
+    ]
+    lines += markdown_table(header, rows, align="rlrrllll")
+    lines += [
+        "",
+        f"In all: SA stalled in {stalls['sa']} of {judged['sa']} runs, XSA in {stalls['xsa']} of {judged['xsa']}.",
+    ]
+    if test and test.p_value is not None:
+        lines.append(
+            "Cochran-Mantel-Haenszel test stratified by LR (SA's stall rate = XSA's at every LR): chi^2 = "
+            f"{test.statistic:.2f} on 1 dof, p = {test.p_value:.3g}."
+        )
+    elif test:
+        lines.append(f"Stratified test: {test.note}.")
+    if paired := study.paired_final_losses:
+        per_lr = "; ".join(
+            f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
+            for c in paired.per_lr
+        )
+        lines += [
+            "",
+            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired.pairs} pairs XSA is lower in "
+            f"{paired.xsa_lower} (exact sign test p = {num(paired.sign_test_p_value, '.3g')} if the pairs were "
+            "independent; they are not).",
+            clustered_line(paired.by_seed),
+        ]
+    if any(c.get("median_tokens_to_threshold") is not None for c in cells):
+        rows = [
+            [f"{c['lr']:g}", c["attention"].upper(), c.get("reached_threshold", 0)]
+            + [num(c.get("median_tokens_to_threshold"), ",.0f")]
+            for c in cells
+        ]
+        header = ["LR", "arm", "runs reaching the threshold", "median tokens to reach it"]
+        lines += ["", *markdown_table(header, rows, align="rlrr")]
+    return lines
+
+
+def compare_lines(results: SweepResult) -> list[str]:
+    """Section 2: SA vs XSA per seed at the shared LR, the paired tests, the verdict and the sequential rule."""
+    lines = section("## 2. SA vs XSA at the shared LR")
+    if results.selected_lr is None:
+        return lines + ["Not run: the search selected no LR (see the warnings)."]
+    if not results.seeds:
+        return lines + ["Not run: a search-only sweep (sweep.seeds=[]); the search's grid is the study."]
+    compare, search_seeds = results.comparison, ", ".join(map(str, results.search_seeds))
+    design = f"The compare runs use seeds disjoint from the search's (seeds {search_seeds}): none won the search."
+    if results.reuse_search_run:
+        design = "It reuses the search's winning SA run: the comparison is biased against XSA (see the warnings)."
+    lines += [f"LR {results.selected_lr:g}, selected on SA and reused unchanged for XSA. {design}", ""]
+    rows = [[row["seed"], row["sa"], row["xsa"], row["diff"]] for row in results.compare_table]
+    if compare.seeds:
+        rows.append(["mean ± std"] + [mean_std_cell(compare, name) for name in ("sa", "xsa", "diff")])
+    lines += markdown_table(["seed", "SA val loss", "XSA val loss", "XSA - SA"], rows, align="rrrr")
+    lines += verdict_lines(results)
+    lines += sequential_lines(results.sequential) if results.sequential else []
+    lines += null_lines(results.null) if results.null else []
+    return lines + position_lines(results.positions)
+
+
+def mean_std_cell(compare: ComparisonStats, name: str) -> str:
+    """A table cell: mean ± std over seeds; the mean alone below two seeds (signed for the difference)."""
+    mean, std = getattr(compare, f"{name}_mean"), getattr(compare, f"{name}_std")
+    return f"{mean:.4f} ± {std:.4f}" if std is not None else format(mean, "+.4f" if name == "diff" else ".4f")
+
+
+def verdict_lines(results: SweepResult) -> list[str]:
+    """The paired tests of XSA - SA (and of the null and in bits per byte), what the interval decides, the verdict
+    against the plan's margin and the smallest difference the study could detect."""
+    stats, null, bpb, sequential = results.comparison, results.null, results.bpb, results.sequential is not None
     n, dropped = len(stats.seeds), len(stats.dropped_seeds)
     left_out = f" ({dropped} seed(s) left out: see the warnings)" if dropped else ""
-    if stats.significance == "no pairs":
-        return f"No seed has both an SA and an XSA result: nothing to compare{left_out}."
-    text = f"XSA - SA = {stats.diff_mean:+.4f} on average over {n} seed(s){left_out}; XSA is lower in "
-    text += f"{stats.xsa_better_in}."
-    if stats.significance == "one seed":
-        text += " One seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement."
-    elif stats.significance == "no spread":
-        text += " The differences are all equal: no spread, so Student's t gives no interval."
-    else:
-        meaning = MEANING[stats.significance]
-        if sequential:  # the seeds were added until significant: the plain 5% level no longer holds
-            meaning += " if no seeds had been added on sight of the results; the sequential rule below decides"
-        p = f", p = {stats.diff_p_value:.3g}" if stats.diff_p_value is not None else ""
-        text += f" Paired 95% CI {interval(stats.diff_ci95)} (Student's t, {n - 1} dof{p}): {meaning}."
-        if stats.wilcoxon_p_value is not None:
-            text += (
-                " Tests that do not assume normal noise: exact Wilcoxon signed-rank p = "
-                f"{stats.wilcoxon_p_value:.3g}, exact sign test p = {num(stats.sign_test_p_value, '.3g')}."
-            )
-    if stats.margin is not None:
+    if not n:
+        return ["", f"No seed has both an SA and an XSA result: nothing to compare{left_out}."]
+    rows = [["XSA - SA", num(stats.sa_mean), num(stats.xsa_mean), *paired_cells(stats.paired)]]
+    rows[0].append(stats.margin.verdict if stats.margin else "-")
+    if null:
+        rows.append(
+            ["null - SA", num(statistics.fmean(null.sa)), num(statistics.fmean(null.null)), *paired_cells(null)]
+        )
+        rows[-1].append(null.margin.verdict if null.margin else "-")
+    if bpb:
+        rows.append(["In bits per byte: XSA - SA", num(bpb.sa_mean), num(bpb.xsa_mean), *paired_cells(bpb), "-"])
+    header = ["", "SA mean", "arm mean", *PAIRED_HEADER, "verdict"]
+    lines = ["", *markdown_table(header, rows, align="lrr" + PAIRED_ALIGN + "l"), ""]
+    meaning = MEANING[stats.significance]
+    if sequential and stats.diff_ci95:  # seeds added until significant: the plain 5% level no longer holds
+        meaning += " if no seeds had been added on sight of the results; the sequential rule below decides"
+    text = f"XSA is lower in {stats.xsa_better_in} of {n} seed(s){left_out}. Student's t, 95% CI"
+    text += f" ({n - 1} dof, p = {stats.diff_p_value:.3g}): " if stats.diff_p_value is not None else ": "
+    text += meaning + "."
+    if margin := stats.margin:
         caveat = " (its level assumes no seeds were added on sight of the results)" if sequential else ""
-        margin = stats.margin
-        text += f" **Verdict against the plan's margin of {margin.margin:g} nats: {margin.verdict}**{caveat}: "
+        text += f" Verdict against the plan's margin of {margin.margin:g} nats: **{margin.verdict}**{caveat}: "
         text += f"{margin.why}."
-    return text
-
-
-def noise_line(stats: ComparisonStats) -> list[str]:
-    """The seed-to-seed noise of each arm and of the paired difference, and what the study could have detected."""
-    n = len(stats.seeds)
-    if n < 2:
-        return []
-    optimistic = "; the closed form is optimistic below 4 seeds" if n < 4 else ""
-    return [
-        "",
-        f"Noise: the per-run standard deviation over seeds is {num(stats.sa_std)} for SA and {num(stats.xsa_std)} "
-        f"for XSA, {num(stats.diff_std)} for the paired difference. With {n} seeds this study could detect "
-        f"differences larger than {num(stats.min_detectable_diff)} ({stats.power:.0%} power, two-sided "
-        f"{stats.alpha:.0%} level{optimistic}): a smaller true difference may well come out not significant.",
-    ]
+    if n >= 2:
+        text += (
+            f" With {n} seeds this study could detect differences larger than {num(stats.min_detectable_diff)} "
+            f"({stats.power:.0%} power, two-sided {stats.alpha:.0%} level"
+            + ("; the closed form is optimistic below 4 seeds" if n < 4 else "")
+            + "): a smaller true difference may well come out not significant."
+        )
+    if bpb:
+        text += " Bits per byte: the loss over the UTF-8 bytes its tokens stand for, comparable across tokenizers."
+    return lines + [text]
 
 
 def sequential_lines(sequential: SequentialSummary) -> list[str]:
@@ -393,10 +528,9 @@ def sequential_lines(sequential: SequentialSummary) -> list[str]:
     s, per_look = sequential, sequential.alpha_per_look
     lines = section(
         "### Sequential stopping (sweep.seeds_until_significant)",
-        f"Rule: {s.rule}. Every look at the data is another chance of a false positive, so each look uses a "
-        f"Bonferroni-corrected level: {s.alpha:.0%} / {s.planned_looks} planned looks = {per_look:.4g}, i.e. a "
-        f"{1 - per_look:.2%} CI (Student's t, scipy.stats); the chance that any look declares a difference where "
-        f"there is none stays at most {s.alpha:.0%}.",
+        f"Rule: {s.rule}. Each look uses a Bonferroni-corrected level: {s.alpha:.0%} / {s.planned_looks} planned "
+        f"looks = {per_look:.4g}, a {1 - per_look:.2%} CI (Student's t), so the chance that any look declares a "
+        f"difference where there is none stays at most {s.alpha:.0%}.",
     )
     if not s.looks:
         return lines + [f"No look yet: {STOPPED[s.stopped]}."]
@@ -413,166 +547,20 @@ def sequential_lines(sequential: SequentialSummary) -> list[str]:
     ]
 
 
-def header_lines(results: SweepResult) -> list[str]:
-    """The title, what the sweep ran, and its warnings."""
-    lines = [
-        "# SA vs XSA: LR search on SA, comparison at the shared LR",
-        "",
-        f"- sweep directory: `{results.sweep_dir}` (W&B group `{results.sweep_id}`)",
-        f"- training overrides: `{' '.join(results.train_overrides) or '(defaults)'}`",
-        f"- LR grid: {', '.join(f'{lr:g}' for lr in results.grid)}; search seeds {results.search_seeds} (each "
-        f"LR scored by the median final loss over them), compare seeds {results.seeds or 'none (search only)'}",
-    ]
-    if results.warnings:
-        lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in results.warnings]
-    return lines
-
-
-def search_lines(results: SweepResult) -> list[str]:
-    """Section 1: each LR's median final val loss over the search seeds and every run's, the selected LR marked."""
-    attentions = ["sa", "xsa"] if results.xsa_tuning else ["sa"]
-    rows = []
-    for lr in results.grid:
-        cells = [f"{lr:g}" + (" **(selected)**" if lr == results.selected_lr else "")]
-        for attention in attentions:
-            point = results.search.get(attention, {}).get(f"{lr:g}")
-            runs = point.runs if point else []
-            per_seed = [num(r.final_val_loss) if r.status == "completed" else r.status for r in runs]
-            cells += [num(point.median if point else None), ", ".join(per_seed) or "missing"]
-        rows.append(cells)
-    header = ["LR"] + [f"{a.upper()} {what}" for a in attentions for what in ("median", "per seed")]
-    seeds = ", ".join(map(str, results.search_seeds))
-    lines = section(f"## 1. LR search (seeds {seeds}, final validation loss)")
-    lines += markdown_table(header, rows, align="r" + "rl" * len(attentions))
-    return lines + (stall_lines(results.stalls) if results.stalls else [])
-
-
-def stall_lines(study: StallStudy) -> list[str]:
-    """The stall section: the rule, the table per LR and arm, the stratified test, the paired final losses."""
-    rule, cells = study.rule, study.cells
-
-    def diag(cell: dict, metric: str) -> str:
-        states = (cell[f"diagnostics_{state}"] for state in ("stalled", "healthy"))
-        return " / ".join(f"{d[metric]:.3f}" if d else "-" for d in states)
-
-    def runs(cell: dict) -> str:
-        return f"{cell['runs']}" + (f" (+{n} diverged/failed)" if (n := cell["diverged_or_failed"]) else "")
-
-    def loss(q: list[float] | None) -> str:
-        return f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if q else "-"
-
-    lines = section(
-        "## Stalls per LR and arm (LR x seed grid of the search)",
-        f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
-        f"{rule['margin']:g} nats above the median of every run at its LR (both arms); the rule was fixed in the "
-        "sweep's plan before the runs. Interval: exact (Clopper-Pearson) 95%. Final loss: median [IQR] of the runs "
-        "that did not diverge.",
-    )
-    header = ["LR", "arm", "runs", "stalls", "stall rate 95% CI", "final loss median [IQR]"]
-    header += ["a_ii stalled / healthy", "cos(y,v) stalled / healthy"]
-    rows = [
-        [f"{c['lr']:g}", c["attention"].upper(), runs(c), c["stalls"], interval(c["stall_rate_ci95"], ".2f")]
-        + [loss(c["final_loss_quartiles"]), diag(c, "a_ii"), diag(c, "cos_y_v")]
-        for c in cells
-    ]
-    lines += markdown_table(header, rows, align="rlrrllll")
-    stalls, judged, test = study.stalls, study.judged, study.stratified_test
-    lines += [
-        "",
-        f"In all: SA stalled in {stalls['sa']} of {judged['sa']} runs, XSA in {stalls['xsa']} of {judged['xsa']}.",
-    ]
-    if test and test.p_value is not None:
-        lines.append(
-            "Cochran-Mantel-Haenszel test stratified by LR (SA's stall rate = XSA's at every LR): chi^2 = "
-            f"{test.statistic:.2f} on 1 dof, p = {test.p_value:.3g}."
-        )
-    elif test:
-        lines.append(f"Stratified test: {test.note}.")
-    paired = study.paired_final_losses
-    if paired:
-        per_lr = "; ".join(
-            f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
-            for c in paired.per_lr
-        )
-        lines += [
-            "",
-            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired.pairs} pairs XSA is lower in "
-            f"{paired.xsa_lower} (exact sign test p = {num(paired.sign_test_p_value, '.3g')} if the pairs were "
-            "independent; they are not).",
-            clustered_line(paired.by_seed),
-        ]
-    if any(c.get("median_tokens_to_threshold") is not None for c in cells):
-        header = ["LR", "arm", "runs reaching the threshold", "median tokens to reach it"]
-        rows = [
-            [f"{c['lr']:g}", c["attention"].upper(), c.get("reached_threshold", 0)]
-            + [num(c.get("median_tokens_to_threshold"), ",.0f")]
-            for c in cells
-        ]
-        lines += ["", *markdown_table(header, rows, align="rlrr")]
-    return lines
-
-
-def compare_lines(results: SweepResult) -> list[str]:
-    """Section 2: SA vs XSA per seed at the shared LR, the verdict, the noise and the sequential rule."""
-    lines = section("## 2. SA vs XSA at the shared LR")
-    if results.selected_lr is None:
-        return lines + ["Not run: the search selected no LR (see the warnings)."]
-    if not results.seeds:
-        return lines + ["Not run: a search-only sweep (sweep.seeds=[]); the search's grid is the study."]
-    compare, sequential = results.comparison, results.sequential
-    search_seeds = ", ".join(map(str, results.search_seeds))
-    if results.reuse_search_run:
-        design = (
-            f"An SA run at search seed(s) {search_seeds} is the search's winning run (sweep.reuse_search_run=true), "
-            "selected partly for its luck while XSA's was not: the comparison is biased against XSA."
-        )
-    else:
-        design = (
-            f"The compare runs use seeds disjoint from the search's (seeds {search_seeds}), so no compare run was "
-            "selected for its luck."
-        )
-    lines += [f"LR {results.selected_lr:g}, selected on SA and reused unchanged for XSA. {design}", ""]
-    rows = [[row["seed"], row["sa"], row["xsa"], row["diff"]] for row in results.compare_table]
-    if compare.seeds:
-        rows.append(["mean ± std"] + [mean_std_cell(compare, name) for name in ("sa", "xsa", "diff")])
-    lines += markdown_table(["seed", "SA val loss", "XSA val loss", "XSA - SA"], rows, align="rrrr")
-    lines += ["", verdict(compare, sequential=sequential is not None), *noise_line(compare)]
-    if sequential:
-        lines += sequential_lines(sequential)
-    lines += null_lines(results.null, compare) if results.null else []
-    return lines + bpb_lines(results.bpb) + position_lines(results.positions)
-
-
-def mean_std_cell(compare: ComparisonStats, name: str) -> str:
-    """A table cell: mean ± std over seeds; the mean alone below two seeds (signed for the difference)."""
-    mean, std = getattr(compare, f"{name}_mean"), getattr(compare, f"{name}_std")
-    return f"{mean:.4f} ± {std:.4f}" if std is not None else format(mean, "+.4f" if name == "diff" else ".4f")
-
-
-def null_lines(null: NullComparison, compare: ComparisonStats) -> list[str]:
-    """The A/A null beside the comparison: what the same analysis reports when there is no effect."""
-    ci = f", paired 95% CI {interval(null.t_ci95)}" if null.t_ci95 else ""
-    verdict = f"; verdict against the margin: **{null.margin.verdict}**" if null.margin else ""
+def null_lines(null: NullComparison) -> list[str]:
+    """The A/A null beside the comparison: what the same analysis claims when there is no effect."""
     lines = section(
         "### The null: SA against SA (sweep.null_arm)",
-        "SA again at each compare seed, the same data order from other initial weights, minus SA: "
-        f"{null.mean_diff:+.4f} on average over {null.pairs} seed(s){ci}{verdict}. There is no effect here, so a "
-        "verdict of better or worse, or an interval that excludes 0, is a false positive of the procedure.",
+        "SA again at each compare seed from other initial weights (the same data order), its row above: there is no "
+        "effect, so a verdict of better or worse, or an interval that excludes 0, is a false positive.",
     )
-    spread = [
-        ["XSA - SA", num(compare.diff_mean, "+.4f"), num(compare.diff_std)],
-        ["null - SA", num(null.mean_diff, "+.4f"), num(null.sd_diff)],
-    ]
-    lines += markdown_table(["", "mean", "sd over seeds"], spread, align="lrr")
     if not null.rates:
-        return lines
+        return lines[:-1]
     lines += [
-        "",
-        f"How often studies of these {null.rates[0].pairs} null pairs claim an effect, by study size. Every study: "
-        "the share over all studies of that many pairs (they overlap; 95% CI by the jackknife over pairs). "
-        "Disjoint: studies that share no pair, independent, with the exact binomial 95% CI. The t interval "
-        "excludes 0 in 5% of studies if the noise were normal; the verdict claims an effect when it says better "
-        f"or worse than the {null.rates[0].margin:g}-nat margin.",
+        f"How often studies of these {null.rates[0].pairs} null pairs claim an effect, by study size: over every "
+        "study of that size (they overlap: jackknife 95% CI over pairs), and over disjoint studies (exact binomial "
+        f"95% CI). A normal noise makes the t interval exclude 0 in 5%; the verdict claims better or worse than "
+        f"the {null.rates[0].margin:g}-nat margin.",
         "",
     ]
     rows = [
@@ -585,60 +573,45 @@ def null_lines(null: NullComparison, compare: ComparisonStats) -> list[str]:
     return lines + markdown_table(header, rows, align="rlll")
 
 
-def bpb_lines(bpb: BpbStats | None) -> list[str]:
-    if not bpb:
-        return []
-    ci = f", paired 95% CI {interval(bpb.t_ci95)}" if bpb.t_ci95 else ""
-    return [
-        "",
-        f"In bits per byte (the loss over the UTF-8 bytes its tokens stand for, comparable across tokenizers): SA "
-        f"{bpb.sa_mean:.4f}, XSA {bpb.xsa_mean:.4f}, XSA - SA {num(bpb.mean_diff, '+.4f')}{ci}.",
-    ]
-
-
-def position_lines(positions: PositionDifferences | None) -> list[str]:
+def position_lines(
+    positions: PositionDifferences | None,
+    heading: str = "### XSA - SA along the window (does the gain grow with context?)",
+) -> list[str]:
     """XSA - SA per span of window positions and the trend across spans (xsa_lm.stats.positions)."""
     if not positions:
         return []
     lines = section(
-        "### XSA - SA along the window (does the gain grow with context?)",
-        "The validation loss per equal span of positions (`val_position_buckets`, earliest first), paired over "
-        f"{positions.seeds} seed(s).",
+        heading,
+        "The validation loss per equal span of window positions (`val_position_buckets`, earliest first), paired "
+        f"over {positions.seeds} seed(s).",
     )
-    n = positions.spans
-    spans = [
-        [f"{i} of {n}", num(s.mean_diff, "+.4f"), interval(s.t_ci95), f"{s.xsa_lower}/{s.pairs}"]
-        for i, s in enumerate(positions.per_span, start=1)
+    rows = [[f"{i} of {positions.spans}", *paired_cells(s)] for i, s in enumerate(positions.per_span, start=1)]
+    lines += markdown_table(["span", *PAIRED_HEADER], rows, align="r" + PAIRED_ALIGN)
+    if positions.slope_mean is None:
+        return lines
+    return lines + [
+        "",
+        f"Trend: XSA - SA changes by {positions.slope_mean:+.5f} nats per span, the mean of one slope per seed (95% "
+        f"CI {interval(positions.slope_ci95, '+.5f')}, t p = {num(positions.slope_t_p, '.3g')}); negative: XSA's "
+        "gain grows later in the window.",
     ]
-    lines += markdown_table(["span", "XSA - SA", "95% CI (t)", "XSA lower"], spans, align="rrlr")
-    if positions.slope_mean is not None:
-        ci, p = positions.slope_ci95, positions.slope_t_p
-        detail = f" (95% CI {interval(ci, '+.5f')}, t p = {p:.3g})" if ci and p is not None else ""
-        lines += [
-            "",
-            f"Trend: XSA - SA changes by {positions.slope_mean:+.5f} nats per span on average over the seeds' own "
-            f"slopes{detail}; negative means XSA's gain grows later in the window. One slope per seed: spans of one "
-            "seed are not independent.",
-        ]
-    return lines
 
 
 def tuning_lines(results: SweepResult) -> list[str]:
     """Section 3 (sweep.tune_xsa): XSA at its own best LR against XSA at the LR selected on SA."""
-    tuning = results.xsa_tuning
-    if not tuning:
+    if not (tuning := results.xsa_tuning):
         return []
     lines = section("## 3. XSA at its own best LR (sweep.tune_xsa)")
     if tuning.selected_lr is None:
         return lines + ["No usable XSA search run."]
     if tuning.selected_lr == results.selected_lr:
-        meaning = "Sharing the SA-tuned LR costs XSA nothing here."
+        meaning = "sharing the SA-tuned LR costs XSA nothing here"
     else:
-        meaning = "The shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here."
+        meaning = "the shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here"
     return lines + [
         f"XSA's own best LR is {tuning.selected_lr:g} (median val loss {num(tuning.loss_at_own_lr)}, seeds "
         f"{results.search_seeds}); at the SA-tuned LR {results.selected_lr or float('nan'):g} XSA reaches "
-        f"{num(tuning.loss_at_shared_lr)}. {meaning}"
+        f"{num(tuning.loss_at_shared_lr)}: {meaning}."
     ]
 
 
@@ -678,8 +651,7 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
                 ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
         if results.selected_lr is not None:
             ax.axvline(results.selected_lr, color="gray", linestyle="--", label=f"selected {results.selected_lr:g}")
-        ax.set_xscale("log")
-        ax.set(xlabel="learning rate", ylabel="final validation loss")
+        ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss")
         ax.set_title(f"LR search (seeds {', '.join(map(str, results.search_seeds))}: each run and the median)")
         ax.legend()
 
@@ -721,14 +693,11 @@ def plot_positions(positions: PositionDifferences, path: Path) -> None:
 
 def write_report(results: SweepResult, sweep_dir: Path) -> str:
     """results.json, report.md and the plots in the sweep directory; returns the markdown."""
-    write_json(sweep_dir / "results.json", results.to_json())
-    plot_lr_sweep(results, sweep_dir / "lr_sweep.png")
-    plot_curves(results.trials, sweep_dir / "curves.png", results.selected_lr)
+    plots = {"lr_sweep.png": lambda path: plot_lr_sweep(results, path)}
+    plots["curves.png"] = lambda path: plot_curves(results.trials, path, results.selected_lr)
     if results.positions:
-        plot_positions(results.positions, sweep_dir / "positions.png")
-    markdown = render_markdown(results)
-    write_text(sweep_dir / "report.md", markdown)
-    return markdown
+        plots["positions.png"] = lambda path: plot_positions(cast(PositionDifferences, results.positions), path)
+    return write_report_files(sweep_dir, results, render_markdown(results), plots)
 
 
 def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSettings) -> None:

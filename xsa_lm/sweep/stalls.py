@@ -1,12 +1,7 @@
-"""Stalls of the LR search, as a measured rate: per LR and arm, how many seeds stall, with an exact interval, and a
-test of SA against XSA stratified by LR. Pure functions over the trial records (their val_history) and, for the
-attention diagnostics, each run's metrics.csv.
+"""Stalls of the LR search as a measured rate: per LR and arm, the seeds that stall with an exact interval, and a test
+of SA against XSA stratified by LR. A run stalls when its validation loss at `at_fraction` of the run lies more than
+`margin` nats above the median of every run at its LR (both arms), a rule fixed in the sweep's plan (sweep.stall)."""
 
-A run stalls when its validation loss at `at_fraction` of the run lies above the median of every run at its LR
-(both arms) by more than `margin` nats: the definition is fixed in the sweep's plan before any run (sweep.stall).
-"""
-
-import csv
 import math
 import statistics
 from collections.abc import Sequence
@@ -61,32 +56,28 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
     path = Path(run_dir) / "metrics.csv"
     if not path.exists():
         return None
-    rows = []
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            values = {m: [float(v) for k, v in row.items() if k.startswith(f"diag/{m}/") and v] for m in DIAGNOSTICS}
-            if all(values.values()) and row.get("step"):
-                rows.append((int(float(row["step"])), {m: statistics.fmean(v) for m, v in values.items()}))
-    if not rows:
+    import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
+
+    frame = pd.read_csv(path)
+    means = {m: frame.filter(like=f"diag/{m}/").mean(axis=1, skipna=False) for m in DIAGNOSTICS}
+    logged = frame.assign(**means).dropna(subset=[*DIAGNOSTICS, "step"])
+    if logged.empty:
         return None
-    return min(rows, key=lambda r: abs(r[0] - step))[1]
+    nearest = logged.loc[(logged["step"] - step).abs().idxmin()]
+    return {m: float(nearest[m]) for m in DIAGNOSTICS}
 
 
 def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
     """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed)."""
+    points = [loss_at_fraction(r, rule.at_fraction) if r.status == "completed" else None for r in records]
     by_lr: dict[float, list[float]] = {}
-    points = []
-    for record in records:
-        point = loss_at_fraction(record, rule.at_fraction) if record.status == "completed" else None
-        points.append(point)
-        if point is not None:
-            by_lr.setdefault(record.lr, []).append(point[1])
+    for record, point in zip(records, points, strict=True):
+        by_lr.setdefault(record.lr, []).extend([point[1]] if point else [])
     rows = []
     for record, point in zip(records, points, strict=True):
         row = {k: getattr(record, k) for k in ("attention", "lr", "seed", "status", "final_val_loss", "run_dir")}
-        if point is None:
-            row.update(stalled=None, step=None, loss_at=None)
-        else:
+        row.update(stalled=None, step=None, loss_at=None)
+        if point is not None:
             reference = statistics.median(by_lr[record.lr])
             row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin, reference=reference)
         if rule.loss_threshold is not None:
@@ -144,47 +135,41 @@ class StallStudy(Record):
     paired_final_losses: PairedFinalLosses | None
 
 
+def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
+    """One LR and arm: runs, final-loss quartiles, stalls with an exact interval, the median tokens to the loss
+    threshold, and the attention diagnostics of its stalled and healthy runs."""
+    judged = [r for r in runs if r["stalled"] is not None]
+    stalls = sum(bool(r["stalled"]) for r in judged)
+    quartiles = np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
+    cell = {"lr": lr, "attention": arm, "runs": len(runs), "diverged_or_failed": len(runs) - len(judged)}
+    cell |= {"final_loss_quartiles": quartiles, "stalls": stalls}
+    cell["stall_rate_ci95"] = exact_interval(stalls, len(judged)) if judged else None
+    if rule.loss_threshold is not None:
+        reached = [r["tokens_to_threshold"] for r in judged if r.get("tokens_to_threshold") is not None]
+        cell["reached_threshold"] = len(reached)
+        cell["median_tokens_to_threshold"] = statistics.median(reached) if reached else None
+    for state, wanted in (("stalled", True), ("healthy", False)):
+        diags = [r["diagnostics"] for r in judged if r["stalled"] is wanted and r.get("diagnostics")]
+        cell[f"diagnostics_{state}"] = (
+            {m: statistics.fmean(d[m] for d in diags) for m in DIAGNOSTICS} if diags else None
+        )
+    return cell
+
+
 def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
-    """Per LR and arm: runs, final-loss quartiles, stalls with an exact interval, diverged runs, the median tokens to
-    the loss threshold and the attention diagnostics of stalled and healthy runs; then the stratified test."""
+    """The stall cell of each LR and arm, the stratified test of SA's rate against XSA's, and the paired losses."""
     rows = classify(records, rule)
     for row in rows:
         if row["stalled"] is not None and row.get("run_dir"):
             row["diagnostics"] = diagnostics_at(row["run_dir"], row["step"])
-    cells = []
-    tables = []
+    cells, tables = [], []
     for lr in sorted({r["lr"] for r in rows}):
-        counts = {}
-        for arm in ("sa", "xsa"):
-            runs = [r for r in rows if r["lr"] == lr and r["attention"] == arm]
-            if not runs:
-                continue
-            judged = [r for r in runs if r["stalled"] is not None]
-            stalls = sum(bool(r["stalled"]) for r in judged)
-            cell = {
-                "lr": lr,
-                "attention": arm,
-                "runs": len(runs),
-                "diverged_or_failed": len(runs) - len(judged),
-                "final_loss_quartiles": (
-                    np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
-                ),
-                "stalls": stalls,
-                "stall_rate_ci95": exact_interval(stalls, len(judged)) if judged else None,
-            }
-            if rule.loss_threshold is not None:
-                reached = [r["tokens_to_threshold"] for r in judged if r.get("tokens_to_threshold") is not None]
-                cell["reached_threshold"] = len(reached)
-                cell["median_tokens_to_threshold"] = statistics.median(reached) if reached else None
-            for state, wanted in (("stalled", True), ("healthy", False)):
-                diags = [r["diagnostics"] for r in judged if r["stalled"] is wanted and r.get("diagnostics")]
-                cell[f"diagnostics_{state}"] = (
-                    {m: statistics.fmean(d[m] for d in diags) for m in DIAGNOSTICS} if diags else None
-                )
-            counts[arm] = (stalls, len(judged) - stalls)
-            cells.append(cell)
-        if len(counts) == 2:
-            tables.append((*counts["sa"], *counts["xsa"]))
+        arms = {arm: [r for r in rows if (r["lr"], r["attention"]) == (lr, arm)] for arm in ("sa", "xsa")}
+        cells += [stall_cell(lr, arm, runs, rule) for arm, runs in arms.items() if runs]
+        if all(arms.values()):  # SA's and XSA's (stalled, not) at this LR
+            tables.append(
+                tuple(n for c in cells[-2:] for n in (c["stalls"], c["runs"] - c["diverged_or_failed"] - c["stalls"]))
+            )
     completed = [r for r in rows if r["stalled"] is not None]
     return StallStudy(
         rule=asdict(rule),
