@@ -161,7 +161,7 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks():
 @pytest.mark.slow
 def test_a_failing_phase_ends_the_bench_in_one_line():
     with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
-        run_fresh(tiny_phase(kind="bogus", threads=1), label="bogus (round 1)", context=process_context())
+        run_fresh(tiny_phase(kind="bogus", threads=1), "bogus (round 1)", process_context())
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from typing import Any, cast
 
 from xsa_lm.bench.loops import KernelsFound, Phase, Probe, TimedPhase, measure
@@ -57,12 +58,12 @@ def mfu_target(model: str, device: str) -> float | None:
     return spec["at_least"] if applies else None
 
 
-def process_context() -> multiprocessing.context.BaseContext:
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["xsa_lm.bench.rounds"])  # this module, hence loops, torch and Lightning
-        return context
-    return multiprocessing.get_context("spawn")  # Windows: a new interpreter per phase (slower, as fresh)
+def process_context() -> BaseContext:
+    """Each phase's process forked from a server that has imported this module (hence loops, torch and Lightning)
+    once and never touches CUDA."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["xsa_lm.bench.rounds"])
+    return context
 
 
 def child(phase: Phase, connection: Connection) -> None:
@@ -74,11 +75,11 @@ def child(phase: Phase, connection: Connection) -> None:
         connection.close()
 
 
-def run_fresh(phase: Phase, label: str, context: multiprocessing.context.BaseContext) -> Probe | TimedPhase:
+def run_fresh(phase: Phase, label: str, context: BaseContext) -> Probe | TimedPhase:
     """measure(phase) in a new process; a failure or a killed process ends the bench with one line naming it.
-    (concurrent.futures' pool with max_tasks_per_child=1 would do it too, without the exit code of a killed one.)"""
+    (concurrent.futures' pool takes max_tasks_per_child from Python 3.11 on, and loses a killed process's exit code.)"""
     receive, send = context.Pipe(duplex=False)
-    start = context.Process  # type: ignore[attr-defined]  # not on BaseContext; on both of process_context()'s
+    start = context.Process  # type: ignore[attr-defined]  # not on BaseContext; on the forkserver's
     process = start(target=child, args=(phase, send), name=f"xsa-lm-bench-{label}")
     process.start()
     send.close()  # the child holds the only sending end: its death ends recv() with EOFError
@@ -109,16 +110,14 @@ def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
     return [name for group in groups for name in group]
 
 
-def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[Round]:
-    context, results = process_context(), []
-    for r in range(first, first + count):
-        t0, result = time.perf_counter(), Round()
-        for name in round_order(list(phases), kernels, r):
-            result[name] = cast(TimedPhase, run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context))
-        results.append(result)
-        ms = [f"{k} {1e3 * step(v, 'wall'):.1f} ms ({1e3 * step(v, 'cpu'):.1f} CPU)" for k, v in result.items()]
-        print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {', '.join(ms)}", flush=True)
-    return results
+def run_round(phases: dict[str, Phase], kernels: list[str], context: BaseContext, r: int, of: str) -> Round:
+    """Round r: each phase in a fresh process, in round_order; a line on its medians."""
+    t0, result = time.perf_counter(), Round()
+    for name in round_order(list(phases), kernels, r):
+        result[name] = cast(TimedPhase, run_fresh(phases[name], f"{name} (round {r + 1})", context))
+    ms = [f"{k} {1e3 * step(v, 'wall'):.1f} ms ({1e3 * step(v, 'cpu'):.1f} CPU)" for k, v in result.items()]
+    print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {', '.join(ms)}", flush=True)
+    return result
 
 
 def step(result: TimedPhase, clock: str) -> float:

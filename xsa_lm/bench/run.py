@@ -5,7 +5,9 @@ over the rounds (bench/rounds.py) each ratio's 95% interval and verdict (bench/s
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
@@ -19,7 +21,15 @@ from rich.console import Console
 from rich.table import Table
 
 from xsa_lm.bench.loops import Phase, Probe
-from xsa_lm.bench.rounds import KernelChoice, plan_rounds, process_context, run_fresh, run_rounds, summarize_rounds
+from xsa_lm.bench.rounds import (
+    KernelChoice,
+    Round,
+    plan_rounds,
+    process_context,
+    run_fresh,
+    run_round,
+    summarize_rounds,
+)
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.spec import AttentionSpec, Count, ModelSpec, OptimSpec, SchedulerSpec, Seed, Spec, parse, rule
@@ -132,23 +142,23 @@ def base_phase(spec: BenchSpec, device: torch.device) -> Phase:
     )
 
 
-def choose_kernels(backends: str | list[str], base: Phase) -> tuple[Probe, KernelChoice]:
-    """In a fresh process: train's kernel order and kernel here, the kernels of `backends` that take the model's
-    attention alone (`train`: train's), and the device."""
+def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext) -> tuple[Probe, KernelChoice]:
+    """In a fresh process: the device, train's kernel order and kernel here, and the kernels of `backends` that take
+    the model's attention alone (`train`: train's)."""
     names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
-    found = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe", process_context()))
-    kernels = found.kernels
-    timed = [kernels.used] if backends == "train" else [k for k in kernels.candidates if kernels.takes[k]]
+    probe = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe", context))
+    found = probe.kernels
+    timed = [found.used] if backends == "train" else [k for k in found.candidates if found.takes[k]]
     if not timed:
         raise UserError(
-            f"backends={backends}: none of {', '.join(kernels.candidates)} takes this model's attention in "
+            f"backends={backends}: none of {', '.join(found.candidates)} takes this model's attention in "
             f"{base.precision} on {base.device}; add math (it takes every shape)"
         )
-    primary = kernels.used if kernels.used in timed else timed[0]
-    return found, KernelChoice(**asdict(kernels), timed=timed, primary=primary)
+    primary = found.used if found.used in timed else timed[0]
+    return probe, KernelChoice(**asdict(found), timed=timed, primary=primary)
 
 
-def make_phases(comparisons: list[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
+def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
     """`sa_<kernel>` and `xsa_<kernel>` per timed kernel, and `lightning` (the headline) under train's order."""
     phases = {}
     for kernel in kernels.timed:
@@ -166,18 +176,19 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     device = resolve_device(spec.device)
     base, xsa, tokens = base_phase(spec, device), spec.models[1], spec.micro_batch * spec.context
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    probe, kernels = choose_kernels(spec.backends, base)
+    auto, plan, rounds = isinstance(spec.rounds, str), None, list[Round]()
+    total = spec.pilot_rounds if isinstance(spec.rounds, str) else spec.rounds
+    probe, kernels = choose_kernels(spec.backends, base, context := process_context())
     print(kernel_line(asdict(kernels)), flush=True)
-    phases = make_phases(spec.comparisons, base, xsa, kernels)
-    auto, t_rounds = isinstance(spec.rounds, str), time.perf_counter()
-    first = spec.pilot_rounds if isinstance(spec.rounds, str) else spec.rounds
-    rounds = run_rounds(phases, kernels.timed, first=0, count=first, of=" (pilot)" if auto else f"/{first}")
-    plan = None
-    if auto:
-        elapsed = time.perf_counter() - t_rounds
-        plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
-        print(plan_line(asdict(plan)), flush=True)
-        rounds += run_rounds(phases, kernels.timed, first=first, count=plan.rounds - first, of=f"/{plan.rounds}")
+    phases, t_rounds = make_phases(spec.comparisons, base, xsa, kernels), time.perf_counter()
+    while len(rounds) < total:
+        of = " (pilot)" if auto and plan is None else f"/{total}"
+        rounds.append(run_round(phases, kernels.timed, context, len(rounds), of=of))
+        if auto and plan is None and len(rounds) == total:
+            elapsed = time.perf_counter() - t_rounds
+            plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
+            print(plan_line(asdict(plan)), flush=True)
+            total = plan.rounds
     summary, ratios = summarize_rounds(
         rounds, probe, model=model, device_type=device.type, tokens=tokens, kernels=kernels
     )
@@ -264,13 +275,8 @@ def print_tables(r: dict) -> None:
     phases = []
     for name in r["phases"]:
         memory = r[f"{name}_peak_memory_bytes"]
-        cells = [r[f"{name}_step_ms"], r[f"{name}_cpu_ms"], r[f"{name}_tokens_per_s"]]
-        cells = [
-            f"{cells[0]:.1f}",
-            f"{cells[1]:.1f}",
-            f"{cells[2]:,.0f}",
-            "" if memory is None else f"{memory / mib:,.1f} MiB",
-        ]
+        cells = [f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_cpu_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}"]
+        cells.append("" if memory is None else f"{memory / mib:,.1f} MiB")
         phases.append([PHASE_LABELS[name.split("_")[0]], r["phase_kernels"][name], *cells])
     ratios = []
     for key, s in r["ratios"].items():
