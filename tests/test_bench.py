@@ -147,7 +147,8 @@ def tiny_phase(**changes) -> Phase:
     return replace(Phase("plain", config, "cpu", "32-true", False, optim, scheduler, **loop), **changes)
 
 
-def test_a_phase_runs_under_its_kernel_and_times_both_clocks():
+@pytest.mark.slow
+def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_ends_the_bench_in_one_line():
     found = measure(tiny_phase(kind="probe"))
     assert isinstance(found, Probe) and found.kernels.order == ["flash", "math"] and found.kernels.used == "flash"
     assert found.kernels.takes == {"flash": True, "math": True} and found.device.startswith("cpu")
@@ -156,12 +157,8 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks():
         result = measure(tiny_phase(sdpa=(kernel,)))
         assert isinstance(result, TimedPhase) and result.sdpa_used == kernel
         assert len(result.step_times) == len(result.cpu_step_times) == 2 and min(result.cpu_step_times) > 0
-
-
-@pytest.mark.slow
-def test_a_failing_phase_ends_the_bench_in_one_line():
     with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
-        run_fresh(tiny_phase(kind="bogus", threads=1), "bogus (round 1)", process_context())
+        run_fresh(tiny_phase(kind="bogus", threads=1), "bogus (round 1)", process_context())  # in its own process
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BeforeValidator, Field, model_validator
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from xsa_lm.bench.loops import Phase, Probe
 from xsa_lm.bench.rounds import (
@@ -262,9 +262,7 @@ COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 def table(title: str, columns: list[str], rows: list[list[str]], left: int) -> Table:
     """A rich table, its first `left` columns left-aligned (names), the others right-aligned (numbers)."""
-    table = Table(title=title)
-    for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i < left else "right")
+    table = Table(*[Column(c, justify="left" if i < left else "right") for i, c in enumerate(columns)], title=title)
     for row in rows:
         table.add_row(*row)
     return table
