@@ -278,9 +278,12 @@ def to_measure(choices: dict[str, dict]) -> list[str]:
 # ---- SA against XSA ---------------------------------------------------------------------------------------------
 
 
-def bench_config(args: argparse.Namespace):
-    """The bench config for this preset, as `xsa-lm bench model=... attention=xsa` composes it."""
+def bench_spec(args: argparse.Namespace):
+    """The bench's spec for this preset, as `xsa-lm bench model=... attention=xsa` composes and parses it."""
     from hydra import compose, initialize_config_module
+
+    from xsa_lm.bench.run import BenchSpec
+    from xsa_lm.config.spec import parse
 
     overrides = [
         f"model={args.model}",
@@ -291,7 +294,18 @@ def bench_config(args: argparse.Namespace):
         *args.override,
     ]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        return compose(config_name="bench", overrides=overrides)
+        return parse(BenchSpec, compose(config_name="bench", overrides=overrides))
+
+
+def plain_setup(spec, device: torch.device):
+    """The plain loop's setup as the bench builds it: precision auto (bf16 on a GPU), TF32 matmuls on CUDA, eager."""
+    from xsa_lm.bench.loops import Setup
+    from xsa_lm.config.builders import build
+
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    optim, scheduler = build(spec.optim.node), build(spec.scheduler.model_dump(by_alias=True))
+    return Setup(device, precision=spec.precision_on(device), compile=False, optimizer=optim, scheduler=scheduler)
 
 
 def paired_rounds(trainers: dict, batches: list, *, rounds: int, steps: int, deadline: Deadline) -> dict:
@@ -314,7 +328,7 @@ def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
     """Per SA and XSA the step time and tokens/s (the median over rounds) and, where the device's peak FLOP/s is
     known, MFU per round; XSA/SA step time per round with its 95% interval and verdict (xsa_lm.bench.stats), and
     whether that interval resolves 1%."""
-    from xsa_lm.bench.run import TARGETS, mfu_target
+    from xsa_lm.bench.rounds import TARGETS, mfu_target
     from xsa_lm.bench.stats import summarize
 
     tokens, peak, out = result["tokens_per_step"], result["peak_flops"], {}
@@ -428,31 +442,25 @@ def memory_phase(trainers: dict, batches: list, *, order: list[str], micro_batch
 def bench(directory: Path, key: str, device: torch.device, args: argparse.Namespace) -> None:
     """SA and XSA built once and compiled once per SDPA kernel, the result recorded after every measurement: the
     first kernel's rounds and the compiled memory first, the other kernels while the deadline allows, eager last."""
-    from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
-    from xsa_lm.bench.run import resolve_bench_precision, sa_and_xsa
-    from xsa_lm.config.builders import build, model_config
+    from xsa_lm.bench.loops import PlainTrainer, make_batches
     from xsa_lm.train.hardware import device_name, peak_flops
     from xsa_lm.train.module import compile_model
 
     deadline, t_start = Deadline(), time.perf_counter()
-    cfg = bench_config(args)
-    models = dict(zip(("sa", "xsa"), sa_and_xsa(model_config(cfg, cfg.vocab_size), cfg.context), strict=True))
-    precision = resolve_bench_precision("auto", device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    setup = Setup(
-        device, precision=precision, compile=False, optimizer=build(cfg.optim), scheduler=build(cfg.scheduler)
-    )
+    spec = bench_spec(args)
+    models = dict(zip(("sa", "xsa"), spec.models, strict=True))
+    setup = plain_setup(spec, device)
     # Two hand-written loops on the same initial weights, each compiled as training compiles: each block on its own,
     # the head with the loss
-    trainers = {name: PlainTrainer(config, setup, cfg.seed, TOTAL_STEPS) for name, config in models.items()}
+    trainers = {name: PlainTrainer(config, setup, spec.seed, TOTAL_STEPS) for name, config in models.items()}
     for trainer in trainers.values():
         compile_model(trainer.model)
     config = models["xsa"]
     batches = make_batches(config, micro_batch=args.micro_batch, seed=0, device=device)
+    precision = setup.precision
     peak, source = peak_flops(device, precision)
     result: dict = {
-        "model": cfg.model.name,
+        "model": spec.model.name,
         "device": device_name(device),
         "precision": precision,
         "context": args.context,

@@ -26,9 +26,8 @@ from gpu_xsa_lm import use_working_tree  # noqa: E402
 use_working_tree()
 import gpu_check_measure  # noqa: E402
 
-from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches  # noqa: E402
-from xsa_lm.bench.run import resolve_bench_precision, sa_and_xsa  # noqa: E402
-from xsa_lm.config.builders import build, model_config  # noqa: E402
+from xsa_lm.bench.loops import PlainTrainer, make_batches  # noqa: E402
+from xsa_lm.errors import UserError  # noqa: E402
 from xsa_lm.train.module import compile_model  # noqa: E402
 
 WARMUP_STEPS = 3  # compiling, then autotuning and the allocator settling
@@ -80,26 +79,21 @@ def main() -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: --device cpu profiles on the CPU")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
-        cfg = gpu_check_measure.bench_config(args)
-    except (HydraException, OmegaConfBaseException) as e:  # an unknown model or override
+        spec = gpu_check_measure.bench_spec(args)
+    except (HydraException, OmegaConfBaseException, UserError) as e:  # an unknown model, a bad override
         parser.error(str(e).splitlines()[0])
-    precision = resolve_bench_precision("auto", device)
-    setup = Setup(
-        device, precision=precision, compile=False, optimizer=build(cfg.optim), scheduler=build(cfg.scheduler)
-    )
-    measured = {}
-    for name, config in zip(("sa", "xsa"), sa_and_xsa(model_config(cfg, cfg.vocab_size), cfg.context), strict=True):
-        trainer = PlainTrainer(config, setup, cfg.seed, WARMUP_STEPS + args.steps)
+    setup = gpu_check_measure.plain_setup(spec, device)
+    precision, measured = setup.precision, {}
+    for name, config in zip(("sa", "xsa"), spec.models, strict=True):
+        trainer = PlainTrainer(config, setup, spec.seed, WARMUP_STEPS + args.steps)
         compile_model(trainer.model)
         batches = make_batches(config, micro_batch=args.micro_batch, seed=0, device=device)
         trainer.run(batches, WARMUP_STEPS)
         measured[name] = kernel_times(trainer, batches, steps=args.steps, device=device)
     rows = compare(measured["sa"], measured["xsa"])
     totals = {name: sum(times.values()) for name, times in measured.items()}
-    print(f"{cfg.model.name}, {args.micro_batch} x {args.context} tokens, {precision}, compiled, on {device.type}:")
+    print(f"{spec.model.name}, {args.micro_batch} x {args.context} tokens, {precision}, compiled, on {device.type}:")
     print(f"kernel time per step: SA {totals['sa']:.3f} ms, XSA {totals['xsa']:.3f} ms")
     print("| XSA - SA (ms) | SA (ms) | XSA (ms) | kernel |\n|---:|---:|---:|---|")
     for row in rows[: args.rows]:

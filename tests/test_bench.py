@@ -1,18 +1,27 @@
 """The training benchmark runs end to end and writes the keys the README and notes rely on (no timing asserts); its
-statistics against hand-computed numbers; each phase in its own process."""
+statistics against hand-computed numbers; its rounds' order and plan; each phase in its own process."""
 
 import json
 import math
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from xsa_lm.bench import stats
+from tests.helpers import refused_in_process
+from xsa_lm.bench import rounds as bench_rounds
+from xsa_lm.bench import run
+from xsa_lm.bench.loops import Phase, Probe, TimedPhase, measure
+from xsa_lm.bench.rounds import KernelChoice, mfu_target, plan_rounds, process_context, round_order, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, interval, rounds_needed, summarize
+from xsa_lm.bench.stats import verdict as bench_verdict
+from xsa_lm.errors import UserError
+from xsa_lm.model import GPTConfig
+from xsa_lm.train.hardware import peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freedom (tables: 4.303)
@@ -21,8 +30,7 @@ T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freed
 def test_interval_is_the_t_interval_of_the_log_ratios():
     low, high = interval([math.exp(0.0), math.exp(0.02), math.exp(0.04)])  # logs: mean 0.02, sd 0.02
     half = T_975_DF2 * 0.02 / math.sqrt(3)
-    assert low == pytest.approx(math.exp(0.02 - half), rel=1e-9)
-    assert high == pytest.approx(math.exp(0.02 + half), rel=1e-9)
+    assert (low, high) == pytest.approx((math.exp(0.02 - half), math.exp(0.02 + half)), rel=1e-9)
     assert interval([1.0]) is None and interval([1.01, 1.01]) == pytest.approx((1.01, 1.01))
 
 
@@ -40,7 +48,7 @@ def test_interval_is_the_t_interval_of_the_log_ratios():
     ],
 )
 def test_verdict_needs_the_whole_interval_on_one_side(bounds, target, at_most, expected):
-    assert stats.verdict(bounds, target, at_most) == expected
+    assert bench_verdict(bounds, target, at_most) == expected
 
 
 def test_summarize_reports_the_spread_and_the_geometric_mean():
@@ -65,8 +73,6 @@ def test_rounds_needed_is_the_fewest_whose_interval_clears_the_target():
 
 
 def test_a_round_pairs_each_kernels_sa_and_xsa_and_rotates_the_rest():
-    from xsa_lm.bench.run import round_order
-
     phases = ["sa_flash", "xsa_flash", "sa_math", "xsa_math", "lightning"]
     orders = [round_order(phases, ["flash", "math"], r) for r in range(4)]
     assert orders[0] == ["lightning", "sa_flash", "xsa_flash", "sa_math", "xsa_math"]
@@ -78,10 +84,8 @@ def test_a_round_pairs_each_kernels_sa_and_xsa_and_rotates_the_rest():
     assert round_order(["sa_flash", "lightning"], ["flash"], 1) == ["sa_flash", "lightning"]  # no XSA phase
 
 
-def timed(step: float, cpu_scale: float = 1.0):
-    from xsa_lm.bench.loops import TimedPhase
-
-    return TimedPhase(1, 1, False, [step] * 3, [cpu_scale * step] * 3, "flash", None, "", 1e3 * step, 1e3 * step)
+def timed(step: float, cpu_scale: float = 1.0) -> TimedPhase:
+    return TimedPhase(1, 1, False, [step] * 3, [cpu_scale * step] * 3, "flash", None, "")
 
 
 def pilot_round(sa: float, xsa: float, *, cpu_scale: float = 1.0) -> dict:
@@ -89,48 +93,52 @@ def pilot_round(sa: float, xsa: float, *, cpu_scale: float = 1.0) -> dict:
     return {"sa_flash": timed(sa, cpu_scale), "xsa_flash": timed(xsa, cpu_scale), "lightning": timed(sa, cpu_scale)}
 
 
-def kernel_choice(timed: list[str], primary: str):
-    from xsa_lm.bench.run import KernelChoice
-
+def kernel_choice(timed: list[str], primary: str) -> KernelChoice:
     return KernelChoice(order=timed, used=primary, candidates=timed, takes={}, timed=timed, primary=primary)
 
 
 def test_rounds_are_planned_from_the_pilots_spread_within_the_budget():
-    from xsa_lm.bench.run import plan_rounds
-
     kernels = kernel_choice(["flash", "math"], "flash")  # flash: the kernel train runs, the headline
     pilot = [pilot_round(0.1, 0.1 * math.exp(x)) for x in (-0.0245, 0.0, 0.0, 0.0245)]  # as in the test above
     for r, x in zip(pilot, (-0.03, 0.05, 0.0, 0.04), strict=True):  # math's XSA/SA near its target: ignored
         r |= {"sa_math": r["sa_flash"], "xsa_math": timed(1.02 * math.exp(x) * 0.1)}
-
-    def plan(budget_s: float):
-        return plan_rounds(pilot, kernels=kernels, elapsed_s=40.0, budget_s=budget_s, max_rounds=40, device_type="cpu")
-
-    roomy = plan(1000)
+    plan = partial(plan_rounds, pilot, kernels=kernels, elapsed_s=40.0, max_rounds=40, device_type="cpu")
+    roomy = plan(budget_s=1000)
     assert roomy.needed == 7 and roomy.rounds == 7 and roomy.clock == "cpu" and roomy.limited_by == "needed"
-    tight = plan(60)  # 10 s a round: 2 more fit
+    tight = plan(budget_s=60)  # 10 s a round: 2 more fit
     assert tight.affordable == 6 and tight.rounds == 6 and tight.limited_by == "budget_s"
-    assert plan(10).rounds == 4  # the pilot alone took longer than the budget
+    assert plan(budget_s=10).rounds == 4  # the pilot alone took longer than the budget
 
 
 def test_each_ratio_is_summarized_on_both_clocks_from_its_own_rounds():
-    from xsa_lm.bench.loops import DevicePhase
-    from xsa_lm.bench.run import summarize_rounds
-
     rounds = [pilot_round(0.1, 0.11, cpu_scale=2.0), pilot_round(0.2, 0.2, cpu_scale=2.0)]
-    info = DevicePhase(1, 1, False, "cpu", None, "", 1.0, 1.0)
+    probe = Probe(1, 1, False, kernel_choice(["flash"], "flash"), "cpu", None, "", 1.0, 1.0)
     kernels = kernel_choice(["flash"], "flash")
-    out, ratios = summarize_rounds(rounds, info, model="tiny", device_type="cpu", tokens=100, kernels=kernels)
+    out, ratios = bench_rounds.summarize_rounds(
+        rounds, probe, model="t", device_type="cpu", tokens=100, kernels=kernels
+    )
     assert ratios["xsa_over_sa_step_time"].rounds == pytest.approx([1.1, 1.0])  # paired within each round
     assert ratios["xsa_over_sa_cpu_time"].rounds == pytest.approx([1.1, 1.0])
     assert ratios["xsa_over_sa_cpu_time"].clock == "cpu" and ratios["xsa_over_sa_step_time"].kernel == "flash"
     assert out["sa_flash_step_ms"] == pytest.approx(150.0) and out["sa_flash_cpu_ms"] == pytest.approx(300.0)
+    assert "mfu" not in ratios  # no peak FLOP/s known
 
 
-def tiny_phase(**changes):
-    from xsa_lm.bench.loops import Phase
-    from xsa_lm.model import GPTConfig
+@pytest.mark.parametrize(
+    ("model", "device", "target"),
+    [
+        ("paper_0.7b", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)", 0.45),
+        ("paper_0.7b", "cuda (NVIDIA H200, torch 2.11)", 0.45),  # whole GPU names
+        ("paper_0.7b", "cuda (NVIDIA GH200 480GB, torch 2.11)", None),
+        ("paper_0.7b (n_layer=2)", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)", None),  # a changed preset
+        ("gpt2_124m", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)", None),
+    ],
+)
+def test_the_mfu_target_is_the_paper_models_on_an_h100_or_h200(model: str, device: str, target: float | None):
+    assert mfu_target(model, device) == target
 
+
+def tiny_phase(**changes) -> Phase:
     config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64)
     optim = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3}
     scheduler = {"_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler", "_partial_": True}
@@ -139,24 +147,18 @@ def tiny_phase(**changes):
     return replace(Phase("plain", config, "cpu", "32-true", False, optim, scheduler, **loop), **changes)
 
 
-def test_a_phase_runs_under_its_kernel_and_times_both_clocks():
-    from xsa_lm.bench.loops import measure
-
-    found = measure(tiny_phase(kind="kernels"))
-    assert found.order == ["flash", "math"] and found.used == "flash"
-    assert found.takes == {"flash": True, "math": True}
-    result = measure(tiny_phase(sdpa=("math",)))
-    assert result.sdpa_used == "math" and len(result.step_times) == len(result.cpu_step_times) == 2
-    assert all(t > 0 for t in result.cpu_step_times)
-    assert measure(tiny_phase(sdpa=("flash",))).sdpa_used == "flash"
-
-
-def run_quick(script: str, tmp_path: Path) -> tuple[dict, str]:  # scripts/bench_*.py --quick
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(REPO / "scripts" / script), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+@pytest.mark.slow
+def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_ends_the_bench_in_one_line():
+    found = measure(tiny_phase(kind="probe"))
+    assert isinstance(found, Probe) and found.kernels.order == ["flash", "math"] and found.kernels.used == "flash"
+    assert found.kernels.takes == {"flash": True, "math": True} and found.device.startswith("cpu")
+    assert found.flops_per_token == found.flops_per_token_flop_counter  # SDPA counted through math on CPU
+    for kernel in ("math", "flash"):
+        result = measure(tiny_phase(sdpa=(kernel,)))
+        assert isinstance(result, TimedPhase) and result.sdpa_used == kernel
+        assert len(result.step_times) == len(result.cpu_step_times) == 2 and min(result.cpu_step_times) > 0
+    with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
+        run_fresh(tiny_phase(kind="bogus", threads=1), "bogus (round 1)", process_context())  # in its own process
 
 
 @pytest.mark.slow
@@ -164,7 +166,6 @@ def run_quick(script: str, tmp_path: Path) -> tuple[dict, str]:  # scripts/bench
 def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Path):
     out = tmp_path / "bench.json"
     args = [sys.executable, "-m", "xsa_lm.cli", "bench", "smoke=true", "model.n_layer=2", f"out={out}"]
-    args.append(f"hydra.run.dir={tmp_path / 'run'}")
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -185,51 +186,38 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
         assert s["interval"][0] <= s["mean"] <= s["interval"][1], key
         assert s["verdict"] in (MEETS, MISSES, NOT_RESOLVED, NO_TARGET), key
     assert report["verdicts"]["mfu"] == NO_TARGET  # the MFU target is for paper_0.7b on an H100/H200
-    # each phase of each round ran in its own process
+    # each phase of each round ran in its own process, in the rounds' order
+    assert [list(r) for r in report["per_round"]] == [
+        round_order(report["phases"], ["flash", "math"], r) for r in (0, 1)
+    ]
     pids = [phase["pid"] for r in report["per_round"] for phase in r.values()]
     assert len(pids) == 2 * 5 == len(set(pids))
     # the model's formula and torch's flop counter agree (SDPA counted through its math kernel on CPU)
     assert report["flops_per_token"] == report["flops_per_token_flop_counter"]
     # XSA keeps one more activation per layer (z, the output projection's input); SA's is SDPA's own output
     assert 1.0 < report["xsa_over_sa_peak_memory"] < 1.1
+    xsa = report["xsa_memory"]  # as `xsa-lm plan` counts it: compiled, fewer temporaries than eager
+    assert 0 < xsa["saved_per_layer"] and 0 < xsa["temporaries_compiled"] < xsa["temporaries_eager"]
     assert "XSA/SA step time" in proc.stdout and "95% interval" in proc.stdout and "MFU" in proc.stdout
     assert "CPU time" in proc.stdout and "runs flash for this model" in proc.stdout
+    assert "XSA's memory per layer (the plan's count)" in proc.stdout
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode != 0 and "exists" in again.stderr and json.loads(out.read_text()) == report
-
-
-@pytest.mark.slow
-def test_a_failing_phase_ends_the_bench_in_one_line():
-    from xsa_lm.bench.fresh import process_context, run_fresh
-    from xsa_lm.errors import UserError
-
-    with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
-        run_fresh(tiny_phase(kind="bogus", threads=1), label="bogus (round 1)", context=process_context())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no Hydra folder, no log
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_bench_data_quick_writes_the_report(tmp_path: Path):
-    report, stdout = run_quick("bench_data.py", tmp_path)
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_data.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
     for key in ("raw_encode_tokens_per_s", "prepare_tokens_per_s", "loader_windows_per_s", "model_windows_per_s"):
         assert report[key] > 0, key
     assert report["prepare_over_raw"] > 0 and report["loader_over_model"] > 0 and report["tokens"] > 1_000_000
-    assert "target >= 0.8" in stdout
-
-
-@pytest.mark.parametrize("precision", ["16-mixed", 16, "bf16-true", "64-true", "fast"])
-def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
-    import torch
-
-    from xsa_lm.bench.run import resolve_bench_precision
-    from xsa_lm.errors import UserError
-
-    # 16-mixed on CPU: Lightning would run bf16-mixed, the hand-written loop fp32, the report say 16-mixed for both
-    with pytest.raises(UserError, match=f"^precision={precision}: bench runs auto, 32-true or bf16-mixed"):
-        resolve_bench_precision(precision, torch.device("cpu"))
-    assert resolve_bench_precision(32, torch.device("cpu")) == "32-true"
-    assert resolve_bench_precision("bf16", torch.device("cpu")) == "bf16-mixed"
-    assert resolve_bench_precision("auto", torch.device("cpu")) == "32-true"
+    assert "target >= 0.8" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -237,37 +225,62 @@ def test_bench_refuses_a_precision_its_two_loops_would_not_share(precision):
     [
         (["out=b1.json/x.json"], "out=b1.json/x.json: b1.json is a file, not a folder; choose another path"),
         (["out=bdir", "overwrite=true"], "out=bdir is a directory: give the file to write, e.g. out=bdir/bench.json"),
-        (["out=b1.json", "overwrite=no"], "overwrite must be true or false, got 'no'"),
-        (["compile=no"], "compile must be true or false, got 'no'"),
-        (["out=null"], "out=null: bench writes its results to a file; give one, e.g. out=bench.json"),
-        (["out="], "out=: bench writes its results to a file; give one, e.g. out=bench.json"),
-        (["micro_batch=0"], "micro_batch=0 must be an integer >= 1"),
-        (["threads=0"], "threads=0 must be an integer >= 1 (or auto or null)"),
-        (["steps=1.5"], "steps=1.5 must be an integer >= 1"),
-        (["rounds=1"], "rounds=1 must be an integer >= 2 or auto (an interval needs 2 rounds)"),
+        (["out=b1.json"], "out=b1.json exists"),
+        (["overwrite=no"], "overwrite=no must be true or false"),
+        (["compile=no"], "compile=no must be true or false"),
+        (["out=null"], "out=null must be the file bench writes its results to, e.g. out=bench.json"),
+        (["out="], "out= must be the file bench writes its results to"),
+        (["micro_batch=0"], "micro_batch=0 must be >= 1"),
+        (["threads=0"], "threads=0 must be >= 1 or auto"),
+        (["steps=1.5"], "steps=1.5 must be an integer"),
+        (["rounds=1"], "rounds=1 must be >= 2 or auto"),
         (["context=100000"], "context=100000 is above model.block_size=128: lower it"),
-        (["budget_s=0"], "budget_s=0 must be a finite number of seconds > 0"),
-        (["budget_s=inf"], "budget_s=inf must be a finite number of seconds > 0"),  # not after the pilot
-        (["budget_s=nan"], "budget_s=nan must be a finite number of seconds > 0"),
-        (["comparisons=[xsa_over_sa,speed]"], "comparisons=['xsa_over_sa', 'speed'] has unknown ['speed']; choose"),
+        (["budget_s=0"], "budget_s=0 must be > 0"),
+        (["budget_s=inf"], "budget_s=inf must be a finite number"),  # not after the pilot
+        (["budget_s=nan"], "budget_s=nan must be a finite number"),
+        (["comparisons=[xsa_over_sa,speed]"], "comparisons=['xsa_over_sa', 'speed'] must be one of xsa_over_sa, light"),
         (["backends=[flsh]"], "backends=['flsh'] names no kernel: flsh (it takes auto, train or a list of cudnn,"),
         (["backends=fast"], "backends=fast must be auto, train or a list of cudnn, flash, efficient, math"),
+        (["device=tpu"], "device=tpu must be one of auto, cpu, cuda"),
+        (["attention=sa"], "bench compares SA with the XSA variant given by attention=xsa"),
+        (["attention.layers=[9]"], "attention.layers=[9]: each layer is a 0-based index below model.n_layer=4"),
+        # 16-mixed on CPU: Lightning would run bf16-mixed, the hand-written loop fp32, the report say 16-mixed
+        *[([f"precision={p}"], f"precision={p} must be auto, 32-true or bf16-mixed") for p in ("16-mixed", 16, "fast")],
+        (["precision=bf16-true"], "precision=bf16-true must be auto, 32-true or bf16-mixed: what both the Lightning"),
     ],
 )
-def test_bench_refuses_an_out_or_switch_before_measuring(
-    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+def test_bench_refuses_an_out_or_option_before_measuring(
+    args: list[str], message: str, tmp_path: Path, monkeypatch, capsys
 ):
-    """Refused up front in one line, not after minutes of rounds (or inside a phase's process, or at the write)."""
-    from tests.helpers import refused_in_process
-    from xsa_lm.bench import run
-
+    """Refused up front in one line, not after minutes of rounds (or inside a phase's process, or at the write), and
+    inside its job: nothing but its `out` is ever written where it was typed."""
     (tmp_path / "b1.json").write_text("{}")
     (tmp_path / "bdir").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "bench", lambda *args, **kwargs: pytest.fail("measured before refusing"))
-    said = refused_in_process(["bench", *args], monkeypatch, capsys)
+    said = refused_in_process(["bench", "out=b.json", *args], monkeypatch, capsys)
     assert said.startswith(f"xsa-lm: error: {message}") and said.count("\n") == 1
-    assert (tmp_path / "b1.json").read_text() == "{}" and not any((tmp_path / "bdir").iterdir())
+    assert (tmp_path / "b1.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "b1.json",
+        "bdir",
+    ]
+    assert not any((tmp_path / "bdir").iterdir())
+
+
+def test_bench_names_a_changed_preset_by_its_overrides(tmp_path: Path, monkeypatch, capsys):
+    """A preset with model.* overrides is another model: the report names the overrides (and the preset's MFU target
+    does not apply to it)."""
+
+    def labelled(spec, *, model: str, **rest) -> dict:
+        raise UserError(f"label {model}")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "bench", labelled)
+    args = ["bench", "model=paper_0.7b", "model.n_layer=2", "model.n_head=6", "model.dropout=0.1", "micro_batch=1"]
+    said = refused_in_process(args, monkeypatch, capsys)
+    assert said == "xsa-lm: error: label paper_0.7b (n_layer=2, dropout=0.1)\n"  # n_head=6 is the preset's own
+    said = refused_in_process(["bench", "model=tiny", "model.n_layer=4"], monkeypatch, capsys)
+    assert said == "xsa-lm: error: label tiny\n"
 
 
 @pytest.mark.parametrize(
@@ -291,58 +304,6 @@ def test_bench_refuses_an_out_or_switch_before_measuring(
     ],
 )
 def test_peak_flops_of_a_gpu_by_its_whole_name(name: str, bf16: float | None, source: str, monkeypatch):
-    from xsa_lm.train.hardware import peak_flops
-
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     peak, said = peak_flops(torch.device("cuda", 0), "bf16-mixed")
     assert peak == (pytest.approx(bf16) if bf16 else None) and source in said
-
-
-def test_bench_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, monkeypatch, capsys):
-    """Refused inside its job (Hydra has run): nothing but its `out` is ever written where it was typed."""
-    from tests.helpers import refused_in_process
-
-    (tmp_path / "bench.json").write_text("{}")
-    monkeypatch.chdir(tmp_path)
-    assert "out=bench.json exists" in refused_in_process(["bench", "smoke=true"], monkeypatch, capsys)
-    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
-
-
-def test_bench_reports_xsa_memory_as_the_plan_counts_it():
-    """Per layer, 10 tokens, 2 heads of 16 in fp32: 2 fp32 coefficients per head saved (16 bytes a token); eager
-    temporaries: the gradients of z and v, y's fp32 gradient and 2 fp32 numbers per head (4 x 32 x 3 + 16 = 400);
-    compiled: the gradients of y and v and one number per head (4 x 64 + 8 = 264)."""
-    from xsa_lm.bench.run import xsa_memory, xsa_memory_line
-    from xsa_lm.model import GPTConfig
-
-    config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64, attention="xsa")
-    measured = xsa_memory(config, tokens=10, precision="32-true")
-    assert measured == {"saved_per_layer": 160, "temporaries_eager": 4000, "temporaries_compiled": 2640}
-    assert "backward temporaries 0.00 MiB eager" in xsa_memory_line(measured)
-
-
-def test_bench_names_a_changed_preset_by_its_overrides(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-):
-    """A preset with model.* overrides is another model: the report names the overrides, and the preset's MFU
-    target does not apply to it."""
-    from tests.helpers import refused_in_process
-    from xsa_lm.bench import run
-    from xsa_lm.errors import UserError
-
-    def labelled(spec, *, model: str, **rest) -> dict:
-        raise UserError(f"label {model}")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "bench", labelled)
-    args = ["bench", "model=paper_0.7b", "model.n_layer=2", "model.n_head=6", "model.dropout=0.1", "micro_batch=1"]
-    said = refused_in_process(args, monkeypatch, capsys)
-    assert said == "xsa-lm: error: label paper_0.7b (n_layer=2, dropout=0.1)\n"  # n_head=6 is the preset's own
-    assert refused_in_process(["bench", "model=tiny", "model.n_layer=4"], monkeypatch, capsys) == (
-        "xsa-lm: error: label tiny\n"
-    )
-    assert run.mfu_target("paper_0.7b", "NVIDIA H100 80GB HBM3") == 0.45
-    assert run.mfu_target("paper_0.7b (n_layer=2)", "NVIDIA H100 80GB HBM3") is None
-    assert run.mfu_target("paper_0.7b", "cuda (NVIDIA H200, torch 2.11)") == 0.45  # whole GPU names
-    assert run.mfu_target("paper_0.7b", "cuda (NVIDIA GH200 480GB, torch 2.11)") is None
-    assert run.mfu_target("gpt2_124m", "cuda (NVIDIA H100 80GB HBM3, torch 2.11)") is None

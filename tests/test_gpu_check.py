@@ -3,6 +3,7 @@ minutes (start-up included), a summary rewritten after every measurement (so a s
 measured) that holds one table, checks that fail when XSA's bf16 gradients or the SDPA kernel are wrong, and the whole
 check rehearsed on CPU from a bundle built here, so its first run on a GPU is not its first run."""
 
+import argparse
 import json
 import math
 import os
@@ -52,26 +53,19 @@ def test_the_step_limits_and_the_start_up_fit_the_budget_and_six_minutes_on_a_gp
     assert plans["gpu"]["budget_s"] <= SIX_MINUTES
 
 
-def test_limits_over_the_budget_are_refused_before_anything_runs(tmp_path: Path):
-    bundle = fake_bundle(tmp_path / "bundle")
-    env = {"GPU_CHECK_BUNDLE": str(bundle), "GPU_CHECK_ALLOW_CPU": "1", "GPU_CHECK_BUDGET_S": "300"}
-    proc = run_check(str(tmp_path / "check"), **env)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "add up to" in proc.stderr
-    assert not (tmp_path / "check").exists()
-    proc = run_check(str(tmp_path / "check"), **env | {"GPU_CHECK_STEPS": "eval:30"})
-    assert proc.returncode == 2 and "GPU_CHECK_STEPS: eval:30" in proc.stderr
-
-
-def test_without_the_bundle_it_stops_with_one_line(tmp_path: Path):
-    proc = run_check(str(tmp_path / "check"), GPU_CHECK_BUNDLE=str(tmp_path / "nothing"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "make gpu-bundle" in proc.stderr
-
-
-@pytest.mark.slow  # the whole check script in a fresh process (~10 s)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_without_a_gpu_it_stops_with_one_line(tmp_path: Path):
-    proc = run_check(str(tmp_path / "check"), GPU_CHECK_BUNDLE=str(fake_bundle(tmp_path / "bundle")))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no NVIDIA GPU" in proc.stderr
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"GPU_CHECK_BUNDLE": "/no/such/bundle"}, "make gpu-bundle"),
+        ({"GPU_CHECK_ALLOW_CPU": "1", "GPU_CHECK_BUDGET_S": "300"}, "add up to"),  # before anything runs
+        ({"GPU_CHECK_ALLOW_CPU": "1", "GPU_CHECK_STEPS": "eval:30"}, "GPU_CHECK_STEPS: eval:30"),
+        pytest.param({}, "no NVIDIA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here")),
+    ],
+)
+def test_the_check_that_cannot_start_stops_with_one_line(env: dict, said: str, tmp_path: Path):
+    bundle = str(fake_bundle(tmp_path / "bundle"))
+    proc = run_check(str(tmp_path / "check"), **{"GPU_CHECK_BUNDLE": bundle} | env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in proc.stderr
     assert not (tmp_path / "check").exists()
 
 
@@ -111,17 +105,6 @@ def test_a_step_past_its_limit_keeps_what_it_measured(tmp_path: Path):
     assert "step slow: timed out" in summary["failures"] and not summary["ok"]
     assert "| step slow | timed out after" in (out / "summary.md").read_text()
     assert len(list(out.iterdir())) <= 8  # what comes back from the device machine
-
-
-def test_the_summary_is_rewritten_after_every_measurement(tmp_path: Path):
-    assert run_steps(tmp_path).returncode == 0
-    gpu_check_summary.record(tmp_path, "xsa_bf16", {"device": "fake", "gradients": [], "orthogonality": []})
-    first = json.loads((tmp_path / "summary.json").read_text())
-    assert first["device"] == "fake" and first["pending"] == ["fast", "slow", "never"] and not first["finished"]
-    gpu_check_summary.record(tmp_path, "bench_x", {"device": "fake", "eager": {}})
-    second = json.loads((tmp_path / "summary.json").read_text())
-    assert set(second["measurements"]) == {"xsa_bf16", "bench_x"}
-    assert "in progress" in (tmp_path / "summary.md").read_text()
 
 
 def test_a_step_that_ran_but_recorded_nothing_fails_the_check(tmp_path: Path):
@@ -186,9 +169,14 @@ def test_failed_checks_fail_the_summary(tmp_path: Path):
     assert "FAILED" in (tmp_path / "summary.md").read_text()
 
 
-def test_the_summary_is_one_table_with_the_xsa_over_sa_interval_per_kernel(tmp_path: Path):
+def test_the_summary_is_rewritten_after_every_measurement_as_one_table_with_the_xsa_over_sa_interval_per_kernel(
+    tmp_path: Path,
+):
     assert run_steps(tmp_path).returncode == 0
     gpu_check_summary.record(tmp_path, "xsa_bf16", xsa_bf16(holds=True))
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert first["device"] == "fake" and first["pending"] == ["fast", "slow", "never"] and not first["finished"]
+    assert "in progress" in (tmp_path / "summary.md").read_text()
     choices = {
         "auto": {"order": ["cudnn"], "runs": "cudnn"},
         "efficient": {"order": None, "runs": None, "reason": "no"},
@@ -197,6 +185,7 @@ def test_the_summary_is_one_table_with_the_xsa_over_sa_interval_per_kernel(tmp_p
     compiled = {"auto": phase(1.004, 0.002, ran="cudnn"), "flash": phase(1.03, 0.05, ran="flash", rounds=3)}
     bench = {"device": "fake", "model": "gpt2_124m", "kernel_choices": choices, "compiled": compiled}
     gpu_check_summary.record(tmp_path, "bench_gpt2_124m", bench)
+    assert set(json.loads((tmp_path / "summary.json").read_text())["measurements"]) == {"xsa_bf16", "bench_gpt2_124m"}
     text = (tmp_path / "summary.md").read_text()
     assert text.count("| what | result | 95% interval | verdict |") == 1
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
@@ -301,18 +290,14 @@ def test_xsa_stays_orthogonal_to_v_under_bf16_autocast():
 
 @pytest.mark.slow
 def test_sa_and_xsa_in_one_process_give_step_times_mfu_kernels_and_memory_against_the_plan():
-    from dataclasses import replace
-    from functools import partial
+    from xsa_lm.bench.loops import PlainTrainer, make_batches
 
-    from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
-    from xsa_lm.model import GPTConfig
-    from xsa_lm.train.schedule import warmup_cosine_scheduler
-
-    xsa = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=32, vocab_size=128, attention="xsa")
-    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
-    setup = Setup(torch.device("cpu"), "32-true", False, partial(torch.optim.AdamW, lr=1e-3), scheduler)
-    sa = replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False)
-    trainers = {name: PlainTrainer(config, setup, 0, 100) for name, config in (("sa", sa), ("xsa", xsa))}
+    shape = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.head_dim=32"]
+    args = argparse.Namespace(model="tiny", context=32, micro_batch=2, vocab_size=128, override=shape)
+    spec = gpu_check_measure.bench_spec(args)  # as `xsa-lm bench` parses it: precision auto, fp32 on CPU
+    setup = gpu_check_measure.plain_setup(spec, torch.device("cpu"))
+    sa, xsa = spec.models
+    trainers = {"sa": PlainTrainer(sa, setup, 0, 100), "xsa": PlainTrainer(xsa, setup, 0, 100)}
     batches = make_batches(xsa, micro_batch=2, seed=0, device=setup.device)
     deadline = gpu_check_measure.Deadline()
     per_round = gpu_check_measure.paired_rounds(trainers, batches, rounds=3, steps=2, deadline=deadline)

@@ -5,17 +5,17 @@ machine, where the wall clock also counts the waits for a core), and peak memory
 import contextlib
 import logging
 import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
-from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
 
 from xsa_lm.compat import QUIET_TRAINER
@@ -32,6 +32,26 @@ N_BATCHES = 8  # distinct random batches, cycled
 
 
 @dataclass(frozen=True)
+class Phase:
+    """What a fresh process needs to run one phase (plain values: it is pickled)."""
+
+    kind: str  # plain (the hand-written loop), lightning, or probe (the kernels and the device: nothing timed)
+    model: GPTConfig
+    device: str
+    precision: str
+    compile: bool
+    optimizer: dict  # the optim and scheduler nodes, built in the child
+    scheduler: dict
+    micro_batch: int
+    warmup: int
+    steps: int
+    seed: int
+    threads: int | None
+    reuse_host_memory: bool
+    sdpa: tuple[str, ...] = ()  # the SDPA kernels allowed, most preferred first (empty: torch's own)
+
+
+@dataclass(frozen=True)
 class ProcessFacts:
     pid: int
     threads: int
@@ -40,14 +60,17 @@ class ProcessFacts:
 
 @dataclass(frozen=True)
 class KernelsFound:
-    order: list[str]
-    used: str
+    order: list[str]  # train's (sdpa_backends=auto) on this device
+    used: str  # the kernel it runs for this model
     candidates: list[str]
-    takes: dict[str, bool]
+    takes: dict[str, bool]  # whether a candidate alone takes the model's attention
 
 
 @dataclass(frozen=True)
-class DevicePhase(ProcessFacts):
+class Probe(ProcessFacts):
+    """A first process's findings: the kernels, the device and its peak FLOP/s, the model's FLOPs per token."""
+
+    kernels: KernelsFound
     device: str
     peak_flops: float | None
     peak_flops_source: str
@@ -62,31 +85,6 @@ class TimedPhase(ProcessFacts):
     sdpa_used: str
     peak_memory_bytes: int | None
     peak_memory_source: str
-    step_ms_median: float  # wall clock
-    cpu_ms_median: float
-
-
-PhaseResult = KernelsFound | DevicePhase | TimedPhase  # measure()'s, for a phase of kind kernels, device, else
-
-
-@dataclass(frozen=True)
-class Phase:
-    """What a fresh process needs to run one phase (plain values: it is pickled)."""
-
-    kind: str  # plain (the hand-written loop), lightning, device (FLOP/s, nothing timed) or kernels
-    model: GPTConfig
-    device: str
-    precision: str
-    compile: bool
-    optimizer: dict  # Hydra nodes (optim, scheduler), built in the child
-    scheduler: dict
-    micro_batch: int
-    warmup: int
-    steps: int
-    seed: int
-    threads: int | None
-    reuse_host_memory: bool
-    sdpa: tuple[str, ...] = ()  # the SDPA kernels allowed, most preferred first (empty: torch's own)
 
 
 def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torch.device) -> list[Batch]:
@@ -112,6 +110,28 @@ class Setup:
         return contextlib.nullcontext()
 
 
+class Clocks(L.Callback):
+    """Device-synchronised stamps on the wall clock and on the process's CPU-time clock; as Lightning's callback, one
+    at each batch start (start to start covers all Lightning does; its ThroughputMonitor has no CPU-time clock) and
+    CUDA's memory high-water mark from the last batch on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.stamps = device, list[tuple[float, float]]()
+
+    def stamp(self) -> None:
+        synchronize(self.device)
+        self.stamps.append((time.perf_counter(), time.process_time()))
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.stamp()
+        if len(self.stamps) == trainer.max_steps and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_times(self, skip: int) -> list[list[float]]:
+        """Each step's seconds (start to start) after the first `skip`: [on the wall clock, on the CPU-time clock]."""
+        return np.diff(self.stamps[skip:], axis=0).T.tolist()
+
+
 class PlainTrainer:
     """The loop a researcher writes by hand (nanoGPT's): autocast, fused AdamW with LMModule's parameter groups,
     clipping at 1, the LR schedule, non-blocking copies of pinned batches, and no read-back of the loss."""
@@ -125,7 +145,7 @@ class PlainTrainer:
         fused = {} if "fused" in keywords else {"fused": True}  # as LMModule.configure_optimizers
         self.opt = setup.optimizer(param_groups(self.model, keywords.get("weight_decay", 0.0)), **fused)
         self.sched = setup.scheduler(self.opt, total_steps=total_steps)
-        self.cpu_stamps: list[float] = []  # the last run's, on the process's CPU-time clock
+        self.clocks = Clocks(setup.device)  # the last run's
 
     def step(self, batch: Batch) -> None:
         x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
@@ -140,46 +160,20 @@ class PlainTrainer:
         self.opt.zero_grad(set_to_none=True)
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
-        """n steps; n + 1 device-synchronised wall-clock stamps (those on the CPU-time clock in cpu_stamps)."""
-        stamps, self.cpu_stamps = [], []
+        """n steps; their n + 1 wall-clock stamps (self.clocks has both clocks')."""
+        self.clocks = Clocks(self.setup.device)
         for i in range(n):
-            synchronize(self.setup.device)
-            stamps.append(time.perf_counter())
-            self.cpu_stamps.append(time.process_time())
+            self.clocks.stamp()
             self.step(batches[i % len(batches)])
-        synchronize(self.setup.device)
-        self.cpu_stamps.append(time.process_time())
-        return stamps + [time.perf_counter()]
+        self.clocks.stamp()
+        return [wall for wall, _ in self.clocks.stamps]
 
 
-class StepTimer(L.Callback):
-    """A device-synchronised stamp at each batch start (start to start covers all Lightning does); on CUDA, the
-    allocator's high-water mark over the last batch."""
-
-    def __init__(self, device: torch.device, last_batch: int) -> None:
-        self.device = device
-        self.last_batch = last_batch
-        self.starts: list[float] = []
-        self.cpu_starts: list[float] = []  # the process's CPU time at the same stamps
-        self.peak_memory: int | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        synchronize(self.device)
-        self.starts.append(time.perf_counter())
-        self.cpu_starts.append(time.process_time())
-        if batch_idx == self.last_batch and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.last_batch and self.device.type == "cuda":
-            self.peak_memory = torch.cuda.max_memory_allocated(self.device)
-
-
-def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: int, seed: int) -> StepTimer:
+def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: int, seed: int) -> Clocks:
     """A fresh Trainer.fit of LMModule for n steps, as `xsa-lm train` configures it, without logging or checkpoints."""
     torch.manual_seed(seed)
     module = LMModule(config, setup.optimizer, setup.scheduler, total_steps=n, compile=setup.compile, spike_factor=None)
-    timer = StepTimer(setup.device, last_batch=n - 1)
+    clocks = Clocks(setup.device)
     trainer = L.Trainer(
         max_steps=n,
         accelerator=setup.device.type,
@@ -188,16 +182,12 @@ def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: i
         gradient_clip_val=1.0,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[timer],
+        callbacks=[clocks],
         **QUIET_TRAINER,
     )
     cycled = [batches[i % len(batches)] for i in range(n)]  # a list is a map-style dataset
     trainer.fit(module, DataLoader(cycled, batch_size=None, shuffle=False, num_workers=0))  # type: ignore[arg-type]
-    return timer
-
-
-def step_times(stamps: list[float]) -> list[float]:
-    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:], strict=False)]
+    return clocks
 
 
 def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int:
@@ -206,9 +196,8 @@ def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            storages[storage.data_ptr()] = storage.nbytes()
+        if t.untyped_storage().data_ptr() not in own:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -219,46 +208,17 @@ def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int
 def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
     """Peak memory of one more training step: CUDA's high-water mark; on CPU (no such counter) the weights,
     gradients and optimizer state plus every tensor saved for the backward, where SA and XSA differ."""
-    setup = trainer.setup
+    setup, model = trainer.setup, trainer.model
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
         trainer.run(batches, 1)
         return torch.cuda.max_memory_allocated(setup.device), "torch.cuda.max_memory_allocated over a training step"
-    static = sum(p.numel() * p.element_size() * 2 for p in trainer.model.parameters())  # weights + gradients
-    static += sum(b.numel() * b.element_size() for b in trainer.model.buffers())  # RoPE's tables
-    static += sum(t.numel() * t.element_size() for s in trainer.opt.state.values() for t in s.values())
+    held = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # weights and gradients
+    state = [t for s in trainer.opt.state.values() for t in s.values()]
+    held += sum(t.numel() * t.element_size() for t in [*model.buffers(), *state])  # RoPE's tables, AdamW's state
     with setup.autocast():
-        saved = saved_for_backward(lambda: trainer.step_fn(*batches[0]), trainer.model)
-    return static + saved, "estimate: weights, gradients, AdamW state and tensors saved for backward"
-
-
-def counted_flops_per_token(config: GPTConfig, setup: Setup, batch: Batch) -> float:
-    """Lightning's measure_flops for one forward and backward, per token: checks the model's formula."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    model = GPT(config).to(setup.device)
-    x, y = (t.to(setup.device) for t in batch)
-    # The counter knows SDPA's math, flash (CUDA) and efficient kernels, not the CPU flash kernel: math on CPU.
-    math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else contextlib.nullcontext()
-    with setup.autocast(), math_on_cpu:
-        flops = measure_flops(model, lambda: model(x, y)[1], loss_fn=lambda loss: loss)
-    return flops / x.numel()
-
-
-def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> KernelsFound:
-    """`auto`'s kernel order here, the kernel it runs, and which candidates take the attention alone."""
-    order = resolve("auto", setup.device)
-    with sdpa_backends(order):
-        used = attention_kernel(config, setup)
-    wanted = resolve(list(candidates) if candidates else "auto", setup.device)
-    takes = {}
-    for name in wanted:
-        with sdpa_backends([name]):
-            try:
-                takes[name] = attention_kernel(config, setup) == name
-            except UserError:  # no kernel allowed takes it: this one does not
-                takes[name] = False
-    return KernelsFound(order=order, used=used, candidates=wanted, takes=takes)
+        saved = saved_for_backward(lambda: trainer.step_fn(*batches[0]), model)
+    return held + saved, "estimate: weights, gradients, AdamW state and tensors saved for backward"
 
 
 def attention_kernel(config: GPTConfig, setup: Setup) -> str:
@@ -269,7 +229,41 @@ def attention_kernel(config: GPTConfig, setup: Setup) -> str:
     )
 
 
-def measure(phase: Phase) -> PhaseResult:
+def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> KernelsFound:
+    """`auto`'s kernel order here, the kernel it runs, and which candidates (empty: every kernel) take the attention."""
+    order = resolve("auto", setup.device)
+    with sdpa_backends(order):
+        used = attention_kernel(config, setup)
+    wanted, takes = resolve(list(candidates) if candidates else "auto", setup.device), {}
+    for name in wanted:
+        with sdpa_backends([name]), contextlib.suppress(UserError):  # no kernel allowed takes it: not this one
+            takes[name] = attention_kernel(config, setup) == name
+        takes.setdefault(name, False)
+    return KernelsFound(order=order, used=used, candidates=wanted, takes=takes)
+
+
+def probe(phase: Phase, setup: Setup, batch: Batch, facts: ProcessFacts) -> Probe:
+    """The kernels, and the FLOPs per token by the model's formula and by Lightning's measure_flops over one forward
+    and backward of one sequence under train's order (the counter knows SDPA's math, flash (CUDA) and efficient
+    kernels, not the CPU flash kernel: math on CPU)."""
+    kernels, peak = kernels_taking(phase.model, setup, phase.sdpa), peak_flops(setup.device, phase.precision)
+    model = GPT(phase.model).to(setup.device)
+    x, y = (t[:1].to(setup.device) for t in batch)
+    math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else sdpa_backends(kernels.order)
+    with setup.autocast(), math_on_cpu:
+        counted = measure_flops(model, lambda: model(x, y)[1], loss_fn=lambda loss: loss)
+    return Probe(
+        **vars(facts),
+        kernels=kernels,
+        device=device_name(setup.device),
+        peak_flops=peak[0],
+        peak_flops_source=peak[1],
+        flops_per_token=model.flops_per_token(phase.model.block_size),
+        flops_per_token_flop_counter=counted / x.numel(),
+    )
+
+
+def measure(phase: Phase) -> Probe | TimedPhase:
     """Run one phase in this (fresh) process: `warmup` untimed steps, then `steps` timed ones, and peak memory."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -281,56 +275,37 @@ def measure(phase: Phase) -> PhaseResult:
     device = torch.device(phase.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    optimizer, scheduler = (build(OmegaConf.create(group)) for group in (phase.optimizer, phase.scheduler))
-    setup = Setup(device, phase.precision, phase.compile, optimizer, scheduler)
+    setup = Setup(device, phase.precision, phase.compile, build(phase.optimizer), build(phase.scheduler))
     batches = make_batches(phase.model, micro_batch=phase.micro_batch, seed=phase.seed, device=device)
-    if phase.kind == "kernels":
-        return kernels_taking(phase.model, setup, phase.sdpa)
     facts = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
+    if phase.kind == "probe":
+        return probe(phase, setup, batches[0], facts)
     with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
-        if phase.kind == "device":
-            return device_facts(phase, setup, batches, facts)
         return timed(phase, setup, batches, facts)
 
 
-def device_facts(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> DevicePhase:
-    config = phase.model
-    peak, source = peak_flops(setup.device, phase.precision)
-    first = (batches[0][0][:1], batches[0][1][:1])  # one sequence: the count per token is the same, the memory less
-    return DevicePhase(
-        **asdict(facts),
-        device=device_name(setup.device),
-        peak_flops=peak,
-        peak_flops_source=source,
-        flops_per_token=GPT(config).flops_per_token(config.block_size),
-        flops_per_token_flop_counter=counted_flops_per_token(config, setup, first),
-    )
-
-
 def timed(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> TimedPhase:
-    config, w = phase.model, phase.warmup
-    # Steps w..w+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
-    total = w + phase.steps + 1
+    # Steps warmup..warmup+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
+    config, total = phase.model, phase.warmup + phase.steps + 1
     memory: int | None
     if phase.kind == "plain":
         trainer = PlainTrainer(config, setup, phase.seed, total)
-        times = step_times(trainer.run(batches, total - 1)[w:])
-        cpu_times = step_times(trainer.cpu_stamps[w:])
+        trainer.run(batches, total - 1)
+        clocks = trainer.clocks
         memory, source = peak_memory(trainer, batches)
     elif phase.kind == "lightning":
-        timer = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
-        times, cpu_times = step_times(timer.starts[w:]), step_times(timer.cpu_starts[w:])
-        memory = timer.peak_memory  # CUDA only: the CPU estimate needs the plain loop's own forward
+        clocks = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
+        # CUDA only: the CPU estimate needs the plain loop's own forward
+        memory = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
         source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
     else:
         raise ValueError(f"unknown bench phase kind {phase.kind!r}")
+    times, cpu_times = clocks.step_times(phase.warmup)
     return TimedPhase(
-        **asdict(facts),
+        **vars(facts),
         step_times=times,
         cpu_step_times=cpu_times,
         sdpa_used=attention_kernel(config, setup),
         peak_memory_bytes=memory,
         peak_memory_source=source,
-        step_ms_median=1e3 * statistics.median(times),
-        cpu_ms_median=1e3 * statistics.median(cpu_times),
     )

@@ -1,35 +1,38 @@
-"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process.
-
-Each round runs every phase once; a kernel's SA and XSA back to back (alternating which goes first), the kernels'
-order and Lightning's place rotating, so that drift and noisy neighbours hit every phase alike. Over the rounds,
-each ratio's 95% interval and verdict (bench/stats.py); `rounds: auto` plans the rounds from a pilot's spread.
+"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process;
+over the rounds (bench/rounds.py) each ratio's 95% interval and verdict (bench/stats.py). Prints tables, writes `out`.
 """
 
-import math
+import contextlib
 import os
-import re
-import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import hydra
 import torch
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import BeforeValidator, Field, model_validator
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
-from xsa_lm.bench.fresh import process_context, run_fresh
-from xsa_lm.bench.loops import DevicePhase, KernelsFound, Phase, TimedPhase
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Ratio, rounds_needed, summarize
+from xsa_lm.bench.loops import Phase, Probe
+from xsa_lm.bench.rounds import (
+    KernelChoice,
+    Round,
+    plan_rounds,
+    process_context,
+    run_fresh,
+    run_round,
+    summarize_rounds,
+)
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET
 from xsa_lm.compat import lightning_precision_name
-from xsa_lm.config.builders import model_config
-from xsa_lm.config.checks import check_switches
+from xsa_lm.config.spec import AttentionSpec, Count, ModelSpec, OptimSpec, SchedulerSpec, Seed, Spec, parse, rule
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model import GPTConfig
@@ -37,99 +40,80 @@ from xsa_lm.model.sdpa import config_problem
 from xsa_lm.train import memory
 from xsa_lm.train.runinfo import run_info
 
-# XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
-TARGETS: dict[str, Any] = {
-    "xsa_over_sa_step_time": {"cpu": 1.02, "cuda": 1.01},
-    "lightning_over_plain_throughput": 0.97,
-    "mfu": {"model": "paper_0.7b", "gpus": ("H100", "H200"), "at_least": 0.45},
-}
 SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
-# The clock rounds are planned on: a CPU step is the process's own work (its CPU time holds up on a shared
-# machine); a GPU step's host CPU time says little about the device's.
-PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
-Round = dict[str, TimedPhase]  # a round's result of each phase
+# What the hand-written loop reproduces (autocast to bf16, or none): under any other precision Lightning would train
+# in another one than the plain loop (16-mixed: fp16 with a grad scaler on a GPU, bf16-mixed on CPU; *-true: weights
+# cast), and the report would compare two precisions under one name.
+BOTH_LOOPS = ("32-true", "bf16-mixed")
+Rounds = Annotated[int, Field(ge=2)]  # an interval needs 2
 
 
-def at_least(low: int, also: str = "", unless: tuple = ()) -> BeforeValidator:
-    def check(value: Any) -> Any:
-        if value not in unless and (type(value) is not int or value < low):
-            raise ValueError(f"must be an integer >= {low}{also}")
-        return value
-
-    return BeforeValidator(check)
+def _out(value: Any) -> str:
+    if value is None or value == "":
+        raise ValueError("must be the file bench writes its results to, e.g. out=bench.json")
+    return str(value)
 
 
-def finite_seconds(value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError("must be a finite number of seconds > 0")  # inf would fail after the pilot
-    return value
+def _precision(value: Any) -> str | None:
+    with contextlib.suppress(ValueError):
+        if value == "auto" or lightning_precision_name(value) in BOTH_LOOPS:
+            return None
+    return "must be auto, 32-true or bf16-mixed: what both the Lightning loop and the hand-written loop train in"
 
 
-def kernels(value: Any) -> Any:
+def _backends(value: Any) -> str | None:
     problem = None if value in ("auto", "train") else config_problem(value)
-    if problem:
-        raise ValueError(problem.replace("auto", "auto, train"))
-    return value
+    return problem and problem.replace("auto", "auto, train")
 
 
-def comparisons(value: Any) -> Any:
-    unknown = sorted(set(value) - {"xsa_over_sa", "lightning_over_plain"})
-    if unknown:
-        raise ValueError(f"has unknown {unknown}; choose from ['lightning_over_plain', 'xsa_over_sa']")
-    return list(value)
+class BenchSpec(Spec):
+    """configs/bench.yaml: the bench's own options, and the model it times with its optimizer and schedule."""
 
-
-class BenchSpec(BaseModel):
-    """The bench's own settings (configs/bench.yaml), each refused in one line before any phase starts."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    device: str
-    precision: str | int
-    context: Annotated[int, at_least(1)]
-    micro_batch: Annotated[int, at_least(1)]
-    vocab_size: Annotated[int, at_least(1)]
+    out: Annotated[str, BeforeValidator(_out)]
+    overwrite: bool
+    device: Literal["auto", "cpu", "cuda"]
+    precision: Annotated[str | int, rule(_precision)]
+    context: Count
+    micro_batch: Count
+    vocab_size: Count
     compile: bool
     reuse_host_memory: bool
-    backends: Annotated[str | list[str], BeforeValidator(kernels)]
-    rounds: Annotated[int | str, at_least(2, " or auto (an interval needs 2 rounds)", unless=("auto",))]
-    pilot_rounds: Annotated[int, at_least(2)]
-    budget_s: Annotated[float, BeforeValidator(finite_seconds)]
-    max_rounds: Annotated[int, at_least(2)]
-    steps: Annotated[int, at_least(1)]
-    warmup: Annotated[int, at_least(0)]
-    comparisons: Annotated[list[str], BeforeValidator(comparisons)]
-    threads: Annotated[int | str | None, at_least(1, " (or auto or null)", unless=(None, "auto"))]
-    seed: Annotated[int, at_least(0)]
+    backends: Annotated[str | list[str], rule(_backends)]
+    rounds: Rounds | Literal["auto"]
+    pilot_rounds: Rounds
+    budget_s: float = Field(gt=0, allow_inf_nan=False)  # inf would fail after the pilot
+    max_rounds: Rounds
+    steps: Count
+    warmup: int = Field(ge=0)
+    comparisons: list[Literal["xsa_over_sa", "lightning_over_plain"]]
+    threads: Count | Literal["auto"] | None
+    seed: Seed
     smoke: bool
+    model: ModelSpec
+    attention: AttentionSpec
+    optim: OptimSpec
+    scheduler: SchedulerSpec
 
+    @model_validator(mode="after")
+    def _sa_and_xsa(self) -> "BenchSpec":
+        if self.attention.name != "xsa":
+            raise ValueError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
+        if self.context > self.model.block_size:
+            raise ValueError(f"context={self.context} is above model.block_size={self.model.block_size}: lower it")
+        self.models  # noqa: B018 - GPTConfig's own check and attention.layers', before any phase starts
+        return self
 
-def bench_spec(settings: dict[str, Any]) -> BenchSpec:
-    try:
-        return BenchSpec.model_validate(settings)
-    except ValidationError as e:
-        error = e.errors()[0]
-        key = ".".join(str(part) for part in error["loc"])
-        raise UserError(f"{key}={error['input']} {error['msg'].removeprefix('Value error, ')}") from None
+    @property
+    def models(self) -> tuple[GPTConfig, GPTConfig]:
+        """(SA, XSA) at the bench's context: the XSA variant of the attention group, and the same model without it."""
+        xsa = replace(self.model.gpt_config(self.attention, self.vocab_size), block_size=self.context)
+        return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
 
-
-@dataclass(frozen=True)
-class KernelChoice(KernelsFound):
-    timed: list[str]  # the kernels SA and XSA are timed under
-    primary: str  # the kernel whose ratios are the headline
-
-
-@dataclass(frozen=True)
-class RoundsPlan:
-    pilot: int
-    clock: str
-    needed: int | None  # None: the pilot's centre is on the target
-    affordable: int
-    budget_s: float
-    max_rounds: int
-    round_s: float
-    rounds: int
-    limited_by: str
+    def precision_on(self, device: torch.device) -> str:
+        """auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the phases)."""
+        if self.precision == "auto":
+            return "bf16-mixed" if device.type == "cuda" else "32-true"
+        return lightning_precision_name(self.precision)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -137,57 +121,33 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but torch sees no CUDA device: use device=cpu (or auto)")
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"device must be auto, cpu or cuda; got {device!r}")
     return torch.device(device)
 
 
-# What the hand-written loop reproduces (autocast to bf16, or none): under any other precision Lightning would train
-# in another one than the plain loop (16-mixed: fp16 with a grad scaler on a GPU, bf16-mixed on CPU; *-true: weights
-# cast), and the report would compare two precisions under one name.
-BOTH_LOOPS = ("32-true", "bf16-mixed")
-
-
-def resolve_bench_precision(precision: str | int, device: torch.device) -> str:
-    """auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the phases)."""
-    if precision == "auto":
-        return "bf16-mixed" if device.type == "cuda" else "32-true"
-    try:
-        name = lightning_precision_name(precision)
-    except ValueError:
-        name = None  # not a precision at all: the same answer
-    if name not in BOTH_LOOPS:
-        raise UserError(
-            f"precision={precision}: bench runs auto, {' or '.join(BOTH_LOOPS)} (what both its Lightning loop and its "
-            "hand-written loop train in): set precision=auto"
-        )
-    return name
-
-
-def sa_and_xsa(xsa: GPTConfig, context: int) -> tuple[GPTConfig, GPTConfig]:
-    """(SA, XSA) at the bench's context: the XSA variant of attention=xsa, and the same model without XSA."""
-    if xsa.attention != "xsa":
-        raise UserError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
-    xsa = replace(xsa, block_size=context)
-    return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
-
-
-def base_phase(spec: BenchSpec, sa: GPTConfig, device: torch.device, precision: str, groups: dict) -> Phase:
-    """The plain loop training SA; `groups`: the optim and scheduler groups, built in the phase's process."""
+def base_phase(spec: BenchSpec, device: torch.device) -> Phase:
+    """The plain loop training SA."""
     # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
     # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
-    threads = (1 if device.type == "cpu" else None) if spec.threads == "auto" else spec.threads
+    auto = 1 if device.type == "cpu" else None
     same = spec.model_dump(include={"compile", "micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
-    optim, scheduler, threads = groups["optim"], groups["scheduler"], cast(int | None, threads)
-    return Phase("plain", sa, device.type, precision, optimizer=optim, scheduler=scheduler, threads=threads, **same)
+    return Phase(
+        "plain",
+        spec.models[0],
+        device.type,
+        spec.precision_on(device),
+        optimizer=spec.optim.node,
+        scheduler=spec.scheduler.model_dump(by_alias=True),
+        threads=auto if isinstance(spec.threads, str) else spec.threads,
+        **same,
+    )
 
 
-def kernel_choice(backends: str | list[str], base: Phase) -> KernelChoice:
-    """In a fresh process: train's kernel order and kernel here, and the kernels of `backends` that take the model's
-    attention alone (`train`: train's); `primary` (train's when timed) gives the headline ratios."""
+def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext) -> tuple[Probe, KernelChoice]:
+    """In a fresh process: the device, train's kernel order and kernel here, and the kernels of `backends` that take
+    the model's attention alone (`train`: train's)."""
     names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
-    kernels = replace(base, kind="kernels", sdpa=names)  # empty: every kernel the device has
-    found = cast(KernelsFound, run_fresh(kernels, "kernels", process_context()))
+    probe = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe", context))
+    found = probe.kernels
     timed = [found.used] if backends == "train" else [k for k in found.candidates if found.takes[k]]
     if not timed:
         raise UserError(
@@ -195,15 +155,14 @@ def kernel_choice(backends: str | list[str], base: Phase) -> KernelChoice:
             f"{base.precision} on {base.device}; add math (it takes every shape)"
         )
     primary = found.used if found.used in timed else timed[0]
-    return KernelChoice(**asdict(found), timed=timed, primary=primary)
+    return probe, KernelChoice(**asdict(found), timed=timed, primary=primary)
 
 
-def make_phases(comparisons: list[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
+def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
     """`sa_<kernel>` and `xsa_<kernel>` per timed kernel, and `lightning` (the headline) under train's order."""
     phases = {}
     for kernel in kernels.timed:
-        plain_sa = "lightning_over_plain" in comparisons and kernel == kernels.primary
-        if "xsa_over_sa" in comparisons or plain_sa:
+        if "xsa_over_sa" in comparisons or ("lightning_over_plain" in comparisons and kernel == kernels.primary):
             phases[f"sa_{kernel}"] = replace(base, sdpa=(kernel,))
         if "xsa_over_sa" in comparisons:
             phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
@@ -211,149 +170,40 @@ def make_phases(comparisons: list[str], base: Phase, xsa: GPTConfig, kernels: Ke
     return phases
 
 
-def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
-    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
-    shift = r % len(kernels)
-    groups = []
-    for kernel in kernels[shift:] + kernels[:shift]:
-        pair = [name for name in (f"sa_{kernel}", f"xsa_{kernel}") if name in phases]
-        if pair:
-            groups.append(pair if r % 2 == 0 else pair[::-1])
-    groups.insert(r % (len(groups) + 1), ["lightning"])
-    return [name for group in groups for name in group]
-
-
-def median_step(result: TimedPhase, clock: str) -> float:
-    return statistics.median(result.step_times if clock == "wall" else result.cpu_step_times)
-
-
-def run_rounds(phases: dict[str, Phase], kernels: list[str], *, first: int, count: int, of: str) -> list[Round]:
-    context, results = process_context(), []
-    for r in range(first, first + count):
-        t0, result = time.perf_counter(), Round()
-        for name in round_order(list(phases), kernels, r):
-            result[name] = cast(TimedPhase, run_fresh(phases[name], label=f"{name} (round {r + 1})", context=context))
-        results.append(result)
-        ms = ", ".join(f"{k} {v.step_ms_median:.1f} ms ({v.cpu_ms_median:.1f} CPU)" for k, v in result.items())
-        print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {ms}", flush=True)
-    return results
-
-
-def per_round_ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float]:
-    return [median_step(r[top], clock) / median_step(r[bottom], clock) for r in rounds]
-
-
-def plan_rounds(
-    pilot: list[Round], kernels: KernelChoice, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
-) -> RoundsPlan:
-    """The rounds the headline ratio (XSA/SA, else Lightning/plain step time) needs at the pilot's spread, within
-    budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
-    decided, and such an interval covers less than 95%."""
-    clock, primary = PLANNING_CLOCK[device_type], kernels.primary
-    if f"xsa_{primary}" in pilot[0]:
-        top, target = f"xsa_{primary}", TARGETS["xsa_over_sa_step_time"][device_type]
-    else:
-        top, target = "lightning", 1 / TARGETS["lightning_over_plain_throughput"]
-    has_sa = f"sa_{primary}" in pilot[0]  # else Lightning alone: no ratio to plan for
-    needed = rounds_needed(per_round_ratios(pilot, top, f"sa_{primary}", clock), target) if has_sa else len(pilot)
-    pace = elapsed_s / len(pilot)
-    affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
-    total = max(len(pilot), min(needed, affordable, max_rounds))
-    limited_by = "needed" if total >= needed else "budget_s" if affordable <= max_rounds else "max_rounds"
-    finite = None if math.isinf(needed) else int(needed)
-    return RoundsPlan(len(pilot), clock, finite, affordable, budget_s, max_rounds, pace, int(total), limited_by)
-
-
-def model_label(model: dict, preset: dict) -> str:
-    """The model's name, with the fields it sets apart from its preset's: `tiny (n_layer=6)`."""
-    changed = [f"{key!s}={model[key]}" for key in model if key != "name" and model[key] != preset.get(key)]
-    return f"{model['name']} ({', '.join(changed)})" if changed else str(model["name"])
-
-
-def mfu_target(model: str, device: str) -> float | None:
-    spec = TARGETS["mfu"]  # whole words: a GH200 is no H200
-    applies = model == spec["model"] and any(re.search(rf"\b{gpu}\b", device) for gpu in spec["gpus"])
-    return spec["at_least"] if applies else None
-
-
-def summarize_rounds(
-    rounds: list[Round], info: DevicePhase, *, model: str, device_type: str, tokens: int, kernels: KernelChoice
-) -> tuple[dict[str, Any], dict[str, Ratio]]:
-    """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
-    out: dict = {}
-    for name in rounds[0]:
-        wall = statistics.median(median_step(r[name], "wall") for r in rounds)
-        out[f"{name}_step_ms"] = 1e3 * wall
-        out[f"{name}_cpu_ms"] = 1e3 * statistics.median(median_step(r[name], "cpu") for r in rounds)
-        out[f"{name}_tokens_per_s"] = tokens / wall
-        memory = [r[name].peak_memory_bytes for r in rounds]
-        measured = [m for m in memory if m is not None]
-        out[f"{name}_peak_memory_bytes"] = statistics.median(measured) if len(measured) == len(memory) else None
-    out["phase_kernels"] = {name: rounds[0][name].sdpa_used for name in rounds[0]}
-    primary, ratios = kernels.primary, dict[str, Ratio]()
-    step_target = TARGETS["xsa_over_sa_step_time"][device_type]
-    for kernel in [k for k in kernels.timed if f"xsa_{k}" in rounds[0]]:
-        suffix = "" if kernel == primary else f"_{kernel}"
-        for clock, key in (("wall", "xsa_over_sa_step_time"), ("cpu", "xsa_over_sa_cpu_time")):
-            values = per_round_ratios(rounds, f"xsa_{kernel}", f"sa_{kernel}", clock)
-            ratios[key + suffix] = summarize(values, step_target, at_most=True, kernel=kernel, clock=clock)
-    if f"sa_{primary}" in rounds[0]:  # throughput ratio = plain step time / Lightning step time
-        for clock, key in (("wall", "lightning_over_plain_throughput"), ("cpu", "lightning_over_plain_cpu_throughput")):
-            values = per_round_ratios(rounds, f"sa_{primary}", "lightning", clock)
-            target = TARGETS["lightning_over_plain_throughput"]
-            ratios[key] = summarize(values, target, at_most=False, kernel=primary, clock=clock)
-    if info.peak_flops is not None:
-        per_round = [median_step(r["lightning"], "wall") for r in rounds]
-        mfu = [tokens / t * info.flops_per_token / info.peak_flops for t in per_round]
-        target = mfu_target(model, info.device)
-        ratios["mfu"] = summarize(mfu, target, at_most=False, kernel=primary, clock="wall")
-    xsa_memory, sa_memory = out.get(f"xsa_{primary}_peak_memory_bytes"), out.get(f"sa_{primary}_peak_memory_bytes")
-    if xsa_memory and sa_memory:
-        out["xsa_over_sa_peak_memory"] = xsa_memory / sa_memory
-    return out, ratios
-
-
-def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: dict) -> dict[str, Any]:
-    """The report (bench.json); `model`: the label (model_label), `config`: the composed config, kept in it."""
-    if spec.smoke:
-        spec = spec.model_copy(update=SMOKE)
+def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
+    """The report (bench.json); `model`: the model's label, `config`: the composed config, kept in it."""
+    spec = spec.model_copy(update=SMOKE) if spec.smoke else spec
     device = resolve_device(spec.device)
-    precision = resolve_bench_precision(spec.precision, device)
-    sa, xsa = sa_and_xsa(xsa, spec.context)
-    base = base_phase(spec, sa, device, precision, groups)
-    tokens = spec.micro_batch * spec.context
+    base, xsa, tokens = base_phase(spec, device), spec.models[1], spec.micro_batch * spec.context
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    kernels = kernel_choice(spec.backends, base)
+    auto, plan, rounds = isinstance(spec.rounds, str), None, list[Round]()
+    total = spec.pilot_rounds if isinstance(spec.rounds, str) else spec.rounds
+    probe, kernels = choose_kernels(spec.backends, base, context := process_context())
     print(kernel_line(asdict(kernels)), flush=True)
-    phases = make_phases(spec.comparisons, base, xsa, kernels)
-    auto = spec.rounds == "auto"
-    first = spec.pilot_rounds if auto else int(spec.rounds)
-    t_rounds = time.perf_counter()
-    rounds = run_rounds(phases, kernels.timed, first=0, count=first, of=" (pilot)" if auto else f"/{first}")
-    plan = None
-    if auto:
-        elapsed, budget = time.perf_counter() - t_rounds, spec.budget_s
-        plan = plan_rounds(rounds, kernels, elapsed, budget, spec.max_rounds, device.type)
-        print(plan_line(asdict(plan)), flush=True)
-        extra = plan.rounds - len(rounds)
-        rounds += run_rounds(phases, kernels.timed, first=len(rounds), count=extra, of=f"/{plan.rounds}")
-    device_phase = replace(phases["lightning"], kind="device")
-    info = cast(DevicePhase, run_fresh(device_phase, label="device", context=process_context()))
+    phases, t_rounds = make_phases(spec.comparisons, base, xsa, kernels), time.perf_counter()
+    while len(rounds) < total:
+        of = " (pilot)" if auto and plan is None else f"/{total}"
+        rounds.append(run_round(phases, kernels.timed, context, len(rounds), of=of))
+        if auto and plan is None and len(rounds) == total:
+            elapsed = time.perf_counter() - t_rounds
+            plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
+            print(plan_line(asdict(plan)), flush=True)
+            total = plan.rounds
     summary, ratios = summarize_rounds(
-        rounds, info, model=model, device_type=device.type, tokens=tokens, kernels=kernels
+        rounds, probe, model=model, device_type=device.type, tokens=tokens, kernels=kernels
     )
     return {
-        **{key: value for key, value in asdict(info).items() if key != "pid"},  # the device, its peak FLOP/s, ...
-        "precision": precision,
+        **{key: value for key, value in asdict(probe).items() if key not in ("pid", "kernels")},  # device, peak FLOP/s
+        "precision": base.precision,
         "model": model,
         **spec.model_dump(include={"compile", "context", "micro_batch", "smoke", "steps", "warmup"}),
         "tokens_per_step": tokens,
-        "vocab_size": phases["lightning"].model.vocab_size,
+        "vocab_size": xsa.vocab_size,
         "rounds": len(rounds),
         "rounds_setting": spec.rounds,
         "rounds_plan": None if plan is None else asdict(plan),
         "sdpa": asdict(kernels),
-        "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=precision),
+        "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=base.precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
         "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
@@ -378,23 +228,13 @@ def bench(spec: BenchSpec, *, xsa: GPTConfig, groups: dict, model: str, config: 
 
 def xsa_memory(model: GPTConfig, *, tokens: int, precision: str) -> dict[str, int]:
     """What one XSA layer adds at this step's size as `xsa-lm plan` counts it: saved, and backward temporaries."""
-    compute, weights = memory.dtype_bytes(precision)
-    shape = asdict(model)
+    (compute, weights), shape = memory.dtype_bytes(precision), asdict(model)
     saved = memory.block_saved_per_token(shape, compute=compute, residual=weights, exclusive=True)["xsa"]
     return {
         "saved_per_layer": tokens * saved,
         "temporaries_eager": tokens * memory.xsa_transient_per_token(shape, compute=compute),
         "temporaries_compiled": tokens * memory.xsa_transient_per_token(shape, compute=compute, compiled=True),
     }
-
-
-def xsa_memory_line(xsa: dict[str, int]) -> str:
-    mib = 2**20
-    return (
-        f"XSA's memory per layer (the plan's count): saves {xsa['saved_per_layer'] / mib:.2f} MiB for the backward; "
-        f"backward temporaries {xsa['temporaries_eager'] / mib:.2f} MiB eager, "
-        f"{xsa['temporaries_compiled'] / mib:.2f} MiB compiled"
-    )
 
 
 def kernel_line(kernels: dict) -> str:
@@ -416,88 +256,79 @@ def plan_line(plan: dict) -> str:
 
 
 PHASE_LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
-RATIO_LABELS = {
-    "xsa_over_sa": "XSA/SA step time",
-    "lightning_over_plain": "Lightning/plain tokens/s",
-    "mfu": "MFU (Lightning, SA)",
-}
-CLOCK_LABELS = {"wall": "wall", "cpu": "CPU time"}
+RATIO_LABELS = {"xsa": "XSA/SA step time", "lightning": "Lightning/plain tokens/s", "mfu": "MFU (Lightning, SA)"}
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 
-def phase_table(r: dict) -> Table:
-    compiled = ", compiled" if r["compile"] else ""
-    table = Table(
-        title=f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
-        f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
-    )
-    for col in ("phase", "SDPA kernel", "step ms (wall)", "step ms (CPU time)", "tokens/s", "peak memory"):
-        table.add_column(col, justify="left" if col in ("phase", "SDPA kernel") else "right")
-    for name in r["phases"]:
-        memory = r[f"{name}_peak_memory_bytes"]
-        memory_cell = "" if memory is None else f"{memory / 2**20:,.1f} MiB"
-        label = PHASE_LABELS[name.split("_")[0]]
-        cells = [f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_cpu_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}"]
-        table.add_row(label, r["phase_kernels"][name], *cells, memory_cell)
-    return table
-
-
-def ratio_table(r: dict) -> Table:
-    table = Table(title=f"per-round ratios: median, geometric mean, spread, {100 * 0.95:.0f}% t-interval")
-    columns = ("ratio", "kernel", "clock", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict")
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("ratio", "kernel", "clock") else "right")
-    for key, s in r["ratios"].items():
-        fmt: Callable[[float], str] = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
-        bounds = "n/a" if s["interval"] is None else f"{fmt(s['interval'][0])} - {fmt(s['interval'][1])}"
-        target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {fmt(s['target'])}"
-        colour = COLOURS.get(s["verdict"], "yellow")
-        spread = f"{fmt(s['min'])} - {fmt(s['max'])}"
-        label = next(label for prefix, label in RATIO_LABELS.items() if key.startswith(prefix))
-        cells = [label, s["kernel"], CLOCK_LABELS[s["clock"]], fmt(s["median"]), fmt(s["mean"])]
-        table.add_row(*cells, fmt(s["sd"]), spread, bounds, target, f"[{colour}]{s['verdict']}[/]")
-    if r.get("xsa_over_sa_peak_memory"):
-        table.add_row("XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6)
+def table(title: str, columns: list[str], rows: list[list[str]], left: int) -> Table:
+    """A rich table, its first `left` columns left-aligned (names), the others right-aligned (numbers)."""
+    table = Table(*[Column(c, justify="left" if i < left else "right") for i, c in enumerate(columns)], title=title)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def print_tables(r: dict) -> None:
+    compiled, mib = ", compiled" if r["compile"] else "", 2**20
+    phases = []
+    for name in r["phases"]:
+        memory = r[f"{name}_peak_memory_bytes"]
+        cells = [f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_cpu_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}"]
+        cells.append("" if memory is None else f"{memory / mib:,.1f} MiB")
+        phases.append([PHASE_LABELS[name.split("_")[0]], r["phase_kernels"][name], *cells])
+    ratios = []
+    for key, s in r["ratios"].items():
+        f = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
+        target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {f(s['target'])}"
+        bounds = "n/a" if s["interval"] is None else f"{f(s['interval'][0])} - {f(s['interval'][1])}"
+        label, clock = RATIO_LABELS[key.split("_")[0]], {"wall": "wall", "cpu": "CPU time"}[s["clock"]]
+        cells = [f(s["median"]), f(s["mean"]), f(s["sd"]), f"{f(s['min'])} - {f(s['max'])}", bounds, target]
+        ratios.append([label, s["kernel"], clock, *cells, f"[{COLOURS.get(s['verdict'], 'yellow')}]{s['verdict']}[/]"])
+    if r.get("xsa_over_sa_peak_memory"):
+        ratios.append(
+            ["XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6]
+        )
+    title = (
+        f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
+        f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
+    )
+    columns = ["phase", "SDPA kernel", "step ms (wall)", "step ms (CPU time)", "tokens/s", "peak memory"]
     console = Console(width=max(Console().width, 140))
-    console.print(phase_table(r))
-    console.print(ratio_table(r))
+    console.print(table(title, columns, phases, left=2))
+    title = "per-round ratios: median, geometric mean, spread, 95% t-interval"
+    columns = ["ratio", "kernel", "clock", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict"]
+    console.print(table(title, columns, ratios, left=3))
     peak = "unknown" if r["peak_flops"] is None else f"{r['peak_flops'] / 1e12:.3f} TFLOP/s"
     print(
         f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
         f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})"
     )
     print(kernel_line(r["sdpa"]))
-    print(xsa_memory_line(r["xsa_memory"]))
+    x = {key: value / mib for key, value in r["xsa_memory"].items()}
+    print(
+        f"XSA's memory per layer (the plan's count): saves {x['saved_per_layer']:.2f} MiB for the backward; backward "
+        f"temporaries {x['temporaries_eager']:.2f} MiB eager, {x['temporaries_compiled']:.2f} MiB compiled"
+    )
     if r["rounds_plan"]:
         print(plan_line(r["rounds_plan"]))
-    load = r["load_avg_1min"]
-    smoke = " (smoke: a few steps, numbers not meaningful)" if r["smoke"] else ""
+    load, smoke = r["load_avg_1min"], " (smoke: a few steps, numbers not meaningful)" if r["smoke"] else ""
     print(f"runtime {r['runtime_s']:.0f} s; 1-min load average {load[0]:.1f} -> {load[1]:.1f}{smoke}")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    check_switches(cfg, keys=("overwrite", "smoke", "compile", "reuse_host_memory"))
-    if cfg.out is None or cfg.out == "":
-        said = "null" if cfg.out is None else ""
-        raise UserError(f"out={said}: bench writes its results to a file; give one, e.g. out=bench.json")
-    out = Path(str(cfg.out))
-    check_new_file(out, overwrite=cfg.overwrite, example="bench.json")
-    config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
-    spec = bench_spec(config)
-    if spec.context > cfg.model.block_size:
-        raise UserError(f"context={spec.context} is above model.block_size={cfg.model.block_size}: lower it")
+    spec = parse(BenchSpec, cfg)
+    out = Path(spec.out)
+    check_new_file(out, overwrite=spec.overwrite, example="bench.json")
+    # The model's label: the preset's name, with the fields set apart from the preset's, e.g. `tiny (n_layer=6)`
     preset = compose(config_name="bench", overrides=[f"model={HydraConfig.get().runtime.choices['model']}"]).model
-    label = model_label(config["model"], cast(dict, OmegaConf.to_container(preset, resolve=True)))
-    groups = {"optim": config["optim"], "scheduler": config["scheduler"]}
-    result = bench(spec, xsa=model_config(cfg, spec.vocab_size), groups=groups, model=label, config=config)
+    given = parse(ModelSpec, preset, at="model.").model_dump()
+    changed = [f"{key}={value}" for key, value in spec.model.model_dump().items() if value != given[key]]
+    label = f"{spec.model.name} ({', '.join(changed)})" if changed else spec.model.name
+    result = bench(spec, model=label, config=cast(dict, OmegaConf.to_container(cfg, resolve=True)))
     try:  # exclusive creation unless overwrite: a file another run wrote meanwhile is never replaced
-        write_json(out, result, replace=cfg.overwrite)
+        write_json(out, result, replace=spec.overwrite)
     except FileExistsError:
         raise UserError(f"out={out} appeared during the run: not overwritten; choose another path") from None
     print_tables(result)

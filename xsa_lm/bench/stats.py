@@ -1,12 +1,13 @@
-"""Ratios measured over rounds: spread, a 95% interval, and a verdict against a target.
+"""Ratios measured over rounds: spread, a 95% interval and a verdict against a target.
 
-Timing noise is multiplicative: the interval is a t-interval of the mean log-ratio (a geometric mean). A target is met
-when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
+Timing noise is multiplicative: the interval is the t-interval of the mean log-ratio (a geometric mean). A target is
+met when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
 
 import math
 import statistics
 from dataclasses import dataclass
 
+import numpy as np
 from scipy import stats
 
 from xsa_lm.records import Record
@@ -21,7 +22,7 @@ class Ratio(Record):
     """Per-round values summarized; bench.json's `ratios` (scale reads it)."""
 
     median: float
-    mean: float
+    mean: float  # geometric: the interval's centre
     sd: float
     min: float
     max: float
@@ -38,10 +39,9 @@ class Ratio(Record):
 def interval(values: list[float]) -> tuple[float, float] | None:
     if len(values) < 2:
         return None
-    logs = [math.log(v) for v in values]
-    centre, sd = statistics.fmean(logs), statistics.stdev(logs)
-    half = stats.t.ppf((1 + CONFIDENCE) / 2, df=len(logs) - 1) * sd / math.sqrt(len(logs))
-    return math.exp(centre - half), math.exp(centre + half)
+    logs = np.log(values)
+    half = stats.t.ppf((1 + CONFIDENCE) / 2, df=len(logs) - 1) * stats.sem(logs)
+    return math.exp(logs.mean() - half), math.exp(logs.mean() + half)
 
 
 def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: bool) -> str:
@@ -59,7 +59,7 @@ def summarize(values: list[float], target: float | None, at_most: bool, kernel: 
     bounds = interval(values)
     return Ratio(
         median=statistics.median(values),
-        mean=math.exp(statistics.fmean(math.log(v) for v in values)),  # geometric: the interval's centre
+        mean=float(stats.gmean(values)),
         sd=statistics.stdev(values) if len(values) > 1 else 0.0,
         min=min(values),
         max=max(values),
@@ -76,18 +76,17 @@ def summarize(values: list[float], target: float | None, at_most: bool, kernel: 
 
 def rounds_needed(values: list[float], target: float) -> float:
     """The fewest rounds with t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target| at these values' spread."""
-    if len(values) < 2:
-        return float(len(values))
-    logs = [math.log(v) for v in values]
-    margin, sd = abs(statistics.fmean(logs) - math.log(target)), statistics.stdev(logs)
+    logs, q = np.log(values), (1 + CONFIDENCE) / 2
+    sd = logs.std(ddof=1) if len(values) > 1 else 0.0
     if sd == 0:
         return float(len(values))
+    margin = abs(logs.mean() - math.log(target))
     if margin == 0:
         return math.inf
-    normal = (stats.norm.ppf((1 + CONFIDENCE) / 2) * sd / margin) ** 2  # t's n is a little larger
+    normal = (stats.norm.ppf(q) * sd / margin) ** 2  # t's n is a little larger
     if normal > LARGE:
         return float(math.ceil(normal))  # far beyond any budget; t and the normal agree there
     n = max(2, len(values), math.floor(normal))
-    while stats.t.ppf((1 + CONFIDENCE) / 2, df=n - 1) * sd / math.sqrt(n) >= margin:
+    while stats.t.ppf(q, df=n - 1) * sd / math.sqrt(n) >= margin:
         n += 1
     return float(n)
