@@ -263,12 +263,10 @@ def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> Non
     failing every trial. What only the trial can see (its data, its devices) is left to it."""
     from hydra import compose
 
-    from xsa_lm.config.builders import check_config, model_config
+    from xsa_lm.config.spec import TrainSpec, parse
 
     for trial in trials:
-        cfg = compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)])
-        check_config(cfg)
-        model_config(cfg, vocab_size=1)  # the model's shape; the tokenizer's vocabulary comes with the data
+        parse(TrainSpec, compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)]))
 
 
 class Launcher:
