@@ -357,7 +357,11 @@ def analyse(
         "shared": {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof_variance)},
         "flags": [{"flag": flag, "reason": reason} for flag, reason in flags.items()],
     }
-    clock: dict[str, Any] = {"multiplier": None, "ci": None, "note": "wall-clock k: measure throughput with xsa-lm bench"}
+    clock: dict[str, Any] = {
+        "multiplier": None,
+        "ci": None,
+        "note": "wall-clock k: measure throughput with xsa-lm bench",
+    }
     if bench:
         ratio = bench.xsa_over_sa_step_time
         clock["multiplier"], clock["ci"] = wallclock(k, ci, ratio["median"], ratio.get("interval"))
@@ -428,19 +432,25 @@ class TokenJob:
         return launcher.store
 
 
+def non_embedding_params(train: TrainSpec) -> int:
+    """The non-embedding parameters of the model a run of `train` builds (on the meta device)."""
+    import torch
+
+    from xsa_lm.model.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+
+
 def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
     """A size of the token axis, checked before any run: its runs at B composed and checked as their `xsa-lm train`
     will check them; its largest SA budget against the training data, prepared (or found in the cache) as the runs
     will prepare it, unless scale.allow_repeated_data: repeated tokens teach less than new ones, which flattens
     SA's curve at the top, where k is read."""
-    import torch
-
     from xsa_lm.data.run import prepare_data
-    from xsa_lm.model.gpt import GPT
 
     train, spec, _ = size_config(overrides, model, seeds)
-    with torch.device("meta"):
-        params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+    params = non_embedding_params(train)
     sweep = SweepJob(spec, [], seeds, train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
     size = TokenJob(
         model, study_dir / "sizes" / model, sweep, params, train.global_batch_tokens, train.model.block_size, scale
