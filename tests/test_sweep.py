@@ -15,7 +15,6 @@ from typing import cast
 import pytest
 import scipy.stats
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from tests.golden import assert_golden
 from tests.helpers import (
@@ -29,6 +28,7 @@ from tests.helpers import (
     write_local_task,
 )
 from tests.wandb_records import config, history, run_files, run_record, summary
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
@@ -37,7 +37,6 @@ from xsa_lm.stats.paired import paired_t
 from xsa_lm.sweep.protocol import (
     SequentialRule,
     Trial,
-    check_search_seeds,
     check_seeds,
     compare_trials,
     lr_grid,
@@ -57,7 +56,6 @@ from xsa_lm.sweep.run import (
     sweep_problem,
     train_overrides,
 )
-from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
@@ -427,7 +425,7 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
     shipped = (["sweep=demo"], [], ["experiment=paper_lr_robustness_toy"], ["experiment=stalls_toy"])
     for overrides in shipped:  # the shipped seeds are valid, and the compare seeds disjoint from the search's
         sweep = compose_train(overrides, config_name="sweep").sweep
-        search_seeds = check_search_seeds(list(sweep.search_seeds))
+        search_seeds = list(sweep.search_seeds)
         assert not set(search_seeds) & set(check_seeds(sweep.seeds, search_seeds, sweep.reuse_search_run))
 
 
@@ -1047,9 +1045,12 @@ SWEEP_REFUSALS = [
     ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0"),
     ("sweep.margin=-0.1", "sweep.margin=-0.1 must be >= 0"),
     ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number"),
-    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
-    ("sweep.search_seeds=[]", "sweep.search_seeds must be a non-empty list of distinct integers"),
-    ("sweep.search_seeds=[0,0]", "sweep.search_seeds=[0, 0] must be a list of distinct integers"),
+    (
+        "sweep.search_seeds=[-1]",
+        "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to 4294967295",
+    ),
+    ("sweep.search_seeds=[]", "sweep.search_seeds=[] must be a non-empty list of distinct integers from 0 to"),
+    ("sweep.search_seeds=[0,0]", "sweep.search_seeds=[0, 0] must be a non-empty list of distinct integers"),
     ("sweep.lrs=[inf]", "sweep.lrs=[inf] must be a list of positive numbers"),
     ("sweep.seeds=[a,b]", "sweep.seeds=['a', 'b'] must be a list of distinct integers from 0 to 4294967295"),
     ("sweep.seeds=[4294967296]", "sweep.seeds=[4294967296] must be a list of distinct integers from 0 to"),

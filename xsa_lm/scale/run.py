@@ -1,18 +1,13 @@
-"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes.
-
-Two estimators, one per scale.axis:
-- size: each size of scale.models runs the sweep in DIR/sizes/<model>/ (LR search on SA, then SA vs XSA at its LR
-  over the compare seeds); SA's losses are fitted against training compute and both arms with a shared curve
-  (fit.py): one k for the ladder with a parametric-bootstrap CI, reported only when no flag is up (lack of fit,
-  extrapolation, a short compute span, a parameter at a bound, an arm not falling with compute, an LR at its grid's
-  edge); per size and across sizes, the paired tests.
+"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes,
+along one of two axes (scale.axis); both resume (every run is a trial with its record) and fix their plan at the first
+run (scale.json).
+- size: the sweep at each size of scale.models in DIR/sizes/<model>/; SA's losses fitted against training compute
+  and both arms with a shared curve (fit.py): one k for the ladder with a bootstrap CI, reported only when no flag is
+  up; the paired tests per size and across sizes.
 - tokens: at each size, with B = scale.tokens_per_param x its non-embedding parameters, SA's LR searched at B (with
-  scale.lr_per_budget at every SA budget), SA trained at every budget of scale.sa_budgets (x B) and XSA at every one
-  of scale.xsa_budgets for every compare seed; k per (size, XSA budget) from SA's own tokens-to-loss curve
-  (token_axis.py), pooled over cells.
-Both read `xsa-lm bench`'s XSA/SA step time for a wall-clock k (scale.bench, or scale.measure_throughput per size),
-write results.json, report.md and plots, and resume: every run is a trial with its record, reused when the same
-command runs again; the plan is fixed at the first run (scale.json).
+  scale.lr_per_budget at every SA budget), SA at every budget of scale.sa_budgets (x B) and XSA at every one of
+  scale.xsa_budgets for every compare seed; k per (size, XSA budget) from SA's own tokens-to-loss curve, pooled.
+A wall-clock k comes from `xsa-lm bench`'s XSA/SA step time (scale.bench, or per size: scale.measure_throughput).
 """
 
 import io
@@ -40,19 +35,7 @@ from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
-from xsa_lm.scale import report, token_report
-from xsa_lm.scale.fit import (
-    FORMS,
-    Fit,
-    LackOfFit,
-    SharedFit,
-    fit_loss_vs_compute,
-    fit_shared,
-    huber_scale,
-    lack_of_fit,
-    lack_of_fit_variance,
-    ladder_bootstrap,
-)
+from xsa_lm.scale import fit, report, token_report
 from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult
 from xsa_lm.scale.token_axis import (
     STALL_SAFE_SEEDS,
@@ -67,24 +50,11 @@ from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize,
 from xsa_lm.stats.decision import clustered_test, margin_verdict
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.stats.positions import position_differences
-from xsa_lm.sweep.protocol import NULL, Trial, check_seeds
+from xsa_lm.sweep import run as sweeps
+from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_seeds
 from xsa_lm.sweep.report import SweepResult, bpb_stats
-from xsa_lm.sweep.run import (
-    SweepJob,
-    check_sweep,
-    incomplete,
-    keep_plan,
-    open_state,
-    passed_on,
-    report_run_settings,
-    run_exclusive,
-    run_sweep,
-    search,
-    stop_on_signals,
-    train_overrides,
-)
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
-from xsa_lm.sweep.trials import TrialRecord, TrialStore, last_error_line
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, last_error_line
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -106,7 +76,7 @@ SET_BY_TOKEN_AXIS = {
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
     """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study); what
     each sweep would refuse (attention=, optim.lr=, seed=) is refused with the study's checks (train_overrides)."""
-    return passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
+    return sweeps.passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
 
 
 @dataclass(frozen=True)
@@ -184,7 +154,7 @@ class SizeOutput(io.TextIOBase):
         return len(text)
 
 
-def run_size(model: str, job: SweepJob, *, study_dir: Path, group: str | None) -> SizeResult:
+def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> SizeResult:
     """One size's sweep, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its folder), its trials in
     the study's W&B group."""
     sweep_dir, log = study_dir / "sizes" / model, study_dir / "logs" / f"{model}.log"
@@ -196,10 +166,10 @@ def run_size(model: str, job: SweepJob, *, study_dir: Path, group: str | None) -
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: xsa-lm sweep {' '.join(job.overrides)}\n")
         with redirect_stdout(SizeOutput(model, out, sys.stdout)):
             try:
-                results, _ = run_sweep(job, sweep_dir, command="scale")
+                results, _ = sweeps.run_sweep(job, sweep_dir, command="scale")
             except UserError as e:
                 raise UserError(f"the sweep of {model} was refused: {e}") from None
-    return size_result(model, sweep_dir, finished=incomplete(results) is None)
+    return size_result(model, sweep_dir, finished=sweeps.incomplete(results) is None)
 
 
 def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
@@ -250,7 +220,9 @@ def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
     return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
 
 
-def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared: SharedFit) -> dict[str, str]:
+def ladder_flags(
+    ladder: list[SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
+) -> dict[str, str]:
     """Every reason this ladder cannot turn XSA's loss gap into compute (flag -> its one-line why)."""
     flags: dict[str, str] = {}
     compute = [cast(float, s.compute) for s in ladder]
@@ -259,7 +231,7 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
         why = (
             "a size has fewer than 2 seeds (no standard error)"
             if lack.dof > 0
-            else f"{len(ladder)} sizes for {FORMS[sa_fit.form]} parameters leave no degree of freedom"
+            else f"{len(ladder)} sizes for {fit.FORMS[sa_fit.form]} parameters leave no degree of freedom"
         )
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
     elif lack.p < 0.05:
@@ -329,34 +301,30 @@ class LadderAnalysis:
 def analyse(
     sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: BenchRatio | None = None
 ) -> LadderAnalysis:
-    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI,
-    the flags, and the paired tests per size (the sizes returned with them) and across sizes. A flagged ladder keeps
-    k only under not_results."""
+    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI, the
+    flags, and the paired tests per size and across sizes. A flagged ladder keeps k only under not_results."""
     warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
     warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
-    sa_fit = fit_loss_vs_compute(compute, sa_means, fit_form)
+    sa_fit = fit.fit_loss_vs_compute(compute, sa_means, fit_form)
     sa_se, xsa_se = [standard_error(s.sa_runs) for s in ladder], [standard_error(s.xsa_runs) for s in ladder]
-    lack = lack_of_fit(sa_fit.residuals, sa_se, FORMS[sa_fit.form])
-    f_scale = huber_scale(sa_means + xsa_means, sa_se + xsa_se)
-    shared = fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
+    lack = fit.lack_of_fit(sa_fit.residuals, sa_se, fit.FORMS[sa_fit.form])
+    f_scale = fit.huber_scale(sa_means + xsa_means, sa_se + xsa_se)
+    shared = fit.fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
     known_se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]
-    lof_variance = lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
+    lof = fit.lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
     k = shared.multiplier
     ci = list(
-        ladder_bootstrap(
-            shared, compute, known_se, lof_variance=lof_variance, f_scale=f_scale, n_resamples=resamples, seed=seed
+        fit.ladder_bootstrap(
+            shared, compute, known_se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed
         )
     )
     flags = ladder_flags(ladder, sa_fit, lack, shared)
-    fit = {
-        **sa_fit.as_dict(),
-        "lack_of_fit": asdict(lack),
-        "shared": {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof_variance)},
-        "flags": [{"flag": flag, "reason": reason} for flag, reason in flags.items()],
-    }
+    shared_fit = {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
+    found = [{"flag": flag, "reason": reason} for flag, reason in flags.items()]
+    summary = {**sa_fit.as_dict(), "lack_of_fit": asdict(lack), "shared": shared_fit, "flags": found}
     clock: dict[str, Any] = {
         "multiplier": None,
         "ci": None,
@@ -367,12 +335,12 @@ def analyse(
         clock["multiplier"], clock["ci"] = wallclock(k, ci, ratio["median"], ratio.get("interval"))
         clock["note"] = f"XSA/SA step time from xsa-lm bench ({bench.source})"
     if flags:
-        fit["not_results"] = {"why": list(flags), "multiplier": k, "ci": ci, "wallclock": clock}
+        summary["not_results"] = {"why": list(flags), "multiplier": k, "ci": ci, "wallclock": clock}
         warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
     else:
-        fit |= {"multiplier": k, "multiplier_ci": ci, "wallclock": clock}
+        summary |= {"multiplier": k, "multiplier_ci": ci, "wallclock": clock}
     tested, across = size_tests(sizes)
-    return LadderAnalysis(fit=fit, across_sizes=across, warnings=warnings, sizes=tested)
+    return LadderAnalysis(fit=summary, across_sizes=across, warnings=warnings, sizes=tested)
 
 
 def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
@@ -403,7 +371,7 @@ class TokenJob:
 
     model: str
     dir: Path
-    sweep: SweepJob  # its overrides: the study's training overrides with model=<size>
+    sweep: sweeps.SweepJob  # its overrides: the study's training overrides with model=<size>
     params: int  # non-embedding, as its runs build the model
     batch_tokens: int
     block_size: int  # model.block_size: the bench's micro-batch holds batch_tokens
@@ -424,12 +392,11 @@ class TokenJob:
             settings.append(f"scheduler.warmup_steps={max(1, round(self.scale.warmup_fraction * steps))}")
         return [*self.sweep.overrides, *settings]
 
-    def run(self, trials: list[Trial], phase: str, fraction: float, group: str | None, job_type: str) -> TrialStore:
-        """The trials of one phase at one budget, each an `xsa-lm train` process in sizes/<model>/<phase>/."""
-        sweep = replace(self.sweep, overrides=self.overrides(fraction))
-        launcher = sweep.launcher(TrialStore(self.dir / phase), group, "scale")
-        launcher.run(trials, phase, job_type)
-        return launcher.store
+    def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
+        """The launcher of one phase's runs at one budget, into sizes/<model>/<phase>/."""
+        return replace(self.sweep, overrides=self.overrides(fraction)).launcher(
+            TrialStore(self.dir / phase), group, "scale"
+        )
 
 
 def non_embedding_params(train: TrainSpec) -> int:
@@ -451,11 +418,11 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
 
     train, spec, _ = size_config(overrides, model, seeds)
     params = non_embedding_params(train)
-    sweep = SweepJob(spec, [], seeds, train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
+    sweep = sweeps.SweepJob(spec, [], seeds, sweeps.train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
     size = TokenJob(
         model, study_dir / "sizes" / model, sweep, params, train.global_batch_tokens, train.model.block_size, scale
     )
-    size = replace(size, sweep=replace(sweep, grid=check_sweep(train, spec, size.overrides(1.0)).grid))
+    size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0)).grid))
     top = max(scale.sa_budgets)
     if not scale.allow_repeated_data:
         data = parse(TrainSpec, compose(config_name="train", overrides=size.overrides(top)))
@@ -479,14 +446,11 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
         f"({size.steps(1.0)} steps)"
     )
 
-    def search_at(fraction: float, arm: str) -> Any:
+    def search_at(fraction: float, arm: str) -> Selection:
         print(f"size {size.model}: {arm.upper()} LR search at {fraction:g} B ({size.steps(fraction)} steps)")
         phase = "search" if fraction == 1.0 else f"search_{fraction:g}"
-        sweep = replace(size.sweep, overrides=size.overrides(fraction))
-        (selection,) = search(
-            sweep.launcher(TrialStore(size.dir / phase), group, "scale"), sweep.grid, plan.search_seeds, [arm], phase
-        )
-        return selection
+        launcher = size.launcher(phase, fraction, group)
+        return sweeps.search(launcher, size.sweep.grid, plan.search_seeds, [arm], phase)[0]
 
     by_budget = plan.sa_budgets if plan.lr_per_budget else [1.0]
     searches: dict[str, dict[str, float | None]] = {}
@@ -523,7 +487,9 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
         names, seeds = " and ".join(a.upper() for a in arms), plan.seeds
         print(f"size {size.model}: {names} at {fraction:g} B ({size.steps(fraction)} steps), LR {lr:g}, seeds {seeds}")
         trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
-        store = size.run(trials, f"budget_{fraction:g}", fraction, group, "budget")
+        launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
+        launcher.run(trials, f"budget_{fraction:g}", "budget")
+        store = launcher.store
         for arm in arms:  # each run as its trial record has it (TokenRun's fields are some of the record's)
             records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
             runs.setdefault(arm, {})[f"{fraction:g}"] = [TokenRun(**{k: getattr(r, k) for k in kept}) for r in records]
@@ -751,7 +717,9 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
         jobs = {}
         for model in scale.models:
             train, spec, config = size_config(overrides, model, scale.seeds)
-            jobs[model] = check_sweep(train, spec, train_overrides([*overrides, f"model={model}"]), config)
+            jobs[model] = sweeps.check_sweep(
+                train, spec, sweeps.train_overrides([*overrides, f"model={model}"]), config
+            )
         return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
@@ -778,11 +746,16 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
 
 
 def run_size_axis(
-    identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, jobs: dict[str, SweepJob], bench: BenchRatio | None
+    identity: StudyIdentity,
+    group: str | None,
+    *,
+    scale: ScaleSpec,
+    jobs: dict[str, sweeps.SweepJob],
+    bench: BenchRatio | None,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
-    stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
+    sweeps.stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
     analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench)
@@ -790,7 +763,7 @@ def run_size_axis(
     report.write_report(results, study_dir)
     wandb = next(iter(jobs.values())).wandb
     if group is not None and wandb is not None and scale.wandb_report:
-        report.log_to_wandb(results, study_dir, report_run_settings(wandb))
+        report.log_to_wandb(results, study_dir, sweeps.report_run_settings(wandb))
     return [s.model for s in results.sizes if s.sweep_returncode != 0]
 
 
@@ -800,7 +773,7 @@ def run_token_axis(
     """The token-axis study: the plan kept in scale.json, every size's runs and bench, then the analysis and the
     report. Returns the runs that did not finish."""
     study_dir = Path(identity.study_dir)
-    keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
+    sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
     entries = []
     for size in sizes:
         entry = run_token_size(size, plan, group)
@@ -839,19 +812,17 @@ def main(cfg: DictConfig) -> None:
         run = check_study(scale, sweep, study_dir, overrides)
         holds = "a scaling study with the overrides"
         group = wandb.group if wandb else None
-        study_id = open_state(
+        study_id = sweeps.open_state(
             study_dir / "scale.json", overrides, group, id_key="study_id", overrides_key="overrides", holds=holds
         )
         keep_sizes(study_dir / "scale.json", scale.models)
         write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         return run(StudyIdentity(str(study_dir), study_id, overrides), study_id if wandb else None)
 
-    study_dir, incomplete = run_exclusive("scale", sweep_overrides, study)
-    print("\n" + (study_dir / "report.md").read_text())
+    study_dir, unfinished_runs = sweeps.run_exclusive("scale", sweep_overrides, study)
+    print(f"\n{(study_dir / 'report.md').read_text()}")
     print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
-    if incomplete:
-        print(
-            f"xsa-lm scale: {', '.join(incomplete)} did not finish: run the same command again to retry",
-            file=sys.stderr,
-        )
+    if unfinished_runs:
+        retry = "did not finish: run the same command again to retry"
+        print(f"xsa-lm scale: {', '.join(unfinished_runs)} {retry}", file=sys.stderr)
         sys.exit(1)

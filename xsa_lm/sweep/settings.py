@@ -13,7 +13,6 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from xsa_lm.config.spec import SEED_MAX, Spec, rule
 from xsa_lm.errors import UserError
-from xsa_lm.sweep.protocol import check_search_seeds
 from xsa_lm.sweep.stalls import StallRule
 
 
@@ -35,14 +34,16 @@ def positive_numbers(example: str, nullable: bool = False) -> BeforeValidator:
     return rule(lambda value: numbers_problem(value, example, nullable))
 
 
-def seed_list(nullable: bool = False) -> BeforeValidator:
-    """Distinct seeds, each in the range `seed` takes."""
+def seed_list(nullable: bool = False, example: str = "") -> BeforeValidator:
+    """Distinct seeds, each in the range `seed` takes; with an example, at least one."""
 
     def check(value: Any) -> str | None:
         ints = isinstance(value, list) and all(type(s) is int and 0 <= s <= SEED_MAX for s in value)
-        if (value is None and nullable) or (ints and len(set(value)) == len(value)):
+        if (value is None and nullable) or (ints and len(set(value)) == len(value) and (value or not example)):
             return None
-        return f"must be a list of distinct integers from 0 to {SEED_MAX}" + (", or null" if nullable else "")
+        some = "a non-empty list" if example else "a list"
+        tail = ", or null" if nullable else f"; {example}" if example else ""
+        return f"must be {some} of distinct integers from 0 to {SEED_MAX}{tail}"
 
     return rule(check)
 
@@ -116,7 +117,7 @@ class SweepSpec(Spec):
     lrs: Annotated[list[float] | None, positive_numbers("[1e-3,3e-3]", nullable=True)]  # null: lr_range, lr_grids
     lr_range: Annotated[dict[str, float] | None, rule(lr_range)]  # {min, max, num}: log-spaced
     lr_grids: Annotated[dict[str, list[float]] | None, rule(lr_grids)]  # model name -> its grid
-    search_seeds: Annotated[list[int], seed_list()]  # each LR scored by the median final loss over them
+    search_seeds: Annotated[list[int], seed_list(example="e.g. [0], or [0,10,20] to select on the median of 3")]
     seeds: Annotated[list[int] | None, seed_list(nullable=True)] = Field(description="[]: a search-only sweep")
     reuse_search_run: bool  # true: a search seed among the compare seeds (biased against XSA)
     seeds_until_significant: int | None  # add seed pairs until significant, up to this many (protocol.seed_sequence)
@@ -134,9 +135,8 @@ class SweepSpec(Spec):
     eval_limit: float | None = Field(gt=0, description="the first N examples per task; null: all")
 
     @model_validator(mode="after")
-    def _search_seeds_and_stalls(self) -> "SweepSpec":
-        """One search seed at least, and the stall rule's values now, not at the report after every run."""
-        check_search_seeds(self.search_seeds)
+    def _stalls(self) -> "SweepSpec":
+        """The stall rule's values now, not at the report after every run."""
         self.stall_rule  # noqa: B018
         return self
 
