@@ -359,7 +359,7 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     override: str,
     message: str,
 ):
-    monkeypatch.setattr("xsa_lm.scale.run.run_sweep", started)
+    monkeypatch.setattr("xsa_lm.sweep.run.run_sweep", started)
     monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"
     args = ["scale", *AXES[axis], override, f"hydra.run.dir={study_dir}"]

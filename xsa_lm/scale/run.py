@@ -536,19 +536,13 @@ def same_budget(
     """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
     (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
     loss per span of window positions. (None, None) without such a pair."""
-    runs = entry.runs or {}
-    if f"{fraction:g}" not in runs.get("sa", {}) or f"{fraction:g}" not in runs.get(arm, {}):
-        return None, None
-    pairs = [
-        (a, b)
-        for a, b in zip(runs["sa"][f"{fraction:g}"], runs[arm][f"{fraction:g}"], strict=True)
-        if a.status == b.status == "completed"
-    ]
+    runs, budget = entry.runs or {}, f"{fraction:g}"
+    both = zip(runs.get("sa", {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
+    pairs = [(a, b) for a, b in both if a.status == b.status == "completed"]
     if not pairs:
         return None, None
     sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
     diffs = [b - a for a, b in zip(sa, other, strict=True)]
-    # beside the paired tests: the margin verdict, bits per byte (BpbStats), the loss per span (PositionDifferences)
     details: JsonObject = {"margin": margin_verdict(diffs, margin).to_json() if margin is not None else None}
     if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
         sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
@@ -561,17 +555,18 @@ def same_budget(
 
 
 def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> JsonObject | None:
-    """k of the null arm (SA from other initial weights, at XSA's budget) read off SA's curve as XSA's k is: under
-    no effect k is 1, so its interval and per-seed spread are the yardstick's own noise."""
+    """k of the null arm (SA from other initial weights) read off SA's curve as XSA's k is: under no effect k is 1,
+    so its interval and per-seed spread are the yardstick's own noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
     sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
-    if len(seeds) < 2:
-        return None
     budget = tokens_of(entry, NULL, fraction)
-    cell = cell_estimate(sa, sa_tokens, null, budget)
-    per_seed = per_seed_k(sa, sa_tokens, null, budget)  # as the report prints each seed's k
-    return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": per_seed}
+    cell = cell_estimate(sa, sa_tokens, null, budget) if len(seeds) > 1 else None
+    return (
+        {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": per_seed_k(sa, sa_tokens, null, budget)}
+        if cell
+        else None
+    )
 
 
 def repeated_data(entry: TokenSize) -> list[str]:
