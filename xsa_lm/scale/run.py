@@ -35,17 +35,8 @@ from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
-from xsa_lm.scale import fit, report, token_report
+from xsa_lm.scale import fit, report, token_axis, token_report
 from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult
-from xsa_lm.scale.token_axis import (
-    STALL_SAFE_SEEDS,
-    PooledK,
-    bootstrap_interval,
-    cell_estimate,
-    per_seed_k,
-    pool,
-    stalled,
-)
 from xsa_lm.scale.token_report import SizeBench, TokenPlan, TokenRun, TokenSize, TokenStudyResult
 from xsa_lm.stats.decision import clustered_test, margin_verdict
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
@@ -561,9 +552,9 @@ def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float],
         return None
     sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
     budget = tokens_of(entry, NULL, fraction)
-    cell = cell_estimate(sa, sa_tokens, null, budget) if len(seeds) > 1 else None
+    cell = token_axis.cell_estimate(sa, sa_tokens, null, budget) if len(seeds) > 1 else None
     return (
-        {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": per_seed_k(sa, sa_tokens, null, budget)}
+        {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
         if cell
         else None
     )
@@ -593,7 +584,7 @@ def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
 @dataclass(frozen=True)
 class TokenAnalysis:
     cells: list[JsonObject]  # one per size and XSA budget: the Cell, its tests, the null's, per-seed k, stalls
-    pooled: PooledK | None
+    pooled: token_axis.PooledK | None
     warnings: list[str]
 
 
@@ -626,7 +617,7 @@ def analyse_tokens(
                 warnings.append(f"{entry.model} XSA at {fraction:g} B: fewer than 2 complete seeds, no estimate")
                 continue
             budget = tokens_of(entry, "xsa", fraction)
-            cell = cell_estimate(sa, sa_tokens, xsa, budget)
+            cell = token_axis.cell_estimate(sa, sa_tokens, xsa, budget)
             monotone = all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False))
             if not monotone:
                 warnings.append(
@@ -637,16 +628,16 @@ def analyse_tokens(
             row["same_budget"], row["same_budget_details"] = same_budget(entry, fraction, "xsa", margin)
             row["null"] = null_cell(entry, sa_budgets, sa_tokens, fraction)
             row["null_same_budget"], row["null_same_budget_details"] = same_budget(entry, fraction, NULL, margin)
-            row["bootstrap_ci95"] = bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
-            row["per_seed_k"] = per_seed_k(sa, sa_tokens, xsa, budget)
-            row["sa_stalled"] = sa_stalled = [stalled(losses) for losses in sa]  # per SA budget
-            row["xsa_stalled"] = xsa_stalled = stalled(xsa)
-            if (any(sa_stalled) or xsa_stalled) and len(seeds) < STALL_SAFE_SEEDS:
+            row["bootstrap_ci95"] = token_axis.bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
+            row["per_seed_k"] = token_axis.per_seed_k(sa, sa_tokens, xsa, budget)
+            row["sa_stalled"] = sa_stalled = [token_axis.stalled(losses) for losses in sa]  # per SA budget
+            row["xsa_stalled"] = xsa_stalled = token_axis.stalled(xsa)
+            if (any(sa_stalled) or xsa_stalled) and len(seeds) < token_axis.STALL_SAFE_SEEDS:
                 warnings.append(
                     f"{entry.model} XSA at {fraction:g} B: stalled seeds among {len(seeds)}, and k is read off the "
                     "mean curves: a stall shifts k, and simulated studies with 30% of SA seeds stalled gave the 95% "
                     f"interval 81% coverage at 5 seeds, 91-93% at 10-20 (tests/test_token_axis.py); read the per-seed "
-                    f"k, or use {STALL_SAFE_SEEDS} seeds or more"
+                    f"k, or use {token_axis.STALL_SAFE_SEEDS} seeds or more"
                 )
             bench = entry.bench
             if bench and cell.k is not None and bench.interval:
@@ -654,7 +645,7 @@ def analyse_tokens(
                 row["wallclock_k"], row["wallclock_ci"] = wallclock(cell.k, cell.ci, ratio, interval)
             cells.append(row)
             estimates.append(cell)
-    return TokenAnalysis(cells=cells, pooled=pool(estimates), warnings=warnings)
+    return TokenAnalysis(cells=cells, pooled=token_axis.pool(estimates), warnings=warnings)
 
 
 def unfinished(results: TokenStudyResult) -> list[str]:

@@ -31,31 +31,9 @@ from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.reporting import ReportRunSettings
-from xsa_lm.sweep.protocol import (
-    ALPHA,
-    NULL,
-    Look,
-    Selection,
-    SequentialRule,
-    SequentialSummary,
-    Trial,
-    check_seeds,
-    compare_trials,
-    lr_grid,
-    null_trials,
-    search_trials,
-    seed_sequence,
-    select_lr,
-)
-from xsa_lm.sweep.report import (
-    SweepResult,
-    build_results,
-    ci_text,
-    comparison_of,
-    log_to_wandb,
-    with_outcome,
-    write_report,
-)
+from xsa_lm.sweep import protocol, report
+from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
+from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.settings import SweepSpec
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
@@ -172,7 +150,7 @@ def comparison_plan(
         search_seeds=search_seeds,
         seeds=seeds,
         seeds_until_significant=cap,
-        alpha=ALPHA,
+        alpha=protocol.ALPHA,
         planned_looks=looks,
         stall=stall,
         margin=margin,
@@ -213,12 +191,12 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     for trial in trials:
         record = store.load(trial)
         results.setdefault(trial.lr, []).append((record.status, record.final_val_loss) if record else (None, None))
-    return select_lr(results)
+    return protocol.select_lr(results)
 
 
 def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
     """The LR search: every LR of the grid x the seeds, for each arm at once; each arm's selection."""
-    trials = {arm: search_trials(grid, seeds, [arm]) for arm in arms}
+    trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
     return [selection_of(launcher.store, trials[arm]) for arm in arms]
 
@@ -274,10 +252,10 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
     training config composed from the training overrides (within the running Hydra app) and checked as its
     `xsa-lm train` will check it; without overrides, `train` stands for them."""
     grids = spec.lr_grids or {}
-    grid = lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
-    seeds = check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
+    grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
+    seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
     if spec.seeds_until_significant is not None:
-        seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
+        protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
     gpu_slots(spec.max_parallel, spec.launch_prefix or [])  # enough GPUs for the trials at once
     if spec.eval_tasks:
         from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
@@ -289,7 +267,7 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
     if overrides is not None:  # XSA trials only in the comparison, unless it is tuned too
         attentions = ["sa", "xsa"] if seeds or spec.tune_xsa else ["sa"]
-        attentions += [NULL] if seeds and spec.null_arm else []
+        attentions += [protocol.NULL] if seeds and spec.null_arm else []
         check_trials(overrides, [Trial(attention, grid[0], spec.search_seeds[0]) for attention in attentions])
     return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
 
@@ -303,23 +281,25 @@ def compare_phase(
     stops where the first run stopped, or continues where that one was cut short."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
     if cap is None:
-        compare = compare_trials(lr, seeds)
+        compare = protocol.compare_trials(lr, seeds)
         launcher.run(compare, "compare", "compare")
         return compare, None
-    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seeds, cap)
+    rule, order = SequentialRule.plan(len(seeds), cap), protocol.seed_sequence(seeds, search_seeds, cap)
     looks: list[Look] = []
     trials: list[Trial] = []
     n = rule.first_look
     while True:
-        added = compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final (else it returned)
+        added = protocol.compare_trials(
+            lr, order[len(trials) // 2 : n]
+        )  # the earlier pairs are final (else it returned)
         trials += added
         launcher.run(added, "compare", "compare")
         if not all(launcher.store.is_final(t) for t in trials):  # a failed or interrupted run: the look waits
             return trials, rule.summary(looks, "incomplete")
-        looks.append(rule.look(n, comparison_of(phase_records(launcher.store, trials, "compare")).diffs))
+        looks.append(rule.look(n, report.comparison_of(phase_records(launcher.store, trials, "compare")).diffs))
         stopped = rule.stopped(looks[-1])
         outcome = f"stop ({stopped})" if stopped else "one more seed"
-        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1].ci)}"
+        ci = f"{1 - rule.alpha_per_look:.2%} CI {report.ci_text(looks[-1].ci)}"
         print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
         if stopped:
             return trials, rule.summary(looks, stopped)
@@ -418,13 +398,13 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         compare, sequential = compare_phase(launcher, selection.lr, seeds, spec.search_seeds, cap)
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
-    null = null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
+    null = protocol.null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
     if null:
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
     evaluation = downstream_evaluation(spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir)
-    searched = [t for arm in arms for t in search_trials(grid, spec.search_seeds, [arm])]
-    results = build_results(
+    searched = [t for arm in arms for t in protocol.search_trials(grid, spec.search_seeds, [arm])]
+    results = report.build_results(
         sweep_dir,
         sweep_id=sweep_id,
         grid=grid,
@@ -441,10 +421,10 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         margin=spec.margin,
     )
     warnings = earlier_comparisons(store, selection.lr) + evaluation.warnings
-    results = with_outcome(results, evaluation=evaluation.result, eval_error=evaluation.error, warnings=warnings)
-    markdown = write_report(results, sweep_dir)
+    results = report.with_outcome(results, evaluation=evaluation.result, eval_error=evaluation.error, warnings=warnings)
+    markdown = report.write_report(results, sweep_dir)
     if job.wandb and spec.wandb_report:
-        log_to_wandb(results, sweep_dir, report_run_settings(job.wandb))
+        report.log_to_wandb(results, sweep_dir, report_run_settings(job.wandb))
     return results, markdown
 
 
