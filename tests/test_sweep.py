@@ -96,66 +96,46 @@ def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
         store.is_final(Trial("sa", 3e-2, 0))
 
 
-def _one_seed(results: dict[float, tuple[str | None, float | None]]) -> dict:
-    """select_lr's input for a search with one seed: lr -> [(status, final val loss)]."""
-    return {lr: [run] for lr, run in results.items()}
+C = "completed"
+# One search seed per LR: (status, final val loss) by LR; the LR selected (None: none usable); what each warning says.
+SELECTIONS = {
+    "lowest loss, inside the grid": ({1e-4: (C, 3.2), 3e-4: (C, 3.0), 1e-3: (C, 3.1)}, 3e-4, []),
+    "a tie goes to the smaller LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.0), 1e-3: (C, 3.0), 3e-3: (C, 3.4)}, 3e-4, []),
+    "diverged runs never win": (
+        {1e-4: (C, 3.3), 3e-4: (C, 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)},
+        3e-4,
+        [],
+    ),
+    "a NaN loss never wins": ({1e-4: (C, 3.3), 3e-4: (C, math.nan), 1e-3: (C, 3.4)}, 1e-4, ["lowest LR"]),
+    "nothing usable": ({1e-3: ("diverged", None), 1e-2: (C, math.inf)}, None, ["no LR is usable"]),
+    "best at the lowest LR": ({1e-4: (C, 3.0), 3e-4: (C, 3.5), 1e-3: (C, 3.5)}, 1e-4, ["lowest LR of the grid"]),
+    "best at the highest LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.5), 1e-3: (C, 3.0)}, 1e-3, ["extend the grid above"]),
+    "one LR": ({3e-4: (C, 3.0)}, 3e-4, ["holds one LR (0.0003): nothing was searched"]),
+    "a failed run is named": (
+        {1e-4: (C, 3.3), 3e-4: ("failed", None), 1e-3: (C, 3.1), 3e-3: (C, 3.2)},
+        1e-3,
+        ["LR 0.0003 did not finish"],
+    ),
+}
 
 
-def test_selection_takes_the_lowest_loss_and_no_warning_inside_the_grid() -> None:
-    results = {1e-4: ("completed", 3.2), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.1)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == 3e-4 and selection.warnings == []
+@pytest.mark.parametrize(("results", "lr", "warnings"), SELECTIONS.values(), ids=SELECTIONS)
+def test_the_selection_takes_the_lowest_usable_loss_and_says_what_to_check(results, lr, warnings) -> None:
+    selection = select_lr({lr: [run] for lr, run in results.items()})
+    assert selection.lr == lr and len(selection.warnings) == len(warnings)
+    assert all(said in warning for said, warning in zip(warnings, selection.warnings, strict=True))
+    assert all(selection.losses[lr] is None for lr, (status, _) in results.items() if status != C)
 
 
-def test_selection_tie_goes_to_the_smaller_lr() -> None:
-    results = {1e-4: ("completed", 3.5), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.0), 3e-3: ("completed", 3.4)}
-    assert select_lr(_one_seed(results)).lr == 3e-4
-    # The same with medians over three seeds: 3e-4 and 1e-3 both have the median 3.0.
-    seeds = {
-        1e-4: [("completed", 3.5), ("completed", 3.6), ("completed", 3.4)],
-        3e-4: [("completed", 2.9), ("completed", 3.0), ("completed", 3.3)],
-        1e-3: [("completed", 3.0), ("completed", 2.8), ("completed", 3.1)],
-        3e-3: [("completed", 3.4), ("completed", 3.5), ("completed", 3.3)],
+def test_a_tie_of_medians_goes_to_the_smaller_lr() -> None:
+    seeds = {  # 3e-4 and 1e-3 both have the median 3.0
+        1e-4: [(C, 3.5), (C, 3.6), (C, 3.4)],
+        3e-4: [(C, 2.9), (C, 3.0), (C, 3.3)],
+        1e-3: [(C, 3.0), (C, 2.8), (C, 3.1)],
+        3e-3: [(C, 3.4), (C, 3.5), (C, 3.3)],
     }
     selection = select_lr(seeds)
     assert selection.losses[3e-4] == selection.losses[1e-3] == 3.0 and selection.lr == 3e-4
-
-
-def test_diverged_runs_are_never_selected() -> None:
-    # A diverged run's loss (or a loss above the bound, which trials.outcome records as diverged) never wins.
-    results = {1e-4: ("completed", 3.3), 3e-4: ("completed", 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == 3e-4
-    assert selection.losses[1e-3] is None and selection.losses[3e-3] is None
-    nan = {1e-4: ("completed", 3.3), 3e-4: ("completed", math.nan), 1e-3: ("completed", 3.4)}
-    assert select_lr(_one_seed(nan)).lr == 1e-4
-
-
-def test_all_diverged_selects_nothing_and_says_so() -> None:
-    selection = select_lr(_one_seed({1e-3: ("diverged", None), 1e-2: ("completed", math.inf)}))
-    assert selection.lr is None
-    assert any("no LR is usable" in w for w in selection.warnings)
-
-
-@pytest.mark.parametrize(("best", "side"), [(1e-4, "lowest"), (1e-3, "highest")])
-def test_best_lr_on_the_edge_of_the_grid_warns(best: float, side: str) -> None:
-    results = {lr: ("completed", 3.0 if lr == best else 3.5) for lr in (1e-4, 3e-4, 1e-3)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == best
-    assert len(selection.warnings) == 1 and side in selection.warnings[0] and "extend the grid" in selection.warnings[0]
-
-
-def test_a_grid_of_one_lr_warns_that_nothing_was_searched() -> None:
-    selection = select_lr({3e-4: [("completed", 3.0)]})
-    assert selection.lr == 3e-4
-    assert len(selection.warnings) == 1 and "holds one LR (0.0003)" in selection.warnings[0]
-
-
-def test_failed_search_runs_are_named_for_a_retry() -> None:
-    results = {1e-4: ("completed", 3.3), 3e-4: ("failed", None), 1e-3: ("completed", 3.1), 3e-3: ("completed", 3.2)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == 1e-3
-    assert "0.0003" in selection.warnings[0] and "retry" in selection.warnings[0]
 
 
 def test_the_median_over_search_seeds_outvotes_one_stalled_seed() -> None:

@@ -49,7 +49,7 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
             "sweep.lrs=null for the log-spaced range)"
         )
     from_range = bool(lr_range and not lrs)
-    if lr_range and from_range:
+    if lr_range and not lrs:
         lo, hi, num = float(lr_range["min"]), float(lr_range["max"]), int(lr_range["num"])
         lrs = [float(f"{lo * (hi / lo) ** (i / (num - 1)):.4g}") for i in range(num)]  # readable: 1e-4, 3.162e-4
     if not (lrs or preset):

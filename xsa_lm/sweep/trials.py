@@ -89,10 +89,10 @@ RETRY_DAMAGED = (
 
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
-        self.sweep_dir = sweep_dir
-        self.records = sweep_dir / "trials"
-        self.runs = sweep_dir / "runs"
-        self.logs = sweep_dir / "logs"
+        self.sweep_dir, self.records, self.runs, self.logs = (
+            sweep_dir,
+            *(sweep_dir / d for d in ("trials", "runs", "logs")),
+        )
 
     def run_dir(self, trial: Trial) -> Path:
         return self.runs / trial.id
