@@ -385,9 +385,8 @@ class TokenJob:
 
     def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
         """The launcher of one phase's runs at one budget, into sizes/<model>/<phase>/."""
-        return replace(self.sweep, overrides=self.overrides(fraction)).launcher(
-            TrialStore(self.dir / phase), group, "scale"
-        )
+        budget = replace(self.sweep, overrides=self.overrides(fraction))
+        return budget.launcher(TrialStore(self.dir / phase), group, "scale")
 
 
 def non_embedding_params(train: TrainSpec) -> int:
@@ -408,11 +407,9 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
     from xsa_lm.data.run import prepare_data
 
     train, spec, _ = size_config(overrides, model, seeds)
-    params = non_embedding_params(train)
     sweep = sweeps.SweepJob(spec, [], seeds, sweeps.train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
-    size = TokenJob(
-        model, study_dir / "sizes" / model, sweep, params, train.global_batch_tokens, train.model.block_size, scale
-    )
+    params, batch = non_embedding_params(train), train.global_batch_tokens
+    size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
     size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0)).grid))
     top = max(scale.sa_budgets)
     if not scale.allow_repeated_data:
@@ -703,9 +700,8 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
         jobs = {}
         for model in scale.models:
             train, spec, config = size_config(overrides, model, scale.seeds)
-            jobs[model] = sweeps.check_sweep(
-                train, spec, sweeps.train_overrides([*overrides, f"model={model}"]), config
-            )
+            runs = sweeps.train_overrides([*overrides, f"model={model}"])
+            jobs[model] = sweeps.check_sweep(train, spec, runs, config)
         return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
@@ -713,20 +709,10 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
             raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
-    plan = TokenPlan(
-        axis="tokens",
-        tokens_per_param=scale.tokens_per_param,
-        sa_budgets=sorted(scale.sa_budgets),
-        xsa_budgets=sorted(scale.xsa_budgets),
-        search_seeds=sweep.search_seeds,
-        seeds=seeds,
-        lr_per_budget=scale.lr_per_budget,
-        warmup_fraction=scale.warmup_fraction,
-        tune_xsa=sweep.tune_xsa,
-        null_arm=sweep.null_arm,
-        allow_repeated_data=scale.allow_repeated_data,
-        margin=sweep.margin,
-    )
+    of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
+    of_sweep = sweep.model_dump(include={"search_seeds", "tune_xsa", "null_arm", "margin"})
+    budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
+    plan = TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
     return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
