@@ -712,7 +712,7 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
     of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
     of_sweep = sweep.model_dump(include={"search_seeds", "tune_xsa", "null_arm", "margin"})
     budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
-    plan = TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)
+    plan = TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
     return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
