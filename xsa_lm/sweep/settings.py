@@ -74,14 +74,6 @@ def lr_grids(value: Any) -> str | None:
     return None
 
 
-def stall(value: Any) -> str | None:
-    """null, or the stall rule's keys (sweep/stalls.py StallRule checks their values)."""
-    keys = {"at_fraction", "margin", "loss_threshold"}
-    if value is None or (isinstance(value, dict) and set(value) <= keys):
-        return None
-    return f"must be null or hold only {', '.join(sorted(keys))}"
-
-
 def command_prefix(value: Any) -> str | None:
     """The words put before each trial's command: [] (none), or a program found on PATH and its arguments."""
     if value is None or value == []:
@@ -124,7 +116,7 @@ class SweepSpec(Spec):
     margin: float = Field(ge=0, description="the practical margin in nats of XSA - SA, fixed in the plan")
     null_arm: bool  # an A/A null beside the comparison
     tune_xsa: bool  # also grid-search XSA
-    stall: Annotated[dict[str, float | None] | None, rule(stall)]  # when a search run stalls (sweep/stalls.py)
+    stall: dict[Literal["at_fraction", "margin", "loss_threshold"], float | None] | None  # StallRule checks them
     diverge_above: float | None = Field(
         gt=0, allow_inf_nan=False, description="a final val loss above it counts as diverged; null: ln(vocab size)"
     )
