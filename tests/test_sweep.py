@@ -68,7 +68,7 @@ SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar=")
 # --- the grid and the selection -------------------------------------------------------------------------------
 
 
-def test_lr_grid_from_a_list_or_a_log_range() -> None:
+def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
     assert lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
     assert lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
     assert lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
@@ -79,11 +79,7 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
     assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
         lr_grid(None, None)
-
-
-def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
-    """Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record,
-    the second reusing the first's result as its own."""
+    # Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record.
     with pytest.raises(UserError, match=r"the LR grid has 0.03 and 0.03004, which name one run \(lr0.03"):
         lr_grid([3e-2, 1e-2, 3.004e-2], None)
     with pytest.raises(UserError, match="sweep.lr_range gives .*, or fewer points"):
@@ -194,10 +190,7 @@ def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
     # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
     trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True))
     assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
-
-
-def test_no_compare_seeds_is_a_search_only_sweep() -> None:
-    assert check_seeds([], search_seeds=[0, 1]) == [] and check_seeds(None, search_seeds=[0]) == []
+    assert check_seeds([], search_seeds=[0, 1]) == [] and check_seeds(None, search_seeds=[0]) == []  # search only
 
 
 @pytest.mark.parametrize(
