@@ -6,7 +6,6 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.errors import UserError
