@@ -400,10 +400,9 @@ def non_embedding_params(train: TrainSpec) -> int:
 
 
 def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
-    """A size of the token axis, checked before any run: its runs at B composed and checked as their `xsa-lm train`
-    will check them; its largest SA budget against the training data, prepared (or found in the cache) as the runs
-    will prepare it, unless scale.allow_repeated_data: repeated tokens teach less than new ones, which flattens
-    SA's curve at the top, where k is read."""
+    """A size of the token axis, checked before any run: its runs at B as their `xsa-lm train` will check them, and
+    its largest SA budget against the training data (unless scale.allow_repeated_data): repeated tokens teach less
+    than new ones, which flattens SA's curve at the top, where k is read."""
     from xsa_lm.data.run import prepare_data
 
     train, spec, _ = size_config(overrides, model, seeds)
@@ -668,9 +667,8 @@ def reanalyse(
     seed: int = 0,
     when: str | None = None,
 ) -> ScaleStudyResult | TokenStudyResult:
-    """A saved study of either axis (its results.json, as json.load or the record's read gives it) analysed again
-    from its raw data with the current analysis, no run repeated (the tests and multipliers of an older analysis
-    dropped); `reanalysed` says when."""
+    """A saved study of either axis (its results.json, loaded or read) analysed again from its raw data with the
+    current analysis, no run repeated; `reanalysed` says when."""
     if isinstance(saved, dict):
         kind = TokenStudyResult if "plan" in saved else ScaleStudyResult
         saved = kind.from_json(saved, source="the study's results.json")
