@@ -335,26 +335,25 @@ def check_train(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
+    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.sweep import run as sweep
+    from xsa_lm.sweep.settings import SweepSpec
 
     sweep.train_overrides(task_overrides(overrides))
-    sweep.check_sweep(cfg)
+    sweep.check_sweep(parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), None)
     check_train(cfg, overrides)  # what every trial, an `xsa-lm train` process, checks
 
 
 def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.scale.run import check_models, load_bench, sweep_overrides
+    from xsa_lm.config.spec import parse
+    from xsa_lm.scale.run import load_bench, sweep_overrides
     from xsa_lm.sweep.run import train_overrides
-    from xsa_lm.sweep.settings import ScaleSpec, parse
+    from xsa_lm.sweep.settings import ScaleSpec
 
     kept = sweep_overrides(task_overrides(overrides))
-    models = check_models(cfg.scale.models, at_least=1 if cfg.scale.axis == "tokens" else 2)
-    parse(ScaleSpec, cfg.scale, "scale")
+    models = parse(ScaleSpec, cfg.scale, at="scale.").models  # the sizes, the budgets
     load_bench(cfg.scale.get("bench"))
     if cfg.scale.axis == "tokens":  # each size's runs are `xsa-lm train` processes
-        from xsa_lm.scale.tokens import check_token_study
-
-        check_token_study(cfg, task_overrides(overrides))
         for model in models:
             check_train(compose_train([*train_overrides(kept), f"model={model}"]), [])
         return

@@ -317,8 +317,9 @@ REFUSALS = {
         ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
         ("model.d_model=64", "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model"),
         ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
-        ("scale.axis=depth", "scale.axis='depth': choose size or tokens"),
-        ("scale.fit=cubic", "scale.fit='cubic': choose auto, power_law_offset or power_law"),
+        ("scale.models=[tiny,nosuch]", "scale.models=['tiny', 'nosuch'] has no model preset nosuch; available: "),
+        ("scale.axis=depth", "scale.axis=depth must be one of size, tokens"),
+        ("scale.fit=cubic", "scale.fit=cubic must be one of auto, power_law_offset, power_law"),
         ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
         ("scale.bootstrap_seed=-1", "scale.bootstrap_seed=-1 must be >= 0"),
         ("scale.seeds=3", "scale.seeds=3 must be a list of distinct integers from 0 to 4294967295, or null"),
@@ -326,7 +327,7 @@ REFUSALS = {
         ("scale.seeds=[0,4]", "scale.seeds=[0,4] contains the search seed(s) [0] (sweep.search_seeds)"),
         ("scale.seeds=[]", "scale.seeds=[]: the study compares SA and XSA at every size, which needs compare seeds"),
         (f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
-        ("+scale.seed=1", "scale.seed: not a setting of `xsa-lm scale` (it has axis, models, seeds,"),
+        ("+scale.seed=1", "scale.seed: not an option"),
         ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
         ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
         ("attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
@@ -336,12 +337,15 @@ REFUSALS = {
         ("scale.sa_budgets=[1]", "scale.sa_budgets needs 2+ positive budgets including 1"),
         ("scale.sa_budgets=1", "scale.sa_budgets=1 must be a list of positive numbers, e.g. [0.5,1,2]"),
         ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
-        ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be < 1 (the share of each run's steps"),
+        ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be < 1"),
         ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
         ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
         ("scale.seeds=[2]", "needs 2+ compare seeds"),
-        ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
+        (
+            "sweep.search_seeds=[-1]",
+            "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to 4294967295",
+        ),
         ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
         ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
         ("attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
@@ -359,7 +363,7 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     override: str,
     message: str,
 ):
-    monkeypatch.setattr("xsa_lm.scale.run.run_sweep", started)
+    monkeypatch.setattr("xsa_lm.sweep.run.run_sweep", started)
     monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"
     args = ["scale", *AXES[axis], override, f"hydra.run.dir={study_dir}"]

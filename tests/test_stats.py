@@ -13,8 +13,7 @@ import scipy.stats
 
 import xsa_lm.stats
 from xsa_lm.scale.report import SizeResult, TokenSize
-from xsa_lm.scale.run import size_tests
-from xsa_lm.scale.tokens import analyse_tokens
+from xsa_lm.scale.run import analyse_tokens, size_tests
 from xsa_lm.stats.paired import holm, min_detectable_difference, paired_stats, paired_t, sign_test_p, wilcoxon_p
 from xsa_lm.sweep.protocol import Selection
 from xsa_lm.sweep.report import build_results

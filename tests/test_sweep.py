@@ -15,7 +15,6 @@ from typing import cast
 import pytest
 import scipy.stats
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from tests.golden import assert_golden
 from tests.helpers import (
@@ -29,6 +28,7 @@ from tests.helpers import (
     write_local_task,
 )
 from tests.wandb_records import config, history, run_files, run_record, summary
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
@@ -37,7 +37,6 @@ from xsa_lm.stats.paired import paired_t
 from xsa_lm.sweep.protocol import (
     SequentialRule,
     Trial,
-    check_search_seeds,
     check_seeds,
     compare_trials,
     lr_grid,
@@ -57,7 +56,7 @@ from xsa_lm.sweep.run import (
     sweep_problem,
     train_overrides,
 )
-from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
 from xsa_lm.train.summary import RunSummary
@@ -69,7 +68,7 @@ SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar=")
 # --- the grid and the selection -------------------------------------------------------------------------------
 
 
-def test_lr_grid_from_a_list_or_a_log_range() -> None:
+def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
     assert lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
     assert lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
     assert lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
@@ -80,11 +79,7 @@ def test_lr_grid_from_a_list_or_a_log_range() -> None:
     assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
         lr_grid(None, None)
-
-
-def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
-    """Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record,
-    the second reusing the first's result as its own."""
+    # Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record.
     with pytest.raises(UserError, match=r"the LR grid has 0.03 and 0.03004, which name one run \(lr0.03"):
         lr_grid([3e-2, 1e-2, 3.004e-2], None)
     with pytest.raises(UserError, match="sweep.lr_range gives .*, or fewer points"):
@@ -97,66 +92,46 @@ def test_lrs_one_run_name_would_hold_are_refused(tmp_path: Path) -> None:
         store.is_final(Trial("sa", 3e-2, 0))
 
 
-def _one_seed(results: dict[float, tuple[str | None, float | None]]) -> dict:
-    """select_lr's input for a search with one seed: lr -> [(status, final val loss)]."""
-    return {lr: [run] for lr, run in results.items()}
+C = "completed"
+# One search seed per LR: (status, final val loss) by LR; the LR selected (None: none usable); what each warning says.
+SELECTIONS = {
+    "lowest loss, inside the grid": ({1e-4: (C, 3.2), 3e-4: (C, 3.0), 1e-3: (C, 3.1)}, 3e-4, []),
+    "a tie goes to the smaller LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.0), 1e-3: (C, 3.0), 3e-3: (C, 3.4)}, 3e-4, []),
+    "diverged runs never win": (
+        {1e-4: (C, 3.3), 3e-4: (C, 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)},
+        3e-4,
+        [],
+    ),
+    "a NaN loss never wins": ({1e-4: (C, 3.3), 3e-4: (C, math.nan), 1e-3: (C, 3.4)}, 1e-4, ["lowest LR"]),
+    "nothing usable": ({1e-3: ("diverged", None), 1e-2: (C, math.inf)}, None, ["no LR is usable"]),
+    "best at the lowest LR": ({1e-4: (C, 3.0), 3e-4: (C, 3.5), 1e-3: (C, 3.5)}, 1e-4, ["lowest LR of the grid"]),
+    "best at the highest LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.5), 1e-3: (C, 3.0)}, 1e-3, ["extend the grid above"]),
+    "one LR": ({3e-4: (C, 3.0)}, 3e-4, ["holds one LR (0.0003): nothing was searched"]),
+    "a failed run is named": (
+        {1e-4: (C, 3.3), 3e-4: ("failed", None), 1e-3: (C, 3.1), 3e-3: (C, 3.2)},
+        1e-3,
+        ["LR 0.0003 did not finish"],
+    ),
+}
 
 
-def test_selection_takes_the_lowest_loss_and_no_warning_inside_the_grid() -> None:
-    results = {1e-4: ("completed", 3.2), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.1)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == 3e-4 and selection.warnings == []
+@pytest.mark.parametrize(("results", "lr", "warnings"), SELECTIONS.values(), ids=SELECTIONS)
+def test_the_selection_takes_the_lowest_usable_loss_and_says_what_to_check(results, lr, warnings) -> None:
+    selection = select_lr({lr: [run] for lr, run in results.items()})
+    assert selection.lr == lr and len(selection.warnings) == len(warnings)
+    assert all(said in warning for said, warning in zip(warnings, selection.warnings, strict=True))
+    assert all(selection.losses[lr] is None for lr, (status, _) in results.items() if status != C)
 
 
-def test_selection_tie_goes_to_the_smaller_lr() -> None:
-    results = {1e-4: ("completed", 3.5), 3e-4: ("completed", 3.0), 1e-3: ("completed", 3.0), 3e-3: ("completed", 3.4)}
-    assert select_lr(_one_seed(results)).lr == 3e-4
-    # The same with medians over three seeds: 3e-4 and 1e-3 both have the median 3.0.
-    seeds = {
-        1e-4: [("completed", 3.5), ("completed", 3.6), ("completed", 3.4)],
-        3e-4: [("completed", 2.9), ("completed", 3.0), ("completed", 3.3)],
-        1e-3: [("completed", 3.0), ("completed", 2.8), ("completed", 3.1)],
-        3e-3: [("completed", 3.4), ("completed", 3.5), ("completed", 3.3)],
+def test_a_tie_of_medians_goes_to_the_smaller_lr() -> None:
+    seeds = {  # 3e-4 and 1e-3 both have the median 3.0
+        1e-4: [(C, 3.5), (C, 3.6), (C, 3.4)],
+        3e-4: [(C, 2.9), (C, 3.0), (C, 3.3)],
+        1e-3: [(C, 3.0), (C, 2.8), (C, 3.1)],
+        3e-3: [(C, 3.4), (C, 3.5), (C, 3.3)],
     }
     selection = select_lr(seeds)
     assert selection.losses[3e-4] == selection.losses[1e-3] == 3.0 and selection.lr == 3e-4
-
-
-def test_diverged_runs_are_never_selected() -> None:
-    # A diverged run's loss (or a loss above the bound, which trials.outcome records as diverged) never wins.
-    results = {1e-4: ("completed", 3.3), 3e-4: ("completed", 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == 3e-4
-    assert selection.losses[1e-3] is None and selection.losses[3e-3] is None
-    nan = {1e-4: ("completed", 3.3), 3e-4: ("completed", math.nan), 1e-3: ("completed", 3.4)}
-    assert select_lr(_one_seed(nan)).lr == 1e-4
-
-
-def test_all_diverged_selects_nothing_and_says_so() -> None:
-    selection = select_lr(_one_seed({1e-3: ("diverged", None), 1e-2: ("completed", math.inf)}))
-    assert selection.lr is None
-    assert any("no LR is usable" in w for w in selection.warnings)
-
-
-@pytest.mark.parametrize(("best", "side"), [(1e-4, "lowest"), (1e-3, "highest")])
-def test_best_lr_on_the_edge_of_the_grid_warns(best: float, side: str) -> None:
-    results = {lr: ("completed", 3.0 if lr == best else 3.5) for lr in (1e-4, 3e-4, 1e-3)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == best
-    assert len(selection.warnings) == 1 and side in selection.warnings[0] and "extend the grid" in selection.warnings[0]
-
-
-def test_a_grid_of_one_lr_warns_that_nothing_was_searched() -> None:
-    selection = select_lr({3e-4: [("completed", 3.0)]})
-    assert selection.lr == 3e-4
-    assert len(selection.warnings) == 1 and "holds one LR (0.0003)" in selection.warnings[0]
-
-
-def test_failed_search_runs_are_named_for_a_retry() -> None:
-    results = {1e-4: ("completed", 3.3), 3e-4: ("failed", None), 1e-3: ("completed", 3.1), 3e-3: ("completed", 3.2)}
-    selection = select_lr(_one_seed(results))
-    assert selection.lr == 1e-3
-    assert "0.0003" in selection.warnings[0] and "retry" in selection.warnings[0]
 
 
 def test_the_median_over_search_seeds_outvotes_one_stalled_seed() -> None:
@@ -215,10 +190,7 @@ def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
     # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
     trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True))
     assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
-
-
-def test_no_compare_seeds_is_a_search_only_sweep() -> None:
-    assert check_seeds([], search_seeds=[0, 1]) == [] and check_seeds(None, search_seeds=[0]) == []
+    assert check_seeds([], search_seeds=[0, 1]) == [] and check_seeds(None, search_seeds=[0]) == []  # search only
 
 
 @pytest.mark.parametrize(
@@ -238,36 +210,6 @@ def test_a_compare_seed_among_the_search_seeds_is_refused_with_a_disjoint_replac
     assert not set(suggested) & set(search_seeds)  # none of them a search seed
     assert [s for s in suggested if s in seeds] == [s for s in seeds if s not in search_seeds]  # the others kept
     assert check_seeds(suggested, search_seeds=search_seeds) == suggested  # the suggestion passes
-
-
-@pytest.mark.parametrize(
-    ("bad", "named"),
-    [
-        ({"lrs": [1e-3, -1e-3]}, "sweep.lrs=[0.001, -0.001] must be a list of positive numbers"),
-        ({"lrs": [math.inf]}, "sweep.lrs=[inf] must be a list of positive numbers"),
-        ({"lr_range": {"min": 1e-2, "max": 1e-4, "num": 3}}, "must be {min:..,max:..,num:..} with 0 < min < max"),
-        *(
-            ({"search_seeds": bad}, "sweep.search_seeds=")
-            for bad in ([], None, [0, 0], [0, "1"], [0.5], [True], 3, "0")
-        ),
-        ({"search_seeds": []}, "sweep.search_seeds must be a non-empty list of distinct integers"),
-        ({"stall": {"margin": -1}}, "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
-        ({"margin": -0.1}, "sweep.margin=-0.1 must be >= 0 (the practical margin in nats"),
-        ({"diverge_above": math.inf}, "sweep.diverge_above=inf must be a finite number or null"),
-        ({"tune_xsa": "yes"}, "sweep.tune_xsa=yes must be true or false"),
-        ({"lr": 1e-3}, "sweep.lr: not a setting of `xsa-lm sweep` (it has lrs, lr_range,"),
-    ],
-)
-def test_each_sweep_setting_is_refused_in_one_line_naming_its_value(bad: dict, named: str) -> None:
-    """Each setting's type and range, and the rules that tie the seeds together, in SweepSpec: checked once."""
-    sweep = cast(dict, OmegaConf.to_container(compose_train([], config_name="sweep").sweep)) | bad
-    with pytest.raises(UserError) as refused:
-        parse(SweepSpec, sweep, "sweep")
-    assert named in str(refused.value) and "\n" not in str(refused.value)
-
-
-def test_search_seeds_pass_through_when_valid() -> None:
-    assert check_search_seeds([0]) == [0] and check_search_seeds((4, 0, 9)) == [4, 0, 9]
 
 
 # --- the results record and its report (golden files: tests/golden/) --------------------------------------------
@@ -456,7 +398,7 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
     shipped = (["sweep=demo"], [], ["experiment=paper_lr_robustness_toy"], ["experiment=stalls_toy"])
     for overrides in shipped:  # the shipped seeds are valid, and the compare seeds disjoint from the search's
         sweep = compose_train(overrides, config_name="sweep").sweep
-        search_seeds = check_search_seeds(list(sweep.search_seeds))
+        search_seeds = list(sweep.search_seeds)
         assert not set(search_seeds) & set(check_seeds(sweep.seeds, search_seeds, sweep.reuse_search_run))
 
 
@@ -1073,10 +1015,16 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
 
 # Each setting a sweep takes, wrong: refused in one line before the sweep directory exists or any trial starts.
 SWEEP_REFUSALS = [
-    ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0 (a final val loss above it counts as diverged"),
-    ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number or null"),
-    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a list of distinct integers from 0 to 4294967295"),
-    ("sweep.search_seeds=[]", "sweep.search_seeds must be a non-empty list of distinct integers"),
+    ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0"),
+    ("sweep.margin=-0.1", "sweep.margin=-0.1 must be >= 0"),
+    ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number"),
+    (
+        "sweep.search_seeds=[-1]",
+        "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to 4294967295",
+    ),
+    ("sweep.search_seeds=[]", "sweep.search_seeds=[] must be a non-empty list of distinct integers from 0 to"),
+    ("sweep.search_seeds=[0,0]", "sweep.search_seeds=[0, 0] must be a non-empty list of distinct integers"),
+    ("sweep.lrs=[inf]", "sweep.lrs=[inf] must be a list of positive numbers"),
     ("sweep.seeds=[a,b]", "sweep.seeds=['a', 'b'] must be a list of distinct integers from 0 to 4294967295"),
     ("sweep.seeds=[4294967296]", "sweep.seeds=[4294967296] must be a list of distinct integers from 0 to"),
     ("sweep.seeds=[1,1]", "sweep.seeds=[1, 1] must be a list of distinct integers"),
@@ -1086,6 +1034,7 @@ SWEEP_REFUSALS = [
     ("sweep.lrs=[1e-3,0.001]", "sweep.lrs=[0.001, 0.001] lists 0.001 twice"),
     ("sweep.lrs=[]", "needs an LR grid"),
     ("sweep.lr_range={min:1e-4,max:1e-2}", "must be {min:..,max:..,num:..} with 0 < min < max and an integer num"),
+    ("sweep.lr_range={min:1e-2,max:1e-4,num:3}", "must be {min:..,max:..,num:..} with 0 < min < max"),
     ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
     ("sweep.launch_prefix=[/nonexistent]", "starts with /nonexistent, which is no program on PATH"),
     ("sweep.launch_prefix=srun", "sweep.launch_prefix=srun must be a list of words"),
@@ -1094,7 +1043,7 @@ SWEEP_REFUSALS = [
     ("sweep.stall.margin=-1", "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
     ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
-    ("+sweep.lr=1e-3", "sweep.lr: not a setting of `xsa-lm sweep` (it has lrs, lr_range,"),
+    ("+sweep.lr=1e-3", "sweep.lr: not an option"),
     ("optim.lr=1e-3", "optim.lr is set by the sweep"),
     # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.
     ("attention.layers=[7]", "attention.layers=[7]: each layer is a 0-based index below model.n_layer=2"),
@@ -1137,19 +1086,23 @@ def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]"]
         search_only = compose(config_name="sweep", overrides=[*overrides, "sweep.seeds=[]"])
-        setup = check_sweep(search_only, train_overrides(overrides))
-        assert (setup.grid, setup.search_seeds, setup.seeds, setup.cap) == ([1e-3, 3e-3], [0], [], None)
+        job = check_sweep(*specs(search_only), train_overrides(overrides))
+        assert (job.grid, job.spec.search_seeds, job.seeds) == ([1e-3, 3e-3], [0], [])
         for compared in ([*overrides, "sweep.seeds=[]", "sweep.tune_xsa=true"], overrides):
             with pytest.raises(UserError, match=r"attention.layers=\[\] puts XSA on no layer"):
-                check_sweep(compose(config_name="sweep", overrides=compared), train_overrides(overrides))
+                check_sweep(*specs(compose(config_name="sweep", overrides=compared)), train_overrides(overrides))
+
+
+def specs(cfg) -> tuple[TrainSpec, SweepSpec]:
+    return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
 
 
 def test_every_sweep_and_scale_setting_has_a_rule() -> None:
     """The rules cover the keys the configs have, no more (a new key without a rule fails here)."""
     for config_name in ("sweep", "scale"):
         cfg = compose_train([], config_name=config_name)
-        parse(SweepSpec, cfg.sweep, "sweep")
-    parse(ScaleSpec, cfg.scale, "scale")
+        parse(SweepSpec, cfg.sweep, at="sweep.")
+    parse(ScaleSpec, cfg.scale, at="scale.")
     assert set(cfg.sweep) == set(SweepSpec.model_fields) and set(cfg.scale) == set(ScaleSpec.model_fields)
 
 

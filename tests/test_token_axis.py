@@ -17,12 +17,18 @@ from omegaconf import OmegaConf
 
 from tests.golden import assert_golden
 from tests.helpers import assert_nothing_written, compose_train, refused_in_process, run_cli
-from xsa_lm.scale import tokens
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.scale.report import SizeBench, TokenPlan, TokenSize, TokenStudyResult, k_cells, render_markdown
-from xsa_lm.scale.run import sweep_overrides
-from xsa_lm.scale.study import StudyIdentity
+from xsa_lm.scale.run import (
+    StudyIdentity,
+    analyse_tokens,
+    check_study,
+    non_embedding_params,
+    sweep_overrides,
+    unfinished,
+)
 from xsa_lm.scale.token_axis import _ln_k_of_means, bootstrap_interval, cell_estimate, pool
-from xsa_lm.scale.tokens import analyse_tokens, unfinished
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.trials import Launcher
 
 B = 1.0e6
@@ -250,11 +256,12 @@ def first_launch(task: list[str], study_dir: Path, monkeypatch: pytest.MonkeyPat
         raise Stop
 
     monkeypatch.setattr(Launcher, "run", record)
-    monkeypatch.setattr(tokens, "stop_on_signals", lambda stop, command: None)  # no handlers left in pytest
+    monkeypatch.setattr("xsa_lm.sweep.run.stop_on_signals", lambda stop, command: None)  # no handlers left in pytest
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         cfg = compose(config_name="scale", overrides=task)
         overrides = sweep_overrides(task)
-        study = tokens.check_token_axis(cfg, study_dir, overrides, list(cfg.scale.models))
+        scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
+        study = check_study(scale, sweep, study_dir, overrides)
         with pytest.raises(Stop):
             study(StudyIdentity(study_dir=str(study_dir), study_id="t", overrides=overrides), None)
     return launched[0]
@@ -271,8 +278,10 @@ def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_p
 def test_the_budget_counts_the_parameters_the_runs_will_build():
     """B follows the study's overrides (an experiment's or the command line's model.* keys) and the size's preset."""
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        base = tokens.non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy"])
-        deeper = tokens.non_embedding_params("tiny_l3_d48", ["experiment=tokens_toy", "model.n_layer=4"])
+        base, deeper = (
+            non_embedding_params(parse(TrainSpec, compose(config_name="train", overrides=[*o, "model=tiny_l3_d48"])))
+            for o in (["experiment=tokens_toy"], ["experiment=tokens_toy", "model.n_layer=4"])
+        )
     from xsa_lm.model.config import GPTConfig
     from xsa_lm.model.gpt import GPT
 

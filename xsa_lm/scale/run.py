@@ -1,24 +1,25 @@
-"""`xsa-lm scale`: the sweep's protocol at several model sizes, and XSA's effective-compute multiplier.
-
-1. for every model preset of scale.models, the sweep's protocol in DIR/sizes/<model>/, run in this process (LR
-   search on SA, then SA vs XSA at the selected LR over the compare seeds): resumable, its trials reused when the
-   same command runs again
-2. fit SA's losses against training compute and both arms with a shared curve (fit.py): one multiplier k for the
-   ladder with a parametric-bootstrap CI, reported only when no flag is up (lack of fit, extrapolation, a short
-   compute span, a parameter at a bound, an arm not falling with compute, an LR at its grid's edge); per size and
-   across sizes, the paired tests (xsa_lm.stats); a wall-clock k only from `xsa-lm bench` (scale.bench)
-3. results.json, report.md, loss_vs_compute.png, multiplier.png, and a report run in the study's W&B group
+"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes,
+along one of two axes (scale.axis); both resume (every run is a trial with its record) and fix their plan at the first
+run (scale.json).
+- size: the sweep at each size of scale.models in DIR/sizes/<model>/; SA's losses fitted against training compute
+  and both arms with a shared curve (fit.py): one k for the ladder with a bootstrap CI, reported only when no flag is
+  up; the paired tests per size and across sizes.
+- tokens: at each size, with B = scale.tokens_per_param x its non-embedding parameters, SA's LR searched at B (with
+  scale.lr_per_budget at every SA budget), SA at every budget of scale.sa_budgets (x B) and XSA at every one of
+  scale.xsa_budgets for every compare seed; k per (size, XSA budget) from SA's own tokens-to-loss curve, pooled.
+A wall-clock k comes from `xsa-lm bench`'s XSA/SA step time (scale.bench, or per size: scale.measure_throughput).
 """
 
-import importlib.resources
 import io
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from contextlib import redirect_stdout
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -29,40 +30,30 @@ import scipy.stats
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config.spec import LoggerSpec, TrainSpec, parse
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
-from xsa_lm.scale.fit import (
-    FORMS,
-    Fit,
-    LackOfFit,
-    SharedFit,
-    fit_loss_vs_compute,
-    fit_shared,
-    huber_scale,
-    lack_of_fit,
-    lack_of_fit_variance,
-    ladder_bootstrap,
+from xsa_lm.scale import fit, report, token_axis
+from xsa_lm.scale.report import (
+    BenchRatio,
+    ScaleStudyResult,
+    SizeBench,
+    SizeResult,
+    TokenPlan,
+    TokenRun,
+    TokenSize,
+    TokenStudyResult,
 )
-from xsa_lm.scale.report import BenchRatio, ScaleStudyResult, SizeResult, log_to_wandb, write_report
-from xsa_lm.scale.study import Study, StudyIdentity, compare_seeds
-from xsa_lm.stats.decision import clustered_test
+from xsa_lm.stats.decision import clustered_test, margin_verdict
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
-from xsa_lm.sweep.report import SweepResult
-from xsa_lm.sweep.run import (
-    check_sweep,
-    incomplete,
-    open_state,
-    passed_on,
-    report_run_settings,
-    run_exclusive,
-    run_sweep,
-    stop_on_signals,
-    train_overrides,
-    wandb_settings,
-)
-from xsa_lm.sweep.settings import ScaleSpec, SweepSpec, parse, plain
+from xsa_lm.stats.positions import position_differences
+from xsa_lm.sweep import run as sweeps
+from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_seeds
+from xsa_lm.sweep.report import SweepResult, bpb_stats
+from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, last_error_line
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -74,29 +65,77 @@ SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_siz
     },
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
+SET_BY_TOKEN_AXIS = {
+    "scheduler.warmup_steps": "scale.warmup_fraction sets each run's warmup from its steps (null: the recipe's)",
+    "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
+    "val_every_steps": "scale.axis=tokens validates at half and at the end of each run",
+}
 
 
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
     """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study); what
     each sweep would refuse (attention=, optim.lr=, seed=) is refused with the study's checks (train_overrides)."""
-    return passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
+    return sweeps.passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
 
 
-def check_models(models: Any, at_least: int) -> list[str]:
-    """The sizes: distinct presets that exist; a fit across sizes needs two, the token axis one."""
-    names = [str(m) for m in models or []] if OmegaConf.is_list(models) or isinstance(models, list) else []
-    if len(names) < at_least or len(set(names)) != len(names):
-        need = "at least two distinct model presets, smallest first" if at_least > 1 else "distinct model presets"
-        raise UserError(
-            f"scale.models needs {need}, got {models!r}; e.g. scale.models=[tiny_d32,tiny_d64,tiny_d96,tiny]"
-        )
-    presets = importlib.resources.files("xsa_lm.configs") / "model"
-    available = {p.name.removesuffix(".yaml") for p in presets.iterdir() if p.name.endswith(".yaml")}
-    unknown = [m for m in names if m not in available]
-    if unknown:
-        known = ", ".join(sorted(available))
-        raise UserError(f"scale.models: no model preset {', '.join(unknown)}; available: {known}")
-    return names
+@dataclass(frozen=True)
+class StudyIdentity:
+    """How both axes' results.json open: the study's folder, its id (scale.json's) and the overrides of its runs."""
+
+    study_dir: str
+    study_id: str
+    overrides: list[str]
+
+
+Study = Callable[[StudyIdentity, str | None], list[str]]  # runs a checked study: its identity, the W&B group
+
+
+def size_config(overrides: list[str], model: str, seeds: list[int] | None = None) -> tuple[TrainSpec, SweepSpec, dict]:
+    """One size's training spec, sweep settings and config, composed as `xsa-lm sweep model=<model>` within the
+    running Hydra app with the study's overrides (and its compare seeds as sweep.seeds)."""
+    listed = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
+    cfg = compose(config_name="sweep", overrides=[*overrides, f"model={model}", *listed])
+    config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), config
+
+
+def read_bench(path: Path | str, key: str) -> tuple[JsonObject, JsonObject]:
+    """An `xsa-lm bench` results.json and its XSA/SA step time (ratios.xsa_over_sa_step_time: median, interval)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
+    try:
+        bench = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        bench = None
+    ratios = bench.get("ratios") if isinstance(bench, dict) else None
+    ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
+    if not isinstance(ratio, dict) or "median" not in ratio:
+        raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
+    return cast(JsonObject, bench), ratio
+
+
+def load_bench(path: str | None) -> BenchRatio | None:
+    """XSA/SA step time from an `xsa-lm bench` results.json (scale.bench), for the size axis's wall-clock k."""
+    if path is None:
+        return None
+    bench, ratio = read_bench(path, "scale.bench")
+    return BenchRatio(source=str(path), model=bench.get("model"), xsa_over_sa_step_time=ratio)
+
+
+def wallclock(
+    k: float, ci: Sequence[float | None], ratio: float, interval: Sequence[float] | None
+) -> tuple[float, list[float | None] | None]:
+    """k in wall-clock time, only from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, both arms
+    timed in alternating rounds; trial tokens/s vary with whatever else the machine ran): a slower XSA gives back
+    part of k. The interval combines the ends conservatively (k's low end over the ratio's high end, and back)."""
+    if not interval:
+        return k / ratio, None
+    lo, hi = ci
+    return k / ratio, [lo / interval[1] if lo is not None else None, hi / interval[0] if hi is not None else None]
+
+
+# --- the size axis: the sweep at every size, a fit across sizes -------------------------------------------------
 
 
 class SizeOutput(io.TextIOBase):
@@ -114,29 +153,27 @@ class SizeOutput(io.TextIOBase):
         return len(text)
 
 
-def run_size(model: str, overrides: list[str], *, study_dir: Path, group: str | None) -> SizeResult:
-    """One size's sweep with its overrides, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its
-    folder)."""
-    sweep_dir = study_dir / "sizes" / model
-    size = overrides + ([f"logger.wandb.group={group}"] if group is not None else [])
-    log = study_dir / "logs" / f"{model}.log"
+def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> SizeResult:
+    """One size's sweep, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its folder), its trials in
+    the study's W&B group."""
+    sweep_dir, log = study_dir / "sizes" / model, study_dir / "logs" / f"{model}.log"
+    if job.wandb is not None and group is not None:
+        job = replace(job, wandb=job.wandb.model_copy(update={"group": group}))
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"size {model}: its sweep into {sweep_dir}")
     with open(log, "a") as out, hold_directory(sweep_dir, "sweep.lock", "xsa-lm sweep"):
-        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: xsa-lm sweep {' '.join(size)}\n")
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: xsa-lm sweep {' '.join(job.overrides)}\n")
         with redirect_stdout(SizeOutput(model, out, sys.stdout)):
             try:
-                cfg = compose(config_name="sweep", overrides=size)
-                results, _ = run_sweep(cfg, sweep_dir, train_overrides(size), command="scale")
+                results, _ = sweeps.run_sweep(job, sweep_dir, command="scale")
             except UserError as e:
                 raise UserError(f"the sweep of {model} was refused: {e}") from None
-    return size_result(model, sweep_dir, finished=incomplete(results) is None)
+    return size_result(model, sweep_dir, finished=sweeps.incomplete(results) is None)
 
 
 def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
     """What the fit needs from one size's sweep (its results.json): the paired final losses, throughput and the
-    training FLOPs of a run, compute (the model's FLOPs per token, GPT.flops_per_token, times the tokens it trained
-    on)."""
+    training FLOPs of a run, compute (GPT.flops_per_token times the tokens it trained on)."""
     import torch
 
     from xsa_lm.model.config import GPTConfig
@@ -177,21 +214,15 @@ def standard_error(runs: list[float]) -> float:
     return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
-@dataclass(frozen=True)
-class Flag:
-    """A reason the ladder cannot turn XSA's loss gap into compute."""
-
-    flag: str
-    reason: str
-
-
 def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
     pairs = range(len(ladder) - 1)
     return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
 
 
-def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared: SharedFit) -> list[Flag]:
-    """Every reason this ladder cannot turn XSA's loss gap into compute, each with its one-line why."""
+def ladder_flags(
+    ladder: list[SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
+) -> dict[str, str]:
+    """Every reason this ladder cannot turn XSA's loss gap into compute (flag -> its one-line why)."""
     flags: dict[str, str] = {}
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
@@ -199,7 +230,7 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
         why = (
             "a size has fewer than 2 seeds (no standard error)"
             if lack.dof > 0
-            else f"{len(ladder)} sizes for {FORMS[sa_fit.form]} parameters leave no degree of freedom"
+            else f"{len(ladder)} sizes for {fit.FORMS[sa_fit.form]} parameters leave no degree of freedom"
         )
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
     elif lack.p < 0.05:
@@ -255,30 +286,7 @@ def ladder_flags(ladder: list[SizeResult], sa_fit: Fit, lack: LackOfFit, shared:
     ]
     if edges:
         flags["lr_at_grid_edge"] = f"the selected LR is at an edge of its grid at {', '.join(edges)}: extend it"
-    return [Flag(flag=name, reason=reason) for name, reason in flags.items()]
-
-
-@dataclass(frozen=True)
-class WallClock:
-    multiplier: float | None
-    ci: list[float] | None
-    note: str  # where the step times come from
-
-
-def wallclock(k: float, ci: list[float], bench: BenchRatio | None) -> WallClock:
-    """k in wall-clock time, only from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, both arms
-    timed in alternating rounds; trial tokens/s vary with whatever else the machine ran): a slower XSA gives back
-    part of k. The interval combines the ends conservatively (k's low end over the ratio's high end, and the
-    reverse)."""
-    if not bench:
-        return WallClock(multiplier=None, ci=None, note="wall-clock k: measure throughput with xsa-lm bench")
-    ratio = bench.xsa_over_sa_step_time
-    interval = ratio.get("interval")
-    return WallClock(
-        multiplier=k / ratio["median"],
-        ci=[ci[0] / interval[1], ci[1] / interval[0]] if interval else None,
-        note=f"XSA/SA step time from xsa-lm bench ({bench.source})",
-    )
+    return flags
 
 
 @dataclass(frozen=True)
@@ -292,41 +300,46 @@ class LadderAnalysis:
 def analyse(
     sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: BenchRatio | None = None
 ) -> LadderAnalysis:
-    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI,
-    the flags, and the paired tests per size (the sizes returned with them) and across sizes. A flagged ladder keeps
-    k only under not_results."""
+    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI, the
+    flags, and the paired tests per size and across sizes. A flagged ladder keeps k only under not_results."""
     warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
     warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
-    sa_fit = fit_loss_vs_compute(compute, sa_means, fit_form)
-    sa_se = [standard_error(s.sa_runs) for s in ladder]
-    xsa_se = [standard_error(s.xsa_runs) for s in ladder]
-    lack = lack_of_fit(sa_fit.residuals, sa_se, FORMS[sa_fit.form])
-    f_scale = huber_scale(sa_means + xsa_means, sa_se + xsa_se)
-    shared = fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
+    sa_fit = fit.fit_loss_vs_compute(compute, sa_means, fit_form)
+    sa_se, xsa_se = [standard_error(s.sa_runs) for s in ladder], [standard_error(s.xsa_runs) for s in ladder]
+    lack = fit.lack_of_fit(sa_fit.residuals, sa_se, fit.FORMS[sa_fit.form])
+    f_scale = fit.huber_scale(sa_means + xsa_means, sa_se + xsa_se)
+    shared = fit.fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
     known_se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]
-    lof_variance = lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
+    lof = fit.lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
     k = shared.multiplier
-    ci = ladder_bootstrap(
-        shared, compute, known_se, lof_variance=lof_variance, f_scale=f_scale, n_resamples=resamples, seed=seed
+    ci = list(
+        fit.ladder_bootstrap(
+            shared, compute, known_se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed
+        )
     )
     flags = ladder_flags(ladder, sa_fit, lack, shared)
-    fit = {
-        **sa_fit.as_dict(),
-        "lack_of_fit": asdict(lack),
-        "shared": {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof_variance)},
-        "flags": [asdict(f) for f in flags],
+    shared_fit = {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
+    found = [{"flag": flag, "reason": reason} for flag, reason in flags.items()]
+    summary = {**sa_fit.as_dict(), "lack_of_fit": asdict(lack), "shared": shared_fit, "flags": found}
+    clock: dict[str, Any] = {
+        "multiplier": None,
+        "ci": None,
+        "note": "wall-clock k: measure throughput with xsa-lm bench",
     }
-    estimate = {"multiplier": k, "ci": list(ci), "wallclock": asdict(wallclock(k, list(ci), bench))}
+    if bench:
+        ratio = bench.xsa_over_sa_step_time
+        clock["multiplier"], clock["ci"] = wallclock(k, ci, ratio["median"], ratio.get("interval"))
+        clock["note"] = f"XSA/SA step time from xsa-lm bench ({bench.source})"
     if flags:
-        fit["not_results"] = {"why": [f.flag for f in flags], **estimate}
+        summary["not_results"] = {"why": list(flags), "multiplier": k, "ci": ci, "wallclock": clock}
         warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
     else:
-        fit |= {"multiplier": k, "multiplier_ci": list(ci), "wallclock": estimate["wallclock"]}
+        summary |= {"multiplier": k, "multiplier_ci": ci, "wallclock": clock}
     tested, across = size_tests(sizes)
-    return LadderAnalysis(fit=fit, across_sizes=across, warnings=warnings, sizes=tested)
+    return LadderAnalysis(fit=summary, across_sizes=across, warnings=warnings, sizes=tested)
 
 
 def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
@@ -347,81 +360,415 @@ def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any
     return [replace(s, tests=next(tests)) if s.compute is not None else s for s in sizes], across
 
 
+# --- the token axis: several budgets at each size, k from SA's own curve --------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenJob:
+    """One size of the token axis: its folder, its sweep (the LR grid, the trials' settings), its budget B in
+    tokens and the steps of each budget."""
+
+    model: str
+    dir: Path
+    sweep: sweeps.SweepJob  # its overrides: the study's training overrides with model=<size>
+    params: int  # non-embedding, as its runs build the model
+    batch_tokens: int
+    block_size: int  # model.block_size: the bench's micro-batch holds batch_tokens
+    scale: ScaleSpec
+
+    @property
+    def tokens(self) -> float:
+        return self.scale.tokens_per_param * self.params  # B
+
+    def steps(self, fraction: float) -> int:
+        return max(1, round(fraction * self.tokens / self.batch_tokens))
+
+    def overrides(self, fraction: float) -> list[str]:
+        """What the runs of a budget train with: the size's training overrides and the budget's steps."""
+        steps = self.steps(fraction)
+        settings = [f"trainer.max_steps={steps}", f"val_every_steps={max(1, -(-steps // 2))}"]
+        if self.scale.warmup_fraction is not None:  # a fixed warmup: half of the shortest run, a sliver of the longest
+            settings.append(f"scheduler.warmup_steps={max(1, round(self.scale.warmup_fraction * steps))}")
+        return [*self.sweep.overrides, *settings]
+
+    def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
+        """The launcher of one phase's runs at one budget, into sizes/<model>/<phase>/."""
+        budget = replace(self.sweep, overrides=self.overrides(fraction))
+        return budget.launcher(TrialStore(self.dir / phase), group, "scale")
+
+
+def non_embedding_params(train: TrainSpec) -> int:
+    """The non-embedding parameters of the model a run of `train` builds (on the meta device)."""
+    import torch
+
+    from xsa_lm.model.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+
+
+def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
+    """A size of the token axis, checked before any run: its runs at B as their `xsa-lm train` will check them, and
+    its largest SA budget against the training data (unless scale.allow_repeated_data): repeated tokens teach less
+    than new ones, which flattens SA's curve at the top, where k is read."""
+    from xsa_lm.data.run import prepare_data
+
+    train, spec, _ = size_config(overrides, model, seeds)
+    sweep = sweeps.SweepJob(spec, [], seeds, sweeps.train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
+    params, batch = non_embedding_params(train), train.global_batch_tokens
+    size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
+    size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0)).grid))
+    top = max(scale.sa_budgets)
+    if not scale.allow_repeated_data:
+        data = parse(TrainSpec, compose(config_name="train", overrides=size.overrides(top)))
+        train_tokens = int(prepare_data(data.data, data.tokenizer).meta["train_tokens"])
+        epochs = size.steps(top) * size.batch_tokens / train_tokens
+        if epochs > 1:
+            raise UserError(
+                f"{model}: SA at {top:g} B would train {epochs:.2f} epochs of the {train_tokens:,} training tokens: "
+                "lower scale.tokens_per_param or the largest of scale.sa_budgets, use a larger corpus, or allow it "
+                "with scale.allow_repeated_data=true (the report then names the repetition)"
+            )
+    return size
+
+
+def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenSize:
+    """The searches, the selected LRs and every budget's runs of one size. With lr_per_budget, SA's LR is searched at
+    every SA budget and each arm trains at SA's LR of its budget (the paper's protocol at each budget); else SA's LR
+    at B serves every budget."""
+    print(
+        f"size {size.model}: {size.params:,} non-embedding parameters, B = {size.tokens:,.0f} tokens "
+        f"({size.steps(1.0)} steps)"
+    )
+
+    def search_at(fraction: float, arm: str) -> Selection:
+        print(f"size {size.model}: {arm.upper()} LR search at {fraction:g} B ({size.steps(fraction)} steps)")
+        phase = "search" if fraction == 1.0 else f"search_{fraction:g}"
+        launcher = size.launcher(phase, fraction, group)
+        return sweeps.search(launcher, size.sweep.grid, plan.search_seeds, [arm], phase)[0]
+
+    by_budget = plan.sa_budgets if plan.lr_per_budget else [1.0]
+    searches: dict[str, dict[str, float | None]] = {}
+    lrs: dict[str, float | None] = {}
+    warnings: list[str] = []
+    for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: the LR the earlier plan used everywhere
+        selection = search_at(fraction, "sa")
+        searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
+        lrs[f"{fraction:g}"] = selection.lr
+        warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
+    entry = TokenSize(
+        model=size.model,
+        non_embedding_params=size.params,
+        tokens_B=size.tokens,
+        search=searches["1"],
+        selected_lr=lrs["1"],
+        searches=searches,
+        selected_lrs=lrs,
+        warnings=warnings,
+        grid=size.sweep.grid,
+    )
+    if plan.tune_xsa:
+        xsa = search_at(1.0, "xsa")
+        entry = replace(entry, xsa_search={f"{lr:g}": loss for lr, loss in xsa.losses.items()}, xsa_selected_lr=xsa.lr)
+    chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(plan.sa_budgets) | set(plan.xsa_budgets))}
+    if any(lr is None for lr in chosen.values()):
+        return entry
+    runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
+    kept = [f.name for f in fields(TokenRun)]
+    arms_by_budget = [("sa", plan.sa_budgets), ("xsa", plan.xsa_budgets)]
+    arms_by_budget += [(NULL, plan.xsa_budgets)] if plan.null_arm else []
+    for fraction, lr in cast(dict[float, float], chosen).items():
+        arms = [a for a, budgets in arms_by_budget if fraction in budgets]
+        names, seeds = " and ".join(a.upper() for a in arms), plan.seeds
+        print(f"size {size.model}: {names} at {fraction:g} B ({size.steps(fraction)} steps), LR {lr:g}, seeds {seeds}")
+        trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
+        launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
+        launcher.run(trials, f"budget_{fraction:g}", "budget")
+        store = launcher.store
+        for arm in arms:  # each run as its trial record has it (TokenRun's fields are some of the record's)
+            records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
+            runs.setdefault(arm, {})[f"{fraction:g}"] = [TokenRun(**{k: getattr(r, k) for k in kept}) for r in records]
+    return replace(entry, runs=runs, seeds=plan.seeds)
+
+
+def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBench | None:
+    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists): the step-time
+    ratio with its interval, measured with both arms interleaved, not the trials' tokens/s."""
+    out = study_dir / "bench" / f"{size.model}.json"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        model_keys = [o for o in overrides if o.split("=", 1)[0].startswith("model.")]
+        cmd = [sys.executable, "-m", "xsa_lm.cli", "bench", f"model={size.model}", *model_keys]
+        cmd += [f"micro_batch={max(1, size.batch_tokens // size.block_size)}", "comparisons=[xsa_over_sa]"]
+        cmd += ["backends=train", f"rounds={size.scale.bench_rounds}", f"out={out}"]  # the runs' kernel
+        log = study_dir / "logs" / f"bench_{size.model}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            print(f"size {size.model}: xsa-lm bench failed: {last_error_line(log)} (no wall-clock multiplier)")
+            return None
+    _, ratio = read_bench(out, "bench")
+    return SizeBench(
+        xsa_over_sa_step_time=ratio["median"], interval=ratio["interval"], rounds=len(ratio["rounds"]), file=str(out)
+    )
+
+
+def paired_losses(
+    entry: TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
+) -> tuple[list[list[float]], list[float], list[int]]:
+    """The seeds where every SA budget and `arm` (XSA, or the null arm) at `fraction` completed: SA's losses per
+    budget, the arm's, the seeds."""
+    runs = [*((entry.runs or {})["sa"][f"{f:g}"] for f in sa_budgets), (entry.runs or {})[arm][f"{fraction:g}"]]
+    usable = [i for i in range(len(entry.seeds)) if all(r[i].status == "completed" for r in runs)]
+    losses = [[cast(float, r[i].final_val_loss) for i in usable] for r in runs]
+    return losses[:-1], losses[-1], [entry.seeds[i] for i in usable]
+
+
+def same_budget(
+    entry: TokenSize, fraction: float, arm: str, margin: float | None
+) -> tuple[JsonObject | None, JsonObject | None]:
+    """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
+    (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
+    loss per span of window positions. (None, None) without such a pair."""
+    runs, budget = entry.runs or {}, f"{fraction:g}"
+    both = zip(runs.get("sa", {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
+    pairs = [(a, b) for a, b in both if a.status == b.status == "completed"]
+    if not pairs:
+        return None, None
+    sa, other = [cast(float, a.final_val_loss) for a, _ in pairs], [cast(float, b.final_val_loss) for _, b in pairs]
+    diffs = [b - a for a, b in zip(sa, other, strict=True)]
+    details: JsonObject = {"margin": margin_verdict(diffs, margin).to_json() if margin is not None else None}
+    if all(a.final_val_bpb is not None and b.final_val_bpb is not None for a, b in pairs):
+        sa_bpb = [cast(float, a.final_val_bpb) for a, _ in pairs]
+        details["bpb"] = bpb_stats(sa_bpb, [cast(float, b.final_val_bpb) for _, b in pairs]).to_json()
+    positions = position_differences(
+        [a.final_val_loss_by_position or [] for a, _ in pairs], [b.final_val_loss_by_position or [] for _, b in pairs]
+    )
+    details["positions"] = positions.to_json() if positions else None
+    return paired_stats(sa, other).to_json(), details
+
+
+def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> JsonObject | None:
+    """k of the null arm (SA from other initial weights) read off SA's curve as XSA's k is: under no effect k is 1,
+    so its interval and per-seed spread are the yardstick's own noise."""
+    if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
+        return None
+    sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
+    budget = tokens_of(entry, NULL, fraction)
+    cell = token_axis.cell_estimate(sa, sa_tokens, null, budget) if len(seeds) > 1 else None
+    return (
+        {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
+        if cell
+        else None
+    )
+
+
+def repeated_data(entry: TokenSize) -> list[str]:
+    """A warning per arm and budget whose runs passed over the training split more than once: repeated tokens
+    teach less than new ones, which flattens the curve at its top budgets and with it k."""
+    found = []
+    for arm, budgets in (entry.runs or {}).items():
+        for fraction, runs in budgets.items():
+            epochs = max((r.data_epochs or 0.0 for r in runs), default=0.0)
+            if epochs > 1:
+                found.append(
+                    f"{entry.model} {arm.upper()} at {fraction} B: {epochs:.2f} epochs of the training data (it "
+                    "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
+                )
+    return found
+
+
+def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
+    """The tokens the runs of one arm and budget trained on (the same for every seed)."""
+    seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
+    return float(seen[0]) if seen else fraction * entry.tokens_B
+
+
+@dataclass(frozen=True)
+class TokenAnalysis:
+    cells: list[JsonObject]  # one per size and XSA budget: the Cell, its tests, the null's, per-seed k, stalls
+    pooled: token_axis.PooledK | None
+    warnings: list[str]
+
+
+def analyse_tokens(
+    sizes: list[TokenSize],
+    sa_budgets: list[float],
+    xsa_budgets: list[float],
+    seed: int = 0,
+    margin: float | None = None,
+) -> TokenAnalysis:
+    """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
+    at it too (paired_stats); the pooled k with its heterogeneity; the sizes' warnings, then the analysis's."""
+    cells, estimates = [], []
+    warnings = [f"{s.model}: {w}" for s in sizes for w in s.warnings]
+    for entry in sizes:
+        if entry.runs is None:
+            warnings.append(f"{entry.model}: no LR selected, so no budget runs")
+            continue
+        warnings += repeated_data(entry)
+        sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
+        for fraction in xsa_budgets:
+            sa, xsa, seeds = paired_losses(entry, sa_budgets, fraction)
+            left_out = len(entry.seeds) - len(seeds)
+            if left_out:
+                warnings.append(
+                    f"{entry.model} XSA at {fraction:g} B: {left_out} seed(s) left out (a run did not "
+                    "complete: diverged, failed or missing; rerun the same command to retry failures)"
+                )
+            if len(seeds) < 2:
+                warnings.append(f"{entry.model} XSA at {fraction:g} B: fewer than 2 complete seeds, no estimate")
+                continue
+            budget = tokens_of(entry, "xsa", fraction)
+            cell = token_axis.cell_estimate(sa, sa_tokens, xsa, budget)
+            monotone = all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False))
+            if not monotone:
+                warnings.append(
+                    f"{entry.model}: SA's mean loss does not fall with every doubling of tokens "
+                    f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
+                )
+            row = {"model": entry.model, "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
+            row["same_budget"], row["same_budget_details"] = same_budget(entry, fraction, "xsa", margin)
+            row["null"] = null_cell(entry, sa_budgets, sa_tokens, fraction)
+            row["null_same_budget"], row["null_same_budget_details"] = same_budget(entry, fraction, NULL, margin)
+            row["bootstrap_ci95"] = token_axis.bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
+            row["per_seed_k"] = token_axis.per_seed_k(sa, sa_tokens, xsa, budget)
+            row["sa_stalled"] = sa_stalled = [token_axis.stalled(losses) for losses in sa]  # per SA budget
+            row["xsa_stalled"] = xsa_stalled = token_axis.stalled(xsa)
+            if (any(sa_stalled) or xsa_stalled) and len(seeds) < token_axis.STALL_SAFE_SEEDS:
+                warnings.append(
+                    f"{entry.model} XSA at {fraction:g} B: stalled seeds among {len(seeds)}, and k is read off the "
+                    "mean curves: a stall shifts k, and simulated studies with 30% of SA seeds stalled gave the 95% "
+                    f"interval 81% coverage at 5 seeds, 91-93% at 10-20 (tests/test_token_axis.py); read the per-seed "
+                    f"k, or use {token_axis.STALL_SAFE_SEEDS} seeds or more"
+                )
+            bench = entry.bench
+            if bench and cell.k is not None and bench.interval:
+                ratio, interval = bench.xsa_over_sa_step_time, bench.interval
+                row["wallclock_k"], row["wallclock_ci"] = wallclock(cell.k, cell.ci, ratio, interval)
+            cells.append(row)
+            estimates.append(cell)
+    return TokenAnalysis(cells=cells, pooled=token_axis.pool(estimates), warnings=warnings)
+
+
+def unfinished(results: TokenStudyResult) -> list[str]:
+    """Runs that did not end completed or diverged (a rerun retries them), each with its status, the first line of
+    its error and its log, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log <path>)`."""
+    missing = []
+    for size in results.sizes:
+        for arm, budgets in (size.runs or {}).items():
+            for fraction, runs in budgets.items():
+                for run in (r for r in runs if r.status not in ("completed", "diverged")):
+                    error = (run.error or "").strip().splitlines()
+                    why = f"{run.status}: {error[0][:200]}" if error else run.status
+                    why += f"; log {run.log}" if run.log else ""
+                    missing.append(f"{size.model} {arm} {fraction} B seed {run.seed} ({why})")
+    return missing
+
+
 def reanalyse(
-    saved: ScaleStudyResult | JsonObject,
+    saved: ScaleStudyResult | TokenStudyResult | JsonObject,
     *,
     fit_form: str = "auto",
     resamples: int = 1000,
     seed: int = 0,
     when: str | None = None,
-) -> ScaleStudyResult:
-    """A saved study (its results.json, as json.load or ScaleStudyResult.read gives it) analysed again from its sizes'
-    raw data (the tests and multipliers of an older analysis dropped); `reanalysed` says when."""
-    if not isinstance(saved, ScaleStudyResult):
-        saved = ScaleStudyResult.from_json(saved, source="the study's results.json")
+) -> ScaleStudyResult | TokenStudyResult:
+    """A saved study of either axis (its results.json, loaded or read) analysed again from its raw data with the
+    current analysis, no run repeated; `reanalysed` says when."""
+    if isinstance(saved, dict):
+        kind = TokenStudyResult if "plan" in saved else ScaleStudyResult
+        saved = kind.from_json(saved, source="the study's results.json")
+    when = when or time.strftime("%Y-%m-%d")
+    if isinstance(saved, TokenStudyResult):
+        plan = saved.plan
+        tokens = analyse_tokens(saved.sizes, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=plan.margin)
+        return replace(saved, reanalysed=when, **vars(tokens))
     sizes = [replace(s, tests=None) for s in saved.sizes]
-    analysis = analyse(sizes, fit_form, resamples, seed, saved.bench)
-    return replace(saved, reanalysed=when or time.strftime("%Y-%m-%d"), **vars(analysis))
+    return replace(saved, reanalysed=when, **vars(analyse(sizes, fit_form, resamples, seed, saved.bench)))
 
 
-def load_bench(path: Any) -> BenchRatio | None:
-    """XSA/SA step time from an `xsa-lm bench` results.json (scale.bench), for the wall-clock k."""
-    if path is None:
-        return None
-    file = Path(str(path))
-    if not file.is_file():
-        raise UserError(f"scale.bench={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
-    try:
-        bench = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        bench = None
-    ratios = bench.get("ratios") if isinstance(bench, dict) else None
-    ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
-    if not isinstance(ratio, dict) or "median" not in ratio:
-        raise UserError(f"scale.bench={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
-    return BenchRatio(source=str(file), model=bench.get("model"), xsa_over_sa_step_time=ratio)
+# --- the study ------------------------------------------------------------------------------------------------
 
 
-def check_size_axis(cfg: DictConfig, overrides: list[str], models: list[str]) -> Study:
-    """Every setting of the size axis and what each size will run: each size's sweep config composed and checked
-    as that sweep will check it, its trials included (check_sweep). Returns the study, ready to run."""
-    bench = load_bench(cfg.scale.bench)
-    compare_seeds(parse(ScaleSpec, cfg.scale, "scale"), parse(SweepSpec, cfg.sweep, "sweep"))
-    seeds = cast(list[int] | None, plain(cfg.scale.seeds))  # None: each size's sweep.seeds
-    as_sweep = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
-    sweeps = {model: [*overrides, f"model={model}", *as_sweep] for model in models}
-    for size in sweeps.values():
-        check_sweep(compose(config_name="sweep", overrides=size), train_overrides(size))
-    return partial(run_size_axis, cfg, sweeps=sweeps, seeds=seeds, bench=bench)
+def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
+    """Every setting of the study and what each size will run (each size's sweep or runs composed and checked as
+    they will check them, within the running Hydra app), before the study directory gets anything. The compare seeds
+    of every size are scale.seeds, else sweep.seeds, checked under the name the user set. Returns the study."""
+    name = "scale.seeds" if scale.seeds is not None else "sweep.seeds"
+    listed = scale.seeds if scale.seeds is not None else sweep.seeds
+    seeds = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name)
+    if not seeds:
+        raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
+    if scale.axis == "size":
+        bench = load_bench(scale.bench)
+        jobs = {}
+        for model in scale.models:
+            train, spec, config = size_config(overrides, model, scale.seeds)
+            runs = sweeps.train_overrides([*overrides, f"model={model}"])
+            jobs[model] = sweeps.check_sweep(train, spec, runs, config)
+        return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in SET_BY_TOKEN_AXIS:
+            raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
+    if len(seeds) < 2:
+        raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
+    of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
+    of_sweep = sweep.model_dump(include={"search_seeds", "tune_xsa", "null_arm", "margin"})
+    budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
+    plan = TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
+    sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
+    return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
 
 def run_size_axis(
-    cfg: DictConfig,
     identity: StudyIdentity,
     group: str | None,
     *,
-    sweeps: dict[str, list[str]],
-    seeds: list[int] | None,
+    scale: ScaleSpec,
+    jobs: dict[str, sweeps.SweepJob],
     bench: BenchRatio | None,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
-    stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
-    print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(sweeps)}")
-    sizes = [run_size(model, overrides, study_dir=study_dir, group=group) for model, overrides in sweeps.items()]
-    analysis = analyse(sizes, cfg.scale.fit, cfg.scale.bootstrap_resamples, cfg.scale.bootstrap_seed, bench)
-    results = ScaleStudyResult(**vars(identity), models=list(sweeps), seeds=seeds, bench=bench, **vars(analysis))
-    write_report(results, study_dir)
-    if group is not None and cfg.scale.wandb_report:
-        log_to_wandb(results, study_dir, report_run_settings(cast(DictConfig, wandb_settings(cfg))))
+    sweeps.stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
+    print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
+    sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
+    analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench)
+    results = ScaleStudyResult(**vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, **vars(analysis))
+    report.write_report(results, study_dir)
+    wandb = next(iter(jobs.values())).wandb
+    if group is not None and wandb is not None and scale.wandb_report:
+        report.log_to_wandb(results, study_dir, sweeps.report_run_settings(wandb))
     return [s.model for s in results.sizes if s.sweep_returncode != 0]
+
+
+def run_token_axis(
+    identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: TokenPlan, sizes: list[TokenJob]
+) -> list[str]:
+    """The token-axis study: the plan kept in scale.json, every size's runs and bench, then the analysis and the
+    report. Returns the runs that did not finish."""
+    study_dir = Path(identity.study_dir)
+    sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
+    entries = []
+    for size in sizes:
+        entry = run_token_size(size, plan, group)
+        bench = run_bench(study_dir, size, identity.overrides) if scale.measure_throughput else None
+        entries.append(replace(entry, bench=bench))
+    seed, margin = scale.bootstrap_seed, plan.margin
+    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=margin)
+    results = TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
+    report.write_report(results, study_dir)
+    return unfinished(results)
 
 
 def keep_sizes(state_file: Path, models: list[str]) -> None:
     """A rerun may add sizes to a study, not leave one out: its report would drop a size already trained (a ladder
     chosen after seeing its results). scale.json records every size the study has run."""
     state = json.loads(state_file.read_text())
-    earlier = state.get("models", [])  # none recorded: a study started before this was kept
+    earlier = state.get("models", [])
     left_out = [m for m in earlier if m not in models]
     if left_out:
         raise UserError(
@@ -431,44 +778,29 @@ def keep_sizes(state_file: Path, models: list[str]) -> None:
     write_json(state_file, {**state, "models": earlier + [m for m in models if m not in earlier]})
 
 
-def run_study(cfg: DictConfig, study_dir: Path, overrides: list[str]) -> list[str]:
-    """Either axis: every setting and what each size will run checked before the study directory gets anything, then
-    the study's identity (scale.json: a rerun must train what the first run trained; sizes and seeds may be added),
-    its config.yaml and its runs, in the study's W&B group. Returns what did not finish."""
-    parse(ScaleSpec, cfg.scale, "scale")  # first: the rules after them rely on their types
-    parse(SweepSpec, cfg.sweep, "sweep")  # each size's search and launcher
-    tokens = cfg.scale.axis == "tokens"
-    models = check_models(cfg.scale.models, at_least=1 if tokens else 2)
-    if tokens:
-        from xsa_lm.scale.tokens import check_token_axis
-
-        study = check_token_axis(cfg, study_dir, overrides, models)
-    else:
-        study = check_size_axis(cfg, overrides, models)
-    wandb_cfg = wandb_settings(cfg)
-    study_id = open_state(
-        study_dir / "scale.json",
-        overrides,
-        wandb_cfg.group if wandb_cfg else None,
-        id_key="study_id",
-        overrides_key="overrides",
-        holds="a scaling study with the overrides",
-    )
-    keep_sizes(study_dir / "scale.json", models)
-    write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    identity = StudyIdentity(study_dir=str(study_dir), study_id=study_id, overrides=overrides)
-    return study(identity, study_id if wandb_cfg else None)
-
-
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="scale")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    study_dir, incomplete = run_exclusive("scale", sweep_overrides, partial(run_study, cfg))
-    print("\n" + (study_dir / "report.md").read_text())
-    print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
-    if incomplete:
-        print(
-            f"xsa-lm scale: {', '.join(incomplete)} did not finish: run the same command again to retry",
-            file=sys.stderr,
+    def study(study_dir: Path, overrides: list[str]) -> list[str]:
+        """Everything checked (check_study) before the study directory gets anything, then the study's identity
+        (scale.json: a rerun must train what the first run trained; sizes and seeds may be added), its config.yaml
+        and its runs, in the study's W&B group. Returns what did not finish."""
+        scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
+        wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
+        run = check_study(scale, sweep, study_dir, overrides)
+        holds = "a scaling study with the overrides"
+        group = wandb.group if wandb else None
+        study_id = sweeps.open_state(
+            study_dir / "scale.json", overrides, group, id_key="study_id", overrides_key="overrides", holds=holds
         )
+        keep_sizes(study_dir / "scale.json", scale.models)
+        write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        return run(StudyIdentity(str(study_dir), study_id, overrides), study_id if wandb else None)
+
+    study_dir, unfinished_runs = sweeps.run_exclusive("scale", sweep_overrides, study)
+    print(f"\n{(study_dir / 'report.md').read_text()}")
+    print(f"report: {study_dir / 'report.md'} | results: {study_dir / 'results.json'}")
+    if unfinished_runs:
+        retry = "did not finish: run the same command again to retry"
+        print(f"xsa-lm scale: {', '.join(unfinished_runs)} {retry}", file=sys.stderr)
         sys.exit(1)

@@ -1,13 +1,11 @@
 """The paper's protocol as pure functions: the LR grid, the trials of each phase, the LR selection, and the
-sequential stopping rule. No processes, files or plots here (see trials.py and report.py); the tests of the
-comparison are xsa_lm.stats."""
+sequential stopping rule (no processes, files or plots; the tests of the comparison are xsa_lm.stats)."""
 
 import itertools
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.errors import UserError
@@ -18,8 +16,7 @@ from xsa_lm.stats.paired import ALPHA, paired_t
 @dataclass(frozen=True)
 class Trial:
     """One training run of the sweep, identified by (attention, lr, seed) alone: a rerun of the sweep, or another
-    phase asking for the same run, reuses it. The search runs with sweep.search_seeds and the comparison with
-    sweep.seeds, which exclude them by default (check_seeds), so no compare run is a search run chosen for its luck."""
+    phase asking for the same run, reuses it."""
 
     attention: str
     lr: float
@@ -39,8 +36,7 @@ class Selection:
 
 def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence[float] | None = None) -> list[float]:
     """The sorted, de-duplicated LR grid: an explicit list, {min, max, num} log-spaced, or else the grid of the
-    model preset (sweep.lr_grids). Each is a list of positive numbers, and the range's ends are in order, when
-    SweepSpec has passed them (settings.py); what needs two settings together is checked here."""
+    model preset (sweep.lr_grids), each checked by SweepSpec; what needs two settings together is checked here."""
     if lrs is not None and len(lrs) == 0:
         raise UserError(
             "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
@@ -69,24 +65,12 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
     return grid
 
 
-def check_search_seeds(search_seeds: object) -> list[int]:
-    """The seeds of the LR search: at least one (each a distinct integer in the seed range: SweepSpec)."""
-    if not search_seeds:
-        raise UserError(
-            f"sweep.search_seeds must be a non-empty list of distinct integers from 0 to {SEED_MAX}, got "
-            f"{search_seeds!r}; e.g. sweep.search_seeds=[0] or, to select on the median of 3 seeds, "
-            "sweep.search_seeds=[0,10,20]"
-        )
-    return list(cast(Sequence[int], search_seeds))
-
-
 def check_seeds(
     seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
 ) -> list[int]:
-    """The compare seeds (none: a search-only sweep, e.g. an LR x seed grid; each a distinct integer in the seed
-    range: SweepSpec). They must not contain a search seed: the search's SA run at the selected LR won the search
-    partly on its noise (the winner's curse), while XSA's run at that seed was not selected, so reusing it biases the
-    paired difference against XSA. sweep.reuse_search_run=true allows it (the report then warns)."""
+    """The compare seeds (none: a search-only sweep). No search seed among them: the search's SA run at the selected
+    LR won partly on its noise (the winner's curse), so reusing it biases the paired difference against XSA;
+    sweep.reuse_search_run=true allows it (the report then warns)."""
     seeds = list(seeds or [])
     shared = [s for s in seeds if s in search_seeds]
     if shared and not reuse_search_run:
@@ -116,7 +100,7 @@ NULL_INIT_OFFSET = 1_000_000  # the null arm's weights: init_seed = seed + this 
 
 def null_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
     """The A/A null (sweep.null_arm): SA again at each compare seed, the same data order from other initial
-    weights. Compared with SA as XSA is, it shows what the procedure reports when there is no effect."""
+    weights: what the procedure reports when there is no effect."""
     return [Trial(NULL, lr, seed) for seed in seeds]
 
 
@@ -125,10 +109,9 @@ def null_init_seed(seed: int) -> int:
 
 
 def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
-    """The median final val loss of one LR's search runs (status, loss), a diverged run counting as worse than any
-    loss: one stalled or diverged seed cannot decide the selection, and diverged seeds make the LR unusable when they
-    are half of its finished runs or more (the median is then +inf). A loss above sweep.diverge_above already made
-    its run `diverged` (trials.outcome). Failed and missing runs are left out. None: nothing usable."""
+    """The median final val loss of one LR's search runs (status, loss), a diverged run counting as +inf: one
+    stalled or diverged seed cannot decide, and diverged seeds in half of the finished runs or more make the LR
+    unusable. Failed and missing runs are left out. None: nothing usable."""
     scores = [
         loss if status == "completed" and loss is not None and math.isfinite(loss) else math.inf
         for status, loss in runs
@@ -139,8 +122,8 @@ def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
 
 
 def select_lr(results: dict[float, list[tuple[str | None, float | None]]]) -> Selection:
-    """The LR with the lowest median final val loss over the search seeds (lr -> [(status, final val loss) per
-    seed]). Diverged, failed and missing runs never win. A tie goes to the smaller LR, the safer choice."""
+    """The LR with the lowest median final val loss over the search seeds (lr -> [(status, loss) per seed]); a tie
+    goes to the smaller LR, the safer choice."""
     losses = {lr: lr_score(runs) for lr, runs in sorted(results.items())}
     selection = Selection(lr=None, losses=losses)
     failed = [lr for lr, runs in sorted(results.items()) if any(s not in ("completed", "diverged") for s, _ in runs)]
@@ -190,12 +173,9 @@ def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-# --- sequential stopping (sweep.seeds_until_significant) --------------------------------------------------------
-
-
 def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -> list[int]:
-    """The compare seeds of a sequential comparison, in the order they are added: sweep.seeds, then the integers
-    after the largest of them (never a search seed, whose SA run may have won the search), up to cap seeds in all."""
+    """The compare seeds of a sequential comparison in their order: sweep.seeds, then the integers after the
+    largest of them (never a search seed), up to cap seeds in all."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < max(len(seeds), 2):
         raise UserError(
             f"sweep.seeds_until_significant must be an integer of at least 2 and at least the number of sweep.seeds "
@@ -251,9 +231,8 @@ class SequentialSummary(Record):
 @dataclass(frozen=True)
 class SequentialRule:
     """Add one seed pair at a time and look at the paired CI after each, from first_look seeds up to cap; stop at
-    the first look whose CI excludes 0. Every look is a chance of a false positive, so each uses a Bonferroni-corrected
-    level alpha / looks: the chance that any of the planned looks rejects a true null stays at most alpha. Simple and
-    valid whatever the dependence between looks (conservative: the looks share data)."""
+    the first look whose CI excludes 0. Each look uses the Bonferroni-corrected level alpha / looks, so that any of
+    the planned looks rejects a true null with chance at most alpha, whatever their dependence (conservative)."""
 
     cap: int
     first_look: int  # the seeds of the first look: sweep.seeds, at least 2 (no CI below two pairs)
@@ -273,8 +252,7 @@ class SequentialRule:
         return self.alpha / self.looks
 
     def look(self, n_seeds: int, diffs: Sequence[float]) -> Look:
-        """One look at the paired differences of the usable pairs so far: the corrected CI and p-value (scipy.stats),
-        and whether the CI excludes 0."""
+        """One look at the paired differences so far: the corrected CI and p-value, and whether the CI excludes 0."""
         test = paired_t(diffs, confidence=1 - self.alpha_per_look)
         significant = test.ci is not None and (test.ci[0] > 0 or test.ci[1] < 0)
         return Look(

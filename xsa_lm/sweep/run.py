@@ -7,7 +7,7 @@
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
 
 Every trial is an `xsa-lm train` process with the sweep's training overrides; its record in the sweep directory
-makes the same command resumable (see trials.py).
+makes the same command resumable (see trials.py). `xsa-lm scale` runs these phases as a library.
 """
 
 import json
@@ -17,8 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
-from functools import partial
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -27,36 +26,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.command_line import another_commands_folder, full_command_line
+from xsa_lm.config.spec import TrainSpec, WandbSpec, parse
 from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.reporting import ReportRunSettings
-from xsa_lm.sweep.protocol import (
-    ALPHA,
-    NULL,
-    Look,
-    Selection,
-    SequentialRule,
-    SequentialSummary,
-    Trial,
-    check_seeds,
-    compare_trials,
-    lr_grid,
-    null_trials,
-    search_trials,
-    seed_sequence,
-    select_lr,
-)
-from xsa_lm.sweep.report import (
-    SweepResult,
-    build_results,
-    ci_text,
-    comparison_of,
-    log_to_wandb,
-    with_outcome,
-    write_report,
-)
-from xsa_lm.sweep.settings import SweepSpec, parse
+from xsa_lm.sweep import protocol, report
+from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
+from xsa_lm.sweep.report import SweepResult
+from xsa_lm.sweep.settings import SweepSpec
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
@@ -89,14 +67,9 @@ def train_overrides(task_overrides: list[str]) -> list[str]:
     return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial")
 
 
-def wandb_settings(cfg: DictConfig) -> DictConfig | None:
-    """logger.wandb, or None when the command logs without W&B."""
-    return cfg.logger.get("wandb") if cfg.logger else None
-
-
-def report_run_settings(wandb_cfg: Mapping[str, Any]) -> ReportRunSettings:
+def report_run_settings(wandb: WandbSpec) -> ReportRunSettings:
     """The settings of logger.wandb that a report run takes."""
-    return ReportRunSettings(**{key: wandb_cfg[key] for key in ("project", "entity", "mode", "init_timeout_s")})
+    return ReportRunSettings(**wandb.model_dump(include={"project", "entity", "mode", "init_timeout_s"}))
 
 
 def open_state(
@@ -105,17 +78,16 @@ def open_state(
     """The identity of a sweep or a study, kept in state_file: its id (the W&B group logger.wandb.group, else the
     folder's name), returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says
     what the folder holds."""
-    directory = state_file.parent
     if state_file.exists():
         state = json.loads(state_file.read_text())
         if sorted(state[overrides_key]) != sorted(overrides):
             raise UserError(
-                f"{directory} holds {holds} {state[overrides_key]}, not {overrides}: rerun it with the same overrides "
-                "to resume it, or choose a new hydra.run.dir"
+                f"{state_file.parent} holds {holds} {state[overrides_key]}, not {overrides}: rerun it with the same "
+                "overrides to resume it, or choose a new hydra.run.dir"
             )
         return state[id_key]
     state = {
-        id_key: group or directory.name,
+        id_key: group or state_file.parent.name,
         overrides_key: overrides,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(full_command_line()),  # as typed: `xsa-lm sweep ...`
@@ -129,10 +101,8 @@ def stop_on_signals(stop: Callable[[], None], command: str) -> None:
 
     def handler(signum, frame):
         stop()
-        print(
-            f"\nxsa-lm {command}: interrupted ({signal.Signals(signum).name}); run the same command to resume",
-            file=sys.stderr,
-        )
+        name = signal.Signals(signum).name
+        print(f"\nxsa-lm {command}: interrupted ({name}); run the same command to resume", file=sys.stderr)
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
@@ -175,12 +145,13 @@ class ComparisonPlan:
 def comparison_plan(
     search_seeds: list[int], seeds: list[int], cap: int | None, *, stall: dict | None, margin: float
 ) -> ComparisonPlan:
+    looks = SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1
     return ComparisonPlan(
         search_seeds=search_seeds,
         seeds=seeds,
         seeds_until_significant=cap,
-        alpha=ALPHA,
-        planned_looks=SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1,
+        alpha=protocol.ALPHA,
+        planned_looks=looks,
         stall=stall,
         margin=margin,
     )
@@ -189,10 +160,15 @@ def comparison_plan(
 def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
     """The plan is recorded at the first run and a rerun must keep it: adding seeds after seeing p > 0.05, raising a
     sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
-    again without a trace. The grid may grow (its history is kept)."""
+    again without a trace. The grid may grow (its history is kept). A fixed set of compare seeds is the same set in
+    any order; a sequential one is added one pair at a time, in its order."""
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
-    if recorded is not None and as_compared(recorded) != as_compared(plan):
+
+    def compared(p: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(p) if p.get("seeds_until_significant") is not None else {**p, "seeds": sorted(p["seeds"] or [])}
+
+    if recorded is not None and compared(recorded) != compared(plan):
         changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])
         raise UserError(
             f"{state_file.parent} was planned with other statistics ({changed}): a plan changed after results exist "
@@ -202,14 +178,6 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
     state["plan"] = plan if recorded is None else recorded  # the first run's (its seeds' order, too)
     state.setdefault("history", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
     write_json(state_file, state)
-
-
-def as_compared(plan: Mapping[str, object]) -> dict[str, object]:
-    """A plan as a rerun must keep it: the order of the compare seeds counts only in a sequential comparison (one
-    pair at a time, in that order); a fixed set of seeds is the same set in any order."""
-    if plan.get("seeds_until_significant") is not None:
-        return dict(plan)
-    return {**plan, "seeds": sorted(cast(list[int], plan.get("seeds") or []))}
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[TrialRecord]:
@@ -223,7 +191,14 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
     for trial in trials:
         record = store.load(trial)
         results.setdefault(trial.lr, []).append((record.status, record.final_val_loss) if record else (None, None))
-    return select_lr(results)
+    return protocol.select_lr(results)
+
+
+def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
+    """The LR search: every LR of the grid x the seeds, for each arm at once; each arm's selection."""
+    trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
+    launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
+    return [selection_of(launcher.store, trials[arm]) for arm in arms]
 
 
 def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[str]:
@@ -246,30 +221,41 @@ def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[st
 
 
 @dataclass(frozen=True)
-class SweepSetup:
-    """A checked sweep: its settings, the LR grid, the search and compare seeds, and the cap of
-    sweep.seeds_until_significant (None: a fixed set of seeds)."""
+class SweepJob:
+    """A checked sweep: its settings, its LR grid and compare seeds, the training overrides of every trial, the W&B
+    settings of its trials (None: no W&B) and its config as config.yaml keeps it."""
 
     spec: SweepSpec
     grid: list[float]
-    search_seeds: list[int]
     seeds: list[int]
-    cap: int | None
+    overrides: list[str]
+    wandb: WandbSpec | None = None
+    config: dict = field(default_factory=dict)
+
+    def launcher(self, store: TrialStore, group: str | None, command: str) -> Launcher:
+        """The launcher of trials into `store` in W&B group `group`, stopped on a signal."""
+        spec = self.spec
+        launcher = Launcher(
+            store,
+            self.overrides,
+            max_parallel=spec.max_parallel,
+            launch_prefix=spec.launch_prefix or [],
+            wandb_group=group if self.wandb else None,
+            diverge_above=spec.diverge_above,
+        )
+        stop_on_signals(launcher.stop, command)
+        return launcher
 
 
-def check_sweep(cfg: DictConfig, overrides: list[str] | None = None) -> SweepSetup:
-    """Every sweep.* setting (SweepSpec), checked here before anything is written, and so is each kind of trial the
-    sweep will start: its training config composed from the training overrides (within the running Hydra app) and
-    checked as its `xsa-lm train` will check it; without overrides, the sweep's own config stands for it."""
-    from xsa_lm.config.builders import check_config
-
-    spec = parse(SweepSpec, cfg.sweep, "sweep")
+def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
+    """Every sweep setting, checked before anything is written, and each kind of trial the sweep will start: its
+    training config composed from the training overrides (within the running Hydra app) and checked as its
+    `xsa-lm train` will check it; without overrides, `train` stands for them."""
     grids = spec.lr_grids or {}
-    grid = lr_grid(spec.lrs, spec.lr_range, grids.get(cfg.model.name, grids.get("default")))
-    search_seeds = spec.search_seeds
-    seeds = check_seeds(spec.seeds, search_seeds, spec.reuse_search_run)
+    grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
+    seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
     if spec.seeds_until_significant is not None:
-        seed_sequence(seeds, search_seeds, spec.seeds_until_significant)
+        protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
     gpu_slots(spec.max_parallel, spec.launch_prefix or [])  # enough GPUs for the trials at once
     if spec.eval_tasks:
         from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
@@ -279,17 +265,15 @@ def check_sweep(cfg: DictConfig, overrides: list[str] | None = None) -> SweepSet
             task_manager(*resolve_tasks(spec.eval_tasks))  # names, task files
         except UserError as e:
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
-    if overrides is None:
-        check_config(cfg)
-    else:  # XSA trials only in the comparison, unless it is tuned too
+    if overrides is not None:  # XSA trials only in the comparison, unless it is tuned too
         attentions = ["sa", "xsa"] if seeds or spec.tune_xsa else ["sa"]
-        attentions += [NULL] if seeds and spec.null_arm else []
-        check_trials(overrides, [Trial(attention, grid[0], search_seeds[0]) for attention in attentions])
-    return SweepSetup(spec, grid, search_seeds, seeds, spec.seeds_until_significant)
+        attentions += [protocol.NULL] if seeds and spec.null_arm else []
+        check_trials(overrides, [Trial(attention, grid[0], spec.search_seeds[0]) for attention in attentions])
+    return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
 
 
 def compare_phase(
-    launcher: Launcher, store: TrialStore, lr: float, *, seeds: list[int], search_seeds: list[int], cap: int | None
+    launcher: Launcher, lr: float, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], SequentialSummary | None]:
     """SA and XSA at the selected LR over sweep.seeds. With a cap (sweep.seeds_until_significant), one seed pair at a
     time from there, with a look at the corrected CI after each, until it excludes 0 or cap seeds ran; the summary of
@@ -297,27 +281,39 @@ def compare_phase(
     stops where the first run stopped, or continues where that one was cut short."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
     if cap is None:
-        compare = compare_trials(lr, seeds)
+        compare = protocol.compare_trials(lr, seeds)
         launcher.run(compare, "compare", "compare")
         return compare, None
-    rule, order = SequentialRule.plan(len(seeds), cap), seed_sequence(seeds, search_seeds, cap)
+    rule, order = SequentialRule.plan(len(seeds), cap), protocol.seed_sequence(seeds, search_seeds, cap)
     looks: list[Look] = []
     trials: list[Trial] = []
     n = rule.first_look
     while True:
-        added = compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final (else it returned)
+        added = protocol.compare_trials(
+            lr, order[len(trials) // 2 : n]
+        )  # the earlier pairs are final (else it returned)
         trials += added
         launcher.run(added, "compare", "compare")
-        if not all(store.is_final(t) for t in trials):  # a failed or interrupted run: the next look waits for it
+        if not all(launcher.store.is_final(t) for t in trials):  # a failed or interrupted run: the look waits
             return trials, rule.summary(looks, "incomplete")
-        looks.append(rule.look(n, comparison_of(phase_records(store, trials, "compare")).diffs))
+        looks.append(rule.look(n, report.comparison_of(phase_records(launcher.store, trials, "compare")).diffs))
         stopped = rule.stopped(looks[-1])
         outcome = f"stop ({stopped})" if stopped else "one more seed"
-        ci = f"{1 - rule.alpha_per_look:.2%} CI {ci_text(looks[-1].ci)}"
+        ci = f"{1 - rule.alpha_per_look:.2%} CI {report.ci_text(looks[-1].ci)}"
         print(f"  look {len(looks)} of at most {rule.looks}: {n} seeds, {ci}: {outcome}")
         if stopped:
             return trials, rule.summary(looks, stopped)
         n += 1
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The downstream evaluation phase: eval.json (None without eval tasks or compare runs, or when it failed), the
+    report's warnings and why it failed (None when it did not)."""
+
+    result: dict | None
+    warnings: list[str]
+    error: str | None
 
 
 def same_evaluation(previous: dict, ckpts: list[str], tasks: str | list[str], limit: float | None) -> bool:
@@ -331,30 +327,13 @@ def same_evaluation(previous: dict, ckpts: list[str], tasks: str | list[str], li
     return evaluated == sorted(ckpts) and same_tasks and same_files and previous["limit"] == limit
 
 
-def set_aside(folder: Path) -> Path:
-    """folder renamed to the first free <folder>.earlier<N>: a result is kept, never overwritten."""
-    n = 1
-    while folder.with_name(f"{folder.name}.earlier{n}").exists():
-        n += 1
-    return folder.rename(folder.with_name(f"{folder.name}.earlier{n}"))
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """The downstream evaluation phase: eval.json (None without eval tasks or compare runs, or when it failed), the
-    report's warnings and why it failed (None when it did not)."""
-
-    result: dict | None
-    warnings: list[str]
-    error: str | None
-
-
 def downstream_evaluation(
     tasks: str | list[str] | None, limit: float | None, store: TrialStore, compare: list[Trial], sweep_dir: Path
 ) -> Evaluation:
     """`xsa-lm eval` of sweep.eval_tasks (`tasks`, on the first `limit` examples) on the final checkpoints of the
     compare runs (its own process, like a trial) into eval/. An earlier eval.json of the same checkpoints, tasks and
-    limit is reused; one of others is set aside (eval.earlier<N>/) and the evaluation runs anew."""
+    limit is reused; one of others is set aside (the first free eval.earlier<N>/: a result is never overwritten)
+    and the evaluation runs anew."""
     if not (tasks and compare):
         return Evaluation(result=None, warnings=[], error=None)
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
@@ -364,7 +343,10 @@ def downstream_evaluation(
         previous = json.loads((out / "eval.json").read_text())
         if same_evaluation(previous, ckpts, tasks, limit):
             return Evaluation(result=previous, warnings=[], error=None)
-        kept = set_aside(out)
+        n = 1
+        while out.with_name(f"eval.earlier{n}").exists():
+            n += 1
+        kept = out.rename(out.with_name(f"eval.earlier{n}"))
         warnings.append(
             f"the earlier downstream evaluation ({len(previous['rows'])} checkpoints, tasks {previous['tasks']}, "
             f"limit {previous['limit']}) was of other checkpoints, tasks, task files or limit than this run's: it is "
@@ -383,92 +365,66 @@ def downstream_evaluation(
     return Evaluation(result=json.loads((out / "eval.json").read_text()), warnings=warnings, error=None)
 
 
-def open_sweep(
-    cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str
-) -> tuple[Launcher, str, SweepSetup]:
-    """Everything before the first trial: the sweep checked (check_sweep); sweep.json, its identity and plan (a rerun
-    must train what the first run trained, with the same plan; the LR grid and the seeds may change: new trials are
-    added, finished ones reused); config.yaml, resolved (a rerun keeps the first one and saves its own beside it);
-    the launcher of its trials, stopped on a signal. Returns the launcher, the sweep's id and the checked sweep."""
-    setup = check_sweep(cfg, overrides)
-    spec, grid, search_seeds, seeds, cap = setup.spec, setup.grid, setup.search_seeds, setup.seeds, setup.cap
+def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[SweepResult, str]:
+    """The sweep's phases in sweep_dir: its identity and plan kept in sweep.json (a rerun must train what the first
+    run trained, with the same plan; the grid and the seeds may change: new trials are added, finished ones reused),
+    config.yaml (a rerun saves its own beside the first), then search, selection, comparison, the null arm, the
+    downstream evaluation and the report. Returns the results and the report's Markdown."""
+    spec, grid, seeds, cap = job.spec, job.grid, job.seeds, job.spec.seeds_until_significant
+    group = job.wandb.group if job.wandb else None
+    state = sweep_dir / "sweep.json"
     holds = "a sweep with the training overrides"
-    state_file = sweep_dir / "sweep.json"
-    wandb_cfg = wandb_settings(cfg)
-    group = wandb_cfg.group if wandb_cfg else None
-    sweep_id = open_state(state_file, overrides, group, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
-    plan = comparison_plan(search_seeds, seeds, cap, stall=spec.stall, margin=spec.margin)
-    keep_plan(state_file, asdict(plan), grid)
+    sweep_id = open_state(state, job.overrides, group, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
+    plan = comparison_plan(spec.search_seeds, seeds, cap, stall=spec.stall, margin=spec.margin)
+    keep_plan(state, asdict(plan), grid)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
-    write_text(sweep_dir / config_name, OmegaConf.to_yaml(cfg, resolve=True))
-    launcher = Launcher(
-        TrialStore(sweep_dir),
-        overrides,
-        max_parallel=spec.max_parallel,
-        launch_prefix=spec.launch_prefix or [],
-        wandb_group=sweep_id if wandb_cfg else None,
-        diverge_above=spec.diverge_above,
-    )
-    stop_on_signals(launcher.stop, command)
-    n_search = len(grid) * len(search_seeds) * (2 if spec.tune_xsa else 1)
+    write_text(sweep_dir / config_name, OmegaConf.to_yaml(job.config))
+    launcher = job.launcher(TrialStore(sweep_dir), sweep_id, command)
+    store = launcher.store
+    arms = ["sa", "xsa"] if spec.tune_xsa else ["sa"]
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
-    grid_text = f"LR grid {[f'{lr:g}' for lr in grid]}, search seeds {search_seeds}, {planned}"
-    trial_counts = f"{n_search} search + up to {(3 if spec.null_arm else 2) * (cap or len(seeds))} compare trials"
+    trial_counts = f"{len(grid) * len(spec.search_seeds) * len(arms)} search + up to "
+    trial_counts += f"{(3 if spec.null_arm else 2) * (cap or len(seeds))} compare trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
-    print(f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | {grid_text} | {trial_counts}{threads}")
-    return launcher, sweep_id, setup
-
-
-def run_sweep(
-    cfg: DictConfig, sweep_dir: Path, overrides: list[str], command: str = "sweep"
-) -> tuple[SweepResult, str]:
-    launcher, sweep_id, setup = open_sweep(cfg, sweep_dir, overrides, command)
-    spec, store, grid, search_seeds, seeds = setup.spec, launcher.store, setup.grid, setup.search_seeds, setup.seeds
+    print(
+        f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | LR grid {[f'{lr:g}' for lr in grid]}, search seeds "
+        f"{spec.search_seeds}, {planned} | {trial_counts}{threads}"
+    )
     print("phase 1: LR search")  # SA's runs select the LR; XSA's (sweep.tune_xsa) say where XSA's own optimum lies
-    sa_search = search_trials(grid, search_seeds, ["sa"])
-    xsa_search = search_trials(grid, search_seeds, ["xsa"]) if spec.tune_xsa else []
-    launcher.run(sa_search + xsa_search, "search", "lr-search")
-    selection = selection_of(store, sa_search)
+    selection, *xsa_selection = search(launcher, grid, spec.search_seeds, arms, "search")
     compare: list[Trial] = []
     sequential = None
     if selection.lr is not None and seeds:
-        compare, sequential = compare_phase(
-            launcher, store, selection.lr, seeds=seeds, search_seeds=search_seeds, cap=setup.cap
-        )
+        compare, sequential = compare_phase(launcher, selection.lr, seeds, spec.search_seeds, cap)
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
-    null = null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
+    null = protocol.null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
     if null:
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
-
     evaluation = downstream_evaluation(spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir)
-    results = build_results(
+    searched = [t for arm in arms for t in protocol.search_trials(grid, spec.search_seeds, [arm])]
+    results = report.build_results(
         sweep_dir,
         sweep_id=sweep_id,
         grid=grid,
         seeds=seeds,
-        train_overrides=overrides,
-        trials=phase_records(store, sa_search + xsa_search, "search")
+        train_overrides=job.overrides,
+        trials=phase_records(store, searched, "search")
         + phase_records(store, compare, "compare")
         + phase_records(store, null, "null"),
         selection=selection,
-        xsa_selection=selection_of(store, xsa_search) if xsa_search else None,
-        search_seeds=search_seeds,
+        xsa_selection=xsa_selection[0] if xsa_selection else None,
+        search_seeds=spec.search_seeds,
         sequential=sequential,
         stall_rule=spec.stall_rule,
         margin=spec.margin,
     )
-    results = with_outcome(
-        results,
-        evaluation=evaluation.result,
-        eval_error=evaluation.error,
-        warnings=earlier_comparisons(store, selection.lr) + evaluation.warnings,
-    )
-    markdown = write_report(results, sweep_dir)
-    wandb_cfg = wandb_settings(cfg)
-    if wandb_cfg and spec.wandb_report:
-        log_to_wandb(results, sweep_dir, report_run_settings(wandb_cfg))
+    warnings = earlier_comparisons(store, selection.lr) + evaluation.warnings
+    results = report.with_outcome(results, evaluation=evaluation.result, eval_error=evaluation.error, warnings=warnings)
+    markdown = report.write_report(results, sweep_dir)
+    if job.wandb and spec.wandb_report:
+        report.log_to_wandb(results, sweep_dir, report_run_settings(job.wandb))
     return results, markdown
 
 
@@ -478,9 +434,7 @@ def incomplete(results: SweepResult) -> str | None:
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"
-    if results.selected_lr is None:
-        return "no usable LR in the grid (see the report's warnings)"
-    return None
+    return "no usable LR in the grid (see the report's warnings)" if results.selected_lr is None else None
 
 
 def sweep_problem(results: SweepResult) -> str | None:
@@ -494,9 +448,13 @@ def sweep_problem(results: SweepResult) -> str | None:
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="sweep")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, partial(run_sweep, cfg))
-    print("\n" + markdown)
-    print(f"\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
+    def sweep(sweep_dir: Path, overrides: list[str]) -> tuple[SweepResult, str]:
+        train, spec = parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
+        config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+        return run_sweep(check_sweep(train, spec, overrides, config), sweep_dir)
+
+    sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, sweep)
+    print(f"\n{markdown}\n\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
     problem = sweep_problem(results)
     if problem:
         print(f"xsa-lm sweep: {problem}", file=sys.stderr)

@@ -5,9 +5,8 @@ Layout of a sweep directory:
   runs/<id>/         the trial's run directory (config.yaml, metrics.csv, checkpoints/, summary.json, wandb/)
   logs/<id>.log      the trial's terminal output, appended across attempts
 
-A record whose status is `completed` or `diverged` is final: a rerun of the sweep reuses it. Anything else (failed,
-or `running` left behind by a killed sweep) is tried again: from the run's last checkpoint when there is one,
-else from scratch, with the previous attempt's directory kept under runs/<id>.attempt<N>.
+A `completed` or `diverged` record is final: a rerun reuses it. Anything else (failed, or `running` after a killed
+sweep) is tried again, from the run's last checkpoint if any, else afresh (the attempt kept in runs/<id>.attempt<N>).
 """
 
 import contextlib
@@ -90,16 +89,13 @@ RETRY_DAMAGED = (
 
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
-        self.sweep_dir = sweep_dir
-        self.records = sweep_dir / "trials"
-        self.runs = sweep_dir / "runs"
-        self.logs = sweep_dir / "logs"
+        self.sweep_dir, self.records, self.runs, self.logs = (
+            sweep_dir,
+            *(sweep_dir / d for d in ("trials", "runs", "logs")),
+        )
 
     def run_dir(self, trial: Trial) -> Path:
         return self.runs / trial.id
-
-    def log_file(self, trial: Trial) -> Path:
-        return self.logs / f"{trial.id}.log"
 
     def load(self, trial: Trial) -> TrialRecord | None:
         path = self.records / f"{trial.id}.json"
@@ -183,8 +179,7 @@ def last_error_line(log: Path) -> str:
 
 
 def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs.
-    (sweep.max_parallel >= 1: SweepSpec.)"""
+    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs."""
     if not visible or max_parallel == 1:
         return [None] * max_parallel
     if len(visible) < max_parallel:
@@ -196,8 +191,7 @@ def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
 
 
 def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
-    """device_slots of this machine's GPUs; with a launch prefix (srun, ...) the scheduler places each trial: no
-    slicing from here."""
+    """device_slots of this machine's GPUs; with a launch prefix (srun, ...) the scheduler places each trial."""
     if max_parallel <= 1 or launch_prefix:
         return device_slots(max_parallel, [])
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -224,19 +218,17 @@ def free_port() -> int:
 
 def thread_share(max_parallel: int, launch_prefix: Sequence[str]) -> int | None:
     """OMP_NUM_THREADS for each of the trials at once on this machine: its cores shared among them, as torchrun does
-    for its processes (more threads than cores spin and wait: four tiny CPU runs at once on 2 cores took 80 s with
-    2 threads each, 32 s with 1). None where one trial runs at a time, where a launch prefix places the trials, or
-    where OMP_NUM_THREADS is set already."""
+    (more threads than cores spin and wait: four tiny CPU runs on 2 cores took 80 s with 2 threads each, 32 s with
+    1). None for one trial at a time, a launch prefix, or OMP_NUM_THREADS set already."""
     if max_parallel <= 1 or launch_prefix or "OMP_NUM_THREADS" in os.environ:
         return None
     return max(1, usable_cpus() // max_parallel)
 
 
 def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
-    """The rendezvous of one trial's processes, apart from every other trial's: trials of one sweep may land on the
-    same node, where a shared MASTER_PORT (Lightning derives it from the SLURM job id) would join them into one
-    process group. Under SLURM the trial's own first node is its MASTER_ADDR: an inherited one is dropped, so that
-    Lightning takes it from the trial's own node list (srun sets SLURM_NODELIST per job step)."""
+    """The rendezvous of one trial's processes, apart from every other trial's on the same node (a shared
+    MASTER_PORT would join them into one process group). Under SLURM an inherited MASTER_ADDR is dropped, so that
+    Lightning takes the trial's own first node (srun sets SLURM_NODELIST per job step)."""
     port = free_port()
     while port in taken:
         port = free_port()
@@ -258,17 +250,14 @@ def trial_settings(trial: Trial) -> list[str]:
 
 
 def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> None:
-    """Each trial's training config, composed as its `xsa-lm train` will compose it (within the running Hydra app)
-    and checked as train checks it before it writes anything: a bad training key is refused here, once, instead of
-    failing every trial. What only the trial can see (its data, its devices) is left to it."""
+    """Each trial's training config, composed and checked as its `xsa-lm train` will (within the running Hydra app):
+    a bad training key is refused once, here, not in every trial. Its data and devices are left to the trial."""
     from hydra import compose
 
-    from xsa_lm.config.builders import check_config, model_config
+    from xsa_lm.config.spec import TrainSpec, parse
 
     for trial in trials:
-        cfg = compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)])
-        check_config(cfg)
-        model_config(cfg, vocab_size=1)  # the model's shape; the tokenizer's vocabulary comes with the data
+        parse(TrainSpec, compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)]))
 
 
 class Launcher:
@@ -283,13 +272,9 @@ class Launcher:
         wandb_group: str | None = None,
         diverge_above: float | None = None,
     ) -> None:
-        self.store = store
-        self.train_overrides = list(train_overrides)
-        self.slots = gpu_slots(max_parallel, launch_prefix)
-        self.threads = thread_share(max_parallel, launch_prefix)
-        self.launch_prefix = list(launch_prefix)
-        self.wandb_group = wandb_group
-        self.diverge_above = diverge_above
+        self.store, self.train_overrides, self.launch_prefix = store, list(train_overrides), list(launch_prefix)
+        self.slots, self.threads = gpu_slots(max_parallel, launch_prefix), thread_share(max_parallel, launch_prefix)
+        self.wandb_group, self.diverge_above = wandb_group, diverge_above
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
@@ -304,10 +289,8 @@ class Launcher:
     def run(self, trials: Sequence[Trial], phase: str, job_type: str) -> None:
         """Run every trial that has no final record yet; returns when all have finished."""
         todo = [t for t in dict.fromkeys(trials) if not self.store.is_final(t)]
-        for trial in dict.fromkeys(trials):
-            if trial not in todo:  # final: it has a record
-                status = self.judged_again(trial).status
-                print(f"  {phase}: {trial.id} already {status} (reused)")
+        for trial in [t for t in dict.fromkeys(trials) if t not in todo]:  # final: it has a record
+            print(f"  {phase}: {trial.id} already {self.judged_again(trial).status} (reused)")
         free = list(range(len(self.slots)))
         while todo or self.running:
             while todo and free:
@@ -347,14 +330,11 @@ class Launcher:
         taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
         env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
         gpus = self.slots[slot]
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        return env
+        env |= {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}
+        return env | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads is not None else {})
 
     def _start(self, trial: Trial, slot: int, phase: str, job_type: str) -> None:
-        run_dir, log = self.store.run_dir(trial), self.store.log_file(trial)
+        run_dir, log = self.store.run_dir(trial), self.store.logs / f"{trial.id}.log"
         previous = self.store.load(trial)
         attempt = (previous.attempt if previous is not None else 0) + 1
         resume = (run_dir / "checkpoints" / "last.ckpt").exists()
@@ -392,7 +372,7 @@ class Launcher:
         # An earlier attempt's summary is not this one's, unless this one had nothing left to train (exit code 0).
         fresh = summary_file.exists() and (summary_file.stat().st_mtime >= started - 1 or returncode == 0)
         summary = RunSummary.read(summary_file) if fresh else None
-        result = outcome(returncode, summary, last_error_line(self.store.log_file(trial)), self.diverge_above)
+        result = outcome(returncode, summary, last_error_line(self.store.logs / f"{trial.id}.log"), self.diverge_above)
         record = (self.store.load(trial) or TrialRecord.missing(trial, phase)).ended(result, returncode)
         self.store.save(record)
         loss = record.final_val_loss
