@@ -152,7 +152,7 @@ class TokenSize(Record):
     runs: dict[str, dict[str, list[TokenRun]]] | None = None  # arm -> budget (in B) -> a run per seed
     seeds: list[int] = field(default_factory=list)
     grid: list[float] = field(default_factory=list)
-    bench: SizeBench | None = None  # bench_size
+    bench: SizeBench | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,12 +163,12 @@ class TokenStudyResult(Record):
     study_dir: str
     study_id: str
     overrides: list[str]
-    plan: TokenPlan  # check_token_study
+    plan: TokenPlan
     sizes: list[TokenSize]
     cells: list[dict]  # analyse_tokens: k per (size, XSA budget)
     pooled: PooledK | None = None
     warnings: list[str] = field(default_factory=list)
-    reanalysed: str | None = None  # the day a saved study was analysed again (scale.tokens.reanalyse_tokens)
+    reanalysed: str | None = None  # the day a saved study was analysed again (scale.run.reanalyse)
     schema: int = 1
 
 
