@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm import cli
 from xsa_lm.config.command_line import ARGV_VARIABLE
@@ -160,6 +160,14 @@ def compose_train(overrides: list[str], config_name: str = "train") -> DictConfi
     """A config as the CLI composes it (configs/<config_name>.yaml with the overrides), in this process."""
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         return compose(config_name=config_name, overrides=overrides)
+
+
+def train_from(cfg: DictConfig, run_dir: Path, **kwargs):
+    """`xsa-lm train` of a composed config in this process, as its main does: the spec, the plain config, train()."""
+    from xsa_lm.config.spec import TrainSpec, parse
+    from xsa_lm.train.run import train
+
+    return train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), run_dir, **kwargs)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *expected: str) -> str:

@@ -28,7 +28,6 @@ from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
 from xsa_lm.checkpoints.atomic import FolderCheckpoint
 from xsa_lm.config.resume import continuation_config
-from xsa_lm.config.spec import plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.locking import hold_directory
 from xsa_lm.train.schedule import warmup_cosine
@@ -394,7 +393,7 @@ def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Pat
     OmegaConf.save(saved, tmp_path / "config.yaml")
     defaults = OmegaConf.merge(saved, {"attention": {"name": "sa"}, "optim": {"lr": 1e-3}})
     given = OmegaConf.merge(defaults, {"resume": "auto", "trainer": {"max_steps": 200}, "val_every_steps": 20})
-    given, defaults = plain_dict(given), plain_dict(defaults)
+    given, defaults = OmegaConf.to_container(given), OmegaConf.to_container(defaults)
     config, notes = continuation_config(given, defaults, ["resume=auto", "trainer.max_steps=200"], tmp_path)
     assert config["attention"]["name"] == "xsa" and config["optim"]["lr"] == 1e-2 and config["resume"] == "auto"
     assert config["trainer"]["max_steps"] == 200 and config["val_every_steps"] == 20

@@ -12,15 +12,15 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from tests.helpers import FAST, compose_train, refused_in_process
+from tests.helpers import FAST, compose_train, refused_in_process, train_from
 from tests.test_plan import plan_of
 from xsa_lm import cli
 from xsa_lm.config.builders import check_trainer
 from xsa_lm.config.command_line import flags_first
-from xsa_lm.config.spec import TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.train import memory
-from xsa_lm.train.run import fewer_windows, train, trainer_strategy
+from xsa_lm.train.run import fewer_windows, trainer_strategy
 from xsa_lm.train.schedule import peak_lr
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: Lightning can use it")
@@ -65,8 +65,7 @@ def test_refused_before_anything_is_written(
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # as Hydra makes it
     with pytest.raises(UserError) as refused:
-        cfg = fast_config(*overrides)
-        train(parse(TrainSpec, cfg), plain_dict(cfg), run_dir)
+        train_from(fast_config(*overrides), run_dir)
     assert expected in str(refused.value) and "\n" not in str(refused.value), refused.value
     assert list(run_dir.iterdir()) == []  # no config.yaml, run_info.json or train.log
 

@@ -3,23 +3,9 @@ settings checked against what Lightning will do on this machine."""
 
 from typing import Any
 
-from omegaconf import DictConfig
-
 from xsa_lm.compat import lightning_device_settings
-from xsa_lm.config.spec import (
-    VOCAB_MULTIPLE,
-    AttentionSpec,
-    ModelSpec,
-    TrainerSpec,
-    TrainSpec,
-    parse,
-    resolve_precision,
-    strategy_kind,
-)
+from xsa_lm.config.spec import TrainerSpec
 from xsa_lm.errors import UserError
-from xsa_lm.model import GPTConfig
-
-__all__ = ["VOCAB_MULTIPLE", "resolve_precision", "strategy_kind"]  # read by train/plan.py until it takes the spec
 
 
 def build(node: Any, **kwargs: Any) -> Any:
@@ -36,21 +22,6 @@ def build(node: Any, **kwargs: Any) -> Any:
         if cause is not None:
             raise cause from None
         raise
-
-
-# The DictConfig forms that the commands of other areas (plan, bench, sweep, scale) call until they take the spec.
-def world_size(trainer_cfg: DictConfig) -> int:
-    return parse(TrainerSpec, trainer_cfg, at="trainer.").world_size
-
-
-def check_config(cfg: DictConfig) -> dict[str, int]:
-    spec = parse(TrainSpec, cfg)
-    return {"devices": spec.trainer.world_size, "accumulate": spec.accumulate}
-
-
-def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
-    attention = parse(AttentionSpec, cfg.attention, at="attention.")
-    return parse(ModelSpec, cfg.model, at="model.").gpt_config(attention, vocab_size)
 
 
 def check_trainer(trainer: TrainerSpec, strategy: object) -> str:

@@ -185,13 +185,9 @@ def check_job(command: str, choices: dict[str, str | None], config: dict[str, An
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
                 f"of: {', '.join(group_options(group))}"
             )
-    from xsa_lm.config.spec import flatten
+    from xsa_lm.config.spec import require_values
 
-    missing = [k for k, v in flatten(config).items() if v == "???"]
-    if missing:
-        raise UserError(
-            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
-        )
+    require_values(config)
     elsewhere = another_commands_folder(command, run_dir) if run_dir is not None else None
     if elsewhere:
         raise UserError(elsewhere)

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic.fields import FieldInfo
 
 from xsa_lm.errors import UserError
 from xsa_lm.model.config import GPTConfig
@@ -567,62 +568,6 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
 
 Error = Mapping[str, Any]  # one of pydantic's errors (type, loc, msg, ctx)
 VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
-
-
-def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any], context: str | None = None, at: str = "") -> S:
-    """The spec of a composed config (the keys of the commands around training, and Hydra's, left aside), or a
-    UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`; `at`: the node's key in
-    the config (e.g. `data.` for a DataSpec)."""
-    if isinstance(cfg, DictConfig) and spec_type is TrainSpec:  # Hydra's node resolves only inside a job
-        cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
-    unresolved = flatten(plain_dict(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
-    missing = [k for k, v in unresolved.items() if v == "???" and k.split(".")[0] not in AROUND_TRAINING]
-    if missing:
-        raise UserError(
-            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
-        )
-    plain = plain_dict(cfg) if isinstance(cfg, DictConfig) else cfg
-    values = {k: v for k, v in plain.items() if k not in AROUND_TRAINING} if spec_type is TrainSpec else plain
-    try:
-        return spec_type.model_validate(values, context=context)
-    except ValidationError as e:
-        raise UserError("; ".join(at + line for line in problems(spec_type, values, e.errors()))) from None
-
-
-def plain_dict(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
-    """A config as plain dicts and lists (what config.yaml, a checkpoint and W&B keep)."""
-    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))  # a DictConfig gives a dict
-
-
-def problems(spec_type: type[BaseModel], values: dict[str, Any], errors: Sequence[Error]) -> list[str]:
-    """Pydantic's errors as `key=value what it takes`, one per key (a union's alternatives joined)."""
-    by_key: dict[str, list[Error]] = {}
-    for error in errors:
-        by_key.setdefault(key_of(spec_type, error["loc"]), []).append(error)
-    return [problem(spec_type, key, errors, values) for key, errors in by_key.items()]
-
-
-def key_of(spec_type: type[BaseModel], loc: tuple[int | str, ...]) -> str:
-    """The config key an error is about: the field names along its location (a union's member tags left out)."""
-    parts: list[str] = []
-    kind: type[BaseModel] | None = spec_type
-    for part in loc:
-        if kind is None:  # inside a field's value: a union's member, a list's item
-            break
-        fields = {info.alias or name: info for name, info in kind.model_fields.items()}
-        parts.append(str(part))
-        if part not in fields:  # a key beyond the fields (extra_forbidden)
-            break
-        kind = nested_model(fields[str(part)].annotation)
-    return ".".join(parts)
-
-
-def nested_model(annotation: Any) -> type[BaseModel] | None:
-    """The model a field holds (alone or `| None`), if any."""
-    kinds = [k for k in (annotation, *get_args(annotation)) if isinstance(k, type) and issubclass(k, BaseModel)]
-    return kinds[0] if kinds else None
-
-
 WANTED = {
     "int_type": "must be an integer",
     "int_from_float": "must be an integer",
@@ -634,61 +579,104 @@ WANTED = {
     "dict_type": "must be a mapping",
     "model_type": "must be a mapping",
 }
+BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
 
 
-def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any]) -> str:
-    first = errors[0]
+def parse(spec_type: type[S], cfg: DictConfig | Mapping[str, Any], context: str | None = None, at: str = "") -> S:
+    """The pydantic model of a config node, or a UserError of one line naming each bad key by its full name (`at`:
+    the node's key with its dot, e.g. `sweep.`): `trainer.max_steps=1.5 must be an integer`. A TrainSpec leaves the
+    keys of the commands around training (and Hydra's) aside."""
+    if isinstance(cfg, DictConfig):
+        if spec_type is TrainSpec:  # Hydra's node resolves only inside a job
+            cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
+        require_values(cast(dict[str, Any], OmegaConf.to_container(cfg)), at)  # `???`, also behind an interpolation
+        cfg = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+    values = {str(k): v for k, v in cfg.items() if spec_type is not TrainSpec or k not in AROUND_TRAINING}
+    require_values(values, at)
+    try:
+        return spec_type.model_validate(values, context=context)
+    except ValidationError as e:
+        by_key: dict[str, list[Error]] = {}
+        for error in e.errors():
+            by_key.setdefault(key_of(error["loc"], values), []).append(error)
+        lines = [problem(spec_type, key, errors, values, at) for key, errors in by_key.items()]
+        raise UserError("; ".join(lines)) from None
+
+
+def require_values(config: dict[str, Any], at: str = "") -> None:
+    """A `???` value left unset is refused, naming each."""
+    missing = [at + k for k, v in flatten(config).items() if v == "???"]
+    if missing:
+        raise UserError(
+            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
+        )
+
+
+def key_of(loc: tuple[int | str, ...], values: dict[str, Any]) -> str:
+    """The key an error is about: its location's steps into the mappings of `values` (a union member's tag or a
+    list's index is no key)."""
+    parts, node = [], cast(Any, values)
+    for part in loc:
+        if not isinstance(node, dict):
+            break
+        parts.append(str(part))
+        node = node.get(str(part))
+    return ".".join(parts)
+
+
+def nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (alone or `| None`), if any."""
+    kinds = [k for k in (annotation, *get_args(annotation)) if isinstance(k, type) and issubclass(k, BaseModel)]
+    return kinds[0] if kinds else None
+
+
+def fields_at(spec_type: type[BaseModel], node: str) -> dict[str, FieldInfo]:
+    """The fields of the model at `node` (`a.b`; "": the spec's own), by their key."""
+    kind: type[BaseModel] | None = spec_type
+    for part in node.split(".") if node else []:
+        kind = nested_model(fields_at(kind, "")[part].annotation) if kind else None
+    return {info.alias or name: info for name, info in kind.model_fields.items()} if kind else {}
+
+
+def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any], at: str) -> str:
+    """`key=value what it takes`; the alternatives of a union joined; a rule across fields: its own message."""
+    first, (node, _, name) = errors[0], key.rpartition(".")
     if first["type"] == "extra_forbidden":
-        return extra_key(spec_type, key)
+        where = f"the {at}{node} group" if f"{at}{node}" in GROUPS else at + node or "configs/train.yaml"
+        return f"{at}{key}: not an option of {where.rstrip('.')} (it has {', '.join(fields_at(spec_type, node))})"
     if first["type"] == "missing":
-        return f"{key} is missing from the config: set it"
-    if first["type"] == "value_error" and not key:  # a rule across fields: its message names the keys
+        return f"{at}{key} is missing from the config: set it"
+    if first["type"] == "value_error" and not key:
         return str(first["ctx"]["error"])
     value: Any = values
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     words = [w.strip("'") for e in errors if e["type"] == "literal_error" for w in e["ctx"]["expected"].split(", ")]
     words = [w for word in words for w in word.replace("' or '", "|").split("|")]
-    said = [what(e) for e in errors if e["type"] != "literal_error"]
-    said = list(dict.fromkeys(said))
+    said = list(dict.fromkeys(what(e) for e in errors if e["type"] != "literal_error"))
+    field = fields_at(spec_type, node).get(name)
     if first["type"] == "value_error":
         text = said[0]
     elif said == [WANTED["bool_type"]] and words:  # a switch with words of its own (compile: auto)
         text = f"must be true, false or {', '.join(words)}"
     elif said:
         text = " or ".join(said) + (f" or {', '.join(words)}" if words else "")
+        nullable = field is not None and type(None) in get_args(field.annotation)
+        text += " or null" if nullable and first["type"] in WANTED else ""
     else:
         text = f"must be one of {', '.join(words)}"
-    shown = "null" if value is None else value
-    return f"{key}={shown} {text}" if first["type"] != "value_error" or not text.startswith(key) else text
+    if first["type"] == "value_error" and text.startswith(key):
+        return text
+    return f"{at}{key}={'null' if value is None else value} {text}"
 
 
 def what(error: Error) -> str:
     """What one pydantic error says the value must be."""
     kind, ctx = error["type"], error.get("ctx", {})
-    if kind in WANTED:
-        return WANTED[kind]
     if kind == "value_error":
         return str(ctx["error"])
-    bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-    if kind in bound:
+    if kind in BOUNDS:
         limit = next(iter(ctx.values()))
-        return f"must be {bound[kind]} {limit:g}" if isinstance(limit, float) else f"must be {bound[kind]} {limit}"
-    return str(error["msg"])
-
-
-def extra_key(spec_type: type[BaseModel], key: str) -> str:
-    """`key: not an option of ...`, naming the keys the node has."""
-    node, _, _ = key.rpartition(".")
-    kind: type[BaseModel] | None = spec_type
-    for part in node.split(".") if node else []:
-        kind = nested_model(kind.model_fields[part].annotation) if kind else None
-    assert kind is not None  # extra_forbidden comes from a model
-    where = (
-        f"the {node} group" if node in GROUPS else node or ("configs/train.yaml" if spec_type is TrainSpec else "it")
-    )
-    known = ", ".join(info.alias or name for name, info in kind.model_fields.items())
-    return f"{key}: not an option of {where} (it has {known})"
-
-
-GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
+        return f"must be {BOUNDS[kind]} {limit:g}" if isinstance(limit, float) else f"must be {BOUNDS[kind]} {limit}"
+    return WANTED.get(kind, str(error["msg"]))

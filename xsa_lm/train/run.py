@@ -31,7 +31,7 @@ from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import build, check_trainer
 from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.resume import Config, continuation_config, edited_since, with_hand_edits
-from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import token_byte_lengths
@@ -639,11 +639,11 @@ def main(cfg: DictConfig) -> None:
         with exit_on_user_error():
             notes: list[str] = []
             spec = parse(TrainSpec, cfg)  # every value checked, before anything is read or written
-            config = plain_dict(cfg)
+            config = cast(Config, OmegaConf.to_container(cfg, resolve=True))
             if cfg.resume == "auto":
                 refuse_a_folder_new_each_time(run_dir)
             if cfg.resume is not None:
-                defaults = plain_dict(compose(config_name="train"))
+                defaults = cast(Config, OmegaConf.to_container(compose(config_name="train"), resolve=True))
                 overrides = list(HydraConfig.get().overrides.task)
                 config, notes = continuation_config(config, defaults, overrides, run_dir)
                 spec = parse(TrainSpec, config)
