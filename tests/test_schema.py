@@ -37,7 +37,10 @@ REFUSED = {  # overrides -> the one line (its start)
     "a rule of its own": (["optim.betas=[1,2]"], "optim.betas=[1, 2] must be two numbers in [0, 1)"),
     "devices": (["trainer.devices=0"], "trainer.devices=0 must be a number of devices >= 1, -1 or auto"),
     "kernels": (["sdpa_backends=[foo]"], "sdpa_backends=['foo'] names no kernel: foo"),
-    "W&B mode": (["logger.wandb.mode=sometimes"], "logger.wandb.mode=sometimes must be auto, online, offline"),
+    "W&B mode": (
+        ["logger.wandb.mode=sometimes"],
+        "logger.wandb.mode=sometimes must be one of auto, online, offline, disabled",
+    ),
     "precision": (["trainer.precision=17"], "trainer.precision=17 is not a precision Lightning accepts"),
     "GPTConfig's own check": (["model.n_kv_head=3"], "model.n_head=4 must be a multiple of n_kv_head=3"),
     "attention.layers": (["attention=xsa", "attention.layers=5"], "attention.layers=5: the last N layers needs"),

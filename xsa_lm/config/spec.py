@@ -72,18 +72,21 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _devices(value: Any) -> str | None:
-    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text."""
+def _devices(value: Any) -> Any:
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text
+    (given as the number or the list)."""
     if isinstance(value, str) and value != "auto":
         parts = [p.strip() for p in value.split(",") if p.strip()]
         if parts and all(p.lstrip("-").isdigit() for p in parts):
             value = [int(p) for p in parts] if "," in value else int(parts[0])
+    indices = value if isinstance(value, list) else []
     if value == "auto" or value == -1 or (_is_int(value) and value >= 1):
-        return None
-    indices = list(value) if isinstance(value, list) else []
+        return value
     if indices and all(_is_int(i) and i >= 0 for i in indices) and len(set(indices)) == len(indices):
-        return None
-    return "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+        return value
+    raise ValueError(
+        "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+    )
 
 
 def _betas(value: Any) -> str | None:
@@ -104,11 +107,6 @@ def _layers(value: Any) -> str | None:
     if value == "all" or _is_int(value) or (isinstance(value, list) and all(_is_int(i) for i in value)):
         return None
     return "must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
-
-
-def _wandb_mode(value: Any) -> str | None:
-    modes = ("auto", "online", "offline", "disabled")
-    return None if value in modes else f"must be {', '.join(modes[:-1])} or {modes[-1]}"
 
 
 def _text_of_number(value: Any) -> Any:
@@ -260,7 +258,7 @@ class TrainerSpec(Spec):
 
     target: str = Field(alias="_target_")
     accelerator: str = Field(description="auto | cpu | gpu", json_schema_extra=FREE)
-    devices: Annotated[int | str | list[int], rule(_devices)] = Field(json_schema_extra=FREE)
+    devices: Annotated[int | Literal["auto"] | list[int], BeforeValidator(_devices)] = Field(json_schema_extra=FREE)
     strategy: str | dict[str, Any] = Field(description="auto | a name | a node", json_schema_extra=FREE)
     num_nodes: Count = Field(json_schema_extra=FREE)
     # auto (ours): bf16-mixed on GPUs with bf16, else 32-true
@@ -293,17 +291,12 @@ class TrainerSpec(Spec):
     @cached_property
     def world_size(self) -> int:
         """Processes of the run: devices per node (auto/-1: the GPUs of a GPU run; on CPU one) x nodes."""
-        devices = self.devices
-        if devices in ("auto", -1, "-1"):
+        if self.devices in ("auto", -1):
             import torch
 
             on_gpu = self.accelerator in ("auto", "gpu", "cuda")
-            count = (torch.cuda.device_count() if on_gpu else 0) or 1
-        elif isinstance(devices, str):  # "0,1" or "2"
-            count = len(devices.split(",")) if "," in devices else int(devices)
-        else:
-            count = devices if isinstance(devices, int) else len(devices)
-        return count * self.num_nodes
+            return ((torch.cuda.device_count() if on_gpu else 0) or 1) * self.num_nodes
+        return (self.devices if isinstance(self.devices, int) else len(self.devices)) * self.num_nodes
 
     @cached_property
     def resolved_precision(self) -> str:
@@ -323,7 +316,7 @@ class WandbSpec(Spec):
     group: str | None = Field(description="runs of a group compare side by side")
     job_type: str | None = Field(description="e.g. lr-search, compare")
     tags: list[str] = Field(description="beside attention type and model preset")
-    mode: Annotated[str, rule(_wandb_mode)] = Field(description="auto: WANDB_MODE, else by the API key")
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(description="auto: WANDB_MODE, else by the API key")
     init_timeout_s: int = Field(ge=1)
     log_model: bool | Literal["all"] = Field(description="checkpoints as W&B artifacts (all: each save)")
 
