@@ -25,26 +25,10 @@ from xsa_lm.model import GPT, GPTConfig
 REPO = Path(__file__).resolve().parents[1]
 
 # A fast training recipe for tests: the tiny model, shortened, on the bundled corpus.
-FAST = [
-    "model=tiny",
-    "model.n_layer=2",
-    "model.d_model=64",
-    "model.n_head=2",
-    "model.head_dim=32",
-    "model.block_size=64",
-    "tokenizer.vocab_size=512",
-    "global_batch_tokens=1024",
-    "micro_batch_size=8",
-    "optim.lr=3e-3",
-    "scheduler.warmup_steps=5",
-    "trainer=cpu",
-    "trainer.max_steps=40",
-    "trainer.log_every_n_steps=1",
-    "val_every_steps=20",
-    "data.val_windows=64",
-    "logger=csv",
-    "progress_bar=false",
-]
+FAST = """model=tiny model.n_layer=2 model.d_model=64 model.n_head=2 model.head_dim=32 model.block_size=64
+tokenizer.vocab_size=512 global_batch_tokens=1024 micro_batch_size=8 optim.lr=3e-3 scheduler.warmup_steps=5
+trainer=cpu trainer.max_steps=40 trainer.log_every_n_steps=1 val_every_steps=20 data.val_windows=64 logger=csv
+progress_bar=false""".split()
 
 
 def cli_env(data_cache: Path, home: Path | None = None) -> dict[str, str]:

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.helpers import REPO, compose_train, refused_in_process
-from xsa_lm.config.spec import TrainSpec, free_on_resume, parse
+from xsa_lm.config.spec import DataSpec, TrainSpec, free_on_resume, parse
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 
@@ -33,6 +33,7 @@ REFUSED = {  # overrides -> the one line (its start)
     "seed above numpy's": (["seed=4294967296"], "seed=4294967296 must be <= 4294967295"),
     "a union": (["compile=maybe"], "compile=maybe must be true, false or auto"),
     "a bounded union": (["data.num_workers=-1"], "data.num_workers=-1 must be >= 0 or auto"),
+    "null or a number": (["data.val_windows=all"], "data.val_windows=all must be an integer or null"),
     "a literal": (["attention=xsa", "attention.gate=sigmoid"], "attention.gate=sigmoid must be one of none, tanh"),
     "a rule of its own": (["optim.betas=[1,2]"], "optim.betas=[1, 2] must be two numbers in [0, 1)"),
     "devices": (["trainer.devices=0"], "trainer.devices=0 must be a number of devices >= 1, -1 or auto"),
@@ -66,6 +67,18 @@ def test_a_bad_config_is_refused_in_one_line(overrides: list[str], line: str):
     with pytest.raises(UserError) as error:
         spec(overrides)
     assert str(error.value).startswith(line) and "\n" not in str(error.value), error.value
+
+
+def test_a_node_parsed_alone_names_its_keys_from_the_root():
+    """parse converts any pydantic model; `at` is where its node sits in the composed config."""
+    node = OmegaConf.to_container(compose_train([]).data, resolve=True) | {"split_seed": 1.5, "shards": 2}
+    with pytest.raises(UserError) as error:
+        parse(DataSpec, node, at="data.")
+    assert str(error.value).startswith(
+        "data.split_seed=1.5 must be an integer; data.shards: not an option of the data group (it has dir, cache_dir,"
+    )
+    del node["shards"]
+    assert parse(DataSpec, {**node, "split_seed": 1}, at="data.").split_seed == 1
 
 
 def test_what_a_run_derives_is_on_the_spec():

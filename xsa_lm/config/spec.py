@@ -636,8 +636,9 @@ def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], value
     """`key=value what it takes`; the alternatives of a union joined; a rule across fields: its own message."""
     first, (node, _, name) = errors[0], key.rpartition(".")
     if first["type"] == "extra_forbidden":
-        where = f"the {at}{node} group" if f"{at}{node}" in GROUPS else at + node or "configs/train.yaml"
-        return f"{at}{key}: not an option of {where.rstrip('.')} (it has {', '.join(fields_at(spec_type, node))})"
+        where = f"{at}{node}".strip(".")
+        where = f"the {where} group" if where in GROUPS else where or "configs/train.yaml"
+        return f"{at}{key}: not an option of {where} (it has {', '.join(fields_at(spec_type, node))})"
     if first["type"] == "missing":
         return f"{at}{key} is missing from the config: set it"
     if first["type"] == "value_error" and not key:
