@@ -46,6 +46,14 @@ REFUSED = {  # overrides -> the one line (its start)
     "GPTConfig's own check": (["model.n_kv_head=3"], "model.n_head=4 must be a multiple of n_kv_head=3"),
     "attention.layers": (["attention=xsa", "attention.layers=5"], "attention.layers=5: the last N layers needs"),
     "XSA on no layer": (["attention=xsa", "attention.layers=[]"], "attention.layers=[] puts XSA on no layer"),
+    "XSA on the last 0": (["attention=xsa", "attention.layers=0"], "attention.layers=0 puts XSA on no layer, which is"),
+    "a layer twice": (["attention=xsa", "attention.layers=[1,1]"], "attention.layers=[1, 1] names a layer twice"),
+    "a layer past": (["attention=xsa", "attention.layers=[0,4]"], "attention.layers=[0, 4]: each layer is a 0-based"),
+    "a negative layer": (["attention=xsa", "attention.layers=[-1]"], "attention.layers=[-1]: each layer is a 0-based"),
+    "no layer number": (["attention=xsa", "attention.layers=[a]"], "attention.layers=['a'] must be all, a number of"),
+    "more sinks than positions": (["model.n_sinks=100000"], "model.n_sinks=100000 must be in [0, block_size=128]"),
+    "negative devices": (["trainer.devices=-5"], "trainer.devices=-5 must be a number of devices >= 1"),
+    "a device twice": (["trainer.devices=[0,0]"], "trainer.devices=[0, 0] must be a number of devices >= 1"),
     "tensor parallel": (["trainer=fsdp", "trainer.strategy.tensor_parallel_size=2"], "trainer.strategy.tensor_"),
     "batch": (["global_batch_tokens=1000"], "global_batch_tokens=1000 is not divisible by micro_batch_size x"),
     "context": (["model.block_size=64", "data.block_size=128"], "data.block_size=128 is above model.block_size=64"),
@@ -88,6 +96,7 @@ def test_what_a_run_derives_is_on_the_spec():
     assert (s.schedule.total_steps, s.schedule.warmup_steps) == (20, 20) and "clipped to 20" in s.schedule.warning
     assert s.scheduler_node["warmup_steps"] == 20 and s.gpt_config(vocab_size=500).vocab_size == 512
     assert spec(["trainer=fsdp"]).trainer.strategy_kind == "fsdp"
+    spec(["faults.inject_nan_at_step=3", "faults.inject_nan_on_rank=0", "trainer.max_steps=10", "profile.start_step=7"])
 
 
 @pytest.mark.parametrize("model", MODELS)
