@@ -1,11 +1,8 @@
-"""How a command ends on an error: always one line on stderr, never a traceback.
+"""How a command ends on an error: one line on stderr, never a traceback (HYDRA_FULL_ERROR=1: Hydra's full report).
 
-- A UserError (a mistake in the configuration or the inputs, a full disk) is one actionable line, exit code 2.
-- Any other exception (a bug, or a failure nobody foresaw) is one line naming it and the file it concerns, exit code
-  1; its full traceback is saved for a bug report (<run dir>/error.log, else a temporary file). HYDRA_FULL_ERROR=1
-  lets it through instead, to Hydra's full report.
-
-Every command's Hydra job runs inside `one_line_errors` (cli.py too, around what runs before the job).
+A UserError (a mistake in the config or the inputs, a full disk) is one actionable line, exit code 2; any other
+exception one line naming it and its file, exit code 1, its traceback saved (<run dir>/error.log, else a temporary
+file). Every command's job runs inside `one_line_errors` (cli.py too, around what runs before the job).
 """
 
 import contextlib

@@ -1,10 +1,8 @@
 """A resume continues the run as it was: its saved config.yaml, not the defaults, decides what is trained.
 
-The command line of a resume may change only what cannot change the model being trained (how long, how often it is
-validated and logged, on how many devices); any other difference is refused, naming each key as `key: saved -> given`.
-The LR schedule keeps its saved length: extending trainer.max_steps continues at the final LR, exactly as a run
-planned with that many steps and the same scheduler.total_steps would; passing scheduler.total_steps recomputes the
-cosine for the new length.
+The command line may change only the keys marked FREE (config/spec.py); any other difference is refused, naming each
+as `key: saved -> given`. The LR schedule keeps its saved length (extending trainer.max_steps continues at the final
+LR); passing scheduler.total_steps recomputes it.
 """
 
 from functools import cache

@@ -1,13 +1,9 @@
 """The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
 
-A field owns its type, what it is and its range; its value is the YAML file's (configs/, with the paper:/ours:
-note that says where it comes from), so a key missing from a config is refused, never filled in silently. A rule
-across fields is a model validator; what a run derives (precision, world size, accumulation, strategy kind, the
-settled LR schedule, the run name, the GPTConfig) is computed here once. `parse(TrainSpec, cfg)` turns Hydra's
-composed config into the spec, and every bad value into ONE line naming each key (Hydra types a command-line value
-by its look: `trainer.max_steps=1.5` composes fine).
-A field marked FREE may change on a resume (config/resume.py): how long, how often, where and how fast; never what
-the model sees or how it learns.
+A field owns its type, doc and range; its value is the YAML file's (a missing key is refused, never filled in). Rules
+across fields are model validators; what a run derives is computed here once. `parse` turns any composed config node
+into its model, every bad value into ONE line naming each key (Hydra types a value by its look: `max_steps=1.5`).
+A field marked FREE may change on a resume (config/resume.py): how long, how often, where, how fast.
 """
 
 import math

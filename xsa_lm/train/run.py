@@ -36,7 +36,7 @@ from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, 
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import token_byte_lengths
-from xsa_lm.errors import UserError, WriteError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, WriteError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.model import GPTConfig
@@ -206,14 +206,8 @@ def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: in
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
         # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
-        make_wandb = build(wandb.node, _partial_=True)
-        wb = make_wandb(
-            save_dir=str(run_dir),
-            name=spec.run_label,
-            run_config=config,
-            tags=[spec.attention.name, spec.model.name, *wandb.tags],
-            run_id=run_id,
-        )
+        tags = [spec.attention.name, spec.model.name, *wandb.tags]
+        wb = build(wandb.node, _partial_=True)(str(run_dir), spec.run_label, config, tags=tags, run_id=run_id)
         write_text(id_file, wb.experiment.id)
         loggers.append(wb)
     return loggers
@@ -589,21 +583,20 @@ def refuse_a_folder_new_each_time(run_dir: Path) -> None:
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     quiet_third_party()
-    try:
-        with exit_on_user_error():
-            notes: list[str] = []
-            spec = parse(TrainSpec, cfg)  # every value checked, before anything is read or written
-            config = cast(Config, OmegaConf.to_container(cfg, resolve=True))
-            if cfg.resume == "auto":
-                refuse_a_folder_new_each_time(run_dir)
-            if cfg.resume is not None:
-                defaults = cast(Config, OmegaConf.to_container(compose(config_name="train"), resolve=True))
-                overrides = list(HydraConfig.get().overrides.task)
-                config, notes = continuation_config(config, defaults, overrides, run_dir)
-                spec = parse(TrainSpec, config)
-            # A tokenizer chosen on the command line: prepared shards must have been made with it.
-            explicit = any(override_key(o).split(".")[0] == "tokenizer" for o in HydraConfig.get().overrides.task)
-            summary = train(spec, config, run_dir, resume_notes=notes, explicit_tokenizer=explicit)
+    try:  # a UserError ends in one line (one_line_errors)
+        notes: list[str] = []
+        spec = parse(TrainSpec, cfg)  # every value checked, before anything is read or written
+        config = cast(Config, OmegaConf.to_container(cfg, resolve=True))
+        if cfg.resume == "auto":
+            refuse_a_folder_new_each_time(run_dir)
+        if cfg.resume is not None:
+            defaults = cast(Config, OmegaConf.to_container(compose(config_name="train"), resolve=True))
+            overrides = list(HydraConfig.get().overrides.task)
+            config, notes = continuation_config(config, defaults, overrides, run_dir)
+            spec = parse(TrainSpec, config)
+        # A tokenizer chosen on the command line: prepared shards must have been made with it.
+        explicit = any(override_key(o).split(".")[0] == "tokenizer" for o in HydraConfig.get().overrides.task)
+        summary = train(spec, config, run_dir, resume_notes=notes, explicit_tokenizer=explicit)
     except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
         print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
         sys.exit(130)
