@@ -16,17 +16,8 @@ from xsa_lm import errors
 from xsa_lm.errors import UserError
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
-HYDRA_FLAGS_WITH_A_VALUE: tuple[str, ...] = (
-    "--cfg",
-    "-c",
-    "--package",
-    "-p",
-    "--config-name",
-    "-cn",
-    "--config-dir",
-    "-cd",
-)
-HYDRA_FLAGS_WITH_A_VALUE += ("--config-path", "-cp", "--experimental-rerun")
+HYDRA_FLAGS_WITH_A_VALUE = "--cfg -c --package -p --config-name -cn --config-dir -cd --config-path -cp".split()
+HYDRA_FLAGS_WITH_A_VALUE.append("--experimental-rerun")
 MULTIRUN_FLAGS = ("--multirun", "-m")
 QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 'key=a value'"
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
