@@ -47,10 +47,11 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
         try:
             effective = lightning_device_settings(**given)
         except (ValueError, TypeError, RuntimeError, ImportError, MisconfigurationException) as e:
-            reason = " ".join(str(e).split()).rstrip(".")
+            reason, shown = " ".join(str(e).split()).rstrip("."), getattr(trainer, key)
+            if isinstance(shown, dict):  # a strategy node, by its class
+                shown = str(shown.get("_target_", "")).rpartition(".")[2] or shown
             raise UserError(
-                f"trainer.{key}={shown_setting(trainer, key)}: Lightning cannot train so on this machine "
-                f"({reason}); {setting_fix(key)}"
+                f"trainer.{key}={shown}: Lightning cannot train so on this machine ({reason}); {setting_fix(key)}"
             ) from None
     if effective != precision:
         raise UserError(
@@ -58,14 +59,6 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
             f"trainer.accelerator={accelerator}, not {precision}: set trainer.precision={effective} or 32-true"
         )
     return precision
-
-
-def shown_setting(trainer: TrainerSpec, key: str) -> object:
-    """A trainer setting as the user wrote it; a strategy node by its class."""
-    value = getattr(trainer, key)
-    if isinstance(value, dict):
-        return str(value.get("_target_", "")).rpartition(".")[2] or value
-    return value
 
 
 def setting_fix(key: str) -> str:
