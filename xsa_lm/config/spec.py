@@ -152,13 +152,14 @@ class ModelSpec(Spec):
         elif architecture["vocab_size"] < vocab_size:
             given = architecture["vocab_size"]
             raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
-        return gpt_config(
-            **architecture,
-            attention=attention.name,
-            xsa_eps=attention.eps,
-            xsa_layers=attention.xsa_layers(self.n_layer),
-            xsa_gate=attention.gate == "tanh",
-        )
+        architecture.update(attention=attention.name, xsa_eps=attention.eps, xsa_gate=attention.gate == "tanh")
+        architecture["xsa_layers"] = attention.xsa_layers(self.n_layer)
+        try:
+            return GPTConfig(**architecture)
+        except ValueError as e:  # GPTConfig's refusal opens with its field: named by its config key
+            name = str(e).split("=")[0].split(" ")[0]
+            key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
+            raise UserError(f"{key}{str(e)[len(name) :]}") from None
 
 
 class AttentionSpec(Spec):
@@ -506,16 +507,6 @@ class TrainSpec(Spec):
 
 # GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
 ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
-
-
-def gpt_config(**fields: Any) -> GPTConfig:
-    """GPTConfig, its refusal (which opens with its field) as one line naming the config key (model.n_sinks=...)."""
-    try:
-        return GPTConfig(**fields)
-    except ValueError as e:
-        name = str(e).split("=")[0].split(" ")[0]
-        key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
-        raise UserError(f"{key}{str(e)[len(name) :]}") from None
 
 
 def strategy_kind(strategy: object) -> Literal["fsdp", "ddp"]:
