@@ -283,7 +283,9 @@ class TrainerSpec(Spec):
     @property
     def strategy_kind(self) -> Literal["fsdp", "ddp"]:
         """`fsdp` for a sharding strategy (trainer=fsdp, or a strategy named so), else `ddp` (one device included)."""
-        return strategy_kind(self.strategy)
+        strategy = self.strategy
+        target = str(strategy.get("_target_", "")) if isinstance(strategy, dict) else strategy
+        return "fsdp" if "fsdp" in target.lower() or "ModelParallel" in target else "ddp"
 
     @cached_property
     def world_size(self) -> int:
@@ -507,12 +509,6 @@ class TrainSpec(Spec):
 
 # GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
 ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
-
-
-def strategy_kind(strategy: object) -> Literal["fsdp", "ddp"]:
-    """`fsdp` for a sharding strategy (a name or a _target_ node), else `ddp` (one device included)."""
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, dict | DictConfig) else str(strategy)
-    return "fsdp" if "fsdp" in target.lower() or "ModelParallel" in target else "ddp"
 
 
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:
