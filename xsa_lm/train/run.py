@@ -332,13 +332,7 @@ def write_run_files(
         write_json(run_dir / "run_info.json", info)
     if resume.path is None:
         return
-    record = {
-        "time": time.time(),
-        "from_step": resume.step,
-        "checkpoint": resume.path,
-        "changes": notes,
-        "run_info": info,
-    }
+    record = dict(time=time.time(), from_step=resume.step, checkpoint=resume.path, changes=notes, run_info=info)
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
