@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm import cli
 from xsa_lm.config.command_line import ARGV_VARIABLE
@@ -25,26 +25,10 @@ from xsa_lm.model import GPT, GPTConfig
 REPO = Path(__file__).resolve().parents[1]
 
 # A fast training recipe for tests: the tiny model, shortened, on the bundled corpus.
-FAST = [
-    "model=tiny",
-    "model.n_layer=2",
-    "model.d_model=64",
-    "model.n_head=2",
-    "model.head_dim=32",
-    "model.block_size=64",
-    "tokenizer.vocab_size=512",
-    "global_batch_tokens=1024",
-    "micro_batch_size=8",
-    "optim.lr=3e-3",
-    "scheduler.warmup_steps=5",
-    "trainer=cpu",
-    "trainer.max_steps=40",
-    "trainer.log_every_n_steps=1",
-    "val_every_steps=20",
-    "data.val_windows=64",
-    "logger=csv",
-    "progress_bar=false",
-]
+FAST = """model=tiny model.n_layer=2 model.d_model=64 model.n_head=2 model.head_dim=32 model.block_size=64
+tokenizer.vocab_size=512 global_batch_tokens=1024 micro_batch_size=8 optim.lr=3e-3 scheduler.warmup_steps=5
+trainer=cpu trainer.max_steps=40 trainer.log_every_n_steps=1 val_every_steps=20 data.val_windows=64 logger=csv
+progress_bar=false""".split()
 
 
 def cli_env(data_cache: Path, home: Path | None = None) -> dict[str, str]:
@@ -160,6 +144,14 @@ def compose_train(overrides: list[str], config_name: str = "train") -> DictConfi
     """A config as the CLI composes it (configs/<config_name>.yaml with the overrides), in this process."""
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
         return compose(config_name=config_name, overrides=overrides)
+
+
+def train_from(cfg: DictConfig, run_dir: Path, **kwargs):
+    """`xsa-lm train` of a composed config in this process, as its main does: the spec, the plain config, train()."""
+    from xsa_lm.config.spec import TrainSpec, parse
+    from xsa_lm.train.run import train
+
+    return train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), run_dir, **kwargs)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *expected: str) -> str:

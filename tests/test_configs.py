@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import compose_train, refused_in_process
-from xsa_lm.config.builders import check_config, model_config, strategy_kind
+from xsa_lm.config.spec import TrainSpec, parse
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and not p.name.startswith("_"))
@@ -41,8 +41,7 @@ def test_every_option_composes_and_builds(group: str, option: str):
         overrides += ["global_batch_tokens=524288", "micro_batch_size=8"]  # the paper's 0.5M tokens per step
     cfg = compose_train(overrides, config_name="sweep" if group == "sweep" else "train")
     OmegaConf.resolve(cfg)  # every interpolation resolves
-    check_config(cfg)
-    mcfg = model_config(cfg, vocab_size=50257)
+    mcfg = parse(TrainSpec, cfg).gpt_config(vocab_size=50257)
     assert mcfg.vocab_size % 64 == 0 and mcfg.attention == cfg.attention.name
     optimizer = hydra.utils.instantiate(cfg.optim)([torch.nn.Parameter(torch.zeros(2))])
     hydra.utils.instantiate(cfg.scheduler)(optimizer, total_steps=cfg.trainer.max_steps)
@@ -62,15 +61,10 @@ def test_a_shared_part_of_a_group_is_no_option(tmp_path: Path, monkeypatch: pyte
     assert stderr.endswith(f"available options in 'data': {options.replace(',', '')}\n")  # without _base
 
 
-def test_attention_choice_reaches_the_model():
-    assert model_config(compose_train(["attention=xsa"]), 4096).attention == "xsa"
-    assert model_config(compose_train([]), 4096).attention == "sa"
-
-
 def test_demo_experiment_is_a_cpu_recipe():
     cfg = compose_train(["experiment=demo"])
     assert cfg.trainer.accelerator == "cpu" and cfg.model.name == "tiny"
-    assert check_config(cfg)["accumulate"] == 1
+    assert parse(TrainSpec, cfg).accumulate == 1
 
 
 def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
@@ -78,9 +72,8 @@ def test_fsdp_is_fsdp2_through_the_model_parallel_strategy():
 
     strategy = hydra.utils.instantiate(compose_train(["trainer=fsdp"]).trainer.strategy)
     assert isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint  # sharded
-    assert strategy_kind(compose_train(["trainer=fsdp"]).trainer.strategy) == "fsdp"
+    assert parse(TrainSpec, compose_train(["trainer=fsdp"])).trainer.strategy_kind == "fsdp"
     assert compose_train(["trainer=ddp"]).trainer.strategy._target_.endswith("AtomicDDPStrategy")
-    assert strategy_kind(compose_train(["trainer=ddp"]).trainer.strategy) == "ddp"
     slurm = compose_train(["sweep=slurm"], config_name="sweep").sweep
     assert slurm.launch_prefix[0] == "srun" and slurm.max_parallel == 4
 

@@ -1,23 +1,14 @@
 """Every command README.md and docs/*.md show runs as written, so a stale example fails here.
 
-The commands are read from the pages' code blocks (not ```text ones): continuation lines joined, `# comments` dropped,
-shell variables given the values of VARIABLES, a `srun`, `docker run ... xsa-lm` or `NAME=value` prefix set aside,
-`python -m xsa_lm.train` read as `xsa-lm train`. `...` stands for "your other overrides": such a command is checked
-without it (a `key=...` or `key=[...]` value becomes a stand-in) and cannot run as written.
-
-- Up-front checks, every command (make test, in this process, ~20 s on 2 cores): each goes through what the command
-  itself checks before it writes anything: the CLI's check (composition with its exact overrides, required values,
-  types and ranges, a run directory that can be made) and its job's own checks (batch arithmetic, the trainer as
-  Lightning takes it here, the model's settings, the sweep's grid and seeds, the scale's sizes with each size's
-  sweep, sampling, plan, ...), each `--multirun` combination apart. A removed key, option or experiment, or a value
-  the command refuses, fails. The same holds for the xsa-lm commands of the Makefile recipes a shown `make` runs,
-  and for commands written inline in the prose.
-- Run for real (make test-long): RUN, in its order, through the CLI in one folder, so that `analyze` reads the
-  checkpoints the `train` commands before it wrote. Each entry says what is appended to shrink it (a tiny model, a few
-  steps) and why; the rest run exactly as written.
-- NOT_RUN: every other command shown in a code block, with the reason it does not run here (a GPU, the hub, a
-  cluster, hours) and where what it does is tested instead. A command shown in a code block that is in neither list
-  fails, and so does an entry no page shows any more: a new or changed example is run or reviewed, never forgotten.
+Commands are read from the pages' code blocks (not ```text ones) and inline code: continuation lines joined,
+comments dropped, shell variables from VARIABLES, a `srun`, `docker run` or `NAME=value` prefix set aside,
+`python -m xsa_lm.train` read as `xsa-lm train`; `...` stands for "your other overrides" (a stand-in value).
+- Up-front checks (every command, in this process): what the CLI checks (composition, required values, types and
+  ranges) and what its job checks before it writes anything, each `--multirun` job apart; the xsa-lm commands of a
+  shown `make` target's recipe too. A removed key, option or experiment, or a refused value, fails.
+- RUN (make test-long): run for real, in order, in one folder, each shrunk as its entry says.
+- NOT_RUN: every other command of a code block, with why it does not run here and where it is tested instead. A
+  command in neither list fails, and so does an entry no page shows any more.
 """
 
 import itertools
@@ -39,12 +30,8 @@ from xsa_lm.config.command_line import check_command_line, check_job, hydra_prob
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-VARIABLES = {  # the shell variables of the shown commands; each becomes a folder in the test's temp dir, or a value
-    "DATA": "{tmp}/data",
-    "SCRATCH": "{tmp}/scratch",
-    "PWD": "{tmp}",
-    "SLURM_JOB_ID": "1",
-}
+# the shell variables of the shown commands: a folder in the test's temp dir, or a value
+VARIABLES = {"DATA": "{tmp}/data", "SCRATCH": "{tmp}/scratch", "PWD": "{tmp}", "SLURM_JOB_ID": "1"}
 ELIDED = "elided"  # the stand-in for a `key=...` value
 HYDRA_FLAGS = {"--multirun", "-m", "--help", "-h", "--cfg", "-c"}  # --cfg takes a value (job, hydra, all)
 STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
@@ -173,19 +160,8 @@ def recipe_commands(target: str) -> list[tuple[str, ...]]:
 # Appended to a training command that RUN shrinks: one layer of width 32, 4 steps of 1024 tokens, 8 validation windows,
 # a BPE of 512 tokens (the one the other tests train), metrics.csv only (W&B offline costs seconds per run and has
 # its own tests, test_wandb_offline.py), no progress bar.
-TINY_TRAIN = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.head_dim=16",
-    "trainer.max_steps=4",
-    "val_every_steps=2",
-    "global_batch_tokens=1024",
-    "micro_batch_size=8",
-    "data.val_windows=8",
-    "logger=csv",
-    "progress_bar=false",
-]
+TINY_TRAIN = """model.n_layer=1 model.d_model=32 model.n_head=2 model.head_dim=16 trainer.max_steps=4 val_every_steps=2
+global_batch_tokens=1024 micro_batch_size=8 data.val_windows=8 logger=csv progress_bar=false""".split()
 VOCAB = ["tokenizer.vocab_size=512"]  # not on shards: their own tokenizer is used, another one would be refused
 
 RUN: list[tuple[str, list[str], str]] = [  # in this order, in one folder: (command, appended, why)
@@ -372,24 +348,24 @@ def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
 
 def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
     from xsa_lm.analysis.run import AnalyzeOptions
-    from xsa_lm.checkpoints.load import parse_options
+    from xsa_lm.config.spec import parse
 
-    parse_options(AnalyzeOptions, cfg)
+    parse(AnalyzeOptions, cfg)
 
 
 def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.checkpoints.load import parse_options
+    from xsa_lm.config.spec import parse
     from xsa_lm.eval.run import EvalOptions, require_harness
 
     require_harness()
-    parse_options(EvalOptions, cfg)
+    parse(EvalOptions, cfg)
 
 
 def check_generate(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.checkpoints.load import parse_options
+    from xsa_lm.config.spec import parse
     from xsa_lm.eval.sample import GenerateOptions
 
-    parse_options(GenerateOptions, cfg)
+    parse(GenerateOptions, cfg)
 
 
 def check_export(cfg: DictConfig, overrides: list[str]) -> None:
@@ -412,19 +388,8 @@ def check_bench(cfg: DictConfig, overrides: list[str]) -> None:
         resolve_device(cfg.device)
 
 
-JOB_CHECKS: dict[str, Callable[[DictConfig, list[str]], None]] = {
-    "train": check_train,
-    "sweep": check_sweep,
-    "scale": check_scale,
-    "prepare": check_prepare,
-    "analyze": check_analyze,
-    "eval": check_eval,
-    "generate": check_generate,
-    "export": check_export,
-    "consolidate": lambda cfg, overrides: None,  # its checks are of the checkpoint files it reads
-    "plan": check_plan,
-    "bench": check_bench,
-}
+def check_consolidate(cfg: DictConfig, overrides: list[str]) -> None:
+    """Its checks are of the checkpoint files it reads."""
 
 
 def overrides_of(argv: tuple[str, ...], tmp: Path) -> list[str]:
@@ -485,7 +450,7 @@ def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest
             del cfg["hydra"]  # ${now:...} and the like resolve only inside Hydra
         try:
             check_job(command, choices, OmegaConf.to_container(cfg, resolve=False), None)
-            JOB_CHECKS[command](cfg, run)
+            globals()[f"check_{command}"](cfg, run)
         except (UserError, AssertionError) as e:
             return f"xsa-lm: error: {e}"
     return None

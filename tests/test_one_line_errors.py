@@ -165,13 +165,8 @@ def test_a_folder_that_cannot_be_removed_stays_without_a_traceback(monkeypatch, 
     assert run_dir.is_dir()
 
 
-def test_unknown_command_names_the_closest(monkeypatch, capsys):
-    err = refused_in_process(["trian"], monkeypatch, capsys)
-    (line,) = err.strip().splitlines()
-    assert line.startswith("xsa-lm: error: unknown command 'trian': did you mean 'train'? (commands: train, ")
-
-
 TYPOS = {  # a key the command's config lacks (Hydra's hint, to add it with `+`, would have it ignored)
+    "unknown command": (["trian"], "unknown command 'trian': did you mean 'train'? (commands: train, "),
     "generate temprature": (["generate", "ckpt=x", "temprature=0"], "generate has no key temprature: did you mean"),
     "eval lmit": (["eval", "ckpts=[x]", "lmit=3"], "eval has no key lmit: did you mean limit?"),
     "plan model.n_layr": (["plan", "model.n_layr=2"], "plan has no key model.n_layr: did you mean model.n_layer?"),
@@ -275,12 +270,8 @@ def test_a_refused_job_leaves_no_log_file_handler_into_its_removed_folder(tmp_pa
     args = ["train", *FAST, "attention=xsa", "attention.layers=[]", f"hydra.run.dir={run_dir}"]  # refused in the job
     refused_in_process(args, monkeypatch, capsys)
     assert not run_dir.exists()
-    into_it = [
-        h
-        for h in logging.getLogger().handlers
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir
-    ]
-    assert not into_it
+    files = [Path(h.baseFilename) for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    assert run_dir not in [file.parent for file in files]
     logging.getLogger("xsa_lm.train").warning("a line after the refusal")  # raised FileNotFoundError before
 
 

@@ -110,11 +110,8 @@ def test_the_token_study_under_results_is_read() -> None:
     saved = json.loads(path.read_text())
     study = TokenStudyResult.read(path)
     assert [s.model for s in study.sizes] == [s["model"] for s in saved["sizes"]] and study.cells == saved["cells"]
-    runs = study.sizes[0].runs
-    assert (
-        runs is not None
-        and runs["sa"]["1"][0].final_val_loss == saved["sizes"][0]["runs"]["sa"]["1"][0]["final_val_loss"]
-    )
+    loss = (study.sizes[0].runs or {})["sa"]["1"][0].final_val_loss
+    assert loss == saved["sizes"][0]["runs"]["sa"]["1"][0]["final_val_loss"]
 
 
 def test_a_size_of_the_study_is_read_from_its_sweep_and_a_run_summary(tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
 from xsa_lm.checkpoints.atomic import FolderCheckpoint
 from xsa_lm.config.resume import continuation_config
-from xsa_lm.config.spec import plain_dict
 from xsa_lm.errors import UserError
 from xsa_lm.locking import hold_directory
 from xsa_lm.train.schedule import warmup_cosine
@@ -57,9 +56,14 @@ def xsa_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
 @pytest.mark.long  # make test resumes exactly after kill -9 and SIGTERM (test_reliability.py)
 def test_the_readme_resume_line_continues_xsa_exactly(xsa_run: Path, data_cache: Path, tmp_path: Path):
     """`xsa-lm train hydra.run.dir=runs/xsa resume=auto trainer.max_steps=N`, nothing else on the command line:
-    the saved config decides (XSA, its LR, batch, vocabulary), and the schedule keeps its saved length."""
+    the saved config decides (XSA, its LR, batch, vocabulary), the schedule keeps its saved length and the data
+    continues where the checkpoint's sampler stopped: the same losses as one straight run."""
     run_dir = tmp_path / "run"
     subprocess.run(["cp", "-r", str(xsa_run), str(run_dir)], check=True)
+    sampler = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["TokenDataModule"]
+    assert sampler["global_micro_batches"] == 40 and sampler["seed"] == 0  # 20 steps x 2 accumulated micro-batches
+    data_dir = Path(json.loads((run_dir / "run_info.json").read_text())["data_dir"])  # and the tokenizer's identity
+    assert sampler["tokenizer_sha256"] == json.loads((data_dir / "meta.json").read_text())["tokenizer"]["sha256"]
     out = run_cli(["train", f"hydra.run.dir={run_dir}", "resume=auto", "trainer.max_steps=40"], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     first = out.stdout.splitlines()[0]
@@ -394,7 +398,7 @@ def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Pat
     OmegaConf.save(saved, tmp_path / "config.yaml")
     defaults = OmegaConf.merge(saved, {"attention": {"name": "sa"}, "optim": {"lr": 1e-3}})
     given = OmegaConf.merge(defaults, {"resume": "auto", "trainer": {"max_steps": 200}, "val_every_steps": 20})
-    given, defaults = plain_dict(given), plain_dict(defaults)
+    given, defaults = OmegaConf.to_container(given), OmegaConf.to_container(defaults)
     config, notes = continuation_config(given, defaults, ["resume=auto", "trainer.max_steps=200"], tmp_path)
     assert config["attention"]["name"] == "xsa" and config["optim"]["lr"] == 1e-2 and config["resume"] == "auto"
     assert config["trainer"]["max_steps"] == 200 and config["val_every_steps"] == 20
@@ -443,43 +447,35 @@ def test_the_default_run_directory_is_made_once(data_cache: Path, tmp_path: Path
     assert json.loads((folders[0] / "summary.json").read_text())["peak_lr"] == pytest.approx(3e-3)
 
 
-@pytest.mark.parametrize(
-    ("command", "mark", "expected"),
-    [
-        ("train", "sweep.json", "holds an `xsa-lm sweep` (sweep.json): xsa-lm train would overwrite its files"),
-        ("train", "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm train"),
-        ("sweep", "summary.json", "holds a training run (summary.json): xsa-lm sweep"),
-        ("scale", "checkpoints/", "holds a training run (checkpoints/): xsa-lm scale"),
-        ("sweep", "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm sweep"),
-        ("train", "eval.json", "holds an `xsa-lm eval` (eval.json): xsa-lm train"),
-        ("sweep", "results.json", "holds a study's results (results.json) without the sweep.json or scale.json"),
-        ("scale", "results.json", "holds a study's results (results.json) without the sweep.json or scale.json"),
-    ],
-)
-def test_a_command_never_writes_into_another_commands_folder(command, mark, expected, monkeypatch, capsys, tmp_path):
-    """Refused before Hydra runs (Hydra would write its own files there first): nothing in the folder changes."""
+ANALYZE = ["ckpts=[a.ckpt]"]
+FOLDERS = [  # (command, its arguments, what the folder holds) -> the line after `hydra.run.dir=<folder> `
+    ("train", FAST, "sweep.json", "holds an `xsa-lm sweep` (sweep.json): xsa-lm train would overwrite its files"),
+    ("train", FAST, "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm train"),
+    ("sweep", FAST, "summary.json", "holds a training run (summary.json): xsa-lm sweep"),
+    ("scale", FAST, "checkpoints/", "holds a training run (checkpoints/): xsa-lm scale"),
+    ("sweep", FAST, "scale.json", "holds an `xsa-lm scale` study (scale.json): xsa-lm sweep"),
+    ("train", FAST, "eval.json", "holds an `xsa-lm eval` (eval.json): xsa-lm train"),
+    ("sweep", FAST, "results.json", "holds a study's results (results.json) without the sweep.json or scale.json"),
+    ("scale", FAST, "results.json", "holds a study's results (results.json) without the sweep.json or scale.json"),
+    ("analyze", ANALYZE, "diagnostics.csv", "holds the results of an earlier xsa-lm analyze (diagnostics.csv): it"),
+    ("eval", ANALYZE, "eval.json", "holds the results of an earlier xsa-lm eval (eval.json): it would overwrite them"),
+]
+
+
+@pytest.mark.parametrize(("command", "args", "mark", "expected"), FOLDERS)
+def test_a_command_never_writes_into_another_commands_folder(
+    command, args, mark, expected, monkeypatch, capsys, tmp_path
+):
+    """Nor over its own earlier results where it does not resume. Refused before Hydra runs (Hydra would write its
+    own files there first): nothing in the folder changes."""
     folder = tmp_path / "theirs"
     (folder / mark).parent.mkdir(parents=True, exist_ok=True)
     (folder / "checkpoints").mkdir() if mark.endswith("/") else (folder / mark).write_text("{}")
-    (folder / "config.yaml").write_text("theirs: true\n")
     before = snapshot(folder), sorted(p.name for p in folder.iterdir())
-    err = refused_in_process([command, *FAST, f"hydra.run.dir={folder}"], monkeypatch, capsys)
+    err = refused_in_process([command, *args, f"hydra.run.dir={folder}"], monkeypatch, capsys)
     assert err.startswith(f"xsa-lm: error: hydra.run.dir={folder} {expected}") and err.count("\n") == 1, err
     assert err.endswith("; choose a new hydra.run.dir\n")
     assert (snapshot(folder), sorted(p.name for p in folder.iterdir())) == before
-
-
-@pytest.mark.parametrize(("command", "mark"), [("analyze", "diagnostics.csv"), ("eval", "eval.json")])
-def test_a_command_that_does_not_resume_never_overwrites_its_earlier_results(
-    command, mark, monkeypatch, capsys, tmp_path
-):
-    folder = tmp_path / "earlier"
-    folder.mkdir()
-    (folder / mark).write_text("{}")
-    err = refused_in_process([command, "ckpts=[a.ckpt]", f"hydra.run.dir={folder}"], monkeypatch, capsys)
-    expected = f"holds the results of an earlier xsa-lm {command} ({mark}): it would overwrite them; choose a new"
-    assert err.startswith(f"xsa-lm: error: hydra.run.dir={folder} {expected}") and err.count("\n") == 1, err
-    assert sorted(p.name for p in folder.iterdir()) == [mark] and (folder / mark).read_text() == "{}"
 
 
 @pytest.mark.parametrize("command", ["train", "sweep", "analyze"])
@@ -487,7 +483,7 @@ def test_no_command_writes_inside_a_training_runs_folder(command, monkeypatch, c
     run = tmp_path / "a"
     (run / "checkpoints").mkdir(parents=True)
     (run / "run_info.json").write_text("{}")
-    args = [*FAST] if command != "analyze" else ["ckpts=[a.ckpt]"]
+    args = [*FAST] if command != "analyze" else ANALYZE
     err = refused_in_process([command, *args, f"hydra.run.dir={run / 'checkpoints'}"], monkeypatch, capsys)
     expected = f"hydra.run.dir={run / 'checkpoints'} is inside the training run {run} (run_info.json): choose a"
     assert err.startswith(f"xsa-lm: error: {expected}") and err.count("\n") == 1, err
@@ -542,21 +538,27 @@ def test_resume_auto_in_the_default_folder_is_refused_naming_the_newest_run(
         f"hydra.run.dir={runs / '2026-01-02_00-00-00_tiny_xsa'}",
     )
     assert sorted(p.name for p in runs.iterdir()) == ["2026-01-01_00-00-00_tiny_sa", "2026-01-02_00-00-00_tiny_xsa"]
-    new_run = ["train", *FAST, "resume=auto", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'new'}"]
-    started = run_cli(new_run, data_cache, tmp_path)
-    assert started.returncode == 0 and "holds no run yet: starting a new run from scratch" in started.stdout
 
 
 def test_resume_auto_writes_a_damaged_summary_of_a_completed_run_again(data_cache: Path, tmp_path: Path) -> None:
     """A completed run whose summary.json was cut short (a full disk, a partial copy) was refused by every resume
     with "run the command that wrote it again": resume=auto writes it again from the last checkpoint. The same
-    command again is no change of config, though its warmup (5) was clipped to the 2 steps of the schedule."""
-    args = ["train", *FAST, "trainer.max_steps=2", "val_every_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
-    assert run_cli(args, data_cache, tmp_path).returncode == 0
+    command again is no change of config, though its warmup (5) was clipped to the 2 steps of the schedule. Its
+    first time, resume=auto in a new folder started the run from scratch."""
+    args = [
+        "train",
+        *FAST,
+        "trainer.max_steps=2",
+        "val_every_steps=2",
+        "resume=auto",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    started = run_cli(args, data_cache, tmp_path)
+    assert started.returncode == 0 and "holds no run yet: starting a new run from scratch" in started.stdout
     summary = tmp_path / "run" / "summary.json"
     whole = json.loads(summary.read_text())
     summary.write_text(summary.read_text()[:100])
-    again = run_cli([*args, "resume=auto"], data_cache, tmp_path)  # the same command, as a sweep retries a trial
+    again = run_cli(args, data_cache, tmp_path)  # the same command, as a sweep retries a trial
     assert again.returncode == 0, again.stderr[-2000:]
     rewritten = json.loads(summary.read_text())
     assert (rewritten["status"], rewritten["steps"]) == ("completed", 2)

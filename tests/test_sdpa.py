@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import FAST, compose_train
-from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse, plain_dict
+from tests.helpers import FAST, compose_train, train_from
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.callbacks import AttentionKernels
@@ -111,16 +111,13 @@ def test_a_bad_name_is_refused_in_one_line(value: str, expected: str):
 @pytest.mark.slow
 def test_a_run_records_and_runs_its_kernel(data_cache: Path, tmp_path: Path, monkeypatch, caplog):
     """sdpa_backends=[math]: run_info.json and the header say math, and the profiled training step ran math's ops."""
-    from xsa_lm.train.run import train
-
     monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "train"])
     run_dir = tmp_path / "run"
     steps = ["trainer.max_steps=2", "val_every_steps=2", "profile.start_step=1", "profile.steps=1"]
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="xsa_lm"):
         warnings.simplefilter("ignore")
-        cfg = compose_train([*FAST, *steps, "sdpa_backends=[math]"])
-        train(parse(TrainSpec, cfg), plain_dict(cfg), run_dir)
+        train_from(compose_train([*FAST, *steps, "sdpa_backends=[math]"]), run_dir)
     assert json.loads((run_dir / "run_info.json").read_text())["sdpa"] == {"order": ["math"], "used": "math"}
     assert "attention kernel math (sdpa_backends: math)" in caplog.text
     trace = next((run_dir / "profile").glob("*.json")).read_text()

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import FAST, run_cli, train_losses
 from xsa_lm.config import command_line
@@ -14,81 +13,49 @@ from xsa_lm.config import command_line
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("attention", ["sa", "xsa"])
-def test_train_runs_and_loss_falls(attention: str, data_cache: Path, tmp_path: Path):
-    run_dir = tmp_path / "run"
+def test_a_multirun_trains_both_attention_types_and_their_loss_falls(data_cache: Path, tmp_path: Path):
+    """Both attention types in one --multirun; the progress bar counts optimizer steps (2 micro-batches per step:
+    Lightning's own bar would read 80/40)."""
+    sweep, fast = tmp_path / "multi", [a for a in FAST if a != "progress_bar=false"]
     out = run_cli(
-        ["train", *FAST, f"attention={attention}", "seed=1", f"hydra.run.dir={run_dir}"], data_cache, tmp_path
+        ["train", "--multirun", *fast, "attention=sa,xsa", "seed=1", f"hydra.sweep.dir={sweep}"], data_cache, tmp_path
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["attention"] == attention
-    assert summary["lr"] == 3e-3 and summary["seed"] == 1 and summary["steps"] == 40
-    assert summary["peak_lr"] == pytest.approx(3e-3) and summary["precision"] == "32-true"  # what it trained with
-    assert summary["tokens_seen"] == 40 * 1024
-    train_tokens = int(re.search(r"([\d,]+) train / ", out.stdout).group(1).replace(",", ""))  # the header's count
-    assert summary["data_epochs"] == pytest.approx(40 * 1024 / train_tokens) and "epochs) |" in out.stdout
-    assert summary["final_val_loss"] == summary["val_history"][-1]["val_loss"]
-    assert [h["step"] for h in summary["val_history"]] == [20, 40]
-    assert summary["final_val_loss"] < summary["val_history"][0]["val_loss"] < 6.2  # log(512) = 6.24
-    # 8 equal spans of the 64 positions, every window full: their mean is the loss; bits per byte beside nats
-    spans = summary["final_val_loss_by_position"]
-    assert len(spans) == 8 and sum(spans) / 8 == pytest.approx(summary["final_val_loss"], rel=1e-6)
-    assert 0 < summary["final_val_bpb"] == summary["val_history"][-1]["val_bpb"]
-    losses = train_losses(run_dir)
-    assert len(losses) == 40
-    first, last = [losses[s] for s in sorted(losses)[:5]], [losses[s] for s in sorted(losses)[-5:]]
-    assert sum(last) / 5 < sum(first) / 5 - 0.5
-    header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    train_keys = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s"}
-    assert train_keys | {"val/loss", "val/ppl", "val/bpb"} <= set(header)
-    info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["versions"]["torch"] and info["versions"]["lightning"] and info["hardware"]["cpu_count"]
-    assert "commit" in info["git"]
-    assert info["command"][1] == "train" and info["command"][-1] == f"hydra.run.dir={run_dir}"  # as typed
-    config = (run_dir / "config.yaml").read_text()
-    assert f"name: {attention}" in config and "lr: 0.003" in config
-    assert (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "checkpoints" / "best.ckpt").exists()
-    assert "non-embedding parameters" in out.stdout and "final val loss" in out.stdout
-    log = (run_dir / "train.log").read_text()  # the run's own lines, with times
-    assert "xsa-lm train |" in log and f"COMPLETED: {attention}" in log
+    assert re.search(r"step\b.* 40/40 ", out.stdout) and "tokens/s" in out.stdout, out.stdout[-3000:]
+    assert "80/40" not in out.stdout and "Epoch" not in out.stdout + out.stderr
     assert "litlogger" not in out.stderr and "LeafSpec" not in out.stderr  # noise with nothing for the user
-
-
-def test_progress_counts_optimizer_steps(data_cache: Path, tmp_path: Path):
-    """2 micro-batches per step: Lightning's own bar would read 20/10."""
-    args = [a for a in FAST if a != "progress_bar=false"]
-    out = run_cli(
-        ["train", *args, "trainer.max_steps=10", "val_every_steps=10", f"hydra.run.dir={tmp_path / 'run'}"],
-        data_cache,
-        tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert re.search(r"step\b.* 10/10 ", out.stdout) and "tokens/s" in out.stdout, out.stdout
-    assert "20/10" not in out.stdout and "Epoch" not in out.stdout + out.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.long  # make test resumes exactly after kill -9 and SIGTERM (test_reliability.py)
-def test_resume_continues_exactly(data_cache: Path, tmp_path: Path):
-    """Stop at step 20 of a 40-step schedule, resume with one override: same losses as one straight run."""
-    common = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run_cli([*common, f"hydra.run.dir={straight}"], data_cache, tmp_path).returncode == 0
-    first = run_cli([*common, "trainer.max_steps=20", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert json.loads((resumed / "summary.json").read_text())["steps"] == 20
-    checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    sampler = checkpoint["TokenDataModule"]  # the sampler position travels in the checkpoint
-    assert sampler["global_micro_batches"] == 40 and sampler["seed"] == 0  # 20 steps x 2 accumulated micro-batches
-    data_dir = Path(json.loads((resumed / "run_info.json").read_text())["data_dir"])  # and the tokenizer's identity
-    assert sampler["tokenizer_sha256"] == json.loads((data_dir / "meta.json").read_text())["tokenizer"]["sha256"]
-    again = run_cli([*common, "resume=auto", f"hydra.run.dir={resumed}"], data_cache, tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads((resumed / "summary.json").read_text())["steps"] == 40
-    a, b = train_losses(straight), train_losses(resumed)
-    assert sorted(b) == sorted(a) == list(range(40))
-    assert [b[s] for s in range(20, 40)] == [a[s] for s in range(20, 40)]  # bit-identical on CPU, fp32
+    runs = {json.loads((p / "summary.json").read_text())["attention"]: p for p in sweep.glob("*/") if p.is_dir()}
+    assert sorted(runs) == ["sa", "xsa"]
+    for attention, run_dir in runs.items():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["lr"] == 3e-3 and summary["seed"] == 1
+        assert summary["steps"] == 40 and summary["tokens_seen"] == 40 * 1024
+        assert summary["peak_lr"] == pytest.approx(3e-3) and summary["precision"] == "32-true"  # what it trained with
+        train_tokens = int(re.search(r"([\d,]+) train / ", out.stdout).group(1).replace(",", ""))  # the header's
+        assert summary["data_epochs"] == pytest.approx(40 * 1024 / train_tokens) and "epochs) |" in out.stdout
+        assert summary["final_val_loss"] == summary["val_history"][-1]["val_loss"]
+        assert [h["step"] for h in summary["val_history"]] == [20, 40]
+        assert summary["final_val_loss"] < summary["val_history"][0]["val_loss"] < 6.2  # log(512) = 6.24
+        # 8 equal spans of the 64 positions, every window full: their mean is the loss; bits per byte beside nats
+        spans = summary["final_val_loss_by_position"]
+        assert len(spans) == 8 and sum(spans) / 8 == pytest.approx(summary["final_val_loss"], rel=1e-6)
+        assert 0 < summary["final_val_bpb"] == summary["val_history"][-1]["val_bpb"]
+        losses = train_losses(run_dir)
+        first, last = [losses[s] for s in sorted(losses)[:5]], [losses[s] for s in sorted(losses)[-5:]]
+        assert len(losses) == 40 and sum(last) / 5 < sum(first) / 5 - 0.5
+        header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+        train_keys = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s"}
+        assert train_keys | {"val/loss", "val/ppl", "val/bpb"} <= set(header)
+        info = json.loads((run_dir / "run_info.json").read_text())
+        assert info["versions"]["torch"] and info["versions"]["lightning"] and info["hardware"]["cpu_count"]
+        assert "commit" in info["git"]
+        assert info["command"][1] == "train" and info["command"][-1] == f"hydra.sweep.dir={sweep}"  # as typed
+        config = (run_dir / "config.yaml").read_text()
+        assert f"name: {attention}" in config and "lr: 0.003" in config
+        assert (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "checkpoints" / "best.ckpt").exists()
+        log = (run_dir / "train.log").read_text()  # the run's own lines, with times
+        assert "xsa-lm train |" in log and "non-embedding parameters" in log and f"COMPLETED: {attention}" in log
+        assert "final val loss" in log
 
 
 @pytest.mark.long
@@ -104,26 +71,6 @@ def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
     module = run_cli(args, data_cache, tmp_path, module="xsa_lm.train")
     assert module.returncode == 0 and module.stdout == run_cli(["train", *args], data_cache, tmp_path).stdout
     assert not (tmp_path / "outputs").exists()  # printing the config or the help writes no run folder
-
-
-def test_multirun_trains_both_attention_types(data_cache: Path, tmp_path: Path):
-    sweep = tmp_path / "multi"
-    out = run_cli(
-        [
-            "train",
-            "--multirun",
-            *FAST,
-            "trainer.max_steps=10",
-            "val_every_steps=10",
-            "attention=sa,xsa",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        data_cache,
-        tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    summaries = sorted(json.loads(p.read_text())["attention"] for p in sweep.glob("*/summary.json"))
-    assert summaries == ["sa", "xsa"]
 
 
 def test_full_command_line_is_the_one_exported_for_this_process(monkeypatch: pytest.MonkeyPatch):
@@ -146,8 +93,8 @@ def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
         "val_every_steps=5",
         "trainer.devices=2",
         "trainer.strategy=ddp",
-        f"hydra.run.dir={run_dir}",
     ]
+    args.append(f"hydra.run.dir={run_dir}")
     out = run_cli(["train", *args], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -1,11 +1,8 @@
-"""How a command ends on an error: always one line on stderr, never a traceback.
+"""How a command ends on an error: one line on stderr, never a traceback (HYDRA_FULL_ERROR=1: Hydra's full report).
 
-- A UserError (a mistake in the configuration or the inputs, a full disk) is one actionable line, exit code 2.
-- Any other exception (a bug, or a failure nobody foresaw) is one line naming it and the file it concerns, exit code
-  1; its full traceback is saved for a bug report (<run dir>/error.log, else a temporary file). HYDRA_FULL_ERROR=1
-  lets it through instead, to Hydra's full report.
-
-Every command's Hydra job runs inside `one_line_errors` (cli.py too, around what runs before the job).
+A UserError (a mistake in the config or the inputs, a full disk) is one actionable line, exit code 2; any other
+exception one line naming it and its file, exit code 1, its traceback saved (<run dir>/error.log, else a temporary
+file). Every command's job runs inside `one_line_errors` (cli.py too, around what runs before the job).
 """
 
 import contextlib
@@ -181,15 +178,18 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
+FIXES = {  # what fixes a failed write, by its errno
+    errno.ENOSPC: "free space (or choose a folder on another disk)",
+    errno.EDQUOT: "free space (or choose a folder on another disk)",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    **dict.fromkeys(
+        (errno.EACCES, errno.EPERM, errno.EROFS), "fix the folder's permissions (or choose another folder)"
+    ),
+}
+
+
 def what_to_do(error: OSError) -> str:
-    """What fixes a failed write, by its errno."""
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "free space (or choose a folder on another disk)"
-    if error.errno == errno.EFBIG:
-        return "raise the file-size limit (ulimit -f)"
-    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "fix the folder's permissions (or choose another folder)"
-    return "fix the cause"
+    return FIXES.get(error.errno or 0, "fix the cause")
 
 
 def remove_empty_run_dir() -> None:
@@ -201,26 +201,21 @@ def remove_empty_run_dir() -> None:
     # A folder that cannot be read or removed (its parent cannot be written either) stays: the line was said.
     with contextlib.suppress(OSError):
         if run_dir.stat().st_ctime >= STARTED[0] and not any(run_dir.iterdir()):
-            if here in run_dir.resolve().parents:  # its empty parents too, up to the current directory
-                os.removedirs(os.path.relpath(run_dir.resolve(), here))
-            else:
-                run_dir.rmdir()
+            remove_with_empty_parents(run_dir, here)
             drop_log_files_in(run_dir)
-    if job_named():
-        remove_empty_sweep_dir(run_dir.parent)
-
-
-def remove_empty_sweep_dir(sweep_dir: Path) -> None:
-    """A --multirun whose first job is refused leaves no folder either: Hydra wrote multirun.yaml into its sweep
-    directory before the job started."""
-    here = Path.cwd().resolve()
-    with contextlib.suppress(OSError):  # one that cannot be read or removed stays
-        if sweep_dir.stat().st_ctime >= STARTED[0] and [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]:
+        # A --multirun whose first job is refused: Hydra wrote multirun.yaml into its sweep folder before the job.
+        sweep_dir = run_dir.parent
+        if job_named() and sweep_dir.stat().st_ctime >= STARTED[0] and os.listdir(sweep_dir) == ["multirun.yaml"]:
             (sweep_dir / "multirun.yaml").unlink()
-            if here in sweep_dir.resolve().parents:  # outputs/multirun/<time>: its empty parents too
-                os.removedirs(os.path.relpath(sweep_dir.resolve(), here))
-            else:
-                sweep_dir.rmdir()
+            remove_with_empty_parents(sweep_dir, here)
+
+
+def remove_with_empty_parents(folder: Path, here: Path) -> None:
+    """An empty folder, and its empty parents up to the current directory (outputs/<command>/<time>)."""
+    if here in folder.resolve().parents:
+        os.removedirs(os.path.relpath(folder.resolve(), here))
+    else:
+        folder.rmdir()
 
 
 def drop_log_files_in(folder: Path) -> None:

@@ -1,9 +1,6 @@
-"""The JSON files one layer writes and another reads (summary.json, a trial's record, a sweep's or a study's
-results.json), each a frozen dataclass deriving from Record: to_json() gives what the file holds, from_json() reads
-it back, both by pydantic (types checked and converted: nested records, tuples, paths).
-
-A file record carries a `schema` version (its last field, `schema: int = 1`; a record nested in another has none): a
-file of another version, or one that lacks a key without a default, is refused in one line naming the file.
+"""The JSON files one layer writes and another reads (summary.json, a trial's record, results.json): frozen
+dataclasses deriving from Record, to_json() and from_json() by pydantic. A file record's last field is its `schema`
+version: a file of another version, or one that lacks a key without a default, is refused in one line naming it.
 """
 
 import dataclasses

@@ -3,23 +3,9 @@ settings checked against what Lightning will do on this machine."""
 
 from typing import Any
 
-from omegaconf import DictConfig
-
 from xsa_lm.compat import lightning_device_settings
-from xsa_lm.config.spec import (
-    VOCAB_MULTIPLE,
-    AttentionSpec,
-    ModelSpec,
-    TrainerSpec,
-    TrainSpec,
-    parse,
-    resolve_precision,
-    strategy_kind,
-)
+from xsa_lm.config.spec import TrainerSpec
 from xsa_lm.errors import UserError
-from xsa_lm.model import GPTConfig
-
-__all__ = ["VOCAB_MULTIPLE", "resolve_precision", "strategy_kind"]  # read by train/plan.py until it takes the spec
 
 
 def build(node: Any, **kwargs: Any) -> Any:
@@ -36,21 +22,6 @@ def build(node: Any, **kwargs: Any) -> Any:
         if cause is not None:
             raise cause from None
         raise
-
-
-# The DictConfig forms that the commands of other areas (plan, bench, sweep, scale) call until they take the spec.
-def world_size(trainer_cfg: DictConfig) -> int:
-    return parse(TrainerSpec, trainer_cfg, at="trainer.").world_size
-
-
-def check_config(cfg: DictConfig) -> dict[str, int]:
-    spec = parse(TrainSpec, cfg)
-    return {"devices": spec.trainer.world_size, "accumulate": spec.accumulate}
-
-
-def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
-    attention = parse(AttentionSpec, cfg.attention, at="attention.")
-    return parse(ModelSpec, cfg.model, at="model.").gpt_config(attention, vocab_size)
 
 
 def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
@@ -76,10 +47,11 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
         try:
             effective = lightning_device_settings(**given)
         except (ValueError, TypeError, RuntimeError, ImportError, MisconfigurationException) as e:
-            reason = " ".join(str(e).split()).rstrip(".")
+            reason, shown = " ".join(str(e).split()).rstrip("."), getattr(trainer, key)
+            if isinstance(shown, dict):  # a strategy node, by its class
+                shown = str(shown.get("_target_", "")).rpartition(".")[2] or shown
             raise UserError(
-                f"trainer.{key}={shown_setting(trainer, key)}: Lightning cannot train so on this machine "
-                f"({reason}); {setting_fix(key)}"
+                f"trainer.{key}={shown}: Lightning cannot train so on this machine ({reason}); {setting_fix(key)}"
             ) from None
     if effective != precision:
         raise UserError(
@@ -87,14 +59,6 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
             f"trainer.accelerator={accelerator}, not {precision}: set trainer.precision={effective} or 32-true"
         )
     return precision
-
-
-def shown_setting(trainer: TrainerSpec, key: str) -> object:
-    """A trainer setting as the user wrote it; a strategy node by its class."""
-    value = getattr(trainer, key)
-    if isinstance(value, dict):
-        return str(value.get("_target_", "")).rpartition(".")[2] or value
-    return value
 
 
 def setting_fix(key: str) -> str:

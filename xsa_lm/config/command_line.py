@@ -16,19 +16,8 @@ from xsa_lm import errors
 from xsa_lm.errors import UserError
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
-HYDRA_FLAGS_WITH_A_VALUE = (
-    "--cfg",
-    "-c",
-    "--package",
-    "-p",
-    "--config-name",
-    "-cn",
-    "--config-dir",
-    "-cd",
-    "--config-path",
-    "-cp",
-    "--experimental-rerun",
-)
+HYDRA_FLAGS_WITH_A_VALUE = "--cfg -c --package -p --config-name -cn --config-dir -cd --config-path -cp".split()
+HYDRA_FLAGS_WITH_A_VALUE.append("--experimental-rerun")
 MULTIRUN_FLAGS = ("--multirun", "-m")
 QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 'key=a value'"
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
@@ -185,13 +174,9 @@ def check_job(command: str, choices: dict[str, str | None], config: dict[str, An
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
                 f"of: {', '.join(group_options(group))}"
             )
-    from xsa_lm.config.spec import flatten
+    from xsa_lm.config.spec import require_values
 
-    missing = [k for k, v in flatten(config).items() if v == "???"]
-    if missing:
-        raise UserError(
-            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
-        )
+    require_values(config)
     elsewhere = another_commands_folder(command, run_dir) if run_dir is not None else None
     if elsewhere:
         raise UserError(elsewhere)

@@ -1,10 +1,8 @@
 """A resume continues the run as it was: its saved config.yaml, not the defaults, decides what is trained.
 
-The command line of a resume may change only what cannot change the model being trained (how long, how often it is
-validated and logged, on how many devices); any other difference is refused, naming each key as `key: saved -> given`.
-The LR schedule keeps its saved length: extending trainer.max_steps continues at the final LR, exactly as a run
-planned with that many steps and the same scheduler.total_steps would; passing scheduler.total_steps recomputes the
-cosine for the new length.
+The command line may change only the keys marked FREE (config/spec.py); any other difference is refused, naming each
+as `key: saved -> given`. The LR schedule keeps its saved length (extending trainer.max_steps continues at the final
+LR); passing scheduler.total_steps recomputes it.
 """
 
 from functools import cache
@@ -12,13 +10,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from xsa_lm.config.command_line import override_key
-from xsa_lm.config.spec import flatten, free_on_resume, plain_dict
+from xsa_lm.config.spec import flatten, free_on_resume
 from xsa_lm.errors import UserError, yaml_problem
 
-Config = dict[str, Any]  # a composed config as plain dicts and lists (plain_dict)
+Config = dict[str, Any]  # a composed config as plain dicts and lists (OmegaConf.to_container)
 
 
 @cache
@@ -44,7 +42,9 @@ def continuation_config(
             )
         return given, []
     try:
-        saved = plain_dict(cast(DictConfig, OmegaConf.load(saved_file)))  # written by xsa-lm train: a mapping
+        saved = cast(
+            Config, OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True)
+        )  # written by xsa-lm train: a mapping
     except yaml.YAMLError as e:
         raise UserError(
             f"resume: {saved_file} is not valid YAML{yaml_problem(e)}: put back the config the run saved"
@@ -73,7 +73,7 @@ def continuation_config(
         OmegaConf.update(merged, key, new, force_add=True)
     merged.resume = given["resume"]
     notes = [f"{k}: {old} -> {new}" for k, (old, new) in changes.items()]
-    config = plain_dict(merged)
+    config = cast(Config, OmegaConf.to_container(merged, resolve=True))
     return config, [*notes, schedule_note(total, config)]
 
 

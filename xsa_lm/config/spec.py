@@ -1,13 +1,9 @@
 """The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
 
-A field owns its type, what it is and its range; its value is the YAML file's (configs/, with the paper:/ours:
-note that says where it comes from), so a key missing from a config is refused, never filled in silently. A rule
-across fields is a model validator; what a run derives (precision, world size, accumulation, strategy kind, the
-settled LR schedule, the run name, the GPTConfig) is computed here once. `parse(TrainSpec, cfg)` turns Hydra's
-composed config into the spec, and every bad value into ONE line naming each key (Hydra types a command-line value
-by its look: `trainer.max_steps=1.5` composes fine).
-A field marked FREE may change on a resume (config/resume.py): how long, how often, where and how fast; never what
-the model sees or how it learns.
+A field owns its type, doc and range; its value is the YAML file's (a missing key is refused, never filled in). Rules
+across fields are model validators; what a run derives is computed here once. `parse` turns any composed config node
+into its model, every bad value into ONE line naming each key (Hydra types a value by its look: `max_steps=1.5`).
+A field marked FREE may change on a resume (config/resume.py): how long, how often, where, how fast.
 """
 
 import math
@@ -18,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic.fields import FieldInfo
 
 from xsa_lm.errors import UserError
 from xsa_lm.model.config import GPTConfig
@@ -71,18 +68,21 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _devices(value: Any) -> str | None:
-    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text."""
+def _devices(value: Any) -> Any:
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text
+    (given as the number or the list)."""
     if isinstance(value, str) and value != "auto":
         parts = [p.strip() for p in value.split(",") if p.strip()]
         if parts and all(p.lstrip("-").isdigit() for p in parts):
             value = [int(p) for p in parts] if "," in value else int(parts[0])
+    indices = value if isinstance(value, list) else []
     if value == "auto" or value == -1 or (_is_int(value) and value >= 1):
-        return None
-    indices = list(value) if isinstance(value, list) else []
+        return value
     if indices and all(_is_int(i) and i >= 0 for i in indices) and len(set(indices)) == len(indices):
-        return None
-    return "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+        return value
+    raise ValueError(
+        "must be a number of devices >= 1, -1 or auto (every device), or a list of distinct device indices"
+    )
 
 
 def _betas(value: Any) -> str | None:
@@ -103,11 +103,6 @@ def _layers(value: Any) -> str | None:
     if value == "all" or _is_int(value) or (isinstance(value, list) and all(_is_int(i) for i in value)):
         return None
     return "must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
-
-
-def _wandb_mode(value: Any) -> str | None:
-    modes = ("auto", "online", "offline", "disabled")
-    return None if value in modes else f"must be {', '.join(modes[:-1])} or {modes[-1]}"
 
 
 def _text_of_number(value: Any) -> Any:
@@ -157,13 +152,14 @@ class ModelSpec(Spec):
         elif architecture["vocab_size"] < vocab_size:
             given = architecture["vocab_size"]
             raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
-        return gpt_config(
-            **architecture,
-            attention=attention.name,
-            xsa_eps=attention.eps,
-            xsa_layers=attention.xsa_layers(self.n_layer),
-            xsa_gate=attention.gate == "tanh",
-        )
+        architecture.update(attention=attention.name, xsa_eps=attention.eps, xsa_gate=attention.gate == "tanh")
+        architecture["xsa_layers"] = attention.xsa_layers(self.n_layer)
+        try:
+            return GPTConfig(**architecture)
+        except ValueError as e:  # GPTConfig's refusal opens with its field: named by its config key
+            name = str(e).split("=")[0].split(" ")[0]
+            key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
+            raise UserError(f"{key}{str(e)[len(name) :]}") from None
 
 
 class AttentionSpec(Spec):
@@ -259,7 +255,7 @@ class TrainerSpec(Spec):
 
     target: str = Field(alias="_target_")
     accelerator: str = Field(description="auto | cpu | gpu", json_schema_extra=FREE)
-    devices: Annotated[int | str | list[int], rule(_devices)] = Field(json_schema_extra=FREE)
+    devices: Annotated[int | Literal["auto"] | list[int], BeforeValidator(_devices)] = Field(json_schema_extra=FREE)
     strategy: str | dict[str, Any] = Field(description="auto | a name | a node", json_schema_extra=FREE)
     num_nodes: Count = Field(json_schema_extra=FREE)
     # auto (ours): bf16-mixed on GPUs with bf16, else 32-true
@@ -287,22 +283,19 @@ class TrainerSpec(Spec):
     @property
     def strategy_kind(self) -> Literal["fsdp", "ddp"]:
         """`fsdp` for a sharding strategy (trainer=fsdp, or a strategy named so), else `ddp` (one device included)."""
-        return strategy_kind(self.strategy)
+        strategy = self.strategy
+        target = str(strategy.get("_target_", "")) if isinstance(strategy, dict) else strategy
+        return "fsdp" if "fsdp" in target.lower() or "ModelParallel" in target else "ddp"
 
     @cached_property
     def world_size(self) -> int:
         """Processes of the run: devices per node (auto/-1: the GPUs of a GPU run; on CPU one) x nodes."""
-        devices = self.devices
-        if devices in ("auto", -1, "-1"):
+        if self.devices in ("auto", -1):
             import torch
 
             on_gpu = self.accelerator in ("auto", "gpu", "cuda")
-            count = (torch.cuda.device_count() if on_gpu else 0) or 1
-        elif isinstance(devices, str):  # "0,1" or "2"
-            count = len(devices.split(",")) if "," in devices else int(devices)
-        else:
-            count = devices if isinstance(devices, int) else len(devices)
-        return count * self.num_nodes
+            return ((torch.cuda.device_count() if on_gpu else 0) or 1) * self.num_nodes
+        return (self.devices if isinstance(self.devices, int) else len(self.devices)) * self.num_nodes
 
     @cached_property
     def resolved_precision(self) -> str:
@@ -322,7 +315,7 @@ class WandbSpec(Spec):
     group: str | None = Field(description="runs of a group compare side by side")
     job_type: str | None = Field(description="e.g. lr-search, compare")
     tags: list[str] = Field(description="beside attention type and model preset")
-    mode: Annotated[str, rule(_wandb_mode)] = Field(description="auto: WANDB_MODE, else by the API key")
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(description="auto: WANDB_MODE, else by the API key")
     init_timeout_s: int = Field(ge=1)
     log_model: bool | Literal["all"] = Field(description="checkpoints as W&B artifacts (all: each save)")
 
@@ -518,22 +511,6 @@ class TrainSpec(Spec):
 ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
 
 
-def gpt_config(**fields: Any) -> GPTConfig:
-    """GPTConfig, its refusal (which opens with its field) as one line naming the config key (model.n_sinks=...)."""
-    try:
-        return GPTConfig(**fields)
-    except ValueError as e:
-        name = str(e).split("=")[0].split(" ")[0]
-        key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
-        raise UserError(f"{key}{str(e)[len(name) :]}") from None
-
-
-def strategy_kind(strategy: object) -> Literal["fsdp", "ddp"]:
-    """`fsdp` for a sharding strategy (a name or a _target_ node), else `ddp` (one device included)."""
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, dict | DictConfig) else str(strategy)
-    return "fsdp" if "fsdp" in target.lower() or "ModelParallel" in target else "ddp"
-
-
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:
     """trainer.precision by Lightning's name for it (`16` is `16-mixed`); `auto` (ours): bf16-mixed on a GPU run
     where the GPU has bf16, else 32-true."""
@@ -567,62 +544,6 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
 
 Error = Mapping[str, Any]  # one of pydantic's errors (type, loc, msg, ctx)
 VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
-
-
-def parse(spec_type: type[S], cfg: DictConfig | dict[str, Any], context: str | None = None, at: str = "") -> S:
-    """The spec of a composed config (the keys of the commands around training, and Hydra's, left aside), or a
-    UserError of one line naming each bad key: `trainer.max_steps=1.5 must be an integer`; `at`: the node's key in
-    the config (e.g. `data.` for a DataSpec)."""
-    if isinstance(cfg, DictConfig) and spec_type is TrainSpec:  # Hydra's node resolves only inside a job
-        cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
-    unresolved = flatten(plain_dict(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
-    missing = [k for k, v in unresolved.items() if v == "???" and k.split(".")[0] not in AROUND_TRAINING]
-    if missing:
-        raise UserError(
-            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
-        )
-    plain = plain_dict(cfg) if isinstance(cfg, DictConfig) else cfg
-    values = {k: v for k, v in plain.items() if k not in AROUND_TRAINING} if spec_type is TrainSpec else plain
-    try:
-        return spec_type.model_validate(values, context=context)
-    except ValidationError as e:
-        raise UserError("; ".join(at + line for line in problems(spec_type, values, e.errors()))) from None
-
-
-def plain_dict(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
-    """A config as plain dicts and lists (what config.yaml, a checkpoint and W&B keep)."""
-    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))  # a DictConfig gives a dict
-
-
-def problems(spec_type: type[BaseModel], values: dict[str, Any], errors: Sequence[Error]) -> list[str]:
-    """Pydantic's errors as `key=value what it takes`, one per key (a union's alternatives joined)."""
-    by_key: dict[str, list[Error]] = {}
-    for error in errors:
-        by_key.setdefault(key_of(spec_type, error["loc"]), []).append(error)
-    return [problem(spec_type, key, errors, values) for key, errors in by_key.items()]
-
-
-def key_of(spec_type: type[BaseModel], loc: tuple[int | str, ...]) -> str:
-    """The config key an error is about: the field names along its location (a union's member tags left out)."""
-    parts: list[str] = []
-    kind: type[BaseModel] | None = spec_type
-    for part in loc:
-        if kind is None:  # inside a field's value: a union's member, a list's item
-            break
-        fields = {info.alias or name: info for name, info in kind.model_fields.items()}
-        parts.append(str(part))
-        if part not in fields:  # a key beyond the fields (extra_forbidden)
-            break
-        kind = nested_model(fields[str(part)].annotation)
-    return ".".join(parts)
-
-
-def nested_model(annotation: Any) -> type[BaseModel] | None:
-    """The model a field holds (alone or `| None`), if any."""
-    kinds = [k for k in (annotation, *get_args(annotation)) if isinstance(k, type) and issubclass(k, BaseModel)]
-    return kinds[0] if kinds else None
-
-
 WANTED = {
     "int_type": "must be an integer",
     "int_from_float": "must be an integer",
@@ -634,61 +555,105 @@ WANTED = {
     "dict_type": "must be a mapping",
     "model_type": "must be a mapping",
 }
+BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
 
 
-def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any]) -> str:
-    first = errors[0]
+def parse(spec_type: type[S], cfg: DictConfig | Mapping[str, Any], context: str | None = None, at: str = "") -> S:
+    """The pydantic model of a config node, or a UserError of one line naming each bad key by its full name (`at`:
+    the node's key with its dot, e.g. `sweep.`): `trainer.max_steps=1.5 must be an integer`. A TrainSpec leaves the
+    keys of the commands around training (and Hydra's) aside."""
+    if isinstance(cfg, DictConfig):
+        if spec_type is TrainSpec:  # Hydra's node resolves only inside a job
+            cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
+        require_values(cast(dict[str, Any], OmegaConf.to_container(cfg)), at)  # `???`, also behind an interpolation
+        cfg = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+    values = {str(k): v for k, v in cfg.items() if spec_type is not TrainSpec or k not in AROUND_TRAINING}
+    require_values(values, at)
+    try:
+        return spec_type.model_validate(values, context=context)
+    except ValidationError as e:
+        by_key: dict[str, list[Error]] = {}
+        for error in e.errors():
+            by_key.setdefault(key_of(error["loc"], values), []).append(error)
+        lines = [problem(spec_type, key, errors, values, at) for key, errors in by_key.items()]
+        raise UserError("; ".join(lines)) from None
+
+
+def require_values(config: dict[str, Any], at: str = "") -> None:
+    """A `???` value left unset is refused, naming each."""
+    missing = [at + k for k, v in flatten(config).items() if v == "???"]
+    if missing:
+        raise UserError(
+            f"missing required value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=..."
+        )
+
+
+def key_of(loc: tuple[int | str, ...], values: dict[str, Any]) -> str:
+    """The key an error is about: its location's steps into the mappings of `values` (a union member's tag or a
+    list's index is no key)."""
+    parts, node = [], cast(Any, values)
+    for part in loc:
+        if not isinstance(node, dict):
+            break
+        parts.append(str(part))
+        node = node.get(str(part))
+    return ".".join(parts)
+
+
+def nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (alone or `| None`), if any."""
+    kinds = [k for k in (annotation, *get_args(annotation)) if isinstance(k, type) and issubclass(k, BaseModel)]
+    return kinds[0] if kinds else None
+
+
+def fields_at(spec_type: type[BaseModel], node: str) -> dict[str, FieldInfo]:
+    """The fields of the model at `node` (`a.b`; "": the spec's own), by their key."""
+    kind: type[BaseModel] | None = spec_type
+    for part in node.split(".") if node else []:
+        kind = nested_model(fields_at(kind, "")[part].annotation) if kind else None
+    return {info.alias or name: info for name, info in kind.model_fields.items()} if kind else {}
+
+
+def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any], at: str) -> str:
+    """`key=value what it takes`; the alternatives of a union joined; a rule across fields: its own message."""
+    first, (node, _, name) = errors[0], key.rpartition(".")
     if first["type"] == "extra_forbidden":
-        return extra_key(spec_type, key)
+        where = f"{at}{node}".strip(".")
+        where = f"the {where} group" if where in GROUPS else where or "configs/train.yaml"
+        return f"{at}{key}: not an option of {where} (it has {', '.join(fields_at(spec_type, node))})"
     if first["type"] == "missing":
-        return f"{key} is missing from the config: set it"
-    if first["type"] == "value_error" and not key:  # a rule across fields: its message names the keys
+        return f"{at}{key} is missing from the config: set it"
+    if first["type"] == "value_error" and not key:
         return str(first["ctx"]["error"])
     value: Any = values
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     words = [w.strip("'") for e in errors if e["type"] == "literal_error" for w in e["ctx"]["expected"].split(", ")]
     words = [w for word in words for w in word.replace("' or '", "|").split("|")]
-    said = [what(e) for e in errors if e["type"] != "literal_error"]
-    said = list(dict.fromkeys(said))
+    said = list(dict.fromkeys(what(e) for e in errors if e["type"] != "literal_error"))
+    field = fields_at(spec_type, node).get(name)
     if first["type"] == "value_error":
         text = said[0]
     elif said == [WANTED["bool_type"]] and words:  # a switch with words of its own (compile: auto)
         text = f"must be true, false or {', '.join(words)}"
     elif said:
         text = " or ".join(said) + (f" or {', '.join(words)}" if words else "")
+        nullable = field is not None and type(None) in get_args(field.annotation)
+        text += " or null" if nullable and first["type"] in WANTED else ""
     else:
         text = f"must be one of {', '.join(words)}"
-    shown = "null" if value is None else value
-    return f"{key}={shown} {text}" if first["type"] != "value_error" or not text.startswith(key) else text
+    if first["type"] == "value_error" and text.startswith(key):
+        return text
+    return f"{at}{key}={'null' if value is None else value} {text}"
 
 
 def what(error: Error) -> str:
     """What one pydantic error says the value must be."""
     kind, ctx = error["type"], error.get("ctx", {})
-    if kind in WANTED:
-        return WANTED[kind]
     if kind == "value_error":
         return str(ctx["error"])
-    bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-    if kind in bound:
+    if kind in BOUNDS:
         limit = next(iter(ctx.values()))
-        return f"must be {bound[kind]} {limit:g}" if isinstance(limit, float) else f"must be {bound[kind]} {limit}"
-    return str(error["msg"])
-
-
-def extra_key(spec_type: type[BaseModel], key: str) -> str:
-    """`key: not an option of ...`, naming the keys the node has."""
-    node, _, _ = key.rpartition(".")
-    kind: type[BaseModel] | None = spec_type
-    for part in node.split(".") if node else []:
-        kind = nested_model(kind.model_fields[part].annotation) if kind else None
-    assert kind is not None  # extra_forbidden comes from a model
-    where = (
-        f"the {node} group" if node in GROUPS else node or ("configs/train.yaml" if spec_type is TrainSpec else "it")
-    )
-    known = ", ".join(info.alias or name for name, info in kind.model_fields.items())
-    return f"{key}: not an option of {where} (it has {known})"
-
-
-GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
+        return f"must be {BOUNDS[kind]} {limit:g}" if isinstance(limit, float) else f"must be {BOUNDS[kind]} {limit}"
+    return WANTED.get(kind, str(error["msg"]))

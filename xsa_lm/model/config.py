@@ -28,7 +28,7 @@ class GPTConfig:
             raise ValueError(f"attention must be 'sa' or 'xsa', got {self.attention!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        # Each refusal opens with its field: config/spec.py gpt_config names the config key by it.
+        # Each refusal opens with its field: config/spec.py ModelSpec.gpt_config names the config key by it.
         positive = ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size", "mlp_ratio", "rope_base")
         for name in (*positive, "init_std", "xsa_eps"):
             if not getattr(self, name) > 0:

@@ -1,12 +1,7 @@
-"""Checks that a multi-process run makes once its processes have joined, before the first step, on every rank.
-
-- The number of processes is the one the gradient accumulation was sized for: `sbatch` without `srun` starts one
-  process where trainer.devices=8 planned eight, and the global batch would silently shrink 8x.
-- Every rank sees the checkpoint directory rank 0 writes into: on a node-local checkpoints/ the other nodes would
-  resume from scratch, or not find the checkpoint they are to read.
-- Every rank resumes from the checkpoint rank 0 chose (each would otherwise pick its own from what it sees).
-
-Each refusal is one line on every rank and a non-zero exit (UserError), not a hang.
+"""Checks a multi-process run makes on every rank once its processes have joined, each refusal one line (no hang):
+the number of processes is the one the gradient accumulation was sized for (`sbatch` without `srun` starts one where
+trainer.devices=8 planned eight); every rank sees the checkpoint directory rank 0 writes (not a node-local disk);
+every rank resumes from the checkpoint rank 0 chose.
 """
 
 import secrets

@@ -1,8 +1,8 @@
 """Which device this process trains on, decided before anything touches CUDA.
 
-The first CUDA call of a process (free memory, the device's name, bf16 support) opens a context on the current
-device, GPU 0 unless told otherwise. Lightning sets each rank's device only once the Trainer starts, so every rank
-would open a context on GPU 0 (about 0.5 GiB each) and measure GPU 0's free memory: the run sets it first instead.
+The first CUDA call of a process opens a context on the current device, GPU 0 unless told otherwise. Lightning sets
+each rank's device only once the Trainer starts, so every rank would open a context on GPU 0 (about 0.5 GiB each)
+and measure GPU 0's free memory: the run sets it first instead.
 """
 
 import os
@@ -19,25 +19,20 @@ def uses_cuda(accelerator: str) -> bool:
 
 
 def set_device(*, accelerator: str, devices: int | str | Sequence[int]) -> None:
-    """Make this rank's GPU the current device before the first CUDA call; nothing on a CPU run. This rank: its
-    index among the ranks of its node, from Lightning's launcher or torchrun (LOCAL_RANK) or SLURM's srun
-    (SLURM_LOCALID), 0 for the first (or only) process; its GPU: the rank-th of an explicit list (trainer.devices=[2,3]
-    or "2,3"), else the rank-th. A rank without a visible GPU of that index (one GPU per task under srun) is left to
-    Lightning, whose device check names the mismatch."""
+    """Make this rank's GPU current (nothing on a CPU run). The rank: its index on its node (LOCAL_RANK from
+    Lightning or torchrun, SLURM_LOCALID from srun, else 0); its GPU: the rank-th of a list (trainer.devices=[2,3]),
+    else the rank-th. One that is not visible (one GPU per task under srun) is left to Lightning's device check."""
     if not uses_cuda(accelerator):
         return
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    if isinstance(devices, str) and "," in devices:
-        devices = [int(d) for d in devices.split(",") if d.strip()]
     index = int(devices[rank]) if isinstance(devices, Sequence) and not isinstance(devices, str) else rank
     if index < torch.cuda.device_count():
         torch.cuda.set_device(index)
 
 
 def loader_workers(num_workers: int | str, *, accelerator: str, ranks_per_node: int) -> int:
-    """data.num_workers: a number, or `auto`: none on CPU (reading memory-mapped shards costs less than the worker
-    processes), and on GPU one or more, up to LOADER_WORKERS_PER_RANK, within the CPUs this process may use shared
-    by the node's ranks, so that loading the next batch overlaps the step."""
+    """data.num_workers, or `auto`: none on CPU (reading memory-mapped shards costs less than worker processes); on
+    GPU 1 to LOADER_WORKERS_PER_RANK, within this process's CPUs shared by the node's ranks."""
     if num_workers != "auto":
         return int(num_workers)
     if not uses_cuda(accelerator):
@@ -51,6 +46,5 @@ def usable_cpus() -> int:
 
 
 def compile_enabled(compile: bool | str, *, accelerator: str) -> bool:
-    """compile: true, false, or `auto`: on for CUDA runs, off on CPU (there the first compile takes longer than a
-    short run's steps save)."""
+    """compile=auto: on for CUDA runs, off on CPU (there the first compile takes longer than a short run saves)."""
     return uses_cuda(accelerator) if compile == "auto" else bool(compile)

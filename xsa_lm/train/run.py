@@ -6,6 +6,7 @@ checkpoints/, wandb/ and summary.json.
 
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -29,13 +30,13 @@ from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch, sett
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import build, check_trainer
-from xsa_lm.config.command_line import full_command_line
+from xsa_lm.config.command_line import full_command_line, override_key
 from xsa_lm.config.resume import Config, continuation_config, edited_since, with_hand_edits
-from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse
 from xsa_lm.data.datamodule import TokenDataModule
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import token_byte_lengths
-from xsa_lm.errors import UserError, WriteError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, WriteError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.model import GPTConfig
@@ -79,18 +80,6 @@ def check_memory(spec: TrainSpec) -> None:
             f"this run needs about {memory.describe(need)}{per}, but {have / memory.GIB:.1f} GiB is {where}: lower "
             "micro_batch_size or the model size, or pass check_memory=false to try anyway"
         )
-
-
-def tokenizer_on_command_line() -> bool:
-    """Whether the user chose the tokenizer explicitly (then prepared shards must have been made with it)."""
-    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    return any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "tokenizer" for o in overrides)
-
-
-def device_name(accelerator: str) -> str:
-    if uses_cuda(accelerator):
-        return torch.cuda.get_device_name()  # this rank's: set_device ran first
-    return "cpu"
 
 
 class ResumePoint(NamedTuple):
@@ -217,24 +206,11 @@ def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: in
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
         # The run's config holds _target_ keys of its own: pass it after instantiation, not through it.
-        make_wandb = build(wandb.node, _partial_=True)
-        wb = make_wandb(
-            save_dir=str(run_dir),
-            name=spec.run_label,
-            run_config=config,
-            tags=[spec.attention.name, spec.model.name, *wandb.tags],
-            run_id=run_id,
-        )
+        tags = [spec.attention.name, spec.model.name, *wandb.tags]
+        wb = build(wandb.node, _partial_=True)(str(run_dir), spec.run_label, config, tags=tags, run_id=run_id)
         write_text(id_file, wb.experiment.id)
         loggers.append(wb)
     return loggers
-
-
-def settled(spec: TrainSpec, config: Config) -> Config:
-    """The run's config as config.yaml saves it: the LR schedule's length and warmup settled (TrainSpec.schedule), so
-    that a resume that extends trainer.max_steps keeps the schedule."""
-    scheduler = {**config["scheduler"], **{k: spec.scheduler_node[k] for k in ("total_steps", "warmup_steps")}}
-    return {**config, "scheduler": scheduler}
 
 
 def train(
@@ -254,7 +230,9 @@ def train(
     check_trainer(trainer, strategy=trainer_strategy(trainer))  # as Lightning will take it
     if spec.logger.wandb:
         resolve_mode(spec.logger.wandb.mode)  # WANDB_MODE fails now, before the run directory is written
-    config = settled(spec, config)
+    # config.yaml keeps the settled LR schedule: a resume that extends trainer.max_steps keeps it (TrainSpec.schedule)
+    settled = {k: spec.scheduler_node[k] for k in ("total_steps", "warmup_steps")}
+    config = {**config, "scheduler": {**config["scheduler"], **settled}}
     check_memory(spec)
     data_spec, tokenizer_spec = spec.data, spec.tokenizer
     if spec.resume is not None and (run_dir / "config.yaml").exists():  # its saved config, paths and all
@@ -354,13 +332,7 @@ def write_run_files(
         write_json(run_dir / "run_info.json", info)
     if resume.path is None:
         return
-    record = {
-        "time": time.time(),
-        "from_step": resume.step,
-        "checkpoint": resume.path,
-        "changes": notes,
-        "run_info": info,
-    }
+    record = dict(time=time.time(), from_step=resume.step, checkpoint=resume.path, changes=notes, run_info=info)
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
@@ -388,19 +360,26 @@ def fit(
 ) -> RunSummary | None:
     """Build the module and the trainer, train, and write summary.json (global rank 0, which returns it). A failed
     run is recorded in summary.json too, then re-raised: a sweep must see failed runs."""
-    summary = RunStart.of(spec, run_dir=run_dir, model_config=mcfg)
+    summary = RunStart(spec, run_dir=run_dir, model_config=mcfg)
     set_up_process(spec)
     module = make_module(spec, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
-    summary.non_embedding_params = parameter_counts(module)[0]
+    summary.non_embedding_params = module.model.num_params()
     summary.train_tokens = int(datamodule.data.meta["train_tokens"])
     rank_zero_only(log.info)(header(spec, run_dir=run_dir, data=datamodule, module=module, kernels=kernels))
-    callbacks = make_callbacks(spec, config, run_dir, val_set=val_set_identity(datamodule))
+    val_set = {
+        "data": datamodule.data.meta.get("identity"),
+        "windows": datamodule.val_set.n,
+        "block_size": spec.block_size,
+    }
+    callbacks = make_callbacks(spec, config, run_dir, val_set=val_set)
     loggers = make_loggers(spec, config, run_dir=run_dir, resume_step=resume.step)
     trainer = make_trainer(spec, run_dir, callbacks=callbacks.all, loggers=loggers)
     is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path, weights_only=False)  # our own files
-        status = outcome(module, callbacks)
+        status = "completed" if module.diverged_at is None else "diverged"
+        if status == "completed" and callbacks.preemption.preempted_at is not None:
+            status = "interrupted" if callbacks.preemption.received == "SIGINT" else "preempted"
     except Exception as e:
         if is_rank_zero:
             try:
@@ -453,12 +432,6 @@ def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None 
         )
 
 
-def parameter_counts(module: LMModule) -> tuple[int, int]:
-    """(non-embedding, total) parameters; the token embedding is tied to the head."""
-    total = sum(p.numel() for p in module.parameters())
-    return total - module.model_config.vocab_size * module.model_config.d_model, total
-
-
 def header(
     spec: TrainSpec,
     *,
@@ -469,8 +442,11 @@ def header(
 ) -> str:
     """The run's first line: the model, the data, how a step's tokens are made up, the attention kernel (and the
     order it was chosen from), where the run's files go."""
-    non_embedding, total = parameter_counts(module)
-    meta = data.data.meta
+    non_embedding, total, meta = module.model.num_params(), module.model.num_params(False), data.data.meta
+    device = torch.cuda.get_device_name() if uses_cuda(spec.trainer.accelerator) else "cpu"  # set_device's
+    epochs = (
+        spec.trainer.max_steps * spec.global_batch_tokens / meta["train_tokens"] if meta["train_tokens"] else math.nan
+    )
     return (
         f"xsa-lm train | {spec.run_label} | model {spec.model.name}, attention={spec.attention.name}: "
         f"{non_embedding / 1e6:.2f}M non-embedding parameters ({total / 1e6:.2f}M total) | "
@@ -478,30 +454,15 @@ def header(
         f"vocab {meta['vocab_size']} (model {module.model_config.vocab_size}) | "
         f"{spec.global_batch_tokens:,} tokens/step = {spec.micro_batch_size} x {spec.block_size} x "
         f"{spec.accumulate} accumulation x {spec.trainer.world_size} device(s) "
-        f"({device_name(spec.trainer.accelerator)}), {spec.trainer.max_steps} steps "
-        f"({epochs(spec, meta['train_tokens']):.2f} epochs) | "
+        f"({device}), {spec.trainer.max_steps} steps ({epochs:.2f} epochs) | "
         f"attention kernel {kernels['used']} (sdpa_backends: "
         f"{', '.join(kernels['order'])}) | run dir {run_dir}"
     )
 
 
-def epochs(spec: TrainSpec, train_tokens: int) -> float:
-    """The passes over the training split that trainer.max_steps makes (above 1, data repeats)."""
-    return spec.trainer.max_steps * spec.global_batch_tokens / train_tokens if train_tokens else float("nan")
-
-
-def val_set_identity(datamodule: TokenDataModule) -> dict[str, object]:
-    """What the validation loss is measured on: the prepared data, the number of windows and their length."""
-    return {
-        "data": datamodule.data.meta.get("identity"),
-        "windows": datamodule.val_set.n,
-        "block_size": datamodule.block_size,
-    }
-
-
 def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: dict[str, object]) -> RunCallbacks:
     """Checkpoints (saving `config`, the run's), what summary.json reports, the clean stop on a signal, and the
-    optional diagnostics, samples and progress bar; `val_set`: val_set_identity's."""
+    optional diagnostics, samples and progress bar; `val_set`: what the validation loss is measured on."""
     ckpt_dir = run_dir / "checkpoints"
     # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
     # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
@@ -526,21 +487,12 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
     callbacks = [cluster, kernels, best, periodic, history, throughput, preemption, SavedConfig(config)]
     if spec.checkpoint.async_save:
         callbacks.append(AsyncSave())
-    d, s, p = spec.diagnostics, spec.samples, spec.profile
-    if d.every_n_steps:
-        callbacks.append(Diagnostics(every_n_steps=d.every_n_steps, sequences=d.sequences, chunk=d.chunk))
-    if s.every_n_steps:
-        samples = Samples(
-            every_n_steps=s.every_n_steps,
-            run_dir=str(run_dir),
-            prompt=s.prompt,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-        )
-        callbacks.append(samples)
-    if p.start_step is not None:
-        callbacks.append(Profiler(run_dir=str(run_dir), start_step=p.start_step, steps=p.steps))
+    if spec.diagnostics.every_n_steps:
+        callbacks.append(Diagnostics(**spec.diagnostics.model_dump()))
+    if spec.samples.every_n_steps:
+        callbacks.append(Samples(run_dir=str(run_dir), **spec.samples.model_dump()))
+    if spec.profile.start_step is not None:
+        callbacks.append(Profiler(run_dir=str(run_dir), **spec.profile.model_dump()))
     if spec.progress_bar:
         callbacks.append(ProgressBar())
     return RunCallbacks(history=history, throughput=throughput, best=best, preemption=preemption, all=callbacks)
@@ -573,16 +525,6 @@ def trainer_strategy(trainer: TrainerSpec) -> object:
     if isinstance(strategy, dict) and strategy.get("data_parallel_size") == "auto":
         return {**strategy, "data_parallel_size": trainer.world_size}
     return strategy
-
-
-def outcome(module: LMModule, callbacks: RunCallbacks) -> str:
-    """The run's status once the fit has returned."""
-    if module.diverged_at is not None:
-        return "diverged"
-    preemption = callbacks.preemption
-    if preemption.preempted_at is not None:
-        return "interrupted" if preemption.received == "SIGINT" else "preempted"
-    return "completed"
 
 
 LIGHTNING_NOISE = (
@@ -635,19 +577,20 @@ def refuse_a_folder_new_each_time(run_dir: Path) -> None:
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     quiet_third_party()
-    try:
-        with exit_on_user_error():
-            notes: list[str] = []
-            spec = parse(TrainSpec, cfg)  # every value checked, before anything is read or written
-            config = plain_dict(cfg)
-            if cfg.resume == "auto":
-                refuse_a_folder_new_each_time(run_dir)
-            if cfg.resume is not None:
-                defaults = plain_dict(compose(config_name="train"))
-                overrides = list(HydraConfig.get().overrides.task)
-                config, notes = continuation_config(config, defaults, overrides, run_dir)
-                spec = parse(TrainSpec, config)
-            summary = train(spec, config, run_dir, resume_notes=notes, explicit_tokenizer=tokenizer_on_command_line())
+    try:  # a UserError ends in one line (one_line_errors)
+        notes: list[str] = []
+        spec = parse(TrainSpec, cfg)  # every value checked, before anything is read or written
+        config = cast(Config, OmegaConf.to_container(cfg, resolve=True))
+        if cfg.resume == "auto":
+            refuse_a_folder_new_each_time(run_dir)
+        if cfg.resume is not None:
+            defaults = cast(Config, OmegaConf.to_container(compose(config_name="train"), resolve=True))
+            overrides = list(HydraConfig.get().overrides.task)
+            config, notes = continuation_config(config, defaults, overrides, run_dir)
+            spec = parse(TrainSpec, config)
+        # A tokenizer chosen on the command line: prepared shards must have been made with it.
+        explicit = any(override_key(o).split(".")[0] == "tokenizer" for o in HydraConfig.get().overrides.task)
+        summary = train(spec, config, run_dir, resume_notes=notes, explicit_tokenizer=explicit)
     except KeyboardInterrupt:  # before training started (the first Ctrl-C during training stops it cleanly)
         print("xsa-lm: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
         sys.exit(130)

@@ -20,41 +20,19 @@ if TYPE_CHECKING:  # the record (RunSummary, in records.py) is read without Ligh
     from xsa_lm.train.module import LMModule
 
 log = logging.getLogger("xsa_lm.train")
-WANDB_SUMMARY_KEYS = (
-    "status",
-    "final_val_loss",
-    "final_val_ppl",
-    "final_val_bpb",
-    "best_val_loss",
-    "tokens_per_s",
-    "diverged_at_step",
-)
+WANDB_SUMMARY_KEYS = "status final_val_loss final_val_ppl final_val_bpb best_val_loss tokens_per_s diverged_at_step"
 
 
 @dataclass
 class RunStart:
     """What is known of a run when it starts; write() adds how it ended. The clock starts when it is made."""
 
+    spec: "TrainSpec"
     run_dir: Path
-    attention: str
-    model: str
-    lr: float
-    seed: int
     model_config: "GPTConfig"
     non_embedding_params: int = 0
     train_tokens: int = 0  # the training split's tokens, for the epochs a run trains
     started: float = field(default_factory=time.time)
-
-    @classmethod
-    def of(cls, spec: "TrainSpec", run_dir: Path, model_config: "GPTConfig") -> "RunStart":
-        return cls(
-            run_dir=run_dir,
-            attention=spec.attention.name,
-            model=spec.model.name,
-            lr=spec.optim.lr,
-            seed=spec.seed,
-            model_config=model_config,
-        )
 
     def write(
         self,
@@ -75,12 +53,12 @@ class RunStart:
         summary = RunSummary(
             status=status,
             error=error,
-            attention=self.attention,
-            model=self.model,
-            lr=self.lr,
+            attention=self.spec.attention.name,
+            model=self.spec.model.name,
+            lr=self.spec.optim.lr,
             peak_lr=peak_lr(scheduler, trainer.global_step) if scheduler is not None else None,
             precision=trainer.precision,
-            seed=self.seed,
+            seed=self.spec.seed,
             final_val_loss=final,
             final_val_ppl=math.exp(final) if final is not None else None,
             best_val_loss=min((h["val_loss"] for h in history), default=None),
@@ -133,7 +111,7 @@ def finish_wandb(trainer: "L.Trainer", summary: RunSummary) -> None:
         if isinstance(logger, WandbLogger):
             if summary.status == "completed":
                 logger.finalize("success")  # log_model: also the last step's checkpoints
-            logger.experiment.summary.update({key: getattr(summary, key) for key in WANDB_SUMMARY_KEYS})
+            logger.experiment.summary.update({key: getattr(summary, key) for key in WANDB_SUMMARY_KEYS.split()})
             logger.experiment.finish()
 
 
