@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
-from xsa_lm.compat import monitor_candidates, save_checkpoints_now
+from xsa_lm.compat import save_checkpoints_now
 from xsa_lm.errors import UserError, WriteError
 from xsa_lm.files import atomic_file
 
@@ -238,7 +238,7 @@ class FolderCheckpoint(ModelCheckpoint):
         if self.monitor == "step" and final:
             # The run's last step, off the checkpoint.every_n_steps grid (Lightning saves only on it): its step
             # checkpoint and last.ckpt all the same, so that last.ckpt is the model the run ends with.
-            if self.format_checkpoint_name(monitor_candidates(trainer)) not in self.best_k_models:
+            if self.format_checkpoint_name(self._monitor_candidates(trainer)) not in self.best_k_models:
                 save_checkpoints_now(self, trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
