@@ -4,27 +4,19 @@ micro-batch that fits: memory.py's estimate, the one `xsa-lm train` checks (RunS
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Annotated, Any
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
-from xsa_lm.config.checks import check_switches
-from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
+from xsa_lm.config.spec import VALUES_ONLY, Spec, TrainSpec, parse, rule
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled, uses_cuda
-
-
-def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> int | None:
-    """Micro-batches per optimizer step on each device (None when not a whole number)."""
-    per_micro_step = micro_batch_size * devices * block_size
-    if per_micro_step == 0 or global_batch_tokens % per_micro_step:
-        return None
-    return global_batch_tokens // per_micro_step
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,10 @@ class RunShape:
 
     @property
     def accumulation(self) -> int | None:
-        return accumulation(self.global_batch_tokens, self.micro_batch_size, self.devices, self.block_size)
+        """Micro-batches per optimizer step on each device (None when not a whole number)."""
+        per_micro_step = self.micro_batch_size * self.devices * self.block_size
+        whole = per_micro_step and not self.global_batch_tokens % per_micro_step
+        return self.global_batch_tokens // per_micro_step if whole else None
 
     def memory_args(self) -> dict:
         """memory.estimate's arguments for this run, all but micro_batch_size."""
@@ -269,21 +264,32 @@ def batch_line(plan: Plan) -> str:
     )
 
 
+def _gib(value: Any) -> str | None:
+    positive = not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+    return None if value is None or positive else "must be a positive number of GiB"
+
+
+class PlanOptions(Spec):
+    """configs/plan.yaml's keys beside the training config's."""
+
+    device_memory_gb: Annotated[float | int | None, rule(_gib)] = None
+    activation_checkpointing: bool
+    out: Any = None  # a path (Hydra reads out=2024 as a number)
+    overwrite: bool = False
+
+
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
-    check_switches(cfg, keys=("overwrite",))
-    if cfg.out == "":
+    options = parse(PlanOptions, {key: cfg[key] for key in PlanOptions.model_fields})
+    if options.out == "":
         raise UserError("out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out")
-    out = None if cfg.out is None else Path(str(cfg.out))
+    out = None if options.out is None else Path(str(options.out))
     if out is not None:
-        check_new_file(out, overwrite=cfg.overwrite, example="plan.json")
+        check_new_file(out, overwrite=options.overwrite, example="plan.json")
     spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
-    check_switches(cfg, keys=("activation_checkpointing",))
-    gib, accelerator = cfg.device_memory_gb, spec.trainer.accelerator
-    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib < math.inf):
-        raise UserError(f"device_memory_gb must be a positive number of GiB, got {gib}")
-    run = run_shape(spec, activation_checkpointing=cfg.activation_checkpointing)  # plan.yaml's: the trainer's
+    run = run_shape(spec, activation_checkpointing=options.activation_checkpointing)  # plan.yaml's: the trainer's
+    gib, accelerator = options.device_memory_gb, spec.trainer.accelerator
     if gib is not None:
         available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
     else:
