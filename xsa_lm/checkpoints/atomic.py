@@ -25,11 +25,10 @@ class CheckpointWriteError(WriteError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save straight into <path>.tmp, fsync, rename: Lightning's serialises to memory first (a second copy)."""
+    """torch.save straight into <path>.tmp, fsync, rename. Not Lightning's TorchCheckpointIO.save_checkpoint: it
+    serialises to memory first (a second copy) and writes in place."""
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: object = None) -> None:
-        if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
         # A full disk, a quota, a file-size limit, permissions: the .tmp goes, the previous checkpoints are whole.
         path = Path(path)
         earlier = path.parent.is_dir() and any(path.parent.glob("*.ckpt"))
@@ -49,16 +48,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class AtomicDDPStrategy(DDPStrategy):
-    """DDP whose checkpoint write (rank 0's) fails every rank at once, not leave them waiting at a barrier."""
+    """Not Lightning's DDPStrategy: a failed checkpoint write on rank 0 fails every rank at once (Lightning's leaves
+    them waiting at a barrier)."""
 
     def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
-        save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
-        on_rank_zero(self, save, f"writing checkpoint {filepath}")
+        on_rank_zero(self, lambda: self.checkpoint_io.save_checkpoint(checkpoint, filepath), f"writing {filepath}")
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):
-    """FSDP2 whose checkpoints are atomic too: the shards go to <name>.tmp/, renamed by rank 0 once all are written.
-    async_save: written in the background; the rename and links (`when_written`) follow at the next save or teardown."""
+    """Not Lightning's ModelParallelStrategy: its shards are written in place (a kill leaves a torn checkpoint); these
+    go to <name>.tmp/, renamed by rank 0 once all are written. async_save: written in the background, the rename and
+    links (`when_written`) follow at the next save or teardown."""
 
     def __init__(self, *, save_distributed_checkpoint: bool = True, async_save: bool = False, **kwargs) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
@@ -71,10 +71,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         self.finish_pending_checkpoint()
         path = Path(self.broadcast(str(filepath)))  # rank 0's path: all ranks write into the same directory
         if not self.sharded:
-            # The state was gathered on rank 0 (a collective every rank joined); Lightning's own save would first
-            # delete a sharded directory of this name, leaving no checkpoint for a moment.
-            save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
-            on_rank_zero(self, save, f"writing checkpoint {path}")
+            # Gathered on rank 0 (a collective every rank joined); Lightning's save would first delete a sharded
+            # directory of this name, leaving no checkpoint for a moment.
+            on_rank_zero(self, lambda: self.checkpoint_io.save_checkpoint(checkpoint, path), f"writing {path}")
             return
         tmp = path.with_name(f"{path.name}.tmp")
         on_rank_zero(self, lambda: remove(tmp), f"removing {tmp}")  # left by a run killed mid-write
@@ -174,32 +173,22 @@ def link_or_copy(source: Path, target: Path) -> None:
     if linked(source, target):  # already (rename would leave the new link beside the old one: the same file)
         return
     tmp = target.with_name(f"{target.name}.tmp")
-    remove(tmp)
-    try:
-        _link_tree(source, tmp, os.link)
-    except OSError as e:  # no hard links here (some FUSE / object-store mounts): the second write is unavoidable
+    for link in (os.link, shutil.copy2):  # no hard links on some FUSE / object-store mounts: a copy, then
         remove(tmp)
-        warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
         try:
-            _link_tree(source, tmp, shutil.copy2)
-        except BaseException:  # a full disk mid-copy: no partial copy stays; the error goes on
-            remove(tmp)
-            raise
+            shutil.copytree(source, tmp, copy_function=link) if source.is_dir() else link(source, tmp)
+            break
+        except BaseException as e:
+            remove(tmp)  # a full disk or Ctrl-C mid-copy: no partial copy stays
+            if link is shutil.copy2 or not isinstance(e, OSError):
+                raise
+            warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
     move_into_place(tmp, target)
 
 
 def linked(source: Path, target: Path) -> bool:
     ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
     return theirs.exists() and ours.exists() and os.path.samefile(ours, theirs)
-
-
-def _link_tree(source: Path, target: Path, link: Callable[[Path, Path], object]) -> None:
-    if not source.is_dir():
-        link(source, target)
-        return
-    target.mkdir()
-    for item in source.iterdir():
-        _link_tree(item, target / item.name, link)
 
 
 class FolderCheckpoint(ModelCheckpoint):
