@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import FAST, cli_env
+from tests.helpers import refused_in_process
 from tests.wandb_records import artifacts, config, history, metric_definitions, run_files, summary
 
 LR = 2e-3
@@ -106,12 +107,10 @@ def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_ca
     assert torch.load(last.local_path, map_location="cpu", weights_only=False)["global_step"] == 5
 
 
-def test_log_model_must_be_false_true_or_all(tmp_path: Path) -> None:
-    from xsa_lm.errors import UserError
-    from xsa_lm.tracking import wandb_logger
-
-    with pytest.raises(UserError, match=r"^logger.wandb.log_model must be false, true or all, got 'yes'$"):
-        wandb_logger(save_dir=str(tmp_path), name="x", run_config={}, log_model="yes", mode="offline")
+def test_log_model_must_be_false_true_or_all(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    refused = refused_in_process(["train", "model=tiny", "logger.wandb.log_model=yes"], monkeypatch, capsys)
+    assert refused.startswith("xsa-lm: error: logger.wandb.log_model=yes must be") and "all" in refused
     assert not (tmp_path / "wandb").exists()  # refused before a run is made
 
 

@@ -26,9 +26,7 @@ if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
 
 
 WandbMode = Literal["online", "offline", "disabled", "shared"]
-
-
-WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode in get_args(WandbMode)}  # older names
+WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode in get_args(WandbMode)}  # W&B's aliases
 
 
 def resolve_mode(mode: str) -> WandbMode:
@@ -55,7 +53,7 @@ def resolve_mode(mode: str) -> WandbMode:
 
 def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
     """Why W&B's server (or its proxy) takes no connection within timeout_s, else None: an online wandb.init would
-    wait for its init_timeout and leave a failed run's folder behind."""
+    wait for its init_timeout first."""
     url = urllib.parse.urlsplit(base_url)
     proxy = urllib.request.getproxies().get(url.scheme)
     if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
@@ -121,7 +119,8 @@ def wandb_init(
 
 
 class RunWandbLogger(WandbLogger):
-    """log_model uploads the val/loss callback's checkpoints only: the step ones would take the `best` alias."""
+    """Lightning's, but log_model uploads the val/loss callback's checkpoints only (the step ones would take the
+    `best` alias)."""
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         if getattr(checkpoint_callback, "monitor", None) == "val/loss":
@@ -133,8 +132,6 @@ def wandb_logger(
 ) -> RunWandbLogger:
     """Lightning's WandbLogger around a run made by wandb_init: every curve over tokens seen (runs of other batch
     sizes line up), and val/loss summarised by its minimum beside its last value."""
-    if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
-        raise UserError(f"logger.wandb.log_model must be false, true or all, got {log_model!r}")
     run = wandb_init(save_dir, name, run_config, **kwargs)
     run.define_metric("trainer/global_step")
     run.define_metric("train/tokens_seen")
@@ -155,8 +152,8 @@ def log_files_artifact(run: "Run", name: str, artifact_type: str, files: list[Pa
 
 
 class RunCSVLogger(CSVLogger):
-    """metrics.csv in the run directory, kept across resumes: resuming at step S drops the rows of steps >= S first
-    (trained again after a kill), so that the file holds each step once."""
+    """Not Lightning's CSVLogger: that one deletes the metrics.csv of a resumed run; this one keeps it, dropping
+    the rows of steps >= S on a resume at step S first (trained again after a kill), so that each step is once."""
 
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
