@@ -1,9 +1,7 @@
 """Where this package leans on Lightning or torch beyond their public API (private names with no public equivalent,
 Lightning's rules restated), in one place: tests/test_compat.py checks each, so an upgrade fails there, by name."""
 
-import csv
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +15,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from xsa_lm.errors import WriteError, what_to_do
 from xsa_lm.files import read_csv, write_csv
 
 CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
@@ -48,36 +45,22 @@ def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> N
 
 
 class AppendingExperimentWriter(ExperimentWriter):
-    """Lightning's CSV writer, continuing an existing metrics.csv (a resumed run): the stock writer's __init__ calls
-    `_check_log_dir_exists`, which deletes the file."""
+    """Not Lightning's CSV writer: its __init__ (`_check_log_dir_exists`) deletes a resumed run's metrics.csv, and a
+    new column rewrites the file in place (a full disk truncates it); this one continues the file, each save
+    rewriting it whole through a temporary file."""
 
     def _check_log_dir_exists(self) -> None:
-        if os.path.isfile(self.metrics_file_path):
-            with open(self.metrics_file_path, newline="") as f:
-                self.metrics_keys = sorted(next(csv.reader(f), []))
+        pass
 
     def save(self) -> None:
-        """Lightning's, but a failed write (a full disk) leaves metrics.csv whole: a new header is written first through
-        a temporary file (Lightning's rewrite truncates), so its save only appends, and a failed append is cut off."""
+        if not self.metrics:
+            return
         path = Path(self.metrics_file_path)
-        keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
-        if path.is_file() and keys != self.metrics_keys:
-            write_csv(
-                path, keys, read_csv(path)[1], intact="its earlier rows are intact", then="continue with resume=auto"
-            )
-        self.metrics_keys = keys
-        whole_size = path.stat().st_size if path.is_file() else None
-        try:
-            super().save()
-        except OSError as e:
-            if whole_size is None:
-                path.unlink(missing_ok=True)
-            else:
-                os.truncate(path, whole_size)
-            raise WriteError(
-                f"could not write {path} ({e.strerror or e}); its earlier rows are intact: {what_to_do(e)}, then "
-                "continue with resume=auto"
-            ) from e
+        header, rows = read_csv(path) if path.is_file() else ([], [])
+        self.metrics_keys = sorted(set(header).union(*self.metrics))  # Lightning's order of the columns
+        intact = "its earlier rows are intact" if rows else None
+        write_csv(path, self.metrics_keys, [*rows, *self.metrics], intact=intact, then="continue with resume=auto")
+        self.metrics = []
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
