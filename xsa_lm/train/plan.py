@@ -43,17 +43,12 @@ class RunShape:
 
     def memory_args(self) -> dict:
         """memory.estimate's arguments for this run, all but micro_batch_size."""
-        return dict(
+        same = "block_size precision strategy activation_checkpointing compiled gradient_as_bucket_view".split()
+        return {name: getattr(self, name) for name in same} | dict(
             model=asdict(self.model),
             vocab_size=self.model.vocab_size,
-            block_size=self.block_size,
-            precision=self.precision,
-            strategy=self.strategy,
             world_size=self.devices,
-            activation_checkpointing=self.activation_checkpointing,
-            compiled=self.compiled,
             attention=self.model.attention,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
             accumulation=self.accumulation or 1,
         )
 
@@ -65,18 +60,18 @@ def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> 
     """The run `xsa-lm train` would start from this spec, before its tokenizer exists: the model's vocabulary, else
     the tokenizer's size (GPT-2's by default)."""
     trainer = spec.trainer
+    if activation_checkpointing is None:
+        activation_checkpointing = trainer.activation_checkpointing
     return RunShape(
-        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
-        micro_batch_size=spec.micro_batch_size,
-        block_size=spec.block_size,
-        global_batch_tokens=spec.global_batch_tokens,
+        spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
+        spec.micro_batch_size,
+        spec.block_size,
+        spec.global_batch_tokens,
         precision=trainer.resolved_precision,
         devices=trainer.world_size,
         strategy=trainer.strategy_kind,
         compiled=compile_enabled(spec.compile, accelerator=trainer.accelerator),
-        activation_checkpointing=trainer.activation_checkpointing
-        if activation_checkpointing is None
-        else activation_checkpointing,
+        activation_checkpointing=activation_checkpointing,
         gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
     )
 
@@ -218,8 +213,7 @@ def table(plan: Plan) -> str:
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    lines += ["", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)])
 
 
 def size(n: int) -> str:
@@ -240,27 +234,23 @@ def xsa_line(plan: Plan) -> str:
         return "XSA's memory: none (attention sa)"
     mode = "compiled" if plan.compiled else "eager"
     xsa, cross_entropy = plan.xsa_temporaries_bytes[mode], plan.cross_entropy_transient_bytes[mode]
-    peak = "XSA's" if xsa > cross_entropy else "the cross-entropy's"
     return (
         f"XSA's memory ({mode}): {size(plan.xsa_saved_bytes)} saved for the backward (per token, fp32 "
         f"(y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head, in every layer); the temporaries of one layer's "
         f"backward {size(xsa)}, against the cross-entropy backward's {size(cross_entropy)}: the backward peak is "
-        f"{peak}"
+        f"{'XSA' if xsa > cross_entropy else 'the cross-entropy'}'s"
     )
 
 
 def batch_line(plan: Plan) -> str:
-    per_micro_step = plan.micro_batch_size * plan.devices * plan.block_size
-    if plan.accumulation is None:
-        return (
-            f"global_batch_tokens={plan.global_batch_tokens:,} is not a multiple of micro_batch_size x devices x "
-            f"data.block_size = {plan.micro_batch_size} x {plan.devices} x {plan.block_size} = "
-            f"{per_micro_step:,}: `xsa-lm train` refuses this config; set global_batch_tokens to a multiple of "
-            f"{per_micro_step:,}"
-        )
+    step = plan.micro_batch_size * plan.devices * plan.block_size
+    if plan.accumulation is not None:
+        per_step = f"{plan.accumulation} micro-batch(es) of {step:,} tokens per optimizer step"
+        return f"global_batch_tokens={plan.global_batch_tokens:,}: {per_step}"
     return (
-        f"global_batch_tokens={plan.global_batch_tokens:,}: {plan.accumulation} micro-batch(es) of "
-        f"{per_micro_step:,} tokens per optimizer step"
+        f"global_batch_tokens={plan.global_batch_tokens:,} is not a multiple of micro_batch_size x devices x "
+        f"data.block_size = {plan.micro_batch_size} x {plan.devices} x {plan.block_size} = {step:,}: `xsa-lm train` "
+        f"refuses this config; set global_batch_tokens to a multiple of {step:,}"
     )
 
 
