@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from omegaconf import OmegaConf
 
 from tests.helpers import FAST, train_losses
 from tests.helpers import compose_train as composed
@@ -22,7 +23,7 @@ from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
-from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
@@ -36,7 +37,7 @@ def train_here(data_cache: Path, monkeypatch, run_dir: Path, overrides: list[str
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = composed(overrides)
-        train(parse(TrainSpec, cfg), plain_dict(cfg), run_dir)
+        train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), run_dir)
 
 
 def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:
