@@ -76,20 +76,6 @@ def test_each_validation_writes_one_checkpoint_and_links_last_and_best(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.long
-def test_checkpoint_every_n_steps_is_apart_from_validation(tmp_path, data_cache, monkeypatch):
-    written = train_counting_payloads(
-        tmp_path, data_cache, monkeypatch, "val_every_steps=10", "checkpoint.every_n_steps=4", "checkpoint.keep_last=5"
-    )
-    steps = [f"step-{s:06d}.ckpt" for s in (4, 8, 12, 16, 20)]
-    assert [w for w in written if w.startswith("step-")] == steps
-    # Validation at step 10 has no step checkpoint to link to: best.ckpt is written there, once (unless not better).
-    assert [w for w in written if not w.startswith("step-")] in ([], ["best.ckpt"])
-    folder = tmp_path / "run" / "checkpoints"
-    assert checkpoint_step(folder / "last.ckpt") == 20 and {p.name for p in folder.glob("step-*")} == set(steps)
-
-
-@pytest.mark.slow
 def test_a_run_resumed_from_an_every_n_steps_checkpoint_logs_the_steps_it_trains(tmp_path, data_cache, monkeypatch):
     """Lightning saves such a checkpoint before it counts the step its loggers write: resumed from step 3, the run's
     metrics.csv labelled steps 3, 4, 5 as 2, 3, 4 (with the right losses)."""
@@ -258,14 +244,21 @@ def test_a_run_folder_copied_elsewhere_resumes_with_its_kept_checkpoints(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_last_step_off_the_every_n_steps_grid_is_checkpointed(tmp_path, data_cache, monkeypatch):
-    """Lightning writes step checkpoints and last.ckpt only on the checkpoint.every_n_steps grid (and best.ckpt where
-    the loss improved): a run ending off it kept a last.ckpt of an earlier step, and no file held its final model."""
-    settings = ["val_every_steps=4", "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "trainer.max_steps=10"]
-    train_counting_payloads(tmp_path, data_cache, monkeypatch, *settings)
+@pytest.mark.long
+def test_checkpoint_every_n_steps_is_apart_from_validation_and_the_last_step_is_checkpointed(
+    tmp_path, data_cache, monkeypatch
+):
+    """Step checkpoints on their own grid; validations at steps 7 and 14 have none to link to (best.ckpt is written
+    there, unless not better). Lightning saves only on the grid: a run ending off it kept a last.ckpt of an earlier
+    step, and no file held its final model."""
+    settings = ["val_every_steps=7", "checkpoint.every_n_steps=3", "checkpoint.keep_last=10"]
+    written = train_counting_payloads(tmp_path, data_cache, monkeypatch, *settings)
+    steps = [f"step-{s:06d}.ckpt" for s in (3, 6, 9, 12, 15, 18)]
+    assert [w for w in written if w.startswith("step-")] == steps
+    assert set(written) - set(steps) <= {"best.ckpt", "last.ckpt"} and len(written) <= len(steps) + 3, written
     folder = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in folder.glob("step-*")) == [f"step-{s:06d}.ckpt" for s in (3, 6, 9, 10)]
-    assert checkpoint_step(folder / "last.ckpt") == 10
+    assert sorted(p.name for p in folder.glob("step-*")) == [*steps, "step-000020.ckpt"]
+    assert checkpoint_step(folder / "last.ckpt") == checkpoint_step(folder / "step-000020.ckpt") == 20
     last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)
     (history,) = [state["history"] for key, state in last["callbacks"].items() if "ValHistory" in key]
-    assert [h["step"] for h in history] == [4, 8, 10]  # the last step's validation in it
+    assert [h["step"] for h in history] == [7, 14, 20]  # the last step's validation in it
