@@ -157,5 +157,5 @@ def test_consolidate_refuses_a_weights_only_not_true_or_false(
     monkeypatch.chdir(tmp_path)
     args = ["consolidate", f"ckpt={source}", f"weights_only={value}", f"out={out}"]
     err = refused_in_process(args, monkeypatch, capsys)
-    assert err == f"xsa-lm: error: weights_only must be true or false, got {value!r}\n"
+    assert err.startswith("xsa-lm: error: weights_only") and "must be true or false" in err and value in err
     assert not out.exists()
