@@ -21,7 +21,7 @@ from xsa_lm.files import atomic_file
 
 
 class CheckpointWriteError(WriteError):
-    pass
+    """A checkpoint that could not be written (the previous ones are whole)."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -150,10 +150,7 @@ def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> N
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def move_into_place(tmp: Path, path: Path) -> None:
@@ -209,14 +206,9 @@ class FolderCheckpoint(ModelCheckpoint):
         kept = [state_dict.get(key) for key in ("best_model_path", "last_model_path")]
         if old and new and Path(old) != Path(new) and any(p and (Path(new) / Path(p).name).exists() for p in kept):
             moved = lambda path: str(Path(new) / Path(path).name) if path else path  # noqa: E731
-            state_dict = {
-                **state_dict,
-                "dirpath": new,
-                "best_model_path": moved(state_dict.get("best_model_path")),
-                "kth_best_model_path": moved(state_dict.get("kth_best_model_path")),
-                "last_model_path": moved(state_dict.get("last_model_path")),
-                "best_k_models": {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()},
-            }
+            paths = ("best_model_path", "kth_best_model_path", "last_model_path")
+            state_dict = {**state_dict, "dirpath": new} | {key: moved(state_dict.get(key)) for key in paths}
+            state_dict["best_k_models"] = {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()}
         super().load_state_dict(state_dict)
         if self.monitor == "step" and self.save_top_k >= 0 and self.restored_step is not None:
             self.count_kept_files(self.restored_step)
@@ -239,11 +231,9 @@ class FolderCheckpoint(ModelCheckpoint):
     def count_kept_files(self, step: int) -> None:
         """Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved before
         this callback counted it); drop older ones (a lower keep_last)."""
-        kept = {path: score for path, score in self.best_k_models.items() if Path(path).exists()}
         restored = self.format_checkpoint_name({"step": torch.tensor(step)})
-        if Path(restored).exists():
-            kept[restored] = torch.tensor(step)
-        ordered = sorted(kept.items(), key=lambda item: float(item[1]))
+        kept = {**self.best_k_models, restored: torch.tensor(step)}
+        ordered = sorted(((p, s) for p, s in kept.items() if Path(p).exists()), key=lambda item: float(item[1]))
         cut = max(len(ordered) - self.save_top_k, 0)
         newest = ordered[cut:]
         # never the file resumed from (keep_last=0), nor one outside this run's folder
