@@ -59,7 +59,8 @@ class AppendingExperimentWriter(ExperimentWriter):
         header, rows = read_csv(path) if path.is_file() else ([], [])
         self.metrics_keys = sorted(set(header).union(*self.metrics))  # Lightning's order of the columns
         intact = "its earlier rows are intact" if rows else None
-        write_csv(path, self.metrics_keys, [*rows, *self.metrics], intact=intact, then="continue with resume=auto")
+        new = [{k: str(v) for k, v in row.items()} for row in self.metrics]
+        write_csv(path, self.metrics_keys, [*rows, *new], intact=intact, then="continue with resume=auto")
         self.metrics = []
 
 
@@ -127,7 +128,7 @@ def lightning_precision_name(precision: str | int) -> str:
     """Lightning's own name of a precision (`16` -> `16-mixed`), or ValueError listing the accepted ones."""
     with warnings.catch_warnings():  # its advice against an alias: the run's Trainer gives it
         warnings.simplefilter("ignore")
-        return str(_convert_precision_to_unified_args(precision))
+        return str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]  # any value: it checks
 
 
 def lightning_device_settings(**trainer_args) -> str:

@@ -263,7 +263,7 @@ class Samples(EveryNSteps):
         self, every_n_steps: int, run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None
     ) -> None:
         super().__init__(every_n_steps)
-        self.path, self.prompt, self._rows = f"{run_dir}/samples.txt", prompt, []
+        self.path, self.prompt, self._rows = f"{run_dir}/samples.txt", prompt, list[list]()
         self.settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
