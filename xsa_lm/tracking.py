@@ -59,20 +59,19 @@ def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
     if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
         url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     address = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
-    failure: list[str] = []
+    why: list[str | None] = [f"no answer within {timeout_s:g} s"]
 
     def connect() -> None:
         try:
             socket.create_connection(address, timeout=timeout_s).close()
+            why[0] = None
         except OSError as e:  # no such host, refused, timed out, no route
-            failure.append(str(e.strerror or e))
+            why[0] = str(e.strerror or e)
 
     probe = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
     probe.start()
     probe.join(timeout_s)
-    if probe.is_alive():
-        return f"{address[0]}:{address[1]}: no answer within {timeout_s:g} s"
-    return f"{address[0]}:{address[1]}: {failure[0]}" if failure else None
+    return None if why[0] is None else f"{address[0]}:{address[1]}: {why[0]}"
 
 
 def wandb_init(
