@@ -37,18 +37,19 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit_on_ones(module: L.LightningModule, tmp_path: Path, *, rows: int, **settings) -> L.LightningModule:
+def fit_on_ones(module: L.LightningModule, tmp_path: Path, *, rows: int = 8, ckpt_path=None, **settings) -> L.Trainer:
     """`module` fitted on `rows` batches of ones by a Trainer that writes nothing but what `settings` ask for."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(rows, 2)), batch_size=1)
-    L.Trainer(default_root_dir=tmp_path, **{**compat.QUIET_TRAINER, **settings}).fit(module, data)
-    return module
+    trainer = L.Trainer(default_root_dir=tmp_path, **{**compat.QUIET_TRAINER, **settings})
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_should_update_logs_is_lightnings_rule(tmp_path: Path, accumulate: int):
     api = "Trainer._logger_connector.should_update_logs"
     settings = dict(max_steps=6, log_every_n_steps=3, accumulate_grad_batches=accumulate, logger=CSVLogger(tmp_path))
-    module = fit_on_ones(Recorder(), tmp_path, rows=16, **settings)
+    module = fit_on_ones(Recorder(), tmp_path, rows=16, **settings).lightning_module
     assert module.seen == {0: False, 1: False, 2: True, 3: False, 4: False, 5: True}, changed(api, "changed meaning")
 
 
@@ -116,11 +117,8 @@ def test_a_distributed_checkpoint_reads_back_in_one_process_without_a_process_gr
 
 
 def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, steps: int = 4) -> L.Trainer:
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
-    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path, **quiet)
-    trainer.fit(Recorder(), data, ckpt_path=ckpt_path)
-    return trainer
+    settings = dict(max_steps=steps, callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0)
+    return fit_on_ones(Recorder(), tmp_path, ckpt_path=ckpt_path, **settings)
 
 
 def test_model_checkpoint_saves_now_on_request(tmp_path: Path):
@@ -194,7 +192,9 @@ class AccumulationRecorder(Recorder):
 
 def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_path: Path):
     api = "Trainer.fit_loop._should_accumulate"
-    module = fit_on_ones(AccumulationRecorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3)
+    module = fit_on_ones(
+        AccumulationRecorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3
+    ).lightning_module
     expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
     assert module.seen == expected, changed(api, "changed meaning")
 
