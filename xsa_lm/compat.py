@@ -134,15 +134,10 @@ def lightning_precision_name(precision: str | int) -> str:
 def lightning_device_settings(**trainer_args) -> str:
     """The precision the run would train in, by building a quiet Trainer from these arguments: what it refuses raises
     the Trainer's own errors (its warnings are left to the run's Trainer, which repeats them)."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
+    logging.disable(logging.INFO)  # its lines (GPU available, ...) are the run's Trainer's to print
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = L.Trainer(**{**trainer_args, **QUIET_TRAINER})
+            return str(L.Trainer(**{**trainer_args, **QUIET_TRAINER}).precision)
     finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-    return str(trainer.precision)
+        logging.disable(logging.NOTSET)
