@@ -34,8 +34,7 @@ class Throughput(L.Callback):
     WINDOW = 10  # optimizer steps
 
     def __init__(self, tokens_per_step: int) -> None:
-        self.tokens_per_step = tokens_per_step
-        self.counted_from = (0, 0)  # (step, tokens seen by then): a resume's checkpoint
+        self.tokens_per_step, self.counted_from = tokens_per_step, (0, 0)  # (step, tokens by then): a resume's
         self._marks: list[tuple[int, float]] = []
         self.tokens_per_s: float | None = None  # none before the first optimizer step
         self.step_time_s = 0.0
@@ -111,9 +110,7 @@ class Profiler(L.Callback):
     Not Lightning's PyTorchProfiler: its schedule counts micro-batches since the process started."""
 
     def __init__(self, run_dir: str, start_step: int, steps: int = 3) -> None:
-        self.dir = Path(run_dir) / "profile"
-        self.start_step = start_step
-        self.end_step = start_step + steps
+        self.dir, self.start_step, self.end_step = Path(run_dir) / "profile", start_step, start_step + steps
         self._profiler: torch.profiler.profile | None = None
         self._first = self._step = start_step
         self.path: Path | None = None
@@ -182,8 +179,7 @@ class ValHistory(L.Callback):
     another `val_set` (the prepared data, window count and length) is not continued."""
 
     def __init__(self, tokens_seen: Callable[[int], int], val_set: dict[str, object] | None = None) -> None:
-        self.tokens_seen = tokens_seen  # step -> tokens trained on by then (Throughput.tokens_seen)
-        self.val_set = val_set
+        self.tokens_seen, self.val_set = tokens_seen, val_set  # tokens_seen: Throughput's
         self.history: list[dict] = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -232,8 +228,7 @@ class Diagnostics(EveryNSteps):
 
     def __init__(self, every_n_steps: int, sequences: int, chunk: int) -> None:
         super().__init__(every_n_steps)
-        self.sequences = sequences
-        self.chunk = chunk  # query positions per block when computing a_ii
+        self.sequences, self.chunk = sequences, chunk  # chunk: query positions per block when computing a_ii
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if not self.due(trainer):
