@@ -131,14 +131,11 @@ def make_plan(run: RunShape, *, model_name: str, available: int, available_from:
     positions = run.micro_batch_size * (run.block_size + run.model.n_sinks)
     xsa = run.model.attention == "xsa"
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
-    modes = {"eager": False, "compiled": True}
-    same = (
-        "strategy devices precision activation_checkpointing compiled micro_batch_size block_size global_batch_tokens"
-    )
-    chosen = strategies[run.strategy]
+    modes, chosen = {"eager": False, "compiled": True}, strategies[run.strategy]
+    same = "strategy devices precision activation_checkpointing compiled micro_batch_size block_size accumulation"
     return Plan(
         model=model_name,
-        **{name: getattr(run, name) for name in [*same.split(), "accumulation"]},
+        **{name: getattr(run, name) for name in [*same.split(), "global_batch_tokens"]},
         attention=run.model.attention,
         n_sinks=run.model.n_sinks,
         parameters=memory.parameter_count(model, run.model.vocab_size),
