@@ -100,22 +100,6 @@ def test_csv_logger_appends_to_an_existing_metrics_file(tmp_path: Path):
     assert rows[0] == {"step": "0", "train/loss": "1.5", "train/lr": ""} and rows[2]["train/lr"] == "0.5"
 
 
-def test_a_distributed_checkpoint_reads_back_in_one_process_without_a_process_group(tmp_path: Path):
-    import torch.distributed.checkpoint as dcp
-
-    groups = [{"lr": 0.1, "params": ["w"]}, {"lr": 0.0, "params": []}]
-    state = {
-        "state_dict": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)},
-        "optimizer_0": {"state": {"w": {"step": torch.tensor(3.0)}}, "param_groups": groups},
-    }
-    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)  # the public writer, as FSDP2 runs write
-    everything = compat.read_distributed_checkpoint(tmp_path)
-    weights = compat.read_distributed_checkpoint(tmp_path, keys={"state_dict"})
-    assert torch.equal(everything["state_dict"]["w"], state["state_dict"]["w"])
-    assert everything["state_dict"]["b"].dtype == torch.bfloat16
-    assert everything["optimizer_0"] == state["optimizer_0"] and set(weights) == {"state_dict"}
-
-
 def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, steps: int = 4) -> L.Trainer:
     settings = dict(max_steps=steps, callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0)
     return fit_on_ones(Recorder(), tmp_path, ckpt_path=ckpt_path, **settings)

@@ -65,8 +65,9 @@ def test_a_sharded_checkpoint_reads_back_as_one_process_would_have_saved_it(tmp_
     # Lightning's single-process resume reads it through the checkpoint plugin.
     via_io = AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
     assert via_io.keys() == checkpoint.keys()
-    # analyze / eval / generate: the weights only
+    # analyze / eval / generate: the weights only (torch.distributed.checkpoint's keyed reader, compat's)
     assert torch.equal(load_model(tmp_path / "last.ckpt").lm_head.weight, model.lm_head.weight)
+    assert load_sharded(tmp_path / "last.ckpt", optimizer=False).keys() == checkpoint.keys() - {"optimizer_states"}
 
 
 def test_resume_auto_skips_incomplete_sharded_checkpoints(tmp_path: Path):
