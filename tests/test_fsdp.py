@@ -68,17 +68,11 @@ def test_fsdp2_trains_as_one_process(runs: Path):
         assert x["step"] == y["step"] and y["val_loss"] == pytest.approx(x["val_loss"], rel=1e-5)
 
 
-def test_fsdp2_trains_sa_as_one_process(data_cache: Path, tmp_path: Path):
-    """The same for the SA baseline, over 8 steps."""
-    sa = [*[a for a in ARGS if a != "attention=xsa"], "attention=sa", "trainer.max_steps=8", "scheduler.total_steps=8"]
-    train_both(sa, data_cache, tmp_path)
-    assert_same_steps(tmp_path, range(8))
-
-
-def test_fsdp2_with_accumulation_trains_as_one_process(data_cache: Path, tmp_path: Path):
-    """Global batch 2048 tokens: one process accumulates 4 micro-batches, FSDP2 2 on each of 2 ranks, reducing the
-    gradients once per step (after the last micro-batch): the same losses and global norms at every step."""
-    args = [*ARGS, "global_batch_tokens=2048", "trainer.max_steps=6", "scheduler.total_steps=6"]
+def test_fsdp2_with_accumulation_trains_sa_as_one_process(data_cache: Path, tmp_path: Path):
+    """The SA baseline, global batch 2048 tokens: one process accumulates 4 micro-batches, FSDP2 2 on each of 2
+    ranks, reducing the gradients once per step (after the last micro-batch): the same losses and global norms."""
+    sa = [*[a for a in ARGS if a != "attention=xsa"], "attention=sa", "global_batch_tokens=2048"]
+    args = [*sa, "trainer.max_steps=6", "scheduler.total_steps=6"]
     assert "x 2 accumulation x 2 device(s)" in train_both(args, data_cache, tmp_path)
     assert_same_steps(tmp_path, range(6))
 

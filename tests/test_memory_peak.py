@@ -8,7 +8,7 @@ from hydra.utils import instantiate
 
 from tests.helpers import compose_train
 from tests.test_plan import plan_of
-from xsa_lm.config.builders import model_config
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.model import GPT
 from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
@@ -49,7 +49,7 @@ def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tm
     plan, _ = plan_of([*overrides, "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
     assert plan["precision"] == precision and plan["accumulation"] > 1 and not plan["compiled"]
     torch.manual_seed(0)
-    model = GPT(model_config(cfg, vocab_size=cfg.tokenizer.vocab_size))
+    model = GPT(parse(TrainSpec, cfg, VALUES_ONLY).gpt_config(cfg.tokenizer.vocab_size))
     optimizer = instantiate(cfg.optim)(param_groups(model, cfg.optim.weight_decay), fused=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

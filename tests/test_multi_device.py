@@ -17,10 +17,11 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from tests.helpers import FAST, REPO, compose_train
 from tests.test_reliability import stop_mid_run
-from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse, plain_dict
+from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
@@ -73,7 +74,7 @@ def test_each_rank_sets_its_device_before_any_cuda_call(
         monkeypatch.setenv(variable, value)
     cfg = compose_train([*FAST, *trainer, "trainer.precision=auto", "micro_batch_size=4"])
     with pytest.raises(UserError, match="this run needs about"):
-        train(parse(TrainSpec, cfg), plain_dict(cfg), tmp_path / "run")
+        train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), tmp_path / "run")
     names = [call[0] for call in fake_gpus]
     assert fake_gpus[0] == ("set_device", expected), fake_gpus
     assert {"mem_get_info", "is_bf16_supported"} <= set(names[1:])  # the calls that used to come first

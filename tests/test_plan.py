@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
 from tests.helpers import cli_in_process, refused_in_process
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
@@ -144,41 +143,34 @@ def test_plan_of_a_composed_config_is_memorys_estimate(tmp_path: Path, monkeypat
     assert plan["per_device_bytes"] == expected.as_dict() and expected.ddp_buckets == 0  # gradient_as_bucket_view
 
 
-@pytest.mark.slow
-@pytest.mark.long
-def test_plan_writes_the_json_and_the_table(tmp_path: Path, data_cache: Path):
-    args = ["plan", "model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8"]
-    args += ["data.block_size=2048", "global_batch_tokens=524288", "tokenizer=gpt2", "device_memory_gb=80"]
-    args.append("out=plan.json")
-    out = run_cli(args, data_cache, tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    plan = json.loads((tmp_path / "plan.json").read_text())
+def test_plan_writes_the_json_and_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    args = ["model=paper_2.7b", "trainer=fsdp", "trainer.devices=8", "micro_batch_size=8", "data.block_size=2048"]
+    args += ["global_batch_tokens=524288", "tokenizer=gpt2", "device_memory_gb=80"]
+    plan, table = plan_of(args, tmp_path, monkeypatch, capsys)
     assert plan["strategy"] == "fsdp" and plan["devices"] == 8 and plan["accumulation"] == 4
     terms = {"params", "grads", "optimizer", "activations", "transient", "weight_copies", "ddp_buckets", "total"}
     assert set(plan["per_device_bytes"]) == terms
-    assert plan["strategies"]["fsdp"]["compiled_bytes"]["total"] < plan["strategies"]["fsdp"]["eager_bytes"]["total"]
     fsdp, ddp = plan["strategies"]["fsdp"], plan["strategies"]["ddp"]
+    assert fsdp["compiled_bytes"]["total"] < fsdp["eager_bytes"]["total"]
     assert fsdp["per_device_bytes"]["optimizer"] * 8 <= ddp["per_device_bytes"]["optimizer"] + 64  # sharded by 8
     assert plan["max_micro_batch_size"] == fsdp["max_micro_batch_size"] > ddp["max_micro_batch_size"]
-    assert "| fsdp (trainer) | eager |" in out.stdout and "| fsdp (trainer) | compiled |" in out.stdout
+    assert "| fsdp (trainer) | eager |" in table and "| fsdp (trainer) | compiled |" in table
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
-    bad = run_cli(["plan", "device_memory_gb=0"], data_cache, tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("xsa-lm: error: device_memory_gb")
 
 
 REFUSALS = [
     *[
-        ([f"device_memory_gb={gib}"], f"device_memory_gb must be a positive number of GiB, got {shown}")
+        ([f"device_memory_gb={gib}"], f"device_memory_gb={shown} must be a positive number of GiB")
         for gib, shown in [("0", "0"), ("-1", "-1"), ("nan", "nan"), ("inf", "inf"), ("true", "True"), ("lots", "lots")]
     ],
     # `no` would plan with activation checkpointing
-    (["activation_checkpointing=no", "device_memory_gb=1"], "activation_checkpointing must be true or false, got 'no'"),
-    (["activation_checkpointing=maybe"], "activation_checkpointing must be true or false, got 'maybe'"),
+    (["activation_checkpointing=no", "device_memory_gb=1"], "activation_checkpointing=no must be true or false"),
+    (["activation_checkpointing=maybe"], "activation_checkpointing=maybe must be true or false"),
     (["out=notes.txt/plan.json"], "out=notes.txt/plan.json: notes.txt is a file, not a folder; choose another path"),
     (["out=folder"], "out=folder is a directory: give the file to write, e.g. out=folder/plan.json"),
     (["out="], "out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out"),
     (["out=notes.txt"], "out=notes.txt exists: choose another path or add overwrite=true"),
-    (["out=notes.txt", "overwrite=no"], "overwrite must be true or false, got 'no'"),  # `no` is a non-empty text
+    (["out=notes.txt", "overwrite=no"], "overwrite=no must be true or false"),  # `no` is a non-empty text
 ]
 
 

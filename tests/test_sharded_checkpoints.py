@@ -65,8 +65,9 @@ def test_a_sharded_checkpoint_reads_back_as_one_process_would_have_saved_it(tmp_
     # Lightning's single-process resume reads it through the checkpoint plugin.
     via_io = AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
     assert via_io.keys() == checkpoint.keys()
-    # analyze / eval / generate: the weights only
+    # analyze / eval / generate: the weights only (torch.distributed.checkpoint's keyed reader, compat's)
     assert torch.equal(load_model(tmp_path / "last.ckpt").lm_head.weight, model.lm_head.weight)
+    assert load_sharded(tmp_path / "last.ckpt", optimizer=False).keys() == checkpoint.keys() - {"optimizer_states"}
 
 
 def test_resume_auto_skips_incomplete_sharded_checkpoints(tmp_path: Path):
@@ -157,5 +158,5 @@ def test_consolidate_refuses_a_weights_only_not_true_or_false(
     monkeypatch.chdir(tmp_path)
     args = ["consolidate", f"ckpt={source}", f"weights_only={value}", f"out={out}"]
     err = refused_in_process(args, monkeypatch, capsys)
-    assert err == f"xsa-lm: error: weights_only must be true or false, got {value!r}\n"
+    assert err.startswith("xsa-lm: error: weights_only") and "must be true or false" in err and value in err
     assert not out.exists()

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tests.conftest import FAST, cli_env
+from tests.helpers import compose_train, refused_in_process
 from tests.wandb_records import artifacts, config, history, metric_definitions, run_files, summary
 
 LR = 2e-3
-MAX_STEPS = 6
+MAX_STEPS = 5
 
 
 def train_offline(tmp_path: Path, data_cache: Path, name: str, *overrides: str) -> tuple[Path, Path, str]:
@@ -33,8 +34,9 @@ def train_offline(tmp_path: Path, data_cache: Path, name: str, *overrides: str) 
 
 
 @pytest.mark.slow
-def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: Path) -> None:
-    overrides = [f"optim.lr={LR}", f"trainer.max_steps={MAX_STEPS}", "val_every_steps=3"]
+def test_offline_run_file_holds_history_config_and_the_best_and_last_checkpoints(tmp_path: Path, data_cache: Path):
+    # The last step (5) is off the validation grid: validated, and checkpointed, all the same.
+    overrides = [f"optim.lr={LR}", f"trainer.max_steps={MAX_STEPS}", "val_every_steps=2", "logger.wandb.log_model=true"]
     run_dir, run_file, stdout = train_offline(tmp_path, data_cache, "run", *overrides)
     assert "wandb sync" in stdout
 
@@ -50,17 +52,13 @@ def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: P
     # The validations in the .wandb file are the ones the run itself reports in summary.json.
     val_losses = [row["val/loss"] for row in rows if "val/loss" in row]
     run_summary = json.loads((run_dir / "summary.json").read_text())
-    assert len(val_losses) == 2
+    assert len(val_losses) == 3
     assert val_losses == pytest.approx([v["val_loss"] for v in run_summary["val_history"]])
 
     cfg = config(run_file)
-    assert cfg["attention"]["name"] == "sa"
-    assert cfg["model"]["name"] == "tiny"
-    assert cfg["optim"]["lr"] == LR
-    assert cfg["trainer"]["max_steps"] == MAX_STEPS
-    assert cfg["data"]["cache_dir"] == str(data_cache)
-    assert cfg["logger"]["wandb"]["log_model"] is False  # the default: no checkpoint leaves the machine
-    assert artifacts(run_file) == []
+    assert (cfg["attention"]["name"], cfg["model"]["name"], cfg["optim"]["lr"]) == ("sa", "tiny", LR)
+    assert cfg["trainer"]["max_steps"] == MAX_STEPS and cfg["data"]["cache_dir"] == str(data_cache)
+    assert compose_train(["logger=wandb"]).logger.wandb.log_model is False  # by default no checkpoint leaves
 
     check_axes_and_summary(run_file, rows, val_losses)
     # The documented way to look inside an offline run without uploading it.
@@ -68,6 +66,20 @@ def test_offline_run_file_holds_history_and_config(tmp_path: Path, data_cache: P
     shown = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "val/loss.min" in shown.stdout and "final_val_loss" in shown.stdout, shown.stdout[:2000]
+
+    logged = artifacts(run_file)
+    run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    assert {(a.name, a.type) for a in logged} == {(f"model-{run_id}", "model")}
+    originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}  # the newest version of each
+    # Only the val/loss callback's files: the step-NNNNNN.ckpt copies would take the `best` alias.
+    assert set(originals) == {"best.ckpt", "last.ckpt"}, sorted(originals)
+    assert "best" in originals["best.ckpt"].aliases and "best" not in originals["last.ckpt"].aliases
+    for artifact in logged:
+        (entry,) = artifact.manifest.contents
+        assert entry.path == "model.ckpt" and Path(entry.local_path).is_file()  # the copy wandb sync uploads
+        assert Path(entry.local_path).is_relative_to(tmp_path)
+    (last,) = originals["last.ckpt"].manifest.contents
+    assert torch.load(last.local_path, map_location="cpu", weights_only=False)["global_step"] == MAX_STEPS
 
 
 def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[float]) -> None:
@@ -86,32 +98,10 @@ def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[fl
     assert summary(run_file)["val/loss"] == pytest.approx({"min": min(val_losses), "last": val_losses[-1]})
 
 
-@pytest.mark.slow
-def test_log_model_uploads_the_best_and_last_checkpoints(tmp_path: Path, data_cache: Path) -> None:
-    # The last step (5) is off the validation grid: validated, and checkpointed, all the same.
-    overrides = ["trainer.max_steps=5", "val_every_steps=2", "logger.wandb.log_model=true"]
-    run_dir, run_file, _ = train_offline(tmp_path, data_cache, "run", *overrides)
-    logged = artifacts(run_file)
-    run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
-    assert {(a.name, a.type) for a in logged} == {(f"model-{run_id}", "model")}
-    originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}  # the newest version of each
-    # Only the val/loss callback's files: the step-NNNNNN.ckpt copies would take the `best` alias.
-    assert set(originals) == {"best.ckpt", "last.ckpt"}, sorted(originals)
-    assert "best" in originals["best.ckpt"].aliases and "best" not in originals["last.ckpt"].aliases
-    for artifact in logged:
-        (entry,) = artifact.manifest.contents
-        assert entry.path == "model.ckpt" and Path(entry.local_path).is_file()  # the copy wandb sync uploads
-        assert Path(entry.local_path).is_relative_to(tmp_path)
-    (last,) = originals["last.ckpt"].manifest.contents
-    assert torch.load(last.local_path, map_location="cpu", weights_only=False)["global_step"] == 5
-
-
-def test_log_model_must_be_false_true_or_all(tmp_path: Path) -> None:
-    from xsa_lm.errors import UserError
-    from xsa_lm.tracking import wandb_logger
-
-    with pytest.raises(UserError, match=r"^logger.wandb.log_model must be false, true or all, got 'yes'$"):
-        wandb_logger(save_dir=str(tmp_path), name="x", run_config={}, log_model="yes", mode="offline")
+def test_log_model_must_be_false_true_or_all(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    refused = refused_in_process(["train", "model=tiny", "logger.wandb.log_model=yes"], monkeypatch, capsys)
+    assert refused.startswith("xsa-lm: error: logger.wandb.log_model=yes must be") and "all" in refused
     assert not (tmp_path / "wandb").exists()  # refused before a run is made
 
 

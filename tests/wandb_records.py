@@ -1,17 +1,9 @@
-"""Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``); wandb 0.31 ships no Python reader for it
-(``wandb leet inspect`` prints one for people). tests/constraints.txt keeps wandb below 0.32, the format read here.
+"""Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``): wandb 0.31 ships no Python reader for it.
 
-The file is a LevelDB log (https://github.com/google/leveldb/blob/main/doc/log_format.md) behind a W&B header:
-
-- A 7-byte header: ``b":W&B"``, a uint16 magic (0xBEE1) and a uint8 version (0).
-- 32 KiB blocks at file offsets 0, 32768, ... (the header fills the first 7 bytes of block 0). A block holds
-  chunks: crc32 (uint32 LE), length (uint16 LE), type (uint8), then ``length`` bytes. The crc is zlib's crc32
-  of the type byte and then the data. No chunk crosses a block end; fewer than 7 bytes left there are zero padding.
-- Type 1 (full) is a whole record; types 2, 3, 4 (first, middle, last) are the pieces of one that spans blocks.
-- Each record is a ``wandb.proto.wandb_internal_pb2.Record``. A ``history`` record is one logged row; its keys
-  sit in ``nested_key`` (``key`` is empty). The config given to ``wandb.init`` is in the ``run`` record's
-  ``config``; later ``run.config.update`` calls add ``config`` records. Values are JSON text, config values
-  plain (not wrapped as ``{"value": x}`` like config.yaml), with W&B's own ``_wandb`` entry beside them.
+A LevelDB log (https://github.com/google/leveldb/blob/main/doc/log_format.md) behind a 7-byte header (``b":W&B"``,
+uint16 0xBEE1, uint8 version 0): 32 KiB blocks of chunks (crc32 of the type byte then the data, uint16 length,
+uint8 type: 1 full, 2/3/4 first/middle/last of a record spanning blocks; under 7 bytes left in a block are padding).
+Each record is a ``wandb_internal_pb2.Record``; history and config keys sit in ``nested_key``, values as JSON text.
 """
 
 from __future__ import annotations

@@ -1,23 +1,20 @@
 """Where this package leans on Lightning or torch beyond their public API (private names with no public equivalent,
 Lightning's rules restated), in one place: tests/test_compat.py checks each, so an upgrade fails there, by name."""
 
-import copy
-import csv
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, get_args
 
 import lightning as L
 import torch
+from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from xsa_lm.errors import WriteError, what_to_do
 from xsa_lm.files import read_csv, write_csv
 
 CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
@@ -25,32 +22,21 @@ CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and
 # The name torch.compile(model)'s wrapper gives the model inside (its state-dict keys start with it).
 COMPILED_PREFIX = "_orig_mod."
 
-# The precisions Lightning's Trainer accepts, and its aliases for them (lightning.fabric.connector).
-PRECISIONS = tuple(
-    "transformer-engine transformer-engine-float16 16-true 16-mixed bf16-true bf16-mixed 32-true 64-true".split()
-)
-PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# The precisions Lightning's Trainer accepts, and its aliases for them.
+PRECISIONS = get_args(_PRECISION_INPUT_STR)
 QUIET_TRAINER: dict[str, Any] = dict(
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
 )
 
 
 def accumulating(trainer: L.Trainer) -> bool:
-    """Whether no optimizer step follows this micro-batch: Lightning's rule, which its DDP no_sync follows."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    ready = progress.current.ready
-    epoch_ends = ready == trainer.num_training_batches or progress.is_last_batch
-    window_open = ready % trainer.accumulate_grad_batches != 0
-    return window_open and (trainer.strategy.handles_gradient_accumulation or not epoch_ends)
+    """Whether no optimizer step follows this micro-batch (Lightning's rule, which its DDP no_sync follows)."""
+    return trainer.fit_loop._should_accumulate()
 
 
 def should_update_logs(trainer: L.Trainer) -> bool:
-    """Whether values logged now reach the loggers: Lightning's rule (every log_every_n_steps-th step, and the last)."""
-    every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, not declared
-    current = trainer.fit_loop.epoch_loop.batch_progress.current
-    # this micro-batch's step is done (a batch tracker counts processed micro-batches; its declared type does not)
-    stepped = current.processed == current.ready and not accumulating(trainer)  # type: ignore[attr-defined]
-    return every > 0 and ((trainer.global_step + 1 - stepped) % every == 0 or trainer.should_stop)
+    """Whether values logged now reach the loggers (every log_every_n_steps-th step, and the last)."""
+    return trainer._logger_connector.should_update_logs
 
 
 def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
@@ -59,69 +45,31 @@ def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> N
 
 
 class AppendingExperimentWriter(ExperimentWriter):
-    """Lightning's CSV writer, continuing an existing metrics.csv (a resumed run): the stock writer's __init__ calls
-    `_check_log_dir_exists`, which deletes the file."""
+    """Not Lightning's CSV writer: its __init__ (`_check_log_dir_exists`) deletes a resumed run's metrics.csv, and a
+    new column rewrites the file in place (a full disk truncates it); this one continues the file, each save
+    rewriting it whole through a temporary file."""
 
     def _check_log_dir_exists(self) -> None:
-        if os.path.isfile(self.metrics_file_path):
-            with open(self.metrics_file_path, newline="") as f:
-                self.metrics_keys = sorted(next(csv.reader(f), []))
+        pass
 
     def save(self) -> None:
-        """Lightning's, but a failed write (a full disk) leaves metrics.csv whole: a new header is written first through
-        a temporary file (Lightning's rewrite truncates), so its save only appends, and a failed append is cut off."""
+        if not self.metrics:
+            return
         path = Path(self.metrics_file_path)
-        keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
-        if path.is_file() and keys != self.metrics_keys:
-            write_csv(
-                path, keys, read_csv(path)[1], intact="its earlier rows are intact", then="continue with resume=auto"
-            )
-        self.metrics_keys = keys
-        whole_size = path.stat().st_size if path.is_file() else None
-        try:
-            super().save()
-        except OSError as e:
-            if whole_size is None:
-                path.unlink(missing_ok=True)
-            else:
-                os.truncate(path, whole_size)
-            raise WriteError(
-                f"could not write {path} ({e.strerror or e}); its earlier rows are intact: {what_to_do(e)}, then "
-                "continue with resume=auto"
-            ) from e
+        header, rows = read_csv(path) if path.is_file() else ([], [])
+        self.metrics_keys = sorted(set(header).union(*self.metrics))  # Lightning's order of the columns
+        intact = "its earlier rows are intact" if rows else None
+        new = [{k: str(v) for k, v in row.items()} for row in self.metrics]
+        write_csv(path, self.metrics_keys, [*rows, *new], intact=intact, then="continue with resume=auto")
+        self.metrics = []
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
     """A torch.distributed.checkpoint directory read into this process without a process group (`keys`: only these
     top-level entries), nested again as it was saved."""
-    metadata = FileSystemReader(str(path)).read_metadata()
-    paths = {name: at for name, at in metadata.planner_data.items() if keys is None or at[0] in keys}
-    saved = {name: metadata.state_dict_metadata[name] for name in paths}
-    flat: dict[str, Any] = {
-        name: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-        for name, m in saved.items()
-    }
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        torch.distributed.checkpoint.load(
-            flat, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True
-        )
-    state: dict = {}
-    for name, at in paths.items():
-        node = state
-        for part in at[:-1]:
-            node = node.setdefault(part, {})
-        node[at[-1]] = flat[name]
-    return cast(dict, as_lists(state))
-
-
-def as_lists(node: object) -> object:
-    """Nested dicts whose keys are all positions (ints) become lists again."""
-    if not isinstance(node, dict):
-        return node
-    items = {key: as_lists(value) for key, value in node.items()}
-    return [items[i] for i in range(len(items))] if items and all(isinstance(k, int) for k in items) else items
+        return _load_state_dict_from_keys(keys, checkpoint_id=str(path))
 
 
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
@@ -132,17 +80,9 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
 
 def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
     """A ModelCheckpoint's save at a validation's end (top-k, then last.ckpt) off its grid: no public entry."""
-    candidates = monitor_candidates(trainer)
+    candidates = callback._monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)
-
-
-def monitor_candidates(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    metrics = copy.deepcopy(trainer.callback_metrics)  # kept by the callback: never changed later
-    for key, counter in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
-        value = metrics.get(key)
-        metrics[key] = value.int() if isinstance(value, torch.Tensor) else torch.tensor(counter)
-    return metrics
 
 
 def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:
@@ -186,23 +126,18 @@ def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
 
 def lightning_precision_name(precision: str | int) -> str:
     """Lightning's own name of a precision (`16` -> `16-mixed`), or ValueError listing the accepted ones."""
-    if precision not in (*PRECISIONS, *PRECISION_ALIASES, 64, 32, 16):
-        raise ValueError(f"Precision {precision!r} is invalid. Allowed precision values: {PRECISIONS}")
-    return PRECISION_ALIASES.get(str(precision), str(precision))
+    with warnings.catch_warnings():  # its advice against an alias: the run's Trainer gives it
+        warnings.simplefilter("ignore")
+        return str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]  # any value: it checks
 
 
 def lightning_device_settings(**trainer_args) -> str:
     """The precision the run would train in, by building a quiet Trainer from these arguments: what it refuses raises
     the Trainer's own errors (its warnings are left to the run's Trainer, which repeats them)."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
+    logging.disable(logging.INFO)  # its lines (GPU available, ...) are the run's Trainer's to print
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = L.Trainer(**{**trainer_args, **QUIET_TRAINER})
+            return str(L.Trainer(**{**trainer_args, **QUIET_TRAINER}).precision)
     finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-    return str(trainer.precision)
+        logging.disable(logging.NOTSET)

@@ -26,9 +26,7 @@ if TYPE_CHECKING:  # wandb itself loads only when a W&B run is made
 
 
 WandbMode = Literal["online", "offline", "disabled", "shared"]
-
-
-WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode in get_args(WandbMode)}  # older names
+WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode in get_args(WandbMode)}  # W&B's aliases
 
 
 def resolve_mode(mode: str) -> WandbMode:
@@ -55,26 +53,25 @@ def resolve_mode(mode: str) -> WandbMode:
 
 def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
     """Why W&B's server (or its proxy) takes no connection within timeout_s, else None: an online wandb.init would
-    wait for its init_timeout and leave a failed run's folder behind."""
+    wait for its init_timeout first."""
     url = urllib.parse.urlsplit(base_url)
     proxy = urllib.request.getproxies().get(url.scheme)
     if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
         url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     address = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
-    failure: list[str] = []
+    why: list[str | None] = [f"no answer within {timeout_s:g} s"]
 
     def connect() -> None:
         try:
             socket.create_connection(address, timeout=timeout_s).close()
+            why[0] = None
         except OSError as e:  # no such host, refused, timed out, no route
-            failure.append(str(e.strerror or e))
+            why[0] = str(e.strerror or e)
 
     probe = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
     probe.start()
     probe.join(timeout_s)
-    if probe.is_alive():
-        return f"{address[0]}:{address[1]}: no answer within {timeout_s:g} s"
-    return f"{address[0]}:{address[1]}: {failure[0]}" if failure else None
+    return None if why[0] is None else f"{address[0]}:{address[1]}: {why[0]}"
 
 
 def wandb_init(
@@ -121,7 +118,8 @@ def wandb_init(
 
 
 class RunWandbLogger(WandbLogger):
-    """log_model uploads the val/loss callback's checkpoints only: the step ones would take the `best` alias."""
+    """Lightning's, but log_model uploads the val/loss callback's checkpoints only (the step ones would take the
+    `best` alias)."""
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         if getattr(checkpoint_callback, "monitor", None) == "val/loss":
@@ -133,8 +131,6 @@ def wandb_logger(
 ) -> RunWandbLogger:
     """Lightning's WandbLogger around a run made by wandb_init: every curve over tokens seen (runs of other batch
     sizes line up), and val/loss summarised by its minimum beside its last value."""
-    if log_model not in (False, True, "all"):  # Lightning would ignore any other value without a word
-        raise UserError(f"logger.wandb.log_model must be false, true or all, got {log_model!r}")
     run = wandb_init(save_dir, name, run_config, **kwargs)
     run.define_metric("trainer/global_step")
     run.define_metric("train/tokens_seen")
@@ -155,8 +151,8 @@ def log_files_artifact(run: "Run", name: str, artifact_type: str, files: list[Pa
 
 
 class RunCSVLogger(CSVLogger):
-    """metrics.csv in the run directory, kept across resumes: resuming at step S drops the rows of steps >= S first
-    (trained again after a kill), so that the file holds each step once."""
+    """Not Lightning's CSVLogger: that one deletes the metrics.csv of a resumed run; this one keeps it, dropping
+    the rows of steps >= S on a resume at step S first (trained again after a kill), so that each step is once."""
 
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")

@@ -15,21 +15,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
-from xsa_lm.compat import monitor_candidates, save_checkpoints_now
+from xsa_lm.compat import save_checkpoints_now
 from xsa_lm.errors import UserError, WriteError
 from xsa_lm.files import atomic_file
 
 
 class CheckpointWriteError(WriteError):
-    pass
+    """A checkpoint that could not be written (the previous ones are whole)."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save straight into <path>.tmp, fsync, rename: Lightning's serialises to memory first (a second copy)."""
+    """torch.save straight into <path>.tmp, fsync, rename. Not Lightning's TorchCheckpointIO.save_checkpoint: it
+    serialises to memory first (a second copy) and writes in place."""
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: object = None) -> None:
-        if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
         # A full disk, a quota, a file-size limit, permissions: the .tmp goes, the previous checkpoints are whole.
         path = Path(path)
         earlier = path.parent.is_dir() and any(path.parent.glob("*.ckpt"))
@@ -49,16 +48,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class AtomicDDPStrategy(DDPStrategy):
-    """DDP whose checkpoint write (rank 0's) fails every rank at once, not leave them waiting at a barrier."""
+    """Not Lightning's DDPStrategy: a failed checkpoint write on rank 0 fails every rank at once (Lightning's leaves
+    them waiting at a barrier)."""
 
     def save_checkpoint(self, checkpoint: dict, filepath: str | Path, storage_options: object = None) -> None:
-        save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # noqa: E731
-        on_rank_zero(self, save, f"writing checkpoint {filepath}")
+        on_rank_zero(self, lambda: self.checkpoint_io.save_checkpoint(checkpoint, filepath), f"writing {filepath}")
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):
-    """FSDP2 whose checkpoints are atomic too: the shards go to <name>.tmp/, renamed by rank 0 once all are written.
-    async_save: written in the background; the rename and links (`when_written`) follow at the next save or teardown."""
+    """Not Lightning's ModelParallelStrategy: its shards are written in place (a kill leaves a torn checkpoint); these
+    go to <name>.tmp/, renamed by rank 0 once all are written. async_save: written in the background, the rename and
+    links (`when_written`) follow at the next save or teardown."""
 
     def __init__(self, *, save_distributed_checkpoint: bool = True, async_save: bool = False, **kwargs) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
@@ -71,10 +71,9 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         self.finish_pending_checkpoint()
         path = Path(self.broadcast(str(filepath)))  # rank 0's path: all ranks write into the same directory
         if not self.sharded:
-            # The state was gathered on rank 0 (a collective every rank joined); Lightning's own save would first
-            # delete a sharded directory of this name, leaving no checkpoint for a moment.
-            save = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
-            on_rank_zero(self, save, f"writing checkpoint {path}")
+            # Gathered on rank 0 (a collective every rank joined); Lightning's save would first delete a sharded
+            # directory of this name, leaving no checkpoint for a moment.
+            on_rank_zero(self, lambda: self.checkpoint_io.save_checkpoint(checkpoint, path), f"writing {path}")
             return
         tmp = path.with_name(f"{path.name}.tmp")
         on_rank_zero(self, lambda: remove(tmp), f"removing {tmp}")  # left by a run killed mid-write
@@ -151,10 +150,7 @@ def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> N
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def move_into_place(tmp: Path, path: Path) -> None:
@@ -174,32 +170,22 @@ def link_or_copy(source: Path, target: Path) -> None:
     if linked(source, target):  # already (rename would leave the new link beside the old one: the same file)
         return
     tmp = target.with_name(f"{target.name}.tmp")
-    remove(tmp)
-    try:
-        _link_tree(source, tmp, os.link)
-    except OSError as e:  # no hard links here (some FUSE / object-store mounts): the second write is unavoidable
+    for link in (os.link, shutil.copy2):  # no hard links on some FUSE / object-store mounts: a copy, then
         remove(tmp)
-        warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
         try:
-            _link_tree(source, tmp, shutil.copy2)
-        except BaseException:  # a full disk mid-copy: no partial copy stays; the error goes on
-            remove(tmp)
-            raise
+            shutil.copytree(source, tmp, copy_function=link) if source.is_dir() else link(source, tmp)
+            break
+        except BaseException as e:
+            remove(tmp)  # a full disk or Ctrl-C mid-copy: no partial copy stays
+            if link is shutil.copy2 or not isinstance(e, OSError):
+                raise
+            warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
     move_into_place(tmp, target)
 
 
 def linked(source: Path, target: Path) -> bool:
     ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
     return theirs.exists() and ours.exists() and os.path.samefile(ours, theirs)
-
-
-def _link_tree(source: Path, target: Path, link: Callable[[Path, Path], object]) -> None:
-    if not source.is_dir():
-        link(source, target)
-        return
-    target.mkdir()
-    for item in source.iterdir():
-        _link_tree(item, target / item.name, link)
 
 
 class FolderCheckpoint(ModelCheckpoint):
@@ -220,14 +206,9 @@ class FolderCheckpoint(ModelCheckpoint):
         kept = [state_dict.get(key) for key in ("best_model_path", "last_model_path")]
         if old and new and Path(old) != Path(new) and any(p and (Path(new) / Path(p).name).exists() for p in kept):
             moved = lambda path: str(Path(new) / Path(path).name) if path else path  # noqa: E731
-            state_dict = {
-                **state_dict,
-                "dirpath": new,
-                "best_model_path": moved(state_dict.get("best_model_path")),
-                "kth_best_model_path": moved(state_dict.get("kth_best_model_path")),
-                "last_model_path": moved(state_dict.get("last_model_path")),
-                "best_k_models": {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()},
-            }
+            paths = ("best_model_path", "kth_best_model_path", "last_model_path")
+            state_dict = {**state_dict, "dirpath": new} | {key: moved(state_dict.get(key)) for key in paths}
+            state_dict["best_k_models"] = {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()}
         super().load_state_dict(state_dict)
         if self.monitor == "step" and self.save_top_k >= 0 and self.restored_step is not None:
             self.count_kept_files(self.restored_step)
@@ -238,7 +219,7 @@ class FolderCheckpoint(ModelCheckpoint):
         if self.monitor == "step" and final:
             # The run's last step, off the checkpoint.every_n_steps grid (Lightning saves only on it): its step
             # checkpoint and last.ckpt all the same, so that last.ckpt is the model the run ends with.
-            if self.format_checkpoint_name(monitor_candidates(trainer)) not in self.best_k_models:
+            if self.format_checkpoint_name(self._monitor_candidates(trainer)) not in self.best_k_models:
                 save_checkpoints_now(self, trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -250,11 +231,9 @@ class FolderCheckpoint(ModelCheckpoint):
     def count_kept_files(self, step: int) -> None:
         """Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved before
         this callback counted it); drop older ones (a lower keep_last)."""
-        kept = {path: score for path, score in self.best_k_models.items() if Path(path).exists()}
         restored = self.format_checkpoint_name({"step": torch.tensor(step)})
-        if Path(restored).exists():
-            kept[restored] = torch.tensor(step)
-        ordered = sorted(kept.items(), key=lambda item: float(item[1]))
+        kept = {**self.best_k_models, restored: torch.tensor(step)}
+        ordered = sorted(((p, s) for p, s in kept.items() if Path(p).exists()), key=lambda item: float(item[1]))
         cut = max(len(ordered) - self.save_top_k, 0)
         newest = ordered[cut:]
         # never the file resumed from (keep_last=0), nor one outside this run's folder

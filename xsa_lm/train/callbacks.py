@@ -25,19 +25,16 @@ from xsa_lm.train.hardware import peak_flops
 
 log = logging.getLogger("xsa_lm.train")
 
-GIB = 2**30
-
 
 class Throughput(L.Callback):
-    """Tokens seen, tokens/s, seconds per optimizer step and MFU over a sliding window of optimizer steps, and CUDA's
-    peak memory, logged at logging steps only (logging a float copies it to the device, which waits).
-    Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts micro-batches."""
+    """Tokens seen, tokens/s, seconds per step and MFU over the last optimizer steps, and CUDA's peak memory, logged
+    at logging steps only (a logged float is copied to the device, which waits). Not Lightning's ThroughputMonitor:
+    it synchronizes CUDA after every micro-batch and counts micro-batches."""
 
     WINDOW = 10  # optimizer steps
 
     def __init__(self, tokens_per_step: int) -> None:
-        self.tokens_per_step = tokens_per_step
-        self.counted_from = (0, 0)  # (step, tokens seen by then): a resume's checkpoint
+        self.tokens_per_step, self.counted_from = tokens_per_step, (0, 0)  # (step, tokens by then): a resume's
         self._marks: list[tuple[int, float]] = []
         self.tokens_per_s: float | None = None  # none before the first optimizer step
         self.step_time_s = 0.0
@@ -45,8 +42,7 @@ class Throughput(L.Callback):
         self.peak_flops: float | None = None  # all devices together
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        datamodule = getattr(trainer, "datamodule", None)
-        context = getattr(datamodule, "block_size", None)
+        context = getattr(getattr(trainer, "datamodule", None), "block_size", None)
         self.flops_per_token = cast(GPT, pl_module.model).flops_per_token(context)
         peak, _ = peak_flops(pl_module.device, str(trainer.precision))
         self.peak_flops = peak * trainer.world_size if peak else None  # None: a GPU missing from the table
@@ -83,8 +79,8 @@ class Throughput(L.Callback):
             if self.flops_per_token and self.peak_flops:
                 values["train/mfu"] = self.flops_per_token * self.tokens_per_s / self.peak_flops
         if device.type == "cuda":
-            values["train/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-            values["train/max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+            values["train/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            values["train/max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         return values
 
 
@@ -97,9 +93,8 @@ class AttentionKernels(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._inside is None:
-            order = resolve(self.value, trainer.strategy.root_device)
             self._inside = contextlib.ExitStack()
-            self._inside.enter_context(sdpa_backends(order))
+            self._inside.enter_context(sdpa_backends(resolve(self.value, trainer.strategy.root_device)))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._inside is not None:
@@ -115,9 +110,7 @@ class Profiler(L.Callback):
     Not Lightning's PyTorchProfiler: its schedule counts micro-batches since the process started."""
 
     def __init__(self, run_dir: str, start_step: int, steps: int = 3) -> None:
-        self.dir = Path(run_dir) / "profile"
-        self.start_step = start_step
-        self.end_step = start_step + steps
+        self.dir, self.start_step, self.end_step = Path(run_dir) / "profile", start_step, start_step + steps
         self._profiler: torch.profiler.profile | None = None
         self._first = self._step = start_step
         self.path: Path | None = None
@@ -137,10 +130,10 @@ class Profiler(L.Callback):
         if self._step >= self.end_step:
             self.finish(trainer)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self.finish(trainer)
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.finish(trainer)
 
     def finish(self, trainer: L.Trainer) -> None:
@@ -186,8 +179,7 @@ class ValHistory(L.Callback):
     another `val_set` (the prepared data, window count and length) is not continued."""
 
     def __init__(self, tokens_seen: Callable[[int], int], val_set: dict[str, object] | None = None) -> None:
-        self.tokens_seen = tokens_seen  # step -> tokens trained on by then (Throughput.tokens_seen)
-        self.val_set = val_set
+        self.tokens_seen, self.val_set = tokens_seen, val_set  # tokens_seen: Throughput's
         self.history: list[dict] = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -199,9 +191,8 @@ class ValHistory(L.Callback):
         entry: dict[str, object] = {"step": step, "tokens": self.tokens_seen(step), "val_loss": float(loss)}
         entry |= {"val_bpb": float(bpb) if bpb is not None else None, "val_loss_by_position": by_position}
         if self.history and self.history[-1]["step"] == step:
-            self.history[-1] = entry
-        else:
-            self.history.append(entry)
+            self.history.pop()
+        self.history.append(entry)
 
     # Kept in checkpoints, so that a resumed run's summary.json still holds the whole curve.
     def state_dict(self) -> dict[str, object]:
@@ -237,15 +228,14 @@ class Diagnostics(EveryNSteps):
 
     def __init__(self, every_n_steps: int, sequences: int, chunk: int) -> None:
         super().__init__(every_n_steps)
-        self.sequences = sequences
-        self.chunk = chunk  # query positions per block when computing a_ii
+        self.sequences, self.chunk = sequences, chunk  # chunk: query positions per block when computing a_ii
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if not self.due(trainer):
             return
-        step = trainer.global_step
         from xsa_lm.analysis.diagnostics import METRICS, diagnose
 
+        step = trainer.global_step
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's fit, not declared
         val = datamodule.val_set
         windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
@@ -268,28 +258,21 @@ class Samples(EveryNSteps):
         self, every_n_steps: int, run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None
     ) -> None:
         super().__init__(every_n_steps)
-        self.path = f"{run_dir}/samples.txt"
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self._rows: list[list] = []
+        self.path, self.prompt, self._rows = f"{run_dir}/samples.txt", prompt, list[list]()
+        self.settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if not self.due(trainer):
             return
-        step = trainer.global_step
         from xsa_lm.data.tokenizer import eot_id
         from xsa_lm.model import generate
 
+        step = trainer.global_step
         tokenizer = trainer.datamodule.data.tokenizer  # type: ignore[attr-defined]  # set by Lightning's fit
         ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
-        model = pl_module.model  # generate() runs it eagerly, compiled or not
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
         context = torch.tensor([ids], device=pl_module.device)
-        tokens = generate(
-            model, context, self.max_new_tokens, temperature=self.temperature, top_k=self.top_k, generator=generator
-        )
+        tokens = generate(pl_module.model, context, generator=generator, **self.settings)  # eagerly, compiled or not
         text = self.prompt + tokenizer.decode(tokens[0, len(ids) :].tolist())
         with open(self.path, "a") as f:
             f.write(f"=== step {step}\n{text}\n")
@@ -306,8 +289,7 @@ class Preemption(L.Callback):
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, last_checkpoint: Path, val_every_steps: int) -> None:
-        self.last_checkpoint = last_checkpoint
-        self.val_every_steps = val_every_steps
+        self.last_checkpoint, self.val_every_steps = last_checkpoint, val_every_steps
         self.received: str | None = None  # the signal's name
         self.preempted_at: int | None = None
         self._seen_step = -1
@@ -350,7 +332,7 @@ class Preemption(L.Callback):
         if self.preempted_at is not None:
             trainer.save_checkpoint(self.last_checkpoint)
             if trainer.is_global_zero:
-                logging.getLogger("xsa_lm.train").info(
+                log.info(
                     f"{self.received or 'signal'} received: checkpoint at step {trainer.global_step} written to "
                     f"{self.last_checkpoint}; resume with resume=auto"
                 )

@@ -1,7 +1,6 @@
-"""The memory a training run needs per device, estimated from its config before the model exists, and the memory it
-can have: `xsa-lm train` refuses in one line a run that cannot fit (rather than swapping until the OOM killer ends it,
-or CUDA raising inside the first step); `xsa-lm plan` prints the estimate. The per-token terms are counted tensor by
-tensor from what autograd saves; tests/test_memory_peak.py holds them to `allocator_peak`'s measurement."""
+"""The memory a training run needs per device, estimated before the model exists, and the memory it can have:
+`xsa-lm train` refuses a run that cannot fit (rather than swap or raise inside the first step); `xsa-lm plan` prints
+it. The per-token terms count what autograd saves, held to `allocator_peak` by tests/test_memory_peak.py."""
 
 import json
 import math
@@ -66,7 +65,7 @@ def parameter_count(model: dict, vocab_size: int) -> int:
 
 
 def dtype_bytes(precision: str) -> tuple[int, int]:
-    """(compute, weights) bytes per value: mixed precision computes in 16 bits on fp32 weights; -true holds 16-bit."""
+    """(compute, weights) bytes per value: mixed precision computes in 16 bits on fp32 weights; -true holds 16."""
     compute = 2 if precision.startswith(("bf16", "16")) else 4
     return compute, compute if precision.endswith("-true") else 4
 
@@ -74,12 +73,11 @@ def dtype_bytes(precision: str) -> tuple[int, int]:
 def block_saved_per_token(
     model: dict, *, compute: int, residual: int, exclusive: bool = False, compiled: bool = False
 ) -> dict[str, int]:
-    """Bytes one block saves for the backward per token, by term. Eager: both LayerNorms' inputs (the residual
-    stream, in the weights' dtype) and statistics, their outputs cast for the qkv and fc matmuls, the qkv output
-    (v is a view of it, so it stays whole), q and k after RoPE, the attention output and its logsumexp, the MLP's
-    hidden layer before and after GELU. XSA adds (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head; y and v
-    are SDPA's. Compiled: the partitioner keeps the attention branch's output and recomputes the second residual
-    from it, and XSA keeps its z for W_o instead of recomputing it."""
+    """Bytes one block saves for the backward per token, by term: both LayerNorms' inputs (residual dtype) and
+    statistics, their outputs cast for the qkv and fc matmuls, the qkv output (v, a view, keeps it whole), q and k
+    after RoPE, the attention output and its logsumexp, the MLP's hidden layer before and after GELU; XSA's
+    (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head. Compiled: the attention branch's output replaces the
+    second residual (recomputed from it), and XSA keeps its z for W_o."""
     d, head_dim, heads = model["d_model"], model["head_dim"], model["n_head"]
     width, kv_width = heads * head_dim, (model.get("n_kv_head") or heads) * head_dim
     terms = {
@@ -98,12 +96,9 @@ def block_saved_per_token(
 
 
 def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False) -> int:
-    """The most bytes per token one XSA layer's temporaries hold at once beyond its inputs, what it saves and its
-    output, W = n_head x head_dim and W_kv = n_kv_head x head_dim wide: in its backward (xsa.py's
-    ExclusiveOutputProjection.backward, when it makes the gradient of y), the gradient of z (compute dtype), the
-    gradient of v (v's dtype), the gradient of y in fp32 before its cast, and two fp32 numbers per head (g . v and
-    k); under 16-bit compute also v's fp32 copy and the gradient promoted to fp32 for its product with v. fp32:
-    12 W bytes without grouped heads, bf16: 16 W; the forward's are fewer. Compiled (one fused kernel): the
+    """The most bytes per token one XSA layer's backward temporaries hold at once (ExclusiveOutputProjection.backward
+    making y's gradient): the gradients of z (compute dtype), of v and of y in fp32, two fp32 numbers per head; in
+    16 bits also v's fp32 copy and the gradient promoted for its product with v. Compiled (one fused kernel): the
     gradients of y and v in the compute dtype and one fp32 number per head."""
     heads, width = model["n_head"], model["n_head"] * model["head_dim"]
     kv_width = (model.get("n_kv_head") or heads) * model["head_dim"]
@@ -116,9 +111,8 @@ def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False
 def head_saved_per_token(
     model: dict, vocab_size: int, *, compute: int, residual: int, compiled: bool = False
 ) -> dict[str, int]:
-    """Bytes saved per token outside the blocks: the token ids, the embedding's LayerNorm input and the final
-    LayerNorm's (residual dtype) with their statistics, the head's input in the compute dtype, and the
-    cross-entropy's: eager, its fp32 log-probabilities; compiled, the logits in the compute dtype."""
+    """Bytes saved per token outside the blocks: token ids, both outer LayerNorms' inputs and statistics, the head's
+    input, and the cross-entropy's (eager: fp32 log-probabilities; compiled: the logits in the compute dtype)."""
     d = model["d_model"]
     return {
         "embedding_and_head": 2 * INDEX + 2 * (residual * d + LAYERNORM_STATS) + compute * d,
@@ -127,9 +121,8 @@ def head_saved_per_token(
 
 
 def cross_entropy_transient_per_token(vocab_size: int, *, compute: int, compiled: bool = False) -> int:
-    """Alive at the peak besides the saved logits. Eager: the gradient of the fp32 log-probabilities and log_softmax
-    backward's fp32 output (with the saved log-probabilities, three N x V fp32 buffers). Compiled (measured): two
-    N x V buffers in the compute dtype, the logits' gradient and one intermediate of its size."""
+    """Alive at the peak besides the saved logits. Eager: the log-probabilities' gradient and log_softmax backward's
+    output, fp32. Compiled (measured): the logits' gradient and one intermediate of its size, in the compute dtype."""
     return vocab_size * (2 * FP32 if not compiled else 2 * compute)
 
 
@@ -145,13 +138,11 @@ def activation_bytes(
     compiled: bool = False,
     positions: int | None = None,
 ) -> tuple[int, int]:
-    """(saved, transient) for one micro-batch of `tokens`: what the backward starts with, and the most its ops add
-    at once, one layer at a time: the cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's
-    backward runs after the cross-entropy's buffers, its saved log-probabilities and the last MLP's activations
-    are freed, so where XSA's is the larger this overstates the peak by up to those). `positions`: those the
-    blocks see, the tokens and every sequence's attention sinks (default: the tokens). With activation
-    checkpointing each block keeps only its input, and the block recomputed in the backward (with its XSA
-    temporaries) comes after the cross-entropy's buffers are freed."""
+    """(saved, transient) for one micro-batch: what the backward starts with, and the most its ops add at once: the
+    cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's come after the former are freed: an
+    overstatement by up to those). `positions`: the tokens plus every sequence's attention sinks. With activation
+    checkpointing each block keeps only its input, and the block recomputed in the backward comes after the
+    cross-entropy's buffers are freed."""
     positions = tokens if positions is None else positions
     compute = 2 if half else 4
     terms = block_saved_per_token(model, compute=compute, residual=residual, exclusive=exclusive, compiled=compiled)
@@ -184,13 +175,11 @@ def estimate(
     gradient_as_bucket_view: bool = True,
     accumulation: int = 1,
 ) -> MemoryEstimate:
-    """Per device. fp32 weights, gradients and AdamW's two moments (mixed precision keeps fp32 masters), and under
-    mixed precision autocast's compute-dtype copies of the matmul weights, which the backward keeps. DDP holds them
-    whole on every device, its gradients in its buckets (a second copy without gradient_as_bucket_view); FSDP
-    shards them over `world_size` and gathers one block at a time (two with prefetching) plus the root (the tied
-    embedding) in fp32, autocast copying as under DDP, with one block's unsharded gradients; with gradient
-    accumulation, every unsharded gradient in fp32 (the reduction waits for the step's last micro-batch).
-    attention="xsa": every layer XSA."""
+    """Per device: weights, gradients and AdamW's two moments (fp32 masters under mixed precision, plus autocast's
+    16-bit matmul weight copies, kept by the backward). DDP holds them whole, its gradients in its buckets (a second
+    copy without gradient_as_bucket_view); FSDP shards them over `world_size`, gathering two blocks (prefetch) and
+    the tied embedding in fp32, with one block's unsharded gradients, or every one while accumulating (the
+    reduction waits for the step's last micro-batch). attention="xsa": every layer XSA."""
     compute, weights = dtype_bytes(precision)
     n = parameter_count(model, vocab_size)
     positions = micro_batch_size * (block_size + model.get("n_sinks", 0))  # the sinks pass every block too
@@ -212,9 +201,8 @@ def estimate(
 def autocast_copies(
     model: dict, vocab_size: int, precision: str, *, attention: str, compiled: bool, checkpointing: bool
 ) -> int:
-    """Mixed precision: every matmul weight cast to the compute dtype once per forward (autocast's cache), kept by
-    the backward. Activation checkpointing keeps only the head's, plus the block being recomputed. Eager XSA keeps
-    W_o in fp32 (its fused output projection casts it in the backward)."""
+    """Mixed precision: each matmul weight cast once per forward (autocast's cache), kept by the backward; with
+    activation checkpointing only the head's and the recomputed block's. Eager XSA keeps W_o in fp32."""
     compute, weights = dtype_bytes(precision)
     if compute == weights:
         return 0
@@ -247,8 +235,8 @@ def available_bytes(accelerator: str) -> tuple[int, str]:
 
 
 def allocator_peak(run: Callable[[], object]) -> int:
-    """The most bytes the CPU allocator held during `run` beyond what it held before, from torch.profiler's
-    `[memory]` events; frees of blocks allocated before `run` are not counted. (CUDA has its own counter.)"""
+    """The most bytes the CPU allocator held during `run` beyond what it held before (torch.profiler's `[memory]`
+    events; frees of blocks allocated before `run` not counted). CUDA has its own counter."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     with tempfile.TemporaryDirectory() as tmp:  # the public form of the events: the Chrome trace
@@ -277,10 +265,13 @@ def bucket_view(strategy) -> bool:
 
 
 def describe(e: MemoryEstimate) -> str:
-    copies = f", 16-bit weight copies {e.weight_copies / GIB:.1f}" if e.weight_copies else ""
-    buckets = f", DDP buckets {e.ddp_buckets / GIB:.1f}" if e.ddp_buckets else ""
+    gib = {k: f"{v / GIB:.1f}" for k, v in e.as_dict().items()}
+    extra = [
+        f", {name} {gib[k]}"
+        for k, name in (("weight_copies", "16-bit weight copies"), ("ddp_buckets", "DDP buckets"))
+        if getattr(e, k)
+    ]
     return (
-        f"{e.total / GIB:.1f} GiB (weights {e.params / GIB:.1f}, gradients {e.grads / GIB:.1f}, AdamW state "
-        f"{e.optimizer / GIB:.1f}{copies}{buckets}, activations of one micro-batch "
-        f"{(e.activations + e.transient) / GIB:.1f})"
+        f"{gib['total']} GiB (weights {gib['params']}, gradients {gib['grads']}, AdamW state {gib['optimizer']}"
+        f"{''.join(extra)}, activations of one micro-batch {(e.activations + e.transient) / GIB:.1f})"
     )

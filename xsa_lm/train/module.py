@@ -39,9 +39,11 @@ def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (linear weights, embeddings); never norms or biases."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in trained if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 class LMModule(L.LightningModule):
@@ -61,20 +63,16 @@ class LMModule(L.LightningModule):
         token_bytes: list[int] | None = None,
     ) -> None:
         super().__init__()
-        self.model_config = model_config
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
-        self.total_steps = total_steps
+        self.model_config, self.total_steps = model_config, total_steps
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.model = GPT(model_config)
         for block in self.model.blocks:  # before compile and before FSDP2 wraps each block (configure_model)
             cast(Block, block).activation_checkpointing = activation_checkpointing
         if compile:
             compile_model(self.model)
         self.diverged_at: int | None = None
-        self.skip_budget = skip_nonfinite_batches
-        self.spike_factor = spike_factor
-        self.nan_at_step = nan_at_step
-        self.nan_on_rank = nan_on_rank  # None: every rank
+        self.skip_budget, self.spike_factor = skip_nonfinite_batches, spike_factor
+        self.nan_at_step, self.nan_on_rank = nan_at_step, nan_on_rank  # nan_on_rank None: every rank
         self.events: list[dict] = []  # skipped batches and loss / grad-norm spikes, kept in summary.json
         self._typical: dict[str, float] = {}  # running averages at log steps, for spike detection
         self._nonfinite: list[tuple[int, torch.Tensor]] = []  # (step, device flag) not yet read by the host
@@ -111,7 +109,9 @@ class LMModule(L.LightningModule):
         if accumulate is not None and "global_step" in checkpoint:
             restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
             realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
-            self.restore_faults(checkpoint["faults"])
+            faults = json.loads(checkpoint["faults"])
+            self.events, self._typical = faults["events"], dict(faults["spike_averages"])
+            self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
 
     def on_train_start(self) -> None:
         for config in self.trainer.lr_scheduler_configs:  # restored from a checkpoint: at its step of this schedule
@@ -120,18 +120,11 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
         checkpoint["model_config"] = asdict(self.model_config)
-        # What a resume needs to go on where the run was: its events so far (the skip budget counts them), the
-        # spike detector's averages, and the skipped updates not yet read (the flags are read at logging steps).
-        # As JSON text, which every strategy's checkpoint format (FSDP2's sharded one too) keeps as it is.
+        # What a resume needs to go on where the run was: its events (the skip budget counts them), the spike
+        # averages, the skipped updates not yet read; as JSON text, which every checkpoint format keeps as it is.
         pending = [step for step, flag in self._nonfinite if bool(flag)]
         faults = {"events": self.events, "spike_averages": self._typical, "skipped_unread": pending}
         checkpoint["faults"] = json.dumps(faults)
-
-    def restore_faults(self, saved: str) -> None:
-        faults = json.loads(saved)
-        self.events = faults["events"]
-        self._typical = dict(faults["spike_averages"])
-        self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:
@@ -145,9 +138,8 @@ class LMModule(L.LightningModule):
         """
         x, y = batch
         if isinstance(self.model, FSDPModule):  # DDP's counterpart is Lightning's no_sync
-            # Gradients accumulate unreduced on each rank and are reduce-scattered once, after the step's last
-            # micro-batch: one reduction per step instead of one per micro-batch, at the cost of holding the
-            # unsharded gradients (in the fp32 reduce dtype) while accumulating.
+            # One reduce-scatter per step, after its last micro-batch, at the cost of holding the unsharded fp32
+            # gradients while accumulating.
             self.model.set_requires_gradient_sync(not accumulating(self.trainer))
         _, loss = self.model(x, y)
         if self.nan_at_step is not None and self.global_step == self.nan_at_step:  # faults.inject_nan_at_step
@@ -161,8 +153,8 @@ class LMModule(L.LightningModule):
             self.log_step_loss()
         # Not LearningRateMonitor: it names the column lr-AdamW/pg1 and logs it on rows of its own, per micro-batch.
         if should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
-            optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer: not a list
-            self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True)
+            lr = cast(LightningOptimizer, self.optimizers()).param_groups[0]["lr"]  # one optimizer: not a list
+            self.log("train/lr", lr, on_step=True)
         return loss
 
     def log_step_loss(self) -> None:
@@ -221,12 +213,11 @@ class LMModule(L.LightningModule):
         nonfinite = ~torch.isfinite(grad_norm)
         if optimizer.defaults.get("fused"):
             skip_fused_update(optimizer, nonfinite)
-            self._nonfinite.append((self.global_step, nonfinite))
         elif nonfinite:  # a host-device sync per step, only for optimizers that cannot skip on the device
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # the optimizer leaves parameters without a gradient untouched
-            self._nonfinite.append((self.global_step, nonfinite))
+            optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient untouched
+        else:
+            return
+        self._nonfinite.append((self.global_step, nonfinite))
 
     def on_train_batch_start(self, batch: tuple, batch_idx: int) -> None:
         if self.global_step + 1 >= self.trainer.max_steps and not accumulating(self.trainer):
@@ -253,15 +244,18 @@ class LMModule(L.LightningModule):
         for step in steps:
             if self.diverged_at is not None:
                 break
-            if len([e for e in self.events if e["event"] == "skipped_batch"]) < self.skip_budget:
+            if self.count("skipped_batch") < self.skip_budget:
                 self.record_event("skipped_batch", None, step)
             else:
                 self.diverged_at = step
                 self.trainer.should_stop = True
 
+    def count(self, event: str) -> int:
+        return sum(e["event"] == event for e in self.events)
+
     def record_event(self, event: str, value: float | None, step: int | None = None) -> None:
         self.events.append({"event": event, "step": self.global_step if step is None else step, "value": value})
-        self.log(f"events/{event}", float(len([e for e in self.events if e["event"] == event])), on_step=True)
+        self.log(f"events/{event}", float(self.count(event)), on_step=True)
 
     def watch_for_spike(self, event: str, value: torch.Tensor) -> None:
         """At logging steps only (reading the value syncs with the device): a value above spike_factor x its

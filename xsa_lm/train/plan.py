@@ -4,27 +4,19 @@ micro-batch that fits: memory.py's estimate, the one `xsa-lm train` checks (RunS
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Annotated, Any
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
-from xsa_lm.config.checks import check_switches
-from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
+from xsa_lm.config.spec import VALUES_ONLY, Spec, TrainSpec, parse, rule
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled, uses_cuda
-
-
-def accumulation(global_batch_tokens: int, micro_batch_size: int, devices: int, block_size: int) -> int | None:
-    """Micro-batches per optimizer step on each device (None when not a whole number)."""
-    per_micro_step = micro_batch_size * devices * block_size
-    if per_micro_step == 0 or global_batch_tokens % per_micro_step:
-        return None
-    return global_batch_tokens // per_micro_step
 
 
 @dataclass(frozen=True)
@@ -44,21 +36,19 @@ class RunShape:
 
     @property
     def accumulation(self) -> int | None:
-        return accumulation(self.global_batch_tokens, self.micro_batch_size, self.devices, self.block_size)
+        """Micro-batches per optimizer step on each device (None when not a whole number)."""
+        per_micro_step = self.micro_batch_size * self.devices * self.block_size
+        whole = per_micro_step and not self.global_batch_tokens % per_micro_step
+        return self.global_batch_tokens // per_micro_step if whole else None
 
     def memory_args(self) -> dict:
         """memory.estimate's arguments for this run, all but micro_batch_size."""
-        return dict(
+        same = "block_size precision strategy activation_checkpointing compiled gradient_as_bucket_view".split()
+        return {name: getattr(self, name) for name in same} | dict(
             model=asdict(self.model),
             vocab_size=self.model.vocab_size,
-            block_size=self.block_size,
-            precision=self.precision,
-            strategy=self.strategy,
             world_size=self.devices,
-            activation_checkpointing=self.activation_checkpointing,
-            compiled=self.compiled,
             attention=self.model.attention,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
             accumulation=self.accumulation or 1,
         )
 
@@ -70,18 +60,18 @@ def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> 
     """The run `xsa-lm train` would start from this spec, before its tokenizer exists: the model's vocabulary, else
     the tokenizer's size (GPT-2's by default)."""
     trainer = spec.trainer
+    if activation_checkpointing is None:
+        activation_checkpointing = trainer.activation_checkpointing
     return RunShape(
-        model=spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
-        micro_batch_size=spec.micro_batch_size,
-        block_size=spec.block_size,
-        global_batch_tokens=spec.global_batch_tokens,
+        spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
+        spec.micro_batch_size,
+        spec.block_size,
+        spec.global_batch_tokens,
         precision=trainer.resolved_precision,
         devices=trainer.world_size,
         strategy=trainer.strategy_kind,
         compiled=compile_enabled(spec.compile, accelerator=trainer.accelerator),
-        activation_checkpointing=trainer.activation_checkpointing
-        if activation_checkpointing is None
-        else activation_checkpointing,
+        activation_checkpointing=activation_checkpointing,
         gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
     )
 
@@ -141,14 +131,11 @@ def make_plan(run: RunShape, *, model_name: str, available: int, available_from:
     positions = run.micro_batch_size * (run.block_size + run.model.n_sinks)
     xsa = run.model.attention == "xsa"
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
-    modes = {"eager": False, "compiled": True}
-    same = (
-        "strategy devices precision activation_checkpointing compiled micro_batch_size block_size global_batch_tokens"
-    )
-    chosen = strategies[run.strategy]
+    modes, chosen = {"eager": False, "compiled": True}, strategies[run.strategy]
+    same = "strategy devices precision activation_checkpointing compiled micro_batch_size block_size accumulation"
     return Plan(
         model=model_name,
-        **{name: getattr(run, name) for name in [*same.split(), "accumulation"]},
+        **{name: getattr(run, name) for name in [*same.split(), "global_batch_tokens"]},
         attention=run.model.attention,
         n_sinks=run.model.n_sinks,
         parameters=memory.parameter_count(model, run.model.vocab_size),
@@ -223,8 +210,7 @@ def table(plan: Plan) -> str:
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    lines += ["", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)])
 
 
 def size(n: int) -> str:
@@ -245,45 +231,52 @@ def xsa_line(plan: Plan) -> str:
         return "XSA's memory: none (attention sa)"
     mode = "compiled" if plan.compiled else "eager"
     xsa, cross_entropy = plan.xsa_temporaries_bytes[mode], plan.cross_entropy_transient_bytes[mode]
-    peak = "XSA's" if xsa > cross_entropy else "the cross-entropy's"
     return (
         f"XSA's memory ({mode}): {size(plan.xsa_saved_bytes)} saved for the backward (per token, fp32 "
         f"(y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head, in every layer); the temporaries of one layer's "
         f"backward {size(xsa)}, against the cross-entropy backward's {size(cross_entropy)}: the backward peak is "
-        f"{peak}"
+        f"{'XSA' if xsa > cross_entropy else 'the cross-entropy'}'s"
     )
 
 
 def batch_line(plan: Plan) -> str:
-    per_micro_step = plan.micro_batch_size * plan.devices * plan.block_size
-    if plan.accumulation is None:
-        return (
-            f"global_batch_tokens={plan.global_batch_tokens:,} is not a multiple of micro_batch_size x devices x "
-            f"data.block_size = {plan.micro_batch_size} x {plan.devices} x {plan.block_size} = "
-            f"{per_micro_step:,}: `xsa-lm train` refuses this config; set global_batch_tokens to a multiple of "
-            f"{per_micro_step:,}"
-        )
+    step = plan.micro_batch_size * plan.devices * plan.block_size
+    if plan.accumulation is not None:
+        per_step = f"{plan.accumulation} micro-batch(es) of {step:,} tokens per optimizer step"
+        return f"global_batch_tokens={plan.global_batch_tokens:,}: {per_step}"
     return (
-        f"global_batch_tokens={plan.global_batch_tokens:,}: {plan.accumulation} micro-batch(es) of "
-        f"{per_micro_step:,} tokens per optimizer step"
+        f"global_batch_tokens={plan.global_batch_tokens:,} is not a multiple of micro_batch_size x devices x "
+        f"data.block_size = {plan.micro_batch_size} x {plan.devices} x {plan.block_size} = {step:,}: `xsa-lm train` "
+        f"refuses this config; set global_batch_tokens to a multiple of {step:,}"
     )
+
+
+def _gib(value: Any) -> str | None:
+    positive = not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+    return None if value is None or positive else "must be a positive number of GiB"
+
+
+class PlanOptions(Spec):
+    """configs/plan.yaml's keys beside the training config's."""
+
+    device_memory_gb: Annotated[float | int | None, rule(_gib)] = None
+    activation_checkpointing: bool
+    out: Any = None  # a path (Hydra reads out=2024 as a number)
+    overwrite: bool = False
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
 @one_line_errors
 def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
-    check_switches(cfg, keys=("overwrite",))
-    if cfg.out == "":
+    options = parse(PlanOptions, {key: cfg[key] for key in PlanOptions.model_fields})
+    if options.out == "":
         raise UserError("out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out")
-    out = None if cfg.out is None else Path(str(cfg.out))
+    out = None if options.out is None else Path(str(options.out))
     if out is not None:
-        check_new_file(out, overwrite=cfg.overwrite, example="plan.json")
+        check_new_file(out, overwrite=options.overwrite, example="plan.json")
     spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
-    check_switches(cfg, keys=("activation_checkpointing",))
-    gib, accelerator = cfg.device_memory_gb, spec.trainer.accelerator
-    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib < math.inf):
-        raise UserError(f"device_memory_gb must be a positive number of GiB, got {gib}")
-    run = run_shape(spec, activation_checkpointing=cfg.activation_checkpointing)  # plan.yaml's: the trainer's
+    run = run_shape(spec, activation_checkpointing=options.activation_checkpointing)  # plan.yaml's: the trainer's
+    gib, accelerator = options.device_memory_gb, spec.trainer.accelerator
     if gib is not None:
         available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
     else:
