@@ -1,6 +1,7 @@
 """What the study reports (sweep, scaling study, token axis) share: how a number reads in a table, a markdown table
 (pandas' to_markdown), the row of a paired comparison, the files of a report and the W&B run that carries it."""
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +24,40 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
     if not ci:
         return none
     return "[" + ", ".join("unbounded" if end is None else num(end, spec) for end in ci) + "]"
+
+
+def table(text: str, align: str) -> str:
+    """A template's table: its lines (header first) as `| cell | cell |`, rendered as markdown_table does."""
+    lines = text.strip("\n").split("\n")
+    header, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines)
+    return "\n".join(markdown_table(header, rows, align=align))
+
+
+@functools.cache
+def templates() -> Any:
+    """The report templates (xsa_lm/templates): they lay out the text; the numbers come formatted by num and f."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("xsa_lm", "templates"),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(num=num, interval=interval, table=table, f=format)
+    env.globals.update(paired_cells=paired_cells)
+    return env
+
+
+def render(template: str, **values: Any) -> str:
+    """The text of xsa_lm/templates/`template` for `values`."""
+    return str(templates().get_template(template).render(**values))
+
+
+def render_lines(template: str, **values: Any) -> list[str]:
+    """render's text as lines (a template ends its last line with a newline)."""
+    return render(template, **values).removesuffix("\n").split("\n")
 
 
 def section(heading: str, *paragraphs: str) -> list[str]:

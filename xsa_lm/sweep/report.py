@@ -18,6 +18,7 @@ from xsa_lm.reporting import (
     markdown_table,
     num,
     paired_cells,
+    render_lines,
     saved_figure,
     section,
     warning_lines,
@@ -396,62 +397,7 @@ def clustered_line(test: ClusteredTest, shares: str = "its initialisation and da
 
 def stall_lines(study: StallStudy) -> list[str]:
     """The stall section: the rule, the table per LR and arm, the stratified test, the paired final losses."""
-    rule, cells, stalls, judged, test = study.rule, study.cells, study.stalls, study.judged, study.stratified_test
-
-    def diag(cell: dict, metric: str) -> str:
-        states = (cell[f"diagnostics_{state}"] for state in ("stalled", "healthy"))
-        return " / ".join(f"{d[metric]:.3f}" if d else "-" for d in states)
-
-    def runs(cell: dict) -> str:
-        return f"{cell['runs']}" + (f" (+{n} diverged/failed)" if (n := cell["diverged_or_failed"]) else "")
-
-    lines = section(
-        "## Stalls per LR and arm (LR x seed grid of the search)",
-        f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
-        f"{rule['margin']:g} nats above the median of every run at its LR (both arms), a rule fixed in the sweep's "
-        "plan. Stall rate: exact (Clopper-Pearson) 95% CI; final loss: median [IQR] of the runs that did not diverge.",
-    )
-    header = ["LR", "arm", "runs", "stalls", "stall rate 95% CI", "final loss median [IQR]"]
-    header += ["a_ii stalled / healthy", "cos(y,v) stalled / healthy"]
-    rows = [
-        [f"{c['lr']:g}", c["attention"].upper(), runs(c), c["stalls"], interval(c["stall_rate_ci95"], ".2f")]
-        + [f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if (q := c["final_loss_quartiles"]) else "-"]
-        + [diag(c, "a_ii"), diag(c, "cos_y_v")]
-        for c in cells
-    ]
-    lines += markdown_table(header, rows, align="rlrrllll")
-    lines += [
-        "",
-        f"In all: SA stalled in {stalls['sa']} of {judged['sa']} runs, XSA in {stalls['xsa']} of {judged['xsa']}.",
-    ]
-    if test and test.p_value is not None:
-        lines.append(
-            "Cochran-Mantel-Haenszel test stratified by LR (SA's stall rate = XSA's at every LR): chi^2 = "
-            f"{test.statistic:.2f} on 1 dof, p = {test.p_value:.3g}."
-        )
-    elif test:
-        lines.append(f"Stratified test: {test.note}.")
-    if paired := study.paired_final_losses:
-        per_lr = "; ".join(
-            f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
-            for c in paired.per_lr
-        )
-        lines += [
-            "",
-            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired.pairs} pairs XSA is lower in "
-            f"{paired.xsa_lower} (exact sign test p = {num(paired.sign_test_p_value, '.3g')} if the pairs were "
-            "independent; they are not).",
-            clustered_line(paired.by_seed),
-        ]
-    if any(c.get("median_tokens_to_threshold") is not None for c in cells):
-        rows = [
-            [f"{c['lr']:g}", c["attention"].upper(), c.get("reached_threshold", 0)]
-            + [num(c.get("median_tokens_to_threshold"), ",.0f")]
-            for c in cells
-        ]
-        header = ["LR", "arm", "runs reaching the threshold", "median tokens to reach it"]
-        lines += ["", *markdown_table(header, rows, align="rlrr")]
-    return lines
+    return render_lines("stalls.md.j2", study=study)
 
 
 def compare_lines(results: SweepResult) -> list[str]:
