@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from xsa_lm.files import write_json, write_text
@@ -30,7 +31,7 @@ def table(text: str, align: str) -> str:
     """A template's table: its lines (header first) as `| cell | cell |`, rendered as markdown_table does."""
     lines = text.strip("\n").split("\n")
     header, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines)
-    return "\n".join(markdown_table(header, rows, align=align))
+    return "\n".join(markdown_table(header, rows, align=align)) + "\n"
 
 
 @functools.cache
@@ -46,7 +47,7 @@ def templates() -> Any:
         undefined=jinja2.StrictUndefined,
     )
     env.filters.update(num=num, interval=interval, table=table, f=format)
-    env.globals.update(paired_cells=paired_cells)
+    env.globals.update(paired_cells=paired_cells, PAIRED_HEADER=PAIRED_HEADER, PAIRED_ALIGN=PAIRED_ALIGN, fmean=fmean)
     return env
 
 
