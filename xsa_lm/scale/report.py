@@ -17,6 +17,7 @@ from xsa_lm.reporting import (
     markdown_table,
     num,
     paired_cells,
+    render,
     saved_figure,
     section,
     warning_lines,
@@ -24,10 +25,9 @@ from xsa_lm.reporting import (
 )
 from xsa_lm.scale.fit import Fit
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
-from xsa_lm.stats.decision import ClusteredTest
 from xsa_lm.stats.paired import PairedStats
 from xsa_lm.stats.positions import PositionDifferences
-from xsa_lm.sweep.report import BpbStats, clustered_line, position_lines
+from xsa_lm.sweep.report import BpbStats, position_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,109 +177,11 @@ def fit_of(results: ScaleStudyResult) -> Fit:
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
-def fit_lines(results: ScaleStudyResult) -> list[str]:
-    """The SA fit of loss vs compute, its lack-of-fit test, the shared fit, and each size against the SA fit."""
-    fit, lack = results.fit, results.fit["lack_of_fit"]
-    test = f"no test ({lack['dof']} dof or a size with one seed)"
-    if lack["p"] is not None:
-        test = f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof, p = {lack['p']:.2g}"
-    lines = section(
-        "## SA loss vs training compute",
-        f"SA fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
-        f"squares): **{fit['formula']}** (C: training FLOPs). RMS residual {fit['rms_residual']:.4f}. Lack of fit "
-        f"against each size's standard error over seeds: {test}.",
-        f"Shared fit of both arms (one E and one alpha, Huber loss on log-loss residuals): "
-        f"**{fit['shared']['formula']}**; size-level deviation beyond seed noise: "
-        f"{fit['shared']['lack_of_fit_sd']:.4f} sd.",
-    )
-    model, rows = fit_of(results), []
-    for size in results.sizes:
-        if size.compute is None or size.sa_mean is None:
-            rows.append([size.model, "-", "-", "-", "-", "-", "left out"])
-            continue
-        predicted = model.loss(size.compute)
-        rows.append([size.model, f"{size.non_embedding_params:,}", f"{size.selected_lr:g}", f"{size.compute:.3g}"])
-        rows[-1] += [num(size.sa_mean), num(predicted), f"{size.sa_mean - predicted:+.4f}"]
-    header = ["model", "non-embedding params", "selected LR", "compute (FLOPs)", "SA mean", "SA fit", "residual"]
-    return lines + markdown_table(header, rows, align="lrrrrrr")
-
-
-def size_test_lines(results: ScaleStudyResult) -> list[str]:
-    """XSA - SA at each size with the paired t, exact Wilcoxon and exact sign tests, Holm across sizes."""
-    lines = section(
-        "## XSA vs SA at each size",
-        "Paired over seeds, two-sided; Holm: the t p-values adjusted for testing every size.",
-    )
-    rows = []
-    for size in results.sizes:
-        if (t := size.tests) is not None:
-            stats = PairedStats.from_json({k: v for k, v in t.items() if k != "t_p_holm"})
-            rows.append([size.model, num(size.sa_mean), num(size.xsa_mean), *paired_cells(stats)])
-            rows[-1].append(num(t["t_p_holm"], ".3g"))
-    header = ["model", "SA mean", "XSA mean", *PAIRED_HEADER, "Holm p"]
-    lines += markdown_table(header, rows, align="lrr" + PAIRED_ALIGN + "r")
-    pooled = results.across_sizes["pooled_sign"]
-    lines += [
-        "",
-        f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} (exact sign "
-        f"test p = {num(pooled['p'], '.3g')}; a size's pairs share its LR and curve: the direction, not a size).",
-    ]
-    if "by_seed" in results.across_sizes:
-        by_seed = ClusteredTest.from_json(results.across_sizes["by_seed"])
-        lines.append(clustered_line(by_seed, shares="its data order at every size"))
-    return lines
-
-
-def multiplier_lines(results: ScaleStudyResult) -> list[str]:
-    """The ladder's one multiplier, only when no flag is up."""
-    fit = results.fit
-    lines = ["", "## XSA's effective-compute multiplier (the ladder)", ""]
-    if fit.get("flags"):
-        return lines + [
-            f"Not reported: the ladder is flagged ({', '.join(f['flag'] for f in fit['flags'])}): a multiplier off a "
-            "curve that does not describe the data means nothing. results.json keeps it under `fit.not_results`, "
-            "for diagnosis only.",
-            "",
-            "wall-clock k: measure throughput with xsa-lm bench",
-        ]
-    wall = fit["wallclock"]
-    wall_line = wall["note"]
-    if wall["multiplier"] is not None:
-        wall_line = f"wall-clock k: {wall['multiplier']:.3f}, 95% CI {interval(wall['ci'], '.3f')} ({wall['note']})"
-    return lines + [
-        f"k = **{num(fit['multiplier'], '.3f')}**, 95% CI {interval(fit['multiplier_ci'], '.3f')}: k = (A_SA / "
-        "A_XSA)^(1/alpha) of the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is worth k x the "
-        "compute). Interval: a parametric bootstrap of the shared fit (each size's seed noise and the size-level "
-        "deviations beyond it).",
-        "",
-        wall_line,
-    ]
-
-
 def render_ladder(results: ScaleStudyResult) -> str:
-    lines = ["# SA vs XSA across model sizes: effective-compute multiplier", ""]
-    if results.reanalysed:
-        lines.append(f"- re-analysed on {results.reanalysed} from the saved sizes with the current analysis")
-    lines += [
-        f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
-        f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
-        f"- sizes: {', '.join(results.models)}; each size: LR search on SA, then SA vs XSA at its selected LR "
-        "(its own sweep under `sizes/`)",
-    ]
-    if flags := results.fit.get("flags", []):
-        lines += [
-            "",
-            "## Flags: this ladder gives no multiplier",
-            "",
-            *(f"- **{f['flag']}**: {f['reason']}" for f in flags),
-        ]
-    lines += warning_lines(results.warnings) + fit_lines(results) + size_test_lines(results) + multiplier_lines(results)
-    lines += [
-        "",
-        "The fits run along this ladder of sizes at a fixed token budget, not a compute-optimal frontier: the "
-        "multiplier is the compute SA would need on this ladder. Each size's LR, selected on SA, is reused for XSA.",
-    ]
-    return "\n".join(lines) + "\n"
+    """report.md of the size axis (xsa_lm/templates/scale.md.j2)."""
+    tests = [(size, size.tests) for size in results.sizes if size.tests is not None]
+    size_tests = [(size, PairedStats.from_json({k: v for k, v in t.items() if k != "t_p_holm"})) for size, t in tests]
+    return render("scale.md.j2", r=results, model=fit_of(results), size_tests=size_tests)
 
 
 def protocol_text(plan: TokenPlan) -> str:
