@@ -3,9 +3,9 @@
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -34,6 +34,11 @@ def table(text: str, align: str) -> str:
     return "\n".join(markdown_table(header, rows, align=align)) + "\n"
 
 
+def having(items: Iterable[Mapping[str, Any]], key: str, *, empty: bool = False) -> list[Mapping[str, Any]]:
+    """The items whose `key` has a value (an empty one too with `empty`)."""
+    return [item for item in items if item.get(key) is not None and (empty or item[key])]
+
+
 @functools.cache
 def templates() -> Any:
     """The report templates (xsa_lm/templates): they lay out the text; the numbers come formatted by num and f."""
@@ -46,8 +51,9 @@ def templates() -> Any:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(num=num, interval=interval, table=table, f=format)
-    env.globals.update(paired_cells=paired_cells, PAIRED_HEADER=PAIRED_HEADER, PAIRED_ALIGN=PAIRED_ALIGN, fmean=fmean)
+    env.filters.update(num=num, interval=interval, table=table, f=format, having=having)
+    env.globals.update(paired_cells=paired_cells, PAIRED_HEADER=PAIRED_HEADER, PAIRED_ALIGN=PAIRED_ALIGN)
+    env.globals.update(fmean=fmean, zip=zip)
     return env
 
 
@@ -83,8 +89,11 @@ PAIRED_HEADER = ["pairs", "mean", "sd", "95% CI (t)", "t p", "Wilcoxon p", "sign
 PAIRED_ALIGN = "rrrlrrrr"
 
 
-def paired_cells(stats: PairedStats) -> list[str]:
-    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests."""
+def paired_cells(stats: PairedStats | Mapping[str, Any]) -> list[str]:
+    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests; `stats` may
+    be its JSON (a record read back, with more keys)."""
+    if isinstance(stats, Mapping):
+        stats = PairedStats(**{f.name: stats[f.name] for f in fields(PairedStats)})
     ps = [num(p, ".3g") for p in (stats.t_p, stats.wilcoxon_p, stats.sign_p)]
     mean, sd, ci = num(stats.mean_diff, "+.4f"), num(stats.sd_diff), interval(stats.t_ci95)
     return [str(stats.pairs), mean, sd, ci, *ps, f"{stats.xsa_lower}/{stats.pairs}"]
