@@ -62,20 +62,6 @@ def render(template: str, **values: Any) -> str:
     return str(templates().get_template(template).render(**values))
 
 
-def render_lines(template: str, **values: Any) -> list[str]:
-    """render's text as lines (a template ends its last line with a newline)."""
-    return render(template, **values).removesuffix("\n").split("\n")
-
-
-def section(heading: str, *paragraphs: str) -> list[str]:
-    """The lines that open a report's section: its heading and paragraphs, each after a blank line, then one more."""
-    return ["", heading, *(line for paragraph in paragraphs for line in ("", paragraph)), ""]
-
-
-def warning_lines(warnings: Sequence[str]) -> list[str]:
-    return ["", "## Warnings", "", *(f"- **{w}**" for w in warnings)] if warnings else []
-
-
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
     """A markdown table's lines (pandas' to_markdown), `align` "l" or "r" per column, each cell as str() writes it."""
     import pandas as pd  # type: ignore[import-untyped]  # no stubs in use

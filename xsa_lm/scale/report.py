@@ -167,11 +167,6 @@ def fit_of(results: ScaleStudyResult) -> Fit:
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
-def render_ladder(results: ScaleStudyResult) -> str:
-    """report.md of the size axis (xsa_lm/templates/scale.md.j2)."""
-    return render("scale.md.j2", r=results, model=fit_of(results))
-
-
 def by_budget(budgets: dict[str, Any]) -> list[tuple[str, Any]]:
     """A size's budgets (fractions of B as text: "0.5", "1", ...), smallest first."""
     return sorted(budgets.items(), key=lambda item: float(item[0]))
@@ -186,14 +181,11 @@ def k_cells(cell: dict) -> list[str]:
     return [k, f"[{lo_text}, {hi_text}]"]
 
 
-def render_tokens(results: TokenStudyResult) -> str:
-    """report.md of the token axis (xsa_lm/templates/tokens.md.j2)."""
-    return render("tokens.md.j2", r=results, by_budget=by_budget, k_cells=k_cells, STALL_MARGIN=STALL_MARGIN)
-
-
 def render_markdown(results: ScaleStudyResult | TokenStudyResult) -> str:
-    """report.md of a study along either axis."""
-    return render_tokens(results) if isinstance(results, TokenStudyResult) else render_ladder(results)
+    """report.md of a study along either axis (xsa_lm/templates/tokens.md.j2 or scale.md.j2)."""
+    if isinstance(results, TokenStudyResult):
+        return render("tokens.md.j2", r=results, by_budget=by_budget, k_cells=k_cells, STALL_MARGIN=STALL_MARGIN)
+    return render("scale.md.j2", r=results, model=fit_of(results))
 
 
 def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:

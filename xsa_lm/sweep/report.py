@@ -1,6 +1,6 @@
 """The sweep's outputs: results.json (the SweepResult record), report.md (rendered from that record), the plots, and a
-W&B report run in the sweep's group. The statistics decide (records with their verdict fields); the renderer only
-words the decision."""
+W&B report run in the sweep's group. The statistics decide (records with their verdict fields); the template
+(xsa_lm/templates/sweep.md.j2) only words the decision."""
 
 import statistics
 from collections.abc import Sequence
@@ -15,12 +15,10 @@ from xsa_lm.reporting import (
     log_report_run,
     num,
     render,
-    render_lines,
     saved_figure,
-    templates,
     write_report_files,
 )
-from xsa_lm.stats.decision import ClusteredTest, MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
+from xsa_lm.stats.decision import MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import ALPHA, POWER, PairedStats, min_detectable_difference, paired_stats
 from xsa_lm.stats.positions import PositionDifferences, position_differences
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
@@ -334,19 +332,9 @@ def build_results(
 # --- report.md ------------------------------------------------------------------------------------------------
 
 
-def clustered_line(test: ClusteredTest, shares: str = "its initialisation and data order") -> str:
-    """The test by seed (a seed's pairs share `shares`, so they are one observation)."""
-    return str(templates().get_template("macros.md.j2").module.clustered(test, shares))  # type: ignore[attr-defined]
-
-
 def stall_lines(study: StallStudy) -> list[str]:
     """The stall section: the rule, the table per LR and arm, the stratified test, the paired final losses."""
-    return render_lines("stalls.md.j2", study=study)
-
-
-def position_lines(positions: PositionDifferences | None, heading: str) -> list[str]:
-    """XSA - SA per span of window positions and the trend across spans (xsa_lm.stats.positions)."""
-    return render_lines("positions.md.j2", positions=positions, heading=heading) if positions else []
+    return render("stalls.md.j2", study=study).removesuffix("\n").split("\n")
 
 
 def render_markdown(results: SweepResult) -> str:
