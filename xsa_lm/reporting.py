@@ -1,5 +1,6 @@
-"""What the study reports (sweep, scaling study, token axis) share: how a number reads in a table, a markdown table
-(pandas' to_markdown), the row of a paired comparison, the files of a report and the W&B run that carries it."""
+"""What the study reports (sweep, scaling study, token axis) share: the Jinja2 templates that word them
+(xsa_lm/templates) with how a number reads there, their markdown tables (pandas' to_markdown), the row of a paired
+comparison, the files of a report and the W&B run that carries it."""
 
 import functools
 import math
@@ -9,6 +10,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from statistics import fmean
 from typing import Any
+
+import jinja2
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
@@ -28,10 +31,15 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
 
 
 def table(text: str, align: str) -> str:
-    """A template's table: its lines (header first) as `| cell | cell |`, rendered as markdown_table does."""
+    """A template's table, its lines (header first) written `| cell | cell |`, as pandas' to_markdown writes it;
+    `align` "l" or "r" per column."""
+    import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
+
     lines = text.strip("\n").split("\n")
     header, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines)
-    return "\n".join(markdown_table(header, rows, align=align)) + "\n"
+    frame = pd.DataFrame(rows, columns=header, dtype=object)
+    colalign = ["right" if a == "r" else "left" for a in align]
+    return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True) + "\n"
 
 
 def having(items: Iterable[Mapping[str, Any]], key: str, *, empty: bool = False) -> list[Mapping[str, Any]]:
@@ -40,10 +48,8 @@ def having(items: Iterable[Mapping[str, Any]], key: str, *, empty: bool = False)
 
 
 @functools.cache
-def templates() -> Any:
+def templates() -> jinja2.Environment:
     """The report templates (xsa_lm/templates): they lay out the text; the numbers come formatted by num and f."""
-    import jinja2
-
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("xsa_lm", "templates"),
         trim_blocks=True,
@@ -60,15 +66,6 @@ def templates() -> Any:
 def render(template: str, **values: Any) -> str:
     """The text of xsa_lm/templates/`template` for `values`."""
     return str(templates().get_template(template).render(**values))
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
-    """A markdown table's lines (pandas' to_markdown), `align` "l" or "r" per column, each cell as str() writes it."""
-    import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
-
-    table = pd.DataFrame([[str(c) for c in row] for row in rows], columns=list(header), dtype=object)
-    colalign = ["right" if a == "r" else "left" for a in align]
-    return table.to_markdown(index=False, colalign=colalign, disable_numparse=True).splitlines()
 
 
 PAIRED_HEADER = ["pairs", "mean", "sd", "95% CI (t)", "t p", "Wilcoxon p", "sign p", "lower"]
