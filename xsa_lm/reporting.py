@@ -1,12 +1,17 @@
-"""What the study reports (sweep, scaling study, token axis) share: how a number reads in a table, a markdown table
-(pandas' to_markdown), the row of a paired comparison, the files of a report and the W&B run that carries it."""
+"""What the study reports (sweep, scaling study, token axis) share: the Jinja2 templates that word them
+(xsa_lm/templates) with how a number reads there, their markdown tables (pandas' to_markdown), the row of a paired
+comparison, the files of a report and the W&B run that carries it."""
 
+import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from statistics import fmean
 from typing import Any
+
+import jinja2
 
 from xsa_lm.files import write_json, write_text
 from xsa_lm.records import Record
@@ -25,30 +30,53 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
     return "[" + ", ".join("unbounded" if end is None else num(end, spec) for end in ci) + "]"
 
 
-def section(heading: str, *paragraphs: str) -> list[str]:
-    """The lines that open a report's section: its heading and paragraphs, each after a blank line, then one more."""
-    return ["", heading, *(line for paragraph in paragraphs for line in ("", paragraph)), ""]
-
-
-def warning_lines(warnings: Sequence[str]) -> list[str]:
-    return ["", "## Warnings", "", *(f"- **{w}**" for w in warnings)] if warnings else []
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str) -> list[str]:
-    """A markdown table's lines (pandas' to_markdown), `align` "l" or "r" per column, each cell as str() writes it."""
+def table(text: str, align: str) -> str:
+    """A template's table, its lines (header first) written `| cell | cell |`, as pandas' to_markdown writes it;
+    `align` "l" or "r" per column."""
     import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
 
-    table = pd.DataFrame([[str(c) for c in row] for row in rows], columns=list(header), dtype=object)
+    lines = text.strip("\n").split("\n")
+    header, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines)
+    frame = pd.DataFrame(rows, columns=header, dtype=object)
     colalign = ["right" if a == "r" else "left" for a in align]
-    return table.to_markdown(index=False, colalign=colalign, disable_numparse=True).splitlines()
+    return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True) + "\n"
+
+
+def having(items: Iterable[Mapping[str, Any]], key: str, *, empty: bool = False) -> list[Mapping[str, Any]]:
+    """The items whose `key` has a value (an empty one too with `empty`)."""
+    return [item for item in items if item.get(key) is not None and (empty or item[key])]
+
+
+@functools.cache
+def templates() -> jinja2.Environment:
+    """The report templates (xsa_lm/templates): they lay out the text; the numbers come formatted by num and f."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("xsa_lm", "templates"),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(num=num, interval=interval, table=table, f=format, having=having)
+    env.globals.update(paired_cells=paired_cells, PAIRED_HEADER=PAIRED_HEADER, PAIRED_ALIGN=PAIRED_ALIGN)
+    env.globals.update(fmean=fmean, zip=zip)
+    return env
+
+
+def render(template: str, **values: Any) -> str:
+    """The text of xsa_lm/templates/`template` for `values`."""
+    return str(templates().get_template(template).render(**values))
 
 
 PAIRED_HEADER = ["pairs", "mean", "sd", "95% CI (t)", "t p", "Wilcoxon p", "sign p", "lower"]
 PAIRED_ALIGN = "rrrlrrrr"
 
 
-def paired_cells(stats: PairedStats) -> list[str]:
-    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests."""
+def paired_cells(stats: PairedStats | Mapping[str, Any]) -> list[str]:
+    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests; `stats` may
+    be its JSON (a record read back, with more keys)."""
+    if isinstance(stats, Mapping):
+        stats = PairedStats(**{f.name: stats[f.name] for f in fields(PairedStats)})
     ps = [num(p, ".3g") for p in (stats.t_p, stats.wilcoxon_p, stats.sign_p)]
     mean, sd, ci = num(stats.mean_diff, "+.4f"), num(stats.sd_diff), interval(stats.t_ci95)
     return [str(stats.pairs), mean, sd, ci, *ps, f"{stats.xsa_lower}/{stats.pairs}"]

@@ -9,25 +9,15 @@ from typing import Any
 
 from xsa_lm.records import JsonObject, Record
 from xsa_lm.reporting import (
-    PAIRED_ALIGN,
-    PAIRED_HEADER,
     ReportRunSettings,
     interval,
     log_report_run,
-    markdown_table,
-    num,
-    paired_cells,
+    render,
     saved_figure,
-    section,
-    warning_lines,
     write_report_files,
 )
 from xsa_lm.scale.fit import Fit
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
-from xsa_lm.stats.decision import ClusteredTest
-from xsa_lm.stats.paired import PairedStats
-from xsa_lm.stats.positions import PositionDifferences
-from xsa_lm.sweep.report import BpbStats, clustered_line, position_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,160 +167,9 @@ def fit_of(results: ScaleStudyResult) -> Fit:
     return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
 
 
-def fit_lines(results: ScaleStudyResult) -> list[str]:
-    """The SA fit of loss vs compute, its lack-of-fit test, the shared fit, and each size against the SA fit."""
-    fit, lack = results.fit, results.fit["lack_of_fit"]
-    test = f"no test ({lack['dof']} dof or a size with one seed)"
-    if lack["p"] is not None:
-        test = f"chi^2 = {lack['chi2']:.1f} on {lack['dof']} dof, p = {lack['p']:.2g}"
-    lines = section(
-        "## SA loss vs training compute",
-        f"SA fit over the SA mean final losses ({fit['points']} sizes, {fit['parameters']} parameters, least "
-        f"squares): **{fit['formula']}** (C: training FLOPs). RMS residual {fit['rms_residual']:.4f}. Lack of fit "
-        f"against each size's standard error over seeds: {test}.",
-        f"Shared fit of both arms (one E and one alpha, Huber loss on log-loss residuals): "
-        f"**{fit['shared']['formula']}**; size-level deviation beyond seed noise: "
-        f"{fit['shared']['lack_of_fit_sd']:.4f} sd.",
-    )
-    model, rows = fit_of(results), []
-    for size in results.sizes:
-        if size.compute is None or size.sa_mean is None:
-            rows.append([size.model, "-", "-", "-", "-", "-", "left out"])
-            continue
-        predicted = model.loss(size.compute)
-        rows.append([size.model, f"{size.non_embedding_params:,}", f"{size.selected_lr:g}", f"{size.compute:.3g}"])
-        rows[-1] += [num(size.sa_mean), num(predicted), f"{size.sa_mean - predicted:+.4f}"]
-    header = ["model", "non-embedding params", "selected LR", "compute (FLOPs)", "SA mean", "SA fit", "residual"]
-    return lines + markdown_table(header, rows, align="lrrrrrr")
-
-
-def size_test_lines(results: ScaleStudyResult) -> list[str]:
-    """XSA - SA at each size with the paired t, exact Wilcoxon and exact sign tests, Holm across sizes."""
-    lines = section(
-        "## XSA vs SA at each size",
-        "Paired over seeds, two-sided; Holm: the t p-values adjusted for testing every size.",
-    )
-    rows = []
-    for size in results.sizes:
-        if (t := size.tests) is not None:
-            stats = PairedStats.from_json({k: v for k, v in t.items() if k != "t_p_holm"})
-            rows.append([size.model, num(size.sa_mean), num(size.xsa_mean), *paired_cells(stats)])
-            rows[-1].append(num(t["t_p_holm"], ".3g"))
-    header = ["model", "SA mean", "XSA mean", *PAIRED_HEADER, "Holm p"]
-    lines += markdown_table(header, rows, align="lrr" + PAIRED_ALIGN + "r")
-    pooled = results.across_sizes["pooled_sign"]
-    lines += [
-        "",
-        f"Pooled over every pair of every size: XSA lower in {pooled['xsa_lower']} of {pooled['pairs']} (exact sign "
-        f"test p = {num(pooled['p'], '.3g')}; a size's pairs share its LR and curve: the direction, not a size).",
-    ]
-    if "by_seed" in results.across_sizes:
-        by_seed = ClusteredTest.from_json(results.across_sizes["by_seed"])
-        lines.append(clustered_line(by_seed, shares="its data order at every size"))
-    return lines
-
-
-def multiplier_lines(results: ScaleStudyResult) -> list[str]:
-    """The ladder's one multiplier, only when no flag is up."""
-    fit = results.fit
-    lines = ["", "## XSA's effective-compute multiplier (the ladder)", ""]
-    if fit.get("flags"):
-        return lines + [
-            f"Not reported: the ladder is flagged ({', '.join(f['flag'] for f in fit['flags'])}): a multiplier off a "
-            "curve that does not describe the data means nothing. results.json keeps it under `fit.not_results`, "
-            "for diagnosis only.",
-            "",
-            "wall-clock k: measure throughput with xsa-lm bench",
-        ]
-    wall = fit["wallclock"]
-    wall_line = wall["note"]
-    if wall["multiplier"] is not None:
-        wall_line = f"wall-clock k: {wall['multiplier']:.3f}, 95% CI {interval(wall['ci'], '.3f')} ({wall['note']})"
-    return lines + [
-        f"k = **{num(fit['multiplier'], '.3f')}**, 95% CI {interval(fit['multiplier_ci'], '.3f')}: k = (A_SA / "
-        "A_XSA)^(1/alpha) of the shared fit, the compute SA needs to reach XSA's loss (k > 1: XSA is worth k x the "
-        "compute). Interval: a parametric bootstrap of the shared fit (each size's seed noise and the size-level "
-        "deviations beyond it).",
-        "",
-        wall_line,
-    ]
-
-
-def render_ladder(results: ScaleStudyResult) -> str:
-    lines = ["# SA vs XSA across model sizes: effective-compute multiplier", ""]
-    if results.reanalysed:
-        lines.append(f"- re-analysed on {results.reanalysed} from the saved sizes with the current analysis")
-    lines += [
-        f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
-        f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
-        f"- sizes: {', '.join(results.models)}; each size: LR search on SA, then SA vs XSA at its selected LR "
-        "(its own sweep under `sizes/`)",
-    ]
-    if flags := results.fit.get("flags", []):
-        lines += [
-            "",
-            "## Flags: this ladder gives no multiplier",
-            "",
-            *(f"- **{f['flag']}**: {f['reason']}" for f in flags),
-        ]
-    lines += warning_lines(results.warnings) + fit_lines(results) + size_test_lines(results) + multiplier_lines(results)
-    lines += [
-        "",
-        "The fits run along this ladder of sizes at a fixed token budget, not a compute-optimal frontier: the "
-        "multiplier is the compute SA would need on this ladder. Each size's LR, selected on SA, is reused for XSA.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def protocol_text(plan: TokenPlan) -> str:
-    """How the study chose its LRs and warmup, in one paragraph."""
-    seeds = plan.search_seeds
-    if plan.lr_per_budget:
-        lr = f"SA's LR is searched at every SA budget (the lowest median SA loss over the search seeds {seeds}), and "
-        lr += "XSA and the null arm train at SA's LR of their budget"
-    else:
-        lr = f"the LR is the one with the lowest median SA loss at B over the search seeds {seeds}, used at every "
-        lr += "budget and for both arms"
-    warmup = plan.warmup_fraction
-    warmup_text = f"each run warms up for {warmup:.0%} of its steps" if warmup is not None else "the recipe's warmup"
-    return (
-        f"B = {plan.tokens_per_param:g} tokens per non-embedding parameter. SA at {plan.sa_budgets} x B, XSA at "
-        f"{plan.xsa_budgets} x B, seeds {plan.seeds} (paired); {lr}; {warmup_text}."
-    )
-
-
-def grid_text(search: dict[str, float | None]) -> str:
-    return ", ".join(f"{lr}: {num(loss)}" for lr, loss in search.items())
-
-
-def size_lines(results: TokenStudyResult) -> list[str]:
-    """Each size's LR search per budget, XSA's own search (sweep.tune_xsa), and every run's final loss."""
-    searches, own, runs = [], [], []
-    for size in results.sizes:
-        params = f"{size.non_embedding_params:,}" if size.non_embedding_params is not None else "-"
-        for fraction, search in sorted((size.searches or {"1": size.search}).items(), key=lambda i: float(i[0])):
-            chosen = size.selected_lrs.get(fraction, size.selected_lr if fraction == "1" else None)
-            searches.append([size.model, params, f"{size.tokens_B:,.0f}", f"{fraction} B", grid_text(search)])
-            searches[-1].append(num(chosen, "g") if chosen is not None else "none")
-        if size.xsa_search:
-            best = num(size.xsa_selected_lr, "g") if size.xsa_selected_lr is not None else "none"
-            own.append([size.model, grid_text(size.xsa_search), best, num(size.selected_lr, "g")])
-        for arm, budgets in (size.runs or {}).items():
-            for fraction, done in budgets.items():
-                losses = [r.final_val_loss for r in done if r.status == "completed" and r.final_val_loss is not None]
-                cells = ", ".join(f"{r.final_val_loss:.4f}" if r.status == "completed" else r.status for r in done)
-                epochs = max((r.data_epochs for r in done if r.data_epochs is not None), default=None)
-                lr = num(size.selected_lrs.get(fraction, size.selected_lr), "g")
-                mean = sum(losses) / len(losses) if losses else None
-                runs.append([size.model, arm.upper(), f"{fraction} B", lr, num(epochs, ".3f"), cells, num(mean)])
-    header = ["model", "non-embedding params", "B (tokens)", "budget", "LR grid: median SA loss", "SA's LR"]
-    lines = section("## Sizes, budgets and the LR", protocol_text(results.plan))
-    lines += markdown_table(header, searches, align="lrrrlr")
-    if own:  # XSA's runs use SA's LR, the paper's protocol
-        header = ["model", "XSA's own LR search at B: median XSA loss", "XSA's best LR", "SA's LR"]
-        lines += ["", *markdown_table(header, own, align="llrr")]
-    header = ["model", "arm", "budget", "LR", "data epochs", "final val loss per seed", "mean"]
-    return lines + ["", *markdown_table(header, runs, align="llrrrlr")]
+def by_budget(budgets: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A size's budgets (fractions of B as text: "0.5", "1", ...), smallest first."""
+    return sorted(budgets.items(), key=lambda item: float(item[0]))
 
 
 def k_cells(cell: dict) -> list[str]:
@@ -342,125 +181,11 @@ def k_cells(cell: dict) -> list[str]:
     return [k, f"[{lo_text}, {hi_text}]"]
 
 
-def stalls(cell: dict) -> list[tuple[int, float]]:
-    return list(zip(cell["sa_stalled"], cell["sa_budgets"], strict=True))
-
-
-def token_k_lines(results: TokenStudyResult) -> list[str]:
-    lines = section(
-        "## XSA's multiplier along the token axis",
-        "k = the tokens SA needs to reach XSA's mean loss (SA's means interpolated linearly in ln tokens) / XSA's "
-        "tokens. 95% CI: Fieller's (test inversion over the paired per-seed values); an end at SA's range is a bound "
-        "(<= or >=), never an extrapolation. Bootstrap: seeds resampled within the cell. Wall-clock k: k over the "
-        "XSA/SA step time of `xsa-lm bench` at that size (ends combined conservatively).",
-    )
-    rows = []
-    for cell in results.cells:
-        wall = cell.get("wallclock_k")
-        rows.append(
-            [cell["model"], f"{cell['fraction']:g} B", cell["seeds"], ", ".join(f"{m:.4f}" for m in cell["sa_means"])]
-            + [f"{cell['xsa_mean']:.4f}", *k_cells(cell), interval(cell.get("bootstrap_ci95"), ".3f")]
-            + [f"{wall:.3f} {interval(cell['wallclock_ci'], '.3f')}" if wall is not None else "-"]
-        )
-    header = ["model", "XSA budget", "seeds", "SA means (per budget)", "XSA mean", "k", "95% CI", "bootstrap CI"]
-    lines += markdown_table(header + ["wall-clock k"], rows, align="lrrlrrlll")
-    if per_seed := [c for c in results.cells if c.get("per_seed_k") is not None]:
-        lines += [
-            "",
-            f"Per seed: k on that seed's own SA curve, and the seeds more than {STALL_MARGIN:g} nats above the median "
-            "of their arm and budget (stalled): a mean k over stalled and healthy seeds is a mixture.",
-            "",
-        ]
-        rows = [
-            [c["model"], f"{c['fraction']:g} B", ", ".join(map(str, c["paired_seeds"])), ", ".join(c["per_seed_k"])]
-            + [", ".join(f"{n} at {b / c['budget'] * c['fraction']:.3g} B" for n, b in stalls(c))]
-            + [c["xsa_stalled"]]
-            for c in per_seed
-        ]
-        header = ["model", "XSA budget", "seeds", "k per seed", "SA stalled per budget", "XSA stalled"]
-        lines += markdown_table(header, rows, align="lrlllr")
-    if pooled := results.pooled:
-        q_p = f" (p = {pooled.q_p_value:.3g}), I^2 = {pooled.i2:.0%}" if pooled.q_p_value is not None else ""
-        lines += [
-            "",
-            f"Pooled over {pooled.cells} cell(s) with a point estimate (inverse variance on ln k, Student's t on the "
-            f"fewest seeds; {pooled.left_out} bound(s) left out): **k = {pooled.k:.3f}, 95% CI "
-            f"{interval(pooled.ci95, '.3f')}**. Cochran's Q = {pooled.cochran_q:.2f} on {pooled.q_dof} dof{q_p}. "
-            "The budgets of one size share SA's runs, so this interval is too narrow: read the cells' first.",
-        ]
-    return lines
-
-
-def token_null_lines(results: TokenStudyResult) -> list[str]:
-    """The null arm's k (sweep.null_arm): SA from other initial weights read off SA's curve as XSA is."""
-    if not (cells := [c for c in results.cells if c.get("null")]):
-        return []
-    lines = section(
-        "## The null along the token axis (sweep.null_arm)",
-        "SA again at XSA's budgets from other initial weights (the same data order), its k read off SA's curve as "
-        "XSA's is. Its true k is 1: how far its point and interval stray is the yardstick's own noise.",
-    )
-    rows = [
-        [c["model"], f"{c['fraction']:g} B", len(c["null"]["paired_seeds"]), *k_cells(c), *k_cells(c["null"])]
-        + [", ".join(c["null"]["per_seed_k"])]
-        for c in cells
-    ]
-    header = ["model", "budget", "seeds", "XSA's k", "XSA's 95% CI", "null k", "null 95% CI", "null k per seed"]
-    return lines + markdown_table(header, rows, align="lrrrlrll")
-
-
-def same_budget_lines(results: TokenStudyResult) -> list[str]:
-    """XSA - SA (and null - SA, and XSA - SA in bits per byte) at each XSA budget SA also trained at: the paired
-    tests, the verdict against the plan's margin, and XSA - SA along the window."""
-    rows, positions = [], []
-    for arm, key in (("XSA", "same_budget"), ("null", "null_same_budget")):
-        for c in (c for c in results.cells if c.get(key)):
-            details = c.get(f"{key}_details") or {}
-            verdict = (details.get("margin") or {}).get("verdict", "-")
-            rows.append(
-                [c["model"], f"{c['fraction']:g} B", arm, *paired_cells(PairedStats.from_json(c[key])), verdict]
-            )
-            if arm == "XSA" and details.get("bpb"):
-                bpb = BpbStats.from_json(details["bpb"])
-                label = f"XSA, bits per byte (SA {bpb.sa_mean:.4f}, XSA {bpb.xsa_mean:.4f})"
-                rows.append([c["model"], f"{c['fraction']:g} B", label, *paired_cells(bpb), "-"])
-            if arm == "XSA" and details.get("positions"):
-                heading = f"### {c['model']} at {c['fraction']:g} B: XSA - SA along the window"
-                positions += position_lines(PositionDifferences.from_json(details["positions"]), heading)
-    if not rows:
-        return []
-    margin = results.plan.margin
-    lines = section(
-        "## XSA vs SA at the same budget",
-        "Paired over seeds, two-sided"
-        + (
-            f"; the verdict reads the one-sided 95% bounds against the plan's margin of {margin:g} nats"
-            if margin
-            else ""
-        )
-        + ". The null rows (SA from other initial weights - SA) are what the tests say when there is no effect.",
-    )
-    header = ["model", "budget", "arm - SA", *PAIRED_HEADER, "verdict"]
-    return lines + markdown_table(header, rows, align="lrl" + PAIRED_ALIGN + "l") + positions
-
-
-def render_tokens(results: TokenStudyResult) -> str:
-    lines = [
-        "# SA vs XSA along the token axis: XSA's multiplier at fixed model size",
-        "",
-        f"- study directory: `{results.study_dir}` (W&B group `{results.study_id}`)",
-        f"- overrides: `{' '.join(results.overrides) or '(defaults)'}`",
-    ]
-    if results.reanalysed:
-        lines.append(f"- re-analysed on {results.reanalysed} from the saved runs with the current analysis")
-    lines += warning_lines(results.warnings)
-    lines += size_lines(results) + token_k_lines(results) + token_null_lines(results) + same_budget_lines(results)
-    return "\n".join([*lines, "", "![loss vs tokens](loss_vs_tokens.png)", "", "![multiplier](multiplier.png)", ""])
-
-
 def render_markdown(results: ScaleStudyResult | TokenStudyResult) -> str:
-    """report.md of a study along either axis."""
-    return render_tokens(results) if isinstance(results, TokenStudyResult) else render_ladder(results)
+    """report.md of a study along either axis (xsa_lm/templates/tokens.md.j2 or scale.md.j2)."""
+    if isinstance(results, TokenStudyResult):
+        return render("tokens.md.j2", r=results, by_budget=by_budget, k_cells=k_cells, STALL_MARGIN=STALL_MARGIN)
+    return render("scale.md.j2", r=results, model=fit_of(results))
 
 
 def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:

@@ -1,6 +1,6 @@
 """The sweep's outputs: results.json (the SweepResult record), report.md (rendered from that record), the plots, and a
-W&B report run in the sweep's group. The statistics decide (records with their verdict fields); the renderer only
-words the decision."""
+W&B report run in the sweep's group. The statistics decide (records with their verdict fields); the template
+(xsa_lm/templates/sweep.md.j2) only words the decision."""
 
 import statistics
 from collections.abc import Sequence
@@ -10,20 +10,15 @@ from typing import cast
 
 from xsa_lm.records import Record
 from xsa_lm.reporting import (
-    PAIRED_ALIGN,
-    PAIRED_HEADER,
     ReportRunSettings,
     interval,
     log_report_run,
-    markdown_table,
     num,
-    paired_cells,
+    render,
     saved_figure,
-    section,
-    warning_lines,
     write_report_files,
 )
-from xsa_lm.stats.decision import ClusteredTest, MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
+from xsa_lm.stats.decision import MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import ALPHA, POWER, PairedStats, min_detectable_difference, paired_stats
 from xsa_lm.stats.positions import PositionDifferences, position_differences
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
@@ -336,298 +331,21 @@ def build_results(
 
 # --- report.md ------------------------------------------------------------------------------------------------
 
-MEANING = {  # ComparisonStats.significance in words
-    "xsa lower": "the interval excludes 0: XSA's lower loss is significant at the 5% level",
-    "xsa higher": "the interval excludes 0: XSA's higher loss is significant at the 5% level",
-    "not significant": "the interval includes 0: the difference is not significant at the 5% level",
-    "one seed": "one seed gives no confidence interval: add seeds (sweep.seeds) for a significance statement",
-    "no spread": "the differences are all equal: no spread, so Student's t gives no interval",
-}
-STOPPED = {
-    "significant": "the corrected CI excludes 0",
-    "cap": "the cap was reached without the corrected CI excluding 0",
-    "incomplete": "a compare run did not finish; run the same sweep command again to continue",
-}
-
-
-def header_lines(results: SweepResult) -> list[str]:
-    """The title, what the sweep ran, and its warnings."""
-    return [
-        "# SA vs XSA: LR search on SA, comparison at the shared LR",
-        "",
-        f"- sweep directory: `{results.sweep_dir}` (W&B group `{results.sweep_id}`)",
-        f"- training overrides: `{' '.join(results.train_overrides) or '(defaults)'}`",
-        f"- LR grid: {', '.join(f'{lr:g}' for lr in results.grid)}; search seeds {results.search_seeds} (each "
-        f"LR scored by the median final loss over them), compare seeds {results.seeds or 'none (search only)'}",
-        *warning_lines(results.warnings),
-    ]
-
-
-def search_lines(results: SweepResult) -> list[str]:
-    """Section 1: each LR's median final val loss over the search seeds and every run's, the selected LR marked."""
-    attentions = ["sa", "xsa"] if results.xsa_tuning else ["sa"]
-    rows = []
-    for lr in results.grid:
-        cells = [f"{lr:g}" + (" **(selected)**" if lr == results.selected_lr else "")]
-        for attention in attentions:
-            point = results.search.get(attention, {}).get(f"{lr:g}")
-            per_seed = (
-                [num(r.final_val_loss) if r.status == "completed" else r.status for r in point.runs] if point else []
-            )
-            cells += [num(point.median if point else None), ", ".join(per_seed) or "missing"]
-        rows.append(cells)
-    header = ["LR"] + [f"{a.upper()} {what}" for a in attentions for what in ("median", "per seed")]
-    lines = section(f"## 1. LR search (seeds {', '.join(map(str, results.search_seeds))}, final validation loss)")
-    lines += markdown_table(header, rows, align="r" + "rl" * len(attentions))
-    return lines + (stall_lines(results.stalls) if results.stalls else [])
-
-
-def clustered_line(test: ClusteredTest, shares: str = "its initialisation and data order") -> str:
-    """The test by seed (a seed's pairs share `shares`, so they are one observation)."""
-    floor = (
-        f"; with {test.clusters} seeds no p can be below {2 / 2**test.clusters:.3g}" if 0 < test.clusters < 11 else ""
-    )
-    return (
-        f"By seed (each seed's pairs share {shares}, so they are one observation): XSA's mean difference is lower "
-        f"in {test.xsa_lower} of {test.clusters} seeds, sign-flip permutation p = {num(test.sign_flip_p, '.3g')}"
-        f"{floor}."
-    )
-
 
 def stall_lines(study: StallStudy) -> list[str]:
     """The stall section: the rule, the table per LR and arm, the stratified test, the paired final losses."""
-    rule, cells, stalls, judged, test = study.rule, study.cells, study.stalls, study.judged, study.stratified_test
-
-    def diag(cell: dict, metric: str) -> str:
-        states = (cell[f"diagnostics_{state}"] for state in ("stalled", "healthy"))
-        return " / ".join(f"{d[metric]:.3f}" if d else "-" for d in states)
-
-    def runs(cell: dict) -> str:
-        return f"{cell['runs']}" + (f" (+{n} diverged/failed)" if (n := cell["diverged_or_failed"]) else "")
-
-    lines = section(
-        "## Stalls per LR and arm (LR x seed grid of the search)",
-        f"A run stalls when its validation loss at {rule['at_fraction']:.0%} of the run lies more than "
-        f"{rule['margin']:g} nats above the median of every run at its LR (both arms), a rule fixed in the sweep's "
-        "plan. Stall rate: exact (Clopper-Pearson) 95% CI; final loss: median [IQR] of the runs that did not diverge.",
-    )
-    header = ["LR", "arm", "runs", "stalls", "stall rate 95% CI", "final loss median [IQR]"]
-    header += ["a_ii stalled / healthy", "cos(y,v) stalled / healthy"]
-    rows = [
-        [f"{c['lr']:g}", c["attention"].upper(), runs(c), c["stalls"], interval(c["stall_rate_ci95"], ".2f")]
-        + [f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]" if (q := c["final_loss_quartiles"]) else "-"]
-        + [diag(c, "a_ii"), diag(c, "cos_y_v")]
-        for c in cells
-    ]
-    lines += markdown_table(header, rows, align="rlrrllll")
-    lines += [
-        "",
-        f"In all: SA stalled in {stalls['sa']} of {judged['sa']} runs, XSA in {stalls['xsa']} of {judged['xsa']}.",
-    ]
-    if test and test.p_value is not None:
-        lines.append(
-            "Cochran-Mantel-Haenszel test stratified by LR (SA's stall rate = XSA's at every LR): chi^2 = "
-            f"{test.statistic:.2f} on 1 dof, p = {test.p_value:.3g}."
-        )
-    elif test:
-        lines.append(f"Stratified test: {test.note}.")
-    if paired := study.paired_final_losses:
-        per_lr = "; ".join(
-            f"LR {c['lr']:g}: median {c['median_diff']:+.3f}, XSA lower in {c['xsa_lower']}/{c['pairs']}"
-            for c in paired.per_lr
-        )
-        lines += [
-            "",
-            f"Final losses, XSA - SA paired by LR and seed: {per_lr}. Over all {paired.pairs} pairs XSA is lower in "
-            f"{paired.xsa_lower} (exact sign test p = {num(paired.sign_test_p_value, '.3g')} if the pairs were "
-            "independent; they are not).",
-            clustered_line(paired.by_seed),
-        ]
-    if any(c.get("median_tokens_to_threshold") is not None for c in cells):
-        rows = [
-            [f"{c['lr']:g}", c["attention"].upper(), c.get("reached_threshold", 0)]
-            + [num(c.get("median_tokens_to_threshold"), ",.0f")]
-            for c in cells
-        ]
-        header = ["LR", "arm", "runs reaching the threshold", "median tokens to reach it"]
-        lines += ["", *markdown_table(header, rows, align="rlrr")]
-    return lines
-
-
-def compare_lines(results: SweepResult) -> list[str]:
-    """Section 2: SA vs XSA per seed at the shared LR, the paired tests, the verdict and the sequential rule."""
-    lines = section("## 2. SA vs XSA at the shared LR")
-    if results.selected_lr is None:
-        return lines + ["Not run: the search selected no LR (see the warnings)."]
-    if not results.seeds:
-        return lines + ["Not run: a search-only sweep (sweep.seeds=[]); the search's grid is the study."]
-    compare, search_seeds = results.comparison, ", ".join(map(str, results.search_seeds))
-    design = f"The compare runs use seeds disjoint from the search's (seeds {search_seeds}): none won the search."
-    if results.reuse_search_run:
-        design = "It reuses the search's winning SA run: the comparison is biased against XSA (see the warnings)."
-    lines += [f"LR {results.selected_lr:g}, selected on SA and reused unchanged for XSA. {design}", ""]
-    rows = [[row["seed"], row["sa"], row["xsa"], row["diff"]] for row in results.compare_table]
-    if compare.seeds:
-        rows.append(["mean ± std"] + [mean_std_cell(compare, name) for name in ("sa", "xsa", "diff")])
-    lines += markdown_table(["seed", "SA val loss", "XSA val loss", "XSA - SA"], rows, align="rrrr")
-    lines += verdict_lines(results)
-    lines += sequential_lines(results.sequential) if results.sequential else []
-    lines += null_lines(results.null) if results.null else []
-    return lines + position_lines(results.positions)
-
-
-def mean_std_cell(compare: ComparisonStats, name: str) -> str:
-    """A table cell: mean ± std over seeds; the mean alone below two seeds (signed for the difference)."""
-    mean, std = getattr(compare, f"{name}_mean"), getattr(compare, f"{name}_std")
-    return f"{mean:.4f} ± {std:.4f}" if std is not None else format(mean, "+.4f" if name == "diff" else ".4f")
-
-
-def verdict_lines(results: SweepResult) -> list[str]:
-    """The paired tests of XSA - SA (and of the null and in bits per byte), what the interval decides, the verdict
-    against the plan's margin and the smallest difference the study could detect."""
-    stats, null, bpb, sequential = results.comparison, results.null, results.bpb, results.sequential is not None
-    n, dropped = len(stats.seeds), len(stats.dropped_seeds)
-    left_out = f" ({dropped} seed(s) left out: see the warnings)" if dropped else ""
-    if not n:
-        return ["", f"No seed has both an SA and an XSA result: nothing to compare{left_out}."]
-    rows = [["XSA - SA", num(stats.sa_mean), num(stats.xsa_mean), *paired_cells(stats.paired)]]
-    rows[0].append(stats.margin.verdict if stats.margin else "-")
-    if null:
-        rows.append(
-            ["null - SA", num(statistics.fmean(null.sa)), num(statistics.fmean(null.null)), *paired_cells(null)]
-        )
-        rows[-1].append(null.margin.verdict if null.margin else "-")
-    if bpb:
-        rows.append(["In bits per byte: XSA - SA", num(bpb.sa_mean), num(bpb.xsa_mean), *paired_cells(bpb), "-"])
-    header = ["", "SA mean", "arm mean", *PAIRED_HEADER, "verdict"]
-    lines = ["", *markdown_table(header, rows, align="lrr" + PAIRED_ALIGN + "l"), ""]
-    meaning = MEANING[stats.significance]
-    if sequential and stats.diff_ci95:  # seeds added until significant: the plain 5% level no longer holds
-        meaning += " if no seeds had been added on sight of the results; the sequential rule below decides"
-    text = f"XSA is lower in {stats.xsa_better_in} of {n} seed(s){left_out}. Student's t, 95% CI"
-    text += f" ({n - 1} dof, p = {stats.diff_p_value:.3g}): " if stats.diff_p_value is not None else ": "
-    text += meaning + "."
-    if margin := stats.margin:
-        caveat = " (its level assumes no seeds were added on sight of the results)" if sequential else ""
-        text += f" Verdict against the plan's margin of {margin.margin:g} nats: **{margin.verdict}**{caveat}: "
-        text += f"{margin.why}."
-    if n >= 2:
-        text += (
-            f" With {n} seeds this study could detect differences larger than {num(stats.min_detectable_diff)} "
-            f"({stats.power:.0%} power, two-sided {stats.alpha:.0%} level"
-            + ("; the closed form is optimistic below 4 seeds" if n < 4 else "")
-            + "): a smaller true difference may well come out not significant."
-        )
-    if bpb:
-        text += " Bits per byte: the loss over the UTF-8 bytes its tokens stand for, comparable across tokenizers."
-    return lines + [text]
-
-
-def sequential_lines(sequential: SequentialSummary) -> list[str]:
-    """The stopping rule of sweep.seeds_until_significant, its correction, each look and why it stopped."""
-    s, per_look = sequential, sequential.alpha_per_look
-    lines = section(
-        "### Sequential stopping (sweep.seeds_until_significant)",
-        f"Rule: {s.rule}. Each look uses a Bonferroni-corrected level: {s.alpha:.0%} / {s.planned_looks} planned "
-        f"looks = {per_look:.4g}, a {1 - per_look:.2%} CI (Student's t), so the chance that any look declares a "
-        f"difference where there is none stays at most {s.alpha:.0%}.",
-    )
-    if not s.looks:
-        return lines + [f"No look yet: {STOPPED[s.stopped]}."]
-    looks = [
-        [i, look.seeds, look.pairs, num(look.mean, "+.4f"), ci_text(look.ci), num(look.p_value, ".3g")]
-        for i, look in enumerate(s.looks, start=1)
-    ]
-    lines += markdown_table(["look", "seeds", "pairs", "mean XSA - SA", "corrected CI", "p"], looks, align="rrrrrr")
-    p = f", p = {s.p_value:.3g} against {per_look:.4g}." if s.p_value is not None else "."
-    return lines + [
-        "",
-        f"Stopped after {s.n_looks} of at most {s.planned_looks} looks, at {s.seeds} seeds: {STOPPED[s.stopped]}. "
-        f"Corrected CI {ci_text(s.ci)}{p}",
-    ]
-
-
-def null_lines(null: NullComparison) -> list[str]:
-    """The A/A null beside the comparison: what the same analysis claims when there is no effect."""
-    lines = section(
-        "### The null: SA against SA (sweep.null_arm)",
-        "SA again at each compare seed from other initial weights (the same data order), its row above: there is no "
-        "effect, so a verdict of better or worse, or an interval that excludes 0, is a false positive.",
-    )
-    if not null.rates:
-        return lines[:-1]
-    lines += [
-        f"How often studies of these {null.rates[0].pairs} null pairs claim an effect, by study size: over every "
-        "study of that size (they overlap: jackknife 95% CI over pairs), and over disjoint studies (exact binomial "
-        f"95% CI). A normal noise makes the t interval exclude 0 in 5%; the verdict claims better or worse than "
-        f"the {null.rates[0].margin:g}-nat margin.",
-        "",
-    ]
-    rows = [
-        [r.study_size, f"{r.ci_excludes_0:.1%} {interval(r.ci_excludes_0_ci95, '.1%')}"]
-        + [f"{r.verdict_claims_effect:.1%} {interval(r.verdict_claims_effect_ci95, '.1%')}"]
-        + [f"{r.disjoint_claims} of {r.disjoint_studies} {interval(r.disjoint_claims_ci95, '.1%')}"]
-        for r in null.rates
-    ]
-    header = ["study size", "t CI excludes 0", "verdict claims an effect", "disjoint studies claiming"]
-    return lines + markdown_table(header, rows, align="rlll")
-
-
-def position_lines(
-    positions: PositionDifferences | None,
-    heading: str = "### XSA - SA along the window (does the gain grow with context?)",
-) -> list[str]:
-    """XSA - SA per span of window positions and the trend across spans (xsa_lm.stats.positions)."""
-    if not positions:
-        return []
-    lines = section(
-        heading,
-        "The validation loss per equal span of window positions (`val_position_buckets`, earliest first), paired "
-        f"over {positions.seeds} seed(s).",
-    )
-    rows = [[f"{i} of {positions.spans}", *paired_cells(s)] for i, s in enumerate(positions.per_span, start=1)]
-    lines += markdown_table(["span", *PAIRED_HEADER], rows, align="r" + PAIRED_ALIGN)
-    if positions.slope_mean is None:
-        return lines
-    return lines + [
-        "",
-        f"Trend: XSA - SA changes by {positions.slope_mean:+.5f} nats per span, the mean of one slope per seed (95% "
-        f"CI {interval(positions.slope_ci95, '+.5f')}, t p = {num(positions.slope_t_p, '.3g')}); negative: XSA's "
-        "gain grows later in the window.",
-    ]
-
-
-def tuning_lines(results: SweepResult) -> list[str]:
-    """Section 3 (sweep.tune_xsa): XSA at its own best LR against XSA at the LR selected on SA."""
-    if not (tuning := results.xsa_tuning):
-        return []
-    lines = section("## 3. XSA at its own best LR (sweep.tune_xsa)")
-    if tuning.selected_lr is None:
-        return lines + ["No usable XSA search run."]
-    if tuning.selected_lr == results.selected_lr:
-        meaning = "sharing the SA-tuned LR costs XSA nothing here"
-    else:
-        meaning = "the shared LR is not XSA's optimum: the paper's protocol is conservative for XSA here"
-    return lines + [
-        f"XSA's own best LR is {tuning.selected_lr:g} (median val loss {num(tuning.loss_at_own_lr)}, seeds "
-        f"{results.search_seeds}); at the SA-tuned LR {results.selected_lr or float('nan'):g} XSA reaches "
-        f"{num(tuning.loss_at_shared_lr)}: {meaning}."
-    ]
+    return render("stalls.md.j2", study=study).removesuffix("\n").split("\n")
 
 
 def render_markdown(results: SweepResult) -> str:
-    """report.md of a sweep's results."""
-    lines = header_lines(results) + search_lines(results) + compare_lines(results) + tuning_lines(results)
+    """report.md of a sweep's results (xsa_lm/templates/sweep.md.j2)."""
+    evaluation = None
     if results.eval:
-        from xsa_lm.eval.run import EvalResult, render
+        from xsa_lm.eval.run import EvalResult
+        from xsa_lm.eval.run import render as render_eval
 
-        lines += section("## 4. Downstream evaluation (lm-evaluation-harness, zero-shot)") + [
-            render(EvalResult.from_json(results.eval, source="eval/eval.json"))
-        ]
-    lines += ["", "![LR sweep](lr_sweep.png)", "", "![Validation curves](curves.png)", ""]
-    if results.positions:
-        lines += ["![XSA - SA along the window](positions.png)", ""]
-    return "\n".join(lines)
+        evaluation = render_eval(EvalResult.from_json(results.eval, source="eval/eval.json"))
+    return render("sweep.md.j2", r=results, evaluation=evaluation)
 
 
 # --- the plots, the files and the W&B run ---------------------------------------------------------------------
