@@ -1,7 +1,9 @@
 """Where this package leans on Lightning or torch beyond their public API (private names with no public equivalent,
 Lightning's rules restated), in one place: tests/test_compat.py checks each, so an upgrade fails there, by name."""
 
+import csv
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from xsa_lm.errors import WriteError, what_to_do
 from xsa_lm.files import read_csv, write_csv
 
 CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
@@ -46,8 +49,8 @@ def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> N
 
 class AppendingExperimentWriter(ExperimentWriter):
     """Not Lightning's CSV writer: its __init__ (`_check_log_dir_exists`) deletes a resumed run's metrics.csv, and a
-    new column rewrites the file in place (a full disk truncates it); this one continues the file, each save
-    rewriting it whole through a temporary file."""
+    new column rewrites the file in place (a full disk truncates it); this one continues the file, appends each
+    save's rows (a failed append is cut off again) and writes a new column's file whole through a temporary file."""
 
     def _check_log_dir_exists(self) -> None:
         pass
@@ -55,13 +58,27 @@ class AppendingExperimentWriter(ExperimentWriter):
     def save(self) -> None:
         if not self.metrics:
             return
-        path = Path(self.metrics_file_path)
-        header, rows = read_csv(path) if path.is_file() else ([], [])
-        self.metrics_keys = sorted(set(header).union(*self.metrics))  # Lightning's order of the columns
-        intact = "its earlier rows are intact" if rows else None
+        path, then = Path(self.metrics_file_path), "continue with resume=auto"
+        if not self.metrics_keys and path.is_file():  # a resumed run's columns: its header alone is read
+            with open(path, newline="") as f:
+                self.metrics_keys = next(csv.reader(f), [])
+        keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
         new = [{k: str(v) for k, v in row.items()} for row in self.metrics]
-        write_csv(path, self.metrics_keys, [*rows, *new], intact=intact, then="continue with resume=auto")
-        self.metrics = []
+        if keys != self.metrics_keys or not path.is_file():
+            rows = read_csv(path)[1] if path.is_file() else []
+            write_csv(path, keys, [*rows, *new], intact="its earlier rows are intact" if rows else None, then=then)
+        else:  # the usual save: only its rows are written, not the whole file again
+            whole_size = path.stat().st_size
+            try:
+                with open(path, "a", newline="") as f:
+                    csv.DictWriter(f, fieldnames=keys).writerows(new)
+            except OSError as e:
+                os.truncate(path, whole_size)
+                raise WriteError(
+                    f"could not write {path} ({e.strerror or e}); its earlier rows are intact: {what_to_do(e)}, "
+                    f"then {then}"
+                ) from e
+        self.metrics_keys, self.metrics = keys, []
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
