@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -299,13 +299,9 @@ def bench_spec(args: argparse.Namespace):
 
 def plain_setup(spec, device: torch.device):
     """The plain loop's setup as the bench builds it: precision auto (bf16 on a GPU), TF32 matmuls on CUDA, eager."""
-    from xsa_lm.bench.loops import Setup
-    from xsa_lm.config.builders import build
-
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    optim, scheduler = build(spec.optim.node), build(spec.scheduler.model_dump(by_alias=True))
-    return Setup(device, precision=spec.precision_on(device), compile=False, optimizer=optim, scheduler=scheduler)
+    return replace(spec.setup_on(device), compile=False)
 
 
 def paired_rounds(trainers: dict, batches: list, *, rounds: int, steps: int, deadline: Deadline) -> dict:

@@ -15,13 +15,14 @@ import torch
 from tests.helpers import refused_in_process
 from xsa_lm.bench import rounds as bench_rounds
 from xsa_lm.bench import run
-from xsa_lm.bench.loops import Phase, Probe, TimedPhase, measure
-from xsa_lm.bench.rounds import KernelChoice, mfu_target, plan_rounds, process_context, round_order, run_fresh
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure
+from xsa_lm.bench.rounds import mfu_target, plan_rounds, process_context, round_order, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, interval, rounds_needed, summarize
 from xsa_lm.bench.stats import verdict as bench_verdict
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.hardware import peak_flops
+from xsa_lm.train.schedule import warmup_cosine_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freedom (tables: 4.303)
@@ -93,8 +94,8 @@ def pilot_round(sa: float, xsa: float, *, cpu_scale: float = 1.0) -> dict:
     return {"sa_flash": timed(sa, cpu_scale), "xsa_flash": timed(xsa, cpu_scale), "lightning": timed(sa, cpu_scale)}
 
 
-def kernel_choice(timed: list[str], primary: str) -> KernelChoice:
-    return KernelChoice(order=timed, used=primary, candidates=timed, takes={}, timed=timed, primary=primary)
+def kernel_choice(timed: list[str], primary: str) -> Kernels:
+    return Kernels(order=timed, used=primary, candidates=timed, takes={}, timed=timed, primary=primary)
 
 
 def test_rounds_are_planned_from_the_pilots_spread_within_the_budget():
@@ -140,11 +141,10 @@ def test_the_mfu_target_is_the_paper_models_on_an_h100_or_h200(model: str, devic
 
 def tiny_phase(**changes) -> Phase:
     config = GPTConfig(n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=64)
-    optim = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3}
-    scheduler = {"_target_": "xsa_lm.train.schedule.warmup_cosine_scheduler", "_partial_": True}
-    scheduler |= {"warmup_steps": 1, "min_lr_ratio": 0.1}
+    scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
+    setup = Setup(torch.device("cpu"), "32-true", False, partial(torch.optim.AdamW, lr=1e-3), scheduler)
     loop = dict(micro_batch=2, warmup=1, steps=2, seed=0, threads=None, reuse_host_memory=False)
-    return replace(Phase("plain", config, "cpu", "32-true", False, optim, scheduler, **loop), **changes)
+    return replace(Phase("plain", config, setup, **loop), **changes)
 
 
 @pytest.mark.slow
@@ -157,8 +157,8 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
         result = measure(tiny_phase(sdpa=(kernel,)))
         assert isinstance(result, TimedPhase) and result.sdpa_used == kernel
         assert len(result.step_times) == len(result.cpu_step_times) == 2 and min(result.cpu_step_times) > 0
-    with pytest.raises(UserError, match=r"bench phase bogus \(round 1\) failed: ValueError: unknown bench phase"):
-        run_fresh(tiny_phase(kind="bogus", threads=1), "bogus (round 1)", process_context())  # in its own process
+    with pytest.raises(UserError, match=r"bench phase bad \(round 1\) failed: RuntimeError: .*negative dimension"):
+        run_fresh(tiny_phase(micro_batch=-1, threads=1), "bad (round 1)", process_context())  # in its own process
 
 
 @pytest.mark.slow

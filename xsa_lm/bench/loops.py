@@ -1,6 +1,5 @@
-"""The contenders: a hand-written training loop and Lightning fitting LMModule on the same model, batches, optimizer
-and schedule; each step timed by the wall clock and by the process's CPU time (which barely moves on a shared
-machine, where the wall clock also counts the waits for a core), and peak memory. `measure` runs one phase."""
+"""The contenders: a hand-written loop and Lightning fitting LMModule on the same model, batches, optimizer and
+schedule; each step timed by the wall clock and by the process's CPU time (which holds up on a shared machine)."""
 
 import contextlib
 import logging
@@ -8,8 +7,8 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
@@ -19,7 +18,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
 
 from xsa_lm.compat import QUIET_TRAINER
-from xsa_lm.config.builders import build
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
@@ -32,16 +30,28 @@ N_BATCHES = 8  # distinct random batches, cycled
 
 
 @dataclass(frozen=True)
-class Phase:
-    """What a fresh process needs to run one phase (plain values: it is pickled)."""
-
-    kind: str  # plain (the hand-written loop), lightning, or probe (the kernels and the device: nothing timed)
-    model: GPTConfig
-    device: str
+class Setup:
+    device: torch.device
     precision: str
     compile: bool
-    optimizer: dict  # the optim and scheduler nodes, built in the child
-    scheduler: dict
+    optimizer: Any  # a functools.partial of the optimizer: its keywords are read
+    scheduler: Callable
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision.startswith("bf16")
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What a fresh process needs to run one phase (it is pickled)."""
+
+    kind: Literal["plain", "lightning", "probe"]  # probe: the kernels and the device, nothing timed
+    model: GPTConfig
+    setup: Setup
     micro_batch: int
     warmup: int
     steps: int
@@ -59,18 +69,20 @@ class ProcessFacts:
 
 
 @dataclass(frozen=True)
-class KernelsFound:
+class Kernels:
     order: list[str]  # train's (sdpa_backends=auto) on this device
     used: str  # the kernel it runs for this model
     candidates: list[str]
     takes: dict[str, bool]  # whether a candidate alone takes the model's attention
+    timed: list[str] = field(default_factory=list)  # the kernels SA and XSA are timed under (chosen by the parent)
+    primary: str = ""  # the kernel whose ratios are the headline: train's when timed
 
 
 @dataclass(frozen=True)
 class Probe(ProcessFacts):
     """A first process's findings: the kernels, the device and its peak FLOP/s, the model's FLOPs per token."""
 
-    kernels: KernelsFound
+    kernels: Kernels
     device: str
     peak_flops: float | None
     peak_flops_source: str
@@ -96,24 +108,10 @@ def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torc
     return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if device.type == "cuda" else batches
 
 
-@dataclass(frozen=True)
-class Setup:
-    device: torch.device
-    precision: str
-    compile: bool
-    optimizer: Any  # a functools.partial of the optimizer: its keywords are read
-    scheduler: Callable
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision.startswith("bf16"):
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-
 class Clocks(L.Callback):
-    """Device-synchronised stamps on the wall clock and on the process's CPU-time clock; as Lightning's callback, one
-    at each batch start (start to start covers all Lightning does; its ThroughputMonitor has no CPU-time clock) and
-    CUDA's memory high-water mark from the last batch on."""
+    """Device-synchronised stamps on the wall and CPU-time clocks; as a callback, one at each batch start (start to
+    start covers all Lightning does; its ThroughputMonitor has no CPU-time clock), CUDA's peak memory reset before
+    the last."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.stamps = device, list[tuple[float, float]]()
@@ -222,14 +220,12 @@ def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
 
 
 def attention_kernel(config: GPTConfig, setup: Setup) -> str:
-    dtype = torch.bfloat16 if setup.precision.startswith("bf16") else torch.float32
-    seq, heads, kv_heads = config.block_size + config.n_sinks, config.n_head, config.n_kv_head
-    return backend_used(
-        heads=heads, kv_heads=kv_heads, seq=seq, head_dim=config.head_dim, dtype=dtype, device=setup.device
-    )
+    heads, kv_heads, dtype = config.n_head, config.n_kv_head, torch.bfloat16 if setup.bf16 else torch.float32
+    seq, head_dim = config.block_size + config.n_sinks, config.head_dim
+    return backend_used(heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, dtype=dtype, device=setup.device)
 
 
-def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> KernelsFound:
+def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> Kernels:
     """`auto`'s kernel order here, the kernel it runs, and which candidates (empty: every kernel) take the attention."""
     order = resolve("auto", setup.device)
     with sdpa_backends(order):
@@ -239,14 +235,14 @@ def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...])
         with sdpa_backends([name]), contextlib.suppress(UserError):  # no kernel allowed takes it: not this one
             takes[name] = attention_kernel(config, setup) == name
         takes.setdefault(name, False)
-    return KernelsFound(order=order, used=used, candidates=wanted, takes=takes)
+    return Kernels(order=order, used=used, candidates=wanted, takes=takes)
 
 
-def probe(phase: Phase, setup: Setup, batch: Batch, facts: ProcessFacts) -> Probe:
-    """The kernels, and the FLOPs per token by the model's formula and by Lightning's measure_flops over one forward
-    and backward of one sequence under train's order (the counter knows SDPA's math, flash (CUDA) and efficient
-    kernels, not the CPU flash kernel: math on CPU)."""
-    kernels, peak = kernels_taking(phase.model, setup, phase.sdpa), peak_flops(setup.device, phase.precision)
+def probe(phase: Phase, batch: Batch, facts: ProcessFacts) -> Probe:
+    """The kernels; the FLOPs per token by the model's formula and by Lightning's measure_flops over one sequence's
+    forward and backward under train's order (the counter knows no CPU flash kernel: math on CPU)."""
+    setup = phase.setup
+    kernels, peak = kernels_taking(phase.model, setup, phase.sdpa), peak_flops(setup.device, setup.precision)
     model = GPT(phase.model).to(setup.device)
     x, y = (t[:1].to(setup.device) for t in batch)
     math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else sdpa_backends(kernels.order)
@@ -272,34 +268,30 @@ def measure(phase: Phase) -> Probe | TimedPhase:
     if phase.threads:
         torch.set_num_threads(phase.threads)
     host_memory_reuse = phase.reuse_host_memory and reuse_freed_host_memory()
-    device = torch.device(phase.device)
-    if device.type == "cuda":
+    if phase.setup.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    setup = Setup(device, phase.precision, phase.compile, build(phase.optimizer), build(phase.scheduler))
-    batches = make_batches(phase.model, micro_batch=phase.micro_batch, seed=phase.seed, device=device)
+    batches = make_batches(phase.model, micro_batch=phase.micro_batch, seed=phase.seed, device=phase.setup.device)
     facts = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
     if phase.kind == "probe":
-        return probe(phase, setup, batches[0], facts)
+        return probe(phase, batches[0], facts)
     with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
-        return timed(phase, setup, batches, facts)
+        return timed(phase, batches, facts)
 
 
-def timed(phase: Phase, setup: Setup, batches: list[Batch], facts: ProcessFacts) -> TimedPhase:
+def timed(phase: Phase, batches: list[Batch], facts: ProcessFacts) -> TimedPhase:
     # Steps warmup..warmup+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
-    config, total = phase.model, phase.warmup + phase.steps + 1
+    config, setup, total = phase.model, phase.setup, phase.warmup + phase.steps + 1
     memory: int | None
     if phase.kind == "plain":
         trainer = PlainTrainer(config, setup, phase.seed, total)
         trainer.run(batches, total - 1)
         clocks = trainer.clocks
         memory, source = peak_memory(trainer, batches)
-    elif phase.kind == "lightning":
+    else:
         clocks = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
         # CUDA only: the CPU estimate needs the plain loop's own forward
         memory = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
         source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
-    else:
-        raise ValueError(f"unknown bench phase kind {phase.kind!r}")
     times, cpu_times = clocks.step_times(phase.warmup)
     return TimedPhase(
         **vars(facts),

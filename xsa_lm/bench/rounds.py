@@ -1,9 +1,8 @@
 """The bench's rounds: their order, how many a pilot's spread asks for, and each comparison's ratios over them.
 
-Each round runs every phase once, each in a fresh process (no heap, allocator cache, threads or compiled code
-inherited) forked from a server that has imported torch and Lightning once and never touches CUDA; a kernel's SA and
-XSA back to back (alternating which goes first), the kernels' order and Lightning's place rotating, so that drift and
-noisy neighbours hit every phase alike."""
+A round runs every phase once, each in a fresh process (no heap, allocator cache, threads or compiled code inherited):
+a kernel's SA and XSA back to back, which goes first alternating, the kernels and Lightning rotating, so that drift
+and noisy neighbours hit every phase alike."""
 
 import math
 import multiprocessing
@@ -17,7 +16,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, cast
 
-from xsa_lm.bench.loops import KernelsFound, Phase, Probe, TimedPhase, measure
+from xsa_lm.bench.loops import Kernels, Phase, Probe, TimedPhase, measure
 from xsa_lm.bench.stats import Ratio, rounds_needed, summarize
 from xsa_lm.errors import UserError
 
@@ -31,12 +30,6 @@ TARGETS: dict[str, Any] = {
 # machine); a GPU step's host CPU time says little about the device's.
 PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
 Round = dict[str, TimedPhase]  # a round's result of each phase, in the order they ran
-
-
-@dataclass(frozen=True)
-class KernelChoice(KernelsFound):
-    timed: list[str]  # the kernels SA and XSA are timed under
-    primary: str  # the kernel whose ratios are the headline: train's when timed
 
 
 @dataclass(frozen=True)
@@ -59,8 +52,7 @@ def mfu_target(model: str, device: str) -> float | None:
 
 
 def process_context() -> BaseContext:
-    """Each phase's process forked from a server that has imported this module (hence loops, torch and Lightning)
-    once and never touches CUDA."""
+    """Each phase's process forked from a server that imports this module (torch, Lightning) once, never CUDA."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["xsa_lm.bench.rounds"])
     return context
@@ -77,7 +69,7 @@ def child(phase: Phase, connection: Connection) -> None:
 
 def run_fresh(phase: Phase, label: str, context: BaseContext) -> Probe | TimedPhase:
     """measure(phase) in a new process; a failure or a killed process ends the bench with one line naming it.
-    (concurrent.futures' pool takes max_tasks_per_child from Python 3.11 on, and loses a killed process's exit code.)"""
+    (concurrent.futures' pool loses a killed process's exit code.)"""
     receive, send = context.Pipe(duplex=False)
     start = context.Process  # type: ignore[attr-defined]  # not on BaseContext; on the forkserver's
     process = start(target=child, args=(phase, send), name=f"xsa-lm-bench-{label}")
@@ -130,7 +122,7 @@ def ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float
 
 
 def plan_rounds(
-    pilot: list[Round], kernels: KernelChoice, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
+    pilot: list[Round], kernels: Kernels, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
 ) -> RoundsPlan:
     """The rounds the headline ratio (XSA/SA, else Lightning/plain step time) needs at the pilot's spread, within
     budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
@@ -151,7 +143,7 @@ def plan_rounds(
 
 
 def summarize_rounds(
-    rounds: list[Round], probe: Probe, *, model: str, device_type: str, tokens: int, kernels: KernelChoice
+    rounds: list[Round], probe: Probe, *, model: str, device_type: str, tokens: int, kernels: Kernels
 ) -> tuple[dict[str, Any], dict[str, Ratio]]:
     """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
     out: dict[str, Any] = {}

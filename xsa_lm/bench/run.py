@@ -1,6 +1,5 @@
 """`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process;
-over the rounds (bench/rounds.py) each ratio's 95% interval and verdict (bench/stats.py). Prints tables, writes `out`.
-"""
+over the rounds (rounds.py) each ratio's 95% interval and verdict (stats.py). Prints tables, writes `out`."""
 
 import contextlib
 import os
@@ -16,22 +15,15 @@ import torch
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Column, Table
 
-from xsa_lm.bench.loops import Phase, Probe
-from xsa_lm.bench.rounds import (
-    KernelChoice,
-    Round,
-    plan_rounds,
-    process_context,
-    run_fresh,
-    run_round,
-    summarize_rounds,
-)
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup
+from xsa_lm.bench.rounds import Round, plan_rounds, process_context, run_fresh, run_round, summarize_rounds
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET
 from xsa_lm.compat import lightning_precision_name
+from xsa_lm.config.builders import build
 from xsa_lm.config.spec import AttentionSpec, Count, ModelSpec, OptimSpec, SchedulerSpec, Seed, Spec, parse, rule
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import check_new_file, write_json
@@ -48,10 +40,8 @@ BOTH_LOOPS = ("32-true", "bf16-mixed")
 Rounds = Annotated[int, Field(ge=2)]  # an interval needs 2
 
 
-def _out(value: Any) -> str:
-    if value is None or value == "":
-        raise ValueError("must be the file bench writes its results to, e.g. out=bench.json")
-    return str(value)
+def _out(value: Any) -> str | None:
+    return "must be the file bench writes its results to, e.g. out=bench.json" if value in (None, "") else None
 
 
 def _precision(value: Any) -> str | None:
@@ -69,7 +59,7 @@ def _backends(value: Any) -> str | None:
 class BenchSpec(Spec):
     """configs/bench.yaml: the bench's own options, and the model it times with its optimizer and schedule."""
 
-    out: Annotated[str, BeforeValidator(_out)]
+    out: Annotated[str, rule(_out)]
     overwrite: bool
     device: Literal["auto", "cpu", "cuda"]
     precision: Annotated[str | int, rule(_precision)]
@@ -109,11 +99,13 @@ class BenchSpec(Spec):
         xsa = replace(self.model.gpt_config(self.attention, self.vocab_size), block_size=self.context)
         return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
 
-    def precision_on(self, device: torch.device) -> str:
-        """auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the phases)."""
-        if self.precision == "auto":
-            return "bf16-mixed" if device.type == "cuda" else "32-true"
-        return lightning_precision_name(self.precision)
+    def setup_on(self, device: torch.device) -> Setup:
+        """precision auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the
+        phases)."""
+        auto = "bf16-mixed" if device.type == "cuda" else "32-true"
+        precision = lightning_precision_name(auto if self.precision == "auto" else self.precision)
+        scheduler = build(self.scheduler.model_dump(by_alias=True))
+        return Setup(device, precision, self.compile, build(self.optim.node), scheduler)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -128,21 +120,12 @@ def base_phase(spec: BenchSpec, device: torch.device) -> Phase:
     """The plain loop training SA."""
     # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
     # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
-    auto = 1 if device.type == "cpu" else None
-    same = spec.model_dump(include={"compile", "micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
-    return Phase(
-        "plain",
-        spec.models[0],
-        device.type,
-        spec.precision_on(device),
-        optimizer=spec.optim.node,
-        scheduler=spec.scheduler.model_dump(by_alias=True),
-        threads=auto if isinstance(spec.threads, str) else spec.threads,
-        **same,
-    )
+    threads = (1 if device.type == "cpu" else None) if isinstance(spec.threads, str) else spec.threads
+    same = spec.model_dump(include={"micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
+    return Phase("plain", spec.models[0], spec.setup_on(device), threads=threads, **same)
 
 
-def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext) -> tuple[Probe, KernelChoice]:
+def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext) -> tuple[Probe, Kernels]:
     """In a fresh process: the device, train's kernel order and kernel here, and the kernels of `backends` that take
     the model's attention alone (`train`: train's)."""
     names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
@@ -152,13 +135,12 @@ def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext)
     if not timed:
         raise UserError(
             f"backends={backends}: none of {', '.join(found.candidates)} takes this model's attention in "
-            f"{base.precision} on {base.device}; add math (it takes every shape)"
+            f"{base.setup.precision} on {base.setup.device}; add math (it takes every shape)"
         )
-    primary = found.used if found.used in timed else timed[0]
-    return probe, KernelChoice(**asdict(found), timed=timed, primary=primary)
+    return probe, replace(found, timed=timed, primary=found.used if found.used in timed else timed[0])
 
 
-def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels: KernelChoice) -> dict[str, Phase]:
+def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels: Kernels) -> dict[str, Phase]:
     """`sa_<kernel>` and `xsa_<kernel>` per timed kernel, and `lightning` (the headline) under train's order."""
     phases = {}
     for kernel in kernels.timed:
@@ -176,25 +158,23 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     device = resolve_device(spec.device)
     base, xsa, tokens = base_phase(spec, device), spec.models[1], spec.micro_batch * spec.context
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    auto, plan, rounds = isinstance(spec.rounds, str), None, list[Round]()
-    total = spec.pilot_rounds if isinstance(spec.rounds, str) else spec.rounds
     probe, kernels = choose_kernels(spec.backends, base, context := process_context())
     print(kernel_line(asdict(kernels)), flush=True)
-    phases, t_rounds = make_phases(spec.comparisons, base, xsa, kernels), time.perf_counter()
-    while len(rounds) < total:
-        of = " (pilot)" if auto and plan is None else f"/{total}"
-        rounds.append(run_round(phases, kernels.timed, context, len(rounds), of=of))
-        if auto and plan is None and len(rounds) == total:
-            elapsed = time.perf_counter() - t_rounds
-            plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
-            print(plan_line(asdict(plan)), flush=True)
-            total = plan.rounds
+    phases, plan, total = make_phases(spec.comparisons, base, xsa, kernels), None, spec.rounds
+    rounds, t_rounds = list[Round](), time.perf_counter()
+    if isinstance(total, str):  # auto: as many as the pilot's spread asks for
+        rounds = [run_round(phases, kernels.timed, context, r, of=" (pilot)") for r in range(spec.pilot_rounds)]
+        elapsed = time.perf_counter() - t_rounds
+        plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
+        print(plan_line(asdict(plan)), flush=True)
+        total = plan.rounds
+    rounds += [run_round(phases, kernels.timed, context, r, of=f"/{total}") for r in range(len(rounds), total)]
     summary, ratios = summarize_rounds(
         rounds, probe, model=model, device_type=device.type, tokens=tokens, kernels=kernels
     )
     return {
         **{key: value for key, value in asdict(probe).items() if key not in ("pid", "kernels")},  # device, peak FLOP/s
-        "precision": base.precision,
+        "precision": base.setup.precision,
         "model": model,
         **spec.model_dump(include={"compile", "context", "micro_batch", "smoke", "steps", "warmup"}),
         "tokens_per_step": tokens,
@@ -203,7 +183,7 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
         "rounds_setting": spec.rounds,
         "rounds_plan": None if plan is None else asdict(plan),
         "sdpa": asdict(kernels),
-        "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=base.precision),
+        "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=base.setup.precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
         "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
