@@ -225,24 +225,19 @@ def attention_kernel(config: GPTConfig, setup: Setup) -> str:
     return backend_used(heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, dtype=dtype, device=setup.device)
 
 
-def kernels_taking(config: GPTConfig, setup: Setup, candidates: tuple[str, ...]) -> Kernels:
-    """`auto`'s kernel order here, the kernel it runs, and which candidates (empty: every kernel) take the attention."""
-    order = resolve("auto", setup.device)
-    with sdpa_backends(order):
-        used = attention_kernel(config, setup)
-    wanted, takes = resolve(list(candidates) if candidates else "auto", setup.device), {}
-    for name in wanted:
-        with sdpa_backends([name]), contextlib.suppress(UserError):  # no kernel allowed takes it: not this one
-            takes[name] = attention_kernel(config, setup) == name
-        takes.setdefault(name, False)
-    return Kernels(order=order, used=used, candidates=wanted, takes=takes)
-
-
 def probe(phase: Phase, batch: Batch, facts: ProcessFacts) -> Probe:
-    """The kernels; the FLOPs per token by the model's formula and by Lightning's measure_flops over one sequence's
-    forward and backward under train's order (the counter knows no CPU flash kernel: math on CPU)."""
-    setup = phase.setup
-    kernels, peak = kernels_taking(phase.model, setup, phase.sdpa), peak_flops(setup.device, setup.precision)
+    """`auto`'s kernel order here, the kernel it runs, which of phase.sdpa (empty: every kernel) take the attention;
+    the FLOPs per token by the model's formula and by Lightning's measure_flops over one sequence's forward and
+    backward under train's order (the counter knows no CPU flash kernel: math on CPU)."""
+    setup, order, takes = phase.setup, resolve("auto", phase.setup.device), {}
+    with sdpa_backends(order):
+        used = attention_kernel(phase.model, setup)
+    candidates = resolve(list(phase.sdpa) or "auto", setup.device)
+    for name in candidates:
+        with sdpa_backends([name]), contextlib.suppress(UserError):  # no kernel allowed takes it: not this one
+            takes[name] = attention_kernel(phase.model, setup) == name
+        takes.setdefault(name, False)
+    kernels, peak = Kernels(order, used, candidates, takes), peak_flops(setup.device, setup.precision)
     model = GPT(phase.model).to(setup.device)
     x, y = (t[:1].to(setup.device) for t in batch)
     math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else sdpa_backends(kernels.order)
@@ -260,7 +255,8 @@ def probe(phase: Phase, batch: Batch, facts: ProcessFacts) -> Probe:
 
 
 def measure(phase: Phase) -> Probe | TimedPhase:
-    """Run one phase in this (fresh) process: `warmup` untimed steps, then `steps` timed ones, and peak memory."""
+    """Run one phase in this (fresh) process: `warmup` untimed steps, then `steps` timed ones (start to start: one more
+    step's start closes the last), and peak memory."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
@@ -274,30 +270,25 @@ def measure(phase: Phase) -> Probe | TimedPhase:
     facts = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
     if phase.kind == "probe":
         return probe(phase, batches[0], facts)
-    with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
-        return timed(phase, batches, facts)
-
-
-def timed(phase: Phase, batches: list[Batch], facts: ProcessFacts) -> TimedPhase:
-    # Steps warmup..warmup+steps-1 are timed start-to-start; one extra step's start closes the last timed one.
     config, setup, total = phase.model, phase.setup, phase.warmup + phase.steps + 1
-    memory: int | None
-    if phase.kind == "plain":
-        trainer = PlainTrainer(config, setup, phase.seed, total)
-        trainer.run(batches, total - 1)
-        clocks = trainer.clocks
-        memory, source = peak_memory(trainer, batches)
-    else:
-        clocks = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
-        # CUDA only: the CPU estimate needs the plain loop's own forward
-        memory = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
-        source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
+    memory: int | None = None
+    with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
+        if phase.kind == "plain":
+            trainer = PlainTrainer(config, setup, phase.seed, total)
+            trainer.run(batches, total - 1)
+            clocks, (memory, source) = trainer.clocks, peak_memory(trainer, batches)
+        else:
+            clocks = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
+            if setup.device.type == "cuda":  # on CPU the estimate needs the plain loop's own forward
+                memory = torch.cuda.max_memory_allocated(setup.device)
+            source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
+        used = attention_kernel(config, setup)
     times, cpu_times = clocks.step_times(phase.warmup)
     return TimedPhase(
         **vars(facts),
         step_times=times,
         cpu_step_times=cpu_times,
-        sdpa_used=attention_kernel(config, setup),
+        sdpa_used=used,
         peak_memory_bytes=memory,
         peak_memory_source=source,
     )

@@ -1,8 +1,5 @@
-"""The bench's rounds: their order, how many a pilot's spread asks for, and each comparison's ratios over them.
-
-A round runs every phase once, each in a fresh process (no heap, allocator cache, threads or compiled code inherited):
-a kernel's SA and XSA back to back, which goes first alternating, the kernels and Lightning rotating, so that drift
-and noisy neighbours hit every phase alike."""
+"""The bench's rounds: each runs every phase once in a fresh process (no heap, allocator cache or compiled code
+inherited), in an order that rotates so drift hits every phase alike; how many a pilot's spread asks for; the ratios."""
 
 import math
 import multiprocessing
@@ -26,8 +23,7 @@ TARGETS: dict[str, Any] = {
     "lightning_over_plain_throughput": 0.97,
     "mfu": {"model": "paper_0.7b", "gpus": ("H100", "H200"), "at_least": 0.45},
 }
-# The clock rounds are planned on: a CPU step is the process's own work (its CPU time holds up on a shared
-# machine); a GPU step's host CPU time says little about the device's.
+# The clock rounds are planned on: a CPU step's CPU time holds up on a shared machine; a GPU step's says little.
 PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
 Round = dict[str, TimedPhase]  # a round's result of each phase, in the order they ran
 
@@ -112,8 +108,7 @@ def run_round(phases: dict[str, Phase], kernels: list[str], context: BaseContext
     return result
 
 
-def step(result: TimedPhase, clock: str) -> float:
-    """A phase's median step time (s) on the wall or the CPU-time clock."""
+def step(result: TimedPhase, clock: str) -> float:  # the median step time (s) on the wall or CPU-time clock
     return statistics.median(result.step_times if clock == "wall" else result.cpu_step_times)
 
 

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal, cast
 
 import hydra
 import torch
-from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, model_validator
@@ -33,9 +32,8 @@ from xsa_lm.train import memory
 from xsa_lm.train.runinfo import run_info
 
 SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
-# What the hand-written loop reproduces (autocast to bf16, or none): under any other precision Lightning would train
-# in another one than the plain loop (16-mixed: fp16 with a grad scaler on a GPU, bf16-mixed on CPU; *-true: weights
-# cast), and the report would compare two precisions under one name.
+# What the hand-written loop reproduces (autocast to bf16, or none): under another precision Lightning would train in
+# another one (16-mixed: fp16 with a grad scaler; *-true: weights cast), and the report compare two under one name.
 BOTH_LOOPS = ("32-true", "bf16-mixed")
 Rounds = Annotated[int, Field(ge=2)]  # an interval needs 2
 
@@ -100,8 +98,7 @@ class BenchSpec(Spec):
         return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
 
     def setup_on(self, device: torch.device) -> Setup:
-        """precision auto: fp32 on CPU, bf16 on a GPU, without asking the GPU (a CUDA context here would outlive the
-        phases)."""
+        """precision auto: bf16 on a GPU, without asking it (a CUDA context here would outlive the phases)."""
         auto = "bf16-mixed" if device.type == "cuda" else "32-true"
         precision = lightning_precision_name(auto if self.precision == "auto" else self.precision)
         scheduler = build(self.scheduler.model_dump(by_alias=True))
@@ -114,15 +111,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but torch sees no CUDA device: use device=cpu (or auto)")
     return torch.device(device)
-
-
-def base_phase(spec: BenchSpec, device: torch.device) -> Phase:
-    """The plain loop training SA."""
-    # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
-    # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
-    threads = (1 if device.type == "cpu" else None) if isinstance(spec.threads, str) else spec.threads
-    same = spec.model_dump(include={"micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
-    return Phase("plain", spec.models[0], spec.setup_on(device), threads=threads, **same)
 
 
 def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext) -> tuple[Probe, Kernels]:
@@ -155,8 +143,12 @@ def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels
 def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     """The report (bench.json); `model`: the model's label, `config`: the composed config, kept in it."""
     spec = spec.model_copy(update=SMOKE) if spec.smoke else spec
-    device = resolve_device(spec.device)
-    base, xsa, tokens = base_phase(spec, device), spec.models[1], spec.micro_batch * spec.context
+    device, (sa, xsa), tokens = resolve_device(spec.device), spec.models, spec.micro_batch * spec.context
+    # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
+    # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
+    threads = (1 if device.type == "cpu" else None) if isinstance(spec.threads, str) else spec.threads
+    same = spec.model_dump(include={"micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
+    base = Phase("plain", sa, spec.setup_on(device), threads=threads, **same)  # the plain loop training SA
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
     probe, kernels = choose_kernels(spec.backends, base, context := process_context())
     print(kernel_line(asdict(kernels)), flush=True)
@@ -240,23 +232,15 @@ RATIO_LABELS = {"xsa": "XSA/SA step time", "lightning": "Lightning/plain tokens/
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 
-def table(title: str, columns: list[str], rows: list[list[str]], left: int) -> Table:
-    """A rich table, its first `left` columns left-aligned (names), the others right-aligned (numbers)."""
-    table = Table(*[Column(c, justify="left" if i < left else "right") for i, c in enumerate(columns)], title=title)
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
 def print_tables(r: dict) -> None:
     compiled, mib = ", compiled" if r["compile"] else "", 2**20
-    phases = []
+    phases = [["phase", "SDPA kernel", "step ms (wall)", "step ms (CPU time)", "tokens/s", "peak memory"]]
     for name in r["phases"]:
         memory = r[f"{name}_peak_memory_bytes"]
         cells = [f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_cpu_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}"]
         cells.append("" if memory is None else f"{memory / mib:,.1f} MiB")
         phases.append([PHASE_LABELS[name.split("_")[0]], r["phase_kernels"][name], *cells])
-    ratios = []
+    ratios = [["ratio", "kernel", "clock", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict"]]
     for key, s in r["ratios"].items():
         f = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
         target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {f(s['target'])}"
@@ -268,16 +252,16 @@ def print_tables(r: dict) -> None:
         ratios.append(
             ["XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6]
         )
-    title = (
+    heading = (
         f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
         f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
     )
-    columns = ["phase", "SDPA kernel", "step ms (wall)", "step ms (CPU time)", "tokens/s", "peak memory"]
-    console = Console(width=max(Console().width, 140))
-    console.print(table(title, columns, phases, left=2))
-    title = "per-round ratios: median, geometric mean, spread, 95% t-interval"
-    columns = ["ratio", "kernel", "clock", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict"]
-    console.print(table(title, columns, ratios, left=3))
+    spread = "per-round ratios: median, geometric mean, spread, 95% t-interval"
+    for title, (columns, *rows), left in ((heading, phases, 2), (spread, ratios, 3)):  # names left, numbers right
+        table = Table(*[Column(c, justify="left" if i < left else "right") for i, c in enumerate(columns)], title=title)
+        for row in rows:
+            table.add_row(*row)
+        Console(width=max(Console().width, 140)).print(table)
     peak = "unknown" if r["peak_flops"] is None else f"{r['peak_flops'] / 1e12:.3f} TFLOP/s"
     print(
         f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
@@ -302,7 +286,7 @@ def main(cfg: DictConfig) -> None:
     out = Path(spec.out)
     check_new_file(out, overwrite=spec.overwrite, example="bench.json")
     # The model's label: the preset's name, with the fields set apart from the preset's, e.g. `tiny (n_layer=6)`
-    preset = compose(config_name="bench", overrides=[f"model={HydraConfig.get().runtime.choices['model']}"]).model
+    preset = hydra.compose(config_name="bench", overrides=[f"model={HydraConfig.get().runtime.choices['model']}"]).model
     given = parse(ModelSpec, preset, at="model.").model_dump()
     changed = [f"{key}={value}" for key, value in spec.model.model_dump().items() if value != given[key]]
     label = f"{spec.model.name} ({', '.join(changed)})" if changed else spec.model.name
