@@ -247,9 +247,15 @@ def test_bench_data_quick_writes_the_report(tmp_path: Path):
         # 16-mixed on CPU: Lightning would run bf16-mixed, the hand-written loop fp32, the report say 16-mixed
         *[([f"precision={p}"], f"precision={p} must be auto, 32-true or bf16-mixed") for p in ("16-mixed", 16, "fast")],
         (["precision=bf16-true"], "precision=bf16-true must be auto, 32-true or bf16-mixed: what both the Lightning"),
+        # A preset with model.* overrides is another model: the report names them (the preset's MFU target is not its)
+        (
+            ["model=paper_0.7b", "model.n_layer=2", "model.n_head=6", "model.dropout=0.1"],
+            "measuring paper_0.7b (n_layer=2, dropout=0.1)\n",  # n_head=6 is the preset's own
+        ),
+        (["model=tiny", "model.n_layer=4"], "measuring tiny\n"),
     ],
 )
-def test_bench_refuses_an_out_or_option_before_measuring(
+def test_bench_refuses_an_out_or_option_before_measuring_and_labels_the_model(
     args: list[str], message: str, tmp_path: Path, monkeypatch, capsys
 ):
     """Refused up front in one line, not after minutes of rounds (or inside a phase's process, or at the write), and
@@ -257,30 +263,15 @@ def test_bench_refuses_an_out_or_option_before_measuring(
     (tmp_path / "b1.json").write_text("{}")
     (tmp_path / "bdir").mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "bench", lambda *args, **kwargs: pytest.fail("measured before refusing"))
+
+    def measuring(spec, *, model: str, **rest) -> dict:
+        raise UserError(f"measuring {model}")
+
+    monkeypatch.setattr(run, "bench", measuring)
     said = refused_in_process(["bench", "out=b.json", *args], monkeypatch, capsys)
     assert said.startswith(f"xsa-lm: error: {message}") and said.count("\n") == 1
-    assert (tmp_path / "b1.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == [
-        "b1.json",
-        "bdir",
-    ]
-    assert not any((tmp_path / "bdir").iterdir())
-
-
-def test_bench_names_a_changed_preset_by_its_overrides(tmp_path: Path, monkeypatch, capsys):
-    """A preset with model.* overrides is another model: the report names the overrides (and the preset's MFU target
-    does not apply to it)."""
-
-    def labelled(spec, *, model: str, **rest) -> dict:
-        raise UserError(f"label {model}")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "bench", labelled)
-    args = ["bench", "model=paper_0.7b", "model.n_layer=2", "model.n_head=6", "model.dropout=0.1", "micro_batch=1"]
-    said = refused_in_process(args, monkeypatch, capsys)
-    assert said == "xsa-lm: error: label paper_0.7b (n_layer=2, dropout=0.1)\n"  # n_head=6 is the preset's own
-    said = refused_in_process(["bench", "model=tiny", "model.n_layer=4"], monkeypatch, capsys)
-    assert said == "xsa-lm: error: label tiny\n"
+    assert (tmp_path / "b1.json").read_text() == "{}" and not any((tmp_path / "bdir").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b1.json", "bdir"]
 
 
 @pytest.mark.parametrize(
