@@ -138,7 +138,7 @@ def plan_rounds(
 
 
 def summarize_rounds(
-    rounds: list[Round], probe: Probe, *, model: str, device_type: str, tokens: int, kernels: Kernels
+    rounds: list[Round], probe: Probe, kernels: Kernels, *, model: str, device_type: str, tokens: int
 ) -> tuple[dict[str, Any], dict[str, Ratio]]:
     """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
     out: dict[str, Any] = {}

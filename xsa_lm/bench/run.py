@@ -161,9 +161,7 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
         print(plan_line(asdict(plan)), flush=True)
         total = plan.rounds
     rounds += [run_round(phases, kernels.timed, context, r, of=f"/{total}") for r in range(len(rounds), total)]
-    summary, ratios = summarize_rounds(
-        rounds, probe, model=model, device_type=device.type, tokens=tokens, kernels=kernels
-    )
+    summary, ratios = summarize_rounds(rounds, probe, kernels, model=model, device_type=device.type, tokens=tokens)
     return {
         **{key: value for key, value in asdict(probe).items() if key not in ("pid", "kernels")},  # device, peak FLOP/s
         "precision": base.setup.precision,
