@@ -324,8 +324,7 @@ def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
     """Per SA and XSA the step time and tokens/s (the median over rounds) and, where the device's peak FLOP/s is
     known, MFU per round; XSA/SA step time per round with its 95% interval and verdict (xsa_lm.bench.stats), and
     whether that interval resolves 1%."""
-    from xsa_lm.bench.rounds import TARGETS, mfu_target
-    from xsa_lm.bench.stats import summarize
+    from xsa_lm.bench.stats import TARGETS, mfu_target, summarize
 
     tokens, peak, out = result["tokens_per_step"], result["peak_flops"], {}
     for name, times in per_round.items():

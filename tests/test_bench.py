@@ -13,12 +13,10 @@ import pytest
 import torch
 
 from tests.helpers import refused_in_process
-from xsa_lm.bench import rounds as bench_rounds
-from xsa_lm.bench import run
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure
-from xsa_lm.bench.rounds import mfu_target, plan_rounds, process_context, round_order, run_fresh
+from xsa_lm.bench import run, stats
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, process_context, run_fresh
+from xsa_lm.bench.run import round_order
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, interval, rounds_needed, summarize
-from xsa_lm.bench.stats import verdict as bench_verdict
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.hardware import peak_flops
@@ -56,7 +54,7 @@ def test_a_ratio_is_summarized_by_its_spread_geometric_mean_and_the_t_interval_o
     ],
 )
 def test_verdict_needs_the_whole_interval_on_one_side(bounds, target, at_most, expected):
-    assert bench_verdict(bounds, target, at_most) == expected
+    assert stats.verdict(bounds, target, at_most) == expected
 
 
 def test_rounds_needed_is_the_fewest_whose_interval_clears_the_target():
@@ -100,7 +98,7 @@ def test_rounds_are_planned_from_the_pilots_spread_within_the_budget():
     pilot = [pilot_round(0.1, 0.1 * math.exp(x)) for x in (-0.0245, 0.0, 0.0, 0.0245)]  # as in the test above
     for r, x in zip(pilot, (-0.03, 0.05, 0.0, 0.04), strict=True):  # math's XSA/SA near its target: ignored
         r |= {"sa_math": r["sa_flash"], "xsa_math": timed(1.02 * math.exp(x) * 0.1)}
-    plan = partial(plan_rounds, pilot, kernels=kernels, elapsed_s=40.0, max_rounds=40, device_type="cpu")
+    plan = partial(stats.plan_rounds, pilot, kernels=kernels, elapsed_s=40.0, max_rounds=40, device_type="cpu")
     roomy = plan(budget_s=1000)
     assert roomy.needed == 7 and roomy.rounds == 7 and roomy.clock == "cpu" and roomy.limited_by == "needed"
     tight = plan(budget_s=60)  # 10 s a round: 2 more fit
@@ -112,7 +110,7 @@ def test_each_ratio_is_summarized_on_both_clocks_from_its_own_rounds():
     rounds = [pilot_round(0.1, 0.11, cpu_scale=2.0), pilot_round(0.2, 0.2, cpu_scale=2.0)]
     kernels = kernel_choice(["flash"], "flash")
     probe = Probe(1, 1, False, kernels, "cpu", None, "", 1.0, 1.0)
-    out, ratios = bench_rounds.summarize_rounds(rounds, probe, kernels, model="t", device_type="cpu", tokens=100)
+    out, ratios = stats.summarize_rounds(rounds, probe, kernels, model="t", device_type="cpu", tokens=100)
     assert ratios["xsa_over_sa_step_time"].rounds == pytest.approx([1.1, 1.0])  # paired within each round
     assert ratios["xsa_over_sa_cpu_time"].rounds == pytest.approx([1.1, 1.0])
     assert ratios["xsa_over_sa_cpu_time"].clock == "cpu" and ratios["xsa_over_sa_step_time"].kernel == "flash"
@@ -131,7 +129,7 @@ def test_each_ratio_is_summarized_on_both_clocks_from_its_own_rounds():
     ],
 )
 def test_the_mfu_target_is_the_paper_models_on_an_h100_or_h200(model: str, device: str, target: float | None):
-    assert mfu_target(model, device) == target
+    assert stats.mfu_target(model, device) == target
 
 
 def tiny_phase(**changes) -> Phase:

@@ -1,13 +1,19 @@
 """The contenders: a hand-written loop and Lightning fitting LMModule on the same model, batches, optimizer and
-schedule; each step timed by the wall clock and by the process's CPU time (which holds up on a shared machine)."""
+schedule; each step timed by the wall clock and by the process's CPU time (which holds up on a shared machine). Each
+phase runs in a fresh process (no heap, allocator cache, threads or compiled code inherited)."""
 
 import contextlib
 import logging
+import multiprocessing
 import os
+import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
 import lightning as L
@@ -292,3 +298,43 @@ def measure(phase: Phase) -> Probe | TimedPhase:
         peak_memory_bytes=memory,
         peak_memory_source=source,
     )
+
+
+def process_context() -> BaseContext:
+    """Each phase's process forked from a server that imports this module (torch, Lightning) once, never CUDA."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["xsa_lm.bench.loops"])
+    return context
+
+
+def child(phase: Phase, connection: Connection) -> None:
+    try:
+        connection.send(("ok", measure(phase)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which reports it
+        connection.send(("error", traceback.format_exc()))
+    finally:
+        connection.close()
+
+
+def run_fresh(phase: Phase, label: str, context: BaseContext) -> Probe | TimedPhase:
+    """measure(phase) in a new process; a failure or a killed process ends the bench with one line naming it.
+    (concurrent.futures' pool loses a killed process's exit code.)"""
+    receive, send = context.Pipe(duplex=False)
+    start = context.Process  # type: ignore[attr-defined]  # not on BaseContext; on the forkserver's
+    process = start(target=child, args=(phase, send), name=f"xsa-lm-bench-{label}")
+    process.start()
+    send.close()  # the child holds the only sending end: its death ends recv() with EOFError
+    try:
+        status, payload = receive.recv()
+    except EOFError:
+        status, payload = "died", None
+    process.join()
+    if status == "ok":
+        return payload
+    if status == "died":
+        raise UserError(
+            f"bench phase {label} died (exit code {process.exitcode}; -9 is often the out-of-memory "
+            "killer): lower micro_batch or context"
+        )
+    print(payload, end="", file=sys.stderr, flush=True)  # the child's traceback, above the one-line summary
+    raise UserError(f"bench phase {label} failed: {payload.strip().splitlines()[-1]}")

@@ -1,5 +1,5 @@
-"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop, each phase in a fresh process;
-over the rounds (rounds.py) each ratio's 95% interval and verdict (stats.py). Prints tables, writes `out`."""
+"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop (loops.py), over rounds that run each
+phase in a fresh process; each ratio's 95% interval and verdict (stats.py). Prints tables, writes `out`."""
 
 import contextlib
 import os
@@ -18,9 +18,8 @@ from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Column, Table
 
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup
-from xsa_lm.bench.rounds import Round, plan_rounds, process_context, run_fresh, run_round, summarize_rounds
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, process_context, run_fresh
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Round, plan_rounds, step, summarize_rounds
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import build
 from xsa_lm.config.spec import AttentionSpec, Count, ModelSpec, OptimSpec, SchedulerSpec, Seed, Spec, parse, rule
@@ -138,6 +137,27 @@ def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels
             phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
     phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
     return phases
+
+
+def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
+    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
+    shift, groups = r % len(kernels), []
+    for kernel in kernels[shift:] + kernels[:shift]:
+        pair = [name for name in (f"sa_{kernel}", f"xsa_{kernel}") if name in phases]
+        if pair:
+            groups.append(pair if r % 2 == 0 else pair[::-1])
+    groups.insert(r % (len(groups) + 1), ["lightning"])
+    return [name for group in groups for name in group]
+
+
+def run_round(phases: dict[str, Phase], kernels: list[str], context: BaseContext, r: int, of: str) -> Round:
+    """Round r: each phase in a fresh process, in round_order; a line on its medians."""
+    t0, result = time.perf_counter(), Round()
+    for name in round_order(list(phases), kernels, r):
+        result[name] = cast(TimedPhase, run_fresh(phases[name], f"{name} (round {r + 1})", context))
+    ms = [f"{k} {1e3 * step(v, 'wall'):.1f} ms ({1e3 * step(v, 'cpu'):.1f} CPU)" for k, v in result.items()]
+    print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {', '.join(ms)}", flush=True)
+    return result
 
 
 def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:

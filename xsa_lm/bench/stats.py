@@ -1,20 +1,32 @@
-"""Ratios measured over rounds: spread, a 95% interval and a verdict against a target.
-
-Timing noise is multiplicative: the interval is the t-interval of the mean log-ratio (a geometric mean). A target is
-met when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
+"""Ratios measured over rounds: their targets, how many rounds a pilot's spread asks for, and each one's spread, 95%
+interval and verdict. Timing noise is multiplicative: the interval is the t-interval of the mean log-ratio (a geometric
+mean). A target is met when the whole interval is on its side, missed when it is wholly on the other, else "not
+resolved"."""
 
 import math
+import re
 import statistics
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 from scipy import stats
 
+from xsa_lm.bench.loops import Kernels, Probe, TimedPhase
 from xsa_lm.records import Record
 
 CONFIDENCE = 0.95
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
 LARGE = 1e6  # rounds
+# XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
+TARGETS: dict[str, Any] = {
+    "xsa_over_sa_step_time": {"cpu": 1.02, "cuda": 1.01},
+    "lightning_over_plain_throughput": 0.97,
+    "mfu": {"model": "paper_0.7b", "gpus": ("H100", "H200"), "at_least": 0.45},
+}
+# The clock rounds are planned on: a CPU step's CPU time holds up on a shared machine; a GPU step's says little.
+PLANNING_CLOCK = {"cpu": "cpu", "cuda": "wall"}
+Round = dict[str, TimedPhase]  # a round's result of each phase, in the order they ran
 
 
 @dataclass(frozen=True)
@@ -90,3 +102,84 @@ def rounds_needed(values: list[float], target: float) -> float:
     while stats.t.ppf(q, df=n - 1) * sd / math.sqrt(n) >= margin:
         n += 1
     return float(n)
+
+
+@dataclass(frozen=True)
+class RoundsPlan:
+    pilot: int
+    clock: str
+    needed: int | None  # None: the pilot's centre is on the target
+    affordable: int
+    budget_s: float
+    max_rounds: int
+    round_s: float
+    rounds: int
+    limited_by: str
+
+
+def mfu_target(model: str, device: str) -> float | None:
+    spec = TARGETS["mfu"]  # whole words: a GH200 is no H200
+    applies = model == spec["model"] and any(re.search(rf"\b{gpu}\b", device) for gpu in spec["gpus"])
+    return spec["at_least"] if applies else None
+
+
+def step(result: TimedPhase, clock: str) -> float:  # the median step time (s) on the wall or CPU-time clock
+    return statistics.median(result.step_times if clock == "wall" else result.cpu_step_times)
+
+
+def ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float]:
+    return [step(r[top], clock) / step(r[bottom], clock) for r in rounds]
+
+
+def plan_rounds(
+    pilot: list[Round], kernels: Kernels, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
+) -> RoundsPlan:
+    """The rounds the headline ratio (XSA/SA, else Lightning/plain step time) needs at the pilot's spread, within
+    budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
+    decided, and such an interval covers less than 95%."""
+    clock, sa = PLANNING_CLOCK[device_type], f"sa_{kernels.primary}"
+    if f"xsa_{kernels.primary}" in pilot[0]:
+        top, target = f"xsa_{kernels.primary}", TARGETS["xsa_over_sa_step_time"][device_type]
+    else:
+        top, target = "lightning", 1 / TARGETS["lightning_over_plain_throughput"]
+    # without SA, Lightning alone: no ratio to plan for
+    needed = rounds_needed(ratios(pilot, top, sa, clock), target) if sa in pilot[0] else len(pilot)
+    pace = elapsed_s / len(pilot)
+    affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
+    total = max(len(pilot), min(needed, affordable, max_rounds))
+    limited_by = "needed" if total >= needed else "budget_s" if affordable <= max_rounds else "max_rounds"
+    finite = None if math.isinf(needed) else int(needed)
+    return RoundsPlan(len(pilot), clock, finite, affordable, budget_s, max_rounds, pace, int(total), limited_by)
+
+
+def summarize_rounds(
+    rounds: list[Round], probe: Probe, kernels: Kernels, *, model: str, device_type: str, tokens: int
+) -> tuple[dict[str, Any], dict[str, Ratio]]:
+    """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
+    out: dict[str, Any] = {}
+    for name in rounds[0]:
+        wall = statistics.median(step(r[name], "wall") for r in rounds)
+        out[f"{name}_step_ms"] = 1e3 * wall
+        out[f"{name}_cpu_ms"] = 1e3 * statistics.median(step(r[name], "cpu") for r in rounds)
+        out[f"{name}_tokens_per_s"] = tokens / wall
+        memory = [r[name].peak_memory_bytes for r in rounds]
+        out[f"{name}_peak_memory_bytes"] = None if None in memory else statistics.median(cast(list[int], memory))
+    out["phase_kernels"] = {name: rounds[0][name].sdpa_used for name in rounds[0]}
+    primary, summary = kernels.primary, dict[str, Ratio]()
+    for kernel in [k for k in kernels.timed if f"xsa_{k}" in rounds[0]]:
+        suffix, target = "" if kernel == primary else f"_{kernel}", TARGETS["xsa_over_sa_step_time"][device_type]
+        for clock, key in (("wall", "xsa_over_sa_step_time"), ("cpu", "xsa_over_sa_cpu_time")):
+            values = ratios(rounds, f"xsa_{kernel}", f"sa_{kernel}", clock)
+            summary[key + suffix] = summarize(values, target, at_most=True, kernel=kernel, clock=clock)
+    if f"sa_{primary}" in rounds[0]:  # throughput ratio = plain step time / Lightning step time
+        target = TARGETS["lightning_over_plain_throughput"]
+        for clock, key in (("wall", "lightning_over_plain_throughput"), ("cpu", "lightning_over_plain_cpu_throughput")):
+            values = ratios(rounds, f"sa_{primary}", "lightning", clock)
+            summary[key] = summarize(values, target, at_most=False, kernel=primary, clock=clock)
+    if probe.peak_flops is not None:
+        mfu = [tokens / step(r["lightning"], "wall") * probe.flops_per_token / probe.peak_flops for r in rounds]
+        summary["mfu"] = summarize(mfu, mfu_target(model, probe.device), at_most=False, kernel=primary, clock="wall")
+    xsa_memory, sa_memory = out.get(f"xsa_{primary}_peak_memory_bytes"), out.get(f"sa_{primary}_peak_memory_bytes")
+    if xsa_memory and sa_memory:
+        out["xsa_over_sa_peak_memory"] = xsa_memory / sa_memory
+    return out, summary
