@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers import refused_in_process
 from xsa_lm.bench import run, stats
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, process_context, run_fresh
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, run_fresh
 from xsa_lm.bench.run import round_order
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, interval, rounds_needed, summarize
 from xsa_lm.errors import UserError
@@ -151,7 +151,7 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
         assert isinstance(result, TimedPhase) and result.sdpa_used == kernel
         assert len(result.step_times) == len(result.cpu_step_times) == 2 and min(result.cpu_step_times) > 0
     with pytest.raises(UserError, match=r"bench phase bad \(round 1\) failed: RuntimeError: .*negative dimension"):
-        run_fresh(tiny_phase(micro_batch=-1, threads=1), "bad (round 1)", process_context())  # in its own process
+        run_fresh(tiny_phase(micro_batch=-1, threads=1), "bad (round 1)")  # in its own process
 
 
 @pytest.mark.slow

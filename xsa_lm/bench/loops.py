@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
 import lightning as L
@@ -149,7 +148,6 @@ class PlainTrainer:
         fused = {} if "fused" in keywords else {"fused": True}  # as LMModule.configure_optimizers
         self.opt = setup.optimizer(param_groups(self.model, keywords.get("weight_decay", 0.0)), **fused)
         self.sched = setup.scheduler(self.opt, total_steps=total_steps)
-        self.clocks = Clocks(setup.device)  # the last run's
 
     def step(self, batch: Batch) -> None:
         x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
@@ -165,7 +163,7 @@ class PlainTrainer:
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
         """n steps; their n + 1 wall-clock stamps (self.clocks has both clocks')."""
-        self.clocks = Clocks(self.setup.device)
+        self.clocks = Clocks(self.setup.device)  # the last run's
         for i in range(n):
             self.clocks.stamp()
             self.step(batches[i % len(batches)])
@@ -184,13 +182,11 @@ def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: i
         devices=1,
         precision=setup.precision,  # type: ignore[arg-type]  # a config string: Lightning checks it
         gradient_clip_val=1.0,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[clocks],
         **QUIET_TRAINER,
     )
     cycled = [batches[i % len(batches)] for i in range(n)]  # a list is a map-style dataset
-    trainer.fit(module, DataLoader(cycled, batch_size=None, shuffle=False, num_workers=0))  # type: ignore[arg-type]
+    trainer.fit(module, DataLoader(cycled, batch_size=None))  # type: ignore[arg-type]  # no val loader: no validation
     return clocks
 
 
@@ -263,8 +259,7 @@ def probe(phase: Phase, batch: Batch, facts: ProcessFacts) -> Probe:
 def measure(phase: Phase) -> Probe | TimedPhase:
     """Run one phase in this (fresh) process: `warmup` untimed steps, then `steps` timed ones (start to start: one more
     step's start closes the last), and peak memory."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.disable(logging.INFO)  # Lightning's (GPU available, ...): this process prints nothing else
     for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
         warnings.filterwarnings("ignore", f".*{message}.*")
     if phase.threads:
@@ -300,13 +295,6 @@ def measure(phase: Phase) -> Probe | TimedPhase:
     )
 
 
-def process_context() -> BaseContext:
-    """Each phase's process forked from a server that imports this module (torch, Lightning) once, never CUDA."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["xsa_lm.bench.loops"])
-    return context
-
-
 def child(phase: Phase, connection: Connection) -> None:
     try:
         connection.send(("ok", measure(phase)))
@@ -316,12 +304,14 @@ def child(phase: Phase, connection: Connection) -> None:
         connection.close()
 
 
-def run_fresh(phase: Phase, label: str, context: BaseContext) -> Probe | TimedPhase:
-    """measure(phase) in a new process; a failure or a killed process ends the bench with one line naming it.
-    (concurrent.futures' pool loses a killed process's exit code.)"""
+def run_fresh(phase: Phase, label: str) -> Probe | TimedPhase:
+    """measure(phase) in a new process, forked from a server that imports this module (torch, Lightning) once and never
+    CUDA; a failure or a killed process ends the bench with one line naming it. (concurrent.futures' pool loses a killed
+    process's exit code.)"""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["xsa_lm.bench.loops"])
     receive, send = context.Pipe(duplex=False)
-    start = context.Process  # type: ignore[attr-defined]  # not on BaseContext; on the forkserver's
-    process = start(target=child, args=(phase, send), name=f"xsa-lm-bench-{label}")
+    process = context.Process(target=child, args=(phase, send), name=f"xsa-lm-bench-{label}")
     process.start()
     send.close()  # the child holds the only sending end: its death ends recv() with EOFError
     try:

@@ -4,9 +4,7 @@ phase in a fresh process; each ratio's 95% interval and verdict (stats.py). Prin
 import contextlib
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, replace
-from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
@@ -18,7 +16,7 @@ from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Column, Table
 
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, process_context, run_fresh
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Round, plan_rounds, step, summarize_rounds
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import build
@@ -112,11 +110,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext) -> tuple[Probe, Kernels]:
-    """In a fresh process: the device, train's kernel order and kernel here, and the kernels of `backends` that take
-    the model's attention alone (`train`: train's)."""
+def phases_to_time(spec: BenchSpec, base: Phase, xsa: GPTConfig) -> tuple[Probe, Kernels, dict[str, Phase]]:
+    """The probe, in a fresh process: the device, train's kernel order and kernel here, which kernels of `backends`
+    take the model's attention alone (`train`: train's). The phases: `sa_<kernel>` and `xsa_<kernel>` per timed kernel,
+    and `lightning` (the headline) under train's order."""
+    backends, comparisons = spec.backends, spec.comparisons
     names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
-    probe = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe", context))
+    probe = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe"))
     found = probe.kernels
     timed = [found.used] if backends == "train" else [k for k in found.candidates if found.takes[k]]
     if not timed:
@@ -124,19 +124,14 @@ def choose_kernels(backends: str | list[str], base: Phase, context: BaseContext)
             f"backends={backends}: none of {', '.join(found.candidates)} takes this model's attention in "
             f"{base.setup.precision} on {base.setup.device}; add math (it takes every shape)"
         )
-    return probe, replace(found, timed=timed, primary=found.used if found.used in timed else timed[0])
-
-
-def make_phases(comparisons: Sequence[str], base: Phase, xsa: GPTConfig, kernels: Kernels) -> dict[str, Phase]:
-    """`sa_<kernel>` and `xsa_<kernel>` per timed kernel, and `lightning` (the headline) under train's order."""
-    phases = {}
+    kernels, phases = replace(found, timed=timed, primary=found.used if found.used in timed else timed[0]), {}
     for kernel in kernels.timed:
         if "xsa_over_sa" in comparisons or ("lightning_over_plain" in comparisons and kernel == kernels.primary):
             phases[f"sa_{kernel}"] = replace(base, sdpa=(kernel,))
         if "xsa_over_sa" in comparisons:
             phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
     phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
-    return phases
+    return probe, kernels, phases
 
 
 def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
@@ -150,11 +145,11 @@ def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
     return [name for group in groups for name in group]
 
 
-def run_round(phases: dict[str, Phase], kernels: list[str], context: BaseContext, r: int, of: str) -> Round:
+def run_round(phases: dict[str, Phase], kernels: list[str], r: int, of: str) -> Round:
     """Round r: each phase in a fresh process, in round_order; a line on its medians."""
     t0, result = time.perf_counter(), Round()
     for name in round_order(list(phases), kernels, r):
-        result[name] = cast(TimedPhase, run_fresh(phases[name], f"{name} (round {r + 1})", context))
+        result[name] = cast(TimedPhase, run_fresh(phases[name], f"{name} (round {r + 1})"))
     ms = [f"{k} {1e3 * step(v, 'wall'):.1f} ms ({1e3 * step(v, 'cpu'):.1f} CPU)" for k, v in result.items()]
     print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {', '.join(ms)}", flush=True)
     return result
@@ -170,17 +165,17 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     same = spec.model_dump(include={"micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
     base = Phase("plain", sa, spec.setup_on(device), threads=threads, **same)  # the plain loop training SA
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    probe, kernels = choose_kernels(spec.backends, base, context := process_context())
+    probe, kernels, phases = phases_to_time(spec, base, xsa)
     print(kernel_line(asdict(kernels)), flush=True)
-    phases, plan, total = make_phases(spec.comparisons, base, xsa, kernels), None, spec.rounds
+    plan, total = None, spec.rounds
     rounds, t_rounds = list[Round](), time.perf_counter()
     if isinstance(total, str):  # auto: as many as the pilot's spread asks for
-        rounds = [run_round(phases, kernels.timed, context, r, of=" (pilot)") for r in range(spec.pilot_rounds)]
+        rounds = [run_round(phases, kernels.timed, r, of=" (pilot)") for r in range(spec.pilot_rounds)]
         elapsed = time.perf_counter() - t_rounds
         plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
         print(plan_line(asdict(plan)), flush=True)
         total = plan.rounds
-    rounds += [run_round(phases, kernels.timed, context, r, of=f"/{total}") for r in range(len(rounds), total)]
+    rounds += [run_round(phases, kernels.timed, r, of=f"/{total}") for r in range(len(rounds), total)]
     summary, ratios = summarize_rounds(rounds, probe, kernels, model=model, device_type=device.type, tokens=tokens)
     return {
         **{key: value for key, value in asdict(probe).items() if key not in ("pid", "kernels")},  # device, peak FLOP/s
@@ -266,10 +261,8 @@ def print_tables(r: dict) -> None:
         label, clock = RATIO_LABELS[key.split("_")[0]], {"wall": "wall", "cpu": "CPU time"}[s["clock"]]
         cells = [f(s["median"]), f(s["mean"]), f(s["sd"]), f"{f(s['min'])} - {f(s['max'])}", bounds, target]
         ratios.append([label, s["kernel"], clock, *cells, f"[{COLOURS.get(s['verdict'], 'yellow')}]{s['verdict']}[/]"])
-    if r.get("xsa_over_sa_peak_memory"):
-        ratios.append(
-            ["XSA/SA peak memory", r["sdpa"]["primary"], "", f"{r['xsa_over_sa_peak_memory']:.3f}", *[""] * 6]
-        )
+    if memory_ratio := r.get("xsa_over_sa_peak_memory"):
+        ratios.append(["XSA/SA peak memory", r["sdpa"]["primary"], "", f"{memory_ratio:.3f}", *[""] * 6])
     heading = (
         f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
         f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
