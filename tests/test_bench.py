@@ -16,7 +16,7 @@ from tests.helpers import refused_in_process
 from xsa_lm.bench import run, stats
 from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, run_fresh
 from xsa_lm.bench.run import round_order
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, interval, rounds_needed, summarize
+from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, rounds_needed, summarize
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 from xsa_lm.train.hardware import peak_flops
@@ -27,10 +27,11 @@ T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freed
 
 
 def test_a_ratio_is_summarized_by_its_spread_geometric_mean_and_the_t_interval_of_its_logs():
-    low, high = interval([math.exp(0.0), math.exp(0.02), math.exp(0.04)])  # logs: mean 0.02, sd 0.02
+    low, high = summarize([math.exp(x) for x in (0.0, 0.02, 0.04)], None, True).interval  # logs: mean 0.02, sd 0.02
     half = T_975_DF2 * 0.02 / math.sqrt(3)
     assert (low, high) == pytest.approx((math.exp(0.02 - half), math.exp(0.02 + half)), rel=1e-9)
-    assert interval([1.0]) is None and interval([1.01, 1.01]) == pytest.approx((1.01, 1.01))
+    assert summarize([1.0], None, True).interval is None
+    assert summarize([1.01, 1.01], None, True).interval == pytest.approx([1.01, 1.01])
     s = summarize([1.0, 1.04, 1.02, 1.01], target=1.02, at_most=True).to_json()
     assert s["median"] == pytest.approx(1.015) and s["min"] == 1.0 and s["max"] == 1.04
     assert s["mean"] == pytest.approx((1.0 * 1.04 * 1.02 * 1.01) ** 0.25)

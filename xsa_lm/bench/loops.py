@@ -31,7 +31,6 @@ from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule, param_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-N_BATCHES = 8  # distinct random batches, cycled
 
 
 @dataclass(frozen=True)
@@ -108,15 +107,14 @@ def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torc
     """Random tokens, pinned for CUDA: a step's time does not depend on what the tokens say."""
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch, config.block_size + 1)
-    tokens = [torch.randint(0, config.vocab_size, shape, generator=g) for _ in range(N_BATCHES)]
+    tokens = [torch.randint(0, config.vocab_size, shape, generator=g) for _ in range(8)]  # cycled
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
     return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if device.type == "cuda" else batches
 
 
 class Clocks(L.Callback):
     """Device-synchronised stamps on the wall and CPU-time clocks; as a callback, one at each batch start (start to
-    start covers all Lightning does; its ThroughputMonitor has no CPU-time clock), CUDA's peak memory reset before
-    the last."""
+    start covers all Lightning does; its ThroughputMonitor has no CPU-time clock)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.stamps = device, list[tuple[float, float]]()
@@ -264,11 +262,10 @@ def measure(phase: Phase) -> Probe | TimedPhase:
         warnings.filterwarnings("ignore", f".*{message}.*")
     if phase.threads:
         torch.set_num_threads(phase.threads)
-    host_memory_reuse = phase.reuse_host_memory and reuse_freed_host_memory()
     if phase.setup.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     batches = make_batches(phase.model, micro_batch=phase.micro_batch, seed=phase.seed, device=phase.setup.device)
-    facts = ProcessFacts(pid=os.getpid(), threads=torch.get_num_threads(), host_memory_reuse=host_memory_reuse)
+    facts = ProcessFacts(os.getpid(), torch.get_num_threads(), phase.reuse_host_memory and reuse_freed_host_memory())
     if phase.kind == "probe":
         return probe(phase, batches[0], facts)
     config, setup, total = phase.model, phase.setup, phase.warmup + phase.steps + 1
@@ -305,9 +302,8 @@ def child(phase: Phase, connection: Connection) -> None:
 
 
 def run_fresh(phase: Phase, label: str) -> Probe | TimedPhase:
-    """measure(phase) in a new process, forked from a server that imports this module (torch, Lightning) once and never
-    CUDA; a failure or a killed process ends the bench with one line naming it. (concurrent.futures' pool loses a killed
-    process's exit code.)"""
+    """measure(phase) in a process forked from a server that imports this module once (never CUDA); a failure or a
+    killed process ends the bench in one line naming it (concurrent.futures' pool loses a killed one's exit code)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["xsa_lm.bench.loops"])
     receive, send = context.Pipe(duplex=False)

@@ -167,8 +167,7 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
     probe, kernels, phases = phases_to_time(spec, base, xsa)
     print(kernel_line(asdict(kernels)), flush=True)
-    plan, total = None, spec.rounds
-    rounds, t_rounds = list[Round](), time.perf_counter()
+    plan, total, rounds, t_rounds = None, spec.rounds, list[Round](), time.perf_counter()
     if isinstance(total, str):  # auto: as many as the pilot's spread asks for
         rounds = [run_round(phases, kernels.timed, r, of=" (pilot)") for r in range(spec.pilot_rounds)]
         elapsed = time.perf_counter() - t_rounds

@@ -1,7 +1,6 @@
-"""Ratios measured over rounds: their targets, how many rounds a pilot's spread asks for, and each one's spread, 95%
-interval and verdict. Timing noise is multiplicative: the interval is the t-interval of the mean log-ratio (a geometric
-mean). A target is met when the whole interval is on its side, missed when it is wholly on the other, else "not
-resolved"."""
+"""Ratios over rounds: their targets, how many rounds a pilot's spread asks for, each one's spread, 95% interval and
+verdict. Timing noise is multiplicative: the interval is the t-interval of the mean log-ratio (a geometric mean); a
+target is met when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
 
 import math
 import re
@@ -48,14 +47,6 @@ class Ratio(Record):
     clock: str = ""
 
 
-def interval(values: list[float]) -> tuple[float, float] | None:
-    if len(values) < 2:
-        return None
-    logs = np.log(values)
-    half = stats.t.ppf((1 + CONFIDENCE) / 2, df=len(logs) - 1) * stats.sem(logs)
-    return math.exp(logs.mean() - half), math.exp(logs.mean() + half)
-
-
 def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: bool) -> str:
     """at_most: the target is an upper bound (a step time ratio); else a lower bound (a throughput ratio, MFU)."""
     if target is None:
@@ -68,22 +59,13 @@ def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: b
 
 
 def summarize(values: list[float], target: float | None, at_most: bool, kernel: str = "", clock: str = "") -> Ratio:
-    bounds = interval(values)
-    return Ratio(
-        median=statistics.median(values),
-        mean=float(stats.gmean(values)),
-        sd=statistics.stdev(values) if len(values) > 1 else 0.0,
-        min=min(values),
-        max=max(values),
-        interval=None if bounds is None else list(bounds),
-        confidence=CONFIDENCE,
-        target=target,
-        at_most=at_most,
-        verdict=verdict(bounds, target, at_most),
-        rounds=list(values),
-        kernel=kernel,
-        clock=clock,
-    )
+    logs, bounds, sd = np.log(values), None, 0.0
+    if len(values) > 1:  # the t-interval of the mean log-ratio
+        half = stats.t.ppf((1 + CONFIDENCE) / 2, df=len(logs) - 1) * stats.sem(logs)
+        bounds, sd = (math.exp(logs.mean() - half), math.exp(logs.mean() + half)), statistics.stdev(values)
+    spread = statistics.median(values), float(stats.gmean(values)), sd, min(values), max(values)  # as Ratio orders them
+    interval, judged = None if bounds is None else list(bounds), verdict(bounds, target, at_most)
+    return Ratio(*spread, interval, CONFIDENCE, target, at_most, judged, list(values), kernel, clock)
 
 
 def rounds_needed(values: list[float], target: float) -> float:
