@@ -243,15 +243,8 @@ def probe(phase: Phase, batch: Batch, facts: ProcessFacts) -> Probe:
     math_on_cpu = sdpa_kernel(SDPBackend.MATH) if setup.device.type == "cpu" else sdpa_backends(kernels.order)
     with setup.autocast(), math_on_cpu:
         counted = measure_flops(model, lambda: model(x, y)[1], loss_fn=lambda loss: loss)
-    return Probe(
-        **vars(facts),
-        kernels=kernels,
-        device=device_name(setup.device),
-        peak_flops=peak[0],
-        peak_flops_source=peak[1],
-        flops_per_token=model.flops_per_token(phase.model.block_size),
-        flops_per_token_flop_counter=counted / x.numel(),
-    )
+    flops = model.flops_per_token(phase.model.block_size), counted / x.numel()  # by the formula, by the counter
+    return Probe(facts.pid, facts.threads, facts.host_memory_reuse, kernels, device_name(setup.device), *peak, *flops)
 
 
 def measure(phase: Phase) -> Probe | TimedPhase:
@@ -297,8 +290,6 @@ def child(phase: Phase, connection: Connection) -> None:
         connection.send(("ok", measure(phase)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, which reports it
         connection.send(("error", traceback.format_exc()))
-    finally:
-        connection.close()
 
 
 def run_fresh(phase: Phase, label: str) -> Probe | TimedPhase:

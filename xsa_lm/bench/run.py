@@ -103,11 +103,9 @@ class BenchSpec(Spec):
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but torch sees no CUDA device: use device=cpu (or auto)")
-    return torch.device(device)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
 def phases_to_time(spec: BenchSpec, base: Phase, xsa: GPTConfig) -> tuple[Probe, Kernels, dict[str, Phase]]:
