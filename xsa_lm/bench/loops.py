@@ -125,7 +125,7 @@ class Clocks(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.stamp()
-        if len(self.stamps) == trainer.max_steps and self.device.type == "cuda":
+        if len(self.stamps) == trainer.max_steps and self.device.type == "cuda":  # the fit's peak: its last step's
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def step_times(self, skip: int) -> list[list[float]]:
