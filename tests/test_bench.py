@@ -14,8 +14,7 @@ import torch
 
 from tests.helpers import refused_in_process
 from xsa_lm.bench import run, stats
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, run_fresh
-from xsa_lm.bench.run import round_order
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, round_order, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, rounds_needed, summarize
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig

@@ -1,6 +1,7 @@
 """The contenders: a hand-written loop and Lightning fitting LMModule on the same model, batches, optimizer and
 schedule; each step timed by the wall clock and by the process's CPU time (which holds up on a shared machine). Each
-phase runs in a fresh process (no heap, allocator cache, threads or compiled code inherited)."""
+phase runs in a fresh process (no heap, allocator cache, threads or compiled code inherited), in an order that rotates
+between rounds so that drift and noisy neighbours hit every phase alike."""
 
 import contextlib
 import logging
@@ -283,6 +284,17 @@ def measure(phase: Phase) -> Probe | TimedPhase:
         peak_memory_bytes=memory,
         peak_memory_source=source,
     )
+
+
+def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
+    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
+    shift, groups = r % len(kernels), []
+    for kernel in kernels[shift:] + kernels[:shift]:
+        pair = [name for name in (f"sa_{kernel}", f"xsa_{kernel}") if name in phases]
+        if pair:
+            groups.append(pair if r % 2 == 0 else pair[::-1])
+    groups.insert(r % (len(groups) + 1), ["lightning"])
+    return [name for group in groups for name in group]
 
 
 def child(phase: Phase, connection: Connection) -> None:

@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Column, Table
 
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, run_fresh
+from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, round_order, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Round, plan_rounds, step, summarize_rounds
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import build
@@ -130,17 +130,6 @@ def phases_to_time(spec: BenchSpec, base: Phase, xsa: GPTConfig) -> tuple[Probe,
             phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
     phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
     return probe, kernels, phases
-
-
-def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
-    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
-    shift, groups = r % len(kernels), []
-    for kernel in kernels[shift:] + kernels[:shift]:
-        pair = [name for name in (f"sa_{kernel}", f"xsa_{kernel}") if name in phases]
-        if pair:
-            groups.append(pair if r % 2 == 0 else pair[::-1])
-    groups.insert(r % (len(groups) + 1), ["lightning"])
-    return [name for group in groups for name in group]
 
 
 def run_round(phases: dict[str, Phase], kernels: list[str], r: int, of: str) -> Round:
