@@ -87,33 +87,30 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
-        self.seed, self.num_workers = seed, num_workers
+        self.data, self.micro_batch_size, self.seed, self.num_workers = data, micro_batch_size, seed, num_workers
         self.train_windows = PackedWindows(data.shards("train"), block_size)
         self.val_set = PackedWindows(data.shards("val"), block_size)
         self.val_available = self.val_set.n  # before data.val_windows takes the first ones (fixed across runs)
         self.val_set.n = min(self.val_set.n, val_windows or self.val_set.n)
-        window, meta = block_size + 1, data.meta
         if self.train_windows.n < micro_batch_size:  # else a micro-batch would repeat windows
             raise UserError(
-                f"data: the training split has {self.train_windows.n} windows of {window} tokens "
-                f"({meta['train_tokens']:,} tokens), fewer than micro_batch_size={micro_batch_size}: lower "
+                f"data: the training split has {self.train_windows.n} windows of {block_size + 1} tokens "
+                f"({data.meta['train_tokens']:,} tokens), fewer than micro_batch_size={micro_batch_size}: lower "
                 "micro_batch_size or data.block_size, or use a larger corpus"
             )
         if self.val_set.n < 1:
             raise UserError(
-                f"data: the validation split has no window of {window} tokens ({meta['val_tokens']:,} tokens): raise "
-                "data.val_fraction or lower data.block_size"
+                f"data: the validation split has no window of {block_size + 1} tokens ({data.meta['val_tokens']:,} "
+                "tokens): raise data.val_fraction or lower data.block_size"
             )
-        self.served: int | None = None  # the windows the whole stream had served, from a checkpoint
+        self.windows_served: int | None = None  # by the whole stream (every rank), from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """In every checkpoint: the micro-batches the whole stream (every rank) served, and the tokenizer's sha256."""
-        if self.trainer is None:
+        """In every checkpoint: the windows the whole stream (every rank) served, and the tokenizer's sha256."""
+        if (t := self.trainer) is None:
             return {}
-        served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
-        micro_batches = {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "global_micro_batches": served}
-        return {**micro_batches, TOKENIZER_KEY: self.data.tokenizer_sha256}
+        served = t.global_step * t.accumulate_grad_batches * t.world_size * self.micro_batch_size
+        return {"seed": self.seed, "windows_served": served, TOKENIZER_KEY: self.data.tokenizer_sha256}
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get(TOKENIZER_KEY)
@@ -122,18 +119,17 @@ class TokenDataModule(L.LightningDataModule):
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
                 f"{self.data.dir} (sha256 {self.data.tokenizer_sha256[:12]}): resume on the data it was trained on"
             )
-        if "global_micro_batches" in state_dict:
-            self.served = state_dict["global_micro_batches"] * state_dict["micro_batch_size"]
+        self.windows_served = state_dict.get("windows_served")
 
     def train_dataloader(self) -> DataLoader:
         stream = ShuffledBatches(self.train_windows, self.micro_batch_size, seed=self.seed)
         if (trainer := self.trainer) is not None:
             stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
             stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
-            if self.served is not None:
+            if self.windows_served is not None:
                 # A multiple of every micro-batch x devices split of the global batch (a resume keeps
                 # global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
-                stream.start_batch = self.served // (self.micro_batch_size * trainer.world_size)
+                stream.start_batch = self.windows_served // (self.micro_batch_size * trainer.world_size)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:

@@ -11,7 +11,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
@@ -31,7 +31,6 @@ LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reu
 DOCUMENT_VAL_FRACTION = 0.0005  # the paper's 0.05% of the documents
 TAIL_VAL_FRACTION = 0.1  # nanoGPT's 90/10 cut of input.txt
 MIN_VAL_DOCUMENTS = 10  # the document split's expected validation documents: fewer would be a noisy, or empty, set
-TOTALS = ("train_documents", "train_tokens", "val_documents", "val_tokens")  # a shard's counts, and meta.json's
 
 
 @dataclass(frozen=True)
@@ -77,31 +76,24 @@ def tail_start(text: str, val_fraction: float) -> int:
 
 
 def choose_split(source: Any, split: str = "auto", val_fraction: float | None = None) -> tuple[str, float, str | None]:
-    """The split, its fraction and a note when `auto` chose the tail split: auto takes the document split when
-    documents x val_fraction >= MIN_VAL_DOCUMENTS. An unset val_fraction is the split's default fraction."""
+    """The split, its fraction (unset: the split's default) and a note when `auto` chose the tail split: auto takes
+    the document split when documents x val_fraction >= MIN_VAL_DOCUMENTS."""
     note = None
     if split == "auto":
-        fraction = val_fraction or DOCUMENT_VAL_FRACTION
-        needed = math.ceil(MIN_VAL_DOCUMENTS / fraction)
+        needed = math.ceil(MIN_VAL_DOCUMENTS / (fraction := val_fraction or DOCUMENT_VAL_FRACTION))
         # None: a source with its own split (the plays) or an uncounted one (a hub dataset: large) keeps documents.
         count = None if hasattr(source, "is_val") else source.count_documents(needed)
         split = "tail" if count is not None and count < needed else "document"
         if split == "tail":
-            documents = "1 document is" if count == 1 else f"{count:,} documents are"
-            tail = val_fraction or TAIL_VAL_FRACTION
             note = (
-                f"data: {documents} too few for a document-level split ({MIN_VAL_DOCUMENTS} validation documents "
-                f"at {100 * fraction:g}% need {needed:,}); holding out the last {100 * tail:g}% of each document "
-                "for validation (data.val_split=tail)"
+                f"data: {'1 document is' if count == 1 else f'{count:,} documents are'} too few for a document-level "
+                f"split ({MIN_VAL_DOCUMENTS} validation documents at {100 * fraction:g}% need {needed:,}); holding out "
+                f"the last {100 * (val_fraction or TAIL_VAL_FRACTION):g}% of each document for validation "
+                "(data.val_split=tail)"
             )
     if val_fraction is None:
         val_fraction = TAIL_VAL_FRACTION if split == "tail" else DOCUMENT_VAL_FRACTION
     return split, val_fraction, note
-
-
-def split_settings(split: str, val_fraction: float, split_seed: int, shard_documents: int) -> dict[str, Any]:
-    """What decides the shards besides the source and the tokenizer (in prepare.json and the cache folder's name)."""
-    return {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "shard_documents": shard_documents}
 
 
 def prepare(
@@ -118,7 +110,9 @@ def prepare(
     progress: bool = False,
 ) -> PreparedData:
     """Tokenize `source` into shards in `out` (split: document or tail), resuming an interrupted preparation."""
-    identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
+    # What decides the shards besides the source and the tokenizer: prepare.json records it.
+    identity = {**identity, "split": split, "val_fraction": val_fraction, "split_seed": split_seed}
+    identity["shard_documents"] = shard_documents
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
     with _claimed(out, identity):
         if not (out / "meta.json").exists():
@@ -132,7 +126,7 @@ def prepare(
             documents, total = pieces(), source.count_documents() if progress else None  # the progress bar's total
             chunks = iter(lambda: list(islice(documents, shard_documents)), [])  # until an empty one
             shards = _write_shards(chunks, out, tokenizer, workers, progress, total)
-            meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in TOTALS}
+            meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in shards[0] if key != "index"}
             vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
             meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": _dtype(tokenizer)}
@@ -187,15 +181,14 @@ def _check_split(meta: dict[str, Any], split: str, val_fraction: float) -> None:
     n = f"{meta['train_documents'] + meta['val_documents']} documents, data.val_fraction={val_fraction}"
     tail = "hold out the end of each document with data.val_split=tail"
     if meta["train_tokens"] <= meta["train_documents"]:
-        raise UserError(
-            f"data: every document with text fell into the validation split ({n}): lower data.val_fraction, or {tail}"
-        )
-    if meta["val_documents"] == 0 and split == "document":
-        raise UserError(f"data: no document fell into the validation split ({n}): raise data.val_fraction, or {tail}")
-    if meta["val_documents"] == 0:
-        raise UserError(
-            f"data: the documents are too short to hold out {100 * val_fraction:g}% of each: raise data.val_fraction"
-        )
+        why = f"every document with text fell into the validation split ({n}): lower data.val_fraction, or {tail}"
+    elif meta["val_documents"] > 0:
+        return
+    elif split == "document":
+        why = f"no document fell into the validation split ({n}): raise data.val_fraction, or {tail}"
+    else:
+        why = f"the documents are too short to hold out {100 * val_fraction:g}% of each: raise data.val_fraction"
+    raise UserError(f"data: {why}")
 
 
 def load_prepared(out: Path) -> PreparedData:
@@ -254,15 +247,16 @@ def _write_shards(
     chunks: Iterator[list[tuple]], out: Path, tokenizer: Tokenizer, workers: int, progress: bool, total: int | None
 ) -> list[dict[str, int]]:
     """The shards' counts, by index; with `progress`, documents, tokens/s and (given the total) ETA on the terminal."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     encode = partial(_encode_shard, str(out), eot_id(tokenizer), _dtype(tokenizer))
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
+    # One worker: a thread, so that reading the corpus and tokenizing overlap; more: processes.
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else ThreadPoolExecutor(1)
     pending: deque[tuple[int, Future]] = deque()  # chunks being tokenized (their number of documents), in order
     shards: list[dict[str, int]] = []
     has_text, start = False, time.perf_counter()  # has_text: more than whitespace in some document
-    columns = (TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents {task.fields[rate]}"))
-    with Progress(*columns, TimeRemainingColumn(), disable=not progress) as bar:
+    columns = ("prepare", BarColumn(), MofNCompleteColumn(), "documents {task.fields[rate]}", TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("prepare", total=total, rate="")
 
         def finished(documents: int, shard: dict[str, int]) -> None:
@@ -274,21 +268,17 @@ def _write_shards(
         try:
             for index, chunk in enumerate(chunks):
                 has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
-                done_file = out / f"shard-{index:06d}.json"
-                if done_file.exists():  # finished by an earlier run: never rewritten
-                    finished(len(chunk), _read_json(done_file, "delete it to tokenize that shard again"))
-                elif pool is None:
-                    finished(len(chunk), encode(index, chunk))
-                else:
-                    pending.append((len(chunk), pool.submit(encode, index, chunk)))
-                    if len(pending) == 2 * workers:  # bounded: at most two chunks per worker held in memory
-                        documents, future = pending.popleft()
-                        finished(documents, future.result())
+                if (done := out / f"shard-{index:06d}.json").exists():  # finished by an earlier run: never rewritten
+                    finished(len(chunk), _read_json(done, "delete it to tokenize that shard again"))
+                    continue
+                pending.append((len(chunk), pool.submit(encode, index, chunk)))
+                if len(pending) == 2 * workers:  # bounded: at most two chunks per worker held in memory
+                    documents, future = pending.popleft()
+                    finished(documents, future.result())
             for documents, future in pending:
                 finished(documents, future.result())
         finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
+            pool.shutdown(cancel_futures=True)
     if not shards:
         raise UserError("data: the corpus has no documents")
     if not has_text:

