@@ -17,7 +17,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from tests.helpers import FAST, assert_nothing_written, compose_train, refused_in_process
+from tests.helpers import FAST, compose_train
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches, TokenDataModule
 from xsa_lm.data.prepare import choose_split, is_val_document, load_prepared, prepare, tail_start
@@ -26,8 +26,6 @@ from xsa_lm.data.sources import HFDataset, LocalFiles, ShakespeareCorpus
 from xsa_lm.data.tokenizer import EOT, load_gpt2, load_tokenizer_file, train_bpe
 from xsa_lm.errors import UserError
 
-# Short runs for the refusals tested in this process: a run that is not refused ends in seconds (and the test fails).
-FAST_ENOUGH = [o for o in FAST if not o.startswith(("tokenizer.", "trainer.max_steps"))] + ["trainer.max_steps=2"]
 DOCS = ["the quick brown fox jumps over the lazy dog. " * 20, "to be or not to be, that is the question. " * 20]
 BPE = partial(train_bpe, vocab_size=300)
 
@@ -119,16 +117,6 @@ def test_a_tokenizer_file_that_is_no_tokenizer_is_one_line(tmp_path: Path, conte
             read(str(tmp_path / "t.json"))
 
 
-def test_a_tokenizer_file_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch, capsys):
-    (tmp_path / "notes.txt").write_text("my notes, not a tokenizer\n")
-    args = ["train", *FAST_ENOUGH, "tokenizer=file", f"tokenizer.path={tmp_path / 'notes.txt'}"]
-    args += [f"data.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}"]
-    stderr = refused_in_process(args, monkeypatch, capsys)
-    assert stderr.startswith("xsa-lm: error: tokenizer.path: ") and "invalid JSON" in stderr
-    assert_nothing_written(tmp_path / "run")
-    assert_nothing_written(tmp_path / "c")  # not even a data-cache folder
-
-
 def test_gpt2_tokenizer_with_an_unusable_hugging_face_cache_is_one_line(tmp_path: Path):
     """HF_HOME below a regular file: the hub client's NotADirectoryError becomes one line naming HF_HOME. In a
     fresh process: huggingface_hub reads HF_HOME once, when it is imported."""
@@ -214,9 +202,8 @@ def test_shards_read_back_equal_direct_tokenization(tmp_path: Path, capsys):
     direct = [t for text in expected_train for t in [*data.tokenizer.encode(text).ids, eot]]
     assert np.concatenate([np.asarray(s) for s in data.shards("train")]).tolist() == direct
     assert data.meta["train_tokens"] == len(direct) and data.meta["val_documents"] == len(expected_val)
-    meta = json.loads((data.dir / "meta.json").read_text())
-    assert meta["tokenizer"]["sha256"] and meta["identity"]["split_seed"] == 0
-    assert sum(s["train_documents"] + s["val_documents"] for s in meta["shards"]) == 50
+    assert data.meta["tokenizer"]["sha256"] and data.meta["identity"]["split_seed"] == 0  # meta.json's
+    assert sum(s["train_documents"] + s["val_documents"] for s in data.meta["shards"]) == 50
 
 
 def test_split_is_disjoint_and_stable_under_re_preparation(tmp_path: Path):
@@ -530,15 +517,6 @@ def test_a_refused_preparation_leaves_nothing_that_blocks_the_corrected_one(tmp_
     assert not (tmp_path / "out").exists()
     data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))  # the corrected settings, the same folder
     assert data.dir == tmp_path / "out" and (data.dir / "meta.json").exists()
-
-
-def test_prepare_leaves_no_log_folder_in_the_current_directory(tmp_path: Path, monkeypatch, capsys):
-    """Refused inside its job (Hydra has run): no outputs/prepare/<time>/prepare.log where it was typed."""
-    (tmp_path / "corp").mkdir()
-    monkeypatch.chdir(tmp_path)
-    args = ["prepare", "data=local", "data.files=corp", f"data.dir={tmp_path / 'out'}"]
-    assert "matches only a directory" in refused_in_process(args, monkeypatch, capsys)
-    assert [p.name for p in tmp_path.iterdir()] == ["corp"]
 
 
 @pytest.mark.parametrize(

@@ -154,17 +154,20 @@ REFUSALS = [  # args ({input}: a text file, {bad}: one not UTF-8, {prepared}: sh
     (["prepare", *LOCAL, "data.shard_documents=0"], "data.shard_documents=0 must be >= 1"),
     (["prepare", *LOCAL, "data.prepare_workers=0"], "data.prepare_workers=0 must be >= 1"),
     (["prepare", "data=local", "data.files={bad}"], "data.files: {bad} is not UTF-8 text (invalid byte at offset 3)"),
+    (["prepare", "data=local", "data.files={cut}"], "data.files: '{cut}' matches only a directory"),
+    (["train", *TRAIN, *LOCAL, "tokenizer=file", "tokenizer.path={bad}"], "tokenizer.path: {bad} is not a tokenizer"),
 ]
 
 
 @pytest.mark.parametrize(("args", "message"), REFUSALS)
 def test_bad_settings_are_one_line(args, message, input_txt, prepared, data_cache, tmp_path, monkeypatch, capsys):
+    """Nothing is written: no shards, no folder in the data cache, no run folder, no log folder where it was typed."""
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
     cut = Path(shutil.copytree(prepared, tmp_path / "cut")) / "train-000002.bin"
     cut.write_bytes(cut.read_bytes()[:100])
     where = {"input": input_txt, "bad": tmp_path / "bad.txt", "prepared": prepared, "cut": cut.parent}
-    out = [f"data.dir={tmp_path / 'out'}"] if args[0] == "prepare" else []
-    args = [arg.format(**where) for arg in [*args, *out, f"hydra.run.dir={tmp_path / 'run'}"]]
+    out = [f"data.dir={tmp_path / 'out'}"] if args[0] == "prepare" else [f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [arg.format(**where) for arg in [*args, *out, f"data.cache_dir={tmp_path / 'cache'}"]]
     proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert assert_refused(proc, message.format(**where))
-    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "cut"]
