@@ -37,7 +37,7 @@ MIN_VAL_DOCUMENTS = 10  # the document split's expected validation documents: fe
 class PreparedData:
     dir: Path
     tokenizer: Tokenizer
-    meta: dict[str, Any]  # meta.json: identity, tokenizer (sha256, vocab_size, config), dtype, split, TOTALS, shards
+    meta: dict[str, Any]  # meta.json: identity, tokenizer (sha256, config), dtype, split, the counts, shards
 
     @property
     def dtype(self) -> np.dtype:
@@ -123,14 +123,16 @@ def prepare(
                 tokenizer = build_tokenizer(train_texts=islice(train_texts, tokenizer_documents))
                 eot_id(tokenizer)  # refuses a tokenizer without EOT
                 write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
+            vocab_size, eot = tokenizer.get_vocab_size(), eot_id(tokenizer)
+            dtype = "uint16" if vocab_size <= 2**16 else "uint32"
             documents, total = pieces(), source.count_documents() if progress else None  # the progress bar's total
             chunks = iter(lambda: list(islice(documents, shard_documents)), [])  # until an empty one
-            shards = _write_shards(chunks, out, tokenizer, workers, progress, total)
+            shards = _write_shards(chunks, out, partial(_encode_shard, str(out), eot, dtype), workers, progress, total)
             meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in shards[0] if key != "index"}
-            vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")
+            sha256 = file_sha256(out / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
-            meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": _dtype(tokenizer)}
-            meta |= {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
+            meta |= {"vocab_size": vocab_size, "eot_id": eot, "dtype": dtype, "identity": identity, "split": split}
+            meta |= {"shards": shards, "created": time.strftime("%F %T")}
             _check_split(meta, split, val_fraction)
             write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)
@@ -244,12 +246,11 @@ def _split_documents(source: Any, split: str, val_fraction: float, split_seed: i
 
 
 def _write_shards(
-    chunks: Iterator[list[tuple]], out: Path, tokenizer: Tokenizer, workers: int, progress: bool, total: int | None
+    chunks: Iterator[list[tuple]], out: Path, encode: Callable, workers: int, progress: bool, total: int | None
 ) -> list[dict[str, int]]:
     """The shards' counts, by index; with `progress`, documents, tokens/s and (given the total) ETA on the terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    encode = partial(_encode_shard, str(out), eot_id(tokenizer), _dtype(tokenizer))
     # One worker: a thread, so that reading the corpus and tokenizing overlap; more: processes.
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else ThreadPoolExecutor(1)
     pending: deque[tuple[int, Future]] = deque()  # chunks being tokenized (their number of documents), in order
@@ -286,13 +287,7 @@ def _write_shards(
     return sorted(shards, key=lambda s: s["index"])
 
 
-def _dtype(tokenizer: Tokenizer) -> str:
-    return "uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32"
-
-
-@cache  # once per worker process
-def _worker_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_file(path)
+_worker_tokenizer = cache(Tokenizer.from_file)  # once per worker process
 
 
 def _encode_shard(out: str, eot: int, dtype: str, index: int, chunk: list[tuple]) -> dict[str, int]:

@@ -16,7 +16,7 @@ from xsa_lm.config.spec import DataSpec, PrepareSpec, TokenizerSpec, parse
 from xsa_lm.data.prepare import PreparedData, choose_split, load_prepared, prepare
 from xsa_lm.data.sources import once
 from xsa_lm.data.tokenizer import file_sha256
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 
 # Tokenizers whose vocabulary is given, not learned from the corpus: data.tokenizer_documents does not change them.
 FIXED_TOKENIZERS = ("xsa_lm.data.tokenizer.load_tokenizer_file", "xsa_lm.data.tokenizer.load_gpt2")
@@ -77,11 +77,10 @@ def prepare_data(
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
-    with exit_on_user_error():
-        spec = parse(PrepareSpec, cfg)
-        if spec.data.source is None:
-            raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
-        data = prepare_data(spec.data, spec.tokenizer, progress=spec.progress_bar)
+    spec = parse(PrepareSpec, cfg)
+    if spec.data.source is None:
+        raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
+    data = prepare_data(spec.data, spec.tokenizer, progress=spec.progress_bar)
     seconds, m = time.perf_counter() - t0, data.meta
     val = "val document tails" if m["split"] == "tail" else "val documents"
     print(

@@ -140,10 +140,9 @@ class HFDataset:
             )
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        import datasets
+        from datasets import load_dataset
 
-        files = self.data_files
-        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, data_files=files, streaming=True)
+        dataset = load_dataset(self.path, self.subset, split=self.split, data_files=self.data_files, streaming=True)
         for n, row in enumerate(islice(dataset, self.max_documents)):  # None: every row
             if (field := self.text_field) not in row:
                 raise UserError(f"data.text_field: {self.path} has no field {field!r} (fields: {sorted(row)})")
