@@ -7,6 +7,7 @@ import os
 import shlex
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -49,7 +50,7 @@ def prepare_data(
         once(note)
     # What decides the tokens: the source (its files with sizes and times), the split, the tokenizer's settings, a
     # given tokenizer file by its resolved path and its bytes, or the documents a trained one learns from.
-    settings = {"split": split, "val_fraction": val_fraction, "split_seed": data.split_seed}
+    settings: dict[str, Any] = {"split": split, "val_fraction": val_fraction, "split_seed": data.split_seed}
     settings["shard_documents"] = data.shard_documents
     identity = {"source": source.identity(), "tokenizer": tokenizer.node, **settings}
     if tokenizer.path:
