@@ -476,9 +476,9 @@ def test_validation_windows_are_the_same_for_every_run(tmp_path: Path):
     assert all(torch.equal(a.val_set[i][0], b.val_set[i][0]) for i in range(10))
     assert torch.equal(torch.cat([x for x, _ in a.val_dataloader()]), torch.cat([x for x, _ in b.val_dataloader()]))
     # A resume on data of another tokenizer is refused.
-    a.load_state_dict({"windows_served": 32, "tokenizer_sha256": data.tokenizer_sha256})
+    a.load_state_dict({"global_micro_batches": 8, "micro_batch_size": 4, "tokenizer_sha256": data.tokenizer_sha256})
     with pytest.raises(UserError, match="^resume: the checkpoint was trained with another tokenizer"):
-        a.load_state_dict({"windows_served": 32, "tokenizer_sha256": "0" * 64})
+        a.load_state_dict({"global_micro_batches": 8, "tokenizer_sha256": "0" * 64})
 
 
 def test_too_few_windows_for_a_batch_or_validation_are_one_line(tmp_path: Path):

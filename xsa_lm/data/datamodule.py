@@ -98,14 +98,15 @@ class TokenDataModule(L.LightningDataModule):
                 f"data: the validation split has no window of {block_size + 1} tokens ({data.meta['val_tokens']:,} "
                 "tokens): raise data.val_fraction or lower data.block_size"
             )
-        self.windows_served: int | None = None  # by the whole stream (every rank), from a checkpoint
+        self.served: int | None = None  # the windows the whole stream (every rank) had served, from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """In every checkpoint: the windows the whole stream (every rank) served, and the tokenizer's sha256."""
+        """In every checkpoint: the micro-batches the whole stream (every rank) served, and the tokenizer's sha256."""
         if (t := self.trainer) is None:
             return {}
-        served = t.global_step * t.accumulate_grad_batches * t.world_size * self.micro_batch_size
-        return {"seed": self.seed, "windows_served": served, "tokenizer_sha256": self.data.tokenizer_sha256}
+        served = t.global_step * t.accumulate_grad_batches * t.world_size
+        micro_batches = {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "global_micro_batches": served}
+        return {**micro_batches, "tokenizer_sha256": self.data.tokenizer_sha256}
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("tokenizer_sha256")  # checkpoints/load.py reads it too
@@ -114,17 +115,18 @@ class TokenDataModule(L.LightningDataModule):
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
                 f"{self.data.dir} (sha256 {self.data.tokenizer_sha256[:12]}): resume on the data it was trained on"
             )
-        self.windows_served = state_dict.get("windows_served")
+        if "global_micro_batches" in state_dict:
+            self.served = state_dict["global_micro_batches"] * state_dict["micro_batch_size"]
 
     def train_dataloader(self) -> DataLoader:
         stream = ShuffledBatches(self.train_windows, self.micro_batch_size, seed=self.seed)
         if (trainer := self.trainer) is not None:
             stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
             stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
-            if self.windows_served is not None:
+            if self.served is not None:
                 # A multiple of every micro-batch x devices split of the global batch (a resume keeps
                 # global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
-                stream.start_batch = self.windows_served // (self.micro_batch_size * trainer.world_size)
+                stream.start_batch = self.served // (self.micro_batch_size * trainer.world_size)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:
