@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -73,8 +73,7 @@ class LocalFiles:
                 raise UserError(f"data.files: {path} is empty")
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        for path in self.files:
-            yield from self._documents(path)
+        return chain.from_iterable(map(self._documents, self.files))
 
     def count_documents(self, stop_at: int | None = None) -> int:
         """The number of documents, or stop_at once that many are found (quick for a large corpus)."""

@@ -51,18 +51,16 @@ def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
         json.loads(data)  # first: its errors say where the file stops being JSON
         tokenizer = Tokenizer.from_str(data.decode())
     except UnicodeDecodeError as e:
-        raise UserError(
-            f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
-        ) from None
+        why = f"is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
     except json.JSONDecodeError as e:
-        raise UserError(
-            f"{key}: {path} is not a tokenizer.json: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}; "
-            "a truncated or a plain-text file?)"
-        ) from None
+        where = f"line {e.lineno}, column {e.colno} ({e.msg}; a truncated or a plain-text file?)"
+        why = f"is not a tokenizer.json: invalid JSON at {where}"
     except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any JSON it cannot read
-        raise UserError(f"{key}: {path} is JSON but no tokenizer of the `tokenizers` library ({e})") from None
-    eot_id(tokenizer, f"{key}: {path}")
-    return tokenizer
+        why = f"is JSON but no tokenizer of the `tokenizers` library ({e})"
+    else:
+        eot_id(tokenizer, f"{key}: {path}")
+        return tokenizer
+    raise UserError(f"{key}: {path} {why}")
 
 
 def _read_bytes(path: Path, key: str) -> bytes:
