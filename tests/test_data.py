@@ -192,7 +192,7 @@ def test_shards_read_back_equal_direct_tokenization(tmp_path: Path, capsys):
     data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), shard_documents=7, progress=True)
     out = capsys.readouterr().out
     assert "50/50" in out and "tokens/s" in out  # the progress bar: documents done / total (for the ETA), tokens/s
-    assert len(data.meta["shards"]) == 8 and data.dtype == np.uint16
+    assert len(data.meta["shards"]) == 8 and data.meta["dtype"] == "uint16"
     keys = [f"{tmp_path / 'corpus.jsonl'}:{n}" for n in range(1, 51)]
     expected_val = [t for k, t in zip(keys, texts, strict=True) if is_val_document(k, 0.2, 0)]
     expected_train = [t for k, t in zip(keys, texts, strict=True) if not is_val_document(k, 0.2, 0)]
@@ -343,7 +343,7 @@ def test_vocabularies_above_65536_get_uint32_shards(tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", texts)
     source = LocalFiles(str(tmp_path / "corpus.jsonl"))
     data = prepare(source, lambda train_texts: big, tmp_path / "out", {"tokenizer": "big"}, val_fraction=0.2)
-    assert data.dtype == np.uint32 and data.meta["dtype"] == "uint32"
+    assert data.meta["dtype"] == "uint32" and data.shards("train")[0].dtype == np.uint32
     assert sorted(decode_documents(data, "train") + decode_documents(data, "val")) == sorted(texts)
     tokens = np.concatenate([np.asarray(s) for s in data.shards("train")])
     assert tokens.max() >= 2**16 and (data.dir / "train-000000.bin").stat().st_size == 4 * len(tokens)

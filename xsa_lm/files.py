@@ -1,5 +1,5 @@
-"""Result files written whole or not at all: to <name>.tmp, fsynced, renamed over the old one (a full disk or a kill
-leaves the previous version, never a truncated file; the .tmp goes on any failure)."""
+"""Files written whole or not at all: to <name>.tmp, fsynced, renamed over the old one (a full disk or a kill leaves
+the previous version; the .tmp goes on any failure)."""
 
 import csv
 import json
@@ -52,14 +52,12 @@ def _create(tmp: Path, path: Path) -> None:
     """Rename tmp to path unless path exists (a hard link fails on an existing name)."""
     try:
         os.link(tmp, path)
-    except FileExistsError:
-        raise
-    except OSError:  # a filesystem without hard links: a check and a rename, not atomic against another writer
-        if path.exists():
+    except OSError as e:  # or a filesystem without hard links: a check and a rename, not atomic against another writer
+        if isinstance(e, FileExistsError) or path.exists():
             raise FileExistsError(path) from None
         os.replace(tmp, path)
-        return
-    tmp.unlink()
+    else:
+        tmp.unlink()
 
 
 def write_text(path: str | Path, text: str, **how: Any) -> None:
@@ -81,7 +79,6 @@ def write_csv(path: Path, header: list[str], rows: list[dict[str, str]], **how: 
 
 
 def write_json(path: str | Path, data: object, **how: Any) -> None:
-    """`data` as indented JSON (made before the file is opened: a value JSON cannot hold leaves no file)."""
     write_text(path, json.dumps(data, indent=2), **how)
 
 

@@ -60,7 +60,6 @@ class ShuffledBatches(IterableDataset):
         return int(self._perms[epoch][i])
 
     def batch(self, b: int) -> list[torch.Tensor]:
-        """Micro-batch b of this rank's stream: inputs and targets."""
         first = (b * self.world_size + self.rank) * self.batch_size
         return default_collate([self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)])
 
@@ -123,9 +122,7 @@ class TokenDataModule(L.LightningDataModule):
         if (trainer := self.trainer) is not None:
             stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
             stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
-            if self.served is not None:
-                # A multiple of every micro-batch x devices split of the global batch (a resume keeps
-                # global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
+            if self.served is not None:  # a multiple of micro_batch_size x devices: a resume keeps the global batch
                 stream.start_batch = self.served // (self.micro_batch_size * trainer.world_size)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 

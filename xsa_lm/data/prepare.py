@@ -1,10 +1,7 @@
-"""Corpus + tokenizer -> token shards on disk, in bounded memory, resumable at shard granularity: prepare.json (the
-inputs: a rerun must match them), tokenizer.json, per chunk of `shard_documents` documents train-NNNNNN.bin and
-val-NNNNNN.bin (tokens, EOT after each document) and shard-NNNNNN.json (written last: a shard without it is redone),
-and meta.json (written last). The `document` split holds out whole documents (a seeded hash of each key), `tail`
-the end of every document (for one .txt file)."""
+"""Corpus + tokenizer -> token shards, in bounded memory, resumable by shard: prepare.json (the inputs: a rerun must
+match them), tokenizer.json, per `shard_documents` documents train-NNNNNN.bin, val-NNNNNN.bin (tokens, EOT after each
+document) and shard-NNNNNN.json (last: a shard without it is redone), then meta.json."""
 
-import fcntl
 import hashlib
 import json
 import math
@@ -21,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 from tokenizers import Tokenizer
 
 from xsa_lm.data.tokenizer import eot_id, file_sha256, read_tokenizer
@@ -40,44 +38,38 @@ class PreparedData:
     meta: dict[str, Any]  # meta.json: identity, tokenizer (sha256, config), dtype, split, the counts, shards
 
     @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.meta["dtype"])
-
-    @property
-    def tokenizer_sha256(self) -> str:
-        """The identity of the tokenizer the shards were made with (checkpoints record it)."""
+    def tokenizer_sha256(self) -> str:  # the identity of the shards' tokenizer (checkpoints record it)
         return self.meta["tokenizer"]["sha256"]
 
     def shards(self, split: str) -> list[np.memmap]:
         """The split's non-empty shards, memory-mapped; a shard whose size disagrees with meta.json is an error."""
         arrays: list[np.memmap] = []
+        dtype = np.dtype(self.meta["dtype"])
         for shard in (s for s in self.meta["shards"] if s[f"{split}_tokens"]):
             path = self.dir / f"{split}-{shard['index']:06d}.bin"
-            expected = shard[f"{split}_tokens"] * self.dtype.itemsize
+            expected = shard[f"{split}_tokens"] * dtype.itemsize
             if not path.exists():
                 raise _damaged(path, f"is missing (expected {expected} bytes)")
             if (size := path.stat().st_size) != expected:
                 raise _damaged(path, f"is truncated or corrupt ({size} bytes, expected {expected})")
-            arrays.append(np.memmap(path, dtype=self.dtype, mode="r"))
+            arrays.append(np.memmap(path, dtype=dtype, mode="r"))
         return arrays
 
 
 def is_val_document(key: str, val_fraction: float, split_seed: int) -> bool:
-    """A document's split from its key alone: stable under re-preparation, order and worker count."""
+    """The document split: a seeded hash of the key, stable under re-preparation, order and worker count."""
     return int.from_bytes(hashlib.sha256(f"{split_seed}:{key}".encode()).digest()[:8], "big") / 2**64 < val_fraction
 
 
 def tail_start(text: str, val_fraction: float) -> int:
-    """Where a document's held-out tail begins: its last val_fraction of characters, moved on to the next line start
-    when one is near (200 characters), so that no word is cut in two."""
+    """Where the tail split's held-out end begins: at the next line start within 200 characters, so no word is cut."""
     cut = len(text) - round(len(text) * val_fraction)
     newline = text.find("\n", cut, cut + 200)
     return newline + 1 if newline >= 0 else cut
 
 
 def choose_split(source: Any, split: str = "auto", val_fraction: float | None = None) -> tuple[str, float, str | None]:
-    """The split, its fraction (unset: the split's default) and a note when `auto` chose the tail split: auto takes
-    the document split when documents x val_fraction >= MIN_VAL_DOCUMENTS."""
+    """The split, its fraction (None: the split's default) and a note when `auto` took `tail` over `document`."""
     note = None
     if split == "auto":
         needed = math.ceil(MIN_VAL_DOCUMENTS / (fraction := val_fraction or DOCUMENT_VAL_FRACTION))
@@ -140,8 +132,7 @@ def prepare(
 
 @contextmanager
 def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
-    """The folder, made if needed and locked (a second process waits, then reuses the result); a file, a folder of
-    other files (the shards would mix with them) or of other inputs is refused. A refusal before any shard leaves
+    """The folder, made and locked; one of other files or other inputs is refused. A refusal before any shard leaves
     nothing behind (its prepare.json would refuse the corrected command); shards stay: they resume."""
     if out.exists() and not out.is_dir():
         raise UserError(f"data.dir={out} is a file, not a folder: choose a folder for the shards")
@@ -157,8 +148,7 @@ def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
             f"data.dir={out} is not empty and holds no preparation of xsa-lm (no prepare.json; it holds {shown}): "
             "choose a new or empty data.dir"
         )
-    with open(out / LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(out / LOCK):
         recorded, wanted = out / "prepare.json", json.loads(json.dumps(identity, default=str))
         try:
             if not recorded.exists():
@@ -227,7 +217,6 @@ def _damaged(shard: Path, what: str) -> UserError:
 
 
 def _read_json(path: Path, fix: str) -> Any:
-    """A JSON file of a prepared directory, or one line naming it and `fix` when it is truncated or overwritten."""
     try:
         return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -235,7 +224,7 @@ def _read_json(path: Path, fix: str) -> Any:
 
 
 def _split_documents(source: Any, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
-    """(train text, val text) of every document in order (None: no part); a source may have its own split (is_val)."""
+    """(train text, val text) of every document in order (None: no part)."""
     is_val = getattr(source, "is_val", None) or (lambda key: is_val_document(key, val_fraction, split_seed))
     for key, text in source.documents():
         if split == "tail":
@@ -248,7 +237,7 @@ def _split_documents(source: Any, split: str, val_fraction: float, split_seed: i
 def _write_shards(
     chunks: Iterator[list[tuple]], out: Path, encode: Callable, workers: int, progress: bool, total: int | None
 ) -> list[dict[str, int]]:
-    """The shards' counts, by index; with `progress`, documents, tokens/s and (given the total) ETA on the terminal."""
+    """The shards' counts, by index; with `progress`, a bar of documents, tokens/s and ETA."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     # One worker: a thread, so that reading the corpus and tokenizing overlap; more: processes.
@@ -291,7 +280,6 @@ _worker_tokenizer = cache(Tokenizer.from_file)  # once per worker process
 
 
 def _encode_shard(out: str, eot: int, dtype: str, index: int, chunk: list[tuple]) -> dict[str, int]:
-    """Tokenize one chunk of (train text, val text) pairs into its train and val shard files (in a worker process)."""
     shard, tokenizer = {"index": index}, _worker_tokenizer(f"{out}/tokenizer.json")
     for i, split in enumerate(("train", "val")):
         texts = [pair[i] for pair in chunk if pair[i] is not None]

@@ -1,6 +1,5 @@
-"""Text corpora: the bundled plays, local files, any Hugging Face dataset (streamed). A source yields (key, text)
-documents in a fixed order; the key is a stable document id (a file and line, a dataset row, a play) from which the
-train/validation split is derived, so the split does not depend on the order, the workers or an interruption."""
+"""Text corpora: the bundled plays, local files, any Hugging Face dataset (streamed), as (key, text) documents in a
+fixed order; the key (a file and line, a dataset row, a play) alone decides a document's split."""
 
 import glob
 import importlib.metadata
@@ -73,8 +72,7 @@ class LocalFiles:
     def documents(self) -> Iterator[tuple[str, str]]:
         return chain.from_iterable(map(self._documents, self.files))
 
-    def count_documents(self, stop_at: int | None = None) -> int:
-        """The number of documents, or stop_at once that many are found (quick for a large corpus)."""
+    def count_documents(self, stop_at: int | None = None) -> int:  # stop_at: quick for a large corpus
         return sum(1 for _ in islice(self.documents(), stop_at))
 
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
@@ -147,8 +145,7 @@ class HFDataset:
             yield f"{self.split}:{row.get('id', n)}", row[field] or ""
 
     def count_documents(self, stop_at: int | None = None) -> int | None:
-        """At most max_documents; None (unknown, and a hub dataset is large) without it."""
-        return self.max_documents
+        return self.max_documents  # None: unknown, and a hub dataset is large
 
     def identity(self) -> dict[str, Any]:
         files = None if self.data_files is None else describe_files(list(self.data_files))

@@ -44,8 +44,7 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
-    """The tokenizer.json at `path`, or one line naming `key` and the file when it is missing, unreadable, not UTF-8,
-    not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file xsa-lm reads is read here."""
+    """The tokenizer.json at `path`, or one line naming `key` and the file (every tokenizer file is read here)."""
     data = _read_bytes(Path(path), key)
     try:
         json.loads(data)  # first: its errors say where the file stops being JSON
@@ -101,14 +100,9 @@ def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None)
                 ) from None
             file = hf_hub_download(GPT2_REPO, "tokenizer.json")
     except OSError as e:  # the cache's folders (HF_HOME below a file), or the download (requests' errors too)
-        if e.filename:
-            raise UserError(
-                f"tokenizer=gpt2: the Hugging Face cache cannot be used ({e.filename}: {e.strerror or e}): "
-                f"point HF_HOME at a writable folder, or {alternative}"
-            ) from None
-        raise UserError(
-            f"tokenizer=gpt2: the download failed ({type(e).__name__}: {str(e)[:150]}): {alternative}"
-        ) from None
+        cache = f"the Hugging Face cache cannot be used ({e.filename}: {e.strerror or e}): point HF_HOME at a writable"
+        why = f"{cache} folder, or" if e.filename else f"the download failed ({type(e).__name__}: {str(e)[:150]}):"
+        raise UserError(f"tokenizer=gpt2: {why} {alternative}") from None
     return read_tokenizer(file, "tokenizer=gpt2 (from the Hugging Face cache)")
 
 
