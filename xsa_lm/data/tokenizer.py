@@ -35,11 +35,9 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
         vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
     )
     tokenizer.train_from_iterator(train_texts, trainer=trainer)
-    if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
-        print(
-            f"tokenizer: the corpus supports {tokenizer.get_vocab_size()} BPE tokens, fewer than "
-            f"tokenizer.vocab_size={vocab_size}; the model uses {tokenizer.get_vocab_size()}"
-        )
+    if (n := tokenizer.get_vocab_size()) < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
+        fewer = f"fewer than tokenizer.vocab_size={vocab_size}"
+        print(f"tokenizer: the corpus supports {n} BPE tokens, {fewer}; the model uses {n}")
     return tokenizer
 
 
@@ -107,8 +105,7 @@ def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None)
 
 
 def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | None:
-    """Why the Hugging Face hub cannot be used, as the end of a message: " (A/B is set)" for these environment
-    variables, "" when a TCP connect fails within timeout_s (not after the hub client's retries); None: it answers."""
+    """Why the hub cannot be used, as a message's end: " (A/B is set)", "" (no TCP connect in timeout_s) or None."""
     if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in offline_variables):
         return f" ({'/'.join(offline_variables)} is set)"
     with suppress(OSError):
