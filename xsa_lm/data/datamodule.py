@@ -100,7 +100,7 @@ class TokenDataModule(L.LightningDataModule):
         self.served: int | None = None  # the windows the whole stream (every rank) had served, from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """In every checkpoint: the micro-batches the whole stream (every rank) served, and the tokenizer's sha256."""
+        """In every checkpoint: the micro-batches all ranks served; the tokenizer's sha256 (checkpoints/load.py too)."""
         if (t := self.trainer) is None:
             return {}
         served = t.global_step * t.accumulate_grad_batches * t.world_size
@@ -108,8 +108,7 @@ class TokenDataModule(L.LightningDataModule):
         return {**micro_batches, "tokenizer_sha256": self.data.tokenizer_sha256}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("tokenizer_sha256")  # checkpoints/load.py reads it too
-        if saved is not None and saved != self.data.tokenizer_sha256:  # the data was prepared again, differently
+        if (saved := state_dict.get("tokenizer_sha256")) not in (None, self.data.tokenizer_sha256):  # prepared again
             raise UserError(
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
                 f"{self.data.dir} (sha256 {self.data.tokenizer_sha256[:12]}): resume on the data it was trained on"

@@ -249,8 +249,8 @@ def _write_shards(
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("prepare", total=total, rate="")
 
-        def finished(documents: int, shard: dict[str, int]) -> None:
-            shards.append(shard)
+        def finished(documents: int, shard: dict[str, int] | Future) -> None:
+            shards.append(shard if isinstance(shard, dict) else shard.result())
             tokens = sum(s["train_tokens"] + s["val_tokens"] for s in shards)
             rate = f"{tokens:,} tokens, {tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s"
             bar.update(task, advance=documents, rate=rate)
@@ -263,10 +263,9 @@ def _write_shards(
                     continue
                 pending.append((len(chunk), pool.submit(encode, index, chunk)))
                 if len(pending) == 2 * workers:  # bounded: at most two chunks per worker held in memory
-                    documents, future = pending.popleft()
-                    finished(documents, future.result())
+                    finished(*pending.popleft())
             for documents, future in pending:
-                finished(documents, future.result())
+                finished(documents, future)
         finally:
             pool.shutdown(cancel_futures=True)
     if not shards:
