@@ -52,12 +52,14 @@ def _create(tmp: Path, path: Path) -> None:
     """Rename tmp to path unless path exists (a hard link fails on an existing name)."""
     try:
         os.link(tmp, path)
-    except OSError as e:  # or a filesystem without hard links: a check and a rename, not atomic against another writer
-        if isinstance(e, FileExistsError) or path.exists():
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: a check and a rename, not atomic against another writer
+        if path.exists():
             raise FileExistsError(path) from None
         os.replace(tmp, path)
-    else:
-        tmp.unlink()
+        return
+    tmp.unlink()
 
 
 def write_text(path: str | Path, text: str, **how: Any) -> None:

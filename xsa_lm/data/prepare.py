@@ -2,6 +2,7 @@
 match them), tokenizer.json, per `shard_documents` documents train-NNNNNN.bin, val-NNNNNN.bin (tokens, EOT after each
 document) and shard-NNNNNN.json (last: a shard without it is redone), then meta.json."""
 
+import fcntl
 import hashlib
 import json
 import math
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from filelock import FileLock
 from tokenizers import Tokenizer
 
 from xsa_lm.data.tokenizer import eot_id, file_sha256, read_tokenizer
@@ -83,9 +83,7 @@ def choose_split(source: Any, split: str = "auto", val_fraction: float | None = 
                 f"the last {100 * (val_fraction or TAIL_VAL_FRACTION):g}% of each document for validation "
                 "(data.val_split=tail)"
             )
-    if val_fraction is None:
-        val_fraction = TAIL_VAL_FRACTION if split == "tail" else DOCUMENT_VAL_FRACTION
-    return split, val_fraction, note
+    return split, val_fraction or (TAIL_VAL_FRACTION if split == "tail" else DOCUMENT_VAL_FRACTION), note
 
 
 def prepare(
@@ -148,7 +146,8 @@ def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
             f"data.dir={out} is not empty and holds no preparation of xsa-lm (no prepare.json; it holds {shown}): "
             "choose a new or empty data.dir"
         )
-    with FileLock(out / LOCK):
+    with open(out / LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         recorded, wanted = out / "prepare.json", json.loads(json.dumps(identity, default=str))
         try:
             if not recorded.exists():
