@@ -2,15 +2,13 @@
 
 import json
 import shutil
-import subprocess
-import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import FAST, assert_clean_error, assert_refused, cli_env, cli_in_process, run_cli
+from tests.helpers import FAST, assert_clean_error, assert_refused, cli_in_process, run_cli, start_cli, wait_for
 from tests.test_data import many_docs, shakespeare_text, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -102,48 +100,26 @@ def test_a_resume_from_elsewhere_reads_the_files_and_tokenizer_the_run_started_w
     assert str(tmp_path / "A" / "input.txt") in str(sources) and str(tmp_path / "B") not in str(sources)
 
 
-def test_truncated_shard_stops_training_with_one_line(
-    prepared: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
-):
-    copy = Path(shutil.copytree(prepared, tmp_path / "shards"))
-    (copy / "train-000002.bin").write_bytes((copy / "train-000002.bin").read_bytes()[:100])
-    args = ["train", *TRAIN, "data=prepared", f"data.dir={copy}", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
-    assert_clean_error(proc, "train-000002.bin", "truncated")
-    assert not (tmp_path / "run").exists()
-
-
 @pytest.mark.long  # make test resumes an interrupted preparation in-process (test_data.py)
 def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_path: Path):
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(100_000))
-    args = prepare_args(
-        str(tmp_path / "corpus.jsonl"), tmp_path / "killed", "data.shard_documents=500", "tokenizer.vocab_size=260"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xsa_lm.cli", *args],
-        cwd=tmp_path,
-        env=cli_env(data_cache),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while not (tmp_path / "killed" / "shard-000003.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "preparation ended before it could be killed"
-        time.sleep(0.005)
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    args = partial(prepare_args, str(tmp_path / "corpus.jsonl"))
+    small = ["data.shard_documents=500", "tokenizer.vocab_size=260"]
+    proc = start_cli(args(killed, *small), data_cache, tmp_path)
+    wait_for(killed / "shard-000003.json", proc)
     proc.kill()
     proc.wait()
-    assert not (tmp_path / "killed" / "meta.json").exists()
-    first = tmp_path / "killed" / "train-000000.bin"
-    stamp = first.stat().st_mtime_ns
-    resumed = run_cli(args, data_cache, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert first.stat().st_mtime_ns == stamp  # finished shards are never rewritten
-    whole_args = [a if not a.startswith("data.dir=") else f"data.dir={tmp_path / 'whole'}" for a in args]
-    assert run_cli(whole_args, data_cache, tmp_path).returncode == 0
-    names = sorted(p.name for p in (tmp_path / "whole").glob("*-*.bin"))
-    assert names == sorted(p.name for p in (tmp_path / "killed").glob("*-*.bin")) and len(names) == 400
+    assert not (killed / "meta.json").exists()
+    stamp = (killed / "train-000000.bin").stat().st_mtime_ns
+    for out in (killed, whole):
+        done = run_cli(args(out, *small), data_cache, tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (killed / "train-000000.bin").stat().st_mtime_ns == stamp  # finished shards are never rewritten
+    names = sorted(p.name for p in whole.glob("*-*.bin"))
+    assert names == sorted(p.name for p in killed.glob("*-*.bin")) and len(names) == 400
     for name in names:
-        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes(), name
+        assert (whole / name).read_bytes() == (killed / name).read_bytes(), name
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +145,8 @@ def test_one_text_file_trains_on_the_tail_split(input_txt: Path, data_cache: Pat
 
 
 LOCAL, PREPARED = ["data=local", "data.files={input}"], ["train", *TRAIN, "data=prepared", "data.dir={prepared}"]
-REFUSALS = [  # args ({input}: a text file, {bad}: one not UTF-8, {prepared}: shards), the one line
+REFUSALS = [  # args ({input}: a text file, {bad}: one not UTF-8, {prepared}: shards, {cut}: one cut short), the line
+    (["train", *TRAIN, "data=prepared", "data.dir={cut}"], "{cut}/train-000002.bin is truncated or corrupt (100 bytes"),
     ([*PREPARED, "tokenizer.vocab_size=512"], "was prepared with the tokenizer {{'_target_': 'xsa_lm.data.tokenizer"),
     ([*PREPARED, "tokenizer.vocab_size=512"], ": drop the tokenizer override (the shards' own tokenizer is used)"),
     ([*PREPARED, "model.vocab_size=128"], "model.vocab_size=128 is smaller than the tokenizer's "),
@@ -177,22 +154,20 @@ REFUSALS = [  # args ({input}: a text file, {bad}: one not UTF-8, {prepared}: sh
     (["prepare", *LOCAL, "data.shard_documents=0"], "data.shard_documents=0 must be >= 1"),
     (["prepare", *LOCAL, "data.prepare_workers=0"], "data.prepare_workers=0 must be >= 1"),
     (["prepare", "data=local", "data.files={bad}"], "data.files: {bad} is not UTF-8 text (invalid byte at offset 3)"),
-    (["train", *FAST, *LOCAL, "data.tokenizer_documents=-5"], "data.tokenizer_documents=-5 must be >= 1"),
-    (["train", *FAST, *LOCAL, "data.val_windows=0"], "data.val_windows=0 must be >= 1"),
-    (
-        ["train", *FAST, *LOCAL, "data.val_fraction=0.9"],
-        "data.val_fraction=0.9 must be in (0, 0.5]: it is the share held out for validation (nanoGPT's 90/10 split is "
-        "data.val_fraction=0.1)",
-    ),
+    (["prepare", "data=local", "data.files={cut}"], "data.files: '{cut}' matches only a directory"),
+    (["train", *TRAIN, *LOCAL, "tokenizer=file", "tokenizer.path={bad}"], "tokenizer.path: {bad} is not a tokenizer"),
 ]
 
 
 @pytest.mark.parametrize(("args", "message"), REFUSALS)
 def test_bad_settings_are_one_line(args, message, input_txt, prepared, data_cache, tmp_path, monkeypatch, capsys):
+    """Nothing is written: no shards, no folder in the data cache, no run folder, no log folder where it was typed."""
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
-    where = {"input": input_txt, "bad": tmp_path / "bad.txt", "prepared": prepared}
-    out = [f"data.dir={tmp_path / 'out'}"] if args[0] == "prepare" else []
-    args = [arg.format(**where) for arg in [*args, *out, f"hydra.run.dir={tmp_path / 'run'}"]]
+    cut = Path(shutil.copytree(prepared, tmp_path / "cut")) / "train-000002.bin"
+    cut.write_bytes(cut.read_bytes()[:100])
+    where = {"input": input_txt, "bad": tmp_path / "bad.txt", "prepared": prepared, "cut": cut.parent}
+    out = [f"data.dir={tmp_path / 'out'}"] if args[0] == "prepare" else [f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [arg.format(**where) for arg in [*args, *out, f"data.cache_dir={tmp_path / 'cache'}"]]
     proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert assert_refused(proc, message.format(**where))
-    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "config.yaml").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "cut"]

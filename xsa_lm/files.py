@@ -1,5 +1,5 @@
-"""Result files written whole or not at all: to <name>.tmp, fsynced, renamed over the old one (a full disk or a kill
-leaves the previous version, never a truncated file; the .tmp goes on any failure)."""
+"""Files written whole or not at all: to <name>.tmp, fsynced, renamed over the old one (a full disk or a kill leaves
+the previous version; the .tmp goes on any failure)."""
 
 import csv
 import json
@@ -81,7 +81,6 @@ def write_csv(path: Path, header: list[str], rows: list[dict[str, str]], **how: 
 
 
 def write_json(path: str | Path, data: object, **how: Any) -> None:
-    """`data` as indented JSON (made before the file is opened: a value JSON cannot hold leaves no file)."""
     write_text(path, json.dumps(data, indent=2), **how)
 
 

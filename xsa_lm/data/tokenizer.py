@@ -5,6 +5,7 @@ import json
 import os
 import socket
 from collections.abc import Iterable
+from contextlib import suppress
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -15,10 +16,10 @@ EOT = "<|endoftext|>"  # separates documents; GPT-2's own end-of-text token
 GPT2_REPO = "openai-community/gpt2"
 
 
-def eot_id(tokenizer: Tokenizer) -> int:
-    """EOT's id: every tokenizer a corpus is prepared with has one (preparing refuses a tokenizer without)."""
+def eot_id(tokenizer: Tokenizer, which: str = "tokenizer: it") -> int:
+    """EOT's id: every tokenizer a corpus is prepared with has one (`which`: the tokenizer, in the refusal)."""
     if (eot := tokenizer.token_to_id(EOT)) is None:
-        raise UserError(f"tokenizer: it has no {EOT} token to separate documents")
+        raise UserError(f"{which} has no {EOT} token to separate documents")
     return eot
 
 
@@ -34,35 +35,29 @@ def train_bpe(train_texts: Iterable[str], vocab_size: int) -> Tokenizer:
         vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
     )
     tokenizer.train_from_iterator(train_texts, trainer=trainer)
-    if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
-        print(
-            f"tokenizer: the corpus supports {tokenizer.get_vocab_size()} BPE tokens, fewer than "
-            f"tokenizer.vocab_size={vocab_size}; the model uses {tokenizer.get_vocab_size()}"
-        )
+    if (n := tokenizer.get_vocab_size()) < vocab_size:  # BPE stops when no pair of tokens repeats: a small corpus
+        fewer = f"fewer than tokenizer.vocab_size={vocab_size}"
+        print(f"tokenizer: the corpus supports {n} BPE tokens, {fewer}; the model uses {n}")
     return tokenizer
 
 
 def read_tokenizer(path: str | Path, key: str) -> Tokenizer:
-    """The tokenizer.json at `path`, or one line naming `key` and the file when it is missing, unreadable, not UTF-8,
-    not JSON (e.g. truncated), JSON of another kind, or without EOT. Every tokenizer file xsa-lm reads is read here."""
+    """The tokenizer.json at `path`, or one line naming `key` and the file (every tokenizer file is read here)."""
     data = _read_bytes(Path(path), key)
     try:
         json.loads(data)  # first: its errors say where the file stops being JSON
         tokenizer = Tokenizer.from_str(data.decode())
     except UnicodeDecodeError as e:
-        raise UserError(
-            f"{key}: {path} is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
-        ) from None
+        why = f"is not a tokenizer.json (not UTF-8 text: invalid byte at offset {e.start})"
     except json.JSONDecodeError as e:
-        raise UserError(
-            f"{key}: {path} is not a tokenizer.json: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}; "
-            "a truncated or a plain-text file?)"
-        ) from None
+        where = f"line {e.lineno}, column {e.colno} ({e.msg}; a truncated or a plain-text file?)"
+        why = f"is not a tokenizer.json: invalid JSON at {where}"
     except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any JSON it cannot read
-        raise UserError(f"{key}: {path} is JSON but no tokenizer of the `tokenizers` library ({e})") from None
-    if tokenizer.token_to_id(EOT) is None:
-        raise UserError(f"{key}: {path} has no {EOT} token to separate documents")
-    return tokenizer
+        why = f"is JSON but no tokenizer of the `tokenizers` library ({e})"
+    else:
+        eot_id(tokenizer, f"{key}: {path}")
+        return tokenizer
+    raise UserError(f"{key}: {path} {why}")
 
 
 def _read_bytes(path: Path, key: str) -> bytes:
@@ -103,27 +98,20 @@ def load_gpt2(path: str | None = None, train_texts: Iterable[str] | None = None)
                 ) from None
             file = hf_hub_download(GPT2_REPO, "tokenizer.json")
     except OSError as e:  # the cache's folders (HF_HOME below a file), or the download (requests' errors too)
-        if e.filename:
-            raise UserError(
-                f"tokenizer=gpt2: the Hugging Face cache cannot be used ({e.filename}: {e.strerror or e}): "
-                f"point HF_HOME at a writable folder, or {alternative}"
-            ) from None
-        raise UserError(
-            f"tokenizer=gpt2: the download failed ({type(e).__name__}: {str(e)[:150]}): {alternative}"
-        ) from None
+        cache = f"the Hugging Face cache cannot be used ({e.filename}: {e.strerror or e}): point HF_HOME at a writable"
+        why = f"{cache} folder, or" if e.filename else f"the download failed ({type(e).__name__}: {str(e)[:150]}):"
+        raise UserError(f"tokenizer=gpt2: {why} {alternative}") from None
     return read_tokenizer(file, "tokenizer=gpt2 (from the Hugging Face cache)")
 
 
 def hub_unreachable(*offline_variables: str, timeout_s: float = 5.0) -> str | None:
-    """Why the Hugging Face hub cannot be used, as the end of a message: " (A/B is set)" for these environment
-    variables, "" when a TCP connect fails within timeout_s (not after the hub client's retries); None: it answers."""
+    """Why the hub cannot be used, as a message's end: " (A/B is set)", "" (no TCP connect in timeout_s) or None."""
     if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in offline_variables):
         return f" ({'/'.join(offline_variables)} is set)"
-    try:
+    with suppress(OSError):
         socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
         return None
-    except OSError:
-        return ""
+    return ""
 
 
 def token_byte_lengths(tokenizer: Tokenizer, size: int) -> list[int]:
