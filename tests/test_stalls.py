@@ -13,8 +13,8 @@ import scipy.stats
 
 from tests.golden import assert_golden
 from xsa_lm.errors import UserError
+from xsa_lm.reporting import render
 from xsa_lm.stats.rates import exact_interval, mantel_haenszel
-from xsa_lm.sweep.report import stall_lines
 from xsa_lm.sweep.stalls import StallRule, classify, diagnostics_at, loss_at_fraction, stall_study, tokens_to_reach
 from xsa_lm.sweep.trials import TrialRecord
 
@@ -215,12 +215,12 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
     assert study.stalls == {"sa": 2, "xsa": 0} and study.judged == {"sa": 6, "xsa": 5}
     assert study.stratified_test == mantel_haenszel([(2, 1, 0, 2), (0, 3, 0, 3)])
 
-    assert_golden("stalls.md", "\n".join(stall_lines(study)))
+    assert_golden("stalls.md", render("stalls.md.j2", study=study).removesuffix("\n"))
     assert study.stratified_test is not None and study.stratified_test.p_value is not None
     assert math.isfinite(study.stratified_test.p_value)
     quiet = stall_study(at_3e2, StallRule())
     assert quiet.stratified_test is not None and quiet.stratified_test.p_value is None
-    assert_golden("stalls_quiet.md", "\n".join(stall_lines(quiet)))
+    assert_golden("stalls_quiet.md", render("stalls.md.j2", study=quiet).removesuffix("\n"))
 
 
 def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
