@@ -1,4 +1,4 @@
-"""Stalls of the LR search as a measured rate (xsa_lm/sweep/stalls.py, its tests in xsa_lm/stats/rates.py): the
+"""Stalls of the LR search as a measured rate (xsa_lm/sweep/stalls.py, its tests in xsa_lm/stats/decision.py): the
 rule, the exact intervals, the stratified test, the attention diagnostics read back from metrics.csv, and the
 report's table. Pure functions on synthetic records; the whole path through `xsa-lm sweep` is in test_sweep.py."""
 
@@ -14,7 +14,7 @@ import scipy.stats
 from tests.golden import assert_golden
 from xsa_lm.errors import UserError
 from xsa_lm.reporting import render
-from xsa_lm.stats.rates import exact_interval, mantel_haenszel
+from xsa_lm.stats.decision import exact_interval, mantel_haenszel
 from xsa_lm.sweep.stalls import StallRule, classify, diagnostics_at, loss_at_fraction, stall_study, tokens_to_reach
 from xsa_lm.sweep.trials import TrialRecord
 

@@ -12,9 +12,8 @@ import numpy as np
 
 from xsa_lm.errors import UserError
 from xsa_lm.records import Record
-from xsa_lm.stats.decision import ClusteredTest, clustered_test
+from xsa_lm.stats.decision import ClusteredTest, MantelHaenszel, clustered_test, exact_interval, mantel_haenszel
 from xsa_lm.stats.paired import sign_test_p
-from xsa_lm.stats.rates import MantelHaenszel, exact_interval, mantel_haenszel
 from xsa_lm.sweep.trials import TrialRecord
 
 DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
