@@ -20,7 +20,7 @@ from xsa_lm.scale.report import SizeResult
 from xsa_lm.scale.run import size_tests
 from xsa_lm.scale.token_axis import per_seed_k, stalled
 from xsa_lm.stats.decision import clustered_test, margin_verdict, null_rates, null_study_sizes
-from xsa_lm.stats.positions import position_differences
+from xsa_lm.stats.paired import position_differences
 from xsa_lm.sweep.protocol import NULL, Trial, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
 from xsa_lm.sweep.run import comparison_plan, keep_plan

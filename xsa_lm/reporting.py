@@ -4,7 +4,7 @@ comparison, the files of a report and the W&B run that carries it."""
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -42,11 +42,6 @@ def table(text: str, align: str) -> str:
     return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True) + "\n"
 
 
-def having(items: Iterable[Mapping[str, Any]], key: str, *, empty: bool = False) -> list[Mapping[str, Any]]:
-    """The items whose `key` has a value (an empty one too with `empty`)."""
-    return [item for item in items if item.get(key) is not None and (empty or item[key])]
-
-
 @functools.cache
 def templates() -> jinja2.Environment:
     """The report templates (xsa_lm/templates): they lay out the text; the numbers come formatted by num and f."""
@@ -57,7 +52,7 @@ def templates() -> jinja2.Environment:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(num=num, interval=interval, table=table, f=format, having=having)
+    env.filters.update(num=num, interval=interval, table=table, f=format)
     env.globals.update(paired_cells=paired_cells, PAIRED_HEADER=PAIRED_HEADER, PAIRED_ALIGN=PAIRED_ALIGN)
     env.globals.update(fmean=fmean, zip=zip)
     return env

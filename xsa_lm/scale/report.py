@@ -8,14 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.reporting import (
-    ReportRunSettings,
-    interval,
-    log_report_run,
-    render,
-    saved_figure,
-    write_report_files,
-)
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, render, saved_figure, write_report_files
 from xsa_lm.scale.fit import Fit
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
 
@@ -172,19 +165,10 @@ def by_budget(budgets: dict[str, Any]) -> list[tuple[str, Any]]:
     return sorted(budgets.items(), key=lambda item: float(item[0]))
 
 
-def k_cells(cell: dict) -> list[str]:
-    """k (or its bound) and its interval, an unbounded end a bound at SA's range."""
-    (lo, hi), top, bottom = cell["ci95"], max(cell["sa_budgets"]), min(cell["sa_budgets"])
-    lo_text = f"{lo:.3f}" if lo is not None else f"<= {bottom / cell['budget']:.3g}"
-    hi_text = f"{hi:.3f}" if hi is not None else f">= {top / cell['budget']:.3g}"
-    k = f"{cell['k']:.3f}" if cell["k"] is not None else cell["bound"] or "-"
-    return [k, f"[{lo_text}, {hi_text}]"]
-
-
 def render_markdown(results: ScaleStudyResult | TokenStudyResult) -> str:
     """report.md of a study along either axis (xsa_lm/templates/tokens.md.j2 or scale.md.j2)."""
     if isinstance(results, TokenStudyResult):
-        return render("tokens.md.j2", r=results, by_budget=by_budget, k_cells=k_cells, STALL_MARGIN=STALL_MARGIN)
+        return render("tokens.md.j2", r=results, by_budget=by_budget, STALL_MARGIN=STALL_MARGIN)
     return render("scale.md.j2", r=results, model=fit_of(results))
 
 

@@ -8,18 +8,17 @@ from pathlib import Path
 from typing import cast
 
 from xsa_lm.records import Record
-from xsa_lm.reporting import (
-    ReportRunSettings,
-    interval,
-    log_report_run,
-    num,
-    render,
-    saved_figure,
-    write_report_files,
-)
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, num, render, saved_figure, write_report_files
 from xsa_lm.stats.decision import MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
-from xsa_lm.stats.paired import ALPHA, POWER, PairedStats, min_detectable_difference, paired_stats
-from xsa_lm.stats.positions import PositionDifferences, position_differences
+from xsa_lm.stats.paired import (
+    ALPHA,
+    POWER,
+    PairedStats,
+    PositionDifferences,
+    min_detectable_difference,
+    paired_stats,
+    position_differences,
+)
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
 from xsa_lm.sweep.stalls import StallRule, StallStudy, stall_study
 from xsa_lm.sweep.trials import TrialRecord
