@@ -109,9 +109,6 @@ def test_the_paired_record_holds_every_test_under_one_set_of_names():
         paired_stats([1.0, 2.0], [1.0])
 
 
-# --- one input through the sweep, the scaling study and the token axis ----------------------------------------
-
-
 def sweep_path(sa: list[float], xsa: list[float], tmp_path: Path) -> dict:
     """The comparison of a sweep whose compare runs ended with these losses."""
     trials = [
