@@ -6,7 +6,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -71,7 +71,7 @@ def paired_cells(stats: PairedStats | Mapping[str, Any]) -> list[str]:
     """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests; `stats` may
     be its JSON (a record read back, with more keys)."""
     if isinstance(stats, Mapping):
-        stats = PairedStats(**{f.name: stats[f.name] for f in fields(PairedStats)})
+        stats = PairedStats.from_json(dict(stats))  # its other keys left out
     ps = [num(p, ".3g") for p in (stats.t_p, stats.wilcoxon_p, stats.sign_p)]
     mean, sd, ci = num(stats.mean_diff, "+.4f"), num(stats.sd_diff), interval(stats.t_ci95)
     return [str(stats.pairs), mean, sd, ci, *ps, f"{stats.xsa_lower}/{stats.pairs}"]

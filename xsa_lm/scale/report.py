@@ -9,7 +9,6 @@ from typing import Any
 
 from xsa_lm.records import JsonObject, Record
 from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, render, saved_figure, write_report_files
-from xsa_lm.scale.fit import Fit
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
 
 
@@ -155,11 +154,6 @@ class TokenStudyResult(Record):
     schema: int = 1
 
 
-def fit_of(results: ScaleStudyResult) -> Fit:
-    fit = results.fit
-    return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
-
-
 def by_budget(budgets: dict[str, Any]) -> list[tuple[str, Any]]:
     """A size's budgets (fractions of B as text: "0.5", "1", ...), smallest first."""
     return sorted(budgets.items(), key=lambda item: float(item[0]))
@@ -169,7 +163,7 @@ def render_markdown(results: ScaleStudyResult | TokenStudyResult) -> str:
     """report.md of a study along either axis (xsa_lm/templates/tokens.md.j2 or scale.md.j2)."""
     if isinstance(results, TokenStudyResult):
         return render("tokens.md.j2", r=results, by_budget=by_budget, STALL_MARGIN=STALL_MARGIN)
-    return render("scale.md.j2", r=results, model=fit_of(results))
+    return render("scale.md.j2", r=results)
 
 
 def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
@@ -178,7 +172,7 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
 
     sizes = [s for s in results.sizes if s.compute is not None]
     compute = [float(s.compute or 0.0) for s in sizes]
-    model, shared = fit_of(results), results.fit["shared"]
+    fit, shared = results.fit, results.fit["shared"]
     grid = np.geomspace(min(compute) / 1.5, max(compute) * 1.5, 100)
     with saved_figure(path) as ax:
         for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
@@ -187,8 +181,8 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
             spread = [float(np.std(r, ddof=1)) if len(r) > 1 else 0.0 for r in runs]
             label = f"{attention.upper()} (mean ± sd over seeds)"
             ax.errorbar(compute, means, yerr=spread, fmt="o", color=color, capsize=3, label=label)
-        label = f"SA fit: {model.describe()}"
-        ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=label)
+        sa_curve = fit["E"] + fit["A"] * grid ** -fit["alpha"]
+        ax.plot(grid, sa_curve, "-", color="tab:blue", alpha=0.6, label=f"SA fit: {fit['formula']}")
         for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
             curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
             ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
@@ -196,7 +190,7 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
             ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set(xscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss")
         ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
-        flagged = " (fit flagged: see the report)" if results.fit.get("flags") else ""
+        flagged = " (fit flagged: see the report)" if fit.get("flags") else ""
         ax.set_title("Loss vs compute" + flagged, fontsize=10)
         ax.legend(fontsize=7, loc="best")
 
