@@ -31,8 +31,7 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
 
 
 def table(text: str, align: str) -> str:
-    """A template's table, its lines (header first) written `| cell | cell |`, as pandas' to_markdown writes it;
-    `align` "l" or "r" per column."""
+    """A template's `| cell | cell |` lines (header first) as pandas' to_markdown writes them; `align`: l or r each."""
     import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
 
     lines = text.strip("\n").split("\n")
@@ -68,8 +67,7 @@ PAIRED_ALIGN = "rrrlrrrr"
 
 
 def paired_cells(stats: PairedStats | Mapping[str, Any]) -> list[str]:
-    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests; `stats` may
-    be its JSON (a record read back, with more keys)."""
+    """The cells of a paired comparison (PAIRED_HEADER); `stats` may be its JSON (with more keys)."""
     if isinstance(stats, Mapping):
         stats = PairedStats.from_json(dict(stats))  # its other keys left out
     ps = [num(p, ".3g") for p in (stats.t_p, stats.wilcoxon_p, stats.sign_p)]
@@ -126,8 +124,8 @@ def log_report_run(
     plots: dict[str, str],
     summary: dict,
 ) -> None:
-    """A run in the study's W&B group: `table` (its key, columns and rows), the `plots` (key -> a .png name in
-    `folder`), `summary`, and the report's files (results.json, report.md, the plots) as its artifact `name`."""
+    """A run in the study's W&B group: `table` (key, columns, rows), `plots` (key -> a .png in `folder`), `summary`,
+    and the report's files (results.json, report.md, the plots) as its artifact `name`."""
     import wandb
 
     from xsa_lm.tracking import log_files_artifact, wandb_init

@@ -23,8 +23,7 @@ class BenchRatio(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class SizeResult(Record):
-    """One size of a scaling study, as its results.json keeps it: what its sweep gave (the raw data a reanalysis starts
-    from; `error` says why a size has none) and, once analysed, its paired tests."""
+    """One size of a scaling study: what its sweep gave (a reanalysis starts from it; `error`: why none), its tests."""
 
     model: str
     sweep_dir: str | None = None
@@ -118,8 +117,7 @@ class TokenRun(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class TokenSize(Record):
-    """One size of a token-axis study: its budget B, its LR search, and its runs by arm and budget (none when no LR
-    was selected)."""
+    """One size of a token-axis study: its budget B, its LR search, and its runs by arm and budget (None: no LR)."""
 
     model: str
     non_embedding_params: int | None = None
@@ -274,8 +272,7 @@ def write_report(results: ScaleStudyResult | TokenStudyResult, study_dir: Path) 
 
 
 def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRunSettings) -> None:
-    """A `scale-report` run in the study's W&B group: the sizes table, both plots, and the report's files
-    (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
+    """A `scale-report` run in the study's W&B group: the sizes table, the plots and the report's files (artifact)."""
     columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean".split()
     tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
     rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results.sizes if s.tests]

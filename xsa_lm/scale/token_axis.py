@@ -74,8 +74,7 @@ def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[flo
 def cell_estimate(
     sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float
 ) -> Cell:
-    """k at one size and one XSA budget. `sa[j][s]` is SA's final loss at sa_budgets[j] for seed s, `xsa[s]` XSA's
-    at `budget` for the same seed s (pairs with a missing run are left out by the caller)."""
+    """k at one size and XSA budget: `sa[j][s]` SA's final loss at sa_budgets[j] for seed s, `xsa[s]` XSA's."""
     order = np.argsort(sa_budgets)
     budgets = [float(sa_budgets[i]) for i in order]
     runs = np.asarray([sa[i] for i in order], dtype=float)  # (budgets, seeds)
@@ -123,8 +122,7 @@ def cell_estimate(
 def bootstrap_interval(
     sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float, seed: int = 0
 ) -> tuple[float, float] | None:
-    """Percentile 95% interval of k from 2000 resamples of the seeds within the cell (all of a seed's runs
-    together). A resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
+    """Percentile 95% interval of k over 2000 resamples of the seeds (a bound counts at SA's range); None below 3."""
     runs = np.asarray(sa, dtype=float)
     x = np.asarray(xsa, dtype=float)
     n = x.size

@@ -100,8 +100,7 @@ class ClusteredTest(Record):
 
 
 def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> ClusteredTest:
-    """Tests of differences that share a cluster (a seed) on each cluster's mean difference: the sign test and the
-    permutation test that flips whole clusters (scipy.stats.permutation_test, exact while 2^clusters is small)."""
+    """The sign test and the permutation test that flips whole clusters (seeds), on each cluster's mean difference."""
     groups: dict[Hashable, list[float]] = {}
     for d, c in zip(diffs, clusters, strict=True):
         groups.setdefault(c, []).append(float(d))

@@ -24,8 +24,7 @@ class TTest:
 
 
 def paired_t(diffs: Sequence[float], confidence: float = 1 - ALPHA) -> TTest:
-    """Student's paired t-test of the differences against 0 (scipy's ttest_1samp): t, the two-sided p and the
-    `confidence` interval; all None below two differences or with no spread (all equal up to rounding)."""
+    """Student's paired t-test of the differences against 0; all None below two or with no spread (all equal)."""
     values = np.asarray(diffs, dtype=float)
     if values.size < 2 or np.std(values) <= 1e-12 * max(1.0, float(np.abs(values).max())):  # equal up to rounding
         return TTest(t=None, p=None, ci=None)
@@ -46,8 +45,7 @@ def sign_test_p(diffs: Sequence[float]) -> float | None:
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
-    """Holm's step-down adjustment (scipy.stats.false_discovery_control has Benjamini-Hochberg only); a None stays
-    None and does not count in the family."""
+    """Holm's step-down adjustment (scipy has Benjamini-Hochberg only); a None is no member of the family."""
     known = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
     adjusted: list[float | None] = [None] * len(pvalues)
     running = 0.0

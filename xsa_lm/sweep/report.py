@@ -380,8 +380,7 @@ def write_report(results: SweepResult, sweep_dir: Path) -> str:
 
 
 def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSettings) -> None:
-    """A `report` run in the sweep's W&B group: the trials table, the comparison, the plots, and the report's files
-    as its artifact <sweep_id>-report."""
+    """A `report` run in the sweep's W&B group: the trials table, the comparison, the plots and the report's files."""
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
     compare, names = results.comparison, ["lr_sweep", "curves"] + (["positions"] if results.positions else [])
     low, high = compare.diff_ci95 or (None, None)

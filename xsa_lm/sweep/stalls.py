@@ -50,8 +50,7 @@ def tokens_to_reach(record: TrialRecord, threshold: float) -> float | None:
 
 
 def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
-    """The mean over layers of each attention diagnostic at the logged step nearest `step` (metrics.csv of a run
-    trained with diagnostics.every_n_steps); None when the run logged none."""
+    """The mean over layers of each attention diagnostic at the logged step nearest `step`; None: none logged."""
     path = Path(run_dir) / "metrics.csv"
     if not path.exists():
         return None
@@ -137,8 +136,7 @@ class StallStudy(Record):
 
 
 def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
-    """One LR and arm: runs, final-loss quartiles, stalls with an exact interval, the median tokens to the loss
-    threshold, and the mean attention diagnostics of its stalled and of its healthy runs."""
+    """One LR and arm: its runs, final-loss quartiles, stalls (exact interval), tokens to the threshold, diagnostics."""
     judged = [r for r in runs if r["stalled"] is not None]
     stalls = sum(bool(r["stalled"]) for r in judged)
     cell = {"lr": lr, "attention": arm, "runs": len(runs), "diverged_or_failed": len(runs) - len(judged)}
