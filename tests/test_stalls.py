@@ -1,6 +1,5 @@
-"""Stalls of the LR search as a measured rate (xsa_lm/sweep/stalls.py, its tests in xsa_lm/stats/decision.py): the
-rule, the exact intervals, the stratified test, the attention diagnostics read back from metrics.csv, and the
-report's table. Pure functions on synthetic records; the whole path through `xsa-lm sweep` is in test_sweep.py."""
+"""Stalls of the LR search as a measured rate: the rule, the exact intervals, the stratified test, the attention
+diagnostics read back from metrics.csv, and the report's table (the whole `xsa-lm sweep` path: test_sweep.py)."""
 
 import csv
 import math
@@ -21,32 +20,17 @@ from xsa_lm.sweep.trials import TrialRecord
 RULE = StallRule(at_fraction=0.4, margin=0.15)
 
 
-def run(
-    attention: str,
-    seed: int,
-    at_40: float,
-    lr: float = 1e-2,
-    status: str = "completed",
-    *,
-    final: float | None = None,
-    run_dir: Path | None = None,
-) -> TrialRecord:
+def run(attention: str, seed: int, at_40: float, lr: float = 1e-2, status: str = "completed", *,
+        final: float | None = None, run_dir: Path | None = None) -> TrialRecord:  # fmt: skip
     """A search run's record over 100 steps, validated every 20 steps: at_40 is its val loss at step 40 (40% of the
     run); the earlier validation is far above everything, so only the loss at 40% can decide a stall."""
     final = at_40 - 1.0 if final is None else final
     losses = {20: 9.0, 40: at_40, 60: at_40 - 0.4, 80: at_40 - 0.8, 100: final}
     return TrialRecord(
-        id=f"{attention}_lr{lr:g}_s{seed}",
-        phase="search",
-        attention=attention,
-        lr=lr,
-        seed=seed,
-        status=status,
-        final_val_loss=final if status == "completed" else None,
-        steps=100,
+        id=f"{attention}_lr{lr:g}_s{seed}", phase="search", attention=attention, lr=lr, seed=seed, status=status,
+        final_val_loss=final if status == "completed" else None, steps=100, run_dir=str(run_dir) if run_dir else None,
         val_history=[{"step": s, "tokens": s * 1000, "val_loss": v} for s, v in losses.items()],
-        run_dir=str(run_dir) if run_dir is not None else None,
-    )
+    )  # fmt: skip
 
 
 FIVE = [("sa", 0, 5.0), ("sa", 1, 5.0), ("sa", 2, 5.2), ("xsa", 0, 5.0), ("xsa", 1, 5.1)]
@@ -123,10 +107,7 @@ def test_mantel_haenszel_on_a_published_example() -> None:
     test = mantel_haenszel(rabbits)
     assert test.statistic == pytest.approx(3.9286, abs=5e-5) and test.p_value == pytest.approx(0.04747, abs=5e-6)
     assert test.excess_sa_stalls == pytest.approx(3.0)
-
-
-def test_mantel_haenszel_without_a_stall_has_nothing_to_test() -> None:
-    nothing = mantel_haenszel([(0, 3, 0, 3), (0, 5, 0, 4)])
+    nothing = mantel_haenszel([(0, 3, 0, 3), (0, 5, 0, 4)])  # no stall anywhere
     assert nothing.statistic is None and "nothing to test" in nothing.note
 
 

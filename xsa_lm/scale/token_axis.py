@@ -130,12 +130,12 @@ def bootstrap_interval(
         return None
     rng = np.random.default_rng(seed)
     picks = (rng.integers(0, n, n) for _ in range(2000))
-    values = [_ln_k_of_means(runs[:, p].mean(axis=1), sa_budgets, float(x[p].mean()), budget) for p in picks]
+    values = [ln_k_of_means(runs[:, p].mean(axis=1), sa_budgets, float(x[p].mean()), budget) for p in picks]
     low, high = np.percentile(values, [2.5, 97.5])
     return float(math.exp(low)), float(math.exp(high))
 
 
-def _ln_k_of_means(means: np.ndarray, budgets: Sequence[float], xm: float, budget: float) -> float:
+def ln_k_of_means(means: np.ndarray, budgets: Sequence[float], xm: float, budget: float) -> float:
     """ln k from mean losses (SA's curve at its budgets), clipped to SA's range."""
     order = np.argsort(budgets)
     ln_k = np.log(np.asarray(budgets, dtype=float)[order]) - math.log(budget)  # ln(D / b) at each budget
@@ -160,7 +160,7 @@ def per_seed_k(
     lo, hi = min(sa_budgets) / budget, max(sa_budgets) / budget
     values = []
     for s, x in enumerate(xsa):
-        k = math.exp(_ln_k_of_means(runs[:, s], sa_budgets, float(x), budget))
+        k = math.exp(ln_k_of_means(runs[:, s], sa_budgets, float(x), budget))
         values.append(
             f">= {hi:.3g}" if k >= hi * (1 - 1e-9) else f"<= {lo:.3g}" if k <= lo * (1 + 1e-9) else f"{k:.2f}"
         )

@@ -67,8 +67,6 @@ class MarginVerdict(Record):
 def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
     """The verdict on the paired differences XSA - SA against `margin` >= 0 nats, from the one-sided 95% bounds:
     better (upper < -margin), worse (lower > margin), not worse (upper < margin: non-inferior), else inconclusive."""
-    if margin < 0:
-        raise ValueError(f"the margin must be >= 0, got {margin}")
     ci = paired_t(diffs, confidence=1 - 2 * ALPHA).ci  # its ends are the one-sided bounds at level ALPHA
     if ci is None:
         why = "fewer than 2 pairs, or differences with no spread: no interval, so no claim either way"
