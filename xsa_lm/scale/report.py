@@ -3,6 +3,7 @@ fit and one multiplier, loss_vs_compute.png, multiplier.png with the ladder's k 
 and a W&B report run; scale.axis=tokens: k at fixed size, loss_vs_tokens.png and multiplier.png)."""
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,12 +263,11 @@ def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
 
 def write_report(results: ScaleStudyResult | TokenStudyResult, study_dir: Path) -> str:
     """results.json, report.md and the study's plots in its directory; returns the markdown."""
+    plots: dict[str, Callable[..., None]]  # file name -> what draws the results there
     if isinstance(results, TokenStudyResult):
-        plots = {"loss_vs_tokens.png": lambda path: plot_loss_vs_tokens(results, path)}
-        plots["multiplier.png"] = lambda path: plot_multipliers(results, path)
+        plots = {"loss_vs_tokens.png": plot_loss_vs_tokens, "multiplier.png": plot_multipliers}
     else:
-        plots = {"loss_vs_compute.png": lambda path: plot_loss_vs_compute(results, path)}
-        plots["multiplier.png"] = lambda path: plot_multiplier(results, path)
+        plots = {"loss_vs_compute.png": plot_loss_vs_compute, "multiplier.png": plot_multiplier}
     return write_report_files(study_dir, results, render_markdown(results), plots)
 
 

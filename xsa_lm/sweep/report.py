@@ -340,11 +340,11 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
         ax.legend()
 
 
-def plot_curves(trials: Sequence[TrialRecord], path: Path, selected_lr: float | None = None) -> None:
+def plot_curves(results: SweepResult, path: Path) -> None:
     """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
-    search_only = not any(t.phase == "compare" for t in trials)
+    search_only, selected_lr = not any(t.phase == "compare" for t in results.trials), results.selected_lr
     with saved_figure(path) as ax:
-        for t in trials:
+        for t in results.trials:
             if t.val_history and (t.phase == "compare" or (search_only and t.lr == selected_lr)):
                 tokens, losses = zip(*((h["tokens"], h["val_loss"]) for h in t.val_history), strict=True)
                 color, style = "tab:blue" if t.attention == "sa" else "tab:orange", ["-", "--", ":", "-."][t.seed % 4]
@@ -357,8 +357,9 @@ def plot_curves(trials: Sequence[TrialRecord], path: Path, selected_lr: float | 
             ax.legend()
 
 
-def plot_positions(positions: PositionDifferences, path: Path) -> None:
+def plot_positions(results: SweepResult, path: Path) -> None:
     """XSA - SA per span of window positions: the mean over seeds with its 95% interval."""
+    positions = cast(PositionDifferences, results.positions)
     spans = list(range(1, positions.spans + 1))
     means = [s.mean_diff or 0.0 for s in positions.per_span]
     cis = [s.t_ci95 or (m, m) for s, m in zip(positions.per_span, means, strict=True)]
@@ -372,10 +373,8 @@ def plot_positions(positions: PositionDifferences, path: Path) -> None:
 
 def write_report(results: SweepResult, sweep_dir: Path) -> str:
     """results.json, report.md and the plots in the sweep directory; returns the markdown."""
-    plots = {"lr_sweep.png": lambda path: plot_lr_sweep(results, path)}
-    plots["curves.png"] = lambda path: plot_curves(results.trials, path, results.selected_lr)
-    if positions := results.positions:
-        plots["positions.png"] = lambda path: plot_positions(positions, path)
+    plots = {"lr_sweep.png": plot_lr_sweep, "curves.png": plot_curves}
+    plots |= {"positions.png": plot_positions} if results.positions else {}
     return write_report_files(sweep_dir, results, render_markdown(results), plots)
 
 
