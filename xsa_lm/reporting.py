@@ -75,11 +75,8 @@ def paired_cells(stats: PairedStats | Mapping[str, Any]) -> list[str]:
     return [str(stats.pairs), mean, sd, ci, *ps, f"{stats.xsa_lower}/{stats.pairs}"]
 
 
-def write_report_files(
-    folder: Path, record: Record, markdown: str, plots: dict[str, Callable[[Any, Path], None]]
-) -> str:
-    """results.json, the plots (file name -> what draws `record` into it) and report.md in `folder`; returns the
-    markdown."""
+def write_report_files(folder: Path, record: Record, markdown: str, plots: Mapping[str, Callable[..., None]]) -> str:
+    """results.json, the plots (file name -> what draws `record` there) and report.md in `folder`; returns the text."""
     write_json(folder / "results.json", record.to_json())
     for name, plot in plots.items():
         plot(record, folder / name)

@@ -41,13 +41,11 @@ def mantel_haenszel(tables: Sequence[tuple[int, int, int, int]]) -> MantelHaensz
         deviation += a - (a + b) * (a + c) / n
         variance += (a + b) * (c + d) * (a + c) * (b + d) / (n * n * (n - 1))
     if variance == 0:
-        return MantelHaenszel(
-            statistic=None, p_value=None, note="no stall at any LR, or every run stalled: nothing to test"
-        )
+        note = "no stall at any LR, or every run stalled: nothing to test"
+        return MantelHaenszel(statistic=None, p_value=None, note=note)
     statistic = (abs(deviation) - 0.5) ** 2 / variance if abs(deviation) > 0.5 else 0.0
-    return MantelHaenszel(
-        statistic=statistic, p_value=float(scipy.stats.chi2.sf(statistic, 1)), excess_sa_stalls=deviation
-    )
+    p = float(scipy.stats.chi2.sf(statistic, 1))
+    return MantelHaenszel(statistic=statistic, p_value=p, excess_sa_stalls=deviation)
 
 
 VERDICTS = ("better", "not worse", "worse", "inconclusive")
