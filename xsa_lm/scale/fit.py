@@ -46,16 +46,14 @@ class Fit:
             return math.inf
         return self.c_ref * (self.A / (loss - self.E)) ** (1 / self.alpha)
 
-    def describe(self) -> str:
-        head = f"L(C) = {self.E:.4f} + " if self.form == "power_law_offset" else "L(C) = "
-        return head + f"{self.A * self.c_ref**self.alpha:.4g} * C^-{self.alpha:.4f}"
-
     def as_dict(self) -> JsonObject:
+        A = self.A * self.c_ref**self.alpha  # for C in FLOPs
+        head = f"L(C) = {self.E:.4f} + " if self.form == "power_law_offset" else "L(C) = "
         return {
             "form": self.form,
-            "formula": self.describe(),
+            "formula": f"{head}{A:.4g} * C^-{self.alpha:.4f}",
             "E": self.E,
-            "A": self.A * self.c_ref**self.alpha,  # for C in FLOPs
+            "A": A,
             "alpha": self.alpha,
             "residuals": self.residuals,
             "rms_residual": math.sqrt(sum(r * r for r in self.residuals) / len(self.residuals)),
