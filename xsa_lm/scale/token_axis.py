@@ -39,11 +39,8 @@ class Cell:
     xsa_mean: float
     seeds: int
 
-    def as_dict(self) -> dict[str, Any]:
-        """The cell as results.json holds it (the interval under ci95)."""
-        cell = asdict(self)
-        cell["ci95"] = list(cell.pop("ci"))
-        return cell
+    def as_dict(self) -> dict[str, Any]:  # as results.json holds it: the interval under ci95
+        return {k: v for k, v in asdict(self).items() if k != "ci"} | {"ci95": list(self.ci)}
 
 
 def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:

@@ -63,8 +63,7 @@ def bpb_stats(sa: list[float], xsa: list[float]) -> BpbStats:
 
 @dataclass(frozen=True, kw_only=True)
 class NullComparison(PairedStats):
-    """The A/A null (sweep.null_arm) against SA: per seed, the paired tests, the margin verdict, and how often
-    studies of its pairs claim an effect."""
+    """The A/A null (sweep.null_arm) against SA: the paired tests, the verdict, how often studies claim an effect."""
 
     seeds: list[int]
     sa: list[float]
@@ -130,8 +129,7 @@ RESULTS_NAMES = {  # PairedStats' field -> its name in results.json's comparison
 
 @dataclass(frozen=True, kw_only=True)
 class ComparisonStats(Record):
-    """results.json's comparison: each arm's mean and std over seeds, and the paired tests (paired_stats) under the
-    key names of docs/sweep.md."""
+    """results.json's comparison: each arm's mean and std, and paired_stats under the key names of docs/sweep.md."""
 
     seeds: list[int]
     sa: list[float]
