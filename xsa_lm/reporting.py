@@ -4,9 +4,9 @@ comparison, the files of a report and the W&B run that carries it."""
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -31,8 +31,7 @@ def interval(ci: Sequence[float | None] | None, spec: str = "+.4f", *, none: str
 
 
 def table(text: str, align: str) -> str:
-    """A template's table, its lines (header first) written `| cell | cell |`, as pandas' to_markdown writes it;
-    `align` "l" or "r" per column."""
+    """A template's `| cell | cell |` lines (header first) as pandas' to_markdown writes them; `align`: l or r each."""
     import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
 
     lines = text.strip("\n").split("\n")
@@ -40,11 +39,6 @@ def table(text: str, align: str) -> str:
     frame = pd.DataFrame(rows, columns=header, dtype=object)
     colalign = ["right" if a == "r" else "left" for a in align]
     return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True) + "\n"
-
-
-def having(items: Iterable[Mapping[str, Any]], key: str, *, empty: bool = False) -> list[Mapping[str, Any]]:
-    """The items whose `key` has a value (an empty one too with `empty`)."""
-    return [item for item in items if item.get(key) is not None and (empty or item[key])]
 
 
 @functools.cache
@@ -57,7 +51,7 @@ def templates() -> jinja2.Environment:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(num=num, interval=interval, table=table, f=format, having=having)
+    env.filters.update(num=num, interval=interval, table=table, f=format)
     env.globals.update(paired_cells=paired_cells, PAIRED_HEADER=PAIRED_HEADER, PAIRED_ALIGN=PAIRED_ALIGN)
     env.globals.update(fmean=fmean, zip=zip)
     return env
@@ -73,20 +67,19 @@ PAIRED_ALIGN = "rrrlrrrr"
 
 
 def paired_cells(stats: PairedStats | Mapping[str, Any]) -> list[str]:
-    """The cells of a paired comparison (PAIRED_HEADER): Student's t, the exact Wilcoxon and sign tests; `stats` may
-    be its JSON (a record read back, with more keys)."""
+    """The cells of a paired comparison (PAIRED_HEADER); `stats` may be its JSON (with more keys)."""
     if isinstance(stats, Mapping):
-        stats = PairedStats(**{f.name: stats[f.name] for f in fields(PairedStats)})
+        stats = PairedStats.from_json(dict(stats))  # its other keys left out
     ps = [num(p, ".3g") for p in (stats.t_p, stats.wilcoxon_p, stats.sign_p)]
     mean, sd, ci = num(stats.mean_diff, "+.4f"), num(stats.sd_diff), interval(stats.t_ci95)
     return [str(stats.pairs), mean, sd, ci, *ps, f"{stats.xsa_lower}/{stats.pairs}"]
 
 
-def write_report_files(folder: Path, record: Record, markdown: str, plots: dict[str, Callable[[Path], None]]) -> str:
-    """results.json, the plots (file name -> what draws it) and report.md in `folder`; returns the markdown."""
+def write_report_files(folder: Path, record: Record, markdown: str, plots: Mapping[str, Callable[..., None]]) -> str:
+    """results.json, the plots (file name -> what draws `record` there) and report.md in `folder`; returns the text."""
     write_json(folder / "results.json", record.to_json())
     for name, plot in plots.items():
-        plot(folder / name)
+        plot(record, folder / name)
     write_text(folder / "report.md", markdown)
     return markdown
 
@@ -131,8 +124,8 @@ def log_report_run(
     plots: dict[str, str],
     summary: dict,
 ) -> None:
-    """A run in the study's W&B group: `table` (its key, columns and rows), the `plots` (key -> a .png name in
-    `folder`), `summary`, and the report's files (results.json, report.md, the plots) as its artifact `name`."""
+    """A run in the study's W&B group: `table` (key, columns, rows), `plots` (key -> a .png in `folder`), `summary`,
+    and the report's files (results.json, report.md, the plots) as its artifact `name`."""
     import wandb
 
     from xsa_lm.tracking import log_files_artifact, wandb_init

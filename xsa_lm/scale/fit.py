@@ -3,10 +3,9 @@
 - The SA fit, L(C) = E + A C^-alpha through SA's mean final losses (E = 0 below 4 sizes), least squares in loss: what
   the lack-of-fit test and the extrapolation check judge.
 - The shared fit, L_arm(C) = E + A_arm C^-alpha through both arms (one E, one alpha), Huber loss on log-loss
-  residuals: the ladder's multiplier k = (A_SA / A_XSA)^(1/alpha), the compute SA needs to match XSA (as OLMo-core's
-  ladder reads it). Its 95% interval is a parametric bootstrap (ladder_bootstrap): each resample adds every size's seed
-  noise and the ladder's lack-of-fit variance to the fitted means, then refits. (The paired t interval of each size
-  through a fixed SA curve undercovers once sizes deviate from the curve: tests/test_scale.py measures it.)
+  residuals: the multiplier k = (A_SA / A_XSA)^(1/alpha), the compute SA needs to match XSA (as OLMo-core's ladder
+  reads it), with a parametric-bootstrap 95% interval (a paired t interval through a fixed SA curve undercovers once
+  sizes deviate from it: tests/test_scale.py measures it).
 """
 
 import math
@@ -47,16 +46,14 @@ class Fit:
             return math.inf
         return self.c_ref * (self.A / (loss - self.E)) ** (1 / self.alpha)
 
-    def describe(self) -> str:
-        head = f"L(C) = {self.E:.4f} + " if self.form == "power_law_offset" else "L(C) = "
-        return head + f"{self.A * self.c_ref**self.alpha:.4g} * C^-{self.alpha:.4f}"
-
     def as_dict(self) -> JsonObject:
+        A = self.A * self.c_ref**self.alpha  # for C in FLOPs
+        head = f"L(C) = {self.E:.4f} + " if self.form == "power_law_offset" else "L(C) = "
         return {
             "form": self.form,
-            "formula": self.describe(),
+            "formula": f"{head}{A:.4g} * C^-{self.alpha:.4f}",
             "E": self.E,
-            "A": self.A * self.c_ref**self.alpha,  # for C in FLOPs
+            "A": A,
             "alpha": self.alpha,
             "residuals": self.residuals,
             "rms_residual": math.sqrt(sum(r * r for r in self.residuals) / len(self.residuals)),
@@ -69,8 +66,6 @@ def choose_form(n_points: int, form: str = "auto") -> str:
     """`auto`: the offset form when the points leave it a residual degree of freedom, else the pure power law."""
     if form == "auto":
         form = "power_law_offset" if n_points > FORMS["power_law_offset"] else "power_law"
-    if form not in FORMS:
-        raise UserError(f"scale.fit={form!r}: choose auto, power_law or power_law_offset")
     if n_points < FORMS[form]:
         raise UserError(
             f"the {form} fit has {FORMS[form]} parameters but only {n_points} size(s) have SA results: "
@@ -191,34 +186,6 @@ def huber_scale(means: Sequence[float], standard_errors: Sequence[float]) -> flo
     return 1.345 * float(np.median(relative)) if relative else HUBER_DEFAULT
 
 
-def _shared_problem(x: np.ndarray, y: np.ndarray, offset: bool):
-    """Residuals and Jacobian of ln y - ln(E + exp(a_arm) x^-alpha) over the stacked arms (SA's sizes, then XSA's)."""
-    n = len(x) // 2
-    is_xsa = np.r_[np.zeros(n), np.ones(n)]
-    log_x, log_y = np.log(x), np.log(y)
-
-    def unpack(p: np.ndarray) -> tuple[float, np.ndarray, float]:
-        E = p[0] if offset else 0.0
-        a_sa, a_xsa, alpha = p[-3:]
-        return E, np.where(is_xsa == 1, a_xsa, a_sa), alpha
-
-    def residuals(p: np.ndarray) -> np.ndarray:
-        E, a, alpha = unpack(p)
-        with np.errstate(over="ignore"):  # a trial step far off: an infinite residual, which the solver rejects
-            return log_y - np.log(E + np.exp(a - alpha * log_x))
-
-    def jacobian(p: np.ndarray) -> np.ndarray:
-        E, a, alpha = unpack(p)
-        term = np.exp(a - alpha * log_x)
-        pred = E + term
-        cols = [-term / pred * (1 - is_xsa), -term / pred * is_xsa, term * log_x / pred]
-        if offset:
-            cols.insert(0, -1 / pred)
-        return np.stack(cols, axis=1)
-
-    return residuals, jacobian
-
-
 def _starts(x: np.ndarray, y: np.ndarray, offset: bool, floor: float) -> list[np.ndarray]:
     """A grid of starting points: E and alpha on a grid, each arm's a from the log-log line given them."""
     n = len(x) // 2
@@ -246,28 +213,31 @@ def fit_shared(
     x = np.r_[c, c] / c_ref
     y = np.r_[np.asarray(sa, dtype=float), np.asarray(xsa, dtype=float)]
     floor = float(y.min())
-    residuals, jacobian = _shared_problem(x, y, offset)
+    log_x, log_y, is_xsa = np.log(x), np.log(y), np.arange(len(x)) >= len(c)  # SA's sizes, then XSA's
+
+    def residuals(p: np.ndarray) -> np.ndarray:  # ln y - ln(E + exp(a_arm) x^-alpha) of p = [E,] a_sa, a_xsa, alpha
+        E, (a_sa, a_xsa, alpha) = p[0] if offset else 0.0, p[-3:]
+        with np.errstate(over="ignore"):  # a trial step far off: an infinite residual, which the solver rejects
+            return log_y - np.log(E + np.exp(np.where(is_xsa, a_xsa, a_sa) - alpha * log_x))
+
     lower = ([0.0] if offset else []) + [-LOG_A_MAX, -LOG_A_MAX, 0.0]
     upper = ([floor] if offset else []) + [LOG_A_MAX, LOG_A_MAX, ALPHA_MAX]
-    best = None
-    tolerance = 1e-8 if start is None else 1e-6  # a refit moves ln k by far more than 1e-6 between resamples
-    for p0 in _starts(x, y, offset, floor) if start is None else [start]:
-        p0 = np.clip(p0, lower, upper)
-        result = scipy.optimize.least_squares(
+    tol = 1e-8 if start is None else 1e-6  # a refit moves ln k by far more than 1e-6 between resamples
+    fits = (
+        scipy.optimize.least_squares(
             residuals,
-            p0,
-            jac=jacobian,
+            np.clip(p0, lower, upper),
             bounds=(lower, upper),
             loss="huber",
             f_scale=f_scale,
             x_scale="jac",  # E, ln A and alpha differ in scale by orders: 3-10x fewer evaluations
-            ftol=tolerance,
-            xtol=tolerance,
-            gtol=tolerance,
+            ftol=tol,
+            xtol=tol,
+            gtol=tol,
         )
-        if best is None or result.cost < best.cost:
-            best = result
-    assert best is not None  # at least one start
+        for p0 in (_starts(x, y, offset, floor) if start is None else [start])
+    )
+    best = min(fits, key=lambda result: result.cost)
     p = best.x
     E = float(p[0]) if offset else 0.0
     fit = SharedFit(offset, E, float(p[-3]), float(p[-2]), float(p[-1]), c_ref, floor, residuals=[])

@@ -3,20 +3,13 @@ fit and one multiplier, loss_vs_compute.png, multiplier.png with the ladder's k 
 and a W&B report run; scale.axis=tokens: k at fixed size, loss_vs_tokens.png and multiplier.png)."""
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from xsa_lm.records import JsonObject, Record
-from xsa_lm.reporting import (
-    ReportRunSettings,
-    interval,
-    log_report_run,
-    render,
-    saved_figure,
-    write_report_files,
-)
-from xsa_lm.scale.fit import Fit
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, render, saved_figure, write_report_files
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
 
 
@@ -31,8 +24,7 @@ class BenchRatio(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class SizeResult(Record):
-    """One size of a scaling study, as its results.json keeps it: what its sweep gave (the raw data a reanalysis starts
-    from; `error` says why a size has none) and, once analysed, its paired tests."""
+    """One size of a scaling study: what its sweep gave (a reanalysis starts from it; `error`: why none), its tests."""
 
     model: str
     sweep_dir: str | None = None
@@ -126,8 +118,7 @@ class TokenRun(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class TokenSize(Record):
-    """One size of a token-axis study: its budget B, its LR search, and its runs by arm and budget (none when no LR
-    was selected)."""
+    """One size of a token-axis study: its budget B, its LR search, and its runs by arm and budget (None: no LR)."""
 
     model: str
     non_embedding_params: int | None = None
@@ -162,30 +153,16 @@ class TokenStudyResult(Record):
     schema: int = 1
 
 
-def fit_of(results: ScaleStudyResult) -> Fit:
-    fit = results.fit
-    return Fit(form=fit["form"], E=fit["E"], A=fit["A"], alpha=fit["alpha"], c_ref=1.0, residuals=fit["residuals"])
-
-
 def by_budget(budgets: dict[str, Any]) -> list[tuple[str, Any]]:
     """A size's budgets (fractions of B as text: "0.5", "1", ...), smallest first."""
     return sorted(budgets.items(), key=lambda item: float(item[0]))
 
 
-def k_cells(cell: dict) -> list[str]:
-    """k (or its bound) and its interval, an unbounded end a bound at SA's range."""
-    (lo, hi), top, bottom = cell["ci95"], max(cell["sa_budgets"]), min(cell["sa_budgets"])
-    lo_text = f"{lo:.3f}" if lo is not None else f"<= {bottom / cell['budget']:.3g}"
-    hi_text = f"{hi:.3f}" if hi is not None else f">= {top / cell['budget']:.3g}"
-    k = f"{cell['k']:.3f}" if cell["k"] is not None else cell["bound"] or "-"
-    return [k, f"[{lo_text}, {hi_text}]"]
-
-
 def render_markdown(results: ScaleStudyResult | TokenStudyResult) -> str:
     """report.md of a study along either axis (xsa_lm/templates/tokens.md.j2 or scale.md.j2)."""
     if isinstance(results, TokenStudyResult):
-        return render("tokens.md.j2", r=results, by_budget=by_budget, k_cells=k_cells, STALL_MARGIN=STALL_MARGIN)
-    return render("scale.md.j2", r=results, model=fit_of(results))
+        return render("tokens.md.j2", r=results, by_budget=by_budget, STALL_MARGIN=STALL_MARGIN)
+    return render("scale.md.j2", r=results)
 
 
 def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
@@ -194,7 +171,7 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
 
     sizes = [s for s in results.sizes if s.compute is not None]
     compute = [float(s.compute or 0.0) for s in sizes]
-    model, shared = fit_of(results), results.fit["shared"]
+    fit, shared = results.fit, results.fit["shared"]
     grid = np.geomspace(min(compute) / 1.5, max(compute) * 1.5, 100)
     with saved_figure(path) as ax:
         for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
@@ -203,8 +180,8 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
             spread = [float(np.std(r, ddof=1)) if len(r) > 1 else 0.0 for r in runs]
             label = f"{attention.upper()} (mean ± sd over seeds)"
             ax.errorbar(compute, means, yerr=spread, fmt="o", color=color, capsize=3, label=label)
-        label = f"SA fit: {model.describe()}"
-        ax.plot(grid, [model.loss(c) for c in grid], "-", color="tab:blue", alpha=0.6, label=label)
+        sa_curve = fit["E"] + fit["A"] * grid ** -fit["alpha"]
+        ax.plot(grid, sa_curve, "-", color="tab:blue", alpha=0.6, label=f"SA fit: {fit['formula']}")
         for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
             curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
             ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
@@ -212,7 +189,7 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
             ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set(xscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss")
         ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
-        flagged = " (fit flagged: see the report)" if results.fit.get("flags") else ""
+        flagged = " (fit flagged: see the report)" if fit.get("flags") else ""
         ax.set_title("Loss vs compute" + flagged, fontsize=10)
         ax.legend(fontsize=7, loc="best")
 
@@ -286,18 +263,16 @@ def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
 
 def write_report(results: ScaleStudyResult | TokenStudyResult, study_dir: Path) -> str:
     """results.json, report.md and the study's plots in its directory; returns the markdown."""
+    plots: dict[str, Callable[..., None]]  # file name -> what draws the results there
     if isinstance(results, TokenStudyResult):
-        plots = {"loss_vs_tokens.png": lambda path: plot_loss_vs_tokens(results, path)}
-        plots["multiplier.png"] = lambda path: plot_multipliers(results, path)
+        plots = {"loss_vs_tokens.png": plot_loss_vs_tokens, "multiplier.png": plot_multipliers}
     else:
-        plots = {"loss_vs_compute.png": lambda path: plot_loss_vs_compute(results, path)}
-        plots["multiplier.png"] = lambda path: plot_multiplier(results, path)
+        plots = {"loss_vs_compute.png": plot_loss_vs_compute, "multiplier.png": plot_multiplier}
     return write_report_files(study_dir, results, render_markdown(results), plots)
 
 
 def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRunSettings) -> None:
-    """A `scale-report` run in the study's W&B group: the sizes table, both plots, and the report's files
-    (results.json, report.md, the plots) as its artifact <study_id>-scale-report."""
+    """A `scale-report` run in the study's W&B group: the sizes table, the plots and the report's files (artifact)."""
     columns = "model non_embedding_params selected_lr compute sa_mean xsa_mean".split()
     tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
     rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results.sizes if s.tests]

@@ -47,8 +47,7 @@ from xsa_lm.scale.report import (
     TokenStudyResult,
 )
 from xsa_lm.stats.decision import clustered_test, margin_verdict
-from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
-from xsa_lm.stats.positions import position_differences
+from xsa_lm.stats.paired import holm, paired_stats, position_differences, sign_test_p
 from xsa_lm.sweep import run as sweeps
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_seeds
 from xsa_lm.sweep.report import SweepResult, bpb_stats

@@ -39,11 +39,8 @@ class Cell:
     xsa_mean: float
     seeds: int
 
-    def as_dict(self) -> dict[str, Any]:
-        """The cell as results.json holds it (the interval under ci95)."""
-        cell = asdict(self)
-        cell["ci95"] = list(cell.pop("ci"))
-        return cell
+    def as_dict(self) -> dict[str, Any]:  # as results.json holds it: the interval under ci95
+        return {k: v for k, v in asdict(self).items() if k != "ci"} | {"ci95": list(self.ci)}
 
 
 def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:
@@ -74,8 +71,7 @@ def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[flo
 def cell_estimate(
     sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float
 ) -> Cell:
-    """k at one size and one XSA budget. `sa[j][s]` is SA's final loss at sa_budgets[j] for seed s, `xsa[s]` XSA's
-    at `budget` for the same seed s (pairs with a missing run are left out by the caller)."""
+    """k at one size and XSA budget: `sa[j][s]` SA's final loss at sa_budgets[j] for seed s, `xsa[s]` XSA's."""
     order = np.argsort(sa_budgets)
     budgets = [float(sa_budgets[i]) for i in order]
     runs = np.asarray([sa[i] for i in order], dtype=float)  # (budgets, seeds)
@@ -123,8 +119,7 @@ def cell_estimate(
 def bootstrap_interval(
     sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float, seed: int = 0
 ) -> tuple[float, float] | None:
-    """Percentile 95% interval of k from 2000 resamples of the seeds within the cell (all of a seed's runs
-    together). A resample whose k is a bound counts at that end of SA's range. None below 3 seeds."""
+    """Percentile 95% interval of k over 2000 resamples of the seeds (a bound counts at SA's range); None below 3."""
     runs = np.asarray(sa, dtype=float)
     x = np.asarray(xsa, dtype=float)
     n = x.size
@@ -132,12 +127,12 @@ def bootstrap_interval(
         return None
     rng = np.random.default_rng(seed)
     picks = (rng.integers(0, n, n) for _ in range(2000))
-    values = [_ln_k_of_means(runs[:, p].mean(axis=1), sa_budgets, float(x[p].mean()), budget) for p in picks]
+    values = [ln_k_of_means(runs[:, p].mean(axis=1), sa_budgets, float(x[p].mean()), budget) for p in picks]
     low, high = np.percentile(values, [2.5, 97.5])
     return float(math.exp(low)), float(math.exp(high))
 
 
-def _ln_k_of_means(means: np.ndarray, budgets: Sequence[float], xm: float, budget: float) -> float:
+def ln_k_of_means(means: np.ndarray, budgets: Sequence[float], xm: float, budget: float) -> float:
     """ln k from mean losses (SA's curve at its budgets), clipped to SA's range."""
     order = np.argsort(budgets)
     ln_k = np.log(np.asarray(budgets, dtype=float)[order]) - math.log(budget)  # ln(D / b) at each budget
@@ -162,7 +157,7 @@ def per_seed_k(
     lo, hi = min(sa_budgets) / budget, max(sa_budgets) / budget
     values = []
     for s, x in enumerate(xsa):
-        k = math.exp(_ln_k_of_means(runs[:, s], sa_budgets, float(x), budget))
+        k = math.exp(ln_k_of_means(runs[:, s], sa_budgets, float(x), budget))
         values.append(
             f">= {hi:.3g}" if k >= hi * (1 - 1e-9) else f"<= {lo:.3g}" if k <= lo * (1 + 1e-9) else f"{k:.2f}"
         )

@@ -1,6 +1,7 @@
 """What a comparison may claim: a verdict against a practical margin declared in the study's plan (a p < 0.05 on a
 0.001-nat difference is not a win), tests over pairs that share a seed (25 LR x seed pairs over 5 seeds are not 25
-draws: each seed's mean difference is one), and how often the procedure claims an effect on an A/A null."""
+draws: each seed's mean difference is one), how often the procedure claims an effect on an A/A null, and rates
+(stalls) with their exact interval and a stratified test of SA's rate against XSA's."""
 
 import itertools
 import math
@@ -12,7 +13,40 @@ import scipy.stats
 
 from xsa_lm.records import Record
 from xsa_lm.stats.paired import ALPHA, paired_t, sign_test_p
-from xsa_lm.stats.rates import exact_interval
+
+
+def exact_interval(k: int, n: int) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) 95% interval of a rate of k in n."""
+    ci = scipy.stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MantelHaenszel(Record):
+    statistic: float | None
+    p_value: float | None
+    excess_sa_stalls: float | None = None  # observed - expected SA stalls, summed over the tables
+    note: str | None = None  # why there is no test
+
+
+def mantel_haenszel(tables: Sequence[tuple[int, int, int, int]]) -> MantelHaenszel:
+    """The Cochran-Mantel-Haenszel test (continuity-corrected) of 2x2 tables (a, b, c, d) = (SA stalled, SA not,
+    XSA stalled, XSA not), one per LR: is the stall rate of SA the same as XSA's at every LR? scipy has no
+    stratified test of 2x2 tables, so the textbook formula is written here."""
+    deviation = variance = 0.0
+    for a, b, c, d in tables:
+        n = a + b + c + d
+        if n < 2:
+            continue
+        deviation += a - (a + b) * (a + c) / n
+        variance += (a + b) * (c + d) * (a + c) * (b + d) / (n * n * (n - 1))
+    if variance == 0:
+        note = "no stall at any LR, or every run stalled: nothing to test"
+        return MantelHaenszel(statistic=None, p_value=None, note=note)
+    statistic = (abs(deviation) - 0.5) ** 2 / variance if abs(deviation) > 0.5 else 0.0
+    p = float(scipy.stats.chi2.sf(statistic, 1))
+    return MantelHaenszel(statistic=statistic, p_value=p, excess_sa_stalls=deviation)
+
 
 VERDICTS = ("better", "not worse", "worse", "inconclusive")
 
@@ -31,8 +65,6 @@ class MarginVerdict(Record):
 def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
     """The verdict on the paired differences XSA - SA against `margin` >= 0 nats, from the one-sided 95% bounds:
     better (upper < -margin), worse (lower > margin), not worse (upper < margin: non-inferior), else inconclusive."""
-    if margin < 0:
-        raise ValueError(f"the margin must be >= 0, got {margin}")
     ci = paired_t(diffs, confidence=1 - 2 * ALPHA).ci  # its ends are the one-sided bounds at level ALPHA
     if ci is None:
         why = "fewer than 2 pairs, or differences with no spread: no interval, so no claim either way"
@@ -64,8 +96,7 @@ class ClusteredTest(Record):
 
 
 def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> ClusteredTest:
-    """Tests of differences that share a cluster (a seed) on each cluster's mean difference: the sign test and the
-    permutation test that flips whole clusters (scipy.stats.permutation_test, exact while 2^clusters is small)."""
+    """The sign test and the permutation test that flips whole clusters (seeds), on each cluster's mean difference."""
     groups: dict[Hashable, list[float]] = {}
     for d, c in zip(diffs, clusters, strict=True):
         groups.setdefault(c, []).append(float(d))

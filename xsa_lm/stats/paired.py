@@ -1,6 +1,8 @@
 """XSA against SA over paired seeds (seed s of each arm shares its initialisation and data order), tested on the
 differences XSA - SA. Stalled SA seeds make them bimodal, so beside Student's paired t stand the exact Wilcoxon
-signed-rank and sign tests, which assume no normal noise. `paired_stats` is the one record of them all."""
+signed-rank and sign tests, which assume no normal noise. `paired_stats` is the one record of them all;
+`position_differences` asks whether XSA's gain grows with context: XSA - SA per equal span of window positions
+(earliest first), and the trend across spans, one least-squares slope per seed (its spans share its runs), t-tested."""
 
 import math
 from collections.abc import Sequence
@@ -22,8 +24,7 @@ class TTest:
 
 
 def paired_t(diffs: Sequence[float], confidence: float = 1 - ALPHA) -> TTest:
-    """Student's paired t-test of the differences against 0 (scipy's ttest_1samp): t, the two-sided p and the
-    `confidence` interval; all None below two differences or with no spread (all equal up to rounding)."""
+    """Student's paired t-test of the differences against 0; all None below two or with no spread (all equal)."""
     values = np.asarray(diffs, dtype=float)
     if values.size < 2 or np.std(values) <= 1e-12 * max(1.0, float(np.abs(values).max())):  # equal up to rounding
         return TTest(t=None, p=None, ci=None)
@@ -44,8 +45,7 @@ def sign_test_p(diffs: Sequence[float]) -> float | None:
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
-    """Holm's step-down adjustment (scipy.stats.false_discovery_control has Benjamini-Hochberg only); a None stays
-    None and does not count in the family."""
+    """Holm's step-down adjustment (scipy has Benjamini-Hochberg only); a None is no member of the family."""
     known = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
     adjusted: list[float | None] = [None] * len(pvalues)
     running = 0.0
@@ -94,4 +94,43 @@ def paired_stats(sa: Sequence[float], xsa: Sequence[float]) -> PairedStats:
         wilcoxon_p=wilcoxon_p(diffs),
         sign_p=sign_test_p(diffs),
         xsa_lower=sum(d < 0 for d in diffs),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PositionDifferences(Record):
+    seeds: int
+    spans: int
+    per_span: list[PairedStats]
+    slopes: list[float]  # per seed: the change of XSA - SA from one span to the next
+    slope_mean: float | None
+    slope_t_p: float | None
+    slope_ci95: list[float] | None
+
+
+def position_differences(
+    sa: Sequence[Sequence[float | None]], xsa: Sequence[Sequence[float | None]]
+) -> PositionDifferences | None:
+    """`sa[s][b]`, `xsa[s][b]`: the loss of seed s over span b; None without a seed whose runs have every span."""
+    pairs = [
+        ([float(v or 0) for v in a], [float(v or 0) for v in b])
+        for a, b in zip(sa, xsa, strict=True)
+        if len(a) == len(b) > 0 and None not in (*a, *b)
+    ]
+    if not pairs:
+        return None
+    spans = len(pairs[0][0])
+    pairs = [(a, b) for a, b in pairs if len(a) == spans]
+    per_span = [paired_stats([a[i] for a, _ in pairs], [b[i] for _, b in pairs]) for i in range(spans)]
+    index = np.arange(spans, dtype=float)
+    slopes = [float(np.polyfit(index, np.subtract(b, a), 1)[0]) for a, b in pairs] if spans > 1 else []
+    trend = paired_t(slopes)
+    return PositionDifferences(
+        seeds=len(pairs),
+        spans=spans,
+        per_span=per_span,
+        slopes=slopes,
+        slope_mean=float(np.mean(slopes)) if slopes else None,
+        slope_t_p=trend.p,
+        slope_ci95=list(trend.ci) if trend.ci else None,
     )

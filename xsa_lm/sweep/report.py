@@ -1,6 +1,5 @@
-"""The sweep's outputs: results.json (the SweepResult record), report.md (rendered from that record), the plots, and a
-W&B report run in the sweep's group. The statistics decide (records with their verdict fields); the template
-(xsa_lm/templates/sweep.md.j2) only words the decision."""
+"""A sweep's outputs: results.json (the SweepResult record), report.md (templates/sweep.md.j2 words the record's
+verdict fields), the plots, and a W&B report run in the sweep's group."""
 
 import statistics
 from collections.abc import Sequence
@@ -9,18 +8,17 @@ from pathlib import Path
 from typing import cast
 
 from xsa_lm.records import Record
-from xsa_lm.reporting import (
-    ReportRunSettings,
-    interval,
-    log_report_run,
-    num,
-    render,
-    saved_figure,
-    write_report_files,
-)
+from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, num, render, saved_figure, write_report_files
 from xsa_lm.stats.decision import MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
-from xsa_lm.stats.paired import ALPHA, POWER, PairedStats, min_detectable_difference, paired_stats
-from xsa_lm.stats.positions import PositionDifferences, position_differences
+from xsa_lm.stats.paired import (
+    ALPHA,
+    POWER,
+    PairedStats,
+    PositionDifferences,
+    min_detectable_difference,
+    paired_stats,
+    position_differences,
+)
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
 from xsa_lm.sweep.stalls import StallRule, StallStudy, stall_study
 from xsa_lm.sweep.trials import TrialRecord
@@ -39,26 +37,21 @@ def arms_by_seed(trials: Sequence[TrialRecord], *phases: str) -> dict[int, dict[
 
 
 def completed_pairs(trials: Sequence[TrialRecord], arm: str = "xsa") -> list[tuple[TrialRecord, TrialRecord]]:
-    """(SA, XSA) compare trials of each seed where both finished, by seed; (SA, null) with arm=NULL."""
+    """The (SA, `arm`) compare trials of each seed where both completed, by seed."""
     by_seed = arms_by_seed(trials, "compare", NULL).values()
-    both = [t for t in by_seed if all(a in t and t[a].status == "completed" for a in ("sa", arm))]
-    return [(t["sa"], t[arm]) for t in both]
+    return [(t["sa"], t[arm]) for t in by_seed if all(a in t and t[a].status == "completed" for a in ("sa", arm))]
 
 
 def comparison_of(trials: Sequence[TrialRecord], arm: str = "xsa") -> Comparison:
-    """Seeds where both SA and XSA (or `arm`) finished at the shared LR (a diverged or failed side drops the pair,
-    and dropped_seeds says so)."""
+    """The final losses of the seeds where SA and `arm` both completed (a diverged or failed side drops the pair)."""
     pairs = completed_pairs(trials, arm)
-    return Comparison(
-        seeds=[sa.seed for sa, _ in pairs],
-        sa=[cast(float, sa.final_val_loss) for sa, _ in pairs],  # a completed run has its loss
-        xsa=[cast(float, other.final_val_loss) for _, other in pairs],
-    )
+    loss = lambda t: cast(float, t.final_val_loss)  # a completed run has its loss
+    return Comparison(seeds=[s.seed for s, _ in pairs], sa=[loss(s) for s, _ in pairs], xsa=[loss(x) for _, x in pairs])
 
 
 @dataclass(frozen=True, kw_only=True)
 class BpbStats(PairedStats):
-    """Each arm's mean bits per byte and the paired tests of XSA - SA on them."""
+    """Each arm's mean bits per byte (tokenizer-independent) and the paired tests of XSA - SA on them."""
 
     sa_mean: float
     xsa_mean: float
@@ -68,18 +61,9 @@ def bpb_stats(sa: list[float], xsa: list[float]) -> BpbStats:
     return BpbStats(sa_mean=statistics.fmean(sa), xsa_mean=statistics.fmean(xsa), **vars(paired_stats(sa, xsa)))
 
 
-def bits_per_byte(pairs: list[tuple[TrialRecord, TrialRecord]]) -> BpbStats | None:
-    """The final validation loss in bits per byte (tokenizer-independent) of each arm, and the paired tests of XSA -
-    SA on it; None without it on every run."""
-    if not pairs or any(t.final_val_bpb is None for pair in pairs for t in pair):
-        return None
-    sa, xsa = ([cast(float, t.final_val_bpb) for t in arm] for arm in zip(*pairs, strict=True))
-    return bpb_stats(sa, xsa)
-
-
 @dataclass(frozen=True, kw_only=True)
 class NullComparison(PairedStats):
-    """The A/A null against SA: per seed, the paired tests, the margin verdict and the false-positive rates."""
+    """The A/A null (sweep.null_arm) against SA: the paired tests, the verdict, how often studies claim an effect."""
 
     seeds: list[int]
     sa: list[float]
@@ -90,7 +74,6 @@ class NullComparison(PairedStats):
 
 
 def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> NullComparison | None:
-    """The A/A null (sweep.null_arm) analysed as XSA is, with how often studies of its pairs claim an effect."""
     pairs = comparison_of(trials, arm=NULL)
     if not pairs.seeds:
         return None
@@ -106,24 +89,19 @@ def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> Null
     )
 
 
-def dropped_seeds(trials: Sequence[TrialRecord]) -> list[dict]:
-    """The compare seeds left out of the statistics, each with what happened to which side."""
-    dropped = []
-    for seed, arms in arms_by_seed(trials, "compare").items():
-        sides = {a: arms[a].status if a in arms else "missing" for a in ("sa", "xsa")}
-        if any(status != "completed" for status in sides.values()):
-            dropped.append({"seed": seed, **sides})
-    return dropped
-
-
-def dropped_warning(drop: dict) -> str:
+def dropped_warning(seed: int, sides: dict[str, str]) -> str:
+    """Why a compare seed is left out of the statistics (`sides`: the status of SA's and XSA's run)."""
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
-    sides = [f"{a.upper()} {what.get(drop[a], 'did not finish')}" for a in ("sa", "xsa") if drop[a] != "completed"]
-    warning = f"seed {drop['seed']} is left out of the mean, the confidence interval and the count of seeds where XSA "
-    warning += f"is lower: {' and '.join(sides)}"
-    if "diverged" in (drop["sa"], drop["xsa"]):
+    failed = [
+        f"{a.upper()} {what.get(status, 'did not finish')}" for a, status in sides.items() if status != "completed"
+    ]
+    warning = (
+        f"seed {seed} is left out of the mean, the confidence interval and the count of seeds where XSA is lower: "
+    )
+    warning += " and ".join(failed)
+    if "diverged" in sides.values():
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
-    if any(drop[a] not in ("completed", "diverged") for a in ("sa", "xsa")):
+    if any(status not in ("completed", "diverged") for status in sides.values()):
         warning += "; run the same sweep command again to retry it"
     return warning
 
@@ -137,8 +115,6 @@ class XsaTuning(Record):
     loss_at_shared_lr: float | None
 
 
-# What the paired t interval of XSA - SA says (ComparisonStats.significance).
-SIGNIFICANCE = ("no pairs", "one seed", "no spread", "xsa lower", "xsa higher", "not significant")
 RESULTS_NAMES = {  # PairedStats' field -> its name in results.json's comparison
     "mean_diff": "diff_mean",
     "sd_diff": "diff_std",
@@ -153,8 +129,7 @@ RESULTS_NAMES = {  # PairedStats' field -> its name in results.json's comparison
 
 @dataclass(frozen=True, kw_only=True)
 class ComparisonStats(Record):
-    """The comparison of results.json: each arm's mean and std over seeds, and the paired tests (paired_stats) under
-    the key names results.json has always had (docs/sweep.md)."""
+    """results.json's comparison: each arm's mean and std, and paired_stats under the key names of docs/sweep.md."""
 
     seeds: list[int]
     sa: list[float]
@@ -205,7 +180,7 @@ class ComparisonStats(Record):
 
     @property
     def significance(self) -> str:
-        """What the paired 95% t interval says at the 5% level: one of SIGNIFICANCE."""
+        """What the paired 95% t interval says at the 5% level."""
         if not self.seeds:
             return "no pairs"
         if self.diff_ci95 is None:
@@ -245,23 +220,10 @@ class SweepResult(Record):
     trials: list[TrialRecord] = field(default_factory=list)
     eval: dict | None = None  # xsa-lm eval of the compare runs (sweep.eval_tasks)
     eval_error: str | None = None  # why that evaluation failed
-    bpb: BpbStats | None = None  # bits_per_byte of the compare runs
+    bpb: BpbStats | None = None  # bits per byte of the compare runs
     positions: PositionDifferences | None = None  # XSA - SA per span of window positions
     null: NullComparison | None = None  # the A/A null of sweep.null_arm
     schema: int = 1
-
-
-def compare_table(trials: Sequence[TrialRecord], seeds: list[int]) -> list[dict]:
-    """A row per compare seed that ran: each side's final val loss (or its status) and XSA - SA."""
-    rows, by_seed = [], arms_by_seed(trials, "compare")
-    for seed in (s for s in seeds if s in by_seed):
-        pair = by_seed[seed]
-        cell = {a: num(t.final_val_loss) if t.status == "completed" else t.status for a, t in pair.items()}
-        both = len(pair) == 2 and all(t.status == "completed" for t in pair.values())
-        losses = [cast(float, pair[a].final_val_loss) for a in ("sa", "xsa")] if both else []
-        diff = f"{losses[1] - losses[0]:+.4f}" if both else "-"
-        rows.append({"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": diff})
-    return rows
 
 
 def build_results(
@@ -301,9 +263,22 @@ def build_results(
             "(sweep.reuse_search_run=true), selected partly for their luck while XSA's were not: it is biased against "
             f"XSA; for an unbiased one use compare seeds without {shared_seeds} (sweep.seeds)"
         )
-    dropped, pairs = dropped_seeds(trials), completed_pairs(trials)
-    warnings += [dropped_warning(drop) for drop in dropped]
-    stalls = stall_rule is not None and len(search_seeds) >= 2
+    rows, dropped = [], []  # per compare seed that ran: each side's loss (or status) and XSA - SA; the seeds left out
+    for seed, pair in arms_by_seed(trials, "compare").items():
+        sides = {a: pair[a].status if a in pair else "missing" for a in ("sa", "xsa")}
+        done = all(status == "completed" for status in sides.values())
+        if not done:
+            dropped.append({"seed": seed, **sides})
+            warnings.append(dropped_warning(seed, sides))
+        if seed in seeds:
+            cell = {a: num(t.final_val_loss) if t.status == "completed" else t.status for a, t in pair.items()}
+            loss = {a: cast(float, t.final_val_loss) for a, t in pair.items()}  # completed: it has its loss
+            diff = loss["xsa"] - loss["sa"] if done else None
+            rows.append(
+                {"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": num(diff, "+.4f")}
+            )
+    pairs = completed_pairs(trials)
+    bpb = [[t.final_val_bpb for t in arm] for arm in zip(*pairs, strict=True)]
     return SweepResult(
         sweep_dir=str(sweep_dir),
         sweep_id=sweep_id,
@@ -316,25 +291,17 @@ def build_results(
         warnings=warnings,
         search=search,
         comparison=ComparisonStats.of(comparison_of(trials), dropped, margin),
-        compare_table=compare_table(trials, seeds),
-        bpb=bits_per_byte(pairs),
+        compare_table=sorted(rows, key=lambda row: seeds.index(row["seed"])),
+        bpb=bpb_stats(*cast(list[list[float]], bpb)) if bpb and None not in bpb[0] + bpb[1] else None,
         null=null_comparison(trials, margin),
         positions=position_differences(
             [sa.final_val_loss_by_position for sa, _ in pairs], [xsa.final_val_loss_by_position for _, xsa in pairs]
         ),
         xsa_tuning=tuning,
         sequential=sequential,
-        stalls=stall_study(searched, stall_rule) if stall_rule is not None and stalls else None,
+        stalls=stall_study(searched, stall_rule) if stall_rule is not None and len(search_seeds) >= 2 else None,
         trials=trials,
     )
-
-
-# --- report.md ------------------------------------------------------------------------------------------------
-
-
-def stall_lines(study: StallStudy) -> list[str]:
-    """The stall section: the rule, the table per LR and arm, the stratified test, the paired final losses."""
-    return render("stalls.md.j2", study=study).removesuffix("\n").split("\n")
 
 
 def render_markdown(results: SweepResult) -> str:
@@ -348,9 +315,6 @@ def render_markdown(results: SweepResult) -> str:
     return render("sweep.md.j2", r=results, evaluation=evaluation)
 
 
-# --- the plots, the files and the W&B run ---------------------------------------------------------------------
-
-
 def plot_lr_sweep(results: SweepResult, path: Path) -> None:
     with saved_figure(path) as ax:
         for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
@@ -362,11 +326,11 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
             ok = [(r.lr, r.final_val_loss) for r in runs if r.status == "completed"]
             if ok:
                 ax.plot(*zip(*ok, strict=True), "o", color=color, alpha=0.6, markersize=4)
-            bad = [r.lr for r in runs if r.status != "completed"]
-            if bad:
+            if bad := [r.lr for r in runs if r.status != "completed"]:
                 top = max((loss or 0 for _, loss in ok), default=1.0)
-                label = f"{attention.upper()} diverged/failed"
-                ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
+                ax.plot(
+                    bad, [top] * len(bad), "x", color=color, markersize=10, label=f"{attention.upper()} diverged/failed"
+                )
         if results.selected_lr is not None:
             ax.axvline(results.selected_lr, color="gray", linestyle="--", label=f"selected {results.selected_lr:g}")
         ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss")
@@ -374,30 +338,26 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
         ax.legend()
 
 
-def plot_curves(trials: Sequence[TrialRecord], path: Path, selected_lr: float | None = None) -> None:
+def plot_curves(results: SweepResult, path: Path) -> None:
     """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
-    styles = ["-", "--", ":", "-."]
-    search_only = not any(t.phase == "compare" for t in trials)
+    search_only, selected_lr = not any(t.phase == "compare" for t in results.trials), results.selected_lr
     with saved_figure(path) as ax:
-        for trial in trials:
-            shown = trial.phase == "compare" or (search_only and trial.lr == selected_lr)
-            if not shown or not trial.val_history:
-                continue
-            color = "tab:blue" if trial.attention == "sa" else "tab:orange"
-            tokens, losses = [h["tokens"] for h in trial.val_history], [h["val_loss"] for h in trial.val_history]
-            style = styles[trial.seed % 4]
-            label = f"{trial.attention.upper()} seed {trial.seed}"
-            ax.plot(tokens, losses, style, color=color, marker="o", markersize=3, label=label)
+        for t in results.trials:
+            if t.val_history and (t.phase == "compare" or (search_only and t.lr == selected_lr)):
+                tokens, losses = zip(*((h["tokens"], h["val_loss"]) for h in t.val_history), strict=True)
+                color, style = "tab:blue" if t.attention == "sa" else "tab:orange", ["-", "--", ":", "-."][t.seed % 4]
+                label = f"{t.attention.upper()} seed {t.seed}"
+                ax.plot(tokens, losses, style, color=color, marker="o", markersize=3, label=label)
         ax.set(xlabel="tokens", ylabel="validation loss")
-        ax.set_title(
-            "SA vs XSA at the shared LR" + (f" ({selected_lr:g}, search runs)" if search_only and selected_lr else "")
-        )
+        search = f" ({selected_lr:g}, search runs)" if search_only and selected_lr else ""
+        ax.set_title("SA vs XSA at the shared LR" + search)
         if ax.lines:
             ax.legend()
 
 
-def plot_positions(positions: PositionDifferences, path: Path) -> None:
-    """XSA - SA per span of window positions: the mean over seeds with its 95% interval, and each seed."""
+def plot_positions(results: SweepResult, path: Path) -> None:
+    """XSA - SA per span of window positions: the mean over seeds with its 95% interval."""
+    positions = cast(PositionDifferences, results.positions)
     spans = list(range(1, positions.spans + 1))
     means = [s.mean_diff or 0.0 for s in positions.per_span]
     cis = [s.t_ci95 or (m, m) for s, m in zip(positions.per_span, means, strict=True)]
@@ -411,22 +371,17 @@ def plot_positions(positions: PositionDifferences, path: Path) -> None:
 
 def write_report(results: SweepResult, sweep_dir: Path) -> str:
     """results.json, report.md and the plots in the sweep directory; returns the markdown."""
-    plots = {"lr_sweep.png": lambda path: plot_lr_sweep(results, path)}
-    plots["curves.png"] = lambda path: plot_curves(results.trials, path, results.selected_lr)
-    if results.positions:
-        plots["positions.png"] = lambda path: plot_positions(cast(PositionDifferences, results.positions), path)
+    plots = {"lr_sweep.png": plot_lr_sweep, "curves.png": plot_curves}
+    plots |= {"positions.png": plot_positions} if results.positions else {}
     return write_report_files(sweep_dir, results, render_markdown(results), plots)
 
 
 def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSettings) -> None:
-    """A `report` run in the sweep's W&B group: the trials table, the comparison, the plots, and the report's files
-    (results.json, report.md, the plots) as its artifact <sweep_id>-report."""
+    """A `report` run in the sweep's W&B group: the trials table, the comparison, the plots and the report's files."""
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
-    names = ["lr_sweep", "curves"] + (["positions"] if results.positions else [])
-    compare = results.comparison
+    compare, names = results.comparison, ["lr_sweep", "curves"] + (["positions"] if results.positions else [])
     low, high = compare.diff_ci95 or (None, None)
-    keys = ["sa_mean", "xsa_mean", "diff_mean", "diff_p_value", "wilcoxon_p_value", "sign_test_p_value"]
-    keys += ["min_detectable_diff", "sa_std", "xsa_std"]
+    keys = "sa_mean xsa_mean diff_mean diff_p_value wilcoxon_p_value sign_test_p_value min_detectable_diff".split()
     log_report_run(
         sweep_dir,
         wandb_cfg,
@@ -437,7 +392,7 @@ def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSett
         config={k: getattr(results, k) for k in ("grid", "seeds", "search_seeds", "train_overrides", "selected_lr")},
         table=("report/trials", columns, [[getattr(t, c) for c in columns] for t in results.trials]),
         plots={f"report/{name}": f"{name}.png" for name in names},
-        summary={key: getattr(compare, key) for key in keys}
+        summary={key: getattr(compare, key) for key in [*keys, "sa_std", "xsa_std"]}
         | {
             "selected_lr": results.selected_lr,
             "diff_ci95_low": low,

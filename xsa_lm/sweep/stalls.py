@@ -12,9 +12,8 @@ import numpy as np
 
 from xsa_lm.errors import UserError
 from xsa_lm.records import Record
-from xsa_lm.stats.decision import ClusteredTest, clustered_test
+from xsa_lm.stats.decision import ClusteredTest, MantelHaenszel, clustered_test, exact_interval, mantel_haenszel
 from xsa_lm.stats.paired import sign_test_p
-from xsa_lm.stats.rates import MantelHaenszel, exact_interval, mantel_haenszel
 from xsa_lm.sweep.trials import TrialRecord
 
 DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
@@ -27,7 +26,7 @@ class StallRule:
     loss_threshold: float | None = None  # also: the tokens each run needs to reach this val loss
 
     def __post_init__(self) -> None:
-        values = [self.at_fraction, self.margin] + ([] if self.loss_threshold is None else [self.loss_threshold])
+        values = [self.at_fraction, self.margin, 0.0 if self.loss_threshold is None else self.loss_threshold]
         numbers = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
         if not numbers or not 0 < self.at_fraction <= 1 or self.margin < 0:
             raise UserError(
@@ -51,8 +50,7 @@ def tokens_to_reach(record: TrialRecord, threshold: float) -> float | None:
 
 
 def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
-    """The mean over layers of each attention diagnostic at the logged step nearest `step` (metrics.csv of a run
-    trained with diagnostics.every_n_steps); None when the run logged none."""
+    """The mean over layers of each attention diagnostic at the logged step nearest `step`; None: none logged."""
     path = Path(run_dir) / "metrics.csv"
     if not path.exists():
         return None
@@ -68,7 +66,8 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
 
 
 def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
-    """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed)."""
+    """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed), and
+    the attention diagnostics at that step of a run that logged them."""
     points = [loss_at_fraction(r, rule.at_fraction) if r.status == "completed" else None for r in records]
     by_lr: dict[float, list[float]] = {}
     for record, point in zip(records, points, strict=True):
@@ -80,6 +79,8 @@ def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
         if point is not None:
             reference = statistics.median(by_lr[record.lr])
             row.update(step=point[0], loss_at=point[1], stalled=point[1] > reference + rule.margin, reference=reference)
+            if record.run_dir:
+                row["diagnostics"] = diagnostics_at(record.run_dir, point[0])
         if rule.loss_threshold is not None:
             row["tokens_to_threshold"] = tokens_to_reach(record, rule.loss_threshold)
         rows.append(row)
@@ -97,9 +98,8 @@ class PairedFinalLosses(Record):
 
 def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
     """XSA - SA final val loss for each (LR, seed) where both completed: per LR the median difference and how many
-    pairs XSA is lower in; over every pair the exact sign test as if the pairs were independent, and the test that
-    keeps each seed's pairs together (a seed's runs at every LR share its initialisation and data order: the
-    clustered test is the one to read). None without a pair."""
+    pairs XSA is lower in; over every pair the sign test as if the pairs were independent, and the test that keeps
+    each seed's pairs together (a seed's runs share its initialisation and data order: the one to read)."""
     final = {(r["attention"], r["lr"], r["seed"]): r["final_val_loss"] for r in rows if r["stalled"] is not None}
     pairs = [
         (lr, final[("xsa", lr, seed)] - loss, seed)
@@ -136,12 +136,11 @@ class StallStudy(Record):
 
 
 def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
-    """One LR and arm: runs, final-loss quartiles, stalls with an exact interval, the median tokens to the loss
-    threshold, and the attention diagnostics of its stalled and healthy runs."""
+    """One LR and arm: its runs, final-loss quartiles, stalls (exact interval), tokens to the threshold, diagnostics."""
     judged = [r for r in runs if r["stalled"] is not None]
     stalls = sum(bool(r["stalled"]) for r in judged)
-    quartiles = np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
     cell = {"lr": lr, "attention": arm, "runs": len(runs), "diverged_or_failed": len(runs) - len(judged)}
+    quartiles = np.percentile([r["final_val_loss"] for r in judged], [25, 50, 75]).tolist() if judged else None
     cell |= {"final_loss_quartiles": quartiles, "stalls": stalls}
     cell["stall_rate_ci95"] = exact_interval(stalls, len(judged)) if judged else None
     if rule.loss_threshold is not None:
@@ -159,9 +158,6 @@ def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
 def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
     """The stall cell of each LR and arm, the stratified test of SA's rate against XSA's, and the paired losses."""
     rows = classify(records, rule)
-    for row in rows:
-        if row["stalled"] is not None and row.get("run_dir"):
-            row["diagnostics"] = diagnostics_at(row["run_dir"], row["step"])
     cells, tables = [], []
     for lr in sorted({r["lr"] for r in rows}):
         arms = {arm: [r for r in rows if (r["lr"], r["attention"]) == (lr, arm)] for arm in ("sa", "xsa")}
