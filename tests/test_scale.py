@@ -339,7 +339,7 @@ REFUSALS = {
         ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
         ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be < 1"),
         ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
-        ("trainer.max_steps=100", "trainer.max_steps=100: scale.axis=tokens sets each run's steps"),
+        ("trainer.max_steps=100", "trainer.max_steps=100: trainer.max_steps is set by scale.axis=tokens; each run's steps"),
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
         ("scale.seeds=[2]", "needs 2+ compare seeds"),
         (

@@ -58,7 +58,7 @@ from xsa_lm.sweep.run import (
 )
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
+from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
 from xsa_lm.train.summary import RunSummary
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
@@ -500,13 +500,16 @@ def test_outcome_of_trial_processes() -> None:
     assert outcome(1, _summary(), "RuntimeError: boom", None).status == "failed"
 
 
-def test_parallel_trials_get_their_own_gpus() -> None:
-    assert device_slots(2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
-    assert device_slots(3, ["0", "1", "2", "3"]) == ["0", "1", "2"]
-    assert device_slots(2, []) == [None, None]  # CPU: trials share the machine
-    assert device_slots(1, ["0", "1"]) == [None]  # one trial: it sees every GPU (and may use DDP)
+def test_parallel_trials_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert gpu_slots(2, []) == ["0,1", "2,3"] and gpu_slots(3, []) == ["0", "1", "2"]
+    assert gpu_slots(1, []) == [None]  # one trial: it sees every GPU (and may use DDP)
+    assert gpu_slots(2, ["srun"]) == [None, None]  # the scheduler places each trial
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_slots(2, []) == [None, None]  # CPU: trials share the machine
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(UserError, match="max_parallel"):
-        device_slots(4, ["0", "1"])
+        gpu_slots(4, [])
 
 
 def test_trials_at_once_share_the_cores_unless_the_threads_are_set(tmp_path: Path, monkeypatch) -> None:

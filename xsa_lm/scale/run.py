@@ -1,14 +1,8 @@
-"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes,
-along one of two axes (scale.axis); both resume (every run is a trial with its record) and fix their plan at the first
-run (scale.json).
-- size: the sweep at each size of scale.models in DIR/sizes/<model>/; SA's losses fitted against training compute
-  and both arms with a shared curve (fit.py): one k for the ladder with a bootstrap CI, reported only when no flag is
-  up; the paired tests per size and across sizes.
-- tokens: at each size, with B = scale.tokens_per_param x its non-embedding parameters, SA's LR searched at B (with
-  scale.lr_per_budget at every SA budget), SA at every budget of scale.sa_budgets (x B) and XSA at every one of
-  scale.xsa_budgets for every compare seed; k per (size, XSA budget) from SA's own tokens-to-loss curve, pooled.
-A wall-clock k comes from `xsa-lm bench`'s XSA/SA step time (scale.bench, or per size: scale.measure_throughput).
-"""
+"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes.
+- scale.axis=size: the sweep at each size (sizes/<model>/), one k for the ladder from a shared fit of loss vs compute.
+- scale.axis=tokens: SA at several token budgets (x B = scale.tokens_per_param x the non-embedding parameters) and
+  XSA at some of them; k per size and XSA budget from SA's own tokens-to-loss curve, pooled.
+A wall-clock k divides by `xsa-lm bench`'s XSA/SA step time. A rerun resumes: scale.json keeps the plan."""
 
 import io
 import json
@@ -66,21 +60,20 @@ SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_siz
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
 SET_BY_TOKEN_AXIS = {
-    "scheduler.warmup_steps": "scale.warmup_fraction sets each run's warmup from its steps (null: the recipe's)",
-    "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
-    "val_every_steps": "scale.axis=tokens validates at half and at the end of each run",
+    "scheduler.warmup_steps": "set each run's warmup with scale.warmup_fraction (null: the recipe's)",
+    "trainer.max_steps": "each run's steps come from scale.tokens_per_param and the budgets",
+    "val_every_steps": "each run validates at half and at the end",
 }
 
 
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study); what
-    each sweep would refuse (attention=, optim.lr=, seed=) is refused with the study's checks (train_overrides)."""
+    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study)."""
     return sweeps.passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
 
 
 @dataclass(frozen=True)
 class StudyIdentity:
-    """How both axes' results.json open: the study's folder, its id (scale.json's) and the overrides of its runs."""
+    """The study's folder, its id (scale.json's) and the overrides of its runs."""
 
     study_dir: str
     study_id: str
@@ -91,16 +84,17 @@ Study = Callable[[StudyIdentity, str | None], list[str]]  # runs a checked study
 
 
 def size_config(overrides: list[str], model: str, seeds: list[int] | None = None) -> tuple[TrainSpec, SweepSpec, dict]:
-    """One size's training spec, sweep settings and config, composed as `xsa-lm sweep model=<model>` within the
-    running Hydra app with the study's overrides (and its compare seeds as sweep.seeds)."""
+    """One size's specs and config, composed as `xsa-lm sweep model=<model>` (the compare seeds as sweep.seeds)."""
     listed = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
     cfg = compose(config_name="sweep", overrides=[*overrides, f"model={model}", *listed])
     config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), config
 
 
-def read_bench(path: Path | str, key: str) -> tuple[JsonObject, JsonObject]:
-    """An `xsa-lm bench` results.json and its XSA/SA step time (ratios.xsa_over_sa_step_time: median, interval)."""
+def load_bench(path: Path | str | None, key: str = "scale.bench") -> BenchRatio | None:
+    """The XSA/SA step time (median, interval) of an `xsa-lm bench` results.json."""
+    if path is None:
+        return None
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
@@ -112,23 +106,14 @@ def read_bench(path: Path | str, key: str) -> tuple[JsonObject, JsonObject]:
     ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
     if not isinstance(ratio, dict) or "median" not in ratio:
         raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
-    return cast(JsonObject, bench), ratio
-
-
-def load_bench(path: str | None) -> BenchRatio | None:
-    """XSA/SA step time from an `xsa-lm bench` results.json (scale.bench), for the size axis's wall-clock k."""
-    if path is None:
-        return None
-    bench, ratio = read_bench(path, "scale.bench")
-    return BenchRatio(source=str(path), model=bench.get("model"), xsa_over_sa_step_time=ratio)
+    return BenchRatio(source=str(path), model=cast(dict, bench).get("model"), xsa_over_sa_step_time=ratio)
 
 
 def wallclock(
     k: float, ci: Sequence[float | None], ratio: float, interval: Sequence[float] | None
 ) -> tuple[float, list[float | None] | None]:
-    """k in wall-clock time, only from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, both arms
-    timed in alternating rounds; trial tokens/s vary with whatever else the machine ran): a slower XSA gives back
-    part of k. The interval combines the ends conservatively (k's low end over the ratio's high end, and back)."""
+    """k in wall-clock time: k over `xsa-lm bench`'s XSA/SA step time (not the trials' tokens/s, which vary with
+    whatever else the machine ran); the interval's ends combined conservatively."""
     if not interval:
         return k / ratio, None
     lo, hi = ci
@@ -154,8 +139,7 @@ class SizeOutput(io.TextIOBase):
 
 
 def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> SizeResult:
-    """One size's sweep, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its folder), its trials in
-    the study's W&B group."""
+    """One size's sweep in sizes/<model>/, held as `xsa-lm sweep` holds its folder, in the study's W&B group."""
     sweep_dir, log = study_dir / "sizes" / model, study_dir / "logs" / f"{model}.log"
     if job.wandb is not None and group is not None:
         job = replace(job, wandb=job.wandb.model_copy(update={"group": group}))
@@ -172,8 +156,8 @@ def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | 
 
 
 def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
-    """What the fit needs from one size's sweep (its results.json): the paired final losses, throughput and the
-    training FLOPs of a run, compute (GPT.flops_per_token times the tokens it trained on)."""
+    """What the fit needs from one size's results.json: the paired final losses, throughput and a run's training
+    compute (GPT.flops_per_token x its tokens)."""
     import torch
 
     from xsa_lm.model.config import GPTConfig
@@ -210,7 +194,6 @@ def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
 
 
 def standard_error(runs: list[float]) -> float:
-    """The standard error of a size's mean over its seeds; nan with one seed."""
     return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
@@ -300,8 +283,8 @@ class LadderAnalysis:
 def analyse(
     sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: BenchRatio | None = None
 ) -> LadderAnalysis:
-    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI, the
-    flags, and the paired tests per size and across sizes. A flagged ladder keeps k only under not_results."""
+    """The SA fit, the shared fit and its ladder k with a bootstrap CI, the flags, and the paired tests per size and
+    across sizes. A flagged ladder keeps k only under not_results."""
     warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
     warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
@@ -343,9 +326,8 @@ def analyse(
 
 
 def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
-    """The sizes, each with a result given XSA - SA (paired_stats under `tests`, its t p-value Holm-adjusted across
-    the sizes); and across sizes the sign test over every pair of every size, and the test by seed (a seed's pairs
-    at every size share its data order, so they are not independent)."""
+    """The sizes, each with its paired tests of XSA - SA (the t p-value Holm-adjusted across sizes); across sizes, the
+    sign test over every pair and the test clustered by seed."""
     tested = [s for s in sizes if s.compute is not None]
     paired = [paired_stats(s.sa_runs, s.xsa_runs) for s in tested]
     holm_p = holm([t.t_p for t in paired])
@@ -365,8 +347,7 @@ def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any
 
 @dataclass(frozen=True)
 class TokenJob:
-    """One size of the token axis: its folder, its sweep (the LR grid, the trials' settings), its budget B in
-    tokens and the steps of each budget."""
+    """One size of the token axis: its folder, its sweep (grid, trial settings), its budget B and its steps."""
 
     model: str
     dir: Path
@@ -384,7 +365,6 @@ class TokenJob:
         return max(1, round(fraction * self.tokens / self.batch_tokens))
 
     def overrides(self, fraction: float) -> list[str]:
-        """What the runs of a budget train with: the size's training overrides and the budget's steps."""
         steps = self.steps(fraction)
         settings = [f"trainer.max_steps={steps}", f"val_every_steps={max(1, -(-steps // 2))}"]
         if self.scale.warmup_fraction is not None:  # a fixed warmup: half of the shortest run, a sliver of the longest
@@ -392,13 +372,11 @@ class TokenJob:
         return [*self.sweep.overrides, *settings]
 
     def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
-        """The launcher of one phase's runs at one budget, into sizes/<model>/<phase>/."""
         budget = replace(self.sweep, overrides=self.overrides(fraction))
         return budget.launcher(TrialStore(self.dir / phase), group, "scale")
 
 
 def non_embedding_params(train: TrainSpec) -> int:
-    """The non-embedding parameters of the model a run of `train` builds (on the meta device)."""
     import torch
 
     from xsa_lm.model.gpt import GPT
@@ -408,9 +386,8 @@ def non_embedding_params(train: TrainSpec) -> int:
 
 
 def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
-    """A size of the token axis, checked before any run: its runs at B as their `xsa-lm train` will check them, and
-    its largest SA budget against the training data (unless scale.allow_repeated_data): repeated tokens teach less
-    than new ones, which flattens SA's curve at the top, where k is read."""
+    """A size of the token axis, checked before any run: its runs as `xsa-lm train` checks them, and its largest SA
+    budget against the training data (repeated tokens flatten SA's curve at the top, where k is read)."""
     from xsa_lm.data.run import prepare_data
 
     train, spec, _ = size_config(overrides, model, seeds)
@@ -433,9 +410,8 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
 
 
 def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenSize:
-    """The searches, the selected LRs and every budget's runs of one size. With lr_per_budget, SA's LR is searched at
-    every SA budget and each arm trains at SA's LR of its budget (the paper's protocol at each budget); else SA's LR
-    at B serves every budget."""
+    """One size's searches, selected LRs and budget runs; with lr_per_budget, each budget at SA's LR of that budget,
+    else SA's LR at B everywhere."""
     print(
         f"size {size.model}: {size.params:,} non-embedding parameters, B = {size.tokens:,.0f} tokens "
         f"({size.steps(1.0)} steps)"
@@ -492,8 +468,7 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
 
 
 def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBench | None:
-    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists): the step-time
-    ratio with its interval, measured with both arms interleaved, not the trials' tokens/s."""
+    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists)."""
     out = study_dir / "bench" / f"{size.model}.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -508,7 +483,7 @@ def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBenc
         if proc.returncode != 0:
             print(f"size {size.model}: xsa-lm bench failed: {last_error_line(log)} (no wall-clock multiplier)")
             return None
-    _, ratio = read_bench(out, "bench")
+    ratio = cast(BenchRatio, load_bench(out, "bench")).xsa_over_sa_step_time
     return SizeBench(
         xsa_over_sa_step_time=ratio["median"], interval=ratio["interval"], rounds=len(ratio["rounds"]), file=str(out)
     )
@@ -517,8 +492,7 @@ def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBenc
 def paired_losses(
     entry: TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
 ) -> tuple[list[list[float]], list[float], list[int]]:
-    """The seeds where every SA budget and `arm` (XSA, or the null arm) at `fraction` completed: SA's losses per
-    budget, the arm's, the seeds."""
+    """SA's losses per budget, `arm`'s at `fraction`, and the seeds where all of them completed."""
     runs = [*((entry.runs or {})["sa"][f"{f:g}"] for f in sa_budgets), (entry.runs or {})[arm][f"{fraction:g}"]]
     usable = [i for i in range(len(entry.seeds)) if all(r[i].status == "completed" for r in runs)]
     losses = [[cast(float, r[i].final_val_loss) for i in usable] for r in runs]
@@ -528,9 +502,8 @@ def paired_losses(
 def same_budget(
     entry: TokenSize, fraction: float, arm: str, margin: float | None
 ) -> tuple[JsonObject | None, JsonObject | None]:
-    """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
-    (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
-    loss per span of window positions. (None, None) without such a pair."""
+    """`arm` - SA at a budget both trained at, over the seeds where both completed: the paired tests, and the margin
+    verdict, bits per byte and loss along the window beside them. (None, None) without such a pair."""
     runs, budget = entry.runs or {}, f"{fraction:g}"
     both = zip(runs.get("sa", {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
     pairs = [(a, b) for a, b in both if a.status == b.status == "completed"]
@@ -550,8 +523,7 @@ def same_budget(
 
 
 def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> JsonObject | None:
-    """k of the null arm (SA from other initial weights) read off SA's curve as XSA's k is: under no effect k is 1,
-    so its interval and per-seed spread are the yardstick's own noise."""
+    """k of the null arm (SA from other initial weights), read as XSA's is: its spread is the yardstick's noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
     sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
@@ -565,8 +537,7 @@ def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float],
 
 
 def repeated_data(entry: TokenSize) -> list[str]:
-    """A warning per arm and budget whose runs passed over the training split more than once: repeated tokens
-    teach less than new ones, which flattens the curve at its top budgets and with it k."""
+    """A warning per arm and budget whose runs passed over the training split more than once."""
     found = []
     for arm, budgets in (entry.runs or {}).items():
         for fraction, runs in budgets.items():
@@ -580,7 +551,6 @@ def repeated_data(entry: TokenSize) -> list[str]:
 
 
 def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
-    """The tokens the runs of one arm and budget trained on (the same for every seed)."""
     seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
     return float(seen[0]) if seen else fraction * entry.tokens_B
 
@@ -599,8 +569,8 @@ def analyse_tokens(
     seed: int = 0,
     margin: float | None = None,
 ) -> TokenAnalysis:
-    """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
-    at it too (paired_stats); the pooled k with its heterogeneity; the sizes' warnings, then the analysis's."""
+    """k with its intervals per (size, XSA budget), XSA - SA where SA trained at that budget too, the pooled k, and
+    the warnings."""
     cells, estimates = [], []
     warnings = [f"{s.model}: {w}" for s in sizes for w in s.warnings]
     for entry in sizes:
@@ -653,8 +623,7 @@ def analyse_tokens(
 
 
 def unfinished(results: TokenStudyResult) -> list[str]:
-    """Runs that did not end completed or diverged (a rerun retries them), each with its status, the first line of
-    its error and its log, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log <path>)`."""
+    """The runs a rerun retries, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL ...; log <path>)`."""
     missing = []
     for size in results.sizes:
         for arm, budgets in (size.runs or {}).items():
@@ -675,8 +644,7 @@ def reanalyse(
     seed: int = 0,
     when: str | None = None,
 ) -> ScaleStudyResult | TokenStudyResult:
-    """A saved study of either axis (its results.json, loaded or read) analysed again from its raw data with the
-    current analysis, no run repeated; `reanalysed` says when."""
+    """A saved study of either axis analysed again from its raw data, no run repeated; `reanalysed` says when."""
     if isinstance(saved, dict):
         kind = TokenStudyResult if "plan" in saved else ScaleStudyResult
         saved = kind.from_json(saved, source="the study's results.json")
@@ -693,9 +661,8 @@ def reanalyse(
 
 
 def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
-    """Every setting of the study and what each size will run (each size's sweep or runs composed and checked as
-    they will check them, within the running Hydra app), before the study directory gets anything. The compare seeds
-    of every size are scale.seeds, else sweep.seeds, checked under the name the user set. Returns the study."""
+    """Every setting of the study and each size's sweep or runs, checked before the study directory gets anything.
+    The compare seeds are scale.seeds, else sweep.seeds. Returns the study."""
     name = "scale.seeds" if scale.seeds is not None else "sweep.seeds"
     listed = scale.seeds if scale.seeds is not None else sweep.seeds
     seeds = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name)
@@ -709,10 +676,7 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
             runs = sweeps.train_overrides([*overrides, f"model={model}"])
             jobs[model] = sweeps.check_sweep(train, spec, runs, config)
         return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key in SET_BY_TOKEN_AXIS:
-            raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
+    sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
     of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
@@ -748,8 +712,8 @@ def run_size_axis(
 def run_token_axis(
     identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: TokenPlan, sizes: list[TokenJob]
 ) -> list[str]:
-    """The token-axis study: the plan kept in scale.json, every size's runs and bench, then the analysis and the
-    report. Returns the runs that did not finish."""
+    """The plan kept in scale.json, every size's runs and bench, the analysis and the report; returns the runs that
+    did not finish."""
     study_dir = Path(identity.study_dir)
     sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
     entries = []
@@ -765,8 +729,7 @@ def run_token_axis(
 
 
 def keep_sizes(state_file: Path, models: list[str]) -> None:
-    """A rerun may add sizes to a study, not leave one out: its report would drop a size already trained (a ladder
-    chosen after seeing its results). scale.json records every size the study has run."""
+    """A rerun may add sizes, not leave one out (a ladder chosen after seeing its results); scale.json lists them."""
     state = json.loads(state_file.read_text())
     earlier = state.get("models", [])
     left_out = [m for m in earlier if m not in models]
@@ -782,9 +745,6 @@ def keep_sizes(state_file: Path, models: list[str]) -> None:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     def study(study_dir: Path, overrides: list[str]) -> list[str]:
-        """Everything checked (check_study) before the study directory gets anything, then the study's identity
-        (scale.json: a rerun must train what the first run trained; sizes and seeds may be added), its config.yaml
-        and its runs, in the study's W&B group. Returns what did not finish."""
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
         run = check_study(scale, sweep, study_dir, overrides)

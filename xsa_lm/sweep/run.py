@@ -25,9 +25,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.config.command_line import another_commands_folder, full_command_line
+from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.spec import TrainSpec, WandbSpec, parse
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.reporting import ReportRunSettings
@@ -48,8 +48,7 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
 
 
 def passed_on(task_overrides: list[str], group: str, set_by: dict[str, str], setter: str) -> list[str]:
-    """The command line's overrides for the child processes: `group`.* stays with this command, and a key of set_by
-    (key -> where to set it instead) is refused."""
+    """The command line's overrides for the child processes, but `group`.*; a key of set_by (-> why) is refused."""
     kept = []
     for override in task_overrides:
         key = override.split("=", 1)[0].lstrip("+~")
@@ -68,16 +67,14 @@ def train_overrides(task_overrides: list[str]) -> list[str]:
 
 
 def report_run_settings(wandb: WandbSpec) -> ReportRunSettings:
-    """The settings of logger.wandb that a report run takes."""
     return ReportRunSettings(**wandb.model_dump(include={"project", "entity", "mode", "init_timeout_s"}))
 
 
 def open_state(
     state_file: Path, overrides: list[str], group: str | None, *, id_key: str, overrides_key: str, holds: str
 ) -> str:
-    """The identity of a sweep or a study, kept in state_file: its id (the W&B group logger.wandb.group, else the
-    folder's name), returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says
-    what the folder holds."""
+    """The id of a sweep or a study (logger.wandb.group, else the folder's name), kept in state_file with the
+    overrides it runs with; a rerun with other overrides is refused (`holds`: what the folder holds)."""
     if state_file.exists():
         state = json.loads(state_file.read_text())
         if sorted(state[overrides_key]) != sorted(overrides):
@@ -115,23 +112,16 @@ Result = TypeVar("Result")
 def run_exclusive(
     command: str, overrides_of: Callable[[list[str]], list[str]], run: Callable[[Path, list[str]], Result]
 ) -> tuple[Path, Result]:
-    """The body of `xsa-lm sweep` and `xsa-lm scale`: the command line's overrides for the child processes
-    (overrides_of refuses the ones it cannot pass on), then run(directory, overrides) in Hydra's output directory,
-    which it holds locked; a UserError ends the command with one line."""
+    """run(directory, overrides for the child processes) in Hydra's output directory, held locked."""
     directory = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        elsewhere = another_commands_folder(command, directory)  # also checked before Hydra runs
-        if elsewhere:
-            raise UserError(elsewhere)
-        overrides = overrides_of(list(HydraConfig.get().overrides.task))
-        with hold_directory(directory, f"{command}.lock", f"xsa-lm {command}"):
-            return directory, run(directory, overrides)
+    overrides = overrides_of(list(HydraConfig.get().overrides.task))
+    with hold_directory(directory, f"{command}.lock", f"xsa-lm {command}"):
+        return directory, run(directory, overrides)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ComparisonPlan:
-    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`): the seeds, the
-    sequential rule and its level, the stall definition of the report and the practical margin."""
+    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`)."""
 
     search_seeds: list[int]
     seeds: list[int]
@@ -158,10 +148,8 @@ def comparison_plan(
 
 
 def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
-    """The plan is recorded at the first run and a rerun must keep it: adding seeds after seeing p > 0.05, raising a
-    sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
-    again without a trace. The grid may grow (its history is kept). A fixed set of compare seeds is the same set in
-    any order; a sequential one is added one pair at a time, in its order."""
+    """The plan recorded at the first run, which a rerun must keep (a change after seeing results spends the
+    significance level again); the grid may grow, its history kept. Fixed compare seeds compare as a set."""
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
 
@@ -181,7 +169,6 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[TrialRecord]:
-    """The records of `trials` as this phase uses them (`reused`: a run of another phase)."""
     records = [store.load(trial) or TrialRecord.missing(trial, phase) for trial in trials]
     return [replace(record, phase=phase, reused=record.phase != phase) for record in records]
 
@@ -195,16 +182,14 @@ def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
 
 
 def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
-    """The LR search: every LR of the grid x the seeds, for each arm at once; each arm's selection."""
+    """Every LR of the grid x the seeds, for each arm at once; each arm's selection."""
     trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
     return [selection_of(launcher.store, trials[arm]) for arm in arms]
 
 
 def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[str]:
-    """A warning for each LR other than the selected one at which this folder already ran compare trials (an earlier
-    grid selected it): the comparison shown was chosen after that one was seen, which spends the significance level
-    again, so the report must say so rather than drop it."""
+    """A warning per LR besides the selected one that this folder already compared at (an earlier grid chose it)."""
     completed: dict[float, list[str]] = {}
     for record in store.all_records():
         at_selected = selected_lr is not None and math.isclose(record.lr, selected_lr, rel_tol=1e-9)
@@ -222,8 +207,7 @@ def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[st
 
 @dataclass(frozen=True)
 class SweepJob:
-    """A checked sweep: its settings, its LR grid and compare seeds, the training overrides of every trial, the W&B
-    settings of its trials (None: no W&B) and its config as config.yaml keeps it."""
+    """A checked sweep: settings, grid, compare seeds, the trials' overrides and W&B settings, config.yaml's config."""
 
     spec: SweepSpec
     grid: list[float]
@@ -233,7 +217,6 @@ class SweepJob:
     config: dict = field(default_factory=dict)
 
     def launcher(self, store: TrialStore, group: str | None, command: str) -> Launcher:
-        """The launcher of trials into `store` in W&B group `group`, stopped on a signal."""
         spec = self.spec
         launcher = Launcher(
             store,
@@ -248,9 +231,8 @@ class SweepJob:
 
 
 def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
-    """Every sweep setting, checked before anything is written, and each kind of trial the sweep will start: its
-    training config composed from the training overrides (within the running Hydra app) and checked as its
-    `xsa-lm train` will check it; without overrides, `train` stands for them."""
+    """Every sweep setting and each kind of trial (as its `xsa-lm train` will check it), checked before anything is
+    written; without overrides, `train` stands for them."""
     grids = spec.lr_grids or {}
     grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
     seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
@@ -275,10 +257,8 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
 def compare_phase(
     launcher: Launcher, lr: float, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], SequentialSummary | None]:
-    """SA and XSA at the selected LR over sweep.seeds. With a cap (sweep.seeds_until_significant), one seed pair at a
-    time from there, with a look at the corrected CI after each, until it excludes 0 or cap seeds ran; the summary of
-    the looks is the second value (None without a cap). A rerun replays the same looks on the reused trials, so it
-    stops where the first run stopped, or continues where that one was cut short."""
+    """SA and XSA at the selected LR over sweep.seeds; with a cap, one more seed pair after each look at the corrected
+    CI until it excludes 0 or the cap is reached (the looks' summary; a rerun replays them on the reused trials)."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
     if cap is None:
         compare = protocol.compare_trials(lr, seeds)
@@ -289,9 +269,7 @@ def compare_phase(
     trials: list[Trial] = []
     n = rule.first_look
     while True:
-        added = protocol.compare_trials(
-            lr, order[len(trials) // 2 : n]
-        )  # the earlier pairs are final (else it returned)
+        added = protocol.compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final
         trials += added
         launcher.run(added, "compare", "compare")
         if not all(launcher.store.is_final(t) for t in trials):  # a failed or interrupted run: the look waits
@@ -308,32 +286,18 @@ def compare_phase(
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The downstream evaluation phase: eval.json (None without eval tasks or compare runs, or when it failed), the
-    report's warnings and why it failed (None when it did not)."""
-
-    result: dict | None
+    result: dict | None  # eval.json; None without eval tasks or compare runs, or when it failed
     warnings: list[str]
     error: str | None
-
-
-def same_evaluation(previous: dict, ckpts: list[str], tasks: str | list[str], limit: float | None) -> bool:
-    """Whether an eval.json evaluated these checkpoints on these tasks (names as eval resolves them, and the contents
-    of local task files) and limit."""
-    from xsa_lm.eval.run import resolve_tasks, task_file_digests
-
-    evaluated = sorted(row["checkpoint"] for row in previous["rows"])
-    same_tasks = sorted(previous["tasks"]) == sorted(resolve_tasks(tasks)[0])
-    same_files = previous.get("task_files", {}) == task_file_digests(tasks)
-    return evaluated == sorted(ckpts) and same_tasks and same_files and previous["limit"] == limit
 
 
 def downstream_evaluation(
     tasks: str | list[str] | None, limit: float | None, store: TrialStore, compare: list[Trial], sweep_dir: Path
 ) -> Evaluation:
-    """`xsa-lm eval` of sweep.eval_tasks (`tasks`, on the first `limit` examples) on the final checkpoints of the
-    compare runs (its own process, like a trial) into eval/. An earlier eval.json of the same checkpoints, tasks and
-    limit is reused; one of others is set aside (the first free eval.earlier<N>/: a result is never overwritten)
-    and the evaluation runs anew."""
+    """`xsa-lm eval` of sweep.eval_tasks on the compare runs' final checkpoints, into eval/. An eval.json of the same
+    checkpoints, tasks (names and task files) and limit is reused; one of others is kept in eval.earlier<N>/."""
+    from xsa_lm.eval.run import resolve_tasks, task_file_digests
+
     if not (tasks and compare):
         return Evaluation(result=None, warnings=[], error=None)
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
@@ -341,7 +305,9 @@ def downstream_evaluation(
     out, warnings = sweep_dir / "eval", []
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
-        if same_evaluation(previous, ckpts, tasks, limit):
+        evaluated = [sorted(r["checkpoint"] for r in previous["rows"]), sorted(previous["tasks"]), previous["limit"]]
+        evaluated.append(previous.get("task_files", {}))
+        if evaluated == [sorted(ckpts), sorted(resolve_tasks(tasks)[0]), limit, task_file_digests(tasks)]:
             return Evaluation(result=previous, warnings=[], error=None)
         n = 1
         while out.with_name(f"eval.earlier{n}").exists():
@@ -366,10 +332,8 @@ def downstream_evaluation(
 
 
 def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[SweepResult, str]:
-    """The sweep's phases in sweep_dir: its identity and plan kept in sweep.json (a rerun must train what the first
-    run trained, with the same plan; the grid and the seeds may change: new trials are added, finished ones reused),
-    config.yaml (a rerun saves its own beside the first), then search, selection, comparison, the null arm, the
-    downstream evaluation and the report. Returns the results and the report's Markdown."""
+    """The sweep's phases in sweep_dir: its identity and plan kept in sweep.json, config.yaml (a rerun's beside the
+    first), search, selection, comparison, null arm, downstream evaluation and report; the results and the report."""
     spec, grid, seeds, cap = job.spec, job.grid, job.seeds, job.spec.seeds_until_significant
     group = job.wandb.group if job.wandb else None
     state = sweep_dir / "sweep.json"
@@ -429,7 +393,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
 
 
 def incomplete(results: SweepResult) -> str | None:
-    """Why a sweep did not finish, or None: a trial to retry, or no usable LR."""
+    """Why a sweep did not finish (a trial to retry, no usable LR), or None."""
     unfinished = [t.id for t in results.trials if t.status not in ("completed", "diverged")]
     if unfinished:
         retry = "run the same command again to retry them"
@@ -438,7 +402,7 @@ def incomplete(results: SweepResult) -> str | None:
 
 
 def sweep_problem(results: SweepResult) -> str | None:
-    """Why `xsa-lm sweep` exits with 1, or None: incomplete(results), else a downstream evaluation that failed."""
+    """Why `xsa-lm sweep` exits with 1 (incomplete, or a failed downstream evaluation), or None."""
     problem = incomplete(results)
     if problem is None and results.eval_error:  # the training finished: only the evaluation is retried
         problem = f"{results.eval_error}: run the same command again to retry it"

@@ -1,7 +1,5 @@
-"""The settings of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale` (configs/_scale.yaml), typed once:
-frozen pydantic models whose fields own their type, range and one-line doc. `xsa_lm.config.spec.parse` converts the
-composed config's node and refuses a bad value in one line naming the key, the value and what it takes. Hydra types a
-value by its look (`sweep.lrs=1e-3` is a number, not a list), so every field is strict."""
+"""The settings of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale` (configs/_scale.yaml) as specs: each
+field owns its type and range, and `xsa_lm.config.spec.parse` refuses a bad value in one line."""
 
 import importlib.resources
 import math
@@ -21,7 +19,6 @@ def is_number(value: object) -> bool:
 
 
 def numbers_problem(value: Any, example: str, nullable: bool = False) -> str | None:
-    """What is wrong with a list of distinct positive numbers ([] is left to the code that needs some)."""
     if value is None and nullable:
         return None
     if not isinstance(value, list) or any(not is_number(v) or v <= 0 for v in value):
@@ -49,7 +46,6 @@ def seed_list(nullable: bool = False, example: str = "") -> BeforeValidator:
 
 
 def lr_range(value: Any) -> str | None:
-    """{min, max, num}: num LRs log-spaced from min to max."""
     good = value is None or (
         isinstance(value, dict)
         and set(value) == {"min", "max", "num"}
@@ -62,7 +58,6 @@ def lr_range(value: Any) -> str | None:
 
 
 def lr_grids(value: Any) -> str | None:
-    """Model name -> its LR grid (a non-empty list of positive numbers)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -75,7 +70,6 @@ def lr_grids(value: Any) -> str | None:
 
 
 def command_prefix(value: Any) -> str | None:
-    """The words put before each trial's command: [] (none), or a program found on PATH and its arguments."""
     if value is None or value == []:
         return None
     if not isinstance(value, list) or any(not isinstance(word, str) or not word for word in value):
@@ -86,7 +80,6 @@ def command_prefix(value: Any) -> str | None:
 
 
 def eval_tasks(value: Any) -> str | None:
-    """null (no downstream evaluation), `paper`, a task name or YAML file, or a list of them."""
     words = value if isinstance(value, list) else [value]
     if value is None or (words and all(isinstance(w, str) and w for w in words)):
         return None
@@ -94,7 +87,6 @@ def eval_tasks(value: Any) -> str | None:
 
 
 def presets(value: Any) -> str | None:
-    """Distinct model presets that exist (configs/model)."""
     folder = importlib.resources.files("xsa_lm.configs") / "model"
     known = sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value) or len(set(value)) != len(value):
@@ -128,13 +120,11 @@ class SweepSpec(Spec):
 
     @model_validator(mode="after")
     def _stalls(self) -> "SweepSpec":
-        """The stall rule's values now, not at the report after every run."""
-        self.stall_rule  # noqa: B018
+        self.stall_rule  # noqa: B018  # its values checked now, not at the report after every run
         return self
 
     @property
     def stall_rule(self) -> StallRule | None:
-        """sweep.stall as a StallRule (None: no stall table)."""
         return StallRule(**self.stall) if self.stall else None  # type: ignore[arg-type]  # StallRule checks them
 
 
@@ -165,11 +155,11 @@ class ScaleSpec(Spec):
         """A fit across sizes needs two. The token axis: SA at 2+ budgets including 1 (where the LR is chosen), XSA's
         inside SA's range (no multiplier needs an extrapolation), and among SA's when each budget has its LR."""
         sa, xsa = sorted(self.sa_budgets), sorted(self.xsa_budgets)
-        if self.axis == "size" and len(self.models) < 2:
-            raise UserError(
-                f"scale.models needs at least two distinct model presets, smallest first, got {self.models}"
-            )
         if self.axis == "size":
+            if len(self.models) < 2:
+                raise UserError(
+                    f"scale.models needs at least two distinct model presets, smallest first, got {self.models}"
+                )
             return self
         if not self.models:
             raise UserError("scale.models needs a model preset, e.g. scale.models=[tiny_l3_d48]")

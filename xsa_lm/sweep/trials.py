@@ -89,10 +89,7 @@ RETRY_DAMAGED = (
 
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
-        self.sweep_dir, self.records, self.runs, self.logs = (
-            sweep_dir,
-            *(sweep_dir / d for d in ("trials", "runs", "logs")),
-        )
+        self.records, self.runs, self.logs = (sweep_dir / d for d in ("trials", "runs", "logs"))
 
     def run_dir(self, trial: Trial) -> Path:
         return self.runs / trial.id
@@ -125,8 +122,6 @@ class TrialStore:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a trial process ended: its status and error, and its run's summary.json when it wrote one."""
-
     status: str
     error: str | None
     summary: RunSummary | None = None
@@ -143,13 +138,11 @@ SUMMARY_METRICS = [
 
 
 def divergence_bound(summary: RunSummary, diverge_above: float | None) -> float:
-    """sweep.diverge_above, else ln(V): a final val loss above it is worse than guessing uniformly over the
-    vocabulary, so the run diverged."""
+    """sweep.diverge_above, else ln(V): a final val loss worse than a uniform guess."""
     return float(diverge_above) if diverge_above is not None else math.log(summary.model_config["vocab_size"])
 
 
 def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_above: float | None) -> Outcome:
-    """The status, error and metrics of a finished trial process, from its exit code and summary.json."""
     if summary is None:
         if returncode < 0:
             error = f"killed by signal {signal.Signals(-returncode).name} (out of memory?)"
@@ -168,7 +161,7 @@ def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_
 
 
 def last_error_line(log: Path) -> str:
-    """The line a failed run printed last that says what went wrong (`xsa-lm: error: ...`, an exception)."""
+    """The last line of a log that says what went wrong (`xsa-lm: error: ...`, an exception)."""
     if not log.exists():
         return ""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines()[-200:] if line.strip()]
@@ -178,9 +171,18 @@ def last_error_line(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs."""
-    if not visible or max_parallel == 1:
+def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly; None (inherit) for one trial,
+    without GPUs, or with a launch prefix (srun, ...) that places each trial."""
+    if max_parallel <= 1 or launch_prefix:
+        return [None] * max_parallel
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        import torch
+
+        env = ",".join(map(str, range(torch.cuda.device_count())))
+    visible = [d for d in env.split(",") if d.strip()]
+    if not visible:
         return [None] * max_parallel
     if len(visible) < max_parallel:
         raise UserError(
@@ -188,18 +190,6 @@ def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
         )
     per_slot = len(visible) // max_parallel
     return [",".join(visible[i * per_slot : (i + 1) * per_slot]) for i in range(max_parallel)]
-
-
-def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
-    """device_slots of this machine's GPUs; with a launch prefix (srun, ...) the scheduler places each trial."""
-    if max_parallel <= 1 or launch_prefix:
-        return device_slots(max_parallel, [])
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return device_slots(max_parallel, [d for d in env.split(",") if d.strip()])
-    import torch
-
-    return device_slots(max_parallel, [str(i) for i in range(torch.cuda.device_count())])
 
 
 def die_with_parent() -> None:
@@ -210,25 +200,22 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
-    """A TCP port no process on this host listens on now (the kernel picks it)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
 def thread_share(max_parallel: int, launch_prefix: Sequence[str]) -> int | None:
-    """OMP_NUM_THREADS for each of the trials at once on this machine: its cores shared among them, as torchrun does
-    (more threads than cores spin and wait: four tiny CPU runs on 2 cores took 80 s with 2 threads each, 32 s with
-    1). None for one trial at a time, a launch prefix, or OMP_NUM_THREADS set already."""
+    """OMP_NUM_THREADS for each trial at once: the cores shared among them, as torchrun does (more threads than cores
+    spin and wait). None for one trial at a time, a launch prefix, or OMP_NUM_THREADS set already."""
     if max_parallel <= 1 or launch_prefix or "OMP_NUM_THREADS" in os.environ:
         return None
     return max(1, usable_cpus() // max_parallel)
 
 
 def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
-    """The rendezvous of one trial's processes, apart from every other trial's on the same node (a shared
-    MASTER_PORT would join them into one process group). Under SLURM an inherited MASTER_ADDR is dropped, so that
-    Lightning takes the trial's own first node (srun sets SLURM_NODELIST per job step)."""
+    """A trial's own rendezvous port (a shared one would join trials into one process group). Under SLURM the
+    inherited MASTER_ADDR is dropped: Lightning takes the trial's own first node."""
     port = free_port()
     while port in taken:
         port = free_port()
@@ -241,8 +228,7 @@ def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
 
 
 def trial_settings(trial: Trial) -> list[str]:
-    """The training keys the sweep sets for a trial, its run directory aside (run.py SET_BY_SWEEP). A trial of the
-    null arm is SA from other initial weights (protocol.null_trials)."""
+    """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP); the null arm is SA from other weights."""
     null = trial.attention == NULL
     arm = [f"attention={'sa' if null else trial.attention}"]
     arm += [f"init_seed={null_init_seed(trial.seed)}"] if null else []
@@ -250,8 +236,8 @@ def trial_settings(trial: Trial) -> list[str]:
 
 
 def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> None:
-    """Each trial's training config, composed and checked as its `xsa-lm train` will (within the running Hydra app):
-    a bad training key is refused once, here, not in every trial. Its data and devices are left to the trial."""
+    """Each trial's training config, checked as its `xsa-lm train` will (its data and devices aside): a bad key is
+    refused once, here, not in every trial."""
     from hydra import compose
 
     from xsa_lm.config.spec import TrainSpec, parse
@@ -302,8 +288,7 @@ class Launcher:
                 self._finish(trial, proc.returncode, started, phase)
 
     def judged_again(self, trial: Trial) -> TrialRecord:
-        """A final trial's record under this run's divergence bound (sweep.diverge_above), which may differ from the
-        one it was recorded under; saved, and said, where its status changes."""
+        """A final trial's record judged again under this run's divergence bound; saved, and said, if it changes."""
         record = cast(TrialRecord, self.store.load(trial))
         run_dir = self.store.run_dir(trial)
         summary_file = run_dir / "summary.json"
@@ -326,7 +311,6 @@ class Launcher:
         return record
 
     def trial_env(self, slot: int) -> dict[str, str]:
-        """The environment of a trial in a slot: its own rendezvous, its GPUs and its share of the cores."""
         taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
         env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
         gpus = self.slots[slot]
