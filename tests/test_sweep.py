@@ -40,7 +40,6 @@ from xsa_lm.sweep.protocol import (
     check_seeds,
     compare_trials,
     lr_grid,
-    lr_score,
     search_trials,
     seed_sequence,
     select_lr,
@@ -72,18 +71,9 @@ def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
     assert lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
     assert lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
     assert lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
-    with pytest.raises(UserError, match="sweep.lrs and sweep.lr_range are both set"):  # not one ignored
-        lr_grid([1e-3], {"min": 1e-4, "max": 1e-2, "num": 3})
-    with pytest.raises(UserError, match="sweep.lrs"):
-        lr_grid([], None)
     assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
         lr_grid(None, None)
-    # Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record.
-    with pytest.raises(UserError, match=r"the LR grid has 0.03 and 0.03004, which name one run \(lr0.03"):
-        lr_grid([3e-2, 1e-2, 3.004e-2], None)
-    with pytest.raises(UserError, match="sweep.lr_range gives .*, or fewer points"):
-        lr_grid(None, {"min": 1e-3, "max": 1.01e-3, "num": 3})
     assert lr_grid([3e-2, 3.01e-2], None) == [3e-2, 3.01e-2]  # lr0.03 and lr0.0301
     store = TrialStore(tmp_path / "sweep")  # an earlier grid's run of the same name
     store.save(TrialRecord.missing(Trial("sa", 3.004e-2, 0), "search"))
@@ -92,86 +82,54 @@ def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
         store.is_final(Trial("sa", 3e-2, 0))
 
 
-C = "completed"
-# One search seed per LR: (status, final val loss) by LR; the LR selected (None: none usable); what each warning says.
+C, D, F = "completed", "diverged", ("failed", None)
+
+
+def ok(*losses: float) -> list[tuple[str, float]]:
+    return [(C, loss) for loss in losses]
+
+
+MAJORITY = [(D, None), (C, 2.0), (D, 50.0)]  # 50 is above the bound: diverged too; 2.0 never wins
+# name: (search runs by LR as (status, final val loss) per seed, (the LR selected, some LRs' medians (None: not
+# usable, a diverged run counting as +inf), what each warning says))
 SELECTIONS = {
-    "lowest loss, inside the grid": ({1e-4: (C, 3.2), 3e-4: (C, 3.0), 1e-3: (C, 3.1)}, 3e-4, []),
-    "a tie goes to the smaller LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.0), 1e-3: (C, 3.0), 3e-3: (C, 3.4)}, 3e-4, []),
-    "diverged runs never win": (
-        {1e-4: (C, 3.3), 3e-4: (C, 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)},
-        3e-4,
-        [],
+    "inside the grid": ({1e-4: ok(3.2), 3e-4: ok(3.0), 1e-3: ok(3.1)}, (3e-4, {}, [])),
+    "a tie": (
+        {1e-4: ok(3.5), 3e-4: ok(2.9, 3.0, 3.3), 1e-3: ok(3.0, 2.8, 3.1), 3e-3: ok(3.4)},
+        (3e-4, {3e-4: 3.0, 1e-3: 3.0}, []),
     ),
-    "a NaN loss never wins": ({1e-4: (C, 3.3), 3e-4: (C, math.nan), 1e-3: (C, 3.4)}, 1e-4, ["lowest LR"]),
-    "nothing usable": ({1e-3: ("diverged", None), 1e-2: (C, math.inf)}, None, ["no LR is usable"]),
-    "best at the lowest LR": ({1e-4: (C, 3.0), 3e-4: (C, 3.5), 1e-3: (C, 3.5)}, 1e-4, ["lowest LR of the grid"]),
-    "best at the highest LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.5), 1e-3: (C, 3.0)}, 1e-3, ["extend the grid above"]),
-    "one LR": ({3e-4: (C, 3.0)}, 3e-4, ["holds one LR (0.0003): nothing was searched"]),
-    "a failed run is named": (
-        {1e-4: (C, 3.3), 3e-4: ("failed", None), 1e-3: (C, 3.1), 3e-3: (C, 3.2)},
-        1e-3,
-        ["LR 0.0003 did not finish"],
+    "diverged never wins": ({1e-4: ok(3.3), 3e-4: ok(3.1), 1e-3: [(D, 0.5)], 3e-3: [(D, 12.0)]}, (3e-4, {}, [])),
+    "NaN never wins": ({1e-4: ok(3.3), 3e-4: ok(math.nan), 1e-3: ok(3.4)}, (1e-4, {3e-4: None}, ["lowest LR"])),
+    "nothing usable": ({1e-3: [(D, None)], 1e-2: ok(math.inf)}, (None, {1e-3: None}, ["no LR is usable"])),
+    "lowest LR": ({1e-4: ok(3.0), 3e-4: ok(3.5), 1e-3: ok(3.5)}, (1e-4, {}, ["lowest LR of the grid"])),
+    "highest LR": ({1e-4: ok(3.5), 3e-4: ok(3.5), 1e-3: ok(3.0)}, (1e-3, {}, ["extend the grid above"])),
+    "one LR": ({3e-4: ok(3.0)}, (3e-4, {}, ["holds one LR (0.0003): nothing was searched"])),
+    "a stalled seed": (
+        {3e-4: ok(3.30, 3.32, 3.31), 1e-3: ok(3.10, 4.50, 3.12), 3e-3: ok(3.4)},
+        (1e-3, {3e-4: 3.31, 1e-3: 3.12}, []),
+    ),
+    "even seeds": ({1e-3: ok(3.3), 3e-3: ok(3.0, 3.2)}, (3e-3, {3e-3: 3.1}, ["above"])),
+    "diverged minority": (
+        {1e-3: MAJORITY, 3e-3: [(C, 3.0), (D, None), (C, 3.2)]},
+        (3e-3, {1e-3: None, 3e-3: 3.2}, ["above"]),
+    ),
+    "diverged half": (
+        {1e-3: MAJORITY, 3e-3: [(C, 3.0), (D, None)]},
+        (None, {3e-3: None}, ["half the search runs or more"]),
+    ),
+    "failed and missing runs are left out": (
+        {1e-4: ok(3.3), 3e-4: [(C, 3.0), F, (None, None), (C, 3.4)], 1e-3: ok(3.3), 3e-3: [F]},
+        (3e-4, {3e-4: 3.2, 3e-3: None}, ["LR 0.0003, 0.003 did not finish (failed or interrupted): the selection"]),
     ),
 }
 
 
-@pytest.mark.parametrize(("results", "lr", "warnings"), SELECTIONS.values(), ids=SELECTIONS)
-def test_the_selection_takes_the_lowest_usable_loss_and_says_what_to_check(results, lr, warnings) -> None:
-    selection = select_lr({lr: [run] for lr, run in results.items()})
-    assert selection.lr == lr and len(selection.warnings) == len(warnings)
+@pytest.mark.parametrize(("results", "expected"), SELECTIONS.values(), ids=SELECTIONS)
+def test_the_selection_takes_the_lowest_median_loss_and_says_what_to_check(results, expected) -> None:
+    (lr, medians, warnings), selection = expected, select_lr(results)
+    assert selection.lr == lr and len(selection.warnings) == len(warnings), selection.warnings
     assert all(said in warning for said, warning in zip(warnings, selection.warnings, strict=True))
-    assert all(selection.losses[lr] is None for lr, (status, _) in results.items() if status != C)
-
-
-def test_a_tie_of_medians_goes_to_the_smaller_lr() -> None:
-    seeds = {  # 3e-4 and 1e-3 both have the median 3.0
-        1e-4: [(C, 3.5), (C, 3.6), (C, 3.4)],
-        3e-4: [(C, 2.9), (C, 3.0), (C, 3.3)],
-        1e-3: [(C, 3.0), (C, 2.8), (C, 3.1)],
-        3e-3: [(C, 3.4), (C, 3.5), (C, 3.3)],
-    }
-    selection = select_lr(seeds)
-    assert selection.losses[3e-4] == selection.losses[1e-3] == 3.0 and selection.lr == 3e-4
-
-
-def test_the_median_over_search_seeds_outvotes_one_stalled_seed() -> None:
-    # SA at 1e-3 is best on seeds 0 and 2, but seed 1 stalled there (a loss far above the others). Judged on seed 1
-    # alone, the stall moves the selection to 3e-4; the median over the three seeds keeps 1e-3.
-    seeds = {
-        3e-4: [("completed", 3.30), ("completed", 3.32), ("completed", 3.31)],
-        1e-3: [("completed", 3.10), ("completed", 4.50), ("completed", 3.12)],
-        3e-3: [("completed", 3.40), ("completed", 3.45), ("completed", 3.42)],
-    }
-    selection = select_lr(seeds)
-    assert selection.lr == 1e-3 and selection.losses[1e-3] == 3.12 and selection.warnings == []
-    assert selection.losses == {3e-4: 3.31, 1e-3: 3.12, 3e-3: 3.42}
-    seed_1 = {lr: [runs[1]] for lr, runs in seeds.items()}  # the stalled seed as the only search seed
-    assert select_lr(seed_1).lr == 3e-4
-    assert lr_score([("completed", 3.0), ("completed", 3.2)]) == pytest.approx(3.1)  # even: mean of two
-
-
-def test_a_majority_of_diverged_seeds_makes_an_lr_unusable_a_minority_does_not() -> None:
-    minority = [("completed", 3.0), ("diverged", None), ("completed", 3.2)]  # the median: 3.2 (diverged = +inf)
-    majority = [("diverged", None), ("completed", 2.0), ("diverged", 50.0)]  # 50 is above the bound: diverged too
-    assert lr_score(minority) == 3.2
-    assert lr_score(majority) is None
-    selection = select_lr({1e-3: majority, 3e-3: minority})
-    assert selection.lr == 3e-3 and selection.losses == {1e-3: None, 3e-3: 3.2}  # 1e-3's 2.0 never wins
-    half = [("completed", 3.0), ("diverged", None)]  # two seeds, one diverged: the median is +inf, not usable
-    assert lr_score(half) is None
-    everywhere = select_lr({1e-3: majority, 3e-3: half})
-    assert everywhere.lr is None and any("half the search runs or more diverged" in w for w in everywhere.warnings)
-
-
-def test_failed_search_runs_are_left_out_of_the_median_with_a_warning() -> None:
-    # A failed (or missing) run is no result: the median is over the runs that finished, and the warning names the LR.
-    with_failure = [("completed", 3.0), ("failed", None), (None, None), ("completed", 3.4)]
-    assert lr_score(with_failure) == pytest.approx(3.2)
-    selection = select_lr({1e-3: with_failure, 3e-3: [("completed", 3.3)] * 3})
-    assert selection.lr == 1e-3 and selection.losses[1e-3] == pytest.approx(3.2)
-    assert len(selection.warnings) == 2  # the failed runs, and the best LR on the grid's edge
-    assert "search runs at LR 0.001 did not finish" in selection.warnings[0] and "retry" in selection.warnings[0]
-    assert lr_score([("failed", None), (None, None)]) is None  # nothing finished: not usable
+    assert {at: selection.losses[at] for at in medians} == pytest.approx(medians)
 
 
 def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
@@ -607,9 +565,6 @@ def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_r
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
     kept = train_overrides(["model=tiny", "trainer.max_steps=10", "sweep.lrs=[1e-3]", "sweep=demo", "+foo=1"])
     assert kept == ["model=tiny", "trainer.max_steps=10", "+foo=1"]
-    for bad, hint in [("optim.lr=1e-3", "sweep.lrs"), ("attention=xsa", "both"), ("seed=3", "sweep.seeds")]:
-        with pytest.raises(UserError, match=hint):
-            train_overrides([bad])
 
 
 def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
@@ -1035,7 +990,15 @@ SWEEP_REFUSALS = [
     ("sweep.seeds_until_significant=2", "sweep.seeds_until_significant must be an integer of at least 2"),
     ("sweep.lrs=1e-3", "sweep.lrs=0.001 must be a list of positive numbers, e.g. [1e-3,3e-3], or null"),
     ("sweep.lrs=[1e-3,0.001]", "sweep.lrs=[0.001, 0.001] lists 0.001 twice"),
-    ("sweep.lrs=[]", "needs an LR grid"),
+    ("sweep.lrs=[]", "needs an LR grid: sweep.lrs=[] is empty"),
+    ("sweep.lrs=[1e-3] sweep.lr_range={min:1e-4,max:1e-2,num:3}", "sweep.lrs and sweep.lr_range are both set"),
+    # Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record.
+    ("sweep.lrs=[3e-2,1e-2,3.004e-2]", "the LR grid has 0.03 and 0.03004, which name one run (lr0.03"),
+    (
+        "sweep.lr_range={min:1e-3,max:1.01e-3,num:3}",
+        "sweep.lr_range gives 0.001005 and 0.00101, which name one run (lr0.00101: runs are named by 3 significant "
+        "digits): use LRs that differ within 3 significant digits, or fewer points",
+    ),
     ("sweep.lr_range={min:1e-4,max:1e-2}", "must be {min:..,max:..,num:..} with 0 < min < max and an integer num"),
     ("sweep.lr_range={min:1e-2,max:1e-4,num:3}", "must be {min:..,max:..,num:..} with 0 < min < max"),
     ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
@@ -1047,22 +1010,13 @@ SWEEP_REFUSALS = [
     ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not an option"),
-    ("optim.lr=1e-3", "optim.lr is set by the sweep"),
+    ("optim.lr=1e-3", "optim.lr is set by the sweep for each trial; set the grid with sweep.lrs"),
+    ("attention=xsa", "attention is set by the sweep for each trial; the sweep trains both SA and XSA"),
+    ("seed=3", "seed is set by the sweep for each trial; set the seeds with sweep.search_seeds"),
     # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.
     ("attention.layers=[7]", "attention.layers=[7]: each layer is a 0-based index below model.n_layer=2"),
     ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
 ]
-
-
-def test_a_refused_sweep_in_its_default_folder_leaves_no_outputs_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    """Hydra made outputs/sweep/<time> before the job's checks: all three go again."""
-    monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
-    monkeypatch.chdir(tmp_path)
-    stderr = refused_in_process(["sweep", *SWEEP_FAST, "sweep.seeds=[1,1]"], monkeypatch, capsys)
-    assert "sweep.seeds=[1, 1] must be a list of distinct integers" in stderr
-    assert not any(tmp_path.iterdir())
 
 
 SLOW_REFUSALS = {"sweep.eval_tasks=[nosuch]"}  # lm-eval's task index is read: seconds, so not in make test-fast
@@ -1075,12 +1029,13 @@ SLOW_REFUSALS = {"sweep.eval_tasks=[nosuch]"}  # lm-eval's task index is read: s
 def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
 ) -> None:
+    """In its default folder: Hydra made outputs/sweep/<time> before the job's checks, and all three go again."""
     monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
-    sweep_dir = tmp_path / "sweep"
-    stderr = refused_in_process(["sweep", *SWEEP_FAST, override, f"hydra.run.dir={sweep_dir}"], monkeypatch, capsys)
+    monkeypatch.chdir(tmp_path)
+    stderr = refused_in_process(["sweep", *SWEEP_FAST, *override.split()], monkeypatch, capsys)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], stderr
-    assert not sweep_dir.exists()
+    assert not any(tmp_path.iterdir())
 
 
 def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
