@@ -8,7 +8,6 @@ import io
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,16 +29,6 @@ from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
 from xsa_lm.scale import fit, report, token_axis
-from xsa_lm.scale.report import (
-    BenchRatio,
-    ScaleStudyResult,
-    SizeBench,
-    SizeResult,
-    TokenPlan,
-    TokenRun,
-    TokenSize,
-    TokenStudyResult,
-)
 from xsa_lm.stats.decision import clustered_test, margin_verdict
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.stats.positions import position_differences
@@ -47,7 +36,7 @@ from xsa_lm.sweep import run as sweeps
 from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_seeds
 from xsa_lm.sweep.report import SweepResult, bpb_stats
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, last_error_line
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, run_logged
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
@@ -91,7 +80,7 @@ def size_config(overrides: list[str], model: str, seeds: list[int] | None = None
     return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), config
 
 
-def load_bench(path: Path | str | None, key: str = "scale.bench") -> BenchRatio | None:
+def load_bench(path: Path | str | None, key: str = "scale.bench") -> report.BenchRatio | None:
     """The XSA/SA step time (median, interval) of an `xsa-lm bench` results.json."""
     if path is None:
         return None
@@ -106,7 +95,7 @@ def load_bench(path: Path | str | None, key: str = "scale.bench") -> BenchRatio 
     ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
     if not isinstance(ratio, dict) or "median" not in ratio:
         raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
-    return BenchRatio(source=str(path), model=cast(dict, bench).get("model"), xsa_over_sa_step_time=ratio)
+    return report.BenchRatio(source=str(path), model=cast(dict, bench).get("model"), xsa_over_sa_step_time=ratio)
 
 
 def wallclock(
@@ -138,7 +127,7 @@ class SizeOutput(io.TextIOBase):
         return len(text)
 
 
-def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> SizeResult:
+def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> report.SizeResult:
     """One size's sweep in sizes/<model>/, held as `xsa-lm sweep` holds its folder, in the study's W&B group."""
     sweep_dir, log = study_dir / "sizes" / model, study_dir / "logs" / f"{model}.log"
     if job.wandb is not None and group is not None:
@@ -155,7 +144,7 @@ def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | 
     return size_result(model, sweep_dir, finished=sweeps.incomplete(results) is None)
 
 
-def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
+def size_result(model: str, sweep_dir: Path, *, finished: bool) -> report.SizeResult:
     """What the fit needs from one size's results.json: the paired final losses, throughput and a run's training
     compute (GPT.flops_per_token x its tokens)."""
     import torch
@@ -165,7 +154,7 @@ def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
 
     sweep = SweepResult.read(sweep_dir / "results.json")
     compare = sweep.comparison
-    size = SizeResult(
+    size = report.SizeResult(
         model=model,
         sweep_dir=str(sweep_dir),
         sweep_returncode=0 if finished else 1,
@@ -197,13 +186,13 @@ def standard_error(runs: list[float]) -> float:
     return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
-def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
+def not_falling(ladder: list[report.SizeResult], means: list[float]) -> list[str]:
     pairs = range(len(ladder) - 1)
     return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
 
 
 def ladder_flags(
-    ladder: list[SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
+    ladder: list[report.SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
 ) -> dict[str, str]:
     """Every reason this ladder cannot turn XSA's loss gap into compute (flag -> its one-line why)."""
     flags: dict[str, str] = {}
@@ -277,11 +266,11 @@ class LadderAnalysis:
     fit: JsonObject  # the SA fit, the shared fit, the flags, and k when no flag is up
     across_sizes: JsonObject  # the pooled sign test and the test by seed
     warnings: list[str]
-    sizes: list[SizeResult]  # each with its paired tests
+    sizes: list[report.SizeResult]  # each with its paired tests
 
 
 def analyse(
-    sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: BenchRatio | None = None
+    sizes: list[report.SizeResult], fit_form: str, resamples: int, seed: int, bench: report.BenchRatio | None = None
 ) -> LadderAnalysis:
     """The SA fit, the shared fit and its ladder k with a bootstrap CI, the flags, and the paired tests per size and
     across sizes. A flagged ladder keeps k only under not_results."""
@@ -325,7 +314,7 @@ def analyse(
     return LadderAnalysis(fit=summary, across_sizes=across, warnings=warnings, sizes=tested)
 
 
-def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
+def size_tests(sizes: list[report.SizeResult]) -> tuple[list[report.SizeResult], dict[str, Any]]:
     """The sizes, each with its paired tests of XSA - SA (the t p-value Holm-adjusted across sizes); across sizes, the
     sign test over every pair and the test clustered by seed."""
     tested = [s for s in sizes if s.compute is not None]
@@ -409,7 +398,7 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
     return size
 
 
-def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenSize:
+def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) -> report.TokenSize:
     """One size's searches, selected LRs and budget runs; with lr_per_budget, each budget at SA's LR of that budget,
     else SA's LR at B everywhere."""
     print(
@@ -432,7 +421,7 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
         searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
         lrs[f"{fraction:g}"] = selection.lr
         warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
-    entry = TokenSize(
+    entry = report.TokenSize(
         model=size.model,
         non_embedding_params=size.params,
         tokens_B=size.tokens,
@@ -449,8 +438,8 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
     chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(plan.sa_budgets) | set(plan.xsa_budgets))}
     if any(lr is None for lr in chosen.values()):
         return entry
-    runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
-    kept = [f.name for f in fields(TokenRun)]
+    runs: dict[str, dict[str, list[report.TokenRun]]] = {"sa": {}, "xsa": {}}
+    kept = [f.name for f in fields(report.TokenRun)]
     arms_by_budget = [("sa", plan.sa_budgets), ("xsa", plan.xsa_budgets)]
     arms_by_budget += [(NULL, plan.xsa_budgets)] if plan.null_arm else []
     for fraction, lr in cast(dict[float, float], chosen).items():
@@ -461,13 +450,15 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
         launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
         launcher.run(trials, f"budget_{fraction:g}", "budget")
         store = launcher.store
-        for arm in arms:  # each run as its trial record has it (TokenRun's fields are some of the record's)
+        for arm in arms:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
             records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
-            runs.setdefault(arm, {})[f"{fraction:g}"] = [TokenRun(**{k: getattr(r, k) for k in kept}) for r in records]
+            runs.setdefault(arm, {})[f"{fraction:g}"] = [
+                report.TokenRun(**{k: getattr(r, k) for k in kept}) for r in records
+            ]
     return replace(entry, runs=runs, seeds=plan.seeds)
 
 
-def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBench | None:
+def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> report.SizeBench | None:
     """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists)."""
     out = study_dir / "bench" / f"{size.model}.json"
     if not out.exists():
@@ -476,21 +467,18 @@ def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBenc
         cmd = [sys.executable, "-m", "xsa_lm.cli", "bench", f"model={size.model}", *model_keys]
         cmd += [f"micro_batch={max(1, size.batch_tokens // size.block_size)}", "comparisons=[xsa_over_sa]"]
         cmd += ["backends=train", f"rounds={size.scale.bench_rounds}", f"out={out}"]  # the runs' kernel
-        log = study_dir / "logs" / f"bench_{size.model}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            print(f"size {size.model}: xsa-lm bench failed: {last_error_line(log)} (no wall-clock multiplier)")
+        error = run_logged(cmd, study_dir / "logs" / f"bench_{size.model}.log")
+        if error is not None:
+            print(f"size {size.model}: xsa-lm bench failed: {error} (no wall-clock multiplier)")
             return None
-    ratio = cast(BenchRatio, load_bench(out, "bench")).xsa_over_sa_step_time
-    return SizeBench(
+    ratio = cast(report.BenchRatio, load_bench(out, "bench")).xsa_over_sa_step_time
+    return report.SizeBench(
         xsa_over_sa_step_time=ratio["median"], interval=ratio["interval"], rounds=len(ratio["rounds"]), file=str(out)
     )
 
 
 def paired_losses(
-    entry: TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
+    entry: report.TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
 ) -> tuple[list[list[float]], list[float], list[int]]:
     """SA's losses per budget, `arm`'s at `fraction`, and the seeds where all of them completed."""
     runs = [*((entry.runs or {})["sa"][f"{f:g}"] for f in sa_budgets), (entry.runs or {})[arm][f"{fraction:g}"]]
@@ -500,7 +488,7 @@ def paired_losses(
 
 
 def same_budget(
-    entry: TokenSize, fraction: float, arm: str, margin: float | None
+    entry: report.TokenSize, fraction: float, arm: str, margin: float | None
 ) -> tuple[JsonObject | None, JsonObject | None]:
     """`arm` - SA at a budget both trained at, over the seeds where both completed: the paired tests, and the margin
     verdict, bits per byte and loss along the window beside them. (None, None) without such a pair."""
@@ -522,7 +510,9 @@ def same_budget(
     return paired_stats(sa, other).to_json(), details
 
 
-def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> JsonObject | None:
+def null_cell(
+    entry: report.TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float
+) -> JsonObject | None:
     """k of the null arm (SA from other initial weights), read as XSA's is: its spread is the yardstick's noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
@@ -536,7 +526,7 @@ def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float],
     )
 
 
-def repeated_data(entry: TokenSize) -> list[str]:
+def repeated_data(entry: report.TokenSize) -> list[str]:
     """A warning per arm and budget whose runs passed over the training split more than once."""
     found = []
     for arm, budgets in (entry.runs or {}).items():
@@ -550,7 +540,7 @@ def repeated_data(entry: TokenSize) -> list[str]:
     return found
 
 
-def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
+def tokens_of(entry: report.TokenSize, arm: str, fraction: float) -> float:
     seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
     return float(seen[0]) if seen else fraction * entry.tokens_B
 
@@ -563,7 +553,7 @@ class TokenAnalysis:
 
 
 def analyse_tokens(
-    sizes: list[TokenSize],
+    sizes: list[report.TokenSize],
     sa_budgets: list[float],
     xsa_budgets: list[float],
     seed: int = 0,
@@ -622,7 +612,7 @@ def analyse_tokens(
     return TokenAnalysis(cells=cells, pooled=token_axis.pool(estimates), warnings=warnings)
 
 
-def unfinished(results: TokenStudyResult) -> list[str]:
+def unfinished(results: report.TokenStudyResult) -> list[str]:
     """The runs a rerun retries, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL ...; log <path>)`."""
     missing = []
     for size in results.sizes:
@@ -637,19 +627,19 @@ def unfinished(results: TokenStudyResult) -> list[str]:
 
 
 def reanalyse(
-    saved: ScaleStudyResult | TokenStudyResult | JsonObject,
+    saved: report.ScaleStudyResult | report.TokenStudyResult | JsonObject,
     *,
     fit_form: str = "auto",
     resamples: int = 1000,
     seed: int = 0,
     when: str | None = None,
-) -> ScaleStudyResult | TokenStudyResult:
+) -> report.ScaleStudyResult | report.TokenStudyResult:
     """A saved study of either axis analysed again from its raw data, no run repeated; `reanalysed` says when."""
     if isinstance(saved, dict):
-        kind = TokenStudyResult if "plan" in saved else ScaleStudyResult
+        kind = report.TokenStudyResult if "plan" in saved else report.ScaleStudyResult
         saved = kind.from_json(saved, source="the study's results.json")
     when = when or time.strftime("%Y-%m-%d")
-    if isinstance(saved, TokenStudyResult):
+    if isinstance(saved, report.TokenStudyResult):
         plan = saved.plan
         tokens = analyse_tokens(saved.sizes, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=plan.margin)
         return replace(saved, reanalysed=when, **vars(tokens))
@@ -682,7 +672,7 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
     of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
     of_sweep = sweep.model_dump(include={"search_seeds", "tune_xsa", "null_arm", "margin"})
     budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
-    plan = TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
+    plan = report.TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
     return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
@@ -693,7 +683,7 @@ def run_size_axis(
     *,
     scale: ScaleSpec,
     jobs: dict[str, sweeps.SweepJob],
-    bench: BenchRatio | None,
+    bench: report.BenchRatio | None,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
@@ -701,7 +691,9 @@ def run_size_axis(
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
     analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench)
-    results = ScaleStudyResult(**vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, **vars(analysis))
+    results = report.ScaleStudyResult(
+        **vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, **vars(analysis)
+    )
     report.write_report(results, study_dir)
     wandb = next(iter(jobs.values())).wandb
     if group is not None and wandb is not None and scale.wandb_report:
@@ -710,7 +702,7 @@ def run_size_axis(
 
 
 def run_token_axis(
-    identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: TokenPlan, sizes: list[TokenJob]
+    identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: report.TokenPlan, sizes: list[TokenJob]
 ) -> list[str]:
     """The plan kept in scale.json, every size's runs and bench, the analysis and the report; returns the runs that
     did not finish."""
@@ -723,7 +715,7 @@ def run_token_axis(
         entries.append(replace(entry, bench=bench))
     seed, margin = scale.bootstrap_seed, plan.margin
     analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=margin)
-    results = TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
+    results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
     report.write_report(results, study_dir)
     return unfinished(results)
 

@@ -46,7 +46,7 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
             "sweep.lrs=null for the log-spaced range)"
         )
     from_range = bool(lr_range and not lrs)
-    if from_range:
+    if lr_range and not lrs:
         lo, hi, num = float(lr_range["min"]), float(lr_range["max"]), int(lr_range["num"])
         lrs = [float(f"{lo * (hi / lo) ** (i / (num - 1)):.4g}") for i in range(num)]  # readable: 1e-4, 3.162e-4
     if not (lrs or preset):
@@ -93,11 +93,6 @@ def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
 
 NULL = "null"  # the null arm's trials: SA with other initial weights
 NULL_INIT_OFFSET = 1_000_000  # the null arm's weights: init_seed = seed + this (mod the seed range)
-
-
-def null_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
-    """The A/A null (sweep.null_arm): SA at each compare seed, the same data order from other initial weights."""
-    return [Trial(NULL, lr, seed) for seed in seeds]
 
 
 def null_init_seed(seed: int) -> int:

@@ -13,7 +13,6 @@ makes the same command resumable (see trials.py). `xsa-lm scale` runs these phas
 import json
 import math
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -35,7 +34,7 @@ from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.settings import SweepSpec
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
+from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, run_logged
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
@@ -119,7 +118,7 @@ def run_exclusive(
         return directory, run(directory, overrides)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ComparisonPlan:
     """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`)."""
 
@@ -136,15 +135,7 @@ def comparison_plan(
     search_seeds: list[int], seeds: list[int], cap: int | None, *, stall: dict | None, margin: float
 ) -> ComparisonPlan:
     looks = SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1
-    return ComparisonPlan(
-        search_seeds=search_seeds,
-        seeds=seeds,
-        seeds_until_significant=cap,
-        alpha=protocol.ALPHA,
-        planned_looks=looks,
-        stall=stall,
-        margin=margin,
-    )
+    return ComparisonPlan(search_seeds, seeds, cap, protocol.ALPHA, looks, stall, margin)
 
 
 def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
@@ -173,25 +164,24 @@ def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[Tr
     return [replace(record, phase=phase, reused=record.phase != phase) for record in records]
 
 
-def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
-    results: dict[float, list[tuple[str | None, float | None]]] = {}
-    for trial in trials:
-        record = store.load(trial)
-        results.setdefault(trial.lr, []).append((record.status, record.final_val_loss) if record else (None, None))
-    return protocol.select_lr(results)
-
-
 def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
     """Every LR of the grid x the seeds, for each arm at once; each arm's selection."""
     trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
-    return [selection_of(launcher.store, trials[arm]) for arm in arms]
+    selections = []
+    for arm in arms:
+        records = [(t.lr, launcher.store.load(t)) for t in trials[arm]]
+        runs: dict[float, list[tuple[str | None, float | None]]] = {lr: [] for lr in grid}
+        for lr, r in records:
+            runs[lr].append((r.status, r.final_val_loss) if r else (None, None))
+        selections.append(protocol.select_lr(runs))
+    return selections
 
 
 def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[str]:
     """A warning per LR besides the selected one that this folder already compared at (an earlier grid chose it)."""
     completed: dict[float, list[str]] = {}
-    for record in store.all_records():
+    for record in (TrialRecord.read(p, then=RETRY_DAMAGED) for p in sorted(store.records.glob("*.json"))):
         at_selected = selected_lr is not None and math.isclose(record.lr, selected_lr, rel_tol=1e-9)
         if record.phase == "compare" and record.status == "completed" and not at_selected:
             completed.setdefault(record.lr, []).append(record.id)
@@ -322,11 +312,9 @@ def downstream_evaluation(
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
     cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
-    store.logs.mkdir(parents=True, exist_ok=True)
-    with open(store.logs / "eval.log", "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        error = f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
+    failed = run_logged(cmd, store.logs / "eval.log")
+    if failed is not None:
+        error = f"downstream evaluation failed: {failed} (see logs/eval.log)"
         return Evaluation(result=None, warnings=[*warnings, error], error=error)
     return Evaluation(result=json.loads((out / "eval.json").read_text()), warnings=warnings, error=None)
 
@@ -362,7 +350,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         compare, sequential = compare_phase(launcher, selection.lr, seeds, spec.search_seeds, cap)
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
-    null = protocol.null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
+    null = [Trial(protocol.NULL, selection.lr, s) for s in seeds] if spec.null_arm and selection.lr is not None else []
     if null:
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")

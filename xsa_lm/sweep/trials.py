@@ -107,10 +107,6 @@ class TrialStore:
             )
         return record
 
-    def all_records(self) -> list[TrialRecord]:
-        """Every trial this sweep folder recorded, of this run's grid or an earlier one."""
-        return [TrialRecord.read(path, then=RETRY_DAMAGED) for path in sorted(self.records.glob("*.json"))]
-
     def save(self, record: TrialRecord) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
         write_json(self.records / f"{record.id}.json", record.to_json())  # a kill mid-write leaves the old one whole
@@ -158,6 +154,14 @@ def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_
     if summary.status == "diverged":
         return Outcome("diverged", f"NaN/inf training loss at step {summary.diverged_at_step}", summary)
     return Outcome(summary.status, summary.error, summary)
+
+
+def run_logged(cmd: list[str], log: Path) -> str | None:
+    """Run cmd, its output appended to log; None, or the line it printed last that says what went wrong."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        returncode = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    return last_error_line(log) if returncode != 0 else None
 
 
 def last_error_line(log: Path) -> str:
