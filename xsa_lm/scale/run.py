@@ -39,13 +39,10 @@ from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, run_logged
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
+PRESET_SETS_IT = "each size's model preset sets it (one value for all would make the sizes one model); set the sizes"
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
     "model": "set the sizes with scale.models=[...]",
-    **{
-        f"model.{key}": "each size's model preset sets it (one value for all would make the sizes one model); set "
-        "the sizes with scale.models=[...]"
-        for key in SIZE_KEYS
-    },
+    **{f"model.{key}": f"{PRESET_SETS_IT} with scale.models=[...]" for key in SIZE_KEYS},
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
 SET_BY_TOKEN_AXIS = {
@@ -199,11 +196,8 @@ def ladder_flags(
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
     if lack.p is None:
-        why = (
-            "a size has fewer than 2 seeds (no standard error)"
-            if lack.dof > 0
-            else f"{len(ladder)} sizes for {fit.FORMS[sa_fit.form]} parameters leave no degree of freedom"
-        )
+        no_dof = f"{len(ladder)} sizes for {fit.FORMS[sa_fit.form]} parameters leave no degree of freedom"
+        why = "a size has fewer than 2 seeds (no standard error)" if lack.dof > 0 else no_dof
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
     elif lack.p < 0.05:
         flags["lack_of_fit"] = (
@@ -242,10 +236,7 @@ def ladder_flags(
     trend = scipy.stats.linregress(np.log(compute), xsa_means) if len(ladder) > 2 else None
     if rises or trend is None or trend.slope >= 0 or trend.pvalue > 0.05:
         why = f"it rises ({', '.join(rises)})" if rises else "its fall is not significant"
-        if trend is not None:
-            why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})"
-        else:
-            why += "; two sizes cannot test its slope"
+        why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})" if trend else "; two sizes cannot test it"
         flags["xsa_flat_or_not_monotone"] = f"XSA's mean loss does not fall with compute: {why}"
     rises = not_falling(ladder, sa_means)
     if rises:
@@ -296,11 +287,8 @@ def analyse(
     shared_fit = {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
     found = [{"flag": flag, "reason": reason} for flag, reason in flags.items()]
     summary = {**sa_fit.as_dict(), "lack_of_fit": asdict(lack), "shared": shared_fit, "flags": found}
-    clock: dict[str, Any] = {
-        "multiplier": None,
-        "ci": None,
-        "note": "wall-clock k: measure throughput with xsa-lm bench",
-    }
+    note = "wall-clock k: measure throughput with xsa-lm bench"
+    clock: dict[str, Any] = {"multiplier": None, "ci": None, "note": note}
     if bench:
         ratio = bench.xsa_over_sa_step_time
         clock["multiplier"], clock["ci"] = wallclock(k, ci, ratio["median"], ratio.get("interval"))
@@ -740,12 +728,10 @@ def main(cfg: DictConfig) -> None:
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
         run = check_study(scale, sweep, study_dir, overrides)
-        holds = "a scaling study with the overrides"
+        state, holds = study_dir / "scale.json", "a scaling study with the overrides"
         group = wandb.group if wandb else None
-        study_id = sweeps.open_state(
-            study_dir / "scale.json", overrides, group, id_key="study_id", overrides_key="overrides", holds=holds
-        )
-        keep_sizes(study_dir / "scale.json", scale.models)
+        study_id = sweeps.open_state(state, overrides, group, id_key="study_id", overrides_key="overrides", holds=holds)
+        keep_sizes(state, scale.models)
         write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         return run(StudyIdentity(str(study_dir), study_id, overrides), study_id if wandb else None)
 
