@@ -505,13 +505,11 @@ def null_cell(
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
     sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
+    if len(seeds) < 2:
+        return None
     budget = tokens_of(entry, NULL, fraction)
-    cell = token_axis.cell_estimate(sa, sa_tokens, null, budget) if len(seeds) > 1 else None
-    return (
-        {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
-        if cell
-        else None
-    )
+    cell = token_axis.cell_estimate(sa, sa_tokens, null, budget)
+    return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
 
 
 def repeated_data(entry: report.TokenSize) -> list[str]:
@@ -570,8 +568,7 @@ def analyse_tokens(
                 continue
             budget = tokens_of(entry, "xsa", fraction)
             cell = token_axis.cell_estimate(sa, sa_tokens, xsa, budget)
-            monotone = all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False))
-            if not monotone:
+            if not all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False)):
                 warnings.append(
                     f"{entry.model}: SA's mean loss does not fall with every doubling of tokens "
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"

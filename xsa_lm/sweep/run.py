@@ -1,14 +1,10 @@
 """`xsa-lm sweep`: the paper's protocol in one command.
-
-1. search:  SA runs at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
+1. search:  SA at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
 2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
-3. compare: SA and XSA at that LR for every seed of sweep.seeds, which excludes the search seed: a compare run is
-            never the search's winner, chosen partly for its noise (unless sweep.reuse_search_run=true)
+3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner won partly on
+            its noise)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
-
-Every trial is an `xsa-lm train` process with the sweep's training overrides; its record in the sweep directory
-makes the same command resumable (see trials.py). `xsa-lm scale` runs these phases as a library.
-"""
+Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
 
 import json
 import math

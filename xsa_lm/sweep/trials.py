@@ -82,9 +82,7 @@ class TrialRecord(Record):
 
 
 # A trial's record cut short (a full disk, an edit): the sweep runs the trial again without it.
-RETRY_DAMAGED = (
-    "move it out of trials/ and run the sweep again: it runs the trial again, from its last checkpoint if any"
-)
+RETRY_DAMAGED = "move it out of trials/ and run the sweep again: it reruns the trial, from its last checkpoint if any"
 
 
 class TrialStore:
