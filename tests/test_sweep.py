@@ -34,27 +34,11 @@ from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
 from xsa_lm.stats.decision import VERDICTS
 from xsa_lm.stats.paired import paired_t
-from xsa_lm.sweep.protocol import (
-    SequentialRule,
-    Trial,
-    check_seeds,
-    compare_trials,
-    lr_grid,
-    search_trials,
-    seed_sequence,
-    select_lr,
-)
+from xsa_lm.sweep import protocol
+from xsa_lm.sweep import run as sweep_run
+from xsa_lm.sweep.protocol import SequentialRule, Trial, check_seeds, compare_trials, search_trials, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
-from xsa_lm.sweep.run import (
-    Evaluation,
-    check_sweep,
-    comparison_plan,
-    downstream_evaluation,
-    earlier_comparisons,
-    keep_plan,
-    sweep_problem,
-    train_overrides,
-)
+from xsa_lm.sweep.run import check_sweep, comparison_plan, downstream_evaluation, keep_plan, train_overrides
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.stalls import StallRule
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
@@ -68,13 +52,13 @@ SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar=")
 
 
 def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
-    assert lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
-    assert lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
-    assert lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
-    assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
+    assert protocol.lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
+    assert protocol.lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert protocol.lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
+    assert protocol.lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
-        lr_grid(None, None)
-    assert lr_grid([3e-2, 3.01e-2], None) == [3e-2, 3.01e-2]  # lr0.03 and lr0.0301
+        protocol.lr_grid(None, None)
+    assert protocol.lr_grid([3e-2, 3.01e-2], None) == [3e-2, 3.01e-2]  # lr0.03 and lr0.0301
     store = TrialStore(tmp_path / "sweep")  # an earlier grid's run of the same name
     store.save(TrialRecord.missing(Trial("sa", 3.004e-2, 0), "search"))
     assert store.load(Trial("sa", 3.004e-2, 0)) is not None
@@ -340,7 +324,7 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
     def grid(*overrides: str) -> list[float]:
         cfg = compose_train(list(overrides), config_name="sweep")
         grids = cfg.sweep.lr_grids
-        return lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
+        return protocol.lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
 
     for preset, table_1_lr in (("paper_0.7b", 5e-4), ("paper_1.4b", 4e-4), ("paper_2.7b", 3e-4)):
         for chosen in (grid(f"experiment={preset}"), grid(f"model={preset}")):
@@ -360,17 +344,18 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
 
 
 def test_sequential_seeds_continue_after_the_largest_and_skip_every_search_seed() -> None:
-    assert seed_sequence([1, 2], search_seeds=[0], cap=5) == [1, 2, 3, 4, 5]
-    assert seed_sequence([1], search_seeds=[3], cap=4) == [1, 2, 4, 5]  # 3 is a search seed: its SA run may have won
-    assert seed_sequence([5, 1], search_seeds=[0], cap=3) == [5, 1, 6]
-    assert seed_sequence([1, 2, 3], search_seeds=[0], cap=3) == [1, 2, 3]
-    assert seed_sequence([1, 2], search_seeds=[0, 3, 4, 6], cap=6) == [1, 2, 5, 7, 8, 9]  # every search seed skipped
-    assert seed_sequence([10], search_seeds=[11, 12], cap=3) == [10, 13, 14]
+    seq = protocol.seed_sequence
+    assert seq([1, 2], search_seeds=[0], cap=5) == [1, 2, 3, 4, 5]
+    assert seq([1], search_seeds=[3], cap=4) == [1, 2, 4, 5]  # 3 is a search seed: its SA run may have won
+    assert seq([5, 1], search_seeds=[0], cap=3) == [5, 1, 6]
+    assert seq([1, 2, 3], search_seeds=[0], cap=3) == [1, 2, 3]
+    assert seq([1, 2], search_seeds=[0, 3, 4, 6], cap=6) == [1, 2, 5, 7, 8, 9]  # every search seed skipped
+    assert seq([10], search_seeds=[11, 12], cap=3) == [10, 13, 14]
     for cap in (1, 2, True, 2.5, None):  # below the 3 seeds of sweep.seeds (or two pairs), or not an integer
         with pytest.raises(UserError, match="sweep.seeds_until_significant must be an integer"):
-            seed_sequence([1, 2, 3], search_seeds=[0], cap=cap)
+            seq([1, 2, 3], search_seeds=[0], cap=cap)
     with pytest.raises(UserError, match=r"needs compare seeds to start from: set sweep.seeds=\[1,2\]"):
-        seed_sequence([], search_seeds=[0], cap=4)  # a search-only sweep has nothing to continue
+        seq([], search_seeds=[0], cap=4)  # a search-only sweep has nothing to continue
 
 
 def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
@@ -623,17 +608,17 @@ def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[T
 
 def test_a_comparison_at_an_earlier_grids_lr_is_reported_not_dropped(tmp_path: Path) -> None:
     """A rerun whose larger grid selects another LR warns of the comparison the folder ran at the earlier one."""
-    store = TrialStore(tmp_path / "sweep")
+    store, earlier = TrialStore(tmp_path / "sweep"), sweep_run.earlier_comparisons
     _completed_compare(store, 1e-2, [1, 2])
     store.save(replace(TrialRecord.missing(Trial("sa", 1e-2, 0), "search"), status="completed"))  # not a comparison
     _completed_compare(store, 3e-2, [1, 2])
-    assert earlier_comparisons(store, 1e-2)[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
-    (warning,) = earlier_comparisons(store, 3e-2)
+    assert earlier(store, 1e-2)[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
+    (warning,) = earlier(store, 3e-2)
     runs = "sa_lr0.01_s1, sa_lr0.01_s2, xsa_lr0.01_s1, xsa_lr0.01_s2"
     assert f"at LR 0.01 (4 completed compare run(s): {runs};" in warning
     assert f"runs in {store.runs}) before this run's grid selected LR 0.03" in warning
     assert "the verdict shown was reached after that comparison was seen" in warning
-    assert earlier_comparisons(TrialStore(tmp_path / "other"), 3e-2) == []
+    assert earlier(TrialStore(tmp_path / "other"), 3e-2) == []
 
 
 def _fake_eval(calls: list[list[str]], returncode: int = 0):
@@ -667,7 +652,7 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     monkeypatch.setattr(subprocess, "run", _fake_eval(calls))
     compare = _completed_compare(store, 1e-2, [1])
 
-    def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> Evaluation:
+    def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> sweep_run.Evaluation:
         return downstream_evaluation(tasks, limit, store, trials, sweep_dir)
 
     first = evaluate(["piqa"], 10, compare)
@@ -701,8 +686,8 @@ def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypa
     search = [_record("search", "sa", 1e-2, 0, 3.0)]
     done = _results(search, select_lr({1e-2: [("completed", 3.0)]}), grid=[1e-2], seeds=[])
     results = replace(done, eval_error=failed.error)
-    assert str(sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
-    assert sweep_problem(done) is None
+    assert str(sweep_run.sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
+    assert sweep_run.sweep_problem(done) is None
 
 
 # --- whole sweeps --------------------------------------------------------------------------------------------

@@ -401,14 +401,10 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
         return sweeps.search(launcher, size.sweep.grid, plan.search_seeds, [arm], phase)[0]
 
     by_budget = plan.sa_budgets if plan.lr_per_budget else [1.0]
-    searches: dict[str, dict[str, float | None]] = {}
-    lrs: dict[str, float | None] = {}
-    warnings: list[str] = []
-    for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: the LR the earlier plan used everywhere
-        selection = search_at(fraction, "sa")
-        searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
-        lrs[f"{fraction:g}"] = selection.lr
-        warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
+    selections = {f"{f:g}": search_at(f, "sa") for f in sorted(by_budget, key=lambda f: f != 1.0)}  # B first
+    searches = {at: {f"{lr:g}": loss for lr, loss in s.losses.items()} for at, s in selections.items()}
+    lrs = {at: s.lr for at, s in selections.items()}
+    warnings = [f"at {at} B: {w}" if len(by_budget) > 1 else w for at, s in selections.items() for w in s.warnings]
     entry = report.TokenSize(
         model=size.model,
         non_embedding_params=size.params,
