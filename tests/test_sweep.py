@@ -553,24 +553,13 @@ def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4
 def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:
     state_file = tmp_path / "sweep.json"
     state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": []}))  # as open_sweep writes it
-
-    def run(plan: dict, grid: list[float]) -> None:  # what each run of the sweep does: read sweep.json, keep the plan
-        keep_plan(state_file, plan, grid)
-
-    run(_plan(), [1e-3])
+    keep_plan(state_file, _plan(), [1e-3])  # what each run of the sweep does
     first = json.loads(state_file.read_text())
     stall = {"at_fraction": 0.4, "margin": 0.15, "loss_threshold": None}
-    assert first["plan"] == {
-        "search_seeds": [0],
-        "seeds": [1, 2],
-        "seeds_until_significant": 4,
-        "alpha": 0.05,
-        "planned_looks": 3,  # looks at 2, 3 and 4 seeds
-        "stall": stall,
-        "margin": 0.01,
-    }
+    seeds = {"search_seeds": [0], "seeds": [1, 2], "seeds_until_significant": 4}
+    assert first["plan"] == seeds | {"alpha": 0.05, "planned_looks": 3, "stall": stall, "margin": 0.01}  # 3 looks
     assert first["sweep_id"] == "s" and [h["grid"] for h in first["history"]] == [[1e-3]]
-    run(_plan(), [1e-3, 3e-3])  # the same plan with a larger grid: allowed, and the grid's history kept
+    keep_plan(state_file, _plan(), [1e-3, 3e-3])  # the same plan, a larger grid: allowed, its history kept
     assert [h["grid"] for h in json.loads(state_file.read_text())["history"]] == [[1e-3], [1e-3, 3e-3]]
     kept = state_file.read_bytes()
     for changed, named in (
@@ -582,13 +571,13 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         (_plan(margin=0.1), f"stall {stall!r} -> { ({**stall, 'margin': 0.1})!r}"),
     ):
         with pytest.raises(UserError) as refused:
-            run(changed, [1e-3, 3e-3])
+            keep_plan(state_file, changed, [1e-3, 3e-3])
         message = str(refused.value)
         assert "\n" not in message and f"({named})" in message, message
         assert "spends the significance level again" in message and "a new hydra.run.dir" in message
         assert state_file.read_bytes() == kept  # nothing recorded
     with pytest.raises(UserError, match=r"\(seeds \[1, 2\] -> \[2, 1\]\)"):  # sequential: one pair at a time, in order
-        run(_plan(seeds=(2, 1)), [1e-3])
+        keep_plan(state_file, _plan(seeds=(2, 1)), [1e-3])
     fixed = tmp_path / "fixed" / "sweep.json"
     fixed.parent.mkdir()
     keep_plan(fixed, _plan(seeds=(1, 2, 3), cap=None), [1e-3])
@@ -947,10 +936,7 @@ SWEEP_REFUSALS = [
     ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0"),
     ("sweep.margin=-0.1", "sweep.margin=-0.1 must be >= 0"),
     ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number"),
-    (
-        "sweep.search_seeds=[-1]",
-        "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to 4294967295",
-    ),
+    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
     ("sweep.search_seeds=[]", "sweep.search_seeds=[] must be a non-empty list of distinct integers from 0 to"),
     ("sweep.search_seeds=[0,0]", "sweep.search_seeds=[0, 0] must be a non-empty list of distinct integers"),
     ("sweep.lrs=[inf]", "sweep.lrs=[inf] must be a list of positive numbers"),
