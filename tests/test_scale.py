@@ -82,25 +82,21 @@ def curved_sa(compute):
 def simulated_study(rng, deviation: float, seeds: int = 4, noise: float = 0.004):
     """4 sizes; each size off the curve by a deviation both arms share plus half as much of each arm's own."""
     shared = rng.normal(0, deviation, 4)
-    sa = [
-        curved_sa(c) + d + rng.normal(0, deviation / 2) + rng.normal(0, noise, seeds)
-        for c, d in zip(COMPUTE[:4], shared, strict=True)
-    ]
-    xsa = [
-        curved_sa(K_TRUE * c) + d + rng.normal(0, deviation / 2) + rng.normal(0, noise, seeds)
-        for c, d in zip(COMPUTE[:4], shared, strict=True)
-    ]
-    return COMPUTE[:4], sa, xsa
+
+    def arm(k: float) -> list:  # the arm with k x the compute
+        noisy = (curved_sa(k * c) + d + rng.normal(0, deviation / 2) for c, d in zip(COMPUTE[:4], shared, strict=True))
+        return [loss + rng.normal(0, noise, seeds) for loss in noisy]
+
+    return COMPUTE[:4], arm(1.0), arm(K_TRUE)
 
 
 def ladder_interval(compute, sa, xsa, resamples: int):
     means_sa, means_xsa = [s.mean() for s in sa], [x.mean() for x in xsa]
-    se_sa = [s.std(ddof=1) / math.sqrt(len(s)) for s in sa]
-    se_xsa = [x.std(ddof=1) / math.sqrt(len(x)) for x in xsa]
-    f_scale = huber_scale(means_sa + means_xsa, se_sa + se_xsa)
+    se = [runs.std(ddof=1) / math.sqrt(len(runs)) for runs in [*sa, *xsa]]
+    f_scale = huber_scale(means_sa + means_xsa, se)
     fit = fit_shared(compute, means_sa, means_xsa, offset=True, f_scale=f_scale)
-    lof = lack_of_fit_variance(fit.residuals, se_sa + se_xsa, fit.parameters)
-    return ladder_bootstrap(fit, compute, se_sa + se_xsa, lof_variance=lof, f_scale=f_scale, n_resamples=resamples)
+    lof = lack_of_fit_variance(fit.residuals, se, fit.parameters)
+    return ladder_bootstrap(fit, compute, se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples)
 
 
 @pytest.mark.slow
@@ -260,27 +256,10 @@ def test_each_size_gets_the_paired_tests_holm_across_sizes_and_one_pooled_sign_t
     assert pooled["p"] == pytest.approx(scipy.stats.binomtest(5, 6).pvalue)
 
 
-STUDY = [
-    "experiment=scale_toy",
-    "scale.models=[tiny_d32,tiny_d64]",
-    "scale.seeds=[1,2,3]",
-    "sweep.lrs=[3e-3]",
-    "sweep.max_parallel=2",
-    "scale.bootstrap_resamples=200",
-    "tokenizer.vocab_size=512",
-    "trainer.max_steps=6",
-    "val_every_steps=3",
-    "scheduler.warmup_steps=2",
-    "global_batch_tokens=1024",
-    "micro_batch_size=8",
-    "model.block_size=64",
-    "data.val_windows=16",
-    "logger=csv",
-]
-
-
-def started(*args, **kwargs) -> None:
-    raise AssertionError("a size's sweep or a run started: the refusal came too late")
+STUDY = """experiment=scale_toy scale.models=[tiny_d32,tiny_d64] scale.seeds=[1,2,3] sweep.lrs=[3e-3]
+sweep.max_parallel=2 scale.bootstrap_resamples=200 tokenizer.vocab_size=512 trainer.max_steps=6 val_every_steps=3
+scheduler.warmup_steps=2 global_batch_tokens=1024 micro_batch_size=8 model.block_size=64 data.val_windows=16
+logger=csv""".split()
 
 
 AXES = {"size": STUDY, "tokens": ["experiment=tokens_toy"]}  # a study of each axis, right until one setting is wrong
@@ -331,13 +310,11 @@ CASES = [(axis, override, message) for axis, rows in REFUSALS.items() for overri
 
 @pytest.mark.parametrize(("axis", "override", "message"), CASES, ids=[f"{a}:{o}" for a, o, _ in CASES])
 def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture,
-    axis: str,
-    override: str,
-    message: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, axis, override, message
 ):
+    def started(*args, **kwargs) -> None:
+        raise AssertionError("a size's sweep or a run started: the refusal came too late")
+
     monkeypatch.setattr("xsa_lm.sweep.run.run_sweep", started)
     monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"

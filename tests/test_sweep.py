@@ -319,8 +319,6 @@ def test_the_sweeps_under_results_are_read_and_reported(study: str) -> None:
 
 
 def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
-    from tests.helpers import compose_train
-
     def grid(*overrides: str) -> list[float]:
         cfg = compose_train(list(overrides), config_name="sweep")
         grids = cfg.sweep.lr_grids
@@ -408,20 +406,10 @@ def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflat
 # --- trial outcomes ------------------------------------------------------------------------------------------
 
 
-def _summary(status: str = "completed", loss: float | None = 4.0, vocab: int = 512) -> RunSummary:
-    return RunSummary(
-        status=status,
-        attention="sa",
-        model="tiny",
-        lr=1e-3,
-        seed=0,
-        final_val_loss=loss,
-        steps=10,
-        tokens_seen=640,
-        diverged_at_step=7 if status == "diverged" else None,
-        run_dir="run",
-        model_config={"vocab_size": vocab},
-    )
+def _summary(status: str = "completed", loss: float | None = 4.0) -> RunSummary:
+    at = 7 if status == "diverged" else None
+    rest = dict(attention="sa", model="tiny", lr=1e-3, seed=0, steps=10, tokens_seen=640, run_dir="run")
+    return RunSummary(status=status, final_val_loss=loss, diverged_at_step=at, model_config={"vocab_size": 512}, **rest)
 
 
 def test_outcome_of_trial_processes() -> None:
@@ -632,7 +620,7 @@ def _fake_eval(calls: list[list[str]], returncode: int = 0):
     return run
 
 
-def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and_limit(
+def test_downstream_evaluation_is_reused_for_the_same_inputs_and_a_failure_fails_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another limit, other tasks or other checkpoints evaluate anew; the earlier eval folder is kept beside."""
@@ -664,13 +652,9 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     task_file.write_text("task: mine\ndataset_path: csv\n")  # the same task name, another task
     (edited,) = evaluate([str(task_file)], None, compare).warnings
     assert len(calls) == 6 and "other checkpoints, tasks, task files or limit" in edited
-
-
-def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = TrialStore(tmp_path / "sweep")
-    monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))
-    failed = downstream_evaluation(["piqa"], None, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
-    assert failed.result is None and failed.warnings == [failed.error]
+    monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))  # a failed evaluation fails the sweep
+    failed = evaluate(["piqa"], None, compare)
+    assert failed.result is None and failed.warnings[-1] == failed.error
     assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed.error)
     search = [_record("search", "sa", 1e-2, 0, 3.0)]
     done = _results(search, select_lr({1e-2: [("completed", 3.0)]}), grid=[1e-2], seeds=[])
@@ -973,6 +957,8 @@ SWEEP_REFUSALS = [
     # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.
     ("attention.layers=[7]", "attention.layers=[7]: each layer is a 0-based index below model.n_layer=2"),
     ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+    ("attention.layers=[]", "attention.layers=[] puts XSA on no layer"),  # XSA trials: checked where it trains XSA
+    ("attention.layers=[] sweep.seeds=[] sweep.tune_xsa=true", "attention.layers=[] puts XSA on no layer"),
 ]
 
 
@@ -995,21 +981,13 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial
     assert not any(tmp_path.iterdir())
 
 
-def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
-    """An XSA training config is checked only when the sweep trains XSA: attention.layers=[] (XSA on no layer) is
-    refused for a comparison, not for a search-only sweep of SA."""
+def test_a_search_only_sweep_of_sa_leaves_the_xsa_trials_unchecked() -> None:
+    """attention.layers=[] (XSA on no layer) is refused where the sweep trains XSA (SWEEP_REFUSALS), not here."""
+    overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]", "sweep.seeds=[]"]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]"]
-        search_only = compose(config_name="sweep", overrides=[*overrides, "sweep.seeds=[]"])
-        job = check_sweep(*specs(search_only), train_overrides(overrides))
-        assert (job.grid, job.spec.search_seeds, job.seeds) == ([1e-3, 3e-3], [0], [])
-        for compared in ([*overrides, "sweep.seeds=[]", "sweep.tune_xsa=true"], overrides):
-            with pytest.raises(UserError, match=r"attention.layers=\[\] puts XSA on no layer"):
-                check_sweep(*specs(compose(config_name="sweep", overrides=compared)), train_overrides(overrides))
-
-
-def specs(cfg) -> tuple[TrainSpec, SweepSpec]:
-    return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
+        cfg = compose(config_name="sweep", overrides=overrides)
+        job = check_sweep(parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), train_overrides(overrides))
+    assert (job.grid, job.spec.search_seeds, job.seeds) == ([1e-3, 3e-3], [0], [])
 
 
 def test_every_sweep_and_scale_setting_has_a_rule() -> None:
@@ -1024,10 +1002,8 @@ def test_every_sweep_and_scale_setting_has_a_rule() -> None:
 def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """sweep.json's command reruns the sweep: it keeps the `sweep` word the CLI takes off for Hydra."""
     from xsa_lm.config.command_line import ARGV_VARIABLE
-    from xsa_lm.sweep.run import open_state
 
-    typed = ["xsa-lm", "sweep", "sweep=demo"]
-    monkeypatch.setenv(ARGV_VARIABLE, json.dumps(typed))
+    monkeypatch.setenv(ARGV_VARIABLE, json.dumps(["xsa-lm", "sweep", "sweep=demo"]))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "sweep=demo"])  # what Hydra sees
-    open_state(tmp_path / "sweep.json", [], None, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
+    sweep_run.open_state(tmp_path / "sweep.json", [], None, id_key="sweep_id", overrides_key="o", holds="a sweep")
     assert json.loads((tmp_path / "sweep.json").read_text())["command"] == "xsa-lm sweep sweep=demo"
