@@ -106,9 +106,6 @@ def wallclock(
     return k / ratio, [lo / interval[1] if lo is not None else None, hi / interval[0] if hi is not None else None]
 
 
-# --- the size axis: the sweep at every size, a fit across sizes -------------------------------------------------
-
-
 class SizeOutput(io.TextIOBase):
     """A size's sweep output: whole in logs/<model>.log, and on the terminal line by line, named by its size."""
 
@@ -317,9 +314,6 @@ def size_tests(sizes: list[report.SizeResult]) -> tuple[list[report.SizeResult],
         across["by_seed"] = clustered_test(diffs, seeds).to_json()
     tests = iter(stats)
     return [replace(s, tests=next(tests)) if s.compute is not None else s for s in sizes], across
-
-
-# --- the token axis: several budgets at each size, k from SA's own curve --------------------------------------
 
 
 @dataclass(frozen=True)
@@ -626,9 +620,6 @@ def reanalyse(
         return replace(saved, reanalysed=when, **vars(tokens))
     sizes = [replace(s, tests=None) for s in saved.sizes]
     return replace(saved, reanalysed=when, **vars(analyse(sizes, fit_form, resamples, seed, saved.bench)))
-
-
-# --- the study ------------------------------------------------------------------------------------------------
 
 
 def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:

@@ -148,7 +148,7 @@ class ScaleSpec(Spec):
     allow_repeated_data: bool  # false: a budget past one epoch is refused
     measure_throughput: bool  # xsa-lm bench SA vs XSA at each size
     bench_rounds: int = Field(ge=2)  # of the throughput bench
-    bench: str | None  # a results.json of `xsa-lm bench` (scale/run.py read_bench)
+    bench: str | None  # a results.json of `xsa-lm bench` (scale/run.py load_bench)
 
     @model_validator(mode="after")
     def _sizes_and_budgets(self) -> "ScaleSpec":
