@@ -272,13 +272,11 @@ def analyse(
     lack = fit.lack_of_fit(sa_fit.residuals, sa_se, fit.FORMS[sa_fit.form])
     f_scale = fit.huber_scale(sa_means + xsa_means, sa_se + xsa_se)
     shared = fit.fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
-    known_se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]
-    lof = fit.lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
+    se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]  # known
+    lof = fit.lack_of_fit_variance(shared.residuals, se, shared.parameters)
     k = shared.multiplier
     ci = list(
-        fit.ladder_bootstrap(
-            shared, compute, known_se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed
-        )
+        fit.ladder_bootstrap(shared, compute, se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed)
     )
     flags = ladder_flags(ladder, sa_fit, lack, shared)
     shared_fit = {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
@@ -685,8 +683,7 @@ def run_token_axis(
         entry = run_token_size(size, plan, group)
         bench = run_bench(study_dir, size, identity.overrides) if scale.measure_throughput else None
         entries.append(replace(entry, bench=bench))
-    seed, margin = scale.bootstrap_seed, plan.margin
-    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=margin)
+    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=scale.bootstrap_seed, margin=plan.margin)
     results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
     report.write_report(results, study_dir)
     return unfinished(results)
