@@ -33,7 +33,7 @@ from xsa_lm.stats.decision import clustered_test, margin_verdict
 from xsa_lm.stats.paired import holm, paired_stats, sign_test_p
 from xsa_lm.stats.positions import position_differences
 from xsa_lm.sweep import run as sweeps
-from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_seeds
+from xsa_lm.sweep.protocol import FINISHED, NULL, Selection, Trial, check_seeds
 from xsa_lm.sweep.report import SweepResult, bpb_stats
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, run_logged
@@ -86,20 +86,17 @@ def load_bench(path: Path | str | None, key: str = "scale.bench") -> report.Benc
         raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
     try:
         bench = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        bench = None
-    ratios = bench.get("ratios") if isinstance(bench, dict) else None
-    ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
-    if not isinstance(ratio, dict) or "median" not in ratio:
-        raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
-    return report.BenchRatio(source=str(path), model=cast(dict, bench).get("model"), xsa_over_sa_step_time=ratio)
+        ratio = bench["ratios"]["xsa_over_sa_step_time"]
+        ratio["median"]  # noqa: B018  # a step time, not only a dict
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)") from None
+    return report.BenchRatio(source=str(path), model=bench.get("model"), xsa_over_sa_step_time=ratio)
 
 
 def wallclock(
     k: float, ci: Sequence[float | None], ratio: float, interval: Sequence[float] | None
 ) -> tuple[float, list[float | None] | None]:
-    """k in wall-clock time: k over `xsa-lm bench`'s XSA/SA step time (not the trials' tokens/s, which vary with
-    whatever else the machine ran); the interval's ends combined conservatively."""
+    """k over `xsa-lm bench`'s XSA/SA step time (the trials' tokens/s vary with whatever else the machine ran)."""
     if not interval:
         return k / ratio, None
     lo, hi = ci
@@ -174,10 +171,6 @@ def size_result(model: str, sweep_dir: Path, *, finished: bool) -> report.SizeRe
         sa_tokens_per_s=statistics.fmean(speeds["sa"]) if speeds["sa"] else None,
         xsa_tokens_per_s=statistics.fmean(speeds["xsa"]) if speeds["xsa"] else None,
     )
-
-
-def standard_error(runs: list[float]) -> float:
-    return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
 
 
 def not_falling(ladder: list[report.SizeResult], means: list[float]) -> list[str]:
@@ -267,8 +260,9 @@ def analyse(
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
+    runs = ([s.sa_runs for s in ladder], [s.xsa_runs for s in ladder])
     sa_fit = fit.fit_loss_vs_compute(compute, sa_means, fit_form)
-    sa_se, xsa_se = [standard_error(s.sa_runs) for s in ladder], [standard_error(s.xsa_runs) for s in ladder]
+    sa_se, xsa_se = ([statistics.stdev(r) / math.sqrt(len(r)) if len(r) > 1 else math.nan for r in arm] for arm in runs)
     lack = fit.lack_of_fit(sa_fit.residuals, sa_se, fit.FORMS[sa_fit.form])
     f_scale = fit.huber_scale(sa_means + xsa_means, sa_se + xsa_se)
     shared = fit.fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
@@ -345,23 +339,19 @@ class TokenJob:
         return budget.launcher(TrialStore(self.dir / phase), group, "scale")
 
 
-def non_embedding_params(train: TrainSpec) -> int:
-    import torch
-
-    from xsa_lm.model.gpt import GPT
-
-    with torch.device("meta"):
-        return GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
-
-
 def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
     """A size of the token axis, checked before any run: its runs as `xsa-lm train` checks them, and its largest SA
     budget against the training data (repeated tokens flatten SA's curve at the top, where k is read)."""
+    import torch
+
     from xsa_lm.data.run import prepare_data
+    from xsa_lm.model.gpt import GPT
 
     train, spec, _ = size_config(overrides, model, seeds)
     sweep = sweeps.SweepJob(spec, [], seeds, sweeps.train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
-    params, batch = non_embedding_params(train), train.global_batch_tokens
+    with torch.device("meta"):  # the count needs the shapes only
+        params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+    batch = train.global_batch_tokens
     size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
     size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0)).grid))
     top = max(scale.sa_budgets)
@@ -500,20 +490,6 @@ def null_cell(
     return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
 
 
-def repeated_data(entry: report.TokenSize) -> list[str]:
-    """A warning per arm and budget whose runs passed over the training split more than once."""
-    found = []
-    for arm, budgets in (entry.runs or {}).items():
-        for fraction, runs in budgets.items():
-            epochs = max((r.data_epochs or 0.0 for r in runs), default=0.0)
-            if epochs > 1:
-                found.append(
-                    f"{entry.model} {arm.upper()} at {fraction} B: {epochs:.2f} epochs of the training data (it "
-                    "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
-                )
-    return found
-
-
 def tokens_of(entry: report.TokenSize, arm: str, fraction: float) -> float:
     seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
     return float(seen[0]) if seen else fraction * entry.tokens_B
@@ -541,7 +517,14 @@ def analyse_tokens(
         if entry.runs is None:
             warnings.append(f"{entry.model}: no LR selected, so no budget runs")
             continue
-        warnings += repeated_data(entry)
+        for arm, budgets in entry.runs.items():  # a warning per arm and budget that saw its data more than once
+            for at, runs in budgets.items():
+                epochs = max((r.data_epochs or 0.0 for r in runs), default=0.0)
+                if epochs > 1:
+                    warnings.append(
+                        f"{entry.model} {arm.upper()} at {at} B: {epochs:.2f} epochs of the training data (it "
+                        "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
+                    )
         sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
         for fraction in xsa_budgets:
             sa, xsa, seeds = paired_losses(entry, sa_budgets, fraction)
@@ -591,7 +574,7 @@ def unfinished(results: report.TokenStudyResult) -> list[str]:
     for size in results.sizes:
         for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
-                for run in (r for r in runs if r.status not in ("completed", "diverged")):
+                for run in (r for r in runs if r.status not in FINISHED):
                     error = (run.error or "").strip().splitlines()
                     why = f"{run.status}: {error[0][:200]}" if error else run.status
                     why += f"; log {run.log}" if run.log else ""
@@ -623,8 +606,7 @@ def reanalyse(
 def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
     """Every setting of the study and each size's sweep or runs, checked before the study directory gets anything.
     The compare seeds are scale.seeds, else sweep.seeds. Returns the study."""
-    name = "scale.seeds" if scale.seeds is not None else "sweep.seeds"
-    listed = scale.seeds if scale.seeds is not None else sweep.seeds
+    name, listed = ("scale.seeds", scale.seeds) if scale.seeds is not None else ("sweep.seeds", sweep.seeds)
     seeds = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name)
     if not seeds:
         raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")

@@ -92,30 +92,23 @@ def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
 
 
 NULL = "null"  # the null arm's trials: SA with other initial weights
-NULL_INIT_OFFSET = 1_000_000  # the null arm's weights: init_seed = seed + this (mod the seed range)
+FINISHED = ("completed", "diverged")  # a trial's final status: a rerun reuses it
 
 
 def null_init_seed(seed: int) -> int:
-    return (seed + NULL_INIT_OFFSET) % (SEED_MAX + 1)
-
-
-def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
-    """The median final val loss of one LR's finished search runs (status, loss), a diverged one as +inf; None when
-    it is not finite (half of them diverged) or nothing finished."""
-    scores = [
-        loss if status == "completed" and loss is not None and math.isfinite(loss) else math.inf
-        for status, loss in runs
-        if status in ("completed", "diverged")
-    ]
-    median = statistics.median(scores) if scores else math.inf
-    return float(median) if math.isfinite(median) else None
+    return (seed + 1_000_000) % (SEED_MAX + 1)  # the null arm's weights: far from every trial's own
 
 
 def select_lr(results: dict[float, list[tuple[str | None, float | None]]]) -> Selection:
-    """The LR with the lowest median loss (lr -> [(status, loss) per seed]); a tie goes to the smaller LR."""
-    losses = {lr: lr_score(runs) for lr, runs in sorted(results.items())}
+    """The LR with the lowest median loss (lr -> [(status, loss) per seed]); a tie goes to the smaller LR. A diverged
+    run counts as +inf; an LR whose median is not finite (half diverged), or with nothing finished, is not usable."""
+    losses: dict[float, float | None] = {}
+    for lr, runs in sorted(results.items()):
+        done = [loss if s == "completed" and loss is not None else math.inf for s, loss in runs if s in FINISHED]
+        median = statistics.median([x if math.isfinite(x) else math.inf for x in done]) if done else math.inf
+        losses[lr] = float(median) if math.isfinite(median) else None
     selection = Selection(lr=None, losses=losses)
-    failed = [lr for lr, runs in sorted(results.items()) if any(s not in ("completed", "diverged") for s, _ in runs)]
+    failed = [lr for lr, runs in sorted(results.items()) if any(s not in FINISHED for s, _ in runs)]
     if failed:
         selection.warnings.append(
             f"search runs at LR {', '.join(f'{lr:g}' for lr in failed)} did not finish (failed or interrupted): "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import hydra
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,7 +31,7 @@ from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.settings import SweepSpec
-from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, run_logged
+from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, run_logged, trial_settings
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
@@ -166,10 +167,10 @@ def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[s
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
     selections = []
     for arm in arms:
-        records = [(t.lr, launcher.store.load(t)) for t in trials[arm]]
         runs: dict[float, list[tuple[str | None, float | None]]] = {lr: [] for lr in grid}
-        for lr, r in records:
-            runs[lr].append((r.status, r.final_val_loss) if r else (None, None))
+        for trial in trials[arm]:
+            record = launcher.store.load(trial)
+            runs[trial.lr].append((record.status, record.final_val_loss) if record else (None, None))
         selections.append(protocol.select_lr(runs))
     return selections
 
@@ -235,8 +236,9 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
     if overrides is not None:  # XSA trials only in the comparison, unless it is tuned too
         attentions = ["sa", "xsa"] if seeds or spec.tune_xsa else ["sa"]
-        attentions += [protocol.NULL] if seeds and spec.null_arm else []
-        check_trials(overrides, [Trial(attention, grid[0], spec.search_seeds[0]) for attention in attentions])
+        for attention in attentions + ([protocol.NULL] if seeds and spec.null_arm else []):
+            trial = trial_settings(Trial(attention, grid[0], spec.search_seeds[0]))
+            parse(TrainSpec, compose(config_name="train", overrides=[*overrides, *trial]))  # once, not in every trial
     return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
 
 
@@ -378,7 +380,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
 
 def incomplete(results: SweepResult) -> str | None:
     """Why a sweep did not finish (a trial to retry, no usable LR), or None."""
-    unfinished = [t.id for t in results.trials if t.status not in ("completed", "diverged")]
+    unfinished = [t.id for t in results.trials if t.status not in protocol.FINISHED]
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"

@@ -5,6 +5,7 @@ import importlib.resources
 import math
 import shutil
 from collections import Counter
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
@@ -25,10 +26,6 @@ def numbers_problem(value: Any, example: str, nullable: bool = False) -> str | N
         return f"must be a list of positive numbers, e.g. {example}" + (", or null" if nullable else "")
     twice = sorted(v for v, n in Counter(float(v) for v in value).items() if n > 1)
     return f"lists {', '.join(f'{v:g}' for v in twice)} twice: list each value once" if twice else None
-
-
-def positive_numbers(example: str, nullable: bool = False) -> BeforeValidator:
-    return rule(lambda value: numbers_problem(value, example, nullable))
 
 
 def seed_list(nullable: bool = False, example: str = "") -> BeforeValidator:
@@ -98,7 +95,8 @@ def presets(value: Any) -> str | None:
 class SweepSpec(Spec):
     """`xsa-lm sweep`'s settings (configs/sweep/paper.yaml says what each does)."""
 
-    lrs: Annotated[list[float] | None, positive_numbers("[1e-3,3e-3]", nullable=True)]  # null: lr_range, lr_grids
+    # null: lr_range, else lr_grids
+    lrs: Annotated[list[float] | None, rule(partial(numbers_problem, example="[1e-3,3e-3]", nullable=True))]
     lr_range: Annotated[dict[str, float] | None, rule(lr_range)]  # {min, max, num}: log-spaced
     lr_grids: Annotated[dict[str, list[float]] | None, rule(lr_grids)]  # model name -> its grid
     search_seeds: Annotated[list[int], seed_list(example="e.g. [0], or [0,10,20] to select on the median of 3")]
@@ -141,8 +139,8 @@ class ScaleSpec(Spec):
     bootstrap_seed: int = Field(ge=0, le=SEED_MAX)  # the same resamples on every rerun
     wandb_report: bool  # a scale-report run in the study's W&B group
     tokens_per_param: float = Field(gt=0)  # B = this x the non-embedding parameters
-    sa_budgets: Annotated[list[float], positive_numbers("[0.5,1,2]")]  # in units of B
-    xsa_budgets: Annotated[list[float], positive_numbers("[0.5,1]")]  # in units of B, within SA's
+    sa_budgets: Annotated[list[float], rule(partial(numbers_problem, example="[0.5,1,2]"))]  # in units of B
+    xsa_budgets: Annotated[list[float], rule(partial(numbers_problem, example="[0.5,1]"))]  # in units of B, within SA's
     lr_per_budget: bool  # SA's LR searched at every SA budget
     warmup_fraction: float | None = Field(ge=0, lt=1, description="the share of each run's steps warming up")
     allow_repeated_data: bool  # false: a budget past one epoch is refused

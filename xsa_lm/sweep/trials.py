@@ -26,10 +26,8 @@ from typing import cast
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
-from xsa_lm.sweep.protocol import NULL, Trial, null_init_seed
+from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
 from xsa_lm.train.devices import usable_cpus
-
-FINAL = ("completed", "diverged")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +109,7 @@ class TrialStore:
 
     def is_final(self, trial: Trial) -> bool:
         record = self.load(trial)
-        return record is not None and record.status in FINAL
+        return record is not None and record.status in FINISHED
 
 
 @dataclass(frozen=True)
@@ -195,8 +193,7 @@ def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | Non
 
 
 def die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the sweep dies, even by SIGKILL (Linux), so that no orphan
-    trial keeps writing into a run directory that a rerun of the sweep is about to use."""
+    """In the child, before exec: SIGTERM when the sweep dies, even by SIGKILL, so no orphan trial writes on."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the sweep's signal handlers still stop children
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -207,45 +204,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def thread_share(max_parallel: int, launch_prefix: Sequence[str]) -> int | None:
-    """OMP_NUM_THREADS for each trial at once: the cores shared among them, as torchrun does (more threads than cores
-    spin and wait). None for one trial at a time, a launch prefix, or OMP_NUM_THREADS set already."""
-    if max_parallel <= 1 or launch_prefix or "OMP_NUM_THREADS" in os.environ:
-        return None
-    return max(1, usable_cpus() // max_parallel)
-
-
-def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
-    """A trial's own rendezvous port (a shared one would join trials into one process group). Under SLURM the
-    inherited MASTER_ADDR is dropped: Lightning takes the trial's own first node."""
-    port = free_port()
-    while port in taken:
-        port = free_port()
-    env = {**env, "MASTER_PORT": str(port)}
-    if "SLURM_JOB_ID" in env:
-        env.pop("MASTER_ADDR", None)
-    else:
-        env["MASTER_ADDR"] = "127.0.0.1"
-    return env
-
-
 def trial_settings(trial: Trial) -> list[str]:
     """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP); the null arm is SA from other weights."""
     null = trial.attention == NULL
     arm = [f"attention={'sa' if null else trial.attention}"]
     arm += [f"init_seed={null_init_seed(trial.seed)}"] if null else []
     return [*arm, f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
-
-
-def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> None:
-    """Each trial's training config, checked as its `xsa-lm train` will (its data and devices aside): a bad key is
-    refused once, here, not in every trial."""
-    from hydra import compose
-
-    from xsa_lm.config.spec import TrainSpec, parse
-
-    for trial in trials:
-        parse(TrainSpec, compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)]))
 
 
 class Launcher:
@@ -261,7 +225,10 @@ class Launcher:
         diverge_above: float | None = None,
     ) -> None:
         self.store, self.train_overrides, self.launch_prefix = store, list(train_overrides), list(launch_prefix)
-        self.slots, self.threads = gpu_slots(max_parallel, launch_prefix), thread_share(max_parallel, launch_prefix)
+        self.slots = gpu_slots(max_parallel, launch_prefix)
+        # Trials at once share the cores, as torchrun does (more threads than cores spin and wait).
+        shared = max_parallel > 1 and not launch_prefix and "OMP_NUM_THREADS" not in os.environ
+        self.threads = max(1, usable_cpus() // max_parallel) if shared else None
         self.wandb_group, self.diverge_above = wandb_group, diverge_above
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
@@ -313,8 +280,17 @@ class Launcher:
         return record
 
     def trial_env(self, slot: int) -> dict[str, str]:
+        """Its own rendezvous port (a shared one would join trials into one process group), GPUs and threads. Under
+        SLURM the inherited MASTER_ADDR is dropped: Lightning takes the trial's own first node."""
         taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
-        env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
+        port = free_port()
+        while port in taken:
+            port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(port))
+        if "SLURM_JOB_ID" in env:
+            env.pop("MASTER_ADDR", None)
+        else:
+            env["MASTER_ADDR"] = "127.0.0.1"
         gpus = self.slots[slot]
         env |= {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}
         return env | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads is not None else {})
