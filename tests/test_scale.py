@@ -345,8 +345,7 @@ def test_a_rerun_may_add_sizes_but_not_leave_one_out(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.long
 def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
-    """Two sizes, one LR, three seeds: SIGKILL during the second size, then the same command finishes the study,
-    reusing every trial that had finished."""
+    """Two sizes, one LR, three seeds: SIGKILL in the second size; the same command finishes, reusing done trials."""
     study = tmp_path / "study"
     args = [sys.executable, "-m", "xsa_lm.cli", "scale", *STUDY, f"hydra.run.dir={study}"]
     env = cli_env(data_cache)

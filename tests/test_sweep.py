@@ -439,24 +439,27 @@ def test_parallel_trials_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> 
         gpu_slots(4, [])
 
 
+def _spec(**settings) -> SweepSpec:  # the sweep's settings as configs/sweep/paper.yaml has them, but these
+    return parse(SweepSpec, compose_train([], config_name="sweep").sweep, at="sweep.").model_copy(update=settings)
+
+
 def test_trials_at_once_share_the_cores_unless_the_threads_are_set(tmp_path: Path, monkeypatch) -> None:
     """Unless OMP_NUM_THREADS is set, one trial runs at a time, or a launch prefix places them."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     store = TrialStore(tmp_path / "sweep")
-    assert Launcher(store, [], max_parallel=2).trial_env(0)["OMP_NUM_THREADS"] == "4"
-    assert Launcher(store, [], max_parallel=3).trial_env(2)["OMP_NUM_THREADS"] == "2"
-    assert Launcher(store, [], max_parallel=16).trial_env(0)["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in Launcher(store, [], max_parallel=1).trial_env(0)
-    assert "OMP_NUM_THREADS" not in Launcher(store, [], max_parallel=2, launch_prefix=["srun"]).trial_env(0)
+    assert Launcher(store, [], _spec(max_parallel=2)).trial_env(0)["OMP_NUM_THREADS"] == "4"
+    assert Launcher(store, [], _spec(max_parallel=3)).trial_env(2)["OMP_NUM_THREADS"] == "2"
+    assert Launcher(store, [], _spec(max_parallel=16)).trial_env(0)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in Launcher(store, [], _spec(max_parallel=1)).trial_env(0)
+    assert "OMP_NUM_THREADS" not in Launcher(store, [], _spec(max_parallel=2, launch_prefix=["srun"])).trial_env(0)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert Launcher(store, [], max_parallel=2).trial_env(0)["OMP_NUM_THREADS"] == "3"
+    assert Launcher(store, [], _spec(max_parallel=2)).trial_env(0)["OMP_NUM_THREADS"] == "3"
 
 
 @pytest.mark.parametrize("slurm", [False, True], ids=["local", "slurm"])
 def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch, slurm: bool) -> None:
-    """Two trials at once, each as a real child process that records the rendezvous it was given: their ports
-    differ (one allocation, maybe one node); under SLURM neither inherits the sweep's MASTER_ADDR."""
+    """Two trials at once, as real child processes: their own ports; under SLURM no inherited MASTER_ADDR."""
     monkeypatch.setenv("MASTER_ADDR", "sweep-host")
     monkeypatch.setenv("MASTER_PORT", "12345")
     if slurm:
@@ -471,7 +474,7 @@ def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch,
         "[os.environ.get('MASTER_ADDR'), os.environ['MASTER_PORT']])); time.sleep(1)"
     )
     launcher = Launcher(
-        TrialStore(tmp_path / "sweep"), [], max_parallel=2, launch_prefix=[sys.executable, "-c", record]
+        TrialStore(tmp_path / "sweep"), [], _spec(max_parallel=2, launch_prefix=[sys.executable, "-c", record])
     )
     launcher.run([Trial("sa", 1e-3, 0), Trial("xsa", 1e-3, 0)], phase="search", job_type="search")
     (addr_a, port_a), (addr_b, port_b) = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
@@ -485,11 +488,11 @@ def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path, 
     store.run_dir(trial).mkdir(parents=True)
     write_json(store.run_dir(trial) / "summary.json", _summary(loss=5.0).to_json())
     store.save(replace(TrialRecord.missing(trial, "search"), status="completed", returncode=0, final_val_loss=5.0))
-    Launcher(store, [], diverge_above=4.5).run([trial], phase="search", job_type="search")
+    Launcher(store, [], _spec(diverge_above=4.5)).run([trial], phase="search", job_type="search")
     diverged = cast(TrialRecord, store.load(trial))
     assert diverged.status == "diverged" and "above the divergence bound 4.500" in str(diverged.error)
     assert "diverged under this run's divergence bound 4.500 (sweep.diverge_above)" in capsys.readouterr().out
-    Launcher(store, []).run([trial], phase="search", job_type="search")  # the default bound, ln(512) = 6.24
+    Launcher(store, [], _spec()).run([trial], phase="search", job_type="search")  # the default bound, ln(512) = 6.24
     assert cast(TrialRecord, store.load(trial)).status == "completed"
     said = capsys.readouterr().out
     assert "completed under this run's divergence bound 6.238 (ln of the vocabulary size)" in said, said
@@ -503,12 +506,11 @@ def test_a_reused_trial_with_a_damaged_summary_says_how_to_write_it_again(tmp_pa
     store.save(replace(TrialRecord.missing(trial, "search"), status="completed", returncode=0, final_val_loss=5.0))
     expected = f"write it again with `xsa-lm train hydra.run.dir={store.run_dir(trial)} resume=auto`, then the sweep"
     with pytest.raises(UserError, match=re.escape(expected) + "$"):
-        Launcher(store, []).run([trial], phase="search", job_type="search")
+        Launcher(store, [], _spec()).run([trial], phase="search", job_type="search")
 
 
 def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_result(tmp_path: Path) -> None:
-    """Moved aside as the line says, the trial runs again; its complete run exits 0 without a new summary.json, and
-    its earlier summary.json is its result."""
+    """Moved aside as the line says, the trial runs again; its complete run's earlier summary.json is its result."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
     (store.run_dir(trial) / "checkpoints").mkdir(parents=True)
     (store.run_dir(trial) / "checkpoints" / "last.ckpt").write_bytes(b"")  # the sweep resumes, keeping the folder
@@ -518,7 +520,7 @@ def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_r
     record = store.records / f"{trial.id}.json"
     record.parent.mkdir(parents=True)
     record.write_text("{garbage")
-    launcher = Launcher(store, [], launch_prefix=[sys.executable, "-c", "pass"])  # stands in for the finished run
+    launcher = Launcher(store, [], _spec(launch_prefix=[sys.executable, "-c", "pass"]))  # as the finished run
     with pytest.raises(UserError, match=re.escape(RETRY_DAMAGED) + "$"):
         launcher.run([trial], phase="search", job_type="search")
     record.unlink()
@@ -669,8 +671,7 @@ def test_downstream_evaluation_is_reused_for_the_same_inputs_and_a_failure_fails
 @pytest.mark.slow
 @pytest.mark.long
 def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
-    """Two LRs (one diverges), two seeds, XSA tuned and the null arm too: the whole protocol, the report and W&B
-    records."""
+    """Two LRs (one diverges), two seeds, XSA tuned, the null arm: the whole protocol, the report, W&B records."""
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]

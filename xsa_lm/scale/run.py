@@ -136,8 +136,7 @@ def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | 
 
 
 def size_result(model: str, sweep_dir: Path, *, finished: bool) -> report.SizeResult:
-    """What the fit needs from one size's results.json: the paired final losses, throughput and a run's training
-    compute (GPT.flops_per_token x its tokens)."""
+    """What the fit needs from a size's results.json: the paired final losses, throughput, training compute."""
     import torch
 
     from xsa_lm.model.config import GPTConfig
@@ -253,8 +252,7 @@ class LadderAnalysis:
 def analyse(
     sizes: list[report.SizeResult], fit_form: str, resamples: int, seed: int, bench: report.BenchRatio | None = None
 ) -> LadderAnalysis:
-    """The SA fit, the shared fit and its ladder k with a bootstrap CI, the flags, and the paired tests per size and
-    across sizes. A flagged ladder keeps k only under not_results."""
+    """The SA and shared fits, k with its bootstrap CI, the flags (k then under not_results), the paired tests."""
     warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
     warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
@@ -292,8 +290,7 @@ def analyse(
 
 
 def size_tests(sizes: list[report.SizeResult]) -> tuple[list[report.SizeResult], dict[str, Any]]:
-    """The sizes, each with its paired tests of XSA - SA (the t p-value Holm-adjusted across sizes); across sizes, the
-    sign test over every pair and the test clustered by seed."""
+    """Each size's paired tests (t p-values Holm-adjusted); across sizes, the pooled sign test and the one by seed."""
     tested = [s for s in sizes if s.compute is not None]
     paired = [paired_stats(s.sa_runs, s.xsa_runs) for s in tested]
     holm_p = holm([t.t_p for t in paired])
@@ -369,8 +366,7 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
 
 
 def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) -> report.TokenSize:
-    """One size's searches, selected LRs and budget runs; with lr_per_budget, each budget at SA's LR of that budget,
-    else SA's LR at B everywhere."""
+    """One size's LR searches and budget runs, each budget at SA's LR of B (lr_per_budget: of that budget)."""
     print(
         f"size {size.model}: {size.params:,} non-embedding parameters, B = {size.tokens:,.0f} tokens "
         f"({size.steps(1.0)} steps)"
@@ -509,8 +505,7 @@ def analyse_tokens(
     seed: int = 0,
     margin: float | None = None,
 ) -> TokenAnalysis:
-    """k with its intervals per (size, XSA budget), XSA - SA where SA trained at that budget too, the pooled k, and
-    the warnings."""
+    """k per (size, XSA budget) with its intervals and same-budget tests, the pooled k, and the warnings."""
     cells, estimates = [], []
     warnings = [f"{s.model}: {w}" for s in sizes for w in s.warnings]
     for entry in sizes:
@@ -604,8 +599,7 @@ def reanalyse(
 
 
 def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
-    """Every setting of the study and each size's sweep or runs, checked before the study directory gets anything.
-    The compare seeds are scale.seeds, else sweep.seeds. Returns the study."""
+    """The study, checked with each size's sweep or runs before its folder gets anything."""
     name, listed = ("scale.seeds", scale.seeds) if scale.seeds is not None else ("sweep.seeds", sweep.seeds)
     seeds = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name)
     if not seeds:
@@ -656,8 +650,7 @@ def run_size_axis(
 def run_token_axis(
     identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: report.TokenPlan, sizes: list[TokenJob]
 ) -> list[str]:
-    """The plan kept in scale.json, every size's runs and bench, the analysis and the report; returns the runs that
-    did not finish."""
+    """The plan kept in scale.json, each size's runs and bench, the analysis and report; the runs left unfinished."""
     study_dir = Path(identity.study_dir)
     sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
     entries = []

@@ -204,22 +204,13 @@ class SweepJob:
     config: dict = field(default_factory=dict)
 
     def launcher(self, store: TrialStore, group: str | None, command: str) -> Launcher:
-        spec = self.spec
-        launcher = Launcher(
-            store,
-            self.overrides,
-            max_parallel=spec.max_parallel,
-            launch_prefix=spec.launch_prefix or [],
-            wandb_group=group if self.wandb else None,
-            diverge_above=spec.diverge_above,
-        )
+        launcher = Launcher(store, self.overrides, self.spec, group if self.wandb else None)
         stop_on_signals(launcher.stop, command)
         return launcher
 
 
 def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
-    """Every sweep setting and each kind of trial (as its `xsa-lm train` will check it), checked before anything is
-    written; without overrides, `train` stands for them."""
+    """Every sweep setting and kind of trial, checked before anything is written (no overrides: `train` alone)."""
     grids = spec.lr_grids or {}
     grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
     seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
@@ -318,8 +309,7 @@ def downstream_evaluation(
 
 
 def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[SweepResult, str]:
-    """The sweep's phases in sweep_dir: its identity and plan kept in sweep.json, config.yaml (a rerun's beside the
-    first), search, selection, comparison, null arm, downstream evaluation and report; the results and the report."""
+    """The sweep's phases in sweep_dir, its identity and plan kept in sweep.json; the results and the report."""
     spec, grid, seeds, cap = job.spec, job.grid, job.seeds, job.spec.seeds_until_significant
     group = job.wandb.group if job.wandb else None
     state = sweep_dir / "sweep.json"

@@ -1,6 +1,4 @@
-"""Trials as child processes, and one record per trial in the sweep directory.
-
-Layout of a sweep directory:
+"""Trials as child processes, and one record per trial in the sweep directory:
   trials/<id>.json   the record of a trial: its command, status, metrics and run directory (written atomically)
   runs/<id>/         the trial's run directory (config.yaml, metrics.csv, checkpoints/, summary.json, wandb/)
   logs/<id>.log      the trial's terminal output, appended across attempts
@@ -21,13 +19,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
 from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
 from xsa_lm.train.devices import usable_cpus
+
+if TYPE_CHECKING:  # settings reads the stall rule, which reads trial records
+    from xsa_lm.sweep.settings import SweepSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,8 +173,7 @@ def last_error_line(log: Path) -> str:
 
 
 def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly; None (inherit) for one trial,
-    without GPUs, or with a launch prefix (srun, ...) that places each trial."""
+    """Each parallel slot's share of the visible GPUs; None (inherit) for one trial, no GPU, or a launch prefix."""
     if max_parallel <= 1 or launch_prefix:
         return [None] * max_parallel
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -216,20 +216,14 @@ class Launcher:
     """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
 
     def __init__(
-        self,
-        store: TrialStore,
-        train_overrides: Sequence[str],
-        max_parallel: int = 1,
-        launch_prefix: Sequence[str] = (),
-        wandb_group: str | None = None,
-        diverge_above: float | None = None,
+        self, store: TrialStore, train_overrides: Sequence[str], spec: "SweepSpec", wandb_group: str | None = None
     ) -> None:
-        self.store, self.train_overrides, self.launch_prefix = store, list(train_overrides), list(launch_prefix)
-        self.slots = gpu_slots(max_parallel, launch_prefix)
+        self.store, self.train_overrides, self.wandb_group = store, list(train_overrides), wandb_group
+        self.launch_prefix, self.diverge_above = spec.launch_prefix or [], spec.diverge_above
+        self.slots = gpu_slots(spec.max_parallel, self.launch_prefix)
         # Trials at once share the cores, as torchrun does (more threads than cores spin and wait).
-        shared = max_parallel > 1 and not launch_prefix and "OMP_NUM_THREADS" not in os.environ
-        self.threads = max(1, usable_cpus() // max_parallel) if shared else None
-        self.wandb_group, self.diverge_above = wandb_group, diverge_above
+        shared = spec.max_parallel > 1 and not self.launch_prefix and "OMP_NUM_THREADS" not in os.environ
+        self.threads = max(1, usable_cpus() // spec.max_parallel) if shared else None
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
