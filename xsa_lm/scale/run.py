@@ -81,11 +81,10 @@ def load_bench(path: Path | str | None, key: str = "scale.bench") -> report.Benc
     """The XSA/SA step time (median, interval) of an `xsa-lm bench` results.json."""
     if path is None:
         return None
-    file = Path(path)
-    if not file.is_file():
+    if not Path(path).is_file():
         raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
     try:
-        bench = json.loads(file.read_text())
+        bench = json.loads(Path(path).read_text())
         ratio = bench["ratios"]["xsa_over_sa_step_time"]
         ratio["median"]  # noqa: B018  # a step time, not only a dict
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):

@@ -343,7 +343,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
     evaluation = downstream_evaluation(spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir)
-    searched = [t for arm in arms for t in protocol.search_trials(grid, spec.search_seeds, [arm])]
+    searched = protocol.search_trials(grid, spec.search_seeds, arms)
     results = report.build_results(
         sweep_dir,
         sweep_id=sweep_id,
