@@ -34,31 +34,14 @@ from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
 from xsa_lm.stats.decision import VERDICTS
 from xsa_lm.stats.paired import paired_t
-from xsa_lm.sweep.protocol import (
-    SequentialRule,
-    Trial,
-    check_seeds,
-    compare_trials,
-    lr_grid,
-    lr_score,
-    search_trials,
-    seed_sequence,
-    select_lr,
-)
+from xsa_lm.sweep import protocol
+from xsa_lm.sweep import run as sweep_run
+from xsa_lm.sweep.protocol import SequentialRule, Trial, check_seeds, compare_trials, search_trials, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
-from xsa_lm.sweep.run import (
-    Evaluation,
-    check_sweep,
-    comparison_plan,
-    downstream_evaluation,
-    earlier_comparisons,
-    keep_plan,
-    sweep_problem,
-    train_overrides,
-)
+from xsa_lm.sweep.run import check_sweep, comparison_plan, downstream_evaluation, keep_plan, train_overrides
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
 from xsa_lm.sweep.stalls import StallRule
-from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, device_slots, outcome
+from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
 from xsa_lm.train.summary import RunSummary
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
@@ -69,22 +52,13 @@ SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar=")
 
 
 def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
-    assert lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
-    assert lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
-    assert lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
-    with pytest.raises(UserError, match="sweep.lrs and sweep.lr_range are both set"):  # not one ignored
-        lr_grid([1e-3], {"min": 1e-4, "max": 1e-2, "num": 3})
-    with pytest.raises(UserError, match="sweep.lrs"):
-        lr_grid([], None)
-    assert lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
+    assert protocol.lr_grid([3e-3, 1e-3, 3e-3], None) == [1e-3, 3e-3]
+    assert protocol.lr_grid(None, {"min": 1e-4, "max": 1e-2, "num": 3}) == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert protocol.lr_grid(None, {"min": 1e-4, "max": 1e-3, "num": 2}) == [1e-4, 1e-3]
+    assert protocol.lr_grid(None, None, preset=[3e-3, 1e-3]) == [1e-3, 3e-3]
     with pytest.raises(UserError, match="needs an LR grid"):
-        lr_grid(None, None)
-    # Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record.
-    with pytest.raises(UserError, match=r"the LR grid has 0.03 and 0.03004, which name one run \(lr0.03"):
-        lr_grid([3e-2, 1e-2, 3.004e-2], None)
-    with pytest.raises(UserError, match="sweep.lr_range gives .*, or fewer points"):
-        lr_grid(None, {"min": 1e-3, "max": 1.01e-3, "num": 3})
-    assert lr_grid([3e-2, 3.01e-2], None) == [3e-2, 3.01e-2]  # lr0.03 and lr0.0301
+        protocol.lr_grid(None, None)
+    assert protocol.lr_grid([3e-2, 3.01e-2], None) == [3e-2, 3.01e-2]  # lr0.03 and lr0.0301
     store = TrialStore(tmp_path / "sweep")  # an earlier grid's run of the same name
     store.save(TrialRecord.missing(Trial("sa", 3.004e-2, 0), "search"))
     assert store.load(Trial("sa", 3.004e-2, 0)) is not None
@@ -92,86 +66,54 @@ def test_lr_grid_from_a_list_or_a_log_range(tmp_path: Path) -> None:
         store.is_final(Trial("sa", 3e-2, 0))
 
 
-C = "completed"
-# One search seed per LR: (status, final val loss) by LR; the LR selected (None: none usable); what each warning says.
+C, D, F = "completed", "diverged", ("failed", None)
+
+
+def ok(*losses: float) -> list[tuple[str, float]]:
+    return [(C, loss) for loss in losses]
+
+
+MAJORITY = [(D, None), (C, 2.0), (D, 50.0)]  # 50 is above the bound: diverged too; 2.0 never wins
+# name: (search runs by LR as (status, final val loss) per seed, (the LR selected, some LRs' medians (None: not
+# usable, a diverged run counting as +inf), what each warning says))
 SELECTIONS = {
-    "lowest loss, inside the grid": ({1e-4: (C, 3.2), 3e-4: (C, 3.0), 1e-3: (C, 3.1)}, 3e-4, []),
-    "a tie goes to the smaller LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.0), 1e-3: (C, 3.0), 3e-3: (C, 3.4)}, 3e-4, []),
-    "diverged runs never win": (
-        {1e-4: (C, 3.3), 3e-4: (C, 3.1), 1e-3: ("diverged", 0.5), 3e-3: ("diverged", 12.0)},
-        3e-4,
-        [],
+    "inside the grid": ({1e-4: ok(3.2), 3e-4: ok(3.0), 1e-3: ok(3.1)}, (3e-4, {}, [])),
+    "a tie": (
+        {1e-4: ok(3.5), 3e-4: ok(2.9, 3.0, 3.3), 1e-3: ok(3.0, 2.8, 3.1), 3e-3: ok(3.4)},
+        (3e-4, {3e-4: 3.0, 1e-3: 3.0}, []),
     ),
-    "a NaN loss never wins": ({1e-4: (C, 3.3), 3e-4: (C, math.nan), 1e-3: (C, 3.4)}, 1e-4, ["lowest LR"]),
-    "nothing usable": ({1e-3: ("diverged", None), 1e-2: (C, math.inf)}, None, ["no LR is usable"]),
-    "best at the lowest LR": ({1e-4: (C, 3.0), 3e-4: (C, 3.5), 1e-3: (C, 3.5)}, 1e-4, ["lowest LR of the grid"]),
-    "best at the highest LR": ({1e-4: (C, 3.5), 3e-4: (C, 3.5), 1e-3: (C, 3.0)}, 1e-3, ["extend the grid above"]),
-    "one LR": ({3e-4: (C, 3.0)}, 3e-4, ["holds one LR (0.0003): nothing was searched"]),
-    "a failed run is named": (
-        {1e-4: (C, 3.3), 3e-4: ("failed", None), 1e-3: (C, 3.1), 3e-3: (C, 3.2)},
-        1e-3,
-        ["LR 0.0003 did not finish"],
+    "diverged never wins": ({1e-4: ok(3.3), 3e-4: ok(3.1), 1e-3: [(D, 0.5)], 3e-3: [(D, 12.0)]}, (3e-4, {}, [])),
+    "NaN never wins": ({1e-4: ok(3.3), 3e-4: ok(math.nan), 1e-3: ok(3.4)}, (1e-4, {3e-4: None}, ["lowest LR"])),
+    "nothing usable": ({1e-3: [(D, None)], 1e-2: ok(math.inf)}, (None, {1e-3: None}, ["no LR is usable"])),
+    "lowest LR": ({1e-4: ok(3.0), 3e-4: ok(3.5), 1e-3: ok(3.5)}, (1e-4, {}, ["lowest LR of the grid"])),
+    "highest LR": ({1e-4: ok(3.5), 3e-4: ok(3.5), 1e-3: ok(3.0)}, (1e-3, {}, ["extend the grid above"])),
+    "one LR": ({3e-4: ok(3.0)}, (3e-4, {}, ["holds one LR (0.0003): nothing was searched"])),
+    "a stalled seed": (
+        {3e-4: ok(3.30, 3.32, 3.31), 1e-3: ok(3.10, 4.50, 3.12), 3e-3: ok(3.4)},
+        (1e-3, {3e-4: 3.31, 1e-3: 3.12}, []),
+    ),
+    "even seeds": ({1e-3: ok(3.3), 3e-3: ok(3.0, 3.2)}, (3e-3, {3e-3: 3.1}, ["above"])),
+    "diverged minority": (
+        {1e-3: MAJORITY, 3e-3: [(C, 3.0), (D, None), (C, 3.2)]},
+        (3e-3, {1e-3: None, 3e-3: 3.2}, ["above"]),
+    ),
+    "diverged half": (
+        {1e-3: MAJORITY, 3e-3: [(C, 3.0), (D, None)]},
+        (None, {3e-3: None}, ["half the search runs or more"]),
+    ),
+    "failed and missing runs are left out": (
+        {1e-4: ok(3.3), 3e-4: [(C, 3.0), F, (None, None), (C, 3.4)], 1e-3: ok(3.3), 3e-3: [F]},
+        (3e-4, {3e-4: 3.2, 3e-3: None}, ["LR 0.0003, 0.003 did not finish (failed or interrupted): the selection"]),
     ),
 }
 
 
-@pytest.mark.parametrize(("results", "lr", "warnings"), SELECTIONS.values(), ids=SELECTIONS)
-def test_the_selection_takes_the_lowest_usable_loss_and_says_what_to_check(results, lr, warnings) -> None:
-    selection = select_lr({lr: [run] for lr, run in results.items()})
-    assert selection.lr == lr and len(selection.warnings) == len(warnings)
+@pytest.mark.parametrize(("results", "expected"), SELECTIONS.values(), ids=SELECTIONS)
+def test_the_selection_takes_the_lowest_median_loss_and_says_what_to_check(results, expected) -> None:
+    (lr, medians, warnings), selection = expected, select_lr(results)
+    assert selection.lr == lr and len(selection.warnings) == len(warnings), selection.warnings
     assert all(said in warning for said, warning in zip(warnings, selection.warnings, strict=True))
-    assert all(selection.losses[lr] is None for lr, (status, _) in results.items() if status != C)
-
-
-def test_a_tie_of_medians_goes_to_the_smaller_lr() -> None:
-    seeds = {  # 3e-4 and 1e-3 both have the median 3.0
-        1e-4: [(C, 3.5), (C, 3.6), (C, 3.4)],
-        3e-4: [(C, 2.9), (C, 3.0), (C, 3.3)],
-        1e-3: [(C, 3.0), (C, 2.8), (C, 3.1)],
-        3e-3: [(C, 3.4), (C, 3.5), (C, 3.3)],
-    }
-    selection = select_lr(seeds)
-    assert selection.losses[3e-4] == selection.losses[1e-3] == 3.0 and selection.lr == 3e-4
-
-
-def test_the_median_over_search_seeds_outvotes_one_stalled_seed() -> None:
-    # SA at 1e-3 is best on seeds 0 and 2, but seed 1 stalled there (a loss far above the others). Judged on seed 1
-    # alone, the stall moves the selection to 3e-4; the median over the three seeds keeps 1e-3.
-    seeds = {
-        3e-4: [("completed", 3.30), ("completed", 3.32), ("completed", 3.31)],
-        1e-3: [("completed", 3.10), ("completed", 4.50), ("completed", 3.12)],
-        3e-3: [("completed", 3.40), ("completed", 3.45), ("completed", 3.42)],
-    }
-    selection = select_lr(seeds)
-    assert selection.lr == 1e-3 and selection.losses[1e-3] == 3.12 and selection.warnings == []
-    assert selection.losses == {3e-4: 3.31, 1e-3: 3.12, 3e-3: 3.42}
-    seed_1 = {lr: [runs[1]] for lr, runs in seeds.items()}  # the stalled seed as the only search seed
-    assert select_lr(seed_1).lr == 3e-4
-    assert lr_score([("completed", 3.0), ("completed", 3.2)]) == pytest.approx(3.1)  # even: mean of two
-
-
-def test_a_majority_of_diverged_seeds_makes_an_lr_unusable_a_minority_does_not() -> None:
-    minority = [("completed", 3.0), ("diverged", None), ("completed", 3.2)]  # the median: 3.2 (diverged = +inf)
-    majority = [("diverged", None), ("completed", 2.0), ("diverged", 50.0)]  # 50 is above the bound: diverged too
-    assert lr_score(minority) == 3.2
-    assert lr_score(majority) is None
-    selection = select_lr({1e-3: majority, 3e-3: minority})
-    assert selection.lr == 3e-3 and selection.losses == {1e-3: None, 3e-3: 3.2}  # 1e-3's 2.0 never wins
-    half = [("completed", 3.0), ("diverged", None)]  # two seeds, one diverged: the median is +inf, not usable
-    assert lr_score(half) is None
-    everywhere = select_lr({1e-3: majority, 3e-3: half})
-    assert everywhere.lr is None and any("half the search runs or more diverged" in w for w in everywhere.warnings)
-
-
-def test_failed_search_runs_are_left_out_of_the_median_with_a_warning() -> None:
-    # A failed (or missing) run is no result: the median is over the runs that finished, and the warning names the LR.
-    with_failure = [("completed", 3.0), ("failed", None), (None, None), ("completed", 3.4)]
-    assert lr_score(with_failure) == pytest.approx(3.2)
-    selection = select_lr({1e-3: with_failure, 3e-3: [("completed", 3.3)] * 3})
-    assert selection.lr == 1e-3 and selection.losses[1e-3] == pytest.approx(3.2)
-    assert len(selection.warnings) == 2  # the failed runs, and the best LR on the grid's edge
-    assert "search runs at LR 0.001 did not finish" in selection.warnings[0] and "retry" in selection.warnings[0]
-    assert lr_score([("failed", None), (None, None)]) is None  # nothing finished: not usable
+    assert {at: selection.losses[at] for at in medians} == pytest.approx(medians)
 
 
 def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
@@ -182,11 +124,7 @@ def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
     assert len(search) == 12 and {t.seed for t in search} == {0, 5}  # every LR x every search seed x each arm
     for lr in grid:
         assert not set(compare_trials(lr, check_seeds([1, 2], search_seeds=[0, 5]))) & set(search)
-    with pytest.raises(
-        UserError, match=r"search seed\(s\) \[0\] .* \(e\.g\. sweep\.seeds=\[2,1\]\) .*reuse_search_run=true"
-    ):
-        check_seeds([0, 1], search_seeds=[0])
-    assert check_seeds([3], search_seeds=[7]) == [3]
+    assert check_seeds([3], search_seeds=[7]) == [3]  # the refusals: the next test
     # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
     trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True))
     assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
@@ -202,7 +140,7 @@ def test_a_compare_seed_among_the_search_seeds_is_refused_with_a_disjoint_replac
     with pytest.raises(UserError) as refused:
         check_seeds(seeds, search_seeds=search_seeds)
     message = str(refused.value)
-    assert "\n" not in message
+    assert "\n" not in message and message.endswith("or set sweep.reuse_search_run=true to accept the bias")
     shared = [s for s in seeds if s in search_seeds]
     assert f"contains the search seed(s) [{','.join(map(str, shared))}] (sweep.search_seeds)" in message
     suggested = json.loads(message.split("e.g. sweep.seeds=")[1].split(")")[0])
@@ -381,12 +319,10 @@ def test_the_sweeps_under_results_are_read_and_reported(study: str) -> None:
 
 
 def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
-    from tests.helpers import compose_train
-
     def grid(*overrides: str) -> list[float]:
         cfg = compose_train(list(overrides), config_name="sweep")
         grids = cfg.sweep.lr_grids
-        return lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
+        return protocol.lr_grid(cfg.sweep.lrs, cfg.sweep.lr_range, grids.get(cfg.model.name, grids.get("default")))
 
     for preset, table_1_lr in (("paper_0.7b", 5e-4), ("paper_1.4b", 4e-4), ("paper_2.7b", 3e-4)):
         for chosen in (grid(f"experiment={preset}"), grid(f"model={preset}")):
@@ -406,17 +342,18 @@ def test_paper_sweep_picks_the_grid_of_the_model_preset() -> None:
 
 
 def test_sequential_seeds_continue_after_the_largest_and_skip_every_search_seed() -> None:
-    assert seed_sequence([1, 2], search_seeds=[0], cap=5) == [1, 2, 3, 4, 5]
-    assert seed_sequence([1], search_seeds=[3], cap=4) == [1, 2, 4, 5]  # 3 is a search seed: its SA run may have won
-    assert seed_sequence([5, 1], search_seeds=[0], cap=3) == [5, 1, 6]
-    assert seed_sequence([1, 2, 3], search_seeds=[0], cap=3) == [1, 2, 3]
-    assert seed_sequence([1, 2], search_seeds=[0, 3, 4, 6], cap=6) == [1, 2, 5, 7, 8, 9]  # every search seed skipped
-    assert seed_sequence([10], search_seeds=[11, 12], cap=3) == [10, 13, 14]
+    seq = protocol.seed_sequence
+    assert seq([1, 2], search_seeds=[0], cap=5) == [1, 2, 3, 4, 5]
+    assert seq([1], search_seeds=[3], cap=4) == [1, 2, 4, 5]  # 3 is a search seed: its SA run may have won
+    assert seq([5, 1], search_seeds=[0], cap=3) == [5, 1, 6]
+    assert seq([1, 2, 3], search_seeds=[0], cap=3) == [1, 2, 3]
+    assert seq([1, 2], search_seeds=[0, 3, 4, 6], cap=6) == [1, 2, 5, 7, 8, 9]  # every search seed skipped
+    assert seq([10], search_seeds=[11, 12], cap=3) == [10, 13, 14]
     for cap in (1, 2, True, 2.5, None):  # below the 3 seeds of sweep.seeds (or two pairs), or not an integer
         with pytest.raises(UserError, match="sweep.seeds_until_significant must be an integer"):
-            seed_sequence([1, 2, 3], search_seeds=[0], cap=cap)
+            seq([1, 2, 3], search_seeds=[0], cap=cap)
     with pytest.raises(UserError, match=r"needs compare seeds to start from: set sweep.seeds=\[1,2\]"):
-        seed_sequence([], search_seeds=[0], cap=4)  # a search-only sweep has nothing to continue
+        seq([], search_seeds=[0], cap=4)  # a search-only sweep has nothing to continue
 
 
 def test_sequential_rule_is_bonferroni_over_the_planned_looks() -> None:
@@ -469,20 +406,10 @@ def test_the_correction_holds_the_false_positive_rate_that_repeated_looks_inflat
 # --- trial outcomes ------------------------------------------------------------------------------------------
 
 
-def _summary(status: str = "completed", loss: float | None = 4.0, vocab: int = 512) -> RunSummary:
-    return RunSummary(
-        status=status,
-        attention="sa",
-        model="tiny",
-        lr=1e-3,
-        seed=0,
-        final_val_loss=loss,
-        steps=10,
-        tokens_seen=640,
-        diverged_at_step=7 if status == "diverged" else None,
-        run_dir="run",
-        model_config={"vocab_size": vocab},
-    )
+def _summary(status: str = "completed", loss: float | None = 4.0) -> RunSummary:
+    at = 7 if status == "diverged" else None
+    rest = dict(attention="sa", model="tiny", lr=1e-3, seed=0, steps=10, tokens_seen=640, run_dir="run")
+    return RunSummary(status=status, final_val_loss=loss, diverged_at_step=at, model_config={"vocab_size": 512}, **rest)
 
 
 def test_outcome_of_trial_processes() -> None:
@@ -500,34 +427,39 @@ def test_outcome_of_trial_processes() -> None:
     assert outcome(1, _summary(), "RuntimeError: boom", None).status == "failed"
 
 
-def test_parallel_trials_get_their_own_gpus() -> None:
-    assert device_slots(2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
-    assert device_slots(3, ["0", "1", "2", "3"]) == ["0", "1", "2"]
-    assert device_slots(2, []) == [None, None]  # CPU: trials share the machine
-    assert device_slots(1, ["0", "1"]) == [None]  # one trial: it sees every GPU (and may use DDP)
+def test_parallel_trials_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert gpu_slots(2, []) == ["0,1", "2,3"] and gpu_slots(3, []) == ["0", "1", "2"]
+    assert gpu_slots(1, []) == [None]  # one trial: it sees every GPU (and may use DDP)
+    assert gpu_slots(2, ["srun"]) == [None, None]  # the scheduler places each trial
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_slots(2, []) == [None, None]  # CPU: trials share the machine
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(UserError, match="max_parallel"):
-        device_slots(4, ["0", "1"])
+        gpu_slots(4, [])
+
+
+def _spec(**settings) -> SweepSpec:  # the sweep's settings as configs/sweep/paper.yaml has them, but these
+    return parse(SweepSpec, compose_train([], config_name="sweep").sweep, at="sweep.").model_copy(update=settings)
 
 
 def test_trials_at_once_share_the_cores_unless_the_threads_are_set(tmp_path: Path, monkeypatch) -> None:
-    """Trials at once on one machine each get their share of its cores as OpenMP threads (more threads than cores
-    spin and wait); a user's OMP_NUM_THREADS, one trial at a time, or a launch prefix that places them, leaves it."""
+    """Unless OMP_NUM_THREADS is set, one trial runs at a time, or a launch prefix places them."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     store = TrialStore(tmp_path / "sweep")
-    assert Launcher(store, [], max_parallel=2).trial_env(0)["OMP_NUM_THREADS"] == "4"
-    assert Launcher(store, [], max_parallel=3).trial_env(2)["OMP_NUM_THREADS"] == "2"
-    assert Launcher(store, [], max_parallel=16).trial_env(0)["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in Launcher(store, [], max_parallel=1).trial_env(0)
-    assert "OMP_NUM_THREADS" not in Launcher(store, [], max_parallel=2, launch_prefix=["srun"]).trial_env(0)
+    assert Launcher(store, [], _spec(max_parallel=2)).trial_env(0)["OMP_NUM_THREADS"] == "4"
+    assert Launcher(store, [], _spec(max_parallel=3)).trial_env(2)["OMP_NUM_THREADS"] == "2"
+    assert Launcher(store, [], _spec(max_parallel=16)).trial_env(0)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in Launcher(store, [], _spec(max_parallel=1)).trial_env(0)
+    assert "OMP_NUM_THREADS" not in Launcher(store, [], _spec(max_parallel=2, launch_prefix=["srun"])).trial_env(0)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert Launcher(store, [], max_parallel=2).trial_env(0)["OMP_NUM_THREADS"] == "3"
+    assert Launcher(store, [], _spec(max_parallel=2)).trial_env(0)["OMP_NUM_THREADS"] == "3"
 
 
 @pytest.mark.parametrize("slurm", [False, True], ids=["local", "slurm"])
 def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch, slurm: bool) -> None:
-    """Two trials at once, each as a real child process that records the rendezvous it was given: their ports
-    differ (one allocation, maybe one node); under SLURM neither inherits the sweep's MASTER_ADDR."""
+    """Two trials at once, as real child processes: their own ports; under SLURM no inherited MASTER_ADDR."""
     monkeypatch.setenv("MASTER_ADDR", "sweep-host")
     monkeypatch.setenv("MASTER_PORT", "12345")
     if slurm:
@@ -542,7 +474,7 @@ def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch,
         "[os.environ.get('MASTER_ADDR'), os.environ['MASTER_PORT']])); time.sleep(1)"
     )
     launcher = Launcher(
-        TrialStore(tmp_path / "sweep"), [], max_parallel=2, launch_prefix=[sys.executable, "-c", record]
+        TrialStore(tmp_path / "sweep"), [], _spec(max_parallel=2, launch_prefix=[sys.executable, "-c", record])
     )
     launcher.run([Trial("sa", 1e-3, 0), Trial("xsa", 1e-3, 0)], phase="search", job_type="search")
     (addr_a, port_a), (addr_b, port_b) = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
@@ -551,38 +483,34 @@ def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch,
 
 
 def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path, capsys) -> None:
-    """A rerun with another sweep.diverge_above reused its trials as they were recorded: the LR selection then hung
-    on the order the bounds were tried in. Each change names the bound it was judged by."""
+    """A rerun with another sweep.diverge_above judges its reused trials again; each change names the bound."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
     store.run_dir(trial).mkdir(parents=True)
     write_json(store.run_dir(trial) / "summary.json", _summary(loss=5.0).to_json())
     store.save(replace(TrialRecord.missing(trial, "search"), status="completed", returncode=0, final_val_loss=5.0))
-    Launcher(store, [], diverge_above=4.5).run([trial], phase="search", job_type="search")
+    Launcher(store, [], _spec(diverge_above=4.5)).run([trial], phase="search", job_type="search")
     diverged = cast(TrialRecord, store.load(trial))
     assert diverged.status == "diverged" and "above the divergence bound 4.500" in str(diverged.error)
     assert "diverged under this run's divergence bound 4.500 (sweep.diverge_above)" in capsys.readouterr().out
-    Launcher(store, []).run([trial], phase="search", job_type="search")  # the default bound, ln(512) = 6.24
+    Launcher(store, [], _spec()).run([trial], phase="search", job_type="search")  # the default bound, ln(512) = 6.24
     assert cast(TrialRecord, store.load(trial)).status == "completed"
     said = capsys.readouterr().out
     assert "completed under this run's divergence bound 6.238 (ln of the vocabulary size)" in said, said
 
 
 def test_a_reused_trial_with_a_damaged_summary_says_how_to_write_it_again(tmp_path: Path) -> None:
-    """A final trial whose summary.json was cut short stopped every rerun of the sweep with "run the command that wrote
-    it again", which is the sweep itself: it names the resume that writes the file again."""
+    """The line names the resume that writes the file again, not the sweep that only reads it."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
     store.run_dir(trial).mkdir(parents=True)
     (store.run_dir(trial) / "summary.json").write_text(json.dumps(_summary(loss=5.0).to_json())[:100])
     store.save(replace(TrialRecord.missing(trial, "search"), status="completed", returncode=0, final_val_loss=5.0))
     expected = f"write it again with `xsa-lm train hydra.run.dir={store.run_dir(trial)} resume=auto`, then the sweep"
     with pytest.raises(UserError, match=re.escape(expected) + "$"):
-        Launcher(store, []).run([trial], phase="search", job_type="search")
+        Launcher(store, [], _spec()).run([trial], phase="search", job_type="search")
 
 
 def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_result(tmp_path: Path) -> None:
-    """A trial record cut short stopped every rerun with "run the command that wrote it again" (the sweep itself).
-    Moved aside as the line says, the trial runs again: its run, complete, has nothing left to train (exit code 0,
-    no new summary.json), and its earlier summary.json is its result, not "exited before writing summary.json"."""
+    """Moved aside as the line says, the trial runs again; its complete run's earlier summary.json is its result."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
     (store.run_dir(trial) / "checkpoints").mkdir(parents=True)
     (store.run_dir(trial) / "checkpoints" / "last.ckpt").write_bytes(b"")  # the sweep resumes, keeping the folder
@@ -592,7 +520,7 @@ def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_r
     record = store.records / f"{trial.id}.json"
     record.parent.mkdir(parents=True)
     record.write_text("{garbage")
-    launcher = Launcher(store, [], launch_prefix=[sys.executable, "-c", "pass"])  # stands in for the finished run
+    launcher = Launcher(store, [], _spec(launch_prefix=[sys.executable, "-c", "pass"]))  # as the finished run
     with pytest.raises(UserError, match=re.escape(RETRY_DAMAGED) + "$"):
         launcher.run([trial], phase="search", job_type="search")
     record.unlink()
@@ -604,9 +532,6 @@ def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_r
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
     kept = train_overrides(["model=tiny", "trainer.max_steps=10", "sweep.lrs=[1e-3]", "sweep=demo", "+foo=1"])
     assert kept == ["model=tiny", "trainer.max_steps=10", "+foo=1"]
-    for bad, hint in [("optim.lr=1e-3", "sweep.lrs"), ("attention=xsa", "both"), ("seed=3", "sweep.seeds")]:
-        with pytest.raises(UserError, match=hint):
-            train_overrides([bad])
 
 
 def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
@@ -618,24 +543,13 @@ def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4
 def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:
     state_file = tmp_path / "sweep.json"
     state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": []}))  # as open_sweep writes it
-
-    def run(plan: dict, grid: list[float]) -> None:  # what each run of the sweep does: read sweep.json, keep the plan
-        keep_plan(state_file, plan, grid)
-
-    run(_plan(), [1e-3])
+    keep_plan(state_file, _plan(), [1e-3])  # what each run of the sweep does
     first = json.loads(state_file.read_text())
     stall = {"at_fraction": 0.4, "margin": 0.15, "loss_threshold": None}
-    assert first["plan"] == {
-        "search_seeds": [0],
-        "seeds": [1, 2],
-        "seeds_until_significant": 4,
-        "alpha": 0.05,
-        "planned_looks": 3,  # looks at 2, 3 and 4 seeds
-        "stall": stall,
-        "margin": 0.01,
-    }
+    seeds = {"search_seeds": [0], "seeds": [1, 2], "seeds_until_significant": 4}
+    assert first["plan"] == seeds | {"alpha": 0.05, "planned_looks": 3, "stall": stall, "margin": 0.01}  # 3 looks
     assert first["sweep_id"] == "s" and [h["grid"] for h in first["history"]] == [[1e-3]]
-    run(_plan(), [1e-3, 3e-3])  # the same plan with a larger grid: allowed, and the grid's history kept
+    keep_plan(state_file, _plan(), [1e-3, 3e-3])  # the same plan, a larger grid: allowed, its history kept
     assert [h["grid"] for h in json.loads(state_file.read_text())["history"]] == [[1e-3], [1e-3, 3e-3]]
     kept = state_file.read_bytes()
     for changed, named in (
@@ -647,13 +561,13 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         (_plan(margin=0.1), f"stall {stall!r} -> { ({**stall, 'margin': 0.1})!r}"),
     ):
         with pytest.raises(UserError) as refused:
-            run(changed, [1e-3, 3e-3])
+            keep_plan(state_file, changed, [1e-3, 3e-3])
         message = str(refused.value)
         assert "\n" not in message and f"({named})" in message, message
         assert "spends the significance level again" in message and "a new hydra.run.dir" in message
         assert state_file.read_bytes() == kept  # nothing recorded
     with pytest.raises(UserError, match=r"\(seeds \[1, 2\] -> \[2, 1\]\)"):  # sequential: one pair at a time, in order
-        run(_plan(seeds=(2, 1)), [1e-3])
+        keep_plan(state_file, _plan(seeds=(2, 1)), [1e-3])
     fixed = tmp_path / "fixed" / "sweep.json"
     fixed.parent.mkdir()
     keep_plan(fixed, _plan(seeds=(1, 2, 3), cap=None), [1e-3])
@@ -672,19 +586,18 @@ def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[T
 
 
 def test_a_comparison_at_an_earlier_grids_lr_is_reported_not_dropped(tmp_path: Path) -> None:
-    """A rerun whose larger grid selects another LR shows its own comparison: the one the folder already ran at the
-    earlier LR was seen before this verdict, and the warning says where it is."""
-    store = TrialStore(tmp_path / "sweep")
+    """A rerun whose larger grid selects another LR warns of the comparison the folder ran at the earlier one."""
+    store, earlier = TrialStore(tmp_path / "sweep"), sweep_run.earlier_comparisons
     _completed_compare(store, 1e-2, [1, 2])
     store.save(replace(TrialRecord.missing(Trial("sa", 1e-2, 0), "search"), status="completed"))  # not a comparison
     _completed_compare(store, 3e-2, [1, 2])
-    assert earlier_comparisons(store, 1e-2)[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
-    (warning,) = earlier_comparisons(store, 3e-2)
+    assert earlier(store, 1e-2)[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
+    (warning,) = earlier(store, 3e-2)
     runs = "sa_lr0.01_s1, sa_lr0.01_s2, xsa_lr0.01_s1, xsa_lr0.01_s2"
     assert f"at LR 0.01 (4 completed compare run(s): {runs};" in warning
     assert f"runs in {store.runs}) before this run's grid selected LR 0.03" in warning
     assert "the verdict shown was reached after that comparison was seen" in warning
-    assert earlier_comparisons(TrialStore(tmp_path / "other"), 3e-2) == []
+    assert earlier(TrialStore(tmp_path / "other"), 3e-2) == []
 
 
 def _fake_eval(calls: list[list[str]], returncode: int = 0):
@@ -709,7 +622,7 @@ def _fake_eval(calls: list[list[str]], returncode: int = 0):
     return run
 
 
-def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and_limit(
+def test_downstream_evaluation_is_reused_for_the_same_inputs_and_a_failure_fails_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another limit, other tasks or other checkpoints evaluate anew; the earlier eval folder is kept beside."""
@@ -718,7 +631,7 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     monkeypatch.setattr(subprocess, "run", _fake_eval(calls))
     compare = _completed_compare(store, 1e-2, [1])
 
-    def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> Evaluation:
+    def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> sweep_run.Evaluation:
         return downstream_evaluation(tasks, limit, store, trials, sweep_dir)
 
     first = evaluate(["piqa"], 10, compare)
@@ -741,34 +654,24 @@ def test_downstream_evaluation_is_reused_only_for_the_same_checkpoints_tasks_and
     task_file.write_text("task: mine\ndataset_path: csv\n")  # the same task name, another task
     (edited,) = evaluate([str(task_file)], None, compare).warnings
     assert len(calls) == 6 and "other checkpoints, tasks, task files or limit" in edited
-
-
-def test_a_failed_downstream_evaluation_fails_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = TrialStore(tmp_path / "sweep")
-    monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))
-    failed = downstream_evaluation(["piqa"], None, store, _completed_compare(store, 1e-2, [1]), tmp_path / "sweep")
-    assert failed.result is None and failed.warnings == [failed.error]
+    monkeypatch.setattr(subprocess, "run", _fake_eval([], returncode=1))  # a failed evaluation fails the sweep
+    failed = evaluate(["piqa"], None, compare)
+    assert failed.result is None and failed.warnings[-1] == failed.error
     assert "downstream evaluation failed: xsa-lm: error: the evaluation failed" in str(failed.error)
     search = [_record("search", "sa", 1e-2, 0, 3.0)]
     done = _results(search, select_lr({1e-2: [("completed", 3.0)]}), grid=[1e-2], seeds=[])
     results = replace(done, eval_error=failed.error)
-    assert str(sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
-    assert sweep_problem(done) is None
+    assert str(sweep_run.sweep_problem(results)).endswith("(see logs/eval.log): run the same command again to retry it")
+    assert sweep_run.sweep_problem(done) is None
 
 
 # --- whole sweeps --------------------------------------------------------------------------------------------
 
 
-def _trial_wandb_file(run_dir: Path) -> Path:
-    (run_file,) = run_files(run_dir)
-    return run_file
-
-
 @pytest.mark.slow
 @pytest.mark.long
 def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
-    """Two LRs (one diverges), two seeds, XSA tuned and the null arm too: the whole protocol, the report and W&B
-    records."""
+    """Two LRs (one diverges), two seeds, XSA tuned, the null arm: the whole protocol, the report, W&B records."""
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]
@@ -833,9 +736,9 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
         assert (sweep_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # W&B: every trial in the sweep's group with its phase as job_type, final metrics in the run summary.
-    record = run_record(_trial_wandb_file(sweep_dir / "runs" / "sa_lr0.003_s2"))
+    (compare_run,), (search_run,) = (run_files(sweep_dir / "runs" / f"sa_lr0.003_s{s}") for s in (2, 0))
+    record = run_record(compare_run)
     assert (record.run_group, record.job_type) == ("sweep", "compare")
-    search_run = _trial_wandb_file(sweep_dir / "runs" / "sa_lr0.003_s0")
     assert run_record(search_run).job_type == "lr-search"
     assert summary(search_run)["final_val_loss"] == pytest.approx(by_key[("search", "sa", 3e-3, 0)]["final_val_loss"])
     run_config = config(search_run)
@@ -1018,10 +921,7 @@ SWEEP_REFUSALS = [
     ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0"),
     ("sweep.margin=-0.1", "sweep.margin=-0.1 must be >= 0"),
     ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number"),
-    (
-        "sweep.search_seeds=[-1]",
-        "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to 4294967295",
-    ),
+    ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
     ("sweep.search_seeds=[]", "sweep.search_seeds=[] must be a non-empty list of distinct integers from 0 to"),
     ("sweep.search_seeds=[0,0]", "sweep.search_seeds=[0, 0] must be a non-empty list of distinct integers"),
     ("sweep.lrs=[inf]", "sweep.lrs=[inf] must be a list of positive numbers"),
@@ -1032,7 +932,15 @@ SWEEP_REFUSALS = [
     ("sweep.seeds_until_significant=2", "sweep.seeds_until_significant must be an integer of at least 2"),
     ("sweep.lrs=1e-3", "sweep.lrs=0.001 must be a list of positive numbers, e.g. [1e-3,3e-3], or null"),
     ("sweep.lrs=[1e-3,0.001]", "sweep.lrs=[0.001, 0.001] lists 0.001 twice"),
-    ("sweep.lrs=[]", "needs an LR grid"),
+    ("sweep.lrs=[]", "needs an LR grid: sweep.lrs=[] is empty"),
+    ("sweep.lrs=[1e-3] sweep.lr_range={min:1e-4,max:1e-2,num:3}", "sweep.lrs and sweep.lr_range are both set"),
+    # Runs are named by 3 significant digits of their LR: two LRs of one name would share a run folder and record.
+    ("sweep.lrs=[3e-2,1e-2,3.004e-2]", "the LR grid has 0.03 and 0.03004, which name one run (lr0.03"),
+    (
+        "sweep.lr_range={min:1e-3,max:1.01e-3,num:3}",
+        "sweep.lr_range gives 0.001005 and 0.00101, which name one run (lr0.00101: runs are named by 3 significant "
+        "digits): use LRs that differ within 3 significant digits, or fewer points",
+    ),
     ("sweep.lr_range={min:1e-4,max:1e-2}", "must be {min:..,max:..,num:..} with 0 < min < max and an integer num"),
     ("sweep.lr_range={min:1e-2,max:1e-4,num:3}", "must be {min:..,max:..,num:..} with 0 < min < max"),
     ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
@@ -1044,22 +952,15 @@ SWEEP_REFUSALS = [
     ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not an option"),
-    ("optim.lr=1e-3", "optim.lr is set by the sweep"),
+    ("optim.lr=1e-3", "optim.lr is set by the sweep for each trial; set the grid with sweep.lrs"),
+    ("attention=xsa", "attention is set by the sweep for each trial; the sweep trains both SA and XSA"),
+    ("seed=3", "seed is set by the sweep for each trial; set the seeds with sweep.search_seeds"),
     # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.
     ("attention.layers=[7]", "attention.layers=[7]: each layer is a 0-based index below model.n_layer=2"),
     ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
+    ("attention.layers=[]", "attention.layers=[] puts XSA on no layer"),  # XSA trials: checked where it trains XSA
+    ("attention.layers=[] sweep.seeds=[] sweep.tune_xsa=true", "attention.layers=[] puts XSA on no layer"),
 ]
-
-
-def test_a_refused_sweep_in_its_default_folder_leaves_no_outputs_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    """Hydra made outputs/sweep/<time> before the job's checks: all three go again."""
-    monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
-    monkeypatch.chdir(tmp_path)
-    stderr = refused_in_process(["sweep", *SWEEP_FAST, "sweep.seeds=[1,1]"], monkeypatch, capsys)
-    assert "sweep.seeds=[1, 1] must be a list of distinct integers" in stderr
-    assert not any(tmp_path.iterdir())
 
 
 SLOW_REFUSALS = {"sweep.eval_tasks=[nosuch]"}  # lm-eval's task index is read: seconds, so not in make test-fast
@@ -1072,29 +973,22 @@ SLOW_REFUSALS = {"sweep.eval_tasks=[nosuch]"}  # lm-eval's task index is read: s
 def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
 ) -> None:
+    """In its default folder: Hydra made outputs/sweep/<time> before the job's checks, and all three go again."""
     monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
-    sweep_dir = tmp_path / "sweep"
-    stderr = refused_in_process(["sweep", *SWEEP_FAST, override, f"hydra.run.dir={sweep_dir}"], monkeypatch, capsys)
+    monkeypatch.chdir(tmp_path)
+    stderr = refused_in_process(["sweep", *SWEEP_FAST, *override.split()], monkeypatch, capsys)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], stderr
-    assert not sweep_dir.exists()
+    assert not any(tmp_path.iterdir())
 
 
-def test_each_kind_of_trial_is_checked_as_its_training_will_check_it() -> None:
-    """An XSA training config is checked only when the sweep trains XSA: attention.layers=[] (XSA on no layer) is
-    refused for a comparison, not for a search-only sweep of SA."""
+def test_a_search_only_sweep_of_sa_leaves_the_xsa_trials_unchecked() -> None:
+    """attention.layers=[] (XSA on no layer) is refused where the sweep trains XSA (SWEEP_REFUSALS), not here."""
+    overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]", "sweep.seeds=[]"]
     with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        overrides = [*SWEEP_FAST, "attention.layers=[]", "sweep.lrs=[1e-3,3e-3]"]
-        search_only = compose(config_name="sweep", overrides=[*overrides, "sweep.seeds=[]"])
-        job = check_sweep(*specs(search_only), train_overrides(overrides))
-        assert (job.grid, job.spec.search_seeds, job.seeds) == ([1e-3, 3e-3], [0], [])
-        for compared in ([*overrides, "sweep.seeds=[]", "sweep.tune_xsa=true"], overrides):
-            with pytest.raises(UserError, match=r"attention.layers=\[\] puts XSA on no layer"):
-                check_sweep(*specs(compose(config_name="sweep", overrides=compared)), train_overrides(overrides))
-
-
-def specs(cfg) -> tuple[TrainSpec, SweepSpec]:
-    return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
+        cfg = compose(config_name="sweep", overrides=overrides)
+        job = check_sweep(parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), train_overrides(overrides))
+    assert (job.grid, job.spec.search_seeds, job.seeds) == ([1e-3, 3e-3], [0], [])
 
 
 def test_every_sweep_and_scale_setting_has_a_rule() -> None:
@@ -1109,10 +1003,8 @@ def test_every_sweep_and_scale_setting_has_a_rule() -> None:
 def test_the_recorded_command_is_the_one_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """sweep.json's command reruns the sweep: it keeps the `sweep` word the CLI takes off for Hydra."""
     from xsa_lm.config.command_line import ARGV_VARIABLE
-    from xsa_lm.sweep.run import open_state
 
-    typed = ["xsa-lm", "sweep", "sweep=demo"]
-    monkeypatch.setenv(ARGV_VARIABLE, json.dumps(typed))
+    monkeypatch.setenv(ARGV_VARIABLE, json.dumps(["xsa-lm", "sweep", "sweep=demo"]))
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "sweep=demo"])  # what Hydra sees
-    open_state(tmp_path / "sweep.json", [], None, id_key="sweep_id", overrides_key="overrides", holds="a sweep")
+    sweep_run.open_state(tmp_path / "sweep.json", [], None, id_key="sweep_id", overrides_key="o", holds="a sweep")
     assert json.loads((tmp_path / "sweep.json").read_text())["command"] == "xsa-lm sweep sweep=demo"

@@ -1,20 +1,13 @@
-"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes,
-along one of two axes (scale.axis); both resume (every run is a trial with its record) and fix their plan at the first
-run (scale.json).
-- size: the sweep at each size of scale.models in DIR/sizes/<model>/; SA's losses fitted against training compute
-  and both arms with a shared curve (fit.py): one k for the ladder with a bootstrap CI, reported only when no flag is
-  up; the paired tests per size and across sizes.
-- tokens: at each size, with B = scale.tokens_per_param x its non-embedding parameters, SA's LR searched at B (with
-  scale.lr_per_budget at every SA budget), SA at every budget of scale.sa_budgets (x B) and XSA at every one of
-  scale.xsa_budgets for every compare seed; k per (size, XSA budget) from SA's own tokens-to-loss curve, pooled.
-A wall-clock k comes from `xsa-lm bench`'s XSA/SA step time (scale.bench, or per size: scale.measure_throughput).
-"""
+"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes.
+- scale.axis=size: the sweep at each size (sizes/<model>/), one k for the ladder from a shared fit of loss vs compute.
+- scale.axis=tokens: SA at several token budgets (x B = scale.tokens_per_param x the non-embedding parameters) and
+  XSA at some of them; k per size and XSA budget from SA's own tokens-to-loss curve, pooled.
+A wall-clock k divides by `xsa-lm bench`'s XSA/SA step time. A rerun resumes: scale.json keeps the plan."""
 
 import io
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,50 +29,36 @@ from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.records import JsonObject, RunSummary
 from xsa_lm.scale import fit, report, token_axis
-from xsa_lm.scale.report import (
-    BenchRatio,
-    ScaleStudyResult,
-    SizeBench,
-    SizeResult,
-    TokenPlan,
-    TokenRun,
-    TokenSize,
-    TokenStudyResult,
-)
 from xsa_lm.stats.decision import clustered_test, margin_verdict
 from xsa_lm.stats.paired import holm, paired_stats, position_differences, sign_test_p
 from xsa_lm.sweep import run as sweeps
-from xsa_lm.sweep.protocol import NULL, Selection, Trial, check_seeds
+from xsa_lm.sweep.protocol import FINISHED, NULL, Selection, Trial, check_seeds
 from xsa_lm.sweep.report import SweepResult, bpb_stats
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, last_error_line
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, run_logged
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
+PRESET_SETS_IT = "each size's model preset sets it (one value for all would make the sizes one model); set the sizes"
 SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_size)
     "model": "set the sizes with scale.models=[...]",
-    **{
-        f"model.{key}": "each size's model preset sets it (one value for all would make the sizes one model); set "
-        "the sizes with scale.models=[...]"
-        for key in SIZE_KEYS
-    },
+    **{f"model.{key}": f"{PRESET_SETS_IT} with scale.models=[...]" for key in SIZE_KEYS},
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
 SET_BY_TOKEN_AXIS = {
-    "scheduler.warmup_steps": "scale.warmup_fraction sets each run's warmup from its steps (null: the recipe's)",
-    "trainer.max_steps": "scale.axis=tokens sets each run's steps from scale.tokens_per_param and the budgets",
-    "val_every_steps": "scale.axis=tokens validates at half and at the end of each run",
+    "scheduler.warmup_steps": "set each run's warmup with scale.warmup_fraction (null: the recipe's)",
+    "trainer.max_steps": "each run's steps come from scale.tokens_per_param and the budgets",
+    "val_every_steps": "each run validates at half and at the end",
 }
 
 
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study); what
-    each sweep would refuse (attention=, optim.lr=, seed=) is refused with the study's checks (train_overrides)."""
+    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study)."""
     return sweeps.passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
 
 
 @dataclass(frozen=True)
 class StudyIdentity:
-    """How both axes' results.json open: the study's folder, its id (scale.json's) and the overrides of its runs."""
+    """The study's folder, its id (scale.json's) and the overrides of its runs."""
 
     study_dir: str
     study_id: str
@@ -90,51 +69,36 @@ Study = Callable[[StudyIdentity, str | None], list[str]]  # runs a checked study
 
 
 def size_config(overrides: list[str], model: str, seeds: list[int] | None = None) -> tuple[TrainSpec, SweepSpec, dict]:
-    """One size's training spec, sweep settings and config, composed as `xsa-lm sweep model=<model>` within the
-    running Hydra app with the study's overrides (and its compare seeds as sweep.seeds)."""
+    """One size's specs and config, composed as `xsa-lm sweep model=<model>` (the compare seeds as sweep.seeds)."""
     listed = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
     cfg = compose(config_name="sweep", overrides=[*overrides, f"model={model}", *listed])
     config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), config
 
 
-def read_bench(path: Path | str, key: str) -> tuple[JsonObject, JsonObject]:
-    """An `xsa-lm bench` results.json and its XSA/SA step time (ratios.xsa_over_sa_step_time: median, interval)."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
-    try:
-        bench = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        bench = None
-    ratios = bench.get("ratios") if isinstance(bench, dict) else None
-    ratio = ratios.get("xsa_over_sa_step_time") if isinstance(ratios, dict) else None
-    if not isinstance(ratio, dict) or "median" not in ratio:
-        raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)")
-    return cast(JsonObject, bench), ratio
-
-
-def load_bench(path: str | None) -> BenchRatio | None:
-    """XSA/SA step time from an `xsa-lm bench` results.json (scale.bench), for the size axis's wall-clock k."""
+def load_bench(path: Path | str | None, key: str = "scale.bench") -> report.BenchRatio | None:
+    """The XSA/SA step time (median, interval) of an `xsa-lm bench` results.json."""
     if path is None:
         return None
-    bench, ratio = read_bench(path, "scale.bench")
-    return BenchRatio(source=str(path), model=bench.get("model"), xsa_over_sa_step_time=ratio)
+    if not Path(path).is_file():
+        raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
+    try:
+        bench = json.loads(Path(path).read_text())
+        ratio = bench["ratios"]["xsa_over_sa_step_time"]
+        ratio["median"]  # noqa: B018  # a step time, not only a dict
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)") from None
+    return report.BenchRatio(source=str(path), model=bench.get("model"), xsa_over_sa_step_time=ratio)
 
 
 def wallclock(
     k: float, ci: Sequence[float | None], ratio: float, interval: Sequence[float] | None
 ) -> tuple[float, list[float | None] | None]:
-    """k in wall-clock time, only from `xsa-lm bench`'s XSA/SA step time (its median and 95% interval, both arms
-    timed in alternating rounds; trial tokens/s vary with whatever else the machine ran): a slower XSA gives back
-    part of k. The interval combines the ends conservatively (k's low end over the ratio's high end, and back)."""
+    """k over `xsa-lm bench`'s XSA/SA step time (the trials' tokens/s vary with whatever else the machine ran)."""
     if not interval:
         return k / ratio, None
     lo, hi = ci
     return k / ratio, [lo / interval[1] if lo is not None else None, hi / interval[0] if hi is not None else None]
-
-
-# --- the size axis: the sweep at every size, a fit across sizes -------------------------------------------------
 
 
 class SizeOutput(io.TextIOBase):
@@ -152,9 +116,8 @@ class SizeOutput(io.TextIOBase):
         return len(text)
 
 
-def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> SizeResult:
-    """One size's sweep, in this process, in sizes/<model>/ (held as `xsa-lm sweep` holds its folder), its trials in
-    the study's W&B group."""
+def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | None) -> report.SizeResult:
+    """One size's sweep in sizes/<model>/, held as `xsa-lm sweep` holds its folder, in the study's W&B group."""
     sweep_dir, log = study_dir / "sizes" / model, study_dir / "logs" / f"{model}.log"
     if job.wandb is not None and group is not None:
         job = replace(job, wandb=job.wandb.model_copy(update={"group": group}))
@@ -170,9 +133,8 @@ def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | 
     return size_result(model, sweep_dir, finished=sweeps.incomplete(results) is None)
 
 
-def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
-    """What the fit needs from one size's sweep (its results.json): the paired final losses, throughput and the
-    training FLOPs of a run, compute (GPT.flops_per_token times the tokens it trained on)."""
+def size_result(model: str, sweep_dir: Path, *, finished: bool) -> report.SizeResult:
+    """What the fit needs from a size's results.json: the paired final losses, throughput, training compute."""
     import torch
 
     from xsa_lm.model.config import GPTConfig
@@ -180,7 +142,7 @@ def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
 
     sweep = SweepResult.read(sweep_dir / "results.json")
     compare = sweep.comparison
-    size = SizeResult(
+    size = report.SizeResult(
         model=model,
         sweep_dir=str(sweep_dir),
         sweep_returncode=0 if finished else 1,
@@ -208,29 +170,21 @@ def size_result(model: str, sweep_dir: Path, *, finished: bool) -> SizeResult:
     )
 
 
-def standard_error(runs: list[float]) -> float:
-    """The standard error of a size's mean over its seeds; nan with one seed."""
-    return statistics.stdev(runs) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
-
-
-def not_falling(ladder: list[SizeResult], means: list[float]) -> list[str]:
+def not_falling(ladder: list[report.SizeResult], means: list[float]) -> list[str]:
     pairs = range(len(ladder) - 1)
     return [f"{ladder[i].model} -> {ladder[i + 1].model}" for i in pairs if means[i + 1] >= means[i]]
 
 
 def ladder_flags(
-    ladder: list[SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
+    ladder: list[report.SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
 ) -> dict[str, str]:
     """Every reason this ladder cannot turn XSA's loss gap into compute (flag -> its one-line why)."""
     flags: dict[str, str] = {}
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
     if lack.p is None:
-        why = (
-            "a size has fewer than 2 seeds (no standard error)"
-            if lack.dof > 0
-            else f"{len(ladder)} sizes for {fit.FORMS[sa_fit.form]} parameters leave no degree of freedom"
-        )
+        no_dof = f"{len(ladder)} sizes for {fit.FORMS[sa_fit.form]} parameters leave no degree of freedom"
+        why = "a size has fewer than 2 seeds (no standard error)" if lack.dof > 0 else no_dof
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
     elif lack.p < 0.05:
         flags["lack_of_fit"] = (
@@ -269,10 +223,7 @@ def ladder_flags(
     trend = scipy.stats.linregress(np.log(compute), xsa_means) if len(ladder) > 2 else None
     if rises or trend is None or trend.slope >= 0 or trend.pvalue > 0.05:
         why = f"it rises ({', '.join(rises)})" if rises else "its fall is not significant"
-        if trend is not None:
-            why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})"
-        else:
-            why += "; two sizes cannot test its slope"
+        why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})" if trend else "; two sizes cannot test it"
         flags["xsa_flat_or_not_monotone"] = f"XSA's mean loss does not fall with compute: {why}"
     rises = not_falling(ladder, sa_means)
     if rises:
@@ -293,41 +244,36 @@ class LadderAnalysis:
     fit: JsonObject  # the SA fit, the shared fit, the flags, and k when no flag is up
     across_sizes: JsonObject  # the pooled sign test and the test by seed
     warnings: list[str]
-    sizes: list[SizeResult]  # each with its paired tests
+    sizes: list[report.SizeResult]  # each with its paired tests
 
 
 def analyse(
-    sizes: list[SizeResult], fit_form: str, resamples: int, seed: int, bench: BenchRatio | None = None
+    sizes: list[report.SizeResult], fit_form: str, resamples: int, seed: int, bench: report.BenchRatio | None = None
 ) -> LadderAnalysis:
-    """The SA fit (lack of fit, extrapolation), the shared fit and its ladder k with a parametric-bootstrap CI, the
-    flags, and the paired tests per size and across sizes. A flagged ladder keeps k only under not_results."""
+    """The SA and shared fits, k with its bootstrap CI, the flags (k then under not_results), the paired tests."""
     warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
     warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
+    runs = ([s.sa_runs for s in ladder], [s.xsa_runs for s in ladder])
     sa_fit = fit.fit_loss_vs_compute(compute, sa_means, fit_form)
-    sa_se, xsa_se = [standard_error(s.sa_runs) for s in ladder], [standard_error(s.xsa_runs) for s in ladder]
+    sa_se, xsa_se = ([statistics.stdev(r) / math.sqrt(len(r)) if len(r) > 1 else math.nan for r in arm] for arm in runs)
     lack = fit.lack_of_fit(sa_fit.residuals, sa_se, fit.FORMS[sa_fit.form])
     f_scale = fit.huber_scale(sa_means + xsa_means, sa_se + xsa_se)
     shared = fit.fit_shared(compute, sa_means, xsa_means, offset=sa_fit.form == "power_law_offset", f_scale=f_scale)
-    known_se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]
-    lof = fit.lack_of_fit_variance(shared.residuals, known_se, shared.parameters)
+    se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]  # known
+    lof = fit.lack_of_fit_variance(shared.residuals, se, shared.parameters)
     k = shared.multiplier
     ci = list(
-        fit.ladder_bootstrap(
-            shared, compute, known_se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed
-        )
+        fit.ladder_bootstrap(shared, compute, se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed)
     )
     flags = ladder_flags(ladder, sa_fit, lack, shared)
     shared_fit = {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
     found = [{"flag": flag, "reason": reason} for flag, reason in flags.items()]
     summary = {**sa_fit.as_dict(), "lack_of_fit": asdict(lack), "shared": shared_fit, "flags": found}
-    clock: dict[str, Any] = {
-        "multiplier": None,
-        "ci": None,
-        "note": "wall-clock k: measure throughput with xsa-lm bench",
-    }
+    note = "wall-clock k: measure throughput with xsa-lm bench"
+    clock: dict[str, Any] = {"multiplier": None, "ci": None, "note": note}
     if bench:
         ratio = bench.xsa_over_sa_step_time
         clock["multiplier"], clock["ci"] = wallclock(k, ci, ratio["median"], ratio.get("interval"))
@@ -341,10 +287,8 @@ def analyse(
     return LadderAnalysis(fit=summary, across_sizes=across, warnings=warnings, sizes=tested)
 
 
-def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any]]:
-    """The sizes, each with a result given XSA - SA (paired_stats under `tests`, its t p-value Holm-adjusted across
-    the sizes); and across sizes the sign test over every pair of every size, and the test by seed (a seed's pairs
-    at every size share its data order, so they are not independent)."""
+def size_tests(sizes: list[report.SizeResult]) -> tuple[list[report.SizeResult], dict[str, Any]]:
+    """Each size's paired tests (t p-values Holm-adjusted); across sizes, the pooled sign test and the one by seed."""
     tested = [s for s in sizes if s.compute is not None]
     paired = [paired_stats(s.sa_runs, s.xsa_runs) for s in tested]
     holm_p = holm([t.t_p for t in paired])
@@ -359,13 +303,9 @@ def size_tests(sizes: list[SizeResult]) -> tuple[list[SizeResult], dict[str, Any
     return [replace(s, tests=next(tests)) if s.compute is not None else s for s in sizes], across
 
 
-# --- the token axis: several budgets at each size, k from SA's own curve --------------------------------------
-
-
 @dataclass(frozen=True)
 class TokenJob:
-    """One size of the token axis: its folder, its sweep (the LR grid, the trials' settings), its budget B in
-    tokens and the steps of each budget."""
+    """One size of the token axis: its folder, its sweep (grid, trial settings), its budget B and its steps."""
 
     model: str
     dir: Path
@@ -383,7 +323,6 @@ class TokenJob:
         return max(1, round(fraction * self.tokens / self.batch_tokens))
 
     def overrides(self, fraction: float) -> list[str]:
-        """What the runs of a budget train with: the size's training overrides and the budget's steps."""
         steps = self.steps(fraction)
         settings = [f"trainer.max_steps={steps}", f"val_every_steps={max(1, -(-steps // 2))}"]
         if self.scale.warmup_fraction is not None:  # a fixed warmup: half of the shortest run, a sliver of the longest
@@ -391,30 +330,23 @@ class TokenJob:
         return [*self.sweep.overrides, *settings]
 
     def launcher(self, phase: str, fraction: float, group: str | None) -> Launcher:
-        """The launcher of one phase's runs at one budget, into sizes/<model>/<phase>/."""
         budget = replace(self.sweep, overrides=self.overrides(fraction))
         return budget.launcher(TrialStore(self.dir / phase), group, "scale")
 
 
-def non_embedding_params(train: TrainSpec) -> int:
-    """The non-embedding parameters of the model a run of `train` builds (on the meta device)."""
+def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
+    """A size of the token axis, checked before any run: its runs as `xsa-lm train` checks them, and its largest SA
+    budget against the training data (repeated tokens flatten SA's curve at the top, where k is read)."""
     import torch
 
-    from xsa_lm.model.gpt import GPT
-
-    with torch.device("meta"):
-        return GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
-
-
-def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
-    """A size of the token axis, checked before any run: its runs at B as their `xsa-lm train` will check them, and
-    its largest SA budget against the training data (unless scale.allow_repeated_data): repeated tokens teach less
-    than new ones, which flattens SA's curve at the top, where k is read."""
     from xsa_lm.data.run import prepare_data
+    from xsa_lm.model.gpt import GPT
 
     train, spec, _ = size_config(overrides, model, seeds)
     sweep = sweeps.SweepJob(spec, [], seeds, sweeps.train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
-    params, batch = non_embedding_params(train), train.global_batch_tokens
+    with torch.device("meta"):  # the count needs the shapes only
+        params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+    batch = train.global_batch_tokens
     size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
     size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0)).grid))
     top = max(scale.sa_budgets)
@@ -431,10 +363,8 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
     return size
 
 
-def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenSize:
-    """The searches, the selected LRs and every budget's runs of one size. With lr_per_budget, SA's LR is searched at
-    every SA budget and each arm trains at SA's LR of its budget (the paper's protocol at each budget); else SA's LR
-    at B serves every budget."""
+def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) -> report.TokenSize:
+    """One size's LR searches and budget runs, each budget at SA's LR of B (lr_per_budget: of that budget)."""
     print(
         f"size {size.model}: {size.params:,} non-embedding parameters, B = {size.tokens:,.0f} tokens "
         f"({size.steps(1.0)} steps)"
@@ -447,15 +377,11 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
         return sweeps.search(launcher, size.sweep.grid, plan.search_seeds, [arm], phase)[0]
 
     by_budget = plan.sa_budgets if plan.lr_per_budget else [1.0]
-    searches: dict[str, dict[str, float | None]] = {}
-    lrs: dict[str, float | None] = {}
-    warnings: list[str] = []
-    for fraction in sorted(by_budget, key=lambda f: f != 1.0):  # B first: the LR the earlier plan used everywhere
-        selection = search_at(fraction, "sa")
-        searches[f"{fraction:g}"] = {f"{lr:g}": loss for lr, loss in selection.losses.items()}
-        lrs[f"{fraction:g}"] = selection.lr
-        warnings += [f"at {fraction:g} B: {w}" if len(by_budget) > 1 else w for w in selection.warnings]
-    entry = TokenSize(
+    selections = {f"{f:g}": search_at(f, "sa") for f in sorted(by_budget, key=lambda f: f != 1.0)}  # B first
+    searches = {at: {f"{lr:g}": loss for lr, loss in s.losses.items()} for at, s in selections.items()}
+    lrs = {at: s.lr for at, s in selections.items()}
+    warnings = [f"at {at} B: {w}" if len(by_budget) > 1 else w for at, s in selections.items() for w in s.warnings]
+    entry = report.TokenSize(
         model=size.model,
         non_embedding_params=size.params,
         tokens_B=size.tokens,
@@ -472,8 +398,8 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
     chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(plan.sa_budgets) | set(plan.xsa_budgets))}
     if any(lr is None for lr in chosen.values()):
         return entry
-    runs: dict[str, dict[str, list[TokenRun]]] = {"sa": {}, "xsa": {}}
-    kept = [f.name for f in fields(TokenRun)]
+    runs: dict[str, dict[str, list[report.TokenRun]]] = {"sa": {}, "xsa": {}}
+    kept = [f.name for f in fields(report.TokenRun)]
     arms_by_budget = [("sa", plan.sa_budgets), ("xsa", plan.xsa_budgets)]
     arms_by_budget += [(NULL, plan.xsa_budgets)] if plan.null_arm else []
     for fraction, lr in cast(dict[float, float], chosen).items():
@@ -484,15 +410,16 @@ def run_token_size(size: TokenJob, plan: TokenPlan, group: str | None) -> TokenS
         launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
         launcher.run(trials, f"budget_{fraction:g}", "budget")
         store = launcher.store
-        for arm in arms:  # each run as its trial record has it (TokenRun's fields are some of the record's)
+        for arm in arms:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
             records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
-            runs.setdefault(arm, {})[f"{fraction:g}"] = [TokenRun(**{k: getattr(r, k) for k in kept}) for r in records]
+            runs.setdefault(arm, {})[f"{fraction:g}"] = [
+                report.TokenRun(**{k: getattr(r, k) for k in kept}) for r in records
+            ]
     return replace(entry, runs=runs, seeds=plan.seeds)
 
 
-def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBench | None:
-    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists): the step-time
-    ratio with its interval, measured with both arms interleaved, not the trials' tokens/s."""
+def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> report.SizeBench | None:
+    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists)."""
     out = study_dir / "bench" / f"{size.model}.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -500,24 +427,20 @@ def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> SizeBenc
         cmd = [sys.executable, "-m", "xsa_lm.cli", "bench", f"model={size.model}", *model_keys]
         cmd += [f"micro_batch={max(1, size.batch_tokens // size.block_size)}", "comparisons=[xsa_over_sa]"]
         cmd += ["backends=train", f"rounds={size.scale.bench_rounds}", f"out={out}"]  # the runs' kernel
-        log = study_dir / "logs" / f"bench_{size.model}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            print(f"size {size.model}: xsa-lm bench failed: {last_error_line(log)} (no wall-clock multiplier)")
+        error = run_logged(cmd, study_dir / "logs" / f"bench_{size.model}.log")
+        if error is not None:
+            print(f"size {size.model}: xsa-lm bench failed: {error} (no wall-clock multiplier)")
             return None
-    _, ratio = read_bench(out, "bench")
-    return SizeBench(
+    ratio = cast(report.BenchRatio, load_bench(out, "bench")).xsa_over_sa_step_time
+    return report.SizeBench(
         xsa_over_sa_step_time=ratio["median"], interval=ratio["interval"], rounds=len(ratio["rounds"]), file=str(out)
     )
 
 
 def paired_losses(
-    entry: TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
+    entry: report.TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
 ) -> tuple[list[list[float]], list[float], list[int]]:
-    """The seeds where every SA budget and `arm` (XSA, or the null arm) at `fraction` completed: SA's losses per
-    budget, the arm's, the seeds."""
+    """SA's losses per budget, `arm`'s at `fraction`, and the seeds where all of them completed."""
     runs = [*((entry.runs or {})["sa"][f"{f:g}"] for f in sa_budgets), (entry.runs or {})[arm][f"{fraction:g}"]]
     usable = [i for i in range(len(entry.seeds)) if all(r[i].status == "completed" for r in runs)]
     losses = [[cast(float, r[i].final_val_loss) for i in usable] for r in runs]
@@ -525,11 +448,10 @@ def paired_losses(
 
 
 def same_budget(
-    entry: TokenSize, fraction: float, arm: str, margin: float | None
+    entry: report.TokenSize, fraction: float, arm: str, margin: float | None
 ) -> tuple[JsonObject | None, JsonObject | None]:
-    """`arm` - SA at one budget both trained at, over the seeds where both completed: the paired tests of the loss
-    (the record every study reports), and beside them the verdict against the plan's margin, bits per byte and the
-    loss per span of window positions. (None, None) without such a pair."""
+    """`arm` - SA at a budget both trained at, over the seeds where both completed: the paired tests, and the margin
+    verdict, bits per byte and loss along the window beside them. (None, None) without such a pair."""
     runs, budget = entry.runs or {}, f"{fraction:g}"
     both = zip(runs.get("sa", {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
     pairs = [(a, b) for a, b in both if a.status == b.status == "completed"]
@@ -548,38 +470,21 @@ def same_budget(
     return paired_stats(sa, other).to_json(), details
 
 
-def null_cell(entry: TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float) -> JsonObject | None:
-    """k of the null arm (SA from other initial weights) read off SA's curve as XSA's k is: under no effect k is 1,
-    so its interval and per-seed spread are the yardstick's own noise."""
+def null_cell(
+    entry: report.TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float
+) -> JsonObject | None:
+    """k of the null arm (SA from other initial weights), read as XSA's is: its spread is the yardstick's noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
     sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
+    if len(seeds) < 2:
+        return None
     budget = tokens_of(entry, NULL, fraction)
-    cell = token_axis.cell_estimate(sa, sa_tokens, null, budget) if len(seeds) > 1 else None
-    return (
-        {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
-        if cell
-        else None
-    )
+    cell = token_axis.cell_estimate(sa, sa_tokens, null, budget)
+    return {**cell.as_dict(), "paired_seeds": seeds, "per_seed_k": token_axis.per_seed_k(sa, sa_tokens, null, budget)}
 
 
-def repeated_data(entry: TokenSize) -> list[str]:
-    """A warning per arm and budget whose runs passed over the training split more than once: repeated tokens
-    teach less than new ones, which flattens the curve at its top budgets and with it k."""
-    found = []
-    for arm, budgets in (entry.runs or {}).items():
-        for fraction, runs in budgets.items():
-            epochs = max((r.data_epochs or 0.0 for r in runs), default=0.0)
-            if epochs > 1:
-                found.append(
-                    f"{entry.model} {arm.upper()} at {fraction} B: {epochs:.2f} epochs of the training data (it "
-                    "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
-                )
-    return found
-
-
-def tokens_of(entry: TokenSize, arm: str, fraction: float) -> float:
-    """The tokens the runs of one arm and budget trained on (the same for every seed)."""
+def tokens_of(entry: report.TokenSize, arm: str, fraction: float) -> float:
     seen = [r.tokens_seen for r in (entry.runs or {})[arm][f"{fraction:g}"] if r.tokens_seen]
     return float(seen[0]) if seen else fraction * entry.tokens_B
 
@@ -592,21 +497,27 @@ class TokenAnalysis:
 
 
 def analyse_tokens(
-    sizes: list[TokenSize],
+    sizes: list[report.TokenSize],
     sa_budgets: list[float],
     xsa_budgets: list[float],
     seed: int = 0,
     margin: float | None = None,
 ) -> TokenAnalysis:
-    """k, Fieller interval and bootstrap check per (size, XSA budget), and XSA - SA at that budget when SA trained
-    at it too (paired_stats); the pooled k with its heterogeneity; the sizes' warnings, then the analysis's."""
+    """k per (size, XSA budget) with its intervals and same-budget tests, the pooled k, and the warnings."""
     cells, estimates = [], []
     warnings = [f"{s.model}: {w}" for s in sizes for w in s.warnings]
     for entry in sizes:
         if entry.runs is None:
             warnings.append(f"{entry.model}: no LR selected, so no budget runs")
             continue
-        warnings += repeated_data(entry)
+        for arm, budgets in entry.runs.items():  # a warning per arm and budget that saw its data more than once
+            for at, runs in budgets.items():
+                epochs = max((r.data_epochs or 0.0 for r in runs), default=0.0)
+                if epochs > 1:
+                    warnings.append(
+                        f"{entry.model} {arm.upper()} at {at} B: {epochs:.2f} epochs of the training data (it "
+                        "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
+                    )
         sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
         for fraction in xsa_budgets:
             sa, xsa, seeds = paired_losses(entry, sa_budgets, fraction)
@@ -621,8 +532,7 @@ def analyse_tokens(
                 continue
             budget = tokens_of(entry, "xsa", fraction)
             cell = token_axis.cell_estimate(sa, sa_tokens, xsa, budget)
-            monotone = all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False))
-            if not monotone:
+            if not all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False)):
                 warnings.append(
                     f"{entry.model}: SA's mean loss does not fall with every doubling of tokens "
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
@@ -651,14 +561,13 @@ def analyse_tokens(
     return TokenAnalysis(cells=cells, pooled=token_axis.pool(estimates), warnings=warnings)
 
 
-def unfinished(results: TokenStudyResult) -> list[str]:
-    """Runs that did not end completed or diverged (a rerun retries them), each with its status, the first line of
-    its error and its log, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL (out of memory?); log <path>)`."""
+def unfinished(results: report.TokenStudyResult) -> list[str]:
+    """The runs a rerun retries, e.g. `m sa 2 B seed 2 (failed: killed by signal SIGKILL ...; log <path>)`."""
     missing = []
     for size in results.sizes:
         for arm, budgets in (size.runs or {}).items():
             for fraction, runs in budgets.items():
-                for run in (r for r in runs if r.status not in ("completed", "diverged")):
+                for run in (r for r in runs if r.status not in FINISHED):
                     error = (run.error or "").strip().splitlines()
                     why = f"{run.status}: {error[0][:200]}" if error else run.status
                     why += f"; log {run.log}" if run.log else ""
@@ -667,20 +576,19 @@ def unfinished(results: TokenStudyResult) -> list[str]:
 
 
 def reanalyse(
-    saved: ScaleStudyResult | TokenStudyResult | JsonObject,
+    saved: report.ScaleStudyResult | report.TokenStudyResult | JsonObject,
     *,
     fit_form: str = "auto",
     resamples: int = 1000,
     seed: int = 0,
     when: str | None = None,
-) -> ScaleStudyResult | TokenStudyResult:
-    """A saved study of either axis (its results.json, loaded or read) analysed again from its raw data with the
-    current analysis, no run repeated; `reanalysed` says when."""
+) -> report.ScaleStudyResult | report.TokenStudyResult:
+    """A saved study of either axis analysed again from its raw data, no run repeated; `reanalysed` says when."""
     if isinstance(saved, dict):
-        kind = TokenStudyResult if "plan" in saved else ScaleStudyResult
+        kind = report.TokenStudyResult if "plan" in saved else report.ScaleStudyResult
         saved = kind.from_json(saved, source="the study's results.json")
     when = when or time.strftime("%Y-%m-%d")
-    if isinstance(saved, TokenStudyResult):
+    if isinstance(saved, report.TokenStudyResult):
         plan = saved.plan
         tokens = analyse_tokens(saved.sizes, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=plan.margin)
         return replace(saved, reanalysed=when, **vars(tokens))
@@ -688,15 +596,9 @@ def reanalyse(
     return replace(saved, reanalysed=when, **vars(analyse(sizes, fit_form, resamples, seed, saved.bench)))
 
 
-# --- the study ------------------------------------------------------------------------------------------------
-
-
 def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
-    """Every setting of the study and what each size will run (each size's sweep or runs composed and checked as
-    they will check them, within the running Hydra app), before the study directory gets anything. The compare seeds
-    of every size are scale.seeds, else sweep.seeds, checked under the name the user set. Returns the study."""
-    name = "scale.seeds" if scale.seeds is not None else "sweep.seeds"
-    listed = scale.seeds if scale.seeds is not None else sweep.seeds
+    """The study, checked with each size's sweep or runs before its folder gets anything."""
+    name, listed = ("scale.seeds", scale.seeds) if scale.seeds is not None else ("sweep.seeds", sweep.seeds)
     seeds = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name)
     if not seeds:
         raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
@@ -708,16 +610,13 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
             runs = sweeps.train_overrides([*overrides, f"model={model}"])
             jobs[model] = sweeps.check_sweep(train, spec, runs, config)
         return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key in SET_BY_TOKEN_AXIS:
-            raise UserError(f"{override}: {SET_BY_TOKEN_AXIS[key]}")
+    sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
     of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
     of_sweep = sweep.model_dump(include={"search_seeds", "tune_xsa", "null_arm", "margin"})
     budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
-    plan = TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
+    plan = report.TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
     return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
@@ -728,7 +627,7 @@ def run_size_axis(
     *,
     scale: ScaleSpec,
     jobs: dict[str, sweeps.SweepJob],
-    bench: BenchRatio | None,
+    bench: report.BenchRatio | None,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
@@ -736,7 +635,9 @@ def run_size_axis(
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
     analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench)
-    results = ScaleStudyResult(**vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, **vars(analysis))
+    results = report.ScaleStudyResult(
+        **vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, **vars(analysis)
+    )
     report.write_report(results, study_dir)
     wandb = next(iter(jobs.values())).wandb
     if group is not None and wandb is not None and scale.wandb_report:
@@ -745,10 +646,9 @@ def run_size_axis(
 
 
 def run_token_axis(
-    identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: TokenPlan, sizes: list[TokenJob]
+    identity: StudyIdentity, group: str | None, *, scale: ScaleSpec, plan: report.TokenPlan, sizes: list[TokenJob]
 ) -> list[str]:
-    """The token-axis study: the plan kept in scale.json, every size's runs and bench, then the analysis and the
-    report. Returns the runs that did not finish."""
+    """The plan kept in scale.json, each size's runs and bench, the analysis and report; the runs left unfinished."""
     study_dir = Path(identity.study_dir)
     sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
     entries = []
@@ -756,16 +656,14 @@ def run_token_axis(
         entry = run_token_size(size, plan, group)
         bench = run_bench(study_dir, size, identity.overrides) if scale.measure_throughput else None
         entries.append(replace(entry, bench=bench))
-    seed, margin = scale.bootstrap_seed, plan.margin
-    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=margin)
-    results = TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
+    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=scale.bootstrap_seed, margin=plan.margin)
+    results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
     report.write_report(results, study_dir)
     return unfinished(results)
 
 
 def keep_sizes(state_file: Path, models: list[str]) -> None:
-    """A rerun may add sizes to a study, not leave one out: its report would drop a size already trained (a ladder
-    chosen after seeing its results). scale.json records every size the study has run."""
+    """A rerun may add sizes, not leave one out (a ladder chosen after seeing its results); scale.json lists them."""
     state = json.loads(state_file.read_text())
     earlier = state.get("models", [])
     left_out = [m for m in earlier if m not in models]
@@ -781,18 +679,13 @@ def keep_sizes(state_file: Path, models: list[str]) -> None:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     def study(study_dir: Path, overrides: list[str]) -> list[str]:
-        """Everything checked (check_study) before the study directory gets anything, then the study's identity
-        (scale.json: a rerun must train what the first run trained; sizes and seeds may be added), its config.yaml
-        and its runs, in the study's W&B group. Returns what did not finish."""
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
         run = check_study(scale, sweep, study_dir, overrides)
-        holds = "a scaling study with the overrides"
+        state, holds = study_dir / "scale.json", "a scaling study with the overrides"
         group = wandb.group if wandb else None
-        study_id = sweeps.open_state(
-            study_dir / "scale.json", overrides, group, id_key="study_id", overrides_key="overrides", holds=holds
-        )
-        keep_sizes(study_dir / "scale.json", scale.models)
+        study_id = sweeps.open_state(state, overrides, group, id_key="study_id", overrides_key="overrides", holds=holds)
+        keep_sizes(state, scale.models)
         write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         return run(StudyIdentity(str(study_dir), study_id, overrides), study_id if wandb else None)
 

@@ -15,8 +15,7 @@ from xsa_lm.stats.paired import ALPHA, paired_t
 
 @dataclass(frozen=True)
 class Trial:
-    """One training run of the sweep, identified by (attention, lr, seed) alone: a rerun of the sweep, or another
-    phase asking for the same run, reuses it."""
+    """One training run, identified by (attention, lr, seed) alone: a rerun, or another phase, reuses it."""
 
     attention: str
     lr: float
@@ -35,8 +34,7 @@ class Selection:
 
 
 def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence[float] | None = None) -> list[float]:
-    """The sorted, de-duplicated LR grid: an explicit list, {min, max, num} log-spaced, or else the grid of the
-    model preset (sweep.lr_grids), each checked by SweepSpec; what needs two settings together is checked here."""
+    """The sorted LR grid: sweep.lrs, sweep.lr_range log-spaced, or else the model preset's (sweep.lr_grids)."""
     if lrs is not None and len(lrs) == 0:
         raise UserError(
             "the sweep needs an LR grid: sweep.lrs=[] is empty; give it LRs, or null for the grid of the "
@@ -68,9 +66,8 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
 def check_seeds(
     seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
 ) -> list[int]:
-    """The compare seeds (none: a search-only sweep). No search seed among them: the search's SA run at the selected
-    LR won partly on its noise (the winner's curse), so reusing it biases the paired difference against XSA;
-    sweep.reuse_search_run=true allows it (the report then warns)."""
+    """The compare seeds (none: search only), without a search seed unless sweep.reuse_search_run: the search's
+    winning SA run won partly on its noise, which biases the comparison against XSA."""
     seeds = list(seeds or [])
     shared = [s for s in seeds if s in search_seeds]
     if shared and not reuse_search_run:
@@ -95,38 +92,23 @@ def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
 
 
 NULL = "null"  # the null arm's trials: SA with other initial weights
-NULL_INIT_OFFSET = 1_000_000  # the null arm's weights: init_seed = seed + this (mod the seed range)
-
-
-def null_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
-    """The A/A null (sweep.null_arm): SA again at each compare seed, the same data order from other initial
-    weights: what the procedure reports when there is no effect."""
-    return [Trial(NULL, lr, seed) for seed in seeds]
+FINISHED = ("completed", "diverged")  # a trial's final status: a rerun reuses it
 
 
 def null_init_seed(seed: int) -> int:
-    return (seed + NULL_INIT_OFFSET) % (SEED_MAX + 1)
-
-
-def lr_score(runs: Sequence[tuple[str | None, float | None]]) -> float | None:
-    """The median final val loss of one LR's search runs (status, loss), a diverged run counting as +inf: one
-    stalled or diverged seed cannot decide, and diverged seeds in half of the finished runs or more make the LR
-    unusable. Failed and missing runs are left out. None: nothing usable."""
-    scores = [
-        loss if status == "completed" and loss is not None and math.isfinite(loss) else math.inf
-        for status, loss in runs
-        if status in ("completed", "diverged")
-    ]
-    median = statistics.median(scores) if scores else math.inf
-    return float(median) if math.isfinite(median) else None
+    return (seed + 1_000_000) % (SEED_MAX + 1)  # the null arm's weights: far from every trial's own
 
 
 def select_lr(results: dict[float, list[tuple[str | None, float | None]]]) -> Selection:
-    """The LR with the lowest median final val loss over the search seeds (lr -> [(status, loss) per seed]); a tie
-    goes to the smaller LR, the safer choice."""
-    losses = {lr: lr_score(runs) for lr, runs in sorted(results.items())}
+    """The LR with the lowest median loss (lr -> [(status, loss) per seed]); a tie goes to the smaller LR. A diverged
+    run counts as +inf; an LR whose median is not finite (half diverged), or with nothing finished, is not usable."""
+    losses: dict[float, float | None] = {}
+    for lr, runs in sorted(results.items()):
+        done = [loss if s == "completed" and loss is not None else math.inf for s, loss in runs if s in FINISHED]
+        median = statistics.median([x if math.isfinite(x) else math.inf for x in done]) if done else math.inf
+        losses[lr] = float(median) if math.isfinite(median) else None
     selection = Selection(lr=None, losses=losses)
-    failed = [lr for lr, runs in sorted(results.items()) if any(s not in ("completed", "diverged") for s, _ in runs)]
+    failed = [lr for lr, runs in sorted(results.items()) if any(s not in FINISHED for s, _ in runs)]
     if failed:
         selection.warnings.append(
             f"search runs at LR {', '.join(f'{lr:g}' for lr in failed)} did not finish (failed or interrupted): "
@@ -167,15 +149,13 @@ class Comparison:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
-    """The mean and the sample standard deviation (n - 1); no std below two values."""
     if not values:
         return None, None
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -> list[int]:
-    """The compare seeds of a sequential comparison in their order: sweep.seeds, then the integers after the
-    largest of them (never a search seed), up to cap seeds in all."""
+    """sweep.seeds, then the integers after the largest of them but search seeds, up to cap seeds in all."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < max(len(seeds), 2):
         raise UserError(
             f"sweep.seeds_until_significant must be an integer of at least 2 and at least the number of sweep.seeds "
@@ -198,8 +178,6 @@ def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -
 
 @dataclass(frozen=True, kw_only=True)
 class Look(Record):
-    """One look of the sequential rule at the pairs so far: the corrected CI and p-value."""
-
     seeds: int
     pairs: int
     mean: float | None
@@ -210,8 +188,6 @@ class Look(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class SequentialSummary(Record):
-    """The rule, its correction and its outcome, as results.json holds them (`sequential`)."""
-
     rule: str
     correction: str
     cap: int
@@ -230,9 +206,8 @@ class SequentialSummary(Record):
 
 @dataclass(frozen=True)
 class SequentialRule:
-    """Add one seed pair at a time and look at the paired CI after each, from first_look seeds up to cap; stop at
-    the first look whose CI excludes 0. Each look uses the Bonferroni-corrected level alpha / looks, so that any of
-    the planned looks rejects a true null with chance at most alpha, whatever their dependence (conservative)."""
+    """One seed pair at a time from first_look seeds up to cap, stopping at the first look whose CI excludes 0; each
+    look at the Bonferroni level alpha / looks, so that the looks together reject a true null at most at alpha."""
 
     cap: int
     first_look: int  # the seeds of the first look: sweep.seeds, at least 2 (no CI below two pairs)
@@ -244,7 +219,6 @@ class SequentialRule:
 
     @property
     def looks(self) -> int:
-        """The planned number of looks: one after each seed count from first_look to cap."""
         return self.cap - self.first_look + 1
 
     @property
@@ -252,20 +226,13 @@ class SequentialRule:
         return self.alpha / self.looks
 
     def look(self, n_seeds: int, diffs: Sequence[float]) -> Look:
-        """One look at the paired differences so far: the corrected CI and p-value, and whether the CI excludes 0."""
         test = paired_t(diffs, confidence=1 - self.alpha_per_look)
         significant = test.ci is not None and (test.ci[0] > 0 or test.ci[1] < 0)
-        return Look(
-            seeds=n_seeds,
-            pairs=len(diffs),
-            mean=statistics.fmean(diffs) if diffs else None,
-            ci=test.ci,
-            p_value=test.p,
-            significant=significant,
-        )
+        mean = statistics.fmean(diffs) if diffs else None
+        return Look(seeds=n_seeds, pairs=len(diffs), mean=mean, ci=test.ci, p_value=test.p, significant=significant)
 
     def stopped(self, look: Look) -> str | None:
-        """Why the sequence stops after this look: significant, cap (the cap reached without it), else None."""
+        """Why the sequence stops after this look (significant, cap), or None."""
         if look.significant:
             return "significant"
         return "cap" if look.seeds >= self.cap else None

@@ -1,19 +1,14 @@
 """`xsa-lm sweep`: the paper's protocol in one command.
-
-1. search:  SA runs at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
+1. search:  SA at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
 2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
-3. compare: SA and XSA at that LR for every seed of sweep.seeds, which excludes the search seed: a compare run is
-            never the search's winner, chosen partly for its noise (unless sweep.reuse_search_run=true)
+3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner won partly on
+            its noise)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
-
-Every trial is an `xsa-lm train` process with the sweep's training overrides; its record in the sweep directory
-makes the same command resumable (see trials.py). `xsa-lm scale` runs these phases as a library.
-"""
+Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
 
 import json
 import math
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -22,12 +17,13 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import hydra
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from xsa_lm.config.command_line import another_commands_folder, full_command_line
+from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.spec import TrainSpec, WandbSpec, parse
-from xsa_lm.errors import UserError, exit_on_user_error, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.reporting import ReportRunSettings
@@ -35,7 +31,7 @@ from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.settings import SweepSpec
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, check_trials, gpu_slots, last_error_line
+from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, run_logged, trial_settings
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains both SA and XSA",
@@ -48,8 +44,7 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
 
 
 def passed_on(task_overrides: list[str], group: str, set_by: dict[str, str], setter: str) -> list[str]:
-    """The command line's overrides for the child processes: `group`.* stays with this command, and a key of set_by
-    (key -> where to set it instead) is refused."""
+    """The command line's overrides for the child processes, but `group`.*; a key of set_by (-> why) is refused."""
     kept = []
     for override in task_overrides:
         key = override.split("=", 1)[0].lstrip("+~")
@@ -68,16 +63,14 @@ def train_overrides(task_overrides: list[str]) -> list[str]:
 
 
 def report_run_settings(wandb: WandbSpec) -> ReportRunSettings:
-    """The settings of logger.wandb that a report run takes."""
     return ReportRunSettings(**wandb.model_dump(include={"project", "entity", "mode", "init_timeout_s"}))
 
 
 def open_state(
     state_file: Path, overrides: list[str], group: str | None, *, id_key: str, overrides_key: str, holds: str
 ) -> str:
-    """The identity of a sweep or a study, kept in state_file: its id (the W&B group logger.wandb.group, else the
-    folder's name), returned, and the overrides it runs with. A rerun with other overrides is refused: `holds` says
-    what the folder holds."""
+    """The id of a sweep or a study (logger.wandb.group, else the folder's name), kept in state_file with the
+    overrides it runs with; a rerun with other overrides is refused (`holds`: what the folder holds)."""
     if state_file.exists():
         state = json.loads(state_file.read_text())
         if sorted(state[overrides_key]) != sorted(overrides):
@@ -115,23 +108,16 @@ Result = TypeVar("Result")
 def run_exclusive(
     command: str, overrides_of: Callable[[list[str]], list[str]], run: Callable[[Path, list[str]], Result]
 ) -> tuple[Path, Result]:
-    """The body of `xsa-lm sweep` and `xsa-lm scale`: the command line's overrides for the child processes
-    (overrides_of refuses the ones it cannot pass on), then run(directory, overrides) in Hydra's output directory,
-    which it holds locked; a UserError ends the command with one line."""
+    """run(directory, overrides for the child processes) in Hydra's output directory, held locked."""
     directory = Path(HydraConfig.get().runtime.output_dir)
-    with exit_on_user_error():
-        elsewhere = another_commands_folder(command, directory)  # also checked before Hydra runs
-        if elsewhere:
-            raise UserError(elsewhere)
-        overrides = overrides_of(list(HydraConfig.get().overrides.task))
-        with hold_directory(directory, f"{command}.lock", f"xsa-lm {command}"):
-            return directory, run(directory, overrides)
+    overrides = overrides_of(list(HydraConfig.get().overrides.task))
+    with hold_directory(directory, f"{command}.lock", f"xsa-lm {command}"):
+        return directory, run(directory, overrides)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ComparisonPlan:
-    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`): the seeds, the
-    sequential rule and its level, the stall definition of the report and the practical margin."""
+    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`)."""
 
     search_seeds: list[int]
     seeds: list[int]
@@ -146,22 +132,12 @@ def comparison_plan(
     search_seeds: list[int], seeds: list[int], cap: int | None, *, stall: dict | None, margin: float
 ) -> ComparisonPlan:
     looks = SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1
-    return ComparisonPlan(
-        search_seeds=search_seeds,
-        seeds=seeds,
-        seeds_until_significant=cap,
-        alpha=protocol.ALPHA,
-        planned_looks=looks,
-        stall=stall,
-        margin=margin,
-    )
+    return ComparisonPlan(search_seeds, seeds, cap, protocol.ALPHA, looks, stall, margin)
 
 
 def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
-    """The plan is recorded at the first run and a rerun must keep it: adding seeds after seeing p > 0.05, raising a
-    sequential cap after it stopped, or turning a fixed comparison sequential would spend the significance level
-    again without a trace. The grid may grow (its history is kept). A fixed set of compare seeds is the same set in
-    any order; a sequential one is added one pair at a time, in its order."""
+    """The plan recorded at the first run, which a rerun must keep (a change after seeing results spends the
+    significance level again); the grid may grow, its history kept. Fixed compare seeds compare as a set."""
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
 
@@ -181,32 +157,28 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
 
 
 def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[TrialRecord]:
-    """The records of `trials` as this phase uses them (`reused`: a run of another phase)."""
     records = [store.load(trial) or TrialRecord.missing(trial, phase) for trial in trials]
     return [replace(record, phase=phase, reused=record.phase != phase) for record in records]
 
 
-def selection_of(store: TrialStore, trials: list[Trial]) -> Selection:
-    results: dict[float, list[tuple[str | None, float | None]]] = {}
-    for trial in trials:
-        record = store.load(trial)
-        results.setdefault(trial.lr, []).append((record.status, record.final_val_loss) if record else (None, None))
-    return protocol.select_lr(results)
-
-
 def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
-    """The LR search: every LR of the grid x the seeds, for each arm at once; each arm's selection."""
+    """Every LR of the grid x the seeds, for each arm at once; each arm's selection."""
     trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
-    return [selection_of(launcher.store, trials[arm]) for arm in arms]
+    selections = []
+    for arm in arms:
+        runs: dict[float, list[tuple[str | None, float | None]]] = {lr: [] for lr in grid}
+        for trial in trials[arm]:
+            record = launcher.store.load(trial)
+            runs[trial.lr].append((record.status, record.final_val_loss) if record else (None, None))
+        selections.append(protocol.select_lr(runs))
+    return selections
 
 
 def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[str]:
-    """A warning for each LR other than the selected one at which this folder already ran compare trials (an earlier
-    grid selected it): the comparison shown was chosen after that one was seen, which spends the significance level
-    again, so the report must say so rather than drop it."""
+    """A warning per LR besides the selected one that this folder already compared at (an earlier grid chose it)."""
     completed: dict[float, list[str]] = {}
-    for record in store.all_records():
+    for record in (TrialRecord.read(p, then=RETRY_DAMAGED) for p in sorted(store.records.glob("*.json"))):
         at_selected = selected_lr is not None and math.isclose(record.lr, selected_lr, rel_tol=1e-9)
         if record.phase == "compare" and record.status == "completed" and not at_selected:
             completed.setdefault(record.lr, []).append(record.id)
@@ -222,8 +194,7 @@ def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[st
 
 @dataclass(frozen=True)
 class SweepJob:
-    """A checked sweep: its settings, its LR grid and compare seeds, the training overrides of every trial, the W&B
-    settings of its trials (None: no W&B) and its config as config.yaml keeps it."""
+    """A checked sweep: settings, grid, compare seeds, the trials' overrides and W&B settings, config.yaml's config."""
 
     spec: SweepSpec
     grid: list[float]
@@ -233,24 +204,13 @@ class SweepJob:
     config: dict = field(default_factory=dict)
 
     def launcher(self, store: TrialStore, group: str | None, command: str) -> Launcher:
-        """The launcher of trials into `store` in W&B group `group`, stopped on a signal."""
-        spec = self.spec
-        launcher = Launcher(
-            store,
-            self.overrides,
-            max_parallel=spec.max_parallel,
-            launch_prefix=spec.launch_prefix or [],
-            wandb_group=group if self.wandb else None,
-            diverge_above=spec.diverge_above,
-        )
+        launcher = Launcher(store, self.overrides, self.spec, group if self.wandb else None)
         stop_on_signals(launcher.stop, command)
         return launcher
 
 
 def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
-    """Every sweep setting, checked before anything is written, and each kind of trial the sweep will start: its
-    training config composed from the training overrides (within the running Hydra app) and checked as its
-    `xsa-lm train` will check it; without overrides, `train` stands for them."""
+    """Every sweep setting and kind of trial, checked before anything is written (no overrides: `train` alone)."""
     grids = spec.lr_grids or {}
     grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
     seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
@@ -267,18 +227,17 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
     if overrides is not None:  # XSA trials only in the comparison, unless it is tuned too
         attentions = ["sa", "xsa"] if seeds or spec.tune_xsa else ["sa"]
-        attentions += [protocol.NULL] if seeds and spec.null_arm else []
-        check_trials(overrides, [Trial(attention, grid[0], spec.search_seeds[0]) for attention in attentions])
+        for attention in attentions + ([protocol.NULL] if seeds and spec.null_arm else []):
+            trial = trial_settings(Trial(attention, grid[0], spec.search_seeds[0]))
+            parse(TrainSpec, compose(config_name="train", overrides=[*overrides, *trial]))  # once, not in every trial
     return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
 
 
 def compare_phase(
     launcher: Launcher, lr: float, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], SequentialSummary | None]:
-    """SA and XSA at the selected LR over sweep.seeds. With a cap (sweep.seeds_until_significant), one seed pair at a
-    time from there, with a look at the corrected CI after each, until it excludes 0 or cap seeds ran; the summary of
-    the looks is the second value (None without a cap). A rerun replays the same looks on the reused trials, so it
-    stops where the first run stopped, or continues where that one was cut short."""
+    """SA and XSA at the selected LR over sweep.seeds; with a cap, one more seed pair after each look at the corrected
+    CI until it excludes 0 or the cap is reached (the looks' summary; a rerun replays them on the reused trials)."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
     if cap is None:
         compare = protocol.compare_trials(lr, seeds)
@@ -289,9 +248,7 @@ def compare_phase(
     trials: list[Trial] = []
     n = rule.first_look
     while True:
-        added = protocol.compare_trials(
-            lr, order[len(trials) // 2 : n]
-        )  # the earlier pairs are final (else it returned)
+        added = protocol.compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final
         trials += added
         launcher.run(added, "compare", "compare")
         if not all(launcher.store.is_final(t) for t in trials):  # a failed or interrupted run: the look waits
@@ -308,32 +265,18 @@ def compare_phase(
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The downstream evaluation phase: eval.json (None without eval tasks or compare runs, or when it failed), the
-    report's warnings and why it failed (None when it did not)."""
-
-    result: dict | None
+    result: dict | None  # eval.json; None without eval tasks or compare runs, or when it failed
     warnings: list[str]
     error: str | None
-
-
-def same_evaluation(previous: dict, ckpts: list[str], tasks: str | list[str], limit: float | None) -> bool:
-    """Whether an eval.json evaluated these checkpoints on these tasks (names as eval resolves them, and the contents
-    of local task files) and limit."""
-    from xsa_lm.eval.run import resolve_tasks, task_file_digests
-
-    evaluated = sorted(row["checkpoint"] for row in previous["rows"])
-    same_tasks = sorted(previous["tasks"]) == sorted(resolve_tasks(tasks)[0])
-    same_files = previous.get("task_files", {}) == task_file_digests(tasks)
-    return evaluated == sorted(ckpts) and same_tasks and same_files and previous["limit"] == limit
 
 
 def downstream_evaluation(
     tasks: str | list[str] | None, limit: float | None, store: TrialStore, compare: list[Trial], sweep_dir: Path
 ) -> Evaluation:
-    """`xsa-lm eval` of sweep.eval_tasks (`tasks`, on the first `limit` examples) on the final checkpoints of the
-    compare runs (its own process, like a trial) into eval/. An earlier eval.json of the same checkpoints, tasks and
-    limit is reused; one of others is set aside (the first free eval.earlier<N>/: a result is never overwritten)
-    and the evaluation runs anew."""
+    """`xsa-lm eval` of sweep.eval_tasks on the compare runs' final checkpoints, into eval/. An eval.json of the same
+    checkpoints, tasks (names and task files) and limit is reused; one of others is kept in eval.earlier<N>/."""
+    from xsa_lm.eval.run import resolve_tasks, task_file_digests
+
     if not (tasks and compare):
         return Evaluation(result=None, warnings=[], error=None)
     completed = [t for t in compare if (record := store.load(t)) is not None and record.status == "completed"]
@@ -341,7 +284,9 @@ def downstream_evaluation(
     out, warnings = sweep_dir / "eval", []
     if (out / "eval.json").exists():
         previous = json.loads((out / "eval.json").read_text())
-        if same_evaluation(previous, ckpts, tasks, limit):
+        evaluated = [sorted(r["checkpoint"] for r in previous["rows"]), sorted(previous["tasks"]), previous["limit"]]
+        evaluated.append(previous.get("task_files", {}))
+        if evaluated == [sorted(ckpts), sorted(resolve_tasks(tasks)[0]), limit, task_file_digests(tasks)]:
             return Evaluation(result=previous, warnings=[], error=None)
         n = 1
         while out.with_name(f"eval.earlier{n}").exists():
@@ -356,20 +301,15 @@ def downstream_evaluation(
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
     cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
-    store.logs.mkdir(parents=True, exist_ok=True)
-    with open(store.logs / "eval.log", "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        error = f"downstream evaluation failed: {last_error_line(store.logs / 'eval.log')} (see logs/eval.log)"
+    failed = run_logged(cmd, store.logs / "eval.log")
+    if failed is not None:
+        error = f"downstream evaluation failed: {failed} (see logs/eval.log)"
         return Evaluation(result=None, warnings=[*warnings, error], error=error)
     return Evaluation(result=json.loads((out / "eval.json").read_text()), warnings=warnings, error=None)
 
 
 def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[SweepResult, str]:
-    """The sweep's phases in sweep_dir: its identity and plan kept in sweep.json (a rerun must train what the first
-    run trained, with the same plan; the grid and the seeds may change: new trials are added, finished ones reused),
-    config.yaml (a rerun saves its own beside the first), then search, selection, comparison, the null arm, the
-    downstream evaluation and the report. Returns the results and the report's Markdown."""
+    """The sweep's phases in sweep_dir, its identity and plan kept in sweep.json; the results and the report."""
     spec, grid, seeds, cap = job.spec, job.grid, job.seeds, job.spec.seeds_until_significant
     group = job.wandb.group if job.wandb else None
     state = sweep_dir / "sweep.json"
@@ -398,12 +338,12 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         compare, sequential = compare_phase(launcher, selection.lr, seeds, spec.search_seeds, cap)
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
-    null = protocol.null_trials(selection.lr, seeds) if spec.null_arm and selection.lr is not None else []
+    null = [Trial(protocol.NULL, selection.lr, s) for s in seeds] if spec.null_arm and selection.lr is not None else []
     if null:
         print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
     evaluation = downstream_evaluation(spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir)
-    searched = [t for arm in arms for t in protocol.search_trials(grid, spec.search_seeds, [arm])]
+    searched = protocol.search_trials(grid, spec.search_seeds, arms)
     results = report.build_results(
         sweep_dir,
         sweep_id=sweep_id,
@@ -429,8 +369,8 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
 
 
 def incomplete(results: SweepResult) -> str | None:
-    """Why a sweep did not finish, or None: a trial to retry, or no usable LR."""
-    unfinished = [t.id for t in results.trials if t.status not in ("completed", "diverged")]
+    """Why a sweep did not finish (a trial to retry, no usable LR), or None."""
+    unfinished = [t.id for t in results.trials if t.status not in protocol.FINISHED]
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"
@@ -438,7 +378,7 @@ def incomplete(results: SweepResult) -> str | None:
 
 
 def sweep_problem(results: SweepResult) -> str | None:
-    """Why `xsa-lm sweep` exits with 1, or None: incomplete(results), else a downstream evaluation that failed."""
+    """Why `xsa-lm sweep` exits with 1 (incomplete, or a failed downstream evaluation), or None."""
     problem = incomplete(results)
     if problem is None and results.eval_error:  # the training finished: only the evaluation is retried
         problem = f"{results.eval_error}: run the same command again to retry it"

@@ -1,12 +1,11 @@
-"""The settings of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale` (configs/_scale.yaml), typed once:
-frozen pydantic models whose fields own their type, range and one-line doc. `xsa_lm.config.spec.parse` converts the
-composed config's node and refuses a bad value in one line naming the key, the value and what it takes. Hydra types a
-value by its look (`sweep.lrs=1e-3` is a number, not a list), so every field is strict."""
+"""The settings of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale` (configs/_scale.yaml) as specs: each
+field owns its type and range, and `xsa_lm.config.spec.parse` refuses a bad value in one line."""
 
 import importlib.resources
 import math
 import shutil
 from collections import Counter
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
@@ -21,17 +20,12 @@ def is_number(value: object) -> bool:
 
 
 def numbers_problem(value: Any, example: str, nullable: bool = False) -> str | None:
-    """What is wrong with a list of distinct positive numbers ([] is left to the code that needs some)."""
     if value is None and nullable:
         return None
     if not isinstance(value, list) or any(not is_number(v) or v <= 0 for v in value):
         return f"must be a list of positive numbers, e.g. {example}" + (", or null" if nullable else "")
     twice = sorted(v for v, n in Counter(float(v) for v in value).items() if n > 1)
     return f"lists {', '.join(f'{v:g}' for v in twice)} twice: list each value once" if twice else None
-
-
-def positive_numbers(example: str, nullable: bool = False) -> BeforeValidator:
-    return rule(lambda value: numbers_problem(value, example, nullable))
 
 
 def seed_list(nullable: bool = False, example: str = "") -> BeforeValidator:
@@ -49,7 +43,6 @@ def seed_list(nullable: bool = False, example: str = "") -> BeforeValidator:
 
 
 def lr_range(value: Any) -> str | None:
-    """{min, max, num}: num LRs log-spaced from min to max."""
     good = value is None or (
         isinstance(value, dict)
         and set(value) == {"min", "max", "num"}
@@ -62,7 +55,6 @@ def lr_range(value: Any) -> str | None:
 
 
 def lr_grids(value: Any) -> str | None:
-    """Model name -> its LR grid (a non-empty list of positive numbers)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -75,7 +67,6 @@ def lr_grids(value: Any) -> str | None:
 
 
 def command_prefix(value: Any) -> str | None:
-    """The words put before each trial's command: [] (none), or a program found on PATH and its arguments."""
     if value is None or value == []:
         return None
     if not isinstance(value, list) or any(not isinstance(word, str) or not word for word in value):
@@ -86,7 +77,6 @@ def command_prefix(value: Any) -> str | None:
 
 
 def eval_tasks(value: Any) -> str | None:
-    """null (no downstream evaluation), `paper`, a task name or YAML file, or a list of them."""
     words = value if isinstance(value, list) else [value]
     if value is None or (words and all(isinstance(w, str) and w for w in words)):
         return None
@@ -94,7 +84,6 @@ def eval_tasks(value: Any) -> str | None:
 
 
 def presets(value: Any) -> str | None:
-    """Distinct model presets that exist (configs/model)."""
     folder = importlib.resources.files("xsa_lm.configs") / "model"
     known = sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value) or len(set(value)) != len(value):
@@ -106,7 +95,8 @@ def presets(value: Any) -> str | None:
 class SweepSpec(Spec):
     """`xsa-lm sweep`'s settings (configs/sweep/paper.yaml says what each does)."""
 
-    lrs: Annotated[list[float] | None, positive_numbers("[1e-3,3e-3]", nullable=True)]  # null: lr_range, lr_grids
+    # null: lr_range, else lr_grids
+    lrs: Annotated[list[float] | None, rule(partial(numbers_problem, example="[1e-3,3e-3]", nullable=True))]
     lr_range: Annotated[dict[str, float] | None, rule(lr_range)]  # {min, max, num}: log-spaced
     lr_grids: Annotated[dict[str, list[float]] | None, rule(lr_grids)]  # model name -> its grid
     search_seeds: Annotated[list[int], seed_list(example="e.g. [0], or [0,10,20] to select on the median of 3")]
@@ -128,13 +118,11 @@ class SweepSpec(Spec):
 
     @model_validator(mode="after")
     def _stalls(self) -> "SweepSpec":
-        """The stall rule's values now, not at the report after every run."""
-        self.stall_rule  # noqa: B018
+        self.stall_rule  # noqa: B018  # its values checked now, not at the report after every run
         return self
 
     @property
     def stall_rule(self) -> StallRule | None:
-        """sweep.stall as a StallRule (None: no stall table)."""
         return StallRule(**self.stall) if self.stall else None  # type: ignore[arg-type]  # StallRule checks them
 
 
@@ -151,25 +139,25 @@ class ScaleSpec(Spec):
     bootstrap_seed: int = Field(ge=0, le=SEED_MAX)  # the same resamples on every rerun
     wandb_report: bool  # a scale-report run in the study's W&B group
     tokens_per_param: float = Field(gt=0)  # B = this x the non-embedding parameters
-    sa_budgets: Annotated[list[float], positive_numbers("[0.5,1,2]")]  # in units of B
-    xsa_budgets: Annotated[list[float], positive_numbers("[0.5,1]")]  # in units of B, within SA's
+    sa_budgets: Annotated[list[float], rule(partial(numbers_problem, example="[0.5,1,2]"))]  # in units of B
+    xsa_budgets: Annotated[list[float], rule(partial(numbers_problem, example="[0.5,1]"))]  # in units of B, within SA's
     lr_per_budget: bool  # SA's LR searched at every SA budget
     warmup_fraction: float | None = Field(ge=0, lt=1, description="the share of each run's steps warming up")
     allow_repeated_data: bool  # false: a budget past one epoch is refused
     measure_throughput: bool  # xsa-lm bench SA vs XSA at each size
     bench_rounds: int = Field(ge=2)  # of the throughput bench
-    bench: str | None  # a results.json of `xsa-lm bench` (scale/run.py read_bench)
+    bench: str | None  # a results.json of `xsa-lm bench` (scale/run.py load_bench)
 
     @model_validator(mode="after")
     def _sizes_and_budgets(self) -> "ScaleSpec":
         """A fit across sizes needs two. The token axis: SA at 2+ budgets including 1 (where the LR is chosen), XSA's
         inside SA's range (no multiplier needs an extrapolation), and among SA's when each budget has its LR."""
         sa, xsa = sorted(self.sa_budgets), sorted(self.xsa_budgets)
-        if self.axis == "size" and len(self.models) < 2:
-            raise UserError(
-                f"scale.models needs at least two distinct model presets, smallest first, got {self.models}"
-            )
         if self.axis == "size":
+            if len(self.models) < 2:
+                raise UserError(
+                    f"scale.models needs at least two distinct model presets, smallest first, got {self.models}"
+                )
             return self
         if not self.models:
             raise UserError("scale.models needs a model preset, e.g. scale.models=[tiny_l3_d48]")

@@ -1,6 +1,4 @@
-"""Trials as child processes, and one record per trial in the sweep directory.
-
-Layout of a sweep directory:
+"""Trials as child processes, and one record per trial in the sweep directory:
   trials/<id>.json   the record of a trial: its command, status, metrics and run directory (written atomically)
   runs/<id>/         the trial's run directory (config.yaml, metrics.csv, checkpoints/, summary.json, wandb/)
   logs/<id>.log      the trial's terminal output, appended across attempts
@@ -21,15 +19,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
-from xsa_lm.sweep.protocol import NULL, Trial, null_init_seed
+from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
 from xsa_lm.train.devices import usable_cpus
 
-FINAL = ("completed", "diverged")
+if TYPE_CHECKING:  # settings reads the stall rule, which reads trial records
+    from xsa_lm.sweep.settings import SweepSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,17 +81,12 @@ class TrialRecord(Record):
 
 
 # A trial's record cut short (a full disk, an edit): the sweep runs the trial again without it.
-RETRY_DAMAGED = (
-    "move it out of trials/ and run the sweep again: it runs the trial again, from its last checkpoint if any"
-)
+RETRY_DAMAGED = "move it out of trials/ and run the sweep again: it reruns the trial, from its last checkpoint if any"
 
 
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
-        self.sweep_dir, self.records, self.runs, self.logs = (
-            sweep_dir,
-            *(sweep_dir / d for d in ("trials", "runs", "logs")),
-        )
+        self.records, self.runs, self.logs = (sweep_dir / d for d in ("trials", "runs", "logs"))
 
     def run_dir(self, trial: Trial) -> Path:
         return self.runs / trial.id
@@ -110,23 +104,17 @@ class TrialStore:
             )
         return record
 
-    def all_records(self) -> list[TrialRecord]:
-        """Every trial this sweep folder recorded, of this run's grid or an earlier one."""
-        return [TrialRecord.read(path, then=RETRY_DAMAGED) for path in sorted(self.records.glob("*.json"))]
-
     def save(self, record: TrialRecord) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
         write_json(self.records / f"{record.id}.json", record.to_json())  # a kill mid-write leaves the old one whole
 
     def is_final(self, trial: Trial) -> bool:
         record = self.load(trial)
-        return record is not None and record.status in FINAL
+        return record is not None and record.status in FINISHED
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a trial process ended: its status and error, and its run's summary.json when it wrote one."""
-
     status: str
     error: str | None
     summary: RunSummary | None = None
@@ -143,13 +131,11 @@ SUMMARY_METRICS = [
 
 
 def divergence_bound(summary: RunSummary, diverge_above: float | None) -> float:
-    """sweep.diverge_above, else ln(V): a final val loss above it is worse than guessing uniformly over the
-    vocabulary, so the run diverged."""
+    """sweep.diverge_above, else ln(V): a final val loss worse than a uniform guess."""
     return float(diverge_above) if diverge_above is not None else math.log(summary.model_config["vocab_size"])
 
 
 def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_above: float | None) -> Outcome:
-    """The status, error and metrics of a finished trial process, from its exit code and summary.json."""
     if summary is None:
         if returncode < 0:
             error = f"killed by signal {signal.Signals(-returncode).name} (out of memory?)"
@@ -167,8 +153,16 @@ def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_
     return Outcome(summary.status, summary.error, summary)
 
 
+def run_logged(cmd: list[str], log: Path) -> str | None:
+    """Run cmd, its output appended to log; None, or the line it printed last that says what went wrong."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        returncode = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    return last_error_line(log) if returncode != 0 else None
+
+
 def last_error_line(log: Path) -> str:
-    """The line a failed run printed last that says what went wrong (`xsa-lm: error: ...`, an exception)."""
+    """The last line of a log that says what went wrong (`xsa-lm: error: ...`, an exception)."""
     if not log.exists():
         return ""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines()[-200:] if line.strip()]
@@ -178,9 +172,17 @@ def last_error_line(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each parallel slot: the visible GPUs split evenly, or None (inherit) without GPUs."""
-    if not visible or max_parallel == 1:
+def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
+    """Each parallel slot's share of the visible GPUs; None (inherit) for one trial, no GPU, or a launch prefix."""
+    if max_parallel <= 1 or launch_prefix:
+        return [None] * max_parallel
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        import torch
+
+        env = ",".join(map(str, range(torch.cuda.device_count())))
+    visible = [d for d in env.split(",") if d.strip()]
+    if not visible:
         return [None] * max_parallel
     if len(visible) < max_parallel:
         raise UserError(
@@ -190,91 +192,38 @@ def device_slots(max_parallel: int, visible: Sequence[str]) -> list[str | None]:
     return [",".join(visible[i * per_slot : (i + 1) * per_slot]) for i in range(max_parallel)]
 
 
-def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
-    """device_slots of this machine's GPUs; with a launch prefix (srun, ...) the scheduler places each trial."""
-    if max_parallel <= 1 or launch_prefix:
-        return device_slots(max_parallel, [])
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return device_slots(max_parallel, [d for d in env.split(",") if d.strip()])
-    import torch
-
-    return device_slots(max_parallel, [str(i) for i in range(torch.cuda.device_count())])
-
-
 def die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the sweep dies, even by SIGKILL (Linux), so that no orphan
-    trial keeps writing into a run directory that a rerun of the sweep is about to use."""
+    """In the child, before exec: SIGTERM when the sweep dies, even by SIGKILL, so no orphan trial writes on."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the sweep's signal handlers still stop children
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
-    """A TCP port no process on this host listens on now (the kernel picks it)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def thread_share(max_parallel: int, launch_prefix: Sequence[str]) -> int | None:
-    """OMP_NUM_THREADS for each of the trials at once on this machine: its cores shared among them, as torchrun does
-    (more threads than cores spin and wait: four tiny CPU runs on 2 cores took 80 s with 2 threads each, 32 s with
-    1). None for one trial at a time, a launch prefix, or OMP_NUM_THREADS set already."""
-    if max_parallel <= 1 or launch_prefix or "OMP_NUM_THREADS" in os.environ:
-        return None
-    return max(1, usable_cpus() // max_parallel)
-
-
-def rendezvous_env(env: dict[str, str], taken: set[int]) -> dict[str, str]:
-    """The rendezvous of one trial's processes, apart from every other trial's on the same node (a shared
-    MASTER_PORT would join them into one process group). Under SLURM an inherited MASTER_ADDR is dropped, so that
-    Lightning takes the trial's own first node (srun sets SLURM_NODELIST per job step)."""
-    port = free_port()
-    while port in taken:
-        port = free_port()
-    env = {**env, "MASTER_PORT": str(port)}
-    if "SLURM_JOB_ID" in env:
-        env.pop("MASTER_ADDR", None)
-    else:
-        env["MASTER_ADDR"] = "127.0.0.1"
-    return env
-
-
 def trial_settings(trial: Trial) -> list[str]:
-    """The training keys the sweep sets for a trial, its run directory aside (run.py SET_BY_SWEEP). A trial of the
-    null arm is SA from other initial weights (protocol.null_trials)."""
+    """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP); the null arm is SA from other weights."""
     null = trial.attention == NULL
     arm = [f"attention={'sa' if null else trial.attention}"]
     arm += [f"init_seed={null_init_seed(trial.seed)}"] if null else []
     return [*arm, f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
 
 
-def check_trials(train_overrides: Sequence[str], trials: Sequence[Trial]) -> None:
-    """Each trial's training config, composed and checked as its `xsa-lm train` will (within the running Hydra app):
-    a bad training key is refused once, here, not in every trial. Its data and devices are left to the trial."""
-    from hydra import compose
-
-    from xsa_lm.config.spec import TrainSpec, parse
-
-    for trial in trials:
-        parse(TrainSpec, compose(config_name="train", overrides=[*train_overrides, *trial_settings(trial)]))
-
-
 class Launcher:
     """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
 
     def __init__(
-        self,
-        store: TrialStore,
-        train_overrides: Sequence[str],
-        max_parallel: int = 1,
-        launch_prefix: Sequence[str] = (),
-        wandb_group: str | None = None,
-        diverge_above: float | None = None,
+        self, store: TrialStore, train_overrides: Sequence[str], spec: "SweepSpec", wandb_group: str | None = None
     ) -> None:
-        self.store, self.train_overrides, self.launch_prefix = store, list(train_overrides), list(launch_prefix)
-        self.slots, self.threads = gpu_slots(max_parallel, launch_prefix), thread_share(max_parallel, launch_prefix)
-        self.wandb_group, self.diverge_above = wandb_group, diverge_above
+        self.store, self.train_overrides, self.wandb_group = store, list(train_overrides), wandb_group
+        self.launch_prefix, self.diverge_above = spec.launch_prefix or [], spec.diverge_above
+        self.slots = gpu_slots(spec.max_parallel, self.launch_prefix)
+        # Trials at once share the cores, as torchrun does (more threads than cores spin and wait).
+        shared = spec.max_parallel > 1 and not self.launch_prefix and "OMP_NUM_THREADS" not in os.environ
+        self.threads = max(1, usable_cpus() // spec.max_parallel) if shared else None
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
@@ -302,8 +251,7 @@ class Launcher:
                 self._finish(trial, proc.returncode, started, phase)
 
     def judged_again(self, trial: Trial) -> TrialRecord:
-        """A final trial's record under this run's divergence bound (sweep.diverge_above), which may differ from the
-        one it was recorded under; saved, and said, where its status changes."""
+        """A final trial's record judged again under this run's divergence bound; saved, and said, if it changes."""
         record = cast(TrialRecord, self.store.load(trial))
         run_dir = self.store.run_dir(trial)
         summary_file = run_dir / "summary.json"
@@ -326,9 +274,17 @@ class Launcher:
         return record
 
     def trial_env(self, slot: int) -> dict[str, str]:
-        """The environment of a trial in a slot: its own rendezvous, its GPUs and its share of the cores."""
+        """Its own rendezvous port (a shared one would join trials into one process group), GPUs and threads. Under
+        SLURM the inherited MASTER_ADDR is dropped: Lightning takes the trial's own first node."""
         taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
-        env = rendezvous_env(dict(os.environ, PYTHONUNBUFFERED="1"), taken)
+        port = free_port()
+        while port in taken:
+            port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(port))
+        if "SLURM_JOB_ID" in env:
+            env.pop("MASTER_ADDR", None)
+        else:
+            env["MASTER_ADDR"] = "127.0.0.1"
         gpus = self.slots[slot]
         env |= {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}
         return env | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads is not None else {})
