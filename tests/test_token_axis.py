@@ -10,6 +10,7 @@ from typing import cast
 import numpy as np
 import pytest
 import scipy.stats
+import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
@@ -21,7 +22,6 @@ from xsa_lm.scale.run import (
     StudyIdentity,
     analyse_tokens,
     check_study,
-    non_embedding_params,
     sweep_overrides,
     unfinished,
 )
@@ -276,13 +276,16 @@ def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_p
 
 def test_the_budget_counts_the_parameters_the_runs_will_build():
     """B follows the study's overrides (an experiment's or the command line's model.* keys) and the size's preset."""
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        base, deeper = (
-            non_embedding_params(parse(TrainSpec, compose(config_name="train", overrides=[*o, "model=tiny_l3_d48"])))
-            for o in (["experiment=tokens_toy"], ["experiment=tokens_toy", "model.n_layer=4"])
-        )
     from xsa_lm.model.config import GPTConfig
     from xsa_lm.model.gpt import GPT
+
+    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"), torch.device("meta"):
+        base, deeper = (
+            GPT(
+                parse(TrainSpec, compose(config_name="train", overrides=[*o, "model=tiny_l3_d48"])).gpt_config(4096)
+            ).num_params(non_embedding=True)
+            for o in (["experiment=tokens_toy"], ["experiment=tokens_toy", "model.n_layer=4"])
+        )
 
     four = GPT(GPTConfig(n_layer=4, d_model=48, n_head=3, head_dim=16, vocab_size=4096)).num_params(non_embedding=True)
     assert base == 83328 and deeper == four > base
