@@ -73,8 +73,6 @@ def test_each_new_term_is_sized():
     copied = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, gradient_as_bucket_view=False)
     assert copied.ddp_buckets == 4 * p and copied.total == mixed.total + 4 * p
     assert memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", gradient_as_bucket_view=False).ddp_buckets == 0
-    assert memory.bucket_view({"_target_": "DDPStrategy", "gradient_as_bucket_view": True})
-    assert not memory.bucket_view("ddp")  # Lightning's default
     # compiled (as measured): the second residual kept as the bf16 attention branch (2 x d_model less), and a
     # cross-entropy of bf16 logits (saved) with two bf16 N x V buffers in its backward
     compiled = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, compiled=True)
@@ -141,6 +139,8 @@ def test_plan_of_a_composed_config_is_memorys_estimate(tmp_path: Path, monkeypat
     plan, _ = plan_of(args, tmp_path, monkeypatch, capsys)
     expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, attention="xsa", compiled=True)
     assert plan["per_device_bytes"] == expected.as_dict() and expected.ddp_buckets == 0  # gradient_as_bucket_view
+    plain, _ = plan_of([*args, "trainer.strategy=ddp"], tmp_path, monkeypatch, capsys)  # Lightning's default: off
+    assert plain["per_device_bytes"]["ddp_buckets"] > 0
 
 
 def test_plan_writes_the_json_and_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):

@@ -42,6 +42,12 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
+def widths(model: dict) -> tuple[int, int, int]:
+    """A block's attention, key/value and MLP hidden widths."""
+    attention, kv_heads = model["n_head"] * model["head_dim"], model.get("n_kv_head") or model["n_head"]
+    return attention, kv_heads * model["head_dim"], int(model.get("mlp_ratio", 4) * model["d_model"])
+
+
 def block_parameters(model: dict) -> int:
     """Weights of one transformer block (no biases): its matmuls and two LayerNorm weights."""
     return block_matmul_parameters(model) + 2 * model["d_model"]
@@ -49,13 +55,7 @@ def block_parameters(model: dict) -> int:
 
 def block_matmul_parameters(model: dict) -> int:
     """The Linear weights of one block: what autocast copies to the compute dtype."""
-    d, head_dim = model["d_model"], model["head_dim"]
-    attn, kv = model["n_head"] * head_dim, (model.get("n_kv_head") or model["n_head"]) * head_dim
-    return 2 * d * attn + 2 * d * kv + 2 * d * hidden_width(model)
-
-
-def hidden_width(model: dict) -> int:
-    return int(model.get("mlp_ratio", 4) * model["d_model"])
+    return 2 * model["d_model"] * sum(widths(model))
 
 
 def parameter_count(model: dict, vocab_size: int) -> int:
@@ -78,21 +78,18 @@ def block_saved_per_token(
     after RoPE, the attention output and its logsumexp, the MLP's hidden layer before and after GELU; XSA's
     (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head. Compiled: the attention branch's output replaces the
     second residual (recomputed from it), and XSA keeps its z for W_o."""
-    d, head_dim, heads = model["d_model"], model["head_dim"], model["n_head"]
-    width, kv_width = heads * head_dim, (model.get("n_kv_head") or heads) * head_dim
-    terms = {
+    d, heads, (width, kv_width, hidden) = model["d_model"], model["n_head"], widths(model)
+    xsa = FP32 * (heads + kv_width // model["head_dim"]) + (compute * width if compiled else 0)
+    return {
         "layernorm_inputs": 2 * residual * d if not compiled else (residual + compute) * d,
         "layernorm_stats": 2 * LAYERNORM_STATS,
         "matmul_inputs": 2 * compute * d,
         "qkv": compute * (width + 2 * kv_width),
         "rope": compute * (width + kv_width),
         "attention_output": compute * width + FP32 * heads,
-        "mlp_hidden": 2 * compute * hidden_width(model),
-        "xsa": 0,
+        "mlp_hidden": 2 * compute * hidden,
+        "xsa": xsa if exclusive else 0,
     }
-    if exclusive:
-        terms["xsa"] = FP32 * (heads + kv_width // head_dim) + (compute * width if compiled else 0)
-    return terms
 
 
 def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False) -> int:
@@ -100,8 +97,7 @@ def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False
     making y's gradient): the gradients of z (compute dtype), of v and of y in fp32, two fp32 numbers per head; in
     16 bits also v's fp32 copy and the gradient promoted for its product with v. Compiled (one fused kernel): the
     gradients of y and v in the compute dtype and one fp32 number per head."""
-    heads, width = model["n_head"], model["n_head"] * model["head_dim"]
-    kv_width = (model.get("n_kv_head") or heads) * model["head_dim"]
+    heads, (width, kv_width, _) = model["n_head"], widths(model)
     if compiled:
         return compute * (width + kv_width) + FP32 * heads
     promoted = 0 if compute == FP32 else FP32 * (kv_width + width)
@@ -149,14 +145,11 @@ def activation_bytes(
     layer = sum(terms.values())
     outside = head_saved_per_token(model, vocab_size, compute=compute, residual=residual, compiled=compiled)
     xsa = xsa_transient_per_token(model, compute=compute, compiled=compiled) if exclusive else 0
-    transient = max(
-        tokens * cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled), positions * xsa
-    )
+    cross_entropy = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
+    transient = max(tokens * cross_entropy, positions * xsa)
+    blocks = model["n_layer"] * (residual * model["d_model"] if checkpointing else layer)
     if checkpointing:
-        blocks = model["n_layer"] * residual * model["d_model"]
         transient = max(transient, positions * (layer + xsa) - tokens * outside["cross_entropy"])
-    else:
-        blocks = model["n_layer"] * layer
     return positions * blocks + tokens * sum(outside.values()), transient
 
 
@@ -206,12 +199,10 @@ def autocast_copies(
     compute, weights = dtype_bytes(precision)
     if compute == weights:
         return 0
-    d = model["d_model"]
-    block = block_matmul_parameters(model)
+    d, block = model["d_model"], block_matmul_parameters(model)
     if attention == "xsa" and not compiled:
-        block -= model["n_head"] * model["head_dim"] * d
-    blocks = block if checkpointing else model["n_layer"] * block
-    return compute * (blocks + vocab_size * d)
+        block -= widths(model)[0] * d
+    return compute * ((1 if checkpointing else model["n_layer"]) * block + vocab_size * d)
 
 
 def largest_micro_batch(available: int, **kwargs) -> int:
@@ -244,8 +235,7 @@ def allocator_peak(run: Callable[[], object]) -> int:
         prof.export_chrome_trace(str(trace))
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
     live, peak, ours = 0, 0, set()
-    for event in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0))):
-        e = event["args"]
+    for e in (e["args"] for e in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))):
         if e["Device Type"] != 0:  # 0: CPU
             continue
         if e["Bytes"] > 0:
@@ -259,19 +249,11 @@ def allocator_peak(run: Callable[[], object]) -> int:
     return peak
 
 
-def bucket_view(strategy) -> bool:
-    """The strategy's gradient_as_bucket_view (a plain `ddp`, Lightning's default: false)."""
-    return bool(strategy.get("gradient_as_bucket_view", False)) if hasattr(strategy, "get") else False
-
-
 def describe(e: MemoryEstimate) -> str:
     gib = {k: f"{v / GIB:.1f}" for k, v in e.as_dict().items()}
-    extra = [
-        f", {name} {gib[k]}"
-        for k, name in (("weight_copies", "16-bit weight copies"), ("ddp_buckets", "DDP buckets"))
-        if getattr(e, k)
-    ]
+    names = {"weight_copies": "16-bit weight copies", "ddp_buckets": "DDP buckets"}
+    extra = "".join(f", {name} {gib[k]}" for k, name in names.items() if getattr(e, k))
     return (
         f"{gib['total']} GiB (weights {gib['params']}, gradients {gib['grads']}, AdamW state {gib['optimizer']}"
-        f"{''.join(extra)}, activations of one micro-batch {(e.activations + e.transient) / GIB:.1f})"
+        f"{extra}, activations of one micro-batch {(e.activations + e.transient) / GIB:.1f})"
     )

@@ -59,7 +59,7 @@ class RunShape:
 def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> RunShape:
     """The run `xsa-lm train` would start from this spec, before its tokenizer exists: the model's vocabulary, else
     the tokenizer's size (GPT-2's by default)."""
-    trainer = spec.trainer
+    trainer, strategy = spec.trainer, spec.trainer.strategy
     if activation_checkpointing is None:
         activation_checkpointing = trainer.activation_checkpointing
     return RunShape(
@@ -72,7 +72,8 @@ def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> 
         strategy=trainer.strategy_kind,
         compiled=compile_enabled(spec.compile, accelerator=trainer.accelerator),
         activation_checkpointing=activation_checkpointing,
-        gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
+        # a plain `ddp` is Lightning's default: off
+        gradient_as_bucket_view=isinstance(strategy, dict) and bool(strategy.get("gradient_as_bucket_view")),
     )
 
 
@@ -122,14 +123,30 @@ class Plan:
     cross_entropy_transient_bytes: dict[str, int]
 
 
+def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
+    """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
+    args = run.memory_args()
+    eager, compiled = (
+        memory.estimate(micro_batch_size=run.micro_batch_size, **(args | {"compiled": c})) for c in (False, True)
+    )
+    need = compiled if run.compiled else eager
+    largest = memory.largest_micro_batch(available, **args)
+    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
+    dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
+    return StrategyPlan(
+        need.as_dict(), eager.as_dict(), compiled.as_dict(), need.total <= available, largest, dividing, steps(dividing)
+    )
+
+
 def make_plan(run: RunShape, *, model_name: str, available: int, available_from: str, sdpa: SdpaPlan) -> Plan:
     """Both strategies' memory per device, the largest micro-batches that fit in `available` bytes, and what XSA adds:
     what it saves in every layer, and its temporaries against the cross-entropy's (the backward's peak the larger)."""
     strategies = {s: strategy_plan(replace(run, strategy=s), available) for s in ("ddp", "fsdp")}
-    model, (compute, weights) = asdict(run.model), memory.dtype_bytes(run.precision)
-    tokens = run.micro_batch_size * run.block_size
-    positions = run.micro_batch_size * (run.block_size + run.model.n_sinks)
-    xsa = run.model.attention == "xsa"
+    model, (compute, weights), xsa = asdict(run.model), memory.dtype_bytes(run.precision), run.model.attention == "xsa"
+    tokens, positions = (
+        run.micro_batch_size * run.block_size,
+        run.micro_batch_size * (run.block_size + run.model.n_sinks),
+    )
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
     modes, chosen = {"eager": False, "compiled": True}, strategies[run.strategy]
     same = "strategy devices precision activation_checkpointing compiled micro_batch_size block_size accumulation"
@@ -165,21 +182,6 @@ def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan
     if accelerator in ("gpu", "cuda"):
         return SdpaPlan(setting, "cuda", None)
     return SdpaPlan(setting, "cpu", resolve(setting, torch.device("cpu")))
-
-
-def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
-    """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
-    args = run.memory_args()
-    both = {
-        mode: memory.estimate(micro_batch_size=run.micro_batch_size, **(args | {"compiled": mode}))
-        for mode in (False, True)
-    }
-    need = both[run.compiled]
-    largest = memory.largest_micro_batch(available, **args)
-    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
-    dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
-    eager, compiled = both[False].as_dict(), both[True].as_dict()
-    return StrategyPlan(need.as_dict(), eager, compiled, need.total <= available, largest, dividing, steps(dividing))
 
 
 def table(plan: Plan) -> str:
