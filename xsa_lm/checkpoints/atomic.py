@@ -81,8 +81,18 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             self._pending = (self._start_async_save(checkpoint, tmp), tmp, path, [])
             return
         super().save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        self.put_in_place(tmp, path)
+
+    def put_in_place(self, tmp: Path, path: Path) -> None:
+        """Once every rank's shard is written: meta.pt fsynced (torch.distributed.checkpoint fsyncs the shards)."""
         self.barrier("every shard written")
-        on_rank_zero(self, lambda: finish_sharded(tmp, path), f"putting checkpoint {path} in place")
+
+        def finish() -> None:
+            with open(tmp / META, "rb") as f:
+                os.fsync(f.fileno())
+            move_into_place(tmp, path)
+
+        on_rank_zero(self, finish, f"putting checkpoint {path} in place")
 
     def _start_async_save(self, checkpoint: dict, tmp: Path) -> object:
         import torch.distributed as dist
@@ -111,8 +121,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         future, tmp, path, after = self._pending
         self._pending = None
         future.result()  # this rank's shard and, on rank 0, .metadata
-        self.barrier("every shard written")
-        on_rank_zero(self, lambda: finish_sharded(tmp, path), f"putting checkpoint {path} in place")
+        self.put_in_place(tmp, path)
         for action, what in after:
             on_rank_zero(self, action, what)
 
@@ -128,12 +137,6 @@ class AsyncSave(L.Callback):
         if not isinstance(trainer.strategy, AtomicModelParallelStrategy) or not trainer.strategy.sharded:
             raise UserError("checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp)")
         trainer.strategy.async_save = True
-
-
-def finish_sharded(tmp: Path, path: Path) -> None:
-    with open(tmp / META, "rb") as f:  # the shards are fsynced by torch.distributed.checkpoint
-        os.fsync(f.fileno())
-    move_into_place(tmp, path)
 
 
 def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> None:
@@ -167,7 +170,8 @@ def move_into_place(tmp: Path, path: Path) -> None:
 
 def link_or_copy(source: Path, target: Path) -> None:
     """target becomes a hard link to source (a directory: of links), atomically; a copy without hard links."""
-    if linked(source, target):  # already (rename would leave the new link beside the old one: the same file)
+    ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
+    if theirs.exists() and ours.exists() and os.path.samefile(ours, theirs):  # already (rename would leave both)
         return
     tmp = target.with_name(f"{target.name}.tmp")
     for link in (os.link, shutil.copy2):  # no hard links on some FUSE / object-store mounts: a copy, then
@@ -181,11 +185,6 @@ def link_or_copy(source: Path, target: Path) -> None:
                 raise
             warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
     move_into_place(tmp, target)
-
-
-def linked(source: Path, target: Path) -> bool:
-    ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
-    return theirs.exists() and ours.exists() and os.path.samefile(ours, theirs)
 
 
 class FolderCheckpoint(ModelCheckpoint):

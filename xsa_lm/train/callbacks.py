@@ -27,11 +27,9 @@ log = logging.getLogger("xsa_lm.train")
 
 
 class Throughput(L.Callback):
-    """Tokens seen, tokens/s, seconds per step and MFU over the last optimizer steps, and CUDA's peak memory, logged
-    at logging steps only (a logged float is copied to the device, which waits). Not Lightning's ThroughputMonitor:
-    it synchronizes CUDA after every micro-batch and counts micro-batches."""
-
-    WINDOW = 10  # optimizer steps
+    """Tokens seen, tokens/s, seconds per step and MFU over the last 10 optimizer steps, and CUDA's peak memory, at
+    logging steps only. Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts
+    micro-batches."""
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step, self.counted_from = tokens_per_step, (0, 0)  # (step, tokens by then): a resume's
@@ -63,14 +61,13 @@ class Throughput(L.Callback):
         step = trainer.global_step
         if self._marks and self._marks[-1][0] == step:
             return  # still accumulating gradients for this step
-        self._marks = (self._marks + [(step, time.perf_counter())])[-(self.WINDOW + 1) :]
+        self._marks = (self._marks + [(step, time.perf_counter())])[-11:]
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
             self.step_time_s = (t1 - t0) / (s1 - s0)
             self.tokens_per_s = self.tokens_per_step / self.step_time_s
-        if should_update_logs(trainer):
-            for name, value in self.metrics(step, pl_module.device).items():
-                pl_module.log(name, value, on_step=True)
+        if should_update_logs(trainer):  # a logged float is copied to the device, which waits
+            pl_module.log_dict(self.metrics(step, pl_module.device), on_step=True)
 
     def metrics(self, step: int, device: torch.device) -> dict[str, float]:
         values = {"train/tokens_seen": float(self.tokens_seen(step))}

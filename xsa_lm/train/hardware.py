@@ -24,27 +24,17 @@ MISREAD = {
 BOARDS = {"PCIE": "PCIe", "NVL": "NVL"}  # SXM (SXM4, SXM5 or unnamed) is the part's own entry
 
 
-def name_words(name: str) -> list[str]:
-    words = [w.upper() for w in re.split(r"[\s\-_]+", name.strip()) if w]
-    return words[1:] if words[:1] == ["NVIDIA"] else words
-
-
-def datasheet_key(name: str) -> str | None:
-    """MISREAD's key for a CUDA device name, matched word by word: "NVIDIA H200 NVL" -> "H200 NVL", "NVIDIA L40" ->
-    "L40" (never "L4"); None when the table has no such part."""
-    words = name_words(name)
-    boards = {BOARDS[w] for w in words[1:] if w in BOARDS}
-    key = " ".join([words[0], *boards]) if words and len(boards) < 2 else None
-    return key if key in MISREAD else None
-
-
 def gpu_peak(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """A CUDA device's dense peak FLOP/s for this precision (MISREAD's, else Lightning's), and where it comes from."""
+    """A CUDA device's dense peak FLOP/s for this precision (MISREAD's, else Lightning's), and where it comes from.
+    The name is matched word by word: "NVIDIA H200 NVL" is "H200 NVL", "NVIDIA L40" is "L40" (never "L4")."""
     name, kind = torch.cuda.get_device_name(device), "bf16" if precision.startswith("bf16") else "tf32"
-    if "MIG" in name_words(name):  # a fraction of the SMs: no datasheet number applies
+    words = [w.upper() for w in re.split(r"[\s\-_]+", name.strip()) if w]
+    words = words[1:] if words[:1] == ["NVIDIA"] else words
+    if "MIG" in words:  # a fraction of the SMs: no datasheet number applies
         return None, f"{name} is a MIG slice: no peak FLOP/s for MFU"
-    key = datasheet_key(name)
-    if key is not None:
+    boards = {BOARDS[w] for w in words[1:] if w in BOARDS}
+    key = " ".join([words[0], *boards]) if words and len(boards) < 2 else ""
+    if key in MISREAD:
         return MISREAD[key][kind], f"datasheet: {key} dense {kind}"
     with warnings.catch_warnings():  # its "FLOPs not found" becomes the source below
         warnings.simplefilter("ignore")
