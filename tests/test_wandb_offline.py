@@ -116,53 +116,49 @@ def write_png(path: Path) -> None:
     plt.close(fig)
 
 
-def report_artifact(folder: Path, artifact_type: str) -> tuple[object, dict]:
-    """The report run's artifact of that type (logging a wandb.Table adds one of type run_table) and its files."""
-    (run_file,) = run_files(folder)
-    (artifact,) = [a for a in artifacts(run_file) if a.type == artifact_type]
-    return artifact, {entry.path: entry for entry in artifact.manifest.contents}
-
-
-def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
-    from xsa_lm.reporting import ReportRunSettings
+def sweep_result(folder: Path) -> tuple[object, object]:
     from xsa_lm.sweep.report import ComparisonStats, SweepResult, log_to_wandb
 
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B's copies of the files
-    sweep_dir = tmp_path / "sweep"
-    sweep_dir.mkdir()
-    files = {"results.json": '{"selected_lr": 0.003}', "report.md": "# report\n"}
-    for name, text in files.items():
-        (sweep_dir / name).write_text(text)
-    for name in ("lr_sweep.png", "curves.png"):
-        write_png(sweep_dir / name)
     comparison = ComparisonStats(seeds=[], sa=[], xsa=[], diff=[])
-    results = SweepResult(sweep_dir=str(sweep_dir), sweep_id="toy sweep:1", train_overrides=[], grid=[3e-3], seeds=[],
+    results = SweepResult(sweep_dir=str(folder), sweep_id="toy sweep:1", train_overrides=[], grid=[3e-3], seeds=[],
                           search_seeds=[0], selected_lr=3e-3, comparison=comparison)  # fmt: skip
-    log_to_wandb(results, sweep_dir, ReportRunSettings(mode="offline"))
-    artifact, entries = report_artifact(sweep_dir, "sweep-report")
-    assert (artifact.name, artifact.type) == ("toy-sweep-1-report", "sweep-report")  # W&B's allowed characters
-    assert set(entries) == {"results.json", "report.md", "lr_sweep.png", "curves.png"}
-    assert Path(entries["report.md"].local_path).read_text() == "# report\n"
-    assert Path(entries["report.md"].local_path).is_relative_to(tmp_path / "wandb-data")
+    return results, log_to_wandb
 
 
-def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
-    from xsa_lm.reporting import ReportRunSettings
+def scale_result(folder: Path) -> tuple[object, object]:
     from xsa_lm.scale.report import ScaleStudyResult, log_to_wandb
 
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
-    (tmp_path / "results.json").write_text("{}")
-    (tmp_path / "report.md").write_text("# scale\n")
-    for name in ("loss_vs_compute.png", "multiplier.png"):
-        write_png(tmp_path / name)
     fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01, "flags": [{"flag": "compute_span", "reason": "8x"}]}
     results = ScaleStudyResult(
-        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, across_sizes={}, sizes=[]
+        study_dir=str(folder), study_id="toy-study", overrides=[], models=[], fit=fit, across_sizes={}, sizes=[]
     )
+    return results, log_to_wandb
+
+
+@pytest.mark.parametrize(
+    ("result", "pngs", "name", "kind"),
+    [
+        (sweep_result, ["lr_sweep.png", "curves.png"], "toy-sweep-1-report", "sweep-report"),  # W&B's characters
+        (scale_result, ["loss_vs_compute.png", "multiplier.png"], "toy-study-scale-report", "scale-report"),
+    ],
+)
+def test_a_report_run_saves_the_report_files_as_an_artifact(result, pngs, name, kind, tmp_path: Path, monkeypatch):
+    from xsa_lm.reporting import ReportRunSettings
+
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B's copies of the files
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "report.md").write_text("# report\n")
+    for png in pngs:
+        write_png(tmp_path / png)
+    results, log_to_wandb = result(tmp_path)
     log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
-    artifact, entries = report_artifact(tmp_path, "scale-report")
-    assert (artifact.name, artifact.type) == ("toy-study-scale-report", "scale-report")
-    assert set(entries) == {"results.json", "report.md", "loss_vs_compute.png", "multiplier.png"}
+    (run_file,) = run_files(tmp_path)
+    (artifact,) = [a for a in artifacts(run_file) if a.type == kind]  # a logged wandb.Table adds a run_table one
+    entries = {entry.path: entry for entry in artifact.manifest.contents}
+    assert (artifact.name, artifact.type) == (name, kind)
+    assert set(entries) == {"results.json", "report.md", *pngs}
+    assert Path(entries["report.md"].local_path).read_text() == "# report\n"
+    assert Path(entries["report.md"].local_path).is_relative_to(tmp_path / "wandb-data")
 
 
 def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path: Path, monkeypatch) -> None:
