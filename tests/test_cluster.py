@@ -1,6 +1,6 @@
 """Checkpoints written once per event (best.ckpt and last.ckpt linked to it), a save interval of its own, and the
 refusals that keep a cluster run from training wrong or hanging: world size, unshared checkpoint directories, rank 0
-failing its part of a checkpoint, tensor parallelism. Multi-process behaviour: 2 gloo processes on CPU."""
+failing its part of a checkpoint. Multi-process behaviour: 2 gloo processes on CPU."""
 
 import datetime
 import json
@@ -23,7 +23,7 @@ from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
-from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
+from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
@@ -116,14 +116,6 @@ def test_a_world_size_other_than_planned_is_refused():
     with pytest.raises(UserError, match="plans 8"):  # at fit start, on every rank (a faked trainer: sbatch, no srun)
         checks.setup(SimpleNamespace(world_size=1), None, "fit")
     check_world_size(planned=2, joined=2)
-
-
-def test_tensor_parallelism_is_refused():
-    fsdp = ["trainer=fsdp", "trainer.accelerator=cpu"]
-    with pytest.raises(UserError, match=r"^trainer.strategy.tensor_parallel_size=2 must be 1: tensor parallelism"):
-        parse(TrainSpec, composed([*fsdp, "trainer.strategy.tensor_parallel_size=2"]), VALUES_ONLY)
-    parse(TrainSpec, composed(fsdp), VALUES_ONLY)
-    parse(TrainSpec, composed(["trainer=ddp"]), VALUES_ONLY)  # a strategy given by name has no such key
 
 
 class GlooRanks:

@@ -136,13 +136,6 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
     assert not list((run_dir / "checkpoints").glob("*.tmp")) and not list((run_dir / "checkpoints").glob("*.old"))
 
 
-def test_fsdp_refuses_the_rank_zero_callbacks(data_cache: Path, tmp_path: Path):
-    args = ["train", *ARGS, *FSDP, "samples.every_n_steps=5", f"hydra.run.dir={tmp_path / 'run'}"]
-    out = run_cli(args, data_cache, tmp_path)
-    assert out.returncode == 2 and "samples.every_n_steps: not available under trainer=fsdp" in out.stderr
-    assert not (tmp_path / "run").exists()
-
-
 def test_a_nan_on_one_rank_is_skipped_on_every_rank(data_cache: Path, tmp_path: Path):
     """Only rank 1's loss is NaN at step 7. Its gradient reaches every shard through the reduce-scatter, so the
     global norm is NaN on both ranks and both skip that update (one skip allowed), or the shards would part ways.

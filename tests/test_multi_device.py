@@ -103,42 +103,36 @@ def test_the_host_heap_tweak_is_for_cpu_runs_only(fake_gpus: list[tuple], monkey
 # --- data-loader workers and compile: auto --------------------------------------------------------------------
 
 
-def test_num_workers_auto_is_none_on_cpu_and_some_on_gpu(monkeypatch: pytest.MonkeyPatch):
-    assert devices.loader_workers("auto", accelerator="cpu", ranks_per_node=1) == 0
-    assert devices.loader_workers(3, accelerator="cpu", ranks_per_node=1) == 3  # a number is kept
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+@pytest.mark.parametrize(
+    ("workers", "accelerator", "ranks_per_node", "expected"),
+    [("auto", "cpu", 1, 0), (3, "cpu", 1, 3), ("auto", "gpu", 8, 4), ("auto", "auto", 16, 2), ("auto", "gpu", 64, 1)]
+    + [(0, "gpu", 8, 0)],
+)
+def test_num_workers_auto_is_none_on_cpu_and_the_nodes_cpus_shared_on_gpu(
+    workers, accelerator: str, ranks_per_node: int, expected: int, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: accelerator != "cpu")  # 32 CPUs on the node
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    assert devices.loader_workers("auto", accelerator="gpu", ranks_per_node=8) == 4
-    assert devices.loader_workers("auto", accelerator="auto", ranks_per_node=16) == 2  # the node's CPUs, shared
-    assert devices.loader_workers("auto", accelerator="gpu", ranks_per_node=64) == 1  # still off the critical path
-    assert devices.loader_workers(0, accelerator="gpu", ranks_per_node=8) == 0
+    assert devices.loader_workers(workers, accelerator=accelerator, ranks_per_node=ranks_per_node) == expected
 
 
-def test_compile_auto_is_on_for_cuda_runs_only(monkeypatch: pytest.MonkeyPatch):
-    assert devices.compile_enabled("auto", accelerator="auto") is torch.cuda.is_available()
+@pytest.mark.parametrize("cuda", [False, True])
+def test_compile_auto_is_on_for_cuda_runs_only(cuda: bool, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert devices.compile_enabled("auto", accelerator="auto") is devices.compile_enabled("auto", accelerator="gpu")
+    assert devices.compile_enabled("auto", accelerator="gpu") is cuda
     assert devices.compile_enabled("auto", accelerator="cpu") is False
-    assert devices.compile_enabled(True, accelerator="cpu") is True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert devices.compile_enabled("auto", accelerator="gpu") is True
-    assert devices.compile_enabled("auto", accelerator="cpu") is False
-    assert devices.compile_enabled(False, accelerator="gpu") is False
+    assert devices.compile_enabled(True, accelerator="cpu") and not devices.compile_enabled(False, accelerator="gpu")
 
 
-def test_the_defaults_are_auto_and_the_checks_take_them():
-    cfg = compose_train([])
-    assert cfg.compile == "auto" and cfg.data.num_workers == "auto"
-    parse(TrainSpec, cfg, VALUES_ONLY)
-    parse(TrainSpec, compose_train(["compile=true", "data.num_workers=2"]), VALUES_ONLY)
-    for bad, message in [("compile=yes", "compile=yes must be true, false or auto"), ("data.num_workers=-1", ">= 0")]:
-        with pytest.raises(UserError, match=message):
-            parse(TrainSpec, compose_train([bad]), VALUES_ONLY)
-
-
-def test_ddp_keeps_gradients_in_its_buckets():
+def test_the_defaults_are_auto_and_ddp_keeps_gradients_in_its_buckets():
     import hydra
     from lightning.pytorch.strategies import DDPStrategy
 
-    strategy = hydra.utils.instantiate(compose_train(["trainer=ddp"]).trainer.strategy)
+    cfg = compose_train(["trainer=ddp"])
+    assert cfg.compile == "auto" and cfg.data.num_workers == "auto"
+    parse(TrainSpec, cfg, VALUES_ONLY)  # the refusals: test_schema.py
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
     assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["gradient_as_bucket_view"] is True
 
 
