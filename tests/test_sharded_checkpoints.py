@@ -126,8 +126,8 @@ def test_activation_checkpointing_gives_the_same_gradients_with_less_memory(atte
     activations = {c: sum(v for k, v in p.items() if str(k).endswith(("ACT", "TEMP"))) for c, p in peaks.items()}
     assert activations[True] < 0.5 * activations[False]
     for checkpointing in (False, True):  # the estimate that train's memory check and `xsa-lm plan` use
-        saved, transient = memory.activation_bytes(asdict(config), 256, 8 * 64, False, checkpointing)
-        assert 0.8 <= (saved + transient) / activations[checkpointing] <= 1.25
+        e = memory.estimate(asdict(config), 256, 8, 64, "32-true", activation_checkpointing=checkpointing)
+        assert 0.8 <= (e.activations + e.transient) / activations[checkpointing] <= 1.25
 
 
 @pytest.mark.slow

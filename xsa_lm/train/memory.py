@@ -42,10 +42,13 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def widths(model: dict) -> tuple[int, int, int]:
-    """A block's attention, key/value and MLP hidden widths."""
-    attention, kv_heads = model["n_head"] * model["head_dim"], model.get("n_kv_head") or model["n_head"]
-    return attention, kv_heads * model["head_dim"], int(model.get("mlp_ratio", 4) * model["d_model"])
+def widths(model: dict) -> tuple[int, int]:
+    """A block's attention and key/value widths."""
+    return model["n_head"] * model["head_dim"], (model.get("n_kv_head") or model["n_head"]) * model["head_dim"]
+
+
+def mlp_width(model: dict) -> int:
+    return int(model.get("mlp_ratio", 4) * model["d_model"])
 
 
 def block_parameters(model: dict) -> int:
@@ -55,7 +58,7 @@ def block_parameters(model: dict) -> int:
 
 def block_matmul_parameters(model: dict) -> int:
     """The Linear weights of one block: what autocast copies to the compute dtype."""
-    return 2 * model["d_model"] * sum(widths(model))
+    return 2 * model["d_model"] * (sum(widths(model)) + mlp_width(model))
 
 
 def parameter_count(model: dict, vocab_size: int) -> int:
@@ -78,7 +81,7 @@ def block_saved_per_token(
     after RoPE, the attention output and its logsumexp, the MLP's hidden layer before and after GELU; XSA's
     (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head. Compiled: the attention branch's output replaces the
     second residual (recomputed from it), and XSA keeps its z for W_o."""
-    d, heads, (width, kv_width, hidden) = model["d_model"], model["n_head"], widths(model)
+    d, heads, (width, kv_width) = model["d_model"], model["n_head"], widths(model)
     xsa = FP32 * (heads + kv_width // model["head_dim"]) + (compute * width if compiled else 0)
     return {
         "layernorm_inputs": 2 * residual * d if not compiled else (residual + compute) * d,
@@ -87,7 +90,7 @@ def block_saved_per_token(
         "qkv": compute * (width + 2 * kv_width),
         "rope": compute * (width + kv_width),
         "attention_output": compute * width + FP32 * heads,
-        "mlp_hidden": 2 * compute * hidden,
+        "mlp_hidden": 2 * compute * mlp_width(model),
         "xsa": xsa if exclusive else 0,
     }
 
@@ -97,7 +100,7 @@ def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False
     making y's gradient): the gradients of z (compute dtype), of v and of y in fp32, two fp32 numbers per head; in
     16 bits also v's fp32 copy and the gradient promoted for its product with v. Compiled (one fused kernel): the
     gradients of y and v in the compute dtype and one fp32 number per head."""
-    heads, (width, kv_width, _) = model["n_head"], widths(model)
+    heads, (width, kv_width) = model["n_head"], widths(model)
     if compiled:
         return compute * (width + kv_width) + FP32 * heads
     promoted = 0 if compute == FP32 else FP32 * (kv_width + width)
@@ -122,37 +125,6 @@ def cross_entropy_transient_per_token(vocab_size: int, *, compute: int, compiled
     return vocab_size * (2 * FP32 if not compiled else 2 * compute)
 
 
-def activation_bytes(
-    model: dict,
-    vocab_size: int,
-    tokens: int,
-    half: bool,
-    checkpointing: bool,
-    *,
-    residual: int = FP32,
-    exclusive: bool = False,
-    compiled: bool = False,
-    positions: int | None = None,
-) -> tuple[int, int]:
-    """(saved, transient) for one micro-batch: what the backward starts with, and the most its ops add at once: the
-    cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's come after the former are freed: an
-    overstatement by up to those). `positions`: the tokens plus every sequence's attention sinks. With activation
-    checkpointing each block keeps only its input, and the block recomputed in the backward comes after the
-    cross-entropy's buffers are freed."""
-    positions = tokens if positions is None else positions
-    compute = 2 if half else 4
-    terms = block_saved_per_token(model, compute=compute, residual=residual, exclusive=exclusive, compiled=compiled)
-    layer = sum(terms.values())
-    outside = head_saved_per_token(model, vocab_size, compute=compute, residual=residual, compiled=compiled)
-    xsa = xsa_transient_per_token(model, compute=compute, compiled=compiled) if exclusive else 0
-    cross_entropy = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
-    transient = max(tokens * cross_entropy, positions * xsa)
-    blocks = model["n_layer"] * (residual * model["d_model"] if checkpointing else layer)
-    if checkpointing:
-        transient = max(transient, positions * (layer + xsa) - tokens * outside["cross_entropy"])
-    return positions * blocks + tokens * sum(outside.values()), transient
-
-
 def estimate(
     model: dict,
     vocab_size: int,
@@ -172,13 +144,24 @@ def estimate(
     16-bit matmul weight copies, kept by the backward). DDP holds them whole, its gradients in its buckets (a second
     copy without gradient_as_bucket_view); FSDP shards them over `world_size`, gathering two blocks (prefetch) and
     the tied embedding in fp32, with one block's unsharded gradients, or every one while accumulating (the
-    reduction waits for the step's last micro-batch). attention="xsa": every layer XSA."""
-    compute, weights = dtype_bytes(precision)
-    n = parameter_count(model, vocab_size)
-    positions = micro_batch_size * (block_size + model.get("n_sinks", 0))  # the sinks pass every block too
-    xsa, tokens = attention == "xsa", micro_batch_size * block_size
-    how = dict(residual=weights, exclusive=xsa, compiled=compiled, positions=positions)
-    saved, transient = activation_bytes(model, vocab_size, tokens, compute == 2, activation_checkpointing, **how)
+    reduction waits for the step's last micro-batch). attention="xsa": every layer XSA.
+
+    Activations: what the backward starts with (the sinks pass every block too), and the most its ops add at once:
+    the cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's come after the former are freed: an
+    overstatement by up to those). With activation checkpointing each block keeps only its input, and the block
+    recomputed in the backward comes after the cross-entropy's buffers are freed."""
+    (compute, weights), n, xsa = dtype_bytes(precision), parameter_count(model, vocab_size), attention == "xsa"
+    tokens, positions = micro_batch_size * block_size, micro_batch_size * (block_size + model.get("n_sinks", 0))
+    how = dict(compute=compute, residual=weights, compiled=compiled)
+    layer = sum(block_saved_per_token(model, exclusive=xsa, **how).values())
+    outside = head_saved_per_token(model, vocab_size, **how)
+    xsa_transient = xsa_transient_per_token(model, compute=compute, compiled=compiled) if xsa else 0
+    cross_entropy = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
+    transient = max(tokens * cross_entropy, positions * xsa_transient)
+    blocks = model["n_layer"] * (weights * model["d_model"] if activation_checkpointing else layer)
+    if activation_checkpointing:
+        transient = max(transient, positions * (layer + xsa_transient) - tokens * outside["cross_entropy"])
+    saved = positions * blocks + tokens * sum(outside.values())
     copies = autocast_copies(
         model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
     )
