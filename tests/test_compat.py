@@ -1,6 +1,7 @@
 """What xsa_lm.compat relies on still holds on the installed versions: the private Lightning and torch APIs it uses
 behave as it expects, and the Lightning and Hydra rules it restates in public terms give their own answers."""
 
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -105,27 +106,24 @@ def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, 
     return fit_on_ones(Recorder(), tmp_path, ckpt_path=ckpt_path, **settings)
 
 
-def test_model_checkpoint_saves_now_on_request(tmp_path: Path):
+def test_model_checkpoint_saves_now_on_request(tmp_path: Path, monkeypatch):
     """compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation, through
     Trainer.save_checkpoint (where LinkingTrainer writes a step's payload once)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    seen = []
-
-    class Probe(L.Callback):
-        def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-            seen.append(trainer.global_step)
-
-    probe = ModelCheckpoint(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
-    trainer = fit_recorder(tmp_path, [probe, Probe()])
-    seen.clear()
+    api = "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint"
+    keep = partial(ModelCheckpoint, filename="step-{step}", monitor="step", mode="max", save_last=True)
+    trainer = fit_recorder(tmp_path, [keep(dirpath=tmp_path)])
     trainer.state.fn = "validate"  # as after trainer.validate
-    now = ModelCheckpoint(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
-    compat.save_checkpoints_now(now, trainer)
-    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
-        "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed"
+    seen, save = [], trainer.save_checkpoint
+    monkeypatch.setattr(
+        trainer, "save_checkpoint", lambda path, *args: seen.append(Path(path).name) or save(path, *args)
     )
-    assert seen == [4, 4], changed("ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed")
+    compat.save_checkpoints_now(keep(dirpath=tmp_path / "now"), trainer)
+    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
+        api, "changed"
+    )
+    assert seen == ["step-step=4.ckpt", "last.ckpt"], changed(api, "no longer saves through Trainer.save_checkpoint")
 
 
 def test_the_resume_checkpoint_can_be_agreed_on_before_it_is_read(tmp_path: Path):

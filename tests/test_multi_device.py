@@ -12,6 +12,7 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -173,57 +174,43 @@ class RandomTokens(torch.utils.data.IterableDataset):
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def counting(counts: dict, name: str, function):
-    def counted(*args, **kwargs):
-        if counts["on"]:
-            counts[name] += 1
-        return function(*args, **kwargs)
-
-    return counted
-
-
 def fit_once(
     overrides: list[str], rank: int, run_dir: Path, *, args: list[str] = WORKER_ARGS, blocks: dict | None = None
 ) -> dict:
     """Train STEPS optimizer steps through the run's own make_module and make_trainer; what this rank saw. One
     process (args=ONE_PROCESS_ARGS) trains on both ranks' streams. `blocks`: filled by recording_blocks."""
-    spec = parse(TrainSpec, compose_train([*args, *overrides]))
-    assert spec.accumulate == ACCUMULATE
-    counts = {"on": False, "broadcast": 0, "reduce_scatter": 0}
-    # FSDP2 reduce-scatters through dist.reduce_scatter_single (dist.reduce_scatter_tensor before torch 2.13).
-    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    originals = {"broadcast": dist.broadcast, scatter: getattr(dist, scatter)}
-    losses: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_start(self, trainer, pl_module) -> None:
-            counts["on"] = True
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            losses.append(float(outputs["loss"]))
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            counts["on"] = False
-
     from xsa_lm.model import gpt
 
-    forward = gpt.Block._forward
-    if blocks is not None:
-        gpt.Block._forward = recording_blocks(blocks)
-    dist.broadcast = counting(counts, "broadcast", originals["broadcast"])
-    setattr(dist, scatter, counting(counts, "reduce_scatter", originals[scatter]))
-    try:
+    spec = parse(TrainSpec, compose_train([*args, *overrides]))
+    assert spec.accumulate == ACCUMULATE
+    # FSDP2 reduce-scatters through dist.reduce_scatter_single (dist.reduce_scatter_tensor before torch 2.13).
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    forward = gpt.Block._forward if blocks is None else recording_blocks(blocks)
+    seen: dict = {"losses": []}
+    with (
+        mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as broadcasts,
+        mock.patch.object(dist, scatter, wraps=getattr(dist, scatter)) as reduce_scatters,
+        mock.patch.object(gpt.Block, "_forward", forward),
+    ):
+
+        class Record(L.Callback):
+            def on_train_start(self, trainer, pl_module) -> None:
+                broadcasts.reset_mock()  # the training loop's calls only
+                reduce_scatters.reset_mock()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                seen["losses"].append(float(outputs["loss"]))
+
+            def on_train_end(self, trainer, pl_module) -> None:
+                seen.update(broadcasts=broadcasts.call_count, reduce_scatters=reduce_scatters.call_count)
+
         set_up_process(spec)  # the seed: every fit starts from the same weights
         module = make_module(spec, spec.gpt_config(512))
         trainer = make_trainer(spec, run_dir, callbacks=[Record()], loggers=[])
         streams = (rank,) if spec.trainer.world_size > 1 else (0, 1)  # one device: the global batch of both ranks
         loader = torch.utils.data.DataLoader(RandomTokens(streams), batch_size=None)
         trainer.fit(module, train_dataloaders=loader)
-    finally:
-        gpt.Block._forward = forward
-        dist.broadcast = originals["broadcast"]
-        setattr(dist, scatter, originals[scatter])
-    return {"losses": losses, "broadcasts": counts["broadcast"], "reduce_scatters": counts["reduce_scatter"]}
+    return seen
 
 
 def validate_once(run_dir: Path) -> dict:
@@ -273,24 +260,16 @@ def worker(out: Path) -> None:
     result = {"deferred": fit_once([], rank, run_dir), "validation": validate_once(run_dir)}
     blocks: dict = {}
     result["bf16"] = {**fit_once(["trainer.precision=bf16-mixed"], rank, run_dir, blocks=blocks), "blocks": blocks}
-    set_sync = fsdp.FSDPModule.set_requires_gradient_sync
-    fsdp.FSDPModule.set_requires_gradient_sync = lambda self, requires, **kwargs: None  # always on: every micro-batch
-    try:
+    with mock.patch.object(fsdp.FSDPModule, "set_requires_gradient_sync"):  # always on: every micro-batch
         result["every_micro_batch"] = fit_once([], rank, run_dir)
-    finally:
-        fsdp.FSDPModule.set_requires_gradient_sync = set_sync
     graphs: list[list[str]] = []
 
     def recording_backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
         graphs.append(sorted({getattr(n.target, "__name__", str(n.target)) for n in graph.graph.nodes}))
         return graph.forward  # runs as traced: the same numbers as eager
 
-    compile_model = module.compile_model
-    module.compile_model = partial(compile_model, backend=recording_backend)
-    try:
+    with mock.patch.object(module, "compile_model", partial(module.compile_model, backend=recording_backend)):
         result["compiled"] = {**fit_once(["compile=true"], rank, run_dir), "graphs": graphs}
-    finally:
-        module.compile_model = compile_model
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
