@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import FAST, train_losses
 from tests.helpers import compose_train as composed
+from tests.test_reliability import run_ok
 from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
@@ -187,19 +188,16 @@ def test_two_ranks_fail_together_on_rank_zero_errors_and_unshared_directories(tm
 def test_an_async_saved_sharded_checkpoint_resumes(data_cache: Path, tmp_path: Path):
     """FSDP2 on 2 gloo processes with checkpoint.async_save: the checkpoints are in place, whole and linked by the
     end of the fit, and step 5's continues with the losses of the uninterrupted run."""
-    from tests.conftest import run_cli
     from tests.test_fsdp import ARGS, FSDP, assert_close, metric
 
     common = ["train", *ARGS, *FSDP, "trainer.max_steps=10", "scheduler.total_steps=20", "checkpoint.async_save=true"]
-    run = run_cli([*common, f"hydra.run.dir={tmp_path / 'async'}"], data_cache, tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_ok([*common, f"hydra.run.dir={tmp_path / 'async'}"], data_cache, tmp_path)
     folder = tmp_path / "async" / "checkpoints"
     expected = ["best.ckpt", "last.ckpt", "step-000005.ckpt", "step-000010.ckpt"]
     assert sorted(p.name for p in folder.iterdir()) == expected
     assert checkpoint_step(folder / "last.ckpt") == 10 and checkpoint_step(folder / "step-000005.ckpt") == 5
     resume = f"resume={folder / 'step-000005.ckpt'}"
-    resumed = run_cli([*common, resume, f"hydra.run.dir={tmp_path / 'r'}"], data_cache, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_ok([*common, resume, f"hydra.run.dir={tmp_path / 'r'}"], data_cache, tmp_path)
     fsdp = metric(tmp_path / "async", "train/loss")
     assert_close({s: fsdp[s] for s in range(5, 10)}, metric(tmp_path / "r", "train/loss"), range(5, 10))
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, run_cli, train_losses
+from tests.helpers import FAST, train_losses
+from tests.test_reliability import run_ok
 
 # Run by make test-torch-floor, on the GPU machine's torch (2.11), not again by make test-long on 2.13 (~4.5 min).
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.torch_floor]
@@ -34,8 +35,7 @@ def test_compiled_xsa_under_fsdp2_in_bf16_trains_and_resumes_where_it_left_off(d
     the resumed run equal the uninterrupted run's (the same compiled kernels on the same batches in the same order,
     deterministic on CPU: measured equal to the last bit; allowed 1e-5 relative, as tests/test_fsdp.py)."""
     inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # this test's kernels, compiled afresh
-    first = run_cli(["train", *ARGS, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path, **inductor)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_ok(["train", *ARGS, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path, **inductor)
     assert "bfloat16 Automatic Mixed Precision" in first.stderr and "x 2 device(s)" in first.stdout
     # XSA's forward and backward are among the generated kernels (z = y - c v: an addcmul fused with its sums)
     assert len([name for name in generated_kernels(tmp_path / "inductor") if "addcmul" in name]) >= 2
@@ -44,8 +44,7 @@ def test_compiled_xsa_under_fsdp2_in_bf16_trains_and_resumes_where_it_left_off(d
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000003.ckpt"
     resume = [*ARGS, f"resume={checkpoint}", f"hydra.run.dir={tmp_path / 'resumed'}"]
-    resumed = run_cli(["train", *resume], data_cache, tmp_path, **inductor)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(["train", *resume], data_cache, tmp_path, **inductor)
     assert f"starts from {checkpoint} (step 3)" in resumed.stdout
     continued = train_losses(tmp_path / "resumed")
     assert sorted(continued) == [3, 4, 5]

@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST
+from tests.test_reliability import run_ok
 from xsa_lm.compat import QUIET_TRAINER
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
@@ -87,8 +88,7 @@ def test_bad_profile_values_are_refused(override: str):
 def test_train_logs_step_time_and_mfu_at_logging_steps(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     args = ["train", *FAST, "trainer.max_steps=8", "trainer.log_every_n_steps=2", "val_every_steps=8"]
-    out = run_cli([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_ok([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     rows = [row for row in read_csv(run_dir / "metrics.csv")[1] if row.get("train/loss")]
     assert [int(row["step"]) for row in rows] == [1, 3, 5, 7]  # logging steps only
     timed = [row for row in rows if row["train/step_time_s"]]
