@@ -15,16 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 
-from tests.helpers import FAST, train_losses
+from tests.helpers import FAST, train_from, train_losses
 from tests.helpers import compose_train as composed
 from tests.test_reliability import run_ok
 from tests.test_sharded_checkpoints import write_sharded
 from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
-from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
@@ -32,13 +30,10 @@ from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_wo
 
 def train_here(data_cache: Path, monkeypatch, run_dir: Path, overrides: list[str]) -> None:
     """A run in this process, its warnings hidden."""
-    from xsa_lm.train.run import train
-
     monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = composed(overrides)
-        train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), run_dir)
+        train_from(composed(overrides), run_dir)
 
 
 def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:
@@ -52,12 +47,8 @@ def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *over
         return save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", counting)
-    train_here(
-        data_cache,
-        monkeypatch,
-        tmp_path / "run",
-        [*FAST, "trainer.max_steps=20", "scheduler.total_steps=20", *overrides],
-    )
+    settings = [*FAST, "trainer.max_steps=20", "scheduler.total_steps=20", *overrides]
+    train_here(data_cache, monkeypatch, tmp_path / "run", settings)
     return written
 
 
@@ -238,9 +229,8 @@ def test_a_run_folder_copied_elsewhere_resumes_with_its_kept_checkpoints(tmp_pat
 def test_checkpoint_every_n_steps_is_apart_from_validation_and_the_last_step_is_checkpointed(
     tmp_path, data_cache, monkeypatch
 ):
-    """Step checkpoints on their own grid; validations at steps 7 and 14 have none to link to (best.ckpt is written
-    there, unless not better). Lightning saves only on the grid: a run ending off it kept a last.ckpt of an earlier
-    step, and no file held its final model."""
+    """Step checkpoints on their own grid (validations at 7 and 14 have none to link to); the last step (20) is off
+    it and checkpointed all the same, last.ckpt included."""
     settings = ["val_every_steps=7", "checkpoint.every_n_steps=3", "checkpoint.keep_last=10"]
     written = train_counting_payloads(tmp_path, data_cache, monkeypatch, *settings)
     steps = [f"step-{s:06d}.ckpt" for s in (3, 6, 9, 12, 15, 18)]

@@ -58,9 +58,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
 
 
 def test_fsdp2_trains_as_one_process(runs: Path):
-    """Global batch 1024 tokens: one process accumulates 2 micro-batches, FSDP2 runs 1 on each of 2 ranks. The
-    per-step loss is the mean over the global batch and the clipped norm the global one (every shard), so both equal
-    the single process's at every step."""
+    """Global batch 1024 tokens: one process accumulates 2 micro-batches, FSDP2 runs 1 on each of 2 ranks; the loss and
+    the clipped norm are the global batch's, as the single process's at every step."""
     assert_same_steps(runs, range(20))
     single, fsdp = (
         json.loads((runs / name / "summary.json").read_text())["val_history"] for name in ("single", "fsdp")
@@ -132,10 +131,8 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(runs: Path, data_cach
 
 
 def test_a_nan_on_one_rank_is_skipped_on_every_rank(data_cache: Path, tmp_path: Path):
-    """Only rank 1's loss is NaN at step 7. Its gradient reaches every shard through the reduce-scatter, so the
-    global norm is NaN on both ranks and both skip that update (one skip allowed), or the shards would part ways.
-    12 steps, no multiple of val_every_steps: the last step is validated and checkpointed all the same, on every
-    rank. Consolidated checkpoints here (one file gathered on rank 0), the other checkpoint format."""
+    """Only rank 1's loss is NaN at step 7: the global norm is NaN on both ranks, and both skip that update. The last
+    step (12) is off the validation grid and validated all the same; consolidated checkpoints (one file)."""
     run_dir = tmp_path / "run"
     faults = "faults.inject_nan_at_step=7 faults.inject_nan_on_rank=1 faults.skip_nonfinite_batches=1".split()
     args = [*ARGS, *FSDP, "trainer.max_steps=12", *faults, "trainer.strategy.save_distributed_checkpoint=false"]

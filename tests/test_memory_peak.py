@@ -73,9 +73,8 @@ def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tm
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision: str):
-    """xsa-lm bench and the GPU check measure peak memory on the plain loop, against the plan. Its step drops the
-    logits before the backward, as the training step does: holding them put an H200's eager step at 1.06x the plan.
-    Without accumulation the gradients grow while the activations are freed, so the plan is an upper bound here."""
+    """xsa-lm bench's plain loop drops the logits before the backward, as training does (holding them put an H200's
+    eager step at 1.06x the plan); without accumulation the plan is an upper bound."""
     from dataclasses import asdict
     from functools import partial
 

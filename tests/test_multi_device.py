@@ -1,9 +1,6 @@
 """Many devices without wasted work: each rank's GPU set before any CUDA call, no host sync per micro-batch, one
-gradient reduction per optimizer step under FSDP2, and a compile that covers the head and the loss under FSDP2.
-
-The multi-process checks run this file as a script in 2 gloo processes (`python -m tests.test_multi_device`), started
-as torchrun would (LOCAL_RANK, RANK, WORLD_SIZE set: Lightning launches nothing), so each rank can count the
-collectives it calls and the graphs it compiles."""
+gradient reduction per optimizer step under FSDP2, and a compile that covers the head and the loss under FSDP2. The
+multi-process checks run this file in 2 gloo processes started as torchrun would, each counting what it calls."""
 
 import json
 import os
@@ -18,16 +15,15 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from tests.helpers import FAST, REPO, compose_train
+from tests.helpers import FAST, REPO, compose_train, train_from
 from tests.test_reliability import stop_mid_run
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train import devices
-from xsa_lm.train.run import make_module, make_trainer, set_up_process, train
+from xsa_lm.train.run import make_module, make_trainer, set_up_process
 
 N_LAYER = 2
 STEPS = 3
@@ -75,7 +71,7 @@ def test_each_rank_sets_its_device_before_any_cuda_call(
         monkeypatch.setenv(variable, value)
     cfg = compose_train([*FAST, *trainer, "trainer.precision=auto", "micro_batch_size=4"])
     with pytest.raises(UserError, match="this run needs about"):
-        train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), tmp_path / "run")
+        train_from(cfg, tmp_path / "run")
     names = [call[0] for call in fake_gpus]
     assert fake_gpus[0] == ("set_device", expected), fake_gpus
     assert {"mem_get_info", "is_bf16_supported"} <= set(names[1:])  # the calls that used to come first
@@ -229,9 +225,8 @@ def validate_once(run_dir: Path) -> dict:
 
 
 def recording_blocks(seen: dict) -> object:
-    """Block._forward that records the dtypes a block computes with: its inputs (the residual stream x and the RoPE
-    tables), its output (the residual stream after it), its parameters as its forward sees them (under FSDP2 the
-    gathered ones) and autocast's dtype (None: off)."""
+    """Block._forward recording the dtypes of a block's inputs (x, the RoPE tables), output, parameters as its forward
+    sees them (under FSDP2 the gathered ones) and autocast's (None: off)."""
     from xsa_lm.model import gpt
 
     original = gpt.Block._forward
@@ -248,9 +243,8 @@ def recording_blocks(seen: dict) -> object:
 
 
 def worker(out: Path) -> None:
-    """Four fits in each of the 2 processes: FSDP2 as the run trains, in fp32 and in bf16-mixed, the same with a
-    gradient reduction on every micro-batch (as before FSDP2's sync was deferred), and compiled through a backend
-    that records each graph."""
+    """Four fits in each of the 2 processes: FSDP2 as the run trains in fp32 and in bf16-mixed, with a gradient
+    reduction on every micro-batch, and compiled through a backend that records each graph."""
     import torch.distributed.fsdp as fsdp
 
     from xsa_lm.train import module

@@ -87,9 +87,8 @@ def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path
 
 @pytest.mark.long
 def test_resume_with_another_micro_batch_split_continues_the_same_stream(straight, data_cache: Path, tmp_path: Path):
-    """Stopped at step 5 with 2 micro-batches of 8 per step, resumed with 4 of 4: each step after the resume sees
-    the same windows (not windows counted in micro-batches of the old size) and closes after 4 micro-batches (not
-    after the 2 the checkpoint's count leaves to the next multiple of 4): the straight run's losses."""
+    """Stopped at step 5 with 2 micro-batches of 8 per step, resumed with 4 of 4: each later step sees the same windows
+    and closes after 4 micro-batches: the straight run's losses."""
     run_dir = tmp_path / "run"
     run_ok([*COMMON, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     run_ok([*COMMON, "micro_batch_size=4", "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)

@@ -1,10 +1,7 @@
 """Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``): wandb 0.31 ships no Python reader for it.
-
-A LevelDB log (https://github.com/google/leveldb/blob/main/doc/log_format.md) behind a 7-byte header (``b":W&B"``,
-uint16 0xBEE1, uint8 version 0): 32 KiB blocks of chunks (crc32 of the type byte then the data, uint16 length,
-uint8 type: 1 full, 2/3/4 first/middle/last of a record spanning blocks; under 7 bytes left in a block are padding).
-Each record is a ``wandb_internal_pb2.Record``; history and config keys sit in ``nested_key``, values as JSON text.
-"""
+A LevelDB log behind a 7-byte header (``b":W&B"``, uint16 0xBEE1, uint8 version 0): 32 KiB blocks of chunks (crc32 of
+the type byte then the data, uint16 length, uint8 type: 1 full, 2/3/4 first/middle/last; under 7 bytes are padding),
+each record a ``wandb_internal_pb2.Record`` (keys in ``nested_key``, values as JSON text)."""
 
 from __future__ import annotations
 
