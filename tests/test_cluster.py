@@ -20,7 +20,7 @@ from tests.helpers import FAST, train_from, train_losses
 from tests.helpers import compose_train as composed
 from tests.test_reliability import run_ok
 from tests.test_sharded_checkpoints import write_sharded
-from xsa_lm.checkpoints.atomic import CheckpointWriteError, link_or_copy, on_rank_zero
+from xsa_lm.checkpoints.atomic import link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
 from xsa_lm.errors import UserError
@@ -133,6 +133,14 @@ class GlooRanks:
         return torch.stack(out)
 
 
+def outcome(action) -> str:
+    try:
+        action()
+        return "no error"
+    except UserError as e:  # CheckpointWriteError included
+        return str(e)
+
+
 def _rank(rank: int, port: int, folder: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
@@ -142,22 +150,12 @@ def _rank(rank: int, port: int, folder: str, results) -> None:
         raise PermissionError(13, "Permission denied", f"{folder}/last.ckpt")
 
     start = time.monotonic()
-    try:
-        on_rank_zero(ranks, rename_fails, "putting checkpoint last.ckpt in place")
-        results[f"{rank}-finalise"] = "no error"
-    except CheckpointWriteError as e:
-        results[f"{rank}-finalise"] = f"{time.monotonic() - start:.1f} s: {e}"
+    failed = outcome(lambda: on_rank_zero(ranks, rename_fails, "putting checkpoint last.ckpt in place"))
+    results[f"{rank}-finalise"] = f"{time.monotonic() - start:.1f} s: {failed}"
     trainer = SimpleNamespace(strategy=ranks, is_global_zero=rank == 0, world_size=2)
-    try:  # a node-local checkpoints/: each rank looks in a directory of its own
-        check_shared_directory(trainer, Path(folder) / f"node{rank}")
-        results[f"{rank}-shared"] = "no error"
-    except UserError as e:
-        results[f"{rank}-shared"] = str(e)
-    try:
-        check_shared_directory(trainer, Path(folder) / "shared")
-        results[f"{rank}-shared-ok"] = "no error"
-    except UserError as e:
-        results[f"{rank}-shared-ok"] = str(e)
+    # a node-local checkpoints/: each rank looks in a directory of its own
+    results[f"{rank}-shared"] = outcome(lambda: check_shared_directory(trainer, Path(folder) / f"node{rank}"))
+    results[f"{rank}-shared-ok"] = outcome(lambda: check_shared_directory(trainer, Path(folder) / "shared"))
     dist.destroy_process_group()
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import FAST
+from tests.helpers import compose_train
 from tests.test_reliability import run_ok
 from xsa_lm.compat import QUIET_TRAINER
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
@@ -78,10 +78,8 @@ def test_throughput_reads_flops_and_peak_at_the_start(tmp_path: Path):
 
 @pytest.mark.parametrize("override", ["profile.steps=0", "profile.start_step=-1", "profile.start_step=1.5"])
 def test_bad_profile_values_are_refused(override: str):
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[override])
     with pytest.raises(UserError, match=override.split("=")[0]):
-        parse(TrainSpec, cfg, VALUES_ONLY)
+        parse(TrainSpec, compose_train([override]), VALUES_ONLY)
 
 
 @pytest.mark.slow

@@ -191,22 +191,18 @@ def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path:
 
 
 def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_path: Path, monkeypatch) -> None:
-    """W&B's service writes a run file after run.finish() may have returned: the tests' reader waits for the folder's
-    file and for its exit record, and reads a half-written chunk as not yet there rather than as a bad checksum."""
+    """W&B's service may write a run file after run.finish() has returned: the tests' reader waits for the file and its
+    exit record, and reads a half-written chunk as not yet there rather than as a bad checksum."""
     import threading
 
     import wandb
-
-    from tests.wandb_records import read_records
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     run = wandb.init(mode="offline", dir=str(tmp_path / "done"), id="r1", settings=wandb.Settings(silent=True))
     run.summary.update({"score": 0.5})
     run.finish()
     (written,) = run_files(tmp_path / "done")
-    whole = written.read_bytes()
-
-    late = tmp_path / "late" / "wandb" / "offline-run-20261204_000000-r1"
+    whole, late = written.read_bytes(), tmp_path / "late" / "wandb" / "offline-run-20261204_000000-r1"
     late.mkdir(parents=True)
 
     def service() -> None:  # the file appears, then its header and half of its last chunk, then the rest
@@ -216,7 +212,5 @@ def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_p
 
     writer = threading.Thread(target=service)
     writer.start()
-    (found,) = run_files(tmp_path / "late")
-    assert [r.WhichOneof("record_type") for r in read_records(found)][-1] == "exit"
-    assert summary(found)["score"] == 0.5
+    assert summary(run_files(tmp_path / "late")[0])["score"] == 0.5  # read once the exit record is there
     writer.join()

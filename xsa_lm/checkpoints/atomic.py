@@ -7,6 +7,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import lightning as L
 import torch
@@ -131,12 +132,11 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
 
 class AsyncSave(L.Callback):
-    """checkpoint.async_save: switched on in the strategy (built from the trainer group) before the fit saves."""
+    """checkpoint.async_save (sharded checkpoints only: TrainSpec's rule): switched on in the strategy, built from the
+    trainer group, before the fit saves."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, AtomicModelParallelStrategy) or not trainer.strategy.sharded:
-            raise UserError("checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp)")
-        trainer.strategy.async_save = True
+        cast(AtomicModelParallelStrategy, trainer.strategy).async_save = True
 
 
 def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> None:
