@@ -142,11 +142,8 @@ WORKER_ARGS += (
 WORKER_ARGS += f"model.n_layer={N_LAYER} model.vocab_size=512 attention=xsa val_every_steps=1000".split()
 WORKER_ARGS += f"trainer.max_steps={STEPS} scheduler.total_steps={STEPS} faults.spike_factor=null".split()
 # The same training in one process: both ranks' sequences side by side, in micro-batches of 4.
-ONE_PROCESS_ARGS = [a for a in WORKER_ARGS if not a.startswith(("trainer=", "trainer.accelerator", "trainer.devices"))]
-ONE_PROCESS_ARGS = [a for a in ONE_PROCESS_ARGS if not a.startswith("micro_batch")] + [
-    "trainer=cpu",
-    "micro_batch_size=4",
-]
+PER_RANK = ("trainer=", "trainer.accelerator", "trainer.devices", "micro_batch")
+ONE_PROCESS_ARGS = [a for a in WORKER_ARGS if not a.startswith(PER_RANK)] + ["trainer=cpu", "micro_batch_size=4"]
 # What a block computes with under bf16-mixed, whatever the strategy (recording_blocks).
 BF16_MIXED_BLOCK = dict.fromkeys(("x", "cos", "sin", "out"), "torch.float32")
 BF16_MIXED_BLOCK |= {"params": ["torch.float32"], "autocast": "torch.bfloat16"}
