@@ -23,15 +23,17 @@ def changed(api: str, what: str) -> str:
 
 
 class Recorder(L.LightningModule):
-    """A linear model that records compat.should_update_logs in each training step."""
+    """A linear model that records compat.should_update_logs by step and compat.accumulating by micro-batch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
         self.seen: dict[int, bool] = {}
+        self.accumulating: dict[int, bool] = {}
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         self.seen[self.global_step] = compat.should_update_logs(self.trainer)
+        self.accumulating[batch_idx] = compat.accumulating(self.trainer)
         return self.layer(batch[0]).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -164,21 +166,11 @@ def test_lightning_broadcasts_a_sigterm_flag_per_batch_that_can_be_skipped(tmp_p
     assert broadcasts == [0], changed(api, "can no longer be skipped")
 
 
-class AccumulationRecorder(Recorder):
-    """Records compat.accumulating at each micro-batch."""
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        self.seen[batch_idx] = compat.accumulating(self.trainer)
-        return self.layer(batch[0]).sum()
-
-
 def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_path: Path):
     api = "Trainer.fit_loop._should_accumulate"
-    module = fit_on_ones(
-        AccumulationRecorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3
-    ).lightning_module
+    module = fit_on_ones(Recorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3).lightning_module
     expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
-    assert module.seen == expected, changed(api, "changed meaning")
+    assert module.accumulating == expected, changed(api, "changed meaning")
 
 
 def test_lightning_names_precisions_and_decides_device_settings_as_its_trainer_does():

@@ -14,14 +14,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRSchedulerC
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from xsa_lm import compat
 from xsa_lm.analysis.losses import loss_sums, read_sums
-from xsa_lm.compat import (
-    accumulating,
-    realign_accumulation,
-    restart_after_the_step,
-    should_update_logs,
-    skip_fused_update,
-)
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.gpt import Block
 from xsa_lm.train.schedule import continue_schedule
@@ -106,8 +100,8 @@ class LMModule(L.LightningModule):
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
             accumulate = None
         if accumulate is not None and (step := checkpoint.get("global_step")) is not None:
-            restart_after_the_step(checkpoint, global_step=step)
-            realign_accumulation(checkpoint, global_step=step, accumulate=accumulate)
+            compat.restart_after_the_step(checkpoint, global_step=step)
+            compat.realign_accumulation(checkpoint, global_step=step, accumulate=accumulate)
             faults = json.loads(checkpoint["faults"])
             self.events, self._typical = faults["events"], dict(faults["spike_averages"])
             self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
@@ -137,7 +131,7 @@ class LMModule(L.LightningModule):
         if isinstance(self.model, FSDPModule):  # DDP's counterpart is Lightning's no_sync
             # One reduce-scatter per step, after its last micro-batch, at the cost of holding the unsharded fp32
             # gradients while accumulating.
-            self.model.set_requires_gradient_sync(not accumulating(self.trainer))
+            self.model.set_requires_gradient_sync(not compat.accumulating(self.trainer))
         _, loss = self.model(x, y)
         if self.nan_at_step is not None and self.global_step == self.nan_at_step:  # faults.inject_nan_at_step
             if self.nan_on_rank in (None, self.global_rank):
@@ -149,7 +143,7 @@ class LMModule(L.LightningModule):
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:  # the optimizer step's last micro-batch
             self.log_step_loss()
         # Not LearningRateMonitor: it names the column lr-AdamW/pg1 and logs it on rows of its own, per micro-batch.
-        if should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
+        if compat.should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits: only if kept
             lr = cast(LightningOptimizer, self.optimizers()).param_groups[0]["lr"]  # one optimizer: not a list
             self.log("train/lr", lr, on_step=True)
         return loss
@@ -160,7 +154,7 @@ class LMModule(L.LightningModule):
         assert self._step_loss is not None  # training_step has just added to it
         loss = self._step_loss / self.trainer.accumulate_grad_batches
         self._step_loss = None
-        if should_update_logs(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
+        if compat.should_update_logs(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
             loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
         self.log("train/loss", loss, on_step=True)
 
@@ -206,7 +200,7 @@ class LMModule(L.LightningModule):
         no step waits for the host: the flags are read at logging steps (check_nonfinite). Unfused: read now."""
         nonfinite = ~torch.isfinite(grad_norm)
         if optimizer.defaults.get("fused"):
-            skip_fused_update(optimizer, nonfinite)
+            compat.skip_fused_update(optimizer, nonfinite)
         elif nonfinite:  # a host-device sync per step, only for optimizers that cannot skip on the device
             optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient untouched
         else:
@@ -214,7 +208,7 @@ class LMModule(L.LightningModule):
         self._nonfinite.append((self.global_step, nonfinite))
 
     def on_train_batch_start(self, batch: tuple, batch_idx: int) -> None:
-        if self.global_step + 1 >= self.trainer.max_steps and not accumulating(self.trainer):
+        if self.global_step + 1 >= self.trainer.max_steps and not compat.accumulating(self.trainer):
             # The run's last micro-batch: a stop, which Lightning's loop logs and validates before it ends (as at
             # val_every_steps), so the last step gets its logged row, validation and checkpoints in the loop.
             self.trainer.should_stop = True
@@ -253,7 +247,7 @@ class LMModule(L.LightningModule):
 
     def watch_for_spike(self, event: str, value: torch.Tensor) -> None:
         """A value above spike_factor x its running average is an event; at logging steps only (reading it syncs)."""
-        if self.spike_factor is None or not should_update_logs(self.trainer):
+        if self.spike_factor is None or not compat.should_update_logs(self.trainer):
             return
         current = float(value.detach())
         if not math.isfinite(current):  # a skipped update (check_nonfinite), not a spike; keeps the average finite
