@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import PIL.Image
 import pytest
 import torch
 
@@ -105,17 +106,6 @@ def test_log_model_must_be_false_true_or_all(tmp_path: Path, monkeypatch, capsys
     assert not (tmp_path / "wandb").exists()  # refused before a run is made
 
 
-def write_png(path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plt.figure(figsize=(1, 1))
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def sweep_result(folder: Path) -> tuple[object, object]:
     from xsa_lm.sweep.report import ComparisonStats, SweepResult, log_to_wandb
 
@@ -149,7 +139,7 @@ def test_a_report_run_saves_the_report_files_as_an_artifact(result, pngs, name, 
     (tmp_path / "results.json").write_text("{}")
     (tmp_path / "report.md").write_text("# report\n")
     for png in pngs:
-        write_png(tmp_path / png)
+        PIL.Image.new("RGB", (1, 1)).save(tmp_path / png)
     results, log_to_wandb = result(tmp_path)
     log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
     (run_file,) = run_files(tmp_path)
