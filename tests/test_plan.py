@@ -158,11 +158,9 @@ def test_plan_writes_the_json_and_the_table(tmp_path: Path, monkeypatch: pytest.
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
-REFUSALS = [
-    *[
-        ([f"device_memory_gb={gib}"], f"device_memory_gb={shown} must be a positive number of GiB")
-        for gib, shown in [("0", "0"), ("-1", "-1"), ("nan", "nan"), ("inf", "inf"), ("true", "True"), ("lots", "lots")]
-    ],
+GIBS = [("0", "0"), ("-1", "-1"), ("nan", "nan"), ("inf", "inf"), ("true", "True"), ("lots", "lots")]  # given, shown
+REFUSALS = [([f"device_memory_gb={g}"], f"device_memory_gb={s} must be a positive number of GiB") for g, s in GIBS]
+REFUSALS += [
     # `no` would plan with activation checkpointing
     (["activation_checkpointing=no", "device_memory_gb=1"], "activation_checkpointing=no must be true or false"),
     (["activation_checkpointing=maybe"], "activation_checkpointing=maybe must be true or false"),

@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import FAST, cli_env
 from tests.helpers import compose_train, refused_in_process
-from tests.wandb_records import artifacts, config, history, metric_definitions, run_files, summary
+from tests.wandb_records import config, history, records_of, run_files, summary
 
 LR = 2e-3
 MAX_STEPS = 5
@@ -68,7 +68,7 @@ def test_offline_run_file_holds_history_config_and_the_best_and_last_checkpoints
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "val/loss.min" in shown.stdout and "final_val_loss" in shown.stdout, shown.stdout[:2000]
 
-    logged = artifacts(run_file)
+    logged = records_of(run_file, "artifact")
     run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
     assert {(a.name, a.type) for a in logged} == {(f"model-{run_id}", "model")}
     originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}  # the newest version of each
@@ -85,7 +85,7 @@ def test_offline_run_file_holds_history_config_and_the_best_and_last_checkpoints
 
 def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[float]) -> None:
     """Curves over tokens seen (validation rows carry the last value logged), val/loss summarised by min and last."""
-    definitions = {m.name or m.glob_name: m for m in metric_definitions(run_file)}
+    definitions = {m.name or m.glob_name: m for m in records_of(run_file, "metric")}
     assert definitions["*"].step_metric == "train/tokens_seen" and definitions["*"].options.step_sync
     assert (definitions["val/loss"].summary.min, definitions["val/loss"].summary.last) == (True, True)
     assert "train/tokens_seen" in definitions and "trainer/global_step" in definitions
@@ -143,7 +143,8 @@ def test_a_report_run_saves_the_report_files_as_an_artifact(result, pngs, name, 
     results, log_to_wandb = result(tmp_path)
     log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
     (run_file,) = run_files(tmp_path)
-    (artifact,) = [a for a in artifacts(run_file) if a.type == kind]  # a logged wandb.Table adds a run_table one
+    # logging a wandb.Table adds an artifact of type run_table
+    (artifact,) = [a for a in records_of(run_file, "artifact") if a.type == kind]
     entries = {entry.path: entry for entry in artifact.manifest.contents}
     assert (artifact.name, artifact.type) == (name, kind)
     assert set(entries) == {"results.json", "report.md", *pngs}

@@ -111,12 +111,7 @@ def summary(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def metric_definitions(path: str | Path) -> list[Any]:
-    """The ``run.define_metric`` calls, in order: name or glob_name, step_metric, options.step_sync, summary."""
-    return [r.metric for r in read_records(path) if r.HasField("metric")]
-
-
-def artifacts(path: str | Path) -> list[Any]:
-    """The ``run.log_artifact`` calls: name, type, aliases, metadata (JSON text) and the files in manifest.contents
-    (``path`` in the artifact, ``local_path`` of the copy that ``wandb sync`` uploads)."""
-    return [r.artifact for r in read_records(path) if r.HasField("artifact")]
+def records_of(path: str | Path, kind: str) -> list[Any]:
+    """The records of one kind, in order: e.g. ``metric`` (run.define_metric's), ``artifact`` (run.log_artifact's:
+    name, type, aliases, metadata as JSON text, and manifest.contents' ``path`` and ``local_path``)."""
+    return [getattr(r, kind) for r in read_records(path) if r.HasField(kind)]
