@@ -40,11 +40,14 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit_on_ones(module: L.LightningModule, tmp_path: Path, *, rows: int = 8, ckpt_path=None, **settings) -> L.Trainer:
-    """`module` fitted on `rows` batches of ones by a Trainer that writes nothing but what `settings` ask for."""
+def fit_on_ones(
+    module: L.LightningModule, tmp_path: Path, *, rows: int = 8, ckpt_path=None, validate=False, **settings
+) -> L.Trainer:
+    """`module` fitted on `rows` batches of ones (validated on them too) by a Trainer that writes nothing but what
+    `settings` ask for."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(rows, 2)), batch_size=1)
     trainer = L.Trainer(default_root_dir=tmp_path, **{**compat.QUIET_TRAINER, **settings})
-    trainer.fit(module, data, ckpt_path=ckpt_path)
+    trainer.fit(module, data, data if validate else None, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -219,13 +222,11 @@ def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validat
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     api = "the loop counters of a checkpoint (`loops.fit_loop`, `epoch_loop.state_dict._batches_that_stepped`)"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
-    quiet = dict(enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1, log_every_n_steps=1)
 
     def fit(folder: str, steps: int, validate_every: int, ckpt_path: str | None = None, **settings) -> list[int]:
+        settings |= dict(max_steps=steps, val_check_interval=validate_every, limit_val_batches=1, log_every_n_steps=1)
         logger = CSVLogger(tmp_path, name=folder, version="")
-        trainer = L.Trainer(max_steps=steps, logger=logger, val_check_interval=validate_every, **quiet, **settings)
-        trainer.fit(StepLogger(), data, data, ckpt_path=ckpt_path)
+        trainer = fit_on_ones(StepLogger(), tmp_path, ckpt_path=ckpt_path, validate=True, logger=logger, **settings)
         if ckpt_path is None:
             trainer.save_checkpoint(tmp_path / "after.ckpt")
         return [int(row["step"]) for row in read_csv(Path(logger.log_dir, "metrics.csv"))[1] if row["loss"]]
@@ -243,9 +244,7 @@ def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(
     """LMModule stops the loop as its last micro-batch starts (Trainer.should_stop), so that Lightning logs that step
     and validates it inside the loop, with its own row numbers and checkpoint hooks, though it is on neither's grid."""
     api = "Trainer.should_stop set in on_train_batch_start (_TrainingEpochLoop._should_check_val_fx)"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=1)
     logger = CSVLogger(tmp_path, name="run", version="")
-    quiet = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
     class StopsAtTheEnd(StepLogger):
         def on_train_batch_start(self, *args) -> None:
@@ -253,8 +252,8 @@ def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(
                 self.trainer.should_stop = True
 
     settings = dict(val_check_interval=2 * accumulate, accumulate_grad_batches=accumulate, log_every_n_steps=2)
-    trainer = L.Trainer(max_steps=3, logger=logger, limit_val_batches=1, **quiet, **settings)
-    trainer.fit(StopsAtTheEnd(), data, data)
+    settings |= dict(max_steps=3, logger=logger, limit_val_batches=1)
+    trainer = fit_on_ones(StopsAtTheEnd(), tmp_path, rows=16, validate=True, **settings)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3 * accumulate, changed(api, "stops early")
     rows = read_csv(Path(logger.log_dir, "metrics.csv"))[1]
     validated, logged = [r["step"] for r in rows if r["val"]], [r["step"] for r in rows if r["loss"]]
