@@ -189,7 +189,6 @@ def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str, t
     as with a 64-token vocabulary."""
     args = ["model=tiny", "attention=xsa", f"model.vocab_size={vocab}", "device_memory_gb=1"]
     plan, text = plan_of(args, tmp_path, monkeypatch, capsys)
-    sa, sa_text = plan_of(["model=tiny", "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
     positions = 16 * 128
     assert plan["xsa_temporaries_bytes"]["eager"] == positions * (3 * 4 * 128 + 2 * 4 * 4)
     assert plan["cross_entropy_transient_bytes"]["eager"] == positions * 2 * 4 * vocab
@@ -197,12 +196,12 @@ def test_plan_names_xsa_memory_and_the_larger_transient(vocab: int, peak: str, t
     larger = max(plan["xsa_temporaries_bytes"]["eager"], plan["cross_entropy_transient_bytes"]["eager"])
     assert plan["per_device_bytes"]["transient"] == larger
     assert f"the backward peak is {peak}\n" in text
-    assert sa["xsa_temporaries_bytes"]["eager"] == sa["xsa_saved_bytes"] == 0
-    assert "XSA's memory: none (attention sa)" in sa_text
 
 
-def test_plan_prints_the_sdpa_kernel_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+def test_plan_prints_the_sdpa_kernel_order_and_no_xsa_memory_for_sa(tmp_path: Path, monkeypatch, capsys):
     cpu, cpu_text = plan_of(["model=tiny", "trainer=cpu", "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
+    assert cpu["xsa_temporaries_bytes"]["eager"] == cpu["xsa_saved_bytes"] == 0
+    assert "XSA's memory: none (attention sa)" in cpu_text
     gpu, gpu_text = plan_of(["model=tiny", "trainer=gpu", "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
     assert cpu["sdpa_backends"] == {"setting": "auto", "device": "cpu", "order": ["flash", "math"]}
     assert "SDPA kernels on cpu (sdpa_backends=auto), the first that fits runs: flash, math\n" in cpu_text
