@@ -52,8 +52,9 @@ class RunShape:
             accumulation=self.accumulation or 1,
         )
 
-    def estimate(self) -> memory.MemoryEstimate:
-        return memory.estimate(micro_batch_size=self.micro_batch_size, **self.memory_args())
+    def estimate(self, **changes: Any) -> memory.MemoryEstimate:
+        """memory.estimate of this run, or of this run with `changes` to its arguments (e.g. compiled=True)."""
+        return memory.estimate(**{"micro_batch_size": self.micro_batch_size, **self.memory_args(), **changes})
 
 
 def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> RunShape:
@@ -125,12 +126,9 @@ class Plan:
 
 def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
     """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
-    args = run.memory_args()
-    eager, compiled = (
-        memory.estimate(micro_batch_size=run.micro_batch_size, **(args | {"compiled": c})) for c in (False, True)
-    )
+    eager, compiled = run.estimate(compiled=False), run.estimate(compiled=True)
     need = compiled if run.compiled else eager
-    largest = memory.largest_micro_batch(available, **args)
+    largest = memory.largest_micro_batch(available, **run.memory_args())
     steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
     dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
     return StrategyPlan(
@@ -215,10 +213,6 @@ def table(plan: Plan) -> str:
     return "\n".join([*lines, "", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)])
 
 
-def size(n: int) -> str:
-    return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"
-
-
 def sdpa_line(kernels: SdpaPlan) -> str:
     setting = kernels.setting if isinstance(kernels.setting, str) else ",".join(kernels.setting)
     if kernels.order is not None:
@@ -232,6 +226,7 @@ def xsa_line(plan: Plan) -> str:
     if plan.attention != "xsa":
         return "XSA's memory: none (attention sa)"
     mode = "compiled" if plan.compiled else "eager"
+    size = lambda n: f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"  # noqa: E731
     xsa, cross_entropy = plan.xsa_temporaries_bytes[mode], plan.cross_entropy_transient_bytes[mode]
     return (
         f"XSA's memory ({mode}): {size(plan.xsa_saved_bytes)} saved for the backward (per token, fp32 "
