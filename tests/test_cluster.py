@@ -10,6 +10,7 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -38,18 +39,11 @@ def train_here(data_cache: Path, monkeypatch, run_dir: Path, overrides: list[str
 
 def train_counting_payloads(tmp_path: Path, data_cache: Path, monkeypatch, *overrides: str) -> list[str]:
     """A run in this process; the name of every checkpoint payload torch.save wrote, in order."""
-    written, save = [], torch.save
-
-    def counting(obj, f, *args, **kwargs):
-        name = getattr(f, "name", str(f))
-        if str(name).endswith(".tmp") or "/step-" in str(name) or ".ckpt" in str(name):
-            written.append(Path(str(name)).name.removesuffix(".tmp"))
-        return save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", counting)
     settings = [*FAST, "trainer.max_steps=20", "scheduler.total_steps=20", *overrides]
-    train_here(data_cache, monkeypatch, tmp_path / "run", settings)
-    return written
+    with mock.patch.object(torch, "save", wraps=torch.save) as save:
+        train_here(data_cache, monkeypatch, tmp_path / "run", settings)
+    names = [str(getattr(call.args[1], "name", call.args[1])) for call in save.call_args_list]
+    return [Path(n).name.removesuffix(".tmp") for n in names if n.endswith(".tmp") or "/step-" in n or ".ckpt" in n]
 
 
 @pytest.mark.slow
