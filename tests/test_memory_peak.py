@@ -41,9 +41,8 @@ def tensor_bytes(tensors) -> int:
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("attention", ["sa", "xsa"])
 def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tmp_path, monkeypatch, capsys):
-    """`xsa-lm plan model=tiny`'s per-device bytes against a micro-batch of an accumulating step (the gradients
-    exist, as from a step's second micro-batch on) and the optimizer step after it: weights, gradients, AdamW
-    state and the batch by their tensors, the rest by the allocator. The peak is the cross-entropy's backward."""
+    """`xsa-lm plan model=tiny`'s bytes against an accumulating step's last micro-batch and the update: weights,
+    gradients, AdamW state and batch by their tensors, the rest (the cross-entropy backward's peak) by the allocator."""
     overrides = ["model=tiny", f"attention={attention}", f"trainer.precision={precision}", "micro_batch_size=4"]
     cfg = compose_train(overrides, config_name="plan")
     plan, _ = plan_of([*overrides, "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
@@ -125,15 +124,14 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_xsa_temporaries_are_the_allocators(dtype: torch.dtype, n_kv_head: int):
-    """What the plan counts for one XSA layer (its saved coefficients and the temporaries of its backward) is what
-    the allocator holds at the layer's peak, to the byte: measured, bf16 and fp32, with and without grouped heads."""
+    """What the plan counts for one XSA layer (its saved coefficients and backward temporaries) is what the allocator
+    holds at its peak, to the byte, in bf16 and fp32, with and without grouped heads."""
     measured, planned = xsa_layer_bytes(n_kv_head=n_kv_head, dtype=dtype)
     assert measured == planned
 
 
 def test_sa_output_projection_has_none_of_it():
-    """The same measurement of SA's output projection: its output, W_o's gradient and y's gradient only, so the
-    XSA terms above are XSA's own."""
+    """SA's output projection holds its output, W_o's and y's gradients only: the XSA terms above are XSA's own."""
     B, T, width = 2, 256, 128
     y = torch.randn(B, T, width, requires_grad=True)
     weight = torch.randn(width, width, requires_grad=True)
