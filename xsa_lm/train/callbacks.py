@@ -61,7 +61,7 @@ class Throughput(L.Callback):
         step = trainer.global_step
         if self._marks and self._marks[-1][0] == step:
             return  # still accumulating gradients for this step
-        self._marks = (self._marks + [(step, time.perf_counter())])[-11:]
+        self._marks = (self._marks + [(step, time.perf_counter())])[-11:]  # 11 marks: 10 steps
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
             self.step_time_s = (t1 - t0) / (s1 - s0)

@@ -152,9 +152,9 @@ def estimate(
     recomputed in the backward comes after the cross-entropy's buffers are freed."""
     (compute, weights), n, xsa = dtype_bytes(precision), parameter_count(model, vocab_size), attention == "xsa"
     tokens, positions = micro_batch_size * block_size, micro_batch_size * (block_size + model.get("n_sinks", 0))
-    how = dict(compute=compute, residual=weights, compiled=compiled)
-    layer = sum(block_saved_per_token(model, exclusive=xsa, **how).values())
-    outside = head_saved_per_token(model, vocab_size, **how)
+    block = block_saved_per_token(model, compute=compute, residual=weights, exclusive=xsa, compiled=compiled)
+    outside = head_saved_per_token(model, vocab_size, compute=compute, residual=weights, compiled=compiled)
+    layer = sum(block.values())
     xsa_transient = xsa_transient_per_token(model, compute=compute, compiled=compiled) if xsa else 0
     cross_entropy = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
     transient = max(tokens * cross_entropy, positions * xsa_transient)
