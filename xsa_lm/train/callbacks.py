@@ -206,18 +206,20 @@ class ValHistory(L.Callback):
 
 
 class EveryNSteps(L.Callback):
-    """Work on global rank 0 once every `every_n_steps` optimizer steps (not per micro-batch)."""
+    """`work` on global rank 0 once every `every_n_steps` optimizer steps (not per micro-batch)."""
 
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
         self._last_step = -1
 
-    def due(self, trainer: L.Trainer) -> bool:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
-            return False
-        self._last_step = step
-        return True
+        if step and not step % self.every_n_steps and step != self._last_step and trainer.is_global_zero:
+            self._last_step = step
+            self.work(trainer, pl_module, step)
+
+    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        raise NotImplementedError
 
 
 class Diagnostics(EveryNSteps):
@@ -227,12 +229,9 @@ class Diagnostics(EveryNSteps):
         super().__init__(every_n_steps)
         self.sequences, self.chunk = sequences, chunk  # chunk: query positions per block when computing a_ii
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if not self.due(trainer):
-            return
+    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         from xsa_lm.analysis.diagnostics import METRICS, diagnose
 
-        step = trainer.global_step
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's fit, not declared
         val = datamodule.val_set
         windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
@@ -258,13 +257,10 @@ class Samples(EveryNSteps):
         self.path, self.prompt, self._rows = f"{run_dir}/samples.txt", prompt, list[list]()
         self.settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if not self.due(trainer):
-            return
+    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         from xsa_lm.data.tokenizer import eot_id
         from xsa_lm.model import generate
 
-        step = trainer.global_step
         tokenizer = trainer.datamodule.data.tokenizer  # type: ignore[attr-defined]  # set by Lightning's fit
         ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
