@@ -1,6 +1,9 @@
 """The memory plan against the CPU allocator's peak (torch.profiler's memory events): a tiny model's training step,
 and one XSA layer's temporaries, which a tiny model's peak (the cross-entropy's backward) hides."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,9 @@ from xsa_lm.model import GPT
 from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
 from xsa_lm.train.module import param_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from calibrate_memory import allocator_peak  # noqa: E402 - a script's, imported from its folder
 
 # Beside the plan's terms a training step holds the RoPE tables (2 x block_size x head_dim fp32, 32 KiB at tiny) and a
 # few scalars (the loss, the cross-entropy's total weight, ...): 116 bytes measured, SA and XSA, fp32 and bf16.
@@ -30,7 +36,7 @@ def test_allocator_peak_counts_what_the_run_allocates():
         c = torch.empty(2**16, dtype=torch.uint8)
         del c
 
-    assert memory.allocator_peak(run) == 2**18 + 2**17
+    assert allocator_peak(run) == 2**18 + 2**17
 
 
 def tensor_bytes(tensors) -> int:
@@ -65,7 +71,7 @@ def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tm
     held = tensor_bytes([*model.parameters(), *model.buffers(), *batch])
     held += tensor_bytes(p.grad for p in model.parameters())
     held += tensor_bytes(t for state in optimizer.state.values() for t in state.values())
-    measured = held + memory.allocator_peak(last_micro_batch_and_update)
+    measured = held + allocator_peak(last_micro_batch_and_update)
     beside_the_plan = measured - plan["per_device_bytes"]["total"] - tensor_bytes(model.buffers())
     assert 0 <= beside_the_plan <= SCALARS, (measured, plan["per_device_bytes"])
 
@@ -89,7 +95,7 @@ def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision:
     trainer.run(batches, 1)  # the AdamW state exists from here on
     held = tensor_bytes(trainer.model.parameters())
     held += tensor_bytes(t for state in trainer.opt.state.values() for t in state.values() if t.dim())
-    measured = held + memory.allocator_peak(lambda: trainer.run(batches, 1))
+    measured = held + allocator_peak(lambda: trainer.run(batches, 1))
     planned = memory.estimate(asdict(config), config.vocab_size, 4, 64, precision).total
     assert 0.85 * planned < measured <= planned
 
@@ -112,7 +118,7 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
         y.grad = v.grad = weight.grad = None
 
     forward_and_backward()  # autocast's and autograd's first-call allocations outside the measurement
-    measured = memory.allocator_peak(forward_and_backward)
+    measured = allocator_peak(forward_and_backward)
     model = {"n_head": H, "head_dim": D, "n_kv_head": n_kv_head}
     compute = dtype.itemsize
     terms = memory.block_saved_per_token(model | {"d_model": width}, compute=compute, residual=4, exclusive=True)
@@ -142,4 +148,4 @@ def test_sa_output_projection_has_none_of_it():
         y.grad = weight.grad = None
 
     forward_and_backward()
-    assert memory.allocator_peak(forward_and_backward) == 2 * B * T * width * 4 + weight.numel() * 4
+    assert allocator_peak(forward_and_backward) == 2 * B * T * width * 4 + weight.numel() * 4

@@ -1,17 +1,12 @@
 """The memory a training run needs per device, estimated before the model exists, and the memory it can have:
 `xsa-lm train` refuses a run that cannot fit (rather than swap or raise inside the first step); `xsa-lm plan` prints
-it. The per-token terms count what autograd saves, held to `allocator_peak` by tests/test_memory_peak.py."""
+it. The per-token terms count what autograd saves, held to the CPU allocator's peak by tests/test_memory_peak.py."""
 
-import json
 import math
 import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from xsa_lm.train.devices import uses_cuda
 
@@ -206,30 +201,6 @@ def available_bytes(accelerator: str) -> tuple[int, str]:
         return info["MemAvailable"], "available host memory"
     except (FileNotFoundError, KeyError):  # macOS: the physical memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
-
-
-def allocator_peak(run: Callable[[], object]) -> int:
-    """The most bytes the CPU allocator held during `run` beyond what it held before (torch.profiler's `[memory]`
-    events; frees of blocks allocated before `run` not counted). CUDA has its own counter."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:  # the public form of the events: the Chrome trace
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    live, peak, ours = 0, 0, set()
-    for e in (e["args"] for e in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))):
-        if e["Device Type"] != 0:  # 0: CPU
-            continue
-        if e["Bytes"] > 0:
-            ours.add(e["Addr"])
-        elif e["Addr"] in ours:  # else freed by `run` but allocated before it: its size may be a stale record
-            ours.remove(e["Addr"])
-        else:
-            continue
-        live += e["Bytes"]
-        peak = max(peak, live)
-    return peak
 
 
 def describe(e: MemoryEstimate) -> str:
