@@ -2,22 +2,25 @@
 and one XSA layer's temporaries, which a tiny model's peak (the cross-entropy's backward) hides."""
 
 import sys
-from pathlib import Path
+from dataclasses import asdict
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from tests.helpers import compose_train
+from tests.helpers import REPO, compose_train
 from tests.test_plan import plan_of
+from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
-from xsa_lm.model import GPT
+from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
 from xsa_lm.train.module import param_groups
+from xsa_lm.train.schedule import warmup_cosine_scheduler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))
 from calibrate_memory import allocator_peak  # noqa: E402 - a script's, imported from its folder
 
 # Beside the plan's terms a training step holds the RoPE tables (2 x block_size x head_dim fp32, 32 KiB at tiny) and a
@@ -33,8 +36,7 @@ def test_allocator_peak_counts_what_the_run_allocates():
         b = torch.empty(2**17, dtype=torch.uint8)
         del a, b
         earlier.pop()  # allocated before: its free lowers nothing the run added
-        c = torch.empty(2**16, dtype=torch.uint8)
-        del c
+        torch.empty(2**16, dtype=torch.uint8)  # freed at once
 
     assert allocator_peak(run) == 2**18 + 2**17
 
@@ -80,13 +82,6 @@ def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tm
 def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision: str):
     """xsa-lm bench's plain loop drops the logits before the backward, as training does (holding them put an H200's
     eager step at 1.06x the plan); without accumulation the plan is an upper bound."""
-    from dataclasses import asdict
-    from functools import partial
-
-    from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
-    from xsa_lm.model import GPTConfig
-    from xsa_lm.train.schedule import warmup_cosine_scheduler
-
     config = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=64, vocab_size=2048)
     scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
     setup = Setup(torch.device("cpu"), precision, False, partial(torch.optim.AdamW, lr=1e-3), scheduler)
@@ -119,8 +114,7 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
 
     forward_and_backward()  # autocast's and autograd's first-call allocations outside the measurement
     measured = allocator_peak(forward_and_backward)
-    model = {"n_head": H, "head_dim": D, "n_kv_head": n_kv_head}
-    compute = dtype.itemsize
+    model, compute = {"n_head": H, "head_dim": D, "n_kv_head": n_kv_head}, dtype.itemsize
     terms = memory.block_saved_per_token(model | {"d_model": width}, compute=compute, residual=4, exclusive=True)
     per_token = terms["xsa"] + memory.xsa_transient_per_token(model, compute=compute)
     sa_too = B * T * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
@@ -130,8 +124,7 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_xsa_temporaries_are_the_allocators(dtype: torch.dtype, n_kv_head: int):
-    """What the plan counts for one XSA layer (its saved coefficients and backward temporaries) is what the allocator
-    holds at its peak, to the byte, in bf16 and fp32, with and without grouped heads."""
+    """The plan's XSA terms are the allocator's peak to the byte, bf16 and fp32, with and without grouped heads."""
     measured, planned = xsa_layer_bytes(n_kv_head=n_kv_head, dtype=dtype)
     assert measured == planned
 

@@ -210,7 +210,19 @@ class FolderCheckpoint(ModelCheckpoint):
             state_dict["best_k_models"] = {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()}
         super().load_state_dict(state_dict)
         if self.monitor == "step" and self.save_top_k >= 0 and self.restored_step is not None:
-            self.count_kept_files(self.restored_step)
+            # Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved
+            # before this callback counted it); drop older ones (a lower keep_last).
+            restored = self.format_checkpoint_name({"step": torch.tensor(self.restored_step)})
+            known = {**self.best_k_models, restored: torch.tensor(self.restored_step)}
+            ordered = sorted(((p, s) for p, s in known.items() if Path(p).exists()), key=lambda item: float(item[1]))
+            cut = max(len(ordered) - self.save_top_k, 0)
+            # never the file resumed from (keep_last=0), nor one outside this run's folder
+            here = Path(str(self.dirpath))
+            self.dropped = [path for path, _ in ordered[:cut] if path != restored and Path(path).parent == here]
+            self.best_k_models = dict(ordered[cut:])
+            if ordered[cut:]:
+                self.kth_best_model_path, self.kth_value = ordered[cut]
+                self.best_model_path, self.best_model_score = ordered[-1]
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
@@ -226,22 +238,6 @@ class FolderCheckpoint(ModelCheckpoint):
         for path in self.dropped:  # as the next save would prune them, had keep_last not been lowered
             trainer.strategy.remove_checkpoint(path)
         self.dropped = []
-
-    def count_kept_files(self, step: int) -> None:
-        """Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved before
-        this callback counted it); drop older ones (a lower keep_last)."""
-        restored = self.format_checkpoint_name({"step": torch.tensor(step)})
-        kept = {**self.best_k_models, restored: torch.tensor(step)}
-        ordered = sorted(((p, s) for p, s in kept.items() if Path(p).exists()), key=lambda item: float(item[1]))
-        cut = max(len(ordered) - self.save_top_k, 0)
-        newest = ordered[cut:]
-        # never the file resumed from (keep_last=0), nor one outside this run's folder
-        here = Path(str(self.dirpath))
-        self.dropped = [path for path, _ in ordered[:cut] if path != restored and Path(path).parent == here]
-        self.best_k_models = dict(newest)
-        if newest:
-            self.kth_best_model_path, self.kth_value = newest[0]
-            self.best_model_path, self.best_model_score = newest[-1]
 
 
 class LinkingTrainer(L.Trainer):

@@ -48,12 +48,7 @@ def mlp_width(model: dict) -> int:
 
 def block_parameters(model: dict) -> int:
     """Weights of one transformer block (no biases): its matmuls and two LayerNorm weights."""
-    return block_matmul_parameters(model) + 2 * model["d_model"]
-
-
-def block_matmul_parameters(model: dict) -> int:
-    """The Linear weights of one block: what autocast copies to the compute dtype."""
-    return 2 * model["d_model"] * (sum(widths(model)) + mlp_width(model))
+    return 2 * model["d_model"] * (sum(widths(model)) + mlp_width(model) + 1)
 
 
 def parameter_count(model: dict, vocab_size: int) -> int:
@@ -177,7 +172,8 @@ def autocast_copies(
     compute, weights = dtype_bytes(precision)
     if compute == weights:
         return 0
-    d, block = model["d_model"], block_matmul_parameters(model)
+    d = model["d_model"]
+    block = block_parameters(model) - 2 * d  # its Linear weights
     if attention == "xsa" and not compiled:
         block -= widths(model)[0] * d
     return compute * ((1 if checkpointing else model["n_layer"]) * block + vocab_size * d)

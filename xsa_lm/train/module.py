@@ -118,15 +118,8 @@ class LMModule(L.LightningModule):
         checkpoint["faults"] = json.dumps(faults)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:
-
-        1. zero_grad: the last step's gradients are cleared (at the window's first micro-batch, before its backward)
-        2. forward: this method, for each of the accumulate_grad_batches micro-batches, returns the loss
-        3. backward: loss.backward() sums the gradients over the window
-        4. clip: configure_gradient_clipping logs the norm; a non-finite one skips the update
-        5. step: optimizer.step(), fused AdamW
-        6. schedule: the LR scheduler steps (interval "step")
-        """
+        """One micro-batch's forward; Lightning sums the backward over accumulate_grad_batches of them, then clips
+        (configure_gradient_clipping: a non-finite norm skips the update), steps fused AdamW and the LR schedule."""
         x, y = batch
         if isinstance(self.model, FSDPModule):  # DDP's counterpart is Lightning's no_sync
             # One reduce-scatter per step, after its last micro-batch, at the cost of holding the unsharded fp32
@@ -222,8 +215,7 @@ class LMModule(L.LightningModule):
         self.check_nonfinite()
 
     def check_nonfinite(self) -> None:
-        """Skipped updates become `skipped_batch` events while the budget lasts; the next stops the run as diverged
-        (the weights stay those of the last finite step)."""
+        """Skipped updates are `skipped_batch` events while the budget lasts; the next stops the run as diverged."""
         if not self._nonfinite:
             return
         flags = torch.stack([flag.to(self.device) for _, flag in self._nonfinite]).tolist()  # one sync for all

@@ -57,12 +57,10 @@ class RunShape:
         return memory.estimate(**{"micro_batch_size": self.micro_batch_size, **self.memory_args(), **changes})
 
 
-def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> RunShape:
+def run_shape(spec: TrainSpec) -> RunShape:
     """The run `xsa-lm train` would start from this spec, before its tokenizer exists: the model's vocabulary, else
     the tokenizer's size (GPT-2's by default)."""
     trainer, strategy = spec.trainer, spec.trainer.strategy
-    if activation_checkpointing is None:
-        activation_checkpointing = trainer.activation_checkpointing
     return RunShape(
         spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
         spec.micro_batch_size,
@@ -72,7 +70,7 @@ def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> 
         devices=trainer.world_size,
         strategy=trainer.strategy_kind,
         compiled=compile_enabled(spec.compile, accelerator=trainer.accelerator),
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=trainer.activation_checkpointing,
         # a plain `ddp` is Lightning's default: off
         gradient_as_bucket_view=isinstance(strategy, dict) and bool(strategy.get("gradient_as_bucket_view")),
     )
@@ -124,27 +122,22 @@ class Plan:
     cross_entropy_transient_bytes: dict[str, int]
 
 
-def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
-    """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
-    eager, compiled = run.estimate(compiled=False), run.estimate(compiled=True)
-    need = compiled if run.compiled else eager
-    largest = memory.largest_micro_batch(available, **run.memory_args())
-    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
-    dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
-    return StrategyPlan(
-        need.as_dict(), eager.as_dict(), compiled.as_dict(), need.total <= available, largest, dividing, steps(dividing)
-    )
-
-
 def make_plan(run: RunShape, *, model_name: str, available: int, available_from: str, sdpa: SdpaPlan) -> Plan:
-    """Both strategies' memory per device, the largest micro-batches that fit in `available` bytes, and what XSA adds:
-    what it saves in every layer, and its temporaries against the cross-entropy's (the backward's peak the larger)."""
-    strategies = {s: strategy_plan(replace(run, strategy=s), available) for s in ("ddp", "fsdp")}
+    """Both strategies' memory per device, eager and compiled, the largest micro-batches that fit in `available`
+    bytes, and what XSA adds: what it saves in every layer, and its temporaries against the cross-entropy's."""
+    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
+    strategies: dict[str, StrategyPlan] = {}
+    for name in ("ddp", "fsdp"):
+        one = replace(run, strategy=name)
+        eager, compiled = one.estimate(compiled=False), one.estimate(compiled=True)
+        need = compiled if run.compiled else eager
+        largest = memory.largest_micro_batch(available, **one.memory_args())
+        dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
+        sizes = (need.as_dict(), eager.as_dict(), compiled.as_dict())
+        strategies[name] = StrategyPlan(*sizes, need.total <= available, largest, dividing, steps(dividing))
     model, (compute, weights), xsa = asdict(run.model), memory.dtype_bytes(run.precision), run.model.attention == "xsa"
-    tokens, positions = (
-        run.micro_batch_size * run.block_size,
-        run.micro_batch_size * (run.block_size + run.model.n_sinks),
-    )
+    tokens = run.micro_batch_size * run.block_size
+    positions = tokens + run.micro_batch_size * run.model.n_sinks
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
     modes, chosen = {"eager": False, "compiled": True}, strategies[run.strategy]
     same = "strategy devices precision activation_checkpointing compiled micro_batch_size block_size accumulation"
@@ -272,7 +265,7 @@ def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_err
     if out is not None:
         check_new_file(out, overwrite=options.overwrite, example="plan.json")
     spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
-    run = run_shape(spec, activation_checkpointing=options.activation_checkpointing)  # plan.yaml's: the trainer's
+    run = replace(run_shape(spec), activation_checkpointing=options.activation_checkpointing)  # plan.yaml's
     gib, accelerator = options.device_memory_gb, spec.trainer.accelerator
     if gib is not None:
         available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
