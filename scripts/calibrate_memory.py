@@ -3,7 +3,7 @@
 (a) Bytes a paper_0.7b block saves for the backward per token (SA and XSA, eager and compiled): every tensor that
     autograd keeps (saved_tensors_hooks, each storage once, weights and buffers excluded), at two sequence lengths:
     the difference is the per-token part, the rest autocast's bf16 copies of the block's weights.
-(b) A whole training step of a small model: its peak from the CPU allocator (memory.allocator_peak: torch.profiler's
+(b) A whole training step of a small model: its peak from the CPU allocator (allocator_peak: torch.profiler's
     memory events) above the weights, gradients and AdamW state, and its head alone (the cross-entropy's N x V buffers).
 (c) One paper_0.7b XSA output projection's forward and backward (eager fp32, eager under bf16 autocast, compiled):
     the allocator's peak above its inputs against XSA's saved coefficients and backward temporaries plus what SA's
@@ -18,9 +18,12 @@ Writes <out>.json and <out>.md: each term measured, estimated, and estimated / m
 
 import argparse
 import json
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from xsa_lm.bench.loops import saved_for_backward
 from xsa_lm.model import GPT, GPTConfig
@@ -31,6 +34,30 @@ PAPER_07B_BLOCK = {"n_layer": 1, "d_model": 1536, "n_head": 6, "head_dim": 256, 
 SMALL = {"n_layer": 2, "d_model": 256, "n_head": 4, "head_dim": 64, "mlp_ratio": 4}
 SMALL_VOCAB, SMALL_BATCH, SMALL_CONTEXT = 4096, 2, 256
 BF16_MIXED = {"compute": 2, "residual": 4}
+
+
+def allocator_peak(run: Callable[[], object]) -> int:
+    """The most bytes the CPU allocator held during `run` beyond what it held before (torch.profiler's `[memory]`
+    events; frees of blocks allocated before `run` not counted). CUDA has its own counter."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:  # the public form of the events: the Chrome trace
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    live, peak, ours = 0, 0, set()
+    for e in (e["args"] for e in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))):
+        if e["Device Type"] != 0:  # 0: CPU
+            continue
+        if e["Bytes"] > 0:
+            ours.add(e["Addr"])
+        elif e["Addr"] in ours:  # else freed by `run` but allocated before it: its size may be a stale record
+            ours.remove(e["Addr"])
+        else:
+            continue
+        live += e["Bytes"]
+        peak = max(peak, live)
+    return peak
 
 
 def autocast() -> torch.autocast:
@@ -99,7 +126,7 @@ def training_step(attention: str, compiled: bool) -> dict:
     static = tensor_bytes(model.parameters()) + tensor_bytes(p.grad for p in model.parameters())
     static += tensor_bytes(t for state in optimizer.state.values() for t in state.values() if t.dim())
     static += tensor_bytes(model.buffers())
-    peak = static + memory.allocator_peak(step)
+    peak = static + allocator_peak(step)
 
     def forward() -> torch.Tensor:
         with autocast():
@@ -115,7 +142,7 @@ def training_step(attention: str, compiled: bool) -> dict:
         loss.backward()
 
     head()
-    head_peak = memory.allocator_peak(head)
+    head_peak = allocator_peak(head)
     e = memory.estimate(
         SMALL, SMALL_VOCAB, SMALL_BATCH, SMALL_CONTEXT, "bf16-mixed", attention=attention, compiled=compiled
     )
@@ -159,7 +186,7 @@ def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> di
     sa_too = tokens * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
     if compiled and compute < 4:  # autocast's copy of W_o, kept by the compiled backward (memory.autocast_copies)
         sa_too += weight.numel() * compute
-    return {"measured": memory.allocator_peak(forward_and_backward), "estimated": tokens * per_token + sa_too}
+    return {"measured": allocator_peak(forward_and_backward), "estimated": tokens * per_token + sa_too}
 
 
 def rows(results: dict) -> list[tuple[str, float, float]]:

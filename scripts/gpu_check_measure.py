@@ -393,8 +393,6 @@ def step_memory(trainer, batches: list) -> dict:
     """Peak memory of one more training step: on CUDA the allocator's high-water mark, on CPU the allocator's peak
     from torch.profiler's memory events; both above what was allocated before the step, plus this model's weights
     and AdamW state, what stays allocated between its steps (the other model's stay out)."""
-    from xsa_lm.train.memory import allocator_peak
-
     device, cuda = trainer.setup.device, {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -405,6 +403,8 @@ def step_memory(trainer, batches: list) -> dict:
         peak = cuda["max_memory_allocated"] - before
         source = "torch.cuda.max_memory_allocated over a step, above what was allocated before it"
     else:
+        from calibrate_memory import allocator_peak
+
         peak = allocator_peak(lambda: trainer.run(batches, 1))
         source = "the CPU allocator's peak over a step (torch.profiler)"
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())

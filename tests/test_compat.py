@@ -1,6 +1,7 @@
 """What xsa_lm.compat relies on still holds on the installed versions: the private Lightning and torch APIs it uses
 behave as it expects, and the Lightning and Hydra rules it restates in public terms give their own answers."""
 
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -22,26 +23,31 @@ def changed(api: str, what: str) -> str:
 
 
 class Recorder(L.LightningModule):
-    """A linear model that records compat.should_update_logs in each training step."""
+    """A linear model that records compat.should_update_logs by step and compat.accumulating by micro-batch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
         self.seen: dict[int, bool] = {}
+        self.accumulating: dict[int, bool] = {}
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         self.seen[self.global_step] = compat.should_update_logs(self.trainer)
+        self.accumulating[batch_idx] = compat.accumulating(self.trainer)
         return self.layer(batch[0]).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit_on_ones(module: L.LightningModule, tmp_path: Path, *, rows: int = 8, ckpt_path=None, **settings) -> L.Trainer:
-    """`module` fitted on `rows` batches of ones by a Trainer that writes nothing but what `settings` ask for."""
+def fit_on_ones(
+    module: L.LightningModule, tmp_path: Path, *, rows: int = 8, ckpt_path=None, validate=False, **settings
+) -> L.Trainer:
+    """`module` fitted on `rows` batches of ones (validated on them too) by a Trainer that writes nothing but what
+    `settings` ask for."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(rows, 2)), batch_size=1)
     trainer = L.Trainer(default_root_dir=tmp_path, **{**compat.QUIET_TRAINER, **settings})
-    trainer.fit(module, data, ckpt_path=ckpt_path)
+    trainer.fit(module, data, data if validate else None, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -105,27 +111,24 @@ def fit_recorder(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, 
     return fit_on_ones(Recorder(), tmp_path, ckpt_path=ckpt_path, **settings)
 
 
-def test_model_checkpoint_saves_now_on_request(tmp_path: Path):
+def test_model_checkpoint_saves_now_on_request(tmp_path: Path, monkeypatch):
     """compat.save_checkpoints_now writes the top-k and last checkpoints outside a validation, through
     Trainer.save_checkpoint (where LinkingTrainer writes a step's payload once)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    seen = []
-
-    class Probe(L.Callback):
-        def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-            seen.append(trainer.global_step)
-
-    probe = ModelCheckpoint(dirpath=tmp_path, filename="step-{step}", monitor="step", mode="max", save_last=True)
-    trainer = fit_recorder(tmp_path, [probe, Probe()])
-    seen.clear()
+    api = "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint"
+    keep = partial(ModelCheckpoint, filename="step-{step}", monitor="step", mode="max", save_last=True)
+    trainer = fit_recorder(tmp_path, [keep(dirpath=tmp_path)])
     trainer.state.fn = "validate"  # as after trainer.validate
-    now = ModelCheckpoint(dirpath=tmp_path / "now", filename="step-{step}", monitor="step", mode="max", save_last=True)
-    compat.save_checkpoints_now(now, trainer)
-    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
-        "ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed"
+    seen, save = [], trainer.save_checkpoint
+    monkeypatch.setattr(
+        trainer, "save_checkpoint", lambda path, *args: seen.append(Path(path).name) or save(path, *args)
     )
-    assert seen == [4, 4], changed("ModelCheckpoint._save_topk_checkpoint / _save_last_checkpoint", "changed")
+    compat.save_checkpoints_now(keep(dirpath=tmp_path / "now"), trainer)
+    assert sorted(p.name for p in (tmp_path / "now").iterdir()) == ["last.ckpt", "step-step=4.ckpt"], changed(
+        api, "changed"
+    )
+    assert seen == ["step-step=4.ckpt", "last.ckpt"], changed(api, "no longer saves through Trainer.save_checkpoint")
 
 
 def test_the_resume_checkpoint_can_be_agreed_on_before_it_is_read(tmp_path: Path):
@@ -166,21 +169,11 @@ def test_lightning_broadcasts_a_sigterm_flag_per_batch_that_can_be_skipped(tmp_p
     assert broadcasts == [0], changed(api, "can no longer be skipped")
 
 
-class AccumulationRecorder(Recorder):
-    """Records compat.accumulating at each micro-batch."""
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        self.seen[batch_idx] = compat.accumulating(self.trainer)
-        return self.layer(batch[0]).sum()
-
-
 def test_accumulating_is_true_except_on_the_last_micro_batch_of_each_step(tmp_path: Path):
     api = "Trainer.fit_loop._should_accumulate"
-    module = fit_on_ones(
-        AccumulationRecorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3
-    ).lightning_module
+    module = fit_on_ones(Recorder(), tmp_path, rows=7, max_epochs=1, accumulate_grad_batches=3).lightning_module
     expected = {0: True, 1: True, 2: False, 3: True, 4: True, 5: False, 6: False}  # the epoch's last batch steps
-    assert module.seen == expected, changed(api, "changed meaning")
+    assert module.accumulating == expected, changed(api, "changed meaning")
 
 
 def test_lightning_names_precisions_and_decides_device_settings_as_its_trainer_does():
@@ -229,13 +222,11 @@ def test_a_resumed_run_numbers_its_logged_rows_by_step_whether_or_not_it_validat
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     api = "the loop counters of a checkpoint (`loops.fit_loop`, `epoch_loop.state_dict._batches_that_stepped`)"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=1)
-    quiet = dict(enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1, log_every_n_steps=1)
 
     def fit(folder: str, steps: int, validate_every: int, ckpt_path: str | None = None, **settings) -> list[int]:
+        settings |= dict(max_steps=steps, val_check_interval=validate_every, limit_val_batches=1, log_every_n_steps=1)
         logger = CSVLogger(tmp_path, name=folder, version="")
-        trainer = L.Trainer(max_steps=steps, logger=logger, val_check_interval=validate_every, **quiet, **settings)
-        trainer.fit(StepLogger(), data, data, ckpt_path=ckpt_path)
+        trainer = fit_on_ones(StepLogger(), tmp_path, ckpt_path=ckpt_path, validate=True, logger=logger, **settings)
         if ckpt_path is None:
             trainer.save_checkpoint(tmp_path / "after.ckpt")
         return [int(row["step"]) for row in read_csv(Path(logger.log_dir, "metrics.csv"))[1] if row["loss"]]
@@ -253,9 +244,7 @@ def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(
     """LMModule stops the loop as its last micro-batch starts (Trainer.should_stop), so that Lightning logs that step
     and validates it inside the loop, with its own row numbers and checkpoint hooks, though it is on neither's grid."""
     api = "Trainer.should_stop set in on_train_batch_start (_TrainingEpochLoop._should_check_val_fx)"
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=1)
     logger = CSVLogger(tmp_path, name="run", version="")
-    quiet = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
     class StopsAtTheEnd(StepLogger):
         def on_train_batch_start(self, *args) -> None:
@@ -263,8 +252,8 @@ def test_a_stop_before_the_last_micro_batch_is_logged_and_validated_in_the_loop(
                 self.trainer.should_stop = True
 
     settings = dict(val_check_interval=2 * accumulate, accumulate_grad_batches=accumulate, log_every_n_steps=2)
-    trainer = L.Trainer(max_steps=3, logger=logger, limit_val_batches=1, **quiet, **settings)
-    trainer.fit(StopsAtTheEnd(), data, data)
+    settings |= dict(max_steps=3, logger=logger, limit_val_batches=1)
+    trainer = fit_on_ones(StopsAtTheEnd(), tmp_path, rows=16, validate=True, **settings)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3 * accumulate, changed(api, "stops early")
     rows = read_csv(Path(logger.log_dir, "metrics.csv"))[1]
     validated, logged = [r["step"] for r in rows if r["val"]], [r["step"] for r in rows if r["loss"]]

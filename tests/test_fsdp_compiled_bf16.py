@@ -1,17 +1,13 @@
-"""The CUDA path's combination rehearsed on CPU through `xsa-lm train`: torch.compile (each block, and the head with the
-loss, fullgraph=True) + the XSA autograd Function + FSDP2 on 2 gloo ranks + bf16-mixed, for a few steps and a resume.
-
-Under bf16-mixed FSDP2 keeps fp32 parameters (configs/trainer/fsdp.yaml) and autocast runs the matmuls in bf16: the
-Function's forward gets bf16 y and v from SDPA and the gathered fp32 W_o, which F.linear casts; its backward gets a
-bf16 dL/dout and casts W_o itself, returning W_o's gradient in fp32 for FSDP2 to reduce-scatter. fullgraph=True turns
-any graph break into an error, so a run that completes compiled every block whole."""
+"""The CUDA path's combination rehearsed on CPU through `xsa-lm train`: torch.compile (fullgraph=True: a graph break
+is an error) + the XSA autograd Function + FSDP2 on 2 gloo ranks (fp32 parameters) + bf16-mixed, and a resume."""
 
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, run_cli, train_losses
+from tests.helpers import FAST, train_losses
+from tests.test_reliability import run_ok
 
 # Run by make test-torch-floor, on the GPU machine's torch (2.11), not again by make test-long on 2.13 (~4.5 min).
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.torch_floor]
@@ -30,12 +26,10 @@ def generated_kernels(cache_dir: Path) -> set[str]:
 
 
 def test_compiled_xsa_under_fsdp2_in_bf16_trains_and_resumes_where_it_left_off(data_cache: Path, tmp_path: Path):
-    """6 steps on 2 ranks, then a new run resumed from step 3's sharded checkpoint: finite losses, and steps 3-5 of
-    the resumed run equal the uninterrupted run's (the same compiled kernels on the same batches in the same order,
-    deterministic on CPU: measured equal to the last bit; allowed 1e-5 relative, as tests/test_fsdp.py)."""
+    """6 steps on 2 ranks, then a run resumed from step 3's sharded checkpoint: finite losses, and steps 3-5 as the
+    uninterrupted run's (measured equal to the last bit; allowed 1e-5 relative, as tests/test_fsdp.py)."""
     inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # this test's kernels, compiled afresh
-    first = run_cli(["train", *ARGS, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path, **inductor)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_ok(["train", *ARGS, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path, **inductor)
     assert "bfloat16 Automatic Mixed Precision" in first.stderr and "x 2 device(s)" in first.stdout
     # XSA's forward and backward are among the generated kernels (z = y - c v: an addcmul fused with its sums)
     assert len([name for name in generated_kernels(tmp_path / "inductor") if "addcmul" in name]) >= 2
@@ -44,8 +38,7 @@ def test_compiled_xsa_under_fsdp2_in_bf16_trains_and_resumes_where_it_left_off(d
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000003.ckpt"
     resume = [*ARGS, f"resume={checkpoint}", f"hydra.run.dir={tmp_path / 'resumed'}"]
-    resumed = run_cli(["train", *resume], data_cache, tmp_path, **inductor)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(["train", *resume], data_cache, tmp_path, **inductor)
     assert f"starts from {checkpoint} (step 3)" in resumed.stdout
     continued = train_losses(tmp_path / "resumed")
     assert sorted(continued) == [3, 4, 5]

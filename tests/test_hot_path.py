@@ -8,10 +8,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from tests.helpers import FAST, compose_train
-from xsa_lm.config.spec import TrainSpec, parse
+from tests.helpers import FAST, compose_train, train_from
 from xsa_lm.train import run
 
 # Every way a tensor's value reaches Python; on a GPU each one waits for the device to finish its queue.
@@ -46,7 +44,7 @@ def test_no_value_is_read_back_between_logging_steps(data_cache: Path, tmp_path:
     monkeypatch.setattr(run, "Throughput", StepMarks)
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
-    summary = run.train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), tmp_path / "run")
+    summary = train_from(cfg, tmp_path / "run")
     monkeypatch.undo()
 
     assert summary is not None and summary.status == "completed" and len(step_starts) == 40  # 2 micro-batches per step

@@ -1,18 +1,27 @@
 """The memory plan against the CPU allocator's peak (torch.profiler's memory events): a tiny model's training step,
 and one XSA layer's temporaries, which a tiny model's peak (the cross-entropy's backward) hides."""
 
+import sys
+from dataclasses import asdict
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from tests.helpers import compose_train
+from tests.helpers import REPO, compose_train
 from tests.test_plan import plan_of
+from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
-from xsa_lm.model import GPT
+from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.xsa import ExclusiveOutputProjection
 from xsa_lm.train import memory
 from xsa_lm.train.module import param_groups
+from xsa_lm.train.schedule import warmup_cosine_scheduler
+
+sys.path.insert(0, str(REPO / "scripts"))
+from calibrate_memory import allocator_peak  # noqa: E402 - a script's, imported from its folder
 
 # Beside the plan's terms a training step holds the RoPE tables (2 x block_size x head_dim fp32, 32 KiB at tiny) and a
 # few scalars (the loss, the cross-entropy's total weight, ...): 116 bytes measured, SA and XSA, fp32 and bf16.
@@ -27,10 +36,9 @@ def test_allocator_peak_counts_what_the_run_allocates():
         b = torch.empty(2**17, dtype=torch.uint8)
         del a, b
         earlier.pop()  # allocated before: its free lowers nothing the run added
-        c = torch.empty(2**16, dtype=torch.uint8)
-        del c
+        torch.empty(2**16, dtype=torch.uint8)  # freed at once
 
-    assert memory.allocator_peak(run) == 2**18 + 2**17
+    assert allocator_peak(run) == 2**18 + 2**17
 
 
 def tensor_bytes(tensors) -> int:
@@ -41,9 +49,8 @@ def tensor_bytes(tensors) -> int:
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("attention", ["sa", "xsa"])
 def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tmp_path, monkeypatch, capsys):
-    """`xsa-lm plan model=tiny`'s per-device bytes against a micro-batch of an accumulating step (the gradients
-    exist, as from a step's second micro-batch on) and the optimizer step after it: weights, gradients, AdamW
-    state and the batch by their tensors, the rest by the allocator. The peak is the cross-entropy's backward."""
+    """`xsa-lm plan model=tiny`'s bytes against an accumulating step's last micro-batch and the update: weights,
+    gradients, AdamW state and batch by their tensors, the rest (the cross-entropy backward's peak) by the allocator."""
     overrides = ["model=tiny", f"attention={attention}", f"trainer.precision={precision}", "micro_batch_size=4"]
     cfg = compose_train(overrides, config_name="plan")
     plan, _ = plan_of([*overrides, "device_memory_gb=1"], tmp_path, monkeypatch, capsys)
@@ -66,23 +73,15 @@ def test_plan_peak_is_the_allocators_for_tiny(attention: str, precision: str, tm
     held = tensor_bytes([*model.parameters(), *model.buffers(), *batch])
     held += tensor_bytes(p.grad for p in model.parameters())
     held += tensor_bytes(t for state in optimizer.state.values() for t in state.values())
-    measured = held + memory.allocator_peak(last_micro_batch_and_update)
+    measured = held + allocator_peak(last_micro_batch_and_update)
     beside_the_plan = measured - plan["per_device_bytes"]["total"] - tensor_bytes(model.buffers())
     assert 0 <= beside_the_plan <= SCALARS, (measured, plan["per_device_bytes"])
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision: str):
-    """xsa-lm bench and the GPU check measure peak memory on the plain loop, against the plan. Its step drops the
-    logits before the backward, as the training step does: holding them put an H200's eager step at 1.06x the plan.
-    Without accumulation the gradients grow while the activations are freed, so the plan is an upper bound here."""
-    from dataclasses import asdict
-    from functools import partial
-
-    from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
-    from xsa_lm.model import GPTConfig
-    from xsa_lm.train.schedule import warmup_cosine_scheduler
-
+    """xsa-lm bench's plain loop drops the logits before the backward, as training does (holding them put an H200's
+    eager step at 1.06x the plan); without accumulation the plan is an upper bound."""
     config = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, block_size=64, vocab_size=2048)
     scheduler = partial(warmup_cosine_scheduler, warmup_steps=1, min_lr_ratio=0.1)
     setup = Setup(torch.device("cpu"), precision, False, partial(torch.optim.AdamW, lr=1e-3), scheduler)
@@ -91,7 +90,7 @@ def test_the_benchs_plain_loop_stays_within_the_plan_as_training_does(precision:
     trainer.run(batches, 1)  # the AdamW state exists from here on
     held = tensor_bytes(trainer.model.parameters())
     held += tensor_bytes(t for state in trainer.opt.state.values() for t in state.values() if t.dim())
-    measured = held + memory.allocator_peak(lambda: trainer.run(batches, 1))
+    measured = held + allocator_peak(lambda: trainer.run(batches, 1))
     planned = memory.estimate(asdict(config), config.vocab_size, 4, 64, precision).total
     assert 0.85 * planned < measured <= planned
 
@@ -114,9 +113,8 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
         y.grad = v.grad = weight.grad = None
 
     forward_and_backward()  # autocast's and autograd's first-call allocations outside the measurement
-    measured = memory.allocator_peak(forward_and_backward)
-    model = {"n_head": H, "head_dim": D, "n_kv_head": n_kv_head}
-    compute = dtype.itemsize
+    measured = allocator_peak(forward_and_backward)
+    model, compute = {"n_head": H, "head_dim": D, "n_kv_head": n_kv_head}, dtype.itemsize
     terms = memory.block_saved_per_token(model | {"d_model": width}, compute=compute, residual=4, exclusive=True)
     per_token = terms["xsa"] + memory.xsa_transient_per_token(model, compute=compute)
     sa_too = B * T * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
@@ -126,15 +124,13 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_xsa_temporaries_are_the_allocators(dtype: torch.dtype, n_kv_head: int):
-    """What the plan counts for one XSA layer (its saved coefficients and the temporaries of its backward) is what
-    the allocator holds at the layer's peak, to the byte: measured, bf16 and fp32, with and without grouped heads."""
+    """The plan's XSA terms are the allocator's peak to the byte, bf16 and fp32, with and without grouped heads."""
     measured, planned = xsa_layer_bytes(n_kv_head=n_kv_head, dtype=dtype)
     assert measured == planned
 
 
 def test_sa_output_projection_has_none_of_it():
-    """The same measurement of SA's output projection: its output, W_o's gradient and y's gradient only, so the
-    XSA terms above are XSA's own."""
+    """SA's output projection holds its output, W_o's and y's gradients only: the XSA terms above are XSA's own."""
     B, T, width = 2, 256, 128
     y = torch.randn(B, T, width, requires_grad=True)
     weight = torch.randn(width, width, requires_grad=True)
@@ -145,4 +141,4 @@ def test_sa_output_projection_has_none_of_it():
         y.grad = weight.grad = None
 
     forward_and_backward()
-    assert memory.allocator_peak(forward_and_backward) == 2 * B * T * width * 4 + weight.numel() * 4
+    assert allocator_peak(forward_and_backward) == 2 * B * T * width * 4 + weight.numel() * 4

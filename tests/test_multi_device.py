@@ -1,9 +1,6 @@
 """Many devices without wasted work: each rank's GPU set before any CUDA call, no host sync per micro-batch, one
-gradient reduction per optimizer step under FSDP2, and a compile that covers the head and the loss under FSDP2.
-
-The multi-process checks run this file as a script in 2 gloo processes (`python -m tests.test_multi_device`), started
-as torchrun would (LOCAL_RANK, RANK, WORLD_SIZE set: Lightning launches nothing), so each rank can count the
-collectives it calls and the graphs it compiles."""
+gradient reduction per optimizer step under FSDP2, and a compile that covers the head and the loss under FSDP2. The
+multi-process checks run this file in 2 gloo processes started as torchrun would, each counting what it calls."""
 
 import json
 import os
@@ -12,21 +9,21 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from tests.helpers import FAST, REPO, compose_train
+from tests.helpers import FAST, REPO, compose_train, train_from
 from tests.test_reliability import stop_mid_run
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.trials import free_port
 from xsa_lm.train import devices
-from xsa_lm.train.run import make_module, make_trainer, set_up_process, train
+from xsa_lm.train.run import make_module, make_trainer, set_up_process
 
 N_LAYER = 2
 STEPS = 3
@@ -74,7 +71,7 @@ def test_each_rank_sets_its_device_before_any_cuda_call(
         monkeypatch.setenv(variable, value)
     cfg = compose_train([*FAST, *trainer, "trainer.precision=auto", "micro_batch_size=4"])
     with pytest.raises(UserError, match="this run needs about"):
-        train(parse(TrainSpec, cfg), OmegaConf.to_container(cfg, resolve=True), tmp_path / "run")
+        train_from(cfg, tmp_path / "run")
     names = [call[0] for call in fake_gpus]
     assert fake_gpus[0] == ("set_device", expected), fake_gpus
     assert {"mem_get_info", "is_bf16_supported"} <= set(names[1:])  # the calls that used to come first
@@ -103,42 +100,36 @@ def test_the_host_heap_tweak_is_for_cpu_runs_only(fake_gpus: list[tuple], monkey
 # --- data-loader workers and compile: auto --------------------------------------------------------------------
 
 
-def test_num_workers_auto_is_none_on_cpu_and_some_on_gpu(monkeypatch: pytest.MonkeyPatch):
-    assert devices.loader_workers("auto", accelerator="cpu", ranks_per_node=1) == 0
-    assert devices.loader_workers(3, accelerator="cpu", ranks_per_node=1) == 3  # a number is kept
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+@pytest.mark.parametrize(
+    ("workers", "accelerator", "ranks_per_node", "expected"),
+    [("auto", "cpu", 1, 0), (3, "cpu", 1, 3), ("auto", "gpu", 8, 4), ("auto", "auto", 16, 2), ("auto", "gpu", 64, 1)]
+    + [(0, "gpu", 8, 0)],
+)
+def test_num_workers_auto_is_none_on_cpu_and_the_nodes_cpus_shared_on_gpu(
+    workers, accelerator: str, ranks_per_node: int, expected: int, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: accelerator != "cpu")  # 32 CPUs on the node
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    assert devices.loader_workers("auto", accelerator="gpu", ranks_per_node=8) == 4
-    assert devices.loader_workers("auto", accelerator="auto", ranks_per_node=16) == 2  # the node's CPUs, shared
-    assert devices.loader_workers("auto", accelerator="gpu", ranks_per_node=64) == 1  # still off the critical path
-    assert devices.loader_workers(0, accelerator="gpu", ranks_per_node=8) == 0
+    assert devices.loader_workers(workers, accelerator=accelerator, ranks_per_node=ranks_per_node) == expected
 
 
-def test_compile_auto_is_on_for_cuda_runs_only(monkeypatch: pytest.MonkeyPatch):
-    assert devices.compile_enabled("auto", accelerator="auto") is torch.cuda.is_available()
+@pytest.mark.parametrize("cuda", [False, True])
+def test_compile_auto_is_on_for_cuda_runs_only(cuda: bool, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert devices.compile_enabled("auto", accelerator="auto") is devices.compile_enabled("auto", accelerator="gpu")
+    assert devices.compile_enabled("auto", accelerator="gpu") is cuda
     assert devices.compile_enabled("auto", accelerator="cpu") is False
-    assert devices.compile_enabled(True, accelerator="cpu") is True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert devices.compile_enabled("auto", accelerator="gpu") is True
-    assert devices.compile_enabled("auto", accelerator="cpu") is False
-    assert devices.compile_enabled(False, accelerator="gpu") is False
+    assert devices.compile_enabled(True, accelerator="cpu") and not devices.compile_enabled(False, accelerator="gpu")
 
 
-def test_the_defaults_are_auto_and_the_checks_take_them():
-    cfg = compose_train([])
-    assert cfg.compile == "auto" and cfg.data.num_workers == "auto"
-    parse(TrainSpec, cfg, VALUES_ONLY)
-    parse(TrainSpec, compose_train(["compile=true", "data.num_workers=2"]), VALUES_ONLY)
-    for bad, message in [("compile=yes", "compile=yes must be true, false or auto"), ("data.num_workers=-1", ">= 0")]:
-        with pytest.raises(UserError, match=message):
-            parse(TrainSpec, compose_train([bad]), VALUES_ONLY)
-
-
-def test_ddp_keeps_gradients_in_its_buckets():
+def test_the_defaults_are_auto_and_ddp_keeps_gradients_in_its_buckets():
     import hydra
     from lightning.pytorch.strategies import DDPStrategy
 
-    strategy = hydra.utils.instantiate(compose_train(["trainer=ddp"]).trainer.strategy)
+    cfg = compose_train(["trainer=ddp"])
+    assert cfg.compile == "auto" and cfg.data.num_workers == "auto"
+    parse(TrainSpec, cfg, VALUES_ONLY)  # the refusals: test_schema.py
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
     assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["gradient_as_bucket_view"] is True
 
 
@@ -151,15 +142,8 @@ WORKER_ARGS += (
 WORKER_ARGS += f"model.n_layer={N_LAYER} model.vocab_size=512 attention=xsa val_every_steps=1000".split()
 WORKER_ARGS += f"trainer.max_steps={STEPS} scheduler.total_steps={STEPS} faults.spike_factor=null".split()
 # The same training in one process: both ranks' sequences side by side, in micro-batches of 4.
-ONE_PROCESS_ARGS = [
-    *[
-        a
-        for a in WORKER_ARGS
-        if not a.startswith(("trainer=", "trainer.accelerator", "trainer.devices", "micro_batch"))
-    ],
-    "trainer=cpu",
-    "micro_batch_size=4",
-]
+PER_RANK = ("trainer=", "trainer.accelerator", "trainer.devices", "micro_batch")
+ONE_PROCESS_ARGS = [a for a in WORKER_ARGS if not a.startswith(PER_RANK)] + ["trainer=cpu", "micro_batch_size=4"]
 # What a block computes with under bf16-mixed, whatever the strategy (recording_blocks).
 BF16_MIXED_BLOCK = dict.fromkeys(("x", "cos", "sin", "out"), "torch.float32")
 BF16_MIXED_BLOCK |= {"params": ["torch.float32"], "autocast": "torch.bfloat16"}
@@ -179,57 +163,43 @@ class RandomTokens(torch.utils.data.IterableDataset):
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def counting(counts: dict, name: str, function):
-    def counted(*args, **kwargs):
-        if counts["on"]:
-            counts[name] += 1
-        return function(*args, **kwargs)
-
-    return counted
-
-
 def fit_once(
     overrides: list[str], rank: int, run_dir: Path, *, args: list[str] = WORKER_ARGS, blocks: dict | None = None
 ) -> dict:
     """Train STEPS optimizer steps through the run's own make_module and make_trainer; what this rank saw. One
     process (args=ONE_PROCESS_ARGS) trains on both ranks' streams. `blocks`: filled by recording_blocks."""
-    spec = parse(TrainSpec, compose_train([*args, *overrides]))
-    assert spec.accumulate == ACCUMULATE
-    counts = {"on": False, "broadcast": 0, "reduce_scatter": 0}
-    # FSDP2 reduce-scatters through dist.reduce_scatter_single (dist.reduce_scatter_tensor before torch 2.13).
-    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    originals = {"broadcast": dist.broadcast, scatter: getattr(dist, scatter)}
-    losses: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_start(self, trainer, pl_module) -> None:
-            counts["on"] = True
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            losses.append(float(outputs["loss"]))
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            counts["on"] = False
-
     from xsa_lm.model import gpt
 
-    forward = gpt.Block._forward
-    if blocks is not None:
-        gpt.Block._forward = recording_blocks(blocks)
-    dist.broadcast = counting(counts, "broadcast", originals["broadcast"])
-    setattr(dist, scatter, counting(counts, "reduce_scatter", originals[scatter]))
-    try:
+    spec = parse(TrainSpec, compose_train([*args, *overrides]))
+    assert spec.accumulate == ACCUMULATE
+    # FSDP2 reduce-scatters through dist.reduce_scatter_single (dist.reduce_scatter_tensor before torch 2.13).
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    forward = gpt.Block._forward if blocks is None else recording_blocks(blocks)
+    seen: dict = {"losses": []}
+    with (
+        mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as broadcasts,
+        mock.patch.object(dist, scatter, wraps=getattr(dist, scatter)) as reduce_scatters,
+        mock.patch.object(gpt.Block, "_forward", forward),
+    ):
+
+        class Record(L.Callback):
+            def on_train_start(self, trainer, pl_module) -> None:
+                broadcasts.reset_mock()  # the training loop's calls only
+                reduce_scatters.reset_mock()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                seen["losses"].append(float(outputs["loss"]))
+
+            def on_train_end(self, trainer, pl_module) -> None:
+                seen.update(broadcasts=broadcasts.call_count, reduce_scatters=reduce_scatters.call_count)
+
         set_up_process(spec)  # the seed: every fit starts from the same weights
         module = make_module(spec, spec.gpt_config(512))
         trainer = make_trainer(spec, run_dir, callbacks=[Record()], loggers=[])
         streams = (rank,) if spec.trainer.world_size > 1 else (0, 1)  # one device: the global batch of both ranks
         loader = torch.utils.data.DataLoader(RandomTokens(streams), batch_size=None)
         trainer.fit(module, train_dataloaders=loader)
-    finally:
-        gpt.Block._forward = forward
-        dist.broadcast = originals["broadcast"]
-        setattr(dist, scatter, originals[scatter])
-    return {"losses": losses, "broadcasts": counts["broadcast"], "reduce_scatters": counts["reduce_scatter"]}
+    return seen
 
 
 def validate_once(run_dir: Path) -> dict:
@@ -248,9 +218,8 @@ def validate_once(run_dir: Path) -> dict:
 
 
 def recording_blocks(seen: dict) -> object:
-    """Block._forward that records the dtypes a block computes with: its inputs (the residual stream x and the RoPE
-    tables), its output (the residual stream after it), its parameters as its forward sees them (under FSDP2 the
-    gathered ones) and autocast's dtype (None: off)."""
+    """Block._forward recording the dtypes of a block's inputs (x, the RoPE tables), output, parameters as its forward
+    sees them (under FSDP2 the gathered ones) and autocast's (None: off)."""
     from xsa_lm.model import gpt
 
     original = gpt.Block._forward
@@ -267,9 +236,8 @@ def recording_blocks(seen: dict) -> object:
 
 
 def worker(out: Path) -> None:
-    """Four fits in each of the 2 processes: FSDP2 as the run trains, in fp32 and in bf16-mixed, the same with a
-    gradient reduction on every micro-batch (as before FSDP2's sync was deferred), and compiled through a backend
-    that records each graph."""
+    """Four fits in each of the 2 processes: FSDP2 as the run trains in fp32 and in bf16-mixed, with a gradient
+    reduction on every micro-batch, and compiled through a backend that records each graph."""
     import torch.distributed.fsdp as fsdp
 
     from xsa_lm.train import module
@@ -279,24 +247,16 @@ def worker(out: Path) -> None:
     result = {"deferred": fit_once([], rank, run_dir), "validation": validate_once(run_dir)}
     blocks: dict = {}
     result["bf16"] = {**fit_once(["trainer.precision=bf16-mixed"], rank, run_dir, blocks=blocks), "blocks": blocks}
-    set_sync = fsdp.FSDPModule.set_requires_gradient_sync
-    fsdp.FSDPModule.set_requires_gradient_sync = lambda self, requires, **kwargs: None  # always on: every micro-batch
-    try:
+    with mock.patch.object(fsdp.FSDPModule, "set_requires_gradient_sync"):  # always on: every micro-batch
         result["every_micro_batch"] = fit_once([], rank, run_dir)
-    finally:
-        fsdp.FSDPModule.set_requires_gradient_sync = set_sync
     graphs: list[list[str]] = []
 
     def recording_backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
         graphs.append(sorted({getattr(n.target, "__name__", str(n.target)) for n in graph.graph.nodes}))
         return graph.forward  # runs as traced: the same numbers as eager
 
-    compile_model = module.compile_model
-    module.compile_model = partial(compile_model, backend=recording_backend)
-    try:
+    with mock.patch.object(module, "compile_model", partial(module.compile_model, backend=recording_backend)):
         result["compiled"] = {**fit_once(["compile=true"], rank, run_dir), "graphs": graphs}
-    finally:
-        module.compile_model = compile_model
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -320,14 +280,6 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tails = "".join(log.read_text()[-3000:] for log in logs)
     assert all(proc.returncode == 0 for proc in procs), tails
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-
-
-@pytest.mark.slow
-def test_no_broadcast_per_micro_batch(two_ranks: list[dict]):
-    """Lightning's loop would broadcast its SIGTERM flag before each of the 12 micro-batches (and read it back)."""
-    for rank in two_ranks:
-        assert len(rank["deferred"]["losses"]) == STEPS * ACCUMULATE
-        assert rank["deferred"]["broadcasts"] == 0
 
 
 @pytest.mark.slow
@@ -387,11 +339,12 @@ def test_one_process_in_bf16_keeps_the_residual_stream_and_rope_tables_in_fp32(m
 
 
 @pytest.mark.slow
-def test_fsdp2_reduces_gradients_once_per_optimizer_step(two_ranks: list[dict]):
-    """One reduce-scatter per FSDP unit (each block and the root) per step, not per micro-batch, and the same
-    losses as reducing after every micro-batch."""
+def test_fsdp2_reduces_gradients_once_per_optimizer_step_and_broadcasts_nothing(two_ranks: list[dict]):
+    """One reduce-scatter per FSDP unit (each block and the root) per step, not per micro-batch, with the losses of
+    reducing after every micro-batch; no broadcast (Lightning's loop sends its SIGTERM flag before each)."""
     units = N_LAYER + 1
     for rank in two_ranks:
+        assert len(rank["deferred"]["losses"]) == STEPS * ACCUMULATE and rank["deferred"]["broadcasts"] == 0
         assert rank["deferred"]["reduce_scatters"] == STEPS * units
         assert rank["every_micro_batch"]["reduce_scatters"] == STEPS * ACCUMULATE * units  # the counter counts
         assert rank["deferred"]["losses"] == pytest.approx(rank["every_micro_batch"]["losses"], rel=1e-5)

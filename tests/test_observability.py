@@ -8,10 +8,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST
+from tests.helpers import compose_train
+from tests.test_reliability import run_ok
 from xsa_lm.compat import QUIET_TRAINER
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
@@ -77,18 +78,15 @@ def test_throughput_reads_flops_and_peak_at_the_start(tmp_path: Path):
 
 @pytest.mark.parametrize("override", ["profile.steps=0", "profile.start_step=-1", "profile.start_step=1.5"])
 def test_bad_profile_values_are_refused(override: str):
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[override])
     with pytest.raises(UserError, match=override.split("=")[0]):
-        parse(TrainSpec, cfg, VALUES_ONLY)
+        parse(TrainSpec, compose_train([override]), VALUES_ONLY)
 
 
 @pytest.mark.slow
 def test_train_logs_step_time_and_mfu_at_logging_steps(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     args = ["train", *FAST, "trainer.max_steps=8", "trainer.log_every_n_steps=2", "val_every_steps=8"]
-    out = run_cli([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_ok([*args, f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     rows = [row for row in read_csv(run_dir / "metrics.csv")[1] if row.get("train/loss")]
     assert [int(row["step"]) for row in rows] == [1, 3, 5, 7]  # logging steps only
     timed = [row for row in rows if row["train/step_time_s"]]

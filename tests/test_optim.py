@@ -15,13 +15,8 @@ SMALL = GPTConfig(n_layer=1, d_model=16, n_head=2, head_dim=8, vocab_size=64, bl
 
 def test_warmup_is_linear_then_cosine_reaches_min_ratio():
     f = partial(warmup_cosine, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
-    assert f(0) == pytest.approx(0.1)
-    assert f(4) == pytest.approx(0.5)
-    assert f(9) == pytest.approx(1.0)
-    assert f(10) == pytest.approx(1.0)
-    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
-    assert f(110) == pytest.approx(0.1)
-    assert f(500) == pytest.approx(0.1)
+    expected = {0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 60: 0.1 + 0.9 * 0.5, 110: 0.1, 500: 0.1}  # 60: half-way down
+    assert {step: f(step) for step in expected} == pytest.approx(expected)
     values = [f(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:], strict=False))
 
@@ -35,10 +30,8 @@ def test_scheduler_drives_the_optimizer_lr():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs[0] == pytest.approx(1.5e-4)
-    assert lrs[3] == pytest.approx(6e-4)
-    assert lrs[20] == pytest.approx(6e-5)
-    assert lrs[12] == pytest.approx(6e-5 + 5.4e-4 * 0.5 * (1 + math.cos(math.pi * 8 / 16)))
+    halfway = 6e-5 + 5.4e-4 * 0.5 * (1 + math.cos(math.pi * 8 / 16))
+    assert [lrs[0], lrs[3], lrs[12], lrs[20]] == pytest.approx([1.5e-4, 6e-4, halfway, 6e-5])
 
 
 def test_weight_decay_only_on_matrices():

@@ -17,6 +17,13 @@ pytestmark = pytest.mark.slow
 COMMON = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40", "trainer.max_steps=40"]
 
 
+def run_ok(*args, **kwargs) -> subprocess.CompletedProcess:
+    """run_cli of a command that must succeed."""
+    proc = run_cli(*args, **kwargs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def stop_mid_run(args: list[str], sig: signal.Signals, *, data_cache: Path, cwd: Path) -> subprocess.CompletedProcess:
     """Start a run and send it `sig` once its step-10 checkpoint exists; it must have stopped between step 10 and the
     end, with last.ckpt at the step its summary.json reports."""
@@ -35,8 +42,7 @@ def stop_mid_run(args: list[str], sig: signal.Signals, *, data_cache: Path, cwd:
 def straight_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
     """40 steps uninterrupted: the run every interrupted one is held to."""
     root = tmp_path_factory.mktemp("straight")
-    proc = run_cli([*COMMON, f"hydra.run.dir={root / 'run'}"], data_cache, root)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_ok([*COMMON, f"hydra.run.dir={root / 'run'}"], data_cache, root)
     return root / "run"
 
 
@@ -53,19 +59,17 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(straight, data_cache:
     proc.communicate()
     assert 19 in train_losses(run_dir)  # the rows up to a checkpoint are on disk before the checkpoint is
     assert not (run_dir / "summary.json").exists() or json.loads((run_dir / "summary.json").read_text())["steps"] < 40
-    again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
+    run_ok([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     resumed = train_losses(run_dir)
     assert resumed == straight  # every step once, bit-identical on CPU in fp32
-    with open(run_dir / "metrics.csv") as f:  # no step twice, although the killed run logged some of them
-        steps = [line.split(",")[0] for line in f][1:]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed" and len(steps) > 0
+    logged = [row["step"] for row in read_csv(run_dir / "metrics.csv")[1] if row["train/loss"]]
+    assert len(logged) == len(set(logged)) == 40  # no step twice, although the killed run logged some of them
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
 def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    first = run_cli([*COMMON, "trainer.max_steps=20", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert first.returncode == 0, first.stderr[-2000:]
+    run_ok([*COMMON, "trainer.max_steps=20", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     folder = run_dir / "checkpoints"
     last = folder / "last.ckpt"
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a write cut short by a crash (not ours)
@@ -73,8 +77,7 @@ def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path
     # resume=auto falls back on the step checkpoint before it (keep_last=2).
     assert checkpoint_step(last) is None and checkpoint_step(folder / "step-000020.ckpt") is None
     assert checkpoint_step(folder / "step-000010.ckpt") == 10
-    again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
+    again = run_ok([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     assert "last.ckpt is truncated or corrupt; skipped" in again.stdout
     assert "step-000020.ckpt is truncated or corrupt; skipped" in again.stdout
     assert train_losses(run_dir) == straight
@@ -84,14 +87,11 @@ def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path
 
 @pytest.mark.long
 def test_resume_with_another_micro_batch_split_continues_the_same_stream(straight, data_cache: Path, tmp_path: Path):
-    """Stopped at step 5 with 2 micro-batches of 8 per step, resumed with 4 of 4: each step after the resume sees
-    the same windows (not windows counted in micro-batches of the old size) and closes after 4 micro-batches (not
-    after the 2 the checkpoint's count leaves to the next multiple of 4): the straight run's losses."""
+    """Stopped at step 5 with 2 micro-batches of 8 per step, resumed with 4 of 4: each later step sees the same windows
+    and closes after 4 micro-batches: the straight run's losses."""
     run_dir = tmp_path / "run"
-    first = run_cli([*COMMON, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = run_cli([*COMMON, "micro_batch_size=4", "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
+    run_ok([*COMMON, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
+    run_ok([*COMMON, "micro_batch_size=4", "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     resumed = train_losses(run_dir)
     assert sorted(resumed) == list(range(40))
     for step in range(5, 40):  # the same sums in another order: float rounding apart
@@ -105,8 +105,7 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "preempted"
     assert "SIGTERM received" in stopped.stdout and "resume=auto" in stopped.stdout
     assert "| last val loss " in stopped.stdout  # no final loss before the last step, but where the run stood
-    again = run_cli([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
+    run_ok([*COMMON, "resume=auto", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert train_losses(run_dir) == straight
@@ -117,8 +116,7 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path
 
 def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, tmp_path: Path):
     nan = [*COMMON, "faults.inject_nan_at_step=15"]
-    diverged = run_cli([*nan, f"hydra.run.dir={tmp_path / 'a'}"], data_cache, tmp_path)
-    assert diverged.returncode == 0, diverged.stderr[-2000:]
+    diverged = run_ok([*nan, f"hydra.run.dir={tmp_path / 'a'}"], data_cache, tmp_path)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     # Step 15's update was skipped on the device (fused AdamW's found_inf); the host saw it at the next logging step.
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 15 and summary["steps"] == 16
@@ -127,8 +125,7 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     assert last["global_step"] == 16 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
     # spike_factor 0.5: every logged loss above half its running average counts as a spike, so events must appear
     spiky = ["faults.skip_nonfinite_batches=1", "faults.spike_factor=0.5", f"hydra.run.dir={tmp_path / 'b'}"]
-    skipped = run_cli([*nan, *spiky], data_cache, tmp_path)
-    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    run_ok([*nan, *spiky], data_cache, tmp_path)
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 40
     assert [e["step"] for e in summary["events"] if e["event"] == "skipped_batch"] == [15]
@@ -137,8 +134,7 @@ def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, t
     assert "events/loss_spike" in read_csv(tmp_path / "b" / "metrics.csv")[0]  # also a metric series
     # A resume goes on with the run's events: its budget of one skipped batch is spent, so the next one diverges.
     args = ["train", f"hydra.run.dir={tmp_path / 'b'}", "resume=auto", "trainer.max_steps=50"]
-    resumed = run_cli([*args, "faults.inject_nan_at_step=45"], data_cache, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    run_ok([*args, "faults.inject_nan_at_step=45"], data_cache, tmp_path)
     again = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert again["status"] == "diverged" and again["diverged_at_step"] == 45
     assert again["events"][: len(summary["events"])] == summary["events"]
@@ -151,15 +147,11 @@ def test_a_batch_skipped_at_the_last_step_is_in_that_steps_checkpoint(data_cache
     checkpoints: a resume from them has spent the budget of one skipped batch, so its next NaN diverges."""
     run_dir = tmp_path / "run"
     args = [*COMMON, "trainer.log_every_n_steps=4", "faults.skip_nonfinite_batches=1", f"hydra.run.dir={run_dir}"]
-    first = run_cli([*args, "trainer.max_steps=25", "faults.inject_nan_at_step=24"], data_cache, tmp_path)
-    assert first.returncode == 0, first.stderr[-2000:]
+    run_ok([*args, "trainer.max_steps=25", "faults.inject_nan_at_step=24"], data_cache, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and [h["step"] for h in summary["val_history"]] == [10, 20, 25]
     assert [e["step"] for e in summary["events"] if e["event"] == "skipped_batch"] == [24]  # the 25th step
-    resumed = run_cli(
-        [*args, "resume=auto", "trainer.max_steps=30", "faults.inject_nan_at_step=28"], data_cache, tmp_path
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    run_ok([*args, "resume=auto", "trainer.max_steps=30", "faults.inject_nan_at_step=28"], data_cache, tmp_path)
     again = json.loads((run_dir / "summary.json").read_text())
     assert again["status"] == "diverged" and again["diverged_at_step"] == 28
 
@@ -170,16 +162,14 @@ def test_ddp_matches_single_process_and_its_checkpoint_resumes_alone(straight_ru
     schedule as the straight run, so its validations at steps 10, 20 and 30 are the ones to meet."""
     single = {h["step"]: h["val_loss"] for h in json.loads((straight_run / "summary.json").read_text())["val_history"]}
     args = [*COMMON, "trainer.max_steps=20", "trainer.devices=2", "trainer.strategy=ddp"]
-    ddp = run_cli([*args, f"hydra.run.dir={tmp_path / 'ddp'}"], data_cache, tmp_path)
-    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    run_ok([*args, f"hydra.run.dir={tmp_path / 'ddp'}"], data_cache, tmp_path)
     history = json.loads((tmp_path / "ddp" / "summary.json").read_text())["val_history"]
     assert [h["step"] for h in history] == [10, 20]
     for h in history:  # float summation order differs: close
         assert h["val_loss"] == pytest.approx(single[h["step"]], abs=2e-4)
     # The DDP checkpoint continues in one process, on the same global data position.
     longer = [*COMMON, "trainer.max_steps=30", "resume=auto", f"hydra.run.dir={tmp_path / 'ddp'}"]
-    resumed = run_cli(longer, data_cache, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    run_ok(longer, data_cache, tmp_path)
     a = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert a["steps"] == 30 and a["final_val_loss"] == pytest.approx(single[30], abs=5e-4)
 
@@ -226,7 +216,6 @@ def test_no_secret_lands_in_the_run_directory(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     fast = [o for o in FAST if o != "logger=csv"]
     args = ["train", *fast, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
-    proc = run_cli(args, data_cache, tmp_path, WANDB_API_KEY=secret, HF_TOKEN=secret)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_ok(args, data_cache, tmp_path, WANDB_API_KEY=secret, HF_TOKEN=secret)
     leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == [] and secret not in proc.stdout + proc.stderr

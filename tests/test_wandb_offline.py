@@ -8,12 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+import PIL.Image
 import pytest
 import torch
 
 from tests.conftest import FAST, cli_env
 from tests.helpers import compose_train, refused_in_process
-from tests.wandb_records import artifacts, config, history, metric_definitions, run_files, summary
+from tests.wandb_records import config, history, records_of, run_files, summary
 
 LR = 2e-3
 MAX_STEPS = 5
@@ -67,7 +68,7 @@ def test_offline_run_file_holds_history_config_and_the_best_and_last_checkpoints
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "val/loss.min" in shown.stdout and "final_val_loss" in shown.stdout, shown.stdout[:2000]
 
-    logged = artifacts(run_file)
+    logged = records_of(run_file, "artifact")
     run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
     assert {(a.name, a.type) for a in logged} == {(f"model-{run_id}", "model")}
     originals = {json.loads(a.metadata)["original_filename"]: a for a in logged}  # the newest version of each
@@ -84,7 +85,7 @@ def test_offline_run_file_holds_history_config_and_the_best_and_last_checkpoints
 
 def check_axes_and_summary(run_file: Path, rows: list[dict], val_losses: list[float]) -> None:
     """Curves over tokens seen (validation rows carry the last value logged), val/loss summarised by min and last."""
-    definitions = {m.name or m.glob_name: m for m in metric_definitions(run_file)}
+    definitions = {m.name or m.glob_name: m for m in records_of(run_file, "metric")}
     assert definitions["*"].step_metric == "train/tokens_seen" and definitions["*"].options.step_sync
     assert (definitions["val/loss"].summary.min, definitions["val/loss"].summary.last) == (True, True)
     assert "train/tokens_seen" in definitions and "trainer/global_step" in definitions
@@ -105,64 +106,50 @@ def test_log_model_must_be_false_true_or_all(tmp_path: Path, monkeypatch, capsys
     assert not (tmp_path / "wandb").exists()  # refused before a run is made
 
 
-def write_png(path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plt.figure(figsize=(1, 1))
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def report_artifact(folder: Path, artifact_type: str) -> tuple[object, dict]:
-    """The report run's artifact of that type (logging a wandb.Table adds one of type run_table) and its files."""
-    (run_file,) = run_files(folder)
-    (artifact,) = [a for a in artifacts(run_file) if a.type == artifact_type]
-    return artifact, {entry.path: entry for entry in artifact.manifest.contents}
-
-
-def test_the_sweep_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
-    from xsa_lm.reporting import ReportRunSettings
+def sweep_result(folder: Path) -> tuple[object, object]:
     from xsa_lm.sweep.report import ComparisonStats, SweepResult, log_to_wandb
 
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B's copies of the files
-    sweep_dir = tmp_path / "sweep"
-    sweep_dir.mkdir()
-    files = {"results.json": '{"selected_lr": 0.003}', "report.md": "# report\n"}
-    for name, text in files.items():
-        (sweep_dir / name).write_text(text)
-    for name in ("lr_sweep.png", "curves.png"):
-        write_png(sweep_dir / name)
     comparison = ComparisonStats(seeds=[], sa=[], xsa=[], diff=[])
-    results = SweepResult(sweep_dir=str(sweep_dir), sweep_id="toy sweep:1", train_overrides=[], grid=[3e-3], seeds=[],
+    results = SweepResult(sweep_dir=str(folder), sweep_id="toy sweep:1", train_overrides=[], grid=[3e-3], seeds=[],
                           search_seeds=[0], selected_lr=3e-3, comparison=comparison)  # fmt: skip
-    log_to_wandb(results, sweep_dir, ReportRunSettings(mode="offline"))
-    artifact, entries = report_artifact(sweep_dir, "sweep-report")
-    assert (artifact.name, artifact.type) == ("toy-sweep-1-report", "sweep-report")  # W&B's allowed characters
-    assert set(entries) == {"results.json", "report.md", "lr_sweep.png", "curves.png"}
-    assert Path(entries["report.md"].local_path).read_text() == "# report\n"
-    assert Path(entries["report.md"].local_path).is_relative_to(tmp_path / "wandb-data")
+    return results, log_to_wandb
 
 
-def test_the_scale_report_run_saves_the_report_files_as_an_artifact(tmp_path: Path, monkeypatch) -> None:
-    from xsa_lm.reporting import ReportRunSettings
+def scale_result(folder: Path) -> tuple[object, object]:
     from xsa_lm.scale.report import ScaleStudyResult, log_to_wandb
 
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
-    (tmp_path / "results.json").write_text("{}")
-    (tmp_path / "report.md").write_text("# scale\n")
-    for name in ("loss_vs_compute.png", "multiplier.png"):
-        write_png(tmp_path / name)
     fit = {"formula": "L = E + A C^-a", "rms_residual": 0.01, "flags": [{"flag": "compute_span", "reason": "8x"}]}
     results = ScaleStudyResult(
-        study_dir=str(tmp_path), study_id="toy-study", overrides=[], models=[], fit=fit, across_sizes={}, sizes=[]
+        study_dir=str(folder), study_id="toy-study", overrides=[], models=[], fit=fit, across_sizes={}, sizes=[]
     )
+    return results, log_to_wandb
+
+
+@pytest.mark.parametrize(
+    ("result", "pngs", "name", "kind"),
+    [
+        (sweep_result, ["lr_sweep.png", "curves.png"], "toy-sweep-1-report", "sweep-report"),  # W&B's characters
+        (scale_result, ["loss_vs_compute.png", "multiplier.png"], "toy-study-scale-report", "scale-report"),
+    ],
+)
+def test_a_report_run_saves_the_report_files_as_an_artifact(result, pngs, name, kind, tmp_path: Path, monkeypatch):
+    from xsa_lm.reporting import ReportRunSettings
+
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B's copies of the files
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "report.md").write_text("# report\n")
+    for png in pngs:
+        PIL.Image.new("RGB", (1, 1)).save(tmp_path / png)
+    results, log_to_wandb = result(tmp_path)
     log_to_wandb(results, tmp_path, ReportRunSettings(mode="offline"))
-    artifact, entries = report_artifact(tmp_path, "scale-report")
-    assert (artifact.name, artifact.type) == ("toy-study-scale-report", "scale-report")
-    assert set(entries) == {"results.json", "report.md", "loss_vs_compute.png", "multiplier.png"}
+    (run_file,) = run_files(tmp_path)
+    # logging a wandb.Table adds an artifact of type run_table
+    (artifact,) = [a for a in records_of(run_file, "artifact") if a.type == kind]
+    entries = {entry.path: entry for entry in artifact.manifest.contents}
+    assert (artifact.name, artifact.type) == (name, kind)
+    assert set(entries) == {"results.json", "report.md", *pngs}
+    assert Path(entries["report.md"].local_path).read_text() == "# report\n"
+    assert Path(entries["report.md"].local_path).is_relative_to(tmp_path / "wandb-data")
 
 
 def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path: Path, monkeypatch) -> None:
@@ -195,22 +182,18 @@ def test_eval_scores_of_two_checkpoints_of_one_run_keep_their_own_keys(tmp_path:
 
 
 def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_path: Path, monkeypatch) -> None:
-    """W&B's service writes a run file after run.finish() may have returned: the tests' reader waits for the folder's
-    file and for its exit record, and reads a half-written chunk as not yet there rather than as a bad checksum."""
+    """W&B's service may write a run file after run.finish() has returned: the tests' reader waits for the file and its
+    exit record, and reads a half-written chunk as not yet there rather than as a bad checksum."""
     import threading
 
     import wandb
-
-    from tests.wandb_records import read_records
 
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     run = wandb.init(mode="offline", dir=str(tmp_path / "done"), id="r1", settings=wandb.Settings(silent=True))
     run.summary.update({"score": 0.5})
     run.finish()
     (written,) = run_files(tmp_path / "done")
-    whole = written.read_bytes()
-
-    late = tmp_path / "late" / "wandb" / "offline-run-20261204_000000-r1"
+    whole, late = written.read_bytes(), tmp_path / "late" / "wandb" / "offline-run-20261204_000000-r1"
     late.mkdir(parents=True)
 
     def service() -> None:  # the file appears, then its header and half of its last chunk, then the rest
@@ -220,7 +203,5 @@ def test_the_run_file_reader_waits_for_a_file_the_service_is_still_writing(tmp_p
 
     writer = threading.Thread(target=service)
     writer.start()
-    (found,) = run_files(tmp_path / "late")
-    assert [r.WhichOneof("record_type") for r in read_records(found)][-1] == "exit"
-    assert summary(found)["score"] == 0.5
+    assert summary(run_files(tmp_path / "late")[0])["score"] == 0.5  # read once the exit record is there
     writer.join()

@@ -1,10 +1,7 @@
 """Read a W&B offline run file (``wandb/offline-run-*/run-<id>.wandb``): wandb 0.31 ships no Python reader for it.
-
-A LevelDB log (https://github.com/google/leveldb/blob/main/doc/log_format.md) behind a 7-byte header (``b":W&B"``,
-uint16 0xBEE1, uint8 version 0): 32 KiB blocks of chunks (crc32 of the type byte then the data, uint16 length,
-uint8 type: 1 full, 2/3/4 first/middle/last of a record spanning blocks; under 7 bytes left in a block are padding).
-Each record is a ``wandb_internal_pb2.Record``; history and config keys sit in ``nested_key``, values as JSON text.
-"""
+A LevelDB log behind a 7-byte header (``b":W&B"``, uint16 0xBEE1, uint8 version 0): 32 KiB blocks of chunks (crc32 of
+the type byte then the data, uint16 length, uint8 type: 1 full, 2/3/4 first/middle/last; under 7 bytes are padding),
+each record a ``wandb_internal_pb2.Record`` (keys in ``nested_key``, values as JSON text)."""
 
 from __future__ import annotations
 
@@ -23,37 +20,33 @@ CHUNK_HEADER = struct.Struct("<IHB")  # crc32, length, type
 FULL, FIRST, LAST = 1, 2, 4
 
 
+def waited(what: str, found: Any, timeout_s: float = 30.0) -> Any:
+    """found() once it is truthy. W&B's service writes a run's file on its own, perhaps after ``run.finish()`` and
+    ``wandb.teardown()`` have returned (once in CI, a file of 7 bytes)."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := found()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} after {timeout_s:g} s")
+        time.sleep(0.1)
+    return result
+
+
 def run_files(save_dir: str | Path) -> list[Path]:
-    """The offline run files under a run's save dir (``wandb/offline-run-*/run-<id>.wandb``), by folder name: oldest
-    first. The SDK makes each run's folder at init, but W&B's service writes the file in it on its own, perhaps after
-    ``run.finish()`` has returned: each folder is waited on for up to ``timeout_s``."""
+    """The offline run files under a run's save dir (``wandb/offline-run-*/run-<id>.wandb``), oldest first."""
     wandb.teardown()
-    return [_run_file(folder) for folder in sorted(Path(save_dir).glob("wandb/offline-run-*"))]
+    folders = sorted(Path(save_dir).glob("wandb/offline-run-*"))
+    return [waited(f"no W&B run file in {f}", lambda f=f: sorted(f.glob("run-*.wandb")))[0] for f in folders]
 
 
-def _run_file(folder: Path, timeout_s: float = 30.0) -> Path:
-    deadline = time.monotonic() + timeout_s
-    while not (found := sorted(folder.glob("run-*.wandb"))):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no W&B run file in {folder} after {timeout_s:g} s")
-        time.sleep(0.1)
-    (run_file,) = found
-    return run_file
-
-
-def read_records(path: str | Path, finished: bool = True, timeout_s: float = 30.0) -> list[Record]:
-    """The file's records. W&B's service writes the file on its own: ``run.finish()`` may return before the last
-    records are on disk (once in CI, a file of 7 bytes), and ``wandb.teardown()`` need not wait for them either. So
-    a finished run is read again until it holds its ``exit`` record, for up to ``timeout_s``."""
+def read_records(path: str | Path) -> list[Record]:
+    """The records of a finished run's file, once it holds its ``exit`` record."""
     wandb.teardown()
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def whole() -> list[Record] | None:
         records = _records(path)
-        if not finished or any(r.HasField("exit") for r in records):
-            return records
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path}: no exit record after {timeout_s:g} s ({len(records)} records)")
-        time.sleep(0.1)
+        return records if any(r.HasField("exit") for r in records) else None
+
+    return waited(f"{path}: no exit record", whole)
 
 
 def _records(path: str | Path) -> list[Record]:
@@ -118,12 +111,7 @@ def summary(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def metric_definitions(path: str | Path) -> list[Any]:
-    """The ``run.define_metric`` calls, in order: name or glob_name, step_metric, options.step_sync, summary."""
-    return [r.metric for r in read_records(path) if r.HasField("metric")]
-
-
-def artifacts(path: str | Path) -> list[Any]:
-    """The ``run.log_artifact`` calls: name, type, aliases, metadata (JSON text) and the files in manifest.contents
-    (``path`` in the artifact, ``local_path`` of the copy that ``wandb sync`` uploads)."""
-    return [r.artifact for r in read_records(path) if r.HasField("artifact")]
+def records_of(path: str | Path, kind: str) -> list[Any]:
+    """The records of one kind, in order: e.g. ``metric`` (run.define_metric's), ``artifact`` (run.log_artifact's:
+    name, type, aliases, metadata as JSON text, and manifest.contents' ``path`` and ``local_path``)."""
+    return [getattr(r, kind) for r in read_records(path) if r.HasField(kind)]

@@ -21,12 +21,8 @@ from xsa_lm.errors import WriteError, what_to_do
 from xsa_lm.files import read_csv, write_csv
 
 CHECKED_AGAINST = "lightning 2.6.6, torch 2.13.0"  # the versions every name and rule here was last checked with
-
-# The name torch.compile(model)'s wrapper gives the model inside (its state-dict keys start with it).
-COMPILED_PREFIX = "_orig_mod."
-
-# The precisions Lightning's Trainer accepts, and its aliases for them.
-PRECISIONS = get_args(_PRECISION_INPUT_STR)
+COMPILED_PREFIX = "_orig_mod."  # torch.compile(model)'s wrapper's name for the model (its state-dict keys' prefix)
+PRECISIONS = get_args(_PRECISION_INPUT_STR)  # the precisions Lightning's Trainer accepts, and its aliases for them
 QUIET_TRAINER: dict[str, Any] = dict(
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
 )
@@ -48,9 +44,8 @@ def skip_fused_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> N
 
 
 class AppendingExperimentWriter(ExperimentWriter):
-    """Not Lightning's CSV writer: its __init__ (`_check_log_dir_exists`) deletes a resumed run's metrics.csv, and a
-    new column rewrites the file in place (a full disk truncates it); this one continues the file, appends each
-    save's rows (a failed append is cut off again) and writes a new column's file whole through a temporary file."""
+    """Not Lightning's CSV writer: its __init__ deletes a resumed run's metrics.csv, and a new column rewrites the file
+    in place; this one appends each save's rows (a failed append is cut off) and writes a new column's file whole."""
 
     def _check_log_dir_exists(self) -> None:
         pass
@@ -60,8 +55,7 @@ class AppendingExperimentWriter(ExperimentWriter):
             return
         path, then = Path(self.metrics_file_path), "continue with resume=auto"
         if not self.metrics_keys and path.is_file():  # a resumed run's columns: its header alone is read
-            with open(path, newline="") as f:
-                self.metrics_keys = next(csv.reader(f), [])
+            self.metrics_keys = read_csv(path)[0]
         keys = sorted(set(self.metrics_keys).union(*self.metrics))  # Lightning's order of the columns
         new = [{k: str(v) for k, v in row.items()} for row in self.metrics]
         if keys != self.metrics_keys or not path.is_file():
@@ -83,15 +77,14 @@ class AppendingExperimentWriter(ExperimentWriter):
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
     """A torch.distributed.checkpoint directory read into this process without a process group (`keys`: only these
-    top-level entries), nested again as it was saved."""
+    top-level entries)."""
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys(keys, checkpoint_id=str(path))
 
 
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
-    """Lightning broadcasts a SIGTERM flag before every micro-batch and reads it on the host (a device wait each);
-    the Preemption callback replaces that signal handling, agreeing at logging steps only."""
+    """Lightning broadcasts a SIGTERM flag before every micro-batch (a device wait each): Preemption replaces it."""
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]  # on purpose
 
 
@@ -103,8 +96,7 @@ def save_checkpoints_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
 
 
 def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None], str | None]) -> None:
-    """fit(ckpt_path=...) is read by every process on its own; `choose` (e.g. rank 0's, broadcast) gets each one's
-    path once the process group exists, where fit hands it over after the setup hooks, and returns the one to use."""
+    """`choose` gets each process's fit(ckpt_path=) once the process group exists and returns the one to use."""
     connector = trainer._checkpoint_connector
     restore = connector._restore_modules_and_callbacks
 
@@ -115,9 +107,8 @@ def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None]
 
 
 def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int) -> None:
-    """A resume with another accumulation would start after a partial window (Lightning closes one when the micro-batch
-    count is a multiple of it): the count is set to what this accumulation would have run, each counter keeping its
-    lag behind `ready` (which tells Lightning where the checkpoint was saved)."""
+    """A resume with another accumulation would start after a partial window: the micro-batch count is set to what
+    this accumulation would have run, each counter keeping its lag behind `ready` (where the checkpoint was saved)."""
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     if progress is None:
         return
@@ -128,9 +119,8 @@ def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int)
 
 
 def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
-    """A checkpoint saved at a validation's end restores the loggers' step only if this run validates there too (a
-    resume with another val_every_steps numbered every later row one low): it is set as if saved at a train batch's
-    end, that batch not yet completed."""
+    """Set as if saved at a train batch's end, that batch not completed: saved at a validation's end, a resume that
+    does not validate there would number every later logged row one low."""
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     progress, state = loop.get("epoch_loop.batch_progress"), loop.get("epoch_loop.state_dict")
     if progress is None or state is None or global_step < 1:
@@ -149,8 +139,7 @@ def lightning_precision_name(precision: str | int) -> str:
 
 
 def lightning_device_settings(**trainer_args) -> str:
-    """The precision the run would train in, by building a quiet Trainer from these arguments: what it refuses raises
-    the Trainer's own errors (its warnings are left to the run's Trainer, which repeats them)."""
+    """The precision a quiet Trainer of these arguments trains in; what it refuses raises the Trainer's own errors."""
     logging.disable(logging.INFO)  # its lines (GPU available, ...) are the run's Trainer's to print
     try:
         with warnings.catch_warnings():

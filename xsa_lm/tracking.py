@@ -30,8 +30,7 @@ WANDB_ENV_MODES = {"dryrun": "offline", "run": "online"} | {mode: mode for mode 
 
 
 def resolve_mode(mode: str) -> WandbMode:
-    """'auto' -> WANDB_MODE if set, else online with an API key, else offline; an unknown WANDB_MODE is refused (W&B
-    would fail on it after the run has started)."""
+    """'auto' -> WANDB_MODE if set, else online with an API key, else offline; an unknown WANDB_MODE is refused."""
     if mode not in ("auto", "online", "offline", "disabled"):
         raise UserError(f"logger.wandb.mode must be auto, online, offline or disabled, got {mode!r}")
     env = os.environ.get("WANDB_MODE")
@@ -52,8 +51,7 @@ def resolve_mode(mode: str) -> WandbMode:
 
 
 def unreachable(base_url: str, timeout_s: float = 3.0) -> str | None:
-    """Why W&B's server (or its proxy) takes no connection within timeout_s, else None: an online wandb.init would
-    wait for its init_timeout first."""
+    """Why the server at base_url (or its proxy) takes no connection within timeout_s, else None."""
     url = urllib.parse.urlsplit(base_url)
     proxy = urllib.request.getproxies().get(url.scheme)
     if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
@@ -87,8 +85,8 @@ def wandb_init(
     init_timeout_s: float = 30.0,
     run_id: str | None = None,
 ):
-    """wandb.init that never blocks or kills the caller: online init failures fall back to offline (W&B's own lines
-    off; one line says where the run is and how to upload it)."""
+    """wandb.init that never blocks or kills the caller: an online init that fails falls back to offline, in one line
+    that says where the run is and how to upload it."""
     import wandb
 
     mode = resolve_mode(mode)
@@ -110,16 +108,15 @@ def wandb_init(
                 shutil.rmtree(failed, ignore_errors=True)
     if why_offline is not None:
         run = wandb.init(mode="offline", settings=wandb.Settings(quiet=True, silent=True), **init)
-        where = Path(run.dir).parent
-        print(f"W&B: {why_offline}; logging offline in {where}: upload it later with `wandb sync {where}`")
-    elif mode == "offline":
-        print(f"W&B: offline run in {Path(run.dir).parent}; upload it later with `wandb sync {Path(run.dir).parent}`")
+    where = Path(run.dir).parent
+    if why_offline is not None or mode == "offline":
+        said = f"{why_offline}; logging offline in {where}:" if why_offline else f"offline run in {where};"
+        print(f"W&B: {said} upload it later with `wandb sync {where}`")
     return run
 
 
 class RunWandbLogger(WandbLogger):
-    """Lightning's, but log_model uploads the val/loss callback's checkpoints only (the step ones would take the
-    `best` alias)."""
+    """log_model uploads the val/loss callback's checkpoints only (the step ones would take the `best` alias)."""
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         if getattr(checkpoint_callback, "monitor", None) == "val/loss":
@@ -151,8 +148,8 @@ def log_files_artifact(run: "Run", name: str, artifact_type: str, files: list[Pa
 
 
 class RunCSVLogger(CSVLogger):
-    """Not Lightning's CSVLogger: that one deletes the metrics.csv of a resumed run; this one keeps it, dropping
-    the rows of steps >= S on a resume at step S first (trained again after a kill), so that each step is once."""
+    """Not Lightning's CSVLogger, which deletes a resumed run's metrics.csv: a resume at step S keeps it, less the
+    rows of steps >= S (trained again)."""
 
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
@@ -166,7 +163,7 @@ class RunCSVLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self.writer is None:  # Lightning's own writer would delete the metrics.csv of a resumed run
+        if self.writer is None:
             self.writer = AppendingExperimentWriter(log_dir=self.log_dir)
         return self.writer
 

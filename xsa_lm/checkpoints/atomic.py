@@ -7,6 +7,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import lightning as L
 import torch
@@ -81,8 +82,18 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             self._pending = (self._start_async_save(checkpoint, tmp), tmp, path, [])
             return
         super().save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        self.put_in_place(tmp, path)
+
+    def put_in_place(self, tmp: Path, path: Path) -> None:
+        """Once every rank's shard is written: meta.pt fsynced (torch.distributed.checkpoint fsyncs the shards)."""
         self.barrier("every shard written")
-        on_rank_zero(self, lambda: finish_sharded(tmp, path), f"putting checkpoint {path} in place")
+
+        def finish() -> None:
+            with open(tmp / META, "rb") as f:
+                os.fsync(f.fileno())
+            move_into_place(tmp, path)
+
+        on_rank_zero(self, finish, f"putting checkpoint {path} in place")
 
     def _start_async_save(self, checkpoint: dict, tmp: Path) -> object:
         import torch.distributed as dist
@@ -111,8 +122,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         future, tmp, path, after = self._pending
         self._pending = None
         future.result()  # this rank's shard and, on rank 0, .metadata
-        self.barrier("every shard written")
-        on_rank_zero(self, lambda: finish_sharded(tmp, path), f"putting checkpoint {path} in place")
+        self.put_in_place(tmp, path)
         for action, what in after:
             on_rank_zero(self, action, what)
 
@@ -122,18 +132,11 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
 
 class AsyncSave(L.Callback):
-    """checkpoint.async_save: switched on in the strategy (built from the trainer group) before the fit saves."""
+    """checkpoint.async_save (sharded checkpoints only: TrainSpec's rule): switched on in the strategy, built from the
+    trainer group, before the fit saves."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, AtomicModelParallelStrategy) or not trainer.strategy.sharded:
-            raise UserError("checkpoint.async_save=true: only for sharded checkpoints (trainer=fsdp)")
-        trainer.strategy.async_save = True
-
-
-def finish_sharded(tmp: Path, path: Path) -> None:
-    with open(tmp / META, "rb") as f:  # the shards are fsynced by torch.distributed.checkpoint
-        os.fsync(f.fileno())
-    move_into_place(tmp, path)
+        cast(AtomicModelParallelStrategy, trainer.strategy).async_save = True
 
 
 def on_rank_zero(strategy: Strategy, action: Callable[[], None], what: str) -> None:
@@ -167,7 +170,8 @@ def move_into_place(tmp: Path, path: Path) -> None:
 
 def link_or_copy(source: Path, target: Path) -> None:
     """target becomes a hard link to source (a directory: of links), atomically; a copy without hard links."""
-    if linked(source, target):  # already (rename would leave the new link beside the old one: the same file)
+    ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
+    if theirs.exists() and ours.exists() and os.path.samefile(ours, theirs):  # already (rename would leave both)
         return
     tmp = target.with_name(f"{target.name}.tmp")
     for link in (os.link, shutil.copy2):  # no hard links on some FUSE / object-store mounts: a copy, then
@@ -181,11 +185,6 @@ def link_or_copy(source: Path, target: Path) -> None:
                 raise
             warnings.warn(f"cannot hard-link {source} to {target} ({e.strerror or e}); copying it", stacklevel=2)
     move_into_place(tmp, target)
-
-
-def linked(source: Path, target: Path) -> bool:
-    ours, theirs = (p / META if p.is_dir() else p for p in (source, target))
-    return theirs.exists() and ours.exists() and os.path.samefile(ours, theirs)
 
 
 class FolderCheckpoint(ModelCheckpoint):
@@ -211,7 +210,19 @@ class FolderCheckpoint(ModelCheckpoint):
             state_dict["best_k_models"] = {moved(p): v for p, v in state_dict.get("best_k_models", {}).items()}
         super().load_state_dict(state_dict)
         if self.monitor == "step" and self.save_top_k >= 0 and self.restored_step is not None:
-            self.count_kept_files(self.restored_step)
+            # Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved
+            # before this callback counted it); drop older ones (a lower keep_last).
+            restored = self.format_checkpoint_name({"step": torch.tensor(self.restored_step)})
+            known = {**self.best_k_models, restored: torch.tensor(self.restored_step)}
+            ordered = sorted(((p, s) for p, s in known.items() if Path(p).exists()), key=lambda item: float(item[1]))
+            cut = max(len(ordered) - self.save_top_k, 0)
+            # never the file resumed from (keep_last=0), nor one outside this run's folder
+            here = Path(str(self.dirpath))
+            self.dropped = [path for path, _ in ordered[:cut] if path != restored and Path(path).parent == here]
+            self.best_k_models = dict(ordered[cut:])
+            if ordered[cut:]:
+                self.kth_best_model_path, self.kth_value = ordered[cut]
+                self.best_model_path, self.best_model_score = ordered[-1]
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
@@ -227,22 +238,6 @@ class FolderCheckpoint(ModelCheckpoint):
         for path in self.dropped:  # as the next save would prune them, had keep_last not been lowered
             trainer.strategy.remove_checkpoint(path)
         self.dropped = []
-
-    def count_kept_files(self, step: int) -> None:
-        """Keep the newest step checkpoints on disk, the restored step's included (a link to best.ckpt saved before
-        this callback counted it); drop older ones (a lower keep_last)."""
-        restored = self.format_checkpoint_name({"step": torch.tensor(step)})
-        kept = {**self.best_k_models, restored: torch.tensor(step)}
-        ordered = sorted(((p, s) for p, s in kept.items() if Path(p).exists()), key=lambda item: float(item[1]))
-        cut = max(len(ordered) - self.save_top_k, 0)
-        newest = ordered[cut:]
-        # never the file resumed from (keep_last=0), nor one outside this run's folder
-        here = Path(str(self.dirpath))
-        self.dropped = [path for path, _ in ordered[:cut] if path != restored and Path(path).parent == here]
-        self.best_k_models = dict(newest)
-        if newest:
-            self.kth_best_model_path, self.kth_value = newest[0]
-            self.best_model_path, self.best_model_score = newest[-1]
 
 
 class LinkingTrainer(L.Trainer):

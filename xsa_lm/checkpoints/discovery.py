@@ -42,7 +42,5 @@ def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list
 def furthest_step(folder: Path) -> int:
     """The highest step of the step-*.ckpt names and last.ckpt (a SIGTERM's falls between them); -1: none."""
     steps = [int(n) for p in folder.glob("step-*.ckpt") if (n := p.stem.removeprefix("step-")).isdigit()]
-    last = checkpoint_step(folder / "last.ckpt") if (folder / "last.ckpt").exists() else None
-    if last is not None:
-        steps.append(last)
-    return max(steps, default=-1)
+    last = checkpoint_step(folder / "last.ckpt")  # None: none there, or not whole
+    return max(steps + ([last] if last is not None else []), default=-1)

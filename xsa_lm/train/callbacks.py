@@ -27,11 +27,9 @@ log = logging.getLogger("xsa_lm.train")
 
 
 class Throughput(L.Callback):
-    """Tokens seen, tokens/s, seconds per step and MFU over the last optimizer steps, and CUDA's peak memory, logged
-    at logging steps only (a logged float is copied to the device, which waits). Not Lightning's ThroughputMonitor:
-    it synchronizes CUDA after every micro-batch and counts micro-batches."""
-
-    WINDOW = 10  # optimizer steps
+    """Tokens seen, tokens/s, seconds per step and MFU over the last 10 optimizer steps, and CUDA's peak memory, at
+    logging steps only. Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts
+    micro-batches."""
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step, self.counted_from = tokens_per_step, (0, 0)  # (step, tokens by then): a resume's
@@ -63,14 +61,13 @@ class Throughput(L.Callback):
         step = trainer.global_step
         if self._marks and self._marks[-1][0] == step:
             return  # still accumulating gradients for this step
-        self._marks = (self._marks + [(step, time.perf_counter())])[-(self.WINDOW + 1) :]
+        self._marks = (self._marks + [(step, time.perf_counter())])[-11:]  # 11 marks: 10 steps
         if len(self._marks) > 1:
             (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
             self.step_time_s = (t1 - t0) / (s1 - s0)
             self.tokens_per_s = self.tokens_per_step / self.step_time_s
-        if should_update_logs(trainer):
-            for name, value in self.metrics(step, pl_module.device).items():
-                pl_module.log(name, value, on_step=True)
+        if should_update_logs(trainer):  # a logged float is copied to the device, which waits
+            pl_module.log_dict(self.metrics(step, pl_module.device), on_step=True)
 
     def metrics(self, step: int, device: torch.device) -> dict[str, float]:
         values = {"train/tokens_seen": float(self.tokens_seen(step))}
@@ -209,18 +206,20 @@ class ValHistory(L.Callback):
 
 
 class EveryNSteps(L.Callback):
-    """Work on global rank 0 once every `every_n_steps` optimizer steps (not per micro-batch)."""
+    """`work` on global rank 0 once every `every_n_steps` optimizer steps (not per micro-batch)."""
 
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
         self._last_step = -1
 
-    def due(self, trainer: L.Trainer) -> bool:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or step == self._last_step or not trainer.is_global_zero:
-            return False
-        self._last_step = step
-        return True
+        if step and not step % self.every_n_steps and step != self._last_step and trainer.is_global_zero:
+            self._last_step = step
+            self.work(trainer, pl_module, step)
+
+    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        raise NotImplementedError
 
 
 class Diagnostics(EveryNSteps):
@@ -230,12 +229,9 @@ class Diagnostics(EveryNSteps):
         super().__init__(every_n_steps)
         self.sequences, self.chunk = sequences, chunk  # chunk: query positions per block when computing a_ii
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if not self.due(trainer):
-            return
+    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         from xsa_lm.analysis.diagnostics import METRICS, diagnose
 
-        step = trainer.global_step
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's fit, not declared
         val = datamodule.val_set
         windows = torch.stack([val[i][0] for i in range(min(self.sequences, len(val)))]).to(pl_module.device)
@@ -261,13 +257,10 @@ class Samples(EveryNSteps):
         self.path, self.prompt, self._rows = f"{run_dir}/samples.txt", prompt, list[list]()
         self.settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if not self.due(trainer):
-            return
+    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         from xsa_lm.data.tokenizer import eot_id
         from xsa_lm.model import generate
 
-        step = trainer.global_step
         tokenizer = trainer.datamodule.data.tokenizer  # type: ignore[attr-defined]  # set by Lightning's fit
         ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run

@@ -24,27 +24,20 @@ MISREAD = {
 BOARDS = {"PCIE": "PCIe", "NVL": "NVL"}  # SXM (SXM4, SXM5 or unnamed) is the part's own entry
 
 
-def name_words(name: str) -> list[str]:
-    words = [w.upper() for w in re.split(r"[\s\-_]+", name.strip()) if w]
-    return words[1:] if words[:1] == ["NVIDIA"] else words
-
-
-def datasheet_key(name: str) -> str | None:
-    """MISREAD's key for a CUDA device name, matched word by word: "NVIDIA H200 NVL" -> "H200 NVL", "NVIDIA L40" ->
-    "L40" (never "L4"); None when the table has no such part."""
-    words = name_words(name)
-    boards = {BOARDS[w] for w in words[1:] if w in BOARDS}
-    key = " ".join([words[0], *boards]) if words and len(boards) < 2 else None
-    return key if key in MISREAD else None
-
-
-def gpu_peak(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """A CUDA device's dense peak FLOP/s for this precision (MISREAD's, else Lightning's), and where it comes from."""
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """The device's peak FLOP/s for this precision, and where the number comes from: a measured matmul on CPU
+    (Lightning has no CPU number); on a GPU MISREAD's dense number, else Lightning's. The GPU's name is matched word
+    by word: "NVIDIA H200 NVL" is "H200 NVL", "NVIDIA L40" is "L40" (never "L4")."""
+    if device.type == "cpu":
+        return cpu_peak(precision)
     name, kind = torch.cuda.get_device_name(device), "bf16" if precision.startswith("bf16") else "tf32"
-    if "MIG" in name_words(name):  # a fraction of the SMs: no datasheet number applies
+    words = [w.upper() for w in re.split(r"[\s\-_]+", name.strip()) if w]
+    words = words[1:] if words[:1] == ["NVIDIA"] else words
+    if "MIG" in words:  # a fraction of the SMs: no datasheet number applies
         return None, f"{name} is a MIG slice: no peak FLOP/s for MFU"
-    key = datasheet_key(name)
-    if key is not None:
+    boards = {BOARDS[w] for w in words[1:] if w in BOARDS}
+    key = " ".join([words[0], *boards]) if words and len(boards) < 2 else ""
+    if key in MISREAD:
         return MISREAD[key][kind], f"datasheet: {key} dense {kind}"
     with warnings.catch_warnings():  # its "FLOPs not found" becomes the source below
         warnings.simplefilter("ignore")
@@ -58,12 +51,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued work, so that a host clock measures the device's time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """The device's peak FLOP/s for this precision, and where the number comes from: a datasheet's on a GPU, a
-    measured matmul on CPU (Lightning has no CPU number)."""
-    return cpu_peak(precision) if device.type == "cpu" else gpu_peak(device, precision)
 
 
 @functools.lru_cache

@@ -1,17 +1,12 @@
 """The memory a training run needs per device, estimated before the model exists, and the memory it can have:
 `xsa-lm train` refuses a run that cannot fit (rather than swap or raise inside the first step); `xsa-lm plan` prints
-it. The per-token terms count what autograd saves, held to `allocator_peak` by tests/test_memory_peak.py."""
+it. The per-token terms count what autograd saves, held to the CPU allocator's peak by tests/test_memory_peak.py."""
 
-import json
 import math
 import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from xsa_lm.train.devices import uses_cuda
 
@@ -42,20 +37,18 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
+def widths(model: dict) -> tuple[int, int]:
+    """A block's attention and key/value widths."""
+    return model["n_head"] * model["head_dim"], (model.get("n_kv_head") or model["n_head"]) * model["head_dim"]
+
+
+def mlp_width(model: dict) -> int:
+    return int(model.get("mlp_ratio", 4) * model["d_model"])
+
+
 def block_parameters(model: dict) -> int:
     """Weights of one transformer block (no biases): its matmuls and two LayerNorm weights."""
-    return block_matmul_parameters(model) + 2 * model["d_model"]
-
-
-def block_matmul_parameters(model: dict) -> int:
-    """The Linear weights of one block: what autocast copies to the compute dtype."""
-    d, head_dim = model["d_model"], model["head_dim"]
-    attn, kv = model["n_head"] * head_dim, (model.get("n_kv_head") or model["n_head"]) * head_dim
-    return 2 * d * attn + 2 * d * kv + 2 * d * hidden_width(model)
-
-
-def hidden_width(model: dict) -> int:
-    return int(model.get("mlp_ratio", 4) * model["d_model"])
+    return 2 * model["d_model"] * (sum(widths(model)) + mlp_width(model) + 1)
 
 
 def parameter_count(model: dict, vocab_size: int) -> int:
@@ -78,21 +71,18 @@ def block_saved_per_token(
     after RoPE, the attention output and its logsumexp, the MLP's hidden layer before and after GELU; XSA's
     (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head. Compiled: the attention branch's output replaces the
     second residual (recomputed from it), and XSA keeps its z for W_o."""
-    d, head_dim, heads = model["d_model"], model["head_dim"], model["n_head"]
-    width, kv_width = heads * head_dim, (model.get("n_kv_head") or heads) * head_dim
-    terms = {
+    d, heads, (width, kv_width) = model["d_model"], model["n_head"], widths(model)
+    xsa = FP32 * (heads + kv_width // model["head_dim"]) + (compute * width if compiled else 0)
+    return {
         "layernorm_inputs": 2 * residual * d if not compiled else (residual + compute) * d,
         "layernorm_stats": 2 * LAYERNORM_STATS,
         "matmul_inputs": 2 * compute * d,
         "qkv": compute * (width + 2 * kv_width),
         "rope": compute * (width + kv_width),
         "attention_output": compute * width + FP32 * heads,
-        "mlp_hidden": 2 * compute * hidden_width(model),
-        "xsa": 0,
+        "mlp_hidden": 2 * compute * mlp_width(model),
+        "xsa": xsa if exclusive else 0,
     }
-    if exclusive:
-        terms["xsa"] = FP32 * (heads + kv_width // head_dim) + (compute * width if compiled else 0)
-    return terms
 
 
 def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False) -> int:
@@ -100,8 +90,7 @@ def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False
     making y's gradient): the gradients of z (compute dtype), of v and of y in fp32, two fp32 numbers per head; in
     16 bits also v's fp32 copy and the gradient promoted for its product with v. Compiled (one fused kernel): the
     gradients of y and v in the compute dtype and one fp32 number per head."""
-    heads, width = model["n_head"], model["n_head"] * model["head_dim"]
-    kv_width = (model.get("n_kv_head") or heads) * model["head_dim"]
+    heads, (width, kv_width) = model["n_head"], widths(model)
     if compiled:
         return compute * (width + kv_width) + FP32 * heads
     promoted = 0 if compute == FP32 else FP32 * (kv_width + width)
@@ -126,40 +115,6 @@ def cross_entropy_transient_per_token(vocab_size: int, *, compute: int, compiled
     return vocab_size * (2 * FP32 if not compiled else 2 * compute)
 
 
-def activation_bytes(
-    model: dict,
-    vocab_size: int,
-    tokens: int,
-    half: bool,
-    checkpointing: bool,
-    *,
-    residual: int = FP32,
-    exclusive: bool = False,
-    compiled: bool = False,
-    positions: int | None = None,
-) -> tuple[int, int]:
-    """(saved, transient) for one micro-batch: what the backward starts with, and the most its ops add at once: the
-    cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's come after the former are freed: an
-    overstatement by up to those). `positions`: the tokens plus every sequence's attention sinks. With activation
-    checkpointing each block keeps only its input, and the block recomputed in the backward comes after the
-    cross-entropy's buffers are freed."""
-    positions = tokens if positions is None else positions
-    compute = 2 if half else 4
-    terms = block_saved_per_token(model, compute=compute, residual=residual, exclusive=exclusive, compiled=compiled)
-    layer = sum(terms.values())
-    outside = head_saved_per_token(model, vocab_size, compute=compute, residual=residual, compiled=compiled)
-    xsa = xsa_transient_per_token(model, compute=compute, compiled=compiled) if exclusive else 0
-    transient = max(
-        tokens * cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled), positions * xsa
-    )
-    if checkpointing:
-        blocks = model["n_layer"] * residual * model["d_model"]
-        transient = max(transient, positions * (layer + xsa) - tokens * outside["cross_entropy"])
-    else:
-        blocks = model["n_layer"] * layer
-    return positions * blocks + tokens * sum(outside.values()), transient
-
-
 def estimate(
     model: dict,
     vocab_size: int,
@@ -179,13 +134,24 @@ def estimate(
     16-bit matmul weight copies, kept by the backward). DDP holds them whole, its gradients in its buckets (a second
     copy without gradient_as_bucket_view); FSDP shards them over `world_size`, gathering two blocks (prefetch) and
     the tied embedding in fp32, with one block's unsharded gradients, or every one while accumulating (the
-    reduction waits for the step's last micro-batch). attention="xsa": every layer XSA."""
-    compute, weights = dtype_bytes(precision)
-    n = parameter_count(model, vocab_size)
-    positions = micro_batch_size * (block_size + model.get("n_sinks", 0))  # the sinks pass every block too
-    xsa, tokens = attention == "xsa", micro_batch_size * block_size
-    how = dict(residual=weights, exclusive=xsa, compiled=compiled, positions=positions)
-    saved, transient = activation_bytes(model, vocab_size, tokens, compute == 2, activation_checkpointing, **how)
+    reduction waits for the step's last micro-batch). attention="xsa": every layer XSA.
+
+    Activations: what the backward starts with (the sinks pass every block too), and the most its ops add at once:
+    the cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's come after the former are freed: an
+    overstatement by up to those). With activation checkpointing each block keeps only its input, and the block
+    recomputed in the backward comes after the cross-entropy's buffers are freed."""
+    (compute, weights), n, xsa = dtype_bytes(precision), parameter_count(model, vocab_size), attention == "xsa"
+    tokens, positions = micro_batch_size * block_size, micro_batch_size * (block_size + model.get("n_sinks", 0))
+    block = block_saved_per_token(model, compute=compute, residual=weights, exclusive=xsa, compiled=compiled)
+    outside = head_saved_per_token(model, vocab_size, compute=compute, residual=weights, compiled=compiled)
+    layer = sum(block.values())
+    xsa_transient = xsa_transient_per_token(model, compute=compute, compiled=compiled) if xsa else 0
+    cross_entropy = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
+    transient = max(tokens * cross_entropy, positions * xsa_transient)
+    blocks = model["n_layer"] * (weights * model["d_model"] if activation_checkpointing else layer)
+    if activation_checkpointing:
+        transient = max(transient, positions * (layer + xsa_transient) - tokens * outside["cross_entropy"])
+    saved = positions * blocks + tokens * sum(outside.values())
     copies = autocast_copies(
         model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
     )
@@ -207,11 +173,10 @@ def autocast_copies(
     if compute == weights:
         return 0
     d = model["d_model"]
-    block = block_matmul_parameters(model)
+    block = block_parameters(model) - 2 * d  # its Linear weights
     if attention == "xsa" and not compiled:
-        block -= model["n_head"] * model["head_dim"] * d
-    blocks = block if checkpointing else model["n_layer"] * block
-    return compute * (blocks + vocab_size * d)
+        block -= widths(model)[0] * d
+    return compute * ((1 if checkpointing else model["n_layer"]) * block + vocab_size * d)
 
 
 def largest_micro_batch(available: int, **kwargs) -> int:
@@ -234,44 +199,11 @@ def available_bytes(accelerator: str) -> tuple[int, str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
 
 
-def allocator_peak(run: Callable[[], object]) -> int:
-    """The most bytes the CPU allocator held during `run` beyond what it held before (torch.profiler's `[memory]`
-    events; frees of blocks allocated before `run` not counted). CUDA has its own counter."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:  # the public form of the events: the Chrome trace
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    live, peak, ours = 0, 0, set()
-    for event in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0))):
-        e = event["args"]
-        if e["Device Type"] != 0:  # 0: CPU
-            continue
-        if e["Bytes"] > 0:
-            ours.add(e["Addr"])
-        elif e["Addr"] in ours:  # else freed by `run` but allocated before it: its size may be a stale record
-            ours.remove(e["Addr"])
-        else:
-            continue
-        live += e["Bytes"]
-        peak = max(peak, live)
-    return peak
-
-
-def bucket_view(strategy) -> bool:
-    """The strategy's gradient_as_bucket_view (a plain `ddp`, Lightning's default: false)."""
-    return bool(strategy.get("gradient_as_bucket_view", False)) if hasattr(strategy, "get") else False
-
-
 def describe(e: MemoryEstimate) -> str:
     gib = {k: f"{v / GIB:.1f}" for k, v in e.as_dict().items()}
-    extra = [
-        f", {name} {gib[k]}"
-        for k, name in (("weight_copies", "16-bit weight copies"), ("ddp_buckets", "DDP buckets"))
-        if getattr(e, k)
-    ]
+    names = {"weight_copies": "16-bit weight copies", "ddp_buckets": "DDP buckets"}
+    extra = "".join(f", {name} {gib[k]}" for k, name in names.items() if getattr(e, k))
     return (
         f"{gib['total']} GiB (weights {gib['params']}, gradients {gib['grads']}, AdamW state {gib['optimizer']}"
-        f"{''.join(extra)}, activations of one micro-batch {(e.activations + e.transient) / GIB:.1f})"
+        f"{extra}, activations of one micro-batch {(e.activations + e.transient) / GIB:.1f})"
     )

@@ -14,14 +14,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRSchedulerC
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from xsa_lm import compat
 from xsa_lm.analysis.losses import loss_sums, read_sums
-from xsa_lm.compat import (
-    accumulating,
-    realign_accumulation,
-    restart_after_the_step,
-    should_update_logs,
-    skip_fused_update,
-)
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.gpt import Block
 from xsa_lm.train.schedule import continue_schedule
@@ -87,12 +81,11 @@ class LMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """trainer=fsdp: FSDP2, one unit per transformer block and the root, over the data-parallel mesh."""
-        if self.device_mesh is None:
+        # isinstance: a second fit or validate of this module calls this hook again
+        if self.device_mesh is None or isinstance(self.model, FSDPModule):
             return
         from torch.distributed.fsdp import fully_shard
 
-        if isinstance(self.model, FSDPModule):  # a second fit or validate of this module calls this hook again
-            return
         mesh = self.device_mesh["data_parallel"]
         # No mixed-precision policy, on purpose: fp32 parameters and autocast as under DDP (bf16 parameters would
         # round the LayerNorm gains and the embedding); the price is fp32 all-gathers.
@@ -106,9 +99,9 @@ class LMModule(L.LightningModule):
             accumulate = self.trainer.accumulate_grad_batches
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
             accumulate = None
-        if accumulate is not None and "global_step" in checkpoint:
-            restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
-            realign_accumulation(checkpoint, global_step=checkpoint["global_step"], accumulate=accumulate)
+        if accumulate is not None and (step := checkpoint.get("global_step")) is not None:
+            compat.restart_after_the_step(checkpoint, global_step=step)
+            compat.realign_accumulation(checkpoint, global_step=step, accumulate=accumulate)
             faults = json.loads(checkpoint["faults"])
             self.events, self._typical = faults["events"], dict(faults["spike_averages"])
             self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
@@ -118,29 +111,20 @@ class LMModule(L.LightningModule):
             continue_schedule(config.scheduler)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The architecture travels with the weights: `xsa-lm analyze` rebuilds the model from the file alone.
-        checkpoint["model_config"] = asdict(self.model_config)
-        # What a resume needs to go on where the run was: its events (the skip budget counts them), the spike
-        # averages, the skipped updates not yet read; as JSON text, which every checkpoint format keeps as it is.
+        checkpoint["model_config"] = asdict(self.model_config)  # `xsa-lm analyze` rebuilds the model from the file
+        # What a resume needs to go on where the run was, as JSON text, which every checkpoint format keeps as it is.
         pending = [step for step, flag in self._nonfinite if bool(flag)]
         faults = {"events": self.events, "spike_averages": self._typical, "skipped_unread": pending}
         checkpoint["faults"] = json.dumps(faults)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """One micro-batch's forward. Lightning runs each optimizer step with this module's hooks as:
-
-        1. zero_grad: the last step's gradients are cleared (at the window's first micro-batch, before its backward)
-        2. forward: this method, for each of the accumulate_grad_batches micro-batches, returns the loss
-        3. backward: loss.backward() sums the gradients over the window
-        4. clip: configure_gradient_clipping logs the norm; a non-finite one skips the update
-        5. step: optimizer.step(), fused AdamW
-        6. schedule: the LR scheduler steps (interval "step")
-        """
+        """One micro-batch's forward; Lightning sums the backward over accumulate_grad_batches of them, then clips
+        (configure_gradient_clipping: a non-finite norm skips the update), steps fused AdamW and the LR schedule."""
         x, y = batch
         if isinstance(self.model, FSDPModule):  # DDP's counterpart is Lightning's no_sync
             # One reduce-scatter per step, after its last micro-batch, at the cost of holding the unsharded fp32
             # gradients while accumulating.
-            self.model.set_requires_gradient_sync(not accumulating(self.trainer))
+            self.model.set_requires_gradient_sync(not compat.accumulating(self.trainer))
         _, loss = self.model(x, y)
         if self.nan_at_step is not None and self.global_step == self.nan_at_step:  # faults.inject_nan_at_step
             if self.nan_on_rank in (None, self.global_rank):
@@ -152,19 +136,18 @@ class LMModule(L.LightningModule):
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:  # the optimizer step's last micro-batch
             self.log_step_loss()
         # Not LearningRateMonitor: it names the column lr-AdamW/pg1 and logs it on rows of its own, per micro-batch.
-        if should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits for it: only when kept
+        if compat.should_update_logs(self.trainer):  # self.log(float) copies to the device, which waits: only if kept
             lr = cast(LightningOptimizer, self.optimizers()).param_groups[0]["lr"]  # one optimizer: not a list
             self.log("train/lr", lr, on_step=True)
         return loss
 
     def log_step_loss(self) -> None:
-        """train/loss: the mean over the step's micro-batches and, at logging steps, over every rank: what one process
-        training on the whole global batch logs. A device tensor, read only when written out (not prog_bar=True:
-        Lightning reads those back after every batch; the ProgressBar callback shows it at logging steps)."""
+        """train/loss: the mean over the step's micro-batches and, at logging steps, over every rank. A device tensor,
+        read only when written out (not prog_bar=True: Lightning reads those back after every batch)."""
         assert self._step_loss is not None  # training_step has just added to it
         loss = self._step_loss / self.trainer.accumulate_grad_batches
         self._step_loss = None
-        if should_update_logs(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
+        if compat.should_update_logs(self.trainer) and self.trainer.world_size > 1:  # a collective, no host-device sync
             loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
         self.log("train/loss", loss, on_step=True)
 
@@ -179,9 +162,8 @@ class LMModule(L.LightningModule):
         self._val_sum += loss_sums(logits, y, token_bytes=token_bytes, buckets=self.position_buckets)
 
     def on_validation_epoch_end(self) -> None:
-        """The mean over every validation token of every rank: the same number on any device count (Lightning's
-        sync_dist would average each rank's mean, and ranks hold different numbers of windows). Bits per byte: the
-        same sum in bits over the bytes the tokens stand for."""
+        """The mean over every validation token of every rank, the same on any device count (sync_dist would average
+        each rank's mean, and ranks hold different numbers of windows); bits per byte: over the tokens' bytes."""
         assert self._val_sum is not None
         sums = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum").tolist()
         value, bpb, self.val_by_position = read_sums(sums, self.position_buckets)
@@ -207,12 +189,11 @@ class LMModule(L.LightningModule):
         self.log("train/grad_norm", grad_norm, on_step=True)
 
     def skip_update_if_nonfinite(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
-        """A NaN/inf gradient (a NaN/inf loss, an overflow) never reaches the weights. Fused AdamW skips its update
-        on the device when `found_inf` is set (GradScaler's mechanism), so no step waits for the host: the flags
-        are read at logging steps (check_nonfinite), which stops a diverged run. Unfused optimizers: read now."""
+        """A NaN/inf gradient never reaches the weights. Fused AdamW skips its update on the device (`found_inf`), so
+        no step waits for the host: the flags are read at logging steps (check_nonfinite). Unfused: read now."""
         nonfinite = ~torch.isfinite(grad_norm)
         if optimizer.defaults.get("fused"):
-            skip_fused_update(optimizer, nonfinite)
+            compat.skip_fused_update(optimizer, nonfinite)
         elif nonfinite:  # a host-device sync per step, only for optimizers that cannot skip on the device
             optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient untouched
         else:
@@ -220,7 +201,7 @@ class LMModule(L.LightningModule):
         self._nonfinite.append((self.global_step, nonfinite))
 
     def on_train_batch_start(self, batch: tuple, batch_idx: int) -> None:
-        if self.global_step + 1 >= self.trainer.max_steps and not accumulating(self.trainer):
+        if self.global_step + 1 >= self.trainer.max_steps and not compat.accumulating(self.trainer):
             # The run's last micro-batch: a stop, which Lightning's loop logs and validates before it ends (as at
             # val_every_steps), so the last step gets its logged row, validation and checkpoints in the loop.
             self.trainer.should_stop = True
@@ -234,8 +215,7 @@ class LMModule(L.LightningModule):
         self.check_nonfinite()
 
     def check_nonfinite(self) -> None:
-        """Skipped updates become `skipped_batch` events while the budget lasts; the next one stops the run as
-        diverged (the weights stay those of the last finite step, so the last checkpoint is clean)."""
+        """Skipped updates are `skipped_batch` events while the budget lasts; the next stops the run as diverged."""
         if not self._nonfinite:
             return
         flags = torch.stack([flag.to(self.device) for _, flag in self._nonfinite]).tolist()  # one sync for all
@@ -258,9 +238,8 @@ class LMModule(L.LightningModule):
         self.log(f"events/{event}", float(self.count(event)), on_step=True)
 
     def watch_for_spike(self, event: str, value: torch.Tensor) -> None:
-        """At logging steps only (reading the value syncs with the device): a value above spike_factor x its
-        running average is recorded as an event."""
-        if self.spike_factor is None or not should_update_logs(self.trainer):
+        """A value above spike_factor x its running average is an event; at logging steps only (reading it syncs)."""
+        if self.spike_factor is None or not compat.should_update_logs(self.trainer):
             return
         current = float(value.detach())
         if not math.isfinite(current):  # a skipped update (check_nonfinite), not a spike; keeps the average finite

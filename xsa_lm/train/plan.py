@@ -52,16 +52,15 @@ class RunShape:
             accumulation=self.accumulation or 1,
         )
 
-    def estimate(self) -> memory.MemoryEstimate:
-        return memory.estimate(micro_batch_size=self.micro_batch_size, **self.memory_args())
+    def estimate(self, **changes: Any) -> memory.MemoryEstimate:
+        """memory.estimate of this run, or of this run with `changes` to its arguments (e.g. compiled=True)."""
+        return memory.estimate(**{"micro_batch_size": self.micro_batch_size, **self.memory_args(), **changes})
 
 
-def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> RunShape:
+def run_shape(spec: TrainSpec) -> RunShape:
     """The run `xsa-lm train` would start from this spec, before its tokenizer exists: the model's vocabulary, else
     the tokenizer's size (GPT-2's by default)."""
-    trainer = spec.trainer
-    if activation_checkpointing is None:
-        activation_checkpointing = trainer.activation_checkpointing
+    trainer, strategy = spec.trainer, spec.trainer.strategy
     return RunShape(
         spec.gpt_config(spec.model.vocab_size or spec.tokenizer.vocab_size or 50257),
         spec.micro_batch_size,
@@ -71,8 +70,9 @@ def run_shape(spec: TrainSpec, activation_checkpointing: bool | None = None) -> 
         devices=trainer.world_size,
         strategy=trainer.strategy_kind,
         compiled=compile_enabled(spec.compile, accelerator=trainer.accelerator),
-        activation_checkpointing=activation_checkpointing,
-        gradient_as_bucket_view=memory.bucket_view(trainer.strategy),
+        activation_checkpointing=trainer.activation_checkpointing,
+        # a plain `ddp` is Lightning's default: off
+        gradient_as_bucket_view=isinstance(strategy, dict) and bool(strategy.get("gradient_as_bucket_view")),
     )
 
 
@@ -123,13 +123,21 @@ class Plan:
 
 
 def make_plan(run: RunShape, *, model_name: str, available: int, available_from: str, sdpa: SdpaPlan) -> Plan:
-    """Both strategies' memory per device, the largest micro-batches that fit in `available` bytes, and what XSA adds:
-    what it saves in every layer, and its temporaries against the cross-entropy's (the backward's peak the larger)."""
-    strategies = {s: strategy_plan(replace(run, strategy=s), available) for s in ("ddp", "fsdp")}
-    model, (compute, weights) = asdict(run.model), memory.dtype_bytes(run.precision)
+    """Both strategies' memory per device, eager and compiled, the largest micro-batches that fit in `available`
+    bytes, and what XSA adds: what it saves in every layer, and its temporaries against the cross-entropy's."""
+    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
+    strategies: dict[str, StrategyPlan] = {}
+    for name in ("ddp", "fsdp"):
+        one = replace(run, strategy=name)
+        eager, compiled = one.estimate(compiled=False), one.estimate(compiled=True)
+        need = compiled if run.compiled else eager
+        largest = memory.largest_micro_batch(available, **one.memory_args())
+        dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
+        sizes = (need.as_dict(), eager.as_dict(), compiled.as_dict())
+        strategies[name] = StrategyPlan(*sizes, need.total <= available, largest, dividing, steps(dividing))
+    model, (compute, weights), xsa = asdict(run.model), memory.dtype_bytes(run.precision), run.model.attention == "xsa"
     tokens = run.micro_batch_size * run.block_size
-    positions = run.micro_batch_size * (run.block_size + run.model.n_sinks)
-    xsa = run.model.attention == "xsa"
+    positions = tokens + run.micro_batch_size * run.model.n_sinks
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
     modes, chosen = {"eager": False, "compiled": True}, strategies[run.strategy]
     same = "strategy devices precision activation_checkpointing compiled micro_batch_size block_size accumulation"
@@ -167,21 +175,6 @@ def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan
     return SdpaPlan(setting, "cpu", resolve(setting, torch.device("cpu")))
 
 
-def strategy_plan(run: RunShape, available: int) -> StrategyPlan:
-    """One strategy's memory per device, eager and compiled, and the largest micro-batches that fit."""
-    args = run.memory_args()
-    both = {
-        mode: memory.estimate(micro_batch_size=run.micro_batch_size, **(args | {"compiled": mode}))
-        for mode in (False, True)
-    }
-    need = both[run.compiled]
-    largest = memory.largest_micro_batch(available, **args)
-    steps = lambda m: replace(run, micro_batch_size=m).accumulation  # noqa: E731
-    dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
-    eager, compiled = both[False].as_dict(), both[True].as_dict()
-    return StrategyPlan(need.as_dict(), eager, compiled, need.total <= available, largest, dividing, steps(dividing))
-
-
 def table(plan: Plan) -> str:
     gib = lambda b: f"{b / memory.GIB:.2f}"  # noqa: E731
     n = plan.n_sinks
@@ -213,10 +206,6 @@ def table(plan: Plan) -> str:
     return "\n".join([*lines, "", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)])
 
 
-def size(n: int) -> str:
-    return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"
-
-
 def sdpa_line(kernels: SdpaPlan) -> str:
     setting = kernels.setting if isinstance(kernels.setting, str) else ",".join(kernels.setting)
     if kernels.order is not None:
@@ -230,6 +219,7 @@ def xsa_line(plan: Plan) -> str:
     if plan.attention != "xsa":
         return "XSA's memory: none (attention sa)"
     mode = "compiled" if plan.compiled else "eager"
+    size = lambda n: f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"  # noqa: E731
     xsa, cross_entropy = plan.xsa_temporaries_bytes[mode], plan.cross_entropy_transient_bytes[mode]
     return (
         f"XSA's memory ({mode}): {size(plan.xsa_saved_bytes)} saved for the backward (per token, fp32 "
@@ -275,7 +265,7 @@ def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_err
     if out is not None:
         check_new_file(out, overwrite=options.overwrite, example="plan.json")
     spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
-    run = run_shape(spec, activation_checkpointing=options.activation_checkpointing)  # plan.yaml's: the trainer's
+    run = replace(run_shape(spec), activation_checkpointing=options.activation_checkpointing)  # plan.yaml's
     gib, accelerator = options.device_memory_gb, spec.trainer.accelerator
     if gib is not None:
         available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
