@@ -88,9 +88,7 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in options.ckpts]
     buckets, batch_size = options.position_buckets, options.batch_size
-    attentions: list[str] = []
-    rows: list[list[dict]] = []  # per checkpoint, per layer
-    losses: list[dict] = []
+    diagnostics, losses, attentions = [], [], []
     for path in paths:
         model = load_model(path).to(device)
         x, y, data = validation_set(path, options.sequences)
@@ -98,7 +96,7 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
             raise UserError(f"position_buckets={buckets} is above the {x.shape[1]} positions of {path}'s windows")
         x, y = x.to(device), y.to(device)
         which = {"checkpoint": os.path.abspath(path)}  # readable from anywhere
-        rows.append([which | row for row in diagnose(model, x.split(batch_size), options.chunk)])
+        diagnostics += [which | row for row in diagnose(model, x.split(batch_size), options.chunk)]
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch_size)
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
@@ -106,10 +104,9 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
         measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": x.shape[1]}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
         attentions.append(model.config.attention)
-    for label, layers, loss_row in zip(options.labels or default_labels(paths, attentions), rows, losses, strict=True):
-        for row in [*layers, loss_row]:
-            row["label"] = label
-    return [row for layers in rows for row in layers], losses
+    labels = dict(zip(map(os.path.abspath, paths), options.labels or default_labels(paths, attentions), strict=True))
+    diagnostics, losses = ([{"label": labels[r["checkpoint"]]} | r for r in rows] for rows in (diagnostics, losses))
+    return diagnostics, losses
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
@@ -118,38 +115,36 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
     fig = Figure(figsize=(14, 7.5))
     grid = fig.subplots(2, 3)
     axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
-    relative = reference is not None
     table = pd.DataFrame(rows).astype({"layer": float})
-    if relative:  # layer / last layer
+    paper = pd.DataFrame(reference or [], columns=["layer", *METRICS[:3]]).astype(float)
+    if reference:  # layer / last layer
         table["layer"] /= table.groupby("label")["layer"].transform("max").clip(lower=1)
-    paper = pd.DataFrame(reference) if reference else pd.DataFrame(columns=["layer"])
-    paper["layer"] = paper["layer"].astype(float) / max(len(paper) - 1, 1)
+        paper["layer"] /= max(len(paper) - 1, 1)
+    last = 1 if reference else table["layer"].max()
     colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(table["label"]))}
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=True):
         for label, mine in table.groupby("label", sort=False):  # SA layers have no z (None, or "" in a CSV)
             points = mine.assign(y=pd.to_numeric(mine.get(metric), errors="coerce")).dropna(subset="y")
             if len(points):
                 ax.plot(points["layer"], points["y"], marker="o", markersize=3, color=colors[label], label=label)
-        if metric in paper:
+        if metric in paper and len(paper):
             ax.plot(paper["layer"], paper[metric], "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
-        ax.set(title=title, ylabel=ylabel, xlabel="relative depth (layer / last layer)" if relative else "layer")
+        ax.set(title=title, ylabel=ylabel, xlabel="relative depth (layer / last layer)" if reference else "layer")
         if not ax.lines:  # SA checkpoints only: no z to measure
-            message = "no XSA layers among these checkpoints"
-            ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
+            note = "no XSA layers among these checkpoints"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
             ax.set(xticks=[], yticks=[])
             continue
         low, high = ax.get_ylim()
         span = MIN_SPAN.get(metric, 1e-3)
         if high - low < span:
             ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
-        last, margin = (1, 0.05) if relative else (table["layer"].max(), 0.05 * table["layer"].max() or 0.5)
+        margin = 0.05 * last or 0.5
         ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
-        if not relative:
+        if not reference:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
         ax.grid(alpha=0.3)
-    handles: dict = {}  # one entry per line label, across panels (the paper's line is not in every one)
-    for line in [line for ax in axes for line in ax.lines]:
-        handles.setdefault(line.get_label(), line)
+    handles = {line.get_label(): line for ax in axes for line in ax.lines}  # a line label once, across panels
     legend_ax.axis("off")
     legend_ax.legend(list(handles.values()), list(handles), loc="center", title="checkpoint")
     fig.tight_layout()
@@ -192,14 +187,13 @@ def render(diagnostics: list[dict], losses: list[dict]) -> str:
     lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
     tokens = [f"{r['windows']} windows of {r['block_size']} tokens of {r['data']}" for r in losses]
     for r, measured_on in zip(losses[1:], tokens[1:], strict=True):
-        first = losses[0]
-        if measured_on != tokens[0]:  # a difference of other tokens means nothing
-            lines.append(
-                f"{r['label']} - {first['label']}: not compared (measured on {measured_on}, against {tokens[0]})"
-            )
-            continue
+        first, pair = losses[0], f"{r['label']} - {losses[0]['label']}"
         per_span = " ".join("-" if None in (r[s], first[s]) else f"{r[s] - first[s]:+.4f}" for s in spans)
-        lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
+        lines.append(
+            f"{pair} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})"
+            if measured_on == tokens[0]  # a difference of other tokens means nothing
+            else f"{pair}: not compared (measured on {measured_on}, against {tokens[0]})"
+        )
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ import json
 import pickle
 import zipfile
 from collections import Counter
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -95,33 +96,13 @@ def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
     only weight shapes: a resumed run must stay the model it started as."""
 
     def normalised(config: dict) -> dict[str, str]:  # as GPTConfig holds it (defaults, xsa_layers sorted), as text
-        try:
+        with suppress(TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
             config = asdict(GPTConfig(**config))
-        except (TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
-            pass
         return {k: str(list(v)) if isinstance(v, tuple) else str(v) for k, v in config.items()}
 
     saved, expected = normalised(saved), normalised(expected)
-    keys = dict.fromkeys([*expected, *saved])
-    return [
-        f"{k}: {saved.get(k, '(absent)')} -> {expected.get(k, '(absent)')}"
-        for k in keys
-        if saved.get(k) != expected.get(k)
-    ]
-
-
-def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
-    """checkpoint["state_dict"] into `model`; another architecture refused naming its differing fields."""
-    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
-    state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in checkpoint["state_dict"].items()}
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # missing, unexpected or differently shaped tensors
-        saved = checkpoint.get("model_config")
-        differences = model_config_mismatch(saved, asdict(model.config)) if isinstance(saved, dict) else []
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # a heading, then one line per key
-        detail = ", ".join(differences) or lines[min(1, len(lines) - 1)][:200]
-        raise UserError(f"{source} is of another model: {detail}") from None
+    differing = [k for k in dict.fromkeys([*expected, *saved]) if saved.get(k) != expected.get(k)]
+    return [f"{k}: {saved.get(k, '(absent)')} -> {expected.get(k, '(absent)')}" for k in differing]
 
 
 def load_model(path: Path, key: str = "ckpts") -> GPT:
@@ -134,11 +115,17 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
         raise UserError(f"{key}: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save
         raise UserError(f"{key}: {path} holds a {type(checkpoint).__name__}, not a checkpoint of `xsa-lm train`")
-    stored = checkpoint.get("model_config")
-    if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+    stored, weights = checkpoint.get("model_config"), checkpoint.get("state_dict")
+    if not isinstance(stored, dict) or not isinstance(weights, dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
     model = GPT(GPTConfig(**stored))
-    load_weights(model, checkpoint, f"{key}: checkpoint {path}")
+    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
+    state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in weights.items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # missing, unexpected or differently shaped tensors: a heading, then a line per key
+        first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2] or [str(e)]
+        raise UserError(f"{key}: {path} holds weights of another model than its config: {first[0][:200]}") from None
     return model
 
 
@@ -208,22 +195,16 @@ def settings_as_started(
     """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
     that they name the files they named then."""
     cwd = _run_info(run_dir, key).get("cwd")
-    root = Path(cwd or ".")
 
-    def rebased(value: Any) -> Any:  # a path, or the paths in a list or a {split: paths} mapping
-        if isinstance(value, str):
-            return value if not value or Path(value).expanduser().is_absolute() else str(root / value)
+    def rebased(value: Any, keys: tuple[str, ...], is_path: bool = False) -> Any:  # a data.source's own keys too
+        if isinstance(value, dict):
+            return {k: rebased(v, keys, is_path or k in keys) for k, v in value.items()}
         if isinstance(value, list):
-            return [rebased(v) for v in value]
-        return {k: rebased(v) for k, v in value.items()} if isinstance(value, dict) else value
+            return [rebased(v, keys, is_path) for v in value]
+        relative = is_path and isinstance(value, str) and value != "" and not Path(value).expanduser().is_absolute()
+        return str(Path(cwd) / value) if relative else value
 
-    def settings(node: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-        return {
-            k: settings(v, keys) if k == "source" and isinstance(v, dict) else rebased(v) if k in keys else v
-            for k, v in node.items()
-        }
-
-    return (settings(data, DATA_PATH_KEYS), settings(tokenizer, ("path",))) if cwd else (data, tokenizer)
+    return (rebased(data, DATA_PATH_KEYS), rebased(tokenizer, ("path",))) if cwd else (data, tokenizer)
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:

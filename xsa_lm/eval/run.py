@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tokenizers import Tokenizer
 
+from xsa_lm import reporting
 from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, load_tokenizer, run_dir_of, told_apart
 from xsa_lm.config.spec import Count, Spec, parse, rule
 from xsa_lm.data.tokenizer import eot_id, hub_unreachable
@@ -101,29 +102,28 @@ TaskLoader.add_multi_constructor("!", lambda loader, tag, node: None)
 
 def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
-    if not task_entries(tasks):  # tasks=[], tasks=, tasks=null
+    entries = task_entries(tasks)
+    if not entries:  # tasks=[], tasks=, tasks=null
         raise UserError("tasks: give at least one task, e.g. tasks=paper")
     names: dict[str, str] = {}  # name -> the entry that gave it
-    folders: set[str] = set()
-    for entry, path in task_entries(tasks):
-        name = entry
-        if path is not None:
-            if not path.is_file():
-                raise UserError(f"tasks: task file not found: {path}")
-            try:
-                config = yaml.load(path.read_text(), Loader=TaskLoader) or {}  # a SafeLoader
-            except yaml.YAMLError as e:
-                raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
-            if not isinstance(config, dict):
-                raise UserError(f"tasks: {path} is not a task file (a YAML mapping with `task:`)")
-            if "task" not in config:
-                raise UserError(f"tasks: {path} has no `task:` name")
-            name = str(config["task"])
-            folders.add(str(path.resolve().parent))
+    for entry, path in entries:
+        name = entry if path is None else task_name(path)
         if name in names:  # one score per name: the second would replace the first, or count twice in the average
             raise UserError(f"tasks: {entry} is the task {name!r}, as {names[name]} is: give each task once")
         names[name] = entry
-    return list(names), sorted(folders)
+    return list(names), sorted({str(path.resolve().parent) for _, path in entries if path is not None})
+
+
+def task_name(path: Path) -> str:
+    if not path.is_file():
+        raise UserError(f"tasks: task file not found: {path}")
+    try:
+        config = yaml.load(path.read_text(), Loader=TaskLoader)  # a SafeLoader
+    except yaml.YAMLError as e:
+        raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
+    if not isinstance(config, dict) or "task" not in config:
+        raise UserError(f"tasks: {path} is not a task file (a YAML mapping with a `task:` name)")
+    return str(config["task"])
 
 
 def task_entries(tasks: str | list[str] | None) -> list[tuple[str, Path | None]]:
@@ -207,11 +207,11 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
             scores[task] = Score(metric=metric, value=value, n=len(values[task]), stderr=stderr)
         items.append(values)
         run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
-        rows.append(
-            Row(checkpoint=str(path), attention=model.config.attention, run=run, scores=scores, average=average)
-        )
-    diff, files = xsa_minus_sa(rows, names), task_file_digests(tasks)
+        attention = model.config.attention
+        rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
+    diff = xsa_minus_sa(rows, names)
     ci = paired_intervals(rows, items, names) if diff is not None else None
+    files = task_file_digests(tasks)
     return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
 
 
@@ -237,21 +237,19 @@ def paired_intervals(
     rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
 ) -> dict[str, list[float] | None]:
     """95% interval of XSA - SA per task, paired over the items both arms scored, and of the average (the tasks'
-    variances added: their items are independent). The items' noise only: seeds vary beyond it."""
+    half-widths added in quadrature, over T: their items are independent). The items' noise only, not the seeds'."""
     xsa, sa = arms(rows)
     intervals: dict[str, list[float] | None] = {}
-    spreads = []
     for task in tasks:
         shared = sorted(set.intersection(*(set(items[i][task]) for i in xsa + sa)))
         diffs = [fmean(items[i][task][d] for i in xsa) - fmean(items[i][task][d] for i in sa) for d in shared]
         ci = paired_t(diffs).ci
-        intervals[task] = list(ci) if ci is not None else None
-        if ci is not None:
-            spreads.append((fmean(diffs), (ci[1] - ci[0]) / 2))
+        intervals[task] = None if ci is None else list(ci)
     intervals["average"] = None
-    if len(spreads) == len(tasks):  # the tasks' half-widths added in quadrature, over T: the average's
-        mean, half = fmean(m for m, _ in spreads), math.sqrt(sum(h**2 for _, h in spreads)) / len(tasks)
-        intervals["average"] = [mean - half, mean + half]
+    known = [ci for task in tasks if (ci := intervals[task]) is not None]
+    if len(known) == len(tasks):  # centred on the tasks' mean difference (each t interval on its own)
+        mean, half = fmean((hi + lo) / 2 for lo, hi in known), math.hypot(*((hi - lo) / 2 for lo, hi in known))
+        intervals["average"] = [mean - half / len(tasks), mean + half / len(tasks)]
     return intervals
 
 
@@ -274,36 +272,12 @@ def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
 
 
 def render(result: EvalResult) -> str:
-    """eval.md: a row per checkpoint, each score with its standard error; XSA - SA with its interval."""
-    tasks, rows = result.tasks, result.rows
-    head = " | ".join(f"{t} ({rows[0].scores[t].metric}, n={rows[0].scores[t].n})" for t in tasks) if rows else ""
-    lines = [f"| checkpoint | {head} | average |", "|---|" + "---:|" * (len(tasks) + 1)]
-    paths = [Path(row.checkpoint) for row in rows]
-    labels = [f"{row.attention.upper()} {row.run}" for row in rows]
-    labels = told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
-    for row, label in zip(rows, labels, strict=True):
-        cells = [
-            f"{100 * s.value:.2f}" + (f" ± {100 * s.stderr:.2f}" if s.stderr is not None else "")
-            for s in (row.scores[t] for t in tasks)
-        ]
-        lines.append(f"| {label} | {' | '.join(cells)} | {100 * row.average:.2f} |")
-    if result.xsa_minus_sa is not None:
-        diff, ci = result.xsa_minus_sa, result.xsa_minus_sa_ci95 or {}
-        counts = [len(arm) for arm in arms(rows)]
-        label = "XSA - SA" if counts == [1, 1] else f"XSA - SA (means of {counts[0]} and {counts[1]} checkpoints)"
-        intervals = [ci.get(t) for t in [*tasks, "average"]]
-        shown = ["-" if c is None else f"[{100 * c[0]:+.2f}, {100 * c[1]:+.2f}]" for c in intervals]
-        lines += [
-            f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in [*tasks, "average"]) + " |",
-            f"| 95% CI, paired over items | {' | '.join(shown)} |",
-            "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
-            "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
-        ]
-        lines += [f"\n(warning: {note})" for note in shared_runs(rows, labels)]
-    if result.limit:
-        share = f"{result.limit:.0%} of the examples" if result.limit < 1 else f"the first {result.limit} examples"
-        lines.append(f"\n(limit={result.limit}: {share} of each task: a smoke test, not a measurement)")
-    return "\n".join(lines)
+    """eval.md (xsa_lm/templates/eval.md.j2)."""
+    rows, arm = result.rows, [row.attention.upper() for row in result.rows]
+    paths, by_path = [Path(r.checkpoint) for r in rows], [f"{a} {r.checkpoint}" for a, r in zip(arm, rows, strict=True)]
+    labels = told_apart([f"{a} {r.run}" for a, r in zip(arm, rows, strict=True)], paths, by_path)
+    counts, notes = [len(indices) for indices in arms(rows)], shared_runs(rows, labels)
+    return reporting.render("eval.md.j2", r=result, labels=labels, counts=counts, notes=notes).removesuffix("\n")
 
 
 def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
@@ -317,14 +291,12 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
         run_id = id_file.read_text().strip() if id_file.exists() else None
-        config, name = {"eval_tasks": result.tasks}, f"eval-{row.run}"
-        run = wandb_init(
-            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
-        )
+        how = dict(group=group, job_type="eval", mode=wandb_mode, run_id=run_id)
+        run = wandb_init(str(run_dir), f"eval-{row.run}", {"eval_tasks": result.tasks}, project, **how)
         stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
         prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
-        run.summary.update({f"{prefix}/{t}": s.value for t, s in row.scores.items()})
-        run.summary.update({f"{prefix}/average": row.average})
+        scores = {t: s.value for t, s in row.scores.items()} | {"average": row.average}
+        run.summary.update({f"{prefix}/{t}": value for t, value in scores.items()})
         run.finish()
 
 
