@@ -25,15 +25,17 @@ from xsa_lm.model import GPTConfig
 
 
 def not_checkpoints(folder: Path) -> dict[str, Path]:
-    """One of each kind of path a user may pass by mistake, created in `folder` (a checkpoint too: `ckpt`)."""
+    """One of each kind of path a user may pass by mistake, created in `folder` (a checkpoint too: `ckpt`, and one
+    copied out of its run: `lone`), and eval's task files."""
     folder.mkdir(parents=True, exist_ok=True)
     ckpt = write_checkpoint(folder / "run")
     files = {
-        "yaml": ("config.yaml", b"model:\n  n_layer: 2\nattention:\n  type: xsa\n"),
+        "yaml": ("settings.yaml", b"model:\n  n_layer: 2\nattention:\n  type: xsa\n"),
         "text": ("notes.txt", b"hello, these are my notes\n"),
         "empty": ("empty.ckpt", b""),
         "truncated": ("truncated.ckpt", ckpt.read_bytes()[: ckpt.stat().st_size // 2]),
-    }
+        "lone": ("x.ckpt", ckpt.read_bytes()),
+    } | {key: (f"{key}.yaml", f"{text}\n".encode()) for key, text in TASK_FILES.items()}
     paths = {kind: folder / name for kind, (name, _) in files.items()}
     for kind, (_, content) in files.items():
         paths[kind].write_bytes(content)
@@ -237,13 +239,6 @@ def test_each_command_refuses_in_one_line_and_writes_nothing(
     args: str, expected: str, data_run: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
     paths = not_checkpoints(tmp_path / "inputs") | {"data": data_run, "other": write_checkpoint(tmp_path / "other")}
-    paths["lone"] = tmp_path / "lone" / "x.ckpt"
-    paths["lone"].parent.mkdir()
-    for key, text in TASK_FILES.items():
-        paths[key] = tmp_path / key / "task.yaml"
-        paths[key].parent.mkdir()
-        paths[key].write_text(text + "\n")
-    shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     (tmp_path / "empty.txt").write_text("")

@@ -154,19 +154,14 @@ def test_a_left_padded_batch_generates_as_each_prompt_alone(variant: str, runs):
         assert together[row, : len(alone)].tolist() == alone.tolist()
 
 
-def test_a_sharded_checkpoint_exports_to_the_same_weights(runs, data_dir: Path, tmp_path: Path):
+def test_the_export_holds_weights_config_tokenizer_and_code_also_of_a_sharded_checkpoint(runs, data_dir, tmp_path):
     model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
-    ckpt = write_run(tmp_path / "fsdp", data_dir, model, sharded=True)
-    exported = export(ckpt, tmp_path / "hf")
+    exported = export(write_run(tmp_path / "fsdp", data_dir, model, sharded=True), tmp_path / "hf")
     weights, expected = load_file(exported / "model.safetensors"), load_file(folder / "model.safetensors")
     assert weights.keys() == expected.keys() and "blocks.0.attn.gate" in weights and "sinks" in weights
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
-    assert json.loads((exported / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
-
-
-def test_the_export_holds_weights_config_tokenizer_and_code(runs):
-    model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
     config = json.loads((folder / "config.json").read_text())
+    assert json.loads((exported / "config.json").read_text()) == config
     auto_map = {"AutoConfig": "configuration_xsa.XSAConfig", "AutoModelForCausalLM": "modeling_xsa.XSAForCausalLM"}
     assert config["auto_map"] == auto_map
     expected = asdict(model.config) | {"xsa_layers": [0, 2]}
@@ -207,7 +202,6 @@ def test_without_transformers_the_export_says_how_to_install_the_eval_extra(runs
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert Requirement(TRANSFORMERS_REQUIREMENT) in [Requirement(r) for r in project["optional-dependencies"]["eval"]]
     assert "transformers" not in [Requirement(r).name for r in project["dependencies"]]  # not in the core install
-    assert "xsa_lm.export" in (REPO / "pyproject.toml").read_text()  # the package ships (with its code templates)
     find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
     without = lambda name, *a: None if name == "transformers" else find_spec(name)  # noqa: E731
     monkeypatch.setattr(importlib.util, "find_spec", without)

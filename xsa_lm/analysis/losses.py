@@ -21,15 +21,13 @@ class HeldOutLoss:
 
 
 def loss_sums(logits: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tensor, buckets: int) -> torch.Tensor:
-    """One batch's float64 sums: [nats, tokens, their bytes, nats per span..., tokens per span...]; targets of -1
-    count nowhere; token_bytes[id]: the bytes a token stands for (empty: no bits per byte)."""
+    """One batch's float64 sums [nats, tokens, bytes, nats per span..., tokens per span...] (targets of -1 count
+    nowhere); token_bytes[id]: the bytes a token stands for (empty: no bits per byte)."""
     counted = y != -1
-    # Per token, one window at a time: an fp32 copy of one window's logits, not the batch's (at GPT-2's vocabulary
-    # and 2048 positions a batch of 16 would add 6.6 GB).
+    # Per token (0 where ignored), one window at a time: an fp32 copy of one window's logits, not the batch's (at
+    # GPT-2's vocabulary and 2048 positions a batch of 16 would add 6.6 GB).
     rows = zip(logits, y, strict=True)
-    token_loss = torch.stack(
-        [F.cross_entropy(row.float(), target, ignore_index=-1, reduction="none") for row, target in rows]
-    )  # 0 where ignored
+    token_loss = torch.stack([F.cross_entropy(r.float(), t, ignore_index=-1, reduction="none") for r, t in rows])
     span = torch.arange(y.size(1), device=y.device) * buckets // y.size(1)
     zeros = torch.zeros(buckets, device=y.device, dtype=torch.float64)
     span_loss = zeros.index_add(0, span, token_loss.double().sum(0))

@@ -104,8 +104,9 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
         measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": x.shape[1]}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
         attentions.append(model.config.attention)
-    labels = dict(zip(map(os.path.abspath, paths), options.labels or default_labels(paths, attentions), strict=True))
-    diagnostics, losses = ([{"label": labels[r["checkpoint"]]} | r for r in rows] for rows in (diagnostics, losses))
+    labels = options.labels or default_labels(paths, attentions)
+    label = {os.path.abspath(path): name for path, name in zip(paths, labels, strict=True)}
+    diagnostics, losses = ([{"label": label[str(r["checkpoint"])]} | r for r in rows] for rows in (diagnostics, losses))
     return diagnostics, losses
 
 
@@ -162,8 +163,8 @@ def positions_figure(losses: list[dict]) -> Figure:
     curves.index = range(1, len(spans) + 1)
     fig = Figure(figsize=(7, 4.5))
     ax = curves.plot(ax=fig.subplots(), marker="o", markersize=3, title="validation loss per span of window positions")
-    ax.set_xlabel(f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)")
-    ax.set_ylabel("mean loss (nats per token)")
+    xlabel = f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)"
+    ax.set(xlabel=xlabel, ylabel="mean loss (nats per token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(title="checkpoint")

@@ -194,7 +194,7 @@ def settings_as_started(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
     that they name the files they named then."""
-    cwd = _run_info(run_dir, key).get("cwd")
+    cwd = str(_run_info(run_dir, key).get("cwd") or "")
 
     def rebased(value: Any, keys: tuple[str, ...], is_path: bool = False) -> Any:  # a data.source's own keys too
         if isinstance(value, dict):

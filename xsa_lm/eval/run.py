@@ -246,7 +246,7 @@ def paired_intervals(
         ci = paired_t(diffs).ci
         intervals[task] = None if ci is None else list(ci)
     intervals["average"] = None
-    known = [ci for task in tasks if (ci := intervals[task]) is not None]
+    known = [interval for task in tasks if (interval := intervals[task]) is not None]
     if len(known) == len(tasks):  # centred on the tasks' mean difference (each t interval on its own)
         mean, half = fmean((hi + lo) / 2 for lo, hi in known), math.hypot(*((hi - lo) / 2 for lo, hi in known))
         intervals["average"] = [mean - half / len(tasks), mean + half / len(tasks)]
@@ -291,8 +291,10 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
         run_id = id_file.read_text().strip() if id_file.exists() else None
-        how = dict(group=group, job_type="eval", mode=wandb_mode, run_id=run_id)
-        run = wandb_init(str(run_dir), f"eval-{row.run}", {"eval_tasks": result.tasks}, project, **how)
+        config, name = {"eval_tasks": result.tasks}, f"eval-{row.run}"
+        run = wandb_init(
+            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
+        )
         stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
         prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
         scores = {t: s.value for t, s in row.scores.items()} | {"average": row.average}

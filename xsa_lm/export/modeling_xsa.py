@@ -160,9 +160,7 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as xsa-lm's RoPE tables, which are cast with the model
         for block in self.blocks:
             x = block(x, cos, sin, mask, cache)
-        x = x[:, S:]  # sink positions are never predicted
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        x = x[:, S:][:, -logits_to_keep:]  # sink positions are never predicted; logits_to_keep=0: every position
         logits = self.lm_head(self.ln_f(x))
         shifted = None if labels is None else (logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
         loss = None if shifted is None else F.cross_entropy(*shifted, ignore_index=-100)

@@ -27,13 +27,10 @@ def generate(
     tokens, caches, fed = idx, None, 0  # fed: tokens of `tokens` already in the caches
     try:
         for _ in range(max_new_tokens):
-            if not use_cache:
-                logits = model(tokens[:, -block:])
-            else:
-                if caches is None or tokens.size(1) > block:  # start, or the window slid: rebuild from it
-                    caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
-                logits = model(tokens[:, fed:], caches=caches)
-                fed = tokens.size(1)
+            if use_cache and (caches is None or tokens.size(1) > block):  # start, or the window slid: rebuild
+                caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
+            logits = model(tokens[:, fed:], caches=caches) if use_cache else model(tokens[:, -block:])
+            fed = tokens.size(1)
             logits = logits[:, -1, :].float()
             if vocab_size is not None:  # the padding of the embedding table: ids no tokenizer can decode
                 logits[:, vocab_size:] = float("-inf")
