@@ -80,13 +80,9 @@ def test_model_config_mismatch_lists_every_differing_field():
     assert model_config_mismatch(newer, asdict(GPTConfig(**TINY))) == ["some_future_field: 3 -> (absent)"]
 
 
-# --- the tokenizer a checkpoint was trained with ---------------------------------------------------------------
-
-
 def local_run(tmp_path: Path, *, record: bool = True) -> tuple[Path, Path]:
-    """A run of `xsa-lm train data=local data.files=a.txt` as far as the loading commands read it: config.yaml,
-    run_info.json naming its prepared data, and a checkpoint recording (or, an older one, not) the tokenizer's
-    sha256 where training saves it. Returns the checkpoint and the data folder."""
+    """A run of `xsa-lm train data=local data.files=a.txt` as the loading commands read it (config.yaml, run_info.json,
+    a checkpoint recording the tokenizer's sha256, or not): the checkpoint and the data folder."""
     (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
     overrides = ["data=local", "data.files=a.txt", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"]
     cfg = compose_train([*overrides, "model.block_size=16"])

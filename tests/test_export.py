@@ -39,8 +39,7 @@ VARIANTS = {
 
 
 def trained_looking(config: GPTConfig) -> GPT:
-    """A GPT far from its init, whose greedy tokens vary (at init, with tied embeddings, it repeats the prompt's last
-    token), with gates and biases that are not zero (a gate at 0 is SA: a wrong gate would go unnoticed)."""
+    """A GPT far from its init, whose greedy tokens vary, with gates and biases not zero (a gate at 0 is SA)."""
     torch.manual_seed(0)
     model = GPT(config)
     with torch.no_grad():
@@ -55,8 +54,7 @@ def trained_looking(config: GPTConfig) -> GPT:
 
 
 def write_run(run_dir: Path, data_dir: Path, model: GPT, sharded: bool = False) -> Path:
-    """A run directory as `xsa-lm train` leaves it: checkpoints/last.ckpt (a file, or trainer=fsdp's sharded
-    directory, Lightning's names) and run_info.json naming the prepared data, whose tokenizer.json is the run's."""
+    """A run as `xsa-lm train` leaves it: checkpoints/last.ckpt (or trainer=fsdp's directory), run_info.json."""
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     ckpt.parent.mkdir(parents=True)
     (run_dir / "run_info.json").write_text(json.dumps({"data_dir": str(data_dir)}))

@@ -33,9 +33,8 @@ if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
     from lm_eval.tasks import TaskManager
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
-PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm") | dict.fromkeys(
-    ("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc"
-)
+PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm")
+PAPER_TASKS |= dict.fromkeys(("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc")
 # The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
 HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
 
@@ -47,8 +46,6 @@ def _limit(value: object) -> str | None:
 
 
 class EvalOptions(Spec):
-    """configs/eval.yaml."""
-
     ckpts: Texts
     tasks: str | list[str] | None
     limit: Annotated[int | float | None, rule(_limit)]
@@ -66,9 +63,7 @@ class Score(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Row(Record):
-    """One checkpoint's scores."""
-
+class Row(Record):  # one checkpoint's scores
     checkpoint: str
     attention: str
     run: str
@@ -310,10 +305,8 @@ def main(cfg: DictConfig) -> None:
     require_harness()
     result = evaluate(checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size)
     out.mkdir(parents=True, exist_ok=True)
-    table = render(result)
-    write_text(out / "eval.md", table + "\n")
+    write_text(out / "eval.md", render(result) + "\n")
     write_json(out / "eval.json", result.to_json())  # last: it marks a finished eval's folder, which a rerun refuses
     if options.wandb:
         log_to_wandb(result, options.wandb_mode)
-    print(table)
-    print(f"\nwrote {out / 'eval.json'} and {out / 'eval.md'}")
+    print(f"{render(result)}\n\nwrote {out / 'eval.json'} and {out / 'eval.md'}")
