@@ -204,9 +204,8 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
         run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
         attention = model.config.attention
         rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
-    diff = xsa_minus_sa(rows, names)
+    diff, files = xsa_minus_sa(rows, names), task_file_digests(tasks)
     ci = paired_intervals(rows, items, names) if diff is not None else None
-    files = task_file_digests(tasks)
     return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
 
 
@@ -242,7 +241,7 @@ def paired_intervals(
         intervals[task] = None if ci is None else list(ci)
     intervals["average"] = None
     known = [interval for task in tasks if (interval := intervals[task]) is not None]
-    if len(known) == len(tasks):  # centred on the tasks' mean difference (each t interval on its own)
+    if len(known) == len(tasks):  # a t interval's centre is its mean difference
         mean, half = fmean((hi + lo) / 2 for lo, hi in known), math.hypot(*((hi - lo) / 2 for lo, hi in known))
         intervals["average"] = [mean - half / len(tasks), mean + half / len(tasks)]
     return intervals
