@@ -10,21 +10,17 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # rotate-half RoPE, as xsa-lm's
 
 from .configuration_xsa import XSAConfig
 
 
 def rope(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (B, 1, T, head_dim) for rotate-half RoPE at integer positions (B, T)."""
+    """cos and sin of shape (B, T, head_dim) for rotate-half RoPE at integer positions (B, T)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+    angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | float) -> torch.Tensor:
@@ -45,14 +41,13 @@ class XSAAttention(nn.Module):
         self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)  # W_o
         self.exclusive = config.attention == "xsa" and (config.xsa_layers is None or layer in config.xsa_layers)
         self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and config.xsa_gate else None
-        self.xsa_eps = config.xsa_eps
-        self.dropout = config.dropout
+        self.xsa_eps, self.dropout = config.xsa_eps, config.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = (k, v) if cache is None else cache.update(k, v, self.layer)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
@@ -134,9 +129,8 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits (B, T, vocab) of input_ids (B, T); with labels (shifted inside, -100 ignored) the mean
-        cross-entropy. With a cache, input_ids are the tokens after those cached. attention_mask (B, all tokens so
-        far), 0 at padding, is needed only for padded batches; position_ids count real tokens from 0."""
+        """Logits (B, T, vocab) of input_ids (B, T), the tokens after those cached; with labels (shifted inside, -100
+        ignored) the mean cross-entropy. attention_mask (B, all tokens so far): 0 at padding, for padded batches."""
         if cache is None and (self.config.use_cache if use_cache is None else use_cache):
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0  # sinks included
@@ -151,7 +145,7 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
         sinks = torch.arange(S, device=input_ids.device).expand(B, S)
         positions = torch.cat([sinks, position_ids + self.config.n_sinks], dim=1)
         cos, sin = rope(positions, self.config.head_dim, self.config.rope_base)
-        mask = self.attention_mask(attention_mask, past=past, new=S + T, device=input_ids.device)
+        mask = self.attention_mask(attention_mask, past=past, new=S + T)
 
         x = self.wte(input_ids)
         if S and self.sinks is not None:
@@ -166,15 +160,12 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None if shifted is None else F.cross_entropy(*shifted, ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
-    def attention_mask(
-        self, padding: torch.Tensor | None, *, past: int, new: int, device: torch.device
-    ) -> torch.Tensor | None:
-        """Which keys each new position sees: causal over the cached and new positions (None: SDPA's own causal
-        mask), and, where `padding` (B, tokens) marks padding with 0, without the padding. The sinks are always
-        seen; a padding position also sees itself, so that no row is empty (its output is never used)."""
-        causal = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)
+    def attention_mask(self, padding: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
+        """Causal over the cached and new positions (None: SDPA's own), without `padding`'s 0s (B, tokens) but with
+        the sinks; a padding position sees itself, so that no row is empty (its output is never used)."""
+        causal = torch.ones(new, past + new, dtype=torch.bool, device=self.device).tril(past)
         if padding is None or bool(padding.all()):
             return causal if past else None
         keys = torch.cat([padding.new_ones(padding.size(0), self.config.n_sinks), padding], dim=1).bool()
-        itself = torch.arange(past + new, device=device) == torch.arange(past, past + new, device=device)[:, None]
+        itself = causal & ~causal.tril(past - 1)  # the diagonal of the new positions
         return (causal & keys[:, None, None, :]) | itself
