@@ -88,13 +88,6 @@ def require_harness(needed_by: str = "xsa-lm eval") -> None:
     require("lm_eval", "lm-evaluation-harness", HARNESS_REQUIREMENT, needed_by)
 
 
-class TaskLoader(yaml.SafeLoader):
-    """YAML as lm-eval's task files write it: its tags (`!function utils.process_docs`) are read as plain values."""
-
-
-TaskLoader.add_multi_constructor("!", lambda loader, tag, node: None)
-
-
 def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
     entries = task_entries(tasks)
@@ -102,23 +95,19 @@ def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
         raise UserError("tasks: give at least one task, e.g. tasks=paper")
     names: dict[str, str] = {}  # name -> the entry that gave it
     for entry, path in entries:
-        name = entry if path is None else task_name(path)
+        if path is not None and not path.is_file():
+            raise UserError(f"tasks: task file not found: {path}")
+        try:  # BaseLoader: plain values only, lm-eval's own tags (`!function utils.process_docs`) too
+            config = {"task": entry} if path is None else yaml.load(path.read_text(), Loader=yaml.BaseLoader)
+        except yaml.YAMLError as e:
+            raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
+        if not isinstance(config, dict) or "task" not in config:
+            raise UserError(f"tasks: {path} is not a task file (a YAML mapping with a `task:` name)")
+        name = str(config["task"])
         if name in names:  # one score per name: the second would replace the first, or count twice in the average
             raise UserError(f"tasks: {entry} is the task {name!r}, as {names[name]} is: give each task once")
         names[name] = entry
     return list(names), sorted({str(path.resolve().parent) for _, path in entries if path is not None})
-
-
-def task_name(path: Path) -> str:
-    if not path.is_file():
-        raise UserError(f"tasks: task file not found: {path}")
-    try:
-        config = yaml.load(path.read_text(), Loader=TaskLoader)  # a SafeLoader
-    except yaml.YAMLError as e:
-        raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
-    if not isinstance(config, dict) or "task" not in config:
-        raise UserError(f"tasks: {path} is not a task file (a YAML mapping with a `task:` name)")
-    return str(config["task"])
 
 
 def task_entries(tasks: str | list[str] | None) -> list[tuple[str, Path | None]]:
@@ -256,21 +245,17 @@ def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
     return diff | {"average": fmean(r.average for r in xsa) - fmean(r.average for r in sa)}
 
 
-def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
-    """A warning per run with several checkpoints in one arm's mean: they are not independent runs (seeds)."""
-    by_run: dict[tuple[str, Path], list[str]] = {}
-    for row, label in zip(rows, labels, strict=True):
-        by_run.setdefault((row.attention, run_dir_of(Path(row.checkpoint)).resolve()), []).append(label)
-    notes = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
-    return [notes.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
-
-
 def render(result: EvalResult) -> str:
     """eval.md (xsa_lm/templates/eval.md.j2)."""
     rows, arm = result.rows, [row.attention.upper() for row in result.rows]
     paths, by_path = [Path(r.checkpoint) for r in rows], [f"{a} {r.checkpoint}" for a, r in zip(arm, rows, strict=True)]
     labels = told_apart([f"{a} {r.run}" for a, r in zip(arm, rows, strict=True)], paths, by_path)
-    counts, notes = [len(indices) for indices in arms(rows)], shared_runs(rows, labels)
+    by_run: dict[tuple[str, Path], list[str]] = {}  # several checkpoints of one run in a mean are not seeds
+    for row, label in zip(rows, labels, strict=True):
+        by_run.setdefault((row.attention, run_dir_of(Path(row.checkpoint)).resolve()), []).append(label)
+    note = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
+    notes = [note.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
+    counts = [len(indices) for indices in arms(rows)]
     return reporting.render("eval.md.j2", r=result, labels=labels, counts=counts, notes=notes).removesuffix("\n")
 
 
@@ -291,8 +276,9 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         )
         stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
         prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
-        scores = {t: s.value for t, s in row.scores.items()} | {"average": row.average}
-        run.summary.update({f"{prefix}/{t}": value for t, value in scores.items()})
+        run.summary.update(
+            {f"{prefix}/{t}": s.value for t, s in row.scores.items()} | {f"{prefix}/average": row.average}
+        )
         run.finish()
 
 
