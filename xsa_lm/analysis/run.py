@@ -1,7 +1,6 @@
-"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints and their
-held-out loss, on the first `sequences` validation windows of each one's run: DIR/diagnostics.csv and .png (one line
-per checkpoint, so SA and XSA overlay), DIR/losses.csv and positions.png (loss per equal span of window positions),
-and the tables printed, with each checkpoint's difference from the first."""
+"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics and held-out loss of checkpoints on
+the first `sequences` validation windows of each one's run: DIR/diagnostics.csv and .png (a line per checkpoint),
+DIR/losses.csv and positions.png (loss per equal span of window positions), the tables printed with the differences."""
 
 import os
 import re
@@ -25,6 +24,7 @@ from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
+from xsa_lm.reporting import saved_figure
 
 
 class AnalyzeOptions(Spec):
@@ -40,11 +40,8 @@ class AnalyzeOptions(Spec):
         labels = self.labels or []
         if self.labels is not None and len(labels) != len(self.ckpts):
             raise ValueError(f"labels: {len(labels)} labels for {len(self.ckpts)} checkpoints")
-        repeated = sorted({label for label in labels if labels.count(label) > 1})
-        if repeated:
-            raise ValueError(
-                f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own"
-            )
+        if repeated := sorted({repr(label) for label in labels if labels.count(label) > 1}):
+            raise ValueError(f"labels: {', '.join(repeated)} labels more than one checkpoint: give each its own")
         return self
 
 
@@ -56,8 +53,7 @@ PANELS = (
     ("cos_z_v", "after the XSA step (XSA layers)", "mean cos(z_i, v_i)"),
     ("norm_removed", "norm removed by XSA (XSA layers)", "mean 1 - ||z_i|| / ||y_i||"),
 )
-# The narrowest y range of a panel, so that noise is not magnified into a trend: cos(z, v) is ~1e-7 by construction
-# in XSA and should read as 0; the others only guard against rounding.
+# The narrowest y range of a panel, so that noise is no trend: XSA's cos(z, v) ~1e-7 reads as 0; else rounding.
 MIN_SPAN = {"cos_z_v": 0.1}
 
 
@@ -156,20 +152,18 @@ def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> N
     figure(rows, reference).savefig(path, dpi=120)
 
 
-def positions_figure(losses: list[dict]) -> Figure:
+def positions_figure(losses: list[dict], path: Path) -> None:
     """The loss per equal span of window positions, a line per checkpoint: how it falls with the context."""
     spans = span_columns(losses)
     curves = pd.DataFrame(losses, columns=["label", *spans]).set_index("label").T.astype(float)
     curves.index = range(1, len(spans) + 1)
-    fig = Figure(figsize=(7, 4.5))
-    ax = curves.plot(ax=fig.subplots(), marker="o", markersize=3, title="validation loss per span of window positions")
-    xlabel = f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)"
-    ax.set(xlabel=xlabel, ylabel="mean loss (nats per token)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    ax.legend(title="checkpoint")
-    fig.tight_layout()
-    return fig
+    with saved_figure(path, figsize=(7, 4.5)) as ax:
+        curves.plot(ax=ax, marker="o", markersize=3, title="validation loss per span of window positions")
+        xlabel = f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)"
+        ax.set(xlabel=xlabel, ylabel="mean loss (nats per token)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(title="checkpoint")
 
 
 def span_columns(losses: list[dict]) -> list[str]:
@@ -205,7 +199,7 @@ def main(cfg: DictConfig) -> None:
     diagnostics, losses = analyze(parse(AnalyzeOptions, cfg))
     out.mkdir(parents=True, exist_ok=True)
     plot(diagnostics, out / "diagnostics.png")
-    positions_figure(losses).savefig(out / "positions.png", dpi=120)
+    positions_figure(losses, out / "positions.png")
     # diagnostics.csv last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one
     # interrupted before it can be run again
     for rows, columns, name in (

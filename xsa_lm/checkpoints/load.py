@@ -44,8 +44,8 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
             raise UserError(f"{key}: {path} is an incomplete sharded checkpoint (a shard is missing or truncated)")
         return
     if path.is_dir():
-        inside = [p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.exists()]
-        example = inside[0] if inside else "runs/sa/checkpoints/last.ckpt"
+        inside = (p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.exists())
+        example = next(inside, "runs/sa/checkpoints/last.ckpt")
         raise UserError(f"{key}: {path} is a directory, not a checkpoint: give a .ckpt file, e.g. {example}")
     if path.exists() and not path.is_file():
         raise UserError(f"{key}: {path} is not a regular file (a device, pipe or socket), not a checkpoint")
@@ -92,8 +92,7 @@ def run_dir_of(path: Path) -> Path:
 
 
 def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
-    """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`; every field counts, not
-    only weight shapes: a resumed run must stay the model it started as."""
+    """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`: resuming keeps the model."""
 
     def normalised(config: dict) -> dict[str, str]:  # as GPTConfig holds it (defaults, xsa_layers sorted), as text
         with suppress(TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
@@ -151,10 +150,8 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
         from xsa_lm.data.run import prepare_data
 
         saved = run_config(path, key)
-        settings = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
-        data = prepare_data(
-            parse(DataSpec, settings[0], at="data."), parse(TokenizerSpec, settings[1], at="tokenizer.")
-        )
+        given = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
+        data = prepare_data(parse(DataSpec, given[0], at="data."), parse(TokenizerSpec, given[1], at="tokenizer."))
         gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
         rebuilt = f" (prepared again from {run_dir_of(path) / 'config.yaml'}{gone})"
     check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
