@@ -44,25 +44,20 @@ def self_attention_weights(q: torch.Tensor, k: torch.Tensor, first: int, chunk: 
     return torch.cat(out, dim=-1)
 
 
-def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of cos(a_i, b_i), for (..., T, D) tensors; shape (...)."""
-    return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12).mean(-1)
-
-
 def layer_statistics(q, k, v, y, *, z, n_sinks: int = 0, chunk: int = 256) -> dict[str, torch.Tensor]:
     """Every metric of one layer as (B, H) tensors. k and v may have fewer (grouped) heads than q and y."""
     groups = q.size(1) // k.size(1)
     if groups > 1:  # diagnostics only: copying is fine here (training broadcasts instead)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    tokens = slice(n_sinks, None)
+    v, y, tokens = v.float(), y.float(), slice(n_sinks, None)
     stats = {
         "cos_v_v": mean_pairwise_cosine(v[..., tokens, :]),
         "a_ii": self_attention_weights(q, k, first=n_sinks + 1, chunk=chunk).mean(-1),
-        "cos_y_v": mean_cosine(y[..., tokens, :], v[..., tokens, :]),
+        "cos_y_v": F.cosine_similarity(y[..., tokens, :], v[..., tokens, :], dim=-1, eps=1e-12).mean(-1),
     }
     if z is not None:  # from the second token on: the first sees only itself (y = v), its z ~0 points nowhere
         z, y, v = (t[..., n_sinks + 1 :, :].float() for t in (z, y, v))
-        stats["cos_z_v"] = mean_cosine(z, v)
+        stats["cos_z_v"] = F.cosine_similarity(z, v, dim=-1, eps=1e-12).mean(-1)
         stats["norm_removed"] = (1 - z.norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).mean(-1)
     return stats
 

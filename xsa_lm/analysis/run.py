@@ -110,8 +110,7 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
     """PANELS per layer, a line per checkpoint label; `reference` (the paper's values) against relative depth, so
     that models of other depths share the axis. A Figure, not pyplot's: it needs no display."""
     fig = Figure(figsize=(14, 7.5))
-    grid = fig.subplots(2, 3)
-    axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
+    *axes, legend_ax = fig.subplots(2, 3).flat
     table = pd.DataFrame(rows).astype({"layer": float})
     paper = pd.DataFrame(reference or [], columns=["layer", *METRICS[:3]]).astype(float)
     if reference:  # layer / last layer
@@ -133,9 +132,8 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
             ax.set(xticks=[], yticks=[])
             continue
         low, high = ax.get_ylim()
-        span = MIN_SPAN.get(metric, 1e-3)
-        if high - low < span:
-            ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
+        half = max(high - low, MIN_SPAN.get(metric, 1e-3)) / 2
+        ax.set_ylim((low + high) / 2 - half, (low + high) / 2 + half)
         margin = 0.05 * last or 0.5
         ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
         if not reference:

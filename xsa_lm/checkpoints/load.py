@@ -23,12 +23,6 @@ from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 
-# Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
-# with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
-DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
-# The data settings that name files (the source's own copies too, as config.yaml saves them resolved).
-DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
-
 
 def _texts(value: object) -> object:
     return value if value is None else [str(v) for v in (value if isinstance(value, list | tuple) else [value])]
@@ -201,14 +195,16 @@ def settings_as_started(
         relative = is_path and isinstance(value, str) and value != "" and not Path(value).expanduser().is_absolute()
         return str(Path(cwd) / value) if relative else value
 
-    return (rebased(data, DATA_PATH_KEYS), rebased(tokenizer, ("path",))) if cwd else (data, tokenizer)
+    paths = ("dir", "cache_dir", "files", "data_files")  # the data settings that name files
+    return (rebased(data, paths), rebased(tokenizer, ("path",))) if cwd else (data, tokenizer)
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:
     """Refuse a tokenizer (from `where`; `rebuilt`: how made again) other than the one the checkpoint records."""
     meta = path / META if is_sharded(path) else path  # read memory-mapped: a large file is not read
-    state = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get(DATA_STATE) or {}
-    recorded = state.get(TOKENIZER_SHA256)
+    # Lightning saves the data module's state under its class name (TokenDataModule: not imported, it takes seconds)
+    state = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("TokenDataModule") or {}
+    recorded = state.get("tokenizer_sha256")
     if recorded is not None and recorded != sha256:
         raise UserError(
             f"{key}: {path} was trained with another tokenizer (sha256 {recorded[:12]}) than {where} "

@@ -128,8 +128,7 @@ def task_manager(names: list[str], folders: list[str]) -> "TaskManager":
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=folders or None)
-    unknown = [name for name in names if name not in manager.all_tasks]
-    if unknown:
+    if unknown := [name for name in names if name not in manager.all_tasks]:
         raise UserError(f"tasks: unknown task(s) {unknown}: use lm-eval task names, `paper`, or task YAML files")
     return manager
 

@@ -92,7 +92,6 @@ class Block(nn.Module):
 
 class XSAForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = XSAConfig
-    base_model_prefix = ""
     _no_split_modules = ["Block"]
     _supports_sdpa = True
     _tied_weights_keys = {"lm_head.weight": "wte.weight"}

@@ -18,9 +18,8 @@ def generate(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """idx (B, T) followed by max_new_tokens tokens: greedy at temperature 0, else drawn from the top_k; the model
-    sees the last block_size tokens. vocab_size: the tokenizer's (ids past it, the table's padding, never drawn).
-    temperature >= 0 and top_k >= 1 are the callers' options' to check (GenerateOptions, SamplesSpec)."""
+    """idx (B, T) and max_new_tokens more: greedy at temperature 0, else drawn from the top_k, seeing the last
+    block_size tokens; never ids from vocab_size on (the table's padding). Callers check temperature and top_k."""
     was_training = model.training
     model.eval()
     block = model.config.block_size
