@@ -117,12 +117,11 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
         table["layer"] /= table.groupby("label")["layer"].transform("max").clip(lower=1)
         paper["layer"] /= max(len(paper) - 1, 1)
     last = 1 if reference else table["layer"].max()
-    colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(table["label"]))}
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=True):
-        for label, mine in table.groupby("label", sort=False):  # SA layers have no z (None, or "" in a CSV)
+        for i, (label, mine) in enumerate(table.groupby("label", sort=False)):  # SA has no z (None, or "" in a CSV)
             points = mine.assign(y=pd.to_numeric(mine.get(metric), errors="coerce")).dropna(subset="y")
             if len(points):
-                ax.plot(points["layer"], points["y"], marker="o", markersize=3, color=colors[label], label=label)
+                ax.plot(points["layer"], points["y"], marker="o", markersize=3, color=f"C{i % 10}", label=label)
         if metric in paper and len(paper):
             ax.plot(paper["layer"], paper[metric], "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
         ax.set(title=title, ylabel=ylabel, xlabel="relative depth (layer / last layer)" if reference else "layer")
@@ -144,10 +143,6 @@ def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
     legend_ax.legend(list(handles.values()), list(handles), loc="center", title="checkpoint")
     fig.tight_layout()
     return fig
-
-
-def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
-    figure(rows, reference).savefig(path, dpi=120)
 
 
 def positions_figure(losses: list[dict], path: Path) -> None:
@@ -196,7 +191,7 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     diagnostics, losses = analyze(parse(AnalyzeOptions, cfg))
     out.mkdir(parents=True, exist_ok=True)
-    plot(diagnostics, out / "diagnostics.png")
+    figure(diagnostics).savefig(out / "diagnostics.png", dpi=120)
     positions_figure(losses, out / "positions.png")
     # diagnostics.csv last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one
     # interrupted before it can be run again

@@ -1,5 +1,4 @@
-"""Checkpoints of `xsa-lm train` runs as plain models, with the run's tokenizer and data, for the commands that read
-a trained run (analyze, eval, generate, export)."""
+"""Checkpoints of `xsa-lm train` as models, with their run's tokenizer and data, for analyze, eval, generate, export."""
 
 import json
 import pickle

@@ -225,8 +225,7 @@ def paired_intervals(
     for task in tasks:
         shared = sorted(set.intersection(*(set(items[i][task]) for i in xsa + sa)))
         diffs = [fmean(items[i][task][d] for i in xsa) - fmean(items[i][task][d] for i in sa) for d in shared]
-        ci = paired_t(diffs).ci
-        intervals[task] = None if ci is None else list(ci)
+        intervals[task] = None if (ci := paired_t(diffs).ci) is None else list(ci)
     intervals["average"] = None
     known = [interval for task in tasks if (interval := intervals[task]) is not None]
     if len(known) == len(tasks):  # a t interval's centre is its mean difference

@@ -15,23 +15,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # rot
 from .configuration_xsa import XSAConfig
 
 
-def rope(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (B, T, head_dim) for rotate-half RoPE at integer positions (B, T)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | float) -> torch.Tensor:
-    """z = y - scale (y . v) / (||v||^2 + eps) v over the last dim, in at least fp32 (bf16 loses the
-    orthogonality), returned in y's dtype. v broadcasts against y (grouped-query attention)."""
-    dtype = torch.promote_types(y.dtype, torch.float32)
-    y32, v32 = y.to(dtype), v.to(dtype)
-    coef = scale * (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + eps)
-    return (y32 - coef * v32).to(y.dtype)
-
-
 class XSAAttention(nn.Module):
     def __init__(self, config: XSAConfig, layer: int) -> None:
         super().__init__()
@@ -59,7 +42,10 @@ class XSAAttention(nn.Module):
             # v as (B, T, H_kv, 1, D). Only the new tokens' own v is needed, so the KV cache serves XSA as it does SA.
             y, v = y.unflatten(2, (H_kv, H // H_kv)), v.transpose(1, 2).unsqueeze(3)
             scale = 1.0 if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
-            y = exclusive_projection(y, v, self.xsa_eps, scale)
+            # z = y - scale (y . v) / (||v||^2 + eps) v, in at least fp32: bf16 loses the orthogonality
+            y32, v32 = (t.to(torch.promote_types(y.dtype, torch.float32)) for t in (y, v))
+            coef = scale * (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + self.xsa_eps)
+            y = (y32 - coef * v32).to(y.dtype)
         return self.proj(y.reshape(B, T, H * D))
 
 
@@ -140,17 +126,19 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence length {seen + T} exceeds block_size {self.config.block_size}")
         if position_ids is None:
             position_ids = torch.arange(seen, seen + T, device=input_ids.device).expand(B, T)
-        # RoPE positions: the sinks at 0 .. n_sinks - 1 (with the first tokens only), the tokens after them
+        # Rotate-half RoPE: the sinks at 0 .. n_sinks - 1 (with the first tokens only), the tokens after them
         sinks = torch.arange(S, device=input_ids.device).expand(B, S)
         positions = torch.cat([sinks, position_ids + self.config.n_sinks], dim=1)
-        cos, sin = rope(positions, self.config.head_dim, self.config.rope_base)
+        D = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_base ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
+        angles = (positions.float().unsqueeze(-1) * inv_freq).repeat(1, 1, 2)
         mask = self.attention_mask(attention_mask, past=past, new=S + T)
 
         x = self.wte(input_ids)
         if S and self.sinks is not None:
             x = torch.cat([self.sinks.to(x.dtype).expand(B, -1, -1), x], dim=1)
         x = self.drop(self.ln_emb(x))
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as xsa-lm's RoPE tables, which are cast with the model
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # as xsa-lm's tables, cast with the model
         for block in self.blocks:
             x = block(x, cos, sin, mask, cache)
         x = x[:, S:][:, -logits_to_keep:]  # sink positions are never predicted; logits_to_keep=0: every position

@@ -28,9 +28,8 @@ def generate(
         for _ in range(max_new_tokens):
             if use_cache and (caches is None or tokens.size(1) > block):  # start, or the window slid: rebuild
                 caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
-            logits = model(tokens[:, fed:], caches=caches) if use_cache else model(tokens[:, -block:])
+            logits = (model(tokens[:, fed:], caches=caches) if use_cache else model(tokens[:, -block:]))[:, -1].float()
             fed = tokens.size(1)
-            logits = logits[:, -1, :].float()
             if vocab_size is not None:  # the padding of the embedding table: ids no tokenizer can decode
                 logits[:, vocab_size:] = float("-inf")
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one fp32 rounds to 0: greedy, the limit
