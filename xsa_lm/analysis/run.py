@@ -59,8 +59,7 @@ MIN_SPAN = {"cos_z_v": 0.1}
 
 def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, PreparedData]:
     """Inputs and targets (n, T) of the first n validation windows of the checkpoint's run, and its data."""
-    block_size = run_config(path)["data"]["block_size"]
-    data = run_data(path)
+    block_size, data = run_config(path)["data"]["block_size"], run_data(path)
     windows = PackedWindows(data.shards("val"), block_size)
     if n > len(windows):
         print(f"sequences={n}, but {path}'s validation split holds {len(windows)} windows: measuring all of them")

@@ -46,8 +46,7 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         raise UserError(f"{key}: checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise UserError(f"{key}: {path} is empty, not a checkpoint")
-    # torch.save writes zip archives; torch.load falls back on anything else to the legacy pickle reader, which
-    # fails with arbitrary errors (IndexError on a YAML file).
+    # torch.save writes zip archives; torch.load reads anything else as a legacy pickle, failing in arbitrary ways
     if not zipfile.is_zipfile(path):
         raise UserError(
             f"{key}: {path} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated): "

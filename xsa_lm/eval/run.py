@@ -22,7 +22,7 @@ from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, load_tok
 from xsa_lm.config.spec import Count, Spec, parse, rule
 from xsa_lm.data.tokenizer import eot_id, hub_unreachable
 from xsa_lm.errors import UserError, one_line_errors, yaml_problem
-from xsa_lm.export.run import require
+from xsa_lm.export.run import hf_model, hf_tokenizer, require
 from xsa_lm.files import write_json, write_text
 from xsa_lm.model import GPT
 from xsa_lm.records import Record
@@ -201,8 +201,6 @@ def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
     """The model `xsa-lm export` writes, with its tokenizer, in lm-eval's `hf` backend (on the GPU if there is one)."""
     import torch
     from lm_eval.models.huggingface import HFLM
-
-    from xsa_lm.export.run import hf_model, hf_tokenizer
 
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where its weights are made
         hf = hf_model(model, eot_id(tokenizer), tokenizer.get_vocab_size())

@@ -143,8 +143,7 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
             x = block(x, cos, sin, mask, cache)
         x = x[:, S:][:, -logits_to_keep:]  # sink positions are never predicted; logits_to_keep=0: every position
         logits = self.lm_head(self.ln_f(x))
-        shifted = None if labels is None else (logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
-        loss = None if shifted is None else F.cross_entropy(*shifted, ignore_index=-100)
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)  # shifts labels
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def attention_mask(self, padding: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
