@@ -192,8 +192,7 @@ def main(cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     figure(diagnostics).savefig(out / "diagnostics.png", dpi=120)
     positions_figure(losses, out / "positions.png")
-    # diagnostics.csv last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one
-    # interrupted before it can be run again
+    # diagnostics.csv last: it marks a finished analyze (a rerun refuses its folder), so one cut short can run again
     for rows, columns, name in (
         (losses, ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)], "losses.csv"),
         (diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], "diagnostics.csv"),

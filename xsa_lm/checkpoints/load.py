@@ -132,8 +132,7 @@ def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
 
 
 def run_data(path: Path, key: str = "ckpts") -> PreparedData:
-    """The run's prepared data: its folder if still there, else prepared again from config.yaml; refused when its
-    tokenizer is not the checkpoint's."""
+    """The run's prepared data: its folder, else prepared again from config.yaml; refused with another tokenizer."""
     data_dir = _run_data_dir(path, key)
     rebuilt = ""
     if data_dir and (data_dir / "meta.json").is_file():
@@ -181,8 +180,7 @@ def _run_data_dir(path: Path, key: str) -> Path | None:
 def settings_as_started(
     data: dict[str, Any], tokenizer: dict[str, Any], run_dir: Path, key: str = "resume"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
-    that they name the files they named then."""
+    """The run's data and tokenizer settings, their relative paths from the run's cwd (run_info.json) as back then."""
     cwd = str(_run_info(run_dir, key).get("cwd") or "")
 
     def rebased(value: Any, keys: tuple[str, ...], is_path: bool = False) -> Any:  # a data.source's own keys too

@@ -35,8 +35,7 @@ if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
 PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm")
 PAPER_TASKS |= dict.fromkeys(("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc")
-# The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
-HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
+HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"  # the extra `eval` of pyproject.toml (test_packaging compares)
 
 
 def _limit(value: object) -> str | None:
@@ -72,9 +71,7 @@ class Row(Record):  # one checkpoint's scores
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalResult(Record):
-    """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
-
+class EvalResult(Record):  # eval.json: each checkpoint's scores, and XSA's minus SA's when both are there
     tasks: list[str]
     limit: int | float | None
     rows: list[Row]
@@ -162,8 +159,7 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
 
 def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
-    # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
-    # hub client retry for minutes.
+    # Offline before datasets and huggingface_hub read these (once): else the hub client retries for minutes
     if hub_unreachable() is not None:
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
@@ -176,8 +172,7 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
         path = Path(ckpt).expanduser()
         model = load_model(path)
         lm = harness_lm(model, load_tokenizer(path), batch_size)
-        # The harness records the git commit of the working directory by running git, which prints "fatal: not a
-        # git repository" outside one; run_info.json of the checkpoint's run records the code's commit.
+        # The harness runs git for the cwd's commit ("fatal: not a git repository" outside one); run_info.json has it
         with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
             out = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=True
@@ -255,7 +250,7 @@ def render(result: EvalResult) -> str:
     return reporting.render("eval.md.j2", r=result, labels=labels, counts=counts, notes=notes).removesuffix("\n")
 
 
-def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
+def log_to_wandb(result: EvalResult, mode: str) -> None:
     """Each checkpoint's scores into its own W&B run (wandb_run_id.txt), or a new `eval` run: the final model
     (last.ckpt) on whole tasks under eval/, another checkpoint or a limit under its own prefix."""
     from xsa_lm.tracking import wandb_init
@@ -266,15 +261,12 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
         run_id = id_file.read_text().strip() if id_file.exists() else None
-        config, name = {"eval_tasks": result.tasks}, f"eval-{row.run}"
-        run = wandb_init(
-            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
-        )
+        name, config = f"eval-{row.run}", {"eval_tasks": result.tasks}
+        run = wandb_init(str(run_dir), name, config, project, group=group, job_type="eval", mode=mode, run_id=run_id)
         stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
         prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
-        run.summary.update(
-            {f"{prefix}/{t}": s.value for t, s in row.scores.items()} | {f"{prefix}/average": row.average}
-        )
+        scores = {t: s.value for t, s in row.scores.items()} | {"average": row.average}
+        run.summary.update({f"{prefix}/{t}": value for t, value in scores.items()})
         run.finish()
 
 

@@ -61,9 +61,7 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
-
+class Block(nn.Module):  # pre-LayerNorm
     def __init__(self, config: XSAConfig, layer: int) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.d_model, bias=config.bias)

@@ -1,6 +1,5 @@
-"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model, with the
-run's tokenizer and the modelling code (configuration_xsa.py, modeling_xsa.py), loaded offline with
-AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)."""
+"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a transformers model with its run's tokenizer
+and modelling code, for AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)."""
 
 import importlib.util
 import os
