@@ -68,8 +68,7 @@ def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> l
     values: list[dict[str, list[torch.Tensor]]] = [{name: [] for name in METRICS} for _ in model.blocks]
 
     def observe(layer: int, q, k, v, y, z) -> None:
-        stats = layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk)
-        for name, value in stats.items():
+        for name, value in layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk).items():
             values[layer][name].append(value.flatten().double())
 
     attentions = [cast(CausalSelfAttention, block.attn) for block in model.blocks]  # nn.ModuleList is untyped
