@@ -10,7 +10,7 @@ import argparse
 import csv
 from pathlib import Path
 
-from xsa_lm.analysis.run import plot
+from xsa_lm.analysis.run import figure
 
 PAPER = Path(__file__).resolve().parent / "data" / "paper_fig1.csv"
 
@@ -59,7 +59,7 @@ def main() -> None:
         rows = our_rows(args.diagnostics)
     except ValueError as e:
         parser.error(str(e))
-    plot(rows, args.out, reference=paper_rows())
+    figure(rows, reference=paper_rows()).savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
 
 

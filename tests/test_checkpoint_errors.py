@@ -12,35 +12,30 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import (
-    TINY,
-    assert_refused,
-    cli_in_process,
-    compose_train,
-    lightning_checkpoint,
-    write_checkpoint,
-)
+from tests.helpers import TINY, assert_refused, cli_in_process, compose_train, lightning_checkpoint, write_checkpoint
 from tests.test_data import shakespeare_text
 from xsa_lm.analysis.run import validation_set
-from xsa_lm.checkpoints.load import load_model, load_tokenizer, load_weights, model_config_mismatch, run_data
+from xsa_lm.checkpoints.load import load_model, load_tokenizer, model_config_mismatch, run_data
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.data.run import prepare_data
 from xsa_lm.data.tokenizer import read_tokenizer, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import sample
-from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model import GPTConfig
 
 
 def not_checkpoints(folder: Path) -> dict[str, Path]:
-    """One of each kind of path a user may pass by mistake, created in `folder` (a checkpoint too: `ckpt`)."""
+    """One of each kind of path a user may pass by mistake, created in `folder` (a checkpoint too: `ckpt`, and one
+    copied out of its run: `lone`), and eval's task files."""
     folder.mkdir(parents=True, exist_ok=True)
     ckpt = write_checkpoint(folder / "run")
     files = {
-        "yaml": ("config.yaml", b"model:\n  n_layer: 2\nattention:\n  type: xsa\n"),
+        "yaml": ("settings.yaml", b"model:\n  n_layer: 2\nattention:\n  type: xsa\n"),
         "text": ("notes.txt", b"hello, these are my notes\n"),
         "empty": ("empty.ckpt", b""),
         "truncated": ("truncated.ckpt", ckpt.read_bytes()[: ckpt.stat().st_size // 2]),
-    }
+        "lone": ("x.ckpt", ckpt.read_bytes()),
+    } | {key: (f"{key}.yaml", f"{text}\n".encode()) for key, text in TASK_FILES.items()}
     paths = {kind: folder / name for kind, (name, _) in files.items()}
     for kind, (_, content) in files.items():
         paths[kind].write_bytes(content)
@@ -52,16 +47,21 @@ def not_checkpoints(folder: Path) -> dict[str, Path]:
     return paths | {"directory": folder / "a_run", "run": folder / "run", "ckpt": ckpt, "missing": folder / "no.ckpt"}
 
 
-def test_a_checkpoint_loads_back_as_the_model_it_was(tmp_path: Path):
+def test_a_checkpoint_loads_back_as_the_model_it_was_or_is_refused(tmp_path: Path):
+    """Lightning's `model.` prefix and a torch.compile wrapper's `_orig_mod.` are taken off the weights' names;
+    weights of another model than the stored config are refused, naming the first that does not fit."""
     config = GPTConfig(**TINY, attention="xsa", xsa_layers=(1,))
-    model = load_model(write_checkpoint(tmp_path / "run", config))
-    assert model.config == config
-    expected = {k.removeprefix("model."): v for k, v in lightning_checkpoint(config)["state_dict"].items()}
-    assert model.state_dict().keys() == expected.keys()
-    assert all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
-
-
-# --- another model ---------------------------------------------------------------------------------------------------
+    checkpoint = lightning_checkpoint(config)
+    expected = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()}
+    compiled = {k.replace("model.", "model._orig_mod.", 1): v for k, v in checkpoint["state_dict"].items()}
+    for name, state in (("plain", checkpoint["state_dict"]), ("compiled", compiled)):
+        torch.save({**checkpoint, "state_dict": state}, tmp_path / f"{name}.ckpt")
+        model = load_model(tmp_path / f"{name}.ckpt")
+        assert model.config == config and model.state_dict().keys() == expected.keys()
+        assert all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+    torch.save({**checkpoint, "model_config": asdict(GPTConfig(**{**TINY, "d_model": 16}))}, tmp_path / "x.ckpt")
+    with pytest.raises(UserError, match=f"^ckpts: {tmp_path / 'x.ckpt'} holds weights of another model than its con"):
+        load_model(tmp_path / "x.ckpt")
 
 
 def test_model_config_mismatch_lists_every_differing_field():
@@ -80,39 +80,9 @@ def test_model_config_mismatch_lists_every_differing_field():
     assert model_config_mismatch(newer, asdict(GPTConfig(**TINY))) == ["some_future_field: 3 -> (absent)"]
 
 
-def test_load_weights_refuses_another_model_naming_the_fields():
-    checkpoint = lightning_checkpoint(GPTConfig(**TINY))
-    other = GPT(GPTConfig(**{**TINY, "n_layer": 1, "d_model": 16}))
-    with pytest.raises(UserError) as e:
-        load_weights(other, checkpoint, "resume: checkpoint runs/x/checkpoints/last.ckpt")
-    assert str(e.value) == (
-        "resume: checkpoint runs/x/checkpoints/last.ckpt is of another model: n_layer: 2 -> 1, d_model: 32 -> 16"
-    )
-    # Without a stored config, the first tensor that does not fit is named instead.
-    del checkpoint["model_config"]
-    with pytest.raises(UserError, match="is of another model: .*(size mismatch|Unexpected key)"):
-        load_weights(other, checkpoint, "ckpts: checkpoint x.ckpt")
-
-
-def test_load_weights_takes_the_names_of_a_torch_compile_wrapper():
-    """torch.compile(model) named the weights model._orig_mod.*: such checkpoints still load."""
-    config = GPTConfig(**TINY)
-    checkpoint = lightning_checkpoint(config)
-    checkpoint["state_dict"] = {
-        k.replace("model.", "model._orig_mod.", 1): v for k, v in checkpoint["state_dict"].items()
-    }
-    model = GPT(config)
-    load_weights(model, checkpoint, "ckpts: checkpoint x.ckpt")
-    assert torch.equal(model.state_dict()["lm_head.weight"], checkpoint["state_dict"]["model._orig_mod.lm_head.weight"])
-
-
-# --- the tokenizer a checkpoint was trained with ---------------------------------------------------------------
-
-
 def local_run(tmp_path: Path, *, record: bool = True) -> tuple[Path, Path]:
-    """A run of `xsa-lm train data=local data.files=a.txt` as far as the loading commands read it: config.yaml,
-    run_info.json naming its prepared data, and a checkpoint recording (or, an older one, not) the tokenizer's
-    sha256 where training saves it. Returns the checkpoint and the data folder."""
+    """A run of `xsa-lm train data=local data.files=a.txt` as the loading commands read it (config.yaml, run_info.json,
+    a checkpoint recording the tokenizer's sha256, or not): the checkpoint and the data folder."""
     (tmp_path / "a.txt").write_text(shakespeare_text(20_000))
     overrides = ["data=local", "data.files=a.txt", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"]
     cfg = compose_train([*overrides, "model.block_size=16"])
@@ -167,21 +137,13 @@ def test_a_checkpoint_without_a_recorded_tokenizer_loads_unchecked(tmp_path: Pat
 
 LIMIT = "must be an integer >= 1 (the first N), a fraction in (0, 1) of each task, or null (all)"
 OUTS = {"": "", ".": "", "..": "..", "/": "/"}  # out= -> as the line shows it: none a rename could replace
+NO_TASK = "is not a task file (a YAML mapping with a `task:` name)"
 NOT = "not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)"
 REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given once without brackets: ckpts=PATH
     # what holds no checkpoint of `xsa-lm train`, in each command
-    "yaml": (
-        "analyze ckpts=[{yaml}]",
-        f"ckpts: {{yaml}} is {NOT}",
-    ),
-    "text": (
-        "generate ckpt={text}",
-        f"ckpt: {{text}} is {NOT}",
-    ),
-    "truncated": (
-        "eval ckpts=[{truncated}]",
-        f"ckpts: {{truncated}} is {NOT}",
-    ),
+    "yaml": ("analyze ckpts=[{yaml}]", f"ckpts: {{yaml}} is {NOT}"),
+    "text": ("generate ckpt={text}", f"ckpt: {{text}} is {NOT}"),
+    "truncated": ("eval ckpts=[{truncated}]", f"ckpts: {{truncated}} is {NOT}"),
     "empty": ("eval ckpts=[{empty}]", "ckpts: {empty} is empty, not a checkpoint"),
     "directory": ("export ckpt={directory} out=hf", "ckpt: {directory} is a directory, not a checkpoint: give a .ckpt"),
     "run": ("analyze ckpts=[{run}]", "ckpts: {run} is a directory, not a checkpoint: give a .ckpt file, e.g. {ckpt}"),
@@ -199,20 +161,14 @@ REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given 
         f"tasks={t}": (f"eval ckpts=[{{ckpt}}] tasks={t}", "tasks: give at least one task")
         for t in ("", "null", "['']")
     },
-    "a name twice": (
-        "eval ckpts=[{ckpt}] tasks=[piqa,arc_easy,piqa]",
-        "tasks: piqa is the task 'piqa', as piqa is: give",
-    ),
+    "a name twice": ("eval ckpts=[{ckpt}] tasks=[piqa,arc_easy,piqa]", "tasks: piqa is the task 'piqa', as piqa is"),
     "a task file twice": (
         "eval ckpts=[{ckpt}] tasks=[{a},{b}]",
         "tasks: {b} is the task 'cloze', as {a} is: give each",
     ),
     "not YAML": ("eval ckpts=[{ckpt}] tasks=[{broken}]", "tasks: {broken} is not valid YAML at line 2"),
-    "a list": (
-        "eval ckpts=[{ckpt}] tasks=[{listed}]",
-        "tasks: {listed} is not a task file (a YAML mapping with `task:`)",
-    ),
-    "no name": ("eval ckpts=[{ckpt}] tasks=[{nameless}]", "tasks: {nameless} has no `task:` name"),
+    "a list": ("eval ckpts=[{ckpt}] tasks=[{listed}]", f"tasks: {{listed}} {NO_TASK}"),
+    "no name": ("eval ckpts=[{ckpt}] tasks=[{nameless}]", f"tasks: {{nameless}} {NO_TASK}"),
     "no such file": ("eval ckpts=[{ckpt}] tasks=[none.yaml]", "tasks: task file not found: none.yaml"),
     # eval's options, checked before any scoring; a checkpoint given twice (also by another path) would count twice
     **{o: (f"eval ckpts=[{{ckpt}}] {o}", f"{o} {LIMIT}") for o in ("limit=0", "limit=-5", "limit=abc", "limit=inf")},
@@ -253,10 +209,7 @@ REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given 
     ),
     "labels=[a,b]": ("analyze ckpts=[{ckpt}] labels=[a,b]", "labels: 2 labels for 1 checkpoints"),
     "labels=foo": ("analyze ckpts=[{ckpt},{ckpt}] labels=foo", "labels: 1 labels for 2 checkpoints"),  # not 3 letters
-    "labels=[a,a]": (
-        "analyze ckpts=[{ckpt},{ckpt}] labels=[a,a]",
-        "labels: 'a' labels more than one checkpoint: give each its own",
-    ),
+    "labels=[a,a]": ("analyze ckpts=[{ckpt},{ckpt}] labels=[a,a]", "labels: 'a' labels more than one checkpoint"),
     "analyze: away from its run": (
         "analyze ckpts=[{lone}]",
         "ckpts: {lone} is neither in a run's checkpoints/ folder nor beside its config.yaml",
@@ -282,13 +235,6 @@ def test_each_command_refuses_in_one_line_and_writes_nothing(
     args: str, expected: str, data_run: Path, data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ):
     paths = not_checkpoints(tmp_path / "inputs") | {"data": data_run, "other": write_checkpoint(tmp_path / "other")}
-    paths["lone"] = tmp_path / "lone" / "x.ckpt"
-    paths["lone"].parent.mkdir()
-    for key, text in TASK_FILES.items():
-        paths[key] = tmp_path / key / "task.yaml"
-        paths[key].parent.mkdir()
-        paths[key].write_text(text + "\n")
-    shutil.copy(paths["ckpt"], paths["lone"])  # a checkpoint copied out of its run
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     (tmp_path / "empty.txt").write_text("")

@@ -76,9 +76,6 @@ def test_diagnose_a_model_layer_by_layer():
     assert all(b.attn.observer is None for b in model.blocks) and model.training  # left as found
 
 
-# --- diagnostics.png ----------------------------------------------------------------------------------------------
-
-
 def figure_rows() -> list[dict]:
     """An SA checkpoint and one with XSA on its last two layers, as `xsa-lm analyze` measures them."""
     torch.manual_seed(0)

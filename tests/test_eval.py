@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
+from tests.golden import assert_golden
 from tests.helpers import write_local_task
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
@@ -122,15 +122,6 @@ def test_the_difference_has_an_interval_paired_over_items():
     assert intervals["average"] == pytest.approx([centre - half, centre + half])
     same = [{"a": sa}, {"a": sa}]
     assert paired_intervals(rows[:2], same, ["a"]) == {"a": None, "average": None}  # no spread: no interval
-
-
-def assert_golden(name: str, text: str) -> None:
-    """`text` is tests/golden/<name>; XSA_LM_GOLDEN=update writes it again after a deliberate change."""
-    path = Path(__file__).parent / "golden" / name
-    if os.environ.get("XSA_LM_GOLDEN") == "update":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-    assert text == path.read_text()
 
 
 def test_eval_md():

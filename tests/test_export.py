@@ -39,8 +39,7 @@ VARIANTS = {
 
 
 def trained_looking(config: GPTConfig) -> GPT:
-    """A GPT far from its init, whose greedy tokens vary (at init, with tied embeddings, it repeats the prompt's last
-    token), with gates and biases that are not zero (a gate at 0 is SA: a wrong gate would go unnoticed)."""
+    """A GPT far from its init, whose greedy tokens vary, with gates and biases not zero (a gate at 0 is SA)."""
     torch.manual_seed(0)
     model = GPT(config)
     with torch.no_grad():
@@ -55,8 +54,7 @@ def trained_looking(config: GPTConfig) -> GPT:
 
 
 def write_run(run_dir: Path, data_dir: Path, model: GPT, sharded: bool = False) -> Path:
-    """A run directory as `xsa-lm train` leaves it: checkpoints/last.ckpt (a file, or trainer=fsdp's sharded
-    directory, Lightning's names) and run_info.json naming the prepared data, whose tokenizer.json is the run's."""
+    """A run as `xsa-lm train` leaves it: checkpoints/last.ckpt (or trainer=fsdp's directory), run_info.json."""
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     ckpt.parent.mkdir(parents=True)
     (run_dir / "run_info.json").write_text(json.dumps({"data_dir": str(data_dir)}))
@@ -154,19 +152,14 @@ def test_a_left_padded_batch_generates_as_each_prompt_alone(variant: str, runs):
         assert together[row, : len(alone)].tolist() == alone.tolist()
 
 
-def test_a_sharded_checkpoint_exports_to_the_same_weights(runs, data_dir: Path, tmp_path: Path):
+def test_the_export_holds_weights_config_tokenizer_and_code_also_of_a_sharded_checkpoint(runs, data_dir, tmp_path):
     model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
-    ckpt = write_run(tmp_path / "fsdp", data_dir, model, sharded=True)
-    exported = export(ckpt, tmp_path / "hf")
+    exported = export(write_run(tmp_path / "fsdp", data_dir, model, sharded=True), tmp_path / "hf")
     weights, expected = load_file(exported / "model.safetensors"), load_file(folder / "model.safetensors")
     assert weights.keys() == expected.keys() and "blocks.0.attn.gate" in weights and "sinks" in weights
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
-    assert json.loads((exported / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
-
-
-def test_the_export_holds_weights_config_tokenizer_and_code(runs):
-    model, _, folder = runs["xsa-gated-subset-gqa-sinks"]
     config = json.loads((folder / "config.json").read_text())
+    assert json.loads((exported / "config.json").read_text()) == config
     auto_map = {"AutoConfig": "configuration_xsa.XSAConfig", "AutoModelForCausalLM": "modeling_xsa.XSAForCausalLM"}
     assert config["auto_map"] == auto_map
     expected = asdict(model.config) | {"xsa_layers": [0, 2]}
@@ -207,7 +200,6 @@ def test_without_transformers_the_export_says_how_to_install_the_eval_extra(runs
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert Requirement(TRANSFORMERS_REQUIREMENT) in [Requirement(r) for r in project["optional-dependencies"]["eval"]]
     assert "transformers" not in [Requirement(r).name for r in project["dependencies"]]  # not in the core install
-    assert "xsa_lm.export" in (REPO / "pyproject.toml").read_text()  # the package ships (with its code templates)
     find_spec = importlib.util.find_spec  # as in an install without the extra `eval`
     without = lambda name, *a: None if name == "transformers" else find_spec(name)  # noqa: E731
     monkeypatch.setattr(importlib.util, "find_spec", without)

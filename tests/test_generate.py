@@ -17,20 +17,13 @@ VARIANTS = {
 }
 
 
-class Ids:
+def ids_tokenizer(vocab: int) -> SimpleNamespace:
     """A tokenizer of `vocab` tokens for `xsa-lm generate`'s sample(): a character's code modulo vocab; ids as text."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
-        return SimpleNamespace(ids=[ord(c) % self.vocab for c in text])
-
-    def decode(self, ids: list[int]) -> str:
-        return " " + " ".join(map(str, ids))
-
-    def get_vocab_size(self) -> int:
-        return self.vocab
+    return SimpleNamespace(
+        encode=lambda text, add_special_tokens=False: SimpleNamespace(ids=[ord(c) % vocab for c in text]),
+        decode=lambda ids: " " + " ".join(map(str, ids)),
+        get_vocab_size=lambda: vocab,
+    )
 
 
 def model_for(variant: str) -> GPT:
@@ -108,7 +101,7 @@ def test_xsa_lm_generate_draws_the_tokenizers_ids_and_sample_i_whatever_num_samp
     from xsa_lm.eval import sample as sampling
 
     monkeypatch.setattr(sampling, "load_model", lambda path, key: padded_model())
-    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: Ids(48))
+    monkeypatch.setattr(sampling, "load_tokenizer", lambda path, key: ids_tokenizer(48))
     options = dict(max_new_tokens=12, temperature=1.0, top_k=None, seed=3)
     four = sampling.sample("run.ckpt", "ab", num_samples=4, **options)
     assert sampling.sample("run.ckpt", "ab", num_samples=1, **options) == four[:1]

@@ -24,20 +24,16 @@ METRICS = ("cos_v_v", "a_ii", "cos_y_v", "cos_z_v", "norm_removed")
 
 def mean_pairwise_cosine(v: torch.Tensor) -> torch.Tensor:
     """Mean cos(v_i, v_j) over i < j for v of shape (..., T, D), in O(T): sum_{i<j} = (||S||^2 - sum ||u_i||^2) / 2."""
-    u = F.normalize(v.float(), dim=-1)
-    T = u.size(-2)
-    s = u.sum(dim=-2)
-    pair_sum = (s.pow(2).sum(-1) - u.pow(2).sum((-1, -2))) / 2
+    u, T = F.normalize(v.float(), dim=-1), v.size(-2)
+    pair_sum = (u.sum(dim=-2).pow(2).sum(-1) - u.pow(2).sum((-1, -2))) / 2
     return pair_sum / (T * (T - 1) / 2)
 
 
 def self_attention_weights(q: torch.Tensor, k: torch.Tensor, first: int, chunk: int = 256) -> torch.Tensor:
-    """a_ii = softmax_j(q_i . k_j / sqrt(D))_{j=i} under the causal mask, for query positions i >= first.
-    q, k: (B, H, L, D). Returns (B, H, L - first). Memory per step: one (chunk x L) block of scores per head."""
-    q, k = q.float(), k.float()
-    scale = 1.0 / math.sqrt(q.size(-1))
-    L = q.size(-2)
-    out = []
+    """a_ii = softmax_j(q_i . k_j / sqrt(D))_{j=i} under the causal mask, (B, H, L - first) for positions i >= first
+    of q, k (B, H, L, D); one (chunk x L) block of scores per head at a time."""
+    q, k, L = q.float(), k.float(), q.size(-2)
+    scale, out = 1.0 / math.sqrt(q.size(-1)), []
     for start in range(first, L, chunk):
         stop = min(start + chunk, L)
         scores = q[..., start:stop, :] @ k[..., :stop, :].transpose(-1, -2) * scale  # (B, H, C, stop)
@@ -48,41 +44,31 @@ def self_attention_weights(q: torch.Tensor, k: torch.Tensor, first: int, chunk: 
     return torch.cat(out, dim=-1)
 
 
-def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of cos(a_i, b_i), for (..., T, D) tensors; shape (...)."""
-    return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12).mean(-1)
-
-
 def layer_statistics(q, k, v, y, *, z, n_sinks: int = 0, chunk: int = 256) -> dict[str, torch.Tensor]:
     """Every metric of one layer as (B, H) tensors. k and v may have fewer (grouped) heads than q and y."""
     groups = q.size(1) // k.size(1)
     if groups > 1:  # diagnostics only: copying is fine here (training broadcasts instead)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    tokens = slice(n_sinks, None)
+    v, y, tokens = v.float(), y.float(), slice(n_sinks, None)
     stats = {
         "cos_v_v": mean_pairwise_cosine(v[..., tokens, :]),
         "a_ii": self_attention_weights(q, k, first=n_sinks + 1, chunk=chunk).mean(-1),
-        "cos_y_v": mean_cosine(y[..., tokens, :], v[..., tokens, :]),
+        "cos_y_v": F.cosine_similarity(y[..., tokens, :], v[..., tokens, :], dim=-1, eps=1e-12).mean(-1),
     }
-    if z is not None:
-        # From the second token on: the first one attends only to itself (y = v), so its z is ~0 and its direction
-        # (eps x v) meaningless.
-        after_first = slice(n_sinks + 1, None)
-        stats["cos_z_v"] = mean_cosine(z[..., after_first, :], v[..., after_first, :])
-        y_norm = y[..., after_first, :].float().norm(dim=-1)
-        stats["norm_removed"] = (1 - z[..., after_first, :].float().norm(dim=-1) / y_norm.clamp_min(1e-12)).mean(-1)
+    if z is not None:  # from the second token on: the first sees only itself (y = v), its z ~0 points nowhere
+        z, y, v = (t[..., n_sinks + 1 :, :].float() for t in (z, y, v))
+        stats["cos_z_v"] = F.cosine_similarity(z, v, dim=-1, eps=1e-12).mean(-1)
+        stats["norm_removed"] = (1 - z.norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).mean(-1)
     return stats
 
 
 @torch.no_grad()
 def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> list[dict]:
-    """Run the model on batches of token ids (B, T) and return one row per layer with every metric
-    (cos_z_v and norm_removed are None for SA layers)."""
+    """One row per layer with every metric over batches of token ids (B, T) (cos_z_v, norm_removed: None in SA)."""
     values: list[dict[str, list[torch.Tensor]]] = [{name: [] for name in METRICS} for _ in model.blocks]
 
     def observe(layer: int, q, k, v, y, z) -> None:
-        stats = layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk)
-        for name, value in stats.items():
+        for name, value in layer_statistics(q, k, v, y, z=z, n_sinks=model.config.n_sinks, chunk=chunk).items():
             values[layer][name].append(value.flatten().double())
 
     attentions = [cast(CausalSelfAttention, block.attn) for block in model.blocks]  # nn.ModuleList is untyped

@@ -1,6 +1,5 @@
-"""The held-out loss on token windows: nats per token, bits per byte, and the loss per equal span of positions.
-Validation (train/module.py) and `xsa-lm analyze` both add up `loss_sums` and read them with `read_sums`, so analyze
-on a run's validation windows gives the run's own final val/loss."""
+"""The held-out loss on token windows: nats per token, bits per byte, the loss per equal span of positions. Validation
+(train/module.py) and `xsa-lm analyze` share loss_sums and read_sums: analyze gives a run's own final val/loss."""
 
 import math
 from dataclasses import dataclass
@@ -21,15 +20,12 @@ class HeldOutLoss:
 
 
 def loss_sums(logits: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tensor, buckets: int) -> torch.Tensor:
-    """One batch's float64 sums: [nats, tokens, their bytes, nats per span..., tokens per span...]; targets of -1
-    count nowhere; token_bytes[id]: the bytes a token stands for (empty: no bits per byte)."""
+    """One batch's float64 sums [nats, tokens, bytes, nats per span..., tokens per span...] (targets of -1 count
+    nowhere); token_bytes[id]: the bytes a token stands for (empty: no bits per byte)."""
     counted = y != -1
-    # Per token, one window at a time: an fp32 copy of one window's logits, not the batch's (at GPT-2's vocabulary
-    # and 2048 positions a batch of 16 would add 6.6 GB).
+    # Per token (0 where ignored), a window at a time: one window's fp32 logits, not a batch's (GPT-2 16x2048: 6.6 GB)
     rows = zip(logits, y, strict=True)
-    token_loss = torch.stack(
-        [F.cross_entropy(row.float(), target, ignore_index=-1, reduction="none") for row, target in rows]
-    )  # 0 where ignored
+    token_loss = torch.stack([F.cross_entropy(r.float(), t, ignore_index=-1, reduction="none") for r, t in rows])
     span = torch.arange(y.size(1), device=y.device) * buckets // y.size(1)
     zeros = torch.zeros(buckets, device=y.device, dtype=torch.float64)
     span_loss = zeros.index_add(0, span, token_loss.double().sum(0))

@@ -1,7 +1,6 @@
-"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics of trained checkpoints and their
-held-out loss, on the first `sequences` validation windows of each one's run: DIR/diagnostics.csv and .png (one line
-per checkpoint, so SA and XSA overlay), DIR/losses.csv and positions.png (loss per equal span of window positions),
-and the tables printed, with each checkpoint's difference from the first."""
+"""`xsa-lm analyze ckpts=[A,B,...] hydra.run.dir=DIR`: the Figure 1 diagnostics and held-out loss of checkpoints on
+the first `sequences` validation windows of each one's run: DIR/diagnostics.csv and .png (a line per checkpoint),
+DIR/losses.csv and positions.png (loss per equal span of window positions), the tables printed with the differences."""
 
 import os
 import re
@@ -25,6 +24,7 @@ from xsa_lm.data.prepare import PreparedData
 from xsa_lm.data.tokenizer import token_byte_lengths
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
+from xsa_lm.reporting import saved_figure
 
 
 class AnalyzeOptions(Spec):
@@ -40,11 +40,8 @@ class AnalyzeOptions(Spec):
         labels = self.labels or []
         if self.labels is not None and len(labels) != len(self.ckpts):
             raise ValueError(f"labels: {len(labels)} labels for {len(self.ckpts)} checkpoints")
-        repeated = sorted({label for label in labels if labels.count(label) > 1})
-        if repeated:
-            raise ValueError(
-                f"labels: {', '.join(map(repr, repeated))} labels more than one checkpoint: give each its own"
-            )
+        if repeated := sorted({repr(label) for label in labels if labels.count(label) > 1}):
+            raise ValueError(f"labels: {', '.join(repeated)} labels more than one checkpoint: give each its own")
         return self
 
 
@@ -56,15 +53,13 @@ PANELS = (
     ("cos_z_v", "after the XSA step (XSA layers)", "mean cos(z_i, v_i)"),
     ("norm_removed", "norm removed by XSA (XSA layers)", "mean 1 - ||z_i|| / ||y_i||"),
 )
-# The narrowest y range of a panel, so that noise is not magnified into a trend: cos(z, v) is ~1e-7 by construction
-# in XSA and should read as 0; the others only guard against rounding.
+# The narrowest y range of a panel, so that noise is no trend: XSA's cos(z, v) ~1e-7 reads as 0; else rounding.
 MIN_SPAN = {"cos_z_v": 0.1}
 
 
 def validation_set(path: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, PreparedData]:
     """Inputs and targets (n, T) of the first n validation windows of the checkpoint's run, and its data."""
-    block_size = run_config(path)["data"]["block_size"]
-    data = run_data(path)
+    block_size, data = run_config(path)["data"]["block_size"], run_data(path)
     windows = PackedWindows(data.shards("val"), block_size)
     if n > len(windows):
         print(f"sequences={n}, but {path}'s validation split holds {len(windows)} windows: measuring all of them")
@@ -88,9 +83,7 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = [Path(ckpt).expanduser() for ckpt in options.ckpts]
     buckets, batch_size = options.position_buckets, options.batch_size
-    attentions: list[str] = []
-    rows: list[list[dict]] = []  # per checkpoint, per layer
-    losses: list[dict] = []
+    diagnostics, losses, attentions = [], [], []
     for path in paths:
         model = load_model(path).to(device)
         x, y, data = validation_set(path, options.sequences)
@@ -98,7 +91,7 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
             raise UserError(f"position_buckets={buckets} is above the {x.shape[1]} positions of {path}'s windows")
         x, y = x.to(device), y.to(device)
         which = {"checkpoint": os.path.abspath(path)}  # readable from anywhere
-        rows.append([which | row for row in diagnose(model, x.split(batch_size), options.chunk)])
+        diagnostics += [which | row for row in diagnose(model, x.split(batch_size), options.chunk)]
         token_bytes = token_byte_lengths(data.tokenizer, model.config.vocab_size)
         loss = held_out_loss(model, x, y, token_bytes=token_bytes, buckets=buckets, batch_size=batch_size)
         spans = {f"span_{i}": value for i, value in enumerate(loss.by_position, start=1)}
@@ -106,74 +99,63 @@ def analyze(options: AnalyzeOptions) -> tuple[list[dict], list[dict]]:
         measured_on = {"data": data.dir.name, "windows": loss.windows, "block_size": x.shape[1]}
         losses.append(which | measured_on | {"loss": loss.loss, "bpb": loss.bpb} | spans)
         attentions.append(model.config.attention)
-    for label, layers, loss_row in zip(options.labels or default_labels(paths, attentions), rows, losses, strict=True):
-        for row in [*layers, loss_row]:
-            row["label"] = label
-    return [row for layers in rows for row in layers], losses
+    labels = options.labels or default_labels(paths, attentions)
+    label = {os.path.abspath(path): name for path, name in zip(paths, labels, strict=True)}
+    diagnostics, losses = ([{"label": label[str(r["checkpoint"])]} | r for r in rows] for rows in (diagnostics, losses))
+    return diagnostics, losses
 
 
 def figure(rows: list[dict], reference: list[dict] | None = None) -> Figure:
     """PANELS per layer, a line per checkpoint label; `reference` (the paper's values) against relative depth, so
     that models of other depths share the axis. A Figure, not pyplot's: it needs no display."""
     fig = Figure(figsize=(14, 7.5))
-    grid = fig.subplots(2, 3)
-    axes, legend_ax = grid.flat[: len(PANELS)], grid.flat[len(PANELS)]
-    relative = reference is not None
+    *axes, legend_ax = fig.subplots(2, 3).flat
     table = pd.DataFrame(rows).astype({"layer": float})
-    if relative:  # layer / last layer
+    paper = pd.DataFrame(reference or [], columns=["layer", *METRICS[:3]]).astype(float)
+    if reference:  # layer / last layer
         table["layer"] /= table.groupby("label")["layer"].transform("max").clip(lower=1)
-    paper = pd.DataFrame(reference) if reference else pd.DataFrame(columns=["layer"])
-    paper["layer"] = paper["layer"].astype(float) / max(len(paper) - 1, 1)
-    colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(table["label"]))}
+        paper["layer"] /= max(len(paper) - 1, 1)
+    last = 1 if reference else table["layer"].max()
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=True):
-        for label, mine in table.groupby("label", sort=False):  # SA layers have no z (None, or "" in a CSV)
+        for i, (label, mine) in enumerate(table.groupby("label", sort=False)):  # SA has no z (None, or "" in a CSV)
             points = mine.assign(y=pd.to_numeric(mine.get(metric), errors="coerce")).dropna(subset="y")
             if len(points):
-                ax.plot(points["layer"], points["y"], marker="o", markersize=3, color=colors[label], label=label)
-        if metric in paper:
+                ax.plot(points["layer"], points["y"], marker="o", markersize=3, color=f"C{i % 10}", label=label)
+        if metric in paper and len(paper):
             ax.plot(paper["layer"], paper[metric], "k--", marker="s", markersize=3, label="paper Fig. 1 (24-layer SA)")
-        ax.set(title=title, ylabel=ylabel, xlabel="relative depth (layer / last layer)" if relative else "layer")
+        ax.set(title=title, ylabel=ylabel, xlabel="relative depth (layer / last layer)" if reference else "layer")
         if not ax.lines:  # SA checkpoints only: no z to measure
-            message = "no XSA layers among these checkpoints"
-            ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
+            note = "no XSA layers among these checkpoints"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
             ax.set(xticks=[], yticks=[])
             continue
         low, high = ax.get_ylim()
-        span = MIN_SPAN.get(metric, 1e-3)
-        if high - low < span:
-            ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
-        last, margin = (1, 0.05) if relative else (table["layer"].max(), 0.05 * table["layer"].max() or 0.5)
+        half = max(high - low, MIN_SPAN.get(metric, 1e-3)) / 2
+        ax.set_ylim((low + high) / 2 - half, (low + high) / 2 + half)
+        margin = 0.05 * last or 0.5
         ax.set_xlim(-margin, last + margin)  # every panel spans every layer: the XSA-only ones line up with the rest
-        if not relative:
+        if not reference:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers: no 0.5 ticks
         ax.grid(alpha=0.3)
-    handles: dict = {}  # one entry per line label, across panels (the paper's line is not in every one)
-    for line in [line for ax in axes for line in ax.lines]:
-        handles.setdefault(line.get_label(), line)
+    handles = {line.get_label(): line for ax in axes for line in ax.lines}  # a line label once, across panels
     legend_ax.axis("off")
     legend_ax.legend(list(handles.values()), list(handles), loc="center", title="checkpoint")
     fig.tight_layout()
     return fig
 
 
-def plot(rows: list[dict], path: Path, reference: list[dict] | None = None) -> None:
-    figure(rows, reference).savefig(path, dpi=120)
-
-
-def positions_figure(losses: list[dict]) -> Figure:
+def positions_figure(losses: list[dict], path: Path) -> None:
     """The loss per equal span of window positions, a line per checkpoint: how it falls with the context."""
     spans = span_columns(losses)
     curves = pd.DataFrame(losses, columns=["label", *spans]).set_index("label").T.astype(float)
     curves.index = range(1, len(spans) + 1)
-    fig = Figure(figsize=(7, 4.5))
-    ax = curves.plot(ax=fig.subplots(), marker="o", markersize=3, title="validation loss per span of window positions")
-    ax.set_xlabel(f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)")
-    ax.set_ylabel("mean loss (nats per token)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    ax.legend(title="checkpoint")
-    fig.tight_layout()
-    return fig
+    with saved_figure(path, figsize=(7, 4.5)) as ax:
+        curves.plot(ax=ax, marker="o", markersize=3, title="validation loss per span of window positions")
+        xlabel = f"span of positions (1 to {len(spans)}: equal spans of the window, earliest first)"
+        ax.set(xlabel=xlabel, ylabel="mean loss (nats per token)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(title="checkpoint")
 
 
 def span_columns(losses: list[dict]) -> list[str]:
@@ -192,14 +174,13 @@ def render(diagnostics: list[dict], losses: list[dict]) -> str:
     lines.append(markdown(losses, ["label", "windows", "loss", "bpb", *spans]))
     tokens = [f"{r['windows']} windows of {r['block_size']} tokens of {r['data']}" for r in losses]
     for r, measured_on in zip(losses[1:], tokens[1:], strict=True):
-        first = losses[0]
-        if measured_on != tokens[0]:  # a difference of other tokens means nothing
-            lines.append(
-                f"{r['label']} - {first['label']}: not compared (measured on {measured_on}, against {tokens[0]})"
-            )
-            continue
+        first, pair = losses[0], f"{r['label']} - {losses[0]['label']}"
         per_span = " ".join("-" if None in (r[s], first[s]) else f"{r[s] - first[s]:+.4f}" for s in spans)
-        lines.append(f"{r['label']} - {first['label']} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})")
+        lines.append(
+            f"{pair} per span: {per_span} (loss {r['loss'] - first['loss']:+.4f})"
+            if measured_on == tokens[0]  # a difference of other tokens means nothing
+            else f"{pair}: not compared (measured on {measured_on}, against {tokens[0]})"
+        )
     return "\n".join(lines)
 
 
@@ -209,10 +190,9 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     diagnostics, losses = analyze(parse(AnalyzeOptions, cfg))
     out.mkdir(parents=True, exist_ok=True)
-    plot(diagnostics, out / "diagnostics.png")
-    positions_figure(losses).savefig(out / "positions.png", dpi=120)
-    # diagnostics.csv last: it marks the folder as a finished analyze's (a rerun refuses to overwrite it), so that one
-    # interrupted before it can be run again
+    figure(diagnostics).savefig(out / "diagnostics.png", dpi=120)
+    positions_figure(losses, out / "positions.png")
+    # diagnostics.csv last: it marks a finished analyze (a rerun refuses its folder), so one cut short can run again
     for rows, columns, name in (
         (losses, ["checkpoint", "label", "data", "windows", "loss", "bpb", *span_columns(losses)], "losses.csv"),
         (diagnostics, ["checkpoint", "label", "layer", "attention", *METRICS], "diagnostics.csv"),

@@ -1,10 +1,10 @@
-"""Checkpoints of `xsa-lm train` runs as plain models, with the run's tokenizer and data, for the commands that read
-a trained run (analyze, eval, generate, export)."""
+"""Checkpoints of `xsa-lm train` as models, with their run's tokenizer and data, for analyze, eval, generate, export."""
 
 import json
 import pickle
 import zipfile
 from collections import Counter
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,12 +22,6 @@ from xsa_lm.data.tokenizer import file_sha256, read_tokenizer
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 
-# Lightning saves the data module's state (xsa_lm.data.datamodule.TokenDataModule.state_dict) under its class name;
-# with the sampler position it holds the sha256 of the run's tokenizer (not imported: Lightning takes seconds).
-DATA_STATE, TOKENIZER_SHA256 = "TokenDataModule", "tokenizer_sha256"
-# The data settings that name files (the source's own copies too, as config.yaml saves them resolved).
-DATA_PATH_KEYS = ("dir", "cache_dir", "files", "data_files")
-
 
 def _texts(value: object) -> object:
     return value if value is None else [str(v) for v in (value if isinstance(value, list | tuple) else [value])]
@@ -43,8 +37,8 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
             raise UserError(f"{key}: {path} is an incomplete sharded checkpoint (a shard is missing or truncated)")
         return
     if path.is_dir():
-        inside = [p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.exists()]
-        example = inside[0] if inside else "runs/sa/checkpoints/last.ckpt"
+        inside = (p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.exists())
+        example = next(inside, "runs/sa/checkpoints/last.ckpt")
         raise UserError(f"{key}: {path} is a directory, not a checkpoint: give a .ckpt file, e.g. {example}")
     if path.exists() and not path.is_file():
         raise UserError(f"{key}: {path} is not a regular file (a device, pipe or socket), not a checkpoint")
@@ -52,8 +46,7 @@ def check_checkpoint_file(path: Path, key: str = "ckpts") -> None:
         raise UserError(f"{key}: checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise UserError(f"{key}: {path} is empty, not a checkpoint")
-    # torch.save writes zip archives; torch.load falls back on anything else to the legacy pickle reader, which
-    # fails with arbitrary errors (IndexError on a YAML file).
+    # torch.save writes zip archives; torch.load reads anything else as a legacy pickle, failing in arbitrary ways
     if not zipfile.is_zipfile(path):
         raise UserError(
             f"{key}: {path} is not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated): "
@@ -91,37 +84,16 @@ def run_dir_of(path: Path) -> Path:
 
 
 def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
-    """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`; every field counts, not
-    only weight shapes: a resumed run must stay the model it started as."""
+    """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`: resuming keeps the model."""
 
     def normalised(config: dict) -> dict[str, str]:  # as GPTConfig holds it (defaults, xsa_layers sorted), as text
-        try:
+        with suppress(TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
             config = asdict(GPTConfig(**config))
-        except (TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
-            pass
         return {k: str(list(v)) if isinstance(v, tuple) else str(v) for k, v in config.items()}
 
     saved, expected = normalised(saved), normalised(expected)
-    keys = dict.fromkeys([*expected, *saved])
-    return [
-        f"{k}: {saved.get(k, '(absent)')} -> {expected.get(k, '(absent)')}"
-        for k in keys
-        if saved.get(k) != expected.get(k)
-    ]
-
-
-def load_weights(model: GPT, checkpoint: dict, source: str) -> None:
-    """checkpoint["state_dict"] into `model`; another architecture refused naming its differing fields."""
-    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
-    state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in checkpoint["state_dict"].items()}
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # missing, unexpected or differently shaped tensors
-        saved = checkpoint.get("model_config")
-        differences = model_config_mismatch(saved, asdict(model.config)) if isinstance(saved, dict) else []
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # a heading, then one line per key
-        detail = ", ".join(differences) or lines[min(1, len(lines) - 1)][:200]
-        raise UserError(f"{source} is of another model: {detail}") from None
+    differing = [k for k in dict.fromkeys([*expected, *saved]) if saved.get(k) != expected.get(k)]
+    return [f"{k}: {saved.get(k, '(absent)')} -> {expected.get(k, '(absent)')}" for k in differing]
 
 
 def load_model(path: Path, key: str = "ckpts") -> GPT:
@@ -134,11 +106,17 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
         raise UserError(f"{key}: {path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(checkpoint, dict):  # e.g. a bare tensor saved with torch.save
         raise UserError(f"{key}: {path} holds a {type(checkpoint).__name__}, not a checkpoint of `xsa-lm train`")
-    stored = checkpoint.get("model_config")
-    if not isinstance(stored, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+    stored, weights = checkpoint.get("model_config"), checkpoint.get("state_dict")
+    if not isinstance(stored, dict) or not isinstance(weights, dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
     model = GPT(GPTConfig(**stored))
-    load_weights(model, checkpoint, f"{key}: checkpoint {path}")
+    # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
+    state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in weights.items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # missing, unexpected or differently shaped tensors: a heading, then a line per key
+        first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2] or [str(e)]
+        raise UserError(f"{key}: {path} holds weights of another model than its config: {first[0][:200]}") from None
     return model
 
 
@@ -154,8 +132,7 @@ def load_tokenizer(path: Path, key: str = "ckpts") -> Tokenizer:
 
 
 def run_data(path: Path, key: str = "ckpts") -> PreparedData:
-    """The run's prepared data: its folder if still there, else prepared again from config.yaml; refused when its
-    tokenizer is not the checkpoint's."""
+    """The run's prepared data: its folder, else prepared again from config.yaml; refused with another tokenizer."""
     data_dir = _run_data_dir(path, key)
     rebuilt = ""
     if data_dir and (data_dir / "meta.json").is_file():
@@ -164,10 +141,8 @@ def run_data(path: Path, key: str = "ckpts") -> PreparedData:
         from xsa_lm.data.run import prepare_data
 
         saved = run_config(path, key)
-        settings = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
-        data = prepare_data(
-            parse(DataSpec, settings[0], at="data."), parse(TokenizerSpec, settings[1], at="tokenizer.")
-        )
+        given = settings_as_started(saved["data"], saved["tokenizer"], run_dir_of(path), key)
+        data = prepare_data(parse(DataSpec, given[0], at="data."), parse(TokenizerSpec, given[1], at="tokenizer."))
         gone = f": the run's data folder {data_dir} is gone" if data_dir else ""
         rebuilt = f" (prepared again from {run_dir_of(path) / 'config.yaml'}{gone})"
     check_tokenizer(path, data.tokenizer, data.tokenizer_sha256, data.dir / "tokenizer.json", key, rebuilt=rebuilt)
@@ -205,32 +180,27 @@ def _run_data_dir(path: Path, key: str) -> Path | None:
 def settings_as_started(
     data: dict[str, Any], tokenizer: dict[str, Any], run_dir: Path, key: str = "resume"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The run's data and tokenizer settings with their relative paths taken from the run's cwd (run_info.json), so
-    that they name the files they named then."""
-    cwd = _run_info(run_dir, key).get("cwd")
-    root = Path(cwd or ".")
+    """The run's data and tokenizer settings, their relative paths from the run's cwd (run_info.json) as back then."""
+    cwd = str(_run_info(run_dir, key).get("cwd") or "")
 
-    def rebased(value: Any) -> Any:  # a path, or the paths in a list or a {split: paths} mapping
-        if isinstance(value, str):
-            return value if not value or Path(value).expanduser().is_absolute() else str(root / value)
+    def rebased(value: Any, keys: tuple[str, ...], is_path: bool = False) -> Any:  # a data.source's own keys too
+        if isinstance(value, dict):
+            return {k: rebased(v, keys, is_path or k in keys) for k, v in value.items()}
         if isinstance(value, list):
-            return [rebased(v) for v in value]
-        return {k: rebased(v) for k, v in value.items()} if isinstance(value, dict) else value
+            return [rebased(v, keys, is_path) for v in value]
+        relative = is_path and isinstance(value, str) and value != "" and not Path(value).expanduser().is_absolute()
+        return str(Path(cwd) / value) if relative else value
 
-    def settings(node: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-        return {
-            k: settings(v, keys) if k == "source" and isinstance(v, dict) else rebased(v) if k in keys else v
-            for k, v in node.items()
-        }
-
-    return (settings(data, DATA_PATH_KEYS), settings(tokenizer, ("path",))) if cwd else (data, tokenizer)
+    paths = ("dir", "cache_dir", "files", "data_files")  # the data settings that name files
+    return (rebased(data, paths), rebased(tokenizer, ("path",))) if cwd else (data, tokenizer)
 
 
 def check_tokenizer(path: Path, tokenizer: Tokenizer, sha256: str, where: Path, key: str, rebuilt: str = "") -> None:
     """Refuse a tokenizer (from `where`; `rebuilt`: how made again) other than the one the checkpoint records."""
     meta = path / META if is_sharded(path) else path  # read memory-mapped: a large file is not read
-    state = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get(DATA_STATE) or {}
-    recorded = state.get(TOKENIZER_SHA256)
+    # Lightning saves the data module's state under its class name (TokenDataModule: not imported, it takes seconds)
+    state = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("TokenDataModule") or {}
+    recorded = state.get("tokenizer_sha256")
     if recorded is not None and recorded != sha256:
         raise UserError(
             f"{key}: {path} was trained with another tokenizer (sha256 {recorded[:12]}) than {where} "

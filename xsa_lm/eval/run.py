@@ -17,11 +17,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tokenizers import Tokenizer
 
+from xsa_lm import reporting
 from xsa_lm.checkpoints.load import Texts, checkpoint_list, load_model, load_tokenizer, run_dir_of, told_apart
 from xsa_lm.config.spec import Count, Spec, parse, rule
 from xsa_lm.data.tokenizer import eot_id, hub_unreachable
 from xsa_lm.errors import UserError, one_line_errors, yaml_problem
-from xsa_lm.export.run import require
+from xsa_lm.export.run import hf_model, hf_tokenizer, require
 from xsa_lm.files import write_json, write_text
 from xsa_lm.model import GPT
 from xsa_lm.records import Record
@@ -32,11 +33,9 @@ if TYPE_CHECKING:  # lm-eval is an extra: imported only when evaluating
     from lm_eval.tasks import TaskManager
 
 # The paper's Table 2: accuracy for BoolQ, LAMBADA, SocialIQA, WinoGrande; length-normalised accuracy for the rest.
-PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm") | dict.fromkeys(
-    ("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc"
-)
-# The extra `eval` of pyproject.toml (tests/test_packaging.py checks that the two agree).
-HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"
+PAPER_TASKS = dict.fromkeys(("arc_easy", "hellaswag", "openbookqa", "piqa"), "acc_norm")
+PAPER_TASKS |= dict.fromkeys(("boolq", "lambada_openai", "social_iqa", "winogrande"), "acc")
+HARNESS_REQUIREMENT = "lm-eval>=0.4.9,<0.5"  # the extra `eval` of pyproject.toml (test_packaging compares)
 
 
 def _limit(value: object) -> str | None:
@@ -46,8 +45,6 @@ def _limit(value: object) -> str | None:
 
 
 class EvalOptions(Spec):
-    """configs/eval.yaml."""
-
     ckpts: Texts
     tasks: str | list[str] | None
     limit: Annotated[int | float | None, rule(_limit)]
@@ -65,9 +62,7 @@ class Score(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Row(Record):
-    """One checkpoint's scores."""
-
+class Row(Record):  # one checkpoint's scores
     checkpoint: str
     attention: str
     run: str
@@ -76,9 +71,7 @@ class Row(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalResult(Record):
-    """eval.json: each checkpoint's scores, and XSA's minus SA's when both are there."""
-
+class EvalResult(Record):  # eval.json: each checkpoint's scores, and XSA's minus SA's when both are there
     tasks: list[str]
     limit: int | float | None
     rows: list[Row]
@@ -92,38 +85,26 @@ def require_harness(needed_by: str = "xsa-lm eval") -> None:
     require("lm_eval", "lm-evaluation-harness", HARNESS_REQUIREMENT, needed_by)
 
 
-class TaskLoader(yaml.SafeLoader):
-    """YAML as lm-eval's task files write it: its tags (`!function utils.process_docs`) are read as plain values."""
-
-
-TaskLoader.add_multi_constructor("!", lambda loader, tag, node: None)
-
-
 def resolve_tasks(tasks: str | list[str] | None) -> tuple[list[str], list[str]]:
     """Task names and the folders of local task YAML files: `paper`, harness task names, or paths to YAML files."""
-    if not task_entries(tasks):  # tasks=[], tasks=, tasks=null
+    entries = task_entries(tasks)
+    if not entries:  # tasks=[], tasks=, tasks=null
         raise UserError("tasks: give at least one task, e.g. tasks=paper")
     names: dict[str, str] = {}  # name -> the entry that gave it
-    folders: set[str] = set()
-    for entry, path in task_entries(tasks):
-        name = entry
-        if path is not None:
-            if not path.is_file():
-                raise UserError(f"tasks: task file not found: {path}")
-            try:
-                config = yaml.load(path.read_text(), Loader=TaskLoader) or {}  # a SafeLoader
-            except yaml.YAMLError as e:
-                raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
-            if not isinstance(config, dict):
-                raise UserError(f"tasks: {path} is not a task file (a YAML mapping with `task:`)")
-            if "task" not in config:
-                raise UserError(f"tasks: {path} has no `task:` name")
-            name = str(config["task"])
-            folders.add(str(path.resolve().parent))
+    for entry, path in entries:
+        if path is not None and not path.is_file():
+            raise UserError(f"tasks: task file not found: {path}")
+        try:  # BaseLoader: plain values only, lm-eval's own tags (`!function utils.process_docs`) too
+            config = {"task": entry} if path is None else yaml.load(path.read_text(), Loader=yaml.BaseLoader)
+        except yaml.YAMLError as e:
+            raise UserError(f"tasks: {path} is not valid YAML{yaml_problem(e)}") from None
+        if not isinstance(config, dict) or "task" not in config:
+            raise UserError(f"tasks: {path} is not a task file (a YAML mapping with a `task:` name)")
+        name = str(config["task"])
         if name in names:  # one score per name: the second would replace the first, or count twice in the average
             raise UserError(f"tasks: {entry} is the task {name!r}, as {names[name]} is: give each task once")
         names[name] = entry
-    return list(names), sorted(folders)
+    return list(names), sorted({str(path.resolve().parent) for _, path in entries if path is not None})
 
 
 def task_entries(tasks: str | list[str] | None) -> list[tuple[str, Path | None]]:
@@ -144,8 +125,7 @@ def task_manager(names: list[str], folders: list[str]) -> "TaskManager":
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=folders or None)
-    unknown = [name for name in names if name not in manager.all_tasks]
-    if unknown:
+    if unknown := [name for name in names if name not in manager.all_tasks]:
         raise UserError(f"tasks: unknown task(s) {unknown}: use lm-eval task names, `paper`, or task YAML files")
     return manager
 
@@ -179,8 +159,7 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
 
 def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
-    # Before datasets and huggingface_hub are imported (they read these once): without network, do not let the
-    # hub client retry for minutes.
+    # Offline before datasets and huggingface_hub read these (once): else the hub client retries for minutes
     if hub_unreachable() is not None:
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
@@ -193,8 +172,7 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
         path = Path(ckpt).expanduser()
         model = load_model(path)
         lm = harness_lm(model, load_tokenizer(path), batch_size)
-        # The harness records the git commit of the working directory by running git, which prints "fatal: not a
-        # git repository" outside one; run_info.json of the checkpoint's run records the code's commit.
+        # The harness runs git for the cwd's commit ("fatal: not a git repository" outside one); run_info.json has it
         with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
             out = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=True
@@ -207,9 +185,8 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
             scores[task] = Score(metric=metric, value=value, n=len(values[task]), stderr=stderr)
         items.append(values)
         run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
-        rows.append(
-            Row(checkpoint=str(path), attention=model.config.attention, run=run, scores=scores, average=average)
-        )
+        attention = model.config.attention
+        rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
     diff, files = xsa_minus_sa(rows, names), task_file_digests(tasks)
     ci = paired_intervals(rows, items, names) if diff is not None else None
     return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
@@ -219,8 +196,6 @@ def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
     """The model `xsa-lm export` writes, with its tokenizer, in lm-eval's `hf` backend (on the GPU if there is one)."""
     import torch
     from lm_eval.models.huggingface import HFLM
-
-    from xsa_lm.export.run import hf_model, hf_tokenizer
 
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where its weights are made
         hf = hf_model(model, eot_id(tokenizer), tokenizer.get_vocab_size())
@@ -237,21 +212,18 @@ def paired_intervals(
     rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
 ) -> dict[str, list[float] | None]:
     """95% interval of XSA - SA per task, paired over the items both arms scored, and of the average (the tasks'
-    variances added: their items are independent). The items' noise only: seeds vary beyond it."""
+    half-widths added in quadrature, over T: their items are independent). The items' noise only, not the seeds'."""
     xsa, sa = arms(rows)
     intervals: dict[str, list[float] | None] = {}
-    spreads = []
     for task in tasks:
         shared = sorted(set.intersection(*(set(items[i][task]) for i in xsa + sa)))
         diffs = [fmean(items[i][task][d] for i in xsa) - fmean(items[i][task][d] for i in sa) for d in shared]
-        ci = paired_t(diffs).ci
-        intervals[task] = list(ci) if ci is not None else None
-        if ci is not None:
-            spreads.append((fmean(diffs), (ci[1] - ci[0]) / 2))
+        intervals[task] = None if (ci := paired_t(diffs).ci) is None else list(ci)
     intervals["average"] = None
-    if len(spreads) == len(tasks):  # the tasks' half-widths added in quadrature, over T: the average's
-        mean, half = fmean(m for m, _ in spreads), math.sqrt(sum(h**2 for _, h in spreads)) / len(tasks)
-        intervals["average"] = [mean - half, mean + half]
+    known = [interval for task in tasks if (interval := intervals[task]) is not None]
+    if len(known) == len(tasks):  # a t interval's centre is its mean difference
+        mean, half = fmean((hi + lo) / 2 for lo, hi in known), math.hypot(*((hi - lo) / 2 for lo, hi in known))
+        intervals["average"] = [mean - half / len(tasks), mean + half / len(tasks)]
     return intervals
 
 
@@ -264,49 +236,21 @@ def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
     return diff | {"average": fmean(r.average for r in xsa) - fmean(r.average for r in sa)}
 
 
-def shared_runs(rows: list[Row], labels: list[str]) -> list[str]:
-    """A warning per run with several checkpoints in one arm's mean: they are not independent runs (seeds)."""
-    by_run: dict[tuple[str, Path], list[str]] = {}
+def render(result: EvalResult) -> str:
+    """eval.md (xsa_lm/templates/eval.md.j2)."""
+    rows, arm = result.rows, [row.attention.upper() for row in result.rows]
+    paths, by_path = [Path(r.checkpoint) for r in rows], [f"{a} {r.checkpoint}" for a, r in zip(arm, rows, strict=True)]
+    labels = told_apart([f"{a} {r.run}" for a, r in zip(arm, rows, strict=True)], paths, by_path)
+    by_run: dict[tuple[str, Path], list[str]] = {}  # several checkpoints of one run in a mean are not seeds
     for row, label in zip(rows, labels, strict=True):
         by_run.setdefault((row.attention, run_dir_of(Path(row.checkpoint)).resolve()), []).append(label)
-    notes = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
-    return [notes.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
+    note = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
+    notes = [note.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
+    counts = [len(indices) for indices in arms(rows)]
+    return reporting.render("eval.md.j2", r=result, labels=labels, counts=counts, notes=notes).removesuffix("\n")
 
 
-def render(result: EvalResult) -> str:
-    """eval.md: a row per checkpoint, each score with its standard error; XSA - SA with its interval."""
-    tasks, rows = result.tasks, result.rows
-    head = " | ".join(f"{t} ({rows[0].scores[t].metric}, n={rows[0].scores[t].n})" for t in tasks) if rows else ""
-    lines = [f"| checkpoint | {head} | average |", "|---|" + "---:|" * (len(tasks) + 1)]
-    paths = [Path(row.checkpoint) for row in rows]
-    labels = [f"{row.attention.upper()} {row.run}" for row in rows]
-    labels = told_apart(labels, paths, [f"{row.attention.upper()} {row.checkpoint}" for row in rows])
-    for row, label in zip(rows, labels, strict=True):
-        cells = [
-            f"{100 * s.value:.2f}" + (f" ± {100 * s.stderr:.2f}" if s.stderr is not None else "")
-            for s in (row.scores[t] for t in tasks)
-        ]
-        lines.append(f"| {label} | {' | '.join(cells)} | {100 * row.average:.2f} |")
-    if result.xsa_minus_sa is not None:
-        diff, ci = result.xsa_minus_sa, result.xsa_minus_sa_ci95 or {}
-        counts = [len(arm) for arm in arms(rows)]
-        label = "XSA - SA" if counts == [1, 1] else f"XSA - SA (means of {counts[0]} and {counts[1]} checkpoints)"
-        intervals = [ci.get(t) for t in [*tasks, "average"]]
-        shown = ["-" if c is None else f"[{100 * c[0]:+.2f}, {100 * c[1]:+.2f}]" for c in intervals]
-        lines += [
-            f"| {label} | " + " | ".join(f"{100 * diff[t]:+.2f}" for t in [*tasks, "average"]) + " |",
-            f"| 95% CI, paired over items | {' | '.join(shown)} |",
-            "\n(± is each score's standard error over its n items; the interval pairs XSA's and SA's answers to "
-            "each item: it holds the items' noise, not the seeds', which only more seeds measure)",
-        ]
-        lines += [f"\n(warning: {note})" for note in shared_runs(rows, labels)]
-    if result.limit:
-        share = f"{result.limit:.0%} of the examples" if result.limit < 1 else f"the first {result.limit} examples"
-        lines.append(f"\n(limit={result.limit}: {share} of each task: a smoke test, not a measurement)")
-    return "\n".join(lines)
-
-
-def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
+def log_to_wandb(result: EvalResult, mode: str) -> None:
     """Each checkpoint's scores into its own W&B run (wandb_run_id.txt), or a new `eval` run: the final model
     (last.ckpt) on whole tasks under eval/, another checkpoint or a limit under its own prefix."""
     from xsa_lm.tracking import wandb_init
@@ -317,14 +261,12 @@ def log_to_wandb(result: EvalResult, wandb_mode: str) -> None:
         wandb_cfg = OmegaConf.select(OmegaConf.load(saved), "logger.wandb") if saved.exists() else None
         project, group = (wandb_cfg.project, wandb_cfg.group) if wandb_cfg else ("xsa-lm", None)
         run_id = id_file.read_text().strip() if id_file.exists() else None
-        config, name = {"eval_tasks": result.tasks}, f"eval-{row.run}"
-        run = wandb_init(
-            str(run_dir), name, config, project, group=group, job_type="eval", mode=wandb_mode, run_id=run_id
-        )
+        name, config = f"eval-{row.run}", {"eval_tasks": result.tasks}
+        run = wandb_init(str(run_dir), name, config, project, group=group, job_type="eval", mode=mode, run_id=run_id)
         stem, limit = Path(row.checkpoint).stem, "" if result.limit is None else f"-limit{result.limit:g}"
         prefix = ("eval" if stem == "last" else f"eval-{stem}") + limit
-        run.summary.update({f"{prefix}/{t}": s.value for t, s in row.scores.items()})
-        run.summary.update({f"{prefix}/average": row.average})
+        scores = {t: s.value for t, s in row.scores.items()} | {"average": row.average}
+        run.summary.update({f"{prefix}/{t}": value for t, value in scores.items()})
         run.finish()
 
 
@@ -336,10 +278,8 @@ def main(cfg: DictConfig) -> None:
     require_harness()
     result = evaluate(checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size)
     out.mkdir(parents=True, exist_ok=True)
-    table = render(result)
-    write_text(out / "eval.md", table + "\n")
+    write_text(out / "eval.md", render(result) + "\n")
     write_json(out / "eval.json", result.to_json())  # last: it marks a finished eval's folder, which a rerun refuses
     if options.wandb:
         log_to_wandb(result, options.wandb_mode)
-    print(table)
-    print(f"\nwrote {out / 'eval.json'} and {out / 'eval.md'}")
+    print(f"{render(result)}\n\nwrote {out / 'eval.json'} and {out / 'eval.md'}")

@@ -4,10 +4,8 @@ from transformers import PretrainedConfig
 
 
 class XSAConfig(PretrainedConfig):
-    """GPTConfig's fields; transformers' standard names read them through attribute_map."""
-
     model_type = "xsa_gpt"
-    attribute_map = {
+    attribute_map = {  # transformers' standard names for GPTConfig's fields
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layer",
         "num_attention_heads": "n_head",

@@ -10,30 +10,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # rotate-half RoPE, as xsa-lm's
 
 from .configuration_xsa import XSAConfig
-
-
-def rope(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (B, 1, T, head_dim) for rotate-half RoPE at integer positions (B, T)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-
-
-def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | float) -> torch.Tensor:
-    """z = y - scale (y . v) / (||v||^2 + eps) v over the last dim, in at least fp32 (bf16 loses the
-    orthogonality), returned in y's dtype. v broadcasts against y (grouped-query attention)."""
-    dtype = torch.promote_types(y.dtype, torch.float32)
-    y32, v32 = y.to(dtype), v.to(dtype)
-    coef = scale * (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + eps)
-    return (y32 - coef * v32).to(y.dtype)
 
 
 class XSAAttention(nn.Module):
@@ -45,14 +24,13 @@ class XSAAttention(nn.Module):
         self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)  # W_o
         self.exclusive = config.attention == "xsa" and (config.xsa_layers is None or layer in config.xsa_layers)
         self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and config.xsa_gate else None
-        self.xsa_eps = config.xsa_eps
-        self.dropout = config.dropout
+        self.xsa_eps, self.dropout = config.xsa_eps, config.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = (k, v) if cache is None else cache.update(k, v, self.layer)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
@@ -64,7 +42,10 @@ class XSAAttention(nn.Module):
             # v as (B, T, H_kv, 1, D). Only the new tokens' own v is needed, so the KV cache serves XSA as it does SA.
             y, v = y.unflatten(2, (H_kv, H // H_kv)), v.transpose(1, 2).unsqueeze(3)
             scale = 1.0 if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
-            y = exclusive_projection(y, v, self.xsa_eps, scale)
+            # z = y - scale (y . v) / (||v||^2 + eps) v, in at least fp32: bf16 loses the orthogonality
+            y32, v32 = (t.to(torch.promote_types(y.dtype, torch.float32)) for t in (y, v))
+            coef = scale * (y32 * v32).sum(-1, keepdim=True) / ((v32 * v32).sum(-1, keepdim=True) + self.xsa_eps)
+            y = (y32 - coef * v32).to(y.dtype)
         return self.proj(y.reshape(B, T, H * D))
 
 
@@ -80,9 +61,7 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
-
+class Block(nn.Module):  # pre-LayerNorm
     def __init__(self, config: XSAConfig, layer: int) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.d_model, bias=config.bias)
@@ -97,7 +76,6 @@ class Block(nn.Module):
 
 class XSAForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = XSAConfig
-    base_model_prefix = ""
     _no_split_modules = ["Block"]
     _supports_sdpa = True
     _tied_weights_keys = {"lm_head.weight": "wte.weight"}
@@ -134,9 +112,8 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits (B, T, vocab) of input_ids (B, T); with labels (shifted inside, -100 ignored) the mean
-        cross-entropy. With a cache, input_ids are the tokens after those cached. attention_mask (B, all tokens so
-        far), 0 at padding, is needed only for padded batches; position_ids count real tokens from 0."""
+        """Logits (B, T, vocab) of input_ids (B, T), the tokens after those cached; with labels (shifted inside, -100
+        ignored) the mean cross-entropy. attention_mask (B, all tokens so far): 0 at padding, for padded batches."""
         if cache is None and (self.config.use_cache if use_cache is None else use_cache):
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0  # sinks included
@@ -147,36 +124,32 @@ class XSAForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence length {seen + T} exceeds block_size {self.config.block_size}")
         if position_ids is None:
             position_ids = torch.arange(seen, seen + T, device=input_ids.device).expand(B, T)
-        # RoPE positions: the sinks at 0 .. n_sinks - 1 (with the first tokens only), the tokens after them
+        # Rotate-half RoPE: the sinks at 0 .. n_sinks - 1 (with the first tokens only), the tokens after them
         sinks = torch.arange(S, device=input_ids.device).expand(B, S)
         positions = torch.cat([sinks, position_ids + self.config.n_sinks], dim=1)
-        cos, sin = rope(positions, self.config.head_dim, self.config.rope_base)
-        mask = self.attention_mask(attention_mask, past=past, new=S + T, device=input_ids.device)
+        D = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_base ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
+        angles = (positions.float().unsqueeze(-1) * inv_freq).repeat(1, 1, 2)
+        mask = self.attention_mask(attention_mask, past=past, new=S + T)
 
         x = self.wte(input_ids)
         if S and self.sinks is not None:
             x = torch.cat([self.sinks.to(x.dtype).expand(B, -1, -1), x], dim=1)
         x = self.drop(self.ln_emb(x))
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as xsa-lm's RoPE tables, which are cast with the model
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # as xsa-lm's tables, cast with the model
         for block in self.blocks:
             x = block(x, cos, sin, mask, cache)
-        x = x[:, S:]  # sink positions are never predicted
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        x = x[:, S:][:, -logits_to_keep:]  # sink positions are never predicted; logits_to_keep=0: every position
         logits = self.lm_head(self.ln_f(x))
-        shifted = None if labels is None else (logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
-        loss = None if shifted is None else F.cross_entropy(*shifted, ignore_index=-100)
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)  # shifts labels
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
-    def attention_mask(
-        self, padding: torch.Tensor | None, *, past: int, new: int, device: torch.device
-    ) -> torch.Tensor | None:
-        """Which keys each new position sees: causal over the cached and new positions (None: SDPA's own causal
-        mask), and, where `padding` (B, tokens) marks padding with 0, without the padding. The sinks are always
-        seen; a padding position also sees itself, so that no row is empty (its output is never used)."""
-        causal = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)
+    def attention_mask(self, padding: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
+        """Causal over the cached and new positions (None: SDPA's own), without `padding`'s 0s (B, tokens) but with
+        the sinks; a padding position sees itself, so that no row is empty (its output is never used)."""
+        causal = torch.ones(new, past + new, dtype=torch.bool, device=self.device).tril(past)
         if padding is None or bool(padding.all()):
             return causal if past else None
         keys = torch.cat([padding.new_ones(padding.size(0), self.config.n_sinks), padding], dim=1).bool()
-        itself = torch.arange(past + new, device=device) == torch.arange(past, past + new, device=device)[:, None]
+        itself = causal & ~causal.tril(past - 1)  # the diagonal of the new positions
         return (causal & keys[:, None, None, :]) | itself

@@ -1,6 +1,5 @@
-"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a Hugging Face transformers model, with the
-run's tokenizer and the modelling code (configuration_xsa.py, modeling_xsa.py), loaded offline with
-AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)."""
+"""`xsa-lm export ckpt=PATH out=DIR`: a checkpoint of `xsa-lm train` as a transformers model with its run's tokenizer
+and modelling code, for AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)."""
 
 import importlib.util
 import os
@@ -13,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 from tokenizers import Tokenizer
 
-from xsa_lm.checkpoints.load import check_checkpoint_file, load_model, load_tokenizer
+from xsa_lm.checkpoints.load import load_model, load_tokenizer
 from xsa_lm.config.spec import Spec, parse
 from xsa_lm.data.tokenizer import EOT, eot_id
 from xsa_lm.errors import UserError, one_line_errors
@@ -35,27 +34,12 @@ class ExportOptions(Spec):
 def require(module: str, name: str, requirement: str, needed_by: str) -> None:
     """A package of the extra `eval` (about 30 packages for two commands), asked for before any checkpoint is read."""
     if importlib.util.find_spec(module) is None:
-        raise UserError(
-            f"{needed_by} needs {name}, the extra `eval`: pip install '{requirement}' "
-            "(in a checkout: pip install -e '.[eval]')"
-        )
+        install = f"pip install '{requirement}' (in a checkout: pip install -e '.[eval]')"
+        raise UserError(f"{needed_by} needs {name}, the extra `eval`: {install}")
 
 
 def require_transformers() -> None:
     require("transformers", "transformers", TRANSFORMERS_REQUIREMENT, "xsa-lm export")
-
-
-def check_out(out: Path) -> None:
-    """Never overwritten: a file, a non-empty directory, or the current one or above (a rename cannot replace it)."""
-    if out.name in ("", "..") or out.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
-        raise UserError(
-            f"out={str(out) if str(out) != '.' else ''} is empty, the current directory or one above it: give the "
-            "new directory to write the model to, e.g. out=hf/xsa"
-        )
-    existing = next(folder for folder in (out, *out.parents) if folder.exists())
-    if not existing.is_dir() or (existing == out and any(out.iterdir())):
-        what = "is a file, not a directory" if not existing.is_dir() else "exists and is not empty"
-        raise UserError(f"out: {existing} {what}; choose another directory (nothing is overwritten)")
 
 
 def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
@@ -87,9 +71,15 @@ def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerF
 
 def export(ckpt: Path, out: Path) -> Path:
     require_transformers()
-    check_checkpoint_file(ckpt, key="ckpt")
     out = out.resolve() if out.is_symlink() else out  # a link to an empty directory: fill that directory
-    check_out(out)
+    # Never overwritten: a file, a non-empty directory, or the current one or above (a rename cannot replace it).
+    if out.name in ("", "..") or out.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+        shown = str(out) if str(out) != "." else ""
+        raise UserError(f"out={shown} is empty, the current directory or one above it: give a new one, e.g. out=hf/xsa")
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir() or (existing == out and any(out.iterdir())):
+        what = "is a file, not a directory" if not existing.is_dir() else "exists and is not empty"
+        raise UserError(f"out: {existing} {what}; choose another directory (nothing is overwritten)")
     model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt, key="ckpt")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.

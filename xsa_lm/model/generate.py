@@ -18,23 +18,18 @@ def generate(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """idx (B, T) followed by max_new_tokens tokens: greedy at temperature 0, else drawn from the top_k; the model
-    sees the last block_size tokens. vocab_size: the tokenizer's (ids past it, the table's padding, never drawn).
-    temperature >= 0 and top_k >= 1 are the callers' options' to check (GenerateOptions, SamplesSpec)."""
+    """idx (B, T) and max_new_tokens more: greedy at temperature 0, else drawn from the top_k, seeing the last
+    block_size tokens; never ids from vocab_size on (the table's padding). Callers check temperature and top_k."""
     was_training = model.training
     model.eval()
     block = model.config.block_size
     tokens, caches, fed = idx, None, 0  # fed: tokens of `tokens` already in the caches
     try:
         for _ in range(max_new_tokens):
-            if not use_cache:
-                logits = model(tokens[:, -block:])
-            else:
-                if caches is None or tokens.size(1) > block:  # start, or the window slid: rebuild from it
-                    caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
-                logits = model(tokens[:, fed:], caches=caches)
-                fed = tokens.size(1)
-            logits = logits[:, -1, :].float()
+            if use_cache and (caches is None or tokens.size(1) > block):  # start, or the window slid: rebuild
+                caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
+            logits = (model(tokens[:, fed:], caches=caches) if use_cache else model(tokens[:, -block:]))[:, -1].float()
+            fed = tokens.size(1)
             if vocab_size is not None:  # the padding of the embedding table: ids no tokenizer can decode
                 logits[:, vocab_size:] = float("-inf")
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one fp32 rounds to 0: greedy, the limit

@@ -6,7 +6,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from xsa_lm.checkpoints.sharded import is_sharded, load_sharded, shards_complete
+from xsa_lm.checkpoints.load import check_checkpoint_file
+from xsa_lm.checkpoints.sharded import is_sharded, load_sharded
 from xsa_lm.config.spec import Spec, parse
 from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.files import atomic_file
@@ -27,8 +28,7 @@ def consolidate(source: Path, out: Path, weights_only: bool = False) -> int:
             f"ckpt: {source} is {what}: give the directory of a sharded checkpoint (trainer=fsdp), e.g. "
             "runs/x/checkpoints/last.ckpt"
         )
-    if not shards_complete(source):
-        raise UserError(f"ckpt: {source} is an incomplete sharded checkpoint (a shard is missing or truncated)")
+    check_checkpoint_file(source, key="ckpt")  # every shard there, whole
     if out.exists():
         raise UserError(f"out: {out} exists; choose another path (nothing is overwritten)")
     checkpoint = load_sharded(source, optimizer=not weights_only)
