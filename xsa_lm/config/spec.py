@@ -1,9 +1,8 @@
 """The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
 
-A field owns its type, doc and range; its value is the YAML file's (a missing key is refused, never filled in). Rules
-across fields are model validators; what a run derives is computed here once. `parse` turns any composed config node
-into its model, every bad value into ONE line naming each key (Hydra types a value by its look: `max_steps=1.5`).
-A field marked FREE may change on a resume (config/resume.py): how long, how often, where, how fast.
+A field owns its type, doc and range (a missing key is refused, never filled in); rules across fields are model
+validators; what a run derives is computed once. `parse` turns a bad config into ONE line naming each bad key.
+A field marked FREE may change on a resume (config/resume.py).
 """
 
 import math
@@ -33,6 +32,11 @@ class Spec(BaseModel):
     """A config node: frozen, no key beyond its fields, values of their own type (Hydra's `1.5` is no integer)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True)
+
+    @property
+    def node(self) -> dict[str, Any]:
+        """The node as its file gives it (by `_target_`), for instantiate."""
+        return self.model_dump(by_alias=True)
 
 
 def rule(check: Any) -> BeforeValidator:
@@ -69,8 +73,7 @@ def _is_int(value: object) -> bool:
 
 
 def _devices(value: Any) -> Any:
-    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text
-    (given as the number or the list)."""
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct indices, or either as text."""
     if isinstance(value, str) and value != "auto":
         parts = [p.strip() for p in value.split(",") if p.strip()]
         if parts and all(p.lstrip("-").isdigit() for p in parts):
@@ -125,8 +128,7 @@ Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 
 
 class ModelSpec(Spec):
-    """The model group: GPTConfig's architecture fields (its own check is the one range check, TrainSpec.gpt_config)
-    and the preset's name; vocab_size null: the tokenizer's vocabulary, padded to a multiple of 64."""
+    """The model group: GPTConfig's fields (GPTConfig checks them) and the preset's name."""
 
     name: str = Field(description="the preset, for run names and reports")
     n_layer: int = GPTConfig.n_layer
@@ -144,8 +146,7 @@ class ModelSpec(Spec):
     init_std: float = GPTConfig.init_std
 
     def gpt_config(self, attention: "AttentionSpec", vocab_size: int) -> GPTConfig:
-        """GPTConfig from this group and the attention group; a null vocab_size takes the tokenizer's vocabulary
-        (`vocab_size`), padded to a multiple of 64."""
+        """GPTConfig of this group and `attention`; vocab_size null: the tokenizer's, padded to a multiple of 64."""
         architecture = self.model_dump(exclude={"name"})
         if architecture["vocab_size"] is None:
             architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -225,8 +226,7 @@ class TokenizerSpec(Spec):
 
     @property
     def node(self) -> dict[str, Any]:
-        """The option as its file gives it: what instantiate builds and prepare.json records."""
-        return self.model_dump(by_alias=True, exclude_unset=True)
+        return self.model_dump(by_alias=True, exclude_unset=True)  # prepare.json records it as the file gave it
 
 
 class OptimSpec(Spec):
@@ -236,10 +236,6 @@ class OptimSpec(Spec):
     betas: Annotated[list[float], rule(_betas)] = Field(description="AdamW's (beta1, beta2)")
     eps: float = Field(gt=0, description="AdamW's epsilon")
     weight_decay: float = Field(ge=0, description="matrices only")
-
-    @property
-    def node(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
 
 
 class SchedulerSpec(Spec):
@@ -318,10 +314,6 @@ class WandbSpec(Spec):
     mode: Literal["auto", "online", "offline", "disabled"] = Field(description="auto: WANDB_MODE, else by the API key")
     init_timeout_s: int = Field(ge=1)
     log_model: bool | Literal["all"] = Field(description="checkpoints as W&B artifacts (all: each save)")
-
-    @property
-    def node(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
 
 
 class LoggerSpec(Spec):
@@ -473,9 +465,7 @@ class TrainSpec(Spec):
 
     @cached_property
     def schedule(self) -> Schedule:
-        """The LR schedule's length (scheduler.total_steps; null: trainer.max_steps) and warmup, which config.yaml
-        saves: a resume that extends max_steps keeps the schedule. A warmup longer than the schedule would never
-        reach optim.lr while the run reports it: clipped to the schedule, with a warning."""
+        """The LR schedule's length (null: trainer.max_steps) and warmup, clipped to it with a warning."""
         max_steps = self.trainer.max_steps
         total, warmup = self.scheduler.total_steps or max_steps, self.scheduler.warmup_steps
         if warmup <= total:
@@ -512,8 +502,7 @@ ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers
 
 
 def resolve_precision(precision: str, accelerator: str = "auto") -> str:
-    """trainer.precision by Lightning's name for it (`16` is `16-mixed`); `auto` (ours): bf16-mixed on a GPU run
-    where the GPU has bf16, else 32-true."""
+    """trainer.precision by Lightning's name (`16` is `16-mixed`); auto: bf16-mixed on a GPU with bf16, else 32-true."""
     import torch
 
     from xsa_lm.compat import PRECISIONS, lightning_precision_name
@@ -545,24 +534,18 @@ def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> 
 Error = Mapping[str, Any]  # one of pydantic's errors (type, loc, msg, ctx)
 VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
 WANTED = {
-    "int_type": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a finite number",
-    "finite_number": "must be a finite number",
-    "bool_type": "must be true or false",
-    "string_type": "must be text",
-    "list_type": "must be a list",
-    "dict_type": "must be a mapping",
-    "model_type": "must be a mapping",
+    **dict.fromkeys(("int_type", "int_from_float"), "must be an integer"),
+    **dict.fromkeys(("float_type", "finite_number"), "must be a finite number"),
+    **dict.fromkeys(("dict_type", "model_type"), "must be a mapping"),
+    **{"bool_type": "must be true or false", "string_type": "must be text", "list_type": "must be a list"},
 }
 BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
 
 
 def parse(spec_type: type[S], cfg: DictConfig | Mapping[str, Any], context: str | None = None, at: str = "") -> S:
-    """The pydantic model of a config node, or a UserError of one line naming each bad key by its full name (`at`:
-    the node's key with its dot, e.g. `sweep.`): `trainer.max_steps=1.5 must be an integer`. A TrainSpec leaves the
-    keys of the commands around training (and Hydra's) aside."""
+    """The model of a config node, or one line naming each bad key by its full name (`at`: the node's, e.g. `sweep.`):
+    `trainer.max_steps=1.5 must be an integer`. A TrainSpec leaves the keys around training aside."""
     if isinstance(cfg, DictConfig):
         if spec_type is TrainSpec:  # Hydra's node resolves only inside a job
             cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
@@ -590,8 +573,8 @@ def require_values(config: dict[str, Any], at: str = "") -> None:
 
 
 def key_of(loc: tuple[int | str, ...], values: dict[str, Any]) -> str:
-    """The key an error is about: its location's steps into the mappings of `values` (a union member's tag or a
-    list's index is no key)."""
+    """The key an error is about: its location's steps into the mappings of `values`."""
+
     parts, node = [], cast(Any, values)
     for part in loc:
         if not isinstance(node, dict):

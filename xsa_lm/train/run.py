@@ -66,8 +66,7 @@ log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (
 
 
 def check_memory(spec: TrainSpec) -> None:
-    """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
-    has free, before the model is built; check_memory=false lets it try anyway."""
+    """Refuse a run estimated not to fit its device's free memory (on CPU: the host's, for all its processes)."""
     if not spec.check_memory:
         return
     need = run_shape(spec).estimate()
@@ -83,8 +82,7 @@ def check_memory(spec: TrainSpec) -> None:
 
 
 class ResumePoint(NamedTuple):
-    """The checkpoint a run continues from, its global step and the config it was trained with (its run_config);
-    all None for a run from scratch."""
+    """The checkpoint a run continues from, its step and the config it was trained with (None: from scratch)."""
 
     path: str | None
     step: int | None
@@ -97,9 +95,8 @@ FROM_SCRATCH = ResumePoint(path=None, step=None)
 def find_resume_checkpoint(
     resume: str | None, run_dir: Path, mcfg: GPTConfig, *, config: Config | None = None
 ) -> ResumePoint:
-    """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
-    of another model is refused, naming each differing field, and so is a continuation whose config (`config`: the
-    run folder's config.yaml and the free changes) differs from the one the checkpoint was trained with."""
+    """The checkpoint to resume from and its step; one of another model, or trained with another config than
+    `config` (config.yaml and the free changes), is refused naming each difference."""
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
         # DDP ranks > 0 start after rank 0 has written. rank_zero_only.rank: a function attribute Lightning sets.
@@ -147,15 +144,7 @@ def find_resume_checkpoint(
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
     trained = saved.get("run_config")
-    if trained is not None and config is not None:
-        check_trained_config(trained, config, run_dir=run_dir, path=path)
-    return ResumePoint(path=str(path), step=step, trained=trained)
-
-
-def check_trained_config(trained: Config, config: Config, *, run_dir: Path, path: Path) -> None:
-    """A continuation whose config.yaml differs from the config the checkpoint `path` was trained with is refused;
-    so is a new run from it with optim settings the checkpoint's optimizer state would set back."""
-    edited = edited_since(trained, config)
+    edited = edited_since(trained, config) if trained is not None and config is not None else []
     if edited and (run_dir / "config.yaml").exists():  # a new run from a checkpoint may train it otherwise
         raise UserError(
             f"resume: {run_dir / 'config.yaml'} differs from the config {path} was trained with ({'; '.join(edited)}):"
@@ -168,13 +157,11 @@ def check_trained_config(trained: Config, config: Config, *, run_dir: Path, path
             f"resume: a new run from {path} takes its optimizer state, which holds other settings than the given "
             f"({'; '.join(optimizer)}): the run would train with the checkpoint's; drop these overrides"
         )
+    return ResumePoint(path=str(path), step=step, trained=trained)
 
 
 def refuse_to_overwrite_results(run_dir: Path) -> None:
-    """A resume=auto that finds no checkpoint starts over, replacing summary.json, metrics.csv and config.yaml: not
-    in a directory where a run has ended with results (its summary.json). Starting over is a retry where there are
-    none yet: a run killed before its first checkpoint (no summary; its metrics.csv rows are of steps the new run
-    trains again) or one that failed before it (a full disk, say)."""
+    """A resume=auto without a checkpoint starts over: not where a run that did not fail left its summary.json."""
     summary = run_dir / "summary.json"
     if not summary.exists():
         return
@@ -193,9 +180,8 @@ def refuse_to_overwrite_results(run_dir: Path) -> None:
 
 
 def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: int | None) -> list:
-    """metrics.csv and W&B (`config`: the run's, for W&B). A resume from the checkpoint of step S keeps
-    metrics.csv's rows before S and continues the run's W&B run; a resume=auto that found no checkpoint starts over:
-    no old row is kept, a new W&B run."""
+    """metrics.csv and W&B: a resume from step S keeps metrics.csv's rows before S and continues the W&B run; a
+    resume=auto that found no checkpoint starts both over."""
     loggers: list = []
     if spec.logger.csv:
         keep_before = resume_step if resume_step is not None else (0 if spec.resume is not None else None)
@@ -220,10 +206,8 @@ def train(
     resume_notes: list[str] | None = None,
     explicit_tokenizer: bool = False,
 ) -> RunSummary | None:
-    """Check what this machine decides, then train while holding the run directory (rank 0; DDP ranks > 0 write
-    nothing and return None, as does a run that has nothing left to train). `config`: the composed config as plain
-    dicts, which config.yaml, the checkpoints and W&B keep; `explicit_tokenizer`: the tokenizer was chosen on the
-    command line (prepared shards must then have been made with it)."""
+    """Check what this machine decides, then train holding the run directory; the summary on rank 0, else None.
+    `config`: what config.yaml, the checkpoints and W&B keep; `explicit_tokenizer`: chosen on the command line."""
     trainer = spec.trainer
     set_device(accelerator=trainer.accelerator, devices=trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
@@ -323,8 +307,7 @@ def write_run_files(
     notes: list[str],
     kernels: SdpaKernels,
 ) -> None:
-    """config.yaml is the run's effective config (`config`: what the next resume continues); run_info.json describes
-    the first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
+    """config.yaml (what the next resume continues), run_info.json (the first start), resumes.jsonl (each resume)."""
     continuing = (run_dir / "config.yaml").exists()
     write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
     info = {**run_info(attention=kernels), "data_dir": str(data_dir)}
@@ -358,10 +341,15 @@ def fit(
     resume: ResumePoint,
     kernels: SdpaKernels,
 ) -> RunSummary | None:
-    """Build the module and the trainer, train, and write summary.json (global rank 0, which returns it). A failed
-    run is recorded in summary.json too, then re-raised: a sweep must see failed runs."""
+    """Build the module and the trainer, train, and write summary.json (rank 0 returns it); a failed run too, then
+    re-raised: a sweep must see failed runs."""
     summary = RunStart(spec, run_dir=run_dir, model_config=mcfg)
-    set_up_process(spec)
+    L.seed_everything(spec.seed, workers=True, verbose=False)
+    if spec.reuse_host_memory and not uses_cuda(spec.trainer.accelerator):  # CPU runs: tensors live on the host
+        reuse_freed_host_memory()
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     module = make_module(spec, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = module.model.num_params()
     summary.train_tokens = int(datamodule.data.meta["train_tokens"])
@@ -398,20 +386,8 @@ def fit(
     return result
 
 
-def set_up_process(spec: TrainSpec) -> None:
-    """Seeds, malloc's reuse of freed memory (CPU runs: their tensors live on the host) and TF32 matmuls, before
-    anything is built."""
-    L.seed_everything(spec.seed, workers=True, verbose=False)
-    if spec.reuse_host_memory and not uses_cuda(spec.trainer.accelerator):
-        reuse_freed_host_memory()
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-
 def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
-    """The module, its weights drawn from `init_seed` when set (then the rest of the run's random stream is the one
-    `seed` gives): two runs with one seed and two init seeds see the same data in the same order."""
+    """The module, its weights drawn from `init_seed` when set: the data order stays the one `seed` gives."""
     init_seed, faults = spec.init_seed, spec.faults
     with torch.random.fork_rng(devices=[], enabled=init_seed is not None):
         if init_seed is not None:
@@ -440,8 +416,7 @@ def header(
     module: LMModule,
     kernels: SdpaKernels,
 ) -> str:
-    """The run's first line: the model, the data, how a step's tokens are made up, the attention kernel (and the
-    order it was chosen from), where the run's files go."""
+    """The run's first line: model, data, a step's tokens, the attention kernel, the run folder."""
     non_embedding, total, meta = module.model.num_params(), module.model.num_params(False), data.data.meta
     device = torch.cuda.get_device_name() if uses_cuda(spec.trainer.accelerator) else "cpu"  # set_device's
     epochs = (
@@ -461,12 +436,10 @@ def header(
 
 
 def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: dict[str, object]) -> RunCallbacks:
-    """Checkpoints (saving `config`, the run's), what summary.json reports, the clean stop on a signal, and the
-    optional diagnostics, samples and progress bar; `val_set`: what the validation loss is measured on."""
+    """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional ones."""
     ckpt_dir = run_dir / "checkpoints"
-    # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
-    # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
-    # disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
+    # The last K step checkpoints (resume=auto's fallback), by default after each validation: the step's metrics.csv
+    # row is then on disk, so a kill right after the checkpoint cannot lose a row the resumed run will not log again.
     checkpoint = partial(FolderCheckpoint, dirpath=ckpt_dir, save_last=True)
     periodic = checkpoint(
         filename="step-{step:06d}",
@@ -476,8 +449,7 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
         every_n_train_steps=spec.checkpoint.every_n_steps,
         auto_insert_metric_name=False,
     )
-    # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart. Saved before the step
-    # checkpoint, which links to it when it improved (LinkingTrainer): the file then holds the best loss it reached.
+    # At each validation, saved before the step checkpoint, which links to it when it improved.
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
     throughput = Throughput(spec.global_batch_tokens)
     history = ValHistory(throughput.tokens_seen, val_set=val_set)
@@ -527,20 +499,12 @@ def trainer_strategy(trainer: TrainerSpec) -> object:
     return strategy
 
 
-LIGHTNING_NOISE = (
-    "litlogger",  # an advertisement
-    "GPU available:",  # the header line says where the run trains
-    "TPU available:",
-    "HPU available:",
-    "`Trainer.fit` stopped",  # the result line follows
-    "`weights_only` was not set",  # said at every checkpoint
-    "Restoring states from the checkpoint",  # the resume line says it
-    "Restored all states from the checkpoint",
-)
+LIGHTNING_NOISE = ("litlogger", "GPU available:", "TPU available:", "HPU available:", "`Trainer.fit` stopped")
+LIGHTNING_NOISE += ("`weights_only` was not set", "Restoring states from the checkpoint", "Restored all states from")
 
 
 def quiet_third_party() -> None:
-    """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
+    """Messages that tell a user of this command nothing (the header and resume lines say them), dropped."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
@@ -560,6 +524,7 @@ def refuse_a_folder_new_each_time(run_dir: Path) -> None:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+
     pattern = cast(dict, OmegaConf.to_container(hydra_cfg.sweep if multirun else hydra_cfg.run))["dir"]  # unresolved
     if "${now:" not in str(pattern):
         return
