@@ -1,5 +1,5 @@
-"""The command line: what Hydra would take but should not (an unquoted value with a space), Hydra's refusals as one
-line, the checks every job makes before it starts, and the full command line read back inside a job."""
+"""The command line: what Hydra would take but should not, Hydra's refusals as one line, the checks every job makes
+before it starts, and the full command line read back inside a job."""
 
 import difflib
 import json
@@ -16,8 +16,7 @@ from xsa_lm import errors
 from xsa_lm.errors import UserError
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
-HYDRA_FLAGS_WITH_A_VALUE = "--cfg -c --package -p --config-name -cn --config-dir -cd --config-path -cp".split()
-HYDRA_FLAGS_WITH_A_VALUE.append("--experimental-rerun")
+WITH_A_VALUE = "--cfg -c --package -p -cn --config-name -cd --config-dir -cp --config-path --experimental-rerun"
 MULTIRUN_FLAGS = ("--multirun", "-m")
 QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 'key=a value'"
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
@@ -30,7 +29,7 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     i = 0
     while i < len(args):
         arg = args[i]
-        takes_value = arg in HYDRA_FLAGS_WITH_A_VALUE or (
+        takes_value = arg in WITH_A_VALUE.split() or (
             arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in INFO_TOPICS
         )
         if arg.startswith("-") and takes_value:
@@ -74,9 +73,8 @@ def check_command_line(args: list[str]) -> str | None:
 
 
 def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
-    """A command's Hydra main with `args`: a command line Hydra would take but should not, and Hydra's own refusals
-    (a report of several lines) each end in one line and exit code 2; with the user's HYDRA_FULL_ERROR=1, Hydra's
-    report, tracebacks and all."""
+    """A command's Hydra main with `args`; a bad command line ends in one line and exit code 2 (the user's
+    HYDRA_FULL_ERROR=1: Hydra's report)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -108,8 +106,7 @@ def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
 
 
 def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
-    """Hydra's refusal of a command line (a group option or a key it lacks, a value its grammar refuses) as one
-    line, with the hint that fixes it where one is cheap."""
+    """Hydra's refusal of a command line as one line, with the hint that fixes it where one is cheap."""
     from hydra.errors import OverrideParseException
 
     _, overrides = split_flags(args)
@@ -129,8 +126,7 @@ OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
 
 
 def no_such_key(command: str, key: str) -> str:
-    """`<command> has no key K`, with the closest key of the training config (config/spec.py) for the commands that
-    compose it."""
+    """`<command> has no key K`, with the closest key (of the training config too, where the command composes it)."""
     mapping = key.rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
@@ -166,8 +162,7 @@ def own_keys(command: str) -> list[str]:
 
 
 def check_job(command: str, choices: dict[str, str | None], config: dict[str, Any], run_dir: Path | None) -> None:
-    """What every job refuses before it starts: a group's shared part chosen as an option (data=_base), a `???` value
-    left unset, a run directory that holds another command's results."""
+    """Refused before every job: a group's shared part as an option (data=_base), a `???` value, another's folder."""
     for group, option in choices.items():
         if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
             raise UserError(
@@ -182,8 +177,7 @@ def check_job(command: str, choices: dict[str, str | None], config: dict[str, An
         raise UserError(elsewhere)
 
 
-# The files that mark a command's folder (what a rerun resumes from). A command refuses a folder another one wrote:
-# it would overwrite that one's files (config.yaml, report.md, results.json) or mix its own in.
+# The files that mark a command's folder: a command refuses another one's (it would overwrite its files or mix them).
 FOLDER_MARKS = {
     "train": ("a training run", ("summary.json", "checkpoints")),
     "sweep": ("an `xsa-lm sweep`", ("sweep.json",)),
@@ -195,8 +189,7 @@ RESUMING = ("train", "sweep", "scale")  # a rerun into their own folder continue
 
 
 def another_commands_folder(command: str, folder: Path) -> str | None:
-    """The line refusing `xsa-lm <command>` in a folder that holds another command's results; None where it holds
-    none (or the command is not one that FOLDER_MARKS knows)."""
+    """The line refusing `xsa-lm <command>` in a folder that holds another command's results, else None."""
     if command not in FOLDER_MARKS:
         return None
     run = next((p for p in folder.absolute().parents if (p / "run_info.json").is_file()), None)
@@ -236,9 +229,7 @@ def group_options(group: str) -> list[str]:
 
 
 def quoting_hint(error: str, overrides: list[str]) -> str | None:
-    """For a value with an apostrophe, a comma or a non-ASCII character that Hydra's grammar refused: the same value
-    quoted for Hydra inside the shell's quotes, as the user would type it (a value with a double quote or a backslash
-    gets no example)."""
+    """A value with an apostrophe, a comma or a non-ASCII character that Hydra refused, quoted as a user types it."""
     bad = next((o for o in overrides if o in error and "=" in o), None)
     if bad is None or not re.search(r"[',]|[^\x00-\x7f]", bad) or re.search(r'["\\$`]', bad):
         return None
@@ -263,8 +254,8 @@ def one_line(error: BaseException) -> str:
 
 
 def full_command_line() -> list[str]:
-    """The command line as typed (`xsa-lm train ...`), also inside a job whose sys.argv main() has shortened for
-    Hydra. Lightning's DDP launcher re-runs sys.argv for the other ranks, and run_info.json records it."""
+    """The command line as typed (`xsa-lm train ...`), also in a job whose sys.argv was shortened for Hydra."""
+
     saved = json.loads(os.environ.get(ARGV_VARIABLE, "null"))
     if saved and [saved[0], *flags_first(saved[2:])] == sys.argv:  # exported for this process, not a parent's
         return [str(word) for word in saved]
