@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.helpers import REPO, compose_train, refused_in_process
-from xsa_lm.config.spec import DataSpec, TrainSpec, free_on_resume, parse
+from xsa_lm.config.spec import DataSpec, TrainSpec, all_fields, is_free, parse
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
 
@@ -150,9 +150,16 @@ def test_a_renamed_key_in_a_config_file_is_refused(tmp_path: Path, path: str, ke
 
 
 def test_the_free_keys_are_how_long_how_often_where_and_how_fast():
-    free = free_on_resume()
-    assert {"trainer.max_steps", "trainer.devices", "micro_batch_size", "logger.", "checkpoint."} <= set(free)
-    assert not [k for k in free if k.startswith(("model.", "optim.", "attention.", "tokenizer."))]
+    free = [k for k in all_fields() if is_free(k)]
+    assert {
+        "trainer.max_steps",
+        "trainer.devices",
+        "micro_batch_size",
+        "logger.wandb.mode",
+        "checkpoint.keep_last",
+    } <= set(free)
+    assert not [k for k in free if k.startswith(("model.", "optim.", "attention.", "tokenizer.", "trainer.strategy."))]
+    assert is_free("logger.csv.flush_logs_every_n_steps") and not is_free("trainer.strategy.sharding_strategy")
 
 
 def test_the_cli_reports_a_wrong_type_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):

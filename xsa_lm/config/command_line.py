@@ -130,27 +130,15 @@ def no_such_key(command: str, key: str) -> str:
     mapping = key.rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
-    keys = own_keys(command) + (spec_keys() if command in TRAINING_COMMANDS else [])
+    from xsa_lm.config.spec import all_fields
+
+    keys = own_keys(command) + (list(all_fields()) if command in TRAINING_COMMANDS else [])
     close = difflib.get_close_matches(key, keys, n=1)
     hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own_keys(command))}"
     return f"{command} has no key {key}: {hint} (configs/{command}.yaml)"
 
 
 TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
-
-
-def spec_keys() -> list[str]:
-    """Every key of the training config, nodes too (config/spec.py)."""
-    from xsa_lm.config.spec import TrainSpec, nested_model
-
-    def keys(kind: Any, prefix: str) -> list[str]:
-        found = []
-        for name, info in kind.model_fields.items():
-            key, inner = f"{prefix}{info.alias or name}", nested_model(info.annotation)
-            found += [key, *(keys(inner, f"{key}.") if inner else [])]
-        return found
-
-    return keys(TrainSpec, "")
 
 
 def own_keys(command: str) -> list[str]:

@@ -1,7 +1,6 @@
 """A resume continues the run as it was: its saved config.yaml decides what is trained; the command line may change
 only the keys marked FREE (config/spec.py), any other difference is refused as `key: saved -> given`."""
 
-from functools import cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -9,16 +8,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from xsa_lm.config.command_line import override_key
-from xsa_lm.config.spec import flatten, free_on_resume
+from xsa_lm.config.spec import flatten, is_free
 from xsa_lm.errors import UserError, yaml_problem
 
 Config = dict[str, Any]  # a composed config as plain dicts and lists (OmegaConf.to_container)
-
-
-@cache
-def is_free(key: str) -> bool:
-    """Whether a resume may change the key (config/spec.py's fields marked FREE)."""
-    return any(key == free or (free.endswith(".") and key.startswith(free)) for free in free_on_resume())
 
 
 def continuation_config(

@@ -8,7 +8,7 @@ A field marked FREE may change on a resume (config/resume.py).
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
@@ -519,16 +519,26 @@ def resolve_precision(precision: str, accelerator: str = "auto") -> str:
         ) from None
 
 
-def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> list[str]:
-    """The keys a resume may change (fields marked FREE); a node's ending in `.`: all of its keys."""
-    free = []
+@cache
+def all_fields(spec_type: type[BaseModel] = TrainSpec) -> dict[str, FieldInfo]:
+    """Every key of a spec by its dotted name (`trainer.max_steps`), nodes too, with its field."""
+    found: dict[str, FieldInfo] = {}
     for name, info in spec_type.model_fields.items():
-        key, kind = info.alias or name, info.annotation
-        if info.json_schema_extra == FREE:
-            free.append(f"{prefix}{key}{'.' if isinstance(kind, type) and issubclass(kind, BaseModel) else ''}")
-        elif isinstance(kind, type) and issubclass(kind, BaseModel):
-            free += free_on_resume(kind, f"{prefix}{key}.")
-    return free
+        key, inner = info.alias or name, nested_model(info.annotation)
+        found[key] = info
+        found.update({f"{key}.{k}": v for k, v in (all_fields(inner) if inner else {}).items()})
+    return found
+
+
+@cache
+def is_free(key: str) -> bool:
+    """Whether a resume may change the key: a field marked FREE, or any key inside a node marked so."""
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        info = all_fields().get(".".join(parts[:i]))
+        if info is not None and info.json_schema_extra == FREE and (i == len(parts) or nested_model(info.annotation)):
+            return True
+    return False
 
 
 Error = Mapping[str, Any]  # one of pydantic's errors (type, loc, msg, ctx)
@@ -590,21 +600,14 @@ def nested_model(annotation: Any) -> type[BaseModel] | None:
     return kinds[0] if kinds else None
 
 
-def fields_at(spec_type: type[BaseModel], node: str) -> dict[str, FieldInfo]:
-    """The fields of the model at `node` (`a.b`; "": the spec's own), by their key."""
-    kind: type[BaseModel] | None = spec_type
-    for part in node.split(".") if node else []:
-        kind = nested_model(fields_at(kind, "")[part].annotation) if kind else None
-    return {info.alias or name: info for name, info in kind.model_fields.items()} if kind else {}
-
-
 def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any], at: str) -> str:
     """`key=value what it takes`; the alternatives of a union joined; a rule across fields: its own message."""
     first, (node, _, name) = errors[0], key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: v for k, v in all_fields(spec_type).items() if k.rpartition(".")[0] == node}
     if first["type"] == "extra_forbidden":
         where = f"{at}{node}".strip(".")
         where = f"the {where} group" if where in GROUPS else where or "configs/train.yaml"
-        return f"{at}{key}: not an option of {where} (it has {', '.join(fields_at(spec_type, node))})"
+        return f"{at}{key}: not an option of {where} (it has {', '.join(siblings)})"
     if first["type"] == "missing":
         return f"{at}{key} is missing from the config: set it"
     if first["type"] == "value_error" and not key:
@@ -615,7 +618,7 @@ def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], value
     words = [w.strip("'") for e in errors if e["type"] == "literal_error" for w in e["ctx"]["expected"].split(", ")]
     words = [w for word in words for w in word.replace("' or '", "|").split("|")]
     said = list(dict.fromkeys(what(e) for e in errors if e["type"] != "literal_error"))
-    field = fields_at(spec_type, node).get(name)
+    field = siblings.get(name)
     if first["type"] == "value_error":
         text = said[0]
     elif said == [WANTED["bool_type"]] and words:  # a switch with words of its own (compile: auto)
