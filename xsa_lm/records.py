@@ -16,17 +16,13 @@ R = TypeVar("R", bound="Record")
 JsonObject = dict[str, Any]  # what a record's file holds: json.loads of it
 
 
-def adapter(kind: type[Any]) -> TypeAdapter[Any]:
-    return TypeAdapter(kind)
-
-
 class Record:
     """Base of the record dataclasses; SCHEMA: the version this xsa-lm writes and reads."""
 
     SCHEMA: ClassVar[int] = 1
 
     def to_json(self) -> JsonObject:
-        return adapter(type(self)).dump_python(self, mode="json")  # type: ignore[no-any-return]
+        return TypeAdapter(type(self)).dump_python(self, mode="json")  # type: ignore[no-any-return]
 
     @classmethod
     def from_json(cls: type[R], data: Any, *, source: str = "") -> R:
@@ -37,7 +33,7 @@ class Record:
         versioned = any(f.name == "schema" for f in dataclasses.fields(cls))  # type: ignore[arg-type]
         missing = ["schema"] if versioned and "schema" not in data else []
         try:
-            record = adapter(cls).validate_python(data)
+            record = TypeAdapter(cls).validate_python(data)
         except ValidationError as e:
             missing += [".".join(map(str, error["loc"])) for error in e.errors() if error["type"] == "missing"]
             if not missing:

@@ -266,7 +266,9 @@ class TrainerSpec(Spec):
     activation_checkpointing: bool = Field(description="recompute each block", json_schema_extra=FREE)
 
     @model_validator(mode="after")
-    def _data_parallel_only(self) -> "TrainerSpec":
+    def _consistent(self) -> "TrainerSpec":
+        if self.precision != "auto":  # a name Lightning accepts (auto asks the GPU: after set_device chose this rank's)
+            self.resolved_precision  # noqa: B018
         # ModelParallelStrategy would build a tensor-parallel mesh that the model never uses: wrong, silently.
         size = self.strategy.get("tensor_parallel_size", 1) if isinstance(self.strategy, dict) else 1
         if size != 1 or isinstance(size, bool):
@@ -296,7 +298,20 @@ class TrainerSpec(Spec):
     @cached_property
     def resolved_precision(self) -> str:
         """trainer.precision by Lightning's name (`16` is `16-mixed`); auto: bf16-mixed on a GPU with bf16."""
-        return resolve_precision(self.precision, self.accelerator)
+        import torch
+
+        from xsa_lm.compat import PRECISIONS, lightning_precision_name
+
+        if self.precision == "auto":
+            on_gpu = self.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+            return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+        try:
+            return lightning_precision_name(self.precision)
+        except ValueError:
+            raise UserError(
+                f"trainer.precision={self.precision} is not a precision Lightning accepts: use auto or one of "
+                f"{', '.join(PRECISIONS)}"
+            ) from None
 
     @property
     def lightning_args(self) -> dict[str, Any]:
@@ -403,8 +418,6 @@ class TrainSpec(Spec):
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":
         self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
-        if self.trainer.precision != "auto":  # auto asks the GPU: only after set_device chose this rank's
-            resolve_precision(self.trainer.precision, self.trainer.accelerator)  # a name Lightning accepts
         if info.context == VALUES_ONLY:
             return self
         block = self.data.block_size or self.model.block_size
@@ -499,24 +512,6 @@ class TrainSpec(Spec):
 
 # GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
 ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
-
-
-def resolve_precision(precision: str, accelerator: str = "auto") -> str:
-    """trainer.precision by Lightning's name (`16` is `16-mixed`); auto: bf16-mixed on a GPU with bf16, else 32-true."""
-    import torch
-
-    from xsa_lm.compat import PRECISIONS, lightning_precision_name
-
-    if precision == "auto":
-        on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-        return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
-    try:
-        return lightning_precision_name(precision)
-    except ValueError:
-        raise UserError(
-            f"trainer.precision={precision} is not a precision Lightning accepts: use auto or one of "
-            f"{', '.join(PRECISIONS)}"
-        ) from None
 
 
 @cache
