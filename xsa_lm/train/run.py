@@ -4,6 +4,7 @@ Everything of a run lands in its directory (`hydra.run.dir`): config.yaml, run_i
 checkpoints/, wandb/ and summary.json.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -60,7 +61,7 @@ from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.plan import run_shape
 from xsa_lm.train.runinfo import SdpaKernels, attention_kernels, run_info
-from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
+from xsa_lm.train.summary import RunStart, RunSummary, completed, print_summary
 
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
@@ -354,12 +355,9 @@ def fit(
     summary.non_embedding_params = module.model.num_params()
     summary.train_tokens = int(datamodule.data.meta["train_tokens"])
     rank_zero_only(log.info)(header(spec, run_dir=run_dir, data=datamodule, module=module, kernels=kernels))
-    val_set = {
-        "data": datamodule.data.meta.get("identity"),
-        "windows": datamodule.val_set.n,
-        "block_size": spec.block_size,
-    }
+    val_set = dict(data=datamodule.data.meta.get("identity"), windows=datamodule.val_set.n, block_size=spec.block_size)
     callbacks = make_callbacks(spec, config, run_dir, val_set=val_set)
+
     loggers = make_loggers(spec, config, run_dir=run_dir, resume_step=resume.step)
     trainer = make_trainer(spec, run_dir, callbacks=callbacks.all, loggers=loggers)
     is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
@@ -370,20 +368,12 @@ def fit(
             status = "interrupted" if callbacks.preemption.received == "SIGINT" else "preempted"
     except Exception as e:
         if is_rank_zero:
-            try:
-                failed = summary.write(
-                    "failed", trainer=trainer, module=module, callbacks=callbacks, error=error_line(e)
-                )
-            except WriteError:  # a full disk: the error that stopped the run (re-raised below) says what to do
-                pass
-            else:
-                finish_wandb(trainer, failed)
+            with contextlib.suppress(WriteError):  # a full disk: the error that stopped the run says what to do
+                summary.write("failed", trainer=trainer, module=module, callbacks=callbacks, error=e)
         raise
     if not is_rank_zero:
         return None
-    result = summary.write(status, trainer=trainer, module=module, callbacks=callbacks)
-    finish_wandb(trainer, result)
-    return result
+    return summary.write(status, trainer=trainer, module=module, callbacks=callbacks)
 
 
 def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
