@@ -29,18 +29,10 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     accelerator, precision = trainer.accelerator, trainer.resolved_precision
-    if isinstance(strategy, dict):
-        strategy = build(strategy)
-    settings = {
-        "accelerator": accelerator,
-        "devices": trainer.devices,
-        "num_nodes": trainer.num_nodes,
-        "precision": precision,
-        "strategy": strategy,
-    }
+    built = {"precision": precision, "strategy": build(strategy) if isinstance(strategy, dict) else strategy}
     given: dict[str, Any] = {}
-    for key, value in settings.items():  # one more at a time: Lightning's refusal is the last key's
-        given[key] = value
+    for key in ("accelerator", "devices", "num_nodes", "precision", "strategy"):  # Lightning refuses the last one
+        given[key] = built.get(key, getattr(trainer, key))
         try:
             effective = lightning_device_settings(**given)
         except (ValueError, TypeError, RuntimeError, ImportError, MisconfigurationException) as e:
@@ -59,7 +51,6 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
 
 
 def setting_fix(key: str) -> str:
-
     if key == "accelerator":
         from lightning.pytorch.accelerators import AcceleratorRegistry
 

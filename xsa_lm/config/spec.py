@@ -579,7 +579,6 @@ def require_values(config: dict[str, Any], at: str = "") -> None:
 
 def key_of(loc: tuple[int | str, ...], values: dict[str, Any]) -> str:
     """The key an error is about: its location's steps into the mappings of `values`."""
-
     parts, node = [], cast(Any, values)
     for part in loc:
         if not isinstance(node, dict):
