@@ -1,14 +1,10 @@
-"""Every command README.md and docs/*.md show runs as written, so a stale example fails here.
+"""Every command README.md and docs/*.md show (code blocks but ```text ones, and inline code) runs as written.
 
-Commands are read from the pages' code blocks (not ```text ones) and inline code: continuation lines joined,
-comments dropped, shell variables from VARIABLES, a `srun`, `docker run` or `NAME=value` prefix set aside,
-`python -m xsa_lm.train` read as `xsa-lm train`; `...` stands for "your other overrides" (a stand-in value).
-- Up-front checks (every command, in this process): what the CLI checks (composition, required values, types and
-  ranges) and what its job checks before it writes anything, each `--multirun` job apart; the xsa-lm commands of a
-  shown `make` target's recipe too. A removed key, option or experiment, or a refused value, fails.
+- Up-front checks (every command, and a shown `make` target's xsa-lm commands, in this process): what the CLI and
+  the job check before anything is written, each `--multirun` job apart; `...` stands for other overrides.
 - RUN (make test-long): run for real, in order, in one folder, each shrunk as its entry says.
-- NOT_RUN: every other command of a code block, with why it does not run here and where it is tested instead. A
-  command in neither list fails, and so does an entry no page shows any more.
+- NOT_RUN: every other command of a code block, with why and where it is tested instead; a command in neither list
+  fails, and so does an entry no page shows any more.
 """
 
 import itertools
@@ -26,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tests.helpers import compose_train, run_cli
 from xsa_lm.config.command_line import check_command_line, check_job, hydra_problem
+from xsa_lm.config.spec import VALUES_ONLY, PrepareSpec, TrainSpec, parse
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -39,8 +36,7 @@ STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks f
 
 @dataclass(frozen=True)
 class Shown:
-    """One command as a page shows it: `text` (the shell's words, variables unexpanded) is its name in RUN and
-    NOT_RUN; `argv` is what follows `xsa-lm` (or `make`)."""
+    """One command as a page shows it: `text` (its name in RUN and NOT_RUN); `argv`: what follows `xsa-lm` or `make`."""
 
     page: str
     text: str
@@ -54,8 +50,7 @@ class Shown:
 
 
 def shell_lines(block: str, console: bool) -> list[str]:
-    """The block's commands, one per string, continuation lines joined; in a ```console block the `$ ` lines (the
-    others are output)."""
+    """The block's commands, continuation lines joined; in a ```console block the `$ ` lines."""
     commands, current = [], None
     for line in block.splitlines():
         if console and current is None:
@@ -73,17 +68,10 @@ def shell_lines(block: str, console: bool) -> list[str]:
 
 def simple_commands(words: list[str]) -> list[list[str]]:
     """Words split at `&&`, `||`, `;` and `|`."""
-    parts, current = [], []
-    for word in words:
-        if word in ("&&", "||", ";", "|"):
-            parts.append(current)
-            current = []
-        else:
-            current.append(word)
-    return [*parts, current]
+    return [list(g) for sep, g in itertools.groupby(words, lambda w: w in ("&&", "||", ";", "|")) if not sep]
 
 
-def parse(words: list[str]) -> tuple[str, tuple[str, ...]] | None:
+def command_of(words: list[str]) -> tuple[str, tuple[str, ...]] | None:
     """(program, argv) of an xsa-lm or make command, else None."""
     for i, word in enumerate(words):
         rest = words[i + 1 :]
@@ -105,13 +93,13 @@ def shown_in(page: Path) -> list[Shown]:
             continue
         for line in shell_lines(block, console=language == "console"):
             for words in simple_commands(shlex.split(line, comments=True)):
-                if parsed := parse(words):
+                if parsed := command_of(words):
                     found.append(Shown(label, " ".join(words), *parsed, fenced=True))
     for span in re.findall(r"`([^`]+)`", FENCE.sub("", markdown)):
         if not re.match(r"(\w+=\S* )*(xsa-lm |python -m xsa_lm\.|torchrun )", span):  # prose, or a message
             continue
         words = shlex.split(" ".join(span.split()))
-        parsed = parse(words)
+        parsed = command_of(words)
         if parsed and parsed[0] == "xsa-lm" and len(parsed[1]) > 1:  # `xsa-lm eval` alone names the command
             found.append(Shown(label, " ".join(words), *parsed, fenced=False))
     return found
@@ -150,7 +138,7 @@ def recipe_commands(target: str) -> list[tuple[str, ...]]:
             continue
         line = re.sub(r"\$\$\(date [^)]*\)", "2026-01-01_00-00-00", line.strip()).replace("$(BIN)/", "")
         for words in simple_commands(shlex.split(line)):
-            if (parsed := parse(words)) and parsed[0] == "xsa-lm":
+            if (parsed := command_of(words)) and parsed[0] == "xsa-lm":
                 commands.append(parsed[1])
     return commands
 
@@ -295,13 +283,10 @@ def task_overrides(overrides: list[str]) -> list[str]:
 
 
 def check_train(cfg: DictConfig, overrides: list[str]) -> None:
-    """What `xsa-lm train` checks before it reads data or writes: the config, the trainer as Lightning takes it on
-    this machine (not for a GPU trainer on a machine without one: the docs' GPU commands are for GPU machines), the
-    schedule, the model's settings."""
+    """What `xsa-lm train` checks before it reads data or writes (a GPU trainer's settings: on a GPU machine)."""
     import torch
 
     from xsa_lm.config.builders import check_trainer
-    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.train.run import trainer_strategy
 
     spec = parse(TrainSpec, cfg)
@@ -311,7 +296,6 @@ def check_train(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.sweep import run as sweep
     from xsa_lm.sweep.settings import SweepSpec
 
@@ -321,7 +305,6 @@ def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import parse
     from xsa_lm.scale.run import load_bench, sweep_overrides
     from xsa_lm.sweep.run import train_overrides
     from xsa_lm.sweep.settings import ScaleSpec
@@ -341,20 +324,16 @@ def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import PrepareSpec, parse
-
     assert parse(PrepareSpec, cfg).data.source is not None, "xsa-lm prepare needs a source"
 
 
 def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
     from xsa_lm.analysis.run import AnalyzeOptions
-    from xsa_lm.config.spec import parse
 
     parse(AnalyzeOptions, cfg)
 
 
 def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import parse
     from xsa_lm.eval.run import EvalOptions, require_harness
 
     require_harness()
@@ -362,7 +341,6 @@ def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_generate(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import parse
     from xsa_lm.eval.sample import GenerateOptions
 
     parse(GenerateOptions, cfg)
@@ -375,7 +353,6 @@ def check_export(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_plan(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
     from xsa_lm.train.plan import run_shape
 
     run_shape(parse(TrainSpec, cfg, VALUES_ONLY)).estimate()
@@ -422,10 +399,8 @@ def combinations(overrides: list[str]) -> list[list[str]]:
 
 
 def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest.CaptureFixture) -> str | None:
-    """What the command refuses before it writes anything, None when it passes: xsa-lm's check of the command line,
-    Hydra's composition (of each job of a --multirun), then the checks of every job and of the command's own job.
-    An elided command gets the command line's and Hydra's checks only: its stand-in values are no values to check a
-    range of."""
+    """What the command refuses before it writes anything (None: nothing): the command line, Hydra's composition of
+    each job, then every job's checks and the command's own (not for an elided command's stand-in values)."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -475,8 +450,6 @@ def test_the_extraction_finds_every_kind_of_command():
 def test_every_documented_command_passes_its_up_front_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
-    """Each command as written (variables expanded) through the checks the command makes before writing anything;
-    the xsa-lm commands of a shown `make` target's recipe too."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     (tmp_path / "bin").mkdir()
@@ -521,8 +494,6 @@ def test_a_stale_example_would_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_every_documented_command_is_run_or_listed():
-    """A command shown in a code block is run below (RUN) or listed with the reason it is not (NOT_RUN); an entry no
-    page shows any more is a stale one."""
     shown = set(fenced())
     run = [text for text, _, _ in RUN]
     assert len(run) == len(set(run)) and not set(run) & set(NOT_RUN), set(run) & set(NOT_RUN)
@@ -532,8 +503,7 @@ def test_every_documented_command_is_run_or_listed():
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    """The folder the shown commands run in, with the files they name: input.txt (a play), corpus/*.jsonl (three
-    plays, a paragraph per line)."""
+    """The shown commands' folder: input.txt (a play), corpus/*.jsonl (three plays, a paragraph per line)."""
     from xsa_lm.data.sources import ShakespeareCorpus
 
     plays = dict(itertools.islice(ShakespeareCorpus(val_plays=[]).documents(), 4))
@@ -548,8 +518,7 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def exported_model_stops_at_block_size(folder: Path, out: str) -> bool:
-    """As docs/evaluation.md says: in transformers the exported model refuses a sequence past its block_size (where
-    `xsa-lm generate`, 200 tokens after a prompt in a 128-token context above, slides the window)."""
+    """As docs/evaluation.md says: in transformers the exported model refuses a sequence past its block_size."""
     import torch
     from transformers import AutoModelForCausalLM
 
