@@ -485,17 +485,6 @@ def test_a_run_folder_given_as_the_checkpoint_is_told_both_ways_on(tmp_path: Pat
         find_resume_checkpoint(str(tmp_path / "old"), tmp_path / "new", GPTConfig())
 
 
-@pytest.mark.parametrize("args", [["hydra.run.dir="], ["hydra.run.dir= "], ["--multirun", "hydra.sweep.dir="]])
-def test_an_empty_run_directory_is_refused(args: list[str], monkeypatch, capsys, tmp_path: Path):
-    """An empty path is the current directory: an unset shell variable would train into it."""
-    monkeypatch.chdir(tmp_path)
-    err = refused_in_process(["train", *FAST, *args], monkeypatch, capsys)
-    key = args[-1].split("=")[0]
-    assert err.startswith(f"xsa-lm: error: {key} is empty (an unset shell variable?): set it to a folder")
-    assert err.endswith(f"e.g. {key}=runs/a\n") and err.count("\n") == 1
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_resume_auto_in_the_default_folder_is_refused_naming_the_newest_run(
     data_cache: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:

@@ -152,6 +152,13 @@ COMMAND_LINES = {
         ["samples.prompt=日本語"],
         ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""'],
     ),
+    # an empty path is the current directory: an unset shell variable would train into it
+    "empty run dir": (["hydra.run.dir="], ["hydra.run.dir is empty (an unset shell variable?): set it to a folder"]),
+    "blank run dir": (["hydra.run.dir= "], ["hydra.run.dir is empty (an unset shell", "e.g. hydra.run.dir=runs/a"]),
+    "empty sweep dir": (
+        ["-m", "hydra.sweep.dir="],
+        ["hydra.sweep.dir is empty (an unset", "e.g. hydra.sweep.dir=runs/a"],
+    ),
     "multirun: hydra.run.dir": (
         ["-m", "seed=1,2", "hydra.run.dir=runs/x"],
         ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"],

@@ -86,15 +86,8 @@ def test_full_command_line_is_the_one_exported_for_this_process(monkeypatch: pyt
 def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
     """`xsa-lm train trainer.devices=2` relaunches the command for rank 1 (gloo); one W&B run, one summary."""
     run_dir = tmp_path / "ddp"
-    args = [
-        *FAST,
-        "logger=wandb",
-        "trainer.max_steps=10",
-        "val_every_steps=5",
-        "trainer.devices=2",
-        "trainer.strategy=ddp",
-    ]
-    args.append(f"hydra.run.dir={run_dir}")
+    args = [*FAST, "logger=wandb", "trainer.max_steps=10", "val_every_steps=5", "trainer.devices=2"]
+    args += ["trainer.strategy=ddp", f"hydra.run.dir={run_dir}"]
     out = run_cli(["train", *args], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
