@@ -134,51 +134,6 @@ def test_the_readme_plan_says_why_its_batch_does_not_split(tmp_path: Path, monke
     assert "global_batch_tokens=524,288: 4 micro-batch(es) of 131,072 tokens per optimizer step" in paper
 
 
-COMMAND_LINES = {
-    "multirun: an unknown option": (
-        ["--multirun", "attention=foo"],
-        ["Could not find 'attention/foo'", "available options in 'attention'"],
-    ),
-    "multirun: one job's option": (["--multirun", "attention=sa,foo"], ["attention/foo", "options in 'attention'"]),
-    "multirun: one job's value": (
-        ["-m", "attention=sa,xsa", "seed=-1,0"],
-        ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"],
-    ),
-    "space": (["data=local", "data.files=/tmp/my", "dir/a.txt"], ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"]),
-    "bracket": (["data.files=[a"], ["must be quoted"]),
-    "an apostrophe": (["samples.prompt=it's"], ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""']),
-    "a comma": (["samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
-    "non-ASCII": (
-        ["samples.prompt=日本語"],
-        ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""'],
-    ),
-    # an empty path is the current directory: an unset shell variable would train into it
-    "empty run dir": (["hydra.run.dir="], ["hydra.run.dir is empty (an unset shell variable?): set it to a folder"]),
-    "blank run dir": (["hydra.run.dir= "], ["hydra.run.dir is empty (an unset shell", "e.g. hydra.run.dir=runs/a"]),
-    "empty sweep dir": (
-        ["-m", "hydra.sweep.dir="],
-        ["hydra.sweep.dir is empty (an unset", "e.g. hydra.sweep.dir=runs/a"],
-    ),
-    "multirun: hydra.run.dir": (
-        ["-m", "seed=1,2", "hydra.run.dir=runs/x"],
-        ["hydra.run.dir is not used under --multirun", "hydra.sweep.dir"],
-    ),
-}
-
-
-@pytest.mark.parametrize("args, expected", COMMAND_LINES.values(), ids=COMMAND_LINES.keys())
-def test_the_command_line_is_refused_in_one_line(
-    args: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-):
-    monkeypatch.chdir(tmp_path)
-    err = refused_in_process(["train", *args], monkeypatch, capsys).strip()
-    assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
-    for text in expected:
-        assert text in err, err
-    if "attention=sa,foo" not in args:  # Hydra's sweeper writes multirun.yaml before it composes each job
-        assert list(tmp_path.iterdir()) == []  # no outputs/ folder
-
-
 def test_more_windows_than_the_data_holds_are_named():
     data = SimpleNamespace(val_available=12, val_set=SimpleNamespace(n=12))
     notes = fewer_windows(fast("data.val_windows=100", "diagnostics.every_n_steps=5", "diagnostics.sequences=50"), data)
