@@ -109,15 +109,11 @@ def test_what_a_run_derives_is_on_the_spec():
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_every_preset_holds_exactly_the_architecture_fields(model: str):
-    cfg = compose_train([f"model={model}"])
-    architecture = {f.name for f in dataclasses.fields(GPTConfig)} - ATTENTION_FIELDS
-    assert set(cfg.model) == architecture | {"name"} and cfg.model.name == model
-
-
-def test_the_presets_start_from_gptconfigs_defaults():
-    base = yaml.safe_load((CONFIGS / "model" / "_base.yaml").read_text())
+def test_every_preset_holds_exactly_the_architecture_fields_from_gptconfigs_defaults(model: str):
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name not in ATTENTION_FIELDS}
+    cfg = compose_train([f"model={model}"])
+    assert set(cfg.model) == set(defaults) | {"name"} and cfg.model.name == model
+    base = yaml.safe_load((CONFIGS / "model" / "_base.yaml").read_text())
     assert base == {**defaults, "vocab_size": None}  # null: the tokenizer's, padded
 
 

@@ -398,20 +398,13 @@ def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None 
         )
 
 
-def header(
-    spec: TrainSpec,
-    *,
-    run_dir: Path,
-    data: TokenDataModule,
-    module: LMModule,
-    kernels: SdpaKernels,
-) -> str:
+def header(spec: TrainSpec, run_dir: Path, data: TokenDataModule, module: LMModule, kernels: SdpaKernels) -> str:
     """The run's first line: model, data, a step's tokens, the attention kernel, the run folder."""
     non_embedding, total, meta = module.model.num_params(), module.model.num_params(False), data.data.meta
     device = torch.cuda.get_device_name() if uses_cuda(spec.trainer.accelerator) else "cpu"  # set_device's
-    epochs = (
-        spec.trainer.max_steps * spec.global_batch_tokens / meta["train_tokens"] if meta["train_tokens"] else math.nan
-    )
+    tokens = meta["train_tokens"]
+    epochs = spec.trainer.max_steps * spec.global_batch_tokens / tokens if tokens else math.nan
+
     return (
         f"xsa-lm train | {spec.run_label} | model {spec.model.name}, attention={spec.attention.name}: "
         f"{non_embedding / 1e6:.2f}M non-embedding parameters ({total / 1e6:.2f}M total) | "
