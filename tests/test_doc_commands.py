@@ -270,10 +270,6 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "trainer=gpu compile=true attention=xsa hydra.run.dir=runs/xsa": "Docker and a GPU",
 }
 
-# Shown commands the up-front checks refuse today; each must still be refused (remove it once it passes).
-KNOWN_BROKEN: dict[str, str] = {}  # documented commands that fail today, each with the reason (none now)
-
-
 # The up-front checks: the CLI's, then each job's own checks before it writes anything.
 
 
@@ -453,27 +449,22 @@ def test_every_documented_command_passes_its_up_front_checks(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     (tmp_path / "bin").mkdir()
-    for program in STUBS:
-        (tmp_path / "bin" / program).write_text("#!/bin/sh\nexit 0\n")
-        (tmp_path / "bin" / program).chmod(0o755)
+    for stub in (tmp_path / "bin" / program for program in STUBS):
+        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     commands = {s.text: s for s in all_shown() if s.program == "xsa-lm"}
     for target in sorted({s.argv[0] for s in all_shown() if s.program == "make"}):
         for argv in recipe_commands(target):
             text = f"make {target}: xsa-lm {' '.join(argv)}"
             commands[text] = Shown("Makefile", text, "xsa-lm", argv, fenced=False)
-    start, refused, mended = time.perf_counter(), [], []
+    start, refused = time.perf_counter(), []
     for text, shown in commands.items():
-        error = upfront_error(shown.argv, tmp_path, shown.elided, capsys)
-        if error is not None and text not in KNOWN_BROKEN:
+        if (error := upfront_error(shown.argv, tmp_path, shown.elided, capsys)) is not None:
             refused.append(f"{shown.page}: {text}\n    {error}")
-        elif error is None and text in KNOWN_BROKEN:
-            mended.append(text)
     seconds = time.perf_counter() - start
     assert len(commands) >= 60  # the extraction found them
     assert not refused, "documented commands refused before they start:\n" + "\n".join(refused)
-    assert not mended, f"these pass now: remove them from KNOWN_BROKEN: {mended}"
-    assert set(KNOWN_BROKEN) <= set(commands), set(KNOWN_BROKEN) - set(commands)
     print(f"{len(commands)} documented commands through their up-front checks in {seconds:.1f} s")
 
 

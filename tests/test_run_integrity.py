@@ -16,15 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import (
-    FAST,
-    assert_clean_error,
-    cli_in_process,
-    refused_in_process,
-    run_cli,
-    train_losses,
-    wait_for,
-)
+from tests.helpers import FAST, assert_clean_error, cli_in_process, refused_in_process, run_cli, train_losses, wait_for
 from tests.helpers import start_cli as start
 from tests.test_reliability import stop_mid_run
 from xsa_lm.checkpoints.atomic import FolderCheckpoint

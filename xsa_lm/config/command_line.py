@@ -52,8 +52,8 @@ def check_command_line(args: list[str]) -> str | None:
     """What is wrong with a command line that Hydra would take otherwise, or reports badly (None: nothing)."""
     flags, overrides = split_flags(args)
     for before, word in zip(["", *overrides], overrides, strict=False):
-        # An argument that is no override is most often the rest of an unquoted value with a space, which the shell
-        # split: `data.files=/tmp/my dir/a.txt` is `data.files=/tmp/my` and `dir/a.txt`.
+        # Most often the rest of an unquoted value with a space: `data.files=/tmp/my dir/a.txt`, split by the shell.
+
         if "=" not in word and not word.startswith("~"):
             example = f"'{before} {word}'" if "=" in before else "'key=a value'"
             return (
