@@ -345,12 +345,7 @@ def fit(
     """Build the module and the trainer, train, and write summary.json (rank 0 returns it); a failed run too, then
     re-raised: a sweep must see failed runs."""
     summary = RunStart(spec, run_dir=run_dir, model_config=mcfg)
-    L.seed_everything(spec.seed, workers=True, verbose=False)
-    if spec.reuse_host_memory and not uses_cuda(spec.trainer.accelerator):  # CPU runs: tensors live on the host
-        reuse_freed_host_memory()
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    set_up_process(spec)
     module = make_module(spec, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = module.model.num_params()
     summary.train_tokens = int(datamodule.data.meta["train_tokens"])
@@ -374,6 +369,16 @@ def fit(
     if not is_rank_zero:
         return None
     return summary.write(status, trainer=trainer, module=module, callbacks=callbacks)
+
+
+def set_up_process(spec: TrainSpec) -> None:
+    """Seeds, malloc's reuse of freed memory (CPU runs: tensors live on the host) and TF32, before anything is built."""
+    L.seed_everything(spec.seed, workers=True, verbose=False)
+    if spec.reuse_host_memory and not uses_cuda(spec.trainer.accelerator):
+        reuse_freed_host_memory()
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
