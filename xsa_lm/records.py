@@ -51,7 +51,7 @@ class Record:
                 f"{where}: schema {data['schema']!r}, but this xsa-lm reads schema {cls.SCHEMA}: run the command "
                 "that wrote it again with this xsa-lm"
             )
-        return record  # type: ignore[no-any-return]
+        return record
 
     @classmethod
     def read(cls: type[R], path: Path, then: str = "run the command that wrote it again") -> R:

@@ -487,7 +487,13 @@ def trainer_strategy(trainer: TrainerSpec) -> object:
     return strategy
 
 
-LIGHTNING_NOISE = ("litlogger", "GPU available:", "TPU available:", "HPU available:", "`Trainer.fit` stopped")
+LIGHTNING_NOISE: tuple[str, ...] = (
+    "litlogger",
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",
+    "`Trainer.fit` stopped",
+)
 LIGHTNING_NOISE += ("`weights_only` was not set", "Restoring states from the checkpoint", "Restored all states from")
 
 
