@@ -487,18 +487,20 @@ def trainer_strategy(trainer: TrainerSpec) -> object:
     return strategy
 
 
-LIGHTNING_NOISE: tuple[str, ...] = (
-    "litlogger",
-    "GPU available:",
+LIGHTNING_NOISE = (
+    "litlogger",  # an advertisement
+    "GPU available:",  # the header line says where the run trains
     "TPU available:",
     "HPU available:",
-    "`Trainer.fit` stopped",
+    "`Trainer.fit` stopped",  # the result line follows
+    "`weights_only` was not set",  # said at every checkpoint
+    "Restoring states from the checkpoint",  # the resume line says it
+    "Restored all states from the checkpoint",
 )
-LIGHTNING_NOISE += ("`weights_only` was not set", "Restoring states from the checkpoint", "Restored all states from")
 
 
 def quiet_third_party() -> None:
-    """Messages that tell a user of this command nothing (the header and resume lines say them), dropped."""
+    """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
