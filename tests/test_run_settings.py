@@ -145,14 +145,11 @@ def test_more_windows_than_the_data_holds_are_named():
     assert fewer_windows(fast("data.val_windows=12"), data) == []
 
 
-def test_hydra_flags_go_before_the_overrides():
+def test_a_flag_between_overrides_is_taken(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """argparse refuses a flag between overrides with its whole usage text; the user meant the same command."""
     assert flags_first(["seed=1", "--cfg", "job", "lr=2", "-m", "a=b"]) == "--cfg job -m seed=1 lr=2 a=b".split()
     assert flags_first(["x=1", "--info", "defaults", "y=2"]) == ["--info", "defaults", "x=1", "y=2"]
     assert flags_first(["x=1", "--info", "y=2"]) == ["--info", "x=1", "y=2"]
-
-
-def test_a_flag_between_overrides_is_taken(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     monkeypatch.setattr(sys, "argv", ["xsa-lm", "train", "seed=3", "--cfg", "job", "trainer.max_steps=7"])
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored after: this job's config does not linger
     cli.main()  # prints the config, as with the flag first
