@@ -1,8 +1,5 @@
 """How a command ends on an error: one line on stderr, never a traceback (HYDRA_FULL_ERROR=1: Hydra's full report).
-
-A UserError is one actionable line, exit code 2; any other exception one line naming it and its file, exit code 1,
-its traceback saved (<run dir>/error.log, else a temporary file).
-"""
+A UserError exits with code 2; any other exception with 1, its traceback saved (<run dir>/error.log, else /tmp)."""
 
 import contextlib
 import errno

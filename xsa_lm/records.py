@@ -1,7 +1,5 @@
 """The JSON files one layer writes and another reads (summary.json, a trial's record, results.json): frozen
-dataclasses deriving from Record, to_json() and from_json() by pydantic. A file record's last field is its `schema`
-version: a file of another version, or one that lacks a key without a default, is refused in one line naming it.
-"""
+dataclasses deriving from Record; a file of another `schema` version, or lacking a key, is refused in one line."""
 
 import dataclasses
 import json

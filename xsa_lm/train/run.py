@@ -1,8 +1,4 @@
-"""One training run: config -> data, model, trainer -> fit -> summary.json.
-
-Everything of a run lands in its directory (`hydra.run.dir`): config.yaml, run_info.json, metrics.csv,
-checkpoints/, wandb/ and summary.json.
-"""
+"""One training run: config -> data, model, trainer -> fit -> summary.json, everything in `hydra.run.dir`."""
 
 import contextlib
 import json
