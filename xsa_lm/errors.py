@@ -1,5 +1,5 @@
 """How a command ends on an error: one line on stderr, never a traceback (HYDRA_FULL_ERROR=1: Hydra's full report).
-A UserError exits with code 2; any other exception with 1, its traceback saved (<run dir>/error.log, else /tmp)."""
+A UserError exits with code 2; any other exception with 1, its traceback in <run dir>/error.log or a temporary file."""
 
 import contextlib
 import errno
