@@ -23,23 +23,10 @@ from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.records import RunSummary
 
-
-def disk_full() -> None:
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def too_large() -> None:
-    raise OSError(errno.EFBIG, "File too large")
-
-
-def wrapped_disk_full() -> None:  # what torch.save raises: a RuntimeError while handling the OSError
-    try:
-        disk_full()
-    except OSError:
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
-
-
-FAILURES = [(disk_full, "No space"), (too_large, "too large"), (wrapped_disk_full, "No space")]
+DISK_FULL = OSError(errno.ENOSPC, "No space left on device")
+TORCH_SAVE = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+TORCH_SAVE.__context__ = DISK_FULL  # what torch.save raises: a RuntimeError while handling the OSError
+FAILURES = [(DISK_FULL, "No space"), (OSError(errno.EFBIG, "File too large"), "too large"), (TORCH_SAVE, "No space")]
 
 
 @pytest.mark.parametrize("failure, reason", FAILURES)
@@ -50,7 +37,7 @@ def test_a_failed_write_leaves_the_previous_file_whole_and_no_tmp(failure, reaso
         write_json(path, {"old": 1})
     with pytest.raises(WriteError) as error, atomic_file(path) as f:
         f.write('{"new": ')
-        failure()
+        raise failure
     message = str(error.value)
     assert message.startswith(f"could not write {path} (") and reason in message, message
     assert ("the previous results.json is intact" if existed else "no partial file was left") in message
