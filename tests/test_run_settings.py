@@ -59,10 +59,6 @@ def test_refused_before_anything_is_written(
     assert list(run_dir.iterdir()) == []  # no config.yaml, run_info.json or train.log
 
 
-def lightning_precision(spec: TrainSpec) -> str:
-    return check_trainer(spec.trainer, strategy=trainer_strategy(spec.trainer))
-
-
 @pytest.mark.parametrize(
     "overrides, precision",
     [
@@ -75,8 +71,8 @@ def lightning_precision(spec: TrainSpec) -> str:
     ],
 )
 def test_settings_lightning_takes_here_pass(overrides: list[str], precision: str):
-    spec = fast(*overrides)
-    assert lightning_precision(spec) == precision == spec.trainer.resolved_precision
+    trainer = fast(*overrides).trainer
+    assert check_trainer(trainer, strategy=trainer_strategy(trainer)) == precision == trainer.resolved_precision
 
 
 def test_a_warmup_longer_than_the_schedule_is_clipped_with_a_warning():
