@@ -1,6 +1,5 @@
-"""Whatever goes wrong ends in one line: a write that fails (a full disk, a file-size limit) leaves the previous file
-whole and no .tmp, an exception nobody foresaw names itself and where its traceback was saved, and a finished run's
-results are never replaced by a resume=auto that finds no checkpoint."""
+"""Whatever goes wrong ends in one line: a failed write leaves the previous file whole and no .tmp, an unforeseen
+exception names itself and its saved traceback, a bad command line says what to type instead."""
 
 import csv
 import errno

@@ -1,6 +1,5 @@
-"""Packaging: the configs ship inside the package (a non-editable install, the Docker image's, runs from anywhere),
-every third-party import is a declared dependency, constraints.txt fits pyproject.toml's ranges, and lm-eval is an
-optional extra that `xsa-lm eval` asks for in one line."""
+"""Packaging: the configs ship inside the package, every third-party import is a declared dependency, constraints.txt
+fits pyproject.toml's ranges, and lm-eval is an optional extra that `xsa-lm eval` asks for in one line."""
 
 import ast
 import importlib.metadata

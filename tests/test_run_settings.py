@@ -1,6 +1,5 @@
-"""A training config is checked as a whole before anything is written (the attention layers, the sinks, the trainer
-settings as Lightning will take them on this machine, every job of a --multirun), and what a run reports is what it
-does (the warmup it can finish, the LR it reached, the memory its sinks take). In process: no training."""
+"""A training config is checked as a whole before anything is written (the trainer as Lightning takes it here), and
+what a run reports is what it does (the warmup it can finish, the LR it reached, its sinks' memory). No training."""
 
 import sys
 from pathlib import Path
