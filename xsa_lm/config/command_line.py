@@ -53,7 +53,6 @@ def check_command_line(args: list[str]) -> str | None:
     flags, overrides = split_flags(args)
     for before, word in zip(["", *overrides], overrides, strict=False):
         # Most often the rest of an unquoted value with a space: `data.files=/tmp/my dir/a.txt`, split by the shell.
-
         if "=" not in word and not word.startswith("~"):
             example = f"'{before} {word}'" if "=" in before else "'key=a value'"
             return (

@@ -23,7 +23,6 @@ SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything en
 VOCAB_MULTIPLE = 64  # the embedding table padded: matmuls are faster on multiples of 64 (50257 -> 50304)
 FREE: dict[str, Any] = {"free_on_resume": True}  # json_schema_extra of a key a resume may change
 # Keys beside the training config's in a composed config: those of sweep, scale and plan, which compose train.yaml.
-
 AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
 S = TypeVar("S", bound=BaseModel)
 

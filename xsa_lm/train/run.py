@@ -242,7 +242,6 @@ def train(
     )
     if rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # a function attribute Lightning sets
         # Rank 0 alone picks the checkpoint; its choice reaches this rank once the process group exists (ClusterChecks).
-
         return fit(spec, config, run_dir, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH, kernels=kernels)
     with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         resume = find_resume_checkpoint(spec.resume, run_dir, mcfg, config=config)
