@@ -47,8 +47,7 @@ class WriteError(UserError):
 
 @contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
-    """A UserError or a config error ends as one line and exit code 2, any other exception as one line and exit
-    code 1; KeyboardInterrupt and SystemExit go on."""
+    """A UserError or config error: one line, exit code 2; any other exception: one line, exit code 1."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -174,8 +173,7 @@ def what_to_do(error: OSError) -> str:
 
 
 def remove_empty_run_dir() -> None:
-    """A refused command leaves no folder behind: the run directory Hydra made for it, its empty parents up to the
-    current directory, and a refused first job's multirun.yaml."""
+    """A refused command leaves no folder: its empty run dir, empty parents and a refused first job's multirun.yaml."""
     run_dir, here = hydra_run_dir(), Path.cwd().resolve()
     if run_dir is None or run_dir.resolve() == here:
         return

@@ -42,8 +42,7 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def flags_first(args: list[str]) -> list[str]:
-    """Hydra's flags (with their values) before the overrides: argparse refuses a flag placed between overrides
-    (`seed=1 --multirun lr=2`) with its whole usage text, while a user means the same command either way."""
+    """Hydra's flags before the overrides: argparse refuses `seed=1 --multirun lr=2` with its whole usage text."""
     flags, overrides = split_flags(args)
     return flags + overrides
 
@@ -72,8 +71,7 @@ def check_command_line(args: list[str]) -> str | None:
 
 
 def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
-    """A command's Hydra main with `args`; a bad command line ends in one line and exit code 2 (the user's
-    HYDRA_FULL_ERROR=1: Hydra's report)."""
+    """A command's Hydra main with `args`; a bad command line ends in one line, exit code 2."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

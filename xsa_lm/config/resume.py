@@ -68,8 +68,7 @@ def edited_since(trained: Config, config: Config) -> list[str]:
 
 
 def with_hand_edits(notes: list[str], *, trained: Config, config: Config) -> list[str]:
-    """A continuation's `notes` with the free keys config.yaml's hand edits changed since `trained`, the
-    checkpoint's config, and the LR schedule's note told from the checkpoint's schedule."""
+    """`notes` with the free keys edited by hand since the checkpoint's config `trained`, and its schedule's note."""
 
     named = {note.split(":")[0] for note in notes}
     then, now = flatten(trained), flatten(config)

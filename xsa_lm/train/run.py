@@ -177,8 +177,7 @@ def refuse_to_overwrite_results(run_dir: Path) -> None:
 
 
 def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: int | None) -> list:
-    """metrics.csv and W&B: a resume from step S keeps metrics.csv's rows before S and continues the W&B run; a
-    resume=auto that found no checkpoint starts both over."""
+    """metrics.csv and W&B: a resume from step S keeps the rows before S and the W&B run."""
     loggers: list = []
     if spec.logger.csv:
         keep_before = resume_step if resume_step is not None else (0 if spec.resume is not None else None)
@@ -337,8 +336,7 @@ def fit(
     resume: ResumePoint,
     kernels: SdpaKernels,
 ) -> RunSummary | None:
-    """Build the module and the trainer, train, and write summary.json (rank 0 returns it); a failed run too, then
-    re-raised: a sweep must see failed runs."""
+    """Build the module and trainer, train, write summary.json (a failed run's too, then re-raised)."""
     summary = RunStart(spec, run_dir=run_dir, model_config=mcfg)
     set_up_process(spec)
     module = make_module(spec, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))

@@ -26,8 +26,7 @@ def warmup_cosine_scheduler(
 
 
 def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """Set the optimizer's LRs to what the schedule gives its current step: a restored optimizer holds the old
-    schedule's, which a resume that changes the schedule would train the next step with."""
+    """Set the LRs to the schedule's at its current step: a restored optimizer holds the old schedule's."""
     if not isinstance(scheduler, LambdaLR):
         return
     groups = scheduler.optimizer.param_groups
