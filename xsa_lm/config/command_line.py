@@ -150,9 +150,11 @@ def check_job(command: str, choices: dict[str, str | None], config: dict[str, An
     """Refused before every job: a group's shared part as an option (data=_base), a `???` value, another's folder."""
     for group, option in choices.items():
         if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
+            folder = files("xsa_lm.configs").joinpath(group)
+            names = sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
             raise UserError(
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
-                f"of: {', '.join(group_options(group))}"
+                f"of: {', '.join(n for n in names if n[0] != '_')}"
             )
     from xsa_lm.config.spec import require_values
 
@@ -204,13 +206,6 @@ def another_commands_folder(command: str, folder: Path) -> str | None:
 def override_key(override: str) -> str:
     """The key of `key=value`, `+key=value`, `++key=value` or `~key`."""
     return override.split("=", 1)[0].lstrip("~+")
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group a user can choose: its YAML files, but those named _* (shared parts)."""
-    folder = files("xsa_lm.configs").joinpath(group)
-    names = [entry.name for entry in folder.iterdir()] if folder.is_dir() else []
-    return sorted(name.removesuffix(".yaml") for name in names if name.endswith(".yaml") and name[0] != "_")
 
 
 def quoting_hint(error: str, overrides: list[str]) -> str | None:

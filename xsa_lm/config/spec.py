@@ -107,10 +107,6 @@ def _layers(value: Any) -> str | None:
     return "must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
 
 
-def _text_of_number(value: Any) -> Any:
-    return str(value) if _is_int(value) else value  # Lightning's 16, 32, 64 are names too
-
-
 def flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
     flat = {}
@@ -253,8 +249,8 @@ class TrainerSpec(Spec):
     devices: Annotated[int | Literal["auto"] | list[int], BeforeValidator(_devices)] = Field(json_schema_extra=FREE)
     strategy: str | dict[str, Any] = Field(description="auto | a name | a node", json_schema_extra=FREE)
     num_nodes: Count = Field(json_schema_extra=FREE)
-    # auto (ours): bf16-mixed on GPUs with bf16, else 32-true
-    precision: Annotated[str, BeforeValidator(_text_of_number)]
+    # auto (ours): bf16-mixed on GPUs with bf16, else 32-true; Lightning's 16, 32, 64 are names too
+    precision: Annotated[str, BeforeValidator(lambda v: str(v) if _is_int(v) else v)]
     max_steps: Count = Field(description="optimizer steps", json_schema_extra=FREE)
     gradient_clip_val: float | None = Field(ge=0, description="the gradient norm's bound; null: none")
     log_every_n_steps: Count = Field(json_schema_extra=FREE)
@@ -311,11 +307,6 @@ class TrainerSpec(Spec):
                 f"trainer.precision={self.precision} is not a precision Lightning accepts: use auto or one of "
                 f"{', '.join(PRECISIONS)}"
             ) from None
-
-    @property
-    def lightning_args(self) -> dict[str, Any]:
-        """The node lightning.Trainer is built from (activation_checkpointing is the module's)."""
-        return self.model_dump(by_alias=True, exclude={"activation_checkpointing"})
 
 
 class WandbSpec(Spec):
@@ -419,7 +410,7 @@ class TrainSpec(Spec):
         self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
         if info.context == VALUES_ONLY:
             return self
-        block = self.data.block_size or self.model.block_size
+        block = self.block_size
         if block > self.model.block_size:
             raise ValueError(
                 f"data.block_size={block} is above model.block_size={self.model.block_size}: "

@@ -247,31 +247,47 @@ def train(
         if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
             where = data.dir / "tokenizer.json"
             check_tokenizer(Path(resume.path), data.tokenizer, data.tokenizer_sha256, where, "resume")
-        new_run = not (run_dir / "config.yaml").exists()
-        if resume.step is not None and resume.step >= spec.trainer.max_steps and new_run:
-            raise UserError(  # it would record the checkpoint's result as a run of trainer.max_steps
-                f"resume: {resume.path} is at step {resume.step}, at or past trainer.max_steps="
-                f"{spec.trainer.max_steps}: a new run from it would train nothing; raise trainer.max_steps"
-            )
-        if resume.step is not None and resume.step >= spec.trainer.max_steps and completed(run_dir):
-            print(
-                f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps="
-                f"{spec.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
-                "are left as they are"
-            )
-            return None
-        if resume.step is not None and resume.step > spec.trainer.max_steps:
-            raise UserError(  # it would record a run of more steps than its config.yaml and summary.json say
-                f"resume: the run in {run_dir} has reached step {resume.step}, past trainer.max_steps="
-                f"{spec.trainer.max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
-            )
+        continuing, max_steps = (run_dir / "config.yaml").exists(), spec.trainer.max_steps
+        if resume.step is not None and resume.step >= max_steps:
+            if not continuing:  # it would record the checkpoint's result as a run of trainer.max_steps
+                raise UserError(
+                    f"resume: {resume.path} is at step {resume.step}, at or past trainer.max_steps={max_steps}: "
+                    "a new run from it would train nothing; raise trainer.max_steps"
+                )
+            if completed(run_dir):
+                print(
+                    f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps={max_steps}: "
+                    "nothing to train (raise trainer.max_steps to continue it); its files are left as they are"
+                )
+                return None
+            if resume.step > max_steps:  # it would record more steps than its config.yaml and summary.json say
+                raise UserError(
+                    f"resume: the run in {run_dir} has reached step {resume.step}, past trainer.max_steps="
+                    f"{max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
+                )
         notes = resume_notes or []
-        if resume.trained is not None and not new_run:
+        if resume.trained is not None and continuing:
             notes = with_hand_edits(notes, trained=resume.trained, config=config)
         for warning in [spec.schedule.warning, *fewer_windows(spec, datamodule)]:
             if warning:
                 log.warning(warning)
-        write_run_files(spec, config, run_dir, data_dir=data.dir, resume=resume, notes=notes, kernels=kernels)
+        # config.yaml (what the next resume continues), run_info.json (the first start), resumes.jsonl (each resume)
+        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
+        info = {**run_info(attention=kernels), "data_dir": str(data.dir)}
+        if not (run_dir / "run_info.json").exists():
+            write_json(run_dir / "run_info.json", info)
+        if resume.path is not None:
+            record = dict(time=time.time(), from_step=resume.step, checkpoint=resume.path, changes=notes, run_info=info)
+            with open(run_dir / "resumes.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
+            log.info(
+                f"resume: continuing the run in {run_dir} ({what}) from step {resume.step} ({resume.path}) with its "
+                "saved config.yaml" + "".join(f"; {note}" for note in notes)
+                if continuing
+                else f"resume: a new run in {run_dir} ({what}) starts from {resume.path} (step {resume.step}): its "
+                "weights, optimizer state, LR schedule position and data position"
+            )
         return fit(spec, config, run_dir, datamodule=datamodule, mcfg=mcfg, resume=resume, kernels=kernels)
 
 
@@ -290,40 +306,6 @@ def fewer_windows(spec: TrainSpec, datamodule: TokenDataModule) -> list[str]:
             f"the diagnostics measure {used}"
         )
     return notes
-
-
-def write_run_files(
-    spec: TrainSpec,
-    config: Config,
-    run_dir: Path,
-    *,
-    data_dir: Path,
-    resume: ResumePoint,
-    notes: list[str],
-    kernels: SdpaKernels,
-) -> None:
-    """config.yaml (what the next resume continues), run_info.json (the first start), resumes.jsonl (each resume)."""
-    continuing = (run_dir / "config.yaml").exists()
-    write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
-    info = {**run_info(attention=kernels), "data_dir": str(data_dir)}
-    if not (run_dir / "run_info.json").exists():
-        write_json(run_dir / "run_info.json", info)
-    if resume.path is None:
-        return
-    record = dict(time=time.time(), from_step=resume.step, checkpoint=resume.path, changes=notes, run_info=info)
-    with open(run_dir / "resumes.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
-    if continuing:
-        log.info(
-            f"resume: continuing the run in {run_dir} ({what}) from step {resume.step} ({resume.path}) with its saved "
-            "config.yaml" + "".join(f"; {note}" for note in notes)
-        )
-    else:
-        log.info(
-            f"resume: a new run in {run_dir} ({what}) starts from {resume.path} (step {resume.step}): its weights, "
-            "optimizer state, LR schedule position and data position"
-        )
 
 
 def fit(
@@ -453,7 +435,7 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
 
 def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
     trainer = build(
-        spec.trainer.lightning_args,
+        spec.trainer.model_dump(by_alias=True, exclude={"activation_checkpointing"}),  # that one is the module's
         strategy=trainer_strategy(spec.trainer),
         precision=spec.trainer.resolved_precision,
         default_root_dir=str(run_dir),
