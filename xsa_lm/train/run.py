@@ -107,8 +107,23 @@ def find_resume_checkpoint(
         newest, step, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
         for path in skipped:
             rank_zero_only(log.warning)(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
+        summary = run_dir / "summary.json"
+        if newest is None and summary.exists():  # a new run here would replace the results of one that did not fail
+            try:
+                ended = RunSummary.read(summary)
+                what = f"a {ended.status} run of {ended.steps} steps" if ended.status != "failed" else None
+            except (UserError, OSError):
+                what = "a run"
+            if what:
+                files = ", ".join(
+                    p.name for p in (summary, run_dir / "metrics.csv", run_dir / "config.yaml") if p.exists()
+                )
+                raise UserError(
+                    f"resume=auto: hydra.run.dir={run_dir} holds the results of {what} ({files}) but no usable "
+                    "checkpoint to continue from: a new run there would replace them; choose a new hydra.run.dir, "
+                    "or move the old run aside"
+                )
         if newest is None:
-            refuse_to_overwrite_results(run_dir)
             held = "holds no run yet" if not (run_dir / "config.yaml").exists() else "has no usable checkpoint"
             rank_zero_only(log.info)(f"resume=auto: {run_dir} {held}: starting a new run from scratch")
             return FROM_SCRATCH
@@ -155,25 +170,6 @@ def find_resume_checkpoint(
             f"({'; '.join(optimizer)}): the run would train with the checkpoint's; drop these overrides"
         )
     return ResumePoint(path=str(path), step=step, trained=trained)
-
-
-def refuse_to_overwrite_results(run_dir: Path) -> None:
-    """A resume=auto without a checkpoint starts over: not where a run that did not fail left its summary.json."""
-    summary = run_dir / "summary.json"
-    if not summary.exists():
-        return
-    try:
-        ended = RunSummary.read(summary)
-        status, what = ended.status, f"a {ended.status} run of {ended.steps} steps"
-    except (UserError, OSError):
-        status, what = None, "a run"
-    if status == "failed":
-        return
-    files = ", ".join(p.name for p in (summary, run_dir / "metrics.csv", run_dir / "config.yaml") if p.exists())
-    raise UserError(
-        f"resume=auto: hydra.run.dir={run_dir} holds the results of {what} ({files}) but no usable checkpoint to "
-        "continue from: a new run there would replace them; choose a new hydra.run.dir, or move the old run aside"
-    )
 
 
 def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: int | None) -> list:
@@ -382,9 +378,9 @@ def header(spec: TrainSpec, run_dir: Path, data: TokenDataModule, module: LMModu
     """The run's first line: model, data, a step's tokens, the attention kernel, the run folder."""
     non_embedding, total, meta = module.model.num_params(), module.model.num_params(False), data.data.meta
     device = torch.cuda.get_device_name() if uses_cuda(spec.trainer.accelerator) else "cpu"  # set_device's
-    tokens = meta["train_tokens"]
-    epochs = spec.trainer.max_steps * spec.global_batch_tokens / tokens if tokens else math.nan
-
+    epochs = (
+        spec.trainer.max_steps * spec.global_batch_tokens / meta["train_tokens"] if meta["train_tokens"] else math.nan
+    )
     return (
         f"xsa-lm train | {spec.run_label} | model {spec.model.name}, attention={spec.attention.name}: "
         f"{non_embedding / 1e6:.2f}M non-embedding parameters ({total / 1e6:.2f}M total) | "
