@@ -12,6 +12,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from xsa_lm import errors
 from xsa_lm.errors import UserError
 
@@ -20,6 +22,9 @@ WITH_A_VALUE = "--cfg -c --package -p -cn --config-name -cd --config-dir -cp --c
 MULTIRUN_FLAGS = ("--multirun", "-m")
 QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 'key=a value'"
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
+# Mappings whose keys the user names (a model's LR grid): a new entry is added with `+`, never a typo of another one.
+OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
 
 
 def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
@@ -113,37 +118,19 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
     if str(error).startswith("Ambiguous value"):  # a comma: a list, a string or a sweep?
         return f"{one_line(error)} ({quoting})" if quoting else one_line(error)
     typo = re.match(r"Could not (?:override|append to config)[^']*'([^']+)'", str(error))
-    if typo:  # Hydra's hint is to add it with `+`: the command would never read it
-        return no_such_key(command, typo[1])
-    return one_line(error)
-
-
-# Mappings whose keys the user names (a model's LR grid): a new entry is added with `+`, never a typo of another one.
-OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
-
-
-def no_such_key(command: str, key: str) -> str:
-    """`<command> has no key K`, with the closest key (of the training config too, where the command composes it)."""
-    mapping = key.rpartition(".")[0]
+    if not typo:
+        return one_line(error)
+    # Hydra's hint is to add the key with `+`: the command would never read it. Ours: the closest key.
+    key, mapping = typo[1], typo[1].rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
     from xsa_lm.config.spec import all_fields
 
-    keys = own_keys(command) + (list(all_fields()) if command in TRAINING_COMMANDS else [])
-    close = difflib.get_close_matches(key, keys, n=1)
-    hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own_keys(command))}"
+    text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()  # its own keys: read, not composed
+    own = [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
+    close = difflib.get_close_matches(key, own + (list(all_fields()) if command in TRAINING_COMMANDS else []), n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own)}"
     return f"{command} has no key {key}: {hint} (configs/{command}.yaml)"
-
-
-TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
-
-
-def own_keys(command: str) -> list[str]:
-    """The keys configs/<command>.yaml sets itself (read, not composed)."""
-    import yaml
-
-    text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()
-    return [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
 
 
 def check_job(command: str, choices: dict[str, str | None], config: dict[str, Any], run_dir: Path | None) -> None:
