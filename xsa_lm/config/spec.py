@@ -1,9 +1,6 @@
-"""The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
-
-A field owns its type, doc and range (a missing key is refused, never filled in); rules across fields are model
-validators; what a run derives is computed once. `parse` turns a bad config into ONE line naming each bad key.
-A field marked FREE may change on a resume (config/resume.py).
-"""
+"""The training config typed once, as frozen pydantic models: a field owns its type, doc and range (a missing key is
+refused, never filled in), rules across fields are model validators, derived values are computed once; `parse` turns
+a bad config into ONE line naming each bad key. A field marked FREE may change on a resume (config/resume.py)."""
 
 import math
 from collections.abc import Mapping, Sequence

@@ -68,8 +68,7 @@ def check_memory(spec: TrainSpec) -> None:
         return
     need = run_shape(spec).estimate()
     have, where = memory.available_bytes(spec.trainer.accelerator)
-    devices = spec.trainer.world_size
-    processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
+    processes = spec.trainer.world_size if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
         per = f" per process x {processes}" if processes > 1 else ""
         raise UserError(
