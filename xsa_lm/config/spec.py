@@ -143,8 +143,7 @@ class ModelSpec(Spec):
         if architecture["vocab_size"] is None:
             architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         elif architecture["vocab_size"] < vocab_size:
-            given = architecture["vocab_size"]
-            raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
+            raise UserError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's {vocab_size}")
         architecture.update(attention=attention.name, xsa_eps=attention.eps, xsa_gate=attention.gate == "tanh")
         architecture["xsa_layers"] = attention.xsa_layers(self.n_layer)
         try:

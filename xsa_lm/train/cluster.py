@@ -1,6 +1,5 @@
-"""Checks every rank makes once the processes have joined, each refusal one line (no hang): as many processes as
-the accumulation was sized for (`sbatch` without `srun` starts one), a checkpoint directory every rank sees, and
-the checkpoint rank 0 chose to resume from."""
+"""Checks every rank makes once the processes have joined, each refusal one line (no hang): as many processes as the
+accumulation was sized for, a checkpoint directory every rank sees, and the checkpoint rank 0 chose to resume from."""
 
 import secrets
 from pathlib import Path
