@@ -1,5 +1,4 @@
-"""Shared fixtures: a prepared-data cache for the whole session. Shared helpers are in tests/helpers.py (imported
-here too, for the modules that take them from conftest)."""
+"""Shared fixtures: a prepared-data cache for the whole session (helpers: tests/helpers.py)."""
 
 import os
 from pathlib import Path
@@ -11,16 +10,15 @@ from tests.helpers import FAST, REPO, cli_env, run_cli
 
 __all__ = ["FAST", "REPO", "cli_env", "run_cli"]
 
-# One OpenMP thread per process, for this process and the training runs it starts: the suite runs one worker per core
-# and a test's runs beside it, and more threads than cores spin and wait (four tiny runs at once on 2 cores: 80 s with
-# 2 threads each, 32 s with 1). An explicit setting is kept.
+# One OpenMP thread per process and per run it starts: more threads than cores spin and wait (four tiny runs at once
+# on 2 cores: 80 s with 2 threads each, 32 s with 1). An explicit setting is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# The long rehearsals' heaviest files (seconds of test time in CI on 2 cores: ~500, ~320, ~310, ~260), handed to the
-# pytest workers first, so that neither worker starts one of them when the other is nearly done (make test-long turns
-# off xdist's own order, which sends the files holding the most tests first and these hold one to four).
+# The heaviest files (~500, ~320, ~310, ~260 s on 2 cores) go to the workers first: neither starts one when the other
+# is nearly done (make test-long turns off xdist's own order).
+
 HEAVIEST_FIRST = ("test_sweep.py", "test_scale.py", "test_gpu_check.py", "test_token_axis.py")
 
 

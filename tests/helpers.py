@@ -1,5 +1,4 @@
-"""What several test modules share: the fast training recipe, the CLI runner, config composition, checks of a refused
-command, and small files the tests write. Fixtures live in conftest.py."""
+"""What several test modules share: the fast recipe, the CLI runners, composition, checks of a refusal, small files."""
 
 import csv
 import json
@@ -48,8 +47,7 @@ def run_cli(
     preexec_fn: Callable[[], None] | None = None,
     **env,
 ) -> subprocess.CompletedProcess:
-    """`python -m xsa_lm.cli <args>` in a subprocess, as a user would type `xsa-lm <args>` (`module`: another entry
-    point; `preexec_fn`: run in the child first, e.g. to set a resource limit)."""
+    """`xsa-lm <args>` in a subprocess (`module`: another entry point; `preexec_fn`: run in the child first)."""
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
@@ -63,9 +61,8 @@ def run_cli(
 
 @contextmanager
 def process_state_restored() -> Iterator[None]:
-    """The environment and every logger as they were before a command ran in this process: what it sets (eval's HF
-    offline switches; generate's Hydra logging config, hydra/job_logging: disabled, disables every existing logger)
-    would otherwise reach the tests after it."""
+    """The environment and every logger as they were before a command ran in this process (eval sets HF switches,
+    generate's hydra/job_logging: disabled disables every logger)."""
     environ = dict(os.environ)
     loggers = [
         logging.getLogger(),
@@ -90,9 +87,8 @@ def process_state_restored() -> Iterator[None]:
 def cli_in_process(
     args: list[str], data_cache: Path, cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> subprocess.CompletedProcess:
-    """`xsa-lm <args>` run in this process, with run_cli's environment and working directory: its exit code and
-    output. For commands refused before any training, where a subprocess adds ~10 s of imports and nothing else (a
-    check read at import time, such as HF_HUB_OFFLINE, needs run_cli)."""
+    """`xsa-lm <args>` in this process with run_cli's environment and folder, for commands refused before training
+    (a check read at import time, such as HF_HUB_OFFLINE, needs run_cli)."""
     for name in [n for n in os.environ if n.startswith(("WANDB_", "HYDRA_"))]:
         monkeypatch.delenv(name)
     for name, value in {**cli_env(data_cache), ARGV_VARIABLE: "null"}.items():
@@ -111,8 +107,7 @@ def cli_in_process(
 
 
 def refused_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> str:
-    """`xsa-lm <args>`, refused before its job starts (exit code 2), run in this process: its stderr. For checks of
-    the refusal itself, where a subprocess adds seconds and nothing else."""
+    """`xsa-lm <args>` in this process, refused (exit code 2): its stderr."""
     monkeypatch.setattr(sys, "argv", ["xsa-lm", *args])
     monkeypatch.setenv(ARGV_VARIABLE, "null")  # restored after the test
     with pytest.raises(SystemExit) as exit_, process_state_restored():
@@ -123,14 +118,8 @@ def refused_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys:
 
 def start_cli(args: list[str], data_cache: Path, cwd: Path) -> subprocess.Popen:
     """`xsa-lm <args>` started in the background, its output piped."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "xsa_lm.cli", *args],
-        cwd=cwd,
-        env=cli_env(data_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    command, pipe = [sys.executable, "-m", "xsa_lm.cli", *args], subprocess.PIPE
+    return subprocess.Popen(command, cwd=cwd, env=cli_env(data_cache), stdout=pipe, stderr=pipe, text=True)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -147,7 +136,7 @@ def compose_train(overrides: list[str], config_name: str = "train") -> DictConfi
 
 
 def train_from(cfg: DictConfig, run_dir: Path, **kwargs):
-    """`xsa-lm train` of a composed config in this process, as its main does: the spec, the plain config, train()."""
+    """`xsa-lm train` of a composed config in this process, as its main does."""
     from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.train.run import train
 
@@ -155,19 +144,16 @@ def train_from(cfg: DictConfig, run_dir: Path, **kwargs):
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *expected: str) -> str:
-    """One line on stderr, `xsa-lm: error: ...` with the expected texts, exit code 2, no traceback."""
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: "), proc.stderr[-2000:]
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
+    """assert_clean_error's line, alone on stderr, `xsa-lm: error: ...`, exit code 2."""
+    line = assert_clean_error(proc, *expected)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
+    assert line.startswith("xsa-lm: error: "), line
+    return line
 
 
 def assert_clean_error(out: subprocess.CompletedProcess, *expected: str) -> str:
     """A non-zero exit whose last line on stderr is xsa-lm's, with the expected texts, and no traceback."""
-    assert out.returncode != 0
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Traceback" not in out.stderr + out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("xsa-lm"), out.stderr[-2000:]
@@ -186,12 +172,8 @@ TINY = dict(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_s
 def lightning_checkpoint(config: GPTConfig) -> dict:
     """What `xsa-lm train` saves, as far as load_model reads it: Lightning's prefixed state_dict and the config."""
     torch.manual_seed(0)
-    model = GPT(config)
-    return {
-        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-        "model_config": asdict(config),
-        "global_step": 0,
-    }
+    state = {f"model.{k}": v for k, v in GPT(config).state_dict().items()}
+    return {"state_dict": state, "model_config": asdict(config), "global_step": 0}
 
 
 def write_checkpoint(run_dir: Path, config: GPTConfig | None = None) -> Path:

@@ -23,6 +23,11 @@ CASES = {  # through the CLI: nothing is written (each rule of the spec: test_sc
     "resume from a file that is no checkpoint": (["resume=/etc/passwd"], ["resume", "not a checkpoint"]),
     "resume from a device": (["resume=/dev/null"], ["resume: /dev/null is not a regular file"]),
     "a model far larger than the machine": (["model.n_layer=100000"], ["needs about", "GiB", "check_memory=false"]),
+    "a micro-batch larger than the corpus": (
+        ["data=local", "data.files={tmp}/small.txt", "micro_batch_size=64", "global_batch_tokens=4096"],
+        ["fewer than micro_batch_size=64"],
+    ),
+    "an empty corpus": (["data=local", "data.files={tmp}/*.jsonl", "data.val_fraction=0.5"], ["data:", "no text"]),
 }
 
 
@@ -41,6 +46,9 @@ def test_bad_input(
 ):
     """In this process, as `xsa-lm train ...` runs it (a subprocess adds ~5 s of imports per case and nothing else)."""
     run_dir = tmp_path / "run"
+    (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
+    (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
     switches_tokenizer = any(o.startswith("tokenizer=") for o in overrides)
     fast = [a for a in FAST if not (switches_tokenizer and a.startswith("tokenizer."))]
     args = ["train", *fast, *overrides, f"hydra.run.dir={run_dir}"]
@@ -58,27 +66,6 @@ def test_bad_input(
         for text in expected:
             assert text in last, last
     assert not run_dir.exists()  # a refused run writes nothing, not even an empty folder
-
-
-def test_micro_batch_larger_than_the_corpus(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
-    args = ["train", *FAST, "data=local", f"data.files={tmp_path}/small.txt", "micro_batch_size=64"]
-    out = cli_in_process(
-        [*args, "global_batch_tokens=4096", f"hydra.run.dir={tmp_path / 'run'}"],
-        data_cache,
-        tmp_path,
-        monkeypatch,
-        capsys,
-    )
-    assert_clean_error(out, "fewer than micro_batch_size=64")
-    assert not (tmp_path / "run").exists()
-
-
-def test_empty_corpus(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
-    (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
-    args = ["train", *FAST, "data=local", f"data.files={tmp_path}/*.jsonl", "data.val_fraction=0.5"]
-    out = cli_in_process([*args, f"hydra.run.dir={tmp_path / 'run'}"], data_cache, tmp_path, monkeypatch, capsys)
-    assert_clean_error(out, "data:", "no text")
 
 
 def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path, monkeypatch, capsys):

@@ -84,25 +84,15 @@ PAPER_PROTOCOL = {"block_size": 2048, "global_batch_tokens": 256 * 2048, "warmup
 
 
 @pytest.mark.parametrize("size", sorted(TABLE_1))
-def test_paper_presets_hold_the_papers_numbers(size: str):
+def test_paper_presets_hold_the_papers_numbers_and_their_toys_its_attention_width(size: str):
     cfg = compose_train([f"experiment=paper_{size}"])
-    model = cfg.model
+    model, protocol = cfg.model, PAPER_PROTOCOL
     assert (model.n_layer, model.d_model, model.n_head, model.head_dim, cfg.optim.lr) == TABLE_1[size]
-    assert model.block_size == PAPER_PROTOCOL["block_size"]
-    assert cfg.global_batch_tokens == PAPER_PROTOCOL["global_batch_tokens"]
-    assert cfg.scheduler.warmup_steps == PAPER_PROTOCOL["warmup_steps"]
-    assert cfg.trainer.max_steps == PAPER_PROTOCOL["max_steps"]
-
-
-@pytest.mark.parametrize("size", sorted(TABLE_1))
-def test_toy_twins_keep_the_presets_attention_width_ratio(size: str):
+    taken = (model.block_size, cfg.global_batch_tokens, cfg.scheduler.warmup_steps, cfg.trainer.max_steps)
+    assert taken == tuple(protocol.values())  # block_size, global_batch_tokens, warmup_steps, max_steps
     # XSA acts on the attention width n_head x head_dim, which the paper sets apart from d_model: a toy keeps it.
-    def ratio(model) -> float:
-        return model.n_head * model.head_dim / model.d_model
-
-    preset = compose_train([f"experiment=paper_{size}"]).model
     toy = compose_train([f"experiment=paper_{size}_toy"]).model
-    assert ratio(toy) == pytest.approx(ratio(preset))
+    assert toy.n_head * toy.head_dim / toy.d_model == pytest.approx(model.n_head * model.head_dim / model.d_model)
 
 
 LABELLED = [f"{group}/paper_{size}.yaml" for group in ("model", "experiment") for size in TABLE_1]

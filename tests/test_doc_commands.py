@@ -1,14 +1,10 @@
-"""Every command README.md and docs/*.md show runs as written, so a stale example fails here.
+"""Every command README.md and docs/*.md show (code blocks but ```text ones, and inline code) runs as written.
 
-Commands are read from the pages' code blocks (not ```text ones) and inline code: continuation lines joined,
-comments dropped, shell variables from VARIABLES, a `srun`, `docker run` or `NAME=value` prefix set aside,
-`python -m xsa_lm.train` read as `xsa-lm train`; `...` stands for "your other overrides" (a stand-in value).
-- Up-front checks (every command, in this process): what the CLI checks (composition, required values, types and
-  ranges) and what its job checks before it writes anything, each `--multirun` job apart; the xsa-lm commands of a
-  shown `make` target's recipe too. A removed key, option or experiment, or a refused value, fails.
+- Up-front checks (every command, and a shown `make` target's xsa-lm commands, in this process): what the CLI and
+  the job check before anything is written, each `--multirun` job apart; `...` stands for other overrides.
 - RUN (make test-long): run for real, in order, in one folder, each shrunk as its entry says.
-- NOT_RUN: every other command of a code block, with why it does not run here and where it is tested instead. A
-  command in neither list fails, and so does an entry no page shows any more.
+- NOT_RUN: every other command of a code block, with why and where it is tested instead; a command in neither list
+  fails, and so does an entry no page shows any more.
 """
 
 import itertools
@@ -26,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tests.helpers import compose_train, run_cli
 from xsa_lm.config.command_line import check_command_line, check_job, hydra_problem
+from xsa_lm.config.spec import VALUES_ONLY, PrepareSpec, TrainSpec, parse
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -39,8 +36,7 @@ STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks f
 
 @dataclass(frozen=True)
 class Shown:
-    """One command as a page shows it: `text` (the shell's words, variables unexpanded) is its name in RUN and
-    NOT_RUN; `argv` is what follows `xsa-lm` (or `make`)."""
+    """One command as a page shows it: `text` (its name in RUN and NOT_RUN); `argv`: what follows `xsa-lm` or `make`."""
 
     page: str
     text: str
@@ -54,8 +50,7 @@ class Shown:
 
 
 def shell_lines(block: str, console: bool) -> list[str]:
-    """The block's commands, one per string, continuation lines joined; in a ```console block the `$ ` lines (the
-    others are output)."""
+    """The block's commands, continuation lines joined; in a ```console block the `$ ` lines."""
     commands, current = [], None
     for line in block.splitlines():
         if console and current is None:
@@ -73,17 +68,10 @@ def shell_lines(block: str, console: bool) -> list[str]:
 
 def simple_commands(words: list[str]) -> list[list[str]]:
     """Words split at `&&`, `||`, `;` and `|`."""
-    parts, current = [], []
-    for word in words:
-        if word in ("&&", "||", ";", "|"):
-            parts.append(current)
-            current = []
-        else:
-            current.append(word)
-    return [*parts, current]
+    return [list(g) for sep, g in itertools.groupby(words, lambda w: w in ("&&", "||", ";", "|")) if not sep]
 
 
-def parse(words: list[str]) -> tuple[str, tuple[str, ...]] | None:
+def command_of(words: list[str]) -> tuple[str, tuple[str, ...]] | None:
     """(program, argv) of an xsa-lm or make command, else None."""
     for i, word in enumerate(words):
         rest = words[i + 1 :]
@@ -105,13 +93,13 @@ def shown_in(page: Path) -> list[Shown]:
             continue
         for line in shell_lines(block, console=language == "console"):
             for words in simple_commands(shlex.split(line, comments=True)):
-                if parsed := parse(words):
+                if parsed := command_of(words):
                     found.append(Shown(label, " ".join(words), *parsed, fenced=True))
     for span in re.findall(r"`([^`]+)`", FENCE.sub("", markdown)):
         if not re.match(r"(\w+=\S* )*(xsa-lm |python -m xsa_lm\.|torchrun )", span):  # prose, or a message
             continue
         words = shlex.split(" ".join(span.split()))
-        parsed = parse(words)
+        parsed = command_of(words)
         if parsed and parsed[0] == "xsa-lm" and len(parsed[1]) > 1:  # `xsa-lm eval` alone names the command
             found.append(Shown(label, " ".join(words), *parsed, fenced=False))
     return found
@@ -150,7 +138,7 @@ def recipe_commands(target: str) -> list[tuple[str, ...]]:
             continue
         line = re.sub(r"\$\$\(date [^)]*\)", "2026-01-01_00-00-00", line.strip()).replace("$(BIN)/", "")
         for words in simple_commands(shlex.split(line)):
-            if (parsed := parse(words)) and parsed[0] == "xsa-lm":
+            if (parsed := command_of(words)) and parsed[0] == "xsa-lm":
                 commands.append(parsed[1])
     return commands
 
@@ -282,10 +270,6 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "trainer=gpu compile=true attention=xsa hydra.run.dir=runs/xsa": "Docker and a GPU",
 }
 
-# Shown commands the up-front checks refuse today; each must still be refused (remove it once it passes).
-KNOWN_BROKEN: dict[str, str] = {}  # documented commands that fail today, each with the reason (none now)
-
-
 # The up-front checks: the CLI's, then each job's own checks before it writes anything.
 
 
@@ -295,13 +279,10 @@ def task_overrides(overrides: list[str]) -> list[str]:
 
 
 def check_train(cfg: DictConfig, overrides: list[str]) -> None:
-    """What `xsa-lm train` checks before it reads data or writes: the config, the trainer as Lightning takes it on
-    this machine (not for a GPU trainer on a machine without one: the docs' GPU commands are for GPU machines), the
-    schedule, the model's settings."""
+    """What `xsa-lm train` checks before it reads data or writes (a GPU trainer's settings: on a GPU machine)."""
     import torch
 
     from xsa_lm.config.builders import check_trainer
-    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.train.run import trainer_strategy
 
     spec = parse(TrainSpec, cfg)
@@ -311,7 +292,6 @@ def check_train(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import TrainSpec, parse
     from xsa_lm.sweep import run as sweep
     from xsa_lm.sweep.settings import SweepSpec
 
@@ -321,7 +301,6 @@ def check_sweep(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import parse
     from xsa_lm.scale.run import load_bench, sweep_overrides
     from xsa_lm.sweep.run import train_overrides
     from xsa_lm.sweep.settings import ScaleSpec
@@ -341,20 +320,16 @@ def check_scale(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import PrepareSpec, parse
-
     assert parse(PrepareSpec, cfg).data.source is not None, "xsa-lm prepare needs a source"
 
 
 def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
     from xsa_lm.analysis.run import AnalyzeOptions
-    from xsa_lm.config.spec import parse
 
     parse(AnalyzeOptions, cfg)
 
 
 def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import parse
     from xsa_lm.eval.run import EvalOptions, require_harness
 
     require_harness()
@@ -362,7 +337,6 @@ def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_generate(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import parse
     from xsa_lm.eval.sample import GenerateOptions
 
     parse(GenerateOptions, cfg)
@@ -375,7 +349,6 @@ def check_export(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def check_plan(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
     from xsa_lm.train.plan import run_shape
 
     run_shape(parse(TrainSpec, cfg, VALUES_ONLY)).estimate()
@@ -422,10 +395,8 @@ def combinations(overrides: list[str]) -> list[list[str]]:
 
 
 def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest.CaptureFixture) -> str | None:
-    """What the command refuses before it writes anything, None when it passes: xsa-lm's check of the command line,
-    Hydra's composition (of each job of a --multirun), then the checks of every job and of the command's own job.
-    An elided command gets the command line's and Hydra's checks only: its stand-in values are no values to check a
-    range of."""
+    """What the command refuses before it writes anything (None: nothing): the command line, Hydra's composition of
+    each job, then every job's checks and the command's own (not for an elided command's stand-in values)."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -456,7 +427,7 @@ def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest
     return None
 
 
-def test_the_extraction_finds_every_kind_of_command():
+def test_the_extraction_finds_every_kind_of_command_and_each_is_run_or_listed():
     """The patterns above find what the pages show (a rewrite of the extraction that finds nothing fails here)."""
     shown = fenced()
     commands = {s.argv[0] for s in shown.values() if s.program == "xsa-lm"}
@@ -469,38 +440,36 @@ def test_the_extraction_finds_every_kind_of_command():
     assert plan.argv[-1] == "device_memory_gb=80"
     assert {"demo", "test", "docs"} <= {s.argv[0] for s in shown.values() if s.program == "make"}
     assert any(not s.fenced for s in all_shown())  # inline ones too
+    # a command of a code block is run below (RUN) or listed with why not (NOT_RUN); no entry is stale
+    texts, run = set(shown), [text for text, _, _ in RUN]
+    assert len(run) == len(set(run)) and not set(run) & set(NOT_RUN), set(run) & set(NOT_RUN)
+    assert sorted(texts - set(run) - set(NOT_RUN)) == [], "new in the docs: add each to RUN, or to NOT_RUN with why"
+    assert sorted((set(run) | set(NOT_RUN)) - texts) == [], "no page shows these any more: remove them"
 
 
 @pytest.mark.slow  # composes and checks every command of the README and docs, one by one
 def test_every_documented_command_passes_its_up_front_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
-    """Each command as written (variables expanded) through the checks the command makes before writing anything;
-    the xsa-lm commands of a shown `make` target's recipe too."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     (tmp_path / "bin").mkdir()
-    for program in STUBS:
-        (tmp_path / "bin" / program).write_text("#!/bin/sh\nexit 0\n")
-        (tmp_path / "bin" / program).chmod(0o755)
+    for stub in (tmp_path / "bin" / program for program in STUBS):
+        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     commands = {s.text: s for s in all_shown() if s.program == "xsa-lm"}
     for target in sorted({s.argv[0] for s in all_shown() if s.program == "make"}):
         for argv in recipe_commands(target):
             text = f"make {target}: xsa-lm {' '.join(argv)}"
             commands[text] = Shown("Makefile", text, "xsa-lm", argv, fenced=False)
-    start, refused, mended = time.perf_counter(), [], []
+    start, refused = time.perf_counter(), []
     for text, shown in commands.items():
-        error = upfront_error(shown.argv, tmp_path, shown.elided, capsys)
-        if error is not None and text not in KNOWN_BROKEN:
+        if (error := upfront_error(shown.argv, tmp_path, shown.elided, capsys)) is not None:
             refused.append(f"{shown.page}: {text}\n    {error}")
-        elif error is None and text in KNOWN_BROKEN:
-            mended.append(text)
     seconds = time.perf_counter() - start
     assert len(commands) >= 60  # the extraction found them
     assert not refused, "documented commands refused before they start:\n" + "\n".join(refused)
-    assert not mended, f"these pass now: remove them from KNOWN_BROKEN: {mended}"
-    assert set(KNOWN_BROKEN) <= set(commands), set(KNOWN_BROKEN) - set(commands)
     print(f"{len(commands)} documented commands through their up-front checks in {seconds:.1f} s")
 
 
@@ -520,20 +489,9 @@ def test_a_stale_example_would_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert upfront_error(argv, tmp_path, False, capsys), argv
 
 
-def test_every_documented_command_is_run_or_listed():
-    """A command shown in a code block is run below (RUN) or listed with the reason it is not (NOT_RUN); an entry no
-    page shows any more is a stale one."""
-    shown = set(fenced())
-    run = [text for text, _, _ in RUN]
-    assert len(run) == len(set(run)) and not set(run) & set(NOT_RUN), set(run) & set(NOT_RUN)
-    assert sorted(shown - set(run) - set(NOT_RUN)) == [], "new in the docs: add each to RUN, or to NOT_RUN with why"
-    assert sorted((set(run) | set(NOT_RUN)) - shown) == [], "no page shows these any more: remove them"
-
-
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    """The folder the shown commands run in, with the files they name: input.txt (a play), corpus/*.jsonl (three
-    plays, a paragraph per line)."""
+    """The shown commands' folder: input.txt (a play), corpus/*.jsonl (three plays, a paragraph per line)."""
     from xsa_lm.data.sources import ShakespeareCorpus
 
     plays = dict(itertools.islice(ShakespeareCorpus(val_plays=[]).documents(), 4))
@@ -548,8 +506,7 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def exported_model_stops_at_block_size(folder: Path, out: str) -> bool:
-    """As docs/evaluation.md says: in transformers the exported model refuses a sequence past its block_size (where
-    `xsa-lm generate`, 200 tokens after a prompt in a 128-token context above, slides the window)."""
+    """As docs/evaluation.md says: in transformers the exported model refuses a sequence past its block_size."""
     import torch
     from transformers import AutoModelForCausalLM
 

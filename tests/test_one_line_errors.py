@@ -1,6 +1,5 @@
-"""Whatever goes wrong ends in one line: a write that fails (a full disk, a file-size limit) leaves the previous file
-whole and no .tmp, an exception nobody foresaw names itself and where its traceback was saved, and a finished run's
-results are never replaced by a resume=auto that finds no checkpoint."""
+"""Whatever goes wrong ends in one line: a failed write leaves the previous file whole and no .tmp, an unforeseen
+exception names itself and its saved traceback, a bad command line says what to type instead."""
 
 import csv
 import errno
@@ -23,23 +22,10 @@ from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.records import RunSummary
 
-
-def disk_full() -> None:
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def too_large() -> None:
-    raise OSError(errno.EFBIG, "File too large")
-
-
-def wrapped_disk_full() -> None:  # what torch.save raises: a RuntimeError while handling the OSError
-    try:
-        disk_full()
-    except OSError:
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
-
-
-FAILURES = [(disk_full, "No space"), (too_large, "too large"), (wrapped_disk_full, "No space")]
+DISK_FULL = OSError(errno.ENOSPC, "No space left on device")
+TORCH_SAVE = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+TORCH_SAVE.__context__ = DISK_FULL  # what torch.save raises: a RuntimeError while handling the OSError
+FAILURES = [(DISK_FULL, "No space"), (OSError(errno.EFBIG, "File too large"), "too large"), (TORCH_SAVE, "No space")]
 
 
 @pytest.mark.parametrize("failure, reason", FAILURES)
@@ -50,7 +36,7 @@ def test_a_failed_write_leaves_the_previous_file_whole_and_no_tmp(failure, reaso
         write_json(path, {"old": 1})
     with pytest.raises(WriteError) as error, atomic_file(path) as f:
         f.write('{"new": ')
-        failure()
+        raise failure
     message = str(error.value)
     assert message.startswith(f"could not write {path} (") and reason in message, message
     assert ("the previous results.json is intact" if existed else "no partial file was left") in message
@@ -165,28 +151,71 @@ def test_a_folder_that_cannot_be_removed_stays_without_a_traceback(monkeypatch, 
     assert run_dir.is_dir()
 
 
-TYPOS = {  # a key the command's config lacks (Hydra's hint, to add it with `+`, would have it ignored)
-    "unknown command": (["trian"], "unknown command 'trian': did you mean 'train'? (commands: train, "),
-    "generate temprature": (["generate", "ckpt=x", "temprature=0"], "generate has no key temprature: did you mean"),
-    "eval lmit": (["eval", "ckpts=[x]", "lmit=3"], "eval has no key lmit: did you mean limit?"),
-    "plan model.n_layr": (["plan", "model.n_layr=2"], "plan has no key model.n_layr: did you mean model.n_layer?"),
-    "plan +model.n_layr": (["plan", "+model.n_layr=2"], "model.n_layr: not an option of the model group (it has"),
-    "train optim.lrr": (["train", "optim.lrr=0.1"], "train has no key optim.lrr: did you mean optim.lr?"),
-    "generate foo.bar": (["generate", "ckpt=x", "foo.bar=1"], "generate has no key foo.bar: its keys are ckpt, "),
+COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command lacks: the closest)
+    "multirun: an option": (
+        ["train", "-m", "attention=foo"],
+        ["Could not find 'attention/foo'", "options in 'attention'"],
+    ),
+    "multirun: one job's option": (
+        ["train", "--multirun", "attention=sa,foo"],
+        ["attention/foo", "options in 'attention'"],
+    ),
+    "multirun: one job's value": (
+        ["train", "-m", "attention=sa,xsa", "seed=-1,0"],
+        ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"],
+    ),
+    "space": (
+        ["train", "data=local", "data.files=/tmp/my", "dir/a.txt"],
+        ["quoted", "e.g. 'data.files=/tmp/my dir/a.txt'"],
+    ),
+    "bracket": (["train", "data.files=[a"], ["must be quoted"]),
+    "an apostrophe": (
+        ["train", "samples.prompt=it's"],
+        ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""'],
+    ),
+    "a comma": (["train", "samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
+    "non-ASCII": (
+        ["train", "samples.prompt=日本語"],
+        ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""'],
+    ),
+    # an empty path is the current directory: an unset shell variable would train into it
+    "empty run dir": (["train", "hydra.run.dir="], ["hydra.run.dir is empty (an unset shell variable?): set it to a"]),
+    "blank run dir": (["train", "hydra.run.dir= "], ["hydra.run.dir is empty (an unset", "e.g. hydra.run.dir=runs/a"]),
+    "empty sweep dir": (
+        ["train", "-m", "hydra.sweep.dir="],
+        ["hydra.sweep.dir is empty", "e.g. hydra.sweep.dir=runs/a"],
+    ),
+    "multirun: run dir": (
+        ["train", "-m", "seed=1,2", "hydra.run.dir=x"],
+        ["hydra.run.dir is not used under --multirun"],
+    ),
+    # a key the command's config lacks (Hydra's hint, to add it with `+`, would have it ignored)
+    "unknown command": (["trian"], ["unknown command 'trian': did you mean 'train'? (commands: train, "]),
+    "generate temprature": (
+        ["generate", "ckpt=x", "temprature=0"],
+        ["generate has no key temprature: did you mean temperature?"],
+    ),
+    "eval lmit": (["eval", "ckpts=[x]", "lmit=3"], ["eval has no key lmit: did you mean limit?"]),
+    "plan model.n_layr": (["plan", "model.n_layr=2"], ["plan has no key model.n_layr: did you mean model.n_layer?"]),
+    "plan +model.n_layr": (["plan", "+model.n_layr=2"], ["model.n_layr: not an option of the model group (it has"]),
+    "train optim.lrr": (["train", "optim.lrr=0.1"], ["train has no key optim.lrr: did you mean optim.lr?"]),
+    "generate foo.bar": (["generate", "ckpt=x", "foo.bar=1"], ["generate has no key foo.bar: its keys are ckpt, "]),
     "sweep new lr_grids entry": (
         ["sweep", "sweep.lr_grids.mine=[1e-3]"],
-        "sweep has no key sweep.lr_grids.mine yet: add the LR grid of another model.name with "
-        "+sweep.lr_grids.mine=[...]",
+        ["sweep has no key sweep.lr_grids.mine yet: add the LR grid of another model.name with +sweep.lr_grids."],
     ),
 }
 
 
-@pytest.mark.parametrize("args, expected", TYPOS.values(), ids=TYPOS.keys())
-def test_a_key_the_command_lacks_names_the_closest(args: list[str], expected: str, monkeypatch, capsys):
-    err = refused_in_process(args, monkeypatch, capsys)
-    (line,) = err.strip().splitlines()
-    assert line.startswith(f"xsa-lm: error: {expected}"), line
-    assert "temprature" not in line or "did you mean temperature?" in line
+@pytest.mark.parametrize("args, expected", COMMAND_LINES.values(), ids=COMMAND_LINES.keys())
+def test_a_bad_command_line_is_refused_in_one_line(args: list[str], expected: list[str], monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    err = refused_in_process(args, monkeypatch, capsys).strip()
+    assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
+    for text in expected:
+        assert text in err, err
+    if "attention=sa,foo" not in args:  # Hydra's sweeper writes multirun.yaml before it composes each job
+        assert list(tmp_path.iterdir()) == []  # no outputs/ folder
 
 
 @pytest.mark.parametrize("mode", ["auto", "offline"])

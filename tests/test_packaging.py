@@ -1,6 +1,5 @@
-"""Packaging: the configs ship inside the package (a non-editable install, the Docker image's, runs from anywhere),
-every third-party import is a declared dependency, constraints.txt fits pyproject.toml's ranges, and lm-eval is an
-optional extra that `xsa-lm eval` asks for in one line."""
+"""Packaging: the configs ship inside the package, every third-party import is a declared dependency, constraints.txt
+fits pyproject.toml's ranges, and lm-eval is an optional extra that `xsa-lm eval` asks for in one line."""
 
 import ast
 import importlib.metadata
@@ -137,16 +136,16 @@ def test_the_eval_message_names_the_extra_of_pyproject():
     assert "lm-eval" not in {canonicalize_name(r.name) for r in requirements()}  # not in the core install
 
 
+NEEDS_THE_HARNESS = {
+    "xsa-lm eval": ["eval", "ckpts=[x.ckpt]"],
+    "sweep.eval_tasks": ["sweep", "experiment=demo", "sweep.eval_tasks=paper"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "command, needed_by",
-    [
-        (["eval", "ckpts=[x.ckpt]"], "xsa-lm eval"),
-        (["sweep", "experiment=demo", "sweep.eval_tasks=paper"], "sweep.eval_tasks"),
-    ],
-)
+@pytest.mark.parametrize("needed_by, command", NEEDS_THE_HARNESS.items())
 def test_eval_without_lm_eval_says_how_to_install_it_in_one_line(
-    command: list[str], needed_by: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+    needed_by: str, command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
 ):
     """As in an install without the extra `eval`: `import lm_eval` fails (a None entry in sys.modules). A sweep that
     would evaluate its runs is refused before it trains any."""

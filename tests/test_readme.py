@@ -1,6 +1,5 @@
-"""README.md and the documentation pages (docs/) stay true: their Python examples run as written, the config groups
-tables match configs/, and every `xsa-lm <command>` and `make <target>` they name exists. The site build itself
-(links, anchors, the nav) is `make docs`."""
+"""README.md and docs/ stay true: their Python runs, the config groups tables match configs/, and every `xsa-lm
+<command>` and `make <target>` they name exists (the site build itself: `make docs`)."""
 
 import re
 from pathlib import Path
@@ -23,8 +22,7 @@ def label(page: Path) -> str:
 
 
 def code(page: Path) -> list[str]:
-    """Where a page writes commands: its code blocks, but for ```text ones (reports, file trees, whose prose may say
-    "runs xsa-lm from ..."), and its inline code spans."""
+    """Where a page writes commands: its code blocks but ```text ones (reports, file trees), and its inline code."""
     markdown = page.read_text()
     blocks = [block for language, block in FENCE.findall(markdown) if language != "text"]
     return blocks + re.findall(r"`([^`]+)`", FENCE.sub("", markdown))

@@ -76,33 +76,28 @@ def test_a_summary_round_trips_and_what_the_sweep_makes_of_it() -> None:
     assert (ended.status, ended.final_val_loss, ended.steps, ended.returncode) == ("completed", 5.1, 40, 0)
 
 
-REFUSED = {  # summary.json's content -> the one line after its path
-    "another version": (SUMMARY | {"schema": 99}, "schema 99, but this xsa-lm reads schema 1: run the command"),
-    "no version": ({k: v for k, v in SUMMARY.items() if k != "schema"}, "no schema in it: not written by xsa-lm"),
-    "keys missing": ({k: v for k, v in SUMMARY.items() if k not in ("steps", "model_config")}, "no steps, model_"),
-    "another type": (SUMMARY | {"steps": "many"}, "steps: Input should be a valid integer"),
-    "no object": ([1, 2], "not a RunSummary record (a JSON object)"),
+REFUSED = {  # (record, the file's content) -> the one line after its path
+    "another version": (RunSummary, SUMMARY | {"schema": 99}, "schema 99, but this xsa-lm reads schema 1: run the"),
+    "no version": (RunSummary, {k: v for k, v in SUMMARY.items() if k != "schema"}, "no schema in it: not written by"),
+    "keys missing": (
+        RunSummary,
+        {k: v for k, v in SUMMARY.items() if k not in ("steps", "model_config")},
+        "no steps, model_config in it: not written by xsa-lm, or cut short",
+    ),
+    "another type": (RunSummary, SUMMARY | {"steps": "many"}, "steps: Input should be a valid integer"),
+    "no object": (RunSummary, [1, 2], "not a RunSummary record (a JSON object)"),
+    "not JSON": (RunSummary, "{not json", "not JSON"),
+    "a trial record": (TrialRecord, {"id": "sa_lr0.001_s0", "phase": "search", "lr": 1e-3}, "no schema, attention, "),
 }
 
 
-@pytest.mark.parametrize("content, line", REFUSED.values(), ids=REFUSED.keys())
-def test_a_file_that_is_no_record_of_this_version_is_refused_in_one_line(content, line: str, tmp_path: Path) -> None:
-    path = tmp_path / "summary.json"
-    path.write_text(json.dumps(content))
+@pytest.mark.parametrize("kind, content, line", REFUSED.values(), ids=REFUSED.keys())
+def test_a_file_that_is_no_record_of_this_version_is_refused_in_one_line(kind, content, line: str, tmp_path) -> None:
+    path = tmp_path / "record.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(UserError) as error:
-        RunSummary.read(path)
+        kind.read(path)
     assert str(error.value).startswith(f"{path}: {line}") and "\n" not in str(error.value), error.value
-
-
-def test_a_trial_record_or_a_file_that_is_not_json_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "summary.json"
-    path.write_text("{not json")
-    with pytest.raises(UserError, match=f"^{path}: not JSON"):
-        RunSummary.read(path)
-    record = tmp_path / "trial.json"
-    record.write_text(json.dumps({"id": "sa_lr0.001_s0", "phase": "search", "attention": "sa", "lr": 1e-3}))
-    with pytest.raises(UserError, match="no schema, seed, status in it"):
-        TrialRecord.read(record)
 
 
 def test_the_token_study_under_results_is_read() -> None:

@@ -73,28 +73,12 @@ def test_cfg_job_help_and_module_entry_point(data_cache: Path, tmp_path: Path):
     assert not (tmp_path / "outputs").exists()  # printing the config or the help writes no run folder
 
 
-def test_full_command_line_is_the_one_exported_for_this_process(monkeypatch: pytest.MonkeyPatch):
-    """`xsa-lm train` shortens sys.argv for Hydra; the job gets the whole command back, for DDP ranks to re-run."""
-    monkeypatch.setenv(command_line.ARGV_VARIABLE, json.dumps(["xsa-lm", "train", "seed=1"]))
-    monkeypatch.setattr(sys, "argv", ["xsa-lm", "seed=1"])
-    assert command_line.full_command_line() == ["xsa-lm", "train", "seed=1"]
-    monkeypatch.setattr(sys, "argv", ["xsa_lm/train/__main__.py", "seed=2"])  # a child that inherited the variable
-    assert command_line.full_command_line() == ["xsa_lm/train/__main__.py", "seed=2"]
-
-
 @pytest.mark.long
 def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
     """`xsa-lm train trainer.devices=2` relaunches the command for rank 1 (gloo); one W&B run, one summary."""
     run_dir = tmp_path / "ddp"
-    args = [
-        *FAST,
-        "logger=wandb",
-        "trainer.max_steps=10",
-        "val_every_steps=5",
-        "trainer.devices=2",
-        "trainer.strategy=ddp",
-    ]
-    args.append(f"hydra.run.dir={run_dir}")
+    args = [*FAST, "logger=wandb", "trainer.max_steps=10", "val_every_steps=5", "trainer.devices=2"]
+    args += ["trainer.strategy=ddp", f"hydra.run.dir={run_dir}"]
     out = run_cli(["train", *args], data_cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -137,9 +121,16 @@ def test_a_labs_own_experiment_outside_the_repository(data_cache: Path, tmp_path
     assert missing.returncode == 2 and missing.stderr.strip().startswith("xsa-lm: error: In 'train': Could not find")
 
 
-def test_a_child_process_tells_hydra_full_error_set_for_it_from_the_users(monkeypatch: pytest.MonkeyPatch):
+def test_a_child_process_tells_what_was_set_for_it_from_what_was_set_for_its_parent(monkeypatch: pytest.MonkeyPatch):
+    """`xsa-lm train` shortens sys.argv for Hydra and asks Hydra to raise; a child (a DDP rank, a trial) inherits
+    both settings, and tells the whole command line and the user's HYDRA_FULL_ERROR from its parent's."""
     from xsa_lm.errors import OURS_VARIABLE, full_errors
 
+    monkeypatch.setenv(command_line.ARGV_VARIABLE, json.dumps(["xsa-lm", "train", "seed=1"]))
+    monkeypatch.setattr(sys, "argv", ["xsa-lm", "seed=1"])
+    assert command_line.full_command_line() == ["xsa-lm", "train", "seed=1"]
+    monkeypatch.setattr(sys, "argv", ["xsa_lm/train/__main__.py", "seed=2"])  # a child that inherited the variable
+    assert command_line.full_command_line() == ["xsa_lm/train/__main__.py", "seed=2"]
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     monkeypatch.delenv(OURS_VARIABLE, raising=False)
     assert full_errors()  # the user's

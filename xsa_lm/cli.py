@@ -43,18 +43,15 @@ def main() -> None:
 def run(command: str) -> None:
     with exit_on_user_error():  # the job has its own (one_line_errors); this one covers what runs before it
         if command not in COMMANDS:
-            raise UserError(unknown_command(command))
+            close = difflib.get_close_matches(command, COMMANDS, n=1)
+            guess = f": did you mean {close[0]!r}?" if close else ""
+            raise UserError(
+                f"unknown command {command!r}{guess} (commands: {', '.join(COMMANDS)}; xsa-lm --help describes them)"
+            )
         module = importlib.import_module(COMMANDS[command][0])
-    # Hydra reads its overrides from sys.argv[1:], so the command name goes; the job reads the full command line back
-    # through full_command_line().
-    os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)
+    os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)  # Hydra gets sys.argv without the command: full_command_line()
+
     run_hydra(command, module.main, sys.argv[2:])
-
-
-def unknown_command(command: str) -> str:
-    close = difflib.get_close_matches(command, COMMANDS, n=1)
-    guess = f": did you mean {close[0]!r}?" if close else ""
-    return f"unknown command {command!r}{guess} (commands: {', '.join(COMMANDS)}; xsa-lm --help describes them)"
 
 
 if __name__ == "__main__":

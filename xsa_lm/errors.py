@@ -1,9 +1,5 @@
 """How a command ends on an error: one line on stderr, never a traceback (HYDRA_FULL_ERROR=1: Hydra's full report).
-
-A UserError (a mistake in the config or the inputs, a full disk) is one actionable line, exit code 2; any other
-exception one line naming it and its file, exit code 1, its traceback saved (<run dir>/error.log, else a temporary
-file). Every command's job runs inside `one_line_errors` (cli.py too, around what runs before the job).
-"""
+A UserError exits with code 2; any other exception with 1, its traceback in <run dir>/error.log or a temporary file."""
 
 import contextlib
 import errno
@@ -20,15 +16,20 @@ from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
-# Set beside HYDRA_FULL_ERROR=1 when cli.py, not the user, asked Hydra to raise its errors (for one line of its own);
-# child processes (a sweep's trials, Lightning's DDP ranks) inherit both and so tell it from the user's.
+# Set beside HYDRA_FULL_ERROR=1 when cli.py, not the user, asked Hydra to raise: child processes inherit both.
 OURS_VARIABLE = "XSA_LM_HYDRA_FULL_ERROR"
-
-
-# What every job checks before it starts (cli.py adds config/command_line.py's check_job): called with the command,
-# the group choices, the config as plain dicts (unresolved) and the run directory.
+# What every job checks before it starts (command, group choices, unresolved config, run directory): cli.py sets it.
 JOB_CHECKS: list[Callable[[str, dict[str, Any], Any, Path | None], None]] = []
-STARTED = [0.0]  # when cli.py started the command: a folder older than that was not made by Hydra for this job
+STARTED = [0.0]  # when the command started: a folder older than that was not made for this job
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+FIXES = {  # what fixes a failed write, by its errno
+    errno.ENOSPC: "free space (or choose a folder on another disk)",
+    errno.EDQUOT: "free space (or choose a folder on another disk)",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    **dict.fromkeys(
+        (errno.EACCES, errno.EPERM, errno.EROFS), "fix the folder's permissions (or choose another folder)"
+    ),
+}
 
 
 def full_errors() -> bool:
@@ -41,15 +42,12 @@ class UserError(Exception):
 
 
 class WriteError(UserError):
-    """A file that could not be written (a full disk, a file-size limit, permissions): the message names it and
-    what is still intact."""
+    """A file that could not be written: the message names it and what is still intact."""
 
 
 @contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
-    """Around a command's work: a UserError or a config error (e.g. a `???` value left unset) becomes one line on
-    stderr and exit code 2; any other exception one line and exit code 1 (report_unexpected). KeyboardInterrupt and
-    SystemExit go on."""
+    """A UserError or config error: one line, exit code 2; any other exception: one line, exit code 1."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -68,13 +66,11 @@ def exit_on_user_error() -> Iterator[None]:
 
 
 def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
-    """A command's job (under @hydra.main): whatever escapes it ends as one line (exit_on_user_error)."""
+    """A command's job (under @hydra.main): JOB_CHECKS first, and whatever escapes it ends as one line."""
 
     @functools.wraps(job)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        # A log file (Hydra's <run dir>/<command>.log) that cannot be written, on a full disk, would print a traceback
-        # for every line logged: the console shows the same lines, and the next result file that cannot be written
-        # ends the command in one line.
+        # A log file that cannot be written (a full disk) would print a traceback for every line logged.
         logging.raiseExceptions = False
         with exit_on_user_error():
             from hydra.core.hydra_config import HydraConfig
@@ -90,8 +86,8 @@ def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def report_unexpected(error: BaseException) -> str:
-    """The line for an exception nobody foresaw: its type and message, the OSError behind it and its file if any,
-    and where its full traceback was saved."""
+    """The line for an unforeseen exception: its type and message, the OSError behind it and its file, and where
+    its traceback was saved."""
     message = first_line(error)
     line = f"xsa-lm: error: {type(error).__name__}" + (f": {message}" if message else "")
     cause = os_error_in(error)
@@ -110,17 +106,15 @@ def first_line(error: BaseException) -> str:
 
 
 def yaml_problem(error: BaseException) -> str:
-    """Where a YAML parse failed and why, for a one-line error: " at line N (what)"."""
+    """Where a YAML parse failed and why: " at line N (what)"."""
     mark = getattr(error, "problem_mark", None)
     return (f" at line {mark.line + 1}" if mark is not None else "") + f" ({first_line(error)})"
 
 
 def save_traceback(trace: str) -> str:
-    """Append the traceback to <run dir>/error.log (a temporary file for a command without a run folder, or when the
-    run folder cannot be written); what the line tells the user about it."""
+    """Append the traceback to <run dir>/error.log, else to a temporary file; what the line says about it."""
     header = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(sys.argv)}\n"
-    run_dir = hydra_run_dir()
-    reasons = []
+    run_dir, reasons = hydra_run_dir(), []
     if run_dir is not None and run_dir.is_dir() and run_dir.resolve() != Path.cwd().resolve():
         path = run_dir / "error.log"
         existed = path.exists()
@@ -131,7 +125,7 @@ def save_traceback(trace: str) -> str:
         except OSError as e:  # a full disk, or the error was that the folder cannot be written
             reasons.append(f"{path}: {e.strerror or e}")
             if not existed:
-                path.unlink(missing_ok=True)  # no empty error.log
+                path.unlink(missing_ok=True)
     try:
         with tempfile.NamedTemporaryFile("w", prefix="xsa-lm-error-", suffix=".log", delete=False) as temporary:
             temporary.write(header + trace)
@@ -152,22 +146,18 @@ def job_named() -> str:
 
 
 def hydra_run_dir() -> Path | None:
-    """The folder Hydra made for this job, if a job is running."""
+    """The folder Hydra made for this job, if a job is running (--cfg: none)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     if not HydraConfig.initialized():
         return None
     runtime = HydraConfig.get().runtime
-    return None if OmegaConf.is_missing(runtime, "output_dir") else Path(runtime.output_dir)  # --cfg: no folder
-
-
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return None if OmegaConf.is_missing(runtime, "output_dir") else Path(runtime.output_dir)
 
 
 def os_error_in(error: BaseException) -> OSError | None:
-    """The OSError behind an exception: itself, or one it was raised from or while handling (torch.save reports a
-    full disk as a RuntimeError raised while handling the OSError)."""
+    """The OSError behind an exception: itself, or one it was raised from or while handling."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -178,32 +168,24 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-FIXES = {  # what fixes a failed write, by its errno
-    errno.ENOSPC: "free space (or choose a folder on another disk)",
-    errno.EDQUOT: "free space (or choose a folder on another disk)",
-    errno.EFBIG: "raise the file-size limit (ulimit -f)",
-    **dict.fromkeys(
-        (errno.EACCES, errno.EPERM, errno.EROFS), "fix the folder's permissions (or choose another folder)"
-    ),
-}
-
-
 def what_to_do(error: OSError) -> str:
     return FIXES.get(error.errno or 0, "fix the cause")
 
 
 def remove_empty_run_dir() -> None:
-    """A refused command leaves no folder behind: Hydra made the run directory before the job started, and for the
-    default outputs/<command>/<time> the folders above it in the current directory too."""
+    """A refused command leaves no folder: its empty run dir, empty parents and a refused first job's multirun.yaml."""
     run_dir, here = hydra_run_dir(), Path.cwd().resolve()
     if run_dir is None or run_dir.resolve() == here:
         return
-    # A folder that cannot be read or removed (its parent cannot be written either) stays: the line was said.
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # a folder that cannot be read or removed stays: the line was said
         if run_dir.stat().st_ctime >= STARTED[0] and not any(run_dir.iterdir()):
             remove_with_empty_parents(run_dir, here)
-            drop_log_files_in(run_dir)
-        # A --multirun whose first job is refused: Hydra wrote multirun.yaml into its sweep folder before the job.
+            # Hydra's log handlers into the removed folder go: the next line logged (a --multirun's next job) would fail
+            root, removed = logging.getLogger(), Path(os.path.abspath(run_dir))
+            for handler in list(root.handlers):
+                if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == removed:
+                    root.removeHandler(handler)
+                    handler.close()
         sweep_dir = run_dir.parent
         if job_named() and sweep_dir.stat().st_ctime >= STARTED[0] and os.listdir(sweep_dir) == ["multirun.yaml"]:
             (sweep_dir / "multirun.yaml").unlink()
@@ -216,13 +198,3 @@ def remove_with_empty_parents(folder: Path, here: Path) -> None:
         os.removedirs(os.path.relpath(folder.resolve(), here))
     else:
         folder.rmdir()
-
-
-def drop_log_files_in(folder: Path) -> None:
-    """Hydra's log file handlers that would write into a removed folder go (Hydra opens the file at the first
-    line): a later line logged in this process, e.g. the next job of a --multirun, would otherwise fail."""
-    root, removed = logging.getLogger(), Path(os.path.abspath(folder))
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == removed:
-            root.removeHandler(handler)
-            handler.close()

@@ -1,7 +1,5 @@
 """The JSON files one layer writes and another reads (summary.json, a trial's record, results.json): frozen
-dataclasses deriving from Record, to_json() and from_json() by pydantic. A file record's last field is its `schema`
-version: a file of another version, or one that lacks a key without a default, is refused in one line naming it.
-"""
+dataclasses deriving from Record; a file of another `schema` version, or lacking a key, is refused in one line."""
 
 import dataclasses
 import json
@@ -16,17 +14,13 @@ R = TypeVar("R", bound="Record")
 JsonObject = dict[str, Any]  # what a record's file holds: json.loads of it
 
 
-def adapter(kind: type[Any]) -> TypeAdapter[Any]:
-    return TypeAdapter(kind)
-
-
 class Record:
     """Base of the record dataclasses; SCHEMA: the version this xsa-lm writes and reads."""
 
     SCHEMA: ClassVar[int] = 1
 
     def to_json(self) -> JsonObject:
-        return adapter(type(self)).dump_python(self, mode="json")  # type: ignore[no-any-return]
+        return TypeAdapter(type(self)).dump_python(self, mode="json")  # type: ignore[no-any-return]
 
     @classmethod
     def from_json(cls: type[R], data: Any, *, source: str = "") -> R:
@@ -37,7 +31,7 @@ class Record:
         versioned = any(f.name == "schema" for f in dataclasses.fields(cls))  # type: ignore[arg-type]
         missing = ["schema"] if versioned and "schema" not in data else []
         try:
-            record = adapter(cls).validate_python(data)
+            record = TypeAdapter(cls).validate_python(data)
         except ValidationError as e:
             missing += [".".join(map(str, error["loc"])) for error in e.errors() if error["type"] == "missing"]
             if not missing:
@@ -55,7 +49,7 @@ class Record:
                 f"{where}: schema {data['schema']!r}, but this xsa-lm reads schema {cls.SCHEMA}: run the command "
                 "that wrote it again with this xsa-lm"
             )
-        return record  # type: ignore[no-any-return]
+        return record
 
     @classmethod
     def read(cls: type[R], path: Path, then: str = "run the command that wrote it again") -> R:

@@ -1,5 +1,4 @@
-"""What a run builds from its spec: Hydra's instantiate with a user's error kept as one line, and the trainer
-settings checked against what Lightning will do on this machine."""
+"""Hydra's instantiate with a user's error kept as one line, and the trainer settings checked against Lightning."""
 
 from typing import Any
 
@@ -25,25 +24,15 @@ def build(node: Any, **kwargs: Any) -> Any:
 
 
 def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
-    """The trainer settings as Lightning's Trainer will take them on this machine, before anything is written: an
-    accelerator it lacks, devices it cannot use, a combination Lightning refuses, or a precision Lightning would
-    silently replace (16-mixed on CPU runs bf16-mixed) is refused in one line naming the key. `strategy`: what the
-    Trainer gets (a _target_ node is built). Returns the precision the run trains in."""
+    """A trainer setting Lightning refuses on this machine, or a precision it would silently replace (16-mixed on
+    CPU runs bf16-mixed), refused in one line naming the key; returns the precision the run trains in."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     accelerator, precision = trainer.accelerator, trainer.resolved_precision
-    if isinstance(strategy, dict):
-        strategy = build(strategy)
-    settings = {
-        "accelerator": accelerator,
-        "devices": trainer.devices,
-        "num_nodes": trainer.num_nodes,
-        "precision": precision,
-        "strategy": strategy,
-    }
+    built = {"precision": precision, "strategy": build(strategy) if isinstance(strategy, dict) else strategy}
     given: dict[str, Any] = {}
-    for key, value in settings.items():  # one more at a time: Lightning's refusal is the last key's
-        given[key] = value
+    for key in ("accelerator", "devices", "num_nodes", "precision", "strategy"):  # Lightning refuses the last one
+        given[key] = built.get(key, getattr(trainer, key))
         try:
             effective = lightning_device_settings(**given)
         except (ValueError, TypeError, RuntimeError, ImportError, MisconfigurationException) as e:
@@ -62,7 +51,6 @@ def check_trainer(trainer: TrainerSpec, strategy: object) -> str:
 
 
 def setting_fix(key: str) -> str:
-    """How to fix a trainer setting Lightning refuses on this machine."""
     if key == "accelerator":
         from lightning.pytorch.accelerators import AcceleratorRegistry
 

@@ -1,5 +1,5 @@
-"""The command line: what Hydra would take but should not (an unquoted value with a space), Hydra's refusals as one
-line, the checks every job makes before it starts, and the full command line read back inside a job."""
+"""The command line: what Hydra would take but should not, Hydra's refusals as one line, the checks every job makes
+before it starts, and the full command line read back inside a job."""
 
 import difflib
 import json
@@ -12,15 +12,19 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from xsa_lm import errors
 from xsa_lm.errors import UserError
 
 ARGV_VARIABLE = "XSA_LM_ARGV"  # the full command line as JSON, for full_command_line()
-HYDRA_FLAGS_WITH_A_VALUE = "--cfg -c --package -p --config-name -cn --config-dir -cd --config-path -cp".split()
-HYDRA_FLAGS_WITH_A_VALUE.append("--experimental-rerun")
+WITH_A_VALUE = "--cfg -c --package -p -cn --config-name -cd --config-dir -cp --config-path --experimental-rerun"
 MULTIRUN_FLAGS = ("--multirun", "-m")
 QUOTE_AS_ONE = "a value with spaces or brackets must be quoted as one argument: 'key=a value'"
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
+# Mappings whose keys the user names (a model's LR grid): a new entry is added with `+`, never a typo of another one.
+OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
 
 
 def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
@@ -30,7 +34,7 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     i = 0
     while i < len(args):
         arg = args[i]
-        takes_value = arg in HYDRA_FLAGS_WITH_A_VALUE or (
+        takes_value = arg in WITH_A_VALUE.split() or (
             arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in INFO_TOPICS
         )
         if arg.startswith("-") and takes_value:
@@ -43,8 +47,7 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def flags_first(args: list[str]) -> list[str]:
-    """Hydra's flags (with their values) before the overrides: argparse refuses a flag placed between overrides
-    (`seed=1 --multirun lr=2`) with its whole usage text, while a user means the same command either way."""
+    """Hydra's flags before the overrides: argparse refuses `seed=1 --multirun lr=2` with its whole usage text."""
     flags, overrides = split_flags(args)
     return flags + overrides
 
@@ -53,8 +56,7 @@ def check_command_line(args: list[str]) -> str | None:
     """What is wrong with a command line that Hydra would take otherwise, or reports badly (None: nothing)."""
     flags, overrides = split_flags(args)
     for before, word in zip(["", *overrides], overrides, strict=False):
-        # An argument that is no override is most often the rest of an unquoted value with a space, which the shell
-        # split: `data.files=/tmp/my dir/a.txt` is `data.files=/tmp/my` and `dir/a.txt`.
+        # Most often the rest of an unquoted value with a space: `data.files=/tmp/my dir/a.txt`, split by the shell.
         if "=" not in word and not word.startswith("~"):
             example = f"'{before} {word}'" if "=" in before else "'key=a value'"
             return (
@@ -74,9 +76,7 @@ def check_command_line(args: list[str]) -> str | None:
 
 
 def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
-    """A command's Hydra main with `args`: a command line Hydra would take but should not, and Hydra's own refusals
-    (a report of several lines) each end in one line and exit code 2; with the user's HYDRA_FULL_ERROR=1, Hydra's
-    report, tracebacks and all."""
+    """A command's Hydra main with `args`; a bad command line ends in one line, exit code 2."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -108,8 +108,7 @@ def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
 
 
 def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
-    """Hydra's refusal of a command line (a group option or a key it lacks, a value its grammar refuses) as one
-    line, with the hint that fixes it where one is cheap."""
+    """Hydra's refusal of a command line as one line, with the hint that fixes it where one is cheap."""
     from hydra.errors import OverrideParseException
 
     _, overrides = split_flags(args)
@@ -119,60 +118,30 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
     if str(error).startswith("Ambiguous value"):  # a comma: a list, a string or a sweep?
         return f"{one_line(error)} ({quoting})" if quoting else one_line(error)
     typo = re.match(r"Could not (?:override|append to config)[^']*'([^']+)'", str(error))
-    if typo:  # Hydra's hint is to add it with `+`: the command would never read it
-        return no_such_key(command, typo[1])
-    return one_line(error)
-
-
-# Mappings whose keys the user names (a model's LR grid): a new entry is added with `+`, never a typo of another one.
-OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
-
-
-def no_such_key(command: str, key: str) -> str:
-    """`<command> has no key K`, with the closest key of the training config (config/spec.py) for the commands that
-    compose it."""
-    mapping = key.rpartition(".")[0]
+    if not typo:
+        return one_line(error)
+    # Hydra's hint is to add the key with `+`: the command would never read it. Ours: the closest key.
+    key, mapping = typo[1], typo[1].rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
-    keys = own_keys(command) + (spec_keys() if command in TRAINING_COMMANDS else [])
-    close = difflib.get_close_matches(key, keys, n=1)
-    hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own_keys(command))}"
+    from xsa_lm.config.spec import all_fields
+
+    text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()  # its own keys: read, not composed
+    own = [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
+    close = difflib.get_close_matches(key, own + (list(all_fields()) if command in TRAINING_COMMANDS else []), n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own)}"
     return f"{command} has no key {key}: {hint} (configs/{command}.yaml)"
 
 
-TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
-
-
-def spec_keys() -> list[str]:
-    """Every key of the training config, nodes too (config/spec.py)."""
-    from xsa_lm.config.spec import TrainSpec, nested_model
-
-    def keys(kind: Any, prefix: str) -> list[str]:
-        found = []
-        for name, info in kind.model_fields.items():
-            key, inner = f"{prefix}{info.alias or name}", nested_model(info.annotation)
-            found += [key, *(keys(inner, f"{key}.") if inner else [])]
-        return found
-
-    return keys(TrainSpec, "")
-
-
-def own_keys(command: str) -> list[str]:
-    """The keys configs/<command>.yaml sets itself (read, not composed)."""
-    import yaml
-
-    text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()
-    return [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
-
-
 def check_job(command: str, choices: dict[str, str | None], config: dict[str, Any], run_dir: Path | None) -> None:
-    """What every job refuses before it starts: a group's shared part chosen as an option (data=_base), a `???` value
-    left unset, a run directory that holds another command's results."""
+    """Refused before every job: a group's shared part as an option (data=_base), a `???` value, another's folder."""
     for group, option in choices.items():
         if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
+            folder = files("xsa_lm.configs").joinpath(group)
+            names = sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
             raise UserError(
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
-                f"of: {', '.join(group_options(group))}"
+                f"of: {', '.join(n for n in names if n[0] != '_')}"
             )
     from xsa_lm.config.spec import require_values
 
@@ -182,8 +151,7 @@ def check_job(command: str, choices: dict[str, str | None], config: dict[str, An
         raise UserError(elsewhere)
 
 
-# The files that mark a command's folder (what a rerun resumes from). A command refuses a folder another one wrote:
-# it would overwrite that one's files (config.yaml, report.md, results.json) or mix its own in.
+# The files that mark a command's folder: a command refuses another one's (it would overwrite its files or mix them).
 FOLDER_MARKS = {
     "train": ("a training run", ("summary.json", "checkpoints")),
     "sweep": ("an `xsa-lm sweep`", ("sweep.json",)),
@@ -195,8 +163,7 @@ RESUMING = ("train", "sweep", "scale")  # a rerun into their own folder continue
 
 
 def another_commands_folder(command: str, folder: Path) -> str | None:
-    """The line refusing `xsa-lm <command>` in a folder that holds another command's results; None where it holds
-    none (or the command is not one that FOLDER_MARKS knows)."""
+    """The line refusing `xsa-lm <command>` in a folder that holds another command's results, else None."""
     if command not in FOLDER_MARKS:
         return None
     run = next((p for p in folder.absolute().parents if (p / "run_info.json").is_file()), None)
@@ -228,17 +195,8 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("~+")
 
 
-def group_options(group: str) -> list[str]:
-    """The options of a config group a user can choose: its YAML files, but those named _* (shared parts)."""
-    folder = files("xsa_lm.configs").joinpath(group)
-    names = [entry.name for entry in folder.iterdir()] if folder.is_dir() else []
-    return sorted(name.removesuffix(".yaml") for name in names if name.endswith(".yaml") and name[0] != "_")
-
-
 def quoting_hint(error: str, overrides: list[str]) -> str | None:
-    """For a value with an apostrophe, a comma or a non-ASCII character that Hydra's grammar refused: the same value
-    quoted for Hydra inside the shell's quotes, as the user would type it (a value with a double quote or a backslash
-    gets no example)."""
+    """A value with an apostrophe, a comma or a non-ASCII character that Hydra refused, quoted as a user types it."""
     bad = next((o for o in overrides if o in error and "=" in o), None)
     if bad is None or not re.search(r"[',]|[^\x00-\x7f]", bad) or re.search(r'["\\$`]', bad):
         return None
@@ -263,8 +221,8 @@ def one_line(error: BaseException) -> str:
 
 
 def full_command_line() -> list[str]:
-    """The command line as typed (`xsa-lm train ...`), also inside a job whose sys.argv main() has shortened for
-    Hydra. Lightning's DDP launcher re-runs sys.argv for the other ranks, and run_info.json records it."""
+    """The command line as typed (`xsa-lm train ...`), also in a job whose sys.argv was shortened for Hydra."""
+
     saved = json.loads(os.environ.get(ARGV_VARIABLE, "null"))
     if saved and [saved[0], *flags_first(saved[2:])] == sys.argv:  # exported for this process, not a parent's
         return [str(word) for word in saved]

@@ -1,11 +1,6 @@
-"""A resume continues the run as it was: its saved config.yaml, not the defaults, decides what is trained.
+"""A resume continues the run as it was: its saved config.yaml decides what is trained; the command line may change
+only the keys marked FREE (config/spec.py), any other difference is refused as `key: saved -> given`."""
 
-The command line may change only the keys marked FREE (config/spec.py); any other difference is refused, naming each
-as `key: saved -> given`. The LR schedule keeps its saved length (extending trainer.max_steps continues at the final
-LR); passing scheduler.total_steps recomputes it.
-"""
-
-from functools import cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,26 +8,17 @@ import yaml
 from omegaconf import OmegaConf
 
 from xsa_lm.config.command_line import override_key
-from xsa_lm.config.spec import flatten, free_on_resume
+from xsa_lm.config.spec import flatten, is_free
 from xsa_lm.errors import UserError, yaml_problem
 
 Config = dict[str, Any]  # a composed config as plain dicts and lists (OmegaConf.to_container)
 
 
-@cache
-def is_free(key: str) -> bool:
-    """Whether a resume may change the key (config/spec.py's fields marked FREE)."""
-    return any(key == free or (free.endswith(".") and key.startswith(free)) for free in free_on_resume())
-
-
 def continuation_config(
     given: Config, defaults: Config, overrides: list[str], run_dir: Path
 ) -> tuple[Config, list[str]]:
-    """The config a resume into `run_dir` trains with: the saved config.yaml, with the command line's changes
-    (the keys `overrides` name, and any other key where `given` differs from the untouched `defaults`, as an
-    `experiment=` sets) applied where they are free, else refused. A new run directory (no config.yaml) starts a
-    new run from the checkpoint (`resume=PATH`): the given config as it is; one that holds a run without a readable
-    config.yaml is refused. Returns the config and the lines that say what changed, the LR schedule's last."""
+    """The saved config.yaml with the command line's free changes (what `overrides` name or differs from the
+    `defaults`); a new folder: `given`. Returns it and the lines saying what changed, the LR schedule's last."""
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
         if (run_dir / "checkpoints").exists() or (run_dir / "summary.json").exists():  # its run's config is gone
@@ -42,9 +28,7 @@ def continuation_config(
             )
         return given, []
     try:
-        saved = cast(
-            Config, OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True)
-        )  # written by xsa-lm train: a mapping
+        saved = cast(Config, OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True))
     except yaml.YAMLError as e:
         raise UserError(
             f"resume: {saved_file} is not valid YAML{yaml_problem(e)}: put back the config the run saved"
@@ -78,16 +62,14 @@ def continuation_config(
 
 
 def edited_since(trained: Config, config: Config) -> list[str]:
-    """`key: trained -> now` for each key a resume may not change whose value in `config` differs from the config a
-    checkpoint was trained with (`trained`, saved in the checkpoint): a run folder's config.yaml edited by hand."""
+    """`key: trained -> now` for each key a resume may not change that config.yaml's hand edits changed."""
     then, now = flatten(trained), flatten(config)
     return [f"{k}: {v} -> {now[k]}" for k, v in then.items() if k in now and now[k] != v and not is_free(k)]
 
 
 def with_hand_edits(notes: list[str], *, trained: Config, config: Config) -> list[str]:
-    """A continuation's `notes` (continuation_config's), completed from the config its checkpoint was trained with
-    (`trained`): each key a resume may change whose config.yaml value was edited by hand since, then the LR
-    schedule's note told from the checkpoint's schedule, not the edited one."""
+    """`notes` with the free keys edited by hand since the checkpoint's config `trained`, and its schedule's note."""
+
     named = {note.split(":")[0] for note in notes}
     then, now = flatten(trained), flatten(config)
     edits = [

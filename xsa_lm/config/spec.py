@@ -1,15 +1,11 @@
-"""The training config typed once: configs/train.yaml and each option of its groups as frozen pydantic models.
-
-A field owns its type, doc and range; its value is the YAML file's (a missing key is refused, never filled in). Rules
-across fields are model validators; what a run derives is computed here once. `parse` turns any composed config node
-into its model, every bad value into ONE line naming each key (Hydra types a value by its look: `max_steps=1.5`).
-A field marked FREE may change on a resume (config/resume.py): how long, how often, where, how fast.
-"""
+"""The training config typed once, as frozen pydantic models: a field owns its type, doc and range (a missing key is
+refused, never filled in), rules across fields are model validators, derived values are computed once; `parse` turns
+a bad config into ONE line naming each bad key. A field marked FREE may change on a resume (config/resume.py)."""
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,8 +19,7 @@ from xsa_lm.model.sdpa import config_problem as sdpa_backends_problem
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 VOCAB_MULTIPLE = 64  # the embedding table padded: matmuls are faster on multiples of 64 (50257 -> 50304)
 FREE: dict[str, Any] = {"free_on_resume": True}  # json_schema_extra of a key a resume may change
-# Keys beside the training config's in a composed config: those of the commands that compose train.yaml
-# (configs/sweep.yaml, scale.yaml, plan.yaml; an experiment may set sweep and scale for them).
+# Keys beside the training config's in a composed config: those of sweep, scale and plan, which compose train.yaml.
 AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
 S = TypeVar("S", bound=BaseModel)
 
@@ -33,6 +28,11 @@ class Spec(BaseModel):
     """A config node: frozen, no key beyond its fields, values of their own type (Hydra's `1.5` is no integer)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True)
+
+    @property
+    def node(self) -> dict[str, Any]:
+        """The node as its file gives it (by `_target_`), for instantiate."""
+        return self.model_dump(by_alias=True)
 
 
 def rule(check: Any) -> BeforeValidator:
@@ -69,8 +69,7 @@ def _is_int(value: object) -> bool:
 
 
 def _devices(value: Any) -> Any:
-    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct device indices, or the same as text
-    (given as the number or the list)."""
+    """Lightning's forms: N > 0, -1 or auto (every device), a list of distinct indices, or either as text."""
     if isinstance(value, str) and value != "auto":
         parts = [p.strip() for p in value.split(",") if p.strip()]
         if parts and all(p.lstrip("-").isdigit() for p in parts):
@@ -105,10 +104,6 @@ def _layers(value: Any) -> str | None:
     return "must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
 
 
-def _text_of_number(value: Any) -> Any:
-    return str(value) if _is_int(value) else value  # Lightning's 16, 32, 64 are names too
-
-
 def flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
     flat = {}
@@ -125,8 +120,7 @@ Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 
 
 class ModelSpec(Spec):
-    """The model group: GPTConfig's architecture fields (its own check is the one range check, TrainSpec.gpt_config)
-    and the preset's name; vocab_size null: the tokenizer's vocabulary, padded to a multiple of 64."""
+    """The model group: GPTConfig's fields (GPTConfig checks them) and the preset's name."""
 
     name: str = Field(description="the preset, for run names and reports")
     n_layer: int = GPTConfig.n_layer
@@ -144,14 +138,12 @@ class ModelSpec(Spec):
     init_std: float = GPTConfig.init_std
 
     def gpt_config(self, attention: "AttentionSpec", vocab_size: int) -> GPTConfig:
-        """GPTConfig from this group and the attention group; a null vocab_size takes the tokenizer's vocabulary
-        (`vocab_size`), padded to a multiple of 64."""
+        """GPTConfig of this group and `attention`; vocab_size null: the tokenizer's, padded to a multiple of 64."""
         architecture = self.model_dump(exclude={"name"})
         if architecture["vocab_size"] is None:
             architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         elif architecture["vocab_size"] < vocab_size:
-            given = architecture["vocab_size"]
-            raise UserError(f"model.vocab_size={given} is smaller than the tokenizer's {vocab_size}")
+            raise UserError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's {vocab_size}")
         architecture.update(attention=attention.name, xsa_eps=attention.eps, xsa_gate=attention.gate == "tanh")
         architecture["xsa_layers"] = attention.xsa_layers(self.n_layer)
         try:
@@ -225,8 +217,7 @@ class TokenizerSpec(Spec):
 
     @property
     def node(self) -> dict[str, Any]:
-        """The option as its file gives it: what instantiate builds and prepare.json records."""
-        return self.model_dump(by_alias=True, exclude_unset=True)
+        return self.model_dump(by_alias=True, exclude_unset=True)  # prepare.json records it as the file gave it
 
 
 class OptimSpec(Spec):
@@ -236,10 +227,6 @@ class OptimSpec(Spec):
     betas: Annotated[list[float], rule(_betas)] = Field(description="AdamW's (beta1, beta2)")
     eps: float = Field(gt=0, description="AdamW's epsilon")
     weight_decay: float = Field(ge=0, description="matrices only")
-
-    @property
-    def node(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
 
 
 class SchedulerSpec(Spec):
@@ -258,8 +245,8 @@ class TrainerSpec(Spec):
     devices: Annotated[int | Literal["auto"] | list[int], BeforeValidator(_devices)] = Field(json_schema_extra=FREE)
     strategy: str | dict[str, Any] = Field(description="auto | a name | a node", json_schema_extra=FREE)
     num_nodes: Count = Field(json_schema_extra=FREE)
-    # auto (ours): bf16-mixed on GPUs with bf16, else 32-true
-    precision: Annotated[str, BeforeValidator(_text_of_number)]
+    # auto (ours): bf16-mixed on GPUs with bf16, else 32-true; Lightning's 16, 32, 64 are names too
+    precision: Annotated[str, BeforeValidator(lambda v: str(v) if _is_int(v) else v)]
     max_steps: Count = Field(description="optimizer steps", json_schema_extra=FREE)
     gradient_clip_val: float | None = Field(ge=0, description="the gradient norm's bound; null: none")
     log_every_n_steps: Count = Field(json_schema_extra=FREE)
@@ -270,7 +257,9 @@ class TrainerSpec(Spec):
     activation_checkpointing: bool = Field(description="recompute each block", json_schema_extra=FREE)
 
     @model_validator(mode="after")
-    def _data_parallel_only(self) -> "TrainerSpec":
+    def _consistent(self) -> "TrainerSpec":
+        if self.precision != "auto":  # a name Lightning accepts (auto asks the GPU: after set_device chose this rank's)
+            self.resolved_precision  # noqa: B018
         # ModelParallelStrategy would build a tensor-parallel mesh that the model never uses: wrong, silently.
         size = self.strategy.get("tensor_parallel_size", 1) if isinstance(self.strategy, dict) else 1
         if size != 1 or isinstance(size, bool):
@@ -300,12 +289,20 @@ class TrainerSpec(Spec):
     @cached_property
     def resolved_precision(self) -> str:
         """trainer.precision by Lightning's name (`16` is `16-mixed`); auto: bf16-mixed on a GPU with bf16."""
-        return resolve_precision(self.precision, self.accelerator)
+        import torch
 
-    @property
-    def lightning_args(self) -> dict[str, Any]:
-        """The node lightning.Trainer is built from (activation_checkpointing is the module's)."""
-        return self.model_dump(by_alias=True, exclude={"activation_checkpointing"})
+        from xsa_lm.compat import PRECISIONS, lightning_precision_name
+
+        if self.precision == "auto":
+            on_gpu = self.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+            return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+        try:
+            return lightning_precision_name(self.precision)
+        except ValueError:
+            raise UserError(
+                f"trainer.precision={self.precision} is not a precision Lightning accepts: use auto or one of "
+                f"{', '.join(PRECISIONS)}"
+            ) from None
 
 
 class WandbSpec(Spec):
@@ -318,10 +315,6 @@ class WandbSpec(Spec):
     mode: Literal["auto", "online", "offline", "disabled"] = Field(description="auto: WANDB_MODE, else by the API key")
     init_timeout_s: int = Field(ge=1)
     log_model: bool | Literal["all"] = Field(description="checkpoints as W&B artifacts (all: each save)")
-
-    @property
-    def node(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
 
 
 class LoggerSpec(Spec):
@@ -411,11 +404,9 @@ class TrainSpec(Spec):
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":
         self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
-        if self.trainer.precision != "auto":  # auto asks the GPU: only after set_device chose this rank's
-            resolve_precision(self.trainer.precision, self.trainer.accelerator)  # a name Lightning accepts
         if info.context == VALUES_ONLY:
             return self
-        block = self.data.block_size or self.model.block_size
+        block = self.block_size
         if block > self.model.block_size:
             raise ValueError(
                 f"data.block_size={block} is above model.block_size={self.model.block_size}: "
@@ -473,9 +464,7 @@ class TrainSpec(Spec):
 
     @cached_property
     def schedule(self) -> Schedule:
-        """The LR schedule's length (scheduler.total_steps; null: trainer.max_steps) and warmup, which config.yaml
-        saves: a resume that extends max_steps keeps the schedule. A warmup longer than the schedule would never
-        reach optim.lr while the run reports it: clipped to the schedule, with a warning."""
+        """The LR schedule's length (null: trainer.max_steps) and warmup, clipped to it with a warning."""
         max_steps = self.trainer.max_steps
         total, warmup = self.scheduler.total_steps or max_steps, self.scheduler.warmup_steps
         if warmup <= total:
@@ -511,58 +500,43 @@ class TrainSpec(Spec):
 ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
 
 
-def resolve_precision(precision: str, accelerator: str = "auto") -> str:
-    """trainer.precision by Lightning's name for it (`16` is `16-mixed`); `auto` (ours): bf16-mixed on a GPU run
-    where the GPU has bf16, else 32-true."""
-    import torch
-
-    from xsa_lm.compat import PRECISIONS, lightning_precision_name
-
-    if precision == "auto":
-        on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-        return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
-    try:
-        return lightning_precision_name(precision)
-    except ValueError:
-        raise UserError(
-            f"trainer.precision={precision} is not a precision Lightning accepts: use auto or one of "
-            f"{', '.join(PRECISIONS)}"
-        ) from None
-
-
-def free_on_resume(spec_type: type[BaseModel] = TrainSpec, prefix: str = "") -> list[str]:
-    """The keys a resume may change (fields marked FREE); a node's ending in `.`: all of its keys."""
-    free = []
+@cache
+def all_fields(spec_type: type[BaseModel] = TrainSpec) -> dict[str, FieldInfo]:
+    """Every key of a spec by its dotted name (`trainer.max_steps`), nodes too, with its field."""
+    found: dict[str, FieldInfo] = {}
     for name, info in spec_type.model_fields.items():
-        key, kind = info.alias or name, info.annotation
-        if info.json_schema_extra == FREE:
-            free.append(f"{prefix}{key}{'.' if isinstance(kind, type) and issubclass(kind, BaseModel) else ''}")
-        elif isinstance(kind, type) and issubclass(kind, BaseModel):
-            free += free_on_resume(kind, f"{prefix}{key}.")
-    return free
+        key, inner = info.alias or name, nested_model(info.annotation)
+        found[key] = info
+        found.update({f"{key}.{k}": v for k, v in (all_fields(inner) if inner else {}).items()})
+    return found
+
+
+@cache
+def is_free(key: str) -> bool:
+    """Whether a resume may change the key: a field marked FREE, or any key inside a node marked so."""
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        info = all_fields().get(".".join(parts[:i]))
+        if info is not None and info.json_schema_extra == FREE and (i == len(parts) or nested_model(info.annotation)):
+            return True
+    return False
 
 
 Error = Mapping[str, Any]  # one of pydantic's errors (type, loc, msg, ctx)
 VALUES_ONLY = "values only"  # parse's context: each value checked, not the rules across them (the batch arithmetic)
 WANTED = {
-    "int_type": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a finite number",
-    "finite_number": "must be a finite number",
-    "bool_type": "must be true or false",
-    "string_type": "must be text",
-    "list_type": "must be a list",
-    "dict_type": "must be a mapping",
-    "model_type": "must be a mapping",
+    **dict.fromkeys(("int_type", "int_from_float"), "must be an integer"),
+    **dict.fromkeys(("float_type", "finite_number"), "must be a finite number"),
+    **dict.fromkeys(("dict_type", "model_type"), "must be a mapping"),
+    **{"bool_type": "must be true or false", "string_type": "must be text", "list_type": "must be a list"},
 }
 BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
 
 
 def parse(spec_type: type[S], cfg: DictConfig | Mapping[str, Any], context: str | None = None, at: str = "") -> S:
-    """The pydantic model of a config node, or a UserError of one line naming each bad key by its full name (`at`:
-    the node's key with its dot, e.g. `sweep.`): `trainer.max_steps=1.5 must be an integer`. A TrainSpec leaves the
-    keys of the commands around training (and Hydra's) aside."""
+    """The model of a config node, or one line naming each bad key by its full name (`at`: the node's, e.g. `sweep.`):
+    `trainer.max_steps=1.5 must be an integer`. A TrainSpec leaves the keys around training aside."""
     if isinstance(cfg, DictConfig):
         if spec_type is TrainSpec:  # Hydra's node resolves only inside a job
             cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k not in AROUND_TRAINING])
@@ -590,8 +564,7 @@ def require_values(config: dict[str, Any], at: str = "") -> None:
 
 
 def key_of(loc: tuple[int | str, ...], values: dict[str, Any]) -> str:
-    """The key an error is about: its location's steps into the mappings of `values` (a union member's tag or a
-    list's index is no key)."""
+    """The key an error is about: its location's steps into the mappings of `values`."""
     parts, node = [], cast(Any, values)
     for part in loc:
         if not isinstance(node, dict):
@@ -607,21 +580,14 @@ def nested_model(annotation: Any) -> type[BaseModel] | None:
     return kinds[0] if kinds else None
 
 
-def fields_at(spec_type: type[BaseModel], node: str) -> dict[str, FieldInfo]:
-    """The fields of the model at `node` (`a.b`; "": the spec's own), by their key."""
-    kind: type[BaseModel] | None = spec_type
-    for part in node.split(".") if node else []:
-        kind = nested_model(fields_at(kind, "")[part].annotation) if kind else None
-    return {info.alias or name: info for name, info in kind.model_fields.items()} if kind else {}
-
-
 def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], values: dict[str, Any], at: str) -> str:
     """`key=value what it takes`; the alternatives of a union joined; a rule across fields: its own message."""
     first, (node, _, name) = errors[0], key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: v for k, v in all_fields(spec_type).items() if k.rpartition(".")[0] == node}
     if first["type"] == "extra_forbidden":
         where = f"{at}{node}".strip(".")
         where = f"the {where} group" if where in GROUPS else where or "configs/train.yaml"
-        return f"{at}{key}: not an option of {where} (it has {', '.join(fields_at(spec_type, node))})"
+        return f"{at}{key}: not an option of {where} (it has {', '.join(siblings)})"
     if first["type"] == "missing":
         return f"{at}{key} is missing from the config: set it"
     if first["type"] == "value_error" and not key:
@@ -632,7 +598,7 @@ def problem(spec_type: type[BaseModel], key: str, errors: Sequence[Error], value
     words = [w.strip("'") for e in errors if e["type"] == "literal_error" for w in e["ctx"]["expected"].split(", ")]
     words = [w for word in words for w in word.replace("' or '", "|").split("|")]
     said = list(dict.fromkeys(what(e) for e in errors if e["type"] != "literal_error"))
-    field = fields_at(spec_type, node).get(name)
+    field = siblings.get(name)
     if first["type"] == "value_error":
         text = said[0]
     elif said == [WANTED["bool_type"]] and words:  # a switch with words of its own (compile: auto)

@@ -39,8 +39,7 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
-        # Sinks are extra positions in every block's sequence, never predicted: beyond block_size of them most of
-        # the attention's compute and memory would go to positions no token is trained on (paper: 0, 1 or 4).
+        # Sinks are extra positions of every sequence, never predicted: beyond block_size most compute goes to them.
         if not 0 <= self.n_sinks <= self.block_size:
             raise ValueError(
                 f"n_sinks={self.n_sinks} must be in [0, block_size={self.block_size}]: each sink is one more position "

@@ -1,8 +1,5 @@
-"""Checks a multi-process run makes on every rank once its processes have joined, each refusal one line (no hang):
-the number of processes is the one the gradient accumulation was sized for (`sbatch` without `srun` starts one where
-trainer.devices=8 planned eight); every rank sees the checkpoint directory rank 0 writes (not a node-local disk);
-every rank resumes from the checkpoint rank 0 chose.
-"""
+"""Checks every rank makes once the processes have joined, each refusal one line (no hang): as many processes as the
+accumulation was sized for, a checkpoint directory every rank sees, and the checkpoint rank 0 chose to resume from."""
 
 import secrets
 from pathlib import Path

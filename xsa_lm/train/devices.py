@@ -1,9 +1,5 @@
-"""Which device this process trains on, decided before anything touches CUDA.
-
-The first CUDA call of a process opens a context on the current device, GPU 0 unless told otherwise. Lightning sets
-each rank's device only once the Trainer starts, so every rank would open a context on GPU 0 (about 0.5 GiB each)
-and measure GPU 0's free memory: the run sets it first instead.
-"""
+"""Which device this process trains on, set before anything touches CUDA: Lightning sets it only once the Trainer
+starts, so every rank would first open a context on GPU 0 (about 0.5 GiB each) and measure GPU 0's free memory."""
 
 import os
 from collections.abc import Sequence
@@ -19,9 +15,8 @@ def uses_cuda(accelerator: str) -> bool:
 
 
 def set_device(*, accelerator: str, devices: int | str | Sequence[int]) -> None:
-    """Make this rank's GPU current (nothing on a CPU run). The rank: its index on its node (LOCAL_RANK from
-    Lightning or torchrun, SLURM_LOCALID from srun, else 0); its GPU: the rank-th of a list (trainer.devices=[2,3]),
-    else the rank-th. One that is not visible (one GPU per task under srun) is left to Lightning's device check."""
+    """Make this rank's GPU current: the rank-th (LOCAL_RANK, SLURM_LOCALID) of trainer.devices' list, or of all;
+    one that is not visible (one GPU per task under srun) is left to Lightning's device check."""
     if not uses_cuda(accelerator):
         return
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
@@ -31,8 +26,8 @@ def set_device(*, accelerator: str, devices: int | str | Sequence[int]) -> None:
 
 
 def loader_workers(num_workers: int | str, *, accelerator: str, ranks_per_node: int) -> int:
-    """data.num_workers, or `auto`: none on CPU (reading memory-mapped shards costs less than worker processes); on
-    GPU 1 to LOADER_WORKERS_PER_RANK, within this process's CPUs shared by the node's ranks."""
+    """data.num_workers; auto: none on CPU, on GPU 1 to LOADER_WORKERS_PER_RANK within the ranks' share of CPUs."""
+
     if num_workers != "auto":
         return int(num_workers)
     if not uses_cuda(accelerator):

@@ -27,7 +27,7 @@ class RunShape:
     micro_batch_size: int
     block_size: int  # data.block_size: the tokens of one window
     global_batch_tokens: int
-    precision: str  # Lightning's name (resolve_precision)
+    precision: str  # Lightning's name (TrainerSpec.resolved_precision)
     devices: int  # every process of the run
     strategy: str  # ddp | fsdp
     compiled: bool

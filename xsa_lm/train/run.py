@@ -1,9 +1,6 @@
-"""One training run: config -> data, model, trainer -> fit -> summary.json.
+"""One training run: config -> data, model, trainer -> fit -> summary.json, everything in `hydra.run.dir`."""
 
-Everything of a run lands in its directory (`hydra.run.dir`): config.yaml, run_info.json, metrics.csv,
-checkpoints/, wandb/ and summary.json.
-"""
-
+import contextlib
 import json
 import logging
 import math
@@ -60,20 +57,18 @@ from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
 from xsa_lm.train.plan import run_shape
 from xsa_lm.train.runinfo import SdpaKernels, attention_kernels, run_info
-from xsa_lm.train.summary import RunStart, RunSummary, completed, error_line, finish_wandb, print_summary
+from xsa_lm.train.summary import RunStart, RunSummary, completed, print_summary
 
 log = logging.getLogger("xsa_lm.train")  # the console and <run dir>/train.log (configs/train.yaml: hydra.job_logging)
 
 
 def check_memory(spec: TrainSpec) -> None:
-    """Refuse a run whose estimated memory exceeds what its device (or, on CPU, the host for all its processes)
-    has free, before the model is built; check_memory=false lets it try anyway."""
+    """Refuse a run estimated not to fit its device's free memory (on CPU: the host's, for all its processes)."""
     if not spec.check_memory:
         return
     need = run_shape(spec).estimate()
     have, where = memory.available_bytes(spec.trainer.accelerator)
-    devices = spec.trainer.world_size
-    processes = devices if where.endswith("host memory") else 1  # CPU ranks share the host
+    processes = spec.trainer.world_size if where.endswith("host memory") else 1  # CPU ranks share the host
     if need.total * processes > have:
         per = f" per process x {processes}" if processes > 1 else ""
         raise UserError(
@@ -83,8 +78,7 @@ def check_memory(spec: TrainSpec) -> None:
 
 
 class ResumePoint(NamedTuple):
-    """The checkpoint a run continues from, its global step and the config it was trained with (its run_config);
-    all None for a run from scratch."""
+    """The checkpoint a run continues from, its step and the config it was trained with (None: from scratch)."""
 
     path: str | None
     step: int | None
@@ -97,9 +91,8 @@ FROM_SCRATCH = ResumePoint(path=None, step=None)
 def find_resume_checkpoint(
     resume: str | None, run_dir: Path, mcfg: GPTConfig, *, config: Config | None = None
 ) -> ResumePoint:
-    """The checkpoint to resume from and its step (validating a file reads it whole: done once here). A checkpoint
-    of another model is refused, naming each differing field, and so is a continuation whose config (`config`: the
-    run folder's config.yaml and the free changes) differs from the one the checkpoint was trained with."""
+    """The checkpoint to resume from and its step; one of another model, or trained with another config than
+    `config` (config.yaml and the free changes), is refused naming each difference."""
     if resume is None:
         holds_a_run = (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists()
         # DDP ranks > 0 start after rank 0 has written. rank_zero_only.rank: a function attribute Lightning sets.
@@ -113,8 +106,23 @@ def find_resume_checkpoint(
         newest, step, skipped = newest_valid_checkpoint(run_dir / "checkpoints")
         for path in skipped:
             rank_zero_only(log.warning)(f"resume=auto: WARNING: {path} is truncated or corrupt; skipped")
+        summary = run_dir / "summary.json"
+        if newest is None and summary.exists():  # a new run here would replace the results of one that did not fail
+            try:
+                ended = RunSummary.read(summary)
+                what = f"a {ended.status} run of {ended.steps} steps" if ended.status != "failed" else None
+            except (UserError, OSError):
+                what = "a run"
+            if what:
+                files = ", ".join(
+                    p.name for p in (summary, run_dir / "metrics.csv", run_dir / "config.yaml") if p.exists()
+                )
+                raise UserError(
+                    f"resume=auto: hydra.run.dir={run_dir} holds the results of {what} ({files}) but no usable "
+                    "checkpoint to continue from: a new run there would replace them; choose a new hydra.run.dir, "
+                    "or move the old run aside"
+                )
         if newest is None:
-            refuse_to_overwrite_results(run_dir)
             held = "holds no run yet" if not (run_dir / "config.yaml").exists() else "has no usable checkpoint"
             rank_zero_only(log.info)(f"resume=auto: {run_dir} {held}: starting a new run from scratch")
             return FROM_SCRATCH
@@ -147,15 +155,7 @@ def find_resume_checkpoint(
     if differences:
         raise UserError(f"resume: {path} holds another model than this run's ({'; '.join(differences)})")
     trained = saved.get("run_config")
-    if trained is not None and config is not None:
-        check_trained_config(trained, config, run_dir=run_dir, path=path)
-    return ResumePoint(path=str(path), step=step, trained=trained)
-
-
-def check_trained_config(trained: Config, config: Config, *, run_dir: Path, path: Path) -> None:
-    """A continuation whose config.yaml differs from the config the checkpoint `path` was trained with is refused;
-    so is a new run from it with optim settings the checkpoint's optimizer state would set back."""
-    edited = edited_since(trained, config)
+    edited = edited_since(trained, config) if trained is not None and config is not None else []
     if edited and (run_dir / "config.yaml").exists():  # a new run from a checkpoint may train it otherwise
         raise UserError(
             f"resume: {run_dir / 'config.yaml'} differs from the config {path} was trained with ({'; '.join(edited)}):"
@@ -168,34 +168,11 @@ def check_trained_config(trained: Config, config: Config, *, run_dir: Path, path
             f"resume: a new run from {path} takes its optimizer state, which holds other settings than the given "
             f"({'; '.join(optimizer)}): the run would train with the checkpoint's; drop these overrides"
         )
-
-
-def refuse_to_overwrite_results(run_dir: Path) -> None:
-    """A resume=auto that finds no checkpoint starts over, replacing summary.json, metrics.csv and config.yaml: not
-    in a directory where a run has ended with results (its summary.json). Starting over is a retry where there are
-    none yet: a run killed before its first checkpoint (no summary; its metrics.csv rows are of steps the new run
-    trains again) or one that failed before it (a full disk, say)."""
-    summary = run_dir / "summary.json"
-    if not summary.exists():
-        return
-    try:
-        ended = RunSummary.read(summary)
-        status, what = ended.status, f"a {ended.status} run of {ended.steps} steps"
-    except (UserError, OSError):
-        status, what = None, "a run"
-    if status == "failed":
-        return
-    files = ", ".join(p.name for p in (summary, run_dir / "metrics.csv", run_dir / "config.yaml") if p.exists())
-    raise UserError(
-        f"resume=auto: hydra.run.dir={run_dir} holds the results of {what} ({files}) but no usable checkpoint to "
-        "continue from: a new run there would replace them; choose a new hydra.run.dir, or move the old run aside"
-    )
+    return ResumePoint(path=str(path), step=step, trained=trained)
 
 
 def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: int | None) -> list:
-    """metrics.csv and W&B (`config`: the run's, for W&B). A resume from the checkpoint of step S keeps
-    metrics.csv's rows before S and continues the run's W&B run; a resume=auto that found no checkpoint starts over:
-    no old row is kept, a new W&B run."""
+    """metrics.csv and W&B: a resume from step S keeps the rows before S and the W&B run."""
     loggers: list = []
     if spec.logger.csv:
         keep_before = resume_step if resume_step is not None else (0 if spec.resume is not None else None)
@@ -220,10 +197,8 @@ def train(
     resume_notes: list[str] | None = None,
     explicit_tokenizer: bool = False,
 ) -> RunSummary | None:
-    """Check what this machine decides, then train while holding the run directory (rank 0; DDP ranks > 0 write
-    nothing and return None, as does a run that has nothing left to train). `config`: the composed config as plain
-    dicts, which config.yaml, the checkpoints and W&B keep; `explicit_tokenizer`: the tokenizer was chosen on the
-    command line (prepared shards must then have been made with it)."""
+    """Check what this machine decides, then train holding the run directory; the summary on rank 0, else None.
+    `config`: what config.yaml, the checkpoints and W&B keep; `explicit_tokenizer`: chosen on the command line."""
     trainer = spec.trainer
     set_device(accelerator=trainer.accelerator, devices=trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
@@ -260,39 +235,54 @@ def train(
         ),
     )
     if rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # a function attribute Lightning sets
-        # Rank 0 alone picks the checkpoint (each rank would pick from what it sees); its choice reaches this rank
-        # once the process group exists (ClusterChecks).
+        # Rank 0 alone picks the checkpoint; its choice reaches this rank once the process group exists (ClusterChecks).
         return fit(spec, config, run_dir, datamodule=datamodule, mcfg=mcfg, resume=FROM_SCRATCH, kernels=kernels)
     with hold_directory(run_dir, ".xsa-lm.lock", "xsa-lm train run"):
         resume = find_resume_checkpoint(spec.resume, run_dir, mcfg, config=config)
         if resume.path is not None:  # before the run's files change: the data must be what the checkpoint saw
             where = data.dir / "tokenizer.json"
             check_tokenizer(Path(resume.path), data.tokenizer, data.tokenizer_sha256, where, "resume")
-        new_run = not (run_dir / "config.yaml").exists()
-        if resume.step is not None and resume.step >= spec.trainer.max_steps and new_run:
-            raise UserError(  # it would record the checkpoint's result as a run of trainer.max_steps
-                f"resume: {resume.path} is at step {resume.step}, at or past trainer.max_steps="
-                f"{spec.trainer.max_steps}: a new run from it would train nothing; raise trainer.max_steps"
-            )
-        if resume.step is not None and resume.step >= spec.trainer.max_steps and completed(run_dir):
-            print(
-                f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps="
-                f"{spec.trainer.max_steps}: nothing to train (raise trainer.max_steps to continue it); its files "
-                "are left as they are"
-            )
-            return None
-        if resume.step is not None and resume.step > spec.trainer.max_steps:
-            raise UserError(  # it would record a run of more steps than its config.yaml and summary.json say
-                f"resume: the run in {run_dir} has reached step {resume.step}, past trainer.max_steps="
-                f"{spec.trainer.max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
-            )
+        continuing, max_steps = (run_dir / "config.yaml").exists(), spec.trainer.max_steps
+        if resume.step is not None and resume.step >= max_steps:
+            if not continuing:  # it would record the checkpoint's result as a run of trainer.max_steps
+                raise UserError(
+                    f"resume: {resume.path} is at step {resume.step}, at or past trainer.max_steps={max_steps}: "
+                    "a new run from it would train nothing; raise trainer.max_steps"
+                )
+            if completed(run_dir):
+                print(
+                    f"resume: the run in {run_dir} completed step {resume.step} of trainer.max_steps={max_steps}: "
+                    "nothing to train (raise trainer.max_steps to continue it); its files are left as they are"
+                )
+                return None
+            if resume.step > max_steps:  # it would record more steps than its config.yaml and summary.json say
+                raise UserError(
+                    f"resume: the run in {run_dir} has reached step {resume.step}, past trainer.max_steps="
+                    f"{max_steps}: raise trainer.max_steps to {resume.step} or more, or leave it out"
+                )
         notes = resume_notes or []
-        if resume.trained is not None and not new_run:
+        if resume.trained is not None and continuing:
             notes = with_hand_edits(notes, trained=resume.trained, config=config)
         for warning in [spec.schedule.warning, *fewer_windows(spec, datamodule)]:
             if warning:
                 log.warning(warning)
-        write_run_files(spec, config, run_dir, data_dir=data.dir, resume=resume, notes=notes, kernels=kernels)
+        # config.yaml (what the next resume continues), run_info.json (the first start), resumes.jsonl (each resume)
+        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
+        info = {**run_info(attention=kernels), "data_dir": str(data.dir)}
+        if not (run_dir / "run_info.json").exists():
+            write_json(run_dir / "run_info.json", info)
+        if resume.path is not None:
+            record = dict(time=time.time(), from_step=resume.step, checkpoint=resume.path, changes=notes, run_info=info)
+            with open(run_dir / "resumes.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
+            log.info(
+                f"resume: continuing the run in {run_dir} ({what}) from step {resume.step} ({resume.path}) with its "
+                "saved config.yaml" + "".join(f"; {note}" for note in notes)
+                if continuing
+                else f"resume: a new run in {run_dir} ({what}) starts from {resume.path} (step {resume.step}): its "
+                "weights, optimizer state, LR schedule position and data position"
+            )
         return fit(spec, config, run_dir, datamodule=datamodule, mcfg=mcfg, resume=resume, kernels=kernels)
 
 
@@ -313,41 +303,6 @@ def fewer_windows(spec: TrainSpec, datamodule: TokenDataModule) -> list[str]:
     return notes
 
 
-def write_run_files(
-    spec: TrainSpec,
-    config: Config,
-    run_dir: Path,
-    *,
-    data_dir: Path,
-    resume: ResumePoint,
-    notes: list[str],
-    kernels: SdpaKernels,
-) -> None:
-    """config.yaml is the run's effective config (`config`: what the next resume continues); run_info.json describes
-    the first start, resumes.jsonl each resume; `kernels`: attention_kernels' answer."""
-    continuing = (run_dir / "config.yaml").exists()
-    write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config))
-    info = {**run_info(attention=kernels), "data_dir": str(data_dir)}
-    if not (run_dir / "run_info.json").exists():
-        write_json(run_dir / "run_info.json", info)
-    if resume.path is None:
-        return
-    record = dict(time=time.time(), from_step=resume.step, checkpoint=resume.path, changes=notes, run_info=info)
-    with open(run_dir / "resumes.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    what = f"{spec.attention.name}, {spec.model.name}, lr {spec.optim.lr:g}, seed {spec.seed}"
-    if continuing:
-        log.info(
-            f"resume: continuing the run in {run_dir} ({what}) from step {resume.step} ({resume.path}) with its saved "
-            "config.yaml" + "".join(f"; {note}" for note in notes)
-        )
-    else:
-        log.info(
-            f"resume: a new run in {run_dir} ({what}) starts from {resume.path} (step {resume.step}): its weights, "
-            "optimizer state, LR schedule position and data position"
-        )
-
-
 def fit(
     spec: TrainSpec,
     config: Config,
@@ -358,20 +313,16 @@ def fit(
     resume: ResumePoint,
     kernels: SdpaKernels,
 ) -> RunSummary | None:
-    """Build the module and the trainer, train, and write summary.json (global rank 0, which returns it). A failed
-    run is recorded in summary.json too, then re-raised: a sweep must see failed runs."""
+    """Build the module and trainer, train, write summary.json (a failed run's too, then re-raised)."""
     summary = RunStart(spec, run_dir=run_dir, model_config=mcfg)
     set_up_process(spec)
     module = make_module(spec, mcfg, token_bytes=token_byte_lengths(datamodule.data.tokenizer, mcfg.vocab_size))
     summary.non_embedding_params = module.model.num_params()
     summary.train_tokens = int(datamodule.data.meta["train_tokens"])
     rank_zero_only(log.info)(header(spec, run_dir=run_dir, data=datamodule, module=module, kernels=kernels))
-    val_set = {
-        "data": datamodule.data.meta.get("identity"),
-        "windows": datamodule.val_set.n,
-        "block_size": spec.block_size,
-    }
+    val_set = dict(data=datamodule.data.meta.get("identity"), windows=datamodule.val_set.n, block_size=spec.block_size)
     callbacks = make_callbacks(spec, config, run_dir, val_set=val_set)
+
     loggers = make_loggers(spec, config, run_dir=run_dir, resume_step=resume.step)
     trainer = make_trainer(spec, run_dir, callbacks=callbacks.all, loggers=loggers)
     is_rank_zero = rank_zero_only.rank == 0  # type: ignore[attr-defined]  # a function attribute Lightning sets
@@ -382,25 +333,16 @@ def fit(
             status = "interrupted" if callbacks.preemption.received == "SIGINT" else "preempted"
     except Exception as e:
         if is_rank_zero:
-            try:
-                failed = summary.write(
-                    "failed", trainer=trainer, module=module, callbacks=callbacks, error=error_line(e)
-                )
-            except WriteError:  # a full disk: the error that stopped the run (re-raised below) says what to do
-                pass
-            else:
-                finish_wandb(trainer, failed)
+            with contextlib.suppress(WriteError):  # a full disk: the error that stopped the run says what to do
+                summary.write("failed", trainer=trainer, module=module, callbacks=callbacks, error=e)
         raise
     if not is_rank_zero:
         return None
-    result = summary.write(status, trainer=trainer, module=module, callbacks=callbacks)
-    finish_wandb(trainer, result)
-    return result
+    return summary.write(status, trainer=trainer, module=module, callbacks=callbacks)
 
 
 def set_up_process(spec: TrainSpec) -> None:
-    """Seeds, malloc's reuse of freed memory (CPU runs: their tensors live on the host) and TF32 matmuls, before
-    anything is built."""
+    """Seeds, malloc's reuse of freed memory (CPU runs: tensors live on the host) and TF32, before anything is built."""
     L.seed_everything(spec.seed, workers=True, verbose=False)
     if spec.reuse_host_memory and not uses_cuda(spec.trainer.accelerator):
         reuse_freed_host_memory()
@@ -410,8 +352,7 @@ def set_up_process(spec: TrainSpec) -> None:
 
 
 def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
-    """The module, its weights drawn from `init_seed` when set (then the rest of the run's random stream is the one
-    `seed` gives): two runs with one seed and two init seeds see the same data in the same order."""
+    """The module, its weights drawn from `init_seed` when set: the data order stays the one `seed` gives."""
     init_seed, faults = spec.init_seed, spec.faults
     with torch.random.fork_rng(devices=[], enabled=init_seed is not None):
         if init_seed is not None:
@@ -432,16 +373,8 @@ def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None 
         )
 
 
-def header(
-    spec: TrainSpec,
-    *,
-    run_dir: Path,
-    data: TokenDataModule,
-    module: LMModule,
-    kernels: SdpaKernels,
-) -> str:
-    """The run's first line: the model, the data, how a step's tokens are made up, the attention kernel (and the
-    order it was chosen from), where the run's files go."""
+def header(spec: TrainSpec, run_dir: Path, data: TokenDataModule, module: LMModule, kernels: SdpaKernels) -> str:
+    """The run's first line: model, data, a step's tokens, the attention kernel, the run folder."""
     non_embedding, total, meta = module.model.num_params(), module.model.num_params(False), data.data.meta
     device = torch.cuda.get_device_name() if uses_cuda(spec.trainer.accelerator) else "cpu"  # set_device's
     epochs = (
@@ -461,12 +394,10 @@ def header(
 
 
 def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: dict[str, object]) -> RunCallbacks:
-    """Checkpoints (saving `config`, the run's), what summary.json reports, the clean stop on a signal, and the
-    optional diagnostics, samples and progress bar; `val_set`: what the validation loss is measured on."""
+    """Checkpoints, what summary.json reports, the clean stop on a signal, and the optional ones."""
     ckpt_dir = run_dir / "checkpoints"
-    # The last K step checkpoints: resume=auto falls back on the newest of these if last.ckpt is ever damaged. By
-    # default written after each validation, not in on_train_batch_end: by then the step's metrics.csv row is on
-    # disk, so a kill right after the checkpoint cannot lose a row that the resumed run will not log again.
+    # The last K step checkpoints (resume=auto's fallback), by default after each validation: the step's metrics.csv
+    # row is then on disk, so a kill right after the checkpoint cannot lose a row the resumed run will not log again.
     checkpoint = partial(FolderCheckpoint, dirpath=ckpt_dir, save_last=True)
     periodic = checkpoint(
         filename="step-{step:06d}",
@@ -476,8 +407,7 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
         every_n_train_steps=spec.checkpoint.every_n_steps,
         auto_insert_metric_name=False,
     )
-    # At each validation, also when checkpoint.every_n_steps sets the step checkpoints apart. Saved before the step
-    # checkpoint, which links to it when it improved (LinkingTrainer): the file then holds the best loss it reached.
+    # At each validation, saved before the step checkpoint, which links to it when it improved.
     best = checkpoint(filename="best", monitor="val/loss", mode="min", save_top_k=1, every_n_epochs=1)
     throughput = Throughput(spec.global_batch_tokens)
     history = ValHistory(throughput.tokens_seen, val_set=val_set)
@@ -500,7 +430,7 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
 
 def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
     trainer = build(
-        spec.trainer.lightning_args,
+        spec.trainer.model_dump(by_alias=True, exclude={"activation_checkpointing"}),  # that one is the module's
         strategy=trainer_strategy(spec.trainer),
         precision=spec.trainer.resolved_precision,
         default_root_dir=str(run_dir),
@@ -560,6 +490,7 @@ def refuse_a_folder_new_each_time(run_dir: Path) -> None:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+
     pattern = cast(dict, OmegaConf.to_container(hydra_cfg.sweep if multirun else hydra_cfg.run))["dir"]  # unresolved
     if "${now:" not in str(pattern):
         return

@@ -17,11 +17,6 @@ from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.devices import uses_cuda
 
 SdpaKernels = dict[str, Any]  # order: the SDPA kernels a run allows, most preferred first; used: the one it runs
-# run_info.json (and each line of resumes.jsonl's `run_info`): started_at, command, cwd, host, versions, git,
-# hardware (platform, cpu_count, torch_threads, cuda_devices), sdpa (SdpaKernels or None); a training run's data_dir.
-RunInfo = dict[str, Any]
-
-
 PACKAGES = ["xsa-lm", "torch", "lightning", "hydra-core", "omegaconf", "datasets", "tokenizers", "wandb", "numpy"]
 
 
@@ -73,8 +68,9 @@ def attention_kernels(
     return {"order": order, "used": used}
 
 
-def run_info(*, attention: SdpaKernels | None = None) -> RunInfo:
-    """`attention`: attention_kernels' answer, recorded as `sdpa`."""
+def run_info(*, attention: SdpaKernels | None = None) -> dict[str, Any]:
+    """run_info.json (and resumes.jsonl's `run_info`); `attention`: attention_kernels' answer, recorded as `sdpa`."""
+
     return {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": sys.argv,

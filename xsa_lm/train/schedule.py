@@ -20,17 +20,13 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
 def warmup_cosine_scheduler(
     optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float
 ) -> LambdaLR:
-    """total_steps: the length of the schedule (the run passes trainer.max_steps unless configured)."""
     return LambdaLR(
-        optimizer,
-        partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio),
+        optimizer, partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
     )
 
 
 def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """Sets the optimizer's LRs to what a LambdaLR schedule gives its current step. A restored optimizer holds the LR
-    the checkpoint's schedule set for the next step: a resume that changes the schedule (its length, its warmup)
-    would run that step at the old schedule's LR."""
+    """Set the LRs to the schedule's at its current step: a restored optimizer holds the old schedule's."""
     if not isinstance(scheduler, LambdaLR):
         return
     groups = scheduler.optimizer.param_groups
@@ -39,9 +35,8 @@ def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
 
 
 def peak_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> float | None:
-    """The highest LR a LambdaLR schedule gave its first `steps` optimizer steps (None before the first step, or
-    for another kind of schedule): the LR a run actually reached, which a warmup longer than the run keeps below
-    the configured peak."""
+    """The highest LR a LambdaLR schedule gave its first `steps` steps: below optim.lr while the warmup lasts."""
+
     if steps <= 0 or not isinstance(scheduler, LambdaLR):
         return None
     multipliers = [max(f(step) for step in range(steps)) for f in scheduler.lr_lambdas]

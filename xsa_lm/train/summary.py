@@ -41,9 +41,11 @@ class RunStart:
         trainer: "L.Trainer",
         module: "LMModule",
         callbacks: "RunCallbacks",
-        error: str | None = None,
+        error: Exception | None = None,
     ) -> RunSummary:
-        """summary.json: how the run ended, written and returned (what train() returns)."""
+        """summary.json: how the run ended, written and returned; then the W&B run's summary, and its end."""
+        from lightning.pytorch.loggers import WandbLogger
+
         from xsa_lm.train.schedule import peak_lr
 
         history = callbacks.history.history
@@ -52,7 +54,7 @@ class RunStart:
         scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         summary = RunSummary(
             status=status,
-            error=error,
+            error=f"{type(error).__name__}: {first_line(error)}" if error is not None else None,
             attention=self.spec.attention.name,
             model=self.spec.model.name,
             lr=self.spec.optim.lr,
@@ -86,12 +88,13 @@ class RunStart:
             intact="the run's checkpoints and metrics.csv are intact",
             then=f"write it with `xsa-lm train hydra.run.dir={self.run_dir} resume=auto`",
         )
+        for logger in trainer.loggers:  # the outcome into the W&B run summary, which a sweep's dashboard compares
+            if isinstance(logger, WandbLogger):
+                if summary.status == "completed":
+                    logger.finalize("success")  # log_model: also the last step's checkpoints
+                logger.experiment.summary.update({key: getattr(summary, key) for key in WANDB_SUMMARY_KEYS.split()})
+                logger.experiment.finish()
         return summary
-
-
-def error_line(error: Exception) -> str:
-    """The exception's type and the first line of its message, for summary.json."""
-    return f"{type(error).__name__}: {first_line(error)}"
 
 
 def completed(run_dir: Path) -> bool:
@@ -101,18 +104,6 @@ def completed(run_dir: Path) -> bool:
         return summary.exists() and RunSummary.read(summary).status == "completed"
     except UserError:
         return False
-
-
-def finish_wandb(trainer: "L.Trainer", summary: RunSummary) -> None:
-    """Put the run's outcome into the W&B run summary (what a sweep's dashboard compares), then close it."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            if summary.status == "completed":
-                logger.finalize("success")  # log_model: also the last step's checkpoints
-            logger.experiment.summary.update({key: getattr(summary, key) for key in WANDB_SUMMARY_KEYS.split()})
-            logger.experiment.finish()
 
 
 def print_summary(s: RunSummary) -> None:
