@@ -1,6 +1,5 @@
-"""What the study reports (sweep, scaling study, token axis) share: the Jinja2 templates that word them
-(xsa_lm/templates) with how a number reads there, their markdown tables (pandas' to_markdown), the row of a paired
-comparison, the files of a report and the W&B run that carries it."""
+"""What the sweep and scaling-study reports share: the Jinja2 templates (xsa_lm/templates), how a number reads there,
+markdown tables (pandas' to_markdown), a paired comparison's row, a report's files and the W&B run that carries it."""
 
 import functools
 import math

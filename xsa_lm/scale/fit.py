@@ -1,12 +1,10 @@
 """Loss vs training compute, and XSA's effective-compute multiplier, as pure functions.
 
-- The SA fit, L(C) = E + A C^-alpha through SA's mean final losses (E = 0 below 4 sizes), least squares in loss: what
-  the lack-of-fit test and the extrapolation check judge.
-- The shared fit, L_arm(C) = E + A_arm C^-alpha through both arms (one E, one alpha), Huber loss on log-loss
-  residuals: the multiplier k = (A_SA / A_XSA)^(1/alpha), the compute SA needs to match XSA (as OLMo-core's ladder
-  reads it), with a parametric-bootstrap 95% interval (a paired t interval through a fixed SA curve undercovers once
-  sizes deviate from it: tests/test_scale.py measures it).
-"""
+- The SA fit, L(C) = E + A C^-alpha through SA's mean losses (E = 0 below 4 sizes), least squares in loss: what the
+  lack-of-fit test and the extrapolation check judge.
+- The shared fit, L_arm(C) = E + A_arm C^-alpha (one E, one alpha), Huber loss on log-loss residuals: k = (A_SA /
+  A_XSA)^(1/alpha), the compute SA needs to match XSA (OLMo-core's ladder), with a parametric-bootstrap 95% interval
+  (a paired t interval through a fixed SA curve undercovers: tests/test_scale.py measures it)."""
 
 import math
 import warnings
@@ -180,8 +178,7 @@ class SharedFit:
 
 
 def huber_scale(means: Sequence[float], standard_errors: Sequence[float]) -> float:
-    """Huber's delta on log-loss residuals: 1.345 x the median relative seed noise (95% efficient for normal noise, a
-    stalled size counts linearly); HUBER_DEFAULT when the noise is unknown."""
+    """Huber's delta on log-loss residuals: 1.345 x the median relative seed noise, else HUBER_DEFAULT."""
     relative = [se / m for se, m in zip(standard_errors, means, strict=True) if math.isfinite(se) and se > 0]
     return 1.345 * float(np.median(relative)) if relative else HUBER_DEFAULT
 
@@ -206,8 +203,7 @@ def fit_shared(
     f_scale: float = HUBER_DEFAULT,
     start: np.ndarray | None = None,
 ) -> SharedFit:
-    """The shared fit (scipy.optimize.least_squares, Huber loss on log-loss residuals) from a grid of starts, the
-    lowest cost kept, or from `start` alone (a bootstrap refit)."""
+    """The shared fit (least_squares, Huber on log-loss residuals): the best of a grid of starts, or `start`'s."""
     c = np.asarray(compute, dtype=float)
     c_ref = float(np.exp(np.mean(np.log(c))))
     x = np.r_[c, c] / c_ref
@@ -237,8 +233,7 @@ def fit_shared(
         )
         for p0 in (_starts(x, y, offset, floor) if start is None else [start])
     )
-    best = min(fits, key=lambda result: result.cost)
-    p = best.x
+    p = min(fits, key=lambda result: result.cost).x
     E = float(p[0]) if offset else 0.0
     fit = SharedFit(offset, E, float(p[-3]), float(p[-2]), float(p[-1]), c_ref, floor, residuals=[])
     fitted = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
@@ -265,9 +260,8 @@ def ladder_bootstrap(
     n_resamples: int = 1000,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """95% interval of the ladder's k: each resample draws every size's two means about the fitted curves with
-    variance SE^2 (standard_errors: SA's sizes, then XSA's) + lof_variance, refits, and takes ln k; the interval is
-    the basic (pivotal) one in ln k, [2 ln k - q97.5, 2 ln k - q2.5], which corrects the fit's bias."""
+    """95% interval of the ladder's k: resamples draw each mean about the fitted curves with variance SE^2 (SA's sizes,
+    then XSA's) + lof_variance and refit; the basic interval in ln k, [2 ln k - q97.5, 2 ln k - q2.5], corrects bias."""
     rng = np.random.default_rng(seed)
     c = np.asarray(compute, dtype=float)
     centre = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]

@@ -1,6 +1,5 @@
-"""A scaling study's outputs along either axis: results.json, report.md and its plots (scale.axis=size: the ladder's
-fit and one multiplier, loss_vs_compute.png, multiplier.png with the ladder's k in its title only when no flag is up,
-and a W&B report run; scale.axis=tokens: k at fixed size, loss_vs_tokens.png and multiplier.png)."""
+"""A scaling study's results.json, report.md and plots: scale.axis=size (the ladder's fit and k, loss_vs_compute.png,
+multiplier.png, a W&B report run) or scale.axis=tokens (k at a fixed size, loss_vs_tokens.png, multiplier.png)."""
 
 import statistics
 from collections.abc import Callable
@@ -277,11 +276,8 @@ def log_to_wandb(results: ScaleStudyResult, study_dir: Path, wandb_cfg: ReportRu
     tests = "mean_diff t_p t_p_holm wilcoxon_p sign_p".split()
     rows = [[getattr(s, c) for c in columns] + [s.tests[t] for t in tests] for s in results.sizes if s.tests]
     fit = results.fit
-    summary = {
-        "fit": fit["formula"],
-        "fit_rms_residual": fit["rms_residual"],
-        "flags": [f["flag"] for f in fit["flags"]],
-    }
+    flags = [f["flag"] for f in fit["flags"]]
+    summary = {"fit": fit["formula"], "fit_rms_residual": fit["rms_residual"], "flags": flags}
     if not fit["flags"]:  # a flagged ladder's k stays out of every summary
         summary |= {"multiplier": fit["multiplier"], "multiplier_ci": fit["multiplier_ci"]}
     log_report_run(

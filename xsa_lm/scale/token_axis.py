@@ -1,14 +1,9 @@
-"""XSA's multiplier along the token axis at a fixed model size, as pure functions.
-
-SA trains at budgets D_1 < D_2 < ... and XSA at b, seeds paired. SA's mean final loss, interpolated linearly in ln D
-between the budgets that bracket XSA's mean loss, gives the tokens D_SA SA needs to reach it: k = D_SA / b. Nothing is
-extrapolated: beyond SA's range k is a bound (k > D_max / b, k < D_min / b).
-
-The 95% interval is Fieller's, by test inversion: on [D_j, D_j+1] the curve is m_j + theta (m_j+1 - m_j), and theta
-is kept when the per-seed values SA_j,s + theta (SA_j+1,s - SA_j,s) - XSA_s have a mean Student's t does not reject
-at 0 (a quadratic inequality, solved exactly); the union over segments is the interval. A bootstrap over seeds checks
-it; cells are pooled by inverse variance on ln k with Cochran's Q for heterogeneity.
-"""
+"""XSA's multiplier along the token axis at a fixed model size, as pure functions. SA trains at budgets D_1 < D_2 < ...
+and XSA at b, seeds paired: k = D_SA / b, D_SA where SA's mean loss, linear in ln D between the bracketing budgets,
+reaches XSA's. Nothing is extrapolated: beyond SA's range k is a bound.
+The 95% interval is Fieller's by test inversion: on [D_j, D_j+1] theta is kept when the per-seed SA_j,s + theta
+(SA_j+1,s - SA_j,s) - XSA_s have a mean Student's t does not reject at 0 (a quadratic, solved exactly); the union over
+segments is the interval. A seed bootstrap checks it; cells pool by inverse variance on ln k, with Cochran's Q."""
 
 import math
 from collections.abc import Sequence
@@ -44,8 +39,7 @@ class Cell:
 
 
 def _segment_solutions(a: np.ndarray, d: np.ndarray, t: float) -> list[tuple[float, float]]:
-    """The theta in [0, 1] where |mean(a - theta d)| <= t * se(a - theta d), se over seeds: the quadratic
-    (mean_a - theta mean_d)^2 - t^2 (v_aa - 2 theta v_ad + theta^2 v_dd) <= 0, v the variances of the means."""
+    """The theta in [0, 1] where |mean(a - theta d)| <= t se(a - theta d) over seeds: a quadratic in theta."""
     n = len(a)
     ma, md = float(a.mean()), float(d.mean())
     cov = np.cov(np.vstack([a, d]), ddof=1) / n
@@ -151,8 +145,7 @@ def ln_k_of_means(means: np.ndarray, budgets: Sequence[float], xm: float, budget
 def per_seed_k(
     sa: Sequence[Sequence[float]], sa_budgets: Sequence[float], xsa: Sequence[float], budget: float
 ) -> list[str]:
-    """k of each seed alone, from its own SA curve, as the report prints it: "1.31", or a bound at SA's range
-    (">= 2", "<= 0.5"). A mean k over bimodal seeds (some SA seeds stalled) reads as one effect; these show the mix."""
+    """k of each seed from its own SA curve as the report prints it ("1.31", ">= 2", "<= 0.5"): shows a bimodal mix."""
     runs = np.asarray(sa, dtype=float)
     lo, hi = min(sa_budgets) / budget, max(sa_budgets) / budget
     values = []
@@ -187,9 +180,8 @@ class PooledK(Record):
 
 
 def pool(cells: Sequence[Cell]) -> PooledK | None:
-    """Inverse-variance pooling of ln k over two or more cells with a point estimate (bounds are left out and listed),
-    Cochran's Q and I^2 for heterogeneity. Cells at one size share SA's runs, so they are not independent: the pooled
-    interval is then too narrow, and the report says so."""
+    """Inverse-variance pooling of ln k over 2+ cells with a point estimate (bounds left out), Cochran's Q and I^2;
+    cells at one size share SA's runs, so the pooled interval is then too narrow (the report says so)."""
     usable = [c for c in cells if c.k is not None and c.ln_k_se and c.ln_k_se > 0]
     if len(usable) < 2:  # one cell: its own interval (Fieller's) stands; t on its delta-method se would differ
         return None

@@ -1,7 +1,5 @@
-"""What a comparison may claim: a verdict against a practical margin declared in the study's plan (a p < 0.05 on a
-0.001-nat difference is not a win), tests over pairs that share a seed (25 LR x seed pairs over 5 seeds are not 25
-draws: each seed's mean difference is one), how often the procedure claims an effect on an A/A null, and rates
-(stalls) with their exact interval and a stratified test of SA's rate against XSA's."""
+"""What a comparison may claim: a verdict against the plan's practical margin, tests over pairs that share a seed (each
+seed's mean difference is one draw), the claim rate on an A/A null, and stall rates with exact and stratified tests."""
 
 import itertools
 import math
@@ -30,9 +28,8 @@ class MantelHaenszel(Record):
 
 
 def mantel_haenszel(tables: Sequence[tuple[int, int, int, int]]) -> MantelHaenszel:
-    """The Cochran-Mantel-Haenszel test (continuity-corrected) of 2x2 tables (a, b, c, d) = (SA stalled, SA not,
-    XSA stalled, XSA not), one per LR: is the stall rate of SA the same as XSA's at every LR? scipy has no
-    stratified test of 2x2 tables, so the textbook formula is written here."""
+    """The continuity-corrected Cochran-Mantel-Haenszel test (scipy has none) of 2x2 tables (SA stalled, SA not, XSA
+    stalled, XSA not), one per LR: is SA's stall rate XSA's at every LR?"""
     deviation = variance = 0.0
     for a, b, c, d in tables:
         n = a + b + c + d
@@ -138,10 +135,9 @@ class NullRates(Record):
 
 
 def null_rates(diffs: Sequence[float], study_size: int, margin: float) -> NullRates | None:
-    """How often the procedure claims an effect on the paired differences of an A/A null: over every study of
-    `study_size` pairs (2000 drawn when there are more) the share whose t interval excludes 0 and the share whose
-    margin verdict is better or worse, each with a jackknife 95% CI (the studies overlap); over disjoint studies of
-    consecutive pairs the count of claims, with its exact binomial CI. None below 2 x study_size pairs."""
+    """How often the procedure claims an effect on A/A null differences: over the studies of `study_size` pairs (2000
+    drawn when more) the shares whose t interval excludes 0 and whose margin verdict claims one, jackknife 95% CIs (they
+    overlap); over disjoint studies the claims, with an exact CI. None below 2 x study_size pairs."""
     values = np.asarray(diffs, dtype=float)
     n = values.size
     if study_size < 2 or n < 2 * study_size:
@@ -149,8 +145,7 @@ def null_rates(diffs: Sequence[float], study_size: int, margin: float) -> NullRa
     rng = np.random.default_rng(0)
     two_sided, one_sided = scipy.stats.t.ppf([1 - ALPHA / 2, 1 - ALPHA], study_size - 1)
 
-    def rates(pool: np.ndarray) -> np.ndarray:
-        """[share of studies whose interval excludes 0, share whose verdict claims an effect] over `pool`."""
+    def rates(pool: np.ndarray) -> np.ndarray:  # [share whose interval excludes 0, share claiming an effect]
         total = math.comb(pool.size, study_size)
         if total <= 2000:
             picks = np.array(list(itertools.combinations(range(pool.size), study_size)))

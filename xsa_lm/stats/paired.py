@@ -1,8 +1,6 @@
-"""XSA against SA over paired seeds (seed s of each arm shares its initialisation and data order), tested on the
-differences XSA - SA. Stalled SA seeds make them bimodal, so beside Student's paired t stand the exact Wilcoxon
-signed-rank and sign tests, which assume no normal noise. `paired_stats` is the one record of them all;
-`position_differences` asks whether XSA's gain grows with context: XSA - SA per equal span of window positions
-(earliest first), and the trend across spans, one least-squares slope per seed (its spans share its runs), t-tested."""
+"""XSA against SA over paired seeds (each arm's seed s shares its initialisation and data order), tested on XSA - SA:
+Student's paired t beside the exact Wilcoxon and sign tests (stalled SA seeds make the differences bimodal);
+`position_differences`: XSA - SA per span of window positions and its trend, one slope per seed, t-tested."""
 
 import math
 from collections.abc import Sequence
@@ -56,9 +54,8 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
 
 
 def min_detectable_difference(sd: float | None, n: int) -> float | None:
-    """The smallest true mean difference a two-sided paired t-test at ALPHA detects with POWER over n pairs of
-    standard deviation sd: (t_{1-ALPHA/2, n-1} + t_{POWER, n-1}) sd / sqrt(n). The closed form is optimistic for few
-    pairs (the exact noncentral-t value is 5% larger at n = 3, under 1% from n = 6). None below two pairs."""
+    """The smallest mean difference a paired t-test at ALPHA detects with POWER over n pairs of standard deviation sd,
+    (t_{1-ALPHA/2, n-1} + t_{POWER, n-1}) sd / sqrt(n) (5% optimistic at n = 3, under 1% from n = 6); None below 2."""
     if sd is None or n < 2:
         return None
     quantiles = scipy.stats.t.ppf([1 - ALPHA / 2, POWER], n - 1)

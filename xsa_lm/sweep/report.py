@@ -1,5 +1,4 @@
-"""A sweep's outputs: results.json (the SweepResult record), report.md (templates/sweep.md.j2 words the record's
-verdict fields), the plots, and a W&B report run in the sweep's group."""
+"""A sweep's outputs: results.json (SweepResult), report.md (templates/sweep.md.j2), the plots and a W&B report run."""
 
 import statistics
 from collections.abc import Sequence
@@ -92,13 +91,9 @@ def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> Null
 def dropped_warning(seed: int, sides: dict[str, str]) -> str:
     """Why a compare seed is left out of the statistics (`sides`: the status of SA's and XSA's run)."""
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
-    failed = [
-        f"{a.upper()} {what.get(status, 'did not finish')}" for a, status in sides.items() if status != "completed"
-    ]
-    warning = (
-        f"seed {seed} is left out of the mean, the confidence interval and the count of seeds where XSA is lower: "
-    )
-    warning += " and ".join(failed)
+    failed = (f"{a.upper()} {what.get(s, 'did not finish')}" for a, s in sides.items() if s != "completed")
+    left_out = "the mean, the confidence interval and the count of seeds where XSA is lower"
+    warning = f"seed {seed} is left out of {left_out}: " + " and ".join(failed)
     if "diverged" in sides.values():
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
     if any(status not in ("completed", "diverged") for status in sides.values()):
@@ -274,9 +269,8 @@ def build_results(
             cell = {a: num(t.final_val_loss) if t.status == "completed" else t.status for a, t in pair.items()}
             loss = {a: cast(float, t.final_val_loss) for a, t in pair.items()}  # completed: it has its loss
             diff = loss["xsa"] - loss["sa"] if done else None
-            rows.append(
-                {"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": num(diff, "+.4f")}
-            )
+            row = {"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": num(diff, "+.4f")}
+            rows.append(row)
     pairs = completed_pairs(trials)
     bpb = [[t.final_val_bpb for t in arm] for arm in zip(*pairs, strict=True)]
     return SweepResult(
@@ -328,9 +322,8 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
                 ax.plot(*zip(*ok, strict=True), "o", color=color, alpha=0.6, markersize=4)
             if bad := [r.lr for r in runs if r.status != "completed"]:
                 top = max((loss or 0 for _, loss in ok), default=1.0)
-                ax.plot(
-                    bad, [top] * len(bad), "x", color=color, markersize=10, label=f"{attention.upper()} diverged/failed"
-                )
+                label = f"{attention.upper()} diverged/failed"
+                ax.plot(bad, [top] * len(bad), "x", color=color, markersize=10, label=label)
         if results.selected_lr is not None:
             ax.axvline(results.selected_lr, color="gray", linestyle="--", label=f"selected {results.selected_lr:g}")
         ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss")

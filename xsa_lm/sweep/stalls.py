@@ -1,6 +1,5 @@
-"""Stalls of the LR search as a measured rate: per LR and arm, the seeds that stall with an exact interval, and a test
-of SA against XSA stratified by LR. A run stalls when its validation loss at `at_fraction` of the run lies more than
-`margin` nats above the median of every run at its LR (both arms), a rule fixed in the sweep's plan (sweep.stall)."""
+"""Stalls of the LR search as a rate per LR and arm (exact interval) and a test of SA against XSA stratified by LR. A
+run stalls when its val loss at `at_fraction` of the run is over `margin` nats above its LR's median (sweep.stall)."""
 
 import math
 import statistics
@@ -39,14 +38,12 @@ def loss_at_fraction(record: TrialRecord, fraction: float) -> tuple[int, float] 
     """(step, val loss) of the first validation at or after `fraction` of the run's steps; None without one."""
     history = record.val_history
     steps = record.steps or (history[-1]["step"] if history else 0)
-    due = [h for h in history if h["step"] >= fraction * steps]
-    return (due[0]["step"], due[0]["val_loss"]) if due else None
+    return next(((h["step"], h["val_loss"]) for h in history if h["step"] >= fraction * steps), None)
 
 
 def tokens_to_reach(record: TrialRecord, threshold: float) -> float | None:
     """The tokens seen at the first validation whose loss is at or below threshold; None: never reached."""
-    hits = [h["tokens"] for h in record.val_history if h["val_loss"] <= threshold]
-    return float(hits[0]) if hits else None
+    return next((float(h["tokens"]) for h in record.val_history if h["val_loss"] <= threshold), None)
 
 
 def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
@@ -66,8 +63,7 @@ def diagnostics_at(run_dir: str | Path, step: int) -> dict[str, float] | None:
 
 
 def classify(records: Sequence[TrialRecord], rule: StallRule) -> list[dict]:
-    """Each search run with its loss at the rule's fraction and whether it stalled (None: diverged or failed), and
-    the attention diagnostics at that step of a run that logged them."""
+    """Each search run with its loss at the rule's fraction, whether it stalled (None: not completed), diagnostics."""
     points = [loss_at_fraction(r, rule.at_fraction) if r.status == "completed" else None for r in records]
     by_lr: dict[float, list[float]] = {}
     for record, point in zip(records, points, strict=True):
@@ -97,9 +93,8 @@ class PairedFinalLosses(Record):
 
 
 def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
-    """XSA - SA final val loss for each (LR, seed) where both completed: per LR the median difference and how many
-    pairs XSA is lower in; over every pair the sign test as if the pairs were independent, and the test that keeps
-    each seed's pairs together (a seed's runs share its initialisation and data order: the one to read)."""
+    """XSA - SA final loss per (LR, seed) where both completed: per LR the median and XSA's wins; over all pairs the
+    sign test as if independent, and the test that keeps each seed's pairs together (the one to read)."""
     final = {(r["attention"], r["lr"], r["seed"]): r["final_val_loss"] for r in rows if r["stalled"] is not None}
     pairs = [
         (lr, final[("xsa", lr, seed)] - loss, seed)
@@ -163,9 +158,8 @@ def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
         arms = {arm: [r for r in rows if (r["lr"], r["attention"]) == (lr, arm)] for arm in ("sa", "xsa")}
         cells += [stall_cell(lr, arm, runs, rule) for arm, runs in arms.items() if runs]
         if all(arms.values()):  # SA's and XSA's (stalled, not) at this LR
-            tables.append(
-                tuple(n for c in cells[-2:] for n in (c["stalls"], c["runs"] - c["diverged_or_failed"] - c["stalls"]))
-            )
+            (a, b), (c, d) = ((x["stalls"], x["runs"] - x["diverged_or_failed"] - x["stalls"]) for x in cells[-2:])
+            tables.append((a, b, c, d))
     completed = [r for r in rows if r["stalled"] is not None]
     return StallStudy(
         rule=asdict(rule),
