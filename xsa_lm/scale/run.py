@@ -111,8 +111,7 @@ class SizeOutput(io.TextIOBase):
         self.model, self.log, self.terminal, self.pending = model, log, terminal, ""
 
     def write(self, text: str) -> int:
-        self.log.write(text)
-        self.log.flush()
+        print(text, end="", file=self.log, flush=True)
         *lines, self.pending = (self.pending + text).split("\n")
         for line in filter(str.strip, lines):
             print(f"[{self.model}] {line}", file=self.terminal, flush=True)
@@ -411,9 +410,8 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
         trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
         launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
         launcher.run(trials, f"budget_{fraction:g}", "budget")
-        store = launcher.store
         for arm in arms:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
-            records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
+            records = [launcher.store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
             runs.setdefault(arm, {})[f"{fraction:g}"] = [
                 report.TokenRun(**{k: getattr(r, k) for k in kept}) for r in records
             ]

@@ -1,11 +1,11 @@
 """`xsa-lm sweep`: the paper's protocol in one command.
 1. search:  SA at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
 2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
-3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner won partly on
-            its noise)
+3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner was lucky)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
 Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
 
+import itertools
 import json
 import math
 import signal
@@ -273,9 +273,7 @@ def downstream_evaluation(
         evaluated.append(previous.get("task_files", {}))
         if evaluated == [sorted(ckpts), sorted(resolve_tasks(tasks)[0]), limit, task_file_digests(tasks)]:
             return Evaluation(result=previous, warnings=[], error=None)
-        n = 1
-        while out.with_name(f"eval.earlier{n}").exists():
-            n += 1
+        n = next(n for n in itertools.count(1) if not out.with_name(f"eval.earlier{n}").exists())
         kept = out.rename(out.with_name(f"eval.earlier{n}"))
         warnings.append(
             f"the earlier downstream evaluation ({len(previous['rows'])} checkpoints, tasks {previous['tasks']}, "
