@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -537,7 +537,7 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
 def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
     """comparison_plan of a sweep whose stall rule has this margin, as sweep.json keeps it."""
     stall = {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}
-    return asdict(comparison_plan(list(search_seeds), list(seeds), cap, stall=stall, margin=0.01))
+    return comparison_plan(list(search_seeds), list(seeds), cap, stall=stall, margin=0.01)
 
 
 def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:

@@ -68,12 +68,15 @@ class StudyIdentity:
 Study = Callable[[StudyIdentity, str | None], list[str]]  # runs a checked study: its identity, the W&B group
 
 
-def size_config(overrides: list[str], model: str, seeds: list[int] | None = None) -> tuple[TrainSpec, SweepSpec, dict]:
-    """One size's specs and config, composed as `xsa-lm sweep model=<model>` (the compare seeds as sweep.seeds)."""
+def size_config(
+    overrides: list[str], model: str, seeds: list[int] | None
+) -> tuple[TrainSpec, SweepSpec, list[str], dict]:
+    """One size as `xsa-lm sweep model=<model>` (seeds as sweep.seeds): its specs, trial overrides and config."""
     listed = [] if seeds is None else [f"sweep.seeds=[{','.join(map(str, seeds))}]"]
     cfg = compose(config_name="sweep", overrides=[*overrides, f"model={model}", *listed])
+    runs = sweeps.train_overrides([*overrides, f"model={model}"])
     config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
-    return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), config
+    return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), runs, config
 
 
 def load_bench(path: Path | str | None, key: str = "scale.bench") -> report.BenchRatio | None:
@@ -108,8 +111,7 @@ class SizeOutput(io.TextIOBase):
         self.model, self.log, self.terminal, self.pending = model, log, terminal, ""
 
     def write(self, text: str) -> int:
-        self.log.write(text)
-        self.log.flush()
+        print(text, end="", file=self.log, flush=True)
         *lines, self.pending = (self.pending + text).split("\n")
         for line in filter(str.strip, lines):
             print(f"[{self.model}] {line}", file=self.terminal, flush=True)
@@ -335,15 +337,14 @@ class TokenJob:
 
 
 def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
-    """A size of the token axis, checked before any run: its runs as `xsa-lm train` checks them, and its largest SA
-    budget against the training data (repeated tokens flatten SA's curve at the top, where k is read)."""
+    """A size of the token axis, its runs checked, and its largest SA budget against the data (repeats flatten SA)."""
     import torch
 
     from xsa_lm.data.run import prepare_data
     from xsa_lm.model.gpt import GPT
 
-    train, spec, _ = size_config(overrides, model, seeds)
-    sweep = sweeps.SweepJob(spec, [], seeds, sweeps.train_overrides([*overrides, f"model={model}"]), train.logger.wandb)
+    train, spec, runs, _ = size_config(overrides, model, seeds)
+    sweep = sweeps.SweepJob(spec, [], seeds, runs, train.logger.wandb)
     with torch.device("meta"):  # the count needs the shapes only
         params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
     batch = train.global_batch_tokens
@@ -409,9 +410,8 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
         trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
         launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
         launcher.run(trials, f"budget_{fraction:g}", "budget")
-        store = launcher.store
         for arm in arms:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
-            records = [store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
+            records = [launcher.store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
             runs.setdefault(arm, {})[f"{fraction:g}"] = [
                 report.TokenRun(**{k: getattr(r, k) for k in kept}) for r in records
             ]
@@ -450,8 +450,7 @@ def paired_losses(
 def same_budget(
     entry: report.TokenSize, fraction: float, arm: str, margin: float | None
 ) -> tuple[JsonObject | None, JsonObject | None]:
-    """`arm` - SA at a budget both trained at, over the seeds where both completed: the paired tests, and the margin
-    verdict, bits per byte and loss along the window beside them. (None, None) without such a pair."""
+    """`arm` - SA at one budget over the seeds where both completed: paired tests, margin, bpb, positions."""
     runs, budget = entry.runs or {}, f"{fraction:g}"
     both = zip(runs.get("sa", {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
     pairs = [(a, b) for a, b in both if a.status == b.status == "completed"]
@@ -604,11 +603,7 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
         raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
     if scale.axis == "size":
         bench = load_bench(scale.bench)
-        jobs = {}
-        for model in scale.models:
-            train, spec, config = size_config(overrides, model, scale.seeds)
-            runs = sweeps.train_overrides([*overrides, f"model={model}"])
-            jobs[model] = sweeps.check_sweep(train, spec, runs, config)
+        jobs = {model: sweeps.check_sweep(*size_config(overrides, model, scale.seeds)) for model in scale.models}
         return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
     sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
     if len(seeds) < 2:

@@ -5,7 +5,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.errors import UserError
@@ -66,8 +66,7 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
 def check_seeds(
     seeds: Sequence[int] | None, search_seeds: Sequence[int], reuse_search_run: bool = False, name: str = "sweep.seeds"
 ) -> list[int]:
-    """The compare seeds (none: search only), without a search seed unless sweep.reuse_search_run: the search's
-    winning SA run won partly on its noise, which biases the comparison against XSA."""
+    """The compare seeds (none: search only), no search seed unless sweep.reuse_search_run (its winner was lucky)."""
     seeds = list(seeds or [])
     shared = [s for s in seeds if s in search_seeds]
     if shared and not reuse_search_run:
@@ -100,8 +99,7 @@ def null_init_seed(seed: int) -> int:
 
 
 def select_lr(results: dict[float, list[tuple[str | None, float | None]]]) -> Selection:
-    """The LR with the lowest median loss (lr -> [(status, loss) per seed]); a tie goes to the smaller LR. A diverged
-    run counts as +inf; an LR whose median is not finite (half diverged), or with nothing finished, is not usable."""
+    """The LR of the lowest median loss (lr -> [(status, loss)]; a tie: the smaller LR; diverged: +inf), or None."""
     losses: dict[float, float | None] = {}
     for lr, runs in sorted(results.items()):
         done = [loss if s == "completed" and loss is not None else math.inf for s, loss in runs if s in FINISHED]
@@ -163,11 +161,8 @@ def seed_sequence(seeds: Sequence[int], search_seeds: Sequence[int], cap: int) -
         )
     if not seeds:
         raise UserError("sweep.seeds_until_significant needs compare seeds to start from: set sweep.seeds=[1,2]")
-    sequence, candidate = list(seeds), max(seeds) + 1
-    while len(sequence) < cap:
-        if candidate not in search_seeds:
-            sequence.append(candidate)
-        candidate += 1
+    fresh = (s for s in itertools.count(max(seeds) + 1) if s not in search_seeds)
+    sequence = [*seeds, *itertools.islice(fresh, cap - len(seeds))]
     if sequence[-1] > SEED_MAX:
         raise UserError(
             f"sweep.seeds_until_significant={cap} would add seeds up to {sequence[-1]}, beyond the largest seed "
@@ -206,8 +201,7 @@ class SequentialSummary(Record):
 
 @dataclass(frozen=True)
 class SequentialRule:
-    """One seed pair at a time from first_look seeds up to cap, stopping at the first look whose CI excludes 0; each
-    look at the Bonferroni level alpha / looks, so that the looks together reject a true null at most at alpha."""
+    """A seed pair more per look up to cap until the CI excludes 0, each look at Bonferroni's alpha / looks."""
 
     cap: int
     first_look: int  # the seeds of the first look: sweep.seeds, at least 2 (no CI below two pairs)
@@ -243,10 +237,8 @@ class SequentialRule:
             rule=f"one seed pair at a time from {self.first_look} to {self.cap} compare seeds, until the "
             "corrected paired CI of XSA - SA excludes 0",
             correction="bonferroni",
-            cap=self.cap,
-            first_look=self.first_look,
+            **asdict(self),  # cap, first_look, alpha
             planned_looks=self.looks,
-            alpha=self.alpha,
             alpha_per_look=self.alpha_per_look,
             confidence=1 - self.alpha_per_look,
             n_looks=len(looks),

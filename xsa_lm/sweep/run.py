@@ -1,18 +1,18 @@
 """`xsa-lm sweep`: the paper's protocol in one command.
 1. search:  SA at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
 2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
-3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner won partly on
-            its noise)
+3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner was lucky)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
 Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
 
+import itertools
 import json
 import math
 import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -69,8 +69,7 @@ def report_run_settings(wandb: WandbSpec) -> ReportRunSettings:
 def open_state(
     state_file: Path, overrides: list[str], group: str | None, *, id_key: str, overrides_key: str, holds: str
 ) -> str:
-    """The id of a sweep or a study (logger.wandb.group, else the folder's name), kept in state_file with the
-    overrides it runs with; a rerun with other overrides is refused (`holds`: what the folder holds)."""
+    """A sweep's or study's id (the W&B group, else the folder's name) and overrides, which a rerun must keep."""
     if state_file.exists():
         state = json.loads(state_file.read_text())
         if sorted(state[overrides_key]) != sorted(overrides):
@@ -115,29 +114,17 @@ def run_exclusive(
         return directory, run(directory, overrides)
 
 
-@dataclass(frozen=True)
-class ComparisonPlan:
-    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`)."""
-
-    search_seeds: list[int]
-    seeds: list[int]
-    seeds_until_significant: int | None
-    alpha: float
-    planned_looks: int
-    stall: dict | None  # sweep.stall as written (None: no stall table)
-    margin: float
-
-
 def comparison_plan(
     search_seeds: list[int], seeds: list[int], cap: int | None, *, stall: dict | None, margin: float
-) -> ComparisonPlan:
+) -> dict[str, Any]:
+    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`; stall: None for none)."""
     looks = SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1
-    return ComparisonPlan(search_seeds, seeds, cap, protocol.ALPHA, looks, stall, margin)
+    plan = {"search_seeds": search_seeds, "seeds": seeds, "seeds_until_significant": cap, "alpha": protocol.ALPHA}
+    return plan | {"planned_looks": looks, "stall": stall, "margin": margin}
 
 
 def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
-    """The plan recorded at the first run, which a rerun must keep (a change after seeing results spends the
-    significance level again); the grid may grow, its history kept. Fixed compare seeds compare as a set."""
+    """The first run's plan, which a rerun must keep (fixed compare seeds as a set); the grid may grow."""
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
 
@@ -236,8 +223,7 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
 def compare_phase(
     launcher: Launcher, lr: float, seeds: list[int], search_seeds: list[int], cap: int | None
 ) -> tuple[list[Trial], SequentialSummary | None]:
-    """SA and XSA at the selected LR over sweep.seeds; with a cap, one more seed pair after each look at the corrected
-    CI until it excludes 0 or the cap is reached (the looks' summary; a rerun replays them on the reused trials)."""
+    """SA and XSA at the selected LR over sweep.seeds; with a cap, a seed pair more per look until significant."""
     print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
     if cap is None:
         compare = protocol.compare_trials(lr, seeds)
@@ -273,8 +259,7 @@ class Evaluation:
 def downstream_evaluation(
     tasks: str | list[str] | None, limit: float | None, store: TrialStore, compare: list[Trial], sweep_dir: Path
 ) -> Evaluation:
-    """`xsa-lm eval` of sweep.eval_tasks on the compare runs' final checkpoints, into eval/. An eval.json of the same
-    checkpoints, tasks (names and task files) and limit is reused; one of others is kept in eval.earlier<N>/."""
+    """`xsa-lm eval` of the compare runs' last checkpoints into eval/: reused if the same, else kept aside."""
     from xsa_lm.eval.run import resolve_tasks, task_file_digests
 
     if not (tasks and compare):
@@ -288,9 +273,7 @@ def downstream_evaluation(
         evaluated.append(previous.get("task_files", {}))
         if evaluated == [sorted(ckpts), sorted(resolve_tasks(tasks)[0]), limit, task_file_digests(tasks)]:
             return Evaluation(result=previous, warnings=[], error=None)
-        n = 1
-        while out.with_name(f"eval.earlier{n}").exists():
-            n += 1
+        n = next(n for n in itertools.count(1) if not out.with_name(f"eval.earlier{n}").exists())
         kept = out.rename(out.with_name(f"eval.earlier{n}"))
         warnings.append(
             f"the earlier downstream evaluation ({len(previous['rows'])} checkpoints, tasks {previous['tasks']}, "
@@ -316,7 +299,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     holds = "a sweep with the training overrides"
     sweep_id = open_state(state, job.overrides, group, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
     plan = comparison_plan(spec.search_seeds, seeds, cap, stall=spec.stall, margin=spec.margin)
-    keep_plan(state, asdict(plan), grid)
+    keep_plan(state, plan, grid)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
     write_text(sweep_dir / config_name, OmegaConf.to_yaml(job.config))
     launcher = job.launcher(TrialStore(sweep_dir), sweep_id, command)

@@ -150,8 +150,7 @@ class ScaleSpec(Spec):
 
     @model_validator(mode="after")
     def _sizes_and_budgets(self) -> "ScaleSpec":
-        """A fit across sizes needs two. The token axis: SA at 2+ budgets including 1 (where the LR is chosen), XSA's
-        inside SA's range (no multiplier needs an extrapolation), and among SA's when each budget has its LR."""
+        """A fit across sizes needs two; on the token axis, SA's budgets include 1 and span XSA's (no extrapolation)."""
         sa, xsa = sorted(self.sa_budgets), sorted(self.xsa_budgets)
         if self.axis == "size":
             if len(self.models) < 2:

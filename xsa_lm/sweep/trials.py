@@ -2,10 +2,8 @@
   trials/<id>.json   the record of a trial: its command, status, metrics and run directory (written atomically)
   runs/<id>/         the trial's run directory (config.yaml, metrics.csv, checkpoints/, summary.json, wandb/)
   logs/<id>.log      the trial's terminal output, appended across attempts
-
-A `completed` or `diverged` record is final: a rerun reuses it. Anything else (failed, or `running` after a killed
-sweep) is tried again, from the run's last checkpoint if any, else afresh (the attempt kept in runs/<id>.attempt<N>).
-"""
+A `completed` or `diverged` record is final: a rerun reuses it. Anything else is tried again, from the run's last
+checkpoint if any, else afresh (the attempt kept in runs/<id>.attempt<N>)."""
 
 import contextlib
 import ctypes
@@ -120,8 +118,7 @@ class Outcome:
     summary: RunSummary | None = None
 
 
-# What a trial's record copies from its run's summary.json: every field they share but the trial's identity (a null
-# trial's arm is `null`, its run's SA), its outcome and its files.
+# What a trial's record copies from its summary.json: the fields they share but its identity, outcome and files.
 SUMMARY_METRICS = [
     name
     for name in RunSummary.__dataclass_fields__
@@ -136,12 +133,10 @@ def divergence_bound(summary: RunSummary, diverge_above: float | None) -> float:
 
 
 def outcome(returncode: int, summary: RunSummary | None, log_tail: str, diverge_above: float | None) -> Outcome:
+    if summary is None and returncode < 0:
+        return Outcome("failed", f"killed by signal {signal.Signals(-returncode).name} (out of memory?)")
     if summary is None:
-        if returncode < 0:
-            error = f"killed by signal {signal.Signals(-returncode).name} (out of memory?)"
-        else:
-            error = log_tail or f"exited with code {returncode} before writing summary.json"
-        return Outcome("failed", error)
+        return Outcome("failed", log_tail or f"exited with code {returncode} before writing summary.json")
     if returncode != 0 and summary.status != "failed":
         return Outcome("failed", log_tail or f"exited with code {returncode}", summary)
     loss = summary.final_val_loss
@@ -231,9 +226,7 @@ class Launcher:
         cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides, *set_by_sweep]
         if self.wandb_group is not None:
             cmd += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
-        if resume:
-            cmd.append("resume=auto")
-        return cmd
+        return cmd + (["resume=auto"] if resume else [])
 
     def run(self, trials: Sequence[Trial], phase: str, job_type: str) -> None:
         """Run every trial that has no final record yet; returns when all have finished."""
@@ -274,12 +267,9 @@ class Launcher:
         return record
 
     def trial_env(self, slot: int) -> dict[str, str]:
-        """Its own rendezvous port (a shared one would join trials into one process group), GPUs and threads. Under
-        SLURM the inherited MASTER_ADDR is dropped: Lightning takes the trial's own first node."""
+        """Its own rendezvous port (else trials join one process group), GPUs, threads; SLURM's own MASTER_ADDR."""
         taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
-        port = free_port()
-        while port in taken:
-            port = free_port()
+        port = next(port for port in iter(free_port, None) if port not in taken)
         env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(port))
         if "SLURM_JOB_ID" in env:
             env.pop("MASTER_ADDR", None)
