@@ -125,15 +125,12 @@ class Profiler(L.Callback):
         self._profiler.step()  # marks the optimizer step in the trace
         self._step = trainer.global_step
         if self._step >= self.end_step:
-            self.finish(trainer)
+            self.on_train_end(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.finish(trainer)
+        self.on_train_end(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.finish(trainer)
-
-    def finish(self, trainer: L.Trainer) -> None:
         if self._profiler is None:
             return
         self._profiler.stop()

@@ -100,8 +100,7 @@ class LMModule(L.LightningModule):
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
             accumulate = None
         if accumulate is not None and (step := checkpoint.get("global_step")) is not None:
-            compat.restart_after_the_step(checkpoint, global_step=step)
-            compat.realign_accumulation(checkpoint, global_step=step, accumulate=accumulate)
+            compat.resume_after_the_step(checkpoint, global_step=step, accumulate=accumulate)
             faults = json.loads(checkpoint["faults"])
             self.events, self._typical = faults["events"], dict(faults["spike_averages"])
             self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
