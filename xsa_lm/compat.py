@@ -76,8 +76,7 @@ class AppendingExperimentWriter(ExperimentWriter):
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
-    """A torch.distributed.checkpoint directory read into this process without a process group (`keys`: only these
-    top-level entries)."""
+    """A torch.distributed.checkpoint directory read without a process group (`keys`: only these top-level entries)."""
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys(keys, checkpoint_id=str(path))

@@ -210,9 +210,6 @@ class LMModule(L.LightningModule):
         if self.global_step % max(every, 1) == 0 or self.trainer.should_stop:  # the last step: before its checkpoints
             self.check_nonfinite()
 
-    def on_train_end(self) -> None:
-        self.check_nonfinite()
-
     def check_nonfinite(self) -> None:
         """Skipped updates are `skipped_batch` events while the budget lasts; the next stops the run as diverged."""
         if not self._nonfinite:
@@ -228,6 +225,8 @@ class LMModule(L.LightningModule):
             else:
                 self.diverged_at = step
                 self.trainer.should_stop = True
+
+    on_train_end = check_nonfinite  # the last steps' flags
 
     def count(self, event: str) -> int:
         return sum(e["event"] == event for e in self.events)
