@@ -201,7 +201,7 @@ def test_a_compiled_model_names_its_weights_with_the_wrapper_prefix():
 
 class StepLogger(Recorder):
     """Logs its loss at every step and validates on one batch; a checkpoint it resumes from is set as after a train
-    batch's end (compat.restart_after_the_step), as LMModule sets it."""
+    batch's end (compat.resume_after_the_step), as LMModule sets it."""
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self.layer(batch[0]).sum()
@@ -212,7 +212,7 @@ class StepLogger(Recorder):
         self.log("val", self.layer(batch[0]).sum())
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        compat.restart_after_the_step(checkpoint, global_step=checkpoint["global_step"])
+        compat.resume_after_the_step(checkpoint, global_step=checkpoint["global_step"])
 
 
 @pytest.mark.parametrize("saved", ["at a validation's end", "after the fit"])

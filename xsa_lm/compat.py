@@ -76,8 +76,7 @@ class AppendingExperimentWriter(ExperimentWriter):
 
 
 def read_distributed_checkpoint(path: Path, keys: set[str] | None = None) -> dict:
-    """A torch.distributed.checkpoint directory read into this process without a process group (`keys`: only these
-    top-level entries)."""
+    """A torch.distributed.checkpoint directory read without a process group (`keys`: only these top-level entries)."""
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys(keys, checkpoint_id=str(path))
@@ -106,21 +105,10 @@ def agree_on_resume_checkpoint(trainer: L.Trainer, choose: Callable[[str | None]
     connector._restore_modules_and_callbacks = restore_agreed  # type: ignore[method-assign]  # on purpose
 
 
-def realign_accumulation(checkpoint: dict, *, global_step: int, accumulate: int) -> None:
-    """A resume with another accumulation would start after a partial window: the micro-batch count is set to what
-    this accumulation would have run, each counter keeping its lag behind `ready` (where the checkpoint was saved)."""
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
-    if progress is None:
-        return
-    for counts in (progress["total"], progress["current"]):
-        lag = {key: counts["ready"] - counts[key] for key in ("ready", "started", "processed", "completed")}
-        for key, behind in lag.items():
-            counts[key] = global_step * accumulate - behind
-
-
-def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
+def resume_after_the_step(checkpoint: dict, *, global_step: int, accumulate: int | None = None) -> None:
     """Set as if saved at a train batch's end, that batch not completed: saved at a validation's end, a resume that
-    does not validate there would number every later logged row one low."""
+    does not validate there would number every later logged row one low. `accumulate`: this run's, which may differ
+    from the checkpoint's; the micro-batch counts become what it would have run, each keeping its lag behind `ready`."""
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     progress, state = loop.get("epoch_loop.batch_progress"), loop.get("epoch_loop.state_dict")
     if progress is None or state is None or global_step < 1:
@@ -128,6 +116,10 @@ def restart_after_the_step(checkpoint: dict, *, global_step: int) -> None:
     for counts in (progress["total"], progress["current"]):
         if counts["completed"] == counts["processed"]:
             counts["completed"] -= 1
+        if accumulate is not None:
+            lag = {key: counts["ready"] - counts[key] for key in ("ready", "started", "processed", "completed")}
+            for key, behind in lag.items():
+                counts[key] = global_step * accumulate - behind
     state["_batches_that_stepped"] = global_step - 1
 
 

@@ -153,7 +153,6 @@ class RunCSVLogger(CSVLogger):
 
     def __init__(self, save_dir: str, resume_step: int | None = None) -> None:
         super().__init__(save_dir=save_dir, name="", version="")
-        self.writer: AppendingExperimentWriter | None = None
         path = Path(save_dir) / "metrics.csv"
         rank = rank_zero_only.rank  # type: ignore[attr-defined]  # a function attribute Lightning sets
         if resume_step is not None and path.exists() and rank == 0:
@@ -163,11 +162,6 @@ class RunCSVLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self.writer is None:
-            self.writer = AppendingExperimentWriter(log_dir=self.log_dir)
-        return self.writer
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        if self.writer is not None:  # a process that logged nothing has nothing to save (as CSVLogger's own)
-            self.save()
+        if self._experiment is None:  # finalize saves it only if made: a process that logged nothing saves nothing
+            self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
+        return cast(ExperimentWriter, self._experiment)

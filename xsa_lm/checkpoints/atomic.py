@@ -132,8 +132,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
 
 class AsyncSave(L.Callback):
-    """checkpoint.async_save (sharded checkpoints only: TrainSpec's rule): switched on in the strategy, built from the
-    trainer group, before the fit saves."""
+    """checkpoint.async_save (sharded checkpoints only: TrainSpec's rule), switched on in the strategy before a save."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         cast(AtomicModelParallelStrategy, trainer.strategy).async_save = True
@@ -226,8 +225,7 @@ class FolderCheckpoint(ModelCheckpoint):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        final = trainer.should_stop and trainer.global_step >= trainer.max_steps
-        if self.monitor == "step" and final:
+        if self.monitor == "step" and trainer.should_stop and trainer.global_step >= trainer.max_steps:
             # The run's last step, off the checkpoint.every_n_steps grid (Lightning saves only on it): its step
             # checkpoint and last.ckpt all the same, so that last.ckpt is the model the run ends with.
             if self.format_checkpoint_name(self._monitor_candidates(trainer)) not in self.best_k_models:
@@ -244,9 +242,7 @@ class LinkingTrainer(L.Trainer):
     """A Trainer writing one payload per training state; other names saved in it become hard links. Not
     save_last="link": its symlink, to its own callback's file only, breaks when keep_last prunes that file."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.written: tuple[tuple, str] | None = None  # the newest payload: its state and path
+    written: tuple[tuple, str] | None = None  # the newest payload: its state and path
 
     def save_checkpoint(
         self, filepath: str | Path, weights_only: bool | None = None, storage_options: object = None

@@ -27,16 +27,10 @@ def checkpoint_step(path: Path) -> int | None:
 def newest_valid_checkpoint(folder: Path) -> tuple[Path | None, int | None, list[Path]]:
     """The complete checkpoint with the highest step (last.ckpt wins ties), its step, and the corrupt ones skipped."""
     candidates = [folder / "last.ckpt", *sorted(folder.glob("step-*.ckpt")), folder / "last.ckpt.old"]
-    best, best_step, skipped = None, None, []
-    for path in candidates:
-        if not path.exists():
-            continue
-        step = checkpoint_step(path)
-        if step is None:
-            skipped.append(path)
-        elif best_step is None or step > best_step:
-            best, best_step = path, step
-    return best, best_step, skipped
+    steps = {path: checkpoint_step(path) for path in candidates if path.exists()}
+    valid = [(path, step) for path, step in steps.items() if step is not None]
+    best, best_step = max(valid, key=lambda found: found[1], default=(None, None))  # the first of equals
+    return best, best_step, [path for path, step in steps.items() if step is None]
 
 
 def furthest_step(folder: Path) -> int:

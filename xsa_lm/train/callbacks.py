@@ -27,9 +27,8 @@ log = logging.getLogger("xsa_lm.train")
 
 
 class Throughput(L.Callback):
-    """Tokens seen, tokens/s, seconds per step and MFU over the last 10 optimizer steps, and CUDA's peak memory, at
-    logging steps only. Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts
-    micro-batches."""
+    """Tokens seen, tokens/s, step time and MFU over the last 10 optimizer steps, CUDA's peak memory: at logging steps.
+    Not Lightning's ThroughputMonitor: it synchronizes CUDA after every micro-batch and counts micro-batches."""
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step, self.counted_from = tokens_per_step, (0, 0)  # (step, tokens by then): a resume's
@@ -125,15 +124,12 @@ class Profiler(L.Callback):
         self._profiler.step()  # marks the optimizer step in the trace
         self._step = trainer.global_step
         if self._step >= self.end_step:
-            self.finish(trainer)
+            self.on_train_end(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.finish(trainer)
+        self.on_train_end(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.finish(trainer)
-
-    def finish(self, trainer: L.Trainer) -> None:
         if self._profiler is None:
             return
         self._profiler.stop()
@@ -148,10 +144,7 @@ class ProgressBar(RichProgressBar):
     """Lightning's rich bar counting optimizer steps (its own counts micro-batches); values read at logging steps."""
 
     KEYS = {"train/loss": ("loss", "{:.4f}"), "train/tokens_per_s": ("tokens/s", "{:,.0f}")}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shown: dict[str, str] = {}
+    shown: dict[str, str] = {}  # replaced at logging steps, never changed in place
 
     @property
     def total_train_batches(self) -> int | float:
@@ -187,9 +180,7 @@ class ValHistory(L.Callback):
         by_position = list(getattr(pl_module, "val_by_position", []))
         entry: dict[str, object] = {"step": step, "tokens": self.tokens_seen(step), "val_loss": float(loss)}
         entry |= {"val_bpb": float(bpb) if bpb is not None else None, "val_loss_by_position": by_position}
-        if self.history and self.history[-1]["step"] == step:
-            self.history.pop()
-        self.history.append(entry)
+        self.history = [e for e in self.history if e["step"] != step] + [entry]  # a repeated step's entry is replaced
 
     # Kept in checkpoints, so that a resumed run's summary.json still holds the whole curve.
     def state_dict(self) -> dict[str, object]:
@@ -218,8 +209,7 @@ class EveryNSteps(L.Callback):
             self._last_step = step
             self.work(trainer, pl_module, step)
 
-    def work(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        raise NotImplementedError
+    work: Callable[[L.Trainer, L.LightningModule, int], None]  # the subclass's
 
 
 class Diagnostics(EveryNSteps):
@@ -279,8 +269,6 @@ class Preemption(L.Callback):
     """SIGTERM / SIGUSR1 (preempted, exit 0) / SIGINT (interrupted, 130; twice: abort): stop at the next optimizer
     step with a checkpoint. Not Lightning's signal handling: it stops without one (SLURM's requeue aside)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
     def __init__(self, last_checkpoint: Path, val_every_steps: int) -> None:
         self.last_checkpoint, self.val_every_steps = last_checkpoint, val_every_steps
         self.received: str | None = None  # the signal's name
@@ -298,7 +286,7 @@ class Preemption(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning's own handlers are installed (they would end the run without a checkpoint).
-        for sig in self.SIGNALS:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
         self._seen_step = trainer.global_step
 

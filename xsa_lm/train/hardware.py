@@ -8,10 +8,9 @@ import warnings
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
-# Dense (no sparsity) bf16 and tf32 peak FLOP/s from NVIDIA datasheets of the GPUs that Lightning's
-# get_available_flops misreads (checked in 2.6.6): it knows no "NVIDIA H200" (torch's name for one), H200 NVL, GH200
-# or B200, gives the H100 NVL its sparse numbers (2x), and reads "NVIDIA L40S" and "NVIDIA L40" as an L4. Every other
-# GPU's number is Lightning's. Keyed by the part and its board where the board changes the clocks or the power.
+# Dense bf16 and tf32 peak FLOP/s (NVIDIA datasheets) of the GPUs that Lightning's get_available_flops misreads (in
+# 2.6.6): it knows no "NVIDIA H200" (torch's name), H200 NVL, GH200 or B200, gives the H100 NVL its sparse (2x) numbers,
+# reads "NVIDIA L40S" and "NVIDIA L40" as an L4. Keyed by the part, and its board where that changes clocks or power.
 MISREAD = {
     "B200": {"bf16": 2250e12, "tf32": 1100e12},
     "H200": {"bf16": 989.5e12, "tf32": 494.5e12},

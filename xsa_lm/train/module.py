@@ -100,8 +100,7 @@ class LMModule(L.LightningModule):
         except RuntimeError:  # not attached to a Trainer: LMModule.load_from_checkpoint
             accumulate = None
         if accumulate is not None and (step := checkpoint.get("global_step")) is not None:
-            compat.restart_after_the_step(checkpoint, global_step=step)
-            compat.realign_accumulation(checkpoint, global_step=step, accumulate=accumulate)
+            compat.resume_after_the_step(checkpoint, global_step=step, accumulate=accumulate)
             faults = json.loads(checkpoint["faults"])
             self.events, self._typical = faults["events"], dict(faults["spike_averages"])
             self._nonfinite = [(step, torch.tensor(True)) for step in faults["skipped_unread"]]
@@ -211,9 +210,6 @@ class LMModule(L.LightningModule):
         if self.global_step % max(every, 1) == 0 or self.trainer.should_stop:  # the last step: before its checkpoints
             self.check_nonfinite()
 
-    def on_train_end(self) -> None:
-        self.check_nonfinite()
-
     def check_nonfinite(self) -> None:
         """Skipped updates are `skipped_batch` events while the budget lasts; the next stops the run as diverged."""
         if not self._nonfinite:
@@ -229,6 +225,8 @@ class LMModule(L.LightningModule):
             else:
                 self.diverged_at = step
                 self.trainer.should_stop = True
+
+    on_train_end = check_nonfinite  # the last steps' flags
 
     def count(self, event: str) -> int:
         return sum(e["event"] == event for e in self.events)

@@ -267,10 +267,9 @@ def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_err
     spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
     run = replace(run_shape(spec), activation_checkpointing=options.activation_checkpointing)  # plan.yaml's
     gib, accelerator = options.device_memory_gb, spec.trainer.accelerator
-    if gib is not None:
-        available, where = int(gib * memory.GIB), f"device_memory_gb={gib:g}"
-    else:
-        available, where = memory.available_bytes(accelerator)
+    available, where = (
+        memory.available_bytes(accelerator) if gib is None else (int(gib * memory.GIB), f"device_memory_gb={gib:g}")
+    )
     sdpa = attention_kernels(spec.sdpa_backends, accelerator=accelerator)
     plan = make_plan(run, model_name=spec.model.name, available=available, available_from=where, sdpa=sdpa)
     if out is not None:
