@@ -21,8 +21,14 @@ import pytest
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tests.helpers import compose_train, run_cli
+from xsa_lm.analysis.run import AnalyzeOptions
+from xsa_lm.bench.run import resolve_device
 from xsa_lm.config.command_line import check_command_line, check_job, hydra_problem
 from xsa_lm.config.spec import VALUES_ONLY, PrepareSpec, TrainSpec, parse
+from xsa_lm.eval.run import EvalOptions, require_harness
+from xsa_lm.eval.sample import GenerateOptions
+from xsa_lm.export.run import require_transformers
+from xsa_lm.train.plan import run_shape
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -323,46 +329,19 @@ def check_prepare(cfg: DictConfig, overrides: list[str]) -> None:
     assert parse(PrepareSpec, cfg).data.source is not None, "xsa-lm prepare needs a source"
 
 
-def check_analyze(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.analysis.run import AnalyzeOptions
-
-    parse(AnalyzeOptions, cfg)
-
-
-def check_eval(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.eval.run import EvalOptions, require_harness
-
-    require_harness()
-    parse(EvalOptions, cfg)
-
-
-def check_generate(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.eval.sample import GenerateOptions
-
-    parse(GenerateOptions, cfg)
-
-
-def check_export(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.export.run import require_transformers
-
-    require_transformers()
-
-
-def check_plan(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.train.plan import run_shape
-
-    run_shape(parse(TrainSpec, cfg, VALUES_ONLY)).estimate()
-
-
-def check_bench(cfg: DictConfig, overrides: list[str]) -> None:
-    from xsa_lm.bench.run import resolve_device
-
-    if cfg.device != "cuda":  # device=cuda is refused without a GPU
-        resolve_device(cfg.device)
-
-
-def check_consolidate(cfg: DictConfig, overrides: list[str]) -> None:
-    """Its checks are of the checkpoint files it reads."""
+CHECKS: dict[str, Callable[[DictConfig, list[str]], object]] = {  # command -> what it checks before it writes
+    "train": check_train,
+    "sweep": check_sweep,
+    "scale": check_scale,
+    "prepare": check_prepare,
+    "analyze": lambda cfg, _: parse(AnalyzeOptions, cfg),
+    "eval": lambda cfg, _: (require_harness(), parse(EvalOptions, cfg)),
+    "generate": lambda cfg, _: parse(GenerateOptions, cfg),
+    "export": lambda cfg, _: require_transformers(),
+    "plan": lambda cfg, _: run_shape(parse(TrainSpec, cfg, VALUES_ONLY)).estimate(),
+    "bench": lambda cfg, _: cfg.device == "cuda" or resolve_device(cfg.device),  # cuda is refused without a GPU
+    "consolidate": lambda cfg, _: None,  # its checks are of the checkpoint files it reads
+}
 
 
 def overrides_of(argv: tuple[str, ...], tmp: Path) -> list[str]:
@@ -421,7 +400,7 @@ def upfront_error(argv: tuple[str, ...], tmp: Path, elided: bool, capsys: pytest
             del cfg["hydra"]  # ${now:...} and the like resolve only inside Hydra
         try:
             check_job(command, choices, OmegaConf.to_container(cfg, resolve=False), None)
-            globals()[f"check_{command}"](cfg, run)
+            CHECKS[command](cfg, run)
         except (UserError, AssertionError) as e:
             return f"xsa-lm: error: {e}"
     return None

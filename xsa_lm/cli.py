@@ -50,7 +50,6 @@ def run(command: str) -> None:
             )
         module = importlib.import_module(COMMANDS[command][0])
     os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)  # Hydra gets sys.argv without the command: full_command_line()
-
     run_hydra(command, module.main, sys.argv[2:])
 
 

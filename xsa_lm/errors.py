@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USER_ERROR = 2
-EXIT_BUG = 1
 # Set beside HYDRA_FULL_ERROR=1 when cli.py, not the user, asked Hydra to raise: child processes inherit both.
 OURS_VARIABLE = "XSA_LM_HYDRA_FULL_ERROR"
 # What every job checks before it starts (command, group choices, unresolved config, run directory): cli.py sets it.
@@ -23,8 +22,7 @@ JOB_CHECKS: list[Callable[[str, dict[str, Any], Any, Path | None], None]] = []
 STARTED = [0.0]  # when the command started: a folder older than that was not made for this job
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 FIXES = {  # what fixes a failed write, by its errno
-    errno.ENOSPC: "free space (or choose a folder on another disk)",
-    errno.EDQUOT: "free space (or choose a folder on another disk)",
+    **dict.fromkeys((errno.ENOSPC, errno.EDQUOT), "free space (or choose a folder on another disk)"),
     errno.EFBIG: "raise the file-size limit (ulimit -f)",
     **dict.fromkeys(
         (errno.EACCES, errno.EPERM, errno.EROFS), "fix the folder's permissions (or choose another folder)"
@@ -62,7 +60,7 @@ def exit_on_user_error() -> Iterator[None]:
         if full_errors():
             raise
         print(report_unexpected(e), file=sys.stderr)
-        sys.exit(EXIT_BUG)
+        sys.exit(1)
 
 
 def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,8 +84,7 @@ def one_line_errors(job: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def report_unexpected(error: BaseException) -> str:
-    """The line for an unforeseen exception: its type and message, the OSError behind it and its file, and where
-    its traceback was saved."""
+    """An unforeseen exception's line: its type and message, the OSError behind it, where its traceback went."""
     message = first_line(error)
     line = f"xsa-lm: error: {type(error).__name__}" + (f": {message}" if message else "")
     cause = os_error_in(error)

@@ -1,2 +1,1 @@
-"""A run's configuration: the typed schema, value checks, resume rules, the command line, and what a run derives
-from its config."""
+"""A run's configuration: the typed schema, its checks, the resume rules, the command line."""

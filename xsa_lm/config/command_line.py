@@ -37,12 +37,9 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
         takes_value = arg in WITH_A_VALUE.split() or (
             arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in INFO_TOPICS
         )
-        if arg.startswith("-") and takes_value:
-            flags += args[i : i + 2]
-            i += 2
-            continue
-        (flags if arg.startswith("-") else overrides).append(arg)
-        i += 1
+        width = 2 if arg.startswith("-") and takes_value else 1
+        (flags if arg.startswith("-") else overrides).extend(args[i : i + width])
+        i += width
     return flags, overrides
 
 
@@ -222,7 +219,6 @@ def one_line(error: BaseException) -> str:
 
 def full_command_line() -> list[str]:
     """The command line as typed (`xsa-lm train ...`), also in a job whose sys.argv was shortened for Hydra."""
-
     saved = json.loads(os.environ.get(ARGV_VARIABLE, "null"))
     if saved and [saved[0], *flags_first(saved[2:])] == sys.argv:  # exported for this process, not a parent's
         return [str(word) for word in saved]

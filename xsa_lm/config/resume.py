@@ -61,22 +61,19 @@ def continuation_config(
     return config, [*notes, schedule_note(total, config)]
 
 
-def edited_since(trained: Config, config: Config) -> list[str]:
-    """`key: trained -> now` for each key a resume may not change that config.yaml's hand edits changed."""
+def edited_since(trained: Config, config: Config, *, free: bool = False) -> list[str]:
+    """`key: trained -> now` for each key config.yaml's hand edits changed since the checkpoint's config `trained`:
+    those a resume may not change, or (`free`) those it may."""
     then, now = flatten(trained), flatten(config)
-    return [f"{k}: {v} -> {now[k]}" for k, v in then.items() if k in now and now[k] != v and not is_free(k)]
+    return [f"{k}: {v} -> {now[k]}" for k, v in then.items() if k in now and now[k] != v and is_free(k) == free]
 
 
 def with_hand_edits(notes: list[str], *, trained: Config, config: Config) -> list[str]:
     """`notes` with the free keys edited by hand since the checkpoint's config `trained`, and its schedule's note."""
-
-    named = {note.split(":")[0] for note in notes}
-    then, now = flatten(trained), flatten(config)
-    edits = [
-        f"{k}: {v} -> {now[k]} (config.yaml edited since the checkpoint)"
-        for k, v in then.items()
-        if k in now and now[k] != v and k not in named and k != "resume"
-    ]
+    named = {note.split(":")[0] for note in notes} | {"resume"}
+    edited = [e for e in edited_since(trained, config, free=True) if e.split(":")[0] not in named]
+    edits = [f"{e} (config.yaml edited since the checkpoint)" for e in edited]
+    then = flatten(trained)
     total = then.get("scheduler.total_steps") or then.get("trainer.max_steps")
     schedule = [schedule_note(total, config)] if isinstance(total, int) else notes[-1:]
     return [*notes[:-1], *edits, *schedule]

@@ -27,7 +27,6 @@ def set_device(*, accelerator: str, devices: int | str | Sequence[int]) -> None:
 
 def loader_workers(num_workers: int | str, *, accelerator: str, ranks_per_node: int) -> int:
     """data.num_workers; auto: none on CPU, on GPU 1 to LOADER_WORKERS_PER_RANK within the ranks' share of CPUs."""
-
     if num_workers != "auto":
         return int(num_workers)
     if not uses_cuda(accelerator):

@@ -490,7 +490,6 @@ def refuse_a_folder_new_each_time(run_dir: Path) -> None:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-
     pattern = cast(dict, OmegaConf.to_container(hydra_cfg.sweep if multirun else hydra_cfg.run))["dir"]  # unresolved
     if "${now:" not in str(pattern):
         return

@@ -70,7 +70,6 @@ def attention_kernels(
 
 def run_info(*, attention: SdpaKernels | None = None) -> dict[str, Any]:
     """run_info.json (and resumes.jsonl's `run_info`); `attention`: attention_kernels' answer, recorded as `sdpa`."""
-
     return {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": sys.argv,

@@ -36,7 +36,6 @@ def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
 
 def peak_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> float | None:
     """The highest LR a LambdaLR schedule gave its first `steps` steps: below optim.lr while the warmup lasts."""
-
     if steps <= 0 or not isinstance(scheduler, LambdaLR):
         return None
     multipliers = [max(f(step) for step in range(steps)) for f in scheduler.lr_lambdas]
