@@ -14,7 +14,8 @@ from tests.golden import assert_golden
 from xsa_lm.errors import UserError
 from xsa_lm.reporting import render
 from xsa_lm.stats.decision import exact_interval, mantel_haenszel
-from xsa_lm.sweep.stalls import StallRule, classify, diagnostics_at, loss_at_fraction, stall_study, tokens_to_reach
+from xsa_lm.sweep.settings import StallRule
+from xsa_lm.sweep.stalls import classify, diagnostics_at, loss_at_fraction, stall_study, tokens_to_reach
 from xsa_lm.sweep.trials import TrialRecord
 
 RULE = StallRule(at_fraction=0.4, margin=0.15)

@@ -39,8 +39,7 @@ from xsa_lm.sweep import run as sweep_run
 from xsa_lm.sweep.protocol import SequentialRule, Trial, check_seeds, compare_trials, search_trials, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
 from xsa_lm.sweep.run import check_sweep, comparison_plan, downstream_evaluation, keep_plan, train_overrides
-from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
-from xsa_lm.sweep.stalls import StallRule
+from xsa_lm.sweep.settings import ScaleSpec, StallRule, SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
 from xsa_lm.train.summary import RunSummary
 

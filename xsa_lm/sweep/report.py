@@ -19,7 +19,8 @@ from xsa_lm.stats.paired import (
     position_differences,
 )
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
-from xsa_lm.sweep.stalls import StallRule, StallStudy, stall_study
+from xsa_lm.sweep.settings import StallRule
+from xsa_lm.sweep.stalls import StallStudy, stall_study
 from xsa_lm.sweep.trials import TrialRecord
 
 

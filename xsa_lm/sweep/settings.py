@@ -5,6 +5,7 @@ import importlib.resources
 import math
 import shutil
 from collections import Counter
+from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any, Literal
 
@@ -12,7 +13,22 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from xsa_lm.config.spec import SEED_MAX, Spec, rule
 from xsa_lm.errors import UserError
-from xsa_lm.sweep.stalls import StallRule
+
+
+@dataclass(frozen=True)
+class StallRule:
+    at_fraction: float = 0.4
+    margin: float = 0.15
+    loss_threshold: float | None = None  # also: the tokens each run needs to reach this val loss
+
+    def __post_init__(self) -> None:
+        values = [self.at_fraction, self.margin, 0.0 if self.loss_threshold is None else self.loss_threshold]
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+        if not numbers or not 0 < self.at_fraction <= 1 or self.margin < 0:
+            raise UserError(
+                f"sweep.stall needs 0 < at_fraction <= 1, margin >= 0 and loss_threshold null or a finite number, got "
+                f"at_fraction={self.at_fraction!r}, margin={self.margin!r}, loss_threshold={self.loss_threshold!r}"
+            )
 
 
 def is_number(value: object) -> bool:

@@ -1,7 +1,6 @@
 """Stalls of the LR search as a rate per LR and arm (exact interval) and a test of SA against XSA stratified by LR. A
 run stalls when its val loss at `at_fraction` of the run is over `margin` nats above its LR's median (sweep.stall)."""
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -9,29 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from xsa_lm.errors import UserError
 from xsa_lm.records import Record
 from xsa_lm.stats.decision import ClusteredTest, MantelHaenszel, clustered_test, exact_interval, mantel_haenszel
 from xsa_lm.stats.paired import sign_test_p
+from xsa_lm.sweep.settings import StallRule
 from xsa_lm.sweep.trials import TrialRecord
 
 DIAGNOSTICS = ("a_ii", "cos_y_v")  # does a stalled head sit on its own token: a_ii high, y along v
-
-
-@dataclass(frozen=True)
-class StallRule:
-    at_fraction: float = 0.4
-    margin: float = 0.15
-    loss_threshold: float | None = None  # also: the tokens each run needs to reach this val loss
-
-    def __post_init__(self) -> None:
-        values = [self.at_fraction, self.margin, 0.0 if self.loss_threshold is None else self.loss_threshold]
-        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
-        if not numbers or not 0 < self.at_fraction <= 1 or self.margin < 0:
-            raise UserError(
-                f"sweep.stall needs 0 < at_fraction <= 1, margin >= 0 and loss_threshold null or a finite number, got "
-                f"at_fraction={self.at_fraction!r}, margin={self.margin!r}, loss_threshold={self.loss_threshold!r}"
-            )
 
 
 def loss_at_fraction(record: TrialRecord, fraction: float) -> tuple[int, float] | None:

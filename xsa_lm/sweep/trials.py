@@ -17,16 +17,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
 from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
+from xsa_lm.sweep.settings import SweepSpec
 from xsa_lm.train.devices import usable_cpus
-
-if TYPE_CHECKING:  # settings reads the stall rule, which reads trial records
-    from xsa_lm.sweep.settings import SweepSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,7 +209,7 @@ class Launcher:
     """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
 
     def __init__(
-        self, store: TrialStore, train_overrides: Sequence[str], spec: "SweepSpec", wandb_group: str | None = None
+        self, store: TrialStore, train_overrides: Sequence[str], spec: SweepSpec, wandb_group: str | None = None
     ) -> None:
         self.store, self.train_overrides, self.wandb_group = store, list(train_overrides), wandb_group
         self.launch_prefix, self.diverge_above = spec.launch_prefix or [], spec.diverge_above
