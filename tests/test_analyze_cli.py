@@ -57,6 +57,7 @@ def test_diagnostics_are_logged_during_training(checkpoints: dict[str, Path]):
     assert any(key.startswith("samples") for key in logged)
 
 
+@pytest.mark.long
 def test_analyze_writes_csv_png_and_tables_of_the_loss_its_run_validated(
     checkpoints: dict[str, Path], data_cache: Path, tmp_path: Path
 ):

@@ -98,6 +98,7 @@ def test_resume_with_another_micro_batch_split_continues_the_same_stream(straigh
         assert resumed[step] == pytest.approx(straight[step], rel=1e-4), step
 
 
+@pytest.mark.long
 def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     stopped = stop_mid_run([*COMMON, f"hydra.run.dir={run_dir}"], signal.SIGTERM, data_cache=data_cache, cwd=tmp_path)
@@ -114,6 +115,7 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(straight, data_cache: Path
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000030.ckpt", "step-000040.ckpt"]
 
 
+@pytest.mark.long
 def test_nan_loss_gives_diverged_or_is_skipped_within_budget(data_cache: Path, tmp_path: Path):
     nan = [*COMMON, "faults.inject_nan_at_step=15"]
     diverged = run_ok([*nan, f"hydra.run.dir={tmp_path / 'a'}"], data_cache, tmp_path)

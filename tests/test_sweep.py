@@ -879,6 +879,7 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     assert "## 4. Downstream evaluation" in (sweep_dir / "report.md").read_text() and "| XSA - SA |" in again.stdout
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigterm_stops_the_trial_in_flight_and_records_it(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
