@@ -64,7 +64,9 @@ def wait_for_state(job_id: str, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while True:
         query = ["sacct", "-o", "JobID,State,NodeList", "--parsable2", "-j", job_id]
-        lines = subprocess.run(query, capture_output=True, text=True, check=True).stdout.splitlines()
+        out = subprocess.run(query, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr  # the real sacct: "Slurm accounting storage is disabled"
+        lines = out.stdout.splitlines()
         assert lines[0] == "JobID|State|NodeList", lines
         state = lines[1].split("|")[1] if len(lines) > 1 else "(none)"
         if state not in ("PENDING", "RUNNING", "COMPLETING", "(none)") or time.monotonic() > deadline:
