@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -c tests/constraints.txt
 LOCK_VENV := build/lock-venv
 
-.PHONY: install install-torch-floor lock demo test test-long test-all test-fast test-torch-floor lint typecheck format bench gpu-bundle gpu-check docs clean
+.PHONY: install install-torch-floor lock demo test test-long test-all test-fast test-torch-floor lint typecheck format bench gpu-bundle gpu-check slurm-up slurm-down docs clean
 
 # torch is pinned first: with it installed, pip keeps it for every range the other packages accept
 # (an unpinned resolve pulls a multi-GB CUDA build). The extra `eval` (lm-evaluation-harness) is for xsa-lm eval
@@ -113,6 +113,14 @@ gpu-bundle: $(STAMP)
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHON=$(GPU_PYTHON) scripts/gpu_check.sh $(OUT)
+
+# A single-node SLURM on this machine (root, Debian/Ubuntu; slurm-wlm and munge apt-installed if missing), for
+# tests/test_slurm.py (marker slurm): ~1 s from stopped, ~20 s with the install. slurm-down stops it and every job.
+slurm-up:
+	scripts/slurm_up.sh
+
+slurm-down:
+	scripts/slurm_down.sh
 
 # constraints.txt anew: the newest releases pyproject.toml and tests/constraints.txt allow, resolved with $(TORCH) in
 # a scratch venv (a few minutes; needs the package index). Then `make install` and `make test` with them, and commit.
