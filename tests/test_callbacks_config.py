@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
 
 from tests.helpers import FAST, assert_nothing_written, assert_refused, compose_train, run_cli
 from xsa_lm.checkpoints.atomic import AsyncSave, FolderCheckpoint
@@ -60,6 +61,7 @@ def test_the_callbacks_are_xsa_lms_own_in_their_order_then_the_labs(overrides, e
 
 MARK = """import json
 from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
 
 
 class Mark(Callback):
@@ -108,3 +110,9 @@ def test_a_callback_that_cannot_be_built_is_refused_before_the_run_folder(
     args = ["train", *FAST, f"+callbacks.mine._target_={target}", f"hydra.run.dir={run_dir}"]
     assert_refused(run_cli(args, data_cache, tmp_path), said)
     assert_nothing_written(run_dir)
+
+
+def test_a_config_saved_before_the_group_resumes_with_no_callbacks_of_its_own():
+    saved = OmegaConf.to_container(compose_train([]), resolve=True)
+    assert isinstance(saved, dict) and saved.pop("callbacks") == {}
+    assert parse(TrainSpec, saved).callbacks == {}

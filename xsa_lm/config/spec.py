@@ -427,8 +427,8 @@ class TrainSpec(Spec):
     scheduler: SchedulerSpec
     trainer: TrainerSpec
     logger: LoggerSpec = Field(json_schema_extra=FREE)
-    callbacks: dict[str, CallbackSpec] = Field(
-        description="a lab's own, after the built-in ones (callbacks/default.yaml)", json_schema_extra=FREE
+    callbacks: dict[str, CallbackSpec] = Field(  # the one key filled in: a run saved before the group had none
+        default_factory=dict, description="a lab's own, after the built-in ones", json_schema_extra=FREE
     )
 
     @model_validator(mode="after")
