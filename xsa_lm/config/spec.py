@@ -2,6 +2,7 @@
 refused, never filled in), rules across fields are model validators, derived values are computed once; `parse` turns
 a bad config into ONE line naming each bad key. A field marked FREE may change on a resume (config/resume.py)."""
 
+import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -322,6 +323,32 @@ class LoggerSpec(Spec):
     wandb: WandbSpec | None = None
 
 
+def _callback_class(value: object) -> str | None:
+    """What is wrong with a callback's `_target_`: not importable, or not a Lightning Callback."""
+    if not isinstance(value, str):
+        return None  # its type is told by the field
+    from lightning.pytorch.callbacks import Callback  # here: only a config that names a callback pays for it
+
+    module, _, name = value.rpartition(".")
+    if not module:
+        return "must name a class by its module, e.g. my_pkg.callbacks.MyCallback"
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except Exception as e:  # whatever its import raised, in one line (hydra's get_object would also log it)
+        cause = (str(e).splitlines() or [type(e).__name__])[0]
+        return f"cannot be imported ({cause}): put its package on PYTHONPATH or pip install it"
+    if not (isinstance(found, type) and issubclass(found, Callback)):
+        return "is not a Lightning Callback class (lightning.pytorch.Callback)"
+    return None
+
+
+class CallbackSpec(Spec):
+    """A lab's own callback: a Lightning Callback by `_target_`, its other keys the arguments it is built with."""
+
+    model_config = ConfigDict(frozen=True, extra="allow", strict=True, populate_by_name=True)
+    target: Annotated[str, rule(_callback_class)] = Field(alias="_target_", description="a Lightning Callback class")
+
+
 class CheckpointSpec(Spec):
     keep_last: int = Field(ge=0, description="step checkpoints kept besides last.ckpt and best.ckpt")
     every_n_steps: Count | None = Field(description="null: at each validation")
@@ -400,6 +427,9 @@ class TrainSpec(Spec):
     scheduler: SchedulerSpec
     trainer: TrainerSpec
     logger: LoggerSpec = Field(json_schema_extra=FREE)
+    callbacks: dict[str, CallbackSpec] = Field(  # the one key filled in: a run saved before the group had none
+        default_factory=dict, description="a lab's own, after the built-in ones", json_schema_extra=FREE
+    )
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":
@@ -531,7 +561,7 @@ WANTED = {
     **{"bool_type": "must be true or false", "string_type": "must be text", "list_type": "must be a list"},
 }
 BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger")
+GROUPS = ("model", "attention", "data", "tokenizer", "optim", "scheduler", "trainer", "logger", "callbacks")
 
 
 def parse(spec_type: type[S], cfg: DictConfig | Mapping[str, Any], context: str | None = None, at: str = "") -> S:

@@ -425,6 +425,7 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
         callbacks.append(Profiler(run_dir=str(run_dir), **spec.profile.model_dump()))
     if spec.progress_bar:
         callbacks.append(ProgressBar())
+    callbacks += [hydra.utils.instantiate(c.node) for c in spec.callbacks.values()]  # a lab's own, after ours
     return RunCallbacks(history=history, throughput=throughput, best=best, preemption=preemption, all=callbacks)
 
 
