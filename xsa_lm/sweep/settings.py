@@ -111,6 +111,8 @@ def presets(value: Any) -> str | None:
 class SweepSpec(Spec):
     """`xsa-lm sweep`'s settings (configs/sweep/paper.yaml says what each does)."""
 
+    baseline: str  # the attention option whose LR is searched
+    candidates: list[str]  # the attention options compared with the baseline at its LR
     # null: lr_range, else lr_grids
     lrs: Annotated[list[float] | None, rule(partial(numbers_problem, example="[1e-3,3e-3]", nullable=True))]
     lr_range: Annotated[dict[str, float] | None, rule(lr_range)]  # {min, max, num}: log-spaced
