@@ -3,14 +3,25 @@ refused, never filled in), rules across fields are model validators, derived val
 a bad config into ONE line naming each bad key. A field marked FREE may change on a resume (config/resume.py)."""
 
 import importlib
+import inspect
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, partial
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from xsa_lm.errors import UserError
@@ -23,6 +34,7 @@ FREE: dict[str, Any] = {"free_on_resume": True}  # json_schema_extra of a key a 
 # Keys beside the training config's in a composed config: those of sweep, scale and plan, which compose train.yaml.
 AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
 S = TypeVar("S", bound=BaseModel)
+HYDRA_KEY = re.compile(r"_\w+_")  # instantiate's own keys (_partial_, _convert_): no constructor arguments
 
 
 class Spec(BaseModel):
@@ -318,35 +330,73 @@ class WandbSpec(Spec):
     log_model: bool | Literal["all"] = Field(description="checkpoints as W&B artifacts (all: each save)")
 
 
-class LoggerSpec(Spec):
-    csv: dict[str, Any] | None = Field(None, description="metrics.csv: a _target_ node")
-    wandb: WandbSpec | None = None
-
-
-def _callback_class(value: object) -> str | None:
-    """What is wrong with a callback's `_target_`: not importable, or not a Lightning Callback."""
+def _lab_class(value: object, base: str) -> str | None:
+    """What is wrong with a lab's `_target_`: not importable, or not a subclass of Lightning's `base` class."""
     if not isinstance(value, str):
         return None  # its type is told by the field
-    from lightning.pytorch.callbacks import Callback  # here: only a config that names a callback pays for it
-
-    module, _, name = value.rpartition(".")
+    (module, _, name), (base_module, _, base_name) = value.rpartition("."), base.rpartition(".")
     if not module:
-        return "must name a class by its module, e.g. my_pkg.callbacks.MyCallback"
+        return f"must name a class by its module, e.g. my_pkg.My{base_name}"
     try:
         found = getattr(importlib.import_module(module), name)
     except Exception as e:  # whatever its import raised, in one line (hydra's get_object would also log it)
         cause = (str(e).splitlines() or [type(e).__name__])[0]
         return f"cannot be imported ({cause}): put its package on PYTHONPATH or pip install it"
-    if not (isinstance(found, type) and issubclass(found, Callback)):
-        return "is not a Lightning Callback class (lightning.pytorch.Callback)"
+    expected = getattr(importlib.import_module(base_module), base_name)  # Lightning: only such a config imports it
+    if not (isinstance(found, type) and issubclass(found, expected)):
+        return f"is not a Lightning {base_name} class ({base})"
     return None
 
 
-class CallbackSpec(Spec):
-    """A lab's own callback: a Lightning Callback by `_target_`, its other keys the arguments it is built with."""
+class LabPart(Spec):
+    """A lab's own Lightning callback or logger: a class by `_target_`, its other keys the arguments it takes."""
 
     model_config = ConfigDict(frozen=True, extra="allow", strict=True, populate_by_name=True)
-    target: Annotated[str, rule(_callback_class)] = Field(alias="_target_", description="a Lightning Callback class")
+    target: str = Field(alias="_target_")
+
+
+class CallbackSpec(LabPart):
+    target: Annotated[str, rule(partial(_lab_class, base="lightning.pytorch.callbacks.Callback"))] = Field(
+        alias="_target_", description="a Lightning Callback class"
+    )
+
+
+class LabLoggerSpec(LabPart):
+    target: Annotated[str, rule(partial(_lab_class, base="lightning.pytorch.loggers.Logger"))] = Field(
+        alias="_target_", description="a Lightning Logger class"
+    )
+
+
+def check_arguments(parts: Mapping[str, LabPart], at: str) -> None:
+    """Each part's keys bound to its class's constructor, so that a wrong one is refused before the run folder."""
+    for name, part in parts.items():
+        module, _, cls = part.target.rpartition(".")
+        signature = inspect.signature(getattr(importlib.import_module(module), cls))
+        arguments = {k: v for k, v in (part.model_extra or {}).items() if not HYDRA_KEY.fullmatch(k)}
+        try:
+            signature.bind(**arguments)
+        except TypeError as e:
+            takes = signature.replace(return_annotation=inspect.Signature.empty)
+            raise ValueError(f"{at}{name} cannot build {part.target}{takes}: {e}") from None
+
+
+class LoggerSpec(Spec):
+    """metrics.csv, W&B, and a lab's own loggers by name (any other key), after them."""
+
+    model_config = ConfigDict(frozen=True, extra="allow", strict=True, populate_by_name=True)
+    __pydantic_extra__: dict[str, LabLoggerSpec] = Field(init=False)
+    csv: dict[str, Any] | None = Field(None, description="metrics.csv: a _target_ node")
+    wandb: WandbSpec | None = None
+
+    @model_validator(mode="after")
+    def _arguments(self) -> "LoggerSpec":
+        check_arguments(self.labs, at="logger.")
+        return self
+
+    @property
+    def labs(self) -> dict[str, LabLoggerSpec]:
+        """A lab's own loggers, by name."""
+        return dict(self.model_extra or {})
 
 
 class CheckpointSpec(Spec):
@@ -430,6 +480,12 @@ class TrainSpec(Spec):
     callbacks: dict[str, CallbackSpec] = Field(  # the one key filled in: a run saved before the group had none
         default_factory=dict, description="a lab's own, after the built-in ones", json_schema_extra=FREE
     )
+
+    @field_validator("callbacks")
+    @classmethod
+    def _callback_arguments(cls, callbacks: dict[str, CallbackSpec]) -> dict[str, CallbackSpec]:
+        check_arguments(callbacks, at="callbacks.")
+        return callbacks
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":

@@ -4,6 +4,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -172,7 +173,7 @@ def find_resume_checkpoint(
 
 
 def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: int | None) -> list:
-    """metrics.csv and W&B: a resume from step S keeps the rows before S and the W&B run."""
+    """metrics.csv, W&B, then a lab's own: a resume from step S keeps the rows before S and the W&B run."""
     loggers: list = []
     if spec.logger.csv:
         keep_before = resume_step if resume_step is not None else (0 if spec.resume is not None else None)
@@ -187,6 +188,8 @@ def make_loggers(spec: TrainSpec, config: Config, run_dir: Path, resume_step: in
         wb = build(wandb.node, _partial_=True)(str(run_dir), spec.run_label, config, tags=tags, run_id=run_id)
         write_text(id_file, wb.experiment.id)
         loggers.append(wb)
+    if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # like W&B's: a lab's logger sees rank 0 alone
+        loggers += [build(lab.node) for lab in spec.logger.labs.values()]
     return loggers
 
 
@@ -425,11 +428,13 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
         callbacks.append(Profiler(run_dir=str(run_dir), **spec.profile.model_dump()))
     if spec.progress_bar:
         callbacks.append(ProgressBar())
-    callbacks += [hydra.utils.instantiate(c.node) for c in spec.callbacks.values()]  # a lab's own, after ours
+    callbacks += [build(c.node) for c in spec.callbacks.values()]  # a lab's own, after ours
     return RunCallbacks(history=history, throughput=throughput, best=best, preemption=preemption, all=callbacks)
 
 
 def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
+    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     trainer = build(
         spec.trainer.model_dump(by_alias=True, exclude={"activation_checkpointing"}),  # that one is the module's
         strategy=trainer_strategy(spec.trainer),
