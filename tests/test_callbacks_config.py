@@ -170,8 +170,9 @@ def test_a_callback_or_logger_that_cannot_be_built_is_refused_in_one_line(overri
 
 def test_a_refused_callback_leaves_no_run_folder(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    args = ["train", *FAST, f"+callbacks.m._target_={LR_MONITOR}", "+callbacks.m.every=1", f"hydra.run.dir={run_dir}"]
-    assert_refused(run_cli(args, data_cache, tmp_path), f"callbacks.m cannot build {LR_MONITOR}(")
+    args = ["train", *FAST, f"+callbacks.lr._target_={LR_MONITOR}", "+callbacks.lr.every=1", f"hydra.run.dir={run_dir}"]
+    said = f"callbacks.lr cannot build {LR_MONITOR}(", "): got an unexpected keyword argument 'every'"
+    assert_refused(run_cli(args, data_cache, tmp_path), *said)
     assert_nothing_written(run_dir)
 
 

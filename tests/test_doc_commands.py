@@ -187,6 +187,12 @@ RUN: list[tuple[str, list[str], str]] = [  # in this order, in one folder: (comm
     ),
     ("xsa-lm train", TINY_TRAIN + VOCAB, "1000 steps; the run folder is checked: outputs/train/<time>_tiny_sa/"),
     ("xsa-lm train data=local data.files=input.txt", TINY_TRAIN + VOCAB, "1000 steps, on input.txt"),
+    (
+        "xsa-lm train +callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor "
+        "+callbacks.lr.logging_interval=step",
+        [*TINY_TRAIN, *VOCAB, "trainer.log_every_n_steps=1", "hydra.run.dir=runs/lr"],
+        "a callback Lightning ships, from the command line; its LR columns are checked",
+    ),
 ]
 
 ELSEWHERE_SWEEP = "the whole protocol of a sweep runs in test_sweep.py (long)"
@@ -244,6 +250,8 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm train model=tiny attention=xsa optim.lr=3e-3 trainer.max_steps=200 seed=1 logger=wandb": "a plain train "
     "(run) with other values; W&B offline: test_wandb_offline.py",
     "xsa-lm train attention=xsa": "a plain train (run) with XSA; W&B offline: test_wandb_offline.py",
+    "xsa-lm train +logger.tb._target_=lightning.pytorch.loggers.TensorBoardLogger +logger.tb.save_dir=tb_logs": "needs "
+    "tensorboard, no dependency of xsa-lm; a lab's own logger trains in test_callbacks_config.py",
     "WANDB_API_KEY=... xsa-lm train attention=xsa logger.wandb.project=my-xsa logger.wandb.group=lr-3e-3": "a W&B "
     "key and the network",
     "xsa-lm train --multirun attention=sa,xsa seed=0,1,2": "6 runs; test_train_cli.py runs a multirun of 2",
@@ -509,6 +517,8 @@ AFTERWARDS: dict[str, Callable[[Path, str], object]] = {  # what a command of RU
         lambda d, out: "ROMEO:" in out
     ),
     "xsa-lm export ckpt=runs/xsa/checkpoints/last.ckpt out=hf/xsa": exported_model_stops_at_block_size,
+    "xsa-lm train +callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor "
+    "+callbacks.lr.logging_interval=step": lambda d, out: "lr-AdamW" in (d / "runs/lr/metrics.csv").read_text(),
 }
 
 
