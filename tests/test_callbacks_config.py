@@ -34,6 +34,8 @@ BUILT_IN = [ClusterChecks, AttentionKernels, FolderCheckpoint, FolderCheckpoint,
 BUILT_IN += [SavedConfig]
 OPTIONAL = ["diagnostics.every_n_steps=5", "samples.every_n_steps=5", "profile.start_step=2"]
 ASYNC = ["trainer=fsdp", "trainer.strategy.save_distributed_checkpoint=true", "checkpoint.async_save=true"]
+LAB = f"{__name__}.Marker"  # the class below, as a lab's config names its own
+LR_MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
 
 
 class Marker(Callback):
@@ -50,7 +52,8 @@ class Marker(Callback):
         (["progress_bar=false"], BUILT_IN),
         (OPTIONAL, [*BUILT_IN, Diagnostics, Samples, Profiler, ProgressBar]),
         (ASYNC, [*BUILT_IN, AsyncSave, ProgressBar]),
-        ([f"+callbacks.mine._target_={__name__}.Marker", "+callbacks.mine.note=hi"], [*BUILT_IN, ProgressBar, Marker]),
+        ([f"+callbacks.mine._target_={LAB}", "+callbacks.mine.note=hi"], [*BUILT_IN, ProgressBar, Marker]),
+        ([f"+callbacks.mine._target_={LAB}", "+callbacks.mine._args_=[hi]"], [*BUILT_IN, ProgressBar, Marker]),
     ],
 )
 def test_the_callbacks_are_xsa_lms_own_in_their_order_then_the_labs(overrides, expected, tmp_path: Path):
@@ -93,6 +96,7 @@ class Record(Logger):  # appends the names of the metrics it is given, a line pe
 """
 
 
+@pytest.mark.long  # trains
 def test_a_labs_callbacks_and_logger_run_from_its_package_and_its_config_folder(data_cache: Path, tmp_path: Path):
     """A callback and a logger from files in the lab's --config-dir (`callbacks=[default,mine]`, `logger=[csv,mine]`),
     a callback from the command line only; `srun` on PATH (SLURM installed), but no SLURM job: no hint to use it."""
@@ -141,10 +145,6 @@ def test_the_srun_hint_is_shown_only_inside_a_slurm_job(
         monkeypatch.setenv("SLURM_JOB_ID", "1")
     make_trainer(parse(TrainSpec, compose_train(FAST)), tmp_path, callbacks=[], loggers=[])
     assert any("`srun` command is available" in str(w.message) for w in recwarn) == hinted
-
-
-LAB = f"{__name__}.Marker"
-LR_MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
 
 
 @pytest.mark.parametrize(

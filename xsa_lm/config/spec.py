@@ -34,7 +34,7 @@ FREE: dict[str, Any] = {"free_on_resume": True}  # json_schema_extra of a key a 
 # Keys beside the training config's in a composed config: those of sweep, scale and plan, which compose train.yaml.
 AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
 S = TypeVar("S", bound=BaseModel)
-HYDRA_KEY = re.compile(r"_\w+_")  # instantiate's own keys (_partial_, _convert_): no constructor arguments
+HYDRA_KEY = re.compile(r"_\w+_")  # instantiate's own keys (_args_, _partial_): not keyword arguments
 
 
 class Spec(BaseModel):
@@ -372,9 +372,10 @@ def check_arguments(parts: Mapping[str, LabPart], at: str) -> None:
     for name, part in parts.items():
         module, _, cls = part.target.rpartition(".")
         signature = inspect.signature(getattr(importlib.import_module(module), cls))
-        arguments = {k: v for k, v in (part.model_extra or {}).items() if not HYDRA_KEY.fullmatch(k)}
+        given = part.model_extra or {}
+        arguments = {k: v for k, v in given.items() if not HYDRA_KEY.fullmatch(k)}
         try:
-            signature.bind(**arguments)
+            signature.bind(*given.get("_args_", []), **arguments)
         except TypeError as e:
             takes = signature.replace(return_annotation=inspect.Signature.empty)
             raise ValueError(f"{at}{name} cannot build {part.target}{takes}: {e}") from None
