@@ -2,7 +2,7 @@
 
 import inspect
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -68,6 +68,12 @@ class CausalSelfAttention(nn.Module):
         """The options this variant takes: its constructor's arguments after config and layer."""
         params = list(inspect.signature(cls).parameters.values())[2:]
         return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    @classmethod
+    def settled_options(cls, config: GPTConfig, options: dict[str, Any]) -> dict[str, Any]:
+        """The options (every one given, defaults filled in) in the one form the model config keeps, so that configs
+        of the same model compare equal (a resume checks it). As given, unless a variant says otherwise."""
+        return options
 
     def heads(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor

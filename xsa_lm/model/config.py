@@ -45,8 +45,8 @@ class GPTConfig:
             self.attention_target, self.attention_options = BUILT_IN.get(self.attention, ""), {}
             if self.attention == "xsa":
                 layers = "all" if xsa_layers in (None, UNSET) else list(xsa_layers)
-                eps = 1e-6 if xsa_eps is UNSET else xsa_eps
-                self.attention_options = {"eps": eps, "layers": layers, "gate": "tanh" if xsa_gate is True else "none"}
+                self.attention_options = {"layers": layers, "gate": "tanh" if xsa_gate is True else "none"}
+                self.attention_options |= {} if xsa_eps is UNSET else {"eps": xsa_eps}
         if not self.attention_target:
             if self.attention not in BUILT_IN:
                 raise ValueError(
@@ -94,10 +94,11 @@ class GPTConfig:
 
     def check_attention(self) -> None:
         """The variant takes these options and accepts their values: its signature, then its constructor run for one
-        layer on the meta device (no memory, no random numbers). Its refusals open with `attention.<option>`."""
+        layer on the meta device (no memory, no random numbers). Its refusals open with `attention.<option>`. The
+        options are then kept with their defaults filled in, in the variant's settled form."""
         cls, options = self.attention_class, self.attention_options
         try:
-            inspect.signature(cls).bind(self, 0, **options)
+            bound = inspect.signature(cls).bind(self, 0, **options)
         except TypeError:
             known = cls.option_names()
             unknown = ", ".join(k for k in options if k not in known) or ", ".join(options)
@@ -110,3 +111,6 @@ class GPTConfig:
                 cls(self, 0, **options)
         except ValueError as e:
             raise ValueError(f"attention.{e}") from None
+        bound.apply_defaults()
+        given = {name: value for name, value in list(bound.arguments.items())[2:]}  # after config and layer
+        self.attention_options = cls.settled_options(self, given)

@@ -238,6 +238,12 @@ class ExclusiveSelfAttention(CausalSelfAttention):
         self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and gate == "tanh" else None
         self.eps = float(eps)
 
+    @classmethod
+    def settled_options(cls, config: GPTConfig, options: dict[str, Any]) -> dict[str, Any]:
+        """layers as the indices it gives (all: every layer), as a config saved before options were classes has them."""
+        chosen = exclusive_layers(options["layers"], config.n_layer)
+        return {**options, "layers": "all" if len(chosen) == config.n_layer else list(chosen)}
+
     def _grouped(self, v: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """y as (B, T, H_kv, G, D) against v as (B, T, H_kv, 1, D): each query head projects on its KV group's v
         (only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA); the gate per head."""
