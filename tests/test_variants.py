@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, REPO, compose_train, lightning_checkpoint, run_cli
+from tests.helpers import FAST, REPO, compose_train, lightning_checkpoint, refused_in_process, run_cli
 from xsa_lm.checkpoints.load import load_model
 from xsa_lm.config.spec import AttentionSpec, TrainSpec, parse
 from xsa_lm.errors import UserError
@@ -96,6 +96,19 @@ def test_the_config_group_names_the_class_and_its_options_by_their_keys(lab: Non
     config = spec.gpt_config(vocab_size=64)
     assert config.attention_options == {"eps": 1e-6, "layers": [3], "gate": "none"}  # the last 1 of 4, settled
     assert [type(b.attn).__name__ for b in GPT(config).blocks] == ["ExclusiveSelfAttention"] * 4
+
+
+def test_a_target_that_cannot_be_imported_is_refused_before_the_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    run_dir = tmp_path / "run"
+    args = ["train", "attention._target_=lab_nowhere.Mine", f"hydra.run.dir={run_dir}"]
+    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
+    assert lines == [
+        "xsa-lm: error: attention._target_=lab_nowhere.Mine cannot be imported (No module named 'lab_nowhere'): put "
+        "its package on PYTHONPATH"
+    ]
+    assert not run_dir.exists()
 
 
 SAVED_BEFORE = {  # a model config as checkpoints and summaries stored it before variants were classes -> today's

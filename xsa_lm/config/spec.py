@@ -424,7 +424,7 @@ class TrainSpec(Spec):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":
-        self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
+        self.gpt_config(vocab_size=1)  # GPTConfig's own check and its attention variant's, before the data is prepared
         if info.context == VALUES_ONLY:
             return self
         block = self.block_size
@@ -518,7 +518,7 @@ class TrainSpec(Spec):
 
 
 # GPTConfig fields that the attention group sets, by their key there (its options: attention.<option>).
-ATTENTION_FIELDS = {"attention": "name", "attention_target": "_target_", "attention_options": ""}
+ATTENTION_FIELDS = {"attention": "name", "attention_target": "_target_"}
 
 
 @cache
