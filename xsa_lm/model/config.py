@@ -24,9 +24,7 @@ class GPTConfig:
     vocab_size: int = 4096  # tokenizer vocabulary, padded to a multiple of 64 by the caller
     block_size: int = 128  # longest context the model supports (RoPE tables are built for it)
     attention: str = "sa"  # the attention variant's name: sa (softmax), xsa (exclusive), or a lab's own
-    attention_target: str = (
-        ""  # its class (a CausalSelfAttention subclass) by import path; "": the built-in `attention`
-    )
+    attention_target: str = ""  # its class by import path (a CausalSelfAttention subclass); "": the built-in
     attention_options: dict[str, Any] = field(default_factory=dict)  # its constructor's keyword arguments
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head (paper)
     n_sinks: int = 0  # learned attention-sink tokens prepended inside the model (paper's Figure 6: 0, 1, 4)
@@ -45,8 +43,8 @@ class GPTConfig:
             self.attention_target, self.attention_options = BUILT_IN.get(self.attention, ""), {}
             if self.attention == "xsa":
                 layers = "all" if xsa_layers in (None, UNSET) else list(xsa_layers)
-                self.attention_options = {"layers": layers, "gate": "tanh" if xsa_gate is True else "none"}
-                self.attention_options |= {} if xsa_eps is UNSET else {"eps": xsa_eps}
+                eps = {} if xsa_eps is UNSET else {"eps": xsa_eps}
+                self.attention_options = {**eps, "layers": layers, "gate": "tanh" if xsa_gate is True else "none"}
         if not self.attention_target:
             if self.attention not in BUILT_IN:
                 raise ValueError(
@@ -112,5 +110,5 @@ class GPTConfig:
         except ValueError as e:
             raise ValueError(f"attention.{e}") from None
         bound.apply_defaults()
-        given = {name: value for name, value in list(bound.arguments.items())[2:]}  # after config and layer
+        given = dict(list(bound.arguments.items())[2:])  # after config and layer
         self.attention_options = cls.settled_options(self, given)
