@@ -4,7 +4,7 @@ a compiled SA layer of the same shape, against the least any XSA step adds; and 
     .venv/bin/python scripts/bench_xsa_epilogue.py [--batch 2 --seq 64 --heads 4 --kv-heads 2 --head-dim 16] [--gate]
         [--mode both|compiled|eager] [--out xsa_epilogue.json]
 
-Each arm is one CausalSelfAttention with bf16 parameters and input (as FSDP2's bf16 parameters run it), compiled with
+Each arm is one attention layer with bf16 parameters and input (as FSDP2's bf16 parameters run it), compiled with
 fullgraph=True or eager, then one forward and one backward under torch.profiler (profile_memory=True, inductor's
 kernels recorded as ops). Per arm and pass:
 - kernels: compiled, the generated kernels run plus the library kernels the compiled code calls (matmuls, SDPA);
@@ -33,8 +33,8 @@ import torch._inductor.config as inductor_config
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from xsa_lm.model import CausalSelfAttention, GPTConfig
-from xsa_lm.model.attention import rope_tables
+from xsa_lm.model import GPTConfig
+from xsa_lm.model.attention import attention_layer, rope_tables
 
 BYTES = 2  # bf16
 LIBRARY_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
@@ -87,8 +87,8 @@ def measure(attention: str, shape: dict, *, gate: bool, compiled: bool) -> dict[
     config = GPTConfig(
         d_model=H * D, n_head=H, n_kv_head=H_kv, head_dim=D, block_size=T, attention=attention, xsa_gate=gate
     )
-    layer = CausalSelfAttention(config).to(torch.bfloat16)
-    if layer.gate is not None:
+    layer = attention_layer(config, 0).to(torch.bfloat16)
+    if getattr(layer, "gate", None) is not None:  # XSA with gate=tanh
         torch.nn.init.normal_(layer.gate)  # a nonzero gate, so its gradient is not trivially zero
     run = torch.compile(layer, fullgraph=True) if compiled else layer
     cos, sin = rope_tables(T, D)

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from xsa_lm.config.spec import AttentionSpec
-from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model.xsa import exclusive_layers
 
 TINY = dict(n_layer=3, d_model=32, n_head=4, head_dim=8, vocab_size=64, block_size=16)
 
@@ -47,22 +46,19 @@ def test_gate_at_zero_reproduces_sa_outputs_and_gradients_exactly(idx: torch.Ten
     assert torch.allclose(gated(idx), full(idx), atol=1e-5)
 
 
-def test_xsa_on_no_layer_equals_sa_and_on_some_layers_differs(idx: torch.Tensor):
+def test_xsa_on_some_layers_differs_from_sa_and_its_layers_resolve(idx: torch.Tensor):
     torch.manual_seed(0)
     sa = GPT(GPTConfig(**TINY, attention="sa"))
-    none = twin(sa, attention="xsa", xsa_layers=())
-    assert torch.equal(sa(idx), none(idx))
     last = twin(sa, attention="xsa", xsa_layers=(2,))
     assert [b.attn.exclusive for b in last.blocks] == [False, False, True]
     assert not torch.allclose(sa(idx), last(idx))
-
-    def xsa_layers(layers: object, n_layer: int) -> tuple[int, ...] | None:
-        return AttentionSpec(name="xsa", eps=1e-6, layers=layers, gate="none").xsa_layers(n_layer)
-
-    assert xsa_layers("all", 12) is None and xsa_layers(3, 12) == (9, 10, 11) and xsa_layers([0, 5], 12) == (0, 5)
-    with pytest.raises(UserError, match="last N layers"):
-        xsa_layers(13, 12)
-    with pytest.raises(ValueError, match="xsa_layers"):
+    assert exclusive_layers("all", 12) == tuple(range(12)) and exclusive_layers(3, 12) == (9, 10, 11)
+    assert exclusive_layers([5, 0], 12) == (0, 5)
+    with pytest.raises(ValueError, match="last N layers"):
+        exclusive_layers(13, 12)
+    with pytest.raises(ValueError, match="puts XSA on no layer"):
+        exclusive_layers([], 12)
+    with pytest.raises(ValueError, match=r"attention.layers=\[3\]: each layer is a 0-based index below"):
         GPTConfig(**TINY, attention="xsa", xsa_layers=(3,))
 
 

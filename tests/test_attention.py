@@ -2,13 +2,14 @@
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from xsa_lm.model import CausalSelfAttention, GPTConfig, exclusive_projection, xsa_reference
-from xsa_lm.model.attention import apply_rope, rope_tables
+from xsa_lm.model import CausalSelfAttention, ExclusiveSelfAttention, GPTConfig, exclusive_projection, xsa_reference
+from xsa_lm.model.attention import apply_rope, attention_layer, rope_tables
 from xsa_lm.model.xsa import ExclusiveOutputProjection, ExclusiveProjection
 
 
@@ -63,7 +64,7 @@ def reference_attention(attn: CausalSelfAttention, x: torch.Tensor, exclusive: b
     scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
     y = scores.softmax(-1) @ v
     if exclusive:
-        y = xsa_reference(y, v, eps=attn.xsa_eps)
+        y = xsa_reference(y, v, eps=cast(ExclusiveSelfAttention, attn).eps)
     out = attn.proj(y.transpose(1, 2).reshape(B, T, H * D))
     return out, y, v
 
@@ -72,7 +73,7 @@ def reference_attention(attn: CausalSelfAttention, x: torch.Tensor, exclusive: b
 def test_attention_matches_reference(attention: str):
     torch.manual_seed(3)
     config = GPTConfig(d_model=48, n_head=3, head_dim=24, block_size=16, attention=attention)  # inner 72 != d_model
-    attn = CausalSelfAttention(config).double()
+    attn = attention_layer(config, 0).double()
     x = torch.randn(2, 16, 48, dtype=torch.float64)
     cos, sin = (t.double() for t in rope_tables(16, 24))
     expected, _, _ = reference_attention(attn, x, exclusive=attention == "xsa")
@@ -83,7 +84,7 @@ def test_xsa_first_position_output_is_zero_in_every_head():
     """Causality gives a_00 = 1, so y_0 = v_0 and z_0 = 0 exactly (before the output projection)."""
     torch.manual_seed(4)
     config = GPTConfig(d_model=32, n_head=4, head_dim=8, block_size=8, attention="xsa")
-    attn = CausalSelfAttention(config).double()
+    attn = attention_layer(config, 0).double()
     _, y, v = reference_attention(attn, torch.randn(3, 8, 32, dtype=torch.float64), exclusive=False)
     z = exclusive_projection(y, v, eps=0.0)
     assert z[:, :, 0].abs().max() < 1e-6
@@ -289,7 +290,7 @@ def test_an_xsa_layer_keeps_only_two_numbers_per_token_and_head_more_than_sa(n_k
     sizes = {}
     for attention in ("sa", "xsa"):
         config = GPTConfig(d_model=64, n_head=4, head_dim=16, block_size=16, attention=attention, n_kv_head=n_kv_head)
-        sizes[attention] = saved_bytes(CausalSelfAttention(config), x)
+        sizes[attention] = saved_bytes(attention_layer(config, 0), x)
     assert 0 < sizes["xsa"] - sizes["sa"] <= 2 * 2 * 16 * 4 * 4  # coef and 1 / n: B x T x heads fp32 numbers each
 
 

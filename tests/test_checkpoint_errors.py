@@ -71,8 +71,14 @@ def test_model_config_mismatch_lists_every_differing_field():
     assert model_config_mismatch(saved, smaller) == ["n_layer: 2 -> 1", "d_model: 32 -> 16"]
     # Fields that leave the weights' shapes alone count too: resuming must not turn SA into XSA.
     xsa = asdict(GPTConfig(**TINY, attention="xsa", xsa_layers=(0,)))
-    assert model_config_mismatch(saved, xsa) == ["attention: sa -> xsa", "xsa_layers: None -> [0]"]
-    # As GPTConfig holds them: defaults, xsa_layers sorted; a field GPTConfig does not know, as stored.
+    sa_class, xsa_class = "xsa_lm.model.attention.CausalSelfAttention", "xsa_lm.model.xsa.ExclusiveSelfAttention"
+    assert model_config_mismatch(saved, xsa) == [
+        "attention: sa -> xsa",
+        f"attention_target: {sa_class} -> {xsa_class}",
+        "attention_options: {} -> {'eps': 1e-06, 'layers': [0], 'gate': 'none'}",
+    ]
+    # As GPTConfig holds them: defaults, a config saved before variants were classes; a field it does not know, as
+    # stored.
     saved = {**TINY, "xsa_layers": [1, 0], "n_kv_head": None}  # as read back from JSON, with defaults left out
     expected = asdict(GPTConfig(**TINY, xsa_layers=(0, 1)))
     assert model_config_mismatch(saved, expected) == []

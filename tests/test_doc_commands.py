@@ -36,7 +36,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # the shell variables of the shown commands: a folder in the test's temp dir, or a value
 VARIABLES = {"DATA": "{tmp}/data", "SCRATCH": "{tmp}/scratch", "PWD": "{tmp}", "SLURM_JOB_ID": "1"}
 ELIDED = "elided"  # the stand-in for a `key=...` value
-HYDRA_FLAGS = {"--multirun", "-m", "--help", "-h", "--cfg", "-c"}  # --cfg takes a value (job, hydra, all)
+HYDRA_FLAGS = {"--multirun", "-m", "--help", "-h", "--cfg", "-c", "--config-dir"}  # --cfg, --config-dir take a value
 STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
 
 
@@ -197,6 +197,7 @@ RUN: list[tuple[str, list[str], str]] = [  # in this order, in one folder: (comm
 
 ELSEWHERE_SWEEP = "the whole protocol of a sweep runs in test_sweep.py (long)"
 GPU = "needs a GPU"
+VARIANT = "a lab's variant from its folder (relative to the repository): test_variants.py trains it (long)"
 NOT_RUN = {  # command -> why it does not run here, and where what it does is tested
     "make demo": "the demo sweep, 7 trials, ~7 min: its recipe's command passes the up-front checks; "
     + ELSEWHERE_SWEEP,
@@ -280,6 +281,15 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm train trainer=fsdp model=paper_2.7b global_batch_tokens=524288 micro_batch_size=8": GPU + "s",
     "srun xsa-lm train trainer=ddp trainer.num_nodes=4 model=paper_0.7b attention=xsa global_batch_tokens=524288 "
     "micro_batch_size=8 hydra.run.dir=runs/xsa resume=auto": "SLURM, 4 nodes of GPUs",
+    "PYTHONPATH=docs/examples/gated_attention xsa-lm train --config-dir docs/examples/gated_attention/configs "
+    "attention=gated": VARIANT,
+    "PYTHONPATH=docs/examples/gated_attention xsa-lm train --config-dir docs/examples/gated_attention/configs "
+    "attention=gated attention.granularity=headwise hydra.run.dir=runs/gated": VARIANT,
+    "PYTHONPATH=docs/examples/gated_attention xsa-lm generate ckpt=runs/gated/checkpoints/last.ckpt prompt=ROMEO:": (
+        "the checkpoint of the run above; test_variants.py generates from one (long)"
+    ),
+    "PYTHONPATH=docs/examples/gated_attention xsa-lm sweep --config-dir docs/examples/gated_attention/configs "
+    "sweep.candidates=[xsa,gated]": "a three-arm sweep, ~10 min; " + ELSEWHERE_SWEEP,
     "docker run --gpus all --rm -v $PWD/runs:/work/runs -v $PWD/data:/work/data -e WANDB_API_KEY xsa-lm train "
     "trainer=gpu compile=true attention=xsa hydra.run.dir=runs/xsa": "Docker and a GPU",
 }
@@ -354,14 +364,17 @@ CHECKS: dict[str, Callable[[DictConfig, list[str]], object]] = {  # command -> w
 
 def overrides_of(argv: tuple[str, ...], tmp: Path) -> list[str]:
     """The Hydra overrides of a command line (flags left out), variables expanded, elisions as stand-ins."""
-    words, overrides, skip = list(argv[1:]), [], False
+    words, overrides, flag = list(argv[1:]), [], None  # flag: the one whose value is the next word
     for word in words:
-        if skip:
+        if flag == "--config-dir":  # a folder of the repository (docs/examples), searched as the flag has Hydra do
+            overrides.append(f"hydra.searchpath=[file://{REPO / word}]")
+            flag = None
+        elif flag:
             assert word in ("job", "hydra", "all"), f"--cfg {word}"
-            skip = False
+            flag = None
         elif word.startswith("-"):
             assert word in HYDRA_FLAGS, f"{word}: not a Hydra flag the docs may show"
-            skip = word in ("--cfg", "-c")
+            flag = word if word in ("--cfg", "-c", "--config-dir") else None
         elif word != "...":
             overrides.append(expand(word, tmp).replace("=[...]", f"=[{ELIDED}]").replace("=...", f"={ELIDED}"))
     return overrides
@@ -445,6 +458,8 @@ def test_every_documented_command_passes_its_up_front_checks(
         stub.write_text("#!/bin/sh\nexit 0\n")
         stub.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    for path in {path for s in all_shown() for path in re.findall(r"(?:^| )PYTHONPATH=(\S+) ", s.text)}:
+        monkeypatch.syspath_prepend(str(REPO / path))  # a lab's package, put on the path as the command does
     commands = {s.text: s for s in all_shown() if s.program == "xsa-lm"}
     for target in sorted({s.argv[0] for s in all_shown() if s.program == "make"}):
         for argv in recipe_commands(target):

@@ -21,7 +21,7 @@ from xsa_lm.checkpoints.sharded import META
 from xsa_lm.data.tokenizer import EOT, train_bpe
 from xsa_lm.errors import UserError
 from xsa_lm.eval.sample import sample
-from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export
+from xsa_lm.export.run import TRANSFORMERS_REQUIREMENT, export, hf_fields
 from xsa_lm.model import GPT, GPTConfig, generate
 
 transformers = pytest.importorskip("transformers")
@@ -162,7 +162,8 @@ def test_the_export_holds_weights_config_tokenizer_and_code_also_of_a_sharded_ch
     assert json.loads((exported / "config.json").read_text()) == config
     auto_map = {"AutoConfig": "configuration_xsa.XSAConfig", "AutoModelForCausalLM": "modeling_xsa.XSAForCausalLM"}
     assert config["auto_map"] == auto_map
-    expected = asdict(model.config) | {"xsa_layers": [0, 2]}
+    expected = hf_fields(model.config)  # GPTConfig's fields, the attention's as modeling_xsa.py reads them
+    assert expected["xsa_layers"] == [0, 2] and expected["xsa_gate"] and expected["attention"] == "xsa"
     assert {key: config[key] for key in expected} == expected
     for name in ("configuration_xsa.py", "modeling_xsa.py"):  # the package's files, verbatim
         assert (folder / name).read_text() == (REPO / "xsa_lm" / "export" / name).read_text()

@@ -79,7 +79,7 @@ def test_each_new_term_is_sized():
     assert mixed.activations - compiled.activations == tokens * (24 * 2 * d + (4 - 2) * V)
     assert compiled.transient == tokens * 2 * 2 * V and compiled.total < mixed.total
     # XSA: two fp32 numbers per token and head; eager, W_o stays fp32 (no bf16 copy)
-    xsa = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, attention="xsa")
+    xsa = memory.estimate(PAPER_07B, V, 16, 2048, "bf16-mixed", world_size=8, exclusive=True)
     assert xsa.activations - mixed.activations == tokens * 24 * 2 * 4 * 6
     assert mixed.weight_copies - xsa.weight_copies == 2 * 24 * d * d
     # FSDP2 accumulating: the reduction waits for the step's last micro-batch, so every rank holds every unsharded
@@ -122,7 +122,9 @@ def test_saved_bytes_per_token_and_layer_match_a_real_block(attention: str):
     per_token = (long - short) / 64
     terms = memory.block_saved_per_token(shape, compute=2, residual=4, exclusive=attention == "xsa")
     assert abs(sum(terms.values()) / per_token - 1) < 0.02
-    copies = memory.autocast_copies(shape, 0, "bf16-mixed", attention=attention, compiled=False, checkpointing=False)
+    copies = memory.autocast_copies(
+        shape, 0, "bf16-mixed", exclusive=attention == "xsa", compiled=False, checkpointing=False
+    )
     assert abs(copies / (long - 128 * per_token) - 1) < 0.02
 
 
@@ -137,7 +139,7 @@ def test_plan_of_a_composed_config_is_memorys_estimate(tmp_path: Path, monkeypat
     args = ["model=paper_0.7b", "trainer=ddp", "trainer.devices=8", "micro_batch_size=16", "device_memory_gb=80"]
     args += ["data.block_size=2048", "tokenizer=gpt2", "attention=xsa", "compile=true", "global_batch_tokens=262144"]
     plan, _ = plan_of(args, tmp_path, monkeypatch, capsys)
-    expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, attention="xsa", compiled=True)
+    expected = memory.estimate(PAPER_07B, 50304, 16, 2048, "bf16-mixed", world_size=8, exclusive=True, compiled=True)
     assert plan["per_device_bytes"] == expected.as_dict() and expected.ddp_buckets == 0  # gradient_as_bucket_view
     plain, _ = plan_of([*args, "trainer.strategy=ddp"], tmp_path, monkeypatch, capsys)  # Lightning's default: off
     assert plain["per_device_bytes"]["ddp_buckets"] > 0

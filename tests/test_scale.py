@@ -284,7 +284,7 @@ REFUSALS = {
         ("+scale.seed=1", "scale.seed: not an option"),
         ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
         ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
-        ("attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
+        ("attention.layers=[5]", "scale has no key attention.layers"),  # an arm's options: in its option file
         ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
     ],
     "tokens": [
@@ -302,7 +302,7 @@ REFUSALS = {
         ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
         ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
         ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
-        ("attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
+        ("attention.layers=[3]", "scale has no key attention.layers"),
     ],
 }
 CASES = [(axis, override, message) for axis, rows in REFUSALS.items() for override, message in rows]

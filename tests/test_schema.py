@@ -17,7 +17,7 @@ from xsa_lm.model import GPTConfig
 
 CONFIGS = REPO / "configs"
 MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml") if not p.stem.startswith("_"))
-ATTENTION_FIELDS = {"attention", "xsa_eps", "xsa_layers", "xsa_gate"}  # set by the attention group
+ATTENTION_FIELDS = {"attention", "attention_target", "attention_options"}  # set by the attention group
 
 
 def spec(overrides: list[str]) -> TrainSpec:
@@ -28,10 +28,10 @@ REFUSED = {  # overrides -> the one line (its start)
     "fractional steps": (["trainer.max_steps=1.5"], "trainer.max_steps=1.5 must be an integer"),
     "a word for a number": (["model.n_layer=four"], "model.n_layer=four must be an integer"),
     "a word for a switch": (["model.bias=maybe"], "model.bias=maybe must be true or false"),
-    "a word for a real": (["attention.eps=small"], "attention.eps=small must be a finite number"),
+    "a word for a real": (["attention=xsa", "attention.eps=small"], "attention.eps=small must be a finite number"),
     "two at once": (["seed=-1", "val_every_steps=0"], "seed=-1 must be >= 0; val_every_steps=0 must be >= 1"),
     "no LR": (["optim.lr=0"], "optim.lr=0 must be > 0"),
-    "negative eps": (["attention.eps=-1e-6"], "attention.eps=-1e-06 must be > 0"),
+    "negative eps": (["attention=xsa", "attention.eps=-1e-6"], "attention.eps=-1e-06 must be > 0"),
     "no validation window": (["data.val_windows=0"], "data.val_windows=0 must be >= 1"),
     "a number as text": (
         ["samples.prompt=1e3"],

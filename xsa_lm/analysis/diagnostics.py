@@ -3,8 +3,9 @@ over heads and sequences (each (sequence, head) pair weighs the same):
   cos_v_v       mean cos(v_i, v_j) over token pairs i < j
   a_ii          mean attention of a token on itself, over positions after the first token
   cos_y_v       mean cos(y_i, v_i), y the attention output before the XSA step
-  cos_z_v       mean cos(z_i, v_i) after the XSA step (XSA layers only: ~0 by construction, gated XSA: not)
-  norm_removed  mean 1 - ||z_i|| / ||y_i||: the share of y's norm the XSA step removes (XSA layers only)
+  cos_z_v       mean cos(z_i, v_i), z the variant's head outputs (XSA: ~0 by construction, gated XSA: not; layers
+                whose head outputs are y, as SA's: none)
+  norm_removed  mean 1 - ||z_i|| / ||y_i||: the share of y's norm the variant's step removes (where z is not y)
 Attention sinks are keys like any other, but never positions i. Nothing T x T is kept (cos_v_v from
 ||sum_i v_i/||v_i||||^2, a_ii over chunks of queries), so it runs at the paper's 2048-16384 contexts."""
 
@@ -64,7 +65,8 @@ def layer_statistics(q, k, v, y, *, z, n_sinks: int = 0, chunk: int = 256) -> di
 
 @torch.no_grad()
 def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> list[dict]:
-    """One row per layer with every metric over batches of token ids (B, T) (cos_z_v, norm_removed: None in SA)."""
+    """One row per layer with every metric over batches of token ids (B, T) (cos_z_v, norm_removed: None in SA). A
+    layer is labelled with the model's attention where its head outputs differ from y, else sa."""
     values: list[dict[str, list[torch.Tensor]]] = [{name: [] for name in METRICS} for _ in model.blocks]
 
     def observe(layer: int, q, k, v, y, z) -> None:
@@ -84,7 +86,7 @@ def diagnose(model: GPT, batches: Iterable[torch.Tensor], chunk: int = 256) -> l
             attn.observer = None
         model.train(was_training)
     return [
-        {"layer": layer, "attention": "xsa" if attn.exclusive else "sa"}
+        {"layer": layer, "attention": model.config.attention if values[layer]["cos_z_v"] else "sa"}
         | {name: torch.cat(seen).mean().item() if seen else None for name, seen in values[layer].items()}
-        for layer, attn in enumerate(attentions)
+        for layer in range(len(attentions))
     ]

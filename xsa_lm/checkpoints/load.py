@@ -86,7 +86,7 @@ def run_dir_of(path: Path) -> Path:
 def model_config_mismatch(saved: dict, expected: dict) -> list[str]:
     """Each GPTConfig field the stored `model_config` differs in, as `d_model: 128 -> 64`: resuming keeps the model."""
 
-    def normalised(config: dict) -> dict[str, str]:  # as GPTConfig holds it (defaults, xsa_layers sorted), as text
+    def normalised(config: dict) -> dict[str, str]:  # as GPTConfig holds it (defaults, a saved legacy form), as text
         with suppress(TypeError, ValueError):  # a field GPTConfig does not know, or an invalid value: as stored
             config = asdict(GPTConfig(**config))
         return {k: str(list(v)) if isinstance(v, tuple) else str(v) for k, v in config.items()}
@@ -109,7 +109,11 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     stored, weights = checkpoint.get("model_config"), checkpoint.get("state_dict")
     if not isinstance(stored, dict) or not isinstance(weights, dict):
         raise UserError(f"{key}: {path} has no model config or weights: is it a checkpoint of `xsa-lm train`?")
-    model = GPT(GPTConfig(**stored))
+    try:
+        config = GPTConfig(**stored)  # one saved before variants were classes too (attention sa/xsa, xsa_* fields)
+    except (TypeError, ValueError) as e:  # a field this version lacks, or a lab's variant not importable here
+        raise UserError(f"{key}: {path}'s model config builds no model here: {e}") from None
+    model = GPT(config)
     # Lightning prefixes the module's attribute (`model.`); a torch.compile(model) wrapper added its own.
     state = {k.removeprefix("model.").removeprefix(COMPILED_PREFIX): v for k, v in weights.items()}
     try:

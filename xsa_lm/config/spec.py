@@ -25,7 +25,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from xsa_lm.errors import UserError
-from xsa_lm.model.config import GPTConfig
+from xsa_lm.model.config import BUILT_IN, GPTConfig
 from xsa_lm.model.sdpa import config_problem as sdpa_backends_problem
 
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
@@ -111,12 +111,6 @@ def _val_fraction(value: Any) -> str | None:
     )
 
 
-def _layers(value: Any) -> str | None:
-    if value == "all" or _is_int(value) or (isinstance(value, list) and all(_is_int(i) for i in value)):
-        return None
-    return "must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
-
-
 def flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
     flat = {}
@@ -157,43 +151,40 @@ class ModelSpec(Spec):
             architecture["vocab_size"] = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         elif architecture["vocab_size"] < vocab_size:
             raise UserError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's {vocab_size}")
-        architecture.update(attention=attention.name, xsa_eps=attention.eps, xsa_gate=attention.gate == "tanh")
-        architecture["xsa_layers"] = attention.xsa_layers(self.n_layer)
+        architecture.update(attention=attention.name, attention_target=attention.target)
+        architecture["attention_options"] = attention.options
         try:
             return GPTConfig(**architecture)
         except ValueError as e:  # GPTConfig's refusal opens with its field: named by its config key
             name = str(e).split("=")[0].split(" ")[0]
             key = f"attention.{ATTENTION_FIELDS[name]}" if name in ATTENTION_FIELDS else f"model.{name}"
+            key = name if name.startswith("attention.") else key  # a variant's option: GPTConfig.check_attention
             raise UserError(f"{key}{str(e)[len(name) :]}") from None
 
 
 class AttentionSpec(Spec):
-    name: Literal["sa", "xsa"] = Field(description="sa: softmax attention | xsa: exclusive self attention")
-    eps: float = Field(description="added to ||v_i||^2 in XSA (fp32); GPTConfig checks it")
-    layers: Annotated[Literal["all"] | int | list[int], rule(_layers)] = Field(description="all | last N | these")
-    gate: Literal["none", "tanh"] = Field(description="tanh: subtract tanh(alpha) x the projection")
+    """The attention group: a variant class by `_target_` (xsa_lm/model/attention.py says what one is), the option's
+    name, and its other keys: the options the class is built with, checked by the class (GPTConfig.check_attention)."""
 
-    def xsa_layers(self, n_layer: int) -> tuple[int, ...] | None:
-        """The layers that use XSA (None: every layer). Under xsa at least one: XSA on none is SA, reported as XSA."""
-        layers = self.layers
-        if layers == "all":
-            return None
-        if isinstance(layers, int):
-            if not 0 <= layers <= n_layer:
-                raise UserError(f"attention.layers={layers}: the last N layers needs 0 <= N <= model.n_layer={n_layer}")
-            chosen = tuple(range(n_layer - layers, n_layer))
-        else:
-            if any(not 0 <= i < n_layer for i in layers):
-                raise UserError(
-                    f"attention.layers={layers}: each layer is a 0-based index below model.n_layer={n_layer}, e.g. "
-                    f"[0,{n_layer - 1}]"
-                )
-            if len(set(layers)) != len(layers):
-                raise UserError(f"attention.layers={layers} names a layer twice: list each layer once")
-            chosen = tuple(layers)
-        if self.name == "xsa" and not chosen:
-            raise UserError(f"attention.layers={layers} puts XSA on no layer, which is plain SA: use attention=sa")
-        return chosen
+    model_config = ConfigDict(frozen=True, extra="allow", strict=True, populate_by_name=True)
+    name: str = Field(description="the option's name: run names, sweep arms, reports")
+    target: str = Field(alias="_target_", description="the variant's class, a CausalSelfAttention subclass")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _saved_before_targets(cls, node: Any) -> Any:
+        """A run saved before the group named classes: a built-in by name, without the options its class lacks (sa
+        kept XSA's eps, layers and gate)."""
+        if not isinstance(node, dict) or "_target_" in node or "target" in node or node.get("name") not in BUILT_IN:
+            return node
+        target = BUILT_IN[node["name"]]
+        taken = GPTConfig(attention=node["name"]).attention_class.option_names()
+        return {"_target_": target, **{k: v for k, v in node.items() if k == "name" or k in taken}}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The variant's constructor arguments: every key but name and _target_."""
+        return dict(self.model_extra or {})
 
 
 class DataSpec(Spec):
@@ -490,7 +481,7 @@ class TrainSpec(Spec):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "TrainSpec":
-        self.gpt_config(vocab_size=1)  # GPTConfig's own check and attention.layers, before the data is prepared
+        self.gpt_config(vocab_size=1)  # GPTConfig's own check and its attention variant's, before the data is prepared
         if info.context == VALUES_ONLY:
             return self
         block = self.block_size
@@ -583,8 +574,8 @@ class TrainSpec(Spec):
         return self.model.gpt_config(self.attention, vocab_size)
 
 
-# GPTConfig fields that the attention group sets, by their key there (attention.name, .eps, .layers, .gate).
-ATTENTION_FIELDS = {"attention": "name", "xsa_eps": "eps", "xsa_layers": "layers", "xsa_gate": "gate"}
+# GPTConfig fields that the attention group sets, by their key there (its options: attention.<option>).
+ATTENTION_FIELDS = {"attention": "name", "attention_target": "_target_"}
 
 
 @cache

@@ -6,7 +6,7 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig
@@ -16,7 +16,9 @@ from xsa_lm.checkpoints.load import load_model, load_tokenizer
 from xsa_lm.config.spec import Spec, parse
 from xsa_lm.data.tokenizer import EOT, eot_id
 from xsa_lm.errors import UserError, one_line_errors
-from xsa_lm.model import GPT
+from xsa_lm.model import GPT, GPTConfig
+from xsa_lm.model.config import BUILT_IN
+from xsa_lm.model.xsa import exclusive_layers
 
 if TYPE_CHECKING:  # transformers is imported only when exporting: it is an extra
     from transformers import PreTrainedTokenizerFast
@@ -47,9 +49,7 @@ def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
     from xsa_lm.export.configuration_xsa import XSAConfig
     from xsa_lm.export.modeling_xsa import XSAForCausalLM
 
-    fields = asdict(model.config)
-    fields["xsa_layers"] = fields["xsa_layers"] and list(fields["xsa_layers"])  # JSON: a list
-    config = XSAConfig(**fields, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    config = XSAConfig(**hf_fields(model.config), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
     # auto_map in config.json, and save_pretrained copies the two code files beside the weights
     XSAConfig.register_for_auto_class()
     XSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
@@ -58,6 +58,25 @@ def hf_model(model: GPT, eot: int, tokenizer_vocab: int) -> "XSAForCausalLM":
     if tokenizer_vocab < config.vocab_size:  # generation_config.json: transformers' own way to leave ids out
         hf.generation_config.suppress_tokens = list(range(tokenizer_vocab, config.vocab_size))
     return hf.eval()
+
+
+def hf_fields(config: GPTConfig) -> dict[str, Any]:
+    """XSAConfig's fields of a model: modeling_xsa.py holds the built-in variants only (the exported code stands alone,
+    without xsa-lm), so a lab's own is refused."""
+    built_in = {target: name for name, target in BUILT_IN.items()}
+    if config.attention_target not in built_in:
+        raise UserError(
+            f"ckpt: attention {config.attention} ({config.attention_target}) is a lab's own variant; export writes "
+            f"the built-in ones only ({', '.join(BUILT_IN)}), whose code it ships beside the weights"
+        )
+    fields = {k: v for k, v in asdict(config).items() if k not in ("attention_target", "attention_options")}
+    options = {"eps": 1e-6, "layers": "all", "gate": "none", **config.attention_options}  # XSA's defaults
+    layers = exclusive_layers(options["layers"], config.n_layer)
+    every = layers == tuple(range(config.n_layer))
+    fields.update(
+        attention=built_in[config.attention_target], xsa_eps=options["eps"], xsa_gate=options["gate"] == "tanh"
+    )
+    return fields | {"xsa_layers": None if every else list(layers)}  # JSON: a list
 
 
 def hf_tokenizer(tokenizer: Tokenizer, block_size: int) -> "PreTrainedTokenizerFast":
@@ -81,6 +100,7 @@ def export(ckpt: Path, out: Path) -> Path:
         what = "is a file, not a directory" if not existing.is_dir() else "exists and is not empty"
         raise UserError(f"out: {existing} {what}; choose another directory (nothing is overwritten)")
     model, tokenizer = load_model(ckpt, key="ckpt"), load_tokenizer(ckpt, key="ckpt")
+    hf_fields(model.config)  # a variant it cannot export: refused before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out`, then renamed into place: a failed export leaves no half-written model behind.
     staging = out.parent / f".{out.name}.{os.getpid()}"  # mkdir's permissions, as `out`'s would be

@@ -1,13 +1,14 @@
-"""Causal self attention with RoPE; XSA layers add the step in xsa.py after it."""
+"""Causal self attention with RoPE, the class every attention variant subclasses (XSA: xsa.py)."""
 
+import inspect
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from xsa_lm.model.config import GPTConfig
-from xsa_lm.model.xsa import ExclusiveOutputProjection, exclusive_projection
 
 
 def rope_tables(block_size: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,19 +43,49 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
+    """Softmax attention (SA), and what every attention variant is: a subclass, built once per layer as
+    `cls(config, layer, **options)` (the options: the other keys of its configs/attention/<name>.yaml), that
+    overrides `heads` (and, to fuse it with W_o, `project`). The layouts: x (B, T, d_model) is the block's input after
+    its LayerNorm; q (B, H, T, D) and k (B, H_kv, T, D) after RoPE, v (B, H_kv, T, D), for the new tokens only (a
+    KV cache holds the earlier ones); y (B, T, H, D) is SDPA's output. A constructor refuses an option's value with a
+    ValueError opening with `<option>=<value>`. docs/variants.md has a worked example."""
+
+    # The memory plan (train/memory.py) counts XSA's saved numbers and backward temporaries for a variant that says so.
+    exclusive_memory: ClassVar[bool] = False
+
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         assert config.n_kv_head is not None  # GPTConfig resolves None to n_head
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)  # W_o
-        self.exclusive = config.uses_xsa(layer)
-        # Gated XSA: z = y - tanh(alpha_h) x projection, alpha zero-initialised so training starts as SA.
-        self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and config.xsa_gate else None
-        self.xsa_eps = config.xsa_eps
         self.dropout = config.dropout
-        # Diagnostics set an observer: it sees q, k, v, y (before XSA) and z of this layer, then they are dropped.
+        # Diagnostics set an observer: it sees q, k, v, y and the head outputs z of this layer (None where z is y).
         self.observer: Callable[..., None] | None = None
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The options this variant takes: its constructor's arguments after config and layer."""
+        params = list(inspect.signature(cls).parameters.values())[2:]
+        return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    @classmethod
+    def settled_options(cls, config: GPTConfig, options: dict[str, Any]) -> dict[str, Any]:
+        """The options (every one given, defaults filled in) in the one form the model config keeps, so that configs
+        of the same model compare equal (a resume checks it). As given, unless a variant says otherwise."""
+        return options
+
+    def heads(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """The head outputs (B, T, H, D) that W_o projects: SA's are y itself."""
+        return y
+
+    def project(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's output (B, T, d_model): W_o of the head outputs. A variant may fuse the two (XSA keeps no z)."""
+        return self.proj(self.heads(x, q, k, v, y).flatten(2))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
@@ -76,17 +107,13 @@ class CausalSelfAttention(nn.Module):
         # (B, T, H, D) order from here: SDPA's kernels return y laid out that way in memory, so the output projection
         # reads it (and XSA's result, computed in that order) without a copy.
         y_t = y.transpose(1, 2)
-        if not self.exclusive:
-            out = self.proj(y_t.reshape(B, T, H * D))
-        else:
-            # Each query head projects on its KV group's v: y as (B, T, H_kv, G, D) against v as (B, T, H_kv, 1, D).
-            # Only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA.
-            y_t, v_t = y_t.unflatten(2, (H_kv, H // H_kv)), v.transpose(1, 2).unsqueeze(3)
-            scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
-            # out = self.proj(xsa_reference(y_t, v_t, self.xsa_eps, scale).flatten(-3)), fused to keep no z
-            weight, bias = self.proj.weight, self.proj.bias
-            out = ExclusiveOutputProjection.apply(y_t, v_t, self.xsa_eps, scale, weight, bias)
-        if self.observer is not None:  # diagnostics: z once more, to look at
-            z = exclusive_projection(y_t, v_t, eps=self.xsa_eps, scale=scale) if self.exclusive else None
-            self.observer(q=q, k=k, v=v, y=y, z=None if z is None else z.reshape(B, T, H, D).transpose(1, 2))
+        out = self.project(x, q, k, v, y_t)
+        if self.observer is not None:  # diagnostics: the head outputs once more, to look at
+            z = self.heads(x, q, k, v, y_t)
+            self.observer(q=q, k=k, v=v, y=y, z=None if z is y_t else z.transpose(1, 2))
         return out
+
+
+def attention_layer(config: GPTConfig, layer: int) -> CausalSelfAttention:
+    """Layer `layer`'s attention: config's variant, built with its options."""
+    return config.attention_class(config, layer, **config.attention_options)

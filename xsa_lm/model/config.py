@@ -1,6 +1,18 @@
 """GPTConfig: every architectural choice of the decoder, with the paper's defaults."""
 
-from dataclasses import dataclass
+import importlib
+import inspect
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from xsa_lm.model.attention import CausalSelfAttention
+
+# The attention variants xsa-lm ships, by option name (configs/attention/<name>.yaml gives the same _target_).
+BUILT_IN = {"sa": "xsa_lm.model.attention.CausalSelfAttention", "xsa": "xsa_lm.model.xsa.ExclusiveSelfAttention"}
+UNSET: Any = object()  # a legacy field not given
 
 
 @dataclass
@@ -11,10 +23,9 @@ class GPTConfig:
     head_dim: int = 32  # per-head width; n_head * head_dim may differ from d_model (paper)
     vocab_size: int = 4096  # tokenizer vocabulary, padded to a multiple of 64 by the caller
     block_size: int = 128  # longest context the model supports (RoPE tables are built for it)
-    attention: str = "sa"  # "sa": softmax attention; "xsa": exclusive self attention
-    xsa_eps: float = 1e-6  # guards ||v||^2 when normalising v in XSA (fp32)
-    xsa_layers: tuple[int, ...] | None = None  # layers that use XSA; None: all (paper). Ignored for "sa"
-    xsa_gate: bool = False  # subtract tanh(alpha) x the projection, alpha per head, zero-init (starts as SA)
+    attention: str = "sa"  # the attention variant's name: sa (softmax), xsa (exclusive), or a lab's own
+    attention_target: str = ""  # its class by import path (a CausalSelfAttention subclass); "": the built-in
+    attention_options: dict[str, Any] = field(default_factory=dict)  # its constructor's keyword arguments
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head (paper)
     n_sinks: int = 0  # learned attention-sink tokens prepended inside the model (paper's Figure 6: 0, 1, 4)
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
@@ -22,15 +33,30 @@ class GPTConfig:
     dropout: float = 0.0  # pretraining on ~1 epoch of data needs none
     rope_base: float = 10000.0  # RoPE frequency base
     init_std: float = 0.02  # N(0, init_std); residual projections get init_std / sqrt(2 n_layer)
+    # A model config saved before variants were classes: XSA's options as fields (None layers: all; ignored for sa).
+    xsa_eps: InitVar[float] = UNSET
+    xsa_layers: InitVar[tuple[int, ...] | None] = UNSET
+    xsa_gate: InitVar[bool] = UNSET
 
-    def __post_init__(self) -> None:
-        if self.attention not in ("sa", "xsa"):
-            raise ValueError(f"attention must be 'sa' or 'xsa', got {self.attention!r}")
+    def __post_init__(self, xsa_eps: float, xsa_layers: tuple[int, ...] | None, xsa_gate: bool) -> None:
+        if any(value is not UNSET for value in (xsa_eps, xsa_layers, xsa_gate)):
+            self.attention_target, self.attention_options = BUILT_IN.get(self.attention, ""), {}
+            if self.attention == "xsa":
+                layers = "all" if xsa_layers in (None, UNSET) else list(xsa_layers)
+                eps = {} if xsa_eps is UNSET else {"eps": xsa_eps}
+                self.attention_options = {**eps, "layers": layers, "gate": "tanh" if xsa_gate is True else "none"}
+        if not self.attention_target:
+            if self.attention not in BUILT_IN:
+                raise ValueError(
+                    f"attention={self.attention!r} is no built-in variant ({', '.join(BUILT_IN)}): give its "
+                    "class as attention_target"
+                )
+            self.attention_target = BUILT_IN[self.attention]
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         # Each refusal opens with its field: config/spec.py ModelSpec.gpt_config names the config key by it.
         positive = ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "block_size", "mlp_ratio", "rope_base")
-        for name in (*positive, "init_std", "xsa_eps"):
+        for name in (*positive, "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if not 0 <= self.dropout < 1:
@@ -45,10 +71,44 @@ class GPTConfig:
                 f"n_sinks={self.n_sinks} must be in [0, block_size={self.block_size}]: each sink is one more position "
                 "in every block's sequence (the paper uses 0, 1 or 4)"
             )
-        if self.xsa_layers is not None:
-            self.xsa_layers = tuple(sorted(set(self.xsa_layers)))
-            if any(not 0 <= i < self.n_layer for i in self.xsa_layers):
-                raise ValueError(f"xsa_layers must be in [0, {self.n_layer}), got {list(self.xsa_layers)}")
+        self.check_attention()
 
-    def uses_xsa(self, layer: int) -> bool:
-        return self.attention == "xsa" and (self.xsa_layers is None or layer in self.xsa_layers)
+    @property
+    def attention_class(self) -> type["CausalSelfAttention"]:
+        """The variant's class, imported from attention_target; a ValueError in one line if it is none."""
+        from xsa_lm.model.attention import CausalSelfAttention  # here: attention.py imports this module
+
+        module, _, name = self.attention_target.rpartition(".")
+        prefix = f"attention_target={self.attention_target}"
+        if not module:
+            raise ValueError(f"{prefix} must name a class by its module, e.g. lab_attention.gated.GatedAttention")
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{prefix} cannot be imported ({e}): put its package on PYTHONPATH") from None
+        if not (isinstance(found, type) and issubclass(found, CausalSelfAttention)):
+            raise ValueError(f"{prefix} is not an attention variant (a subclass of {CausalSelfAttention.__qualname__})")
+        return found
+
+    def check_attention(self) -> None:
+        """The variant takes these options and accepts their values: its signature, then its constructor run for one
+        layer on the meta device (no memory, no random numbers). Its refusals open with `attention.<option>`. The
+        options are then kept with their defaults filled in, in the variant's settled form."""
+        cls, options = self.attention_class, self.attention_options
+        try:
+            bound = inspect.signature(cls).bind(self, 0, **options)
+        except TypeError:
+            known = cls.option_names()
+            unknown = ", ".join(k for k in options if k not in known) or ", ".join(options)
+            raise ValueError(
+                f"attention.{unknown}: {self.attention} ({self.attention_target}) takes no such option "
+                f"(its options: {', '.join(known) or 'none'})"
+            ) from None
+        try:
+            with torch.device("meta"):
+                cls(self, 0, **options)
+        except ValueError as e:
+            raise ValueError(f"attention.{e}") from None
+        bound.apply_defaults()
+        given = dict(list(bound.arguments.items())[2:])  # after config and layer
+        self.attention_options = cls.settled_options(self, given)

@@ -5,7 +5,7 @@
 - n_head * head_dim independent of d_model (the paper's 1.4B model: 24 x 128 = 1.5 d_model)
 - optional grouped-query attention: n_kv_head key/value heads shared by groups of query heads
 - optional learned attention sinks: n_sinks extra positions before the tokens, seen by all, never predicted
-- XSA, per layer (xsa_layers), optionally gated: z = y - tanh(alpha_h) x the projection, alpha zero-initialised
+- the attention of a variant class (attention.py: SA, xsa.py: XSA per layer, optionally gated, or a lab's own)
 - no biases in Linear and LayerNorm layers by default (nanoGPT's bias=False option; its default is True)
 - activation checkpointing per block (a training option, not part of the architecture)
 - a KV cache for generation (generate.py), which serves XSA as it serves SA
@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from xsa_lm.model.attention import CausalSelfAttention, KVCache, rope_tables
+from xsa_lm.model.attention import KVCache, attention_layer, rope_tables
 from xsa_lm.model.config import GPTConfig
 
 
@@ -46,7 +46,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = attention_layer(config, layer)
         self.ln_mlp = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
         self.activation_checkpointing = False  # a training option, not part of the architecture

@@ -17,8 +17,15 @@ What the fused path adds to SA in bf16, measured by scripts/bench_xsa_epilogue.p
   1.09 in the forward (was 2.09).
 """
 
+import math
+from typing import Any
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+from xsa_lm.model.attention import CausalSelfAttention
+from xsa_lm.model.config import GPTConfig
 
 
 def xsa_reference(
@@ -179,3 +186,85 @@ def exclusive_projection(
     variant passes tanh(alpha) per head.
     """
     return ExclusiveProjection.apply(y, v, eps, scale)
+
+
+def exclusive_layers(layers: Any, n_layer: int) -> tuple[int, ...]:
+    """XSA's `layers` option as 0-based indices: all, the last N, or these; at least one (XSA on none is SA)."""
+    if layers == "all":
+        return tuple(range(n_layer))
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        if not 0 <= layers <= n_layer:
+            raise ValueError(f"layers={layers}: the last N layers needs 0 <= N <= model.n_layer={n_layer}")
+        chosen = tuple(range(n_layer - layers, n_layer))
+    elif isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        if any(not 0 <= i < n_layer for i in layers):
+            raise ValueError(
+                f"layers={list(layers)}: each layer is a 0-based index below model.n_layer={n_layer}, e.g. "
+                f"[0,{n_layer - 1}]"
+            )
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers={list(layers)} names a layer twice: list each layer once")
+        chosen = tuple(sorted(layers))
+    else:
+        raise ValueError(
+            f"layers={layers!r} must be all, a number of last layers, or a list of 0-based layer indices, e.g. [0,1]"
+        )
+    if not chosen:
+        raise ValueError(
+            f"layers={list(layers) if isinstance(layers, tuple) else layers} puts XSA on no layer, "
+            "which is plain SA: use attention=sa"
+        )
+    return chosen
+
+
+class ExclusiveSelfAttention(CausalSelfAttention):
+    """XSA: the head outputs are z = y - (y . v) v / ||v||^2 per head (v: the token's own value), on `layers` (all,
+    the last N, or these 0-based indices; the others are SA). gate=tanh subtracts tanh(alpha_h) x the projection,
+    alpha per head zero-initialised, so training starts exactly as SA. eps is added to ||v||^2 (computed in fp32)."""
+
+    exclusive_memory = True
+
+    def __init__(
+        self, config: GPTConfig, layer: int = 0, eps: float = 1e-6, layers: Any = "all", gate: str = "none"
+    ) -> None:
+        super().__init__(config, layer)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps):
+            raise ValueError(f"eps={eps} must be a finite number")
+        if not eps > 0:
+            raise ValueError(f"eps={eps} must be > 0")
+        if gate not in ("none", "tanh"):
+            raise ValueError(f"gate={gate} must be one of none, tanh")
+        self.exclusive = layer in exclusive_layers(layers, config.n_layer)
+        self.gate = nn.Parameter(torch.zeros(config.n_head)) if self.exclusive and gate == "tanh" else None
+        self.eps = float(eps)
+
+    @classmethod
+    def settled_options(cls, config: GPTConfig, options: dict[str, Any]) -> dict[str, Any]:
+        """layers as the indices it gives (all: every layer), as a config saved before options were classes has them."""
+        chosen = exclusive_layers(options["layers"], config.n_layer)
+        return {**options, "layers": "all" if len(chosen) == config.n_layer else list(chosen)}
+
+    def _grouped(self, v: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """y as (B, T, H_kv, G, D) against v as (B, T, H_kv, 1, D): each query head projects on its KV group's v
+        (only the new tokens' own v is needed, so a KV cache serves XSA as it serves SA); the gate per head."""
+        H, H_kv = self.n_head, self.n_kv_head
+        y_g, v_g = y.unflatten(2, (H_kv, H // H_kv)), v.transpose(1, 2).unsqueeze(3)
+        scale = None if self.gate is None else torch.tanh(self.gate).view(H_kv, H // H_kv, 1)
+        return y_g, v_g, scale
+
+    def heads(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.exclusive:
+            return y
+        y_g, v_g, scale = self._grouped(v, y)
+        return exclusive_projection(y_g, v_g, eps=self.eps, scale=scale).flatten(2, 3)
+
+    def project(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.exclusive:
+            return super().project(x, q, k, v, y)
+        # self.proj(self.heads(...).flatten(2)), fused to keep no z for the backward
+        y_g, v_g, scale = self._grouped(v, y)
+        return ExclusiveOutputProjection.apply(y_g, v_g, self.eps, scale, self.proj.weight, self.proj.bias)

@@ -126,7 +126,7 @@ def estimate(
     activation_checkpointing: bool = False,
     *,
     compiled: bool = False,
-    attention: str = "sa",
+    exclusive: bool = False,
     gradient_as_bucket_view: bool = True,
     accumulation: int = 1,
 ) -> MemoryEstimate:
@@ -134,13 +134,14 @@ def estimate(
     16-bit matmul weight copies, kept by the backward). DDP holds them whole, its gradients in its buckets (a second
     copy without gradient_as_bucket_view); FSDP shards them over `world_size`, gathering two blocks (prefetch) and
     the tied embedding in fp32, with one block's unsharded gradients, or every one while accumulating (the
-    reduction waits for the step's last micro-batch). attention="xsa": every layer XSA.
+    reduction waits for the step's last micro-batch). exclusive: every layer keeps XSA's numbers (its variant's
+    exclusive_memory, model/attention.py).
 
     Activations: what the backward starts with (the sinks pass every block too), and the most its ops add at once:
     the cross-entropy's buffers or one XSA layer's temporaries, the larger (XSA's come after the former are freed: an
     overstatement by up to those). With activation checkpointing each block keeps only its input, and the block
     recomputed in the backward comes after the cross-entropy's buffers are freed."""
-    (compute, weights), n, xsa = dtype_bytes(precision), parameter_count(model, vocab_size), attention == "xsa"
+    (compute, weights), n, xsa = dtype_bytes(precision), parameter_count(model, vocab_size), exclusive
     tokens, positions = micro_batch_size * block_size, micro_batch_size * (block_size + model.get("n_sinks", 0))
     block = block_saved_per_token(model, compute=compute, residual=weights, exclusive=xsa, compiled=compiled)
     outside = head_saved_per_token(model, vocab_size, compute=compute, residual=weights, compiled=compiled)
@@ -153,7 +154,7 @@ def estimate(
         transient = max(transient, positions * (layer + xsa_transient) - tokens * outside["cross_entropy"])
     saved = positions * blocks + tokens * sum(outside.values())
     copies = autocast_copies(
-        model, vocab_size, precision, attention=attention, compiled=compiled, checkpointing=activation_checkpointing
+        model, vocab_size, precision, exclusive=exclusive, compiled=compiled, checkpointing=activation_checkpointing
     )
     if strategy == "fsdp":  # fp32 parameters gathered (no FSDP2 mixed-precision policy): autocast copies as DDP's
         gathered = (2 * block_parameters(model) + vocab_size * model["d_model"]) * weights
@@ -165,7 +166,7 @@ def estimate(
 
 
 def autocast_copies(
-    model: dict, vocab_size: int, precision: str, *, attention: str, compiled: bool, checkpointing: bool
+    model: dict, vocab_size: int, precision: str, *, exclusive: bool, compiled: bool, checkpointing: bool
 ) -> int:
     """Mixed precision: each matmul weight cast once per forward (autocast's cache), kept by the backward; with
     activation checkpointing only the head's and the recomputed block's. Eager XSA keeps W_o in fp32."""
@@ -174,7 +175,7 @@ def autocast_copies(
         return 0
     d = model["d_model"]
     block = block_parameters(model) - 2 * d  # its Linear weights
-    if attention == "xsa" and not compiled:
+    if exclusive and not compiled:
         block -= widths(model)[0] * d
     return compute * ((1 if checkpointing else model["n_layer"]) * block + vocab_size * d)
 

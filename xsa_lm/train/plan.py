@@ -48,7 +48,7 @@ class RunShape:
             model=asdict(self.model),
             vocab_size=self.model.vocab_size,
             world_size=self.devices,
-            attention=self.model.attention,
+            exclusive=self.model.attention_class.exclusive_memory,
             accumulation=self.accumulation or 1,
         )
 
@@ -135,7 +135,8 @@ def make_plan(run: RunShape, *, model_name: str, available: int, available_from:
         dividing = next((m for m in range(largest, 0, -1) if steps(m)), 0)
         sizes = (need.as_dict(), eager.as_dict(), compiled.as_dict())
         strategies[name] = StrategyPlan(*sizes, need.total <= available, largest, dividing, steps(dividing))
-    model, (compute, weights), xsa = asdict(run.model), memory.dtype_bytes(run.precision), run.model.attention == "xsa"
+    model, (compute, weights) = asdict(run.model), memory.dtype_bytes(run.precision)
+    xsa = run.model.attention_class.exclusive_memory
     tokens = run.micro_batch_size * run.block_size
     positions = tokens + run.micro_batch_size * run.model.n_sinks
     saved = memory.block_saved_per_token(model, compute=compute, residual=weights, exclusive=True)["xsa"]
@@ -216,8 +217,8 @@ def sdpa_line(kernels: SdpaPlan) -> str:
 
 
 def xsa_line(plan: Plan) -> str:
-    if plan.attention != "xsa":
-        return "XSA's memory: none (attention sa)"
+    if not plan.xsa_saved_bytes:  # a variant without XSA's memory (exclusive_memory)
+        return f"XSA's memory: none (attention {plan.attention})"
     mode = "compiled" if plan.compiled else "eager"
     size = lambda n: f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB else f"{n / 2**20:.1f} MiB"  # noqa: E731
     xsa, cross_entropy = plan.xsa_temporaries_bytes[mode], plan.cross_entropy_transient_bytes[mode]
