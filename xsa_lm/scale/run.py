@@ -432,13 +432,13 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
     arms_by_budget = [(arms.baseline, plan.sa_budgets), (arms.candidate, plan.xsa_budgets)]
     arms_by_budget += [(NULL, plan.xsa_budgets)] if plan.null_arm else []
     for fraction, lr in cast(dict[float, float], chosen).items():
-        arms = [a for a, budgets in arms_by_budget if fraction in budgets]
-        names, seeds = " and ".join(a.upper() for a in arms), plan.seeds
+        trained = [a for a, budgets in arms_by_budget if fraction in budgets]
+        names, seeds = " and ".join(a.upper() for a in trained), plan.seeds
         print(f"size {size.model}: {names} at {fraction:g} B ({size.steps(fraction)} steps), LR {lr:g}, seeds {seeds}")
-        trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
+        trials = [Trial(arm, lr, seed) for seed in seeds for arm in trained]
         launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
         launcher.run(trials, f"budget_{fraction:g}", "budget")
-        for arm in arms:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
+        for arm in trained:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
             records = [launcher.store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
             runs.setdefault(arm, {})[f"{fraction:g}"] = [
                 report.TokenRun(**{k: getattr(r, k) for k in kept}) for r in records
@@ -657,9 +657,16 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
     of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
     of_sweep = sweep.model_dump(include={"search_seeds", "null_arm", "margin"})
-    budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
-    plan = report.TokenPlan(  # type: ignore[arg-type]
-        axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep, tune_xsa=sweep.tune_xsa, arms=arms
+    budgets = sorted(scale.sa_budgets), sorted(scale.xsa_budgets)
+    plan = report.TokenPlan(
+        axis="tokens",
+        seeds=seeds,
+        sa_budgets=budgets[0],
+        xsa_budgets=budgets[1],
+        tune_xsa=sweep.tune_xsa,
+        arms=arms,
+        **of_scale,
+        **of_sweep,
     )
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
     return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
