@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
-from tests.helpers import assert_nothing_written, refused_in_process
+from tests.helpers import assert_nothing_written, refused_in_process, run_cli
 from tests.test_scale import FLAG_LADDERS, clean_sizes, study_results
 from tests.test_token_axis import PLAN, _entry, study
 from xsa_lm.errors import UserError
@@ -90,3 +91,42 @@ def test_a_study_of_two_candidates_is_refused_in_one_line_naming_the_key(
         "give one, e.g. sweep.candidates=[xsa]"
     )
     assert_nothing_written(study_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_token_study_of_other_arms_trains_and_benches_each_arm_by_name(tmp_path: Path, data_cache: Path):
+    """XSA as the baseline and SA as the candidate, end to end at test size: each arm's runs train their own option,
+    the bench times SA against XSA, and the report reads SA's multiplier over XSA."""
+    study_dir = tmp_path / "study"
+    args = [
+        "scale",
+        "experiment=tokens_toy",
+        "logger=csv",
+        "data.val_windows=8",
+        "scale.tokens_per_param=0.2",
+        "scale.models=[tiny_l3_d48]",
+        "scale.seeds=[2,3]",
+        "scale.measure_throughput=true",
+        "scale.bench_rounds=2",
+        "sweep.search_seeds=[0]",
+        "sweep.lr_grids.tiny_l3_d48=[3e-2]",
+        "sweep.baseline=xsa",
+        "sweep.candidates=[sa]",
+        f"hydra.run.dir={study_dir}",
+    ]
+    done = run_cli(args, data_cache, cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((study_dir / "results.json").read_text())
+    assert results["plan"]["arms"] == {"baseline": "xsa", "candidate": "sa"}
+    (size,) = results["sizes"]
+    assert sorted(size["runs"]["xsa"]) == ["0.5", "1", "2"] and sorted(size["runs"]["sa"]) == ["0.5", "1"]
+    for arm, budgets in size["runs"].items():  # each run trained the attention option of its arm
+        names = {OmegaConf.load(Path(r["run_dir"], "config.yaml")).attention.name for b in budgets.values() for r in b}
+        assert names == {arm}, (arm, names)
+    assert [(c["model"], c["fraction"]) for c in results["cells"]] == [("tiny_l3_d48", 0.5), ("tiny_l3_d48", 1.0)]
+    bench = json.loads(Path(size["bench"]["file"]).read_text())
+    assert bench["arms"] == {"baseline": "xsa", "candidate": "sa"} and bench["sa_over_xsa_step_time"] > 0
+    assert size["bench"]["xsa_over_sa_step_time"] == bench["sa_over_xsa_step_time"]  # the candidate over the baseline
+    report = (study_dir / "report.md").read_text()
+    assert report.startswith("# XSA vs SA along the token axis: SA's multiplier at fixed model size")
