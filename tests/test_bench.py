@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers import refused_in_process
 from xsa_lm.bench import run, stats
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, measure, round_order, run_fresh
+from xsa_lm.bench.loops import Arms, Kernels, Phase, Probe, Setup, TimedPhase, measure, round_order, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, NOT_RESOLVED, Ratio, rounds_needed, summarize
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPTConfig
@@ -23,6 +23,7 @@ from xsa_lm.train.schedule import warmup_cosine_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 T_975_DF2 = 4.302652729749462  # Student's t, 97.5% quantile, 2 degrees of freedom (tables: 4.303)
+PAPER = Arms(baseline="sa", candidate="xsa")  # configs/bench.yaml's
 
 
 def test_a_ratio_is_summarized_by_its_spread_geometric_mean_and_the_t_interval_of_its_logs():
@@ -70,14 +71,30 @@ def test_rounds_needed_is_the_fewest_whose_interval_clears_the_target():
 
 def test_a_round_pairs_each_kernels_sa_and_xsa_and_rotates_the_rest():
     phases = ["sa_flash", "xsa_flash", "sa_math", "xsa_math", "lightning"]
-    orders = [round_order(phases, ["flash", "math"], r) for r in range(4)]
+    orders = [round_order(phases, ["flash", "math"], r, PAPER) for r in range(4)]
     assert orders[0] == ["lightning", "sa_flash", "xsa_flash", "sa_math", "xsa_math"]
     assert orders[1] == ["xsa_math", "sa_math", "lightning", "xsa_flash", "sa_flash"]
     assert orders[2] == ["sa_flash", "xsa_flash", "sa_math", "xsa_math", "lightning"]
     assert orders[3] == ["lightning", "xsa_math", "sa_math", "xsa_flash", "sa_flash"]
     for order in orders:  # neighbours: one round's XSA/SA ratio compares two processes run back to back
         assert abs(order.index("sa_flash") - order.index("xsa_flash")) == 1
-    assert round_order(["sa_flash", "lightning"], ["flash"], 1) == ["sa_flash", "lightning"]  # no XSA phase
+    assert round_order(["sa_flash", "lightning"], ["flash"], 1, PAPER) == ["sa_flash", "lightning"]  # no XSA phase
+
+
+def test_the_phases_and_ratios_are_named_by_the_arms_attention_options():
+    """Any two options, e.g. a lab's gated attention against XSA: its phases pair as SA's and XSA's do."""
+    arms = Arms(baseline="xsa", candidate="gated_v2")
+    phases = ["xsa_flash", "gated_v2_flash", "lightning"]
+    assert round_order(phases, ["flash"], 0, arms) == ["lightning", "xsa_flash", "gated_v2_flash"]
+    assert round_order(phases, ["flash"], 1, arms) == ["gated_v2_flash", "xsa_flash", "lightning"]
+    rounds = [{"xsa_flash": timed(0.1), "gated_v2_flash": timed(0.12), "lightning": timed(0.1)}] * 2
+    kernels = kernel_choice(["flash"], "flash")
+    probe = Probe(1, 1, False, kernels, "cpu", None, "", 1.0, 1.0)
+    out, ratios = stats.summarize_rounds(rounds, probe, kernels, model="t", device_type="cpu", tokens=100, arms=arms)
+    assert ratios["gated_v2_over_xsa_step_time"].median == pytest.approx(1.2) and "gated_v2_over_xsa_cpu_time" in ratios
+    assert not any(key.startswith("xsa_over_sa") for key in [*ratios, *out])
+    plan = stats.plan_rounds(rounds, kernels, 10.0, budget_s=100, max_rounds=40, device_type="cpu", arms=arms)
+    assert plan.needed == 2  # the candidate's ratio over its baseline's: no spread, decided
 
 
 def timed(step: float, cpu_scale: float = 1.0) -> TimedPhase:
@@ -98,7 +115,9 @@ def test_rounds_are_planned_from_the_pilots_spread_within_the_budget():
     pilot = [pilot_round(0.1, 0.1 * math.exp(x)) for x in (-0.0245, 0.0, 0.0, 0.0245)]  # as in the test above
     for r, x in zip(pilot, (-0.03, 0.05, 0.0, 0.04), strict=True):  # math's XSA/SA near its target: ignored
         r |= {"sa_math": r["sa_flash"], "xsa_math": timed(1.02 * math.exp(x) * 0.1)}
-    plan = partial(stats.plan_rounds, pilot, kernels=kernels, elapsed_s=40.0, max_rounds=40, device_type="cpu")
+    plan = partial(
+        stats.plan_rounds, pilot, kernels=kernels, elapsed_s=40.0, max_rounds=40, device_type="cpu", arms=PAPER
+    )
     roomy = plan(budget_s=1000)
     assert roomy.needed == 7 and roomy.rounds == 7 and roomy.clock == "cpu" and roomy.limited_by == "needed"
     tight = plan(budget_s=60)  # 10 s a round: 2 more fit
@@ -110,7 +129,7 @@ def test_each_ratio_is_summarized_on_both_clocks_from_its_own_rounds():
     rounds = [pilot_round(0.1, 0.11, cpu_scale=2.0), pilot_round(0.2, 0.2, cpu_scale=2.0)]
     kernels = kernel_choice(["flash"], "flash")
     probe = Probe(1, 1, False, kernels, "cpu", None, "", 1.0, 1.0)
-    out, ratios = stats.summarize_rounds(rounds, probe, kernels, model="t", device_type="cpu", tokens=100)
+    out, ratios = stats.summarize_rounds(rounds, probe, kernels, model="t", device_type="cpu", tokens=100, arms=PAPER)
     assert ratios["xsa_over_sa_step_time"].rounds == pytest.approx([1.1, 1.0])  # paired within each round
     assert ratios["xsa_over_sa_cpu_time"].rounds == pytest.approx([1.1, 1.0])
     assert ratios["xsa_over_sa_cpu_time"].clock == "cpu" and ratios["xsa_over_sa_step_time"].kernel == "flash"
@@ -167,7 +186,7 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
     # SA and XSA under each CPU kernel, each ratio on both clocks; Lightning under train's order
     assert report["sdpa"]["order"] == report["sdpa"]["timed"] == ["flash", "math"] and report["sdpa"]["used"] == "flash"
     kernels = {"lightning": "flash", "sa_flash": "flash", "xsa_flash": "flash", "sa_math": "math", "xsa_math": "math"}
-    assert report["phase_kernels"] == kernels
+    assert report["phase_kernels"] == kernels and report["arms"] == PAPER._asdict()
     for key in ("xsa_over_sa_cpu_time", "xsa_over_sa_step_time_math", "xsa_over_sa_cpu_time_math"):
         assert report[key] > 0 and report["ratios"][key]["clock"] in ("wall", "cpu"), key
     assert report["run_info"]["sdpa"] == {"order": ["flash", "math"], "used": "flash"}
@@ -181,7 +200,7 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
     assert report["verdicts"]["mfu"] == NO_TARGET  # the MFU target is for paper_0.7b on an H100/H200
     # each phase of each round ran in its own process, in the rounds' order
     assert [list(r) for r in report["per_round"]] == [
-        round_order(report["phases"], ["flash", "math"], r) for r in (0, 1)
+        round_order(report["phases"], ["flash", "math"], r, PAPER) for r in (0, 1)
     ]
     pids = [phase["pid"] for r in report["per_round"] for phase in r.values()]
     assert len(pids) == 2 * 5 == len(set(pids))
@@ -229,11 +248,15 @@ def test_bench_data_quick_writes_the_report(tmp_path: Path):
         (["budget_s=0"], "budget_s=0 must be > 0"),
         (["budget_s=inf"], "budget_s=inf must be a finite number"),  # not after the pilot
         (["budget_s=nan"], "budget_s=nan must be a finite number"),
-        (["comparisons=[xsa_over_sa,speed]"], "comparisons=['xsa_over_sa', 'speed'] must be one of xsa_over_sa, light"),
+        (
+            ["comparisons=[attention_over_baseline,speed]"],
+            "comparisons=['attention_over_baseline', 'speed'] must be one of attention_over_baseline, lightning_over_p",
+        ),
         (["backends=[flsh]"], "backends=['flsh'] names no kernel: flsh (it takes auto, train or a list of cudnn,"),
         (["backends=fast"], "backends=fast must be auto, train or a list of cudnn, flash, efficient, math"),
         (["device=tpu"], "device=tpu must be one of auto, cpu, cuda"),
-        (["attention=sa"], "bench compares SA with the XSA variant given by attention=xsa"),
+        (["attention=sa"], "bench compares attention=sa with its baseline, attention@baseline=sa: choose another"),
+        (["attention=sa", "attention@baseline=xsa"], "measuring tiny\n"),  # SA timed against XSA
         (["attention.layers=[9]"], "attention.layers=[9]: each layer is a 0-based index below model.n_layer=4"),
         # 16-mixed on CPU: Lightning would run bf16-mixed, the hand-written loop fp32, the report say 16-mixed
         *[([f"precision={p}"], f"precision={p} must be auto, 32-true or bf16-mixed") for p in ("16-mixed", 16, "fast")],

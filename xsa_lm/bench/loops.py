@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning as L
 import numpy as np
@@ -73,13 +73,29 @@ class ProcessFacts:
     host_memory_reuse: bool
 
 
+class Arms(NamedTuple):
+    """The two attention options a bench times, by name: the baseline and the candidate (configs/bench.yaml)."""
+
+    baseline: str
+    candidate: str
+
+    def phases(self, kernel: str) -> tuple[str, str]:
+        """The plain-loop phases of both arms under `kernel`, e.g. sa_flash and xsa_flash."""
+        return f"{self.baseline}_{kernel}", f"{self.candidate}_{kernel}"
+
+    @property
+    def ratio(self) -> str:
+        """The start of the candidate/baseline ratios' keys, e.g. xsa_over_sa (xsa_over_sa_step_time)."""
+        return f"{self.candidate}_over_{self.baseline}"
+
+
 @dataclass(frozen=True)
 class Kernels:
     order: list[str]  # train's (sdpa_backends=auto) on this device
     used: str  # the kernel it runs for this model
     candidates: list[str]
     takes: dict[str, bool]  # whether a candidate alone takes the model's attention
-    timed: list[str] = field(default_factory=list)  # the kernels SA and XSA are timed under (chosen by the parent)
+    timed: list[str] = field(default_factory=list)  # the kernels both arms are timed under (chosen by the parent)
     primary: str = ""  # the kernel whose ratios are the headline: train's when timed
 
 
@@ -286,11 +302,12 @@ def measure(phase: Phase) -> Probe | TimedPhase:
     )
 
 
-def round_order(phases: list[str], kernels: list[str], r: int) -> list[str]:
-    """Round r's phases: each kernel's SA and XSA back to back, SA first in even rounds; kernels, Lightning rotate."""
+def round_order(phases: list[str], kernels: list[str], r: int, arms: Arms) -> list[str]:
+    """Round r's phases: each kernel's two arms back to back, the baseline first in even rounds; kernels, Lightning
+    rotate."""
     shift, groups = r % len(kernels), []
     for kernel in kernels[shift:] + kernels[:shift]:
-        pair = [name for name in (f"sa_{kernel}", f"xsa_{kernel}") if name in phases]
+        pair = [name for name in arms.phases(kernel) if name in phases]
         if pair:
             groups.append(pair if r % 2 == 0 else pair[::-1])
     groups.insert(r % (len(groups) + 1), ["lightning"])

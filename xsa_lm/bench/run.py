@@ -1,5 +1,6 @@
-"""`xsa-lm bench`: SA vs XSA under each SDPA kernel and Lightning vs a plain loop (loops.py), over rounds that run each
-phase in a fresh process; each ratio's 95% interval and verdict (stats.py). Prints tables, writes `out`."""
+"""`xsa-lm bench`: an attention option vs its baseline (XSA vs SA by default) under each SDPA kernel and Lightning vs a
+plain loop (loops.py), over rounds that run each phase in a fresh process; each ratio's 95% interval and verdict
+(stats.py). Prints tables, writes `out`."""
 
 import contextlib
 import os
@@ -16,7 +17,7 @@ from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Column, Table
 
-from xsa_lm.bench.loops import Kernels, Phase, Probe, Setup, TimedPhase, round_order, run_fresh
+from xsa_lm.bench.loops import Arms, Kernels, Phase, Probe, Setup, TimedPhase, round_order, run_fresh
 from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Round, plan_rounds, step, summarize_rounds
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import build
@@ -70,29 +71,37 @@ class BenchSpec(Spec):
     max_rounds: Rounds
     steps: Count
     warmup: int = Field(ge=0)
-    comparisons: list[Literal["xsa_over_sa", "lightning_over_plain"]]
+    comparisons: list[Literal["attention_over_baseline", "lightning_over_plain"]]
     threads: Count | Literal["auto"] | None
     seed: Seed
     smoke: bool
     model: ModelSpec
-    attention: AttentionSpec
+    attention: AttentionSpec  # the candidate
+    baseline: AttentionSpec  # what it is compared with (configs/bench.yaml's attention@baseline)
     optim: OptimSpec
     scheduler: SchedulerSpec
 
     @model_validator(mode="after")
-    def _sa_and_xsa(self) -> "BenchSpec":
-        if self.attention.name != "xsa":
-            raise ValueError("bench compares SA with the XSA variant given by attention=xsa (its layers and gate)")
+    def _two_arms(self) -> "BenchSpec":
+        if self.attention.name == self.baseline.name:
+            raise ValueError(
+                f"bench compares attention={self.attention.name} with its baseline, attention@baseline="
+                f"{self.baseline.name}: choose another option for one of them"
+            )
         if self.context > self.model.block_size:
             raise ValueError(f"context={self.context} is above model.block_size={self.model.block_size}: lower it")
         self.models  # noqa: B018 - GPTConfig's own check and attention.layers', before any phase starts
         return self
 
     @property
+    def arms(self) -> Arms:
+        return Arms(self.baseline.name, self.attention.name)
+
+    @property
     def models(self) -> tuple[GPTConfig, GPTConfig]:
-        """(SA, XSA) at the bench's context: the XSA variant of the attention group, and the same model without it."""
-        xsa = replace(self.model.gpt_config(self.attention, self.vocab_size), block_size=self.context)
-        return replace(xsa, attention="sa", xsa_layers=None, xsa_gate=False), xsa
+        """(baseline, candidate) at the bench's context: the same model with each attention option."""
+        base, cand = (self.model.gpt_config(a, self.vocab_size) for a in (self.baseline, self.attention))
+        return replace(base, block_size=self.context), replace(cand, block_size=self.context)
 
     def setup_on(self, device: torch.device) -> Setup:
         """precision auto: bf16 on a GPU, without asking it (a CUDA context here would outlive the phases)."""
@@ -108,10 +117,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
-def phases_to_time(spec: BenchSpec, base: Phase, xsa: GPTConfig) -> tuple[Probe, Kernels, dict[str, Phase]]:
+def phases_to_time(spec: BenchSpec, base: Phase, candidate: GPTConfig) -> tuple[Probe, Kernels, dict[str, Phase]]:
     """The probe, in a fresh process: the device, train's kernel order and kernel here, which kernels of `backends`
-    take the model's attention alone (`train`: train's). The phases: `sa_<kernel>` and `xsa_<kernel>` per timed kernel,
-    and `lightning` (the headline) under train's order."""
+    take the model's attention alone (`train`: train's). The phases: `<arm>_<kernel>` of both arms per timed kernel
+    (e.g. sa_flash, xsa_flash), and `lightning` (the headline, training the baseline) under train's order."""
     backends, comparisons = spec.backends, spec.comparisons
     names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
     probe = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe"))
@@ -124,18 +133,21 @@ def phases_to_time(spec: BenchSpec, base: Phase, xsa: GPTConfig) -> tuple[Probe,
         )
     kernels, phases = replace(found, timed=timed, primary=found.used if found.used in timed else timed[0]), {}
     for kernel in kernels.timed:
-        if "xsa_over_sa" in comparisons or ("lightning_over_plain" in comparisons and kernel == kernels.primary):
-            phases[f"sa_{kernel}"] = replace(base, sdpa=(kernel,))
-        if "xsa_over_sa" in comparisons:
-            phases[f"xsa_{kernel}"] = replace(base, model=xsa, sdpa=(kernel,))
+        baseline, other = spec.arms.phases(kernel)
+        if "attention_over_baseline" in comparisons or (
+            "lightning_over_plain" in comparisons and kernel == kernels.primary
+        ):
+            phases[baseline] = replace(base, sdpa=(kernel,))
+        if "attention_over_baseline" in comparisons:
+            phases[other] = replace(base, model=candidate, sdpa=(kernel,))
     phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
     return probe, kernels, phases
 
 
-def run_round(phases: dict[str, Phase], kernels: list[str], r: int, of: str) -> Round:
+def run_round(phases: dict[str, Phase], kernels: list[str], r: int, of: str, arms: Arms) -> Round:
     """Round r: each phase in a fresh process, in round_order; a line on its medians."""
     t0, result = time.perf_counter(), Round()
-    for name in round_order(list(phases), kernels, r):
+    for name in round_order(list(phases), kernels, r, arms):
         result[name] = cast(TimedPhase, run_fresh(phases[name], f"{name} (round {r + 1})"))
     ms = [f"{k} {1e3 * step(v, 'wall'):.1f} ms ({1e3 * step(v, 'cpu'):.1f} CPU)" for k, v in result.items()]
     print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {', '.join(ms)}", flush=True)
@@ -145,40 +157,43 @@ def run_round(phases: dict[str, Phase], kernels: list[str], r: int, of: str) -> 
 def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     """The report (bench.json); `model`: the model's label, `config`: the composed config, kept in it."""
     spec = spec.model_copy(update=SMOKE) if spec.smoke else spec
-    device, (sa, xsa), tokens = resolve_device(spec.device), spec.models, spec.micro_batch * spec.context
+    device, (baseline, candidate), tokens = resolve_device(spec.device), spec.models, spec.micro_batch * spec.context
     # threads=auto: one per phase on CPU, where a second thread spins while it waits for a core on a shared machine
     # and the spinning counts as CPU time (docs/benchmark.md); torch's default on a GPU.
     threads = (1 if device.type == "cpu" else None) if isinstance(spec.threads, str) else spec.threads
     same = spec.model_dump(include={"micro_batch", "warmup", "steps", "seed", "reuse_host_memory"})
-    base = Phase("plain", sa, spec.setup_on(device), threads=threads, **same)  # the plain loop training SA
-    t_start, load_before = time.perf_counter(), os.getloadavg()[0]
-    probe, kernels, phases = phases_to_time(spec, base, xsa)
-    print(kernel_line(asdict(kernels)), flush=True)
+    base = Phase("plain", baseline, spec.setup_on(device), threads=threads, **same)  # the plain loop, the baseline
+    t_start, load_before, arms = time.perf_counter(), os.getloadavg()[0], spec.arms
+    probe, kernels, phases = phases_to_time(spec, base, candidate)
+    print(kernel_line(asdict(kernels), arms), flush=True)
     plan, total, rounds, t_rounds = None, spec.rounds, list[Round](), time.perf_counter()
     if isinstance(total, str):  # auto: as many as the pilot's spread asks for
-        rounds = [run_round(phases, kernels.timed, r, of=" (pilot)") for r in range(spec.pilot_rounds)]
+        rounds = [run_round(phases, kernels.timed, r, " (pilot)", arms) for r in range(spec.pilot_rounds)]
         elapsed = time.perf_counter() - t_rounds
-        plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type)
+        plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type, arms)
         print(plan_line(asdict(plan)), flush=True)
         total = plan.rounds
-    rounds += [run_round(phases, kernels.timed, r, of=f"/{total}") for r in range(len(rounds), total)]
-    summary, ratios = summarize_rounds(rounds, probe, kernels, model=model, device_type=device.type, tokens=tokens)
+    rounds += [run_round(phases, kernels.timed, r, f"/{total}", arms) for r in range(len(rounds), total)]
+    summary, ratios = summarize_rounds(
+        rounds, probe, kernels, model=model, device_type=device.type, tokens=tokens, arms=arms
+    )
     return {
         **{key: value for key, value in asdict(probe).items() if key not in ("pid", "kernels")},  # device, peak FLOP/s
         "precision": base.setup.precision,
         "model": model,
+        "arms": arms._asdict(),
         **spec.model_dump(include={"compile", "context", "micro_batch", "smoke", "steps", "warmup"}),
         "tokens_per_step": tokens,
-        "vocab_size": xsa.vocab_size,
+        "vocab_size": candidate.vocab_size,
         "rounds": len(rounds),
         "rounds_setting": spec.rounds,
         "rounds_plan": None if plan is None else asdict(plan),
         "sdpa": asdict(kernels),
-        "xsa_memory": xsa_memory(xsa, tokens=tokens, precision=base.setup.precision),
+        "xsa_memory": xsa_memory(candidate, tokens=tokens, precision=base.setup.precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
         "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
-        # The headline: the trainer `xsa-lm train` runs (Lightning, SA).
+        # The headline: the trainer `xsa-lm train` runs (Lightning, the baseline).
         "tokens_per_s": summary["lightning_tokens_per_s"],
         "step_time_ms": summary["lightning_step_ms"],
         **summary,
@@ -208,12 +223,13 @@ def xsa_memory(model: GPTConfig, *, tokens: int, precision: str) -> dict[str, in
     }
 
 
-def kernel_line(kernels: dict) -> str:
+def kernel_line(kernels: dict, arms: Arms) -> str:
     not_taken = [k for k in kernels["candidates"] if not kernels["takes"][k]]
     skipped = f" (not taking this model's attention: {', '.join(not_taken)})" if not_taken else ""
     return (
         f"SDPA kernels: xsa-lm train's order here (sdpa_backends=auto) {', '.join(kernels['order'])} runs "
-        f"{kernels['used']} for this model; timing SA and XSA under {', '.join(kernels['timed'])}{skipped}"
+        f"{kernels['used']} for this model; timing {' and '.join(labels(arms))} under {', '.join(kernels['timed'])}"
+        f"{skipped}"
     )
 
 
@@ -226,29 +242,39 @@ def plan_line(plan: dict) -> str:
     )
 
 
-PHASE_LABELS = {"sa": "SA (plain loop)", "xsa": "XSA (plain loop)", "lightning": "SA (Lightning)"}
-RATIO_LABELS = {"xsa": "XSA/SA step time", "lightning": "Lightning/plain tokens/s", "mfu": "MFU (Lightning, SA)"}
 COLOURS = {MEETS: "green", MISSES: "red", NO_TARGET: "dim"}
 
 
+def labels(arms: Arms) -> tuple[str, str]:
+    """The arms as the tables name them, e.g. (SA, XSA)."""
+    return arms.baseline.upper(), arms.candidate.upper()
+
+
 def print_tables(r: dict) -> None:
-    compiled, mib = ", compiled" if r["compile"] else "", 2**20
+    compiled, mib, arms = ", compiled" if r["compile"] else "", 2**20, Arms(**r["arms"])
+    base, cand = labels(arms)
+    phase_labels = {"lightning": f"{base} (Lightning)"}
+    for kernel in r["sdpa"]["timed"]:
+        phase_labels |= dict(zip(arms.phases(kernel), (f"{base} (plain loop)", f"{cand} (plain loop)"), strict=True))
+    ratio_labels = {arms.ratio: f"{cand}/{base} step time", "lightning": "Lightning/plain tokens/s"}
+    ratio_labels["mfu"] = f"MFU (Lightning, {base})"
     phases = [["phase", "SDPA kernel", "step ms (wall)", "step ms (CPU time)", "tokens/s", "peak memory"]]
     for name in r["phases"]:
         memory = r[f"{name}_peak_memory_bytes"]
         cells = [f"{r[f'{name}_step_ms']:.1f}", f"{r[f'{name}_cpu_ms']:.1f}", f"{r[f'{name}_tokens_per_s']:,.0f}"]
         cells.append("" if memory is None else f"{memory / mib:,.1f} MiB")
-        phases.append([PHASE_LABELS[name.split("_")[0]], r["phase_kernels"][name], *cells])
+        phases.append([phase_labels[name], r["phase_kernels"][name], *cells])
     ratios = [["ratio", "kernel", "clock", "median", "mean", "sd", "min - max", "95% interval", "target", "verdict"]]
     for key, s in r["ratios"].items():
         f = (lambda v: f"{100 * v:.1f}%") if key == "mfu" else (lambda v: f"{v:.3f}")
         target = "" if s["target"] is None else f"{'<=' if s['at_most'] else '>='} {f(s['target'])}"
         bounds = "n/a" if s["interval"] is None else f"{f(s['interval'][0])} - {f(s['interval'][1])}"
-        label, clock = RATIO_LABELS[key.split("_")[0]], {"wall": "wall", "cpu": "CPU time"}[s["clock"]]
+        label = next(text for start, text in ratio_labels.items() if key.startswith(start))
+        clock = {"wall": "wall", "cpu": "CPU time"}[s["clock"]]
         cells = [f(s["median"]), f(s["mean"]), f(s["sd"]), f"{f(s['min'])} - {f(s['max'])}", bounds, target]
         ratios.append([label, s["kernel"], clock, *cells, f"[{COLOURS.get(s['verdict'], 'yellow')}]{s['verdict']}[/]"])
-    if memory_ratio := r.get("xsa_over_sa_peak_memory"):
-        ratios.append(["XSA/SA peak memory", r["sdpa"]["primary"], "", f"{memory_ratio:.3f}", *[""] * 6])
+    if memory_ratio := r.get(f"{arms.ratio}_peak_memory"):
+        ratios.append([f"{cand}/{base} peak memory", r["sdpa"]["primary"], "", f"{memory_ratio:.3f}", *[""] * 6])
     heading = (
         f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
         f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
@@ -264,7 +290,7 @@ def print_tables(r: dict) -> None:
         f"MFU = tokens/s x {r['flops_per_token'] / 1e6:.2f} MFLOP/token (flop counter: "
         f"{r['flops_per_token_flop_counter'] / 1e6:.2f}) / {peak} ({r['peak_flops_source']})"
     )
-    print(kernel_line(r["sdpa"]))
+    print(kernel_line(r["sdpa"], arms))
     x = {key: value / mib for key, value in r["xsa_memory"].items()}
     print(
         f"XSA's memory per layer (the plan's count): saves {x['saved_per_layer']:.2f} MiB for the backward; backward "

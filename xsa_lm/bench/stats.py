@@ -11,13 +11,14 @@ from typing import Any, cast
 import numpy as np
 from scipy import stats
 
-from xsa_lm.bench.loops import Kernels, Probe, TimedPhase
+from xsa_lm.bench.loops import Arms, Kernels, Probe, TimedPhase
 from xsa_lm.records import Record
 
 CONFIDENCE = 0.95
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
 LARGE = 1e6  # rounds
-# XSA within noise of SA; Lightning as fast as a hand-written loop; the paper-size model's MFU
+# The candidate within noise of the baseline (XSA of SA); Lightning as fast as a hand-written loop; the paper-size
+# model's MFU
 TARGETS: dict[str, Any] = {
     "xsa_over_sa_step_time": {"cpu": 1.02, "cuda": 1.01},
     "lightning_over_plain_throughput": 0.97,
@@ -114,18 +115,24 @@ def ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float
 
 
 def plan_rounds(
-    pilot: list[Round], kernels: Kernels, elapsed_s: float, budget_s: float, max_rounds: int, device_type: str
+    pilot: list[Round],
+    kernels: Kernels,
+    elapsed_s: float,
+    budget_s: float,
+    max_rounds: int,
+    device_type: str,
+    arms: Arms,
 ) -> RoundsPlan:
-    """The rounds the headline ratio (XSA/SA, else Lightning/plain step time) needs at the pilot's spread, within
-    budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
+    """The rounds the headline ratio (candidate/baseline, else Lightning/plain step time) needs at the pilot's spread,
+    within budget_s and max_rounds. Planned once: re-planning each round would stop when the interval happened to look
     decided, and such an interval covers less than 95%."""
-    clock, sa = PLANNING_CLOCK[device_type], f"sa_{kernels.primary}"
-    if f"xsa_{kernels.primary}" in pilot[0]:
-        top, target = f"xsa_{kernels.primary}", TARGETS["xsa_over_sa_step_time"][device_type]
+    clock, (base, cand) = PLANNING_CLOCK[device_type], arms.phases(kernels.primary)
+    if cand in pilot[0]:
+        top, target = cand, TARGETS["xsa_over_sa_step_time"][device_type]
     else:
         top, target = "lightning", 1 / TARGETS["lightning_over_plain_throughput"]
-    # without SA, Lightning alone: no ratio to plan for
-    needed = rounds_needed(ratios(pilot, top, sa, clock), target) if sa in pilot[0] else len(pilot)
+    # without the baseline, Lightning alone: no ratio to plan for
+    needed = rounds_needed(ratios(pilot, top, base, clock), target) if base in pilot[0] else len(pilot)
     pace = elapsed_s / len(pilot)
     affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
     total = max(len(pilot), min(needed, affordable, max_rounds))
@@ -135,7 +142,7 @@ def plan_rounds(
 
 
 def summarize_rounds(
-    rounds: list[Round], probe: Probe, kernels: Kernels, *, model: str, device_type: str, tokens: int
+    rounds: list[Round], probe: Probe, kernels: Kernels, *, model: str, device_type: str, tokens: int, arms: Arms
 ) -> tuple[dict[str, Any], dict[str, Ratio]]:
     """Per phase: median step times, tokens/s, peak memory, kernel; per comparison and clock, the ratios summarized."""
     out: dict[str, Any] = {}
@@ -148,20 +155,22 @@ def summarize_rounds(
         out[f"{name}_peak_memory_bytes"] = None if None in memory else statistics.median(cast(list[int], memory))
     out["phase_kernels"] = {name: rounds[0][name].sdpa_used for name in rounds[0]}
     primary, summary = kernels.primary, dict[str, Ratio]()
-    for kernel in [k for k in kernels.timed if f"xsa_{k}" in rounds[0]]:
+    for kernel in [k for k in kernels.timed if arms.phases(k)[1] in rounds[0]]:
         suffix, target = "" if kernel == primary else f"_{kernel}", TARGETS["xsa_over_sa_step_time"][device_type]
-        for clock, key in (("wall", "xsa_over_sa_step_time"), ("cpu", "xsa_over_sa_cpu_time")):
-            values = ratios(rounds, f"xsa_{kernel}", f"sa_{kernel}", clock)
+        baseline, candidate = arms.phases(kernel)
+        for clock, key in (("wall", f"{arms.ratio}_step_time"), ("cpu", f"{arms.ratio}_cpu_time")):
+            values = ratios(rounds, candidate, baseline, clock)
             summary[key + suffix] = summarize(values, target, at_most=True, kernel=kernel, clock=clock)
-    if f"sa_{primary}" in rounds[0]:  # throughput ratio = plain step time / Lightning step time
+    base, cand = arms.phases(primary)
+    if base in rounds[0]:  # throughput ratio = plain step time / Lightning step time
         target = TARGETS["lightning_over_plain_throughput"]
         for clock, key in (("wall", "lightning_over_plain_throughput"), ("cpu", "lightning_over_plain_cpu_throughput")):
-            values = ratios(rounds, f"sa_{primary}", "lightning", clock)
+            values = ratios(rounds, base, "lightning", clock)
             summary[key] = summarize(values, target, at_most=False, kernel=primary, clock=clock)
     if probe.peak_flops is not None:
         mfu = [tokens / step(r["lightning"], "wall") * probe.flops_per_token / probe.peak_flops for r in rounds]
         summary["mfu"] = summarize(mfu, mfu_target(model, probe.device), at_most=False, kernel=primary, clock="wall")
-    xsa_memory, sa_memory = out.get(f"xsa_{primary}_peak_memory_bytes"), out.get(f"sa_{primary}_peak_memory_bytes")
-    if xsa_memory and sa_memory:
-        out["xsa_over_sa_peak_memory"] = xsa_memory / sa_memory
+    cand_memory, base_memory = out.get(f"{cand}_peak_memory_bytes"), out.get(f"{base}_peak_memory_bytes")
+    if cand_memory and base_memory:
+        out[f"{arms.ratio}_peak_memory"] = cand_memory / base_memory
     return out, summary

@@ -1,10 +1,12 @@
-"""Loss vs training compute, and XSA's effective-compute multiplier, as pure functions.
+"""Loss vs training compute, and a candidate arm's effective-compute multiplier over the baseline (by default XSA's
+over SA's), as pure functions.
 
-- The SA fit, L(C) = E + A C^-alpha through SA's mean losses (E = 0 below 4 sizes), least squares in loss: what the
-  lack-of-fit test and the extrapolation check judge.
-- The shared fit, L_arm(C) = E + A_arm C^-alpha (one E, one alpha), Huber loss on log-loss residuals: k = (A_SA /
-  A_XSA)^(1/alpha), the compute SA needs to match XSA (OLMo-core's ladder), with a parametric-bootstrap 95% interval
-  (a paired t interval through a fixed SA curve undercovers: tests/test_scale.py measures it)."""
+- The baseline fit, L(C) = E + A C^-alpha through the baseline's mean losses (E = 0 below 4 sizes), least squares in
+  loss: what the lack-of-fit test and the extrapolation check judge.
+- The shared fit, L_arm(C) = E + A_arm C^-alpha (one E, one alpha), Huber loss on log-loss residuals: k = (A_baseline /
+  A_candidate)^(1/alpha), the compute the baseline needs to match the candidate (OLMo-core's ladder), with a
+  parametric-bootstrap 95% interval (a paired t interval through a fixed baseline curve undercovers:
+  tests/test_scale.py measures it)."""
 
 import math
 import warnings
@@ -66,14 +68,14 @@ def choose_form(n_points: int, form: str = "auto") -> str:
         form = "power_law_offset" if n_points > FORMS["power_law_offset"] else "power_law"
     if n_points < FORMS[form]:
         raise UserError(
-            f"the {form} fit has {FORMS[form]} parameters but only {n_points} size(s) have SA results: "
+            f"the {form} fit has {FORMS[form]} parameters but only {n_points} size(s) have results: "
             "add model sizes (scale.models) or choose a fit with fewer terms (scale.fit=power_law)"
         )
     return form
 
 
 def fit_loss_vs_compute(compute: Sequence[float], loss: Sequence[float], form: str = "auto") -> Fit:
-    """The SA fit: least squares in loss (scipy.optimize.curve_fit), started from the log-log line."""
+    """The baseline fit: least squares in loss (scipy.optimize.curve_fit), started from the log-log line."""
     form = choose_form(len(compute), form)
     c = np.asarray(compute, dtype=float)
     y = np.asarray(loss, dtype=float)
@@ -116,25 +118,25 @@ def lack_of_fit(residuals: Sequence[float], standard_errors: Sequence[float], pa
 
 @dataclass
 class SharedFit:
-    """L_arm(C) = E + A_arm (C / c_ref)^-alpha for arm in (sa, xsa), one E and one alpha."""
+    """L_arm(C) = E + A_arm (C / c_ref)^-alpha for the baseline and the candidate arm, one E and one alpha."""
 
     offset: bool  # False: E = 0 (a pure power law)
     E: float
-    log_A_sa: float  # ln A for C in units of c_ref
-    log_A_xsa: float
+    log_A_baseline: float  # ln A for C in units of c_ref
+    log_A_candidate: float
     alpha: float
     c_ref: float
     floor: float  # E's upper bound: the lowest observed mean
-    residuals: list[float]  # observed - fitted in loss, SA's sizes then XSA's
+    residuals: list[float]  # observed - fitted in loss, the baseline's sizes then the candidate's
 
-    def loss(self, arm: str, compute: np.ndarray | float) -> np.ndarray:
-        log_A = self.log_A_sa if arm == "sa" else self.log_A_xsa
+    def loss(self, compute: np.ndarray | float, candidate: bool = False) -> np.ndarray:
+        log_A = self.log_A_candidate if candidate else self.log_A_baseline
         return self.E + np.exp(log_A - self.alpha * np.log(np.asarray(compute) / self.c_ref))
 
     @property
     def log_multiplier(self) -> float:
-        """ln k = ln(A_SA / A_XSA) / alpha, capped at +-LOG_CAP."""
-        gap = self.log_A_sa - self.log_A_xsa
+        """ln k = ln(A_baseline / A_candidate) / alpha, capped at +-LOG_CAP."""
+        gap = self.log_A_baseline - self.log_A_candidate
         if self.alpha <= 0:
             return math.copysign(LOG_CAP, gap)
         return max(-LOG_CAP, min(LOG_CAP, gap / self.alpha))
@@ -160,15 +162,16 @@ class SharedFit:
             found.append(f"alpha = {self.alpha:.4f} at its upper bound {ALPHA_MAX}")
         return found
 
-    def as_dict(self) -> JsonObject:
+    def as_dict(self, labels: tuple[str, str] = ("SA", "XSA")) -> JsonObject:
+        """`labels`: the baseline's and the candidate's in the formula."""
         to_flops = self.alpha * math.log(self.c_ref)  # ln A for C in FLOPs, not in units of c_ref
-        A_sa, A_xsa = math.exp(self.log_A_sa + to_flops), math.exp(self.log_A_xsa + to_flops)
+        A = [math.exp(log_A + to_flops) for log_A in (self.log_A_baseline, self.log_A_candidate)]
         head = f"L(C) = {self.E:.4f} + " if self.offset else "L(C) = "
         return {
-            "formula": f"{head}{{SA: {A_sa:.4g}, XSA: {A_xsa:.4g}}} * C^-{self.alpha:.4f}",
+            "formula": f"{head}{{{labels[0]}: {A[0]:.4g}, {labels[1]}: {A[1]:.4g}}} * C^-{self.alpha:.4f}",
             "E": self.E,
-            "A_sa": A_sa,
-            "A_xsa": A_xsa,
+            "A_baseline": A[0],
+            "A_candidate": A[1],
             "alpha": self.alpha,
             "residuals": self.residuals,
             "points": len(self.residuals),
@@ -196,8 +199,8 @@ def _starts(x: np.ndarray, y: np.ndarray, offset: bool, floor: float) -> list[np
 
 def fit_shared(
     compute: Sequence[float],
-    sa: Sequence[float],
-    xsa: Sequence[float],
+    baseline: Sequence[float],
+    candidate: Sequence[float],
     *,
     offset: bool,
     f_scale: float = HUBER_DEFAULT,
@@ -207,14 +210,15 @@ def fit_shared(
     c = np.asarray(compute, dtype=float)
     c_ref = float(np.exp(np.mean(np.log(c))))
     x = np.r_[c, c] / c_ref
-    y = np.r_[np.asarray(sa, dtype=float), np.asarray(xsa, dtype=float)]
+    y = np.r_[np.asarray(baseline, dtype=float), np.asarray(candidate, dtype=float)]
     floor = float(y.min())
-    log_x, log_y, is_xsa = np.log(x), np.log(y), np.arange(len(x)) >= len(c)  # SA's sizes, then XSA's
+    # the baseline's sizes, then the candidate's
+    log_x, log_y, of_candidate = np.log(x), np.log(y), np.arange(len(x)) >= len(c)
 
-    def residuals(p: np.ndarray) -> np.ndarray:  # ln y - ln(E + exp(a_arm) x^-alpha) of p = [E,] a_sa, a_xsa, alpha
-        E, (a_sa, a_xsa, alpha) = p[0] if offset else 0.0, p[-3:]
+    def residuals(p: np.ndarray) -> np.ndarray:  # ln y - ln(E + exp(a_arm) x^-alpha) of p = [E,] a_base, a_cand, alpha
+        E, (a_base, a_cand, alpha) = p[0] if offset else 0.0, p[-3:]
         with np.errstate(over="ignore"):  # a trial step far off: an infinite residual, which the solver rejects
-            return log_y - np.log(E + np.exp(np.where(is_xsa, a_xsa, a_sa) - alpha * log_x))
+            return log_y - np.log(E + np.exp(np.where(of_candidate, a_cand, a_base) - alpha * log_x))
 
     lower = ([0.0] if offset else []) + [-LOG_A_MAX, -LOG_A_MAX, 0.0]
     upper = ([floor] if offset else []) + [LOG_A_MAX, LOG_A_MAX, ALPHA_MAX]
@@ -236,7 +240,7 @@ def fit_shared(
     p = min(fits, key=lambda result: result.cost).x
     E = float(p[0]) if offset else 0.0
     fit = SharedFit(offset, E, float(p[-3]), float(p[-2]), float(p[-1]), c_ref, floor, residuals=[])
-    fitted = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
+    fitted = np.r_[fit.loss(c), fit.loss(c, candidate=True)]
     fit.residuals = [float(r) for r in y - fitted]
     return fit
 
@@ -260,13 +264,15 @@ def ladder_bootstrap(
     n_resamples: int = 1000,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """95% interval of the ladder's k: resamples draw each mean about the fitted curves with variance SE^2 (SA's sizes,
-    then XSA's) + lof_variance and refit; the basic interval in ln k, [2 ln k - q97.5, 2 ln k - q2.5], corrects bias."""
+    """95% interval of the ladder's k: resamples draw each mean about the fitted curves with variance SE^2 (the
+    baseline's sizes, then the candidate's) + lof_variance and refit; the basic interval in ln k,
+    [2 ln k - q97.5, 2 ln k - q2.5], corrects bias."""
     rng = np.random.default_rng(seed)
     c = np.asarray(compute, dtype=float)
-    centre = np.r_[fit.loss("sa", c), fit.loss("xsa", c)]
+    centre = np.r_[fit.loss(c), fit.loss(c, candidate=True)]
     sd = np.sqrt(np.square(standard_errors) + lof_variance)
-    start = np.array(([fit.E] if fit.offset else []) + [fit.log_A_sa, fit.log_A_xsa, fit.alpha])  # as fit_shared has it
+    arms = [fit.log_A_baseline, fit.log_A_candidate]
+    start = np.array(([fit.E] if fit.offset else []) + arms + [fit.alpha])  # as fit_shared has it
     n = len(c)
     logs = []
     for _ in range(n_resamples):

@@ -10,11 +10,38 @@ from typing import Any
 from xsa_lm.records import JsonObject, Record
 from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, render, saved_figure, write_report_files
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
+from xsa_lm.sweep.protocol import NULL
+
+
+@dataclass(frozen=True)
+class Arms:
+    """The two arms a study compares, by attention option name (sweep.baseline and its one candidate). The records'
+    sa_*/xsa_* keys hold the baseline's and the candidate's values (their names from before arms had names)."""
+
+    baseline: str = "sa"
+    candidate: str = "xsa"
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return self.baseline, self.candidate
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """As the report names them, e.g. (SA, XSA)."""
+        return self.baseline.upper(), self.candidate.upper()
+
+    @property
+    def bench_ratio(self) -> str:
+        """`xsa-lm bench`'s key of the candidate's step time over the baseline's."""
+        return f"{self.candidate}_over_{self.baseline}_step_time"
+
+
+PAPER_ARMS = Arms()  # the configs' defaults: SA, and XSA compared with it
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchRatio(Record):
-    """scale.bench: the XSA/SA step time an `xsa-lm bench` run measured (its median, interval and rounds)."""
+    """scale.bench: the candidate/baseline step time an `xsa-lm bench` run measured (median, interval and rounds)."""
 
     source: str
     model: str | None
@@ -65,13 +92,14 @@ class ScaleStudyResult(Record):
     across_sizes: dict  # the pooled sign test and the test by seed
     warnings: list[str] = field(default_factory=list)
     sizes: list[SizeResult]
-    bench: BenchRatio | None = None  # scale.bench's XSA/SA step time
+    bench: BenchRatio | None = None  # scale.bench's candidate/baseline step time
+    arms: Arms = field(default_factory=Arms)
     schema: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
 class SizeBench(Record):
-    """XSA/SA step time at one size, from `xsa-lm bench`: its median, 95% interval and rounds."""
+    """The candidate/baseline step time at one size, from `xsa-lm bench`: its median, 95% interval and rounds."""
 
     xsa_over_sa_step_time: float
     interval: list[float]
@@ -95,6 +123,7 @@ class TokenPlan(Record):
     null_arm: bool
     allow_repeated_data: bool
     margin: float | None  # None: no margin verdict
+    arms: Arms = field(default_factory=Arms)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,18 +201,19 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
     compute = [float(s.compute or 0.0) for s in sizes]
     fit, shared = results.fit, results.fit["shared"]
     grid = np.geomspace(min(compute) / 1.5, max(compute) * 1.5, 100)
+    (base, cand), colors = results.arms.labels, ("tab:blue", "tab:orange")
     with saved_figure(path) as ax:
-        for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
-            runs = [s.sa_runs if attention == "sa" else s.xsa_runs for s in sizes]
+        arms = ((base, [s.sa_runs for s in sizes], "baseline"), (cand, [s.xsa_runs for s in sizes], "candidate"))
+        for (name, runs, _), color in zip(arms, colors, strict=True):
             means = [float(np.mean(r)) for r in runs]
             spread = [float(np.std(r, ddof=1)) if len(r) > 1 else 0.0 for r in runs]
-            label = f"{attention.upper()} (mean ± sd over seeds)"
+            label = f"{name} (mean ± sd over seeds)"
             ax.errorbar(compute, means, yerr=spread, fmt="o", color=color, capsize=3, label=label)
-        sa_curve = fit["E"] + fit["A"] * grid ** -fit["alpha"]
-        ax.plot(grid, sa_curve, "-", color="tab:blue", alpha=0.6, label=f"SA fit: {fit['formula']}")
-        for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
-            curve = shared["E"] + shared[f"A_{arm}"] * grid ** -shared["alpha"]
-            ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {arm.upper()}")
+        base_curve = fit["E"] + fit["A"] * grid ** -fit["alpha"]
+        ax.plot(grid, base_curve, "-", color="tab:blue", alpha=0.6, label=f"{base} fit: {fit['formula']}")
+        for (name, _, role), color in zip(arms, colors, strict=True):
+            curve = shared["E"] + shared[f"A_{role}"] * grid ** -shared["alpha"]
+            ax.plot(grid, curve, ":", color=color, alpha=0.8, label=f"shared fit, {name}")
         for s in sizes:
             ax.annotate(s.model, (s.compute, s.sa_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set(xscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss")
@@ -194,19 +224,19 @@ def plot_loss_vs_compute(results: ScaleStudyResult, path: Path) -> None:
 
 
 def plot_multiplier(results: ScaleStudyResult, path: Path) -> None:
-    """XSA - SA at each size with its paired 95% interval; the ladder's k in the title only when no flag is up."""
+    """Candidate - baseline at each size with its paired 95% interval; the ladder's k in the title if no flag is up."""
     from matplotlib.ticker import NullFormatter
 
-    fit = results.fit
-    title = "XSA - SA by size (ladder flagged: no multiplier)"
+    fit, difference = results.fit, "{1} - {0}".format(*results.arms.labels)
+    title = f"{difference} by size (ladder flagged: no multiplier)"
     if not fit.get("flags"):
-        title = f"XSA - SA by size; ladder k = {fit['multiplier']:.3g} {interval(fit['multiplier_ci'], '.3f')}"
+        title = f"{difference} by size; ladder k = {fit['multiplier']:.3g} {interval(fit['multiplier_ci'], '.3f')}"
     with saved_figure(path) as ax:
         ax.axhline(0.0, color="gray", linestyle="--", label="no difference")
         for x, tests in ((float(s.non_embedding_params or 0), s.tests) for s in results.sizes if s.tests):
             diff, (low, high) = tests["mean_diff"], tests["t_ci95"] or [tests["mean_diff"]] * 2
             ax.errorbar([x], [diff], yerr=[[diff - low], [high - diff]], fmt="o", color="tab:orange", capsize=4)
-        ax.set(xscale="log", xlabel="non-embedding parameters", ylabel="XSA - SA final loss (paired 95% CI)")
+        ax.set(xscale="log", xlabel="non-embedding parameters", ylabel=f"{difference} final loss (paired 95% CI)")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
@@ -217,17 +247,17 @@ def plot_loss_vs_tokens(results: TokenStudyResult, path: Path) -> None:
     columns = max(1, len(sizes))
     with saved_figure(path, ncols=columns, figsize=(5 * columns, 4), squeeze=False) as axes:
         for ax, size in zip(axes[0], sizes, strict=False):
-            plot_size(ax, size)
+            plot_size(ax, size, results.plan.arms)
 
 
-def plot_size(ax: Any, size: TokenSize) -> None:
+def plot_size(ax: Any, size: TokenSize, arms: Arms) -> None:
     """One size's final losses against its tokens: every run and each arm's mean per budget."""
-    for arm, color in (("sa", "tab:blue"), ("xsa", "tab:orange"), ("null", "tab:gray")):
+    for arm, color in ((arms.baseline, "tab:blue"), (arms.candidate, "tab:orange"), (NULL, "tab:gray")):
         done = [[r for r in runs if r.status == "completed"] for runs in (size.runs or {}).get(arm, {}).values()]
         for runs in done:
             ax.plot([r.tokens_seen for r in runs], [r.final_val_loss for r in runs], ".", color=color, alpha=0.4)
         means = sorted((r[0].tokens_seen, statistics.fmean(x.final_val_loss or 0.0 for x in r)) for r in done if r)
-        label = f"{arm.upper()} mean" if arm != "null" else "null (SA, other weights) mean"
+        label = f"{arm.upper()} mean" if arm != NULL else f"null ({arms.labels[0]}, other weights) mean"
         if means:
             ax.plot(*zip(*means, strict=True), "o-", color=color, label=label)
     lr = "per budget" if len(size.selected_lrs) > 1 else f"{size.selected_lr:g}"
@@ -238,10 +268,11 @@ def plot_size(ax: Any, size: TokenSize) -> None:
 def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
     import matplotlib.ticker
 
+    base, cand = results.plan.arms.labels
     with saved_figure(path) as ax:
         labels = []
         for i, cell in enumerate(results.cells):
-            labels.append(f"{cell['model']}\nXSA at {cell['fraction']:g} B")
+            labels.append(f"{cell['model']}\n{cand} at {cell['fraction']:g} B")
             lo_edge, hi_edge = min(cell["sa_budgets"]) / cell["budget"], max(cell["sa_budgets"]) / cell["budget"]
             lo, hi = cell["ci95"]
             lo, hi = lo if lo is not None else lo_edge, hi if hi is not None else hi_edge
@@ -253,11 +284,11 @@ def plot_multipliers(results: TokenStudyResult, path: Path) -> None:
                 ax.annotate(cell["bound"], (i, hi if ">" in (cell["bound"] or "") else lo), ha="center")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(labels)), labels)
-        ax.set(yscale="log", ylabel="k (tokens SA needs / XSA's tokens)")
+        ax.set(yscale="log", ylabel=f"k (tokens {base} needs / {cand}'s tokens)")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks([0.5, 1, 2, 4])
-        ax.set_title("XSA's token multiplier, 95% CI (dotted: SA's measured range)")
+        ax.set_title(f"{cand}'s token multiplier, 95% CI (dotted: {base}'s measured range)")
 
 
 def write_report(results: ScaleStudyResult | TokenStudyResult, study_dir: Path) -> str:

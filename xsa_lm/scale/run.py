@@ -1,8 +1,10 @@
-"""`xsa-lm scale`: XSA's effective-compute multiplier k, the sweep's phases run as a library at several model sizes.
+"""`xsa-lm scale`: the candidate arm's effective-compute multiplier k over the baseline (sweep.baseline and the one
+of sweep.candidates; SA and XSA by default), the sweep's phases run as a library at several model sizes.
 - scale.axis=size: the sweep at each size (sizes/<model>/), one k for the ladder from a shared fit of loss vs compute.
-- scale.axis=tokens: SA at several token budgets (x B = scale.tokens_per_param x the non-embedding parameters) and
-  XSA at some of them; k per size and XSA budget from SA's own tokens-to-loss curve, pooled.
-A wall-clock k divides by `xsa-lm bench`'s XSA/SA step time. A rerun resumes: scale.json keeps the plan."""
+- scale.axis=tokens: the baseline at several token budgets (x B = scale.tokens_per_param x the non-embedding
+  parameters, scale.sa_budgets) and the candidate at some of them (scale.xsa_budgets); k per size and candidate budget
+  from the baseline's own tokens-to-loss curve, pooled.
+A wall-clock k divides by `xsa-lm bench`'s candidate/baseline step time. A rerun resumes: scale.json keeps the plan."""
 
 import io
 import json
@@ -21,6 +23,7 @@ import hydra
 import numpy as np
 import scipy.stats
 from hydra import compose
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from xsa_lm.config.spec import LoggerSpec, TrainSpec, parse
@@ -79,25 +82,39 @@ def size_config(
     return parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep."), runs, config
 
 
-def load_bench(path: Path | str | None, key: str = "scale.bench") -> report.BenchRatio | None:
-    """The XSA/SA step time (median, interval) of an `xsa-lm bench` results.json."""
+def arms_of(sweep: SweepSpec) -> report.Arms:
+    """The baseline and the one candidate a study compares (its k is one arm's over the baseline)."""
+    if len(sweep.candidates) != 1:
+        raise UserError(
+            f"sweep.candidates=[{','.join(sweep.candidates)}]: xsa-lm scale compares the baseline with one "
+            "candidate; give one, e.g. sweep.candidates=[xsa]"
+        )
+    return report.Arms(sweep.baseline, sweep.candidates[0])
+
+
+def load_bench(
+    path: Path | str | None, key: str = "scale.bench", arms: report.Arms = report.PAPER_ARMS
+) -> report.BenchRatio | None:
+    """The candidate/baseline step time (median, interval) of an `xsa-lm bench` results.json."""
     if path is None:
         return None
     if not Path(path).is_file():
         raise UserError(f"{key}={path}: no such file; give the results.json an `xsa-lm bench` run wrote")
     try:
         bench = json.loads(Path(path).read_text())
-        ratio = bench["ratios"]["xsa_over_sa_step_time"]
+        ratio = bench["ratios"][arms.bench_ratio]
         ratio["median"]  # noqa: B018  # a step time, not only a dict
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise UserError(f"{key}={path}: no XSA/SA step time in it (ratios.xsa_over_sa_step_time)") from None
+        steps = "{1}/{0} step time".format(*arms.labels)
+        raise UserError(f"{key}={path}: no {steps} in it (ratios.{arms.bench_ratio})") from None
     return report.BenchRatio(source=str(path), model=bench.get("model"), xsa_over_sa_step_time=ratio)
 
 
 def wallclock(
     k: float, ci: Sequence[float | None], ratio: float, interval: Sequence[float] | None
 ) -> tuple[float, list[float | None] | None]:
-    """k over `xsa-lm bench`'s XSA/SA step time (the trials' tokens/s vary with whatever else the machine ran)."""
+    """k over `xsa-lm bench`'s candidate/baseline step time (the trials' tokens/s vary with whatever else the machine
+    ran)."""
     if not interval:
         return k / ratio, None
     lo, hi = ci
@@ -132,10 +149,12 @@ def run_size(model: str, job: sweeps.SweepJob, *, study_dir: Path, group: str | 
                 results, _ = sweeps.run_sweep(job, sweep_dir, command="scale")
             except UserError as e:
                 raise UserError(f"the sweep of {model} was refused: {e}") from None
-    return size_result(model, sweep_dir, finished=sweeps.incomplete(results) is None)
+    return size_result(model, sweep_dir, arms_of(job.spec), finished=sweeps.incomplete(results) is None)
 
 
-def size_result(model: str, sweep_dir: Path, *, finished: bool) -> report.SizeResult:
+def size_result(
+    model: str, sweep_dir: Path, arms: report.Arms = report.PAPER_ARMS, *, finished: bool
+) -> report.SizeResult:
     """What the fit needs from a size's results.json: the paired final losses, throughput, training compute."""
     import torch
 
@@ -157,18 +176,18 @@ def size_result(model: str, sweep_dir: Path, *, finished: bool) -> report.SizeRe
     )
     runs = [t for t in sweep.trials if t.phase == "compare" and t.seed in compare.seeds]
     if not runs:
-        return replace(size, error="no seed has both an SA and an XSA result (see the size's report)")
+        return replace(size, error="no seed has both a {} and a {} result (see the size's report)".format(*arms.labels))
     summary = RunSummary.read(Path(str(runs[0].run_dir)) / "summary.json")
     with torch.device("meta"):  # the FLOPs formula needs the shapes only
         flops_per_token = GPT(GPTConfig(**summary.model_config)).flops_per_token()
-    speeds = {a: [t.tokens_per_s for t in runs if t.attention == a and t.tokens_per_s] for a in ("sa", "xsa")}
+    base, cand = ([t.tokens_per_s for t in runs if t.attention == a and t.tokens_per_s] for a in arms.names)
     return replace(
         size,
         non_embedding_params=summary.non_embedding_params,
         tokens=summary.tokens_seen,
         compute=flops_per_token * summary.tokens_seen,
-        sa_tokens_per_s=statistics.fmean(speeds["sa"]) if speeds["sa"] else None,
-        xsa_tokens_per_s=statistics.fmean(speeds["xsa"]) if speeds["xsa"] else None,
+        sa_tokens_per_s=statistics.fmean(base) if base else None,
+        xsa_tokens_per_s=statistics.fmean(cand) if cand else None,
     )
 
 
@@ -178,10 +197,12 @@ def not_falling(ladder: list[report.SizeResult], means: list[float]) -> list[str
 
 
 def ladder_flags(
-    ladder: list[report.SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit
+    ladder: list[report.SizeResult], sa_fit: fit.Fit, lack: fit.LackOfFit, shared: fit.SharedFit, arms: report.Arms
 ) -> dict[str, str]:
-    """Every reason this ladder cannot turn XSA's loss gap into compute (flag -> its one-line why)."""
+    """Every reason this ladder cannot turn the candidate's loss gap into compute (flag -> its one-line why); sa_fit:
+    the baseline's fit."""
     flags: dict[str, str] = {}
+    base, cand = arms.labels
     compute = [cast(float, s.compute) for s in ladder]
     sa_means, xsa_means = [cast(float, s.sa_mean) for s in ladder], [cast(float, s.xsa_mean) for s in ladder]
     if lack.p is None:
@@ -190,23 +211,23 @@ def ladder_flags(
         flags["lack_of_fit"] = f"no lack-of-fit test possible: {why}"
     elif lack.p < 0.05:
         flags["lack_of_fit"] = (
-            f"chi^2 = {lack.chi2:.1f} on {lack.dof} dof (p = {lack.p:.2g}): the SA curve misses the SA "
+            f"chi^2 = {lack.chi2:.1f} on {lack.dof} dof (p = {lack.p:.2g}): the {base} curve misses the {base} "
             "means by more than their seed noise (each size's standard error over seeds)"
         )
-    # One step of the ladder beyond its ends is allowed: XSA winning at the largest size always reads SA's curve
-    # a little past it, which is what k means there.
+    # One step of the ladder beyond its ends is allowed: the candidate winning at the largest size always reads the
+    # baseline's curve a little past it, which is what k means there.
     step = (max(compute) / min(compute)) ** (1 / (len(compute) - 1))
     outside = []
     for s, sa_mean, xsa_mean in zip(ladder, sa_means, xsa_means, strict=True):
-        for arm, mean in (("sa", sa_mean), ("xsa", xsa_mean)):
+        for arm, mean in ((base, sa_mean), (cand, xsa_mean)):
             needed = sa_fit.compute_for(mean)
             if not math.isfinite(needed) or needed > max(compute) * step:
-                outside.append(f"{s.model} {arm.upper()} ({needed / max(compute):.3g}x the largest)")
+                outside.append(f"{s.model} {arm} ({needed / max(compute):.3g}x the largest)")
             elif needed < min(compute) / step:
-                outside.append(f"{s.model} {arm.upper()} ({min(compute) / needed:.3g}x below the smallest)")
+                outside.append(f"{s.model} {arm} ({min(compute) / needed:.3g}x below the smallest)")
     if outside:
         flags["extrapolation"] = (
-            "the SA fit needs compute beyond the measured range (by more than one ladder step, "
+            f"the {base} fit needs compute beyond the measured range (by more than one ladder step, "
             f"{step:.2f}x) to reach the means of {', '.join(outside)}"
         )
     span = max(compute) / min(compute)
@@ -214,11 +235,11 @@ def ladder_flags(
         flags["compute_span"] = f"the ladder spans {span:.3g}x in compute, under 10x"
     bounds = [f"shared fit: {b}" for b in shared.at_bounds()]
     if sa_fit.form == "power_law_offset" and sa_fit.E <= 1e-6:
-        bounds.insert(0, "SA fit: E at its lower bound 0")
+        bounds.insert(0, f"{base} fit: E at its lower bound 0")
     if sa_fit.form == "power_law_offset" and sa_fit.E >= min(sa_means) - 1e-6:
-        bounds.insert(0, "SA fit: E at its upper bound, the lowest SA mean")
+        bounds.insert(0, f"{base} fit: E at its upper bound, the lowest {base} mean")
     if sa_fit.alpha <= 1e-6 or sa_fit.alpha >= 10 - 1e-6:
-        bounds.insert(0, f"SA fit: alpha = {sa_fit.alpha:.4f} at a bound (0 or 10)")
+        bounds.insert(0, f"{base} fit: alpha = {sa_fit.alpha:.4f} at a bound (0 or 10)")
     if bounds:
         flags["parameter_at_bound"] = "; ".join(bounds) + ": the data do not identify it"
     rises = not_falling(ladder, xsa_means)
@@ -226,10 +247,10 @@ def ladder_flags(
     if rises or trend is None or trend.slope >= 0 or trend.pvalue > 0.05:
         why = f"it rises ({', '.join(rises)})" if rises else "its fall is not significant"
         why += f"; slope vs ln C {trend.slope:+.4f} (p = {trend.pvalue:.2g})" if trend else "; two sizes cannot test it"
-        flags["xsa_flat_or_not_monotone"] = f"XSA's mean loss does not fall with compute: {why}"
+        flags["xsa_flat_or_not_monotone"] = f"{cand}'s mean loss does not fall with compute: {why}"
     rises = not_falling(ladder, sa_means)
     if rises:
-        flags["sa_not_monotone"] = f"SA's mean loss does not fall as compute grows ({', '.join(rises)})"
+        flags["sa_not_monotone"] = f"{base}'s mean loss does not fall as compute grows ({', '.join(rises)})"
     edges = [  # the selected LR at an edge of its grid, as the grid or the size's sweep says
         f"{s.model} (LR {s.selected_lr:g})"
         for s in ladder
@@ -243,16 +264,21 @@ def ladder_flags(
 
 @dataclass(frozen=True)
 class LadderAnalysis:
-    fit: JsonObject  # the SA fit, the shared fit, the flags, and k when no flag is up
+    fit: JsonObject  # the baseline's fit, the shared fit, the flags, and k when no flag is up
     across_sizes: JsonObject  # the pooled sign test and the test by seed
     warnings: list[str]
     sizes: list[report.SizeResult]  # each with its paired tests
 
 
 def analyse(
-    sizes: list[report.SizeResult], fit_form: str, resamples: int, seed: int, bench: report.BenchRatio | None = None
+    sizes: list[report.SizeResult],
+    fit_form: str,
+    resamples: int,
+    seed: int,
+    bench: report.BenchRatio | None = None,
+    arms: report.Arms = report.PAPER_ARMS,
 ) -> LadderAnalysis:
-    """The SA and shared fits, k with its bootstrap CI, the flags (k then under not_results), the paired tests."""
+    """The baseline's and shared fits, k with its bootstrap CI, the flags (k then under not_results), the tests."""
     warnings = [f"{s.model}: left out of the fit: {s.error}" for s in sizes if not s.usable]
     warnings += [f"{s.model}: {w}" for s in sizes for w in s.sweep_warnings]  # e.g. a grid edge
     ladder = sorted((s for s in sizes if s.usable), key=lambda s: cast(float, s.compute))
@@ -270,8 +296,8 @@ def analyse(
     ci = list(
         fit.ladder_bootstrap(shared, compute, se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed)
     )
-    flags = ladder_flags(ladder, sa_fit, lack, shared)
-    shared_fit = {**shared.as_dict(), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
+    flags = ladder_flags(ladder, sa_fit, lack, shared, arms)
+    shared_fit = {**shared.as_dict(arms.labels), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}
     found = [{"flag": flag, "reason": reason} for flag, reason in flags.items()]
     summary = {**sa_fit.as_dict(), "lack_of_fit": asdict(lack), "shared": shared_fit, "flags": found}
     note = "wall-clock k: measure throughput with xsa-lm bench"
@@ -279,7 +305,7 @@ def analyse(
     if bench:
         ratio = bench.xsa_over_sa_step_time
         clock["multiplier"], clock["ci"] = wallclock(k, ci, ratio["median"], ratio.get("interval"))
-        clock["note"] = f"XSA/SA step time from xsa-lm bench ({bench.source})"
+        clock["note"] = "{1}/{0} step time from xsa-lm bench".format(*arms.labels) + f" ({bench.source})"
     if flags:
         summary["not_results"] = {"why": list(flags), "multiplier": k, "ci": ci, "wallclock": clock}
         warnings.insert(0, "the ladder is flagged (see the flags): no multiplier is reported")
@@ -365,7 +391,9 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
 
 
 def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) -> report.TokenSize:
-    """One size's LR searches and budget runs, each budget at SA's LR of B (lr_per_budget: of that budget)."""
+    """One size's LR searches and budget runs, each budget at the baseline's LR of B (lr_per_budget: of that
+    budget)."""
+    arms = plan.arms
     print(
         f"size {size.model}: {size.params:,} non-embedding parameters, B = {size.tokens:,.0f} tokens "
         f"({size.steps(1.0)} steps)"
@@ -378,7 +406,7 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
         return sweeps.search(launcher, size.sweep.grid, plan.search_seeds, [arm], phase)[0]
 
     by_budget = plan.sa_budgets if plan.lr_per_budget else [1.0]
-    selections = {f"{f:g}": search_at(f, "sa") for f in sorted(by_budget, key=lambda f: f != 1.0)}  # B first
+    selections = {f"{f:g}": search_at(f, arms.baseline) for f in sorted(by_budget, key=lambda f: f != 1.0)}  # B first
     searches = {at: {f"{lr:g}": loss for lr, loss in s.losses.items()} for at, s in selections.items()}
     lrs = {at: s.lr for at, s in selections.items()}
     warnings = [f"at {at} B: {w}" if len(by_budget) > 1 else w for at, s in selections.items() for w in s.warnings]
@@ -394,23 +422,23 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
         grid=size.sweep.grid,
     )
     if plan.tune_xsa:
-        xsa = search_at(1.0, "xsa")
-        entry = replace(entry, xsa_search={f"{lr:g}": loss for lr, loss in xsa.losses.items()}, xsa_selected_lr=xsa.lr)
+        own = search_at(1.0, arms.candidate)
+        entry = replace(entry, xsa_search={f"{lr:g}": loss for lr, loss in own.losses.items()}, xsa_selected_lr=own.lr)
     chosen = {f: lrs.get(f"{f:g}", lrs["1"]) for f in sorted(set(plan.sa_budgets) | set(plan.xsa_budgets))}
     if any(lr is None for lr in chosen.values()):
         return entry
-    runs: dict[str, dict[str, list[report.TokenRun]]] = {"sa": {}, "xsa": {}}
+    runs: dict[str, dict[str, list[report.TokenRun]]] = {arms.baseline: {}, arms.candidate: {}}
     kept = [f.name for f in fields(report.TokenRun)]
-    arms_by_budget = [("sa", plan.sa_budgets), ("xsa", plan.xsa_budgets)]
+    arms_by_budget = [(arms.baseline, plan.sa_budgets), (arms.candidate, plan.xsa_budgets)]
     arms_by_budget += [(NULL, plan.xsa_budgets)] if plan.null_arm else []
     for fraction, lr in cast(dict[float, float], chosen).items():
-        arms = [a for a, budgets in arms_by_budget if fraction in budgets]
-        names, seeds = " and ".join(a.upper() for a in arms), plan.seeds
+        trained = [a for a, budgets in arms_by_budget if fraction in budgets]
+        names, seeds = " and ".join(a.upper() for a in trained), plan.seeds
         print(f"size {size.model}: {names} at {fraction:g} B ({size.steps(fraction)} steps), LR {lr:g}, seeds {seeds}")
-        trials = [Trial(arm, lr, seed) for seed in seeds for arm in arms]
+        trials = [Trial(arm, lr, seed) for seed in seeds for arm in trained]
         launcher = size.launcher(f"budget_{fraction:g}", fraction, group)
         launcher.run(trials, f"budget_{fraction:g}", "budget")
-        for arm in arms:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
+        for arm in trained:  # each run as its trial record has it (report.TokenRun's fields are some of the record's)
             records = [launcher.store.load(t) or TrialRecord.missing(t, "") for t in trials if t.attention == arm]
             runs.setdefault(arm, {})[f"{fraction:g}"] = [
                 report.TokenRun(**{k: getattr(r, k) for k in kept}) for r in records
@@ -418,41 +446,51 @@ def run_token_size(size: TokenJob, plan: report.TokenPlan, group: str | None) ->
     return replace(entry, runs=runs, seeds=plan.seeds)
 
 
-def run_bench(study_dir: Path, size: TokenJob, overrides: list[str]) -> report.SizeBench | None:
-    """`xsa-lm bench` of SA vs XSA at this size (its own process; reused when its JSON exists)."""
+def run_bench(study_dir: Path, size: TokenJob, overrides: list[str], arms: report.Arms) -> report.SizeBench | None:
+    """`xsa-lm bench` of the candidate vs the baseline at this size (its own process; reused when its JSON exists)."""
     out = study_dir / "bench" / f"{size.model}.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        model_keys = [o for o in overrides if o.split("=", 1)[0].startswith("model.")]
-        cmd = [sys.executable, "-m", "xsa_lm.cli", "bench", f"model={size.model}", *model_keys]
-        cmd += [f"micro_batch={max(1, size.batch_tokens // size.block_size)}", "comparisons=[xsa_over_sa]"]
+        model_keys = [o for o in overrides if o.split("=", 1)[0].startswith(("model.", "attention."))]
+        cmd = [sys.executable, "-m", "xsa_lm.cli", "bench", *config_dirs(), f"model={size.model}", *model_keys]
+        cmd += [f"attention={arms.candidate}", f"attention@baseline={arms.baseline}"]
+        cmd += [f"micro_batch={max(1, size.batch_tokens // size.block_size)}", "comparisons=[attention_over_baseline]"]
         cmd += ["backends=train", f"rounds={size.scale.bench_rounds}", f"out={out}"]  # the runs' kernel
         error = run_logged(cmd, study_dir / "logs" / f"bench_{size.model}.log")
         if error is not None:
             print(f"size {size.model}: xsa-lm bench failed: {error} (no wall-clock multiplier)")
             return None
-    ratio = cast(report.BenchRatio, load_bench(out, "bench")).xsa_over_sa_step_time
+    ratio = cast(report.BenchRatio, load_bench(out, "bench", arms)).xsa_over_sa_step_time
     return report.SizeBench(
         xsa_over_sa_step_time=ratio["median"], interval=ratio["interval"], rounds=len(ratio["rounds"]), file=str(out)
     )
 
 
+def config_dirs() -> list[str]:
+    """This command's --config-dir flags, for a child command to find the same attention options."""
+    if not HydraConfig.initialized():
+        return []
+    sources = HydraConfig.get().runtime.config_sources
+    return [arg for s in sources if s.provider == "command-line" for arg in ("--config-dir", s.path)]
+
+
 def paired_losses(
-    entry: report.TokenSize, sa_budgets: list[float], fraction: float, arm: str = "xsa"
+    entry: report.TokenSize, sa_budgets: list[float], fraction: float, arm: str, baseline: str
 ) -> tuple[list[list[float]], list[float], list[int]]:
-    """SA's losses per budget, `arm`'s at `fraction`, and the seeds where all of them completed."""
-    runs = [*((entry.runs or {})["sa"][f"{f:g}"] for f in sa_budgets), (entry.runs or {})[arm][f"{fraction:g}"]]
+    """The baseline's losses per budget, `arm`'s at `fraction`, and the seeds where all of them completed."""
+    of = entry.runs or {}
+    runs = [*(of[baseline][f"{f:g}"] for f in sa_budgets), of[arm][f"{fraction:g}"]]
     usable = [i for i in range(len(entry.seeds)) if all(r[i].status == "completed" for r in runs)]
     losses = [[cast(float, r[i].final_val_loss) for i in usable] for r in runs]
     return losses[:-1], losses[-1], [entry.seeds[i] for i in usable]
 
 
 def same_budget(
-    entry: report.TokenSize, fraction: float, arm: str, margin: float | None
+    entry: report.TokenSize, fraction: float, arm: str, margin: float | None, baseline: str
 ) -> tuple[JsonObject | None, JsonObject | None]:
-    """`arm` - SA at one budget over the seeds where both completed: paired tests, margin, bpb, positions."""
+    """`arm` - the baseline at one budget over the seeds where both completed: paired tests, margin, bpb, positions."""
     runs, budget = entry.runs or {}, f"{fraction:g}"
-    both = zip(runs.get("sa", {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
+    both = zip(runs.get(baseline, {}).get(budget, []), runs.get(arm, {}).get(budget, []), strict=False)
     pairs = [(a, b) for a, b in both if a.status == b.status == "completed"]
     if not pairs:
         return None, None
@@ -470,12 +508,13 @@ def same_budget(
 
 
 def null_cell(
-    entry: report.TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float
+    entry: report.TokenSize, sa_budgets: list[float], sa_tokens: list[float], fraction: float, baseline: str
 ) -> JsonObject | None:
-    """k of the null arm (SA from other initial weights), read as XSA's is: its spread is the yardstick's noise."""
+    """k of the null arm (the baseline from other initial weights), read as the candidate's is: its spread is the
+    yardstick's noise."""
     if fraction not in [float(f) for f in (entry.runs or {}).get(NULL, {})]:
         return None
-    sa, null, seeds = paired_losses(entry, sa_budgets, fraction, arm=NULL)
+    sa, null, seeds = paired_losses(entry, sa_budgets, fraction, NULL, baseline)
     if len(seeds) < 2:
         return None
     budget = tokens_of(entry, NULL, fraction)
@@ -490,7 +529,7 @@ def tokens_of(entry: report.TokenSize, arm: str, fraction: float) -> float:
 
 @dataclass(frozen=True)
 class TokenAnalysis:
-    cells: list[JsonObject]  # one per size and XSA budget: the Cell, its tests, the null's, per-seed k, stalls
+    cells: list[JsonObject]  # one per size and candidate budget: the Cell, its tests, the null's, per-seed k, stalls
     pooled: token_axis.PooledK | None
     warnings: list[str]
 
@@ -501,9 +540,11 @@ def analyse_tokens(
     xsa_budgets: list[float],
     seed: int = 0,
     margin: float | None = None,
+    arms: report.Arms = report.PAPER_ARMS,
 ) -> TokenAnalysis:
-    """k per (size, XSA budget) with its intervals and same-budget tests, the pooled k, and the warnings."""
+    """k per (size, candidate budget) with its intervals and same-budget tests, the pooled k, and the warnings."""
     cells, estimates = [], []
+    (base, cand), baseline = arms.labels, arms.baseline
     warnings = [f"{s.model}: {w}" for s in sizes for w in s.warnings]
     for entry in sizes:
         if entry.runs is None:
@@ -515,41 +556,44 @@ def analyse_tokens(
                 if epochs > 1:
                     warnings.append(
                         f"{entry.model} {arm.upper()} at {at} B: {epochs:.2f} epochs of the training data (it "
-                        "repeats, which flattens SA's curve where k is read: use a larger corpus or a smaller B)"
+                        f"repeats, which flattens {base}'s curve where k is read: use a larger corpus or a smaller B)"
                     )
-        sa_tokens = [tokens_of(entry, "sa", f) for f in sa_budgets]
+        sa_tokens = [tokens_of(entry, baseline, f) for f in sa_budgets]
         for fraction in xsa_budgets:
-            sa, xsa, seeds = paired_losses(entry, sa_budgets, fraction)
+            sa, xsa, seeds = paired_losses(entry, sa_budgets, fraction, arms.candidate, baseline)
             left_out = len(entry.seeds) - len(seeds)
             if left_out:
                 warnings.append(
-                    f"{entry.model} XSA at {fraction:g} B: {left_out} seed(s) left out (a run did not "
+                    f"{entry.model} {cand} at {fraction:g} B: {left_out} seed(s) left out (a run did not "
                     "complete: diverged, failed or missing; rerun the same command to retry failures)"
                 )
             if len(seeds) < 2:
-                warnings.append(f"{entry.model} XSA at {fraction:g} B: fewer than 2 complete seeds, no estimate")
+                warnings.append(f"{entry.model} {cand} at {fraction:g} B: fewer than 2 complete seeds, no estimate")
                 continue
-            budget = tokens_of(entry, "xsa", fraction)
+            budget = tokens_of(entry, arms.candidate, fraction)
             cell = token_axis.cell_estimate(sa, sa_tokens, xsa, budget)
             if not all(a > b for a, b in zip(cell.sa_means, cell.sa_means[1:], strict=False)):
                 warnings.append(
-                    f"{entry.model}: SA's mean loss does not fall with every doubling of tokens "
+                    f"{entry.model}: {base}'s mean loss does not fall with every doubling of tokens "
                     f"({', '.join(f'{m:.4f}' for m in cell.sa_means)}): the curve is not a tokens-to-loss map"
                 )
             row = {"model": entry.model, "fraction": fraction, **cell.as_dict(), "paired_seeds": seeds}
-            row["same_budget"], row["same_budget_details"] = same_budget(entry, fraction, "xsa", margin)
-            row["null"] = null_cell(entry, sa_budgets, sa_tokens, fraction)
-            row["null_same_budget"], row["null_same_budget_details"] = same_budget(entry, fraction, NULL, margin)
+            tests = same_budget(entry, fraction, arms.candidate, margin, baseline)
+            row["same_budget"], row["same_budget_details"] = tests
+            row["null"] = null_cell(entry, sa_budgets, sa_tokens, fraction, baseline)
+            row["null_same_budget"], row["null_same_budget_details"] = same_budget(
+                entry, fraction, NULL, margin, baseline
+            )
             row["bootstrap_ci95"] = token_axis.bootstrap_interval(sa, sa_tokens, xsa, budget, seed=seed)
             row["per_seed_k"] = token_axis.per_seed_k(sa, sa_tokens, xsa, budget)
-            row["sa_stalled"] = sa_stalled = [token_axis.stalled(losses) for losses in sa]  # per SA budget
+            row["sa_stalled"] = sa_stalled = [token_axis.stalled(losses) for losses in sa]  # per baseline budget
             row["xsa_stalled"] = xsa_stalled = token_axis.stalled(xsa)
             if (any(sa_stalled) or xsa_stalled) and len(seeds) < token_axis.STALL_SAFE_SEEDS:
                 warnings.append(
-                    f"{entry.model} XSA at {fraction:g} B: stalled seeds among {len(seeds)}, and k is read off the "
-                    "mean curves: a stall shifts k, and simulated studies with 30% of SA seeds stalled gave the 95% "
-                    f"interval 81% coverage at 5 seeds, 91-93% at 10-20 (tests/test_token_axis.py); read the per-seed "
-                    f"k, or use {token_axis.STALL_SAFE_SEEDS} seeds or more"
+                    f"{entry.model} {cand} at {fraction:g} B: stalled seeds among {len(seeds)}, and k is read off the "
+                    f"mean curves: a stall shifts k, and simulated studies with 30% of {base} seeds stalled gave the "
+                    f"95% interval 81% coverage at 5 seeds, 91-93% at 10-20 (tests/test_token_axis.py); read the "
+                    f"per-seed k, or use {token_axis.STALL_SAFE_SEEDS} seeds or more"
                 )
             bench = entry.bench
             if bench and cell.k is not None and bench.interval:
@@ -589,29 +633,41 @@ def reanalyse(
     when = when or time.strftime("%Y-%m-%d")
     if isinstance(saved, report.TokenStudyResult):
         plan = saved.plan
-        tokens = analyse_tokens(saved.sizes, plan.sa_budgets, plan.xsa_budgets, seed=seed, margin=plan.margin)
+        budgets = plan.sa_budgets, plan.xsa_budgets
+        tokens = analyse_tokens(saved.sizes, *budgets, seed=seed, margin=plan.margin, arms=plan.arms)
         return replace(saved, reanalysed=when, **vars(tokens))
     sizes = [replace(s, tests=None) for s in saved.sizes]
-    return replace(saved, reanalysed=when, **vars(analyse(sizes, fit_form, resamples, seed, saved.bench)))
+    analysis = analyse(sizes, fit_form, resamples, seed, saved.bench, saved.arms)
+    return replace(saved, reanalysed=when, **vars(analysis))
 
 
 def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
     """The study, checked with each size's sweep or runs before its folder gets anything."""
     name, listed = ("scale.seeds", scale.seeds) if scale.seeds is not None else ("sweep.seeds", sweep.seeds)
-    seeds = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name)
+    seeds, arms = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name), arms_of(sweep)
     if not seeds:
-        raise UserError(f"{name}=[]: the study compares SA and XSA at every size, which needs compare seeds")
+        compared = "the study compares {} and {} at every size".format(*arms.labels)
+        raise UserError(f"{name}=[]: {compared}, which needs compare seeds")
     if scale.axis == "size":
-        bench = load_bench(scale.bench)
+        bench = load_bench(scale.bench, arms=arms)
         jobs = {model: sweeps.check_sweep(*size_config(overrides, model, scale.seeds)) for model in scale.models}
-        return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench)
+        return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench, arms=arms)
     sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
     of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
-    of_sweep = sweep.model_dump(include={"search_seeds", "tune_xsa", "null_arm", "margin"})
-    budgets = {"sa_budgets": sorted(scale.sa_budgets), "xsa_budgets": sorted(scale.xsa_budgets)}
-    plan = report.TokenPlan(axis="tokens", seeds=seeds, **budgets, **of_scale, **of_sweep)  # type: ignore[arg-type]
+    of_sweep = sweep.model_dump(include={"search_seeds", "null_arm", "margin"})
+    budgets = sorted(scale.sa_budgets), sorted(scale.xsa_budgets)
+    plan = report.TokenPlan(
+        axis="tokens",
+        seeds=seeds,
+        sa_budgets=budgets[0],
+        xsa_budgets=budgets[1],
+        tune_xsa=sweep.tune_xsa,
+        arms=arms,
+        **of_scale,
+        **of_sweep,
+    )
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
     return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
@@ -623,15 +679,16 @@ def run_size_axis(
     scale: ScaleSpec,
     jobs: dict[str, sweeps.SweepJob],
     bench: report.BenchRatio | None,
+    arms: report.Arms,
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
     sweeps.stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
-    analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench)
+    analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench, arms)
     results = report.ScaleStudyResult(
-        **vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, **vars(analysis)
+        **vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, arms=arms, **vars(analysis)
     )
     report.write_report(results, study_dir)
     wandb = next(iter(jobs.values())).wandb
@@ -649,9 +706,10 @@ def run_token_axis(
     entries = []
     for size in sizes:
         entry = run_token_size(size, plan, group)
-        bench = run_bench(study_dir, size, identity.overrides) if scale.measure_throughput else None
+        bench = run_bench(study_dir, size, identity.overrides, plan.arms) if scale.measure_throughput else None
         entries.append(replace(entry, bench=bench))
-    analysis = analyse_tokens(entries, plan.sa_budgets, plan.xsa_budgets, seed=scale.bootstrap_seed, margin=plan.margin)
+    budgets = plan.sa_budgets, plan.xsa_budgets
+    analysis = analyse_tokens(entries, *budgets, seed=scale.bootstrap_seed, margin=plan.margin, arms=plan.arms)
     results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
     report.write_report(results, study_dir)
     return unfinished(results)
