@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_module
 from tests.helpers import FAST, refused_in_process, run_cli
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
+from xsa_lm.eval.run import EvalResult, Row, Score, compared, render
 from xsa_lm.sweep.protocol import NULL, Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.trials import TrialRecord, trial_settings
@@ -82,6 +83,25 @@ def test_the_null_arm_is_the_baseline_from_other_weights() -> None:
     assert trial_settings(Trial("xsa", 1e-3, 2), "gated")[0] == "attention=xsa"
     null = trial_settings(Trial(NULL, 1e-3, 2), "gated")
     assert null[0] == "attention=gated" and null[1].startswith("init_seed=") and null[1] != "init_seed=2"
+
+
+def test_the_evaluation_compares_every_other_arm_with_the_baseline() -> None:
+    """eval.json and eval.md: a difference and its interval per other arm, by name, from each arm's mean."""
+    scores = {"gated": [0.4, 0.6], "xsa": [0.7], "sa_wide": [0.2]}
+    rows = [
+        Row(checkpoint=f"/r/{arm}{i}/checkpoints/last.ckpt", attention=arm, run=f"{arm}{i}", average=value,
+            scores={"t": Score(metric="acc", value=value, n=4, stderr=None)})
+        for arm, values in scores.items() for i, value in enumerate(values)
+    ]  # fmt: skip
+    items = [{"t": dict(enumerate(answers))} for answers in ([1, 0, 1, 0], [1, 1, 0, 1], [1, 1, 1, 0], [0, 0, 1, 0])]
+    result = compared(EvalResult(tasks=["t"], limit=None, rows=rows, baseline="gated"), items)
+    xsa, wide = result.by_candidate
+    assert (xsa.candidate, xsa.mean["t"], xsa.counts) == ("xsa", pytest.approx(0.2), (1, 2))
+    assert (wide.candidate, wide.mean["t"], wide.counts) == ("sa_wide", pytest.approx(-0.3), (1, 2))
+    assert xsa.ci95 is not None and xsa.ci95["t"] is not None  # paired over the items: [1,1,1,0] - mean of the two
+    markdown = render(EvalResult.from_json(json.loads(json.dumps(result.to_json()))))
+    assert "| XSA - GATED (means of 1 and 2 checkpoints) | +20.00 |" in re.sub(" +", " ", markdown)
+    assert "| SA_WIDE - GATED (means of 1 and 2 checkpoints) | -30.00 |" in re.sub(" +", " ", markdown)
 
 
 REFUSALS = [

@@ -211,14 +211,28 @@ def evaluate(
             scores[task] = Score(metric=metric, value=value, n=len(values[task]), stderr=stderr)
         items.append(values)
         run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
-        attention = model.config.attention
+        attention = arm_of(path, model)
         rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
-    differences = []  # each other arm's against the baseline, in the order of the checkpoints
-    for arm in dict.fromkeys(row.attention for row in rows):
-        if (mean := minus_baseline(rows, names, baseline, arm)) is not None:
-            ci, (own, base) = paired_intervals(rows, items, names, baseline, arm), arms(rows, baseline, arm)
-            differences.append(Difference(candidate=arm, mean=mean, ci95=ci, counts=(len(own), len(base))))
     result = EvalResult(tasks=names, limit=limit, rows=rows, task_files=task_file_digests(tasks), baseline=baseline)
+    return compared(result, items)
+
+
+def arm_of(checkpoint: Path, model: GPT) -> str:
+    """The attention option the checkpoint's run trained (its config.yaml), else the model's attention."""
+    saved = run_dir_of(checkpoint) / "config.yaml"
+    name = OmegaConf.select(OmegaConf.load(saved), "attention.name") if saved.exists() else None
+    return str(name or model.config.attention)
+
+
+def compared(result: EvalResult, items: list[dict[str, dict[int, float]]]) -> EvalResult:
+    """The result with each other arm's difference from the baseline, in the order of the checkpoints (items: each
+    row's value of each item, by task and doc_id)."""
+    rows, tasks, baseline = result.rows, result.tasks, result.baseline
+    differences = []
+    for arm in dict.fromkeys(row.attention for row in rows):
+        if (mean := minus_baseline(rows, tasks, baseline, arm)) is not None:
+            ci, (own, base) = paired_intervals(rows, items, tasks, baseline, arm), arms(rows, baseline, arm)
+            differences.append(Difference(candidate=arm, mean=mean, ci95=ci, counts=(len(own), len(base))))
     if not differences:
         return result
     first, *more = differences
