@@ -75,9 +75,9 @@ def check_seeds(
         listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
         raise UserError(
             f"{name}={listed(seeds)} contains the search seed(s) {listed(shared)} (sweep.search_seeds): the "
-            "compare phase would reuse the search's winning SA run, selected partly for its luck, which biases the "
-            f"comparison against XSA; use seeds without them (e.g. {name}={listed(instead)}) or set "
-            "sweep.reuse_search_run=true to accept the bias"
+            "compare phase would reuse the search's winning baseline run (sweep.baseline), selected partly for its "
+            "luck, which biases the comparison against the candidates; use seeds without them (e.g. "
+            f"{name}={listed(instead)}) or set sweep.reuse_search_run=true to accept the bias"
         )
     return seeds
 
