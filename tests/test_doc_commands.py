@@ -218,6 +218,8 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm sweep ... sweep.eval_tasks=paper": "`...`: the overrides of a GPU recipe; the hub's task data",
     "xsa-lm sweep ... sweep.lr_range={min:1e-4,max:1e-2,num:5}": "`...`: the overrides of a GPU recipe",
     "xsa-lm sweep ... sweep.tune_xsa=true": "`...`: the overrides of a GPU recipe",
+    "xsa-lm sweep ... sweep.baseline=xsa sweep.candidates=[sa]": "`...`: the overrides of a GPU recipe; arms by "
+    "name, three of them from a --config-dir: test_arms.py (long)",
     "xsa-lm sweep ... sweep.search_seeds=[0,10,20] sweep.seeds=[1,2,3]": "`...`: the overrides of a GPU recipe",
     "xsa-lm sweep ... hydra.run.dir=sweeps/gpt2": "`...`: the overrides of a GPU recipe; resuming: test_sweep.py",
     "xsa-lm sweep experiment=stalls_toy": "50 runs, ~1 h; the stall table of a search-only sweep: test_sweep.py (long)",

@@ -20,10 +20,10 @@ from xsa_lm.eval.run import (
     Score,
     harness_lm,
     load_tasks,
+    minus_baseline,
     paired_intervals,
     render,
     resolve_tasks,
-    xsa_minus_sa,
 )
 from xsa_lm.model import GPT, GPTConfig
 
@@ -98,8 +98,8 @@ def test_the_difference_is_of_the_arms_means_over_their_seeds():
     """Seeds of both arms (as a sweep's compare runs are evaluated): the row was the first XSA minus the first SA."""
     arms = [("xsa", 0.5), ("sa", 0.4), ("xsa", 0.7), ("sa", 0.2), ("sa", 0.3)]
     rows = [row(f"/runs/{a}{v}/checkpoints/last.ckpt", a, v) for a, v in arms]
-    assert xsa_minus_sa(rows, ["t"]) == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
-    assert xsa_minus_sa(rows[1::2], ["t"]) is None  # no XSA checkpoint
+    assert minus_baseline(rows, ["t"], "sa", "xsa") == {"t": pytest.approx(0.6 - 0.3), "average": pytest.approx(0.3)}
+    assert minus_baseline(rows[1::2], ["t"], "sa", "xsa") is None  # no XSA checkpoint
 
 
 def test_the_difference_has_an_interval_paired_over_items():
@@ -112,7 +112,7 @@ def test_the_difference_has_an_interval_paired_over_items():
     other = {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}  # a second SA seed, one more task
     rows = [row(f"/r/{a}/last.ckpt", a, 0.5, run=a) for a in ("sa", "xsa", "sa")]
     items = [{"a": sa, "b": sa}, {"a": xsa, "b": other}, {"a": other, "b": xsa}]
-    intervals = paired_intervals(rows, items, ["a", "b"])
+    intervals = paired_intervals(rows, items, ["a", "b"], "sa", "xsa")
     diffs = {t: [items[1][t][d] - (items[0][t][d] + items[2][t][d]) / 2 for d in range(6)] for t in ("a", "b")}
     for task in ("a", "b"):
         ci = scipy.stats.ttest_1samp(diffs[task], 0.0).confidence_interval(0.95)
@@ -121,7 +121,10 @@ def test_the_difference_has_an_interval_paired_over_items():
     centre = (sum(diffs["a"]) + sum(diffs["b"])) / 12
     assert intervals["average"] == pytest.approx([centre - half, centre + half])
     same = [{"a": sa}, {"a": sa}]
-    assert paired_intervals(rows[:2], same, ["a"]) == {"a": None, "average": None}  # no spread: no interval
+    assert paired_intervals(rows[:2], same, ["a"], "sa", "xsa") == {
+        "a": None,
+        "average": None,
+    }  # no spread: no interval
 
 
 def test_eval_md():
@@ -131,8 +134,10 @@ def test_eval_md():
     runs = [("/r/sa_run/checkpoints/last.ckpt", "sa", 0.425), ("/r/sa_run/checkpoints/step-000010.ckpt", "sa", 0.45)]
     runs += [("/a/xsa/checkpoints/last.ckpt", "xsa", 0.5), ("/b/xsa/checkpoints/last.ckpt", "xsa", 0.55)]
     rows = [replace(row(*r), scores=score(r[2], n=20, stderr=0.11 if i else None)) for i, r in enumerate(runs)]
-    result = EvalResult(tasks=["t"], limit=0.5, rows=rows, xsa_minus_sa=xsa_minus_sa(rows, ["t"]))
+    result = EvalResult(tasks=["t"], limit=0.5, rows=rows, xsa_minus_sa=minus_baseline(rows, ["t"], "sa", "xsa"))
     result = replace(result, xsa_minus_sa_ci95={"t": [-0.25, 0.05], "average": None})
     assert_golden("eval_report.md", render(EvalResult.from_json(json.loads(json.dumps(result.to_json())))))
-    one_each = EvalResult(tasks=["t"], limit=3, rows=rows[1:3], xsa_minus_sa=xsa_minus_sa(rows[1:3], ["t"]))
+    one_each = EvalResult(
+        tasks=["t"], limit=3, rows=rows[1:3], xsa_minus_sa=minus_baseline(rows[1:3], ["t"], "sa", "xsa")
+    )
     assert_golden("eval_report_limit.md", render(one_each))

@@ -63,7 +63,7 @@ def test_a_run_stalls_above_the_median_of_its_lr_plus_the_margin(runs, margin, r
 
 def test_diverged_and_failed_runs_are_counted_apart() -> None:
     records = [run(*r) for r in FAILING]
-    study = stall_study(records, RULE)
+    study = stall_study(records, RULE, "sa", "xsa")
     cells = {c["attention"]: c for c in study.cells}
     assert (cells["sa"]["runs"], cells["sa"]["diverged_or_failed"]) == (3, 1)
     assert (cells["xsa"]["runs"], cells["xsa"]["diverged_or_failed"]) == (2, 1)
@@ -158,7 +158,7 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
     at_1e2 += [run("xsa", 2, 1.0, status="diverged")]
     at_3e2 = [run(arm, s, 6.0, lr=3e-2) for arm in ("sa", "xsa") for s in range(3)]
     rule = StallRule(at_fraction=0.4, margin=0.15, loss_threshold=4.3)
-    study = stall_study(at_1e2 + at_3e2, rule)
+    study = stall_study(at_1e2 + at_3e2, rule, "sa", "xsa")
     cells = {(c["lr"], c["attention"]): c for c in study.cells}
     sa = cells[(1e-2, "sa")]  # the median of 5.0, 5.6, 5.5, 5.0, 5.0 is 5.0: both 5.6 and 5.5 stall
     assert (sa["runs"], sa["stalls"], sa["diverged_or_failed"]) == (3, 2, 0)
@@ -176,7 +176,7 @@ def test_the_study_and_its_table_count_stalls_per_lr_and_arm(tmp_path: Path) -> 
     assert_golden("stalls.md", render("stalls.md.j2", study=study).removesuffix("\n"))
     assert study.stratified_test is not None and study.stratified_test.p_value is not None
     assert math.isfinite(study.stratified_test.p_value)
-    quiet = stall_study(at_3e2, StallRule())
+    quiet = stall_study(at_3e2, StallRule(), "sa", "xsa")
     assert quiet.stratified_test is not None and quiet.stratified_test.p_value is None
     assert_golden("stalls_quiet.md", render("stalls.md.j2", study=quiet).removesuffix("\n"))
 
@@ -190,7 +190,7 @@ def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
     rows = [row("sa", 0.01, s, 5.0 + s / 10) for s in range(3)] + [row("xsa", 0.01, s, 4.9 + s / 10) for s in range(3)]
     rows += [row("sa", 0.03, 0, 5.0), row("xsa", 0.03, 0, 5.2), row("sa", 0.03, 1, 5.0)]  # seed 1 has no XSA
     rows.append(row("xsa", 0.03, 1, 9.0, stalled=None))  # diverged: not paired
-    paired = paired_final_losses(rows)
+    paired = paired_final_losses(rows, "sa", "xsa")
     assert paired is not None and paired.pairs == 4 and paired.xsa_lower == 3
     assert [(c["lr"], c["pairs"], c["xsa_lower"]) for c in paired.per_lr] == [(0.01, 3, 3), (0.03, 1, 0)]
     assert paired.per_lr[0]["median_diff"] == pytest.approx(-0.1)
@@ -198,4 +198,4 @@ def test_final_losses_are_paired_by_lr_and_seed_with_a_pooled_sign_test():
     assert paired.by_seed.clusters == 3 and paired.by_seed.cluster_means == pytest.approx(
         [0.05, -0.1, -0.1]
     )  # seed 0: -0.1 and +0.2
-    assert paired_final_losses([row("sa", 0.01, 0, 5.0)]) is None
+    assert paired_final_losses([row("sa", 0.01, 0, 5.0)], "sa", "xsa") is None

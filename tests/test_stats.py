@@ -138,7 +138,7 @@ def sweep_path(sa: list[float], xsa: list[float], tmp_path: Path) -> dict:
     ]
     results = build_results(
         tmp_path, sweep_id="s", grid=[1e-3], seeds=list(range(1, len(sa) + 1)), train_overrides=[], trials=trials,
-        selection=Selection(lr=1e-3, losses={1e-3: 3.0}), xsa_selection=None,
+        arms=["sa", "xsa"], selection=Selection(lr=1e-3, losses={1e-3: 3.0}),
     )  # fmt: skip
     return results.comparison.paired.to_json()
 
@@ -266,7 +266,7 @@ def _sweep_results(tmp_path: Path, margin: float | None, extra: list[TrialRecord
     selection = select_lr({lr: [("completed", loss)] for lr, loss in search.items()})
     return build_results(
         Path("sweep"), sweep_id="s", grid=sorted(search), seeds=[1, 2, 3, 4], train_overrides=[], trials=trials,
-        selection=selection, xsa_selection=None, margin=margin,
+        arms=["sa", "xsa"], selection=selection, margin=margin,
     )  # fmt: skip
 
 

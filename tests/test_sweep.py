@@ -122,10 +122,10 @@ def test_compare_phase_never_reuses_the_winning_search_run_by_default() -> None:
     search = search_trials(grid, [0, 5], ["sa", "xsa"])
     assert len(search) == 12 and {t.seed for t in search} == {0, 5}  # every LR x every search seed x each arm
     for lr in grid:
-        assert not set(compare_trials(lr, check_seeds([1, 2], search_seeds=[0, 5]))) & set(search)
+        assert not set(compare_trials(lr, check_seeds([1, 2], search_seeds=[0, 5]), ["sa", "xsa"])) & set(search)
     assert check_seeds([3], search_seeds=[7]) == [3]  # the refusals: the next test
     # Opting in: the search's SA run at that LR and seed is the same trial (same id), reused.
-    trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True))
+    trials = compare_trials(3e-4, check_seeds([0, 1], search_seeds=[0], reuse_search_run=True), ["sa", "xsa"])
     assert Trial("sa", 3e-4, 0) in trials and Trial("sa", 3e-4, 0).id == "sa_lr0.0003_s0"
     assert check_seeds([], search_seeds=[0, 1]) == [] and check_seeds(None, search_seeds=[0]) == []  # search only
 
@@ -189,8 +189,8 @@ def _results(trials: list[TrialRecord], selection=SELECTION, *, grid=GRID, **opt
         grid=grid,
         train_overrides=[],
         trials=trials,
+        arms=["sa", "xsa"],
         selection=selection,
-        xsa_selection=None,
         **options,
     )
 
@@ -578,7 +578,7 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
 
 def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[Trial]:
     """Completed compare records of SA and XSA at lr, as the compare phase leaves them."""
-    trials = compare_trials(lr, seeds)
+    trials = compare_trials(lr, seeds, ["sa", "xsa"])
     for trial in trials:
         store.save(replace(TrialRecord.missing(trial, "compare"), status="completed", final_val_loss=3.0))
     return trials
@@ -590,13 +590,13 @@ def test_a_comparison_at_an_earlier_grids_lr_is_reported_not_dropped(tmp_path: P
     _completed_compare(store, 1e-2, [1, 2])
     store.save(replace(TrialRecord.missing(Trial("sa", 1e-2, 0), "search"), status="completed"))  # not a comparison
     _completed_compare(store, 3e-2, [1, 2])
-    assert earlier(store, 1e-2)[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
-    (warning,) = earlier(store, 3e-2)
+    assert earlier(store, 1e-2, ["sa", "xsa"])[0].startswith("this sweep folder already compared SA and XSA at LR 0.03")
+    (warning,) = earlier(store, 3e-2, ["sa", "xsa"])
     runs = "sa_lr0.01_s1, sa_lr0.01_s2, xsa_lr0.01_s1, xsa_lr0.01_s2"
     assert f"at LR 0.01 (4 completed compare run(s): {runs};" in warning
     assert f"runs in {store.runs}) before this run's grid selected LR 0.03" in warning
     assert "the verdict shown was reached after that comparison was seen" in warning
-    assert earlier(TrialStore(tmp_path / "other"), 3e-2) == []
+    assert earlier(TrialStore(tmp_path / "other"), 3e-2, ["sa", "xsa"]) == []
 
 
 def _fake_eval(calls: list[list[str]], returncode: int = 0):
@@ -631,7 +631,7 @@ def test_downstream_evaluation_is_reused_for_the_same_inputs_and_a_failure_fails
     compare = _completed_compare(store, 1e-2, [1])
 
     def evaluate(tasks: list[str], limit: float | None, trials: list[Trial]) -> sweep_run.Evaluation:
-        return downstream_evaluation(tasks, limit, store, trials, sweep_dir)
+        return downstream_evaluation(tasks, limit, store, trials, sweep_dir, baseline="sa")
 
     first = evaluate(["piqa"], 10, compare)
     assert first.result is not None and first.result["limit"] == 10 and first.warnings == []
@@ -953,7 +953,10 @@ SWEEP_REFUSALS = [
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not an option"),
     ("optim.lr=1e-3", "optim.lr is set by the sweep for each trial; set the grid with sweep.lrs"),
-    ("attention=xsa", "attention is set by the sweep for each trial; the sweep trains both SA and XSA"),
+    (
+        "attention=xsa",
+        "attention is set by the sweep for each trial; the sweep trains each arm: choose them with sweep.baseline",
+    ),
     ("seed=3", "seed is set by the sweep for each trial; set the seeds with sweep.search_seeds"),
     # Training keys, as each trial's `xsa-lm train` would refuse them: once, here, not in every trial.
     # An arm's options live in its option file (configs/attention/<arm>.yaml): the baseline's class takes no XSA's.

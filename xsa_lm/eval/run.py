@@ -4,7 +4,7 @@ DIR/eval.json and DIR/eval.md (the paper's Table 2: a row per checkpoint, the av
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 from typing import TYPE_CHECKING, Annotated
@@ -46,6 +46,7 @@ def _limit(value: object) -> str | None:
 
 class EvalOptions(Spec):
     ckpts: Texts
+    baseline: str  # the attention option every other arm is compared with
     tasks: str | list[str] | None
     limit: Annotated[int | float | None, rule(_limit)]
     batch_size: Count
@@ -71,14 +72,37 @@ class Row(Record):  # one checkpoint's scores
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalResult(Record):  # eval.json: each checkpoint's scores, and XSA's minus SA's when both are there
+class Difference(Record):
+    """A candidate arm's mean scores minus the baseline's, per task and on average, and its intervals paired over
+    the items both arms scored; counts: the candidate's and the baseline's checkpoints."""
+
+    candidate: str
+    mean: dict[str, float]
+    ci95: dict[str, list[float] | None] | None = None
+    counts: tuple[int, int] = (1, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult(Record):  # eval.json: each checkpoint's scores, and each other arm's minus the baseline's
     tasks: list[str]
     limit: int | float | None
     rows: list[Row]
     task_files: dict[str, str] = field(default_factory=dict)  # task_file_digests: the local task files' contents
+    baseline: str = "sa"  # the arm the others are compared with (eval.json written before arms had names: SA, XSA)
+    candidate: str = "xsa"  # the first other arm, whose difference the next two keys hold
     xsa_minus_sa: dict[str, float] | None = None
     xsa_minus_sa_ci95: dict[str, list[float] | None] | None = None  # paired over the items both arms scored
+    more_differences: list[Difference] = field(default_factory=list)  # the arms after the first
     schema: int = 1
+
+    @property
+    def by_candidate(self) -> list[Difference]:
+        if self.xsa_minus_sa is None:
+            return []
+        indices = arms(self.rows, self.baseline, self.candidate)
+        counts = (len(indices[0]), len(indices[1]))
+        first = Difference(candidate=self.candidate, mean=self.xsa_minus_sa, ci95=self.xsa_minus_sa_ci95, counts=counts)
+        return [first, *self.more_differences]
 
 
 def require_harness(needed_by: str = "xsa-lm eval") -> None:
@@ -157,7 +181,9 @@ def headline(task: str, metrics: dict) -> tuple[str, float]:
     return name.split(",")[0], value
 
 
-def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int) -> EvalResult:
+def evaluate(
+    ckpts: list[str], tasks: str | list[str] | None, limit: int | float | None, batch_size: int, baseline: str
+) -> EvalResult:
     names, folders = resolve_tasks(tasks)  # the cheap checks first: no network probe or harness import for a typo
     # Offline before datasets and huggingface_hub read these (once): else the hub client retries for minutes
     if hub_unreachable() is not None:
@@ -185,11 +211,34 @@ def evaluate(ckpts: list[str], tasks: str | list[str] | None, limit: int | float
             scores[task] = Score(metric=metric, value=value, n=len(values[task]), stderr=stderr)
         items.append(values)
         run, average = run_dir_of(path).name, fmean(s.value for s in scores.values())
-        attention = model.config.attention
+        attention = arm_of(path, model)
         rows.append(Row(checkpoint=str(path), attention=attention, run=run, scores=scores, average=average))
-    diff, files = xsa_minus_sa(rows, names), task_file_digests(tasks)
-    ci = paired_intervals(rows, items, names) if diff is not None else None
-    return EvalResult(tasks=names, limit=limit, rows=rows, task_files=files, xsa_minus_sa=diff, xsa_minus_sa_ci95=ci)
+    result = EvalResult(tasks=names, limit=limit, rows=rows, task_files=task_file_digests(tasks), baseline=baseline)
+    return compared(result, items)
+
+
+def arm_of(checkpoint: Path, model: GPT) -> str:
+    """The attention option the checkpoint's run trained (its config.yaml), else the model's attention."""
+    saved = run_dir_of(checkpoint) / "config.yaml"
+    name = OmegaConf.select(OmegaConf.load(saved), "attention.name") if saved.exists() else None
+    return str(name or model.config.attention)
+
+
+def compared(result: EvalResult, items: list[dict[str, dict[int, float]]]) -> EvalResult:
+    """The result with each other arm's difference from the baseline, in the order of the checkpoints (items: each
+    row's value of each item, by task and doc_id)."""
+    rows, tasks, baseline = result.rows, result.tasks, result.baseline
+    differences = []
+    for arm in dict.fromkeys(row.attention for row in rows):
+        if (mean := minus_baseline(rows, tasks, baseline, arm)) is not None:
+            ci, (own, base) = paired_intervals(rows, items, tasks, baseline, arm), arms(rows, baseline, arm)
+            differences.append(Difference(candidate=arm, mean=mean, ci95=ci, counts=(len(own), len(base))))
+    if not differences:
+        return result
+    first, *more = differences
+    return replace(
+        result, candidate=first.candidate, xsa_minus_sa=first.mean, xsa_minus_sa_ci95=first.ci95, more_differences=more
+    )
 
 
 def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
@@ -203,17 +252,18 @@ def harness_lm(model: GPT, tokenizer: Tokenizer, batch_size: int) -> "HFLM":
     return HFLM(pretrained=hf, tokenizer=hf_tok, backend="causal", batch_size=batch_size)
 
 
-def arms(rows: list[Row]) -> list[list[int]]:
-    """The indices of the XSA rows, then of the SA rows."""
-    return [[i for i, r in enumerate(rows) if r.attention == arm] for arm in ("xsa", "sa")]
+def arms(rows: list[Row], baseline: str, candidate: str) -> list[list[int]]:
+    """The indices of the candidate's rows, then of the baseline's."""
+    return [[i for i, r in enumerate(rows) if r.attention == arm] for arm in (candidate, baseline)]
 
 
 def paired_intervals(
-    rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str]
+    rows: list[Row], items: list[dict[str, dict[int, float]]], tasks: list[str], baseline: str, candidate: str
 ) -> dict[str, list[float] | None]:
-    """95% interval of XSA - SA per task, paired over the items both arms scored, and of the average (the tasks'
-    half-widths added in quadrature, over T: their items are independent). The items' noise only, not the seeds'."""
-    xsa, sa = arms(rows)
+    """95% interval of candidate - baseline per task, paired over the items both arms scored, and of the average (the
+    tasks' half-widths added in quadrature, over T: their items are independent). The items' noise only, not the
+    seeds'."""
+    xsa, sa = arms(rows, baseline, candidate)
     intervals: dict[str, list[float] | None] = {}
     for task in tasks:
         shared = sorted(set.intersection(*(set(items[i][task]) for i in xsa + sa)))
@@ -227,10 +277,11 @@ def paired_intervals(
     return intervals
 
 
-def xsa_minus_sa(rows: list[Row], tasks: list[str]) -> dict[str, float] | None:
-    """XSA's mean score minus SA's per task and on average over each arm's checkpoints; None without both arms."""
-    xsa, sa = ([rows[i] for i in arm] for arm in arms(rows))
-    if not xsa or not sa:
+def minus_baseline(rows: list[Row], tasks: list[str], baseline: str, candidate: str) -> dict[str, float] | None:
+    """The candidate's mean score minus the baseline's per task and on average over each arm's checkpoints; None
+    without both arms (or when the candidate is the baseline)."""
+    xsa, sa = ([rows[i] for i in arm] for arm in arms(rows, baseline, candidate))
+    if not xsa or not sa or candidate == baseline:
         return None
     diff = {task: fmean(r.scores[task].value for r in xsa) - fmean(r.scores[task].value for r in sa) for task in tasks}
     return diff | {"average": fmean(r.average for r in xsa) - fmean(r.average for r in sa)}
@@ -246,8 +297,7 @@ def render(result: EvalResult) -> str:
         by_run.setdefault((row.attention, run_dir_of(Path(row.checkpoint)).resolve()), []).append(label)
     note = "{}'s mean counts {} checkpoints of one run, {} ({}): they are not independent runs"
     notes = [note.format(a.upper(), len(n), run, ", ".join(n)) for (a, run), n in by_run.items() if len(n) > 1]
-    counts = [len(indices) for indices in arms(rows)]
-    return reporting.render("eval.md.j2", r=result, labels=labels, counts=counts, notes=notes).removesuffix("\n")
+    return reporting.render("eval.md.j2", r=result, labels=labels, notes=notes).removesuffix("\n")
 
 
 def log_to_wandb(result: EvalResult, mode: str) -> None:
@@ -276,7 +326,9 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     options = parse(EvalOptions, cfg)  # wandb too: before any scoring
     require_harness()
-    result = evaluate(checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size)
+    result = evaluate(
+        checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size, options.baseline
+    )
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "eval.md", render(result) + "\n")
     write_json(out / "eval.json", result.to_json())  # last: it marks a finished eval's folder, which a rerun refuses

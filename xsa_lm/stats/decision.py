@@ -59,9 +59,10 @@ class MarginVerdict(Record):
     why: str
 
 
-def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
-    """The verdict on the paired differences XSA - SA against `margin` >= 0 nats, from the one-sided 95% bounds:
-    better (upper < -margin), worse (lower > margin), not worse (upper < margin: non-inferior), else inconclusive."""
+def margin_verdict(diffs: Sequence[float], margin: float, arm: str = "XSA") -> MarginVerdict:
+    """The verdict on the paired differences `arm` - baseline (XSA - SA) against `margin` >= 0 nats, from the one-sided
+    95% bounds: better (upper < -margin), worse (lower > margin), not worse (upper < margin: non-inferior), else
+    inconclusive."""
     ci = paired_t(diffs, confidence=1 - 2 * ALPHA).ci  # its ends are the one-sided bounds at level ALPHA
     if ci is None:
         why = "fewer than 2 pairs, or differences with no spread: no interval, so no claim either way"
@@ -69,11 +70,11 @@ def margin_verdict(diffs: Sequence[float], margin: float) -> MarginVerdict:
     lower, upper = ci
     bounds = f"one-sided {1 - ALPHA:.0%} bounds [{lower:+.4f}, {upper:+.4f}] against the margin {margin:g}"
     if upper < -margin:
-        verdict, why = "better", f"XSA is lower by more than the margin: {bounds}"
+        verdict, why = "better", f"{arm} is lower by more than the margin: {bounds}"
     elif lower > margin:
-        verdict, why = "worse", f"XSA is higher by more than the margin: {bounds}"
+        verdict, why = "worse", f"{arm} is higher by more than the margin: {bounds}"
     elif upper < margin:
-        verdict, why = "not worse", f"XSA is no worse than the margin, and not shown better by more than it: {bounds}"
+        verdict, why = "not worse", f"{arm} is no worse than the margin, and not shown better by more than it: {bounds}"
     else:
         verdict, why = "inconclusive", f"the interval reaches past the margin: {bounds}; more seeds decide"
     return MarginVerdict(margin=margin, lower=lower, upper=upper, verdict=verdict, why=why)

@@ -5,7 +5,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from xsa_lm.config.spec import SEED_MAX
 from xsa_lm.errors import UserError
@@ -52,7 +52,7 @@ def lr_grid(lrs: Sequence[float] | None, lr_range: dict | None, preset: Sequence
     if not (lrs or preset):
         raise UserError("the sweep needs an LR grid: set sweep.lrs=[...] or sweep.lr_range={min:..,max:..,num:..}")
     grid = sorted({float(lr) for lr in lrs or preset or []})
-    named = {lr: Trial("sa", lr, 0).id for lr in grid}
+    named = {lr: f"lr{lr:.3g}" for lr in grid}  # the LR's part of a trial's id
     for a, b in itertools.pairwise(grid):  # one name, one run folder and record: the second LR would reuse the first's
         if named[a] == named[b]:
             source = "sweep.lr_range gives" if from_range else "the LR grid has"
@@ -75,9 +75,9 @@ def check_seeds(
         listed = lambda values: f"[{','.join(map(str, values))}]"  # as typed on a command line
         raise UserError(
             f"{name}={listed(seeds)} contains the search seed(s) {listed(shared)} (sweep.search_seeds): the "
-            "compare phase would reuse the search's winning SA run, selected partly for its luck, which biases the "
-            f"comparison against XSA; use seeds without them (e.g. {name}={listed(instead)}) or set "
-            "sweep.reuse_search_run=true to accept the bias"
+            "compare phase would reuse the search's winning baseline run (sweep.baseline), selected partly for its "
+            "luck, which biases the comparison against the candidates; use seeds without them (e.g. "
+            f"{name}={listed(instead)}) or set sweep.reuse_search_run=true to accept the bias"
         )
     return seeds
 
@@ -86,11 +86,12 @@ def search_trials(grid: Sequence[float], seeds: Sequence[int], attentions: Seque
     return [Trial(attention, lr, seed) for attention in attentions for lr in grid for seed in seeds]
 
 
-def compare_trials(lr: float, seeds: Sequence[int]) -> list[Trial]:
-    return [Trial(attention, lr, seed) for seed in seeds for attention in ("sa", "xsa")]
+def compare_trials(lr: float, seeds: Sequence[int], arms: Sequence[str]) -> list[Trial]:
+    """Every arm (the baseline, then the candidates) at the selected LR, seed by seed."""
+    return [Trial(attention, lr, seed) for seed in seeds for attention in arms]
 
 
-NULL = "null"  # the null arm's trials: SA with other initial weights
+NULL = "null"  # the null arm's trials: the baseline with other initial weights
 FINISHED = ("completed", "diverged")  # a trial's final status: a rerun reuses it
 
 
@@ -137,9 +138,11 @@ def select_lr(results: dict[float, list[tuple[str | None, float | None]]]) -> Se
 
 @dataclass
 class Comparison:
+    """A candidate's final losses against the baseline's, paired by seed (fields named as in results.json)."""
+
     seeds: list[int]
-    sa: list[float]
-    xsa: list[float]
+    sa: list[float]  # the baseline's
+    xsa: list[float]  # the candidate's
 
     @property
     def diffs(self) -> list[float]:
@@ -206,10 +209,11 @@ class SequentialRule:
     cap: int
     first_look: int  # the seeds of the first look: sweep.seeds, at least 2 (no CI below two pairs)
     alpha: float = ALPHA
+    contrast: str = "XSA - SA"  # the difference it tests, by the arms' names
 
     @classmethod
-    def plan(cls, n_seeds: int, cap: int) -> "SequentialRule":
-        return cls(cap=cap, first_look=min(max(n_seeds, 2), cap))
+    def plan(cls, n_seeds: int, cap: int, contrast: str = "XSA - SA") -> "SequentialRule":
+        return cls(cap=cap, first_look=min(max(n_seeds, 2), cap), contrast=contrast)
 
     @property
     def looks(self) -> int:
@@ -235,9 +239,11 @@ class SequentialRule:
         last = looks[-1] if looks else None
         return SequentialSummary(
             rule=f"one seed pair at a time from {self.first_look} to {self.cap} compare seeds, until the "
-            "corrected paired CI of XSA - SA excludes 0",
+            f"corrected paired CI of {self.contrast} excludes 0",
             correction="bonferroni",
-            **asdict(self),  # cap, first_look, alpha
+            cap=self.cap,
+            first_look=self.first_look,
+            alpha=self.alpha,
             planned_looks=self.looks,
             alpha_per_look=self.alpha_per_look,
             confidence=1 - self.alpha_per_look,

@@ -1,4 +1,5 @@
-"""A sweep's outputs: results.json (SweepResult), report.md (templates/sweep.md.j2), the plots and a W&B report run."""
+"""A sweep's outputs: results.json (SweepResult), report.md (templates/sweep.md.j2), the plots and a W&B report run.
+Each candidate is compared with the baseline under their names (the arms: sweep.baseline, sweep.candidates)."""
 
 import statistics
 from collections.abc import Sequence
@@ -36,22 +37,25 @@ def arms_by_seed(trials: Sequence[TrialRecord], *phases: str) -> dict[int, dict[
     return by_seed
 
 
-def completed_pairs(trials: Sequence[TrialRecord], arm: str = "xsa") -> list[tuple[TrialRecord, TrialRecord]]:
-    """The (SA, `arm`) compare trials of each seed where both completed, by seed."""
+def completed_pairs(trials: Sequence[TrialRecord], baseline: str, arm: str) -> list[tuple[TrialRecord, TrialRecord]]:
+    """The (baseline, `arm`) compare trials of each seed where both completed, by seed."""
     by_seed = arms_by_seed(trials, "compare", NULL).values()
-    return [(t["sa"], t[arm]) for t in by_seed if all(a in t and t[a].status == "completed" for a in ("sa", arm))]
+    return [
+        (t[baseline], t[arm]) for t in by_seed if all(a in t and t[a].status == "completed" for a in (baseline, arm))
+    ]
 
 
-def comparison_of(trials: Sequence[TrialRecord], arm: str = "xsa") -> Comparison:
-    """The final losses of the seeds where SA and `arm` both completed (a diverged or failed side drops the pair)."""
-    pairs = completed_pairs(trials, arm)
+def comparison_of(trials: Sequence[TrialRecord], baseline: str, arm: str) -> Comparison:
+    """The final losses of the seeds where the baseline and `arm` both completed (a diverged or failed side drops the
+    pair)."""
+    pairs = completed_pairs(trials, baseline, arm)
     loss = lambda t: cast(float, t.final_val_loss)  # a completed run has its loss
     return Comparison(seeds=[s.seed for s, _ in pairs], sa=[loss(s) for s, _ in pairs], xsa=[loss(x) for _, x in pairs])
 
 
 @dataclass(frozen=True, kw_only=True)
 class BpbStats(PairedStats):
-    """Each arm's mean bits per byte (tokenizer-independent) and the paired tests of XSA - SA on them."""
+    """Each arm's mean bits per byte (tokenizer-independent) and the paired tests of candidate - baseline on them."""
 
     sa_mean: float
     xsa_mean: float
@@ -63,7 +67,8 @@ def bpb_stats(sa: list[float], xsa: list[float]) -> BpbStats:
 
 @dataclass(frozen=True, kw_only=True)
 class NullComparison(PairedStats):
-    """The A/A null (sweep.null_arm) against SA: the paired tests, the verdict, how often studies claim an effect."""
+    """The A/A null (sweep.null_arm) against the baseline: the paired tests, the verdict, how often studies claim an
+    effect (`sa`: the baseline's losses)."""
 
     seeds: list[int]
     sa: list[float]
@@ -73,8 +78,8 @@ class NullComparison(PairedStats):
     rates: list[NullRates]
 
 
-def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> NullComparison | None:
-    pairs = comparison_of(trials, arm=NULL)
+def null_comparison(trials: Sequence[TrialRecord], margin: float | None, baseline: str) -> NullComparison | None:
+    pairs = comparison_of(trials, baseline, NULL)
     if not pairs.seeds:
         return None
     diffs, sizes = pairs.diffs, null_study_sizes(len(pairs.diffs)) if margin is not None else []
@@ -90,10 +95,11 @@ def null_comparison(trials: Sequence[TrialRecord], margin: float | None) -> Null
 
 
 def dropped_warning(seed: int, sides: dict[str, str]) -> str:
-    """Why a compare seed is left out of the statistics (`sides`: the status of SA's and XSA's run)."""
+    """Why a compare seed is left out of the statistics (`sides`: the status of each arm's run, the baseline first)."""
     what = {"diverged": "diverged", "failed": "failed", "missing": "did not run"}
     failed = (f"{a.upper()} {what.get(s, 'did not finish')}" for a, s in sides.items() if s != "completed")
-    left_out = "the mean, the confidence interval and the count of seeds where XSA is lower"
+    lower = " or ".join(a.upper() for a in list(sides)[1:])
+    left_out = f"the mean, the confidence interval and the count of seeds where {lower} is lower"
     warning = f"seed {seed} is left out of {left_out}: " + " and ".join(failed)
     if "diverged" in sides.values():
         warning += "; a divergence at the shared LR is a result in itself, not noise: weigh it beside the verdict"
@@ -103,8 +109,8 @@ def dropped_warning(seed: int, sides: dict[str, str]) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class XsaTuning(Record):
-    """sweep.tune_xsa: XSA's own best LR and loss, and its loss at the LR selected on SA."""
+class Tuning(Record):
+    """sweep.tune_xsa: a candidate's own best LR and loss, and its loss at the LR selected on the baseline."""
 
     selected_lr: float | None
     loss_at_own_lr: float | None
@@ -125,7 +131,8 @@ RESULTS_NAMES = {  # PairedStats' field -> its name in results.json's comparison
 
 @dataclass(frozen=True, kw_only=True)
 class ComparisonStats(Record):
-    """results.json's comparison: each arm's mean and std, and paired_stats under the key names of docs/sweep.md."""
+    """results.json's comparison: each arm's mean and std, and paired_stats under the key names of docs/sweep.md
+    (sa: the baseline, xsa: the candidate, whatever their names: the keys of the two-arm protocol's results)."""
 
     seeds: list[int]
     sa: list[float]
@@ -151,7 +158,8 @@ class ComparisonStats(Record):
     margin: MarginVerdict | None = None  # against sweep.margin
 
     @classmethod
-    def of(cls, comparison: Comparison, dropped: list[dict], margin: float | None) -> "ComparisonStats":
+    def of(cls, comparison: Comparison, dropped: list[dict], margin: float | None, arm: str) -> "ComparisonStats":
+        """`arm`: the candidate's name in the verdict's reason."""
         (sa_mean, sa_std), (xsa_mean, xsa_std) = mean_std(comparison.sa), mean_std(comparison.xsa)
         paired = paired_stats(comparison.sa, comparison.xsa)
         return cls(
@@ -167,7 +175,7 @@ class ComparisonStats(Record):
             dof=paired.pairs - 1 if paired.pairs > 1 else None,
             min_detectable_diff=min_detectable_difference(paired.sd_diff, paired.pairs),
             dropped_seeds=dropped,
-            margin=margin_verdict(comparison.diffs, margin) if margin is not None else None,
+            margin=margin_verdict(comparison.diffs, margin, arm) if margin is not None else None,
         )
 
     @property
@@ -182,7 +190,21 @@ class ComparisonStats(Record):
         if self.diff_ci95 is None:
             return "one seed" if len(self.seeds) == 1 else "no spread"
         low, high = self.diff_ci95
-        return "xsa lower" if high < 0 else "xsa higher" if low > 0 else "not significant"
+        return "xsa lower" if high < 0 else "xsa higher" if low > 0 else "not significant"  # the candidate's
+
+
+@dataclass(frozen=True, kw_only=True)
+class CandidateResult(Record):
+    """One candidate against the baseline: the comparison at the shared LR, per seed, in bits per byte, along the
+    window; its own LR (sweep.tune_xsa) and the stalls of the search."""
+
+    candidate: str
+    comparison: ComparisonStats
+    compare_table: list[dict] = field(default_factory=list)  # per seed: each arm's loss (or status), the difference
+    bpb: BpbStats | None = None
+    positions: PositionDifferences | None = None
+    tuning: Tuning | None = None
+    stalls: StallStudy | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,11 +228,14 @@ class SweepResult(Record):
     search_seeds: list[int]
     reuse_search_run: bool = False
     selected_lr: float | None
+    baseline: str = "sa"  # results written before the arms had names compared SA with XSA
+    candidates: list[str] = field(default_factory=lambda: ["xsa"])
     warnings: list[str] = field(default_factory=list)
     search: dict[str, dict[str, SearchPoint]] = field(default_factory=dict)  # arm -> LR (as "g") -> its point
+    # The first candidate's results (the two-arm protocol's keys); the others' in more_candidates
     comparison: ComparisonStats
-    compare_table: list[dict] = field(default_factory=list)  # per seed: sa, xsa, diff as the report prints them
-    xsa_tuning: XsaTuning | None = None
+    compare_table: list[dict] = field(default_factory=list)  # per seed: each arm's loss and diff as the report prints
+    xsa_tuning: Tuning | None = None
     sequential: SequentialSummary | None = None
     stalls: StallStudy | None = None
     trials: list[TrialRecord] = field(default_factory=list)
@@ -219,7 +244,22 @@ class SweepResult(Record):
     bpb: BpbStats | None = None  # bits per byte of the compare runs
     positions: PositionDifferences | None = None  # XSA - SA per span of window positions
     null: NullComparison | None = None  # the A/A null of sweep.null_arm
+    more_candidates: list[CandidateResult] = field(default_factory=list)  # the candidates after the first
     schema: int = 1
+
+    @property
+    def by_candidate(self) -> list[CandidateResult]:
+        """Every candidate's results, in sweep.candidates' order."""
+        first = CandidateResult(
+            candidate=self.candidates[0],
+            comparison=self.comparison,
+            compare_table=self.compare_table,
+            bpb=self.bpb,
+            positions=self.positions,
+            tuning=self.xsa_tuning,
+            stalls=self.stalls,
+        )
+        return [first, *self.more_candidates]
 
 
 def build_results(
@@ -230,50 +270,44 @@ def build_results(
     seeds: list[int],
     train_overrides: list[str],
     trials: list[TrialRecord],
+    arms: Sequence[str],
     selection: Selection,
-    xsa_selection: Selection | None,
+    tuned: dict[str, Selection] | None = None,
     search_seeds: Sequence[int] = (0,),
     sequential: SequentialSummary | None = None,
     stall_rule: StallRule | None = None,
     margin: float | None = None,
 ) -> SweepResult:
-    """Everything the report shows, from the trial records of every phase; the stall table needs two search seeds."""
+    """Everything the report shows, from the trial records of every phase (arms: the baseline, then the candidates;
+    tuned: the candidates' own LR selections); the stall table needs two search seeds."""
+    baseline, candidates, tuned = arms[0], list(arms[1:]), tuned or {}
     search: dict[str, dict[str, SearchPoint]] = {}
-    medians = {"sa": selection.losses, "xsa": xsa_selection.losses if xsa_selection else {}}
+    medians = {baseline: selection.losses} | {arm: own.losses for arm, own in tuned.items()}
     searched = [t for t in trials if t.phase == "search"]
     for arm, lr in dict.fromkeys((t.attention, t.lr) for t in searched):
         runs = [t for t in searched if (t.attention, t.lr) == (arm, lr)]
         search.setdefault(arm, {})[f"{lr:g}"] = SearchPoint(lr=lr, median=medians[arm].get(lr), runs=runs)
-    tuning = None
-    if xsa_selection is not None:
-        shared = search.get("xsa", {}).get(f"{selection.lr:g}") if selection.lr is not None else None
-        own = xsa_selection.losses.get(xsa_selection.lr) if xsa_selection.lr is not None else None
-        tuning = XsaTuning(
-            selected_lr=xsa_selection.lr, loss_at_own_lr=own, loss_at_shared_lr=shared.median if shared else None
-        )
-    warnings = selection.warnings + [f"XSA search: {w}" for w in (xsa_selection.warnings if xsa_selection else [])]
+    warnings = selection.warnings + [f"{arm.upper()} search: {w}" for arm, own in tuned.items() for w in own.warnings]
     shared_seeds = [s for s in seeds if s in search_seeds]  # allowed only with sweep.reuse_search_run=true
     if reused := selection.lr is not None and bool(shared_seeds):
+        name, others = baseline.upper(), " and ".join(c.upper() for c in candidates)
         warnings.append(
-            f"the comparison at seed(s) {shared_seeds} reuses the search's winning SA runs "
-            "(sweep.reuse_search_run=true), selected partly for their luck while XSA's were not: it is biased against "
-            f"XSA; for an unbiased one use compare seeds without {shared_seeds} (sweep.seeds)"
+            f"the comparison at seed(s) {shared_seeds} reuses the search's winning {name} runs "
+            f"(sweep.reuse_search_run=true), selected partly for their luck while {others}'s were not: it is biased "
+            f"against {others}; for an unbiased one use compare seeds without {shared_seeds} (sweep.seeds)"
         )
-    rows, dropped = [], []  # per compare seed that ran: each side's loss (or status) and XSA - SA; the seeds left out
-    for seed, pair in arms_by_seed(trials, "compare").items():
-        sides = {a: pair[a].status if a in pair else "missing" for a in ("sa", "xsa")}
-        done = all(status == "completed" for status in sides.values())
-        if not done:
-            dropped.append({"seed": seed, **sides})
+    for seed, by_arm in arms_by_seed(trials, "compare").items():
+        sides = {a: by_arm[a].status if a in by_arm else "missing" for a in arms}
+        if any(status != "completed" for status in sides.values()):
             warnings.append(dropped_warning(seed, sides))
-        if seed in seeds:
-            cell = {a: num(t.final_val_loss) if t.status == "completed" else t.status for a, t in pair.items()}
-            loss = {a: cast(float, t.final_val_loss) for a, t in pair.items()}  # completed: it has its loss
-            diff = loss["xsa"] - loss["sa"] if done else None
-            row = {"seed": seed, "sa": cell.get("sa", "-"), "xsa": cell.get("xsa", "-"), "diff": num(diff, "+.4f")}
-            rows.append(row)
-    pairs = completed_pairs(trials)
-    bpb = [[t.final_val_bpb for t in arm] for arm in zip(*pairs, strict=True)]
+    first, *more = (
+        candidate_result(trials, baseline, candidate, seeds, margin, tuned.get(candidate), selection.lr)
+        for candidate in candidates
+    )
+    if stall_rule is not None and len(search_seeds) >= 2:  # the first candidate's stalls whether it was searched or not
+        study = lambda c: stall_study([t for t in searched if t.attention in (baseline, c)], stall_rule, baseline, c)
+        first = replace(first, stalls=study(first.candidate))
+        more = [replace(c, stalls=study(c.candidate)) if c.candidate in search else c for c in more]
     return SweepResult(
         sweep_dir=str(sweep_dir),
         sweep_id=sweep_id,
@@ -283,19 +317,62 @@ def build_results(
         search_seeds=list(search_seeds),
         reuse_search_run=reused,
         selected_lr=selection.lr,
+        baseline=baseline,
+        candidates=candidates,
         warnings=warnings,
         search=search,
-        comparison=ComparisonStats.of(comparison_of(trials), dropped, margin),
+        comparison=first.comparison,
+        compare_table=first.compare_table,
+        bpb=first.bpb,
+        null=null_comparison(trials, margin, baseline),
+        positions=first.positions,
+        xsa_tuning=first.tuning,
+        sequential=sequential,
+        stalls=first.stalls,
+        trials=trials,
+        more_candidates=more,
+    )
+
+
+def candidate_result(
+    trials: Sequence[TrialRecord],
+    baseline: str,
+    candidate: str,
+    seeds: list[int],
+    margin: float | None,
+    own: Selection | None,
+    shared_lr: float | None,
+) -> CandidateResult:
+    """One candidate against the baseline at the shared LR (own: its own LR selection, sweep.tune_xsa)."""
+    rows, dropped = [], []  # per compare seed that ran: each side's loss (or status) and the difference; left out
+    for seed, by_arm in arms_by_seed(trials, "compare").items():
+        pair = {a: by_arm[a] for a in (baseline, candidate) if a in by_arm}
+        sides = {a: pair[a].status if a in pair else "missing" for a in (baseline, candidate)}
+        done = all(status == "completed" for status in sides.values())
+        if not done:
+            dropped.append({"seed": seed, **sides})
+        if seed in seeds:
+            cell = {a: num(t.final_val_loss) if t.status == "completed" else t.status for a, t in pair.items()}
+            loss = {a: cast(float, t.final_val_loss) for a, t in pair.items()}  # completed: it has its loss
+            diff = loss[candidate] - loss[baseline] if done else None
+            row = {"seed": seed, baseline: cell.get(baseline, "-"), candidate: cell.get(candidate, "-")}
+            rows.append(row | {"diff": num(diff, "+.4f")})
+    pairs = completed_pairs(trials, baseline, candidate)
+    bpb = [[t.final_val_bpb for t in arm] for arm in zip(*pairs, strict=True)]
+    tuning = None
+    if own is not None:
+        shared = own.losses.get(shared_lr) if shared_lr is not None else None
+        own_loss = own.losses.get(own.lr) if own.lr is not None else None
+        tuning = Tuning(selected_lr=own.lr, loss_at_own_lr=own_loss, loss_at_shared_lr=shared)
+    return CandidateResult(
+        candidate=candidate,
+        comparison=ComparisonStats.of(comparison_of(trials, baseline, candidate), dropped, margin, candidate.upper()),
         compare_table=sorted(rows, key=lambda row: seeds.index(row["seed"])),
         bpb=bpb_stats(*cast(list[list[float]], bpb)) if bpb and None not in bpb[0] + bpb[1] else None,
-        null=null_comparison(trials, margin),
         positions=position_differences(
-            [sa.final_val_loss_by_position for sa, _ in pairs], [xsa.final_val_loss_by_position for _, xsa in pairs]
+            [b.final_val_loss_by_position for b, _ in pairs], [c.final_val_loss_by_position for _, c in pairs]
         ),
-        xsa_tuning=tuning,
-        sequential=sequential,
-        stalls=stall_study(searched, stall_rule) if stall_rule is not None and len(search_seeds) >= 2 else None,
-        trials=trials,
+        tuning=tuning,
     )
 
 
@@ -310,9 +387,14 @@ def render_markdown(results: SweepResult) -> str:
     return render("sweep.md.j2", r=results, evaluation=evaluation)
 
 
+def arm_colors(results: SweepResult) -> dict[str, str]:
+    """Each arm's color in every plot: matplotlib's cycle, the baseline first (SA blue, XSA orange by default)."""
+    return {arm: f"C{i}" for i, arm in enumerate([results.baseline, *results.candidates])}
+
+
 def plot_lr_sweep(results: SweepResult, path: Path) -> None:
     with saved_figure(path) as ax:
-        for attention, color in (("sa", "tab:blue"), ("xsa", "tab:orange")):
+        for attention, color in arm_colors(results).items():
             points = results.search.get(attention, {}).values()
             medians = sorted((p.lr, p.median) for p in points if p.median is not None)
             if medians:
@@ -335,47 +417,62 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
 def plot_curves(results: SweepResult, path: Path) -> None:
     """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
     search_only, selected_lr = not any(t.phase == "compare" for t in results.trials), results.selected_lr
+    colors = arm_colors(results)
     with saved_figure(path) as ax:
         for t in results.trials:
             if t.val_history and (t.phase == "compare" or (search_only and t.lr == selected_lr)):
                 tokens, losses = zip(*((h["tokens"], h["val_loss"]) for h in t.val_history), strict=True)
-                color, style = "tab:blue" if t.attention == "sa" else "tab:orange", ["-", "--", ":", "-."][t.seed % 4]
+                color, style = colors.get(t.attention, "gray"), ["-", "--", ":", "-."][t.seed % 4]
                 label = f"{t.attention.upper()} seed {t.seed}"
                 ax.plot(tokens, losses, style, color=color, marker="o", markersize=3, label=label)
         ax.set(xlabel="tokens", ylabel="validation loss")
         search = f" ({selected_lr:g}, search runs)" if search_only and selected_lr else ""
-        ax.set_title("SA vs XSA at the shared LR" + search)
+        ax.set_title(f"{' vs '.join(a.upper() for a in colors)} at the shared LR" + search)
         if ax.lines:
             ax.legend()
 
 
 def plot_positions(results: SweepResult, path: Path) -> None:
-    """XSA - SA per span of window positions: the mean over seeds with its 95% interval."""
-    positions = cast(PositionDifferences, results.positions)
-    spans = list(range(1, positions.spans + 1))
-    means = [s.mean_diff or 0.0 for s in positions.per_span]
-    cis = [s.t_ci95 or (m, m) for s, m in zip(positions.per_span, means, strict=True)]
+    """Each candidate - baseline per span of window positions: the mean over seeds with its 95% interval."""
+    colors, several = arm_colors(results), len(results.candidates) > 1
     with saved_figure(path) as ax:
-        ax.fill_between(spans, [c[0] for c in cis], [c[1] for c in cis], color="tab:orange", alpha=0.25, label="95% CI")
-        ax.plot(spans, means, "o-", color="tab:orange", label="mean over seeds")
+        for candidate in results.by_candidate:
+            if (positions := candidate.positions) is None:
+                continue
+            name, color = f"{candidate.candidate.upper()}: " if several else "", colors[candidate.candidate]
+            spans = list(range(1, positions.spans + 1))
+            means = [s.mean_diff or 0.0 for s in positions.per_span]
+            cis = [s.t_ci95 or (m, m) for s, m in zip(positions.per_span, means, strict=True)]
+            ax.fill_between(spans, *zip(*cis, strict=True), color=color, alpha=0.25, label=f"{name}95% CI")
+            ax.plot(spans, means, "o-", color=color, label=f"{name}mean over seeds")
         ax.axhline(0, color="gray", linewidth=0.8)
-        ax.set(xlabel="span of window positions (earliest first)", ylabel="XSA - SA val loss (nats)")
+        contrast = "candidate" if several else results.candidates[0].upper()
+        ax.set(
+            xlabel="span of window positions (earliest first)",
+            ylabel=f"{contrast} - {results.baseline.upper()} val loss (nats)",
+        )
         ax.legend()
 
 
 def write_report(results: SweepResult, sweep_dir: Path) -> str:
     """results.json, report.md and the plots in the sweep directory; returns the markdown."""
     plots = {"lr_sweep.png": plot_lr_sweep, "curves.png": plot_curves}
-    plots |= {"positions.png": plot_positions} if results.positions else {}
+    plots |= {"positions.png": plot_positions} if any(c.positions for c in results.by_candidate) else {}
     return write_report_files(sweep_dir, results, render_markdown(results), plots)
 
 
 def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSettings) -> None:
     """A `report` run in the sweep's W&B group: the trials table, the comparison, the plots and the report's files."""
     columns = ["phase", "attention", "lr", "seed", "status", "final_val_loss", "tokens_seen", "run_dir"]
-    compare, names = results.comparison, ["lr_sweep", "curves"] + (["positions"] if results.positions else [])
+    positions = any(c.positions for c in results.by_candidate)
+    compare, names = results.comparison, ["lr_sweep", "curves"] + (["positions"] if positions else [])
     low, high = compare.diff_ci95 or (None, None)
     keys = "sa_mean xsa_mean diff_mean diff_p_value wilcoxon_p_value sign_test_p_value min_detectable_diff".split()
+    others = {  # the candidates after the first under their names (the first's keep the two-arm protocol's)
+        f"{c.candidate}/{key}": value
+        for c in results.more_candidates
+        for key, value in [(k, getattr(c.comparison, k)) for k in keys] + [("significance", c.comparison.significance)]
+    }
     log_report_run(
         sweep_dir,
         wandb_cfg,
@@ -383,7 +480,10 @@ def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSett
         group=results.sweep_id,
         job_type="report",
         artifact_type="sweep-report",
-        config={k: getattr(results, k) for k in ("grid", "seeds", "search_seeds", "train_overrides", "selected_lr")},
+        config={
+            k: getattr(results, k)
+            for k in ("grid", "seeds", "search_seeds", "train_overrides", "selected_lr", "baseline", "candidates")
+        },
         table=("report/trials", columns, [[getattr(t, c) for c in columns] for t in results.trials]),
         plots={f"report/{name}": f"{name}.png" for name in names},
         summary={key: getattr(compare, key) for key in [*keys, "sa_std", "xsa_std"]}
@@ -397,7 +497,8 @@ def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSett
             "margin_verdict": compare.margin.verdict if compare.margin else None,
             "bpb_diff_mean": results.bpb.mean_diff if results.bpb else None,
             "position_slope_mean": results.positions.slope_mean if results.positions else None,
-        },
+        }
+        | others,
     )
 
 

@@ -1,8 +1,9 @@
-"""`xsa-lm sweep`: the paper's protocol in one command.
-1. search:  SA at every LR of the grid x every seed of sweep.search_seeds (with sweep.tune_xsa, XSA too)
-2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
-3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner was lucky)
-4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
+"""`xsa-lm sweep`: the paper's protocol in one command, over arms named by attention option (sweep.baseline: SA,
+sweep.candidates: [XSA] by default).
+1. search:  the baseline at every LR of the grid x every seed of sweep.search_seeds (sweep.tune_xsa: the candidates too)
+2. select:  the LR with the lowest median final val loss of the baseline over the search seeds (diverged never win)
+3. compare: every arm at that LR for every seed of sweep.seeds (no search seed: the search's winner was lucky)
+4. report:  each candidate against the baseline: results.json, report.md, the plots, and a W&B report run
 Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
 
 import itertools
@@ -18,6 +19,7 @@ from typing import Any, TypeVar, cast
 
 import hydra
 from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,7 +36,7 @@ from xsa_lm.sweep.settings import SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, run_logged, trial_settings
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
-    "attention": "the sweep trains both SA and XSA",
+    "attention": "the sweep trains each arm: choose them with sweep.baseline and sweep.candidates",
     "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
     "seed": "set the seeds with sweep.search_seeds=[...] and sweep.seeds=[...]",
     "init_seed": "the sweep's null arm sets it (sweep.null_arm=true): every other trial's weights come from its seed",
@@ -57,9 +59,20 @@ def passed_on(task_overrides: list[str], group: str, set_by: dict[str, str], set
 
 
 def train_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep)."""
+    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep), and the
+    user's config folders, where a lab's arms and other options live."""
     set_by = {**SET_BY_SWEEP, "attention.name": SET_BY_SWEEP["attention"]}
-    return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial")
+    return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial") + searchpath_overrides()
+
+
+def searchpath_overrides() -> list[str]:
+    """This command's --config-dir and hydra.searchpath folders as an override of every trial's search path."""
+    if not HydraConfig.initialized():
+        return []
+    given = ("command-line", "hydra.searchpath in command-line")
+    sources = [s for s in HydraConfig.get().runtime.config_sources if s.provider in given]
+    paths = [f"file://{Path(s.path).resolve()}" if s.schema == "file" else f"{s.schema}://{s.path}" for s in sources]
+    return [f"hydra.searchpath=[{','.join(paths)}]"] if paths else []
 
 
 def report_run_settings(wandb: WandbSpec) -> ReportRunSettings:
@@ -162,16 +175,16 @@ def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[s
     return selections
 
 
-def earlier_comparisons(store: TrialStore, selected_lr: float | None) -> list[str]:
+def earlier_comparisons(store: TrialStore, selected_lr: float | None, arms: list[str]) -> list[str]:
     """A warning per LR besides the selected one that this folder already compared at (an earlier grid chose it)."""
     completed: dict[float, list[str]] = {}
     for record in (TrialRecord.read(p, then=RETRY_DAMAGED) for p in sorted(store.records.glob("*.json"))):
         at_selected = selected_lr is not None and math.isclose(record.lr, selected_lr, rel_tol=1e-9)
         if record.phase == "compare" and record.status == "completed" and not at_selected:
             completed.setdefault(record.lr, []).append(record.id)
-    now = f"LR {selected_lr:g}" if selected_lr is not None else "no LR"
+    now, compared = f"LR {selected_lr:g}" if selected_lr is not None else "no LR", " and ".join(a.upper() for a in arms)
     return [
-        f"this sweep folder already compared SA and XSA at LR {lr:g} ({len(ids)} completed compare run(s): "
+        f"this sweep folder already compared {compared} at LR {lr:g} ({len(ids)} completed compare run(s): "
         f"{', '.join(ids)}; records in {store.records}, runs in {store.runs}) before this run's grid selected {now}: "
         "the verdict shown was reached after that comparison was seen, which spends the significance level again "
         "(the grids run are in sweep.json's history)"
@@ -196,6 +209,26 @@ class SweepJob:
         return launcher
 
 
+def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: float) -> None:
+    """Each arm an option of the attention group (the package's or a --config-dir's), named by its own name; the
+    trained arms' trial configs parsed once here, not in every trial."""
+    options = GlobalHydra.instance().config_loader().get_group_options("attention")
+    if unknown := [arm for arm in spec.arms if arm not in options]:
+        raise UserError(
+            f"sweep.baseline/sweep.candidates name {', '.join(unknown)}, which is no attention option (available: "
+            f"{', '.join(options)}): add attention/<name>.yaml to a folder given with --config-dir, or fix the name"
+        )
+    for arm in trained:
+        trial = Trial(arm, lr, spec.search_seeds[0])
+        cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec.baseline)])
+        parse(TrainSpec, cfg)
+        if arm != protocol.NULL and cfg.attention.name != arm:  # trials, records and reports go by the arm's name
+            raise UserError(
+                f"the attention option {arm} has name: {cfg.attention.name}: an arm's name must be its option's name; "
+                f"set name: {arm} in attention/{arm}.yaml"
+            )
+
+
 def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
     """Every sweep setting and kind of trial, checked before anything is written (no overrides: `train` alone)."""
     grids = spec.lr_grids or {}
@@ -212,34 +245,38 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
             task_manager(*resolve_tasks(spec.eval_tasks))  # names, task files
         except UserError as e:
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
-    if overrides is not None:  # XSA trials only in the comparison, unless it is tuned too
-        attentions = ["sa", "xsa"] if seeds or spec.tune_xsa else ["sa"]
-        for attention in attentions + ([protocol.NULL] if seeds and spec.null_arm else []):
-            trial = trial_settings(Trial(attention, grid[0], spec.search_seeds[0]))
-            parse(TrainSpec, compose(config_name="train", overrides=[*overrides, *trial]))  # once, not in every trial
+    if overrides is not None:  # the candidates train only in the comparison, unless they are tuned too
+        trained = spec.arms if seeds or spec.tune_xsa else [spec.baseline]
+        check_arms(spec, overrides, trained + ([protocol.NULL] if seeds and spec.null_arm else []), grid[0])
     return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
 
 
 def compare_phase(
-    launcher: Launcher, lr: float, seeds: list[int], search_seeds: list[int], cap: int | None
+    launcher: Launcher, lr: float, seeds: list[int], spec: SweepSpec
 ) -> tuple[list[Trial], SequentialSummary | None]:
-    """SA and XSA at the selected LR over sweep.seeds; with a cap, a seed pair more per look until significant."""
-    print(f"phase 2: selected LR {lr:g}\nphase 3: SA vs XSA at LR {lr:g}")
+    """Every arm at the selected LR over sweep.seeds; with a cap (one candidate), a seed pair more per look until
+    significant."""
+    arms, cap = spec.arms, spec.seeds_until_significant
+    print(f"phase 2: selected LR {lr:g}\nphase 3: {' vs '.join(a.upper() for a in arms)} at LR {lr:g}")
     if cap is None:
-        compare = protocol.compare_trials(lr, seeds)
+        compare = protocol.compare_trials(lr, seeds, arms)
         launcher.run(compare, "compare", "compare")
         return compare, None
-    rule, order = SequentialRule.plan(len(seeds), cap), protocol.seed_sequence(seeds, search_seeds, cap)
+    (candidate,) = spec.candidates  # SweepSpec refuses a cap with several
+    contrast = f"{candidate.upper()} - {spec.baseline.upper()}"
+    rule = SequentialRule.plan(len(seeds), cap, contrast)
+    order = protocol.seed_sequence(seeds, spec.search_seeds, cap)
     looks: list[Look] = []
     trials: list[Trial] = []
     n = rule.first_look
     while True:
-        added = protocol.compare_trials(lr, order[len(trials) // 2 : n])  # the earlier pairs are final
+        added = protocol.compare_trials(lr, order[len(trials) // len(arms) : n], arms)  # the earlier pairs are final
         trials += added
         launcher.run(added, "compare", "compare")
         if not all(launcher.store.is_final(t) for t in trials):  # a failed or interrupted run: the look waits
             return trials, rule.summary(looks, "incomplete")
-        looks.append(rule.look(n, report.comparison_of(phase_records(launcher.store, trials, "compare")).diffs))
+        records = phase_records(launcher.store, trials, "compare")
+        looks.append(rule.look(n, report.comparison_of(records, spec.baseline, candidate).diffs))
         stopped = rule.stopped(looks[-1])
         outcome = f"stop ({stopped})" if stopped else "one more seed"
         ci = f"{1 - rule.alpha_per_look:.2%} CI {report.ci_text(looks[-1].ci)}"
@@ -257,7 +294,13 @@ class Evaluation:
 
 
 def downstream_evaluation(
-    tasks: str | list[str] | None, limit: float | None, store: TrialStore, compare: list[Trial], sweep_dir: Path
+    tasks: str | list[str] | None,
+    limit: float | None,
+    store: TrialStore,
+    compare: list[Trial],
+    sweep_dir: Path,
+    *,
+    baseline: str,
 ) -> Evaluation:
     """`xsa-lm eval` of the compare runs' last checkpoints into eval/: reused if the same, else kept aside."""
     from xsa_lm.eval.run import resolve_tasks, task_file_digests
@@ -282,7 +325,7 @@ def downstream_evaluation(
         )
     listed = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
-    cmd += [f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
+    cmd += [f"baseline={baseline}", f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
     failed = run_logged(cmd, store.logs / "eval.log")
     if failed is not None:
@@ -304,29 +347,33 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     write_text(sweep_dir / config_name, OmegaConf.to_yaml(job.config))
     launcher = job.launcher(TrialStore(sweep_dir), sweep_id, command)
     store = launcher.store
-    arms = ["sa", "xsa"] if spec.tune_xsa else ["sa"]
+    searched_arms = spec.arms if spec.tune_xsa else [spec.baseline]
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
-    trial_counts = f"{len(grid) * len(spec.search_seeds) * len(arms)} search + up to "
-    trial_counts += f"{(3 if spec.null_arm else 2) * (cap or len(seeds))} compare trials"
+    trial_counts = f"{len(grid) * len(spec.search_seeds) * len(searched_arms)} search + up to "
+    trial_counts += f"{(len(spec.arms) + spec.null_arm) * (cap or len(seeds))} compare trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
+    arms = f"{spec.baseline} vs {', '.join(spec.candidates)}"
     print(
-        f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | LR grid {[f'{lr:g}' for lr in grid]}, search seeds "
-        f"{spec.search_seeds}, {planned} | {trial_counts}{threads}"
+        f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | arms {arms} | LR grid {[f'{lr:g}' for lr in grid]}, "
+        f"search seeds {spec.search_seeds}, {planned} | {trial_counts}{threads}"
     )
-    print("phase 1: LR search")  # SA's runs select the LR; XSA's (sweep.tune_xsa) say where XSA's own optimum lies
-    selection, *xsa_selection = search(launcher, grid, spec.search_seeds, arms, "search")
+    # The baseline's runs select the LR; the candidates' (sweep.tune_xsa) say where their own optimum lies
+    print("phase 1: LR search")
+    selection, *own = search(launcher, grid, spec.search_seeds, searched_arms, "search")
     compare: list[Trial] = []
     sequential = None
     if selection.lr is not None and seeds:
-        compare, sequential = compare_phase(launcher, selection.lr, seeds, spec.search_seeds, cap)
+        compare, sequential = compare_phase(launcher, selection.lr, seeds, spec)
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
     null = [Trial(protocol.NULL, selection.lr, s) for s in seeds] if spec.null_arm and selection.lr is not None else []
     if null:
-        print(f"phase 3b: the null arm, SA from other initial weights at seeds {seeds}")
+        print(f"phase 3b: the null arm, {spec.baseline.upper()} from other initial weights at seeds {seeds}")
         launcher.run(null, "null", "null")
-    evaluation = downstream_evaluation(spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir)
-    searched = protocol.search_trials(grid, spec.search_seeds, arms)
+    evaluation = downstream_evaluation(
+        spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir, baseline=spec.baseline
+    )
+    searched = protocol.search_trials(grid, spec.search_seeds, searched_arms)
     results = report.build_results(
         sweep_dir,
         sweep_id=sweep_id,
@@ -336,14 +383,15 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         trials=phase_records(store, searched, "search")
         + phase_records(store, compare, "compare")
         + phase_records(store, null, "null"),
+        arms=spec.arms,
         selection=selection,
-        xsa_selection=xsa_selection[0] if xsa_selection else None,
+        tuned=dict(zip(spec.candidates, own, strict=False)),  # empty unless sweep.tune_xsa
         search_seeds=spec.search_seeds,
         sequential=sequential,
         stall_rule=spec.stall_rule,
         margin=spec.margin,
     )
-    warnings = earlier_comparisons(store, selection.lr) + evaluation.warnings
+    warnings = earlier_comparisons(store, selection.lr, spec.arms) + evaluation.warnings
     results = report.with_outcome(results, evaluation=evaluation.result, eval_error=evaluation.error, warnings=warnings)
     markdown = report.write_report(results, sweep_dir)
     if job.wandb and spec.wandb_report:

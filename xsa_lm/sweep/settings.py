@@ -108,11 +108,28 @@ def presets(value: Any) -> str | None:
     return f"has no model preset {', '.join(unknown)}; available: {', '.join(known)}" if unknown else None
 
 
+RESERVED_ARM = "null"  # the null arm's trials are named by it (protocol.NULL)
+
+
+def arm_name(value: Any) -> str | None:
+    if not isinstance(value, str) or not value:
+        return "must be the name of an attention option (configs/attention/<name>.yaml), e.g. sa"
+    return f"must not be {RESERVED_ARM}: the null arm's trials are named so" if value == RESERVED_ARM else None
+
+
+def arm_names(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return "must list one or more attention options (configs/attention/<name>.yaml), e.g. [xsa]"
+    problem = next((p for name in value if (p := arm_name(name))), None)
+    twice = sorted({name for name in value if value.count(name) > 1})
+    return problem or (f"lists {', '.join(twice)} twice: list each arm once" if twice else None)
+
+
 class SweepSpec(Spec):
     """`xsa-lm sweep`'s settings (configs/sweep/paper.yaml says what each does)."""
 
-    baseline: str  # the attention option whose LR is searched
-    candidates: list[str]  # the attention options compared with the baseline at its LR
+    baseline: Annotated[str, rule(arm_name)]  # the attention option whose LR is searched
+    candidates: Annotated[list[str], rule(arm_names)]  # the attention options compared with the baseline at its LR
     # null: lr_range, else lr_grids
     lrs: Annotated[list[float] | None, rule(partial(numbers_problem, example="[1e-3,3e-3]", nullable=True))]
     lr_range: Annotated[dict[str, float] | None, rule(lr_range)]  # {min, max, num}: log-spaced
@@ -138,6 +155,28 @@ class SweepSpec(Spec):
     def _stalls(self) -> "SweepSpec":
         self.stall_rule  # noqa: B018  # its values checked now, not at the report after every run
         return self
+
+    @model_validator(mode="after")
+    def _arms(self) -> "SweepSpec":
+        listed = f"[{','.join(self.candidates)}]"  # as typed on a command line
+        if self.baseline in self.candidates:
+            raise UserError(
+                f"sweep.candidates={listed} contains the baseline {self.baseline} (sweep.baseline): a "
+                "candidate is compared with the baseline, so list other attention options"
+            )
+        # The sequential rule stops at the first significant look of one difference; several would share its level.
+        if self.seeds_until_significant is not None and len(self.candidates) > 1:
+            raise UserError(
+                f"sweep.seeds_until_significant adds seeds until one comparison is significant, and "
+                f"sweep.candidates={listed} makes {len(self.candidates)}: set "
+                "sweep.seeds_until_significant=null and fix the compare seeds (sweep.seeds), or compare one candidate"
+            )
+        return self
+
+    @property
+    def arms(self) -> list[str]:
+        """The baseline, then the candidates: the order of every table and of each compare seed's trials."""
+        return [self.baseline, *self.candidates]
 
     @property
     def stall_rule(self) -> StallRule | None:

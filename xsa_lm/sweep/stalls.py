@@ -1,5 +1,6 @@
-"""Stalls of the LR search as a rate per LR and arm (exact interval) and a test of SA against XSA stratified by LR. A
-run stalls when its val loss at `at_fraction` of the run is over `margin` nats above its LR's median (sweep.stall)."""
+"""Stalls of the LR search as a rate per LR and arm (exact interval) and a test of the baseline against a candidate
+stratified by LR (SA against XSA by default). A run stalls when its val loss at `at_fraction` of the run is over
+`margin` nats above its LR's median (sweep.stall)."""
 
 import statistics
 from collections.abc import Sequence
@@ -75,14 +76,15 @@ class PairedFinalLosses(Record):
     by_seed: ClusteredTest
 
 
-def paired_final_losses(rows: Sequence[dict]) -> PairedFinalLosses | None:
-    """XSA - SA final loss per (LR, seed) where both completed: per LR the median and XSA's wins; over all pairs the
-    sign test as if independent, and the test that keeps each seed's pairs together (the one to read)."""
+def paired_final_losses(rows: Sequence[dict], baseline: str, candidate: str) -> PairedFinalLosses | None:
+    """Candidate - baseline final loss per (LR, seed) where both completed: per LR the median and the candidate's
+    wins; over all pairs the sign test as if independent, and the test that keeps each seed's pairs together (the one
+    to read). Its xsa_lower fields count the candidate's wins (the keys of the two-arm protocol's results)."""
     final = {(r["attention"], r["lr"], r["seed"]): r["final_val_loss"] for r in rows if r["stalled"] is not None}
     pairs = [
-        (lr, final[("xsa", lr, seed)] - loss, seed)
+        (lr, final[(candidate, lr, seed)] - loss, seed)
         for (arm, lr, seed), loss in final.items()
-        if arm == "sa" and ("xsa", lr, seed) in final
+        if arm == baseline and (candidate, lr, seed) in final
     ]
     if not pairs:
         return None
@@ -111,6 +113,8 @@ class StallStudy(Record):
     judged: dict[str, int]  # per arm: the runs that completed
     stratified_test: MantelHaenszel | None
     paired_final_losses: PairedFinalLosses | None
+    baseline: str = "sa"  # studies written before the arms had names compared SA with XSA
+    candidate: str = "xsa"
 
 
 def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
@@ -133,14 +137,15 @@ def stall_cell(lr: float, arm: str, runs: list[dict], rule: StallRule) -> dict:
     return cell
 
 
-def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
-    """The stall cell of each LR and arm, the stratified test of SA's rate against XSA's, and the paired losses."""
+def stall_study(records: Sequence[TrialRecord], rule: StallRule, baseline: str, candidate: str) -> StallStudy:
+    """The stall cell of each LR and arm, the stratified test of the baseline's rate against the candidate's, and the
+    paired losses (records: the search runs of these two arms)."""
     rows = classify(records, rule)
     cells, tables = [], []
     for lr in sorted({r["lr"] for r in rows}):
-        arms = {arm: [r for r in rows if (r["lr"], r["attention"]) == (lr, arm)] for arm in ("sa", "xsa")}
+        arms = {arm: [r for r in rows if (r["lr"], r["attention"]) == (lr, arm)] for arm in (baseline, candidate)}
         cells += [stall_cell(lr, arm, runs, rule) for arm, runs in arms.items() if runs]
-        if all(arms.values()):  # SA's and XSA's (stalled, not) at this LR
+        if all(arms.values()):  # the baseline's and the candidate's (stalled, not) at this LR
             (a, b), (c, d) = ((x["stalls"], x["runs"] - x["diverged_or_failed"] - x["stalls"]) for x in cells[-2:])
             tables.append((a, b, c, d))
     completed = [r for r in rows if r["stalled"] is not None]
@@ -148,8 +153,10 @@ def stall_study(records: Sequence[TrialRecord], rule: StallRule) -> StallStudy:
         rule=asdict(rule),
         cells=cells,
         runs=rows,
-        stalls={arm: sum(r["attention"] == arm and r["stalled"] for r in completed) for arm in ("sa", "xsa")},
-        judged={arm: sum(r["attention"] == arm for r in completed) for arm in ("sa", "xsa")},
+        stalls={arm: sum(r["attention"] == arm and r["stalled"] for r in completed) for arm in (baseline, candidate)},
+        judged={arm: sum(r["attention"] == arm for r in completed) for arm in (baseline, candidate)},
         stratified_test=mantel_haenszel(tables) if tables else None,
-        paired_final_losses=paired_final_losses(rows),
+        paired_final_losses=paired_final_losses(rows, baseline, candidate),
+        baseline=baseline,
+        candidate=candidate,
     )

@@ -197,10 +197,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trial_settings(trial: Trial) -> list[str]:
-    """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP); the null arm is SA from other weights."""
+def trial_settings(trial: Trial, baseline: str) -> list[str]:
+    """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP): its arm's attention option; the null arm
+    is the baseline from other initial weights."""
     null = trial.attention == NULL
-    arm = [f"attention={'sa' if null else trial.attention}"]
+    arm = [f"attention={baseline if null else trial.attention}"]
     arm += [f"init_seed={null_init_seed(trial.seed)}"] if null else []
     return [*arm, f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
 
@@ -213,6 +214,7 @@ class Launcher:
     ) -> None:
         self.store, self.train_overrides, self.wandb_group = store, list(train_overrides), wandb_group
         self.launch_prefix, self.diverge_above = spec.launch_prefix or [], spec.diverge_above
+        self.baseline = spec.baseline
         self.slots = gpu_slots(spec.max_parallel, self.launch_prefix)
         # Trials at once share the cores, as torchrun does (more threads than cores spin and wait).
         shared = spec.max_parallel > 1 and not self.launch_prefix and "OMP_NUM_THREADS" not in os.environ
@@ -220,7 +222,7 @@ class Launcher:
         self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
-        set_by_sweep = [*trial_settings(trial), f"hydra.run.dir={self.store.run_dir(trial)}"]
+        set_by_sweep = [*trial_settings(trial, self.baseline), f"hydra.run.dir={self.store.run_dir(trial)}"]
         cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides, *set_by_sweep]
         if self.wandb_group is not None:
             cmd += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
