@@ -2,15 +2,13 @@
 compared with it, from the package's attention options or a lab's own (--config-dir)."""
 
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from tests.helpers import FAST, refused_in_process, run_cli
-from xsa_lm.config.spec import TrainSpec, parse
-from xsa_lm.errors import UserError
 from xsa_lm.eval.run import EvalResult, Row, Score, compared, render
 from xsa_lm.sweep.protocol import NULL, Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
@@ -18,11 +16,11 @@ from xsa_lm.sweep.trials import TrialRecord, trial_settings
 
 SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar="))]
 
-# The lab's variant, defined outside xsa_lm/: an attention option file in its own config folder (and, for a variant
-# with its own module, the folder to put on PYTHONPATH). The one place a test names it.
-VARIANT = "xsa_last2"
+# The lab's variant, defined outside xsa_lm/: the worked example of docs/variants.md, a package (put on PYTHONPATH)
+# and its attention option file in its own config folder (for --config-dir). The one place a test names it.
+EXAMPLE = Path(__file__).parents[1] / "docs" / "examples" / "gated_attention"
+VARIANT = "gated"
 VARIANT_FILES = {"configs/attention/xsa_last2.yaml": "defaults:\n  - xsa\n  - _self_\n\nname: xsa_last2\nlayers: 1\n"}
-VARIANT_PYTHONPATH: str | None = None  # relative to the lab folder
 
 
 def lab_folder(root: Path, files: dict[str, str] = VARIANT_FILES) -> Path:
@@ -129,35 +127,20 @@ def test_a_bad_arm_is_refused_in_one_line_before_anything_is_written(
     assert sorted(p.name for p in (tmp_path / "lab").iterdir()) == ["configs"]  # no sweep folder, no outputs/
 
 
-def trains_a_lab_option(configs: Path) -> bool:
-    """Whether training takes an attention option of a lab's own name (attention variants as plugins)."""
-    overrides = [f"hydra.searchpath=[file://{configs}]", f"attention={VARIANT}"]
-    with initialize_config_module(config_module="xsa_lm.configs", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
-    try:
-        parse(TrainSpec, cfg)
-    except UserError as e:
-        if f"attention.name={VARIANT} must be one of sa, xsa" in str(e):  # the model takes SA and XSA only
-            return False
-        raise
-    return True
-
-
 @pytest.mark.long
-def test_a_three_arm_sweep_from_a_lab_config_folder(
-    tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_three_arm_sweep_from_a_lab_config_folder(tmp_path: Path, data_cache: Path) -> None:
     """SA, XSA and the lab's variant (its option file in its own --config-dir): the search on SA, every candidate at
     SA's LR on every compare seed, the null arm, and a report with one comparison per candidate."""
-    configs, sweep_dir = lab_folder(tmp_path / "lab"), tmp_path / "sweep"
-    if VARIANT_PYTHONPATH:
-        monkeypatch.syspath_prepend(str(tmp_path / "lab" / VARIANT_PYTHONPATH))
-    if not trains_a_lab_option(configs):
-        pytest.skip("training takes attention options named sa or xsa only: variants as plugins come with h-plugin")
+    configs, sweep_dir = EXAMPLE / "configs", tmp_path / "sweep"
     args = ["sweep", "--config-dir", str(configs), *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=5"]
     args += ["sweep.lrs=[3e-3]", "sweep.seeds=[1,2]", f"sweep.candidates=[xsa,{VARIANT}]", "sweep.null_arm=true"]
-    env = {"PYTHONPATH": str(tmp_path / "lab" / VARIANT_PYTHONPATH)} if VARIANT_PYTHONPATH else {}
-    proc = run_cli([*args, f"hydra.run.dir={sweep_dir}"], data_cache, tmp_path, timeout=900, **env)
+    proc = run_cli(
+        [*args, f"hydra.run.dir={sweep_dir}"],
+        data_cache,
+        tmp_path,
+        timeout=900,
+        PYTHONPATH=os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")]),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     results = json.loads((sweep_dir / "results.json").read_text())
