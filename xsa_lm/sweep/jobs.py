@@ -133,12 +133,14 @@ def submit(launch: LauncherSpec, folder: Path, name: str, job: TrialJob, gpus: S
 
 
 def attached(executor_kind: str, folder: Path, job_id: str) -> submitit.Job | None:
-    """The job of an earlier sweep process, if it still runs (it is then waited for, never submitted twice)."""
+    """The job of an earlier sweep process if it still runs (it is waited for, never submitted twice) or left its
+    result (read, not trained again); None: it ended without one."""
     if executor_kind == "slurm":
         job: submitit.Job = submitit.SlurmJob(folder=folder, job_id=job_id)
-        return None if job.done(force_check=True) else job
-    # A LocalJob found again has no process to poll (its done() is True at once): the controller's pid says.
-    return LocalJob(folder=folder, job_id=job_id) if controller_alive(job_id, folder) else None
+        alive = not job.done(force_check=True)
+    else:  # a LocalJob found again has no process to poll (its done() is True at once): the controller's pid says
+        job, alive = LocalJob(folder=folder, job_id=job_id), controller_alive(job_id, folder)
+    return job if alive or job.paths.result_pickle.exists() else None
 
 
 def controller_alive(job_id: str, folder: Path) -> bool:

@@ -300,9 +300,8 @@ class Launcher:
             return False
         slot = self.free.pop(0) if self.free else None
         self.running[trial] = Running(trial, job, slot, record.started or time.time(), phase, job_type)
-        print(
-            f"  {phase}: {trial.id} re-attached to its running {record.executor} job {record.job_id}; log {record.log}"
-        )
+        earlier = f"its {record.executor} job {record.job_id} of an earlier run"
+        print(f"  {phase}: {trial.id} re-attached to {earlier}; log {record.log}")
         return True
 
     def _start(self, trial: Trial, phase: str, job_type: str) -> None:
