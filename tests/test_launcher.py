@@ -3,13 +3,15 @@ waited for (never submitted twice), and no LR selected on a partial grid. The jo
 DebugExecutor) with a stand-in for training; real jobs on this machine and on SLURM: test_sweep.py, test_slurm.py."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import submitit
@@ -92,11 +94,11 @@ def test_a_preempted_search_trial_is_requeued_or_no_lr_is_selected_on_the_partia
 
 
 def fake_controller(folder: Path, result: bool) -> subprocess.Popen:
-    """A process that passes for a local job's controller (its command line) and ends half a second later, with a result
+    """A process that passes for a local job's controller (its command line) and ends a second later, with a result
     of exit code 0 or none."""
     folder.mkdir(parents=True, exist_ok=True)
     write = f"pickle.dump(('success', 0), open(r'{folder}/' + str(os.getpid()) + '_0_result.pkl', 'wb'))"
-    code = f"import os, pickle, time; time.sleep(0.5); {write if result else 'pass'}"
+    code = f"import os, pickle, time; time.sleep(1); {write if result else 'pass'}"
     return subprocess.Popen([sys.executable, "-c", code, "submitit.local._local", str(folder)])
 
 
@@ -111,6 +113,7 @@ def test_a_running_job_of_an_earlier_sweep_process_is_waited_for_never_submitted
     """A sweep killed while a local trial ran: the rerun waits for that job (its controller still runs); if the job
     ends without a result, the trial is submitted again while launcher.max_retries allows, else recorded failed."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
+    launcher = Launcher(store, [], sweep_job(tmp_path).spec, LauncherSpec(kind="local", max_retries=retries))
     folder = store.jobs / trial.id
     controller = fake_controller(folder, result)
     time.sleep(0.2)  # its command line readable
@@ -118,7 +121,6 @@ def test_a_running_job_of_an_earlier_sweep_process_is_waited_for_never_submitted
     write_json(store.run_dir(trial) / "summary.json", summary("completed", str(store.run_dir(trial))).to_json())
     running = replace(TrialRecord.missing(trial, "search"), status="running", attempt=1, started=time.time())
     store.save(replace(running, job_id=str(controller.pid), executor="local", job_folder=str(folder)))
-    launcher = Launcher(store, [], sweep_job(tmp_path).spec, LauncherSpec(kind="local", max_retries=retries))
     launcher.run([trial], "search", "lr-search")
     controller.wait()
     record = cast(TrialRecord, store.load(trial))
@@ -135,3 +137,22 @@ def test_a_record_names_its_job_and_the_job_its_log(tmp_path: Path, training: Tr
     assert record["executor"] == "local" and record["job_id"].startswith("DEBUG_")
     assert Path(record["job_folder"]) == store.jobs / trial.id and Path(record["log"]).parent == store.jobs / trial.id
     assert "pid" not in record and "command" not in record
+
+
+def test_submitits_preemption_signal_stops_the_run_at_a_step_with_a_checkpoint(tmp_path: Path) -> None:
+    """SIGUSR2 (what SLURM sends signal_delay_s before the limit, through submitit) is the run's own clean stop, not
+    submitit's handler that checkpoints and exits in the middle of a step."""
+    from types import SimpleNamespace
+
+    from xsa_lm.train.callbacks import Preemption
+
+    preemption = Preemption(tmp_path / "last.ckpt", val_every_steps=10)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+    try:
+        preemption.on_train_start(cast(Any, SimpleNamespace(global_step=3)), cast(Any, None))
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.01)  # delivered between bytecodes
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert preemption.received == "SIGUSR2"

@@ -925,6 +925,7 @@ SWEEP_REFUSALS = [
     ("sweep.lr_range={min:1e-2,max:1e-4,num:3}", "must be {min:..,max:..,num:..} with 0 < min < max"),
     ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
     ("launcher.max_parallel=0", "launcher.max_parallel=0 must be >= 1"),
+    ("launcher.max_parallel=null", "launcher=local needs a number of trials at once"),
     ("launcher=slurm launcher.mem_gb=-1", "launcher.mem_gb=-1 must be > 0"),
     ("launcher=slurm launcher.additional_parameters=exclusive", "launcher.additional_parameters=exclusive must be"),
     ("launcher.partition=gpu", "sweep has no key launcher.partition"),  # launcher=slurm's
