@@ -1,6 +1,7 @@
 """`xsa-lm scale`: the loss-vs-compute fit and the multiplier on synthetic data with known answers, and the whole
 study end to end on two test-size models, killed with SIGKILL and resumed."""
 
+import fcntl
 import json
 import math
 import os
@@ -257,7 +258,7 @@ def test_each_size_gets_the_paired_tests_holm_across_sizes_and_one_pooled_sign_t
 
 
 STUDY = """experiment=scale_toy scale.models=[tiny_d32,tiny_d64] scale.seeds=[1,2,3] sweep.lrs=[3e-3]
-sweep.max_parallel=2 scale.bootstrap_resamples=200 tokenizer.vocab_size=512 trainer.max_steps=6 val_every_steps=3
+launcher.max_parallel=2 scale.bootstrap_resamples=200 tokenizer.vocab_size=512 trainer.max_steps=6 val_every_steps=3
 scheduler.warmup_steps=2 global_batch_tokens=1024 micro_batch_size=8 model.block_size=64 data.val_windows=16
 logger=csv""".split()
 
@@ -283,7 +284,7 @@ REFUSALS = {
         (f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
         ("+scale.seed=1", "scale.seed: not an option"),
         ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
-        ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+        ("launcher.max_parallel=0", "launcher.max_parallel=0 must be >= 1"),
         ("attention.layers=[5]", "scale has no key attention.layers"),  # an arm's options: in its option file
         ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
     ],
@@ -300,7 +301,7 @@ REFUSALS = {
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
         ("scale.seeds=[2]", "needs 2+ compare seeds"),
         ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
-        ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+        ("launcher.timeout_min=0", "launcher.timeout_min=0 must be >= 1"),
         ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
         ("attention.layers=[3]", "scale has no key attention.layers"),
     ],
@@ -356,9 +357,19 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     wait_for(lambda: second_size.exists() and any(second_size.iterdir()), 400, "the second size's first trial")
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    # The second size's trials get SIGTERM from the kernel when the study dies, and stop.
-    trial_locks = lambda: list((study / "sizes" / "tiny_d64" / "runs").glob("*/.xsa-lm.lock"))  # noqa: E731
-    wait_for(lambda: not trial_locks(), 60, "the orphaned trials to stop")
+
+    # The second size's trial jobs (submitit's controllers and their tasks) are in the study's process group: gone
+    # with it once no run's lock is held (a killed run leaves its lock file, unheld).
+    def held(lock: Path) -> bool:
+        with open(lock) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    trial_locks = lambda: [p for p in (study / "sizes" / "tiny_d64" / "runs").glob("*/.xsa-lm.lock") if held(p)]  # noqa: E731
+    wait_for(lambda: not trial_locks(), 60, "the killed trials to stop")
     finished_before = {p.name for p in (study / "sizes" / "tiny_d32" / "runs").iterdir()}
 
     proc = run_cli(["scale", *STUDY, f"hydra.run.dir={study}"], data_cache, tmp_path, timeout=600)

@@ -4,16 +4,19 @@ sweep.candidates: [XSA] by default).
 2. select:  the LR with the lowest median final val loss of the baseline over the search seeds (diverged never win)
 3. compare: every arm at that LR for every seed of sweep.seeds (no search seed: the search's winner was lucky)
 4. report:  each candidate against the baseline: results.json, report.md, the plots, and a W&B report run
-Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
+Every trial is a submitit job running `xsa-lm train` (launcher=local|slurm); its record makes the same command
+resume, or wait for the job still running (trials.py)."""
 
 import itertools
 import json
 import math
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -32,7 +35,7 @@ from xsa_lm.reporting import ReportRunSettings
 from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
-from xsa_lm.sweep.settings import SweepSpec
+from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, run_logged, trial_settings
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
@@ -41,7 +44,7 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
     "seed": "set the seeds with sweep.search_seeds=[...] and sweep.seeds=[...]",
     "init_seed": "the sweep's null arm sets it (sweep.null_arm=true): every other trial's weights come from its seed",
     "resume": "running the same sweep command again resumes it",
-    "progress_bar": "trials write their output to the sweep's logs/ folder",
+    "progress_bar": "trials write their output to their job logs in the sweep's jobs/ folder",
 }
 
 
@@ -59,10 +62,11 @@ def passed_on(task_overrides: list[str], group: str, set_by: dict[str, str], set
 
 
 def train_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep), and the
-    user's config folders, where a lab's arms and other options live."""
+    """The command line's training overrides, passed on to every trial (sweep.* and launcher.* stay with the sweep),
+    and the user's config folders, where a lab's arms and other options live."""
     set_by = {**SET_BY_SWEEP, "attention.name": SET_BY_SWEEP["attention"]}
-    return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial") + searchpath_overrides()
+    trials = passed_on(task_overrides, "launcher", {}, setter="")
+    return passed_on(trials, "sweep", set_by, setter="the sweep for each trial") + searchpath_overrides()
 
 
 def searchpath_overrides() -> list[str]:
@@ -101,13 +105,14 @@ def open_state(
     return state[id_key]
 
 
-def stop_on_signals(stop: Callable[[], None], command: str) -> None:
-    """On SIGTERM or SIGINT: stop the child processes, say how to resume, and exit with 128 + the signal."""
+def stop_on_signals(stop: Callable[[], str | None], command: str) -> None:
+    """On SIGTERM or SIGINT: stop the trials (stop() says what it left running), say how to resume, and exit with
+    128 + the signal."""
 
     def handler(signum, frame):
-        stop()
+        left = stop() or ""
         name = signal.Signals(signum).name
-        print(f"\nxsa-lm {command}: interrupted ({name}); run the same command to resume", file=sys.stderr)
+        print(f"\nxsa-lm {command}: interrupted ({name}); run the same command to resume{left}", file=sys.stderr)
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
@@ -162,7 +167,8 @@ def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[Tr
 
 
 def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
-    """Every LR of the grid x the seeds, for each arm at once; each arm's selection."""
+    """Every LR of the grid x the seeds, for each arm at once; each arm's selection, none on a partial grid (a trial
+    failed, or preempted past launcher.max_requeues: the compare phase would start on the LRs that happened to end)."""
     trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
     selections = []
@@ -171,7 +177,12 @@ def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[s
         for trial in trials[arm]:
             record = launcher.store.load(trial)
             runs[trial.lr].append((record.status, record.final_val_loss) if record else (None, None))
-        selections.append(protocol.select_lr(runs))
+        selection = protocol.select_lr(runs)
+        unfinished = [t.id for t in trials[arm] if not launcher.store.is_final(t)]
+        if unfinished:
+            partial = f"no LR selected on a partial grid: {', '.join(unfinished)} did not finish"
+            selection = replace(selection, lr=None, warnings=[*selection.warnings, partial])
+        selections.append(selection)
     return selections
 
 
@@ -203,8 +214,14 @@ class SweepJob:
     wandb: WandbSpec | None = None
     config: dict = field(default_factory=dict)
 
+    @cached_property
+    def launch(self) -> LauncherSpec:
+        """How the trials run: config.yaml's `launcher` (the command's launcher group), else on this machine."""
+        launcher = self.config.get("launcher")
+        return parse(LauncherSpec, launcher, at="launcher.") if launcher else LauncherSpec(kind="local")
+
     def launcher(self, store: TrialStore, group: str | None, command: str) -> Launcher:
-        launcher = Launcher(store, self.overrides, self.spec, group if self.wandb else None)
+        launcher = Launcher(store, self.overrides, self.spec, self.launch, group if self.wandb else None)
         stop_on_signals(launcher.stop, command)
         return launcher
 
@@ -236,7 +253,6 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
     seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
     if spec.seeds_until_significant is not None:
         protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
-    gpu_slots(spec.max_parallel, spec.launch_prefix or [])  # enough GPUs for the trials at once
     if spec.eval_tasks:
         from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
 
@@ -248,7 +264,15 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
     if overrides is not None:  # the candidates train only in the comparison, unless they are tuned too
         trained = spec.arms if seeds or spec.tune_xsa else [spec.baseline]
         check_arms(spec, overrides, trained + ([protocol.NULL] if seeds and spec.null_arm else []), grid[0])
-    return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
+    job = SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
+    if job.launch.kind == "local":
+        gpu_slots(job.launch.max_parallel or 1)  # enough GPUs for the trials at once
+    elif shutil.which("sbatch") is None:
+        raise UserError(
+            "launcher=slurm submits each trial with sbatch, which is not on PATH here: run the sweep where SLURM's "
+            "commands are (a login node, or inside a job), or use launcher=local"
+        )
+    return job
 
 
 def compare_phase(
@@ -353,6 +377,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     trial_counts += f"{(len(spec.arms) + spec.null_arm) * (cap or len(seeds))} compare trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
     arms = f"{spec.baseline} vs {', '.join(spec.candidates)}"
+    threads += f" | launcher={launcher.launch.kind}"
     print(
         f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | arms {arms} | LR grid {[f'{lr:g}' for lr in grid]}, "
         f"search seeds {spec.search_seeds}, {planned} | {trial_counts}{threads}"
@@ -402,6 +427,12 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
 def incomplete(results: SweepResult) -> str | None:
     """Why a sweep did not finish (a trial to retry, no usable LR), or None."""
     unfinished = [t.id for t in results.trials if t.status not in protocol.FINISHED]
+    search = [t.id for t in results.trials if t.status not in protocol.FINISHED and t.phase == "search"]
+    if search:  # search() selected nothing: the compare phase did not start
+        return (
+            f"search trial(s) {', '.join(search)} did not finish, so no LR was selected on the partial grid and the "
+            "compare phase did not start: run the same command again to retry them"
+        )
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"
