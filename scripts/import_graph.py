@@ -26,7 +26,8 @@ LAYERS = (
     ("xsa_lm.scale",),
     ("xsa_lm.cli",),
 )
-ENTRY_POINTS = ("xsa_lm.cli", "xsa_lm.train.run", "xsa_lm.train.__main__")  # may import the CLI and the runner
+# May import the CLI and the runner: the commands, and a sweep trial's submitit job (it runs `xsa-lm train` itself).
+ENTRY_POINTS = ("xsa_lm.cli", "xsa_lm.train.run", "xsa_lm.train.__main__", "xsa_lm.sweep.jobs")
 NOT_TO_BE_IMPORTED = ("xsa_lm.cli", "xsa_lm.train.run")
 
 

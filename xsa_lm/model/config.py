@@ -3,12 +3,9 @@
 import importlib
 import inspect
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from xsa_lm.model.attention import CausalSelfAttention
 
 # The attention variants xsa-lm ships, by option name (configs/attention/<name>.yaml gives the same _target_).
 BUILT_IN = {"sa": "xsa_lm.model.attention.CausalSelfAttention", "xsa": "xsa_lm.model.xsa.ExclusiveSelfAttention"}
@@ -74,10 +71,8 @@ class GPTConfig:
         self.check_attention()
 
     @property
-    def attention_class(self) -> type["CausalSelfAttention"]:
+    def attention_class(self) -> Any:  # type[CausalSelfAttention]
         """The variant's class, imported from attention_target; a ValueError in one line if it is none."""
-        from xsa_lm.model.attention import CausalSelfAttention  # here: attention.py imports this module
-
         module, _, name = self.attention_target.rpartition(".")
         prefix = f"attention_target={self.attention_target}"
         if not module:
@@ -86,8 +81,11 @@ class GPTConfig:
             found = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"{prefix} cannot be imported ({e}): put its package on PYTHONPATH") from None
-        if not (isinstance(found, type) and issubclass(found, CausalSelfAttention)):
-            raise ValueError(f"{prefix} is not an attention variant (a subclass of {CausalSelfAttention.__qualname__})")
+        # A subclass of SA's class, found by name along its MRO: attention.py imports this module, not the reverse.
+        if not (
+            isinstance(found, type) and any(f"{c.__module__}.{c.__qualname__}" == BUILT_IN["sa"] for c in found.__mro__)
+        ):
+            raise ValueError(f"{prefix} is not an attention variant (a subclass of CausalSelfAttention)")
         return found
 
     def check_attention(self) -> None:
