@@ -4,9 +4,7 @@ are missing). `xsa-lm train` as one 2-task srun step trains on both ranks, which
 without apt and the packages; on a machine that has them a SLURM that does not come up fails the tests."""
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -14,22 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, REPO, cli_env
+from tests.helpers import FAST, cli_env
 
 pytestmark = [pytest.mark.long, pytest.mark.slurm]
-
-
-@pytest.fixture(scope="module")
-def slurm() -> str:
-    """scripts/slurm_up.sh (idempotent: ~0.1 s when SLURM runs, ~1 s from stopped, ~20 s with the apt install);
-    its one line, e.g. `slurm_up: node vm idle (SLURM 22.05.8, 2 CPUs, 21694 MB)`."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/slurm_up.sh installs slurm-wlm and munge and starts their daemons")
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("SLURM is not installed and apt-get is not here to install it (scripts/slurm_up.sh: Debian/Ubuntu)")
-    up = subprocess.run([REPO / "scripts" / "slurm_up.sh"], capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr  # root and apt: SLURM must come up (CI runs this)
-    return up.stdout.strip()
 
 
 def slurm_env(data_cache: Path) -> dict[str, str]:
@@ -80,3 +65,41 @@ def test_the_sacct_shim_gives_submitit_a_final_state_without_accounting(slurm: s
     submit = ["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=/dev/null", "--wrap", wrap]
     job_id = subprocess.run(submit, capture_output=True, text=True, check=True).stdout.strip()
     assert wait_for_state(job_id) == state
+
+
+# A run of seconds: one layer, 4 steps of 1024 tokens, 8 validation windows.
+TINY = [*FAST, "model.n_layer=1", "model.d_model=32", "model.head_dim=16", "trainer.max_steps=4", "val_every_steps=2"]
+TINY += ["data.val_windows=8"]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "settings"),
+    [
+        pytest.param("submitit_slurm", ["hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1",
+                     "hydra.launcher.mem_gb=2", "+hydra.launcher.additional_parameters.requeue=true"], id="slurm"),
+        pytest.param("submitit_local", ["hydra.launcher.cpus_per_task=1"], id="local"),
+    ],
+)  # fmt: skip
+def test_hydra_submitit_launcher_runs_a_multirun_as_jobs(
+    slurm: str, data_cache: Path, tmp_path: Path, launcher, settings
+):
+    """`xsa-lm train --multirun hydra/launcher=submitit_slurm`: hydra's submitit launcher submits the 2 runs as one
+    job array (locally: 2 jobs), each trains to the end in its own folder, and --requeue reaches sbatch."""
+    sweep = tmp_path / "multi"
+    args = ["train", "--multirun", f"hydra/launcher={launcher}", *settings, *TINY, "attention=sa,xsa"]
+    out = subprocess.run(
+        [sys.executable, "-m", "xsa_lm.cli", *args, f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=slurm_env(data_cache), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for run_dir, attention in ((sweep / "0_sa", "sa"), (sweep / "1_xsa", "xsa")):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert (summary["status"], summary["attention"], summary["steps"]) == ("completed", attention, 4)
+    jobs = sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
+    if launcher == "submitit_slurm":
+        array = jobs[0]  # the array's own folder, then one per task: <id>_0, <id>_1
+        assert jobs == [array, f"{array}_0", f"{array}_1"], jobs
+        (script,) = (sweep / ".submitit").glob(".submission_file_*.sh")
+        assert "#SBATCH --requeue" in script.read_text().splitlines()
+    else:
+        assert len([j for j in jobs if j.isdigit()]) == 2, jobs  # a local job's id: its controller's pid
