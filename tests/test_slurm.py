@@ -72,34 +72,58 @@ TINY = [*FAST, "model.n_layer=1", "model.d_model=32", "model.head_dim=16", "trai
 TINY += ["data.val_windows=8"]
 
 
-@pytest.mark.parametrize(
-    ("launcher", "settings"),
-    [
-        pytest.param("submitit_slurm", ["hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1",
-                     "hydra.launcher.mem_gb=2", "+hydra.launcher.additional_parameters.requeue=true"], id="slurm"),
-        pytest.param("submitit_local", ["hydra.launcher.cpus_per_task=1"], id="local"),
-    ],
-)  # fmt: skip
-def test_hydra_submitit_launcher_runs_a_multirun_as_jobs(
-    slurm: str, data_cache: Path, tmp_path: Path, launcher, settings
-):
-    """`xsa-lm train --multirun hydra/launcher=submitit_slurm`: hydra's submitit launcher submits the 2 runs as one
-    job array (locally: 2 jobs), each trains to the end in its own folder, and --requeue reaches sbatch."""
-    sweep = tmp_path / "multi"
-    args = ["train", "--multirun", f"hydra/launcher={launcher}", *settings, *TINY, "attention=sa,xsa"]
-    out = subprocess.run(
-        [sys.executable, "-m", "xsa_lm.cli", *args, f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, env=slurm_env(data_cache), capture_output=True, text=True, timeout=600,
+def start_multirun(launcher: str, sweep: Path, overrides: list[str], data_cache: Path) -> subprocess.Popen:
+    """`xsa-lm train --multirun hydra/launcher=<launcher> <overrides> attention=sa,xsa` in the background."""
+    args = ["train", "--multirun", f"hydra/launcher={launcher}", *overrides, "attention=sa,xsa"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "xsa_lm.cli", *args, f"hydra.sweep.dir={sweep}"], cwd=sweep.parent,
+        env=slurm_env(data_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for run_dir, attention in ((sweep / "0_sa", "sa"), (sweep / "1_xsa", "xsa")):
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert (summary["status"], summary["attention"], summary["steps"]) == ("completed", attention, 4)
+
+
+def summaries(sweep: Path) -> dict[str, dict]:
+    return {run: json.loads((sweep / run / "summary.json").read_text()) for run in ("0_sa", "1_xsa")}
+
+
+def test_hydra_submitit_slurm_runs_a_multirun_as_one_array_and_requeues_a_preempted_run(
+    slurm: str, data_cache: Path, tmp_path: Path
+):
+    """`xsa-lm train --multirun hydra/launcher=submitit_slurm`: the 2 runs are one job array; the XSA run's task,
+    sent SIGUSR2 (SLURM's warning before the time limit) once it has a checkpoint, is requeued (--requeue reaches
+    sbatch) and its run continues from the checkpoint (resume=auto) to the end."""
+    sweep = tmp_path / "multi"
+    launcher = ["hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+    launcher += ["+hydra.launcher.additional_parameters.requeue=true"]
+    steps = [*TINY, "trainer.max_steps=120", "val_every_steps=20", "resume=auto"]  # ~4 s each: time to preempt it
+    proc = start_multirun("submitit_slurm", sweep, [*launcher, *steps], data_cache)
+    deadline = time.monotonic() + 300
+    while not (sweep / "1_xsa" / "checkpoints" / "last.ckpt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    (array,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+    subprocess.run(["scancel", "--signal=USR2", f"{array}_1"], check=True)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
     jobs = sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
-    if launcher == "submitit_slurm":
-        array = jobs[0]  # the array's own folder, then one per task: <id>_0, <id>_1
-        assert jobs == [array, f"{array}_0", f"{array}_1"], jobs
-        (script,) = (sweep / ".submitit").glob(".submission_file_*.sh")
-        assert "#SBATCH --requeue" in script.read_text().splitlines()
-    else:
-        assert len([j for j in jobs if j.isdigit()]) == 2, jobs  # a local job's id: its controller's pid
+    assert jobs == [array, f"{array}_0", f"{array}_1"], jobs  # one array: one task per run
+    (script,) = (sweep / ".submitit").glob(".submission_file_*.sh")
+    assert "#SBATCH --requeue" in script.read_text().splitlines()
+    for run, summary in summaries(sweep).items():
+        assert (summary["status"], summary["steps"]) == ("completed", 120), run
+    log = (sweep / ".submitit" / f"{array}_1" / f"{array}_1_0_log.err").read_text()
+    assert "this job is preempted" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
+    (resume,) = [json.loads(line) for line in (sweep / "1_xsa" / "resumes.jsonl").read_text().splitlines()]
+    assert 20 <= resume["from_step"] < 120  # continued from a checkpoint, not from scratch
+    assert not (sweep / "0_sa" / "resumes.jsonl").exists()
+
+
+def test_hydra_submitit_local_runs_a_multirun_as_local_jobs(slurm: str, data_cache: Path, tmp_path: Path):
+    """`hydra/launcher=submitit_local`: the same multirun as 2 jobs on this machine."""
+    sweep = tmp_path / "multi"
+    proc = start_multirun("submitit_local", sweep, ["hydra.launcher.cpus_per_task=1", *TINY], data_cache)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    for run, summary in summaries(sweep).items():
+        assert (summary["status"], summary["steps"]) == ("completed", 4), run
+    jobs = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+    assert len(jobs) == 2, jobs  # a local job's id: its controller's pid
