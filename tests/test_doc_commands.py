@@ -222,9 +222,9 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm sweep model=gpt2_124m trainer=gpu trainer.max_steps=5000 sweep.lrs=[1e-4,2e-4,4e-4,6e-4] "
     "sweep.seeds=[1,2,3] hydra.run.dir=sweeps/gpt2": GPU,
     "xsa-lm sweep experiment=paper_0.7b data=prepared data.dir=$DATA/fw100b": GPU + "s and FineWeb shards",
-    "xsa-lm sweep model=paper_0.7b global_batch_tokens=524288 micro_batch_size=16 trainer=gpu trainer.devices=8 "
-    "sweep.max_parallel=4 sweep.launch_prefix=[srun,'--nodes=1','--ntasks-per-node=8','--gpus-per-node=8',"
-    "--exclusive] hydra.run.dir=$SCRATCH/sweeps/paper_0.7b": "SLURM and GPUs; the prefix wrapping: test_sweep.py",
+    "xsa-lm sweep model=paper_0.7b global_batch_tokens=524288 micro_batch_size=16 trainer=ddp trainer.devices=8 "
+    "launcher=slurm launcher.gpus_per_node=8 launcher.cpus_per_task=8 launcher.partition=gpu "
+    "hydra.run.dir=$SCRATCH/sweeps/paper_0.7b": "SLURM and GPUs; launcher=slurm end to end: test_slurm.py",
     "xsa-lm scale experiment=scale_toy hydra.run.dir=outputs/scale_toy": "36 runs; test_scale.py runs a study (long)",
     "xsa-lm scale experiment=tokens_toy hydra.run.dir=outputs/tokens_toy": "86 min; test_token_axis.py runs a "
     "token study (long)",
@@ -462,7 +462,7 @@ def test_a_stale_example_would_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         ("generate", "ckpt=x.ckpt", "top_k=0"),
         ("scale", "scale.axis=tokens", "scale.models=[gpt2_124m,gpt2_124m]"),
         ("scale", "scale.models=[paper_0.7b,paper_1.4b]"),  # a size's sweep: the default batch does not divide
-        ("sweep", "sweep.launch_prefix=[srun,--nodes=1]"),  # Hydra's grammar: an element with `=` needs quotes
+        ("sweep", "launcher=slurm", "launcher.setup=[A=1]"),  # Hydra's grammar: an element with `=` needs quotes
         ("train", "--multirun", "attention=sa,nope"),
     ):
         assert upfront_error(argv, tmp_path, False, capsys), argv

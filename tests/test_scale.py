@@ -257,7 +257,7 @@ def test_each_size_gets_the_paired_tests_holm_across_sizes_and_one_pooled_sign_t
 
 
 STUDY = """experiment=scale_toy scale.models=[tiny_d32,tiny_d64] scale.seeds=[1,2,3] sweep.lrs=[3e-3]
-sweep.max_parallel=2 scale.bootstrap_resamples=200 tokenizer.vocab_size=512 trainer.max_steps=6 val_every_steps=3
+launcher.max_parallel=2 scale.bootstrap_resamples=200 tokenizer.vocab_size=512 trainer.max_steps=6 val_every_steps=3
 scheduler.warmup_steps=2 global_batch_tokens=1024 micro_batch_size=8 model.block_size=64 data.val_windows=16
 logger=csv""".split()
 
@@ -283,7 +283,7 @@ REFUSALS = {
         (f"scale.bench={Path(__file__)}", "no XSA/SA step time in it"),
         ("+scale.seed=1", "scale.seed: not an option"),
         ("sweep.diverge_above=0", "sweep.diverge_above=0 must be > 0"),
-        ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+        ("launcher.max_parallel=0", "launcher.max_parallel=0 must be >= 1"),
         ("attention.layers=[5]", "attention.layers=[5]: each layer is a 0-based index below model.n_layer="),
         ("global_batch_tokens=1000", "global_batch_tokens=1000 is not divisible"),
     ],
@@ -300,7 +300,7 @@ REFUSALS = {
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
         ("scale.seeds=[2]", "needs 2+ compare seeds"),
         ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
-        ("sweep.launch_prefix=[no-such-program]", "starts with no-such-program, which is no program on PATH"),
+        ("launcher.timeout_min=0", "launcher.timeout_min=0 must be >= 1"),
         ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
         ("attention.layers=[3]", "attention.layers=[3]: each layer is a 0-based index below model.n_layer=3"),
     ],

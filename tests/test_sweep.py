@@ -14,6 +14,7 @@ from typing import cast
 
 import pytest
 import scipy.stats
+import submitit
 from hydra import compose, initialize_config_module
 
 from tests.golden import assert_golden
@@ -34,12 +35,12 @@ from xsa_lm.eval.run import resolve_tasks, task_file_digests
 from xsa_lm.files import write_json
 from xsa_lm.stats.decision import VERDICTS
 from xsa_lm.stats.paired import paired_t
-from xsa_lm.sweep import protocol
+from xsa_lm.sweep import jobs, protocol
 from xsa_lm.sweep import run as sweep_run
 from xsa_lm.sweep.protocol import SequentialRule, Trial, check_seeds, compare_trials, search_trials, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
 from xsa_lm.sweep.run import check_sweep, comparison_plan, downstream_evaluation, keep_plan, train_overrides
-from xsa_lm.sweep.settings import ScaleSpec, StallRule, SweepSpec
+from xsa_lm.sweep.settings import LauncherSpec, ScaleSpec, StallRule, SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
 from xsa_lm.train.summary import RunSummary
 
@@ -428,14 +429,16 @@ def test_outcome_of_trial_processes() -> None:
 
 def test_parallel_trials_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    assert gpu_slots(2, []) == ["0,1", "2,3"] and gpu_slots(3, []) == ["0", "1", "2"]
-    assert gpu_slots(1, []) == [None]  # one trial: it sees every GPU (and may use DDP)
-    assert gpu_slots(2, ["srun"]) == [None, None]  # the scheduler places each trial
+    assert gpu_slots(2) == [[0, 1], [2, 3]] and gpu_slots(3) == [[0], [1], [2]]
+    assert gpu_slots(1) == [[0, 1, 2, 3]]  # one trial: it sees every GPU (and may use DDP)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert gpu_slots(2, []) == [None, None]  # CPU: trials share the machine
+    assert gpu_slots(2) == [[], []]  # CPU: trials share the machine
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(UserError, match="max_parallel"):
-        gpu_slots(4, [])
+        gpu_slots(4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1a2b")
+    with pytest.raises(UserError, match="by index"):
+        gpu_slots(1)
 
 
 def _spec(**settings) -> SweepSpec:  # the sweep's settings as configs/sweep/paper.yaml has them, but these
@@ -443,42 +446,18 @@ def _spec(**settings) -> SweepSpec:  # the sweep's settings as configs/sweep/pap
 
 
 def test_trials_at_once_share_the_cores_unless_the_threads_are_set(tmp_path: Path, monkeypatch) -> None:
-    """Unless OMP_NUM_THREADS is set, one trial runs at a time, or a launch prefix places them."""
+    """Unless OMP_NUM_THREADS is set, local trials at once share the cores; SLURM gives each job its own."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     store = TrialStore(tmp_path / "sweep")
-    assert Launcher(store, [], _spec(max_parallel=2)).trial_env(0)["OMP_NUM_THREADS"] == "4"
-    assert Launcher(store, [], _spec(max_parallel=3)).trial_env(2)["OMP_NUM_THREADS"] == "2"
-    assert Launcher(store, [], _spec(max_parallel=16)).trial_env(0)["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in Launcher(store, [], _spec(max_parallel=1)).trial_env(0)
-    assert "OMP_NUM_THREADS" not in Launcher(store, [], _spec(max_parallel=2, launch_prefix=["srun"])).trial_env(0)
+
+    def threads(**launch) -> int | None:
+        return Launcher(store, [], _spec(), LauncherSpec(**{"kind": "local", **launch})).threads
+
+    assert (threads(max_parallel=2), threads(max_parallel=3), threads(max_parallel=16)) == (4, 2, 1)
+    assert threads(max_parallel=1) is None and threads(kind="slurm", max_parallel=2) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert Launcher(store, [], _spec(max_parallel=2)).trial_env(0)["OMP_NUM_THREADS"] == "3"
-
-
-@pytest.mark.parametrize("slurm", [False, True], ids=["local", "slurm"])
-def test_concurrent_trials_get_their_own_rendezvous(tmp_path: Path, monkeypatch, slurm: bool) -> None:
-    """Two trials at once, as real child processes: their own ports; under SLURM no inherited MASTER_ADDR."""
-    monkeypatch.setenv("MASTER_ADDR", "sweep-host")
-    monkeypatch.setenv("MASTER_PORT", "12345")
-    if slurm:
-        monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    else:
-        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    out = tmp_path / "env"
-    out.mkdir()
-    record = (  # stands in for `srun`: runs instead of the trial and stays up until both have started
-        "import json, os, sys, time; run = [a for a in sys.argv if a.startswith('hydra.run.dir=')][0]; "
-        f"open(os.path.join({str(out)!r}, os.path.basename(run)), 'w').write(json.dumps("
-        "[os.environ.get('MASTER_ADDR'), os.environ['MASTER_PORT']])); time.sleep(1)"
-    )
-    launcher = Launcher(
-        TrialStore(tmp_path / "sweep"), [], _spec(max_parallel=2, launch_prefix=[sys.executable, "-c", record])
-    )
-    launcher.run([Trial("sa", 1e-3, 0), Trial("xsa", 1e-3, 0)], phase="search", job_type="search")
-    (addr_a, port_a), (addr_b, port_b) = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
-    assert port_a != port_b and "12345" not in (port_a, port_b)
-    assert (addr_a, addr_b) == ((None, None) if slurm else ("127.0.0.1", "127.0.0.1"))
+    assert threads(max_parallel=2) is None  # yours, kept
 
 
 def test_a_reused_trial_is_judged_by_this_runs_divergence_bound(tmp_path: Path, capsys) -> None:
@@ -508,7 +487,7 @@ def test_a_reused_trial_with_a_damaged_summary_says_how_to_write_it_again(tmp_pa
         Launcher(store, [], _spec()).run([trial], phase="search", job_type="search")
 
 
-def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_result(tmp_path: Path) -> None:
+def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_result(tmp_path: Path, monkeypatch):
     """Moved aside as the line says, the trial runs again; its complete run's earlier summary.json is its result."""
     store, trial = TrialStore(tmp_path / "sweep"), Trial("sa", 1e-3, 0)
     (store.run_dir(trial) / "checkpoints").mkdir(parents=True)
@@ -519,7 +498,9 @@ def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_r
     record = store.records / f"{trial.id}.json"
     record.parent.mkdir(parents=True)
     record.write_text("{garbage")
-    launcher = Launcher(store, [], _spec(launch_prefix=[sys.executable, "-c", "pass"]))  # as the finished run
+    monkeypatch.setattr(jobs, "executor", lambda launch, folder, name, gpus: submitit.DebugExecutor(folder))
+    monkeypatch.setattr(jobs, "train_in_process", lambda args: 0)  # as the finished run: nothing left to train
+    launcher = Launcher(store, [], _spec())
     with pytest.raises(UserError, match=re.escape(RETRY_DAMAGED) + "$"):
         launcher.run([trial], phase="search", job_type="search")
     record.unlink()
@@ -529,7 +510,8 @@ def test_a_damaged_trial_record_says_how_to_retry_and_the_retry_keeps_the_runs_r
 
 
 def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
-    kept = train_overrides(["model=tiny", "trainer.max_steps=10", "sweep.lrs=[1e-3]", "sweep=demo", "+foo=1"])
+    given = ["model=tiny", "trainer.max_steps=10", "sweep.lrs=[1e-3]", "sweep=demo", "+foo=1", "launcher=slurm"]
+    kept = train_overrides([*given, "launcher.partition=gpu"])
     assert kept == ["model=tiny", "trainer.max_steps=10", "+foo=1"]
 
 
@@ -674,9 +656,8 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]
-    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.launch_prefix=[env,'XSA_LM_VIA_PREFIX=1']"]
-    args += ["sweep.null_arm=true"]
-    args += ["sweep.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
+    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.null_arm=true"]
+    args += ["launcher.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -694,14 +675,14 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert results["search_seeds"] == [0] and results["seeds"] == [1, 2] and not results["reuse_search_run"]
     assert len(list((sweep_dir / "runs").iterdir())) == 10  # 4 search + 4 compare + 2 null runs, none twice
     null = [by_key[("null", "null", 3e-3, seed)] for seed in (1, 2)]  # SA from other weights, the same data
-    assert all(t["status"] == "completed" for t in null) and "init_seed=1000001" in null[0]["command"]
+    assert all(t["status"] == "completed" for t in null) and "init_seed: 1000001" in Path(null[0]["config"]).read_text()
     assert null[0]["final_val_loss"] != by_key[("compare", "sa", 3e-3, 1)]["final_val_loss"]
     assert results["null"]["seeds"] == [1, 2] and results["null"]["margin"]["verdict"] in VERDICTS
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
-    assert record["command"][:2] == ["env", "XSA_LM_VIA_PREFIX=1"]  # sweep.launch_prefix wraps every trial
+    assert record["executor"] == "local" and Path(record["log"]).parent == Path(record["job_folder"])  # a submitit job
     spans = sorted((t["started"], t["finished"]) for t in results["trials"] if t["phase"] == "search")
     overlaps = [b_start < a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False)]
-    assert any(overlaps), "sweep.max_parallel=2 ran the search trials one after another"
+    assert any(overlaps), "launcher.max_parallel=2 ran the search trials one after another"
     compare = results["comparison"]
     assert compare["seeds"] == [1, 2] and compare["diff_ci95"] is not None and compare["diff_p_value"] is not None
     assert compare["min_detectable_diff"] == pytest.approx(
@@ -769,7 +750,7 @@ def test_sweep_adds_seeds_until_significant_or_the_cap(tmp_path: Path, data_cach
     corrected look is significant; a rerun replays the looks on the reused trials and stops at the same place."""
     sweep_dir = tmp_path / "sweep"
     args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=10", "sweep.lrs=[3e-3]"]
-    args += ["sweep.search_seeds=[2]", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "sweep.max_parallel=2"]
+    args += ["sweep.search_seeds=[2]", "sweep.seeds=[1]", "sweep.seeds_until_significant=3", "launcher.max_parallel=2"]
     args.append(f"hydra.run.dir={sweep_dir}")
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -808,7 +789,7 @@ def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(
     sweep_dir = tmp_path / "sweep"
     args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=5", "diagnostics.every_n_steps=5"]
     args += ["sweep.lrs=[3e-3]", "sweep.seeds=[]", "sweep.search_seeds=[0,1]", "sweep.tune_xsa=true"]
-    args += ["sweep.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
+    args += ["launcher.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -944,9 +925,10 @@ SWEEP_REFUSALS = [
     ("sweep.lr_range={min:1e-4,max:1e-2}", "must be {min:..,max:..,num:..} with 0 < min < max and an integer num"),
     ("sweep.lr_range={min:1e-2,max:1e-4,num:3}", "must be {min:..,max:..,num:..} with 0 < min < max"),
     ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
-    ("sweep.launch_prefix=[/nonexistent]", "starts with /nonexistent, which is no program on PATH"),
-    ("sweep.launch_prefix=srun", "sweep.launch_prefix=srun must be a list of words"),
-    ("sweep.max_parallel=0", "sweep.max_parallel=0 must be >= 1"),
+    ("launcher.max_parallel=0", "launcher.max_parallel=0 must be >= 1"),
+    ("launcher=slurm launcher.mem_gb=-1", "launcher.mem_gb=-1 must be > 0"),
+    ("launcher=slurm launcher.additional_parameters=exclusive", "launcher.additional_parameters=exclusive must be"),
+    ("launcher.partition=gpu", "sweep has no key launcher.partition"),  # launcher=slurm's
     ("sweep.tune_xsa=yes", "sweep.tune_xsa=yes must be true or false"),
     ("sweep.stall.margin=-1", "sweep.stall needs 0 < at_fraction <= 1, margin >= 0"),
     ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
@@ -997,6 +979,9 @@ def test_every_sweep_and_scale_setting_has_a_rule() -> None:
         cfg = compose_train([], config_name=config_name)
         parse(SweepSpec, cfg.sweep, at="sweep.")
     parse(ScaleSpec, cfg.scale, at="scale.")
+    slurm = compose_train(["launcher=slurm"], config_name="sweep").launcher
+    assert parse(LauncherSpec, slurm, at="launcher.").kind == "slurm" and set(slurm) == set(LauncherSpec.model_fields)
+    assert set(cfg.launcher) < set(slurm)  # local's keys are slurm's
     assert set(cfg.sweep) == set(SweepSpec.model_fields) and set(cfg.scale) == set(ScaleSpec.model_fields)
 
 

@@ -20,8 +20,18 @@ from xsa_lm.model.sdpa import config_problem as sdpa_backends_problem
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Lightning's seed_everything enforces
 VOCAB_MULTIPLE = 64  # the embedding table padded: matmuls are faster on multiples of 64 (50257 -> 50304)
 FREE: dict[str, Any] = {"free_on_resume": True}  # json_schema_extra of a key a resume may change
-# Keys beside the training config's in a composed config: those of sweep, scale and plan, which compose train.yaml.
-AROUND_TRAINING = ("hydra", "sweep", "scale", "device_memory_gb", "activation_checkpointing", "out", "overwrite")
+# Keys beside the training config's in a composed config: those of sweep (its launcher), scale and plan, which
+# compose train.yaml.
+AROUND_TRAINING = (
+    "hydra",
+    "sweep",
+    "launcher",
+    "scale",
+    "device_memory_gb",
+    "activation_checkpointing",
+    "out",
+    "overwrite",
+)
 S = TypeVar("S", bound=BaseModel)
 
 

@@ -343,13 +343,13 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
     from xsa_lm.data.run import prepare_data
     from xsa_lm.model.gpt import GPT
 
-    train, spec, runs, _ = size_config(overrides, model, seeds)
-    sweep = sweeps.SweepJob(spec, [], seeds, runs, train.logger.wandb)
+    train, spec, runs, config = size_config(overrides, model, seeds)
+    sweep = sweeps.SweepJob(spec, [], seeds, runs, train.logger.wandb, config)
     with torch.device("meta"):  # the count needs the shapes only
         params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
     batch = train.global_batch_tokens
     size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
-    size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0)).grid))
+    size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0), config).grid))
     top = max(scale.sa_budgets)
     if not scale.allow_repeated_data:
         data = parse(TrainSpec, compose(config_name="train", overrides=size.overrides(top)))

@@ -3,7 +3,8 @@
 2. select:  the LR with the lowest median final val loss of SA over the search seeds (diverged runs never win)
 3. compare: SA and XSA at that LR for every seed of sweep.seeds (no search seed: the search's winner was lucky)
 4. report:  results.json, report.md, lr_sweep.png, curves.png, and a W&B report run
-Every trial is an `xsa-lm train` process whose record makes the same command resume (trials.py)."""
+Every trial is a submitit job running `xsa-lm train` (launcher=local|slurm); its record makes the same command
+resume, or wait for the job still running (trials.py)."""
 
 import itertools
 import json
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -30,7 +32,7 @@ from xsa_lm.reporting import ReportRunSettings
 from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
-from xsa_lm.sweep.settings import SweepSpec
+from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, run_logged, trial_settings
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
@@ -57,9 +59,10 @@ def passed_on(task_overrides: list[str], group: str, set_by: dict[str, str], set
 
 
 def train_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's training overrides, passed on to every trial (sweep.* stays with the sweep)."""
+    """The command line's training overrides, passed on to every trial (sweep.* and launcher.* stay with the sweep)."""
     set_by = {**SET_BY_SWEEP, "attention.name": SET_BY_SWEEP["attention"]}
-    return passed_on(task_overrides, "sweep", set_by, setter="the sweep for each trial")
+    trials = passed_on(task_overrides, "launcher", {}, setter="")
+    return passed_on(trials, "sweep", set_by, setter="the sweep for each trial")
 
 
 def report_run_settings(wandb: WandbSpec) -> ReportRunSettings:
@@ -88,13 +91,14 @@ def open_state(
     return state[id_key]
 
 
-def stop_on_signals(stop: Callable[[], None], command: str) -> None:
-    """On SIGTERM or SIGINT: stop the child processes, say how to resume, and exit with 128 + the signal."""
+def stop_on_signals(stop: Callable[[], str | None], command: str) -> None:
+    """On SIGTERM or SIGINT: stop the trials (stop() says what it left running), say how to resume, and exit with
+    128 + the signal."""
 
     def handler(signum, frame):
-        stop()
+        left = stop() or ""
         name = signal.Signals(signum).name
-        print(f"\nxsa-lm {command}: interrupted ({name}); run the same command to resume", file=sys.stderr)
+        print(f"\nxsa-lm {command}: interrupted ({name}); run the same command to resume{left}", file=sys.stderr)
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
@@ -149,7 +153,8 @@ def phase_records(store: TrialStore, trials: list[Trial], phase: str) -> list[Tr
 
 
 def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[str], phase: str) -> list[Selection]:
-    """Every LR of the grid x the seeds, for each arm at once; each arm's selection."""
+    """Every LR of the grid x the seeds, for each arm at once; each arm's selection, none on a partial grid (a trial
+    failed, or preempted past launcher.max_requeues: the compare phase would start on the LRs that happened to end)."""
     trials = {arm: protocol.search_trials(grid, seeds, [arm]) for arm in arms}
     launcher.run([t for arm in arms for t in trials[arm]], phase, "lr-search")
     selections = []
@@ -158,7 +163,12 @@ def search(launcher: Launcher, grid: list[float], seeds: list[int], arms: list[s
         for trial in trials[arm]:
             record = launcher.store.load(trial)
             runs[trial.lr].append((record.status, record.final_val_loss) if record else (None, None))
-        selections.append(protocol.select_lr(runs))
+        selection = protocol.select_lr(runs)
+        unfinished = [t.id for t in trials[arm] if not launcher.store.is_final(t)]
+        if unfinished:
+            partial = f"no LR selected on a partial grid: {', '.join(unfinished)} did not finish"
+            selection = replace(selection, lr=None, warnings=[*selection.warnings, partial])
+        selections.append(selection)
     return selections
 
 
@@ -190,8 +200,14 @@ class SweepJob:
     wandb: WandbSpec | None = None
     config: dict = field(default_factory=dict)
 
+    @cached_property
+    def launch(self) -> LauncherSpec:
+        """How the trials run: config.yaml's `launcher` (the command's launcher group), else on this machine."""
+        launcher = self.config.get("launcher")
+        return parse(LauncherSpec, launcher, at="launcher.") if launcher else LauncherSpec(kind="local")
+
     def launcher(self, store: TrialStore, group: str | None, command: str) -> Launcher:
-        launcher = Launcher(store, self.overrides, self.spec, group if self.wandb else None)
+        launcher = Launcher(store, self.overrides, self.spec, self.launch, group if self.wandb else None)
         stop_on_signals(launcher.stop, command)
         return launcher
 
@@ -203,7 +219,6 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
     seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
     if spec.seeds_until_significant is not None:
         protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
-    gpu_slots(spec.max_parallel, spec.launch_prefix or [])  # enough GPUs for the trials at once
     if spec.eval_tasks:
         from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
 
@@ -217,7 +232,10 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
         for attention in attentions + ([protocol.NULL] if seeds and spec.null_arm else []):
             trial = trial_settings(Trial(attention, grid[0], spec.search_seeds[0]))
             parse(TrainSpec, compose(config_name="train", overrides=[*overrides, *trial]))  # once, not in every trial
-    return SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
+    job = SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
+    if job.launch.kind == "local":
+        gpu_slots(job.launch.max_parallel or 1)  # enough GPUs for the trials at once
+    return job
 
 
 def compare_phase(
@@ -309,6 +327,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     trial_counts = f"{len(grid) * len(spec.search_seeds) * len(arms)} search + up to "
     trial_counts += f"{(3 if spec.null_arm else 2) * (cap or len(seeds))} compare trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
+    threads += f" | launcher={launcher.launch.kind}"
     print(
         f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | LR grid {[f'{lr:g}' for lr in grid]}, search seeds "
         f"{spec.search_seeds}, {planned} | {trial_counts}{threads}"
@@ -354,6 +373,12 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
 def incomplete(results: SweepResult) -> str | None:
     """Why a sweep did not finish (a trial to retry, no usable LR), or None."""
     unfinished = [t.id for t in results.trials if t.status not in protocol.FINISHED]
+    search = [t.id for t in results.trials if t.status not in protocol.FINISHED and t.phase == "search"]
+    if search:  # search() selected nothing: the compare phase did not start
+        return (
+            f"search trial(s) {', '.join(search)} did not finish, so no LR was selected on the partial grid and the "
+            "compare phase did not start: run the same command again to retry them"
+        )
     if unfinished:
         retry = "run the same command again to retry them"
         return f"{len(unfinished)} trial(s) did not finish ({', '.join(unfinished)}): {retry}"

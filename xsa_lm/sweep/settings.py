@@ -3,7 +3,6 @@ field owns its type and range, and `xsa_lm.config.spec.parse` refuses a bad valu
 
 import importlib.resources
 import math
-import shutil
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
@@ -82,16 +81,6 @@ def lr_grids(value: Any) -> str | None:
     return None
 
 
-def command_prefix(value: Any) -> str | None:
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list) or any(not isinstance(word, str) or not word for word in value):
-        return "must be a list of words, e.g. [srun,--ntasks=1], or [] for none"
-    if shutil.which(value[0]) is None:
-        return f"starts with {value[0]}, which is no program on PATH (nor an executable file): install it or fix it"
-    return None
-
-
 def eval_tasks(value: Any) -> str | None:
     words = value if isinstance(value, list) else [value]
     if value is None or (words and all(isinstance(w, str) and w for w in words)):
@@ -128,8 +117,6 @@ class SweepSpec(Spec):
     diverge_above: float | None = Field(
         gt=0, allow_inf_nan=False, description="a final val loss above it counts as diverged; null: ln(vocab size)"
     )
-    max_parallel: int = Field(ge=1)  # trials at once
-    launch_prefix: Annotated[list[str] | None, rule(command_prefix)]  # put before each trial, e.g. [srun, --ntasks=1]
     wandb_report: bool  # a report run in the sweep's W&B group
     eval_tasks: Annotated[str | list[str] | None, rule(eval_tasks)]  # xsa-lm eval on the compare runs; null: none
     eval_limit: float | None = Field(gt=0, description="the first N examples per task; null: all")
@@ -142,6 +129,33 @@ class SweepSpec(Spec):
     @property
     def stall_rule(self) -> StallRule | None:
         return StallRule(**self.stall) if self.stall else None  # type: ignore[arg-type]  # StallRule checks them
+
+
+class LauncherSpec(Spec):
+    """How trials run (configs/launcher/<kind>.yaml says what each does): submitit jobs on this machine or on SLURM."""
+
+    kind: Literal["local", "slurm"]
+    max_parallel: int | None = Field(default=1, ge=1, description="jobs at once; null: all (slurm queues them)")
+    timeout_min: int = Field(default=10080, ge=1)  # a trial's wall-clock limit (SLURM's --time)
+    max_requeues: int = Field(default=3, ge=0)  # times a preempted trial continues from its checkpoint
+    max_retries: int = Field(default=1, ge=0)  # times a trial whose job ended without a result is submitted again
+    signal_delay_s: int = Field(default=120, ge=0)  # SIGUSR2 this long before the time limit: a checkpoint, requeue
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
+    tasks_per_node: int | None = Field(default=None, ge=1, description="null: slurm one per GPU, local one")
+    cpus_per_task: int | None = Field(default=None, ge=1)
+    mem_gb: float | None = Field(default=None, gt=0)
+    additional_parameters: dict[str, Any] = Field(default_factory=dict)  # more sbatch flags: {constraint: a100}
+    setup: list[str] = Field(default_factory=list)  # shell lines before the trial (module load, source a venv)
+
+    @property
+    def tasks(self) -> int:
+        """A trial's processes per node: one per GPU on SLURM; locally one (Lightning starts the ranks of trainer=ddp)
+        unless tasks_per_node says."""
+        return self.tasks_per_node or (max(self.gpus_per_node, 1) if self.kind == "slurm" else 1)
 
 
 class ScaleSpec(Spec):

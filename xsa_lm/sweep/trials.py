@@ -1,35 +1,39 @@
-"""Trials as child processes, and one record per trial in the sweep directory:
-  trials/<id>.json   the record of a trial: its command, status, metrics and run directory (written atomically)
+"""Trials as submitit jobs (jobs.py), and one record per trial in the sweep directory:
+  trials/<id>.json   the record of a trial: its status, job, metrics and run directory (written atomically)
   runs/<id>/         the trial's run directory (config.yaml, metrics.csv, checkpoints/, summary.json, wandb/)
-  logs/<id>.log      the trial's terminal output, appended across attempts
-A `completed` or `diverged` record is final: a rerun reuses it. Anything else is tried again, from the run's last
-checkpoint if any, else afresh (the attempt kept in runs/<id>.attempt<N>)."""
+  jobs/<id>/         its jobs' files: <job id>_0_log.out, the trial's terminal output, and submitit's pickles
+A `completed` or `diverged` record is final: a rerun reuses it. A `running` one whose job still runs is waited for.
+Anything else is tried again, from the run's last checkpoint if any, else afresh (the attempt kept in
+runs/<id>.attempt<N>)."""
 
 import contextlib
-import ctypes
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
+import submitit
+from submitit.local.local import LocalJob
+
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
+from xsa_lm.sweep import jobs
 from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
-from xsa_lm.sweep.settings import SweepSpec
+from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
 from xsa_lm.train.devices import usable_cpus
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrialRecord(Record):
-    """trials/<id>.json: a trial's command, status, metrics (from its summary.json) and files."""
+    """trials/<id>.json: a trial's status, job, metrics (from its summary.json) and files."""
 
     id: str
     phase: str
@@ -39,9 +43,10 @@ class TrialRecord(Record):
     status: str  # running, completed, diverged, failed, interrupted; missing: no record yet
     attempt: int = 0
     resumed_from_checkpoint: bool = False
-    pid: int | None = None
+    job_id: str | None = None  # of its latest job: SLURM's job id, or the local job's controller pid
+    executor: str | None = None  # local, slurm
+    job_folder: str | None = None  # submitit's files of its jobs (its log among them)
     started: float | None = None
-    command: list[str] = field(default_factory=list)
     run_dir: str | None = None
     log: str | None = None
     config: str | None = None
@@ -64,8 +69,8 @@ class TrialRecord(Record):
     reused: bool = False  # in a sweep's results.json: a run of another phase that this phase reuses
     schema: int = 1
 
-    def ended(self, outcome: "Outcome", returncode: int) -> "TrialRecord":
-        """The record of the finished process: its outcome, and the metrics of its summary.json if it wrote one."""
+    def ended(self, outcome: "Outcome", returncode: int | None) -> "TrialRecord":
+        """The record of the finished job: its outcome, and the metrics of its summary.json if it wrote one."""
         metrics = {name: getattr(outcome.summary, name) for name in SUMMARY_METRICS} if outcome.summary else {}
         return replace(
             self, status=outcome.status, error=outcome.error, returncode=returncode, finished=time.time(), **metrics
@@ -82,7 +87,7 @@ RETRY_DAMAGED = "move it out of trials/ and run the sweep again: it reruns the t
 
 class TrialStore:
     def __init__(self, sweep_dir: Path) -> None:
-        self.records, self.runs, self.logs = (sweep_dir / d for d in ("trials", "runs", "logs"))
+        self.records, self.runs, self.logs, self.jobs = (sweep_dir / d for d in ("trials", "runs", "logs", "jobs"))
 
     def run_dir(self, trial: Trial) -> Path:
         return self.runs / trial.id
@@ -165,36 +170,26 @@ def last_error_line(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def gpu_slots(max_parallel: int, launch_prefix: Sequence[str]) -> list[str | None]:
-    """Each parallel slot's share of the visible GPUs; None (inherit) for one trial, no GPU, or a launch prefix."""
-    if max_parallel <= 1 or launch_prefix:
-        return [None] * max_parallel
+def gpu_slots(max_parallel: int) -> list[list[int]]:
+    """Each parallel trial's share of the visible GPUs (none on a CPU machine)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None:
         import torch
 
         env = ",".join(map(str, range(torch.cuda.device_count())))
-    visible = [d for d in env.split(",") if d.strip()]
+    visible = [d.strip() for d in env.split(",") if d.strip()]
     if not visible:
-        return [None] * max_parallel
+        return [[] for _ in range(max_parallel)]
+    if not all(d.isdigit() for d in visible):
+        raise UserError(
+            f"CUDA_VISIBLE_DEVICES={env}: launcher=local places trials by GPU index; list the GPUs by index (0,1,..)"
+        )
     if len(visible) < max_parallel:
         raise UserError(
-            f"sweep.max_parallel={max_parallel} trials at once but {len(visible)} visible GPU(s): lower max_parallel"
+            f"launcher.max_parallel={max_parallel} trials at once but {len(visible)} visible GPU(s): lower max_parallel"
         )
     per_slot = len(visible) // max_parallel
-    return [",".join(visible[i * per_slot : (i + 1) * per_slot]) for i in range(max_parallel)]
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the sweep dies, even by SIGKILL, so no orphan trial writes on."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the sweep's signal handlers still stop children
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return [[int(d) for d in visible[i * per_slot : (i + 1) * per_slot]] for i in range(max_parallel)]
 
 
 def trial_settings(trial: Trial) -> list[str]:
@@ -205,41 +200,72 @@ def trial_settings(trial: Trial) -> list[str]:
     return [*arm, f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
 
 
+@dataclass
+class Running:
+    """A trial's job in flight: its GPU slot (launcher=local), when and in which phase it started."""
+
+    trial: Trial
+    job: submitit.Job
+    slot: int | None
+    started: float
+    phase: str
+    job_type: str
+
+
+POLL_S = {"local": 0.2, "slurm": 1.0}  # SLURM: submitit's watcher asks sacct for every job at once, cached
+
+
 class Launcher:
-    """Runs trials as `xsa-lm train` processes, at most max_parallel at once, and records each outcome."""
+    """Runs trials as submitit jobs (launcher=local: at most max_parallel at once on this machine, each with its own
+    GPUs; launcher=slurm: SLURM queues them), finds again the jobs an earlier sweep process left running, requeues a
+    preempted trial and submits again one whose job ended without a result (both bounded), and records each outcome."""
 
     def __init__(
-        self, store: TrialStore, train_overrides: Sequence[str], spec: SweepSpec, wandb_group: str | None = None
+        self,
+        store: TrialStore,
+        train_overrides: Sequence[str],
+        spec: SweepSpec,
+        launch: LauncherSpec | None = None,
+        wandb_group: str | None = None,
     ) -> None:
         self.store, self.train_overrides, self.wandb_group = store, list(train_overrides), wandb_group
-        self.launch_prefix, self.diverge_above = spec.launch_prefix or [], spec.diverge_above
-        self.slots = gpu_slots(spec.max_parallel, self.launch_prefix)
-        # Trials at once share the cores, as torchrun does (more threads than cores spin and wait).
-        shared = spec.max_parallel > 1 and not self.launch_prefix and "OMP_NUM_THREADS" not in os.environ
-        self.threads = max(1, usable_cpus() // spec.max_parallel) if shared else None
-        self.running: dict[subprocess.Popen, tuple[Trial, int, float, dict[str, str]]] = {}
+        self.launch = launch or LauncherSpec(kind="local")
+        self.diverge_above = spec.diverge_above
+        local = self.launch.kind == "local"
+        self.capacity = self.launch.max_parallel or sys.maxsize
+        self.slots = gpu_slots(self.capacity) if local else []
+        self.free = list(range(len(self.slots)))
+        # Local trials at once share the cores, as torchrun does (more threads than cores spin and wait).
+        shared = local and self.capacity > 1 and "OMP_NUM_THREADS" not in os.environ
+        self.threads = max(1, usable_cpus() // self.capacity) if shared else None
+        self.running: dict[Trial, Running] = {}
+        self.requeues: Counter[Trial] = Counter()  # launcher=local: preempted, submitted again from its checkpoint
+        self.retries: Counter[Trial] = Counter()  # its job ended without a result, submitted again
 
     def command(self, trial: Trial, job_type: str, resume: bool) -> list[str]:
-        set_by_sweep = [*trial_settings(trial), f"hydra.run.dir={self.store.run_dir(trial)}"]
-        cmd = [*self.launch_prefix, sys.executable, "-m", "xsa_lm.cli", "train", *self.train_overrides, *set_by_sweep]
+        """The `xsa-lm train` command a trial's job runs (in the job's own process)."""
+        args = [*self.train_overrides, *trial_settings(trial), f"hydra.run.dir={self.store.run_dir(trial)}"]
         if self.wandb_group is not None:
-            cmd += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
-        return cmd + (["resume=auto"] if resume else [])
+            args += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
+        return ["xsa-lm", "train", *args, *(["resume=auto"] if resume else [])]
 
     def run(self, trials: Sequence[Trial], phase: str, job_type: str) -> None:
         """Run every trial that has no final record yet; returns when all have finished."""
         todo = [t for t in dict.fromkeys(trials) if not self.store.is_final(t)]
         for trial in [t for t in dict.fromkeys(trials) if t not in todo]:  # final: it has a record
             print(f"  {phase}: {trial.id} already {self.judged_again(trial).status} (reused)")
-        free = list(range(len(self.slots)))
+        for trial in [t for t in todo if self._attach(t, phase, job_type)]:
+            todo.remove(trial)
         while todo or self.running:
-            while todo and free:
-                self._start(todo.pop(0), free.pop(0), phase, job_type)
-            time.sleep(0.2)
-            for proc in [p for p in self.running if p.poll() is not None]:
-                trial, slot, started, _ = self.running.pop(proc)
-                free.append(slot)
-                self._finish(trial, proc.returncode, started, phase)
+            while todo and len(self.running) < self.capacity:
+                self._start(todo.pop(0), phase, job_type)
+            time.sleep(POLL_S[self.launch.kind])
+            for run in [r for r in self.running.values() if self._ended(r)]:
+                del self.running[run.trial]
+                if run.slot is not None:
+                    self.free.append(run.slot)
+                if self._finish(run):
+                    todo.insert(0, run.trial)  # requeued or retried: before the trials not started yet
 
     def judged_again(self, trial: Trial) -> TrialRecord:
         """A final trial's record judged again under this run's divergence bound; saved, and said, if it changes."""
@@ -264,75 +290,128 @@ class Launcher:
         self.store.save(record)
         return record
 
-    def trial_env(self, slot: int) -> dict[str, str]:
-        """Its own rendezvous port (else trials join one process group), GPUs, threads; SLURM's own MASTER_ADDR."""
-        taken = {int(e["MASTER_PORT"]) for _, _, _, e in self.running.values()}
-        port = next(port for port in iter(free_port, None) if port not in taken)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(port))
-        if "SLURM_JOB_ID" in env:
-            env.pop("MASTER_ADDR", None)
-        else:
-            env["MASTER_ADDR"] = "127.0.0.1"
-        gpus = self.slots[slot]
-        env |= {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}
-        return env | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads is not None else {})
+    def _attach(self, trial: Trial, phase: str, job_type: str) -> bool:
+        """Wait for the job an earlier sweep process submitted for this trial, if it still runs."""
+        record = self.store.load(trial)
+        if record is None or record.status != "running" or not (record.job_id and record.job_folder):
+            return False
+        job = jobs.attached(record.executor or "local", Path(record.job_folder), record.job_id)
+        if job is None:
+            return False
+        slot = self.free.pop(0) if self.free else None
+        self.running[trial] = Running(trial, job, slot, record.started or time.time(), phase, job_type)
+        print(
+            f"  {phase}: {trial.id} re-attached to its running {record.executor} job {record.job_id}; log {record.log}"
+        )
+        return True
 
-    def _start(self, trial: Trial, slot: int, phase: str, job_type: str) -> None:
-        run_dir, log = self.store.run_dir(trial), self.store.logs / f"{trial.id}.log"
+    def _start(self, trial: Trial, phase: str, job_type: str) -> None:
+        run_dir = self.store.run_dir(trial)
         previous = self.store.load(trial)
         attempt = (previous.attempt if previous is not None else 0) + 1
         resume = (run_dir / "checkpoints" / "last.ckpt").exists()
         if run_dir.exists() and not resume:  # an attempt that left no checkpoint: keep it aside, start afresh
             run_dir.rename(run_dir.with_name(f"{trial.id}.attempt{attempt - 1}"))
-        cmd = self.command(trial, job_type, resume)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        env = self.trial_env(slot)
-        with open(log, "a") as out:
-            out.write(f"\n=== attempt {attempt} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
-            out.flush()
-            proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent
-            )
+        slot = self.free.pop(0) if self.slots else None
+        folder = self.store.jobs / trial.id
+        job = jobs.submit(
+            self.launch,
+            folder,
+            name=trial.id,
+            job=jobs.TrialJob(
+                tuple(self.command(trial, job_type, resume=False)[2:]), str(run_dir), self.launch.max_requeues
+            ),
+            gpus=self.slots[slot] if slot is not None else [],
+            env={"OMP_NUM_THREADS": str(self.threads)} if self.threads is not None else {},
+        )
         started = time.time()
-        self.running[proc] = (trial, slot, started, env)
-        record = replace(  # a sweep killed now leaves it `running`: a rerun tries the trial again
+        self.running[trial] = Running(trial, job, slot, started, phase, job_type)
+        record = replace(  # a sweep killed now leaves it `running`: a rerun waits for the job, or tries again
             TrialRecord.missing(trial, phase),
             status="running",
             attempt=attempt,
             resumed_from_checkpoint=resume,
-            pid=proc.pid,
+            job_id=job.job_id,
+            executor=self.launch.kind,
+            job_folder=str(folder),
             started=started,
-            command=cmd,
             run_dir=str(run_dir),
-            log=str(log),
+            log=str(job.paths.stdout),
             config=str(run_dir / "config.yaml"),
         )
         self.store.save(record)
         how = " (resuming from its last checkpoint)" if resume else ""
-        print(f"  {phase}: {trial.id} started{how}; log {log}")
+        print(f"  {phase}: {trial.id} started as {self.launch.kind} job {job.job_id}{how}; log {job.paths.stdout}")
 
-    def _finish(self, trial: Trial, returncode: int, started: float, phase: str) -> None:
-        summary_file = self.store.run_dir(trial) / "summary.json"
-        # An earlier attempt's summary is not this one's, unless this one had nothing left to train (exit code 0).
-        fresh = summary_file.exists() and (summary_file.stat().st_mtime >= started - 1 or returncode == 0)
-        summary = RunSummary.read(summary_file) if fresh else None
-        result = outcome(returncode, summary, last_error_line(self.store.logs / f"{trial.id}.log"), self.diverge_above)
-        record = (self.store.load(trial) or TrialRecord.missing(trial, phase)).ended(result, returncode)
+    def _ended(self, run: Running) -> bool:
+        if isinstance(run.job, LocalJob) and run.job._process is None:  # found again: done() cannot tell
+            return not jobs.controller_alive(run.job.job_id, run.job.paths.folder)
+        return run.job.done()
+
+    def _result(self, run: Running) -> tuple[int | None, str | None]:
+        """The trial's exit code (None: its job ended without one: killed, cancelled) and the error it raised."""
+        if isinstance(run.job, LocalJob) and not run.job.paths.result_pickle.exists():
+            return None, None  # on this machine no file system lags behind: none now is none
+        try:
+            return run.job.result(), None
+        except submitit.core.utils.FailedJobError as e:  # an exception in the job, outside the run's own handling
+            lines = [line for line in str(e).splitlines() if line.strip() and not line.startswith(" ")]
+            return 1, lines[-1] if lines else str(e)
+        except submitit.core.utils.UncompletedJobError:
+            return None, None
+
+    def _finish(self, run: Running) -> bool:
+        """Record a trial's ended job; True: submit it again (preempted locally, or its job lost)."""
+        trial, log = run.trial, Path(str(run.job.paths.stdout))
+        returncode, error = self._result(run)
+        if returncode is None:
+            state = run.job.state if self.launch.kind == "slurm" else "no result"
+            lost = f"its {self.launch.kind} job {run.job.job_id} ended without a result ({state}: killed, cancelled?)"
+            if self.retries[trial] < self.launch.max_retries:
+                self.retries[trial] += 1
+                print(f"  {run.phase}: {trial.id}: {lost}: submitted again (launcher.max_retries)")
+                return True
+            result = Outcome("failed", f"{lost}; see {log}")
+        else:
+            summary_file = self.store.run_dir(trial) / "summary.json"
+            # An earlier attempt's summary is not this one's, unless this one had nothing left to train (exit 0).
+            fresh = summary_file.exists() and (summary_file.stat().st_mtime >= run.started - 1 or returncode == 0)
+            summary = RunSummary.read(summary_file) if fresh else None
+            result = outcome(returncode, summary, error or last_error_line(log), self.diverge_above)
+        record = self.store.load(trial) or TrialRecord.missing(trial, run.phase)
+        record = record.ended(result, returncode)
         self.store.save(record)
+        if result.status == "preempted" and self.requeues[trial] < self.launch.max_requeues:
+            self.requeues[trial] += 1  # SLURM jobs requeue themselves (TrialJob); a local one is submitted again
+            print(f"  {run.phase}: {trial.id} preempted: continues from its checkpoint (launcher.max_requeues)")
+            return True
         loss = record.final_val_loss
         finished = loss is not None and record.status == "completed"
         detail = f"final val loss {loss:.4f}" if finished else record.error
-        print(f"  {phase}: {trial.id} {record.status} in {time.time() - started:.0f} s: {detail}")
+        print(f"  {run.phase}: {trial.id} {record.status} in {time.time() - run.started:.0f} s: {detail}")
+        return False
 
-    def stop(self) -> None:
-        """Terminate the trials in flight (the sweep was interrupted); their records say `interrupted`."""
-        for proc in self.running:
-            proc.terminate()
-        for proc, (trial, *_) in list(self.running.items()):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            record = self.store.load(trial) or TrialRecord.missing(trial, "")
+    def stop(self) -> str:
+        """The sweep was interrupted: local trials stop at their next step with a checkpoint (recorded `interrupted`);
+        SLURM jobs run on, and the next run of the sweep re-attaches to them. Says what it left running."""
+        local = [r for r in self.running.values() if isinstance(r.job, LocalJob)]
+        for run in local:  # the controller passes SIGTERM on to the trial's tasks
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(run.job.job_id), signal.SIGTERM)
+        deadline = time.time() + 30
+        for run in local:
+            while jobs.controller_alive(run.job.job_id, run.job.paths.folder) and time.time() < deadline:
+                time.sleep(0.2)
+            for pid in [*jobs.children(int(run.job.job_id)), int(run.job.job_id)]:  # still there: killed
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process = cast(LocalJob, run.job)._process
+            if process is not None:  # reaped
+                process.wait()
+            record = self.store.load(run.trial) or TrialRecord.missing(run.trial, run.phase)
             self.store.save(replace(record, status="interrupted", finished=time.time()))
+        left = [r.job.job_id for r in self.running.values() if r not in local]
         self.running.clear()
+        if not left:
+            return ""
+        return f"; SLURM job(s) {', '.join(left)} keep running, and the same command re-attaches to them"

@@ -1,5 +1,5 @@
 """Callbacks: throughput and tokens seen, the validation history kept for summary.json, periodic diagnostics, and a
-clean stop with a checkpoint on preemption (SIGTERM / SIGUSR1) or Ctrl-C."""
+clean stop with a checkpoint on preemption (SIGTERM / SIGUSR1 / SIGUSR2) or Ctrl-C."""
 
 import contextlib
 import logging
@@ -266,8 +266,9 @@ class Samples(EveryNSteps):
 
 
 class Preemption(L.Callback):
-    """SIGTERM / SIGUSR1 (preempted, exit 0) / SIGINT (interrupted, 130; twice: abort): stop at the next optimizer
-    step with a checkpoint. Not Lightning's signal handling: it stops without one (SLURM's requeue aside)."""
+    """SIGTERM / SIGUSR1 / SIGUSR2 (preempted, exit 0) / SIGINT (interrupted, 130; twice: abort): stop at the next
+    optimizer step with a checkpoint. Not Lightning's signal handling: it stops without one (SLURM's requeue aside);
+    nor submitit's (SIGUSR2, its preemption signal): it checkpoints and exits in the middle of a step."""
 
     def __init__(self, last_checkpoint: Path, val_every_steps: int) -> None:
         self.last_checkpoint, self.val_every_steps = last_checkpoint, val_every_steps
@@ -286,7 +287,9 @@ class Preemption(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning's own handlers are installed (they would end the run without a checkpoint).
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        from submitit import JobEnvironment
+
+        for sig in {signal.SIGTERM, signal.SIGUSR1, JobEnvironment._usr_sig(), signal.SIGINT}:  # submitit's: USR2
             signal.signal(sig, self._handle)
         self._seen_step = trainer.global_step
 
