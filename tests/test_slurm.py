@@ -89,8 +89,9 @@ def test_hydra_submitit_slurm_runs_a_multirun_as_one_array_and_requeues_a_preemp
     slurm: str, data_cache: Path, tmp_path: Path
 ):
     """`xsa-lm train --multirun hydra/launcher=submitit_slurm`: the 2 runs are one job array; the XSA run's task,
-    sent SIGUSR2 (SLURM's warning before the time limit) once it has a checkpoint, is requeued (--requeue reaches
-    sbatch) and its run continues from the checkpoint (resume=auto) to the end."""
+    sent SIGUSR2 (SLURM's warning before the time limit) once it has a checkpoint, stops at the next step with a
+    checkpoint, requeues its job (--requeue reaches sbatch; configs/train.yaml's hydra callback) and continues from
+    that step (resume=auto) to the end."""
     sweep = tmp_path / "multi"
     launcher = ["hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
     launcher += ["+hydra.launcher.additional_parameters.requeue=true"]
@@ -110,10 +111,10 @@ def test_hydra_submitit_slurm_runs_a_multirun_as_one_array_and_requeues_a_preemp
     assert "#SBATCH --requeue" in script.read_text().splitlines()
     for run, summary in summaries(sweep).items():
         assert (summary["status"], summary["steps"]) == ("completed", 120), run
-    log = (sweep / ".submitit" / f"{array}_1" / f"{array}_1_0_log.err").read_text()
-    assert "this job is preempted" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
-    (resume,) = [json.loads(line) for line in (sweep / "1_xsa" / "resumes.jsonl").read_text().splitlines()]
-    assert 20 <= resume["from_step"] < 120  # continued from a checkpoint, not from scratch
+    log = "".join((sweep / ".submitit" / f"{array}_1" / f"{array}_1_0_log.{out}").read_text() for out in ("out", "err"))
+    assert "SIGUSR2 received: checkpoint at step" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
+    resumes = (sweep / "1_xsa" / "resumes.jsonl").read_text().splitlines()
+    assert len(resumes) == 1 and 20 < json.loads(resumes[0])["from_step"] < 120, resumes  # from where it stopped
     assert not (sweep / "0_sa" / "resumes.jsonl").exists()
 
 
