@@ -833,12 +833,11 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     while not (second.exists() and (sweep_dir / "runs" / "sa_lr0.003_s0" / "metrics.csv").exists()):
         assert proc.poll() is None and time.time() < deadline, "the sweep ended before its second trial started"
         time.sleep(0.2)
-    proc.kill()  # SIGKILL: no handler runs; the trial in flight must not outlive the sweep
+    proc.kill()  # SIGKILL: no handler runs; the trial's job runs on, and the rerun waits for it
     proc.wait()
     out.close()
     in_flight = json.loads(second.read_text())
-    assert in_flight["status"] == "running"
-    _wait_until_gone(in_flight["pid"])
+    assert in_flight["status"] == "running" and in_flight["executor"] == "local"
     finished = json.loads(first.read_text())
     assert finished["status"] == "completed"
     finished_summary = (sweep_dir / "runs" / "sa_lr0.001_s0" / "summary.json").read_bytes()
@@ -848,10 +847,10 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path: Path, 
     assert "sa_lr0.001_s0 already completed (reused)" in again.stdout
     assert "sa_lr0.001_s0 started" not in again.stdout
     assert (sweep_dir / "runs" / "sa_lr0.001_s0" / "summary.json").read_bytes() == finished_summary
-    retried = json.loads(second.read_text())
-    assert retried["status"] == "completed" and retried["attempt"] == 2
-    # The interrupted attempt continued from its checkpoint, or (none yet) was kept aside and started afresh.
-    assert retried["resumed_from_checkpoint"] or (sweep_dir / "runs" / "sa_lr0.003_s0.attempt1").is_dir()
+    assert f"sa_lr0.003_s0 re-attached to its local job {in_flight['job_id']}" in again.stdout
+    waited = json.loads(second.read_text())  # the same job, not a second one
+    assert (waited["status"], waited["attempt"], waited["job_id"]) == ("completed", 1, in_flight["job_id"])
+    assert len(list((sweep_dir / "jobs" / "sa_lr0.003_s0").glob("*_submitted.pkl"))) == 1
     results = json.loads((sweep_dir / "results.json").read_text())
     assert {t["status"] for t in results["trials"]} == {"completed"}
     phases = {(t["phase"], t["attention"]) for t in results["trials"]}
@@ -874,7 +873,7 @@ def test_sigterm_stops_the_trial_in_flight_and_records_it(tmp_path: Path, data_c
     while not (sweep_dir / "runs" / "sa_lr0.001_s0" / "metrics.csv").exists():
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.2)
-    pid = json.loads(record_file.read_text())["pid"]
+    pid = int(json.loads(record_file.read_text())["job_id"])  # the local job's controller
     proc.send_signal(signal.SIGTERM)  # what SLURM and `kill` send
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
@@ -926,6 +925,7 @@ SWEEP_REFUSALS = [
     ("sweep.lr_range={min:1e-2,max:1e-4,num:3}", "must be {min:..,max:..,num:..} with 0 < min < max"),
     ("sweep.lr_grids.tiny=[]", "has tiny: [], which must not be empty"),
     ("launcher.max_parallel=0", "launcher.max_parallel=0 must be >= 1"),
+    ("launcher.max_parallel=null", "launcher=local needs a number of trials at once"),
     ("launcher=slurm launcher.mem_gb=-1", "launcher.mem_gb=-1 must be > 0"),
     ("launcher=slurm launcher.additional_parameters=exclusive", "launcher.additional_parameters=exclusive must be"),
     ("launcher.partition=gpu", "sweep has no key launcher.partition"),  # launcher=slurm's

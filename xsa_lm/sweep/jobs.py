@@ -23,7 +23,8 @@ from xsa_lm.sweep.settings import LauncherSpec
 class TrialJob(submitit.helpers.Checkpointable):
     """`xsa-lm train <args>` in this job's process(es), with resume=auto once the run has a checkpoint; rank 0
     returns its exit code. A run preempted on SLURM (it stopped at a step with a checkpoint) requeues its job while
-    max_requeues allows: the requeued job resumes it."""
+    max_requeues allows: the requeued job resumes it. SIGUSR2 before training started: submitit's own checkpoint()
+    submits the same job again (the run's files say where it resumes)."""
 
     args: tuple[str, ...]
     run_dir: str
@@ -36,7 +37,8 @@ class TrialJob(submitit.helpers.Checkpointable):
         resume = ["resume=auto"] if (Path(self.run_dir) / "checkpoints" / "last.ckpt").exists() else []
         code = train_in_process([*self.args, *resume])
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-        if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and self.preempted() and restarts < self.max_requeues:
+        slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+        if slurm and code == 0 and self.preempted() and restarts < self.max_requeues:
             if env.global_rank == 0:  # SIGTERM: SLURM requeues (or cancels) the job itself, and this one fails
                 subprocess.run(["scontrol", "requeue", env.job_id], check=False)
             sys.exit(-1)  # no result: the sweep waits for the requeued job (submitit's own requeue exits the same way)
@@ -45,10 +47,6 @@ class TrialJob(submitit.helpers.Checkpointable):
     def preempted(self) -> bool:
         summary = Path(self.run_dir) / "summary.json"
         return summary.exists() and RunSummary.read(summary).status == "preempted"
-
-    def checkpoint(self, *args: object, **kwargs: object) -> submitit.helpers.DelayedSubmission:
-        """SIGUSR2 before training started: the same job again (the run's files say where it resumes)."""
-        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 def train_in_process(args: Sequence[str]) -> int:
@@ -133,12 +131,14 @@ def submit(launch: LauncherSpec, folder: Path, name: str, job: TrialJob, gpus: S
 
 
 def attached(executor_kind: str, folder: Path, job_id: str) -> submitit.Job | None:
-    """The job of an earlier sweep process, if it still runs (it is then waited for, never submitted twice)."""
+    """The job of an earlier sweep process if it still runs (it is waited for, never submitted twice) or left its
+    result (read, not trained again); None: it ended without one."""
     if executor_kind == "slurm":
         job: submitit.Job = submitit.SlurmJob(folder=folder, job_id=job_id)
-        return None if job.done(force_check=True) else job
-    # A LocalJob found again has no process to poll (its done() is True at once): the controller's pid says.
-    return LocalJob(folder=folder, job_id=job_id) if controller_alive(job_id, folder) else None
+        alive = not job.done(force_check=True)
+    else:  # a LocalJob found again has no process to poll (its done() is True at once): the controller's pid says
+        job, alive = LocalJob(folder=folder, job_id=job_id), controller_alive(job_id, folder)
+    return job if alive or job.paths.result_pickle.exists() else None
 
 
 def controller_alive(job_id: str, folder: Path) -> bool:

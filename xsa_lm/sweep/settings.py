@@ -151,6 +151,12 @@ class LauncherSpec(Spec):
     additional_parameters: dict[str, Any] = Field(default_factory=dict)  # more sbatch flags: {constraint: a100}
     setup: list[str] = Field(default_factory=list)  # shell lines before the trial (module load, source a venv)
 
+    @model_validator(mode="after")
+    def _local_bound(self) -> "LauncherSpec":
+        if self.kind == "local" and self.max_parallel is None:
+            raise UserError("launcher.max_parallel=null: launcher=local needs a number of trials at once, e.g. 2")
+        return self
+
     @property
     def tasks(self) -> int:
         """A trial's processes per node: one per GPU on SLURM; locally one (Lightning starts the ranks of trainer=ddp)

@@ -300,9 +300,8 @@ class Launcher:
             return False
         slot = self.free.pop(0) if self.free else None
         self.running[trial] = Running(trial, job, slot, record.started or time.time(), phase, job_type)
-        print(
-            f"  {phase}: {trial.id} re-attached to its running {record.executor} job {record.job_id}; log {record.log}"
-        )
+        earlier = f"its {record.executor} job {record.job_id} of an earlier run"
+        print(f"  {phase}: {trial.id} re-attached to {earlier}; log {record.log}")
         return True
 
     def _start(self, trial: Trial, phase: str, job_type: str) -> None:
@@ -381,8 +380,9 @@ class Launcher:
         record = self.store.load(trial) or TrialRecord.missing(trial, run.phase)
         record = record.ended(result, returncode)
         self.store.save(record)
-        if result.status == "preempted" and self.requeues[trial] < self.launch.max_requeues:
-            self.requeues[trial] += 1  # SLURM jobs requeue themselves (TrialJob); a local one is submitted again
+        local = self.launch.kind == "local"  # a SLURM job requeues itself (TrialJob); a local one is submitted again
+        if result.status == "preempted" and local and self.requeues[trial] < self.launch.max_requeues:
+            self.requeues[trial] += 1
             print(f"  {run.phase}: {trial.id} preempted: continues from its checkpoint (launcher.max_requeues)")
             return True
         loss = record.final_val_loss
