@@ -18,6 +18,7 @@ import submitit
 from hydra import compose, initialize_config_module
 
 from xsa_lm.config.spec import TrainSpec, parse
+from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import RunSummary
 from xsa_lm.sweep import jobs
@@ -128,6 +129,13 @@ def test_a_running_job_of_an_earlier_sweep_process_is_waited_for_never_submitted
     assert record.attempt == 1 + submitted
     if status == "failed":
         assert f"its local job {controller.pid} ended without a result" in str(record.error)
+
+
+def test_launcher_slurm_without_sbatch_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    with pytest.raises(UserError, match="launcher=slurm submits each trial with sbatch, which is not on PATH here"):
+        sweep_job(tmp_path, "launcher=slurm")
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_record_names_its_job_and_the_job_its_log(tmp_path: Path, training: Training) -> None:

@@ -9,6 +9,7 @@ resume, or wait for the job still running (trials.py)."""
 import itertools
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -41,7 +42,7 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
     "seed": "set the seeds with sweep.search_seeds=[...] and sweep.seeds=[...]",
     "init_seed": "the sweep's null arm sets it (sweep.null_arm=true): every other trial's weights come from its seed",
     "resume": "running the same sweep command again resumes it",
-    "progress_bar": "trials write their output to the sweep's logs/ folder",
+    "progress_bar": "trials write their output to their job logs in the sweep's jobs/ folder",
 }
 
 
@@ -235,6 +236,11 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
     job = SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
     if job.launch.kind == "local":
         gpu_slots(job.launch.max_parallel or 1)  # enough GPUs for the trials at once
+    elif shutil.which("sbatch") is None:
+        raise UserError(
+            "launcher=slurm submits each trial with sbatch, which is not on PATH here: run the sweep where SLURM's "
+            "commands are (a login node, or inside a job), or use launcher=local"
+        )
     return job
 
 
