@@ -37,7 +37,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 VARIABLES = {"DATA": "{tmp}/data", "SCRATCH": "{tmp}/scratch", "PWD": "{tmp}", "SLURM_JOB_ID": "1"}
 ELIDED = "elided"  # the stand-in for a `key=...` value
 HYDRA_FLAGS = {"--multirun", "-m", "--help", "-h", "--cfg", "-c"}  # --cfg takes a value (job, hydra, all)
-STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
+STUBS = ["srun", "sbatch"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
 
 
 @dataclass(frozen=True)
