@@ -14,10 +14,10 @@ from tests.helpers import FAST, cli_env
 
 pytestmark = [pytest.mark.long, pytest.mark.slurm]
 
-# A demo-size sweep: one LR, SA searched on seed 0, SA and XSA compared on seed 1 (3 trials); 80 steps of ~50 ms, a
-# checkpoint every 20, so the search trial is still training when its first checkpoint appears.
+# A demo-size sweep: one LR, SA searched on seed 0, SA and XSA compared on seed 1 (3 trials); 160 steps of 20-100 ms,
+# a checkpoint every 20, so the search trial is still training seconds after its first checkpoint appears.
 SWEEP = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar="))]
-SWEEP += ["trainer.max_steps=80", "val_every_steps=20", "data.val_windows=16", "sweep.lrs=[3e-3]", "sweep.seeds=[1]"]
+SWEEP += ["trainer.max_steps=160", "val_every_steps=20", "data.val_windows=16", "sweep.lrs=[3e-3]", "sweep.seeds=[1]"]
 SLURM = ["launcher=slurm", "launcher.partition=debug", "launcher.cpus_per_task=1", "launcher.mem_gb=2"]
 PREEMPTED = "sa_lr0.003_s0"  # the search trial: the compare phase must wait for its requeued job
 
@@ -79,7 +79,7 @@ def test_a_sweep_on_slurm_requeues_a_preempted_trial_and_equals_the_local_launch
     log = (Path(trial["job_folder"]) / f"{job_id}_0_log.out").read_text()
     assert "DUE TO JOB REQUEUE" in log, log[-4000:]  # SLURM put the job back in the queue, and ran it again
     resumes = (on_slurm / "runs" / PREEMPTED / "resumes.jsonl").read_text().splitlines()
-    assert len(resumes) == 1 and 20 < json.loads(resumes[0])["from_step"] < 80, resumes  # from where it stopped
+    assert len(resumes) == 1 and 20 < json.loads(resumes[0])["from_step"] < 160, resumes  # from where it stopped
     for other in ("sa_lr0.003_s1", "xsa_lr0.003_s1"):  # the compare phase started after the search trial's result
         assert json.loads((records / f"{other}.json").read_text())["started"] > trial["finished"]
     assert "## 2. SA vs XSA" in out
