@@ -39,7 +39,7 @@ def test_every_option_composes_and_builds(group: str, option: str):
         overrides.append("tokenizer.path=/dev/null")
     if group == "model" and option.startswith("paper_"):
         overrides += ["global_batch_tokens=524288", "micro_batch_size=8"]  # the paper's 0.5M tokens per step
-    cfg = compose_train(overrides, config_name="sweep" if group == "sweep" else "train")
+    cfg = compose_train(overrides, config_name="sweep" if group in ("sweep", "launcher") else "train")
     OmegaConf.resolve(cfg)  # every interpolation resolves
     mcfg = parse(TrainSpec, cfg).gpt_config(vocab_size=50257)
     assert mcfg.vocab_size % 64 == 0 and mcfg.attention == cfg.attention.name

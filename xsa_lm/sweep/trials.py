@@ -387,7 +387,7 @@ class Launcher:
             return True
         loss = record.final_val_loss
         finished = loss is not None and record.status == "completed"
-        detail = f"final val loss {loss:.4f}" if finished else record.error
+        detail = f"final val loss {loss:.4f}" if finished else record.error or "stopped at a step with a checkpoint"
         print(f"  {run.phase}: {trial.id} {record.status} in {time.time() - run.started:.0f} s: {detail}")
         return False
 
