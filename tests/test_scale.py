@@ -1,6 +1,7 @@
 """`xsa-lm scale`: the loss-vs-compute fit and the multiplier on synthetic data with known answers, and the whole
 study end to end on two test-size models, killed with SIGKILL and resumed."""
 
+import fcntl
 import json
 import math
 import os
@@ -356,9 +357,19 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     wait_for(lambda: second_size.exists() and any(second_size.iterdir()), 400, "the second size's first trial")
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    # The second size's trials get SIGTERM from the kernel when the study dies, and stop.
-    trial_locks = lambda: list((study / "sizes" / "tiny_d64" / "runs").glob("*/.xsa-lm.lock"))  # noqa: E731
-    wait_for(lambda: not trial_locks(), 60, "the orphaned trials to stop")
+
+    # The second size's trial jobs (submitit's controllers and their tasks) are in the study's process group: gone
+    # with it once no run's lock is held (a killed run leaves its lock file, unheld).
+    def held(lock: Path) -> bool:
+        with open(lock) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    trial_locks = lambda: [p for p in (study / "sizes" / "tiny_d64" / "runs").glob("*/.xsa-lm.lock") if held(p)]  # noqa: E731
+    wait_for(lambda: not trial_locks(), 60, "the killed trials to stop")
     finished_before = {p.name for p in (study / "sizes" / "tiny_d32" / "runs").iterdir()}
 
     proc = run_cli(["scale", *STUDY, f"hydra.run.dir={study}"], data_cache, tmp_path, timeout=600)

@@ -352,7 +352,7 @@ class Launcher:
         if isinstance(run.job, LocalJob) and not run.job.paths.result_pickle.exists():
             return None, None  # on this machine no file system lags behind: none now is none
         try:
-            return run.job.result(), None
+            return run.job.results()[0], None  # rank 0's (a job of several tasks has one result per task)
         except submitit.core.utils.FailedJobError as e:  # an exception in the job, outside the run's own handling
             lines = [line for line in str(e).splitlines() if line.strip() and not line.startswith(" ")]
             return 1, lines[-1] if lines else str(e)
