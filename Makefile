@@ -115,7 +115,7 @@ gpu-check:
 	PYTHON=$(GPU_PYTHON) scripts/gpu_check.sh $(OUT)
 
 # A single-node SLURM on this machine (root, Debian/Ubuntu; slurm-wlm and munge apt-installed if missing), for
-# tests/test_slurm.py (marker slurm): ~1 s from stopped, ~20 s with the install. slurm-down stops it and every job.
+# the slurm tests and docs/slurm.md: ~1 s from stopped, ~20 s with the install. slurm-down stops it and every job.
 slurm-up:
 	scripts/slurm_up.sh
 

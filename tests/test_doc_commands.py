@@ -37,7 +37,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 VARIABLES = {"DATA": "{tmp}/data", "SCRATCH": "{tmp}/scratch", "PWD": "{tmp}", "SLURM_JOB_ID": "1"}
 ELIDED = "elided"  # the stand-in for a `key=...` value
 HYDRA_FLAGS = {"--multirun", "-m", "--help", "-h", "--cfg", "-c", "--config-dir"}  # --cfg, --config-dir take a value
-STUBS = ["srun"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
+STUBS = ["srun", "sbatch"]  # programs the shown commands name for a cluster; the checks find a stub of each on PATH
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,7 @@ RUN: list[tuple[str, list[str], str]] = [  # in this order, in one folder: (comm
 ]
 
 ELSEWHERE_SWEEP = "the whole protocol of a sweep runs in test_sweep.py (long)"
+ON_SLURM = "test_slurm_sweep.py runs a demo-size sweep with launcher=slurm on a real SLURM (long)"
 GPU = "needs a GPU"
 VARIANT = "a lab's variant from its folder (relative to the repository): test_variants.py trains it (long)"
 NOT_RUN = {  # command -> why it does not run here, and where what it does is tested
@@ -233,7 +234,20 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm sweep experiment=paper_0.7b data=prepared data.dir=$DATA/fw100b": GPU + "s and FineWeb shards",
     "xsa-lm sweep model=paper_0.7b global_batch_tokens=524288 micro_batch_size=16 trainer=ddp trainer.devices=8 "
     "launcher=slurm launcher.gpus_per_node=8 launcher.cpus_per_task=8 launcher.partition=gpu "
-    "hydra.run.dir=$SCRATCH/sweeps/paper_0.7b": "SLURM and GPUs; launcher=slurm end to end: test_slurm.py",
+    "hydra.run.dir=$SCRATCH/sweeps/paper_0.7b": "SLURM and GPUs; launcher=slurm end to end: test_slurm_sweep.py",
+    "xsa-lm sweep experiment=paper_0.7b data=prepared data.dir=$DATA/fw100b trainer=ddp trainer.devices=8 "
+    "launcher=slurm launcher.partition=gpu launcher.gpus_per_node=8 launcher.cpus_per_task=12 "
+    "launcher.timeout_min=1440 hydra.run.dir=$SCRATCH/sweeps/paper_0.7b": "SLURM, GPUs and FineWeb shards; " + ON_SLURM,
+    "xsa-lm sweep experiment=demo sweep=demo launcher=slurm launcher.partition=debug launcher.cpus_per_task=1": "7 "
+    "trials, ~7 min, and root for make slurm-up; " + ON_SLURM,
+    "xsa-lm train --multirun hydra/launcher=submitit_slurm hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=1 "
+    "hydra.launcher.timeout_min=240 +hydra.launcher.additional_parameters.requeue=true trainer=gpu resume=auto "
+    "hydra.sweep.dir=$SCRATCH/multirun/sa_xsa attention=sa,xsa seed=0,1,2": "SLURM and GPUs; test_slurm.py runs a "
+    "submitit_slurm multirun of 2, one run preempted and requeued (long)",
+    "xsa-lm train --multirun hydra/launcher=submitit_local attention=sa,xsa seed=0,1": "4 runs of 1000 steps; "
+    "test_slurm.py runs a submitit_local multirun of 2 (long)",
+    "make slurm-up": "root; installs packages and starts daemons: the slurm tests' fixture runs it (CI: .ci/run)",
+    "make slurm-down": "stops the SLURM every engineer's tests share; CI runs it when it ends (.ci/run)",
     "xsa-lm scale experiment=scale_toy hydra.run.dir=outputs/scale_toy": "36 runs; test_scale.py runs a study (long)",
     "xsa-lm scale experiment=tokens_toy hydra.run.dir=outputs/tokens_toy": "86 min; test_token_axis.py runs a "
     "token study (long)",

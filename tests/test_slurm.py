@@ -4,9 +4,7 @@ are missing). `xsa-lm train` as one 2-task srun step trains on both ranks, which
 without apt and the packages; on a machine that has them a SLURM that does not come up fails the tests."""
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -14,22 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, REPO, cli_env
+from tests.helpers import FAST, cli_env
 
 pytestmark = [pytest.mark.long, pytest.mark.slurm]
-
-
-@pytest.fixture(scope="module")
-def slurm() -> str:
-    """scripts/slurm_up.sh (idempotent: ~0.1 s when SLURM runs, ~1 s from stopped, ~20 s with the apt install);
-    its one line, e.g. `slurm_up: node vm idle (SLURM 22.05.8, 2 CPUs, 21694 MB)`."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/slurm_up.sh installs slurm-wlm and munge and starts their daemons")
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("SLURM is not installed and apt-get is not here to install it (scripts/slurm_up.sh: Debian/Ubuntu)")
-    up = subprocess.run([REPO / "scripts" / "slurm_up.sh"], capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr  # root and apt: SLURM must come up (CI runs this)
-    return up.stdout.strip()
 
 
 def slurm_env(data_cache: Path) -> dict[str, str]:
@@ -80,3 +65,67 @@ def test_the_sacct_shim_gives_submitit_a_final_state_without_accounting(slurm: s
     submit = ["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=/dev/null", "--wrap", wrap]
     job_id = subprocess.run(submit, capture_output=True, text=True, check=True).stdout.strip()
     assert wait_for_state(job_id) == state
+
+
+# A run of seconds: one layer, 4 steps of 1024 tokens, 8 validation windows.
+TINY = [*FAST, "model.n_layer=1", "model.d_model=32", "model.head_dim=16", "trainer.max_steps=4", "val_every_steps=2"]
+TINY += ["data.val_windows=8"]
+
+
+def start_multirun(launcher: str, sweep: Path, overrides: list[str], data_cache: Path) -> subprocess.Popen:
+    """`xsa-lm train --multirun hydra/launcher=<launcher> <overrides>` in the background."""
+    args = ["train", "--multirun", f"hydra/launcher={launcher}", *overrides]
+    return subprocess.Popen(
+        [sys.executable, "-m", "xsa_lm.cli", *args, f"hydra.sweep.dir={sweep}"], cwd=sweep.parent,
+        env=slurm_env(data_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def summaries(sweep: Path, runs: tuple[str, ...] = ("0_sa", "1_xsa")) -> dict[str, dict]:
+    return {run: json.loads((sweep / run / "summary.json").read_text()) for run in runs}
+
+
+def test_hydra_submitit_slurm_runs_a_multirun_as_one_array_and_requeues_a_preempted_run(
+    slurm: str, data_cache: Path, tmp_path: Path
+):
+    """`xsa-lm train --multirun hydra/launcher=submitit_slurm`: the 2 runs are one job array; the XSA run's task,
+    sent SIGUSR2 (SLURM's warning before the time limit) once it has a checkpoint, stops at the next step with a
+    checkpoint, requeues its job (--requeue reaches sbatch; configs/train.yaml's hydra callback) and continues from
+    that step (resume=auto) to the end."""
+    sweep = tmp_path / "multi"
+    launcher = ["hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+    launcher += ["+hydra.launcher.additional_parameters.requeue=true"]
+    steps = [*TINY, "trainer.max_steps=200", "val_every_steps=20", "resume=auto"]  # seconds: time to preempt it
+    proc = start_multirun("submitit_slurm", sweep, [*launcher, *steps, "attention=sa,xsa"], data_cache)
+    deadline = time.monotonic() + 300
+    while not (sweep / "1_xsa" / "checkpoints" / "last.ckpt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    (array,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+    subprocess.run(["scancel", "--signal=USR2", f"{array}_1"], check=True)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    jobs = sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
+    assert jobs == [array, f"{array}_0", f"{array}_1"], jobs  # one array: one task per run
+    (script,) = (sweep / ".submitit").glob(".submission_file_*.sh")
+    assert "#SBATCH --requeue" in script.read_text().splitlines()
+    for run, summary in summaries(sweep).items():
+        assert (summary["status"], summary["steps"]) == ("completed", 200), run
+    log = "".join((sweep / ".submitit" / f"{array}_1" / f"{array}_1_0_log.{out}").read_text() for out in ("out", "err"))
+    assert "SIGUSR2 received: checkpoint at step" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
+    resumes = (sweep / "1_xsa" / "resumes.jsonl").read_text().splitlines()
+    assert len(resumes) == 1 and 20 < json.loads(resumes[0])["from_step"] < 200, resumes  # from where it stopped
+    assert not (sweep / "0_sa" / "resumes.jsonl").exists()
+
+
+def test_hydra_submitit_local_runs_a_multirun_as_local_jobs(slurm: str, data_cache: Path, tmp_path: Path):
+    """`hydra/launcher=submitit_local`: a multirun's run as a submitit job on this machine."""
+    sweep = tmp_path / "multi"
+    overrides = ["hydra.launcher.cpus_per_task=1", *TINY, "attention=xsa"]
+    proc = start_multirun("submitit_local", sweep, overrides, data_cache)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    summary = summaries(sweep, ("0_xsa",))["0_xsa"]
+    assert (summary["status"], summary["steps"]) == ("completed", 4)
+    jobs = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+    assert len(jobs) == 1, jobs  # a local job's id: its controller's pid
