@@ -53,7 +53,6 @@ class TrialJob(submitit.helpers.Checkpointable):
 def train_in_process(args: Sequence[str]) -> int:
     """`xsa-lm train *args` as the command line runs it (Hydra's run folder, logging, one-line errors): its exit code.
     In the job's process rather than a child of it: submitit's signals and SLURM's task environment reach the run."""
-    import __main__
     from xsa_lm.config.command_line import ARGV_VARIABLE, run_hydra
     from xsa_lm.train import run as train
 
@@ -61,7 +60,7 @@ def train_in_process(args: Sequence[str]) -> int:
     os.environ[ARGV_VARIABLE] = json.dumps(sys.argv)  # the command line the run records, as the CLI does
     # The ranks Lightning starts for trainer=ddp in one task re-run `python -m <__main__'s module> <sys.argv[1:]>`:
     # the train command's module, not submitit's.
-    __main__.__spec__ = importlib.util.find_spec("xsa_lm.train")
+    sys.modules["__main__"].__spec__ = importlib.util.find_spec("xsa_lm.train")
     try:
         run_hydra("train", train.main, list(args))
     except SystemExit as e:  # a refusal (2), an interrupted run (130)
