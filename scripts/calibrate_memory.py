@@ -95,7 +95,12 @@ def block_saved(attention: str, compiled: bool, lengths: tuple[int, int] = (128,
     per_token = (long - short) / (lengths[1] - lengths[0])
     terms = memory.block_saved_per_token(PAPER_07B_BLOCK, exclusive=attention == "xsa", compiled=compiled, **BF16_MIXED)
     copies = memory.autocast_copies(
-        {**PAPER_07B_BLOCK, "n_layer": 1}, 0, "bf16-mixed", attention=attention, compiled=compiled, checkpointing=False
+        {**PAPER_07B_BLOCK, "n_layer": 1},
+        0,
+        "bf16-mixed",
+        exclusive=attention == "xsa",
+        compiled=compiled,
+        checkpointing=False,
     )
     return {
         "per_token": {"measured": per_token, "estimated": sum(terms.values()), "terms": terms},
@@ -144,7 +149,7 @@ def training_step(attention: str, compiled: bool) -> dict:
     head()
     head_peak = allocator_peak(head)
     e = memory.estimate(
-        SMALL, SMALL_VOCAB, SMALL_BATCH, SMALL_CONTEXT, "bf16-mixed", attention=attention, compiled=compiled
+        SMALL, SMALL_VOCAB, SMALL_BATCH, SMALL_CONTEXT, "bf16-mixed", exclusive=attention == "xsa", compiled=compiled
     )
     outside = memory.head_saved_per_token(SMALL, SMALL_VOCAB, compiled=compiled, **BF16_MIXED)
     transient = memory.cross_entropy_transient_per_token(SMALL_VOCAB, compute=2, compiled=compiled)

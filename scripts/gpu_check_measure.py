@@ -424,8 +424,9 @@ def memory_phase(trainers: dict, batches: list, *, order: list[str], micro_batch
             measured = step_memory(trainer, batches)
             config, precision = trainer.model.config, trainer.setup.precision
             shape = (config.vocab_size, micro_batch, config.block_size, precision)
-            plan = estimate(asdict(config), *shape, compiled=compiled, attention=config.attention)
-            planned = plan.as_dict() | {"arguments": ["attention", "compiled"]}  # the estimate's optional ones given
+            exclusive = config.attention_class.exclusive_memory
+            plan = estimate(asdict(config), *shape, compiled=compiled, exclusive=exclusive)
+            planned = plan.as_dict() | {"arguments": ["exclusive", "compiled"]}  # the estimate's optional ones given
             out[name] = {
                 "measured": measured,
                 "planned": planned,

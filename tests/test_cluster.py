@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port as free_port
 
 from tests.helpers import FAST, train_from, train_losses
 from tests.helpers import compose_train as composed
@@ -25,7 +26,6 @@ from xsa_lm.checkpoints.atomic import link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
 from xsa_lm.errors import UserError
-from xsa_lm.sweep.trials import free_port
 from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
 
 

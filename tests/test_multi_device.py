@@ -15,13 +15,13 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port as free_port
 
 from tests.helpers import FAST, REPO, compose_train, train_from
 from tests.test_reliability import stop_mid_run
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.data.datamodule import padded_for_ranks
 from xsa_lm.errors import UserError
-from xsa_lm.sweep.trials import free_port
 from xsa_lm.train import devices
 from xsa_lm.train.run import make_module, make_trainer, set_up_process
 
