@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) tests/constraints.txt
 install: $(STAMP)
 
 # The paper's protocol at toy scale on the bundled Shakespeare corpus: LR search on SA, then SA vs XSA at the
-# selected LR for 2 seeds, and the report (~6 min on 2 CPU cores). Into outputs/demo/<time>/.
+# selected LR for 2 seeds, and the report (~8 min on 2 idle CPU cores: 7 trials of ~1 min). Into outputs/demo/<time>/.
 demo: $(STAMP)
 	$(BIN)/xsa-lm sweep experiment=demo sweep=demo hydra.run.dir=outputs/demo/$$(date +%Y-%m-%d_%H-%M-%S)
 
