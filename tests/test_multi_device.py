@@ -360,6 +360,7 @@ def test_compile_under_fsdp2_covers_the_blocks_the_head_and_the_loss(two_ranks: 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigterm_to_rank_0_alone_stops_both_ranks_at_one_step(data_cache: Path, tmp_path: Path):
     """Without Lightning's per-batch broadcast, the run's Preemption callback agrees on the stop (at logging steps):
     both ranks stop after the same step, and last.ckpt holds it."""

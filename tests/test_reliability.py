@@ -67,6 +67,7 @@ def test_kill_9_mid_run_then_resume_gives_identical_losses(straight, data_cache:
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.long
 def test_corrupt_last_checkpoint_is_skipped(straight, data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     run_ok([*COMMON, "trainer.max_steps=20", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)

@@ -496,6 +496,7 @@ def test_resume_auto_in_the_default_folder_is_refused_naming_the_newest_run(
     assert sorted(p.name for p in runs.iterdir()) == ["2026-01-01_00-00-00_tiny_sa", "2026-01-02_00-00-00_tiny_xsa"]
 
 
+@pytest.mark.long
 def test_resume_auto_writes_a_damaged_summary_of_a_completed_run_again(data_cache: Path, tmp_path: Path) -> None:
     """A completed run whose summary.json was cut short (a full disk, a partial copy) was refused by every resume
     with "run the command that wrote it again": resume=auto writes it again from the last checkpoint. The same

@@ -89,6 +89,7 @@ def test_ddp_on_cpu_with_two_processes(data_cache: Path, tmp_path: Path):
     assert not list(run_dir.glob("config.resume-*.yaml"))
 
 
+@pytest.mark.long
 def test_a_labs_own_experiment_outside_the_repository(data_cache: Path, tmp_path: Path):
     """`--config-dir` (or hydra.searchpath) adds a folder of the user's own config files to Hydra's search path."""
     lab = tmp_path / "lab"
