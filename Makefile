@@ -33,7 +33,7 @@ demo: $(STAMP)
 # The suite without the long rehearsals (pytest exit code 5, "no tests ran", fails every target); CI runs both.
 # make test on two pytest workers (pytest-xdist), each test file on one of them (its module fixtures run once): the
 # end-to-end tests spend much of their time starting processes and reading files, which two cores overlap. The long
-# rehearsals too: ~13 min on two workers, the heaviest files first (measured on 2 cores; their deadlines allow for a
+# rehearsals too: ~19 min on two workers, the heaviest files first (measured on 2 cores; their deadlines allow for a
 # slower machine).
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not long" -n 2 --dist loadfile --durations=30
