@@ -304,6 +304,8 @@ REFUSALS = {
         ("launcher.timeout_min=0", "launcher.timeout_min=0 must be >= 1"),
         ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),
         ("attention.layers=[3]", "scale has no key attention.layers"),
+        ("scale.tokens_per_param=0.000001", "budgets [0.5, 1.0, 2.0] B train [0, 0, 0] steps"),
+        ("scale.tokens_per_param=1 scale.sa_budgets=[0.5,0.51,1,2]", "train [10, 10, 20, 41] steps"),
     ],
 }
 CASES = [(axis, override, message) for axis, rows in REFUSALS.items() for override, message in rows]
@@ -319,7 +321,7 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     monkeypatch.setattr("xsa_lm.sweep.run.run_sweep", started)
     monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"
-    args = ["scale", *AXES[axis], override, f"hydra.run.dir={study_dir}"]
+    args = ["scale", *AXES[axis], *override.split(), f"hydra.run.dir={study_dir}"]
     lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], lines
     assert_nothing_written(study_dir)

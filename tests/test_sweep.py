@@ -934,6 +934,9 @@ SWEEP_REFUSALS = [
     ("sweep.eval_limit=0", "sweep.eval_limit=0 must be > 0"),
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not an option"),
+    # A setting that cannot act here (a search-only sweep has no compare phase): refused, not ignored.
+    ("sweep.null_arm=true sweep.seeds=[]", "sweep.null_arm=true would do nothing: it needs compare seeds"),
+    ("sweep.eval_limit=10", "sweep.eval_limit=10 would do nothing: it needs tasks (sweep.eval_tasks)"),
     ("optim.lr=1e-3", "optim.lr is set by the sweep for each trial; set the grid with sweep.lrs"),
     (
         "attention=xsa",

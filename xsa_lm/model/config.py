@@ -102,11 +102,11 @@ class GPTConfig:
                 f"attention.{unknown}: {self.attention} ({self.attention_target}) takes no such option "
                 f"(its options: {', '.join(known) or 'none'})"
             ) from None
+        bound.apply_defaults()
+        given = dict(list(bound.arguments.items())[2:])  # after config and layer
         try:
             with torch.device("meta"):
                 cls(self, 0, **options)
+            self.attention_options = cls.settled_options(self, given)
         except ValueError as e:
             raise ValueError(f"attention.{e}") from None
-        bound.apply_defaults()
-        given = dict(list(bound.arguments.items())[2:])  # after config and layer
-        self.attention_options = cls.settled_options(self, given)

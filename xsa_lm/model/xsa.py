@@ -240,7 +240,17 @@ class ExclusiveSelfAttention(CausalSelfAttention):
 
     @classmethod
     def settled_options(cls, config: GPTConfig, options: dict[str, Any]) -> dict[str, Any]:
-        """layers as the indices it gives (all: every layer), as a config saved before options were classes has them."""
+        """layers as the indices it gives (all: every layer), as a config saved before options were classes has them;
+        eps at most 1% of ||v||^2 at initialisation."""
+        # z = y - (y.v) v / (||v||^2 + eps): eps guards a zero v, and against ||v||^2 it scales the projection by
+        # ||v||^2 / (||v||^2 + eps); v's entries start with variance d_model x init_std^2 (LayerNorm'd input).
+        initial = config.head_dim * config.d_model * config.init_std**2
+        if options["eps"] > initial / 100:
+            raise ValueError(
+                f"eps={options['eps']:g} must be at most {initial / 100:.3g}, 1% of ||v||^2 at initialisation "
+                f"(head_dim x d_model x init_std^2 = {initial:.3g}): a larger eps scales the exclusive projection "
+                "down, toward plain SA"
+            )
         chosen = exclusive_layers(options["layers"], config.n_layer)
         return {**options, "layers": "all" if len(chosen) == config.n_layer else list(chosen)}
 

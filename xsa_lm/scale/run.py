@@ -47,6 +47,7 @@ SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_siz
     **{f"model.{key}": f"{PRESET_SETS_IT} with scale.models=[...]" for key in SIZE_KEYS},
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
+MIN_STEPS = 2  # a token-axis run's fewest steps
 SET_BY_TOKEN_AXIS = {
     "scheduler.warmup_steps": "set each run's warmup with scale.warmup_fraction (null: the recipe's)",
     "trainer.max_steps": "each run's steps come from scale.tokens_per_param and the budgets",
@@ -348,7 +349,7 @@ class TokenJob:
         return self.scale.tokens_per_param * self.params  # B
 
     def steps(self, fraction: float) -> int:
-        return max(1, round(fraction * self.tokens / self.batch_tokens))
+        return round(fraction * self.tokens / self.batch_tokens)
 
     def overrides(self, fraction: float) -> list[str]:
         steps = self.steps(fraction)
@@ -375,6 +376,15 @@ def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpe
         params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
     batch = train.global_batch_tokens
     size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
+    budgets = sorted({*scale.sa_budgets, *scale.xsa_budgets})
+    steps = [size.steps(f) for f in budgets]
+    if steps[0] < MIN_STEPS or len(set(steps)) < len(steps):  # one step count for two budgets: one budget twice
+        raise UserError(
+            f"scale.tokens_per_param={scale.tokens_per_param:g}: {model}'s B is {size.tokens:,.0f} tokens, so the "
+            f"budgets {[float(f'{f:g}') for f in budgets]} B train {steps} steps of global_batch_tokens={batch}: each "
+            f"budget needs steps of its own, {MIN_STEPS} or more (a run validates at half and at the end); raise "
+            "scale.tokens_per_param or lower global_batch_tokens"
+        )
     size = replace(size, sweep=replace(sweep, grid=sweeps.check_sweep(train, spec, size.overrides(1.0), config).grid))
     top = max(scale.sa_budgets)
     if not scale.allow_repeated_data:
@@ -733,6 +743,7 @@ def keep_sizes(state_file: Path, models: list[str]) -> None:
 def main(cfg: DictConfig) -> None:
     def study(study_dir: Path, overrides: list[str]) -> list[str]:
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
+        scale.refuse_other_axis(HydraConfig.get().overrides.task)
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
         run = check_study(scale, sweep, study_dir, overrides)
         state, holds = study_dir / "scale.json", "a scaling study with the overrides"

@@ -251,6 +251,7 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
     grids = spec.lr_grids or {}
     grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
     seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
+    spec.idle_settings(seeds)
     if spec.seeds_until_significant is not None:
         protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
     if spec.eval_tasks:

@@ -160,6 +160,25 @@ class SweepSpec(Spec):
             )
         return self
 
+    def idle_settings(self, seeds: list[int]) -> None:
+        """Refuse a setting turned on where it cannot act: the compare phase's without compare seeds (`seeds`, which
+        scale.seeds may give), the evaluation's limit without its tasks."""
+        acts_only_with = {  # key: (its value that does nothing, what it needs, whether that is there)
+            "null_arm": (False, "compare seeds (sweep.seeds)", bool(seeds)),
+            "seeds_until_significant": (None, "compare seeds (sweep.seeds) to add to", bool(seeds)),
+            "reuse_search_run": (False, "compare seeds (sweep.seeds)", bool(seeds)),
+            "eval_tasks": (None, "compare runs to evaluate (sweep.seeds)", bool(seeds)),
+            "eval_limit": (None, "tasks (sweep.eval_tasks)", self.eval_tasks is not None),
+        }
+        for key, (idle, needs, present) in acts_only_with.items():
+            value = getattr(self, key)
+            if value != idle and not present:
+                shown = str(value).lower() if isinstance(value, bool) else f"{value:g}" if is_number(value) else value
+                raise UserError(
+                    f"sweep.{key}={shown} would do nothing: it needs {needs}, and this sweep has none; give them, or "
+                    f"leave sweep.{key} out"
+                )
+
     @property
     def arms(self) -> list[str]:
         """The baseline, then the candidates: the order of every table and of each compare seed's trials."""
@@ -203,6 +222,17 @@ class LauncherSpec(Spec):
         return self.tasks_per_node or (max(self.gpus_per_node, 1) if self.kind == "slurm" else 1)
 
 
+# The scale.* settings that one axis reads and the other ignores.
+AXIS_ONLY = {
+    **dict.fromkeys(("fit", "bootstrap_resamples", "bench", "wandb_report"), "size"),
+    **dict.fromkeys(
+        ("tokens_per_param", "sa_budgets", "xsa_budgets", "lr_per_budget", "warmup_fraction", "allow_repeated_data")
+        + ("measure_throughput", "bench_rounds"),
+        "tokens",
+    ),
+}
+
+
 class ScaleSpec(Spec):
     """`xsa-lm scale`'s settings (configs/_scale.yaml says what each does)."""
 
@@ -224,6 +254,17 @@ class ScaleSpec(Spec):
     measure_throughput: bool  # xsa-lm bench SA vs XSA at each size
     bench_rounds: int = Field(ge=2)  # of the throughput bench
     bench: str | None  # a results.json of `xsa-lm bench` (scale/run.py load_bench)
+
+    def refuse_other_axis(self, overrides: list[str]) -> None:
+        """A setting of the other axis given on the command line would do nothing: refused, naming it."""
+        for override in overrides:
+            key = override.split("=", 1)[0].lstrip("+~").removeprefix("scale.")
+            axis = AXIS_ONLY.get(key)
+            if axis is not None and axis != self.axis:
+                raise UserError(
+                    f"{override}: scale.{key} acts on scale.axis={axis} only, and this study is scale.axis="
+                    f"{self.axis}: leave it out, or set scale.axis={axis}"
+                )
 
     @model_validator(mode="after")
     def _sizes_and_budgets(self) -> "ScaleSpec":
