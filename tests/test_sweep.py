@@ -1,5 +1,6 @@
 """The paper's protocol: grid, selection, statistics, trial outcomes, and whole sweeps through `xsa-lm sweep`."""
 
+import functools
 import json
 import math
 import os
@@ -39,7 +40,14 @@ from xsa_lm.sweep import jobs, protocol
 from xsa_lm.sweep import run as sweep_run
 from xsa_lm.sweep.protocol import SequentialRule, Trial, check_seeds, compare_trials, search_trials, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
-from xsa_lm.sweep.run import check_sweep, comparison_plan, downstream_evaluation, keep_plan, train_overrides
+from xsa_lm.sweep.run import (
+    REPORTED,
+    check_sweep,
+    comparison_plan,
+    downstream_evaluation,
+    keep_plan,
+    train_overrides,
+)
 from xsa_lm.sweep.settings import LauncherSpec, ScaleSpec, StallRule, SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
 from xsa_lm.train.summary import RunSummary
@@ -442,7 +450,12 @@ def test_parallel_trials_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _spec(**settings) -> SweepSpec:  # the sweep's settings as configs/sweep/paper.yaml has them, but these
-    return parse(SweepSpec, compose_train([], config_name="sweep").sweep, at="sweep.").model_copy(update=settings)
+    return _paper_sweep().model_copy(update=settings)
+
+
+@functools.cache
+def _paper_sweep() -> SweepSpec:
+    return parse(SweepSpec, compose_train([], config_name="sweep").sweep, at="sweep.")
 
 
 def test_trials_at_once_share_the_cores_unless_the_threads_are_set(tmp_path: Path, monkeypatch) -> None:
@@ -515,10 +528,13 @@ def test_training_overrides_pass_through_and_sweep_keys_stay() -> None:
     assert kept == ["model=tiny", "trainer.max_steps=10", "+foo=1"]
 
 
-def _plan(search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15) -> dict:
-    """comparison_plan of a sweep whose stall rule has this margin, as sweep.json keeps it."""
+def _plan(
+    search_seeds: tuple = (0,), seeds: tuple = (1, 2), cap: int | None = 4, margin: float = 0.15, **reported
+) -> dict:
+    """comparison_plan of configs/sweep/paper.yaml's sweep whose stall rule has this margin, as sweep.json keeps it."""
     stall = {"at_fraction": 0.4, "margin": margin, "loss_threshold": None}
-    return comparison_plan(list(search_seeds), list(seeds), cap, stall=stall, margin=0.01)
+    planned = {"search_seeds": list(search_seeds), "seeds_until_significant": cap, "stall": stall, "margin": 0.01}
+    return comparison_plan(_spec(**planned, **reported), list(seeds))
 
 
 def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_path: Path) -> None:
@@ -528,7 +544,8 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
     first = json.loads(state_file.read_text())
     stall = {"at_fraction": 0.4, "margin": 0.15, "loss_threshold": None}
     seeds = {"search_seeds": [0], "seeds": [1, 2], "seeds_until_significant": 4}
-    assert first["plan"] == seeds | {"alpha": 0.05, "planned_looks": 3, "stall": stall, "margin": 0.01}  # 3 looks
+    statistics = {"alpha": 0.05, "planned_looks": 3, "stall": stall, "margin": 0.01}  # 3 looks
+    assert first["plan"] == seeds | statistics | REPORTED  # the paper's settings are those an older plan had
     assert first["sweep_id"] == "s" and [h["grid"] for h in first["history"]] == [[1e-3]]
     keep_plan(state_file, _plan(), [1e-3, 3e-3])  # the same plan, a larger grid: allowed, its history kept
     assert [h["grid"] for h in json.loads(state_file.read_text())["history"]] == [[1e-3], [1e-3, 3e-3]]
@@ -540,12 +557,17 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         (_plan(cap=None), "seeds_until_significant 4 -> None, planned_looks 3 -> 1"),
         (_plan(search_seeds=(0, 5)), "search_seeds [0] -> [0, 5]"),
         (_plan(margin=0.1), f"stall {stall!r} -> { ({**stall, 'margin': 0.1})!r}"),
+        (_plan(null_arm=True), "null_arm False -> True"),  # the report gains a null section
+        (_plan(candidates=["xsa", "gated"]), "candidates ['xsa'] -> ['xsa', 'gated']"),
+        (_plan(tune_xsa=True), "tune_xsa False -> True"),
+        (_plan(diverge_above=5.0), "diverge_above None -> 5.0"),
+        (_plan(eval_tasks="paper"), "eval_tasks None -> 'paper'"),
     ):
         with pytest.raises(UserError) as refused:
             keep_plan(state_file, changed, [1e-3, 3e-3])
         message = str(refused.value)
         assert "\n" not in message and f"({named})" in message, message
-        assert "spends the significance level again" in message and "a new hydra.run.dir" in message
+        assert "rewrites its report" in message and "a new hydra.run.dir" in message
         assert state_file.read_bytes() == kept  # nothing recorded
     with pytest.raises(UserError, match=r"\(seeds \[1, 2\] -> \[2, 1\]\)"):  # sequential: one pair at a time, in order
         keep_plan(state_file, _plan(seeds=(2, 1)), [1e-3])
@@ -556,6 +578,15 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
     assert json.loads(fixed.read_text())["plan"]["seeds"] == [1, 2, 3]  # as first planned
     with pytest.raises(UserError, match=r"\(seeds \[1, 2, 3\] -> \[3, 1\]"):
         keep_plan(fixed, _plan(seeds=(3, 1), cap=None), [1e-3])
+
+
+def test_a_plan_recorded_before_a_key_reads_it_as_the_default_it_had(tmp_path: Path) -> None:
+    state_file = tmp_path / "sweep.json"
+    older = {k: v for k, v in _plan().items() if k not in REPORTED}
+    state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": [], "plan": older}))
+    keep_plan(state_file, _plan(), [1e-3])  # the same sweep, rerun: resumed
+    with pytest.raises(UserError, match=r"\(null_arm False -> True\)"):
+        keep_plan(state_file, _plan(null_arm=True), [1e-3])
 
 
 def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[Trial]:
@@ -813,7 +844,7 @@ def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(
     before = {name: (sweep_dir / name).read_bytes() for name in ("results.json", "report.md", "sweep.json")}
     other_seeds = [a for a in args if a != "sweep.seeds=[]"] + ["sweep.seeds=[2,3]"]
     refused = cli_in_process(other_seeds, data_cache, tmp_path, monkeypatch, capsys)
-    assert_refused(refused, "planned with other statistics (seeds [] -> [2, 3])", "a new hydra.run.dir")
+    assert_refused(refused, "planned with other settings (seeds [] -> [2, 3])", "a new hydra.run.dir")
     assert {name: (sweep_dir / name).read_bytes() for name in before} == before
     assert len(list((sweep_dir / "runs").iterdir())) == 4  # nothing trained
 

@@ -333,7 +333,7 @@ def test_the_token_study_runs_end_to_end_and_resumes(tmp_path: Path, data_cache:
     again = run_cli(args, data_cache, cwd=tmp_path, timeout=300)  # every run is reused
     assert again.returncode == 0 and "started" not in again.stdout
     changed = run_cli([*args[:-1], "scale.seeds=[2,3,4]", args[-1]], data_cache, cwd=tmp_path, timeout=300)
-    assert changed.returncode == 2 and "planned with other statistics" in changed.stderr
+    assert changed.returncode == 2 and "planned with other settings" in changed.stderr
 
 
 def test_an_unfinished_run_is_named_with_its_reason_and_log():

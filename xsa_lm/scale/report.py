@@ -124,6 +124,8 @@ class TokenPlan(Record):
     allow_repeated_data: bool
     margin: float | None  # None: no margin verdict
     arms: Arms = field(default_factory=Arms)
+    measure_throughput: bool = True  # the wall-clock k
+    bootstrap_seed: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

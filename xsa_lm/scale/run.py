@@ -47,6 +47,7 @@ SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_siz
     **{f"model.{key}": f"{PRESET_SETS_IT} with scale.models=[...]" for key in SIZE_KEYS},
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
+SIZE_PLAN = {"fit": "auto", "bootstrap_resamples": 1000, "bootstrap_seed": 0, "bench": None}  # and their defaults
 MIN_STEPS = 2  # a token-axis run's fewest steps
 SET_BY_TOKEN_AXIS = {
     "scheduler.warmup_steps": "set each run's warmup with scale.warmup_fraction (null: the recipe's)",
@@ -665,7 +666,10 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
     sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
-    of_scale = scale.model_dump(include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"})
+    of_scale = scale.model_dump(
+        include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"}
+        | {"measure_throughput", "bootstrap_seed"}
+    )
     of_sweep = sweep.model_dump(include={"search_seeds", "null_arm", "margin"})
     budgets = sorted(scale.sa_budgets), sorted(scale.xsa_budgets)
     plan = report.TokenPlan(
@@ -693,6 +697,8 @@ def run_size_axis(
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
+    analysis = scale.model_dump(include=set(SIZE_PLAN))  # what the report's fit and intervals are, fixed as planned
+    sweeps.keep_plan(study_dir / "scale.json", analysis, grid=[], earlier=SIZE_PLAN)
     sweeps.stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
@@ -712,7 +718,8 @@ def run_token_axis(
 ) -> list[str]:
     """The plan kept in scale.json, each size's runs and bench, the analysis and report; the runs left unfinished."""
     study_dir = Path(identity.study_dir)
-    sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[])
+    earlier = {"arms": asdict(report.PAPER_ARMS), "measure_throughput": True, "bootstrap_seed": 0}  # their defaults
+    sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[], earlier=earlier)
     entries = []
     for size in sizes:
         entry = run_token_size(size, plan, group)

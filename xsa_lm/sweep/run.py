@@ -132,19 +132,38 @@ def run_exclusive(
         return directory, run(directory, overrides)
 
 
-def comparison_plan(
-    search_seeds: list[int], seeds: list[int], cap: int | None, *, stall: dict | None, margin: float
-) -> dict[str, Any]:
-    """What decides the comparison's statistics, fixed at the first run (sweep.json's `plan`; stall: None for none)."""
+# The sweep settings that change what the report says besides its statistics' own, each with the value it had in a
+# plan recorded before the plan held it.
+REPORTED = {
+    "baseline": "sa",
+    "candidates": ["xsa"],
+    "null_arm": False,
+    "tune_xsa": False,
+    "reuse_search_run": False,
+    "diverge_above": None,
+    "eval_tasks": None,
+    "eval_limit": None,
+}
+
+
+def comparison_plan(spec: SweepSpec, seeds: list[int]) -> dict[str, Any]:
+    """What decides the report, fixed at the first run (sweep.json's `plan`): the statistics and REPORTED."""
+    cap = spec.seeds_until_significant
     looks = SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1
-    plan = {"search_seeds": search_seeds, "seeds": seeds, "seeds_until_significant": cap, "alpha": protocol.ALPHA}
-    return plan | {"planned_looks": looks, "stall": stall, "margin": margin}
+    plan = {"search_seeds": spec.search_seeds, "seeds": seeds, "seeds_until_significant": cap, "alpha": protocol.ALPHA}
+    plan |= {"planned_looks": looks, "stall": spec.stall, "margin": spec.margin}
+    return plan | spec.model_dump(include=set(REPORTED))
 
 
-def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -> None:
-    """The first run's plan, which a rerun must keep (fixed compare seeds as a set); the grid may grow."""
+def keep_plan(
+    state_file: Path, plan: Mapping[str, object], grid: list[float], earlier: Mapping[str, object] = REPORTED
+) -> None:
+    """The first run's plan, which a rerun must keep (fixed compare seeds as a set); the grid may grow. A key the
+    recorded plan lacks had the value `earlier` gives."""
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     recorded = state.get("plan")
+    if recorded is not None:
+        recorded = {**{k: v for k, v in earlier.items() if k in plan}, **recorded}
 
     def compared(p: Mapping[str, Any]) -> dict[str, Any]:
         return dict(p) if p.get("seeds_until_significant") is not None else {**p, "seeds": sorted(p["seeds"] or [])}
@@ -152,9 +171,9 @@ def keep_plan(state_file: Path, plan: Mapping[str, object], grid: list[float]) -
     if recorded is not None and compared(recorded) != compared(plan):
         changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])
         raise UserError(
-            f"{state_file.parent} was planned with other statistics ({changed}): a plan changed after results exist "
-            "spends the significance level again; rerun with the first plan, or start a new study (a new "
-            "hydra.run.dir)"
+            f"{state_file.parent} was planned with other settings ({changed}): a plan changed after results exist "
+            "rewrites its report and spends the significance level again; rerun with the first plan, or start a new "
+            "study (a new hydra.run.dir)"
         )
     state["plan"] = plan if recorded is None else recorded  # the first run's (its seeds' order, too)
     state.setdefault("history", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "grid": grid})
@@ -366,8 +385,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     state = sweep_dir / "sweep.json"
     holds = "a sweep with the training overrides"
     sweep_id = open_state(state, job.overrides, group, id_key="sweep_id", overrides_key="train_overrides", holds=holds)
-    plan = comparison_plan(spec.search_seeds, seeds, cap, stall=spec.stall, margin=spec.margin)
-    keep_plan(state, plan, grid)
+    keep_plan(state, comparison_plan(spec, seeds), grid)
     config_name = "config.yaml" if not (sweep_dir / "config.yaml").exists() else f"config.rerun-{int(time.time())}.yaml"
     write_text(sweep_dir / config_name, OmegaConf.to_yaml(job.config))
     launcher = job.launcher(TrialStore(sweep_dir), sweep_id, command)
