@@ -816,7 +816,7 @@ def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(
 ) -> None:
     """sweep.seeds=[]: the LR x seed grid of SA and XSA is the study (two search seeds, one LR), the report counts
     stalls per arm with the attention diagnostics read from each run's metrics.csv; the same sweep with compare seeds
-    added afterwards is refused in one line, its results untouched."""
+    added afterwards, or untuned, is refused in one line, its results untouched."""
     sweep_dir = tmp_path / "sweep"
     args = ["sweep", *SWEEP_FAST, "trainer.max_steps=10", "val_every_steps=5", "diagnostics.every_n_steps=5"]
     args += ["sweep.lrs=[3e-3]", "sweep.seeds=[]", "sweep.search_seeds=[0,1]", "sweep.tune_xsa=true"]
@@ -845,6 +845,9 @@ def test_search_only_sweep_counts_stalls_and_a_rerun_cannot_change_the_plan(
     other_seeds = [a for a in args if a != "sweep.seeds=[]"] + ["sweep.seeds=[2,3]"]
     refused = cli_in_process(other_seeds, data_cache, tmp_path, monkeypatch, capsys)
     assert_refused(refused, "planned with other settings (seeds [] -> [2, 3])", "a new hydra.run.dir")
+    untuned = [a for a in args if a != "sweep.tune_xsa=true"]  # the report would lose XSA's search
+    refused = cli_in_process(untuned, data_cache, tmp_path, monkeypatch, capsys)
+    assert_refused(refused, "planned with other settings (tune_xsa True -> False)")
     assert {name: (sweep_dir / name).read_bytes() for name in before} == before
     assert len(list((sweep_dir / "runs").iterdir())) == 4  # nothing trained
 

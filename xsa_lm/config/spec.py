@@ -413,6 +413,15 @@ class FaultsSpec(Spec):
     inject_nan_at_step: int | None = Field(ge=0, description="testing the recovery")
     inject_nan_on_rank: int | None = Field(ge=0, description="null: every rank")
 
+    @model_validator(mode="after")
+    def _rank_of_an_injection(self) -> "FaultsSpec":
+        if self.inject_nan_on_rank is not None and self.inject_nan_at_step is None:
+            raise ValueError(
+                f"faults.inject_nan_on_rank={self.inject_nan_on_rank} would do nothing: it picks the rank of "
+                "faults.inject_nan_at_step, which is null; set both, or neither"
+            )
+        return self
+
 
 class DiagnosticsSpec(Spec):
     every_n_steps: Count | None = Field(description="null: off")
