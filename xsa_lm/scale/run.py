@@ -697,8 +697,8 @@ def run_size_axis(
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
-    analysis = scale.model_dump(include=set(SIZE_PLAN))  # what the report's fit and intervals are, fixed as planned
-    sweeps.keep_plan(study_dir / "scale.json", analysis, grid=[], earlier=SIZE_PLAN)
+    planned = scale.model_dump(include=set(SIZE_PLAN))  # the report's fit and intervals, fixed at the first run
+    sweeps.keep_plan(study_dir / "scale.json", planned, grid=[], earlier=SIZE_PLAN)
     sweeps.stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]

@@ -151,8 +151,8 @@ def comparison_plan(spec: SweepSpec, seeds: list[int]) -> dict[str, Any]:
     cap = spec.seeds_until_significant
     looks = SequentialRule.plan(len(seeds), cap).looks if cap is not None else 1
     plan = {"search_seeds": spec.search_seeds, "seeds": seeds, "seeds_until_significant": cap, "alpha": protocol.ALPHA}
-    plan |= {"planned_looks": looks, "stall": spec.stall, "margin": spec.margin}
-    return plan | spec.model_dump(include=set(REPORTED))
+    statistics = {"planned_looks": looks, "stall": spec.stall, "margin": spec.margin}
+    return plan | statistics | spec.model_dump(include=set(REPORTED))
 
 
 def keep_plan(
