@@ -17,6 +17,9 @@ REFUSED = {  # training overrides -> the one line (a part of it)
     "eps against a wider model": (["attention=xsa", "attention.eps=0.05", "model.init_std=0.01"], "at most 0.0041"),
     "infinite eps": (["attention=xsa", "attention.eps=inf"], "attention.eps=inf must be a finite number"),
     "a NaN's rank without its step": (["faults.inject_nan_on_rank=0"], "faults.inject_nan_on_rank=0 would do nothing"),
+    "an infinite LR": (["optim.lr=inf"], "optim.lr=inf must be a finite number"),
+    "an infinite weight decay": (["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
+    "an infinite temperature": (["samples.temperature=inf"], "samples.temperature=inf must be a finite number"),
     "SA given XSA's options": (
         ["attention=sa", "+attention.gate=tanh", "+attention.layers=[0]"],
         "attention.gate, layers: sa (xsa_lm.model.attention.CausalSelfAttention) takes no such option",

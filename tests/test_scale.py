@@ -18,7 +18,7 @@ import scipy.stats
 
 from tests.conftest import cli_env, run_cli
 from tests.golden import assert_golden
-from tests.helpers import assert_clean_error, assert_nothing_written, refused_in_process
+from tests.helpers import assert_clean_error, assert_nothing_written, cli_in_process, refused_in_process
 from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     choose_form,
@@ -347,7 +347,9 @@ def test_a_rerun_may_add_sizes_but_not_leave_one_out(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
+def test_scale_end_to_end_killed_and_resumed(
+    tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
     """Two sizes, one LR, three seeds: SIGKILL in the second size; the same command finishes, reusing done trials."""
     study = tmp_path / "study"
     args = [sys.executable, "-m", "xsa_lm.cli", "scale", *STUDY, f"hydra.run.dir={study}"]
@@ -401,6 +403,17 @@ def test_scale_end_to_end_killed_and_resumed(tmp_path: Path, data_cache: Path):
     refused = run_cli(["scale", *swapped, f"hydra.run.dir={study}"], data_cache, tmp_path, timeout=120)
     assert_clean_error(refused, "scale.models=['tiny_d32', 'tiny_d96'] leaves out ['tiny_d64']")
     assert (study / "results.json").read_bytes() == before and not (study / "sizes" / "tiny_d96").exists()
+    # So would another fit, chosen after seeing this one: the plan holds it.
+    state = (study / "scale.json").read_bytes()
+    refit = cli_in_process(
+        ["scale", *STUDY, "scale.fit=power_law_offset", f"hydra.run.dir={study}"],
+        data_cache,
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
+    assert_clean_error(refit, "planned with other settings (fit 'auto' -> 'power_law_offset')")
+    assert (study / "results.json").read_bytes() == before and (study / "scale.json").read_bytes() == state
     assert "Not reported: the ladder is flagged" in proc.stdout  # the terminal shows the report
     assert (study / "loss_vs_compute.png").stat().st_size > 10_000 and (study / "multiplier.png").exists()
 

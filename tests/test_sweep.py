@@ -587,6 +587,11 @@ def test_a_plan_recorded_before_a_key_reads_it_as_the_default_it_had(tmp_path: P
     keep_plan(state_file, _plan(), [1e-3])  # the same sweep, rerun: resumed
     with pytest.raises(UserError, match=r"\(null_arm False -> True\)"):
         keep_plan(state_file, _plan(null_arm=True), [1e-3])
+    sizes = tmp_path / "scale.json"  # a size-axis study's plan: no seeds of its own (each size's sweep has them)
+    sizes.write_text(json.dumps({"study_id": "s", "overrides": [], "plan": {"bootstrap_seed": 0}}))
+    keep_plan(sizes, {"bootstrap_seed": 0, "fit": "auto"}, [], earlier={"fit": "auto"})
+    with pytest.raises(UserError, match=r"\(fit 'auto' -> 'power_law'\)"):
+        keep_plan(sizes, {"bootstrap_seed": 0, "fit": "power_law"}, [], earlier={"fit": "auto"})
 
 
 def _completed_compare(store: TrialStore, lr: float, seeds: list[int]) -> list[Trial]:

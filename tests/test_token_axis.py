@@ -240,8 +240,9 @@ class Stop(Exception):
     pass
 
 
-def first_launch(task: list[str], study_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[str]]:
-    """The first phase a token study launches, after every check, and its first run's command (nothing runs)."""
+def first_launch(task: list[str], study_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, str, list[str]]:
+    """A token study's plan, the first phase it launches after every check, and its first run's command (nothing
+    runs)."""
     launched = []
 
     def record(launcher: Launcher, trials, phase: str, job_type: str) -> None:
@@ -254,22 +255,21 @@ def first_launch(task: list[str], study_dir: Path, monkeypatch: pytest.MonkeyPat
         cfg = compose(config_name="scale", overrides=task)
         overrides = sweep_overrides(task)
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
-        study = check_study(scale, sweep, study_dir, overrides)
+        plan, study = check_study(scale, sweep, study_dir, overrides)
         with pytest.raises(Stop):
             study(StudyIdentity(study_dir=str(study_dir), study_id="t", overrides=overrides), None)
-    return launched[0]
+    return plan, *launched[0]
 
 
 def test_each_budget_searches_sas_lr_and_warms_up_for_a_share_of_its_steps(tmp_path, data_cache, monkeypatch):
     monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))  # check_repeats prepares the runs' data
-    phase, command = first_launch(["experiment=tokens_tuned"], tmp_path, monkeypatch)
-    plan = json.loads((tmp_path / "scale.json").read_text())["plan"]
+    plan, phase, command = first_launch(["experiment=tokens_tuned"], tmp_path, monkeypatch)
     assert plan["lr_per_budget"] and plan["null_arm"] and plan["tune_xsa"] and plan["warmup_fraction"] == 0.1
     assert phase == "search" and "trainer.max_steps=98" in command and "scheduler.warmup_steps=10" in command
     # sweep.* on the command line sets the study's search (here its grid); the runs' `xsa-lm train`, which has no
     # sweep settings, gets the training overrides alone
     task = ["experiment=tokens_toy", "sweep.lrs=[2e-2]", "scale.measure_throughput=false"]
-    _, command = first_launch(task, tmp_path / "toy", monkeypatch)
+    _, _, command = first_launch(task, tmp_path / "toy", monkeypatch)
     assert "optim.lr=0.02" in command and "experiment=tokens_toy" in command, command
     assert not [word for word in command if word.startswith("sweep.")], command
 

@@ -48,9 +48,10 @@ HYDRA_KEY = re.compile(r"_\w+_")  # instantiate's own keys (_args_, _partial_): 
 
 
 class Spec(BaseModel):
-    """A config node: frozen, no key beyond its fields, values of their own type (Hydra's `1.5` is no integer)."""
+    """A config node: frozen, no key beyond its fields, values of their own type (Hydra's `1.5` is no integer), every
+    number finite (an infinite LR or margin trains or decides nothing)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, populate_by_name=True, allow_inf_nan=False)
 
     @property
     def node(self) -> dict[str, Any]:

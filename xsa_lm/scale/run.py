@@ -47,7 +47,10 @@ SET_BY_SCALE = {  # other model.* keys apply to every size (e.g. model.block_siz
     **{f"model.{key}": f"{PRESET_SETS_IT} with scale.models=[...]" for key in SIZE_KEYS},
     "hydra.run.dir": "each size's sweep goes to <study dir>/sizes/<model>",
 }
-SIZE_PLAN = {"fit": "auto", "bootstrap_resamples": 1000, "bootstrap_seed": 0, "bench": None}  # and their defaults
+# What a study's plan holds beside its seeds and budgets, with the value each had in a plan recorded before it did:
+# the size axis's fit, intervals and bench; the token axis's arms, wall-clock k and intervals.
+PLAN_EARLIER = {"fit": "auto", "bootstrap_resamples": 1000, "bootstrap_seed": 0, "bench": None}
+PLAN_EARLIER |= {"arms": asdict(report.PAPER_ARMS), "measure_throughput": True}
 MIN_STEPS = 2  # a token-axis run's fewest steps
 SET_BY_TOKEN_AXIS = {
     "scheduler.warmup_steps": "set each run's warmup with scale.warmup_fraction (null: the recipe's)",
@@ -652,8 +655,11 @@ def reanalyse(
     return replace(saved, reanalysed=when, **vars(analysis))
 
 
-def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]) -> Study:
-    """The study, checked with each size's sweep or runs before its folder gets anything."""
+def check_study(
+    scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: list[str]
+) -> tuple[dict[str, Any], Study]:
+    """The study's plan (what its report says, kept in scale.json) and the study, checked with each size's sweep or
+    runs before its folder gets anything."""
     name, listed = ("scale.seeds", scale.seeds) if scale.seeds is not None else ("sweep.seeds", sweep.seeds)
     seeds, arms = check_seeds(listed, sweep.search_seeds, sweep.reuse_search_run, name=name), arms_of(sweep)
     if not seeds:
@@ -662,7 +668,8 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
     if scale.axis == "size":
         bench = load_bench(scale.bench, arms=arms)
         jobs = {model: sweeps.check_sweep(*size_config(overrides, model, scale.seeds)) for model in scale.models}
-        return partial(run_size_axis, scale=scale, jobs=jobs, bench=bench, arms=arms)
+        planned = scale.model_dump(include=set(PLAN_EARLIER) - {"arms", "measure_throughput"})
+        return planned, partial(run_size_axis, scale=scale, jobs=jobs, bench=bench, arms=arms)
     sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
     if len(seeds) < 2:
         raise UserError(f"scale.axis=tokens needs 2+ compare seeds for an interval (scale.seeds), got {seeds}")
@@ -683,7 +690,7 @@ def check_study(scale: ScaleSpec, sweep: SweepSpec, study_dir: Path, overrides: 
         **of_sweep,
     )
     sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
-    return partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
+    return plan.to_json(), partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
 
 def run_size_axis(
@@ -697,8 +704,6 @@ def run_size_axis(
 ) -> list[str]:
     """Each size's sweep, the analysis and the report; returns the sizes whose sweep did not finish."""
     study_dir = Path(identity.study_dir)
-    planned = scale.model_dump(include=set(SIZE_PLAN))  # the report's fit and intervals, fixed at the first run
-    sweeps.keep_plan(study_dir / "scale.json", planned, grid=[], earlier=SIZE_PLAN)
     sweeps.stop_on_signals(lambda: None, "scale")  # within a size, its sweep's handler stops the trials
     print(f"xsa-lm scale | {study_dir} | W&B group {identity.study_id} | sizes {list(jobs)}")
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
@@ -718,8 +723,6 @@ def run_token_axis(
 ) -> list[str]:
     """The plan kept in scale.json, each size's runs and bench, the analysis and report; the runs left unfinished."""
     study_dir = Path(identity.study_dir)
-    earlier = {"arms": asdict(report.PAPER_ARMS), "measure_throughput": True, "bootstrap_seed": 0}  # their defaults
-    sweeps.keep_plan(study_dir / "scale.json", plan.to_json(), grid=[], earlier=earlier)
     entries = []
     for size in sizes:
         entry = run_token_size(size, plan, group)
@@ -752,10 +755,11 @@ def main(cfg: DictConfig) -> None:
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         scale.refuse_other_axis(HydraConfig.get().overrides.task)
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
-        run = check_study(scale, sweep, study_dir, overrides)
+        plan, run = check_study(scale, sweep, study_dir, overrides)
         state, holds = study_dir / "scale.json", "a scaling study with the overrides"
         group = wandb.group if wandb else None
         study_id = sweeps.open_state(state, overrides, group, id_key="study_id", overrides_key="overrides", holds=holds)
+        sweeps.keep_plan(state, plan, grid=[], earlier=PLAN_EARLIER)
         keep_sizes(state, scale.models)
         write_text(study_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         return run(StudyIdentity(str(study_dir), study_id, overrides), study_id if wandb else None)

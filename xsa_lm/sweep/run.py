@@ -166,7 +166,8 @@ def keep_plan(
         recorded = {**{k: v for k, v in earlier.items() if k in plan}, **recorded}
 
     def compared(p: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(p) if p.get("seeds_until_significant") is not None else {**p, "seeds": sorted(p["seeds"] or [])}
+        fixed = "seeds" in p and p.get("seeds_until_significant") is None  # a set of seeds (scale's size axis: none)
+        return {**p, "seeds": sorted(p["seeds"] or [])} if fixed else dict(p)
 
     if recorded is not None and compared(recorded) != compared(plan):
         changed = ", ".join(f"{k} {recorded.get(k)!r} -> {plan[k]!r}" for k in plan if recorded.get(k) != plan[k])

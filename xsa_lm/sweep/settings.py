@@ -132,7 +132,7 @@ class SweepSpec(Spec):
     tune_xsa: bool  # also grid-search XSA
     stall: dict[Literal["at_fraction", "margin", "loss_threshold"], float | None] | None  # StallRule checks them
     diverge_above: float | None = Field(
-        gt=0, allow_inf_nan=False, description="a final val loss above it counts as diverged; null: ln(vocab size)"
+        gt=0, description="a final val loss above it counts as diverged; null: ln(vocab size)"
     )
     wandb_report: bool  # a report run in the sweep's W&B group
     eval_tasks: Annotated[str | list[str] | None, rule(eval_tasks)]  # xsa-lm eval on the compare runs; null: none
