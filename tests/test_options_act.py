@@ -20,6 +20,7 @@ REFUSED = {  # training overrides -> the one line (a part of it)
     "an infinite LR": (["optim.lr=inf"], "optim.lr=inf must be a finite number"),
     "an infinite weight decay": (["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
     "an infinite temperature": (["samples.temperature=inf"], "samples.temperature=inf must be a finite number"),
+    "no key/value head": (["model.n_kv_head=0"], "model.n_kv_head=0 must be >= 1"),
     "SA given XSA's options": (
         ["attention=sa", "+attention.gate=tanh", "+attention.layers=[0]"],
         "attention.gate, layers: sa (xsa_lm.model.attention.CausalSelfAttention) takes no such option",

@@ -147,7 +147,7 @@ class ModelSpec(Spec):
     head_dim: int = GPTConfig.head_dim
     vocab_size: int | None = None
     block_size: int = GPTConfig.block_size
-    n_kv_head: int | None = GPTConfig.n_kv_head
+    n_kv_head: Count | None = GPTConfig.n_kv_head
     n_sinks: int = GPTConfig.n_sinks
     mlp_ratio: int = GPTConfig.mlp_ratio
     bias: bool = GPTConfig.bias
