@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import FAST, assert_clean_error, cli_in_process, refused_in_process, run_cli
+from tests.leftovers import nothing_left_behind
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +44,10 @@ def test_bad_input(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
     request: pytest.FixtureRequest,
+    caches: list[Path],
 ):
-    """In this process, as `xsa-lm train ...` runs it (a subprocess adds ~5 s of imports per case and nothing else)."""
+    """In this process, as `xsa-lm train ...` runs it (a subprocess adds ~5 s of imports per case and nothing else);
+    the working folder and the caches are as they were (a refused run writes nothing, not even an empty folder)."""
     run_dir = tmp_path / "run"
     (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
     (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
@@ -52,20 +55,20 @@ def test_bad_input(
     switches_tokenizer = any(o.startswith("tokenizer=") for o in overrides)
     fast = [a for a in FAST if not (switches_tokenizer and a.startswith("tokenizer."))]
     args = ["train", *fast, *overrides, f"hydra.run.dir={run_dir}"]
-    if request.node.callspec.id in IN_A_SUBPROCESS:
-        out = run_cli(args, data_cache, tmp_path)
-        assert_clean_error(out, *expected)
-        assert out.returncode == 2
-    else:
-        monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
-        monkeypatch.chdir(tmp_path)
-        err = refused_in_process(args, monkeypatch, capsys)  # exit code 2
-        assert "Traceback" not in err
-        last = err.strip().splitlines()[-1]
-        assert last.startswith("xsa-lm"), err[-2000:]
-        for text in expected:
-            assert text in last, last
-    assert not run_dir.exists()  # a refused run writes nothing, not even an empty folder
+    monkeypatch.setenv("XSA_LM_DATA_DIR", str(data_cache))
+    with nothing_left_behind(tmp_path):
+        if request.node.callspec.id in IN_A_SUBPROCESS:
+            out = run_cli(args, data_cache, tmp_path)
+            assert_clean_error(out, *expected)
+            assert out.returncode == 2
+        else:
+            monkeypatch.chdir(tmp_path)
+            err = refused_in_process(args, monkeypatch, capsys)  # exit code 2
+            assert "Traceback" not in err
+            last = err.strip().splitlines()[-1]
+            assert last.startswith("xsa-lm"), err[-2000:]
+            for text in expected:
+                assert text in last, last
 
 
 def test_existing_run_is_never_overwritten(data_cache: Path, tmp_path: Path, monkeypatch, capsys):

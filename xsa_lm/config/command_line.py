@@ -5,6 +5,7 @@ import difflib
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -190,6 +191,21 @@ def another_commands_folder(command: str, folder: Path) -> str | None:
 def override_key(override: str) -> str:
     """The key of `key=value`, `+key=value`, `++key=value` or `~key`."""
     return override.split("=", 1)[0].lstrip("~+")
+
+
+def override(key: str, value: object) -> str:
+    """`key=value` as one word to paste into a shell, which Hydra reads back as the string `value`: quoted for Hydra
+    too where its grammar would not (a non-ASCII character, `~`, `,`, `=`, a bracket, a value read as a number)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Quote, QuotedString
+    from hydra.errors import HydraException
+
+    text = str(value)
+    try:
+        plain = OverridesParser.create().parse_override(f"{key}={text}").value() == text
+    except HydraException:
+        plain = False
+    return shlex.quote(f"{key}={text if plain else QuotedString(text=text, quote=Quote.double).with_quotes()}")
 
 
 def quoting_hint(error: str, overrides: list[str]) -> str | None:
