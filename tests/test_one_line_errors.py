@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import resource
+import shlex
 import signal
 import sys
 import time
@@ -17,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from tests.helpers import FAST, TINY, assert_clean_error, refused_in_process, run_cli
 from xsa_lm import cli, errors
+from xsa_lm.config.command_line import override, pasteable
 from xsa_lm.errors import UserError, WriteError, exit_on_user_error
 from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
@@ -316,3 +318,20 @@ def test_ctrl_c_at_any_moment_of_any_command_is_one_line_and_exit_130(monkeypatc
         cli.main()
     assert exit_.value.code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["xsa-lm: interrupted (Ctrl-C) during xsa-lm generate"]
+
+
+HYDRA_TAKES_BARE = ["/tmp/x", "/tmp/my dir"]
+
+
+@pytest.mark.parametrize(
+    "value", [*HYDRA_TAKES_BARE, "/tmp/a  b ", "/tmp/données", "it's", 'a"b\\', "a,b", "a=b", "[a]", "~/x", "1e-3"]
+)
+def test_a_printed_override_reads_back_as_the_value(value: str):
+    """A value in a printed command is read back as itself, through the shell and then Hydra: bare where both take
+    it so, quoted where either would change it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (word,) = shlex.split(pasteable("data.dir", value))
+    assert word == override("data.dir", value)
+    assert OverridesParser.create().parse_override(word).value() == value
+    assert (word == f"data.dir={value}") == (value in HYDRA_TAKES_BARE)

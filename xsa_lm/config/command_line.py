@@ -194,18 +194,24 @@ def override_key(override: str) -> str:
 
 
 def override(key: str, value: object) -> str:
-    """`key=value` as one word to paste into a shell, which Hydra reads back as the string `value`: quoted for Hydra
-    too where its grammar would not (a non-ASCII character, `~`, `,`, `=`, a bracket, a value read as a number)."""
+    """`key=value` as Hydra reads it back as the string `value` (an argument of a command this program starts): the
+    value quoted for Hydra where its grammar would not take it bare (a non-ASCII character, `~`, `,`, `=`, a bracket,
+    a value read as a number)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Quote, QuotedString
     from hydra.errors import HydraException
 
     text = str(value)
     try:
-        plain = OverridesParser.create().parse_override(f"{key}={text}").value() == text
+        bare = OverridesParser.create().parse_override(f"{key}={text}").value() == text
     except HydraException:
-        plain = False
-    return shlex.quote(f"{key}={text if plain else QuotedString(text=text, quote=Quote.double).with_quotes()}")
+        bare = False
+    return f"{key}={text if bare else QuotedString(text=text, quote=Quote.double).with_quotes()}"
+
+
+def pasteable(key: str, value: object) -> str:
+    """override(key, value) as one word of a printed command that works pasted into a shell."""
+    return shlex.quote(override(key, value))
 
 
 def quoting_hint(error: str, overrides: list[str]) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from xsa_lm.config.command_line import override
+from xsa_lm.config.command_line import pasteable
 from xsa_lm.data.sources import once
 from xsa_lm.data.tokenizer import eot_id, file_sha256, read_tokenizer
 from xsa_lm.errors import UserError, WriteError
@@ -203,17 +203,18 @@ def load_prepared(out: Path) -> PreparedData:
     if (work := out.with_name(f"{out.name}.partial")).is_dir() and not (out / "meta.json").exists():
         raise UserError(
             f"data.dir={out} is not finished (an interrupted preparation is in {work}): run the same "
-            f"`xsa-lm prepare ... {override('data.dir', out)}` again to finish it"
+            f"`xsa-lm prepare ... {pasteable('data.dir', out)}` again to finish it"
         )
     if not out.exists():
         where = "" if out.is_absolute() else f" (in {Path.cwd()})"
         raise UserError(
-            f"data.dir={out} does not exist{where}: restore it, or run `xsa-lm prepare ... {override('data.dir', out)}`"
+            f"data.dir={out} does not exist{where}: restore it, or run "
+            f"`xsa-lm prepare ... {pasteable('data.dir', out)}`"
         )
     if not (out / "meta.json").exists():
         raise UserError(
             f"data.dir={out} holds no finished preparation (no meta.json): run `xsa-lm prepare ... "
-            f"{override('data.dir', out)}`"
+            f"{pasteable('data.dir', out)}`"
         )
     meta = _read_json(out / "meta.json", "delete it and run the same `xsa-lm prepare` command (shards are kept)")
     if not isinstance(meta, dict) or not {"shards", "dtype", "vocab_size", "tokenizer"} <= meta.keys():
