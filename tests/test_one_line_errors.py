@@ -206,6 +206,10 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
     "plan model.n_layr": (["plan", "model.n_layr=2"], ["plan has no key model.n_layr: did you mean model.n_layer?"]),
     "plan +model.n_layr": (["plan", "+model.n_layr=2"], ["model.n_layr: not an option of the model group (it has"]),
     "train optim.lrr": (["train", "optim.lrr=0.1"], ["train has no key optim.lrr: did you mean optim.lr?"]),
+    "train another name": (
+        ["train", "trainer.accumulate_grad_batches=4"],
+        ["train has no key trainer.accumulate_grad_batches: its keys are "],
+    ),
     "generate foo.bar": (["generate", "ckpt=x", "foo.bar=1"], ["generate has no key foo.bar: its keys are ckpt, "]),
     "sweep new lr_grids entry": (
         ["sweep", "sweep.lr_grids.mine=[1e-3]"],

@@ -141,7 +141,9 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
 
     text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()  # its own keys: read, not composed
     own = [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
-    close = difflib.get_close_matches(key, own + (list(all_fields()) if command in TRAINING_COMMANDS else []), n=1)
+    # 0.85: a typo (lrr, temprature, lmit); a key of another name (accumulate_grad_batches) is shown no lookalike
+    keys = own + (list(all_fields()) if command in TRAINING_COMMANDS else [])
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.85)
     hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own)}"
     return f"{command} has no key {key}: {hint} (configs/{command}.yaml)"
 
