@@ -6,7 +6,7 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import chain, islice
 from pathlib import Path
@@ -98,6 +98,7 @@ class LocalFiles:
         if path.endswith((".txt", ".md")):
             yield path, text
             return
+        rows: Iterable[tuple[int, Any]]
         if text.lstrip().startswith("["):  # one JSON array of records, else JSON lines
             rows = enumerate(_json(text, path, ""), start=1)
         else:
