@@ -29,6 +29,19 @@ CASES = {  # through the CLI: nothing is written (each rule of the spec: test_sc
         ["fewer than micro_batch_size=64"],
     ),
     "an empty corpus": (["data=local", "data.files={tmp}/*.jsonl", "data.val_fraction=0.5"], ["data:", "no text"]),
+    # refused after the preparation wrote files (its tokenizer, shards), which go with the folders made for them
+    "no document in the validation split": (
+        ["data=local", "data.files={tmp}/tiny/c.jsonl", "data.val_split=document", "data.cache_dir={tmp}/cache"],
+        ["data: no document fell into the validation split (30 documents"],
+    ),
+    "a vocabulary under 257": (
+        ["data=local", "data.files={tmp}/tiny/c.jsonl", "tokenizer.vocab_size=100", "data.cache_dir={tmp}/new/cache"],
+        ["tokenizer.vocab_size must be at least 257"],
+    ),
+    "a corpus that is not valid JSON": (
+        ["data=local", "data.files={tmp}/bad.json"],
+        ["data.files: {tmp}/bad.json at line 1, column 26 is not valid JSON (Expecting value)"],
+    ),
 }
 
 
@@ -51,7 +64,10 @@ def test_bad_input(
     run_dir = tmp_path / "run"
     (tmp_path / "small.txt").write_text("To be, or not to be, that is the question.\n" * 60)
     (tmp_path / "a.jsonl").write_text('{"text": ""}\n' * 20)
-    overrides = [o.format(tmp=tmp_path) for o in overrides]
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "c.jsonl").write_text("".join(f'{{"text": "document {i}, tiny"}}\n' for i in range(30)))
+    (tmp_path / "bad.json").write_text('[{"text": "a"}, {"text": ')
+    overrides, expected = [o.format(tmp=tmp_path) for o in overrides], [e.format(tmp=tmp_path) for e in expected]
     switches_tokenizer = any(o.startswith("tokenizer=") for o in overrides)
     fast = [a for a in FAST if not (switches_tokenizer and a.startswith("tokenizer."))]
     args = ["train", *fast, *overrides, f"hydra.run.dir={run_dir}"]
