@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.helpers import FAST, REPO, cli_env, run_cli
+from tests.leftovers import caches
 
-__all__ = ["FAST", "REPO", "cli_env", "run_cli"]
+__all__ = ["FAST", "REPO", "caches", "cli_env", "run_cli"]
 
 # One OpenMP thread per process and per run it starts: more threads than cores spin and wait (four tiny runs at once
 # on 2 cores: 80 s with 2 threads each, 32 s with 1). An explicit setting is kept.

@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tests.helpers import FAST, compose_train
+from tests.leftovers import nothing_left_behind
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.data.datamodule import PackedWindows, ShuffledBatches, TokenDataModule
 from xsa_lm.data.prepare import choose_split, is_val_document, load_prepared, prepare, tail_start
@@ -166,7 +167,10 @@ BAD_FILES = {  # the files (None: a folder) and the one line
     "no field": ({"a.jsonl": b'{"body": "x"}\n'}, "a.jsonl line 1 has no field 'text' (fields: ['body'])"),
     "not text": ({"a.jsonl": b'{"text": 3}\n'}, "'text' is int, not text"),
     "bad JSON": ({"a.jsonl": b'{"text": "x"\n'}, "a.jsonl line 1 is not valid JSON"),
+    "bad JSON array": ({"a.json": b'[{"text": "a"}, {"text": '}, "a.json at line 1, column 26 is not valid JSON"),
     "no column": ({"a.parquet": None}, "a.parquet has no column 'text' (columns: ['body'])"),
+    "not Parquet": ({"a.parquet": b"text\nx\n"}, "a.parquet is not a Parquet file (Parquet file size is 7 bytes"),
+    "not text in Parquet": ({"a.parquet": pa.table({"text": [0, 1]})}, "a.parquet row 1: 'text' is int, not text"),
     "other type": ({"a.csv": b"text\nx\n"}, "a.csv: unsupported file type"),
     "a folder": ({"a.d": None}, "matches only a directory"),
     "no match": ({}, "no file matches"),
@@ -176,8 +180,8 @@ BAD_FILES = {  # the files (None: a folder) and the one line
 @pytest.mark.parametrize(("files", "message"), BAD_FILES.values(), ids=BAD_FILES.keys())
 def test_bad_local_files_are_one_line_errors(tmp_path: Path, files: dict, message: str):
     for name, content in files.items():
-        if name.endswith(".parquet"):
-            pq.write_table(pa.table({"body": ["x"]}), tmp_path / name)
+        if name.endswith(".parquet") and not isinstance(content, bytes):
+            pq.write_table(pa.table({"body": ["x"]}) if content is None else content, tmp_path / name)
         elif content is None:
             (tmp_path / name).mkdir()
         else:
@@ -241,9 +245,10 @@ def test_an_interrupted_preparation_resumes_and_a_finished_one_is_reused(tmp_pat
     whole = run(source, out=tmp_path / "whole")
     with pytest.raises(KeyboardInterrupt):
         run(StopAfter(source, 45), out=out)
-    assert not (out / "meta.json").exists() and len(list(out.glob("shard-*.json"))) == 4
-    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*-00000[0-3].*")}
-    with pytest.raises(UserError, match="no finished preparation"):
+    work = tmp_path / "resumed.partial"  # renamed to `out` when whole
+    assert not out.exists() and len(list(work.glob("shard-*.json"))) == 4
+    stamps = {p.name: p.stat().st_mtime_ns for p in work.glob("*-00000[0-3].*")}
+    with pytest.raises(UserError, match="is not finished .* run the same `xsa-lm prepare"):
         load_prepared(out)
     resumed = run(source, out=out)
     assert run(source, out=out).meta == resumed.meta  # finished: reused
@@ -509,14 +514,26 @@ def test_prepare_refuses_a_data_dir_it_did_not_make(there: str, message: str, tm
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted({"corpus.jsonl", "out", Path(there).name})
 
 
-def test_a_refused_preparation_leaves_nothing_that_blocks_the_corrected_one(tmp_path: Path):
+REFUSED_PREPARATIONS = {  # the corpus, prepare's settings, the line; each refusal comes after files were made
+    "a tokenizer too small": ("corpus.jsonl", {"build_tokenizer": partial(train_bpe, vocab_size=10)}, "at least 257"),
+    "no validation document": ("corpus.jsonl", {"val_fraction": 0.001}, "no document fell into the validation"),
+    "a bad JSON array": ("corpus.json", {"shard_documents": 5}, "corpus.json at line 2, column 1 is not valid"),
+}
+
+
+@pytest.mark.parametrize(("corpus", "settings", "message"), REFUSED_PREPARATIONS.values(), ids=REFUSED_PREPARATIONS)
+def test_a_refused_preparation_leaves_nothing_that_blocks_the_corrected_one(
+    corpus: str, settings: dict, message: str, tmp_path: Path
+):
+    """Refused after its tokenizer or shards were written: its folder, <out>.partial, and the parent folders made for
+    it go; the corrected command then prepares the same data.dir."""
     write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
-    source = LocalFiles(str(tmp_path / "corpus.jsonl"))
-    with pytest.raises(UserError, match="vocab_size must be at least 257"):
-        prepare(source, partial(train_bpe, vocab_size=10), tmp_path / "out", {"tokenizer": "bpe10"}, val_fraction=0.2)
-    assert not (tmp_path / "out").exists()
-    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"))  # the corrected settings, the same folder
-    assert data.dir == tmp_path / "out" and (data.dir / "meta.json").exists()
+    (tmp_path / "corpus.json").write_text("[" + (tmp_path / "corpus.jsonl").read_text())  # cut short: not JSON
+    source, out = LocalFiles(str(tmp_path / corpus)), tmp_path / "new" / "out"
+    with nothing_left_behind(tmp_path), pytest.raises(UserError, match=message):
+        prepare(source, **{"build_tokenizer": BPE, "out": out, "identity": {}, "val_fraction": 0.2, **settings})
+    data = prepare_local(tmp_path, str(tmp_path / "corpus.jsonl"), "new/out")  # the corrected settings
+    assert data.dir == out and (out / "meta.json").exists() and sorted(p.name for p in out.parent.iterdir()) == ["out"]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import logging
 import os
 import resource
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 
 from tests.helpers import FAST, TINY, assert_clean_error, refused_in_process, run_cli
+from tests.leftovers import nothing_left_behind
 from xsa_lm import cli, errors
+from xsa_lm.config.command_line import override, pasteable
 from xsa_lm.errors import UserError, WriteError, exit_on_user_error
 from xsa_lm.files import atomic_file, write_json
 from xsa_lm.model import GPTConfig
@@ -160,6 +163,10 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
         ["train", "--multirun", "attention=sa,foo"],
         ["attention/foo", "options in 'attention'"],
     ),
+    "multirun: one job's option, into a given folder": (
+        ["train", "--multirun", "attention=sa,foo", "hydra.sweep.dir=runs/${now:%H-%M-%S}"],
+        ["attention/foo", "options in 'attention'"],
+    ),
     "multirun: one job's value": (
         ["train", "-m", "attention=sa,xsa", "seed=-1,0"],
         ["seed=-1 must be >= 0", "(in the job attention=sa seed=-1)"],
@@ -173,10 +180,10 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
         ["train", "samples.prompt=it's"],
         ['quote the value for Hydra too, e.g. "samples.prompt=\\"it\'s\\""'],
     ),
-    "a comma": (["train", "samples.prompt=a, b"], ['e.g. "samples.prompt=\\"a, b\\""']),
+    "a comma": (["train", "samples.prompt=a, b"], ["e.g. 'samples.prompt=\"a, b\"'"]),
     "non-ASCII": (
         ["train", "samples.prompt=日本語"],
-        ["non-ASCII character only inside quotes", 'e.g. "samples.prompt=\\"日本語\\""'],
+        ["non-ASCII character only inside quotes", "e.g. 'samples.prompt=\"日本語\"'"],
     ),
     # an empty path is the current directory: an unset shell variable would train into it
     "empty run dir": (["train", "hydra.run.dir="], ["hydra.run.dir is empty (an unset shell variable?): set it to a"]),
@@ -199,6 +206,10 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
     "plan model.n_layr": (["plan", "model.n_layr=2"], ["plan has no key model.n_layr: did you mean model.n_layer?"]),
     "plan +model.n_layr": (["plan", "+model.n_layr=2"], ["model.n_layr: not an option of the model group (it has"]),
     "train optim.lrr": (["train", "optim.lrr=0.1"], ["train has no key optim.lrr: did you mean optim.lr?"]),
+    "train another name": (
+        ["train", "trainer.accumulate_grad_batches=4"],
+        ["train has no key trainer.accumulate_grad_batches: its keys are "],
+    ),
     "generate foo.bar": (["generate", "ckpt=x", "foo.bar=1"], ["generate has no key foo.bar: its keys are ckpt, "]),
     "sweep new lr_grids entry": (
         ["sweep", "sweep.lr_grids.mine=[1e-3]"],
@@ -208,14 +219,16 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
 
 
 @pytest.mark.parametrize("args, expected", COMMAND_LINES.values(), ids=COMMAND_LINES.keys())
-def test_a_bad_command_line_is_refused_in_one_line(args: list[str], expected: list[str], monkeypatch, capsys, tmp_path):
+def test_a_bad_command_line_is_refused_in_one_line(
+    args: list[str], expected: list[str], monkeypatch, capsys, tmp_path, caches
+):
+    """No outputs/ folder either: not the multirun.yaml Hydra's sweeper writes before it composes each job."""
     monkeypatch.chdir(tmp_path)
-    err = refused_in_process(args, monkeypatch, capsys).strip()
+    with nothing_left_behind(tmp_path):
+        err = refused_in_process(args, monkeypatch, capsys).strip()
     assert len(err.splitlines()) == 1 and err.startswith("xsa-lm: error: "), err
     for text in expected:
         assert text in err, err
-    if "attention=sa,foo" not in args:  # Hydra's sweeper writes multirun.yaml before it composes each job
-        assert list(tmp_path.iterdir()) == []  # no outputs/ folder
 
 
 @pytest.mark.parametrize("mode", ["auto", "offline"])
@@ -316,3 +329,22 @@ def test_ctrl_c_at_any_moment_of_any_command_is_one_line_and_exit_130(monkeypatc
         cli.main()
     assert exit_.value.code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["xsa-lm: interrupted (Ctrl-C) during xsa-lm generate"]
+
+
+HYDRA_TAKES_BARE = ["/tmp/x", "/tmp/my dir"]
+
+
+QUOTED = ["/tmp/a  b ", "/tmp/données", "it's", 'a"b\\', "it's $HOME`x`!", "a,b", "a=b", "[a]", "~/x", "1e-3"]
+
+
+@pytest.mark.parametrize("value", [*HYDRA_TAKES_BARE, *QUOTED])
+def test_a_printed_override_reads_back_as_the_value(value: str):
+    """A value in a printed command is read back as itself, through bash and then Hydra: bare where both take it
+    so, quoted where either would change it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    printed = pasteable("data.dir", value)
+    word = subprocess.run(["bash", "-c", f"printf %s {printed}"], capture_output=True, text=True, check=True).stdout
+    assert word == override("data.dir", value)
+    assert OverridesParser.create().parse_override(word).value() == value
+    assert (word == f"data.dir={value}") == (value in HYDRA_TAKES_BARE)

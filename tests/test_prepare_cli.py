@@ -1,6 +1,7 @@
 """`xsa-lm prepare` -> shards -> `xsa-lm train data=prepared`, through the CLI as a user runs it."""
 
 import json
+import shlex
 import shutil
 from functools import partial
 from pathlib import Path
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import FAST, assert_clean_error, assert_refused, cli_in_process, run_cli, start_cli, wait_for
+from tests.leftovers import nothing_left_behind
 from tests.test_data import many_docs, shakespeare_text, write_jsonl
+from xsa_lm.config.command_line import override
 
 pytestmark = pytest.mark.slow
 TRAIN = [o for o in FAST if not o.startswith("tokenizer.")]  # data=prepared: the shards' own tokenizer
@@ -17,7 +20,7 @@ TRAIN = [o for o in FAST if not o.startswith("tokenizer.")]  # data=prepared: th
 
 def prepare_args(corpus: str, out: Path, *extra: str) -> list[str]:
     bpe = ["tokenizer=bpe", "tokenizer.vocab_size=300", "data.val_fraction=0.05", "progress_bar=false"]
-    return ["prepare", "data=local", f"data.files={corpus}", *bpe, f"data.dir={out}", *extra]
+    return ["prepare", "data=local", f"data.files={corpus}", *bpe, override("data.dir", out), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +110,11 @@ def test_killed_preparation_resumes_to_identical_shards(data_cache: Path, tmp_pa
     args = partial(prepare_args, str(tmp_path / "corpus.jsonl"))
     small = ["data.shard_documents=500", "tokenizer.vocab_size=260"]
     proc = start_cli(args(killed, *small), data_cache, tmp_path)
-    wait_for(killed / "shard-000003.json", proc)
+    wait_for(tmp_path / "killed.partial" / "shard-000003.json", proc)  # renamed to `killed` when whole
     proc.kill()
     proc.wait()
-    assert not (killed / "meta.json").exists()
-    stamp = (killed / "train-000000.bin").stat().st_mtime_ns
+    assert not killed.exists()
+    stamp = (tmp_path / "killed.partial" / "train-000000.bin").stat().st_mtime_ns
     for out in (killed, whole):
         done = run_cli(args(out, *small), data_cache, tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -160,7 +163,9 @@ REFUSALS = [  # args ({input}: a text file, {bad}: one not UTF-8, {prepared}: sh
 
 
 @pytest.mark.parametrize(("args", "message"), REFUSALS)
-def test_bad_settings_are_one_line(args, message, input_txt, prepared, data_cache, tmp_path, monkeypatch, capsys):
+def test_bad_settings_are_one_line(
+    args, message, input_txt, prepared, data_cache, tmp_path, monkeypatch, capsys, caches
+):
     """Nothing is written: no shards, no folder in the data cache, no run folder, no log folder where it was typed."""
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
     cut = Path(shutil.copytree(prepared, tmp_path / "cut")) / "train-000002.bin"
@@ -168,6 +173,23 @@ def test_bad_settings_are_one_line(args, message, input_txt, prepared, data_cach
     where = {"input": input_txt, "bad": tmp_path / "bad.txt", "prepared": prepared, "cut": cut.parent}
     out = [f"data.dir={tmp_path / 'out'}"] if args[0] == "prepare" else [f"hydra.run.dir={tmp_path / 'run'}"]
     args = [arg.format(**where) for arg in [*args, *out, f"data.cache_dir={tmp_path / 'cache'}"]]
-    proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    with nothing_left_behind(tmp_path, data_cache):
+        proc = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
     assert assert_refused(proc, message.format(**where))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "cut"]
+
+
+def test_the_printed_train_command_works_pasted(data_cache: Path, tmp_path: Path, monkeypatch, capsys):
+    """prepare's `train on it:` line for a folder with a space, a non-ASCII character, an apostrophe, a comma and
+    brackets, split as a shell splits it, is read by Hydra as the folder: the run it starts loads the shards (refused
+    after, by a vocabulary smaller than theirs, to stay fast). Each character alone: test_one_line_errors.py."""
+    folder = "my données, it's [copy]"
+    write_jsonl(tmp_path / "corpus.jsonl", many_docs(40))
+    args = prepare_args(str(tmp_path / "corpus.jsonl"), tmp_path / folder)
+    prepared = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    line = prepared.stdout.strip().splitlines()[-1].removeprefix("train on it: ")
+    words = shlex.split(line)
+    assert words[:4] == ["xsa-lm", "train", "data=prepared", f"data.dir={words[3].split('=', 1)[1]}"]
+    args = [*words[1:], *TRAIN, "model.vocab_size=128", f"hydra.run.dir={tmp_path / 'run'}"]
+    refused = cli_in_process(args, data_cache, tmp_path, monkeypatch, capsys)
+    assert_refused(refused, "model.vocab_size=128 is smaller than the tokenizer's")

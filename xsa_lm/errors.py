@@ -183,10 +183,16 @@ def remove_empty_run_dir() -> None:
                 if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == removed:
                     root.removeHandler(handler)
                     handler.close()
-        sweep_dir = run_dir.parent
-        if job_named() and sweep_dir.stat().st_ctime >= STARTED[0] and os.listdir(sweep_dir) == ["multirun.yaml"]:
+    if job_named():
+        remove_refused_sweep_dir(run_dir.parent)
+
+
+def remove_refused_sweep_dir(sweep_dir: Path) -> None:
+    """A refused --multirun's folder, made by this command, that holds only Hydra's multirun.yaml."""
+    with contextlib.suppress(OSError):
+        if sweep_dir.stat().st_ctime >= STARTED[0] and os.listdir(sweep_dir) == ["multirun.yaml"]:
             (sweep_dir / "multirun.yaml").unlink()
-            remove_with_empty_parents(sweep_dir, here)
+            remove_with_empty_parents(sweep_dir, Path.cwd().resolve())
 
 
 def remove_with_empty_parents(folder: Path, here: Path) -> None:

@@ -5,7 +5,7 @@ import csv
 import json
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,6 +46,20 @@ def atomic_file(
         raise WriteError(
             f"could not write {path} ({cause.strerror or cause}); {kept}: {what_to_do(cause)}, then {then}"
         ) from e
+
+
+@contextmanager
+def undo_new_folders(path: Path) -> Iterator[None]:
+    """`path` and its parents that do not exist yet: if the block fails, those it made and left empty go again (a
+    refusal leaves no folder behind)."""
+    missing = [folder for folder in (path, *path.parents) if not folder.exists()]  # the deepest first
+    try:
+        yield
+    except BaseException:
+        for folder in missing:
+            with suppress(OSError):  # not empty: something in it is kept on purpose
+                folder.rmdir()
+        raise
 
 
 def _create(tmp: Path, path: Path) -> None:

@@ -10,24 +10,26 @@ from xsa_lm.errors import UserError, WriteError, what_to_do
 
 
 @contextmanager
-def hold_directory(directory: Path, lock_name: str, what: str) -> Iterator[None]:
-    """Hold `directory/lock_name` while the block runs, or raise a UserError naming the holder's pid."""
+def hold_directory(
+    directory: Path, lock_name: str, what: str, key: str = "hydra.run.dir", wait: bool = False
+) -> Iterator[None]:
+    """Hold `directory/lock_name` while the block runs: wait for its holder, or raise a UserError naming its pid."""
     path = directory / lock_name
     while True:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             lock = open(path, "a+")
         except OSError as e:
-            raise UserError(f"{directory} is not writable ({e.strerror or e}): choose another hydra.run.dir") from None
+            raise UserError(f"{directory} is not writable ({e.strerror or e}): choose another {key}") from None
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "unknown"
             lock.close()
             raise UserError(
                 f"{directory} is in use by another {what} (pid {holder}): wait for it to finish, or choose another "
-                "hydra.run.dir"
+                f"{key}"
             ) from None
         # The holder may have removed the file between our open and flock: lock the one at the path now instead.
         if path.exists() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:

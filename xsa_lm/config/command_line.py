@@ -2,9 +2,11 @@
 before it starts, and the full command line read back inside a job."""
 
 import difflib
+import glob
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +27,8 @@ INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchp
 TRAINING_COMMANDS = ("train", "sweep", "scale", "plan")  # their configs compose configs/train.yaml
 # Mappings whose keys the user names (a model's LR grid): a new entry is added with `+`, never a typo of another one.
 OPEN_MAPPINGS = {"sweep.lr_grids": "the LR grid of another model.name"}
+# hydra.sweep.dir's defaults: configs/train.yaml's (train, sweep, scale, plan), Hydra's own (the other commands)
+SWEEP_DIRS = ("outputs/multirun/${now:%Y-%m-%d_%H-%M-%S}", "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}")
 
 
 def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
@@ -92,6 +96,8 @@ def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
         main()
     except (HydraException, OmegaConfBaseException) as e:
         print(f"xsa-lm: error: {hydra_problem(command, e, args)}", file=sys.stderr)
+        if any(a in MULTIRUN_FLAGS for a in args):
+            remove_refused_sweep_dirs(args)
         sys.exit(errors.EXIT_USER_ERROR)
     except OSError as e:  # Hydra could not make the run directory, before the job started
         key = "hydra.sweep.dir" if any(a in MULTIRUN_FLAGS for a in args) else "hydra.run.dir"
@@ -102,6 +108,16 @@ def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
     finally:
         for name in ("HYDRA_FULL_ERROR", errors.OURS_VARIABLE):
             os.environ.pop(name, None)
+
+
+def remove_refused_sweep_dirs(args: list[str]) -> None:
+    """Hydra writes multirun.yaml into hydra.sweep.dir before it composes the jobs: when one is refused, that folder
+    (its ${...} parts matched as wildcards) goes again if this command made it and it holds nothing else."""
+    _, overrides = split_flags(args)
+    given = [o.split("=", 1)[1] for o in overrides if override_key(o) == "hydra.sweep.dir"]
+    for pattern in given[-1:] or SWEEP_DIRS:
+        for folder in glob.glob(re.sub(r"\$\{[^}]*\}", "*", os.path.expanduser(pattern))):
+            errors.remove_refused_sweep_dir(Path(folder))
 
 
 def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
@@ -125,7 +141,9 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
 
     text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()  # its own keys: read, not composed
     own = [str(k) for k in yaml.safe_load(text) or {} if k not in ("defaults", "hydra")]
-    close = difflib.get_close_matches(key, own + (list(all_fields()) if command in TRAINING_COMMANDS else []), n=1)
+    # 0.85: a typo (lrr, temprature, lmit); a key of another name (accumulate_grad_batches) is shown no lookalike
+    keys = own + (list(all_fields()) if command in TRAINING_COMMANDS else [])
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.85)
     hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(own)}"
     return f"{command} has no key {key}: {hint} (configs/{command}.yaml)"
 
@@ -192,15 +210,39 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("~+")
 
 
+def override(key: str, value: object) -> str:
+    """`key=value` as Hydra reads it back as the string `value` (an argument of a command this program starts): the
+    value quoted for Hydra where its grammar would not take it bare (a non-ASCII character, `~`, `,`, `=`, a bracket,
+    a value read as a number)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Quote, QuotedString
+    from hydra.errors import HydraException
+
+    text = str(value)
+    try:
+        bare = OverridesParser.create().parse_override(f"{key}={text}").value() == text
+    except HydraException:
+        bare = False
+    return f"{key}={text if bare else QuotedString(text=text, quote=Quote.double).with_quotes()}"
+
+
+def pasteable(key: str, value: object) -> str:
+    """override(key, value) as one word of a printed command that works pasted into a shell: in single quotes, or in
+    double quotes where it holds an apostrophe (bash expands `!` inside double quotes)."""
+    word = override(key, value)
+    if "'" in word and "!" not in word:
+        return '"' + re.sub(r'(["\\$`])', r"\\\1", word) + '"'
+    return shlex.quote(word)
+
+
 def quoting_hint(error: str, overrides: list[str]) -> str | None:
     """A value with an apostrophe, a comma or a non-ASCII character that Hydra refused, quoted as a user types it."""
     bad = next((o for o in overrides if o in error and "=" in o), None)
-    if bad is None or not re.search(r"[',]|[^\x00-\x7f]", bad) or re.search(r'["\\$`]', bad):
+    if bad is None or not re.search(r"[',]|[^\x00-\x7f]", bad):
         return None
-    key, value = bad.split("=", 1)
     return (
         "Hydra reads an apostrophe, a comma or a non-ASCII character only inside quotes: quote the value for Hydra "
-        f'too, e.g. "{key}=\\"{value}\\""'
+        f"too, e.g. {pasteable(*bad.split('=', 1))}"
     )
 
 

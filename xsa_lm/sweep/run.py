@@ -26,6 +26,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from xsa_lm.config import command_line
 from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.spec import TrainSpec, WandbSpec, parse
 from xsa_lm.errors import UserError, one_line_errors
@@ -370,7 +371,7 @@ def downstream_evaluation(
         )
     listed = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
     cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
-    cmd += [f"baseline={baseline}", f"hydra.run.dir={out}"] + ([f"limit={limit}"] if limit else [])
+    cmd += [f"baseline={baseline}", command_line.override("hydra.run.dir", out)] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
     failed = run_logged(cmd, store.logs / "eval.log")
     if failed is not None:

@@ -22,6 +22,7 @@ from typing import cast
 import submitit
 from submitit.local.local import LocalJob
 
+from xsa_lm.config.command_line import override, pasteable
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import Record, RunSummary
@@ -248,7 +249,7 @@ class Launcher:
         args = [
             *self.train_overrides,
             *trial_settings(trial, self.baseline),
-            f"hydra.run.dir={self.store.run_dir(trial)}",
+            override("hydra.run.dir", self.store.run_dir(trial)),
         ]
         if self.wandb_group is not None:
             args += [f"logger.wandb.group={self.wandb_group}", f"logger.wandb.job_type={job_type}"]
@@ -279,9 +280,8 @@ class Launcher:
         summary_file = run_dir / "summary.json"
         if not summary_file.exists():
             return record
-        summary = RunSummary.read(
-            summary_file, then=f"write it again with `xsa-lm train hydra.run.dir={run_dir} resume=auto`, then the sweep"
-        )
+        again = f"xsa-lm train {pasteable('hydra.run.dir', run_dir)} resume=auto"
+        summary = RunSummary.read(summary_file, then=f"write it again with `{again}`, then the sweep")
         judged = outcome(record.returncode or 0, summary, "", self.diverge_above)
         if judged.status == record.status:
             return record

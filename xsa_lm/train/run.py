@@ -28,7 +28,7 @@ from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch, sett
 from xsa_lm.checkpoints.sharded import META, is_sharded
 from xsa_lm.compat import skip_sigterm_broadcast
 from xsa_lm.config.builders import build, check_trainer
-from xsa_lm.config.command_line import full_command_line, override_key
+from xsa_lm.config.command_line import full_command_line, override_key, pasteable
 from xsa_lm.config.resume import Config, continuation_config, edited_since, with_hand_edits
 from xsa_lm.config.spec import DataSpec, TokenizerSpec, TrainerSpec, TrainSpec, parse
 from xsa_lm.data.datamodule import TokenDataModule
@@ -134,8 +134,9 @@ def find_resume_checkpoint(
             raise UserError(f"resume: {resume} is not a regular file (a device, pipe or socket), not a checkpoint")
         if (path / "checkpoints").is_dir():
             raise UserError(
-                f"resume: {resume} is a run folder, not a checkpoint: continue it with hydra.run.dir={resume} "
-                f"resume=auto, or start a new run from one of its checkpoints (resume={path / 'checkpoints'}/last.ckpt)"
+                f"resume: {resume} is a run folder, not a checkpoint: continue it with "
+                f"{pasteable('hydra.run.dir', resume)} resume=auto, or start a new run from one of its checkpoints "
+                f"({pasteable('resume', path / 'checkpoints' / 'last.ckpt')})"
             )
         if not path.is_file() and not is_sharded(path):
             raise UserError(f"resume: checkpoint not found: {resume}")
@@ -148,7 +149,7 @@ def find_resume_checkpoint(
                 f"resume: {resume} is at step {step}, but the run in {run_dir} has gone on to step {furthest}: "
                 "continuing it from an earlier step would replace its later results and leave the discarded "
                 f"steps' checkpoints beside the new ones; start a new run from it in another hydra.run.dir "
-                f"(resume={resume}), or continue the run with resume=auto"
+                f"({pasteable('resume', resume)}), or continue the run with resume=auto"
             )
     meta = path / META if path.is_dir() else path  # a sharded checkpoint keeps its model config in meta.pt
     saved = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
@@ -501,7 +502,7 @@ def refuse_a_folder_new_each_time(run_dir: Path) -> None:
         return
     runs = [p for p in run_dir.parent.glob("*/config.yaml") if p.parent != run_dir]
     newest = max(runs, key=lambda p: p.stat().st_mtime, default=None)
-    hint = f", e.g. the newest here: hydra.run.dir={newest.parent}" if newest and key == "hydra.run.dir" else ""
+    hint = f", e.g. the newest here: {pasteable(key, newest.parent)}" if newest and key == "hydra.run.dir" else ""
     raise UserError(
         f"resume=auto continues the run in {key}, which was not given: its default ({pattern}) is a new folder each "
         f"time; pass {key}=<the run's folder>{hint}"

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from xsa_lm.config.command_line import pasteable
 from xsa_lm.errors import UserError, first_line
 from xsa_lm.files import write_json
 from xsa_lm.records import RunSummary
@@ -86,7 +87,7 @@ class RunStart:
             self.run_dir / "summary.json",
             summary.to_json(),
             intact="the run's checkpoints and metrics.csv are intact",
-            then=f"write it with `xsa-lm train hydra.run.dir={self.run_dir} resume=auto`",
+            then=f"write it with `xsa-lm train {pasteable('hydra.run.dir', self.run_dir)} resume=auto`",
         )
         for logger in trainer.loggers:  # the outcome into the W&B run summary, which a sweep's dashboard compares
             if isinstance(logger, WandbLogger):
@@ -122,5 +123,5 @@ def print_summary(s: RunSummary) -> None:
     if s.diverged_at_step is not None:
         lines.append(f"  diverged at step {s.diverged_at_step}; last good checkpoint: {s.checkpoints['last']}")
     if s.status in ("preempted", "interrupted"):
-        lines.append(f"  {s.status}: continue with `xsa-lm train hydra.run.dir={s.run_dir} resume=auto`")
+        lines.append(f"  {s.status}: continue with `xsa-lm train {pasteable('hydra.run.dir', s.run_dir)} resume=auto`")
     log.info("\n".join(lines))
