@@ -166,7 +166,8 @@ class ProgressBar(RichProgressBar):
 
 class ValHistory(L.Callback):
     """Each validation's step, tokens, loss, bits per byte and loss by position; a checkpoint's history measured on
-    another `val_set` (the prepared data, window count and length) is not continued."""
+    another `val_set` (the prepared data, window count and length) is not continued. A non-finite loss is left out:
+    it ends the run as diverged (LMModule), which summary.json says."""
 
     def __init__(self, tokens_seen: Callable[[int], int], val_set: dict[str, object] | None = None) -> None:
         self.tokens_seen, self.val_set = tokens_seen, val_set  # tokens_seen: Throughput's
@@ -174,7 +175,7 @@ class ValHistory(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
-        if trainer.sanity_checking or loss is None:
+        if trainer.sanity_checking or loss is None or not torch.isfinite(loss):
             return
         step, bpb = trainer.global_step, trainer.callback_metrics.get("val/bpb")
         by_position = list(getattr(pl_module, "val_by_position", []))
