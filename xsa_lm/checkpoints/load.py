@@ -124,7 +124,8 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     with torch.no_grad():  # weights that are NaN, or finite but large enough to overflow in one forward
         finite = torch.isfinite(model(torch.zeros(1, 1, dtype=torch.long))[0]).all()
     if not finite:
-        raise UserError(f"{key}: {path} gives NaN or infinite logits (a diverged run's weights): use an earlier checkpoint")
+        why = "gives NaN or infinite logits (a diverged run's weights): use an earlier checkpoint"
+        raise UserError(f"{key}: {path} {why}")
     return model
 
 
