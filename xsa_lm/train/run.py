@@ -52,7 +52,7 @@ from xsa_lm.train.callbacks import (
     Throughput,
     ValHistory,
 )
-from xsa_lm.train.cluster import ClusterChecks
+from xsa_lm.train.cluster import ClusterChecks, check_slurm_tasks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
@@ -205,6 +205,7 @@ def train(
     trainer = spec.trainer
     set_device(accelerator=trainer.accelerator, devices=trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
+    check_slurm_tasks(devices=trainer.world_size // trainer.num_nodes, num_nodes=trainer.num_nodes)
     check_trainer(trainer, strategy=trainer_strategy(trainer))  # as Lightning will take it
     if spec.logger.wandb:
         resolve_mode(spec.logger.wandb.mode)  # WANDB_MODE fails now, before the run directory is written
