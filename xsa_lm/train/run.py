@@ -434,8 +434,6 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
 
 
 def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
-    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
-        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     trainer = build(
         spec.trainer.model_dump(by_alias=True, exclude={"activation_checkpointing"}),  # that one is the module's
         strategy=trainer_strategy(spec.trainer),
@@ -478,9 +476,13 @@ LIGHTNING_NOISE = (
 
 def quiet_third_party() -> None:
     """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
+    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
+    # Lightning's all_gather calls torch's deprecated one (each rank, once a run): not the user's to change
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
     # The validation metrics are sums reduced over every rank before they are logged (LMModule.on_validation_epoch_end)
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/.*sync_dist=True")
 
