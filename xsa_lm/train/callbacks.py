@@ -256,7 +256,11 @@ class Samples(EveryNSteps):
         ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
         context = torch.tensor([ids], device=pl_module.device)
-        tokens = generate(pl_module.model, context, generator=generator, **self.settings)  # eagerly, compiled or not
+        try:  # eagerly, compiled or not
+            tokens = generate(pl_module.model, context, generator=generator, **self.settings)
+        except FloatingPointError:  # diverging: the run ends as diverged at its next check of the updates
+            log.warning(f"WARNING: no sample at step {step}: the model's logits are NaN or infinite")
+            return
         text = self.prompt + tokenizer.decode(tokens[0, len(ids) :].tolist())
         with open(self.path, "a") as f:
             f.write(f"=== step {step}\n{text}\n")
