@@ -1,6 +1,7 @@
 """Runs that survive faults: kill -9 and resume, a corrupt checkpoint, SIGTERM, NaN, DDP <-> single process."""
 
 import json
+import math
 import signal
 import subprocess
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from tests.helpers import FAST, compose_train, run_cli, train_from, train_losses, wait_for
 from tests.helpers import start_cli as start
 from xsa_lm.checkpoints.discovery import checkpoint_step
-from xsa_lm.files import read_csv
+from xsa_lm.files import read_csv, write_json
 from xsa_lm.train.summary import print_summary
 
 pytestmark = pytest.mark.slow
@@ -163,6 +164,15 @@ def test_a_batch_skipped_at_the_last_step_is_in_that_steps_checkpoint(data_cache
 def strict_json(path: Path) -> dict:
     """The file as a strict JSON parser reads it: NaN and Infinity are not JSON."""
     return json.loads(path.read_text(), parse_constant=lambda constant: pytest.fail(f"{path} holds {constant}"))
+
+
+def test_every_json_written_is_strict_a_nan_or_infinity_null(tmp_path: Path):
+    """summary.json, trial records, results.json and eval.json are written by write_json: a diverged run's NaN loss
+    or an infinite LR is null there, which every JSON parser reads."""
+    data = {"lr": math.inf, "best_val_loss": math.nan, "history": [{"val_loss": -math.inf}, {"val_loss": 4.5}]}
+    write_json(tmp_path / "summary.json", data)
+    expected = {"lr": None, "best_val_loss": None, "history": [{"val_loss": None}, {"val_loss": 4.5}]}
+    assert strict_json(tmp_path / "summary.json") == expected
 
 
 @pytest.mark.long  # ~5 s
