@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) tests/constraints.txt
 install: $(STAMP)
 
 # The paper's protocol at toy scale on the bundled Shakespeare corpus: LR search on SA, then SA vs XSA at the
-# selected LR for 2 seeds, and the report (~8 min on 2 idle CPU cores: 7 trials of ~1 min). Into outputs/demo/<time>/.
+# selected LR for 2 seeds, and the report (about 8 minutes on 2 idle cores plus about 1-2 minutes of install: 7
+# trials of ~1 min). Into outputs/demo/<time>/.
 demo: $(STAMP)
 	$(BIN)/xsa-lm sweep experiment=demo sweep=demo hydra.run.dir=outputs/demo/$$(date +%Y-%m-%d_%H-%M-%S)
 
@@ -100,7 +101,7 @@ docs: $(STAMP)
 	$(BIN)/python -c 'import mkdocs, material' 2>/dev/null || $(BIN)/pip install --quiet $(PIN) -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Run before a GPU loan: what scripts/gpu_check.sh needs on a GPU machine without network or xsa-lm (its image has
+# Run where the project is installed: what scripts/gpu_check.sh needs on a GPU machine without network or xsa-lm (with
 # torch and Lightning): hydra-core, omegaconf and the antlr4 runtime as a pure-Python --target site, and the
 # Shakespeare corpus tokenized -> build/gpu-bundle/ (~6 MiB; carry it along: docs/gpus.md, "The GPU check").
 gpu-bundle: $(STAMP)

@@ -27,8 +27,8 @@ from xsa_lm.train.callbacks import (
     Throughput,
     ValHistory,
 )
-from xsa_lm.train.cluster import ClusterChecks
-from xsa_lm.train.run import make_callbacks, make_loggers, make_trainer
+from xsa_lm.train.cluster import ClusterChecks, check_slurm_tasks
+from xsa_lm.train.run import make_callbacks, make_loggers, make_trainer, quiet_third_party
 
 BUILT_IN = [ClusterChecks, AttentionKernels, FolderCheckpoint, FolderCheckpoint, ValHistory, Throughput, Preemption]
 BUILT_IN += [SavedConfig]
@@ -143,6 +143,8 @@ def test_the_srun_hint_is_shown_only_inside_a_slurm_job(
         monkeypatch.delenv(variable, raising=False)
     if in_a_job:
         monkeypatch.setenv("SLURM_JOB_ID", "1")
+    quiet_third_party()  # as train's main does first
+    check_slurm_tasks(devices=1, num_nodes=1)  # Lightning's SLURM detection, which warns too
     make_trainer(parse(TrainSpec, compose_train(FAST)), tmp_path, callbacks=[], loggers=[])
     assert any("`srun` command is available" in str(w.message) for w in recwarn) == hinted
 

@@ -3,6 +3,7 @@ is a tokenizer other than the one a checkpoint was trained with."""
 
 import contextlib
 import json
+import math
 import shutil
 import zipfile
 from dataclasses import asdict
@@ -41,6 +42,10 @@ def not_checkpoints(folder: Path) -> dict[str, Path]:
         paths[kind].write_bytes(content)
     torch.save(torch.zeros(3), paths.setdefault("tensor", folder / "tensor.pt"))
     torch.save({"state_dict": {}}, paths.setdefault("no_config", folder / "no_config.ckpt"))
+    for kind, value in {"nan": math.nan, "huge": 1e30}.items():  # a diverged run's: NaN, or overflowing in a forward
+        saved = lightning_checkpoint(GPTConfig(**TINY))
+        saved["state_dict"] = {k: v.fill_(value) for k, v in saved["state_dict"].items()}
+        torch.save(saved, paths.setdefault(kind, folder / f"{kind}.ckpt"))
     with zipfile.ZipFile(paths.setdefault("zip", folder / "archive.ckpt"), "w") as archive:
         archive.writestr("hello.txt", "not torch")
     (folder / "a_run").mkdir(exist_ok=True)
@@ -145,6 +150,7 @@ LIMIT = "must be an integer >= 1 (the first N), a fraction in (0, 1) of each tas
 OUTS = {"": "", ".": "", "..": "..", "/": "/"}  # out= -> as the line shows it: none a rename could replace
 NO_TASK = "is not a task file (a YAML mapping with a `task:` name)"
 NOT = "not a checkpoint of `xsa-lm train` (not a torch.save file, or truncated)"
+DIVERGED = "gives NaN or infinite logits (a diverged run's weights): use an earlier checkpoint"
 REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given once without brackets: ckpts=PATH
     # what holds no checkpoint of `xsa-lm train`, in each command
     "yaml": ("analyze ckpts=[{yaml}]", f"ckpts: {{yaml}} is {NOT}"),
@@ -197,6 +203,8 @@ REFUSED = {  # `xsa-lm <args>` -> the start of its one line; a checkpoint given 
     # generate's options, checked before the checkpoint is read
     "top_k=0": ("generate ckpt={ckpt} top_k=0", "top_k=0 must be >= 1"),
     "temperature=-1": ("generate ckpt={ckpt} temperature=-1", "temperature=-1 must be >= 0"),
+    "nan weights": ("generate ckpt={nan}", f"ckpt: {{nan}} {DIVERGED}"),
+    "overflowing weights": ("export ckpt={huge} out=hf", f"ckpt: {{huge}} {DIVERGED}"),
     "temperature=nan": ("generate ckpt={ckpt} temperature=nan", "temperature=nan must be a finite number"),
     "prompt=1e3": (
         "generate ckpt={ckpt} prompt=1e3",

@@ -5,6 +5,7 @@ failing its part of a checkpoint. Multi-process behaviour: 2 gloo processes on C
 import datetime
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -26,7 +27,7 @@ from xsa_lm.checkpoints.atomic import link_or_copy, on_rank_zero
 from xsa_lm.checkpoints.discovery import checkpoint_step
 from xsa_lm.checkpoints.load import load_model
 from xsa_lm.errors import UserError
-from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_world_size
+from xsa_lm.train.cluster import ClusterChecks, check_shared_directory, check_slurm_tasks, check_world_size
 
 
 def train_here(data_cache: Path, monkeypatch, run_dir: Path, overrides: list[str]) -> None:
@@ -102,6 +103,34 @@ def test_a_world_size_other_than_planned_is_refused():
     with pytest.raises(UserError, match="plans 8"):  # at fit start, on every rank (a faked trainer: sbatch, no srun)
         checks.setup(SimpleNamespace(world_size=1), None, "fit")
     check_world_size(planned=2, joined=2)
+
+
+SRUN = {"SLURM_JOB_NAME": "python", "SLURM_NTASKS": "2"}  # a 2-task srun step (a job named bash: interactive)
+SLURM_TASKS = {  # (variables, trainer.devices, trainer.num_nodes) -> the refusal's start, None: accepted
+    "--ntasks=2 alone": (SRUN, 2, 1, "srun started 2 tasks without --ntasks-per-node, which Lightning needs"),
+    "--ntasks=4 alone, 2 nodes": (SRUN | {"SLURM_NTASKS": "4"}, 2, 2, "srun started 4 tasks without"),
+    "--ntasks-per-node=2, devices=1": (SRUN | {"SLURM_NTASKS_PER_NODE": "2"}, 1, 1, "srun --ntasks-per-node=2 starts"),
+    "--ntasks-per-node=2, devices=2": (SRUN | {"SLURM_NTASKS_PER_NODE": "2"}, 2, 1, None),
+    "one task": (SRUN | {"SLURM_NTASKS": "1"}, 1, 1, None),
+    "an interactive shell": (SRUN | {"SLURM_JOB_NAME": "bash"}, 1, 1, None),
+    "no SLURM": ({}, 1, 1, None),
+}
+
+
+@pytest.mark.parametrize(("variables", "devices", "nodes", "refused"), SLURM_TASKS.values(), ids=SLURM_TASKS.keys())
+def test_srun_tasks_other_than_one_per_device_are_refused_in_srun_terms(
+    variables: dict[str, str], devices: int, nodes: int, refused: str | None, monkeypatch
+):
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    if refused is None:
+        check_slurm_tasks(devices=devices, num_nodes=nodes)
+        return
+    with pytest.raises(UserError, match=f"^{re.escape(refused)}") as error:
+        check_slurm_tasks(devices=devices, num_nodes=nodes)
+    assert f"srun --nodes={nodes} --ntasks-per-node={devices}" in str(error.value)  # the launch that fits
 
 
 class GlooRanks:

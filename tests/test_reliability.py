@@ -1,6 +1,7 @@
 """Runs that survive faults: kill -9 and resume, a corrupt checkpoint, SIGTERM, NaN, DDP <-> single process."""
 
 import json
+import math
 import signal
 import subprocess
 from pathlib import Path
@@ -8,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, run_cli, train_losses, wait_for
+from tests.helpers import FAST, compose_train, run_cli, train_from, train_losses, wait_for
 from tests.helpers import start_cli as start
 from xsa_lm.checkpoints.discovery import checkpoint_step
-from xsa_lm.files import read_csv
+from xsa_lm.files import read_csv, write_json
+from xsa_lm.train.summary import print_summary
 
 pytestmark = pytest.mark.slow
 COMMON = ["train", *FAST, "val_every_steps=10", "scheduler.total_steps=40", "trainer.max_steps=40"]
@@ -157,6 +159,36 @@ def test_a_batch_skipped_at_the_last_step_is_in_that_steps_checkpoint(data_cache
     run_ok([*args, "resume=auto", "trainer.max_steps=30", "faults.inject_nan_at_step=28"], data_cache, tmp_path)
     again = json.loads((run_dir / "summary.json").read_text())
     assert again["status"] == "diverged" and again["diverged_at_step"] == 28
+
+
+def strict_json(path: Path) -> dict:
+    """The file as a strict JSON parser reads it: NaN and Infinity are not JSON."""
+    return json.loads(path.read_text(), parse_constant=lambda constant: pytest.fail(f"{path} holds {constant}"))
+
+
+def test_every_json_written_is_strict_a_nan_or_infinity_null(tmp_path: Path):
+    """summary.json, trial records, results.json and eval.json are written by write_json: a diverged run's NaN loss
+    or an infinite LR is null there, which every JSON parser reads."""
+    data = {"lr": math.inf, "best_val_loss": math.nan, "history": [{"val_loss": -math.inf}, {"val_loss": 4.5}]}
+    write_json(tmp_path / "summary.json", data)
+    expected = {"lr": None, "best_val_loss": None, "history": [{"val_loss": None}, {"val_loss": 4.5}]}
+    assert strict_json(tmp_path / "summary.json") == expected
+
+
+@pytest.mark.long  # ~5 s
+def test_a_run_diverging_before_a_finite_validation_keeps_no_checkpoint(data_cache: Path, tmp_path: Path, caplog):
+    """LR 1e10: the second update is NaN and the weights give a NaN validation loss; no checkpoint holds them, and
+    sampling from them during training is skipped."""
+    args = [*FAST, "optim.lr=1e10", "trainer.max_steps=6", "val_every_steps=2", "data.val_windows=8"]
+    args += ["samples.every_n_steps=1", "samples.temperature=1.0"]  # no token can be drawn: a warning, not a crash
+    cfg = compose_train([*args, f"data.cache_dir={data_cache}"])
+    summary = train_from(cfg, tmp_path / "run")
+    with caplog.at_level("INFO", logger="xsa_lm.train"):
+        print_summary(summary)
+    saved = strict_json(tmp_path / "run" / "summary.json")
+    assert saved["status"] == "diverged" and saved["steps"] < 6 and saved["best_val_loss"] is None
+    assert saved["checkpoints"] == {"last": None, "best": None} and not list(tmp_path.rglob("*.ckpt"))
+    assert "last good checkpoint: none" in caplog.text
 
 
 @pytest.mark.long

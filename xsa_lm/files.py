@@ -9,6 +9,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic_core import to_jsonable_python
+
 from xsa_lm.errors import UserError, WriteError, os_error_in, what_to_do
 
 
@@ -95,7 +97,9 @@ def write_csv(path: Path, header: list[str], rows: list[dict[str, str]], **how: 
 
 
 def write_json(path: str | Path, data: object, **how: Any) -> None:
-    write_text(path, json.dumps(data, indent=2), **how)
+    """Strict JSON, which every reader parses: a NaN or infinity (a diverged run's loss) is written as null."""
+    strict = to_jsonable_python(data, inf_nan_mode="null")
+    write_text(path, json.dumps(strict, indent=2, allow_nan=False), **how)
 
 
 def check_new_file(out: Path, *, overwrite: bool, example: str) -> None:

@@ -14,6 +14,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from torch.distributed.tensor import DTensor
 
 from xsa_lm.checkpoints.sharded import META, is_sharded, load_sharded
 from xsa_lm.compat import save_checkpoints_now
@@ -223,6 +224,16 @@ class FolderCheckpoint(ModelCheckpoint):
                 self.kth_best_model_path, self.kth_value = ordered[cut]
                 self.best_model_path, self.best_model_score = ordered[-1]
 
+    # Lightning's two save paths (top-k, last.ckpt), each gated: Lightning keeps a NaN monitor as a score of inf, and
+    # would make a NaN-loss state best.ckpt when nothing better was seen, and last.ckpt whatever it holds.
+    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        if holds_a_good_state(trainer):
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        if holds_a_good_state(trainer):
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if self.monitor == "step" and trainer.should_stop and trainer.global_step >= trainer.max_steps:
@@ -236,6 +247,16 @@ class FolderCheckpoint(ModelCheckpoint):
         for path in self.dropped:  # as the next save would prune them, had keep_last not been lowered
             trainer.strategy.remove_checkpoint(path)
         self.dropped = []
+
+
+def holds_a_good_state(trainer: L.Trainer) -> bool:
+    """A state worth resuming or sampling from: finite weights on every rank, and a finite loss at its last
+    validation. Checked at each save (a collective): a diverged run's checkpoints would all look usable otherwise."""
+    weights = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.lightning_module.parameters()]
+    finite = bool(torch.stack([torch.isfinite(w).all() for w in weights]).all())
+    loss = trainer.callback_metrics.get("val/loss")
+    finite = finite and (loss is None or bool(torch.isfinite(loss)))
+    return trainer.strategy.reduce_boolean_decision(finite, all=True)
 
 
 class LinkingTrainer(L.Trainer):

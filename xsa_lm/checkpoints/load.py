@@ -121,6 +121,11 @@ def load_model(path: Path, key: str = "ckpts") -> GPT:
     except RuntimeError as e:  # missing, unexpected or differently shaped tensors: a heading, then a line per key
         first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2] or [str(e)]
         raise UserError(f"{key}: {path} holds weights of another model than its config: {first[0][:200]}") from None
+    with torch.no_grad():  # weights that are NaN, or finite but large enough to overflow in one forward
+        finite = torch.isfinite(model(torch.zeros(1, 1, dtype=torch.long))[0]).all()
+    if not finite:
+        why = "gives NaN or infinite logits (a diverged run's weights): use an earlier checkpoint"
+        raise UserError(f"{key}: {path} {why}")
     return model
 
 

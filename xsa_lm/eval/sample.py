@@ -11,7 +11,7 @@ from pydantic import Field
 from xsa_lm.checkpoints.load import load_model, load_tokenizer
 from xsa_lm.config.spec import Count, Seed, Spec, parse, rule
 from xsa_lm.data.tokenizer import eot_id
-from xsa_lm.errors import one_line_errors
+from xsa_lm.errors import UserError, one_line_errors
 from xsa_lm.model import generate
 
 
@@ -42,9 +42,14 @@ def sample(
     # Sample i draws from the i-th seed of `seed`'s sequence, one sample at a time: the same text whatever num_samples.
     seeds = torch.randint(2**62, (num_samples,), generator=torch.Generator().manual_seed(seed)).tolist()
     draw = dict(temperature=temperature, top_k=top_k, vocab_size=tokenizer.get_vocab_size())
-    rows = [
-        generate(model, idx, max_new_tokens, generator=torch.Generator(device).manual_seed(s), **draw) for s in seeds
-    ]
+    try:
+        rows = [
+            generate(model, idx, max_new_tokens, generator=torch.Generator(device).manual_seed(s), **draw)
+            for s in seeds
+        ]
+    except FloatingPointError as e:  # finite on load_model's check, not on this text
+        why = f"{e} on this prompt (a diverged run's weights): use an earlier checkpoint"
+        raise UserError(f"ckpt: {path}: {why}") from None
     return [prompt + tokenizer.decode(row[0, len(ids) :].tolist()) for row in rows]
 
 

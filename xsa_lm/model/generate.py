@@ -19,7 +19,8 @@ def generate(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """idx (B, T) and max_new_tokens more: greedy at temperature 0, else drawn from the top_k, seeing the last
-    block_size tokens; never ids from vocab_size on (the table's padding). Callers check temperature and top_k."""
+    block_size tokens; never ids from vocab_size on (the table's padding). Callers check temperature and top_k.
+    FloatingPointError: the logits are not finite (the weights of a diverged run)."""
     was_training = model.training
     model.eval()
     block = model.config.block_size
@@ -30,6 +31,8 @@ def generate(
                 caches, fed = [KVCache() for _ in model.blocks], max(0, tokens.size(1) - block)
             logits = (model(tokens[:, fed:], caches=caches) if use_cache else model(tokens[:, -block:]))[:, -1].float()
             fed = tokens.size(1)
+            if not torch.isfinite(logits).all():  # a diverged model's: no token can be drawn from them
+                raise FloatingPointError("the model's logits are NaN or infinite")
             if vocab_size is not None:  # the padding of the embedding table: ids no tokenizer can decode
                 logits[:, vocab_size:] = float("-inf")
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one fp32 rounds to 0: greedy, the limit

@@ -166,7 +166,8 @@ class ProgressBar(RichProgressBar):
 
 class ValHistory(L.Callback):
     """Each validation's step, tokens, loss, bits per byte and loss by position; a checkpoint's history measured on
-    another `val_set` (the prepared data, window count and length) is not continued."""
+    another `val_set` (the prepared data, window count and length) is not continued. A non-finite loss is left out:
+    it ends the run as diverged (LMModule), which summary.json says."""
 
     def __init__(self, tokens_seen: Callable[[int], int], val_set: dict[str, object] | None = None) -> None:
         self.tokens_seen, self.val_set = tokens_seen, val_set  # tokens_seen: Throughput's
@@ -174,7 +175,7 @@ class ValHistory(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
-        if trainer.sanity_checking or loss is None:
+        if trainer.sanity_checking or loss is None or not torch.isfinite(loss):
             return
         step, bpb = trainer.global_step, trainer.callback_metrics.get("val/bpb")
         by_position = list(getattr(pl_module, "val_by_position", []))
@@ -255,7 +256,11 @@ class Samples(EveryNSteps):
         ids = tokenizer.encode(self.prompt, add_special_tokens=False).ids or [eot_id(tokenizer)]
         generator = torch.Generator(device=pl_module.device).manual_seed(step)  # the same draw on a resumed run
         context = torch.tensor([ids], device=pl_module.device)
-        tokens = generate(pl_module.model, context, generator=generator, **self.settings)  # eagerly, compiled or not
+        try:  # eagerly, compiled or not
+            tokens = generate(pl_module.model, context, generator=generator, **self.settings)
+        except FloatingPointError:  # diverging: the run ends as diverged at its next check of the updates
+            log.warning(f"WARNING: no sample at step {step}: the model's logits are NaN or infinite")
+            return
         text = self.prompt + tokenizer.decode(tokens[0, len(ids) :].tolist())
         with open(self.path, "a") as f:
             f.write(f"=== step {step}\n{text}\n")

@@ -1,11 +1,13 @@
 """Checks every rank makes once the processes have joined, each refusal one line (no hang): as many processes as the
 accumulation was sized for, a checkpoint directory every rank sees, and the checkpoint rank 0 chose to resume from."""
 
+import os
 import secrets
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from xsa_lm.checkpoints.atomic import on_rank_zero
 from xsa_lm.compat import agree_on_resume_checkpoint
@@ -20,6 +22,26 @@ def check_world_size(*, planned: int, joined: int) -> None:
             f"{joined} process(es) joined this run but trainer.devices x trainer.num_nodes plans {planned} (the "
             "gradient accumulation is sized for them): under SLURM start one task per device with srun "
             "(sbatch alone starts one), or set trainer.devices and trainer.num_nodes to what is launched"
+        )
+
+
+def check_slurm_tasks(*, devices: int, num_nodes: int) -> None:
+    """Under srun, one task per device on each node (Lightning's SLURM placement), checked before Lightning, whose own
+    refusal names the accelerator. A mismatch said in srun's terms."""
+    if not SLURMEnvironment.detect():  # no srun step, or an interactive shell (Lightning ignores SLURM there)
+        return
+    tasks, per_node = int(os.environ["SLURM_NTASKS"]), os.environ.get("SLURM_NTASKS_PER_NODE")
+    launch = f"srun --nodes={num_nodes} --ntasks-per-node={devices}"
+    plan = f"trainer.devices={devices} x trainer.num_nodes={num_nodes}"
+    if per_node is None and tasks > 1:
+        raise UserError(
+            f"srun started {tasks} tasks without --ntasks-per-node, which Lightning needs to place one task per "
+            f"device: launch with `{launch}` for {plan}, or set trainer.devices and trainer.num_nodes to the tasks"
+        )
+    if per_node is not None and int(per_node) != devices:
+        raise UserError(
+            f"srun --ntasks-per-node={per_node} starts that many tasks on each node, but {plan} plans {devices} per "
+            f"node: launch with `{launch}`, or set trainer.devices={per_node}"
         )
 
 

@@ -167,6 +167,8 @@ class LMModule(L.LightningModule):
         sums = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum").tolist()
         value, bpb, self.val_by_position = read_sums(sums, self.position_buckets)
         loss = torch.tensor(value, device=self.device)
+        if not math.isfinite(value) and not self.trainer.sanity_checking and self.diverged_at is None:
+            self.diverged_at, self.trainer.should_stop = self.global_step, True  # its weights give NaN/inf
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss.clamp(max=50.0)))
         if bpb is not None:

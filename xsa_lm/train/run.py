@@ -52,7 +52,7 @@ from xsa_lm.train.callbacks import (
     Throughput,
     ValHistory,
 )
-from xsa_lm.train.cluster import ClusterChecks
+from xsa_lm.train.cluster import ClusterChecks, check_slurm_tasks
 from xsa_lm.train.devices import compile_enabled, loader_workers, set_device, uses_cuda
 from xsa_lm.train.host_memory import reuse_freed_host_memory
 from xsa_lm.train.module import LMModule
@@ -206,6 +206,7 @@ def train(
     trainer = spec.trainer
     set_device(accelerator=trainer.accelerator, devices=trainer.devices)  # before any CUDA call
     sys.argv = full_command_line()  # the DDP ranks Lightning starts re-run sys.argv; run_info.json records it
+    check_slurm_tasks(devices=trainer.world_size // trainer.num_nodes, num_nodes=trainer.num_nodes)
     check_trainer(trainer, strategy=trainer_strategy(trainer))  # as Lightning will take it
     if spec.logger.wandb:
         resolve_mode(spec.logger.wandb.mode)  # WANDB_MODE fails now, before the run directory is written
@@ -434,8 +435,6 @@ def make_callbacks(spec: TrainSpec, config: Config, run_dir: Path, *, val_set: d
 
 
 def make_trainer(spec: TrainSpec, run_dir: Path, *, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
-    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
-        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     trainer = build(
         spec.trainer.model_dump(by_alias=True, exclude={"activation_checkpointing"}),  # that one is the module's
         strategy=trainer_strategy(spec.trainer),
@@ -478,9 +477,13 @@ LIGHTNING_NOISE = (
 
 def quiet_third_party() -> None:
     """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
+    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
+    # Lightning's all_gather calls torch's deprecated one (each rank, once a run): not the user's to change
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
     # The validation metrics are sums reduced over every rank before they are logged (LMModule.on_validation_epoch_end)
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/.*sync_dist=True")
 

@@ -77,8 +77,8 @@ class RunStart:
             events=module.events,
             val_history=history,
             run_dir=str(self.run_dir),
-            checkpoints={
-                "last": str(self.run_dir / "checkpoints" / "last.ckpt"),
+            checkpoints={  # only of good states (FolderCheckpoint): none when the run diverged before the first
+                "last": str(last) if (last := self.run_dir / "checkpoints" / "last.ckpt").exists() else None,
                 "best": callbacks.best.best_model_path or None,
             },
             model_config=asdict(self.model_config),
@@ -121,7 +121,8 @@ def print_summary(s: RunSummary) -> None:
         f"  summary: {s.run_dir}/summary.json",
     ]
     if s.diverged_at_step is not None:
-        lines.append(f"  diverged at step {s.diverged_at_step}; last good checkpoint: {s.checkpoints['last']}")
+        good = s.checkpoints["last"] or "none (no step before it validated finite)"
+        lines.append(f"  diverged at step {s.diverged_at_step}; last good checkpoint: {good}")
     if s.status in ("preempted", "interrupted"):
         lines.append(f"  {s.status}: continue with `xsa-lm train {pasteable('hydra.run.dir', s.run_dir)} resume=auto`")
     log.info("\n".join(lines))
