@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from xsa_lm.bench.loops import saved_for_backward
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.model.xsa import ExclusiveOutputProjection
+from xsa_lm.model.xsa import exclusive_output_projection
 from xsa_lm.train import memory
 
 PAPER_07B_BLOCK = {"n_layer": 1, "d_model": 1536, "n_head": 6, "head_dim": 256, "mlp_ratio": 4}
@@ -172,7 +172,7 @@ def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> di
     grad_out = torch.randn(1, tokens, width, dtype=dtype)
 
     def project(y: torch.Tensor, v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+        return exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=None)
 
     projection = torch.compile(project, fullgraph=True, dynamic=False) if compiled else project
 

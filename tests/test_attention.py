@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from xsa_lm.model import CausalSelfAttention, ExclusiveSelfAttention, GPTConfig, exclusive_projection, xsa_reference
 from xsa_lm.model.attention import apply_rope, attention_layer, rope_tables
-from xsa_lm.model.xsa import ExclusiveOutputProjection, ExclusiveProjection
+from xsa_lm.model.xsa import exclusive_output_projection
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -199,7 +199,7 @@ def test_bf16_output_projection_gradients_are_within_two_roundings_of_fp64(kv_he
         weight = (torch.randn(48, kv_heads * group * 64, generator=g) / 16).bfloat16().requires_grad_()
         grad_out = torch.randn(2, 16, 48, generator=g).bfloat16()
         y, v, scale = inputs[0], inputs[1], inputs[2] if gated else None
-        out = ExclusiveOutputProjection.apply(y, v, 1e-6, scale, weight, None)
+        out = exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=scale)
         out.backward(grad_out)
         y64, v64, *gate64 = in_fp64(inputs)
         weight64 = in_fp64([weight])[0]
@@ -242,9 +242,9 @@ def output_projection_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 def test_fused_output_projection_passes_gradcheck():
     y, v, scale, weight, bias = output_projection_inputs(torch.float64)
-    fused = lambda y, v, s, w, b: ExclusiveOutputProjection.apply(y, v, 1e-6, s, w, b)
+    fused = lambda y, v, s, w, b: exclusive_output_projection(y, v, w, b, eps=1e-6, scale=s)
     assert torch.autograd.gradcheck(fused, (y, v, scale, weight, bias))
-    no_gate_no_bias = lambda y, v, w: ExclusiveOutputProjection.apply(y, v, 1e-6, None, w, None)
+    no_gate_no_bias = lambda y, v, w: exclusive_output_projection(y, v, w, None, eps=1e-6, scale=None)
     assert torch.autograd.gradcheck(no_gate_no_bias, (y, v, weight))
 
 
@@ -257,7 +257,7 @@ def test_fused_output_projection_equals_projecting_the_reference(autocast: bool)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             y_in, v_in = (y.bfloat16(), v.bfloat16()) if autocast else (y, v)  # SDPA's outputs are bf16 under autocast
             if fused:
-                out = ExclusiveOutputProjection.apply(y_in, v_in, 1e-6, scale, weight, bias)
+                out = exclusive_output_projection(y_in, v_in, weight, bias, eps=1e-6, scale=scale)
             else:
                 out = F.linear(xsa_reference(y_in, v_in, eps=1e-6, scale=scale).flatten(-3), weight, bias)
         out.backward(torch.ones_like(out))
@@ -320,7 +320,7 @@ def test_fused_op_keeps_fp32_precision_under_autocast(compiled: bool):
     """Autocast runs some reductions (torch.linalg.vecdot) in bf16 whatever their inputs: the fused op's (y . v) / n
     must not be among them. Its orthogonality and gradients must be as good as xsa_reference's, which computes in
     fp32 by hand (before the fix: |cos(z, v)| 3e-2 against 7e-4)."""
-    fused = lambda y, v: ExclusiveProjection.apply(y, v, 1e-6, None)
+    fused = lambda y, v: exclusive_projection(y, v, eps=1e-6)
     reference = lambda y, v: xsa_reference(y, v, eps=1e-6)
     if compiled:
         torch._dynamo.reset()
@@ -339,6 +339,6 @@ def test_output_projection_saves_fp32_coefficients_under_autocast():
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+            exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=None)
     coefficients = [t for t in saved if t.shape == y.shape[:-1] + (1,)]
     assert len(coefficients) == 2 and all(t.dtype == torch.float32 for t in coefficients)
