@@ -189,8 +189,6 @@ def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> di
     )
     per_token = terms["xsa"] + memory.xsa_transient_per_token(PAPER_07B_BLOCK, compute=compute, compiled=compiled)
     sa_too = tokens * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
-    if compiled and compute < 4:  # autocast's copy of W_o, kept by the compiled backward (memory.autocast_copies)
-        sa_too += weight.numel() * compute
     return {"measured": allocator_peak(forward_and_backward), "estimated": tokens * per_token + sa_too}
 
 
