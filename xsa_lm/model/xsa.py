@@ -21,8 +21,10 @@ tests/test_memory_peak.py checks them against the allocator to the byte.
 """
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,9 @@ from xsa_lm.model.attention import CausalSelfAttention
 from xsa_lm.model.config import GPTConfig
 
 COMPILED_ON = ("cuda",)  # the devices whose op bodies run compiled (see the module docstring)
+# torch's compile caches key a graph by its forward: after a change to the ops' backward they would serve the one
+# traced from the old code. This file's hash joins the cache key (sdpa.compile_cache_key).
+SOURCE_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def xsa_reference(
