@@ -105,17 +105,17 @@ def test_rope_keeps_norms_and_is_relative():
     torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-4)
 
 
-def gqa_inputs(dtype: torch.dtype, seed: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gqa_inputs(dtype: torch.dtype, seed: int = 6, tokens: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y as (B, H_kv, G, T, D) against a broadcast v (B, H_kv, 1, T, D), and a per-head gate, as the model passes."""
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(2, 2, 3, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    v = torch.randn(2, 2, 1, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    y = torch.randn(2, 2, 3, tokens, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(2, 2, 1, tokens, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     scale = torch.tanh(torch.randn(2, 3, 1, 1, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
     return y, v, scale
 
 
 def test_hand_written_backward_passes_gradcheck():
-    y, v, scale = gqa_inputs(torch.float64)
+    y, v, scale = gqa_inputs(torch.float64, tokens=2)  # few tokens: each input number costs two op calls
     assert torch.autograd.gradcheck(lambda a, b, s: exclusive_projection(a, b, eps=1e-6, scale=s), (y, v, scale))
     assert torch.autograd.gradcheck(lambda a, b: exclusive_projection(a, b, eps=1e-6), (y, v))
 
@@ -230,8 +230,8 @@ def test_only_the_inputs_and_two_numbers_per_token_are_saved_for_backward():
     assert sum(t.numel() for t in extra) <= 2 * y.numel() // y.shape[-1]  # per token and head: coef and 1 / n
 
 
-def output_projection_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    y, v, scale = gqa_inputs(dtype)
+def output_projection_inputs(dtype: torch.dtype, tokens: int = 7) -> tuple[torch.Tensor, ...]:
+    y, v, scale = gqa_inputs(dtype, tokens=tokens)
     g = torch.Generator().manual_seed(8)
     weight = torch.randn(5, 2 * 3 * 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     bias = torch.randn(5, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
@@ -241,7 +241,7 @@ def output_projection_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 def test_fused_output_projection_passes_gradcheck():
-    y, v, scale, weight, bias = output_projection_inputs(torch.float64)
+    y, v, scale, weight, bias = output_projection_inputs(torch.float64, tokens=2)
     fused = lambda y, v, s, w, b: exclusive_output_projection(y, v, w, b, eps=1e-6, scale=s)
     assert torch.autograd.gradcheck(fused, (y, v, scale, weight, bias))
     no_gate_no_bias = lambda y, v, w: exclusive_output_projection(y, v, w, None, eps=1e-6, scale=None)
