@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xsa_lm.model import CausalSelfAttention, ExclusiveSelfAttention, GPTConfig, exclusive_projection, xsa_reference
+from xsa_lm.model import (
+    GPT,
+    CausalSelfAttention,
+    ExclusiveSelfAttention,
+    GPTConfig,
+    exclusive_projection,
+    xsa_reference,
+)
 from xsa_lm.model.attention import apply_rope, attention_layer, rope_tables
 from xsa_lm.model.xsa import exclusive_output_projection
 
@@ -342,3 +349,27 @@ def test_output_projection_saves_fp32_coefficients_under_autocast():
             exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=None)
     coefficients = [t for t in saved if t.shape == y.shape[:-1] + (1,)]
     assert len(coefficients) == 2 and all(t.dtype == torch.float32 for t in coefficients)
+
+
+def test_xsa_ops_run_on_the_meta_device_under_autocast():
+    """Shape-only runs (meta tensors, as a memory rehearsal makes them) go through the ops' fake kernels: a training
+    step's shapes and dtypes, autocast on (which meta tensors do not take)."""
+    config = GPTConfig(
+        n_layer=1,
+        d_model=32,
+        n_head=4,
+        head_dim=8,
+        n_kv_head=2,
+        vocab_size=64,
+        block_size=16,
+        attention="xsa",
+        xsa_gate=True,
+    )
+    with torch.device("meta"):
+        model = GPT(config)
+        idx = torch.randint(0, 64, (2, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+    attn = model.blocks[0].attn
+    assert loss.is_meta and attn.proj.weight.grad.shape == attn.proj.weight.shape and attn.gate.grad.shape == (4,)

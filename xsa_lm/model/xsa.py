@@ -254,7 +254,8 @@ def exclusive_output_projection(
     runs in autocast's dtype where autocast is on (as F.linear would), else in W_o's.
     """
     device = y.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta has no autocast (it raises)
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     return _exclusive_output_projection(y, v, scale, weight, bias, float(eps), dtype)[0]
 
 
