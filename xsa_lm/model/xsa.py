@@ -7,17 +7,17 @@ are opaque to torch.compile: Inductor calls them as they are and cannot fold XSA
 (it used to fold the gradient of v into the kernel that writes the qkv gradient, making that kernel re-read the
 gradient, y and v). Each op's body is per-row math over the last dim: the forward reads y and v and writes z and two
 fp32 numbers per token and head, (y . v) / n and 1 / n with n = ||v||^2 + eps; the backward reads the gradient of z,
-y, v and those numbers and writes the gradients of y, v (and the gate), and for W_o's weight gradient z once more.
+y, v and those numbers and writes the gradients of y, v (and the gate).
 On CUDA the bodies are compiled (one generated kernel each, dynamic shapes); on CPU they run eagerly: there an
 Inductor body would cost every process seconds of C++ compilation, and the CPU runs (tests, the demo) keep their
 numbers. Eager and compiled training run the same ops.
 
 Memory: only v is converted to fp32 for the pass; y and the gradient enter each product as they are (type promotion
-computes in fp32). The output projection keeps no z: it is recomputed in the backward from y, v and the saved
-numbers, in the pass that reads them anyway, so an XSA layer keeps 2 numbers per token and head more than SA, compiled
-or not. One XSA output projection alone (eager, CPU), its allocator peak in units of y's bytes (B 2, T 64, 4 heads of
-16): bf16 forward 6.25, backward 8.75; fp32 backward 3.6. The plan (train/memory.py) counts these terms;
-tests/test_memory_peak.py checks them against the allocator to the byte.
+computes in fp32). The output projection keeps no z: its backward recomputes z with `xsa_lm::exclusive` (one more
+pass over y and v, freed before the backward op's temporaries are made), so an XSA layer keeps 2 numbers per token
+and head more than SA, compiled or not. One XSA output projection alone (eager, CPU), its allocator peak in units of
+y's bytes (B 2, T 64, 4 heads of 16): bf16 forward 6.25, backward 8.75; fp32 backward 3.6. The plan
+(train/memory.py) counts these terms; tests/test_memory_peak.py checks them against the allocator to the byte.
 """
 
 import functools
