@@ -67,12 +67,8 @@ $(FLOOR_VENV)/.installed: pyproject.toml $(CONSTRAINTS) tests/constraints.txt
 	$(FLOOR_VENV)/bin/python -c 'import torch; assert torch.__version__.startswith("2.11."), torch.__version__'
 	touch $@
 
-# Deselected there: the one-kernel-each-way count of inductor's XSA code (torch 2.11's inductor writes z and two
-# y-sized buffers for the backward from one forward kernel, and no backward kernel; 2.13: one each way, nothing
-# y-sized saved but z; the numbers are the same, which the other compile tests check), and the SIGTERM rehearsal
-# (Lightning's signal handling, not torch's numerics).
-FLOOR_DESELECT := --deselect tests/test_compile.py::test_inductor_fuses_xsa_into_one_kernel_forward_and_one_backward \
-	--deselect tests/test_multi_device.py::test_sigterm_to_rank_0_alone_stops_both_ranks_at_one_step
+# Deselected there: the SIGTERM rehearsal (Lightning's signal handling, not torch's numerics).
+FLOOR_DESELECT := --deselect tests/test_multi_device.py::test_sigterm_to_rank_0_alone_stops_both_ranks_at_one_step
 install-torch-floor: $(FLOOR_VENV)/.installed
 
 test-torch-floor: $(FLOOR_VENV)/.installed

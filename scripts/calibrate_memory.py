@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from xsa_lm.bench.loops import saved_for_backward
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.model.xsa import ExclusiveOutputProjection
+from xsa_lm.model.xsa import exclusive_output_projection
 from xsa_lm.train import memory
 
 PAPER_07B_BLOCK = {"n_layer": 1, "d_model": 1536, "n_head": 6, "head_dim": 256, "mlp_ratio": 4}
@@ -172,7 +172,7 @@ def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> di
     grad_out = torch.randn(1, tokens, width, dtype=dtype)
 
     def project(y: torch.Tensor, v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+        return exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=None)
 
     projection = torch.compile(project, fullgraph=True, dynamic=False) if compiled else project
 
@@ -189,8 +189,6 @@ def xsa_temporaries(dtype: torch.dtype, compiled: bool, tokens: int = 512) -> di
     )
     per_token = terms["xsa"] + memory.xsa_transient_per_token(PAPER_07B_BLOCK, compute=compute, compiled=compiled)
     sa_too = tokens * width * compute + weight.numel() * 4  # the output and W_o's fp32 gradient
-    if compiled and compute < 4:  # autocast's copy of W_o, kept by the compiled backward (memory.autocast_copies)
-        sa_too += weight.numel() * compute
     return {"measured": allocator_peak(forward_and_backward), "estimated": tokens * per_token + sa_too}
 
 

@@ -6,7 +6,7 @@ keeps the important part.
     python scripts/gpu_check_measure.py DIR bench_gpt2_124m --model gpt2_124m --context 2048 --backends cudnn,flash
 
 `xsa_bf16`: XSA in bf16 against fp64 on the same inputs, per heads,head_dim,context: the gradients (and output) of the
-fused ExclusiveOutputProjection, eager and compiled, against xsa_reference + F.linear in fp64, then the forward's
+fused exclusive_output_projection, eager and compiled, against xsa_reference + F.linear in fp64, then the forward's
 orthogonality (max |cos(z, v)|). Any other key: SA and XSA of one model preset in this process (`xsa-lm bench` runs
 each phase in a fresh process instead: no phase inherits another's state, but each recompiles; this is for a GPU lent
 for minutes), compiled as training compiles them (each block on its own), under each SDPA backend in turn, the first
@@ -117,9 +117,9 @@ def projection_grads(
 
 
 def fused(y, v, scale, w_o):
-    from xsa_lm.model.xsa import ExclusiveOutputProjection
+    from xsa_lm.model.xsa import exclusive_output_projection
 
-    return ExclusiveOutputProjection.apply(y, v, XSA_EPS, scale, w_o, None)
+    return exclusive_output_projection(y, v, w_o, None, eps=XSA_EPS, scale=scale)
 
 
 def plain(y, v, scale, w_o):

@@ -8,9 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xsa_lm.model import CausalSelfAttention, ExclusiveSelfAttention, GPTConfig, exclusive_projection, xsa_reference
+from xsa_lm.model import (
+    GPT,
+    CausalSelfAttention,
+    ExclusiveSelfAttention,
+    GPTConfig,
+    exclusive_projection,
+    xsa_reference,
+)
 from xsa_lm.model.attention import apply_rope, attention_layer, rope_tables
-from xsa_lm.model.xsa import ExclusiveOutputProjection, ExclusiveProjection
+from xsa_lm.model.xsa import exclusive_output_projection
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -105,17 +112,17 @@ def test_rope_keeps_norms_and_is_relative():
     torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-4)
 
 
-def gqa_inputs(dtype: torch.dtype, seed: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gqa_inputs(dtype: torch.dtype, seed: int = 6, tokens: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y as (B, H_kv, G, T, D) against a broadcast v (B, H_kv, 1, T, D), and a per-head gate, as the model passes."""
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(2, 2, 3, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    v = torch.randn(2, 2, 1, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    y = torch.randn(2, 2, 3, tokens, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(2, 2, 1, tokens, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     scale = torch.tanh(torch.randn(2, 3, 1, 1, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
     return y, v, scale
 
 
 def test_hand_written_backward_passes_gradcheck():
-    y, v, scale = gqa_inputs(torch.float64)
+    y, v, scale = gqa_inputs(torch.float64, tokens=2)  # few tokens: each input number costs two op calls
     assert torch.autograd.gradcheck(lambda a, b, s: exclusive_projection(a, b, eps=1e-6, scale=s), (y, v, scale))
     assert torch.autograd.gradcheck(lambda a, b: exclusive_projection(a, b, eps=1e-6), (y, v))
 
@@ -199,7 +206,7 @@ def test_bf16_output_projection_gradients_are_within_two_roundings_of_fp64(kv_he
         weight = (torch.randn(48, kv_heads * group * 64, generator=g) / 16).bfloat16().requires_grad_()
         grad_out = torch.randn(2, 16, 48, generator=g).bfloat16()
         y, v, scale = inputs[0], inputs[1], inputs[2] if gated else None
-        out = ExclusiveOutputProjection.apply(y, v, 1e-6, scale, weight, None)
+        out = exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=scale)
         out.backward(grad_out)
         y64, v64, *gate64 = in_fp64(inputs)
         weight64 = in_fp64([weight])[0]
@@ -230,8 +237,8 @@ def test_only_the_inputs_and_two_numbers_per_token_are_saved_for_backward():
     assert sum(t.numel() for t in extra) <= 2 * y.numel() // y.shape[-1]  # per token and head: coef and 1 / n
 
 
-def output_projection_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    y, v, scale = gqa_inputs(dtype)
+def output_projection_inputs(dtype: torch.dtype, tokens: int = 7) -> tuple[torch.Tensor, ...]:
+    y, v, scale = gqa_inputs(dtype, tokens=tokens)
     g = torch.Generator().manual_seed(8)
     weight = torch.randn(5, 2 * 3 * 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     bias = torch.randn(5, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
@@ -241,10 +248,10 @@ def output_projection_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 def test_fused_output_projection_passes_gradcheck():
-    y, v, scale, weight, bias = output_projection_inputs(torch.float64)
-    fused = lambda y, v, s, w, b: ExclusiveOutputProjection.apply(y, v, 1e-6, s, w, b)
+    y, v, scale, weight, bias = output_projection_inputs(torch.float64, tokens=2)
+    fused = lambda y, v, s, w, b: exclusive_output_projection(y, v, w, b, eps=1e-6, scale=s)
     assert torch.autograd.gradcheck(fused, (y, v, scale, weight, bias))
-    no_gate_no_bias = lambda y, v, w: ExclusiveOutputProjection.apply(y, v, 1e-6, None, w, None)
+    no_gate_no_bias = lambda y, v, w: exclusive_output_projection(y, v, w, None, eps=1e-6, scale=None)
     assert torch.autograd.gradcheck(no_gate_no_bias, (y, v, weight))
 
 
@@ -257,7 +264,7 @@ def test_fused_output_projection_equals_projecting_the_reference(autocast: bool)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             y_in, v_in = (y.bfloat16(), v.bfloat16()) if autocast else (y, v)  # SDPA's outputs are bf16 under autocast
             if fused:
-                out = ExclusiveOutputProjection.apply(y_in, v_in, 1e-6, scale, weight, bias)
+                out = exclusive_output_projection(y_in, v_in, weight, bias, eps=1e-6, scale=scale)
             else:
                 out = F.linear(xsa_reference(y_in, v_in, eps=1e-6, scale=scale).flatten(-3), weight, bias)
         out.backward(torch.ones_like(out))
@@ -320,7 +327,7 @@ def test_fused_op_keeps_fp32_precision_under_autocast(compiled: bool):
     """Autocast runs some reductions (torch.linalg.vecdot) in bf16 whatever their inputs: the fused op's (y . v) / n
     must not be among them. Its orthogonality and gradients must be as good as xsa_reference's, which computes in
     fp32 by hand (before the fix: |cos(z, v)| 3e-2 against 7e-4)."""
-    fused = lambda y, v: ExclusiveProjection.apply(y, v, 1e-6, None)
+    fused = lambda y, v: exclusive_projection(y, v, eps=1e-6)
     reference = lambda y, v: xsa_reference(y, v, eps=1e-6)
     if compiled:
         torch._dynamo.reset()
@@ -339,6 +346,30 @@ def test_output_projection_saves_fp32_coefficients_under_autocast():
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+            exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=None)
     coefficients = [t for t in saved if t.shape == y.shape[:-1] + (1,)]
     assert len(coefficients) == 2 and all(t.dtype == torch.float32 for t in coefficients)
+
+
+def test_xsa_ops_run_on_the_meta_device_under_autocast():
+    """Shape-only runs (meta tensors, as a memory rehearsal makes them) go through the ops' fake kernels: a training
+    step's shapes and dtypes, autocast on (which meta tensors do not take)."""
+    config = GPTConfig(
+        n_layer=1,
+        d_model=32,
+        n_head=4,
+        head_dim=8,
+        n_kv_head=2,
+        vocab_size=64,
+        block_size=16,
+        attention="xsa",
+        xsa_gate=True,
+    )
+    with torch.device("meta"):
+        model = GPT(config)
+        idx = torch.randint(0, 64, (2, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+    attn = model.blocks[0].attn
+    assert loss.is_meta and attn.proj.weight.grad.shape == attn.proj.weight.shape and attn.gate.grad.shape == (4,)

@@ -15,7 +15,7 @@ from tests.test_plan import plan_of
 from xsa_lm.bench.loops import PlainTrainer, Setup, make_batches
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.model import GPT, GPTConfig
-from xsa_lm.model.xsa import ExclusiveOutputProjection
+from xsa_lm.model.xsa import exclusive_output_projection
 from xsa_lm.train import memory
 from xsa_lm.train.module import param_groups
 from xsa_lm.train.schedule import warmup_cosine_scheduler
@@ -108,7 +108,7 @@ def xsa_layer_bytes(*, n_kv_head: int, dtype: torch.dtype) -> tuple[int, int]:
 
     def forward_and_backward() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            out = ExclusiveOutputProjection.apply(y, v, 1e-6, None, weight, None)
+            out = exclusive_output_projection(y, v, weight, None, eps=1e-6, scale=None)
         out.backward(grad_out)
         y.grad = v.grad = weight.grad = None
 

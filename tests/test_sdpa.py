@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tests.helpers import FAST, compose_train, train_from
 from xsa_lm.config.spec import VALUES_ONLY, TrainSpec, parse
 from xsa_lm.errors import UserError
+from xsa_lm.model import xsa
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.train.callbacks import AttentionKernels
 
@@ -53,6 +54,7 @@ def test_the_order_joins_the_compile_cache_key():
     with sdpa_backends(["flash", "math"]):
         flash_tag = torch.compiler.config.cache_key_tag
     assert "math" in math_tag and math_tag != flash_tag and torch.compiler.config.cache_key_tag == before
+    assert f"xsa={xsa.SOURCE_KEY}" in math_tag  # and the version of XSA's ops
 
 
 def test_a_compiled_call_takes_the_kernel_of_the_order_it_was_traced_in():

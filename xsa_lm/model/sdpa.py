@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xsa_lm.errors import UserError
+from xsa_lm.model import xsa
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -97,11 +98,12 @@ def sdpa_backends(order: Sequence[str]) -> Iterator[None]:
 def compile_cache_key(order: Sequence[str]) -> contextlib.AbstractContextManager:
     """torch's compile caches key a graph without the SDPA order that chose its kernel (pytorch/pytorch#185449):
     a later process asking for another order would load the graph traced under the first one's. The order joins
-    the cache key (torch.compiler.config.cache_key_tag, after any tag the user set)."""
+    the cache key (torch.compiler.config.cache_key_tag, after any tag the user set), and so does the version of
+    XSA's custom ops, whose backward the caches would otherwise serve as first traced."""
     config = torch.compiler.config
     if not hasattr(config, "cache_key_tag"):
         return contextlib.nullcontext()
-    tag = f"sdpa={','.join(order)}"
+    tag = f"sdpa={','.join(order)}|xsa={xsa.SOURCE_KEY}"
     patched = f"{config.cache_key_tag}|{tag}" if config.cache_key_tag else tag
     return config.patch(cache_key_tag=patched)  # type: ignore[attr-defined]  # torch adds patch to config modules
 

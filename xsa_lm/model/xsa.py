@@ -1,23 +1,30 @@
-"""The XSA step (arXiv 2603.09078, Algorithm 1): remove from each attention output its component along the
-token's own value vector. A reference in plain torch, and autograd Functions that keep less memory for the backward.
+"""The XSA step (arXiv 2603.09078, Algorithm 1): remove from each attention output its component along the token's own
+value vector. A reference in plain torch, and the step as torch.library custom ops that keep less memory for the
+backward.
 
-What the fused path adds to SA in bf16, measured by scripts/bench_xsa_epilogue.py on CPU (E_y: y's size in bytes):
-- compiled (inductor): at most one kernel each way, the least XSA needs (it may fuse with a kernel SA has too).
-  The forward's kernel reads y and v and writes z and two fp32 numbers per token and head, (y . v) / n and 1 / n;
-  the backward's reads grad_z, y, v and those numbers and writes grad_y and one fp32 number per token and head
-  (grad_v is folded into the kernel that writes the qkv gradient). No fp32 copy of anything is made. The
-  partitioner keeps z for W_o's weight gradient rather than recompute it: E_y more kept per layer, a write of E_y
-  less in the backward. Allocations: z and grad_y (E_y each) and those numbers, nothing else.
-- eager: z is recomputed in the backward instead, so XSA keeps only the two numbers per token and head. Only v is
-  converted to fp32 for the pass; y and the gradient enter each product as they are (type promotion computes in
-  fp32; on CPU it copies them for that one op), and the backward works in place where it can. One XSA output
-  projection alone, its allocator peak in units of y's bytes (B 2, T 64, 4 heads of 16): bf16 forward 6.25
-  (was 7.25 with fp32 copies of y, v and the gradient), backward 8.75 (was 18.9); fp32 backward 3.6 (was 5.7).
-  A whole attention layer (12 heads of 64, B 2, T 128) peaks 0.09 of y's bytes above SA in the backward (was 10.1),
-  1.09 in the forward (was 2.09).
+The ops (`xsa_lm::exclusive`, `xsa_lm::exclusive_output_projection` and their backward `xsa_lm::exclusive_backward`)
+are opaque to torch.compile: Inductor calls them as they are and cannot fold XSA's math into its neighbours' kernels
+(it used to fold the gradient of v into the kernel that writes the qkv gradient, making that kernel re-read the
+gradient, y and v). Each op's body is per-row math over the last dim: the forward reads y and v and writes z and two
+fp32 numbers per token and head, (y . v) / n and 1 / n with n = ||v||^2 + eps; the backward reads the gradient of z,
+y, v and those numbers and writes the gradients of y, v (and the gate).
+On CUDA the bodies are compiled (one generated kernel each, dynamic shapes); on CPU they run eagerly: there an
+Inductor body would cost every process seconds of C++ compilation, and the CPU runs (tests, the demo) keep their
+numbers. Eager and compiled training run the same ops.
+
+Memory: only v is converted to fp32 for the pass; y and the gradient enter each product as they are (type promotion
+computes in fp32). The output projection keeps no z: its backward recomputes z with `xsa_lm::exclusive` (one more
+pass over y and v, freed before the backward op's temporaries are made), so an XSA layer keeps 2 numbers per token
+and head more than SA, compiled or not. One XSA output projection alone (eager, CPU), its allocator peak in units of
+y's bytes (B 2, T 64, 4 heads of 16): bf16 forward 6.25, backward 8.75; fp32 backward 3.6. The plan
+(train/memory.py) counts these terms; tests/test_memory_peak.py checks them against the allocator to the byte.
 """
 
+import functools
+import hashlib
 import math
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +33,11 @@ import torch.nn.functional as F
 
 from xsa_lm.model.attention import CausalSelfAttention
 from xsa_lm.model.config import GPTConfig
+
+COMPILED_ON = ("cuda",)  # the devices whose op bodies run compiled (see the module docstring)
+# torch's compile caches key a graph by its forward: after a change to the ops' backward they would serve the one
+# traced from the old code. This file's hash joins the cache key (sdpa.compile_cache_key).
+SOURCE_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def xsa_reference(
@@ -45,9 +57,8 @@ def xsa_reference(
     return (y32 - coef * v32).to(y.dtype)
 
 
-# The fused path below computes xsa_reference's z, with a hand-written backward that keeps less memory:
-# tests/test_attention.py checks its forward and gradients against xsa_reference (equal to float rounding), with
-# GQA broadcasting, the gate and bf16.
+# The ops below compute xsa_reference's z with a hand-written backward: tests/test_attention.py checks their forward
+# and gradients against xsa_reference (equal to float rounding), with GQA broadcasting, the gate and bf16.
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -55,21 +66,9 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1, keepdim=True)
 
 
-def _upcast(v: torch.Tensor) -> torch.Tensor:
-    """v in at least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward. Only v
-    is converted: y and the gradient enter each product beside it as they are, type promotion computing in v's dtype
-    (exactly: a product of two bf16 numbers fits in fp32), so no fp32 copy of them is ever made."""
-    return v.to(torch.promote_types(v.dtype, torch.float32))
-
-
-def _xsa_forward(
-    y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z, and for the backward c = (y . v) / n and 1 / n, with n = ||v||^2 + eps (fp32, per token and head)."""
-    v32 = _upcast(v)
-    inv_norm = 1.0 / (_dot(v32, v32) + eps)
-    coef = _dot(y, v32) * inv_norm
-    return _subtract(y, v32, coef=coef, scale=scale), coef, inv_norm
+def _row_dtype(v: torch.Tensor) -> torch.dtype:
+    """At least fp32 (bf16 loses the orthogonality); fp64 stays fp64, so gradcheck can check the backward."""
+    return torch.promote_types(v.dtype, torch.float32)
 
 
 def _subtract(y: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -77,101 +76,154 @@ def _subtract(y: torch.Tensor, v32: torch.Tensor, coef: torch.Tensor, scale: tor
     return torch.addcmul(y, coef if scale is None else coef * scale, v32, value=-1.0).to(y.dtype)
 
 
-def _xsa_backward(
+def _forward_rows(
+    y: torch.Tensor, v: torch.Tensor, scale: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """z, and for the backward (y . v) / n and 1 / n. Only v is converted: y enters each product beside it as it
+    is, type promotion computing in v's dtype (exactly: a product of two bf16 numbers fits in fp32)."""
+    v32 = v.to(_row_dtype(v))
+    inv_norm = 1.0 / (_dot(v32, v32) + eps)
+    coef = _dot(y, v32) * inv_norm
+    return _subtract(y, v32, coef, scale).contiguous(), coef.contiguous(), inv_norm.contiguous()
+
+
+def _backward_rows(
     grad: torch.Tensor,
-    *,
     y: torch.Tensor,
     v: torch.Tensor,
     scale: torch.Tensor | None,
     coef: torch.Tensor,
     inv_norm: torch.Tensor,
-    scale_needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of z with respect to y, v and the gate, given g = dL/dz. Each full-size fp32 temporary is consumed
-    before the next is made (eager holds at most one, plus v's fp32 copy); compiled, all of it is one kernel."""
-    v32 = _upcast(v)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of y, v and the gate (empty without one) given g = dL/dz. Eagerly each full-size fp32
+    temporary is consumed before the next is made."""
+    v32 = v.to(_row_dtype(v))
     g_dot_v = _dot(grad, v32)
     k = g_dot_v * inv_norm if scale is None else g_dot_v * inv_norm * scale  # s (g . v) / n
     c = coef if scale is None else coef * scale
     # dz/dv: -s c g - k y + 2 k c v (the last from differentiating 1 / ||v||^2), in place on the first term
     grad_v = (grad * -c).addcmul_(k, y, value=-1.0).addcmul_(k * coef, v32, value=2.0)
-    grad_v = grad_v.sum_to_size(v.shape).to(v.dtype)  # GQA: summed over the query heads that share v
-    grad_y = torch.addcmul(grad, k, v32, value=-1.0).to(y.dtype)  # g - k v
+    grad_v = grad_v.sum_to_size(v.shape).to(v.dtype).contiguous()  # GQA: summed over the query heads sharing v
+    grad_y = torch.addcmul(grad, k, v32, value=-1.0).to(y.dtype).contiguous()  # g - k v
     grad_scale = (
-        (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype) if scale is not None and scale_needs_grad else None
+        y.new_empty(0) if scale is None else (-(g_dot_v * coef)).sum_to_size(scale.shape).to(scale.dtype).contiguous()
     )
     return grad_y, grad_v, grad_scale
 
 
-class ExclusiveProjection(torch.autograd.Function):
-    """z = xsa_reference(y, v, eps, scale), with a hand-written backward.
-
-    It saves y and v as they came in (bf16 stays bf16; SDPA keeps both for its own backward anyway), the gate, and
-    two numbers per token and head, (y . v) / n and 1 / n with n = ||v||^2 + eps: 2 / head_dim of y's size. Autograd
-    of the plain formula would keep fp32 copies of y and v (in bf16, 2x y more) and redo more passes over memory.
-    torch.compile traces through it (no graph break) and fuses forward and backward into one kernel each.
-    """
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, v: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
-        z, coef, inv_norm = _xsa_forward(y, v, eps=eps, scale=scale)
-        ctx.save_for_backward(y, v, scale, coef, inv_norm)
-        return z
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, v, scale, coef, inv_norm = ctx.saved_tensors
-        grad_y, grad_v, grad_scale = _xsa_backward(
-            grad, y=y, v=v, scale=scale, coef=coef, inv_norm=inv_norm, scale_needs_grad=ctx.needs_input_grad[3]
-        )
-        return grad_y, grad_v, None, grad_scale
+@functools.cache
+def _compiled(rows: Callable) -> Callable:
+    return torch.compile(rows, dynamic=True, fullgraph=True)
 
 
-class ExclusiveOutputProjection(torch.autograd.Function):
-    """out = F.linear(xsa_reference(y, v, eps, scale).flatten(-3), weight, bias), keeping no z for the backward.
+def _body(rows: Callable, device: torch.device) -> Callable:
+    return _compiled(rows) if device.type in COMPILED_ON else rows
 
-    W_o's weight gradient needs its input. For SA that is SDPA's output y, which SDPA keeps anyway; for XSA it would
-    be z, one more activation of y's size per layer. So z is recomputed in the backward from y, v and the saved
-    coefficients (one elementwise pass, no matmul), and eager XSA costs no activation memory beyond 2 numbers per
-    token and head. Under torch.compile the recompute is the forward's z to the partitioner, which keeps z instead
-    (see the module docstring). y is (..., H_kv, G, D) and v (..., H_kv, 1, D); the last three dims are flattened into
-    W_o's input.
-    Matmuls run in the dtype of the output (the autocast dtype, as F.linear does).
-    """
 
-    @staticmethod
-    def forward(
-        ctx,
-        y: torch.Tensor,
-        v: torch.Tensor,
-        eps: float,
-        scale: torch.Tensor | None,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        z, coef, inv_norm = _xsa_forward(y, v, eps=eps, scale=scale)
-        out = F.linear(z.flatten(-3), weight, bias)
-        ctx.save_for_backward(y, v, scale, coef, inv_norm, weight)
-        ctx.has_bias = bias is not None
-        return out
+@torch.library.custom_op("xsa_lm::exclusive", mutates_args=())
+def _exclusive(
+    y: torch.Tensor, v: torch.Tensor, scale: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _body(_forward_rows, y.device)(y, v, scale, eps)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, v, scale, coef, inv_norm, weight = ctx.saved_tensors
-        _, _, _, need_scale, need_weight, need_bias = ctx.needs_input_grad
-        grad_weight = grad_bias = None
-        if need_weight:  # first, so that z is freed before the fp32 temporaries below are made
-            z = _subtract(y, _upcast(v), coef=coef, scale=scale)  # rounded as the forward's z was
-            z = z.flatten(-3).reshape(-1, weight.shape[1]).to(grad_out.dtype)
-            grad_weight = (grad_out.reshape(-1, weight.shape[0]).T @ z).to(weight.dtype)
-            del z
-        if ctx.has_bias and need_bias:
-            grad_bias = grad_out.reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)  # bias shares W's dtype
-        grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
-        grad_y, grad_v, grad_scale = _xsa_backward(
-            grad_z, y=y, v=v, scale=scale, coef=coef, inv_norm=inv_norm, scale_needs_grad=need_scale
-        )
-        return grad_y, grad_v, None, grad_scale, grad_weight, grad_bias
+
+@torch.library.custom_op("xsa_lm::exclusive_backward", mutates_args=())
+def _exclusive_backward(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    v: torch.Tensor,
+    scale: torch.Tensor | None,
+    coef: torch.Tensor,
+    inv_norm: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _body(_backward_rows, y.device)(grad, y, v, scale, coef, inv_norm)
+
+
+@torch.library.custom_op("xsa_lm::exclusive_output_projection", mutates_args=())
+def _exclusive_output_projection(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    z, coef, inv_norm = _body(_forward_rows, y.device)(y, v, scale, eps)
+    out = F.linear(z.flatten(-3).to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return out, coef, inv_norm
+
+
+def _fake_rows(y: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two numbers per token and head, as _forward_rows makes them."""
+    row = _row_dtype(v)
+    return y.new_empty((*y.shape[:-1], 1), dtype=torch.promote_types(y.dtype, row)), v.new_empty(
+        (*v.shape[:-1], 1), dtype=row
+    )
+
+
+@_exclusive.register_fake
+def _(y, v, scale, eps):
+    return (y.new_empty(y.shape), *_fake_rows(y, v))
+
+
+@_exclusive_backward.register_fake
+def _(grad, y, v, scale, coef, inv_norm):
+    grad_scale = y.new_empty(0) if scale is None else scale.new_empty(scale.shape)
+    return y.new_empty(y.shape), v.new_empty(v.shape), grad_scale
+
+
+@_exclusive_output_projection.register_fake
+def _(y, v, scale, weight, bias, eps, dtype):
+    return (y.new_empty((*y.shape[:-3], weight.shape[0]), dtype=dtype), *_fake_rows(y, v))
+
+
+def _keep(ctx, output: tuple, y, v, scale, eps: float, weight: torch.Tensor | None = None) -> None:
+    """Saved: y and v as they came in (bf16 stays bf16; SDPA keeps both for its own backward anyway), the gate, the
+    two numbers per token and head, and W_o where there is one (its fp32 master under autocast, as given)."""
+    _, coef, inv_norm = output
+    ctx.mark_non_differentiable(coef, inv_norm)
+    ctx.set_materialize_grads(False)  # no zero gradients made for them
+    ctx.eps = eps
+    ctx.save_for_backward(y, v, scale, coef, inv_norm, weight)
+
+
+def _keep_for_exclusive(ctx, inputs: tuple, output: tuple) -> None:
+    y, v, scale, eps = inputs
+    _keep(ctx, output, y, v, scale, eps)
+
+
+def _keep_for_output_projection(ctx, inputs: tuple, output: tuple) -> None:
+    y, v, scale, weight, bias, eps, _ = inputs
+    ctx.has_bias = bias is not None
+    _keep(ctx, output, y, v, scale, eps, weight)
+
+
+def _exclusive_grads(ctx, grad: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
+    if grad is None:  # z unused
+        return None, None, None, None
+    y, v, scale, coef, inv_norm, _ = ctx.saved_tensors
+    grad_y, grad_v, grad_scale = _exclusive_backward(grad, y, v, scale, coef, inv_norm)
+    return grad_y, grad_v, None if scale is None else grad_scale, None
+
+
+def _output_projection_grads(ctx, grad_out: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
+    if grad_out is None:  # the output unused
+        return (None,) * 7
+    y, v, scale, coef, inv_norm, weight = ctx.saved_tensors
+    flat = grad_out.reshape(-1, weight.shape[0])
+    # W_o's weight gradient first, so that the recomputed z is freed before the backward's temporaries are made
+    z = _exclusive(y, v, scale, ctx.eps)[0].reshape(-1, weight.shape[1]).to(grad_out.dtype)
+    grad_weight = (flat.T @ z).to(weight.dtype)
+    del z
+    grad_bias = flat.sum(0).to(weight.dtype) if ctx.has_bias else None  # bias shares W's dtype
+    grad_z = (grad_out @ weight.to(grad_out.dtype)).view(y.shape)
+    grad_y, grad_v, grad_scale = _exclusive_backward(grad_z, y, v, scale, coef, inv_norm)
+    return grad_y, grad_v, None if scale is None else grad_scale, grad_weight, grad_bias, None, None
+
+
+_exclusive.register_autograd(_exclusive_grads, setup_context=_keep_for_exclusive)
+_exclusive_output_projection.register_autograd(_output_projection_grads, setup_context=_keep_for_output_projection)
 
 
 def exclusive_projection(
@@ -185,7 +237,26 @@ def exclusive_projection(
     instead of producing NaN. `scale` (broadcastable to (..., 1, 1)) multiplies the subtracted part: the gated
     variant passes tanh(alpha) per head.
     """
-    return ExclusiveProjection.apply(y, v, eps, scale)
+    return _exclusive(y, v, scale, float(eps))[0]
+
+
+def exclusive_output_projection(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(exclusive_projection(y, v, eps, scale).flatten(-3), weight, bias), keeping no z for the backward.
+
+    y is (..., H_kv, G, D) and v (..., H_kv, 1, D); the last three dims are flattened into W_o's input. The matmul
+    runs in autocast's dtype where autocast is on (as F.linear would), else in W_o's.
+    """
+    device = y.device.type
+    autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta has no autocast (it raises)
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
+    return _exclusive_output_projection(y, v, scale, weight, bias, float(eps), dtype)[0]
 
 
 def exclusive_layers(layers: Any, n_layer: int) -> tuple[int, ...]:
@@ -277,4 +348,4 @@ class ExclusiveSelfAttention(CausalSelfAttention):
             return super().project(x, q, k, v, y)
         # self.proj(self.heads(...).flatten(2)), fused to keep no z for the backward
         y_g, v_g, scale = self._grouped(v, y)
-        return ExclusiveOutputProjection.apply(y_g, v_g, self.eps, scale, self.proj.weight, self.proj.bias)
+        return exclusive_output_projection(y_g, v_g, self.proj.weight, self.proj.bias, eps=self.eps, scale=scale)

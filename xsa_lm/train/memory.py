@@ -69,10 +69,10 @@ def block_saved_per_token(
     """Bytes one block saves for the backward per token, by term: both LayerNorms' inputs (residual dtype) and
     statistics, their outputs cast for the qkv and fc matmuls, the qkv output (v, a view, keeps it whole), q and k
     after RoPE, the attention output and its logsumexp, the MLP's hidden layer before and after GELU; XSA's
-    (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head. Compiled: the attention branch's output replaces the
-    second residual (recomputed from it), and XSA keeps its z for W_o."""
+    (y . v) / ||v||^2 per head and 1 / ||v||^2 per KV head (its custom ops save the same compiled). Compiled: the
+    attention branch's output replaces the second residual (recomputed from it)."""
     d, heads, (width, kv_width) = model["d_model"], model["n_head"], widths(model)
-    xsa = FP32 * (heads + kv_width // model["head_dim"]) + (compute * width if compiled else 0)
+    xsa = FP32 * (heads + kv_width // model["head_dim"])
     return {
         "layernorm_inputs": 2 * residual * d if not compiled else (residual + compute) * d,
         "layernorm_stats": 2 * LAYERNORM_STATS,
@@ -86,10 +86,11 @@ def block_saved_per_token(
 
 
 def xsa_transient_per_token(model: dict, *, compute: int, compiled: bool = False) -> int:
-    """The most bytes per token one XSA layer's backward temporaries hold at once (ExclusiveOutputProjection.backward
+    """The most bytes per token one XSA layer's backward temporaries hold at once (the output projection's backward
     making y's gradient): the gradients of z (compute dtype), of v and of y in fp32, two fp32 numbers per head; in
-    16 bits also v's fp32 copy and the gradient promoted for its product with v. Compiled (one fused kernel): the
-    gradients of y and v in the compute dtype and one fp32 number per head."""
+    16 bits also v's fp32 copy and the gradient promoted for its product with v. Compiled (the ops' bodies on CUDA,
+    one kernel each way; measured before XSA became custom ops): the gradients of y and v in the compute dtype and
+    one fp32 number per head."""
     heads, (width, kv_width) = model["n_head"], widths(model)
     if compiled:
         return compute * (width + kv_width) + FP32 * heads
@@ -169,13 +170,13 @@ def autocast_copies(
     model: dict, vocab_size: int, precision: str, *, exclusive: bool, compiled: bool, checkpointing: bool
 ) -> int:
     """Mixed precision: each matmul weight cast once per forward (autocast's cache), kept by the backward; with
-    activation checkpointing only the head's and the recomputed block's. Eager XSA keeps W_o in fp32."""
+    activation checkpointing only the head's and the recomputed block's. XSA keeps W_o in fp32 (its op casts it)."""
     compute, weights = dtype_bytes(precision)
     if compute == weights:
         return 0
     d = model["d_model"]
     block = block_parameters(model) - 2 * d  # its Linear weights
-    if exclusive and not compiled:
+    if exclusive:
         block -= widths(model)[0] * d
     return compute * ((1 if checkpointing else model["n_layer"]) * block + vocab_size * d)
 
