@@ -159,11 +159,17 @@ def make_plan(run: RunShape, *, model_name: str, available: int, available_from:
             mode: positions * memory.xsa_transient_per_token(model, compute=compute, compiled=c) if xsa else 0
             for mode, c in modes.items()
         },
-        cross_entropy_transient_bytes={
-            mode: tokens * memory.cross_entropy_transient_per_token(run.model.vocab_size, compute=compute, compiled=c)
-            for mode, c in modes.items()
-        },
+        cross_entropy_transient_bytes={mode: cross_entropy_bytes(run, compiled=c) for mode, c in modes.items()},
     )
+
+
+def cross_entropy_bytes(run: RunShape, *, compiled: bool) -> int:
+    """The cross-entropy's buffers at the backward's peak: the whole logits' gradient, or the chunked loss's."""
+    model, (compute, weights), tokens = asdict(run.model), memory.dtype_bytes(run.precision), run.micro_batch_size
+    tokens *= run.block_size
+    if run.model.loss_chunk:
+        return memory.chunked_cross_entropy_bytes(model, run.model.vocab_size, tokens, compute=compute, weights=weights)
+    return tokens * memory.cross_entropy_transient_per_token(run.model.vocab_size, compute=compute, compiled=compiled)
 
 
 def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan:
