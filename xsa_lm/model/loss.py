@@ -1,6 +1,6 @@
 """The output layer's cross-entropy a chunk of tokens at a time, without the whole micro-batch's logits or their
-gradient (GPT-2's vocabulary at 16 x 2048 tokens: 1.65 GB of bf16 logits, three fp32 buffers of twice that in the
-backward). Liger-Kernel's fused linear cross-entropy, in torch: torch ships none. Training: each chunk's logits make
+gradient (GPT-2's vocabulary at 8 x 2048 tokens: 1.65 GB of bf16 logits; eager, three fp32 buffers of twice that in
+the backward). Liger-Kernel's fused linear cross-entropy, in torch: torch ships none. Training: each chunk's logits make
 its loss and, at once, its share of the gradients (the loss is a mean: its gradient is known up to the scalar the
 backward brings), so only grad_x (tokens x d_model) and grad_W (vocab x d_model, fp32) wait for the backward. Under
 autocast the matmuls run in its dtype and the softmax in fp32, as in the plain loss."""
