@@ -198,6 +198,8 @@ def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Pat
         assert s["interval"][0] <= s["mean"] <= s["interval"][1], key
         assert s["verdict"] in (MEETS, MISSES, NOT_RESOLVED, NO_TARGET), key
     assert report["verdicts"]["mfu"] == NO_TARGET  # the MFU target is for paper_0.7b on an H100/H200
+    fit = report["micro_batch_fit"]  # the plan's count in the free memory: the chunked loss fits more
+    assert fit["chunked_loss"] > fit["whole_logits"] > 0 and fit["available_bytes"] > 0
     # each phase of each round ran in its own process, in the rounds' order
     assert [list(r) for r in report["per_round"]] == [
         round_order(report["phases"], ["flash", "math"], r, PAPER) for r in (0, 1)

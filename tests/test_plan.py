@@ -9,6 +9,7 @@ import torch
 from tests.helpers import cli_in_process, refused_in_process
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.train import memory
+from xsa_lm.train import plan as plan_module
 
 TINY = {"n_layer": 4, "d_model": 128, "n_head": 4, "head_dim": 32, "mlp_ratio": 4}
 PAPER_07B = {"n_layer": 24, "d_model": 1536, "n_head": 6, "head_dim": 256, "mlp_ratio": 4}
@@ -54,6 +55,22 @@ def test_ddp_and_fsdp_bytes_by_hand():
     largest = memory.largest_micro_batch(80 * memory.GIB, **kwargs)
     assert memory.estimate(micro_batch_size=largest, **kwargs).total <= 80 * memory.GIB
     assert memory.estimate(micro_batch_size=largest + 1, **kwargs).total > 80 * memory.GIB
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_the_chunked_loss_fits_a_larger_micro_batch(precision: str):
+    """gpt2_124m at context 1024 in 80 GiB: the whole logits' three N x V buffers against one chunk's; the largest
+    micro-batch fits and one more does not, though a chunk's memory stops growing with the micro-batch."""
+    gpt2 = {"n_layer": 12, "d_model": 768, "n_head": 12, "head_dim": 64, "mlp_ratio": 4}
+    kwargs = dict(model=gpt2, vocab_size=50304, block_size=1024, precision=precision)
+    fit = plan_module.micro_batch_fit(80 * memory.GIB, **kwargs)
+    assert fit["loss_chunk"] == plan_module.LOSS_CHUNK and fit["chunked_loss"] > 1.5 * fit["whole_logits"] > 0
+    chunked = {**kwargs, "model": gpt2 | {"loss_chunk": plan_module.LOSS_CHUNK}}
+    for name, args in (("whole_logits", kwargs), ("chunked_loss", chunked)):
+        assert memory.estimate(micro_batch_size=fit[name], **args).total <= 80 * memory.GIB
+        assert memory.estimate(micro_batch_size=fit[name] + 1, **args).total > 80 * memory.GIB
+    one, two = (memory.estimate(micro_batch_size=m, **chunked) for m in (1, 2))  # 1024 and 2048 tokens
+    assert one.transient == two.transient and one.activations < two.activations
 
 
 def test_each_new_term_is_sized():
@@ -171,6 +188,7 @@ REFUSALS += [
     (["out="], "out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out"),
     (["out=notes.txt"], "out=notes.txt exists: choose another path or add overwrite=true"),
     (["out=notes.txt", "overwrite=no"], "overwrite=no must be true or false"),  # `no` is a non-empty text
+    (["model.loss_chunk=-1"], "model.loss_chunk=-1 must be >= 0 (0: the whole logits at once)"),
 ]
 
 

@@ -24,10 +24,14 @@ def test_the_byte_table_adds_up_to_the_utf8_bytes_of_the_text() -> None:
     assert lengths[tokenizer.token_to_id(EOT)] == 0 and lengths[319] == 0
 
 
-@pytest.mark.parametrize("buckets", [4, 3])  # 64 positions: 4 spans of 16, or spans of 22, 21, 21
-def test_validation_reports_bits_per_byte_and_the_loss_per_span_of_positions(tmp_path, buckets: int) -> None:
+# 64 positions: 4 spans of 16, or spans of 22, 21, 21; the loss whole, or 50 tokens at a time (model.loss_chunk)
+@pytest.mark.parametrize(("buckets", "chunk"), [(4, 0), (3, 50)])
+def test_validation_reports_bits_per_byte_and_the_loss_per_span_of_positions(
+    tmp_path, buckets: int, chunk: int
+) -> None:
     tokenizer = train_bpe([TEXT], 300)
-    spec = parse(TrainSpec, compose_train([*FAST, "logger=none", f"val_position_buckets={buckets}"]))
+    overrides = [*FAST, "logger=none", f"val_position_buckets={buckets}", f"model.loss_chunk={chunk}"]
+    spec = parse(TrainSpec, compose_train(overrides))
     set_up_process(spec)
     mcfg = spec.gpt_config(tokenizer.get_vocab_size())
     module = make_module(spec, mcfg, token_bytes=token_byte_lengths(tokenizer, mcfg.vocab_size))

@@ -5,7 +5,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from xsa_lm.model import GPT
 
@@ -19,13 +18,11 @@ class HeldOutLoss:
     by_position: list[float | None]  # the mean loss of each equal span of positions, earliest first; None: no token
 
 
-def loss_sums(logits: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tensor, buckets: int) -> torch.Tensor:
-    """One batch's float64 sums [nats, tokens, bytes, nats per span..., tokens per span...] (targets of -1 count
-    nowhere); token_bytes[id]: the bytes a token stands for (empty: no bits per byte)."""
+def loss_sums(token_loss: torch.Tensor, y: torch.Tensor, *, token_bytes: torch.Tensor, buckets: int) -> torch.Tensor:
+    """One batch's float64 sums [nats, tokens, bytes, nats per span..., tokens per span...] of its per-token losses
+    (GPT.token_losses; targets of -1 count nowhere); token_bytes[id]: the bytes a token stands for (empty: no bits
+    per byte)."""
     counted = y != -1
-    # Per token (0 where ignored), a window at a time: one window's fp32 logits, not a batch's (GPT-2 16x2048: 6.6 GB)
-    rows = zip(logits, y, strict=True)
-    token_loss = torch.stack([F.cross_entropy(r.float(), t, ignore_index=-1, reduction="none") for r, t in rows])
     span = torch.arange(y.size(1), device=y.device) * buckets // y.size(1)
     zeros = torch.zeros(buckets, device=y.device, dtype=torch.float64)
     span_loss = zeros.index_add(0, span, token_loss.double().sum(0))
@@ -53,7 +50,7 @@ def held_out_loss(
     model.eval()
     try:
         for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
-            sums += loss_sums(model(xb), yb, token_bytes=lengths, buckets=buckets)
+            sums += loss_sums(model.token_losses(xb, yb), yb, token_bytes=lengths, buckets=buckets)
     finally:
         model.train(was_training)
     loss, bpb, by_position = read_sums(sums.tolist(), buckets)

@@ -27,6 +27,7 @@ from xsa_lm.files import check_new_file, write_json
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import config_problem
 from xsa_lm.train import memory
+from xsa_lm.train.plan import loss_chunk_line, micro_batch_fit
 from xsa_lm.train.runinfo import run_info
 
 SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
@@ -190,6 +191,7 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
         "rounds_plan": None if plan is None else asdict(plan),
         "sdpa": asdict(kernels),
         "xsa_memory": xsa_memory(candidate, tokens=tokens, precision=base.setup.precision),
+        "micro_batch_fit": fit_on(device, candidate, spec, precision=base.setup.precision),
         "phases": list(phases),
         "fresh_process_per_phase": True,
         "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
@@ -221,6 +223,15 @@ def xsa_memory(model: GPTConfig, *, tokens: int, precision: str) -> dict[str, in
         "temporaries_eager": tokens * memory.xsa_transient_per_token(shape, compute=compute),
         "temporaries_compiled": tokens * memory.xsa_transient_per_token(shape, compute=compute, compiled=True),
     }
+
+
+def fit_on(device: torch.device, model: GPTConfig, spec: BenchSpec, *, precision: str) -> dict[str, Any]:
+    """The largest micro-batch of this model and context in the device's free memory, with the whole logits and with
+    the chunked loss, as `xsa-lm plan` counts it (one device, DDP)."""
+    available, where = memory.available_bytes(device.type)
+    args = dict(model=asdict(model), vocab_size=model.vocab_size, block_size=spec.context, precision=precision)
+    fit = micro_batch_fit(available, **args, compiled=spec.compile, exclusive=model.attention_class.exclusive_memory)
+    return {**fit, "available_bytes": available, "available_from": where}
 
 
 def kernel_line(kernels: dict, arms: Arms) -> str:
@@ -296,6 +307,8 @@ def print_tables(r: dict) -> None:
         f"XSA's memory per layer (the plan's count): saves {x['saved_per_layer']:.2f} MiB for the backward; backward "
         f"temporaries {x['temporaries_eager']:.2f} MiB eager, {x['temporaries_compiled']:.2f} MiB compiled"
     )
+    fit = r["micro_batch_fit"]
+    print(f"{loss_chunk_line(fit)}, in {fit['available_bytes'] / 2**30:.1f} GiB ({fit['available_from']})")
     if r["rounds_plan"]:
         print(plan_line(r["rounds_plan"]))
     load, smoke = r["load_avg_1min"], " (smoke: a few steps, numbers not meaningful)" if r["smoke"] else ""

@@ -154,6 +154,7 @@ class ModelSpec(Spec):
     dropout: float = GPTConfig.dropout
     rope_base: float = GPTConfig.rope_base
     init_std: float = GPTConfig.init_std
+    loss_chunk: int = GPTConfig.loss_chunk
 
     def gpt_config(self, attention: "AttentionSpec", vocab_size: int) -> GPTConfig:
         """GPTConfig of this group and `attention`; vocab_size null: the tokenizer's, padded to a multiple of 64."""

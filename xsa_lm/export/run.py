@@ -69,7 +69,9 @@ def hf_fields(config: GPTConfig) -> dict[str, Any]:
             f"ckpt: attention {config.attention} ({config.attention_target}) is a lab's own variant; export writes "
             f"the built-in ones only ({', '.join(BUILT_IN)}), whose code it ships beside the weights"
         )
-    fields = {k: v for k, v in asdict(config).items() if k not in ("attention_target", "attention_options")}
+    fields = {
+        k: v for k, v in asdict(config).items() if k not in ("attention_target", "attention_options", "loss_chunk")
+    }
     options = {"eps": 1e-6, "layers": "all", "gate": "none", **config.attention_options}  # XSA's defaults
     layers = exclusive_layers(options["layers"], config.n_layer)
     every = layers == tuple(range(config.n_layer))

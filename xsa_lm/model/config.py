@@ -30,6 +30,7 @@ class GPTConfig:
     dropout: float = 0.0  # pretraining on ~1 epoch of data needs none
     rope_base: float = 10000.0  # RoPE frequency base
     init_std: float = 0.02  # N(0, init_std); residual projections get init_std / sqrt(2 n_layer)
+    loss_chunk: int = 0  # tokens per chunk of the cross-entropy (loss.py), not the whole logits at once; 0: whole
     # A model config saved before variants were classes: XSA's options as fields (None layers: all; ignored for sa).
     xsa_eps: InitVar[float] = UNSET
     xsa_layers: InitVar[tuple[int, ...] | None] = UNSET
@@ -56,6 +57,8 @@ class GPTConfig:
         for name in (*positive, "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk={self.loss_chunk} must be >= 0 (0: the whole logits at once)")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.n_kv_head is None:

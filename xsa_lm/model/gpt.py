@@ -9,7 +9,8 @@
 - no biases in Linear and LayerNorm layers by default (nanoGPT's bias=False option; its default is True)
 - activation checkpointing per block (a training option, not part of the architecture)
 - a KV cache for generation (generate.py), which serves XSA as it serves SA
-- the loss from fp32 logits (under bf16 autocast the logits are bf16)
+- the loss from fp32 logits (under bf16 autocast the logits are bf16), optionally a chunk of tokens at a time
+  without the whole micro-batch's logits (loss_chunk, loss.py)
 
 Kept from nanoGPT: pre-LayerNorm blocks with a GELU MLP, tied input and output embeddings, N(0, init_std) init with
 the residual projections (attn.proj, mlp.proj) at init_std / sqrt(2 n_layer), and a vocabulary padded to a multiple
@@ -26,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xsa_lm.model.attention import KVCache, attention_layer, rope_tables
 from xsa_lm.model.config import GPTConfig
+from xsa_lm.model.loss import IGNORE, linear_cross_entropy
 
 
 class MLP(nn.Module):
@@ -124,9 +126,15 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, T, vocab); with targets, (logits, mean cross-entropy). Targets of -1 are ignored.
-        With `caches` (one KVCache per block, see generate.py) idx holds only the tokens after those cached."""
+    ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits (B, T, vocab); with targets, (logits, mean cross-entropy), the logits None where the loss is chunked
+        (config.loss_chunk: never formed whole). Targets of -1 are ignored. With `caches` (one KVCache per block, see
+        generate.py) idx holds only the tokens after those cached."""
+        logits, loss = self.logits_and_loss(self.hidden(idx, caches), targets)
+        return cast(torch.Tensor, logits) if targets is None else (logits, cast(torch.Tensor, loss))
+
+    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """The last block's output at the tokens' positions (B, T, d_model): sink positions are never predicted."""
         past = len(caches[0]) if caches else 0
         S = self.config.n_sinks if past == 0 else 0  # the sinks enter with the first tokens only
         T = idx.size(1)
@@ -139,16 +147,28 @@ class GPT(nn.Module):
         x = self.drop(self.ln_emb(x))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, caches[i] if caches else None)
-        logits, loss = self.logits_and_loss(x[:, S:], targets)  # sink positions are never predicted
-        return logits if targets is None else (logits, cast(torch.Tensor, loss))  # a loss: targets were given
+        return x[:, S:]
 
     def logits_and_loss(
         self, x: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The head (final LayerNorm, tied output layer) and, with targets, the mean cross-entropy. A method of its
         own so that training under FSDP2 can compile it apart from the blocks (xsa_lm/train/module.py)."""
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is not None and self.config.loss_chunk:
+            return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk)[0]
+        logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE)
         return logits, loss
+
+    @torch.no_grad()
+    def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's cross-entropy (B, T), 0 where it is -1: validation's and `xsa-lm analyze`'s numbers. Never
+        the whole batch's fp32 logits: a chunk (loss_chunk), else one window, at a time."""
+        x = self.ln_f(self.hidden(idx))
+        if self.config.loss_chunk:
+            return linear_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk)[1]
+        rows = zip(self.lm_head(x), targets, strict=True)
+        return torch.stack([F.cross_entropy(r.float(), t, ignore_index=IGNORE, reduction="none") for r, t in rows])

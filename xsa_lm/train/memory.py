@@ -102,11 +102,17 @@ def head_saved_per_token(
     model: dict, vocab_size: int, *, compute: int, residual: int, compiled: bool = False
 ) -> dict[str, int]:
     """Bytes saved per token outside the blocks: token ids, both outer LayerNorms' inputs and statistics, the head's
-    input, and the cross-entropy's (eager: fp32 log-probabilities; compiled: the logits in the compute dtype)."""
+    input, and the cross-entropy's (eager: fp32 log-probabilities; compiled: the logits in the compute dtype).
+    Chunked (loss_chunk): the head input's gradient, its input in the residual dtype too where autocast casts it,
+    and each token's loss and its mask."""
     d = model["d_model"]
+    if model.get("loss_chunk"):
+        cross_entropy = residual * d + (residual * d if compute != residual else 0) + FP32 + 1
+    else:
+        cross_entropy = vocab_size * (compute if compiled else FP32)
     return {
         "embedding_and_head": 2 * INDEX + 2 * (residual * d + LAYERNORM_STATS) + compute * d,
-        "cross_entropy": vocab_size * (compute if compiled else FP32),
+        "cross_entropy": cross_entropy,
     }
 
 
@@ -114,6 +120,18 @@ def cross_entropy_transient_per_token(vocab_size: int, *, compute: int, compiled
     """Alive at the peak besides the saved logits. Eager: the log-probabilities' gradient and log_softmax backward's
     output, fp32. Compiled (measured): the logits' gradient and one intermediate of its size, in the compute dtype."""
     return vocab_size * (2 * FP32 if not compiled else 2 * compute)
+
+
+def chunked_cross_entropy_bytes(model: dict, vocab_size: int, tokens: int, *, compute: int, weights: int) -> int:
+    """The chunked loss's peak (model/loss.py), in the forward's last chunk, beside the saved activations: the output
+    weight's fp32 gradient, its copy in the compute dtype, a chunk's targets and mask, and the larger of two moments
+    of a chunk (C tokens x V): its logits and log-probabilities, fp32; or its gradient (fp32, in 16 bits also its
+    copy) and losses while its share of the weight's gradient is added (a V x d product, in 16 bits also promoted to
+    fp32). The CPU allocator's to the byte (tests/test_loss.py); compiled taken as eager (not measured)."""
+    C, Vd = min(model["loss_chunk"], tokens), vocab_size * model["d_model"]
+    adding = FP32 * (Vd + C) if compute == FP32 else compute * C * vocab_size + (compute + FP32) * Vd + FP32 * C
+    chunk = max(2 * FP32 * C * vocab_size, FP32 * C * vocab_size + adding) + (INDEX + 1) * C  # + targets, mask
+    return FP32 * Vd + (compute * Vd if compute != weights else 0) + chunk
 
 
 def estimate(
@@ -148,8 +166,11 @@ def estimate(
     outside = head_saved_per_token(model, vocab_size, compute=compute, residual=weights, compiled=compiled)
     layer = sum(block.values())
     xsa_transient = xsa_transient_per_token(model, compute=compute, compiled=compiled) if xsa else 0
-    cross_entropy = cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
-    transient = max(tokens * cross_entropy, positions * xsa_transient)
+    if model.get("loss_chunk"):
+        cross_entropy = chunked_cross_entropy_bytes(model, vocab_size, tokens, compute=compute, weights=weights)
+    else:
+        cross_entropy = tokens * cross_entropy_transient_per_token(vocab_size, compute=compute, compiled=compiled)
+    transient = max(cross_entropy, positions * xsa_transient)
     blocks = model["n_layer"] * (weights * model["d_model"] if activation_checkpointing else layer)
     if activation_checkpointing:
         transient = max(transient, positions * (layer + xsa_transient) - tokens * outside["cross_entropy"])
@@ -178,14 +199,31 @@ def autocast_copies(
     block = block_parameters(model) - 2 * d  # its Linear weights
     if exclusive:
         block -= widths(model)[0] * d
-    return compute * ((1 if checkpointing else model["n_layer"]) * block + vocab_size * d)
+    head = 0 if model.get("loss_chunk") else vocab_size * d  # the chunked loss casts its own (transient)
+    return compute * ((1 if checkpointing else model["n_layer"]) * block + head)
 
 
 def largest_micro_batch(available: int, **kwargs) -> int:
-    """The largest micro_batch_size whose estimate fits in `available` bytes (0 if none): memory grows linearly."""
-    one, two = estimate(micro_batch_size=1, **kwargs), estimate(micro_batch_size=2, **kwargs)
-    per_sequence = two.total - one.total
-    return max(0, (available - (one.total - per_sequence)) // per_sequence)
+    """The largest micro_batch_size whose estimate fits in `available` bytes (0 if none): memory grows with it (not
+    linearly: a chunked loss's chunk stops growing), so a doubling then a bisection."""
+    fits = lambda m: estimate(micro_batch_size=m, **kwargs).total <= available  # noqa: E731
+    high = 1
+    while fits(high):
+        high *= 2
+    low = high // 2  # fits, or 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def largest_micro_batches(available: int, loss_chunk: int, **kwargs) -> dict[str, int]:
+    """The largest micro-batch that fits, with the whole logits and with the loss `loss_chunk` tokens at a time."""
+    model = kwargs.pop("model")
+    return {
+        name: largest_micro_batch(available, model={**model, "loss_chunk": chunk}, **kwargs)
+        for name, chunk in (("whole_logits", 0), ("chunked_loss", loss_chunk))
+    }
 
 
 def available_bytes(accelerator: str) -> tuple[int, str]:

@@ -84,7 +84,7 @@ class LMModule(L.LightningModule):
         # isinstance: a second fit or validate of this module calls this hook again
         if self.device_mesh is None or isinstance(self.model, FSDPModule):
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         mesh = self.device_mesh["data_parallel"]
         # No mixed-precision policy, on purpose: fp32 parameters and autocast as under DDP (bf16 parameters would
@@ -92,6 +92,7 @@ class LMModule(L.LightningModule):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+        register_fsdp_forward_method(self.model, "token_losses")  # validation's: gathers the root's weights as forward
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """The micro-batch count realigned to this run's accumulation, when a trainer resumes it."""
@@ -155,10 +156,10 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        logits, _ = self.model(x, y)  # with the targets: the same compiled graph as training
         assert self._val_sum is not None  # set at the epoch's start
         token_bytes = cast(torch.Tensor, self.token_bytes)
-        self._val_sum += loss_sums(logits, y, token_bytes=token_bytes, buckets=self.position_buckets)
+        token_loss = self.model.token_losses(x, y)
+        self._val_sum += loss_sums(token_loss, y, token_bytes=token_bytes, buckets=self.position_buckets)
 
     def on_validation_epoch_end(self) -> None:
         """The mean over every validation token of every rank, the same on any device count (sync_dist would average

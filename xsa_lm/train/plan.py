@@ -120,6 +120,18 @@ class Plan:
     xsa_saved_bytes: int
     xsa_temporaries_bytes: dict[str, int]  # eager and compiled
     cross_entropy_transient_bytes: dict[str, int]
+    loss_chunk_micro_batches: dict[str, int]  # micro_batch_fit's, of the trainer's strategy and mode
+
+
+LOSS_CHUNK = 1024  # tokens, where model.loss_chunk is 0: fp32 logits of 206 MB at GPT-2's vocabulary, a full matmul
+
+
+def micro_batch_fit(available: int, **memory_args: Any) -> dict[str, int]:
+    """The largest micro-batch that fits in `available` bytes (memory.estimate's arguments but micro_batch_size) with
+    the whole logits and with the chunked loss (model.loss_chunk tokens, else LOSS_CHUNK): `xsa-lm plan`'s and
+    `xsa-lm bench`'s line."""
+    chunk = memory_args["model"].get("loss_chunk") or LOSS_CHUNK
+    return {"loss_chunk": chunk, **memory.largest_micro_batches(available, chunk, **memory_args)}
 
 
 def make_plan(run: RunShape, *, model_name: str, available: int, available_from: str, sdpa: SdpaPlan) -> Plan:
@@ -159,11 +171,18 @@ def make_plan(run: RunShape, *, model_name: str, available: int, available_from:
             mode: positions * memory.xsa_transient_per_token(model, compute=compute, compiled=c) if xsa else 0
             for mode, c in modes.items()
         },
-        cross_entropy_transient_bytes={
-            mode: tokens * memory.cross_entropy_transient_per_token(run.model.vocab_size, compute=compute, compiled=c)
-            for mode, c in modes.items()
-        },
+        cross_entropy_transient_bytes={mode: cross_entropy_bytes(run, compiled=c) for mode, c in modes.items()},
+        loss_chunk_micro_batches=micro_batch_fit(available, **run.memory_args()),
     )
+
+
+def cross_entropy_bytes(run: RunShape, *, compiled: bool) -> int:
+    """The cross-entropy's buffers at the backward's peak: the whole logits' gradient, or the chunked loss's."""
+    model, (compute, weights), tokens = asdict(run.model), memory.dtype_bytes(run.precision), run.micro_batch_size
+    tokens *= run.block_size
+    if run.model.loss_chunk:
+        return memory.chunked_cross_entropy_bytes(model, run.model.vocab_size, tokens, compute=compute, weights=weights)
+    return tokens * memory.cross_entropy_transient_per_token(run.model.vocab_size, compute=compute, compiled=compiled)
 
 
 def attention_kernels(setting: str | list[str], *, accelerator: str) -> SdpaPlan:
@@ -204,7 +223,16 @@ def table(plan: Plan) -> str:
                 f"{gib(b['weight_copies'])} | {gib(b['ddp_buckets'])} | {gib(b['activations'])} | "
                 f"{gib(b['transient'])} | {gib(b['total'])} | {fits} | {largest}{accumulation} |"
             )
-    return "\n".join([*lines, "", sdpa_line(plan.sdpa_backends), xsa_line(plan), batch_line(plan)])
+    lines += ["", sdpa_line(plan.sdpa_backends), xsa_line(plan), loss_chunk_line(plan.loss_chunk_micro_batches)]
+    return "\n".join([*lines, batch_line(plan)])
+
+
+def loss_chunk_line(fit: dict[str, int]) -> str:
+    """The micro-batch the chunked loss allows (micro_batch_fit)."""
+    return (
+        f"cross-entropy: the largest micro-batch is {fit['whole_logits']} with the whole logits, {fit['chunked_loss']} "
+        f"with the loss {fit['loss_chunk']} tokens at a time (model.loss_chunk={fit['loss_chunk']})"
+    )
 
 
 def sdpa_line(kernels: SdpaPlan) -> str:
