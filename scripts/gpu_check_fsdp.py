@@ -8,10 +8,11 @@ shards and buffers.
 Per model and world size, one rank's peak memory by kind (sharded and gathered parameters, gradients, AdamW state,
 activations, temporaries) from torch's FSDPMemTracker over two training steps under FakeTensorMode (the tensors have
 shapes and devices but no storage: a 2.7B model at world size 8 costs no memory and little time), against the plan
-(xsa_lm.train.memory.estimate, strategy fsdp). Then `--real MODEL:WORLD`: the same rank with real tensors, compiled as
-training compiles, a few steps: its allocator's peak against the compiled plan, and the graphs Dynamo compiled after
-the first step and after the last (a steady state compiles nothing). Under a fake group the gathered weights are
-uninitialised memory, so losses are meaningless: only memory and compiling are measured.
+(xsa_lm.train.memory.estimate, strategy fsdp), at the paper runs' shape (bf16-mixed, 2048 x micro-batch, GPT-2's
+vocabulary). Before them, `--real MODEL:WORLD` (what only a real device measures): the same rank with real tensors,
+compiled as training compiles, a few steps: its allocator's peak against the compiled plan, and the graphs Dynamo
+compiled after the first step and after the last (a steady state compiles nothing). Under a fake group the gathered
+weights are uninitialised memory, so losses are meaningless: only memory and compiling are measured.
 """
 
 import argparse
@@ -26,7 +27,8 @@ from gpu_check_measure import Deadline, bench_spec, compile_seconds
 from gpu_check_summary import record
 from gpu_xsa_lm import use_working_tree
 
-PAPER_PRECISION = "bf16-mixed"  # the fake rows': the paper runs' precision, on CPU too (autocast on CPU)
+# The fake rows' shape, whatever --real's: the paper runs' (fake tensors cost the same time at any size)
+PAPER = {"precision": "bf16-mixed", "context": 2048, "vocab_size": 50304}
 
 
 def fake_world(world_size: int, device: torch.device):
@@ -158,12 +160,12 @@ def real_run(config, setup, *, world_size: int, micro_batch: int, steps: int) ->
     }
 
 
-def configs(args: argparse.Namespace, name: str, overrides: list[str], precision: str | None = None):
+def configs(args: argparse.Namespace, name: str, *, context: int, vocab_size: int, overrides=(), precision=None):
     """XSA's model config and the plain loop's setup (bf16-mixed on a GPU, else fp32, unless `precision`)."""
     from dataclasses import replace
 
     spec_args = argparse.Namespace(
-        model=name, context=args.context, micro_batch=args.micro_batch, vocab_size=args.vocab_size, override=overrides
+        model=name, context=context, micro_batch=args.micro_batch, vocab_size=vocab_size, override=list(overrides)
     )
     spec = bench_spec(spec_args)
     setup = replace(spec.setup_on(torch.device(args.device)), compile=False)
@@ -177,9 +179,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--models", type=lambda s: s.split(","), default=["paper_0.7b", "paper_1.4b", "paper_2.7b"])
     parser.add_argument("--world-sizes", type=lambda s: [int(n) for n in s.split(",")], default=[8, 64])
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=2048, help="--real's (the fake rows': 2048)")
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--vocab-size", type=int, default=50304, help="GPT-2's padded to x64, as the presets get it")
+    parser.add_argument("--vocab-size", type=int, default=50304, help="--real's (the fake rows': GPT-2's, padded)")
     parser.add_argument("--real", default=None, help="MODEL:WORLD_SIZE run with real tensors, compiled")
     parser.add_argument("--real-override", action="append", default=[], help="a Hydra override for --real's model")
     parser.add_argument("--steps", type=int, default=3, help="--real's steps (at least 2)")
@@ -191,14 +193,16 @@ def main() -> None:
     result: dict = {"device": device_name(torch.device(args.device)), "fake": {}, "skipped": []}
     if args.real:  # first: what only a real device measures
         name, world_size = args.real.split(":")
-        config, setup = configs(args, name, args.real_override)
+        config, setup = configs(
+            args, name, context=args.context, vocab_size=args.vocab_size, overrides=args.real_override
+        )
         real = real_run(config, setup, world_size=int(world_size), micro_batch=args.micro_batch, steps=args.steps)
         result["real"] = {"model": name, "precision": setup.precision} | real
         result["compile_seconds"] = compile_seconds()
         record(args.directory, args.key, result)
         print(f"{args.key}: real {name} at world size {world_size}: {real}", flush=True)
     for name in args.models:
-        config, setup = configs(args, name, [], PAPER_PRECISION)
+        config, setup = configs(args, name, **PAPER)
         rows = result["fake"].setdefault(name, {"precision": setup.precision, "world_sizes": []})
         for world_size in args.world_sizes:
             last = rows["world_sizes"][-1]["seconds"] if rows["world_sizes"] else 0
