@@ -70,7 +70,7 @@ DEADLINE_MARGIN_S=5    # a step's optional work ends this long before its limit
 # subset with other limits, e.g. GPU_CHECK_STEPS="bench_paper_0.7b:300" (resume only with train: it continues it).
 # On CPU both bench steps would run the same tiny model through the same code: only the first runs.
 GPU_STEPS=(xsa_bf16:30 bench_gpt2_124m:100 bench_paper_0.7b:60 train:50 resume:40 fsdp_fake:70)
-CPU_STEPS=(xsa_bf16:70 bench_gpt2_124m:220 train:130 resume:80 fsdp_fake:90)
+CPU_STEPS=(xsa_bf16:70 bench_gpt2_124m:190 train:130 resume:80 fsdp_fake:120)
 KNOWN_STEPS=" xsa_bf16 bench_gpt2_124m bench_paper_0.7b train resume fsdp_fake "
 
 fail() {  # one line, exit 2: the check did not start
@@ -233,9 +233,10 @@ else  # the same code paths with the tiny model; CPU's kernels are flash and mat
   TRAIN+=(model=tiny model.n_layer=2 trainer.accelerator=cpu trainer.precision=32-true micro_batch_size=8
           global_batch_tokens=1024 val_every_steps=4 data.val_windows=4)
   FIRST_STEPS=4 RESUMED_STEPS=8
-  # the first paper size in fake tensors (each costs seconds, not memory) and the tiny model's shard compiled
-  FSDP=(--device cpu --micro-batch 1 --models paper_0.7b --real tiny:8 --real-override model.n_layer=2
-        --vocab-size 4096 --context 64)
+  # the first paper size in fake tensors (each costs seconds, not memory) and the tiny model's shard compiled, in the
+  # train step's shapes (its compiled kernels are found in the compiler's cache)
+  FSDP=(--device cpu --micro-batch 8 --models paper_0.7b --real tiny:8 --real-override model.n_layer=2
+        --vocab-size 4096 --context 128)
 fi
 
 step xsa_bf16 "${MEASURE[@]}" xsa_bf16 "${SHAPES[@]}"
