@@ -43,7 +43,11 @@
 # |                  | cold, as gpt2's first kernel: 39  | memory) x 2 x 0.39 s = 11; 50 in all           |       |
 # | train            | 44                                | 20 steps, validation, a 1.1 GB checkpoint: ~8  |    50 |
 # | resume           | 21 (compiler cache warm)          | its load, 20 steps, validation, a save: ~8     |    40 |
-# | fsdp_fake        | see below                         | 3 compiled steps of paper_0.7b's shard: ~2     |    70 |
+# | fsdp_fake        | 46: the tiny shard compiled, then | 3 compiled steps of paper_0.7b's shard: ~2     |    70 |
+# |                  | paper_0.7b at 8 and 64 in fakes   |                                                |       |
+# The CPU column above is from before CUDA graphs and fsdp_fake were added, but for fsdp_fake; with them (torch
+# 2.11.0+cu130 on CPU, 2026-12-06, load 11): xsa_bf16 30, bench_gpt2_124m 48 (auto's kernel and CUDA graphs; math
+# and bench_paper_0.7b, the same tiny model again, no longer run on CPU), train 49, resume 25, fsdp_fake 46: 198 CPU s.
 # Measured on the H200 (results/gpu_check_h200, before CUDA graphs and fsdp_fake were added): xsa_bf16 22 s,
 # bench_gpt2_124m 76 (a further kernel: ~5 s compiling, 5-7 s timed), bench_paper_0.7b 51, train 41, resume 32; the
 # limits above are those plus what was added (CUDA graphs: as a further kernel, ~15 s) and ~20% (train, resume).
