@@ -5,9 +5,13 @@
 # step measuring what matters most first:
 #   xsa_bf16          XSA's fused output projection in bf16 against fp64 (gradients, output), then its orthogonality
 #   bench_gpt2_124m   SA and XSA at context 2048, compiled, paired rounds under auto's SDPA kernel (20 rounds: the
-#                     XSA/SA interval resolves 1%), peak memory against the plan, then each other kernel, then eager
+#                     XSA/SA interval resolves 1%), peak memory against the plan, the same compiled with CUDA graphs
+#                     (mode="reduce-overhead"), then each other kernel, then eager
 #   bench_paper_0.7b  the same for paper_0.7b under auto: MFU and memory
 #   train, resume     trainer=fsdp (FSDP2, bf16, compiled blocks, XSA) for a few steps, then resume=auto continuing it
+#   fsdp_fake         FSDP2 as rank 0 of 8 on the GPU under a fake process group, paper_0.7b compiled: peak memory
+#                     against the plan and recompiles; then paper_0.7b/1.4b/2.7b at world sizes 8 and 64 in fake
+#                     tensors: each rank's memory by kind against the plan (scripts/gpu_check_fsdp.py)
 # DIR (the argument, else $OUT, else outputs/gpu_check/<time>) gets summary.json and summary.md (one table), rewritten
 # after every measurement, plus check.json, steps.jsonl, measurements.json and check.log (every step's output): a
 # check cut short keeps what it measured. Scratch (runs, checkpoints, the compiler cache) goes to $GPU_CHECK_WORK, else
@@ -30,19 +34,30 @@
 # | step             | CPU rehearsal, CPU s (measured)   | GPU timed part                                 | limit |
 # |------------------|-----------------------------------|------------------------------------------------|------:|
 # | start-up         | import check 4, summaries 0.1     | -                                              |  (10) |
-# | xsa_bf16         | 35 for one shape, a second +4     | ~0                                             |    45 |
-# | bench_gpt2_124m  | 57: start 7, auto's kernel 32,    | auto 20 rounds x 2 x 6 steps x 69 ms = 17;     |   130 |
+# | xsa_bf16         | 35 for one shape, a second +4     | ~0                                             |    30 |
+# | bench_gpt2_124m  | 57: start 7, auto's kernel 32,    | auto 20 rounds x 2 x 6 steps x 69 ms = 17;     |   100 |
 # |                  | math 16, eager 1: on the GPU 2    | flash and efficient 10 rounds each: 17; eager  |       |
 # |                  | further kernels, 7 + 32 + 2 x 16  | 5 rounds: 5; profiled and memory steps: 3      |       |
 # |                  | + 1 = 72                          | = 42; 114 in all                               |       |
 # | bench_paper_0.7b | 21 with gpt2's compiler cache;    | (2 warm-up + 3 rounds x 3 + 4 probe and        |    60 |
 # |                  | cold, as gpt2's first kernel: 39  | memory) x 2 x 0.39 s = 11; 50 in all           |       |
-# | train            | 44                                | 20 steps, validation, a 1.1 GB checkpoint: ~8  |    70 |
-# | resume           | 21 (compiler cache warm)          | its load, 20 steps, validation, a save: ~8     |    45 |
+# | train            | 44                                | 20 steps, validation, a 1.1 GB checkpoint: ~8  |    50 |
+# | resume           | 21 (compiler cache warm)          | its load, 20 steps, validation, a save: ~8     |    40 |
+# | fsdp_fake        | 46: the tiny shard compiled, then | 3 compiled steps of paper_0.7b's shard: ~2     |    70 |
+# |                  | paper_0.7b at 8 and 64 in fakes   |                                                |       |
+# The CPU column above is from before CUDA graphs and fsdp_fake were added, but for fsdp_fake; with them (torch
+# 2.11.0+cu130 on CPU, 2026-12-06, load 11): xsa_bf16 30, bench_gpt2_124m 48 (auto's kernel and CUDA graphs; math
+# and bench_paper_0.7b, the same tiny model again, no longer run on CPU), train 49, resume 25, fsdp_fake 46: 198 CPU s.
+# Measured on the H200 (results/gpu_check_h200, before CUDA graphs and fsdp_fake were added): xsa_bf16 22 s,
+# bench_gpt2_124m 76 (a further kernel: ~5 s compiling, 5-7 s timed), bench_paper_0.7b 51, train 41, resume 32; the
+# limits above are those plus what was added (CUDA graphs: as a further kernel, ~15 s) and ~20% (train, resume).
+# fsdp_fake is not measured on a GPU: its limit is 20 s for paper_0.7b's compile (bench_paper_0.7b's warm-up: 11 s)
+# and 6 fake-tensor rows at ~5 s of host time each (CPU: ~8 CPU s each); rows left out by the deadline are listed.
 # The limits add up to 350 s: with the start-up, 360 (GPU_CHECK_BUDGET_S). GPU_CHECK_DEADLINE, 5 s before a step's
-# limit, ends its optional work first: a bench step measures auto's kernel and the memory, then a further kernel only
-# while the time left allows 1.1 x what it is expected to take (the last further one's time, else 60% of the first's
-# compiling and its rounds), and eager last.
+# limit, ends its optional work first: a bench step measures auto's kernel and the memory, then CUDA graphs and a
+# further kernel only while the time left allows 1.1 x what it is expected to take (the last further one's time,
+# else 60% of the first's compiling and its rounds), and eager last; fsdp_fake starts a fake row only while the
+# time left allows 1.5 x the last one's.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,9 +72,10 @@ DEADLINE_MARGIN_S=5    # a step's optional work ends this long before its limit
 
 # The steps, in this order, and each one's limit in seconds: "name:limit" (the table above). GPU_CHECK_STEPS runs a
 # subset with other limits, e.g. GPU_CHECK_STEPS="bench_paper_0.7b:300" (resume only with train: it continues it).
-GPU_STEPS=(xsa_bf16:45 bench_gpt2_124m:130 bench_paper_0.7b:60 train:70 resume:45)
-CPU_STEPS=(xsa_bf16:70 bench_gpt2_124m:220 bench_paper_0.7b:90 train:130 resume:80)
-KNOWN_STEPS=" xsa_bf16 bench_gpt2_124m bench_paper_0.7b train resume "
+# On CPU both bench steps would run the same tiny model through the same code: only the first runs.
+GPU_STEPS=(xsa_bf16:30 bench_gpt2_124m:100 bench_paper_0.7b:60 train:50 resume:40 fsdp_fake:70)
+CPU_STEPS=(xsa_bf16:70 bench_gpt2_124m:190 train:130 resume:80 fsdp_fake:120)
+KNOWN_STEPS=" xsa_bf16 bench_gpt2_124m bench_paper_0.7b train resume fsdp_fake "
 
 fail() {  # one line, exit 2: the check did not start
   echo "gpu_check: error: $*" >&2
@@ -203,10 +219,11 @@ if [ "$MODE" = gpu ]; then
   # 20 rounds: if one round's XSA/SA ratio varies by 1% (twice what synchronised step times of a 50 ms step usually
   # do), the 95% interval is +-t(19) x 1% / sqrt(20) = +-0.47%: narrower than 1% in all, it tells 1.00 from 1.01.
   GPT2=(--model gpt2_124m --context 2048 --micro-batch 8 --backends auto,cudnn,flash,efficient
-        --rounds 20 --other-rounds 10 --steps 6 --warmup 2 --eager-rounds 5)
+        --rounds 20 --cuda-graph-rounds 10 --other-rounds 10 --steps 6 --warmup 2 --eager-rounds 5)
   BIG=(--model paper_0.7b --context 2048 --micro-batch 8 --backends auto --rounds 3 --steps 3 --warmup 2)
   TRAIN+=(model=gpt2_124m micro_batch_size=8 global_batch_tokens=16384 val_every_steps=20 data.val_windows=32
           data.num_workers=2)
+  FSDP=(--device cuda --micro-batch 8 --real paper_0.7b:8)  # the paper sizes at world sizes 8 and 64: the defaults
   FIRST_STEPS=20 RESUMED_STEPS=40
 else  # the same code paths with the tiny model; CPU's kernels are flash and math (cudnn and efficient: not run)
   SHAPES=(--device cpu --shape 4,32,128)
@@ -214,12 +231,16 @@ else  # the same code paths with the tiny model; CPU's kernels are flash and mat
   # (compiled steps of the tiny model: 27 ms with one thread, 300 ms with two under load)
   export TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=1
   TINY=(--device cpu --model tiny --vocab-size 4096 --context 64 --micro-batch 4 --override model.n_layer=2)
-  GPT2=("${TINY[@]}" --backends auto,cudnn,flash,efficient,math --rounds 3 --other-rounds 2 --steps 2 --warmup 1
+  GPT2=("${TINY[@]}" --backends auto,cudnn,flash,efficient --rounds 3 --cuda-graph-rounds 2 --steps 2 --warmup 1
         --eager-rounds 2)
   BIG=("${TINY[@]}" --backends auto --rounds 2 --steps 2 --warmup 1)
   TRAIN+=(model=tiny model.n_layer=2 trainer.accelerator=cpu trainer.precision=32-true micro_batch_size=8
           global_batch_tokens=1024 val_every_steps=4 data.val_windows=4)
   FIRST_STEPS=4 RESUMED_STEPS=8
+  # the first paper size in fake tensors (each costs seconds, not memory) and the tiny model's shard compiled, in the
+  # train step's shapes (its compiled kernels are found in the compiler's cache)
+  FSDP=(--device cpu --micro-batch 8 --models paper_0.7b --real tiny:8 --real-override model.n_layer=2
+        --vocab-size 4096 --context 128)
 fi
 
 step xsa_bf16 "${MEASURE[@]}" xsa_bf16 "${SHAPES[@]}"
@@ -232,5 +253,6 @@ for name in train resume; do  # the same run directory: resume=auto continues th
   step $name "${XSA_LM[@]}" train "${TRAIN[@]}" "${extra[@]}"
   "$PY" "$REPO/scripts/gpu_check_summary.py" "$DIR" --record-run $name "$RUN" >/dev/null
 done
+step fsdp_fake "$PY" "$REPO/scripts/gpu_check_fsdp.py" "$DIR" "${FSDP[@]}"
 
 "$PY" "$REPO/scripts/gpu_check_summary.py" "$DIR" --final

@@ -519,6 +519,37 @@ def compiled_kernels(trainers: dict, batches: list, *, args, result: dict, deadl
                 trainers, batches, order=order, micro_batch=args.micro_batch, compiled=True
             )
             save(f"compiled peak memory under {name}")
+            if args.cuda_graph_rounds:
+                cuda_graphs(trainers, batches, name=name, args=args, result=result, deadline=deadline, save=save)
+
+
+def cuda_graphs(trainers: dict, batches: list, *, name: str, args, result: dict, deadline: Deadline, save) -> None:
+    """The first kernel's models compiled anew with Inductor's CUDA graphs (what torch.compile's
+    mode="reduce-overhead" sets: each compiled region replayed as one graph, no host launch per kernel), when the
+    time left allows a further kernel's cost: their step times beside those without. On CPU the option changes
+    nothing (no CUDA graphs): the rehearsal runs the code path only."""
+    import torch._inductor.config as inductor
+
+    expected = further_kernel_cost(result["compiled"][name], None, rounds=args.cuda_graph_rounds)
+    if deadline.left() < 1.1 * expected:
+        result["skipped"].append(f"CUDA graphs: {deadline.left():.0f} s left, {expected:.0f} s expected")
+        save("CUDA graphs skipped")
+        return
+    order = result["kernel_choices"][name]["order"]
+    try:
+        with inductor.patch({"triton.cudagraphs": True}):  # read when the warm-up compiles
+            measured = measure_kernel(
+                order, trainers, batches, args=args, rounds=args.cuda_graph_rounds, deadline=deadline
+            )
+    except RuntimeError as error:  # as a kernel's: recorded, and the step goes on
+        traceback.print_exc()
+        result["cuda_graphs"] = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"}
+        save("CUDA graphs failed")
+        return
+    per_round = measured.pop("per_round")
+    device_type = trainers["sa"].setup.device.type
+    result["cuda_graphs"] = measured | {"without": name} | summarize_phase(per_round, result, device_type=device_type)
+    save(f"CUDA graphs ({measured['timed_s']} s timed, warm-up {measured['warmup_s']} s)")
 
 
 def further_kernel_cost(first: dict, last: float | None, *, rounds: int) -> float:
@@ -583,6 +614,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="paired rounds under the first backend")
     parser.add_argument("--other-rounds", type=int, default=20, help="paired rounds under each other backend")
     parser.add_argument("--eager-rounds", type=int, default=0, help="paired rounds eager (0: none)")
+    parser.add_argument("--cuda-graph-rounds", type=int, default=0, help="paired rounds with CUDA graphs (0: none)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per model and round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and backend (compiling)")
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the bench config")

@@ -137,6 +137,16 @@ def checks(m: dict, mode: str) -> list[dict]:
             out.append(kernel_check(label, name, phase, bench["kernel_choices"][name], mode))
         for name, error in (bench.get("errors") or {}).items():
             out.append({"check": f"SDPA kernel {label} {name}", "ok": False, "detail": f"compiled: {error}"})
+        if bench.get("cuda_graphs"):
+            error = bench["cuda_graphs"].get("error")
+            detail = error or f"{bench['cuda_graphs']['rounds_done']} rounds under {bench['cuda_graphs']['without']}"
+            out.append({"check": f"CUDA graphs {label}", "ok": not error, "detail": detail})
+    real = (m.get("fsdp_fake") or {}).get("real")
+    if real:
+        ok = real["recompiles_after_first_step"] == 0
+        detail = f"{real['model']} at world size {real['world_size']}: {real['graphs_after_first_step']} graphs after"
+        detail += f" the first step, {real['recompiles_after_first_step']} more in the next {real['steps'] - 1}"
+        out.append({"check": "FSDP2 compiled under a fake group recompiles nothing", "ok": ok, "detail": detail})
     train, resume = m.get("train"), m.get("resume")
     if train:
         ok = train["status"] == "completed" and finite(train["final_val_loss"])
@@ -235,6 +245,22 @@ def ratio_row(model: str, label: str, phase: dict, kernel: str | None) -> dict:
     return {"what": what, "result": result, "interval": interval, "verdict": verdict + target}
 
 
+def cuda_graph_rows(model: str, bench: dict) -> list[dict]:
+    """XSA/SA with CUDA graphs, and each arm's step time with them over without (below 1: they win)."""
+    graphs = bench["cuda_graphs"]
+    without = bench["compiled"][graphs["without"]]
+    speed = [
+        f"{arm.upper()} {without[arm]['step_ms']:.1f} -> {graphs[arm]['step_ms']:.1f} ms "
+        f"({graphs[arm]['step_ms'] / without[arm]['step_ms']:.3f}x)"
+        for arm in ("sa", "xsa")
+    ]
+    what = f"step time with CUDA graphs / without, {model}, compiled, {graphs['without']}"
+    return [
+        ratio_row(model, f"compiled with CUDA graphs, {graphs['without']}", graphs, None),
+        {"what": what, "result": "; ".join(speed), "interval": "", "verdict": ""},
+    ]
+
+
 def mfu_row(model: str, label: str, phase: dict) -> dict | None:
     sa, xsa = phase["sa"].get("mfu"), phase["xsa"].get("mfu")
     if not sa or not xsa:
@@ -272,6 +298,8 @@ def bench_rows(model: str, bench: dict) -> list[dict]:
         rows.append(ratio_row(model, f"compiled, {name}", phase, phase_kernel(bench, name)))
         if i == 0:
             rows.append(mfu_row(model, f"compiled, {name}", phase))
+    if bench.get("cuda_graphs", {}).get("xsa_over_sa_step_time"):
+        rows += cuda_graph_rows(model, bench)
     if bench.get("eager"):
         rows.append(ratio_row(model, "eager", bench["eager"], None))
     for phase in ("compiled", "eager"):
@@ -283,6 +311,40 @@ def bench_rows(model: str, bench: dict) -> list[dict]:
     for skipped in bench.get("skipped", []):
         rows.append({"what": f"skipped, {model}", "result": skipped, "interval": "", "verdict": ""})
     return [r for r in rows if r]
+
+
+MEMORY_KINDS = {  # FSDPMemTracker's kinds -> the plan's terms they are held against
+    "params": ("Sharded Param", "Unsharded Param", "All Gather", "Buffer"),
+    "grads": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optimizer": ("OptState",),
+    "activations": ("Activation", "Temp", "Inputs"),
+}
+
+
+def fsdp_row(model: str, world: dict, how: str) -> dict:
+    """One rank's peak measured / planned, and by kind where measured (the plan's activations count its transient
+    buffers and autocast's weight copies, which the tracker sees as activations and temporaries)."""
+    measured, planned = world["measured"], world["planned"]
+    plan_of = {"activations": planned["activations"] + planned["transient"] + planned["weight_copies"]}
+    kinds = [
+        f"{kind} {size_text(sum(measured.get(k, 0) for k in names))} / {size_text(plan_of.get(kind, planned[kind]))}"
+        for kind, names in MEMORY_KINDS.items()
+        if any(k in measured for k in names)
+    ]
+    total = f"{size_text(measured['Total'])} / {size_text(planned['total'])} ({world['measured_over_planned']:.2f}x)"
+    return {
+        "what": f"FSDP2 rank memory measured / planned, {model}, world size {world['world_size']} ({how})",
+        "result": "; ".join([total, *kinds]),
+        "interval": "",
+        "verdict": "",
+    }
+
+
+def fsdp_rows(fsdp: dict) -> list[dict]:
+    rows = [fsdp_row(name, w, "fake tensors") for name, m in fsdp.get("fake", {}).items() for w in m["world_sizes"]]
+    if fsdp.get("real"):
+        rows.append(fsdp_row(fsdp["real"]["model"], fsdp["real"], "real tensors, compiled"))
+    return rows + [{"what": "skipped, FSDP2", "result": s, "interval": "", "verdict": ""} for s in fsdp["skipped"]]
 
 
 def phase_kernel(bench: dict, name: str) -> str | None:
@@ -305,6 +367,8 @@ def table_rows(s: dict) -> list[dict]:
             for name, c in checks_by_name.items()
             if name.startswith(f"SDPA kernel {label} ")
         ]
+    if s["measurements"].get("fsdp_fake"):
+        rows += fsdp_rows(s["measurements"]["fsdp_fake"])
     for step in s["steps"]:
         verdict = "ok" if step["status"] == "ok" else "FAILED"
         cpu = f", {step['cpu_seconds']} CPU s" if "cpu_seconds" in step else ""

@@ -20,7 +20,7 @@ from xsa_lm.train.summary import RunSummary
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(REPO / "scripts"))
-import gpu_check_measure  # noqa: E402 - scripts, imported from their folder
+import gpu_check_measure  # noqa: E402
 import gpu_check_summary  # noqa: E402
 
 
@@ -203,7 +203,7 @@ def test_a_kernel_that_fails_is_recorded_and_the_next_gets_the_first_ones_rounds
     choices = {"auto": {"order": ["cudnn"], "runs": "cudnn"}, "flash": {"order": ["flash"], "runs": "flash"}}
     result = {"kernel_choices": choices, "compiled": {}, "errors": {}, "skipped": [], "tokens_per_step": 8}
     result |= {"flops_per_token": 1.0, "peak_flops": 1e9, "model": "x", "device": "fake"}
-    args = SimpleNamespace(rounds=20, other_rounds=10, micro_batch=1)
+    args = SimpleNamespace(rounds=20, other_rounds=10, micro_batch=1, cuda_graph_rounds=0)
     trainers = {"sa": SimpleNamespace(setup=SimpleNamespace(device=torch.device("cuda")))}
     saved, deadline = [], gpu_check_measure.Deadline()
     gpu_check_measure.compiled_kernels(trainers, [], args=args, result=result, deadline=deadline, save=saved.append)
@@ -305,20 +305,32 @@ def test_the_whole_check_runs_on_cpu_from_a_bundle(tmp_path: Path):
     proc = run_check(str(out), **env, PYTHONPATH=str(shadows))
     summary = json.loads((out / "summary.json").read_text())
     assert proc.returncode == 0, (summary["failures"], proc.stdout[-3000:])
-    names = ["xsa_bf16", "bench_gpt2_124m", "bench_paper_0.7b", "train", "resume"]
-    assert [s["name"] for s in summary["steps"]] == names
+    assert [s["name"] for s in summary["steps"]] == ["xsa_bf16", "bench_gpt2_124m", "train", "resume", "fsdp_fake"]
     assert summary["ok"] and summary["mode"] == "cpu" and summary["seconds"] < summary["budget_s"]
     m = summary["measurements"]
     assert m["xsa_bf16"]["gradients"][0]["holds"] and m["xsa_bf16"]["orthogonality"][0]["holds"]
     bench = m["bench_gpt2_124m"]
-    assert list(bench["compiled"]) == ["auto", "math"] and not bench["skipped"]  # CPU's two kernels, flash once
+    assert list(bench["compiled"]) == ["auto"] and not bench["skipped"]  # flash once: auto's and flash's
     assert {bench["kernel_choices"][k]["runs"] for k in ("cudnn", "efficient")} == {None}
-    for phase in (bench["compiled"]["auto"], bench["compiled"]["math"], bench["eager"]):
+    for phase in (bench["compiled"]["auto"], bench["cuda_graphs"], bench["eager"]):
         assert phase["xsa_over_sa_step_time"]["interval"] and phase["sa"]["mfu"]["median"] > 0
-    for memory in (bench["memory_compiled"], bench["memory_eager"], m["bench_paper_0.7b"]["memory_compiled"]):
+    for memory in (bench["memory_compiled"], bench["memory_eager"]):
         assert 0.5 < memory["xsa"]["measured_over_planned"] < 1.5
-    assert {c["check"] for c in summary["checks"]} >= {"SDPA kernel gpt2_124m (tiny) math", "FSDP2 bf16 compiled train"}
+    checks = {"SDPA kernel gpt2_124m (tiny) auto", "CUDA graphs gpt2_124m (tiny)", "FSDP2 bf16 compiled train"}
+    assert checks | {"FSDP2 compiled under a fake group recompiles nothing"} <= {c["check"] for c in summary["checks"]}
     assert m["resume"]["resumed_from_step"] == m["train"]["steps"]
+    # rank 0 of 8 and of 64 in fake tensors: 1/8 and 1/64 of the weights (FSDP pads each one's rows to the world
+    # size) and AdamW's two moments of them, the same activations, the plan's total within 10%
+    eight, sixty_four = m["fsdp_fake"]["fake"]["paper_0.7b"]["world_sizes"]
+    for row in (eight, sixty_four):
+        measured = row["measured"]
+        assert measured["OptState"] == pytest.approx(2 * measured["Sharded Param"], rel=1e-4)
+        assert measured["Sharded Param"] == pytest.approx(row["planned"]["optimizer"] / 2, rel=0.01)
+        assert 0.9 < row["measured_over_planned"] < 1.1
+    assert eight["measured"]["Activation"] == sixty_four["measured"]["Activation"]
+    assert eight["measured"]["Sharded Param"] == pytest.approx(8 * sixty_four["measured"]["Sharded Param"], rel=0.01)
+    real = m["fsdp_fake"]["real"]
+    assert real["recompiles_after_first_step"] == 0 and 0.5 < real["measured_over_planned"] < 1.5
     assert (out / "summary.md").read_text().count("| what | result |") == 1
     assert len(list(out.iterdir())) <= 8
     again = run_check(str(out), **env)  # an earlier check is never overwritten
@@ -365,3 +377,49 @@ def test_the_step_profile_refuses_bad_arguments_in_one_line(args: list[str], mes
         profile_xsa_step.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.splitlines()[-1] == f"profile_xsa_step.py: error: {message}"
+
+
+# ---- FSDP2 under a fake process group, CUDA graphs -------------------------------------------------------------
+
+
+def fsdp_measurements(recompiles: int) -> dict:
+    world = {"world_size": 64, "measured_over_planned": 0.95, "seconds": 3.0}
+    world["measured"] = {"Sharded Param": 2**20, "OptState": 2**21, "Activation": 2**30, "Total": 2**30 + 3 * 2**20}
+    world["planned"] = dict.fromkeys(("params", "grads", "optimizer", "activations", "transient"), 2**20)
+    world["planned"] |= {"weight_copies": 0, "ddp_buckets": 0, "total": 5 * 2**20}
+    real = world | {"model": "paper_0.7b", "world_size": 8, "steps": 3, "graphs_after_first_step": 2}
+    real |= {"recompiles_after_first_step": recompiles, "measured": {"Total": 2**31, "step_peak": 2**30}}
+    fake = {"paper_2.7b": {"precision": "bf16-mixed", "world_sizes": [world]}}
+    return {"device": "fake", "fake": fake, "real": real, "skipped": ["paper_2.7b at 8: 3 s left"]}
+
+
+@pytest.mark.parametrize("recompiles", [0, 1])
+def test_the_fsdp_rows_give_each_ranks_memory_by_kind_and_a_recompile_fails_the_check(recompiles: int, tmp_path):
+    assert run_steps(tmp_path).returncode == 0
+    summary = gpu_check_summary.record(tmp_path, "fsdp_fake", fsdp_measurements(recompiles))
+    (check,) = [c for c in summary["checks"] if c["check"].startswith("FSDP2 compiled")]
+    assert check["ok"] is (recompiles == 0) and f"{recompiles} more in the next 2" in check["detail"]
+    rows = {r["what"]: r["result"] for r in summary["table"]}
+    fake = rows["FSDP2 rank memory measured / planned, paper_2.7b, world size 64 (fake tensors)"]
+    assert fake.startswith("1.00 GiB / 5.0 MiB (0.95x); params 1.0 MiB / 1.0 MiB; optimizer 2.0 MiB / 1.0 MiB")
+    assert "activations 1.00 GiB / 2.0 MiB" in fake and "grads" not in fake  # none measured at the peak
+    assert rows["FSDP2 rank memory measured / planned, paper_0.7b, world size 8 (real tensors, compiled)"]
+    assert rows["skipped, FSDP2"] == "paper_2.7b at 8: 3 s left"
+
+
+def test_cuda_graphs_give_their_step_times_beside_those_without_and_a_failure_fails_the_check(tmp_path: Path):
+    assert run_steps(tmp_path).returncode == 0
+    choices = {"auto": {"order": ["cudnn"], "runs": "cudnn"}}
+    graphs = phase(1.01, 0.002, ran="cudnn") | {"without": "auto"}
+    graphs["sa"]["step_ms"], graphs["xsa"]["step_ms"] = 45.0, 47.0
+    bench = {"device": "fake", "model": "gpt2_124m", "kernel_choices": choices}
+    bench |= {"compiled": {"auto": phase(1.004, 0.002, ran="cudnn")}, "cuda_graphs": graphs}
+    summary = gpu_check_summary.record(tmp_path, "bench_gpt2_124m", bench)
+    rows = {r["what"]: r for r in summary["table"]}
+    speed = rows["step time with CUDA graphs / without, gpt2_124m, compiled, auto"]["result"]
+    assert speed == "SA 50.0 -> 45.0 ms (0.900x); XSA 50.2 -> 47.0 ms (0.936x)"
+    assert "resolves 1%" in rows["XSA/SA step time, gpt2_124m, compiled with CUDA graphs, auto"]["interval"]
+    assert rows["CUDA graphs gpt2_124m"]["verdict"] == "ok"
+    failed = bench | {"cuda_graphs": {"error": "RuntimeError: CUDA graphs cannot capture"}}
+    summary = gpu_check_summary.record(tmp_path, "bench_gpt2_124m", failed)
+    assert "CUDA graphs gpt2_124m: RuntimeError: CUDA graphs cannot capture" in summary["failures"]

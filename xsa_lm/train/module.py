@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRSchedulerConfig
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -29,6 +30,18 @@ def compile_model(model: GPT, backend: str | Callable = "inductor") -> None:
     model.logits_and_loss = torch.compile(  # type: ignore[method-assign]  # in place, on purpose
         model.logits_and_loss, backend=backend, fullgraph=True
     )
+
+
+def shard_model(model: GPT, mesh: DeviceMesh) -> None:
+    """FSDP2 over `mesh`: one unit per transformer block and the root. No mixed-precision policy, on purpose: fp32
+    parameters and autocast as under DDP (bf16 parameters would round the LayerNorm gains and the embedding); the
+    price is fp32 all-gathers."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "token_losses")  # validation's: gathers the root's weights as forward does
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -84,15 +97,7 @@ class LMModule(L.LightningModule):
         # isinstance: a second fit or validate of this module calls this hook again
         if self.device_mesh is None or isinstance(self.model, FSDPModule):
             return
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        mesh = self.device_mesh["data_parallel"]
-        # No mixed-precision policy, on purpose: fp32 parameters and autocast as under DDP (bf16 parameters would
-        # round the LayerNorm gains and the embedding); the price is fp32 all-gathers.
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        register_fsdp_forward_method(self.model, "token_losses")  # validation's: gathers the root's weights as forward
+        shard_model(self.model, self.device_mesh["data_parallel"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """The micro-batch count realigned to this run's accumulation, when a trainer resumes it."""
