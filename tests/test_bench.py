@@ -275,6 +275,18 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
     assert [p.exitcode for p in phases] == [-signal.SIGTERM]
 
 
+def test_the_lightning_phase_times_its_steps_without_lightnings_srun_hint(tmp_path: Path, monkeypatch, recwarn):
+    """On a machine with srun (a SLURM login node) Lightning's Trainer hints to prepend it: noise for the bench."""
+    (tmp_path / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    (result,) = measure(tiny_phase(kind="lightning"))
+    assert len(result.step_times) == len(result.cpu_step_times) == 2 and result.peak_memory_bytes is None
+    assert not [w for w in recwarn if "srun" in str(w.message)]
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_xsa_lm_bench_smoke_writes_the_report_and_never_overwrites(tmp_path: Path):

@@ -28,6 +28,12 @@ QUIET_TRAINER: dict[str, Any] = dict(
 )
 
 
+def quiet_srun_hint() -> None:
+    """Lightning's multi-line hint, on every machine with SLURM installed, that `srun` is available but unused: noise
+    outside a SLURM job, and wrong advice for a process that runs on one device by design (a bench phase)."""
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+
+
 def accumulating(trainer: L.Trainer) -> bool:
     """Whether no optimizer step follows this micro-batch (Lightning's rule, which its DDP no_sync follows)."""
     return trainer.fit_loop._should_accumulate()

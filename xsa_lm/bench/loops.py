@@ -25,7 +25,7 @@ from lightning.fabric.utilities.throughput import measure_flops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
 
-from xsa_lm.compat import QUIET_TRAINER
+from xsa_lm.compat import QUIET_TRAINER, quiet_srun_hint
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
@@ -361,12 +361,6 @@ def measure(phase: Phase) -> Probe | list[TimedPhase]:
         )
         for (wall, cpu), kernel, (bytes_, source) in zip(times, used, memory, strict=True)
     ]
-
-
-def quiet_srun_hint() -> None:
-    """Lightning's hint that `srun` is available but unused, on every machine with SLURM installed: noise outside a
-    job, wrong advice for a bench (one process per phase by design)."""
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
 
 
 def round_order(units: list[str], r: int) -> list[str]:
