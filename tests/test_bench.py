@@ -18,13 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from tests.helpers import refused_in_process
-from xsa_lm.bench import run, stats
+from xsa_lm.bench import loops, run, stats
 from xsa_lm.bench.loops import (
     Arms,
     Kernels,
     Phase,
+    PlainTrainer,
     Probe,
     Setup,
     TimedPhase,
@@ -273,6 +276,45 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
     with pytest.raises(KeyboardInterrupt):
         run_fresh(tiny_phase(steps=10**6, threads=1), "long")
     assert [p.exitcode for p in phases] == [-signal.SIGTERM]
+
+
+class HostReads(TorchFunctionMode):
+    """The steps (by the count of Clocks stamps so far) in which a tensor's value was copied to the host: on a GPU each
+    such read waits for every kernel queued before it."""
+
+    READS = {Tensor.item, Tensor.tolist, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.cpu, Tensor.numpy}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps, self.at = 0, set[int]()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.at.add(self.steps)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.filterwarnings("ignore:.*no `val_dataloader`")
+def test_no_timed_step_reads_a_value_back_from_the_device(monkeypatch):
+    """Neither the plain loops nor Lightning training LMModule (as `xsa-lm train` does) read anything back in a step
+    but the last, which logs and checks for skipped updates (as every logging step does): the host queues ahead."""
+    reads, stamp = HostReads(), loops.Clocks.stamp
+
+    def counted(clocks: loops.Clocks) -> None:
+        reads.steps += 1
+        stamp(clocks)
+
+    monkeypatch.setattr(loops.Clocks, "stamp", counted)
+    phase = tiny_phase()
+    batches = loops.make_batches(phase.model, micro_batch=2, seed=0, device=phase.setup.device)
+    with reads:
+        loops.fit_lightning(phase.model, phase.setup, batches, n=8, seed=0)
+    assert reads.steps == 8 and reads.at <= {0, 8}  # 0: before the first step (the fit's setup)
+    trainers = [PlainTrainer(m, phase.setup, 0, 9) for m in (phase.model, replace(phase.model, attention="xsa"))]
+    reads.steps, reads.at = 0, set()
+    with reads:
+        interleaved(trainers, batches, 4)
+    assert reads.steps == 9 and reads.at == set()
 
 
 def test_the_lightning_phase_times_its_steps_without_lightnings_srun_hint(tmp_path: Path, monkeypatch, recwarn):
