@@ -405,7 +405,6 @@ def test_bench_data_quick_writes_the_report(tmp_path: Path):
         (["rounds=5"], "rounds=5 must be >= 6 or auto"),  # the fewest with a 95% interval
         (["pilot_rounds=1"], "pilot_rounds=1 must be >= 2"),
         (["compile_mode=reduce-overhead"], "compile_mode=reduce-overhead acts only on a compiled step: add compile=t"),
-        (["compile_mode=fast", "compile=true"], "compile_mode=fast must be one of default, reduce-overhead, max-aut"),
         (["context=100000"], "context=100000 is above model.block_size=128: lower it"),
         (["budget_s=0"], "budget_s=0 must be > 0"),
         (["budget_s=inf"], "budget_s=inf must be a finite number"),  # not after the pilot

@@ -291,7 +291,7 @@ def print_tables(r: dict) -> None:
         f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
         f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
     )
-    spread = "per-round ratios: median, geometric mean, spread, 95% t-interval"
+    spread = "per-round ratios: median, geometric mean, spread, 95% Hodges-Lehmann interval"
     for title, (columns, *rows), left in ((heading, phases, 2), (spread, ratios, 3)):  # names left, numbers right
         table = Table(*[Column(c, justify="left" if i < left else "right") for i, c in enumerate(columns)], title=title)
         for row in rows:

@@ -160,8 +160,8 @@ def plan_rounds(
         top, target = cand, TARGETS["xsa_over_sa_step_time"][device_type]
     else:
         top, target = "lightning", 1 / TARGETS["lightning_over_plain_throughput"]
-    # without the baseline, Lightning alone: no ratio to plan for
-    needed = rounds_needed(ratios(pilot, top, base, clock), target) if base in pilot[0] else len(pilot)
+    # without the baseline, Lightning alone: no ratio to plan for, MFU's interval needs MIN_ROUNDS
+    needed = rounds_needed(ratios(pilot, top, base, clock), target) if base in pilot[0] else MIN_ROUNDS
     pace = elapsed_s / len(pilot)
     affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
     total = max(len(pilot), min(needed, affordable, max_rounds))
