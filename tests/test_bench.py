@@ -117,8 +117,8 @@ def test_interleaved_steps_resolve_a_one_percent_cost_under_drift_that_two_windo
 class Recorder:
     """A trainer that records the order of its steps (interleaved() needs only .setup.device and .step)."""
 
-    def __init__(self, name: str, log: list) -> None:
-        self.setup, self.name, self.log = Setup(torch.device("cpu"), "32-true", False, None, None), name, log
+    def __init__(self, name: str, log: list, device: str = "cpu") -> None:
+        self.setup, self.name, self.log = Setup(torch.device(device), "32-true", False, None, None), name, log
 
     def step(self, batch) -> None:
         self.log.append((self.name, batch))
@@ -276,6 +276,50 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
     with pytest.raises(KeyboardInterrupt):
         run_fresh(tiny_phase(steps=10**6, threads=1), "long")
     assert [p.exitcode for p in phases] == [-signal.SIGTERM]
+
+
+class FakeEvent:
+    """torch.cuda.Event's timing API over a synthetic device clock: each record() reads the next time in ms."""
+
+    clock: list[float] = []
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = FakeEvent.clock.pop(0)
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert FakeEvent.synchronized, "read before the device finished"
+        return end.at - self.at
+
+
+def test_on_a_gpu_steps_are_timed_by_cuda_events_with_one_synchronisation_and_nvml_state_read(monkeypatch):
+    """The device's clock, not the host's: step i's time is event i to event i + 1 (the host queues ahead and its
+    stamps say nothing), with a single synchronisation for the whole phase."""
+    FakeEvent.clock, FakeEvent.synchronized = [0.0, 40.0, 80.4, 120.8, 160.8], 0  # SA XSA XSA SA: 40, 40.4 ms
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    log: list = []
+    sa, xsa = Recorder("sa", log, device="cuda"), Recorder("xsa", log, device="cuda")
+    (sa_wall, _), (xsa_wall, _) = interleaved([sa, xsa], ["b0", "b1"], 2)
+    assert sa_wall == pytest.approx([0.040, 0.040]) and xsa_wall == pytest.approx([0.0404, 0.0404])
+    assert FakeEvent.synchronized == 1 and not FakeEvent.clock
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1980)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 612_000)  # mW
+    monkeypatch.setattr(torch.cuda, "temperature", lambda device: 61)
+    state = {"sm_clock_mhz": 1980, "power_w": 612.0, "temperature_c": 61}
+    assert loops.gpu_state(torch.device("cuda")) == state and loops.gpu_state(torch.device("cpu")) is None
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    assert loops.gpu_state(torch.device("cuda")) is None
 
 
 class HostReads(TorchFunctionMode):

@@ -155,7 +155,7 @@ def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torc
 
 class Clocks(L.Callback):
     """A stamp at each step's start on the device's clock (a CUDA event, or the wall clock on CPU) and the CPU-time
-    clock, with no synchronisation between steps: the host runs ahead as in training, and times() waits once. As a
+    clock, with no synchronisation between steps: the host runs ahead as in training, and step_times() waits once. As a
     callback, one at each batch start (start to start covers all Lightning does; its ThroughputMonitor synchronises
     every batch and has no CPU-time clock)."""
 
