@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import FAST, assert_nothing_written, assert_refused, compose_train, run_cli
 from xsa_lm.checkpoints.atomic import AsyncSave, FolderCheckpoint
+from xsa_lm.compat import quiet_third_party
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.tracking import RunCSVLogger
@@ -28,7 +29,7 @@ from xsa_lm.train.callbacks import (
     ValHistory,
 )
 from xsa_lm.train.cluster import ClusterChecks, check_slurm_tasks
-from xsa_lm.train.run import make_callbacks, make_loggers, make_trainer, quiet_third_party
+from xsa_lm.train.run import make_callbacks, make_loggers, make_trainer
 
 BUILT_IN = [ClusterChecks, AttentionKernels, FolderCheckpoint, FolderCheckpoint, ValHistory, Throughput, Preemption]
 BUILT_IN += [SavedConfig]

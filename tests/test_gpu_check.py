@@ -262,10 +262,10 @@ def test_sa_and_xsa_in_one_process_give_step_times_mfu_kernels_and_memory_agains
     trainers = {"sa": PlainTrainer(sa, setup, 0, 100), "xsa": PlainTrainer(xsa, setup, 0, 100)}
     batches = make_batches(xsa, micro_batch=2, seed=0, device=setup.device)
     deadline = gpu_check_measure.Deadline()
-    per_round = gpu_check_measure.paired_rounds(trainers, batches, rounds=3, steps=2, deadline=deadline)
+    per_round = gpu_check_measure.paired_rounds(trainers, batches, rounds=7, steps=2, deadline=deadline)
     result = {"tokens_per_step": 64, "flops_per_token": 1e6, "peak_flops": 1e12, "model": "x", "device": "cpu"}
     measured = gpu_check_measure.summarize_phase(per_round, result, device_type="cpu")
-    assert len(measured["xsa_over_sa_step_time"]["rounds"]) == 3 and measured["xsa_over_sa_step_time"]["interval"]
+    assert len(measured["xsa_over_sa_step_time"]["rounds"]) == 7 and measured["xsa_over_sa_step_time"]["interval"]
     assert measured["sa"]["mfu"]["median"] == pytest.approx(64 / (measured["sa"]["step_ms"] / 1e3) * 1e6 / 1e12)
     assert gpu_check_measure.kernels_ran(trainers, batches[0])["xsa"]["backends"] in (["flash (cpu)"], ["math"])
     memory = gpu_check_measure.memory_phase(trainers, batches, order=["math"], micro_batch=2, compiled=False)

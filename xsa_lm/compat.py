@@ -28,6 +28,44 @@ QUIET_TRAINER: dict[str, Any] = dict(
 )
 
 
+def quiet_srun_hint() -> None:
+    """Lightning's multi-line hint, on every machine with SLURM installed, that `srun` is available but unused: noise
+    outside a SLURM job, and wrong advice for a process that runs on one device by design (a bench phase)."""
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+
+
+LIGHTNING_NOISE = (
+    "litlogger",  # an advertisement
+    "GPU available:",  # the header line says where the run trains
+    "TPU available:",
+    "HPU available:",
+    "`Trainer.fit` stopped",  # the result line follows
+    "`weights_only` was not set",  # said at every checkpoint
+    "Restoring states from the checkpoint",  # the resume line says it
+    "Restored all states from the checkpoint",
+)
+
+
+def quiet_third_party() -> None:
+    """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
+    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
+        quiet_srun_hint()
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
+    # Lightning's all_gather calls torch's deprecated one (each rank, once a run): not the user's to change
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
+    # The validation metrics are sums reduced over every rank before they are logged (LMModule.on_validation_epoch_end)
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/.*sync_dist=True")
+
+    def noise(record: logging.LogRecord) -> bool:
+        return not any(text in str(record.msg) for text in LIGHTNING_NOISE)
+
+    for logger in (logging.getLogger("lightning.pytorch"), logging.getLogger()):
+        for handler in logger.handlers:
+            handler.addFilter(noise)
+
+
 def accumulating(trainer: L.Trainer) -> bool:
     """Whether no optimizer step follows this micro-batch (Lightning's rule, which its DDP no_sync follows)."""
     return trainer.fit_loop._should_accumulate()

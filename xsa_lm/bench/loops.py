@@ -1,17 +1,19 @@
 """The contenders: a hand-written loop and Lightning fitting LMModule on the same model, batches, optimizer and
-schedule; each step timed by the wall clock and by the process's CPU time (which holds up on a shared machine). Each
-phase runs in a fresh process (no heap, allocator cache, threads or compiled code inherited), in an order that rotates
-between rounds so that drift and noisy neighbours hit every phase alike."""
+schedule; each step timed on the device's clock (CUDA events, one synchronisation per phase; the wall clock on CPU)
+and by the process's CPU time (which holds up on a shared machine). The two attention options' plain loops run in one
+process, their steps interleaved (ABBA), so that drift hits both alike. Each phase runs in a fresh process (no heap,
+allocator cache, threads or compiled code inherited), in an order that rotates between rounds."""
 
 import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Literal, NamedTuple
@@ -23,7 +25,7 @@ from lightning.fabric.utilities.throughput import measure_flops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
 
-from xsa_lm.compat import QUIET_TRAINER
+from xsa_lm.compat import QUIET_TRAINER, quiet_srun_hint, quiet_third_party
 from xsa_lm.errors import UserError
 from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
@@ -41,6 +43,7 @@ class Setup:
     compile: bool
     optimizer: Any  # a functools.partial of the optimizer: its keywords are read
     scheduler: Callable
+    compile_mode: str | None = None  # torch.compile's mode for the plain loops, e.g. reduce-overhead (CUDA graphs)
 
     @property
     def bf16(self) -> bool:
@@ -55,7 +58,7 @@ class Phase:
     """What a fresh process needs to run one phase (it is pickled)."""
 
     kind: Literal["plain", "lightning", "probe"]  # probe: the kernels and the device, nothing timed
-    model: GPTConfig
+    model: GPTConfig  # the baseline's
     setup: Setup
     micro_batch: int
     warmup: int
@@ -64,6 +67,11 @@ class Phase:
     threads: int | None
     reuse_host_memory: bool
     sdpa: tuple[str, ...] = ()  # the SDPA kernels allowed, most preferred first (empty: torch's own)
+    candidate: GPTConfig | None = None  # plain: the other option's model, its steps interleaved with the baseline's
+
+    @property
+    def models(self) -> tuple[GPTConfig, ...]:
+        return (self.model,) if self.candidate is None else (self.model, self.candidate)
 
 
 @dataclass(frozen=True)
@@ -113,11 +121,27 @@ class Probe(ProcessFacts):
 
 @dataclass(frozen=True)
 class TimedPhase(ProcessFacts):
-    step_times: list[float]  # seconds, start to start
+    step_times: list[float]  # seconds, start to start, on the device's clock
     cpu_step_times: list[float]
     sdpa_used: str
     peak_memory_bytes: int | None
     peak_memory_source: str
+    gpu: dict[str, float] | None = None  # clocks, power and temperature after the timed steps (NVML), None on CPU
+
+
+def gpu_state(device: torch.device) -> dict[str, float] | None:
+    """The GPU's SM clock (MHz), power (W) and temperature (C) through torch.cuda's NVML calls: a round whose ratio is
+    off can be told from a throttled one. None on CPU, or without pynvml (torch's NVML binding, not a dependency)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return {
+            "sm_clock_mhz": torch.cuda.clock_rate(device),
+            "power_w": torch.cuda.power_draw(device) / 1e3,
+            "temperature_c": torch.cuda.temperature(device),
+        }
+    except ModuleNotFoundError:
+        return None
 
 
 def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torch.device) -> list[Batch]:
@@ -130,14 +154,18 @@ def make_batches(config: GPTConfig, *, micro_batch: int, seed: int, device: torc
 
 
 class Clocks(L.Callback):
-    """Device-synchronised stamps on the wall and CPU-time clocks; as a callback, one at each batch start (start to
-    start covers all Lightning does; its ThroughputMonitor has no CPU-time clock)."""
+    """A stamp at each step's start on the device's clock (a CUDA event, or the wall clock on CPU) and the CPU-time
+    clock, with no synchronisation between steps: the host runs ahead as in training, and step_times() waits once. As a
+    callback, one at each batch start (start to start covers all Lightning does; its ThroughputMonitor synchronises
+    every batch and has no CPU-time clock)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.stamps = device, list[tuple[float, float]]()
+        self.device, self.stamps, self.events = device, list[tuple[float, float]](), list[torch.cuda.Event]()
 
     def stamp(self) -> None:
-        synchronize(self.device)
+        if self.device.type == "cuda":
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
         self.stamps.append((time.perf_counter(), time.process_time()))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -145,9 +173,13 @@ class Clocks(L.Callback):
         if len(self.stamps) == trainer.max_steps and self.device.type == "cuda":  # the fit's peak: its last step's
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def step_times(self, skip: int) -> list[list[float]]:
-        """Each step's seconds (start to start) after the first `skip`: [on the wall clock, on the CPU-time clock]."""
-        return np.diff(self.stamps[skip:], axis=0).T.tolist()
+    def step_times(self, skip: int = 0) -> list[list[float]]:
+        """Each step's seconds (start to start) after the first `skip`: [the device's clock, the CPU-time clock]."""
+        walls, cpu = np.diff(self.stamps, axis=0).T.tolist()
+        if self.events:
+            self.events[-1].synchronize()
+            walls = [start.elapsed_time(end) / 1e3 for start, end in zip(self.events, self.events[1:], strict=False)]
+        return [walls[skip:], cpu[skip:]]
 
 
 class PlainTrainer:
@@ -158,7 +190,7 @@ class PlainTrainer:
         torch.manual_seed(seed)
         self.setup = setup
         self.model = GPT(config).to(setup.device)
-        self.step_fn = torch.compile(self.model) if setup.compile else self.model
+        self.step_fn = torch.compile(self.model, mode=setup.compile_mode) if setup.compile else self.model
         keywords = setup.optimizer.keywords
         fused = {} if "fused" in keywords else {"fused": True}  # as LMModule.configure_optimizers
         self.opt = setup.optimizer(param_groups(self.model, keywords.get("weight_decay", 0.0)), **fused)
@@ -166,6 +198,8 @@ class PlainTrainer:
 
     def step(self, batch: Batch) -> None:
         x, y = (t.to(self.setup.device, non_blocking=True) for t in batch)
+        if self.setup.compile_mode == "reduce-overhead":  # a new step for CUDA graphs, whose outputs it may reuse
+            torch.compiler.cudagraph_mark_step_begin()
         with self.setup.autocast():
             # The logits dropped before the backward, as LMModule.training_step's return drops them: kept, they
             # held 1.6 GB more through it (gpt2_124m, 8 x 2048 tokens, on an H200) than training does
@@ -177,13 +211,30 @@ class PlainTrainer:
         self.opt.zero_grad(set_to_none=True)
 
     def run(self, batches: list[Batch], n: int) -> list[float]:
-        """n steps; their n + 1 wall-clock stamps (self.clocks has both clocks')."""
-        self.clocks = Clocks(self.setup.device)  # the last run's
-        for i in range(n):
-            self.clocks.stamp()
-            self.step(batches[i % len(batches)])
-        self.clocks.stamp()
-        return [wall for wall, _ in self.clocks.stamps]
+        """n steps; their n + 1 start stamps in seconds from the first, on the device's clock."""
+        walls = interleaved([self], batches, n)[0][0]
+        return np.cumsum([0.0, *walls]).tolist()
+
+    def resident_bytes(self) -> int:
+        """What stays allocated between its steps: weights, buffers (RoPE's tables) and AdamW's state."""
+        state = [t for s in self.opt.state.values() for t in s.values()]
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers(), *state])
+
+
+def interleaved(trainers: Sequence[PlainTrainer], batches: list[Batch], n: int) -> list[list[list[float]]]:
+    """n steps of each trainer on the same batches, interleaved step by step in ABBA order (A B, B A, A B, ...), so
+    that drift and the order within a pair cancel; one synchronisation at the end. Per trainer, its steps' seconds
+    (start to start): [on the device's clock, on the CPU-time clock]."""
+    clocks, order = Clocks(trainers[0].setup.device), list[int]()
+    for i in range(n):
+        for k in range(len(trainers)) if i % 2 == 0 else reversed(range(len(trainers))):
+            clocks.stamp()
+            trainers[k].step(batches[i % len(batches)])
+            order.append(k)
+    clocks.stamp()
+    walls, cpu = clocks.step_times()
+    picked = [[k == arm for arm in order] for k in range(len(trainers))]
+    return [[[t for t, mine in zip(times, pick, strict=True) if mine] for times in (walls, cpu)] for pick in picked]
 
 
 def fit_lightning(config: GPTConfig, setup: Setup, batches: list[Batch], *, n: int, seed: int) -> Clocks:
@@ -221,16 +272,18 @@ def saved_for_backward(run: Callable[[], object], model: torch.nn.Module) -> int
 
 
 def peak_memory(trainer: PlainTrainer, batches: list[Batch]) -> tuple[int, str]:
-    """Peak memory of one more training step: CUDA's high-water mark; on CPU (no such counter) the weights,
-    gradients and optimizer state plus every tensor saved for the backward, where SA and XSA differ."""
-    setup, model = trainer.setup, trainer.model
+    """Peak memory of one more training step of this trainer alone (another's weights may share the process): on
+    CUDA the high-water mark above what was allocated before it, plus its resident bytes; on CPU (no such counter)
+    its resident bytes, gradients and every tensor saved for the backward, where SA and XSA differ."""
+    setup, model, held = trainer.setup, trainer.model, trainer.resident_bytes()
     if setup.device.type == "cuda":
+        synchronize(setup.device)
+        before = torch.cuda.memory_allocated(setup.device)
         torch.cuda.reset_peak_memory_stats(setup.device)
         trainer.run(batches, 1)
-        return torch.cuda.max_memory_allocated(setup.device), "torch.cuda.max_memory_allocated over a training step"
-    held = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # weights and gradients
-    state = [t for s in trainer.opt.state.values() for t in s.values()]
-    held += sum(t.numel() * t.element_size() for t in [*model.buffers(), *state])  # RoPE's tables, AdamW's state
+        peak = torch.cuda.max_memory_allocated(setup.device) - before + held
+        return peak, "torch.cuda.max_memory_allocated over a step above its start, plus its weights and state"
+    held += sum(p.numel() * p.element_size() for p in model.parameters())  # gradients
     with setup.autocast():
         saved = saved_for_backward(lambda: trainer.step_fn(*batches[0]), model)
     return held + saved, "estimate: weights, gradients, AdamW state and tensors saved for backward"
@@ -264,12 +317,15 @@ def probe(phase: Phase, batch: Batch, facts: ProcessFacts) -> Probe:
     return Probe(facts.pid, facts.threads, facts.host_memory_reuse, kernels, device_name(setup.device), *peak, *flops)
 
 
-def measure(phase: Phase) -> Probe | TimedPhase:
+def measure(phase: Phase) -> Probe | list[TimedPhase]:
     """Run one phase in this (fresh) process: `warmup` untimed steps, then `steps` timed ones (start to start: one more
-    step's start closes the last), and peak memory."""
+    step's start closes the last), and peak memory; a plain phase of two models interleaves their steps. Its results,
+    one per model."""
     logging.disable(logging.INFO)  # Lightning's (GPU available, ...): this process prints nothing else
-    for message in ("does not have many workers", "no `val_dataloader`", "isinstance.treespec, LeafSpec"):
+    for message in ("does not have many workers", "no `val_dataloader`"):
         warnings.filterwarnings("ignore", f".*{message}.*")
+    quiet_third_party()
+    quiet_srun_hint()  # even in a SLURM job: a phase runs on one device by design
     if phase.threads:
         torch.set_num_threads(phase.threads)
     if phase.setup.device.type == "cuda":
@@ -279,51 +335,57 @@ def measure(phase: Phase) -> Probe | TimedPhase:
     if phase.kind == "probe":
         return probe(phase, batches[0], facts)
     config, setup, total = phase.model, phase.setup, phase.warmup + phase.steps + 1
-    memory: int | None = None
+    memory: list[tuple[int | None, str]]
     with sdpa_backends(phase.sdpa) if phase.sdpa else contextlib.nullcontext():
         if phase.kind == "plain":
-            trainer = PlainTrainer(config, setup, phase.seed, total)
-            trainer.run(batches, total - 1)
-            clocks, (memory, source) = trainer.clocks, peak_memory(trainer, batches)
+            trainers = [PlainTrainer(model, setup, phase.seed, total) for model in phase.models]
+            interleaved(trainers, batches, phase.warmup)
+            times, gpu = interleaved(trainers, batches, phase.steps), gpu_state(setup.device)
+            memory = [peak_memory(trainer, batches) for trainer in trainers]
         else:
             clocks = fit_lightning(config, setup, batches, n=total, seed=phase.seed)
-            if setup.device.type == "cuda":  # on CPU the estimate needs the plain loop's own forward
-                memory = torch.cuda.max_memory_allocated(setup.device)
-            source = "torch.cuda.max_memory_allocated over the last step of the fit" if memory else "not measured"
-        used = attention_kernel(config, setup)
-    times, cpu_times = clocks.step_times(phase.warmup)
-    return TimedPhase(
-        **vars(facts),
-        step_times=times,
-        cpu_step_times=cpu_times,
-        sdpa_used=used,
-        peak_memory_bytes=memory,
-        peak_memory_source=source,
-    )
+            times, gpu = [clocks.step_times(phase.warmup)], gpu_state(setup.device)
+            # on CPU the estimate needs the plain loop's own forward
+            peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
+            source = "torch.cuda.max_memory_allocated over the last step of the fit" if peak else "not measured"
+            memory = [(peak, source)]
+        used = [attention_kernel(model, setup) for model in phase.models]
+    return [
+        TimedPhase(
+            **vars(facts),
+            step_times=wall,
+            cpu_step_times=cpu,
+            sdpa_used=kernel,
+            peak_memory_bytes=bytes_,
+            peak_memory_source=source,
+            gpu=gpu,
+        )
+        for (wall, cpu), kernel, (bytes_, source) in zip(times, used, memory, strict=True)
+    ]
 
 
-def round_order(phases: list[str], kernels: list[str], r: int, arms: Arms) -> list[str]:
-    """Round r's phases: each kernel's two arms back to back, the baseline first in even rounds; kernels, Lightning
-    rotate."""
-    shift, groups = r % len(kernels), []
-    for kernel in kernels[shift:] + kernels[:shift]:
-        pair = [name for name in arms.phases(kernel) if name in phases]
-        if pair:
-            groups.append(pair if r % 2 == 0 else pair[::-1])
-    groups.insert(r % (len(groups) + 1), ["lightning"])
-    return [name for group in groups for name in group]
+def round_order(units: list[str], r: int) -> list[str]:
+    """Round r's processes (each kernel's plain loops of both arms, Lightning) rotated by r, so that drift and noisy
+    neighbours hit each alike."""
+    shift = r % len(units)
+    return units[shift:] + units[:shift]
 
 
 def child(phase: Phase, connection: Connection) -> None:
+    # Ctrl-C reaches the whole process group: the parent owns the interrupt and ends this process (run_fresh)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        connection.send(("ok", measure(phase)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which reports it
-        connection.send(("error", traceback.format_exc()))
+        result: tuple[str, Any] = ("ok", measure(phase))
+    except Exception:  # noqa: BLE001 - everything goes back to the parent, which reports it
+        result = ("error", traceback.format_exc())
+    with contextlib.suppress(BrokenPipeError):  # the parent is gone: no one to tell
+        connection.send(result)
 
 
-def run_fresh(phase: Phase, label: str) -> Probe | TimedPhase:
+def run_fresh(phase: Phase, label: str) -> Probe | list[TimedPhase]:
     """measure(phase) in a process forked from a server that imports this module once (never CUDA); a failure or a
-    killed process ends the bench in one line naming it (concurrent.futures' pool loses a killed one's exit code)."""
+    killed process ends the bench in one line naming it (concurrent.futures' pool loses a killed one's exit code), and
+    Ctrl-C ends the process before the parent's one line."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["xsa_lm.bench.loops"])
     receive, send = context.Pipe(duplex=False)
@@ -334,7 +396,11 @@ def run_fresh(phase: Phase, label: str) -> Probe | TimedPhase:
         status, payload = receive.recv()
     except EOFError:
         status, payload = "died", None
-    process.join()
+    except KeyboardInterrupt:
+        process.terminate()  # quietly: SIGTERM's default action, no traceback
+        raise
+    finally:
+        process.join()
     if status == "ok":
         return payload
     if status == "died":

@@ -1,6 +1,6 @@
-"""`xsa-lm bench`: an attention option vs its baseline (XSA vs SA by default) under each SDPA kernel and Lightning vs a
-plain loop (loops.py), over rounds that run each phase in a fresh process; each ratio's 95% interval and verdict
-(stats.py). Prints tables, writes `out`."""
+"""`xsa-lm bench`: an attention option vs its baseline (XSA vs SA by default, their steps interleaved) under each SDPA
+kernel and Lightning vs a plain loop (loops.py), over rounds that run each phase in a fresh process; each ratio's 95%
+interval and verdict (stats.py). Prints tables, writes `out`."""
 
 import contextlib
 import os
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from xsa_lm.bench.loops import Arms, Kernels, Phase, Probe, Setup, TimedPhase, round_order, run_fresh
-from xsa_lm.bench.stats import MEETS, MISSES, NO_TARGET, Round, plan_rounds, step, summarize_rounds
+from xsa_lm.bench.stats import MEETS, MIN_ROUNDS, MISSES, NO_TARGET, Round, plan_rounds, step, summarize_rounds
 from xsa_lm.compat import lightning_precision_name
 from xsa_lm.config.builders import build
 from xsa_lm.config.spec import AttentionSpec, Count, ModelSpec, OptimSpec, SchedulerSpec, Seed, Spec, parse, rule
@@ -34,7 +34,7 @@ SMOKE = {"rounds": 2, "steps": 2, "warmup": 1}
 # What the hand-written loop reproduces (autocast to bf16, or none): under another precision Lightning would train in
 # another one (16-mixed: fp16 with a grad scaler; *-true: weights cast), and the report compare two under one name.
 BOTH_LOOPS = ("32-true", "bf16-mixed")
-Rounds = Annotated[int, Field(ge=2)]  # an interval needs 2
+Rounds = Annotated[int, Field(ge=MIN_ROUNDS)]  # the fewest with a 95% interval
 
 
 def _out(value: Any) -> str | None:
@@ -64,10 +64,11 @@ class BenchSpec(Spec):
     micro_batch: Count
     vocab_size: Count
     compile: bool
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
     reuse_host_memory: bool
     backends: Annotated[str | list[str], rule(_backends)]
     rounds: Rounds | Literal["auto"]
-    pilot_rounds: Rounds
+    pilot_rounds: Annotated[int, Field(ge=2)]  # a spread needs 2
     budget_s: float = Field(gt=0, allow_inf_nan=False)  # inf would fail after the pilot
     max_rounds: Rounds
     steps: Count
@@ -89,6 +90,8 @@ class BenchSpec(Spec):
                 f"bench compares attention={self.attention.name} with its baseline, attention@baseline="
                 f"{self.baseline.name}: choose another option for one of them"
             )
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode={self.compile_mode} acts only on a compiled step: add compile=true")
         if self.context > self.model.block_size:
             raise ValueError(f"context={self.context} is above model.block_size={self.model.block_size}: lower it")
         self.models  # noqa: B018 - GPTConfig's own check and attention.layers', before any phase starts
@@ -109,7 +112,8 @@ class BenchSpec(Spec):
         auto = "bf16-mixed" if device.type == "cuda" else "32-true"
         precision = lightning_precision_name(auto if self.precision == "auto" else self.precision)
         scheduler = build(self.scheduler.model_dump(by_alias=True))
-        return Setup(device, precision, self.compile, build(self.optim.node), scheduler)
+        mode = None if self.compile_mode == "default" else self.compile_mode
+        return Setup(device, precision, self.compile, build(self.optim.node), scheduler, mode)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -118,10 +122,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
-def phases_to_time(spec: BenchSpec, base: Phase, candidate: GPTConfig) -> tuple[Probe, Kernels, dict[str, Phase]]:
+Phases = dict[tuple[str, ...], Phase]  # each process's phase, by the names of its results (e.g. sa_flash, xsa_flash)
+
+
+def phases_to_time(spec: BenchSpec, base: Phase, candidate: GPTConfig) -> tuple[Probe, Kernels, Phases]:
     """The probe, in a fresh process: the device, train's kernel order and kernel here, which kernels of `backends`
-    take the model's attention alone (`train`: train's). The phases: `<arm>_<kernel>` of both arms per timed kernel
-    (e.g. sa_flash, xsa_flash), and `lightning` (the headline, training the baseline) under train's order."""
+    take the model's attention alone (`train`: train's). The phases: per timed kernel, both arms' plain loops in one
+    process, their steps interleaved (`<arm>_<kernel>`, e.g. sa_flash and xsa_flash), and `lightning` (the headline,
+    training the baseline) under train's order."""
     backends, comparisons = spec.backends, spec.comparisons
     names = () if backends in ("auto", "train") else (backends,) if isinstance(backends, str) else tuple(backends)
     probe = cast(Probe, run_fresh(replace(base, kind="probe", sdpa=names), "probe"))
@@ -132,24 +140,24 @@ def phases_to_time(spec: BenchSpec, base: Phase, candidate: GPTConfig) -> tuple[
             f"backends={backends}: none of {', '.join(found.candidates)} takes this model's attention in "
             f"{base.setup.precision} on {base.setup.device}; add math (it takes every shape)"
         )
-    kernels, phases = replace(found, timed=timed, primary=found.used if found.used in timed else timed[0]), {}
+    kernels, phases = replace(found, timed=timed, primary=found.used if found.used in timed else timed[0]), Phases()
     for kernel in kernels.timed:
         baseline, other = spec.arms.phases(kernel)
-        if "attention_over_baseline" in comparisons or (
-            "lightning_over_plain" in comparisons and kernel == kernels.primary
-        ):
-            phases[baseline] = replace(base, sdpa=(kernel,))
         if "attention_over_baseline" in comparisons:
-            phases[other] = replace(base, model=candidate, sdpa=(kernel,))
-    phases["lightning"] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
+            phases[baseline, other] = replace(base, candidate=candidate, sdpa=(kernel,))
+        elif "lightning_over_plain" in comparisons and kernel == kernels.primary:
+            phases[(baseline,)] = replace(base, sdpa=(kernel,))
+    phases[("lightning",)] = replace(base, kind="lightning", sdpa=tuple(kernels.order))
     return probe, kernels, phases
 
 
-def run_round(phases: dict[str, Phase], kernels: list[str], r: int, of: str, arms: Arms) -> Round:
+def run_round(phases: Phases, r: int, of: str) -> Round:
     """Round r: each phase in a fresh process, in round_order; a line on its medians."""
-    t0, result = time.perf_counter(), Round()
-    for name in round_order(list(phases), kernels, r, arms):
-        result[name] = cast(TimedPhase, run_fresh(phases[name], f"{name} (round {r + 1})"))
+    t0, result, units = time.perf_counter(), Round(), {"+".join(names): names for names in phases}
+    for unit in round_order(list(units), r):
+        names = units[unit]
+        label = f"{unit} (round {r + 1})"
+        result |= zip(names, cast(list[TimedPhase], run_fresh(phases[names], label)), strict=True)
     ms = [f"{k} {1e3 * step(v, 'wall'):.1f} ms ({1e3 * step(v, 'cpu'):.1f} CPU)" for k, v in result.items()]
     print(f"round {r + 1}{of} ({time.perf_counter() - t0:.0f} s): {', '.join(ms)}", flush=True)
     return result
@@ -169,12 +177,12 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
     print(kernel_line(asdict(kernels), arms), flush=True)
     plan, total, rounds, t_rounds = None, spec.rounds, list[Round](), time.perf_counter()
     if isinstance(total, str):  # auto: as many as the pilot's spread asks for
-        rounds = [run_round(phases, kernels.timed, r, " (pilot)", arms) for r in range(spec.pilot_rounds)]
+        rounds = [run_round(phases, r, " (pilot)") for r in range(spec.pilot_rounds)]
         elapsed = time.perf_counter() - t_rounds
         plan = plan_rounds(rounds, kernels, elapsed, spec.budget_s, spec.max_rounds, device.type, arms)
         print(plan_line(asdict(plan)), flush=True)
         total = plan.rounds
-    rounds += [run_round(phases, kernels.timed, r, f"/{total}", arms) for r in range(len(rounds), total)]
+    rounds += [run_round(phases, r, f"/{total}") for r in range(len(rounds), total)]
     summary, ratios = summarize_rounds(
         rounds, probe, kernels, model=model, device_type=device.type, tokens=tokens, arms=arms
     )
@@ -183,7 +191,7 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
         "precision": base.setup.precision,
         "model": model,
         "arms": arms._asdict(),
-        **spec.model_dump(include={"compile", "context", "micro_batch", "smoke", "steps", "warmup"}),
+        **spec.model_dump(include={"compile", "compile_mode", "context", "micro_batch", "smoke", "steps", "warmup"}),
         "tokens_per_step": tokens,
         "vocab_size": candidate.vocab_size,
         "rounds": len(rounds),
@@ -192,9 +200,13 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
         "sdpa": asdict(kernels),
         "xsa_memory": xsa_memory(candidate, tokens=tokens, precision=base.setup.precision),
         "micro_batch_fit": fit_on(device, candidate, spec, precision=base.setup.precision),
-        "phases": list(phases),
+        "phases": [name for names in phases for name in names],
         "fresh_process_per_phase": True,
-        "clocks": {"wall": "time.perf_counter, device-synchronised", "cpu": "time.process_time: all its threads"},
+        "interleaved": [list(names) for names in phases if len(names) > 1],  # each step beside the other's
+        "clocks": {
+            "wall": "CUDA events, one synchronisation per phase" if device.type == "cuda" else "time.perf_counter",
+            "cpu": "time.process_time: all its threads",
+        },
         # The headline: the trainer `xsa-lm train` runs (Lightning, the baseline).
         "tokens_per_s": summary["lightning_tokens_per_s"],
         "step_time_ms": summary["lightning_step_ms"],
@@ -208,7 +220,7 @@ def bench(spec: BenchSpec, *, model: str, config: dict) -> dict[str, Any]:
         "per_round": [{name: asdict(phase) for name, phase in r.items()} for r in rounds],
         "runtime_s": time.perf_counter() - t_start,
         "load_avg_1min": [load_before, os.getloadavg()[0]],  # before, after: above the thread count = noisy run
-        "model_config": asdict(phases["lightning"].model),
+        "model_config": asdict(phases[("lightning",)].model),
         "config": config,
         "run_info": run_info(attention={"order": kernels.order, "used": kernels.used}),
     }
@@ -290,7 +302,7 @@ def print_tables(r: dict) -> None:
         f"xsa-lm bench: {r['model']}, context {r['context']} x {r['micro_batch']}, {r['precision']}{compiled}, "
         f"{r['device']}; {r['rounds']} rounds x {r['steps']} steps, a fresh process per phase"
     )
-    spread = "per-round ratios: median, geometric mean, spread, 95% t-interval"
+    spread = "per-round ratios: median, geometric mean, spread, 95% Hodges-Lehmann interval"
     for title, (columns, *rows), left in ((heading, phases, 2), (spread, ratios, 3)):  # names left, numbers right
         table = Table(*[Column(c, justify="left" if i < left else "right") for i, c in enumerate(columns)], title=title)
         for row in rows:

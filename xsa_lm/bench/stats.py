@@ -1,6 +1,8 @@
 """Ratios over rounds: their targets, how many rounds a pilot's spread asks for, each one's spread, 95% interval and
-verdict. Timing noise is multiplicative: the interval is the t-interval of the mean log-ratio (a geometric mean); a
-target is met when the whole interval is on its side, missed when it is wholly on the other, else "not resolved"."""
+verdict. A round's ratio pairs steps: the median of its paired log-ratios where both arms ran interleaved in one
+process, else the ratio of the two phases' median steps. Timing noise is multiplicative and heavy-tailed (a slow
+burst of the device): the interval is the Hodges-Lehmann one of the rounds' log-ratios; a target is met when the whole
+interval is on its side, missed when it is wholly on the other, else "not resolved"."""
 
 import math
 import re
@@ -15,6 +17,7 @@ from xsa_lm.bench.loops import Arms, Kernels, Probe, TimedPhase
 from xsa_lm.records import Record
 
 CONFIDENCE = 0.95
+MIN_ROUNDS = 6  # the fewest whose Hodges-Lehmann interval reaches 95% (at 5 the signed-rank test's tails are 1/32 each)
 MEETS, MISSES, NOT_RESOLVED, NO_TARGET = "meets", "misses", "not resolved", "no target"
 LARGE = 1e6  # rounds
 # The candidate within noise of the baseline (XSA of SA); Lightning as fast as a hand-written loop; the paper-size
@@ -34,11 +37,11 @@ class Ratio(Record):
     """Per-round values summarized; bench.json's `ratios` (scale reads it)."""
 
     median: float
-    mean: float  # geometric: the interval's centre
+    mean: float  # geometric
     sd: float
     min: float
     max: float
-    interval: list[float] | None  # None with fewer than 2 rounds
+    interval: list[float] | None  # None with fewer than MIN_ROUNDS rounds
     confidence: float
     target: float | None
     at_most: bool  # the target is an upper bound
@@ -59,29 +62,46 @@ def verdict(bounds: tuple[float, float] | None, target: float | None, at_most: b
     return MEETS if good else MISSES if bad else NOT_RESOLVED
 
 
+def hodges_lehmann_interval(logs: np.ndarray) -> tuple[float, float] | None:
+    """The 95% interval of the centre of symmetric values: the Walsh averages between the signed-rank test's exact
+    critical ranks (scipy has the test, not this interval); None below MIN_ROUNDS values."""
+    n = len(logs)
+    below = np.zeros(n * (n + 1) // 2 + 1)  # P(signed-rank statistic = t) under no effect, by adding ranks 1..n
+    below[0] = 1.0
+    for rank in range(1, n + 1):
+        below = 0.5 * (below + np.concatenate([np.zeros(rank), below[:-rank]]))
+    c = int(np.searchsorted(np.cumsum(below), (1 - CONFIDENCE) / 2 * (1 + 1e-9), side="right"))
+    if c == 0:
+        return None
+    i, j = np.triu_indices(n)
+    walsh = np.sort((logs[i] + logs[j]) / 2)
+    return float(walsh[c - 1]), float(walsh[-c])
+
+
 def summarize(values: list[float], target: float | None, at_most: bool, kernel: str = "", clock: str = "") -> Ratio:
-    logs, bounds, sd = np.log(values), None, 0.0
-    if len(values) > 1:  # the t-interval of the mean log-ratio
-        half = stats.t.ppf((1 + CONFIDENCE) / 2, df=len(logs) - 1) * stats.sem(logs)
-        bounds, sd = (math.exp(logs.mean() - half), math.exp(logs.mean() + half)), statistics.stdev(values)
+    logs = np.log(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
     spread = statistics.median(values), float(stats.gmean(values)), sd, min(values), max(values)  # as Ratio orders them
+    logs_bounds = hodges_lehmann_interval(logs)
+    bounds = None if logs_bounds is None else (math.exp(logs_bounds[0]), math.exp(logs_bounds[1]))
     interval, judged = None if bounds is None else list(bounds), verdict(bounds, target, at_most)
     return Ratio(*spread, interval, CONFIDENCE, target, at_most, judged, list(values), kernel, clock)
 
 
 def rounds_needed(values: list[float], target: float) -> float:
-    """The fewest rounds with t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target| at these values' spread."""
+    """The fewest rounds (at least MIN_ROUNDS) with t(n - 1) x sd / sqrt(n) < |mean log-ratio - log target| at these
+    values' spread: the t-interval's count, which the Hodges-Lehmann interval matches within its 95% efficiency."""
     logs, q = np.log(values), (1 + CONFIDENCE) / 2
     sd = logs.std(ddof=1) if len(values) > 1 else 0.0
     if sd == 0:
-        return float(len(values))
+        return float(max(MIN_ROUNDS, len(values)))
     margin = abs(logs.mean() - math.log(target))
     if margin == 0:
         return math.inf
     normal = (stats.norm.ppf(q) * sd / margin) ** 2  # t's n is a little larger
     if normal > LARGE:
         return float(math.ceil(normal))  # far beyond any budget; t and the normal agree there
-    n = max(2, len(values), math.floor(normal))
+    n = max(MIN_ROUNDS, len(values), math.floor(normal))
     while stats.t.ppf(q, df=n - 1) * sd / math.sqrt(n) >= margin:
         n += 1
     return float(n)
@@ -110,8 +130,17 @@ def step(result: TimedPhase, clock: str) -> float:  # the median step time (s) o
     return statistics.median(result.step_times if clock == "wall" else result.cpu_step_times)
 
 
+def round_ratio(top: TimedPhase, bottom: TimedPhase, clock: str) -> float:
+    """Paired where both ran interleaved in one process (step i of one beside step i of the other): the median of
+    the steps' log-ratios, which drift within the round cancels from; else the ratio of their median steps."""
+    if top.pid != bottom.pid:
+        return step(top, clock) / step(bottom, clock)
+    times = (top.step_times, bottom.step_times) if clock == "wall" else (top.cpu_step_times, bottom.cpu_step_times)
+    return math.exp(statistics.median(np.log(np.divide(*times)).tolist()))
+
+
 def ratios(rounds: list[Round], top: str, bottom: str, clock: str) -> list[float]:
-    return [step(r[top], clock) / step(r[bottom], clock) for r in rounds]
+    return [round_ratio(r[top], r[bottom], clock) for r in rounds]
 
 
 def plan_rounds(
@@ -131,8 +160,8 @@ def plan_rounds(
         top, target = cand, TARGETS["xsa_over_sa_step_time"][device_type]
     else:
         top, target = "lightning", 1 / TARGETS["lightning_over_plain_throughput"]
-    # without the baseline, Lightning alone: no ratio to plan for
-    needed = rounds_needed(ratios(pilot, top, base, clock), target) if base in pilot[0] else len(pilot)
+    # without the baseline, Lightning alone: no ratio to plan for, MFU's interval needs MIN_ROUNDS
+    needed = rounds_needed(ratios(pilot, top, base, clock), target) if base in pilot[0] else MIN_ROUNDS
     pace = elapsed_s / len(pilot)
     affordable = len(pilot) + max(0, math.floor((budget_s - elapsed_s) / pace))
     total = max(len(pilot), min(needed, affordable, max_rounds))

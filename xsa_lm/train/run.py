@@ -4,10 +4,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import sys
 import time
-import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -26,7 +24,7 @@ from xsa_lm.checkpoints.atomic import AsyncSave, AtomicCheckpointIO, AtomicDDPSt
 from xsa_lm.checkpoints.discovery import checkpoint_step, furthest_step, newest_valid_checkpoint
 from xsa_lm.checkpoints.load import check_tokenizer, model_config_mismatch, settings_as_started
 from xsa_lm.checkpoints.sharded import META, is_sharded
-from xsa_lm.compat import skip_sigterm_broadcast
+from xsa_lm.compat import quiet_third_party, skip_sigterm_broadcast
 from xsa_lm.config.builders import build, check_trainer
 from xsa_lm.config.command_line import full_command_line, override_key, pasteable
 from xsa_lm.config.resume import Config, continuation_config, edited_since, with_hand_edits
@@ -461,38 +459,6 @@ def trainer_strategy(trainer: TrainerSpec) -> object:
     if isinstance(strategy, dict) and strategy.get("data_parallel_size") == "auto":
         return {**strategy, "data_parallel_size": trainer.world_size}
     return strategy
-
-
-LIGHTNING_NOISE = (
-    "litlogger",  # an advertisement
-    "GPU available:",  # the header line says where the run trains
-    "TPU available:",
-    "HPU available:",
-    "`Trainer.fit` stopped",  # the result line follows
-    "`weights_only` was not set",  # said at every checkpoint
-    "Restoring states from the checkpoint",  # the resume line says it
-    "Restored all states from the checkpoint",
-)
-
-
-def quiet_third_party() -> None:
-    """Messages that tell a user of this command nothing, dropped; warnings that do are kept."""
-    if not os.environ.get("SLURM_JOB_ID"):  # SLURM installed but no job here: "prepend srun" would be wrong advice
-        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # inside Lightning
-    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # a resume
-    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a new run from a checkpoint
-    # Lightning's all_gather calls torch's deprecated one (each rank, once a run): not the user's to change
-    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
-    # The validation metrics are sums reduced over every rank before they are logged (LMModule.on_validation_epoch_end)
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/.*sync_dist=True")
-
-    def noise(record: logging.LogRecord) -> bool:
-        return not any(text in str(record.msg) for text in LIGHTNING_NOISE)
-
-    for logger in (logging.getLogger("lightning.pytorch"), logging.getLogger()):
-        for handler in logger.handlers:
-            handler.addFilter(noise)
 
 
 def refuse_a_folder_new_each_time(run_dir: Path) -> None:
