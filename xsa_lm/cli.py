@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from xsa_lm import __version__
 from xsa_lm.config.command_line import ARGV_VARIABLE, run_hydra
 from xsa_lm.errors import UserError, exit_on_user_error
 
@@ -23,15 +24,17 @@ COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/
     "bench": ("xsa_lm.bench.run", "SA vs XSA time and memory, Lightning vs plain, MFU"),
 }
 
-USAGE = "usage: xsa-lm <command> [hydra overrides | --help | --cfg job | --multirun]\n\ncommands:\n" + "\n".join(
-    f"  {name:<13}{help_} (configs/{name}.yaml)" for name, (_, help_) in COMMANDS.items()
-)
+USAGE = "usage: xsa-lm --version | <command> [hydra overrides | --help | --cfg job | --multirun]\n\ncommands:\n"
+USAGE += "\n".join(f"  {name:<13}{help_} (configs/{name}.yaml)" for name, (_, help_) in COMMANDS.items())
 
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if len(sys.argv) >= 2 else 2)
+    if sys.argv[1] in ("-V", "--version"):  # what a bug report names
+        print(f"xsa-lm {__version__}")
+        sys.exit(0)
     command = sys.argv[1]  # run() hands Hydra sys.argv without it
     try:
         run(command)
