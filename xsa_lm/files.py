@@ -9,7 +9,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-from pydantic_core import to_jsonable_python
+from pydantic import ConfigDict, TypeAdapter
 
 from xsa_lm.errors import UserError, WriteError, os_error_in, what_to_do
 
@@ -96,9 +96,12 @@ def write_csv(path: Path, header: list[str], rows: list[dict[str, str]], **how: 
         writer.writerows(rows)
 
 
+_JSONABLE = TypeAdapter(Any, config=ConfigDict(ser_json_inf_nan="null"))  # paths, tuples, NaN -> JSON's own
+
+
 def write_json(path: str | Path, data: object, **how: Any) -> None:
     """Strict JSON, which every reader parses: a NaN or infinity (a diverged run's loss) is written as null."""
-    strict = to_jsonable_python(data, inf_nan_mode="null")
+    strict = _JSONABLE.dump_python(data, mode="json")
     write_text(path, json.dumps(strict, indent=2, allow_nan=False), **how)
 
 
