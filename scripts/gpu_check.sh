@@ -48,6 +48,8 @@
 # The CPU column above is from before CUDA graphs and fsdp_fake were added, but for fsdp_fake; with them (torch
 # 2.11.0+cu130 on CPU, 2026-12-06, load 11): xsa_bf16 30, bench_gpt2_124m 48 (auto's kernel and CUDA graphs; math
 # and bench_paper_0.7b, the same tiny model again, no longer run on CPU), train 49, resume 25, fsdp_fake 46: 198 CPU s.
+# With 7 interleaved rounds a phase (2026-12-06, torch 2.11.0+cu130, load 4): xsa_bf16 26, bench_gpt2_124m 53, train
+# 39, resume 20, fsdp_fake 36: 174 CPU s, 279 s wall (the rounds: 1.8 s of the bench step).
 # Measured on the H200 (results/gpu_check_h200, before CUDA graphs and fsdp_fake were added): xsa_bf16 22 s,
 # bench_gpt2_124m 76 (a further kernel: ~5 s compiling, 5-7 s timed), bench_paper_0.7b 51, train 41, resume 32; the
 # limits above are those plus what was added (CUDA graphs: as a further kernel, ~15 s) and ~20% (train, resume).
