@@ -444,6 +444,9 @@ class ProfileSpec(Spec):
     steps: Count = Field(description="optimizer steps traced")
 
 
+SWITCHED_ON_BY = {"diagnostics": "every_n_steps", "samples": "every_n_steps", "profile": "start_step"}  # null: off
+
+
 class PrepareSpec(Spec):
     """configs/prepare.yaml: `xsa-lm prepare`'s data and tokenizer."""
 
@@ -550,6 +553,17 @@ class TrainSpec(Spec):
                 f"{self.trainer.max_steps}: the trace would be cut short or never start; profile earlier steps"
             )
         return self
+
+    def refuse_idle_options(self, overrides: list[str]) -> None:
+        """An option of a switched-off group (SWITCHED_ON_BY) given on the command line would do nothing: refused."""
+        for override in overrides:
+            group, _, key = override.split("=", 1)[0].lstrip("~+").partition(".")
+            switch = SWITCHED_ON_BY.get(group)
+            if switch is not None and key not in ("", switch) and getattr(getattr(self, group), switch) is None:
+                raise UserError(
+                    f"{override}: {group}.{key} acts only when {group}.{switch} is set, and it is null (off): "
+                    f"set {group}.{switch}=N too, or leave it out"
+                )
 
     @property
     def block_size(self) -> int:
