@@ -205,6 +205,11 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
     "eval lmit": (["eval", "ckpts=[x]", "lmit=3"], ["eval has no key lmit: did you mean limit?"]),
     "plan model.n_layr": (["plan", "model.n_layr=2"], ["plan has no key model.n_layr: did you mean model.n_layer?"]),
     "plan +model.n_layr": (["plan", "+model.n_layr=2"], ["model.n_layr: not an option of the model group (it has"]),
+    "an option of another attention variant": (
+        ["train", "attention=sa", "attention.eps=1e-3"],
+        ["xsa-lm: error: attention=sa takes no option eps (attention=xsa takes it)"],
+    ),
+    "plan: an option no variant takes": (["plan", "attention.epss=0"], ["the chosen attention takes no option epss"]),
     "train optim.lrr": (["train", "optim.lrr=0.1"], ["train has no key optim.lrr: did you mean optim.lr?"]),
     "train another name": (
         ["train", "trainer.accumulate_grad_batches=4"],

@@ -137,6 +137,11 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
     key, mapping = typo[1], typo[1].rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
+    if mapping == "attention" and command in ("train", "plan"):  # an option of another attention variant
+        option, variants = key.partition(".")[2], files("xsa_lm.configs").joinpath("attention")
+        chosen = next((o for o in overrides if override_key(o) == "attention"), "the chosen attention")
+        takers = [f"attention={f.name[:-5]}" for f in variants.iterdir() if f"\n{option}:" in f"\n{f.read_text()}"]
+        return f"{chosen} takes no option {option}" + (f" ({', '.join(takers)} takes it)" if takers else "")
     from xsa_lm.config.spec import all_fields
 
     text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()  # its own keys: read, not composed
