@@ -353,3 +353,11 @@ def test_a_printed_override_reads_back_as_the_value(value: str):
     assert word == override("data.dir", value)
     assert OverridesParser.create().parse_override(word).value() == value
     assert (word == f"data.dir={value}") == (value in HYDRA_TAKES_BARE)
+
+
+def test_a_list_of_paths_reads_back_as_the_paths():
+    """The sweep's `xsa-lm eval ckpts=[...]`: each checkpoint path quoted where Hydra would not take it bare."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    paths = [*HYDRA_TAKES_BARE, *QUOTED]
+    assert OverridesParser.create().parse_override(override("ckpts", paths)).value() == paths

@@ -218,7 +218,9 @@ def override_key(override: str) -> str:
 def override(key: str, value: object) -> str:
     """`key=value` as Hydra reads it back as the string `value` (an argument of a command this program starts): the
     value quoted for Hydra where its grammar would not take it bare (a non-ASCII character, `~`, `,`, `=`, a bracket,
-    a value read as a number)."""
+    a value read as a number); a list, each of its elements so."""
+    if isinstance(value, list):
+        return f"{key}=[{','.join(override(key, element).partition('=')[2] for element in value)}]"
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Quote, QuotedString
     from hydra.errors import HydraException

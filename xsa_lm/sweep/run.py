@@ -370,7 +370,7 @@ def downstream_evaluation(
             f"kept in {kept}, and the table shown is this run's evaluation in {out}"
         )
     listed = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
-    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", command_line.override("ckpts", ckpts), f"tasks={listed}"]
     cmd += [f"baseline={baseline}", command_line.override("hydra.run.dir", out)] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
     failed = run_logged(cmd, store.logs / "eval.log")
