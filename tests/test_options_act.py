@@ -57,10 +57,10 @@ def test_an_option_of_a_switched_off_feature_is_refused(overrides: list[str], li
 
 
 def test_train_refuses_an_option_of_a_switched_off_feature_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, caches: list[Path]
 ):
-    """`xsa-lm train` in this process: one line, exit 2, nothing written (data.dir: were it not refused, the run would
-    end at its missing shards rather than train)."""
+    """`xsa-lm train` in this process: one line, exit 2, nothing written, not in the caches either (data.dir: were it
+    not refused, the run would end at its missing shards rather than train)."""
     monkeypatch.chdir(tmp_path)
     args = ["train", "data=prepared", f"data.dir={tmp_path}", "profile.steps=5", f"hydra.run.dir={tmp_path / 'run'}"]
     with nothing_left_behind(tmp_path):

@@ -18,7 +18,8 @@ import scipy.stats
 
 from tests.conftest import cli_env, run_cli
 from tests.golden import assert_golden
-from tests.helpers import assert_clean_error, assert_nothing_written, cli_in_process, refused_in_process
+from tests.helpers import assert_clean_error, cli_in_process, refused_in_process
+from tests.leftovers import nothing_left_behind
 from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     choose_form,
@@ -313,8 +314,16 @@ CASES = [(axis, override, message) for axis, rows in REFUSALS.items() for overri
 
 @pytest.mark.parametrize(("axis", "override", "message"), CASES, ids=[f"{a}:{o}" for a, o, _ in CASES])
 def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, axis, override, message
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    caches: list[Path],
+    axis,
+    override,
+    message,
 ):
+    """The study folder, the working folder and the caches are as they were: not even the folder Hydra made."""
+
     def started(*args, **kwargs) -> None:
         raise AssertionError("a size's sweep or a run started: the refusal came too late")
 
@@ -322,9 +331,10 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"
     args = ["scale", *AXES[axis], *override.split(), f"hydra.run.dir={study_dir}"]
-    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    with nothing_left_behind(tmp_path):
+        lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], lines
-    assert_nothing_written(study_dir)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
