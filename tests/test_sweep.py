@@ -939,6 +939,7 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
 # Each setting a sweep takes, wrong: refused in one line before the sweep directory exists or any trial starts.
 SWEEP_REFUSALS = [
     ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0"),
+    ("samples.prompt=Hi", "samples.prompt=Hi: samples.prompt acts only when samples.every_n_steps is set"),  # trials'
     ("sweep.margin=-0.1", "sweep.margin=-0.1 must be >= 0"),
     ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number"),
     ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),

@@ -259,7 +259,7 @@ def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: fl
     for arm in trained:
         trial = Trial(arm, lr, spec.search_seeds[0])
         cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec.baseline)])
-        parse(TrainSpec, cfg)
+        parse(TrainSpec, cfg).refuse_idle_options(overrides)  # as each trial's `xsa-lm train` will
         if arm != protocol.NULL and cfg.attention.name != arm:  # trials, records and reports go by the arm's name
             raise UserError(
                 f"the attention option {arm} has name: {cfg.attention.name}: an arm's name must be its option's name; "
