@@ -43,6 +43,7 @@ def test_a_small_eps_is_taken_as_given():
 OTHER_AXIS = [  # (the study's axis, an override the other axis reads)
     ("size", "scale.tokens_per_param=5"),
     ("size", "scale.sa_budgets=[1,2]"),
+    ("size", "scale.xsa_budgets=[8]"),  # not among SA's either: on the size axis no budget acts
     ("size", "scale.measure_throughput=false"),
     ("tokens", "scale.fit=power_law"),
     ("tokens", "scale.bench=bench/results.json"),

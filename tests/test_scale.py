@@ -327,6 +327,18 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     assert_nothing_written(study_dir)
 
 
+def test_the_sizes_run_smallest_first_in_the_order_listed_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    def size_axis(*args, jobs: dict, **kwargs) -> list[str]:
+        raise UserError(f"sizes {list(jobs)}")  # stops the study before any size runs
+
+    monkeypatch.setattr("xsa_lm.scale.run.run_size_axis", size_axis)
+    monkeypatch.setattr("xsa_lm.sweep.run.check_sweep", lambda *size: size)  # its checks have their own tests
+    args = ["scale", *STUDY, "scale.models=[tiny,tiny_d32]", f"hydra.run.dir={tmp_path / 'study'}"]
+    assert "sizes ['tiny_d32', 'tiny']" in refused_in_process(args, monkeypatch, capsys)
+
+
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.time() + timeout
     while not condition():
