@@ -192,6 +192,10 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
         ["train", "-m", "hydra.sweep.dir="],
         ["hydra.sweep.dir is empty", "e.g. hydra.sweep.dir=runs/a"],
     ),
+    **{  # the commands that make no run folder (hydra.run.dir: .), among them one that writes nothing at all
+        f"multirun: {command}": ([command, "--multirun", *args], [f"--multirun: xsa-lm {command} makes no run folder"])
+        for command, args in {"plan": ["attention=sa,xsa"], "generate": ["ckpt=a,b"], "prepare": ["seed=1,2"]}.items()
+    },
     "multirun: run dir": (
         ["train", "-m", "seed=1,2", "hydra.run.dir=x"],
         ["hydra.run.dir is not used under --multirun"],

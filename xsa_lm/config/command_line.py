@@ -76,13 +76,25 @@ def check_command_line(args: list[str]) -> str | None:
     return None
 
 
+def multirun_problem(command: str, args: list[str]) -> str | None:
+    """A command that writes into the working folder only what it is told (hydra.run.dir: .) has no run folder for
+    --multirun's jobs: Hydra would leave outputs/multirun/... behind."""
+    if not any(a in MULTIRUN_FLAGS for a in args):
+        return None
+    settings = yaml.safe_load(files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()) or {}
+    if settings.get("hydra", {}).get("run", {}).get("dir") != ".":
+        return None
+    only = "it writes only what it is told"
+    return f"--multirun: xsa-lm {command} makes no run folder for the jobs ({only}): run it once per setting"
+
+
 def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
     """A command's Hydra main with `args`; a bad command line ends in one line, exit code 2."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     with errors.exit_on_user_error():
-        problem = check_command_line(args)
+        problem = check_command_line(args) or multirun_problem(command, args)
         if problem:
             raise UserError(problem)
     sys.argv = [sys.argv[0], *flags_first(args)]  # Hydra reads its overrides from sys.argv[1:]
