@@ -272,7 +272,7 @@ REFUSALS = {
         ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
         ("model.d_model=64", "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model"),
         ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
-        ("scale.models=[tiny,nosuch]", "scale.models=['tiny', 'nosuch'] has no model preset nosuch; available: "),
+        ("scale.models=[tiny,nosuch]", "has no model preset nosuch; available: gpt2_124m, paper_0.7b, "),
         ("scale.axis=depth", "scale.axis=depth must be one of size, tokens"),
         ("scale.fit=cubic", "scale.fit=cubic must be one of auto, power_law_offset, power_law"),
         ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),

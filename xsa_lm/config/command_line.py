@@ -162,15 +162,14 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
 
 def check_job(command: str, choices: dict[str, str | None], config: dict[str, Any], run_dir: Path | None) -> None:
     """Refused before every job: a group's shared part as an option (data=_base), a `???` value, another's folder."""
+    from xsa_lm.config.spec import group_options, require_values
+
     for group, option in choices.items():
         if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
-            folder = files("xsa_lm.configs").joinpath(group)
-            names = sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
             raise UserError(
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
-                f"of: {', '.join(n for n in names if n[0] != '_')}"
+                f"of: {', '.join(group_options(group))}"
             )
-    from xsa_lm.config.spec import require_values
 
     require_values(config)
     elsewhere = another_commands_folder(command, run_dir) if run_dir is not None else None

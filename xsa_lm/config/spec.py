@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property, partial
+from importlib.resources import files
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
@@ -45,6 +46,12 @@ AROUND_TRAINING = (
 )
 S = TypeVar("S", bound=BaseModel)
 HYDRA_KEY = re.compile(r"_\w+_")  # instantiate's own keys (_args_, _partial_): not keyword arguments
+
+
+def group_options(group: str) -> list[str]:
+    """What `<group>=` selects: configs/<group>/*.yaml but a part the options share (_base.yaml)."""
+    names = (p.name for p in files("xsa_lm.configs").joinpath(group).iterdir())
+    return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml") and not n.startswith("_"))
 
 
 class Spec(BaseModel):
