@@ -4,8 +4,8 @@
 # `make gpu-bundle` (hydra-core, omegaconf, the antlr4 runtime, the Shakespeare corpus tokenized). In this order, each
 # step measuring what matters most first:
 #   xsa_bf16          XSA's fused output projection in bf16 against fp64 (gradients, output), then its orthogonality
-#   bench_gpt2_124m   SA and XSA at context 2048, compiled, paired rounds under auto's SDPA kernel (20 rounds: the
-#                     XSA/SA interval resolves 1%), peak memory against the plan, the same compiled with CUDA graphs
+#   bench_gpt2_124m   SA and XSA at context 2048, compiled, paired rounds under auto's SDPA kernel (20 rounds of
+#                     interleaved steps: the XSA/SA interval resolves 1%), peak memory against the plan, the same compiled with CUDA graphs
 #                     (mode="reduce-overhead"), then each other kernel, then eager
 #   bench_paper_0.7b  the same for paper_0.7b under auto: MFU and memory
 #   train, resume     trainer=fsdp (FSDP2, bf16, compiled blocks, XSA) for a few steps, then resume=auto continuing it
@@ -29,17 +29,17 @@
 # measurements.json), which there Triton does on 16 workers; against that stand CUDA's context, cuBLAS and cuDNN plans
 # and Triton's autotuning: taken as even. The timed part: FLOPs at 30% MFU of the H200's 989.5 TFLOP/s (gpt2_124m:
 # 0.968 GFLOP/token x 16,384 tokens = 53 ms a step; paper_0.7b: 5.45 GFLOP/token, 301 ms), x1.3 for the
-# synchronisation after every step.
+# synchronisation after every step (the rounds now interleave SA's and XSA's steps with one synchronisation a round).
 #
 # | step             | CPU rehearsal, CPU s (measured)   | GPU timed part                                 | limit |
 # |------------------|-----------------------------------|------------------------------------------------|------:|
 # | start-up         | import check 4, summaries 0.1     | -                                              |  (10) |
 # | xsa_bf16         | 35 for one shape, a second +4     | ~0                                             |    30 |
-# | bench_gpt2_124m  | 57: start 7, auto's kernel 32,    | auto 20 rounds x 2 x 6 steps x 69 ms = 17;     |   100 |
+# | bench_gpt2_124m  | 57: start 7, auto's kernel 32,    | auto 20 rounds x 2 x 6 steps x 69 ms = 17;     |    95 |
 # |                  | math 16, eager 1: on the GPU 2    | flash and efficient 10 rounds each: 17; eager  |       |
 # |                  | further kernels, 7 + 32 + 2 x 16  | 5 rounds: 5; profiled and memory steps: 3      |       |
 # |                  | + 1 = 72                          | = 42; 114 in all                               |       |
-# | bench_paper_0.7b | 21 with gpt2's compiler cache;    | (2 warm-up + 3 rounds x 3 + 4 probe and        |    60 |
+# | bench_paper_0.7b | 21 with gpt2's compiler cache;    | (2 warm-up + 3 rounds x 3 + 4 probe and        |    65 |
 # |                  | cold, as gpt2's first kernel: 39  | memory) x 2 x 0.39 s = 11; 50 in all           |       |
 # | train            | 44                                | 20 steps, validation, a 1.1 GB checkpoint: ~8  |    50 |
 # | resume           | 21 (compiler cache warm)          | its load, 20 steps, validation, a save: ~8     |    40 |
@@ -48,9 +48,15 @@
 # The CPU column above is from before CUDA graphs and fsdp_fake were added, but for fsdp_fake; with them (torch
 # 2.11.0+cu130 on CPU, 2026-12-06, load 11): xsa_bf16 30, bench_gpt2_124m 48 (auto's kernel and CUDA graphs; math
 # and bench_paper_0.7b, the same tiny model again, no longer run on CPU), train 49, resume 25, fsdp_fake 46: 198 CPU s.
+# With 7 interleaved rounds a phase (2026-12-06, torch 2.11.0+cu130, load 4): xsa_bf16 26, bench_gpt2_124m 53, train
+# 39, resume 20, fsdp_fake 36: 174 CPU s, 279 s wall (the rounds: 1.8 s of the bench step).
 # Measured on the H200 (results/gpu_check_h200, before CUDA graphs and fsdp_fake were added): xsa_bf16 22 s,
 # bench_gpt2_124m 76 (a further kernel: ~5 s compiling, 5-7 s timed), bench_paper_0.7b 51, train 41, resume 32; the
 # limits above are those plus what was added (CUDA graphs: as a further kernel, ~15 s) and ~20% (train, resume).
+# Every timed phase runs at least 7 rounds (the Hodges-Lehmann interval needs 6). Against the H200's measured timed
+# parts (gpt2_124m: 0.49 s a round under auto, 0.52-0.67 s under flash/efficient, eager 0.86 s; paper_0.7b: 1.1 s):
+# flash, efficient and CUDA graphs 10 -> 7 rounds (-5 s), eager 5 -> 7 (+2 s), paper_0.7b 3 -> 7 (+4.4 s), so
+# bench_gpt2_124m gives 5 s to bench_paper_0.7b: 95 (expected 88) and 65 (expected 56).
 # fsdp_fake is not measured on a GPU: its limit is 20 s for paper_0.7b's compile (bench_paper_0.7b's warm-up: 11 s)
 # and 6 fake-tensor rows at ~5 s of host time each (CPU: ~8 CPU s each); rows left out by the deadline are listed.
 # The limits add up to 350 s: with the start-up, 360 (GPU_CHECK_BUDGET_S). GPU_CHECK_DEADLINE, 5 s before a step's
@@ -73,7 +79,7 @@ DEADLINE_MARGIN_S=5    # a step's optional work ends this long before its limit
 # The steps, in this order, and each one's limit in seconds: "name:limit" (the table above). GPU_CHECK_STEPS runs a
 # subset with other limits, e.g. GPU_CHECK_STEPS="bench_paper_0.7b:300" (resume only with train: it continues it).
 # On CPU both bench steps would run the same tiny model through the same code: only the first runs.
-GPU_STEPS=(xsa_bf16:30 bench_gpt2_124m:100 bench_paper_0.7b:60 train:50 resume:40 fsdp_fake:70)
+GPU_STEPS=(xsa_bf16:30 bench_gpt2_124m:95 bench_paper_0.7b:65 train:50 resume:40 fsdp_fake:70)
 CPU_STEPS=(xsa_bf16:70 bench_gpt2_124m:190 train:130 resume:80 fsdp_fake:120)
 KNOWN_STEPS=" xsa_bf16 bench_gpt2_124m bench_paper_0.7b train resume fsdp_fake "
 
@@ -216,11 +222,11 @@ TRAIN=(data=prepared "data.dir=$BUNDLE/shakespeare-bpe" logger=csv progress_bar=
        compile=true attention=xsa "hydra.run.dir=$RUN")
 if [ "$MODE" = gpu ]; then
   SHAPES=(--shape 12,64,2048 --shape 6,256,2048)
-  # 20 rounds: if one round's XSA/SA ratio varies by 1% (twice what synchronised step times of a 50 ms step usually
-  # do), the 95% interval is +-t(19) x 1% / sqrt(20) = +-0.47%: narrower than 1% in all, it tells 1.00 from 1.01.
+  # 20 rounds: at a round's sd of 0.5% (steps interleaved one by one), the Hodges-Lehmann interval is about +-0.25%
+  # wide: it tells 1.00 from 1.01. Every other timed phase: 7 rounds, one more than the interval needs.
   GPT2=(--model gpt2_124m --context 2048 --micro-batch 8 --backends auto,cudnn,flash,efficient
-        --rounds 20 --cuda-graph-rounds 10 --other-rounds 10 --steps 6 --warmup 2 --eager-rounds 5)
-  BIG=(--model paper_0.7b --context 2048 --micro-batch 8 --backends auto --rounds 3 --steps 3 --warmup 2)
+        --rounds 20 --cuda-graph-rounds 7 --other-rounds 7 --steps 6 --warmup 2 --eager-rounds 7)
+  BIG=(--model paper_0.7b --context 2048 --micro-batch 8 --backends auto --rounds 7 --steps 3 --warmup 2)
   TRAIN+=(model=gpt2_124m micro_batch_size=8 global_batch_tokens=16384 val_every_steps=20 data.val_windows=32
           data.num_workers=2)
   FSDP=(--device cuda --micro-batch 8 --real paper_0.7b:8)  # the paper sizes at world sizes 8 and 64: the defaults
@@ -231,9 +237,9 @@ else  # the same code paths with the tiny model; CPU's kernels are flash and mat
   # (compiled steps of the tiny model: 27 ms with one thread, 300 ms with two under load)
   export TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=1
   TINY=(--device cpu --model tiny --vocab-size 4096 --context 64 --micro-batch 4 --override model.n_layer=2)
-  GPT2=("${TINY[@]}" --backends auto,cudnn,flash,efficient --rounds 3 --cuda-graph-rounds 2 --steps 2 --warmup 1
-        --eager-rounds 2)
-  BIG=("${TINY[@]}" --backends auto --rounds 2 --steps 2 --warmup 1)
+  GPT2=("${TINY[@]}" --backends auto,cudnn,flash,efficient --rounds 7 --cuda-graph-rounds 7 --steps 2 --warmup 1
+        --eager-rounds 7)
+  BIG=("${TINY[@]}" --backends auto --rounds 7 --steps 2 --warmup 1)
   TRAIN+=(model=tiny model.n_layer=2 trainer.accelerator=cpu trainer.precision=32-true micro_batch_size=8
           global_batch_tokens=1024 val_every_steps=4 data.val_windows=4)
   FIRST_STEPS=4 RESUMED_STEPS=8

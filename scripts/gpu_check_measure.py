@@ -305,16 +305,19 @@ def plain_setup(spec, device: torch.device):
 
 
 def paired_rounds(trainers: dict, batches: list, *, rounds: int, steps: int, deadline: Deadline) -> dict:
-    """Per model, the median step time (s) of each round. A round times `steps` steps of SA and of XSA back to back,
-    in an order that alternates between rounds, so drift hits both alike and each round gives one XSA/SA ratio.
-    No round is started that would end past the deadline (the second on: the first is the step's purpose)."""
-    per_round: dict[str, list[float]] = {name: [] for name in trainers}
-    names = list(trainers)
-    for r in range(rounds):
+    """Per model, the median step time (s) of each round, and each round's XSA/SA ratio: the median of its paired
+    log-ratios. A round interleaves `steps` steps of SA and of XSA one by one (xsa_lm.bench.loops.interleaved: ABBA,
+    one synchronisation), so drift within the round hits both alike. No round is started that would end past the
+    deadline (the second on: the first is the step's purpose)."""
+    from xsa_lm.bench.loops import interleaved
+
+    per_round: dict[str, list[float]] = {"sa": [], "xsa": [], "ratio": []}
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        for name in names if r % 2 == 0 else reversed(names):
-            stamps = trainers[name].run(batches, steps)
-            per_round[name].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False)))
+        (sa, _), (xsa, _) = interleaved([trainers["sa"], trainers["xsa"]], batches, steps)
+        per_round["sa"].append(statistics.median(sa))
+        per_round["xsa"].append(statistics.median(xsa))
+        per_round["ratio"].append(math.exp(statistics.median(math.log(x / s) for x, s in zip(xsa, sa, strict=True))))
         if deadline.left() < 2 * (time.perf_counter() - t0):
             break
     return per_round
@@ -327,7 +330,8 @@ def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
     from xsa_lm.bench.stats import TARGETS, mfu_target, summarize
 
     tokens, peak, out = result["tokens_per_step"], result["peak_flops"], {}
-    for name, times in per_round.items():
+    for name in ("sa", "xsa"):
+        times = per_round[name]
         median = statistics.median(times)
         out[name] = {
             "step_ms": 1e3 * median,
@@ -338,8 +342,7 @@ def summarize_phase(per_round: dict, result: dict, *, device_type: str) -> dict:
             mfu = [tokens / t * result["flops_per_token"] / peak for t in times]
             target = mfu_target(result["model"], result["device"])
             out[name]["mfu"] = summarize(mfu, target=target, at_most=False).to_json()
-    ratios = [x / s for x, s in zip(per_round["xsa"], per_round["sa"], strict=True)]
-    ratio = summarize(ratios, target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True).to_json()
+    ratio = summarize(per_round["ratio"], target=TARGETS["xsa_over_sa_step_time"][device_type], at_most=True).to_json()
     resolved = ratio["interval"] is not None and ratio["interval"][1] - ratio["interval"][0] <= RESOLUTION
     ratio |= {"resolution": RESOLUTION, "resolved": resolved}
     return out | {"xsa_over_sa_step_time": ratio, "rounds_done": len(per_round["sa"])}

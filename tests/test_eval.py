@@ -18,6 +18,7 @@ from xsa_lm.eval.run import (
     EvalResult,
     Row,
     Score,
+    check_baseline,
     harness_lm,
     load_tasks,
     minus_baseline,
@@ -141,3 +142,26 @@ def test_eval_md():
         tasks=["t"], limit=3, rows=rows[1:3], xsa_minus_sa=minus_baseline(rows[1:3], ["t"], "sa", "xsa")
     )
     assert_golden("eval_report_limit.md", render(one_each))
+
+
+BASELINES = {  # the checkpoints' arms, baseline -> refused (it would compare nothing)
+    "sa over sa and xsa": (["sa", "xsa"], "sa", False),
+    "xsa over sa and xsa": (["sa", "xsa"], "xsa", False),
+    "the default over one arm": (["xsa"], "sa", False),
+    "a set baseline absent, one arm": (["sa"], "xsa", True),
+    "the default absent, two arms": (["xsa", "xsa_gated"], "sa", True),
+}
+
+
+@pytest.mark.parametrize("arms, baseline, refused", BASELINES.values(), ids=BASELINES.keys())
+def test_a_baseline_that_would_compare_nothing_is_refused(tmp_path: Path, arms: list[str], baseline: str, refused):
+    ckpts = []
+    for i, arm in enumerate(arms):
+        (run := tmp_path / f"run{i}" / "checkpoints").mkdir(parents=True)
+        (run.parent / "config.yaml").write_text(f"attention:\n  name: {arm}\n")
+        ckpts.append(str(run / "last.ckpt"))
+    if refused:
+        with pytest.raises(UserError, match=f"^baseline={baseline} would compare nothing: the checkpoints are of "):
+            check_baseline(ckpts, baseline)
+    else:
+        check_baseline(ckpts, baseline)

@@ -192,6 +192,10 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
         ["train", "-m", "hydra.sweep.dir="],
         ["hydra.sweep.dir is empty", "e.g. hydra.sweep.dir=runs/a"],
     ),
+    **{  # the commands that make no run folder (hydra.run.dir: .), among them one that writes nothing at all
+        f"multirun: {command}": ([command, "--multirun", *args], [f"--multirun: xsa-lm {command} makes no run folder"])
+        for command, args in {"plan": ["attention=sa,xsa"], "generate": ["ckpt=a,b"], "prepare": ["seed=1,2"]}.items()
+    },
     "multirun: run dir": (
         ["train", "-m", "seed=1,2", "hydra.run.dir=x"],
         ["hydra.run.dir is not used under --multirun"],
@@ -205,6 +209,11 @@ COMMAND_LINES = {  # `xsa-lm <args>` -> texts of the one line (a key the command
     "eval lmit": (["eval", "ckpts=[x]", "lmit=3"], ["eval has no key lmit: did you mean limit?"]),
     "plan model.n_layr": (["plan", "model.n_layr=2"], ["plan has no key model.n_layr: did you mean model.n_layer?"]),
     "plan +model.n_layr": (["plan", "+model.n_layr=2"], ["model.n_layr: not an option of the model group (it has"]),
+    "an option of another attention variant": (
+        ["train", "attention=sa", "attention.eps=1e-3"],
+        ["xsa-lm: error: attention=sa takes no option eps (attention=xsa takes it)"],
+    ),
+    "plan: an option no variant takes": (["plan", "attention.epss=0"], ["the chosen attention takes no option epss"]),
     "train optim.lrr": (["train", "optim.lrr=0.1"], ["train has no key optim.lrr: did you mean optim.lr?"]),
     "train another name": (
         ["train", "trainer.accumulate_grad_batches=4"],
@@ -348,3 +357,11 @@ def test_a_printed_override_reads_back_as_the_value(value: str):
     assert word == override("data.dir", value)
     assert OverridesParser.create().parse_override(word).value() == value
     assert (word == f"data.dir={value}") == (value in HYDRA_TAKES_BARE)
+
+
+def test_a_list_of_paths_reads_back_as_the_paths():
+    """The sweep's `xsa-lm eval ckpts=[...]`: each checkpoint path quoted where Hydra would not take it bare."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    paths = [*HYDRA_TAKES_BARE, *QUOTED]
+    assert OverridesParser.create().parse_override(override("ckpts", paths)).value() == paths

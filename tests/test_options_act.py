@@ -3,10 +3,12 @@ the projection off, an option the variant never reads, a setting of the other sc
 
 import re
 from functools import cache
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import compose_train
+from tests.helpers import compose_train, refused_in_process
+from tests.leftovers import nothing_left_behind
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
@@ -35,6 +37,45 @@ def test_a_training_option_that_would_not_act_is_refused(overrides: list[str], l
     assert line in str(refused.value)
 
 
+SWITCHED_OFF = {  # an option of a feature left off (its switch null) -> the one line (a part of it)
+    "a prompt without samples": (["samples.prompt=Hello"], "samples.prompt acts only when samples.every_n_steps"),
+    "sampling's temperature": (["samples.temperature=0"], "samples.temperature acts only when samples.every_n_steps"),
+    "a profile's length without its start": (["profile.steps=5"], "profile.steps acts only when profile.start_step"),
+    "diagnostics' sequences": (["diagnostics.sequences=4"], "diagnostics.sequences acts only when diagnostics.every"),
+    "diagnostics switched off by hand": (
+        ["diagnostics.every_n_steps=null", "diagnostics.chunk=64"],
+        "diagnostics.chunk acts only when diagnostics.every_n_steps is set, and it is null (off)",
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, line", SWITCHED_OFF.values(), ids=SWITCHED_OFF.keys())
+def test_an_option_of_a_switched_off_feature_is_refused(overrides: list[str], line: str):
+    spec = parse(TrainSpec, compose_train(overrides))
+    with pytest.raises(UserError, match=f"^{re.escape(overrides[-1])}: {re.escape(line)}"):
+        spec.refuse_idle_options(overrides)
+
+
+def test_train_refuses_an_option_of_a_switched_off_feature_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, caches: list[Path]
+):
+    """`xsa-lm train` in this process: one line, exit 2, nothing written, not in the caches either (data.dir: were it
+    not refused, the run would end at its missing shards rather than train)."""
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "data=prepared", f"data.dir={tmp_path}", "profile.steps=5", f"hydra.run.dir={tmp_path / 'run'}"]
+    with nothing_left_behind(tmp_path):
+        err = refused_in_process(args, monkeypatch, capsys)
+    assert err.strip().splitlines() == [
+        "xsa-lm: error: profile.steps=5: profile.steps acts only when profile.start_step is set, and it is null (off): "
+        "set profile.start_step=N too, or leave it out"
+    ]
+
+
+def test_an_option_of_a_switched_on_feature_acts():
+    overrides = ["samples.every_n_steps=5", "samples.prompt=Hello", "profile.start_step=1", "profile.steps=5"]
+    parse(TrainSpec, compose_train(overrides)).refuse_idle_options(overrides)
+
+
 def test_a_small_eps_is_taken_as_given():
     spec = parse(TrainSpec, compose_train(["attention=xsa", "attention.eps=1e-3"]))
     assert spec.gpt_config(vocab_size=64).attention_options["eps"] == 1e-3
@@ -43,6 +84,7 @@ def test_a_small_eps_is_taken_as_given():
 OTHER_AXIS = [  # (the study's axis, an override the other axis reads)
     ("size", "scale.tokens_per_param=5"),
     ("size", "scale.sa_budgets=[1,2]"),
+    ("size", "scale.xsa_budgets=[8]"),  # not among SA's either: on the size axis no budget acts
     ("size", "scale.measure_throughput=false"),
     ("tokens", "scale.fit=power_law"),
     ("tokens", "scale.bench=bench/results.json"),

@@ -18,7 +18,8 @@ import scipy.stats
 
 from tests.conftest import cli_env, run_cli
 from tests.golden import assert_golden
-from tests.helpers import assert_clean_error, assert_nothing_written, cli_in_process, refused_in_process
+from tests.helpers import assert_clean_error, cli_in_process, refused_in_process
+from tests.leftovers import nothing_left_behind
 from xsa_lm.errors import UserError
 from xsa_lm.scale.fit import (
     choose_form,
@@ -272,7 +273,7 @@ REFUSALS = {
         ("model=tiny", "model=tiny: model is set by xsa-lm scale for each size; set the sizes with scale.models"),
         ("model.d_model=64", "model.d_model=64: model.d_model is set by xsa-lm scale for each size; each size's model"),
         ("scale.models=[tiny]", "scale.models needs at least two distinct model presets"),
-        ("scale.models=[tiny,nosuch]", "scale.models=['tiny', 'nosuch'] has no model preset nosuch; available: "),
+        ("scale.models=[tiny,nosuch]", "has no model preset nosuch; available: gpt2_124m, paper_0.7b, "),
         ("scale.axis=depth", "scale.axis=depth must be one of size, tokens"),
         ("scale.fit=cubic", "scale.fit=cubic must be one of auto, power_law_offset, power_law"),
         ("scale.bootstrap_resamples=5", "scale.bootstrap_resamples=5 must be >= 100"),
@@ -313,8 +314,16 @@ CASES = [(axis, override, message) for axis, rows in REFUSALS.items() for overri
 
 @pytest.mark.parametrize(("axis", "override", "message"), CASES, ids=[f"{a}:{o}" for a, o, _ in CASES])
 def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, axis, override, message
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    caches: list[Path],
+    axis,
+    override,
+    message,
 ):
+    """The study folder, the working folder and the caches are as they were: not even the folder Hydra made."""
+
     def started(*args, **kwargs) -> None:
         raise AssertionError("a size's sweep or a run started: the refusal came too late")
 
@@ -322,9 +331,22 @@ def test_a_bad_setting_is_refused_in_one_line_before_the_study_folder_or_a_run(
     monkeypatch.setattr(Launcher, "_start", started)
     study_dir = tmp_path / "study"
     args = ["scale", *AXES[axis], *override.split(), f"hydra.run.dir={study_dir}"]
-    lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    with nothing_left_behind(tmp_path):
+        lines = refused_in_process(args, monkeypatch, capsys).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], lines
-    assert_nothing_written(study_dir)
+
+
+def test_the_sizes_run_smallest_first_in_the_order_listed_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    def size_axis(*args, jobs: dict, **kwargs) -> list[str]:
+        raise UserError(f"sizes {list(jobs)}")  # stops the study before any size runs
+
+    monkeypatch.setattr("xsa_lm.scale.run.run_size_axis", size_axis)
+    monkeypatch.setattr("xsa_lm.sweep.run.check_sweep", lambda *size: size)  # its checks have their own tests
+    args = ["scale", *STUDY, "scale.models=[tiny,tiny_d32]", f"hydra.run.dir={tmp_path / 'study'}"]
+    assert "sizes ['tiny_d32', 'tiny']" in refused_in_process(args, monkeypatch, capsys)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

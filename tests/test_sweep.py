@@ -29,6 +29,7 @@ from tests.helpers import (
     run_cli,
     write_local_task,
 )
+from tests.leftovers import nothing_left_behind
 from tests.wandb_records import config, history, run_files, run_record, summary
 from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.errors import UserError
@@ -938,6 +939,7 @@ def _wait_until_gone(pid: int, timeout: float = 30.0) -> None:
 # Each setting a sweep takes, wrong: refused in one line before the sweep directory exists or any trial starts.
 SWEEP_REFUSALS = [
     ("sweep.diverge_above=-1", "sweep.diverge_above=-1 must be > 0"),
+    ("samples.prompt=Hi", "samples.prompt=Hi: samples.prompt acts only when samples.every_n_steps is set"),  # trials'
     ("sweep.margin=-0.1", "sweep.margin=-0.1 must be >= 0"),
     ("sweep.diverge_above=inf", "sweep.diverge_above=inf must be a finite number"),
     ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
@@ -997,15 +999,21 @@ SLOW_REFUSALS = {"sweep.eval_tasks=[nosuch]"}  # lm-eval's task index is read: s
     [pytest.param(o, m, id=o, marks=[pytest.mark.slow] if o in SLOW_REFUSALS else []) for o, m in SWEEP_REFUSALS],
 )
 def test_a_bad_setting_is_refused_in_one_line_before_the_sweep_folder_or_a_trial(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, override: str, message: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    caches: list[Path],
+    override: str,
+    message: str,
 ) -> None:
-    """In its default folder: Hydra made outputs/sweep/<time> before the job's checks, and all three go again."""
+    """In its default folder: Hydra made outputs/sweep/<time> before the job's checks, and all three go again; the
+    working folder and the caches are as they were."""
     monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
     monkeypatch.chdir(tmp_path)
-    stderr = refused_in_process(["sweep", *SWEEP_FAST, *override.split()], monkeypatch, capsys)
+    with nothing_left_behind(tmp_path):
+        stderr = refused_in_process(["sweep", *SWEEP_FAST, *override.split()], monkeypatch, capsys)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsa-lm: error: ") and message in lines[0], stderr
-    assert not any(tmp_path.iterdir())
 
 
 def test_a_search_only_sweep_plans_the_baseline_search_alone() -> None:

@@ -76,13 +76,25 @@ def check_command_line(args: list[str]) -> str | None:
     return None
 
 
+def multirun_problem(command: str, args: list[str]) -> str | None:
+    """A command that writes into the working folder only what it is told (hydra.run.dir: .) has no run folder for
+    --multirun's jobs: Hydra would leave outputs/multirun/... behind."""
+    if not any(a in MULTIRUN_FLAGS for a in args):
+        return None
+    settings = yaml.safe_load(files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()) or {}
+    if settings.get("hydra", {}).get("run", {}).get("dir") != ".":
+        return None
+    only = "it writes only what it is told"
+    return f"--multirun: xsa-lm {command} makes no run folder for the jobs ({only}): run it once per setting"
+
+
 def run_hydra(command: str, main: Callable[[], None], args: list[str]) -> None:
     """A command's Hydra main with `args`; a bad command line ends in one line, exit code 2."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     with errors.exit_on_user_error():
-        problem = check_command_line(args)
+        problem = check_command_line(args) or multirun_problem(command, args)
         if problem:
             raise UserError(problem)
     sys.argv = [sys.argv[0], *flags_first(args)]  # Hydra reads its overrides from sys.argv[1:]
@@ -137,6 +149,11 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
     key, mapping = typo[1], typo[1].rpartition(".")[0]
     if mapping in OPEN_MAPPINGS:
         return f"{command} has no key {key} yet: add {OPEN_MAPPINGS[mapping]} with +{key}=[...]"
+    if mapping == "attention" and command in ("train", "plan"):  # an option of another attention variant
+        option, variants = key.partition(".")[2], files("xsa_lm.configs").joinpath("attention")
+        chosen = next((o for o in overrides if override_key(o) == "attention"), "the chosen attention")
+        takers = [f"attention={f.name[:-5]}" for f in variants.iterdir() if f"\n{option}:" in f"\n{f.read_text()}"]
+        return f"{chosen} takes no option {option}" + (f" ({', '.join(takers)} takes it)" if takers else "")
     from xsa_lm.config.spec import all_fields
 
     text = files("xsa_lm.configs").joinpath(f"{command}.yaml").read_text()  # its own keys: read, not composed
@@ -150,15 +167,14 @@ def hydra_problem(command: str, error: BaseException, args: list[str]) -> str:
 
 def check_job(command: str, choices: dict[str, str | None], config: dict[str, Any], run_dir: Path | None) -> None:
     """Refused before every job: a group's shared part as an option (data=_base), a `???` value, another's folder."""
+    from xsa_lm.config.spec import group_options, require_values
+
     for group, option in choices.items():
         if option is not None and Path(str(option)).name.startswith("_"):  # data/_base.yaml: shared settings
-            folder = files("xsa_lm.configs").joinpath(group)
-            names = sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
             raise UserError(
                 f"{group}={option} is not an option (it holds settings the {group} options share); choose one "
-                f"of: {', '.join(n for n in names if n[0] != '_')}"
+                f"of: {', '.join(group_options(group))}"
             )
-    from xsa_lm.config.spec import require_values
 
     require_values(config)
     elsewhere = another_commands_folder(command, run_dir) if run_dir is not None else None
@@ -213,7 +229,9 @@ def override_key(override: str) -> str:
 def override(key: str, value: object) -> str:
     """`key=value` as Hydra reads it back as the string `value` (an argument of a command this program starts): the
     value quoted for Hydra where its grammar would not take it bare (a non-ASCII character, `~`, `,`, `=`, a bracket,
-    a value read as a number)."""
+    a value read as a number); a list, each of its elements so."""
+    if isinstance(value, list):
+        return f"{key}=[{','.join(override(key, element).partition('=')[2] for element in value)}]"
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Quote, QuotedString
     from hydra.errors import HydraException

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property, partial
+from importlib.resources import files
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, OmegaConf
@@ -45,6 +46,12 @@ AROUND_TRAINING = (
 )
 S = TypeVar("S", bound=BaseModel)
 HYDRA_KEY = re.compile(r"_\w+_")  # instantiate's own keys (_args_, _partial_): not keyword arguments
+
+
+def group_options(group: str) -> list[str]:
+    """What `<group>=` selects: configs/<group>/*.yaml but a part the options share (_base.yaml)."""
+    names = (p.name for p in files("xsa_lm.configs").joinpath(group).iterdir())
+    return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml") and not n.startswith("_"))
 
 
 class Spec(BaseModel):
@@ -444,6 +451,9 @@ class ProfileSpec(Spec):
     steps: Count = Field(description="optimizer steps traced")
 
 
+SWITCHED_ON_BY = {"diagnostics": "every_n_steps", "samples": "every_n_steps", "profile": "start_step"}  # null: off
+
+
 class PrepareSpec(Spec):
     """configs/prepare.yaml: `xsa-lm prepare`'s data and tokenizer."""
 
@@ -550,6 +560,17 @@ class TrainSpec(Spec):
                 f"{self.trainer.max_steps}: the trace would be cut short or never start; profile earlier steps"
             )
         return self
+
+    def refuse_idle_options(self, overrides: list[str]) -> None:
+        """An option of a switched-off group (SWITCHED_ON_BY) given on the command line would do nothing: refused."""
+        for override in overrides:
+            group, _, key = override.split("=", 1)[0].lstrip("~+").partition(".")
+            switch = SWITCHED_ON_BY.get(group)
+            if switch is not None and key not in ("", switch) and getattr(getattr(self, group), switch) is None:
+                raise UserError(
+                    f"{override}: {group}.{key} acts only when {group}.{switch} is set, and it is null (off): "
+                    f"set {group}.{switch}=N too, or leave it out"
+                )
 
     @property
     def block_size(self) -> int:

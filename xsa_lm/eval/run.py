@@ -46,7 +46,7 @@ def _limit(value: object) -> str | None:
 
 class EvalOptions(Spec):
     ckpts: Texts
-    baseline: str  # the attention option every other arm is compared with
+    baseline: str = "sa"  # the attention option every other arm is compared with
     tasks: str | list[str] | None
     limit: Annotated[int | float | None, rule(_limit)]
     batch_size: Count
@@ -217,6 +217,21 @@ def evaluate(
     return compared(result, items)
 
 
+def check_baseline(ckpts: list[str], baseline: str) -> None:
+    """The baseline compares where the checkpoints hold it and another arm: one set where it cannot (or absent among
+    several arms) is refused before any scoring. Judged by each run's config.yaml; without one, not judged."""
+    saved = [run_dir_of(Path(ckpt).expanduser()) / "config.yaml" for ckpt in ckpts]
+    names = [OmegaConf.select(OmegaConf.load(f), "attention.name") if f.is_file() else None for f in saved]
+    arms = sorted({str(name) for name in names if name is not None})
+    if None in names or (baseline in arms and len(arms) > 1):
+        return
+    if len(arms) > 1 or baseline != EvalOptions.model_fields["baseline"].default:
+        raise UserError(
+            f"baseline={baseline} would compare nothing: the checkpoints are of {', '.join(arms)}, and a comparison "
+            f"needs the baseline's and another arm's; set baseline to one of them, or add checkpoints of {baseline}"
+        )
+
+
 def arm_of(checkpoint: Path, model: GPT) -> str:
     """The attention option the checkpoint's run trained (its config.yaml), else the model's attention."""
     saved = run_dir_of(checkpoint) / "config.yaml"
@@ -325,10 +340,10 @@ def log_to_wandb(result: EvalResult, mode: str) -> None:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     options = parse(EvalOptions, cfg)  # wandb too: before any scoring
+    ckpts = checkpoint_list(options.ckpts)
+    check_baseline(ckpts, options.baseline)
     require_harness()
-    result = evaluate(
-        checkpoint_list(options.ckpts), options.tasks, options.limit, options.batch_size, options.baseline
-    )
+    result = evaluate(ckpts, options.tasks, options.limit, options.batch_size, options.baseline)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "eval.md", render(result) + "\n")
     write_json(out / "eval.json", result.to_json())  # last: it marks a finished eval's folder, which a rerun refuses

@@ -367,17 +367,23 @@ class TokenJob:
         return budget.launcher(TrialStore(self.dir / phase), group, "scale")
 
 
-def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
-    """A size of the token axis, its runs checked, and its largest SA budget against the data (repeats flatten SA)."""
+def non_embedding_params(train: TrainSpec) -> int:
+    """A size's measure: the sizes of a study run and are reported smallest first, in whatever order they are listed."""
     import torch
 
-    from xsa_lm.data.run import prepare_data
     from xsa_lm.model.gpt import GPT
+
+    with torch.device("meta"):  # the count needs the shapes only
+        return GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+
+
+def token_job(study_dir: Path, overrides: list[str], model: str, scale: ScaleSpec, seeds: list[int]) -> TokenJob:
+    """A size of the token axis, its runs checked, and its largest SA budget against the data (repeats flatten SA)."""
+    from xsa_lm.data.run import prepare_data
 
     train, spec, runs, config = size_config(overrides, model, seeds)
     sweep = sweeps.SweepJob(spec, [], seeds, runs, train.logger.wandb, config)
-    with torch.device("meta"):  # the count needs the shapes only
-        params = GPT(train.gpt_config(train.model.vocab_size or 64)).num_params(non_embedding=True)
+    params = non_embedding_params(train)
     batch = train.global_batch_tokens
     size = TokenJob(model, study_dir / "sizes" / model, sweep, params, batch, train.model.block_size, scale)
     budgets = sorted({*scale.sa_budgets, *scale.xsa_budgets})
@@ -667,7 +673,11 @@ def check_study(
         raise UserError(f"{name}=[]: {compared}, which needs compare seeds")
     if scale.axis == "size":
         bench = load_bench(scale.bench, arms=arms)
-        jobs = {model: sweeps.check_sweep(*size_config(overrides, model, scale.seeds)) for model in scale.models}
+        configs = {model: size_config(overrides, model, scale.seeds) for model in scale.models}
+        jobs = {
+            m: sweeps.check_sweep(*configs[m])
+            for m in sorted(configs, key=lambda m: non_embedding_params(configs[m][0]))
+        }
         planned = scale.model_dump(include=set(PLAN_EARLIER) - {"arms", "measure_throughput"})
         return planned, partial(run_size_axis, scale=scale, jobs=jobs, bench=bench, arms=arms)
     sweeps.passed_on(overrides, "scale", SET_BY_TOKEN_AXIS, setter="scale.axis=tokens")
@@ -689,7 +699,9 @@ def check_study(
         **of_scale,
         **of_sweep,
     )
-    sizes = [token_job(study_dir, overrides, model, scale, seeds) for model in scale.models]
+    sizes = sorted(
+        (token_job(study_dir, overrides, model, scale, seeds) for model in scale.models), key=lambda s: s.params
+    )
     return plan.to_json(), partial(run_token_axis, scale=scale, plan=plan, sizes=sizes)
 
 

@@ -259,7 +259,7 @@ def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: fl
     for arm in trained:
         trial = Trial(arm, lr, spec.search_seeds[0])
         cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec.baseline)])
-        parse(TrainSpec, cfg)
+        parse(TrainSpec, cfg).refuse_idle_options(overrides)  # as each trial's `xsa-lm train` will
         if arm != protocol.NULL and cfg.attention.name != arm:  # trials, records and reports go by the arm's name
             raise UserError(
                 f"the attention option {arm} has name: {cfg.attention.name}: an arm's name must be its option's name; "
@@ -370,7 +370,7 @@ def downstream_evaluation(
             f"kept in {kept}, and the table shown is this run's evaluation in {out}"
         )
     listed = f"[{','.join(map(str, tasks))}]" if isinstance(tasks, list) else str(tasks)
-    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", f"ckpts=[{','.join(ckpts)}]", f"tasks={listed}"]
+    cmd = [sys.executable, "-m", "xsa_lm.cli", "eval", command_line.override("ckpts", ckpts), f"tasks={listed}"]
     cmd += [f"baseline={baseline}", command_line.override("hydra.run.dir", out)] + ([f"limit={limit}"] if limit else [])
     print(f"phase 4: downstream evaluation of {len(ckpts)} checkpoints ({listed})")
     failed = run_logged(cmd, store.logs / "eval.log")

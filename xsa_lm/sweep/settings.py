@@ -1,7 +1,6 @@
 """The settings of `xsa-lm sweep` (configs/sweep/paper.yaml) and `xsa-lm scale` (configs/_scale.yaml) as specs: each
 field owns its type and range, and `xsa_lm.config.spec.parse` refuses a bad value in one line."""
 
-import importlib.resources
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from xsa_lm.config.spec import SEED_MAX, Spec, rule
+from xsa_lm.config.spec import SEED_MAX, Spec, group_options, rule
 from xsa_lm.errors import UserError
 
 
@@ -89,10 +88,9 @@ def eval_tasks(value: Any) -> str | None:
 
 
 def presets(value: Any) -> str | None:
-    folder = importlib.resources.files("xsa_lm.configs") / "model"
-    known = sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+    known = group_options("model")
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value) or len(set(value)) != len(value):
-        return "must be a list of distinct model presets, smallest first, e.g. [tiny_d32,tiny_d64,tiny_d96,tiny]"
+        return "must be a list of distinct model presets, e.g. [tiny_d32,tiny_d64,tiny_d96,tiny]"
     unknown = [m for m in value if m not in known]
     return f"has no model preset {', '.join(unknown)}; available: {', '.join(known)}" if unknown else None
 
@@ -272,9 +270,7 @@ class ScaleSpec(Spec):
         sa, xsa = sorted(self.sa_budgets), sorted(self.xsa_budgets)
         if self.axis == "size":
             if len(self.models) < 2:
-                raise UserError(
-                    f"scale.models needs at least two distinct model presets, smallest first, got {self.models}"
-                )
+                raise UserError(f"scale.models needs at least two distinct model presets, got {self.models}")
             return self
         if not self.models:
             raise UserError("scale.models needs a model preset, e.g. scale.models=[tiny_l3_d48]")

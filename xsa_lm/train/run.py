@@ -494,6 +494,7 @@ def main(cfg: DictConfig) -> None:
             overrides = list(HydraConfig.get().overrides.task)
             config, notes = continuation_config(config, defaults, overrides, run_dir)
             spec = parse(TrainSpec, config)
+        spec.refuse_idle_options(list(HydraConfig.get().overrides.task))
         # A tokenizer chosen on the command line: prepared shards must have been made with it.
         explicit = any(override_key(o).split(".")[0] == "tokenizer" for o in HydraConfig.get().overrides.task)
         summary = train(spec, config, run_dir, resume_notes=notes, explicit_tokenizer=explicit)
