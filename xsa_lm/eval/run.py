@@ -340,9 +340,9 @@ def log_to_wandb(result: EvalResult, mode: str) -> None:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     options = parse(EvalOptions, cfg)  # wandb too: before any scoring
+    require_harness()  # first: a missing extra is the first thing to fix
     ckpts = checkpoint_list(options.ckpts)
     check_baseline(ckpts, options.baseline)
-    require_harness()
     result = evaluate(ckpts, options.tasks, options.limit, options.batch_size, options.baseline)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "eval.md", render(result) + "\n")
