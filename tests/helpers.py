@@ -167,6 +167,18 @@ def assert_nothing_written(folder: Path) -> None:
 
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, head_dim=16, vocab_size=64, block_size=16)
+# Gated XSA with grouped heads: every input of the XSA ops (the gate, GQA broadcasting) in one small layer
+GATED_GQA = dict(
+    n_layer=1,
+    d_model=32,
+    n_head=4,
+    head_dim=8,
+    n_kv_head=2,
+    vocab_size=64,
+    block_size=16,
+    attention="xsa",
+    xsa_gate=True,
+)
 
 
 def lightning_checkpoint(config: GPTConfig) -> dict:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import GATED_GQA
 from xsa_lm.model import (
     GPT,
     CausalSelfAttention,
@@ -354,17 +355,7 @@ def test_output_projection_saves_fp32_coefficients_under_autocast():
 def test_xsa_ops_run_on_the_meta_device_under_autocast():
     """Shape-only runs (meta tensors, as a memory rehearsal makes them) go through the ops' fake kernels: a training
     step's shapes and dtypes, autocast on (which meta tensors do not take)."""
-    config = GPTConfig(
-        n_layer=1,
-        d_model=32,
-        n_head=4,
-        head_dim=8,
-        n_kv_head=2,
-        vocab_size=64,
-        block_size=16,
-        attention="xsa",
-        xsa_gate=True,
-    )
+    config = GPTConfig(**GATED_GQA)
     with torch.device("meta"):
         model = GPT(config)
         idx = torch.randint(0, 64, (2, 16))

@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
+from tests.helpers import GATED_GQA
 from xsa_lm.model import GPT, GPTConfig, generate, xsa
 from xsa_lm.train.module import LMModule, compile_model
 
@@ -29,17 +30,7 @@ def test_the_model_compiles_without_graph_breaks(variant: dict):
 def xsa_model() -> GPT:
     """Gated XSA with grouped heads, the gate away from zero so that its gradient is checked too."""
     torch.manual_seed(0)
-    config = GPTConfig(
-        n_layer=1,
-        d_model=32,
-        n_head=4,
-        head_dim=8,
-        n_kv_head=2,
-        vocab_size=64,
-        block_size=16,
-        attention="xsa",
-        xsa_gate=True,
-    )
+    config = GPTConfig(**GATED_GQA)
     model = GPT(config)
     with torch.no_grad():
         model.blocks[0].attn.gate.fill_(0.5)
