@@ -50,6 +50,7 @@ def compiled_step(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[str
     return run_and_get_code(step)
 
 
+@pytest.mark.long  # two compiles of a training step (~30 s on 2 cores); the graph-break test above stays in make test
 @pytest.mark.parametrize("compiled_body", [False, True])
 def test_xsa_runs_as_opaque_custom_ops_in_the_compiled_graph(compiled_body: bool, monkeypatch):
     """Inductor calls XSA's ops as they are: the model's generated code calls them and none of its kernels computes
