@@ -295,6 +295,7 @@ REFUSALS = {
         ("scale.xsa_budgets=[4]", "scale.xsa_budgets must lie within SA's budgets [0.5, 2]"),
         ("scale.warmup_fraction=1", "scale.warmup_fraction=1 must be < 1"),
         ("scale.tokens_per_param=0", "scale.tokens_per_param=0 must be > 0"),
+        ("scale.measure_throughput=true scale.bench_rounds=2", "scale.bench_rounds=2 must be >= 6"),
         (
             "trainer.max_steps=100",
             "trainer.max_steps=100: trainer.max_steps is set by scale.axis=tokens; each run's steps",

@@ -108,7 +108,7 @@ def test_a_token_study_of_other_arms_trains_and_benches_each_arm_by_name(tmp_pat
         "scale.models=[tiny_l3_d48]",
         "scale.seeds=[2,3]",
         "scale.measure_throughput=true",
-        "scale.bench_rounds=2",
+        "scale.bench_rounds=6",
         "sweep.search_seeds=[0]",
         "sweep.lr_grids.tiny_l3_d48=[3e-2]",
         "sweep.baseline=xsa",

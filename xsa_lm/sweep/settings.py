@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from xsa_lm.bench.stats import MIN_ROUNDS
 from xsa_lm.config.spec import SEED_MAX, Spec, group_options, rule
 from xsa_lm.errors import UserError
 
@@ -250,7 +251,7 @@ class ScaleSpec(Spec):
     warmup_fraction: float | None = Field(ge=0, lt=1, description="the share of each run's steps warming up")
     allow_repeated_data: bool  # false: a budget past one epoch is refused
     measure_throughput: bool  # xsa-lm bench SA vs XSA at each size
-    bench_rounds: int = Field(ge=2)  # of the throughput bench
+    bench_rounds: int = Field(ge=MIN_ROUNDS)  # of the throughput bench: the fewest with a 95% interval
     bench: str | None  # a results.json of `xsa-lm bench` (scale/run.py load_bench)
 
     def refuse_other_axis(self, overrides: list[str]) -> None:
