@@ -78,6 +78,7 @@ def test_a_relative_data_dir_is_the_one_beside_where_the_run_started(
     assert_clean_error(gone, f"data.dir={tmp_path / 'shards'} does not exist: restore it, or run `xsa-lm prepare")
 
 
+@pytest.mark.long  # a run and its resume from another folder (~15 s)
 def test_a_resume_from_elsewhere_reads_the_files_and_tokenizer_the_run_started_with(
     prepared: Path, data_cache: Path, tmp_path: Path
 ):

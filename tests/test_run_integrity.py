@@ -379,6 +379,7 @@ def test_continuation_takes_the_saved_config_and_only_free_changes(tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two runs (~17 s)
 def test_a_last_step_off_the_validation_grid_still_reaches_best_ckpt(data_cache: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     out = run_cli([*XSA, "trainer.max_steps=25", f"hydra.run.dir={run_dir}"], data_cache, tmp_path)
