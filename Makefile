@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) tests/constraints.txt
 install: $(STAMP)
 
 # The paper's protocol at toy scale on the bundled Shakespeare corpus: LR search on SA, then SA vs XSA at the
-# selected LR for 2 seeds, and the report (about 8 minutes on 2 idle cores plus about 1-2 minutes of install: 7
-# trials of ~1 min). Into outputs/demo/<time>/.
+# selected LR for 2 seeds, and the report: 7 trials of ~1 min, about 8 minutes on 2 idle cores plus about 1 minute of
+# install (9 min in all). Into outputs/demo/<time>/.
 demo: $(STAMP)
 	$(BIN)/xsa-lm sweep experiment=demo sweep=demo hydra.run.dir=outputs/demo/$$(date +%Y-%m-%d_%H-%M-%S)
 
