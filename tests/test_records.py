@@ -43,6 +43,7 @@ SUMMARY = {  # summary.json as `xsa-lm train` writes it
     "run_dir": "runs/xsa_lr0.003_s1",
     "checkpoints": {"last": "runs/xsa_lr0.003_s1/checkpoints/last.ckpt", "best": None},
     "model_config": {"vocab_size": 512, "n_layer": 2},
+    "code": {"package": "0.1.0", "commit": "a" * 40, "dirty": False, "source_sha256": "b" * 64, "torch": "2.5.1"},
 }
 
 
@@ -74,6 +75,7 @@ def test_a_summary_round_trips_and_what_the_sweep_makes_of_it() -> None:
     trial = TrialRecord(id="xsa_lr0.003_s1", phase="compare", attention="xsa", lr=0.003, seed=1, status="running")
     ended = trial.ended(outcome(0, summary, "", None), returncode=0)
     assert (ended.status, ended.final_val_loss, ended.steps, ended.returncode) == ("completed", 5.1, 40, 0)
+    assert ended.code == summary.code  # what a rerun compares before reusing the trial
 
 
 REFUSED = {  # (record, the file's content) -> the one line after its path

@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import FAST, run_cli, train_losses
 from xsa_lm.config import command_line
+from xsa_lm.train.runinfo import code_version
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,8 @@ def test_a_multirun_trains_both_attention_types_and_their_loss_falls(data_cache:
         assert train_keys | {"val/loss", "val/ppl", "val/bpb"} <= set(header)
         info = json.loads((run_dir / "run_info.json").read_text())
         assert info["versions"]["torch"] and info["versions"]["lightning"] and info["hardware"]["cpu_count"]
-        assert "commit" in info["git"]
+        assert summary["code"] == code_version().to_json()  # what a study compares before reusing the run
+        assert info["git"] == {"commit": summary["code"]["commit"], "dirty": summary["code"]["dirty"]}
         assert info["command"][1] == "train" and info["command"][-1] == f"hydra.sweep.dir={sweep}"  # as typed
         config = (run_dir / "config.yaml").read_text()
         assert f"name: {attention}" in config and "lr: 0.003" in config

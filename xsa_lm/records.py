@@ -62,6 +62,25 @@ class Record:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CodeVersion(Record):
+    """The code that trained a run (xsa_lm.train.runinfo.code_version); `source_sha256` and `torch` identify it."""
+
+    package: str | None  # the installed xsa-lm version
+    commit: str | None  # None: not run from a git checkout
+    dirty: bool | None
+    source_sha256: str  # of the package's .py files and bundled config .yaml files
+    torch: str
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        return self.source_sha256, self.torch
+
+    def __str__(self) -> str:
+        commit = f"commit {self.commit[:12]}{'+dirty' if self.dirty else ''}" if self.commit else "no git commit"
+        return f"xsa-lm {self.package} {commit} (source {self.source_sha256[:8]}, torch {self.torch})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary(Record):
     """summary.json: how a run ended and what it was (the sweep's trials and the scaling study read it)."""
 
@@ -90,4 +109,5 @@ class RunSummary(Record):
     run_dir: str
     checkpoints: dict[str, str | None] = dataclasses.field(default_factory=dict)
     model_config: dict[str, Any]
+    code: CodeVersion | None = None  # None: a run from before xsa-lm recorded it
     schema: int = 1

@@ -11,6 +11,7 @@ from xsa_lm.records import JsonObject, Record
 from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, render, saved_figure, write_report_files
 from xsa_lm.scale.token_axis import STALL_MARGIN, PooledK
 from xsa_lm.sweep.protocol import NULL
+from xsa_lm.sweep.trials import CodeRuns
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class ScaleStudyResult(Record):
     sizes: list[SizeResult]
     bench: BenchRatio | None = None  # scale.bench's candidate/baseline step time
     arms: Arms = field(default_factory=Arms)
+    code: list[CodeRuns] = field(default_factory=list)  # the runs by the code that trained them
     schema: int = 1
 
 
@@ -180,6 +182,7 @@ class TokenStudyResult(Record):
     pooled: PooledK | None = None
     warnings: list[str] = field(default_factory=list)
     reanalysed: str | None = None  # the day a saved study was analysed again (scale.run.reanalyse)
+    code: list[CodeRuns] = field(default_factory=list)  # the runs by the code that trained them
     schema: int = 1
 
 

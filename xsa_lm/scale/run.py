@@ -38,7 +38,16 @@ from xsa_lm.sweep import run as sweeps
 from xsa_lm.sweep.protocol import FINISHED, NULL, Selection, Trial, check_seeds
 from xsa_lm.sweep.report import SweepResult, bpb_stats
 from xsa_lm.sweep.settings import ScaleSpec, SweepSpec
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, run_logged
+from xsa_lm.sweep.trials import (
+    Launcher,
+    TrialRecord,
+    TrialStore,
+    finished_records,
+    refuse_other_code,
+    run_logged,
+    runs_by_code,
+)
+from xsa_lm.train.runinfo import code_version
 
 SIZE_KEYS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "mlp_ratio")  # what makes the sizes differ
 PRESET_SETS_IT = "each size's model preset sets it (one value for all would make the sizes one model); set the sizes"
@@ -721,7 +730,13 @@ def run_size_axis(
     sizes = [run_size(model, job, study_dir=study_dir, group=group) for model, job in jobs.items()]
     analysis = analyse(sizes, scale.fit, scale.bootstrap_resamples, scale.bootstrap_seed, bench, arms)
     results = report.ScaleStudyResult(
-        **vars(identity), models=list(jobs), seeds=scale.seeds, bench=bench, arms=arms, **vars(analysis)
+        **vars(identity),
+        models=list(jobs),
+        seeds=scale.seeds,
+        bench=bench,
+        arms=arms,
+        code=runs_by_code(finished_records(study_dir)),
+        **vars(analysis),
     )
     report.write_report(results, study_dir)
     wandb = next(iter(jobs.values())).wandb
@@ -742,7 +757,8 @@ def run_token_axis(
         entries.append(replace(entry, bench=bench))
     budgets = plan.sa_budgets, plan.xsa_budgets
     analysis = analyse_tokens(entries, *budgets, seed=scale.bootstrap_seed, margin=plan.margin, arms=plan.arms)
-    results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, **vars(analysis))
+    code = runs_by_code(finished_records(study_dir))
+    results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, code=code, **vars(analysis))
     report.write_report(results, study_dir)
     return unfinished(results)
 
@@ -767,6 +783,7 @@ def main(cfg: DictConfig) -> None:
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         scale.refuse_other_axis(HydraConfig.get().overrides.task)
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
+        refuse_other_code(study_dir, sweep.allow_mixed_code, code_version())
         plan, run = check_study(scale, sweep, study_dir, overrides)
         state, holds = study_dir / "scale.json", "a scaling study with the overrides"
         group = wandb.group if wandb else None

@@ -22,7 +22,7 @@ from xsa_lm.stats.paired import (
 from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
 from xsa_lm.sweep.settings import StallRule
 from xsa_lm.sweep.stalls import StallStudy, stall_study
-from xsa_lm.sweep.trials import TrialRecord
+from xsa_lm.sweep.trials import CodeRuns, TrialRecord, runs_by_code
 
 
 def ci_text(ci: Sequence[float] | None) -> str:
@@ -245,6 +245,7 @@ class SweepResult(Record):
     positions: PositionDifferences | None = None  # XSA - SA per span of window positions
     null: NullComparison | None = None  # the A/A null of sweep.null_arm
     more_candidates: list[CandidateResult] = field(default_factory=list)  # the candidates after the first
+    code: list[CodeRuns] = field(default_factory=list)  # the finished runs by the code that trained them
     schema: int = 1
 
     @property
@@ -331,6 +332,7 @@ def build_results(
         stalls=first.stalls,
         trials=trials,
         more_candidates=more,
+        code=runs_by_code(trials),
     )
 
 

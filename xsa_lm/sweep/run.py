@@ -37,7 +37,17 @@ from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
 from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
-from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, run_logged, trial_settings
+from xsa_lm.sweep.trials import (
+    RETRY_DAMAGED,
+    Launcher,
+    TrialRecord,
+    TrialStore,
+    gpu_slots,
+    refuse_other_code,
+    run_logged,
+    trial_settings,
+)
+from xsa_lm.train.runinfo import code_version
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
     "attention": "the sweep trains each arm: choose them with sweep.baseline and sweep.candidates",
@@ -474,6 +484,7 @@ def main(cfg: DictConfig) -> None:
     def sweep(sweep_dir: Path, overrides: list[str]) -> tuple[SweepResult, str]:
         train, spec = parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
         config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+        refuse_other_code(sweep_dir, spec.allow_mixed_code, code_version())
         return run_sweep(check_sweep(train, spec, overrides, config), sweep_dir)
 
     sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, sweep)

@@ -130,6 +130,7 @@ class SweepSpec(Spec):
     null_arm: bool  # an A/A null beside the comparison
     tune_xsa: bool  # also grid-search XSA
     stall: dict[Literal["at_fraction", "margin", "loss_threshold"], float | None] | None  # StallRule checks them
+    allow_mixed_code: bool = False  # reuse runs trained by other code (not in the plan: a rerun may switch it)
     diverge_above: float | None = Field(
         gt=0, description="a final val loss above it counts as diverged; null: ln(vocab size)"
     )

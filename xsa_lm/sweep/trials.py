@@ -25,7 +25,7 @@ from submitit.local.local import LocalJob
 from xsa_lm.config.command_line import override, pasteable
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
-from xsa_lm.records import Record, RunSummary
+from xsa_lm.records import CodeVersion, Record, RunSummary
 from xsa_lm.sweep import jobs
 from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
 from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
@@ -68,6 +68,7 @@ class TrialRecord(Record):
     returncode: int | None = None
     finished: float | None = None
     reused: bool = False  # in a sweep's results.json: a run of another phase that this phase reuses
+    code: CodeVersion | None = None  # what trained it (its summary.json's); None: a run from before it was recorded
     schema: int = 1
 
     def ended(self, outcome: "Outcome", returncode: int | None) -> "TrialRecord":
@@ -113,6 +114,47 @@ class TrialStore:
     def is_final(self, trial: Trial) -> bool:
         record = self.load(trial)
         return record is not None and record.status in FINISHED
+
+
+def finished_records(folder: Path) -> list[TrialRecord]:
+    """The final trial records of a sweep's or a study's folder (trials/*.json at any depth): the runs it reuses."""
+    records = (TrialRecord.read(path, then=RETRY_DAMAGED) for path in sorted(folder.glob("**/trials/*.json")))
+    return [record for record in records if record.status in FINISHED]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeRuns(Record):
+    """The trials one code version trained (None: trained before xsa-lm recorded it): a report's row."""
+
+    code: CodeVersion | None
+    trials: list[str]
+
+
+def runs_by_code(records: Sequence[TrialRecord]) -> list[CodeRuns]:
+    """The finished trials by the code that trained them, the version with most runs first."""
+    groups: dict[tuple[str, str] | None, list[TrialRecord]] = {}
+    for record in {r.id: r for r in records if r.status in FINISHED}.values():  # a reused trial once
+        groups.setdefault(record.code.identity if record.code else None, []).append(record)
+    rows = [CodeRuns(code=runs[0].code, trials=sorted(r.id for r in runs)) for runs in groups.values()]
+    return sorted(rows, key=lambda row: -len(row.trials))
+
+
+def refuse_other_code(folder: Path, allow_mixed_code: bool, running: CodeVersion) -> None:
+    """A rerun reuses the folder's finished trials: one trained by other code than `running` (another source or
+    torch, or none recorded) is refused before anything starts, unless sweep.allow_mixed_code."""
+    rows = runs_by_code(finished_records(folder))
+    other = [row for row in rows if row.code is None or row.code.identity != running.identity]
+    if allow_mixed_code or not other:
+        return
+    ids = [trial for row in other for trial in row.trials]
+    named = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+    versions = "; ".join(str(row.code) if row.code else "no recorded code version" for row in other[:2])
+    versions += "; ..." if len(other) > 2 else ""
+    raise UserError(
+        f"{folder} holds {len(ids)} finished run(s) that this rerun would reuse, trained by other code: {named} by "
+        f"{versions}; this is {running}: use another hydra.run.dir, or mix them with "
+        "sweep.allow_mixed_code=true (the report lists the runs by code version)"
+    )
 
 
 @dataclass(frozen=True)

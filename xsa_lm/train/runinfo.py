@@ -1,5 +1,6 @@
 """What makes a run self-describing: versions, git state, hardware, command line."""
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -7,13 +8,16 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import xsa_lm
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
+from xsa_lm.records import CodeVersion
 from xsa_lm.train.devices import uses_cuda
 
 SdpaKernels = dict[str, Any]  # order: the SDPA kernels a run allows, most preferred first; used: the one it runs
@@ -30,7 +34,7 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def git_state() -> dict[str, str | bool | None]:
+def git_state() -> tuple[str | None, bool | None]:
     """Commit and dirty flag of the source tree the package runs from (None outside a git checkout)."""
     repo = Path(__file__).resolve().parents[2]
 
@@ -43,7 +47,36 @@ def git_state() -> dict[str, str | bool | None]:
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain") if commit else None
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    return commit, bool(status) if status is not None else None
+
+
+def source_sha256() -> str:
+    """sha256 over the package's .py files and bundled config .yaml files, each by its path in the package, sorted:
+    the same for an installed package and a checkout of the same source."""
+    root = Path(xsa_lm.__file__).parent
+    files = [
+        Path(folder, name)
+        for folder, _, names in os.walk(root, followlinks=True)  # configs/ is a link in a checkout
+        for name in names
+        if name.endswith((".py", ".yaml"))
+    ]
+    digest = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@cache
+def code_version() -> CodeVersion:
+    """The code this process runs: summary.json's `code`, what a study compares before reusing a run."""
+    commit, dirty = git_state()
+    return CodeVersion(
+        package=versions()["xsa-lm"],
+        commit=commit,
+        dirty=dirty,
+        source_sha256=source_sha256(),
+        torch=torch.__version__,
+    )
 
 
 def attention_kernels(
@@ -76,7 +109,7 @@ def run_info(*, attention: SdpaKernels | None = None) -> dict[str, Any]:
         "cwd": os.getcwd(),
         "host": platform.node(),
         "versions": versions(),
-        "git": git_state(),
+        "git": dict(zip(("commit", "dirty"), git_state(), strict=True)),
         "hardware": {
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),

@@ -47,6 +47,7 @@ class RunStart:
         """summary.json: how the run ended, written and returned; then the W&B run's summary, and its end."""
         from lightning.pytorch.loggers import WandbLogger
 
+        from xsa_lm.train.runinfo import code_version
         from xsa_lm.train.schedule import peak_lr
 
         history = callbacks.history.history
@@ -82,6 +83,7 @@ class RunStart:
                 "best": callbacks.best.best_model_path or None,
             },
             model_config=asdict(self.model_config),
+            code=code_version(),
         )
         write_json(
             self.run_dir / "summary.json",

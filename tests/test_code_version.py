@@ -1,0 +1,104 @@
+"""Runs tied to their code: a study refuses to reuse a run trained by other code, unless sweep.allow_mixed_code, and
+its report lists the runs by code version."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FAST, refused_in_process
+from tests.leftovers import nothing_left_behind
+from tests.test_scale import STUDY
+from xsa_lm.errors import UserError
+from xsa_lm.records import CodeVersion
+from xsa_lm.sweep.protocol import Trial, select_lr
+from xsa_lm.sweep.report import build_results, render_markdown
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, refuse_other_code
+from xsa_lm.train.runinfo import code_version
+
+HERE = code_version()
+OTHER_SOURCE = dataclasses.replace(HERE, commit="0123456789abcdef", dirty=True, source_sha256="f" * 64)
+OTHER_TORCH = dataclasses.replace(HERE, torch="1.0.0")
+SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar="))]
+
+
+def _trial(seed: int, code: CodeVersion | None, lr: float = 1e-3) -> TrialRecord:
+    trial = Trial("sa", lr, seed)
+    record = TrialRecord.missing(trial, "search")
+    return dataclasses.replace(record, status="completed", final_val_loss=4.0 + seed / 10, code=code)
+
+
+def _folder(folder: Path, *records: TrialRecord) -> Path:
+    store = TrialStore(folder)
+    for record in records:
+        store.save(record)
+    return folder
+
+
+STUDIES = {  # a study's command, and where it keeps a trial record it reuses
+    "sweep": (["sweep", *SWEEP_FAST, "sweep=demo"], "."),
+    "scale": (["scale", *STUDY, "scale.axis=size"], "sizes/tiny_d32"),
+}
+
+
+@pytest.mark.parametrize(("args", "records"), STUDIES.values(), ids=STUDIES)
+def test_a_study_refuses_to_reuse_a_run_of_other_code_in_one_line(tmp_path, monkeypatch, capsys, args, records) -> None:
+    """Before anything starts or is written: the trials (first few and a count), both versions and the fix."""
+    study = tmp_path / "study"
+    _folder(study / records, *(_trial(seed, OTHER_SOURCE) for seed in range(5)), _trial(9, HERE))
+    monkeypatch.setattr(Launcher, "_start", lambda *_: pytest.fail("a trial started: the refusal came too late"))
+    monkeypatch.chdir(tmp_path)
+    with nothing_left_behind(tmp_path):
+        lines = refused_in_process([*args, f"hydra.run.dir={study}"], monkeypatch, capsys).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "holds 5 finished run(s) that this rerun would reuse, trained by other code: " in lines[0], lines[0]
+    assert "sa_lr0.001_s0, sa_lr0.001_s1, sa_lr0.001_s2 and 2 more by " in lines[0] and "_s9" not in lines[0]
+    assert f"by {OTHER_SOURCE}; this is {HERE}: " in lines[0] and "commit 0123456789ab+dirty" in lines[0]
+    fix = "use another hydra.run.dir, or mix them with sweep.allow_mixed_code=true (the report lists the runs by code"
+    assert lines[0].endswith(f"{fix} version)")
+
+
+CODES = {  # the code of a reused run -> whether this code is another
+    "none recorded": (None, True),
+    "other source": (OTHER_SOURCE, True),
+    "other torch": (OTHER_TORCH, True),
+    "same source elsewhere": (dataclasses.replace(HERE, commit="elsewhere", dirty=True), False),
+}
+
+
+@pytest.mark.parametrize(("code", "other"), CODES.values(), ids=CODES)
+def test_runs_of_this_code_are_reused_silently_and_allow_mixed_code_reuses_any(tmp_path, code, other) -> None:
+    folder = _folder(tmp_path / "sweep", _trial(0, HERE), _trial(1, code))
+    refuse_other_code(folder, True, HERE)
+    if not other:
+        refuse_other_code(folder, False, HERE)
+        return
+    named = str(code) if code else "no recorded code version"
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            f"1 finished run(s) that this rerun would reuse, trained by other "
+            f"code: sa_lr0.001_s1 by {named}; this is {HERE}"
+        ),
+    ):
+        refuse_other_code(folder, False, HERE)
+
+
+def test_the_report_lists_the_runs_by_code_version() -> None:
+    """One version: one line; several (sweep.allow_mixed_code): a row each, with its runs."""
+    selection = select_lr({1e-3: [("completed", 4.0)], 3e-3: [("completed", 4.1)]})
+    runs = [_trial(0, HERE), _trial(0, OTHER_SOURCE, lr=3e-3), _trial(1, None, lr=3e-3)]
+
+    def report(trials: list[TrialRecord]) -> str:
+        args = dict(grid=[1e-3, 3e-3], seeds=[], search_seeds=[0, 1], train_overrides=[], arms=["sa", "xsa"])
+        results = build_results(Path("sweep"), sweep_id="s", trials=trials, selection=selection, **args)
+        assert type(results).from_json(results.to_json()).code == results.code  # results.json carries it
+        return render_markdown(results)
+
+    assert f"- code: {HERE} (all 1 finished runs)\n" in report(runs[:1])
+    mixed = report(runs)
+    assert "- code: 3 versions trained these runs (sweep.allow_mixed_code=true)" in mixed
+    rows = [line for line in mixed.splitlines() if line.startswith("| ") and "sa_lr" in line]
+    assert len(rows) == 3 and "| 0123456789ab (ffffffff) | True " in rows[1] and "not recorded" in rows[2], rows
+    assert rows[0].rstrip(" |").endswith("sa_lr0.001_s0") and rows[2].rstrip(" |").endswith("sa_lr0.003_s1")
