@@ -51,6 +51,7 @@ from xsa_lm.sweep.run import (
 )
 from xsa_lm.sweep.settings import LauncherSpec, ScaleSpec, StallRule, SweepSpec
 from xsa_lm.sweep.trials import RETRY_DAMAGED, Launcher, TrialRecord, TrialStore, gpu_slots, outcome
+from xsa_lm.train.runinfo import code_version
 from xsa_lm.train.summary import RunSummary
 
 # FAST without the keys the sweep sets for each trial (optim.lr, progress_bar).
@@ -773,6 +774,11 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert again.returncode == 0, again.stderr[-2000:]
     assert "started" not in again.stdout and again.stdout.count("(reused)") == 10  # the null runs too
     assert json.loads((sweep_dir / "results.json").read_text())["comparison"] == compare
+    trained_by = json.loads((sweep_dir / "results.json").read_text())["code"]  # this code: reused without a word
+    assert trained_by == [
+        {"code": code_version().to_json(), "trials": sorted(t.name for t in (sweep_dir / "runs").iterdir())}
+    ]
+    assert f"- code: {code_version()} (all 10 finished runs)" in again.stdout
 
     # Other training overrides in the same directory: refused, nothing touched.
     other = run_cli([*args, "trainer.max_steps=30"], data_cache, tmp_path, timeout=120)
