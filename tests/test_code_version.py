@@ -12,6 +12,7 @@ from tests.leftovers import nothing_left_behind
 from tests.test_scale import STUDY
 from xsa_lm.errors import UserError
 from xsa_lm.records import CodeVersion
+from xsa_lm.scale.run import sweep_overrides
 from xsa_lm.sweep.protocol import Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
 from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, refuse_other_code
@@ -69,6 +70,8 @@ CODES = {  # the code of a reused run -> whether this code is another
 
 @pytest.mark.parametrize(("code", "other"), CODES.values(), ids=CODES)
 def test_runs_of_this_code_are_reused_silently_and_allow_mixed_code_reuses_any(tmp_path, code, other) -> None:
+    """sweep.allow_mixed_code is no override a rerun must keep (a sweep's trials and a study get no sweep.* key)."""
+    assert sweep_overrides(["sweep.seeds=[1,2]", "sweep.allow_mixed_code=true"]) == ["sweep.seeds=[1,2]"]
     folder = _folder(tmp_path / "sweep", _trial(0, HERE), _trial(1, code))
     refuse_other_code(folder, True, HERE)
     if not other:

@@ -69,8 +69,10 @@ SET_BY_TOKEN_AXIS = {
 
 
 def sweep_overrides(task_overrides: list[str]) -> list[str]:
-    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study)."""
-    return sweeps.passed_on(task_overrides, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
+    """The command line's overrides passed on to every size's sweep or runs (scale.* stays with the study), which a
+    rerun must keep; but sweep.allow_mixed_code, which a rerun may switch (the study reads it)."""
+    switched = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") != "sweep.allow_mixed_code"]
+    return sweeps.passed_on(switched, "scale", SET_BY_SCALE, setter="xsa-lm scale for each size")
 
 
 @dataclass(frozen=True)
