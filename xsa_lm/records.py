@@ -110,4 +110,5 @@ class RunSummary(Record):
     checkpoints: dict[str, str | None] = dataclasses.field(default_factory=dict)
     model_config: dict[str, Any]
     code: CodeVersion | None = None  # None: a run from before xsa-lm recorded it
+    cpu_threads: int | None = None  # torch's intra-op threads: on CPU another count sums in another order
     schema: int = 1

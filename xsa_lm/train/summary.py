@@ -45,6 +45,7 @@ class RunStart:
         error: Exception | None = None,
     ) -> RunSummary:
         """summary.json: how the run ended, written and returned; then the W&B run's summary, and its end."""
+        import torch
         from lightning.pytorch.loggers import WandbLogger
 
         from xsa_lm.train.runinfo import code_version
@@ -84,6 +85,7 @@ class RunStart:
             },
             model_config=asdict(self.model_config),
             code=code_version(),
+            cpu_threads=torch.get_num_threads(),
         )
         write_json(
             self.run_dir / "summary.json",
