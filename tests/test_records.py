@@ -44,6 +44,7 @@ SUMMARY = {  # summary.json as `xsa-lm train` writes it
     "checkpoints": {"last": "runs/xsa_lr0.003_s1/checkpoints/last.ckpt", "best": None},
     "model_config": {"vocab_size": 512, "n_layer": 2},
     "code": {"package": "0.1.0", "commit": "a" * 40, "dirty": False, "source_sha256": "b" * 64, "torch": "2.5.1"},
+    "cpu_threads": 2,
 }
 
 
