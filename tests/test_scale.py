@@ -93,12 +93,28 @@ def simulated_study(rng, deviation: float, seeds: int = 4, noise: float = 0.004)
 
 
 def ladder_interval(compute, sa, xsa, resamples: int):
+    """k's bootstrap interval; sa[i][s], xsa[i][s]: the loss of seed s at size i."""
     means_sa, means_xsa = [s.mean() for s in sa], [x.mean() for x in xsa]
     se = [runs.std(ddof=1) / math.sqrt(len(runs)) for runs in [*sa, *xsa]]
     f_scale = huber_scale(means_sa + means_xsa, se)
     fit = fit_shared(compute, means_sa, means_xsa, offset=True, f_scale=f_scale)
     lof = lack_of_fit_variance(fit.residuals, se, fit.parameters)
-    return ladder_bootstrap(fit, compute, se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples)
+    runs = np.array(sa), np.array(xsa)
+    return ladder_bootstrap(fit, compute, *runs, lof_variance=lof, f_scale=f_scale, n_resamples=resamples)
+
+
+def test_the_ladder_bootstrap_resamples_seeds_with_both_arms_runs_together():
+    """Each seed's noise is the same in both arms (XSA is SA at 1.2x the compute, seed by seed): resampling seeds
+    moves both arms' means alike and k hardly at all; drawn apart (XSA's seeds shuffled), the interval is wide."""
+    rng = np.random.default_rng(1)
+    compute = COMPUTE[:4]
+    noise = rng.normal(0, 0.02, (4, 6))  # size, seed
+    sa, xsa = sa_curve(compute)[:, None] + noise, sa_curve(K_TRUE * compute)[:, None] + noise
+    fit = fit_shared(compute, sa.mean(axis=1), xsa.mean(axis=1), offset=True, f_scale=0.003)  # the same means apart
+    interval = lambda xsa: ladder_bootstrap(fit, compute, sa, xsa, lof_variance=0.0, f_scale=0.003, n_resamples=40)
+    lo, hi = interval(xsa)
+    apart_lo, apart_hi = interval(np.array([row[rng.permutation(6)] for row in xsa]))
+    assert lo <= K_TRUE <= hi and (hi - lo) < 0.2 * (apart_hi - apart_lo), (lo, hi, apart_lo, apart_hi)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from xsa_lm.config.spec import TrainSpec, parse
 from xsa_lm.scale.report import SizeResult, TokenSize
 from xsa_lm.scale.run import analyse_tokens, size_tests
 from xsa_lm.scale.token_axis import per_seed_k, stalled
+from xsa_lm.stats import decision
 from xsa_lm.stats.decision import clustered_test, margin_verdict, null_rates, null_study_sizes
 from xsa_lm.stats.paired import (
     holm,
@@ -294,21 +295,57 @@ def test_the_gain_along_the_window_is_tested_one_slope_per_seed() -> None:
     assert position_differences([[]], [[]]) is None  # runs from before the spans existed
 
 
-def test_the_null_rates_are_the_share_of_studies_that_claim_an_effect() -> None:
-    diffs = [-0.30, -0.25, 0.01, -0.02, 0.02, 0.00, 0.03, -0.01]  # two stalled SA seeds among six quiet ones
-    rates = null_rates(diffs, 4, MARGIN)
-    assert rates is not None and rates.pairs == 8 and rates.study_size == 4
-    studies = list(itertools.combinations(diffs, 4))  # 70: every one counted once, by scipy
+NULL_DIFFS = [-0.30, -0.25, 0.01, -0.02, 0.02, 0.00, 0.03, -0.01, 0.05, -0.04]  # two stalled SA seeds, eight quiet
+
+
+@pytest.mark.parametrize(("pairs", "size"), [(8, 4), (9, 3), (10, 2)])
+def test_the_null_rates_count_every_study_once(pairs: int, size: int) -> None:
+    diffs = NULL_DIFFS[:pairs]
+    rates = null_rates(diffs, size, MARGIN)
+    assert rates is not None and (rates.pairs, rates.study_size) == (pairs, size)
+    studies = list(itertools.combinations(diffs, size))  # every one counted once, by scipy
     excludes = [scipy.stats.ttest_1samp(s, 0).pvalue < 0.05 for s in studies]
     claims = [margin_verdict(s, MARGIN).verdict in ("better", "worse") for s in studies]
+    assert rates.exact and rates.studies == len(studies)
     assert (rates.ci_excludes_0, rates.verdict_claims_effect) == pytest.approx((np.mean(excludes), np.mean(claims)))
-    low, high = rates.verdict_claims_effect_ci95
-    assert 0 <= low <= rates.verdict_claims_effect <= high <= 1
-    assert null_rates(diffs, 5, MARGIN) is None  # 8 pairs make no two studies of 5 apart
-    disjoint = [margin_verdict(diffs[:4], MARGIN).verdict, margin_verdict(diffs[4:], MARGIN).verdict]
-    assert rates.disjoint_studies == 2 and rates.disjoint_claims == sum(v in ("better", "worse") for v in disjoint)
-    ci = scipy.stats.binomtest(rates.disjoint_claims, 2).proportion_ci(method="exact")
+    disjoint = [margin_verdict(diffs[i : i + size], MARGIN).verdict for i in range(0, pairs - size + 1, size)]
+    assert rates.disjoint_studies == pairs // size
+    assert rates.disjoint_claims == sum(v in ("better", "worse") for v in disjoint)
+    ci = scipy.stats.binomtest(rates.disjoint_claims, pairs // size).proportion_ci(method="exact")
     assert rates.disjoint_claims_ci95 == pytest.approx([ci.low, ci.high])
+
+
+def test_above_the_limit_the_null_rates_are_a_labelled_random_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    exact = null_rates(NULL_DIFFS, 4, MARGIN)
+    monkeypatch.setattr(decision, "EXACT_STUDIES", 100)  # C(10, 4) = 210 subsets
+    drawn = null_rates(NULL_DIFFS, 4, MARGIN)
+    assert exact is not None and drawn is not None and not drawn.exact and drawn.studies == decision.DRAWN_STUDIES
+    assert drawn.verdict_claims_effect == pytest.approx(exact.verdict_claims_effect, abs=0.01)
+    assert null_rates(NULL_DIFFS[:8], 5, MARGIN) is None  # 8 pairs make no two studies of 5 apart
+
+
+@pytest.mark.parametrize(("n", "issue_rate"), [(3, 0.084), (5, 0.077), (12, 0.062)])
+def test_the_verdicts_nominal_claim_rate_under_normal_noise(n: int, issue_rate: float) -> None:
+    """Two one-sided 5% tests against a 0.01 margin at sd 0.15: the noncentral t, and 200,000 simulated studies."""
+    sd, rng = 0.15, np.random.default_rng(n)
+    assert decision.nominal_claim_rate(MARGIN, sd, n) == pytest.approx(issue_rate, abs=0.002)
+    studies = rng.normal(0, sd, (200_000, n))
+    mean, se = studies.mean(axis=1), studies.std(axis=1, ddof=1) / math.sqrt(n)
+    t = scipy.stats.t.ppf(0.95, n - 1)
+    claims = (mean + t * se < -MARGIN) | (mean - t * se > MARGIN)  # the verdict's rule, checked on 50 of them
+    assert [margin_verdict(s, MARGIN).verdict in ("better", "worse") for s in studies[:50]] == list(claims[:50])
+    assert claims.mean() == pytest.approx(issue_rate, abs=0.002)
+
+
+def test_the_rate_disjoint_studies_can_tell_from_5_percent_by_hand() -> None:
+    """2 studies: the one-sided exact test at 5% needs both to claim (P = 0.0025; one of two: 0.0975), so power p^2 =
+    0.8 at p = sqrt(0.8). 8 studies: it needs 3 (P = 0.0058; 2: 0.057), and P(X >= 3 | p) = 0.8 there."""
+    assert decision.detectable_rate(2) == pytest.approx(math.sqrt(0.8))
+    p = decision.detectable_rate(8)
+    at_least_3 = lambda q: sum(math.comb(8, k) * q**k * (1 - q) ** (8 - k) for k in range(3, 9))
+    two = math.comb(8, 2) * 0.05**2 * 0.95**6
+    assert at_least_3(p) == pytest.approx(0.8) and at_least_3(0.05) < 0.05 < at_least_3(0.05) + two
+    assert 0.4 < p < 0.5
 
 
 def test_a_null_calibrates_studies_of_3_5_and_half_its_pairs() -> None:

@@ -4,9 +4,9 @@ over SA's), as pure functions.
 - The baseline fit, L(C) = E + A C^-alpha through the baseline's mean losses (E = 0 below 4 sizes), least squares in
   loss: what the lack-of-fit test and the extrapolation check judge.
 - The shared fit, L_arm(C) = E + A_arm C^-alpha (one E, one alpha), Huber loss on log-loss residuals: k = (A_baseline /
-  A_candidate)^(1/alpha), the compute the baseline needs to match the candidate (OLMo-core's ladder), with a
-  parametric-bootstrap 95% interval (a paired t interval through a fixed baseline curve undercovers:
-  tests/test_scale.py measures it)."""
+  A_candidate)^(1/alpha), the compute the baseline needs to match the candidate (OLMo-core's ladder), with a 95%
+  interval from a bootstrap over seeds that keeps each seed's runs of both arms together (a paired t interval through
+  a fixed baseline curve undercovers: tests/test_scale.py measures it)."""
 
 import math
 import warnings
@@ -257,26 +257,32 @@ def lack_of_fit_variance(residuals: Sequence[float], standard_errors: Sequence[f
 def ladder_bootstrap(
     fit: SharedFit,
     compute: Sequence[float],
-    standard_errors: Sequence[float],
+    baseline_runs: np.ndarray,
+    candidate_runs: np.ndarray,
     *,
     lof_variance: float,
     f_scale: float,
     n_resamples: int = 1000,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """95% interval of the ladder's k: resamples draw each mean about the fitted curves with variance SE^2 (the
-    baseline's sizes, then the candidate's) + lof_variance and refit; the basic interval in ln k,
-    [2 ln k - q97.5, 2 ln k - q2.5], corrects bias."""
+    """95% interval of the ladder's k. `*_runs[i, s]`: the final loss of seed s at size i (NaN: no pair there). Each
+    resample draws seeds with replacement, each seed's losses of both arms at every size together (they share the
+    initialisation and data order), takes each size's means, adds the size-level deviation beyond seed noise
+    (lof_variance) and refits; the basic interval in ln k, [2 ln k - q97.5, 2 ln k - q2.5], corrects bias."""
     rng = np.random.default_rng(seed)
-    c = np.asarray(compute, dtype=float)
-    centre = np.r_[fit.loss(c), fit.loss(c, candidate=True)]
-    sd = np.sqrt(np.square(standard_errors) + lof_variance)
+    runs = np.stack([baseline_runs, candidate_runs])  # arm, size, seed
+    present = ~np.isnan(runs)
+    losses = np.nan_to_num(runs)
     arms = [fit.log_A_baseline, fit.log_A_candidate]
     start = np.array(([fit.E] if fit.offset else []) + arms + [fit.alpha])  # as fit_shared has it
-    n = len(c)
+    n, seeds = runs.shape[1:]
     logs = []
     for _ in range(n_resamples):
-        y = centre + rng.normal(0.0, sd)
+        weight = np.bincount(rng.integers(0, seeds, seeds), minlength=seeds)  # how often each seed was drawn
+        counted = (present * weight).sum(axis=2)
+        if np.any(counted == 0):  # a size with none of the drawn seeds
+            continue
+        y = ((losses * weight).sum(axis=2) / counted).ravel() + rng.normal(0.0, math.sqrt(lof_variance), 2 * n)
         if np.any(y <= 0):
             continue
         refit = fit_shared(compute, list(y[:n]), list(y[n:]), offset=fit.offset, f_scale=f_scale, start=start)

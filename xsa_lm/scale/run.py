@@ -278,6 +278,17 @@ def ladder_flags(
     return flags
 
 
+def losses_by_seed(ladder: list[report.SizeResult]) -> tuple[np.ndarray, np.ndarray]:
+    """Each arm's final losses as [size, seed] over every seed of the ladder (NaN: no pair at that size)."""
+    seeds = sorted({seed for size in ladder for seed in size.seeds})
+
+    def table(arm: str) -> np.ndarray:
+        by_size = (dict(zip(s.seeds, getattr(s, arm), strict=True)) for s in ladder)
+        return np.array([[losses.get(seed, np.nan) for seed in seeds] for losses in by_size])
+
+    return table("sa_runs"), table("xsa_runs")
+
+
 @dataclass(frozen=True)
 class LadderAnalysis:
     fit: JsonObject  # the baseline's fit, the shared fit, the flags, and k when no flag is up
@@ -309,8 +320,11 @@ def analyse(
     se = [e if math.isfinite(e) else 0.0 for e in sa_se + xsa_se]  # known
     lof = fit.lack_of_fit_variance(shared.residuals, se, shared.parameters)
     k = shared.multiplier
+    sa_runs, xsa_runs = losses_by_seed(ladder)
     ci = list(
-        fit.ladder_bootstrap(shared, compute, se, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed)
+        fit.ladder_bootstrap(
+            shared, compute, sa_runs, xsa_runs, lof_variance=lof, f_scale=f_scale, n_resamples=resamples, seed=seed
+        )
     )
     flags = ladder_flags(ladder, sa_fit, lack, shared, arms)
     shared_fit = {**shared.as_dict(arms.labels), "huber_f_scale": f_scale, "lack_of_fit_sd": math.sqrt(lof)}

@@ -3,14 +3,14 @@ seed's mean difference is one draw), the claim rate on an A/A null, and stall ra
 
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.stats
 
 from xsa_lm.records import Record
-from xsa_lm.stats.paired import ALPHA, paired_t, sign_test_p
+from xsa_lm.stats.paired import ALPHA, POWER, paired_t, sign_test_p
 
 
 def exact_interval(k: int, n: int) -> tuple[float, float]:
@@ -120,64 +120,93 @@ def clustered_test(diffs: Sequence[float], clusters: Sequence[Hashable]) -> Clus
 
 @dataclass(frozen=True, kw_only=True)
 class NullRates(Record):
-    """How often studies of `study_size` null pairs claim an effect (null_rates); every share with its 95% CI."""
+    """How often studies of `study_size` null pairs claim an effect (null_rates). The studies of every subset overlap:
+    their shares are descriptive, without an interval; the disjoint studies' claims carry the exact interval."""
 
     pairs: int
     study_size: int
+    margin: float
+    sd_diff: float
+    studies: int  # the subsets counted: every one of C(pairs, study_size) when `exact`, else a random draw of them
+    exact: bool
+    ci_excludes_0: float  # the share of studies whose two-sided 95% t interval excludes 0
+    verdict_claims_effect: float  # the share whose margin verdict is better or worse
+    nominal_claims: float  # the verdict's claim rate under normal noise of sd sd_diff (nominal_claim_rate)
     disjoint_studies: int
     disjoint_claims: int
     disjoint_claims_ci95: list[float]
-    margin: float
-    ci_excludes_0: float
-    ci_excludes_0_ci95: list[float]
-    verdict_claims_effect: float
-    verdict_claims_effect_ci95: list[float]
-    sd_diff: float
+    detectable_rate: float  # the smallest true claim rate the disjoint studies tell from 5% (detectable_rate)
+
+
+EXACT_STUDIES = 3_000_000  # every subset up to here (C(24, 12) = 2,704,156 takes seconds); above, a random draw
+DRAWN_STUDIES = 100_000
+CHUNK = 50_000  # subsets per array: memory stays at a few MB whatever the count
+
+
+def study_subsets(pairs: int, size: int) -> Iterator[np.ndarray]:
+    """Index arrays (rows: studies) of every `size`-subset of range(pairs), in chunks, or of DRAWN_STUDIES random ones
+    above EXACT_STUDIES subsets (numpy enumerates no combinations)."""
+    if math.comb(pairs, size) <= EXACT_STUDIES:
+        combos = itertools.combinations(range(pairs), size)
+        while (chunk := np.fromiter(itertools.chain.from_iterable(itertools.islice(combos, CHUNK)), np.intp)).size:
+            yield chunk.reshape(-1, size)
+        return
+    rng = np.random.default_rng(0)
+    for start in range(0, DRAWN_STUDIES, CHUNK):
+        yield rng.random((min(CHUNK, DRAWN_STUDIES - start), pairs)).argsort(axis=1)[:, :size]
+
+
+def nominal_claim_rate(margin: float, sd: float, n: int) -> float:
+    """The margin verdict's claim rate (better or worse) on n normal differences of mean 0 and sd `sd`: it claims
+    better when (mean + margin) / se < -t_{1-ALPHA, n-1}, a noncentral t of delta = margin sqrt(n) / sd; worse alike."""
+    if sd <= 0:
+        return 0.0
+    t = scipy.stats.t.ppf(1 - ALPHA, n - 1)
+    return float(2 * scipy.stats.nct.cdf(-t, n - 1, margin * math.sqrt(n) / sd))
+
+
+def detectable_rate(studies: int) -> float:
+    """The smallest true claim rate that `studies` disjoint studies tell from ALPHA with POWER: the one-sided exact
+    binomial test at ALPHA rejects from c claims (the fewest with P(X >= c | ALPHA) <= ALPHA), and P(X >= c | p) is
+    the Beta(c, studies - c + 1) distribution function at p, so p is its POWER quantile."""
+    c = next(c for c in range(studies + 1) if scipy.stats.binom.sf(c - 1, studies, ALPHA) <= ALPHA)
+    return float(scipy.stats.beta.ppf(POWER, c, studies - c + 1))
 
 
 def null_rates(diffs: Sequence[float], study_size: int, margin: float) -> NullRates | None:
-    """How often the procedure claims an effect on A/A null differences: over the studies of `study_size` pairs (2000
-    drawn when more) the shares whose t interval excludes 0 and whose margin verdict claims one, jackknife 95% CIs (they
-    overlap); over disjoint studies the claims, with an exact CI. None below 2 x study_size pairs."""
+    """How often the procedure claims an effect on A/A null differences: over every study of `study_size` pairs (or
+    a random draw, study_subsets) the shares whose t interval excludes 0 and whose margin verdict claims one; over
+    disjoint studies the claims, with an exact CI and the rate they could tell from 5%. None below 2 x study_size."""
     values = np.asarray(diffs, dtype=float)
     n = values.size
     if study_size < 2 or n < 2 * study_size:
         return None
-    rng = np.random.default_rng(0)
     two_sided, one_sided = scipy.stats.t.ppf([1 - ALPHA / 2, 1 - ALPHA], study_size - 1)
-
-    def rates(pool: np.ndarray) -> np.ndarray:  # [share whose interval excludes 0, share claiming an effect]
-        total = math.comb(pool.size, study_size)
-        if total <= 2000:
-            picks = np.array(list(itertools.combinations(range(pool.size), study_size)))
-        else:
-            picks = np.array([rng.choice(pool.size, study_size, replace=False) for _ in range(2000)])
-        chosen = pool[picks]
+    studies = excludes = claims = 0
+    for picks in study_subsets(n, study_size):
+        chosen = values[picks]
         mean, se = chosen.mean(axis=1), chosen.std(axis=1, ddof=1) / math.sqrt(study_size)
         spread = se > 1e-12 * np.maximum(1.0, np.abs(chosen).max(axis=1))  # no spread: no interval, no claim
-        excludes = spread & (np.abs(mean) > two_sided * se)
-        claims = spread & ((mean + one_sided * se < -margin) | (mean - one_sided * se > margin))
-        return np.array([excludes.mean(), claims.mean()])
-
-    full = rates(values)
-    leave_one_out = np.array([rates(np.delete(values, i)) for i in range(n)])
-    se = np.sqrt((n - 1) / n * ((leave_one_out - leave_one_out.mean(axis=0)) ** 2).sum(axis=0))
-    z = scipy.stats.norm.ppf(1 - ALPHA / 2)
-    low, high = np.clip(full - z * se, 0, 1), np.clip(full + z * se, 0, 1)
+        studies += len(chosen)
+        excludes += int((spread & (np.abs(mean) > two_sided * se)).sum())
+        claims += int((spread & ((mean + one_sided * se < -margin) | (mean - one_sided * se > margin))).sum())
     disjoint = values[: n // study_size * study_size].reshape(-1, study_size)
-    claims = sum(margin_verdict(study.tolist(), margin).verdict in ("better", "worse") for study in disjoint)
+    disjoint_claims = sum(margin_verdict(study.tolist(), margin).verdict in ("better", "worse") for study in disjoint)
+    sd = float(np.std(values, ddof=1))
     return NullRates(
         pairs=int(n),
         study_size=study_size,
-        disjoint_studies=len(disjoint),
-        disjoint_claims=int(claims),
-        disjoint_claims_ci95=list(exact_interval(int(claims), len(disjoint))),
         margin=margin,
-        ci_excludes_0=float(full[0]),
-        ci_excludes_0_ci95=[float(low[0]), float(high[0])],
-        verdict_claims_effect=float(full[1]),
-        verdict_claims_effect_ci95=[float(low[1]), float(high[1])],
-        sd_diff=float(np.std(values, ddof=1)),
+        sd_diff=sd,
+        studies=studies,
+        exact=studies == math.comb(n, study_size),
+        ci_excludes_0=excludes / studies,
+        verdict_claims_effect=claims / studies,
+        nominal_claims=nominal_claim_rate(margin, sd, study_size),
+        disjoint_studies=len(disjoint),
+        disjoint_claims=int(disjoint_claims),
+        disjoint_claims_ci95=list(exact_interval(int(disjoint_claims), len(disjoint))),
+        detectable_rate=detectable_rate(len(disjoint)),
     )
 
 

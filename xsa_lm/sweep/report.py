@@ -9,7 +9,14 @@ from typing import cast
 
 from xsa_lm.records import Record
 from xsa_lm.reporting import ReportRunSettings, interval, log_report_run, num, render, saved_figure, write_report_files
-from xsa_lm.stats.decision import MarginVerdict, NullRates, margin_verdict, null_rates, null_study_sizes
+from xsa_lm.stats.decision import (
+    EXACT_STUDIES,
+    MarginVerdict,
+    NullRates,
+    margin_verdict,
+    null_rates,
+    null_study_sizes,
+)
 from xsa_lm.stats.paired import (
     ALPHA,
     POWER,
@@ -386,7 +393,7 @@ def render_markdown(results: SweepResult) -> str:
         from xsa_lm.eval.run import render as render_eval
 
         evaluation = render_eval(EvalResult.from_json(results.eval, source="eval/eval.json"))
-    return render("sweep.md.j2", r=results, evaluation=evaluation)
+    return render("sweep.md.j2", r=results, evaluation=evaluation, EXACT_STUDIES=EXACT_STUDIES)
 
 
 def arm_colors(results: SweepResult) -> dict[str, str]:
