@@ -224,11 +224,8 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm sweep ... sweep.search_seeds=[0,10,20] sweep.seeds=[1,2,3]": "`...`: the overrides of a GPU recipe",
     "xsa-lm sweep ... hydra.run.dir=sweeps/gpt2": "`...`: the overrides of a GPU recipe; resuming: test_sweep.py",
     "xsa-lm sweep experiment=stalls_toy": "50 runs, ~1 h; the stall table of a search-only sweep: test_sweep.py (long)",
-    "xsa-lm sweep experiment=stalls_toy hydra.run.dir=outputs/stalls_toy": "50 runs, ~1 h; see the one above",
     "xsa-lm sweep experiment=null_toy": "37 runs, ~35 min; the null arm end to end: test_sweep.py (long)",
-    "xsa-lm sweep experiment=null_calibration hydra.run.dir=outputs/null_calibration": "73 runs, ~65 min; the null "
-    "arm end to end: test_sweep.py (long)",
-    "xsa-lm sweep experiment=null_calibration": "73 runs, ~65 min; see the one above",
+    "xsa-lm sweep experiment=null_calibration": "73 runs, ~65 min; the null arm end to end: test_sweep.py (long)",
     "xsa-lm sweep model=gpt2_124m trainer=gpu trainer.max_steps=5000 sweep.lrs=[1e-4,2e-4,4e-4,6e-4] "
     "sweep.seeds=[1,2,3] hydra.run.dir=sweeps/gpt2": GPU,
     "xsa-lm sweep experiment=paper_0.7b data=prepared data.dir=$DATA/fw100b": GPU + "s and FineWeb shards",
@@ -263,6 +260,8 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "data.dir=shards/mine": "the README's prepare (run) with its defaults spelled out",
     "xsa-lm prepare data=fineweb data.subset=sample-10BT tokenizer=gpt2 data.dir=shards/fw10b "
     "data.prepare_workers=16": "the hub (FineWeb); hub datasets offline: test_data.py",
+    "xsa-lm prepare data=fineweb data.subset=sample-100BT tokenizer=gpt2 data.dir=$DATA/fw100b": "the hub (FineWeb); "
+    "hub datasets offline: test_data.py",
     "xsa-lm train data=local data.files=corpus/*.txt": "data.files=input.txt (run) with a glob: test_data.py",
     "xsa-lm train model=tiny attention=xsa optim.lr=3e-3 trainer.max_steps=200 seed=1 logger=wandb": "a plain train "
     "(run) with other values; W&B offline: test_wandb_offline.py",

@@ -397,8 +397,11 @@ def render_markdown(results: SweepResult) -> str:
 
 
 def arm_colors(results: SweepResult) -> dict[str, str]:
-    """Each arm's color in every plot: matplotlib's cycle, the baseline first (SA blue, XSA orange by default)."""
-    return {arm: f"C{i}" for i, arm in enumerate([results.baseline, *results.candidates])}
+    """Each arm's color in every plot: matplotlib's cycle, the baseline first (SA blue, XSA orange by default), the
+    null arms that ran last."""
+    nulls = [t.attention for t in results.trials if t.phase not in ("search", "compare")]
+    arms = dict.fromkeys([results.baseline, *results.candidates, *nulls])
+    return {arm: f"C{i}" for i, arm in enumerate(arms)}
 
 
 def plot_lr_sweep(results: SweepResult, path: Path) -> None:
@@ -423,17 +426,39 @@ def plot_lr_sweep(results: SweepResult, path: Path) -> None:
         ax.legend()
 
 
+RUNS_IN_LEGEND = 8  # more curves than this: each arm's median and band in the legend, its runs faint and unnamed
+
+
 def plot_curves(results: SweepResult, path: Path) -> None:
-    """The validation curves of the compare runs; of a search-only sweep, the search runs at the selected LR."""
+    """The validation curves of the compare runs and the null arms' (of a search-only sweep, the search runs at the
+    selected LR): each run in the legend, or over RUNS_IN_LEGEND runs each arm's median and 10-90% band over seeds."""
+    import pandas as pd  # type: ignore[import-untyped]  # no stubs in use
+
     search_only, selected_lr = not any(t.phase == "compare" for t in results.trials), results.selected_lr
-    colors = arm_colors(results)
+    shown = [
+        t for t in results.trials if t.val_history and (t.lr == selected_lr if search_only else t.phase != "search")
+    ]
+    summary, colors = len(shown) > RUNS_IN_LEGEND, arm_colors(results)
     with saved_figure(path) as ax:
-        for t in results.trials:
-            if t.val_history and (t.phase == "compare" or (search_only and t.lr == selected_lr)):
-                tokens, losses = zip(*((h["tokens"], h["val_loss"]) for h in t.val_history), strict=True)
-                color, style = colors.get(t.attention, "gray"), ["-", "--", ":", "-."][t.seed % 4]
+        for t in shown:
+            tokens, losses = zip(*((h["tokens"], h["val_loss"]) for h in t.val_history), strict=True)
+            color = colors.get(t.attention, "gray")
+            if summary:
+                ax.plot(tokens, losses, "-", color=color, alpha=0.2, linewidth=0.7)
+            else:
+                style = ["-", "--", ":", "-."][t.seed % 4]
                 label = f"{t.attention.upper()} seed {t.seed}"
                 ax.plot(tokens, losses, style, color=color, marker="o", markersize=3, label=label)
+        for arm, color in colors.items() if summary else ():
+            runs = [t for t in shown if t.attention == arm]
+            curves = pd.DataFrame({t.seed: {h["tokens"]: h["val_loss"] for h in t.val_history} for t in runs})
+            if curves.empty:
+                continue
+            curves = curves.sort_index()  # runs cut short leave their later points empty (NaN, skipped below)
+            low, high = curves.quantile(0.1, axis=1), curves.quantile(0.9, axis=1)
+            ax.fill_between(curves.index, low, high, color=color, alpha=0.25, linewidth=0)
+            label = f"{arm.upper()} median, 10-90% band ({len(runs)} seeds)"
+            ax.plot(curves.index, curves.median(axis=1), "-", color=color, linewidth=2, label=label)
         ax.set(xlabel="tokens", ylabel="validation loss")
         search = f" ({selected_lr:g}, search runs)" if search_only and selected_lr else ""
         ax.set_title(f"{' vs '.join(a.upper() for a in colors)} at the shared LR" + search)
