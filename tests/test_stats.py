@@ -343,3 +343,17 @@ def test_init_seed_draws_other_weights_and_leaves_the_seeds_stream_alone() -> No
     # rest see what a plain run with that seed sees once its weights are drawn
     set_up_process(spec)
     assert torch.equal(after_first, torch.rand(1))
+
+
+def test_init_perturbation_moves_every_weight_by_its_relative_size_and_leaves_the_seeds_stream_alone() -> None:
+    spec = parse(TrainSpec, compose_train([*FAST, "logger=none"]))
+    built = []
+    for scale in (0.0, 1e-6):
+        set_up_process(spec.model_copy(update={"init_perturbation": scale}))
+        module = make_module(spec.model_copy(update={"init_perturbation": scale}), spec.gpt_config(512))
+        built.append(({n: w.detach().clone() for n, w in module.model.named_parameters()}, torch.rand(1)))
+    (plain, after_plain), (perturbed, after_perturbed) = built
+    assert torch.equal(after_plain, after_perturbed)  # the data order, dropout and the rest: the seed's own stream
+    for name, w in plain.items():
+        change = ((perturbed[name] - w).norm() / w.norm()).item() if w.norm() > 0 else (perturbed[name] - w).norm()
+        assert change == pytest.approx(1e-6, rel=0.3) if w.norm() > 0 else change == 0, name
