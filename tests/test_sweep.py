@@ -558,7 +558,9 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         (_plan(cap=None), "seeds_until_significant 4 -> None, planned_looks 3 -> 1"),
         (_plan(search_seeds=(0, 5)), "search_seeds [0] -> [0, 5]"),
         (_plan(margin=0.1), f"stall {stall!r} -> { ({**stall, 'margin': 0.1})!r}"),
-        (_plan(null_arm=True), "null_arm False -> True"),  # the report gains a null section
+        (_plan(null_arm=["init"]), "null_arm [] -> ['init']"),  # the report gains a null section
+        (_plan(null_arm=["placebo"]), "null_arm [] -> ['placebo']"),
+        (_plan(placebo_scale=1e-5), "placebo_scale 1e-06 -> 1e-05"),
         (_plan(candidates=["xsa", "gated"]), "candidates ['xsa'] -> ['xsa', 'gated']"),
         (_plan(tune_xsa=True), "tune_xsa False -> True"),
         (_plan(diverge_above=5.0), "diverge_above None -> 5.0"),
@@ -586,8 +588,14 @@ def test_a_plan_recorded_before_a_key_reads_it_as_the_default_it_had(tmp_path: P
     older = {k: v for k, v in _plan().items() if k not in REPORTED}
     state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": [], "plan": older}))
     keep_plan(state_file, _plan(), [1e-3])  # the same sweep, rerun: resumed
-    with pytest.raises(UserError, match=r"\(null_arm False -> True\)"):
-        keep_plan(state_file, _plan(null_arm=True), [1e-3])
+    with pytest.raises(UserError, match=r"\(null_arm \[\] -> \['init'\]\)"):
+        keep_plan(state_file, _plan(null_arm=["init"]), [1e-3])
+    for recorded, arms in ((False, []), (True, ["init"])):  # a plan from before the placebo: its null is the init null
+        state = {"sweep_id": "s", "train_overrides": [], "plan": older | {"null_arm": recorded}}
+        state_file.write_text(json.dumps(state))
+        keep_plan(state_file, _plan(null_arm=arms), [1e-3])
+        with pytest.raises(UserError, match=r"null_arm"):
+            keep_plan(state_file, _plan(null_arm=["init", "placebo"]), [1e-3])
     sizes = tmp_path / "scale.json"  # a size-axis study's plan: no seeds of its own (each size's sweep has them)
     sizes.write_text(json.dumps({"study_id": "s", "overrides": [], "plan": {"bootstrap_seed": 0}}))
     keep_plan(sizes, {"bootstrap_seed": 0, "fit": "auto"}, [], earlier={"fit": "auto"})
@@ -976,7 +984,12 @@ SWEEP_REFUSALS = [
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not an option"),
     # A setting that cannot act here (a search-only sweep has no compare phase): refused, not ignored.
-    ("sweep.null_arm=true sweep.seeds=[]", "sweep.null_arm=true would do nothing: it needs compare seeds"),
+    ("sweep.null_arm=true sweep.seeds=[]", "sweep.null_arm=[init] would do nothing: it needs compare seeds"),
+    ("sweep.null_arm=[init,init]", "sweep.null_arm=['init', 'init'] must be false, init, placebo or [init,placebo]"),
+    ("sweep.null_arm=both", "sweep.null_arm"),
+    ("sweep.placebo_scale=0", "sweep.placebo_scale=0 must be > 0"),
+    ("init_perturbation=1e-3", "init_perturbation is set by the sweep for each trial; the sweep's placebo sets it"),
+    ("sweep.candidates=[placebo]", "must not be placebo: the null arms' trials are named so"),
     ("sweep.eval_limit=10", "sweep.eval_limit=10 would do nothing: it needs tasks (sweep.eval_tasks)"),
     ("optim.lr=1e-3", "optim.lr is set by the sweep for each trial; set the grid with sweep.lrs"),
     (
