@@ -82,14 +82,13 @@ class NullComparison(PairedStats):
     sa: list[float]
     null: list[float]
     diff: list[float]
+    margin: MarginVerdict | None
+    rates: list[NullRates]
     corr: float | None = None  # seed_correlation(sa, null); a results.json written before it: computed on reading
 
     def __post_init__(self) -> None:
         if self.corr is None:
             object.__setattr__(self, "corr", seed_correlation(self.sa, self.null))
-
-    margin: MarginVerdict | None
-    rates: list[NullRates]
 
 
 def null_comparison(
