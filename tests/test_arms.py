@@ -164,4 +164,4 @@ def test_a_three_arm_sweep_from_a_lab_config_folder(tmp_path: Path, data_cache: 
     report = re.sub(" +", " ", (sweep_dir / "report.md").read_text())
     for text in ("## 2. SA vs XSA at the", f"## 2. SA vs {VARIANT.upper()} at the", f"{VARIANT.upper()} is lower in"):
         assert report.count(text) == 1, text
-    assert "| null - SA |" in report
+    assert "| init null - SA |" in report

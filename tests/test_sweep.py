@@ -697,11 +697,11 @@ def test_downstream_evaluation_is_reused_for_the_same_inputs_and_a_failure_fails
 @pytest.mark.slow
 @pytest.mark.long
 def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
-    """Two LRs (one diverges), two seeds, XSA tuned, the null arm: the whole protocol, the report, W&B records."""
+    """Two LRs (one diverges), two seeds, XSA tuned, both null arms: the whole protocol, the report, W&B records."""
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]
-    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.null_arm=true"]
+    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.null_arm=[init,placebo]"]
     args += ["launcher.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -718,11 +718,16 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
             assert {"phase", "attention", "lr", "seed", "status", "final_val_loss", "run_dir"} <= set(trial)
             assert not trial["reused"]  # seeds disjoint from the search's: no compare run is a search run
     assert results["search_seeds"] == [0] and results["seeds"] == [1, 2] and not results["reuse_search_run"]
-    assert len(list((sweep_dir / "runs").iterdir())) == 10  # 4 search + 4 compare + 2 null runs, none twice
+    assert len(list((sweep_dir / "runs").iterdir())) == 12  # 4 search + 4 compare + 2 null + 2 placebo runs
     null = [by_key[("null", "null", 3e-3, seed)] for seed in (1, 2)]  # SA from other weights, the same data
     assert all(t["status"] == "completed" for t in null) and "init_seed: 1000001" in Path(null[0]["config"]).read_text()
-    assert null[0]["final_val_loss"] != by_key[("compare", "sa", 3e-3, 1)]["final_val_loss"]
-    assert results["null"]["seeds"] == [1, 2] and results["null"]["margin"]["verdict"] in VERDICTS
+    placebo = [by_key[("placebo", "placebo", 3e-3, seed)] for seed in (1, 2)]  # SA from its own weights, perturbed
+    assert all(t["status"] == "completed" for t in placebo)
+    assert "init_perturbation: 1.0e-06" in Path(placebo[0]["config"]).read_text()
+    sa = by_key[("compare", "sa", 3e-3, 1)]["final_val_loss"]
+    assert abs(placebo[0]["final_val_loss"] - sa) < abs(null[0]["final_val_loss"] - sa)  # its pair shares more
+    for arm in ("null", "placebo"):
+        assert results[arm]["seeds"] == [1, 2] and results[arm]["margin"]["verdict"] in VERDICTS
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
     assert record["executor"] == "local" and Path(record["log"]).parent == Path(record["job_folder"])  # a submitit job
     spans = sorted((t["started"], t["finished"]) for t in results["trials"] if t["phase"] == "search")
@@ -750,7 +755,9 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
         "extend the grid",
         "seeds disjoint from the search's (seeds 0)",
         "this study could detect differences larger than",
-        "### The null: SA against SA",
+        "### The nulls: SA against SA",
+        "| init null - SA |",
+        "| placebo - SA |",  # beside XSA - SA
         "Verdict against the plan's margin of 0.01 nats",
         "In bits per byte",
         "### XSA - SA along the window",
@@ -779,7 +786,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     # The same command again: every trial is reused, nothing retrained, the results are the same.
     again = run_cli(args, data_cache, tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "started" not in again.stdout and again.stdout.count("(reused)") == 10  # the null runs too
+    assert "started" not in again.stdout and again.stdout.count("(reused)") == 12  # the null runs too
     assert json.loads((sweep_dir / "results.json").read_text())["comparison"] == compare
 
     # Other training overrides in the same directory: refused, nothing touched.
@@ -986,8 +993,6 @@ SWEEP_REFUSALS = [
     # A setting that cannot act here (a search-only sweep has no compare phase): refused, not ignored.
     ("sweep.null_arm=true sweep.seeds=[]", "sweep.null_arm=[init] would do nothing: it needs compare seeds"),
     ("sweep.null_arm=[init,init]", "sweep.null_arm=['init', 'init'] must be false, init, placebo or [init,placebo]"),
-    ("sweep.null_arm=both", "sweep.null_arm"),
-    ("sweep.placebo_scale=0", "sweep.placebo_scale=0 must be > 0"),
     ("init_perturbation=1e-3", "init_perturbation is set by the sweep for each trial; the sweep's placebo sets it"),
     ("sweep.candidates=[placebo]", "must not be placebo: the null arms' trials are named so"),
     ("sweep.eval_limit=10", "sweep.eval_limit=10 would do nothing: it needs tasks (sweep.eval_tasks)"),
