@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, refused_in_process, run_cli
+from tests.helpers import FAST, compose_train, refused_in_process, run_cli
+from xsa_lm.config.spec import parse
 from xsa_lm.eval.run import EvalResult, Row, Score, compared, render
-from xsa_lm.sweep.protocol import NULL, Trial, select_lr
+from xsa_lm.sweep.protocol import NULL, PLACEBO, Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
+from xsa_lm.sweep.settings import SweepSpec
 from xsa_lm.sweep.trials import TrialRecord, trial_settings
 
 SWEEP_FAST = [o for o in FAST if not o.startswith(("optim.lr=", "progress_bar="))]
@@ -77,10 +79,13 @@ def test_each_candidate_is_compared_with_the_baseline_under_its_name() -> None:
     assert again == results  # results.json reads back, every candidate with it
 
 
-def test_the_null_arm_is_the_baseline_from_other_weights() -> None:
-    assert trial_settings(Trial("xsa", 1e-3, 2), "gated")[0] == "attention=xsa"
-    null = trial_settings(Trial(NULL, 1e-3, 2), "gated")
+def test_the_null_arms_are_the_baseline_from_other_weights_or_from_its_own_perturbed() -> None:
+    cfg = compose_train(["sweep.baseline=gated", "sweep.placebo_scale=1e-5"], config_name="sweep")
+    spec = parse(SweepSpec, cfg.sweep)
+    assert trial_settings(Trial("xsa", 1e-3, 2), spec)[0] == "attention=xsa"
+    null = trial_settings(Trial(NULL, 1e-3, 2), spec)
     assert null[0] == "attention=gated" and null[1].startswith("init_seed=") and null[1] != "init_seed=2"
+    assert trial_settings(Trial(PLACEBO, 1e-3, 2), spec)[:2] == ["attention=gated", "init_perturbation=1e-05"]
 
 
 def test_the_evaluation_compares_every_other_arm_with_the_baseline() -> None:
@@ -159,4 +164,4 @@ def test_a_three_arm_sweep_from_a_lab_config_folder(tmp_path: Path, data_cache: 
     report = re.sub(" +", " ", (sweep_dir / "report.md").read_text())
     for text in ("## 2. SA vs XSA at the", f"## 2. SA vs {VARIANT.upper()} at the", f"{VARIANT.upper()} is lower in"):
         assert report.count(text) == 1, text
-    assert "| null - SA |" in report
+    assert "| init null - SA |" in report

@@ -111,7 +111,7 @@ def sweep_spec() -> SweepSpec:
 
 
 IDLE = [  # (a sweep setting turned on, the compare seeds): the setting cannot act without what it needs
-    ({"null_arm": True}, []),
+    ({"null_arm": ["init"]}, []),
     ({"seeds_until_significant": 4}, []),
     ({"reuse_search_run": True}, []),
     ({"eval_tasks": "paper"}, []),

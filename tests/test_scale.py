@@ -318,6 +318,7 @@ REFUSALS = {
         ),
         ("scale.seeds=[1,2]", "scale.seeds=[1,2] contains the search seed(s) [1] (sweep.search_seeds)"),
         ("scale.seeds=[2]", "needs 2+ compare seeds"),
+        ("sweep.null_arm=[init,placebo]", "sweep.null_arm=placebo: scale.axis=tokens reads the init null's k"),
         ("sweep.search_seeds=[-1]", "sweep.search_seeds=[-1] must be a non-empty list of distinct integers from 0 to"),
         ("launcher.timeout_min=0", "launcher.timeout_min=0 must be >= 1"),
         ("sweep.lr_grids.tiny_l3_d48=[0]", "has tiny_l3_d48: [0], which must be a list of positive numbers"),

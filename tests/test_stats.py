@@ -32,7 +32,7 @@ from xsa_lm.stats.paired import (
     sign_test_p,
     wilcoxon_p,
 )
-from xsa_lm.sweep.protocol import NULL, Selection, select_lr
+from xsa_lm.sweep.protocol import NULL, PLACEBO, Selection, select_lr
 from xsa_lm.sweep.report import SweepResult, build_results, render_markdown
 from xsa_lm.sweep.trials import TrialRecord
 from xsa_lm.train.run import make_module, set_up_process
@@ -353,16 +353,21 @@ def test_a_null_calibrates_studies_of_3_5_and_half_its_pairs() -> None:
     assert null_study_sizes(4) == [2] and null_study_sizes(3) == []
 
 
-def test_the_null_arm_is_sa_from_other_weights_and_is_reported_beside_xsa(tmp_path: Path) -> None:
+def test_both_nulls_are_reported_beside_xsa_with_the_correlation_of_each_arm_with_sa(tmp_path: Path) -> None:
     results = _sweep_results(tmp_path, margin=0.01)
-    assert results.null is None  # no null arm
+    assert results.null is None and results.placebo is None  # no null arm
     null_runs = [_trial("null", NULL, 3e-3, seed, loss) for seed, loss in ((1, 3.01), (2, 3.00), (3, 3.02), (4, 3.03))]
-    results = _sweep_results(tmp_path, margin=0.01, extra=null_runs)
+    placebo = [_trial("placebo", PLACEBO, 3e-3, s, loss) for s, loss in ((1, 3.001), (2, 3.02), (3, 3.009), (4, 3.03))]
+    results = _sweep_results(tmp_path, margin=0.01, extra=null_runs + placebo)
     null = results.null
     assert null is not None and null.seeds == [1, 2, 3, 4] and null.diff == pytest.approx([0.01, -0.02, 0.01, 0.0])
     assert null.margin is not None and null.margin.verdict == "inconclusive"
     assert [r.study_size for r in null.rates] == [2]
     assert results.comparison.seeds == [1, 2, 3, 4]  # the null runs stay out of XSA's comparison
+    assert results.placebo is not None and results.placebo.diff == pytest.approx([0.001, 0.0, -0.001, 0.0])
+    sa, xsa = [3.00, 3.02, 3.01, 3.03], [2.95, 2.96, 2.97, 2.97]  # _sweep_results' compare losses
+    corr = [results.comparison.corr, null.corr, results.placebo.corr]
+    assert corr == pytest.approx([np.corrcoef(sa, arm)[0, 1] for arm in (xsa, null.null, results.placebo.null)])
     assert_golden("sweep_null.md", render_markdown(results))
 
 
@@ -380,3 +385,17 @@ def test_init_seed_draws_other_weights_and_leaves_the_seeds_stream_alone() -> No
     # rest see what a plain run with that seed sees once its weights are drawn
     set_up_process(spec)
     assert torch.equal(after_first, torch.rand(1))
+
+
+def test_init_perturbation_moves_every_weight_by_its_relative_size_and_leaves_the_seeds_stream_alone() -> None:
+    spec = parse(TrainSpec, compose_train([*FAST, "logger=none"]))
+    built = []
+    for scale in (0.0, 1e-6):
+        set_up_process(spec.model_copy(update={"init_perturbation": scale}))
+        module = make_module(spec.model_copy(update={"init_perturbation": scale}), spec.gpt_config(512))
+        built.append(({n: w.detach().clone() for n, w in module.model.named_parameters()}, torch.rand(1)))
+    (plain, after_plain), (perturbed, after_perturbed) = built
+    assert torch.equal(after_plain, after_perturbed)  # the data order, dropout and the rest: the seed's own stream
+    for name, w in plain.items():
+        change = ((perturbed[name] - w).norm() / w.norm()).item() if w.norm() > 0 else (perturbed[name] - w).norm()
+        assert change == pytest.approx(1e-6, rel=0.3) if w.norm() > 0 else change == 0, name

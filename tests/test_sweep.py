@@ -559,7 +559,9 @@ def test_the_plan_is_recorded_at_the_first_run_and_a_rerun_cannot_change_it(tmp_
         (_plan(cap=None), "seeds_until_significant 4 -> None, planned_looks 3 -> 1"),
         (_plan(search_seeds=(0, 5)), "search_seeds [0] -> [0, 5]"),
         (_plan(margin=0.1), f"stall {stall!r} -> { ({**stall, 'margin': 0.1})!r}"),
-        (_plan(null_arm=True), "null_arm False -> True"),  # the report gains a null section
+        (_plan(null_arm=["init"]), "null_arm [] -> ['init']"),  # the report gains a null section
+        (_plan(null_arm=["placebo"]), "null_arm [] -> ['placebo']"),
+        (_plan(placebo_scale=1e-5), "placebo_scale 1e-06 -> 1e-05"),
         (_plan(candidates=["xsa", "gated"]), "candidates ['xsa'] -> ['xsa', 'gated']"),
         (_plan(tune_xsa=True), "tune_xsa False -> True"),
         (_plan(diverge_above=5.0), "diverge_above None -> 5.0"),
@@ -587,8 +589,14 @@ def test_a_plan_recorded_before_a_key_reads_it_as_the_default_it_had(tmp_path: P
     older = {k: v for k, v in _plan().items() if k not in REPORTED}
     state_file.write_text(json.dumps({"sweep_id": "s", "train_overrides": [], "plan": older}))
     keep_plan(state_file, _plan(), [1e-3])  # the same sweep, rerun: resumed
-    with pytest.raises(UserError, match=r"\(null_arm False -> True\)"):
-        keep_plan(state_file, _plan(null_arm=True), [1e-3])
+    with pytest.raises(UserError, match=r"\(null_arm \[\] -> \['init'\]\)"):
+        keep_plan(state_file, _plan(null_arm=["init"]), [1e-3])
+    for recorded, arms in ((False, []), (True, ["init"])):  # a plan from before the placebo: its null is the init null
+        state = {"sweep_id": "s", "train_overrides": [], "plan": older | {"null_arm": recorded}}
+        state_file.write_text(json.dumps(state))
+        keep_plan(state_file, _plan(null_arm=arms), [1e-3])
+        with pytest.raises(UserError, match=r"null_arm"):
+            keep_plan(state_file, _plan(null_arm=["init", "placebo"]), [1e-3])
     sizes = tmp_path / "scale.json"  # a size-axis study's plan: no seeds of its own (each size's sweep has them)
     sizes.write_text(json.dumps({"study_id": "s", "overrides": [], "plan": {"bootstrap_seed": 0}}))
     keep_plan(sizes, {"bootstrap_seed": 0, "fit": "auto"}, [], earlier={"fit": "auto"})
@@ -690,11 +698,11 @@ def test_downstream_evaluation_is_reused_for_the_same_inputs_and_a_failure_fails
 @pytest.mark.slow
 @pytest.mark.long
 def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
-    """Two LRs (one diverges), two seeds, XSA tuned, the null arm: the whole protocol, the report, W&B records."""
+    """Two LRs (one diverges), two seeds, XSA tuned, both null arms: the whole protocol, the report, W&B records."""
     sweep_dir = tmp_path / "sweep"
     with_wandb = [o for o in SWEEP_FAST if o != "logger=csv"]
     args = ["sweep", *with_wandb, "trainer.max_steps=20", "val_every_steps=10", "sweep.lrs=[3e-3,1e3]"]
-    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.null_arm=true"]
+    args += ["sweep.seeds=[1,2]", "sweep.tune_xsa=true", "sweep.null_arm=[init,placebo]"]
     args += ["launcher.max_parallel=2", f"hydra.run.dir={sweep_dir}"]
     proc = run_cli(args, data_cache, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -711,11 +719,16 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
             assert {"phase", "attention", "lr", "seed", "status", "final_val_loss", "run_dir"} <= set(trial)
             assert not trial["reused"]  # seeds disjoint from the search's: no compare run is a search run
     assert results["search_seeds"] == [0] and results["seeds"] == [1, 2] and not results["reuse_search_run"]
-    assert len(list((sweep_dir / "runs").iterdir())) == 10  # 4 search + 4 compare + 2 null runs, none twice
+    assert len(list((sweep_dir / "runs").iterdir())) == 12  # 4 search + 4 compare + 2 null + 2 placebo runs
     null = [by_key[("null", "null", 3e-3, seed)] for seed in (1, 2)]  # SA from other weights, the same data
     assert all(t["status"] == "completed" for t in null) and "init_seed: 1000001" in Path(null[0]["config"]).read_text()
-    assert null[0]["final_val_loss"] != by_key[("compare", "sa", 3e-3, 1)]["final_val_loss"]
-    assert results["null"]["seeds"] == [1, 2] and results["null"]["margin"]["verdict"] in VERDICTS
+    placebo = [by_key[("placebo", "placebo", 3e-3, seed)] for seed in (1, 2)]  # SA from its own weights, perturbed
+    assert all(t["status"] == "completed" for t in placebo)
+    assert "init_perturbation: 1.0e-06" in Path(placebo[0]["config"]).read_text()
+    sa = by_key[("compare", "sa", 3e-3, 1)]["final_val_loss"]
+    assert abs(placebo[0]["final_val_loss"] - sa) < abs(null[0]["final_val_loss"] - sa)  # its pair shares more
+    for arm in ("null", "placebo"):
+        assert results[arm]["seeds"] == [1, 2] and results[arm]["margin"]["verdict"] in VERDICTS
     record = json.loads((sweep_dir / "trials" / "xsa_lr0.003_s1.json").read_text())
     assert record["executor"] == "local" and Path(record["log"]).parent == Path(record["job_folder"])  # a submitit job
     spans = sorted((t["started"], t["finished"]) for t in results["trials"] if t["phase"] == "search")
@@ -743,7 +756,9 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
         "extend the grid",
         "seeds disjoint from the search's (seeds 0)",
         "this study could detect differences larger than",
-        "### The null: SA against SA",
+        "### The nulls: SA against SA",
+        "| init null - SA |",
+        "| placebo - SA |",  # beside XSA - SA
         "Verdict against the plan's margin of 0.01 nats",
         "In bits per byte",
         "### XSA - SA along the window",
@@ -772,7 +787,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     # The same command again: every trial is reused, nothing retrained, the results are the same.
     again = run_cli(args, data_cache, tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "started" not in again.stdout and again.stdout.count("(reused)") == 10  # the null runs too
+    assert "started" not in again.stdout and again.stdout.count("(reused)") == 12  # the null runs too
     assert json.loads((sweep_dir / "results.json").read_text())["comparison"] == compare
     trained_by = json.loads((sweep_dir / "results.json").read_text())["code"]  # this code: reused without a word
     assert trained_by == [
@@ -982,7 +997,10 @@ SWEEP_REFUSALS = [
     ("sweep.eval_tasks=[nosuch]", "sweep.eval_tasks: unknown task(s) ['nosuch']: use lm-eval task names"),
     ("+sweep.lr=1e-3", "sweep.lr: not an option"),
     # A setting that cannot act here (a search-only sweep has no compare phase): refused, not ignored.
-    ("sweep.null_arm=true sweep.seeds=[]", "sweep.null_arm=true would do nothing: it needs compare seeds"),
+    ("sweep.null_arm=true sweep.seeds=[]", "sweep.null_arm=[init] would do nothing: it needs compare seeds"),
+    ("sweep.null_arm=[init,init]", "sweep.null_arm=['init', 'init'] must be false, init, placebo or [init,placebo]"),
+    ("init_perturbation=1e-3", "init_perturbation is set by the sweep for each trial; the sweep's placebo sets it"),
+    ("sweep.candidates=[placebo]", "must not be placebo: the null arms' trials are named so"),
     ("sweep.eval_limit=10", "sweep.eval_limit=10 would do nothing: it needs tasks (sweep.eval_tasks)"),
     ("optim.lr=1e-3", "optim.lr is set by the sweep for each trial; set the grid with sweep.lrs"),
     (

@@ -476,6 +476,7 @@ class TrainSpec(Spec):
 
     seed: Seed = Field(description="the data order, and the weights unless init_seed")
     init_seed: Seed | None = Field(description="null: weights from seed")
+    init_perturbation: float = Field(default=0.0, ge=0, description="w += this x rms(w) x N(0,1): the placebo arm")
     global_batch_tokens: Count = Field(description="tokens per optimizer step")
     micro_batch_size: Count = Field(description="sequences per forward on one device", json_schema_extra=FREE)
     val_every_steps: Count = Field(description="steps between validations", json_schema_extra=FREE)

@@ -712,7 +712,12 @@ def check_study(
         include={"tokens_per_param", "lr_per_budget", "warmup_fraction", "allow_repeated_data"}
         | {"measure_throughput", "bootstrap_seed"}
     )
-    of_sweep = sweep.model_dump(include={"search_seeds", "null_arm", "margin"})
+    if "placebo" in sweep.null_arm:  # its k beside the init null's would need a table of its own in the report
+        raise UserError(
+            "sweep.null_arm=placebo: scale.axis=tokens reads the init null's k off SA's curve (sweep.null_arm=init); "
+            "the placebo runs in `xsa-lm sweep` and on scale.axis=size"
+        )
+    of_sweep = sweep.model_dump(include={"search_seeds", "margin"}) | {"null_arm": bool(sweep.null_arm)}
     budgets = sorted(scale.sa_budgets), sorted(scale.xsa_budgets)
     plan = report.TokenPlan(
         axis="tokens",

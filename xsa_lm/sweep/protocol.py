@@ -91,7 +91,9 @@ def compare_trials(lr: float, seeds: Sequence[int], arms: Sequence[str]) -> list
     return [Trial(attention, lr, seed) for seed in seeds for attention in arms]
 
 
-NULL = "null"  # the null arm's trials: the baseline with other initial weights
+NULL = "null"  # the init null's trials: the baseline with other initial weights
+PLACEBO = "placebo"  # the placebo's trials: the baseline from its own initial weights, perturbed by sweep.placebo_scale
+NULL_TRIALS = {"init": NULL, "placebo": PLACEBO}  # sweep.null_arm's arms -> their trials' arm name
 FINISHED = ("completed", "diverged")  # a trial's final status: a rerun reuses it
 
 

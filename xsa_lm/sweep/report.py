@@ -26,7 +26,7 @@ from xsa_lm.stats.paired import (
     paired_stats,
     position_differences,
 )
-from xsa_lm.sweep.protocol import NULL, Comparison, Selection, SequentialSummary, mean_std
+from xsa_lm.sweep.protocol import NULL, PLACEBO, Comparison, Selection, SequentialSummary, mean_std
 from xsa_lm.sweep.settings import StallRule
 from xsa_lm.sweep.stalls import StallStudy, stall_study
 from xsa_lm.sweep.trials import CodeRuns, TrialRecord, runs_by_code
@@ -46,7 +46,7 @@ def arms_by_seed(trials: Sequence[TrialRecord], *phases: str) -> dict[int, dict[
 
 def completed_pairs(trials: Sequence[TrialRecord], baseline: str, arm: str) -> list[tuple[TrialRecord, TrialRecord]]:
     """The (baseline, `arm`) compare trials of each seed where both completed, by seed."""
-    by_seed = arms_by_seed(trials, "compare", NULL).values()
+    by_seed = arms_by_seed(trials, "compare", NULL, PLACEBO).values()
     return [
         (t[baseline], t[arm]) for t in by_seed if all(a in t and t[a].status == "completed" for a in (baseline, arm))
     ]
@@ -72,10 +72,18 @@ def bpb_stats(sa: list[float], xsa: list[float]) -> BpbStats:
     return BpbStats(sa_mean=statistics.fmean(sa), xsa_mean=statistics.fmean(xsa), **vars(paired_stats(sa, xsa)))
 
 
+def seed_correlation(sa: list[float], arm: list[float]) -> float | None:
+    """Pearson's r of an arm's and the baseline's losses over the seeds: how much of a seed's luck the two share,
+    which sets the paired difference's spread (None below 3 pairs, where it is +-1 anyway, or without spread)."""
+    if len(sa) < 3 or len(set(sa)) < 2 or len(set(arm)) < 2:
+        return None
+    return statistics.correlation(sa, arm)
+
+
 @dataclass(frozen=True, kw_only=True)
 class NullComparison(PairedStats):
-    """The A/A null (sweep.null_arm) against the baseline: the paired tests, the verdict, how often studies claim an
-    effect (`sa`: the baseline's losses)."""
+    """A null arm of sweep.null_arm (init or placebo) against the baseline: the paired tests, the verdict, how often
+    studies claim an effect (`sa`: the baseline's losses, `null`: the null arm's)."""
 
     seeds: list[int]
     sa: list[float]
@@ -83,10 +91,17 @@ class NullComparison(PairedStats):
     diff: list[float]
     margin: MarginVerdict | None
     rates: list[NullRates]
+    corr: float | None = None  # seed_correlation(sa, null); a results.json written before it: computed on reading
+
+    def __post_init__(self) -> None:
+        if self.corr is None:
+            object.__setattr__(self, "corr", seed_correlation(self.sa, self.null))
 
 
-def null_comparison(trials: Sequence[TrialRecord], margin: float | None, baseline: str) -> NullComparison | None:
-    pairs = comparison_of(trials, baseline, NULL)
+def null_comparison(
+    trials: Sequence[TrialRecord], margin: float | None, baseline: str, arm: str = NULL
+) -> NullComparison | None:
+    pairs = comparison_of(trials, baseline, arm)
     if not pairs.seeds:
         return None
     diffs, sizes = pairs.diffs, null_study_sizes(len(pairs.diffs)) if margin is not None else []
@@ -163,6 +178,11 @@ class ComparisonStats(Record):
     alpha: float = ALPHA
     dropped_seeds: list[dict] = field(default_factory=list)  # seed, and the status of sa and xsa
     margin: MarginVerdict | None = None  # against sweep.margin
+    corr: float | None = None  # seed_correlation(sa, xsa); a results.json written before it: computed on reading
+
+    def __post_init__(self) -> None:
+        if self.corr is None:
+            object.__setattr__(self, "corr", seed_correlation(self.sa, self.xsa))
 
     @classmethod
     def of(cls, comparison: Comparison, dropped: list[dict], margin: float | None, arm: str) -> "ComparisonStats":
@@ -250,7 +270,8 @@ class SweepResult(Record):
     eval_error: str | None = None  # why that evaluation failed
     bpb: BpbStats | None = None  # bits per byte of the compare runs
     positions: PositionDifferences | None = None  # XSA - SA per span of window positions
-    null: NullComparison | None = None  # the A/A null of sweep.null_arm
+    null: NullComparison | None = None  # the init null of sweep.null_arm: the baseline from other initial weights
+    placebo: NullComparison | None = None  # its placebo: the baseline from its own initial weights, perturbed
     more_candidates: list[CandidateResult] = field(default_factory=list)  # the candidates after the first
     code: list[CodeRuns] = field(default_factory=list)  # the finished runs by the code that trained them
     schema: int = 1
@@ -333,6 +354,7 @@ def build_results(
         compare_table=first.compare_table,
         bpb=first.bpb,
         null=null_comparison(trials, margin, baseline),
+        placebo=null_comparison(trials, margin, baseline, PLACEBO),
         positions=first.positions,
         xsa_tuning=first.tuning,
         sequential=sequential,

@@ -36,7 +36,7 @@ from xsa_lm.reporting import ReportRunSettings
 from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
-from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
+from xsa_lm.sweep.settings import LauncherSpec, SweepSpec, null_arms
 from xsa_lm.sweep.trials import (
     RETRY_DAMAGED,
     Launcher,
@@ -53,7 +53,8 @@ SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the 
     "attention": "the sweep trains each arm: choose them with sweep.baseline and sweep.candidates",
     "optim.lr": "set the grid with sweep.lrs=[...] or sweep.lr_range",
     "seed": "set the seeds with sweep.search_seeds=[...] and sweep.seeds=[...]",
-    "init_seed": "the sweep's null arm sets it (sweep.null_arm=true): every other trial's weights come from its seed",
+    "init_seed": "the sweep's init null sets it (sweep.null_arm=init): every other trial's weights come from its seed",
+    "init_perturbation": "the sweep's placebo sets it (sweep.null_arm=placebo): set its size with sweep.placebo_scale",
     "resume": "running the same sweep command again resumes it",
     "progress_bar": "trials write their output to their job logs in the sweep's jobs/ folder",
 }
@@ -148,7 +149,8 @@ def run_exclusive(
 REPORTED = {
     "baseline": "sa",
     "candidates": ["xsa"],
-    "null_arm": False,
+    "null_arm": [],
+    "placebo_scale": 1e-6,
     "tune_xsa": False,
     "reuse_search_run": False,
     "diverge_above": None,
@@ -178,6 +180,7 @@ def keep_plan(
 
     def compared(p: Mapping[str, Any]) -> dict[str, Any]:
         fixed = "seeds" in p and p.get("seeds_until_significant") is None  # a set of seeds (scale's size axis: none)
+        p = {**p, "null_arm": null_arms(p["null_arm"])} if "null_arm" in p else p  # a plan's `true` is [init]
         return {**p, "seeds": sorted(p["seeds"] or [])} if fixed else dict(p)
 
     if recorded is not None and compared(recorded) != compared(plan):
@@ -257,6 +260,14 @@ class SweepJob:
         return launcher
 
 
+NULL_MEANS = {protocol.NULL: "from other initial weights", protocol.PLACEBO: "from its initial weights, perturbed"}
+
+
+def null_trial_arms(spec: SweepSpec) -> list[str]:
+    """The arm names of sweep.null_arm's trials (null, placebo)."""
+    return [protocol.NULL_TRIALS[arm] for arm in spec.null_arm]
+
+
 def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: float) -> None:
     """Each arm an option of the attention group (the package's or a --config-dir's), named by its own name; the
     trained arms' trial configs parsed once here, not in every trial."""
@@ -268,9 +279,10 @@ def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: fl
         )
     for arm in trained:
         trial = Trial(arm, lr, spec.search_seeds[0])
-        cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec.baseline)])
+        cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec)])
         parse(TrainSpec, cfg).refuse_idle_options(overrides)  # as each trial's `xsa-lm train` will
-        if arm != protocol.NULL and cfg.attention.name != arm:  # trials, records and reports go by the arm's name
+        named = arm in protocol.NULL_TRIALS.values() or cfg.attention.name == arm
+        if not named:  # trials, records and reports go by the arm's name
             raise UserError(
                 f"the attention option {arm} has name: {cfg.attention.name}: an arm's name must be its option's name; "
                 f"set name: {arm} in attention/{arm}.yaml"
@@ -295,7 +307,7 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
             raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
     if overrides is not None:  # the candidates train only in the comparison, unless they are tuned too
         trained = spec.arms if seeds or spec.tune_xsa else [spec.baseline]
-        check_arms(spec, overrides, trained + ([protocol.NULL] if seeds and spec.null_arm else []), grid[0])
+        check_arms(spec, overrides, trained + (null_trial_arms(spec) if seeds else []), grid[0])
     job = SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
     if job.launch.kind == "local":
         gpu_slots(job.launch.max_parallel or 1)  # enough GPUs for the trials at once
@@ -405,7 +417,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     searched_arms = spec.arms if spec.tune_xsa else [spec.baseline]
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
     trial_counts = f"{len(grid) * len(spec.search_seeds) * len(searched_arms)} search + up to "
-    trial_counts += f"{(len(spec.arms) + spec.null_arm) * (cap or len(seeds))} compare trials"
+    trial_counts += f"{(len(spec.arms) + len(spec.null_arm)) * (cap or len(seeds))} compare trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
     arms = f"{spec.baseline} vs {', '.join(spec.candidates)}"
     threads += f" | launcher={launcher.launch.kind}"
@@ -422,10 +434,11 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         compare, sequential = compare_phase(launcher, selection.lr, seeds, spec)
         if sequential is not None:
             seeds = list(dict.fromkeys(trial.seed for trial in compare))  # the seeds it ran, in order
-    null = [Trial(protocol.NULL, selection.lr, s) for s in seeds] if spec.null_arm and selection.lr is not None else []
-    if null:
-        print(f"phase 3b: the null arm, {spec.baseline.upper()} from other initial weights at seeds {seeds}")
-        launcher.run(null, "null", "null")
+    lr = selection.lr
+    nulls = {arm: [Trial(arm, lr, s) for s in seeds] for arm in null_trial_arms(spec)} if lr is not None else {}
+    for arm, null in nulls.items():
+        print(f"phase 3b: the {arm} arm, {spec.baseline.upper()} again ({NULL_MEANS[arm]}) at seeds {seeds}")
+        launcher.run(null, arm, arm)
     evaluation = downstream_evaluation(
         spec.eval_tasks, spec.eval_limit, store, compare, sweep_dir, baseline=spec.baseline
     )
@@ -438,7 +451,7 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         train_overrides=job.overrides,
         trials=phase_records(store, searched, "search")
         + phase_records(store, compare, "compare")
-        + phase_records(store, null, "null"),
+        + [record for arm, null in nulls.items() for record in phase_records(store, null, arm)],
         arms=spec.arms,
         selection=selection,
         tuned=dict(zip(spec.candidates, own, strict=False)),  # empty unless sweep.tune_xsa

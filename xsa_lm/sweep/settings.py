@@ -96,13 +96,25 @@ def presets(value: Any) -> str | None:
     return f"has no model preset {', '.join(unknown)}; available: {', '.join(known)}" if unknown else None
 
 
-RESERVED_ARM = "null"  # the null arm's trials are named by it (protocol.NULL)
+RESERVED_ARMS = ("null", "placebo")  # the null arms' trials are named so (protocol.NULL, protocol.PLACEBO)
 
 
 def arm_name(value: Any) -> str | None:
     if not isinstance(value, str) or not value:
         return "must be the name of an attention option (configs/attention/<name>.yaml), e.g. sa"
-    return f"must not be {RESERVED_ARM}: the null arm's trials are named so" if value == RESERVED_ARM else None
+    return f"must not be {value}: the null arms' trials are named so" if value in RESERVED_ARMS else None
+
+
+NullArm = Literal["init", "placebo"]
+
+
+def null_arms(value: Any) -> Any:
+    """sweep.null_arm as the list of null arms: false none, true (as before there were two) the init null."""
+    listed = {False: [], True: ["init"]}.get(value, value) if isinstance(value, bool) else value
+    listed = [listed] if isinstance(listed, str) else listed
+    if not isinstance(listed, list) or len(set(map(str, listed))) != len(listed):
+        raise ValueError("must be false, init, placebo or [init,placebo]")
+    return listed
 
 
 def arm_names(value: Any) -> str | None:
@@ -127,7 +139,8 @@ class SweepSpec(Spec):
     reuse_search_run: bool  # true: a search seed among the compare seeds (biased against XSA)
     seeds_until_significant: int | None  # add seed pairs until significant, up to this many (protocol.seed_sequence)
     margin: float = Field(ge=0, description="the practical margin in nats of XSA - SA, fixed in the plan")
-    null_arm: bool  # an A/A null beside the comparison
+    null_arm: Annotated[list[NullArm], BeforeValidator(null_arms)]  # A/A nulls beside the comparison
+    placebo_scale: float = Field(default=1e-6, gt=0, description="the placebo's init_perturbation")
     tune_xsa: bool  # also grid-search XSA
     stall: dict[Literal["at_fraction", "margin", "loss_threshold"], float | None] | None  # StallRule checks them
     allow_mixed_code: bool = False  # reuse runs trained by other code (not in the plan: a rerun may switch it)
@@ -163,8 +176,8 @@ class SweepSpec(Spec):
     def idle_settings(self, seeds: list[int]) -> None:
         """Refuse a setting turned on where it cannot act: the compare phase's without compare seeds (`seeds`, which
         scale.seeds may give), the evaluation's limit without its tasks."""
-        acts_only_with = {  # key: (its value that does nothing, what it needs, whether that is there)
-            "null_arm": (False, "compare seeds (sweep.seeds)", bool(seeds)),
+        acts_only_with: dict[str, tuple[Any, str, bool]] = {  # key: (its idle value, what it needs, whether there)
+            "null_arm": ([], "compare seeds (sweep.seeds)", bool(seeds)),
             "seeds_until_significant": (None, "compare seeds (sweep.seeds) to add to", bool(seeds)),
             "reuse_search_run": (False, "compare seeds (sweep.seeds)", bool(seeds)),
             "eval_tasks": (None, "compare runs to evaluate (sweep.seeds)", bool(seeds)),
@@ -174,6 +187,7 @@ class SweepSpec(Spec):
             value = getattr(self, key)
             if value != idle and not present:
                 shown = str(value).lower() if isinstance(value, bool) else f"{value:g}" if is_number(value) else value
+                shown = f"[{','.join(value)}]" if isinstance(value, list) else shown
                 raise UserError(
                     f"sweep.{key}={shown} would do nothing: it needs {needs}, and this sweep has none; give them, or "
                     f"leave sweep.{key} out"

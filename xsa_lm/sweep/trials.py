@@ -27,7 +27,7 @@ from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
 from xsa_lm.records import CodeVersion, Record, RunSummary
 from xsa_lm.sweep import jobs
-from xsa_lm.sweep.protocol import FINISHED, NULL, Trial, null_init_seed
+from xsa_lm.sweep.protocol import FINISHED, NULL, PLACEBO, Trial, null_init_seed
 from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
 from xsa_lm.train.devices import usable_cpus
 
@@ -235,12 +235,12 @@ def gpu_slots(max_parallel: int) -> list[list[int]]:
     return [[int(d) for d in visible[i * per_slot : (i + 1) * per_slot]] for i in range(max_parallel)]
 
 
-def trial_settings(trial: Trial, baseline: str) -> list[str]:
-    """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP): its arm's attention option; the null arm
-    is the baseline from other initial weights."""
-    null = trial.attention == NULL
-    arm = [f"attention={baseline if null else trial.attention}"]
-    arm += [f"init_seed={null_init_seed(trial.seed)}"] if null else []
+def trial_settings(trial: Trial, spec: SweepSpec) -> list[str]:
+    """The training keys the sweep sets for a trial (run.py SET_BY_SWEEP): its arm's attention option; the init null
+    is the baseline from other initial weights, the placebo the baseline from its own, perturbed."""
+    null = {NULL: f"init_seed={null_init_seed(trial.seed)}", PLACEBO: f"init_perturbation={spec.placebo_scale!r}"}
+    arm = [f"attention={spec.baseline if trial.attention in null else trial.attention}"]
+    arm += [null[trial.attention]] if trial.attention in null else []
     return [*arm, f"optim.lr={trial.lr!r}", f"seed={trial.seed}", "progress_bar=false"]
 
 
@@ -274,7 +274,7 @@ class Launcher:
     ) -> None:
         self.store, self.train_overrides, self.wandb_group = store, list(train_overrides), wandb_group
         self.launch = launch or LauncherSpec(kind="local")
-        self.diverge_above, self.baseline = spec.diverge_above, spec.baseline
+        self.diverge_above, self.spec = spec.diverge_above, spec
         local = self.launch.kind == "local"
         self.capacity = self.launch.max_parallel or sys.maxsize
         self.slots = gpu_slots(self.capacity) if local else []
@@ -290,7 +290,7 @@ class Launcher:
         """The `xsa-lm train` command a trial's job runs (in the job's own process)."""
         args = [
             *self.train_overrides,
-            *trial_settings(trial, self.baseline),
+            *trial_settings(trial, self.spec),
             override("hydra.run.dir", self.store.run_dir(trial)),
         ]
         if self.wandb_group is not None:

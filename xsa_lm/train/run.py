@@ -355,12 +355,13 @@ def set_up_process(spec: TrainSpec) -> None:
 
 
 def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None = None) -> LMModule:
-    """The module, its weights drawn from `init_seed` when set: the data order stays the one `seed` gives."""
+    """The module, its weights drawn from `init_seed` when set and perturbed by `init_perturbation`: the data order
+    stays the one `seed` gives."""
     init_seed, faults = spec.init_seed, spec.faults
     with torch.random.fork_rng(devices=[], enabled=init_seed is not None):
         if init_seed is not None:
             torch.manual_seed(init_seed)
-        return LMModule(
+        module = LMModule(
             model_config=mcfg,
             optimizer=build(spec.optim.node),
             scheduler=build(spec.scheduler_node),
@@ -374,6 +375,20 @@ def make_module(spec: TrainSpec, mcfg: GPTConfig, token_bytes: list[int] | None 
             position_buckets=spec.val_position_buckets,
             token_bytes=token_bytes,
         )
+    if spec.init_perturbation:
+        perturb(module.model, spec.init_perturbation, spec.seed)
+    return module
+
+
+def perturb(model: torch.nn.Module, scale: float, seed: int) -> None:
+    """w += scale * rms(w) * N(0, 1) for every weight tensor (a zero one stays zero), drawn from a generator of its
+    own: the global stream, hence the data order and dropout, is untouched. Offset from `seed` so that the noise is
+    not the weights' own draws (which would only rescale them)."""
+    generator = torch.Generator().manual_seed(seed + 2**32)
+    with torch.no_grad():
+        for weight in model.parameters():
+            noise = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+            weight.add_(noise.to(weight.device) * scale * weight.pow(2).mean().sqrt())
 
 
 def header(spec: TrainSpec, run_dir: Path, data: TokenDataModule, module: LMModule, kernels: SdpaKernels) -> str:
