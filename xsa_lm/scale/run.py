@@ -766,6 +766,8 @@ def main(cfg: DictConfig) -> None:
     def study(study_dir: Path, overrides: list[str]) -> list[str]:
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         scale.refuse_other_axis(HydraConfig.get().overrides.task)
+        if sweep.dry_run:  # the sweep's alone: a scale study would train
+            raise UserError("sweep.dry_run=true: xsa-lm scale has no dry run (xsa-lm sweep has one); leave it out")
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
         plan, run = check_study(scale, sweep, study_dir, overrides)
         state, holds = study_dir / "scale.json", "a scaling study with the overrides"
