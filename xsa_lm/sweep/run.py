@@ -277,9 +277,8 @@ def study_phases(spec: SweepSpec, grid: list[float], seeds: list[int]) -> list[P
     phases = [Phase("search", spec.arms if spec.tune_xsa else [spec.baseline], grid, spec.search_seeds)]
     if compared:
         phases.append(Phase("compare", spec.arms, None, compared, at_most=cap is not None))
-    if compared and spec.null_arm:
-        phases.append(Phase("null", [protocol.NULL], None, compared, at_most=cap is not None))
-    return phases
+    nulls = [protocol.NULL] if compared and spec.null_arm else []  # each null arm its own phase, named by its trials
+    return phases + [Phase(arm, [arm], None, compared, at_most=cap is not None) for arm in nulls]
 
 
 def detectable_effect(spec: SweepSpec, seeds: list[int]) -> str:
