@@ -173,6 +173,7 @@ class SweepSpec(Spec):
             "reuse_search_run": (False, "compare seeds (sweep.seeds)", bool(seeds)),
             "eval_tasks": (None, "compare runs to evaluate (sweep.seeds)", bool(seeds)),
             "eval_limit": (None, "tasks (sweep.eval_tasks)", self.eval_tasks is not None),
+            "expected_sd": (None, "compare seeds (sweep.seeds) to detect with", bool(seeds)),
         }
         for key, (idle, needs, present) in acts_only_with.items():
             value = getattr(self, key)
