@@ -40,10 +40,10 @@ class PlanOptions(Spec):
     overwrite: bool = False
 
 
-def study_runs(cfg: DictConfig) -> dict[str, int]:
-    """Runs by phase: the sweep's phases where the config sets sweep.* (composed as `xsa-lm sweep` would), else one."""
+def study_runs(cfg: DictConfig) -> dict[str, int] | None:
+    """Runs by phase where the config sets sweep.*, the sweep's (composed as `xsa-lm sweep` would); else None."""
     if "sweep" not in cfg or "scale" in cfg:  # a scale study's runs differ in length: one run's hours only
-        return {"one run": 1}
+        return None
     overrides = HydraConfig.get().overrides.task
     study = compose("sweep", [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in PlanOptions.model_fields])
     spec = parse(SweepSpec, study.sweep, at="sweep.")

@@ -301,22 +301,21 @@ def run_compute(spec: TrainSpec, mfu: float | None = None) -> RunCompute:
     )
 
 
-def gpu_hours_table(compute: RunCompute, runs: dict[str, int], given_mfu: bool = False) -> str:
-    """The GPU-hours on one H100 of `runs` (phase -> runs) of this config, per phase and in all."""
+def gpu_hours_table(compute: RunCompute, runs: dict[str, int] | None = None, given_mfu: bool = False) -> str:
+    """The GPU-hours on one H100 of one run of this config, and of `runs` (phase -> runs) per phase and in all."""
     if compute.mfu is None:
         return (
             f"GPU-hours: no measured MFU for model {compute.model} (measured: {', '.join(MEASURED_MFU)}): `xsa-lm "
             "plan` estimates them with one given, e.g. mfu=0.4"
         )
     source = "given: mfu=" if given_mfu else MFU_SOURCE
-    lines = [
+    line = (
         f"GPU-hours on one H100, an estimate: {compute.tokens / 1e9:.3g}B tokens x {compute.flops_per_token / 1e9:.3g} "
         f"GFLOP/token per run ({compute.gpu_hours(1):,.1f} GPU-hours) at MFU {compute.mfu:.1%} ({source}) of "
-        f"{H100_BF16_PEAK / 1e12:.1f} TFLOP/s (dense bf16)",
-        "",
-        "| phase | runs | GPU-hours |",
-        "|---|---:|---:|",
-    ]
-    lines += [f"| {phase} | {n} | {compute.gpu_hours(n):,.1f} |" for phase, n in runs.items()]
-    total = sum(runs.values())
-    return "\n".join([*lines, f"| total | {total} | {compute.gpu_hours(total):,.1f} |"] if len(runs) > 1 else lines)
+        f"{H100_BF16_PEAK / 1e12:.1f} TFLOP/s (dense bf16)"
+    )
+    if not runs:
+        return line
+    rows = {**runs, "total": sum(runs.values())}.items()
+    lines = [f"| {phase} | {n} | {compute.gpu_hours(n):,.1f} |" for phase, n in rows]
+    return "\n".join([line, "", "| phase | runs | GPU-hours |", "|---|---:|---:|", *lines])
