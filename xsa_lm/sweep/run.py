@@ -249,6 +249,61 @@ class SweepJob:
         return launcher
 
 
+def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: float) -> None:
+    """Each arm an option of the attention group (the package's or a --config-dir's), named by its own name; the
+    trained arms' trial configs parsed once here, not in every trial."""
+    options = GlobalHydra.instance().config_loader().get_group_options("attention")
+    if unknown := [arm for arm in spec.arms if arm not in options]:
+        raise UserError(
+            f"sweep.baseline/sweep.candidates name {', '.join(unknown)}, which is no attention option (available: "
+            f"{', '.join(options)}): add attention/<name>.yaml to a folder given with --config-dir, or fix the name"
+        )
+    for arm in trained:
+        trial = Trial(arm, lr, spec.search_seeds[0])
+        cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec.baseline)])
+        parse(TrainSpec, cfg).refuse_idle_options(overrides)  # as each trial's `xsa-lm train` will
+        if arm != protocol.NULL and cfg.attention.name != arm:  # trials, records and reports go by the arm's name
+            raise UserError(
+                f"the attention option {arm} has name: {cfg.attention.name}: an arm's name must be its option's name; "
+                f"set name: {arm} in attention/{arm}.yaml"
+            )
+
+
+def grid_and_seeds(spec: SweepSpec, model: str) -> tuple[list[float], list[int]]:
+    """The LR grid (sweep.lrs, else sweep.lr_range, else the model's in sweep.lr_grids) and the compare seeds."""
+    grids = spec.lr_grids or {}
+    grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(model, grids.get("default")))
+    return grid, protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
+
+
+def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
+    """Every sweep setting and kind of trial, checked before anything is written (no overrides: `train` alone)."""
+    grid, seeds = grid_and_seeds(spec, train.model.name)
+    spec.idle_settings(seeds)
+    if spec.seeds_until_significant is not None:
+        protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
+    if spec.eval_tasks:
+        from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
+
+        require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
+        try:
+            task_manager(*resolve_tasks(spec.eval_tasks))  # names, task files
+        except UserError as e:
+            raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
+    if overrides is not None:  # the candidates train only in the comparison, unless they are tuned too
+        trained = spec.arms if seeds or spec.tune_xsa else [spec.baseline]
+        check_arms(spec, overrides, trained + ([protocol.NULL] if seeds and spec.null_arm else []), grid[0])
+    job = SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
+    if job.launch.kind == "local":
+        gpu_slots(job.launch.max_parallel or 1)  # enough GPUs for the trials at once
+    elif shutil.which("sbatch") is None:
+        raise UserError(
+            "launcher=slurm submits each trial with sbatch, which is not on PATH here: run the sweep where SLURM's "
+            "commands are (a login node, or inside a job), or use launcher=local"
+        )
+    return job
+
+
 @dataclass(frozen=True)
 class Phase:
     """A phase's trials as planned: every arm x LR x seed."""
@@ -307,61 +362,6 @@ def dry_run(job: SweepJob, train: TrainSpec) -> None:
     if job.seeds:
         print(detectable_effect(spec, job.seeds))
     print("dry run: nothing trained or written (sweep.dry_run=true)")
-
-
-def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: float) -> None:
-    """Each arm an option of the attention group (the package's or a --config-dir's), named by its own name; the
-    trained arms' trial configs parsed once here, not in every trial."""
-    options = GlobalHydra.instance().config_loader().get_group_options("attention")
-    if unknown := [arm for arm in spec.arms if arm not in options]:
-        raise UserError(
-            f"sweep.baseline/sweep.candidates name {', '.join(unknown)}, which is no attention option (available: "
-            f"{', '.join(options)}): add attention/<name>.yaml to a folder given with --config-dir, or fix the name"
-        )
-    for arm in trained:
-        trial = Trial(arm, lr, spec.search_seeds[0])
-        cfg = compose(config_name="train", overrides=[*overrides, *trial_settings(trial, spec.baseline)])
-        parse(TrainSpec, cfg).refuse_idle_options(overrides)  # as each trial's `xsa-lm train` will
-        if arm != protocol.NULL and cfg.attention.name != arm:  # trials, records and reports go by the arm's name
-            raise UserError(
-                f"the attention option {arm} has name: {cfg.attention.name}: an arm's name must be its option's name; "
-                f"set name: {arm} in attention/{arm}.yaml"
-            )
-
-
-def grid_and_seeds(spec: SweepSpec, model: str) -> tuple[list[float], list[int]]:
-    """The LR grid (sweep.lrs, else sweep.lr_range, else the model's in sweep.lr_grids) and the compare seeds."""
-    grids = spec.lr_grids or {}
-    grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(model, grids.get("default")))
-    return grid, protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
-
-
-def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
-    """Every sweep setting and kind of trial, checked before anything is written (no overrides: `train` alone)."""
-    grid, seeds = grid_and_seeds(spec, train.model.name)
-    spec.idle_settings(seeds)
-    if spec.seeds_until_significant is not None:
-        protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
-    if spec.eval_tasks:
-        from xsa_lm.eval.run import require_harness, resolve_tasks, task_manager
-
-        require_harness(needed_by="sweep.eval_tasks")  # now, not after hours of training
-        try:
-            task_manager(*resolve_tasks(spec.eval_tasks))  # names, task files
-        except UserError as e:
-            raise UserError(f"sweep.eval_tasks: {str(e).removeprefix('tasks: ')}") from None
-    if overrides is not None:  # the candidates train only in the comparison, unless they are tuned too
-        trained = spec.arms if seeds or spec.tune_xsa else [spec.baseline]
-        check_arms(spec, overrides, trained + ([protocol.NULL] if seeds and spec.null_arm else []), grid[0])
-    job = SweepJob(spec, grid, seeds, overrides or [], train.logger.wandb, config or {})
-    if job.launch.kind == "local":
-        gpu_slots(job.launch.max_parallel or 1)  # enough GPUs for the trials at once
-    elif shutil.which("sbatch") is None:
-        raise UserError(
-            "launcher=slurm submits each trial with sbatch, which is not on PATH here: run the sweep where SLURM's "
-            "commands are (a login node, or inside a job), or use launcher=local"
-        )
-    return job
 
 
 def compare_phase(
