@@ -72,3 +72,12 @@ def test_a_dry_run_lists_the_trials_and_the_detectable_effect_and_leaves_nothing
 def test_scale_refuses_the_sweeps_dry_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     stderr = refused_in_process(["scale", "experiment=scale_toy", "sweep.dry_run=true"], monkeypatch, capsys)
     assert "sweep.dry_run=true: xsa-lm scale has no dry run" in stderr
+
+
+def test_plan_of_one_run_at_a_given_mfu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A training config (no sweep.*): one run's GPU-hours in one line, at mfu= where given."""
+    args = ["plan", "experiment=paper_0.7b", "device_memory_gb=80", "mfu=0.5"]
+    shown = cli_in_process(args, tmp_path, tmp_path, monkeypatch, capsys)
+    hours = 200000 * 524288 * FLOPS["paper_0.7b"] / (0.5 * 989.4e12) / 3600
+    assert f"per run ({hours:,.1f} GPU-hours) at MFU 50.0% (given: mfu=)" in shown.stdout
+    assert "| phase |" not in shown.stdout
