@@ -256,6 +256,17 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm scale scale.axis=tokens scale.models=[gpt2_124m,paper_0.7b] trainer=ddp global_batch_tokens=524288 "
     "micro_batch_size=8 data=prepared data.dir=$DATA/fw100b sweep.search_seeds=[0,1] scale.seeds=[2,3,4,5,6] "
     "sweep.null_arm=true hydra.run.dir=$SCRATCH/tokens": GPU + "s, FineWeb shards and days",
+    "xsa-lm plan experiment=gpu_pilot": "the up-front checks compute it; its GPU-hours: test_gpu_study.py",
+    "xsa-lm plan experiment=gpu_decisive": "the up-front checks compute it; its GPU-hours: test_gpu_study.py",
+    "xsa-lm sweep experiment=gpu_pilot sweep.dry_run=true": "test_gpu_study.py dry-runs it with the tiny model",
+    "xsa-lm sweep experiment=gpu_decisive sweep.expected_sd=0.01 sweep.dry_run=true": "test_gpu_study.py dry-runs it "
+    "with the tiny model",
+    "xsa-lm sweep experiment=gpu_pilot data=prepared data.dir=shards/fw10b launcher.max_parallel=8": GPU
+    + "s and FineWeb shards",
+    "xsa-lm sweep experiment=gpu_decisive sweep.expected_sd=... data=prepared data.dir=$DATA/fw100b trainer=ddp "
+    "trainer.devices=8": GPU + "s and FineWeb shards",
+    "xsa-lm prepare data=fineweb_100bt tokenizer=gpt2 data.dir=$DATA/fw100b data.prepare_workers=32": "the hub "
+    "(FineWeb); hub datasets offline: test_data.py",
     "xsa-lm prepare data=local data.files=corpus/*.jsonl data.text_field=text tokenizer=bpe tokenizer.vocab_size=4096 "
     "data.dir=shards/mine": "the README's prepare (run) with its defaults spelled out",
     "xsa-lm prepare data=fineweb data.subset=sample-10BT tokenizer=gpt2 data.dir=shards/fw10b "

@@ -116,6 +116,7 @@ IDLE = [  # (a sweep setting turned on, the compare seeds): the setting cannot a
     ({"reuse_search_run": True}, []),
     ({"eval_tasks": "paper"}, []),
     ({"eval_limit": 10.0}, [1, 2]),  # without sweep.eval_tasks
+    ({"expected_sd": 0.1}, []),
 ]
 
 

@@ -20,7 +20,7 @@ COMMANDS = {  # command -> (module with a Hydra main, help); each reads configs/
     "export": ("xsa_lm.export.run", "a checkpoint as a Hugging Face transformers model"),
     "sweep": ("xsa_lm.sweep.run", "LR search on SA, then SA vs XSA at that LR per seed"),
     "scale": ("xsa_lm.scale.run", "the sweep at several sizes, XSA's compute multiplier"),
-    "plan": ("xsa_lm.train.plan", "memory per device for DDP and FSDP, largest micro-batch"),
+    "plan": ("xsa_lm.sweep.plan", "memory per device, largest micro-batch, GPU-hours of a run or study"),
     "bench": ("xsa_lm.bench.run", "SA vs XSA time and memory, Lightning vs plain, MFU"),
 }
 

@@ -41,6 +41,7 @@ AROUND_TRAINING = (
     "scale",
     "device_memory_gb",
     "activation_checkpointing",
+    "mfu",
     "out",
     "overwrite",
 )

@@ -803,6 +803,8 @@ def main(cfg: DictConfig) -> None:
     def study(study_dir: Path, overrides: list[str]) -> list[str]:
         scale, sweep = parse(ScaleSpec, cfg.scale, at="scale."), parse(SweepSpec, cfg.sweep, at="sweep.")
         scale.refuse_other_axis(HydraConfig.get().overrides.task)
+        if sweep.dry_run:  # the sweep's alone: a scale study would train
+            raise UserError("sweep.dry_run=true: xsa-lm scale has no dry run (xsa-lm sweep has one); leave it out")
         wandb = parse(LoggerSpec, cfg.logger, at="logger.").wandb if cfg.logger else None
         refuse_other_code(study_dir, sweep.allow_mixed_code, code_version())
         plan, run = check_study(scale, sweep, study_dir, overrides)

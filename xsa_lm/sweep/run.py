@@ -29,10 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 from xsa_lm.config import command_line
 from xsa_lm.config.command_line import full_command_line
 from xsa_lm.config.spec import TrainSpec, WandbSpec, parse
-from xsa_lm.errors import UserError, one_line_errors
+from xsa_lm.errors import UserError, one_line_errors, remove_empty_run_dir
 from xsa_lm.files import write_json, write_text
 from xsa_lm.locking import hold_directory
 from xsa_lm.reporting import ReportRunSettings
+from xsa_lm.stats.paired import POWER, min_detectable_difference
 from xsa_lm.sweep import protocol, report
 from xsa_lm.sweep.protocol import Look, Selection, SequentialRule, SequentialSummary, Trial
 from xsa_lm.sweep.report import SweepResult
@@ -47,6 +48,7 @@ from xsa_lm.sweep.trials import (
     run_logged,
     trial_settings,
 )
+from xsa_lm.train.plan import gpu_hours_table, run_compute
 from xsa_lm.train.runinfo import code_version
 
 SET_BY_SWEEP = {  # training keys each trial gets from the sweep, and where the user sets them instead
@@ -289,11 +291,16 @@ def check_arms(spec: SweepSpec, overrides: list[str], trained: list[str], lr: fl
             )
 
 
+def grid_and_seeds(spec: SweepSpec, model: str) -> tuple[list[float], list[int]]:
+    """The LR grid (sweep.lrs, else sweep.lr_range, else the model's in sweep.lr_grids) and the compare seeds."""
+    grids = spec.lr_grids or {}
+    grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(model, grids.get("default")))
+    return grid, protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
+
+
 def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, config: dict | None = None) -> SweepJob:
     """Every sweep setting and kind of trial, checked before anything is written (no overrides: `train` alone)."""
-    grids = spec.lr_grids or {}
-    grid = protocol.lr_grid(spec.lrs, spec.lr_range, grids.get(train.model.name, grids.get("default")))
-    seeds = protocol.check_seeds(spec.seeds, spec.search_seeds, spec.reuse_search_run)
+    grid, seeds = grid_and_seeds(spec, train.model.name)
     spec.idle_settings(seeds)
     if spec.seeds_until_significant is not None:
         protocol.seed_sequence(seeds, spec.search_seeds, spec.seeds_until_significant)
@@ -317,6 +324,66 @@ def check_sweep(train: TrainSpec, spec: SweepSpec, overrides: list[str] | None, 
             "commands are (a login node, or inside a job), or use launcher=local"
         )
     return job
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A phase's trials as planned: every arm x LR x seed."""
+
+    name: str
+    arms: list[str]
+    lrs: list[float] | None  # None: the LR the search selects
+    seeds: list[int]
+    at_most: bool = False  # sweep.seeds_until_significant: seeds added until significant, up to these
+
+    @property
+    def runs(self) -> int:
+        return len(self.arms) * len(self.lrs or [0]) * len(self.seeds)
+
+    def __str__(self) -> str:
+        lrs = f"LRs {', '.join(f'{lr:g}' for lr in self.lrs)}" if self.lrs else "the selected LR"
+        runs, seeds = f"{'up to ' * self.at_most}{self.runs} runs", ", ".join(map(str, self.seeds))
+        return f"{self.name}: {runs} = {', '.join(self.arms)} x {lrs} x seeds {seeds}"
+
+
+def study_phases(spec: SweepSpec, grid: list[float], seeds: list[int]) -> list[Phase]:
+    """The sweep's trials by phase, as planned before any runs: the search, then the comparison and the null arm at
+    the LR it selects (all of sweep.seeds_until_significant's seeds where it caps them)."""
+    cap = spec.seeds_until_significant
+    compared = protocol.seed_sequence(seeds, spec.search_seeds, cap) if cap is not None else seeds
+    phases = [Phase("search", spec.arms if spec.tune_xsa else [spec.baseline], grid, spec.search_seeds)]
+    if compared:
+        phases.append(Phase("compare", spec.arms, None, compared, at_most=cap is not None))
+    nulls = null_trial_arms(spec) if compared else []  # each null arm its own phase, named by its trials
+    return phases + [Phase(arm, [arm], None, compared, at_most=cap is not None) for arm in nulls]
+
+
+def detectable_effect(spec: SweepSpec, seeds: list[int]) -> str:
+    """The smallest difference from the baseline that the compare seeds detect at 80% power, from the paired sd a
+    pilot measured (sweep.expected_sd)."""
+    pairs, contrast = f"{len(seeds)} seed pairs", f"{'/'.join(spec.candidates)} - {spec.baseline}"
+    if spec.expected_sd is None:
+        return (
+            f"detectable effect of {contrast} over {pairs}: unknown until its sd is measured (sweep.expected_sd=null): "
+            "set it to a pilot's sd of the difference (results.json: comparison.diff_std)"
+        )
+    smallest = min_detectable_difference(spec.expected_sd, len(seeds))
+    detects = f"{smallest:.3g} nats" if smallest is not None else "nothing (a paired test needs 2 seeds)"
+    return (
+        f"detectable effect of {contrast} over {pairs}: {detects} at {POWER:.0%} power (paired t, two-sided 5%, sd "
+        f"{spec.expected_sd:g}: sweep.expected_sd); the plan's margin is {spec.margin:g} nats"
+    )
+
+
+def dry_run(job: SweepJob, train: TrainSpec) -> None:
+    """The trials, their GPU-hours and the detectable effect, printed; nothing trained or written."""
+    spec, phases = job.spec, study_phases(job.spec, job.grid, job.seeds)
+    print(f"xsa-lm sweep (dry run) | {spec.baseline} vs {', '.join(spec.candidates)} | {train.model.name}")
+    print("\n".join(f"  {phase}" for phase in phases))
+    print(gpu_hours_table(run_compute(train), {phase.name: phase.runs for phase in phases}))
+    if job.seeds:
+        print(detectable_effect(spec, job.seeds))
+    print("dry run: nothing trained or written (sweep.dry_run=true)")
 
 
 def compare_phase(
@@ -416,8 +483,8 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
     store = launcher.store
     searched_arms = spec.arms if spec.tune_xsa else [spec.baseline]
     planned = f"compare seeds {seeds}" + (f", then more up to {cap} until significant" if cap is not None else "")
-    trial_counts = f"{len(grid) * len(spec.search_seeds) * len(searched_arms)} search + up to "
-    trial_counts += f"{(len(spec.arms) + len(spec.null_arm)) * (cap or len(seeds))} compare trials"
+    phases = study_phases(spec, grid, seeds)
+    trial_counts = " + ".join(f"{'up to ' * p.at_most}{p.runs} {p.name}" for p in phases) + " trials"
     threads = "" if launcher.threads is None else f" | OMP_NUM_THREADS={launcher.threads} per trial"
     arms = f"{spec.baseline} vs {', '.join(spec.candidates)}"
     threads += f" | launcher={launcher.launch.kind}"
@@ -425,6 +492,8 @@ def run_sweep(job: SweepJob, sweep_dir: Path, command: str = "sweep") -> tuple[S
         f"xsa-lm sweep | {sweep_dir} | W&B group {sweep_id} | arms {arms} | LR grid {[f'{lr:g}' for lr in grid]}, "
         f"search seeds {spec.search_seeds}, {planned} | {trial_counts}{threads}"
     )
+    if seeds:
+        print(detectable_effect(spec, seeds))
     # The baseline's runs select the LR; the candidates' (sweep.tune_xsa) say where their own optimum lies
     print("phase 1: LR search")
     selection, *own = search(launcher, grid, spec.search_seeds, searched_arms, "search")
@@ -495,11 +564,15 @@ def sweep_problem(results: SweepResult) -> str | None:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     def sweep(sweep_dir: Path, overrides: list[str]) -> tuple[SweepResult, str]:
-        train, spec = parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
         config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
         refuse_other_code(sweep_dir, spec.allow_mixed_code, code_version())
         return run_sweep(check_sweep(train, spec, overrides, config), sweep_dir)
 
+    train, spec = parse(TrainSpec, cfg), parse(SweepSpec, cfg.sweep, at="sweep.")
+    if spec.dry_run:  # before the sweep folder's lock: Hydra's empty run folder goes again
+        dry_run(check_sweep(train, spec, train_overrides(list(HydraConfig.get().overrides.task))), train)
+        remove_empty_run_dir()
+        return
     sweep_dir, (results, markdown) = run_exclusive("sweep", train_overrides, sweep)
     print(f"\n{markdown}\n\nreport: {sweep_dir / 'report.md'} | results: {sweep_dir / 'results.json'}")
     problem = sweep_problem(results)

@@ -150,6 +150,11 @@ class SweepSpec(Spec):
     wandb_report: bool  # a report run in the sweep's W&B group
     eval_tasks: Annotated[str | list[str] | None, rule(eval_tasks)]  # xsa-lm eval on the compare runs; null: none
     eval_limit: float | None = Field(gt=0, description="the first N examples per task; null: all")
+    expected_sd: float | None = Field(
+        gt=0,
+        description="the sd of XSA - SA over seed pairs a pilot measured, for the detectable effect; null: not yet",
+    )
+    dry_run: bool  # list the trials and what they cost and detect, then exit: nothing trained or written
 
     @model_validator(mode="after")
     def _stalls(self) -> "SweepSpec":
@@ -182,6 +187,7 @@ class SweepSpec(Spec):
             "reuse_search_run": (False, "compare seeds (sweep.seeds)", bool(seeds)),
             "eval_tasks": (None, "compare runs to evaluate (sweep.seeds)", bool(seeds)),
             "eval_limit": (None, "tasks (sweep.eval_tasks)", self.eval_tasks is not None),
+            "expected_sd": (None, "compare seeds (sweep.seeds) to detect with", bool(seeds)),
         }
         for key, (idle, needs, present) in acts_only_with.items():
             value = getattr(self, key)

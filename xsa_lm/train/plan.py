@@ -1,19 +1,15 @@
-"""`xsa-lm plan`: per-device memory of a training config for DDP and FSDP, eager and compiled, and the largest
-micro-batch that fits: memory.py's estimate, the one `xsa-lm train` checks (RunShape.estimate)."""
+"""What `xsa-lm plan` says of a training config (the command: sweep/plan.py): the per-device memory for DDP and FSDP,
+eager and compiled, and the largest micro-batch that fits (memory.py's estimate, the one `xsa-lm train` checks:
+RunShape.estimate); and the GPU-hours of its runs on one H100 at the MFU we measured."""
 
 import math
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig
 
-from xsa_lm.config.spec import VALUES_ONLY, Spec, TrainSpec, parse, rule
-from xsa_lm.errors import UserError, one_line_errors
-from xsa_lm.files import check_new_file, write_json
-from xsa_lm.model import GPTConfig
+from xsa_lm.config.spec import TrainSpec
+from xsa_lm.model import GPT, GPTConfig
 from xsa_lm.model.sdpa import resolve
 from xsa_lm.train import memory
 from xsa_lm.train.devices import compile_enabled, uses_cuda
@@ -270,37 +266,56 @@ def batch_line(plan: Plan) -> str:
     )
 
 
-def _gib(value: Any) -> str | None:
-    positive = not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
-    return None if value is None or positive else "must be a positive number of GiB"
+H100_BF16_PEAK = 989.4e12  # FLOP/s: the H100 SXM's dense bf16 (datasheet), the H200's too
+# Training MFU measured on one H200 (results/gpu_check_h200: compiled, cuDNN attention, bf16, micro-batch 8 x 2048
+# tokens): XSA's, the lower arm (SA's: gpt2_124m 38.7%, paper_0.7b 51.2%). gpt2_124m from bench_rerun.md (summary.md:
+# 39.2%), paper_0.7b from summary.md. An estimate for an H100: the same peak, less memory bandwidth.
+MEASURED_MFU = {"gpt2_124m": 0.371, "paper_0.7b": 0.482}
+MFU_SOURCE = "XSA's, measured on one H200: results/gpu_check_h200"
 
 
-class PlanOptions(Spec):
-    """configs/plan.yaml's keys beside the training config's."""
+@dataclass(frozen=True)
+class RunCompute:
+    """What one run of a training config computes: runs x tokens x flops per token / (MFU x peak) is GPU time."""
 
-    device_memory_gb: Annotated[float | int | None, rule(_gib)] = None
-    activation_checkpointing: bool
-    out: Any = None  # a path (Hydra reads out=2024 as a number)
-    overwrite: bool = False
+    model: str
+    tokens: int  # per run: trainer.max_steps x global_batch_tokens
+    flops_per_token: float  # GPT.flops_per_token at the run's context
+    mfu: float | None  # None: no measured MFU for this model, and none given
+
+    def gpu_hours(self, runs: int) -> float:
+        """At this MFU (nan without one: gpu_hours_table says so instead)."""
+        return runs * self.tokens * self.flops_per_token / ((self.mfu or math.nan) * H100_BF16_PEAK) / 3600
 
 
-@hydra.main(version_base="1.3", config_path="pkg://xsa_lm.configs", config_name="plan")
-@one_line_errors
-def main(cfg: DictConfig) -> None:  # a UserError ends in one line: one_line_errors
-    options = parse(PlanOptions, {key: cfg[key] for key in PlanOptions.model_fields})
-    if options.out == "":
-        raise UserError("out= is empty: give the file to write the plan to, e.g. out=plan.json, or leave out= out")
-    out = None if options.out is None else Path(str(options.out))
-    if out is not None:
-        check_new_file(out, overwrite=options.overwrite, example="plan.json")
-    spec = parse(TrainSpec, cfg, VALUES_ONLY)  # the batch that does not split is a row of the plan, not a refusal
-    run = replace(run_shape(spec), activation_checkpointing=options.activation_checkpointing)  # plan.yaml's
-    gib, accelerator = options.device_memory_gb, spec.trainer.accelerator
-    available, where = (
-        memory.available_bytes(accelerator) if gib is None else (int(gib * memory.GIB), f"device_memory_gb={gib:g}")
+def run_compute(spec: TrainSpec, mfu: float | None = None) -> RunCompute:
+    """One run's tokens and FLOPs per token (the model built on the meta device: no memory), at `mfu`, else the one
+    measured for the model."""
+    with torch.device("meta"):
+        model = GPT(run_shape(spec).model)
+    return RunCompute(
+        spec.model.name,
+        spec.trainer.max_steps * spec.global_batch_tokens,
+        model.flops_per_token(spec.block_size),
+        mfu if mfu is not None else MEASURED_MFU.get(spec.model.name),
     )
-    sdpa = attention_kernels(spec.sdpa_backends, accelerator=accelerator)
-    plan = make_plan(run, model_name=spec.model.name, available=available, available_from=where, sdpa=sdpa)
-    if out is not None:
-        write_json(out, asdict(plan))
-    print(table(plan))
+
+
+def gpu_hours_table(compute: RunCompute, runs: dict[str, int] | None = None, given_mfu: bool = False) -> str:
+    """The GPU-hours on one H100 of one run of this config, and of `runs` (phase -> runs) per phase and in all."""
+    if compute.mfu is None:
+        return (
+            f"GPU-hours: no measured MFU for model {compute.model} (measured: {', '.join(MEASURED_MFU)}): `xsa-lm "
+            "plan` estimates them with one given, e.g. mfu=0.4"
+        )
+    source = "given: mfu=" if given_mfu else MFU_SOURCE
+    line = (
+        f"GPU-hours on one H100, an estimate: {compute.tokens / 1e9:.3g}B tokens x {compute.flops_per_token / 1e9:.3g} "
+        f"GFLOP/token per run ({compute.gpu_hours(1):,.1f} GPU-hours) at MFU {compute.mfu:.1%} ({source}) of "
+        f"{H100_BF16_PEAK / 1e12:.1f} TFLOP/s (dense bf16)"
+    )
+    if not runs:
+        return line
+    rows = {**runs, "total": sum(runs.values())}.items()
+    lines = [f"| {phase} | {n} | {compute.gpu_hours(n):,.1f} |" for phase, n in rows]
+    return "\n".join([line, "", "| phase | runs | GPU-hours |", "|---|---:|---:|", *lines])
