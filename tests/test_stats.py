@@ -335,6 +335,7 @@ def test_the_verdicts_nominal_claim_rate_under_normal_noise(n: int, issue_rate: 
     claims = (mean + t * se < -MARGIN) | (mean - t * se > MARGIN)  # the verdict's rule, checked on 50 of them
     assert [margin_verdict(s, MARGIN).verdict in ("better", "worse") for s in studies[:50]] == list(claims[:50])
     assert claims.mean() == pytest.approx(issue_rate, abs=0.002)
+    assert decision.nominal_claim_rate(MARGIN, sd / 200, n) == pytest.approx(0.0, abs=1e-9)  # a placebo's tiny sd
 
 
 def test_the_rate_disjoint_studies_can_tell_from_5_percent_by_hand() -> None:

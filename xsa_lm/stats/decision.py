@@ -162,7 +162,8 @@ def nominal_claim_rate(margin: float, sd: float, n: int) -> float:
     if sd <= 0:
         return 0.0
     t = scipy.stats.t.ppf(1 - ALPHA, n - 1)
-    return float(2 * scipy.stats.nct.cdf(-t, n - 1, margin * math.sqrt(n) / sd))
+    # P(T_delta < -t) as P(T_-delta > t): scipy's cdf returns nan for a large delta, its sf 0
+    return float(2 * scipy.stats.nct.sf(t, n - 1, -margin * math.sqrt(n) / sd))
 
 
 def detectable_rate(studies: int) -> float:
