@@ -15,7 +15,7 @@ from xsa_lm.records import CodeVersion
 from xsa_lm.scale.run import sweep_overrides
 from xsa_lm.sweep.protocol import Trial, select_lr
 from xsa_lm.sweep.report import build_results, render_markdown
-from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, refuse_other_code
+from xsa_lm.sweep.trials import Launcher, TrialRecord, TrialStore, refuse_other_code, runs_by_code
 from xsa_lm.train.runinfo import code_version
 
 HERE = code_version()
@@ -105,3 +105,15 @@ def test_the_report_lists_the_runs_by_code_version() -> None:
     rows = [line for line in mixed.splitlines() if line.startswith("| ") and "sa_lr" in line]
     assert len(rows) == 3 and "| 0123456789ab (ffffffff) | True " in rows[1] and "not recorded" in rows[2], rows
     assert rows[0].rstrip(" |").endswith("sa_lr0.001_s0") and rows[2].rstrip(" |").endswith("sa_lr0.003_s1")
+
+
+def test_a_studys_runs_are_counted_once_each_though_budgets_repeat_their_ids(tmp_path: Path) -> None:
+    """The token axis names a run alike at every budget: counted by run folder, named by its path in the study."""
+    runs = [
+        dataclasses.replace(_trial(2, HERE), run_dir=str(tmp_path / f"sizes/m/budget_{b}/runs/sa_lr0.001_s2"))
+        for b in ("0.5", "1")
+    ]
+    reused = dataclasses.replace(runs[0], phase="compare", reused=True)  # a sweep's reused trial: the same run
+    (row,) = runs_by_code([*runs, reused], tmp_path)
+    assert row.trials == ["sizes/m/budget_0.5/runs/sa_lr0.001_s2", "sizes/m/budget_1/runs/sa_lr0.001_s2"]
+    assert runs_by_code(runs[:1])[0].trials == ["sa_lr0.001_s2"]

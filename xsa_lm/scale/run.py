@@ -756,7 +756,7 @@ def run_size_axis(
         seeds=scale.seeds,
         bench=bench,
         arms=arms,
-        code=runs_by_code(finished_records(study_dir)),
+        code=runs_by_code(finished_records(study_dir), study_dir),
         **vars(analysis),
     )
     report.write_report(results, study_dir)
@@ -778,7 +778,7 @@ def run_token_axis(
         entries.append(replace(entry, bench=bench))
     budgets = plan.sa_budgets, plan.xsa_budgets
     analysis = analyse_tokens(entries, *budgets, seed=scale.bootstrap_seed, margin=plan.margin, arms=plan.arms)
-    code = runs_by_code(finished_records(study_dir))
+    code = runs_by_code(finished_records(study_dir), study_dir)
     results = report.TokenStudyResult(**vars(identity), plan=plan, sizes=entries, code=code, **vars(analysis))
     report.write_report(results, study_dir)
     return unfinished(results)

@@ -130,12 +130,17 @@ class CodeRuns(Record):
     trials: list[str]
 
 
-def runs_by_code(records: Sequence[TrialRecord]) -> list[CodeRuns]:
-    """The finished trials by the code that trained them, the version with most runs first."""
+def runs_by_code(records: Sequence[TrialRecord], root: Path | None = None) -> list[CodeRuns]:
+    """The finished trials by the code that trained them, the version with most runs first; each run once (a reused
+    trial is one run), named by its id, or by its run folder under `root` where ids repeat (a study's budgets)."""
     groups: dict[tuple[str, str] | None, list[TrialRecord]] = {}
-    for record in {r.id: r for r in records if r.status in FINISHED}.values():  # a reused trial once
+    for record in {r.run_dir or r.id: r for r in records if r.status in FINISHED}.values():
         groups.setdefault(record.code.identity if record.code else None, []).append(record)
-    rows = [CodeRuns(code=runs[0].code, trials=sorted(r.id for r in runs)) for runs in groups.values()]
+
+    def name(record: TrialRecord) -> str:
+        return os.path.relpath(record.run_dir, root) if root and record.run_dir else record.id
+
+    rows = [CodeRuns(code=runs[0].code, trials=sorted(map(name, runs))) for runs in groups.values()]
     return sorted(rows, key=lambda row: -len(row.trials))
 
 
