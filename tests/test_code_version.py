@@ -116,4 +116,4 @@ def test_a_studys_runs_are_counted_once_each_though_budgets_repeat_their_ids(tmp
     reused = dataclasses.replace(runs[0], phase="compare", reused=True)  # a sweep's reused trial: the same run
     (row,) = runs_by_code([*runs, reused], tmp_path)
     assert row.trials == ["sizes/m/budget_0.5/runs/sa_lr0.001_s2", "sizes/m/budget_1/runs/sa_lr0.001_s2"]
-    assert runs_by_code(runs[:1])[0].trials == ["sa_lr0.001_s2"]
+    assert runs_by_code(runs[:1], tmp_path)[0].trials == ["sa_lr0.001_s2"]  # ids alone where they do not repeat

@@ -134,11 +134,13 @@ def runs_by_code(records: Sequence[TrialRecord], root: Path | None = None) -> li
     """The finished trials by the code that trained them, the version with most runs first; each run once (a reused
     trial is one run), named by its id, or by its run folder under `root` where ids repeat (a study's budgets)."""
     groups: dict[tuple[str, str] | None, list[TrialRecord]] = {}
-    for record in {r.run_dir or r.id: r for r in records if r.status in FINISHED}.values():
+    runs = {r.run_dir or r.id: r for r in records if r.status in FINISHED}.values()
+    for record in runs:
         groups.setdefault(record.code.identity if record.code else None, []).append(record)
+    ids_repeat = len({r.id for r in runs}) < len(runs)
 
     def name(record: TrialRecord) -> str:
-        return os.path.relpath(record.run_dir, root) if root and record.run_dir else record.id
+        return os.path.relpath(record.run_dir, root) if ids_repeat and root and record.run_dir else record.id
 
     rows = [CodeRuns(code=runs[0].code, trials=sorted(map(name, runs))) for runs in groups.values()]
     return sorted(rows, key=lambda row: -len(row.trials))
@@ -147,7 +149,7 @@ def runs_by_code(records: Sequence[TrialRecord], root: Path | None = None) -> li
 def refuse_other_code(folder: Path, allow_mixed_code: bool, running: CodeVersion) -> None:
     """A rerun reuses the folder's finished trials: one trained by other code than `running` (another source or
     torch, or none recorded) is refused before anything starts, unless sweep.allow_mixed_code."""
-    rows = runs_by_code(finished_records(folder))
+    rows = runs_by_code(finished_records(folder), folder)
     other = [row for row in rows if row.code is None or row.code.identity != running.identity]
     if allow_mixed_code or not other:
         return
