@@ -261,8 +261,10 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
 
     # Ctrl-C reaches the bench and its phase's process alike: the phase ignores it and the bench ends it quietly
     # (SIGTERM's default action) before its own one line; a phase that took it would die of a KeyboardInterrupt
+    earlier = {p.pid for p in multiprocessing.active_children()}  # the phases above, if not yet reaped
+
     def ctrl_c() -> None:
-        while not (started := multiprocessing.active_children()):
+        while not (started := [p for p in multiprocessing.active_children() if p.pid not in earlier]):
             time.sleep(0.05)
         time.sleep(0.5)
         phases.extend(started)
@@ -274,7 +276,7 @@ def test_a_phase_runs_under_its_kernel_and_times_both_clocks_and_a_failing_one_e
     phases: list = []
     threading.Thread(target=ctrl_c, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        run_fresh(tiny_phase(steps=10**6, threads=1), "long")
+        run_fresh(tiny_phase(steps=20_000, threads=1), "long")  # over 20 s: a lost Ctrl-C fails, never hangs
     assert [p.exitcode for p in phases] == [-signal.SIGTERM]
 
 
