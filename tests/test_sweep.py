@@ -793,7 +793,7 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert trained_by == [
         {"code": code_version().to_json(), "trials": sorted(t.name for t in (sweep_dir / "runs").iterdir())}
     ]
-    assert f"- code: {code_version()} (all 10 finished runs)" in again.stdout
+    assert f"- code: {code_version()} (all 12 finished runs)" in again.stdout  # the nulls included
 
     # Other training overrides in the same directory: refused, nothing touched.
     other = run_cli([*args, "trainer.max_steps=30"], data_cache, tmp_path, timeout=120)
