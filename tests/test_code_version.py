@@ -2,11 +2,17 @@
 its report lists the runs by code version."""
 
 import dataclasses
+import importlib.resources
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import xsa_lm
 from tests.helpers import FAST, refused_in_process
 from tests.leftovers import nothing_left_behind
 from tests.test_scale import STUDY
@@ -117,3 +123,25 @@ def test_a_studys_runs_are_counted_once_each_though_budgets_repeat_their_ids(tmp
     (row,) = runs_by_code([*runs, reused], tmp_path)
     assert row.trials == ["sizes/m/budget_0.5/runs/sa_lr0.001_s2", "sizes/m/budget_1/runs/sa_lr0.001_s2"]
     assert runs_by_code(runs[:1], tmp_path)[0].trials == ["sa_lr0.001_s2"]  # ids alone where they do not repeat
+
+
+@pytest.mark.slow
+def test_the_source_hash_covers_the_bundled_configs_alike_installed_or_from_a_checkout(tmp_path: Path) -> None:
+    """The package as a wheel installs it (its configs inside it) hashes as this checkout does; a changed bundled
+    config changes the hash (a config trains another model as surely as code does)."""
+    installed = tmp_path / "site" / "xsa_lm"
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(Path(xsa_lm.__file__).parent, installed, ignore=shutil.ignore_patterns("__pycache__", "configs"))
+    shutil.copytree(Path(str(importlib.resources.files("xsa_lm.configs"))), installed / "configs", ignore=skip)
+
+    def source_hash() -> str:
+        code = "from xsa_lm.train.runinfo import source_sha256; print(source_sha256())"
+        env = {**os.environ, "PYTHONPATH": str(installed.parent)}
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    assert source_hash() == HERE.source_sha256
+    train = installed / "configs" / "train.yaml"
+    train.write_text(train.read_text() + "\n# another config\n")
+    assert source_hash() != HERE.source_sha256

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import xsa_lm
+import xsa_lm.configs
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.records import CodeVersion
@@ -51,18 +52,19 @@ def git_state() -> tuple[str | None, bool | None]:
 
 
 def source_sha256() -> str:
-    """sha256 over the package's .py files and bundled config .yaml files, each by its path in the package, sorted:
-    the same for an installed package and a checkout of the same source."""
-    root = Path(xsa_lm.__file__).parent
-    files = [
-        Path(folder, name)
-        for folder, _, names in os.walk(root, followlinks=True)  # configs/ is a link in a checkout
-        for name in names
-        if name.endswith((".py", ".yaml"))
-    ]
+    """sha256 over the package's .py files and its bundled configs (xsa_lm.configs: in the package when installed,
+    configs/ mapped in by an editable install), each by its path in the package, sorted: the same for an installed
+    package, an editable install and a checkout of the same source."""
+    files: dict[str, Path] = {}
+    for name, root in (("", Path(xsa_lm.__file__).parent), ("configs/", Path(xsa_lm.configs.__file__).parent)):
+        for folder, _, names in os.walk(root):  # a configs/ link in a checkout is not followed: it is walked as configs
+            for file in names:
+                if file.endswith((".py", ".yaml")):
+                    path = Path(folder, file)
+                    files[name + path.relative_to(root).as_posix()] = path
     digest = hashlib.sha256()
-    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for key in sorted(files):
+        digest.update(key.encode() + b"\0" + files[key].read_bytes() + b"\0")
     return digest.hexdigest()
 
 
