@@ -3,6 +3,7 @@ its report lists the runs by code version."""
 
 import dataclasses
 import importlib.resources
+import json
 import os
 import re
 import shutil
@@ -59,7 +60,7 @@ def test_a_study_refuses_to_reuse_a_run_of_other_code_in_one_line(tmp_path, monk
     with nothing_left_behind(tmp_path):
         lines = refused_in_process([*args, f"hydra.run.dir={study}"], monkeypatch, capsys).strip().splitlines()
     assert len(lines) == 1, lines
-    assert "holds 5 finished run(s) that this rerun would reuse, trained by other code: " in lines[0], lines[0]
+    assert "holds 5 run(s) that this rerun would reuse or resume, trained by other code: " in lines[0], lines[0]
     assert "sa_lr0.001_s0, sa_lr0.001_s1, sa_lr0.001_s2 and 2 more by " in lines[0] and "_s9" not in lines[0]
     assert f"by {OTHER_SOURCE}; this is {HERE}: " in lines[0] and "commit 0123456789ab+dirty" in lines[0]
     fix = "use another hydra.run.dir, or mix them with sweep.allow_mixed_code=true (the report lists the runs by code"
@@ -87,11 +88,37 @@ def test_runs_of_this_code_are_reused_silently_and_allow_mixed_code_reuses_any(t
     with pytest.raises(
         UserError,
         match=re.escape(
-            f"1 finished run(s) that this rerun would reuse, trained by other "
+            f"1 run(s) that this rerun would reuse or resume, trained by other "
             f"code: sa_lr0.001_s1 by {named}; this is {HERE}"
         ),
     ):
         refuse_other_code(folder, False, HERE)
+
+
+@pytest.mark.parametrize(("code", "other"), CODES.values(), ids=CODES)
+def test_an_unfinished_run_a_rerun_would_resume_is_held_to_the_code_that_started_it(tmp_path, code, other) -> None:
+    """Its run_info.json's code; only where it left a checkpoint (without one the trial starts afresh)."""
+    run = tmp_path / "sweep" / "runs" / "sa_lr0.001_s1"
+    unfinished = dataclasses.replace(_trial(1, None), status="failed", run_dir=str(run))
+    folder = _folder(tmp_path / "sweep", _trial(0, HERE), unfinished)
+    run.mkdir(parents=True)
+    (run / "run_info.json").write_text(json.dumps({"started_at": "then", "code": code.to_json() if code else None}))
+    refuse_other_code(folder, False, HERE)  # no checkpoint: nothing resumed
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    if not other:
+        refuse_other_code(folder, False, HERE)
+        return
+    named = str(code) if code else "no recorded code version"
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            f"1 run(s) that this rerun would reuse or resume, trained by other "
+            f"code: sa_lr0.001_s1 by {named}; this is {HERE}"
+        ),
+    ):
+        refuse_other_code(folder, False, HERE)
+    refuse_other_code(folder, True, HERE)
 
 
 def test_the_report_lists_the_runs_by_code_version() -> None:

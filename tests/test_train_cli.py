@@ -52,6 +52,7 @@ def test_a_multirun_trains_both_attention_types_and_their_loss_falls(data_cache:
         assert summary["code"] == code_version().to_json()  # what a study compares before reusing the run
         assert summary["cpu_threads"] >= 1  # on CPU another thread count sums in another order
         assert info["git"] == {"commit": summary["code"]["commit"], "dirty": summary["code"]["dirty"]}
+        assert info["code"] == summary["code"]  # what a study compares before resuming the run
         assert info["command"][1] == "train" and info["command"][-1] == f"hydra.sweep.dir={sweep}"  # as typed
         config = (run_dir / "config.yaml").read_text()
         assert f"name: {attention}" in config and "lr: 0.003" in config

@@ -81,6 +81,13 @@ class CodeVersion(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RunInfo(Record):
+    """The part of run_info.json (xsa_lm.train.runinfo.run_info) a study reads: the code that started the run."""
+
+    code: CodeVersion | None = None  # None: a run from before xsa-lm recorded it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary(Record):
     """summary.json: how a run ended and what it was (the sweep's trials and the scaling study read it)."""
 

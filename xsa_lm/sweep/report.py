@@ -26,7 +26,7 @@ from xsa_lm.stats.paired import (
     paired_stats,
     position_differences,
 )
-from xsa_lm.sweep.protocol import NULL, PLACEBO, Comparison, Selection, SequentialSummary, mean_std
+from xsa_lm.sweep.protocol import FINISHED, NULL, PLACEBO, Comparison, Selection, SequentialSummary, mean_std
 from xsa_lm.sweep.settings import StallRule
 from xsa_lm.sweep.stalls import StallStudy, stall_study
 from xsa_lm.sweep.trials import CodeRuns, TrialRecord, runs_by_code
@@ -361,7 +361,7 @@ def build_results(
         stalls=first.stalls,
         trials=trials,
         more_candidates=more,
-        code=runs_by_code(trials),
+        code=runs_by_code([t for t in trials if t.status in FINISHED]),
     )
 
 

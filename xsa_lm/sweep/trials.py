@@ -25,7 +25,7 @@ from submitit.local.local import LocalJob
 from xsa_lm.config.command_line import override, pasteable
 from xsa_lm.errors import UserError
 from xsa_lm.files import write_json
-from xsa_lm.records import CodeVersion, Record, RunSummary
+from xsa_lm.records import CodeVersion, Record, RunInfo, RunSummary
 from xsa_lm.sweep import jobs
 from xsa_lm.sweep.protocol import FINISHED, NULL, PLACEBO, Trial, null_init_seed
 from xsa_lm.sweep.settings import LauncherSpec, SweepSpec
@@ -122,6 +122,20 @@ def finished_records(folder: Path) -> list[TrialRecord]:
     return [record for record in records if record.status in FINISHED]
 
 
+def resumed_records(folder: Path) -> list[TrialRecord]:
+    """The unfinished trials of a sweep's or a study's folder that a rerun resumes from their last checkpoint, each
+    with the code that started its run (run_info.json's `code`; None: a run from before it was recorded)."""
+    resumed = []
+    for path in sorted(folder.glob("**/trials/*.json")):
+        record = TrialRecord.read(path, then=RETRY_DAMAGED)
+        run = Path(record.run_dir) if record.run_dir else None
+        if record.status in FINISHED or run is None or not (run / "checkpoints" / "last.ckpt").exists():
+            continue
+        info = RunInfo.read(run / "run_info.json") if (run / "run_info.json").is_file() else RunInfo()
+        resumed.append(replace(record, code=info.code))
+    return resumed
+
+
 @dataclass(frozen=True, kw_only=True)
 class CodeRuns(Record):
     """The trials one code version trained (None: trained before xsa-lm recorded it): a report's row."""
@@ -131,10 +145,10 @@ class CodeRuns(Record):
 
 
 def runs_by_code(records: Sequence[TrialRecord], root: Path | None = None) -> list[CodeRuns]:
-    """The finished trials by the code that trained them, the version with most runs first; each run once (a reused
-    trial is one run), named by its id, or by its run folder under `root` where ids repeat (a study's budgets)."""
+    """The trials by the code that trained them, the version with most runs first; each run once (a reused trial is
+    one run), named by its id, or by its run folder under `root` where ids repeat (a study's budgets)."""
     groups: dict[tuple[str, str] | None, list[TrialRecord]] = {}
-    runs = {r.run_dir or r.id: r for r in records if r.status in FINISHED}.values()
+    runs = {r.run_dir or r.id: r for r in records}.values()
     for record in runs:
         groups.setdefault(record.code.identity if record.code else None, []).append(record)
     ids_repeat = len({r.id for r in runs}) < len(runs)
@@ -147,9 +161,10 @@ def runs_by_code(records: Sequence[TrialRecord], root: Path | None = None) -> li
 
 
 def refuse_other_code(folder: Path, allow_mixed_code: bool, running: CodeVersion) -> None:
-    """A rerun reuses the folder's finished trials: one trained by other code than `running` (another source or
-    torch, or none recorded) is refused before anything starts, unless sweep.allow_mixed_code."""
-    rows = runs_by_code(finished_records(folder), folder)
+    """A rerun reuses the folder's finished trials and resumes its unfinished ones: one trained by other code than
+    `running` (another source or torch, or none recorded) is refused before anything starts, unless
+    sweep.allow_mixed_code."""
+    rows = runs_by_code(finished_records(folder) + resumed_records(folder), folder)
     other = [row for row in rows if row.code is None or row.code.identity != running.identity]
     if allow_mixed_code or not other:
         return
@@ -158,7 +173,7 @@ def refuse_other_code(folder: Path, allow_mixed_code: bool, running: CodeVersion
     versions = "; ".join(str(row.code) if row.code else "no recorded code version" for row in other[:2])
     versions += "; ..." if len(other) > 2 else ""
     raise UserError(
-        f"{folder} holds {len(ids)} finished run(s) that this rerun would reuse, trained by other code: {named} by "
+        f"{folder} holds {len(ids)} run(s) that this rerun would reuse or resume, trained by other code: {named} by "
         f"{versions}; this is {running}: use another hydra.run.dir, or mix them with "
         "sweep.allow_mixed_code=true (the report lists the runs by code version)"
     )

@@ -112,6 +112,7 @@ def run_info(*, attention: SdpaKernels | None = None) -> dict[str, Any]:
         "host": platform.node(),
         "versions": versions(),
         "git": dict(zip(("commit", "dirty"), git_state(), strict=True)),
+        "code": code_version().to_json(),  # what a study compares before resuming the run
         "hardware": {
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
