@@ -780,6 +780,10 @@ def test_sweep_end_to_end(tmp_path: Path, data_cache: Path) -> None:
     assert (run_record(report_run).run_group, run_record(report_run).job_type) == ("sweep", "report")
     assert summary(report_run)["selected_lr"] == 3e-3
     assert summary(report_run)["min_detectable_diff"] == pytest.approx(compare["min_detectable_diff"])
+    placebo = json.loads((sweep_dir / "results.json").read_text())["placebo"]
+    assert summary(report_run)["placebo/corr"] == pytest.approx(placebo["corr"])  # beside XSA's, as in the report
+    assert summary(report_run)["diff_corr"] == pytest.approx(compare["corr"])
+    assert summary(report_run)["code"] == str(code_version())
     logged = {key for row in history(report_run) for key in row}
     for name in ("report/trials", "report/lr_sweep", "report/curves"):  # media rows: report/lr_sweep/height, ...
         assert any(key.startswith(name) for key in logged), (name, sorted(logged))

@@ -529,6 +529,17 @@ def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSett
         for c in results.more_candidates
         for key, value in [(k, getattr(c.comparison, k)) for k in keys] + [("significance", c.comparison.significance)]
     }
+    nulls = {  # each null arm beside the comparison, as the report has it
+        f"{arm}/{key}": value
+        for arm, null in (("null", results.null), ("placebo", results.placebo))
+        if null is not None
+        for key, value in [
+            ("diff_mean", null.mean_diff),
+            ("sign_p", null.sign_p),
+            ("corr", null.corr),
+            ("margin_verdict", null.margin.verdict if null.margin else None),
+        ]
+    }
     log_report_run(
         sweep_dir,
         wandb_cfg,
@@ -553,7 +564,10 @@ def log_to_wandb(results: SweepResult, sweep_dir: Path, wandb_cfg: ReportRunSett
             "margin_verdict": compare.margin.verdict if compare.margin else None,
             "bpb_diff_mean": results.bpb.mean_diff if results.bpb else None,
             "position_slope_mean": results.positions.slope_mean if results.positions else None,
+            "diff_corr": compare.corr,
+            "code": "; ".join(str(row.code) if row.code else "not recorded" for row in results.code) or None,
         }
+        | nulls
         | others,
     )
 
