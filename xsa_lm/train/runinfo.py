@@ -2,6 +2,7 @@
 
 import hashlib
 import importlib.metadata
+import importlib.resources
 import os
 import platform
 import subprocess
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 
 import xsa_lm
-import xsa_lm.configs
 from xsa_lm.model import GPTConfig
 from xsa_lm.model.sdpa import backend_used, resolve, sdpa_backends
 from xsa_lm.records import CodeVersion
@@ -56,7 +56,8 @@ def source_sha256() -> str:
     configs/ mapped in by an editable install), each by its path in the package, sorted: the same for an installed
     package, an editable install and a checkout of the same source."""
     files: dict[str, Path] = {}
-    for name, root in (("", Path(xsa_lm.__file__).parent), ("configs/", Path(xsa_lm.configs.__file__).parent)):
+    configs = Path(str(importlib.resources.files("xsa_lm.configs")))
+    for name, root in (("", Path(xsa_lm.__file__).parent), ("configs/", configs)):
         for folder, _, names in os.walk(root):  # a configs/ link in a checkout is not followed: it is walked as configs
             for file in names:
                 if file.endswith((".py", ".yaml")):
