@@ -75,11 +75,24 @@ CODES = {  # the code of a reused run -> whether this code is another
 }
 
 
+@pytest.mark.parametrize("how", ["finished", "resumed"])
 @pytest.mark.parametrize(("code", "other"), CODES.values(), ids=CODES)
-def test_runs_of_this_code_are_reused_silently_and_allow_mixed_code_reuses_any(tmp_path, code, other) -> None:
-    """sweep.allow_mixed_code is no override a rerun must keep (a sweep's trials and a study get no sweep.* key)."""
+def test_runs_of_this_code_are_reused_or_resumed_silently_and_allow_mixed_code_takes_any(tmp_path, code, other, how):
+    """A finished run by its summary's code; an unfinished one that a rerun resumes by the code that started it
+    (run_info.json's), where it left a checkpoint (without one it starts afresh). sweep.allow_mixed_code is no override
+    a rerun must keep (a sweep's trials and a study get no sweep.* key)."""
     assert sweep_overrides(["sweep.seeds=[1,2]", "sweep.allow_mixed_code=true"]) == ["sweep.seeds=[1,2]"]
-    folder = _folder(tmp_path / "sweep", _trial(0, HERE), _trial(1, code))
+    if how == "finished":
+        folder = _folder(tmp_path / "sweep", _trial(0, HERE), _trial(1, code))
+    else:
+        run = tmp_path / "sweep" / "runs" / "sa_lr0.001_s1"
+        unfinished = dataclasses.replace(_trial(1, None), status="failed", run_dir=str(run))
+        folder = _folder(tmp_path / "sweep", _trial(0, HERE), unfinished)
+        run.mkdir(parents=True)
+        (run / "run_info.json").write_text(json.dumps({"started_at": "then", "code": code and code.to_json()}))
+        refuse_other_code(folder, False, HERE)  # no checkpoint: nothing resumed
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"")
     refuse_other_code(folder, True, HERE)
     if not other:
         refuse_other_code(folder, False, HERE)
@@ -93,32 +106,6 @@ def test_runs_of_this_code_are_reused_silently_and_allow_mixed_code_reuses_any(t
         ),
     ):
         refuse_other_code(folder, False, HERE)
-
-
-@pytest.mark.parametrize(("code", "other"), CODES.values(), ids=CODES)
-def test_an_unfinished_run_a_rerun_would_resume_is_held_to_the_code_that_started_it(tmp_path, code, other) -> None:
-    """Its run_info.json's code; only where it left a checkpoint (without one the trial starts afresh)."""
-    run = tmp_path / "sweep" / "runs" / "sa_lr0.001_s1"
-    unfinished = dataclasses.replace(_trial(1, None), status="failed", run_dir=str(run))
-    folder = _folder(tmp_path / "sweep", _trial(0, HERE), unfinished)
-    run.mkdir(parents=True)
-    (run / "run_info.json").write_text(json.dumps({"started_at": "then", "code": code.to_json() if code else None}))
-    refuse_other_code(folder, False, HERE)  # no checkpoint: nothing resumed
-    (run / "checkpoints").mkdir()
-    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
-    if not other:
-        refuse_other_code(folder, False, HERE)
-        return
-    named = str(code) if code else "no recorded code version"
-    with pytest.raises(
-        UserError,
-        match=re.escape(
-            f"1 run(s) that this rerun would reuse or resume, trained by other "
-            f"code: sa_lr0.001_s1 by {named}; this is {HERE}"
-        ),
-    ):
-        refuse_other_code(folder, False, HERE)
-    refuse_other_code(folder, True, HERE)
 
 
 def test_the_report_lists_the_runs_by_code_version() -> None:
