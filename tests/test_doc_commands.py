@@ -225,7 +225,7 @@ NOT_RUN = {  # command -> why it does not run here, and where what it does is te
     "xsa-lm sweep ... hydra.run.dir=sweeps/gpt2": "`...`: the overrides of a GPU recipe; resuming: test_sweep.py",
     "xsa-lm sweep experiment=stalls_toy": "50 runs, ~1 h; the stall table of a search-only sweep: test_sweep.py (long)",
     "xsa-lm sweep experiment=null_toy": "49 runs, ~45 min; both nulls end to end: test_sweep.py (long)",
-    "xsa-lm sweep experiment=null_calibration": "97 runs, ~85 min; both nulls end to end: test_sweep.py (long)",
+    "xsa-lm sweep experiment=null_calibration": "97 runs, 97 min; both nulls end to end: test_sweep.py (long)",
     "xsa-lm sweep model=gpt2_124m trainer=gpu trainer.max_steps=5000 sweep.lrs=[1e-4,2e-4,4e-4,6e-4] "
     "sweep.seeds=[1,2,3] hydra.run.dir=sweeps/gpt2": GPU,
     "xsa-lm sweep experiment=paper_0.7b data=prepared data.dir=$DATA/fw100b": GPU + "s and FineWeb shards",
