@@ -116,18 +116,21 @@ class TrialStore:
         return record is not None and record.status in FINISHED
 
 
+def trial_records(folder: Path) -> list[TrialRecord]:
+    """The trial records of a sweep's or a study's folder (trials/*.json at any depth)."""
+    return [TrialRecord.read(path, then=RETRY_DAMAGED) for path in sorted(folder.glob("**/trials/*.json"))]
+
+
 def finished_records(folder: Path) -> list[TrialRecord]:
-    """The final trial records of a sweep's or a study's folder (trials/*.json at any depth): the runs it reuses."""
-    records = (TrialRecord.read(path, then=RETRY_DAMAGED) for path in sorted(folder.glob("**/trials/*.json")))
-    return [record for record in records if record.status in FINISHED]
+    """The final trial records of a sweep's or a study's folder: the runs a rerun reuses."""
+    return [record for record in trial_records(folder) if record.status in FINISHED]
 
 
-def resumed_records(folder: Path) -> list[TrialRecord]:
-    """The unfinished trials of a sweep's or a study's folder that a rerun resumes from their last checkpoint, each
-    with the code that started its run (run_info.json's `code`; None: a run from before it was recorded)."""
+def resumed_records(records: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """The unfinished trials that a rerun resumes from their last checkpoint, each with the code that started its run
+    (run_info.json's `code`; None: a run from before it was recorded)."""
     resumed = []
-    for path in sorted(folder.glob("**/trials/*.json")):
-        record = TrialRecord.read(path, then=RETRY_DAMAGED)
+    for record in records:
         run = Path(record.run_dir) if record.run_dir else None
         if record.status in FINISHED or run is None or not (run / "checkpoints" / "last.ckpt").exists():
             continue
@@ -164,7 +167,9 @@ def refuse_other_code(folder: Path, allow_mixed_code: bool, running: CodeVersion
     """A rerun reuses the folder's finished trials and resumes its unfinished ones: one trained by other code than
     `running` (another source or torch, or none recorded) is refused before anything starts, unless
     sweep.allow_mixed_code."""
-    rows = runs_by_code(finished_records(folder) + resumed_records(folder), folder)
+    records = trial_records(folder)
+    finished = [record for record in records if record.status in FINISHED]
+    rows = runs_by_code(finished + resumed_records(records), folder)
     other = [row for row in rows if row.code is None or row.code.identity != running.identity]
     if allow_mixed_code or not other:
         return
